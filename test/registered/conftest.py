@@ -1,0 +1,16 @@
+"""Test-wide setup. Kernel tests run under the Triton CPU interpreter when no GPU is present;
+on a GPU box the same tests run compiled."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    # Must be set before any @triton.jit function is defined (i.e. before kernel modules import).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+# pytest-xdist runs one worker per core: one intra-op thread each avoids oversubscription.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
