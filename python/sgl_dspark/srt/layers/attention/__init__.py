@@ -1,1 +1,19 @@
+"""Attention backends behind one registry; the server arg `--attention-backend` picks one."""
 
+from __future__ import annotations
+
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
+from sgl_dspark.srt.layers.attention.torch_backend import TorchAttentionBackend
+
+ATTENTION_BACKENDS: dict[str, type[BaseAttentionBackend]] = {"torch": TorchAttentionBackend}
+
+
+def create_attention_backend(name: str) -> BaseAttentionBackend:
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(
+            f"unknown attention backend {name!r}; supported: {sorted(ATTENTION_BACKENDS)}"
+        )
+    return ATTENTION_BACKENDS[name]()
+
+
+__all__ = ["ATTENTION_BACKENDS", "BaseAttentionBackend", "create_attention_backend"]

@@ -1,0 +1,417 @@
+"""K15: speculative acceptance finalised on device (greedy, sampled, or mixed per row).
+
+A verify batch has B requests; row r verifies ``L_r = verify_lens[r]`` tokens (0 = padding row,
+1..W otherwise) of ``verify_ids[r] = [anchor, d_1, ..., d_{W-1}]``. Target row j scores draft
+j+1; the target row at the accept length n_r supplies the bonus token.
+
+Greedy rule: n_r = length of the longest prefix with ``d_{j+1} == target_ids[r, j]`` (j < L_r-1),
+bonus = ``target_ids[r, n_r]``.
+
+Sampled rule (standard speculative rejection sampling): draft j is accepted iff
+``accept_uniforms[r, j-1] * Q[r, j-1, d_j] < P[r, j-1, d_j]`` (fp32 product, then compare), stopping
+at the first rejection. Rejected at draft n+1 -> the bonus is drawn from normalize(max(P_n - Q_n, 0)),
+or from P_n when that residual holds no mass; all L_r-1 drafts accepted -> drawn from P_{L_r-1}.
+Draft ids outside [0, V) count as P = Q = 0 (always rejected).
+
+Drawing a token from a distribution (``sample_inverse_cdf_ref``): bit-exact on every backend
+because no float is ever summed.
+  1. Fixed point: ``w[k] = int64(trunc(x[k] * 2**40))`` with x = max(P, 0) or max(max(P, 0) - Q, 0)
+     (one fp32 subtract, one exact power-of-two scale, truncation: elementwise, no contraction).
+  2. ``S = sum(w)`` and the running CDF ``C[k] = w[0] + ... + w[k]`` in int64: integer addition is
+     associative, so any reduction/scan tree (torch.cumsum, tl.cumsum, block carries) gives the
+     same integers. Overflow-free while sum(P) < 2**23.
+  3. ``u24 = min(trunc(u * 2**24), 2**24 - 1)`` (exact: a float32 uniform has 24 bits) and the
+     threshold ``t = floor(S * u24 / 2**24)``, computed as
+     ``(S >> 24) * u24 + (((S & (2**24 - 1)) * u24) >> 24)`` (exact, no overflow); t < S.
+  4. token = smallest k with ``C[k] > t`` = number of k with ``C[k] <= t``; intervals are half-open,
+     so a uniform exactly on a boundary picks the upper token. ``S == 0`` -> token 0 (invalid input).
+  The residual is used iff its fixed-point mass exceeds 2**16 (probability 2**-24, below fp32
+  resolution of a normalised row); otherwise P is used. Quantisation drops token mass below 2**-40
+  (at most V * 2**-40 ~ 1.2e-7 in total variation at V = 129280).
+Where fp summation order *would* flip tokens: a float CDF (torch.cumsum vs a blocked tl.cumsum) can
+differ in the last ulp, which moves a boundary past a uniform that sits within ~1e-7 of it; the
+fixed-point rule above removes that, so tests compare tokens with ``torch.equal`` on random inputs.
+
+Outputs (``AcceptOutput``): accept_lens int32 [B] (n), commit_lens int32 [B] (n+1), out_tokens
+int64 [B, W] (drafts d_1..d_n in columns 0..n-1, bonus at column n, ``fill_token`` after),
+next_anchors int64 [B] (the bonus), new_seq_lens [B] (seq_lens + commit, seq_lens' dtype).
+Padding rows (L_r = 0) commit nothing: n = c = 0, out_tokens all fill, next anchor = current
+anchor, new_seq_len = seq_len. ``verify_lens`` is clamped to [0, W].
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+FIXED_POINT_BITS = 40
+UNIFORM_BITS = 24
+# Residual mass at or below this (fixed point; = probability 2**-24) falls back to P.
+MIN_RESIDUAL_MASS = 1 << (FIXED_POINT_BITS - UNIFORM_BITS)
+
+
+class AcceptOutput(NamedTuple):
+    accept_lens: torch.Tensor  # int32 [B]
+    commit_lens: torch.Tensor  # int32 [B]
+    out_tokens: torch.Tensor  # int64 [B, W]
+    next_anchors: torch.Tensor  # int64 [B]
+    new_seq_lens: torch.Tensor  # seq_lens.dtype [B]
+
+
+def _to_fixed_point(x: torch.Tensor) -> torch.Tensor:
+    return (x * float(1 << FIXED_POINT_BITS)).to(torch.int64)
+
+
+def sample_inverse_cdf_ref(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Token per row from int64 fixed-point weights [N, V] and fp32 uniforms [N] (rule above)."""
+    total = weights.sum(-1)
+    u24 = (uniforms.float() * float(1 << UNIFORM_BITS)).to(torch.int64)
+    u24 = u24.clamp(0, (1 << UNIFORM_BITS) - 1)
+    low_mask = (1 << UNIFORM_BITS) - 1
+    threshold = (total >> UNIFORM_BITS) * u24 + (((total & low_mask) * u24) >> UNIFORM_BITS)
+    cdf = weights.cumsum(-1)
+    token = (cdf <= threshold[:, None]).sum(-1)
+    return torch.where(total > 0, token, torch.zeros_like(token))
+
+
+def sample_residual_ref(
+    p_rows: torch.Tensor, q_rows: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
+    """Token ~ normalize(max(P - Q, 0)), or ~ P when the residual has no mass. fp32 [N, V] -> [N]."""
+    p = p_rows.float().clamp_min(0.0)
+    residual = _to_fixed_point((p - q_rows.float()).clamp_min(0.0))
+    use_residual = residual.sum(-1) > MIN_RESIDUAL_MASS
+    weights = torch.where(use_residual[:, None], residual, _to_fixed_point(p))
+    return sample_inverse_cdf_ref(weights, uniforms)
+
+
+def _leading_true(ok: torch.Tensor) -> torch.Tensor:
+    return ok.long().cumprod(-1).sum(-1)
+
+
+def spec_accept_ref(
+    verify_ids: torch.Tensor,
+    verify_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    target_ids: torch.Tensor | None = None,
+    target_probs: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    accept_uniforms: torch.Tensor | None = None,
+    sample_uniforms: torch.Tensor | None = None,
+    greedy_mask: torch.Tensor | None = None,
+    fill_token: int = -1,
+) -> AcceptOutput:
+    """Reference for ``spec_accept`` (same arguments and outputs; plain vectorised torch)."""
+    num_rows, width = verify_ids.shape
+    device = verify_ids.device
+    lens = verify_lens.long().clamp(0, width)
+    drafts = verify_ids[:, 1:].long()
+    in_window = torch.arange(1, width, device=device)[None, :] < lens[:, None]
+    rows = torch.arange(num_rows, device=device)
+    zeros = torch.zeros(num_rows, dtype=torch.long, device=device)
+    accept_g = bonus_g = accept_s = bonus_s = zeros
+    if target_ids is not None:
+        accept_g = _leading_true(in_window & (drafts == target_ids[:, :-1].long()))
+        bonus_g = target_ids.long()[rows, accept_g]
+    if target_probs is not None:
+        vocab = target_probs.shape[-1]
+        valid_id = in_window & (drafts >= 0) & (drafts < vocab)
+        safe_ids = drafts.clamp(0, vocab - 1)[..., None]
+        p_draft = target_probs[:, : width - 1].float().gather(2, safe_ids)[..., 0]
+        q_draft = draft_probs.float().gather(2, safe_ids)[..., 0]
+        p_draft = torch.where(valid_id, p_draft, torch.zeros_like(p_draft))
+        q_draft = torch.where(valid_id, q_draft, torch.zeros_like(q_draft))
+        accept_s = _leading_true(in_window & (accept_uniforms.float() * q_draft < p_draft))
+        rejected = accept_s < lens - 1
+        q_rows = torch.zeros_like(target_probs[:, 0], dtype=torch.float32)
+        if width > 1:
+            q_pick = draft_probs[rows, accept_s.clamp(max=width - 2)].float()
+            q_rows = torch.where(rejected[:, None], q_pick, q_rows)
+        bonus_s = sample_residual_ref(target_probs[rows, accept_s], q_rows, sample_uniforms)
+    if target_ids is not None and target_probs is not None:
+        accept = torch.where(greedy_mask, accept_g, accept_s)
+        bonus = torch.where(greedy_mask, bonus_g, bonus_s)
+    elif target_ids is not None:
+        accept, bonus = accept_g, bonus_g
+    else:
+        accept, bonus = accept_s, bonus_s
+    valid = lens > 0
+    accept = torch.where(valid, accept, zeros)
+    commit = torch.where(valid, accept + 1, zeros)
+    cols = torch.arange(width, device=device)[None, :]
+    fill = torch.full_like(verify_ids, fill_token, dtype=torch.long)
+    shifted = torch.cat([drafts, fill[:, :1]], dim=1)
+    out_tokens = torch.where(cols < accept[:, None], shifted, fill)
+    out_tokens = torch.where(cols == accept[:, None], bonus[:, None], out_tokens)
+    out_tokens = torch.where(valid[:, None], out_tokens, fill)
+    next_anchors = torch.where(valid, bonus, verify_ids[:, 0].long())
+    return AcceptOutput(
+        accept.to(torch.int32),
+        commit.to(torch.int32),
+        out_tokens,
+        next_anchors,
+        (seq_lens.long() + commit).to(seq_lens.dtype),
+    )
+
+
+@triton.jit
+def _sample_residual_row(
+    p_row_ptr,
+    q_row_ptr,
+    use_q,
+    vocab,
+    uniform,
+    BLOCK_V: tl.constexpr,
+    FIXED_ONE: tl.constexpr,
+    MIN_RESIDUAL: tl.constexpr,
+    U_BITS: tl.constexpr,
+):
+    offs = tl.arange(0, BLOCK_V)
+    p_total = tl.zeros((), tl.int64)
+    res_total = tl.zeros((), tl.int64)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs
+        in_vocab = idx < vocab
+        p = tl.maximum(tl.load(p_row_ptr + idx, mask=in_vocab, other=0.0), 0.0)
+        q = tl.load(q_row_ptr + idx, mask=in_vocab & use_q, other=0.0)
+        p_total += tl.sum((p * FIXED_ONE).to(tl.int64), axis=0)
+        res_total += tl.sum((tl.maximum(p - q, 0.0) * FIXED_ONE).to(tl.int64), axis=0)
+    use_residual = res_total > MIN_RESIDUAL
+    total = tl.where(use_residual, res_total, p_total)
+    u24 = (uniform * (1 << U_BITS)).to(tl.int64)
+    u24 = tl.minimum(tl.maximum(u24, 0), (1 << U_BITS) - 1)
+    threshold = (total >> U_BITS) * u24 + (((total & ((1 << U_BITS) - 1)) * u24) >> U_BITS)
+    # Integer CDF: any scan tree gives the same sums, so the count matches the reference.
+    count = tl.zeros((), tl.int64)
+    carry = tl.zeros((), tl.int64)
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs
+        in_vocab = idx < vocab
+        p = tl.maximum(tl.load(p_row_ptr + idx, mask=in_vocab, other=0.0), 0.0)
+        q = tl.load(q_row_ptr + idx, mask=in_vocab & use_q & use_residual, other=0.0)
+        weight = (tl.maximum(p - q, 0.0) * FIXED_ONE).to(tl.int64)
+        cdf = tl.cumsum(weight, axis=0) + carry
+        count += tl.sum(((cdf <= threshold) & in_vocab).to(tl.int64), axis=0)
+        carry += tl.sum(weight, axis=0)
+    return tl.where(total > 0, count, 0)
+
+
+@triton.jit
+def _spec_accept_kernel(
+    verify_ids_ptr,
+    verify_lens_ptr,
+    seq_lens_ptr,
+    target_ids_ptr,
+    greedy_mask_ptr,
+    p_ptr,
+    q_ptr,
+    accept_u_ptr,
+    sample_u_ptr,
+    accept_lens_ptr,
+    commit_lens_ptr,
+    out_tokens_ptr,
+    next_anchors_ptr,
+    new_seq_lens_ptr,
+    vocab,
+    p_stride_b,
+    p_stride_w,
+    q_stride_b,
+    q_stride_w,
+    fill_token,
+    W: tl.constexpr,
+    W_POW2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    HAS_GREEDY: tl.constexpr,
+    HAS_SAMPLED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    FIXED_ONE: tl.constexpr,
+    MIN_RESIDUAL: tl.constexpr,
+    U_BITS: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, W_POW2)
+    verify_len = tl.load(verify_lens_ptr + row).to(tl.int32)
+    verify_len = tl.minimum(tl.maximum(verify_len, 0), W)
+    is_valid = verify_len > 0
+    last = tl.maximum(verify_len - 1, 0)
+    ids_ptr = verify_ids_ptr + row * W
+    anchor = tl.load(ids_ptr)
+    # drafts[c] = verify_ids[row, c + 1]: the token emitted at column c when accepted.
+    drafts = tl.load(ids_ptr + cols + 1, mask=cols + 1 < W, other=0)
+    in_window = cols < last
+    if HAS_MASK:
+        is_greedy = tl.load(greedy_mask_ptr + row) != 0
+    else:
+        is_greedy = HAS_GREEDY
+    accept = tl.zeros((), tl.int32)
+    bonus = tl.zeros((), tl.int64)
+    if HAS_GREEDY:
+        target = tl.load(target_ids_ptr + row * W + cols, mask=cols < W, other=0).to(tl.int64)
+        mismatch = in_window & (drafts != target)
+        accept_g = tl.min(tl.where(mismatch, cols, last), axis=0)
+        bonus_g = tl.load(target_ids_ptr + row * W + accept_g).to(tl.int64)
+        accept = tl.where(is_greedy, accept_g, accept)
+        bonus = tl.where(is_greedy, bonus_g, bonus)
+    if HAS_SAMPLED:
+        if is_valid & (not is_greedy):
+            valid_id = in_window & (drafts >= 0) & (drafts < vocab)
+            p_rows = p_ptr + row * p_stride_b + cols * p_stride_w
+            q_rows = q_ptr + row * q_stride_b + cols * q_stride_w
+            p_draft = tl.load(p_rows + drafts, mask=valid_id, other=0.0)
+            q_draft = tl.load(q_rows + drafts, mask=valid_id, other=0.0)
+            u_draft = tl.load(accept_u_ptr + row * (W - 1) + cols, mask=in_window, other=0.0)
+            rejected = in_window & ((u_draft * q_draft < p_draft) == 0)
+            accept_s = tl.min(tl.where(rejected, cols, last), axis=0)
+            bonus_s = _sample_residual_row(
+                p_ptr + row * p_stride_b + accept_s * p_stride_w,
+                q_ptr + row * q_stride_b + accept_s * q_stride_w,
+                accept_s < last,
+                vocab,
+                tl.load(sample_u_ptr + row),
+                BLOCK_V,
+                FIXED_ONE,
+                MIN_RESIDUAL,
+                U_BITS,
+            )
+            accept = accept_s
+            bonus = bonus_s
+    accept = tl.where(is_valid, accept, 0)
+    commit = tl.where(is_valid, accept + 1, 0)
+    out = tl.where(cols < accept, drafts, fill_token)
+    out = tl.where(cols == accept, bonus, out)
+    out = tl.where(is_valid, out, fill_token)
+    tl.store(out_tokens_ptr + row * W + cols, out, mask=cols < W)
+    tl.store(accept_lens_ptr + row, accept)
+    tl.store(commit_lens_ptr + row, commit)
+    tl.store(next_anchors_ptr + row, tl.where(is_valid, bonus, anchor))
+    seq_len = tl.load(seq_lens_ptr + row)
+    tl.store(new_seq_lens_ptr + row, (seq_len + commit).to(seq_len.dtype))
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_vector(t: torch.Tensor, name: str, rows: int, dtypes: tuple[torch.dtype, ...]) -> None:
+    _require(
+        t.shape == (rows,) and t.dtype in dtypes and t.is_contiguous(),
+        f"{name} must be a contiguous [{rows}] tensor of {dtypes}, got {t.dtype} {tuple(t.shape)}",
+    )
+
+
+def spec_accept(
+    verify_ids: torch.Tensor,
+    verify_lens: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    target_ids: torch.Tensor | None = None,
+    target_probs: torch.Tensor | None = None,
+    draft_probs: torch.Tensor | None = None,
+    accept_uniforms: torch.Tensor | None = None,
+    sample_uniforms: torch.Tensor | None = None,
+    greedy_mask: torch.Tensor | None = None,
+    fill_token: int = -1,
+    out: AcceptOutput | None = None,
+) -> AcceptOutput:
+    """Finalise one verify step on device in a single launch (no host sync; graph-capturable).
+
+    Args:
+        verify_ids: int64 [B, W] contiguous; column 0 the anchor, columns 1.. the drafts.
+        verify_lens: int32/int64 [B]; tokens verified per row (0 = padding row), clamped to [0, W].
+        seq_lens: int32/int64 [B]; committed length before the step.
+        target_ids: int32/int64 [B, W] target argmax per verify row (greedy rule), or None.
+        target_probs: fp32 [B, W, V] target probabilities after temperature/top-k/top-p (sampled
+            rule), unit stride along V, or None. Requires draft_probs, both uniforms.
+        draft_probs: fp32 [B, W-1, V]; row j-1 is the distribution draft j was drawn from.
+        accept_uniforms: fp32 [B, W-1] contiguous in [0, 1); column j-1 tests draft j.
+        sample_uniforms: fp32 [B] contiguous in [0, 1); drives the correction/bonus draw.
+        greedy_mask: bool [B]; required when both rules are given (True = greedy rule).
+        fill_token: value written to out_tokens after the bonus column.
+        out: optional preallocated ``AcceptOutput`` (static graph buffers) with the output dtypes.
+    Returns:
+        ``AcceptOutput`` (see the module docstring for the exact rule).
+    """
+    _require(verify_ids.dim() == 2, f"verify_ids must be [B, W], got {tuple(verify_ids.shape)}")
+    num_rows, width = verify_ids.shape
+    _require(width >= 1, "verify_ids: width W must be >= 1")
+    _require(verify_ids.dtype == torch.int64 and verify_ids.is_contiguous(),
+             f"verify_ids must be contiguous int64, got {verify_ids.dtype}")
+    int_types = (torch.int32, torch.int64)
+    _check_vector(verify_lens, "verify_lens", num_rows, int_types)
+    _check_vector(seq_lens, "seq_lens", num_rows, int_types)
+    has_greedy, has_sampled = target_ids is not None, target_probs is not None
+    _require(has_greedy or has_sampled, "give target_ids (greedy) and/or target_probs (sampled)")
+    if has_greedy:
+        _require(target_ids.shape == (num_rows, width) and target_ids.dtype in int_types
+                 and target_ids.is_contiguous(),
+                 f"target_ids must be contiguous int [{num_rows}, {width}], got "
+                 f"{target_ids.dtype} {tuple(target_ids.shape)}")
+    vocab = 1
+    if has_sampled:
+        _require(target_probs.dim() == 3 and target_probs.shape[:2] == (num_rows, width)
+                 and target_probs.dtype == torch.float32 and target_probs.stride(-1) == 1,
+                 f"target_probs must be fp32 [{num_rows}, {width}, V] with unit V stride, got "
+                 f"{target_probs.dtype} {tuple(target_probs.shape)}")
+        vocab = target_probs.shape[2]
+        _require(vocab >= 1, "target_probs: V must be >= 1")
+        _require(draft_probs is not None and draft_probs.shape == (num_rows, width - 1, vocab)
+                 and draft_probs.dtype == torch.float32
+                 and (draft_probs.numel() == 0 or draft_probs.stride(-1) == 1),
+                 f"draft_probs must be fp32 [{num_rows}, {width - 1}, {vocab}] with unit V stride")
+        _require(accept_uniforms is not None and accept_uniforms.shape == (num_rows, width - 1)
+                 and accept_uniforms.dtype == torch.float32 and accept_uniforms.is_contiguous(),
+                 f"accept_uniforms must be contiguous fp32 [{num_rows}, {width - 1}]")
+        _require(sample_uniforms is not None, "sample_uniforms is required with target_probs")
+        _check_vector(sample_uniforms, "sample_uniforms", num_rows, (torch.float32,))
+    has_mask = has_greedy and has_sampled
+    if has_mask:
+        _require(greedy_mask is not None, "greedy_mask is required when both rules are given")
+        _check_vector(greedy_mask, "greedy_mask", num_rows, (torch.bool,))
+    else:
+        _require(greedy_mask is None, "greedy_mask needs both target_ids and target_probs")
+    device = verify_ids.device
+    if out is None:
+        out = AcceptOutput(
+            torch.empty(num_rows, dtype=torch.int32, device=device),
+            torch.empty(num_rows, dtype=torch.int32, device=device),
+            torch.empty((num_rows, width), dtype=torch.int64, device=device),
+            torch.empty(num_rows, dtype=torch.int64, device=device),
+            torch.empty(num_rows, dtype=seq_lens.dtype, device=device),
+        )
+    for name, buf, dtype, shape in zip(
+        AcceptOutput._fields, out,
+        (torch.int32, torch.int32, torch.int64, torch.int64, seq_lens.dtype),
+        ((num_rows,), (num_rows,), (num_rows, width), (num_rows,), (num_rows,)),
+    ):
+        assert buf.dtype == dtype and buf.shape == shape and buf.is_contiguous(), (
+            f"out.{name} must be contiguous {dtype} {shape}, got {buf.dtype} {tuple(buf.shape)}"
+        )
+    if num_rows == 0:
+        return out
+    dummy = verify_ids  # placeholder pointer for operands a constexpr switch leaves unused
+    p_arg = target_probs if has_sampled else dummy
+    q_arg = draft_probs if has_sampled and draft_probs.numel() > 0 else p_arg
+    _spec_accept_kernel[(num_rows,)](
+        verify_ids, verify_lens, seq_lens,
+        target_ids if has_greedy else dummy,
+        greedy_mask.view(torch.uint8) if has_mask else dummy,
+        p_arg, q_arg,
+        accept_uniforms if has_sampled else dummy,
+        sample_uniforms if has_sampled else dummy,
+        *out,
+        vocab,
+        p_arg.stride(0), p_arg.stride(1) if has_sampled else 0,
+        q_arg.stride(0), q_arg.stride(1) if has_sampled else 0,
+        fill_token,
+        W=width, W_POW2=triton.next_power_of_2(width),
+        BLOCK_V=max(16, min(4096, triton.next_power_of_2(vocab))),
+        HAS_GREEDY=has_greedy, HAS_SAMPLED=has_sampled, HAS_MASK=has_mask,
+        FIXED_ONE=float(1 << FIXED_POINT_BITS), MIN_RESIDUAL=MIN_RESIDUAL_MASS,
+        U_BITS=UNIFORM_BITS,
+    )
+    return out

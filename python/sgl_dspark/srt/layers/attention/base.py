@@ -1,0 +1,29 @@
+"""Attention backend interface: MQA over one shared KV head (K = V) with per-head sinks, reading
+the sliding window from the paged window KV and, for CSA/HCA layers, compressed entries."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
+
+
+class BaseAttentionBackend(ABC):
+    @abstractmethod
+    def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
+                sinks: torch.Tensor, window: int, scale: float,
+                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None) -> torch.Tensor:
+        """Attention output for every token of the batch.
+
+        Args:
+            q: `[T, H, Dh]` rotated queries.
+            window_kv: `[num_slots, Dh]` layer's window KV; this batch's rows already written.
+            sinks: `[H]` sink logits (fp32).
+            window: query at position t sees window positions (t - window, t].
+            extra_kv: `[T, N, Dh]` per-token compressed entries (or None), with
+            extra_valid: `[T, N]` bool visibility/selection mask.
+        Returns:
+            `[T, H, Dh]` in q's dtype.
+        """

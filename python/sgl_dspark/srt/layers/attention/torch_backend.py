@@ -1,0 +1,32 @@
+"""Reference-quality attention backend in plain torch (CPU and eager GPU)."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
+
+
+class TorchAttentionBackend(BaseAttentionBackend):
+    def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
+                sinks: torch.Tensor, window: int, scale: float,
+                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None) -> torch.Tensor:
+        pos = batch.positions
+        offs = torch.arange(window - 1, -1, -1, device=pos.device)
+        win_pos = pos[:, None] - offs[None, :]                          # [T, W]
+        win_valid = win_pos >= 0
+        slot = batch.req_pool_indices[batch.token_req]
+        kv_slots = batch.req_to_token[slot[:, None], win_pos.clamp(min=0)]
+        keys = window_kv[kv_slots]                                       # [T, W, Dh]
+        valid = win_valid
+        if extra_kv is not None:
+            keys = torch.cat((keys, extra_kv.to(keys.dtype)), dim=1)
+            valid = torch.cat((valid, extra_valid), dim=1)
+        logits = torch.einsum("thd,tkd->thk", q, keys) * scale
+        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+        sink = sinks.to(logits.dtype)[None, :, None].expand(logits.shape[0], -1, 1)
+        logits = torch.cat((logits, sink), dim=-1)
+        logits = logits - logits.max(dim=-1, keepdim=True).values
+        probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)
+        return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)

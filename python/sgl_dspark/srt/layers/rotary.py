@@ -1,0 +1,65 @@
+"""DeepSeek-V4 rotary embedding (spec §3): interleaved pairs on the trailing `rd` channels.
+
+Two rope types exist: "main" (plain RoPE, sliding-only layers) and "compress" (optionally YaRN;
+CSA/HCA layers, their compressors and the indexer). Tables are computed per forward from the flat
+token positions; no cache indexed by position is kept, so any position is valid.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from sgl_dspark.srt.configs.model_config import RopeConfig
+
+
+def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
+    """Per-pair inverse frequencies `[rope_dim // 2]` (fp32), with YaRN ramp when configured."""
+    exps = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    pos_freqs = rope.theta**exps
+    inv_freq = 1.0 / pos_freqs
+    if rope.rope_type == "default":
+        return inv_freq
+    # YaRN (spec §3): blend interpolated and extrapolated frequencies with a linear ramp
+    # over the pair index; attention_factor stays 1 (DeepSeek-V4 applies no mscale).
+    def correction_dim(num_rotations: float) -> float:
+        return (rope_dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
+            2 * math.log(rope.theta)
+        )
+
+    lo = max(math.floor(correction_dim(rope.beta_fast)), 0)
+    hi = min(math.ceil(correction_dim(rope.beta_slow)), rope_dim - 1)
+    if lo == hi:
+        hi += 0.001
+    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    inv_interp = 1.0 / (rope.factor * pos_freqs)
+    return inv_interp * ramp + inv_freq * (1 - ramp)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[N, rd/2]` in fp32 for integer positions `[N]`."""
+    freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope_tail(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
+) -> torch.Tensor:
+    """Rotate the trailing `2 * cos.shape[-1]` channels of `x` in interleaved pairs.
+
+    Args:
+        x: `[N, ..., Dh]`; rows align with `cos`/`sin` `[N, rd/2]` (broadcast over middle dims).
+        inverse: rotate by -phi (used to undo the rope carried by V on the attention output).
+    Returns a new tensor of x's dtype; math in fp32, the nope channels pass through.
+    """
+    rd = 2 * cos.shape[-1]
+    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
+    c = cos.reshape(shape)
+    s = sin.reshape(shape)
+    if inverse:
+        s = -s
+    tail = x[..., -rd:].float()
+    a, b = tail[..., 0::2], tail[..., 1::2]
+    rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
+    return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)

@@ -1,0 +1,97 @@
+"""Device KV state of DeepSeek-V4 (spec §5.9), addressed through `ReqToTokenPool`.
+
+Per layer:
+* window KV `[num_slots, Dh]`: the rotated kv of every token at its token slot (K = V);
+* CSA/HCA compressed entries `[num_slots // m, Dh]`: entry w of a request lives at
+  `req_to_token[r, w*m] // m` (pages are multiples of m, so block-start slots are multiples of m);
+* CSA indexer keys `[num_slots // m, Di]`, same addressing;
+* compressor state rings `[req_slots, R, width]` of raw (kv, gate) rows of the last R positions
+  (position p at row p % R), for the compressor and the indexer. R covers the 2m (CSA) or m (HCA)
+  rows a block needs plus the rows a rejected verify can overwrite.
+
+Rollback is free: everything is addressed by position, readers only read positions below their
+own, and rejected positions are rewritten when real tokens reach them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
+
+
+def _next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
+@dataclass
+class CompressorState:
+    kv: torch.Tensor     # [req_slots, R, width]
+    score: torch.Tensor  # [req_slots, R, width]
+
+    @property
+    def ring(self) -> int:
+        return self.kv.shape[1]
+
+
+@dataclass
+class LayerKV:
+    window: torch.Tensor
+    compress_ratio: int = 0
+    compressed: torch.Tensor | None = None
+    index_keys: torch.Tensor | None = None
+    comp_state: CompressorState | None = None
+    index_state: CompressorState | None = None
+
+
+class DeepseekV4KVPool:
+    def __init__(self, cfg: ModelConfig, num_slots: int, req_slots: int, max_verify_tokens: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_slots = num_slots
+        self.max_verify_tokens = max_verify_tokens
+        self.layers: list[LayerKV] = []
+        dh, di = cfg.head_dim, cfg.index_head_dim
+        for i, lt in enumerate(cfg.layer_types):
+            window = torch.zeros(num_slots, dh, dtype=dtype, device=device)
+            if lt not in (CSA, HCA):
+                self.layers.append(LayerKV(window=window))
+                continue
+            m = cfg.compress_ratio(i)
+            assert num_slots % m == 0, (num_slots, m)
+            overlap = lt == CSA
+            span = 2 * m if overlap else m
+            ring = _next_pow2(span + max_verify_tokens)
+            width = 2 * dh if overlap else dh
+
+            def state(w: int, ring: int = ring) -> CompressorState:
+                return CompressorState(
+                    kv=torch.zeros(req_slots, ring, w, dtype=dtype, device=device),
+                    score=torch.zeros(req_slots, ring, w, dtype=dtype, device=device),
+                )
+
+            layer = LayerKV(
+                window=window,
+                compress_ratio=m,
+                compressed=torch.zeros(num_slots // m, dh, dtype=dtype, device=device),
+                comp_state=state(width),
+            )
+            if overlap:
+                layer.index_keys = torch.zeros(num_slots // m, di, dtype=dtype, device=device)
+                layer.index_state = state(2 * di)
+            self.layers.append(layer)
+
+    @staticmethod
+    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> float:
+        """Device bytes per token slot (window KV + amortised compressed entries)."""
+        elem = torch.empty(0, dtype=dtype).element_size()
+        total = 0.0
+        for i, lt in enumerate(cfg.layer_types):
+            total += cfg.head_dim
+            if lt in (CSA, HCA):
+                m = cfg.compress_ratio(i)
+                total += cfg.head_dim / m
+                if lt == CSA:
+                    total += cfg.index_head_dim / m
+        return total * elem

@@ -1,0 +1,88 @@
+"""ForwardBatch: one flat token batch of many requests (prefill chunks, decode, verify).
+
+Request r contributes `extend_lens[r]` consecutive tokens at positions
+`prefix_lens[r] .. prefix_lens[r] + extend_lens[r] - 1`; its tokens are contiguous in the flat
+batch and requests appear in batch order. `prefix_lens[r]` tokens of r are already in the KV state.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+
+class ForwardMode(enum.Enum):
+    EXTEND = "extend"   # prefill or a chunk of it
+    DECODE = "decode"   # one token per request
+    VERIFY = "verify"   # W tokens per request whose state may later be rolled back
+
+    @property
+    def may_roll_back(self) -> bool:
+        return self is ForwardMode.VERIFY
+
+
+@dataclass(frozen=True)
+class ForwardBatch:
+    mode: ForwardMode
+    input_ids: torch.Tensor        # [T] int64
+    positions: torch.Tensor        # [T] int64
+    token_req: torch.Tensor        # [T] int64, batch row of each token
+    out_cache_loc: torch.Tensor    # [T] int64, token slot each new token writes
+    req_pool_indices: torch.Tensor  # [B] int64, request slot (row of req_to_token, state rings)
+    prefix_lens: torch.Tensor      # [B] int64
+    seq_lens: torch.Tensor         # [B] int64, prefix + extend
+    logits_indices: torch.Tensor   # [N] int64, flat rows whose logits are computed
+    req_to_token: torch.Tensor     # [slots, max_ctx] int64 (shared table, not a copy)
+    max_seq_len: int               # host: max(seq_lens), sizes the gathers
+    extend_lens_cpu: tuple[int, ...]
+    prefix_lens_cpu: tuple[int, ...]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.extend_lens_cpu)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @classmethod
+    def build(cls, mode: ForwardMode, input_ids: list[list[int]], prefix_lens: list[int],
+              req_pool_indices: list[int], req_to_token: torch.Tensor,
+              logits_rows: str | list[list[int]] = "last") -> ForwardBatch:
+        """Build from host lists. `logits_rows`: "last" (last token of each request), "all",
+        or per request the offsets (within its extend) that need logits."""
+        device = req_to_token.device
+        extend = [len(ids) for ids in input_ids]
+        assert all(n > 0 for n in extend), f"every request needs >= 1 token, got {extend}"
+        assert len(prefix_lens) == len(extend) == len(req_pool_indices)
+        flat_ids = [t for ids in input_ids for t in ids]
+        positions, token_req, rows = [], [], []
+        start = 0
+        for r, (p0, n) in enumerate(zip(prefix_lens, extend)):
+            positions.extend(range(p0, p0 + n))
+            token_req.extend([r] * n)
+            if logits_rows == "last":
+                rows.append(start + n - 1)
+            elif logits_rows == "all":
+                rows.extend(range(start, start + n))
+            else:
+                rows.extend(start + j for j in logits_rows[r])  # type: ignore[index]
+            start += n
+
+        def t(x: list[int]) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        pos_t, req_t = t(positions), t(token_req)
+        pool_t = t(list(req_pool_indices))
+        seq = [p + n for p, n in zip(prefix_lens, extend)]
+        assert max(seq) <= req_to_token.shape[1], f"sequence {max(seq)} exceeds the context table"
+        out_loc = req_to_token[pool_t[req_t], pos_t]
+        return cls(
+            mode=mode, input_ids=t(flat_ids), positions=pos_t, token_req=req_t,
+            out_cache_loc=out_loc, req_pool_indices=pool_t, prefix_lens=t(list(prefix_lens)),
+            seq_lens=t(seq), logits_indices=t(rows), req_to_token=req_to_token,
+            max_seq_len=max(seq), extend_lens_cpu=tuple(extend),
+            prefix_lens_cpu=tuple(prefix_lens),
+        )

@@ -1,0 +1,129 @@
+"""ModelRunner: owns the model, its KV state and every device buffer; runs one ForwardBatch."""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
+from sgl_dspark.srt.layers.attention import create_attention_backend
+from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
+from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM, ModelOutput
+
+logger = logging.getLogger(__name__)
+
+# Parameters HF keeps in fp32 when the model runs in bf16 (spec §11.4): mHC, sinks, biases, norms.
+_FP32_PARAM_SUFFIXES = (
+    "attn_hc.fn", "attn_hc.base", "attn_hc.scale", "ffn_hc.fn", "ffn_hc.base", "ffn_hc.scale",
+    "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale", "sinks", "position_bias",
+    "e_score_correction_bias", "norm.weight",
+)
+
+
+def keeps_fp32(name: str) -> bool:
+    return name.endswith(_FP32_PARAM_SUFFIXES) or "layernorm" in name
+
+
+@dataclass(frozen=True)
+class RunnerConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    max_total_tokens: int = 16384
+    max_running_requests: int = 64
+    context_length: int = 4096
+    page_size: int = 0            # 0 = smallest page that every compress rate divides
+    max_verify_tokens: int = 16
+    attention_backend: str = "torch"
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+    if name not in table:
+        raise ValueError(f"dtype {name!r} not supported; choose from {sorted(table)}")
+    return table[name]
+
+
+def default_page_size(cfg: ModelConfig) -> int:
+    rates = [cfg.compress_ratio(i) for i, lt in enumerate(cfg.layer_types) if lt in (CSA, HCA)]
+    return math.lcm(1, *rates) if rates else 16
+
+
+class ModelRunner:
+    def __init__(self, model_cfg: ModelConfig, rc: RunnerConfig,
+                 weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+                 model: DeepseekV4ForCausalLM | None = None) -> None:
+        self.model_cfg = model_cfg
+        self.rc = rc
+        self.device = torch.device(rc.device)
+        self.dtype = resolve_dtype(rc.dtype)
+        page = rc.page_size or default_page_size(model_cfg)
+        for i, lt in enumerate(model_cfg.layer_types):
+            if lt in (CSA, HCA) and page % model_cfg.compress_ratio(i):
+                raise ValueError(
+                    f"--page-size {page} must be a multiple of every compress rate "
+                    f"(layer {i} has {model_cfg.compress_ratio(i)})"
+                )
+        self.page_size = page
+        if model is None:
+            model = DeepseekV4ForCausalLM(model_cfg)
+            if weights is not None:
+                load_weights(model, weights)
+        self.model = cast_model(model, self.dtype).to(self.device).eval()
+        num_pages = max(2, rc.max_total_tokens // page + 1)
+        self.allocator = PagedTokenAllocator(num_pages, page)
+        self.req_pool = ReqToTokenPool(rc.max_running_requests, rc.context_length, self.allocator,
+                                       self.device)
+        self.kv_pool = DeepseekV4KVPool(model_cfg, num_pages * page, self.req_pool.size,
+                                        rc.max_verify_tokens, self.dtype, self.device)
+        self.attn_backend = create_attention_backend(rc.attention_backend)
+        logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page,
+                    num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
+        if batch.mode is ForwardMode.VERIFY:
+            assert max(batch.extend_lens_cpu) <= self.rc.max_verify_tokens, (
+                f"verify width {max(batch.extend_lens_cpu)} > max_verify_tokens "
+                f"{self.rc.max_verify_tokens}"
+            )
+        return self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
+
+
+def cast_model(model: DeepseekV4ForCausalLM, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+    for name, p in model.named_parameters():
+        target = torch.float32 if keeps_fp32(name) else dtype
+        if p.dtype != target:
+            p.data = p.data.to(target)
+    return model
+
+
+def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    """Copy HF-named tensors into the model; every parameter and buffer must be provided once
+    with the right shape, and no unknown name may appear (errors name the tensor)."""
+    params = dict(model.named_parameters())
+    params.update(dict(model.named_buffers()))
+    expected = {k for k in model.state_dict()}
+    seen: set[str] = set()
+    for name, tensor in weights:
+        if name not in expected:
+            raise ValueError(f"checkpoint tensor {name!r} does not belong to the model")
+        target = params[name]
+        if tuple(tensor.shape) != tuple(target.shape):
+            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                             f"the model expects {tuple(target.shape)}")
+        if name in seen:
+            raise ValueError(f"checkpoint tensor {name!r} appears twice")
+        with torch.no_grad():
+            target.copy_(tensor.to(target.dtype))
+        seen.add(name)
+    missing = sorted(expected - seen)
+    if missing:
+        more = f" (and {len(missing) - 5} more)" if len(missing) > 5 else ""
+        raise ValueError(f"checkpoint is missing tensors: {missing[:5]}{more}")

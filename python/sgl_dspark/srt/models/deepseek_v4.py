@@ -1,0 +1,188 @@
+"""DeepSeek-V4 causal LM for serving: a flat token batch of many requests over paged KV state.
+
+Module and parameter names equal HF transformers' `DeepseekV4ForCausalLM`, so a `save_pretrained`
+state dict loads by name. One forward serves prefill, chunked prefill, decode and verify
+(spec §2–§7; see `ForwardBatch` for the batch layout and `DeepseekV4KVPool` for the state).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+from sgl_dspark.srt.layers.attention import BaseAttentionBackend
+from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer, entry_slots
+from sgl_dspark.srt.layers.mhc import HyperConnection, HyperHead, hc_collapse, hc_expand
+from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
+from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin, rope_inv_freq
+from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
+
+
+class RopeTables:
+    """cos/sin of both rope types for one batch, plus on-demand tables for other positions."""
+
+    def __init__(self, cfg: ModelConfig, positions: torch.Tensor, inv_main: torch.Tensor,
+                 inv_compress: torch.Tensor) -> None:
+        self.inv = {"main": inv_main, "compress": inv_compress}
+        self.tables = {k: rope_cos_sin(positions, v) for k, v in self.inv.items()}
+
+    def rotate_compress(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        cos, sin = rope_cos_sin(positions, self.inv["compress"])
+        return apply_rope_tail(x, cos, sin)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        self.layer_type = cfg.layer_types[layer_id]
+        self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
+        self.n_heads = cfg.num_attention_heads
+        self.head_dim = cfg.head_dim
+        self.window = cfg.sliding_window
+        self.groups = cfg.o_groups
+        self.o_rank = cfg.o_lora_rank
+        self.q_head_norm = cfg.q_head_norm
+        self.eps = cfg.rms_norm_eps
+        d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, hd, bias=False)
+        self.kv_proj = nn.Linear(d, cfg.head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_a_proj = nn.Linear(hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+        self.compressor: BlockCompressor | None = None
+        if self.layer_type in (CSA, HCA):
+            m = cfg.compress_ratio(layer_id)
+            self.compressor = BlockCompressor(d, cfg.head_dim, m, self.layer_type == CSA,
+                                              cfg.rms_norm_eps)
+            if self.layer_type == CSA:
+                self.compressor.indexer = Indexer(d, cfg.q_lora_rank, cfg.index_n_heads,
+                                                  cfg.index_head_dim, cfg.index_topk, m,
+                                                  cfg.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_state: LayerKV,
+                rope: RopeTables, backend: BaseAttentionBackend) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = rope.tables[self.rope_kind]
+        qr = self.q_a_norm(self.q_a_proj(x))
+        q = self.q_b_proj(qr).view(T, self.n_heads, self.head_dim)
+        if self.q_head_norm:
+            q = rms_norm(q, None, self.eps)
+        q = apply_rope_tail(q, cos, sin)
+        kv = apply_rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv_state.window[batch.out_cache_loc] = kv.to(kv_state.window.dtype)
+        extra, valid = self._compressed_keys(x, qr, batch, kv_state, rope)
+        o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
+                            self.head_dim**-0.5, extra, valid)
+        o = apply_rope_tail(o, cos, sin, inverse=True)
+        og = o.reshape(T, self.groups, -1)
+        wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
+        z = torch.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)
+        return self.o_b_proj(z)
+
+    def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch,
+                         kv_state: LayerKV, rope: RopeTables,
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        comp = self.compressor
+        if comp is None:
+            return None, None
+        assert kv_state.compressed is not None and kv_state.comp_state is not None
+        m = comp.ratio
+        comp.compress(x, batch, kv_state.comp_state, kv_state.compressed, rope.rotate_compress)
+        n_max = batch.max_seq_len // m
+        visible = (batch.positions + 1) // m
+        if self.layer_type == HCA:
+            slots = entry_slots(batch, n_max, m)
+            valid = torch.arange(n_max, device=x.device)[None, :] < visible[:, None]
+            return kv_state.compressed[slots], valid
+        indexer: Indexer = comp.indexer  # type: ignore[assignment]
+        assert kv_state.index_keys is not None and kv_state.index_state is not None
+        indexer.compress(x, batch, kv_state.index_state, kv_state.index_keys,
+                         rope.rotate_compress)
+        ids, valid = indexer.select(x, qr, batch, kv_state.index_keys, rope.rotate_compress)
+        slots = entry_slots(batch, n_max, m).gather(1, ids) if ids.shape[1] else ids
+        return kv_state.compressed[slots], valid
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = Attention(cfg, layer_id)
+        router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size,
+                        cfg.mlp_layer_types[layer_id] == HASH_MOE, cfg.scoring_func,
+                        cfg.routed_scaling_factor, cfg.norm_topk_prob)
+        self.mlp = SparseMoE(
+            router,
+            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit),
+            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit),
+        )
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        hc = (cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv_state: LayerKV,
+                rope: RopeTables, backend: BaseAttentionBackend) -> torch.Tensor:
+        pre, post, comb = self.attn_hc.coeffs(streams)
+        a = self.self_attn(self.input_layernorm(hc_collapse(streams, pre)), batch, kv_state,
+                           rope, backend)
+        streams = hc_expand(streams, a, post, comb)
+        pre, post, comb = self.ffn_hc.coeffs(streams)
+        f = self.mlp(self.post_attention_layernorm(hc_collapse(streams, pre)), batch.input_ids)
+        return hc_expand(streams, f, post, comb)
+
+
+class DeepseekV4Model(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        rd = cfg.qk_rope_head_dim
+        self.register_buffer("inv_freq_main", rope_inv_freq(cfg.rope_main, rd), persistent=False)
+        self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.rope_compress, rd),
+                             persistent=False)
+
+
+@dataclass
+class ModelOutput:
+    logits: torch.Tensor                  # [N, V] fp32, rows = batch.logits_indices
+    hidden_taps: dict[int, torch.Tensor]  # layer id -> [T, D] mean over streams after the layer
+
+
+class DeepseekV4ForCausalLM(nn.Module):
+    """Capabilities used by DSpark: `forward(..., tap_layers=...)` returns per-layer features."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.model = DeepseekV4Model(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+
+    def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
+                tap_layers: tuple[int, ...] = ()) -> ModelOutput:
+        m = self.model
+        x = m.embed_tokens(batch.input_ids)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        rope = RopeTables(self.cfg, batch.positions, m.inv_freq_main, m.inv_freq_compress)
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(m.layers):
+            streams = layer(streams, batch, pool.layers[i], rope, backend)
+            if i in tap_layers:
+                taps[i] = streams.float().mean(dim=1).to(streams.dtype)
+        h = m.norm(m.hc_head(streams[batch.logits_indices]))
+        return ModelOutput(logits=self.lm_head(h).float(), hidden_taps=taps)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
