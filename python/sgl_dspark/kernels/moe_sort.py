@@ -210,6 +210,30 @@ def _moe_sort_kernel(
             )
 
 
+def _check_out(
+    out: MoeSortOutput,
+    capacity: int,
+    block_size: int,
+    num_tokens: int,
+    hidden_size: int,
+    moe_buf_dtype: torch.dtype,
+) -> None:
+    expected = {
+        "sorted_ids": ((capacity,), torch.int32),
+        "sorted_weights": ((capacity,), torch.float32),
+        "sorted_expert_ids": ((triton.cdiv(capacity, block_size),), torch.int32),
+        "num_valid": ((2,), torch.int32),
+        "moe_buf": ((num_tokens, hidden_size), moe_buf_dtype),
+    }
+    for name, (shape, dtype) in expected.items():
+        tensor = getattr(out, name)
+        if tuple(tensor.shape) != shape or tensor.dtype != dtype or not tensor.is_contiguous():
+            raise ValueError(
+                f"out.{name} must be contiguous {dtype} {shape}, got "
+                f"{tensor.dtype} {tuple(tensor.shape)}"
+            )
+
+
 def prepare_moe_sort(expert_mask: torch.Tensor) -> MoeSortPlan:
     """Build the local-id table for `expert_mask` (int32 [E], 1 = expert lives on this rank).
 
@@ -237,6 +261,7 @@ def moe_sort(
     hidden_size: int,
     block_size: int = 32,
     moe_buf_dtype: torch.dtype = torch.bfloat16,
+    out: MoeSortOutput | None = None,
 ) -> MoeSortOutput:
     """Sort the routes of this EP rank by local expert, in one launch (graph-safe).
 
@@ -246,6 +271,7 @@ def moe_sort(
         topk_weights: fp32 [M, topk], contiguous.
         plan: from `prepare_moe_sort(expert_mask)`, on the same device.
         hidden_size: H of the zeroed accumulator `moe_buf [M, H]`.
+        out: optional preallocated outputs (shapes/dtypes as `moe_sort_ref` returns them).
     Returns:
         `MoeSortOutput`; see its docstring. Equal to `moe_sort_ref` on the valid prefix.
     """
@@ -260,17 +286,20 @@ def moe_sort(
     num_experts = table.numel()
     device = topk_ids.device
     capacity = moe_sort_capacity(num_tokens, topk, num_experts, block_size)
-    sorted_ids = torch.empty(capacity, dtype=torch.int32, device=device)
-    sorted_weights = torch.empty(capacity, dtype=torch.float32, device=device)
-    sorted_expert_ids = torch.empty(
-        triton.cdiv(capacity, block_size), dtype=torch.int32, device=device
-    )
-    num_valid = torch.empty(2, dtype=torch.int32, device=device)
-    moe_buf = torch.empty(num_tokens, hidden_size, dtype=moe_buf_dtype, device=device)
+    if out is None:
+        out = MoeSortOutput(
+            torch.empty(capacity, dtype=torch.int32, device=device),
+            torch.empty(capacity, dtype=torch.float32, device=device),
+            torch.empty(triton.cdiv(capacity, block_size), dtype=torch.int32, device=device),
+            torch.empty(2, dtype=torch.int32, device=device),
+            torch.empty(num_tokens, hidden_size, dtype=moe_buf_dtype, device=device),
+        )
+    _check_out(out, capacity, block_size, num_tokens, hidden_size, moe_buf_dtype)
+    sorted_ids, sorted_weights, sorted_expert_ids, num_valid, moe_buf = out
     assert moe_buf.numel() < 2**31, moe_buf.shape
     if num_tokens == 0:
         num_valid.zero_()
-        return MoeSortOutput(sorted_ids, sorted_weights, sorted_expert_ids, num_valid, moe_buf)
+        return out
     num_pairs = num_tokens * topk
     _moe_sort_kernel[(max(plan.num_local, 1),)](
         topk_ids,
@@ -293,4 +322,4 @@ def moe_sort(
         ZERO_CHUNK=_ZERO_CHUNK,
         num_warps=2,
     )
-    return MoeSortOutput(sorted_ids, sorted_weights, sorted_expert_ids, num_valid, moe_buf)
+    return out

@@ -118,6 +118,8 @@ def spec_accept_ref(
         accept_g = _leading_true(in_window & (drafts == target_ids[:, :-1].long()))
         bonus_g = target_ids.long()[rows, accept_g]
     if target_probs is not None:
+        assert draft_probs is not None and accept_uniforms is not None
+        assert sample_uniforms is not None
         vocab = target_probs.shape[-1]
         valid_id = in_window & (drafts >= 0) & (drafts < vocab)
         safe_ids = drafts.clamp(0, vocab - 1)[..., None]
@@ -133,6 +135,7 @@ def spec_accept_ref(
             q_rows = torch.where(rejected[:, None], q_pick, q_rows)
         bonus_s = sample_residual_ref(target_probs[rows, accept_s], q_rows, sample_uniforms)
     if target_ids is not None and target_probs is not None:
+        assert greedy_mask is not None, "greedy_mask selects the rule when both are given"
         accept = torch.where(greedy_mask, accept_g, accept_s)
         bonus = torch.where(greedy_mask, bonus_g, bonus_s)
     elif target_ids is not None:
@@ -243,21 +246,19 @@ def _spec_accept_kernel(
     # drafts[c] = verify_ids[row, c + 1]: the token emitted at column c when accepted.
     drafts = tl.load(ids_ptr + cols + 1, mask=cols + 1 < W, other=0)
     in_window = cols < last
-    if HAS_MASK:
-        is_greedy = tl.load(greedy_mask_ptr + row) != 0
-    else:
-        is_greedy = HAS_GREEDY
     accept = tl.zeros((), tl.int32)
     bonus = tl.zeros((), tl.int64)
     if HAS_GREEDY:
         target = tl.load(target_ids_ptr + row * W + cols, mask=cols < W, other=0).to(tl.int64)
         mismatch = in_window & (drafts != target)
-        accept_g = tl.min(tl.where(mismatch, cols, last), axis=0)
-        bonus_g = tl.load(target_ids_ptr + row * W + accept_g).to(tl.int64)
-        accept = tl.where(is_greedy, accept_g, accept)
-        bonus = tl.where(is_greedy, bonus_g, bonus)
+        accept = tl.min(tl.where(mismatch, cols, last), axis=0)
+        bonus = tl.load(target_ids_ptr + row * W + accept).to(tl.int64)
     if HAS_SAMPLED:
-        if is_valid & (not is_greedy):
+        run_sampler = is_valid
+        if HAS_MASK:
+            run_sampler = run_sampler & (tl.load(greedy_mask_ptr + row) == 0)
+        # Greedy and padding rows skip the vocab scans entirely.
+        if run_sampler:
             valid_id = in_window & (drafts >= 0) & (drafts < vocab)
             p_rows = p_ptr + row * p_stride_b + cols * p_stride_w
             q_rows = q_ptr + row * q_stride_b + cols * q_stride_w
@@ -297,11 +298,55 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_vector(t: torch.Tensor, name: str, rows: int, dtypes: tuple[torch.dtype, ...]) -> None:
+def _check_vector(t: torch.Tensor | None, name: str, rows: int,
+                  dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
     _require(
-        t.shape == (rows,) and t.dtype in dtypes and t.is_contiguous(),
-        f"{name} must be a contiguous [{rows}] tensor of {dtypes}, got {t.dtype} {tuple(t.shape)}",
+        t is not None and t.shape == (rows,) and t.dtype in dtypes and t.is_contiguous(),
+        f"{name} must be a contiguous [{rows}] tensor of {dtypes}, got "
+        f"{None if t is None else (t.dtype, tuple(t.shape))}",
     )
+    assert t is not None
+    return t
+
+
+def _check_sampling_inputs(
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    accept_uniforms: torch.Tensor | None,
+    sample_uniforms: torch.Tensor | None,
+    rows: int,
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _require(target_probs.dim() == 3 and target_probs.shape[:2] == (rows, width)
+             and target_probs.shape[2] >= 1 and target_probs.dtype == torch.float32
+             and target_probs.stride(-1) == 1,
+             f"target_probs must be fp32 [{rows}, {width}, V>=1] with unit V stride, got "
+             f"{target_probs.dtype} {tuple(target_probs.shape)}")
+    vocab = target_probs.shape[2]
+    _require(draft_probs is not None and draft_probs.shape == (rows, width - 1, vocab)
+             and draft_probs.dtype == torch.float32
+             and (draft_probs.numel() == 0 or draft_probs.stride(-1) == 1),
+             f"draft_probs must be fp32 [{rows}, {width - 1}, {vocab}] with unit V stride")
+    _require(accept_uniforms is not None and accept_uniforms.shape == (rows, width - 1)
+             and accept_uniforms.dtype == torch.float32 and accept_uniforms.is_contiguous(),
+             f"accept_uniforms must be contiguous fp32 [{rows}, {width - 1}]")
+    assert draft_probs is not None and accept_uniforms is not None
+    sample_uniforms = _check_vector(sample_uniforms, "sample_uniforms", rows, (torch.float32,))
+    return draft_probs, accept_uniforms, sample_uniforms
+
+
+def _output_buffers(out: AcceptOutput | None, rows: int, width: int, seq_dtype: torch.dtype,
+                    device: torch.device) -> AcceptOutput:
+    dtypes = (torch.int32, torch.int32, torch.int64, torch.int64, seq_dtype)
+    shapes = ((rows,), (rows,), (rows, width), (rows,), (rows,))
+    if out is None:
+        return AcceptOutput(*(torch.empty(s, dtype=d, device=device)
+                              for s, d in zip(shapes, dtypes)))
+    for name, buf, dtype, shape in zip(AcceptOutput._fields, out, dtypes, shapes):
+        assert buf.dtype == dtype and buf.shape == shape and buf.is_contiguous(), (
+            f"out.{name} must be contiguous {dtype} {shape}, got {buf.dtype} {tuple(buf.shape)}"
+        )
+    return out
 
 
 def spec_accept(
@@ -326,7 +371,7 @@ def spec_accept(
         seq_lens: int32/int64 [B]; committed length before the step.
         target_ids: int32/int64 [B, W] target argmax per verify row (greedy rule), or None.
         target_probs: fp32 [B, W, V] target probabilities after temperature/top-k/top-p (sampled
-            rule), unit stride along V, or None. Requires draft_probs, both uniforms.
+            rule), unit stride along V, or None. Requires draft_probs and both uniforms.
         draft_probs: fp32 [B, W-1, V]; row j-1 is the distribution draft j was drawn from.
         accept_uniforms: fp32 [B, W-1] contiguous in [0, 1); column j-1 tests draft j.
         sample_uniforms: fp32 [B] contiguous in [0, 1); drives the correction/bonus draw.
@@ -335,82 +380,53 @@ def spec_accept(
         out: optional preallocated ``AcceptOutput`` (static graph buffers) with the output dtypes.
     Returns:
         ``AcceptOutput`` (see the module docstring for the exact rule).
+    Raises:
+        ValueError: a missing operand or a wrong shape/dtype/layout (checked on the host only).
     """
-    _require(verify_ids.dim() == 2, f"verify_ids must be [B, W], got {tuple(verify_ids.shape)}")
-    num_rows, width = verify_ids.shape
-    _require(width >= 1, "verify_ids: width W must be >= 1")
+    _require(verify_ids.dim() == 2 and verify_ids.shape[1] >= 1,
+             f"verify_ids must be [B, W>=1], got {tuple(verify_ids.shape)}")
     _require(verify_ids.dtype == torch.int64 and verify_ids.is_contiguous(),
              f"verify_ids must be contiguous int64, got {verify_ids.dtype}")
+    rows, width = verify_ids.shape
     int_types = (torch.int32, torch.int64)
-    _check_vector(verify_lens, "verify_lens", num_rows, int_types)
-    _check_vector(seq_lens, "seq_lens", num_rows, int_types)
-    has_greedy, has_sampled = target_ids is not None, target_probs is not None
-    _require(has_greedy or has_sampled, "give target_ids (greedy) and/or target_probs (sampled)")
-    if has_greedy:
-        _require(target_ids.shape == (num_rows, width) and target_ids.dtype in int_types
+    _check_vector(verify_lens, "verify_lens", rows, int_types)
+    _check_vector(seq_lens, "seq_lens", rows, int_types)
+    _require(target_ids is not None or target_probs is not None,
+             "give target_ids (greedy rule) and/or target_probs (sampled rule)")
+    # Operands a constexpr switch leaves unused get a placeholder pointer.
+    placeholder = verify_ids
+    if target_ids is not None:
+        _require(target_ids.shape == (rows, width) and target_ids.dtype in int_types
                  and target_ids.is_contiguous(),
-                 f"target_ids must be contiguous int [{num_rows}, {width}], got "
+                 f"target_ids must be contiguous int [{rows}, {width}], got "
                  f"{target_ids.dtype} {tuple(target_ids.shape)}")
-    vocab = 1
-    if has_sampled:
-        _require(target_probs.dim() == 3 and target_probs.shape[:2] == (num_rows, width)
-                 and target_probs.dtype == torch.float32 and target_probs.stride(-1) == 1,
-                 f"target_probs must be fp32 [{num_rows}, {width}, V] with unit V stride, got "
-                 f"{target_probs.dtype} {tuple(target_probs.shape)}")
-        vocab = target_probs.shape[2]
-        _require(vocab >= 1, "target_probs: V must be >= 1")
-        _require(draft_probs is not None and draft_probs.shape == (num_rows, width - 1, vocab)
-                 and draft_probs.dtype == torch.float32
-                 and (draft_probs.numel() == 0 or draft_probs.stride(-1) == 1),
-                 f"draft_probs must be fp32 [{num_rows}, {width - 1}, {vocab}] with unit V stride")
-        _require(accept_uniforms is not None and accept_uniforms.shape == (num_rows, width - 1)
-                 and accept_uniforms.dtype == torch.float32 and accept_uniforms.is_contiguous(),
-                 f"accept_uniforms must be contiguous fp32 [{num_rows}, {width - 1}]")
-        _require(sample_uniforms is not None, "sample_uniforms is required with target_probs")
-        _check_vector(sample_uniforms, "sample_uniforms", num_rows, (torch.float32,))
-    has_mask = has_greedy and has_sampled
+    p_arg, q_arg, ua_arg, us_arg, vocab = placeholder, placeholder, placeholder, placeholder, 1
+    if target_probs is not None:
+        draft, ua_arg, us_arg = _check_sampling_inputs(
+            target_probs, draft_probs, accept_uniforms, sample_uniforms, rows, width)
+        p_arg, vocab = target_probs, target_probs.shape[2]
+        q_arg = draft if draft.numel() > 0 else target_probs  # W == 1: Q is never read
+    has_mask = target_ids is not None and target_probs is not None
+    mask_arg = placeholder
     if has_mask:
-        _require(greedy_mask is not None, "greedy_mask is required when both rules are given")
-        _check_vector(greedy_mask, "greedy_mask", num_rows, (torch.bool,))
+        mask_arg = _check_vector(greedy_mask, "greedy_mask", rows, (torch.bool,)).view(torch.uint8)
     else:
         _require(greedy_mask is None, "greedy_mask needs both target_ids and target_probs")
-    device = verify_ids.device
-    if out is None:
-        out = AcceptOutput(
-            torch.empty(num_rows, dtype=torch.int32, device=device),
-            torch.empty(num_rows, dtype=torch.int32, device=device),
-            torch.empty((num_rows, width), dtype=torch.int64, device=device),
-            torch.empty(num_rows, dtype=torch.int64, device=device),
-            torch.empty(num_rows, dtype=seq_lens.dtype, device=device),
-        )
-    for name, buf, dtype, shape in zip(
-        AcceptOutput._fields, out,
-        (torch.int32, torch.int32, torch.int64, torch.int64, seq_lens.dtype),
-        ((num_rows,), (num_rows,), (num_rows, width), (num_rows,), (num_rows,)),
-    ):
-        assert buf.dtype == dtype and buf.shape == shape and buf.is_contiguous(), (
-            f"out.{name} must be contiguous {dtype} {shape}, got {buf.dtype} {tuple(buf.shape)}"
-        )
-    if num_rows == 0:
+    out = _output_buffers(out, rows, width, seq_lens.dtype, verify_ids.device)
+    if rows == 0:
         return out
-    dummy = verify_ids  # placeholder pointer for operands a constexpr switch leaves unused
-    p_arg = target_probs if has_sampled else dummy
-    q_arg = draft_probs if has_sampled and draft_probs.numel() > 0 else p_arg
-    _spec_accept_kernel[(num_rows,)](
+    p_strides = (p_arg.stride(0), p_arg.stride(1)) if target_probs is not None else (0, 0)
+    q_strides = (q_arg.stride(0), q_arg.stride(1)) if target_probs is not None else (0, 0)
+    _spec_accept_kernel[(rows,)](
         verify_ids, verify_lens, seq_lens,
-        target_ids if has_greedy else dummy,
-        greedy_mask.view(torch.uint8) if has_mask else dummy,
-        p_arg, q_arg,
-        accept_uniforms if has_sampled else dummy,
-        sample_uniforms if has_sampled else dummy,
+        target_ids if target_ids is not None else placeholder, mask_arg,
+        p_arg, q_arg, ua_arg, us_arg,
         *out,
-        vocab,
-        p_arg.stride(0), p_arg.stride(1) if has_sampled else 0,
-        q_arg.stride(0), q_arg.stride(1) if has_sampled else 0,
-        fill_token,
+        vocab, *p_strides, *q_strides, fill_token,
         W=width, W_POW2=triton.next_power_of_2(width),
         BLOCK_V=max(16, min(4096, triton.next_power_of_2(vocab))),
-        HAS_GREEDY=has_greedy, HAS_SAMPLED=has_sampled, HAS_MASK=has_mask,
+        HAS_GREEDY=target_ids is not None, HAS_SAMPLED=target_probs is not None,
+        HAS_MASK=has_mask,
         FIXED_ONE=float(1 << FIXED_POINT_BITS), MIN_RESIDUAL=MIN_RESIDUAL_MASS,
         U_BITS=UNIFORM_BITS,
     )

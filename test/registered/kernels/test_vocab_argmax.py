@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sgl_dspark.kernels.vocab_argmax import (
     combine_shard_argmax,
     shard_argmax_pairs,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import TYPE_CHECKING, Iterator, Literal, NamedTuple
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
@@ -84,7 +85,11 @@ def _stored_format(name: str, hf_name: str, info: TensorInfo) -> StoredFormat:
 
 
 def _check_part(
-    weight: str, scale: str | None, hf_name: str, infos: dict[str, TensorInfo], block: tuple[int, int]
+    weight: str,
+    scale: str | None,
+    hf_name: str,
+    infos: dict[str, TensorInfo],
+    block: tuple[int, int],
 ) -> StoredPart:
     fmt = _stored_format(weight, hf_name, infos[weight])
     if fmt in ("plain", "integer"):
@@ -120,7 +125,6 @@ def _dequantized_shape(part: StoredPart, infos: dict[str, TensorInfo]) -> tuple[
 def plan_checkpoint(reader: SafetensorsReader, config: ModelConfig) -> CheckpointPlan:
     """Map and validate every stored tensor of an open checkpoint (headers only)."""
     infos = reader.infos
-    scheme = detect_naming_scheme(infos)
     block = config.quantization.weight_block_size if config.quantization else _DEFAULT_BLOCK
     num_experts = config.n_routed_experts
     weights: dict[str, str] = {}
@@ -128,20 +132,35 @@ def plan_checkpoint(reader: SafetensorsReader, config: ModelConfig) -> Checkpoin
     expert_parts: dict[str, dict[tuple[int, str, str], str]] = {}
     order: dict[str, None] = {}  # HF names in first-seen order
     dropped = []
+    all_mapped = []
     for name in infos:
-        mapped = parse_checkpoint_name(name, scheme, config.num_hidden_layers, num_experts)  # type: ignore[arg-type]
+        mapped = parse_checkpoint_name(name, config.num_hidden_layers, num_experts)
         if mapped is None:
             dropped.append(name)
             continue
+        all_mapped.append(mapped)
         order.setdefault(mapped.hf_name)
         if mapped.expert is not None:
             slots = expert_parts.setdefault(mapped.hf_name, {})
-            slots[(mapped.expert.expert, mapped.expert.proj, mapped.role)] = name
+            key = (mapped.expert.expert, mapped.expert.proj, mapped.role)
+            if key in slots:
+                raise ValueError(f"tensors {slots[key]!r} and {name!r} map to the same expert slot")
+            slots[key] = name
             continue
         target = weights if mapped.role == "weight" else scales
         if mapped.hf_name in target:
-            raise ValueError(f"tensors {target[mapped.hf_name]!r} and {name!r} map to the same name")
+            raise ValueError(
+                f"tensors {target[mapped.hf_name]!r} and {name!r} map to the same name"
+            )
         target[mapped.hf_name] = name
+    scheme = detect_naming_scheme(all_mapped)
+    for hf_name, slots in expert_parts.items():
+        stacked = weights.get(hf_name) or scales.get(hf_name)
+        if stacked is not None:
+            raise ValueError(
+                f"tensor {stacked!r} and per-expert tensor {next(iter(slots.values()))!r} both "
+                f"provide {hf_name!r}"
+            )
     for hf_name, scale in scales.items():
         if hf_name not in weights:
             raise ValueError(f"tensor {scale!r}: scale without a weight (expected {hf_name!r})")
@@ -176,11 +195,15 @@ def _plan_experts(
                     f"tensor {missing!r} is missing: {hf_name!r} needs all "
                     f"n_routed_experts={num_experts} experts"
                 )
-            parts.append(_check_part(weight, slots.get((expert, proj, "scale")), hf_name, infos, block))
+            parts.append(
+                _check_part(weight, slots.get((expert, proj, "scale")), hf_name, infos, block)
+            )
     for i, proj in enumerate(projs):
         found = {_dequantized_shape(p, infos) for p in parts[i :: len(projs)]}
         if len(found) != 1:
-            raise ValueError(f"{hf_name!r}: experts' {proj} weights have different shapes {sorted(found)}")
+            raise ValueError(
+                f"{hf_name!r}: experts' {proj} weights have different shapes {sorted(found)}"
+            )
     return LoadItem(hf_name, "gate_up" if gate_up else "down", tuple(parts))
 
 
@@ -206,7 +229,9 @@ def _materialise(reader: SafetensorsReader, item: LoadItem, block: tuple[int, in
     if item.kind == "plain":
         return tensors[0]
     if item.kind == "gate_up":
-        return torch.stack([torch.cat(tensors[i : i + 2], dim=0) for i in range(0, len(tensors), 2)])
+        return torch.stack(
+            [torch.cat(tensors[i : i + 2], dim=0) for i in range(0, len(tensors), 2)]
+        )
     return torch.stack(tensors)
 
 
@@ -242,14 +267,28 @@ def load_checkpoint(
     formats = Counter(p.fmt for item in plan.items for p in item.parts)
     logger.info(
         "checkpoint %s: %s names, %d tensors (%d fp8, %d mxfp4 parts), %d MTP tensors skipped",
-        model_path, plan.scheme, len(plan.items), formats["fp8"], formats["fp4"], len(plan.dropped),
+        model_path,
+        plan.scheme,
+        len(plan.items),
+        formats["fp8"],
+        formats["fp4"],
+        len(plan.dropped),
     )
     return _iter_plan(model_path, plan, dtype)
 
 
-def load_state_dict(model_path: str, config: ModelConfig, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+def load_state_dict(
+    model_path: str, config: ModelConfig, dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
     """`dict(load_checkpoint(...))`: the whole HF-named state dict in memory."""
     return dict(load_checkpoint(model_path, config, dtype))
 
 
-__all__ = ["CheckpointPlan", "LoadItem", "StoredPart", "load_checkpoint", "load_state_dict", "plan_checkpoint"]
+__all__ = [
+    "CheckpointPlan",
+    "LoadItem",
+    "StoredPart",
+    "load_checkpoint",
+    "load_state_dict",
+    "plan_checkpoint",
+]

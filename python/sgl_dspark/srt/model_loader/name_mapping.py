@@ -1,25 +1,29 @@
 """Tensor names of DeepSeek-V4 checkpoints: released names <-> HF transformers names (spec §9.2).
 
-Our model's parameters use exactly the HF names (§9.1). A checkpoint uses one of two schemes:
+Our model's parameters use exactly the HF names (§9.1). A checkpoint uses one of three schemes:
 * "released": DeepSeek's own names (`embed.weight`, `layers.3.attn.wq_a.weight`, per-expert
   `layers.3.ffn.experts.7.w1.weight`, FP8 block scales as `<linear>.scale`, MTP under `mtp.`);
 * "hf": HF names (`model.layers.3.self_attn.q_a_proj.weight`, stacked experts, scales as
-  `<linear>.weight_scale_inv` / `experts.gate_up_proj_scale_inv`).
+  `<linear>.weight_scale_inv` / `experts.gate_up_proj_scale_inv`);
+* "mixed": what transformers' `save_pretrained` writes for this model: released layer names under
+  a `model.` prefix, next to HF global names.
 
-`parse_checkpoint_name` maps one stored name to a `MappedName`; `hf_to_released` is the inverse
-used by the exporter. The tables are exact (no substring rules), so every name either maps or is
-reported as unexpected.
+`parse_checkpoint_name` maps one stored name (any scheme, any `model.` prefix) to a
+`MappedName`; `hf_to_released` is the inverse used by the exporter. The tables are exact (no
+substring rules), so every name either maps or is reported as unexpected.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from typing import Iterable, Literal, NamedTuple
+from collections.abc import Iterable
+from typing import Literal, NamedTuple
 
 logger = logging.getLogger(__name__)
 
 NamingScheme = Literal["hf", "released"]
+CheckpointScheme = Literal["hf", "released", "mixed"]
 Role = Literal["weight", "scale"]
 ExpertProj = Literal["w1", "w2", "w3"]
 
@@ -74,22 +78,41 @@ _RELEASED_LAYER_SUFFIX = {
     **_LAYER_PLAIN,
     **{f"{k}.weight": f"{v}.weight" for k, v in _LAYER_LINEARS.items()},
 }
-_RELEASED_LAYER_SCALE = {f"{k}.scale": f"{v}.weight" for k, v in _LAYER_LINEARS.items()}
 _HF_LAYER_SUFFIX_TO_RELEASED = {v: k for k, v in _RELEASED_LAYER_SUFFIX.items()}
+# transformers' `save_pretrained` reverses its `.norm.` -> `.kv_norm.` rename, so the attention's
+# own kv_norm comes back as `attn.norm.weight`; HF reads that name, so we do too (load only).
+_RELEASED_LAYER_SUFFIX["attn.norm.weight"] = "self_attn.kv_norm.weight"
 _HF_GLOBAL_TO_RELEASED = {v: k for k, v in _GLOBAL_NAMES.items()}
 _HF_EXPERT_STACKS = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 _HF_LINEAR_TO_RELEASED = {v: k for k, v in _LAYER_LINEARS.items()}
 
-_RELEASED_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
-_RELEASED_EXPERT_RE = re.compile(r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale)$")
+_LAYER_RE = re.compile(r"^layers\.(\d+)\.(.+)$")
+_RELEASED_EXPERT_RE = re.compile(
+    r"^ffn\.experts\.(\d+)\.(w[123])\.(weight|scale|weight_scale_inv)$"
+)
+# FP8 scale suffixes after a linear's module name: released `.scale`, HF `.weight_scale_inv`.
+_SCALE_SUFFIXES = (".scale", ".weight_scale_inv")
+# HF global names without the `model.` prefix (`lm_head.weight` never has one).
+_HF_GLOBAL_BARE = {hf.removeprefix("model."): hf for hf in _GLOBAL_NAMES.values()}
 _HF_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
 # Parameters that HF keeps in float32 whatever the model dtype (`_keep_in_fp32_modules_strict`,
 # matched against whole dotted components of the HF name).
-FP32_NAME_COMPONENTS = frozenset({
-    "attn_hc", "ffn_hc", "hc_head", "sinks", "position_bias", "e_score_correction_bias",
-    "q_a_norm", "kv_norm", "input_layernorm", "post_attention_layernorm", "norm",
-})
+FP32_NAME_COMPONENTS = frozenset(
+    {
+        "attn_hc",
+        "ffn_hc",
+        "hc_head",
+        "sinks",
+        "position_bias",
+        "e_score_correction_bias",
+        "q_a_norm",
+        "kv_norm",
+        "input_layernorm",
+        "post_attention_layernorm",
+        "norm",
+    }
+)
 INTEGER_BUFFER_SUFFIXES = ("mlp.gate.tid2eid",)
 
 
@@ -101,11 +124,13 @@ class ExpertSlot(NamedTuple):
 
 
 class MappedName(NamedTuple):
-    """Where a stored tensor goes: `hf_name` is the weight it belongs to (for a scale, too)."""
+    """Where a stored tensor goes: `hf_name` is the weight it belongs to (for a scale, too).
+    `naming` says which table matched the stored name."""
 
     hf_name: str
     role: Role
     expert: ExpertSlot | None = None
+    naming: NamingScheme = "hf"
 
 
 def is_fp32_param(hf_name: str) -> bool:
@@ -117,23 +142,13 @@ def is_integer_buffer(hf_name: str) -> bool:
     return hf_name.endswith(INTEGER_BUFFER_SUFFIXES)
 
 
-def detect_naming_scheme(names: Iterable[str]) -> NamingScheme:
-    """'hf' if names start with `model.`/`lm_head.`, 'released' otherwise; mixed -> ValueError."""
-    has_hf = has_released = False
-    example_hf = example_released = ""
-    for name in names:
-        if name.startswith(("model.", "lm_head.")):
-            has_hf, example_hf = True, name
-        else:
-            has_released, example_released = True, name
-    if has_hf and has_released:
-        raise ValueError(
-            f"checkpoint mixes HF names (e.g. {example_hf!r}) and released names "
-            f"(e.g. {example_released!r})"
-        )
-    if not (has_hf or has_released):
-        raise ValueError("checkpoint contains no tensors")
-    return "hf" if has_hf else "released"
+def detect_naming_scheme(mapped: Iterable[MappedName]) -> CheckpointScheme:
+    """'released', 'hf', or 'mixed' (e.g. transformers' `save_pretrained`, which writes released
+    layer names under a `model.` prefix next to HF global names)."""
+    found = {m.naming for m in mapped}
+    if not found:
+        raise ValueError("checkpoint contains no model tensors")
+    return found.pop() if len(found) == 1 else "mixed"
 
 
 def _check_layer(name: str, layer: int, num_layers: int) -> None:
@@ -143,69 +158,62 @@ def _check_layer(name: str, layer: int, num_layers: int) -> None:
         )
 
 
-def parse_released_name(name: str, num_layers: int, num_experts: int) -> MappedName | None:
-    """Released name -> MappedName; None for MTP tensors (dropped). Unknown names raise ValueError."""
-    if name.startswith("mtp."):
+def _parse_expert(name: str, prefix: str, suffix: str, num_experts: int) -> MappedName | None:
+    match = _RELEASED_EXPERT_RE.match(suffix)
+    if match is None:
         return None
-    if name in _GLOBAL_NAMES:
-        return MappedName(_GLOBAL_NAMES[name], "weight")
-    match = _RELEASED_LAYER_RE.match(name)
-    if match is None:
-        raise ValueError(f"unexpected tensor {name!r}: not a DeepSeek-V4 released tensor name")
-    layer, suffix = int(match.group(1)), match.group(2)
-    _check_layer(name, layer, num_layers)
-    prefix = f"model.layers.{layer}."
-    expert = _RELEASED_EXPERT_RE.match(suffix)
-    if expert is not None:
-        index, proj, kind = int(expert.group(1)), expert.group(2), expert.group(3)
-        if index >= num_experts:
-            raise ValueError(
-                f"unexpected tensor {name!r}: expert {index} but config has "
-                f"n_routed_experts={num_experts}"
-            )
-        stack = "mlp.experts.down_proj" if proj == "w2" else "mlp.experts.gate_up_proj"
-        role: Role = "weight" if kind == "weight" else "scale"
-        return MappedName(prefix + stack, role, ExpertSlot(index, proj))  # type: ignore[arg-type]
-    if suffix in _RELEASED_LAYER_SUFFIX:
-        return MappedName(prefix + _RELEASED_LAYER_SUFFIX[suffix], "weight")
-    if suffix in _RELEASED_LAYER_SCALE:
-        return MappedName(prefix + _RELEASED_LAYER_SCALE[suffix], "scale")
-    raise ValueError(f"unexpected tensor {name!r}: unknown layer tensor {suffix!r}")
+    index, proj, kind = int(match.group(1)), match.group(2), match.group(3)
+    if index >= num_experts:
+        raise ValueError(
+            f"unexpected tensor {name!r}: expert {index} but config has n_routed_experts={num_experts}"
+        )
+    stack = "mlp.experts.down_proj" if proj == "w2" else "mlp.experts.gate_up_proj"
+    role: Role = "weight" if kind == "weight" else "scale"
+    return MappedName(prefix + stack, role, ExpertSlot(index, proj), "released")  # type: ignore[arg-type]
 
 
-def parse_hf_name(name: str, num_layers: int) -> MappedName:
-    """HF name -> MappedName (scales: `X.weight_scale_inv`, `experts.*_proj_scale_inv`)."""
-    if name in _HF_GLOBAL_TO_RELEASED:
-        return MappedName(name, "weight")
-    match = _HF_LAYER_RE.match(name)
-    if match is None:
-        raise ValueError(f"unexpected tensor {name!r}: not a DeepSeek-V4 HF tensor name")
-    layer, suffix = int(match.group(1)), match.group(2)
-    _check_layer(name, layer, num_layers)
-    prefix = f"model.layers.{layer}."
+def _parse_layer_suffix(name: str, prefix: str, suffix: str, num_experts: int) -> MappedName:
     if suffix in _HF_LAYER_SUFFIX_TO_RELEASED or suffix in _HF_EXPERT_STACKS:
-        return MappedName(name, "weight")
-    if suffix.endswith(".weight_scale_inv"):
-        weight = suffix.removesuffix("_scale_inv")
-        if weight.removesuffix(".weight") in _HF_LINEAR_TO_RELEASED:
-            return MappedName(prefix + weight, "scale")
-    if suffix.endswith("_scale_inv") and suffix.removesuffix("_scale_inv") in _HF_EXPERT_STACKS:
-        return MappedName(prefix + suffix.removesuffix("_scale_inv"), "scale")
+        return MappedName(prefix + suffix, "weight", None, "hf")
+    if suffix in _RELEASED_LAYER_SUFFIX:
+        return MappedName(prefix + _RELEASED_LAYER_SUFFIX[suffix], "weight", None, "released")
+    expert = _parse_expert(name, prefix, suffix, num_experts)
+    if expert is not None:
+        return expert
+    for scale_suffix in _SCALE_SUFFIXES:
+        if not suffix.endswith(scale_suffix):
+            continue
+        module = suffix.removesuffix(scale_suffix)
+        if module in _HF_LINEAR_TO_RELEASED:
+            return MappedName(f"{prefix}{module}.weight", "scale", None, "hf")
+        if module in _LAYER_LINEARS:
+            return MappedName(f"{prefix}{_LAYER_LINEARS[module]}.weight", "scale", None, "released")
+    stack = suffix.removesuffix("_scale_inv")
+    if stack != suffix and stack in _HF_EXPERT_STACKS:
+        return MappedName(prefix + stack, "scale", None, "hf")
     raise ValueError(f"unexpected tensor {name!r}: unknown layer tensor {suffix!r}")
 
 
-def parse_checkpoint_name(
-    name: str, scheme: NamingScheme, num_layers: int, num_experts: int
-) -> MappedName | None:
-    """Map one stored tensor name. None means "drop" (MTP tensors, logged at DEBUG)."""
-    mapped = (
-        parse_released_name(name, num_layers, num_experts)
-        if scheme == "released"
-        else parse_hf_name(name, num_layers)
-    )
-    if mapped is None:
+def parse_checkpoint_name(name: str, num_layers: int, num_experts: int) -> MappedName | None:
+    """Map one stored tensor name (released, HF, or released under a `model.` prefix).
+
+    Returns None for MTP tensors (dropped, logged at DEBUG); raises ValueError for names that
+    map to nothing, layers >= num_layers and experts >= num_experts.
+    """
+    bare = name.removeprefix("model.")
+    if bare.startswith("mtp."):
         logger.debug("dropping MTP tensor %s (the MTP layer is not loaded)", name)
-    return mapped
+        return None
+    if bare in _HF_GLOBAL_BARE and (name != bare or bare not in _GLOBAL_NAMES):
+        return MappedName(_HF_GLOBAL_BARE[bare], "weight", None, "hf")
+    if bare in _GLOBAL_NAMES:
+        return MappedName(_GLOBAL_NAMES[bare], "weight", None, "released")
+    match = _LAYER_RE.match(bare)
+    if match is None:
+        raise ValueError(f"unexpected tensor {name!r}: not a DeepSeek-V4 tensor name")
+    layer = int(match.group(1))
+    _check_layer(name, layer, num_layers)
+    return _parse_layer_suffix(name, f"model.layers.{layer}.", match.group(2), num_experts)
 
 
 def released_module_of_hf_linear(hf_name: str) -> str | None:
@@ -246,7 +254,16 @@ def released_scale_name(released_weight_name: str) -> str:
 
 
 __all__ = [
-    "ExpertSlot", "MappedName", "NamingScheme", "detect_naming_scheme", "expert_stack_of",
-    "hf_to_released", "is_fp32_param", "is_integer_buffer", "parse_checkpoint_name",
-    "released_expert_name", "released_module_of_hf_linear", "released_scale_name",
+    "ExpertSlot",
+    "MappedName",
+    "NamingScheme",
+    "detect_naming_scheme",
+    "expert_stack_of",
+    "hf_to_released",
+    "is_fp32_param",
+    "is_integer_buffer",
+    "parse_checkpoint_name",
+    "released_expert_name",
+    "released_module_of_hf_linear",
+    "released_scale_name",
 ]

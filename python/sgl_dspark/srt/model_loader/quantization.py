@@ -21,7 +21,24 @@ FP4_E2M1_MAX = 6.0
 MXFP4_GROUP = 32
 E8M0_BIAS = 127
 # E2M1 value of each 4-bit code; bit 3 is the sign.
-E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+E2M1_VALUES = (
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+)
 # Midpoints between consecutive E2M1 magnitudes (codes i and i+1).
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
@@ -46,12 +63,16 @@ def scale_to_float(scale: torch.Tensor) -> torch.Tensor:
     raise ValueError(f"unsupported scale dtype {scale.dtype}")
 
 
-def _expand_block_scale(scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]) -> torch.Tensor:
+def _expand_block_scale(
+    scale: torch.Tensor, rows: int, cols: int, block: tuple[int, int]
+) -> torch.Tensor:
     expanded = scale.repeat_interleave(block[0], dim=-2)[..., :rows, :]
     return expanded.repeat_interleave(block[1], dim=-1)[..., :cols]
 
 
-def fp8_block_scale_shape(weight_shape: torch.Size | tuple[int, ...], block: tuple[int, int]) -> tuple[int, ...]:
+def fp8_block_scale_shape(
+    weight_shape: torch.Size | tuple[int, ...], block: tuple[int, int]
+) -> tuple[int, ...]:
     """Scale shape for an FP8 weight `[..., out, in]` with `block = (bo, bi)`."""
     *lead, rows, cols = weight_shape
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
@@ -63,7 +84,9 @@ def mxfp4_scale_shape(packed_shape: torch.Size | tuple[int, ...]) -> tuple[int, 
     return (*lead, rows, -(-(2 * packed_cols) // MXFP4_GROUP))
 
 
-def dequantize_fp8_block(weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+def dequantize_fp8_block(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
     """FP8 E4M3 `[..., out, in]` with block scales -> float32 `[..., out, in]`."""
     if weight.dtype != torch.float8_e4m3fn:
         raise ValueError(f"FP8 weight must be float8_e4m3fn, got {weight.dtype}")
@@ -137,7 +160,9 @@ def quantize_fp8_block(
     w / s is exact and the cast to E4M3 rounds to nearest, ties to even.
     """
     if weight.dim() < 2:
-        raise ValueError(f"quantize_fp8_block needs a [..., out, in] tensor, got shape {tuple(weight.shape)}")
+        raise ValueError(
+            f"quantize_fp8_block needs a [..., out, in] tensor, got shape {tuple(weight.shape)}"
+        )
     w32 = _check_finite(weight, "quantize_fp8_block")
     *lead, rows, cols = w32.shape
     bo, bi = block
@@ -174,7 +199,9 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     checkpoints (HF's dequantiser only unpacks int8).
     """
     if weight.dim() < 2 or weight.shape[-1] % 2:
-        raise ValueError(f"quantize_mxfp4 needs [..., out, in] with even in, got {tuple(weight.shape)}")
+        raise ValueError(
+            f"quantize_mxfp4 needs [..., out, in] with even in, got {tuple(weight.shape)}"
+        )
     w32 = _check_finite(weight, "quantize_mxfp4")
     *lead, rows, cols = w32.shape
     groups = -(-cols // MXFP4_GROUP)
@@ -190,7 +217,17 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 __all__ = [
-    "E2M1_VALUES", "FP8_E4M3_MAX", "FP4_E2M1_MAX", "MXFP4_GROUP", "dequantize_fp8_block",
-    "dequantize_mxfp4", "fp8_block_scale_shape", "mxfp4_scale_shape", "quantize_fp8_block",
-    "quantize_mxfp4", "round_to_e2m1_codes", "scale_to_float", "unpack_e2m1",
+    "E2M1_VALUES",
+    "FP8_E4M3_MAX",
+    "FP4_E2M1_MAX",
+    "MXFP4_GROUP",
+    "dequantize_fp8_block",
+    "dequantize_mxfp4",
+    "fp8_block_scale_shape",
+    "mxfp4_scale_shape",
+    "quantize_fp8_block",
+    "quantize_mxfp4",
+    "round_to_e2m1_codes",
+    "scale_to_float",
+    "unpack_e2m1",
 ]

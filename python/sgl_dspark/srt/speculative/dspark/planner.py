@@ -11,7 +11,8 @@ survival a = cumprod(c, dim=1). A request's ``verify length`` counts the anchor:
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -22,7 +23,10 @@ VALID_SURVIVAL_EPS = 1e-6
 
 
 def predicted_throughput(
-    table: SpsTable, num_requests: int, num_tokens: np.ndarray | int, expected_tokens: np.ndarray | float
+    table: SpsTable,
+    num_requests: int,
+    num_tokens: np.ndarray | int,
+    expected_tokens: np.ndarray | float,
 ) -> np.ndarray:
     """Theta = expected committed tokens x steps/s of a step verifying ``num_tokens`` rows.
 
@@ -32,7 +36,9 @@ def predicted_throughput(
     return np.asarray(expected_tokens) * table.steps_per_sec_floor(num_tokens)
 
 
-def order_candidates(survival: Sequence[Sequence[float]], eps: float = VALID_SURVIVAL_EPS) -> list[tuple[int, int]]:
+def order_candidates(
+    survival: Sequence[Sequence[float]], eps: float = VALID_SURVIVAL_EPS
+) -> list[tuple[int, int]]:
     """Valid candidates (r, j), j 1-based, in §3.1 order: survival descending, then j ascending,
     then r ascending. Candidates with survival < eps (or NaN) are dropped.
 
@@ -67,7 +73,11 @@ def plan_algorithm1(
     Returns:
         per-request verify lengths (1 + l_r), the best predicted throughput and the token count.
     """
-    rows = confidence.tolist() if isinstance(confidence, torch.Tensor) else [list(r) for r in confidence]
+    rows = (
+        confidence.tolist()
+        if isinstance(confidence, torch.Tensor)
+        else [list(r) for r in confidence]
+    )
     survival = [list(np.cumprod(np.asarray(r, dtype=np.float64))) for r in rows]
     num_requests = len(survival)
     drafts = [0] * num_requests
@@ -196,7 +206,9 @@ class ConfidenceRelay:
     confidences of a previous occupant of its slot.
     """
 
-    def __init__(self, num_slots: int, gamma: int, lag: int = 2, device: torch.device | str = "cpu"):
+    def __init__(
+        self, num_slots: int, gamma: int, lag: int = 2, device: torch.device | str = "cpu"
+    ):
         if lag < 1:
             raise ValueError(f"confidence relay lag must be >= 1, got {lag}")
         self.gamma = gamma
@@ -212,7 +224,9 @@ class ConfidenceRelay:
         self._ring_event: list[torch.cuda.Event | None] = [None] * (lag + 1)
         self._num_published = 0
 
-    def publish(self, slot_ids: torch.Tensor, generations: torch.Tensor, confidence: torch.Tensor) -> None:
+    def publish(
+        self, slot_ids: torch.Tensor, generations: torch.Tensor, confidence: torch.Tensor
+    ) -> None:
         """Record one step. slot_ids [B] int64, generations [B] int64, confidence [B, gamma] on
         the relay device (padding rows may point at a dummy slot with generation 0)."""
         self._confidence.index_copy_(0, slot_ids, confidence.float())
@@ -227,7 +241,9 @@ class ConfidenceRelay:
             self._ring_event[entry] = event
         self._num_published += 1
 
-    def lagged_survival(self, slot_ids: Sequence[int], generations: Sequence[int]) -> torch.Tensor | None:
+    def lagged_survival(
+        self, slot_ids: Sequence[int], generations: Sequence[int]
+    ) -> torch.Tensor | None:
         """[R, gamma] float64 CPU survival rows for the requests planned next, or None when the
         lagged snapshot does not exist yet or its copy is still in flight."""
         step = self._num_published - self.lag

@@ -21,12 +21,12 @@ import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
-ArrayLike = Union[int, float, npt.ArrayLike]
+ArrayLike = int | float | npt.ArrayLike
 
 _DIAGONAL_KEYS = ("sample_batch_tokens", "sample_steps_per_sec")
 _ADDITIVE_KEYS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
@@ -49,14 +49,15 @@ def _int_list(data: dict[str, Any], key: str, *, strictly_increasing: bool) -> t
     return tuple(values)
 
 
-def _float_list(data: dict[str, Any], key: str, length: int, *, positive: bool) -> tuple[float, ...]:
+def _float_list(
+    data: dict[str, Any], key: str, length: int, *, positive: bool
+) -> tuple[float, ...]:
     values = data.get(key)
     if not isinstance(values, list):
         raise ValueError(f"SPS table field '{key}' must be a list of numbers")
     if len(values) != length:
         raise ValueError(
-            f"SPS table field '{key}' has {len(values)} entries, expected {length} "
-            "(one per probe)"
+            f"SPS table field '{key}' has {len(values)} entries, expected {length} (one per probe)"
         )
     out = []
     for i, v in enumerate(values):
@@ -153,7 +154,9 @@ class AdditiveSpsTable:
             raise ValueError("SPS table must be a JSON object")
         bias = data.get("bias_seconds")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
-            raise ValueError(f"SPS table field 'bias_seconds' must be a finite number, got {bias!r}")
+            raise ValueError(
+                f"SPS table field 'bias_seconds' must be a finite number, got {bias!r}"
+            )
         if bias <= 0:
             raise ValueError(f"SPS table field 'bias_seconds' must be > 0, got {bias}")
         bs_probes = _int_list(data, "bs_probes", strictly_increasing=True)
@@ -193,7 +196,7 @@ class AdditiveSpsTable:
         return 1.0 / self.step_seconds(batch_size, num_tokens)
 
 
-SpsTable = Union[DiagonalSpsTable, AdditiveSpsTable]
+SpsTable = DiagonalSpsTable | AdditiveSpsTable
 
 
 def sps_table_from_json_dict(data: dict[str, Any], kind: str = "auto") -> SpsTable:

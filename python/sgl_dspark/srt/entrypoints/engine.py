@@ -1,0 +1,146 @@
+"""Offline engine, SGLang-style: `Engine(model_path=...).generate(prompt=..., sampling_params=...)`.
+
+Runs the scheduler in-process; the HTTP server drives the same scheduler from its own loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from sgl_dspark.srt.managers.req import Req
+from sgl_dspark.srt.managers.scheduler import Scheduler, SchedulerConfig
+from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
+from sgl_dspark.srt.model_loader.model_source import resolve_model
+from sgl_dspark.srt.sampling.sampling_params import SamplingParams
+from sgl_dspark.srt.tokenizer import IncrementalDetokenizer, TokenizerLike, get_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class EngineArgs:
+    model_path: str = "tiny"
+    tokenizer_path: str | None = None
+    skip_tokenizer_init: bool = False
+    device: str = "cpu"
+    dtype: str = "auto"
+    max_total_tokens: int = 32768
+    max_running_requests: int = 32
+    context_length: int = 4096
+    chunked_prefill_size: int = 512
+    page_size: int = 0
+    attention_backend: str = "torch"
+    random_seed: int = 0
+
+
+class Engine:
+    """Args as `EngineArgs` (keyword arguments). `dtype="auto"` is float32 on CPU, the
+    checkpoint's dtype otherwise."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        if unknown:
+            raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
+        args = EngineArgs(**kwargs)
+        dtype = args.dtype
+        if dtype == "auto":
+            dtype = "float32" if args.device == "cpu" else "bfloat16"
+        self.args = args
+        cfg, weights = resolve_model(args.model_path, resolve_dtype(dtype), seed=args.random_seed)
+        rc = RunnerConfig(device=args.device, dtype=dtype, max_total_tokens=args.max_total_tokens,
+                          max_running_requests=args.max_running_requests,
+                          context_length=args.context_length, page_size=args.page_size,
+                          attention_backend=args.attention_backend)
+        self.runner = ModelRunner(cfg, rc, weights=weights)
+        self.tokenizer: TokenizerLike | None = None
+        if not args.skip_tokenizer_init:
+            self.tokenizer = get_tokenizer(args.model_path, args.tokenizer_path)
+        self.scheduler = Scheduler(self.runner, SchedulerConfig(
+            chunked_prefill_size=args.chunked_prefill_size,
+            max_running_requests=args.max_running_requests,
+            eos_token_ids=cfg.eos_token_ids))
+        self._ids = itertools.count()
+        torch.manual_seed(args.random_seed)
+
+    # ---- public API --------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None,
+                 sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None,
+                 return_logprob: bool = False) -> dict | list[dict]:
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
+        prompts, single = self._normalise_inputs(prompt, input_ids)
+        params_list = sampling_params if isinstance(sampling_params, list) else (
+            [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"sampling_params has {len(params_list)} entries for "
+                             f"{len(prompts)} prompts")
+        reqs = [self._make_req(p, sp or {}, return_logprob) for p, sp in zip(prompts, params_list)]
+        for r in reqs:
+            self.scheduler.add(r)
+        while any(not r.finished for r in reqs):
+            self.scheduler.step()
+        outs = [self._output(r) for r in reqs]
+        return outs[0] if single else outs
+
+    def shutdown(self) -> None:
+        self.scheduler = None  # type: ignore[assignment]
+        self.runner = None  # type: ignore[assignment]
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _normalise_inputs(self, prompt: Any, input_ids: Any) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("pass exactly one of prompt= or input_ids=")
+        if input_ids is not None:
+            single = bool(input_ids) and isinstance(input_ids[0], int)
+            batch = [input_ids] if single else list(input_ids)
+            for ids in batch:
+                if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                    raise ValueError("input_ids must be a list of ints or a list of lists of ints")
+            return batch, single
+        if self.tokenizer is None:
+            raise ValueError("prompt= needs a tokenizer; pass input_ids= with skip_tokenizer_init")
+        single = isinstance(prompt, str)
+        texts = [prompt] if single else list(prompt)
+        if not all(isinstance(t, str) for t in texts):
+            raise ValueError("prompt must be a str or a list of str")
+        return [self.tokenizer.encode(t) for t in texts], single
+
+    def _make_req(self, ids: list[int], sp: dict, return_logprob: bool) -> Req:
+        params = SamplingParams.from_dict(sp)
+        detok = None
+        if self.tokenizer is not None:
+            detok = IncrementalDetokenizer(self.tokenizer,
+                                           skip_special_tokens=params.skip_special_tokens,
+                                           stop=params.stop, no_stop_trim=params.no_stop_trim,
+                                           prompt_ids=ids)
+        return Req(rid=str(next(self._ids)), prompt_ids=list(ids), params=params,
+                   return_logprob=return_logprob, detok=detok)
+
+    def _output(self, req: Req) -> dict:
+        text = ""
+        if req.detok is not None:
+            req.detok.finish()
+            text = req.detok.text
+        meta: dict[str, Any] = {
+            "id": req.rid,
+            "prompt_tokens": len(req.prompt_ids),
+            "completion_tokens": len(req.output_ids),
+            "finish_reason": req.finish_reason,
+        }
+        if req.return_logprob:
+            tok = self.tokenizer
+            meta["output_token_logprobs"] = [
+                (lp, t, tok.decode([t], skip_special_tokens=False) if tok else None)
+                for lp, t in zip(req.output_logprobs, req.output_ids)]
+        return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

@@ -1,0 +1,248 @@
+"""Batched next-token sampling with per-row parameters and counter-based, per-request seeds.
+
+Per row, for a sampled (non-greedy) request, with p = softmax(logits / temperature):
+
+1. top-k: keep the k most probable tokens (ties at the boundary go to the lower token id);
+2. top-p: on the top-k distribution renormalised, keep the smallest most-probable prefix whose
+   mass reaches top_p (a token is kept iff the mass strictly before it is < top_p);
+3. min-p: keep tokens with p >= min_p * max(p);
+4. renormalise and draw by inverse CDF (in token-id order) with one uniform u in [0, 1).
+
+Greedy rows (`top_k == 1`, which includes temperature 0) take `torch.argmax` of the raw logits
+(first index on ties). The returned logprob of each chosen token is under the UNPROCESSED
+distribution, `log_softmax(logits)` (SGLang's default), not the temperature/filtered one.
+
+Randomness (no `torch.Generator` state on the device, no `.item()`): the uniform of a row is a
+hash of (request seed, counter, stream). The counter is the index of the token in the request's
+output (0 for the first generated token), so a seeded request draws the same uniforms whatever
+else is in the batch, across steps, TP ranks and graph replays. Rows without a seed get a fresh
+random key from a host-side `torch.Generator` each time a batch is built. Filtering is a per-row
+mask and sampling always runs in token-id order, so a row's result does not depend on which
+filters other rows need.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+from torch import nn
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.sampling.sampling_params import SamplingParams
+
+# Domain constant of the token-sampling uniforms; other consumers (e.g. speculative accept coins)
+# call `counter_uniform` with their own stream so their draws stay independent of these.
+SAMPLER_STREAM = 0x53A4_D1E5
+_MASK32 = 0xFFFFFFFF
+_MAX_KEY = 2**63 - 1
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for int64 x in [0, 2**32): split c so no product exceeds 2**48."""
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _MASK32
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A bijective 32-bit avalanche mixer (xor-shift-multiply, Wellons' "lowbias32" constants)."""
+    x = x ^ (x >> 16)
+    x = _mul32(x, 0x7FEB352D)
+    x = x ^ (x >> 15)
+    x = _mul32(x, 0x846CA68B)
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
+    """One uniform per row from (seed, counter, stream); a pure function, same on every device.
+
+    Args:
+        seeds: [B] int64 in [0, 2**63).
+        counters: [B] int64 in [0, 2**63).
+        stream: domain constant (e.g. `SAMPLER_STREAM`) separating independent uses.
+
+    Returns:
+        [B] float32 in [0, 1), multiples of 2**-24.
+    """
+    assert seeds.dtype == torch.int64 and counters.dtype == torch.int64, (seeds.dtype,
+                                                                          counters.dtype)
+    h = _mix32((seeds & _MASK32) ^ (stream & _MASK32))
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32) ^ 0x9E3779B9)
+    h = _mix32(h ^ (counters & _MASK32))
+    h = _mix32(h ^ ((counters >> 32) & _MASK32) ^ 0x85EBCA6B)
+    return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
+
+
+def _to_device(values: list[int] | list[float] | list[bool], dtype: torch.dtype,
+               device: torch.device) -> torch.Tensor:
+    cpu = torch.tensor(values, dtype=dtype)
+    if device.type == "cpu":
+        return cpu
+    # Pinned + non_blocking: the copy is queued behind the running step instead of syncing.
+    return cpu.pin_memory().to(device, non_blocking=True)
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingBatchInfo:
+    """Per-row sampling parameters of one batch, as device tensors (built once per batch).
+
+    Greedy rows carry neutral filter values (temperature 1, top_k V, top_p 1, min_p 0).
+    `all_greedy`/`need_*` are host flags that only skip work; they never change a row's result.
+    """
+
+    temperatures: torch.Tensor  # [B] fp32 > 0
+    top_ps: torch.Tensor  # [B] fp32 in (0, 1]
+    top_ks: torch.Tensor  # [B] int64 in [1, V]; V = off
+    min_ps: torch.Tensor  # [B] fp32 in [0, 1]
+    is_greedy: torch.Tensor  # [B] bool
+    seeds: torch.Tensor  # [B] int64: the request seed, or a fresh random key
+    counters: torch.Tensor  # [B] int64: index of the sampled token in the request's output
+    vocab_size: int
+    all_greedy: bool
+    need_top_k: bool
+    need_top_p: bool
+    need_min_p: bool
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.is_greedy.shape[0])
+
+    @classmethod
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        vocab_size: int,
+        device: torch.device | str,
+        *,
+        counters: Sequence[int] | None = None,
+        generator: torch.Generator | None = None,
+    ) -> SamplingBatchInfo:
+        """Build the batch record for `params` (one per row).
+
+        Args:
+            params: one `SamplingParams` per logits row.
+            vocab_size: V, the width of the logits.
+            device: where the sampler runs.
+            counters: per row, the index of the token being sampled in its request's output.
+                Required when any row has a seed (else every step would redraw the same uniform).
+            generator: CPU generator for the keys of unseeded rows (default: torch's global one).
+
+        Raises:
+            ValueError: `counters` missing or malformed, or `vocab_size` < 1.
+        """
+        if vocab_size < 1:
+            raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
+        batch = len(params)
+        if counters is None:
+            if any(p.seed is not None for p in params):
+                raise ValueError("counters are required when a request has a seed")
+            counters = [0] * batch
+        counters = [int(c) for c in counters]
+        if len(counters) != batch or any(not 0 <= c <= _MAX_KEY for c in counters):
+            raise ValueError(f"counters must be {batch} ints in [0, 2**63), got {counters}")
+        device = torch.device(device)
+        greedy = [p.is_greedy for p in params]
+        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        top_ks = [vocab_size if g or p.top_k < 0 else min(p.top_k, vocab_size)
+                  for p, g in zip(params, greedy)]
+        top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
+        min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
+        num_unseeded = sum(p.seed is None for p in params)
+        random_keys = iter(torch.randint(0, _MAX_KEY, (num_unseeded,), generator=generator)
+                           .tolist())
+        seeds = [p.seed if p.seed is not None else next(random_keys) for p in params]
+        return cls(
+            temperatures=_to_device(temps, torch.float32, device),
+            top_ps=_to_device(top_ps, torch.float32, device),
+            top_ks=_to_device(top_ks, torch.int64, device),
+            min_ps=_to_device(min_ps, torch.float32, device),
+            is_greedy=_to_device(greedy, torch.bool, device),
+            seeds=_to_device(seeds, torch.int64, device),
+            counters=_to_device(counters, torch.int64, device),
+            vocab_size=vocab_size,
+            all_greedy=all(greedy),
+            need_top_k=any(k < vocab_size for k in top_ks),
+            need_top_p=any(p < 1.0 for p in top_ps),
+            need_min_p=any(m > 0.0 for m in min_ps),
+        )
+
+
+def processed_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """The distribution each row samples from (steps 1-3 of the module doc), renormalised.
+
+    Args:
+        logits: [B, V] fp32.
+        info: the batch's `SamplingBatchInfo`.
+
+    Returns:
+        [B, V] fp32, rows summing to 1, zero outside the kept set.
+    """
+    probs = torch.softmax(logits / info.temperatures[:, None], dim=-1)
+    if info.need_top_k or info.need_top_p:
+        sorted_probs, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        ranks = torch.arange(probs.shape[1], device=probs.device)
+        keep_sorted = ranks[None, :] < info.top_ks[:, None]
+        if info.need_top_p:
+            kept = sorted_probs * keep_sorted
+            cumulative = torch.cumsum(kept, dim=-1)
+            mass_before = cumulative - kept
+            top_ps = info.top_ps[:, None]
+            # Compare against top_p * (top-k mass) == top-p on the renormalised top-k distribution.
+            within = (mass_before < top_ps * cumulative[:, -1:]) | (top_ps >= 1.0)
+            keep_sorted = keep_sorted & within
+        keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
+        probs = probs.masked_fill(~keep, 0.0)
+    if info.need_min_p:
+        threshold = probs.amax(dim=-1, keepdim=True) * info.min_ps[:, None]
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Index i with cdf[i-1] <= u * total < cdf[i], in token-id order; never a zero-mass token.
+
+    Args:
+        probs: [B, V] fp32, non-negative, each row with positive mass (need not sum to 1).
+        uniforms: [B] fp32 in [0, 1).
+
+    Returns:
+        [B] int64.
+    """
+    cdf = torch.cumsum(probs, dim=-1)
+    total = cdf[:, -1]
+    # Keep the target strictly below the last cdf value so the search always lands in range.
+    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
+    index = torch.searchsorted(cdf, target[:, None], right=True)
+    # NOTE: a parallel (GPU) cumsum is not guaranteed monotone across zero-mass tokens; if the
+    # target falls into such a rounding gap, take the row's mode instead (probability ~1e-7).
+    hit_zero = probs.gather(1, index) <= 0
+    index = torch.where(hit_zero, probs.argmax(dim=-1, keepdim=True), index)
+    return index.squeeze(1)
+
+
+class SamplerOutput(NamedTuple):
+    next_token_ids: torch.Tensor  # [B] int64
+    next_token_logprobs: torch.Tensor  # [B] fp32, log_softmax of the raw logits at the token
+
+
+class Sampler(nn.Module):
+    """Samples one token per logits row (semantics in the module doc). Stateless."""
+
+    def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
+        """Args: logits [B, V] fp32 (V == info.vocab_size). Returns `SamplerOutput`."""
+        assert logits.dim() == 2 and tuple(logits.shape) == (info.batch_size, info.vocab_size), (
+            tuple(logits.shape), info.batch_size, info.vocab_size)
+        assert logits.dtype == torch.float32, logits.dtype
+        greedy_ids = torch.argmax(logits, dim=-1)
+        if info.all_greedy:
+            next_ids = greedy_ids
+        else:
+            uniforms = counter_uniform(info.seeds, info.counters, SAMPLER_STREAM)
+            sampled_ids = inverse_cdf_sample(processed_probs(logits, info), uniforms)
+            next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
+        chosen = logits.gather(1, next_ids[:, None]).squeeze(1)
+        logprobs = chosen - torch.logsumexp(logits, dim=-1)
+        return SamplerOutput(next_ids, logprobs)

@@ -1,0 +1,171 @@
+"""Continuous-batching scheduler (host side): admission with KV reservation, chunked prefill
+mixed with decode in one flat batch, sampling, stop conditions, freeing.
+
+Admission reserves the KV a request can ever need (prompt + max_new_tokens), so a running request
+never runs out of pages and nothing needs preempting; a request that could never fit is rejected.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from sgl_dspark.srt.layers.sampler import Sampler, SamplingBatchInfo
+from sgl_dspark.srt.managers.req import Req
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    chunked_prefill_size: int = 512      # max prefill tokens per step (all requests)
+    max_running_requests: int = 64
+    eos_token_ids: tuple[int, ...] = ()
+
+
+class RequestRejected(ValueError):
+    """The request can never be served with this configuration (prompt too long, ...)."""
+
+
+class Scheduler:
+    def __init__(self, runner: ModelRunner, cfg: SchedulerConfig) -> None:
+        self.runner = runner
+        self.cfg = cfg
+        self.sampler = Sampler()
+        self.waiting: deque[Req] = deque()
+        self.running: list[Req] = []
+        self._reserved_pages = 0
+
+    # ---- admission -------------------------------------------------------------------------
+    def validate(self, req: Req) -> None:
+        """Raise RequestRejected when `req` can never run (checked before queueing)."""
+        total = len(req.prompt_ids) + req.params.max_new_tokens
+        ctx = self.runner.req_pool.max_context_len
+        if not req.prompt_ids:
+            raise RequestRejected("the prompt is empty")
+        if total > ctx:
+            raise RequestRejected(
+                f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
+                f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}")
+        if self._pages_for(total) > self.runner.allocator.num_usable_pages:
+            raise RequestRejected(f"request needs {total} tokens of KV, more than the pool holds")
+        vocab = self.runner.model_cfg.vocab_size
+        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+        if bad:
+            raise RequestRejected(f"token ids out of range [0, {vocab}): {bad[:5]}")
+
+    def add(self, req: Req) -> None:
+        self.validate(req)
+        self.waiting.append(req)
+
+    def _pages_for(self, tokens: int) -> int:
+        # + max_verify_tokens: speculative steps write a window past the committed length.
+        ps = self.runner.page_size
+        return -(-(tokens + self.runner.rc.max_verify_tokens) // ps)
+
+    def _admit(self) -> None:
+        alloc = self.runner.allocator
+        while self.waiting and len(self.running) < self.cfg.max_running_requests:
+            req = self.waiting[0]
+            pages = self._pages_for(len(req.prompt_ids) + req.params.max_new_tokens)
+            if self._reserved_pages + pages > alloc.num_usable_pages:
+                break  # wait for memory (FCFS: do not let later requests overtake)
+            if self.runner.req_pool.num_free_slots == 0:
+                break
+            self.waiting.popleft()
+            req.slot = self.runner.req_pool.alloc_slot()
+            req.reserved_tokens = pages * self.runner.page_size
+            self._reserved_pages += pages
+            self.running.append(req)
+
+    def release(self, req: Req) -> None:
+        if req.slot >= 0:
+            self.runner.req_pool.free_slot(req.slot)
+            self._reserved_pages -= req.reserved_tokens // self.runner.page_size
+            req.slot = -1
+        if req in self.running:
+            self.running.remove(req)
+
+    def abort(self, rid: str) -> Req | None:
+        for req in list(self.waiting):
+            if req.rid == rid:
+                self.waiting.remove(req)
+                req.finish_reason = {"type": "abort"}
+                return req
+        for req in self.running:
+            if req.rid == rid:
+                req.finish_reason = {"type": "abort"}
+                self.release(req)
+                return req
+        return None
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ---- one step --------------------------------------------------------------------------
+    def step(self) -> list[Req]:
+        """Run one forward over the running requests; return requests that finished."""
+        self._admit()
+        if not self.running:
+            return []
+        budget = self.cfg.chunked_prefill_size
+        work: list[tuple[Req, list[int]]] = []
+        for req in self.running:
+            if req.prefill_done:
+                work.append((req, req.next_input(1)))
+            elif budget > 0:
+                chunk = req.next_input(budget)
+                budget -= len(chunk)
+                work.append((req, chunk))
+        pool = self.runner.req_pool
+        for req, ids in work:
+            pool.reserve(req.slot, req.kv_len + len(ids))
+        # Logits only where a token is sampled: the last prompt token and every decode token.
+        rows = [[len(ids) - 1] if req.kv_len + len(ids) >= len(req.prompt_ids) else []
+                for req, ids in work]
+        mode = ForwardMode.DECODE if all(r.prefill_done for r, _ in work) else ForwardMode.EXTEND
+        batch = ForwardBatch.build(mode, [ids for _, ids in work], [r.kv_len for r, _ in work],
+                                   [r.slot for r, _ in work], pool.req_to_token, logits_rows=rows)
+        out = self.runner.forward(batch)
+        for req, ids in work:
+            req.kv_len += len(ids)
+        sampled = [req for (req, _), r in zip(work, rows) if r]
+        if sampled:
+            self._sample(sampled, out.logits)
+        finished = [r for r in self.running if r.finished]
+        for r in finished:
+            self.release(r)
+        return finished
+
+    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
+        info = SamplingBatchInfo.from_params([r.params for r in reqs], logits.shape[1],
+                                             logits.device,
+                                             counters=[len(r.output_ids) for r in reqs])
+        res = self.sampler(logits, info)
+        ids = res.next_token_ids.tolist()
+        lps = res.next_token_logprobs.tolist()
+        for req, tok, lp in zip(reqs, ids, lps):
+            self.append_tokens(req, [tok], [lp])
+
+    def append_tokens(self, req: Req, tokens: list[int], logprobs: list[float]) -> None:
+        """Append sampled tokens, stopping at the first stop condition (extra tokens dropped)."""
+        p = req.params
+        for tok, lp in zip(tokens, logprobs):
+            req.output_ids.append(tok)
+            req.output_logprobs.append(lp)
+            if not p.ignore_eos and tok in self.cfg.eos_token_ids:
+                req.finish_reason = {"type": "stop", "matched": tok}
+            elif tok in p.stop_token_ids:
+                req.finish_reason = {"type": "stop", "matched": tok}
+            elif req.detok is not None and req.detok.append([tok]).stop is not None:
+                req.finish_reason = {"type": "stop", "matched": req.detok.matched_stop}
+            if req.finish_reason is None and len(req.output_ids) >= p.max_new_tokens:
+                req.finish_reason = {"type": "length", "length": p.max_new_tokens}
+            if req.finish_reason is not None:
+                return

@@ -1,0 +1,208 @@
+"""K7 mHC post-combine: the references against HF transformers, the kernel against the references.
+
+Exactness: the stream update is elementwise with a fixed operand order, so Rs' must be bit-exact
+(fp32 and bf16, interpreter and GPU). The coefficients go through a split reduction, exp and
+sigmoid whose order/lowering differ from torch (X2 vs the torch chain), so they and everything
+derived from them (x_in, the normed input) are compared with a tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.kernels.mhc import (
+    MhcPostCombineOutput,
+    mhc_coeffs_ref,
+    mhc_collapse_ref,
+    mhc_post_combine,
+    mhc_post_combine_ref,
+    mhc_post_ref,
+    rms_norm_ref,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+BF16_ULP = 2.0**-7  # relative spacing of bf16 at the bottom of a binade
+
+
+def _make_inputs(m: int, n: int, d: int, dtype: torch.dtype, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    r = (2 + n) * n
+
+    def rnd(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return (torch.randn(*shape, generator=g) * scale).to(DEVICE)
+
+    return dict(
+        streams=rnd(m, n, d).to(dtype),
+        y=rnd(m, d).to(dtype),
+        post=(torch.rand(m, n, generator=g) * 2).to(DEVICE),
+        comb=torch.rand(m, n, n, generator=g).to(DEVICE),
+        fn=rnd(r, n * d, scale=0.05),
+        base=rnd(r, scale=0.5),
+        scale=(torch.rand(3, generator=g) + 0.5).to(DEVICE),
+        norm_weight=rnd(d).to(torch.float32),
+    )
+
+
+def _poisoned_out(m: int, n: int, d: int, dtype: torch.dtype) -> MhcPostCombineOutput:
+    def nan(*shape: int, dt: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.full(shape, float("nan"), dtype=dt, device=DEVICE)
+
+    return MhcPostCombineOutput(nan(m, n, d, dt=dtype), nan(m, n), nan(m, n), nan(m, n, n),
+                                nan(m, d, dt=dtype), nan(m, d, dt=dtype))
+
+
+def _assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
+    int_ty = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+    assert a.dtype == b.dtype and a.shape == b.shape
+    assert torch.equal(a.view(int_ty), b.view(int_ty)), (a - b).abs().max()
+
+
+def _assert_close_act(a: torch.Tensor, b: torch.Tensor) -> None:
+    """fp32: a few ulps. bf16: at most one bf16 ulp, and only rarely (an fp32 difference of ~1e-7
+    flips the rounding of a value sitting near a bf16 midpoint); truncating instead of rounding
+    would differ on about half of the values."""
+    assert not torch.isnan(a).any()
+    if a.dtype == torch.float32:
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+        return
+    torch.testing.assert_close(a.float(), b.float(), rtol=BF16_ULP, atol=1e-6)
+    assert (a != b).float().mean().item() < 0.02
+
+
+# ------------------------------------------------------------------------------------------------
+# References vs HF transformers (the parity target)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,iters,hc_eps", [(1, 1, 1e-6), (3, 3, 1e-2), (4, 20, 1e-6)])
+def test_coeffs_ref_matches_hf_hyper_connection(n: int, iters: int, hc_eps: float) -> None:
+    hf_cfg = pytest.importorskip("transformers.models.deepseek_v4.configuration_deepseek_v4")
+    hf_mod = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    d = 96
+    cfg = hf_cfg.DeepseekV4Config(hidden_size=d, hc_mult=n, hc_sinkhorn_iters=iters, hc_eps=hc_eps,
+                                  rms_norm_eps=1e-6)
+    hc = hf_mod.DeepseekV4HyperConnection(cfg)
+    inp = _make_inputs(6, n, d, torch.float32, seed=n)
+    with torch.no_grad():
+        hc.fn.copy_(inp["fn"].cpu())
+        hc.base.copy_(inp["base"].cpu())
+        hc.scale.copy_(inp["scale"].cpu())
+        streams = inp["streams"].cpu()
+        hf_post, hf_comb, hf_collapsed = hc(streams.unsqueeze(0))
+    pre, post, comb = mhc_coeffs_ref(streams, inp["fn"].cpu(), inp["base"].cpu(), inp["scale"].cpu(),
+                                     hc_eps=hc_eps, sinkhorn_iters=iters, rms_eps=1e-6)
+    torch.testing.assert_close(post, hf_post[0], rtol=0, atol=0)
+    torch.testing.assert_close(comb, hf_comb[0], rtol=0, atol=0)
+    torch.testing.assert_close(mhc_collapse_ref(streams, pre), hf_collapsed[0], rtol=1e-6, atol=1e-6)
+    # Sinkhorn ends on columns: they sum to ~1 (exactly 1 up to hc_eps).
+    assert torch.allclose(comb.sum(dim=-2), torch.ones(6, n), atol=n * hc_eps + 1e-5)
+
+
+def test_post_ref_matches_hf_decoder_update() -> None:
+    m, n, d = 5, 4, 160
+    inp = _make_inputs(m, n, d, torch.float32, seed=7)
+    streams, y, post, comb = (inp[k].cpu() for k in ("streams", "y", "post", "comb"))
+    # HF DeepseekV4DecoderLayer: post ⊗ y + comb^T @ streams.
+    hf = post.unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(comb.transpose(-1, -2), streams)
+    torch.testing.assert_close(mhc_post_ref(streams, y, post, comb), hf, rtol=1e-6, atol=1e-6)
+
+
+def test_rms_norm_ref_matches_hf() -> None:
+    hf_mod = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
+    norm = hf_mod.DeepseekV4RMSNorm(160, eps=1e-6)
+    x = torch.randn(7, 160, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(160))
+        expected = norm(x)
+    _assert_bits_equal(rms_norm_ref(x, norm.weight.detach(), 1e-6), expected)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel vs reference
+# ------------------------------------------------------------------------------------------------
+
+_KW = dict(hc_eps=1e-6, rms_eps=1e-6)
+
+
+@pytest.mark.parametrize(
+    "m,n,d,dtype,iters",
+    [
+        (1, 4, 96, torch.float32, 20),
+        (5, 4, 160, torch.bfloat16, 20),
+        (4, 1, 96, torch.bfloat16, 1),
+        (9, 2, 160, torch.float32, 3),
+        (37, 4, 96, torch.bfloat16, 3),
+        (3, 3, 96, torch.float32, 2),
+    ],
+)
+def test_kernel_matches_ref(m: int, n: int, d: int, dtype: torch.dtype, iters: int) -> None:
+    inp = _make_inputs(m, n, d, dtype, seed=100 * m + 10 * n + iters)
+    ref = mhc_post_combine_ref(**inp, sinkhorn_iters=iters, **_KW)
+    out = mhc_post_combine(**inp, sinkhorn_iters=iters, **_KW, out=_poisoned_out(m, n, d, dtype))
+    _assert_bits_equal(out.streams, ref.streams)
+    for name in ("pre", "post", "comb"):
+        got, want = getattr(out, name), getattr(ref, name)
+        assert not torch.isnan(got).any(), name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_close_act(out.x_in, ref.x_in)
+    _assert_close_act(out.x_normed, ref.x_normed)
+
+
+def test_kernel_large_magnitudes_and_hc_eps() -> None:
+    """Streams with large norms and a large hc_eps: the rsqrt scaling and eps placement matter."""
+    inp = _make_inputs(6, 4, 96, torch.float32, seed=11)
+    inp["streams"] = inp["streams"] * 300.0
+    inp["y"] = inp["y"] * 300.0
+    kw = dict(hc_eps=1e-2, sinkhorn_iters=5, rms_eps=1e-6)
+    ref = mhc_post_combine_ref(**inp, **kw)
+    out = mhc_post_combine(**inp, **kw)
+    _assert_bits_equal(out.streams, ref.streams)
+    torch.testing.assert_close(out.comb, ref.comb, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.x_normed, ref.x_normed, rtol=1e-5, atol=1e-5)
+
+
+def test_kernel_rows_do_not_depend_on_batch() -> None:
+    """Each row's result is a function of that row only (no tree depends on M or the grid)."""
+    inp = _make_inputs(7, 4, 160, torch.bfloat16, seed=5)
+    full = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
+    row = 5
+    single = mhc_post_combine(**{k: (v[row:row + 1] if v.shape[0] == 7 else v) for k, v in inp.items()},
+                              sinkhorn_iters=3, **_KW)
+    for a, b in zip(single, full):
+        _assert_bits_equal(a, b[row:row + 1].contiguous())
+
+
+def test_counters_are_left_zero_and_reusable() -> None:
+    inp = _make_inputs(9, 4, 96, torch.float32, seed=9)
+    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    first = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, counters=counters)
+    assert torch.equal(counters, torch.zeros_like(counters))
+    second = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, counters=counters)
+    for a, b in zip(first, second):
+        _assert_bits_equal(a, b)
+    assert torch.equal(counters, torch.zeros_like(counters))
+
+
+def test_empty_batch() -> None:
+    inp = _make_inputs(0, 4, 96, torch.bfloat16, seed=0)
+    out = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
+    shapes = [(0, 4, 96), (0, 4), (0, 4), (0, 4, 4), (0, 96), (0, 96)]
+    assert [tuple(t.shape) for t in out] == shapes
+
+
+@pytest.mark.parametrize(
+    "field,bad",
+    [
+        ("post", lambda t: t.to(torch.bfloat16)),
+        ("y", lambda t: t[:, :-1]),
+        ("fn", lambda t: t.t().contiguous()),
+        ("comb", lambda t: t.transpose(1, 2)),
+    ],
+)
+def test_bad_arguments_raise(field: str, bad) -> None:
+    inp = _make_inputs(2, 4, 96, torch.float32, seed=1)
+    inp[field] = bad(inp[field])
+    with pytest.raises(ValueError, match=field):
+        mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
+    with pytest.raises(ValueError, match="sinkhorn_iters"):
+        mhc_post_combine(**_make_inputs(2, 4, 96, torch.float32, seed=1), sinkhorn_iters=0, **_KW)

@@ -1,0 +1,348 @@
+"""Runtime acceptance (design dspark.md §2.4, §2.6): greedy, sampled, mixed, cap, finalisation,
+and distributional exactness (chi-square) -- including a detectably biased anticipating policy."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy import stats
+from sgl_dspark.srt.speculative.dspark.accept import (
+    accept_step,
+    greedy_accept,
+    sample_inverse_cdf,
+    sampled_accept,
+)
+from sgl_dspark.srt.speculative.dspark.planner import plan_algorithm1
+from sgl_dspark.srt.speculative.dspark.sampling import (
+    TOP_K_ALL,
+    draft_probs,
+    markov_sample,
+    target_probs,
+)
+from sgl_dspark.srt.speculative.dspark.sps import DiagonalSpsTable
+
+
+def _logits_with_argmax(chain: torch.Tensor, vocab: int, gen: torch.Generator) -> torch.Tensor:
+    """Random logits [B, W, V] whose row argmax equals ``chain`` [B, W]."""
+    logits = torch.randn((*chain.shape, vocab), generator=gen)
+    return logits.scatter(-1, chain.unsqueeze(-1), 10.0)
+
+
+# ---- greedy ---------------------------------------------------------------------------------
+def test_greedy_hand_cases():
+    gen = torch.Generator().manual_seed(0)
+    chain = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4], [1, 2, 3, 4], [9, 9, 9, 9]])
+    verify_ids = torch.tensor(
+        [
+            [0, 5, 6, 9],  # two matches, third differs -> n = 2, bonus t_2 = 7
+            [0, 5, 6, 7],  # all match -> n = 3, bonus t_3 = 8
+            [0, 1, 2, 3],  # would match all, but verify length 2 -> n = 1, bonus t_1 = 2
+            [0, 4, 2, 3],  # first mismatch -> n = 0, bonus t_0 = 1
+            [3, 9, 9, 9],  # padding row (verify length 0)
+        ]
+    )
+    verify_lens = torch.tensor([4, 4, 2, 4, 0])
+    seq_lens = torch.tensor([10, 20, 30, 40, 50])
+    logits = _logits_with_argmax(chain, 12, gen)
+    out = accept_step(verify_ids, verify_lens, seq_lens, logits, torch.ones(5, dtype=torch.bool))
+    assert out.accept_len.tolist() == [2, 3, 1, 0, 0]
+    assert out.commit_len.tolist() == [3, 4, 2, 1, 0]
+    assert out.bonus.tolist()[:4] == [7, 8, 2, 1]
+    assert out.out_tokens.tolist() == [
+        [5, 6, 7, -1],
+        [5, 6, 7, 8],
+        [1, 2, -1, -1],
+        [1, -1, -1, -1],
+        [-1, -1, -1, -1],
+    ]
+    assert out.next_anchor.tolist() == [7, 8, 2, 1, 3]
+    assert out.new_seq_lens.tolist() == [13, 24, 32, 41, 50]
+    assert out.cap_trim.tolist() == [0] * 5
+
+
+def _greedy_ref(verify_ids, verify_lens, chain):
+    lens, bonus = [], []
+    for ids, vlen, t in zip(verify_ids.tolist(), verify_lens.tolist(), chain.tolist()):
+        n = 0
+        while n + 1 < vlen and ids[n + 1] == t[n]:
+            n += 1
+        lens.append(n)
+        bonus.append(t[n])
+    return lens, bonus
+
+
+@pytest.mark.parametrize("batch, width, vocab", [(1, 1, 5), (8, 2, 4), (33, 6, 3), (64, 8, 5)])
+def test_greedy_random_ragged(batch, width, vocab):
+    gen = torch.Generator().manual_seed(batch * width)
+    chain = torch.randint(0, vocab, (batch, width), generator=gen)
+    verify_ids = torch.randint(0, vocab, (batch, width), generator=gen)
+    follow = torch.rand((batch, width), generator=gen) < 0.7  # make long matches common
+    verify_ids[:, 1:] = torch.where(follow[:, 1:], chain[:, :-1], verify_ids[:, 1:])
+    verify_lens = torch.randint(1, width + 1, (batch,), generator=gen)
+    n, bonus = greedy_accept(verify_ids, verify_lens, chain)
+    want_n, want_b = _greedy_ref(verify_ids, verify_lens, chain)
+    assert n.tolist() == want_n and bonus.tolist() == want_b
+
+
+# ---- sampled, against a per-row reference -------------------------------------------------------
+def _inverse_cdf_ref(dist: list[float], u: float) -> int:
+    total = sum(dist)
+    acc = 0.0
+    for i, p in enumerate(dist):
+        acc += p
+        if acc > u * total and p > 0:
+            return i
+    return max(i for i, p in enumerate(dist) if p > 0)
+
+
+def test_inverse_cdf():
+    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8], [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
+    for u in (0.0, 0.1, 0.2, 0.25, 0.5, 0.99, 0.9999999):
+        got = sample_inverse_cdf(probs, torch.full((3,), u)).tolist()
+        assert got == [_inverse_cdf_ref(row, u) for row in probs.tolist()]
+
+
+def _sampled_ref(verify_ids, verify_lens, p, q, coins, bonus_u):
+    lens, bonus = [], []
+    for b in range(verify_ids.shape[0]):
+        vlen, n = int(verify_lens[b]), 0
+        rejected = False
+        while n + 1 < vlen:
+            d = int(verify_ids[b, n + 1])
+            if float(coins[b, n]) * float(q[b, n, d]) < float(p[b, n, d]):
+                n += 1
+            else:
+                rejected = True
+                break
+        dist = p[b, n]
+        if rejected:
+            resid = (p[b, n] - q[b, n]).clamp(min=0)
+            dist = resid if float(resid.sum()) > 1e-8 else dist
+        lens.append(n)
+        bonus.append(_inverse_cdf_ref(dist.tolist(), float(bonus_u[b])))
+    return lens, bonus
+
+
+@pytest.mark.parametrize("batch, width, vocab", [(16, 1, 5), (40, 3, 6), (40, 6, 9)])
+def test_sampled_matches_reference(batch, width, vocab):
+    gen = torch.Generator().manual_seed(width)
+    p = torch.softmax(torch.randn((batch, width, vocab), generator=gen) * 2, -1)
+    q = torch.softmax(torch.randn((batch, max(width - 1, 1), vocab), generator=gen) * 2, -1)
+    verify_ids = torch.randint(0, vocab, (batch, width), generator=gen)
+    verify_lens = torch.randint(0, width + 1, (batch,), generator=gen)
+    coins = torch.rand((batch, max(width - 1, 1)), generator=gen)
+    bonus_u = torch.rand(batch, generator=gen)
+    n, bonus = sampled_accept(verify_ids, verify_lens, p, q, coins, bonus_u)
+    want_n, want_b = _sampled_ref(verify_ids, verify_lens, p, q, coins, bonus_u)
+    real = verify_lens > 0
+    assert n[real].tolist() == [x for x, r in zip(want_n, real.tolist()) if r]
+    assert bonus[real].tolist() == [x for x, r in zip(want_b, real.tolist()) if r]
+
+
+def test_mixed_batch_and_cap():
+    gen = torch.Generator().manual_seed(3)
+    batch, width, vocab = 24, 4, 5
+    logits = torch.randn((batch, width, vocab), generator=gen)
+    chain = torch.argmax(logits, -1)
+    verify_ids = torch.cat(
+        [torch.randint(0, vocab, (batch, 1), generator=gen), chain[:, :-1]], dim=1
+    )
+    verify_ids[::5, 2] = (verify_ids[::5, 2] + 1) % vocab  # some partial matches
+    greedy = torch.rand(batch, generator=gen) < 0.5
+    p = torch.softmax(logits, -1)
+    q = torch.softmax(torch.randn((batch, width - 1, vocab), generator=gen), -1)
+    coins, bonus_u = torch.rand((batch, width - 1), generator=gen), torch.rand(batch, generator=gen)
+    verify_lens, seq_lens = (
+        torch.full((batch,), width),
+        torch.randint(5, 50, (batch,), generator=gen),
+    )
+    cap = torch.randint(0, width, (batch,), generator=gen)
+    out = accept_step(
+        verify_ids, verify_lens, seq_lens, logits, greedy, p, q, coins, bonus_u, cap_lens=cap
+    )
+    g_n, g_b = greedy_accept(verify_ids, verify_lens, chain)
+    s_n, s_b = sampled_accept(verify_ids, verify_lens, p, q, coins, bonus_u)
+    raw_n = torch.where(greedy, g_n, s_n)
+    raw_b = torch.where(greedy, g_b, s_b)
+    assert out.accept_len.tolist() == torch.minimum(raw_n, cap).tolist()
+    assert out.cap_trim.tolist() == (raw_n - torch.minimum(raw_n, cap)).tolist()
+    for b in range(batch):
+        n = int(out.accept_len[b])
+        if raw_n[b] > cap[b]:  # trimmed: bonus is the accepted draft at the cap row
+            assert int(out.bonus[b]) == int(verify_ids[b, n + 1])
+            if greedy[b]:
+                assert int(out.bonus[b]) == int(chain[b, n])
+        else:
+            assert int(out.bonus[b]) == int(raw_b[b])
+        assert out.out_tokens[b, :n].tolist() == verify_ids[b, 1 : n + 1].tolist()
+        assert int(out.out_tokens[b, n]) == int(out.bonus[b])
+        assert (out.out_tokens[b, n + 1 :] == -1).all()
+    assert torch.equal(out.new_seq_lens, seq_lens + out.accept_len + 1)
+    assert trimmed_somewhere(raw_n, cap)
+
+
+def trimmed_somewhere(raw_n: torch.Tensor, cap: torch.Tensor) -> bool:
+    return bool((raw_n > cap).any())
+
+
+def test_no_host_sync_on_meta_tensors():
+    # Meta tensors have no data: any .item()/.tolist()/branch on values would raise.
+    m, batch, width, vocab = "meta", 3, 4, 7
+    ids = torch.empty((batch, width), dtype=torch.int64, device=m)
+    lens = torch.empty(batch, dtype=torch.int64, device=m)
+    probs = torch.empty((batch, width, vocab), device=m)
+    out = accept_step(
+        ids,
+        lens,
+        lens,
+        probs,
+        torch.empty(batch, dtype=torch.bool, device=m),
+        probs,
+        probs[:, 1:],
+        torch.empty((batch, width - 1), device=m),
+        torch.empty(batch, device=m),
+        cap_lens=lens,
+    )
+    assert out.out_tokens.shape == (batch, width) and out.out_tokens.device.type == "meta"
+
+
+# ---- distributional exactness -----------------------------------------------------------------
+VOCAB = 6
+
+
+class ToyModels:
+    """Target: Markov chain with next-token logits L[prev]; draft: a Markov head that disagrees."""
+
+    def __init__(self, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.target_logits = torch.randn((VOCAB, VOCAB), generator=gen) * 0.9
+        # Full-rank Markov head (W1 = I): the draft's next-token logits after p are
+        # M[p] = 0.5 L[p] + noise -- related to the target but often disagreeing with it.
+        draft_logits = 0.5 * self.target_logits + torch.randn((VOCAB, VOCAB), generator=gen) * 0.8
+        self.base = torch.randn((1, 2, VOCAB), generator=gen) * 0.2
+        self.w1 = torch.eye(VOCAB)
+        self.w2 = draft_logits.t().contiguous()
+        self.gen = gen
+
+    def target_dist(self, temp, top_k, top_p):
+        n = VOCAB
+        return target_probs(
+            self.target_logits.view(n, 1, n),
+            torch.full((n,), temp),
+            torch.full((n,), top_k),
+            torch.full((n,), top_p),
+        )[:, 0].double()
+
+    def step(self, anchors, temp, top_k, top_p, verify_lens_fn=None, cap=None):
+        """One speculative step (gamma = 2) from per-row anchors."""
+        n = anchors.shape[0]
+        temps = torch.full((n,), temp)
+        greedy = torch.zeros(n, dtype=torch.bool)
+        draft = markov_sample(
+            self.base.expand(n, 2, VOCAB),
+            self.w1,
+            self.w2,
+            anchors,
+            temps,
+            greedy,
+            generator=self.gen,
+        )
+        verify_ids = torch.cat([anchors.view(-1, 1), draft.drafts], dim=1)
+        logits = self.target_logits[verify_ids]  # row j scores the token after verify_ids[:, j]
+        p = target_probs(logits, temps, torch.full((n,), top_k), torch.full((n,), top_p))
+        q = draft_probs(draft.step_logits, temps, greedy, draft.drafts)
+        verify_lens = (
+            torch.full((n,), 3) if verify_lens_fn is None else verify_lens_fn(draft.drafts)
+        )
+        coins, bonus_u = torch.rand((n, 2), generator=self.gen), torch.rand(n, generator=self.gen)
+        return accept_step(
+            verify_ids,
+            verify_lens,
+            torch.zeros(n, dtype=torch.int64),
+            logits,
+            greedy,
+            p,
+            q,
+            coins,
+            bonus_u,
+            cap_lens=cap,
+        )
+
+
+def _chisquare_p(observed: torch.Tensor, expected_probs: torch.Tensor) -> float:
+    total = float(observed.sum())
+    expected = expected_probs.reshape(-1) * total
+    observed = observed.reshape(-1).double()
+    zero = expected < 1e-9
+    assert float(observed[zero].sum()) == 0, "a token with target probability 0 was committed"
+    assert float(expected[~zero].min()) >= 5, "chi-square needs >= 5 expected per cell"
+    obs, exp = observed[~zero].numpy(), expected[~zero].numpy()
+    return float(stats.chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+@pytest.mark.parametrize(
+    "temp, top_k, top_p, ragged",
+    [
+        (1.0, TOP_K_ALL, 1.0, False),
+        (0.7, TOP_K_ALL, 1.0, True),
+        (1.0, 4, 0.85, False),
+        (0.8, 3, 1.0, True),
+    ],
+)
+def test_committed_tokens_follow_target(temp, top_k, top_p, ragged):
+    n, anchor = 24_000, 2
+    models = ToyModels(seed=int(temp * 10) + top_k % 7)
+    anchors = torch.full((n,), anchor)
+    lens_fn = cap = None
+    if ragged:  # verify lengths / caps drawn independently of the drafts: non-anticipating
+        lens = torch.randint(1, 4, (n,), generator=models.gen)
+        lens_fn = lambda drafts: lens  # noqa: E731
+        cap = torch.randint(0, 3, (n,), generator=models.gen)
+    first = models.step(anchors, temp, top_k, top_p, lens_fn, cap)
+    t1 = first.out_tokens[:, 0]
+    second = models.step(t1, temp, top_k, top_p, lens_fn, cap)
+    t2 = torch.where(first.commit_len >= 2, first.out_tokens[:, 1], second.out_tokens[:, 0])
+    dist = models.target_dist(temp, top_k, top_p)
+    joint = dist[anchor].view(-1, 1) * dist  # p(t1) p(t2 | t1)
+    observed = torch.bincount(t1 * VOCAB + t2, minlength=VOCAB * VOCAB)
+    assert float((first.accept_len > 0).double().mean()) > 0.1  # drafts do get accepted...
+    assert float((first.accept_len < 2).double().mean()) > 0.2  # ...and rejected
+    assert _chisquare_p(observed, joint) > 0.01
+
+
+def test_anticipating_length_policy_is_biased():
+    # App. A: c1 = 0.8 from the context, c2 high only if x1 is in a favoured set. The global argmax
+    # without early stop verifies x1 only when x1 is favoured, which biases the committed token.
+    n, anchor, temp = 40_000, 2, 1.0
+    models = ToyModels(seed=99)
+    dist = models.target_dist(temp, TOP_K_ALL, 1.0)[anchor]
+    favoured = torch.zeros(VOCAB, dtype=torch.bool)
+    q1 = torch.softmax(models.base[0, 0] + models.w2 @ models.w1[anchor], -1)
+    favoured[torch.argmax(q1 - dist.float())] = True  # the draft over-proposes this token
+    c2 = torch.where(favoured, 0.9, 0.1)
+
+    def theta(table_vals, ell, c2_value):
+        tau = 1 + (0.8 if ell >= 1 else 0) + (0.8 * c2_value if ell >= 2 else 0)
+        return tau * table_vals[ell]
+
+    app_a = (1.0, 0.5, 0.45)
+
+    def biased_lens(drafts):
+        best = [max(range(3), key=lambda ell: theta(app_a, ell, float(c))) for c in (0.1, 0.9)]
+        return 1 + torch.where(c2[drafts[:, 0]] > 0.5, best[1], best[0])
+
+    table = DiagonalSpsTable((1, 2, 3), (1.0, 0.6, 0.45), 3)
+    alg1 = {c: plan_algorithm1([[0.8, c]], table).verify_lens[0] for c in (0.1, 0.9)}
+    assert alg1[0.1] != alg1[0.9] and min(alg1.values()) >= 2  # varied, but x1 always verified
+
+    def alg1_lens(drafts):
+        return torch.where(c2[drafts[:, 0]] > 0.5, alg1[0.9], alg1[0.1])
+
+    anchors = torch.full((n,), anchor)
+    biased = models.step(anchors, temp, TOP_K_ALL, 1.0, biased_lens)
+    fair = models.step(anchors, temp, TOP_K_ALL, 1.0, alg1_lens)
+    assert set(biased.commit_len.tolist()) >= {1, 3}
+    p_biased = _chisquare_p(torch.bincount(biased.out_tokens[:, 0], minlength=VOCAB), dist)
+    p_fair = _chisquare_p(torch.bincount(fair.out_tokens[:, 0], minlength=VOCAB), dist)
+    assert p_biased < 1e-6
+    assert p_fair > 0.01
