@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels.rope import rope_tail_ref
+
 FP4_GROUP = 32
 _HEAD_BLOCK = 16  # query heads per program in K10
 _MAX_HEAD_BLOCKS = 4  # the query scale layout has room for 4 × 16 = 64 heads
@@ -115,7 +117,7 @@ def fp4_fake_quant_ref(x: torch.Tensor) -> torch.Tensor:
 def _round_to_bf16(x):
     """fp32 -> nearest-even bf16 value kept in fp32 (the interpreter's cast truncates)."""
     bits = x.to(tl.uint32, bitcast=True)
-    bits = bits & 0xFFFF0000
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
@@ -276,22 +278,19 @@ class IndexQFp4Output(NamedTuple):
     fake_quant: torch.Tensor | None  # [T, Hi·Di] q's dtype: rotated, fake-quantised q (step 2)
 
 
-def rope_tail_ref(
+def index_q_rope_ref(
     x: torch.Tensor, cos_sin: torch.Tensor, positions: torch.Tensor, rope_dim: int
 ) -> torch.Tensor:
-    """Rotate the trailing rope_dim channels of x [T, H, Dh] by interleaved pairs (§3).
+    """K10 step 1: rotate the trailing rope_dim channels of x [T, H, Dh] by interleaved pairs
+    (§3, K13's rope_tail_ref) at each token's position.
 
     cos_sin: fp32 [max_pos, rope_dim/2, 2] (cos, sin); positions [T]; positions outside the table
     use entry 0. The rotation is computed in fp32 and cast to x's dtype.
     """
+    assert cos_sin.shape[1] * 2 == rope_dim, f"cos_sin {tuple(cos_sin.shape)}, rope_dim {rope_dim}"
     pos = positions.long()
     pos = torch.where((pos >= 0) & (pos < cos_sin.shape[0]), pos, 0)
-    cos = cos_sin[pos, :, 0].float().unsqueeze(1)
-    sin = cos_sin[pos, :, 1].float().unsqueeze(1)
-    tail = x[..., x.shape[-1] - rope_dim:].float()
-    a, b = tail[..., 0::2], tail[..., 1::2]
-    rotated = torch.stack([a * cos - b * sin, a * sin + b * cos], dim=-1).flatten(-2)
-    return torch.cat([x[..., : x.shape[-1] - rope_dim], rotated.to(x.dtype)], dim=-1)
+    return rope_tail_ref(x, cos_sin[pos, :, 0].float(), cos_sin[pos, :, 1].float())
 
 
 def index_q_rope_fp4_ref(
@@ -314,7 +313,7 @@ def index_q_rope_fp4_ref(
     """
     t = q.shape[0]
     head_dim = q.shape[1] // n_heads
-    x = rope_tail_ref(q.view(t, n_heads, head_dim), cos_sin, positions, rope_dim)
+    x = index_q_rope_ref(q.view(t, n_heads, head_dim), cos_sin, positions, rope_dim)
     fake_quant = fp4_fake_quant_ref(x)
     codes, exponents = fp4_quant_ref(fake_quant)
     scales = torch.zeros(t, 1, head_dim // FP4_GROUP, _HEAD_BLOCK, _MAX_HEAD_BLOCKS,
@@ -450,23 +449,25 @@ def index_q_rope_fp4(
                  f"weight_partials: expected contiguous fp32 [S>=1, {t}, {n_heads}]")
     g = head_dim // FP4_GROUP
     dev = q.device
-    shapes = IndexQFp4Output(
-        (t, n_heads, head_dim // 2), (t, 1, g, _HEAD_BLOCK, _MAX_HEAD_BLOCKS),
-        (t, n_heads), (t, width),
-    )
-    dtypes = IndexQFp4Output(torch.uint8, torch.uint8, q.dtype, q.dtype)
-    wanted = IndexQFp4Output(True, True, weight_partials is not None, return_fake_quant)
-    if out is None:
-        out = IndexQFp4Output(*[
-            torch.empty(shape, dtype=dt, device=dev) if want else None
-            for shape, dt, want in zip(shapes, dtypes, wanted)
-        ])
-    for name, buf, shape, dt, want in zip(out._fields, out, shapes, dtypes, wanted):
+    specs: list[tuple[tuple[int, ...], torch.dtype, bool]] = [  # (shape, dtype, wanted)
+        ((t, n_heads, head_dim // 2), torch.uint8, True),
+        ((t, 1, g, _HEAD_BLOCK, _MAX_HEAD_BLOCKS), torch.uint8, True),
+        ((t, n_heads), q.dtype, weight_partials is not None),
+        ((t, width), q.dtype, return_fake_quant),
+    ]
+    given: tuple[torch.Tensor | None, ...] = out if out is not None else (None,) * 4
+    bufs: list[torch.Tensor | None] = []
+    for name, buf, (shape, dt, want) in zip(IndexQFp4Output._fields, given, specs):
+        if want and buf is None and out is None:
+            buf = torch.empty(shape, dtype=dt, device=dev)
         if want:
             _require(buf is not None and tuple(buf.shape) == shape and buf.dtype == dt
                      and buf.is_contiguous() and buf.device == dev,
                      f"out.{name}: expected contiguous {dt} {shape} on {dev}")
-    out = IndexQFp4Output(*[buf if want else None for buf, want in zip(out, wanted)])
+        bufs.append(buf if want else None)
+    codes, scales, head_weights, fake_quant = bufs
+    assert codes is not None and scales is not None
+    out = IndexQFp4Output(codes, scales, head_weights, fake_quant)
     if t == 0:
         return out
     _index_q_rope_fp4_kernel[(t, _MAX_HEAD_BLOCKS)](

@@ -28,7 +28,8 @@ def load_shards(pattern: str, gamma: int | None = None) -> tuple[torch.Tensor, t
     paths = sorted(glob.glob(pattern))
     if not paths:
         raise ValueError(f"--data-glob {pattern!r} matches no file")
-    raws, masks = [], []
+    raws: list[torch.Tensor] = []
+    masks: list[torch.Tensor] = []
     for path in paths:
         shard = torch.load(path, map_location="cpu", weights_only=True)
         if not isinstance(shard, dict) or "raw" not in shard or "prefix_mask" not in shard:

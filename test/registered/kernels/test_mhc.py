@@ -89,11 +89,13 @@ def test_coeffs_ref_matches_hf_hyper_connection(n: int, iters: int, hc_eps: floa
         hc.scale.copy_(inp["scale"].cpu())
         streams = inp["streams"].cpu()
         hf_post, hf_comb, hf_collapsed = hc(streams.unsqueeze(0))
-    pre, post, comb = mhc_coeffs_ref(streams, inp["fn"].cpu(), inp["base"].cpu(), inp["scale"].cpu(),
+    fn, base, scale = inp["fn"].cpu(), inp["base"].cpu(), inp["scale"].cpu()
+    pre, post, comb = mhc_coeffs_ref(streams, fn, base, scale,
                                      hc_eps=hc_eps, sinkhorn_iters=iters, rms_eps=1e-6)
     torch.testing.assert_close(post, hf_post[0], rtol=0, atol=0)
     torch.testing.assert_close(comb, hf_comb[0], rtol=0, atol=0)
-    torch.testing.assert_close(mhc_collapse_ref(streams, pre), hf_collapsed[0], rtol=1e-6, atol=1e-6)
+    collapsed = mhc_collapse_ref(streams, pre)
+    torch.testing.assert_close(collapsed, hf_collapsed[0], rtol=1e-6, atol=1e-6)
     # Sinkhorn ends on columns: they sum to ~1 (exactly 1 up to hc_eps).
     assert torch.allclose(comb.sum(dim=-2), torch.ones(6, n), atol=n * hc_eps + 1e-5)
 
@@ -166,8 +168,8 @@ def test_kernel_rows_do_not_depend_on_batch() -> None:
     inp = _make_inputs(7, 4, 160, torch.bfloat16, seed=5)
     full = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
     row = 5
-    single = mhc_post_combine(**{k: (v[row:row + 1] if v.shape[0] == 7 else v) for k, v in inp.items()},
-                              sinkhorn_iters=3, **_KW)
+    one_row = {k: (v[row:row + 1] if v.shape[0] == 7 else v) for k, v in inp.items()}
+    single = mhc_post_combine(**one_row, sinkhorn_iters=3, **_KW)
     for a, b in zip(single, full):
         _assert_bits_equal(a, b[row:row + 1].contiguous())
 

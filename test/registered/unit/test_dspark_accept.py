@@ -139,6 +139,14 @@ def test_sampled_matches_reference(batch, width, vocab):
     assert bonus[real].tolist() == [x for x, r in zip(want_b, real.tolist()) if r]
 
 
+def test_out_of_vocab_draft_is_rejected():
+    p = torch.full((2, 3, 4), 0.25)
+    q = torch.full((2, 2, 4), 0.25)
+    verify_ids = torch.tensor([[1, 2, -1], [1, 7, 2]])  # -1 / 7 are not tokens
+    n, _ = sampled_accept(verify_ids, torch.tensor([3, 3]), p, q, torch.zeros(2, 2), torch.zeros(2))
+    assert n.tolist() == [1, 0]
+
+
 def test_mixed_batch_and_cap():
     gen = torch.Generator().manual_seed(3)
     batch, width, vocab = 24, 4, 5

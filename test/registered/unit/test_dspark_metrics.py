@@ -60,6 +60,8 @@ def test_summary_matches_direct_computation():
         assert summary.prefix_survival[k - 1] == (
             pytest.approx(sum(1 for ell, n, _ in rows if n >= k) / reached) if reached else None
         )
+    assert summary.mean_extras == {"budget": 3.0}
+    assert summary.block_accept_length == summary.accept_length  # no cap-accept trimming
     assert summary.mean_timing_ms["draft"] == pytest.approx(sum(1.0 + s for s in range(40)) / 40)
     per_request = metrics.request_metrics()
     for rid in {r for _, _, r in rows}:
@@ -103,3 +105,13 @@ def test_record_step_has_no_host_sync():
         request_ids=list("abcde"),
     )
     assert metrics._totals.device.type == "meta"
+
+
+def test_cap_trim_gives_block_accept_length():
+    metrics = DSparkMetrics(gamma=4)
+    metrics.record_step(
+        torch.tensor([5, 5, 0]), torch.tensor([1, 2, 0]), cap_trim=torch.tensor([2, 0, 3])
+    )
+    summary = metrics.summary()
+    assert summary.accept_length == pytest.approx((2 + 3) / 2)
+    assert summary.block_accept_length == pytest.approx((4 + 3) / 2)  # padding row ignored

@@ -13,6 +13,7 @@ from sgl_dspark.srt.speculative.dspark.planner import (
     ConfidenceRelay,
     align_budget_to_graph_tier,
     allocate_verify_lengths,
+    budget_from_relay,
     compute_verify_budget,
     full_verify_lengths,
     order_candidates,
@@ -254,6 +255,12 @@ def test_allocation_without_mask_and_full_lengths():
     assert allocate_verify_lengths(conf, 0).tolist() == [1, 1]
     assert allocate_verify_lengths(conf, 100).tolist() == [4, 4]
     assert full_verify_lengths(3, 5).tolist() == [6, 6, 6]
+    # No lagged budget (relay not ready): verify all, padding rows still 0.
+    assert allocate_verify_lengths(conf, None).tolist() == [4, 4]
+    assert allocate_verify_lengths(conf, None, row_valid=torch.tensor([True, False])).tolist() == [
+        4,
+        0,
+    ]
 
 
 def test_align_budget_to_graph_tier():
@@ -302,3 +309,15 @@ def test_allocation_has_no_host_sync():
         conf, budget, row_valid=torch.empty(6, dtype=torch.bool, device="meta")
     )
     assert lens.shape == (6,) and lens.device.type == "meta"
+
+
+def test_budget_from_relay():
+    table = DiagonalSpsTable((1, 2, 4, 8), (10.0, 9.0, 6.0, 3.0), 8)
+    relay = ConfidenceRelay(num_slots=3, gamma=3, lag=2)
+    conf = torch.tensor([[0.9, 0.8, 0.3], [0.6, 0.5, 0.9]])
+    relay.publish(torch.tensor([0, 1]), torch.tensor([1, 1]), conf)
+    assert budget_from_relay(relay, [0, 1], [1, 1], table) is None  # verify all
+    relay.publish(torch.tensor([0, 1]), torch.tensor([1, 1]), torch.rand(2, 3))
+    got = budget_from_relay(relay, [0, 1], [1, 1], table)
+    survival = _survival(conf.tolist())
+    assert got is not None and got.budget == _budget_ref(table, survival)[0]

@@ -75,6 +75,11 @@ def test_generator_reproducible():
     noise = gumbel_noise((4, 3, 20), torch.Generator().manual_seed(9))
     c = markov_sample(base, w1, w2, anchors, temperature, greedy, noise=noise)
     assert torch.equal(a.drafts, b.drafts) and torch.equal(a.drafts, c.drafts)
+    # The all-greedy hint gives the same drafts as greedy rows with noise present.
+    all_g = torch.ones(4, dtype=torch.bool)
+    d = markov_sample(base, w1, w2, anchors, temperature, all_g, all_greedy=True)
+    e = markov_sample(base, w1, w2, anchors, temperature, all_g, noise=noise)
+    assert torch.equal(d.drafts, e.drafts) and torch.equal(d.step_logits, e.step_logits)
 
 
 def test_gumbel_max_follows_softmax():

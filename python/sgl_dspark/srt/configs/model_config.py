@@ -375,7 +375,7 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
         rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
         hidden_act=hidden_act,
         q_head_norm=bool(get("q_head_norm", not is_v41)),
-        hc_pre_from_prev_sublayer=bool(get("hc_pre_from_prev_sublayer", False)),
+        hc_pre_from_prev_sublayer=bool(get("hc_pre_from_prev_sublayer", is_v41)),
         tie_word_embeddings=bool(get("tie_word_embeddings", False)),
         bos_token_id=raw.get("bos_token_id", 0),
         eos_token_ids=eos_ids,

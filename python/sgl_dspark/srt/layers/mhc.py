@@ -26,7 +26,7 @@ class HyperConnection(nn.Module):
     def coeffs(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams `[T, n, D]` -> pre `[T, n]`, post `[T, n]`, comb `[T, n, n]` (all fp32)."""
         n = self.hc_mult
-        u = rms_norm(streams.reshape(streams.shape[0], -1).float(), None, self.rms_eps)
+        u = rms_norm(streams.flatten(1).float(), None, self.rms_eps)
         mix = u @ self.fn.float().t()
         pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
@@ -68,6 +68,6 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        u = rms_norm(streams.reshape(streams.shape[0], -1).float(), None, self.rms_eps)
+        u = rms_norm(streams.flatten(1).float(), None, self.rms_eps)
         pre = torch.sigmoid((u @ self.hc_fn.float().t()) * self.hc_scale.float() + self.hc_base.float())
         return hc_collapse(streams, pre + self.hc_eps)

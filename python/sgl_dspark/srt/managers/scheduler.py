@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -26,6 +27,11 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512      # max prefill tokens per step (all requests)
     max_running_requests: int = 64
     eos_token_ids: tuple[int, ...] = ()
+
+
+class StepResult(NamedTuple):
+    updated: list[Req]
+    finished: list[Req]
 
 
 class RequestRejected(ValueError):
@@ -109,11 +115,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------
-    def step(self) -> list[Req]:
-        """Run one forward over the running requests; return requests that finished."""
+    def step(self) -> StepResult:
+        """Run one forward over the running requests.
+
+        Returns the requests that received new output tokens this step (`updated`, in batch
+        order) and those that finished (a subset of `updated`, already released)."""
         self._admit()
         if not self.running:
-            return []
+            return StepResult([], [])
         budget = self.cfg.chunked_prefill_size
         work: list[tuple[Req, list[int]]] = []
         for req in self.running:
@@ -141,7 +150,7 @@ class Scheduler:
         finished = [r for r in self.running if r.finished]
         for r in finished:
             self.release(r)
-        return finished
+        return StepResult(sampled, finished)
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
         info = SamplingBatchInfo.from_params([r.params for r in reqs], logits.shape[1],

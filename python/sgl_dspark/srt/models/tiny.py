@@ -9,6 +9,7 @@ import torch
 from sgl_dspark.srt.configs.model_config import ModelConfig
 
 TINY_MODEL_NAME = "tiny"
+_PRINTABLE = (7 + 32, 7 + 127)  # byte-tokenizer ids of bytes 0x20..0x7e
 _S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 TINY_HF_CONFIG: dict = {
@@ -60,7 +61,11 @@ def tiny_weights(cfg: ModelConfig, names_and_shapes: list[tuple[str, tuple[int, 
         elif name.endswith("e_score_correction_bias"):
             t = 0.05 * torch.randn(shape, generator=g)
         elif name == "lm_head.weight":
+            # Printable ASCII bytes (ids 39..133 in the byte tokenizer) get the widest rows so the
+            # demo prints readable (if meaningless) text.
             t = torch.randn(shape, generator=g)
+            t[: _PRINTABLE[0]] *= 0.3
+            t[_PRINTABLE[1]:] *= 0.3
         else:
             t = 0.02 * torch.randn(shape, generator=g)
         out.append((name, t))

@@ -98,11 +98,14 @@ def sampled_accept(
         accept_len = torch.zeros(batch, dtype=torch.int64, device=verify_ids.device)
         return accept_len, sample_inverse_cdf(target_probs[:, 0], bonus_uniforms)
     q = draft_probs[:, : width - 1]
-    # Ids past a row's verify length may be fill values; clamp so the gathers stay in range.
-    drafts = drafts.clamp(0, target_probs.shape[-1] - 1)
-    p_draft = target_probs[:, : width - 1].gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    q_draft = q.gather(-1, drafts.unsqueeze(-1)).squeeze(-1)
-    accepted = (coins[:, : width - 1].float() * q_draft < p_draft) & in_window
+    # Ids past a row's verify length may be fill values: clamp for the gathers, and never accept
+    # an out-of-vocab id inside the window.
+    vocab = target_probs.shape[-1]
+    in_vocab = (drafts >= 0) & (drafts < vocab)
+    safe = drafts.clamp(0, vocab - 1).unsqueeze(-1)
+    p_draft = target_probs[:, : width - 1].gather(-1, safe).squeeze(-1)
+    q_draft = q.gather(-1, safe).squeeze(-1)
+    accepted = (coins[:, : width - 1].float() * q_draft < p_draft) & in_window & in_vocab
     accept_len = _leading_true_count(accepted)
     rejected = accept_len < verify_lens - 1
     p_row = target_probs[rows, accept_len]

@@ -28,6 +28,7 @@ _TOTAL_FIELDS = (
     "correct_drafts",
     "committed_tokens",
     "verify_tokens",
+    "block_committed_tokens",
 )
 
 
@@ -71,9 +72,11 @@ class MetricsSummary:
     accept_rate: float  # correct / verified drafts
     accept_rate_per_gamma: float  # correct / (request-steps * gamma)
     mean_verify_len: float  # scheduled length incl. anchor
+    block_accept_length: float  # accept length before cap-accept trimming
     conditional_acceptance: tuple[float | None, ...]
     prefix_survival: tuple[float | None, ...]
-    mean_timing_ms: dict[str, float]
+    mean_timing_ms: dict[str, float]  # over the kept step records
+    mean_extras: dict[str, float]  # over the kept step records
 
 
 def _resolve_ms(value: TimeValue) -> float:
@@ -81,6 +84,16 @@ def _resolve_ms(value: TimeValue) -> float:
         start, end = value
         return float(start.elapsed_time(end))
     return float(value)
+
+
+def _means(records: list[dict[str, float]]) -> dict[str, float]:
+    sums: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    for record in records:
+        for key, value in record.items():
+            sums[key] = sums.get(key, 0.0) + value
+            counts[key] = counts.get(key, 0) + 1
+    return {key: sums[key] / counts[key] for key in sums}
 
 
 def _ratio(num: int, den: int) -> float | None:
@@ -115,6 +128,7 @@ class DSparkMetrics:
         padded_verify_tokens: int | None = None,
         timing: Mapping[str, TimeValue] | None = None,
         extras: Mapping[str, float] | None = None,
+        cap_trim: torch.Tensor | None = None,
     ) -> None:
         """Record one decode step without a host sync.
 
@@ -126,13 +140,16 @@ class DSparkMetrics:
             timing: host milliseconds or (start, end) CUDA event pairs, e.g. "draft", "verify",
                 "step", "host" -- events are resolved lazily, after they have completed.
             extras: host scalars to average (budget, predicted theta, width, ...).
+            cap_trim: optional [B] drafts removed by cap-accept; gives the uncapped block
+                accept length.
         """
         mask = (verify_lens > 0) if row_mask is None else row_mask.to(torch.bool)
         m = mask.to(torch.int64)
         drafts = (verify_lens.to(torch.int64) - 1).clamp(min=0) * m
         n = accept_lens.to(torch.int64) * m
+        trim = torch.zeros_like(n) if cap_trim is None else cap_trim.to(torch.int64) * m
         per_request = torch.stack(
-            [m, drafts, n, (n + 1) * m, verify_lens.to(torch.int64) * m], dim=0
+            [m, drafts, n, (n + 1) * m, verify_lens.to(torch.int64) * m, (n + trim + 1) * m]
         )
         step_totals = per_request.sum(dim=1)
         self._totals += step_totals
@@ -166,7 +183,11 @@ class DSparkMetrics:
         totals = torch.stack([s[0] for s in self._steps]).tolist()
         return [
             StepRecord(
-                *vals,
+                request_steps=vals[0],
+                verified_drafts=vals[1],
+                correct_drafts=vals[2],
+                committed_tokens=vals[3],
+                verify_tokens=vals[4],
                 padded_verify_tokens=padded,
                 timing_ms={k: _resolve_ms(v) for k, v in timing.items()},
                 extras=extras,
@@ -191,14 +212,8 @@ class DSparkMetrics:
 
     def summary(self) -> MetricsSummary:
         """Aggregate over every recorded step since the last ``reset``. Syncs with the device."""
-        req, verified, correct, committed, verify_tokens = self._totals.tolist()
+        req, verified, correct, committed, verify_tokens, block = self._totals.tolist()
         num, den, reached, survived = self._positions.tolist()
-        timing_sum: dict[str, float] = {}
-        timing_cnt: dict[str, int] = {}
-        for _, _, timing, _ in self._steps:
-            for key, value in timing.items():
-                timing_sum[key] = timing_sum.get(key, 0.0) + _resolve_ms(value)
-                timing_cnt[key] = timing_cnt.get(key, 0) + 1
         return MetricsSummary(
             num_steps=self._num_steps,
             request_steps=req,
@@ -210,7 +225,11 @@ class DSparkMetrics:
             accept_rate=correct / verified if verified else 0.0,
             accept_rate_per_gamma=correct / (req * self.gamma) if req else 0.0,
             mean_verify_len=verify_tokens / req if req else 0.0,
+            block_accept_length=block / req if req else 0.0,
             conditional_acceptance=tuple(_ratio(a, b) for a, b in zip(num, den)),
             prefix_survival=tuple(_ratio(a, b) for a, b in zip(survived, reached)),
-            mean_timing_ms={k: timing_sum[k] / timing_cnt[k] for k in timing_sum},
+            mean_timing_ms=_means(
+                [{k: _resolve_ms(v) for k, v in t.items()} for *_, t, _ in self._steps]
+            ),
+            mean_extras=_means([extras for *_, extras in self._steps]),
         )

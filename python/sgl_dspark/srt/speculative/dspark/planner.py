@@ -131,6 +131,21 @@ def compute_verify_budget(
     return BudgetResult(best, float(theta[best]))
 
 
+def budget_from_relay(
+    relay: ConfidenceRelay,
+    slot_ids: Sequence[int],
+    generations: Sequence[int],
+    table: SpsTable,
+    eps: float = VALID_SURVIVAL_EPS,
+) -> BudgetResult | None:
+    """Budget for the next step from the relay's lagged snapshot; None (= verify all) when the
+    snapshot is not available yet."""
+    survival = relay.lagged_survival(slot_ids, generations)
+    if survival is None:
+        return None
+    return compute_verify_budget(survival, table, eps)
+
+
 def align_budget_to_graph_tier(
     budget: int, num_requests: int, gamma: int, token_tiers: Sequence[int]
 ) -> int:
@@ -145,7 +160,7 @@ def align_budget_to_graph_tier(
 
 def allocate_verify_lengths(
     confidence: torch.Tensor,
-    budget: torch.Tensor | int,
+    budget: torch.Tensor | int | None,
     row_valid: torch.Tensor | None = None,
     eps: float = VALID_SURVIVAL_EPS,
 ) -> torch.Tensor:
@@ -155,12 +170,18 @@ def allocate_verify_lengths(
 
     Args:
         confidence: [B, gamma] float, current step confidences.
-        budget: K, a Python int or a 0-d/[1] integer tensor on the same device.
+        budget: K, a Python int or a 0-d/[1] integer tensor on the same device; None (no lagged
+            budget: relay not ready) verifies every request's full window.
         row_valid: optional [B] bool; False marks padding rows (no candidates, verify length 0).
     Returns:
         [B] int64 verify lengths, 1 + l_r in [1, gamma+1] for real rows, 0 for padding rows.
     """
     batch, gamma = confidence.shape
+    if budget is None:
+        verify_lens = full_verify_lengths(batch, gamma, confidence.device)
+        if row_valid is not None:
+            verify_lens = torch.where(row_valid, verify_lens, torch.zeros_like(verify_lens))
+        return verify_lens
     survival = torch.nan_to_num(torch.cumprod(confidence.float(), dim=1), nan=0.0)
     valid = survival >= eps
     if row_valid is not None:
@@ -267,6 +288,7 @@ __all__ = [
     "ConfidenceRelay",
     "align_budget_to_graph_tier",
     "allocate_verify_lengths",
+    "budget_from_relay",
     "compute_verify_budget",
     "full_verify_lengths",
     "order_candidates",

@@ -50,6 +50,7 @@ def markov_sample(
     greedy: torch.Tensor,
     noise: torch.Tensor | None = None,
     generator: torch.Generator | None = None,
+    all_greedy: bool = False,
 ) -> MarkovSampleOutput:
     """Sequential Markov-head sampling of gamma drafts per request.
 
@@ -59,15 +60,16 @@ def markov_sample(
         anchors: [B] int64, prev_1 (the last committed-but-unverified token).
         temperature: [B] per-row temperature (clamped >= 1e-5); greedy: [B] bool.
         noise: optional Gumbel noise [B, gamma, V]; else drawn from ``generator``.
+        all_greedy: host hint that every row is greedy (skips drawing and adding noise).
     Returns:
         drafts x [B, gamma] (x_k = argmax z_k for greedy rows, argmax z_k / T + G_k otherwise,
         an exact sample of softmax(z_k / T)), step logits z [B, gamma, V] fp32 and the Markov
         embeddings e [B, gamma, r] the confidence head consumes.
     """
     batch, gamma, vocab = base_logits.shape
-    if noise is None:
+    if noise is None and not all_greedy:
         noise = gumbel_noise((batch, gamma, vocab), generator, base_logits.device)
-    inv_temp = 1.0 / temperature.float().clamp(min=MIN_TEMPERATURE)
+    temp = temperature.float().clamp(min=MIN_TEMPERATURE).view(batch, 1)
     drafts = torch.empty((batch, gamma), dtype=torch.int64, device=base_logits.device)
     step_logits = torch.empty((batch, gamma, vocab), dtype=torch.float32, device=base_logits.device)
     embeds = torch.empty((batch, gamma, w1.shape[1]), dtype=w1.dtype, device=base_logits.device)
@@ -75,8 +77,10 @@ def markov_sample(
     for k in range(gamma):
         e = w1[prev]
         z = base_logits[:, k].float() + torch.matmul(e.to(w2.dtype), w2.t()).float()
-        sampled = torch.argmax(z * inv_temp.view(batch, 1) + noise[:, k].float(), dim=-1)
-        x = torch.where(greedy, torch.argmax(z, dim=-1), sampled)
+        x = torch.argmax(z, dim=-1)
+        if noise is not None:
+            sampled = torch.argmax(z / temp + noise[:, k].float(), dim=-1)
+            x = torch.where(greedy, x, sampled)
         drafts[:, k] = x
         step_logits[:, k] = z
         embeds[:, k] = e
