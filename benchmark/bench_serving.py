@@ -31,9 +31,15 @@ import httpx
 import numpy as np
 from tqdm.asyncio import tqdm
 
-from benchmark.serving.client import BACKENDS, RequestResult, RequestSpec, first_model_id, send_request
+from benchmark.serving.client import (
+    BACKENDS,
+    RequestResult,
+    RequestSpec,
+    first_model_id,
+    send_request,
+)
 from benchmark.serving.datasets import gsm8k_requests, random_requests
-from benchmark.serving.metrics import gauge_mean, summarize
+from benchmark.serving.metrics import gauge_mean, json_safe, summarize
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +68,7 @@ class BenchConfig:
     max_concurrency: int | None = 1
     request_rate: float = math.inf
     seed: int = 0
+    prompt_offset: int = 0  # first GSM8K question used (random prompts vary with `seed`)
     warmup_requests: int = 1
     stream: bool = True
     scrape_metrics: bool = True
@@ -95,6 +102,7 @@ def build_requests(cfg: BenchConfig) -> list[RequestSpec]:
             train_path=cfg.train_path,
             num_shots=cfg.num_shots,
             ignore_eos=bool(cfg.ignore_eos),
+            offset=cfg.prompt_offset,
         )
     tokenizer = None
     if cfg.tokenizer:
@@ -123,7 +131,9 @@ async def _scrape_accept(client: httpx.AsyncClient, cfg: BenchConfig) -> float |
     return gauge_mean(resp.text, cfg.accept_gauge) if resp.status_code == 200 else None
 
 
-async def run_benchmark_async(cfg: BenchConfig, specs: list[RequestSpec] | None = None) -> dict[str, Any]:
+async def run_benchmark_async(
+    cfg: BenchConfig, specs: list[RequestSpec] | None = None
+) -> dict[str, Any]:
     """Runs warm-up, then all requests under the concurrency / rate limits; returns the summary
     (`benchmark.serving.metrics.summarize`) plus `accept_length_metrics` and the config."""
     cfg.validate()
@@ -135,7 +145,9 @@ async def run_benchmark_async(cfg: BenchConfig, specs: list[RequestSpec] | None 
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
         model = cfg.model or await first_model_id(client, cfg.base_url)
         for i in range(cfg.warmup_requests):
-            warm = dataclasses.replace(specs[i % len(specs)], output_len=min(16, specs[0].output_len))
+            warm = dataclasses.replace(
+                specs[i % len(specs)], output_len=min(16, specs[0].output_len)
+            )
             res = await send_request(client, cfg.base_url, cfg.backend, model, warm, cfg.stream)
             if not res.ok:
                 raise RuntimeError(f"warm-up request failed: {res.error}")
@@ -176,29 +188,36 @@ def run_benchmark(cfg: BenchConfig, specs: list[RequestSpec] | None = None) -> d
 
 def format_summary(s: dict[str, Any]) -> str:
     """A short human-readable block for one run."""
+
     def pct(d: dict[str, float]) -> str:
         return f"mean {d['mean']:.2f}  p50 {d['p50']:.2f}  p90 {d['p90']:.2f}  p99 {d['p99']:.2f}"
 
     accept = s["accept_length"]
     gauge = s["accept_length_metrics"]
-    return "\n".join([
-        f"== concurrency {s['max_concurrency']}, rate {s['request_rate']} ==",
-        f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s",
-        f"output tok/s {s['output_throughput']:.2f}  (input tok/s {s['input_throughput']:.2f})",
-        f"tok/s/user   {pct(s['tok_per_s_per_user'])}",
-        f"TTFT ms      {pct(s['ttft_ms'])}",
-        f"TPOT ms      {pct(s['tpot_ms'])}",
-        f"ITL ms       {pct(s['itl_ms'])}",
-        f"accept len   responses {accept if accept is None else f'{accept:.3f}'}  "
-        f"/metrics {gauge if gauge is None else f'{gauge:.3f}'}",
-    ])
+    return "\n".join(
+        [
+            f"== concurrency {s['max_concurrency']}, rate {s['request_rate']} ==",
+            f"completed {s['completed']}  failed {s['failed']}  duration {s['duration_s']:.2f} s",
+            f"output tok/s {s['output_throughput']:.2f}  (input tok/s {s['input_throughput']:.2f})",
+            f"tok/s/user   {pct(s['tok_per_s_per_user'])}",
+            f"TTFT ms      {pct(s['ttft_ms'])}",
+            f"TPOT ms      {pct(s['tpot_ms'])}",
+            f"ITL ms       {pct(s['itl_ms'])}",
+            f"accept len   responses {accept if accept is None else f'{accept:.3f}'}  "
+            f"/metrics {gauge if gauge is None else f'{gauge:.3f}'}",
+        ]
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", required=True, help="e.g. http://127.0.0.1:30000")
     p.add_argument("--backend", choices=BACKENDS, default="sglang")
-    p.add_argument("--model", default=None, help="model name for OpenAI routes (default: first of /v1/models)")
+    p.add_argument(
+        "--model", default=None, help="model name for OpenAI routes (default: first of /v1/models)"
+    )
     p.add_argument("--dataset", choices=["random", "gsm8k"], default="random")
     p.add_argument("--dataset-path", default=None, help="GSM8K test .jsonl for --dataset gsm8k")
     p.add_argument("--train-path", default=None, help="GSM8K train .jsonl for --num-shots > 0")
@@ -206,14 +225,23 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-prompts", type=int, default=None, help="default: max(8, 4 x concurrency)")
     p.add_argument("--input-len", type=int, default=1024)
     p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--range-ratio", type=float, default=1.0, help="lengths uniform in [ratio*len, len]")
+    p.add_argument(
+        "--range-ratio", type=float, default=1.0, help="lengths uniform in [ratio*len, len]"
+    )
     p.add_argument("--token-range", type=int, nargs=2, default=[10, 1000], metavar=("LOW", "HIGH"))
     p.add_argument("--tokenizer", default=None, help="HF tokenizer for text prompts (chat backend)")
-    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                   help="force output-len tokens (default: on for random, off for gsm8k)")
-    p.add_argument("--max-concurrency", type=int, nargs="+", default=[1],
-                   help="one run per level, e.g. 1 8 32")
-    p.add_argument("--request-rate", type=float, default=math.inf, help="Poisson req/s (default: inf)")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="force output-len tokens (default: on for random, off for gsm8k)",
+    )
+    p.add_argument(
+        "--max-concurrency", type=int, nargs="+", default=[1], help="one run per level, e.g. 1 8 32"
+    )
+    p.add_argument(
+        "--request-rate", type=float, default=math.inf, help="Poisson req/s (default: inf)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--no-stream", action="store_true")
@@ -231,21 +259,36 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     runs = []
     for conc in args.max_concurrency:
         cfg = BenchConfig(
-            base_url=args.base_url, backend=args.backend, model=args.model, dataset=args.dataset,
-            dataset_path=args.dataset_path, train_path=args.train_path, num_shots=args.num_shots,
-            num_prompts=args.num_prompts or max(8, 4 * conc), input_len=args.input_len,
-            output_len=args.output_len, range_ratio=args.range_ratio,
-            token_range=tuple(args.token_range), tokenizer=args.tokenizer,
-            ignore_eos=args.ignore_eos, max_concurrency=conc, request_rate=args.request_rate,
-            seed=args.seed, warmup_requests=args.warmup_requests, stream=not args.no_stream,
-            scrape_metrics=not args.no_metrics, accept_gauge=args.accept_gauge,
+            base_url=args.base_url,
+            backend=args.backend,
+            model=args.model,
+            dataset=args.dataset,
+            dataset_path=args.dataset_path,
+            train_path=args.train_path,
+            num_shots=args.num_shots,
+            num_prompts=args.num_prompts or max(8, 4 * conc),
+            input_len=args.input_len,
+            output_len=args.output_len,
+            range_ratio=args.range_ratio,
+            token_range=tuple(args.token_range),
+            tokenizer=args.tokenizer,
+            ignore_eos=args.ignore_eos,
+            max_concurrency=conc,
+            request_rate=args.request_rate,
+            seed=args.seed,
+            warmup_requests=args.warmup_requests,
+            stream=not args.no_stream,
+            scrape_metrics=not args.no_metrics,
+            accept_gauge=args.accept_gauge,
             progress=not args.disable_progress,
         )
         summary = run_benchmark(cfg)
         print(format_summary(summary), flush=True)
         runs.append(summary)
     if args.output_file:
-        Path(args.output_file).write_text(json.dumps({"runs": runs}, indent=2, default=str))
+        Path(args.output_file).write_text(
+            json.dumps(json_safe({"runs": runs}), indent=2, default=str)
+        )
     return runs
 
 

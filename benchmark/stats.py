@@ -13,8 +13,8 @@ The tests check every number here against scipy.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
@@ -158,7 +158,9 @@ def _paired_diffs(baseline: Sequence[float], candidate: Sequence[float]) -> np.n
     a = np.asarray(baseline, dtype=np.float64)
     b = np.asarray(candidate, dtype=np.float64)
     if a.shape != b.shape or a.ndim != 1:
-        raise ValueError(f"baseline and candidate must be 1-D and equally long, got {a.shape} and {b.shape}")
+        raise ValueError(
+            f"baseline and candidate must be 1-D and equally long, got {a.shape} and {b.shape}"
+        )
     if a.size < 2:
         raise ValueError(f"need at least 2 pairs for a paired test, got {a.size}")
     if not (np.all(np.isfinite(a)) and np.all(np.isfinite(b))):
@@ -255,7 +257,9 @@ def normal_quantile(q: float) -> float:
     return 0.5 * (lo + hi)
 
 
-def paired_proportion_lower_bound(only_a: int, only_b: int, n: int, alpha: float = 0.05) -> tuple[float, float]:
+def paired_proportion_lower_bound(
+    only_a: int, only_b: int, n: int, alpha: float = 0.05
+) -> tuple[float, float]:
     """One-sided (1 - alpha) Wald lower bound on p_b - p_a for n paired binary outcomes.
 
     Returns (difference, lower bound) with difference = (only_b - only_a) / n and variance

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from benchmark.gsm8k.run_eval import PER_QUESTION_FILE
 from benchmark.stats import mcnemar, paired_proportion_lower_bound
@@ -37,7 +38,9 @@ def load_records(path: str | Path) -> list[dict[str, Any]]:
     return sorted(records, key=lambda r: r["index"])
 
 
-def compare_records(baseline: Sequence[dict[str, Any]], candidate: Sequence[dict[str, Any]]) -> dict[str, int]:
+def compare_records(
+    baseline: Sequence[dict[str, Any]], candidate: Sequence[dict[str, Any]]
+) -> dict[str, int]:
     """Counts for one baseline/candidate pair of runs over the same questions."""
     if [r["question"] for r in baseline] != [r["question"] for r in candidate]:
         raise ValueError("the two runs do not hold the same questions in the same order")
@@ -55,7 +58,10 @@ def compare_records(baseline: Sequence[dict[str, Any]], candidate: Sequence[dict
 
 
 def pooled_verdict(
-    pairs: Sequence[dict[str, int]], margin: float = 0.01, alpha: float = 0.05, require_identical: bool = False
+    pairs: Sequence[dict[str, int]],
+    margin: float = 0.01,
+    alpha: float = 0.05,
+    require_identical: bool = False,
 ) -> dict[str, Any]:
     """Pools pair counts and applies the gate described in the module docstring."""
     if not pairs:
@@ -81,8 +87,12 @@ def pooled_verdict(
     }
 
 
-def format_report(pairs: Sequence[dict[str, int]], verdict: dict[str, Any], aa: dict[str, int] | None) -> str:
-    lines = ["pair  n     correct(base)  correct(cand)  diff-answers  diff-outputs  only-base  only-cand"]
+def format_report(
+    pairs: Sequence[dict[str, int]], verdict: dict[str, Any], aa: dict[str, int] | None
+) -> str:
+    lines = [
+        "pair  n     correct(base)  correct(cand)  diff-answers  diff-outputs  only-base  only-cand"
+    ]
     for i, p in enumerate(pairs):
         lines.append(
             f"{i:<5} {p['n']:<5} {p['correct_baseline']:<14} {p['correct_candidate']:<14} "
@@ -108,23 +118,36 @@ def format_report(pairs: Sequence[dict[str, int]], verdict: dict[str, Any], aa: 
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--baseline", nargs="+", required=True, help="run dirs or per_question.jsonl files")
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument(
+        "--baseline", nargs="+", required=True, help="run dirs or per_question.jsonl files"
+    )
     p.add_argument("--candidate", nargs="+", required=True)
-    p.add_argument("--aa", nargs=2, default=None, metavar=("RUN1", "RUN2"), help="two baseline runs")
+    p.add_argument(
+        "--aa", nargs=2, default=None, metavar=("RUN1", "RUN2"), help="two baseline runs"
+    )
     p.add_argument("--margin", type=float, default=0.01, help="non-inferiority margin (fraction)")
     p.add_argument("--alpha", type=float, default=0.05)
     p.add_argument("--require-identical", action="store_true")
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     if len(args.baseline) != len(args.candidate):
-        raise ValueError("--baseline and --candidate need the same number of runs (paired in order)")
-    pairs = [compare_records(load_records(a), load_records(b)) for a, b in zip(args.baseline, args.candidate)]
+        raise ValueError(
+            "--baseline and --candidate need the same number of runs (paired in order)"
+        )
+    pairs = [
+        compare_records(load_records(a), load_records(b))
+        for a, b in zip(args.baseline, args.candidate)
+    ]
     verdict = pooled_verdict(pairs, args.margin, args.alpha, args.require_identical)
     aa = compare_records(load_records(args.aa[0]), load_records(args.aa[1])) if args.aa else None
     print(format_report(pairs, verdict, aa), flush=True)
     if args.output_json:
-        Path(args.output_json).write_text(json.dumps({"pairs": pairs, "pooled": verdict, "aa": aa}, indent=2))
+        Path(args.output_json).write_text(
+            json.dumps({"pairs": pairs, "pooled": verdict, "aa": aa}, indent=2)
+        )
     return 0 if verdict["passed"] else 1
 
 

@@ -40,7 +40,8 @@ def fewshot_prefix(train_rows: list[dict[str, Any]], num_shots: int) -> str:
     if num_shots < 0 or num_shots > len(train_rows):
         raise ValueError(f"num_shots must be in [0, {len(train_rows)}], got {num_shots}")
     return "".join(
-        f"Question: {row['question']}\nAnswer: {row['answer']}\n\n" for row in train_rows[:num_shots]
+        f"Question: {row['question']}\nAnswer: {row['answer']}\n\n"
+        for row in train_rows[:num_shots]
     )
 
 

@@ -29,7 +29,7 @@ _BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def canonical_number(text: str) -> str:
-    """"$1,234.50" -> "1234.5", "-0.0" -> "0", "007" -> "7". Raises ValueError if not a number."""
+    """ "$1,234.50" -> "1234.5", "-0.0" -> "0", "007" -> "7". Raises ValueError if not a number."""
     cleaned = text.strip().replace(",", "").replace("$", "").replace("\u2212", "-").replace(" ", "")
     cleaned = cleaned.rstrip(".")
     try:

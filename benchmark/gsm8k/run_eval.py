@@ -72,30 +72,50 @@ async def _evaluate(cfg: EvalConfig) -> tuple[list[dict[str, Any]], dict[str, An
         test_rows = test_rows[: cfg.num_questions]
     prefix = fewshot_prefix(load_jsonl(cfg.train_path), cfg.num_shots)
     specs = [
-        RequestSpec(build_prompt(prefix, row["question"]), cfg.max_new_tokens, ignore_eos=False, stop=STOP_STRINGS)
+        RequestSpec(
+            build_prompt(prefix, row["question"]),
+            cfg.max_new_tokens,
+            ignore_eos=False,
+            stop=STOP_STRINGS,
+        )
         for row in test_rows
     ]
-    limits = httpx.Limits(max_connections=cfg.parallel + 2, max_keepalive_connections=cfg.parallel + 2)
+    limits = httpx.Limits(
+        max_connections=cfg.parallel + 2, max_keepalive_connections=cfg.parallel + 2
+    )
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
         model = cfg.model or await first_model_id(client, cfg.base_url)
         sem = asyncio.Semaphore(cfg.parallel)
 
         async def one(spec: RequestSpec) -> Any:
             async with sem:
-                return await send_request(client, cfg.base_url, cfg.backend, model, spec, stream=False)
+                return await send_request(
+                    client, cfg.base_url, cfg.backend, model, spec, stream=False
+                )
 
         start = time.perf_counter()
-        results = await tqdm.gather(*(one(s) for s in specs), disable=not cfg.progress, desc="gsm8k")
+        results = await tqdm.gather(
+            *(one(s) for s in specs), disable=not cfg.progress, desc="gsm8k"
+        )
         duration = time.perf_counter() - start
     records = []
     for i, (row, res) in enumerate(zip(test_rows, results)):
         truth = parse_ground_truth(row["answer"])
         pred = extract_answer(res.text) if res.ok else None
-        records.append({
-            "index": i, "question": row["question"], "truth": truth, "output": res.text, "pred": pred,
-            "correct": is_correct(pred, truth), "ok": res.ok, "error": res.error,
-            "latency_s": res.latency, "output_tokens": res.output_tokens,
-        })
+        records.append(
+            {
+                "index": i,
+                "question": row["question"],
+                "truth": truth,
+                "output": res.text,
+                "pred": pred,
+                "correct": is_correct(pred, truth),
+                "ok": res.ok,
+                "error": res.error,
+                "latency_s": res.latency,
+                "output_tokens": res.output_tokens,
+            }
+        )
     n = len(records)
     out_tokens = sum(r["output_tokens"] for r in records)
     summary = {
@@ -130,13 +150,17 @@ def run_eval(cfg: EvalConfig) -> tuple[list[dict[str, Any]], dict[str, Any]]:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     p.add_argument("--base-url", required=True)
     p.add_argument("--backend", choices=["openai", "sglang"], default="openai")
     p.add_argument("--model", default=None)
     p.add_argument("--train-path", default=None, help="few-shot source (default: download)")
     p.add_argument("--test-path", default=None, help="questions (default: download)")
-    p.add_argument("--data-dir", default=str(DEFAULT_DATA_DIR), help="where the default download goes")
+    p.add_argument(
+        "--data-dir", default=str(DEFAULT_DATA_DIR), help="where the default download goes"
+    )
     p.add_argument("--num-shots", type=int, default=5)
     p.add_argument("--num-questions", type=int, default=200, help="-1 for all 1319")
     p.add_argument("--max-new-tokens", type=int, default=512)
@@ -155,9 +179,17 @@ def main(argv: list[str] | None = None) -> int:
         default_train, default_test = download_default(Path(args.data_dir))
         train, test = train or str(default_train), test or str(default_test)
     cfg = EvalConfig(
-        base_url=args.base_url, train_path=train, test_path=test, backend=args.backend, model=args.model,
-        num_shots=args.num_shots, num_questions=args.num_questions, max_new_tokens=args.max_new_tokens,
-        parallel=args.parallel, output_dir=args.output_dir, progress=not args.disable_progress,
+        base_url=args.base_url,
+        train_path=train,
+        test_path=test,
+        backend=args.backend,
+        model=args.model,
+        num_shots=args.num_shots,
+        num_questions=args.num_questions,
+        max_new_tokens=args.max_new_tokens,
+        parallel=args.parallel,
+        output_dir=args.output_dir,
+        progress=not args.disable_progress,
     )
     _, summary = run_eval(cfg)
     accept = summary["accept_length"]

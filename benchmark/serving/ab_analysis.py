@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import statistics
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from benchmark.stats import paired_bootstrap, paired_t
 
@@ -47,12 +48,17 @@ def compact_metrics(summary: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def launch_table(results: dict[str, Any], workload: str, metric: str) -> dict[str, dict[int, dict[str, Any]]]:
+def launch_table(
+    results: dict[str, Any], workload: str, metric: str
+) -> dict[str, dict[int, dict[str, Any]]]:
     """{arm: {replicate: {"value": median metric, "accept": median acceptance or None}}}."""
     table: dict[str, dict[int, dict[str, Any]]] = {}
     for launch in results["launches"]:
         runs = launch["workloads"][workload]["runs"]
-        accepts = [r["accept_length"] if r["accept_length"] is not None else r["accept_length_metrics"] for r in runs]
+        accepts = [
+            r["accept_length"] if r["accept_length"] is not None else r["accept_length_metrics"]
+            for r in runs
+        ]
         accepts = [a for a in accepts if a is not None]
         table.setdefault(launch["arm"], {})[launch["replicate"]] = {
             "value": statistics.median(r[metric] for r in runs),
@@ -81,7 +87,9 @@ def compare_arms(
     n_boot: int,
     seed: int,
 ) -> dict[str, Any]:
-    """Paired % change of `other` vs `base` over `replicates`, raw and acceptance-normalised.
+    """Paired % change of `other` vs `base` over `replicates`, raw and acceptance-normalised,
+    plus the change of the medians over launches and the worst case (other's worst launch vs
+    the baseline's best launch).
 
     Normalised values are per verify step: rate / acceptance for rates, time x acceptance for
     times, so a launch that happened to accept more tokens per step gains nothing from it.
@@ -90,10 +98,25 @@ def compare_arms(
     if len(reps) < 2:
         raise ValueError(f"need >= 2 paired replicates, got {len(reps)}")
     raw = [100.0 * (other[r]["value"] / base[r]["value"] - 1.0) for r in reps]
-    out: dict[str, Any] = {"replicates": reps, "raw": _stats(raw, confidence, n_boot, seed), "normalised": None}
+    base_vals = [base[r]["value"] for r in reps]
+    other_vals = [other[r]["value"] for r in reps]
+    # Worst case: the other arm's worst launch against the baseline's best launch.
+    worst_other, best_base = (
+        (min(other_vals), max(base_vals)) if direction > 0 else (max(other_vals), min(base_vals))
+    )
+    out: dict[str, Any] = {
+        "replicates": reps,
+        "raw": _stats(raw, confidence, n_boot, seed),
+        "normalised": None,
+        "median_pct": 100.0 * (statistics.median(other_vals) / statistics.median(base_vals) - 1.0),
+        "worst_case_pct": 100.0 * (worst_other / best_base - 1.0),
+    }
     if all(base[r]["accept"] and other[r]["accept"] for r in reps):
+
         def per_step(cell: dict[str, Any]) -> float:
-            return cell["value"] / cell["accept"] if direction > 0 else cell["value"] * cell["accept"]
+            return (
+                cell["value"] / cell["accept"] if direction > 0 else cell["value"] * cell["accept"]
+            )
 
         norm = [100.0 * (per_step(other[r]) / per_step(base[r]) - 1.0) for r in reps]
         out["normalised"] = _stats(norm, confidence, n_boot, seed)
@@ -142,16 +165,25 @@ def analyze(
         subsets["excluding " + ",".join(map(str, exclude_replicates))] = [
             r for r in all_reps if r not in set(exclude_replicates)
         ]
-    out: dict[str, Any] = {"metric": metric, "direction": direction, "confidence": confidence, "workloads": {}}
+    out: dict[str, Any] = {
+        "metric": metric,
+        "direction": direction,
+        "confidence": confidence,
+        "workloads": {},
+    }
     for wl in results["meta"]["workloads"]:
         name = wl["name"]
         table = launch_table(results, name, metric)
-        entry: dict[str, Any] = {"table": {arm: {str(k): v for k, v in t.items()} for arm, t in table.items()}}
+        entry: dict[str, Any] = {
+            "table": {arm: {str(k): v for k, v in t.items()} for arm, t in table.items()}
+        }
         for label, reps in subsets.items():
-            comps = {}
+            comps: dict[str, Any] = {}
             for arm in (CANDIDATE, BASELINE_AA):
                 if arm in table:
-                    comps[arm] = compare_arms(table[BASELINE], table[arm], direction, reps, confidence, n_boot, seed)
+                    comps[arm] = compare_arms(
+                        table[BASELINE], table[arm], direction, reps, confidence, n_boot, seed
+                    )
             if CANDIDATE in comps:
                 comps["verdict"] = verdict(comps[CANDIDATE], direction, comps.get(BASELINE_AA))
             entry[label] = comps

@@ -8,6 +8,7 @@ from typing import Any
 from benchmark.serving.ab_analysis import BASELINE, BASELINE_AA, CANDIDATE
 
 _ARMS = (BASELINE, CANDIDATE, BASELINE_AA)
+_LETTER = {BASELINE: "A", CANDIDATE: "B", BASELINE_AA: "A′"}
 
 
 def _fmt(x: float | None, digits: int = 2) -> str:
@@ -32,7 +33,9 @@ def _arm_header(meta: dict[str, Any], arm: str) -> str:
     return f"- **{arm}**: `{info['command']}` in `{info['cwd']}` at {rev}{dirty}"
 
 
-def write_markdown(results: dict[str, Any], analysis: dict[str, Any], path: str | Path, plot_name: str | None) -> str:
+def write_markdown(
+    results: dict[str, Any], analysis: dict[str, Any], path: str | Path, plot_name: str | None
+) -> str:
     """Writes the report to `path` and returns its text."""
     meta = results["meta"]
     arms = [a for a in _ARMS if a in meta["arms"]]
@@ -44,13 +47,14 @@ def write_markdown(results: dict[str, Any], analysis: dict[str, Any], path: str 
         f"- metric: `{analysis['metric']}` ({'higher' if analysis['direction'] > 0 else 'lower'} is better); "
         f"per launch: median of {meta['runs_per_launch']} timed runs after {meta['warmup_runs']} warm-up run(s)",
         f"- replicates: {meta['replicates']}; launch order: "
-        + " ".join(f"{arm[0].upper() if arm != BASELINE_AA else 'A′'}{rep}" for rep, arm in meta["schedule"]),
+        + " ".join(f"{_LETTER[arm]}{rep}" for rep, arm in meta["schedule"])
+        + " (A = baseline, B = candidate, A′ = second baseline launch)",
         f"- simulated acceptance length: {sim if sim is not None else 'off (real acceptance)'}",
         f"- host {meta['host']}; 1-min load average at each launch: "
         + ", ".join(f"{launch['loadavg'][0]:.2f}" for launch in results["launches"]),
         "",
         "Change = 100 × (arm / baseline − 1) % per replicate; CI = paired t (primary) and percentile",
-        "bootstrap (cross-check, too narrow for n < 6). \"Normalised\" divides out the acceptance",
+        'bootstrap (cross-check, too narrow for n < 6). "Normalised" divides out the acceptance',
         "length measured in each launch (values per verify step).",
     ]
     for name, entry in analysis["workloads"].items():
@@ -68,14 +72,27 @@ def write_markdown(results: dict[str, Any], analysis: dict[str, Any], path: str 
         for subset, comps in entry.items():
             if subset == "table":
                 continue
-            lines += ["", f"**{subset} replicates**", "",
-                      "| comparison | mean % | t CI % | p (t) | bootstrap CI % | p (bootstrap) |",
-                      "|---|---|---|---|---|---|"]
+            lines += [
+                "",
+                f"**{subset} replicates**",
+                "",
+                "| comparison | mean % | t CI % | p (t) | bootstrap CI % | p (bootstrap) |",
+                "|---|---|---|---|---|---|",
+            ]
             for arm in (CANDIDATE, BASELINE_AA):
                 if arm in comps:
-                    label = "candidate − baseline" if arm == CANDIDATE else "A/A: baseline′ − baseline"
+                    label = (
+                        "candidate − baseline" if arm == CANDIDATE else "A/A: baseline′ − baseline"
+                    )
                     lines += _stat_rows(label, comps[arm]["raw"])
                     lines += _stat_rows(label + " (normalised)", comps[arm]["normalised"])
+            for arm in (CANDIDATE, BASELINE_AA):
+                if arm in comps:
+                    lines.append(
+                        f"\n{arm}: median over launches {comps[arm]['median_pct']:+.2f} %, worst "
+                        f"case (its worst launch vs the best baseline launch) "
+                        f"{comps[arm]['worst_case_pct']:+.2f} %"
+                    )
             if "verdict" in comps:
                 lines += ["", f"Verdict: {comps['verdict']}"]
     if plot_name:
@@ -102,14 +119,20 @@ def write_plot(analysis: dict[str, Any], path: str | Path) -> None:
             if cells:
                 reps = sorted(cells, key=int)
                 left.plot([int(r) for r in reps], [cells[r]["value"] for r in reps], "o-", label=a)
+        left.set_xticks(sorted({int(r) for cells in entry["table"].values() for r in cells}))
         left.set_title(f"{name}: {analysis['metric']} per launch")
         left.set_xlabel("replicate")
         left.legend(fontsize=8)
         comps = entry["all"]
         aa = comps.get(BASELINE_AA)
         if aa is not None:
-            right.axhspan(aa["raw"]["t"]["ci_low"], aa["raw"]["t"]["ci_high"], color="grey", alpha=0.25,
-                          label="A/A CI")
+            right.axhspan(
+                aa["raw"]["t"]["ci_low"],
+                aa["raw"]["t"]["ci_high"],
+                color="grey",
+                alpha=0.25,
+                label="A/A CI",
+            )
         for x, arm in enumerate((CANDIDATE, BASELINE_AA)):
             if arm not in comps:
                 continue
@@ -119,8 +142,14 @@ def write_plot(analysis: dict[str, Any], path: str | Path) -> None:
                 pos = x + (0.0 if kind == "raw" else 0.25)
                 t = y["t"]
                 right.scatter([pos] * len(y["changes_pct"]), y["changes_pct"], s=12, alpha=0.6)
-                right.errorbar([pos], [t["mean"]], yerr=[[t["mean"] - t["ci_low"]], [t["ci_high"] - t["mean"]]],
-                               fmt="s", capsize=4, label=f"{arm} {kind}")
+                right.errorbar(
+                    [pos],
+                    [t["mean"]],
+                    yerr=[[t["mean"] - t["ci_low"]], [t["ci_high"] - t["mean"]]],
+                    fmt="s",
+                    capsize=4,
+                    label=f"{arm} {kind}",
+                )
         right.axhline(0.0, color="black", lw=0.8)
         right.set_xticks([0, 1])
         right.set_xticklabels(["candidate", "A/A"])

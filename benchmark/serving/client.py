@@ -52,7 +52,9 @@ class RequestResult:
     tokens_counted_by_chunks: bool = False  # True when the server gave no token count
 
 
-def _payload(backend: str, model: str, spec: RequestSpec, stream: bool) -> tuple[str, dict[str, Any]]:
+def _payload(
+    backend: str, model: str, spec: RequestSpec, stream: bool
+) -> tuple[str, dict[str, Any]]:
     if backend == "sglang":
         body: dict[str, Any] = {
             "sampling_params": {
@@ -112,6 +114,9 @@ class _ChunkParser:
 
     def feed(self, obj: dict[str, Any]) -> str:
         """Updates counters from one chunk (or one whole non-streamed body); returns new text."""
+        if obj.get("error"):
+            # SGLang and OpenAI servers report mid-stream failures as an "error" object.
+            raise ValueError(f"server error: {obj['error']}")
         res = self.result
         accept, verify = _find_accept(obj)
         res.accept_length = accept if accept is not None else res.accept_length

@@ -56,7 +56,9 @@ def random_requests(
         ids = rng.integers(low, high, size=int(n_in)).tolist()
         prompt: str | list[int] = ids
         if as_text:
-            prompt = tokenizer.decode(ids) if tokenizer is not None else " ".join(f"w{i}" for i in ids)
+            prompt = (
+                tokenizer.decode(ids) if tokenizer is not None else " ".join(f"w{i}" for i in ids)
+            )
         specs.append(RequestSpec(prompt, int(n_out), ignore_eos=ignore_eos, prompt_len=int(n_in)))
     return specs
 
@@ -69,9 +71,10 @@ def gsm8k_requests(
     train_path: str | None = None,
     num_shots: int = 0,
     ignore_eos: bool = False,
+    offset: int = 0,
 ) -> list[RequestSpec]:
-    """The first `num_prompts` test questions in SGLang's few-shot format (cycling if the file is
-    shorter), stopping at STOP_STRINGS unless `ignore_eos` forces the full `output_len`."""
+    """`num_prompts` test questions from index `offset` on, in SGLang's few-shot format (cycling
+    through the file), stopping at STOP_STRINGS unless `ignore_eos` forces the full `output_len`."""
     rows = load_jsonl(test_path)
     if not rows:
         raise ValueError(f"no questions in {test_path}")
@@ -83,7 +86,7 @@ def gsm8k_requests(
     stop = () if ignore_eos else STOP_STRINGS
     return [
         RequestSpec(
-            build_prompt(prefix, rows[i % len(rows)]["question"]),
+            build_prompt(prefix, rows[(offset + i) % len(rows)]["question"]),
             output_len,
             ignore_eos=ignore_eos,
             stop=stop,

@@ -31,13 +31,27 @@ def _tail(path: Path, n_chars: int = 3000) -> str:
 
 
 def _group_alive(pgid: int) -> bool:
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
+    """Whether any non-zombie process is left in group `pgid`.
+
+    Orphaned children are reaped by PID 1, which can take seconds; a zombie holds no port or
+    memory, so it counts as gone. Falls back to signal 0 where /proc is unavailable.
+    """
+    proc = Path("/proc")
+    if not proc.is_dir():
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
         return True
-    return True
+    for stat in proc.glob("[0-9]*/stat"):
+        try:
+            # Fields after the parenthesised command name: state, ppid, pgrp, ...
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except (OSError, IndexError):
+            continue  # the process vanished while we looked
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            return True
+    return False
 
 
 class ServerProcess:
@@ -77,8 +91,13 @@ class ServerProcess:
         t0 = time.perf_counter()
         with self.log_path.open("wb") as log:
             self.proc = subprocess.Popen(
-                self.command, shell=True, cwd=self.cwd, env=env, stdout=log,
-                stderr=subprocess.STDOUT, start_new_session=True,
+                self.command,
+                shell=True,
+                cwd=self.cwd,
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
             )
         logger.info("started pid %d: %s", self.proc.pid, self.command)
         deadline = t0 + self.ready_timeout_s

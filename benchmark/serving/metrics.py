@@ -14,7 +14,8 @@ Definitions (per successful request r, times in seconds):
 from __future__ import annotations
 
 import math
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -32,10 +33,26 @@ def distribution(values_s: Sequence[float], scale: float = 1000.0) -> dict[str, 
     if len(values_s) == 0:
         return {k: math.nan for k in keys}
     v = np.asarray(values_s, dtype=np.float64) * scale
-    out = {"mean": float(v.mean()), "std": float(v.std()), "min": float(v.min()), "max": float(v.max())}
+    out = {
+        "mean": float(v.mean()),
+        "std": float(v.std()),
+        "min": float(v.min()),
+        "max": float(v.max()),
+    }
     for p in PERCENTILES:
         out[f"p{p}"] = float(np.percentile(v, p))
     return out
+
+
+def json_safe(obj: Any) -> Any:
+    """`obj` with every non-finite float replaced by None, so the JSON is strict (no NaN)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [json_safe(v) for v in obj]
+    return obj
 
 
 def parse_prometheus(text: str) -> dict[str, list[tuple[str, float]]]:
@@ -73,7 +90,9 @@ def acceptance_length(results: Sequence[RequestResult]) -> float | None:
     ok = [r for r in results if r.ok]
     with_verify = [r for r in ok if r.verify_ct]
     if with_verify:
-        return sum(r.output_tokens for r in with_verify) / sum(r.verify_ct or 0 for r in with_verify)
+        return sum(r.output_tokens for r in with_verify) / sum(
+            r.verify_ct or 0 for r in with_verify
+        )
     reported = [r.accept_length for r in ok if r.accept_length is not None]
     return float(np.mean(reported)) if reported else None
 

@@ -26,10 +26,15 @@ class Workload:
     kind: str
     params: dict[str, str]
 
-    def config(self, base_url: str, backend: str, seed: int) -> BenchConfig:
+    def config(self, base_url: str, backend: str, seed: int, run_index: int = 0) -> BenchConfig:
         """The benchmark config of this workload against `base_url` (no warm-up requests: the
-        harness runs whole warm-up runs instead; no progress bar)."""
+        harness runs whole warm-up runs instead; no progress bar).
+
+        Run i of a launch gets its own prompts (random seed `seed + i`, GSM8K questions from
+        i * n on), so a prefix cache cannot serve a timed run from an earlier run's prompts, while
+        every arm sees the same prompt sequence."""
         p = self.params
+        n = int(p.get("n", 16))
         is_random = self.kind == "random"
         return BenchConfig(
             base_url=base_url,
@@ -38,13 +43,14 @@ class Workload:
             dataset_path=None if is_random else p["path"],
             train_path=p.get("train"),
             num_shots=int(p.get("shots", 0)),
-            num_prompts=int(p.get("n", 16)),
+            num_prompts=n,
             input_len=int(p.get("in", 1024)),
             output_len=int(p.get("out", 128)),
             range_ratio=float(p.get("ratio", 1.0)),
             max_concurrency=int(p.get("conc", 1)),
             request_rate=float(p.get("rate", math.inf)),
-            seed=seed,
+            seed=seed + run_index,
+            prompt_offset=run_index * n,
             warmup_requests=0,
             progress=False,
         )
@@ -60,7 +66,9 @@ def parse_workload(spec: str) -> Workload:
     for item in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, value = item.partition("=")
         if not eq or key not in _KEYS[kind]:
-            raise ValueError(f"workload {spec!r}: bad field {item!r}; allowed: {sorted(_KEYS[kind])}")
+            raise ValueError(
+                f"workload {spec!r}: bad field {item!r}; allowed: {sorted(_KEYS[kind])}"
+            )
         params[key] = value
     if kind == "gsm8k" and "path" not in params:
         raise ValueError(f"workload {spec!r}: gsm8k needs path=<test.jsonl>")

@@ -306,7 +306,7 @@ def index_q_rope_fp4_ref(
     """K10 unfused chain (kernels.md K10 steps 1-4).
 
     Args:
-        q: [T, Hi·Di] (indexer slice of the q projection); cos_sin, positions: see rope_tail_ref.
+        q: [T, Hi·Di] (indexer slice of the q projection); cos_sin, positions: index_q_rope_ref.
         weight_partials: optional fp32 [S, T, Hi] split-K partials of the head-weight projection,
             summed in order s = 0..S-1, times head_weight_scale (softmax_scale · Hi_total^-0.5),
             cast to q's dtype.

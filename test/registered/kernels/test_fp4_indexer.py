@@ -236,6 +236,10 @@ def test_index_q_default_outputs_and_empty() -> None:
     got = index_q_rope_fp4(**inp)
     assert got.head_weights is None and got.fake_quant is None
     assert torch.equal(got.codes, index_q_rope_fp4_ref(**inp).codes)
+    # q as a column slice of a wider projection output (row stride > width).
+    wide = torch.cat([inp["q"], torch.ones_like(inp["q"][:, :64])], dim=1)
+    sliced = index_q_rope_fp4(**{**inp, "q": wide[:, : inp["q"].shape[1]]})
+    assert torch.equal(sliced.codes, got.codes) and torch.equal(sliced.scales, got.scales)
     empty = index_q_rope_fp4(**_q_inputs(0, 32, 128, 64, torch.bfloat16, seed=0, num_partials=2))
     assert empty.codes.shape == (0, 32, 64) and empty.scales.shape == (0, 1, 4, 16, 4)
     assert empty.head_weights.shape == (0, 32)

@@ -18,11 +18,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import hashlib
 import json
 import re
+import shlex
+import sys
 import time
-from typing import Any, AsyncIterator
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+from typing import Any
 
 # Module level on purpose: with postponed annotations FastAPI resolves `Request` in module globals.
 from fastapi import FastAPI, Request
@@ -50,7 +55,11 @@ def gsm8k_is_wrong(question: str, error_rate: float, error_seed: int) -> bool:
 
 def _format_number(value: str, question: str) -> str:
     """Writes the number the way models do: thousands separators for big integers, sometimes."""
-    if re.fullmatch(r"-?\d+", value) and abs(int(value)) >= 1000 and _hash01("comma", question) < 0.5:
+    if (
+        re.fullmatch(r"-?\d+", value)
+        and abs(int(value)) >= 1000
+        and _hash01("comma", question) < 0.5
+    ):
         return f"{int(value):,}"
     return value
 
@@ -79,18 +88,25 @@ class FakeEngine:
                 for line in f:
                     if line.strip():
                         row = json.loads(line)
-                        self.solutions[row["question"].strip()] = row["answer"].split("####")[-1].strip()
+                        self.solutions[row["question"].strip()] = (
+                            row["answer"].split("####")[-1].strip()
+                        )
 
     def output_words(self, prompt: str | list[int], max_tokens: int) -> list[str]:
         if isinstance(prompt, str) and self.solutions:
             question = prompt.rsplit("Question:", 1)[-1].split("\nAnswer:", 1)[0].strip()
             if question in self.solutions:
                 text = gsm8k_answer_text(
-                    question, self.solutions[question], self.args.gsm8k_error_rate, self.args.gsm8k_error_seed
+                    question,
+                    self.solutions[question],
+                    self.args.gsm8k_error_rate,
+                    self.args.gsm8k_error_seed,
                 )
                 return re.findall(r"\s*\S+", text)[:max_tokens]
         seed = hashlib.sha256(repr(prompt).encode()).hexdigest()
-        return [f" t{int(seed[(2 * i) % 60 : (2 * i) % 60 + 4], 16) % 997}" for i in range(max_tokens)]
+        return [
+            f" t{int(seed[(2 * i) % 60 : (2 * i) % 60 + 4], 16) % 997}" for i in range(max_tokens)
+        ]
 
     def step_sizes(self, n_tokens: int) -> list[int]:
         """Tokens per decode step: 1, or a deterministic mix averaging the acceptance length."""
@@ -154,10 +170,15 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
     @app.get("/metrics")
     async def metrics() -> PlainTextResponse:
-        lines = ["# TYPE sglang:num_requests_total counter", f'sglang:num_requests_total{{model_name="{model}"}} 1']
+        lines = [
+            "# TYPE sglang:num_requests_total counter",
+            f'sglang:num_requests_total{{model_name="{model}"}} 1',
+        ]
         if engine.spec:
-            lines += ["# TYPE sglang:spec_accept_length gauge",
-                      f'sglang:spec_accept_length{{model_name="{model}"}} {engine.accept_len}']
+            lines += [
+                "# TYPE sglang:spec_accept_length gauge",
+                f'sglang:spec_accept_length{{model_name="{model}"}} {engine.accept_len}',
+            ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def openai_route(body: dict[str, Any], chat: bool) -> Any:
@@ -174,20 +195,35 @@ def build_app(args: argparse.Namespace) -> FastAPI:
 
         if not body.get("stream"):
             text, tokens = "", 0
-            async for delta, tokens, _ in gen:
-                text += delta
+            async for delta, so_far, _ in gen:
+                text, tokens = text + delta, so_far
             msg = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-            usage = {"prompt_tokens": n_prompt, "completion_tokens": tokens, "total_tokens": n_prompt + tokens}
-            return JSONResponse({"object": kind, "model": model,
-                                 "choices": [{"index": 0, **msg, "finish_reason": "length"}], "usage": usage})
+            usage = {
+                "prompt_tokens": n_prompt,
+                "completion_tokens": tokens,
+                "total_tokens": n_prompt + tokens,
+            }
+            return JSONResponse(
+                {
+                    "object": kind,
+                    "model": model,
+                    "choices": [{"index": 0, **msg, "finish_reason": "length"}],
+                    "usage": usage,
+                }
+            )
 
         async def stream() -> AsyncIterator[str]:
             tokens = 0
-            async for delta, tokens, _ in gen:
+            async for delta, so_far, _ in gen:
+                tokens = so_far
                 yield sse({"object": kind, "model": model, "choices": [choice(delta, None)]})
             yield sse({"object": kind, "model": model, "choices": [choice("", "length")]})
             if (body.get("stream_options") or {}).get("include_usage"):
-                usage = {"prompt_tokens": n_prompt, "completion_tokens": tokens, "total_tokens": n_prompt + tokens}
+                usage = {
+                    "prompt_tokens": n_prompt,
+                    "completion_tokens": tokens,
+                    "total_tokens": n_prompt + tokens,
+                }
                 yield sse({"object": kind, "model": model, "choices": [], "usage": usage})
             yield "data: [DONE]\n\n"
 
@@ -212,13 +248,20 @@ def build_app(args: argparse.Namespace) -> FastAPI:
         base = {"id": f"req-{time.perf_counter_ns()}", "prompt_tokens": _prompt_tokens(prompt)}
 
         def meta(tokens: int, steps: int, finish: Any) -> dict[str, Any]:
-            return {**base, "completion_tokens": tokens, "finish_reason": finish, **spec_meta(tokens, steps)}
+            return {
+                **base,
+                "completion_tokens": tokens,
+                "finish_reason": finish,
+                **spec_meta(tokens, steps),
+            }
 
         if not body.get("stream"):
             text, tokens, steps = "", 0, 0
-            async for delta, tokens, steps in gen:
-                text += delta
-            return JSONResponse({"text": text, "meta_info": meta(tokens, steps, {"type": "length"})})
+            async for delta, so_far, step in gen:
+                text, tokens, steps = text + delta, so_far, step
+            return JSONResponse(
+                {"text": text, "meta_info": meta(tokens, steps, {"type": "length"})}
+            )
 
         async def stream() -> AsyncIterator[str]:
             text = ""
@@ -238,13 +281,32 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--model-path", default="tiny")
     p.add_argument("--delay-ms", type=float, default=1.0, help="sleep per decode step")
-    p.add_argument("--prefill-delay-ms", type=float, default=1.0, help="sleep before the first step")
+    p.add_argument(
+        "--prefill-delay-ms", type=float, default=1.0, help="sleep before the first step"
+    )
     p.add_argument("--speculative-algorithm", default=None)
     p.add_argument("--speculative-dspark-simulate-accept-len", type=float, default=None)
     p.add_argument("--solve-gsm8k", default=None, help="jsonl whose questions get worked answers")
     p.add_argument("--gsm8k-error-rate", type=float, default=0.0)
     p.add_argument("--gsm8k-error-seed", type=int, default=0)
     return p.parse_args(argv)
+
+
+def fake_command(*flags: str) -> str:
+    """Shell command template (with "{port}") that launches this server with `flags`."""
+    parts = [sys.executable, str(Path(__file__).resolve()), "--port", "{port}", *flags]
+    return " ".join(p if p == "{port}" else shlex.quote(p) for p in parts)
+
+
+@contextlib.contextmanager
+def running_fake(log_path: str | Path, *flags: str) -> Iterator[str]:
+    """Runs the fake server on a free port for the duration of the block; yields its base URL."""
+    from benchmark.serving.launch import ServerProcess, find_free_port
+
+    port = find_free_port()
+    cmd = fake_command(*flags).replace("{port}", str(port))
+    with ServerProcess(cmd, f"http://127.0.0.1:{port}", log_path, ready_timeout_s=60.0):
+        yield f"http://127.0.0.1:{port}"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -17,6 +17,9 @@ from sgl_dspark.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
 from sgl_dspark.srt.model_loader.model_source import resolve_model
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
+from sgl_dspark.srt.speculative.dspark.factory import create_dspark_worker
+from sgl_dspark.srt.speculative.dspark.policy import PolicyArgs
+from sgl_dspark.srt.speculative.dspark.worker import DSparkArgs, DSparkWorker
 from sgl_dspark.srt.tokenizer import IncrementalDetokenizer, TokenizerLike, get_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,6 +39,44 @@ class EngineArgs:
     page_size: int = 0
     attention_backend: str = "torch"
     random_seed: int = 0
+    speculative_algorithm: str | None = None          # None | "DSpark" (case-insensitive)
+    speculative_draft_model_path: str | None = None
+    speculative_dspark_block_size: int | None = None
+    speculative_dspark_verify_policy: str = "full"    # full | static | confidence
+    speculative_dspark_width_table_path: str | None = None
+    speculative_dspark_online_width: bool = False
+    speculative_dspark_verify_widths: str = "2,3"
+    speculative_dspark_sps_table_path: str | None = None
+    speculative_dspark_confidence_mode: str = "sync"  # sync (Algorithm 1) | async (top-K)
+    speculative_dspark_confidence_sts_path: str | None = None
+    speculative_dspark_simulate_accept_len: float | None = None
+
+
+def create_spec_worker(args: EngineArgs, runner: ModelRunner) -> DSparkWorker | None:
+    algo = args.speculative_algorithm
+    if algo is None:
+        return None
+    if algo.lower() != "dspark":
+        raise ValueError(f"--speculative-algorithm {algo!r}: only DSpark is supported")
+    policy = PolicyArgs(
+        policy=args.speculative_dspark_verify_policy,
+        width_table_path=args.speculative_dspark_width_table_path,
+        online_width=args.speculative_dspark_online_width,
+        verify_widths=args.speculative_dspark_verify_widths,
+        sps_table_path=args.speculative_dspark_sps_table_path,
+        confidence_mode=args.speculative_dspark_confidence_mode,
+        device_name=device_name(runner.device))
+    dargs = DSparkArgs(policy=policy, sts_path=args.speculative_dspark_confidence_sts_path,
+                       simulate_accept_len=args.speculative_dspark_simulate_accept_len,
+                       seed=args.random_seed)
+    return create_dspark_worker(runner, args.model_path, args.speculative_draft_model_path,
+                                args.speculative_dspark_block_size, dargs)
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return device.type
 
 
 class Engine:
@@ -52,18 +93,21 @@ class Engine:
             dtype = "float32" if args.device == "cpu" else "bfloat16"
         self.args = args
         cfg, weights = resolve_model(args.model_path, resolve_dtype(dtype), seed=args.random_seed)
+        gamma = args.speculative_dspark_block_size or 7
         rc = RunnerConfig(device=args.device, dtype=dtype, max_total_tokens=args.max_total_tokens,
+                          max_verify_tokens=max(16, gamma + 1),
                           max_running_requests=args.max_running_requests,
                           context_length=args.context_length, page_size=args.page_size,
                           attention_backend=args.attention_backend)
         self.runner = ModelRunner(cfg, rc, weights=weights)
+        spec = create_spec_worker(args, self.runner)
         self.tokenizer: TokenizerLike | None = None
         if not args.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(args.model_path, args.tokenizer_path)
         self.scheduler = Scheduler(self.runner, SchedulerConfig(
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
-            eos_token_ids=cfg.eos_token_ids))
+            eos_token_ids=cfg.eos_token_ids), spec=spec)
         self._ids = itertools.count()
         torch.manual_seed(args.random_seed)
 
@@ -138,6 +182,12 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "finish_reason": req.finish_reason,
         }
+        if self.scheduler.spec is not None:
+            meta["spec_verify_ct"] = req.spec_verify_ct
+            meta["spec_accept_length"] = (req.spec_committed / req.spec_verify_ct
+                                          if req.spec_verify_ct else 0.0)
+            if self.args.speculative_dspark_simulate_accept_len is not None:
+                meta["spec_simulated_accept_len"] = self.args.speculative_dspark_simulate_accept_len
         if req.return_logprob:
             tok = self.tokenizer
             meta["output_token_logprobs"] = [

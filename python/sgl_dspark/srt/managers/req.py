@@ -22,6 +22,8 @@ class Req:
     kv_len: int = 0                # tokens whose KV state is committed
     reserved_tokens: int = 0       # KV budget promised at admission
     finish_reason: dict[str, Any] | None = None
+    spec_verify_ct: int = 0        # DSpark verify steps this request took part in
+    spec_committed: int = 0        # tokens committed by those steps (accepted drafts + bonus)
     error: str | None = None
 
     @property

@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from collections import deque
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -18,6 +18,9 @@ from sgl_dspark.srt.layers.sampler import Sampler, SamplingBatchInfo
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
 
 logger = logging.getLogger(__name__)
 
@@ -39,9 +42,11 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cfg: SchedulerConfig) -> None:
+    def __init__(self, runner: ModelRunner, cfg: SchedulerConfig,
+                 spec: DSparkWorker | None = None) -> None:
         self.runner = runner
         self.cfg = cfg
+        self.spec = spec
         self.sampler = Sampler()
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
@@ -60,6 +65,8 @@ class Scheduler:
                 f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}")
         if self._pages_for(total) > self.runner.allocator.num_usable_pages:
             raise RequestRejected(f"request needs {total} tokens of KV, more than the pool holds")
+        if self.spec is not None and req.params.min_p > 0:
+            raise RequestRejected("min_p is not supported with DSpark speculative decoding")
         vocab = self.runner.model_cfg.vocab_size
         bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
         if bad:
@@ -88,6 +95,8 @@ class Scheduler:
             req.reserved_tokens = pages * self.runner.page_size
             self._reserved_pages += pages
             self.running.append(req)
+            if self.spec is not None:
+                self.spec.on_new_request(req)
 
     def release(self, req: Req) -> None:
         if req.slot >= 0:
@@ -116,22 +125,48 @@ class Scheduler:
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Run one forward over the running requests.
+        """Run one scheduling step over the running requests.
 
-        Returns the requests that received new output tokens this step (`updated`, in batch
-        order) and those that finished (a subset of `updated`, already released)."""
+        Without speculation: one flat forward mixing prefill chunks and decode tokens. With
+        DSpark: a prefill forward for requests still in their prompt (their features feed the
+        draft's context), then one DSpark step for the requests that were already decoding.
+        Returns the requests that received new output tokens (`updated`, in batch order) and
+        those that finished (already released)."""
         self._admit()
         if not self.running:
             return StepResult([], [])
+        updated: list[Req] = []
+        if self.spec is None:
+            updated += self._forward(self._plan_work(self.running))
+        else:
+            decoding = [r for r in self.running if r.prefill_done]
+            prefilling = [r for r in self.running if not r.prefill_done]
+            if prefilling:
+                updated += self._forward(self._plan_work(prefilling), self.spec.tap_layers)
+            if decoding:
+                for req, out in zip(decoding, self.spec.step(decoding)):
+                    self.append_tokens(req, out.tokens, out.logprobs)
+                updated += decoding
+        finished = [r for r in self.running if r.finished]
+        for r in finished:
+            self.release(r)
+        return StepResult(updated, finished)
+
+    def _plan_work(self, reqs: list[Req]) -> list[tuple[Req, list[int]]]:
         budget = self.cfg.chunked_prefill_size
         work: list[tuple[Req, list[int]]] = []
-        for req in self.running:
+        for req in reqs:
             if req.prefill_done:
                 work.append((req, req.next_input(1)))
             elif budget > 0:
                 chunk = req.next_input(budget)
                 budget -= len(chunk)
                 work.append((req, chunk))
+        return work
+
+    def _forward(self, work: list[tuple[Req, list[int]]],
+                 tap_layers: tuple[int, ...] = ()) -> list[Req]:
+        """One forward over `work`; samples where a token is due; returns the sampled requests."""
         pool = self.runner.req_pool
         for req, ids in work:
             pool.reserve(req.slot, req.kv_len + len(ids))
@@ -141,16 +176,15 @@ class Scheduler:
         mode = ForwardMode.DECODE if all(r.prefill_done for r, _ in work) else ForwardMode.EXTEND
         batch = ForwardBatch.build(mode, [ids for _, ids in work], [r.kv_len for r, _ in work],
                                    [r.slot for r, _ in work], pool.req_to_token, logits_rows=rows)
-        out = self.runner.forward(batch)
+        out = self.runner.forward(batch, tap_layers)
+        if self.spec is not None:
+            self.spec.inject(batch.positions, batch.out_cache_loc, out.hidden_taps)
         for req, ids in work:
             req.kv_len += len(ids)
         sampled = [req for (req, _), r in zip(work, rows) if r]
         if sampled:
             self._sample(sampled, out.logits)
-        finished = [r for r in self.running if r.finished]
-        for r in finished:
-            self.release(r)
-        return StepResult(sampled, finished)
+        return sampled
 
     def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
         info = SamplingBatchInfo.from_params([r.params for r in reqs], logits.shape[1],
@@ -165,6 +199,9 @@ class Scheduler:
     def append_tokens(self, req: Req, tokens: list[int], logprobs: list[float]) -> None:
         """Append sampled tokens, stopping at the first stop condition (extra tokens dropped)."""
         p = req.params
+        if p.max_new_tokens == 0:
+            req.finish_reason = {"type": "length", "length": 0}
+            return
         for tok, lp in zip(tokens, logprobs):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)

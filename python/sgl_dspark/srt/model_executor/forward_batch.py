@@ -50,9 +50,12 @@ class ForwardBatch:
     @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[list[int]], prefix_lens: list[int],
               req_pool_indices: list[int], req_to_token: torch.Tensor,
-              logits_rows: str | list[list[int]] = "last") -> ForwardBatch:
+              logits_rows: str | list[list[int]] = "last",
+              input_ids_device: torch.Tensor | None = None) -> ForwardBatch:
         """Build from host lists. `logits_rows`: "last" (last token of each request), "all",
-        or per request the offsets (within its extend) that need logits."""
+        or per request the offsets (within its extend) that need logits. `input_ids_device`
+        (flat `[T]`) replaces the host ids, so tokens produced on the device (DSpark drafts)
+        never round-trip through the host; `input_ids` then only gives the lengths."""
         device = req_to_token.device
         extend = [len(ids) for ids in input_ids]
         assert all(n > 0 for n in extend), f"every request needs >= 1 token, got {extend}"
@@ -79,8 +82,10 @@ class ForwardBatch:
         seq = [p + n for p, n in zip(prefix_lens, extend)]
         assert max(seq) <= req_to_token.shape[1], f"sequence {max(seq)} exceeds the context table"
         out_loc = req_to_token[pool_t[req_t], pos_t]
+        ids_t = t(flat_ids) if input_ids_device is None else input_ids_device
+        assert ids_t.shape[0] == len(flat_ids), (ids_t.shape, len(flat_ids))
         return cls(
-            mode=mode, input_ids=t(flat_ids), positions=pos_t, token_req=req_t,
+            mode=mode, input_ids=ids_t, positions=pos_t, token_req=req_t,
             out_cache_loc=out_loc, req_pool_indices=pool_t, prefix_lens=t(list(prefix_lens)),
             seq_lens=t(seq), logits_indices=t(rows), req_to_token=req_to_token,
             max_seq_len=max(seq), extend_lens_cpu=tuple(extend),

@@ -1,0 +1,145 @@
+"""Benchmark cases for K7 (mHC post-combine) and K9/K10 (FP4 indexer quant), kernels.md §2-§3.
+
+``CASES`` is a list of dicts with keys:
+    name         str
+    make_inputs  (M, device) -> dict of keyword arguments, at DeepSeek-V4-Flash decode shapes
+    reference    (**inputs) -> output   (the unfused torch reference)
+    launcher     (**inputs) -> output   (the Triton launcher; graph-capturable)
+    check        (reference_output, launcher_output) -> None, raises AssertionError on mismatch
+    bytes_moved  (M) -> int, the minimal HBM traffic of the fused op (bandwidth floor)
+M is the number of token rows: mHC rows for K7, new index keys for K9, index queries for K10.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from sgl_dspark.kernels.fp4_indexer import (
+    fp4_index_k_quant,
+    fp4_index_k_quant_ref,
+    index_q_rope_fp4,
+    index_q_rope_fp4_ref,
+)
+from sgl_dspark.kernels.mhc import mhc_post_combine, mhc_post_combine_ref
+
+HIDDEN = 4096
+HC = 4
+HC_SINKHORN_ITERS = 20
+INDEX_HEADS, INDEX_HEAD_DIM, ROPE_DIM = 64, 128, 64
+HEAD_WEIGHT_SPLITS = 8  # split-K partials of the head-weight projection (kernels.md K10 assumes 8)
+ROPE_TABLE = 8192
+M_VALUES = (1, 4, 8, 24, 32, 128)
+
+
+def _gen(m: int) -> torch.Generator:
+    return torch.Generator().manual_seed(4321 + m)
+
+
+def _cdiv_at_least_one(a: int, b: int) -> int:
+    return max((a + b - 1) // b, 1)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
+
+
+# ----------------------------------------------------------------------------- K7
+
+
+def _mhc_inputs(m: int, device: str) -> dict[str, Any]:
+    gen = _gen(m)
+    r = (2 + HC) * HC
+    tensors = dict(
+        streams=torch.randn(m, HC, HIDDEN, generator=gen).to(torch.bfloat16),
+        y=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16),
+        post=torch.rand(m, HC, generator=gen) * 2,
+        comb=torch.rand(m, HC, HC, generator=gen) / HC,
+        fn=torch.randn(r, HC * HIDDEN, generator=gen) * 0.02,
+        base=torch.randn(r, generator=gen) * 0.1,
+        scale=torch.ones(3),
+        norm_weight=1 + 0.1 * torch.randn(HIDDEN, generator=gen),
+        # Preallocated, self-resetting arrival counters: no zero-fill node per graph replay.
+        counters=torch.zeros(_cdiv_at_least_one(m, 4), dtype=torch.int32),
+    )
+    return {**{k: v.to(device) for k, v in tensors.items()},
+            "hc_eps": 1e-6, "sinkhorn_iters": HC_SINKHORN_ITERS, "rms_eps": 1e-6}
+
+
+def _mhc_ref(counters: torch.Tensor, **kwargs: Any) -> Any:
+    return mhc_post_combine_ref(**kwargs)
+
+
+def _mhc_check(want: Any, got: Any) -> None:
+    # Rs' is bit-exact; the rest passes through reductions/exp whose order differs (X2 vs torch).
+    assert torch.equal(_bits(want.streams), _bits(got.streams)), "streams differ"
+    for name in ("pre", "post", "comb"):
+        torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6)
+    for name in ("x_in", "x_normed"):
+        w, g = getattr(want, name).float(), getattr(got, name).float()
+        torch.testing.assert_close(g, w, rtol=2.0**-7, atol=1e-5)
+        assert (w != g).float().mean().item() < 0.02, f"{name}: too many 1-ulp differences"
+
+
+def _mhc_bytes(m: int) -> int:
+    r = (2 + HC) * HC
+    per_row = (2 * HC * HIDDEN + 3 * HIDDEN) * 2 + (2 * HC + 2 * HC * HC + HC) * 4
+    return m * per_row + (r * HC * HIDDEN + r + 3 + HIDDEN) * 4
+
+
+# ----------------------------------------------------------------------------- K9
+
+
+def _k_inputs(m: int, device: str) -> dict[str, Any]:
+    x = torch.randn(m, INDEX_HEAD_DIM, generator=_gen(m)).to(torch.bfloat16)
+    return {"x": x.to(device)}
+
+
+def _k_check(want: Any, got: Any) -> None:
+    assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), "codes/scales differ"
+
+
+# ----------------------------------------------------------------------------- K10
+
+
+def _q_inputs(m: int, device: str) -> dict[str, Any]:
+    gen = _gen(m)
+    angles = torch.rand(ROPE_TABLE, ROPE_DIM // 2, generator=gen) * 6.3
+    tensors = dict(
+        q=torch.randn(m, INDEX_HEADS * INDEX_HEAD_DIM, generator=gen).to(torch.bfloat16),
+        cos_sin=torch.stack([angles.cos(), angles.sin()], dim=-1),
+        positions=torch.randint(0, ROPE_TABLE, (m,), generator=gen),
+        weight_partials=torch.randn(HEAD_WEIGHT_SPLITS, m, INDEX_HEADS, generator=gen),
+    )
+    return {**{k: v.to(device) for k, v in tensors.items()}, "n_heads": INDEX_HEADS,
+            "rope_dim": ROPE_DIM, "head_weight_scale": INDEX_HEAD_DIM**-0.5 * INDEX_HEADS**-0.5}
+
+
+def _q_check(want: Any, got: Any) -> None:
+    assert torch.equal(want.codes, got.codes), "codes differ"
+    assert torch.equal(want.scales, got.scales), "scales differ"
+    assert torch.equal(_bits(want.head_weights), _bits(got.head_weights)), "head weights differ"
+
+
+def _q_bytes(m: int) -> int:
+    read = INDEX_HEADS * INDEX_HEAD_DIM * 2 + 8 + ROPE_DIM * 4
+    read += HEAD_WEIGHT_SPLITS * INDEX_HEADS * 4
+    written = INDEX_HEADS * INDEX_HEAD_DIM // 2 + INDEX_HEAD_DIM // 32 * 64 + INDEX_HEADS * 2
+    return m * (read + written)
+
+
+def _case(name: str, make_inputs: Callable[[int, str], dict[str, Any]], reference: Callable,
+          launcher: Callable, check: Callable, bytes_moved: Callable[[int], int]) -> dict[str, Any]:
+    return dict(name=name, make_inputs=make_inputs, reference=reference, launcher=launcher,
+                check=check, bytes_moved=bytes_moved)
+
+
+CASES: list[dict[str, Any]] = [
+    _case("k7_mhc_post_combine_norm_bf16_hc4", _mhc_inputs, _mhc_ref, mhc_post_combine,
+          _mhc_check, _mhc_bytes),
+    _case("k9_fp4_index_k_quant_128", _k_inputs, fp4_index_k_quant_ref, fp4_index_k_quant,
+          _k_check, lambda m: m * (INDEX_HEAD_DIM * 2 + INDEX_HEAD_DIM // 2 + 4)),
+    _case("k10_index_q_rope_fp4_pack_weights_64h", _q_inputs, index_q_rope_fp4_ref,
+          index_q_rope_fp4, _q_check, _q_bytes),
+]

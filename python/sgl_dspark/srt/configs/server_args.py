@@ -1,0 +1,299 @@
+"""`ServerArgs`: the single list of server knobs, with SGLang's flag names.
+
+The argparse parser is generated from the dataclass fields: the flag is `--` + the field name with
+`-` for `_`, the default is the field default, help and `choices` come from the field metadata.
+`ServerArgs(...)` validates (ValueError naming the flag); `resolved()` returns a new record with
+every "auto" value replaced by what will actually run; `from_cli_args` does both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import difflib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+SPECULATIVE_ALGORITHMS = ("DSpark",)
+# Flipped to True by the change that wires DSpark into the scheduler; until then asking for it
+# fails at launch instead of silently serving without speculation.
+DSPARK_RUNTIME_AVAILABLE = False
+
+DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
+DEVICE_CHOICES = ("auto", "cpu", "cuda")
+KERNEL_BACKEND_CHOICES = ("auto", "torch", "triton")
+VERIFY_POLICY_CHOICES = ("full", "static", "confidence")
+LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+DEFAULT_CHUNKED_PREFILL_SIZE = 512
+
+
+def _attention_backend_choices() -> tuple[str, ...]:
+    from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS
+
+    return tuple(sorted(ATTENTION_BACKENDS))
+
+
+def _arg(default: Any, help: str, choices: Sequence[str] | None = None,
+         metavar: str | None = None) -> Any:
+    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Every knob of the server (and of the offline engine it builds). See `--help`."""
+
+    # ---- model and tokenizer ----
+    model_path: str = field(metadata={
+        "help": "Model to serve: 'tiny' (the built-in tiny DeepSeek-V4) or a checkpoint directory "
+                "holding config.json and *.safetensors."})
+    tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: --model-path).")
+    skip_tokenizer_init: bool = _arg(
+        False, "Load no tokenizer: requests must send token ids and receive token ids only.")
+    served_model_name: str | None = _arg(
+        None, "Model name the OpenAI API reports and accepts in 'model' (default: --model-path).")
+    # ---- HTTP ----
+    host: str = _arg("127.0.0.1", "Address to listen on.")
+    port: int = _arg(30000, "Port to listen on (0 picks a free port, shown in the ready line).")
+    api_key: str | None = _arg(
+        None, "If set, every request except /health* and /metrics must send "
+              "'Authorization: Bearer <key>'.")
+    graceful_shutdown_timeout: float = _arg(
+        10.0, "Seconds that SIGTERM/SIGINT wait for in-flight requests before aborting them.")
+    log_level: str = _arg("info", "Log level of the server and uvicorn.", LOG_LEVEL_CHOICES)
+    # ---- runtime ----
+    device: str = _arg("auto", "Device to run on; auto = cuda when available, else cpu.",
+                       DEVICE_CHOICES)
+    dtype: str = _arg("auto", "Weight and activation dtype; auto = float32 on CPU, bfloat16 on "
+                              "GPU.", DTYPE_CHOICES)
+    random_seed: int = _arg(0, "Seed of the model initialisation (tiny) and of unseeded sampling.")
+    kernel_backend: str = _arg("auto", "Implementation of the fused kernels; auto = triton on "
+                                       "GPU, torch on CPU.", KERNEL_BACKEND_CHOICES)
+    attention_backend: str = _arg("torch", "Attention backend.", None)  # choices: the registry
+    # ---- memory and scheduling ----
+    context_length: int = _arg(4096, "Longest sequence (prompt + output) a request may have.")
+    max_total_tokens: int = _arg(32768, "Size of the KV pool in tokens.")
+    mem_fraction_static: float | None = _arg(
+        None, "Fraction of GPU memory for weights and KV pool. Reserved: the KV pool is sized by "
+              "--max-total-tokens on every device for now.")
+    max_running_requests: int = _arg(32, "Most requests in the running batch.")
+    chunked_prefill_size: int = _arg(
+        DEFAULT_CHUNKED_PREFILL_SIZE, "Most prompt tokens prefilled per step (over all "
+                                      "requests); -1 disables chunking.")
+    page_size: int = _arg(0, "KV page size in tokens; 0 = the smallest multiple of every "
+                             "compress rate.")
+    cuda_graph_max_bs: int | None = _arg(None, "Largest batch size captured in a CUDA graph "
+                                               "(0 = run eagerly).")
+    disable_cuda_graph: bool = _arg(False, "Run every step eagerly (no CUDA graphs).")
+    # ---- speculative decoding (dspark.md section 7) ----
+    speculative_algorithm: str | None = _arg(
+        None, "Speculative decoding algorithm (case-insensitive): DSpark.", None, "{DSpark}")
+    speculative_draft_model_path: str | None = _arg(
+        None, "DSpark draft: a directory, or 'tiny-dspark' (the built-in draft of 'tiny'). "
+              "Default: the target when its config bundles dspark_* keys, else <model>/dspark/.")
+    speculative_dspark_block_size: int | None = _arg(
+        None, "Drafts per step (gamma); default: the draft checkpoint's block size.")
+    speculative_dspark_verify_policy: str = _arg(
+        "full", "Verify length policy: full window, static per-step width, or "
+                "confidence-driven budget.", VERIFY_POLICY_CHOICES)
+    speculative_dspark_sps_table_path: str | None = _arg(
+        None, "SPS cost table JSON (steps/s vs verify tokens) for the static and confidence "
+              "policies.")
+    speculative_dspark_confidence_sts_path: str | None = _arg(
+        None, "STS temperature JSON calibrating the confidence head (confidence policy).")
+    speculative_dspark_width_table_path: str | None = _arg(
+        None, "Verify widths JSON for the static policy.")
+    speculative_dspark_simulate_accept_len: float | None = _arg(
+        None, "Benchmarks only: force this mean accept length (>= 1) instead of verifying.")
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    # ---- construction ------------------------------------------------------------------------
+    def resolved(self) -> ServerArgs:
+        """A new record with every "auto"/None default replaced by the value that will run."""
+        device = self.device
+        if device == "auto":
+            import torch
+
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
+        if dtype == "auto":
+            dtype = "float32" if device == "cpu" else "bfloat16"
+        kernel_backend = self.kernel_backend
+        if kernel_backend == "auto":
+            kernel_backend = "torch" if device == "cpu" else "triton"
+        algo = self.speculative_algorithm
+        if algo is not None:
+            algo = next(a for a in SPECULATIVE_ALGORITHMS if a.lower() == algo.lower())
+        if device == "cpu" and (self.cuda_graph_max_bs or self.mem_fraction_static is not None):
+            logger.warning("--cuda-graph-max-bs and --mem-fraction-static have no effect on CPU")
+        return dataclasses.replace(
+            self, device=device, dtype=dtype, kernel_backend=kernel_backend,
+            served_model_name=self.served_model_name or self.model_path,
+            speculative_algorithm=algo)
+
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser) -> None:
+        """Add one flag per field (see the module doc)."""
+        for f in dataclasses.fields(cls):
+            flag = "--" + f.name.replace("_", "-")
+            kind = _FIELD_TYPES[str(f.type)]
+            kwargs: dict[str, Any] = {"dest": f.name, "help": f.metadata["help"]}
+            if kind is bool:
+                kwargs["action"] = "store_true"
+            else:
+                kwargs["type"] = kind
+                choices = f.metadata.get("choices")
+                if f.name == "attention_backend":
+                    choices = _attention_backend_choices()
+                if choices:
+                    kwargs["choices"] = choices
+                if f.metadata.get("metavar"):
+                    kwargs["metavar"] = f.metadata["metavar"]
+                elif not choices:
+                    kwargs["metavar"] = _metavar(f.name, kind)
+                if f.default is dataclasses.MISSING:
+                    kwargs["required"] = True
+                else:
+                    kwargs["default"] = f.default
+                    if f.default is not None:
+                        kwargs["help"] += " (default: %(default)s)"
+            parser.add_argument(flag, **kwargs)
+
+    @classmethod
+    def from_cli_args(cls, argv: Sequence[str] | None = None,
+                      parser: argparse.ArgumentParser | None = None) -> ServerArgs:
+        """Parse `argv` (default: sys.argv[1:]) into a validated, resolved record.
+
+        Unknown flags and invalid or conflicting values exit through `parser.error` (status 2)
+        with a message naming the flag, and for a mistyped flag the closest known ones."""
+        parser = parser or make_parser()
+        ns, unknown = parser.parse_known_args(argv)
+        if unknown:
+            known = [a for action in parser._actions for a in action.option_strings]
+            hints = []
+            for arg in unknown:
+                close = difflib.get_close_matches(arg.split("=")[0], known, n=2)
+                hints.append(f"{arg} (did you mean {' or '.join(close)}?)" if close else arg)
+            parser.error("unrecognized arguments: " + ", ".join(hints))
+        try:
+            return cls(**vars(ns)).resolved()
+        except ValueError as exc:
+            parser.error(str(exc))
+            raise  # unreachable: parser.error exits
+
+    def engine_kwargs(self, names: Sequence[str]) -> dict[str, Any]:
+        """The values of `names` (Engine argument names, which are ServerArgs field names), with
+        --chunked-prefill-size -1 expressed as "the whole context"."""
+        out = {name: getattr(self, name) for name in names if hasattr(self, name)}
+        if out.get("chunked_prefill_size") == -1:
+            out["chunked_prefill_size"] = self.context_length
+        return out
+
+
+_FIELD_TYPES: dict[str, type] = {
+    "str": str, "str | None": str, "int": int, "int | None": int, "float": float,
+    "float | None": float, "bool": bool,
+}
+
+
+def _metavar(name: str, kind: type) -> str:
+    if name.endswith("_path"):
+        return "PATH"
+    return {int: "N", float: "X"}.get(kind, "STR")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m sgl_dspark.launch_server",
+        usage="%(prog)s --model-path PATH [options]   (see --help)",
+        description="SGLang-compatible HTTP server for DeepSeek-V4 models with DSpark "
+                    "speculative decoding.")
+    ServerArgs.add_cli_args(parser)
+    return parser
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _validate(a: ServerArgs) -> None:
+    """Each check names the flag to change. Raises ValueError."""
+    _require(isinstance(a.model_path, str) and bool(a.model_path),
+             "--model-path must be a non-empty string")
+    _require(not (a.skip_tokenizer_init and a.tokenizer_path is not None),
+             "--tokenizer-path conflicts with --skip-tokenizer-init (no tokenizer is loaded)")
+    _require(a.served_model_name is None or bool(a.served_model_name),
+             "--served-model-name must not be empty")
+    _require(a.api_key is None or bool(a.api_key), "--api-key must not be empty")
+    _require(0 <= a.port <= 65535, f"--port must be in [0, 65535], got {a.port}")
+    _require(a.graceful_shutdown_timeout >= 0,
+             f"--graceful-shutdown-timeout must be >= 0, got {a.graceful_shutdown_timeout}")
+    _check_choice("--log-level", a.log_level, LOG_LEVEL_CHOICES)
+    _check_choice("--device", a.device, DEVICE_CHOICES)
+    _check_choice("--dtype", a.dtype, DTYPE_CHOICES)
+    _check_choice("--kernel-backend", a.kernel_backend, KERNEL_BACKEND_CHOICES)
+    _check_choice("--attention-backend", a.attention_backend, _attention_backend_choices())
+    for flag, value in (("--context-length", a.context_length),
+                        ("--max-total-tokens", a.max_total_tokens),
+                        ("--max-running-requests", a.max_running_requests)):
+        _require(value >= 1, f"{flag} must be >= 1, got {value}")
+    _require(a.chunked_prefill_size == -1 or a.chunked_prefill_size >= 1,
+             f"--chunked-prefill-size must be -1 (off) or >= 1, got {a.chunked_prefill_size}")
+    _require(a.page_size >= 0, f"--page-size must be >= 0 (0 = auto), got {a.page_size}")
+    _require(a.mem_fraction_static is None or 0.0 < a.mem_fraction_static < 1.0,
+             f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}")
+    _require(a.cuda_graph_max_bs is None or a.cuda_graph_max_bs >= 0,
+             f"--cuda-graph-max-bs must be >= 0, got {a.cuda_graph_max_bs}")
+    _require(not (a.disable_cuda_graph and a.cuda_graph_max_bs),
+             "--cuda-graph-max-bs conflicts with --disable-cuda-graph")
+    _validate_speculative(a)
+
+
+def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:
+    _require(value in choices, f"{flag} must be one of {list(choices)}, got {value!r}")
+
+
+def _validate_speculative(a: ServerArgs) -> None:
+    algo = a.speculative_algorithm
+    set_flags = [
+        "--" + f.name.replace("_", "-") for f in dataclasses.fields(a)
+        if f.name.startswith("speculative_") and f.name != "speculative_algorithm"
+        and getattr(a, f.name) != f.default
+    ]
+    if algo is None:
+        _require(not set_flags, f"{', '.join(set_flags)} need(s) --speculative-algorithm DSpark")
+        return
+    _require(isinstance(algo, str) and algo.lower() in {s.lower() for s in SPECULATIVE_ALGORITHMS},
+             f"--speculative-algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} "
+             f"(case-insensitive), got {algo!r}")
+    gamma = a.speculative_dspark_block_size
+    _require(gamma is None or gamma >= 1,
+             f"--speculative-dspark-block-size must be >= 1, got {gamma}")
+    sim = a.speculative_dspark_simulate_accept_len
+    _require(sim is None or sim >= 1.0,
+             f"--speculative-dspark-simulate-accept-len must be >= 1, got {sim}")
+    if sim is not None and gamma is not None:
+        _require(sim <= gamma + 1, f"--speculative-dspark-simulate-accept-len {sim} exceeds "
+                                   f"--speculative-dspark-block-size + 1 ({gamma + 1})")
+    policy = a.speculative_dspark_verify_policy
+    _check_choice("--speculative-dspark-verify-policy", policy, VERIFY_POLICY_CHOICES)
+    for flag, value, policies in (
+            ("--speculative-dspark-sps-table-path", a.speculative_dspark_sps_table_path,
+             ("static", "confidence")),
+            ("--speculative-dspark-confidence-sts-path", a.speculative_dspark_confidence_sts_path,
+             ("confidence",)),
+            ("--speculative-dspark-width-table-path", a.speculative_dspark_width_table_path,
+             ("static",))):
+        _require(value is None or policy in policies,
+                 f"{flag} is only used with --speculative-dspark-verify-policy "
+                 f"{' or '.join(policies)} (got {policy})")
+    _require(DSPARK_RUNTIME_AVAILABLE,
+             "--speculative-algorithm DSpark is not available in this build yet (the DSpark "
+             "runtime is not wired into the scheduler); launch without --speculative-* flags")

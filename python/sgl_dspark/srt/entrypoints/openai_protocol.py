@@ -1,0 +1,141 @@
+"""Request bodies of the HTTP API (pydantic, validated from the raw JSON bytes in strict mode).
+
+Unknown fields are REJECTED (400, "Unrecognized request argument supplied: <name>"), as the
+OpenAI API does, so a typo never silently changes sampling. Known OpenAI fields that this server
+does not implement are accepted only at their neutral value (e.g. `logit_bias` empty, `suffix`
+null, `frequency_penalty` 0) and otherwise answered with a 400 naming the field. Strict mode:
+an int is accepted where a number is expected, but strings are never coerced and bools are not
+ints. SGLang's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
+`skip_special_tokens`, `no_stop_trim`, `repetition_penalty`) are accepted on the OpenAI routes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+MAX_N = 128  # OpenAI's limit on choices per request
+MAX_STOP_SEQUENCES = 16
+
+TokenIds = list[int]
+
+
+class _Body(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+class StreamOptions(_Body):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Body):
+    """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang extensions)."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    n: int | None = Field(None, ge=1, le=MAX_N)
+    stop: str | list[str] | None = Field(None)
+    seed: int | None = Field(None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    # SGLang extensions.
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    skip_special_tokens: bool | None = None
+    no_stop_trim: bool | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    max_tokens: int | None = Field(None, ge=1)
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)
+
+
+class TextPart(_Body):
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(_Body):
+    role: Literal["system", "user", "assistant"]
+    content: str | list[TextPart]
+    name: str | None = None
+
+
+class ResponseFormat(_Body):
+    type: Literal["text"]
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=20)
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: Literal["none"] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+class GenerateRequest(_Body):
+    """SGLang's native `/generate`. Exactly one of `text` / `input_ids`; a list means a batch."""
+
+    text: str | list[str] | None = None
+    input_ids: TokenIds | list[TokenIds] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
+    stream: bool = False
+    return_logprob: bool = False
+    rid: str | list[str] | None = None
+    # Accepted for SGLang clients; only these values are supported.
+    return_text_in_logprobs: bool | None = None  # token texts are always returned
+    logprob_start_len: int | None = Field(None, ge=-1, le=-1)  # no prompt logprobs
+    top_logprobs_num: int | None = Field(None, ge=0, le=0)  # no top-k alternatives
+
+
+_TYPE_HINTS = {
+    "prompt": "a string, a list of strings, a list of token ids or a list of lists of token ids",
+    "stop": "a string, a list of strings or null",
+    "text": "a string or a list of strings",
+    "input_ids": "a list of token ids or a list of lists of token ids",
+    "sampling_params": "an object or a list of objects",
+    "rid": "a string or a list of strings",
+    "content": "a string or a list of {'type': 'text', 'text': str} parts",
+}
+_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
+                 "too_short", "too_long", "literal_error"}
+
+
+def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:
+    """(message, param) for the first problem in `exc`, worded for an API user."""
+    err = exc.errors()[0]
+    kind, loc = err["type"], [str(x) for x in err["loc"]]
+    if kind == "json_invalid":
+        return f"We could not parse the JSON body of your request ({err['msg']})", None
+    if not loc:
+        return f"The request body must be a JSON object ({err['msg']})", None
+    # Drop pydantic's union-member tags ("str", "list[int]") from the location.
+    path = [p for p in loc if not any(c in p for c in "[]") and p not in ("str", "int")]
+    param = ".".join(path) or loc[0]
+    last = path[-1] if path else loc[0]
+    if kind == "extra_forbidden":
+        return f"Unrecognized request argument supplied: {param}", param
+    if kind == "missing":
+        return f"Missing required parameter: '{param}'", param
+    if kind not in _RANGE_ERRORS and last in _TYPE_HINTS:
+        return f"Invalid type for '{param}': expected {_TYPE_HINTS[last]}", param
+    value = repr(err.get("input"))
+    value = value if len(value) <= 60 else value[:57] + "..."
+    return f"Invalid value for '{param}': {err['msg']} (got {value})", param

@@ -1,0 +1,261 @@
+"""The HTTP side of generation: submit the sub-requests of one HTTP request (prompts x n) to the
+scheduler thread, wait for their acceptance, then read their outputs from one shared asyncio
+queue -- while watching for the client going away, in which case every unfinished sub-request
+is aborted (its KV pages return to the pool).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from fastapi import Request
+from pydantic import BaseModel, ValidationError
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from sgl_dspark.srt.entrypoints.api_errors import ApiError
+from sgl_dspark.srt.entrypoints.openai_protocol import describe_validation_error
+from sgl_dspark.srt.managers.io_struct import (
+    GenerateOutput,
+    GenerateReqInput,
+    ReqAccepted,
+    ReqFailed,
+)
+from sgl_dspark.srt.sampling.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.configs.server_args import ServerArgs
+    from sgl_dspark.srt.managers.metrics import ServerMetrics
+    from sgl_dspark.srt.managers.scheduler_loop import SchedulerLoop
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting handler checks whether its client is still connected.
+DISCONNECT_POLL_S = 0.25
+SSE_DONE = "data: [DONE]\n\n"
+_Model = TypeVar("_Model", bound=BaseModel)
+
+
+def sse(obj: Any) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass(frozen=True)
+class ServingContext:
+    """What every route handler needs (one per app)."""
+
+    args: ServerArgs
+    loop: SchedulerLoop
+    metrics: ServerMetrics
+    has_tokenizer: bool
+    vocab_size: int
+
+
+class ClientDisconnected(Exception):
+    """The HTTP client went away; the group's sub-requests were aborted."""
+
+
+async def parse_body(request: Request, model: type[_Model]) -> _Model:
+    """Validate the raw JSON body against `model`; a 400 names the first problem."""
+    raw = await request.body()
+    try:
+        return model.model_validate_json(raw)
+    except ValidationError as exc:
+        message, param = describe_validation_error(exc)
+        raise ApiError(400, message, param=param) from None
+
+
+def check_model_name(ctx: ServingContext, name: str) -> None:
+    served = ctx.args.served_model_name
+    if name != served:
+        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{served}'",
+                       param="model", code="model_not_found")
+
+
+def require_tokenizer(ctx: ServingContext, what: str) -> None:
+    if not ctx.has_tokenizer:
+        raise ApiError(400, f"{what} needs a tokenizer, and this server runs with "
+                            "--skip-tokenizer-init; use /generate with input_ids")
+
+
+def make_sampling_params(values: Mapping[str, Any], rename: Mapping[str, str] | None = None,
+                         ) -> SamplingParams:
+    """`SamplingParams.from_dict(values)`; a ValueError becomes a 400 whose `param` is the API's
+    name of the offending field (`rename` maps SamplingParams names to API names)."""
+    try:
+        return SamplingParams.from_dict(values)
+    except ValueError as exc:
+        message = str(exc)
+        field_name = message.split(" ", 1)[0].split("=", 1)[0]
+        rename = rename or {}
+        if field_name in rename:
+            message = message.replace(field_name, rename[field_name], 1)
+            field_name = rename[field_name]
+        raise ApiError(400, message, param=field_name) from None
+
+
+@dataclass
+class SubResult:
+    """Everything one sub-request produced (for non-streaming responses)."""
+
+    accepted: ReqAccepted
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    token_texts: list[str] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: dict[str, Any] | None = None
+
+    def add(self, out: GenerateOutput) -> None:
+        self.text += out.text
+        self.token_ids.extend(out.token_ids)
+        self.logprobs.extend(out.logprobs)
+        self.token_texts.extend(out.token_texts)
+        self.completion_tokens = out.completion_tokens
+        self.finish_reason = out.finish_reason
+
+
+class RequestGroup:
+    """The sub-requests of one HTTP request. Use as `async with`: leaving the block aborts
+    whatever has not finished (client gone, handler cancelled, error)."""
+
+    def __init__(self, ctx: ServingContext, request: Request, endpoint: str,
+                 inputs: list[GenerateReqInput], prompt_param: str) -> None:
+        self.ctx = ctx
+        self.request = request
+        self.endpoint = endpoint
+        self.inputs = inputs
+        self.prompt_param = prompt_param
+        self.index = {inp.rid: i for i, inp in enumerate(inputs)}
+        self.accepted: list[ReqAccepted] = []
+        self._queue: asyncio.Queue = asyncio.Queue()
+        self._unfinished = set(self.index)
+        self._arrival = time.perf_counter()
+        self._last_time: dict[str, float] = {}
+
+    async def __aenter__(self) -> RequestGroup:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.abort_unfinished()
+
+    def abort_unfinished(self) -> None:
+        for rid in self._unfinished:
+            self.ctx.loop.abort(rid)
+        self._unfinished.clear()
+
+    async def start(self) -> list[ReqAccepted]:
+        """Submit every sub-request and wait until all are queued. A rejection aborts the others
+        and raises `ApiError` (400 with the scheduler's reason)."""
+        for inp in self.inputs:
+            self.ctx.loop.submit(inp, self._queue)
+        by_rid: dict[str, ReqAccepted] = {}
+        try:
+            while len(by_rid) < len(self.inputs):
+                item = await self._next()
+                if isinstance(item, ReqFailed):
+                    self._unfinished.discard(item.rid)
+                    raise ApiError(item.status, item.message,
+                                   param=item.param or self.prompt_param)
+                assert isinstance(item, ReqAccepted), f"output before acceptance: {item!r}"
+                by_rid[item.rid] = item
+        except BaseException:
+            self.abort_unfinished()
+            raise
+        self.accepted = [by_rid[inp.rid] for inp in self.inputs]
+        return self.accepted
+
+    async def outputs(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
+        """Yield (sub-request index, output) until every sub-request finished. Raises `ApiError`
+        when one failed inside the scheduler, `ClientDisconnected` when the client left."""
+        while self._unfinished:
+            item = await self._next()
+            if isinstance(item, ReqFailed):
+                self._unfinished.discard(item.rid)
+                raise ApiError(item.status, item.message)
+            assert isinstance(item, GenerateOutput), f"unexpected record {item!r}"
+            self._observe(item)
+            if item.finished:
+                self._unfinished.discard(item.rid)
+            yield self.index[item.rid], item
+
+    async def collect(self) -> list[SubResult]:
+        """Run every sub-request to completion (non-streaming responses)."""
+        results = [SubResult(acc) for acc in self.accepted]
+        async for i, out in self.outputs():
+            results[i].add(out)
+        return results
+
+    async def _next(self) -> Any:
+        if not self._queue.empty():
+            return self._queue.get_nowait()
+        while True:
+            try:
+                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await self.request.is_disconnected():
+                    logger.info("client left %s; aborting %d request(s)", self.endpoint,
+                                len(self._unfinished))
+                    self.abort_unfinished()
+                    raise ClientDisconnected() from None
+
+    def _observe(self, out: GenerateOutput) -> None:
+        now = time.perf_counter()
+        metrics = self.ctx.metrics
+        if out.token_ids:
+            last = self._last_time.get(out.rid)
+            if last is None:
+                metrics.observe_first_token(now - self._arrival)
+                if len(out.token_ids) > 1:
+                    metrics.observe_chunk(0.0, len(out.token_ids) - 1)
+            else:
+                metrics.observe_chunk(now - last, len(out.token_ids))
+            self._last_time[out.rid] = now
+        if out.finished:
+            metrics.observe_finished(out.prompt_tokens, out.completion_tokens,
+                                     now - self._arrival)
+
+
+class GroupStreamingResponse(StreamingResponse):
+    """A StreamingResponse that aborts its group's unfinished requests however the stream ends
+    (Starlette does not close the body iterator when the client disconnects mid-`send`)."""
+
+    def __init__(self, content: AsyncIterator[str], group: RequestGroup) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
+        self._group = group
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._group.abort_unfinished()
+
+
+async def stream_events(group: RequestGroup,
+                        events: Callable[[], AsyncIterator[str]]) -> AsyncIterator[str]:
+    """Wrap an SSE event generator: errors after the stream started become an error event,
+    and every stream ends with `[DONE]` unless the client left."""
+    try:
+        async with group:
+            async for event in events():
+                yield event
+    except ClientDisconnected:
+        return
+    except ApiError as exc:
+        yield exc.sse()
+    except Exception as exc:
+        logger.exception("stream of %s failed", group.endpoint)
+        yield ApiError(500, f"internal error: {exc}").sse()
+    yield SSE_DONE

@@ -1,0 +1,164 @@
+"""DSpark draft model for DeepSeek-V4 targets (dspark.md §1).
+
+A block of Q = gamma rows per request ([anchor, mask, ..., mask] at positions s..s+gamma-1) runs
+through `num_stages` V4-style stages (mHC + sliding-window MQA with sinks + MoE). Each stage's
+attention sees the request's injected context KV at positions [s - window, s) plus all block rows
+(bidirectional inside the block). Context KV comes from target features: for every committed token
+t, `main_norm(main_proj(F_t))` projected by each stage's `kv_proj`/`kv_norm` and rotated at t.
+The stream collapse (hc_head) gives y; base logits U = lm_head_target(norm(y)).
+
+Parameter names: stages live under `model.layers.{k}` with the target's layer names so the
+released-name mapping is shared; `main_proj`, `main_norm`, `markov_head.{embed,head}`,
+`confidence_head.proj` are DSpark's own. Embedding and lm_head are the target's (not owned).
+
+Open-question choices (dspark.md §9): block rows and context rows use the "main" rope (the draft
+is sliding-window only); context features are the target's completed residual after each layer in
+`target_layer_ids` (the V4 convention), averaged over mHC streams.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sgl_dspark.srt.configs.dspark_config import DSparkConfig
+from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.layers.mhc import HyperConnection, HyperHead, hc_collapse, hc_expand
+from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
+from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin, rope_inv_freq
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
+        self.q_head_norm, self.eps = cfg.q_head_norm, cfg.rms_norm_eps
+        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, hd, bias=False)
+        self.kv_proj = nn.Linear(d, cfg.head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_a_proj = nn.Linear(hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+
+    def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """KV rows `[N, Dh]` of committed tokens from the projected target features."""
+        return apply_rope_tail(self.kv_norm(self.kv_proj(main_x)), cos, sin)
+
+    def forward(self, u: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
+        """u `[B*Q, D]` normed block input; ctx_kv `[B, C, Dh]` with ctx_valid `[B, C]`."""
+        rows = u.shape[0]
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(u))).view(rows, self.n_heads, self.head_dim)
+        if self.q_head_norm:
+            q = rms_norm(q, None, self.eps)
+        q = apply_rope_tail(q, cos, sin).view(batch, q_len, self.n_heads, self.head_dim)
+        kv = apply_rope_tail(self.kv_norm(self.kv_proj(u)), cos, sin).view(batch, q_len, -1)
+        keys = torch.cat((ctx_kv.to(kv.dtype), kv), dim=1)                  # [B, C+Q, Dh]
+        valid = torch.cat((ctx_valid, ctx_valid.new_ones(batch, q_len)), dim=1)
+        logits = torch.einsum("bqhd,bkd->bqhk", q, keys) * self.head_dim**-0.5
+        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+        sink = self.sinks.to(logits.dtype).view(1, 1, -1, 1).expand(batch, q_len, -1, 1)
+        logits = torch.cat((logits, sink), dim=-1)
+        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+        o = torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys).reshape(rows, self.n_heads, -1)
+        o = apply_rope_tail(o, cos, sin, inverse=True)
+        wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
+        z = torch.einsum("tgi,gri->tgr", o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
+        return self.o_b_proj(z)
+
+
+class DraftStage(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.self_attn = DraftAttention(cfg)
+        router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size, False,
+                        cfg.scoring_func, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+        self.mlp = SparseMoE(
+            router,
+            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit),
+            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit),
+        )
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        hc = (cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+
+class DraftBody(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(DraftStage(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+
+
+class MarkovHead(nn.Module):
+    def __init__(self, vocab: int, rank: int) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, rank)                 # W1 [V, r]
+        self.head = nn.Linear(rank, vocab, bias=False)         # W2 [V, r]
+
+
+class ConfidenceHead(nn.Module):
+    def __init__(self, hidden: int, rank: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(hidden + rank, 1, bias=False)
+
+
+class DSparkDraftModel(nn.Module):
+    def __init__(self, dcfg: DSparkConfig) -> None:
+        super().__init__()
+        cfg = dcfg.stage_config
+        self.dcfg = dcfg
+        self.cfg = cfg
+        d = cfg.hidden_size
+        self.model = DraftBody(cfg)
+        self.main_proj = nn.Linear(dcfg.num_stages * d, d, bias=False)
+        self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
+        self.markov_head = MarkovHead(cfg.vocab_size, dcfg.markov_rank)
+        self.confidence_head = ConfidenceHead(d, dcfg.markov_rank)
+        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_main, cfg.qk_rope_head_dim),
+                             persistent=False)
+
+    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
+        """Per stage, the context KV rows `[N, Dh]` of committed tokens with target features
+        `[N, n_f * D]` at `positions [N]`."""
+        main_x = self.main_norm(self.main_proj(features.to(self.main_proj.weight.dtype)))
+        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        return [stage.self_attn.context_kv(main_x, cos, sin) for stage in self.model.layers]
+
+    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
+                ctx_kv: list[torch.Tensor], ctx_valid: torch.Tensor,
+                ) -> torch.Tensor:
+        """Block rows through every stage.
+
+        Args:
+            block_embeds: `[B, Q, D]` target embeddings of [anchor, mask, ...].
+            positions: `[B, Q]` absolute positions of the rows.
+            ctx_kv: per stage `[B, C, Dh]` gathered context KV; ctx_valid `[B, C]` bool.
+        Returns:
+            y `[B, Q, D]`: the collapsed, pre-norm hidden state (the confidence feature).
+        """
+        batch, q_len, d = block_embeds.shape
+        x = block_embeds.reshape(batch * q_len, d)
+        streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+        cos, sin = rope_cos_sin(positions.reshape(-1), self.inv_freq)
+        for stage, kv in zip(self.model.layers, ctx_kv):
+            pre, post, comb = stage.attn_hc.coeffs(streams)
+            u = stage.input_layernorm(hc_collapse(streams, pre))
+            a = stage.self_attn(u, kv, ctx_valid, cos, sin, batch, q_len)
+            streams = hc_expand(streams, a, post, comb)
+            pre, post, comb = stage.ffn_hc.coeffs(streams)
+            f = stage.mlp(stage.post_attention_layernorm(hc_collapse(streams, pre)), None)
+            streams = hc_expand(streams, f, post, comb)
+        return self.model.hc_head(streams).view(batch, q_len, d)
+
+    def final_norm(self, y: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(y)

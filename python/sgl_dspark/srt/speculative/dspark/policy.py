@@ -1,0 +1,178 @@
+"""Verify-length policies behind one interface (dspark.md §3), chosen by server args.
+
+* `full`: every request verifies its whole block (1 + gamma tokens).
+* `static`: one width W for the whole batch per step, from a per-device table keyed by batch
+  size, or from the online width policy (§3.4) driven by an SPS table.
+* `confidence`: Algorithm 1 with early stop (§3.2, synchronous) or the async top-K variant
+  (§3.3: budget from lagged confidences, allocation from the current ones).
+
+All policies are non-anticipating: a length never depends on whether the draft it admits is
+correct, which keeps DSpark lossless.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from sgl_dspark.srt.speculative.dspark.planner import (
+    ConfidenceRelay,
+    allocate_verify_lengths,
+    budget_from_relay,
+    plan_algorithm1,
+)
+from sgl_dspark.srt.speculative.dspark.sps import load_sps_table
+from sgl_dspark.srt.speculative.dspark.width_policy import (
+    VerifyWidthPolicy,
+    device_table_key,
+    parse_verify_widths,
+    resolve_width_sps_table,
+)
+
+logger = logging.getLogger(__name__)
+
+POLICIES = ("full", "static", "confidence")
+_TUNING_DIR = Path(__file__).resolve().parents[3] / "kernels" / "tuning"
+
+
+@dataclass(frozen=True)
+class PolicyArgs:
+    policy: str = "full"
+    width_table_path: str | None = None
+    online_width: bool = False
+    verify_widths: str = "2,3"
+    sps_table_path: str | None = None
+    confidence_mode: str = "sync"     # sync (Algorithm 1) | async (top-K with lagged budget)
+    device_name: str = "cpu"
+
+
+class BaseVerifyPolicy(ABC):
+    needs_confidence = False
+
+    @abstractmethod
+    def verify_lens(self, confidence: torch.Tensor | None, slots: list[int],
+                    generations: list[int]) -> torch.Tensor:
+        """[B] int64 verify lengths (anchor included), each in [1, gamma + 1]."""
+
+    def observe(self, verify_lens: torch.Tensor, accept_lens: torch.Tensor,
+                confidence: torch.Tensor | None, slots: list[int], generations: list[int]) -> None:
+        """Feed back the step's outcome (online statistics, confidence relay)."""
+
+
+class FullPolicy(BaseVerifyPolicy):
+    def __init__(self, gamma: int, device: torch.device) -> None:
+        self.gamma, self.device = gamma, device
+
+    def verify_lens(self, confidence, slots, generations):
+        return torch.full((len(slots),), self.gamma + 1, dtype=torch.int64, device=self.device)
+
+
+def load_width_table(path: str | Path, full_width: int) -> dict[int, int]:
+    """`{"device": str, "widths_by_batch_size": {"<bs>": W | "full"}}` -> {bs: W}."""
+    with open(path) as f:
+        data = json.load(f)
+    table = data.get("widths_by_batch_size") if isinstance(data, dict) else None
+    if not isinstance(table, dict) or not table:
+        raise ValueError(f"{path}: field 'widths_by_batch_size' must be a non-empty object")
+    out = {}
+    for bs, w in table.items():
+        width = full_width if w == "full" else int(w)
+        if not 2 <= width <= full_width:
+            raise ValueError(f"{path}: width {w!r} for batch size {bs} must be 'full' or in "
+                             f"[2, {full_width}]")
+        out[int(bs)] = width
+    return dict(sorted(out.items()))
+
+
+class StaticWidthPolicy(BaseVerifyPolicy):
+    """One width for the batch: table lookup (largest batch-size key <= B) or the online policy."""
+
+    def __init__(self, gamma: int, args: PolicyArgs, device: torch.device) -> None:
+        self.gamma, self.device = gamma, device
+        full = gamma + 1
+        self.table: dict[int, int] | None = None
+        self.online: VerifyWidthPolicy | None = None
+        self._last_width = full
+        if args.online_width:
+            sps = resolve_width_sps_table(args.device_name, args.sps_table_path)
+            if sps is None:
+                raise ValueError("--speculative-dspark-online-width needs an SPS table for this "
+                                 "device (--speculative-dspark-sps-table-path)")
+            # Configured widths that a small block cannot use (>= its full width) are dropped.
+            narrow = [int(w) for w in str(args.verify_widths).split(",") if w.strip()]
+            narrow = [w for w in narrow if w < full]
+            if not narrow:
+                self.table = {1: full}
+                return
+            self.online = VerifyWidthPolicy(parse_verify_widths(narrow, full)[:-1], full, sps,
+                                            device=device)
+            return
+        path = args.width_table_path
+        if path is None:
+            packaged = _TUNING_DIR / f"dspark_widths_{device_table_key(args.device_name)}.json"
+            if not packaged.is_file():
+                raise ValueError(
+                    f"static verify policy: no width table for device {args.device_name!r}; pass "
+                    "--speculative-dspark-width-table-path or --speculative-dspark-online-width")
+            path = str(packaged)
+        self.table = load_width_table(path, full)
+
+    def width(self, batch_size: int) -> int:
+        if self.online is not None:
+            self._last_width = int(self.online.choose(batch_size))
+            return self._last_width
+        assert self.table is not None
+        keys = [k for k in self.table if k <= batch_size]
+        return self.table[keys[-1]] if keys else self.table[min(self.table)]
+
+    def verify_lens(self, confidence, slots, generations):
+        return torch.full((len(slots),), self.width(len(slots)), dtype=torch.int64,
+                          device=self.device)
+
+    def observe(self, verify_lens, accept_lens, confidence, slots, generations):
+        if self.online is not None and len(slots):
+            self.online.record_step(self._last_width, accept_lens)
+
+
+class ConfidencePolicy(BaseVerifyPolicy):
+    needs_confidence = True
+
+    def __init__(self, gamma: int, args: PolicyArgs, device: torch.device, num_slots: int) -> None:
+        if args.sps_table_path is None:
+            raise ValueError("confidence verify policy needs --speculative-dspark-sps-table-path")
+        if args.confidence_mode not in ("sync", "async"):
+            raise ValueError(f"--speculative-dspark-confidence-mode {args.confidence_mode!r}: "
+                             "sync or async")
+        self.gamma, self.device, self.mode = gamma, device, args.confidence_mode
+        self.table = load_sps_table(args.sps_table_path)
+        self.relay = ConfidenceRelay(num_slots, gamma, device=device) if self.mode == "async" else None
+
+    def verify_lens(self, confidence, slots, generations):
+        assert confidence is not None
+        if self.mode == "sync":
+            lens = plan_algorithm1(confidence.float().cpu(), self.table).verify_lens
+            return torch.as_tensor(lens, dtype=torch.int64, device=self.device)
+        assert self.relay is not None
+        budget = budget_from_relay(self.relay, slots, generations, self.table)
+        return allocate_verify_lengths(confidence, None if budget is None else budget.budget)
+
+    def observe(self, verify_lens, accept_lens, confidence, slots, generations):
+        if self.relay is not None and confidence is not None:
+            self.relay.publish(torch.as_tensor(slots, device=self.device),
+                               torch.as_tensor(generations, device=self.device), confidence)
+
+
+def create_verify_policy(gamma: int, args: PolicyArgs, device: torch.device,
+                         num_slots: int) -> BaseVerifyPolicy:
+    if args.policy == "full":
+        return FullPolicy(gamma, device)
+    if args.policy == "static":
+        return StaticWidthPolicy(gamma, args, device)
+    if args.policy == "confidence":
+        return ConfidencePolicy(gamma, args, device, num_slots)
+    raise ValueError(f"--speculative-dspark-verify-policy {args.policy!r}: choose from {POLICIES}")

@@ -1,0 +1,233 @@
+"""DSpark decode cycle (dspark.md §2): draft -> Markov sampling -> confidence -> verify lengths ->
+one target verify forward (ragged) -> acceptance -> commit; rejected state is discarded by
+committing a shorter length (all KV state is addressed by position, see `DeepseekV4KVPool`).
+
+The step runs eagerly in torch. Verify lengths of the `full`/`static` policies are host values,
+so the draft tokens never leave the device before the verify forward; acceptance and the
+committed tokens are finalised on the device and read by the scheduler once, at the end.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+import torch
+
+from sgl_dspark.srt.configs.dspark_config import DSparkConfig
+from sgl_dspark.srt.managers.req import Req
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
+from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
+from sgl_dspark.srt.speculative.dspark.accept import accept_step, finalize_accept
+from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
+from sgl_dspark.srt.speculative.dspark.policy import PolicyArgs, create_verify_policy
+from sgl_dspark.srt.speculative.dspark.sampling import (
+    TOP_K_ALL,
+    MarkovSampleOutput,
+    confidence_head,
+    draft_probs,
+    markov_sample,
+    target_probs,
+)
+from sgl_dspark.srt.speculative.dspark.sts import StsCalibration
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DSparkArgs:
+    policy: PolicyArgs = field(default_factory=PolicyArgs)
+    sts_path: str | None = None
+    simulate_accept_len: float | None = None   # benchmark-only: forced mean accept length
+    seed: int = 0
+
+
+class DraftProposal(NamedTuple):
+    markov: MarkovSampleOutput            # drafts [B, gamma], step logits z, Markov embeddings
+    confidence: torch.Tensor | None       # [B, gamma] (None when the policy needs none)
+
+
+class SpecStepOutput(NamedTuple):
+    tokens: list[int]        # committed tokens (accepted drafts + bonus), in order
+    logprobs: list[float]    # target logprob of each (raw verify logits)
+
+
+class DSparkWorker:
+    def __init__(self, runner: ModelRunner, dcfg: DSparkConfig, weights, args: DSparkArgs) -> None:
+        self.runner = runner
+        self.dcfg = dcfg
+        self.args = args
+        self.gamma = dcfg.block_size
+        if self.gamma + 1 > runner.rc.max_verify_tokens:
+            raise ValueError(f"DSpark block size {self.gamma} needs max_verify_tokens >= "
+                             f"{self.gamma + 1} (got {runner.rc.max_verify_tokens})")
+        draft = DSparkDraftModel(dcfg)
+        load_weights(draft, weights)
+        self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
+        dh = dcfg.stage_config.head_dim
+        self.ctx_kv = [torch.zeros(runner.kv_pool.num_slots, dh, dtype=runner.dtype,
+                                   device=runner.device) for _ in range(dcfg.num_stages)]
+        self.window = dcfg.stage_config.sliding_window
+        self.policy = create_verify_policy(self.gamma, args.policy, runner.device,
+                                           runner.req_pool.size)
+        self.sts = StsCalibration.load(args.sts_path, self.gamma) if args.sts_path else None
+        if self.policy.needs_confidence and not dcfg.enable_confidence_head:
+            raise ValueError("the confidence verify policy needs a draft with a confidence head")
+        self.generator = torch.Generator(device=runner.device).manual_seed(args.seed)
+        self.metrics = DSparkMetrics(self.gamma, device=runner.device)
+        self._sim_progress: dict[str, float] = {}
+        self._generation: dict[int, int] = {}
+        if args.simulate_accept_len is not None:
+            if not 1.0 <= args.simulate_accept_len <= self.gamma + 1:
+                raise ValueError(f"--speculative-dspark-simulate-accept-len must be in "
+                                 f"[1, {self.gamma + 1}], got {args.simulate_accept_len}")
+            logger.warning("DSpark SIMULATED ACCEPTANCE (mean accept length %.2f): outputs are NOT "
+                           "the model's; use only to benchmark", args.simulate_accept_len)
+
+    @property
+    def tap_layers(self) -> tuple[int, ...]:
+        return self.dcfg.target_layer_ids
+
+    # ---- context KV -----------------------------------------------------------------------
+    def inject(self, positions: torch.Tensor, slots: torch.Tensor,
+               taps: dict[int, torch.Tensor], rows: torch.Tensor | None = None) -> None:
+        """Write draft context KV for committed tokens (rows of a target forward)."""
+        feats = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
+        if rows is not None:
+            feats, positions, slots = feats[rows], positions[rows], slots[rows]
+        if feats.shape[0] == 0:
+            return
+        with torch.inference_mode():
+            for pool, kv in zip(self.ctx_kv, self.draft.context_kv(feats, positions)):
+                pool[slots] = kv.to(pool.dtype)
+
+    def on_new_request(self, req: Req) -> None:
+        self._generation[req.slot] = self._generation.get(req.slot, 0) + 1
+        self._sim_progress[req.rid] = 0.0
+
+    # ---- one decode step ------------------------------------------------------------------
+    @torch.inference_mode()
+    def step(self, reqs: list[Req]) -> list[SpecStepOutput]:
+        runner, dev, gamma = self.runner, self.runner.device, self.gamma
+        B = len(reqs)
+        pool = runner.req_pool
+        anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
+        seq = [r.kv_len for r in reqs]
+        seq_t = torch.tensor(seq, dtype=torch.int64, device=dev)
+        slots = [r.slot for r in reqs]
+        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        params = [r.params for r in reqs]
+        greedy = torch.tensor([p.is_greedy for p in params], device=dev)
+        all_greedy = all(p.is_greedy for p in params)
+        temp = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=dev)
+        top_k = torch.tensor([TOP_K_ALL if p.top_k < 0 else p.top_k for p in params], device=dev)
+        top_p = torch.tensor([p.top_p for p in params], device=dev)
+
+        # 1-3. draft forward, Markov sampling, confidences
+        prop = self.propose(reqs, anchors, seq_t, slot_t, temp, greedy, all_greedy)
+        ms, conf = prop.markov, prop.confidence
+        gens = [self._generation.get(s, 1) for s in slots]
+        # 4. verify lengths; host-known except for the async confidence mode (cap-accept)
+        lens_dev = self.policy.verify_lens(conf, slots, gens)
+        async_cap = self.policy.needs_confidence and self.args.policy.confidence_mode == "async"
+        if async_cap:
+            lens = [gamma + 1] * B
+        else:
+            lens = lens_dev.tolist()
+        # never verify past max_new_tokens: the request ends there anyway
+        lens = [max(1, min(n, r.params.max_new_tokens - len(r.output_ids))) for n, r in
+                zip(lens, reqs)]
+        W = max(lens)
+        verify_ids = torch.cat((anchors[:, None], ms.drafts), dim=1)[:, :W]    # [B, W]
+        # 5. one target verify forward (ragged widths, flat batch)
+        for r, n in zip(reqs, lens):
+            pool.reserve(r.slot, r.kv_len + n)
+        row_mask = torch.arange(W, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
+        flat_ids = verify_ids[row_mask]
+        batch = ForwardBatch.build(ForwardMode.VERIFY, [[0] * n for n in lens], seq, slots,
+                                   pool.req_to_token, logits_rows="all",
+                                   input_ids_device=flat_ids)
+        out = runner.forward(batch, tap_layers=self.tap_layers)
+        V = out.logits.shape[-1]
+        logits = out.logits.new_full((B, W, V), 0.0)
+        logits[row_mask] = out.logits
+        # 6. acceptance on the device
+        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+        acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k,
+                           top_p, ms, lens_dev if async_cap else None, reqs)
+        # 7. commit: draft context KV for anchor + accepted drafts (rows j < commit_len)
+        commit_rows = (torch.arange(W, device=dev)[None, :] < acc.commit_len[:, None])[row_mask]
+        self.inject(batch.positions, batch.out_cache_loc, out.hidden_taps, rows=commit_rows)
+        logp = torch.log_softmax(logits, dim=-1)
+        tok_idx = acc.out_tokens.clamp(min=0)
+        tok_lp = logp.gather(2, tok_idx[:, :, None]).squeeze(2)
+        self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
+        self.metrics.record_step(lens_t, acc.accept_len, request_ids=[r.rid for r in reqs])
+        # 8. the scheduler reads the finalised results once
+        commit = acc.commit_len.tolist()
+        toks = acc.out_tokens.tolist()
+        lps = tok_lp.tolist()
+        for r, c in zip(reqs, commit):
+            r.kv_len += c
+            r.spec_verify_ct += 1
+            r.spec_committed += c
+        return [SpecStepOutput(t[:c], lp[:c]) for t, lp, c in zip(toks, lps, commit)]
+
+    def propose(self, reqs: list[Req], anchors: torch.Tensor, seq_t: torch.Tensor,
+                slot_t: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor,
+                all_greedy: bool) -> DraftProposal:
+        """Draft forward over [anchor, mask, ...] at positions s .. s+gamma-1, then the Markov
+        head (left to right) and, when the policy reads them, the confidences."""
+        runner, dev, gamma = self.runner, self.runner.device, self.gamma
+        B = len(reqs)
+        ids = torch.full((B, gamma), self.dcfg.noise_token_id, dtype=torch.int64, device=dev)
+        ids[:, 0] = anchors
+        pos = seq_t[:, None] + torch.arange(gamma, device=dev)[None, :]
+        target = runner.model
+        embeds = target.model.embed_tokens(ids)
+        ctx_pos = seq_t[:, None] - self.window + torch.arange(self.window, device=dev)[None, :]
+        ctx_valid = ctx_pos >= 0
+        ctx_slots = runner.req_pool.req_to_token[slot_t[:, None], ctx_pos.clamp(min=0)]
+        ctx = [kv[ctx_slots] for kv in self.ctx_kv]
+        y = self.draft(embeds, pos, ctx, ctx_valid)
+        base_logits = target.compute_logits(self.draft.final_norm(y))          # [B, gamma, V]
+        ms = markov_sample(base_logits, self.draft.markov_head.embed.weight,
+                           self.draft.markov_head.head.weight, anchors, temp, greedy,
+                           generator=self.generator, all_greedy=all_greedy)
+        conf = None
+        if self.policy.needs_confidence:
+            temps = None if self.sts is None else torch.as_tensor(self.sts.temperatures, device=dev)
+            conf = confidence_head(y, ms.markov_embeds, self.draft.confidence_head.proj.weight,
+                                   temperatures=temps).confidence
+        return DraftProposal(ms, conf)
+
+    def _accept(self, verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k, top_p,
+                ms, cap_lens, reqs):
+        dev = logits.device
+        B, W = verify_ids.shape
+        if self.args.simulate_accept_len is not None:
+            return self._simulated_accept(verify_ids, lens_t, seq_t, logits, reqs)
+        if all_greedy:
+            return accept_step(verify_ids, lens_t, seq_t, logits, greedy, cap_lens=cap_lens)
+        need_trunc = bool(((top_k < TOP_K_ALL) | (top_p < 1.0)).any())
+        p = target_probs(logits, temp, top_k, top_p, apply_top_k_top_p=need_trunc)
+        q = draft_probs(ms.step_logits[:, : W - 1], temp, greedy, ms.drafts[:, : W - 1])
+        coins = torch.rand((B, max(W - 1, 0)), generator=self.generator, device=dev)
+        bonus_u = torch.rand((B,), generator=self.generator, device=dev)
+        return accept_step(verify_ids, lens_t, seq_t, logits, greedy, target_probs=p,
+                           draft_probs=q, coins=coins, bonus_uniforms=bonus_u, cap_lens=cap_lens)
+
+    def _simulated_accept(self, verify_ids, lens_t, seq_t, logits, reqs):
+        """Benchmark-only: accept a deterministic schedule of draft counts with the requested
+        mean; the bonus is the target's argmax at the first unaccepted row."""
+        x = float(self.args.simulate_accept_len) - 1.0  # type: ignore[arg-type]
+        forced = []
+        for r in reqs:
+            done = self._sim_progress.get(r.rid, 0.0)
+            forced.append(int((done + 1) * x) - int(done * x) if x > 0 else 0)
+            self._sim_progress[r.rid] = done + 1
+        n = torch.minimum(torch.tensor(forced, device=logits.device), lens_t - 1)
+        bonus = torch.argmax(logits, dim=-1).gather(1, n[:, None]).squeeze(1)
+        return finalize_accept(verify_ids, lens_t, seq_t, n, bonus, None)

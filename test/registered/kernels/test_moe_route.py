@@ -1,0 +1,250 @@
+"""K2+K3: router gate / top-k / pad fill vs `router_topk_ref`.
+
+Ids are X0 wherever the reference's selection values are separated by more than the score
+transcendentals' error (exp2/log2 lowerings differ: numpy vs torch on CPU, approx ex2/lg2 on GPU);
+exact ties are always compared exactly. Near-tie rows instead must pick experts whose selection values
+match the reference's sorted values within that error. Weights: fp32 tolerance (see RTOL).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_dspark.kernels.moe_route import (
+    RouterTopkOutput,
+    make_router_workspace,
+    router_topk,
+    router_topk_ref,
+)
+from sgl_dspark.kernels.moe_route import _scores_ref as scores_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+ON_GPU = DEVICE == "cuda"
+# CPU: numpy vs torch exp2/log2 differ by an ulp or two. GPU: ex2.approx/lg2.approx reach ~1e-4
+# relative error on small softplus values.
+RTOL = 1e-4 if ON_GPU else 2e-6
+TIE_TOL = 2e-4 if ON_GPU else 1e-5
+
+
+def _selection_values(logits: torch.Tensor, scoring: str, bias: torch.Tensor | None) -> torch.Tensor:
+    choice = scores_ref(logits.float(), scoring)
+    if bias is not None:
+        choice = choice + bias
+    return torch.where(torch.isnan(choice), torch.full_like(choice, -float("inf")), choice)
+
+
+def _check(
+    got: RouterTopkOutput,
+    ref: RouterTopkOutput,
+    choice: torch.Tensor | None,
+    topk: int,
+    n_valid: torch.Tensor | None = None,
+) -> None:
+    assert got.ids.shape == ref.ids.shape and got.weights.shape == ref.weights.shape
+    assert got.ids.dtype == torch.int32 and got.weights.dtype == torch.float32
+    torch.testing.assert_close(got.weights, ref.weights, rtol=RTOL, atol=0)
+    if choice is None:  # hash routing: ids are a table lookup
+        assert torch.equal(got.ids, ref.ids)
+        return
+    n_rows = choice.shape[0]
+    top = torch.sort(choice, dim=1, descending=True, stable=True).values[:, : topk + 1]
+    gaps = (top[:, :-1] - top[:, 1:]).abs()
+    scale = top.abs().clamp(min=1.0)[:, :-1]
+    fragile = ((gaps > 0) & (gaps < TIE_TOL * scale)).any(dim=1)
+    if n_valid is not None:  # padded rows hold the fill id: always exact
+        fragile &= torch.arange(n_rows, device=choice.device) < n_valid.reshape(())
+    exact = ~fragile
+    assert torch.equal(got.ids[exact], ref.ids[exact])
+    # Near ties: a valid top-k order up to the transcendentals' error, no expert twice.
+    routed = got.ids[fragile, :topk].long()
+    if routed.numel():
+        picked = choice[fragile].gather(1, routed)
+        ref_vals = top[fragile, :topk]
+        assert (picked - ref_vals).abs().max() <= TIE_TOL * ref_vals.abs().clamp(min=1.0).max()
+        assert all(len(set(row)) == topk for row in routed.tolist())
+    assert int(fragile.sum()) <= max(2, n_rows // 20), "too many near-tie rows to be meaningful"
+
+
+def _random_logits(rows: int, experts: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind == "ties":  # few distinct values: exact ties everywhere
+        logits = torch.randint(-3, 4, (rows, experts), generator=gen).float() / 2
+    else:
+        logits = torch.randn(rows, experts, generator=gen) * 2
+    if kind == "nan" and rows:
+        logits[torch.rand(rows, experts, generator=gen) < 0.05] = float("nan")
+        logits[0] = float("nan")  # every score NaN: ids 0..k-1, weight 0
+    return logits.to(DEVICE)
+
+
+def _random_bias(experts: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    if kind == "ties":
+        return (torch.randint(0, 2, (experts,), generator=gen).float() / 4).to(DEVICE)
+    return (torch.randn(experts, generator=gen) * 0.1).to(DEVICE)
+
+
+@pytest.mark.parametrize("kind", ["randn", "ties", "nan"])
+@pytest.mark.parametrize("num_rows", [0, 1, 4, 24, 37, 128])
+def test_logits_source_dsv4(num_rows: int, kind: str) -> None:
+    gen = torch.Generator().manual_seed(num_rows * 13 + len(kind))
+    logits = _random_logits(num_rows, 384, kind, gen)
+    bias = _random_bias(384, kind, gen)
+    for scoring in ("sqrtsoftplus", "sigmoid"):
+        n_valid = torch.tensor(max(num_rows - 3, 0), dtype=torch.int32, device=DEVICE)
+        kwargs = dict(
+            logits=logits,
+            scoring=scoring,
+            correction_bias=bias,
+            routed_scaling_factor=1.5,
+            n_valid=n_valid,
+            num_shared=1,
+        )
+        got = router_topk(6, **kwargs)
+        choice = _selection_values(logits, scoring, bias)
+        _check(got, router_topk_ref(6, **kwargs), choice, 6, n_valid)
+
+
+@pytest.mark.parametrize(
+    "num_rows,experts,topk,num_shared",
+    [(5, 10, 3, 0), (9, 256, 8, 2), (3, 7, 7, 0), (17, 33, 1, 1), (130, 64, 4, 0)],
+)
+def test_general_shapes_and_options(num_rows: int, experts: int, topk: int, num_shared: int) -> None:
+    gen = torch.Generator().manual_seed(num_rows + experts * 7 + topk)
+    for kind in ("randn", "ties"):
+        logits = _random_logits(num_rows, experts, kind, gen)
+        for bias in (None, _random_bias(experts, kind, gen)):
+            for renormalize in (True, False):
+                kwargs = dict(
+                    logits=logits,
+                    correction_bias=bias,
+                    renormalize=renormalize,
+                    routed_scaling_factor=2.5,
+                    num_shared=num_shared,
+                    shared_weight=0.75,
+                    shared_id_base=1000,
+                    fill_id=-1,
+                    n_valid=torch.tensor(num_rows // 2, dtype=torch.int32, device=DEVICE),
+                )
+                got = router_topk(topk, **kwargs)
+                choice = _selection_values(logits, "sqrtsoftplus", bias)
+                _check(got, router_topk_ref(topk, **kwargs), choice, topk, kwargs["n_valid"])
+
+
+@pytest.mark.parametrize("splits", [1, 3, 8])
+@pytest.mark.parametrize("num_rows", [1, 24, 37])
+def test_partials_source_and_logits_out(num_rows: int, splits: int) -> None:
+    gen = torch.Generator().manual_seed(num_rows * 5 + splits)
+    partials = (torch.randn(splits, num_rows, 384, generator=gen) * 0.7).to(DEVICE)
+    bias = _random_bias(384, "randn", gen)
+    n_valid = torch.tensor([num_rows - 1], dtype=torch.int32, device=DEVICE)
+    logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
+    got = router_topk(6, partials=partials, correction_bias=bias, n_valid=n_valid,
+                      logits_out=logits_out)  # fmt: skip
+    ref_logits = torch.empty_like(logits_out)
+    ref = router_topk_ref(6, partials=partials, correction_bias=bias, n_valid=n_valid,
+                          logits_out=ref_logits)  # fmt: skip
+    assert torch.equal(logits_out, ref_logits)  # fixed-order fp32 sum: exact
+    _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", bias), 6, n_valid)
+
+
+def _grid_exact_inputs(
+    rows: int, hidden: int, experts: int, dtype: torch.dtype, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values on a coarse binary grid: every partial sum is exact in fp32, so the GEMV equals
+    the reference whatever its summation order."""
+    x = torch.randint(-4, 5, (rows, hidden), generator=gen).float() / 8
+    w = torch.randint(-4, 5, (experts, hidden), generator=gen).float() / 256
+    return x.to(dtype).to(DEVICE), w.to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("num_rows,hidden", [(1, 64), (16, 1000), (17, 1100), (37, 96)])
+def test_x_source_split_k(num_rows: int, hidden: int, dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(num_rows * 3 + hidden)
+    x, gate = _grid_exact_inputs(num_rows, hidden, 384, dtype, gen)
+    bias = _random_bias(384, "randn", gen)
+    workspace = make_router_workspace(64, 384, hidden, DEVICE)
+    n_valid = torch.tensor(num_rows, dtype=torch.int32, device=DEVICE)
+    for scoring in ("sqrtsoftplus", "sigmoid"):
+        logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
+        kwargs = dict(x=x, gate_weight=gate, scoring=scoring, correction_bias=bias,
+                      n_valid=n_valid, routed_scaling_factor=1.25)  # fmt: skip
+        got = router_topk(6, logits_out=logits_out, workspace=workspace, **kwargs)
+        ref_logits = torch.empty_like(logits_out)
+        ref = router_topk_ref(6, logits_out=ref_logits, **kwargs)
+        assert torch.equal(logits_out, ref_logits)
+        _check(got, ref, _selection_values(ref_logits, scoring, bias), 6, n_valid)
+        # The last program of each row block leaves its counter at zero for the next launch.
+        assert int(workspace.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
+@pytest.mark.parametrize("num_rows", [1, 6, 37])
+def test_hash_routing(num_rows: int, table_dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(num_rows)
+    vocab = 1000
+    tid2eid = torch.randint(0, 384, (vocab, 6), generator=gen).to(table_dtype).to(DEVICE)
+    input_ids = torch.randint(0, vocab, (num_rows,), generator=gen).to(DEVICE)
+    logits = _random_logits(num_rows, 384, "randn", gen)
+    n_valid = torch.tensor(num_rows - 1, dtype=torch.int32, device=DEVICE)
+    for scoring in ("sqrtsoftplus", "sigmoid"):
+        kwargs = dict(logits=logits, scoring=scoring, tid2eid=tid2eid, input_ids=input_ids,
+                      routed_scaling_factor=1.5, n_valid=n_valid)  # fmt: skip
+        got = router_topk(6, **kwargs)
+        ref = router_topk_ref(6, **kwargs)
+        _check(got, ref, None, 6)
+        valid = got.ids[: num_rows - 1]
+        assert torch.equal(valid.long(), tid2eid[input_ids[: num_rows - 1]].long())
+
+
+def test_hand_derived_ties_and_padding() -> None:
+    # Row 0: all logits equal, no bias -> experts 0..3, weights 1/4 each (times scale 2).
+    # Row 1: experts 5 and 2 share the top value, 7 is next -> [2, 5, 7, 0] (ties: lower id first).
+    # Rows 2, 3 are padding (n_valid = 2): fill id 9, weight 0.
+    logits = torch.zeros(4, 8, device=DEVICE)
+    logits[1] = torch.tensor([-9.0, -9.0, 3.0, -9.0, -9.0, 3.0, -9.0, 1.0])
+    logits[2:] = 5.0
+    n_valid = torch.tensor(2, dtype=torch.int32, device=DEVICE)
+    got = router_topk(4, logits=logits, routed_scaling_factor=2.0, n_valid=n_valid, fill_id=9)
+    assert got.ids.tolist() == [[0, 1, 2, 3], [2, 5, 7, 0], [9] * 4, [9] * 4]
+    torch.testing.assert_close(got.weights[0], torch.full((4,), 0.5, device=DEVICE))
+    assert float(got.weights[2:].abs().sum()) == 0.0
+    # A bias flips the order of the tied pair: selection uses scores + bias, weights do not.
+    bias = torch.zeros(8, device=DEVICE)
+    bias[5] = 0.5
+    got = router_topk(2, logits=logits[1:2], correction_bias=bias, renormalize=False)
+    assert got.ids.tolist() == [[5, 2]]
+    assert got.weights[0, 0].item() == got.weights[0, 1].item()  # unbiased scores, equal
+
+
+def test_m0_and_bad_inputs() -> None:
+    empty = router_topk(6, logits=torch.empty(0, 384, device=DEVICE), num_shared=1)
+    assert empty.ids.shape == (0, 7) and empty.weights.shape == (0, 7)
+    logits = torch.randn(2, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="scoring"):
+        router_topk(2, logits=logits, scoring="softmax")
+    with pytest.raises(ValueError, match="exactly one"):
+        router_topk(2, logits=logits, partials=logits[None])
+    with pytest.raises(ValueError, match="n_valid"):
+        router_topk(2, logits=logits, n_valid=torch.tensor(1, device=DEVICE))
+    with pytest.raises(ValueError, match="topk"):
+        router_topk(17, logits=logits)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_matches_eager() -> None:
+    gen = torch.Generator().manual_seed(7)
+    x, gate = _grid_exact_inputs(24, 4096, 384, torch.bfloat16, gen)
+    bias = _random_bias(384, "randn", gen)
+    n_valid = torch.tensor(20, dtype=torch.int32, device=DEVICE)
+    workspace = make_router_workspace(32, 384, 4096, DEVICE)
+    kwargs = dict(x=x, gate_weight=gate, correction_bias=bias, n_valid=n_valid, num_shared=1,
+                  workspace=workspace)  # fmt: skip
+    eager = router_topk(6, **kwargs)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = router_topk(6, **kwargs)
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.ids, eager.ids) and torch.equal(captured.weights, eager.weights)
