@@ -207,7 +207,7 @@ def _route_rows(
         taken = tl.full([ROWS, BLOCK_E], -2147483648, tl.int32)
         key = tl.where(col_ok[None, :], key, taken)
         for slot in tl.static_range(TOPK):
-            _, expert = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=False)
+            _, expert = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
             hit = cols[None, :] == expert[:, None]
             picked = tl.sum(tl.where(hit, gather_src, 0.0), axis=1)
             key = tl.where(hit, taken, key)

@@ -15,6 +15,7 @@ import threading
 import httpx
 import openai
 import pytest
+import torch
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixture import running_server
 
@@ -35,9 +36,13 @@ def server(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def engine():
+    # One intra-op thread: on a busy 2-core box, OpenMP spinning makes 2 threads ~100x slower.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
     eng = Engine(model_path="tiny", context_length=int(CTX), max_total_tokens=int(KV))
     yield eng
     eng.shutdown()
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

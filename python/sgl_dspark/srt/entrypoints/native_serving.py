@@ -96,7 +96,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
         raise ApiError(400, "rid values must be unique", param="rid")
     inputs = []
     for (text, ids), sp, rid in zip(prompts, sp_list, rids):
-        params = make_sampling_params(sp or {})
+        params = make_sampling_params(sp or {}, default_param="sampling_params")
         if params.max_new_tokens < 1:
             raise ApiError(400, "max_new_tokens must be >= 1 (prefill-only requests are not "
                                 f"supported), got {params.max_new_tokens}",

@@ -137,7 +137,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                                text=text, input_ids=ids, return_logprob=want_lp,
                                return_prompt_text=body.echo)
               for p, (text, ids) in enumerate(prompts) for j in range(n)]
-    group = RequestGroup(ctx, request, "/v1/completions", inputs, "prompt")
+    group = RequestGroup(ctx, request, "/v1/completions", inputs, "prompt", _OPENAI_NAMES)
     meta = {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()),
             "model": body.model}
     if not body.stream:
@@ -219,7 +219,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
                                messages=messages, return_logprob=body.logprobs,
                                fill_context=max_tokens is None)
               for j in range(n)]
-    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages")
+    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages",
+                         _OPENAI_NAMES)
     meta = {"id": f"chatcmpl-{base}", "created": int(time.time()), "model": body.model}
     if not body.stream:
         async with group:

@@ -7,6 +7,7 @@ is aborted (its KV pages return to the pool).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -41,6 +42,7 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_S = 0.25
 SSE_DONE = "data: [DONE]\n\n"
 _Model = TypeVar("_Model", bound=BaseModel)
+_SAMPLING_FIELD_NAMES = frozenset(f.name for f in dataclasses.fields(SamplingParams))
 
 
 def sse(obj: Any) -> str:
@@ -90,16 +92,19 @@ def require_tokenizer(ctx: ServingContext, what: str) -> None:
 
 
 def make_sampling_params(values: Mapping[str, Any], rename: Mapping[str, str] | None = None,
-                         ) -> SamplingParams:
+                         default_param: str | None = None) -> SamplingParams:
     """`SamplingParams.from_dict(values)`; a ValueError becomes a 400 whose `param` is the API's
-    name of the offending field (`rename` maps SamplingParams names to API names)."""
+    name of the offending field (`rename` maps SamplingParams names to API names), or
+    `default_param` when the message names no single field."""
     try:
         return SamplingParams.from_dict(values)
     except ValueError as exc:
         message = str(exc)
-        field_name = message.split(" ", 1)[0].split("=", 1)[0]
-        rename = rename or {}
-        if field_name in rename:
+        # SamplingParams messages start with the field name ("top_k must be ...").
+        field_name: str | None = message.split(" ", 1)[0].split("=", 1)[0]
+        if field_name not in _SAMPLING_FIELD_NAMES:
+            field_name = default_param
+        elif rename and field_name in rename:
             message = message.replace(field_name, rename[field_name], 1)
             field_name = rename[field_name]
         raise ApiError(400, message, param=field_name) from None
@@ -131,7 +136,12 @@ class RequestGroup:
     whatever has not finished (client gone, handler cancelled, error)."""
 
     def __init__(self, ctx: ServingContext, request: Request, endpoint: str,
-                 inputs: list[GenerateReqInput], prompt_param: str) -> None:
+                 inputs: list[GenerateReqInput], prompt_param: str,
+                 renames: Mapping[str, str] | None = None) -> None:
+        """`prompt_param` is the API field a rejection points at; `renames` rewrites the
+        scheduler's field names in rejection messages to the API's (max_new_tokens ->
+        max_tokens)."""
+        self.renames = renames or {}
         self.ctx = ctx
         self.request = request
         self.endpoint = endpoint
@@ -166,8 +176,10 @@ class RequestGroup:
                 item = await self._next()
                 if isinstance(item, ReqFailed):
                     self._unfinished.discard(item.rid)
-                    raise ApiError(item.status, item.message,
-                                   param=item.param or self.prompt_param)
+                    message = item.message
+                    for old, new in self.renames.items():
+                        message = message.replace(old, new)
+                    raise ApiError(item.status, message, param=item.param or self.prompt_param)
                 assert isinstance(item, ReqAccepted), f"output before acceptance: {item!r}"
                 by_rid[item.rid] = item
         except BaseException:

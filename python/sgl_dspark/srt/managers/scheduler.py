@@ -99,6 +99,8 @@ class Scheduler:
                 self.spec.on_new_request(req)
 
     def release(self, req: Req) -> None:
+        if self.spec is not None:
+            self.spec.on_request_done(req)
         if req.slot >= 0:
             self.runner.req_pool.free_slot(req.slot)
             self._reserved_pages -= req.reserved_tokens // self.runner.page_size

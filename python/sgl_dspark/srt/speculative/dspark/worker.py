@@ -107,6 +107,9 @@ class DSparkWorker:
         self._generation[req.slot] = self._generation.get(req.slot, 0) + 1
         self._sim_progress[req.rid] = 0.0
 
+    def on_request_done(self, req: Req) -> None:
+        self._sim_progress.pop(req.rid, None)
+
     # ---- one decode step ------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, reqs: list[Req]) -> list[SpecStepOutput]:

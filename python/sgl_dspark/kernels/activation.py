@@ -1,0 +1,222 @@
+"""K6: clamped SwiGLU (SiLU-mul-clamp) for the routed and shared experts, any width.
+
+    y = silu(min(g, limit)) * clamp(u, -limit, limit),   gate_up = [g | u] along the last dim
+
+silu(g) = g * sigmoid(g) with sigmoid(g) = 1 / (1 + exp2(-g * log2e)) (the exp2 form maps to one
+hardware instruction on both vendors). Output epilogues (a constexpr switch on one kernel):
+  * "plain": y in the input dtype (bf16 rounded to nearest even, or fp32);
+  * "fp8_row" / "fp8_group": fp8 e4m3 codes q = clamp(y / s, -448, 448) with fp32 scales
+    s = max(amax, 1e-10) / 448 per row or per 128-column group (optionally rounded up to a power of
+    two, "ue8m0"), amax taken over the bf16-rounded y (what an unfused quant would have read).
+
+Exactness: X2 vs an exp-based silu (≤1 bf16 ulp); against `silu_mul_clamp_ref` (same exp2 formula)
+the only difference is the backend's exp2 (numpy vs torch on CPU, ex2.approx on GPU): rare 1-ulp
+flips. NaN in g or u propagates to y (the clamps are written as selects); NaN in the fp8 paths is
+undefined (the amax of a NaN group is backend-specific).
+
+`_round_bf16` is also the bf16 rounding helper of other kernels in this package: it does
+fp32->bf16 round-to-nearest-even on the bits, so the result is exact on GPU and in the CPU
+interpreter (whose own fp32->bf16 cast truncates).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_FP8_MAX = 448.0
+_FP8_GROUP = 128
+_MAX_BLOCK = 1024
+_OUT_MODES = {"plain": 0, "fp8_row": 1, "fp8_group": 2}
+_LOG2E = 1.4426950408889634
+
+
+class Fp8Activation(NamedTuple):
+    """q: float8_e4m3fn [R, I]; scale: fp32 [R, 1] (per row) or [R, I / 128] (per group)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+
+
+def _round_scale_ue8m0_ref(scale: torch.Tensor) -> torch.Tensor:
+    """Smallest power of two >= scale (positive normal fp32), computed on the bits."""
+    bits = scale.view(torch.int32)
+    exponent = bits & 0x7F800000
+    rounded = torch.where((bits & 0x7FFFFF) != 0, exponent + 0x800000, exponent)
+    return rounded.view(torch.float32)
+
+
+def silu_mul_clamp_ref(
+    gate_up: torch.Tensor,
+    limit: float | None = None,
+    out_format: str = "plain",
+    scale_ue8m0: bool = False,
+) -> torch.Tensor | Fp8Activation:
+    """Reference (the spec); same arguments as `silu_mul_clamp`."""
+    inter = gate_up.shape[-1] // 2
+    gate = gate_up[..., :inter].float()
+    up = gate_up[..., inter:].float()
+    if limit is not None:
+        gate = torch.clamp(gate, max=limit)
+        up = torch.clamp(up, min=-limit, max=limit)
+    sigmoid = 1.0 / (1.0 + torch.exp2(-gate * _LOG2E))
+    y = (gate * sigmoid * up).to(gate_up.dtype)
+    if out_format == "plain":
+        return y
+    values = y.float()
+    width = inter if out_format == "fp8_row" else _FP8_GROUP
+    groups = values.reshape(values.shape[0], inter // width if width else 0, width)
+    scale = torch.clamp(groups.abs().amax(dim=-1), min=1e-10) / _FP8_MAX
+    if scale_ue8m0:
+        scale = _round_scale_ue8m0_ref(scale)
+    q = torch.clamp(groups / scale[..., None], -_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
+    return Fp8Activation(q.reshape(values.shape), scale)
+
+
+@triton.jit
+def _round_bf16(x):
+    """fp32 -> the nearest-even bf16 value, returned as fp32 (NaN passes through)."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
+    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _clamped_swiglu(row_ptr, cols, inter, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr):
+    in_cols = cols < inter
+    gate = tl.load(row_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+    up = tl.load(row_ptr + inter + cols, mask=in_cols, other=0.0).to(tl.float32)
+    if HAS_LIMIT:
+        gate = tl.where(gate > limit, limit, gate)
+        up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+    one = tl.full(gate.shape, 1.0, tl.float32)
+    sigmoid = tl.div_rn(one, 1.0 + tl.exp2(-gate * 1.4426950408889634))
+    y = gate * sigmoid * up
+    if ROUND_BF16:
+        y = _round_bf16(y)
+    return y
+
+
+@triton.jit
+def _fp8_scale(amax, UE8M0: tl.constexpr):
+    scale = tl.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
+    if UE8M0:
+        bits = scale.to(tl.int32, bitcast=True)
+        exponent = bits & 0x7F800000
+        bits = tl.where((bits & 0x7FFFFF) != 0, exponent + 0x800000, exponent)
+        scale = bits.to(tl.float32, bitcast=True)
+    return scale
+
+
+@triton.jit
+def _to_fp8(y, scale):
+    q = tl.div_rn(y, scale)
+    q = tl.where(q > 448.0, 448.0, tl.where(q < -448.0, -448.0, q))
+    return q.to(tl.float8e4nv)
+
+
+@triton.jit
+def _silu_mul_clamp_kernel(
+    in_ptr, out_ptr, scale_ptr, inter, stride_in, limit,
+    HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_MODE: tl.constexpr,
+    UE8M0: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+):  # fmt: skip
+    row = tl.program_id(0).to(tl.int64)
+    row_in = in_ptr + row * stride_in
+    row_out = out_ptr + row * inter
+    if OUT_MODE == 1:
+        # Per-row scale: pass 1 finds amax, pass 2 recomputes y (cheaper than a round trip).
+        amax = tl.zeros([BLOCK], dtype=tl.float32)
+        for c0 in range(0, inter, BLOCK):
+            y = _clamped_swiglu(row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16)
+            amax = tl.maximum(amax, tl.abs(y))
+        scale = _fp8_scale(tl.max(amax, axis=0), UE8M0)
+        for c0 in range(0, inter, BLOCK):
+            cols = c0 + tl.arange(0, BLOCK)
+            y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT, ROUND_BF16)
+            tl.store(row_out + cols, _to_fp8(y, scale), mask=cols < inter)
+        tl.store(scale_ptr + row, scale)
+    else:
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT, ROUND_BF16)
+        if OUT_MODE == 0:
+            tl.store(row_out + cols, y.to(out_ptr.dtype.element_ty), mask=cols < inter)
+        else:
+            groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
+            scale = _fp8_scale(tl.max(tl.abs(groups), axis=1), UE8M0)
+            q = tl.reshape(_to_fp8(groups, scale[:, None]), [BLOCK])
+            tl.store(row_out + cols, q, mask=cols < inter)
+            group_ids = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
+            n_groups = inter // GROUP
+            tl.store(scale_ptr + row * n_groups + group_ids, scale, mask=group_ids < n_groups)
+
+
+def silu_mul_clamp(
+    gate_up: torch.Tensor,
+    limit: float | None = None,
+    out_format: str = "plain",
+    scale_ue8m0: bool = False,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor | Fp8Activation:
+    """Clamped SwiGLU in one launch, any width.
+
+    Args:
+        gate_up: [R, 2I] bf16 or fp32, last dim contiguous (rows may be strided); gate columns
+            first, up columns second.
+        limit: swiglu_limit (> 0); None disables both clamps.
+        out_format: "plain" -> [R, I] in gate_up's dtype; "fp8_row" / "fp8_group" ->
+            `Fp8Activation` (fp8 e4m3 codes + fp32 scales per row / per 128 columns; "fp8_group"
+            needs I % 128 == 0).
+        scale_ue8m0: round fp8 scales up to a power of two.
+        out: optional output for "plain" ([R, I], gate_up's dtype, contiguous).
+    """
+    if out_format not in _OUT_MODES:
+        raise ValueError(f"out_format must be one of {sorted(_OUT_MODES)}, got {out_format!r}")
+    if gate_up.dim() != 2 or gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up must be [R, 2I], got {tuple(gate_up.shape)}")
+    if gate_up.dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"gate_up dtype must be bf16 or fp32, got {gate_up.dtype}")
+    if gate_up.stride(1) != 1:
+        raise ValueError("gate_up last dim must be contiguous")
+    if limit is not None and not limit > 0:
+        raise ValueError(f"limit must be > 0, got {limit}")
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    mode = _OUT_MODES[out_format]
+    if mode == 2 and inter % _FP8_GROUP:
+        raise ValueError(f"fp8_group needs I % {_FP8_GROUP} == 0, got I = {inter}")
+    scale = None
+    if mode == 0:
+        if out is None:
+            out = torch.empty(rows, inter, dtype=gate_up.dtype, device=gate_up.device)
+        if out.shape != (rows, inter) or out.dtype != gate_up.dtype or not out.is_contiguous():
+            raise ValueError(f"out must be contiguous {gate_up.dtype} {(rows, inter)}")
+    else:
+        if out is not None:
+            raise ValueError("out= is only supported for out_format='plain'")
+        out = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
+        n_scales = 1 if mode == 1 else inter // _FP8_GROUP
+        scale = torch.empty(rows, n_scales, dtype=torch.float32, device=gate_up.device)
+    if rows and inter:
+        block = min(_MAX_BLOCK, max(_FP8_GROUP, triton.next_power_of_2(inter)))
+        grid = (rows, 1 if mode == 1 else triton.cdiv(inter, block))
+        _silu_mul_clamp_kernel[grid](
+            gate_up,
+            out,
+            scale if scale is not None else out,
+            inter,
+            gate_up.stride(0),
+            float(limit) if limit is not None else 0.0,
+            HAS_LIMIT=limit is not None,
+            ROUND_BF16=gate_up.dtype == torch.bfloat16,
+            OUT_MODE=mode,
+            UE8M0=bool(scale_ue8m0),
+            BLOCK=block,
+            GROUP=_FP8_GROUP,
+            num_warps=4,
+        )
+    if scale is not None:
+        return Fp8Activation(out, scale)
+    return out

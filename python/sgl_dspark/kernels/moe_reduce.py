@@ -1,0 +1,163 @@
+"""K4: masked local route-reduce + routed scale + shared-expert add (dense EP, deterministic).
+
+    r   = sum over slots k in order, only where mask[ids[t, k]] == 1, of w[t, k] * y[t, k, :]   (fp32)
+    r   = round(r);  r = round(r * routed_scale)   (skipped when routed_scale == 1, e.g. folded into w)
+    out = round(r + shared)                        (round = to the output dtype, bf16 RNE)
+
+Rounding happens exactly where the unfused chain (moe_reduction -> scale -> shared add) stores to
+memory, the slot sum has a fixed order and FMA contraction is off, so the result is X1: bit-equal
+to `moe_reduce_ref` on any backend, the CPU interpreter included (bf16 rounding is done on the bits).
+Remote slots are never read (their `y` rows may hold garbage); a token with no local slot gets
+out = round(0 + shared), so the EP all-reduce still sees the shared expert once.
+
+As a stage-2 GEMM epilogue: a CTA that owns a (token tile x H tile) of the down projection computes
+its slots' GEMM tiles one slot at a time (a per-token slot list built from K1's sorted ids), keeps
+the running fp32 `r` tile in registers in slot order instead of storing `y [M, topk, H]`, and then
+runs this kernel's tail (round, scale, round, + shared, round, store). `_route_reduce_tail` is that
+tail; only the producer of the per-slot tile changes.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels.activation import _round_bf16
+
+_MAX_BLOCK_H = 1024
+
+
+def moe_reduce_ref(
+    y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_mask: torch.Tensor,
+    routed_scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference (the spec); same arguments as `moe_reduce`."""
+    num_experts = expert_mask.numel()
+    ids = topk_ids.long()
+    known = (ids >= 0) & (ids < num_experts)
+    is_local = known & (expert_mask.long()[ids.clamp(0, max(num_experts - 1, 0))] == 1)
+    acc = torch.zeros(y.shape[0], y.shape[2], dtype=torch.float32, device=y.device)
+    for slot in range(y.shape[1]):
+        term = topk_weights[:, slot, None] * y[:, slot, :].float()
+        acc = acc + torch.where(is_local[:, slot, None], term, torch.zeros_like(term))
+    routed = acc.to(y.dtype)
+    if routed_scale != 1.0:
+        routed = (routed.float() * routed_scale).to(y.dtype)
+    if shared is None:
+        return routed
+    return (routed.float() + shared.float()).to(y.dtype)
+
+
+@triton.jit
+def _route_reduce_tail(acc, shared_ptr, out_ptr, offs, in_cols, routed_scale,
+                       APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
+                       ROUND_BF16: tl.constexpr):  # fmt: skip
+    """fp32 slot sum -> stored output, rounding where the unfused chain stores."""
+    if ROUND_BF16:
+        acc = _round_bf16(acc)
+    if APPLY_SCALE:
+        acc = acc * routed_scale
+        if ROUND_BF16:
+            acc = _round_bf16(acc)
+    if HAS_SHARED:
+        acc = acc + tl.load(shared_ptr + offs, mask=in_cols, other=0.0).to(tl.float32)
+        if ROUND_BF16:
+            acc = _round_bf16(acc)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_cols)
+
+
+@triton.jit
+def _moe_reduce_kernel(
+    y_ptr, weights_ptr, ids_ptr, mask_ptr, shared_ptr, out_ptr,
+    hidden, num_experts, routed_scale,
+    TOPK: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr,
+):  # fmt: skip
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    in_cols = cols < hidden
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for slot in tl.static_range(TOPK):
+        expert = tl.load(ids_ptr + token * TOPK + slot)
+        known = (expert >= 0) & (expert < num_experts)
+        is_local = tl.load(mask_ptr + expert, mask=known, other=0) == 1
+        weight = tl.load(weights_ptr + token * TOPK + slot)
+        row = tl.load(
+            y_ptr + (token * TOPK + slot) * hidden + cols, mask=in_cols & is_local, other=0.0
+        ).to(tl.float32)
+        acc += tl.where(is_local, weight * row, 0.0)
+    _route_reduce_tail(acc, shared_ptr, out_ptr, token * hidden + cols, in_cols, routed_scale,
+                       APPLY_SCALE, HAS_SHARED, ROUND_BF16)  # fmt: skip
+
+
+def moe_reduce(
+    y: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_mask: torch.Tensor,
+    routed_scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reduce each token's local expert outputs in slot order, scale, add the shared expert.
+
+    Args:
+        y: [M, topk, H] bf16 or fp32, contiguous; y[t, k] is expert ids[t, k]'s output for token t
+            (only read where that expert is local).
+        topk_weights: fp32 [M, topk] contiguous.
+        topk_ids: int32 [M, topk] contiguous; ids outside [0, E) count as remote.
+        expert_mask: int32 [E]; 1 = expert lives on this rank.
+        routed_scale: multiplies the rounded routed sum (pass 1.0 when the router folded it in).
+        shared: optional [M, H] in y's dtype, contiguous; the shared-expert output to add.
+        out: optional [M, H] output in y's dtype, contiguous.
+    Returns:
+        out [M, H] in y's dtype.
+    """
+    if y.dim() != 3 or y.dtype not in (torch.bfloat16, torch.float32) or not y.is_contiguous():
+        raise ValueError(f"y must be contiguous bf16/fp32 [M, topk, H], got {y.dtype} {y.shape}")
+    num_tokens, topk, hidden = y.shape
+    routes = (num_tokens, topk)
+    if topk_weights.shape != routes or topk_weights.dtype != torch.float32:
+        raise ValueError(f"topk_weights must be fp32 {routes}, got {topk_weights.dtype}")
+    if topk_ids.shape != routes or topk_ids.dtype != torch.int32:
+        raise ValueError(f"topk_ids must be int32 {routes}, got {topk_ids.dtype}")
+    if not (topk_weights.is_contiguous() and topk_ids.is_contiguous()):
+        raise ValueError("topk_weights and topk_ids must be contiguous")
+    if expert_mask.dim() != 1 or expert_mask.dtype != torch.int32:
+        raise ValueError(f"expert_mask must be int32 [E], got {expert_mask.dtype}")
+    for name, tensor in (("shared", shared), ("out", out)):
+        if tensor is not None and (
+            tensor.shape != (num_tokens, hidden)
+            or tensor.dtype != y.dtype
+            or not tensor.is_contiguous()
+        ):
+            raise ValueError(f"{name} must be contiguous {y.dtype} {(num_tokens, hidden)}")
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(hidden))
+    _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+        y,
+        topk_weights,
+        topk_ids,
+        expert_mask,
+        shared if shared is not None else out,
+        out,
+        hidden,
+        expert_mask.numel(),
+        float(routed_scale),
+        TOPK=topk,
+        APPLY_SCALE=routed_scale != 1.0,
+        HAS_SHARED=shared is not None,
+        ROUND_BF16=y.dtype == torch.bfloat16,
+        BLOCK_H=block_h,
+        num_warps=4,
+        enable_fp_fusion=False,  # the reference rounds w * y before adding it
+    )
+    return out
