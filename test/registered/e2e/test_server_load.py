@@ -98,6 +98,7 @@ def test_32_streaming_clients_for_60s(server):
 
     start = time.monotonic()
     done = asyncio.run(run())
+    print("requests done:", dict(done))
     assert time.monotonic() - start >= LOAD_SECONDS
     assert set(done) == {"completion", "chat", "generate", "greedy"}, done
     assert sum(done.values()) >= NUM_CLIENTS

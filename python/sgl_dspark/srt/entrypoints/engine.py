@@ -50,6 +50,7 @@ class EngineArgs:
     speculative_dspark_confidence_mode: str = "sync"  # sync (Algorithm 1) | async (top-K)
     speculative_dspark_confidence_sts_path: str | None = None
     speculative_dspark_simulate_accept_len: float | None = None
+    speculative_dspark_sts_collect_path: str | None = None
 
 
 def create_spec_worker(args: EngineArgs, runner: ModelRunner) -> DSparkWorker | None:
@@ -68,6 +69,7 @@ def create_spec_worker(args: EngineArgs, runner: ModelRunner) -> DSparkWorker | 
         device_name=device_name(runner.device))
     dargs = DSparkArgs(policy=policy, sts_path=args.speculative_dspark_confidence_sts_path,
                        simulate_accept_len=args.speculative_dspark_simulate_accept_len,
+                       sts_collect_path=args.speculative_dspark_sts_collect_path,
                        seed=args.random_seed)
     return create_dspark_worker(runner, args.model_path, args.speculative_draft_model_path,
                                 args.speculative_dspark_block_size, dargs)
@@ -132,6 +134,8 @@ class Engine:
         return outs[0] if single else outs
 
     def shutdown(self) -> None:
+        if self.scheduler is not None and self.scheduler.spec is not None:
+            self.scheduler.spec.close()
         self.scheduler = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
 

@@ -32,6 +32,7 @@ from sgl_dspark.srt.speculative.dspark.sampling import (
     target_probs,
 )
 from sgl_dspark.srt.speculative.dspark.sts import StsCalibration
+from sgl_dspark.srt.speculative.dspark.sts_record import StsRecorder
 
 logger = logging.getLogger(__name__)
 
@@ -41,12 +42,14 @@ class DSparkArgs:
     policy: PolicyArgs = field(default_factory=PolicyArgs)
     sts_path: str | None = None
     simulate_accept_len: float | None = None   # benchmark-only: forced mean accept length
+    sts_collect_path: str | None = None        # write (raw confidence, prefix label) shards
     seed: int = 0
 
 
 class DraftProposal(NamedTuple):
     markov: MarkovSampleOutput            # drafts [B, gamma], step logits z, Markov embeddings
     confidence: torch.Tensor | None       # [B, gamma] (None when the policy needs none)
+    raw_confidence: torch.Tensor | None = None  # [B, gamma] logits before STS and sigmoid
 
 
 class SpecStepOutput(NamedTuple):
@@ -77,6 +80,8 @@ class DSparkWorker:
             raise ValueError("the confidence verify policy needs a draft with a confidence head")
         self.generator = torch.Generator(device=runner.device).manual_seed(args.seed)
         self.metrics = DSparkMetrics(self.gamma, device=runner.device)
+        self.sts_recorder = (StsRecorder(args.sts_collect_path, self.gamma)
+                             if args.sts_collect_path else None)
         self._sim_progress: dict[str, float] = {}
         self._generation: dict[int, int] = {}
         if args.simulate_accept_len is not None:
@@ -106,6 +111,10 @@ class DSparkWorker:
     def on_new_request(self, req: Req) -> None:
         self._generation[req.slot] = self._generation.get(req.slot, 0) + 1
         self._sim_progress[req.rid] = 0.0
+
+    def close(self) -> None:
+        if self.sts_recorder is not None:
+            self.sts_recorder.flush()
 
     def on_request_done(self, req: Req) -> None:
         self._sim_progress.pop(req.rid, None)
@@ -167,6 +176,8 @@ class DSparkWorker:
         tok_idx = acc.out_tokens.clamp(min=0)
         tok_lp = logp.gather(2, tok_idx[:, :, None]).squeeze(2)
         self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
+        if self.sts_recorder is not None and prop.raw_confidence is not None:
+            self.sts_recorder.record(prop.raw_confidence, verify_ids, logits, lens_t)
         self.metrics.record_step(lens_t, acc.accept_len, request_ids=[r.rid for r in reqs])
         # 8. the scheduler reads the finalised results once
         commit = acc.commit_len.tolist()
@@ -199,12 +210,12 @@ class DSparkWorker:
         ms = markov_sample(base_logits, self.draft.markov_head.embed.weight,
                            self.draft.markov_head.head.weight, anchors, temp, greedy,
                            generator=self.generator, all_greedy=all_greedy)
-        conf = None
-        if self.policy.needs_confidence:
-            temps = None if self.sts is None else torch.as_tensor(self.sts.temperatures, device=dev)
-            conf = confidence_head(y, ms.markov_embeds, self.draft.confidence_head.proj.weight,
-                                   temperatures=temps).confidence
-        return DraftProposal(ms, conf)
+        if not (self.policy.needs_confidence or self.sts_recorder is not None):
+            return DraftProposal(ms, None)
+        temps = None if self.sts is None else torch.as_tensor(self.sts.temperatures, device=dev)
+        c = confidence_head(y, ms.markov_embeds, self.draft.confidence_head.proj.weight,
+                            temperatures=temps)
+        return DraftProposal(ms, c.confidence, c.raw)
 
     def _accept(self, verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k, top_p,
                 ms, cap_lens, reqs):
