@@ -5,6 +5,7 @@ each phase the KV pool must report every page and request slot free."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import random
@@ -107,50 +108,79 @@ def test_32_streaming_clients_for_60s(server):
     assert info["free_req_slots"] == MAX_RUNNING
 
 
+def _long_request(seed: int) -> tuple[str, dict]:
+    path, body = random.Random(seed).choice([
+        ("/v1/completions", {"model": "tiny", "prompt": f"leave {seed}",
+                             "max_tokens": LONG_TOKENS, "ignore_eos": True}),
+        ("/v1/chat/completions", {"model": "tiny", "max_tokens": LONG_TOKENS, "ignore_eos": True,
+                                  "messages": [{"role": "user", "content": "bye"}]}),
+        ("/generate", {"text": "gone", "sampling_params": {"max_new_tokens": LONG_TOKENS,
+                                                           "ignore_eos": True}}),
+    ])
+    return path, {**body, "stream": True}
+
+
 def test_disconnecting_clients_leak_no_pages(server):
+    """MAX_RUNNING clients fill every slot, read a few events and hang up while the other
+    clients are still queued; those hang up before their first token."""
     steps_before = server.wait_idle()["total_steps"]
-
-    async def leaver(client: httpx.AsyncClient, seed: int) -> int:
-        """Stream a long request; leave after a few events or a short wait, whichever is
-        first (clients still queued leave before their first token)."""
-        rng = random.Random(seed)
-        path, body = rng.choice([
-            ("/v1/completions", {"model": "tiny", "prompt": f"leave {seed}"}),
-            ("/v1/chat/completions", {"model": "tiny",
-                                      "messages": [{"role": "user", "content": "bye"}]}),
-            ("/generate", {"text": "gone"}),
-        ])
-        if path == "/generate":
-            body["sampling_params"] = {"max_new_tokens": LONG_TOKENS, "ignore_eos": True}
-        else:
-            body.update(max_tokens=LONG_TOKENS, ignore_eos=True)
-        seen = 0
-
-        async def read_some() -> None:
-            nonlocal seen
-            async with client.stream("POST", path, json={**body, "stream": True}) as r:
-                assert r.status_code == 200
-                async for line in r.aiter_lines():
-                    if line.startswith("data: "):
-                        seen += 1
-                        if seen >= rng.randint(1, 4):
-                            return  # closing the response drops the connection
-
-        try:
-            await asyncio.wait_for(read_some(), timeout=rng.uniform(0.3, 3.0))
-        except asyncio.TimeoutError:
-            pass
-        return seen
 
     async def run() -> list[int]:
         limits = httpx.Limits(max_connections=NUM_DISCONNECTING + 8,
                               max_keepalive_connections=0)
+        all_running = asyncio.Event()
+        queued_left = asyncio.Event()
+        started = 0
+
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
                                      limits=limits) as client:
-            return await asyncio.gather(*(leaver(client, i) for i in range(NUM_DISCONNECTING)))
+
+            async def holder(seed: int) -> int:
+                nonlocal started
+                path, body = _long_request(seed)
+                seen, leave_after = 0, random.Random(seed).randint(1, 4)
+                async with client.stream("POST", path, json=body) as r:
+                    assert r.status_code == 200
+                    async for line in r.aiter_lines():
+                        seen += line.startswith("data: ")
+                        if seen == 1:
+                            started += 1
+                            if started == MAX_RUNNING:
+                                all_running.set()
+                        if seen >= leave_after and queued_left.is_set():
+                            return seen  # closing the response drops the connection
+                        if seen >= leave_after:
+                            await queued_left.wait()
+                return seen
+
+            async def queued(seed: int) -> int:
+                path, body = _long_request(seed)
+                await all_running.wait()
+                seen = 0
+
+                async def read() -> None:
+                    nonlocal seen
+                    async with client.stream("POST", path, json=body) as r:
+                        async for line in r.aiter_lines():
+                            seen += line.startswith("data: ")
+
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(read(), timeout=1.0)
+                return seen
+
+            async def release_holders() -> None:
+                await all_running.wait()
+                await asyncio.sleep(1.5)  # queued clients have left by now
+                queued_left.set()
+
+            results = await asyncio.gather(
+                *(holder(i) for i in range(MAX_RUNNING)),
+                *(queued(i) for i in range(MAX_RUNNING, NUM_DISCONNECTING)), release_holders())
+            return results[:-1]
 
     seen = asyncio.run(run())
-    assert any(s > 0 for s in seen) and any(s == 0 for s in seen), seen  # both kinds of leaving
+    assert all(s >= 1 for s in seen[:MAX_RUNNING]), seen
+    assert all(s == 0 for s in seen[MAX_RUNNING:]), seen
     info = server.wait_idle(timeout=60)
     assert info["kv_free_pages"] == info["kv_total_pages"]
     assert info["free_req_slots"] == MAX_RUNNING
@@ -159,4 +189,4 @@ def test_disconnecting_clients_leak_no_pages(server):
     # And the server still serves.
     r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": "still here", "max_tokens": 3})
-    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3

@@ -1,0 +1,142 @@
+"""Check every kernel against its reference and time reference-eager, reference-torch.compile
+and ours under CUDA graphs, at DeepSeek-V4-Flash decode shapes (issue 5, deliverable 4).
+
+    python benchmark/kernels/run_all.py --out results.md
+
+Timing: each callable is captured `--calls-per-graph` times into one CUDA graph; the graph is
+replayed `--replays` times between CUDA events and the median replay time / calls is reported in
+microseconds (launch gaps amortised, as in a captured decode step). A reference that cannot be
+captured (host syncs) is timed eagerly with events and marked `*`. The bandwidth floor is the
+case's minimal bytes over the measured device-to-device copy bandwidth (bytes read + written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+
+MODULES = ("benchmark.kernels.bench_spec", "benchmark.kernels.bench_moe",
+           "benchmark.kernels.bench_mhc_indexer")
+M_VALUES = (1, 4, 8, 24, 32, 128)
+
+
+def copy_bandwidth() -> float:
+    """Bytes/s of a large device-to-device copy, counting bytes read plus bytes written."""
+    n = 1 << 30
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3)
+    return 2 * n / statistics.median(times)
+
+
+def time_graph(fn, calls: int, replays: int) -> tuple[float, bool]:
+    """Median microseconds per call; second value False when graph capture failed."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    try:
+        g = torch.cuda.CUDAGraph()
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            fn()
+        torch.cuda.current_stream().wait_stream(s)
+        with torch.cuda.graph(g):
+            for _ in range(calls):
+                fn()
+        run, graphed = g.replay, True
+    except Exception:  # noqa: BLE001 - capture refuses host syncs; time eagerly then
+        torch.cuda.synchronize()
+        run, graphed = (lambda: [fn() for _ in range(calls)]), False
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / calls)
+    return statistics.median(times), graphed
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None, help="write the Markdown table here")
+    p.add_argument("--calls-per-graph", type=int, default=20)
+    p.add_argument("--replays", type=int, default=50)
+    p.add_argument("--only", default=None, help="substring filter on case names")
+    a = p.parse_args()
+    assert torch.cuda.is_available(), "run_all.py needs a GPU"
+    bw = copy_bandwidth()
+    lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+             f"copy bandwidth {bw / 1e12:.2f} TB/s", "",
+             "| kernel | M | check | eager us | compile us | ours us | floor us | "
+             "ours/compile | ours/floor |", "|---|---|---|---|---|---|---|---|---|"]
+    t0 = time.time()
+    for mod_name in MODULES:
+        try:
+            mod = importlib.import_module(mod_name)
+        except Exception:  # noqa: BLE001
+            lines.append(f"| {mod_name} | - | import failed | | | | | | |")
+            traceback.print_exc()
+            continue
+        for case in mod.CASES:
+            if a.only and a.only not in case["name"]:
+                continue
+            compiled = torch.compile(case["reference"], dynamic=False)
+            for m in M_VALUES:
+                row = [case["name"], str(m)]
+                try:
+                    inputs = case["make_inputs"](m, "cuda")
+                    case["check"](case["reference"](**inputs), case["launcher"](**inputs))
+                    row.append("ok")
+                    te, ge = time_graph(lambda: case["reference"](**inputs), a.calls_per_graph,
+                                        a.replays)
+                    try:
+                        tc, gc = time_graph(lambda: compiled(**inputs), a.calls_per_graph,
+                                            a.replays)
+                    except Exception:  # noqa: BLE001
+                        tc, gc = float("nan"), False
+                    to, go = time_graph(lambda: case["launcher"](**inputs), a.calls_per_graph,
+                                        a.replays)
+                    floor = case["bytes_moved"](m) / bw * 1e6
+                    row += [f"{te:.1f}{'' if ge else '*'}", f"{tc:.1f}{'' if gc else '*'}",
+                            f"{to:.1f}{'' if go else '*'}", f"{floor:.2f}",
+                            f"{to / tc:.2f}" if tc == tc else "n/a", f"{to / floor:.1f}"]
+                except Exception as e:  # noqa: BLE001
+                    row += [f"FAIL {type(e).__name__}: {str(e)[:60]}"] + [""] * 6
+                    traceback.print_exc()
+                lines.append("| " + " | ".join(row) + " |")
+                print(lines[-1], flush=True)
+    lines.append("")
+    lines.append(f"(`*` = not capturable in a CUDA graph, timed eagerly; total {time.time() - t0:.0f} s)")
+    text = "\n".join(lines)
+    print(text)
+    if a.out:
+        Path(a.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
