@@ -276,6 +276,8 @@ def _router_topk_kernel(
             mask=(rows < num_rows)[:, None] & (experts < num_experts)[None, :],
         )
         # Release our partial, acquire everyone else's; the last arrival routes the row block.
+        # The barrier orders every thread's partial store before the (single-thread) release.
+        tl.debug_barrier()
         ticket = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel")
         is_last = ticket == tl.num_programs(1) - 1
     else:

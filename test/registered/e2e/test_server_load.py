@@ -120,63 +120,69 @@ def _long_request(seed: int) -> tuple[str, dict]:
     return path, {**body, "stream": True}
 
 
+def _has_tokens(payload: str) -> bool:
+    """True for a streamed event that carries output (not chat's initial role chunk)."""
+    event = json.loads(payload)
+    if "output_ids" in event:
+        return bool(event["output_ids"])
+    choice = event["choices"][0]
+    return bool(choice.get("text") or choice.get("delta", {}).get("content"))
+
+
 def test_disconnecting_clients_leak_no_pages(server):
-    """MAX_RUNNING clients fill every slot, read a few events and hang up while the other
-    clients are still queued; those hang up before their first token."""
+    """MAX_RUNNING clients fill every slot and read a few tokens; the others queue behind them
+    and hang up before their first token; then the first ones hang up mid-stream."""
     steps_before = server.wait_idle()["total_steps"]
+    num_queued = NUM_DISCONNECTING - MAX_RUNNING
 
     async def run() -> list[int]:
         limits = httpx.Limits(max_connections=NUM_DISCONNECTING + 8,
                               max_keepalive_connections=0)
-        all_running = asyncio.Event()
-        queued_left = asyncio.Event()
-        started = 0
-
+        holders_leave = asyncio.Event()
         async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
                                      limits=limits) as client:
 
+            async def wait_for_state(key: str, value: int) -> None:
+                while (await client.get("/get_server_info")).json()[key] != value:
+                    await asyncio.sleep(0.05)
+
             async def holder(seed: int) -> int:
-                nonlocal started
                 path, body = _long_request(seed)
                 seen, leave_after = 0, random.Random(seed).randint(1, 4)
                 async with client.stream("POST", path, json=body) as r:
                     assert r.status_code == 200
                     async for line in r.aiter_lines():
-                        seen += line.startswith("data: ")
-                        if seen == 1:
-                            started += 1
-                            if started == MAX_RUNNING:
-                                all_running.set()
-                        if seen >= leave_after and queued_left.is_set():
-                            return seen  # closing the response drops the connection
+                        if line.startswith("data: ") and _has_tokens(line[6:]):
+                            seen += 1
                         if seen >= leave_after:
-                            await queued_left.wait()
+                            await holders_leave.wait()
+                            return seen  # closing the response drops the connection
                 return seen
 
             async def queued(seed: int) -> int:
                 path, body = _long_request(seed)
-                await all_running.wait()
                 seen = 0
 
                 async def read() -> None:
                     nonlocal seen
                     async with client.stream("POST", path, json=body) as r:
                         async for line in r.aiter_lines():
-                            seen += line.startswith("data: ")
+                            if line.startswith("data: ") and _has_tokens(line[6:]):
+                                seen += 1
 
                 with contextlib.suppress(asyncio.TimeoutError):
-                    await asyncio.wait_for(read(), timeout=1.0)
+                    await asyncio.wait_for(read(), timeout=1.5)
                 return seen
 
-            async def release_holders() -> None:
-                await all_running.wait()
-                await asyncio.sleep(1.5)  # queued clients have left by now
-                queued_left.set()
-
-            results = await asyncio.gather(
-                *(holder(i) for i in range(MAX_RUNNING)),
-                *(queued(i) for i in range(MAX_RUNNING, NUM_DISCONNECTING)), release_holders())
-            return results[:-1]
+            holders = [asyncio.create_task(holder(i)) for i in range(MAX_RUNNING)]
+            await asyncio.wait_for(wait_for_state("num_running_reqs", MAX_RUNNING), 60)
+            waiters = [asyncio.create_task(queued(i))
+                       for i in range(MAX_RUNNING, NUM_DISCONNECTING)]
+            await asyncio.wait_for(wait_for_state("num_waiting_reqs", num_queued), 60)
+            queued_seen = await asyncio.gather(*waiters)
+            await asyncio.wait_for(wait_for_state("num_waiting_reqs", 0), 60)
+            holders_leave.set()
+            return list(await asyncio.gather(*holders)) + list(queued_seen)
 
     seen = asyncio.run(run())
     assert all(s >= 1 for s in seen[:MAX_RUNNING]), seen

@@ -9,6 +9,8 @@ interpreter's fp32->fp8 cast is wrong at ties and when rounding crosses a power 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -28,14 +30,19 @@ def _gate_up(rows: int, inter: int, dtype: torch.dtype, gen: torch.Generator) ->
 
 
 def _assert_close_ulp(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16: rare flips of at most 1 ulp. fp32 keeps the exp2 differences visible: every value
+    within 8 ulps (exp2 is ~1 ulp on CPU, ~2 ulps as ex2.approx on GPU; x g x u adds 2 roundings)."""
     assert got.shape == ref.shape and got.dtype == ref.dtype
     both_nan = torch.isnan(got) & torch.isnan(ref)
-    same = (got == ref) | both_nan
-    flips = ~same
-    assert flips.float().mean().item() <= MAX_FLIP_FRACTION
-    if flips.any():  # at most one unit in the last place of the output dtype
+    flips = ~((got == ref) | both_nan)
+    if ref.dtype == torch.bfloat16:
+        assert int(flips.sum()) <= MAX_FLIP_FRACTION * flips.numel()
+        max_ulps = 1.0
+    else:
+        max_ulps = 8.0
+    if flips.any():
         ulp = torch.finfo(ref.dtype).eps * ref[flips].float().abs()
-        assert ((got[flips].float() - ref[flips].float()).abs() <= ulp * 1.01).all()
+        assert ((got[flips].float() - ref[flips].float()).abs() <= ulp * max_ulps * 1.01).all()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -58,16 +65,20 @@ def test_strided_rows_and_analytic_values() -> None:
     gate_up[:, 4:] = torch.tensor([5.0, 2.0, 3.0, -30.0])  # u (clamped to +-10)
     got = silu_mul_clamp(gate_up, 10.0)
     # silu(0)=0; silu(1)*2 = 2/(1+e^-1); min(20,10)=10 -> silu(10)*3; silu(-20)*(-10) ~ 2e-8*10.
-    silu = lambda v: v / (1 + torch.exp(torch.tensor(-v, dtype=torch.float64)))  # noqa: E731
-    expected = torch.tensor([0.0, 2 * silu(1.0), 3 * silu(10.0), -10 * silu(-20.0)])
+    def silu(v: float) -> float:
+        return v / (1 + math.exp(-v))
+
+    expected = torch.tensor(
+        [0.0, 2 * silu(1.0), 3 * silu(10.0), -10 * silu(-20.0)], dtype=torch.float64
+    )
     torch.testing.assert_close(got[0].cpu().double(), expected, rtol=1e-6, atol=0)
     assert torch.equal(got[0], got[2])
 
 
 def _fp8_pattern_ok(got: torch.Tensor, ref: torch.Tensor, prequant: torch.Tensor) -> torch.Tensor:
     """True where an fp8 code equals torch's, or (CPU only) differs in one of the interpreter
-    cast's two known ways: a halfway value rounded away from even, or a round-up across a power
-    of two that lands on the lower binade (127.9 -> 64 instead of 128)."""
+    cast's known ways: a halfway value rounded away from even, a round-up across a power of two
+    that lands on the lower binade (127.9 -> 64 instead of 128), or one subnormal step off."""
     g, r = got.float(), ref.float()
     ok = g == r
     if ON_GPU:
@@ -75,7 +86,8 @@ def _fp8_pattern_ok(got: torch.Tensor, ref: torch.Tensor, prequant: torch.Tensor
     halfway = prequant == (g + r) / 2
     power_of_two = r.abs() == torch.exp2(torch.floor(torch.log2(r.abs())))
     wrapped = power_of_two & (g == r / 2)
-    return ok | halfway | wrapped
+    subnormal = (r.abs() <= 2.0**-6) & ((g - r).abs() <= 2.0**-9)
+    return ok | halfway | wrapped | subnormal
 
 
 @pytest.mark.parametrize("ue8m0", [False, True])
@@ -103,6 +115,8 @@ def test_fp8_epilogue(rows: int, inter: int, out_format: str, ue8m0: bool) -> No
     in_same = same_group[..., None].expand(-1, -1, width).reshape(rows, inter)
     ok = _fp8_pattern_ok(got.q, ref.q, prequant.reshape(rows, inter))
     assert ok[in_same].all()
+    # The allowances above must stay the exception, even on CPU.
+    assert (got.q.float() == ref.q.float()).float().mean() > 0.85
 
 
 def test_bad_inputs_raise() -> None:

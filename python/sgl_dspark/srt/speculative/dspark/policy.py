@@ -56,8 +56,10 @@ class BaseVerifyPolicy(ABC):
 
     @abstractmethod
     def verify_lens(self, confidence: torch.Tensor | None, slots: list[int],
-                    generations: list[int]) -> torch.Tensor:
-        """[B] int64 verify lengths (anchor included), each in [1, gamma + 1]."""
+                    generations: list[int]) -> list[int] | torch.Tensor:
+        """Verify lengths (anchor included), each in [1, gamma + 1]: a host list when the
+        policy decides on the host, or a `[B]` int64 device tensor (async confidence policy,
+        applied as a cap on acceptance over a full-width verify)."""
 
     def observe(self, verify_lens: torch.Tensor, accept_lens: torch.Tensor,
                 confidence: torch.Tensor | None, slots: list[int], generations: list[int]) -> None:
@@ -69,7 +71,7 @@ class FullPolicy(BaseVerifyPolicy):
         self.gamma, self.device = gamma, device
 
     def verify_lens(self, confidence, slots, generations):
-        return torch.full((len(slots),), self.gamma + 1, dtype=torch.int64, device=self.device)
+        return [self.gamma + 1] * len(slots)
 
 
 def load_width_table(path: str | Path, full_width: int) -> dict[int, int]:
@@ -131,8 +133,7 @@ class StaticWidthPolicy(BaseVerifyPolicy):
         return self.table[keys[-1]] if keys else self.table[min(self.table)]
 
     def verify_lens(self, confidence, slots, generations):
-        return torch.full((len(slots),), self.width(len(slots)), dtype=torch.int64,
-                          device=self.device)
+        return [self.width(len(slots))] * len(slots)
 
     def observe(self, verify_lens, accept_lens, confidence, slots, generations):
         if self.online is not None and len(slots):
@@ -155,8 +156,8 @@ class ConfidencePolicy(BaseVerifyPolicy):
     def verify_lens(self, confidence, slots, generations):
         assert confidence is not None
         if self.mode == "sync":
-            lens = plan_algorithm1(confidence.float().cpu(), self.table).verify_lens
-            return torch.as_tensor(lens, dtype=torch.int64, device=self.device)
+            # Algorithm 1 needs this step's confidences on the host (a sync by design).
+            return list(plan_algorithm1(confidence.float().cpu(), self.table).verify_lens)
         assert self.relay is not None
         budget = budget_from_relay(self.relay, slots, generations, self.table)
         return allocate_verify_lengths(confidence, None if budget is None else budget.budget)

@@ -10,6 +10,7 @@ committed tokens are finalised on the device and read by the scheduler once, at 
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -44,6 +45,43 @@ class DSparkArgs:
     simulate_accept_len: float | None = None   # benchmark-only: forced mean accept length
     sts_collect_path: str | None = None        # write (raw confidence, prefix label) shards
     seed: int = 0
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """One batched device-to-host copy of the step's results (pinned, non-blocking on GPU)."""
+    if tensors[0].device.type != "cuda":
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors):
+        h.copy_(t, non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+    done.synchronize()
+    return [h.tolist() for h in host]
+
+
+class _StepTimer:
+    """Segment times of a step: CUDA event pairs (read lazily by the metrics) or host ms."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = [("start", self._now())]
+
+    def _now(self) -> object:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
+
+    def spans(self) -> dict:
+        out = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            out[name] = (a, b) if self.cuda else (b - a) * 1e3  # type: ignore[operator]
+        return out
 
 
 class DraftProposal(NamedTuple):
@@ -122,9 +160,10 @@ class DSparkWorker:
     # ---- one decode step ------------------------------------------------------------------
     @torch.inference_mode()
     def step(self, reqs: list[Req]) -> list[SpecStepOutput]:
-        runner, dev, gamma = self.runner, self.runner.device, self.gamma
+        runner, dev = self.runner, self.runner.device
         B = len(reqs)
         pool = runner.req_pool
+        timer = _StepTimer(dev)
         anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
         seq = [r.kv_len for r in reqs]
         seq_t = torch.tensor(seq, dtype=torch.int64, device=dev)
@@ -136,53 +175,58 @@ class DSparkWorker:
         temp = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=dev)
         top_k = torch.tensor([TOP_K_ALL if p.top_k < 0 else p.top_k for p in params], device=dev)
         top_p = torch.tensor([p.top_p for p in params], device=dev)
+        need_trunc = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
 
         # 1-3. draft forward, Markov sampling, confidences
         prop = self.propose(reqs, anchors, seq_t, slot_t, temp, greedy, all_greedy)
         ms, conf = prop.markov, prop.confidence
+        timer.mark("draft")
         gens = [self._generation.get(s, 1) for s in slots]
-        # 4. verify lengths; host-known except for the async confidence mode (cap-accept)
-        lens_dev = self.policy.verify_lens(conf, slots, gens)
-        async_cap = self.policy.needs_confidence and self.args.policy.confidence_mode == "async"
-        if async_cap:
-            lens = [gamma + 1] * B
+        # 4. verify lengths: host values for full/static/sync policies (no device round trip);
+        #    the async confidence policy verifies the full window and caps acceptance on device.
+        planned = self.policy.verify_lens(conf, slots, gens)
+        cap_lens = None
+        if isinstance(planned, torch.Tensor):
+            cap_lens, lens = planned - 1, [self.gamma + 1] * B
         else:
-            lens = lens_dev.tolist()
+            lens = list(planned)
         # never verify past max_new_tokens: the request ends there anyway
         lens = [max(1, min(n, r.params.max_new_tokens - len(r.output_ids))) for n, r in
                 zip(lens, reqs)]
         W = max(lens)
         verify_ids = torch.cat((anchors[:, None], ms.drafts), dim=1)[:, :W]    # [B, W]
-        # 5. one target verify forward (ragged widths, flat batch)
+        # 5. one target verify forward (ragged widths, flat batch); flat row (r, j) indices are
+        #    host-known, so the device ids are gathered without a sync.
         for r, n in zip(reqs, lens):
             pool.reserve(r.slot, r.kv_len + n)
-        row_mask = torch.arange(W, device=dev)[None, :] < torch.tensor(lens, device=dev)[:, None]
-        flat_ids = verify_ids[row_mask]
+        flat_r = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)], device=dev)
+        flat_j = torch.tensor([j for n in lens for j in range(n)], device=dev)
         batch = ForwardBatch.build(ForwardMode.VERIFY, [[0] * n for n in lens], seq, slots,
                                    pool.req_to_token, logits_rows="all",
-                                   input_ids_device=flat_ids)
+                                   input_ids_device=verify_ids[flat_r, flat_j])
         out = runner.forward(batch, tap_layers=self.tap_layers)
-        V = out.logits.shape[-1]
-        logits = out.logits.new_full((B, W, V), 0.0)
-        logits[row_mask] = out.logits
+        logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
+        logits[flat_r, flat_j] = out.logits
+        timer.mark("verify")
         # 6. acceptance on the device
         lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
         acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k,
-                           top_p, ms, lens_dev if async_cap else None, reqs)
-        # 7. commit: draft context KV for anchor + accepted drafts (rows j < commit_len)
-        commit_rows = (torch.arange(W, device=dev)[None, :] < acc.commit_len[:, None])[row_mask]
-        self.inject(batch.positions, batch.out_cache_loc, out.hidden_taps, rows=commit_rows)
-        logp = torch.log_softmax(logits, dim=-1)
-        tok_idx = acc.out_tokens.clamp(min=0)
-        tok_lp = logp.gather(2, tok_idx[:, :, None]).squeeze(2)
+                           top_p, need_trunc, ms, cap_lens, reqs)
+        # 7. commit: draft context KV for anchor + accepted drafts (rows j < commit_len); the
+        #    other rows write to the reserved dummy slot 0 instead of being filtered (no sync).
+        committed = flat_j < acc.commit_len[flat_r]
+        ctx_slots = torch.where(committed, batch.out_cache_loc, torch.zeros_like(flat_j))
+        self.inject(batch.positions, ctx_slots, out.hidden_taps)
+        tok_lp = torch.log_softmax(logits, dim=-1).gather(
+            2, acc.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
         self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
         if self.sts_recorder is not None and prop.raw_confidence is not None:
             self.sts_recorder.record(prop.raw_confidence, verify_ids, logits, lens_t)
-        self.metrics.record_step(lens_t, acc.accept_len, request_ids=[r.rid for r in reqs])
-        # 8. the scheduler reads the finalised results once
-        commit = acc.commit_len.tolist()
-        toks = acc.out_tokens.tolist()
-        lps = tok_lp.tolist()
+        timer.mark("accept")
+        self.metrics.record_step(lens_t, acc.accept_len, request_ids=[r.rid for r in reqs],
+                                 timing=timer.spans(), cap_trim=acc.cap_trim)
+        # 8. the scheduler reads the finalised results once, through one copy
+        commit, toks, lps = _to_host(acc.commit_len, acc.out_tokens, tok_lp)
         for r, c in zip(reqs, commit):
             r.kv_len += c
             r.spec_verify_ct += 1
@@ -218,14 +262,13 @@ class DSparkWorker:
         return DraftProposal(ms, c.confidence, c.raw)
 
     def _accept(self, verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k, top_p,
-                ms, cap_lens, reqs):
+                need_trunc, ms, cap_lens, reqs):
         dev = logits.device
         B, W = verify_ids.shape
         if self.args.simulate_accept_len is not None:
             return self._simulated_accept(verify_ids, lens_t, seq_t, logits, reqs)
         if all_greedy:
             return accept_step(verify_ids, lens_t, seq_t, logits, greedy, cap_lens=cap_lens)
-        need_trunc = bool(((top_k < TOP_K_ALL) | (top_p < 1.0)).any())
         p = target_probs(logits, temp, top_k, top_p, apply_top_k_top_p=need_trunc)
         q = draft_probs(ms.step_logits[:, : W - 1], temp, greedy, ms.drafts[:, : W - 1])
         coins = torch.rand((B, max(W - 1, 0)), generator=self.generator, device=dev)

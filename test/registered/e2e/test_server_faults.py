@@ -1,0 +1,184 @@
+"""Failure isolation, in-process (so faults can be injected): an internal error in one request
+fails that request with 500 and an OpenAI-style body; the other requests, and later ones,
+produce exactly what they produce alone, and no KV page leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+import uvicorn
+
+from sgl_dspark.srt.configs.server_args import ServerArgs
+from sgl_dspark.srt.entrypoints.http_server import build_engine, create_app
+
+
+class InProcessServer:
+    def __init__(self) -> None:
+        self.args = ServerArgs(model_path="tiny", context_length=256,
+                               max_total_tokens=4096).resolved()
+        self.engine = build_engine(self.args)
+        self.app = create_app(self.args, self.engine)
+        sock = socket.create_server(("127.0.0.1", 0))
+        self.base_url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        self.server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]})
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            assert time.monotonic() < deadline and self.thread.is_alive(), "server did not start"
+            time.sleep(0.02)
+
+    @property
+    def stats(self):
+        return self.app.state.ctx.loop.stats
+
+    def wait_idle(self) -> None:
+        deadline = time.monotonic() + 30
+        while self.stats.num_running_reqs or self.stats.num_waiting_reqs:
+            assert time.monotonic() < deadline, self.stats
+            time.sleep(0.02)
+        assert self.stats.kv_free_pages == self.stats.kv_total_pages
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        assert not self.thread.is_alive()
+        assert not self.app.state.ctx.loop.is_alive
+
+
+@pytest.fixture(scope="module")
+def srv():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    server = InProcessServer()
+    yield server
+    server.stop()
+    torch.set_num_threads(threads)
+
+
+def _completion(prompt: str, max_tokens: int = 10, **kw) -> dict:
+    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, **kw}
+
+
+async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
+    r = await client.post("/v1/completions", json=body)
+    return r.status_code, r.json()
+
+
+async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None,
+                  ) -> list[dict]:
+    async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
+        assert r.status_code == 200
+        events = []
+        async for line in r.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+                if started is not None:
+                    started.set()
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+def _assert_500(status: int, body: dict, needle: str) -> None:
+    assert status == 500, body
+    assert body["error"]["type"] == "server_error" and needle in body["error"]["message"], body
+
+
+GOOD = [_completion(f"good {i}", 8 + i) for i in range(4)]
+
+
+def _solo(srv: InProcessServer) -> list[str]:
+    with httpx.Client(base_url=srv.base_url, timeout=60) as client:
+        return [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in GOOD]
+
+
+def test_tokenizer_failure_fails_only_that_request(srv, monkeypatch):
+    alone = _solo(srv)
+    tokenizer = srv.engine.tokenizer
+    real_encode = tokenizer.encode
+
+    def encode(text: str, add_special_tokens: bool = True) -> list[int]:
+        if "BOOM" in text:
+            raise RuntimeError("tokenizer exploded")
+        return real_encode(text, add_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "encode", encode)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            return await asyncio.gather(_post(client, _completion("BOOM now")),
+                                        *(_post(client, b) for b in GOOD))
+
+    (status, body), *good = asyncio.run(run())
+    _assert_500(status, body, "tokenizer exploded")
+    assert [b["choices"][0]["text"] for _, b in good] == alone
+    srv.wait_idle()
+
+
+def test_forward_failure_fails_its_batch_and_server_recovers(srv, monkeypatch):
+    alone = _solo(srv)
+    runner = srv.engine.runner
+    real_forward = runner.forward
+    armed = threading.Event()
+
+    def forward(*args, **kwargs):
+        if armed.is_set():
+            armed.clear()  # fail exactly one step, after its KV pages were reserved
+            raise RuntimeError("injected forward failure")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", forward)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            started = asyncio.Event()
+            stream = asyncio.create_task(_stream(client, _completion("victim", 200), started))
+            plain = asyncio.create_task(_post(client, _completion("victim two", 200)))
+            await started.wait()
+            while srv.stats.num_running_reqs < 2:  # both victims in the batch
+                await asyncio.sleep(0.01)
+            armed.set()
+            events, (status, body) = await asyncio.gather(stream, plain)
+            after = await asyncio.gather(*(_post(client, b) for b in GOOD))
+            return events, status, body, after
+
+    events, status, body, after = asyncio.run(run())
+    assert "injected forward failure" in events[-1]["error"]["message"]
+    assert events[-1]["error"]["type"] == "server_error"
+    _assert_500(status, body, "injected forward failure")
+    assert [b["choices"][0]["text"] for _, b in after] == alone
+    srv.wait_idle()
+
+
+def test_output_failure_fails_only_that_request(srv, monkeypatch):
+    """Decoding token strings (asked for by logprobs) breaks: only the logprob request fails."""
+    alone = _solo(srv)
+    tokenizer = srv.engine.tokenizer
+    real_decode = tokenizer.decode
+
+    def decode(ids, skip_special_tokens: bool = True) -> str:
+        if not skip_special_tokens:
+            raise RuntimeError("decoder exploded")
+        return real_decode(ids, skip_special_tokens)
+
+    monkeypatch.setattr(tokenizer, "decode", decode)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            return await asyncio.gather(_post(client, _completion("lp", 30, logprobs=0)),
+                                        *(_post(client, b) for b in GOOD))
+
+    (status, body), *good = asyncio.run(run())
+    _assert_500(status, body, "decoder exploded")
+    assert [b["choices"][0]["text"] for _, b in good] == alone
+    srv.wait_idle()
+    with httpx.Client(base_url=srv.base_url) as client:
+        assert client.get("/health").status_code == 200

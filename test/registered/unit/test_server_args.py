@@ -1,0 +1,132 @@
+"""ServerArgs: the CLI is generated from the fields; bad, unknown and conflicting flags fail at
+launch with a message naming the flag."""
+
+from __future__ import annotations
+
+import dataclasses
+import shlex
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from sgl_dspark.launch_server import curl_example, ready_message
+from sgl_dspark.srt.configs import server_args as sa
+from sgl_dspark.srt.configs.server_args import ServerArgs, make_parser
+from sgl_dspark.srt.entrypoints.engine import EngineArgs
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_error(capsys, argv: list[str]) -> str:
+    with pytest.raises(SystemExit) as exc:
+        ServerArgs.from_cli_args(argv)
+    assert exc.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_help_lists_every_field_with_help():
+    text = make_parser().format_help()
+    for f in dataclasses.fields(ServerArgs):
+        assert _flag(f.name) in text, f.name
+        assert len(f.metadata["help"]) > 15, f.name
+    for flag in ("--model-path", "--tokenizer-path", "--skip-tokenizer-init", "--host", "--port",
+                 "--api-key", "--dtype", "--device", "--mem-fraction-static", "--max-total-tokens",
+                 "--max-running-requests", "--chunked-prefill-size", "--context-length",
+                 "--served-model-name", "--log-level", "--cuda-graph-max-bs",
+                 "--disable-cuda-graph", "--speculative-algorithm", "--kernel-backend",
+                 "--attention-backend", "--page-size", "--random-seed",
+                 "--speculative-dspark-verify-policy"):
+        assert flag in text, flag
+
+
+def test_engine_arguments_are_server_args():
+    server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
+    assert {f.name for f in dataclasses.fields(EngineArgs)} <= server_fields
+
+
+def test_parse_types_defaults_and_resolution():
+    args = ServerArgs.from_cli_args(["--model-path", "tiny", "--port", "8123",
+                                     "--chunked-prefill-size", "-1", "--skip-tokenizer-init",
+                                     "--dtype", "half", "--device", "cpu",
+                                     "--mem-fraction-static", "0.5"])
+    assert args.port == 8123 and args.skip_tokenizer_init is True
+    assert args.dtype == "float16" and args.device == "cpu" and args.kernel_backend == "torch"
+    assert args.served_model_name == "tiny" and args.mem_fraction_static == 0.5
+    kwargs = args.engine_kwargs(["chunked_prefill_size", "context_length", "not_a_field"])
+    assert kwargs == {"chunked_prefill_size": args.context_length,
+                      "context_length": args.context_length}
+    defaults = ServerArgs.from_cli_args(["--model-path", "m", "--device", "cpu"])
+    for f in dataclasses.fields(ServerArgs):
+        if f.name not in ("model_path", "device", "dtype", "kernel_backend", "served_model_name"):
+            assert getattr(defaults, f.name) == f.default, f.name
+    assert defaults.dtype == "float32" and defaults.served_model_name == "m"
+
+
+def test_unknown_flag_suggests_the_right_one(capsys):
+    err = _parse_error(capsys, ["--model-path", "tiny", "--max-running-request", "4"])
+    assert "unrecognized arguments" in err and "did you mean --max-running-requests" in err
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--skip-tokenizer-init", "--tokenizer-path", "x"], "--tokenizer-path conflicts"),
+    (["--disable-cuda-graph", "--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs conflicts"),
+    (["--speculative-dspark-block-size", "4"], "need(s) --speculative-algorithm"),
+    (["--speculative-algorithm", "DSpark"], "not available in this build yet"),
+    (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of"),
+    (["--port", "70000"], "--port must be in"),
+    (["--context-length", "0"], "--context-length must be >= 1"),
+    (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be -1"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1)"),
+    (["--api-key", ""], "--api-key must not be empty"),
+    (["--dtype", "int8"], "invalid choice: 'int8'"),
+    (["--attention-backend", "flash"], "invalid choice: 'flash'"),
+    (["--port", "eighty"], "invalid int value"),
+])
+def test_bad_or_conflicting_flags_exit_2(capsys, argv, needle):
+    err = _parse_error(capsys, ["--model-path", "tiny", *argv])
+    assert needle in err
+
+
+def test_dspark_is_refused_until_wired_then_validated(monkeypatch):
+    with pytest.raises(ValueError, match="not available in this build yet"):
+        ServerArgs(model_path="tiny", speculative_algorithm="DSpark")
+    monkeypatch.setattr(sa, "DSPARK_RUNTIME_AVAILABLE", True)
+    args = ServerArgs(model_path="tiny", speculative_algorithm="dspark").resolved()
+    assert args.speculative_algorithm == "DSpark"  # case-insensitive, canonical spelling
+    with pytest.raises(ValueError, match="only used with --speculative-dspark-verify-policy"):
+        ServerArgs(model_path="tiny", speculative_algorithm="DSPARK",
+                   speculative_dspark_sts_path=None, speculative_dspark_sps_table_path="t.json")
+    with pytest.raises(ValueError, match="exceeds --speculative-dspark-block-size"):
+        ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
+                   speculative_dspark_block_size=3, speculative_dspark_simulate_accept_len=4.5)
+    ok = ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
+                    speculative_dspark_verify_policy="confidence",
+                    speculative_dspark_sps_table_path="sps.json",
+                    speculative_dspark_confidence_sts_path="sts.json")
+    assert ok.speculative_dspark_verify_policy == "confidence"
+
+
+def test_ready_message_has_a_pasteable_curl_line():
+    args = ServerArgs(model_path="tiny", api_key="secret").resolved()
+    msg = ready_message("http://127.0.0.1:1234", args)
+    assert "secret" not in msg
+    line = curl_example("http://127.0.0.1:1234", args)
+    words = shlex.split(line)
+    assert words[:2] == ["curl", "http://127.0.0.1:1234/v1/chat/completions"]
+    assert "Authorization: Bearer $SGL_DSPARK_API_KEY" in words  # expanded by the shell
+    assert '"model": "tiny"' in words[-1]
+
+
+def test_cli_entry_points():
+    bad = subprocess.run([sys.executable, "-m", "sgl_dspark.launch_server", "--model-path",
+                          "tiny", "--speculative-algorithm", "DSpark"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "not available in this build yet" in bad.stderr
+    script = shutil.which("sgl-dspark-server") or str(
+        __import__("pathlib").Path(sys.executable).with_name("sgl-dspark-server"))
+    helped = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert helped.returncode == 0 and "--speculative-dspark-block-size" in helped.stdout
