@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import dataclasses
 import shlex
-import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -99,7 +99,7 @@ def test_dspark_is_refused_until_wired_then_validated(monkeypatch):
     assert args.speculative_algorithm == "DSpark"  # case-insensitive, canonical spelling
     with pytest.raises(ValueError, match="only used with --speculative-dspark-verify-policy"):
         ServerArgs(model_path="tiny", speculative_algorithm="DSPARK",
-                   speculative_dspark_sts_path=None, speculative_dspark_sps_table_path="t.json")
+                   speculative_dspark_sps_table_path="t.json")
     with pytest.raises(ValueError, match="exceeds --speculative-dspark-block-size"):
         ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
                    speculative_dspark_block_size=3, speculative_dspark_simulate_accept_len=4.5)
@@ -126,7 +126,6 @@ def test_cli_entry_points():
                           "tiny", "--speculative-algorithm", "DSpark"], capture_output=True,
                          text=True, timeout=120)
     assert bad.returncode == 2 and "not available in this build yet" in bad.stderr
-    script = shutil.which("sgl-dspark-server") or str(
-        __import__("pathlib").Path(sys.executable).with_name("sgl-dspark-server"))
+    script = str(Path(sys.executable).with_name("sgl-dspark-server"))
     helped = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "--speculative-dspark-block-size" in helped.stdout
