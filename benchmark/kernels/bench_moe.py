@@ -67,19 +67,21 @@ def _sort_inputs(m: int, device: str) -> dict[str, Any]:
 def _sort_torch(topk_ids, topk_weights, expert_mask, plan, hidden_size) -> MoeSortOutput:
     """Sync-free torch version of `moe_sort_ref` (same outputs on the valid prefix)."""
     num_tokens, topk = topk_ids.shape
+    num_local = plan.num_local
     device = topk_ids.device
-    capacity = moe_sort_capacity(num_tokens, topk, EXPERTS, BLOCK)
+    capacity = moe_sort_capacity(num_tokens, topk, expert_mask.numel(), BLOCK)
     is_local = expert_mask.long()
     local_id = torch.cumsum(is_local, 0) - is_local
     flat = topk_ids.reshape(-1).long()
-    key = torch.where(is_local[flat] == 1, local_id[flat], torch.full_like(flat, LOCAL))
+    key = torch.where(is_local[flat] == 1, local_id[flat], torch.full_like(flat, num_local))
     sorted_key, order = torch.sort(key, stable=True)
-    counts = torch.bincount(key, minlength=LOCAL + 1)[:LOCAL]
+    counts = torch.zeros(num_local + 1, dtype=torch.int64, device=device)
+    counts = counts.scatter_add_(0, key, torch.ones_like(key))[:num_local]  # bincount syncs
     padded = (counts + BLOCK - 1) // BLOCK * BLOCK
     starts = torch.cumsum(padded, 0) - padded
     compact_starts = torch.cumsum(counts, 0) - counts
-    live = sorted_key < LOCAL
-    safe_key = sorted_key.clamp(max=LOCAL - 1)
+    live = sorted_key < num_local
+    safe_key = sorted_key.clamp(max=num_local - 1)
     rank = torch.arange(flat.numel(), device=device) - compact_starts[safe_key]
     dest = torch.where(live, starts[safe_key] + rank, torch.full_like(rank, capacity))
     packed = ((order % topk) << 24) | (order // topk)

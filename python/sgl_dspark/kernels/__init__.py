@@ -5,3 +5,12 @@ from sgl_dspark.kernels.spec_accept import AcceptOutput, spec_accept
 from sgl_dspark.kernels.vocab_argmax import combine_shard_argmax, shard_argmax_pairs, vocab_argmax
 from sgl_dspark.kernels.fp4_indexer import IndexQFp4Output, fp4_index_k_quant, index_q_rope_fp4
 from sgl_dspark.kernels.mhc import MhcPostCombineOutput, mhc_post_combine
+from sgl_dspark.kernels.moe_sort import MoeSortOutput, MoeSortPlan, moe_sort, prepare_moe_sort
+from sgl_dspark.kernels.moe_route import (
+    RouterTopkOutput,
+    RouterWorkspace,
+    make_router_workspace,
+    router_topk,
+)
+from sgl_dspark.kernels.moe_reduce import moe_reduce
+from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp

@@ -131,7 +131,9 @@ def _silu_mul_clamp_kernel(
         # Per-row scale: pass 1 finds amax, pass 2 recomputes y (cheaper than a round trip).
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, inter, BLOCK):
-            y = _clamped_swiglu(row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16)
+            y = _clamped_swiglu(
+                row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16
+            )
             amax = tl.maximum(amax, tl.abs(y))
         scale = _fp8_scale(tl.max(amax, axis=0), UE8M0)
         for c0 in range(0, inter, BLOCK):

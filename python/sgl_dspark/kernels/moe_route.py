@@ -270,8 +270,10 @@ def _router_topk_kernel(
             else:
                 acc = tl.dot(x_tile, w_tile, acc)
         tl.store(
-            partials_ptr + split * num_rows * num_experts
-            + rows[:, None] * num_experts + experts[None, :],
+            partials_ptr
+            + split * num_rows * num_experts
+            + rows[:, None] * num_experts
+            + experts[None, :],
             acc,
             mask=(rows < num_rows)[:, None] & (experts < num_experts)[None, :],
         )
@@ -366,7 +368,9 @@ def router_topk(
         num_experts = gate_weight.shape[0]
         _check_2d("gate_weight", gate_weight, (num_experts, hidden), (x.dtype,))
         _require(x.dtype in (torch.bfloat16, torch.float32), f"x dtype {x.dtype} unsupported")
-        _require(x.stride(1) == 1 and gate_weight.stride(1) == 1, "x/gate_weight: last dim stride 1")
+        _require(
+            x.stride(1) == 1 and gate_weight.stride(1) == 1, "x/gate_weight: last dim stride 1"
+        )
         device = x.device
     elif logits is not None:
         source = _SOURCE_LOGITS
@@ -426,7 +430,10 @@ def router_topk(
             "workspace too small for this call",
         )
         block_m, epi_m = _GEMV_ROWS, 8
-        grid = (triton.cdiv(num_rows, block_m), num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS))
+        grid = (
+            triton.cdiv(num_rows, block_m),
+            num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS),
+        )
         stride_x, stride_gate = x.stride(0), gate_weight.stride(0)
         gemv_k = min(128, max(16, triton.next_power_of_2(hidden)))
     else:
@@ -438,7 +445,9 @@ def router_topk(
         x if x is not None else dummy,
         gate_weight if gate_weight is not None else dummy,
         logits if logits is not None else dummy,
-        workspace.partials if workspace is not None else (partials if partials is not None else dummy),
+        workspace.partials
+        if workspace is not None
+        else (partials if partials is not None else dummy),
         correction_bias if correction_bias is not None else dummy,
         n_valid if n_valid is not None else dummy,
         input_ids if input_ids is not None else dummy,

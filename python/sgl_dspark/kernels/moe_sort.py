@@ -160,7 +160,9 @@ def _moe_sort_kernel(
     hist = tl.zeros([NUM_BINS], dtype=tl.int32)
     for p0 in range(0, num_pairs, PAIR_CHUNK):
         offs = p0 + tl.arange(0, PAIR_CHUNK)
-        hist += tl.histogram(_local_bins(ids_ptr, table_ptr, offs, num_pairs, num_experts, NUM_BINS), NUM_BINS)
+        hist += tl.histogram(
+            _local_bins(ids_ptr, table_ptr, offs, num_pairs, num_experts, NUM_BINS), NUM_BINS
+        )
     is_expert_bin = bins < num_local
     padded = tl.where(is_expert_bin, (hist + BLOCK - 1) // BLOCK * BLOCK, 0)
 
@@ -197,7 +199,9 @@ def _moe_sort_kernel(
         is_pad = tail < my_padded - count
         sentinel = tl.full([BLOCK], (TOPK << 24), tl.int32) | num_tokens
         tl.store(sorted_ids_ptr + start + count + tail, sentinel, mask=is_pad)
-        tl.store(sorted_weights_ptr + start + count + tail, tl.zeros([BLOCK], tl.float32), mask=is_pad)
+        tl.store(
+            sorted_weights_ptr + start + count + tail, tl.zeros([BLOCK], tl.float32), mask=is_pad
+        )
 
         first_block = start // BLOCK
         num_blocks = my_padded // BLOCK

@@ -20,7 +20,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from server_fixture import running_server
 
 from sgl_dspark import Engine
-from sgl_dspark.srt.configs import server_args as server_args_module
 
 CTX, KV = "512", "8192"
 BOS, USER, ASSISTANT, SYSTEM, BYTE0 = 0, 4, 5, 6, 7
@@ -291,16 +290,31 @@ def test_metrics_after_requests(server):
     assert value("sglang:kv_free_pages") == value("sglang:kv_total_pages") > 0
 
 
-@pytest.mark.skipif(not server_args_module.DSPARK_RUNTIME_AVAILABLE,
-                    reason="DSpark is not wired into the scheduler in this build yet")
 def test_dspark_greedy_equals_engine(tmp_path, engine):
+    """Through a DSpark server (built-in tiny-dspark draft), greedy outputs equal the plain
+    offline Engine's, streamed or not; the acceptance metrics are exported."""
     prompts = _random_prompts(5, 3)
     with running_server(tmp_path / "dspark.log", "--context-length", CTX, "--max-total-tokens", KV,
                         "--speculative-algorithm", "DSpark") as srv:
+        assert srv.info()["speculative_algorithm"] == "DSpark"
         for prompt in prompts:
             out = httpx.post(f"{srv.base_url}/generate", timeout=120, json={
                 "text": prompt, "sampling_params": {"max_new_tokens": 30, **GREEDY}}).json()
-            assert out["output_ids"] == _ref(engine, 30, prompt=prompt)["output_ids"]
+            ref = _ref(engine, 30, prompt=prompt)
+            assert out["output_ids"] == ref["output_ids"]
+            assert out["meta_info"]["completion_tokens"] == 30
+        body = {"model": "tiny", "prompt": prompts[0], "max_tokens": 30, "temperature": 0,
+                "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{srv.base_url}/v1/completions", json=body, timeout=120) as r:
+            chunks = [json.loads(e) for e in _sse_events(r)]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == _ref(
+            engine, 30, prompt=prompts[0])["text"]
+        info = srv.wait_idle()
+        assert info["kv_free_pages"] == info["kv_total_pages"]
+        assert info["spec_accept_length"] >= 1.0
+        metrics = httpx.get(f"{srv.base_url}/metrics").text
+        assert "sglang:spec_accept_length{" in metrics
+        assert 'sglang:spec_accept_rate_by_position{model_name="tiny",position="1"}' in metrics
 
 
 def test_sigterm_finishes_inflight_stream(tmp_path):

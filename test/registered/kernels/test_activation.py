@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp, silu_mul_clamp_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -64,6 +63,7 @@ def test_strided_rows_and_analytic_values() -> None:
     gate_up[:, :4] = torch.tensor([0.0, 1.0, 20.0, -20.0])  # g
     gate_up[:, 4:] = torch.tensor([5.0, 2.0, 3.0, -30.0])  # u (clamped to +-10)
     got = silu_mul_clamp(gate_up, 10.0)
+
     # silu(0)=0; silu(1)*2 = 2/(1+e^-1); min(20,10)=10 -> silu(10)*3; silu(-20)*(-10) ~ 2e-8*10.
     def silu(v: float) -> float:
         return v / (1 + math.exp(-v))

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

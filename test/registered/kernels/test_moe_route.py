@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sgl_dspark.kernels.moe_route import (
     RouterTopkOutput,
     make_router_workspace,
@@ -27,7 +26,9 @@ RTOL = 1e-4 if ON_GPU else 2e-6
 TIE_TOL = 2e-4 if ON_GPU else 1e-5
 
 
-def _selection_values(logits: torch.Tensor, scoring: str, bias: torch.Tensor | None) -> torch.Tensor:
+def _selection_values(
+    logits: torch.Tensor, scoring: str, bias: torch.Tensor | None
+) -> torch.Tensor:
     choice = scores_ref(logits.float(), scoring)
     if bias is not None:
         choice = choice + bias
@@ -108,7 +109,9 @@ def test_logits_source_dsv4(num_rows: int, kind: str) -> None:
     "num_rows,experts,topk,num_shared",
     [(5, 10, 3, 0), (9, 256, 8, 2), (3, 7, 7, 0), (17, 33, 1, 1), (130, 64, 4, 0)],
 )
-def test_general_shapes_and_options(num_rows: int, experts: int, topk: int, num_shared: int) -> None:
+def test_general_shapes_and_options(
+    num_rows: int, experts: int, topk: int, num_shared: int
+) -> None:
     gen = torch.Generator().manual_seed(num_rows + experts * 7 + topk)
     for kind in ("randn", "ties"):
         logits = _random_logits(num_rows, experts, kind, gen)

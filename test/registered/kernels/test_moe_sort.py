@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from sgl_dspark.kernels.moe_sort import (
     MoeSortOutput,
     moe_sort,
@@ -63,10 +62,7 @@ def _assert_same(got: MoeSortOutput, ref: MoeSortOutput) -> None:
 def _poisoned_like(ref: MoeSortOutput) -> MoeSortOutput:
     """Output buffers full of junk, so a kernel that skips a write cannot pass."""
     return MoeSortOutput(
-        *(
-            torch.full_like(t, float("nan") if t.is_floating_point() else INT_POISON)
-            for t in ref
-        )
+        *(torch.full_like(t, float("nan") if t.is_floating_point() else INT_POISON) for t in ref)
     )
 
 
@@ -80,11 +76,7 @@ def _run(ids: torch.Tensor, weights: torch.Tensor, mask: torch.Tensor, hidden: i
 
 @pytest.mark.parametrize(
     "num_tokens,mask_kind",
-    [
-        (m, kind)
-        for m in (0, 1, 4, 24, 37, 128)
-        for kind in ("ep_slice", "none_local", "single")
-    ]
+    [(m, kind) for m in (0, 1, 4, 24, 37, 128) for kind in ("ep_slice", "none_local", "single")]
     # ~115 programs: slow in the interpreter, so fewer sizes (all-local runs at smaller E below).
     + [(4, "random"), (37, "random")],
 )

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 
 from sgl_dspark.launch_server import curl_example, ready_message
-from sgl_dspark.srt.configs import server_args as sa
 from sgl_dspark.srt.configs.server_args import ServerArgs, make_parser
 from sgl_dspark.srt.entrypoints.engine import EngineArgs
 
@@ -75,7 +74,19 @@ def test_unknown_flag_suggests_the_right_one(capsys):
     (["--skip-tokenizer-init", "--tokenizer-path", "x"], "--tokenizer-path conflicts"),
     (["--disable-cuda-graph", "--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs conflicts"),
     (["--speculative-dspark-block-size", "4"], "need(s) --speculative-algorithm"),
-    (["--speculative-algorithm", "DSpark"], "not available in this build yet"),
+    (["--speculative-algorithm", "DSpark", "--speculative-dspark-confidence-mode", "async"],
+     "only used with --speculative-dspark-verify-policy confidence"),
+    (["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-policy", "static",
+      "--speculative-dspark-online-width", "--speculative-dspark-width-table-path", "w.json"],
+     "--speculative-dspark-width-table-path conflicts with --speculative-dspark-online-width"),
+    (["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-widths", "2,4"],
+     "only used with --speculative-dspark-online-width"),
+    (["--speculative-algorithm", "dspark", "--speculative-dspark-verify-policy", "static",
+      "--speculative-dspark-online-width", "--speculative-dspark-verify-widths", "1,x"],
+     "must be a comma list of ints >= 2"),
+    (["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-policy", "static",
+      "--speculative-dspark-sps-table-path", "s.json"], "with --speculative-dspark-online-width"),
+    (["--speculative-dspark-verify-policy", "static"], "need(s) --speculative-algorithm"),
     (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of"),
     (["--port", "70000"], "--port must be in"),
     (["--context-length", "0"], "--context-length must be >= 1"),
@@ -91,10 +102,7 @@ def test_bad_or_conflicting_flags_exit_2(capsys, argv, needle):
     assert needle in err
 
 
-def test_dspark_is_refused_until_wired_then_validated(monkeypatch):
-    with pytest.raises(ValueError, match="not available in this build yet"):
-        ServerArgs(model_path="tiny", speculative_algorithm="DSpark")
-    monkeypatch.setattr(sa, "DSPARK_RUNTIME_AVAILABLE", True)
+def test_dspark_flags_validated_in_server_args():
     args = ServerArgs(model_path="tiny", speculative_algorithm="dspark").resolved()
     assert args.speculative_algorithm == "DSpark"  # case-insensitive, canonical spelling
     with pytest.raises(ValueError, match="only used with --speculative-dspark-verify-policy"):
@@ -103,11 +111,21 @@ def test_dspark_is_refused_until_wired_then_validated(monkeypatch):
     with pytest.raises(ValueError, match="exceeds --speculative-dspark-block-size"):
         ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
                    speculative_dspark_block_size=3, speculative_dspark_simulate_accept_len=4.5)
+    with pytest.raises(ValueError, match="--speculative-dspark-block-size must be >= 1"):
+        ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
+                   speculative_dspark_block_size=0)
     ok = ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
                     speculative_dspark_verify_policy="confidence",
+                    speculative_dspark_confidence_mode="async",
                     speculative_dspark_sps_table_path="sps.json",
                     speculative_dspark_confidence_sts_path="sts.json")
-    assert ok.speculative_dspark_verify_policy == "confidence"
+    assert ok.speculative_dspark_confidence_mode == "async"
+    online = ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
+                        speculative_dspark_verify_policy="static",
+                        speculative_dspark_online_width=True,
+                        speculative_dspark_verify_widths="2,3,4",
+                        speculative_dspark_sps_table_path="sps.json")
+    assert online.speculative_dspark_verify_widths == "2,3,4"
 
 
 def test_ready_message_has_a_pasteable_curl_line():
@@ -123,9 +141,9 @@ def test_ready_message_has_a_pasteable_curl_line():
 
 def test_cli_entry_points():
     bad = subprocess.run([sys.executable, "-m", "sgl_dspark.launch_server", "--model-path",
-                          "tiny", "--speculative-algorithm", "DSpark"], capture_output=True,
+                          "tiny", "--speculative-dspark-block-size", "4"], capture_output=True,
                          text=True, timeout=120)
-    assert bad.returncode == 2 and "not available in this build yet" in bad.stderr
+    assert bad.returncode == 2 and "need(s) --speculative-algorithm DSpark" in bad.stderr
     script = str(Path(sys.executable).with_name("sgl-dspark-server"))
     helped = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "--speculative-dspark-block-size" in helped.stdout

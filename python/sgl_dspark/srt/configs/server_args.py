@@ -19,15 +19,13 @@ from typing import Any
 logger = logging.getLogger(__name__)
 
 SPECULATIVE_ALGORITHMS = ("DSpark",)
-# Flipped to True by the change that wires DSpark into the scheduler; until then asking for it
-# fails at launch instead of silently serving without speculation.
-DSPARK_RUNTIME_AVAILABLE = False
 
 DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
 _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 KERNEL_BACKEND_CHOICES = ("auto", "torch", "triton")
 VERIFY_POLICY_CHOICES = ("full", "static", "confidence")
+CONFIDENCE_MODE_CHOICES = ("sync", "async")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
 
@@ -100,13 +98,25 @@ class ServerArgs:
     speculative_dspark_verify_policy: str = _arg(
         "full", "Verify length policy: full window, static per-step width, or "
                 "confidence-driven budget.", VERIFY_POLICY_CHOICES)
+    speculative_dspark_width_table_path: str | None = _arg(
+        None, "Static policy: verify width per batch size, JSON {\"widths_by_batch_size\": "
+              "{...}}; default: the packaged table of this device.")
+    speculative_dspark_online_width: bool = _arg(
+        False, "Static policy: choose the width online from acceptance statistics and the SPS "
+               "table instead of a width table.")
+    speculative_dspark_verify_widths: str = _arg(
+        "2,3", "Online width policy: the narrow widths to choose from (comma list).")
     speculative_dspark_sps_table_path: str | None = _arg(
-        None, "SPS cost table JSON (steps/s vs verify tokens) for the static and confidence "
-              "policies.")
+        None, "SPS cost table JSON (steps/s vs verify tokens) for the online width and the "
+              "confidence policies.")
+    speculative_dspark_confidence_mode: str = _arg(
+        "sync", "Confidence policy: sync (Algorithm 1 on this step's confidences) or async "
+                "(top-K with a budget from lagged confidences).", CONFIDENCE_MODE_CHOICES)
     speculative_dspark_confidence_sts_path: str | None = _arg(
         None, "STS temperature JSON calibrating the confidence head (confidence policy).")
-    speculative_dspark_width_table_path: str | None = _arg(
-        None, "Verify widths JSON for the static policy.")
+    speculative_dspark_sts_collect_path: str | None = _arg(
+        None, "Calibration runs: write raw confidence shards to <stem>.<i>.pt for "
+              "python -m sgl_dspark.tools.dspark_sts_fit.")
     speculative_dspark_simulate_accept_len: float | None = _arg(
         None, "Benchmarks only: force this mean accept length (>= 1) instead of verifying.")
 
@@ -212,6 +222,7 @@ def make_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m sgl_dspark.launch_server",
         usage="%(prog)s --model-path PATH [options]   (see --help)",
+        allow_abbrev=False,  # a prefix of a flag is an unknown flag, not a silent match
         description="SGLang-compatible HTTP server for DeepSeek-V4 models with DSpark "
                     "speculative decoding.")
     ServerArgs.add_cli_args(parser)
@@ -284,16 +295,33 @@ def _validate_speculative(a: ServerArgs) -> None:
                                    f"--speculative-dspark-block-size + 1 ({gamma + 1})")
     policy = a.speculative_dspark_verify_policy
     _check_choice("--speculative-dspark-verify-policy", policy, VERIFY_POLICY_CHOICES)
-    for flag, value, policies in (
-            ("--speculative-dspark-sps-table-path", a.speculative_dspark_sps_table_path,
-             ("static", "confidence")),
-            ("--speculative-dspark-confidence-sts-path", a.speculative_dspark_confidence_sts_path,
-             ("confidence",)),
-            ("--speculative-dspark-width-table-path", a.speculative_dspark_width_table_path,
-             ("static",))):
-        _require(value is None or policy in policies,
+    _check_choice("--speculative-dspark-confidence-mode", a.speculative_dspark_confidence_mode,
+                  CONFIDENCE_MODE_CHOICES)
+    online = a.speculative_dspark_online_width
+    for flag, used, policies in (
+            ("--speculative-dspark-width-table-path",
+             a.speculative_dspark_width_table_path is not None, ("static",)),
+            ("--speculative-dspark-online-width", online, ("static",)),
+            ("--speculative-dspark-confidence-mode",
+             a.speculative_dspark_confidence_mode != "sync", ("confidence",)),
+            ("--speculative-dspark-confidence-sts-path",
+             a.speculative_dspark_confidence_sts_path is not None, ("confidence",)),
+            ("--speculative-dspark-sps-table-path",
+             a.speculative_dspark_sps_table_path is not None, ("static", "confidence"))):
+        _require(not used or policy in policies,
                  f"{flag} is only used with --speculative-dspark-verify-policy "
                  f"{' or '.join(policies)} (got {policy})")
-    _require(DSPARK_RUNTIME_AVAILABLE,
-             "--speculative-algorithm DSpark is not available in this build yet (the DSpark "
-             "runtime is not wired into the scheduler); launch without --speculative-* flags")
+    _require(not (online and a.speculative_dspark_width_table_path is not None),
+             "--speculative-dspark-width-table-path conflicts with "
+             "--speculative-dspark-online-width (a fixed table or the online policy)")
+    _require(online or a.speculative_dspark_verify_widths == "2,3",
+             "--speculative-dspark-verify-widths is only used with "
+             "--speculative-dspark-online-width")
+    _require(not (policy == "static" and a.speculative_dspark_sps_table_path is not None
+                  and not online),
+             "--speculative-dspark-sps-table-path is only used by the static policy with "
+             "--speculative-dspark-online-width")
+    widths = a.speculative_dspark_verify_widths.split(",")
+    _require(all(w.strip().isdigit() and int(w) >= 2 for w in widths),
+             f"--speculative-dspark-verify-widths must be a comma list of ints >= 2, got "
+             f"{a.speculative_dspark_verify_widths!r}")

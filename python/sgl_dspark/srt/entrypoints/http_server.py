@@ -130,9 +130,8 @@ def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitab
 def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
     """Build the app over `engine` (its scheduler, runner and tokenizer). The scheduler thread
     starts with the app's lifespan and stops when it ends."""
-    spec_positions = 0
-    if server_args.speculative_algorithm is not None:
-        spec_positions = server_args.speculative_dspark_block_size or 1
+    spec = engine.scheduler.spec
+    spec_positions = spec.gamma if spec is not None else 0
     metrics = ServerMetrics(str(server_args.served_model_name), spec_positions)
     loop = SchedulerLoop(engine.scheduler, engine.tokenizer)
     ctx = ServingContext(args=server_args, loop=loop, metrics=metrics,

@@ -106,6 +106,10 @@ class SchedulerStats:
     page_size: int
     free_req_slots: int
     total_steps: int
+    # DSpark acceptance since start (None without speculative decoding or before its first step).
+    spec_accept_length: float | None = None
+    spec_accept_rate: float | None = None
+    spec_acceptance_by_position: tuple[float | None, ...] = ()
 
     @property
     def token_usage(self) -> float:

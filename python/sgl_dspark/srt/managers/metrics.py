@@ -1,9 +1,9 @@
 """Prometheus metrics of one server, in a registry of its own (several servers can share a
 process, e.g. in tests). Names follow SGLang's `sglang:` metrics where SGLang has one.
 
-The HTTP layer observes per-request values (`observe_*`); gauges of scheduler state are refreshed
-from the latest `SchedulerStats` when `/metrics` is scraped; DSpark acceptance gauges exist only
-when a speculative algorithm is configured and are set through `record_spec`.
+The HTTP layer observes per-request values (`observe_*`); gauges of scheduler state, DSpark
+acceptance included, are refreshed from the latest `SchedulerStats` when `/metrics` is scraped.
+The DSpark gauges exist only when speculative decoding is on.
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class ServerMetrics:
 
     def record_spec(self, accept_length: float, accept_rate: float,
                     conditional_acceptance: Sequence[float | None]) -> None:
-        """Set the DSpark gauges (e.g. from `speculative.dspark.metrics.MetricsSummary`);
-        positions without data are left unset."""
+        """Set the DSpark gauges; positions without data are left unset."""
         assert self.spec_accept_length is not None, "server metrics built without DSpark"
         self.spec_accept_length.set(accept_length)
         self.spec_accept_rate.set(accept_rate)
@@ -101,4 +100,7 @@ class ServerMetrics:
         self.token_usage.set(stats.token_usage)
         self.kv_free_pages.set(stats.kv_free_pages)
         self.kv_total_pages.set(stats.kv_total_pages)
+        if self.spec_accept_length is not None and stats.spec_accept_length is not None:
+            self.record_spec(stats.spec_accept_length, stats.spec_accept_rate or 0.0,
+                             stats.spec_acceptance_by_position)
         return generate_latest(self.registry)

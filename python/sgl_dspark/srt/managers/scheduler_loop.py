@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -46,6 +47,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 OutQueue = asyncio.Queue  # of SchedulerOutput
+SPEC_METRICS_INTERVAL_S = 1.0
 
 
 class _Stop:
@@ -78,6 +80,8 @@ class SchedulerLoop:
         self._event_loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
         self._steps = 0
+        self._spec_time = 0.0
+        self._spec_fields: dict = {}
         self._stats = self._snapshot()
 
     # ---- any thread ----------------------------------------------------------------------------
@@ -280,6 +284,24 @@ class SchedulerLoop:
                               completion_tokens=len(req.output_ids),
                               finish_reason=req.finish_reason)
 
+    def _spec_summary(self) -> dict:
+        """DSpark acceptance, refreshed at most every SPEC_METRICS_INTERVAL_S (the summary syncs
+        with the device) and whenever the scheduler goes idle."""
+        spec = self._scheduler.spec
+        if spec is None:
+            return {}
+        now = time.monotonic()
+        if self._scheduler.has_work and now - self._spec_time < SPEC_METRICS_INTERVAL_S:
+            return self._spec_fields
+        self._spec_time = now
+        summary = spec.metrics.summary()
+        if summary.request_steps:
+            self._spec_fields = {
+                "spec_accept_length": summary.accept_length,
+                "spec_accept_rate": summary.accept_rate,
+                "spec_acceptance_by_position": tuple(summary.conditional_acceptance)}
+        return self._spec_fields
+
     def _snapshot(self) -> SchedulerStats:
         runner = self._scheduler.runner
         return SchedulerStats(
@@ -290,6 +312,7 @@ class SchedulerLoop:
             page_size=runner.page_size,
             free_req_slots=runner.req_pool.num_free_slots,
             total_steps=self._steps,
+            **self._spec_summary(),
         )
 
     # ---- delivery ------------------------------------------------------------------------------
