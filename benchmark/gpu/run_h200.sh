@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# One device call: environment, compiled kernel tests, DSpark eager check, engine micro-bench,
+# kernel benchmark. Usage (device tool, carry .whl): bash benchmark/gpu/run_h200.sh [stages]
+set -u
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python:$PWD
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+STAGES=${1:-env,kernels,dspark,bench,kbench}
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+if has env; then
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv | tee "$OUT/env.txt"
+  python3 -c "import torch, triton, numpy; print(torch.__version__, triton.__version__, numpy.__version__)" | tee -a "$OUT/env.txt"
+  git log --oneline -1 2>/dev/null | tee -a "$OUT/env.txt"
+fi
+if has kernels; then
+  python3 -m pytest -q -p no:cacheprovider -x test/registered/kernels 2>&1 | tee "$OUT/kernel_tests.txt" | tail -25
+fi
+if has dspark; then
+  python3 benchmark/gpu/dspark_eager_check.py --out "$OUT/dspark_eager.json" 2>&1 | tail -60
+fi
+if has bench; then
+  python3 benchmark/bench_one_batch.py --config mid_910m --device cuda --batch-sizes 1,8 \
+    --input-len 512 --output-len 32 --out "$OUT/bench_one_batch.json" 2>&1 | tail -5
+fi
+if has kbench; then
+  python3 benchmark/kernels/run_all.py --out "$OUT/kernels.md" 2>&1 | tail -80
+fi
