@@ -22,7 +22,12 @@ import torch
 import triton
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp, silu_mul_clamp_ref
 from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
-from sgl_dspark.kernels.moe_route import make_router_workspace, router_topk, router_topk_ref
+from sgl_dspark.kernels.moe_route import (
+    RouterConfig,
+    make_router_workspace,
+    router_topk,
+    router_topk_ref,
+)
 from sgl_dspark.kernels.moe_sort import MoeSortOutput, moe_sort, moe_sort_capacity, prepare_moe_sort
 
 HIDDEN, EXPERTS, LOCAL, TOPK, INTER, SHARED_INTER = 4096, 384, 96, 6, 2048, 512
@@ -125,13 +130,12 @@ def _sort_bytes(m: int) -> int:
 def _route_x_inputs(m: int, device: str) -> dict[str, Any]:
     gen = _gen(m)
     return dict(
-        topk=TOPK,
+        config=RouterConfig(TOPK, routed_scaling_factor=ROUTED_SCALE),
         x=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
         gate_weight=(torch.randn(EXPERTS, HIDDEN, generator=gen) * 0.02)
         .to(torch.bfloat16)
         .to(device),
         correction_bias=(torch.randn(EXPERTS, generator=gen) * 0.1).to(device),
-        routed_scaling_factor=ROUTED_SCALE,
         n_valid=torch.tensor(max(m - 1, 1), dtype=torch.int32, device=device),
         workspace=make_router_workspace(m, EXPERTS, HIDDEN, device),
     )
@@ -140,12 +144,10 @@ def _route_x_inputs(m: int, device: str) -> dict[str, Any]:
 def _route_partials_inputs(m: int, device: str) -> dict[str, Any]:
     gen = _gen(m)
     return dict(
-        topk=TOPK,
+        config=RouterConfig(TOPK, routed_scaling_factor=ROUTED_SCALE, num_shared=1),
         partials=(torch.randn(SPLITS, m, EXPERTS, generator=gen) * 0.5).to(device),
         correction_bias=(torch.randn(EXPERTS, generator=gen) * 0.1).to(device),
-        routed_scaling_factor=ROUTED_SCALE,
         n_valid=torch.tensor(max(m - 1, 1), dtype=torch.int32, device=device),
-        num_shared=1,
         logits_out=torch.empty(m, EXPERTS, device=device),
     )
 
@@ -154,13 +156,12 @@ def _route_hash_inputs(m: int, device: str) -> dict[str, Any]:
     gen = _gen(m)
     vocab = 129280
     return dict(
-        topk=TOPK,
+        config=RouterConfig(TOPK, routed_scaling_factor=ROUTED_SCALE),
         logits=torch.randn(m, EXPERTS, generator=gen).to(device),
         tid2eid=torch.randint(0, EXPERTS, (vocab, TOPK), generator=gen, dtype=torch.int32).to(
             device
         ),
         input_ids=torch.randint(0, vocab, (m,), generator=gen).to(device),
-        routed_scaling_factor=ROUTED_SCALE,
         n_valid=torch.tensor(m, dtype=torch.int32, device=device),
     )
 

@@ -1,11 +1,10 @@
 """K2 + K3: MoE router gate -> top-k ids and weights, padded rows filled, in one launch.
 
 Logits come from one of three sources (a constexpr switch on one kernel):
-  * "x":        x [M, H] and gate weight [E, H]; the kernel runs a split-K GEMV (fixed 512-wide
-                K splits) and the last program to finish a row block sums the splits in fixed order
-                and routes the rows (a counter per row block, reset by that last program);
-  * "partials": fp32 [S, M, E] split-K partial sums from an external GEMV, summed in order s = 0..S-1;
-  * "logits":   fp32 [M, E].
+  * x [M, H] and gate_weight [E, H]: the kernel runs a split-K GEMV (fixed 512-wide K splits); the
+    last program to finish a row block (a per-block counter it resets) sums the splits in order;
+  * partials fp32 [S, M, E] from an external split-K GEMV, summed in order s = 0..S-1;
+  * logits fp32 [M, E].
 Then per row: scores (sqrtsoftplus | sigmoid), selection on scores + correction bias, top-k,
 weights = unbiased scores of the chosen experts, renormalised (w / (sum + 1e-20)), times the routed
 scaling factor; optional appended shared-expert columns; rows >= n_valid (device int32 scalar) get
@@ -14,14 +13,15 @@ scaling factor; optional appended shared-expert columns; rows >= n_valid (device
 Numerics (the spec is `router_topk_ref`):
   * sqrtsoftplus(l) = sqrt_rn(l if l > 20 else log2(1 + exp2(l * log2e)) * ln2);
     sigmoid(l) = 1 / (1 + exp2(-l * log2e)). exp2/log2 lowerings differ by backend, so weights are
-    X2 at the ulp level (a few fp32 ulps); everything after the scores is exact fp32 in a fixed order.
+    X2 at the ulp level; everything after the scores is exact fp32 in a fixed order.
   * NaN score -> weight 0 and selection value -inf.
-  * Tie rule: descending selection value; equal values -> the lower expert id first (-0.0 == +0.0).
-    This is `torch.sort(..., descending=True, stable=True)`.
+  * Tie rule: descending selection value; equal values -> the lower expert id first (-0.0 == +0.0),
+    i.e. `torch.sort(..., descending=True, stable=True)`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -37,6 +37,34 @@ _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
 
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    """Per-layer routing options.
+
+    topk: routed experts per token. scoring: "sqrtsoftplus" | "sigmoid". renormalize: divide the
+    routed weights by (their sum + 1e-20). routed_scaling_factor: then multiply them by this.
+    fill_id: id written to padded rows (0 on HIP, -1 on CUDA, E for MegaMoE; kernels.md §K3).
+    num_shared / shared_weight / shared_id_base: append `num_shared` columns with ids
+    shared_id_base + j (None -> E) and weight `shared_weight`.
+    """
+
+    topk: int
+    scoring: str = "sqrtsoftplus"
+    renormalize: bool = True
+    routed_scaling_factor: float = 1.0
+    fill_id: int = 0
+    num_shared: int = 0
+    shared_weight: float = 1.0
+    shared_id_base: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.scoring not in _SCORINGS:
+            raise ValueError(f"scoring must be one of {sorted(_SCORINGS)}, got {self.scoring!r}")
+        if self.topk < 1 or self.num_shared < 0:
+            raise ValueError(f"topk must be >= 1 and num_shared >= 0, got {self.topk}, "
+                             f"{self.num_shared}")  # fmt: skip
+
+
 class RouterTopkOutput(NamedTuple):
     """ids: int32 [M, topk + num_shared]; weights: fp32 [M, topk + num_shared]."""
 
@@ -45,7 +73,7 @@ class RouterTopkOutput(NamedTuple):
 
 
 class RouterWorkspace(NamedTuple):
-    """Scratch for the "x" source: fp32 partials (>= S*M*E elements) and int32 counters
+    """Scratch for the x source: fp32 partials (>= S*M*E elements) and int32 counters
     (>= ceil(M / 16), zero before the first launch; the kernel leaves them zero)."""
 
     partials: torch.Tensor
@@ -55,7 +83,7 @@ class RouterWorkspace(NamedTuple):
 def make_router_workspace(
     max_rows: int, num_experts: int, hidden: int, device: torch.device | str
 ) -> RouterWorkspace:
-    """Allocate a reusable workspace (keep one per layer shape to avoid a memset per call)."""
+    """Allocate a reusable workspace (keep one per layer shape: no memset per call)."""
     splits = triton.cdiv(hidden, _SPLIT_K)
     return RouterWorkspace(
         torch.empty(splits * max_rows * num_experts, dtype=torch.float32, device=device),
@@ -88,21 +116,14 @@ def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 
 
 def router_topk_ref(
-    topk: int,
+    config: RouterConfig,
     *,
     x: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
     partials: torch.Tensor | None = None,
-    scoring: str = "sqrtsoftplus",
     correction_bias: torch.Tensor | None = None,
-    routed_scaling_factor: float = 1.0,
-    renormalize: bool = True,
     n_valid: torch.Tensor | None = None,
-    fill_id: int = 0,
-    num_shared: int = 0,
-    shared_weight: float = 1.0,
-    shared_id_base: int | None = None,
     input_ids: torch.Tensor | None = None,
     tid2eid: torch.Tensor | None = None,
     logits_out: torch.Tensor | None = None,
@@ -112,7 +133,7 @@ def router_topk_ref(
     full_logits = _logits_ref(x, gate_weight, logits, partials)
     if logits_out is not None:
         logits_out.copy_(full_logits)
-    scores = _scores_ref(full_logits, scoring)
+    scores = _scores_ref(full_logits, config.scoring)
     num_rows, num_experts = scores.shape
     gather_src = torch.where(torch.isnan(scores), torch.zeros_like(scores), scores)
     if tid2eid is not None:
@@ -121,23 +142,24 @@ def router_topk_ref(
     else:
         choice = scores if correction_bias is None else scores + correction_bias.float()
         choice = torch.where(torch.isnan(choice), torch.full_like(choice, -float("inf")), choice)
-        ids = torch.sort(choice, dim=1, descending=True, stable=True).indices[:, :topk]
+        ids = torch.sort(choice, dim=1, descending=True, stable=True).indices[:, : config.topk]
     weights = gather_src.gather(1, ids)
-    if renormalize and topk > 0:
+    if config.renormalize:
         total = weights[:, 0]
-        for slot in range(1, topk):  # slot order, as the kernel sums
+        for slot in range(1, config.topk):  # slot order, as the kernel sums
             total = total + weights[:, slot]
         weights = weights / (total + 1e-20)[:, None]
-    weights = weights * routed_scaling_factor
+    weights = weights * config.routed_scaling_factor
     ids = ids.to(torch.int32)
-    if num_shared:
-        base = num_experts if shared_id_base is None else shared_id_base
-        shared_ids = torch.arange(base, base + num_shared, dtype=torch.int32, device=ids.device)
-        ids = torch.cat([ids, shared_ids.expand(num_rows, num_shared)], dim=1)
-        weights = torch.cat([weights, weights.new_full((num_rows, num_shared), shared_weight)], 1)
+    if config.num_shared:
+        base = num_experts if config.shared_id_base is None else config.shared_id_base
+        shared = torch.arange(base, base + config.num_shared, dtype=torch.int32, device=ids.device)
+        ids = torch.cat([ids, shared.expand(num_rows, -1)], dim=1)
+        shared_weights = weights.new_full((num_rows, config.num_shared), config.shared_weight)
+        weights = torch.cat([weights, shared_weights], dim=1)
     if n_valid is not None:
         is_pad = torch.arange(num_rows, device=ids.device) >= n_valid.reshape(()).to(ids.device)
-        ids = torch.where(is_pad[:, None], torch.full_like(ids, fill_id), ids)
+        ids = torch.where(is_pad[:, None], torch.full_like(ids, config.fill_id), ids)
         weights = torch.where(is_pad[:, None], torch.zeros_like(weights), weights)
     return RouterTopkOutput(ids.contiguous(), weights.contiguous())
 
@@ -306,152 +328,128 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _check_2d(name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple) -> None:
+def _require_tensor(
+    name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
     _require(
-        tuple(tensor.shape) == shape and tensor.dtype in dtypes,
-        f"{name} must be {shape} of {dtypes}, got {tuple(tensor.shape)} {tensor.dtype}",
+        tuple(tensor.shape) == shape and tensor.dtype in dtypes and tensor.stride(-1) == 1,
+        f"{name} must be {shape} of {dtypes} with a contiguous last dim, "
+        f"got {tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}",
     )
 
 
+def _logits_source(
+    x: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    logits: torch.Tensor | None,
+    partials: torch.Tensor | None,
+) -> tuple[int, int, int, int, torch.device]:
+    """Validate the one given logits source; returns (source, M, E, H or 0, device)."""
+    _require(
+        sum(t is not None for t in (x, logits, partials)) == 1,
+        "give exactly one of x (with gate_weight), logits, partials",
+    )
+    if x is not None:
+        _require(gate_weight is not None and x.dim() == 2, "x [M, H] needs gate_weight [E, H]")
+        assert gate_weight is not None
+        num_rows, hidden = x.shape
+        _require_tensor("x", x, (num_rows, hidden), (torch.bfloat16, torch.float32))
+        _require_tensor("gate_weight", gate_weight, (gate_weight.shape[0], hidden), (x.dtype,))
+        return _SOURCE_X, num_rows, gate_weight.shape[0], hidden, x.device
+    if logits is not None:
+        _require(logits.dim() == 2 and logits.is_contiguous(), "logits must be contiguous [M, E]")
+        _require_tensor("logits", logits, tuple(logits.shape), (torch.float32,))
+        return _SOURCE_LOGITS, logits.shape[0], logits.shape[1], 0, logits.device
+    assert partials is not None
+    _require(
+        partials.dim() == 3 and partials.shape[0] >= 1 and partials.is_contiguous(),
+        "partials must be contiguous [S, M, E]",
+    )
+    _require_tensor("partials", partials, tuple(partials.shape), (torch.float32,))
+    return _SOURCE_PARTIALS, partials.shape[1], partials.shape[2], 0, partials.device
+
+
 def router_topk(
-    topk: int,
+    config: RouterConfig,
     *,
     x: torch.Tensor | None = None,
     gate_weight: torch.Tensor | None = None,
     logits: torch.Tensor | None = None,
     partials: torch.Tensor | None = None,
-    scoring: str = "sqrtsoftplus",
     correction_bias: torch.Tensor | None = None,
-    routed_scaling_factor: float = 1.0,
-    renormalize: bool = True,
     n_valid: torch.Tensor | None = None,
-    fill_id: int = 0,
-    num_shared: int = 0,
-    shared_weight: float = 1.0,
-    shared_id_base: int | None = None,
     input_ids: torch.Tensor | None = None,
     tid2eid: torch.Tensor | None = None,
     logits_out: torch.Tensor | None = None,
     workspace: RouterWorkspace | None = None,
 ) -> RouterTopkOutput:
-    """Router gate + top-k + pad fill in one launch.
+    """Router gate + top-k + pad fill in one launch (graph-safe).
 
     Args:
-        topk: routed experts per token.
+        config: the layer's `RouterConfig`.
         x, gate_weight: [M, H] and [E, H], both bf16 or both fp32, last dim contiguous
-            (logits = x @ gate_weight.T in fp32). Exactly one of (x, gate_weight) / logits /
-            partials must be given.
+            (logits = x @ gate_weight.T, fp32 accumulate). Give exactly one source:
+            (x, gate_weight), logits or partials.
         logits: fp32 [M, E] contiguous.
         partials: fp32 [S, M, E] contiguous split-K partial sums.
-        scoring: "sqrtsoftplus" or "sigmoid".
         correction_bias: fp32 [E]; added for selection only (not with hash routing).
-        routed_scaling_factor: multiplies the (renormalised) routed weights.
-        renormalize: divide routed weights by (their sum + 1e-20).
         n_valid: int32 device scalar ([] or [1]); rows >= n_valid get fill_id / weight 0.
-        num_shared, shared_weight, shared_id_base: append `num_shared` columns with ids
-            shared_id_base + j (default base E) and weight `shared_weight`.
-        input_ids, tid2eid: hash routing: int [M] token ids and int [V, topk] table.
-        logits_out: optional fp32 [M, E] written with the summed logits ("x"/"partials" sources).
-        workspace: scratch for the "x" source (see `make_router_workspace`); allocated if None.
+        input_ids, tid2eid: hash routing: int [M] token ids and int [V, topk] expert table.
+        logits_out: optional fp32 [M, E] receiving the summed logits (x / partials sources).
+        workspace: scratch for the x source (`make_router_workspace`); allocated if None.
     Returns:
         `RouterTopkOutput` (ids int32, weights fp32, both [M, topk + num_shared]).
     """
-    _require(scoring in _SCORINGS, f"scoring must be one of {sorted(_SCORINGS)}, got {scoring!r}")
-    given = [t is not None for t in (x, logits, partials)]
-    _require(sum(given) == 1, "give exactly one of x (with gate_weight), logits, partials")
-    if x is not None:
-        source = _SOURCE_X
-        _require(gate_weight is not None, "gate_weight is required with x")
-        assert gate_weight is not None
-        _require(x.dim() == 2 and gate_weight.dim() == 2, "x and gate_weight must be 2-D")
-        num_rows, hidden = x.shape
-        num_experts = gate_weight.shape[0]
-        _check_2d("gate_weight", gate_weight, (num_experts, hidden), (x.dtype,))
-        _require(x.dtype in (torch.bfloat16, torch.float32), f"x dtype {x.dtype} unsupported")
-        _require(
-            x.stride(1) == 1 and gate_weight.stride(1) == 1, "x/gate_weight: last dim stride 1"
-        )
-        device = x.device
-    elif logits is not None:
-        source = _SOURCE_LOGITS
-        _require(logits.dim() == 2, "logits must be [M, E]")
-        num_rows, num_experts = logits.shape
-        _check_2d("logits", logits, (num_rows, num_experts), (torch.float32,))
-        _require(logits.is_contiguous(), "logits must be contiguous")
-        device = logits.device
-    else:
-        assert partials is not None
-        source = _SOURCE_PARTIALS
-        _require(partials.dim() == 3 and partials.shape[0] >= 1, "partials must be [S, M, E]")
-        _check_2d("partials", partials, tuple(partials.shape), (torch.float32,))
-        _require(partials.is_contiguous(), "partials must be contiguous")
-        _, num_rows, num_experts = partials.shape
-        device = partials.device
-    is_hash = tid2eid is not None
-    _require(topk >= 1 and (is_hash or topk <= num_experts), f"topk {topk} vs E {num_experts}")
-    if is_hash:
-        assert tid2eid is not None
-        _require(input_ids is not None, "input_ids is required with tid2eid")
+    source, num_rows, num_experts, hidden, device = _logits_source(x, gate_weight, logits, partials)
+    topk, is_hash = config.topk, tid2eid is not None
+    _require(is_hash or topk <= num_experts, f"topk {topk} exceeds E = {num_experts}")
+    if tid2eid is not None:
+        _require(input_ids is not None and correction_bias is None,
+                 "hash routing needs input_ids and takes no correction_bias")  # fmt: skip
         assert input_ids is not None
-        _require(correction_bias is None, "hash routing takes no correction_bias")
-        _require(tid2eid.dim() == 2 and tid2eid.shape[1] == topk, "tid2eid must be [V, topk]")
-        _require(tid2eid.stride(1) == 1, "tid2eid last dim must be contiguous")
-        _require(not tid2eid.is_floating_point(), "tid2eid must be an integer table")
-        _check_2d("input_ids", input_ids, (num_rows,), (torch.int32, torch.int64))
+        _require_tensor("tid2eid", tid2eid, (tid2eid.shape[0], topk), (torch.int32, torch.int64))
+        _require_tensor("input_ids", input_ids, (num_rows,), (torch.int32, torch.int64))
     if correction_bias is not None:
-        _check_2d("correction_bias", correction_bias, (num_experts,), (torch.float32,))
-        _require(correction_bias.is_contiguous(), "correction_bias must be contiguous")
+        _require_tensor("correction_bias", correction_bias, (num_experts,), (torch.float32,))
     if n_valid is not None:
-        _require(
-            n_valid.numel() == 1 and n_valid.dtype == torch.int32 and n_valid.device == device,
-            "n_valid must be an int32 device scalar",
-        )
+        _require(n_valid.numel() == 1 and n_valid.dtype == torch.int32 and n_valid.device == device,
+                 "n_valid must be an int32 device scalar")  # fmt: skip
     if logits_out is not None:
         _require(source != _SOURCE_LOGITS, "logits_out needs the x or partials source")
-        _check_2d("logits_out", logits_out, (num_rows, num_experts), (torch.float32,))
         _require(logits_out.is_contiguous(), "logits_out must be contiguous")
+        _require_tensor("logits_out", logits_out, (num_rows, num_experts), (torch.float32,))
 
-    width = topk + num_shared
+    width = topk + config.num_shared
     ids = torch.empty(num_rows, width, dtype=torch.int32, device=device)
     weights = torch.empty(num_rows, width, dtype=torch.float32, device=device)
     if num_rows == 0:
         return RouterTopkOutput(ids, weights)
 
-    num_splits = partials.shape[0] if partials is not None else 1
     grid: tuple[int, ...]
     if source == _SOURCE_X:
         assert x is not None and gate_weight is not None
         num_splits = triton.cdiv(hidden, _SPLIT_K)
         if workspace is None:
             workspace = make_router_workspace(num_rows, num_experts, hidden, device)
-        _require(
-            workspace.partials.numel() >= num_splits * num_rows * num_experts
-            and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
-            "workspace too small for this call",
-        )
-        block_m, epi_m = _GEMV_ROWS, 8
+        _require(workspace.partials.numel() >= num_splits * num_rows * num_experts
+                 and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
+                 "workspace too small for this call")  # fmt: skip
+        partials = workspace.partials
+        block_m = _GEMV_ROWS
         grid = (
             triton.cdiv(num_rows, block_m),
             num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS),
         )
-        stride_x, stride_gate = x.stride(0), gate_weight.stride(0)
+        strides = (x.stride(0), gate_weight.stride(0))
         gemv_k = min(128, max(16, triton.next_power_of_2(hidden)))
     else:
-        block_m = epi_m = 8
+        num_splits = partials.shape[0] if partials is not None else 1
+        block_m, strides, gemv_k = 8, (0, 0), 16
         grid = (triton.cdiv(num_rows, block_m),)
-        hidden, stride_x, stride_gate, gemv_k = 0, 0, 0, 16
     dummy = ids  # stands in for absent pointer arguments; never dereferenced
     _router_topk_kernel[grid](
-        x if x is not None else dummy,
-        gate_weight if gate_weight is not None else dummy,
-        logits if logits is not None else dummy,
-        workspace.partials
-        if workspace is not None
-        else (partials if partials is not None else dummy),
-        correction_bias if correction_bias is not None else dummy,
-        n_valid if n_valid is not None else dummy,
-        input_ids if input_ids is not None else dummy,
-        tid2eid if tid2eid is not None else dummy,
+        *(t if t is not None else dummy for t in (x, gate_weight, logits, partials)),
+        *(t if t is not None else dummy for t in (correction_bias, n_valid, input_ids, tid2eid)),
         ids,
         weights,
         logits_out if logits_out is not None else dummy,
@@ -460,24 +458,23 @@ def router_topk(
         hidden,
         num_experts,
         num_splits,
-        stride_x,
-        stride_gate,
+        *strides,
         tid2eid.stride(0) if tid2eid is not None else 0,
-        float(routed_scaling_factor),
-        float(shared_weight),
-        int(fill_id),
-        int(num_experts if shared_id_base is None else shared_id_base),
+        float(config.routed_scaling_factor),
+        float(config.shared_weight),
+        int(config.fill_id),
+        int(num_experts if config.shared_id_base is None else config.shared_id_base),
         SOURCE=source,
-        SCORING=_SCORINGS[scoring],
+        SCORING=_SCORINGS[config.scoring],
         HAS_BIAS=correction_bias is not None,
         HAS_N_VALID=n_valid is not None,
         HASH=is_hash,
-        RENORMALIZE=bool(renormalize),
+        RENORMALIZE=config.renormalize,
         WRITE_LOGITS=logits_out is not None,
         TOPK=topk,
-        NUM_SHARED=num_shared,
+        NUM_SHARED=config.num_shared,
         BLOCK_M=block_m,
-        EPI_M=epi_m,
+        EPI_M=8,
         BLOCK_E=triton.next_power_of_2(num_experts),
         BLOCK_OUT=triton.next_power_of_2(width),
         SPLIT_K=_SPLIT_K,

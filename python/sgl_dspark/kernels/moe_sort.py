@@ -300,7 +300,8 @@ def moe_sort(
         )
     _check_out(out, capacity, block_size, num_tokens, hidden_size, moe_buf_dtype)
     sorted_ids, sorted_weights, sorted_expert_ids, num_valid, moe_buf = out
-    assert moe_buf.numel() < 2**31, moe_buf.shape
+    if moe_buf.numel() >= 2**31:
+        raise ValueError(f"moe_buf {tuple(moe_buf.shape)} exceeds int32 indexing")
     if num_tokens == 0:
         num_valid.zero_()
         return out

@@ -62,7 +62,8 @@ class ServerProcess:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
-            raise AssertionError(f"server ignored SIGTERM for {timeout} s:\n{self.log()[-3000:]}")
+            raise AssertionError(
+                f"server ignored SIGTERM for {timeout} s:\n{self.log()[-3000:]}") from None
 
 
 def server_env() -> dict[str, str]:

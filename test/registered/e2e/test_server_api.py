@@ -18,7 +18,6 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixture import running_server
-
 from sgl_dspark import Engine
 
 CTX, KV = "512", "8192"
@@ -177,6 +176,19 @@ def test_chat_greedy_equal_engine(client, engine):
     assert out.choices[0].message.content == ref["text"]
 
 
+def test_chat_without_max_tokens_fills_the_context(client):
+    content = "x" * (int(CTX) - 17)
+    out = client.chat.completions.create(model="tiny", temperature=0,
+                                         messages=[{"role": "user", "content": content}])
+    prompt = len(_chat_ids("", content)) - 2  # no system message
+    assert out.usage.prompt_tokens == prompt
+    if out.choices[0].finish_reason == "length":
+        assert out.usage.completion_tokens == int(CTX) - prompt
+    else:
+        assert out.choices[0].finish_reason == "stop"
+        assert out.usage.completion_tokens < int(CTX) - prompt
+
+
 def test_generate_native(server, engine):
     url = f"{server.base_url}/generate"
     sp = {"max_new_tokens": 12, **GREEDY}
@@ -315,6 +327,24 @@ def test_dspark_greedy_equals_engine(tmp_path, engine):
         metrics = httpx.get(f"{srv.base_url}/metrics").text
         assert "sglang:spec_accept_length{" in metrics
         assert 'sglang:spec_accept_rate_by_position{model_name="tiny",position="1"}' in metrics
+
+
+def test_skip_tokenizer_init_serves_token_ids(tmp_path, engine):
+    with running_server(tmp_path / "ids.log", "--context-length", CTX, "--max-total-tokens", KV,
+                        "--skip-tokenizer-init") as srv:
+        url = srv.base_url
+        ids = [BOS, 70, 80, 90]
+        out = httpx.post(f"{url}/generate", timeout=60, json={
+            "input_ids": ids, "sampling_params": {"max_new_tokens": 9, **GREEDY}}).json()
+        assert out["output_ids"] == _ref(engine, 9, input_ids=ids)["output_ids"]
+        assert out["text"] == ""
+        for path, body, needle in (
+                ("/generate", {"text": "hi"}, "need a tokenizer"),
+                ("/generate", {"input_ids": ids, "sampling_params": {"stop": "x"}},
+                 "stop strings need a tokenizer"),
+                ("/v1/completions", {"model": "tiny", "prompt": ids}, "needs a tokenizer")):
+            r = httpx.post(f"{url}{path}", json=body, timeout=60)
+            assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_sigterm_finishes_inflight_stream(tmp_path):

@@ -15,6 +15,9 @@ from server_fixture import running_server
 
 API_KEY = "sk-e2e-test"
 CTX = 256
+# A KV pool smaller than the context: the good requests below must queue for memory, and a
+# request that fits the context but never the pool is rejected.
+KV_TOKENS = 160
 
 
 @dataclass(frozen=True)
@@ -71,6 +74,8 @@ CASES = [
          "prompt"),
     Case("prompt + max_tokens too long", COMP, _c("hi", max_tokens=CTX), 400,
          "exceeds the context length", "prompt"),
+    Case("never fits the KV pool", COMP, _c("hi", max_tokens=200), 400,
+         "more than the pool holds", "prompt"),
     Case("token id out of vocab", COMP, _c([0, 70, 99999]), 400, "out of range", "prompt"),
     Case("negative token id", COMP, _c([0, -3]), 400, "out of range", "prompt"),
     Case("stop wrong type", COMP, _c(stop=5), 400, "invalid type for 'stop'", "stop"),
@@ -181,7 +186,7 @@ async def _send_good(client: httpx.AsyncClient, path: str, body: dict, stream: b
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("bad_input") / "server.log"
-    with running_server(log, "--context-length", str(CTX), "--max-total-tokens", "4096",
+    with running_server(log, "--context-length", str(CTX), "--max-total-tokens", str(KV_TOKENS),
                         api_key=API_KEY) as srv:
         yield srv
 

@@ -14,7 +14,6 @@ import httpx
 import pytest
 import torch
 import uvicorn
-
 from sgl_dspark.srt.configs.server_args import ServerArgs
 from sgl_dspark.srt.entrypoints.http_server import build_engine, create_app
 
@@ -182,3 +181,34 @@ def test_output_failure_fails_only_that_request(srv, monkeypatch):
     srv.wait_idle()
     with httpx.Client(base_url=srv.base_url) as client:
         assert client.get("/health").status_code == 200
+
+
+def test_scheduler_loop_bug_fails_inflight_requests_and_loop_survives(srv, monkeypatch):
+    alone = _solo(srv)
+    loop = srv.app.state.ctx.loop
+    real_snapshot = loop._snapshot
+    armed = threading.Event()
+
+    def snapshot():
+        if armed.is_set():
+            armed.clear()
+            raise RuntimeError("injected loop bug")
+        return real_snapshot()
+
+    monkeypatch.setattr(loop, "_snapshot", snapshot)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            victim = asyncio.create_task(_post(client, _completion("victim", 200)))
+            while srv.stats.num_running_reqs < 1:
+                await asyncio.sleep(0.01)
+            armed.set()
+            status, body = await victim
+            after = await asyncio.gather(*(_post(client, b) for b in GOOD))
+            return status, body, after
+
+    status, body, after = asyncio.run(run())
+    _assert_500(status, body, "injected loop bug")
+    assert [b["choices"][0]["text"] for _, b in after] == alone
+    assert loop.is_alive
+    srv.wait_idle()

@@ -196,3 +196,23 @@ def test_disconnecting_clients_leak_no_pages(server):
     r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
                    json={"model": "tiny", "prompt": "still here", "max_tokens": 3})
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
+
+
+def test_non_streaming_clients_that_time_out_leak_no_pages(server):
+    """Non-streaming requests are watched too: a client that gives up aborts its request."""
+    steps_before = server.wait_idle()["total_steps"]
+
+    async def give_up(client: httpx.AsyncClient, seed: int) -> None:
+        path, body = _long_request(seed)
+        with contextlib.suppress(httpx.ReadTimeout):
+            await client.post(path, json={**body, "stream": False}, timeout=1.0)
+            raise AssertionError("a long request finished within the client timeout")
+
+    async def run() -> None:
+        async with httpx.AsyncClient(base_url=server.base_url) as client:
+            await asyncio.gather(*(give_up(client, i) for i in range(8)))
+
+    asyncio.run(run())
+    info = server.wait_idle(timeout=30)
+    assert info["kv_free_pages"] == info["kv_total_pages"]
+    assert info["total_steps"] - steps_before < LONG_TOKENS

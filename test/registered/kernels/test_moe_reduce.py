@@ -7,6 +7,10 @@ import torch
 from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 
 
 def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark.kernels.moe_route import (
+    RouterConfig,
     RouterTopkOutput,
     make_router_workspace,
     router_topk,
@@ -19,6 +20,10 @@ from sgl_dspark.kernels.moe_route import (
 from sgl_dspark.kernels.moe_route import _scores_ref as scores_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 ON_GPU = DEVICE == "cuda"
 # CPU: numpy vs torch exp2/log2 differ by an ulp or two. GPU: ex2.approx/lg2.approx reach ~1e-4
 # relative error on small softplus values.
@@ -92,17 +97,11 @@ def test_logits_source_dsv4(num_rows: int, kind: str) -> None:
     bias = _random_bias(384, kind, gen)
     for scoring in ("sqrtsoftplus", "sigmoid"):
         n_valid = torch.tensor(max(num_rows - 3, 0), dtype=torch.int32, device=DEVICE)
-        kwargs = dict(
-            logits=logits,
-            scoring=scoring,
-            correction_bias=bias,
-            routed_scaling_factor=1.5,
-            n_valid=n_valid,
-            num_shared=1,
-        )
-        got = router_topk(6, **kwargs)
+        config = RouterConfig(6, scoring, routed_scaling_factor=1.5, num_shared=1)
+        kwargs = dict(logits=logits, correction_bias=bias, n_valid=n_valid)
+        got = router_topk(config, **kwargs)
         choice = _selection_values(logits, scoring, bias)
-        _check(got, router_topk_ref(6, **kwargs), choice, 6, n_valid)
+        _check(got, router_topk_ref(config, **kwargs), choice, 6, n_valid)
 
 
 @pytest.mark.parametrize(
@@ -117,20 +116,20 @@ def test_general_shapes_and_options(
         logits = _random_logits(num_rows, experts, kind, gen)
         for bias in (None, _random_bias(experts, kind, gen)):
             for renormalize in (True, False):
-                kwargs = dict(
-                    logits=logits,
-                    correction_bias=bias,
+                config = RouterConfig(
+                    topk,
                     renormalize=renormalize,
                     routed_scaling_factor=2.5,
                     num_shared=num_shared,
                     shared_weight=0.75,
                     shared_id_base=1000,
                     fill_id=-1,
-                    n_valid=torch.tensor(num_rows // 2, dtype=torch.int32, device=DEVICE),
                 )
-                got = router_topk(topk, **kwargs)
+                n_valid = torch.tensor(num_rows // 2, dtype=torch.int32, device=DEVICE)
+                kwargs = dict(logits=logits, correction_bias=bias, n_valid=n_valid)
+                got = router_topk(config, **kwargs)
                 choice = _selection_values(logits, "sqrtsoftplus", bias)
-                _check(got, router_topk_ref(topk, **kwargs), choice, topk, kwargs["n_valid"])
+                _check(got, router_topk_ref(config, **kwargs), choice, topk, n_valid)
 
 
 @pytest.mark.parametrize("splits", [1, 3, 8])
@@ -141,10 +140,10 @@ def test_partials_source_and_logits_out(num_rows: int, splits: int) -> None:
     bias = _random_bias(384, "randn", gen)
     n_valid = torch.tensor([num_rows - 1], dtype=torch.int32, device=DEVICE)
     logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
-    got = router_topk(6, partials=partials, correction_bias=bias, n_valid=n_valid,
+    got = router_topk(RouterConfig(6), partials=partials, correction_bias=bias, n_valid=n_valid,
                       logits_out=logits_out)  # fmt: skip
     ref_logits = torch.empty_like(logits_out)
-    ref = router_topk_ref(6, partials=partials, correction_bias=bias, n_valid=n_valid,
+    ref = router_topk_ref(RouterConfig(6), partials=partials, correction_bias=bias, n_valid=n_valid,
                           logits_out=ref_logits)  # fmt: skip
     assert torch.equal(logits_out, ref_logits)  # fixed-order fp32 sum: exact
     _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", bias), 6, n_valid)
@@ -170,11 +169,11 @@ def test_x_source_split_k(num_rows: int, hidden: int, dtype: torch.dtype) -> Non
     n_valid = torch.tensor(num_rows, dtype=torch.int32, device=DEVICE)
     for scoring in ("sqrtsoftplus", "sigmoid"):
         logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
-        kwargs = dict(x=x, gate_weight=gate, scoring=scoring, correction_bias=bias,
-                      n_valid=n_valid, routed_scaling_factor=1.25)  # fmt: skip
-        got = router_topk(6, logits_out=logits_out, workspace=workspace, **kwargs)
+        config = RouterConfig(6, scoring, routed_scaling_factor=1.25)
+        kwargs = dict(x=x, gate_weight=gate, correction_bias=bias, n_valid=n_valid)
+        got = router_topk(config, logits_out=logits_out, workspace=workspace, **kwargs)
         ref_logits = torch.empty_like(logits_out)
-        ref = router_topk_ref(6, logits_out=ref_logits, **kwargs)
+        ref = router_topk_ref(config, logits_out=ref_logits, **kwargs)
         assert torch.equal(logits_out, ref_logits)
         _check(got, ref, _selection_values(ref_logits, scoring, bias), 6, n_valid)
         # The last program of each row block leaves its counter at zero for the next launch.
@@ -191,10 +190,10 @@ def test_hash_routing(num_rows: int, table_dtype: torch.dtype) -> None:
     logits = _random_logits(num_rows, 384, "randn", gen)
     n_valid = torch.tensor(num_rows - 1, dtype=torch.int32, device=DEVICE)
     for scoring in ("sqrtsoftplus", "sigmoid"):
-        kwargs = dict(logits=logits, scoring=scoring, tid2eid=tid2eid, input_ids=input_ids,
-                      routed_scaling_factor=1.5, n_valid=n_valid)  # fmt: skip
-        got = router_topk(6, **kwargs)
-        ref = router_topk_ref(6, **kwargs)
+        config = RouterConfig(6, scoring, routed_scaling_factor=1.5)
+        kwargs = dict(logits=logits, tid2eid=tid2eid, input_ids=input_ids, n_valid=n_valid)
+        got = router_topk(config, **kwargs)
+        ref = router_topk_ref(config, **kwargs)
         _check(got, ref, None, 6)
         valid = got.ids[: num_rows - 1]
         assert torch.equal(valid.long(), tid2eid[input_ids[: num_rows - 1]].long())
@@ -208,30 +207,40 @@ def test_hand_derived_ties_and_padding() -> None:
     logits[1] = torch.tensor([-9.0, -9.0, 3.0, -9.0, -9.0, 3.0, -9.0, 1.0])
     logits[2:] = 5.0
     n_valid = torch.tensor(2, dtype=torch.int32, device=DEVICE)
-    got = router_topk(4, logits=logits, routed_scaling_factor=2.0, n_valid=n_valid, fill_id=9)
+    config = RouterConfig(4, routed_scaling_factor=2.0, fill_id=9)
+    got = router_topk(config, logits=logits, n_valid=n_valid)
     assert got.ids.tolist() == [[0, 1, 2, 3], [2, 5, 7, 0], [9] * 4, [9] * 4]
     torch.testing.assert_close(got.weights[0], torch.full((4,), 0.5, device=DEVICE))
     assert float(got.weights[2:].abs().sum()) == 0.0
     # A bias flips the order of the tied pair: selection uses scores + bias, weights do not.
     bias = torch.zeros(8, device=DEVICE)
     bias[5] = 0.5
-    got = router_topk(2, logits=logits[1:2], correction_bias=bias, renormalize=False)
+    got = router_topk(RouterConfig(2, renormalize=False), logits=logits[1:2], correction_bias=bias)
     assert got.ids.tolist() == [[5, 2]]
     assert got.weights[0, 0].item() == got.weights[0, 1].item()  # unbiased scores, equal
 
 
 def test_m0_and_bad_inputs() -> None:
-    empty = router_topk(6, logits=torch.empty(0, 384, device=DEVICE), num_shared=1)
+    empty = router_topk(RouterConfig(6, num_shared=1), logits=torch.empty(0, 384, device=DEVICE))
     assert empty.ids.shape == (0, 7) and empty.weights.shape == (0, 7)
     logits = torch.randn(2, 16, device=DEVICE)
     with pytest.raises(ValueError, match="scoring"):
-        router_topk(2, logits=logits, scoring="softmax")
-    with pytest.raises(ValueError, match="exactly one"):
-        router_topk(2, logits=logits, partials=logits[None])
-    with pytest.raises(ValueError, match="n_valid"):
-        router_topk(2, logits=logits, n_valid=torch.tensor(1, device=DEVICE))
+        RouterConfig(2, "softmax")
     with pytest.raises(ValueError, match="topk"):
-        router_topk(17, logits=logits)
+        RouterConfig(0)
+    with pytest.raises(ValueError, match="exactly one"):
+        router_topk(RouterConfig(2), logits=logits, partials=logits[None])
+    with pytest.raises(ValueError, match="n_valid"):
+        router_topk(RouterConfig(2), logits=logits, n_valid=torch.tensor(1, device=DEVICE))
+    with pytest.raises(ValueError, match="topk"):
+        router_topk(RouterConfig(17), logits=logits)
+    with pytest.raises(ValueError, match="tid2eid"):
+        router_topk(
+            RouterConfig(2),
+            logits=logits,
+            tid2eid=torch.zeros(9, 3, dtype=torch.int32, device=DEVICE),
+            input_ids=torch.zeros(2, dtype=torch.int32, device=DEVICE),
+        )
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
@@ -241,12 +250,12 @@ def test_cuda_graph_replay_matches_eager() -> None:
     bias = _random_bias(384, "randn", gen)
     n_valid = torch.tensor(20, dtype=torch.int32, device=DEVICE)
     workspace = make_router_workspace(32, 384, 4096, DEVICE)
-    kwargs = dict(x=x, gate_weight=gate, correction_bias=bias, n_valid=n_valid, num_shared=1,
-                  workspace=workspace)  # fmt: skip
-    eager = router_topk(6, **kwargs)
+    config = RouterConfig(6, num_shared=1)
+    kwargs = dict(x=x, gate_weight=gate, correction_bias=bias, n_valid=n_valid, workspace=workspace)
+    eager = router_topk(config, **kwargs)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        captured = router_topk(6, **kwargs)
+        captured = router_topk(config, **kwargs)
     for _ in range(3):
         graph.replay()
     torch.cuda.synchronize()

@@ -13,6 +13,10 @@ from sgl_dspark.kernels.moe_sort import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
+pytestmark = pytest.mark.filterwarnings(
+    "ignore:Conversion of an array with ndim:DeprecationWarning"
+)
 BLOCK = 32
 INT_POISON = -123456  # never a packed id: packed ids are non-negative
 
@@ -156,3 +160,31 @@ def test_bad_inputs_raise() -> None:
     ids = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="topk_ids"):
         moe_sort(ids, torch.zeros(2, 2, device=DEVICE), plan, 8)
+
+
+@pytest.mark.parametrize("fill_id", [0, -1, 384])
+def test_padded_graph_rows(fill_id: int) -> None:
+    """Rows past n_valid arrive with the backend's fill id and weight 0: id 0 is sorted like a
+    real route (HIP convention), -1 and E are dropped."""
+    gen = torch.Generator().manual_seed(11 + fill_id)
+    mask = torch.zeros(384, dtype=torch.int32, device=DEVICE)
+    mask[:96] = 1  # rank 0: expert 0 is local
+    ids, weights = _make_routes(24, 6, 384, "uniform", gen)
+    ids[20:] = fill_id
+    weights[20:] = 0.0
+    _run(ids, weights, mask, hidden=64)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a GPU")
+def test_cuda_graph_replay_matches_eager() -> None:
+    gen = torch.Generator().manual_seed(2)
+    mask = _make_mask("ep_slice", 384, gen)
+    ids, weights = _make_routes(32, 6, 384, "uniform", gen)
+    plan = prepare_moe_sort(mask)  # host read before capture
+    eager = moe_sort(ids, weights, plan, 4096)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = moe_sort(ids, weights, plan, 4096)
+    graph.replay()
+    torch.cuda.synchronize()
+    _assert_same(captured, eager)

@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from sgl_dspark.launch_server import curl_example, ready_message
 from sgl_dspark.srt.configs.server_args import ServerArgs, make_parser
 from sgl_dspark.srt.entrypoints.engine import EngineArgs
@@ -43,8 +42,13 @@ def test_help_lists_every_field_with_help():
 
 
 def test_engine_arguments_are_server_args():
-    server_fields = {f.name for f in dataclasses.fields(ServerArgs)}
-    assert {f.name for f in dataclasses.fields(EngineArgs)} <= server_fields
+    """The server builds its Engine from ServerArgs: every Engine argument must be a server
+    flag with the same default (device: the engine's "cpu" is what "auto" resolves to here)."""
+    server = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    for f in dataclasses.fields(EngineArgs):
+        assert f.name in server, f"Engine argument {f.name} has no --{f.name.replace('_', '-')}"
+        if f.name not in ("model_path", "device"):
+            assert server[f.name] == f.default, f.name
 
 
 def test_parse_types_defaults_and_resolution():

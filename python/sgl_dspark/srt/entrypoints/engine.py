@@ -38,6 +38,8 @@ class EngineArgs:
     chunked_prefill_size: int = 512
     page_size: int = 0
     attention_backend: str = "torch"
+    kernel_backend: str = "torch"                     # torch | triton
+    kernel_backend_overrides: str | None = None       # e.g. "moe=torch,rope=triton"
     random_seed: int = 0
     speculative_algorithm: str | None = None          # None | "DSpark" (case-insensitive)
     speculative_draft_model_path: str | None = None
@@ -100,7 +102,9 @@ class Engine:
                           max_verify_tokens=max(16, gamma + 1),
                           max_running_requests=args.max_running_requests,
                           context_length=args.context_length, page_size=args.page_size,
-                          attention_backend=args.attention_backend)
+                          attention_backend=args.attention_backend,
+                          kernel_backend=args.kernel_backend,
+                          kernel_backend_overrides=args.kernel_backend_overrides)
         self.runner = ModelRunner(cfg, rc, weights=weights)
         spec = create_spec_worker(args, self.runner)
         self.tokenizer: TokenizerLike | None = None

@@ -249,9 +249,11 @@ def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None =
     family = socket.AF_INET6 if ":" in server_args.host else socket.AF_INET
     sock = socket.create_server((server_args.host, server_args.port), family=family)
     base_url = display_url(server_args.host, sock.getsockname()[1])
+    # uvicorn annotates the grace period as int but only uses it as an asyncio timeout.
+    grace: Any = server_args.graceful_shutdown_timeout
     config = uvicorn.Config(app, log_level=server_args.log_level,
                             access_log=server_args.log_level == "debug",
-                            timeout_graceful_shutdown=server_args.graceful_shutdown_timeout)
+                            timeout_graceful_shutdown=grace)
     server = uvicorn.Server(config)
 
     async def serve() -> None:
@@ -264,7 +266,7 @@ def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None =
 
     # uvicorn re-raises a captured SIGTERM/SIGINT once it has shut down; route it to a handler
     # that only logs, so a signalled shutdown ends with a normal return (exit status 0).
-    previous: dict[int, Any] = {}
+    previous: dict[signal.Signals, Any] = {}
     if threading.current_thread() is threading.main_thread():
         for sig in (signal.SIGTERM, signal.SIGINT):
             previous[sig] = signal.signal(sig, _log_signal)

@@ -42,11 +42,12 @@ def _prompts(body: GenerateRequest) -> tuple[list[tuple[str | None, list[int] | 
     """(text, ids) per prompt and whether the request was a single prompt."""
     if (body.text is None) == (body.input_ids is None):
         raise ApiError(400, "send exactly one of 'text' and 'input_ids'", param="text")
+    items: list[tuple[str | None, list[int] | None]]
     if body.text is not None:
         single = isinstance(body.text, str)
-        texts = [body.text] if single else body.text
+        texts: list[str] = [body.text] if isinstance(body.text, str) else body.text
         param = "text"
-        items: list[tuple[str | None, list[int] | None]] = [(t, None) for t in texts]
+        items = [(t, None) for t in texts]
     else:
         ids = body.input_ids
         assert ids is not None
@@ -79,7 +80,7 @@ def _meta(rid: str, prompt_tokens: int, completion_tokens: int, finish_reason: A
                             "finish_reason": finish_reason,
                             "e2e_latency": time.perf_counter() - start}
     if return_logprob and res is not None:
-        texts = res.token_texts or [None] * len(res.token_ids)
+        texts: list[str | None] = list(res.token_texts) or [None] * len(res.token_ids)
         meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in
                                          zip(res.logprobs, res.token_ids, texts)]
     return meta

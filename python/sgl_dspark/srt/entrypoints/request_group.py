@@ -152,6 +152,7 @@ class RequestGroup:
         self._queue: asyncio.Queue = asyncio.Queue()
         self._unfinished = set(self.index)
         self._arrival = time.perf_counter()
+        self._last_poll = time.monotonic()
         self._last_time: dict[str, float] = {}
 
     async def __aenter__(self) -> RequestGroup:
@@ -210,17 +211,22 @@ class RequestGroup:
         return results
 
     async def _next(self) -> Any:
-        if not self._queue.empty():
-            return self._queue.get_nowait()
+        """The next record; checks the client every DISCONNECT_POLL_S, busy or not (a long
+        request keeps its queue busy, so an idle-only check would never fire)."""
         while True:
-            try:
-                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
-            except asyncio.TimeoutError:
+            if time.monotonic() - self._last_poll >= DISCONNECT_POLL_S:
+                self._last_poll = time.monotonic()
                 if await self.request.is_disconnected():
                     logger.info("client left %s; aborting %d request(s)", self.endpoint,
                                 len(self._unfinished))
                     self.abort_unfinished()
-                    raise ClientDisconnected() from None
+                    raise ClientDisconnected()
+            if not self._queue.empty():
+                return self._queue.get_nowait()
+            try:
+                return await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                pass
 
     def _observe(self, out: GenerateOutput) -> None:
         now = time.perf_counter()

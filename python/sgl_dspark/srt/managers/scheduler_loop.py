@@ -90,7 +90,8 @@ class SchedulerLoop:
         self._inbox.put((req, out))
 
     def abort(self, rid: str) -> None:
-        """Abort `rid` if it is still queued or running (no-op otherwise); nothing more is sent."""
+        """Abort `rid` if it is still queued or running (no-op otherwise); its waiter gets a
+        final output with finish_reason abort."""
         self._inbox.put(AbortReq(rid))
 
     @property
@@ -122,10 +123,16 @@ class SchedulerLoop:
     def _run(self) -> None:
         logger.info("scheduler thread started")
         try:
-            while self._iterate():
-                pass
-        except Exception:
-            logger.exception("scheduler loop crashed; failing every request")
+            while True:
+                try:
+                    if not self._iterate():
+                        break
+                except Exception as exc:  # a bug outside step(): fail what is in flight, go on
+                    logger.exception("scheduler loop iteration failed; failing %d requests",
+                                     len(self._tracked))
+                    self._abort_all(500, f"internal error: {exc}")
+                    self._stats = self._snapshot()
+                    self._flush()
         finally:
             self._abort_all(503, "the server is shutting down")
             self._stats = self._snapshot()
@@ -170,12 +177,12 @@ class SchedulerLoop:
                                                skip_special_tokens=p.skip_special_tokens,
                                                stop=p.stop, no_stop_trim=p.no_stop_trim,
                                                prompt_ids=ids)
-            req = Req(rid=inp.rid, prompt_ids=ids, params=p,
-                      return_logprob=inp.return_logprob, detok=detok)
-            self._scheduler.add(req)
             prompt_text = None
             if inp.return_prompt_text and self._tokenizer is not None:
                 prompt_text = self._tokenizer.decode(ids)
+            req = Req(rid=inp.rid, prompt_ids=ids, params=p,
+                      return_logprob=inp.return_logprob, detok=detok)
+            self._scheduler.add(req)  # last: once added, the request must be tracked
         except (RequestRejected, ValueError) as exc:
             self._post(out, ReqFailed(inp.rid, 400, str(exc)))
             return
@@ -207,11 +214,15 @@ class SchedulerLoop:
                              "--skip-tokenizer-init, so use stop_token_ids")
         if not inp.fill_context:
             return params
-        context = self._scheduler.runner.req_pool.max_context_len
-        if num_prompt_ids >= context:
+        runner = self._scheduler.runner
+        # The longest sequence the context and, with the speculative window, the pool allow.
+        pool = (runner.allocator.num_usable_pages * runner.page_size
+                - runner.rc.max_verify_tokens)
+        limit = min(runner.req_pool.max_context_len, pool)
+        if num_prompt_ids >= limit:
             raise ValueError(f"the prompt ({num_prompt_ids} tokens) leaves no room for output "
-                             f"in the context length {context}")
-        return dataclasses.replace(params, max_new_tokens=context - num_prompt_ids)
+                             f"in the context length {limit}")
+        return dataclasses.replace(params, max_new_tokens=limit - num_prompt_ids)
 
     def _abort(self, rid: str, notify: bool = True) -> None:
         """Abort `rid`; with `notify`, its waiter gets a final output (finish_reason abort)."""

@@ -11,6 +11,7 @@ import torch
 
 from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
 from sgl_dspark.srt.layers.attention import create_attention_backend
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -40,6 +41,8 @@ class RunnerConfig:
     page_size: int = 0            # 0 = smallest page that every compress rate divides
     max_verify_tokens: int = 16
     attention_backend: str = "torch"
+    kernel_backend: str = "torch"
+    kernel_backend_overrides: str | None = None
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -71,8 +74,9 @@ class ModelRunner:
                     f"(layer {i} has {model_cfg.compress_ratio(i)})"
                 )
         self.page_size = page
+        self.kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
         if model is None:
-            model = DeepseekV4ForCausalLM(model_cfg)
+            model = DeepseekV4ForCausalLM(model_cfg, self.kernels)
             if weights is not None:
                 load_weights(model, weights)
         self.model = cast_model(model, self.dtype).to(self.device).eval()

@@ -14,6 +14,7 @@ from torch import nn
 
 from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer, entry_slots
 from sgl_dspark.srt.layers.mhc import HyperConnection, HyperHead, hc_collapse, hc_expand
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
@@ -37,8 +38,9 @@ class RopeTables:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
+        self.kernels = kernels
         self.layer_type = cfg.layer_types[layer_id]
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
         self.n_heads = cfg.num_attention_heads
@@ -112,10 +114,11 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, layer_id: int) -> None:
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = Attention(cfg, layer_id)
+        self.kernels = kernels
+        self.self_attn = Attention(cfg, layer_id, kernels)
         router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size,
                         cfg.mlp_layer_types[layer_id] == HASH_MOE, cfg.scoring_func,
                         cfg.routed_scaling_factor, cfg.norm_topk_prob)
@@ -142,11 +145,12 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels)
+                                    for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         rd = cfg.qk_rope_head_dim
@@ -164,10 +168,11 @@ class ModelOutput:
 class DeepseekV4ForCausalLM(nn.Module):
     """Capabilities used by DSpark: `forward(..., tap_layers=...)` returns per-layer features."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice | None = None) -> None:
         super().__init__()
         self.cfg = cfg
-        self.model = DeepseekV4Model(cfg)
+        self.kernels = kernels or KernelChoice()
+        self.model = DeepseekV4Model(cfg, self.kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
 
     def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,

@@ -23,6 +23,7 @@ from torch import nn
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import HyperConnection, HyperHead, hc_collapse, hc_expand
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
@@ -113,8 +114,9 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraftModel(nn.Module):
-    def __init__(self, dcfg: DSparkConfig) -> None:
+    def __init__(self, dcfg: DSparkConfig, kernels: KernelChoice | None = None) -> None:
         super().__init__()
+        self.kernels = kernels or KernelChoice()
         cfg = dcfg.stage_config
         self.dcfg = dcfg
         self.cfg = cfg

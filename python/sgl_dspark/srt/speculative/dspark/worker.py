@@ -104,7 +104,7 @@ class DSparkWorker:
         if self.gamma + 1 > runner.rc.max_verify_tokens:
             raise ValueError(f"DSpark block size {self.gamma} needs max_verify_tokens >= "
                              f"{self.gamma + 1} (got {runner.rc.max_verify_tokens})")
-        draft = DSparkDraftModel(dcfg)
+        draft = DSparkDraftModel(dcfg, runner.kernels)
         load_weights(draft, weights)
         self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
         dh = dcfg.stage_config.head_dim
