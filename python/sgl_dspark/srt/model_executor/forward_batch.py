@@ -61,7 +61,9 @@ class ForwardBatch:
         assert all(n > 0 for n in extend), f"every request needs >= 1 token, got {extend}"
         assert len(prefix_lens) == len(extend) == len(req_pool_indices)
         flat_ids = [t for ids in input_ids for t in ids]
-        positions, token_req, rows = [], [], []
+        positions: list[int] = []
+        token_req: list[int] = []
+        rows: list[int] = []
         start = 0
         for r, (p0, n) in enumerate(zip(prefix_lens, extend)):
             positions.extend(range(p0, p0 + n))
@@ -71,7 +73,8 @@ class ForwardBatch:
             elif logits_rows == "all":
                 rows.extend(range(start, start + n))
             else:
-                rows.extend(start + j for j in logits_rows[r])  # type: ignore[index]
+                assert not isinstance(logits_rows, str), logits_rows
+                rows.extend(start + j for j in logits_rows[r])
             start += n
 
         def t(x: list[int]) -> torch.Tensor:

@@ -111,7 +111,7 @@ def cast_model(model: DeepseekV4ForCausalLM, dtype: torch.dtype) -> DeepseekV4Fo
 def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
     """Copy HF-named tensors into the model; every parameter and buffer must be provided once
     with the right shape, and no unknown name may appear (errors name the tensor)."""
-    params = dict(model.named_parameters())
+    params: dict[str, torch.Tensor] = dict(model.named_parameters())
     params.update(dict(model.named_buffers()))
     expected = {k for k in model.state_dict()}
     seen: set[str] = set()

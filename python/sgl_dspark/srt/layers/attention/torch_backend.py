@@ -21,6 +21,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         keys = window_kv[kv_slots]                                       # [T, W, Dh]
         valid = win_valid
         if extra_kv is not None:
+            assert extra_valid is not None
             keys = torch.cat((keys, extra_kv.to(keys.dtype)), dim=1)
             valid = torch.cat((valid, extra_valid), dim=1)
         logits = torch.einsum("thd,tkd->thk", q, keys) * scale

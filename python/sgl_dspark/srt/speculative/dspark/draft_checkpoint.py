@@ -20,6 +20,7 @@ from safetensors.torch import save_file
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.model_loader.name_mapping import (
+    ExpertSlot,
     expert_stack_of,
     hf_to_released,
     parse_checkpoint_name,
@@ -48,7 +49,8 @@ _IGNORED = ("ffn.gate.bias_vl", "emb.tok_emb.weight", "head.weight", "e_proj", "
             "enorm.weight", "hnorm.weight")
 
 
-def _internal_name(stored: str, num_stages: int, num_experts: int):
+def _internal_name(stored: str, num_stages: int,
+                   num_experts: int) -> tuple[str, str, ExpertSlot | None] | None:
     m = _MTP_RE.match(stored)
     if m is None:
         return None
@@ -147,8 +149,8 @@ def save_draft_checkpoint(state_dict: dict[str, torch.Tensor], dcfg: DSparkConfi
                 else:
                     inter = t.shape[1] // 2
                     for proj, part in (("w1", t[e, :inter]), ("w3", t[e, inter:])):
-                        out["mtp." + released_expert_name(layer, e, proj)[len("layers."):]] = (
-                            part.contiguous())
+                        name_e = released_expert_name(layer, e, proj)  # type: ignore[arg-type]
+                        out["mtp." + name_e[len("layers."):]] = part.contiguous()
             continue
         out["mtp." + hf_to_released(name)[len("layers."):]] = t
     os.makedirs(out_dir, exist_ok=True)
