@@ -43,12 +43,13 @@ def test_help_lists_every_field_with_help():
 
 def test_engine_arguments_are_server_args():
     """The server builds its Engine from ServerArgs: every Engine argument must be a server
-    flag with the same default (device: the engine's "cpu" is what "auto" resolves to here)."""
-    server = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    flag with the same default once "auto" values are resolved (on CPU here)."""
+    resolved = ServerArgs(model_path="tiny", device="cpu").resolved()
+    server = {f.name for f in dataclasses.fields(ServerArgs)}
     for f in dataclasses.fields(EngineArgs):
         assert f.name in server, f"Engine argument {f.name} has no --{f.name.replace('_', '-')}"
-        if f.name not in ("model_path", "device"):
-            assert server[f.name] == f.default, f.name
+        if f.name != "dtype":  # the engine resolves its own "auto" dtype the same way
+            assert getattr(resolved, f.name) == f.default, f.name
 
 
 def test_parse_types_defaults_and_resolution():
@@ -100,6 +101,8 @@ def test_unknown_flag_suggests_the_right_one(capsys):
     (["--dtype", "int8"], "invalid choice: 'int8'"),
     (["--attention-backend", "flash"], "invalid choice: 'flash'"),
     (["--port", "eighty"], "invalid int value"),
+    (["--kernel-backend-overrides", "attention=triton"], "unknown family 'attention'"),
+    (["--kernel-backend-overrides", "moe"], "expects family=impl"),
 ])
 def test_bad_or_conflicting_flags_exit_2(capsys, argv, needle):
     err = _parse_error(capsys, ["--model-path", "tiny", *argv])

@@ -71,6 +71,9 @@ class ServerArgs:
     random_seed: int = _arg(0, "Seed of the model initialisation (tiny) and of unseeded sampling.")
     kernel_backend: str = _arg("auto", "Implementation of the fused kernels; auto = triton on "
                                        "GPU, torch on CPU.", KERNEL_BACKEND_CHOICES)
+    kernel_backend_overrides: str | None = _arg(
+        None, "Per op family exceptions to --kernel-backend, e.g. 'moe=torch,rope=triton' "
+              "(families: rope, mhc, moe, sampling, spec).")
     attention_backend: str = _arg("torch", "Attention backend.", None)  # choices: the registry
     # ---- memory and scheduling ----
     context_length: int = _arg(4096, "Longest sequence (prompt + output) a request may have.")
@@ -251,6 +254,9 @@ def _validate(a: ServerArgs) -> None:
     _check_choice("--dtype", a.dtype, DTYPE_CHOICES)
     _check_choice("--kernel-backend", a.kernel_backend, KERNEL_BACKEND_CHOICES)
     _check_choice("--attention-backend", a.attention_backend, _attention_backend_choices())
+    from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+
+    KernelChoice.parse("torch", a.kernel_backend_overrides)  # raises naming the flag
     for flag, value in (("--context-length", a.context_length),
                         ("--max-total-tokens", a.max_total_tokens),
                         ("--max-running-requests", a.max_running_requests)):

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+from typing import Protocol
+
 import torch
 from torch import nn
 
-from sgl_dspark.srt.layers.norm import rms_norm
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
 
 
 class HyperConnection(nn.Module):
@@ -71,3 +75,89 @@ class HyperHead(nn.Module):
         u = rms_norm(streams.flatten(1).float(), None, self.rms_eps)
         pre = torch.sigmoid((u @ self.hc_fn.float().t()) * self.hc_scale.float() + self.hc_base.float())
         return hc_collapse(streams, pre + self.hc_eps)
+
+
+# ---- fused sublayer boundaries ("mhc" family) ---------------------------------------------------
+
+
+class HcSublayers(Protocol):
+    """What the fused loop reads from one layer: both mixers and both sublayer-input norms."""
+
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+
+
+# (streams, y, post, comb, next_hc, next_norm) -> (streams', next input normed, post', comb')
+HcBoundaryFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, HyperConnection, RMSNorm],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+]
+
+
+def hc_boundary_impl(kernels: KernelChoice) -> HcBoundaryFn | None:
+    """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
+
+    triton: K7 (`kernels/mhc.py::mhc_post_combine`) closes one sublayer (`hc_expand`) and opens
+    the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one launch. It is X2 against the
+    torch path: the stream update is accumulated in fp32 with fp32 post/comb (`hc_expand` casts
+    them to the activation dtype and uses a matmul), and the coefficient reductions run in a
+    different order, so outputs agree to a tolerance, not bit for bit.
+    """
+    if kernels.of("mhc") == "torch":
+        return None
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.mhc import mhc_post_combine
+
+    def boundary(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+                 next_hc: HyperConnection, next_norm: RMSNorm,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        assert next_norm.eps == next_hc.rms_eps, (next_norm.eps, next_hc.rms_eps)
+        out = mhc_post_combine(
+            streams, y.contiguous(), post, comb, next_hc.fn, next_hc.base, next_hc.scale,
+            next_norm.weight, hc_eps=next_hc.hc_eps, sinkhorn_iters=next_hc.sinkhorn_iters,
+            rms_eps=next_hc.rms_eps)
+        return out.streams, out.x_normed, out.post, out.comb
+
+    return boundary
+
+
+def run_fused_hc_layers(
+    streams: torch.Tensor,
+    layers: Sequence[HcSublayers],
+    attn: Callable[[int, torch.Tensor], torch.Tensor],
+    ffn: Callable[[int, torch.Tensor], torch.Tensor],
+    boundary: HcBoundaryFn,
+    after_layer: Callable[[int, torch.Tensor], None] | None = None,
+) -> torch.Tensor:
+    """Run mHC layers with fused boundaries: attn post + ffn pre inside a layer, ffn post + the
+    next layer's attn pre across layers.
+
+    The first layer's attn pre and the last layer's ffn post run unfused (no sublayer before /
+    the hyper head after).
+
+    Args:
+        streams: `[T, n, D]` residual streams entering layer 0.
+        attn, ffn: `(layer index, normed input [T, D]) -> sublayer output [T, D]`.
+        boundary: from `hc_boundary_impl`.
+        after_layer: called with `(layer index, streams after the layer)` (hidden-state taps).
+    Returns the streams after the last layer.
+    """
+    first = layers[0]
+    pre, post, comb = first.attn_hc.coeffs(streams)
+    x = first.input_layernorm(hc_collapse(streams, pre))
+    for i, layer in enumerate(layers):
+        a = attn(i, x)
+        streams, x, post, comb = boundary(streams, a, post, comb, layer.ffn_hc,
+                                          layer.post_attention_layernorm)
+        f = ffn(i, x)
+        if i + 1 < len(layers):
+            nxt = layers[i + 1]
+            streams, x, post, comb = boundary(streams, f, post, comb, nxt.attn_hc,
+                                              nxt.input_layernorm)
+        else:
+            streams = hc_expand(streams, f, post, comb)
+        if after_layer is not None:
+            after_layer(i, streams)
+    return streams

@@ -8,10 +8,15 @@ token positions; no cache indexed by position is kept, so any position is valid.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
 from sgl_dspark.srt.configs.model_config import RopeConfig
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+
+# (x [N, ..., Dh], cos [N, rd/2], sin [N, rd/2], inverse) -> rotated copy of x
+RopeTailFn = Callable[..., torch.Tensor]
 
 
 def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
@@ -63,3 +68,28 @@ def apply_rope_tail(
     a, b = tail[..., 0::2], tail[..., 1::2]
     rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
     return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
+
+
+def rope_impl(kernels: KernelChoice) -> RopeTailFn:
+    """The rope-tail implementation of the "rope" family, bound once by the layer that uses it.
+
+    torch: `apply_rope_tail`. triton: the K13 kernel (`kernels/rope.py::rope_tail`), which equals
+    `apply_rope_tail` bit for bit (the same separately rounded fp32 products, one RNE round to
+    x's dtype). Both take `(x, cos, sin, inverse=False)`; the Triton one takes x `[N, Dh]` or
+    `[N, H, Dh]` with unit stride along Dh.
+    """
+    if kernels.of("rope") == "torch":
+        return apply_rope_tail
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.rope import rope_tail
+
+    def rope_tail_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         inverse: bool = False) -> torch.Tensor:
+        if x.stride(-1) != 1:  # the kernel reads rows with unit channel stride
+            x = x.contiguous()
+        if x.dim() == 2:  # single-head rows (kv, compressor entries): one head of Dh
+            return rope_tail(x.unsqueeze(1), cos, sin, inverse=inverse).squeeze(1)
+        assert x.dim() == 3, f"rope_tail takes [N, Dh] or [N, H, Dh], got {tuple(x.shape)}"
+        return rope_tail(x, cos, sin, inverse=inverse)
+
+    return rope_tail_triton

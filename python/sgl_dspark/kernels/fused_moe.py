@@ -1,0 +1,289 @@
+"""Grouped expert GEMMs over K1's sorted blocks (kernels.md §K1, §K4, §K6; model spec §6.3).
+
+K1 (`moe_sort`) lays the routes of one rank out in blocks of `block_size` rows; every block belongs
+to one local expert, every row is a packed route id `(slot << 24) | token` or the padding sentinel
+`(topk << 24) | M`. One kernel (`moe_grouped_gemm`) runs one (block x N-tile) per program:
+
+    out[token * topk + slot, :] = a[row] @ weight[local_expert_of_block].T      (fp32 accumulate)
+    row = token              (stage 1: a = x [M, D], the token's hidden state)
+    row = token * topk + slot (stage 2: a = h [M * topk, I], the route's activation)
+
+Sentinel rows and pairs routed to remote experts are never written (their output rows keep
+whatever the buffer held; K4 never reads them). `fused_moe` chains the routed expert:
+stage 1 with `gate_up_proj` -> K6 clamped SwiGLU -> stage 2 with `down_proj`, giving
+`y [M, topk, D]` per (token, slot), the layout K4 (`moe_reduce`) reduces.
+
+Numerics: X2 (fp32 accumulation order differs from torch's matmul). fp32 inputs use IEEE fp32
+dot products (no tf32); bf16 inputs multiply exactly and accumulate in fp32, then round once to
+bf16 (nearest even, on the bits, so the CPU interpreter rounds like a GPU). The CPU interpreter's
+bf16 `tl.dot` is unreliable (triton 3.6), so there bf16 tiles are widened to fp32 first (the same
+products, exact either way). Per-row results depend only on (N, K), never on M or the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels.activation import _round_bf16, silu_mul_clamp, silu_mul_clamp_ref
+from sgl_dspark.kernels.moe_sort import MoeSortOutput
+
+_TOKEN_MASK = (1 << 24) - 1
+
+
+def moe_grouped_gemm_ref(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    topk: int,
+    a_per_pair: bool = False,
+    block_size: int = 32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Reference (the spec); same arguments as `moe_grouped_gemm`. Block by block over the valid
+    prefix of K1's layout: each live row's product in fp32, rounded once to a's dtype."""
+    num_tokens = a.shape[0] // topk if a_per_pair else a.shape[0]
+    if out is None:
+        out = torch.full((num_tokens * topk, weight.shape[1]), float("nan"), dtype=a.dtype,
+                         device=a.device)  # fmt: skip
+    num_entries = int(num_valid[0])
+    for block in range(num_entries // block_size):
+        packed = sorted_ids[block * block_size : (block + 1) * block_size].long()
+        token, slot = packed & _TOKEN_MASK, packed >> 24
+        live = token < num_tokens
+        pair = token[live] * topk + slot[live]
+        rows = pair if a_per_pair else token[live]
+        expert = int(sorted_expert_ids[block])
+        out[pair] = (a[rows].float() @ weight[expert].float().t()).to(a.dtype)
+    return out
+
+
+@triton.jit
+def _moe_grouped_gemm_kernel(
+    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_valid_ptr,
+    num_tokens, n_cols, k_dim, stride_a, stride_we, stride_wn, stride_out,
+    TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    pid_m = tl.program_id(0)
+    # Blocks past the valid prefix hold undefined ids (K1 leaves them unwritten): leave at once.
+    if pid_m * BLOCK_M >= tl.load(num_valid_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    packed = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    token = (packed & 0xFFFFFF).to(tl.int64)
+    pair = token * TOPK + (packed >> 24).to(tl.int64)
+    live = token < num_tokens  # the sentinel's token field is M
+    if A_PER_PAIR:
+        a_rows = pair
+    else:
+        a_rows = token
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_dim
+        a_tile = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                         mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w_tile = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        if DOT_FP32:
+            acc = tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc,
+                         input_precision="ieee")  # fmt: skip
+        else:
+            acc = tl.dot(a_tile, w_tile, acc)
+    if ROUND_BF16:
+        acc = _round_bf16(acc)
+    tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :],
+             acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])  # fmt: skip
+
+
+def _require(cond: bool, message: str) -> None:
+    if not cond:
+        raise ValueError(message)
+
+
+def _check_sorted(
+    sorted_ids: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> None:
+    _require(block_size >= 16 and block_size & (block_size - 1) == 0,
+             f"block_size must be a power of two >= 16 (tl.dot), got {block_size}")  # fmt: skip
+    _require(sorted_ids.dim() == 1 and sorted_ids.dtype == torch.int32
+             and sorted_ids.is_contiguous(), "sorted_ids must be contiguous int32 [capacity]")  # fmt: skip
+    num_blocks = triton.cdiv(sorted_ids.numel(), block_size)
+    _require(tuple(sorted_expert_ids.shape) == (num_blocks,)
+             and sorted_expert_ids.dtype == torch.int32,
+             f"sorted_expert_ids must be int32 [{num_blocks}], got "
+             f"{sorted_expert_ids.dtype} {tuple(sorted_expert_ids.shape)}")  # fmt: skip
+    _require(num_valid.numel() >= 1 and num_valid.dtype == torch.int32,
+             "num_valid must be int32 [2] (K1's output)")  # fmt: skip
+    for name, tensor in (("sorted_ids", sorted_ids), ("sorted_expert_ids", sorted_expert_ids),
+                         ("num_valid", num_valid)):  # fmt: skip
+        _require(tensor.device == device, f"{name} is on {tensor.device}, a on {device}")
+
+
+def moe_grouped_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    topk: int,
+    a_per_pair: bool = False,
+    block_size: int = 32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One expert GEMM over K1's sorted blocks, one launch, no host sync (graph-safe).
+
+    Args:
+        a: [M, K] (a_per_pair=False: row = token) or [M * topk, K] (a_per_pair=True: row =
+            token * topk + slot); bf16 or fp32, last dim contiguous.
+        weight: [E_loc, N, K] in a's dtype, last dim contiguous; indexed by K1's local expert id.
+        sorted_ids, sorted_expert_ids, num_valid: K1's outputs (`MoeSortOutput`) for topk and
+            `block_size`, on a's device.
+        topk: routes per token (the packing of sorted_ids).
+        out: optional [M * topk, N] in a's dtype, last dim contiguous.
+    Returns:
+        out [M * topk, N]: row token * topk + slot = a[row] @ weight[e].T for every route K1
+        kept; other rows are left as they were (undefined when out is allocated here).
+    """
+    _require(a.dim() == 2 and a.dtype in (torch.bfloat16, torch.float32) and a.stride(1) == 1,
+             f"a must be bf16/fp32 [rows, K] with a contiguous last dim, got {a.dtype} "
+             f"{tuple(a.shape)} strides {a.stride()}")  # fmt: skip
+    _require(weight.dim() == 3 and weight.dtype == a.dtype and weight.stride(2) == 1
+             and weight.shape[2] == a.shape[1],
+             f"weight must be {a.dtype} [E_loc, N, {a.shape[1]}] with a contiguous last dim, "
+             f"got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    _require(topk >= 1, f"topk must be >= 1, got {topk}")
+    _require(not a_per_pair or a.shape[0] % topk == 0,
+             f"a_per_pair needs a [M * {topk}, K], got {tuple(a.shape)}")  # fmt: skip
+    _check_sorted(sorted_ids, sorted_expert_ids, num_valid, block_size, a.device)
+    num_tokens = a.shape[0] // topk if a_per_pair else a.shape[0]
+    _require(num_tokens < 1 << 24, f"M = {num_tokens} does not fit the packed route ids")
+    n_cols, k_dim = weight.shape[1], weight.shape[2]
+    if out is None:
+        out = torch.empty(num_tokens * topk, n_cols, dtype=a.dtype, device=a.device)
+    _require(tuple(out.shape) == (num_tokens * topk, n_cols) and out.dtype == a.dtype
+             and out.stride(1) == 1 and out.device == a.device,
+             f"out must be {a.dtype} {(num_tokens * topk, n_cols)} with a contiguous last dim")  # fmt: skip
+    if num_tokens == 0 or n_cols == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
+        return out  # no route can be local (E_loc = 0) or nothing to compute
+    # Tiles depend on (N, K) only, so a row's summation order never depends on M.
+    block_n = min(64, max(16, triton.next_power_of_2(n_cols)))
+    block_k = min(64, max(16, triton.next_power_of_2(k_dim)))
+    grid = (sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n))
+    _moe_grouped_gemm_kernel[grid](
+        a,
+        weight,
+        out,
+        sorted_ids,
+        sorted_expert_ids,
+        num_valid,
+        num_tokens,
+        n_cols,
+        k_dim,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        TOPK=topk,
+        A_PER_PAIR=a_per_pair,
+        # tf32 must stay off for fp32; see the module docstring for the CPU bf16 case.
+        DOT_FP32=a.dtype == torch.float32 or a.device.type == "cpu",
+        ROUND_BF16=a.dtype == torch.bfloat16,
+        BLOCK_M=block_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=4,
+    )
+    return out
+
+
+def fused_moe_ref(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    topk_ids: torch.Tensor,
+    expert_mask: torch.Tensor,
+    limit: float | None,
+) -> torch.Tensor:
+    """Reference of the routed experts in terms of routes (independent of K1's layout).
+
+    y[t, k] = K6(x[t] @ gate_up_proj[l].T) @ down_proj[l].T for l = local id of expert
+    topk_ids[t, k], each GEMM accumulated in fp32 and rounded once to x's dtype; NaN where the
+    expert is remote or the id is outside [0, E) (rows `fused_moe` never writes).
+    """
+    num_tokens, topk = topk_ids.shape
+    num_experts = expert_mask.numel()
+    is_local = expert_mask.long().cpu()
+    local_ids = torch.cumsum(is_local, 0) - is_local
+    y = torch.full((num_tokens, topk, down_proj.shape[1]), float("nan"), dtype=x.dtype,
+                   device=x.device)  # fmt: skip
+    for token in range(num_tokens):
+        for slot in range(topk):
+            expert = int(topk_ids[token, slot])
+            if not (0 <= expert < num_experts) or is_local[expert] == 0:
+                continue
+            local = int(local_ids[expert])
+            gate_up = (x[token].float() @ gate_up_proj[local].float().t()).to(x.dtype)
+            h = silu_mul_clamp_ref(gate_up[None], limit)
+            assert isinstance(h, torch.Tensor)
+            y[token, slot] = (h[0].float() @ down_proj[local].float().t()).to(x.dtype)
+    return y
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    sort: MoeSortOutput,
+    topk: int,
+    limit: float | None,
+    block_size: int = 32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Routed experts over K1's layout: stage 1 -> K6 -> stage 2, three launches, no host sync.
+
+    Args:
+        x: [M, D] bf16 or fp32, last dim contiguous.
+        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows first, then up rows).
+        down_proj: [E_loc, D, I] in x's dtype.
+        sort: `moe_sort(topk_ids, topk_weights, plan, ...)` for these routes and `block_size`.
+        topk: routes per token.
+        limit: swiglu_limit (None: no clamp).
+        out: optional contiguous [M, topk, D] in x's dtype.
+    Returns:
+        y [M, topk, D]; y[t, k] is expert topk_ids[t, k]'s output for token t where that expert
+        is local, untouched elsewhere (K4 reads only local slots).
+    """
+    num_tokens, hidden = x.shape
+    _require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
+             f"gate_up_proj must be [E_loc, 2I, D], got {tuple(gate_up_proj.shape)}")  # fmt: skip
+    inter = gate_up_proj.shape[1] // 2
+    _require(tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
+             f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got "
+             f"{tuple(down_proj.shape)}")  # fmt: skip
+    if out is None:
+        out = torch.empty(num_tokens, topk, hidden, dtype=x.dtype, device=x.device)
+    _require(tuple(out.shape) == (num_tokens, topk, hidden) and out.is_contiguous()
+             and out.dtype == x.dtype, f"out must be contiguous {x.dtype} "
+             f"{(num_tokens, topk, hidden)}")  # fmt: skip
+    if num_tokens == 0:
+        return out
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
+    gate_up = moe_grouped_gemm(x, gate_up_proj, *routes, block_size=block_size)
+    h = silu_mul_clamp(gate_up, limit)
+    assert isinstance(h, torch.Tensor)
+    moe_grouped_gemm(h, down_proj, *routes, a_per_pair=True, block_size=block_size,
+                     out=out.view(num_tokens * topk, hidden))  # fmt: skip
+    return out

@@ -1,0 +1,194 @@
+"""Grouped expert GEMMs over K1's sorted blocks vs `moe_grouped_gemm_ref` / `fused_moe_ref`.
+
+Tolerances (X2: only the fp32 summation order differs from torch's matmul):
+  * fp32: IEEE fp32 dot products on every backend (tf32 off on GPU; the interpreter's fp32 tl.dot is
+    a numpy fp32 matmul), so results agree to a few fp32 ulps of the row's magnitude: 1e-5.
+  * bf16, one GEMM: the products are exact and both sides round an fp32 sum once to bf16, so they
+    differ by at most one bf16 ulp (rtol 2^-7) where the sums straddle a rounding boundary.
+  * bf16, the whole chain: one-ulp flips of stage 1 and K6 (exp2 lowering) feed stage 2, so a few
+    bf16 ulps of |y| ~ 1: rtol = atol = 2^-6.
+Rows the kernel must not write are poisoned with NaN and must still be NaN afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.kernels.fused_moe import (
+    fused_moe,
+    fused_moe_ref,
+    moe_grouped_gemm,
+    moe_grouped_gemm_ref,
+)
+from sgl_dspark.kernels.moe_sort import moe_sort, moe_sort_ref, prepare_moe_sort
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
+# The chain runs K6 over every row of its stage-1 buffer, remote routes' uninitialised rows too
+# (nobody reads them); numpy reports the overflows that garbage produces in the interpreter.
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
+]
+GEMM_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
+CHAIN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
+
+
+def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
+    if kind == "all_local":
+        mask = torch.ones(num_experts, dtype=torch.int32)
+    elif kind == "none_local":
+        mask = torch.zeros(num_experts, dtype=torch.int32)
+    elif kind == "ep_slice":  # rank 1 of 2
+        mask = torch.zeros(num_experts, dtype=torch.int32)
+        mask[num_experts // 2 :] = 1
+    else:
+        mask = (torch.rand(num_experts, generator=gen) < 0.5).to(torch.int32)
+        mask[0] = 1
+    return mask.to(DEVICE)
+
+
+def _routes(num_tokens: int, topk: int, num_experts: int, routing: str,
+            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    if routing == "hot":  # two experts take everything: several full blocks, idle experts
+        ids = torch.randint(0, 2, (num_tokens, topk), generator=gen)
+    elif routing == "fills":  # out-of-range ids (-1 / E) are dropped by K1
+        ids = torch.randint(-1, num_experts + 1, (num_tokens, topk), generator=gen)
+    else:
+        ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :topk]
+    weights = torch.rand(num_tokens, topk, generator=gen)
+    return ids.to(torch.int32).to(DEVICE), weights.to(DEVICE)
+
+
+def _local_pairs(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """bool [M, topk]: the routes K1 keeps, derived from ids and mask only."""
+    num_experts = mask.numel()
+    known = (ids >= 0) & (ids < num_experts)
+    return known & (mask.long()[ids.long().clamp(0, num_experts - 1)] == 1)
+
+
+def _randn(shape: tuple[int, ...], scale: float, dtype: torch.dtype,
+           gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+    return (torch.randn(shape, generator=gen) * scale).to(dtype).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("a_per_pair", [False, True])
+@pytest.mark.parametrize(
+    "num_tokens,topk,num_experts,n_cols,k_dim,mask_kind,routing",
+    [
+        (0, 2, 8, 64, 32, "all_local", "topk"),
+        (1, 2, 8, 64, 32, "all_local", "topk"),
+        (1, 1, 4, 16, 16, "none_local", "topk"),
+        (7, 3, 8, 96, 48, "random", "fills"),
+        (16, 2, 8, 40, 64, "all_local", "hot"),  # expert 0/1: counts 32-ish, blocks fill up
+        (33, 2, 6, 72, 80, "ep_slice", "hot"),  # hot experts remote: most routes dropped
+        (13, 4, 16, 128, 130, "random", "topk"),
+    ],
+)
+def test_grouped_gemm_matches_ref(num_tokens: int, topk: int, num_experts: int, n_cols: int,
+                                  k_dim: int, mask_kind: str, routing: str, a_per_pair: bool,
+                                  dtype: torch.dtype) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(num_tokens * 31 + n_cols + k_dim + int(a_per_pair))
+    mask = _mask(mask_kind, num_experts, gen)
+    ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
+    sort = moe_sort_ref(ids, weights, mask, hidden_size=0)
+    num_local = max(int(mask.sum()), 1)  # one expert even when none is local: the kernel launches
+    a = _randn((num_tokens * topk if a_per_pair else num_tokens, k_dim), 1.0, dtype, gen)
+    weight = _randn((num_local, n_cols, k_dim), k_dim**-0.5, dtype, gen)
+    args = (a, weight, sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk, a_per_pair)
+    poison = torch.full((num_tokens * topk, n_cols), float("nan"), dtype=dtype, device=DEVICE)
+    got = moe_grouped_gemm(*args, out=poison.clone())
+    want = moe_grouped_gemm_ref(*args, out=poison.clone())
+    written = ~torch.isnan(got).all(dim=1)
+    assert torch.equal(written, _local_pairs(ids, mask).reshape(-1)), "wrong rows written"
+    assert torch.isnan(got[~written]).all(), "a skipped row was partly written"
+    torch.testing.assert_close(got[written], want[written], **GEMM_TOL[dtype])
+    if num_tokens:
+        assert written.any() or mask_kind == "none_local" or routing == "hot"
+
+
+def test_grouped_gemm_hand_derived() -> None:
+    # Experts 0 and 2 local (local ids 0, 1); token 0 -> experts (2, 1), token 1 -> (0, 2).
+    mask = torch.tensor([1, 0, 1], dtype=torch.int32, device=DEVICE)
+    ids = torch.tensor([[2, 1], [0, 2]], dtype=torch.int32, device=DEVICE)
+    sort = moe_sort(ids, torch.ones(2, 2, device=DEVICE), prepare_moe_sort(mask), 0)
+    x = torch.tensor([[1.0] * 16, [2.0] * 8 + [-1.0] * 8], device=DEVICE)
+    weight = torch.zeros(2, 16, 16, device=DEVICE)
+    weight[0, 0, :] = 1.0  # local 0 (expert 0), column 0: row sum
+    weight[1, 3, :2] = torch.tensor([3.0, -0.5], device=DEVICE)  # local 1 (expert 2), column 3
+    out = torch.full((4, 16), float("nan"), device=DEVICE)
+    moe_grouped_gemm(x, weight, sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, 2,
+                     out=out)  # fmt: skip
+    want = torch.full((4, 16), float("nan"))
+    want[0] = 0.0
+    want[0, 3] = 1.0 * 3.0 - 1.0 * 0.5  # pair (token 0, slot 0) = expert 2
+    want[2] = 0.0
+    want[2, 0] = 8 * 2.0 - 8 * 1.0  # pair (token 1, slot 0) = expert 0
+    want[3] = 0.0
+    want[3, 3] = 2.0 * 3.0 - 2.0 * 0.5  # pair (token 1, slot 1) = expert 2
+    assert torch.equal(out.cpu().nan_to_num(123.0), want.nan_to_num(123.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_tokens,topk,num_experts,hidden,inter,mask_kind,routing,limit",
+    [
+        (0, 2, 8, 64, 32, "all_local", "topk", 2.0),
+        (1, 2, 8, 64, 32, "all_local", "topk", 2.0),
+        (5, 2, 8, 48, 40, "random", "fills", None),
+        (17, 3, 8, 64, 32, "all_local", "hot", 1.5),
+        (9, 2, 6, 32, 48, "none_local", "topk", 2.0),
+        (11, 2, 6, 64, 16, "ep_slice", "topk", 3.0),
+    ],
+)
+def test_fused_moe_matches_ref(num_tokens: int, topk: int, num_experts: int, hidden: int,
+                               inter: int, mask_kind: str, routing: str, limit: float | None,
+                               dtype: torch.dtype) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(num_tokens * 7 + hidden + inter)
+    mask = _mask(mask_kind, num_experts, gen)
+    ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
+    num_local = max(int(mask.sum()), 1)
+    x = _randn((num_tokens, hidden), 1.0, dtype, gen)
+    gate_up = _randn((num_local, 2 * inter, hidden), 3 * hidden**-0.5, dtype, gen)  # hits limit
+    down = _randn((num_local, hidden, inter), inter**-0.5, dtype, gen)
+    sort = moe_sort(ids, weights, prepare_moe_sort(mask), 0)
+    out = torch.full((num_tokens, topk, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    got = fused_moe(x, gate_up, down, sort, topk, limit, out=out)
+    assert got is out
+    want = fused_moe_ref(x, gate_up, down, ids, mask, limit)
+    local = _local_pairs(ids, mask)
+    assert torch.isnan(got[~local]).all(), "a remote route was written"
+    assert not torch.isnan(got[local]).any()
+    torch.testing.assert_close(got[local], want[local], **CHAIN_TOL[dtype])
+
+
+def test_fused_moe_allocates_output_and_m0() -> None:
+    gen = torch.Generator().manual_seed(5)
+    mask = torch.ones(4, dtype=torch.int32, device=DEVICE)
+    x = _randn((3, 32), 1.0, torch.float32, gen)
+    gate_up, down = _randn((4, 32, 32), 0.2, torch.float32, gen), _randn((4, 32, 16), 0.2,
+                                                                         torch.float32, gen)  # fmt: skip
+    ids, weights = _routes(3, 2, 4, "topk", gen)
+    got = fused_moe(x, gate_up, down, moe_sort(ids, weights, prepare_moe_sort(mask), 0), 2, 10.0)
+    torch.testing.assert_close(got, fused_moe_ref(x, gate_up, down, ids, mask, 10.0), rtol=1e-5,
+                               atol=1e-5)  # fmt: skip
+    empty = moe_sort(ids[:0], weights[:0], prepare_moe_sort(mask), 0)
+    assert fused_moe(x[:0], gate_up, down, empty, 2, 10.0).shape == (0, 2, 32)
+
+
+def test_rejects_bad_layouts() -> None:
+    mask = torch.ones(4, dtype=torch.int32, device=DEVICE)
+    ids = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    sort = moe_sort(ids, torch.ones(2, 2, device=DEVICE), prepare_moe_sort(mask), 0)
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, 2)
+    x = torch.ones(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        moe_grouped_gemm(x, torch.ones(4, 16, 32, dtype=torch.bfloat16, device=DEVICE), *routes)
+    with pytest.raises(ValueError, match="weight"):
+        moe_grouped_gemm(x, torch.ones(4, 16, 31, device=DEVICE), *routes)
+    with pytest.raises(ValueError, match="a_per_pair"):
+        moe_grouped_gemm(x[:1], torch.ones(4, 16, 32, device=DEVICE), *routes, a_per_pair=True)
+    with pytest.raises(ValueError, match="sorted_ids"):
+        moe_grouped_gemm(x, torch.ones(4, 16, 32, device=DEVICE), sort.sorted_ids.long(),
+                         *routes[1:])  # fmt: skip
