@@ -22,7 +22,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 serve: $(VENV)/.installed
-	$(PY) -m sgl_dspark.launch_server --model-path tiny --host $(HOST) --port $(PORT)
+	$(PY) -m sgl_dspark.launch_server --model-path tiny --speculative-algorithm DSpark --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)

@@ -131,6 +131,24 @@ async def _scrape_accept(client: httpx.AsyncClient, cfg: BenchConfig) -> float |
     return gauge_mean(resp.text, cfg.accept_gauge) if resp.status_code == 200 else None
 
 
+async def _fit_token_range(client: httpx.AsyncClient, cfg: BenchConfig) -> BenchConfig:
+    """Random token ids must exist in the served vocabulary: when the server reports
+    `vocab_size` (ours does, in /get_model_info), clamp the id range to it."""
+    if cfg.dataset != "random":
+        return cfg
+    try:
+        resp = await client.get(cfg.base_url.rstrip("/") + "/get_model_info")
+        vocab = resp.json().get("vocab_size") if resp.status_code == 200 else None
+    except (httpx.HTTPError, ValueError):
+        return cfg
+    low, high = cfg.token_range
+    if isinstance(vocab, int) and vocab < high:
+        high = vocab
+        low = min(low, high - 1)
+        return dataclasses.replace(cfg, token_range=(low, high))
+    return cfg
+
+
 async def run_benchmark_async(
     cfg: BenchConfig, specs: list[RequestSpec] | None = None
 ) -> dict[str, Any]:
@@ -139,10 +157,12 @@ async def run_benchmark_async(
     cfg.validate()
     if cfg.ignore_eos is None:
         cfg = dataclasses.replace(cfg, ignore_eos=cfg.dataset == "random")
-    specs = specs if specs is not None else build_requests(cfg)
-    n_conn = max(cfg.max_concurrency or len(specs), 1) + 4
+    n_conn = max(cfg.max_concurrency or cfg.num_prompts, 1) + 4
     limits = httpx.Limits(max_connections=n_conn, max_keepalive_connections=n_conn)
     async with httpx.AsyncClient(timeout=httpx.Timeout(cfg.timeout_s), limits=limits) as client:
+        if specs is None:
+            cfg = await _fit_token_range(client, cfg)
+            specs = build_requests(cfg)
         model = cfg.model or await first_model_id(client, cfg.base_url)
         for i in range(cfg.warmup_requests):
             warm = dataclasses.replace(

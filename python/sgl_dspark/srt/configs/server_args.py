@@ -75,6 +75,9 @@ class ServerArgs:
         None, "Per op family exceptions to --kernel-backend, e.g. 'moe=torch,rope=triton' "
               "(families: rope, mhc, moe, sampling, spec).")
     attention_backend: str = _arg("torch", "Attention backend.", None)  # choices: the registry
+    debug_step_delay_ms: float = _arg(
+        0.0, "Testing only: sleep this many ms after every scheduler step (used to check that "
+             "the A/B harness detects a slower build). Never set it in production.")
     # ---- memory and scheduling ----
     context_length: int = _arg(4096, "Longest sequence (prompt + output) a request may have.")
     max_total_tokens: int = _arg(32768, "Size of the KV pool in tokens.")

@@ -133,7 +133,8 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
     spec = engine.scheduler.spec
     spec_positions = spec.gamma if spec is not None else 0
     metrics = ServerMetrics(str(server_args.served_model_name), spec_positions)
-    loop = SchedulerLoop(engine.scheduler, engine.tokenizer)
+    loop = SchedulerLoop(engine.scheduler, engine.tokenizer,
+                         step_delay_s=server_args.debug_step_delay_ms / 1e3)
     ctx = ServingContext(args=server_args, loop=loop, metrics=metrics,
                          has_tokenizer=engine.tokenizer is not None,
                          vocab_size=engine.runner.model_cfg.vocab_size)

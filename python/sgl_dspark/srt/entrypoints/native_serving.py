@@ -74,11 +74,19 @@ def _per_prompt(value: Any, count: int, param: str) -> list[Any]:
 
 
 def _meta(rid: str, prompt_tokens: int, completion_tokens: int, finish_reason: Any,
-          res: SubResult | None, return_logprob: bool, start: float) -> dict[str, Any]:
+          res: SubResult | None, return_logprob: bool, start: float,
+          simulated_accept_len: float | None = None) -> dict[str, Any]:
     meta: dict[str, Any] = {"id": rid, "prompt_tokens": prompt_tokens,
                             "completion_tokens": completion_tokens,
                             "finish_reason": finish_reason,
                             "e2e_latency": time.perf_counter() - start}
+    if res is not None and res.spec_verify_ct is not None:
+        meta["spec_verify_ct"] = res.spec_verify_ct
+        meta["spec_accept_length"] = ((res.spec_committed or 0) / res.spec_verify_ct
+                                      if res.spec_verify_ct else 0.0)
+    if simulated_accept_len is not None:
+        # Benchmark-only mode: the tokens are not the model's output.
+        meta["spec_simulated_accept_len"] = simulated_accept_len
     if return_logprob and res is not None:
         texts: list[str | None] = list(res.token_texts) or [None] * len(res.token_ids)
         meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in
@@ -108,6 +116,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
         inputs.append(GenerateReqInput(rid=rid, sampling_params=params, text=text,
                                        input_ids=ids, return_logprob=body.return_logprob))
     param = "text" if body.text is not None else "input_ids"
+    sim = ctx.args.speculative_dspark_simulate_accept_len
     group = RequestGroup(ctx, request, "/generate", inputs, param)
 
     if not body.stream:
@@ -116,7 +125,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
             results = await group.collect()
         outs = [{"text": r.text, "output_ids": r.token_ids,
                  "meta_info": _meta(inp.rid, r.accepted.prompt_tokens, r.completion_tokens,
-                                    r.finish_reason, r, body.return_logprob, start)}
+                                    r.finish_reason, r, body.return_logprob, start, sim)}
                 for inp, r in zip(inputs, results)]
         return JSONResponse(outs[0] if single else outs)
 
@@ -130,7 +139,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
             event: dict[str, Any] = {
                 "text": res.text, "output_ids": res.token_ids,
                 "meta_info": _meta(out.rid, out.prompt_tokens, out.completion_tokens,
-                                   out.finish_reason, res, body.return_logprob, start)}
+                                   out.finish_reason, res, body.return_logprob, start, sim)}
             if not single:
                 event["index"] = i
             yield sse(event)

@@ -121,8 +121,12 @@ class SubResult:
     token_texts: list[str] = field(default_factory=list)
     completion_tokens: int = 0
     finish_reason: dict[str, Any] | None = None
+    spec_verify_ct: int | None = None
+    spec_committed: int | None = None
 
     def add(self, out: GenerateOutput) -> None:
+        self.spec_verify_ct = out.spec_verify_ct
+        self.spec_committed = out.spec_committed
         self.text += out.text
         self.token_ids.extend(out.token_ids)
         self.logprobs.extend(out.logprobs)

@@ -86,6 +86,10 @@ class GenerateOutput:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: dict[str, Any] | None = None
+    # DSpark only: verify steps so far and tokens they committed (SGLang's meta_info keys are
+    # derived from these: spec_verify_ct and spec_accept_length = committed / verify steps).
+    spec_verify_ct: int | None = None
+    spec_committed: int | None = None
 
     @property
     def finished(self) -> bool:

@@ -47,7 +47,7 @@ class Scheduler:
         self.runner = runner
         self.cfg = cfg
         self.spec = spec
-        self.sampler = Sampler()
+        self.sampler = Sampler(runner.kernels)
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._reserved_pages = 0

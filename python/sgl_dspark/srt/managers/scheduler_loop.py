@@ -70,8 +70,10 @@ class SchedulerLoop:
     `shutdown` from the thread that owns the event loop.
     """
 
-    def __init__(self, scheduler: Scheduler, tokenizer: TokenizerLike | None) -> None:
+    def __init__(self, scheduler: Scheduler, tokenizer: TokenizerLike | None,
+                 step_delay_s: float = 0.0) -> None:
         self._scheduler = scheduler
+        self._step_delay_s = step_delay_s
         self._tokenizer = tokenizer
         self._inbox: queue.Queue[tuple[GenerateReqInput, OutQueue] | AbortReq | _Stop] = (
             queue.Queue())
@@ -243,6 +245,8 @@ class SchedulerLoop:
             self._post(tracked.out, ReqFailed(rid, status, message))
 
     def _step(self) -> None:
+        if self._step_delay_s > 0:
+            time.sleep(self._step_delay_s)  # --debug-step-delay-ms (tests of the A/B harness)
         try:
             result = self._scheduler.step()
         except Exception as exc:
@@ -287,13 +291,16 @@ class SchedulerLoop:
             if self._tokenizer is not None:
                 token_texts = tuple(self._tokenizer.decode([t], skip_special_tokens=False)
                                     for t in new_ids)
+        spec = self._scheduler.spec is not None
         delta = text[tracked.sent_chars:]
         tracked.sent_chars = len(text)
         tracked.sent_tokens = len(req.output_ids)
         return GenerateOutput(rid=req.rid, text=delta, token_ids=new_ids, logprobs=logprobs,
                               token_texts=token_texts, prompt_tokens=len(req.prompt_ids),
                               completion_tokens=len(req.output_ids),
-                              finish_reason=req.finish_reason)
+                              finish_reason=req.finish_reason,
+                              spec_verify_ct=req.spec_verify_ct if spec else None,
+                              spec_committed=req.spec_committed if spec else None)
 
     def _spec_summary(self) -> dict:
         """DSpark acceptance, refreshed at most every SPEC_METRICS_INTERVAL_S (the summary syncs
