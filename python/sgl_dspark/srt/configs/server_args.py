@@ -82,8 +82,8 @@ class ServerArgs:
     context_length: int = _arg(4096, "Longest sequence (prompt + output) a request may have.")
     max_total_tokens: int = _arg(32768, "Size of the KV pool in tokens.")
     mem_fraction_static: float | None = _arg(
-        None, "Fraction of GPU memory for weights and KV pool. Reserved: the KV pool is sized by "
-              "--max-total-tokens on every device for now.")
+        None, "CUDA: fraction of total GPU memory for weights and the KV pool; the pool takes "
+              "what the weights leave of it (overrides --max-total-tokens). Not used on CPU.")
     max_running_requests: int = _arg(32, "Most requests in the running batch.")
     chunked_prefill_size: int = _arg(
         DEFAULT_CHUNKED_PREFILL_SIZE, "Most prompt tokens prefilled per step (over all "

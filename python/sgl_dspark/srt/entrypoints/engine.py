@@ -33,6 +33,7 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "auto"
     max_total_tokens: int = 32768
+    mem_fraction_static: float | None = None          # CUDA: KV pool from free memory
     max_running_requests: int = 32
     context_length: int = 4096
     chunked_prefill_size: int = 512
@@ -104,7 +105,8 @@ class Engine:
                           context_length=args.context_length, page_size=args.page_size,
                           attention_backend=args.attention_backend,
                           kernel_backend=args.kernel_backend,
-                          kernel_backend_overrides=args.kernel_backend_overrides)
+                          kernel_backend_overrides=args.kernel_backend_overrides,
+                          mem_fraction_static=args.mem_fraction_static)
         self.runner = ModelRunner(cfg, rc, weights=weights)
         spec = create_spec_worker(args, self.runner)
         self.tokenizer: TokenizerLike | None = None

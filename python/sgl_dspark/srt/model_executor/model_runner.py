@@ -43,6 +43,7 @@ class RunnerConfig:
     attention_backend: str = "torch"
     kernel_backend: str = "torch"
     kernel_backend_overrides: str | None = None
+    mem_fraction_static: float | None = None  # CUDA: size the KV pool from free memory
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -80,7 +81,7 @@ class ModelRunner:
             if weights is not None:
                 load_weights(model, weights)
         self.model = cast_model(model, self.dtype).to(self.device).eval()
-        num_pages = max(2, rc.max_total_tokens // page + 1)
+        num_pages = max(2, self._kv_tokens(model_cfg) // page + 1)
         self.allocator = PagedTokenAllocator(num_pages, page)
         self.req_pool = ReqToTokenPool(rc.max_running_requests, rc.context_length, self.allocator,
                                        self.device)
@@ -89,6 +90,23 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(rc.attention_backend)
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page,
                     num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20)
+
+    def _kv_tokens(self, cfg: ModelConfig) -> int:
+        """KV pool size in tokens: --max-total-tokens, or on CUDA with --mem-fraction-static the
+        tokens that fit in (fraction x total memory) minus what is in use after the weights."""
+        frac = self.rc.mem_fraction_static
+        if frac is None or self.device.type != "cuda":
+            return self.rc.max_total_tokens
+        free, total = torch.cuda.mem_get_info(self.device)
+        budget = frac * total - (total - free)
+        per_token = DeepseekV4KVPool.bytes_per_token(cfg, self.dtype)
+        tokens = int(budget // per_token)
+        if tokens < 2 * self.page_size:
+            raise RuntimeError(f"--mem-fraction-static {frac}: only {budget / 2**30:.2f} GiB left "
+                               "for the KV pool after the weights; raise the fraction")
+        logger.info("KV pool sized from --mem-fraction-static %.2f: %d tokens (%.1f GiB)", frac,
+                    tokens, budget / 2**30)
+        return tokens
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
