@@ -1,4 +1,4 @@
-"""Benchmark cases for the MoE kernels K1, K2+K3, K4 and K6 (kernels.md §1-§2).
+"""Benchmark cases for the MoE kernels K1, K2+K3, K4, K6 and the grouped expert GEMMs.
 
 ``CASES`` is a list of dicts with keys:
     name         str
@@ -16,11 +16,13 @@ compiled); `moe_sort_ref`, the per-expert loop that specifies the op, is what th
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 import triton
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp, silu_mul_clamp_ref
+from sgl_dspark.kernels.fused_moe import fused_moe
 from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
 from sgl_dspark.kernels.moe_route import (
     RouterConfig,
@@ -245,6 +247,66 @@ def _act_routed_bytes(m: int) -> int:
     return rows * (2 * INTER * 2 + INTER + 4 * INTER // 128)
 
 
+# ----------------------------------------------------------------------------- grouped expert GEMMs
+
+
+@functools.lru_cache(maxsize=1)
+def _expert_weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The 96 local experts' bf16 weights (4.8 GB), made once on the device, shared by every M."""
+    gen = torch.Generator(device=device).manual_seed(99)
+    gate_up = torch.randn(LOCAL, 2 * INTER, HIDDEN, generator=gen, device=device,
+                          dtype=torch.bfloat16) * (3 * HIDDEN**-0.5)  # |gate/up| ~ 3: clamps hit
+    down = torch.randn(LOCAL, HIDDEN, INTER, generator=gen, device=device,
+                       dtype=torch.bfloat16) * INTER**-0.5
+    return gate_up, down
+
+
+def _experts_inputs(m: int, device: str) -> dict[str, Any]:
+    gen = _gen(m)
+    mask = _ep_mask(device)
+    topk_ids = _topk_ids(m, gen).to(device)
+    gate_up, down = _expert_weights(device)
+    # K1 runs here, outside the timed region: it has its own case above.
+    weights = torch.rand(m, TOPK, generator=gen).to(device)
+    sort = moe_sort(topk_ids, weights, prepare_moe_sort(mask), 0)
+    return dict(x=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
+                gate_up_proj=gate_up, down_proj=down, sort=sort, topk_ids=topk_ids,
+                expert_mask=mask, limit=10.0)  # fmt: skip
+
+
+def _experts_torch(x, gate_up_proj, down_proj, sort, topk_ids, expert_mask, limit) -> torch.Tensor:
+    """Sync-free torch: every local expert over all M rows (dense, 64x the routed FLOPs at EP4),
+    then each route picks its expert's row; NaN for remote routes (rows fused_moe leaves alone)."""
+    num_tokens = x.shape[0]
+    ids = topk_ids.long()
+    is_local = expert_mask.long()
+    local_ids = (torch.cumsum(is_local, 0) - is_local)[ids].clamp(max=LOCAL - 1)
+    gate_up = torch.matmul(x, gate_up_proj.transpose(1, 2))  # [E_loc, M, 2I], fp32 accumulate
+    h = silu_mul_clamp_ref(gate_up.reshape(-1, 2 * INTER), limit)
+    y_all = torch.matmul(h.reshape(LOCAL, num_tokens, INTER), down_proj.transpose(1, 2))
+    y = y_all[local_ids, torch.arange(num_tokens, device=x.device)[:, None]]  # [M, topk, H]
+    return torch.where((is_local[ids] == 1)[..., None], y, float("nan"))
+
+
+def _experts_launch(x, gate_up_proj, down_proj, sort, topk_ids, expert_mask, limit) -> torch.Tensor:
+    return fused_moe(x, gate_up_proj, down_proj, sort, TOPK, limit)
+
+
+def _experts_check(want: torch.Tensor, got: torch.Tensor) -> None:
+    """bf16, X2: GEMM summation order and K6's exp2 flip single bf16 ulps; local routes only."""
+    local = ~torch.isnan(want).any(dim=-1)
+    assert not torch.isnan(got[local]).any(), "a local route was not written"
+    torch.testing.assert_close(got[local], want[local], rtol=2**-6, atol=2**-6)
+
+
+def _experts_bytes(m: int) -> int:
+    routes = _local_rows(m)
+    experts_hit = LOCAL * (1.0 - (1.0 - 1.0 / LOCAL) ** routes)  # expected distinct local experts
+    weights = experts_hit * 3 * INTER * HIDDEN * 2
+    activations = 2 * m * HIDDEN + routes * (2 * INTER + INTER) * 2 * 2 + routes * HIDDEN * 2
+    return int(weights + activations)
+
+
 CASES: list[dict[str, Any]] = [
     dict(name="K1 moe_sort (EP4, 96 local)", make_inputs=_sort_inputs, reference=_sort_torch,
          launcher=_sort_launch, check=_sort_check, bytes_moved=_sort_bytes),
@@ -266,4 +328,7 @@ CASES: list[dict[str, Any]] = [
     dict(name="K6 silu_mul_clamp routed (I=2048, fp8 group)", make_inputs=_act_routed_inputs,
          reference=silu_mul_clamp_ref, launcher=silu_mul_clamp, check=_act_check,
          bytes_moved=_act_routed_bytes),
+    dict(name="fused_moe stage 1 + K6 + stage 2 (EP4, 96 local, bf16)",
+         make_inputs=_experts_inputs, reference=_experts_torch, launcher=_experts_launch,
+         check=_experts_check, bytes_moved=_experts_bytes),
 ]  # fmt: skip

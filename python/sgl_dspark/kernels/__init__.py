@@ -14,3 +14,4 @@ from sgl_dspark.kernels.moe_route import (
 )
 from sgl_dspark.kernels.moe_reduce import moe_reduce
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp
+from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm

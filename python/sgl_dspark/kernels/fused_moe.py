@@ -119,7 +119,8 @@ def _check_sorted(
     _require(block_size >= 16 and block_size & (block_size - 1) == 0,
              f"block_size must be a power of two >= 16 (tl.dot), got {block_size}")  # fmt: skip
     _require(sorted_ids.dim() == 1 and sorted_ids.dtype == torch.int32
-             and sorted_ids.is_contiguous(), "sorted_ids must be contiguous int32 [capacity]")  # fmt: skip
+             and sorted_ids.is_contiguous(),
+             "sorted_ids must be contiguous int32 [capacity]")  # fmt: skip
     num_blocks = triton.cdiv(sorted_ids.numel(), block_size)
     _require(tuple(sorted_expert_ids.shape) == (num_blocks,)
              and sorted_expert_ids.dtype == torch.int32,
@@ -175,7 +176,8 @@ def moe_grouped_gemm(
         out = torch.empty(num_tokens * topk, n_cols, dtype=a.dtype, device=a.device)
     _require(tuple(out.shape) == (num_tokens * topk, n_cols) and out.dtype == a.dtype
              and out.stride(1) == 1 and out.device == a.device,
-             f"out must be {a.dtype} {(num_tokens * topk, n_cols)} with a contiguous last dim")  # fmt: skip
+             f"out must be {a.dtype} {(num_tokens * topk, n_cols)} "
+             "with a contiguous last dim")  # fmt: skip
     if num_tokens == 0 or n_cols == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
         return out  # no route can be local (E_loc = 0) or nothing to compute
     # Tiles depend on (N, K) only, so a row's summation order never depends on M.

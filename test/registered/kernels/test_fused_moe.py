@@ -31,7 +31,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
 ]
 GEMM_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
-CHAIN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
+CHAIN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
+             torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
 
 
 def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
@@ -52,6 +53,8 @@ def _routes(num_tokens: int, topk: int, num_experts: int, routing: str,
             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     if routing == "hot":  # two experts take everything: several full blocks, idle experts
         ids = torch.randint(0, 2, (num_tokens, topk), generator=gen)
+    elif routing == "one":  # every slot on expert 1: M * topk routes, full blocks if 32 | M*topk
+        ids = torch.ones(num_tokens, topk, dtype=torch.int64)
     elif routing == "fills":  # out-of-range ids (-1 / E) are dropped by K1
         ids = torch.randint(-1, num_experts + 1, (num_tokens, topk), generator=gen)
     else:
@@ -83,6 +86,7 @@ def _randn(shape: tuple[int, ...], scale: float, dtype: torch.dtype,
         (7, 3, 8, 96, 48, "random", "fills"),
         (16, 2, 8, 40, 64, "all_local", "hot"),  # expert 0/1: counts 32-ish, blocks fill up
         (33, 2, 6, 72, 80, "ep_slice", "hot"),  # hot experts remote: most routes dropped
+        (48, 2, 4, 64, 64, "all_local", "one"),  # 96 routes: three full blocks, no sentinel
         (13, 4, 16, 128, 130, "random", "topk"),
     ],
 )
@@ -105,7 +109,7 @@ def test_grouped_gemm_matches_ref(num_tokens: int, topk: int, num_experts: int, 
     assert torch.isnan(got[~written]).all(), "a skipped row was partly written"
     torch.testing.assert_close(got[written], want[written], **GEMM_TOL[dtype])
     if num_tokens:
-        assert written.any() or mask_kind == "none_local" or routing == "hot"
+        assert written.any() or mask_kind == "none_local" or routing in ("hot", "one")
 
 
 def test_grouped_gemm_hand_derived() -> None:
@@ -167,8 +171,8 @@ def test_fused_moe_allocates_output_and_m0() -> None:
     gen = torch.Generator().manual_seed(5)
     mask = torch.ones(4, dtype=torch.int32, device=DEVICE)
     x = _randn((3, 32), 1.0, torch.float32, gen)
-    gate_up, down = _randn((4, 32, 32), 0.2, torch.float32, gen), _randn((4, 32, 16), 0.2,
-                                                                         torch.float32, gen)  # fmt: skip
+    gate_up = _randn((4, 32, 32), 0.2, torch.float32, gen)
+    down = _randn((4, 32, 16), 0.2, torch.float32, gen)
     ids, weights = _routes(3, 2, 4, "topk", gen)
     got = fused_moe(x, gate_up, down, moe_sort(ids, weights, prepare_moe_sort(mask), 0), 2, 10.0)
     torch.testing.assert_close(got, fused_moe_ref(x, gate_up, down, ids, mask, 10.0), rtol=1e-5,

@@ -1,5 +1,16 @@
 """Routed experts (stacked `gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`) and the shared
-expert, both SwiGLU with the DeepSeek-V4 clamp (spec §6.3)."""
+expert, both SwiGLU with the DeepSeek-V4 clamp (spec §6.3).
+
+The "moe" kernel family picks the implementation once, at construction (style R11):
+  * torch: per-expert loop over the routed tokens (reads the expert counts on the host).
+  * triton, no host sync in forward: K1 sort of the routes into 32-row expert blocks ->
+    grouped GEMM stage 1 -> K6 clamped SwiGLU -> grouped GEMM stage 2 (`kernels/fused_moe.py`)
+    -> K4 slot-ordered reduce with the shared expert's output added (`kernels/moe_reduce.py`).
+    Every expert is local (one GPU): the expert mask is all ones and K1's per-mask table is built
+    once, here in the constructor, from a host tensor (so no device read ever happens); it is a
+    non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
+    The routed scale is already in the router's weights, so K4 applies none.
+"""
 
 from __future__ import annotations
 
@@ -7,23 +18,55 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+
+_SORT_BLOCK = 32  # rows per expert block of K1, and the M tile of the grouped GEMMs
+
 
 def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
     """silu(min(gate, limit)) * clamp(up, -limit, limit): the gate is clamped from above only."""
     return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
 
 
+def _uses_triton(kernels: KernelChoice | None) -> bool:
+    return (kernels or KernelChoice()).of("moe") == "triton"
+
+
 class RoutedExperts(nn.Module):
-    def __init__(self, n_experts: int, hidden_size: int, intermediate: int, limit: float) -> None:
+    expert_mask: torch.Tensor  # triton backend only: int32 [E], all ones (every expert local)
+    sort_table: torch.Tensor  # triton backend only: K1's local-id table for that mask
+    def __init__(self, n_experts: int, hidden_size: int, intermediate: int, limit: float,
+                 kernels: KernelChoice | None = None) -> None:
         super().__init__()
         self.n_experts = n_experts
         self.intermediate = intermediate
         self.limit = limit
         self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * intermediate, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden_size, intermediate))
+        self._combine = self._combine_torch
+        if _uses_triton(kernels):
+            # Imported only when chosen: the torch path never loads Triton.
+            from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
+            from sgl_dspark.kernels.moe_sort import MoeSortPlan, prepare_moe_sort
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x `[T, D]`, ids/weights `[T, k]` -> `[T, D]`; duplicate ids in a row are summed."""
+            self._moe_sort, self._fused_moe, self._moe_reduce = moe_sort, fused_moe, moe_reduce
+            self._plan_type = MoeSortPlan
+            mask = torch.ones(n_experts, dtype=torch.int32)
+            plan = prepare_moe_sort(mask)  # host tensor: no device read
+            self.register_buffer("expert_mask", mask, persistent=False)
+            self.register_buffer("sort_table", plan.local_table, persistent=False)
+            self._num_local, self._num_bins = plan.num_local, plan.num_bins
+            self._combine = self._combine_triton
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                shared: torch.Tensor | None = None) -> torch.Tensor:
+        """x `[T, D]`, ids/weights `[T, k]` (+ optional shared-expert output `[T, D]`) ->
+        `sum_k weights[:, k] * expert_{ids[:, k]}(x) (+ shared)` `[T, D]`; duplicate ids in a
+        row are summed."""
+        return self._combine(x, ids, weights, shared)
+
+    def _combine_torch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                       shared: torch.Tensor | None) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -40,30 +83,67 @@ class RoutedExperts(nn.Module):
             y = F.linear(h, self.down_proj[e]) * w_sorted[start:start + n, None].to(x.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
-        return out
+        return out if shared is None else out + shared
+
+    def _combine_triton(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                        shared: torch.Tensor | None) -> torch.Tensor:
+        x = x.contiguous()
+        ids = ids.to(torch.int32).contiguous()  # no-ops for the triton router's outputs
+        weights = weights.to(torch.float32).contiguous()
+        plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
+        # hidden_size=0: the grouped GEMMs write per-route rows, so K1's accumulator is unused.
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
+        y = self._fused_moe(x, self.gate_up_proj, self.down_proj, routes, ids.shape[1],
+                            self.limit, block_size=_SORT_BLOCK)
+        if shared is not None:
+            shared = shared.to(x.dtype).contiguous()
+        return self._moe_reduce(y, weights, ids, self.expert_mask, 1.0, shared)
 
 
 class SharedExpert(nn.Module):
-    def __init__(self, hidden_size: int, intermediate: int, limit: float) -> None:
+    """Dense SwiGLU with the clamp; with the triton "moe" backend the activation is K6."""
+
+    def __init__(self, hidden_size: int, intermediate: int, limit: float,
+                 kernels: KernelChoice | None = None) -> None:
         super().__init__()
         self.limit = limit
         self.gate_proj = nn.Linear(hidden_size, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden_size, bias=False)
+        self._activation = self._activation_torch
+        if _uses_triton(kernels):
+            from sgl_dspark.kernels import silu_mul_clamp
+
+            self._silu_mul_clamp = silu_mul_clamp
+            self._activation = self._activation_triton
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(swiglu_clamp(self.gate_proj(x), self.up_proj(x), self.limit))
+        return self.down_proj(self._activation(x))
+
+    def _activation_torch(self, x: torch.Tensor) -> torch.Tensor:
+        return swiglu_clamp(self.gate_proj(x), self.up_proj(x), self.limit)
+
+    def _activation_triton(self, x: torch.Tensor) -> torch.Tensor:
+        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        h = self._silu_mul_clamp(gate_up.reshape(-1, gate_up.shape[-1]), self.limit)
+        assert isinstance(h, torch.Tensor)  # "plain" output format
+        return h.view(*x.shape[:-1], h.shape[-1])
 
 
 class SparseMoE(nn.Module):
-    """`mlp`: gate (router) + experts + shared_experts; output = routed + shared."""
+    """`mlp`: gate (router) + experts + shared_experts; output = routed + shared (with the triton
+    "moe" backend the shared output is added inside the routed reduce, K4)."""
 
-    def __init__(self, router: nn.Module, experts: RoutedExperts, shared: SharedExpert) -> None:
+    def __init__(self, router: nn.Module, experts: RoutedExperts, shared: SharedExpert,
+                 kernels: KernelChoice | None = None) -> None:
         super().__init__()
         self.gate = router
         self.experts = experts
         self.shared_experts = shared
+        self._fuse_shared_add = _uses_triton(kernels)
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         weights, ids = self.gate(x, input_ids)
+        if self._fuse_shared_add:
+            return self.experts(x, ids, weights, shared=self.shared_experts(x))
         return self.experts(x, ids, weights) + self.shared_experts(x)

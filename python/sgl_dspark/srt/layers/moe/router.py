@@ -1,10 +1,18 @@
-"""MoE routers (spec §6.1–§6.2): learned top-k with correction bias, and hash routing."""
+"""MoE routers (spec §6.1–§6.2): learned top-k with correction bias, and hash routing.
+
+The "moe" kernel family picks the implementation once, at construction (style R11): "torch" runs
+the module's own torch code; "triton" runs K2+K3 (`kernels/moe_route.py::router_topk`: the gate
+GEMV, scores, biased top-k or the hash table, renormalisation and the routed scale in one launch,
+int32 ids / fp32 weights, no host sync).
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
 
 def score_fn(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
@@ -17,11 +25,15 @@ def score_fn(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
 
 class Router(nn.Module):
     """`mlp.gate`: `weight [E, D]`, plus `e_score_correction_bias [E]` (top-k routers) or
-    `tid2eid [V, k]` (hash routers). Returns (weights [T, k] fp32-ish, expert ids [T, k] int64)."""
+    `tid2eid [V, k]` (hash routers). Returns (weights [T, k], expert ids [T, k]): torch backend
+    x's dtype / int64, triton backend fp32 / int32; weights include the routed scaling factor."""
+
+    tid2eid: torch.Tensor
+    e_score_correction_bias: torch.Tensor
 
     def __init__(self, hidden_size: int, n_experts: int, top_k: int, vocab_size: int,
                  is_hash: bool, scoring_func: str, routed_scaling_factor: float,
-                 norm_topk_prob: bool) -> None:
+                 norm_topk_prob: bool, kernels: KernelChoice | None = None) -> None:
         super().__init__()
         self.top_k = top_k
         self.is_hash = is_hash
@@ -33,8 +45,22 @@ class Router(nn.Module):
             self.register_buffer("tid2eid", torch.zeros(vocab_size, top_k, dtype=torch.int64))
         else:
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
+        self._route = self._route_torch
+        if (kernels or KernelChoice()).of("moe") == "triton":
+            # Imported only when chosen: the torch path never loads Triton.
+            from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            self._router_topk = router_topk
+            self._config = RouterConfig(top_k, scoring_func, renormalize=norm_topk_prob,
+                                        routed_scaling_factor=routed_scaling_factor)
+            self._route = self._route_triton
+
+    def forward(self, x: torch.Tensor,
+                input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._route(x, input_ids)
+
+    def _route_torch(self, x: torch.Tensor,
+                     input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         scores = score_fn(F.linear(x, self.weight), self.scoring_func)
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
@@ -45,3 +71,15 @@ class Router(nn.Module):
         if self.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.routed_scaling_factor, ids
+
+    def _route_triton(self, x: torch.Tensor,
+                      input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        x = x.contiguous()
+        if self.is_hash:
+            out = self._router_topk(self._config, x=x, gate_weight=self.weight,
+                                    input_ids=input_ids, tid2eid=self.tid2eid)
+        else:
+            # The bias is an fp32 buffer (cast_model leaves buffers alone); .float() is a no-op.
+            out = self._router_topk(self._config, x=x, gate_weight=self.weight,
+                                    correction_bias=self.e_score_correction_bias.float())
+        return out.weights, out.ids
