@@ -1,17 +1,24 @@
 """Runtime acceptance (design dspark.md §2.4, §2.6): greedy, sampled, mixed, cap, finalisation,
-and distributional exactness (chi-square) -- including a detectably biased anticipating policy."""
+the fixed-point bonus draw, equality of the torch and Triton ("spec" family) implementations on
+identical uniforms, and distributional exactness (chi-square) -- including a detectably biased
+anticipating policy."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from scipy import stats
+from sgl_dspark.kernels.spec_accept import FIXED_POINT_BITS, MIN_RESIDUAL_MASS, UNIFORM_BITS
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.speculative.dspark import accept as accept_mod
 from sgl_dspark.srt.speculative.dspark.accept import (
     accept_step,
     greedy_accept,
     sample_inverse_cdf,
     sampled_accept,
 )
+from sgl_dspark.srt.speculative.dspark.ops import create_accept_fn
 from sgl_dspark.srt.speculative.dspark.planner import plan_algorithm1
 from sgl_dspark.srt.speculative.dspark.sampling import (
     TOP_K_ALL,
@@ -29,6 +36,10 @@ def _logits_with_argmax(chain: torch.Tensor, vocab: int, gen: torch.Generator) -
 
 
 # ---- greedy ---------------------------------------------------------------------------------
+# The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+
 def test_greedy_hand_cases():
     gen = torch.Generator().manual_seed(0)
     chain = torch.tensor([[5, 6, 7, 8], [5, 6, 7, 8], [1, 2, 3, 4], [1, 2, 3, 4], [9, 9, 9, 9]])
@@ -85,21 +96,56 @@ def test_greedy_random_ragged(batch, width, vocab):
 
 
 # ---- sampled, against a per-row reference -------------------------------------------------------
-def _inverse_cdf_ref(dist: list[float], u: float) -> int:
-    total = sum(dist)
-    acc = 0.0
-    for i, p in enumerate(dist):
-        acc += p
-        if acc > u * total and p > 0:
+def _fixed(masses: list[float]) -> list[int]:
+    """trunc(m * 2**40) of fp32 masses, in Python integers (the module doc's step 1)."""
+    return [int(np.float32(max(m, 0.0)) * np.float32(2.0**40)) for m in masses]
+
+
+def _inverse_cdf_ref(weights: list[int], u: float) -> int:
+    """First index whose integer CDF exceeds floor(S * u24 / 2**24); 0 for a massless row."""
+    total = sum(weights)
+    if total == 0:
+        return 0
+    u24 = min(int(np.float32(u) * np.float32(2.0**24)), 2**24 - 1)
+    threshold = total * u24 >> 24
+    acc = 0
+    for i, w in enumerate(weights):
+        acc += w
+        if acc > threshold:
             return i
-    return max(i for i, p in enumerate(dist) if p > 0)
+    raise AssertionError("threshold < total always")
 
 
-def test_inverse_cdf():
-    probs = torch.tensor([[0.0, 0.2, 0.0, 0.8], [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0]])
-    for u in (0.0, 0.1, 0.2, 0.25, 0.5, 0.99, 0.9999999):
-        got = sample_inverse_cdf(probs, torch.full((3,), u)).tolist()
-        assert got == [_inverse_cdf_ref(row, u) for row in probs.tolist()]
+def test_inverse_cdf_hand_cases():
+    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0],
+                          [0.0, 0.0, 0.0, 0.0], [-1.0, 0.5, -0.5, 0.5]])
+    cases = {  # u -> expected token per row (hand-derived: intervals [C[k-1], C[k]) of u * S)
+        0.0: [1, 0, 3, 0, 1],
+        0.2499999: [1, 0, 3, 0, 1],
+        0.25: [3, 0, 3, 0, 1],   # on the boundary 0.25 * S: the upper token
+        0.5: [3, 1, 3, 0, 3],
+        0.9999999: [3, 1, 3, 0, 3],
+    }
+    for u, want in cases.items():
+        assert sample_inverse_cdf(probs, torch.full((5,), u)).tolist() == want, u
+
+
+def test_inverse_cdf_random_rows_match_integer_reference():
+    gen = torch.Generator().manual_seed(11)
+    for vocab in (1, 3, 17, 200):
+        probs = torch.softmax(torch.randn((64, vocab), generator=gen) * 3, -1)
+        probs[::3, : vocab // 2] = 0.0  # zero-mass runs
+        u = torch.rand(64, generator=gen)
+        got = sample_inverse_cdf(probs, u).tolist()
+        want = [_inverse_cdf_ref(_fixed(row), float(x)) for row, x in zip(probs.tolist(), u)]
+        assert got == want
+        assert all(probs[i, t] > 0 for i, t in enumerate(got))
+
+
+def test_fixed_point_constants_match_the_kernel():
+    kernel = {"FIXED_POINT_BITS": FIXED_POINT_BITS, "UNIFORM_BITS": UNIFORM_BITS,
+              "MIN_RESIDUAL_MASS": MIN_RESIDUAL_MASS}
+    assert {name: getattr(accept_mod, name) for name in kernel} == kernel
 
 
 def _sampled_ref(verify_ids, verify_lens, p, q, coins, bonus_u):
@@ -114,12 +160,14 @@ def _sampled_ref(verify_ids, verify_lens, p, q, coins, bonus_u):
             else:
                 rejected = True
                 break
-        dist = p[b, n]
+        weights = _fixed(p[b, n].tolist())
         if rejected:
-            resid = (p[b, n] - q[b, n]).clamp(min=0)
-            dist = resid if float(resid.sum()) > 1e-8 else dist
+            resid = [max(np.float32(max(x, 0.0)) - np.float32(y), np.float32(0.0))
+                     for x, y in zip(p[b, n].tolist(), q[b, n].tolist())]
+            resid_w = _fixed([float(r) for r in resid])
+            weights = resid_w if sum(resid_w) > 2**16 else weights
         lens.append(n)
-        bonus.append(_inverse_cdf_ref(dist.tolist(), float(bonus_u[b])))
+        bonus.append(_inverse_cdf_ref(weights, float(bonus_u[b])))
     return lens, bonus
 
 
@@ -212,6 +260,64 @@ def test_no_host_sync_on_meta_tensors():
         cap_lens=lens,
     )
     assert out.out_tokens.shape == (batch, width) and out.out_tokens.device.type == "meta"
+
+
+# ---- torch vs Triton ("spec" family) on identical uniforms ------------------------------------
+def _random_step(batch: int, width: int, vocab: int, seed: int, coarse: bool):
+    """A mixed greedy/sampled verify step; `coarse` puts probabilities and uniforms on a 1/8 grid
+    so uniforms land exactly on CDF boundaries and accept tests tie (u * q == p)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn((batch, width, vocab), generator=gen)
+    chain = torch.argmax(logits, -1)
+    verify_ids = torch.cat([torch.randint(0, vocab, (batch, 1), generator=gen), chain[:, :-1]], 1)
+    noise = torch.rand((batch, width), generator=gen) < 0.3
+    verify_ids = torch.where(noise, torch.randint(0, vocab, (batch, width), generator=gen),
+                             verify_ids)
+    p = torch.softmax(logits * 2, -1)
+    q = torch.softmax(torch.randn((batch, max(width - 1, 0), vocab), generator=gen) * 2, -1)
+    coins = torch.rand((batch, max(width - 1, 0)), generator=gen)
+    bonus_u = torch.rand(batch, generator=gen)
+    if coarse:
+        p = torch.floor(p * 8) / 8
+        p[:, :, 0] += 1 - p.sum(-1)  # rows of multiples of 1/8 summing to 1
+        q = torch.floor(q * 8) / 8
+        q[:, :, 0] += 1 - q.sum(-1)
+        coins = torch.floor(coins * 8) / 8
+        bonus_u = torch.floor(bonus_u * 8) / 8
+    verify_lens = torch.randint(0, width + 1, (batch,), generator=gen)  # 0 = padding row
+    seq_lens = torch.randint(3, 90, (batch,), generator=gen)
+    greedy = torch.rand(batch, generator=gen) < 0.3
+    return verify_ids, verify_lens, seq_lens, logits, greedy, p, q, coins, bonus_u
+
+
+@pytest.mark.parametrize("batch, width, vocab, coarse", [
+    (12, 1, 7, False), (24, 3, 5, True), (40, 4, 33, False), (16, 6, 9, True),
+])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "capped"])
+def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
+    args = _random_step(batch, width, vocab, seed=batch * width + vocab, coarse=coarse)
+    ids, lens, seq, logits, greedy, p, q, coins, bonus_u = args
+    kw = {}
+    if mode != "greedy":
+        kw = dict(target_probs=p, draft_probs=q, coins=coins, bonus_uniforms=bonus_u)
+    if mode == "capped":
+        cap_gen = torch.Generator().manual_seed(5)
+        kw["cap_lens"] = torch.randint(0, width, (batch,), generator=cap_gen)
+    elif mode == "greedy":
+        greedy = torch.ones_like(greedy)
+    want = accept_step(ids, lens, seq, logits, greedy, **kw)
+    triton_accept = create_accept_fn(KernelChoice("triton"))
+    assert triton_accept is not accept_step
+    got = triton_accept(ids, lens, seq, logits, greedy, **kw)
+    real = lens > 0
+    for name in ("accept_len", "commit_len", "out_tokens", "next_anchor", "new_seq_lens",
+                 "cap_trim"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    assert torch.equal(got.bonus[real], want.bonus[real])
+    if mode != "greedy":  # the sampled rule did run: some drafts accepted, some rejected
+        drafts = (lens - 1).clamp(min=0)
+        assert bool(((got.accept_len > 0) & real).any()) or width == 1
+        assert bool((got.accept_len < drafts).any()) or width == 1
 
 
 # ---- distributional exactness -----------------------------------------------------------------

@@ -23,12 +23,14 @@ filters other rows need.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
+
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.sampling.sampling_params import SamplingParams
@@ -228,15 +230,40 @@ class SamplerOutput(NamedTuple):
     next_token_logprobs: torch.Tensor  # [B] fp32, log_softmax of the raw logits at the token
 
 
+def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return torch.argmax(logits, dim=-1)
+
+
+def greedy_argmax_impl(kernels: KernelChoice) -> Callable[[torch.Tensor], torch.Tensor]:
+    """Greedy ids `[B]` int64 of logits `[B, V]` for the "sampling" family.
+
+    torch: `torch.argmax`; triton: K14 (`kernels/vocab_argmax.py::vocab_argmax`), equal to
+    `torch.argmax` including ties (first index) and NaN rows.
+    """
+    if kernels.of("sampling") == "torch":
+        return _torch_argmax
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.vocab_argmax import vocab_argmax
+
+    return vocab_argmax
+
+
 class Sampler(nn.Module):
-    """Samples one token per logits row (semantics in the module doc). Stateless."""
+    """Samples one token per logits row (semantics in the module doc). Stateless.
+
+    `kernels` picks the greedy argmax implementation ("sampling" family) once, here.
+    """
+
+    def __init__(self, kernels: KernelChoice | None = None) -> None:
+        super().__init__()
+        self.greedy_argmax = greedy_argmax_impl(kernels or KernelChoice())
 
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         """Args: logits [B, V] fp32 (V == info.vocab_size). Returns `SamplerOutput`."""
         assert logits.dim() == 2 and tuple(logits.shape) == (info.batch_size, info.vocab_size), (
             tuple(logits.shape), info.batch_size, info.vocab_size)
         assert logits.dtype == torch.float32, logits.dtype
-        greedy_ids = torch.argmax(logits, dim=-1)
+        greedy_ids = self.greedy_argmax(logits)
         if info.all_greedy:
             next_ids = greedy_ids
         else:

@@ -7,7 +7,9 @@ state dict loads by name. One forward serves prefill, chunked prefill, decode an
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -16,10 +18,17 @@ from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, Mod
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer, entry_slots
-from sgl_dspark.srt.layers.mhc import HyperConnection, HyperHead, hc_collapse, hc_expand
+from sgl_dspark.srt.layers.mhc import (
+    HyperConnection,
+    HyperHead,
+    hc_boundary_impl,
+    hc_collapse,
+    hc_expand,
+    run_fused_hc_layers,
+)
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
-from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin, rope_inv_freq
+from sgl_dspark.srt.layers.rotary import RopeTailFn, rope_cos_sin, rope_impl, rope_inv_freq
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
@@ -28,19 +37,22 @@ class RopeTables:
     """cos/sin of both rope types for one batch, plus on-demand tables for other positions."""
 
     def __init__(self, cfg: ModelConfig, positions: torch.Tensor, inv_main: torch.Tensor,
-                 inv_compress: torch.Tensor) -> None:
+                 inv_compress: torch.Tensor, rope: RopeTailFn) -> None:
         self.inv = {"main": inv_main, "compress": inv_compress}
         self.tables = {k: rope_cos_sin(positions, v) for k, v in self.inv.items()}
+        self.rope = rope
 
     def rotate_compress(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Compressor / indexer entries and index queries at their own positions."""
         cos, sin = rope_cos_sin(positions, self.inv["compress"])
-        return apply_rope_tail(x, cos, sin)
+        return self.rope(x, cos, sin)
 
 
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
         self.kernels = kernels
+        self.rope = rope_impl(kernels)
         self.layer_type = cfg.layer_types[layer_id]
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
         self.n_heads = cfg.num_attention_heads
@@ -77,13 +89,13 @@ class Attention(nn.Module):
         q = self.q_b_proj(qr).view(T, self.n_heads, self.head_dim)
         if self.q_head_norm:
             q = rms_norm(q, None, self.eps)
-        q = apply_rope_tail(q, cos, sin)
-        kv = apply_rope_tail(self.kv_norm(self.kv_proj(x)), cos, sin)
+        q = self.rope(q, cos, sin)
+        kv = self.rope(self.kv_norm(self.kv_proj(x)), cos, sin)
         kv_state.window[batch.out_cache_loc] = kv.to(kv_state.window.dtype)
         extra, valid = self._compressed_keys(x, qr, batch, kv_state, rope)
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
                             self.head_dim**-0.5, extra, valid)
-        o = apply_rope_tail(o, cos, sin, inverse=True)
+        o = self.rope(o, cos, sin, inverse=True)
         og = o.reshape(T, self.groups, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)
@@ -121,11 +133,13 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_id, kernels)
         router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size,
                         cfg.mlp_layer_types[layer_id] == HASH_MOE, cfg.scoring_func,
-                        cfg.routed_scaling_factor, cfg.norm_topk_prob)
+                        cfg.routed_scaling_factor, cfg.norm_topk_prob, kernels)
         self.mlp = SparseMoE(
             router,
-            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit),
-            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit),
+            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                          kernels),
+            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels),
+            kernels,
         )
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
@@ -174,18 +188,34 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.kernels = kernels or KernelChoice()
         self.model = DeepseekV4Model(cfg, self.kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Bound once here (style R11): the compressor/indexer rope and the mHC boundaries.
+        self.compress_rope = rope_impl(self.kernels)
+        self.hc_boundary = hc_boundary_impl(self.kernels)
 
     def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
                 tap_layers: tuple[int, ...] = ()) -> ModelOutput:
         m = self.model
         x = m.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        rope = RopeTables(self.cfg, batch.positions, m.inv_freq_main, m.inv_freq_compress)
+        rope = RopeTables(self.cfg, batch.positions, m.inv_freq_main, m.inv_freq_compress,
+                          self.compress_rope)
         taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(m.layers):
-            streams = layer(streams, batch, pool.layers[i], rope, backend)
+
+        def tap(i: int, streams: torch.Tensor) -> None:
             if i in tap_layers:
                 taps[i] = streams.float().mean(dim=1).to(streams.dtype)
+
+        if self.hc_boundary is None:
+            for i, layer in enumerate(m.layers):
+                streams = layer(streams, batch, pool.layers[i], rope, backend)
+                tap(i, streams)
+        else:
+            layers = cast("Sequence[DecoderLayer]", m.layers)
+            streams = run_fused_hc_layers(
+                streams, layers,
+                lambda i, x: layers[i].self_attn(x, batch, pool.layers[i], rope, backend),
+                lambda i, x: layers[i].mlp(x, batch.input_ids),
+                self.hc_boundary, tap)
         h = m.norm(m.hc_head(streams[batch.logits_indices]))
         return ModelOutput(logits=self.lm_head(h).float(), hidden_taps=taps)
 

@@ -18,21 +18,32 @@ is sliding-window only); context features are the target's completed residual af
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import cast
+
 import torch
 from torch import nn
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
-from sgl_dspark.srt.layers.mhc import HyperConnection, HyperHead, hc_collapse, hc_expand
+from sgl_dspark.srt.layers.mhc import (
+    HyperConnection,
+    HyperHead,
+    hc_boundary_impl,
+    hc_collapse,
+    hc_expand,
+    run_fused_hc_layers,
+)
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
-from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin, rope_inv_freq
+from sgl_dspark.srt.layers.rotary import rope_cos_sin, rope_impl, rope_inv_freq
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
+        self.rope = rope_impl(kernels)
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
@@ -48,7 +59,7 @@ class DraftAttention(nn.Module):
 
     def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """KV rows `[N, Dh]` of committed tokens from the projected target features."""
-        return apply_rope_tail(self.kv_norm(self.kv_proj(main_x)), cos, sin)
+        return self.rope(self.kv_norm(self.kv_proj(main_x)), cos, sin)
 
     def forward(self, u: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
@@ -57,8 +68,8 @@ class DraftAttention(nn.Module):
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(u))).view(rows, self.n_heads, self.head_dim)
         if self.q_head_norm:
             q = rms_norm(q, None, self.eps)
-        q = apply_rope_tail(q, cos, sin).view(batch, q_len, self.n_heads, self.head_dim)
-        kv = apply_rope_tail(self.kv_norm(self.kv_proj(u)), cos, sin).view(batch, q_len, -1)
+        q = self.rope(q, cos, sin).view(batch, q_len, self.n_heads, self.head_dim)
+        kv = self.rope(self.kv_norm(self.kv_proj(u)), cos, sin).view(batch, q_len, -1)
         keys = torch.cat((ctx_kv.to(kv.dtype), kv), dim=1)                  # [B, C+Q, Dh]
         valid = torch.cat((ctx_valid, ctx_valid.new_ones(batch, q_len)), dim=1)
         logits = torch.einsum("bqhd,bkd->bqhk", q, keys) * self.head_dim**-0.5
@@ -67,23 +78,25 @@ class DraftAttention(nn.Module):
         logits = torch.cat((logits, sink), dim=-1)
         probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
         o = torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys).reshape(rows, self.n_heads, -1)
-        o = apply_rope_tail(o, cos, sin, inverse=True)
+        o = self.rope(o, cos, sin, inverse=True)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
         return self.o_b_proj(z)
 
 
 class DraftStage(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
         d = cfg.hidden_size
-        self.self_attn = DraftAttention(cfg)
+        self.self_attn = DraftAttention(cfg, kernels)
         router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size, False,
-                        cfg.scoring_func, cfg.routed_scaling_factor, cfg.norm_topk_prob)
+                        cfg.scoring_func, cfg.routed_scaling_factor, cfg.norm_topk_prob, kernels)
         self.mlp = SparseMoE(
             router,
-            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit),
-            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit),
+            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                          kernels),
+            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels),
+            kernels,
         )
         self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
@@ -93,9 +106,9 @@ class DraftStage(nn.Module):
 
 
 class DraftBody(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DraftStage(cfg) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftStage(cfg, kernels) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
 
@@ -121,7 +134,8 @@ class DSparkDraftModel(nn.Module):
         self.dcfg = dcfg
         self.cfg = cfg
         d = cfg.hidden_size
-        self.model = DraftBody(cfg)
+        self.model = DraftBody(cfg, self.kernels)
+        self.hc_boundary = hc_boundary_impl(self.kernels)
         self.main_proj = nn.Linear(dcfg.num_stages * d, d, bias=False)
         self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, dcfg.markov_rank)
@@ -152,7 +166,15 @@ class DSparkDraftModel(nn.Module):
         x = block_embeds.reshape(batch * q_len, d)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         cos, sin = rope_cos_sin(positions.reshape(-1), self.inv_freq)
-        for stage, kv in zip(self.model.layers, ctx_kv):
+        stages = cast("Sequence[DraftStage]", self.model.layers)
+        if self.hc_boundary is not None:
+            streams = run_fused_hc_layers(
+                streams, stages,
+                lambda k, u: stages[k].self_attn(u, ctx_kv[k], ctx_valid, cos, sin, batch, q_len),
+                lambda k, u: stages[k].mlp(u, None),
+                self.hc_boundary)
+            return self.model.hc_head(streams).view(batch, q_len, d)
+        for stage, kv in zip(stages, ctx_kv):
             pre, post, comb = stage.attn_hc.coeffs(streams)
             u = stage.input_layernorm(hc_collapse(streams, pre))
             a = stage.self_attn(u, kv, ctx_valid, cos, sin, batch, q_len)

@@ -7,6 +7,17 @@ row j scores draft d_{j+1}; row ``verify_lens - 1`` is the bonus row.
 Everything is vectorised with no host sync (no ``.item()``, ``.tolist()`` or Python branches on
 device values); randomness enters only through the caller's uniforms, so results are reproducible
 and a fused kernel with the same contract can be checked against this code exactly.
+
+Drawing the bonus/correction token (``sample_inverse_cdf``) is integer arithmetic, so it gives the
+same token on every device and for any reduction order (the rule the Triton accept kernel of the
+"spec" family implements; both backends commit identical tokens on identical uniforms):
+  1. weights ``w[k] = int64(trunc(x[k] * 2**40))`` of the non-negative fp32 mass x;
+  2. ``S = sum(w)``, ``u24 = min(trunc(u * 2**24), 2**24 - 1)``, threshold ``t = floor(S * u24 /
+     2**24)`` (computed exactly in int64);
+  3. token = the first k whose integer CDF ``w[0] + ... + w[k]`` exceeds t (half-open intervals:
+     a uniform on a boundary picks the upper token; a zero-weight token is never picked).
+The residual ``max(P - Q, 0)`` is used iff its fixed-point mass exceeds ``MIN_RESIDUAL_MASS``
+(probability 2**-24, below fp32 resolution of a normalised row); otherwise P is used.
 """
 
 from __future__ import annotations
@@ -15,8 +26,11 @@ from typing import NamedTuple
 
 import torch
 
-# Residual mass below this is rounding noise: resample from P instead (any P-sample is exact then).
-RESIDUAL_MIN_MASS = 1e-8
+FIXED_POINT_BITS = 40
+UNIFORM_BITS = 24
+# Residual mass at or below this (fixed point; probability 2**-24) is rounding noise: resample
+# from P instead (any P-sample is exact then).
+MIN_RESIDUAL_MASS = 1 << (FIXED_POINT_BITS - UNIFORM_BITS)
 
 
 class AcceptOutput(NamedTuple):
@@ -29,20 +43,33 @@ class AcceptOutput(NamedTuple):
     cap_trim: torch.Tensor  # [B] int64, drafts removed by the cap (0 without a cap)
 
 
-def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """One categorical sample per row by inverse CDF in vocab index order.
+def to_fixed_point(mass: torch.Tensor) -> torch.Tensor:
+    """Non-negative fp32 mass -> int64 ``trunc(mass * 2**40)`` (an exact power-of-two scale)."""
+    return (mass.float() * float(1 << FIXED_POINT_BITS)).to(torch.int64)
 
-    probs [N, V] non-negative (need not be normalised), uniforms [N] in [0, 1). Returns [N] int64:
-    the first index whose cumulative mass exceeds u * total; never a zero-mass token."""
-    cdf = torch.cumsum(probs.float(), dim=-1)
-    target = uniforms.float().view(-1, 1) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, target, right=True).view(-1)
-    # Rounding can push the target onto the total; fall back to the last token with mass.
-    vocab = probs.shape[-1]
-    last_positive = (
-        vocab - 1 - torch.argmax(torch.flip(probs > 0, dims=[-1]).to(torch.int8), dim=-1)
-    )
-    return torch.minimum(idx, last_positive)
+
+def sample_fixed_point(weights: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF sample per row from int64 weights [N, V] (steps 2-3 of the module doc).
+
+    uniforms [N] fp32 in [0, 1). Returns [N] int64; a row without mass gives token 0."""
+    total = weights.sum(dim=-1)
+    u24 = (uniforms.float() * float(1 << UNIFORM_BITS)).to(torch.int64)
+    u24 = u24.clamp(0, (1 << UNIFORM_BITS) - 1)
+    low_bits = (1 << UNIFORM_BITS) - 1
+    # floor(S * u24 / 2**24) without overflow: split S into its high and low 24-bit parts.
+    threshold = (total >> UNIFORM_BITS) * u24 + (((total & low_bits) * u24) >> UNIFORM_BITS)
+    # Integer CDFs are exact and non-decreasing: count the entries <= t by binary search.
+    cdf = torch.cumsum(weights, dim=-1)
+    token = torch.searchsorted(cdf, threshold.view(-1, 1), right=True).view(-1)
+    return torch.where(total > 0, token, torch.zeros_like(token))
+
+
+def sample_inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One categorical sample per row by the fixed-point inverse CDF of the module doc.
+
+    probs [N, V] fp32 (negative entries count as 0; need not be normalised), uniforms [N] in
+    [0, 1). Returns [N] int64; never a zero-mass token (a row without mass gives 0)."""
+    return sample_fixed_point(to_fixed_point(probs.float().clamp(min=0.0)), uniforms)
 
 
 def _leading_true_count(mask: torch.Tensor) -> torch.Tensor:
@@ -89,7 +116,8 @@ def sampled_accept(
         bonus_uniforms: [B] uniforms for the bonus sample.
     Returns:
         (n [B], bonus [B]): bonus ~ normalize(max(P_{n+1} - Q_{n+1}, 0)) after a rejection (P if
-        that residual has ~no mass), else ~ P at the last verified row.
+        that residual has ~no mass), else ~ P at the last verified row; drawn by the fixed-point
+        inverse CDF of the module doc.
     """
     batch, width, _ = target_probs.shape
     drafts, in_window = _draft_window(verify_ids, verify_lens)
@@ -108,12 +136,12 @@ def sampled_accept(
     accepted = (coins[:, : width - 1].float() * q_draft < p_draft) & in_window & in_vocab
     accept_len = _leading_true_count(accepted)
     rejected = accept_len < verify_lens - 1
-    p_row = target_probs[rows, accept_len]
-    q_row = q[rows, accept_len.clamp(max=width - 2)]
-    residual = (p_row - q_row).clamp(min=0.0)
-    use_residual = rejected & (residual.sum(dim=-1) > RESIDUAL_MIN_MASS)
-    dist = torch.where(use_residual.view(-1, 1), residual, p_row)
-    return accept_len, sample_inverse_cdf(dist, bonus_uniforms)
+    p_row = target_probs[rows, accept_len].float().clamp(min=0.0)
+    q_row = q[rows, accept_len.clamp(max=width - 2)].float()
+    residual = to_fixed_point((p_row - q_row).clamp(min=0.0))
+    use_residual = rejected & (residual.sum(dim=-1) > MIN_RESIDUAL_MASS)
+    weights = torch.where(use_residual.view(-1, 1), residual, to_fixed_point(p_row))
+    return accept_len, sample_fixed_point(weights, bonus_uniforms)
 
 
 def apply_cap(

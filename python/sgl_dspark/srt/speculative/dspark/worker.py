@@ -21,8 +21,9 @@ from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
-from sgl_dspark.srt.speculative.dspark.accept import accept_step, finalize_accept
+from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
+from sgl_dspark.srt.speculative.dspark.ops import create_accept_fn, create_draft_inputs_fn
 from sgl_dspark.srt.speculative.dspark.policy import PolicyArgs, create_verify_policy
 from sgl_dspark.srt.speculative.dspark.sampling import (
     TOP_K_ALL,
@@ -105,6 +106,9 @@ class DSparkWorker:
             raise ValueError(f"DSpark block size {self.gamma} needs max_verify_tokens >= "
                              f"{self.gamma + 1} (got {runner.rc.max_verify_tokens})")
         draft = DSparkDraftModel(dcfg, runner.kernels)
+        # "spec" family implementations, bound once (style R11).
+        self.accept_fn = create_accept_fn(runner.kernels)
+        self.draft_inputs_fn = create_draft_inputs_fn(runner.kernels)
         load_weights(draft, weights)
         self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
         dh = dcfg.stage_config.head_dim
@@ -239,17 +243,12 @@ class DSparkWorker:
         """Draft forward over [anchor, mask, ...] at positions s .. s+gamma-1, then the Markov
         head (left to right) and, when the policy reads them, the confidences."""
         runner, dev, gamma = self.runner, self.runner.device, self.gamma
-        B = len(reqs)
-        ids = torch.full((B, gamma), self.dcfg.noise_token_id, dtype=torch.int64, device=dev)
-        ids[:, 0] = anchors
-        pos = seq_t[:, None] + torch.arange(gamma, device=dev)[None, :]
+        inputs = self.draft_inputs_fn(anchors, seq_t, slot_t, runner.req_pool.req_to_token, gamma,
+                                      self.window, self.dcfg.noise_token_id)
         target = runner.model
-        embeds = target.model.embed_tokens(ids)
-        ctx_pos = seq_t[:, None] - self.window + torch.arange(self.window, device=dev)[None, :]
-        ctx_valid = ctx_pos >= 0
-        ctx_slots = runner.req_pool.req_to_token[slot_t[:, None], ctx_pos.clamp(min=0)]
-        ctx = [kv[ctx_slots] for kv in self.ctx_kv]
-        y = self.draft(embeds, pos, ctx, ctx_valid)
+        embeds = target.model.embed_tokens(inputs.input_ids)
+        ctx = [kv[inputs.ctx_slots] for kv in self.ctx_kv]
+        y = self.draft(embeds, inputs.positions, ctx, inputs.ctx_valid)
         base_logits = target.compute_logits(self.draft.final_norm(y))          # [B, gamma, V]
         ms = markov_sample(base_logits, self.draft.markov_head.embed.weight,
                            self.draft.markov_head.head.weight, anchors, temp, greedy,
@@ -268,13 +267,14 @@ class DSparkWorker:
         if self.args.simulate_accept_len is not None:
             return self._simulated_accept(verify_ids, lens_t, seq_t, logits, reqs)
         if all_greedy:
-            return accept_step(verify_ids, lens_t, seq_t, logits, greedy, cap_lens=cap_lens)
+            return self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy, cap_lens=cap_lens)
         p = target_probs(logits, temp, top_k, top_p, apply_top_k_top_p=need_trunc)
         q = draft_probs(ms.step_logits[:, : W - 1], temp, greedy, ms.drafts[:, : W - 1])
         coins = torch.rand((B, max(W - 1, 0)), generator=self.generator, device=dev)
         bonus_u = torch.rand((B,), generator=self.generator, device=dev)
-        return accept_step(verify_ids, lens_t, seq_t, logits, greedy, target_probs=p,
-                           draft_probs=q, coins=coins, bonus_uniforms=bonus_u, cap_lens=cap_lens)
+        return self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy, target_probs=p,
+                              draft_probs=q, coins=coins, bonus_uniforms=bonus_u,
+                              cap_lens=cap_lens)
 
     def _simulated_accept(self, verify_ids, lens_t, seq_t, logits, reqs):
         """Benchmark-only: accept a deterministic schedule of draft counts with the requested

@@ -1,0 +1,142 @@
+"""The per-family dispatch of `--kernel-backend` (rope, mhc, sampling, spec draft inputs): each
+Triton binding against the torch implementation it replaces, on random inputs and layouts the
+runtime produces. Accept (spec) is covered in test_dspark_accept.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.mhc import (
+    HyperConnection,
+    hc_boundary_impl,
+    hc_collapse,
+    hc_expand,
+    run_fused_hc_layers,
+)
+from sgl_dspark.srt.layers.norm import RMSNorm
+from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_impl
+from sgl_dspark.srt.layers.sampler import greedy_argmax_impl
+from sgl_dspark.srt.speculative.dspark.ops import create_draft_inputs_fn, draft_inputs_torch
+
+# The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+TORCH, TRITON = KernelChoice("torch"), KernelChoice("triton")
+
+
+def test_torch_choice_binds_the_torch_implementations():
+    assert rope_impl(TORCH) is apply_rope_tail
+    assert hc_boundary_impl(TORCH) is None
+    assert create_draft_inputs_fn(TORCH) is draft_inputs_torch
+    logits = torch.randn(3, 9)
+    assert torch.equal(greedy_argmax_impl(TORCH)(logits), torch.argmax(logits, -1))
+    mixed = KernelChoice("triton", (("rope", "torch"), ("mhc", "torch")))
+    assert rope_impl(mixed) is apply_rope_tail and hc_boundary_impl(mixed) is None
+
+
+# ---- rope ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape, half", [((1, 64), 8), ((7, 64), 8), ((5, 4, 64), 8),
+                                         ((3, 3, 32), 16), ((9, 16, 32), 4)])
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_triton_is_bit_exact(shape, half, dtype, inverse):
+    gen = torch.Generator().manual_seed(shape[0] * 31 + half)
+    x = (torch.randn(shape, generator=gen) * 3).to(dtype)
+    pos = torch.randint(0, 5000, (shape[0],), generator=gen).float()
+    freqs = pos[:, None] * torch.rand(half, generator=gen)[None, :]
+    cos, sin = freqs.cos(), freqs.sin()
+    want = apply_rope_tail(x, cos, sin, inverse=inverse)
+    got = rope_impl(TRITON)(x, cos, sin, inverse=inverse)
+    assert got.shape == want.shape and got.dtype == want.dtype
+    assert torch.equal(got, want)
+    assert not torch.equal(got, x)  # the tail did rotate
+
+
+def test_rope_triton_takes_strided_views():
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(6, 2 * 4 * 32, generator=gen)       # e.g. a fused projection output
+    x = fused.view(6, 8, 32)[:, ::2]                         # every other head: head stride 64
+    tail_major = torch.randn(6, 32, 4, generator=gen).transpose(1, 2)  # channel stride 4
+    freqs = torch.rand(6, 8, generator=gen) * 10
+    for view in (x, tail_major):
+        want = apply_rope_tail(view, freqs.cos(), freqs.sin())
+        assert torch.equal(rope_impl(TRITON)(view, freqs.cos(), freqs.sin()), want)
+
+
+# ---- mhc -------------------------------------------------------------------------------------
+class _Layer(torch.nn.Module):
+    def __init__(self, n: int, d: int, gen: torch.Generator) -> None:
+        super().__init__()
+        args = (n, d, 5, 1e-6, 1e-6)
+        self.attn_hc, self.ffn_hc = HyperConnection(*args), HyperConnection(*args)
+        self.input_layernorm, self.post_attention_layernorm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
+        for p in self.parameters():
+            p.data = 1 + 0.2 * torch.randn(p.shape, generator=gen) if p.dim() < 2 else (
+                0.05 * torch.randn(p.shape, generator=gen))
+        self.w_attn = 0.3 * torch.randn(d, d, generator=gen)
+        self.w_ffn = 0.3 * torch.randn(d, d, generator=gen)
+
+
+def _unfused(streams, layers, taps):
+    for layer in layers:
+        pre, post, comb = layer.attn_hc.coeffs(streams)
+        a = torch.tanh(layer.input_layernorm(hc_collapse(streams, pre)) @ layer.w_attn)
+        streams = hc_expand(streams, a, post, comb)
+        pre, post, comb = layer.ffn_hc.coeffs(streams)
+        f = torch.tanh(layer.post_attention_layernorm(hc_collapse(streams, pre)) @ layer.w_ffn)
+        streams = hc_expand(streams, f, post, comb)
+        taps.append(streams)
+    return streams
+
+
+@pytest.mark.parametrize("rows, n, d, num_layers", [(1, 4, 64, 1), (6, 4, 128, 3),
+                                                    (37, 2, 96, 2)])
+def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
+    gen = torch.Generator().manual_seed(rows + d)
+    layers = [_Layer(n, d, gen) for _ in range(num_layers)]
+    streams = torch.randn(rows, n, d, generator=gen)
+    want_taps: list[torch.Tensor] = []
+    got_taps: list[tuple[int, torch.Tensor]] = []
+    want = _unfused(streams, layers, want_taps)
+    boundary = hc_boundary_impl(TRITON)
+    assert boundary is not None
+    got = run_fused_hc_layers(
+        streams, layers,
+        lambda i, x: torch.tanh(x @ layers[i].w_attn),
+        lambda i, x: torch.tanh(x @ layers[i].w_ffn),
+        boundary, lambda i, s: got_taps.append((i, s)))
+    # X2: the kernel reduces in another order (fp32), so a tolerance, not equality.
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert [i for i, _ in got_taps] == list(range(num_layers))
+    for (_, g), w in zip(got_taps, want_taps):
+        torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
+    assert not torch.allclose(want, streams)
+
+
+# ---- sampling --------------------------------------------------------------------------------
+@pytest.mark.parametrize("rows, vocab", [(1, 5), (4, 512), (9, 4099)])
+def test_greedy_argmax_triton_equals_torch_with_ties(rows, vocab):
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(rows, vocab, generator=gen)
+    logits[0, vocab // 2:] = logits[0].max() + 1  # a tie: the first index wins
+    got = greedy_argmax_impl(TRITON)(logits)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.argmax(logits, -1))
+    assert int(got[0]) == vocab // 2
+
+
+# ---- spec: draft inputs ------------------------------------------------------------------------
+@pytest.mark.parametrize("batch, gamma, window", [(2, 1, 4), (5, 3, 8), (8, 7, 32)])
+def test_draft_inputs_triton_equals_torch(batch, gamma, window):
+    gen = torch.Generator().manual_seed(batch * gamma)
+    table = torch.randint(1, 1000, (12, 96), generator=gen)
+    seq = torch.randint(0, 60, (batch,), generator=gen)
+    seq[0] = 0                                      # a fresh request: no context at all
+    rows = torch.randperm(12, generator=gen)[:batch]
+    anchors = torch.randint(0, 500, (batch,), generator=gen)
+    want = draft_inputs_torch(anchors, seq, rows, table, gamma, window, 3)
+    got = create_draft_inputs_fn(TRITON)(anchors, seq, rows, table, gamma, window, 3)
+    for name in ("input_ids", "positions", "ctx_valid"):
+        assert torch.equal(getattr(got, name), getattr(want, name)), name
+    # Slots of positions < 0 are masked by ctx_valid; the visible ones must agree.
+    assert torch.equal(got.ctx_slots[want.ctx_valid], want.ctx_slots[want.ctx_valid])
+    assert bool(want.ctx_valid.any()) and bool((~want.ctx_valid).any())
