@@ -25,9 +25,13 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "1, 2, 3, 4,", "Once
            "DeepSeek-V4 uses", "hello", "Q: what is 7 * 8?\nA:", "x" * 40]
 
 
+KERNEL_BACKEND = "torch"
+
+
 def run(device: str, **kw) -> tuple[list[list[int]], float]:
+    backend = KERNEL_BACKEND if device == "cuda" else "torch"
     e = Engine(model_path="tiny", device=device, dtype="float32", context_length=512,
-               max_running_requests=8, **kw)
+               max_running_requests=8, kernel_backend=backend, **kw)
     t = time.perf_counter()
     outs = e.generate(prompt=PROMPTS, sampling_params={"max_new_tokens": 48, "temperature": 0.0,
                                                        "ignore_eos": True})
@@ -39,9 +43,14 @@ def run(device: str, **kw) -> tuple[list[list[int]], float]:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
+    p.add_argument("--kernel-backend", default="torch", choices=("torch", "triton"),
+                   help="backend of the GPU runs (the CPU reference always uses torch)")
     a = p.parse_args()
+    global KERNEL_BACKEND
+    KERNEL_BACKEND = a.kernel_backend
     ref, t_cpu = run("cpu")
-    result = {"device": torch.cuda.get_device_name(), "cpu_target_s": t_cpu, "cases": {}}
+    result = {"device": torch.cuda.get_device_name(), "kernel_backend": a.kernel_backend,
+              "cpu_target_s": t_cpu, "cases": {}}
     gpu_plain, t = run("cuda")
     result["cases"]["target_only"] = {"equal_cpu": gpu_plain == ref, "s": t}
     with tempfile.TemporaryDirectory() as tmp:

@@ -17,10 +17,17 @@ if has env; then
   git log --oneline -1 2>/dev/null | tee -a "$OUT/env.txt"
 fi
 if has kernels; then
-  python3 -m pytest -q -p no:cacheprovider -x test/registered/kernels 2>&1 | tee "$OUT/kernel_tests.txt" | tail -25
+  python3 -m pytest -q -p no:cacheprovider test/registered/kernels test/registered/unit/test_kernel_dispatch.py test/registered/e2e/test_moe_backend.py 2>&1 | tee "$OUT/kernel_tests.txt" | tail -25
 fi
 if has dspark; then
   python3 benchmark/gpu/dspark_eager_check.py --out "$OUT/dspark_eager.json" 2>&1 | tail -60
+fi
+if has dspark_triton; then
+  python3 benchmark/gpu/dspark_eager_check.py --kernel-backend triton \
+    --out "$OUT/dspark_eager_triton.json" 2>&1 | tail -8
+fi
+if has e2e; then
+  python3 benchmark/gpu/kernel_backend_e2e.py --out "$OUT/kernel_backend_e2e.json" 2>&1 | tail -60
 fi
 if has bench; then
   python3 benchmark/bench_one_batch.py --config mid_910m --device cuda --batch-sizes 1,8 \
