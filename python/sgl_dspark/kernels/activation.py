@@ -6,8 +6,9 @@ silu(g) = g * sigmoid(g) with sigmoid(g) = 1 / (1 + exp2(-g * log2e)) (the exp2 
 hardware instruction on both vendors). Output epilogues (a constexpr switch on one kernel):
   * "plain": y in the input dtype (bf16 rounded to nearest even, or fp32);
   * "fp8_row" / "fp8_group": fp8 e4m3 codes q = clamp(y / s, -448, 448) with fp32 scales
-    s = max(amax, 1e-10) / 448 per row or per 128-column group (optionally rounded up to a power of
-    two, "ue8m0"), amax taken over the bf16-rounded y (what an unfused quant would have read).
+    s = max(amax, 1e-10) / 448 (correctly rounded division) per row or per 128-column group
+    (optionally rounded up to a power of two, "ue8m0"), amax taken over the bf16-rounded y (what an
+    unfused quant would have read). Given equal y, the scales and codes are exact on every device.
 
 Exactness: X2 vs an exp-based silu (≤1 bf16 ulp); against `silu_mul_clamp_ref` (same exp2 formula)
 the only difference is the backend's exp2 (numpy vs torch on CPU, ex2.approx on GPU): rare 1-ulp
@@ -69,7 +70,11 @@ def silu_mul_clamp_ref(
     values = y.float()
     width = inter if out_format == "fp8_row" else _FP8_GROUP
     groups = values.reshape(values.shape[0], inter // width if width else 0, width)
-    scale = torch.clamp(groups.abs().amax(dim=-1), min=1e-10) / _FP8_MAX
+    amax = torch.clamp(groups.abs().amax(dim=-1), min=1e-10)
+    # The spec is the correctly rounded quotient amax / 448. The divisor is a tensor on purpose:
+    # CUDA torch turns division by a Python scalar into a multiplication by its rounded
+    # reciprocal (e.g. 49 * fl(1/448) = 0.10937501, while 49 / 448 = 0.109375 exactly).
+    scale = amax / torch.full_like(amax, _FP8_MAX)
     if scale_ue8m0:
         scale = _round_scale_ue8m0_ref(scale)
     q = torch.clamp(groups / scale[..., None], -_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
@@ -218,8 +223,9 @@ def silu_mul_clamp(
             BLOCK=block,
             GROUP=_FP8_GROUP,
             num_warps=4,
-            # The reference multiplies without contraction; fused FMAs would move the amax (and
-            # so the fp8 scale) by an ulp between the plain and the fp8 variants.
+            # The reference rounds every product separately; keep the compiler from contracting
+            # any future mul+add into an FMA, which would move y (so the amax and the fp8 scale)
+            # by an ulp between the plain and the fp8 variants.
             enable_fp_fusion=False,
         )
     if scale is not None:

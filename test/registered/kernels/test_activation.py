@@ -94,6 +94,11 @@ def _fp8_pattern_ok(got: torch.Tensor, ref: torch.Tensor, prequant: torch.Tensor
     return ok | halfway | wrapped | subnormal
 
 
+def _pow2_at_or_above(value: float) -> float:
+    mantissa, exponent = math.frexp(value)  # value = mantissa * 2**exponent, mantissa in [0.5, 1)
+    return value if mantissa == 0.5 else math.ldexp(1.0, exponent)
+
+
 @pytest.mark.parametrize("ue8m0", [False, True])
 @pytest.mark.parametrize("out_format", ["fp8_row", "fp8_group"])
 @pytest.mark.parametrize("rows,inter", [(0, 128), (1, 128), (3, 384), (24, 512), (2, 2048)])
@@ -112,6 +117,14 @@ def test_fp8_epilogue(rows: int, inter: int, out_format: str, ue8m0: bool) -> No
     # Scales are exact wherever the kernel's rounded activations equal the reference's.
     same_group = (y_got == plain).reshape(rows, -1, width).all(dim=-1)
     assert same_group.float().mean() > 0.9
+    # The reference's scale is the correctly rounded amax / 448 on every device. Expected value
+    # on the CPU (CUDA torch divides by a scalar through its reciprocal): the fp64 quotient
+    # rounded once to fp32 is the correctly rounded fp32 quotient (53 >= 2 * 24 + 2 bits).
+    amax = plain.reshape(rows, -1, width).abs().amax(dim=-1).clamp(min=1e-10).cpu()
+    exact_scale = (amax.double() / 448).float()
+    if ue8m0:
+        exact_scale = torch.tensor([list(map(_pow2_at_or_above, r)) for r in exact_scale.tolist()])
+    assert torch.equal(ref.scale.cpu(), exact_scale)
     assert torch.equal(got.scale[same_group], ref.scale[same_group])
     if ue8m0:  # powers of two
         assert torch.equal(got.scale, torch.exp2(torch.round(torch.log2(got.scale))))

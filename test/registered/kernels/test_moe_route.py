@@ -25,10 +25,17 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
 )
 ON_GPU = DEVICE == "cuda"
-# CPU: numpy vs torch exp2/log2 differ by an ulp or two. GPU: ex2.approx/lg2.approx reach ~1e-4
-# relative error on small softplus values.
+# Weights (relative): CPU: numpy vs torch exp2/log2 differ by an ulp or two. GPU: ex2.approx and
+# lg2.approx reach ~1e-4 relative error on small softplus values (lg2's absolute error near 1 over
+# a tiny log2(1 + e)).
 RTOL = 1e-4 if ON_GPU else 2e-6
-TIE_TOL = 2e-4 if ON_GPU else 1e-5
+# Selection values (absolute below 1, relative above): the same lowering differences, but seen on
+# sqrt(softplus) near the top of a row. lg2.approx's 2^-22 absolute error plus a 1-ulp flip of
+# 1 + exp2 move softplus by <= 3e-7, i.e. a score s by <= 3e-7 / (2 s) + a few ulps: <= 1e-6 for
+# every score these tests rank (>= 0.16). The GPU bound keeps a 20x margin over that. It must stay
+# tight: a near-tie row is exempt from the exact id check, and the fraction of exempt random rows
+# grows linearly with TIE_TOL (2e-4, the weights' relative error, exempted ~10% of rows).
+TIE_TOL = 2e-5 if ON_GPU else 1e-5
 
 
 def _selection_values(

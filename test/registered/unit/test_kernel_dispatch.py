@@ -22,13 +22,16 @@ from sgl_dspark.srt.speculative.dspark.ops import create_draft_inputs_fn, draft_
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 TORCH, TRITON = KernelChoice("torch"), KernelChoice("triton")
+# Compiled Triton only takes device tensors; on CPU the conftest runs the interpreter. Inputs are
+# drawn on the CPU generator (same values on both) and then moved.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def test_torch_choice_binds_the_torch_implementations():
     assert rope_impl(TORCH) is apply_rope_tail
     assert hc_boundary_impl(TORCH) is None
     assert create_draft_inputs_fn(TORCH) is draft_inputs_torch
-    logits = torch.randn(3, 9)
+    logits = torch.randn(3, 9, device=DEVICE)
     assert torch.equal(greedy_argmax_impl(TORCH)(logits), torch.argmax(logits, -1))
     mixed = KernelChoice("triton", (("rope", "torch"), ("mhc", "torch")))
     assert rope_impl(mixed) is apply_rope_tail and hc_boundary_impl(mixed) is None
@@ -44,7 +47,7 @@ def test_rope_triton_is_bit_exact(shape, half, dtype, inverse):
     x = (torch.randn(shape, generator=gen) * 3).to(dtype)
     pos = torch.randint(0, 5000, (shape[0],), generator=gen).float()
     freqs = pos[:, None] * torch.rand(half, generator=gen)[None, :]
-    cos, sin = freqs.cos(), freqs.sin()
+    x, cos, sin = x.to(DEVICE), freqs.cos().to(DEVICE), freqs.sin().to(DEVICE)
     want = apply_rope_tail(x, cos, sin, inverse=inverse)
     got = rope_impl(TRITON)(x, cos, sin, inverse=inverse)
     assert got.shape == want.shape and got.dtype == want.dtype
@@ -54,10 +57,10 @@ def test_rope_triton_is_bit_exact(shape, half, dtype, inverse):
 
 def test_rope_triton_takes_strided_views():
     gen = torch.Generator().manual_seed(3)
-    fused = torch.randn(6, 2 * 4 * 32, generator=gen)       # e.g. a fused projection output
+    fused = torch.randn(6, 2 * 4 * 32, generator=gen).to(DEVICE)  # a fused projection output
     x = fused.view(6, 8, 32)[:, ::2]                         # every other head: head stride 64
-    tail_major = torch.randn(6, 32, 4, generator=gen).transpose(1, 2)  # channel stride 4
-    freqs = torch.rand(6, 8, generator=gen) * 10
+    tail_major = torch.randn(6, 32, 4, generator=gen).to(DEVICE).transpose(1, 2)  # ch. stride 4
+    freqs = (torch.rand(6, 8, generator=gen) * 10).to(DEVICE)
     for view in (x, tail_major):
         want = apply_rope_tail(view, freqs.cos(), freqs.sin())
         assert torch.equal(rope_impl(TRITON)(view, freqs.cos(), freqs.sin()), want)
@@ -75,6 +78,8 @@ class _Layer(torch.nn.Module):
                 0.05 * torch.randn(p.shape, generator=gen))
         self.w_attn = 0.3 * torch.randn(d, d, generator=gen)
         self.w_ffn = 0.3 * torch.randn(d, d, generator=gen)
+        self.to(DEVICE)  # parameters; the plain weight attributes are moved by hand
+        self.w_attn, self.w_ffn = self.w_attn.to(DEVICE), self.w_ffn.to(DEVICE)
 
 
 def _unfused(streams, layers, taps):
@@ -94,7 +99,7 @@ def _unfused(streams, layers, taps):
 def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
     gen = torch.Generator().manual_seed(rows + d)
     layers = [_Layer(n, d, gen) for _ in range(num_layers)]
-    streams = torch.randn(rows, n, d, generator=gen)
+    streams = torch.randn(rows, n, d, generator=gen).to(DEVICE)
     want_taps: list[torch.Tensor] = []
     got_taps: list[tuple[int, torch.Tensor]] = []
     want = _unfused(streams, layers, want_taps)
@@ -117,7 +122,7 @@ def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
 @pytest.mark.parametrize("rows, vocab", [(1, 5), (4, 512), (9, 4099)])
 def test_greedy_argmax_triton_equals_torch_with_ties(rows, vocab):
     gen = torch.Generator().manual_seed(vocab)
-    logits = torch.randn(rows, vocab, generator=gen)
+    logits = torch.randn(rows, vocab, generator=gen).to(DEVICE)
     logits[0, vocab // 2:] = logits[0].max() + 1  # a tie: the first index wins
     got = greedy_argmax_impl(TRITON)(logits)
     assert got.dtype == torch.int64 and torch.equal(got, torch.argmax(logits, -1))
@@ -133,6 +138,7 @@ def test_draft_inputs_triton_equals_torch(batch, gamma, window):
     seq[0] = 0                                      # a fresh request: no context at all
     rows = torch.randperm(12, generator=gen)[:batch]
     anchors = torch.randint(0, 500, (batch,), generator=gen)
+    table, seq, rows, anchors = (t.to(DEVICE) for t in (table, seq, rows, anchors))
     want = draft_inputs_torch(anchors, seq, rows, table, gamma, window, 3)
     got = create_draft_inputs_fn(TRITON)(anchors, seq, rows, table, gamma, window, 3)
     for name in ("input_ids", "positions", "ctx_valid"):
