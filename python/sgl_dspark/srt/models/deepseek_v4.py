@@ -16,8 +16,8 @@ from torch import nn
 
 from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer, entry_slots
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
     HyperHead,
@@ -125,27 +125,34 @@ class Attention(nn.Module):
         return kv_state.compressed[slots], valid
 
 
+def add_moe_and_mixers(layer: nn.Module, cfg: ModelConfig, is_hash: bool,
+                       kernels: KernelChoice) -> None:
+    """The parts a V4 block (target layer or DSpark draft stage) has besides attention, under
+    their HF names: `mlp` (router + routed + shared experts), the two RMSNorms and the two mHC
+    mixers."""
+    d = cfg.hidden_size
+    router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size, is_hash,
+                    cfg.scoring_func, cfg.routed_scaling_factor, cfg.norm_topk_prob, kernels)
+    layer.mlp = SparseMoE(
+        router,
+        RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit,
+                      kernels),
+        SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels),
+        kernels,
+    )
+    layer.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+    layer.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+    hc = (cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+    layer.attn_hc = HyperConnection(*hc)
+    layer.ffn_hc = HyperConnection(*hc)
+
+
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
-        d = cfg.hidden_size
         self.kernels = kernels
         self.self_attn = Attention(cfg, layer_id, kernels)
-        router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size,
-                        cfg.mlp_layer_types[layer_id] == HASH_MOE, cfg.scoring_func,
-                        cfg.routed_scaling_factor, cfg.norm_topk_prob, kernels)
-        self.mlp = SparseMoE(
-            router,
-            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                          kernels),
-            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels),
-            kernels,
-        )
-        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        hc = (cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.ffn_hc = HyperConnection(*hc)
+        add_moe_and_mixers(self, cfg, cfg.mlp_layer_types[layer_id] == HASH_MOE, kernels)
 
     def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv_state: LayerKV,
                 rope: RopeTables, backend: BaseAttentionBackend) -> torch.Tensor:

@@ -28,16 +28,15 @@ from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
-    HyperConnection,
     HyperHead,
     hc_boundary_impl,
     hc_collapse,
     hc_expand,
     run_fused_hc_layers,
 )
-from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
 from sgl_dspark.srt.layers.rotary import rope_cos_sin, rope_impl, rope_inv_freq
+from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
 
 
 class DraftAttention(nn.Module):
@@ -87,22 +86,9 @@ class DraftAttention(nn.Module):
 class DraftStage(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
-        d = cfg.hidden_size
         self.self_attn = DraftAttention(cfg, kernels)
-        router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size, False,
-                        cfg.scoring_func, cfg.routed_scaling_factor, cfg.norm_topk_prob, kernels)
-        self.mlp = SparseMoE(
-            router,
-            RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                          kernels),
-            SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels),
-            kernels,
-        )
-        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        hc = (cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.ffn_hc = HyperConnection(*hc)
+        # Draft stages use learned routing only (no hash table).
+        add_moe_and_mixers(self, cfg, False, kernels)
 
 
 class DraftBody(nn.Module):
