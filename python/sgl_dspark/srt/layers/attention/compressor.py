@@ -15,7 +15,7 @@ from torch import nn
 
 from sgl_dspark.srt.layers.norm import RMSNorm
 from sgl_dspark.srt.mem_cache.kv_pool import CompressorState
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N, d], positions [N]) -> x
 
@@ -43,7 +43,16 @@ class BlockCompressor(nn.Module):
         score = self.gate_proj(x)
         m, d, ring = self.ratio, self.head_dim, state.ring
         pos = batch.positions
-        ends = torch.nonzero((pos + 1) % m == 0).squeeze(1)
+        is_end = (pos + 1) % m == 0
+        write_mask = None
+        if batch.mode is ForwardMode.EXTEND:
+            # Prefill: compute only the completed blocks (a host read is fine outside decode).
+            ends = torch.nonzero(is_end).squeeze(1)
+        else:
+            # Decode/verify (few rows): a candidate entry for every row, written only where a block
+            # ends (other rows write to the reserved dummy entry 0): no host synchronisation.
+            ends = torch.arange(pos.shape[0], device=pos.device)
+            write_mask = is_end
         slot_tok = batch.req_pool_indices[batch.token_req]
         if ends.numel() > 0:
             span = 2 * m if self.overlap else m
@@ -68,7 +77,9 @@ class BlockCompressor(nn.Module):
             entry = self.kv_norm((kv_rows * weights).sum(dim=1))
             start = pos[ends] - (m - 1)
             entry = rope(entry, start)
-            entry_slot = batch.req_to_token[slot_tok[ends], start] // m
+            entry_slot = batch.req_to_token[slot_tok[ends], start.clamp(min=0)] // m
+            if write_mask is not None:
+                entry_slot = torch.where(write_mask, entry_slot, torch.zeros_like(entry_slot))
             entries[entry_slot] = entry.to(entries.dtype)
         # Only the last `ring` positions of each request are kept, so no two rows of one
         # request collide in this write.
