@@ -112,14 +112,15 @@ def main() -> None:
                     inputs = case["make_inputs"](m, "cuda")
                     case["check"](case["reference"](**inputs), case["launcher"](**inputs))
                     row.append("ok")
-                    te, ge = time_graph(lambda: case["reference"](**inputs), a.calls_per_graph,
+                    ref_fn, ours_fn = case["reference"], case["launcher"]
+                    te, ge = time_graph(lambda f=ref_fn, x=inputs: f(**x), a.calls_per_graph,
                                         a.replays)
                     try:
-                        tc, gc = time_graph(lambda: compiled(**inputs), a.calls_per_graph,
-                                            a.replays)
+                        tc, gc = time_graph(lambda f=compiled, x=inputs: f(**x),
+                                            a.calls_per_graph, a.replays)
                     except Exception:  # noqa: BLE001
                         tc, gc = float("nan"), False
-                    to, go = time_graph(lambda: case["launcher"](**inputs), a.calls_per_graph,
+                    to, go = time_graph(lambda f=ours_fn, x=inputs: f(**x), a.calls_per_graph,
                                         a.replays)
                     floor = case["bytes_moved"](m) / bw * 1e6
                     row += [f"{te:.1f}{'' if ge else '*'}", f"{tc:.1f}{'' if gc else '*'}",

@@ -7,7 +7,6 @@ import json
 import os
 
 from safetensors.torch import save_file
-
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG, tiny_weights

@@ -7,9 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from spec_utils import POLICIES, policy_kwargs, write_policy_tables, write_random_draft, write_random_target
-
 from sgl_dspark import Engine
+from spec_utils import (
+    POLICIES,
+    policy_kwargs,
+    write_policy_tables,
+    write_random_draft,
+    write_random_target,
+)
 
 GAMMAS = (1, 3, 5, 7)
 N_PROMPTS = 32

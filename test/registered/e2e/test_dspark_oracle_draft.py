@@ -8,7 +8,6 @@ import types
 
 import pytest
 import torch
-
 from sgl_dspark import Engine
 from sgl_dspark.srt.speculative.dspark.sampling import MarkovSampleOutput
 from sgl_dspark.srt.speculative.dspark.worker import DraftProposal

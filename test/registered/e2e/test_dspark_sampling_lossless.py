@@ -10,14 +10,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-import torch
 from scipy.stats import chisquare
-from spec_utils import write_random_draft, write_random_target
-
 from sgl_dspark import Engine
 from sgl_dspark.srt.layers.sampler import SamplingBatchInfo, processed_probs
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
+from spec_utils import write_random_draft, write_random_target
 
 V = 12
 N_SAMPLES = 20000

@@ -7,7 +7,6 @@ import glob
 import json
 
 import torch
-
 from sgl_dspark import Engine
 from sgl_dspark.srt.speculative.dspark.sps import load_sps_table
 from sgl_dspark.tools import dspark_sps_profile, dspark_sts_fit

@@ -7,7 +7,6 @@ import math
 
 import pytest
 import torch
-
 from sgl_dspark import Engine
 from sgl_dspark.srt.managers.scheduler import RequestRejected
 

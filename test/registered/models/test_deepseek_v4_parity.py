@@ -10,7 +10,6 @@ import pytest
 import torch
 from hf_reference import PARITY_CONFIGS, hf_logits, make_hf_model
 from runner_utils import Driver
-
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.model_executor.forward_batch import ForwardMode
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig

@@ -6,7 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 from hf_reference import make_hf_model
-
 from sgl_dspark import Engine
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.model_loader import (

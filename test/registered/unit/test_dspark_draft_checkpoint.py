@@ -10,7 +10,6 @@ import os
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig, UnsupportedConfigError
 from sgl_dspark.srt.model_loader import (
@@ -22,7 +21,8 @@ from sgl_dspark.srt.model_loader import (
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG
 from sgl_dspark.srt.speculative.dspark.draft_checkpoint import load_draft_weights
-from sgl_dspark.tools.init_dspark_draft import init_dspark_draft, main as init_main
+from sgl_dspark.tools.init_dspark_draft import init_dspark_draft
+from sgl_dspark.tools.init_dspark_draft import main as init_main
 
 
 @pytest.fixture()

@@ -6,8 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-from transformers import DeepseekV4Config
-
 from sgl_dspark.srt.configs.model_config import (
     CSA,
     HCA,
@@ -15,6 +13,7 @@ from sgl_dspark.srt.configs.model_config import (
     ModelConfig,
     UnsupportedConfigError,
 )
+from transformers import DeepseekV4Config
 
 
 def _hf_derived(hf: DeepseekV4Config) -> dict:

@@ -34,7 +34,7 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
         )
 
     lo = max(math.floor(correction_dim(rope.beta_fast)), 0)
-    hi = min(math.ceil(correction_dim(rope.beta_slow)), rope_dim - 1)
+    hi: float = min(math.ceil(correction_dim(rope.beta_slow)), rope_dim - 1)
     if lo == hi:
         hi += 0.001
     ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)

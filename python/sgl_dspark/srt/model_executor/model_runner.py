@@ -6,6 +6,7 @@ import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -118,7 +119,10 @@ class ModelRunner:
         return self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
 
 
-def cast_model(model: DeepseekV4ForCausalLM, dtype: torch.dtype) -> DeepseekV4ForCausalLM:
+ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)
+
+
+def cast_model(model: ModuleT, dtype: torch.dtype) -> ModuleT:
     for name, p in model.named_parameters():
         target = torch.float32 if keeps_fp32(name) else dtype
         if p.dtype != target:

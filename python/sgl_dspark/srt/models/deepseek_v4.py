@@ -148,6 +148,13 @@ def add_moe_and_mixers(layer: nn.Module, cfg: ModelConfig, is_hash: bool,
 
 
 class DecoderLayer(nn.Module):
+    # set by add_moe_and_mixers (declared for type checkers)
+    mlp: SparseMoE
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
         self.kernels = kernels
@@ -166,6 +173,9 @@ class DecoderLayer(nn.Module):
 
 
 class DeepseekV4Model(nn.Module):
+    inv_freq_main: torch.Tensor
+    inv_freq_compress: torch.Tensor
+
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
         self.cfg = cfg

@@ -28,12 +28,14 @@ from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
+    HyperConnection,
     HyperHead,
     hc_boundary_impl,
     hc_collapse,
     hc_expand,
     run_fused_hc_layers,
 )
+from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
 from sgl_dspark.srt.layers.rotary import rope_cos_sin, rope_impl, rope_inv_freq
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
@@ -84,6 +86,13 @@ class DraftAttention(nn.Module):
 
 
 class DraftStage(nn.Module):
+    # set by add_moe_and_mixers (declared for type checkers)
+    mlp: SparseMoE
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
         self.self_attn = DraftAttention(cfg, kernels)
@@ -113,6 +122,8 @@ class ConfidenceHead(nn.Module):
 
 
 class DSparkDraftModel(nn.Module):
+    inv_freq: torch.Tensor
+
     def __init__(self, dcfg: DSparkConfig, kernels: KernelChoice | None = None) -> None:
         super().__init__()
         self.kernels = kernels or KernelChoice()
@@ -134,7 +145,8 @@ class DSparkDraftModel(nn.Module):
         `[N, n_f * D]` at `positions [N]`."""
         main_x = self.main_norm(self.main_proj(features.to(self.main_proj.weight.dtype)))
         cos, sin = rope_cos_sin(positions, self.inv_freq)
-        return [stage.self_attn.context_kv(main_x, cos, sin) for stage in self.model.layers]
+        stages = cast(Sequence[DraftStage], self.model.layers)
+        return [stage.self_attn.context_kv(main_x, cos, sin) for stage in stages]
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 ctx_kv: list[torch.Tensor], ctx_valid: torch.Tensor,

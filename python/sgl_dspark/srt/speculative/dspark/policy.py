@@ -61,8 +61,9 @@ class BaseVerifyPolicy(ABC):
         policy decides on the host, or a `[B]` int64 device tensor (async confidence policy,
         applied as a cap on acceptance over a full-width verify)."""
 
-    def observe(self, verify_lens: torch.Tensor, accept_lens: torch.Tensor,
-                confidence: torch.Tensor | None, slots: list[int], generations: list[int]) -> None:
+    def observe(  # noqa: B027 - an optional hook: policies without feedback keep the no-op
+            self, verify_lens: torch.Tensor, accept_lens: torch.Tensor,
+            confidence: torch.Tensor | None, slots: list[int], generations: list[int]) -> None:
         """Feed back the step's outcome (online statistics, confidence relay)."""
 
 
