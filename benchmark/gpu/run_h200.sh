@@ -26,6 +26,10 @@ if has dspark_triton; then
   python3 benchmark/gpu/dspark_eager_check.py --kernel-backend triton \
     --out "$OUT/dspark_eager_triton.json" 2>&1 | tail -8
 fi
+if has nosync; then
+  python3 -m pytest -q -p no:cacheprovider test/registered/e2e/test_dspark_step_no_sync.py \
+    test/registered/e2e/test_dspark_oracle_draft.py 2>&1 | tee "$OUT/nosync.txt" | tail -15
+fi
 if has e2e; then
   python3 benchmark/gpu/kernel_backend_e2e.py --out "$OUT/kernel_backend_e2e.json" 2>&1 | tail -60
 fi

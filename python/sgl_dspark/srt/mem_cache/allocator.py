@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_dspark.srt.model_executor.host_copy import to_device
+
 
 class OutOfKVMemory(RuntimeError):
     """Raised when an allocation cannot be satisfied; the scheduler treats it as back-pressure."""
@@ -96,7 +98,8 @@ class ReqToTokenPool:
         pages.extend(new)
         page_t = torch.tensor(new, dtype=torch.int64)
         slots = (page_t[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
-        self.req_to_token[slot, start * ps:(start + n_new) * ps] = slots.to(self.req_to_token.device)
+        self.req_to_token[slot, start * ps:(start + n_new) * ps] = to_device(
+            slots, torch.int64, self.req_to_token.device)
 
     def free_slot(self, slot: int) -> None:
         self.allocator.free(self._pages.pop(slot))

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from sgl_dspark.srt.model_executor.host_copy import to_device
+
 
 class ForwardMode(enum.Enum):
     EXTEND = "extend"   # prefill or a chunk of it
@@ -78,7 +80,7 @@ class ForwardBatch:
             start += n
 
         def t(x: list[int]) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
+            return to_device(x, torch.int64, device)
 
         pos_t, req_t = t(positions), t(token_req)
         pool_t = t(list(req_pool_indices))

@@ -19,6 +19,7 @@ import torch
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.model_executor.host_copy import to_device
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
@@ -168,17 +169,19 @@ class DSparkWorker:
         B = len(reqs)
         pool = runner.req_pool
         timer = _StepTimer(dev)
-        anchors = torch.tensor([r.output_ids[-1] for r in reqs], dtype=torch.int64, device=dev)
+        anchors = to_device([r.output_ids[-1] for r in reqs], torch.int64, dev)
         seq = [r.kv_len for r in reqs]
-        seq_t = torch.tensor(seq, dtype=torch.int64, device=dev)
+        seq_t = to_device(seq, torch.int64, dev)
         slots = [r.slot for r in reqs]
-        slot_t = torch.tensor(slots, dtype=torch.int64, device=dev)
+        slot_t = to_device(slots, torch.int64, dev)
         params = [r.params for r in reqs]
-        greedy = torch.tensor([p.is_greedy for p in params], device=dev)
+        greedy = to_device([p.is_greedy for p in params], torch.bool, dev)
         all_greedy = all(p.is_greedy for p in params)
-        temp = torch.tensor([1.0 if p.is_greedy else p.temperature for p in params], device=dev)
-        top_k = torch.tensor([TOP_K_ALL if p.top_k < 0 else p.top_k for p in params], device=dev)
-        top_p = torch.tensor([p.top_p for p in params], device=dev)
+        temp = to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32,
+                         dev)
+        top_k = to_device([TOP_K_ALL if p.top_k < 0 else p.top_k for p in params], torch.int64,
+                          dev)
+        top_p = to_device([p.top_p for p in params], torch.float32, dev)
         need_trunc = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
 
         # 1-3. draft forward, Markov sampling, confidences
@@ -203,8 +206,8 @@ class DSparkWorker:
         #    host-known, so the device ids are gathered without a sync.
         for r, n in zip(reqs, lens):
             pool.reserve(r.slot, r.kv_len + n)
-        flat_r = torch.tensor([i for i, n in enumerate(lens) for _ in range(n)], device=dev)
-        flat_j = torch.tensor([j for n in lens for j in range(n)], device=dev)
+        flat_r = to_device([i for i, n in enumerate(lens) for _ in range(n)], torch.int64, dev)
+        flat_j = to_device([j for n in lens for j in range(n)], torch.int64, dev)
         batch = ForwardBatch.build(ForwardMode.VERIFY, [[0] * n for n in lens], seq, slots,
                                    pool.req_to_token, logits_rows="all",
                                    input_ids_device=verify_ids[flat_r, flat_j])
@@ -213,7 +216,7 @@ class DSparkWorker:
         logits[flat_r, flat_j] = out.logits
         timer.mark("verify")
         # 6. acceptance on the device
-        lens_t = torch.tensor(lens, dtype=torch.int64, device=dev)
+        lens_t = to_device(lens, torch.int64, dev)
         acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k,
                            top_p, need_trunc, ms, cap_lens, reqs)
         # 7. commit: draft context KV for anchor + accepted drafts (rows j < commit_len); the
@@ -285,6 +288,6 @@ class DSparkWorker:
             done = self._sim_progress.get(r.rid, 0.0)
             forced.append(int((done + 1) * x) - int(done * x) if x > 0 else 0)
             self._sim_progress[r.rid] = done + 1
-        n = torch.minimum(torch.tensor(forced, device=logits.device), lens_t - 1)
+        n = torch.minimum(to_device(forced, torch.int64, logits.device), lens_t - 1)
         bonus = torch.argmax(logits, dim=-1).gather(1, n[:, None]).squeeze(1)
         return finalize_accept(verify_ids, lens_t, seq_t, n, bonus, None)

@@ -1,0 +1,55 @@
+"""On a GPU, a DSpark decode step (draft, Markov sampling, verify forward, acceptance, commit) runs
+without a stream synchronisation until its results are read once at the end (issue 3: "no blocking
+host sync inside the step"). Uses CUDA's sync debug mode, which raises on synchronising calls.
+The MoE family runs on Triton: the torch MoE backend reads expert counts on the host."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark import Engine
+from sgl_dspark.srt.speculative.dspark import worker as worker_mod
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.parametrize("policy", ["full", "static_table"])
+def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, monkeypatch):
+    import json
+    widths = tmp_path / "w.json"
+    widths.write_text(json.dumps({"widths_by_batch_size": {"1": "full", "4": 3}}))
+    extra = {} if policy == "full" else {"speculative_dspark_verify_policy": "static",
+                                         "speculative_dspark_width_table_path": str(widths)}
+    engine = Engine(model_path="tiny", device="cuda", dtype="bfloat16", context_length=256,
+                    speculative_algorithm="DSpark", kernel_backend="torch",
+                    kernel_backend_overrides="moe=triton", **extra)
+    sched = engine.scheduler
+    from sgl_dspark.srt.managers.req import Req
+    from sgl_dspark.srt.sampling.sampling_params import SamplingParams
+    reqs = [Req(rid=str(i), prompt_ids=[5 + i, 6, 7, 8],
+                params=SamplingParams(max_new_tokens=40, temperature=0.0 if i % 2 else 0.8,
+                                      ignore_eos=True)) for i in range(4)]
+    for r in reqs:
+        sched.add(r)
+    while not all(r.prefill_done and r.output_ids for r in reqs):
+        sched.step()
+    sched.step()  # warm-up: Triton compilation, pinned-memory pools
+    torch.cuda.synchronize()
+
+    real_to_host = worker_mod._to_host
+    reads = []
+
+    def guarded_to_host(*tensors):
+        # the designated read at the end of the step: leave the debug mode for it
+        torch.cuda.set_sync_debug_mode(0)
+        reads.append(len(tensors))
+        return real_to_host(*tensors)
+
+    monkeypatch.setattr(worker_mod, "_to_host", guarded_to_host)
+    for _ in range(3):
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            sched.spec.step(sched.running)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    assert reads == [3, 3, 3]
