@@ -83,10 +83,14 @@ class BlockCompressor(nn.Module):
             entries[entry_slot] = entry.to(entries.dtype)
         # Only the last `ring` positions of each request are kept, so no two rows of one
         # request collide in this write.
-        keep = pos >= batch.seq_lens[batch.token_req] - ring
-        ridx = pos[keep].remainder(ring)
-        state.kv[slot_tok[keep], ridx] = kv[keep].to(state.kv.dtype)
-        state.score[slot_tok[keep], ridx] = score[keep].to(state.score.dtype)
+        if batch.mode is ForwardMode.EXTEND:
+            keep = pos >= batch.seq_lens[batch.token_req] - ring
+            pos, slot_tok, kv, score = pos[keep], slot_tok[keep], kv[keep], score[keep]
+        # else: a decode/verify request has fewer new rows than the ring (asserted by the runner's
+        # max_verify_tokens), so every row is kept and no boolean mask (a host sync) is needed.
+        ridx = pos.remainder(ring)
+        state.kv[slot_tok, ridx] = kv.to(state.kv.dtype)
+        state.score[slot_tok, ridx] = score.to(state.score.dtype)
 
 
 class IndexerScorer(nn.Module):
