@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 MODULES = ("benchmark.kernels.bench_spec", "benchmark.kernels.bench_moe",
-           "benchmark.kernels.bench_mhc_indexer")
+           "benchmark.kernels.bench_mhc_indexer", "benchmark.kernels.bench_attention")
 M_VALUES = (1, 4, 8, 24, 32, 128)
 
 

@@ -15,6 +15,7 @@ from sgl_dspark.kernels.moe_route import (
 )
 from sgl_dspark.kernels.moe_sort import MoeSortOutput, MoeSortPlan, moe_sort, prepare_moe_sort
 from sgl_dspark.kernels.rope import rope_tail
+from sgl_dspark.kernels.sparse_attention import window_sparse_attention
 from sgl_dspark.kernels.spec_accept import AcceptOutput, spec_accept
 from sgl_dspark.kernels.vocab_argmax import combine_shard_argmax, shard_argmax_pairs, vocab_argmax
 
@@ -24,5 +25,5 @@ __all__ = [
     "fp4_index_k_quant", "fused_moe", "index_q_rope_fp4", "make_router_workspace",
     "mhc_post_combine", "moe_grouped_gemm", "moe_reduce", "moe_sort", "prepare_draft_inputs",
     "prepare_moe_sort", "rope_tail", "router_topk", "shard_argmax_pairs", "silu_mul_clamp",
-    "spec_accept", "vocab_argmax",
+    "spec_accept", "vocab_argmax", "window_sparse_attention",
 ]

@@ -1,0 +1,68 @@
+"""Benchmark cases for DeepSeek-V4 decode/verify attention (window through the page table +
+extra compressed keys + sinks; `sgl_dspark.kernels.sparse_attention`).
+
+``CASES`` has the format of `bench_spec.py` (name, make_inputs(M, device), reference, launcher,
+check, bytes_moved(M)). Shapes: 16 local heads (64 at TP4), Dh = 512, window 128, 512 selected
+compressed entries per token (CSA index_topk), bf16. M = bs * w token rows, mapped to (bs, w) as
+in the shape sheet (kernels.md §0.1); each request has a random context of 1k-4k tokens in
+64-token pages drawn at random from the pool.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sgl_dspark.kernels.sparse_attention import (
+    window_sparse_attention,
+    window_sparse_attention_ref,
+)
+
+HEADS_LOCAL, HEAD_DIM, WINDOW, NUM_EXTRA, PAGE = 16, 512, 128, 512, 64
+M_VALUES = (1, 4, 8, 24, 32, 128)
+_BS_W = {1: (1, 1), 4: (1, 4), 8: (1, 8), 24: (8, 3), 32: (8, 4), 128: (32, 4)}
+
+
+def _inputs(m: int, device: str) -> dict[str, Any]:
+    gen = torch.Generator().manual_seed(4321 + m)
+    bs, w = _BS_W.get(m, (max(m // 4, 1), 4))
+    seq_lens = torch.randint(1024, 4096, (bs,), generator=gen)
+    max_ctx = 4096
+    pages_per_req = max_ctx // PAGE
+    num_pages = bs * pages_per_req + 1
+    page_ids = torch.randperm(num_pages, generator=gen)[: bs * pages_per_req].view(bs, -1)
+    rows = (page_ids[:, :, None] * PAGE + torch.arange(PAGE)).reshape(bs, max_ctx)
+    table = torch.zeros(bs + 1, max_ctx, dtype=torch.int64)  # slot 0: the padding row
+    table[1:] = rows
+    positions = (seq_lens[:, None] - w + torch.arange(w)[None, :]).reshape(-1)[:m]
+    token_slot = (torch.arange(bs)[:, None] + 1).expand(bs, w).reshape(-1)[:m]
+    tokens = positions.shape[0]
+    inputs = dict(
+        q=torch.randn(tokens, HEADS_LOCAL, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        window_kv=torch.randn(num_pages * PAGE, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        positions=positions.contiguous(), token_slot=token_slot.contiguous(), req_to_token=table,
+        sinks=torch.randn(HEADS_LOCAL, generator=gen),
+        extra_kv=torch.randn(tokens, NUM_EXTRA, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        extra_valid=torch.rand(tokens, NUM_EXTRA, generator=gen) < 0.95,
+    )
+    return {**{k: v.to(device) for k, v in inputs.items()}, "window": WINDOW,
+            "scale": HEAD_DIM**-0.5}
+
+
+def _check(want: torch.Tensor, got: torch.Tensor) -> None:
+    # X2: online softmax in fp32 vs the reference's bf16 logits/probabilities.
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+def _bytes(m: int) -> int:
+    # Per token: q, output, window slot ids + rows, extra rows + mask (bf16 / int64 / bool).
+    per_token = (2 * HEADS_LOCAL * HEAD_DIM * 2 + WINDOW * (8 + HEAD_DIM * 2)
+                 + NUM_EXTRA * (HEAD_DIM * 2 + 1) + 8 * 2)
+    return m * per_token + HEADS_LOCAL * 4
+
+
+CASES: list[dict[str, Any]] = [
+    dict(name="attn_window128_extra512_h16_d512", make_inputs=_inputs,
+         reference=window_sparse_attention_ref, launcher=window_sparse_attention, check=_check,
+         bytes_moved=_bytes),
+]

@@ -1,0 +1,251 @@
+"""DeepSeek-V4 decode/verify attention: sliding window through the page table + extra keys + sinks.
+
+Math (deepseek_v4_model.md §5.2, §5.6, §5.8; the spec is `TorchAttentionBackend.forward`): one
+shared KV head is both key and value. Token t at position p sees
+  * the window keys at positions j in (p - window, p], j >= 0, read as
+    ``window_kv[req_to_token[token_slot[t], j]]``;
+  * the per-token extra keys ``extra_kv[t, n]`` where ``extra_valid[t, n]`` (compressed entries:
+    all visible ones for HCA layers, the indexer's selection for CSA layers).
+Per head h: ``o = sum_j softmax([scale * q.k_j ; sinks[h]])_j * k_j``, i.e. the sink adds
+``exp(sinks[h])`` to the denominator only (its value is zero).
+
+Exactness: X2 (tolerance). The kernel runs an online softmax in fp32 (exp2 with the log2(e)
+factor folded into the scale), so the sum is reordered relative to the reference's one-shot
+softmax; bf16 inputs additionally keep the logits and probabilities in fp32 where the reference
+rounds them to bf16.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_LOG2E = 1.4426950408889634
+# Register budget of one program: BLOCK_H x Dh fp32 accumulator and BLOCK_N x Dh key tile.
+_TILE_ELEMS = 8192
+
+
+def window_sparse_attention_ref(
+    q: torch.Tensor,
+    window_kv: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    req_to_token: torch.Tensor,
+    window: int,
+    sinks: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None,
+    extra_valid: torch.Tensor | None,
+) -> torch.Tensor:
+    """Reference (plain torch, same math and dtypes as `TorchAttentionBackend.forward`).
+
+    Args:
+        q: [T, H, Dh] queries (already rotated).
+        window_kv: [num_slots, Dh] window KV of the layer, same dtype as q.
+        positions: [T] int position of each token.
+        token_slot: [T] int request slot (row of req_to_token) of each token.
+        req_to_token: [slots, max_ctx] int token slot of (request slot, position).
+        window: token at position p sees window positions (p - window, p].
+        sinks: [H] fp32 sink logits.
+        scale: logit scale (Dh ** -0.5 in the model).
+        extra_kv: [T, N, Dh] per-token extra keys, or None.
+        extra_valid: [T, N] bool, which extra keys token t sees (required with extra_kv).
+    Returns:
+        [T, H, Dh] in q's dtype.
+    """
+    offsets = torch.arange(window - 1, -1, -1, device=positions.device)
+    win_pos = positions[:, None] - offsets[None, :]                      # [T, W]
+    valid = win_pos >= 0
+    kv_slots = req_to_token[token_slot[:, None], win_pos.clamp(min=0)]
+    keys = window_kv[kv_slots]                                           # [T, W, Dh]
+    if extra_kv is not None:
+        assert extra_valid is not None, "extra_kv needs extra_valid"
+        keys = torch.cat((keys, extra_kv.to(keys.dtype)), dim=1)
+        valid = torch.cat((valid, extra_valid), dim=1)
+    logits = torch.einsum("thd,tkd->thk", q, keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    sink_column = sinks.to(logits.dtype)[None, :, None].expand(logits.shape[0], -1, 1)
+    logits = torch.cat((logits, sink_column), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)      # drop the sink column
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+
+
+@triton.jit
+def _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
+                         DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr):
+    # One tile of keys [BLOCK_N, D] for the head block q [BLOCK_H, D]; logits in the log2 domain.
+    if DOT_FP32:
+        s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
+    else:
+        s = tl.dot(q, tl.trans(keys))
+    s = tl.where(valid[None, :], s * qk_scale, float("-inf"))
+    # m_i starts at the (finite) sink, so m_new is finite and masked keys give exp2(-inf) = 0.
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    if ROUND_P:  # 16-bit keys: probabilities enter the PV product in the key dtype
+        p = p.to(keys.dtype)
+    if DOT_FP32:
+        pv = tl.dot(p.to(tl.float32), keys.to(tl.float32), input_precision="ieee")
+    else:
+        pv = tl.dot(p, keys)
+    return m_new, l_i, acc * alpha[:, None] + pv
+
+
+@triton.jit
+def _window_sparse_attention_kernel(
+    q_ptr, kv_ptr, pos_ptr, slot_ptr, table_ptr, sinks_ptr, extra_ptr, extra_valid_ptr, out_ptr,
+    num_heads, window, num_extra, qk_scale,
+    q_stride_t, q_stride_h, kv_stride, table_stride,
+    extra_stride_t, extra_stride_n, valid_stride_t, out_stride_t, out_stride_h,
+    HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    head_ok = heads < num_heads
+    dims = tl.arange(0, D_POW2)
+    dim_ok = dims < HEAD_DIM
+    q = tl.load(q_ptr + token * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h
+                + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    kv_dtype = kv_ptr.dtype.element_ty
+    q = q.to(kv_dtype)
+    sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    m_i = sink
+    l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_H, D_POW2], dtype=tl.float32)
+
+    position = tl.load(pos_ptr + token).to(tl.int64)
+    table_row = table_ptr + tl.load(slot_ptr + token).to(tl.int64) * table_stride
+    first = position - window + 1  # position of window offset 0 (may be negative)
+    # Skip whole tiles that lie before position 0 (windows longer than the sequence so far).
+    start = tl.maximum(-first, 0) // BLOCK_N * BLOCK_N
+    offs = tl.arange(0, BLOCK_N)
+    for j0 in range(start, window, BLOCK_N):
+        key_pos = first + j0 + offs
+        valid = (key_pos >= 0) & (j0 + offs < window)
+        kv_slot = tl.load(table_row + key_pos, mask=valid, other=0).to(tl.int64)
+        keys = tl.load(kv_ptr + kv_slot[:, None] * kv_stride + dims[None, :],
+                       mask=valid[:, None] & dim_ok[None, :], other=0.0)
+        m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32,
+                                             ROUND_P)
+
+    if HAS_EXTRA:
+        extra_row = extra_ptr + token * extra_stride_t
+        for n0 in range(0, num_extra, BLOCK_N):
+            idx = n0 + offs
+            in_range = idx < num_extra
+            valid = tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range,
+                            other=0) != 0
+            keys = tl.load(extra_row + idx[:, None].to(tl.int64) * extra_stride_n + dims[None, :],
+                           mask=valid[:, None] & dim_ok[None, :], other=0.0).to(kv_dtype)
+            m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
+                                                 DOT_FP32, ROUND_P)
+
+    denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
+    out = acc / denom[:, None]
+    tl.store(out_ptr + token * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h
+             + dims[None, :], out.to(out_ptr.dtype.element_ty),
+             mask=head_ok[:, None] & dim_ok[None, :])
+
+
+def _check_int_vector(name: str, t: torch.Tensor, length: int) -> None:
+    if t.dim() != 1 or t.shape[0] != length or t.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"{name} must be int32/int64 [{length}], got {t.dtype} {tuple(t.shape)}")
+    if length > 1 and t.stride(0) != 1:
+        raise ValueError(f"{name} must be contiguous, got stride {t.stride()}")
+
+
+def window_sparse_attention(
+    q: torch.Tensor,
+    window_kv: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    req_to_token: torch.Tensor,
+    window: int,
+    sinks: torch.Tensor,
+    scale: float,
+    extra_kv: torch.Tensor | None,
+    extra_valid: torch.Tensor | None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Window + extra-key attention with sinks in one launch, no host sync.
+
+    Arguments as `window_sparse_attention_ref` (q and window_kv bf16/fp16/fp32 of one dtype, unit
+    stride along Dh; extra_kv any of those dtypes, cast to window_kv's on load; sinks must be
+    finite). One program per (token, head block) runs an online softmax over the window keys
+    (slot ids loaded from the page table, then the K rows) and then the extra keys, in fp32.
+    `out`: optional [T, H, Dh] buffer of q's dtype (unit stride along Dh). Returns [T, H, Dh].
+    """
+    if q.dim() != 3 or q.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"q must be [T, H, Dh] bf16/fp16/fp32, got {q.dtype} {tuple(q.shape)}")
+    tokens, heads, head_dim = q.shape
+    if window_kv.dim() != 2 or window_kv.shape[1] != head_dim or window_kv.dtype != q.dtype:
+        raise ValueError(f"window_kv must be [slots, {head_dim}] {q.dtype}, got "
+                         f"{window_kv.dtype} {tuple(window_kv.shape)}")
+    _check_int_vector("positions", positions, tokens)
+    _check_int_vector("token_slot", token_slot, tokens)
+    if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"req_to_token must be int32/int64 [slots, max_ctx], got "
+                         f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+    if window < 1:
+        raise ValueError(f"window must be >= 1, got {window}")
+    if sinks.dim() != 1 or sinks.shape[0] != heads:
+        raise ValueError(f"sinks must be [{heads}], got {tuple(sinks.shape)}")
+    has_extra = extra_kv is not None
+    num_extra = 0
+    if extra_kv is not None:
+        if extra_valid is None:
+            raise ValueError("extra_valid is required with extra_kv")
+        if extra_kv.dim() != 3 or extra_kv.shape[0] != tokens or extra_kv.shape[2] != head_dim \
+                or extra_kv.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"extra_kv must be [{tokens}, N, {head_dim}] float, got "
+                             f"{extra_kv.dtype} {tuple(extra_kv.shape)}")
+        num_extra = extra_kv.shape[1]
+        if extra_valid.shape != extra_kv.shape[:2] or extra_valid.dtype != torch.bool:
+            raise ValueError(f"extra_valid must be bool [{tokens}, {num_extra}], got "
+                             f"{extra_valid.dtype} {tuple(extra_valid.shape)}")
+    if out is None:
+        out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    elif out.shape != q.shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if tokens == 0 or heads == 0:
+        return out
+    to_check = [("q", q), ("window_kv", window_kv), ("out", out), ("req_to_token", req_to_token)]
+    if extra_kv is not None and extra_valid is not None and num_extra > 0:
+        to_check += [("extra_kv", extra_kv), ("extra_valid", extra_valid)]
+    for name, t in to_check:
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
+    if sinks.stride(0) != 1 and heads > 1:
+        raise ValueError(f"sinks must be contiguous, got stride {sinks.stride()}")
+    if extra_kv is None or extra_valid is None or num_extra == 0:
+        has_extra = False
+        extra_arg, valid_arg = q, positions  # never read (HAS_EXTRA=False)
+        extra_strides, valid_stride = (0, 0), 0
+    else:
+        extra_arg, valid_arg = extra_kv, extra_valid.view(torch.uint8)
+        extra_strides, valid_stride = (extra_kv.stride(0), extra_kv.stride(1)), extra_valid.stride(0)
+    d_pow2 = max(16, triton.next_power_of_2(head_dim))
+    block_h = max(16, min(triton.next_power_of_2(heads), _TILE_ELEMS // d_pow2))
+    block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
+    grid = (tokens, triton.cdiv(heads, block_h))
+    _window_sparse_attention_kernel[grid](
+        q, window_kv, positions, token_slot, req_to_token, sinks, extra_arg, valid_arg, out,
+        heads, window, num_extra, scale * _LOG2E,
+        q.stride(0), q.stride(1), window_kv.stride(0), req_to_token.stride(0),
+        extra_strides[0], extra_strides[1], valid_stride, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_H=block_h, BLOCK_N=block_n,
+        HAS_EXTRA=has_extra,
+        # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
+        # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
+        DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
+        ROUND_P=q.dtype != torch.float32,
+        num_warps=8 if d_pow2 >= 256 else 4,
+    )
+    return out
