@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.layers.rotary import rope_inv_freq  # noqa: E402
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig  # noqa: E402
@@ -28,10 +29,11 @@ from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 
 
-def random_model(cfg: ModelConfig, device: str, seed: int = 0) -> DeepseekV4ForCausalLM:
+def random_model(cfg: ModelConfig, device: str, seed: int = 0,
+                 kernels: KernelChoice | None = None) -> DeepseekV4ForCausalLM:
     """Seeded random weights generated on the device (std 0.02 matrices, unit norms)."""
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(cfg)
+        model = DeepseekV4ForCausalLM(cfg, kernels)
     model = model.to_empty(device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
@@ -99,15 +101,23 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--kernel-backend", default=None, help="default: triton on cuda, else torch")
+    p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA "
+                   "graphs captured for the batch sizes")
     p.add_argument("--out", default=None)
     a = p.parse_args()
     cfg = ModelConfig.from_hf_dict(BENCH_CONFIGS[a.config])
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     ctx = a.input_len + a.output_len + 32
+    backend = a.kernel_backend or ("triton" if a.device.startswith("cuda") else "torch")
+    kernels = KernelChoice.parse(backend)
     runner = ModelRunner(cfg, RunnerConfig(device=a.device, dtype=a.dtype,
                                            max_total_tokens=max(sizes) * ctx + 1024,
-                                           max_running_requests=max(sizes), context_length=ctx),
-                         model=random_model(cfg, a.device))
+                                           max_running_requests=max(sizes), context_length=ctx,
+                                           kernel_backend=backend),
+                         model=random_model(cfg, a.device, kernels=kernels))
+    if a.cuda_graph:
+        runner.init_cuda_graphs(max(sizes))
     rows = [bench(runner, bs, a.input_len, a.output_len, a.device) for bs in sizes]
     for r in rows:
         print(json.dumps(r))

@@ -17,7 +17,10 @@ if has env; then
   git log --oneline -1 2>/dev/null | tee -a "$OUT/env.txt"
 fi
 if has kernels; then
-  python3 -m pytest -q -p no:cacheprovider test/registered/kernels test/registered/unit/test_kernel_dispatch.py test/registered/e2e/test_moe_backend.py 2>&1 | tee "$OUT/kernel_tests.txt" | tail -25
+  timeout 360 python3 -m pytest -q -p no:cacheprovider -n 8 test/registered/kernels \
+    test/registered/unit/test_kernel_dispatch.py test/registered/e2e/test_moe_backend.py \
+    test/registered/unit/test_triton_attention_backend.py test/registered/unit/test_indexer_family.py \
+    test/registered/unit/test_norm_family.py 2>&1 | tee "$OUT/kernel_tests.txt" | tail -25
 fi
 if has dspark; then
   python3 benchmark/gpu/dspark_eager_check.py --out "$OUT/dspark_eager.json" 2>&1 | tail -60
@@ -37,6 +40,16 @@ if has bench; then
   python3 benchmark/bench_one_batch.py --config mid_910m --device cuda --batch-sizes 1,8 \
     --input-len 512 --output-len 32 --out "$OUT/bench_one_batch.json" 2>&1 | tail -5
 fi
+if has graphs; then
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -x test/registered/e2e/test_cuda_graph_runner.py \
+    test/registered/e2e/test_dspark_step_no_sync.py 2>&1 | tee "$OUT/graph_tests.txt" | tail -30
+fi
+if has engine; then
+  timeout 420 python3 benchmark/bench_engine.py --config mid_910m --batch-sizes 1,8,32 --profile --attention-backend triton --extra-attention-backends torch \
+    --out-dir "$OUT" 2>&1 | grep -v '"ids"' | tail -40
+  cat "$OUT/engine.md" 2>/dev/null
+fi
 if has kbench; then
-  python3 benchmark/kernels/run_all.py --out "$OUT/kernels.md" 2>&1 | tail -80
+  python3 benchmark/kernels/run_all.py --out "$OUT/kernels.md" ${KBENCH_ONLY:+--only "$KBENCH_ONLY"} \
+    2>&1 | tail -80
 fi

@@ -6,10 +6,15 @@ check, bytes_moved(M)). Shapes: 16 local heads (64 at TP4), Dh = 512, window 128
 compressed entries per token (CSA index_topk), bf16. M = bs * w token rows, mapped to (bs, w) as
 in the shape sheet (kernels.md §0.1); each request has a random context of 1k-4k tokens in
 64-token pages drawn at random from the pool.
+
+Two cases time the same launcher: the default (split-K chosen from the shape: at these shapes
+40 key tiles of 16 keys, so 20 splits at M=1 down to 3 at M=128 on 132 SMs) and the single pass
+forced with ``num_splits=1`` (the kernel before split-K), to show what the split buys per M.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
@@ -64,5 +69,9 @@ def _bytes(m: int) -> int:
 CASES: list[dict[str, Any]] = [
     dict(name="attn_window128_extra512_h16_d512", make_inputs=_inputs,
          reference=window_sparse_attention_ref, launcher=window_sparse_attention, check=_check,
+         bytes_moved=_bytes),
+    dict(name="attn_window128_extra512_h16_d512_single_pass", make_inputs=_inputs,
+         reference=window_sparse_attention_ref,
+         launcher=functools.partial(window_sparse_attention, num_splits=1), check=_check,
          bytes_moved=_bytes),
 ]

@@ -37,10 +37,6 @@ def _gen(m: int) -> torch.Generator:
     return torch.Generator().manual_seed(4321 + m)
 
 
-def _cdiv_at_least_one(a: int, b: int) -> int:
-    return max((a + b - 1) // b, 1)
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
 
@@ -48,27 +44,21 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- K7
 
 
-def _mhc_inputs(m: int, device: str) -> dict[str, Any]:
+def _mhc_inputs(m: int, device: str, hidden: int = HIDDEN) -> dict[str, Any]:
     gen = _gen(m)
     r = (2 + HC) * HC
     tensors = dict(
-        streams=torch.randn(m, HC, HIDDEN, generator=gen).to(torch.bfloat16),
-        y=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16),
+        streams=torch.randn(m, HC, hidden, generator=gen).to(torch.bfloat16),
+        y=torch.randn(m, hidden, generator=gen).to(torch.bfloat16),
         post=torch.rand(m, HC, generator=gen) * 2,
         comb=torch.rand(m, HC, HC, generator=gen) / HC,
-        fn=torch.randn(r, HC * HIDDEN, generator=gen) * 0.02,
+        fn=torch.randn(r, HC * hidden, generator=gen) * 0.02,
         base=torch.randn(r, generator=gen) * 0.1,
         scale=torch.ones(3),
-        norm_weight=1 + 0.1 * torch.randn(HIDDEN, generator=gen),
-        # Preallocated, self-resetting arrival counters: no zero-fill node per graph replay.
-        counters=torch.zeros(_cdiv_at_least_one(m, 4), dtype=torch.int32),
+        norm_weight=1 + 0.1 * torch.randn(hidden, generator=gen),
     )
     return {**{k: v.to(device) for k, v in tensors.items()},
             "hc_eps": 1e-6, "sinkhorn_iters": HC_SINKHORN_ITERS, "rms_eps": 1e-6}
-
-
-def _mhc_ref(counters: torch.Tensor, **kwargs: Any) -> Any:
-    return mhc_post_combine_ref(**kwargs)
 
 
 def _mhc_check(want: Any, got: Any) -> None:
@@ -82,10 +72,22 @@ def _mhc_check(want: Any, got: Any) -> None:
         assert (w != g).float().mean().item() < 0.02, f"{name}: too many 1-ulp differences"
 
 
-def _mhc_bytes(m: int) -> int:
+def _mhc_bytes(m: int, hidden: int = HIDDEN) -> int:
     r = (2 + HC) * HC
-    per_row = (2 * HC * HIDDEN + 3 * HIDDEN) * 2 + (2 * HC + 2 * HC * HC + HC) * 4
-    return m * per_row + (r * HC * HIDDEN + r + 3 + HIDDEN) * 4
+    per_row = (2 * HC * hidden + 3 * hidden) * 2 + (2 * HC + 2 * HC * HC + HC) * 4
+    return m * per_row + (r * HC * hidden + r + 3 + hidden) * 4
+
+
+# The engine's tiny DSV4 config runs K7 at D = 1024 (about 20 calls per decode step).
+ENGINE_HIDDEN = 1024
+
+
+def _mhc_inputs_engine(m: int, device: str) -> dict[str, Any]:
+    return _mhc_inputs(m, device, ENGINE_HIDDEN)
+
+
+def _mhc_bytes_engine(m: int) -> int:
+    return _mhc_bytes(m, ENGINE_HIDDEN)
 
 
 # ----------------------------------------------------------------------------- K9
@@ -136,8 +138,10 @@ def _case(name: str, make_inputs: Callable[[int, str], dict[str, Any]], referenc
 
 
 CASES: list[dict[str, Any]] = [
-    _case("k7_mhc_post_combine_norm_bf16_hc4", _mhc_inputs, _mhc_ref, mhc_post_combine,
-          _mhc_check, _mhc_bytes),
+    _case("k7_mhc_post_combine_norm_bf16_hc4", _mhc_inputs, mhc_post_combine_ref,
+          mhc_post_combine, _mhc_check, _mhc_bytes),
+    _case("k7_mhc_post_combine_norm_bf16_hc4_d1024", _mhc_inputs_engine, mhc_post_combine_ref,
+          mhc_post_combine, _mhc_check, _mhc_bytes_engine),
     _case("k9_fp4_index_k_quant_128", _k_inputs, fp4_index_k_quant_ref, fp4_index_k_quant,
           _k_check, lambda m: m * (INDEX_HEAD_DIM * 2 + INDEX_HEAD_DIM // 2 + 4)),
     _case("k10_index_q_rope_fp4_pack_weights_64h", _q_inputs, index_q_rope_fp4_ref,

@@ -26,7 +26,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 MODULES = ("benchmark.kernels.bench_spec", "benchmark.kernels.bench_moe",
-           "benchmark.kernels.bench_mhc_indexer", "benchmark.kernels.bench_attention")
+           "benchmark.kernels.bench_mhc_indexer", "benchmark.kernels.bench_attention",
+           "benchmark.kernels.bench_indexer", "benchmark.kernels.bench_norm")
 M_VALUES = (1, 4, 8, 24, 32, 128)
 
 
@@ -86,7 +87,7 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the Markdown table here")
     p.add_argument("--calls-per-graph", type=int, default=20)
     p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--only", default=None, help="substring filter on case names")
+    p.add_argument("--only", default=None, help="comma list of substrings; run the cases whose name contains one")
     a = p.parse_args()
     assert torch.cuda.is_available(), "run_all.py needs a GPU"
     bw = copy_bandwidth()
@@ -103,7 +104,7 @@ def main() -> None:
             traceback.print_exc()
             continue
         for case in mod.CASES:
-            if a.only and a.only not in case["name"]:
+            if a.only and not any(k in case["name"] for k in a.only.split(",")):
                 continue
             compiled = torch.compile(case["reference"], dynamic=False)
             for m in M_VALUES:

@@ -2,9 +2,11 @@
 in its family module and are imported only by tests and benchmarks)."""
 
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp
+from sgl_dspark.kernels.compressor_pool import PooledEntries, compressor_pool
 from sgl_dspark.kernels.draft_inputs import DraftInputs, prepare_draft_inputs
 from sgl_dspark.kernels.fp4_indexer import IndexQFp4Output, fp4_index_k_quant, index_q_rope_fp4
 from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm
+from sgl_dspark.kernels.indexer import indexer_logits
 from sgl_dspark.kernels.mhc import MhcPostCombineOutput, mhc_post_combine
 from sgl_dspark.kernels.moe_reduce import moe_reduce
 from sgl_dspark.kernels.moe_route import (
@@ -14,6 +16,7 @@ from sgl_dspark.kernels.moe_route import (
     router_topk,
 )
 from sgl_dspark.kernels.moe_sort import MoeSortOutput, MoeSortPlan, moe_sort, prepare_moe_sort
+from sgl_dspark.kernels.rmsnorm import rms_norm
 from sgl_dspark.kernels.rope import rope_tail
 from sgl_dspark.kernels.sparse_attention import window_sparse_attention
 from sgl_dspark.kernels.spec_accept import AcceptOutput, spec_accept
@@ -26,4 +29,6 @@ __all__ = [
     "mhc_post_combine", "moe_grouped_gemm", "moe_reduce", "moe_sort", "prepare_draft_inputs",
     "prepare_moe_sort", "rope_tail", "router_topk", "shard_argmax_pairs", "silu_mul_clamp",
     "spec_accept", "vocab_argmax", "window_sparse_attention",
+    "PooledEntries", "compressor_pool", "indexer_logits",
+    "rms_norm",
 ]

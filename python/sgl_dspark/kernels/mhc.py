@@ -1,16 +1,21 @@
 """mHC (manifold-constrained hyper-connection) post-combine, K7 of kernels.md.
 
-One launch closes a sublayer and opens the next one: it applies this sublayer's stream update
+One call closes a sublayer and opens the next one: it applies this sublayer's stream update
 ``Rs'[k] = post[k]·y + Σ_j C[j,k]·Rs[j]``, computes the next hyper-connection's coefficients
 from ``Rs'`` (weightless RMSNorm over n·D, ``fn`` projection, sigmoid pre/post, softmax +
 Sinkhorn comb), collapses ``x_in = Σ_j pre'[j]·Rs'[j]`` and applies the next weighted RMSNorm
-(deepseek_v4_model.md §4.2–§4.4).
+(deepseek_v4_model.md §4.2–§4.4). Two launches of one kernel, no atomics, no host reads:
+  A. grid (row tiles, D slices): Rs' on the slice, and per row the slice's partial fn projection
+     and sum of squares, into an fp32 scratch [M, slices, RP].
+  B. grid (M, 2): (row, 0) sums the row's partials into pre', then collapses and norms the whole
+     row; (row, 1) forms post' and comb', keeping Sinkhorn off the collapse's critical path.
 
 Exactness: ``Rs'`` is bit-exact against the reference on any backend (elementwise, fixed operand
 order, FMA contraction off, bf16 rounding on the bits). The coefficients, ``x_in`` and the normed
-input go through a split reduction and ``exp``/``sigmoid`` whose order and lowering differ from
-torch, so they match the reference to a tolerance (X2); every tree is fixed by D, so a row's
-result never depends on M or the grid.
+input go through split reductions and ``exp``/``sigmoid`` whose order and lowering differ from
+torch: a tolerance (X2). Every tree is fixed by (n, D) (slice width, partial layout and warp
+counts depend on n and D only; phase A runs the same unrolled code for each row of a tile), so
+a row's result never depends on M, on its position in the batch or on the grid.
 """
 
 from __future__ import annotations
@@ -21,12 +26,13 @@ import torch
 import triton
 import triton.language as tl
 
-# Rows per program in the stream-update phase: the fn tile loaded by a program is reused for
-# this many rows. D-slice width: fixes the split of every full-row reduction by D alone.
-_BLOCK_M = 4
-_BLOCK_D = 64
-# Chunk width of the finishing program's collapse and norm passes over a full row.
-_MAX_FINISH_BLOCK = 1024
+# Phase A D-slice width: aims at 64 slices (programs at M = 1), within these bounds.
+_MIN_BLOCK_D, _MAX_BLOCK_D = 16, 64
+# Phase A rows per program: grows with M so that fn (r·n·D fp32, 1.5 MB at D = 4096) is read by
+# about _TARGET_ROW_TILES row tiles, capped so a program's unrolled row loop stays short.
+_TARGET_ROW_TILES, _MAX_BLOCK_M = 4, 16
+# Phase B: rows up to this width stay in registers; wider ones are chunked (norm re-reads x_in).
+_MAX_FINISH_BLOCK = 8192
 
 
 class MhcPostCombineOutput(NamedTuple):
@@ -46,14 +52,8 @@ class MhcPostCombineOutput(NamedTuple):
 
 
 def mhc_coeffs_ref(
-    streams: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    *,
-    hc_eps: float,
-    sinkhorn_iters: int,
-    rms_eps: float,
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
+    hc_eps: float, sinkhorn_iters: int, rms_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_coeffs of deepseek_v4_model.md §4.2.
 
@@ -110,26 +110,15 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def mhc_post_combine_ref(
-    streams: torch.Tensor,
-    y: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    norm_weight: torch.Tensor,
-    *,
-    hc_eps: float,
-    sinkhorn_iters: int,
-    rms_eps: float,
+    streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
+    hc_eps: float, sinkhorn_iters: int, rms_eps: float,
 ) -> MhcPostCombineOutput:
     """Unfused chain: mhc_post_ref, then mhc_coeffs_ref of the next sublayer on the updated
     (stored, i.e. dtype-rounded) streams, its collapse, and its RMSNorm."""
     new_streams = mhc_post_ref(streams, y, post, comb)
-    pre2, post2, comb2 = mhc_coeffs_ref(
-        new_streams, fn, base, scale,
-        hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps,
-    )
+    pre2, post2, comb2 = mhc_coeffs_ref(new_streams, fn, base, scale, hc_eps=hc_eps,
+                                        sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps)
     x_in = mhc_collapse_ref(new_streams, pre2)
     x_normed = rms_norm_ref(x_in, norm_weight, rms_eps)
     return MhcPostCombineOutput(new_streams, pre2, post2, comb2, x_in, x_normed)
@@ -150,41 +139,198 @@ def _round_to_bf16(x):
 
 
 @triton.jit
-def _mhc_finish_row(
-    row, streams_out_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, x_in_ptr, x_normed_ptr,
-    partials_ptr, base_ptr, scale_ptr, norm_w_ptr,
-    hc_eps, rms_eps,
-    D: tl.constexpr, NUM_SLICES: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
+def _pick(t, offs_j, j: tl.constexpr):
+    """Row j of fp32 t [NP, B], bit for bit (signed zeros, NaN payloads): an integer sum of the
+    bit patterns with zeros elsewhere is exact on every backend and interpreter, whatever the
+    tree (a float sum with a -0.0 fill is not: numpy's sum starts from +0.0)."""
+    bits = tl.where(offs_j[:, None] == j, t.to(tl.int32, bitcast=True), 0)
+    return tl.sum(bits, axis=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, row, M, offs_j, mask_j, offs_d, mask_d,
+              D: tl.constexpr, N: tl.constexpr):
+    """Phase A inputs of one row on one slice: y [B], post [NP], comb [NP, NP], Rs [NP, B]."""
+    ok = row < M
+    mask_jd = mask_j[:, None] & mask_d[None, :] & ok
+    y = tl.load(y_ptr + row * D + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
+    post = tl.load(post_ptr + row * N + offs_j, mask=mask_j & ok, other=0.0)
+    comb = tl.load(comb_ptr + row * N * N + offs_j[:, None] * N + offs_j[None, :],
+                   mask=mask_j[:, None] & mask_j[None, :] & ok, other=0.0)
+    src = tl.load(streams_ptr + (row * N + offs_j[:, None]) * D + offs_d[None, :], mask=mask_jd,
+                  other=0.0).to(tl.float32)
+    return y, post, comb, src
+
+
+@triton.jit
+def _stream_update_and_partials(
+    streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
+    D: tl.constexpr, NUM_SLICES: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+    RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    """Coefficients, collapse and norm of one row, after every D-slice published its partials."""
+    """Phase A, program (row tile, D slice): Rs' of BLOCK_M rows on the slice; per row, the
+    slice's partial fn projection (partials columns < R) and sum of squares (column R)."""
     R: tl.constexpr = (2 + N) * N
+    slice_id = tl.program_id(1)
+    act_ty = streams_out_ptr.dtype.element_ty
+    offs_j = tl.arange(0, NP)
+    mask_j = offs_j < N
+    offs_d = slice_id * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask_d = offs_d < D
+    offs_r = tl.arange(0, RP)
+    mask_r = offs_r < R
+    mask_jd = mask_j[:, None] & mask_d[None, :]
+    # fn[r, j·D + d]: the stream-major flatten of §4.2. Loaded once, reused by every row.
+    fn_offs = offs_r[:, None, None] * (N * D) + offs_j[None, :, None] * D + offs_d[None, None, :]
+    fn_tile = tl.load(fn_ptr + fn_offs, mask=mask_r[:, None, None] & mask_jd[None, :, :], other=0.0)
+
+    # Unrolled, each row running the same code on the same shapes (so its bits depend neither
+    # on BLOCK_M nor on its place in the tile); the next row's loads are issued before this
+    # row's arithmetic so that their latency overlaps it.
+    first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
+    y, post, comb, src = _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, first_row, M,
+                                   offs_j, mask_j, offs_d, mask_d, D, N)
+    for i in tl.static_range(BLOCK_M):
+        row = first_row + i
+        if i + 1 < BLOCK_M:
+            y_next, post_next, comb_next, src_next = _load_row(
+                streams_ptr, y_ptr, post_ptr, comb_ptr, row + 1, M,
+                offs_j, mask_j, offs_d, mask_d, D, N)
+        # The reference's operand order: post term first, then j increasing.
+        acc = post[:, None] * y[None, :]
+        for j in tl.static_range(N):
+            acc = acc + _pick(comb, offs_j, j)[:, None] * _pick(src, offs_j, j)[None, :]
+        if ROUND_BF16:
+            acc = _round_to_bf16(acc)
+        out_offs = (row * N + offs_j[:, None]) * D + offs_d[None, :]
+        tl.store(streams_out_ptr + out_offs, acc.to(act_ty), mask=mask_jd & (row < M))
+        sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+        mix = tl.sum(tl.sum(fn_tile * acc[None, :, :], axis=2), axis=1)
+        part = tl.where(offs_r == R, sumsq, mix)
+        tl.store(partials_ptr + (row * NUM_SLICES + slice_id) * RP + offs_r, part, mask=row < M)
+        if i + 1 < BLOCK_M:
+            y, post, comb, src = y_next, post_next, comb_next, src_next
+
+
+@triton.jit
+def _slice_sum(ws_ptr, cols, col_mask, NUM_SLICES: tl.constexpr, SP: tl.constexpr,
+               RP: tl.constexpr):
+    """Σ over the D slices of one row's partial columns ``cols``: one load, one reduction whose
+    tree is fixed by the shape, i.e. by (n, D)."""
+    offs_s = tl.arange(0, SP)
+    vals = tl.load(ws_ptr + offs_s[:, None] * RP + cols[None, :],
+                   mask=(offs_s < NUM_SLICES)[:, None] & col_mask[None, :], other=0.0)
+    return tl.sum(vals, axis=0)
+
+
+@triton.jit
+def _inv_rms(sumsq, count: tl.constexpr, eps):  # 1 / sqrt(sumsq / count + eps), rounded steps
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sumsq, count * 1.0) + eps))
+
+
+@triton.jit
+def _row_inv_rms(ws_ptr, rms_eps, D: tl.constexpr, N: tl.constexpr, NUM_SLICES: tl.constexpr,
+                 SP: tl.constexpr, RP: tl.constexpr):
+    """1 / sqrt(mean(Rs'²) + eps) over the row's n·D values, from the slices' sums of squares."""
+    offs_s = tl.arange(0, SP)
+    part = tl.load(ws_ptr + offs_s * RP + (2 + N) * N, mask=offs_s < NUM_SLICES, other=0.0)
+    return _inv_rms(tl.sum(part, axis=0), N * D, rms_eps)
+
+
+@triton.jit
+def _collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr,
+                    ROUND_BF16: tl.constexpr):
+    """x_in = Σ_j pre[j]·rs[j, :] (rs [NP, B] fp32) with j increasing, the reference's order;
+    stores it and returns the stored value in fp32."""
+    x = _pick(pre[:, None], offs_j, 0) * _pick(rs, offs_j, 0)
+    for j in tl.static_range(1, N):
+        x = x + _pick(pre[:, None], offs_j, j) * _pick(rs, offs_j, j)
+    if ROUND_BF16:
+        x = _round_to_bf16(x)
+    tl.store(x_in_row_ptr + offs_d, x.to(x_in_row_ptr.dtype.element_ty), mask=mask_d)
+    return x
+
+
+@triton.jit
+def _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_d, mask_d, ROUND_BF16: tl.constexpr):
+    out = w * (x * inv_rms_x)
+    if ROUND_BF16:
+        out = _round_to_bf16(out)
+    tl.store(x_normed_row_ptr + offs_d, out.to(x_normed_row_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def _finish_collapse_norm(
+    row, streams_out_ptr, pre_out_ptr, x_in_ptr, x_normed_ptr, partials_ptr, base_ptr,
+    scale_ptr, norm_w_ptr, hc_eps, rms_eps,
+    D: tl.constexpr, NUM_SLICES: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
+    RP: tl.constexpr, SP: tl.constexpr, FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
+):
+    """Phase B, program (row, 0): pre', x_in = Σ_j pre'[j]·Rs'[j] and RMSNorm_w(x_in)."""
+    offs_j = tl.arange(0, NP)
+    mask_j = offs_j < N
+    offs_f = tl.arange(0, FINISH_BLOCK)
+    rows_ptr = streams_out_ptr + (row * N + offs_j[:, None]) * D
+    x_in_row_ptr = x_in_ptr + row * D
+    x_normed_row_ptr = x_normed_ptr + row * D
+    if FINISH_BLOCK >= D:
+        # Issued before the coefficient chain so that these loads overlap it.
+        mask_f = offs_f < D
+        rs = tl.load(rows_ptr + offs_f[None, :], mask=mask_j[:, None] & mask_f[None, :],
+                     other=0.0).to(tl.float32)
+        w = tl.load(norm_w_ptr + offs_f, mask=mask_f, other=0.0).to(tl.float32)
+
+    ws = partials_ptr + row * NUM_SLICES * RP
+    mix_pre = _slice_sum(ws, offs_j, mask_j, NUM_SLICES, SP, RP)
+    inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
+    base_pre = tl.load(base_ptr + offs_j, mask=mask_j, other=0.0)
+    pre = tl.sigmoid(mix_pre * inv_rms * tl.load(scale_ptr) + base_pre) + hc_eps
+    tl.store(pre_out_ptr + row * N + offs_j, pre, mask=mask_j)
+
+    if FINISH_BLOCK >= D:
+        # The whole row stays in registers: the stored (rounded) x_in feeds the norm directly.
+        x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_f, mask_f, N, ROUND_BF16)
+        inv_rms_x = _inv_rms(tl.sum(x * x, axis=0), D, rms_eps)
+        _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_f, mask_f, ROUND_BF16)
+    else:
+        sumsq_x = tl.zeros([FINISH_BLOCK], tl.float32)
+        for d0 in range(0, D, FINISH_BLOCK):
+            mask_d = d0 + offs_f < D
+            rs = tl.load(rows_ptr + d0 + offs_f[None, :], mask=mask_j[:, None] & mask_d[None, :],
+                         other=0.0).to(tl.float32)
+            x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, d0 + offs_f, mask_d, N, ROUND_BF16)
+            sumsq_x += x * x
+        # NOTE: the norm pass re-reads x_in written above by other threads of this program.
+        tl.debug_barrier()
+        inv_rms_x = _inv_rms(tl.sum(sumsq_x, axis=0), D, rms_eps)
+        for d0 in range(0, D, FINISH_BLOCK):
+            mask_d = d0 + offs_f < D
+            x = tl.load(x_in_row_ptr + d0 + offs_f, mask=mask_d, other=0.0).to(tl.float32)
+            w = tl.load(norm_w_ptr + d0 + offs_f, mask=mask_d, other=0.0).to(tl.float32)
+            _norm_store(x, w, inv_rms_x, x_normed_row_ptr, d0 + offs_f, mask_d, ROUND_BF16)
+
+
+@triton.jit
+def _finish_coeffs(
+    row, post_out_ptr, comb_out_ptr, partials_ptr, base_ptr, scale_ptr, hc_eps, rms_eps,
+    D: tl.constexpr, NUM_SLICES: tl.constexpr, SINKHORN_ITERS: tl.constexpr, N: tl.constexpr,
+    NP: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
+):
+    """Phase B, program (row, 1): post' (sigmoid) and comb' (softmax + Sinkhorn)."""
     offs_j = tl.arange(0, NP)
     mask_j = offs_j < N
     mask_jk = mask_j[:, None] & mask_j[None, :]
     comb_idx = offs_j[:, None] * N + offs_j[None, :]
+    ws = partials_ptr + row * NUM_SLICES * RP
+    inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
+    mix_post = _slice_sum(ws, N + offs_j, mask_j, NUM_SLICES, SP, RP) * inv_rms
+    offs_s = tl.arange(0, SP)
+    comb_part = tl.load(ws + offs_s[:, None, None] * RP + 2 * N + comb_idx[None, :, :],
+                        mask=(offs_s < NUM_SLICES)[:, None, None] & mask_jk[None, :, :], other=0.0)
+    mix_comb = tl.sum(comb_part, axis=0) * inv_rms
 
-    # Partials are summed in slice order, so the tree depends on D only (never on M or grid).
-    mix_pre = tl.zeros([NP], tl.float32)
-    mix_post = tl.zeros([NP], tl.float32)
-    mix_comb = tl.zeros([NP, NP], tl.float32)
-    sumsq = 0.0
-    for s in range(NUM_SLICES):
-        ws = partials_ptr + (row * NUM_SLICES + s) * (R + 1)
-        # NOTE: other programs wrote these; ".cg" skips L1 (the acquiring atomic orders them).
-        mix_pre += tl.load(ws + offs_j, mask=mask_j, other=0.0, cache_modifier=".cg")
-        mix_post += tl.load(ws + N + offs_j, mask=mask_j, other=0.0, cache_modifier=".cg")
-        mix_comb += tl.load(ws + 2 * N + comb_idx, mask=mask_jk, other=0.0, cache_modifier=".cg")
-        sumsq += tl.load(ws + R, cache_modifier=".cg")
-    inv_rms = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sumsq, (N * D) * 1.0) + rms_eps))
-    mix_pre = mix_pre * inv_rms
-    mix_post = mix_post * inv_rms
-    mix_comb = mix_comb * inv_rms
-
-    base_pre = tl.load(base_ptr + offs_j, mask=mask_j, other=0.0)
     base_post = tl.load(base_ptr + N + offs_j, mask=mask_j, other=0.0)
     base_comb = tl.load(base_ptr + 2 * N + comb_idx, mask=mask_jk, other=0.0)
-    pre = tl.sigmoid(mix_pre * tl.load(scale_ptr) + base_pre) + hc_eps
     post = 2.0 * tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + base_post)
     logits = mix_comb * tl.load(scale_ptr + 2) + base_comb
     logits = tl.where(mask_jk, logits, -1.0e30)
@@ -195,104 +341,37 @@ def _mhc_finish_row(
     for _ in range(1, SINKHORN_ITERS):
         comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
         comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-    tl.store(pre_out_ptr + row * N + offs_j, pre, mask=mask_j)
     tl.store(post_out_ptr + row * N + offs_j, post, mask=mask_j)
     tl.store(comb_out_ptr + row * N * N + comb_idx, comb, mask=mask_jk)
-
-    # Collapse over the full row, reading Rs' back as stored (rounded), like the unfused chain.
-    act_ty = x_in_ptr.dtype.element_ty
-    sumsq_x = tl.zeros([FINISH_BLOCK], tl.float32)
-    for d0 in range(0, D, FINISH_BLOCK):
-        offs_d = d0 + tl.arange(0, FINISH_BLOCK)
-        mask_d = offs_d < D
-        x = tl.zeros([FINISH_BLOCK], tl.float32)
-        for j in tl.static_range(N):
-            pre_j = tl.sum(tl.where(offs_j == j, pre, 0.0), axis=0)
-            src = tl.load(streams_out_ptr + (row * N + j) * D + offs_d, mask=mask_d, other=0.0,
-                          cache_modifier=".cg")
-            x = x + pre_j * src.to(tl.float32)
-        if ROUND_BF16:
-            x = _round_to_bf16(x)
-        tl.store(x_in_ptr + row * D + offs_d, x.to(act_ty), mask=mask_d)
-        sumsq_x += x * x
-    # NOTE: the norm pass re-reads x_in written above by other threads of this program.
-    tl.debug_barrier()
-    inv_rms_x = tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(tl.sum(sumsq_x, axis=0), D * 1.0) + rms_eps))
-    for d0 in range(0, D, FINISH_BLOCK):
-        offs_d = d0 + tl.arange(0, FINISH_BLOCK)
-        mask_d = offs_d < D
-        x = tl.load(x_in_ptr + row * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(norm_w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        out = w * (x * inv_rms_x)
-        if ROUND_BF16:
-            out = _round_to_bf16(out)
-        tl.store(x_normed_ptr + row * D + offs_d, out.to(act_ty), mask=mask_d)
 
 
 @triton.jit
 def _mhc_post_combine_kernel(
     streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_w_ptr,
     streams_out_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, x_in_ptr, x_normed_ptr,
-    partials_ptr, counters_ptr,
-    M, hc_eps, rms_eps,
-    D: tl.constexpr, NUM_SLICES: tl.constexpr, SINKHORN_ITERS: tl.constexpr,
-    N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, FINISH_BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
+    partials_ptr, M, hc_eps, rms_eps,
+    PHASE: tl.constexpr, D: tl.constexpr, NUM_SLICES: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr,
+    SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
 ):
-    """Grid (row tiles, D slices). Phase A: each program updates its D-slice of BLOCK_M rows and
-    publishes partial fn-projections and sums of squares. The last slice to arrive for a row tile
-    (atomic counter) runs phase B for those rows and resets the counter to zero."""
-    R: tl.constexpr = (2 + N) * N
-    tile = tl.program_id(0)
-    slice_id = tl.program_id(1)
-    act_ty = streams_out_ptr.dtype.element_ty
-
-    offs_j = tl.arange(0, NP)
-    mask_j = offs_j < N
-    offs_d = slice_id * BLOCK_D + tl.arange(0, BLOCK_D)
-    mask_d = offs_d < D
-    offs_r = tl.arange(0, RP)
-    mask_r = offs_r < R
-    mask_jd = mask_j[:, None] & mask_d[None, :]
-    # fn[r, j·D + d]: the stream-major flatten of §4.2.
-    fn_offs = offs_r[:, None, None] * (N * D) + offs_j[None, :, None] * D + offs_d[None, None, :]
-    fn_tile = tl.load(fn_ptr + fn_offs, mask=mask_r[:, None, None] & mask_jd[None, :, :], other=0.0)
-
-    for i in range(BLOCK_M):
-        row = (tile * BLOCK_M + i).to(tl.int64)
-        row_ok = row < M
-        y = tl.load(y_ptr + row * D + offs_d, mask=mask_d & row_ok, other=0.0).to(tl.float32)
-        post = tl.load(post_ptr + row * N + offs_j, mask=mask_j & row_ok, other=0.0)
-        acc = post[:, None] * y[None, :]
-        for j in tl.static_range(N):
-            c = tl.load(comb_ptr + row * N * N + j * N + offs_j, mask=mask_j & row_ok, other=0.0)
-            src = tl.load(streams_ptr + (row * N + j) * D + offs_d, mask=mask_d & row_ok, other=0.0)
-            acc = acc + c[:, None] * src.to(tl.float32)[None, :]
-        if ROUND_BF16:
-            acc = _round_to_bf16(acc)
-        out_offs = (row * N + offs_j[:, None]) * D + offs_d[None, :]
-        tl.store(streams_out_ptr + out_offs, acc.to(act_ty), mask=mask_jd & row_ok)
-        sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-        mix = tl.sum(tl.sum(fn_tile * acc[None, :, :], axis=2), axis=1)
-        ws = partials_ptr + (row * NUM_SLICES + slice_id) * (R + 1)
-        tl.store(ws + offs_r, mix, mask=mask_r & row_ok)
-        tl.store(ws + R, sumsq, mask=row_ok)
-
-    # NOTE: every thread's stores must precede the releasing atomic of this program.
-    tl.debug_barrier()
-    arrived = tl.atomic_add(counters_ptr + tile, 1, sem="acq_rel")
-    if arrived == NUM_SLICES - 1:
-        for i in range(BLOCK_M):
-            row = (tile * BLOCK_M + i).to(tl.int64)
-            if row < M:
-                _mhc_finish_row(
-                    row, streams_out_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, x_in_ptr,
-                    x_normed_ptr, partials_ptr, base_ptr, scale_ptr, norm_w_ptr,
-                    hc_eps, rms_eps, D, NUM_SLICES, SINKHORN_ITERS,
-                    N, NP, FINISH_BLOCK, ROUND_BF16,
-                )
-        tl.atomic_xchg(counters_ptr + tile, 0)
+    """PHASE 0: grid (row tiles, D slices), see _stream_update_and_partials. PHASE 1: grid
+    (M, 2), program (row, 0) collapses and norms, program (row, 1) forms post' and comb'."""
+    if PHASE == 0:
+        _stream_update_and_partials(
+            streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
+            D, NUM_SLICES, N, NP, RP, BLOCK_M, BLOCK_D, ROUND_BF16)
+    else:
+        row = tl.program_id(0).to(tl.int64)
+        if tl.program_id(1) == 0:
+            _finish_collapse_norm(
+                row, streams_out_ptr, pre_out_ptr, x_in_ptr, x_normed_ptr, partials_ptr,
+                base_ptr, scale_ptr, norm_w_ptr, hc_eps, rms_eps,
+                D, NUM_SLICES, N, NP, RP, SP, FINISH_BLOCK, ROUND_BF16)
+        else:
+            _finish_coeffs(
+                row, post_out_ptr, comb_out_ptr, partials_ptr, base_ptr, scale_ptr,
+                hc_eps, rms_eps, D, NUM_SLICES, SINKHORN_ITERS, N, NP, RP, SP)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -315,23 +394,24 @@ def _check_tensor(
     _require(t.device == device, f"{name}: expected device {device}, got {t.device}")
 
 
+def _slice_width(d: int) -> int:
+    """Phase-A D-slice width: a function of D only (it fixes the split reductions' trees)."""
+    return min(_MAX_BLOCK_D, max(_MIN_BLOCK_D, triton.next_power_of_2(triton.cdiv(d, 64))))
+
+
+def _rows_per_program(m: int) -> int:
+    """Phase-A rows per program: 1 at small M (most programs), more at large M (fewer fn reads).
+    Free to depend on M: a row's arithmetic is the same whatever the tile size."""
+    return min(_MAX_BLOCK_M, triton.next_power_of_2(triton.cdiv(m, _TARGET_ROW_TILES)))
+
+
 def mhc_post_combine(
-    streams: torch.Tensor,
-    y: torch.Tensor,
-    post: torch.Tensor,
-    comb: torch.Tensor,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
-    norm_weight: torch.Tensor,
-    *,
-    hc_eps: float,
-    sinkhorn_iters: int,
-    rms_eps: float,
-    counters: torch.Tensor | None = None,
-    out: MhcPostCombineOutput | None = None,
+    streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
+    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
+    hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+    counters: torch.Tensor | None = None, out: MhcPostCombineOutput | None = None,
 ) -> MhcPostCombineOutput:
-    """Fused mhc_post_combine_ref (one Triton launch).
+    """Fused mhc_post_combine_ref (two launches of one Triton kernel, no host sync).
 
     Args:
         streams: [M, n, D] fp32 or bf16, contiguous: this sublayer's input streams Rs.
@@ -340,8 +420,8 @@ def mhc_post_combine(
         fn, base, scale: fp32 [(2+n)·n, n·D] / [(2+n)·n] / [3]: the NEXT hyper-connection.
         norm_weight: [D] fp32 or bf16: the NEXT sublayer's RMSNorm weight.
         hc_eps, sinkhorn_iters (>= 1), rms_eps: §4.2 constants.
-        counters: optional int32 [>= ceil(M/4)] scratch that is zero on entry and is left zero
-            on exit (lets a CUDA graph hold it instead of zero-filling a new one per call).
+        counters: ignored (the launches need no arrival counters); accepted so callers written
+            for the earlier single-launch version keep working.
         out: optional preallocated outputs (shapes/dtypes as returned).
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed).
@@ -363,42 +443,31 @@ def mhc_post_combine(
     _check_tensor("scale", scale, (3,), f32, dev)
     _check_tensor("norm_weight", norm_weight, (d,), (torch.float32, torch.bfloat16), dev)
 
+    out_shapes = [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)]
+    out_dtypes = [act, torch.float32, torch.float32, torch.float32, act, act]
     if out is None:
-        out = MhcPostCombineOutput(
-            torch.empty_like(streams),
-            torch.empty(m, n, dtype=torch.float32, device=dev),
-            torch.empty(m, n, dtype=torch.float32, device=dev),
-            torch.empty(m, n, n, dtype=torch.float32, device=dev),
-            torch.empty(m, d, dtype=act, device=dev),
-            torch.empty(m, d, dtype=act, device=dev),
-        )
-    else:
-        for name, t, shape, dt in zip(
-            out._fields, out,
-            [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)],
-            [act, torch.float32, torch.float32, torch.float32, act, act],
-        ):
-            _check_tensor(f"out.{name}", t, shape, (dt,), dev)
+        out = MhcPostCombineOutput(*(torch.empty(shape, dtype=dt, device=dev)
+                                     for shape, dt in zip(out_shapes, out_dtypes)))
+    for name, t, shape, dt in zip(out._fields, out, out_shapes, out_dtypes):
+        _check_tensor(f"out.{name}", t, shape, (dt,), dev)
     if m == 0:
         return out
 
-    num_tiles = triton.cdiv(m, _BLOCK_M)
-    num_slices = triton.cdiv(d, _BLOCK_D)
-    if counters is None:
-        counters = torch.zeros(num_tiles, dtype=torch.int32, device=dev)
-    _require(counters.dtype == torch.int32 and counters.is_contiguous() and counters.device == dev
-             and counters.numel() >= num_tiles,
-             f"counters: expected contiguous int32 with >= {num_tiles} elements on {dev}")
-    partials = torch.empty(m, num_slices, r + 1, dtype=torch.float32, device=dev)
-    _mhc_post_combine_kernel[(num_tiles, num_slices)](
-        streams, y, post, comb, fn, base, scale, norm_weight,
-        *out, partials, counters,
-        m, float(hc_eps), float(rms_eps),
-        D=d, NUM_SLICES=num_slices, SINKHORN_ITERS=int(sinkhorn_iters),
-        N=n, NP=triton.next_power_of_2(n), RP=triton.next_power_of_2(r),
-        BLOCK_M=_BLOCK_M, BLOCK_D=_BLOCK_D,
-        FINISH_BLOCK=min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d)),
-        ROUND_BF16=act == torch.bfloat16,
-        num_warps=4, enable_fp_fusion=False,
-    )
+    block_d, block_m = _slice_width(d), _rows_per_program(m)
+    num_slices = triton.cdiv(d, block_d)
+    rp = triton.next_power_of_2(r + 1)  # fn projection columns, then the sum of squares
+    finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
+    partials = torch.empty(m, num_slices, rp, dtype=torch.float32, device=dev)
+    args = (streams, y, post, comb, fn, base, scale, norm_weight, *out, partials,
+            m, float(hc_eps), float(rms_eps))
+    meta = dict(D=d, NUM_SLICES=num_slices, SINKHORN_ITERS=int(sinkhorn_iters),
+                N=n, NP=triton.next_power_of_2(n), RP=rp, SP=triton.next_power_of_2(num_slices),
+                BLOCK_D=block_d, FINISH_BLOCK=finish_block, ROUND_BF16=act == torch.bfloat16,
+                enable_fp_fusion=False)
+    _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
+        *args, PHASE=0, BLOCK_M=block_m, num_warps=4, **meta)
+    # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
+    # About 512 row elements per warp, i.e. n fp32 stream values of 16 columns per thread.
+    _mhc_post_combine_kernel[(m, 2)](
+        *args, PHASE=1, BLOCK_M=1, num_warps=min(16, max(4, finish_block // 512)), **meta)
     return out

@@ -1,8 +1,10 @@
-"""K2 + K3: MoE router gate -> top-k ids and weights, padded rows filled, in one launch.
+"""K2 + K3: MoE router gate -> top-k ids and weights, padded rows filled, in one or two launches.
 
 Logits come from one of three sources (a constexpr switch on one kernel):
-  * x [M, H] and gate_weight [E, H]: the kernel runs a split-K GEMV (fixed 512-wide K splits); the
-    last program to finish a row block (a per-block counter it resets) sums the splits in order;
+  * x [M, H] and gate_weight [E, H]: the kernel runs a split-K GEMV (fixed 512-wide K splits, 16
+    experts per program: 192 programs per 16-row block at H 4096, E 384). Up to 8 rows, the last
+    program to finish (a per-block counter it resets) sums the splits in order and routes; above
+    that a second launch routes the partials, all row tiles in parallel;
   * partials fp32 [S, M, E] from an external split-K GEMV, summed in order s = 0..S-1;
   * logits fp32 [M, E].
 Then per row: scores (sqrtsoftplus | sigmoid), selection on scores + correction bias, top-k,
@@ -32,7 +34,10 @@ _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 _SOURCE_X, _SOURCE_LOGITS, _SOURCE_PARTIALS = 0, 1, 2
 _SPLIT_K = 512  # K per GEMV split: fixed, so a row's logits never depend on M or the grid
 _GEMV_ROWS = 16  # rows per GEMV tile (tl.dot minimum); also fixed for the same reason
-_GEMV_EXPERTS = 64
+# Experts per GEMV tile: the smallest tl.dot width, for many programs at M = 1; fixed for every M
+# so a row's logits come from the same instructions whatever the batch (also on MFMA).
+_GEMV_EXPERTS = 16
+_FUSED_ROUTE_MAX_ROWS = 8  # x source: the last GEMV program routes <= 2 serial epilogue tiles
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 
@@ -178,11 +183,12 @@ def _scores(logits, SCORING: tl.constexpr):
 def _route_rows(
     row0, n_valid, logits_ptr, partials_ptr, bias_ptr, input_ids_ptr, tid2eid_ptr,
     ids_ptr, weights_ptr, logits_out_ptr,
-    num_rows, num_experts, num_splits, stride_tid,
+    num_rows, num_experts, stride_tid,
     routed_scale, shared_weight, fill_id, shared_id_base,
     SOURCE: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
     RENORMALIZE: tl.constexpr, WRITE_LOGITS: tl.constexpr, TOPK: tl.constexpr,
-    NUM_SHARED: tl.constexpr, ROWS: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_OUT: tl.constexpr,
+    NUM_SHARED: tl.constexpr, NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr,
+    BLOCK_E: tl.constexpr, BLOCK_OUT: tl.constexpr,
 ):  # fmt: skip
     rows = row0 + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK_E)
@@ -193,8 +199,10 @@ def _route_rows(
     if SOURCE == 1:
         logits = tl.load(logits_ptr + offs, mask=tile_ok, other=0.0)
     else:
+        # Unrolled: the S loads are independent, so they are all in flight at once (one round
+        # trip instead of S); the adds still run in the reference's order s = 0..S-1.
         logits = tl.load(partials_ptr + offs, mask=tile_ok, other=0.0)
-        for split in range(1, num_splits):
+        for split in tl.static_range(1, NUM_SPLITS):
             logits += tl.load(partials_ptr + split * num_rows * num_experts + offs, mask=tile_ok)
         if WRITE_LOGITS:
             tl.store(logits_out_ptr + offs, logits, mask=tile_ok)
@@ -255,14 +263,18 @@ def _route_rows(
 def _router_topk_kernel(
     x_ptr, gate_ptr, logits_ptr, partials_ptr, bias_ptr, n_valid_ptr, input_ids_ptr, tid2eid_ptr,
     ids_ptr, weights_ptr, logits_out_ptr, counter_ptr,
-    num_rows, hidden, num_experts, num_splits, stride_x, stride_gate, stride_tid,
+    num_rows, hidden, num_experts, stride_x, stride_gate, stride_tid,
     routed_scale, shared_weight, fill_id, shared_id_base,
     SOURCE: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_N_VALID: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
     WRITE_LOGITS: tl.constexpr, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, ROUTE: tl.constexpr,
     BLOCK_M: tl.constexpr, EPI_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_OUT: tl.constexpr,
     SPLIT_K: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, DOT_FP32: tl.constexpr,
 ):  # fmt: skip
+    """x source: program (row block, split x expert tile) writes one GEMV partial; with ROUTE the
+    last arrival of the row block then routes it (else a second launch with the partials source
+    does). Logits/partials sources: program (row block) routes its rows."""
     pid_m = tl.program_id(0)
     row0 = pid_m * BLOCK_M
     if SOURCE == 0:
@@ -275,35 +287,28 @@ def _router_topk_kernel(
         acc = tl.zeros([BLOCK_M, GEMV_N], dtype=tl.float32)
         for k0 in range(split * SPLIT_K, split * SPLIT_K + SPLIT_K, GEMV_K):
             ks = k0 + tl.arange(0, GEMV_K)
-            x_tile = tl.load(
-                x_ptr + rows[:, None] * stride_x + ks[None, :],
-                mask=(rows < num_rows)[:, None] & (ks < hidden)[None, :],
-                other=0.0,
-            )
-            w_tile = tl.load(
-                gate_ptr + experts[None, :] * stride_gate + ks[:, None],
-                mask=(ks < hidden)[:, None] & (experts < num_experts)[None, :],
-                other=0.0,
-            )
+            x_tile = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
+                             mask=(rows < num_rows)[:, None] & (ks < hidden)[None, :], other=0.0)
+            w_tile = tl.load(gate_ptr + experts[None, :] * stride_gate + ks[:, None],
+                             mask=(ks < hidden)[:, None] & (experts < num_experts)[None, :],
+                             other=0.0)  # fmt: skip
             if DOT_FP32:
                 x_tile = x_tile.to(tl.float32)
                 w_tile = w_tile.to(tl.float32)
                 acc = tl.dot(x_tile, w_tile, acc, input_precision="ieee")
             else:
                 acc = tl.dot(x_tile, w_tile, acc)
-        tl.store(
-            partials_ptr
-            + split * num_rows * num_experts
-            + rows[:, None] * num_experts
-            + experts[None, :],
-            acc,
-            mask=(rows < num_rows)[:, None] & (experts < num_experts)[None, :],
-        )
-        # Release our partial, acquire everyone else's; the last arrival routes the row block.
-        # The barrier orders every thread's partial store before the (single-thread) release.
-        tl.debug_barrier()
-        ticket = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel")
-        is_last = ticket == tl.num_programs(1) - 1
+        tl.store(partials_ptr + split * num_rows * num_experts + rows[:, None] * num_experts
+                 + experts[None, :], acc,
+                 mask=(rows < num_rows)[:, None] & (experts < num_experts)[None, :])  # fmt: skip
+        if ROUTE:
+            # Release our partial, acquire everyone else's; the last arrival routes the row
+            # block. The barrier orders every thread's partial store before the release.
+            tl.debug_barrier()
+            ticket = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel")
+            is_last = ticket == tl.num_programs(1) - 1
+        else:
+            is_last = False
     else:
         is_last = True
     if is_last:
@@ -313,14 +318,25 @@ def _router_topk_kernel(
         if HAS_N_VALID:
             n_valid = tl.load(n_valid_ptr)
         for sub in tl.static_range(BLOCK_M // EPI_M):
-            _route_rows(
-                row0 + sub * EPI_M, n_valid, logits_ptr, partials_ptr, bias_ptr, input_ids_ptr,
-                tid2eid_ptr, ids_ptr, weights_ptr, logits_out_ptr,
-                num_rows, num_experts, num_splits, stride_tid,
-                routed_scale, shared_weight, fill_id, shared_id_base,
-                SOURCE, SCORING, HAS_BIAS, HASH, RENORMALIZE, WRITE_LOGITS, TOPK, NUM_SHARED,
-                EPI_M, BLOCK_E, BLOCK_OUT,
-            )  # fmt: skip
+            if row0 + sub * EPI_M < num_rows:  # small M: route only sub-blocks holding rows
+                _route_rows(
+                    row0 + sub * EPI_M, n_valid, logits_ptr, partials_ptr, bias_ptr,
+                    input_ids_ptr, tid2eid_ptr, ids_ptr, weights_ptr, logits_out_ptr,
+                    num_rows, num_experts, stride_tid,
+                    routed_scale, shared_weight, fill_id, shared_id_base,
+                    SOURCE, SCORING, HAS_BIAS, HASH, RENORMALIZE, WRITE_LOGITS, TOPK, NUM_SHARED,
+                    NUM_SPLITS, EPI_M, BLOCK_E, BLOCK_OUT,
+                )  # fmt: skip
+
+
+def _epilogue_rows(num_splits: int, fused: bool) -> int:
+    """Rows per routing tile: the S partial tiles are loaded at once (one round trip), so bound
+    S * rows; half as many in the GEMV kernel (its state is live too). DSV4, S = 8: 8 rows (182
+    registers on sm90, 4 warps), fused 4 rows (154); 8 fused rows would spill."""
+    rows = 8
+    while rows > 1 and rows * num_splits > (32 if fused else 64):
+        rows //= 2
+    return rows
 
 
 def _require(cond: bool, message: str) -> None:
@@ -361,10 +377,8 @@ def _logits_source(
         _require_tensor("logits", logits, tuple(logits.shape), (torch.float32,))
         return _SOURCE_LOGITS, logits.shape[0], logits.shape[1], 0, logits.device
     assert partials is not None
-    _require(
-        partials.dim() == 3 and partials.shape[0] >= 1 and partials.is_contiguous(),
-        "partials must be contiguous [S, M, E]",
-    )
+    _require(partials.dim() == 3 and partials.shape[0] >= 1 and partials.is_contiguous(),
+             "partials must be contiguous [S, M, E]")  # fmt: skip
     _require_tensor("partials", partials, tuple(partials.shape), (torch.float32,))
     return _SOURCE_PARTIALS, partials.shape[1], partials.shape[2], 0, partials.device
 
@@ -383,7 +397,8 @@ def router_topk(
     logits_out: torch.Tensor | None = None,
     workspace: RouterWorkspace | None = None,
 ) -> RouterTopkOutput:
-    """Router gate + top-k + pad fill in one launch (graph-safe).
+    """Router gate + top-k + pad fill in one launch, two for the x source above 8 rows
+    (graph-safe).
 
     Args:
         config: the layer's `RouterConfig`.
@@ -425,64 +440,52 @@ def router_topk(
     if num_rows == 0:
         return RouterTopkOutput(ids, weights)
 
-    grid: tuple[int, ...]
-    if source == _SOURCE_X:
-        assert x is not None and gate_weight is not None
-        num_splits = triton.cdiv(hidden, _SPLIT_K)
-        if workspace is None:
-            workspace = make_router_workspace(num_rows, num_experts, hidden, device)
-        _require(workspace.partials.numel() >= num_splits * num_rows * num_experts
-                 and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
-                 "workspace too small for this call")  # fmt: skip
-        partials = workspace.partials
-        block_m = _GEMV_ROWS
-        grid = (
-            triton.cdiv(num_rows, block_m),
-            num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS),
-        )
-        strides = (x.stride(0), gate_weight.stride(0))
-        gemv_k = min(128, max(16, triton.next_power_of_2(hidden)))
-    else:
-        num_splits = partials.shape[0] if partials is not None else 1
-        block_m, strides, gemv_k = 8, (0, 0), 16
-        grid = (triton.cdiv(num_rows, block_m),)
     dummy = ids  # stands in for absent pointer arguments; never dereferenced
-    _router_topk_kernel[grid](
-        *(t if t is not None else dummy for t in (x, gate_weight, logits, partials)),
-        *(t if t is not None else dummy for t in (correction_bias, n_valid, input_ids, tid2eid)),
-        ids,
-        weights,
-        logits_out if logits_out is not None else dummy,
-        workspace.counters if workspace is not None else dummy,
-        num_rows,
-        hidden,
-        num_experts,
-        num_splits,
-        *strides,
-        tid2eid.stride(0) if tid2eid is not None else 0,
-        float(config.routed_scaling_factor),
-        float(config.shared_weight),
-        int(config.fill_id),
-        int(num_experts if config.shared_id_base is None else config.shared_id_base),
-        SOURCE=source,
-        SCORING=_SCORINGS[config.scoring],
-        HAS_BIAS=correction_bias is not None,
-        HAS_N_VALID=n_valid is not None,
-        HASH=is_hash,
-        RENORMALIZE=config.renormalize,
-        WRITE_LOGITS=logits_out is not None,
-        TOPK=topk,
-        NUM_SHARED=config.num_shared,
-        BLOCK_M=block_m,
-        EPI_M=8,
-        BLOCK_E=triton.next_power_of_2(num_experts),
-        BLOCK_OUT=triton.next_power_of_2(width),
-        SPLIT_K=_SPLIT_K,
-        GEMV_N=_GEMV_EXPERTS,
-        GEMV_K=gemv_k,
-        # fp32 inputs must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
-        # (triton 3.6), so there the exact bf16 products are formed in fp32 instead.
-        DOT_FP32=x is not None and (x.dtype == torch.float32 or x.device.type == "cpu"),
-        num_warps=4,
-    )
+
+    def launch(grid: tuple[int, ...], source: int, partials: torch.Tensor | None, block_m: int,
+               route: bool) -> None:  # fmt: skip
+        _router_topk_kernel[grid](
+            *(t if t is not None else dummy for t in (x, gate_weight, logits, partials)),
+            *(t if t is not None else dummy for t in (correction_bias, n_valid, input_ids,
+                                                      tid2eid)),
+            ids, weights, logits_out if logits_out is not None else dummy,
+            workspace.counters if workspace is not None else dummy,
+            num_rows, hidden, num_experts,
+            x.stride(0) if x is not None else 0,
+            gate_weight.stride(0) if gate_weight is not None else 0,
+            tid2eid.stride(0) if tid2eid is not None else 0,
+            float(config.routed_scaling_factor), float(config.shared_weight), int(config.fill_id),
+            int(num_experts if config.shared_id_base is None else config.shared_id_base),
+            SOURCE=source, SCORING=_SCORINGS[config.scoring], HAS_BIAS=correction_bias is not None,
+            HAS_N_VALID=n_valid is not None, HASH=is_hash, RENORMALIZE=config.renormalize,
+            WRITE_LOGITS=logits_out is not None, TOPK=topk, NUM_SHARED=config.num_shared,
+            NUM_SPLITS=num_splits, ROUTE=route, BLOCK_M=block_m, EPI_M=epi_m,
+            BLOCK_E=triton.next_power_of_2(num_experts),
+            BLOCK_OUT=triton.next_power_of_2(width), SPLIT_K=_SPLIT_K, GEMV_N=_GEMV_EXPERTS,
+            GEMV_K=min(_SPLIT_K, max(16, triton.next_power_of_2(max(hidden, 1)))),
+            # fp32 inputs must not go through tf32; the CPU interpreter's bf16 tl.dot returns
+            # garbage (triton 3.6), so there the exact bf16 products are formed in fp32 instead.
+            DOT_FP32=x is not None and (x.dtype == torch.float32 or x.device.type == "cpu"),
+            num_warps=4,
+        )  # fmt: skip
+
+    num_splits = partials.shape[0] if partials is not None else 1
+    if source == _SOURCE_X:
+        num_splits = triton.cdiv(hidden, _SPLIT_K)
+    fused = source == _SOURCE_X and num_rows <= _FUSED_ROUTE_MAX_ROWS
+    epi_m = _epilogue_rows(num_splits, fused)
+    if source != _SOURCE_X:
+        launch((triton.cdiv(num_rows, epi_m),), source, partials, epi_m, route=True)
+        return RouterTopkOutput(ids, weights)
+    if workspace is None:
+        workspace = make_router_workspace(num_rows, num_experts, hidden, device)
+    _require(workspace.partials.numel() >= num_splits * num_rows * num_experts
+             and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
+             "workspace too small for this call")  # fmt: skip
+    gemv_grid = (triton.cdiv(num_rows, _GEMV_ROWS),
+                 num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS))
+    launch(gemv_grid, _SOURCE_X, workspace.partials, _GEMV_ROWS, route=fused)
+    if not fused:  # every row block routed in parallel instead of by one last arrival each
+        launch((triton.cdiv(num_rows, epi_m),), _SOURCE_PARTIALS, workspace.partials, epi_m,
+               route=True)
     return RouterTopkOutput(ids, weights)

@@ -9,6 +9,12 @@ shared KV head is both key and value. Token t at position p sees
 Per head h: ``o = sum_j softmax([scale * q.k_j ; sinks[h]])_j * k_j``, i.e. the sink adds
 ``exp(sinks[h])`` to the denominator only (its value is zero).
 
+Two launch shapes of one kernel (``SPLIT`` constexpr): single pass, one program per (token, head
+block) walking every key; or split-K (flash-decoding) for small batches, where the key range
+(window tiles, then extra-key tiles) is cut into ``num_splits`` chunks on grid axis 2, each chunk
+writes its partial (running max m, sum l, unnormalised acc) to fp32 scratch and
+`_merge_attention_splits_kernel` combines the partials with the sink.
+
 Exactness: X2 (tolerance). The kernel runs an online softmax in fp32 (exp2 with the log2(e)
 factor folded into the scale), so the sum is reordered relative to the reference's one-shot
 softmax; bf16 inputs additionally keep the logits and probabilities in fp32 where the reference
@@ -25,6 +31,13 @@ _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 # Register budget of one program: BLOCK_H x Dh fp32 accumulator and BLOCK_N x Dh key tile.
 _TILE_ELEMS = 8192
+# Split-K choice (see `_auto_num_splits`): aim for ~2 programs per SM, never fewer than two key
+# tiles per split (a split must amortise its q load and its partial write), at most 32 splits.
+_WAVES = 2
+_MIN_TILES_PER_SPLIT = 2
+_MAX_SPLITS = 32
+# SM count assumed where no CUDA device can be asked (the CPU interpreter): the H200's.
+_DEFAULT_SM_COUNT = 132
 
 
 def window_sparse_attention_ref(
@@ -99,14 +112,20 @@ def _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
 @triton.jit
 def _window_sparse_attention_kernel(
     q_ptr, kv_ptr, pos_ptr, slot_ptr, table_ptr, sinks_ptr, extra_ptr, extra_valid_ptr, out_ptr,
-    num_heads, window, num_extra, qk_scale,
+    part_m_ptr, part_l_ptr,
+    num_heads, window, num_extra, qk_scale, tiles_per_split,
     q_stride_t, q_stride_h, kv_stride, table_stride,
     extra_stride_t, extra_stride_n, valid_stride_t, out_stride_t, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, SPLIT: tl.constexpr,
 ):
+    # Key tiles are numbered window tiles first (cdiv(window, BLOCK_N) of them), then extra-key
+    # tiles; program (token, head block, split) covers tiles [split, split + 1) * tiles_per_split.
+    # SPLIT=False: one split covering everything, normalised output written directly.
+    # SPLIT=True: out_ptr is the fp32 partial acc [T, S, H, Dh], part_m/part_l are [T, S, H].
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    split = tl.program_id(2)
     head_ok = heads < num_heads
     dims = tl.arange(0, D_POW2)
     dim_ok = dims < HEAD_DIM
@@ -115,17 +134,23 @@ def _window_sparse_attention_kernel(
     kv_dtype = kv_ptr.dtype.element_ty
     q = q.to(kv_dtype)
     sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
+    # The running max starts at the (finite) sink, so it stays finite and masked keys give
+    # exp2(-inf) = 0; a split that sees no valid key keeps (m, l, acc) = (sink, 0, 0).
     m_i = sink
     l_i = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, D_POW2], dtype=tl.float32)
 
+    tile_lo = split * tiles_per_split
+    tile_hi = tile_lo + tiles_per_split
+    window_tiles = tl.cdiv(window, BLOCK_N)
     position = tl.load(pos_ptr + token).to(tl.int64)
     table_row = table_ptr + tl.load(slot_ptr + token).to(tl.int64) * table_stride
     first = position - window + 1  # position of window offset 0 (may be negative)
     # Skip whole tiles that lie before position 0 (windows longer than the sequence so far).
-    start = tl.maximum(-first, 0) // BLOCK_N * BLOCK_N
+    start = tl.maximum(tl.maximum(-first, 0) // BLOCK_N, tile_lo) * BLOCK_N
+    stop = tl.minimum(tile_hi, window_tiles) * BLOCK_N
     offs = tl.arange(0, BLOCK_N)
-    for j0 in range(start, window, BLOCK_N):
+    for j0 in range(start, stop, BLOCK_N):
         key_pos = first + j0 + offs
         valid = (key_pos >= 0) & (j0 + offs < window)
         kv_slot = tl.load(table_row + key_pos, mask=valid, other=0).to(tl.int64)
@@ -136,7 +161,10 @@ def _window_sparse_attention_kernel(
 
     if HAS_EXTRA:
         extra_row = extra_ptr + token * extra_stride_t
-        for n0 in range(0, num_extra, BLOCK_N):
+        # Negative when this split ends inside the window: the loop is then empty.
+        extra_start = tl.maximum(tile_lo - window_tiles, 0) * BLOCK_N
+        extra_stop = tl.minimum((tile_hi - window_tiles) * BLOCK_N, num_extra)
+        for n0 in range(extra_start, extra_stop, BLOCK_N):
             idx = n0 + offs
             in_range = idx < num_extra
             valid = tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range,
@@ -146,11 +174,64 @@ def _window_sparse_attention_kernel(
             m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
                                                  DOT_FP32, ROUND_P)
 
-    denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
-    out = acc / denom[:, None]
-    tl.store(out_ptr + token * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h
-             + dims[None, :], out.to(out_ptr.dtype.element_ty),
-             mask=head_ok[:, None] & dim_ok[None, :])
+    if SPLIT:
+        # Partials of (token, split): rows of [T, S, H(, Dh)], contiguous over heads and dims.
+        row = (token * tl.num_programs(2) + split) * num_heads + heads
+        tl.store(part_m_ptr + row, m_i, mask=head_ok)
+        tl.store(part_l_ptr + row, l_i, mask=head_ok)
+        tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc,
+                 mask=head_ok[:, None] & dim_ok[None, :])
+    else:
+        denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
+        out = acc / denom[:, None]
+        tl.store(out_ptr + token * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h
+                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
+                 mask=head_ok[:, None] & dim_ok[None, :])
+
+
+@triton.jit
+def _merge_attention_splits_kernel(
+    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr,
+    num_heads, num_splits, out_stride_t, out_stride_h,
+    HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    # Program (token, head, dim block): o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s
+    # + 2^(sink - M)) with M = max(sink, max_s m_s), which is finite, so a partial with
+    # m_s = -inf (or a split slot past num_splits) has weight exactly 0 and never makes a NaN.
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    splits = tl.arange(0, S_POW2)
+    split_ok = splits < num_splits
+    row = (token * num_splits + splits) * num_heads + head                      # [S_POW2]
+    m = tl.load(part_m_ptr + row, mask=split_ok, other=float("-inf"))
+    l_part = tl.load(part_l_ptr + row, mask=split_ok, other=0.0)
+    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+                  mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+    m_max = tl.maximum(tl.max(m, axis=0), sink)
+    weight = tl.exp2(m - m_max)
+    denom = tl.sum(l_part * weight, axis=0) + tl.exp2(sink - m_max)
+    out = tl.sum(acc * weight[:, None], axis=0) / denom
+    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims,
+             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+
+
+def _auto_num_splits(programs: int, total_tiles: int, sm_count: int) -> int:
+    """Splits per (token, head block): 1 when the single pass already has a program per SM,
+    else enough to give ~`_WAVES` programs per SM, capped so each split keeps
+    `_MIN_TILES_PER_SPLIT` key tiles and at most `_MAX_SPLITS` partials are merged."""
+    if programs >= sm_count:
+        return 1
+    want = triton.cdiv(_WAVES * sm_count, programs)
+    return max(1, min(want, triton.cdiv(total_tiles, _MIN_TILES_PER_SPLIT), _MAX_SPLITS))
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return _DEFAULT_SM_COUNT
 
 
 def _check_int_vector(name: str, t: torch.Tensor, length: int) -> None:
@@ -172,14 +253,20 @@ def window_sparse_attention(
     extra_kv: torch.Tensor | None,
     extra_valid: torch.Tensor | None,
     out: torch.Tensor | None = None,
+    num_splits: int | None = None,
 ) -> torch.Tensor:
-    """Window + extra-key attention with sinks in one launch, no host sync.
+    """Window + extra-key attention with sinks, no host sync (CUDA-graph safe).
 
     Arguments as `window_sparse_attention_ref` (q and window_kv bf16/fp16/fp32 of one dtype, unit
     stride along Dh; extra_kv any of those dtypes, cast to window_kv's on load; sinks must be
-    finite). One program per (token, head block) runs an online softmax over the window keys
-    (slot ids loaded from the page table, then the K rows) and then the extra keys, in fp32.
+    finite). Each program runs an online softmax in fp32 over its share of the keys: window keys
+    (slot ids loaded from the page table, then the K rows), then extra keys.
     `out`: optional [T, H, Dh] buffer of q's dtype (unit stride along Dh). Returns [T, H, Dh].
+    `num_splits`: key-range chunks per (token, head block). 1 = single pass, one launch; S > 1 =
+    split-K, S programs per (token, head block) writing fp32 partials (T*S*H*(Dh+2) floats,
+    allocated here) and a merge launch. None picks it from the shapes (`_auto_num_splits`: split
+    only when tokens x head blocks leaves SMs idle), so rounding may differ between batch sizes.
+    Splits past the last key tile are allowed (they contribute nothing).
     """
     if q.dim() != 3 or q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q must be [T, H, Dh] bf16/fp16/fp32, got {q.dtype} {tuple(q.shape)}")
@@ -194,6 +281,8 @@ def window_sparse_attention(
                          f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
+    if num_splits is not None and num_splits < 1:
+        raise ValueError(f"num_splits must be >= 1 (or None), got {num_splits}")
     if sinks.dim() != 1 or sinks.shape[0] != heads:
         raise ValueError(f"sinks must be [{heads}], got {tuple(sinks.shape)}")
     has_extra = extra_kv is not None
@@ -234,18 +323,44 @@ def window_sparse_attention(
     d_pow2 = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, min(triton.next_power_of_2(heads), _TILE_ELEMS // d_pow2))
     block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
-    grid = (tokens, triton.cdiv(heads, block_h))
-    _window_sparse_attention_kernel[grid](
-        q, window_kv, positions, token_slot, req_to_token, sinks, extra_arg, valid_arg, out,
-        heads, window, num_extra, scale * _LOG2E,
+    head_blocks = triton.cdiv(heads, block_h)
+    total_tiles = triton.cdiv(window, block_n) + triton.cdiv(num_extra if has_extra else 0, block_n)
+    if num_splits is None:
+        num_splits = _auto_num_splits(tokens * head_blocks, total_tiles, _sm_count(q.device))
+    tiles_per_split = triton.cdiv(total_tiles, num_splits)
+    split = num_splits > 1
+    if split:
+        # Partials, fully overwritten by the first launch (every split writes, empty ones too).
+        part_acc = torch.empty((tokens, num_splits, heads, head_dim), dtype=torch.float32,
+                               device=q.device)
+        part_m = torch.empty((tokens, num_splits, heads), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        first_out, first_strides = part_acc, (0, 0)  # partial strides are implied by the shape
+    else:
+        first_out, first_strides = out, (out.stride(0), out.stride(1))
+        part_m = part_l = out  # never touched (SPLIT=False)
+    _window_sparse_attention_kernel[(tokens, head_blocks, num_splits)](
+        q, window_kv, positions, token_slot, req_to_token, sinks, extra_arg, valid_arg, first_out,
+        part_m, part_l,
+        heads, window, num_extra, scale * _LOG2E, tiles_per_split,
         q.stride(0), q.stride(1), window_kv.stride(0), req_to_token.stride(0),
-        extra_strides[0], extra_strides[1], valid_stride, out.stride(0), out.stride(1),
+        extra_strides[0], extra_strides[1], valid_stride, first_strides[0], first_strides[1],
         HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_EXTRA=has_extra,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         ROUND_P=q.dtype != torch.float32,
+        SPLIT=split,
         num_warps=8 if d_pow2 >= 256 else 4,
     )
+    if split:
+        s_pow2 = triton.next_power_of_2(num_splits)
+        block_d = max(16, min(d_pow2, _TILE_ELEMS // s_pow2))
+        _merge_attention_splits_kernel[(tokens, heads, triton.cdiv(head_dim, block_d))](
+            part_acc, part_m, part_l, sinks, out,
+            heads, num_splits, out.stride(0), out.stride(1),
+            HEAD_DIM=head_dim, S_POW2=s_pow2, BLOCK_D=block_d,
+            num_warps=4,
+        )
     return out

@@ -37,6 +37,13 @@ int64 [B, W] (drafts d_1..d_n in columns 0..n-1, bonus at column n, ``fill_token
 next_anchors int64 [B] (the bonus), new_seq_lens [B] (seq_lens + commit, seq_lens' dtype).
 Padding rows (L_r = 0) commit nothing: n = c = 0, out_tokens all fill, next anchor = current
 anchor, new_seq_len = seq_len. ``verify_lens`` is clamped to [0, W].
+
+Work split: a one-program-per-row scan of a 129k vocab is a long serial chain of loads, so when
+rows are few the sampled draw runs in two launches over vocab chunks (grid [B, C], C from the
+shapes only, ``_plan_vocab_chunks``): phase 1 writes each chunk's integer masses; phase 2 sums
+them, locates the chunk whose CDF crosses the threshold, and only that program rescans its chunk
+and writes the row. Integer sums make the token independent of C. Greedy-only steps and large
+batches stay one launch of one program per row.
 """
 
 from __future__ import annotations
@@ -162,93 +169,74 @@ def spec_accept_ref(
 
 
 @triton.jit
-def _sample_residual_row(
-    p_row_ptr,
-    q_row_ptr,
-    use_q,
-    vocab,
-    uniform,
-    BLOCK_V: tl.constexpr,
-    FIXED_ONE: tl.constexpr,
-    MIN_RESIDUAL: tl.constexpr,
-    U_BITS: tl.constexpr,
-):
+def _scan_chunk(p_row_ptr, q_row_ptr, use_q, start, end, carry, threshold,
+                BLOCK_V: tl.constexpr, FIXED_ONE: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+    """Columns [start, end) of a bonus row, weights ``trunc(max(P - Q, 0) * 2**40)`` (Q masked
+    by ``use_q``). COUNT=False: (P mass, weight mass). COUNT=True: (number of columns whose CDF,
+    starting from ``carry``, is <= threshold, 0). Integer sums: any tree gives the same values."""
     offs = tl.arange(0, BLOCK_V)
-    p_total = tl.zeros((), tl.int64)
-    res_total = tl.zeros((), tl.int64)
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + offs
-        in_vocab = idx < vocab
-        p = tl.maximum(tl.load(p_row_ptr + idx, mask=in_vocab, other=0.0), 0.0)
-        q = tl.load(q_row_ptr + idx, mask=in_vocab & use_q, other=0.0)
-        p_total += tl.sum((p * FIXED_ONE).to(tl.int64), axis=0)
-        res_total += tl.sum((tl.maximum(p - q, 0.0) * FIXED_ONE).to(tl.int64), axis=0)
-    use_residual = res_total > MIN_RESIDUAL
-    total = tl.where(use_residual, res_total, p_total)
+    first = tl.zeros((), tl.int64)
+    second = tl.zeros((), tl.int64)
+    for block in range(start, end, BLOCK_V):
+        idx = block + offs
+        ok = idx < end
+        p = tl.maximum(tl.load(p_row_ptr + idx, mask=ok, other=0.0), 0.0)
+        q = tl.load(q_row_ptr + idx, mask=ok & use_q, other=0.0)
+        weight = (tl.maximum(p - q, 0.0) * FIXED_ONE).to(tl.int64)
+        if COUNT:
+            cdf = tl.cumsum(weight, axis=0) + carry
+            first += tl.sum(((cdf <= threshold) & ok).to(tl.int64), axis=0)
+            carry += tl.sum(weight, axis=0)
+        else:
+            first += tl.sum((p * FIXED_ONE).to(tl.int64), axis=0)
+            second += tl.sum(weight, axis=0)
+    return first, second
+
+
+@triton.jit
+def _threshold(total, uniform, U_BITS: tl.constexpr):
+    """floor(total * u24 / 2**24) in int64 without overflow (module doc, step 3)."""
     u24 = (uniform * (1 << U_BITS)).to(tl.int64)
     u24 = tl.minimum(tl.maximum(u24, 0), (1 << U_BITS) - 1)
-    threshold = (total >> U_BITS) * u24 + (((total & ((1 << U_BITS) - 1)) * u24) >> U_BITS)
-    # Integer CDF: any scan tree gives the same sums, so the count matches the reference.
-    count = tl.zeros((), tl.int64)
-    carry = tl.zeros((), tl.int64)
-    for start in range(0, vocab, BLOCK_V):
-        idx = start + offs
-        in_vocab = idx < vocab
-        p = tl.maximum(tl.load(p_row_ptr + idx, mask=in_vocab, other=0.0), 0.0)
-        q = tl.load(q_row_ptr + idx, mask=in_vocab & use_q & use_residual, other=0.0)
-        weight = (tl.maximum(p - q, 0.0) * FIXED_ONE).to(tl.int64)
-        cdf = tl.cumsum(weight, axis=0) + carry
-        count += tl.sum(((cdf <= threshold) & in_vocab).to(tl.int64), axis=0)
-        carry += tl.sum(weight, axis=0)
-    return tl.where(total > 0, count, 0)
+    return (total >> U_BITS) * u24 + (((total & ((1 << U_BITS) - 1)) * u24) >> U_BITS)
 
 
 @triton.jit
 def _spec_accept_kernel(
-    verify_ids_ptr,
-    verify_lens_ptr,
-    seq_lens_ptr,
-    target_ids_ptr,
-    greedy_mask_ptr,
-    p_ptr,
-    q_ptr,
-    accept_u_ptr,
-    sample_u_ptr,
-    accept_lens_ptr,
-    commit_lens_ptr,
-    out_tokens_ptr,
-    next_anchors_ptr,
-    new_seq_lens_ptr,
-    vocab,
-    p_stride_b,
-    p_stride_w,
-    q_stride_b,
-    q_stride_w,
-    fill_token,
-    W: tl.constexpr,
-    W_POW2: tl.constexpr,
-    BLOCK_V: tl.constexpr,
-    HAS_GREEDY: tl.constexpr,
-    HAS_SAMPLED: tl.constexpr,
-    HAS_MASK: tl.constexpr,
-    FIXED_ONE: tl.constexpr,
-    MIN_RESIDUAL: tl.constexpr,
+    verify_ids_ptr, verify_lens_ptr, seq_lens_ptr, target_ids_ptr, greedy_mask_ptr,
+    p_ptr, q_ptr, accept_u_ptr, sample_u_ptr, sums_ptr, accept_scratch_ptr,
+    accept_lens_ptr, commit_lens_ptr, out_tokens_ptr, next_anchors_ptr, new_seq_lens_ptr,
+    vocab, chunk, num_chunks, p_stride_b, p_stride_w, q_stride_b, q_stride_w, fill_token,
+    W: tl.constexpr, W_POW2: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
+    PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_SAMPLED: tl.constexpr,
+    HAS_MASK: tl.constexpr, FIXED_ONE: tl.constexpr, MIN_RESIDUAL: tl.constexpr,
     U_BITS: tl.constexpr,
-):
+):  # fmt: skip
+    """Program (row, c). PHASE 0: one program per row does everything (grid [B, 1]). Split
+    sampled path, grid [B, C] with vocab chunk c = [c * chunk, +chunk): PHASE 1 writes the
+    chunk's two fixed-point masses to ``sums[row, c]``; PHASE 2 reads all C of them, finds the
+    chunk holding the sampled token, and that program alone scans it and writes the row
+    (non-sampled rows are written by chunk 0)."""
     row = tl.program_id(0).to(tl.int64)
+    pid_c = tl.program_id(1)
     cols = tl.arange(0, W_POW2)
     verify_len = tl.load(verify_lens_ptr + row).to(tl.int32)
     verify_len = tl.minimum(tl.maximum(verify_len, 0), W)
     is_valid = verify_len > 0
     last = tl.maximum(verify_len - 1, 0)
     ids_ptr = verify_ids_ptr + row * W
-    anchor = tl.load(ids_ptr)
     # drafts[c] = verify_ids[row, c + 1]: the token emitted at column c when accepted.
     drafts = tl.load(ids_ptr + cols + 1, mask=cols + 1 < W, other=0)
     in_window = cols < last
+    if PHASE != 1:
+        # Only needed for the final stores, but loaded now so they share the first round trip.
+        anchor = tl.load(ids_ptr)
+        seq_len = tl.load(seq_lens_ptr + row)
+        uniform = tl.load(sample_u_ptr + row) if HAS_SAMPLED else 0.0
     accept = tl.zeros((), tl.int32)
     bonus = tl.zeros((), tl.int64)
-    if HAS_GREEDY:
+    writer = pid_c == 0
+    if HAS_GREEDY and PHASE != 1:
         target = tl.load(target_ids_ptr + row * W + cols, mask=cols < W, other=0).to(tl.int64)
         mismatch = in_window & (drafts != target)
         accept = tl.min(tl.where(mismatch, cols, last), axis=0)
@@ -257,40 +245,105 @@ def _spec_accept_kernel(
         run_sampler = is_valid
         if HAS_MASK:
             run_sampler = run_sampler & (tl.load(greedy_mask_ptr + row) == 0)
+        chunk_ids = tl.arange(0, BLOCK_C)
+        p_mass = tl.zeros((BLOCK_C,), tl.int64)
+        res_mass = tl.zeros((BLOCK_C,), tl.int64)
+        accept_s = tl.zeros((), tl.int32)
+        if PHASE == 2:
+            # Issued before the row's rule is known, so the header, the phase-1 accept length
+            # and every chunk's masses arrive in one round trip (scratch rows of greedy and
+            # padding rows hold garbage that is never used).
+            sums = sums_ptr + (row * num_chunks + chunk_ids) * 2
+            p_mass = tl.load(sums, mask=chunk_ids < num_chunks, other=0)
+            res_mass = tl.load(sums + 1, mask=chunk_ids < num_chunks, other=0)
+            accept_s = tl.load(accept_scratch_ptr + row)
         # Greedy and padding rows skip the vocab scans entirely.
         if run_sampler:
-            valid_id = in_window & (drafts >= 0) & (drafts < vocab)
-            p_rows = p_ptr + row * p_stride_b + cols * p_stride_w
-            q_rows = q_ptr + row * q_stride_b + cols * q_stride_w
-            p_draft = tl.load(p_rows + drafts, mask=valid_id, other=0.0)
-            q_draft = tl.load(q_rows + drafts, mask=valid_id, other=0.0)
-            u_draft = tl.load(accept_u_ptr + row * (W - 1) + cols, mask=in_window, other=0.0)
-            rejected = in_window & ((u_draft * q_draft < p_draft) == 0)
-            accept_s = tl.min(tl.where(rejected, cols, last), axis=0)
-            bonus_s = _sample_residual_row(
-                p_ptr + row * p_stride_b + accept_s * p_stride_w,
-                q_ptr + row * q_stride_b + accept_s * q_stride_w,
-                accept_s < last,
-                vocab,
-                tl.load(sample_u_ptr + row),
-                BLOCK_V,
-                FIXED_ONE,
-                MIN_RESIDUAL,
-                U_BITS,
-            )
-            accept = accept_s
-            bonus = bonus_s
-    accept = tl.where(is_valid, accept, 0)
-    commit = tl.where(is_valid, accept + 1, 0)
-    out = tl.where(cols < accept, drafts, fill_token)
-    out = tl.where(cols == accept, bonus, out)
-    out = tl.where(is_valid, out, fill_token)
-    tl.store(out_tokens_ptr + row * W + cols, out, mask=cols < W)
-    tl.store(accept_lens_ptr + row, accept)
-    tl.store(commit_lens_ptr + row, commit)
-    tl.store(next_anchors_ptr + row, tl.where(is_valid, bonus, anchor))
-    seq_len = tl.load(seq_lens_ptr + row)
-    tl.store(new_seq_lens_ptr + row, (seq_len + commit).to(seq_len.dtype))
+            if PHASE != 2:
+                valid_id = in_window & (drafts >= 0) & (drafts < vocab)
+                p_rows = p_ptr + row * p_stride_b + cols * p_stride_w
+                q_rows = q_ptr + row * q_stride_b + cols * q_stride_w
+                p_draft = tl.load(p_rows + drafts, mask=valid_id, other=0.0)
+                q_draft = tl.load(q_rows + drafts, mask=valid_id, other=0.0)
+                u_draft = tl.load(accept_u_ptr + row * (W - 1) + cols, mask=in_window, other=0.0)
+                rejected = in_window & ((u_draft * q_draft < p_draft) == 0)
+                accept_s = tl.min(tl.where(rejected, cols, last), axis=0)
+            # The bonus row: P at the accept length; Q there only after a rejection.
+            p_row = p_ptr + row * p_stride_b + accept_s * p_stride_w
+            q_row = q_ptr + row * q_stride_b + accept_s * q_stride_w
+            use_q = accept_s < last
+            if PHASE == 1:
+                start = pid_c * chunk
+                chunk_p, chunk_res = _scan_chunk(p_row, q_row, use_q, start,
+                                                 tl.minimum(start + chunk, vocab), 0, 0, BLOCK_V,
+                                                 FIXED_ONE, False)
+                tl.store(sums_ptr + (row * num_chunks + pid_c) * 2, chunk_p)
+                tl.store(sums_ptr + (row * num_chunks + pid_c) * 2 + 1, chunk_res)
+                if pid_c == 0:
+                    tl.store(accept_scratch_ptr + row, accept_s)
+            else:
+                token = tl.zeros((), tl.int64)
+                if PHASE == 0:
+                    p_total, res_total = _scan_chunk(p_row, q_row, use_q, 0, vocab, 0, 0,
+                                                     BLOCK_V, FIXED_ONE, False)
+                    use_residual = res_total > MIN_RESIDUAL
+                    total = tl.where(use_residual, res_total, p_total)
+                    threshold = _threshold(total, uniform, U_BITS)
+                    token, _ = _scan_chunk(p_row, q_row, use_q & use_residual, 0, vocab,
+                                           tl.zeros((), tl.int64), threshold, BLOCK_V, FIXED_ONE,
+                                           True)
+                else:
+                    use_residual = tl.sum(res_mass, axis=0) > MIN_RESIDUAL
+                    mass = tl.where(use_residual, res_mass, p_mass)
+                    total = tl.sum(mass, axis=0)
+                    threshold = _threshold(total, uniform, U_BITS)
+                    # The token lies in the first chunk whose inclusive CDF exceeds the
+                    # threshold: every column before it has CDF <= threshold, none after.
+                    inclusive = tl.cumsum(mass, axis=0)
+                    below = (inclusive <= threshold) & (chunk_ids < num_chunks)
+                    owner = tl.sum(below.to(tl.int32), axis=0)
+                    owner = tl.where(total > 0, owner, 0)
+                    writer = pid_c == owner
+                    if writer:
+                        carry = tl.sum(tl.where(chunk_ids < owner, mass, 0), axis=0)
+                        start = owner * chunk
+                        count, _ = _scan_chunk(p_row, q_row, use_q & use_residual, start,
+                                               tl.minimum(start + chunk, vocab), carry, threshold,
+                                               BLOCK_V, FIXED_ONE, True)
+                        token = start + count
+                accept = accept_s
+                bonus = tl.where(total > 0, token, 0)
+    if PHASE != 1:
+        if writer:
+            accept = tl.where(is_valid, accept, 0)
+            commit = tl.where(is_valid, accept + 1, 0)
+            out = tl.where(cols < accept, drafts, fill_token)
+            out = tl.where(cols == accept, bonus, out)
+            out = tl.where(is_valid, out, fill_token)
+            tl.store(out_tokens_ptr + row * W + cols, out, mask=cols < W)
+            tl.store(accept_lens_ptr + row, accept)
+            tl.store(commit_lens_ptr + row, commit)
+            tl.store(next_anchors_ptr + row, tl.where(is_valid, bonus, anchor))
+            tl.store(new_seq_lens_ptr + row, (seq_len + commit).to(seq_len.dtype))
+
+
+# Split sampled scan: ~8 resident programs per SM on a 132-SM H200 per launch, >= 512 columns
+# (4 KB of P and Q) per program, and at most 256 chunks (phase 2 loads every chunk's masses).
+_TARGET_PROGRAMS, _MIN_CHUNK, _MAX_CHUNKS, _MAX_FORCED_CHUNKS = 1024, 512, 256, 1024
+
+
+def _plan_vocab_chunks(rows: int, vocab: int, num_chunks: int | None) -> tuple[int, int, int]:
+    """(chunks per row, columns per chunk, BLOCK_V) from the shapes only (graph-safe)."""
+    if num_chunks is not None:  # tests: exactly this many, possibly empty past the vocab
+        _require(1 <= num_chunks <= _MAX_FORCED_CHUNKS,
+                 f"num_chunks must lie in [1, {_MAX_FORCED_CHUNKS}], got {num_chunks}")
+        chunk = triton.cdiv(vocab, num_chunks)
+        return num_chunks, chunk, max(16, min(4096, triton.next_power_of_2(chunk)))
+    per_row = min(_MAX_CHUNKS, triton.cdiv(vocab, _MIN_CHUNK), triton.cdiv(_TARGET_PROGRAMS, rows))
+    chunk = triton.cdiv(vocab, max(1, per_row))
+    block_v = max(16, min(4096, triton.next_power_of_2(chunk)))
+    chunk = triton.cdiv(chunk, block_v) * block_v  # whole blocks: one or more full loads each
+    return triton.cdiv(vocab, chunk), chunk, block_v
 
 
 def _require(cond: bool, message: str) -> None:
@@ -310,13 +363,10 @@ def _check_vector(t: torch.Tensor | None, name: str, rows: int,
 
 
 def _check_sampling_inputs(
-    target_probs: torch.Tensor,
-    draft_probs: torch.Tensor | None,
-    accept_uniforms: torch.Tensor | None,
-    sample_uniforms: torch.Tensor | None,
-    rows: int,
+    target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
+    accept_uniforms: torch.Tensor | None, sample_uniforms: torch.Tensor | None, rows: int,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
     _require(target_probs.dim() == 3 and target_probs.shape[:2] == (rows, width)
              and target_probs.shape[2] >= 1 and target_probs.dtype == torch.float32
              and target_probs.stride(-1) == 1,
@@ -362,8 +412,10 @@ def spec_accept(
     greedy_mask: torch.Tensor | None = None,
     fill_token: int = -1,
     out: AcceptOutput | None = None,
+    num_chunks: int | None = None,
 ) -> AcceptOutput:
-    """Finalise one verify step on device in a single launch (no host sync; graph-capturable).
+    """Finalise one verify step on device (no host sync; graph-capturable): one launch, or two
+    when the sampled rule splits the vocab scan over chunks (``_plan_vocab_chunks``).
 
     Args:
         verify_ids: int64 [B, W] contiguous; column 0 the anchor, columns 1.. the drafts.
@@ -378,6 +430,8 @@ def spec_accept(
         greedy_mask: bool [B]; required when both rules are given (True = greedy rule).
         fill_token: value written to out_tokens after the bonus column.
         out: optional preallocated ``AcceptOutput`` (static graph buffers) with the output dtypes.
+        num_chunks: force the sampled vocab scan into this many chunks per row (1 = one program
+            per row, one launch); default from the shapes. Tests use it; results never change.
     Returns:
         ``AcceptOutput`` (see the module docstring for the exact rule).
     Raises:
@@ -417,17 +471,25 @@ def spec_accept(
         return out
     p_strides = (p_arg.stride(0), p_arg.stride(1)) if target_probs is not None else (0, 0)
     q_strides = (q_arg.stride(0), q_arg.stride(1)) if target_probs is not None else (0, 0)
-    _spec_accept_kernel[(rows,)](
-        verify_ids, verify_lens, seq_lens,
-        target_ids if target_ids is not None else placeholder, mask_arg,
-        p_arg, q_arg, ua_arg, us_arg,
-        *out,
-        vocab, *p_strides, *q_strides, fill_token,
-        W=width, W_POW2=triton.next_power_of_2(width),
-        BLOCK_V=max(16, min(4096, triton.next_power_of_2(vocab))),
-        HAS_GREEDY=target_ids is not None, HAS_SAMPLED=target_probs is not None,
-        HAS_MASK=has_mask,
-        FIXED_ONE=float(1 << FIXED_POINT_BITS), MIN_RESIDUAL=MIN_RESIDUAL_MASS,
-        U_BITS=UNIFORM_BITS,
-    )
+    chunks, chunk, block_v = 1, vocab, 16  # greedy only: the vocab is never scanned
+    if target_probs is not None:
+        chunks, chunk, block_v = _plan_vocab_chunks(rows, vocab, num_chunks)
+    sums, accept_scratch = placeholder, placeholder
+    if chunks > 1:  # graph-safe scratch; phase 2 uses only what phase 1 wrote (sampled rows)
+        sums = torch.empty((rows, chunks, 2), dtype=torch.int64, device=verify_ids.device)
+        accept_scratch = torch.empty((rows,), dtype=torch.int32, device=verify_ids.device)
+    for phase in (0,) if chunks == 1 else (1, 2):
+        _spec_accept_kernel[(rows, chunks)](
+            verify_ids, verify_lens, seq_lens,
+            target_ids if target_ids is not None else placeholder, mask_arg,
+            p_arg, q_arg, ua_arg, us_arg, sums, accept_scratch,
+            *out,
+            vocab, chunk, chunks, *p_strides, *q_strides, fill_token,
+            W=width, W_POW2=triton.next_power_of_2(width), BLOCK_V=block_v,
+            BLOCK_C=triton.next_power_of_2(chunks), PHASE=phase,
+            HAS_GREEDY=target_ids is not None, HAS_SAMPLED=target_probs is not None,
+            HAS_MASK=has_mask,
+            FIXED_ONE=float(1 << FIXED_POINT_BITS), MIN_RESIDUAL=MIN_RESIDUAL_MASS,
+            U_BITS=UNIFORM_BITS,
+        )
     return out

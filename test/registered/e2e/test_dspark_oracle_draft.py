@@ -17,8 +17,7 @@ N_NEW = 29
 
 
 def _oracle_propose(reference: dict[tuple[int, ...], list[int]]):
-    def propose(self, reqs, anchors, seq_t, slot_t, temp, greedy, all_greedy):
-        gamma = self.gamma
+    def propose(self, reqs, anchors, seq_t, slot_t, temp, greedy, all_greedy, gamma):
         rows = []
         for r in reqs:
             ref = reference[tuple(r.prompt_ids)]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sgl_dspark.kernels import mhc as mhc_module
 from sgl_dspark.kernels.mhc import (
     MhcPostCombineOutput,
     mhc_coeffs_ref,
@@ -144,7 +145,8 @@ _KW = dict(hc_eps=1e-6, rms_eps=1e-6)
         (9, 2, 160, torch.float32, 3),
         (37, 4, 96, torch.bfloat16, 3),
         (3, 3, 96, torch.float32, 2),
-        (2, 4, 1100, torch.bfloat16, 20),  # the finishing passes take two chunks (masked tail)
+        (2, 4, 1100, torch.bfloat16, 20),  # 35 slices of 32 (not a power of two), masked tail
+        (3, 2, 33, torch.bfloat16, 4),  # odd D narrower than one slice
     ],
 )
 def test_kernel_matches_ref(m: int, n: int, d: int, dtype: torch.dtype, iters: int) -> None:
@@ -157,6 +159,20 @@ def test_kernel_matches_ref(m: int, n: int, d: int, dtype: torch.dtype, iters: i
         assert not torch.isnan(got).any(), name
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
     _assert_close_act(out.x_in, ref.x_in)
+    _assert_close_act(out.x_normed, ref.x_normed)
+
+
+def test_kernel_keeps_signed_zeros() -> None:
+    """Columns where y and every stream are -0.0 give Rs' = -0.0 in the reference (post·(-0)
+    plus comb·(-0) terms); the kernel's bit-exact stream update must keep that sign."""
+    inp = _make_inputs(3, 4, 96, torch.bfloat16, seed=13)
+    inp["streams"][:, :, ::3] = -0.0
+    inp["y"][:, ::3] = -0.0
+    ref = mhc_post_combine_ref(**inp, sinkhorn_iters=3, **_KW)
+    assert torch.signbit(ref.streams[:, :, ::3]).all()
+    out = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(3, 4, 96,
+                                                                              torch.bfloat16))
+    _assert_bits_equal(out.streams, ref.streams)
     _assert_close_act(out.x_normed, ref.x_normed)
 
 
@@ -173,26 +189,61 @@ def test_kernel_large_magnitudes_and_hc_eps() -> None:
     torch.testing.assert_close(out.x_normed, ref.x_normed, rtol=1e-5, atol=1e-5)
 
 
-def test_kernel_rows_do_not_depend_on_batch() -> None:
-    """Each row's result is a function of that row only (no tree depends on M or the grid)."""
-    inp = _make_inputs(7, 4, 160, torch.bfloat16, seed=5)
-    full = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
-    row = 5
-    one_row = {k: (v[row:row + 1] if v.shape[0] == 7 else v) for k, v in inp.items()}
-    single = mhc_post_combine(**one_row, sinkhorn_iters=3, **_KW)
-    for a, b in zip(single, full):
-        _assert_bits_equal(a, b[row:row + 1].contiguous())
+def _assert_rows_equal(got: MhcPostCombineOutput, want: MhcPostCombineOutput, rows: list[int],
+                       want_rows: list[int]) -> None:
+    for name, a, b in zip(MhcPostCombineOutput._fields, got, want):
+        for r, wr in zip(rows, want_rows):
+            int_ty = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
+            assert torch.equal(a[r].view(int_ty), b[wr].view(int_ty)), (name, r, wr)
 
 
-def test_counters_are_left_zero_and_reusable() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_kernel_rows_do_not_depend_on_batch(dtype: torch.dtype) -> None:
+    """A row's result is a function of that row only: the same rows, embedded at different
+    positions of batches of different M (so phase A tiles them 1, 2, 4, 8 and 16 per program),
+    give bit-identical outputs."""
+    n, d = 4, 96
+    batch_sizes = [1, 5, 9, 17, 33]
+    assert len({mhc_module._rows_per_program(m) for m in batch_sizes}) == len(batch_sizes)
+    probe = _make_inputs(3, n, d, dtype, seed=5)
+    alone = mhc_post_combine(**probe, sinkhorn_iters=3, **_KW)
+    for m in batch_sizes:
+        inp = _make_inputs(m, n, d, dtype, seed=50 + m)
+        rows = sorted({m - 1, (7 * m) // 9, m // 3})[:3]
+        inp.update({k: probe[k] for k in ("fn", "base", "scale", "norm_weight")})
+        for key in ("streams", "y", "post", "comb"):
+            for i, r in enumerate(rows):
+                inp[key][r] = probe[key][i]
+        out = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(m, n, d, dtype))
+        _assert_rows_equal(out, alone, rows, list(range(len(rows))))
+
+
+def test_kernel_chunked_finish(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rows wider than the register-resident finish block are collapsed and normed in chunks
+    (three here, the last one masked), with the norm pass re-reading x_in."""
+    monkeypatch.setattr(mhc_module, "_MAX_FINISH_BLOCK", 64)
+    m, n, d = 3, 4, 160
+    inp = _make_inputs(m, n, d, torch.bfloat16, seed=21)
+    ref = mhc_post_combine_ref(**inp, sinkhorn_iters=5, **_KW)
+    out = mhc_post_combine(**inp, sinkhorn_iters=5, **_KW,
+                           out=_poisoned_out(m, n, d, torch.bfloat16))
+    _assert_bits_equal(out.streams, ref.streams)
+    torch.testing.assert_close(out.pre, ref.pre, rtol=1e-5, atol=1e-6)
+    _assert_close_act(out.x_in, ref.x_in)
+    _assert_close_act(out.x_normed, ref.x_normed)
+
+
+def test_repeated_calls_are_identical_and_counters_ignored() -> None:
+    """No state survives a call (no arrival counters any more): repeats are bit-identical, and
+    a counters tensor from callers of the single-launch version is accepted and left alone."""
     inp = _make_inputs(9, 4, 96, torch.float32, seed=9)
-    counters = torch.zeros(8, dtype=torch.int32, device=DEVICE)
+    counters = torch.full((8,), 7, dtype=torch.int32, device=DEVICE)
     first = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, counters=counters)
-    assert torch.equal(counters, torch.zeros_like(counters))
-    second = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, counters=counters)
+    second = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(9, 4, 96,
+                                                                                 torch.float32))
     for a, b in zip(first, second):
         _assert_bits_equal(a, b)
-    assert torch.equal(counters, torch.zeros_like(counters))
+    assert torch.equal(counters, torch.full_like(counters, 7))
 
 
 def test_empty_batch() -> None:

@@ -1,5 +1,9 @@
 """K2+K3: router gate / top-k / pad fill vs `router_topk_ref`.
 
+The x source runs a split-K GEMV (16 experts per program); up to 8 rows the last GEMV program
+routes (one launch), above that a second launch routes the partials; both are covered below, with
+the workspace poisoned so every partial read must have been written by this call.
+
 Ids are X0 wherever the reference's selection values are separated by more than the score
 transcendentals' error (exp2/log2 lowerings differ: numpy vs torch on CPU, approx ex2/lg2 on GPU);
 exact ties are always compared exactly. Near-tie rows instead must pick experts whose selection values
@@ -187,6 +191,42 @@ def test_x_source_split_k(num_rows: int, hidden: int, dtype: torch.dtype) -> Non
         assert int(workspace.counters.abs().sum()) == 0
 
 
+@pytest.mark.parametrize("num_rows", [0, 1, 8, 9, 24])
+def test_x_source_dsv4_hidden_fused_and_two_launch(num_rows: int) -> None:
+    # H = 4096 -> S = 8 splits; rows <= 8 take the fused last-program path, 9 and 24 the second
+    # routing launch (ceil(M / 8) row tiles in parallel).
+    gen = torch.Generator().manual_seed(4096 + num_rows)
+    x, gate = _grid_exact_inputs(num_rows, 4096, 384, torch.bfloat16, gen)
+    bias = _random_bias(384, "randn", gen)
+    workspace = make_router_workspace(32, 384, 4096, DEVICE)
+    workspace.partials.fill_(float("nan"))  # poison: every partial the kernel reads it wrote
+    n_valid = torch.tensor(max(num_rows - 2, 0), dtype=torch.int32, device=DEVICE)
+    logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
+    config = RouterConfig(6, num_shared=1, routed_scaling_factor=2.5, fill_id=-1)
+    kwargs = dict(x=x, gate_weight=gate, correction_bias=bias, n_valid=n_valid)
+    got = router_topk(config, logits_out=logits_out, workspace=workspace, **kwargs)
+    ref_logits = torch.empty_like(logits_out)
+    ref = router_topk_ref(config, logits_out=ref_logits, **kwargs)
+    assert torch.equal(logits_out, ref_logits)
+    _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", bias), 6, n_valid)
+    assert int(workspace.counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("splits,num_rows", [(9, 13), (16, 5), (2, 33)])
+def test_partials_source_split_counts(splits: int, num_rows: int) -> None:
+    # S * rows-per-tile is bounded (8 rows up to S = 8, 4 rows for S = 9..16, ...).
+    gen = torch.Generator().manual_seed(splits * 100 + num_rows)
+    partials = (torch.randn(splits, num_rows, 384, generator=gen) * 0.5).to(DEVICE)
+    n_valid = torch.tensor(num_rows - 1, dtype=torch.int32, device=DEVICE)
+    logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
+    got = router_topk(RouterConfig(6), partials=partials, n_valid=n_valid, logits_out=logits_out)
+    ref_logits = torch.empty_like(logits_out)
+    ref = router_topk_ref(RouterConfig(6), partials=partials, n_valid=n_valid,
+                          logits_out=ref_logits)  # fmt: skip
+    assert torch.equal(logits_out, ref_logits)
+    _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", None), 6, n_valid)
+
+
 @pytest.mark.parametrize("table_dtype", [torch.int32, torch.int64])
 @pytest.mark.parametrize("num_rows", [1, 6, 37])
 def test_hash_routing(num_rows: int, table_dtype: torch.dtype) -> None:
@@ -204,6 +244,11 @@ def test_hash_routing(num_rows: int, table_dtype: torch.dtype) -> None:
         _check(got, ref, None, 6)
         valid = got.ids[: num_rows - 1]
         assert torch.equal(valid.long(), tid2eid[input_ids[: num_rows - 1]].long())
+    # The runtime's hash layers route from x: fused (<= 8 rows) or two launches.
+    x, gate = _grid_exact_inputs(num_rows, 96, 384, torch.float32, gen)
+    kwargs = dict(x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=input_ids, n_valid=n_valid)
+    config = RouterConfig(6, routed_scaling_factor=1.5)
+    _check(router_topk(config, **kwargs), router_topk_ref(config, **kwargs), None, 6)
 
 
 def test_hand_derived_ties_and_padding() -> None:
@@ -251,11 +296,12 @@ def test_m0_and_bad_inputs() -> None:
 
 
 @pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
-def test_cuda_graph_replay_matches_eager() -> None:
+@pytest.mark.parametrize("num_rows", [4, 24])  # fused last-program path, two-launch path
+def test_cuda_graph_replay_matches_eager(num_rows: int) -> None:
     gen = torch.Generator().manual_seed(7)
-    x, gate = _grid_exact_inputs(24, 4096, 384, torch.bfloat16, gen)
+    x, gate = _grid_exact_inputs(num_rows, 4096, 384, torch.bfloat16, gen)
     bias = _random_bias(384, "randn", gen)
-    n_valid = torch.tensor(20, dtype=torch.int32, device=DEVICE)
+    n_valid = torch.tensor(num_rows - 2, dtype=torch.int32, device=DEVICE)
     workspace = make_router_workspace(32, 384, 4096, DEVICE)
     config = RouterConfig(6, num_shared=1)
     kwargs = dict(x=x, gate_weight=gate, correction_bias=bias, n_valid=n_valid, workspace=workspace)

@@ -1,15 +1,21 @@
-"""Window + extra-key attention with sinks: the Triton launcher vs its torch reference (X2).
+"""Window + extra-key attention with sinks: the Triton launcher vs its torch reference (X2),
+single pass and split-K (flash-decoding) with its merge kernel.
 
 Not bit-exact: the kernel's online softmax rescales and sums the keys tile by tile in fp32 (and
-uses exp2 with log2(e) folded into the scale), so the additions happen in another order than the
-reference's one-shot softmax and matmul; fp32 results agree to ~1e-6 relative.
+uses exp2 with log2(e) folded into the scale), and split-K adds the partials in yet another order,
+so the additions happen in another order than the reference's one-shot softmax and matmul; fp32
+results agree to ~1e-6 relative.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
 from sgl_dspark.kernels.sparse_attention import (
+    _auto_num_splits,
+    _merge_attention_splits_kernel,
+    _sm_count,
     window_sparse_attention,
     window_sparse_attention_ref,
 )
@@ -40,7 +46,8 @@ def _paged_batch(seq_lens: list[int], extends: list[int], page_size: int, gen: t
             num_pages * page_size)
 
 
-def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed):
+def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed,
+            invalid_rows=(1,)):
     gen = torch.Generator().manual_seed(seed)
     positions, token_slot, table, num_slots = _paged_batch(seq_lens, extends, 4, gen)
     tokens = positions.shape[0]
@@ -53,8 +60,9 @@ def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed):
     if num_extra is not None:
         extra_kv = torch.randn(tokens, num_extra, head_dim, generator=gen)
         extra_valid = torch.rand(tokens, num_extra, generator=gen) < 0.6
-        if tokens > 1:
-            extra_valid[1] = False  # a token that sees no extra key at all
+        for row in invalid_rows:
+            if row < tokens:
+                extra_valid[row] = False  # a token that sees no extra key at all
         extra_kv = extra_kv.to(dtype).to(DEVICE)
         extra_valid = extra_valid.to(DEVICE)
     return dict(
@@ -65,9 +73,9 @@ def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed):
     )
 
 
-def _run_poisoned(inputs: dict) -> torch.Tensor:
+def _run_poisoned(inputs: dict, num_splits: int | None = None) -> torch.Tensor:
     out = torch.full_like(inputs["q"], float("nan"))
-    got = window_sparse_attention(**inputs, out=out)
+    got = window_sparse_attention(**inputs, out=out, num_splits=num_splits)
     assert got is out
     assert not torch.isnan(got).any(), "kernel left poisoned output"
     return got
@@ -139,3 +147,125 @@ def test_rejects_bad_layouts() -> None:
         window_sparse_attention(**{**inputs, "window_kv": inputs["window_kv"].double()})
     with pytest.raises(ValueError, match="sinks"):
         window_sparse_attention(**{**inputs, "sinks": inputs["sinks"][:2]})
+
+
+# Split-K sweep. Tile sizes: Dh 64/96/128 use 64-key tiles, Dh 512 16-key tiles, so "tiles" below
+# is cdiv(window, BLOCK_N) + cdiv(N, BLOCK_N) and forced splits beyond it leave empty splits.
+SPLIT_CASES = [
+    # (seq_lens, extends, heads, head_dim, window, num_extra, rows with no valid extra key)
+    ([6], [1], 3, 64, 4, None, ()),                  # T=1, 1 tile: every split past 1 is empty
+    ([2, 9, 40], [1, 1, 1], 5, 128, 32, 5, (0,)),    # T=3, early tokens mask most window slots
+    ([3, 90], [3, 4], 7, 96, 40, 100, (1, 4)),       # T=7, splits mixing window and extra tiles
+    ([1, 130, 4], [1, 2, 4], 6, 64, 128, 0, ()),     # T=7, N=0, position 0 sees one key
+    ([60, 3], [1, 2], 72, 128, 100, 37, (2,)),       # 2 head blocks (64 + 8 heads)
+    ([20, 150], [2, 1], 5, 512, 128, 37, (0,)),      # Dh 512: 8 + 3 tiles of 16 keys
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 2, 3, 8])
+@pytest.mark.parametrize("index", range(len(SPLIT_CASES)))
+def test_split_fp32_matches_reference(index: int, num_splits: int) -> None:
+    *case, invalid_rows = SPLIT_CASES[index]
+    inputs = _inputs(*case, dtype=torch.float32, seed=300 + index, invalid_rows=invalid_rows)
+    want = window_sparse_attention_ref(**inputs)
+    got = _run_poisoned(inputs, num_splits=num_splits)
+    # Reordered fp32 sums (online softmax per split, then the weighted merge): a few ulps.
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_splits", [2, 3])
+@pytest.mark.parametrize("index", [1, 2, 5])
+def test_split_bf16_matches_reference(index: int, num_splits: int) -> None:
+    *case, invalid_rows = SPLIT_CASES[index]
+    inputs = _inputs(*case, dtype=torch.bfloat16, seed=400 + index, invalid_rows=invalid_rows)
+    got = _run_poisoned(inputs, num_splits=num_splits)
+    # Same bounds and reasons as test_bf16_matches_reference: each split rounds its probabilities
+    # to bf16 before the PV product (relative to its own running max) and the output is rounded
+    # once (truncated by the interpreter), ~2^-7 relative against the fp32 math on bf16 inputs...
+    exact = window_sparse_attention_ref(**_upcast(inputs))
+    torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
+    # ...and the bf16 reference's own bf16 logits/probabilities add up to ~0.03 absolute.
+    want = window_sparse_attention_ref(**inputs)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+def test_split_empty_batch() -> None:
+    inputs = _inputs([4], [1], 4, 32, 4, 5, dtype=torch.float32, seed=5)
+    empty = {k: v[:0] if k in ("q", "positions", "token_slot", "extra_kv", "extra_valid") else v
+             for k, v in inputs.items()}
+    for num_splits in (None, 1, 3):
+        assert window_sparse_attention(**empty, num_splits=num_splits).shape == (0, 4, 32)
+
+
+def test_merge_ignores_empty_partials() -> None:
+    # Hand-built partials (m in the log2 domain, the sink in natural-log units as the model's):
+    # o = sum_s 2^m_s acc_s / (sum_s 2^m_s l_s + e^sink), where a split with m = -inf (no key
+    # seen and no finite start) must weigh exactly 0.
+    gen = torch.Generator().manual_seed(7)
+    tokens, splits, heads, head_dim = 3, 5, 4, 48
+    m = torch.randn(tokens, splits, heads, generator=gen) * 4
+    l_part = torch.rand(tokens, splits, heads, generator=gen) * 3 + 0.1
+    acc = torch.randn(tokens, splits, heads, head_dim, generator=gen)
+    empty = torch.rand(tokens, splits, heads, generator=gen) < 0.4
+    empty[0, :, 0] = True  # a (token, head) whose every split is empty: only the sink remains
+    m[empty], l_part[empty], acc[empty] = float("-inf"), 0.0, 0.0
+    sinks = torch.randn(heads, generator=gen) * 2
+    weight = torch.exp2(m.double())                                      # [T, S, H]
+    denom = (weight * l_part.double()).sum(1) + torch.exp(sinks.double())
+    want = (weight[..., None] * acc.double()).sum(1) / denom[..., None]
+    out = torch.full((tokens, heads, head_dim), float("nan"), device=DEVICE)
+    block_d = 32  # 2 dim blocks, the second one partial
+    _merge_attention_splits_kernel[(tokens, heads, triton.cdiv(head_dim, block_d))](
+        acc.to(DEVICE), m.to(DEVICE), l_part.to(DEVICE), sinks.to(DEVICE), out,
+        heads, splits, out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, S_POW2=8, BLOCK_D=block_d,
+    )
+    assert not torch.isnan(out).any()
+    torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-6)
+    assert torch.all(out[0, 0] == 0)  # all-empty: zero mass over the sink's denominator
+
+
+def test_auto_split_choice() -> None:
+    # Enough programs: single pass. Few programs: capped by tiles / 2 and by 32 splits.
+    assert _auto_num_splits(programs=132, total_tiles=40, sm_count=132) == 1
+    assert _auto_num_splits(programs=1, total_tiles=40, sm_count=132) == 20
+    assert _auto_num_splits(programs=1, total_tiles=1000, sm_count=132) == 32
+    assert _auto_num_splits(programs=24, total_tiles=40, sm_count=132) == 11
+    assert _auto_num_splits(programs=1, total_tiles=1, sm_count=132) == 1
+    # The launcher's automatic choice is one of the forced ones (bit-identical to it).
+    inputs = _inputs([3, 90], [3, 4], 7, 96, 40, 100, dtype=torch.float32, seed=9)
+    auto = _run_poisoned(inputs)
+    # 7 tokens x 1 head block; 64-key tiles: 1 window tile + 2 extra tiles.
+    chosen = _auto_num_splits(7, 3, _sm_count(inputs["q"].device))
+    assert chosen == 2
+    assert torch.equal(auto, _run_poisoned(inputs, num_splits=chosen))
+
+
+def test_rejects_bad_num_splits() -> None:
+    inputs = _inputs([4], [1], 4, 32, 4, 5, dtype=torch.float32, seed=2)
+    with pytest.raises(ValueError, match="num_splits"):
+        window_sparse_attention(**inputs, num_splits=0)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graph capture needs a GPU")
+@pytest.mark.parametrize("num_splits", [None, 1, 4])
+def test_cuda_graph_replay_matches_eager(num_splits: int | None) -> None:
+    # Scratch is allocated inside the capture and no host value is read: replays with new
+    # inputs copied into the captured buffers give exactly the eager result.
+    case = ([20, 150], [2, 1], 16, 512, 128, 37)
+    static = _inputs(*case, dtype=torch.bfloat16, seed=11)
+    fresh = _inputs(*case, dtype=torch.bfloat16, seed=12)
+    window_sparse_attention(**static, num_splits=num_splits)  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = window_sparse_attention(**static, num_splits=num_splits)
+    before = captured.clone()
+    # New values into the captured buffers (the page table and positions stay: they are the
+    # captured batch's layout, which the fresh case need not share).
+    for key in ("q", "window_kv", "extra_kv", "extra_valid", "sinks"):
+        static[key].copy_(fresh[key])
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, window_sparse_attention(**static, num_splits=num_splits))
+    assert not torch.equal(captured, before)

@@ -1,5 +1,9 @@
 """K15: on-device speculative acceptance vs its reference (exact), a plain-Python oracle of the
-rule, and a chi-square check that the sampled rule's output is distributed as the target P."""
+rule, and a chi-square check that the sampled rule's output is distributed as the target P.
+
+The sampled rule's vocab scan runs in one program per row (``num_chunks=1``) or split over vocab
+chunks in two launches; tests force chunk counts (several, more chunks than columns) and put the
+sampling threshold exactly on chunk boundaries."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import torch
 from scipy import stats
 from sgl_dspark.kernels.spec_accept import (
     AcceptOutput,
+    _plan_vocab_chunks,
     sample_inverse_cdf_ref,
     spec_accept,
     spec_accept_ref,
@@ -151,9 +156,13 @@ def test_greedy_matches_reference_and_oracle(rows: int, width: int) -> None:
     _assert_same(spec_accept(ids_d, lens_d, seqs_d, target_ids=target_d), want)
 
 
+@pytest.mark.parametrize("num_chunks", [None, 1, 3, 64])
 @pytest.mark.parametrize("rows,width,vocab", [(0, 3, 8), (1, 1, 37), (5, 2, 37), (9, 4, 300),
                                               (7, 6, 5000), (3, 8, 129)])
-def test_sampled_matches_reference_and_oracle(rows: int, width: int, vocab: int) -> None:
+def test_sampled_matches_reference_and_oracle(
+    rows: int, width: int, vocab: int, num_chunks: int | None
+) -> None:
+    # num_chunks 64 > 37 columns: chunks past the vocab are empty.
     gen = torch.Generator().manual_seed(7 + rows * 1000 + width * 10 + vocab)
     _, lens, seqs = _verify_batch(rows, width, vocab, gen)
     ids, p, q, ua, us = _sampling_inputs(rows, width, vocab, gen)
@@ -164,7 +173,7 @@ def test_sampled_matches_reference_and_oracle(rows: int, width: int, vocab: int)
     _assert_oracle(want, oracle)
     dev = dict(zip(args, _to(DEVICE, *args.values())))
     ids_d, lens_d, seqs_d = _to(DEVICE, ids, lens, seqs)
-    _assert_same(spec_accept(ids_d, lens_d, seqs_d, **dev), want)
+    _assert_same(spec_accept(ids_d, lens_d, seqs_d, num_chunks=num_chunks, **dev), want)
 
 
 def test_mixed_batch_selects_rule_per_row() -> None:
@@ -191,10 +200,13 @@ def test_mixed_batch_selects_rule_per_row() -> None:
         torch.full((rows,), -99, dtype=torch.int64, device=DEVICE),
         torch.full((rows,), -99, dtype=seqs.dtype, device=DEVICE),
     )
-    got = spec_accept(ids_d, lens_d, seqs_d, target_ids=target_d, greedy_mask=greedy_d, out=out,
-                      **dev)
-    assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got, out))
-    _assert_same(got, want)
+    for num_chunks in (None, 1, 5):  # 5 chunks: greedy and padding rows are written by chunk 0
+        for buf in out:
+            buf.fill_(-99)
+        got = spec_accept(ids_d, lens_d, seqs_d, target_ids=target_d, greedy_mask=greedy_d,
+                          out=out, num_chunks=num_chunks, **dev)
+        assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got, out))
+        _assert_same(got, want)
 
 
 def test_hand_derived_cases() -> None:
@@ -235,6 +247,60 @@ def test_inverse_cdf_boundaries() -> None:
     # Half-open intervals [k/4, (k+1)/4): exact boundaries go up; u = 1.0 is clamped below 1;
     # a single positive weight always wins; an all-zero row gives token 0.
     assert sample_inverse_cdf_ref(weights, u).tolist() == [0, 1, 2, 2, 3, 2, 0]
+
+
+@pytest.mark.parametrize("num_chunks", [1, 2, 3, 4, 8, 16])
+def test_split_scan_threshold_on_chunk_boundaries(num_chunks: int) -> None:
+    """Hand-derived draws over V = 8 whose thresholds equal a CDF value at a chunk boundary (with
+    4 chunks of 2 columns). Fixed point: 1/8 -> 2**37, 1/2 -> 2**39; the threshold is
+    S * u exactly for these u, and the token is the count of CDF entries <= threshold."""
+    eighth = torch.full((8,), 0.125)
+    p_rows = [
+        (eighth, 0.5, 4),  # t = 2**39 = CDF[3] (end of chunk 1) -> first column of chunk 2
+        (eighth, 0.25, 2),  # t = CDF[1] -> 2
+        (eighth, 0.75, 6),  # t = CDF[5] -> 6
+        (eighth, 0.0, 0),  # t = 0 < CDF[0] -> 0
+        (torch.tensor([0, 0, 0.5, 0, 0, 0, 0, 0.5]), 0.5, 7),  # zero-mass chunks before the owner
+        (torch.tensor([0, 0, 0, 0, 0, 0, 0, 1.0]), 0.999, 7),
+        (torch.zeros(8), 0.3, 0),  # no mass at all -> token 0
+    ]
+    p = torch.stack([row for row, _, _ in p_rows])[:, None, :]
+    us = torch.tensor([u for _, u, _ in p_rows])
+    rows = p.shape[0]
+    ids = torch.full((rows, 1), 3)
+    lens = torch.ones(rows, dtype=torch.long)
+    seqs = torch.arange(rows)
+    args = dict(target_probs=p, draft_probs=torch.zeros(rows, 0, 8),
+                accept_uniforms=torch.zeros(rows, 0), sample_uniforms=us)
+    want = spec_accept_ref(ids, lens, seqs, **args)
+    assert want.next_anchors.tolist() == [tok for _, _, tok in p_rows]
+    dev = dict(zip(args, _to(DEVICE, *args.values())))
+    got = spec_accept(*_to(DEVICE, ids, lens, seqs), num_chunks=num_chunks, **dev)
+    _assert_same(got, want)
+
+    # Residual draw: draft 0 is rejected (0.9 * Q(0) = 0.225 >= P(0) = 0.125); the residual
+    # max(P - Q, 0) = 1/8 on columns 2..5 (mass 2**39), u = 0.5 -> t = 2**38 = its CDF[3] -> 4.
+    q = torch.tensor([0.25, 0.25, 0, 0, 0, 0, 0.25, 0.25])
+    args = dict(target_probs=torch.stack([eighth, eighth])[None], draft_probs=q[None, None],
+                accept_uniforms=torch.tensor([[0.9]]), sample_uniforms=torch.tensor([0.5]))
+    ids, lens, seqs = torch.tensor([[5, 0]]), torch.tensor([2]), torch.tensor([10])
+    want = spec_accept_ref(ids, lens, seqs, **args)
+    assert want.accept_lens.tolist() == [0] and want.next_anchors.tolist() == [4]
+    dev = dict(zip(args, _to(DEVICE, *args.values())))
+    _assert_same(spec_accept(*_to(DEVICE, ids, lens, seqs), num_chunks=num_chunks, **dev), want)
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32])
+def test_plan_spreads_the_dsv4_vocab(rows: int) -> None:
+    # V = 129280: bs 1 must launch more programs than an H200 has SMs (132); each launch stays
+    # near 1024 programs; chunks tile the vocab exactly once.
+    chunks, chunk, block_v = _plan_vocab_chunks(rows, 129280, None)
+    assert 132 <= rows * chunks <= 1100
+    assert chunk * (chunks - 1) < 129280 <= chunk * chunks
+    assert chunk % block_v == 0
+    assert _plan_vocab_chunks(4096, 129280, None)[0] == 1  # large batches: one program per row
+    with pytest.raises(ValueError, match="num_chunks"):
+        _plan_vocab_chunks(1, 100, 0)
 
 
 @pytest.mark.parametrize("draft_kind", ["adversarial", "one_hot"])

@@ -1,10 +1,15 @@
-"""K14: vocab-parallel greedy argmax vs torch.argmax on the concatenated logits (exact, X0)."""
+"""K14: vocab-parallel greedy argmax vs torch.argmax on the concatenated logits (exact, X0).
+
+The launchers split each row into column chunks (one program each) and combine the chunk pairs in
+a second pass; tests force chunk counts (one, several, more chunks than columns) and place ties
+and NaNs exactly on chunk and shard boundaries."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 from sgl_dspark.kernels.vocab_argmax import (
+    _plan_chunks,
     combine_shard_argmax,
     shard_argmax_pairs,
     vocab_argmax,
@@ -50,7 +55,7 @@ def test_single_tensor_matches_torch_argmax(rows, width, mode, dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("mode", ["randn", "ties", "nan", "inf"])
-@pytest.mark.parametrize("rows,width,parts", [(1, 20, 4), (5, 1000, 3), (37, 10000, 4), (3, 9, 9)])
+@pytest.mark.parametrize("rows,width,parts", [(1, 20, 4), (5, 1000, 3), (13, 3000, 4), (3, 9, 9)])
 def test_unequal_shards_match_concatenated_argmax(rows, width, parts, mode, dtype) -> None:
     gen = torch.Generator().manual_seed(1000 + rows * 31 + width + parts)
     full = _random_logits(rows, width, dtype, gen, mode)
@@ -119,3 +124,106 @@ def test_bad_arguments_raise() -> None:
         vocab_argmax([x, torch.randn(4, 8, device=DEVICE)])
     with pytest.raises(ValueError, match="pairs"):
         combine_shard_argmax(torch.zeros(2, 3, 3, device=DEVICE))
+    with pytest.raises(ValueError, match="num_chunks"):
+        vocab_argmax(x, num_chunks=0)
+
+
+def _boundary_rows(width: int, boundaries: list[int], gen: torch.Generator) -> torch.Tensor:
+    """Rows whose deciding entries sit on the given column boundaries b (b-1 | b)."""
+    rows = []
+    for b in boundaries:
+        base = torch.randn(width, generator=gen)
+        tie = base.clone()
+        tie[b - 1] = tie[b] = 50.0  # tie across the boundary -> b - 1
+        after = base.clone()
+        after[b] = after[width - 1] = 50.0  # first max right at the boundary -> b (or earlier)
+        nan = base.clone()
+        nan[b] = nan[b - 1] = float("nan")  # NaN pair across the boundary -> b - 1
+        late_nan = base.clone()
+        late_nan[b] = float("nan")  # the only NaN opens the later chunk -> b
+        ninf = torch.full((width,), float("-inf"))  # all -inf: column 0
+        rows += [tie, after, nan, late_nan, ninf]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("width,num_chunks", [(1000, 1), (1000, 3), (1000, 7), (4097, 2),
+                                              (37, 64), (5, 8)])
+def test_forced_chunks_with_ties_on_chunk_boundaries(width, num_chunks, dtype) -> None:
+    gen = torch.Generator().manual_seed(width * 17 + num_chunks)
+    chunk = -(-width // num_chunks)
+    boundaries = [b for b in range(chunk, width, chunk)] or [width - 1]
+    boundaries = sorted({boundaries[0], boundaries[len(boundaries) // 2], boundaries[-1]})
+    x = torch.cat([_boundary_rows(width, boundaries, gen), torch.randn(3, width, generator=gen)])
+    x = x.to(dtype).to(DEVICE)
+    expected = vocab_argmax_ref([x])
+    out = torch.full((x.shape[0],), -7, dtype=torch.int64, device=DEVICE)
+    assert torch.equal(vocab_argmax(x, out=out, num_chunks=num_chunks), expected)
+    pairs_out = torch.full((x.shape[0], 2), float("nan"), device=DEVICE)
+    pairs = shard_argmax_pairs(x, 1000, out=pairs_out, num_chunks=num_chunks)
+    assert pairs.data_ptr() == pairs_out.data_ptr()
+    assert torch.equal(pairs[:, 1].long(), expected + 1000)
+    picked = x.float().gather(1, expected[:, None])[:, 0]
+    assert torch.equal(pairs[:, 0].isnan(), picked.isnan())
+    assert torch.equal(pairs[:, 0].nan_to_num(), picked.nan_to_num())
+
+
+@pytest.mark.parametrize("num_chunks", [None, 1, 2, 5])
+def test_ties_on_shard_boundaries(num_chunks) -> None:
+    gen = torch.Generator().manual_seed(77 + (num_chunks or 0))
+    widths = [700, 1, 513, 1200]
+    starts = [sum(widths[:i]) for i in range(1, len(widths))]
+    x = _boundary_rows(sum(widths), starts, gen).to(DEVICE)
+    shards = [s.contiguous() for s in torch.split(x, widths, dim=1)]
+    expected = torch.argmax(x, -1)
+    assert torch.equal(vocab_argmax(shards, num_chunks=num_chunks), expected)
+    order = [2, 0, 3, 1]
+    got = vocab_argmax([shards[i] for i in order], [([0] + starts)[i] for i in order],
+                       num_chunks=num_chunks)
+    assert torch.equal(got, expected)
+
+
+def test_many_shards_mixed_dtypes_span_launches() -> None:
+    # Six shards -> stage-1 launches of up to four same-dtype shards each.
+    gen = torch.Generator().manual_seed(9)
+    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16,
+              torch.float32]
+    widths = [300, 517, 64, 1000, 2, 900]
+    shards = [(torch.randint(-3, 4, (11, w), generator=gen).float()).to(d).to(DEVICE)
+              for w, d in zip(widths, dtypes)]
+    expected = vocab_argmax_ref(shards)
+    for num_chunks in (None, 3):
+        assert torch.equal(vocab_argmax(shards, num_chunks=num_chunks), expected)
+
+
+@pytest.mark.parametrize("parts,rows", [(300, 3), (5, 70), (1, 2)])
+def test_combine_many_parts(parts: int, rows: int) -> None:
+    # Per-part pairs from torch (independent of stage 1); the combine must loop over part
+    # blocks (300 > 256 parts) and row blocks (70 > 64 rows).
+    gen = torch.Generator().manual_seed(parts + rows)
+    full = torch.randint(-4, 5, (rows, parts * 3), generator=gen).float()
+    full[torch.rand(rows, parts * 3, generator=gen) < 0.01] = float("nan")
+    pieces = full.reshape(rows, parts, 3)
+    local = torch.argmax(pieces, -1)
+    values = pieces.gather(2, local[..., None])[..., 0]
+    index = (local + torch.arange(parts)[None, :] * 3).float()
+    order = torch.randperm(parts, generator=gen)  # parts in any order, NaNs in several blocks
+    pairs = torch.stack([values, index], -1).transpose(0, 1)[order].contiguous().to(DEVICE)
+    out = torch.full((rows,), -7, dtype=torch.int64, device=DEVICE)
+    got = combine_shard_argmax(pairs, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(got.cpu(), torch.argmax(full, -1))
+
+
+@pytest.mark.parametrize("rows", [1, 8, 32, 128])
+def test_plan_spreads_the_dsv4_vocab(rows: int) -> None:
+    # V = 129280 in 4 shards: M = 1 must launch more programs than an H200 has SMs (132), and
+    # every chunk but a shard's last is full.
+    plan = _plan_chunks([32320] * 4, rows, None)
+    programs = rows * sum(plan.counts)
+    assert programs >= 132
+    assert programs <= 2048
+    assert all(c * (n - 1) < 32320 <= c * n for c, n in zip(plan.chunks, plan.counts))
+    assert plan.block <= plan.chunks[0] and plan.chunks[0] % plan.block == 0
+    single = _plan_chunks([129280], 4096, None)
+    assert single.counts == [1]  # large M: one program per row, no combine launch

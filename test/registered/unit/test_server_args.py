@@ -78,7 +78,11 @@ def test_unknown_flag_suggests_the_right_one(capsys):
 @pytest.mark.parametrize("argv, needle", [
     (["--skip-tokenizer-init", "--tokenizer-path", "x"], "--tokenizer-path conflicts"),
     (["--disable-cuda-graph", "--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs conflicts"),
+    (["--max-running-requests", "4", "--cuda-graph-max-bs", "8"],
+     "--cuda-graph-max-bs 8 exceeds --max-running-requests 4"),
     (["--speculative-dspark-block-size", "4"], "need(s) --speculative-algorithm"),
+    (["--speculative-algorithm", "DSpark", "--speculative-dspark-bs1-block-size", "0"],
+     "--speculative-dspark-bs1-block-size must be in [1, 15]"),
     (["--speculative-algorithm", "DSpark", "--speculative-dspark-confidence-mode", "async"],
      "only used with --speculative-dspark-verify-policy confidence"),
     (["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-policy", "static",

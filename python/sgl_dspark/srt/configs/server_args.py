@@ -73,7 +73,7 @@ class ServerArgs:
                                        "GPU, torch on CPU.", KERNEL_BACKEND_CHOICES)
     kernel_backend_overrides: str | None = _arg(
         None, "Per op family exceptions to --kernel-backend, e.g. 'moe=torch,rope=triton' "
-              "(families: rope, mhc, moe, sampling, spec).")
+              "(families: rope, mhc, moe, sampling, spec, indexer, norm).")
     attention_backend: str = _arg("torch", "Attention backend.", None)  # choices: the registry
     debug_step_delay_ms: float = _arg(
         0.0, "Testing only: sleep this many ms after every scheduler step (used to check that "
@@ -90,8 +90,10 @@ class ServerArgs:
                                       "requests); -1 disables chunking.")
     page_size: int = _arg(0, "KV page size in tokens; 0 = the smallest multiple of every "
                              "compress rate.")
-    cuda_graph_max_bs: int | None = _arg(None, "Largest batch size captured in a CUDA graph "
-                                               "(0 = run eagerly).")
+    cuda_graph_max_bs: int | None = _arg(
+        None, "Largest batch size captured in CUDA graphs (decode, every DSpark verify width and "
+              "the draft); default min(--max-running-requests, 32); 0 = run eagerly. Needs the "
+              "Triton MoE path (--kernel-backend triton).")
     disable_cuda_graph: bool = _arg(False, "Run every step eagerly (no CUDA graphs).")
     # ---- speculative decoding (dspark.md section 7) ----
     speculative_algorithm: str | None = _arg(
@@ -101,6 +103,9 @@ class ServerArgs:
               "Default: the target when its config bundles dspark_* keys, else <model>/dspark/.")
     speculative_dspark_block_size: int | None = _arg(
         None, "Drafts per step (gamma); default: the draft checkpoint's block size.")
+    speculative_dspark_bs1_block_size: int | None = _arg(
+        None, "Drafts per step when exactly one request is decoding (the bs1 runtime, which "
+              "verifies its full window); default: the block size.")
     speculative_dspark_verify_policy: str = _arg(
         "full", "Verify length policy: full window, static per-step width, or "
                 "confidence-driven budget.", VERIFY_POLICY_CHOICES)
@@ -273,6 +278,9 @@ def _validate(a: ServerArgs) -> None:
              f"--cuda-graph-max-bs must be >= 0, got {a.cuda_graph_max_bs}")
     _require(not (a.disable_cuda_graph and a.cuda_graph_max_bs),
              "--cuda-graph-max-bs conflicts with --disable-cuda-graph")
+    _require(not a.cuda_graph_max_bs or a.cuda_graph_max_bs <= a.max_running_requests,
+             f"--cuda-graph-max-bs {a.cuda_graph_max_bs} exceeds --max-running-requests "
+             f"{a.max_running_requests}")
     _validate_speculative(a)
 
 
@@ -296,6 +304,9 @@ def _validate_speculative(a: ServerArgs) -> None:
     gamma = a.speculative_dspark_block_size
     _require(gamma is None or gamma >= 1,
              f"--speculative-dspark-block-size must be >= 1, got {gamma}")
+    bs1 = a.speculative_dspark_bs1_block_size
+    _require(bs1 is None or 1 <= bs1 <= 15,
+             f"--speculative-dspark-bs1-block-size must be in [1, 15], got {bs1}")
     sim = a.speculative_dspark_simulate_accept_len
     _require(sim is None or sim >= 1.0,
              f"--speculative-dspark-simulate-accept-len must be >= 1, got {sim}")

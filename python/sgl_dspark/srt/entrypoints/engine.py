@@ -42,9 +42,12 @@ class EngineArgs:
     kernel_backend: str = "torch"                     # torch | triton
     kernel_backend_overrides: str | None = None       # e.g. "moe=torch,rope=triton"
     random_seed: int = 0
+    cuda_graph_max_bs: int | None = None              # None: min(max_running_requests, 32)
+    disable_cuda_graph: bool = False
     speculative_algorithm: str | None = None          # None | "DSpark" (case-insensitive)
     speculative_draft_model_path: str | None = None
     speculative_dspark_block_size: int | None = None
+    speculative_dspark_bs1_block_size: int | None = None
     speculative_dspark_verify_policy: str = "full"    # full | static | confidence
     speculative_dspark_width_table_path: str | None = None
     speculative_dspark_online_width: bool = False
@@ -73,9 +76,28 @@ def create_spec_worker(args: EngineArgs, runner: ModelRunner) -> DSparkWorker | 
     dargs = DSparkArgs(policy=policy, sts_path=args.speculative_dspark_confidence_sts_path,
                        simulate_accept_len=args.speculative_dspark_simulate_accept_len,
                        sts_collect_path=args.speculative_dspark_sts_collect_path,
+                       bs1_block_size=args.speculative_dspark_bs1_block_size,
                        seed=args.random_seed)
     return create_dspark_worker(runner, args.model_path, args.speculative_draft_model_path,
                                 args.speculative_dspark_block_size, dargs)
+
+
+def init_cuda_graphs(args: EngineArgs, runner: ModelRunner, spec: DSparkWorker | None) -> None:
+    """Capture the target's decode/verify graphs (and the DSpark draft's) on CUDA unless
+    disabled. Graphs need the sync-free MoE path; with the torch MoE backend they are only an
+    error when asked for explicitly (--cuda-graph-max-bs), otherwise the engine runs eagerly."""
+    if runner.device.type != "cuda" or args.disable_cuda_graph or args.cuda_graph_max_bs == 0:
+        return
+    if runner.kernels.of("moe") != "triton" and args.cuda_graph_max_bs is None:
+        logger.warning("CUDA graphs off: the torch MoE backend synchronises with the host; use "
+                       "--kernel-backend triton for graphs")
+        return
+    max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, 32)
+    if spec is None:
+        runner.init_cuda_graphs(max_bs)
+        return
+    runner.init_cuda_graphs(max_bs, spec.graph_verify_widths(), spec.tap_layers)
+    spec.init_cuda_graphs(max_bs)
 
 
 def device_name(device: torch.device) -> str:
@@ -100,7 +122,8 @@ class Engine:
         cfg, weights = resolve_model(args.model_path, resolve_dtype(dtype), seed=args.random_seed)
         gamma = args.speculative_dspark_block_size or 7
         rc = RunnerConfig(device=args.device, dtype=dtype, max_total_tokens=args.max_total_tokens,
-                          max_verify_tokens=max(16, gamma + 1),
+                          max_verify_tokens=max(16, gamma + 1,
+                                                (args.speculative_dspark_bs1_block_size or 0) + 1),
                           max_running_requests=args.max_running_requests,
                           context_length=args.context_length, page_size=args.page_size,
                           attention_backend=args.attention_backend,
@@ -109,6 +132,7 @@ class Engine:
                           mem_fraction_static=args.mem_fraction_static)
         self.runner = ModelRunner(cfg, rc, weights=weights)
         spec = create_spec_worker(args, self.runner)
+        init_cuda_graphs(args, self.runner, spec)
         self.tokenizer: TokenizerLike | None = None
         if not args.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(args.model_path, args.tokenizer_path)

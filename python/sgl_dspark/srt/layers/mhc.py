@@ -100,7 +100,8 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundaryFn | None:
     """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
 
     triton: K7 (`kernels/mhc.py::mhc_post_combine`) closes one sublayer (`hc_expand`) and opens
-    the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one launch. It is X2 against the
+    the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one kernel (two launches: a pass
+    split over D, then a per-row finish). It is X2 against the
     torch path: the stream update is accumulated in fp32 with fp32 post/comb (`hc_expand` casts
     them to the activation dtype and uses a matmul), and the coefficient reductions run in a
     different order, so outputs agree to a tolerance, not bit for bit.

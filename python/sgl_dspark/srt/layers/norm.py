@@ -2,8 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
+
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+
+# (x [..., N], weight [N] | None, eps) -> normalised x of x's shape and dtype
+RmsNormFn = Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -18,6 +25,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
+
+
+def rms_norm_impl(kernels: KernelChoice) -> RmsNormFn:
+    """The RMSNorm implementation of the "norm" family, bound once by the layer that uses it.
+
+    torch: `rms_norm` itself. triton: `kernels/rmsnorm.py::rms_norm`, one launch instead of ~8
+    torch kernels, X2 against `rms_norm` (another fp32 summation order for the mean square; the
+    same rounding points otherwise). Both take `(x [..., N], weight [N] | None, eps)`.
+    """
+    if kernels.of("norm") == "torch":
+        return rms_norm
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.rmsnorm import rms_norm as rms_norm_triton
+
+    def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+        # The kernel reads rows of a contiguous buffer; projection outputs already are one.
+        return rms_norm_triton(x.contiguous(), weight, eps)
+
+    return rms_norm_fused
 
 
 class RMSNorm(nn.Module):

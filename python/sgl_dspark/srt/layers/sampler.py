@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.model_executor.host_copy import to_device_packed
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.sampling.sampling_params import SamplingParams
@@ -76,15 +77,6 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) ->
     h = _mix32(h ^ (counters & _MASK32))
     h = _mix32(h ^ ((counters >> 32) & _MASK32) ^ 0x85EBCA6B)
     return (h >> 8).to(torch.float32) * (1.0 / (1 << 24))
-
-
-def _to_device(values: list[int] | list[float] | list[bool], dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
-    cpu = torch.tensor(values, dtype=dtype)
-    if device.type == "cpu":
-        return cpu
-    # Pinned + non_blocking: the copy is queued behind the running step instead of syncing.
-    return cpu.pin_memory().to(device, non_blocking=True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,14 +148,13 @@ class SamplingBatchInfo:
         random_keys = iter(torch.randint(0, _MAX_KEY, (num_unseeded,), generator=generator)
                            .tolist())
         seeds = [p.seed if p.seed is not None else next(random_keys) for p in params]
+        temps_t, top_ps_t, min_ps_t = to_device_packed([temps, top_ps, min_ps], torch.float32,
+                                                       device)
+        top_ks_t, seeds_t, counters_t, greedy_t = to_device_packed(
+            [top_ks, seeds, counters, [int(g) for g in greedy]], torch.int64, device)
         return cls(
-            temperatures=_to_device(temps, torch.float32, device),
-            top_ps=_to_device(top_ps, torch.float32, device),
-            top_ks=_to_device(top_ks, torch.int64, device),
-            min_ps=_to_device(min_ps, torch.float32, device),
-            is_greedy=_to_device(greedy, torch.bool, device),
-            seeds=_to_device(seeds, torch.int64, device),
-            counters=_to_device(counters, torch.int64, device),
+            temperatures=temps_t, top_ps=top_ps_t, top_ks=top_ks_t, min_ps=min_ps_t,
+            is_greedy=greedy_t.bool(), seeds=seeds_t, counters=counters_t,
             vocab_size=vocab_size,
             all_greedy=all(greedy),
             need_top_k=any(k < vocab_size for k in top_ks),

@@ -8,11 +8,12 @@ batch and requests appear in batch order. `prefix_lens[r]` tokens of r are alrea
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
-from sgl_dspark.srt.model_executor.host_copy import to_device
+from sgl_dspark.srt.model_executor.host_copy import to_device_packed
 
 
 class ForwardMode(enum.Enum):
@@ -40,6 +41,23 @@ class ForwardBatch:
     max_seq_len: int               # host: max(seq_lens), sizes the gathers
     extend_lens_cpu: tuple[int, ...]
     prefix_lens_cpu: tuple[int, ...]
+    # Tensors derived from the batch alone (token slots, entry tables), computed once per forward
+    # and shared by every layer; the model clears it when a forward starts, so a captured CUDA
+    # graph recomputes them inside the graph instead of reading a stale warm-up result.
+    memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
+
+    def cached(self, key: object, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+        if key not in self.memo:
+            self.memo[key] = compute()
+        return self.memo[key]
+
+    def token_slots(self) -> torch.Tensor:
+        """[T] request slot (row of req_to_token) of every token."""
+        return self.cached("token_slots", lambda: self.req_pool_indices[self.token_req])
+
+    def token_prefix_lens(self) -> torch.Tensor:
+        """[T] prefix length of every token's request."""
+        return self.cached("token_prefix", lambda: self.prefix_lens[self.token_req])
 
     @property
     def batch_size(self) -> int:
@@ -79,20 +97,20 @@ class ForwardBatch:
                 rows.extend(start + j for j in logits_rows[r])
             start += n
 
-        def t(x: list[int]) -> torch.Tensor:
-            return to_device(x, torch.int64, device)
-
-        pos_t, req_t = t(positions), t(token_req)
-        pool_t = t(list(req_pool_indices))
         seq = [p + n for p, n in zip(prefix_lens, extend)]
         assert max(seq) <= req_to_token.shape[1], f"sequence {max(seq)} exceeds the context table"
+        host_ids = flat_ids if input_ids_device is None else []
+        ids_t, pos_t, req_t, pool_t, prefix_t, seq_t, rows_t = to_device_packed(
+            [host_ids, positions, token_req, list(req_pool_indices), list(prefix_lens), seq, rows],
+            torch.int64, device)
         out_loc = req_to_token[pool_t[req_t], pos_t]
-        ids_t = t(flat_ids) if input_ids_device is None else input_ids_device
+        if input_ids_device is not None:
+            ids_t = input_ids_device
         assert ids_t.shape[0] == len(flat_ids), (ids_t.shape, len(flat_ids))
         return cls(
             mode=mode, input_ids=ids_t, positions=pos_t, token_req=req_t,
-            out_cache_loc=out_loc, req_pool_indices=pool_t, prefix_lens=t(list(prefix_lens)),
-            seq_lens=t(seq), logits_indices=t(rows), req_to_token=req_to_token,
+            out_cache_loc=out_loc, req_pool_indices=pool_t, prefix_lens=prefix_t,
+            seq_lens=seq_t, logits_indices=rows_t, req_to_token=req_to_token,
             max_seq_len=max(seq), extend_lens_cpu=tuple(extend),
             prefix_lens_cpu=tuple(prefix_lens),
         )

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -15,6 +16,11 @@ from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool
+from sgl_dspark.srt.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    Graph,
+    graph_batch_sizes,
+)
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM, ModelOutput
 
@@ -89,6 +95,7 @@ class ModelRunner:
         self.kv_pool = DeepseekV4KVPool(model_cfg, num_pages * page, self.req_pool.size,
                                         rc.max_verify_tokens, self.dtype, self.device)
         self.attn_backend = create_attention_backend(rc.attention_backend)
+        self.graph_runner: CudaGraphRunner | None = None
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page,
                     num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20)
 
@@ -109,6 +116,19 @@ class ModelRunner:
                     tokens, budget / 2**30)
         return tokens
 
+    def init_cuda_graphs(self, max_bs: int, widths: Sequence[int] = (1,),
+                         tap_layers: tuple[int, ...] = (),
+                         graph_factory: Callable[[], Graph] | None = None) -> None:
+        """Capture decode (width 1) and verify (other widths) graphs for batch buckets up to
+        `max_bs`. Needs a forward without host synchronisation: the torch MoE backend reads
+        expert counts on the host, so CUDA graphs require `moe=triton`. `graph_factory`
+        replaces the graph type (CPU tests use `EagerGraph`)."""
+        if self.device.type == "cuda" and self.kernels.of("moe") != "triton":
+            raise ValueError("CUDA graphs need the sync-free MoE path: use --kernel-backend triton "
+                             "(or --kernel-backend-overrides moe=triton), or --disable-cuda-graph")
+        self.graph_runner = CudaGraphRunner(self, graph_batch_sizes(max_bs), widths, tap_layers,
+                                            graph_factory)
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
         if batch.mode is ForwardMode.VERIFY:
@@ -116,6 +136,13 @@ class ModelRunner:
                 f"verify width {max(batch.extend_lens_cpu)} > max_verify_tokens "
                 f"{self.rc.max_verify_tokens}"
             )
+        if self.device.type == "cuda" and batch.mode is not ForwardMode.EXTEND:
+            # Decode/verify gathers span the whole context capacity on CUDA, as in the captured
+            # graphs, so an eager step (a batch larger than the graphs, --disable-cuda-graph)
+            # computes the same shapes, hence the same bits, as a replay.
+            batch = dataclasses.replace(batch, max_seq_len=self.req_pool.max_context_len)
+        if self.graph_runner is not None and self.graph_runner.can_run(batch, tap_layers):
+            return self.graph_runner.replay(batch, tap_layers)
         return self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
 
 

@@ -5,6 +5,7 @@
   I 2048, top-6) with 4 layers and 96 routed experts (one EP4 rank's share of 384), V 129280:
   one H200 holds it in bf16.
 * `mid_910m`: the 910M-parameter model of the GPU-runtime issue (HF `generate` baseline).
+* `toy`: the same layer pattern at toy sizes, for CPU smoke tests of the benchmark scripts.
 """
 
 from __future__ import annotations
@@ -30,5 +31,14 @@ BENCH_CONFIGS: dict[str, dict] = {
         "o_lora_rank": 256, "index_n_heads": 8, "index_head_dim": 64, "index_topk": 64,
         "max_position_embeddings": 8192, "layer_types": [_S, _C, _H, _C] * 2,
         "compress_rates": {_C: 4, _H: 128}, "torch_dtype": "bfloat16",
+    },
+    "toy": {
+        "vocab_size": 512, "hidden_size": 64, "moe_intermediate_size": 32,
+        "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 1,
+        "head_dim": 32, "q_lora_rank": 32, "num_experts_per_tok": 2, "n_routed_experts": 8,
+        "n_shared_experts": 1, "hc_mult": 4, "sliding_window": 16, "o_groups": 2,
+        "o_lora_rank": 16, "index_n_heads": 4, "index_head_dim": 16, "index_topk": 4,
+        "max_position_embeddings": 1024, "layer_types": [_S, _C, _H, _C],
+        "compress_rates": {_C: 4, _H: 8}, "torch_dtype": "bfloat16",
     },
 }

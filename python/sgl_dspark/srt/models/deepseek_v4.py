@@ -16,7 +16,12 @@ from torch import nn
 
 from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
-from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer, entry_slots
+from sgl_dspark.srt.layers.attention.compressor import (
+    BlockCompressor,
+    Indexer,
+    entry_slots,
+    visible_entries,
+)
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -27,7 +32,7 @@ from sgl_dspark.srt.layers.mhc import (
     run_fused_hc_layers,
 )
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
-from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import RopeTailFn, rope_cos_sin, rope_impl, rope_inv_freq
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
@@ -41,11 +46,21 @@ class RopeTables:
         self.inv = {"main": inv_main, "compress": inv_compress}
         self.tables = {k: rope_cos_sin(positions, v) for k, v in self.inv.items()}
         self.rope = rope
+        self._cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = {
+            "positions": self.tables["compress"]}
 
-    def rotate_compress(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """Compressor / indexer entries and index queries at their own positions."""
-        cos, sin = rope_cos_sin(positions, self.inv["compress"])
-        return self.rope(x, cos, sin)
+    def rotate_compress(self, x: torch.Tensor, positions: torch.Tensor,
+                        cache_key: object = None) -> torch.Tensor:
+        """Compressor / indexer entries and index queries at their own positions. Callers whose
+        positions are a function of the batch alone name them by `cache_key` ("positions" = the
+        batch's own), so every layer of one forward shares one cos/sin table (a decode step
+        otherwise rebuilds it in four kernels per compressor)."""
+        table = self._cache.get(cache_key) if cache_key is not None else None
+        if table is None:
+            table = rope_cos_sin(positions, self.inv["compress"])
+            if cache_key is not None:
+                self._cache[cache_key] = table
+        return self.rope(x, *table)
 
 
 class Attention(nn.Module):
@@ -53,6 +68,7 @@ class Attention(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.rope = rope_impl(kernels)
+        self.rms_norm = rms_norm_impl(kernels)
         self.layer_type = cfg.layer_types[layer_id]
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
         self.n_heads = cfg.num_attention_heads
@@ -75,22 +91,23 @@ class Attention(nn.Module):
         if self.layer_type in (CSA, HCA):
             m = cfg.compress_ratio(layer_id)
             self.compressor = BlockCompressor(d, cfg.head_dim, m, self.layer_type == CSA,
-                                              cfg.rms_norm_eps)
+                                              cfg.rms_norm_eps, kernels=kernels)
             if self.layer_type == CSA:
                 self.compressor.indexer = Indexer(d, cfg.q_lora_rank, cfg.index_n_heads,
                                                   cfg.index_head_dim, cfg.index_topk, m,
-                                                  cfg.rms_norm_eps)
+                                                  cfg.rms_norm_eps, kernels=kernels)
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_state: LayerKV,
                 rope: RopeTables, backend: BaseAttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = rope.tables[self.rope_kind]
-        qr = self.q_a_norm(self.q_a_proj(x))
+        qr = self.rms_norm(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
         q = self.q_b_proj(qr).view(T, self.n_heads, self.head_dim)
         if self.q_head_norm:
-            q = rms_norm(q, None, self.eps)
+            q = self.rms_norm(q, None, self.eps)
         q = self.rope(q, cos, sin)
-        kv = self.rope(self.kv_norm(self.kv_proj(x)), cos, sin)
+        kv = self.rms_norm(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
+        kv = self.rope(kv, cos, sin)
         kv_state.window[batch.out_cache_loc] = kv.to(kv_state.window.dtype)
         extra, valid = self._compressed_keys(x, qr, batch, kv_state, rope)
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
@@ -111,10 +128,10 @@ class Attention(nn.Module):
         m = comp.ratio
         comp.compress(x, batch, kv_state.comp_state, kv_state.compressed, rope.rotate_compress)
         n_max = batch.max_seq_len // m
-        visible = (batch.positions + 1) // m
         if self.layer_type == HCA:
             slots = entry_slots(batch, n_max, m)
-            valid = torch.arange(n_max, device=x.device)[None, :] < visible[:, None]
+            valid = batch.cached(("hca_valid", n_max, m), lambda: torch.arange(
+                n_max, device=x.device)[None, :] < visible_entries(batch, m)[:, None])
             return kv_state.compressed[slots], valid
         indexer: Indexer = comp.indexer  # type: ignore[assignment]
         assert kv_state.index_keys is not None and kv_state.index_state is not None
@@ -208,10 +225,12 @@ class DeepseekV4ForCausalLM(nn.Module):
         # Bound once here (style R11): the compressor/indexer rope and the mHC boundaries.
         self.compress_rope = rope_impl(self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
+        self.rms_norm = rms_norm_impl(self.kernels)
 
     def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
                 tap_layers: tuple[int, ...] = ()) -> ModelOutput:
         m = self.model
+        batch.memo.clear()   # per-forward derived tensors (see ForwardBatch.memo)
         x = m.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         rope = RopeTables(self.cfg, batch.positions, m.inv_freq_main, m.inv_freq_compress,
@@ -233,7 +252,7 @@ class DeepseekV4ForCausalLM(nn.Module):
                 lambda i, x: layers[i].self_attn(x, batch, pool.layers[i], rope, backend),
                 lambda i, x: layers[i].mlp(x, batch.input_ids),
                 self.hc_boundary, tap)
-        h = m.norm(m.hc_head(streams[batch.logits_indices]))
+        h = self.rms_norm(m.hc_head(streams[batch.logits_indices]), m.norm.weight, m.norm.eps)
         return ModelOutput(logits=self.lm_head(h).float(), hidden_taps=taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

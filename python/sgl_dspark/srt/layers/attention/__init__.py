@@ -4,8 +4,12 @@ from __future__ import annotations
 
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.torch_backend import TorchAttentionBackend
+from sgl_dspark.srt.layers.attention.triton_backend import TritonAttentionBackend
 
-ATTENTION_BACKENDS: dict[str, type[BaseAttentionBackend]] = {"torch": TorchAttentionBackend}
+ATTENTION_BACKENDS: dict[str, type[BaseAttentionBackend]] = {
+    "torch": TorchAttentionBackend,
+    "triton": TritonAttentionBackend,
+}
 
 
 def create_attention_backend(name: str) -> BaseAttentionBackend:

@@ -4,28 +4,81 @@ Both compress blocks of m consecutive tokens into one entry by a per-channel sof
 block's gate scores. CSA ("overlap") entries mix the previous block's first-half channels (Ca)
 with this block's second-half channels (Cb), 2m slots in all. Entries are emitted when the token
 that completes a block is processed; rows of earlier forwards come from the request's state ring.
+
+The "indexer" kernel family chooses, once per layer, the indexer scoring and the decode/verify
+pooling: torch (this module's code) or the Triton kernels; prefill pooling is torch either way.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 from torch import nn
 
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm
 from sgl_dspark.srt.mem_cache.kv_pool import CompressorState
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
-RopeFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (x [N, d], positions [N]) -> x
+
+class RopeFn(Protocol):
+    """Rotate x [N, ...] at positions [N]; `cache_key` names positions that are a function of the
+    batch alone, so the caller may reuse their cos/sin table across layers."""
+
+    def __call__(self, x: torch.Tensor, positions: torch.Tensor,
+                 cache_key: object = None) -> torch.Tensor: ...
+
+
+# (kv, score, state_kv, state_score, position_bias, norm_weight, positions, token_slot,
+#  token_prefix, req_to_token, ratio, overlap, eps) -> (entries [T, Dh], entry slots [T])
+DecodePoolFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+# (qi [T, Hi, Di], weights [T, Hi] fp32, index_keys, positions, token_slot, req_to_token, ratio,
+#  n_max) -> scores [T, n_max] fp32, -inf beyond each token's visible entries
+IndexerScoresFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor, int, int], torch.Tensor]
+
+
+def decode_pool_impl(kernels: KernelChoice) -> DecodePoolFn | None:
+    """The decode/verify block pooling of the "indexer" family, bound once per compressor.
+
+    torch: None (the compressor's own torch code, shared with prefill). triton: the one-launch
+    kernel `kernels/compressor_pool.py::compressor_pool` (X2: same rounding points, fp32 sums in
+    another order); prefill keeps the torch code either way.
+    """
+    if kernels.of("indexer") == "torch":
+        return None
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.compressor_pool import compressor_pool
+
+    return compressor_pool
+
+
+def indexer_scores_impl(kernels: KernelChoice) -> IndexerScoresFn:
+    """The indexer scoring of the "indexer" family: `indexer_scores_torch`, or the Triton
+    variable-context kernel `kernels/indexer.py::indexer_logits` (X2: fp32 sums reordered)."""
+    if kernels.of("indexer") == "torch":
+        return indexer_scores_torch
+    from sgl_dspark.kernels.indexer import indexer_logits
+
+    return indexer_logits
+
+
+_MAX_POOL_TILE = 16384
 
 
 class BlockCompressor(nn.Module):
     """Parameters `kv_proj`, `gate_proj`, `position_bias`, `kv_norm` (HF names)."""
 
     def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool,
-                 eps: float) -> None:
+                 eps: float, *, kernels: KernelChoice) -> None:
         super().__init__()
+        span = 2 * ratio if overlap else ratio
+        # The Triton pooling runs one program per row over the whole span x head_dim tile; past
+        # _MAX_POOL_TILE elements (HCA m 128 at Dh 512: 145 us against 8 us for the torch code
+        # on an H200, benchmark/results/kernels.md) this compressor keeps the torch pooling.
+        self._decode_pool = decode_pool_impl(kernels) if span * head_dim <= _MAX_POOL_TILE else None
         width = 2 * head_dim if overlap else head_dim
         self.head_dim = head_dim
         self.ratio = ratio
@@ -41,6 +94,34 @@ class BlockCompressor(nn.Module):
         this batch's raw rows in the state ring."""
         kv = self.kv_proj(x)
         score = self.gate_proj(x)
+        slot_tok = batch.token_slots()
+        if batch.mode is ForwardMode.EXTEND or self._decode_pool is None:
+            self._emit_entries_torch(kv, score, batch, state, entries, rope, slot_tok)
+        else:
+            # One launch pools a candidate entry per row; rows that end no block get slot 0
+            # (the reserved dummy entry), so no host synchronisation is needed.
+            pooled, entry_slot = self._decode_pool(
+                kv, score, state.kv, state.score, self.position_bias, self.kv_norm.weight,
+                batch.positions, slot_tok, batch.token_prefix_lens(),
+                batch.req_to_token, self.ratio, self.overlap, self.kv_norm.eps)
+            start = batch.positions - (self.ratio - 1)
+            entries[entry_slot] = rope(pooled, start, ("block_start", self.ratio)).to(
+                entries.dtype)
+        # Only the last `ring` positions of each request are kept, so no two rows of one
+        # request collide in this write.
+        pos, ring = batch.positions, state.ring
+        if batch.mode is ForwardMode.EXTEND:
+            keep = pos >= batch.seq_lens[batch.token_req] - ring
+            pos, slot_tok, kv, score = pos[keep], slot_tok[keep], kv[keep], score[keep]
+        # else: a decode/verify request has fewer new rows than the ring (asserted by the runner's
+        # max_verify_tokens), so every row is kept and no boolean mask (a host sync) is needed.
+        ridx = pos.remainder(ring)
+        state.kv[slot_tok, ridx] = kv.to(state.kv.dtype)
+        state.score[slot_tok, ridx] = score.to(state.score.dtype)
+
+    def _emit_entries_torch(self, kv: torch.Tensor, score: torch.Tensor, batch: ForwardBatch,
+                            state: CompressorState, entries: torch.Tensor, rope: RopeFn,
+                            slot_tok: torch.Tensor) -> None:
         m, d, ring = self.ratio, self.head_dim, state.ring
         pos = batch.positions
         is_end = (pos + 1) % m == 0
@@ -53,7 +134,6 @@ class BlockCompressor(nn.Module):
             # ends (other rows write to the reserved dummy entry 0): no host synchronisation.
             ends = torch.arange(pos.shape[0], device=pos.device)
             write_mask = is_end
-        slot_tok = batch.req_pool_indices[batch.token_req]
         if ends.numel() > 0:
             span = 2 * m if self.overlap else m
             rel = torch.arange(span, device=pos.device) - (span - 1)
@@ -81,16 +161,6 @@ class BlockCompressor(nn.Module):
             if write_mask is not None:
                 entry_slot = torch.where(write_mask, entry_slot, torch.zeros_like(entry_slot))
             entries[entry_slot] = entry.to(entries.dtype)
-        # Only the last `ring` positions of each request are kept, so no two rows of one
-        # request collide in this write.
-        if batch.mode is ForwardMode.EXTEND:
-            keep = pos >= batch.seq_lens[batch.token_req] - ring
-            pos, slot_tok, kv, score = pos[keep], slot_tok[keep], kv[keep], score[keep]
-        # else: a decode/verify request has fewer new rows than the ring (asserted by the runner's
-        # max_verify_tokens), so every row is kept and no boolean mask (a host sync) is needed.
-        ridx = pos.remainder(ring)
-        state.kv[slot_tok, ridx] = kv.to(state.kv.dtype)
-        state.score[slot_tok, ridx] = score.to(state.score.dtype)
 
 
 class IndexerScorer(nn.Module):
@@ -103,8 +173,9 @@ class Indexer(BlockCompressor):
     """Lightning indexer: its own overlapping compressor over index keys, plus query scoring."""
 
     def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int,
-                 topk: int, ratio: int, eps: float) -> None:
-        super().__init__(hidden_size, head_dim, ratio, overlap=True, eps=eps)
+                 topk: int, ratio: int, eps: float, *, kernels: KernelChoice) -> None:
+        super().__init__(hidden_size, head_dim, ratio, overlap=True, eps=eps, kernels=kernels)
+        self._scores = indexer_scores_impl(kernels)
         self.n_heads = n_heads
         self.topk = topk
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
@@ -124,29 +195,48 @@ class Indexer(BlockCompressor):
             z = torch.zeros(T, 0, dtype=torch.int64, device=x.device)
             return z, z.bool()
         qi = self.q_b_proj(qr).view(T, self.n_heads, self.head_dim)
-        qi = rope(qi, batch.positions)
+        qi = rope(qi, batch.positions, "positions")
         w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5        # [T, Hi]
-        keys = gather_entries(index_keys, batch, n_max, m)                    # [T, N, Di]
-        scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
-        scores = torch.relu(scores) * self.head_dim**-0.5
-        scores = (scores * w.unsqueeze(-1)).sum(dim=1)                         # [T, N]
+        token_slot = batch.token_slots()
+        scores = self._scores(qi, w, index_keys, batch.positions, token_slot, batch.req_to_token,
+                              m, n_max)                                       # [T, N]
         visible = (batch.positions + 1) // m
-        entry_ids = torch.arange(n_max, device=x.device)
-        scores = scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
         top = scores.topk(k, dim=-1).indices
         valid = top < visible[:, None]
         return torch.where(valid, top, torch.zeros_like(top)), valid
 
 
+def indexer_scores_torch(qi: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
+                         positions: torch.Tensor, token_slot: torch.Tensor,
+                         req_to_token: torch.Tensor, ratio: int, n_max: int) -> torch.Tensor:
+    """`score[t, n] = sum_h w[t, h] * relu(qi[t, h] . K_n) * Di**-0.5` in fp32 for the entries
+    n < (pos_t + 1) // ratio of token t's request, -inf beyond: `[T, n_max]` fp32.
+
+    qi `[T, Hi, Di]`, weights `[T, Hi]` fp32, index_keys `[entry slots, Di]`; entry n of token t
+    is `index_keys[req_to_token[token_slot[t], n * ratio] // ratio]`.
+    """
+    cols = torch.arange(n_max, device=positions.device) * ratio
+    cols = cols.clamp(max=req_to_token.shape[1] - 1)
+    keys = index_keys[req_to_token[token_slot[:, None], cols[None, :]] // ratio]  # [T, N, Di]
+    scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
+    scores = torch.relu(scores) * qi.shape[-1]**-0.5
+    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)                       # [T, N]
+    visible = (positions + 1) // ratio
+    entry_ids = torch.arange(n_max, device=positions.device)
+    return scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
+
+
+def visible_entries(batch: ForwardBatch, ratio: int) -> torch.Tensor:
+    """[T] number of compressed entries token t sees (blocks completed at or before it)."""
+    return batch.cached(("visible", ratio), lambda: (batch.positions + 1) // ratio)
+
+
 def entry_slots(batch: ForwardBatch, n_entries: int, ratio: int) -> torch.Tensor:
     """Pool rows `[T, n_entries]` of entries 0..n_entries-1 of each token's request (rows of
     entries beyond the request's length point at garbage and must be masked by the caller)."""
-    w = torch.arange(n_entries, device=batch.positions.device) * ratio
-    slot = batch.req_pool_indices[batch.token_req]
-    w = w.clamp(max=batch.req_to_token.shape[1] - 1)
-    return batch.req_to_token[slot[:, None], w[None, :]] // ratio
+    def compute() -> torch.Tensor:
+        w = torch.arange(n_entries, device=batch.positions.device) * ratio
+        w = w.clamp(max=batch.req_to_token.shape[1] - 1)
+        return batch.req_to_token[batch.token_slots()[:, None], w[None, :]] // ratio
 
-
-def gather_entries(entries: torch.Tensor, batch: ForwardBatch, n_entries: int,
-                   ratio: int) -> torch.Tensor:
-    return entries[entry_slots(batch, n_entries, ratio)]
+    return batch.cached(("entry_slots", n_entries, ratio), compute)

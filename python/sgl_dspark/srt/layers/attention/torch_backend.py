@@ -16,7 +16,7 @@ class TorchAttentionBackend(BaseAttentionBackend):
         offs = torch.arange(window - 1, -1, -1, device=pos.device)
         win_pos = pos[:, None] - offs[None, :]                          # [T, W]
         win_valid = win_pos >= 0
-        slot = batch.req_pool_indices[batch.token_req]
+        slot = batch.token_slots()
         kv_slots = batch.req_to_token[slot[:, None], win_pos.clamp(min=0)]
         keys = window_kv[kv_slots]                                       # [T, W, Dh]
         valid = win_valid

@@ -125,6 +125,13 @@ class StaticWidthPolicy(BaseVerifyPolicy):
             path = str(packaged)
         self.table = load_width_table(path, full)
 
+    def graph_widths(self) -> tuple[int, ...]:
+        """Every width this policy may return (the widths to capture verify graphs for)."""
+        if self.online is not None:
+            return (*self.online.widths, self.gamma + 1)
+        assert self.table is not None
+        return tuple(sorted(set(self.table.values())))
+
     def width(self, batch_size: int) -> int:
         if self.online is not None:
             self._last_width = int(self.online.choose(batch_size))

@@ -9,6 +9,7 @@ committed tokens are finalised on the device and read by the scheduler once, at 
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from dataclasses import dataclass, field
@@ -18,14 +19,19 @@ import torch
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.managers.req import Req
+from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_batch_sizes
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.host_copy import to_device
+from sgl_dspark.srt.model_executor.host_copy import to_device, to_device_packed
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
 from sgl_dspark.srt.speculative.dspark.ops import create_accept_fn, create_draft_inputs_fn
-from sgl_dspark.srt.speculative.dspark.policy import PolicyArgs, create_verify_policy
+from sgl_dspark.srt.speculative.dspark.policy import (
+    PolicyArgs,
+    StaticWidthPolicy,
+    create_verify_policy,
+)
 from sgl_dspark.srt.speculative.dspark.sampling import (
     TOP_K_ALL,
     MarkovSampleOutput,
@@ -46,6 +52,7 @@ class DSparkArgs:
     sts_path: str | None = None
     simulate_accept_len: float | None = None   # benchmark-only: forced mean accept length
     sts_collect_path: str | None = None        # write (raw confidence, prefix label) shards
+    bs1_block_size: int | None = None          # gamma of single-request steps (None: the same)
     seed: int = 0
 
 
@@ -103,9 +110,13 @@ class DSparkWorker:
         self.dcfg = dcfg
         self.args = args
         self.gamma = dcfg.block_size
-        if self.gamma + 1 > runner.rc.max_verify_tokens:
-            raise ValueError(f"DSpark block size {self.gamma} needs max_verify_tokens >= "
-                             f"{self.gamma + 1} (got {runner.rc.max_verify_tokens})")
+        # The bs1 runtime (dspark.md §3.4, the seed's "bs1 gamma 7"): a single request is
+        # latency-bound, so it drafts its own block size and verifies its full window.
+        self.gamma_bs1 = args.bs1_block_size or self.gamma
+        for name, g in (("block size", self.gamma), ("bs1 block size", self.gamma_bs1)):
+            if g < 1 or g + 1 > runner.rc.max_verify_tokens:
+                raise ValueError(f"DSpark {name} {g} must be >= 1 and leave max_verify_tokens "
+                                 f">= {g + 1} (got {runner.rc.max_verify_tokens})")
         draft = DSparkDraftModel(dcfg, runner.kernels)
         # "spec" family implementations, bound once (style R11).
         self.accept_fn = create_accept_fn(runner.kernels)
@@ -119,18 +130,23 @@ class DSparkWorker:
         self.policy = create_verify_policy(self.gamma, args.policy, runner.device,
                                            runner.req_pool.size)
         self.sts = StsCalibration.load(args.sts_path, self.gamma) if args.sts_path else None
+        self.sts_temperatures = (None if self.sts is None else
+                                 to_device(self.sts.temperatures, torch.float32, runner.device))
         if self.policy.needs_confidence and not dcfg.enable_confidence_head:
             raise ValueError("the confidence verify policy needs a draft with a confidence head")
         self.generator = torch.Generator(device=runner.device).manual_seed(args.seed)
-        self.metrics = DSparkMetrics(self.gamma, device=runner.device)
+        self.metrics = DSparkMetrics(max(self.gamma, self.gamma_bs1), device=runner.device)
         self.sts_recorder = (StsRecorder(args.sts_collect_path, self.gamma)
                              if args.sts_collect_path else None)
         self._sim_progress: dict[str, float] = {}
+        self.draft_graphs: BatchGraphs | None = None
+        self.draft_graphs_bs1: BatchGraphs | None = None
         self._generation: dict[int, int] = {}
         if args.simulate_accept_len is not None:
-            if not 1.0 <= args.simulate_accept_len <= self.gamma + 1:
+            top = min(self.gamma, self.gamma_bs1) + 1
+            if not 1.0 <= args.simulate_accept_len <= top:
                 raise ValueError(f"--speculative-dspark-simulate-accept-len must be in "
-                                 f"[1, {self.gamma + 1}], got {args.simulate_accept_len}")
+                                 f"[1, {top}], got {args.simulate_accept_len}")
             logger.warning("DSpark SIMULATED ACCEPTANCE (mean accept length %.2f): outputs are NOT "
                            "the model's; use only to benchmark", args.simulate_accept_len)
 
@@ -169,54 +185,65 @@ class DSparkWorker:
         B = len(reqs)
         pool = runner.req_pool
         timer = _StepTimer(dev)
-        anchors = to_device([r.output_ids[-1] for r in reqs], torch.int64, dev)
         seq = [r.kv_len for r in reqs]
-        seq_t = to_device(seq, torch.int64, dev)
         slots = [r.slot for r in reqs]
-        slot_t = to_device(slots, torch.int64, dev)
         params = [r.params for r in reqs]
-        greedy = to_device([p.is_greedy for p in params], torch.bool, dev)
         all_greedy = all(p.is_greedy for p in params)
-        temp = to_device([1.0 if p.is_greedy else p.temperature for p in params], torch.float32,
-                         dev)
-        top_k = to_device([TOP_K_ALL if p.top_k < 0 else p.top_k for p in params], torch.int64,
-                          dev)
-        top_p = to_device([p.top_p for p in params], torch.float32, dev)
+        # the step's host inputs in two transfers (one per dtype)
+        anchors, seq_t, slot_t, top_k, greedy_i = to_device_packed(
+            [[r.output_ids[-1] for r in reqs], seq, slots,
+             [TOP_K_ALL if p.top_k < 0 else p.top_k for p in params],
+             [int(p.is_greedy) for p in params]], torch.int64, dev)
+        greedy = greedy_i.bool()
+        temp, top_p = to_device_packed(
+            [[1.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params]],
+            torch.float32, dev)
         need_trunc = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
 
         # 1-3. draft forward, Markov sampling, confidences
-        prop = self.propose(reqs, anchors, seq_t, slot_t, temp, greedy, all_greedy)
+        bs1 = B == 1 and self.gamma_bs1 != self.gamma
+        gamma = self.gamma_bs1 if bs1 else self.gamma
+        prop = self.propose(reqs, anchors, seq_t, slot_t, temp, greedy, all_greedy, gamma)
         ms, conf = prop.markov, prop.confidence
         timer.mark("draft")
         gens = [self._generation.get(s, 1) for s in slots]
         # 4. verify lengths: host values for full/static/sync policies (no device round trip);
         #    the async confidence policy verifies the full window and caps acceptance on device.
-        planned = self.policy.verify_lens(conf, slots, gens)
+        #    The bs1 runtime always verifies its full window.
+        planned = [gamma + 1] if bs1 else self.policy.verify_lens(conf, slots, gens)
         cap_lens = None
         if isinstance(planned, torch.Tensor):
-            cap_lens, lens = planned - 1, [self.gamma + 1] * B
+            cap_lens, lens = planned - 1, [gamma + 1] * B
         else:
             lens = list(planned)
         # never verify past max_new_tokens: the request ends there anyway
         lens = [max(1, min(n, r.params.max_new_tokens - len(r.output_ids))) for n, r in
                 zip(lens, reqs)]
-        W = max(lens)
+        # 5. one target verify forward. Eager: ragged widths in a flat batch (flat row (r, j)
+        #    indices are host-known, so the device ids are gathered without a sync). With CUDA
+        #    graphs: every request verifies the smallest captured width >= the widest request;
+        #    rows past a request's own length are never accepted (acceptance reads lens_t).
+        rows = self._verify_rows(reqs, lens)
+        W = max(rows)
         verify_ids = torch.cat((anchors[:, None], ms.drafts), dim=1)[:, :W]    # [B, W]
-        # 5. one target verify forward (ragged widths, flat batch); flat row (r, j) indices are
-        #    host-known, so the device ids are gathered without a sync.
-        for r, n in zip(reqs, lens):
+        for r, n in zip(reqs, rows):
             pool.reserve(r.slot, r.kv_len + n)
-        flat_r = to_device([i for i, n in enumerate(lens) for _ in range(n)], torch.int64, dev)
-        flat_j = to_device([j for n in lens for j in range(n)], torch.int64, dev)
-        batch = ForwardBatch.build(ForwardMode.VERIFY, [[0] * n for n in lens], seq, slots,
+        flat_r, flat_j, lens_t = to_device_packed(
+            [[i for i, n in enumerate(rows) for _ in range(n)], [j for n in rows for j in range(n)],
+             lens], torch.int64, dev)
+        uniform = all(n == W for n in rows)
+        batch = ForwardBatch.build(ForwardMode.VERIFY, [[0] * n for n in rows], seq, slots,
                                    pool.req_to_token, logits_rows="all",
-                                   input_ids_device=verify_ids[flat_r, flat_j])
+                                   input_ids_device=(verify_ids.reshape(-1).contiguous() if uniform else
+                                                     verify_ids[flat_r, flat_j]))
         out = runner.forward(batch, tap_layers=self.tap_layers)
-        logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
-        logits[flat_r, flat_j] = out.logits
+        if uniform:
+            logits = out.logits.view(B, W, -1)
+        else:
+            logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
+            logits[flat_r, flat_j] = out.logits
         timer.mark("verify")
         # 6. acceptance on the device
-        lens_t = to_device(lens, torch.int64, dev)
         acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k,
                            top_p, need_trunc, ms, cap_lens, reqs)
         # 7. commit: draft context KV for anchor + accepted drafts (rows j < commit_len); the
@@ -226,8 +253,9 @@ class DSparkWorker:
         self.inject(batch.positions, ctx_slots, out.hidden_taps)
         tok_lp = torch.log_softmax(logits, dim=-1).gather(
             2, acc.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
-        self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
-        if self.sts_recorder is not None and prop.raw_confidence is not None:
+        if not bs1:
+            self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
+        if self.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
             self.sts_recorder.record(prop.raw_confidence, verify_ids, logits, lens_t)
         timer.mark("accept")
         self.metrics.record_step(lens_t, acc.accept_len, request_ids=[r.rid for r in reqs],
@@ -240,12 +268,65 @@ class DSparkWorker:
             r.spec_committed += c
         return [SpecStepOutput(t[:c], lp[:c]) for t, lp, c in zip(toks, lps, commit)]
 
+    def _verify_rows(self, reqs: list[Req], lens: list[int]) -> list[int]:
+        """Rows each request runs in the verify forward: its verify length, or with CUDA graphs
+        the captured width that covers the whole batch (when one does and the context fits)."""
+        graphs = self.runner.graph_runner
+        if graphs is None or graphs.bucket_for(len(reqs)) is None:
+            return lens
+        w = graphs.width_for(max(lens))
+        limit = self.runner.req_pool.max_context_len
+        if w is None or any(r.kv_len + w > limit for r in reqs):
+            return lens
+        return [w] * len(reqs)
+
+    # ---- CUDA graphs ----------------------------------------------------------------------
+    def graph_verify_widths(self) -> tuple[int, ...]:
+        """Verify widths to capture target graphs for: 1 (also the plain decode graph), the
+        policy's narrow widths and the full window; every width for the confidence policy,
+        whose per-request lengths are ragged."""
+        full = self.gamma + 1
+        if self.policy.needs_confidence:
+            return tuple(sorted({*range(1, full + 1), self.gamma_bs1 + 1}))
+        narrow: tuple[int, ...] = ()
+        if isinstance(self.policy, StaticWidthPolicy):
+            narrow = self.policy.graph_widths()
+        return tuple(sorted({1, 2, 3, full, *narrow} & set(range(1, full + 1))
+                            | {self.gamma_bs1 + 1}))
+
+    def init_cuda_graphs(self, max_bs: int, graph_factory=None) -> None:
+        """Capture the greedy draft (draft forward, Markov loop, confidences) per batch bucket.
+        Sampled batches draw Gumbel noise from a generator and propose eagerly."""
+        dev = self.runner.device
+        example = (torch.zeros(1, dtype=torch.int64, device=dev),) * 3
+        self.draft_graphs = BatchGraphs(functools.partial(self._propose_greedy, self.gamma),
+                                        example, (0, 1, 0), graph_batch_sizes(max_bs), dev,
+                                        graph_factory, name="DSpark draft graphs")
+        if self.gamma_bs1 != self.gamma:
+            self.draft_graphs_bs1 = BatchGraphs(
+                functools.partial(self._propose_greedy, self.gamma_bs1), example, (0, 1, 0),
+                [1], dev, graph_factory, name="DSpark bs1 draft graph")
+
+    def _propose_greedy(self, gamma: int, anchors: torch.Tensor, seq_t: torch.Tensor,
+                        slot_t: torch.Tensor) -> DraftProposal:
+        ones = torch.ones(anchors.shape[0], dtype=torch.float32, device=anchors.device)
+        return self._propose(anchors, seq_t, slot_t, ones, ones.bool(), True, gamma)
+
     def propose(self, reqs: list[Req], anchors: torch.Tensor, seq_t: torch.Tensor,
                 slot_t: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor,
-                all_greedy: bool) -> DraftProposal:
+                all_greedy: bool, gamma: int) -> DraftProposal:
+        graphs = self.draft_graphs_bs1 if gamma != self.gamma else self.draft_graphs
+        if (graphs is not None and all_greedy and self.sts_recorder is None
+                and graphs.bucket_for(len(reqs)) is not None):
+            return graphs.replay(anchors, seq_t, slot_t)
+        return self._propose(anchors, seq_t, slot_t, temp, greedy, all_greedy, gamma)
+
+    def _propose(self, anchors: torch.Tensor, seq_t: torch.Tensor, slot_t: torch.Tensor,
+                 temp: torch.Tensor, greedy: torch.Tensor, all_greedy: bool,
+                 gamma: int) -> DraftProposal:
         """Draft forward over [anchor, mask, ...] at positions s .. s+gamma-1, then the Markov
         head (left to right) and, when the policy reads them, the confidences."""
-        runner, dev, gamma = self.runner, self.runner.device, self.gamma
+        runner = self.runner
         inputs = self.draft_inputs_fn(anchors, seq_t, slot_t, runner.req_pool.req_to_token, gamma,
                                       self.window, self.dcfg.noise_token_id)
         target = runner.model
@@ -256,11 +337,11 @@ class DSparkWorker:
         ms = markov_sample(base_logits, self.draft.markov_head.embed.weight,
                            self.draft.markov_head.head.weight, anchors, temp, greedy,
                            generator=self.generator, all_greedy=all_greedy)
-        if not (self.policy.needs_confidence or self.sts_recorder is not None):
-            return DraftProposal(ms, None)
-        temps = None if self.sts is None else torch.as_tensor(self.sts.temperatures, device=dev)
+        if gamma != self.gamma or not (self.policy.needs_confidence
+                                       or self.sts_recorder is not None):
+            return DraftProposal(ms, None)   # the bs1 runtime schedules no confidences
         c = confidence_head(y, ms.markov_embeds, self.draft.confidence_head.proj.weight,
-                            temperatures=temps)
+                            temperatures=self.sts_temperatures)
         return DraftProposal(ms, c.confidence, c.raw)
 
     def _accept(self, verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k, top_p,

@@ -1,0 +1,313 @@
+"""End-to-end engine benchmark (issue 7), side by side in one process on one device:
+
+1. HF transformers `DeepseekV4ForCausalLM.generate` (greedy, random weights seeded 0);
+2. ours through `Engine.generate` on the same weights, eager (`--disable-cuda-graph`);
+3. ours with CUDA graphs;
+4. DSpark with simulated acceptance vs no speculation (CUDA graphs), full width and static widths;
+
+at the given batch sizes with random prompts of `--input-len` tokens and `--output-len` new
+tokens (ignore_eos). Also reports the decode-step time against its memory floor: the bytes of
+weights (experts: the expected number of distinct experts a batch routes to) and KV a step reads,
+over the device's measured copy bandwidth.
+
+    python benchmark/bench_engine.py --config mid_910m --batch-sizes 1,8,32 --out-dir $OUT
+
+Prints one JSON line per measurement and writes `engine.json` (+ `engine.md`) to `--out-dir`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+
+from sgl_dspark import Engine  # noqa: E402
+from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig  # noqa: E402
+from sgl_dspark.srt.model_loader.export import save_released_checkpoint  # noqa: E402
+from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
+from sgl_dspark.tools.init_dspark_draft import init_dspark_draft  # noqa: E402
+
+
+def sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def prompts_for(bs: int, input_len: int, vocab: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(1000 + bs)
+    return [torch.randint(10, vocab, (input_len,), generator=g).tolist() for _ in range(bs)]
+
+
+# ---- HF transformers -----------------------------------------------------------------------
+def build_hf(raw: dict, device: str):
+    from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = DeepseekV4ForCausalLM(DeepseekV4Config(**raw))
+    return model.to(torch.bfloat16).eval()
+
+
+def time_hf(model, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[float, list]:
+    ids = torch.tensor(prompts, device=device)
+    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
+          "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
+    with torch.inference_mode():
+        model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
+        sync(device)
+        t0 = time.perf_counter()
+        out = model.generate(ids, **kw)
+        sync(device)
+    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+
+
+# ---- ours ----------------------------------------------------------------------------------
+def time_engine(engine: Engine, prompts: list[list[int]], new_tokens: int,
+                device: str) -> tuple[float, float, list]:
+    """(wall s for new_tokens, wall s for 1 token (prefill + first token), output ids)."""
+    def run(n: int) -> tuple[float, list]:
+        params = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+        sync(device)
+        t0 = time.perf_counter()
+        outs = engine.generate(input_ids=prompts, sampling_params=params)
+        sync(device)
+        return time.perf_counter() - t0, [o["output_ids"] for o in outs]
+
+    run(min(8, new_tokens))  # warm-up (Triton compilation, allocator)
+    t1, _ = run(1)
+    tn, ids = run(new_tokens)
+    return tn, t1, ids
+
+
+def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: int = 8) -> None:
+    """torch.profiler table (CPU and CUDA time per op, kernel counts) over `steps` decode steps
+    after prefill."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sched = engine.scheduler
+    reqs = [engine._make_req(p, {"max_new_tokens": 10 * steps, "temperature": 0.0,
+                                 "ignore_eos": True}, False) for p in prompts]
+    for r in reqs:
+        sched.add(r)
+    while not all(r.prefill_done and r.output_ids for r in reqs):
+        sched.step()
+    for _ in range(3):
+        sched.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            sched.step()
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) / steps
+    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
+    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
+    path.write_text(f"{steps} steps, {wall * 1e3:.2f} ms/step wall (under the profiler)\n\n"
+                    f"{table}\n\n{cpu}\n")
+    while sched.has_work:
+        sched.step()
+
+
+def copy_bandwidth(device: str) -> float:
+    """Device-to-device copy bandwidth (read + write bytes per second)."""
+    if not device.startswith("cuda"):
+        return float("nan")
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    sync(device)
+    t0 = time.perf_counter()
+    for _ in range(20):
+        y.copy_(x)
+    sync(device)
+    return 2 * x.numel() * 20 / (time.perf_counter() - t0)
+
+
+def step_bytes(engine: Engine, bs: int, context: int) -> float:
+    """Bytes one decode step of bs requests reads: every non-expert weight (embedding rows only),
+    the expected distinct routed experts per MoE layer under uniform routing, and the attention
+    KV (window + compressed entries + indexer keys) of each request."""
+    cfg: ModelConfig = engine.runner.model_cfg
+    total = 0.0
+    for name, p in engine.runner.model.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if "experts." in name and "shared" not in name:
+            e = cfg.n_routed_experts
+            distinct = e * (1 - (1 - cfg.num_experts_per_tok / e) ** bs)
+            nbytes *= distinct / e
+        elif name.endswith("embed_tokens.weight"):
+            nbytes = bs * p.shape[1] * p.element_size()
+        total += nbytes
+    el = torch.finfo(engine.runner.dtype).bits // 8
+    for i, lt in enumerate(cfg.layer_types):
+        kv = min(context, cfg.sliding_window) * cfg.head_dim
+        if lt in (CSA, HCA):
+            m = cfg.compress_ratio(i)
+            kv += (min(context // m, cfg.index_topk) if lt == CSA else context // m) * cfg.head_dim
+            if lt == CSA:
+                kv += (context // m) * cfg.index_head_dim
+        total += bs * kv * el
+    return total
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--config", default="mid_910m", choices=sorted(BENCH_CONFIGS))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--batch-sizes", default="1,8,32")
+    p.add_argument("--hf-batch-sizes", default=None, help="default: --batch-sizes")
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--gamma", type=int, default=7)
+    p.add_argument("--draft-layers", type=int, default=3)
+    p.add_argument("--accept-len", type=float, default=3.2)
+    p.add_argument("--static-cases", default="1:4,1:5,32:2,32:3",
+                   help="DSpark static-width runs as bs:width (comma list)")
+    p.add_argument("--attention-backend", default="torch")
+    p.add_argument("--extra-attention-backends", default="",
+                   help="also time CUDA graphs with these attention backends (comma list)")
+    p.add_argument("--skip-hf", action="store_true")
+    p.add_argument("--skip-eager", action="store_true")
+    p.add_argument("--profile", action="store_true", help="also write torch.profiler tables of "
+                   "bs 1 decode steps (eager, graphs, DSpark) to --out-dir")
+    p.add_argument("--out-dir", default=".")
+    a = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # capture logs
+    dev = a.device
+    raw = dict(BENCH_CONFIGS[a.config])
+    cfg = ModelConfig.from_hf_dict(raw)
+    sizes = [int(x) for x in a.batch_sizes.split(",")]
+    hf_sizes = [int(x) for x in (a.hf_batch_sizes or a.batch_sizes).split(",") if x]
+    rows: list[dict] = []
+
+    def emit(row: dict) -> None:
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+
+    work = tempfile.mkdtemp(prefix="bench_engine_")
+    hf = build_hf(raw, dev)
+    for bs in ([] if a.skip_hf else hf_sizes):
+        wall, ids = time_hf(hf, prompts_for(bs, a.input_len, cfg.vocab_size), a.output_len, dev)
+        emit({"system": "hf_generate", "bs": bs, "wall_s": wall,
+              "tok_s_user": a.output_len / wall, "tok_s_total": bs * a.output_len / wall,
+              "ids": ids})
+    save_released_checkpoint({k: v.detach().cpu() for k, v in hf.state_dict().items()}, cfg, work)
+    del hf
+    gc.collect()
+    if dev.startswith("cuda"):
+        torch.cuda.empty_cache()
+    init_dspark_draft(work, str(Path(work) / "dspark"), num_layers=a.draft_layers,
+                      block_size=a.gamma, seed=1)
+    ctx = a.input_len + a.output_len + 2 * (a.gamma + 1) + 64
+    base = dict(model_path=work, device=dev, dtype="bfloat16", skip_tokenizer_init=True,
+                kernel_backend="triton" if dev.startswith("cuda") else "torch",
+                attention_backend=a.attention_backend,
+                context_length=ctx, max_running_requests=max(sizes),
+                max_total_tokens=max(sizes) * ctx + 4096, chunked_prefill_size=4096)
+    bw = copy_bandwidth(dev)
+
+    def measure(system: str, bs: int, engine: Engine, **extra) -> None:
+        wall, t1, ids = time_engine(engine, prompts_for(bs, a.input_len, cfg.vocab_size),
+                                    a.output_len, dev)
+        step_ms = (wall - t1) / max(a.output_len - 1, 1) * 1e3
+        floor_ms = step_bytes(engine, bs, a.input_len + a.output_len // 2) / bw * 1e3
+        emit({"system": system, "bs": bs, "wall_s": wall, "prefill_s": t1,
+              "tok_s_user": a.output_len / wall, "tok_s_total": bs * a.output_len / wall,
+              "decode_ms_per_token": step_ms, "floor_ms_per_step": floor_ms, **extra,
+              "ids": ids})
+
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    profiling = a.profile and dev.startswith("cuda")
+    modes = [("ours_eager", {"disable_cuda_graph": True}), ("ours_cuda_graph", {})]
+    modes += [(f"ours_cuda_graph_attn_{b}", {"attention_backend": b})
+              for b in a.extra_attention_backends.split(",") if b]
+    for system, kw in modes[1 if a.skip_eager else 0:]:
+        engine = Engine(**{**base, **kw})
+        for bs in sizes:
+            measure(system, bs, engine)
+        if profiling:
+            profile_steps(engine, prompts_for(1, a.input_len, cfg.vocab_size),
+                          out / f"profile_{system}_bs1.txt")
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+    spec = dict(speculative_algorithm="DSpark", speculative_dspark_block_size=a.gamma,
+                speculative_dspark_simulate_accept_len=a.accept_len)
+    engine = Engine(**base, **spec)
+    for bs in sizes:
+        measure("dspark_full", bs, engine, accept_len=a.accept_len)
+    if profiling:
+        profile_steps(engine, prompts_for(1, a.input_len, cfg.vocab_size),
+                      out / "profile_dspark_full_bs1.txt")
+    engine.shutdown()
+    del engine
+    gc.collect()
+    for case in [c for c in a.static_cases.split(",") if c]:
+        bs, w = (int(x) for x in case.split(":"))
+        table = Path(work) / f"widths_{w}.json"
+        table.write_text(json.dumps({"widths_by_batch_size": {"1": w}}))
+        engine = Engine(**base, **spec, speculative_dspark_verify_policy="static",
+                        speculative_dspark_width_table_path=str(table))
+        measure(f"dspark_static_w{w}", bs, engine, accept_len=a.accept_len)
+        engine.shutdown()
+        del engine
+        gc.collect()
+
+    meta = {"config": a.config, "device": torch.cuda.get_device_name() if dev.startswith("cuda")
+            else dev, "torch": torch.__version__, "copy_bandwidth_Bps": bw,
+            "input_len": a.input_len, "output_len": a.output_len, "gamma": a.gamma,
+            "draft_layers": a.draft_layers}
+    (out / "engine.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+    (out / "engine.md").write_text(render(meta, rows))
+    print(render(meta, rows))
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists (greedy runs agree until the first flip)."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def render(meta: dict, rows: list[dict]) -> str:
+    by = {(r["system"], r["bs"]): r for r in rows}
+    lines = [f"config {meta['config']}, {meta['device']}, torch {meta['torch']}, prompts "
+             f"{meta['input_len']} + {meta['output_len']} new tokens, copy bandwidth "
+             f"{meta['copy_bandwidth_Bps'] / 1e12:.2f} TB/s", "",
+             "| system | bs | tok/s/user | tok/s total | x HF | decode ms/token | floor ms/step "
+             "| same tokens as eager | mean prefix equal to HF |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        hf = by.get(("hf_generate", r["bs"]))
+        eager = by.get(("ours_eager", r["bs"]))
+        ratio = f"{r['tok_s_total'] / hf['tok_s_total']:.1f}" if hf else "-"
+        same = "-"
+        if eager is not None and r["system"] == "ours_cuda_graph":
+            same = f"{sum(x == y for x, y in zip(r['ids'], eager['ids']))}/{len(eager['ids'])}"
+        prefix = "-"
+        if hf is not None and r["system"].startswith("ours"):
+            prefix = f"{sum(common_prefix(x, y) for x, y in zip(r['ids'], hf['ids'])) / r['bs']:.1f}"
+        lines.append(f"| {r['system']} | {r['bs']} | {r['tok_s_user']:.1f} | "
+                     f"{r['tok_s_total']:.1f} | {ratio} | "
+                     f"{r.get('decode_ms_per_token', float('nan')):.2f} | "
+                     f"{r.get('floor_ms_per_step', float('nan')):.3f} | {same} | {prefix} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()

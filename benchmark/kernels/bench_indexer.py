@@ -1,0 +1,159 @@
+"""Benchmark cases for the lightning-indexer logits (variable context) and the compressors'
+decode-time block pooling (`sgl_dspark.kernels.indexer`, `sgl_dspark.kernels.compressor_pool`).
+
+``CASES`` has the format of `bench_spec.py` (name, make_inputs(M, device), reference, launcher,
+check, bytes_moved(M)). M = bs * w token rows, mapped to (bs, w) as in the shape sheet
+(kernels.md §0.1). DeepSeek-V4-Flash shapes:
+  * indexer: 64 index heads x 128 dims, m = 4, context capacity 8192 tokens -> n_max = 2048
+    columns (the static graph width); each request's real context is drawn from 256..8192
+    tokens, so the visible entries per row vary (the varctx schedule skips the rest). bf16.
+  * pooling: head_dim 512 (the projections from H = 4096 run before the kernel and are not
+    part of it); CSA m = 4 with overlap (rows of 2*512) and HCA m = 128 (rows of 512). Every
+    request's last row ends a block (one entry per request per step, the most a w <= m step
+    emits), the other rows are candidates that write the dummy entry. bf16 rows, fp32 bias.
+The top-k that follows the indexer stays `torch.topk` and is not part of these cases.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
+from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
+
+INDEX_HEADS, INDEX_DIM, CSA_RATIO = 64, 128, 4
+CONTEXT = 8192
+N_MAX = CONTEXT // CSA_RATIO  # 2048
+HEAD_DIM, HCA_RATIO = 512, 128
+MAX_VERIFY = 16  # ring rows beyond the span, as DeepseekV4KVPool sizes them
+PAGE = 128       # a multiple of both compress ratios
+M_VALUES = (1, 4, 8, 24, 32, 128)
+_BS_W = {1: (1, 1), 4: (1, 4), 8: (1, 8), 24: (8, 3), 32: (8, 4), 128: (32, 4)}
+
+
+def _bs_w(m: int) -> tuple[int, int]:
+    return _BS_W.get(m, (max(m // 4, 1), 4))
+
+
+def _gen(m: int, salt: int) -> torch.Generator:
+    return torch.Generator().manual_seed(9000 + 100 * salt + m)
+
+
+def _seq_lens(m: int, multiple: int, salt: int) -> torch.Tensor:
+    """Per-request sequence lengths (deterministic in M, shared by inputs and byte counts)."""
+    bs, w = _bs_w(m)
+    lens = torch.randint(256, CONTEXT, (bs,), generator=_gen(m, salt))
+    return (lens // multiple * multiple).clamp(min=max(multiple, w))
+
+
+def _page_table(seq_lens: torch.Tensor, gen: torch.Generator) -> tuple[torch.Tensor, int]:
+    """Request slots 1..bs over pages drawn at random (page 0: the dummy page of slot 0)."""
+    bs = seq_lens.shape[0]
+    pages_per_req = CONTEXT // PAGE
+    num_pages = bs * pages_per_req + 1
+    pages = (torch.randperm(num_pages - 1, generator=gen) + 1).view(bs, pages_per_req)
+    table = (torch.arange(CONTEXT) % PAGE).repeat(bs + 1, 1)
+    table[1:] = (pages[:, :, None] * PAGE + torch.arange(PAGE)).reshape(bs, CONTEXT)
+    return table, num_pages * PAGE
+
+
+def _rows(seq_lens: torch.Tensor, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Positions, request slots and per-row prefix of the last w tokens of every request."""
+    bs, w = _bs_w(m)
+    positions = (seq_lens[:, None] - w + torch.arange(w)[None, :]).reshape(-1)[:m]
+    token_slot = (torch.arange(bs)[:, None] + 1).expand(bs, w).reshape(-1)[:m]
+    prefix = (seq_lens - w)[:, None].expand(bs, w).reshape(-1)[:m]
+    return positions.contiguous(), token_slot.contiguous(), prefix.contiguous()
+
+
+# ----------------------------------------------------------------------------- indexer logits
+
+
+def _indexer_inputs(m: int, device: str) -> dict[str, Any]:
+    gen = _gen(m, 1)
+    seq_lens = _seq_lens(m, 1, salt=1)
+    table, num_slots = _page_table(seq_lens, gen)
+    positions, token_slot, _ = _rows(seq_lens, m)
+    tokens = positions.shape[0]
+    tensors = dict(
+        qi=torch.randn(tokens, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.bfloat16),
+        weights=torch.randn(tokens, INDEX_HEADS, generator=gen) * INDEX_HEADS**-0.5,
+        index_keys=torch.randn(num_slots // CSA_RATIO, INDEX_DIM, generator=gen).to(
+            torch.bfloat16),
+        positions=positions, token_slot=token_slot, req_to_token=table,
+    )
+    return {**{k: v.to(device) for k, v in tensors.items()}, "ratio": CSA_RATIO, "n_max": N_MAX}
+
+
+def _indexer_check(want: torch.Tensor, got: torch.Tensor) -> None:
+    # X2: fp32 accumulation of exact bf16 products in another order.
+    hidden = torch.isneginf(want)
+    assert torch.equal(torch.isneginf(got), hidden), "-inf pattern differs"
+    scale = want[~hidden].abs().max().item()
+    torch.testing.assert_close(got[~hidden], want[~hidden], rtol=1e-4, atol=1e-5 * scale)
+
+
+def _indexer_bytes(m: int) -> int:
+    positions, _, _ = _rows(_seq_lens(m, 1, salt=1), m)
+    visible = int(((positions + 1) // CSA_RATIO).sum())
+    per_token = INDEX_HEADS * INDEX_DIM * 2 + INDEX_HEADS * 4 + N_MAX * 4 + 2 * 8
+    return m * per_token + visible * (INDEX_DIM * 2 + 8)   # keys + their page-table entries
+
+
+# ----------------------------------------------------------------------------- block pooling
+
+
+def _pool_inputs(m: int, device: str, ratio: int, overlap: bool) -> dict[str, Any]:
+    salt = 2 if overlap else 3
+    gen = _gen(m, salt)
+    seq_lens = _seq_lens(m, ratio, salt=salt)
+    table, _ = _page_table(seq_lens, gen)
+    positions, token_slot, prefix = _rows(seq_lens, m)
+    width = 2 * HEAD_DIM if overlap else HEAD_DIM
+    span = 2 * ratio if overlap else ratio
+    ring = 1 << (span + MAX_VERIFY - 1).bit_length()
+    req_slots = seq_lens.shape[0] + 1
+    tokens = positions.shape[0]
+    tensors = dict(
+        kv=torch.randn(tokens, width, generator=gen).to(torch.bfloat16),
+        score=(2 * torch.randn(tokens, width, generator=gen)).to(torch.bfloat16),
+        state_kv=torch.randn(req_slots, ring, width, generator=gen).to(torch.bfloat16),
+        state_score=(2 * torch.randn(req_slots, ring, width, generator=gen)).to(torch.bfloat16),
+        position_bias=0.5 * torch.randn(ratio, width, generator=gen),
+        norm_weight=1 + 0.1 * torch.randn(HEAD_DIM, generator=gen),
+        positions=positions, token_slot=token_slot, token_prefix=prefix, req_to_token=table,
+    )
+    return {**{k: v.to(device) for k, v in tensors.items()}, "ratio": ratio, "overlap": overlap,
+            "eps": 1e-6}
+
+
+def _pool_check(want: Any, got: Any) -> None:
+    # X2: the rounding points are reproduced; exp lowering and fp32 sum order differ, so a bf16
+    # value at a rounding boundary may move by an ulp (the norm can spread it to ~2 ulps).
+    assert torch.equal(want.slots, got.slots), "entry slots differ"
+    torch.testing.assert_close(got.entries.float(), want.entries.float(), rtol=2**-6, atol=2**-6)
+
+
+def _pool_bytes(m: int, ratio: int, overlap: bool) -> int:
+    bs, _ = _bs_w(m)
+    width = 2 * HEAD_DIM if overlap else HEAD_DIM
+    span = 2 * ratio if overlap else ratio
+    ends = min(bs, m)  # one block end per request
+    rows_read = ends * span * HEAD_DIM * 2 * 2             # kv + score half-rows, bf16
+    return rows_read + ratio * width * 4 + m * (HEAD_DIM * 2 + 8 + 3 * 8) + ends * 8
+
+
+CASES: list[dict[str, Any]] = [
+    dict(name="indexer_logits_h64_d128_m4_nmax2048", make_inputs=_indexer_inputs,
+         reference=indexer_logits_ref, launcher=indexer_logits, check=_indexer_check,
+         bytes_moved=_indexer_bytes),
+    dict(name="compressor_pool_csa_m4_dh512",
+         make_inputs=lambda m, device: _pool_inputs(m, device, CSA_RATIO, True),
+         reference=compressor_pool_ref, launcher=compressor_pool, check=_pool_check,
+         bytes_moved=lambda m: _pool_bytes(m, CSA_RATIO, True)),
+    dict(name="compressor_pool_hca_m128_dh512",
+         make_inputs=lambda m, device: _pool_inputs(m, device, HCA_RATIO, False),
+         reference=compressor_pool_ref, launcher=compressor_pool, check=_pool_check,
+         bytes_moved=lambda m: _pool_bytes(m, HCA_RATIO, False)),
+]

@@ -1,0 +1,323 @@
+"""Decode/verify block pooling of the CSA/HCA compressors (deepseek_v4_model.md §5.3-§5.4, §5.9).
+
+Every token row t (position p) is a candidate block end. When p ends a block of m positions, the
+entry of that block is pooled from the span of rows before it: m rows for HCA, 2m for CSA
+("overlap": slots 0..m-1 take the previous block's first-half channels Ca, slots m..2m-1 this
+block's second-half channels Cb; the previous half of block 0 is absent). A span row at position
+q comes from this forward (`q >= token_prefix[t]`: flat row t - (p - q)) or from the request's
+state ring (`state[token_slot[t], q mod R]`). Per channel:
+    z  = kv_dtype(score_row + kv_dtype(position_bias[q mod m]))
+    a  = kv_dtype(softmax over the span of z, in fp32)
+    e  = kv_dtype(sum over the span of kv_dtype(kv_row * a))    (sum accumulated in fp32)
+    out = kv_dtype(norm_weight * (e * rsqrt(mean(e^2) + eps)))   (RMSNorm in fp32)
+The entry slot is `req_to_token[token_slot[t], p - m + 1] // m`. Rows that do not end a block
+write zeros and slot 0 (the reserved dummy entry) without loading anything. RoPE is not applied
+here (the caller rotates at the block start p - m + 1).
+
+Exactness: X2 (tolerance). Every rounding point of the torch chain is reproduced (round to
+nearest even; bf16 on the bits, so the interpreter's truncating cast is never used); what remains
+is the exp lowering and the order of the three fp32 sums (softmax denominator, span sum, mean of
+squares). fp32 agrees to ~1e-6 relative; in bf16/fp16 a value that lands within an ulp of a
+rounding boundary may round the other way, which the norm can spread to ~2 ulps (rare).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import triton
+import triton.language as tl
+
+_STORAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+# Register budget of one program: a tile of SPAN_BLOCK span slots x Dh channels (fp32).
+_TILE_ELEMS = 4096
+
+
+class PooledEntries(NamedTuple):
+    entries: torch.Tensor  # [T, Dh] kv dtype, un-rotated; zeros on rows that end no block
+    slots: torch.Tensor    # [T] int64 entry slot; 0 (the dummy entry) on rows that end no block
+
+
+def compressor_pool_ref(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+) -> PooledEntries:
+    """Reference (plain torch, the decode/verify branch of `BlockCompressor.compress`).
+
+    Args:
+        kv, score: [T, W] this forward's projected rows (W = 2*Dh with overlap, else Dh).
+        state_kv, state_score: [req_slots, R, W] the state rings (rows of earlier forwards).
+        position_bias: [m, W]; norm_weight: [Dh] (kv_norm's weight).
+        positions, token_slot: [T] int position and request slot of each row.
+        token_prefix: [T] int first position of this forward's rows of the row's request.
+        req_to_token: [slots, max_ctx] int page table.
+        ratio: m; overlap: CSA (True) or HCA (False); eps: RMSNorm epsilon.
+    Returns:
+        `PooledEntries` (entries [T, Dh] in kv's dtype, slots [T] int64).
+    """
+    m, ring = ratio, state_kv.shape[1]
+    d = norm_weight.shape[0]
+    pos = positions
+    rows = torch.arange(pos.shape[0], device=pos.device)
+    span = 2 * m if overlap else m
+    rel = torch.arange(span, device=pos.device) - (span - 1)
+    q = pos[:, None] + rel[None, :]                                     # absolute row positions
+    fresh = (q >= token_prefix[:, None]).unsqueeze(-1)
+    flat = (rows[:, None] + rel[None, :]).clamp(min=0)
+    slot = token_slot[:, None]
+    ring_idx = q.remainder(ring)
+    kv_rows = torch.where(fresh, kv[flat], state_kv[slot, ring_idx])
+    sc_rows = torch.where(fresh, score[flat], state_score[slot, ring_idx])
+    sc_rows = sc_rows + position_bias[q.remainder(m)].to(sc_rows.dtype)
+    if overlap:
+        kv_rows = torch.cat((kv_rows[:, :m, :d], kv_rows[:, m:, d:]), dim=1)
+        sc_rows = torch.cat((sc_rows[:, :m, :d], sc_rows[:, m:, d:]), dim=1)
+        absent = (q < 0).unsqueeze(-1)                      # block 0 has no previous block
+        kv_rows = kv_rows.masked_fill(absent, 0.0)
+        sc_rows = sc_rows.masked_fill(absent, float("-inf"))
+    weights = torch.softmax(sc_rows, dim=1, dtype=torch.float32).to(kv_rows.dtype)
+    pooled = (kv_rows * weights).sum(dim=1)
+    xf = pooled.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    entries = (norm_weight.float() * xf).to(pooled.dtype)
+    start = pos - (m - 1)
+    slots = req_to_token[token_slot, start.clamp(min=0)] // m
+    is_end = (pos + 1) % m == 0
+    return PooledEntries(torch.where(is_end[:, None], entries, torch.zeros_like(entries)),
+                         torch.where(is_end, slots, torch.zeros_like(slots)))
+
+
+@triton.jit
+def _to_storage(x, STORAGE: tl.constexpr):
+    """Round fp32 to the kv dtype (STORAGE 1: bf16, nearest-even on the bits because the
+    interpreter's cast truncates; 2: fp16, whose cast rounds to nearest-even everywhere),
+    result kept in fp32. STORAGE 0 (fp32) is the identity."""
+    if STORAGE == 1:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    elif STORAGE == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def _span_tile(
+    j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+    new_ptr, new_stride, state_ptr, state_stride_r, state_stride_q,
+    SPAN: tl.constexpr, OVERLAP: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+):
+    """Span slots j0 .. j0 + SPAN_BLOCK - 1 as an fp32 tile [SPAN_BLOCK, BLOCK_D] (this forward's
+    rows or ring rows; 0 where a slot is absent) plus the per-slot positions and presence."""
+    j = j0 + tl.arange(0, SPAN_BLOCK)
+    q = pos - (SPAN - 1) + j
+    present = j < SPAN
+    if OVERLAP:
+        offset = (j >= ratio).to(tl.int64) * head_dim      # Ca for slots < m, Cb after
+        present = present & (q >= 0)                       # block 0 has no previous block
+    else:
+        offset = j.to(tl.int64) * 0
+    fresh = q >= prefix
+    ring_row = q % ring
+    ring_row = tl.where(ring_row < 0, ring_row + ring, ring_row)   # floor mod on any backend
+    chan = offset[:, None] + cols[None, :]
+    keep = present[:, None] & in_col[None, :]
+    new_vals = tl.load(new_ptr + (row - (pos - q))[:, None] * new_stride + chan,
+                       mask=keep & fresh[:, None], other=0.0)
+    old_vals = tl.load(state_ptr + req * state_stride_r + ring_row[:, None] * state_stride_q + chan,
+                       mask=keep & (q < prefix)[:, None], other=0.0)
+    vals = tl.where(fresh[:, None], new_vals, old_vals).to(tl.float32)
+    return vals, q, offset, keep
+
+
+@triton.jit
+def _span_logits(
+    j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+    score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q, bias_ptr, bias_stride,
+    SPAN: tl.constexpr, OVERLAP: tl.constexpr, SPAN_BLOCK: tl.constexpr, STORAGE: tl.constexpr,
+):
+    """kv_dtype(score + kv_dtype(position_bias)) of span slots j0.., -inf where absent."""
+    sc, q, offset, keep = _span_tile(
+        j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+        score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
+        SPAN, OVERLAP, SPAN_BLOCK)
+    bias_row = q % ratio
+    bias_row = tl.where(bias_row < 0, bias_row + ratio, bias_row)
+    bias = tl.load(bias_ptr + bias_row[:, None] * bias_stride + offset[:, None] + cols[None, :],
+                   mask=keep, other=0.0)
+    sc = _to_storage(sc + _to_storage(bias.to(tl.float32), STORAGE), STORAGE)
+    return tl.where(keep, sc, float("-inf"))
+
+
+@triton.jit
+def _compressor_pool_kernel(
+    kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, bias_ptr, norm_w_ptr,
+    pos_ptr, slot_ptr, prefix_ptr, table_ptr, out_ptr, out_slot_ptr,
+    head_dim, ratio, ring, eps,
+    kv_stride, score_stride, skv_stride_r, skv_stride_q, ss_stride_r, ss_stride_q,
+    bias_stride, table_stride, out_stride,
+    SPAN: tl.constexpr, OVERLAP: tl.constexpr, STORAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+    SPAN_BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_D)
+    in_col = cols < head_dim
+    pos = tl.load(pos_ptr + row)
+    out_row = out_ptr + row * out_stride + cols
+    if (pos + 1) % ratio != 0:
+        # Not a block end: the dummy entry 0 gets zeros, nothing is loaded.
+        tl.store(out_row, tl.zeros((BLOCK_D,), tl.float32).to(out_ptr.dtype.element_ty),
+                 mask=in_col)
+        tl.store(out_slot_ptr + row, pos * 0)
+        return
+    req = tl.load(slot_ptr + row)
+    prefix = tl.load(prefix_ptr + row)
+
+    # Three passes over the span in tiles of SPAN_BLOCK slots (max, denominator, weighted sum),
+    # as torch's softmax: the weights are normalised and rounded to the kv dtype before they
+    # meet kv. A CSA span (2m = 8) is a single tile.
+    top = tl.full((BLOCK_D,), float("-inf"), tl.float32)
+    for j0 in range(0, SPAN, SPAN_BLOCK):
+        sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+                          score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
+                          bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)
+        top = tl.maximum(top, tl.max(sc, axis=0))
+    top = tl.where(in_col, top, 0.0)
+    denom = tl.zeros((BLOCK_D,), tl.float32)
+    for j0 in range(0, SPAN, SPAN_BLOCK):
+        sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+                          score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
+                          bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)
+        denom += tl.sum(tl.exp(sc - top[None, :]), axis=0)
+    denom = tl.where(in_col, denom, 1.0)
+    acc = tl.zeros((BLOCK_D,), tl.float32)
+    for j0 in range(0, SPAN, SPAN_BLOCK):
+        sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+                          score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
+                          bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)
+        weight = _to_storage(tl.exp(sc - top[None, :]) / denom[None, :], STORAGE)
+        # Absent slots load kv = 0 (and have weight 0), as the reference's masked_fill.
+        kv, _q, _offset, _keep = _span_tile(
+            j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+            kv_ptr, kv_stride, state_kv_ptr, skv_stride_r, skv_stride_q,
+            SPAN, OVERLAP, SPAN_BLOCK)
+        acc += tl.sum(_to_storage(kv * weight, STORAGE), axis=0)
+    pooled = _to_storage(acc, STORAGE)
+
+    mean_sq = tl.sum(pooled * pooled, axis=0) / head_dim
+    rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
+    norm_w = tl.load(norm_w_ptr + cols, mask=in_col, other=0.0).to(tl.float32)
+    entry = _to_storage(norm_w * (pooled * rstd), STORAGE)
+    tl.store(out_row, entry.to(out_ptr.dtype.element_ty), mask=in_col)
+    block_start = tl.load(table_ptr + req * table_stride + pos - (ratio - 1))
+    tl.store(out_slot_ptr + row, block_start // ratio)
+
+
+def compressor_pool(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    out_slots: torch.Tensor | None = None,
+) -> PooledEntries:
+    """Pool the entry of every block that a row of this decode/verify forward ends, one launch.
+
+    Args:
+        kv, score: [T, W] bf16/fp16/fp32 (one dtype), unit channel stride; W = 2*Dh with overlap.
+        state_kv, state_score: [req_slots, R, W] of kv's dtype, unit channel stride. Rows of
+            this forward must not have been written to the ring yet.
+        position_bias: [m, W] fp32 or kv's dtype; norm_weight: [Dh] float; both contiguous.
+        positions, token_slot, token_prefix: [T] int64 contiguous (see `compressor_pool_ref`).
+            A request's rows are consecutive in the batch and in position.
+        req_to_token: [slots, max_ctx] int64, unit stride along max_ctx.
+        ratio: m >= 1; overlap: CSA span 2m (True) or HCA span m; eps: RMSNorm epsilon.
+        out, out_slots: optional [T, Dh] kv-dtype / [T] int64 buffers.
+    Returns:
+        `PooledEntries(out, out_slots)`, equal to `compressor_pool_ref` within X2 tolerance
+        (slots exactly).
+    """
+    if kv.dim() != 2 or kv.dtype not in _STORAGE_CODES:
+        raise ValueError(f"kv must be [T, W] bf16/fp16/fp32, got {kv.dtype} {tuple(kv.shape)}")
+    tokens, width = kv.shape
+    head_dim = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
+    if head_dim < 1 or width != (2 * head_dim if overlap else head_dim):
+        raise ValueError(f"kv width {width} must be {'2*' if overlap else ''}Dh with Dh = "
+                         f"norm_weight's length, got norm_weight {tuple(norm_weight.shape)}")
+    if score.shape != kv.shape or score.dtype != kv.dtype:
+        raise ValueError(f"score must match kv ({kv.dtype} {tuple(kv.shape)}), got "
+                         f"{score.dtype} {tuple(score.shape)}")
+    for name, t in (("state_kv", state_kv), ("state_score", state_score)):
+        if t.dim() != 3 or t.shape[2] != width or t.dtype != kv.dtype or t.stride(2) != 1:
+            raise ValueError(f"{name} must be [req_slots, R, {width}] {kv.dtype} with unit "
+                             f"channel stride, got {t.dtype} {tuple(t.shape)} {t.stride()}")
+    if state_score.shape != state_kv.shape:
+        raise ValueError(f"state_score {tuple(state_score.shape)} != state_kv "
+                         f"{tuple(state_kv.shape)}")
+    if position_bias.shape != (ratio, width) or position_bias.dtype not in (torch.float32,
+                                                                            kv.dtype):
+        raise ValueError(f"position_bias must be [{ratio}, {width}] fp32 or {kv.dtype}, got "
+                         f"{position_bias.dtype} {tuple(position_bias.shape)}")
+    for name, t in (("positions", positions), ("token_slot", token_slot),
+                    ("token_prefix", token_prefix)):
+        if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int64:
+        raise ValueError(f"req_to_token must be int64 [slots, max_ctx], got {req_to_token.dtype}")
+    if ratio < 1:
+        raise ValueError(f"ratio must be >= 1, got {ratio}")
+    if out is None:
+        out = torch.empty((tokens, head_dim), dtype=kv.dtype, device=kv.device)
+    if out_slots is None:
+        out_slots = torch.empty((tokens,), dtype=torch.int64, device=kv.device)
+    if out.shape != (tokens, head_dim) or out.dtype != kv.dtype or out.stride(-1) != 1:
+        raise ValueError(f"out must be [{tokens}, {head_dim}] {kv.dtype} with unit channel "
+                         f"stride, got {out.dtype} {tuple(out.shape)}")
+    if out_slots.shape != (tokens,) or out_slots.dtype != torch.int64 or (
+            not out_slots.is_contiguous()):
+        raise ValueError(f"out_slots must be contiguous int64 [{tokens}], got "
+                         f"{out_slots.dtype} {tuple(out_slots.shape)}")
+    if tokens == 0:
+        return PooledEntries(out, out_slots)
+    for name, t in (("kv", kv), ("score", score), ("req_to_token", req_to_token)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
+    if not (position_bias.is_contiguous() and norm_weight.is_contiguous()):
+        raise ValueError("position_bias and norm_weight must be contiguous")
+    span = 2 * ratio if overlap else ratio
+    block_d = triton.next_power_of_2(head_dim)
+    _compressor_pool_kernel[(tokens,)](
+        kv, score, state_kv, state_score, position_bias, norm_weight,
+        positions, token_slot, token_prefix, req_to_token, out, out_slots,
+        head_dim, ratio, state_kv.shape[1], eps,
+        kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
+        state_score.stride(0), state_score.stride(1), position_bias.stride(0),
+        req_to_token.stride(0), out.stride(0),
+        SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
+        BLOCK_D=block_d,
+        SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
+    )
+    return PooledEntries(out, out_slots)

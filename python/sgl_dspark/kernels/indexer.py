@@ -1,0 +1,203 @@
+"""Lightning-indexer logits over a variable context (deepseek_v4_model.md §5.5; kernels.md K11).
+
+For token t (position p, request slot r) and compressed entry n of its request:
+    score[t, n] = sum_h w[t, h] * relu(qi[t, h] . K[n]) * Di**-0.5     for n < visible = (p+1) // m
+    score[t, n] = -inf                                                  for n >= visible
+where K[n] = index_keys[req_to_token[r, n * m] // m] (the page table maps the block's first token
+to its slot; entry slots are token slots // m, as `entry_slots` of the compressor computes them).
+The output width n_max is a host int (context capacity // m), so the launch shape is static and
+the launcher is CUDA-graph safe: nothing is read back from the device.
+
+Schedule ("varctx"): one program per (token, chunk of BLOCK_N entries). A chunk that starts at or
+beyond the token's visible count writes -inf and returns before loading any key, so the work
+follows each token's real context, not n_max.
+
+Exactness: X2 (tolerance). Products of bf16/fp16 inputs are exact in fp32 and everything is
+accumulated in fp32 (fp32 inputs use an IEEE fp32 dot, never TF32), as in the reference; only the
+order of the Di-long dot products and of the Hi-long head sum differs, so fp32 scores agree to a
+few ulp of the largest term (relative ~1e-6). The -inf pattern is exact.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
+
+
+def indexer_logits_ref(
+    qi: torch.Tensor,
+    weights: torch.Tensor,
+    index_keys: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    n_max: int,
+) -> torch.Tensor:
+    """Reference (plain torch, the math of `Indexer.select` before its top-k).
+
+    Args:
+        qi: [T, Hi, Di] rotated index queries (bf16/fp16/fp32).
+        weights: [T, Hi] fp32 head weights, already multiplied by Hi**-0.5.
+        index_keys: [num_entry_slots, Di] index keys of the layer (qi's dtype).
+        positions: [T] int position of each token.
+        token_slot: [T] int request slot (row of req_to_token) of each token.
+        req_to_token: [slots, max_ctx] int token slot of (request slot, position).
+        ratio: compression ratio m (entry n covers positions [n*m, (n+1)*m)).
+        n_max: output width (number of entry columns).
+    Returns:
+        [T, n_max] fp32 scores, -inf where n >= (positions + 1) // ratio.
+    """
+    head_dim = qi.shape[-1]
+    cols = torch.arange(n_max, device=positions.device) * ratio
+    cols = cols.clamp(max=req_to_token.shape[1] - 1)
+    slots = req_to_token[token_slot[:, None], cols[None, :]] // ratio          # [T, N]
+    keys = index_keys[slots]                                                   # [T, N, Di]
+    scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
+    scores = torch.relu(scores) * head_dim**-0.5
+    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)                       # [T, N]
+    visible = (positions + 1) // ratio
+    entry_ids = torch.arange(n_max, device=positions.device)
+    return scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
+
+
+@triton.jit
+def _indexer_logits_kernel(
+    q_ptr,
+    w_ptr,
+    keys_ptr,
+    pos_ptr,
+    slot_ptr,
+    table_ptr,
+    out_ptr,
+    num_heads,
+    head_dim,
+    n_max,
+    ratio,
+    table_width,
+    scale,
+    q_stride_t,
+    q_stride_h,
+    w_stride_t,
+    keys_stride,
+    table_stride,
+    out_stride_t,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    first = tl.program_id(1) * BLOCK_N
+    cols = first + tl.arange(0, BLOCK_N)
+    in_row = cols < n_max
+    out_row = out_ptr + token * out_stride_t + cols
+    visible = (tl.load(pos_ptr + token) + 1) // ratio
+    if first >= visible:
+        # The whole chunk lies beyond the token's context: no key is loaded.
+        tl.store(out_row, tl.full((BLOCK_N,), float("-inf"), tl.float32), mask=in_row)
+        return
+
+    seen = in_row & (cols < visible)
+    req = tl.load(slot_ptr + token)
+    block_start = tl.minimum(cols.to(tl.int64) * ratio, table_width - 1)
+    tok = tl.load(table_ptr + req * table_stride + block_start, mask=seen, other=0)
+    entry = tok // ratio
+
+    dims = tl.arange(0, BLOCK_D)
+    in_dim = dims < head_dim
+    keys = tl.load(keys_ptr + entry[:, None] * keys_stride + dims[None, :],
+                   mask=seen[:, None] & in_dim[None, :], other=0.0)            # [BLOCK_N, BLOCK_D]
+    heads = tl.arange(0, BLOCK_H)
+    in_head = heads < num_heads
+    q = tl.load(q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
+                mask=in_head[:, None] & in_dim[None, :], other=0.0)           # [BLOCK_H, BLOCK_D]
+    # Pad heads have q = 0 and w = 0, so they add exact zeros to the head sum.
+    w = tl.load(w_ptr + token * w_stride_t + heads, mask=in_head, other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        keys = keys.to(tl.float32)
+    dots = tl.dot(q, tl.trans(keys), input_precision="ieee")                 # [BLOCK_H, BLOCK_N]
+    per_head = tl.maximum(dots, 0.0) * scale
+    score = tl.sum(per_head * w[:, None], axis=0)
+    tl.store(out_row, tl.where(seen, score, float("-inf")), mask=in_row)
+
+
+def indexer_logits(
+    qi: torch.Tensor,
+    weights: torch.Tensor,
+    index_keys: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    n_max: int,
+    *,
+    out: torch.Tensor | None = None,
+    block_n: int = 64,
+) -> torch.Tensor:
+    """Indexer scores of every token against its request's compressed entries, one launch.
+
+    Args:
+        qi: [T, Hi, Di] bf16/fp16/fp32, unit stride along Di (token/head strides free).
+        weights: [T, Hi] fp32, unit stride along Hi; already scaled by Hi**-0.5.
+        index_keys: [num_entry_slots, Di] of qi's dtype, unit stride along Di.
+        positions, token_slot: [T] int64 (contiguous).
+        req_to_token: [slots, max_ctx] int64, unit stride along max_ctx.
+        ratio: m >= 1; n_max >= 0: host ints (the launch shape depends only on T and n_max).
+        out: optional [T, n_max] fp32 buffer with unit column stride.
+        block_n: entries per program (power of two >= 16).
+    Returns:
+        ``out`` [T, n_max] fp32: the scores of `indexer_logits_ref`, -inf beyond each token's
+        visible entries.
+    """
+    if qi.dim() != 3 or qi.dtype not in _SUPPORTED_DTYPES:
+        raise ValueError(f"qi must be [T, Hi, Di] bf16/fp16/fp32, got {qi.dtype} {tuple(qi.shape)}")
+    tokens, num_heads, head_dim = qi.shape
+    if weights.shape != (tokens, num_heads) or weights.dtype != torch.float32:
+        raise ValueError(f"weights must be fp32 [{tokens}, {num_heads}], got {weights.dtype} "
+                         f"{tuple(weights.shape)}")
+    if index_keys.dim() != 2 or index_keys.shape[1] != head_dim or index_keys.dtype != qi.dtype:
+        raise ValueError(f"index_keys must be [slots, {head_dim}] {qi.dtype}, got "
+                         f"{index_keys.dtype} {tuple(index_keys.shape)}")
+    for name, t in (("positions", positions), ("token_slot", token_slot)):
+        if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int64:
+        raise ValueError(f"req_to_token must be int64 [slots, max_ctx], got {req_to_token.dtype} "
+                         f"{tuple(req_to_token.shape)}")
+    if ratio < 1 or n_max < 0:
+        raise ValueError(f"ratio must be >= 1 and n_max >= 0, got ratio={ratio} n_max={n_max}")
+    if block_n < _MIN_DOT or block_n & (block_n - 1):
+        raise ValueError(f"block_n must be a power of two >= {_MIN_DOT}, got {block_n}")
+    if out is None:
+        out = torch.empty((tokens, n_max), dtype=torch.float32, device=qi.device)
+    elif out.shape != (tokens, n_max) or out.dtype != torch.float32:
+        raise ValueError(f"out must be fp32 [{tokens}, {n_max}], got {out.dtype} "
+                         f"{tuple(out.shape)}")
+    if tokens == 0 or n_max == 0:
+        return out
+    for name, t in (("qi", qi), ("weights", weights), ("index_keys", index_keys),
+                    ("req_to_token", req_to_token), ("out", out)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
+    block_n = min(block_n, max(_MIN_DOT, triton.next_power_of_2(n_max)))
+    grid = (tokens, triton.cdiv(n_max, block_n))
+    _indexer_logits_kernel[grid](
+        qi, weights, index_keys, positions, token_slot, req_to_token, out,
+        num_heads, head_dim, n_max, ratio, req_to_token.shape[1], head_dim**-0.5,
+        qi.stride(0), qi.stride(1), weights.stride(0), index_keys.stride(0),
+        req_to_token.stride(0), out.stride(0),
+        BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(num_heads)),
+        BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
+        BLOCK_N=block_n,
+        # Widening bf16/fp16 tiles to fp32 changes no value (their products are exact in fp32);
+        # the CPU interpreter needs it because its bf16 tl.dot is wrong (triton 3.6).
+        DOT_FP32=qi.dtype == torch.float32 or qi.device.type == "cpu",
+    )
+    return out

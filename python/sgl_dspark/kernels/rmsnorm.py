@@ -1,0 +1,155 @@
+"""RMSNorm over the last dim in one launch (the chain of ~8 torch kernels of `norm.rms_norm`).
+
+Two variants, as in DeepSeek-V4 (deepseek_v4_model.md §0), with different rounding points:
+    weighted:   y = dtype( w_f32 * (x_f32 * rstd) )           rstd = 1 / sqrt(mean(x_f32^2) + eps)
+    weightless: y = dtype( x_f32 * dtype(rstd) )              (HF's UnweightedRMSNorm: rstd is cast
+                                                               to x's dtype before the multiply)
+
+Exactness: X2 (kernels.md §0.3). The kernel sums squares in a tree fixed by the row width N (the
+block shape and warp count depend on N only, never on the row count, so a row's result does not
+depend on the batch it is in), while torch's `mean` uses its own order. The rsqrt is `tl.rsqrt`
+(the hardware approximation on GPU, as torch's CUDA rsqrt; numpy's `1 / sqrt` in the interpreter,
+where torch's CPU rsqrt differs in the last bit for ~15% of inputs). Given the same rstd, every
+later step equals torch bit for bit: products are separate fp32 roundings (FMA contraction is
+disabled) and bf16 results are rounded to nearest-even on the bits (the interpreter's own
+fp32 -> bf16 cast truncates, §0.4). So outputs differ from the reference by at most one or two
+units in the last place of x's dtype, and only where rstd's last bits differ (fp32: a few ulps;
+bf16/fp16: well under 1% of elements in tests).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+_SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+# The whole row lives in registers (one load, one store); 16384 fp32 values over 16 warps is 32
+# registers a thread, the most we allow. DeepSeek-V4's widest norm is the hidden size (4096).
+MAX_N = 16384
+# Elements of x one program handles: small rows (per-head norms) are packed several per program.
+_TILE = 4096
+
+
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """Reference (the spec): RMSNorm over the last dim of x, math in fp32.
+
+    x: [..., N] fp32/bf16/fp16. weight: [N] (any float dtype) or None.
+    Weighted: `(w_f32 * (x_f32 * rsqrt(mean(x_f32^2) + eps))).to(x.dtype)`.
+    Weightless: `x * rsqrt(mean(x_f32^2) + eps).to(x.dtype)` (rstd rounded to x's dtype first).
+    Returns a tensor of x's shape and dtype.
+    """
+    if weight is None:
+        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
+        return x * rstd.to(x.dtype)
+    xf = x.float()
+    normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (weight.float() * normed).to(x.dtype)
+
+
+@triton.jit
+def _round_to_dtype(v, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr):
+    """fp32 -> the nearest-even value of the storage dtype, kept in fp32 (exact on store)."""
+    if IS_BF16:
+        # On the bits: portable, and the interpreter's own fp32 -> bf16 cast truncates.
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+    elif IS_FP16:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    n_rows,
+    eps,
+    N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    IS_BF16: tl.constexpr,
+    IS_FP16: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    col_mask = cols < N
+    mask = (rows < n_rows)[:, None] & col_mask[None, :]
+    offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+    # Masked columns load 0 and add nothing; the tree over BLOCK_N depends on N only.
+    mean_sq = tl.div_rn(tl.sum(x * x, axis=1), N * 1.0)
+    rstd = tl.rsqrt(mean_sq + eps)[:, None]
+    if HAS_WEIGHT:
+        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
+        y = w * (x * rstd)
+    else:
+        y = x * _round_to_dtype(rstd, IS_BF16, IS_FP16)
+    y = _round_to_dtype(y, IS_BF16, IS_FP16)
+    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch_shape(n: int) -> tuple[int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps) from the row width only, so results are batch invariant."""
+    block_n = triton.next_power_of_2(n)
+    block_m = max(1, _TILE // block_n)
+    num_warps = min(16, max(4, block_m * block_n // 1024))
+    return block_m, block_n, num_warps
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """RMSNorm over the last dim of a contiguous `[..., N]` tensor, in one launch (X2, see module).
+
+    Args:
+        x: contiguous [..., N] fp32/bf16/fp16, 1 <= N <= MAX_N (any N, not only powers of two);
+            rows = the product of the leading dims.
+        weight: [N] contiguous float tensor on x's device (weighted variant), or None
+            (weightless: rstd rounded to x's dtype before the multiply).
+        eps: added to the mean square.
+        out: optional contiguous buffer of x's shape and dtype (may be x itself: each program
+            reads its rows completely before writing them).
+    Returns:
+        `out` (allocated when None). Empty inputs return before any launch. No host sync, so the
+        call can be captured in a CUDA graph.
+    """
+    if x.dtype not in _SUPPORTED_DTYPES or x.dim() < 1:
+        raise ValueError(f"x must be [..., N] fp32/bf16/fp16, got {x.dtype} {tuple(x.shape)}")
+    if not x.is_contiguous():
+        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
+    n = x.shape[-1]
+    if weight is not None:
+        if weight.shape != (n,) or not weight.is_floating_point() or weight.stride(0) != 1:
+            raise ValueError(f"weight must be a contiguous float [{n}], got {weight.dtype} "
+                             f"{tuple(weight.shape)} strides {weight.stride()}")
+        if weight.device != x.device:
+            raise ValueError(f"weight is on {weight.device}, x on {x.device}")
+    if out is None:
+        out = torch.empty_like(x)
+    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or (
+        out.device != x.device
+    ):
+        raise ValueError(f"out must be a contiguous {x.dtype} {tuple(x.shape)} on {x.device}, "
+                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+    if x.numel() == 0:
+        return out
+    if n > MAX_N:
+        raise ValueError(f"rms_norm supports rows of at most {MAX_N} elements, got N={n}")
+    n_rows = x.numel() // n
+    block_m, block_n, num_warps = _launch_shape(n)
+    grid = (triton.cdiv(n_rows, block_m),)
+    _rms_norm_kernel[grid](
+        x, x if weight is None else weight, out, n_rows, float(eps),
+        N=n, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=weight is not None,
+        IS_BF16=x.dtype == torch.bfloat16, IS_FP16=x.dtype == torch.float16,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )
+    return out

@@ -1,0 +1,31 @@
+"""Attention backend on the Triton window + sparse-entry kernel (`sgl_dspark.kernels`)."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
+
+
+class TritonAttentionBackend(BaseAttentionBackend):
+    """Same math as `TorchAttentionBackend` in one kernel launch (two for small batches, whose
+    key range is split across programs and merged); no host sync, so it can run inside a captured
+    CUDA graph. Numerics: X2 against the torch backend (fp32 online softmax, reordered sums).
+    """
+
+    def __init__(self) -> None:
+        # Imported here, as the other layers do, so that importing the registry (every process,
+        # `--help`) does not import triton and define kernels.
+        from sgl_dspark.kernels import window_sparse_attention
+
+        self._attention = window_sparse_attention
+
+    def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
+                sinks: torch.Tensor, window: int, scale: float,
+                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None) -> torch.Tensor:
+        token_slot = batch.token_slots()
+        return self._attention(
+            q, window_kv, batch.positions, token_slot, batch.req_to_token, window, sinks, scale,
+            extra_kv, extra_valid,
+        )

@@ -1,0 +1,287 @@
+"""CUDA-graph runner for the target model (style R23; dspark.md §4).
+
+Captured at startup, largest batch first, into one shared memory pool:
+
+* decode graphs, one per batch-size bucket (1 token per request);
+* verify graphs, one per (bucket, W) for the verify widths the DSpark policy may choose: every
+  request of a replayed batch has exactly W rows (the worker rounds a step's width up to a
+  captured one; rows beyond a request's own verify length are computed but never accepted, and
+  their KV is position-addressed state that the real tokens overwrite later).
+
+A replay copies the batch's device tensors into static buffers and pads the batch to the bucket
+with dummy requests: request slot 0 and token slot 0 (both reserved for padding by the pools),
+position 0, so every write of a padding row lands in dummy state. The graph's batch sees the
+static context capacity as `max_seq_len`, so its gather widths never depend on the batch.
+Nothing in a replay reads device values on the host.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import torch
+
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.model_executor.model_runner import ModelRunner
+    from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
+
+logger = logging.getLogger(__name__)
+
+# SGLang-like buckets: dense at small sizes, where padding costs most relative to the batch.
+_BS_BUCKETS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64, 80, 96, 112, 128, 160, 192, 224, 256)
+
+
+def graph_batch_sizes(max_bs: int) -> list[int]:
+    """Captured batch sizes: the buckets below `max_bs`, and `max_bs` itself."""
+    if max_bs < 1:
+        raise ValueError(f"--cuda-graph-max-bs must be >= 1 to capture graphs, got {max_bs}")
+    return [b for b in _BS_BUCKETS if b < max_bs] + [max_bs]
+
+
+class Graph(Protocol):
+    """One captured region: `capture(fn)` runs fn once under capture and returns its outputs;
+    `replay()` re-runs the region, rewriting those same output tensors."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any: ...
+
+    def replay(self) -> None: ...
+
+
+class CudaGraph:
+    def __init__(self, pool: Any, stream: torch.cuda.Stream) -> None:
+        self.pool, self.stream = pool, stream
+        self.graph = torch.cuda.CUDAGraph()
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class EagerGraph:
+    """Stand-in with CUDA-graph semantics for CPU tests of the padding and buffer logic: replay
+    re-runs the function and copies its results into the tensors the capture returned."""
+
+    def capture(self, fn: Callable[[], Any]) -> Any:
+        self.fn = fn
+        self.out = fn()
+        return self.out
+
+    def replay(self) -> None:
+        copy_outputs(self.fn(), self.out)
+
+
+def copy_outputs(src: Any, dst: Any) -> None:
+    if isinstance(dst, torch.Tensor):
+        dst.copy_(src)
+    elif isinstance(dst, dict):
+        for k in dst:
+            copy_outputs(src[k], dst[k])
+    elif isinstance(dst, (tuple, list)):
+        for s, d in zip(src, dst):
+            copy_outputs(s, d)
+    elif dst is not None:
+        for name in vars(dst):
+            copy_outputs(getattr(src, name), getattr(dst, name))
+
+
+def make_graph_factory(device: torch.device) -> Callable[[], Graph]:
+    """Real CUDA graphs sharing one memory pool on CUDA; the eager stand-in elsewhere."""
+    if device.type != "cuda":
+        return EagerGraph
+    pool = torch.cuda.graph_pool_handle()
+    stream = torch.cuda.Stream(device)
+    return lambda: CudaGraph(pool, stream)
+
+
+def warm_up(fn: Callable[[], Any], device: torch.device, iters: int = 2) -> None:
+    """Run fn before capture (Triton compilation, cuBLAS workspaces) on a side stream."""
+    if device.type != "cuda":
+        return
+    side = torch.cuda.Stream(device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        for _ in range(iters):
+            fn()
+    torch.cuda.current_stream(device).wait_stream(side)
+    torch.cuda.synchronize(device)
+
+
+class CudaGraphRunner:
+    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int], widths: Sequence[int],
+                 tap_layers: tuple[int, ...] = (),
+                 graph_factory: Callable[[], Graph] | None = None) -> None:
+        self.runner = runner
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.widths = sorted(set(widths))
+        if self.widths[0] < 1 or self.widths[-1] > runner.rc.max_verify_tokens:
+            raise ValueError(f"captured verify widths {self.widths} must lie in "
+                             f"[1, max_verify_tokens={runner.rc.max_verify_tokens}]")
+        if self.batch_sizes[-1] > runner.req_pool.size - 1:
+            raise ValueError(f"--cuda-graph-max-bs {self.batch_sizes[-1]} exceeds "
+                             f"--max-running-requests {runner.req_pool.size - 1}")
+        self.tap_layers = tap_layers
+        self.max_bs = self.batch_sizes[-1]
+        dev = runner.device
+        tokens = self.max_bs * self.widths[-1]
+
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=dev)
+
+        self.input_ids, self.positions, self.out_cache_loc = zeros(tokens), zeros(tokens), zeros(tokens)
+        self.req_pool_indices, self.prefix_lens = zeros(self.max_bs), zeros(self.max_bs)
+        self.seq_lens = zeros(self.max_bs)
+        self.rows = torch.arange(tokens, dtype=torch.int64, device=dev)
+        # (graph, its outputs, its static batch): the batch holds tensors made outside the
+        # capture (token_req) that the graph reads, so it must live as long as the graph.
+        self._graphs: dict[tuple[int, int], tuple[Graph, ModelOutput, ForwardBatch]] = {}
+        factory = graph_factory or make_graph_factory(dev)
+        t0 = time.perf_counter()
+        mem0 = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+        for bs in reversed(self.batch_sizes):
+            for w in self.widths:
+                self._capture(bs, w, factory())
+        mem = (mem0 - torch.cuda.mem_get_info(dev)[0]) / 2**20 if dev.type == "cuda" else 0.0
+        logger.info("Captured %d target graphs (bs %s x widths %s) in %.1f s, %.0f MiB",
+                    len(self._graphs), self.batch_sizes, self.widths, time.perf_counter() - t0, mem)
+
+    # ---- capture -------------------------------------------------------------------------
+    def _static_batch(self, bs: int, w: int) -> ForwardBatch:
+        n = bs * w
+        return ForwardBatch(
+            mode=ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY,
+            input_ids=self.input_ids[:n], positions=self.positions[:n],
+            token_req=self.rows[:n] // w, out_cache_loc=self.out_cache_loc[:n],
+            req_pool_indices=self.req_pool_indices[:bs], prefix_lens=self.prefix_lens[:bs],
+            seq_lens=self.seq_lens[:bs], logits_indices=self.rows[:n],
+            req_to_token=self.runner.req_pool.req_to_token,
+            max_seq_len=self.runner.req_pool.max_context_len,
+            extend_lens_cpu=(w,) * bs, prefix_lens_cpu=(0,) * bs)
+
+    def _capture(self, bs: int, w: int, graph: Graph) -> None:
+        batch = self._static_batch(bs, w)
+        self._pad(0, bs, w)
+        runner = self.runner
+
+        def run() -> ModelOutput:
+            return runner.model(batch, runner.kv_pool, runner.attn_backend, self.tap_layers)
+
+        with torch.inference_mode():
+            warm_up(run, runner.device)
+            out = graph.capture(run)
+        self._graphs[(bs, w)] = (graph, out, batch)
+
+    def _pad(self, first_req: int, bs: int, w: int) -> None:
+        """Requests first_req..bs-1 become dummies (slot 0, position 0, token slot 0)."""
+        a, b = first_req * w, bs * w
+        self.input_ids[a:b] = 0
+        self.positions[a:b] = 0
+        self.out_cache_loc[a:b] = 0
+        self.req_pool_indices[first_req:bs] = 0
+        self.prefix_lens[first_req:bs] = 0
+        self.seq_lens[first_req:bs] = w
+
+    # ---- replay --------------------------------------------------------------------------
+    def width_for(self, width: int) -> int | None:
+        """Smallest captured width >= width (None: wider than every graph)."""
+        return next((w for w in self.widths if w >= width), None)
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= batch_size), None)
+
+    def can_run(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> bool:
+        if batch.mode is ForwardMode.EXTEND or not set(tap_layers) <= set(self.tap_layers):
+            return False
+        lens = batch.extend_lens_cpu
+        w = lens[0]
+        return (all(n == w for n in lens) and w in self.widths
+                and self.bucket_for(len(lens)) is not None
+                and batch.logits_indices.shape[0] == batch.num_tokens)
+
+    def replay(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
+        from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
+
+        B, n = batch.batch_size, batch.num_tokens
+        w = n // B
+        bs = self.bucket_for(B)
+        assert bs is not None and (bs, w) in self._graphs, (B, w)
+        self.input_ids[:n].copy_(batch.input_ids)
+        self.positions[:n].copy_(batch.positions)
+        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
+        self.req_pool_indices[:B].copy_(batch.req_pool_indices)
+        self.prefix_lens[:B].copy_(batch.prefix_lens)
+        self.seq_lens[:B].copy_(batch.seq_lens)
+        if bs > B:
+            self._pad(B, bs, w)
+        graph, out, _ = self._graphs[(bs, w)]
+        graph.replay()
+        return ModelOutput(logits=out.logits[:n],
+                           hidden_taps={k: out.hidden_taps[k][:n] for k in tap_layers})
+
+
+def _slice_rows(x: Any, n: int) -> Any:
+    """Rows [:n] of every tensor in a (named) tuple / dict tree; other leaves unchanged."""
+    if isinstance(x, torch.Tensor):
+        return x[:n]
+    if isinstance(x, dict):
+        return {k: _slice_rows(v, n) for k, v in x.items()}
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*(_slice_rows(v, n) for v in x))
+    if isinstance(x, (tuple, list)):
+        return type(x)(_slice_rows(v, n) for v in x)
+    return x
+
+
+class BatchGraphs:
+    """Graphs of a batch-first function `fn(*inputs)` per batch-size bucket (the DSpark draft).
+
+    `pad_values[i]` fills row b >= B of input i for a batch of B rows padded to its bucket; the
+    outputs (tensors with the batch in dim 0, in any tuple/dict tree) are returned as rows [:B].
+    """
+
+    def __init__(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor],
+                 pad_values: Sequence[float | int | bool], batch_sizes: Sequence[int],
+                 device: torch.device, graph_factory: Callable[[], Graph] | None = None,
+                 name: str = "graphs") -> None:
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.max_bs = self.batch_sizes[-1]
+        self.pad_values = tuple(pad_values)
+        self.static = [torch.empty((self.max_bs, *x.shape[1:]), dtype=x.dtype, device=device)
+                       for x in example_inputs]
+        self._graphs: dict[int, tuple[Graph, Any]] = {}
+        factory = graph_factory or make_graph_factory(device)
+        t0 = time.perf_counter()
+        for buf, v in zip(self.static, self.pad_values):
+            buf.fill_(v)
+        for bs in reversed(self.batch_sizes):
+            run = functools.partial(fn, *(buf[:bs] for buf in self.static))
+            graph = factory()
+            with torch.inference_mode():
+                warm_up(run, device)
+                out = graph.capture(run)
+            self._graphs[bs] = (graph, out)
+        logger.info("Captured %d %s (bs %s) in %.1f s", len(self._graphs), name,
+                    self.batch_sizes, time.perf_counter() - t0)
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= batch_size), None)
+
+    def replay(self, *inputs: torch.Tensor) -> Any:
+        B = inputs[0].shape[0]
+        bs = self.bucket_for(B)
+        assert bs is not None, B
+        for buf, x, v in zip(self.static, inputs, self.pad_values):
+            buf[:B].copy_(x)
+            if bs > B:
+                buf[B:bs].fill_(v)
+        graph, out = self._graphs[bs]
+        graph.replay()
+        return _slice_rows(out, B)

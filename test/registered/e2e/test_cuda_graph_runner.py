@@ -1,0 +1,172 @@
+"""CUDA-graph runner (issue 7): graphed decode/verify/draft steps produce the same greedy tokens as
+eager steps. On CPU the graphs are `EagerGraph` stand-ins with CUDA-graph buffer semantics (the
+capture's output tensors are rewritten by every replay), which checks the static buffers, the
+padding to batch buckets with dummy requests, the uniform verify widths and the draft-graph
+slicing. On a GPU the same comparisons run with real CUDA graphs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark import Engine
+from sgl_dspark.srt.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    EagerGraph,
+    graph_batch_sizes,
+)
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from spec_utils import POLICIES, policy_kwargs, write_policy_tables
+
+N_PROMPTS = 7
+
+
+class CountingGraph(EagerGraph):
+    replays = 0
+
+    def replay(self) -> None:
+        CountingGraph.replays += 1
+        super().replay()
+
+
+def _requests(vocab: int = 263):
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(7, vocab, (int(torch.randint(1, 30, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(N_PROMPTS)]
+    # different lengths: the running batch shrinks through several buckets (padding rows)
+    params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 6 + 5 * i}
+              for i in range(N_PROMPTS)]
+    return prompts, params
+
+
+def _generate(graph_bs: int | None, **kw) -> tuple[list[list[int]], Engine]:
+    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
+                    max_running_requests=N_PROMPTS, **kw)
+    if graph_bs is not None:
+        spec = engine.scheduler.spec
+        widths = spec.graph_verify_widths() if spec else (1,)
+        taps = spec.tap_layers if spec else ()
+        engine.runner.init_cuda_graphs(graph_bs, widths, taps, graph_factory=CountingGraph)
+        if spec is not None:
+            spec.init_cuda_graphs(graph_bs, graph_factory=CountingGraph)
+    prompts, params = _requests()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    pages = engine.runner.allocator
+    assert pages.num_free_pages == pages.num_usable_pages
+    return [o["output_ids"] for o in outs], engine
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return _generate(None)[0]
+
+
+def test_graph_batch_sizes():
+    assert graph_batch_sizes(1) == [1]
+    assert graph_batch_sizes(5) == [1, 2, 4, 5]
+    assert graph_batch_sizes(32)[-3:] == [16, 24, 32]
+    with pytest.raises(ValueError, match="cuda-graph-max-bs"):
+        graph_batch_sizes(0)
+
+
+def test_decode_graphs_equal_eager(reference):
+    CountingGraph.replays = 0
+    got, engine = _generate(4)   # batches of 5..7 run eagerly, 1..4 replay padded buckets
+    assert got == reference
+    assert CountingGraph.replays > 0
+
+
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
+    kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": gamma,
+          **policy_kwargs(policy, write_policy_tables(str(tmp_path), gamma))}
+    CountingGraph.replays = 0
+    got, engine = _generate(6, **kw)   # 7 requests: eager until one finishes
+    assert got == reference
+    spec = engine.scheduler.spec
+    assert spec.draft_graphs is not None and CountingGraph.replays > 0
+    if policy.startswith("confidence"):
+        assert spec.graph_verify_widths() == tuple(range(1, gamma + 2))
+
+
+def _tiny_runner_batch(engine: Engine, mode: ForwardMode, lens: list[int]) -> ForwardBatch:
+    pool = engine.runner.req_pool
+    slots = [pool.alloc_slot() for _ in lens]
+    for s, n in zip(slots, lens):
+        pool.reserve(s, 8 + n)
+    return ForwardBatch.build(mode, [[5] * n for n in lens], [8] * len(lens), slots,
+                              pool.req_to_token, logits_rows="all")
+
+
+def test_can_run_only_uniform_captured_shapes():
+    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=64,
+                    max_running_requests=16)
+    runner = engine.runner
+    graphs = CudaGraphRunner(runner, [1, 2], [1, 3], tap_layers=(1,), graph_factory=EagerGraph)
+    assert graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1, 1]), ())
+    assert graphs.can_run(_tiny_runner_batch(engine, ForwardMode.VERIFY, [3]), (1,))
+    assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.EXTEND, [1]), ())
+    assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.VERIFY, [3, 2]), ())
+    assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.VERIFY, [2]), ())
+    assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1]), (0,))
+    assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1, 1, 1]), ())
+    assert graphs.width_for(2) == 3 and graphs.width_for(4) is None
+    with pytest.raises(ValueError, match="max_verify_tokens"):
+        CudaGraphRunner(runner, [1], [runner.rc.max_verify_tokens + 1], graph_factory=EagerGraph)
+    with pytest.raises(ValueError, match="max-running-requests"):
+        CudaGraphRunner(runner, [17], [1], graph_factory=EagerGraph)
+
+
+# ---- real CUDA graphs ------------------------------------------------------------------------
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def _cuda_generate(**kw) -> list[list[int]]:
+    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
+                    max_running_requests=N_PROMPTS, device="cuda", dtype="float32",
+                    kernel_backend="triton", **kw)
+    prompts, params = _requests()
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
+
+
+@cuda_only
+@pytest.mark.parametrize("spec", [None, ("full", 7), ("full", 3), ("static_table", 5),
+                                  ("static_online", 4), ("confidence_sync", 3),
+                                  ("confidence_async", 7), ("bs1_runtime", 3)])
+def test_cuda_graphs_equal_eager_and_cpu(reference, tmp_path, spec):
+    kw: dict = {}
+    if spec is not None:
+        policy = "full" if spec[0] == "bs1_runtime" else spec[0]
+        kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": spec[1],
+              **policy_kwargs(policy, write_policy_tables(str(tmp_path), spec[1]))}
+        if spec[0] == "bs1_runtime":
+            kw["speculative_dspark_bs1_block_size"] = 7
+    graphed = _cuda_generate(cuda_graph_max_bs=6, **kw)
+    eager = _cuda_generate(disable_cuda_graph=True, **kw)
+    assert graphed == eager
+    assert graphed == reference
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
+    """Single-request steps draft their own block size (the bs1 runtime) and verify its full
+    window; the last request decodes alone, so both runtimes run."""
+    from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
+
+    used: list[tuple[int, int]] = []
+    real = DSparkWorker.propose
+
+    def spy(self, reqs, *args):
+        used.append((len(reqs), args[-1]))
+        return real(self, reqs, *args)
+
+    monkeypatch.setattr(DSparkWorker, "propose", spy)
+    kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": 2,
+          "speculative_dspark_bs1_block_size": 5}
+    got, engine = _generate(6 if graphs else None, **kw)
+    assert got == reference
+    assert (1, 5) in used and any(b > 1 and g == 2 for b, g in used)
+    assert all(g == (5 if b == 1 else 2) for b, g in used)
+    if graphs:
+        assert engine.scheduler.spec.draft_graphs_bs1 is not None
+        assert 6 in engine.scheduler.spec.graph_verify_widths()

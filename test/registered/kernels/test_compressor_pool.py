@@ -1,0 +1,142 @@
+"""Decode/verify block pooling of the CSA/HCA compressors: the Triton launcher vs its reference.
+
+X2: the kernel rounds to the kv dtype at every point the torch chain does (bias, logits, softmax
+weights, products, span sum, normed output; bf16 on the bits), so what remains is the exp lowering
+and the order of three fp32 sums (softmax denominator, span sum, mean of squares): fp32 agrees to
+~1e-6 relative; in bf16 a value that lands at a rounding boundary may round the other way, which
+the norm can spread to at most ~2 ulps (same for fp16). Entry slots are exact.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _inputs(prefix_lens, extends, head_dim, ratio, overlap, dtype, seed, max_verify=8, page=16):
+    """A decode/verify forward over random pages, with state rings as the runtime leaves them:
+    ring rows of positions [prefix - R, prefix) hold earlier rows; every other ring row (stale,
+    or never written because the request is young) is NaN, so reading one would show."""
+    gen = torch.Generator().manual_seed(seed)
+    width = 2 * head_dim if overlap else head_dim
+    span = 2 * ratio if overlap else ratio
+    ring = _next_pow2(span + max_verify)
+    seq_lens = [p + n for p, n in zip(prefix_lens, extends)]
+    max_ctx = -(-max(seq_lens) // page) * page
+    num_reqs = len(seq_lens)
+    table = torch.zeros(num_reqs + 2, max_ctx, dtype=torch.int64)
+    pages = (torch.randperm(num_reqs * max_ctx // page, generator=gen) + 1).view(num_reqs, -1)
+    req_slots = (torch.randperm(num_reqs + 1, generator=gen) + 1)[:num_reqs]
+    state_kv = torch.full((num_reqs + 2, ring, width), float("nan"))
+    state_score = torch.full((num_reqs + 2, ring, width), float("nan"))
+    positions, token_slot, token_prefix = [], [], []
+    for r, (prefix, ext) in enumerate(zip(prefix_lens, extends)):
+        slot = int(req_slots[r])
+        table[slot] = (pages[r][:, None] * page + torch.arange(page)).flatten()
+        for q in range(max(0, prefix - ring), prefix):
+            state_kv[slot, q % ring] = torch.randn(width, generator=gen)
+            state_score[slot, q % ring] = torch.randn(width, generator=gen) * 2
+        positions += list(range(prefix, prefix + ext))
+        token_slot += [slot] * ext
+        token_prefix += [prefix] * ext
+    tokens = len(positions)
+    tensors = dict(
+        kv=torch.randn(tokens, width, generator=gen),
+        score=torch.randn(tokens, width, generator=gen) * 2,
+        state_kv=state_kv, state_score=state_score,
+        position_bias=torch.randn(ratio, width, generator=gen) * 0.5,
+        norm_weight=1 + 0.1 * torch.randn(head_dim, generator=gen),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        token_slot=torch.tensor(token_slot, dtype=torch.int64),
+        token_prefix=torch.tensor(token_prefix, dtype=torch.int64), req_to_token=table,
+    )
+    for name in ("kv", "score", "state_kv", "state_score"):
+        tensors[name] = tensors[name].to(dtype)
+    return {**{k: v.to(DEVICE) for k, v in tensors.items()}, "ratio": ratio, "overlap": overlap,
+            "eps": 1e-6}
+
+
+def _check(got, want, dtype: torch.dtype) -> None:
+    assert torch.equal(got.slots, want.slots)
+    assert got.entries.dtype == dtype and got.entries.shape == want.entries.shape
+    assert torch.isfinite(got.entries).all()
+    # fp32: reordered sums; bf16 / fp16: up to ~2 ulps (2**-7 / 2**-10 relative per ulp).
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-6, torch.float16: 2**-9}[dtype]
+    torch.testing.assert_close(got.entries.float(), want.entries.float(), rtol=tol, atol=tol)
+
+
+CASES = [
+    # (prefix_lens, extends, head_dim, ratio, overlap)
+    ([7], [1], 64, 4, True),                          # one decode row that ends a CSA block
+    ([0, 13, 2, 30], [4, 3, 2, 1], 24, 4, True),      # block 0 (absent Ca half), verify rows
+    ([5, 44, 60], [8, 5, 4], 40, 4, True),            # spans reach into the ring
+    ([14, 31, 0], [3, 1, 8], 24, 16, False),          # HCA-like; a request with no ring rows
+    ([10, 3], [6, 7], 20, 3, True),                   # ratio not a power of two
+    ([21, 6], [2, 5], 48, 1, True),                   # ratio 1: every row ends a block
+    ([250], [8], 72, 128, False),                     # m = 128: several span tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_matches_reference(index: int, dtype: torch.dtype) -> None:
+    prefix, extends, head_dim, ratio, overlap = CASES[index]
+    inputs = _inputs(prefix, extends, head_dim, ratio, overlap, dtype, seed=20 + index)
+    want = compressor_pool_ref(**inputs)
+    ends = (inputs["positions"] + 1) % ratio == 0
+    assert ends.any()
+    out = torch.full_like(want.entries, float("nan"))          # poisoned outputs
+    out_slots = torch.full_like(want.slots, -7)
+    got = compressor_pool(**inputs, out=out, out_slots=out_slots)
+    assert got.entries is out and got.slots is out_slots
+    _check(got, want, dtype)
+    assert (got.slots[ends] > 0).all() and (got.slots[~ends] == 0).all()
+    assert (got.entries[~ends] == 0).all() and (got.entries[ends] != 0).any()
+
+
+def test_bias_in_kv_dtype_and_strided_rows() -> None:
+    inputs = _inputs([9, 22], [3, 2], 32, 4, True, torch.bfloat16, seed=3)
+    inputs["position_bias"] = inputs["position_bias"].bfloat16()
+    wide = torch.randn(5, 3 * 64).bfloat16().to(DEVICE)       # kv and score as column slices
+    wide[:, :64], wide[:, 64:128] = inputs["kv"], inputs["score"]
+    inputs["kv"], inputs["score"] = wide[:, :64], wide[:, 64:128]
+    _check(compressor_pool(**inputs), compressor_pool_ref(**inputs), torch.bfloat16)
+
+
+def test_hand_derived_entry() -> None:
+    # HCA, m = 2, Dh = 1: the block ending at position 3 pools positions 2 (ring) and 3 (fresh)
+    # with logits log(1) + 0 and log(3) + 0 -> weights 1/4, 3/4 -> pooled 0.25*4 + 0.75*8 = 7;
+    # RMSNorm of one channel gives sign(7) = 1, times the norm weight 0.5.
+    table = torch.arange(8).view(1, 8) + 8
+    state = torch.zeros(1, 4, 1)
+    state_kv, state_score = state.clone(), state.clone()
+    state_kv[0, 2, 0], state_score[0, 2, 0] = 4.0, 0.0
+    got = compressor_pool(
+        torch.tensor([[8.0]]).to(DEVICE), torch.tensor([[3.0]]).log().to(DEVICE),
+        state_kv.to(DEVICE), state_score.to(DEVICE), torch.zeros(2, 1).to(DEVICE),
+        torch.tensor([0.5]).to(DEVICE), torch.tensor([3]).to(DEVICE),
+        torch.tensor([0]).to(DEVICE), torch.tensor([3]).to(DEVICE), table.to(DEVICE), 2, False,
+        0.0)
+    torch.testing.assert_close(got.entries.cpu(), torch.tensor([[0.5]]), rtol=1e-6, atol=0)
+    assert got.slots.tolist() == [(8 + 2) // 2]
+
+
+def test_empty_and_bad_inputs() -> None:
+    inputs = _inputs([6], [2], 16, 4, True, torch.float32, seed=1)
+    empty = {k: (v[:0] if k in ("kv", "score", "positions", "token_slot", "token_prefix")
+                 else v) for k, v in inputs.items()}
+    got = compressor_pool(**empty)
+    assert got.entries.shape == (0, 16) and got.slots.shape == (0,)
+    with pytest.raises(ValueError, match="kv width"):
+        compressor_pool(**{**inputs, "overlap": False})
+    with pytest.raises(ValueError, match="state_kv"):
+        compressor_pool(**{**inputs, "state_kv": inputs["state_kv"].bfloat16()})

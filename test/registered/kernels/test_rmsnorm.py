@@ -1,0 +1,149 @@
+"""`kernels/rmsnorm.py`: the Triton RMSNorm against its reference, plus the reference against
+float64 maths.
+
+Exactness (X2, see the module docstring): the kernel's mean square is summed in another order
+and its rsqrt may be lowered differently, so rstd can differ from torch's in its last fp32 bits.
+Everything after rstd is reproduced (same rounding points, RNE on the bits for bf16), so:
+  * fp32 outputs agree to rtol 1e-6 (a few fp32 ulps of rstd);
+  * bf16/fp16 outputs agree to two units in the last place (2 * eps of the dtype: one for the
+    output rounding, one for the weightless variant's rstd rounded to x's dtype), AND at least
+    99% of the elements are bit-identical, which a kernel with a wrong rounding point (e.g.
+    rstd not cast to x's dtype first) fails by a wide margin.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.kernels.rmsnorm import MAX_N, rms_norm, rms_norm_ref
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+
+DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+ROWS = (0, 1, 7, 300)
+WIDTHS = (16, 64, 100, 512, 1024, 4096)
+
+
+def _inputs(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, seed: int,
+            weight_dtype: torch.dtype = torch.float32,
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Rows with mixed magnitudes (mean square from ~1e-8, where eps matters, to ~1e4)."""
+    gen = torch.Generator().manual_seed(seed)
+    n = shape[-1]
+    x = torch.randn(shape, generator=gen)
+    if x.numel():
+        rows = x.view(-1, n)
+        rows *= 10.0 ** torch.randint(-4, 3, (rows.shape[0], 1), generator=gen).float()
+    weight = (1 + 0.5 * torch.randn(n, generator=gen)).to(weight_dtype) if weighted else None
+    return x.to(dtype).to(DEVICE), None if weight is None else weight.to(DEVICE)
+
+
+def _poisoned(x: torch.Tensor) -> torch.Tensor:
+    return torch.full_like(x, float("nan"))
+
+
+def _assert_x2_close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert not torch.isnan(got).any()
+    if want.dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-30)
+        return
+    rtol = 2 * torch.finfo(want.dtype).eps
+    torch.testing.assert_close(got.float(), want.float(), rtol=rtol, atol=1e-30)
+    if want.numel():
+        assert (got == want).float().mean().item() >= 0.99
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "weightless"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).split(".")[-1])
+def test_matches_reference_over_rows_and_widths(dtype: torch.dtype, weighted: bool) -> None:
+    for i, (rows, n) in enumerate((r, n) for r in ROWS for n in WIDTHS):
+        x, weight = _inputs((rows, n), dtype, weighted, seed=100 * i + rows)
+        out = _poisoned(x)
+        got = rms_norm(x, weight, 1e-6, out=out)
+        assert got is out
+        _assert_x2_close(got, rms_norm_ref(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weighted", "weightless"])
+@pytest.mark.parametrize("shape", [(5, 16, 64), (3, 4, 512), (2, 3, 1, 100)])
+def test_leading_dims_are_rows(shape: tuple[int, ...], weighted: bool) -> None:
+    """Per-head norms: [T, heads, head_dim] (and deeper) normalise each head separately."""
+    x, weight = _inputs(shape, torch.bfloat16, weighted, seed=sum(shape))
+    got = rms_norm(x, weight, 1e-5)
+    assert got.shape == x.shape
+    _assert_x2_close(got, rms_norm_ref(x, weight, 1e-5))
+    flat = rms_norm(x.reshape(-1, shape[-1]), weight, 1e-5)
+    assert torch.equal(got.reshape(-1, shape[-1]), flat)
+
+
+@pytest.mark.parametrize("weight_dtype", [torch.bfloat16, torch.float16])
+def test_low_precision_weight_with_fp32_activations(weight_dtype: torch.dtype) -> None:
+    x, weight = _inputs((9, 100), torch.float32, True, seed=3, weight_dtype=weight_dtype)
+    _assert_x2_close(rms_norm(x, weight, 1e-6), rms_norm_ref(x, weight, 1e-6))
+
+
+@pytest.mark.parametrize("n", [64, 100, 4096])
+def test_row_result_does_not_depend_on_batch(n: int) -> None:
+    """The block shape depends on N only, so a row gives the same bits alone or in a batch
+    (what lets a CUDA-graph bucket with padding rows match an eager step)."""
+    x, weight = _inputs((37, n), torch.float32, True, seed=n)
+    batch = rms_norm(x, weight, 1e-6)
+    for r in (0, 18, 36):
+        assert torch.equal(rms_norm(x[r:r + 1], weight, 1e-6), batch[r:r + 1])
+    assert torch.equal(rms_norm(x[5:21], weight, 1e-6), batch[5:21])
+
+
+def test_reference_matches_float64_maths() -> None:
+    """The reference itself: RMSNorm computed independently in float64."""
+    x, weight = _inputs((50, 100), torch.float32, True, seed=8)
+    x64, w64 = x.double(), weight.double()
+    want = w64 * x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-6).double(), want, rtol=1e-6,
+                               atol=1e-30)
+    unweighted = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6)
+    torch.testing.assert_close(rms_norm_ref(x, None, 1e-6).double(), unweighted, rtol=1e-6,
+                               atol=1e-30)
+
+
+def test_weightless_rounds_rstd_to_input_dtype() -> None:
+    """Hand-derived: row [3, 4] in bf16 has mean square 12.5, rstd = 1/sqrt(12.5) = 0.28284...,
+    which bf16 rounds to 0.283203125; outputs are bf16(3 * that) and bf16(4 * that). A kernel
+    that multiplied by the fp32 rstd would give bf16(0.848528) = 0.84765625, not 0.8515625."""
+    x = torch.tensor([[3.0, 4.0]], dtype=torch.bfloat16, device=DEVICE)
+    rstd_bf16 = 0.283203125
+    want = torch.tensor([[3 * rstd_bf16, 4 * rstd_bf16]]).to(torch.bfloat16).to(DEVICE)
+    assert want[0, 0].item() == 0.8515625
+    # eps = 1e-6 moves rstd by ~4e-8 relative: far from a bf16 rounding boundary of rstd.
+    got = rms_norm(x, None, 1e-6, out=_poisoned(x))
+    assert torch.equal(got, want)
+    assert torch.equal(rms_norm_ref(x, None, 1e-6), want)
+
+
+def test_in_place_output() -> None:
+    x, weight = _inputs((33, 512), torch.bfloat16, True, seed=4)
+    want = rms_norm(x, weight, 1e-6)
+    got = rms_norm(x, weight, 1e-6, out=x)
+    assert got is x and torch.equal(x, want)
+
+
+def test_empty_inputs_return_without_launch() -> None:
+    for shape in [(0, 64), (0, 4, 512), (3, 0)]:
+        x = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)
+        assert rms_norm(x, None, 1e-6).shape == shape
+
+
+def test_rejects_bad_layouts() -> None:
+    x, weight = _inputs((8, 64), torch.float32, True, seed=5)
+    with pytest.raises(ValueError, match="contiguous"):
+        rms_norm(x.t(), None, 1e-6)
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm(x, weight[:32], 1e-6)
+    with pytest.raises(ValueError, match="out"):
+        rms_norm(x, weight, 1e-6, out=torch.empty_like(x, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="x must be"):
+        rms_norm(x.to(torch.int32), None, 1e-6)
+    with pytest.raises(ValueError, match="at most"):
+        rms_norm(torch.ones(1, MAX_N + 1, device=DEVICE), None, 1e-6)

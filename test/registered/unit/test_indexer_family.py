@@ -1,0 +1,200 @@
+"""The "indexer" kernel family wired into the model: what each choice binds, the runtime torch
+math against the kernels' references (bit for bit: the references are the spec of the torch
+path), and the tiny model end to end (`indexer=triton` gives torch's greedy tokens over decode
+steps that cross many CSA (m=4) and several HCA (m=16) block boundaries).
+
+The Triton pieces are X2 (fp32 sums in another order, see test_indexer.py and
+test_compressor_pool.py), so the end-to-end check compares greedy tokens plus a loose logit bound.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
+from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
+from sgl_dspark.srt.layers.attention.compressor import (
+    BlockCompressor,
+    decode_pool_impl,
+    indexer_scores_impl,
+    indexer_scores_torch,
+)
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin
+from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
+from sgl_dspark.srt.mem_cache.kv_pool import CompressorState
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
+from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
+pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+TORCH, TRITON = KernelChoice("torch"), KernelChoice("torch", (("indexer", "triton"),))
+
+
+def test_choice_binds_implementations() -> None:
+    assert indexer_scores_impl(TORCH) is indexer_scores_torch
+    assert decode_pool_impl(TORCH) is None
+    assert indexer_scores_impl(TRITON) is indexer_logits
+    assert decode_pool_impl(TRITON) is compressor_pool
+    assert KernelChoice("triton").of("indexer") == "triton"
+    with pytest.raises(ValueError, match="indexer='cuda'"):
+        KernelChoice.parse("torch", "indexer=cuda")
+
+
+def _batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int],
+           gen: torch.Generator) -> ForwardBatch:
+    """Requests in shuffled request slots over scattered pages of a ReqToTokenPool."""
+    allocator = PagedTokenAllocator(num_pages=96, page_size=16)
+    pages = allocator.alloc(allocator.num_free_pages)
+    allocator.free([pages[i] for i in torch.randperm(len(pages), generator=gen)])
+    pool = ReqToTokenPool(max_reqs=8, max_context_len=256, allocator=allocator, device=DEVICE)
+    slots = [pool.alloc_slot() for _ in range(len(prefix_lens) + 2)][2:]
+    for slot, p, n in zip(slots, prefix_lens, extend_lens):
+        pool.reserve(slot, p + n)
+    ids = [[3] * n for n in extend_lens]
+    return ForwardBatch.build(mode, ids, prefix_lens, slots, pool.req_to_token, "all")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_scores_equal_kernel_reference(dtype: torch.dtype) -> None:
+    gen = torch.Generator().manual_seed(7)
+    batch = _batch(ForwardMode.VERIFY, [2, 61, 130], [3, 4, 2], gen)
+    tokens, n_max = batch.num_tokens, batch.max_seq_len // 4
+    qi = torch.randn(tokens, 6, 32, generator=gen).to(dtype).to(DEVICE)
+    w = torch.randn(tokens, 6, generator=gen).to(DEVICE)
+    keys = torch.randn(96 * 16 // 4, 32, generator=gen).to(dtype).to(DEVICE)
+    slot = batch.req_pool_indices[batch.token_req]
+    args = (qi, w, keys, batch.positions, slot, batch.req_to_token, 4, n_max)
+    want = indexer_scores_torch(*args)
+    assert torch.equal(indexer_logits_ref(*args), want)
+    assert torch.isneginf(want).any() and torch.isfinite(want).any()
+
+
+def _compress(comp: BlockCompressor, batch: ForwardBatch, state: CompressorState,
+              entries: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor) -> None:
+    def rope(v: torch.Tensor, positions: torch.Tensor, cache_key: object = None) -> torch.Tensor:
+        return apply_rope_tail(v, *rope_cos_sin(positions, inv_freq))
+
+    comp.compress(x, batch, state, entries, rope)
+
+
+@pytest.mark.parametrize("overlap, ratio", [(True, 4), (False, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressor_decode_branch(overlap: bool, ratio: int, dtype: torch.dtype) -> None:
+    """The torch decode branch equals `compressor_pool_ref` (+ rope) bit for bit on the rows
+    that end a block; the Triton binding writes the same entries within X2 tolerance and leaves
+    the same ring."""
+    gen = torch.Generator().manual_seed(11 + ratio)
+    hidden, head_dim = 48, 32
+    batch = _batch(ForwardMode.VERIFY, [13, 46, 2, 27], [3, 2, 2, 5], gen)
+    width = 2 * head_dim if overlap else head_dim
+    ring, req_slots = 32, batch.req_to_token.shape[0]
+    state0 = CompressorState(kv=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
+                             score=torch.randn(req_slots, ring, width, generator=gen).to(dtype))
+    x = torch.randn(batch.num_tokens, hidden, generator=gen).to(dtype)
+    inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
+    results = {}
+    for name, kernels in (("torch", TORCH), ("triton", TRITON)):
+        comp = BlockCompressor(hidden, head_dim, ratio, overlap, 1e-6, kernels=kernels)
+        init = torch.Generator().manual_seed(5)  # the same parameters for both choices
+        for p in comp.parameters():
+            p.data = torch.randn(p.shape, generator=init) * (0.2 if p.dim() == 2 else 1.0)
+        comp = comp.to(dtype).to(DEVICE)
+        comp.position_bias.data = comp.position_bias.data.float()  # fp32, as the runner keeps it
+        comp.kv_norm.weight.data = comp.kv_norm.weight.data.float()
+        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE))
+        entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype,
+                             device=DEVICE)
+        _compress(comp, batch, state, entries, x.to(DEVICE), inv_freq)
+        results[name] = (entries, state, comp)
+    entries, state, comp = results["torch"]
+    slot_tok = batch.req_pool_indices[batch.token_req]
+    ref = compressor_pool_ref(
+        comp.kv_proj(x.to(DEVICE)), comp.gate_proj(x.to(DEVICE)), state0.kv.to(DEVICE),
+        state0.score.to(DEVICE), comp.position_bias, comp.kv_norm.weight, batch.positions,
+        slot_tok, batch.prefix_lens[batch.token_req], batch.req_to_token, ratio, overlap, 1e-6)
+    ends = (batch.positions + 1) % ratio == 0
+    assert ends.sum() >= 2
+    start = batch.positions - (ratio - 1)
+    want = apply_rope_tail(ref.entries, *rope_cos_sin(start, inv_freq))[ends]
+    assert torch.equal(entries[ref.slots[ends]], want)
+    got_entries, got_state, _ = results["triton"]
+    written = ref.slots[ends]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
+    torch.testing.assert_close(got_entries[written].float(), want.float(), **tol)
+    untouched = torch.ones(entries.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[0] = False
+    untouched[written] = False
+    assert torch.isnan(got_entries[untouched]).all()  # no other entry was written
+    assert torch.equal(got_state.kv, state.kv) and torch.equal(got_state.score, state.score)
+
+
+def _runner(overrides: str | None, weights: list[tuple[str, torch.Tensor]]) -> ModelRunner:
+    rc = RunnerConfig(device=DEVICE, max_total_tokens=2048, max_running_requests=4,
+                      context_length=128, kernel_backend_overrides=overrides)
+    return ModelRunner(tiny_config(), rc, weights=weights)
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], verify: list[list[int]],
+            steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill, one committed verify forward, then `steps` greedy decode steps."""
+    pool = runner.req_pool
+    slots = [pool.alloc_slot() for _ in prompts]
+    lens = [0] * len(prompts)
+    logits: list[torch.Tensor] = []
+
+    def step(mode: ForwardMode, work: list[list[int]]) -> list[int]:
+        for i, ids in enumerate(work):
+            pool.reserve(slots[i], lens[i] + len(ids))
+        batch = ForwardBatch.build(mode, work, list(lens), slots, pool.req_to_token, "all")
+        for i, ids in enumerate(work):
+            lens[i] += len(ids)
+        out = runner.forward(batch).logits
+        logits.append(out)
+        ends = torch.tensor([len(ids) for ids in work]).cumsum(0) - 1
+        return out[ends.to(out.device)].argmax(-1).tolist()
+
+    step(ForwardMode.EXTEND, prompts)
+    nxt = step(ForwardMode.VERIFY, verify)
+    tokens = [[t] for t in nxt]
+    for _ in range(steps):
+        nxt = step(ForwardMode.DECODE, [[t] for t in nxt])
+        for seq, t in zip(tokens, nxt):
+            seq.append(t)
+    return tokens, logits
+
+
+def test_tiny_model_greedy_tokens_match_torch() -> None:
+    cfg = tiny_config()
+    shapes = [(k, tuple(v.shape)) for k, v in DeepseekV4ForCausalLM(cfg).state_dict().items()]
+    weights = tiny_weights(cfg, shapes, seed=0)
+    gen = torch.Generator().manual_seed(2)
+    # After the verify forward the requests decode positions 8..47, 16..55 and 34..73: about 10
+    # CSA blocks each and 2-3 HCA boundaries (multiples of 16) each.
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 15, 30)]
+    verify = [torch.randint(3, 512, (w,), generator=gen).tolist() for w in (3, 1, 4)]
+    runner = _runner("indexer=triton", weights)
+    comp = runner.model.model.layers[1].self_attn.compressor
+    assert comp is not None and comp._decode_pool is compressor_pool
+    assert comp.indexer._scores is indexer_logits
+    want_tokens, want_logits = _greedy(_runner(None, weights), prompts, verify, 40)
+    got_tokens, got_logits = _greedy(runner, prompts, verify, 40)
+    assert got_tokens == want_tokens
+    assert len(set(t for seq in want_tokens for t in seq)) > 5  # not a degenerate repetition
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32, reordered sums
+
+
+def test_large_pooling_tiles_keep_the_torch_pooling() -> None:
+    # One program per row over span x head_dim: HCA m 128 at Dh 512 is 18x slower than the torch
+    # code on an H200 (benchmark/results/kernels.md), so such compressors bind no kernel.
+    def bound(ratio: int, head_dim: int, overlap: bool) -> bool:
+        comp = BlockCompressor(64, head_dim, ratio, overlap, 1e-6, kernels=TRITON)
+        return comp._decode_pool is not None
+
+    assert bound(4, 512, True) and bound(128, 128, False)
+    assert not bound(128, 512, False)
+    assert not BlockCompressor(64, 32, 4, True, 1e-6, kernels=TORCH)._decode_pool

@@ -1,0 +1,126 @@
+"""The "triton" attention backend against the "torch" one (its spec): on hand-built ForwardBatches
+over a paged ReqToTokenPool, and end to end in the tiny model (greedy tokens of prefill, verify
+and decode steps).
+
+Not bit-exact (X2): the kernel's online softmax (and split-K merge for small batches) sums in
+another order than the torch backend's one-shot softmax; fp32 agrees to ~1e-6.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS, create_attention_backend
+from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
+from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int],
+           gen: torch.Generator) -> ForwardBatch:
+    """Requests in shuffled request slots, their pages taken from a shuffled free list."""
+    allocator = PagedTokenAllocator(num_pages=64, page_size=4)
+    pages = allocator.alloc(allocator.num_free_pages)
+    allocator.free([pages[i] for i in torch.randperm(len(pages), generator=gen)])  # scattered
+    pool = ReqToTokenPool(max_reqs=8, max_context_len=128, allocator=allocator, device=DEVICE)
+    slots = [pool.alloc_slot() for _ in range(len(prefix_lens) + 2)][2:]  # not slots 1..n
+    for slot, p, n in zip(slots, prefix_lens, extend_lens):
+        pool.reserve(slot, p + n)
+    ids = [[3] * n for n in extend_lens]
+    return ForwardBatch.build(mode, ids, prefix_lens, slots, pool.req_to_token, "all")
+
+
+BATCHES = [
+    # (mode, prefix_lens, extend_lens, window, extra keys per token or None, head_dim)
+    (ForwardMode.DECODE, [7, 0, 40], [1, 1, 1], 16, None, 64),
+    (ForwardMode.VERIFY, [20, 3], [4, 3], 32, 9, 64),
+    (ForwardMode.EXTEND, [0, 12], [13, 6], 8, 0, 64),
+    # Dh 256 uses 32-key tiles: 2 window + 2 extra tiles, so the one token takes the split path.
+    (ForwardMode.DECODE, [90], [1], 64, 37, 256),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index", range(len(BATCHES)))
+def test_matches_torch_backend(index: int, dtype: torch.dtype) -> None:
+    mode, prefix, extend, window, num_extra, head_dim = BATCHES[index]
+    gen = torch.Generator().manual_seed(50 + index)
+    batch = _batch(mode, prefix, extend, gen)
+    tokens, heads = batch.num_tokens, 5
+    q = (torch.randn(tokens, heads, head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
+    window_kv = torch.randn(64 * 4, head_dim, generator=gen).to(dtype).to(DEVICE)
+    sinks = (torch.randn(heads, generator=gen) * 3).to(DEVICE)
+    extra_kv = extra_valid = None
+    if num_extra is not None:
+        extra_kv = torch.randn(tokens, num_extra, head_dim, generator=gen).to(dtype).to(DEVICE)
+        extra_valid = (torch.rand(tokens, num_extra, generator=gen) < 0.5).to(DEVICE)
+        extra_valid[0] = False  # a token that sees no compressed entry
+    args = (q, window_kv, batch, sinks, window, head_dim**-0.5, extra_kv, extra_valid)
+    want = create_attention_backend("torch").forward(*args)
+    got = create_attention_backend("triton").forward(*args)
+    assert got.dtype == dtype and got.shape == q.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # reordered fp32 sums
+    else:
+        # The torch backend rounds logits and probabilities to bf16, the kernel keeps them in
+        # fp32 (and the interpreter truncates the bf16 output): ~0.03 absolute at these scales.
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+
+
+def test_registered_under_triton() -> None:
+    assert "triton" in ATTENTION_BACKENDS
+    assert type(create_attention_backend("triton")).__name__ == "TritonAttentionBackend"
+
+
+def _runner(backend: str, weights: list[tuple[str, torch.Tensor]]) -> ModelRunner:
+    cfg = tiny_config()
+    rc = RunnerConfig(device=DEVICE, max_total_tokens=2048, max_running_requests=4,
+                      context_length=128, attention_backend=backend)
+    return ModelRunner(cfg, rc, weights=weights)
+
+
+def _greedy(runner: ModelRunner, prompts: list[list[int]], verify: list[list[int]],
+            decode_steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Prefill, one verify step (committed), then greedy decode; returns tokens and logits."""
+    pool = runner.req_pool
+    slots = [pool.alloc_slot() for _ in prompts]
+    lens = [0] * len(prompts)
+    logits: list[torch.Tensor] = []
+
+    def step(mode: ForwardMode, work: list[list[int]]) -> torch.Tensor:
+        for i, ids in enumerate(work):
+            pool.reserve(slots[i], lens[i] + len(ids))
+        batch = ForwardBatch.build(mode, work, list(lens), slots, pool.req_to_token, "last")
+        for i, ids in enumerate(work):
+            lens[i] += len(ids)
+        out = runner.forward(batch).logits
+        logits.append(out)
+        return out
+
+    step(ForwardMode.EXTEND, prompts)
+    nxt = step(ForwardMode.VERIFY, verify).argmax(-1).tolist()
+    tokens = [[t] for t in nxt]
+    for _ in range(decode_steps):
+        nxt = step(ForwardMode.DECODE, [[t] for t in nxt]).argmax(-1).tolist()
+        for seq, t in zip(tokens, nxt):
+            seq.append(t)
+    return tokens, logits
+
+
+def test_tiny_model_greedy_equal() -> None:
+    # Prompts cross the CSA (4) and HCA (16) compress blocks and the 32-token sliding window.
+    cfg = tiny_config()
+    shapes = [(k, tuple(v.shape)) for k, v in DeepseekV4ForCausalLM(cfg).state_dict().items()]
+    weights = tiny_weights(cfg, shapes, seed=0)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 512, (n,), generator=gen).tolist() for n in (5, 19, 41)]
+    verify = [torch.randint(3, 512, (w,), generator=gen).tolist() for w in (3, 1, 4)]
+    want_tokens, want_logits = _greedy(_runner("torch", weights), prompts, verify, 6)
+    got_tokens, got_logits = _greedy(_runner("triton", weights), prompts, verify, 6)
+    assert got_tokens == want_tokens
+    for got, want in zip(got_logits, want_logits):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32, reordered sums
