@@ -87,6 +87,11 @@ def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
     assert spec.draft_graphs is not None and CountingGraph.replays > 0
     if policy.startswith("confidence"):
         assert spec.graph_verify_widths() == tuple(range(1, gamma + 2))
+    # the folded greedy epilogue (acceptance + context-KV commit) replays, except under the
+    # async confidence policy, whose on-device cap keeps the eager acceptance
+    epilogue_replays = sum(g.replays for g in spec.epilogue_graphs.values())
+    assert (epilogue_replays > 0) == (policy != "confidence_async")
+    assert spec.draft_graphs.replays > 0
 
 
 def _tiny_runner_batch(engine: Engine, mode: ForwardMode, lens: list[int]) -> ForwardBatch:

@@ -261,6 +261,6 @@ class Sampler(nn.Module):
             uniforms = counter_uniform(info.seeds, info.counters, SAMPLER_STREAM)
             sampled_ids = inverse_cdf_sample(processed_probs(logits, info), uniforms)
             next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
-        chosen = logits.gather(1, next_ids[:, None]).squeeze(1)
-        logprobs = chosen - torch.logsumexp(logits, dim=-1)
+        # log_softmax is one kernel where logsumexp decomposes into ~8 (a decode step's tail)
+        logprobs = torch.log_softmax(logits, dim=-1).gather(1, next_ids[:, None]).squeeze(1)
         return SamplerOutput(next_ids, logprobs)

@@ -17,6 +17,7 @@ import torch
 from sgl_dspark.srt.layers.sampler import Sampler, SamplingBatchInfo
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.model_executor.host_copy import read_to_host
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -193,8 +194,7 @@ class Scheduler:
                                              logits.device,
                                              counters=[len(r.output_ids) for r in reqs])
         res = self.sampler(logits, info)
-        ids = res.next_token_ids.tolist()
-        lps = res.next_token_logprobs.tolist()
+        ids, lps = read_to_host(res.next_token_ids, res.next_token_logprobs)
         for req, tok, lp in zip(reqs, ids, lps):
             self.append_tokens(req, [tok], [lp])
 

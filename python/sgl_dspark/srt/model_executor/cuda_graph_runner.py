@@ -257,6 +257,7 @@ class BatchGraphs:
         self.static = [torch.empty((self.max_bs, *x.shape[1:]), dtype=x.dtype, device=device)
                        for x in example_inputs]
         self._graphs: dict[int, tuple[Graph, Any]] = {}
+        self.replays = 0   # replays so far (tests and debugging read it)
         factory = graph_factory or make_graph_factory(device)
         t0 = time.perf_counter()
         for buf, v in zip(self.static, self.pad_values):
@@ -284,4 +285,5 @@ class BatchGraphs:
                 buf[B:bs].fill_(v)
         graph, out = self._graphs[bs]
         graph.replay()
+        self.replays += 1
         return _slice_rows(out, B)

@@ -21,7 +21,7 @@ from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_batch_sizes
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.host_copy import to_device, to_device_packed
+from sgl_dspark.srt.model_executor.host_copy import read_to_host, to_device, to_device_packed
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
@@ -57,16 +57,8 @@ class DSparkArgs:
 
 
 def _to_host(*tensors: torch.Tensor) -> list[list]:
-    """One batched device-to-host copy of the step's results (pinned, non-blocking on GPU)."""
-    if tensors[0].device.type != "cuda":
-        return [t.tolist() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for h, t in zip(host, tensors):
-        h.copy_(t, non_blocking=True)
-    done = torch.cuda.Event()
-    done.record()
-    done.synchronize()
-    return [h.tolist() for h in host]
+    """The step's one read of its results (a module name, so tests can watch it)."""
+    return read_to_host(*tensors)
 
 
 class _StepTimer:
@@ -141,6 +133,7 @@ class DSparkWorker:
         self._sim_progress: dict[str, float] = {}
         self.draft_graphs: BatchGraphs | None = None
         self.draft_graphs_bs1: BatchGraphs | None = None
+        self.epilogue_graphs: dict[int, BatchGraphs] = {}
         self._generation: dict[int, int] = {}
         if args.simulate_accept_len is not None:
             top = min(self.gamma, self.gamma_bs1) + 1
@@ -243,16 +236,26 @@ class DSparkWorker:
             logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
             logits[flat_r, flat_j] = out.logits
         timer.mark("verify")
-        # 6. acceptance on the device
-        acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k,
-                           top_p, need_trunc, ms, cap_lens, reqs)
-        # 7. commit: draft context KV for anchor + accepted drafts (rows j < commit_len); the
-        #    other rows write to the reserved dummy slot 0 instead of being filtered (no sync).
-        committed = flat_j < acc.commit_len[flat_r]
-        ctx_slots = torch.where(committed, batch.out_cache_loc, torch.zeros_like(flat_j))
-        self.inject(batch.positions, ctx_slots, out.hidden_taps)
-        tok_lp = torch.log_softmax(logits, dim=-1).gather(
-            2, acc.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
+        # 6-7. acceptance on the device, then the commit: draft context KV for anchor + accepted
+        #    drafts (rows j < commit_len; the other rows write to the reserved dummy slot 0
+        #    instead of being filtered, so no sync), and the committed tokens' logprobs. Greedy
+        #    uniform steps replay this epilogue from a CUDA graph.
+        epilogue = self.epilogue_graphs.get(W)
+        if (epilogue is not None and uniform and all_greedy and cap_lens is None
+                and self.sts_recorder is None and epilogue.bucket_for(B) is not None):
+            forced = self._sim_counts(reqs, lens_t.device)
+            taps = [out.hidden_taps[layer].view(B, W, -1) for layer in self.tap_layers]
+            acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits,
+                                          batch.positions.view(B, W),
+                                          batch.out_cache_loc.view(B, W), forced, *taps)
+        else:
+            acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp,
+                               top_k, top_p, need_trunc, ms, cap_lens, reqs)
+            committed = flat_j < acc.commit_len[flat_r]
+            ctx_slots = torch.where(committed, batch.out_cache_loc, torch.zeros_like(flat_j))
+            self.inject(batch.positions, ctx_slots, out.hidden_taps)
+            tok_lp = torch.log_softmax(logits, dim=-1).gather(
+                2, acc.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
         if not bs1:
             self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
         if self.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
@@ -302,6 +305,19 @@ class DSparkWorker:
         self.draft_graphs = BatchGraphs(functools.partial(self._propose_greedy, self.gamma),
                                         example, (0, 1, 0), graph_batch_sizes(max_bs), dev,
                                         graph_factory, name="DSpark draft graphs")
+        runner = self.runner
+        hidden = runner.model_cfg.hidden_size
+        vocab = runner.model_cfg.vocab_size
+        for w in self.graph_verify_widths():
+            def ex(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+                return torch.zeros((1, *shape), dtype=dtype, device=dev)
+
+            inputs = [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex(w), ex(w), ex(),
+                      *[ex(w, hidden, dtype=runner.dtype) for _ in self.tap_layers]]
+            pads = [0, 0, 1, 0.0, 0, 0, 0, *[0.0] * len(self.tap_layers)]
+            self.epilogue_graphs[w] = BatchGraphs(self._greedy_epilogue, inputs, pads,
+                                                  graph_batch_sizes(max_bs), dev, graph_factory,
+                                                  name=f"DSpark epilogue graphs (width {w})")
         if self.gamma_bs1 != self.gamma:
             self.draft_graphs_bs1 = BatchGraphs(
                 functools.partial(self._propose_greedy, self.gamma_bs1), example, (0, 1, 0),
@@ -360,15 +376,48 @@ class DSparkWorker:
                               draft_probs=q, coins=coins, bonus_uniforms=bonus_u,
                               cap_lens=cap_lens)
 
-    def _simulated_accept(self, verify_ids, lens_t, seq_t, logits, reqs):
-        """Benchmark-only: accept a deterministic schedule of draft counts with the requested
-        mean; the bonus is the target's argmax at the first unaccepted row."""
-        x = float(self.args.simulate_accept_len) - 1.0  # type: ignore[arg-type]
+    def _sim_counts(self, reqs: list[Req], device: torch.device) -> torch.Tensor:
+        """Benchmark-only simulated acceptance: this step's forced draft counts, a deterministic
+        schedule with the requested mean (zeros when acceptance is not simulated)."""
+        if self.args.simulate_accept_len is None:
+            return torch.zeros(len(reqs), dtype=torch.int64, device=device)
+        x = float(self.args.simulate_accept_len) - 1.0
         forced = []
         for r in reqs:
             done = self._sim_progress.get(r.rid, 0.0)
             forced.append(int((done + 1) * x) - int(done * x) if x > 0 else 0)
             self._sim_progress[r.rid] = done + 1
-        n = torch.minimum(to_device(forced, torch.int64, logits.device), lens_t - 1)
+        return to_device(forced, torch.int64, device)
+
+    def _simulated_accept(self, verify_ids, lens_t, seq_t, logits, reqs):
+        """Benchmark-only: accept the forced draft counts; the bonus is the target's argmax at
+        the first unaccepted row."""
+        return self._forced_accept(verify_ids, lens_t, seq_t, logits,
+                                   self._sim_counts(reqs, logits.device))
+
+    @staticmethod
+    def _forced_accept(verify_ids, lens_t, seq_t, logits, forced):
+        n = torch.minimum(forced, (lens_t - 1).clamp(min=0))
         bonus = torch.argmax(logits, dim=-1).gather(1, n[:, None]).squeeze(1)
         return finalize_accept(verify_ids, lens_t, seq_t, n, bonus, None)
+
+    def _greedy_epilogue(self, verify_ids: torch.Tensor, lens_t: torch.Tensor,
+                         seq_t: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor,
+                         cache_loc: torch.Tensor, forced: torch.Tensor, *taps: torch.Tensor):
+        """Acceptance + draft context-KV commit + logprobs of an all-greedy uniform step (the
+        captured "folded epilogue"); batch-first inputs [B, W, ...], padding rows have
+        lens_t == 0 and commit nothing."""
+        B, W = verify_ids.shape
+        if self.args.simulate_accept_len is not None:
+            acc = self._forced_accept(verify_ids, lens_t, seq_t, logits, forced)
+        else:
+            greedy = torch.ones(B, dtype=torch.bool, device=verify_ids.device)
+            acc = self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy)
+        cols = torch.arange(W, device=verify_ids.device)
+        committed = cols[None, :] < acc.commit_len[:, None]
+        ctx_slots = torch.where(committed, cache_loc, torch.zeros_like(cache_loc))
+        self.inject(positions.reshape(-1), ctx_slots.reshape(-1),
+                    {layer: t.reshape(B * W, -1) for layer, t in zip(self.tap_layers, taps)})
+        tok_lp = torch.log_softmax(logits, dim=-1).gather(
+            2, acc.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
+        return acc, tok_lp
