@@ -145,12 +145,14 @@ class CudaGraphRunner:
         self._graphs: dict[tuple[int, int], tuple[Graph, ModelOutput, ForwardBatch]] = {}
         factory = graph_factory or make_graph_factory(dev)
         t0 = time.perf_counter()
-        mem0 = torch.cuda.mem_get_info(dev)[0] if dev.type == "cuda" else 0
+        # Reserved by PyTorch's allocator (the graphs' pool lives there); free device memory is
+        # no measure: capture itself can return cached blocks to the driver.
+        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
         for bs in reversed(self.batch_sizes):
             for w in self.widths:
                 self._capture(bs, w, factory())
-        mem = (mem0 - torch.cuda.mem_get_info(dev)[0]) / 2**20 if dev.type == "cuda" else 0.0
-        logger.info("Captured %d target graphs (bs %s x widths %s) in %.1f s, %.0f MiB",
+        mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
+        logger.info("Captured %d target graphs (bs %s x widths %s) in %.1f s, +%.0f MiB reserved",
                     len(self._graphs), self.batch_sizes, self.widths, time.perf_counter() - t0, mem)
 
     # ---- capture -------------------------------------------------------------------------
