@@ -175,3 +175,44 @@ def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
     if graphs:
         assert engine.scheduler.spec.draft_graphs_bs1 is not None
         assert 6 in engine.scheduler.spec.graph_verify_widths()
+
+
+def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch):
+    """A graph width that would run past the context table is not used: the step verifies its
+    own (ragged) lengths eagerly, and the output still equals target-only greedy decoding."""
+    from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
+
+    prompt = list(range(7, 57))                        # 50 tokens; context table of 64
+    params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 13}
+
+    def run(**kw) -> tuple[list[int], Engine]:
+        engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=64,
+                        max_running_requests=2, **kw)
+        spec = engine.scheduler.spec
+        if spec is not None:
+            engine.runner.init_cuda_graphs(1, spec.graph_verify_widths(), spec.tap_layers,
+                                           graph_factory=EagerGraph)
+            spec.init_cuda_graphs(1, graph_factory=EagerGraph)
+        return engine.generate(input_ids=prompt, sampling_params=params)["output_ids"], engine
+
+    rows_seen: list[tuple[list[int], list[int]]] = []
+    real = DSparkWorker._verify_rows
+
+    def spy(self, reqs, lens):
+        rows = real(self, reqs, lens)
+        graphs = self.runner.graph_runner
+        rounded = graphs.width_for(max(lens))
+        fits = rounded is not None and reqs[0].kv_len + rounded <= limit
+        rows_seen.append((list(lens), list(rows), fits))
+        return rows
+
+    limit = 64   # context_length 64 is a whole number of pages of the tiny model
+    monkeypatch.setattr(DSparkWorker, "_verify_rows", spy)
+    want, _ = run()
+    got, engine = run(speculative_algorithm="DSpark", speculative_dspark_block_size=7)
+    assert engine.runner.req_pool.max_context_len == limit
+    assert got == want
+    # graph widths while they fit, the request's own lengths once the rounded width would not
+    assert any(fits and rows == [8] for _, rows, fits in rows_seen)
+    assert any(not fits and rows == lens for lens, rows, fits in rows_seen)
+    assert all(rows == lens for lens, rows, fits in rows_seen if not fits)
