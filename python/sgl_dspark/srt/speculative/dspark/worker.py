@@ -127,7 +127,8 @@ class DSparkWorker:
         if self.policy.needs_confidence and not dcfg.enable_confidence_head:
             raise ValueError("the confidence verify policy needs a draft with a confidence head")
         self.generator = torch.Generator(device=runner.device).manual_seed(args.seed)
-        self.metrics = DSparkMetrics(max(self.gamma, self.gamma_bs1), device=runner.device)
+        # host-side: fed with the values each step reads anyway (see step 8)
+        self.metrics = DSparkMetrics(max(self.gamma, self.gamma_bs1), device="cpu")
         self.sts_recorder = (StsRecorder(args.sts_collect_path, self.gamma)
                              if args.sts_collect_path else None)
         self._sim_progress: dict[str, float] = {}
@@ -261,10 +262,13 @@ class DSparkWorker:
         if self.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
             self.sts_recorder.record(prop.raw_confidence, verify_ids, logits, lens_t)
         timer.mark("accept")
-        self.metrics.record_step(lens_t, acc.accept_len, request_ids=[r.rid for r in reqs],
-                                 timing=timer.spans(), cap_trim=acc.cap_trim)
-        # 8. the scheduler reads the finalised results once, through one copy
-        commit, toks, lps = _to_host(acc.commit_len, acc.out_tokens, tok_lp)
+        # 8. the scheduler reads the finalised results once, through one copy; the metrics are
+        #    then accumulated on the host from the same values (no per-step metric kernels)
+        commit, toks, lps, accepted, trimmed = _to_host(acc.commit_len, acc.out_tokens, tok_lp,
+                                                         acc.accept_len, acc.cap_trim)
+        self.metrics.record_step(torch.tensor(lens), torch.tensor(accepted),
+                                 request_ids=[r.rid for r in reqs], timing=timer.spans(),
+                                 cap_trim=torch.tensor(trimmed))
         for r, c in zip(reqs, commit):
             r.kv_len += c
             r.spec_verify_ct += 1
