@@ -8,8 +8,9 @@ Captured at startup, largest batch first, into one shared memory pool:
   captured one; rows beyond a request's own verify length are computed but never accepted, and
   their KV is position-addressed state that the real tokens overwrite later).
 
-A replay copies the batch's device tensors into static buffers and pads the batch to the bucket
-with dummy requests: request slot 0 and token slot 0 (both reserved for padding by the pools),
+A replay copies the batch's device tensors into static buffers (`BatchGraphs`, the one
+capture/replay mechanism here, also used for the DSpark draft and epilogue) and pads the batch to
+the bucket with dummy requests: request slot 0 and token slot 0 (both reserved for padding by the pools),
 position 0, so every write of a padding row lands in dummy state. The graph's batch sees the
 static context capacity as `max_seq_len`, so its gather widths never depend on the batch.
 Nothing in a replay reads device values on the host.
@@ -89,8 +90,7 @@ def copy_outputs(src: Any, dst: Any) -> None:
         for s, d in zip(src, dst):
             copy_outputs(s, d)
     elif dst is not None:
-        for name in vars(dst):
-            copy_outputs(getattr(src, name), getattr(dst, name))
+        raise TypeError(f"graph outputs must be tensors in tuples/dicts, got {type(dst)}")
 
 
 def make_graph_factory(device: torch.device) -> Callable[[], Graph]:
@@ -113,120 +113,6 @@ def warm_up(fn: Callable[[], Any], device: torch.device, iters: int = 2) -> None
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
     torch.cuda.synchronize(device)
-
-
-class CudaGraphRunner:
-    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int], widths: Sequence[int],
-                 tap_layers: tuple[int, ...] = (),
-                 graph_factory: Callable[[], Graph] | None = None) -> None:
-        self.runner = runner
-        self.batch_sizes = sorted(set(batch_sizes))
-        self.widths = sorted(set(widths))
-        if self.widths[0] < 1 or self.widths[-1] > runner.rc.max_verify_tokens:
-            raise ValueError(f"captured verify widths {self.widths} must lie in "
-                             f"[1, max_verify_tokens={runner.rc.max_verify_tokens}]")
-        if self.batch_sizes[-1] > runner.req_pool.size - 1:
-            raise ValueError(f"--cuda-graph-max-bs {self.batch_sizes[-1]} exceeds "
-                             f"--max-running-requests {runner.req_pool.size - 1}")
-        self.tap_layers = tap_layers
-        self.max_bs = self.batch_sizes[-1]
-        dev = runner.device
-        tokens = self.max_bs * self.widths[-1]
-
-        def zeros(n: int) -> torch.Tensor:
-            return torch.zeros(n, dtype=torch.int64, device=dev)
-
-        self.input_ids, self.positions, self.out_cache_loc = zeros(tokens), zeros(tokens), zeros(tokens)
-        self.req_pool_indices, self.prefix_lens = zeros(self.max_bs), zeros(self.max_bs)
-        self.seq_lens = zeros(self.max_bs)
-        self.rows = torch.arange(tokens, dtype=torch.int64, device=dev)
-        # (graph, its outputs, its static batch): the batch holds tensors made outside the
-        # capture (token_req) that the graph reads, so it must live as long as the graph.
-        self._graphs: dict[tuple[int, int], tuple[Graph, ModelOutput, ForwardBatch]] = {}
-        factory = graph_factory or make_graph_factory(dev)
-        t0 = time.perf_counter()
-        # Reserved by PyTorch's allocator (the graphs' pool lives there); free device memory is
-        # no measure: capture itself can return cached blocks to the driver.
-        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
-        for bs in reversed(self.batch_sizes):
-            for w in self.widths:
-                self._capture(bs, w, factory())
-        mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
-        logger.info("Captured %d target graphs (bs %s x widths %s) in %.1f s, +%.0f MiB reserved",
-                    len(self._graphs), self.batch_sizes, self.widths, time.perf_counter() - t0, mem)
-
-    # ---- capture -------------------------------------------------------------------------
-    def _static_batch(self, bs: int, w: int) -> ForwardBatch:
-        n = bs * w
-        return ForwardBatch(
-            mode=ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY,
-            input_ids=self.input_ids[:n], positions=self.positions[:n],
-            token_req=self.rows[:n] // w, out_cache_loc=self.out_cache_loc[:n],
-            req_pool_indices=self.req_pool_indices[:bs], prefix_lens=self.prefix_lens[:bs],
-            seq_lens=self.seq_lens[:bs], logits_indices=self.rows[:n],
-            req_to_token=self.runner.req_pool.req_to_token,
-            max_seq_len=self.runner.req_pool.max_context_len,
-            extend_lens_cpu=(w,) * bs, prefix_lens_cpu=(0,) * bs)
-
-    def _capture(self, bs: int, w: int, graph: Graph) -> None:
-        batch = self._static_batch(bs, w)
-        self._pad(0, bs, w)
-        runner = self.runner
-
-        def run() -> ModelOutput:
-            return runner.model(batch, runner.kv_pool, runner.attn_backend, self.tap_layers)
-
-        with torch.inference_mode():
-            warm_up(run, runner.device)
-            out = graph.capture(run)
-        self._graphs[(bs, w)] = (graph, out, batch)
-
-    def _pad(self, first_req: int, bs: int, w: int) -> None:
-        """Requests first_req..bs-1 become dummies (slot 0, position 0, token slot 0)."""
-        a, b = first_req * w, bs * w
-        self.input_ids[a:b] = 0
-        self.positions[a:b] = 0
-        self.out_cache_loc[a:b] = 0
-        self.req_pool_indices[first_req:bs] = 0
-        self.prefix_lens[first_req:bs] = 0
-        self.seq_lens[first_req:bs] = w
-
-    # ---- replay --------------------------------------------------------------------------
-    def width_for(self, width: int) -> int | None:
-        """Smallest captured width >= width (None: wider than every graph)."""
-        return next((w for w in self.widths if w >= width), None)
-
-    def bucket_for(self, batch_size: int) -> int | None:
-        return next((b for b in self.batch_sizes if b >= batch_size), None)
-
-    def can_run(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> bool:
-        if batch.mode is ForwardMode.EXTEND or not set(tap_layers) <= set(self.tap_layers):
-            return False
-        lens = batch.extend_lens_cpu
-        w = lens[0]
-        return (all(n == w for n in lens) and w in self.widths
-                and self.bucket_for(len(lens)) is not None
-                and batch.logits_indices.shape[0] == batch.num_tokens)
-
-    def replay(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
-        from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
-
-        B, n = batch.batch_size, batch.num_tokens
-        w = n // B
-        bs = self.bucket_for(B)
-        assert bs is not None and (bs, w) in self._graphs, (B, w)
-        self.input_ids[:n].copy_(batch.input_ids)
-        self.positions[:n].copy_(batch.positions)
-        self.out_cache_loc[:n].copy_(batch.out_cache_loc)
-        self.req_pool_indices[:B].copy_(batch.req_pool_indices)
-        self.prefix_lens[:B].copy_(batch.prefix_lens)
-        self.seq_lens[:B].copy_(batch.seq_lens)
-        if bs > B:
-            self._pad(B, bs, w)
-        graph, out, _ = self._graphs[(bs, w)]
-        graph.replay()
-        return ModelOutput(logits=out.logits[:n],
-                           hidden_taps={k: out.hidden_taps[k][:n] for k in tap_layers})
 
 
 def _slice_rows(x: Any, n: int) -> Any:
@@ -289,3 +175,91 @@ class BatchGraphs:
         graph.replay()
         self.replays += 1
         return _slice_rows(out, B)
+
+
+class CudaGraphRunner:
+    """Target graphs per (bucket, width): one `BatchGraphs` per width over the batch-first
+    inputs [B, W] (ids, positions, token slots) and [B] (request slots, prefix and sequence
+    lengths); padding requests get slot 0, position 0 and token slot 0."""
+
+    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int], widths: Sequence[int],
+                 tap_layers: tuple[int, ...] = (),
+                 graph_factory: Callable[[], Graph] | None = None) -> None:
+        self.runner = runner
+        self.batch_sizes = sorted(set(batch_sizes))
+        self.widths = sorted(set(widths))
+        if self.widths[0] < 1 or self.widths[-1] > runner.rc.max_verify_tokens:
+            raise ValueError(f"captured verify widths {self.widths} must lie in "
+                             f"[1, max_verify_tokens={runner.rc.max_verify_tokens}]")
+        if self.batch_sizes[-1] > runner.req_pool.size - 1:
+            raise ValueError(f"--cuda-graph-max-bs {self.batch_sizes[-1]} exceeds "
+                             f"--max-running-requests {runner.req_pool.size - 1}")
+        self.tap_layers = tap_layers
+        dev = runner.device
+        factory = graph_factory or make_graph_factory(dev)   # one memory pool for all widths
+        t0 = time.perf_counter()
+        # Reserved by PyTorch's allocator (the graphs' pool lives there); free device memory is
+        # no measure: capture itself can return cached blocks to the driver.
+        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        self._by_width: dict[int, BatchGraphs] = {}
+        for w in reversed(self.widths):
+            tokens = torch.zeros((1, w), dtype=torch.int64, device=dev)
+            reqs = torch.zeros(1, dtype=torch.int64, device=dev)
+            self._by_width[w] = BatchGraphs(
+                functools.partial(self._forward, w), (tokens,) * 3 + (reqs,) * 3,
+                (0, 0, 0, 0, 0, w), self.batch_sizes, dev, factory,
+                name=f"target graphs (width {w})")
+        mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
+        logger.info("Captured %d target graphs (bs %s x widths %s) in %.1f s, +%.0f MiB reserved",
+                    len(self.batch_sizes) * len(self.widths), self.batch_sizes, self.widths,
+                    time.perf_counter() - t0, mem)
+
+    def _forward(self, w: int, input_ids: torch.Tensor, positions: torch.Tensor,
+                 out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
+                 prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The captured region: a uniform-width batch built from the static inputs (its row
+        tables are made inside the capture, so replays recompute them), outputs as [B, W, ...]."""
+        bs, n = req_pool_indices.shape[0], input_ids.numel()
+        rows = torch.arange(n, dtype=torch.int64, device=input_ids.device)
+        pool = self.runner.req_pool
+        batch = ForwardBatch(
+            mode=ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY,
+            input_ids=input_ids.reshape(n), positions=positions.reshape(n), token_req=rows // w,
+            out_cache_loc=out_cache_loc.reshape(n), req_pool_indices=req_pool_indices,
+            prefix_lens=prefix_lens, seq_lens=seq_lens, logits_indices=rows,
+            req_to_token=pool.req_to_token, max_seq_len=pool.max_context_len,
+            extend_lens_cpu=(w,) * bs, prefix_lens_cpu=(0,) * bs)
+        out = self.runner.model(batch, self.runner.kv_pool, self.runner.attn_backend,
+                                self.tap_layers)
+        return (out.logits.view(bs, w, -1),
+                {k: v.view(bs, w, -1) for k, v in out.hidden_taps.items()})
+
+    # ---- replay --------------------------------------------------------------------------
+    def width_for(self, width: int) -> int | None:
+        """Smallest captured width >= width (None: wider than every graph)."""
+        return next((w for w in self.widths if w >= width), None)
+
+    def bucket_for(self, batch_size: int) -> int | None:
+        return next((b for b in self.batch_sizes if b >= batch_size), None)
+
+    def can_run(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> bool:
+        if batch.mode is ForwardMode.EXTEND or not set(tap_layers) <= set(self.tap_layers):
+            return False
+        lens = batch.extend_lens_cpu
+        w = lens[0]
+        return (all(n == w for n in lens) and w in self.widths
+                and self.bucket_for(len(lens)) is not None
+                and batch.logits_indices.shape[0] == batch.num_tokens)
+
+    def replay(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
+        from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
+
+        B, n = batch.batch_size, batch.num_tokens
+        w = n // B
+        logits, taps = self._by_width[w].replay(
+            batch.input_ids.view(B, w), batch.positions.view(B, w),
+            batch.out_cache_loc.view(B, w), batch.req_pool_indices, batch.prefix_lens,
+            batch.seq_lens)
+        return ModelOutput(logits=logits.reshape(n, -1),
+                           hidden_taps={k: taps[k].reshape(n, -1) for k in tap_layers})
