@@ -112,9 +112,29 @@ def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: i
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     path.write_text(f"{steps} steps, {wall * 1e3:.2f} ms/step wall (under the profiler)\n\n"
-                    f"{table}\n\n{cpu}\n")
+                    f"{table}\n\n{cpu}\n\n{kernel_list(prof, steps)}\n")
     while sched.has_work:
         sched.step()
+
+
+def kernel_list(prof, steps: int) -> str:
+    """Every device kernel of the profiled steps: launches and microseconds per step, by name
+    (the key_averages table truncates and mixes CPU ops in)."""
+    from torch.autograd import DeviceType
+
+    agg: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA:
+            a = agg.setdefault(e.name, [0, 0.0])
+            a[0] += 1
+            a[1] += e.device_time_total
+    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
+    n = sum(v[0] for v in agg.values()) / steps
+    t = sum(v[1] for v in agg.values()) / steps
+    lines = [f"device kernels per step: {n:.1f} launches, {t:.1f} us", "",
+             "| launches/step | us/step | kernel |", "|---|---|---|"]
+    lines += [f"| {c / steps:.2f} | {us / steps:.1f} | {name[:140]} |" for name, (c, us) in rows]
+    return "\n".join(lines)
 
 
 def copy_bandwidth(device: str) -> float:

@@ -162,27 +162,65 @@ def _span_logits(
 
 
 @triton.jit
+def _rope_pairs(entry, row, cos_ptr, sin_ptr, cs_stride, head_dim,
+                NOPE_HALF: tl.constexpr, BLOCK_D: tl.constexpr, STORAGE: tl.constexpr):
+    """Rotate the trailing rope channels of entry [BLOCK_D] (fp32, interleaved pairs after
+    NOPE_HALF pass-through pairs) by the row's cos/sin, as `kernels/rope.py`: separately rounded
+    fp32 products (no FMA: launched with fp fusion off), one round to the kv dtype."""
+    a, b = tl.split(tl.reshape(entry, (BLOCK_D // 2, 2)))
+    pair = tl.arange(0, BLOCK_D // 2)
+    k = pair - NOPE_HALF
+    is_rope = (k >= 0) & (2 * pair < head_dim)
+    c = tl.load(cos_ptr + row * cs_stride + k, mask=is_rope, other=1.0)
+    s = tl.load(sin_ptr + row * cs_stride + k, mask=is_rope, other=0.0)
+    rot_a = tl.where(is_rope, _to_storage(a * c - b * s, STORAGE), a)
+    rot_b = tl.where(is_rope, _to_storage(a * s + b * c, STORAGE), b)
+    return tl.reshape(tl.join(rot_a, rot_b), (BLOCK_D,))
+
+
+@triton.jit
 def _compressor_pool_kernel(
     kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, bias_ptr, norm_w_ptr,
-    pos_ptr, slot_ptr, prefix_ptr, table_ptr, out_ptr, out_slot_ptr,
+    pos_ptr, slot_ptr, prefix_ptr, table_ptr, out_ptr, out_slot_ptr, cos_ptr, sin_ptr,
     head_dim, ratio, ring, eps,
     kv_stride, score_stride, skv_stride_r, skv_stride_q, ss_stride_r, ss_stride_q,
-    bias_stride, table_stride, out_stride,
+    bias_stride, table_stride, out_stride, cs_stride,
     SPAN: tl.constexpr, OVERLAP: tl.constexpr, STORAGE: tl.constexpr, BLOCK_D: tl.constexpr,
-    SPAN_BLOCK: tl.constexpr,
+    SPAN_BLOCK: tl.constexpr, FUSED: tl.constexpr, NOPE_HALF: tl.constexpr,
+    BLOCK_W: tl.constexpr,
 ):
+    """FUSED false: pooled entry and slot per row into out / out_slot (compressor_pool).
+    FUSED true (compressor_decode): the row's raw kv/score go to its ring row, and a block end's
+    entry is rotated and written straight into the entry pool `out` at its slot."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_D)
     in_col = cols < head_dim
     pos = tl.load(pos_ptr + row)
-    out_row = out_ptr + row * out_stride + cols
-    if (pos + 1) % ratio != 0:
-        # Not a block end: the dummy entry 0 gets zeros, nothing is loaded.
-        tl.store(out_row, tl.zeros((BLOCK_D,), tl.float32).to(out_ptr.dtype.element_ty),
-                 mask=in_col)
-        tl.store(out_slot_ptr + row, pos * 0)
-        return
     req = tl.load(slot_ptr + row)
+    if FUSED:
+        # Ring rows of this forward never alias a ring row that any span reads (R >= span +
+        # rows per request: a read position q < prefix and a written p >= prefix differ by
+        # less than R), so this write may precede the other programs' reads.
+        wcols = tl.arange(0, BLOCK_W)
+        wmask = wcols < (2 * head_dim if OVERLAP else head_dim)
+        ring_row = pos % ring
+        ring_row = tl.where(ring_row < 0, ring_row + ring, ring_row)
+        kv_raw = tl.load(kv_ptr + row * kv_stride + wcols, mask=wmask)
+        sc_raw = tl.load(score_ptr + row * score_stride + wcols, mask=wmask)
+        tl.store(state_kv_ptr + req * skv_stride_r + ring_row * skv_stride_q + wcols, kv_raw,
+                 mask=wmask)
+        tl.store(state_score_ptr + req * ss_stride_r + ring_row * ss_stride_q + wcols, sc_raw,
+                 mask=wmask)
+        if (pos + 1) % ratio != 0:
+            return
+    else:
+        out_row = out_ptr + row * out_stride + cols
+        if (pos + 1) % ratio != 0:
+            # Not a block end: the dummy entry 0 gets zeros, nothing is loaded.
+            tl.store(out_row, tl.zeros((BLOCK_D,), tl.float32).to(out_ptr.dtype.element_ty),
+                     mask=in_col)
+            tl.store(out_slot_ptr + row, pos * 0)
+            return
     prefix = tl.load(prefix_ptr + row)
 
     # Three passes over the span in tiles of SPAN_BLOCK slots (max, denominator, weighted sum),
@@ -220,9 +258,15 @@ def _compressor_pool_kernel(
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
     norm_w = tl.load(norm_w_ptr + cols, mask=in_col, other=0.0).to(tl.float32)
     entry = _to_storage(norm_w * (pooled * rstd), STORAGE)
-    tl.store(out_row, entry.to(out_ptr.dtype.element_ty), mask=in_col)
     block_start = tl.load(table_ptr + req * table_stride + pos - (ratio - 1))
-    tl.store(out_slot_ptr + row, block_start // ratio)
+    if FUSED:
+        entry = _rope_pairs(entry, row, cos_ptr, sin_ptr, cs_stride, head_dim, NOPE_HALF,
+                            BLOCK_D, STORAGE)
+        tl.store(out_ptr + (block_start // ratio) * out_stride + cols,
+                 entry.to(out_ptr.dtype.element_ty), mask=in_col)
+    else:
+        tl.store(out_row, entry.to(out_ptr.dtype.element_ty), mask=in_col)
+        tl.store(out_slot_ptr + row, block_start // ratio)
 
 
 def compressor_pool(
@@ -311,13 +355,99 @@ def compressor_pool(
     block_d = triton.next_power_of_2(head_dim)
     _compressor_pool_kernel[(tokens,)](
         kv, score, state_kv, state_score, position_bias, norm_weight,
-        positions, token_slot, token_prefix, req_to_token, out, out_slots,
+        positions, token_slot, token_prefix, req_to_token, out, out_slots, out, out,
         head_dim, ratio, state_kv.shape[1], eps,
         kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
         state_score.stride(0), state_score.stride(1), position_bias.stride(0),
-        req_to_token.stride(0), out.stride(0),
+        req_to_token.stride(0), out.stride(0), 0,
         SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
         BLOCK_D=block_d,
         SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
+        FUSED=False, NOPE_HALF=0, BLOCK_W=1, enable_fp_fusion=False,
     )
     return PooledEntries(out, out_slots)
+
+
+def compressor_decode_ref(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    entries: torch.Tensor,
+) -> None:
+    """Reference of the whole decode/verify step of a compressor, in place: the entries of the
+    blocks these rows end (`compressor_pool_ref`, then rope at the block start with the given
+    cos/sin rows `[T, rd/2]`) are written into the entry pool `entries` `[slots, Dh]`; then every
+    row's raw kv/score goes to its state ring row `pos mod R`."""
+    from sgl_dspark.kernels.rope import rope_tail_ref
+
+    pooled, slots = compressor_pool_ref(kv, score, state_kv, state_score, position_bias,
+                                        norm_weight, positions, token_slot, token_prefix,
+                                        req_to_token, ratio, overlap, eps)
+    rotated = rope_tail_ref(pooled.unsqueeze(1), cos, sin).squeeze(1)
+    ends = (positions + 1) % ratio == 0
+    entries[slots[ends]] = rotated[ends].to(entries.dtype)
+    ring_row = positions.remainder(state_kv.shape[1])
+    state_kv[token_slot, ring_row] = kv.to(state_kv.dtype)
+    state_score[token_slot, ring_row] = score.to(state_score.dtype)
+
+
+def compressor_decode(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    entries: torch.Tensor,
+) -> None:
+    """`compressor_decode_ref` in one launch (pooling, RoPE, entry store and ring store fused).
+
+    Arguments as `compressor_pool`, plus cos / sin fp32 `[T, rd/2]` (unit stride along rd/2, one
+    row stride) at each row's block start, and the entry pool `entries` `[slots, Dh]` of kv's
+    dtype with unit channel stride. The state rings must hold R >= span + (rows of one request
+    in this forward) rows (the pool's sizing), so that no ring row written here is read by
+    another row's span. Exactness: the entry as `compressor_pool` (X2) followed by
+    `kernels/rope.py` (bit for bit); the ring rows are copies.
+    """
+    pooled_shape_ok = entries.dim() == 2 and entries.shape[1] == norm_weight.shape[0]
+    if not pooled_shape_ok or entries.dtype != kv.dtype or entries.stride(1) != 1:
+        raise ValueError(f"entries must be [slots, {norm_weight.shape[0]}] {kv.dtype} with unit "
+                         f"channel stride, got {entries.dtype} {tuple(entries.shape)}")
+    tokens, head_dim = kv.shape[0], norm_weight.shape[0]
+    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != tokens
+            or cos.dtype != torch.float32 or sin.dtype != torch.float32
+            or not 1 <= 2 * cos.shape[1] <= head_dim or head_dim % 2
+            or cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0)):
+        raise ValueError(f"cos/sin must be fp32 [{tokens}, rd/2] with 2 <= rd <= Dh={head_dim} "
+                         f"(Dh even), unit stride along rd/2 and one row stride; got "
+                         f"{cos.dtype} {tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}")
+    span = 2 * ratio if overlap else ratio
+    if state_kv.dim() == 3 and state_kv.shape[1] < span + 1:
+        raise ValueError(f"state ring of {state_kv.shape[1]} rows is too short for span {span}")
+    # Validates the shared arguments (and returns at once for an empty batch).
+    compressor_pool(kv[:0], score[:0], state_kv, state_score, position_bias, norm_weight,
+                    positions[:0], token_slot[:0], token_prefix[:0], req_to_token, ratio,
+                    overlap, eps)
+    for name, t in (("positions", positions), ("token_slot", token_slot),
+                    ("token_prefix", token_prefix)):
+        if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if tokens == 0:
+        return
+    for name, t in (("kv", kv), ("score", score)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
+    block_d = triton.next_power_of_2(head_dim)
+    _compressor_pool_kernel[(tokens,)](
+        kv, score, state_kv, state_score, position_bias, norm_weight,
+        positions, token_slot, token_prefix, req_to_token, entries, positions, cos, sin,
+        head_dim, ratio, state_kv.shape[1], eps,
+        kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
+        state_score.stride(0), state_score.stride(1), position_bias.stride(0),
+        req_to_token.stride(0), entries.stride(0), cos.stride(0),
+        SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
+        BLOCK_D=block_d,
+        SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
+        FUSED=True, NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
+        BLOCK_W=triton.next_power_of_2(kv.shape[1]), enable_fp_fusion=False,
+    )

@@ -124,6 +124,19 @@ def mhc_post_combine_ref(
     return MhcPostCombineOutput(new_streams, pre2, post2, comb2, x_in, x_normed)
 
 
+def mhc_pre_ref(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_weight: torch.Tensor, *, hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+) -> MhcPostCombineOutput:
+    """Opening the first sublayer (no stream update before it): coefficients, collapse and
+    RMSNorm of the given streams, which are returned unchanged."""
+    pre, post, comb = mhc_coeffs_ref(streams, fn, base, scale, hc_eps=hc_eps,
+                                     sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps)
+    x_in = mhc_collapse_ref(streams, pre)
+    return MhcPostCombineOutput(streams, pre, post, comb, x_in,
+                                rms_norm_ref(x_in, norm_weight, rms_eps))
+
+
 # ------------------------------------------------------------------------------------------------
 # Triton kernel
 # ------------------------------------------------------------------------------------------------
@@ -149,14 +162,21 @@ def _pick(t, offs_j, j: tl.constexpr):
 
 @triton.jit
 def _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, row, M, offs_j, mask_j, offs_d, mask_d,
-              D: tl.constexpr, N: tl.constexpr):
-    """Phase A inputs of one row on one slice: y [B], post [NP], comb [NP, NP], Rs [NP, B]."""
+              D: tl.constexpr, N: tl.constexpr, HAS_UPDATE: tl.constexpr):
+    """Phase A inputs of one row on one slice: y [B], post [NP], comb [NP, NP], Rs [NP, B]
+    (y, post and comb are not read when only opening: HAS_UPDATE false)."""
     ok = row < M
     mask_jd = mask_j[:, None] & mask_d[None, :] & ok
-    y = tl.load(y_ptr + row * D + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
-    post = tl.load(post_ptr + row * N + offs_j, mask=mask_j & ok, other=0.0)
-    comb = tl.load(comb_ptr + row * N * N + offs_j[:, None] * N + offs_j[None, :],
-                   mask=mask_j[:, None] & mask_j[None, :] & ok, other=0.0)
+    if HAS_UPDATE:
+        y = tl.load(y_ptr + row * D + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
+        post = tl.load(post_ptr + row * N + offs_j, mask=mask_j & ok, other=0.0)
+        comb = tl.load(comb_ptr + row * N * N + offs_j[:, None] * N + offs_j[None, :],
+                       mask=mask_j[:, None] & mask_j[None, :] & ok, other=0.0)
+    else:
+        # Placeholders of the right shapes (unused; the compiler drops them).
+        y = offs_d.to(tl.float32)
+        post = offs_j.to(tl.float32)
+        comb = offs_j[:, None].to(tl.float32) + offs_j[None, :].to(tl.float32)
     src = tl.load(streams_ptr + (row * N + offs_j[:, None]) * D + offs_d[None, :], mask=mask_jd,
                   other=0.0).to(tl.float32)
     return y, post, comb, src
@@ -167,9 +187,11 @@ def _stream_update_and_partials(
     streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
     D: tl.constexpr, NUM_SLICES: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
     RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
 ):
     """Phase A, program (row tile, D slice): Rs' of BLOCK_M rows on the slice; per row, the
-    slice's partial fn projection (partials columns < R) and sum of squares (column R)."""
+    slice's partial fn projection (partials columns < R) and sum of squares (column R).
+    Without HAS_UPDATE (opening only) Rs' is Rs itself and nothing is stored but partials."""
     R: tl.constexpr = (2 + N) * N
     slice_id = tl.program_id(1)
     act_ty = streams_out_ptr.dtype.element_ty
@@ -189,21 +211,24 @@ def _stream_update_and_partials(
     # row's arithmetic so that their latency overlaps it.
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
     y, post, comb, src = _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, first_row, M,
-                                   offs_j, mask_j, offs_d, mask_d, D, N)
+                                   offs_j, mask_j, offs_d, mask_d, D, N, HAS_UPDATE)
     for i in tl.static_range(BLOCK_M):
         row = first_row + i
         if i + 1 < BLOCK_M:
             y_next, post_next, comb_next, src_next = _load_row(
                 streams_ptr, y_ptr, post_ptr, comb_ptr, row + 1, M,
-                offs_j, mask_j, offs_d, mask_d, D, N)
-        # The reference's operand order: post term first, then j increasing.
-        acc = post[:, None] * y[None, :]
-        for j in tl.static_range(N):
-            acc = acc + _pick(comb, offs_j, j)[:, None] * _pick(src, offs_j, j)[None, :]
-        if ROUND_BF16:
-            acc = _round_to_bf16(acc)
-        out_offs = (row * N + offs_j[:, None]) * D + offs_d[None, :]
-        tl.store(streams_out_ptr + out_offs, acc.to(act_ty), mask=mask_jd & (row < M))
+                offs_j, mask_j, offs_d, mask_d, D, N, HAS_UPDATE)
+        if HAS_UPDATE:
+            # The reference's operand order: post term first, then j increasing.
+            acc = post[:, None] * y[None, :]
+            for j in tl.static_range(N):
+                acc = acc + _pick(comb, offs_j, j)[:, None] * _pick(src, offs_j, j)[None, :]
+            if ROUND_BF16:
+                acc = _round_to_bf16(acc)
+            out_offs = (row * N + offs_j[:, None]) * D + offs_d[None, :]
+            tl.store(streams_out_ptr + out_offs, acc.to(act_ty), mask=mask_jd & (row < M))
+        else:
+            acc = src  # opening only: the streams are read as they are (no store)
         sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
         mix = tl.sum(tl.sum(fn_tile * acc[None, :, :], axis=2), axis=1)
         part = tl.where(offs_r == R, sumsq, mix)
@@ -353,14 +378,14 @@ def _mhc_post_combine_kernel(
     PHASE: tl.constexpr, D: tl.constexpr, NUM_SLICES: tl.constexpr,
     SINKHORN_ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr,
     SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, HAS_UPDATE: tl.constexpr,
 ):
     """PHASE 0: grid (row tiles, D slices), see _stream_update_and_partials. PHASE 1: grid
     (M, 2), program (row, 0) collapses and norms, program (row, 1) forms post' and comb'."""
     if PHASE == 0:
         _stream_update_and_partials(
             streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
-            D, NUM_SLICES, N, NP, RP, BLOCK_M, BLOCK_D, ROUND_BF16)
+            D, NUM_SLICES, N, NP, RP, BLOCK_M, BLOCK_D, ROUND_BF16, HAS_UPDATE)
     else:
         row = tl.program_id(0).to(tl.int64)
         if tl.program_id(1) == 0:
@@ -426,6 +451,30 @@ def mhc_post_combine(
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed).
     """
+    return _launch(streams, (y, post, comb), fn, base, scale, norm_weight, hc_eps=hc_eps,
+                   sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps, out=out)
+
+
+def mhc_pre(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    norm_weight: torch.Tensor, *, hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+    out: MhcPostCombineOutput | None = None,
+) -> MhcPostCombineOutput:
+    """Fused mhc_pre_ref: open the first sublayer (no sublayer closes before it). The same two
+    launches as :func:`mhc_post_combine` with the stream update skipped, so the coefficients,
+    x_in and the normed input go through the same reduction trees (bit-identical to
+    ``mhc_post_combine`` with post = 0 and comb = I). ``streams`` of the result is the input
+    tensor itself (``out.streams``, if given, is not written). Arguments as mhc_post_combine.
+    """
+    return _launch(streams, None, fn, base, scale, norm_weight, hc_eps=hc_eps,
+                   sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps, out=out)
+
+
+def _launch(
+    streams: torch.Tensor, update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
+    hc_eps: float, sinkhorn_iters: int, rms_eps: float, out: MhcPostCombineOutput | None,
+) -> MhcPostCombineOutput:
     _require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
     dev, act = streams.device, streams.dtype
@@ -435,9 +484,13 @@ def mhc_post_combine(
     r = (2 + n) * n
     f32 = (torch.float32,)
     _check_tensor("streams", streams, (m, n, d), (act,), dev)
-    _check_tensor("y", y, (m, d), (act,), dev)
-    _check_tensor("post", post, (m, n), f32, dev)
-    _check_tensor("comb", comb, (m, n, n), f32, dev)
+    if update is not None:
+        y, post, comb = update
+        _check_tensor("y", y, (m, d), (act,), dev)
+        _check_tensor("post", post, (m, n), f32, dev)
+        _check_tensor("comb", comb, (m, n, n), f32, dev)
+    else:  # never read by the kernel (HAS_UPDATE false)
+        y = post = comb = streams
     _check_tensor("fn", fn, (r, n * d), f32, dev)
     _check_tensor("base", base, (r,), f32, dev)
     _check_tensor("scale", scale, (3,), f32, dev)
@@ -450,6 +503,8 @@ def mhc_post_combine(
                                      for shape, dt in zip(out_shapes, out_dtypes)))
     for name, t, shape, dt in zip(out._fields, out, out_shapes, out_dtypes):
         _check_tensor(f"out.{name}", t, shape, (dt,), dev)
+    if update is None:
+        out = out._replace(streams=streams)
     if m == 0:
         return out
 
@@ -463,7 +518,7 @@ def mhc_post_combine(
     meta = dict(D=d, NUM_SLICES=num_slices, SINKHORN_ITERS=int(sinkhorn_iters),
                 N=n, NP=triton.next_power_of_2(n), RP=rp, SP=triton.next_power_of_2(num_slices),
                 BLOCK_D=block_d, FINISH_BLOCK=finish_block, ROUND_BF16=act == torch.bfloat16,
-                enable_fp_fusion=False)
+                HAS_UPDATE=update is not None, enable_fp_fusion=False)
     _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
         *args, PHASE=0, BLOCK_M=block_m, num_warps=4, **meta)
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.

@@ -66,6 +66,7 @@ def _rms_norm_kernel(
     weight_ptr,
     out_ptr,
     n_rows,
+    x_row_stride,
     eps,
     N: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -79,7 +80,8 @@ def _rms_norm_kernel(
     col_mask = cols < N
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask,
+                other=0.0).to(tl.float32)
 
     # Masked columns load 0 and add nothing; the tree over BLOCK_N depends on N only.
     mean_sq = tl.div_rn(tl.sum(x * x, axis=1), N * 1.0)
@@ -107,11 +109,12 @@ def rms_norm(
     eps: float,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """RMSNorm over the last dim of a contiguous `[..., N]` tensor, in one launch (X2, see module).
+    """RMSNorm over the last dim of a `[..., N]` tensor, in one launch (X2, see module).
 
     Args:
-        x: contiguous [..., N] fp32/bf16/fp16, 1 <= N <= MAX_N (any N, not only powers of two);
-            rows = the product of the leading dims.
+        x: [..., N] fp32/bf16/fp16, 1 <= N <= MAX_N (any N, not only powers of two); rows = the
+            product of the leading dims. Contiguous, or 2-D rows with unit stride along N and any
+            row stride (a column block of a wider projection output, read in place).
         weight: [N] contiguous float tensor on x's device (weighted variant), or None
             (weightless: rstd rounded to x's dtype before the multiply).
         eps: added to the mean square.
@@ -123,9 +126,14 @@ def rms_norm(
     """
     if x.dtype not in _SUPPORTED_DTYPES or x.dim() < 1:
         raise ValueError(f"x must be [..., N] fp32/bf16/fp16, got {x.dtype} {tuple(x.shape)}")
-    if not x.is_contiguous():
-        raise ValueError(f"x must be contiguous, got strides {x.stride()}")
     n = x.shape[-1]
+    if x.is_contiguous():
+        row_stride = n
+    elif x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= n:
+        row_stride = x.stride(0)
+    else:
+        raise ValueError(f"x must be contiguous or 2-D with unit stride along N, got shape "
+                         f"{tuple(x.shape)} strides {x.stride()}")
     if weight is not None:
         if weight.shape != (n,) or not weight.is_floating_point() or weight.stride(0) != 1:
             raise ValueError(f"weight must be a contiguous float [{n}], got {weight.dtype} "
@@ -133,7 +141,7 @@ def rms_norm(
         if weight.device != x.device:
             raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     if out is None:
-        out = torch.empty_like(x)
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or (
         out.device != x.device
     ):
@@ -147,7 +155,7 @@ def rms_norm(
     block_m, block_n, num_warps = _launch_shape(n)
     grid = (triton.cdiv(n_rows, block_m),)
     _rms_norm_kernel[grid](
-        x, x if weight is None else weight, out, n_rows, float(eps),
+        x, x if weight is None else weight, out, n_rows, row_stride, float(eps),
         N=n, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=weight is not None,
         IS_BF16=x.dtype == torch.bfloat16, IS_FP16=x.dtype == torch.float16,
         num_warps=num_warps, enable_fp_fusion=False,

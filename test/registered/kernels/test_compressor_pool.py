@@ -11,7 +11,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
+from sgl_dspark.kernels.compressor_pool import (
+    compressor_decode,
+    compressor_decode_ref,
+    compressor_pool,
+    compressor_pool_ref,
+)
+from sgl_dspark.kernels.rope import rope_tail
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
@@ -140,3 +146,62 @@ def test_empty_and_bad_inputs() -> None:
         compressor_pool(**{**inputs, "overlap": False})
     with pytest.raises(ValueError, match="state_kv"):
         compressor_pool(**{**inputs, "state_kv": inputs["state_kv"].bfloat16()})
+
+
+# ---- the fused decode step: pooling + RoPE + entry store + ring store ---------------------------
+
+
+def _rope_rows(positions: torch.Tensor, rope_half: int) -> tuple[torch.Tensor, torch.Tensor]:
+    inv = 1.0 / 500 ** (torch.arange(rope_half, dtype=torch.float32) / rope_half)
+    ang = positions.float().cpu()[:, None] * inv[None, :]
+    return ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    ty = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+    return a.shape == b.shape and torch.equal(a.view(ty[a.dtype]), b.view(ty[b.dtype]))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_fused_decode_matches_reference(index: int, dtype: torch.dtype) -> None:
+    """Entries of block-end rows land rotated at their slots (X2 vs the reference; bit for bit
+    vs the two-kernel composition pool -> rope_tail), no other entry slot is touched, and the
+    rings get every row's raw kv/score exactly."""
+    prefix, extends, head_dim, ratio, overlap = CASES[index]
+    inputs = _inputs(prefix, extends, head_dim, ratio, overlap, dtype, seed=40 + index)
+    rope_half = max(1, head_dim // 4)
+    cos, sin = _rope_rows(inputs["positions"] - (ratio - 1), rope_half)
+    n_slots = int(inputs["req_to_token"].max()) // ratio + 1
+    entries0 = torch.full((n_slots, head_dim), float("nan"), dtype=dtype, device=DEVICE)
+    want = {k: inputs[k].clone() for k in ("state_kv", "state_score")}
+    want_entries = entries0.clone()
+    compressor_decode_ref(**{**inputs, **want}, cos=cos, sin=sin, entries=want_entries)
+    got = {k: inputs[k].clone() for k in ("state_kv", "state_score")}
+    got_entries = entries0.clone()
+    compressor_decode(**{**inputs, **got}, cos=cos, sin=sin, entries=got_entries)
+    for k in got:
+        assert _same_bits(got[k], want[k]), k
+    written = ~torch.isnan(want_entries).any(dim=1)
+    assert written.any() and torch.equal(written, ~torch.isnan(got_entries).any(dim=1))
+    tol = {torch.float32: 1e-5, torch.bfloat16: 2**-6}[dtype]
+    torch.testing.assert_close(got_entries[written].float(), want_entries[written].float(),
+                               rtol=tol, atol=tol)
+    pooled = compressor_pool(**inputs)
+    ends = (inputs["positions"] + 1) % ratio == 0
+    composed = rope_tail(pooled.entries.unsqueeze(1), cos, sin).squeeze(1)
+    assert _same_bits(got_entries[pooled.slots[ends]], composed[ends])
+
+
+def test_fused_decode_bad_inputs() -> None:
+    inputs = _inputs([6], [2], 16, 4, True, torch.float32, seed=2)
+    cos, sin = _rope_rows(inputs["positions"], 4)
+    entries = torch.zeros(64, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="entries"):
+        compressor_decode(**inputs, cos=cos, sin=sin, entries=entries.bfloat16())
+    with pytest.raises(ValueError, match="cos/sin"):
+        compressor_decode(**inputs, cos=cos[:, :3], sin=sin, entries=entries)
+    with pytest.raises(ValueError, match="too short"):
+        compressor_decode(**{**inputs, "state_kv": inputs["state_kv"][:, :4],
+                             "state_score": inputs["state_score"][:, :4]},
+                          cos=cos, sin=sin, entries=entries)

@@ -18,6 +18,8 @@ from sgl_dspark.kernels.mhc import (
     mhc_post_combine,
     mhc_post_combine_ref,
     mhc_post_ref,
+    mhc_pre,
+    mhc_pre_ref,
     rms_norm_ref,
 )
 
@@ -160,6 +162,47 @@ def test_kernel_matches_ref(m: int, n: int, d: int, dtype: torch.dtype, iters: i
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
     _assert_close_act(out.x_in, ref.x_in)
     _assert_close_act(out.x_normed, ref.x_normed)
+
+
+@pytest.mark.parametrize(
+    "m,n,d,dtype,iters",
+    [(1, 4, 96, torch.float32, 20), (5, 4, 160, torch.bfloat16, 20), (4, 1, 96, torch.bfloat16, 1),
+     (37, 4, 96, torch.bfloat16, 3), (2, 4, 1100, torch.bfloat16, 20), (3, 2, 33, torch.float32, 4)],
+)
+def test_pre_matches_ref_and_equals_identity_update(m: int, n: int, d: int, dtype: torch.dtype,
+                                                    iters: int) -> None:
+    """Opening only: the coefficients / x_in / normed input of the given streams (tolerance, X2),
+    the streams returned untouched, and bit-identical to the full kernel with post = 0 and
+    comb = I (same reduction trees; the identity update reproduces Rs exactly)."""
+    inp = _make_inputs(m, n, d, dtype, seed=7 * m + n + iters)
+    streams_before = inp["streams"].clone()
+    heads = {k: inp[k] for k in ("fn", "base", "scale", "norm_weight")}
+    ref = mhc_pre_ref(inp["streams"], **heads, sinkhorn_iters=iters, **_KW)
+    poison = _poisoned_out(m, n, d, dtype)
+    out = mhc_pre(inp["streams"], **heads, sinkhorn_iters=iters, **_KW, out=poison)
+    assert out.streams is inp["streams"]
+    _assert_bits_equal(inp["streams"], streams_before)
+    assert torch.isnan(poison.streams.float()).all()  # out.streams is not written
+    for name in ("pre", "post", "comb"):
+        got, want = getattr(out, name), getattr(ref, name)
+        assert not torch.isnan(got).any(), name
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6, msg=name)
+    _assert_close_act(out.x_in, ref.x_in)
+    _assert_close_act(out.x_normed, ref.x_normed)
+    ident = mhc_post_combine(
+        inp["streams"], inp["y"], torch.zeros(m, n, device=DEVICE),
+        torch.eye(n, device=DEVICE).expand(m, n, n).contiguous(), **heads,
+        sinkhorn_iters=iters, **_KW)
+    _assert_bits_equal(ident.streams, inp["streams"])
+    for name in ("pre", "post", "comb", "x_in", "x_normed"):
+        _assert_bits_equal(getattr(out, name), getattr(ident, name))
+
+
+def test_pre_empty_batch() -> None:
+    inp = _make_inputs(0, 4, 96, torch.bfloat16, seed=1)
+    out = mhc_pre(inp["streams"], inp["fn"], inp["base"], inp["scale"], inp["norm_weight"],
+                  sinkhorn_iters=3, **_KW)
+    assert out.x_normed.shape == (0, 96) and out.comb.shape == (0, 4, 4)
 
 
 def test_kernel_keeps_signed_zeros() -> None:

@@ -129,6 +129,20 @@ def test_in_place_output() -> None:
     assert got is x and torch.equal(x, want)
 
 
+@pytest.mark.parametrize("rows", [1, 5, 64])
+def test_column_block_of_wider_rows_is_read_in_place(rows: int) -> None:
+    """A column block of a fused projection output (row stride > N) gives the bits of the
+    same rows copied to a contiguous buffer, into a fresh contiguous output."""
+    wide, _ = _inputs((rows, 64 + 100 + 8), torch.bfloat16, False, seed=rows)
+    _, weight = _inputs((1, 100), torch.bfloat16, True, seed=rows + 1)
+    block = wide[:, 64:164]
+    assert not block.is_contiguous() or rows == 1
+    got = rms_norm(block, weight, 1e-6)
+    assert got.is_contiguous() and got.shape == block.shape
+    assert torch.equal(got, rms_norm(block.contiguous(), weight, 1e-6))
+    _assert_x2_close(got, rms_norm_ref(block.contiguous(), weight, 1e-6))
+
+
 def test_empty_inputs_return_without_launch() -> None:
     for shape in [(0, 64), (0, 4, 512), (3, 0)]:
         x = torch.empty(shape, dtype=torch.bfloat16, device=DEVICE)

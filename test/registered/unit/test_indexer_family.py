@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
+from sgl_dspark.kernels.compressor_pool import compressor_decode, compressor_pool_ref
 from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
 from sgl_dspark.srt.layers.attention.compressor import (
     BlockCompressor,
-    decode_pool_impl,
+    decode_step_impl,
     indexer_scores_impl,
     indexer_scores_torch,
 )
@@ -36,9 +36,9 @@ TORCH, TRITON = KernelChoice("torch"), KernelChoice("torch", (("indexer", "trito
 
 def test_choice_binds_implementations() -> None:
     assert indexer_scores_impl(TORCH) is indexer_scores_torch
-    assert decode_pool_impl(TORCH) is None
+    assert decode_step_impl(TORCH) is None
     assert indexer_scores_impl(TRITON) is indexer_logits
-    assert decode_pool_impl(TRITON) is compressor_pool
+    assert decode_step_impl(TRITON) is compressor_decode
     assert KernelChoice("triton").of("indexer") == "triton"
     with pytest.raises(ValueError, match="indexer='cuda'"):
         KernelChoice.parse("torch", "indexer=cuda")
@@ -75,10 +75,17 @@ def test_torch_scores_equal_kernel_reference(dtype: torch.dtype) -> None:
 
 def _compress(comp: BlockCompressor, batch: ForwardBatch, state: CompressorState,
               entries: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor) -> None:
-    def rope(v: torch.Tensor, positions: torch.Tensor, cache_key: object = None) -> torch.Tensor:
-        return apply_rope_tail(v, *rope_cos_sin(positions, inv_freq))
+    class Rope:
+        def compress_table(self, positions: torch.Tensor, cache_key: object = None,
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+            return rope_cos_sin(positions, inv_freq)
 
-    comp.compress(x, batch, state, entries, rope)
+        def rotate_compress(self, v: torch.Tensor, positions: torch.Tensor,
+                            cache_key: object = None) -> torch.Tensor:
+            return apply_rope_tail(v, *self.compress_table(positions))
+
+    rope = Rope()
+    comp.compress(comp.kv_proj(x), comp.gate_proj(x), batch, state, entries, rope)
 
 
 @pytest.mark.parametrize("overlap, ratio", [(True, 4), (False, 16)])
@@ -178,7 +185,7 @@ def test_tiny_model_greedy_tokens_match_torch() -> None:
     verify = [torch.randint(3, 512, (w,), generator=gen).tolist() for w in (3, 1, 4)]
     runner = _runner("indexer=triton", weights)
     comp = runner.model.model.layers[1].self_attn.compressor
-    assert comp is not None and comp._decode_pool is compressor_pool
+    assert comp is not None and comp._decode_step is compressor_decode
     assert comp.indexer._scores is indexer_logits
     want_tokens, want_logits = _greedy(_runner(None, weights), prompts, verify, 40)
     got_tokens, got_logits = _greedy(runner, prompts, verify, 40)
@@ -193,8 +200,8 @@ def test_large_pooling_tiles_keep_the_torch_pooling() -> None:
     # code on an H200 (benchmark/results/kernels.md), so such compressors bind no kernel.
     def bound(ratio: int, head_dim: int, overlap: bool) -> bool:
         comp = BlockCompressor(64, head_dim, ratio, overlap, 1e-6, kernels=TRITON)
-        return comp._decode_pool is not None
+        return comp._decode_step is not None
 
     assert bound(4, 512, True) and bound(128, 128, False)
     assert not bound(128, 512, False)
-    assert not BlockCompressor(64, 32, 4, True, 1e-6, kernels=TORCH)._decode_pool
+    assert not BlockCompressor(64, 32, 4, True, 1e-6, kernels=TORCH)._decode_step

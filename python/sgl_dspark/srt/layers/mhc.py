@@ -89,19 +89,27 @@ class HcSublayers(Protocol):
     post_attention_layernorm: RMSNorm
 
 
-# (streams, y, post, comb, next_hc, next_norm) -> (streams', next input normed, post', comb')
-HcBoundaryFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, HyperConnection, RMSNorm],
-    tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-]
+class HcBoundary(Protocol):
+    """The fused sublayer boundaries of the "mhc" family (see `hc_boundary_impl`)."""
+
+    def __call__(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                 comb: torch.Tensor, next_hc: HyperConnection, next_norm: RMSNorm,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Close a sublayer and open the next: (streams', next input normed, post', comb')."""
+
+    def open(self, streams: torch.Tensor, hc: HyperConnection, norm: RMSNorm,
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Open the first sublayer: (its normed input, post, comb)."""
 
 
-def hc_boundary_impl(kernels: KernelChoice) -> HcBoundaryFn | None:
+def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
 
     triton: K7 (`kernels/mhc.py::mhc_post_combine`) closes one sublayer (`hc_expand`) and opens
     the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one kernel (two launches: a pass
-    split over D, then a per-row finish). It is X2 against the
+    split over D, then a per-row finish); `open` (`mhc_pre`) runs the same kernel without the
+    stream update for the first sublayer (about 120 small torch kernels otherwise: the Sinkhorn
+    loop alone is 3 per iteration). It is X2 against the
     torch path: the stream update is accumulated in fp32 with fp32 post/comb (`hc_expand` casts
     them to the activation dtype and uses a matmul), and the coefficient reductions run in a
     different order, so outputs agree to a tolerance, not bit for bit.
@@ -109,19 +117,27 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundaryFn | None:
     if kernels.of("mhc") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.mhc import mhc_post_combine
+    from sgl_dspark.kernels.mhc import mhc_post_combine, mhc_pre
 
-    def boundary(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-                 next_hc: HyperConnection, next_norm: RMSNorm,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        assert next_norm.eps == next_hc.rms_eps, (next_norm.eps, next_hc.rms_eps)
-        out = mhc_post_combine(
-            streams, y.contiguous(), post, comb, next_hc.fn, next_hc.base, next_hc.scale,
-            next_norm.weight, hc_eps=next_hc.hc_eps, sinkhorn_iters=next_hc.sinkhorn_iters,
-            rms_eps=next_hc.rms_eps)
-        return out.streams, out.x_normed, out.post, out.comb
+    class _Boundary:
+        def __call__(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                     comb: torch.Tensor, next_hc: HyperConnection, next_norm: RMSNorm,
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            assert next_norm.eps == next_hc.rms_eps, (next_norm.eps, next_hc.rms_eps)
+            out = mhc_post_combine(
+                streams, y.contiguous(), post, comb, next_hc.fn, next_hc.base, next_hc.scale,
+                next_norm.weight, hc_eps=next_hc.hc_eps, sinkhorn_iters=next_hc.sinkhorn_iters,
+                rms_eps=next_hc.rms_eps)
+            return out.streams, out.x_normed, out.post, out.comb
 
-    return boundary
+        def open(self, streams: torch.Tensor, hc: HyperConnection, norm: RMSNorm,
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
+            out = mhc_pre(streams, hc.fn, hc.base, hc.scale, norm.weight, hc_eps=hc.hc_eps,
+                          sinkhorn_iters=hc.sinkhorn_iters, rms_eps=hc.rms_eps)
+            return out.x_normed, out.post, out.comb
+
+    return _Boundary()
 
 
 def run_fused_hc_layers(
@@ -129,14 +145,14 @@ def run_fused_hc_layers(
     layers: Sequence[HcSublayers],
     attn: Callable[[int, torch.Tensor], torch.Tensor],
     ffn: Callable[[int, torch.Tensor], torch.Tensor],
-    boundary: HcBoundaryFn,
+    boundary: HcBoundary,
     after_layer: Callable[[int, torch.Tensor], None] | None = None,
 ) -> torch.Tensor:
     """Run mHC layers with fused boundaries: attn post + ffn pre inside a layer, ffn post + the
     next layer's attn pre across layers.
 
-    The first layer's attn pre and the last layer's ffn post run unfused (no sublayer before /
-    the hyper head after).
+    The first layer's attn pre runs `boundary.open`; the last layer's ffn post runs unfused
+    (the hyper head follows it).
 
     Args:
         streams: `[T, n, D]` residual streams entering layer 0.
@@ -145,9 +161,7 @@ def run_fused_hc_layers(
         after_layer: called with `(layer index, streams after the layer)` (hidden-state taps).
     Returns the streams after the last layer.
     """
-    first = layers[0]
-    pre, post, comb = first.attn_hc.coeffs(streams)
-    x = first.input_layernorm(hc_collapse(streams, pre))
+    x, post, comb = boundary.open(streams, layers[0].attn_hc, layers[0].input_layernorm)
     for i, layer in enumerate(layers):
         a = attn(i, x)
         streams, x, post, comb = boundary(streams, a, post, comb, layer.ffn_hc,

@@ -40,8 +40,11 @@ def rms_norm_impl(kernels: KernelChoice) -> RmsNormFn:
     from sgl_dspark.kernels.rmsnorm import rms_norm as rms_norm_triton
 
     def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        # The kernel reads rows of a contiguous buffer; projection outputs already are one.
-        return rms_norm_triton(x.contiguous(), weight, eps)
+        # The kernel reads contiguous rows or 2-D rows with any row stride (a column block of a
+        # fused projection output); anything else is copied first.
+        if not x.is_contiguous() and not (x.dim() == 2 and x.stride(1) == 1):
+            x = x.contiguous()
+        return rms_norm_triton(x, weight, eps)
 
     return rms_norm_fused
 

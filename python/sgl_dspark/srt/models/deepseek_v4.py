@@ -22,6 +22,7 @@ from sgl_dspark.srt.layers.attention.compressor import (
     entry_slots,
     visible_entries,
 )
+from sgl_dspark.srt.layers.fused_linear import LinearGroup
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -55,12 +56,17 @@ class RopeTables:
         positions are a function of the batch alone name them by `cache_key` ("positions" = the
         batch's own), so every layer of one forward shares one cos/sin table (a decode step
         otherwise rebuilds it in four kernels per compressor)."""
+        return self.rope(x, *self.compress_table(positions, cache_key))
+
+    def compress_table(self, positions: torch.Tensor,
+                       cache_key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the "compress" rope at `positions` (cached under `cache_key`, see above)."""
         table = self._cache.get(cache_key) if cache_key is not None else None
         if table is None:
             table = rope_cos_sin(positions, self.inv["compress"])
             if cache_key is not None:
                 self._cache[cache_key] = table
-        return self.rope(x, *table)
+        return table
 
 
 class Attention(nn.Module):
@@ -96,20 +102,39 @@ class Attention(nn.Module):
                 self.compressor.indexer = Indexer(d, cfg.q_lora_rank, cfg.index_n_heads,
                                                   cfg.index_head_dim, cfg.index_topk, m,
                                                   cfg.rms_norm_eps, kernels=kernels)
+        # The projections of the layer input and of the q_a rank, each run as one GEMM once
+        # fused (see LinearGroup): x -> q_a, kv, compressor kv/gate, indexer kv/gate/weights;
+        # qr -> q_b, indexer q_b.
+        comp = self.compressor
+        idx: Indexer | None = getattr(comp, "indexer", None)
+        x_members = [self.q_a_proj, self.kv_proj]
+        qr_members = [self.q_b_proj]
+        if comp is not None:
+            x_members += [comp.kv_proj, comp.gate_proj]
+        if idx is not None:
+            x_members += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
+            qr_members.append(idx.q_b_proj)
+        self.x_proj = LinearGroup(x_members)
+        self.qr_proj = LinearGroup(qr_members)
+
+    def linear_groups(self) -> list[LinearGroup]:
+        return [self.x_proj, self.qr_proj]
 
     def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_state: LayerKV,
                 rope: RopeTables, backend: BaseAttentionBackend) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = rope.tables[self.rope_kind]
-        qr = self.rms_norm(self.q_a_proj(x), self.q_a_norm.weight, self.q_a_norm.eps)
-        q = self.q_b_proj(qr).view(T, self.n_heads, self.head_dim)
+        q_a, kv, *comp_in = self.x_proj(x)
+        qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
+        q, *index_q = self.qr_proj(qr)
+        q = q.view(T, self.n_heads, self.head_dim)
         if self.q_head_norm:
             q = self.rms_norm(q, None, self.eps)
         q = self.rope(q, cos, sin)
-        kv = self.rms_norm(self.kv_proj(x), self.kv_norm.weight, self.kv_norm.eps)
+        kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
         kv = self.rope(kv, cos, sin)
         kv_state.window[batch.out_cache_loc] = kv.to(kv_state.window.dtype)
-        extra, valid = self._compressed_keys(x, qr, batch, kv_state, rope)
+        extra, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
                             self.head_dim**-0.5, extra, valid)
         o = self.rope(o, cos, sin, inverse=True)
@@ -118,26 +143,29 @@ class Attention(nn.Module):
         z = torch.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)
         return self.o_b_proj(z)
 
-    def _compressed_keys(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch,
-                         kv_state: LayerKV, rope: RopeTables,
+    def _compressed_keys(self, comp_in: list[torch.Tensor], index_q: list[torch.Tensor],
+                         batch: ForwardBatch, kv_state: LayerKV, rope: RopeTables,
                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """comp_in: this layer's x projections after q_a and kv (compressor kv, gate, then the
+        indexer's kv, gate, weights); index_q: [indexer q_b(qr)] on CSA layers."""
         comp = self.compressor
         if comp is None:
             return None, None
         assert kv_state.compressed is not None and kv_state.comp_state is not None
         m = comp.ratio
-        comp.compress(x, batch, kv_state.comp_state, kv_state.compressed, rope.rotate_compress)
+        comp.compress(comp_in[0], comp_in[1], batch, kv_state.comp_state, kv_state.compressed,
+                      rope)
         n_max = batch.max_seq_len // m
         if self.layer_type == HCA:
             slots = entry_slots(batch, n_max, m)
             valid = batch.cached(("hca_valid", n_max, m), lambda: torch.arange(
-                n_max, device=x.device)[None, :] < visible_entries(batch, m)[:, None])
+                n_max, device=batch.positions.device)[None, :] < visible_entries(batch, m)[:, None])
             return kv_state.compressed[slots], valid
         indexer: Indexer = comp.indexer  # type: ignore[assignment]
         assert kv_state.index_keys is not None and kv_state.index_state is not None
-        indexer.compress(x, batch, kv_state.index_state, kv_state.index_keys,
-                         rope.rotate_compress)
-        ids, valid = indexer.select(x, qr, batch, kv_state.index_keys, rope.rotate_compress)
+        indexer.compress(comp_in[2], comp_in[3], batch, kv_state.index_state,
+                         kv_state.index_keys, rope)
+        ids, valid = indexer.select(index_q[0], comp_in[4], batch, kv_state.index_keys, rope)
         slots = entry_slots(batch, n_max, m).gather(1, ids) if ids.shape[1] else ids
         return kv_state.compressed[slots], valid
 

@@ -26,6 +26,7 @@ from torch import nn
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.layers.fused_linear import LinearGroup
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -36,7 +37,7 @@ from sgl_dspark.srt.layers.mhc import (
     run_fused_hc_layers,
 )
 from sgl_dspark.srt.layers.moe import SparseMoE
-from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import rope_cos_sin, rope_impl, rope_inv_freq
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
 
@@ -57,20 +58,29 @@ class DraftAttention(nn.Module):
         self.o_a_proj = nn.Linear(hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+        self.rms_norm = rms_norm_impl(kernels)
+        self.x_proj = LinearGroup([self.q_a_proj, self.kv_proj])  # one GEMM once fused
+
+    def linear_groups(self) -> list[LinearGroup]:
+        return [self.x_proj]
 
     def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """KV rows `[N, Dh]` of committed tokens from the projected target features."""
-        return self.rope(self.kv_norm(self.kv_proj(main_x)), cos, sin)
+        kv = self.rms_norm(self.kv_proj(main_x), self.kv_norm.weight, self.kv_norm.eps)
+        return self.rope(kv, cos, sin)
 
     def forward(self, u: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
         """u `[B*Q, D]` normed block input; ctx_kv `[B, C, Dh]` with ctx_valid `[B, C]`."""
         rows = u.shape[0]
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(u))).view(rows, self.n_heads, self.head_dim)
+        q_a, kv = self.x_proj(u)
+        qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
+        q = self.q_b_proj(qr).view(rows, self.n_heads, self.head_dim)
         if self.q_head_norm:
-            q = rms_norm(q, None, self.eps)
+            q = self.rms_norm(q, None, self.eps)
         q = self.rope(q, cos, sin).view(batch, q_len, self.n_heads, self.head_dim)
-        kv = self.rope(self.kv_norm(self.kv_proj(u)), cos, sin).view(batch, q_len, -1)
+        kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
+        kv = self.rope(kv, cos, sin).view(batch, q_len, -1)
         keys = torch.cat((ctx_kv.to(kv.dtype), kv), dim=1)                  # [B, C+Q, Dh]
         valid = torch.cat((ctx_valid, ctx_valid.new_ones(batch, q_len)), dim=1)
         logits = torch.einsum("bqhd,bkd->bqhk", q, keys) * self.head_dim**-0.5
@@ -133,6 +143,7 @@ class DSparkDraftModel(nn.Module):
         d = cfg.hidden_size
         self.model = DraftBody(cfg, self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
+        self.rms_norm = rms_norm_impl(self.kernels)
         self.main_proj = nn.Linear(dcfg.num_stages * d, d, bias=False)
         self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, dcfg.markov_rank)
@@ -143,7 +154,8 @@ class DSparkDraftModel(nn.Module):
     def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
         """Per stage, the context KV rows `[N, Dh]` of committed tokens with target features
         `[N, n_f * D]` at `positions [N]`."""
-        main_x = self.main_norm(self.main_proj(features.to(self.main_proj.weight.dtype)))
+        main_x = self.rms_norm(self.main_proj(features.to(self.main_proj.weight.dtype)),
+                               self.main_norm.weight, self.main_norm.eps)
         cos, sin = rope_cos_sin(positions, self.inv_freq)
         stages = cast(Sequence[DraftStage], self.model.layers)
         return [stage.self_attn.context_kv(main_x, cos, sin) for stage in stages]
@@ -183,4 +195,4 @@ class DSparkDraftModel(nn.Module):
         return self.model.hc_head(streams).view(batch, q_len, d)
 
     def final_norm(self, y: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(y)
+        return self.rms_norm(y, self.model.norm.weight, self.model.norm.eps)

@@ -23,36 +23,42 @@ from sgl_dspark.srt.mem_cache.kv_pool import CompressorState
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
-class RopeFn(Protocol):
-    """Rotate x [N, ...] at positions [N]; `cache_key` names positions that are a function of the
-    batch alone, so the caller may reuse their cos/sin table across layers."""
+class CompressRope(Protocol):
+    """The "compress" rope of one forward. `cache_key` names positions that are a function of
+    the batch alone, so the caller may reuse their cos/sin table across layers."""
 
-    def __call__(self, x: torch.Tensor, positions: torch.Tensor,
-                 cache_key: object = None) -> torch.Tensor: ...
+    def rotate_compress(self, x: torch.Tensor, positions: torch.Tensor,
+                        cache_key: object = None) -> torch.Tensor:
+        """Rotate x [N, ...] at positions [N]."""
+
+    def compress_table(self, positions: torch.Tensor,
+                       cache_key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin fp32 [N, rd/2] of positions [N]."""
 
 
 # (kv, score, state_kv, state_score, position_bias, norm_weight, positions, token_slot,
-#  token_prefix, req_to_token, ratio, overlap, eps) -> (entries [T, Dh], entry slots [T])
-DecodePoolFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+#  token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries) -> None (in place)
+DecodeStepFn = Callable[..., None]
 # (qi [T, Hi, Di], weights [T, Hi] fp32, index_keys, positions, token_slot, req_to_token, ratio,
 #  n_max) -> scores [T, n_max] fp32, -inf beyond each token's visible entries
 IndexerScoresFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor, int, int], torch.Tensor]
 
 
-def decode_pool_impl(kernels: KernelChoice) -> DecodePoolFn | None:
-    """The decode/verify block pooling of the "indexer" family, bound once per compressor.
+def decode_step_impl(kernels: KernelChoice) -> DecodeStepFn | None:
+    """The decode/verify step of the "indexer" family, bound once per compressor.
 
     torch: None (the compressor's own torch code, shared with prefill). triton: the one-launch
-    kernel `kernels/compressor_pool.py::compressor_pool` (X2: same rounding points, fp32 sums in
-    another order); prefill keeps the torch code either way.
+    `kernels/compressor_pool.py::compressor_decode`: block pooling (X2: same rounding points,
+    fp32 sums in another order), RoPE at the block start, the entry store and the state-ring
+    store; prefill keeps the torch code either way.
     """
     if kernels.of("indexer") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.compressor_pool import compressor_pool
+    from sgl_dspark.kernels.compressor_pool import compressor_decode
 
-    return compressor_pool
+    return compressor_decode
 
 
 def indexer_scores_impl(kernels: KernelChoice) -> IndexerScoresFn:
@@ -78,7 +84,7 @@ class BlockCompressor(nn.Module):
         # The Triton pooling runs one program per row over the whole span x head_dim tile; past
         # _MAX_POOL_TILE elements (HCA m 128 at Dh 512: 145 us against 8 us for the torch code
         # on an H200, benchmark/results/kernels.md) this compressor keeps the torch pooling.
-        self._decode_pool = decode_pool_impl(kernels) if span * head_dim <= _MAX_POOL_TILE else None
+        self._decode_step = decode_step_impl(kernels) if span * head_dim <= _MAX_POOL_TILE else None
         width = 2 * head_dim if overlap else head_dim
         self.head_dim = head_dim
         self.ratio = ratio
@@ -88,25 +94,24 @@ class BlockCompressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(head_dim, eps)
 
-    def compress(self, x: torch.Tensor, batch: ForwardBatch, state: CompressorState,
-                 entries: torch.Tensor, rope: RopeFn) -> None:
+    def compress(self, kv: torch.Tensor, score: torch.Tensor, batch: ForwardBatch,
+                 state: CompressorState, entries: torch.Tensor, rope: CompressRope) -> None:
         """Emit the entries of every block completed by this batch into `entries`, then record
-        this batch's raw rows in the state ring."""
-        kv = self.kv_proj(x)
-        score = self.gate_proj(x)
+        this batch's raw rows in the state ring. kv / score: `kv_proj(x)` / `gate_proj(x)` (the
+        layer computes them in its fused x projection)."""
         slot_tok = batch.token_slots()
-        if batch.mode is ForwardMode.EXTEND or self._decode_pool is None:
-            self._emit_entries_torch(kv, score, batch, state, entries, rope, slot_tok)
-        else:
-            # One launch pools a candidate entry per row; rows that end no block get slot 0
-            # (the reserved dummy entry), so no host synchronisation is needed.
-            pooled, entry_slot = self._decode_pool(
+        if batch.mode is not ForwardMode.EXTEND and self._decode_step is not None:
+            # One launch: a candidate entry per row, stored where the row ends a block, and
+            # every row's raw kv/score into the ring; no host synchronisation.
+            m = self.ratio
+            start = batch.cached(("block_start", m), lambda: batch.positions - (m - 1))
+            cos, sin = rope.compress_table(start, ("block_start", m))
+            self._decode_step(
                 kv, score, state.kv, state.score, self.position_bias, self.kv_norm.weight,
-                batch.positions, slot_tok, batch.token_prefix_lens(),
-                batch.req_to_token, self.ratio, self.overlap, self.kv_norm.eps)
-            start = batch.positions - (self.ratio - 1)
-            entries[entry_slot] = rope(pooled, start, ("block_start", self.ratio)).to(
-                entries.dtype)
+                batch.positions, slot_tok, batch.token_prefix_lens(), batch.req_to_token, m,
+                self.overlap, self.kv_norm.eps, cos, sin, entries)
+            return
+        self._emit_entries_torch(kv, score, batch, state, entries, rope, slot_tok)
         # Only the last `ring` positions of each request are kept, so no two rows of one
         # request collide in this write.
         pos, ring = batch.positions, state.ring
@@ -120,7 +125,7 @@ class BlockCompressor(nn.Module):
         state.score[slot_tok, ridx] = score.to(state.score.dtype)
 
     def _emit_entries_torch(self, kv: torch.Tensor, score: torch.Tensor, batch: ForwardBatch,
-                            state: CompressorState, entries: torch.Tensor, rope: RopeFn,
+                            state: CompressorState, entries: torch.Tensor, rope: CompressRope,
                             slot_tok: torch.Tensor) -> None:
         m, d, ring = self.ratio, self.head_dim, state.ring
         pos = batch.positions
@@ -156,7 +161,7 @@ class BlockCompressor(nn.Module):
             weights = torch.softmax(sc_rows, dim=1, dtype=torch.float32).to(kv_rows.dtype)
             entry = self.kv_norm((kv_rows * weights).sum(dim=1))
             start = pos[ends] - (m - 1)
-            entry = rope(entry, start)
+            entry = rope.rotate_compress(entry, start)
             entry_slot = batch.req_to_token[slot_tok[ends], start.clamp(min=0)] // m
             if write_mask is not None:
                 entry_slot = torch.where(write_mask, entry_slot, torch.zeros_like(entry_slot))
@@ -181,22 +186,25 @@ class Indexer(BlockCompressor):
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden_size, n_heads)
 
-    def select(self, x: torch.Tensor, qr: torch.Tensor, batch: ForwardBatch,
-               index_keys: torch.Tensor, rope: RopeFn) -> tuple[torch.Tensor, torch.Tensor]:
-        """Top-k visible compressed entries per token.
+    def select(self, qi: torch.Tensor, head_w: torch.Tensor, batch: ForwardBatch,
+               index_keys: torch.Tensor, rope: CompressRope,
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k visible compressed entries per token, from the index queries
+        `qi = q_b_proj(qr)` `[T, Hi * Di]` and head weights `head_w = scorer.weights_proj(x)`
+        `[T, Hi]` (computed in the layer's fused projections).
 
         Returns (entry_ids [T, k] int64, valid [T, k] bool); ids of invalid picks are 0.
         """
-        T = x.shape[0]
+        T = qi.shape[0]
         m = self.ratio
         n_max = batch.max_seq_len // m
         k = min(self.topk, n_max)
         if k == 0 or T == 0:
-            z = torch.zeros(T, 0, dtype=torch.int64, device=x.device)
+            z = torch.zeros(T, 0, dtype=torch.int64, device=qi.device)
             return z, z.bool()
-        qi = self.q_b_proj(qr).view(T, self.n_heads, self.head_dim)
-        qi = rope(qi, batch.positions, "positions")
-        w = self.scorer.weights_proj(x).float() * self.n_heads**-0.5        # [T, Hi]
+        qi = rope.rotate_compress(qi.view(T, self.n_heads, self.head_dim), batch.positions,
+                                  "positions")
+        w = head_w.float() * self.n_heads**-0.5                                # [T, Hi]
         token_slot = batch.token_slots()
         scores = self._scores(qi, w, index_keys, batch.positions, token_slot, batch.req_to_token,
                               m, n_max)                                       # [T, N]

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.srt.layers.fused_linear import LinearGroup
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
 _SORT_BLOCK = 32  # rows per expert block of K1, and the M tile of the grouped GEMMs
@@ -110,6 +111,7 @@ class SharedExpert(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden_size, bias=False)
+        self.gate_up = LinearGroup([self.gate_proj, self.up_proj])  # one GEMM once fused
         self._activation = self._activation_torch
         if _uses_triton(kernels):
             from sgl_dspark.kernels import silu_mul_clamp
@@ -117,14 +119,18 @@ class SharedExpert(nn.Module):
             self._silu_mul_clamp = silu_mul_clamp
             self._activation = self._activation_triton
 
+    def linear_groups(self) -> list[LinearGroup]:
+        return [self.gate_up]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self._activation(x))
 
     def _activation_torch(self, x: torch.Tensor) -> torch.Tensor:
-        return swiglu_clamp(self.gate_proj(x), self.up_proj(x), self.limit)
+        gate, up = self.gate_up(x)
+        return swiglu_clamp(gate, up, self.limit)
 
     def _activation_triton(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)
+        gate_up = self.gate_up.joint(x)
         h = self._silu_mul_clamp(gate_up.reshape(-1, gate_up.shape[-1]), self.limit)
         assert isinstance(h, torch.Tensor)  # "plain" output format
         return h.view(*x.shape[:-1], h.shape[-1])

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import torch
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
+from sgl_dspark.srt.layers.fused_linear import fuse_linear_groups
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_batch_sizes
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -115,6 +116,7 @@ class DSparkWorker:
         self.draft_inputs_fn = create_draft_inputs_fn(runner.kernels)
         load_weights(draft, weights)
         self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
+        fuse_linear_groups(self.draft)  # after placement (see LinearGroup)
         dh = dcfg.stage_config.head_dim
         self.ctx_kv = [torch.zeros(runner.kv_pool.num_slots, dh, dtype=runner.dtype,
                                    device=runner.device) for _ in range(dcfg.num_stages)]

@@ -1,0 +1,86 @@
+"""Bias-free projections that read the same input, run as one GEMM.
+
+At batch size 1 a decode step is bound by kernel launches, not bytes: a V4 CSA layer projects its
+input seven times (q_a, kv, the compressor's kv and gate, the indexer's kv, gate and head
+weights). `LinearGroup` keeps the member `nn.Linear`s (their parameters keep the checkpoint names)
+and, once `fuse()` has run, stores their weights as row blocks of one tensor, so one `F.linear`
+computes every output; the members' weights become views of it (no extra memory).
+
+`fuse()` must run after the model is on its final device and dtype: `Module.to()` would replace
+the member parameters with copies and silently untie them (the group then keeps computing with
+the old tensor; `ModelRunner` fuses after placement).
+
+Exactness: each output column is the same dot product, but the GEMM sees a wider N and the BLAS
+may pick another kernel (tile or split-K order), so outputs can differ from the separate GEMMs in
+the last bits (X2 class of kernels.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class LinearGroup:
+    """Members' outputs `[..., out_i]` for one input, in member order (column views of one GEMM
+    output once fused)."""
+
+    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+        if not linears:
+            raise ValueError("LinearGroup needs at least one nn.Linear")
+        for lin in linears:
+            if lin.bias is not None:
+                raise ValueError("LinearGroup members must be bias-free")
+        if len({lin.in_features for lin in linears}) != 1:
+            raise ValueError(f"LinearGroup members must share in_features, got "
+                             f"{[lin.in_features for lin in linears]}")
+        self.linears = list(linears)
+        self.sizes = [lin.out_features for lin in linears]
+        self.weight: torch.Tensor | None = None
+
+    def fuse(self) -> None:
+        """Concatenate the weights into one tensor and make each member's weight a view of it."""
+        ws = [lin.weight.data for lin in self.linears]
+        if len({(w.dtype, w.device) for w in ws}) != 1:
+            raise ValueError("LinearGroup members must share dtype and device to fuse")
+        fused = torch.cat(ws, dim=0)
+        for lin, part in zip(self.linears, fused.split(self.sizes, dim=0)):
+            lin.weight.data = part
+        self.weight = fused
+
+    @property
+    def fused(self) -> bool:
+        w = self.weight
+        # Untied by a later Module.to(): fall back to the members (never compute with stale weights).
+        return w is not None and self.linears[0].weight.data_ptr() == w.data_ptr()
+
+    def joint(self, x: torch.Tensor) -> torch.Tensor:
+        """All outputs side by side `[..., sum(out_i)]` (contiguous): the GEMM's own output once
+        fused, else the members' outputs concatenated."""
+        if self.fused:
+            assert self.weight is not None
+            return F.linear(x, self.weight)
+        return torch.cat([lin(x) for lin in self.linears], dim=-1)
+
+    def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
+        if len(self.linears) > 1 and self.fused:
+            assert self.weight is not None
+            return list(F.linear(x, self.weight).split(self.sizes, dim=-1))
+        return [lin(x) for lin in self.linears]
+
+
+def fuse_linear_groups(model: nn.Module) -> int:
+    """Fuse every `LinearGroup` that a module of `model` lists in its `linear_groups()`; returns
+    how many were fused."""
+    n = 0
+    for mod in model.modules():
+        groups = getattr(mod, "linear_groups", None)
+        if callable(groups):
+            for g in groups():
+                if len(g.linears) > 1:
+                    g.fuse()
+                    n += 1
+    return n
