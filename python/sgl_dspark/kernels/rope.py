@@ -75,6 +75,7 @@ def _rope_tail_kernel(
     out_stride_m,
     out_stride_h,
     cs_stride_m,
+    out_rows_ptr,
     NOPE: tl.constexpr,
     HALF: tl.constexpr,
     NOPE_POW2: tl.constexpr,
@@ -82,13 +83,16 @@ def _rope_tail_kernel(
     BLOCK_H: tl.constexpr,
     INVERSE: tl.constexpr,
     OUT_BF16: tl.constexpr,
+    SCATTER: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_src = heads < in_heads
     is_dst = heads < out_heads
     x_rows = x_ptr + token * x_stride_m + heads[:, None].to(tl.int64) * x_stride_h
-    out_rows = out_ptr + token * out_stride_m + heads[:, None].to(tl.int64) * out_stride_h
+    # SCATTER: token m's row goes to out[out_rows[m]] (e.g. a KV pool at the batch's slots).
+    dst = tl.load(out_rows_ptr + token).to(tl.int64) if SCATTER else token
+    out_rows = out_ptr + dst * out_stride_m + heads[:, None].to(tl.int64) * out_stride_h
 
     # Pass-through channels: copied in the storage dtype, bit for bit (zeros for pad heads).
     nope_cols = tl.arange(0, NOPE_POW2)[None, :]
@@ -128,6 +132,7 @@ def rope_tail(
     inverse: bool = False,
     out: torch.Tensor | None = None,
     out_heads: int | None = None,
+    out_rows: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the trailing rope channels of every head and write full rows, in one launch.
 
@@ -140,6 +145,9 @@ def rope_tail(
         out: optional [M, H_out, D] buffer of x's dtype, unit stride along D (e.g. a slice of a
             preallocated per-bucket buffer). May be ``x`` itself (in place) when H_out == H.
         out_heads: H_out when ``out`` is None (default H).
+        out_rows: optional int32/int64 [M]: token m is written to ``out[out_rows[m]]`` (``out``
+            required, any number of rows; e.g. the paged KV pool at the batch's cache slots),
+            replacing a separate index_put. Rows must be distinct (else the last writer wins).
     Returns:
         ``out``: heads < min(H, H_out) rotated, heads in [H, H_out) zero.
     """
@@ -154,15 +162,20 @@ def rope_tail(
         raise ValueError(f"cos/sin must be fp32 with 1 <= rd/2 <= D/2 (D={head_dim}), got "
                          f"{cos.dtype}/{sin.dtype} rd/2={half}")
     if out is None:
+        if out_rows is not None:
+            raise ValueError("out_rows needs an out buffer to scatter into")
         out_heads = num_heads if out_heads is None else out_heads
         out = torch.empty((num_tokens, out_heads, head_dim), dtype=x.dtype, device=x.device)
     elif out_heads is not None and out.shape[1] != out_heads:
         raise ValueError(f"out has {out.shape[1]} heads but out_heads={out_heads}")
-    if out.dim() != 3 or out.shape[0] != num_tokens or out.shape[2] != head_dim or (
-        out.dtype != x.dtype
-    ):
-        raise ValueError(f"out must be [{num_tokens}, H_out, {head_dim}] {x.dtype}, got "
-                         f"{out.dtype} {tuple(out.shape)}")
+    if out_rows is not None and (out_rows.shape != (num_tokens,) or out_rows.dtype not in (
+            torch.int32, torch.int64) or out_rows.device != x.device):
+        raise ValueError(f"out_rows must be int32/int64 [{num_tokens}] on {x.device}, got "
+                         f"{out_rows.dtype} {tuple(out_rows.shape)} on {out_rows.device}")
+    rows_ok = out_rows is not None or out.shape[0] == num_tokens
+    if out.dim() != 3 or not rows_ok or out.shape[2] != head_dim or out.dtype != x.dtype:
+        raise ValueError(f"out must be [{num_tokens if out_rows is None else 'rows'}, H_out, "
+                         f"{head_dim}] {x.dtype}, got {out.dtype} {tuple(out.shape)}")
     if num_tokens == 0 or out.shape[1] == 0:
         return out
     for name, t in (("x", x), ("out", out), ("cos", cos), ("sin", sin)):
@@ -171,7 +184,8 @@ def rope_tail(
     if cos.stride(0) != sin.stride(0):
         raise ValueError(f"cos and sin must share a row stride, got {cos.stride(0)}, "
                          f"{sin.stride(0)}")
-    if out.data_ptr() == x.data_ptr() and (out.shape != x.shape or out.stride() != x.stride()):
+    if out.data_ptr() == x.data_ptr() and (out.shape != x.shape or out.stride() != x.stride()
+                                           or out_rows is not None):
         raise ValueError("in-place rope needs out to be x itself (same heads and strides)")
     nope = head_dim - 2 * half
     out_heads = out.shape[1]
@@ -180,9 +194,10 @@ def rope_tail(
     _rope_tail_kernel[grid](
         x, cos, sin, out, num_heads, out_heads,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        NOPE=nope, HALF=half,
+        cos if out_rows is None else out_rows, NOPE=nope, HALF=half,
         NOPE_POW2=triton.next_power_of_2(max(nope, 1)), HALF_POW2=triton.next_power_of_2(half),
         BLOCK_H=block_h, INVERSE=inverse, OUT_BF16=x.dtype == torch.bfloat16,
+        SCATTER=out_rows is not None,
         enable_fp_fusion=False,
     )
     return out

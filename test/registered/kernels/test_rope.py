@@ -106,3 +106,22 @@ def test_bad_arguments_raise() -> None:
         rope_tail(x, cos, cos, out=torch.empty(2, 3, 16, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="unit stride"):
         rope_tail(x.transpose(1, 2).contiguous().transpose(1, 2), cos, cos)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_scatter_rows_into_a_pool(tokens: int, dtype) -> None:
+    """out_rows: each token's rotated row lands at its pool row, bit for bit as the reference
+    followed by an index_put; every other pool row keeps its poison."""
+    x, cos, sin = (t.to(DEVICE) for t in _inputs(tokens, 1, 64, 32, dtype, seed=60 + tokens))
+    pool = torch.full((40, 1, 64), float("nan"), dtype=dtype, device=DEVICE)
+    rows = torch.randperm(40, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    rows = rows.to(DEVICE)
+    got = rope_tail(x, cos, sin, out=pool, out_rows=rows)
+    assert got is pool
+    _assert_bits_equal(pool[rows], rope_tail_ref(x, cos, sin))
+    others = torch.ones(40, dtype=torch.bool, device=DEVICE)
+    others[rows] = False
+    assert torch.isnan(pool[others].float()).all()
+    with pytest.raises(ValueError, match="out_rows"):
+        rope_tail(x, cos, sin, out_rows=rows)

@@ -9,13 +9,14 @@ import torch
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
+    HyperHead,
     hc_boundary_impl,
     hc_collapse,
     hc_expand,
     run_fused_hc_layers,
 )
-from sgl_dspark.srt.layers.norm import RMSNorm
-from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_impl
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
+from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_impl, rope_store_impl
 from sgl_dspark.srt.layers.sampler import greedy_argmax_impl
 from sgl_dspark.srt.speculative.dspark.ops import create_draft_inputs_fn, draft_inputs_torch
 
@@ -146,3 +147,46 @@ def test_draft_inputs_triton_equals_torch(batch, gamma, window):
     # Slots of positions < 0 are masked by ctx_valid; the visible ones must agree.
     assert torch.equal(got.ctx_slots[want.ctx_valid], want.ctx_slots[want.ctx_valid])
     assert bool(want.ctx_valid.any()) and bool((~want.ctx_valid).any())
+
+
+def test_fused_hyper_head_matches_unfused_and_follows_new_weights():
+    """`boundary.head` (the opening kernel with the head's parameters padded to a mixer) equals
+    the hyper head + final RMSNorm within X2 tolerance, and picks up replaced parameters."""
+    gen = torch.Generator().manual_seed(21)
+    n, d = 4, 96
+    head = HyperHead(n, d, 1e-6, 1e-6)
+    head.hc_fn.data = torch.randn(n, n * d, generator=gen) * 0.05
+    head.hc_base.data = torch.randn(n, generator=gen)
+    head.hc_scale.data = torch.rand(1, generator=gen) + 0.5
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(d, generator=gen)
+    head, norm = head.to(DEVICE), norm.to(DEVICE)
+    streams = torch.randn(5, n, d, generator=gen).to(DEVICE)
+    boundary = hc_boundary_impl(TRITON)
+    assert boundary is not None
+    for _ in range(2):  # second round: new head weights must not reuse the cached padding
+        y, y_normed = boundary.head(streams, head, norm)
+        want = head(streams)
+        torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(y_normed, rms_norm(want, norm.weight, 1e-6), atol=1e-5,
+                                   rtol=1e-5)
+        head.hc_fn.data = (torch.randn(n, n * d, generator=gen) * 0.05).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_store_triton_equals_torch(dtype):
+    """The KV write of a layer: rotate rows and store them at their pool slots (one scattering
+    launch on the triton choice) — the same bits as rope + index_put, other slots untouched."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 64, generator=gen).to(dtype).to(DEVICE)
+    ang = torch.rand(6, 16, generator=gen) * 50
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    slots = torch.tensor([9, 3, 17, 0, 4, 12], device=DEVICE)
+    pools = {}
+    for name, k in (("torch", TORCH), ("triton", TRITON)):
+        pool = torch.full((20, 64), float("nan"), dtype=dtype, device=DEVICE)
+        rope_store_impl(k)(x, cos, sin, pool, slots)
+        pools[name] = pool
+    assert torch.equal(pools["torch"][slots], pools["triton"][slots])
+    assert torch.isnan(pools["triton"][1].float()).all()
+    assert torch.equal(pools["torch"][slots], apply_rope_tail(x, cos, sin))

@@ -101,6 +101,10 @@ class HcBoundary(Protocol):
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Open the first sublayer: (its normed input, post, comb)."""
 
+    def head(self, streams: torch.Tensor, head: HyperHead, norm: RMSNorm,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The hyper head and the final norm: (`head(streams)`, `norm(head(streams))`)."""
+
 
 def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
@@ -137,7 +141,41 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
                           sinkhorn_iters=hc.sinkhorn_iters, rms_eps=hc.rms_eps)
             return out.x_normed, out.post, out.comb
 
+        def head(self, streams: torch.Tensor, head: HyperHead, norm: RMSNorm,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+            # The hyper head is the pre half of a mixer (weightless RMSNorm over n·D, fn
+            # projection, sigmoid + eps, collapse) and the final norm follows it, so the opening
+            # kernel computes both from the head's fn/base/scale zero-padded to a mixer's shape
+            # (the padded rows only feed post/comb, which are discarded).
+            assert norm.eps == head.rms_eps, (norm.eps, head.rms_eps)
+            fn, base, scale = _padded_head_params(head)
+            out = mhc_pre(streams, fn, base, scale, norm.weight, hc_eps=head.hc_eps,
+                          sinkhorn_iters=1, rms_eps=head.rms_eps)
+            return out.x_in, out.x_normed
+
     return _Boundary()
+
+
+def _padded_head_params(head: HyperHead) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(fn, base, scale) of a mixer whose pre half is `head`, cached on the module and rebuilt
+    when a head parameter is replaced (placement and casts assign new tensors; weights are loaded
+    before the first forward). The first call runs eagerly (the graph runner warms up before
+    capturing), so capture sees the cache."""
+    key = tuple(p.data_ptr() for p in (head.hc_fn, head.hc_base, head.hc_scale))
+    cached = getattr(head, "_padded_params", None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    n = head.hc_fn.shape[0]
+    r = (2 + n) * n
+    fn = head.hc_fn.new_zeros(r, head.hc_fn.shape[1], dtype=torch.float32)
+    fn[:n] = head.hc_fn.float()
+    base = head.hc_base.new_zeros(r, dtype=torch.float32)
+    base[:n] = head.hc_base.float()
+    scale = torch.ones(3, dtype=torch.float32, device=head.hc_scale.device)
+    scale[0] = head.hc_scale.float().reshape(())
+    params = (fn, base, scale)
+    head._padded_params = (key, params)  # type: ignore[assignment]
+    return params
 
 
 def run_fused_hc_layers(

@@ -93,3 +93,30 @@ def rope_impl(kernels: KernelChoice) -> RopeTailFn:
         return rope_tail(x, cos, sin, inverse=inverse)
 
     return rope_tail_triton
+
+
+# (x [N, Dh], cos [N, rd/2], sin [N, rd/2], pool [slots, Dh], slots [N]) -> None: pool[slots] =
+# rope(x) in the pool's dtype
+RopeStoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                       None]
+
+
+def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
+    """Rotate single-head rows and store them into a paged pool (the KV write of a layer), of the
+    "rope" family. torch: `apply_rope_tail` then an index_put. triton: one `rope_tail` launch that
+    scatters each rotated row to its slot (bit for bit the same values)."""
+    if kernels.of("rope") == "torch":
+        def store_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                        pool: torch.Tensor, slots: torch.Tensor) -> None:
+            pool[slots] = apply_rope_tail(x, cos, sin).to(pool.dtype)
+
+        return store_torch
+    from sgl_dspark.kernels.rope import rope_tail
+
+    def store_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     pool: torch.Tensor, slots: torch.Tensor) -> None:
+        if x.dtype != pool.dtype or x.stride(-1) != 1:
+            x = x.to(pool.dtype).contiguous()
+        rope_tail(x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots)
+
+    return store_triton

@@ -34,7 +34,13 @@ from sgl_dspark.srt.layers.mhc import (
 )
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
-from sgl_dspark.srt.layers.rotary import RopeTailFn, rope_cos_sin, rope_impl, rope_inv_freq
+from sgl_dspark.srt.layers.rotary import (
+    RopeTailFn,
+    rope_cos_sin,
+    rope_impl,
+    rope_inv_freq,
+    rope_store_impl,
+)
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
@@ -74,6 +80,7 @@ class Attention(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.rope = rope_impl(kernels)
+        self.rope_store = rope_store_impl(kernels)
         self.rms_norm = rms_norm_impl(kernels)
         self.layer_type = cfg.layer_types[layer_id]
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
@@ -132,8 +139,7 @@ class Attention(nn.Module):
             q = self.rms_norm(q, None, self.eps)
         q = self.rope(q, cos, sin)
         kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
-        kv = self.rope(kv, cos, sin)
-        kv_state.window[batch.out_cache_loc] = kv.to(kv_state.window.dtype)
+        self.rope_store(kv, cos, sin, kv_state.window, batch.out_cache_loc)
         extra, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
                             self.head_dim**-0.5, extra, valid)
@@ -280,7 +286,11 @@ class DeepseekV4ForCausalLM(nn.Module):
                 lambda i, x: layers[i].self_attn(x, batch, pool.layers[i], rope, backend),
                 lambda i, x: layers[i].mlp(x, batch.input_ids),
                 self.hc_boundary, tap)
-        h = self.rms_norm(m.hc_head(streams[batch.logits_indices]), m.norm.weight, m.norm.eps)
+        last = streams[batch.logits_indices]
+        if self.hc_boundary is None:
+            h = self.rms_norm(m.hc_head(last), m.norm.weight, m.norm.eps)
+        else:
+            _, h = self.hc_boundary.head(last, m.hc_head, m.norm)
         return ModelOutput(logits=self.lm_head(h).float(), hidden_taps=taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

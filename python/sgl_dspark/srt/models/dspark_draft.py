@@ -162,7 +162,7 @@ class DSparkDraftModel(nn.Module):
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 ctx_kv: list[torch.Tensor], ctx_valid: torch.Tensor,
-                ) -> torch.Tensor:
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block rows through every stage.
 
         Args:
@@ -170,7 +170,8 @@ class DSparkDraftModel(nn.Module):
             positions: `[B, Q]` absolute positions of the rows.
             ctx_kv: per stage `[B, C, Dh]` gathered context KV; ctx_valid `[B, C]` bool.
         Returns:
-            y `[B, Q, D]`: the collapsed, pre-norm hidden state (the confidence feature).
+            y `[B, Q, D]`: the collapsed, pre-norm hidden state (the confidence feature), and
+            `final_norm(y)` (the base-logit input; fused with the hyper head on the mhc kernels).
         """
         batch, q_len, d = block_embeds.shape
         x = block_embeds.reshape(batch * q_len, d)
@@ -183,7 +184,8 @@ class DSparkDraftModel(nn.Module):
                 lambda k, u: stages[k].self_attn(u, ctx_kv[k], ctx_valid, cos, sin, batch, q_len),
                 lambda k, u: stages[k].mlp(u, None),
                 self.hc_boundary)
-            return self.model.hc_head(streams).view(batch, q_len, d)
+            y, y_normed = self.hc_boundary.head(streams, self.model.hc_head, self.model.norm)
+            return (y.view(batch, q_len, d), y_normed.view(batch, q_len, d))
         for stage, kv in zip(stages, ctx_kv):
             pre, post, comb = stage.attn_hc.coeffs(streams)
             u = stage.input_layernorm(hc_collapse(streams, pre))
@@ -192,7 +194,8 @@ class DSparkDraftModel(nn.Module):
             pre, post, comb = stage.ffn_hc.coeffs(streams)
             f = stage.mlp(stage.post_attention_layernorm(hc_collapse(streams, pre)), None)
             streams = hc_expand(streams, f, post, comb)
-        return self.model.hc_head(streams).view(batch, q_len, d)
+        y = self.model.hc_head(streams).view(batch, q_len, d)
+        return y, self.final_norm(y)
 
     def final_norm(self, y: torch.Tensor) -> torch.Tensor:
         return self.rms_norm(y, self.model.norm.weight, self.model.norm.eps)

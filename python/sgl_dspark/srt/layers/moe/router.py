@@ -23,6 +23,11 @@ def score_fn(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:
     raise ValueError(f"unknown scoring_func {scoring_func!r}")
 
 
+# Rows of the persistent router workspace (covers every decode/verify graph bucket up to
+# bs 32 x width 8).
+_PERSISTENT_WORKSPACE_ROWS = 256
+
+
 class Router(nn.Module):
     """`mlp.gate`: `weight [E, D]`, plus `e_score_correction_bias [E]` (top-k routers) or
     `tid2eid [V, k]` (hash routers). Returns (weights [T, k], expert ids [T, k]): torch backend
@@ -48,9 +53,16 @@ class Router(nn.Module):
         self._route = self._route_torch
         if (kernels or KernelChoice()).of("moe") == "triton":
             # Imported only when chosen: the torch path never loads Triton.
-            from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
+            from sgl_dspark.kernels.moe_route import (
+                RouterConfig,
+                RouterWorkspace,
+                make_router_workspace,
+                router_topk,
+            )
 
             self._router_topk = router_topk
+            self._make_workspace = make_router_workspace
+            self._workspace: RouterWorkspace | None = None
             self._config = RouterConfig(top_k, scoring_func, renormalize=norm_topk_prob,
                                         routed_scaling_factor=routed_scaling_factor)
             self._route = self._route_triton
@@ -75,11 +87,22 @@ class Router(nn.Module):
     def _route_triton(self, x: torch.Tensor,
                       input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()
+        ws = None
+        if x.shape[0] <= _PERSISTENT_WORKSPACE_ROWS:
+            # Decode/verify-sized calls share one workspace that lives as long as the router
+            # (the kernel leaves its counters zero) instead of zeroing a fresh one per call: one
+            # memset kernel less per layer and step. It is never reallocated, because captured
+            # graphs keep its address; larger (prefill) calls allocate their own.
+            if self._workspace is None or self._workspace.partials.device != x.device:
+                self._workspace = self._make_workspace(
+                    _PERSISTENT_WORKSPACE_ROWS, self.weight.shape[0], x.shape[1], x.device)
+            ws = self._workspace
         if self.is_hash:
             out = self._router_topk(self._config, x=x, gate_weight=self.weight,
-                                    input_ids=input_ids, tid2eid=self.tid2eid)
+                                    input_ids=input_ids, tid2eid=self.tid2eid, workspace=ws)
         else:
             # The bias is an fp32 buffer (cast_model leaves buffers alone); .float() is a no-op.
             out = self._router_topk(self._config, x=x, gate_weight=self.weight,
-                                    correction_bias=self.e_score_correction_bias.float())
+                                    correction_bias=self.e_score_correction_bias.float(),
+                                    workspace=ws)
         return out.weights, out.ids

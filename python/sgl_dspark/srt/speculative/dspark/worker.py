@@ -354,8 +354,8 @@ class DSparkWorker:
         target = runner.model
         embeds = target.model.embed_tokens(inputs.input_ids)
         ctx = [kv[inputs.ctx_slots] for kv in self.ctx_kv]
-        y = self.draft(embeds, inputs.positions, ctx, inputs.ctx_valid)
-        base_logits = target.compute_logits(self.draft.final_norm(y))          # [B, gamma, V]
+        y, y_normed = self.draft(embeds, inputs.positions, ctx, inputs.ctx_valid)
+        base_logits = target.compute_logits(y_normed)                          # [B, gamma, V]
         ms = markov_sample(base_logits, self.draft.markov_head.embed.weight,
                            self.draft.markov_head.head.weight, anchors, temp, greedy,
                            generator=self.generator, all_greedy=all_greedy)
