@@ -2,12 +2,13 @@
 in its family module and are imported only by tests and benchmarks)."""
 
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp
-from sgl_dspark.kernels.compressor_pool import PooledEntries, compressor_pool
+from sgl_dspark.kernels.compressor_pool import PooledEntries, compressor_decode, compressor_pool
 from sgl_dspark.kernels.draft_inputs import DraftInputs, prepare_draft_inputs
 from sgl_dspark.kernels.fp4_indexer import IndexQFp4Output, fp4_index_k_quant, index_q_rope_fp4
 from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm
+from sgl_dspark.kernels.index_topk import index_topk
 from sgl_dspark.kernels.indexer import indexer_logits
-from sgl_dspark.kernels.mhc import MhcPostCombineOutput, mhc_post_combine
+from sgl_dspark.kernels.mhc import MhcPostCombineOutput, mhc_post_combine, mhc_pre
 from sgl_dspark.kernels.moe_reduce import moe_reduce
 from sgl_dspark.kernels.moe_route import (
     RouterTopkOutput,
@@ -30,5 +31,5 @@ __all__ = [
     "prepare_moe_sort", "rope_tail", "router_topk", "shard_argmax_pairs", "silu_mul_clamp",
     "spec_accept", "vocab_argmax", "window_sparse_attention",
     "PooledEntries", "compressor_pool", "indexer_logits",
-    "rms_norm",
+    "rms_norm", "compressor_decode", "index_topk", "mhc_pre",
 ]

@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._checks import require as _require
 from sgl_dspark.kernels.rope import rope_tail_ref
 
 FP4_GROUP = 32
@@ -203,11 +204,6 @@ def _fp4_index_k_quant_kernel(
     dst = scales_ptr + out_rows[:, None] * scales_row_stride + offs_g[None, :]
     mask = row_ok[:, None] & (offs_g < G)[None, :]
     tl.store(dst, exponent.to(scales_ptr.dtype.element_ty), mask=mask)
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
 
 
 def fp4_index_k_quant(

@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._checks import require as _require
 from sgl_dspark.kernels.activation import _round_bf16, silu_mul_clamp, silu_mul_clamp_ref
 from sgl_dspark.kernels.moe_sort import MoeSortOutput
 
@@ -102,11 +103,6 @@ def _moe_grouped_gemm_kernel(
         acc = _round_bf16(acc)
     tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])  # fmt: skip
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
 
 
 def _check_sorted(

@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._checks import check_tensor, require
+
 # Phase A D-slice width: aims at 64 slices (programs at M = 1), within these bounds.
 _MIN_BLOCK_D, _MAX_BLOCK_D = 16, 64
 # Phase A rows per program: grows with M so that fn (r·n·D fp32, 1.5 MB at D = 4096) is read by
@@ -46,9 +48,7 @@ class MhcPostCombineOutput(NamedTuple):
     x_normed: torch.Tensor  # [M, D] activation dtype: RMSNorm_w(x_in)
 
 
-# ------------------------------------------------------------------------------------------------
-# References (the spec). fp32 throughout; activations are cast where the unfused chain stores.
-# ------------------------------------------------------------------------------------------------
+# ---- References (the spec): fp32, activations cast where the unfused chain stores them ----
 
 
 def mhc_coeffs_ref(
@@ -128,8 +128,7 @@ def mhc_pre_ref(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     norm_weight: torch.Tensor, *, hc_eps: float, sinkhorn_iters: int, rms_eps: float,
 ) -> MhcPostCombineOutput:
-    """Opening the first sublayer (no stream update before it): coefficients, collapse and
-    RMSNorm of the given streams, which are returned unchanged."""
+    """Open the first sublayer: coeffs, collapse and RMSNorm of the (unchanged) streams."""
     pre, post, comb = mhc_coeffs_ref(streams, fn, base, scale, hc_eps=hc_eps,
                                      sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps)
     x_in = mhc_collapse_ref(streams, pre)
@@ -137,9 +136,7 @@ def mhc_pre_ref(
                                 rms_norm_ref(x_in, norm_weight, rms_eps))
 
 
-# ------------------------------------------------------------------------------------------------
-# Triton kernel
-# ------------------------------------------------------------------------------------------------
+# ---- Triton kernel ------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -163,8 +160,7 @@ def _pick(t, offs_j, j: tl.constexpr):
 @triton.jit
 def _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, row, M, offs_j, mask_j, offs_d, mask_d,
               D: tl.constexpr, N: tl.constexpr, HAS_UPDATE: tl.constexpr):
-    """Phase A inputs of one row on one slice: y [B], post [NP], comb [NP, NP], Rs [NP, B]
-    (y, post and comb are not read when only opening: HAS_UPDATE false)."""
+    """Phase A inputs of one row on one slice: y [B], post [NP], comb [NP, NP], Rs [NP, B]."""
     ok = row < M
     mask_jd = mask_j[:, None] & mask_d[None, :] & ok
     if HAS_UPDATE:
@@ -173,10 +169,8 @@ def _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, row, M, offs_j, mask_j, of
         comb = tl.load(comb_ptr + row * N * N + offs_j[:, None] * N + offs_j[None, :],
                        mask=mask_j[:, None] & mask_j[None, :] & ok, other=0.0)
     else:
-        # Placeholders of the right shapes (unused; the compiler drops them).
-        y = offs_d.to(tl.float32)
-        post = offs_j.to(tl.float32)
-        comb = offs_j[:, None].to(tl.float32) + offs_j[None, :].to(tl.float32)
+        y, post = offs_d.to(tl.float32), offs_j.to(tl.float32)  # unused placeholders
+        comb = post[:, None] + post[None, :]
     src = tl.load(streams_ptr + (row * N + offs_j[:, None]) * D + offs_d[None, :], mask=mask_jd,
                   other=0.0).to(tl.float32)
     return y, post, comb, src
@@ -399,24 +393,7 @@ def _mhc_post_combine_kernel(
                 hc_eps, rms_eps, D, NUM_SLICES, SINKHORN_ITERS, N, NP, RP, SP)
 
 
-# ------------------------------------------------------------------------------------------------
-# Launcher
-# ------------------------------------------------------------------------------------------------
-
-
-def _require(cond: bool, msg: str) -> None:
-    if not cond:
-        raise ValueError(msg)
-
-
-def _check_tensor(
-    name: str, t: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...],
-    device: torch.device,
-) -> None:
-    _require(tuple(t.shape) == shape, f"{name}: expected shape {shape}, got {tuple(t.shape)}")
-    _require(t.dtype in dtypes, f"{name}: expected dtype in {dtypes}, got {t.dtype}")
-    _require(t.is_contiguous(), f"{name}: must be contiguous")
-    _require(t.device == device, f"{name}: expected device {device}, got {t.device}")
+# ---- Launcher -----------------------------------------------------------------------------------
 
 
 def _slice_width(d: int) -> int:
@@ -434,7 +411,7 @@ def mhc_post_combine(
     streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
     hc_eps: float, sinkhorn_iters: int, rms_eps: float,
-    counters: torch.Tensor | None = None, out: MhcPostCombineOutput | None = None,
+    out: MhcPostCombineOutput | None = None,
 ) -> MhcPostCombineOutput:
     """Fused mhc_post_combine_ref (two launches of one Triton kernel, no host sync).
 
@@ -445,8 +422,6 @@ def mhc_post_combine(
         fn, base, scale: fp32 [(2+n)·n, n·D] / [(2+n)·n] / [3]: the NEXT hyper-connection.
         norm_weight: [D] fp32 or bf16: the NEXT sublayer's RMSNorm weight.
         hc_eps, sinkhorn_iters (>= 1), rms_eps: §4.2 constants.
-        counters: ignored (the launches need no arrival counters); accepted so callers written
-            for the earlier single-launch version keep working.
         out: optional preallocated outputs (shapes/dtypes as returned).
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed).
@@ -460,12 +435,9 @@ def mhc_pre(
     norm_weight: torch.Tensor, *, hc_eps: float, sinkhorn_iters: int, rms_eps: float,
     out: MhcPostCombineOutput | None = None,
 ) -> MhcPostCombineOutput:
-    """Fused mhc_pre_ref: open the first sublayer (no sublayer closes before it). The same two
-    launches as :func:`mhc_post_combine` with the stream update skipped, so the coefficients,
-    x_in and the normed input go through the same reduction trees (bit-identical to
-    ``mhc_post_combine`` with post = 0 and comb = I). ``streams`` of the result is the input
-    tensor itself (``out.streams``, if given, is not written). Arguments as mhc_post_combine.
-    """
+    """Fused mhc_pre_ref (open the first sublayer): mhc_post_combine's launches without the
+    stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
+    is the input itself (``out.streams`` is not written). Arguments as mhc_post_combine."""
     return _launch(streams, None, fn, base, scale, norm_weight, hc_eps=hc_eps,
                    sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps, out=out)
 
@@ -475,26 +447,26 @@ def _launch(
     fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
     hc_eps: float, sinkhorn_iters: int, rms_eps: float, out: MhcPostCombineOutput | None,
 ) -> MhcPostCombineOutput:
-    _require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
+    require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
     dev, act = streams.device, streams.dtype
-    _require(act in (torch.float32, torch.bfloat16), f"streams: dtype must be fp32/bf16, got {act}")
-    _require(n >= 1 and d >= 1, f"streams: n and D must be positive, got n={n}, D={d}")
-    _require(sinkhorn_iters >= 1, f"sinkhorn_iters: must be >= 1, got {sinkhorn_iters}")
+    require(act in (torch.float32, torch.bfloat16), f"streams: dtype must be fp32/bf16, got {act}")
+    require(n >= 1 and d >= 1, f"streams: n and D must be positive, got n={n}, D={d}")
+    require(sinkhorn_iters >= 1, f"sinkhorn_iters: must be >= 1, got {sinkhorn_iters}")
     r = (2 + n) * n
     f32 = (torch.float32,)
-    _check_tensor("streams", streams, (m, n, d), (act,), dev)
+    check_tensor("streams", streams, (m, n, d), (act,), dev)
     if update is not None:
         y, post, comb = update
-        _check_tensor("y", y, (m, d), (act,), dev)
-        _check_tensor("post", post, (m, n), f32, dev)
-        _check_tensor("comb", comb, (m, n, n), f32, dev)
+        check_tensor("y", y, (m, d), (act,), dev)
+        check_tensor("post", post, (m, n), f32, dev)
+        check_tensor("comb", comb, (m, n, n), f32, dev)
     else:  # never read by the kernel (HAS_UPDATE false)
         y = post = comb = streams
-    _check_tensor("fn", fn, (r, n * d), f32, dev)
-    _check_tensor("base", base, (r,), f32, dev)
-    _check_tensor("scale", scale, (3,), f32, dev)
-    _check_tensor("norm_weight", norm_weight, (d,), (torch.float32, torch.bfloat16), dev)
+    check_tensor("fn", fn, (r, n * d), f32, dev)
+    check_tensor("base", base, (r,), f32, dev)
+    check_tensor("scale", scale, (3,), f32, dev)
+    check_tensor("norm_weight", norm_weight, (d,), (torch.float32, torch.bfloat16), dev)
 
     out_shapes = [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)]
     out_dtypes = [act, torch.float32, torch.float32, torch.float32, act, act]
@@ -502,7 +474,7 @@ def _launch(
         out = MhcPostCombineOutput(*(torch.empty(shape, dtype=dt, device=dev)
                                      for shape, dt in zip(out_shapes, out_dtypes)))
     for name, t, shape, dt in zip(out._fields, out, out_shapes, out_dtypes):
-        _check_tensor(f"out.{name}", t, shape, (dt,), dev)
+        check_tensor(f"out.{name}", t, shape, (dt,), dev)
     if update is None:
         out = out._replace(streams=streams)
     if m == 0:

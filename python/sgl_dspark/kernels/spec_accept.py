@@ -54,6 +54,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._checks import require as _require
+
 FIXED_POINT_BITS = 40
 UNIFORM_BITS = 24
 # Residual mass at or below this (fixed point; = probability 2**-24) falls back to P.
@@ -344,11 +346,6 @@ def _plan_vocab_chunks(rows: int, vocab: int, num_chunks: int | None) -> tuple[i
     block_v = max(16, min(4096, triton.next_power_of_2(chunk)))
     chunk = triton.cdiv(chunk, block_v) * block_v  # whole blocks: one or more full loads each
     return triton.cdiv(vocab, chunk), chunk, block_v
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
 
 
 def _check_vector(t: torch.Tensor | None, name: str, rows: int,

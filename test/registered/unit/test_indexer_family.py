@@ -205,3 +205,23 @@ def test_large_pooling_tiles_keep_the_torch_pooling() -> None:
     assert bound(4, 512, True) and bound(128, 128, False)
     assert not bound(128, 512, False)
     assert not BlockCompressor(64, 32, 4, True, 1e-6, kernels=TORCH)._decode_step
+
+
+def test_index_topk_choice_selects_the_torch_set():
+    """The triton choice binds the one-launch select; on untied scores it picks the same entries
+    as the torch path (ids in ascending order rather than by score), invalid picks id 0."""
+    from sgl_dspark.kernels.index_topk import index_topk
+    from sgl_dspark.srt.layers.attention.compressor import index_topk_impl
+
+    assert index_topk_impl(TRITON) is index_topk
+    gen = torch.Generator().manual_seed(3)
+    scores = torch.randn(5, 40, generator=gen)
+    visible = torch.tensor([0, 3, 17, 40, 25])
+    scores[torch.arange(40)[None, :] >= visible[:, None]] = float("-inf")
+    want_ids, want_valid = index_topk_impl(TORCH)(scores.to(DEVICE), visible.to(DEVICE), 8)
+    got_ids, got_valid = index_topk_impl(TRITON)(scores.to(DEVICE), visible.to(DEVICE), 8)
+    assert torch.equal(got_valid.sum(1), want_valid.sum(1))
+    for r in range(5):
+        assert sorted(got_ids[r][got_valid[r]].tolist()) == sorted(
+            want_ids[r][want_valid[r]].tolist())
+        assert (got_ids[r][~got_valid[r]] == 0).all()

@@ -71,6 +71,30 @@ def indexer_scores_impl(kernels: KernelChoice) -> IndexerScoresFn:
     return indexer_logits
 
 
+# (scores [T, N] fp32, visible [T] int64, k) -> (entry ids [T, k] int64, valid [T, k] bool)
+TopkFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+
+
+def index_topk_impl(kernels: KernelChoice) -> TopkFn:
+    """The indexer's top-k selection of the "indexer" family: `index_topk_torch`, or the
+    one-launch Triton select `kernels/index_topk.py::index_topk` (the same set up to ties at the
+    threshold, which it breaks toward the lower index; ids in ascending order rather than by
+    score, so the attention's entry sums run in another order: X2 end to end)."""
+    if kernels.of("indexer") == "torch":
+        return index_topk_torch
+    from sgl_dspark.kernels.index_topk import index_topk
+
+    return index_topk
+
+
+def index_topk_torch(scores: torch.Tensor, visible: torch.Tensor,
+                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk over rows whose entries >= visible are -inf; invalid picks become id 0."""
+    top = scores.topk(k, dim=-1).indices
+    valid = top < visible[:, None]
+    return torch.where(valid, top, torch.zeros_like(top)), valid
+
+
 _MAX_POOL_TILE = 16384
 
 
@@ -181,6 +205,7 @@ class Indexer(BlockCompressor):
                  topk: int, ratio: int, eps: float, *, kernels: KernelChoice) -> None:
         super().__init__(hidden_size, head_dim, ratio, overlap=True, eps=eps, kernels=kernels)
         self._scores = indexer_scores_impl(kernels)
+        self._topk = index_topk_impl(kernels)
         self.n_heads = n_heads
         self.topk = topk
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
@@ -208,10 +233,7 @@ class Indexer(BlockCompressor):
         token_slot = batch.token_slots()
         scores = self._scores(qi, w, index_keys, batch.positions, token_slot, batch.req_to_token,
                               m, n_max)                                       # [T, N]
-        visible = (batch.positions + 1) // m
-        top = scores.topk(k, dim=-1).indices
-        valid = top < visible[:, None]
-        return torch.where(valid, top, torch.zeros_like(top)), valid
+        return self._topk(scores, visible_entries(batch, m), k)
 
 
 def indexer_scores_torch(qi: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
