@@ -118,14 +118,16 @@ def _fold_argmax(best_val, best_idx, vals, idx, valid, NO_INDEX: tl.constexpr):
     has_nan = nan_idx < NO_INDEX
     finite = tl.where(is_nan | (valid == 0), float("-inf"), vals)
     block_max = tl.max(finite, axis=1)
-    max_idx = tl.min(tl.where((finite == block_max[:, None]) & valid, idx, NO_INDEX), axis=1)
+    max_idx = tl.max(tl.where((finite == block_max[:, None]) & valid, idx, -1), axis=1)
     cand_val = tl.where(has_nan, float("nan"), block_max)
     cand_idx = tl.where(has_nan, nan_idx, max_idx)
     best_nan = best_val != best_val
     earlier = cand_idx < best_idx
     better_nan = has_nan & ((best_nan == 0) | earlier)
-    better_num = (has_nan == 0) & (best_nan == 0) & (
-        (block_max > best_val) | ((block_max == best_val) & earlier)
+    better_num = (
+        (has_nan == 0)
+        & (best_nan == 0)
+        & ((block_max > best_val) | ((block_max == best_val) & earlier))
     )
     better = better_nan | better_num
     return tl.where(better, cand_val, best_val), tl.where(better, cand_idx, best_idx)
@@ -222,7 +224,9 @@ def _plan(batch: int, vocab: int, rank: int, w2_elem: int, num_chunks: int | Non
             raise ValueError(f"num_chunks must lie in [1, {_MAX_CHUNKS}], got {num_chunks}")
         chunk = triton.cdiv(vocab, num_chunks)
     else:
-        chunk = max(triton.cdiv(vocab, _TARGET_CHUNKS), triton.cdiv(_MIN_CHUNK_BYTES, rank * w2_elem))
+        chunk = max(
+            triton.cdiv(vocab, _TARGET_CHUNKS), triton.cdiv(_MIN_CHUNK_BYTES, rank * w2_elem)
+        )
         chunk = triton.cdiv(chunk, block_v) * block_v
     parts = triton.cdiv(vocab, chunk)
     if parts > _MAX_CHUNKS:  # only for V beyond any real vocabulary

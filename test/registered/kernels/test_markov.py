@@ -10,6 +10,8 @@ fp32 weights on random inputs and, in 16-bit, on inputs whose top-1 margin dwarf
 
 from __future__ import annotations
 
+from itertools import product
+
 import pytest
 import torch
 from sgl_dspark.kernels import markov
@@ -62,6 +64,11 @@ def _check_own_chain(got: MarkovGreedyOutput, base, w1, w2, anchors) -> None:
     finite = want.isfinite()
     assert bool((diff[finite] <= tol[finite]).all()), f"max excess {(diff - tol)[finite].max()}"
     assert torch.equal(got.step_logits[~finite & ~want.isnan()], want[~finite & ~want.isnan()])
+    if w2.dtype != F32 and want.numel() >= 100:
+        # A 16-bit bias is rounded after an fp32 dot, so a reordered sum moves it only when it
+        # sits on a rounding boundary: nearly every z is bit-identical (catches wrong rounding).
+        same = (got.step_logits == want) | (got.step_logits.isnan() & want.isnan())
+        assert same.float().mean().item() >= 0.95
 
 
 _DTYPE_CYCLE = [(F32, F32, F32), (BF16, BF16, BF16), (F32, F32, BF16), (BF16, F32, F32)]
@@ -69,9 +76,7 @@ _CHUNK_CYCLE = [None, 3, 7]
 # Every (B, G, V, r) of the sweep, with the dtype triple and the forced chunk count rotating.
 CASES = [  # batch, gamma, vocab, rank, base dtype, w1 dtype, w2 dtype, num_chunks
     (b, g, v, r, *_DTYPE_CYCLE[(i + i // 2) % 4], _CHUNK_CYCLE[i % 3])
-    for i, (b, g, v, r) in enumerate(
-        (b, g, v, r) for b in (1, 3) for g in (1, 4, 7) for v in (1, 37, 1000, 5000) for r in (8, 48)
-    )
+    for i, (b, g, v, r) in enumerate(product((1, 3), (1, 4, 7), (1, 37, 1000, 5000), (8, 48)))
 ] + [
     (3, 4, 1000, 48, F32, BF16, F32, 3),  # e rounded fp32 <- bf16 table, fp32 head
     (3, 4, 300, 48, F16, F16, F16, 4),
@@ -202,8 +207,9 @@ def _bad(name: str):
         "w1_rows": dict(w1=w1[:36]),
         "w2_rank": dict(w2=torch.randn(37, 9, device=DEVICE)),
         "w2_dtype": dict(w2=w2.double()),
-        "rank_too_big": dict(w1=torch.randn(37, 1025, device=DEVICE),
-                             w2=torch.randn(37, 1025, device=DEVICE)),  # fmt: skip
+        "rank_too_big": dict(
+            w1=torch.randn(37, 1025, device=DEVICE), w2=torch.randn(37, 1025, device=DEVICE)
+        ),  # fmt: skip
         "w2_col_stride": dict(w2=torch.randn(8, 37, device=DEVICE).t()),
         "anchors_shape": dict(anchors=anchors[:1]),
         "anchors_float": dict(anchors=anchors.float()),

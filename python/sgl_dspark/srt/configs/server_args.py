@@ -95,6 +95,11 @@ class ServerArgs:
               "the draft); default min(--max-running-requests, 32); 0 = run eagerly. Needs the "
               "Triton MoE path (--kernel-backend triton).")
     disable_cuda_graph: bool = _arg(False, "Run every step eagerly (no CUDA graphs).")
+    disable_overlap_schedule: bool = _arg(
+        False, "Run decode steps one at a time: read each step's tokens before launching the "
+               "next (default: the next decode step is launched from the sampled tokens still "
+               "on the device, and the host reads the previous step meanwhile). Speculative "
+               "decoding always runs step by step.")
     # ---- speculative decoding (dspark.md section 7) ----
     speculative_algorithm: str | None = _arg(
         None, "Speculative decoding algorithm (case-insensitive): DSpark.", None, "{DSpark}")

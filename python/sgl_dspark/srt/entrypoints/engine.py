@@ -44,6 +44,7 @@ class EngineArgs:
     random_seed: int = 0
     cuda_graph_max_bs: int | None = None              # None: min(max_running_requests, 32)
     disable_cuda_graph: bool = False
+    disable_overlap_schedule: bool = False
     speculative_algorithm: str | None = None          # None | "DSpark" (case-insensitive)
     speculative_draft_model_path: str | None = None
     speculative_dspark_block_size: int | None = None
@@ -139,7 +140,8 @@ class Engine:
         self.scheduler = Scheduler(self.runner, SchedulerConfig(
             chunked_prefill_size=args.chunked_prefill_size,
             max_running_requests=args.max_running_requests,
-            eos_token_ids=cfg.eos_token_ids), spec=spec)
+            eos_token_ids=cfg.eos_token_ids,
+            overlap_schedule=not args.disable_overlap_schedule), spec=spec)
         self._ids = itertools.count()
         torch.manual_seed(args.random_seed)
 

@@ -17,7 +17,7 @@ import torch
 from sgl_dspark.srt.layers.sampler import Sampler, SamplingBatchInfo
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.host_copy import read_to_host
+from sgl_dspark.srt.model_executor.host_copy import PendingRead, read_to_host
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
 
 if TYPE_CHECKING:
@@ -31,11 +31,24 @@ class SchedulerConfig:
     chunked_prefill_size: int = 512      # max prefill tokens per step (all requests)
     max_running_requests: int = 64
     eos_token_ids: tuple[int, ...] = ()
+    # Launch decode step N+1 from step N's sampled tokens on the device before reading them
+    # (see `Scheduler._decode_overlapped`); speculative decoding always runs step by step.
+    overlap_schedule: bool = False
 
 
 class StepResult(NamedTuple):
     updated: list[Req]
     finished: list[Req]
+
+
+@dataclass
+class _InflightDecode:
+    """A decode step launched but not read yet: its requests in batch order, the sampled ids on
+    the device (the next step's input) and the pending host copy of ids and logprobs."""
+
+    reqs: list[Req]
+    next_ids: torch.Tensor
+    host: PendingRead
 
 
 class RequestRejected(ValueError):
@@ -52,6 +65,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._reserved_pages = 0
+        self._inflight: _InflightDecode | None = None
 
     # ---- admission -------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -124,6 +138,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        # A step in flight with running requests still owes them tokens.
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------
@@ -136,11 +151,22 @@ class Scheduler:
         Returns the requests that received new output tokens (`updated`, in batch order) and
         those that finished (already released)."""
         self._admit()
-        if not self.running:
-            return StepResult([], [])
         updated: list[Req] = []
+        finished: list[Req] = []
+        if self._inflight is not None and not self._can_overlap():
+            # The batch changes (a request finished, was aborted or joined): read the step in
+            # flight first, so the next batch is planned from known tokens.
+            updated += self._resolve(self._inflight)
+            self._inflight = None
+            finished += self._release_finished()
+            self._admit()
+        if not self.running:
+            return StepResult(updated, finished)
         if self.spec is None:
-            updated += self._forward(self._plan_work(self.running))
+            if self._can_overlap():
+                updated += self._decode_overlapped()
+            else:
+                updated += self._forward(self._plan_work(self.running))
         else:
             decoding = [r for r in self.running if r.prefill_done]
             prefilling = [r for r in self.running if not r.prefill_done]
@@ -150,10 +176,68 @@ class Scheduler:
                 for req, out in zip(decoding, self.spec.step(decoding)):
                     self.append_tokens(req, out.tokens, out.logprobs)
                 updated += decoding
+        finished += self._release_finished()
+        return StepResult(updated, finished)
+
+    def _release_finished(self) -> list[Req]:
         finished = [r for r in self.running if r.finished]
         for r in finished:
             self.release(r)
-        return StepResult(updated, finished)
+        return finished
+
+    # ---- overlapped decode -----------------------------------------------------------------
+    def _can_overlap(self) -> bool:
+        """An all-decode batch of exactly the requests of the step in flight (or none in
+        flight) can be launched before that step is read."""
+        if not (self.cfg.overlap_schedule and self.spec is None and self.running
+                and all(r.prefill_done for r in self.running)):
+            return False
+        prev = self._inflight
+        return prev is None or (len(prev.reqs) == len(self.running)
+                                and all(a is b for a, b in zip(prev.reqs, self.running)))
+
+    def _decode_overlapped(self) -> list[Req]:
+        """Launch this decode step, then read the previous one while it runs.
+
+        The step's input tokens are the previous step's sampled ids, still on the device; the
+        host only needs positions and slots, which do not depend on the token values. A request
+        that the previous step finishes (EOS, stop, length) has already been given this step's
+        token: it is dropped when read (its KV write lands in its own reserved pages). Greedy
+        and seeded outputs are the same as step by step: a token's position and its sampling
+        counter are known before its predecessor is read."""
+        prev = self._inflight
+        reqs = list(self.running)
+        work = [(r, [0] if prev is not None else r.next_input(1)) for r in reqs]
+        pool = self.runner.req_pool
+        for req, _ in work:
+            pool.reserve(req.slot, req.kv_len + 1)
+        batch = ForwardBatch.build(ForwardMode.DECODE, [ids for _, ids in work],
+                                   [r.kv_len for r in reqs], [r.slot for r in reqs],
+                                   pool.req_to_token,
+                                   input_ids_device=None if prev is None else prev.next_ids)
+        out = self.runner.forward(batch)
+        for req in reqs:
+            req.kv_len += 1
+        lag = 0 if prev is None else 1  # tokens sampled but not yet appended
+        info = SamplingBatchInfo.from_params([r.params for r in reqs], out.logits.shape[1],
+                                             out.logits.device,
+                                             counters=[len(r.output_ids) + lag for r in reqs])
+        res = self.sampler(out.logits, info)
+        self._inflight = _InflightDecode(reqs, res.next_token_ids,
+                                         PendingRead(res.next_token_ids, res.next_token_logprobs))
+        return self._resolve(prev) if prev is not None else []
+
+    def _resolve(self, step: _InflightDecode) -> list[Req]:
+        """Append the tokens of a step read from the device; requests that finished or were
+        aborted since it was launched take nothing."""
+        ids, lps = step.host.wait()
+        updated = []
+        for req, tok, lp in zip(step.reqs, ids, lps):
+            if req.finished or req.slot < 0:
+                continue
+            self.append_tokens(req, [tok], [lp])
+            updated.append(req)
+        return updated
 
     def _plan_work(self, reqs: list[Req]) -> list[tuple[Req, list[int]]]:
         budget = self.cfg.chunked_prefill_size

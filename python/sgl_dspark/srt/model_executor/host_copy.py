@@ -51,3 +51,24 @@ def read_to_host(*tensors: torch.Tensor) -> list[list]:
     done.record()
     done.synchronize()
     return [h.tolist() for h in host]
+
+
+class PendingRead:
+    """Device tensors being copied to pinned host buffers; `wait()` synchronises on the copies'
+    event only (not the whole stream), so work queued after them keeps the device busy."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if not tensors or tensors[0].device.type != "cuda":
+            self._host = [t.detach().clone() for t in tensors]
+            return
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(self._host, tensors):
+            h.copy_(t, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record()
+
+    def wait(self) -> list[list]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [h.tolist() for h in self._host]
