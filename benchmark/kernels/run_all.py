@@ -28,7 +28,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 MODULES = ("benchmark.kernels.bench_spec", "benchmark.kernels.bench_moe",
            "benchmark.kernels.bench_mhc_indexer", "benchmark.kernels.bench_attention",
            "benchmark.kernels.bench_indexer", "benchmark.kernels.bench_norm",
-           "benchmark.kernels.bench_index_topk", "benchmark.kernels.bench_markov")
+           "benchmark.kernels.bench_index_topk", "benchmark.kernels.bench_markov",
+           "benchmark.kernels.bench_linear")
 M_VALUES = (1, 4, 8, 24, 32, 128)
 
 

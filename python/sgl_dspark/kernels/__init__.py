@@ -8,6 +8,7 @@ from sgl_dspark.kernels.fp4_indexer import IndexQFp4Output, fp4_index_k_quant, i
 from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm
 from sgl_dspark.kernels.index_topk import index_topk
 from sgl_dspark.kernels.indexer import indexer_logits
+from sgl_dspark.kernels.markov import MarkovGreedyOutput, markov_greedy
 from sgl_dspark.kernels.mhc import MhcPostCombineOutput, mhc_post_combine, mhc_pre
 from sgl_dspark.kernels.moe_reduce import moe_reduce
 from sgl_dspark.kernels.moe_route import (
@@ -19,6 +20,7 @@ from sgl_dspark.kernels.moe_route import (
 from sgl_dspark.kernels.moe_sort import MoeSortOutput, MoeSortPlan, moe_sort, prepare_moe_sort
 from sgl_dspark.kernels.rmsnorm import rms_norm
 from sgl_dspark.kernels.rope import rope_tail
+from sgl_dspark.kernels.small_m_linear import small_m_linear
 from sgl_dspark.kernels.sparse_attention import window_sparse_attention
 from sgl_dspark.kernels.spec_accept import AcceptOutput, spec_accept
 from sgl_dspark.kernels.vocab_argmax import combine_shard_argmax, shard_argmax_pairs, vocab_argmax
@@ -31,5 +33,6 @@ __all__ = [
     "prepare_moe_sort", "rope_tail", "router_topk", "shard_argmax_pairs", "silu_mul_clamp",
     "spec_accept", "vocab_argmax", "window_sparse_attention",
     "PooledEntries", "compressor_pool", "indexer_logits",
-    "rms_norm", "compressor_decode", "index_topk", "mhc_pre",
+    "rms_norm", "compressor_decode", "index_topk", "mhc_pre", "MarkovGreedyOutput", "markov_greedy",
+    "small_m_linear",
 ]

@@ -28,7 +28,10 @@ order differs from cuBLAS/MKL, so a 16-bit W2 may put the bias one ulp of W2's d
 W2: a few fp32 ulps of the dot). A different ``z`` can flip a near-tie, after which the chains of
 kernel and reference diverge; drafts equal the reference whenever the top-1 margin exceeds that
 rounding. The 16-bit roundings use the bit-level RNE of kernels.md §0.4 (bf16) and the hardware
-cast (fp16), so they match torch on GPU and in the interpreter.
+cast (fp16), so they match torch on GPU and in the interpreter. On GPU the B >= 2 path uses the
+native 16-bit MMA (fp32 accumulation; fp32 W2 uses an IEEE fp32 dot); on CPU tensors (the
+interpreter, whose bf16 ``tl.dot`` is not a float product) it upcasts the operands to fp32 first,
+which is the same math because products of 16-bit values are exact in fp32.
 
 Argmax order = ``torch.argmax``: NaN beats every number (first NaN wins), equal maxima -> the
 smallest index (``-0.0 == +0.0``), a row of ``-inf`` -> index 0.
@@ -56,8 +59,12 @@ _NO_INDEX = (1 << 31) - 1
 _TARGET_CHUNKS = 256
 # A program streams at least this many bytes of W2; smaller chunks only add partials.
 _MIN_CHUNK_BYTES = 16384
-# Elements of one W2 tile [BLOCK_V, BLOCK_R] (16 KB in bf16): bounded registers per program.
+# Elements of one W2 tile [BLOCK_V, BLOCK_R] (16 KB in bf16), of one z tile [BLOCK_B, BLOCK_V]
+# on the tl.dot path, and of one partials tile [BLOCK_B, BLOCK_P]: with 8 warps these keep
+# ptxas (sm90) at <= ~130 registers without spills for r <= 256.
 _TILE_ELEMS = 8192
+_Z_TILE_ELEMS = 1024
+_NUM_WARPS = 8
 _MAX_CHUNKS = 65535  # grid axis 1 limit
 
 
@@ -118,7 +125,7 @@ def _fold_argmax(best_val, best_idx, vals, idx, valid, NO_INDEX: tl.constexpr):
     has_nan = nan_idx < NO_INDEX
     finite = tl.where(is_nan | (valid == 0), float("-inf"), vals)
     block_max = tl.max(finite, axis=1)
-    max_idx = tl.max(tl.where((finite == block_max[:, None]) & valid, idx, -1), axis=1)
+    max_idx = tl.min(tl.where((finite == block_max[:, None]) & valid, idx, NO_INDEX), axis=1)
     cand_val = tl.where(has_nan, float("nan"), block_max)
     cand_idx = tl.where(has_nan, nan_idx, max_idx)
     best_nan = best_val != best_val
@@ -218,7 +225,7 @@ def _plan(batch: int, vocab: int, rank: int, w2_elem: int, num_chunks: int | Non
     """Tiling from the shapes only (graph-safe). ``num_chunks`` forces the chunk count (tests)."""
     block_b = 1 if batch == 1 else (16 if batch <= 16 else 32)  # tl.dot needs >= 16 rows
     block_r = max(16, triton.next_power_of_2(rank))
-    block_v = max(16, min(128, _TILE_ELEMS // block_r))
+    block_v = max(16, min(128, _TILE_ELEMS // block_r, _Z_TILE_ELEMS // block_b))
     if num_chunks is not None:
         if not 1 <= num_chunks <= _MAX_CHUNKS:
             raise ValueError(f"num_chunks must lie in [1, {_MAX_CHUNKS}], got {num_chunks}")
@@ -232,7 +239,7 @@ def _plan(batch: int, vocab: int, rank: int, w2_elem: int, num_chunks: int | Non
     if parts > _MAX_CHUNKS:  # only for V beyond any real vocabulary
         chunk = triton.cdiv(vocab, _MAX_CHUNKS)
         parts = triton.cdiv(vocab, chunk)
-    block_p = max(2, min(128, triton.next_power_of_2(parts)))
+    block_p = max(2, min(128, _Z_TILE_ELEMS // block_b, triton.next_power_of_2(parts)))
     return _Plan(block_b, batch > 1, block_r, block_v, chunk, parts, block_p)
 
 
@@ -330,5 +337,6 @@ def markov_greedy(
             BLOCK_B=plan.block_b, BLOCK_V=plan.block_v, BLOCK_R=plan.block_r,
             BLOCK_P=plan.block_p, RESOLVE_PREV=k > 0, COMPUTE=compute, USE_DOT=plan.use_dot,
             DOT_IN_FP32=dot_in_fp32, ROUND_KIND=_ROUND_KIND[w2.dtype], NO_INDEX=_NO_INDEX,
+            num_warps=_NUM_WARPS,
         )  # fmt: skip
     return out

@@ -190,3 +190,38 @@ def test_rope_store_triton_equals_torch(dtype):
     assert torch.equal(pools["torch"][slots], pools["triton"][slots])
     assert torch.isnan(pools["triton"][1].float()).all()
     assert torch.equal(pools["torch"][slots], apply_rope_tail(x, cos, sin))
+
+
+def test_linear_family_small_m_kernel_and_blas_fallback():
+    """triton: decode-sized rows through the small-M kernel (X2 vs F.linear), larger or 3-D
+    inputs through F.linear itself (bit for bit)."""
+    from sgl_dspark.srt.layers.fused_linear import linear_impl
+
+    assert linear_impl(TORCH) is torch.nn.functional.linear
+    gen = torch.Generator().manual_seed(8)
+    w = (torch.randn(70, 96, generator=gen) * 0.1).to(DEVICE)
+    lin = linear_impl(TRITON)
+    for rows in (1, 7, 16):
+        x = torch.randn(rows, 96, generator=gen).to(DEVICE)
+        torch.testing.assert_close(lin(x, w), torch.nn.functional.linear(x, w), rtol=1e-5,
+                                   atol=1e-5)
+    for x in (torch.randn(17, 96, generator=gen), torch.randn(2, 3, 96, generator=gen)):
+        x = x.to(DEVICE)
+        assert torch.equal(lin(x, w), torch.nn.functional.linear(x, w))
+
+
+def test_markov_greedy_choice_equals_torch_loop():
+    """The spec family's all-greedy Markov loop: the Triton launches give the torch loop's
+    drafts and embeddings (fp32 weights: no rounding of the W2 dot), step logits to X2."""
+    from sgl_dspark.srt.speculative.dspark.ops import create_markov_greedy_fn
+
+    gen = torch.Generator().manual_seed(12)
+    base = torch.randn(3, 5, 300, generator=gen).to(DEVICE)
+    w1 = torch.randn(300, 16, generator=gen).to(DEVICE)
+    w2 = torch.randn(300, 16, generator=gen).to(DEVICE)
+    anchors = torch.tensor([4, 299, 0], device=DEVICE)
+    want = create_markov_greedy_fn(TORCH)(base, w1, w2, anchors)
+    got = create_markov_greedy_fn(TRITON)(base, w1, w2, anchors)
+    assert torch.equal(got.drafts, want.drafts)
+    assert torch.equal(got.markov_embeds, want.markov_embeds)
+    torch.testing.assert_close(got.step_logits, want.step_logits, rtol=1e-5, atol=1e-5)

@@ -17,18 +17,42 @@ the last bits (X2 class of kernels.md).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+
+# (x [..., K], weight [N, K]) -> x @ weight^T [..., N]
+LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def linear_impl(kernels: KernelChoice | None) -> LinearFn:
+    """The bias-free linear of the "linear" family. torch: `F.linear`. triton: decode-sized
+    inputs (2-D, at most `MAX_M` rows, unit stride along K) go through the small-M kernel
+    `kernels/small_m_linear.py` (narrow column blocks over many programs; X2: another
+    summation order than the BLAS), larger ones through `F.linear` as before."""
+    if kernels is None or kernels.of("linear") == "torch":
+        return F.linear
+    from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_linear
+
+    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1 and (
+                weight.stride(1) == 1 and x.dtype == weight.dtype):
+            return small_m_linear(x, weight)
+        return F.linear(x, weight)
+
+    return linear
 
 
 class LinearGroup:
     """Members' outputs `[..., out_i]` for one input, in member order (column views of one GEMM
     output once fused)."""
 
-    def __init__(self, linears: Sequence[nn.Linear]) -> None:
+    def __init__(self, linears: Sequence[nn.Linear], kernels: KernelChoice | None = None,
+                 ) -> None:
         if not linears:
             raise ValueError("LinearGroup needs at least one nn.Linear")
         for lin in linears:
@@ -40,6 +64,7 @@ class LinearGroup:
         self.linears = list(linears)
         self.sizes = [lin.out_features for lin in linears]
         self.weight: torch.Tensor | None = None
+        self.linear = linear_impl(kernels)
 
     def fuse(self) -> None:
         """Concatenate the weights into one tensor and make each member's weight a view of it."""
@@ -62,14 +87,14 @@ class LinearGroup:
         fused, else the members' outputs concatenated."""
         if self.fused:
             assert self.weight is not None
-            return F.linear(x, self.weight)
-        return torch.cat([lin(x) for lin in self.linears], dim=-1)
+            return self.linear(x, self.weight)
+        return torch.cat([self.linear(x, lin.weight) for lin in self.linears], dim=-1)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
         if len(self.linears) > 1 and self.fused:
             assert self.weight is not None
-            return list(F.linear(x, self.weight).split(self.sizes, dim=-1))
-        return [lin(x) for lin in self.linears]
+            return list(self.linear(x, self.weight).split(self.sizes, dim=-1))
+        return [self.linear(x, lin.weight) for lin in self.linears]
 
 
 def fuse_linear_groups(model: nn.Module) -> int:

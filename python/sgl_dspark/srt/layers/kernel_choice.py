@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 KERNEL_BACKENDS = ("torch", "triton")
 # Op families that have a Triton implementation wired into the runtime.
-KERNEL_FAMILIES = ("rope", "mhc", "moe", "sampling", "spec", "indexer", "norm")
+KERNEL_FAMILIES = ("rope", "mhc", "moe", "sampling", "spec", "indexer", "norm", "linear")
 
 
 @dataclass(frozen=True, slots=True)

@@ -177,7 +177,7 @@ class Scheduler:
                     self.append_tokens(req, out.tokens, out.logprobs)
                 updated += decoding
         finished += self._release_finished()
-        return StepResult(updated, finished)
+        return StepResult(_unique(updated), finished)
 
     def _release_finished(self) -> list[Req]:
         finished = [r for r in self.running if r.finished]
@@ -301,3 +301,15 @@ class Scheduler:
                 req.finish_reason = {"type": "length", "length": p.max_new_tokens}
             if req.finish_reason is not None:
                 return
+
+
+def _unique(reqs: list[Req]) -> list[Req]:
+    """Each request once, first occurrence first: a step that reads the overlapped step in
+    flight and then runs another forward may update a request twice."""
+    seen: set[int] = set()
+    out = []
+    for r in reqs:
+        if id(r) not in seen:
+            seen.add(id(r))
+            out.append(r)
+    return out

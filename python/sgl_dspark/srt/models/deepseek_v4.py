@@ -22,7 +22,7 @@ from sgl_dspark.srt.layers.attention.compressor import (
     entry_slots,
     visible_entries,
 )
-from sgl_dspark.srt.layers.fused_linear import LinearGroup
+from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -121,8 +121,9 @@ class Attention(nn.Module):
         if idx is not None:
             x_members += [idx.kv_proj, idx.gate_proj, idx.scorer.weights_proj]
             qr_members.append(idx.q_b_proj)
-        self.x_proj = LinearGroup(x_members)
-        self.qr_proj = LinearGroup(qr_members)
+        self.x_proj = LinearGroup(x_members, kernels)
+        self.qr_proj = LinearGroup(qr_members, kernels)
+        self.linear = linear_impl(kernels)
 
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj, self.qr_proj]
@@ -147,7 +148,7 @@ class Attention(nn.Module):
         og = o.reshape(T, self.groups, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)
-        return self.o_b_proj(z)
+        return self.linear(z, self.o_b_proj.weight)
 
     def _compressed_keys(self, comp_in: list[torch.Tensor], index_q: list[torch.Tensor],
                          batch: ForwardBatch, kv_state: LayerKV, rope: RopeTables,
@@ -260,6 +261,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.compress_rope = rope_impl(self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)
+        self.linear = linear_impl(self.kernels)
 
     def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
                 tap_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -291,7 +293,10 @@ class DeepseekV4ForCausalLM(nn.Module):
             h = self.rms_norm(m.hc_head(last), m.norm.weight, m.norm.eps)
         else:
             _, h = self.hc_boundary.head(last, m.hc_head, m.norm)
-        return ModelOutput(logits=self.lm_head(h).float(), hidden_taps=taps)
+        return ModelOutput(logits=self.compute_logits(h), hidden_taps=taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """fp32 logits of hidden rows `[..., D]`."""
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        vocab = self.lm_head.weight.shape[0]
+        return self.linear(rows, self.lm_head.weight).float().view(*hidden.shape[:-1], vocab)

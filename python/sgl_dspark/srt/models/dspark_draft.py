@@ -26,7 +26,7 @@ from torch import nn
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
-from sgl_dspark.srt.layers.fused_linear import LinearGroup
+from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -59,7 +59,8 @@ class DraftAttention(nn.Module):
         self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
         self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
         self.rms_norm = rms_norm_impl(kernels)
-        self.x_proj = LinearGroup([self.q_a_proj, self.kv_proj])  # one GEMM once fused
+        self.x_proj = LinearGroup([self.q_a_proj, self.kv_proj], kernels)  # one GEMM, fused
+        self.linear = linear_impl(kernels)
 
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj]
@@ -75,7 +76,7 @@ class DraftAttention(nn.Module):
         rows = u.shape[0]
         q_a, kv = self.x_proj(u)
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
-        q = self.q_b_proj(qr).view(rows, self.n_heads, self.head_dim)
+        q = self.linear(qr, self.q_b_proj.weight).view(rows, self.n_heads, self.head_dim)
         if self.q_head_norm:
             q = self.rms_norm(q, None, self.eps)
         q = self.rope(q, cos, sin).view(batch, q_len, self.n_heads, self.head_dim)
@@ -92,7 +93,7 @@ class DraftAttention(nn.Module):
         o = self.rope(o, cos, sin, inverse=True)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
-        return self.o_b_proj(z)
+        return self.linear(z, self.o_b_proj.weight)
 
 
 class DraftStage(nn.Module):

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_dspark.srt.layers.fused_linear import LinearGroup
+from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
 _SORT_BLOCK = 32  # rows per expert block of K1, and the M tile of the grouped GEMMs
@@ -111,7 +111,8 @@ class SharedExpert(nn.Module):
         self.gate_proj = nn.Linear(hidden_size, intermediate, bias=False)
         self.up_proj = nn.Linear(hidden_size, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden_size, bias=False)
-        self.gate_up = LinearGroup([self.gate_proj, self.up_proj])  # one GEMM once fused
+        self.gate_up = LinearGroup([self.gate_proj, self.up_proj], kernels)  # one GEMM, fused
+        self.linear = linear_impl(kernels)
         self._activation = self._activation_torch
         if _uses_triton(kernels):
             from sgl_dspark.kernels import silu_mul_clamp
@@ -123,7 +124,7 @@ class SharedExpert(nn.Module):
         return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self._activation(x))
+        return self.linear(self._activation(x), self.down_proj.weight)
 
     def _activation_torch(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)

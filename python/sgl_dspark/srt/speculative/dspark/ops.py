@@ -28,6 +28,7 @@ from sgl_dspark.srt.speculative.dspark.accept import (
     apply_cap,
     finalize_accept,
 )
+from sgl_dspark.srt.speculative.dspark.sampling import MarkovSampleOutput, markov_sample
 
 
 class AcceptFn(Protocol):
@@ -131,3 +132,31 @@ def create_draft_inputs_fn(kernels: KernelChoice) -> DraftInputsFn:
                                 ctx.verify_positions >= 0)
 
     return draft_inputs_triton
+
+
+# (base_logits [B, gamma, V], w1 [V, r], w2 [V, r], anchors [B]) -> MarkovSampleOutput
+MarkovGreedyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+                          MarkovSampleOutput]
+
+
+def create_markov_greedy_fn(kernels: KernelChoice) -> MarkovGreedyFn:
+    """The all-greedy Markov draft loop of the "spec" family. torch: `markov_sample` (about 8
+    small kernels per draft position). triton: `kernels/markov.py::markov_greedy`, one launch per
+    position plus one (X2: the W2 dot product is summed in another order; drafts are the argmax
+    of the kernel's own step logits, ties to the first index as torch.argmax)."""
+    if kernels.of("spec") == "torch":
+        def greedy_torch(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                         anchors: torch.Tensor) -> MarkovSampleOutput:
+            ones = torch.ones(anchors.shape[0], dtype=torch.bool, device=anchors.device)
+            return markov_sample(base_logits, w1, w2, anchors, ones.float(), ones,
+                                 all_greedy=True)
+
+        return greedy_torch
+    from sgl_dspark.kernels.markov import markov_greedy
+
+    def greedy_triton(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                      anchors: torch.Tensor) -> MarkovSampleOutput:
+        out = markov_greedy(base_logits, w1, w2, anchors)
+        return MarkovSampleOutput(out.drafts, out.step_logits, out.embeds)
+
+    return greedy_triton

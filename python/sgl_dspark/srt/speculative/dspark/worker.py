@@ -27,7 +27,11 @@ from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, 
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
-from sgl_dspark.srt.speculative.dspark.ops import create_accept_fn, create_draft_inputs_fn
+from sgl_dspark.srt.speculative.dspark.ops import (
+    create_accept_fn,
+    create_draft_inputs_fn,
+    create_markov_greedy_fn,
+)
 from sgl_dspark.srt.speculative.dspark.policy import (
     PolicyArgs,
     StaticWidthPolicy,
@@ -114,6 +118,7 @@ class DSparkWorker:
         # "spec" family implementations, bound once (style R11).
         self.accept_fn = create_accept_fn(runner.kernels)
         self.draft_inputs_fn = create_draft_inputs_fn(runner.kernels)
+        self.markov_greedy_fn = create_markov_greedy_fn(runner.kernels)
         load_weights(draft, weights)
         self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
         fuse_linear_groups(self.draft)  # after placement (see LinearGroup)
@@ -356,9 +361,12 @@ class DSparkWorker:
         ctx = [kv[inputs.ctx_slots] for kv in self.ctx_kv]
         y, y_normed = self.draft(embeds, inputs.positions, ctx, inputs.ctx_valid)
         base_logits = target.compute_logits(y_normed)                          # [B, gamma, V]
-        ms = markov_sample(base_logits, self.draft.markov_head.embed.weight,
-                           self.draft.markov_head.head.weight, anchors, temp, greedy,
-                           generator=self.generator, all_greedy=all_greedy)
+        w1, w2 = self.draft.markov_head.embed.weight, self.draft.markov_head.head.weight
+        if all_greedy:
+            ms = self.markov_greedy_fn(base_logits, w1, w2, anchors)
+        else:
+            ms = markov_sample(base_logits, w1, w2, anchors, temp, greedy,
+                               generator=self.generator)
         if gamma != self.gamma or not (self.policy.needs_confidence
                                        or self.sts_recorder is not None):
             return DraftProposal(ms, None)   # the bs1 runtime schedules no confidences

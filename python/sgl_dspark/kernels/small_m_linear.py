@@ -1,0 +1,123 @@
+"""Small-M linear layer `y = x @ W^T` for decode-sized batches (M <= 16 rows).
+
+At batch size 1 the dense projections of a decode step (q/kv/compressor/indexer projections,
+output projection, shared expert, lm_head) are GEMVs that read a few MB each. The BLAS picks
+wide output tiles for them (e.g. 64 columns per CTA: 16 CTAs for N = 1024 on a 132-SM H200), so a
+GEMV that could stream its weights in well under a microsecond takes ~6 us. This kernel gives
+each program a narrow column block (16 columns, so N = 1024 spreads over 64 programs), streams
+its K loop with a deep pipeline and does the math on the matrix units (`tl.dot` with the M rows
+padded to 16; compute is free at this size).
+
+Exactness: X2. Each output is an fp32 dot product over K in BLOCK_K chunks (chunk order
+fixed, in-chunk order the matrix unit's), rounded once to the output dtype (RNE on the bits for
+bf16, so the interpreter's truncating cast is never used); the BLAS sums in another order.
+A row's result does not depend on M (the tile is always 16 rows) or on the other rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import require
+
+MAX_M = 16
+_BLOCK_M = 16
+_BLOCK_K = 256
+
+
+def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Reference: `x @ weight^T` accumulated in fp32, rounded once to x's dtype.
+
+    x [M, K] (bf16/fp16/fp32), weight [N, K] of x's dtype. Returns [M, N]."""
+    return (x.float() @ weight.float().t()).to(x.dtype)
+
+
+@triton.jit
+def _round_to_bf16(x):
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _small_m_linear_kernel(
+    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
+):
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
+    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        kk = k0 + offs_k
+        mask_k = kk < K
+        x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc)
+    if ROUND_BF16:
+        acc = _round_to_bf16(acc)
+    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _block_n(n: int) -> int:
+    """Narrow column blocks spread small N over many programs; wide N (an lm_head) has
+    programs enough with wider blocks, which amortise the reads of x."""
+    return 16 if n <= 8192 else 64
+
+
+def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """`x @ weight^T` for M <= 16 rows in one launch (no host sync; graph-safe).
+
+    Args:
+        x: [M, K] bf16/fp16/fp32 with unit stride along K (any row stride: e.g. a column block
+            of a wider activation); 0 <= M <= MAX_M.
+        weight: [N, K] of x's dtype, unit stride along K.
+        out: optional [M, N] buffer of x's dtype with unit stride along N.
+    Returns:
+        [M, N] in x's dtype (X2 against `small_m_linear_ref`, see the module doc).
+    """
+    require(x.dim() == 2 and weight.dim() == 2, f"x and weight must be 2-D, got "
+            f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    m, k = x.shape
+    n = weight.shape[0]
+    require(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+            f"x: dtype must be bf16/fp16/fp32, got {x.dtype}")
+    require(weight.dtype == x.dtype, f"weight: dtype {weight.dtype} != x's {x.dtype}")
+    require(weight.shape[1] == k, f"weight: expected K={k} columns, got {weight.shape[1]}")
+    require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
+    require(x.device == weight.device, f"weight is on {weight.device}, x on {x.device}")
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    require(out.shape == (m, n) and out.dtype == x.dtype and (m == 0 or out.stride(1) == 1),
+            f"out: expected [{m}, {n}] {x.dtype} with unit column stride, got "
+            f"{out.dtype} {tuple(out.shape)}")
+    if m == 0 or n == 0:
+        return out
+    require(x.stride(1) == 1 and weight.stride(1) == 1,
+            f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}")
+    if k == 0:
+        return out.zero_()
+    block_n = _block_n(n)
+    _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
+        ROUND_BF16=x.dtype == torch.bfloat16,
+        # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
+        # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
+        DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        num_warps=4, num_stages=4,
+    )
+    return out
