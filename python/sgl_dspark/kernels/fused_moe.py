@@ -176,9 +176,12 @@ def moe_grouped_gemm(
              "with a contiguous last dim")  # fmt: skip
     if num_tokens == 0 or n_cols == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
         return out  # no route can be local (E_loc = 0) or nothing to compute
-    # Tiles depend on (N, K) only, so a row's summation order never depends on M.
-    block_n = min(64, max(16, triton.next_power_of_2(n_cols)))
-    block_k = min(64, max(16, triton.next_power_of_2(k_dim)))
+    # Tiles depend on (N, K) only, so a row's summation order never depends on M. Narrow
+    # column tiles and long K steps: at decode sizes a few sorted blocks are live, and each
+    # program streams its expert's [BLOCK_N, K] weight slice, so more, shorter streams
+    # (32 columns: 2x the programs of 64) keep more SMs reading.
+    block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
+    block_k = min(128, max(16, triton.next_power_of_2(k_dim)))
     grid = (sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n))
     _moe_grouped_gemm_kernel[grid](
         a,
@@ -202,7 +205,7 @@ def moe_grouped_gemm(
         BLOCK_M=block_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4,
+        num_warps=4, num_stages=4,
     )
     return out
 

@@ -111,13 +111,17 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     if k == 0:
         return out.zero_()
     block_n = _block_n(n)
+    # Shared memory per pipeline stage is (16 + BLOCK_N) x BLOCK_K elements: keep 4 stages of
+    # fp32 wide blocks within an SM's budget (H200 228 KB; MI355X 160 KB of LDS).
+    block_k = _BLOCK_K if x.element_size() <= 2 else _BLOCK_K // 2
+    stages = 4 if block_n <= 16 else 3
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=_BLOCK_K,
+        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
         ROUND_BF16=x.dtype == torch.bfloat16,
         # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
         # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
-        num_warps=4, num_stages=4,
+        num_warps=4, num_stages=stages,
     )
     return out
