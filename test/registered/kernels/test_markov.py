@@ -239,4 +239,4 @@ def test_plan_covers_vocab_once(batch, vocab, rank, elem) -> None:
     assert plan.chunk % plan.block_v == 0 and plan.block_r >= rank
     assert plan.block_v * plan.block_r <= 8192 and plan.num_chunks <= 256
     assert plan.block_b * max(plan.block_v, plan.block_p) <= 1024
-    assert plan.use_dot == (batch > 1) and plan.block_b >= (16 if batch > 1 else 1)
+    assert plan.use_dot and plan.block_b >= 16  # B = 1 pads to 16 rows too (faster on GPU)

@@ -25,13 +25,14 @@ from torch import nn
 
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
+_SMALL_M_MAX_K = 4096
 # (x [..., K], weight [N, K]) -> x @ weight^T [..., N]
 LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     """The bias-free linear of the "linear" family. torch: `F.linear`. triton: decode-sized
-    inputs (2-D, at most `MAX_M` rows, unit stride along K) go through the small-M kernel
+    inputs (2-D, at most `MAX_M` rows, K <= 4096, unit stride along K) go through the small-M kernel
     `kernels/small_m_linear.py` (narrow column blocks over many programs; X2: another
     summation order than the BLAS), larger ones through `F.linear` as before."""
     if kernels is None or kernels.of("linear") == "torch":
@@ -39,8 +40,10 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_linear
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1 and (
-                weight.stride(1) == 1 and x.dtype == weight.dtype):
+        # K <= 4096: measured on an H200 (benchmark/results/kernels.md), the kernel matches or
+        # beats the BLAS up to K = 1024 and loses ~10% at K = 8192 (DSV4-Flash o_b).
+        if x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.shape[1] <= _SMALL_M_MAX_K and (
+                x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype):
             return small_m_linear(x, weight)
         return F.linear(x, weight)
 
