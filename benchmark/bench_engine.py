@@ -196,6 +196,8 @@ def main() -> None:
     p.add_argument("--attention-backend", default="torch")
     p.add_argument("--extra-attention-backends", default="",
                    help="also time CUDA graphs with these attention backends (comma list)")
+    p.add_argument("--no-overlap-row", action="store_true",
+                   help="also time CUDA graphs with --disable-overlap-schedule")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--profile", action="store_true", help="also write torch.profiler tables of "
@@ -252,6 +254,8 @@ def main() -> None:
     modes = [("ours_eager", {"disable_cuda_graph": True}), ("ours_cuda_graph", {})]
     modes += [(f"ours_cuda_graph_attn_{b}", {"attention_backend": b})
               for b in a.extra_attention_backends.split(",") if b]
+    if a.no_overlap_row:
+        modes.append(("ours_cuda_graph_no_overlap", {"disable_overlap_schedule": True}))
     for system, kw in modes[1 if a.skip_eager else 0:]:
         engine = Engine(**{**base, **kw})
         for bs in sizes:
