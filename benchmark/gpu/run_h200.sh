@@ -42,10 +42,11 @@ if has bench; then
 fi
 if has graphs; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x test/registered/e2e/test_cuda_graph_runner.py \
-    test/registered/e2e/test_dspark_step_no_sync.py 2>&1 | tee "$OUT/graph_tests.txt" | tail -30
+    test/registered/e2e/test_dspark_step_no_sync.py test/registered/e2e/test_overlap_schedule.py \
+    test/registered/e2e/test_kernel_backend_e2e.py 2>&1 | tee "$OUT/graph_tests.txt" | tail -30
 fi
 if has engine; then
-  timeout 420 python3 benchmark/bench_engine.py --config mid_910m --batch-sizes 1,8,32 --profile --attention-backend triton --extra-attention-backends torch \
+  timeout 420 python3 benchmark/bench_engine.py --config mid_910m --batch-sizes 1,8,32 --attention-backend triton --no-overlap-row \
     --out-dir "$OUT" 2>&1 | grep -v '"ids"' | tail -40
   cat "$OUT/engine.md" 2>/dev/null
 fi

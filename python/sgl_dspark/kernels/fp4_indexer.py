@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _require
+from sgl_dspark.kernels._triton_utils import round_to_bf16 as _round_to_bf16
 from sgl_dspark.kernels.rope import rope_tail_ref
 
 FP4_GROUP = 32
@@ -114,12 +115,6 @@ def fp4_fake_quant_ref(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> nearest-even bf16 value kept in fp32 (the interpreter's cast truncates)."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

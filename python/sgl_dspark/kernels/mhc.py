@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import check_tensor, require
+from sgl_dspark.kernels._triton_utils import round_to_bf16 as _round_to_bf16
 
 # Phase A D-slice width: aims at 64 slices (programs at M = 1), within these bounds.
 _MIN_BLOCK_D, _MAX_BLOCK_D = 16, 64
@@ -139,13 +140,6 @@ def mhc_pre_ref(
 # ---- Triton kernel ------------------------------------------------------------------------------
 
 
-@triton.jit
-def _round_to_bf16(x):
-    """fp32 -> nearest-even bf16 value, kept in fp32. Portable: the interpreter's own fp32->bf16
-    cast truncates (kernels.md §0.4), and the later store of an exact bf16 value is lossless."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit

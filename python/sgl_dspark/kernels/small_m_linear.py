@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require
+from sgl_dspark.kernels._triton_utils import round_to_bf16 as _round_to_bf16
 
 MAX_M = 16
 _BLOCK_M = 16
@@ -34,11 +35,6 @@ def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float() @ weight.float().t()).to(x.dtype)
 
 
-@triton.jit
-def _round_to_bf16(x):
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
 
 
 @triton.jit
