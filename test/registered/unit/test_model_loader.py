@@ -427,3 +427,20 @@ def test_directory_errors(config, tmp_path) -> None:
         load_checkpoint(str(tmp_path), config, torch.float32)
     with pytest.raises(ValueError, match="dtype"):
         load_checkpoint(str(tmp_path), config, torch.int32)
+
+
+def test_served_model_with_fused_projections_exports(hf_state, config, tmp_path) -> None:
+    """A served model's fused projections are views of one weight (LinearGroup); its state dict
+    still exports and round-trips exactly."""
+    from sgl_dspark.srt.layers.fused_linear import fuse_linear_groups
+    from sgl_dspark.srt.model_executor.model_runner import load_weights
+    from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM as Ours
+
+    ours = Ours(config)
+    load_weights(ours, hf_state.items())
+    assert fuse_linear_groups(ours) > 0
+    state = ours.state_dict()
+    save_released_checkpoint(state, config, str(tmp_path))
+    loaded = load_state_dict(str(tmp_path), config, torch.float32)
+    for name, tensor in state.items():
+        assert torch.equal(loaded[name], tensor), name
