@@ -186,3 +186,24 @@ def test_rejects_non_diagonal_table():
     additive = AdditiveSpsTable(0.01, (1,), (0.0,), (1,), (0.0,))
     with pytest.raises(ValueError, match="diagonal"):
         VerifyWidthPolicy([3], FULL, additive)  # type: ignore[arg-type]
+
+
+def test_static_width_table_width_one_means_plain_decode(tmp_path):
+    """Width 1 in the static table turns speculation off at that batch size (and above, up to
+    the next key); widths outside [1, gamma + 1] are rejected with the field named."""
+    from sgl_dspark.srt.speculative.dspark.policy import (
+        PolicyArgs,
+        StaticWidthPolicy,
+        load_width_table,
+    )
+
+    path = tmp_path / "w.json"
+    path.write_text(json.dumps({"widths_by_batch_size": {"1": "full", "4": 3, "16": 1}}))
+    assert load_width_table(path, 8) == {1: 8, 4: 3, 16: 1}
+    policy = StaticWidthPolicy(7, PolicyArgs(width_table_path=str(path)), torch.device("cpu"))
+    assert [policy.plain_decode(b) for b in (1, 3, 4, 15, 16, 64)] == [False] * 4 + [True] * 2
+    assert 1 in policy.graph_widths()
+    for bad in (0, 9):
+        path.write_text(json.dumps({"widths_by_batch_size": {"1": bad}}))
+        with pytest.raises(ValueError, match="widths_by_batch_size|width"):
+            load_width_table(path, 8)

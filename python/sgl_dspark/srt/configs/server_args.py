@@ -116,7 +116,8 @@ class ServerArgs:
                 "confidence-driven budget.", VERIFY_POLICY_CHOICES)
     speculative_dspark_width_table_path: str | None = _arg(
         None, "Static policy: verify width per batch size, JSON {\"widths_by_batch_size\": "
-              "{...}}; default: the packaged table of this device.")
+              "{...}} (width 1: no speculation at that size, plain overlapped decode steps); "
+              "default: the packaged table of this device.")
     speculative_dspark_online_width: bool = _arg(
         False, "Static policy: choose the width online from acceptance statistics and the SPS "
                "table instead of a width table.")

@@ -172,7 +172,13 @@ class Scheduler:
             prefilling = [r for r in self.running if not r.prefill_done]
             if prefilling:
                 updated += self._forward(self._plan_work(prefilling), self.spec.tap_layers)
-            if decoding:
+            if decoding and self._can_overlap():
+                updated += self._decode_overlapped()
+            elif decoding and self.spec.plain_decode(len(decoding)):
+                # No speculation at this batch size: a plain decode step that commits the
+                # draft's context KV for its tokens, so DSpark can resume when the batch shrinks.
+                updated += self._forward(self._plan_work(decoding), self.spec.tap_layers)
+            elif decoding:
                 for req, out in zip(decoding, self.spec.step(decoding)):
                     self.append_tokens(req, out.tokens, out.logprobs)
                 updated += decoding
@@ -189,9 +195,11 @@ class Scheduler:
     def _can_overlap(self) -> bool:
         """An all-decode batch of exactly the requests of the step in flight (or none in
         flight) can be launched before that step is read."""
-        if not (self.cfg.overlap_schedule and self.spec is None and self.running
+        if not (self.cfg.overlap_schedule and self.running
                 and all(r.prefill_done for r in self.running)):
             return False
+        if self.spec is not None and not self.spec.plain_decode(len(self.running)):
+            return False  # DSpark steps run one at a time
         prev = self._inflight
         return prev is None or (len(prev.reqs) == len(self.running)
                                 and all(a is b for a, b in zip(prev.reqs, self.running)))
@@ -215,7 +223,10 @@ class Scheduler:
                                    [r.kv_len for r in reqs], [r.slot for r in reqs],
                                    pool.req_to_token,
                                    input_ids_device=None if prev is None else prev.next_ids)
-        out = self.runner.forward(batch)
+        taps = self.spec.tap_layers if self.spec is not None else ()
+        out = self.runner.forward(batch, taps)
+        if self.spec is not None:
+            self.spec.inject(batch.positions, batch.out_cache_loc, out.hidden_taps)
         for req in reqs:
             req.kv_len += 1
         lag = 0 if prev is None else 1  # tokens sampled but not yet appended

@@ -66,6 +66,11 @@ class BaseVerifyPolicy(ABC):
             confidence: torch.Tensor | None, slots: list[int], generations: list[int]) -> None:
         """Feed back the step's outcome (online statistics, confidence relay)."""
 
+    def plain_decode(self, batch_size: int) -> bool:
+        """True when a batch of this size should not speculate at all: the scheduler then runs
+        plain decode steps (overlapped) that only commit the draft's context KV."""
+        return False
+
 
 class FullPolicy(BaseVerifyPolicy):
     def __init__(self, gamma: int, device: torch.device) -> None:
@@ -76,7 +81,8 @@ class FullPolicy(BaseVerifyPolicy):
 
 
 def load_width_table(path: str | Path, full_width: int) -> dict[int, int]:
-    """`{"device": str, "widths_by_batch_size": {"<bs>": W | "full"}}` -> {bs: W}."""
+    """`{"device": str, "widths_by_batch_size": {"<bs>": W | "full"}}` -> {bs: W}; W = 1 means
+    no speculation at that batch size (plain decode steps)."""
     with open(path) as f:
         data = json.load(f)
     table = data.get("widths_by_batch_size") if isinstance(data, dict) else None
@@ -85,9 +91,9 @@ def load_width_table(path: str | Path, full_width: int) -> dict[int, int]:
     out = {}
     for bs, w in table.items():
         width = full_width if w == "full" else int(w)
-        if not 2 <= width <= full_width:
+        if not 1 <= width <= full_width:
             raise ValueError(f"{path}: width {w!r} for batch size {bs} must be 'full' or in "
-                             f"[2, {full_width}]")
+                             f"[1, {full_width}] (1: no speculation)")
         out[int(bs)] = width
     return dict(sorted(out.items()))
 
@@ -142,6 +148,10 @@ class StaticWidthPolicy(BaseVerifyPolicy):
 
     def verify_lens(self, confidence, slots, generations):
         return [self.width(len(slots))] * len(slots)
+
+    def plain_decode(self, batch_size: int) -> bool:
+        # Only a table entry turns speculation off; the online policy always speculates.
+        return self.online is None and self.width(batch_size) == 1
 
     def observe(self, verify_lens, accept_lens, confidence, slots, generations):
         if self.online is not None and len(slots):

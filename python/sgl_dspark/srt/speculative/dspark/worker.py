@@ -156,6 +156,10 @@ class DSparkWorker:
         return self.dcfg.target_layer_ids
 
     # ---- context KV -----------------------------------------------------------------------
+    def plain_decode(self, batch_size: int) -> bool:
+        """The verify policy turns speculation off for this batch size (static width 1)."""
+        return self.policy.plain_decode(batch_size)
+
     def inject(self, positions: torch.Tensor, slots: torch.Tensor,
                taps: dict[int, torch.Tensor], rows: torch.Tensor | None = None) -> None:
         """Write draft context KV for committed tokens (rows of a target forward)."""
