@@ -1,0 +1,214 @@
+"""Ahead-of-time compilation of kernels for the GPU targets, on a machine without a GPU.
+
+Run by `test_gpu_targets.py` in a subprocess without `TRITON_INTERPRET` (under the interpreter
+`@triton.jit` yields interpreter objects that cannot be compiled); also runnable by hand:
+`python test/registered/kernels/gpu_targets_check.py [case ...]`.
+
+The CPU interpreter runs a kernel's semantics but never its GPU compilation, so a kernel can pass
+every CPU test and still fail on a device: a construct the backend rejects, or a tile whose
+pipeline needs more shared memory than an SM has (Triton raises that only when loading the
+binary on the device). Each case calls a launcher exactly as the runtime does, with CPU tensors
+and the kernel object replaced by a recorder, then compiles every recorded launch with Triton's
+own toolchain for NVIDIA sm90 (H200) and AMD gfx950 (MI355X) and checks its shared memory
+against the device's per-block limit. The launches themselves are not run here (the CPU tests
+and the compiled device tests do that)."""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+# Per-block shared memory limits: H200 (sm90) 227 KB opt-in, MI355X (gfx950) 160 KB of LDS.
+TARGETS = {"sm90": (GPUTarget("cuda", 90, 32), 232448),
+           "gfx950": (GPUTarget("hip", "gfx950", 64), 163840)}
+_OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
+        torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
+
+
+class _Recorder:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the call."""
+
+    def __init__(self, fn) -> None:
+        self.fn = fn
+        self.calls: list[tuple[tuple, dict]] = []
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append((args, kwargs))
+        return launch
+
+
+def _record(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
+    mod = importlib.import_module(module)
+    real = getattr(mod, kernel)
+    rec = _Recorder(real)
+    setattr(mod, kernel, rec)
+    try:
+        run()
+    finally:
+        setattr(mod, kernel, real)
+    assert rec.calls, f"{module}.{kernel} was not launched"
+    return rec
+
+
+def _source(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
+    names = fn.arg_names
+    values = dict(zip(names, args))
+    values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
+    signature, constexprs = {}, {}
+    for param in fn.params:
+        v = values[param.name]
+        if param.is_constexpr:
+            signature[param.name], constexprs[param.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[param.name] = _PTR[v.dtype]
+        elif isinstance(v, bool):
+            signature[param.name] = "i1"
+        elif isinstance(v, int):
+            signature[param.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+        else:
+            signature[param.name] = "fp32"
+    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs), options
+
+
+def _compile_all(rec: _Recorder) -> list[str]:
+    """Compile every distinct recorded launch for every target; returns report lines."""
+    report = []
+    seen = set()
+    for args, kwargs in rec.calls:
+        key = tuple(sorted((k, v) for k, v in kwargs.items()))
+        if key in seen:
+            continue
+        seen.add(key)
+        for name, (target, smem_limit) in TARGETS.items():
+            src, options = _source(rec.fn, args, kwargs)
+            compiled = triton.compile(src, target=target, options=options)
+            shared = compiled.metadata.shared
+            assert shared <= smem_limit, (name, kwargs, shared)
+            report.append(f"{name} shared={shared}")
+    return report
+
+
+def _bf16(*shape: int) -> torch.Tensor:
+    return torch.randn(*shape).to(torch.bfloat16)
+
+
+def _small_m_linear(n: int, k: int, dtype: torch.dtype) -> Callable[[], object]:
+    from sgl_dspark.kernels.small_m_linear import small_m_linear
+
+    return lambda: small_m_linear(torch.randn(3, k).to(dtype), torch.randn(n, k).to(dtype))
+
+
+def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[], object]:
+    from sgl_dspark.kernels.compressor_pool import compressor_decode
+
+    width = 2 * head_dim if overlap else head_dim
+    span = 2 * ratio if overlap else ratio
+    ring = triton.next_power_of_2(span + 16)
+
+    def run() -> None:
+        t = 2
+        compressor_decode(
+            _bf16(t, width), _bf16(t, width), _bf16(3, ring, width), _bf16(3, ring, width),
+            torch.randn(ratio, width), torch.ones(head_dim), torch.tensor([7, 8]),
+            torch.tensor([1, 1]), torch.tensor([7, 7]), torch.zeros(3, 256, dtype=torch.int64),
+            ratio, overlap, 1e-6, torch.ones(t, head_dim // 4), torch.zeros(t, head_dim // 4),
+            _bf16(64, head_dim))
+    return run
+
+
+def _mhc(d: int, opening: bool) -> Callable[[], object]:
+    from sgl_dspark.kernels.mhc import mhc_post_combine, mhc_pre
+
+    n, r = 4, 24
+
+    def run() -> None:
+        heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
+        kw = dict(hc_eps=1e-6, sinkhorn_iters=20, rms_eps=1e-6)
+        if opening:
+            mhc_pre(_bf16(2, n, d), *heads, **kw)
+        else:
+            mhc_post_combine(_bf16(2, n, d), _bf16(2, d), torch.rand(2, n), torch.rand(2, n, n),
+                             *heads, **kw)
+    return run
+
+
+def _index_topk(width: int, k: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.index_topk import index_topk
+
+    return lambda: index_topk(torch.randn(2, width), torch.tensor([width, width // 2]), k)
+
+
+def _markov(vocab: int, rank: int, batch: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.markov import markov_greedy
+
+    return lambda: markov_greedy(torch.randn(batch, 7, vocab), _bf16(vocab, rank),
+                                 _bf16(vocab, rank), torch.zeros(batch, dtype=torch.int64))
+
+
+def _rope_store() -> Callable[[], object]:
+    from sgl_dspark.kernels.rope import rope_tail
+
+    return lambda: rope_tail(_bf16(3, 1, 128), torch.ones(3, 32), torch.zeros(3, 32),
+                             out=_bf16(50, 1, 128), out_rows=torch.tensor([4, 9, 1]))
+
+
+def _rms_norm_strided() -> Callable[[], object]:
+    from sgl_dspark.kernels.rmsnorm import rms_norm
+
+    return lambda: rms_norm(_bf16(4, 1500)[:, 100:1124], torch.ones(1024), 1e-6)
+
+
+def _silu_mul_clamp() -> Callable[[], object]:
+    from sgl_dspark.kernels.activation import silu_mul_clamp
+
+    return lambda: silu_mul_clamp(_bf16(6, 2 * 2048), 10.0)
+
+
+CASES = {
+    "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
+    "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
+    "silu_mul_clamp_i2048": ("activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
+    "small_m_linear_mid_x_proj": ("small_m_linear", "_small_m_linear_kernel",
+                                  _small_m_linear(1160, 1024, torch.bfloat16)),
+    "small_m_linear_lm_head": ("small_m_linear", "_small_m_linear_kernel",
+                               _small_m_linear(32000, 1024, torch.bfloat16)),
+    "small_m_linear_fp32_wide": ("small_m_linear", "_small_m_linear_kernel",
+                                 _small_m_linear(9000, 40, torch.float32)),
+    "compressor_decode_csa": ("compressor_pool", "_compressor_pool_kernel",
+                              _compressor_decode(128, 4, True)),
+    "compressor_decode_hca": ("compressor_pool", "_compressor_pool_kernel",
+                              _compressor_decode(128, 128, False)),
+    "mhc_pre_d4096": ("mhc", "_mhc_post_combine_kernel", _mhc(4096, True)),
+    "mhc_post_combine_d1024": ("mhc", "_mhc_post_combine_kernel", _mhc(1024, False)),
+    "index_topk_flash": ("index_topk", "_index_topk_kernel", _index_topk(16384, 512)),
+    "index_topk_mid": ("index_topk", "_index_topk_kernel", _index_topk(160, 64)),
+    "markov_mid_b1": ("markov", "_markov_step_kernel", _markov(32000, 64, 1)),
+    "markov_flash_b32": ("markov", "_markov_step_kernel", _markov(129280, 256, 32)),
+}
+
+
+def main(names: list[str]) -> int:
+    failed = 0
+    for case in names or sorted(CASES):
+        module, kernel, run = CASES[case]
+        try:
+            report = _compile_all(_record(f"sgl_dspark.kernels.{module}", kernel, run))
+            print(f"ok {case}: {'; '.join(report)}", flush=True)
+        except Exception as exc:  # report every case, fail at the end
+            failed += 1
+            print(f"FAIL {case}: {type(exc).__name__}: {exc}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    sys.exit(main(sys.argv[1:]))

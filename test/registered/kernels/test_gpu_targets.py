@@ -1,0 +1,26 @@
+"""The kernels compile for NVIDIA sm90 and AMD gfx950 and fit their shared memory (see
+`gpu_targets_check.py`); checked without a GPU, in a subprocess free of `TRITON_INTERPRET`."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+CHECK = Path(__file__).with_name("gpu_targets_check.py")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled tests run them")
+def test_kernels_compile_for_sm90_and_gfx950() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3] / "python"),
+                                         env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, str(CHECK)], env=env, capture_output=True, text=True,
+                          timeout=900)
+    lines = proc.stdout.splitlines()
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert len([x for x in lines if x.startswith("ok ")]) >= 14, proc.stdout
