@@ -2,7 +2,9 @@
 
 Run by `test_gpu_targets.py` in a subprocess without `TRITON_INTERPRET` (under the interpreter
 `@triton.jit` yields interpreter objects that cannot be compiled); also runnable by hand:
-`python test/registered/kernels/gpu_targets_check.py [case ...]`.
+`python test/registered/kernels/gpu_targets_check.py [case ...]`, or `--all`: every kernel the
+hand-written cases and the launchers of `benchmark/kernels` (DeepSeek-V4-Flash shapes, M = 1 and
+32) launch.
 
 The CPU interpreter runs a kernel's semantics but never its GPU compilation, so a kernel can pass
 every CPU test and still fail on a device: a construct the backend rejects, or a tile whose
@@ -28,7 +30,15 @@ TARGETS = {"sm90": (GPUTarget("cuda", 90, 32), 232448),
            "gfx950": (GPUTarget("hip", "gfx950", 64), 163840)}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
-        torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1"}
+        torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1",
+        torch.float8_e4m3fn: "*fp8e4nv"}
+_KERNEL_MODULES = ("activation", "compressor_pool", "draft_inputs", "fp4_indexer", "fused_moe",
+                   "index_topk", "indexer", "markov", "mhc", "moe_reduce", "moe_route", "moe_sort",
+                   "rmsnorm", "rope", "small_m_linear", "sparse_attention", "spec_accept",
+                   "vocab_argmax")
+# Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
+# experts, ~5 GB); their kernels are covered by the small direct cases below.
+_HEAVY_BENCH_CASES = ("fused_moe stage 1",)
 
 
 class _Recorder:
@@ -172,7 +182,17 @@ def _silu_mul_clamp() -> Callable[[], object]:
     return lambda: silu_mul_clamp(_bf16(6, 2 * 2048), 10.0)
 
 
+def _grouped_gemm() -> Callable[[], object]:
+    from sgl_dspark.kernels.fused_moe import moe_grouped_gemm
+
+    # Tiles depend on (N, K) only: N, K >= the largest tiles give the production variant.
+    return lambda: moe_grouped_gemm(
+        _bf16(4, 256), _bf16(3, 64, 256), torch.zeros(64, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 6)
+
+
 CASES = {
+    "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
     "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
     "silu_mul_clamp_i2048": ("activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
@@ -195,7 +215,57 @@ CASES = {
 }
 
 
+def record_all_kernels() -> dict[str, _Recorder]:
+    """Replace every `*_kernel` JIT function of the kernel modules by a recorder."""
+    from triton.runtime.jit import JITFunction
+
+    recs = {}
+    for m in _KERNEL_MODULES:
+        mod = importlib.import_module(f"sgl_dspark.kernels.{m}")
+        for name, obj in list(vars(mod).items()):
+            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+                recs[f"{m}.{name}"] = _Recorder(obj)
+                setattr(mod, name, recs[f"{m}.{name}"])
+    return recs
+
+
+def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
+    """Call every launcher of `benchmark/kernels` (DeepSeek-V4-Flash shapes) at these M, with
+    the kernels recording; returns the case names that ran."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+    from benchmark.kernels.run_all import MODULES
+
+    ran = []
+    for modname in MODULES:
+        for case in importlib.import_module(modname).CASES:
+            if any(case["name"].startswith(h) for h in _HEAVY_BENCH_CASES):
+                continue
+            for m in m_values:
+                case["launcher"](**case["make_inputs"](m, "cpu"))
+                ran.append(f"{case['name']} M={m}")
+    return ran
+
+
 def main(names: list[str]) -> int:
+    if names == ["--all"]:
+        recs = record_all_kernels()
+        for case in sorted(CASES):
+            CASES[case][2]()
+        print(f"ran {len(bench_launches())} benchmark launches", flush=True)
+        failed = 0
+        for key, rec in sorted(recs.items()):
+            if not rec.calls:
+                continue
+            try:
+                print(f"ok {key}: {len(_compile_all(rec))} compilations", flush=True)
+            except Exception as exc:
+                failed += 1
+                print(f"FAIL {key}: {type(exc).__name__}: {exc}", flush=True)
+        return 1 if failed else 0
+
     failed = 0
     for case in names or sorted(CASES):
         module, kernel, run = CASES[case]
