@@ -14,3 +14,15 @@ def round_to_bf16(x):
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def round_to_storage(x, KIND: tl.constexpr):
+    """fp32 -> the nearest-even value of a storage dtype, kept in fp32 (exact on store):
+    KIND 0 fp32 (identity), 1 bf16 (on the bits, `round_to_bf16`), 2 fp16 (whose cast rounds to
+    nearest-even on every backend)."""
+    if KIND == 1:
+        x = round_to_bf16(x)
+    elif KIND == 2:
+        x = x.to(tl.float16).to(tl.float32)
+    return x

@@ -29,6 +29,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import round_to_storage as _to_storage
+
 _STORAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 # Register budget of one program: a tile of SPAN_BLOCK span slots x Dh channels (fp32).
 _TILE_ELEMS = 4096
@@ -97,20 +99,6 @@ def compressor_pool_ref(
     is_end = (pos + 1) % m == 0
     return PooledEntries(torch.where(is_end[:, None], entries, torch.zeros_like(entries)),
                          torch.where(is_end, slots, torch.zeros_like(slots)))
-
-
-@triton.jit
-def _to_storage(x, STORAGE: tl.constexpr):
-    """Round fp32 to the kv dtype (STORAGE 1: bf16, nearest-even on the bits because the
-    interpreter's cast truncates; 2: fp16, whose cast rounds to nearest-even everywhere),
-    result kept in fp32. STORAGE 0 (fp32) is the identity."""
-    if STORAGE == 1:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
-    elif STORAGE == 2:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
 
 
 @triton.jit

@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import round_to_storage as _round_to_kind
+
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _INDEX_DTYPES = (torch.int64, torch.int32)
 # Rounding applied to the dot product, per W2 dtype: 0 none (fp32), 1 bf16 (RNE on the bits),
@@ -101,18 +103,6 @@ def markov_greedy_ref(
         embeds[:, k] = e
         prev = x
     return MarkovGreedyOutput(drafts, step_logits, embeds)
-
-
-@triton.jit
-def _round_to_kind(x, KIND: tl.constexpr):
-    """fp32 -> the nearest value of the target dtype (RNE), kept in fp32."""
-    if KIND == 1:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))  # keep NaN payloads NaN
-    elif KIND == 2:
-        x = x.to(tl.float16).to(tl.float32)
-    return x
 
 
 @triton.jit

@@ -23,6 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import round_to_storage
+
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The whole row lives in registers (one load, one store); 16384 fp32 values over 16 warps is 32
 # registers a thread, the most we allow. DeepSeek-V4's widest norm is the hidden size (4096).
@@ -51,12 +53,9 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 def _round_to_dtype(v, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr):
     """fp32 -> the nearest-even value of the storage dtype, kept in fp32 (exact on store)."""
     if IS_BF16:
-        # On the bits: portable, and the interpreter's own fp32 -> bf16 cast truncates.
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-        v = tl.where(v != v, v, bits.to(tl.float32, bitcast=True))
+        v = round_to_storage(v, 1)
     elif IS_FP16:
-        v = v.to(tl.float16).to(tl.float32)
+        v = round_to_storage(v, 2)
     return v
 
 

@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import round_to_bf16
+
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
@@ -51,15 +53,6 @@ def rope_tail_ref(
     kept = min(num_heads, out_heads)
     out[:, :kept] = y[:, :kept]
     return out
-
-
-@triton.jit
-def _round_to_bf16(x):
-    # fp32 -> bf16 round-to-nearest-even on the bits (portable; the interpreter's cast truncates).
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    rounded = bits.to(tl.float32, bitcast=True)
-    return tl.where(x != x, x, rounded).to(tl.bfloat16)
 
 
 @triton.jit
@@ -115,8 +108,8 @@ def _rope_tail_kernel(
     rot_b = tl.where(is_src[:, None], a * sin + b * cos, 0.0)
     store_mask = is_dst[:, None] & pair_mask[None, :]
     if OUT_BF16:
-        rot_a = _round_to_bf16(rot_a)
-        rot_b = _round_to_bf16(rot_b)
+        rot_a = round_to_bf16(rot_a).to(tl.bfloat16)
+        rot_b = round_to_bf16(rot_b).to(tl.bfloat16)
     else:
         rot_a = rot_a.to(out_ptr.dtype.element_ty)
         rot_b = rot_b.to(out_ptr.dtype.element_ty)

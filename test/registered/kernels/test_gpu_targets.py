@@ -9,13 +9,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-import torch
-
 CHECK = Path(__file__).with_name("gpu_targets_check.py")
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="on a GPU the compiled tests run them")
 def test_kernels_compile_for_sm90_and_gfx950() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3] / "python"),
