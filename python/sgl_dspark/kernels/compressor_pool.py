@@ -257,6 +257,52 @@ def _compressor_pool_kernel(
         tl.store(out_slot_ptr + row, block_start // ratio)
 
 
+def _check_args(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool,
+) -> tuple[int, int]:
+    """Layout checks shared by `compressor_pool` and `compressor_decode`; returns (T, Dh)."""
+    if kv.dim() != 2 or kv.dtype not in _STORAGE_CODES:
+        raise ValueError(f"kv must be [T, W] bf16/fp16/fp32, got {kv.dtype} {tuple(kv.shape)}")
+    tokens, width = kv.shape
+    head_dim = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
+    if head_dim < 1 or width != (2 * head_dim if overlap else head_dim):
+        raise ValueError(f"kv width {width} must be {'2*' if overlap else ''}Dh with Dh = "
+                         f"norm_weight's length, got norm_weight {tuple(norm_weight.shape)}")
+    if score.shape != kv.shape or score.dtype != kv.dtype:
+        raise ValueError(f"score must match kv ({kv.dtype} {tuple(kv.shape)}), got "
+                         f"{score.dtype} {tuple(score.shape)}")
+    for name, t in (("state_kv", state_kv), ("state_score", state_score)):
+        if t.dim() != 3 or t.shape[2] != width or t.dtype != kv.dtype or t.stride(2) != 1:
+            raise ValueError(f"{name} must be [req_slots, R, {width}] {kv.dtype} with unit "
+                             f"channel stride, got {t.dtype} {tuple(t.shape)} {t.stride()}")
+    if state_score.shape != state_kv.shape:
+        raise ValueError(f"state_score {tuple(state_score.shape)} != state_kv "
+                         f"{tuple(state_kv.shape)}")
+    if position_bias.shape != (ratio, width) or position_bias.dtype not in (torch.float32,
+                                                                            kv.dtype):
+        raise ValueError(f"position_bias must be [{ratio}, {width}] fp32 or {kv.dtype}, got "
+                         f"{position_bias.dtype} {tuple(position_bias.shape)}")
+    for name, t in (("positions", positions), ("token_slot", token_slot),
+                    ("token_prefix", token_prefix)):
+        if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int64:
+        raise ValueError(f"req_to_token must be int64 [slots, max_ctx], got {req_to_token.dtype}")
+    if ratio < 1:
+        raise ValueError(f"ratio must be >= 1, got {ratio}")
+    if tokens > 0:  # an empty batch launches nothing, so its layouts do not matter
+        for name, t in (("kv", kv), ("score", score), ("req_to_token", req_to_token)):
+            if t.stride(-1) != 1:
+                raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
+        if not (position_bias.is_contiguous() and norm_weight.is_contiguous()):
+            raise ValueError("position_bias and norm_weight must be contiguous")
+    return tokens, head_dim
+
+
 def compressor_pool(
     kv: torch.Tensor,
     score: torch.Tensor,
@@ -291,36 +337,9 @@ def compressor_pool(
         `PooledEntries(out, out_slots)`, equal to `compressor_pool_ref` within X2 tolerance
         (slots exactly).
     """
-    if kv.dim() != 2 or kv.dtype not in _STORAGE_CODES:
-        raise ValueError(f"kv must be [T, W] bf16/fp16/fp32, got {kv.dtype} {tuple(kv.shape)}")
-    tokens, width = kv.shape
-    head_dim = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
-    if head_dim < 1 or width != (2 * head_dim if overlap else head_dim):
-        raise ValueError(f"kv width {width} must be {'2*' if overlap else ''}Dh with Dh = "
-                         f"norm_weight's length, got norm_weight {tuple(norm_weight.shape)}")
-    if score.shape != kv.shape or score.dtype != kv.dtype:
-        raise ValueError(f"score must match kv ({kv.dtype} {tuple(kv.shape)}), got "
-                         f"{score.dtype} {tuple(score.shape)}")
-    for name, t in (("state_kv", state_kv), ("state_score", state_score)):
-        if t.dim() != 3 or t.shape[2] != width or t.dtype != kv.dtype or t.stride(2) != 1:
-            raise ValueError(f"{name} must be [req_slots, R, {width}] {kv.dtype} with unit "
-                             f"channel stride, got {t.dtype} {tuple(t.shape)} {t.stride()}")
-    if state_score.shape != state_kv.shape:
-        raise ValueError(f"state_score {tuple(state_score.shape)} != state_kv "
-                         f"{tuple(state_kv.shape)}")
-    if position_bias.shape != (ratio, width) or position_bias.dtype not in (torch.float32,
-                                                                            kv.dtype):
-        raise ValueError(f"position_bias must be [{ratio}, {width}] fp32 or {kv.dtype}, got "
-                         f"{position_bias.dtype} {tuple(position_bias.shape)}")
-    for name, t in (("positions", positions), ("token_slot", token_slot),
-                    ("token_prefix", token_prefix)):
-        if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
-    if req_to_token.dim() != 2 or req_to_token.dtype != torch.int64:
-        raise ValueError(f"req_to_token must be int64 [slots, max_ctx], got {req_to_token.dtype}")
-    if ratio < 1:
-        raise ValueError(f"ratio must be >= 1, got {ratio}")
+    tokens, head_dim = _check_args(kv, score, state_kv, state_score, position_bias,
+                                   norm_weight, positions, token_slot, token_prefix,
+                                   req_to_token, ratio, overlap)
     if out is None:
         out = torch.empty((tokens, head_dim), dtype=kv.dtype, device=kv.device)
     if out_slots is None:
@@ -334,11 +353,6 @@ def compressor_pool(
                          f"{out_slots.dtype} {tuple(out_slots.shape)}")
     if tokens == 0:
         return PooledEntries(out, out_slots)
-    for name, t in (("kv", kv), ("score", score), ("req_to_token", req_to_token)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
-    if not (position_bias.is_contiguous() and norm_weight.is_contiguous()):
-        raise ValueError("position_bias and norm_weight must be contiguous")
     span = 2 * ratio if overlap else ratio
     block_d = triton.next_power_of_2(head_dim)
     _compressor_pool_kernel[(tokens,)](
@@ -396,11 +410,13 @@ def compressor_decode(
     another row's span. Exactness: the entry as `compressor_pool` (X2) followed by
     `kernels/rope.py` (bit for bit); the ring rows are copies.
     """
-    pooled_shape_ok = entries.dim() == 2 and entries.shape[1] == norm_weight.shape[0]
-    if not pooled_shape_ok or entries.dtype != kv.dtype or entries.stride(1) != 1:
-        raise ValueError(f"entries must be [slots, {norm_weight.shape[0]}] {kv.dtype} with unit "
-                         f"channel stride, got {entries.dtype} {tuple(entries.shape)}")
-    tokens, head_dim = kv.shape[0], norm_weight.shape[0]
+    tokens, head_dim = _check_args(kv, score, state_kv, state_score, position_bias,
+                                   norm_weight, positions, token_slot, token_prefix,
+                                   req_to_token, ratio, overlap)
+    if (entries.dim() != 2 or entries.shape[1] != head_dim or entries.dtype != kv.dtype
+            or entries.stride(1) != 1):
+        raise ValueError(f"entries must be [slots, {head_dim}] {kv.dtype} with unit channel "
+                         f"stride, got {entries.dtype} {tuple(entries.shape)}")
     if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != tokens
             or cos.dtype != torch.float32 or sin.dtype != torch.float32
             or not 1 <= 2 * cos.shape[1] <= head_dim or head_dim % 2
@@ -409,22 +425,10 @@ def compressor_decode(
                          f"(Dh even), unit stride along rd/2 and one row stride; got "
                          f"{cos.dtype} {tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}")
     span = 2 * ratio if overlap else ratio
-    if state_kv.dim() == 3 and state_kv.shape[1] < span + 1:
+    if state_kv.shape[1] < span + 1:
         raise ValueError(f"state ring of {state_kv.shape[1]} rows is too short for span {span}")
-    # Validates the shared arguments (and returns at once for an empty batch).
-    compressor_pool(kv[:0], score[:0], state_kv, state_score, position_bias, norm_weight,
-                    positions[:0], token_slot[:0], token_prefix[:0], req_to_token, ratio,
-                    overlap, eps)
-    for name, t in (("positions", positions), ("token_slot", token_slot),
-                    ("token_prefix", token_prefix)):
-        if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
     if tokens == 0:
         return
-    for name, t in (("kv", kv), ("score", score)):
-        if t.stride(-1) != 1:
-            raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
     block_d = triton.next_power_of_2(head_dim)
     _compressor_pool_kernel[(tokens,)](
         kv, score, state_kv, state_score, position_bias, norm_weight,
