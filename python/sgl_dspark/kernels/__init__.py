@@ -2,6 +2,7 @@
 in its family module and are imported only by tests and benchmarks)."""
 
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp
+from sgl_dspark.kernels.compressor_extend import compressor_extend
 from sgl_dspark.kernels.compressor_pool import PooledEntries, compressor_decode, compressor_pool
 from sgl_dspark.kernels.draft_inputs import DraftInputs, prepare_draft_inputs
 from sgl_dspark.kernels.fp4_indexer import IndexQFp4Output, fp4_index_k_quant, index_q_rope_fp4
@@ -33,6 +34,6 @@ __all__ = [
     "prepare_moe_sort", "rope_tail", "router_topk", "shard_argmax_pairs", "silu_mul_clamp",
     "spec_accept", "vocab_argmax", "window_sparse_attention",
     "PooledEntries", "compressor_pool", "indexer_logits",
-    "rms_norm", "compressor_decode", "index_topk", "mhc_pre", "MarkovGreedyOutput", "markov_greedy",
+    "rms_norm", "compressor_decode", "compressor_extend", "index_topk", "mhc_pre", "MarkovGreedyOutput", "markov_greedy",
     "small_m_linear",
 ]

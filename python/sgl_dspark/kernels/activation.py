@@ -161,6 +161,15 @@ def _silu_mul_clamp_kernel(
             tl.store(scale_ptr + row * n_groups + group_ids, scale, mask=group_ids < n_groups)
 
 
+def _act_meta(rows: int, inter: int, mode: int) -> dict[str, int]:
+    """Launch meta-parameters: BLOCK columns per program (a power of two >= 128, so the fp8
+    groups of 128 never straddle programs) and warps. Every output element (and every fp8
+    group's or row's amax, a max) is computed the same way for any choice, so the bits do not
+    depend on it; `benchmark/kernels/sweep_launch.py` times alternatives against this default."""
+    return {"BLOCK": min(_MAX_BLOCK, max(_FP8_GROUP, triton.next_power_of_2(inter))),
+            "num_warps": 4}
+
+
 def silu_mul_clamp(
     gate_up: torch.Tensor,
     limit: float | None = None,
@@ -207,8 +216,9 @@ def silu_mul_clamp(
         n_scales = 1 if mode == 1 else inter // _FP8_GROUP
         scale = torch.empty(rows, n_scales, dtype=torch.float32, device=gate_up.device)
     if rows and inter:
-        block = min(_MAX_BLOCK, max(_FP8_GROUP, triton.next_power_of_2(inter)))
-        grid = (rows, 1 if mode == 1 else triton.cdiv(inter, block))
+        meta = _act_meta(rows, inter, mode)
+        assert meta["BLOCK"] >= _FP8_GROUP and meta["BLOCK"] % _FP8_GROUP == 0, meta
+        grid = (rows, 1 if mode == 1 else triton.cdiv(inter, meta["BLOCK"]))
         _silu_mul_clamp_kernel[grid](
             gate_up,
             out,
@@ -220,13 +230,12 @@ def silu_mul_clamp(
             ROUND_BF16=gate_up.dtype == torch.bfloat16,
             OUT_MODE=mode,
             UE8M0=bool(scale_ue8m0),
-            BLOCK=block,
             GROUP=_FP8_GROUP,
-            num_warps=4,
             # The reference rounds every product separately; keep the compiler from contracting
             # any future mul+add into an FMA, which would move y (so the amax and the fp8 scale)
             # by an ulp between the plain and the fp8 variants.
             enable_fp_fusion=False,
+            **meta,
         )
     if scale is not None:
         return Fp8Activation(out, scale)

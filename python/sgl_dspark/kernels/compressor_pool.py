@@ -170,22 +170,26 @@ def _rope_pairs(entry, row, cos_ptr, sin_ptr, cs_stride, head_dim,
 def _compressor_pool_kernel(
     kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, bias_ptr, norm_w_ptr,
     pos_ptr, slot_ptr, prefix_ptr, table_ptr, out_ptr, out_slot_ptr, cos_ptr, sin_ptr,
-    head_dim, ratio, ring, eps,
+    rows_ptr, head_dim, ratio, ring, eps,
     kv_stride, score_stride, skv_stride_r, skv_stride_q, ss_stride_r, ss_stride_q,
     bias_stride, table_stride, out_stride, cs_stride,
     SPAN: tl.constexpr, OVERLAP: tl.constexpr, STORAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     SPAN_BLOCK: tl.constexpr, FUSED: tl.constexpr, NOPE_HALF: tl.constexpr,
-    BLOCK_W: tl.constexpr,
+    BLOCK_W: tl.constexpr, ROW_LIST: tl.constexpr, RING_STORE: tl.constexpr,
+    POOL: tl.constexpr,
 ):
     """FUSED false: pooled entry and slot per row into out / out_slot (compressor_pool).
-    FUSED true (compressor_decode): the row's raw kv/score go to its ring row, and a block end's
-    entry is rotated and written straight into the entry pool `out` at its slot."""
+    FUSED true (compressor_decode): the row's raw kv/score go to its ring row (RING_STORE), and
+    a block end's entry is rotated and written straight into the entry pool `out` at its slot
+    (POOL). ROW_LIST: program i handles row rows[i] (compressor_extend), else row i."""
     row = tl.program_id(0).to(tl.int64)
+    if ROW_LIST:
+        row = tl.load(rows_ptr + row)
     cols = tl.arange(0, BLOCK_D)
     in_col = cols < head_dim
     pos = tl.load(pos_ptr + row)
     req = tl.load(slot_ptr + row)
-    if FUSED:
+    if FUSED and RING_STORE:
         # Ring rows of this forward never alias a ring row that any span reads (R >= span +
         # rows per request: a read position q < prefix and a written p >= prefix differ by
         # less than R), so this write may precede the other programs' reads.
@@ -199,7 +203,8 @@ def _compressor_pool_kernel(
                  mask=wmask)
         tl.store(state_score_ptr + req * ss_stride_r + ring_row * ss_stride_q + wcols, sc_raw,
                  mask=wmask)
-        if (pos + 1) % ratio != 0:
+    if FUSED:
+        if not POOL or (pos + 1) % ratio != 0:
             return
     else:
         out_row = out_ptr + row * out_stride + cols
@@ -358,14 +363,15 @@ def compressor_pool(
     _compressor_pool_kernel[(tokens,)](
         kv, score, state_kv, state_score, position_bias, norm_weight,
         positions, token_slot, token_prefix, req_to_token, out, out_slots, out, out,
-        head_dim, ratio, state_kv.shape[1], eps,
+        positions, head_dim, ratio, state_kv.shape[1], eps,
         kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
         state_score.stride(0), state_score.stride(1), position_bias.stride(0),
         req_to_token.stride(0), out.stride(0), 0,
         SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
         BLOCK_D=block_d,
         SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
-        FUSED=False, NOPE_HALF=0, BLOCK_W=1, enable_fp_fusion=False,
+        FUSED=False, NOPE_HALF=0, BLOCK_W=1, ROW_LIST=False, RING_STORE=False, POOL=True,
+        enable_fp_fusion=False,
     )
     return PooledEntries(out, out_slots)
 
@@ -410,6 +416,21 @@ def compressor_decode(
     another row's span. Exactness: the entry as `compressor_pool` (X2) followed by
     `kernels/rope.py` (bit for bit); the ring rows are copies.
     """
+    check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
+                     token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)
+    launch_fused(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
+                 token_slot, token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries,
+                 rows=None, ring_store=True, pool=True)
+
+
+def check_fused_args(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool, cos: torch.Tensor, sin: torch.Tensor, entries: torch.Tensor,
+) -> None:
+    """`_check_args` plus the entry pool and the rope tables of the fused launchers (decode,
+    `compressor_extend.py`)."""
     tokens, head_dim = _check_args(kv, score, state_kv, state_score, position_bias,
                                    norm_weight, positions, token_slot, token_prefix,
                                    req_to_token, ratio, overlap)
@@ -427,13 +448,27 @@ def compressor_decode(
     span = 2 * ratio if overlap else ratio
     if state_kv.shape[1] < span + 1:
         raise ValueError(f"state ring of {state_kv.shape[1]} rows is too short for span {span}")
-    if tokens == 0:
+
+
+def launch_fused(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    entries: torch.Tensor, *, rows: torch.Tensor | None, ring_store: bool, pool: bool,
+) -> None:
+    """One FUSED launch (arguments checked by `check_fused_args`) over every row, or over the
+    rows listed in `rows` (int64 [n], contiguous): the ring store and/or the pooled entry."""
+    programs = kv.shape[0] if rows is None else rows.shape[0]
+    if programs == 0:
         return
+    head_dim = norm_weight.shape[0]
+    span = 2 * ratio if overlap else ratio
     block_d = triton.next_power_of_2(head_dim)
-    _compressor_pool_kernel[(tokens,)](
+    _compressor_pool_kernel[(programs,)](
         kv, score, state_kv, state_score, position_bias, norm_weight,
         positions, token_slot, token_prefix, req_to_token, entries, positions, cos, sin,
-        head_dim, ratio, state_kv.shape[1], eps,
+        positions if rows is None else rows, head_dim, ratio, state_kv.shape[1], eps,
         kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
         state_score.stride(0), state_score.stride(1), position_bias.stride(0),
         req_to_token.stride(0), entries.stride(0), cos.stride(0),
@@ -441,5 +476,6 @@ def compressor_decode(
         BLOCK_D=block_d,
         SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
         FUSED=True, NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
-        BLOCK_W=triton.next_power_of_2(kv.shape[1]), enable_fp_fusion=False,
+        BLOCK_W=triton.next_power_of_2(kv.shape[1]), ROW_LIST=rows is not None,
+        RING_STORE=ring_store, POOL=pool, enable_fp_fusion=False,
     )

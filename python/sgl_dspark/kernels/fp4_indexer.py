@@ -115,8 +115,6 @@ def fp4_fake_quant_ref(x: torch.Tensor) -> torch.Tensor:
 # ------------------------------------------------------------------------------------------------
 
 
-
-
 @triton.jit
 def _ceil_pow2_biased_exponent(v):
     """Biased exponent of the smallest power of two >= v (v positive normal fp32)."""
@@ -201,6 +199,13 @@ def _fp4_index_k_quant_kernel(
     tl.store(dst, exponent.to(scales_ptr.dtype.element_ty), mask=mask)
 
 
+def _k_quant_meta(t: int, k: int) -> dict[str, int]:
+    """Launch meta-parameters of K9 (rows per program, warps). Every row is quantised on its
+    own with exact operations, so the bits do not depend on them; `sweep_launch.py` in
+    `benchmark/kernels` times alternatives against this default."""
+    return {"BLOCK_ROWS": _BLOCK_ROWS, "num_warps": 4}
+
+
 def fp4_index_k_quant(
     x: torch.Tensor,
     *,
@@ -208,7 +213,7 @@ def fp4_index_k_quant(
     out_codes: torch.Tensor | None = None,
     out_scales: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """K9: FP4-quantise index keys, 8 rows per program (format in the module docstring).
+    """K9: FP4-quantise index keys, several rows per program (format in the module docstring).
 
     Args:
         x: [T, K] bf16/fp16/fp32 with unit inner stride (any row stride); K a multiple of 32.
@@ -246,11 +251,12 @@ def fp4_index_k_quant(
     if t == 0:
         return out_codes, out_scales
     g = k // FP4_GROUP
-    _fp4_index_k_quant_kernel[(triton.cdiv(t, _BLOCK_ROWS),)](
+    meta = _k_quant_meta(t, k)
+    _fp4_index_k_quant_kernel[(triton.cdiv(t, meta["BLOCK_ROWS"]),)](
         x, out_codes, out_scales, loc if loc is not None else x,
         t, x.stride(0), out_codes.stride(0), out_scales.stride(0),
-        G=g, GP=triton.next_power_of_2(g), BLOCK_ROWS=_BLOCK_ROWS, HAS_LOC=loc is not None,
-        num_warps=4, enable_fp_fusion=False,
+        G=g, GP=triton.next_power_of_2(g), HAS_LOC=loc is not None, enable_fp_fusion=False,
+        **meta,
     )
     return out_codes, out_scales
 

@@ -28,6 +28,13 @@ from sgl_dspark.kernels.activation import _round_bf16
 _MAX_BLOCK_H = 256  # more programs at small M: latency-bound loads overlap across SMs
 
 
+def _reduce_meta(num_tokens: int, hidden: int) -> dict[str, int]:
+    """Launch meta-parameters (H columns per program, warps). Each output column is its own
+    slot-ordered sum, so any choice gives the same bits; `benchmark/kernels/sweep_launch.py`
+    times alternatives against this default."""
+    return {"BLOCK_H": min(_MAX_BLOCK_H, triton.next_power_of_2(hidden)), "num_warps": 4}
+
+
 def moe_reduce_ref(
     y: torch.Tensor,
     topk_weights: torch.Tensor,
@@ -141,8 +148,8 @@ def moe_reduce(
         out = torch.empty(num_tokens, hidden, dtype=y.dtype, device=y.device)
     if num_tokens == 0 or hidden == 0:
         return out
-    block_h = min(_MAX_BLOCK_H, triton.next_power_of_2(hidden))
-    _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
+    meta = _reduce_meta(num_tokens, hidden)
+    _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_H"]))](
         y,
         topk_weights,
         topk_ids,
@@ -156,8 +163,7 @@ def moe_reduce(
         APPLY_SCALE=routed_scale != 1.0,
         HAS_SHARED=shared is not None,
         ROUND_BF16=y.dtype == torch.bfloat16,
-        BLOCK_H=block_h,
-        num_warps=4,
         enable_fp_fusion=False,  # the reference rounds w * y before adding it
+        **meta,
     )
     return out

@@ -46,3 +46,59 @@ def test_width_one_runs_plain_decode_and_stays_lossless(tmp_path):
                                                              sampling_params=params)]
     assert got == want
     assert calls["plain"] >= 4 and calls["spec"] >= 4, calls
+
+
+def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
+    """With (stand-in) CUDA graphs the plain step is one decode-graph replay that also commits the
+    draft's context KV (the runner's decode hook, captured) and samples greedily inside the graph:
+    tokens and the draft's context-KV pools equal the eager engine's, and the host sampler only
+    runs for prefill."""
+    from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
+
+    table = tmp_path / "widths.json"
+    table.write_text(json.dumps({"widths_by_batch_size": {"1": 3, "3": 1}}))
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 11, 4, 8)]
+    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+              for n in (5, 8, 20, 26)]
+    kw = dict(model_path="tiny", skip_tokenizer_init=True, context_length=256,
+              max_running_requests=4, device="cpu", speculative_algorithm="DSpark",
+              speculative_dspark_verify_policy="static",
+              speculative_dspark_width_table_path=str(table))
+    results = {}
+    for graphs in (False, True):
+        with Engine(**kw) as engine:
+            spec, sched = engine.scheduler.spec, engine.scheduler
+            if graphs:
+                engine.runner.init_cuda_graphs(4, spec.graph_verify_widths(), spec.tap_layers,
+                                               graph_factory=EagerGraph)
+                spec.init_cuda_graphs(4, graph_factory=EagerGraph)
+            for pool in spec.ctx_kv:
+                pool.fill_(float("nan"))   # poison: every slot a request uses must be written
+            calls = {"sampler": 0, "plain": 0}
+            sampler_forward, overlapped = sched.sampler.forward, sched._decode_overlapped
+
+            def count_sampler(*a, _f=sampler_forward):
+                calls["sampler"] += 1
+                return _f(*a)
+
+            def count_plain(_f=overlapped):
+                calls["plain"] += 1
+                return _f()
+
+            sched.sampler.forward = count_sampler  # type: ignore[method-assign]
+            sched._decode_overlapped = count_plain  # type: ignore[method-assign]
+            outs = engine.generate(input_ids=prompts, sampling_params=params)
+            results[graphs] = ([o["output_ids"] for o in outs],
+                               [p[1:].clone() for p in spec.ctx_kv], calls)
+    (eager_ids, eager_kv, eager_calls), (graph_ids, graph_kv, graph_calls) = results[False], results[True]
+    assert graph_ids == eager_ids
+    assert graph_calls["plain"] >= 4 and eager_calls["plain"] == graph_calls["plain"]
+    # eager: the sampler runs for every plain step; graphs: only for the prompts' first tokens
+    assert eager_calls["sampler"] >= eager_calls["plain"]
+    assert graph_calls["sampler"] <= len(prompts) < graph_calls["plain"]
+    for e, gkv in zip(eager_kv, graph_kv):
+        written = ~torch.isnan(e).any(dim=-1)
+        assert written.sum() > 0
+        assert torch.equal(written, ~torch.isnan(gkv).any(dim=-1))
+        torch.testing.assert_close(gkv[written], e[written], rtol=1e-5, atol=1e-5)

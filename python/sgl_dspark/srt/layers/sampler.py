@@ -261,6 +261,16 @@ class Sampler(nn.Module):
             uniforms = counter_uniform(info.seeds, info.counters, SAMPLER_STREAM)
             sampled_ids = inverse_cdf_sample(processed_probs(logits, info), uniforms)
             next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
-        # log_softmax is one kernel where logsumexp decomposes into ~8 (a decode step's tail)
-        logprobs = torch.log_softmax(logits, dim=-1).gather(1, next_ids[:, None]).squeeze(1)
-        return SamplerOutput(next_ids, logprobs)
+        return SamplerOutput(next_ids, token_logprobs(logits, next_ids))
+
+    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
+        """`forward` of an all-greedy batch without its batch record: the same ops, so a CUDA
+        graph can capture them (decode graphs do) with bit-identical results."""
+        ids = self.greedy_argmax(logits)
+        return SamplerOutput(ids, token_logprobs(logits, ids))
+
+
+def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[B] fp32 log_softmax of logits [B, V] at ids [B]."""
+    # log_softmax is one kernel where logsumexp decomposes into ~8 (a decode step's tail)
+    return torch.log_softmax(logits, dim=-1).gather(1, ids[:, None]).squeeze(1)

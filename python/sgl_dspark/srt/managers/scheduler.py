@@ -14,13 +14,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from sgl_dspark.srt.layers.sampler import Sampler, SamplingBatchInfo
+from sgl_dspark.srt.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.host_copy import PendingRead, read_to_host
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
 
 if TYPE_CHECKING:
+    from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
     from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
 
 logger = logging.getLogger(__name__)
@@ -224,16 +225,11 @@ class Scheduler:
                                    pool.req_to_token,
                                    input_ids_device=None if prev is None else prev.next_ids)
         taps = self.spec.tap_layers if self.spec is not None else ()
-        out = self.runner.forward(batch, taps)
-        if self.spec is not None:
-            self.spec.inject(batch.positions, batch.out_cache_loc, out.hidden_taps)
+        out = self.runner.forward(batch, taps)   # DSpark's draft KV: the runner's decode hook
         for req in reqs:
             req.kv_len += 1
         lag = 0 if prev is None else 1  # tokens sampled but not yet appended
-        info = SamplingBatchInfo.from_params([r.params for r in reqs], out.logits.shape[1],
-                                             out.logits.device,
-                                             counters=[len(r.output_ids) + lag for r in reqs])
-        res = self.sampler(out.logits, info)
+        res = self._sample_device(reqs, out, lag)
         self._inflight = _InflightDecode(reqs, res.next_token_ids,
                                          PendingRead(res.next_token_ids, res.next_token_logprobs))
         return self._resolve(prev) if prev is not None else []
@@ -275,23 +271,31 @@ class Scheduler:
         batch = ForwardBatch.build(mode, [ids for _, ids in work], [r.kv_len for r, _ in work],
                                    [r.slot for r, _ in work], pool.req_to_token, logits_rows=rows)
         out = self.runner.forward(batch, tap_layers)
-        if self.spec is not None:
+        if self.spec is not None and mode is ForwardMode.EXTEND:
+            # (a DECODE forward commits the draft's context KV in the runner's decode hook)
             self.spec.inject(batch.positions, batch.out_cache_loc, out.hidden_taps)
         for req, ids in work:
             req.kv_len += len(ids)
         sampled = [req for (req, _), r in zip(work, rows) if r]
         if sampled:
-            self._sample(sampled, out.logits)
+            res = self._sample_device(sampled, out, 0)
+            ids, lps = read_to_host(res.next_token_ids, res.next_token_logprobs)
+            for req, tok, lp in zip(sampled, ids, lps):
+                self.append_tokens(req, [tok], [lp])
         return sampled
 
-    def _sample(self, reqs: list[Req], logits: torch.Tensor) -> None:
-        info = SamplingBatchInfo.from_params([r.params for r in reqs], logits.shape[1],
-                                             logits.device,
-                                             counters=[len(r.output_ids) for r in reqs])
-        res = self.sampler(logits, info)
-        ids, lps = read_to_host(res.next_token_ids, res.next_token_logprobs)
-        for req, tok, lp in zip(reqs, ids, lps):
-            self.append_tokens(req, [tok], [lp])
+    def _sample_device(self, reqs: list[Req], out: ModelOutput, lag: int) -> SamplerOutput:
+        """One token per logits row of `out` (rows in `reqs` order), left on the device. A
+        decode graph already computed the greedy choice, which an all-greedy batch takes as is
+        (the same ops as the sampler); otherwise the sampler runs with the batch record.
+        `lag`: tokens sampled for these requests but not appended yet (sampling counters)."""
+        if out.greedy_ids is not None and all(r.params.is_greedy for r in reqs):
+            assert out.greedy_logprobs is not None
+            return SamplerOutput(out.greedy_ids, out.greedy_logprobs)
+        info = SamplingBatchInfo.from_params([r.params for r in reqs], out.logits.shape[1],
+                                             out.logits.device,
+                                             counters=[len(r.output_ids) + lag for r in reqs])
+        return self.sampler(out.logits, info)
 
     def append_tokens(self, req: Req, tokens: list[int], logprobs: list[float]) -> None:
         """Append sampled tokens, stopping at the first stop condition (extra tokens dropped)."""

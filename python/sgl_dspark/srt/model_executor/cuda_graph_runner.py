@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from sgl_dspark.srt.layers.sampler import Sampler
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -195,6 +196,7 @@ class CudaGraphRunner:
             raise ValueError(f"--cuda-graph-max-bs {self.batch_sizes[-1]} exceeds "
                              f"--max-running-requests {runner.req_pool.size - 1}")
         self.tap_layers = tap_layers
+        self._sampler = Sampler(runner.kernels)
         dev = runner.device
         factory = graph_factory or make_graph_factory(dev)   # one memory pool for all widths
         t0 = time.perf_counter()
@@ -217,9 +219,11 @@ class CudaGraphRunner:
     def _forward(self, w: int, input_ids: torch.Tensor, positions: torch.Tensor,
                  out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
                  prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
-                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                 ) -> tuple[torch.Tensor, ...]:
         """The captured region: a uniform-width batch built from the static inputs (its row
-        tables are made inside the capture, so replays recompute them), outputs as [B, W, ...]."""
+        tables are made inside the capture, so replays recompute them), outputs as [B, W, ...].
+        Width 1 (the decode graph) also runs the runner's decode hook and the greedy sampler, so
+        an all-greedy decode step is one replay with nothing left for the host to launch."""
         bs, n = req_pool_indices.shape[0], input_ids.numel()
         rows = torch.arange(n, dtype=torch.int64, device=input_ids.device)
         pool = self.runner.req_pool
@@ -232,8 +236,14 @@ class CudaGraphRunner:
             extend_lens_cpu=(w,) * bs, prefix_lens_cpu=(0,) * bs)
         out = self.runner.model(batch, self.runner.kv_pool, self.runner.attn_backend,
                                 self.tap_layers)
-        return (out.logits.view(bs, w, -1),
-                {k: v.view(bs, w, -1) for k, v in out.hidden_taps.items()})
+        logits = out.logits.view(bs, w, -1)
+        taps = {k: v.view(bs, w, -1) for k, v in out.hidden_taps.items()}
+        if w != 1:
+            return logits, taps
+        if self.runner.decode_hook is not None:
+            self.runner.decode_hook(batch, out)
+        greedy = self._sampler.greedy(out.logits)
+        return logits, taps, greedy.next_token_ids.view(bs, 1), greedy.next_token_logprobs.view(bs, 1)
 
     # ---- replay --------------------------------------------------------------------------
     def width_for(self, width: int) -> int | None:
@@ -257,9 +267,12 @@ class CudaGraphRunner:
 
         B, n = batch.batch_size, batch.num_tokens
         w = n // B
-        logits, taps = self._by_width[w].replay(
+        logits, taps, *greedy = self._by_width[w].replay(
             batch.input_ids.view(B, w), batch.positions.view(B, w),
             batch.out_cache_loc.view(B, w), batch.req_pool_indices, batch.prefix_lens,
             batch.seq_lens)
-        return ModelOutput(logits=logits.reshape(n, -1),
-                           hidden_taps={k: taps[k].reshape(n, -1) for k in tap_layers})
+        out = ModelOutput(logits=logits.reshape(n, -1),
+                          hidden_taps={k: taps[k].reshape(n, -1) for k in tap_layers})
+        if greedy:
+            out.greedy_ids, out.greedy_logprobs = greedy[0].reshape(n), greedy[1].reshape(n)
+        return out

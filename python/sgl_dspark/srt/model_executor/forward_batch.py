@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_dspark.srt.model_executor.host_copy import to_device_packed
+from sgl_dspark.srt.model_executor.host_copy import to_device, to_device_packed
 
 
 class ForwardMode(enum.Enum):
@@ -58,6 +58,32 @@ class ForwardBatch:
     def token_prefix_lens(self) -> torch.Tensor:
         """[T] prefix length of every token's request."""
         return self.cached("token_prefix", lambda: self.prefix_lens[self.token_req])
+
+    # Row lists of EXTEND batches from their host-known lengths, so prefill code selects rows
+    # without reading a device mask (a synchronisation). Decode/verify graphs build batches with
+    # placeholder host lengths: only eager EXTEND batches may call these.
+    def block_end_rows(self, ratio: int) -> torch.Tensor:
+        """[n] int64 flat rows whose position ends a block of `ratio` ((pos + 1) % ratio == 0)."""
+        def compute() -> torch.Tensor:
+            rows: list[int] = []
+            start = 0
+            for p0, n in zip(self.prefix_lens_cpu, self.extend_lens_cpu):
+                first = -(-(p0 + 1) // ratio) * ratio - 1   # the first block end >= p0
+                rows.extend(range(start + first - p0, start + n, ratio))
+                start += n
+            return to_device(rows, torch.int64, self.positions.device)
+        return self.cached(("block_end_rows", ratio), compute)
+
+    def last_rows(self, count: int) -> torch.Tensor:
+        """[n] int64 flat rows among the last `count` positions of their request."""
+        def compute() -> torch.Tensor:
+            rows: list[int] = []
+            start = 0
+            for n in self.extend_lens_cpu:
+                rows.extend(range(start + max(0, n - count), start + n))
+                start += n
+            return to_device(rows, torch.int64, self.positions.device)
+        return self.cached(("last_rows", count), compute)
 
     @property
     def batch_size(self) -> int:

@@ -98,6 +98,9 @@ class ModelRunner:
                                         rc.max_verify_tokens, self.dtype, self.device)
         self.attn_backend = create_attention_backend(rc.attention_backend)
         self.graph_runner: CudaGraphRunner | None = None
+        # Runs after every DECODE forward, eagerly or inside the decode graphs (set before they
+        # are captured): DSpark commits its draft's context KV of the decoded tokens here.
+        self.decode_hook: Callable[[ForwardBatch, ModelOutput], None] | None = None
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page,
                     num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20)
 
@@ -145,7 +148,10 @@ class ModelRunner:
             batch = dataclasses.replace(batch, max_seq_len=self.req_pool.max_context_len)
         if self.graph_runner is not None and self.graph_runner.can_run(batch, tap_layers):
             return self.graph_runner.replay(batch, tap_layers)
-        return self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
+        out = self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
+        if batch.mode is ForwardMode.DECODE and self.decode_hook is not None:
+            self.decode_hook(batch, out)
+        return out
 
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)

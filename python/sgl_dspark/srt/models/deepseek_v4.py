@@ -246,6 +246,10 @@ class DeepseekV4Model(nn.Module):
 class ModelOutput:
     logits: torch.Tensor                  # [N, V] fp32, rows = batch.logits_indices
     hidden_taps: dict[int, torch.Tensor]  # layer id -> [T, D] mean over streams after the layer
+    # Decode graphs also return the greedy choice of every logits row (ids [N] int64 and their
+    # log_softmax [N] fp32, the sampler's own ops), so an all-greedy step needs no host sampling.
+    greedy_ids: torch.Tensor | None = None
+    greedy_logprobs: torch.Tensor | None = None
 
 
 class DeepseekV4ForCausalLM(nn.Module):

@@ -5,8 +5,9 @@ block's gate scores. CSA ("overlap") entries mix the previous block's first-half
 with this block's second-half channels (Cb), 2m slots in all. Entries are emitted when the token
 that completes a block is processed; rows of earlier forwards come from the request's state ring.
 
-The "indexer" kernel family chooses, once per layer, the indexer scoring and the decode/verify
-pooling: torch (this module's code) or the Triton kernels; prefill pooling is torch either way.
+The "indexer" kernel family chooses, once per layer, the indexer scoring and the pooling steps
+(decode/verify and prefill): torch (this module's code) or the Triton kernels. Neither path reads
+the device: prefill selects its block-end and ring rows from host-known lengths.
 """
 
 from __future__ import annotations
@@ -43,6 +44,20 @@ DecodeStepFn = Callable[..., None]
 #  n_max) -> scores [T, n_max] fp32, -inf beyond each token's visible entries
 IndexerScoresFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor, int, int], torch.Tensor]
+
+
+# (... as DecodeStepFn ..., entries, block_end_rows, ring_rows) -> None (in place)
+ExtendStepFn = Callable[..., None]
+
+
+def extend_step_impl(kernels: KernelChoice) -> ExtendStepFn | None:
+    """The prefill (extend) step of the "indexer" family: None (torch: the compressor's own
+    code) or `kernels/compressor_extend.py::compressor_extend` (two launches over row lists)."""
+    if kernels.of("indexer") == "torch":
+        return None
+    from sgl_dspark.kernels.compressor_extend import compressor_extend
+
+    return compressor_extend
 
 
 def decode_step_impl(kernels: KernelChoice) -> DecodeStepFn | None:
@@ -108,7 +123,9 @@ class BlockCompressor(nn.Module):
         # The Triton pooling runs one program per row over the whole span x head_dim tile; past
         # _MAX_POOL_TILE elements (HCA m 128 at Dh 512: 145 us against 8 us for the torch code
         # on an H200, benchmark/results/kernels.md) this compressor keeps the torch pooling.
-        self._decode_step = decode_step_impl(kernels) if span * head_dim <= _MAX_POOL_TILE else None
+        fits = span * head_dim <= _MAX_POOL_TILE
+        self._decode_step = decode_step_impl(kernels) if fits else None
+        self._extend_step = extend_step_impl(kernels) if fits else None
         width = 2 * head_dim if overlap else head_dim
         self.head_dim = head_dim
         self.ratio = ratio
@@ -124,23 +141,26 @@ class BlockCompressor(nn.Module):
         this batch's raw rows in the state ring. kv / score: `kv_proj(x)` / `gate_proj(x)` (the
         layer computes them in its fused x projection)."""
         slot_tok = batch.token_slots()
-        if batch.mode is not ForwardMode.EXTEND and self._decode_step is not None:
-            # One launch: a candidate entry per row, stored where the row ends a block, and
-            # every row's raw kv/score into the ring; no host synchronisation.
+        extend = batch.mode is ForwardMode.EXTEND
+        step = self._extend_step if extend else self._decode_step
+        if step is not None:
+            # Decode/verify: one launch, a candidate entry per row (stored where the row ends a
+            # block) and every row's raw kv/score into the ring. Prefill: the block-end rows,
+            # then the ring rows (compressor_extend). No host synchronisation either way.
             m = self.ratio
             start = batch.cached(("block_start", m), lambda: batch.positions - (m - 1))
             cos, sin = rope.compress_table(start, ("block_start", m))
-            self._decode_step(
-                kv, score, state.kv, state.score, self.position_bias, self.kv_norm.weight,
-                batch.positions, slot_tok, batch.token_prefix_lens(), batch.req_to_token, m,
-                self.overlap, self.kv_norm.eps, cos, sin, entries)
+            rows = (batch.block_end_rows(m), batch.last_rows(state.ring)) if extend else ()
+            step(kv, score, state.kv, state.score, self.position_bias, self.kv_norm.weight,
+                 batch.positions, slot_tok, batch.token_prefix_lens(), batch.req_to_token, m,
+                 self.overlap, self.kv_norm.eps, cos, sin, entries, *rows)
             return
         self._emit_entries_torch(kv, score, batch, state, entries, rope, slot_tok)
         # Only the last `ring` positions of each request are kept, so no two rows of one
         # request collide in this write.
         pos, ring = batch.positions, state.ring
-        if batch.mode is ForwardMode.EXTEND:
-            keep = pos >= batch.seq_lens[batch.token_req] - ring
+        if extend:
+            keep = batch.last_rows(ring)
             pos, slot_tok, kv, score = pos[keep], slot_tok[keep], kv[keep], score[keep]
         # else: a decode/verify request has fewer new rows than the ring (asserted by the runner's
         # max_verify_tokens), so every row is kept and no boolean mask (a host sync) is needed.
@@ -153,16 +173,15 @@ class BlockCompressor(nn.Module):
                             slot_tok: torch.Tensor) -> None:
         m, d, ring = self.ratio, self.head_dim, state.ring
         pos = batch.positions
-        is_end = (pos + 1) % m == 0
         write_mask = None
         if batch.mode is ForwardMode.EXTEND:
-            # Prefill: compute only the completed blocks (a host read is fine outside decode).
-            ends = torch.nonzero(is_end).squeeze(1)
+            # Prefill: only the completed blocks, listed from host-known lengths.
+            ends = batch.block_end_rows(m)
         else:
             # Decode/verify (few rows): a candidate entry for every row, written only where a block
             # ends (other rows write to the reserved dummy entry 0): no host synchronisation.
             ends = torch.arange(pos.shape[0], device=pos.device)
-            write_mask = is_end
+            write_mask = (pos + 1) % m == 0
         if ends.numel() > 0:
             span = 2 * m if self.overlap else m
             rel = torch.arange(span, device=pos.device) - (span - 1)

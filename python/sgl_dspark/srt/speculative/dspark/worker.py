@@ -24,6 +24,7 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_b
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.host_copy import read_to_host, to_device, to_device_packed
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
+from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
@@ -139,6 +140,7 @@ class DSparkWorker:
         self.sts_recorder = (StsRecorder(args.sts_collect_path, self.gamma)
                              if args.sts_collect_path else None)
         self._sim_progress: dict[str, float] = {}
+        runner.decode_hook = self._commit_decoded   # before any decode graph is captured
         self.draft_graphs: BatchGraphs | None = None
         self.draft_graphs_bs1: BatchGraphs | None = None
         self.epilogue_graphs: dict[int, BatchGraphs] = {}
@@ -171,6 +173,13 @@ class DSparkWorker:
         with torch.inference_mode():
             for pool, kv in zip(self.ctx_kv, self.draft.context_kv(feats, positions)):
                 pool[slots] = kv.to(pool.dtype)
+
+    def _commit_decoded(self, batch: ForwardBatch, out: ModelOutput) -> None:
+        """The runner's decode hook: a plain decode step (static width 1) commits every row, so
+        the draft's context KV of its tokens is written in the same forward (inside the decode
+        graph when one runs). A width-1 verify replays that graph too: its one row is the
+        anchor, which the step's epilogue commits again with the same values."""
+        self.inject(batch.positions, batch.out_cache_loc, out.hidden_taps)
 
     def on_new_request(self, req: Req) -> None:
         self._generation[req.slot] = self._generation.get(req.slot, 0) + 1

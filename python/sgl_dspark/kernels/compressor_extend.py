@@ -1,0 +1,71 @@
+"""Prefill (extend) step of a KV compressor in two launches and no host synchronisation.
+
+A prefill chunk completes many blocks and writes more rows than the state ring holds, so the
+decode step's single launch (`compressor_decode`: an entry candidate and a ring write per row)
+does not fit it: most rows end no block, and rows of one request would race for ring rows that
+other programs' spans still read. Here the caller lists the rows instead, from host-known
+lengths (`ForwardBatch.block_end_rows` / `last_rows`): the block-end rows pool, rotate and store
+their entries (first launch, reading the ring of earlier chunks), then the rows each request keeps
+go to its ring (second launch, after every read). Both launches are the FUSED kernel of
+`compressor_pool.py` with a row list.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_dspark.kernels.compressor_pool import (
+    check_fused_args,
+    compressor_pool_ref,
+    launch_fused,
+)
+
+
+def compressor_extend_ref(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    entries: torch.Tensor, block_end_rows: torch.Tensor, ring_rows: torch.Tensor,
+) -> None:
+    """Reference, in place: the entries of `block_end_rows` (`compressor_pool_ref`, then rope at
+    the block start with cos / sin rows `[T, rd/2]`) go into the entry pool `entries`; then the
+    raw kv/score of `ring_rows` go to their state ring rows `pos mod R`. Arguments as
+    `compressor_decode_ref`; the row lists are int64 `[n]` flat row indices (no two ring rows
+    of one request may share a ring row)."""
+    from sgl_dspark.kernels.rope import rope_tail_ref
+
+    pooled, slots = compressor_pool_ref(kv, score, state_kv, state_score, position_bias,
+                                        norm_weight, positions, token_slot, token_prefix,
+                                        req_to_token, ratio, overlap, eps)
+    ends = block_end_rows
+    rotated = rope_tail_ref(pooled[ends].unsqueeze(1), cos[ends], sin[ends]).squeeze(1)
+    entries[slots[ends]] = rotated.to(entries.dtype)
+    ring_row = positions[ring_rows].remainder(state_kv.shape[1])
+    state_kv[token_slot[ring_rows], ring_row] = kv[ring_rows].to(state_kv.dtype)
+    state_score[token_slot[ring_rows], ring_row] = score[ring_rows].to(state_score.dtype)
+
+
+def compressor_extend(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    entries: torch.Tensor, block_end_rows: torch.Tensor, ring_rows: torch.Tensor,
+) -> None:
+    """`compressor_extend_ref` in two launches (pool + rope + entry store over the block-end rows,
+    then the ring store over the ring rows). Layouts as `compressor_decode`; the row lists are
+    contiguous int64 `[n]` on kv's device, block-end rows must end a block ((pos + 1) % m == 0;
+    others are skipped). Exactness: entries X2 against the reference (as `compressor_decode`),
+    ring rows copied."""
+    check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
+                     token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)
+    for name, rows in (("block_end_rows", block_end_rows), ("ring_rows", ring_rows)):
+        if rows.dim() != 1 or rows.dtype != torch.int64 or not rows.is_contiguous() or (
+                rows.device != kv.device):
+            raise ValueError(f"{name} must be contiguous int64 [n] on {kv.device}, got "
+                             f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")
+    args = (kv, score, state_kv, state_score, position_bias, norm_weight, positions, token_slot,
+            token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries)
+    launch_fused(*args, rows=block_end_rows, ring_store=False, pool=True)
+    launch_fused(*args, rows=ring_rows, ring_store=True, pool=False)
