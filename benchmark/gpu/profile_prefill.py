@@ -20,11 +20,12 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from benchmark.bench_engine import build_hf, prompts_for  # noqa: E402
 from sgl_dspark import Engine  # noqa: E402
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.model_loader.export import save_released_checkpoint  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
+
+from benchmark.bench_engine import build_hf, prompts_for  # noqa: E402
 
 
 def main() -> None:

@@ -87,11 +87,50 @@ def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
     assert spec.draft_graphs is not None and CountingGraph.replays > 0
     if policy.startswith("confidence"):
         assert spec.graph_verify_widths() == tuple(range(1, gamma + 2))
-    # the folded greedy epilogue (acceptance + context-KV commit) replays, except under the
-    # async confidence policy, whose on-device cap keeps the eager acceptance
+    # Host-known widths (full, static table): all-greedy steps are fused step graphs, chained
+    # by the overlap schedule. Otherwise the folded greedy epilogue (acceptance + context-KV
+    # commit) replays, except under the async confidence policy, whose on-device cap keeps the
+    # eager acceptance.
+    # (with gamma 1 the online policy has no narrow width left: it is the table {1: full})
+    fused = policy in ("full", "static_table") or (policy == "static_online"
+                                                   and spec.policy.online is None)
+    assert (spec.fused is not None and spec.fused.replays > 0) == fused
     epilogue_replays = sum(g.replays for g in spec.epilogue_graphs.values())
-    assert (epilogue_replays > 0) == (policy != "confidence_async")
-    assert spec.draft_graphs.replays > 0
+    assert (epilogue_replays > 0) == (not fused and policy != "confidence_async")
+    assert (spec.draft_graphs.replays > 0) == (not fused)
+
+
+@pytest.mark.parametrize("accept_len", [None, 2.6])
+def test_fused_steps_chained_equal_step_by_step(tmp_path, accept_len):
+    """The overlap schedule chains fused DSpark steps on the device (anchors and lengths never
+    visit the host between them); tokens and logprobs equal the step-by-step schedule, also
+    with simulated acceptance (whose forced counts are host inputs of each launch)."""
+    kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": 4,
+          "speculative_dspark_simulate_accept_len": accept_len}
+    prompts, params = _requests()
+    outs = {}
+    for overlap in (True, False):
+        engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
+                        max_running_requests=N_PROMPTS, disable_overlap_schedule=not overlap,
+                        **kw)
+        spec = engine.scheduler.spec
+        engine.runner.init_cuda_graphs(N_PROMPTS, spec.graph_verify_widths(), spec.tap_layers,
+                                       graph_factory=EagerGraph)
+        spec.init_cuda_graphs(N_PROMPTS, graph_factory=EagerGraph)
+        chained: list[bool] = []
+        launch = spec.fused.launch
+        spec.fused.launch = (lambda w, rows, ch, _f=launch, _log=chained:  # type: ignore[method-assign]
+                             (_log.append(ch), _f(w, rows, ch))[1])
+        res = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
+        outs[overlap] = ([o["output_ids"] for o in res], [o["meta_info"] for o in res], chained)
+        engine.shutdown()
+    (ids_o, meta_o, chained_o), (ids_s, meta_s, chained_s) = outs[True], outs[False]
+    assert ids_o == ids_s
+    assert chained_o.count(True) > len(prompts) and not chained_s
+    for a, b in zip(meta_o, meta_s):
+        assert a["spec_verify_ct"] == b["spec_verify_ct"]
+        torch.testing.assert_close(torch.tensor([lp for lp, _, _ in a["output_token_logprobs"]]),
+                                   torch.tensor([lp for lp, _, _ in b["output_token_logprobs"]]))
 
 
 def _tiny_runner_batch(engine: Engine, mode: ForwardMode, lens: list[int]) -> ForwardBatch:
@@ -177,9 +216,12 @@ def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
         assert 6 in engine.scheduler.spec.graph_verify_widths()
 
 
-def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch, overlap):
     """A graph width that would run past the context table is not used: the step verifies its
-    own (ragged) lengths eagerly, and the output still equals target-only greedy decoding."""
+    own (ragged) lengths eagerly, and the output still equals target-only greedy decoding. With
+    the overlap schedule the fused step graphs run until the context end is near, then the
+    worker's own step takes over."""
     from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
 
     prompt = list(range(7, 57))                        # 50 tokens; context table of 64
@@ -187,7 +229,7 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch):
 
     def run(**kw) -> tuple[list[int], Engine]:
         engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=64,
-                        max_running_requests=2, **kw)
+                        max_running_requests=2, disable_overlap_schedule=not overlap, **kw)
         spec = engine.scheduler.spec
         if spec is not None:
             engine.runner.init_cuda_graphs(1, spec.graph_verify_widths(), spec.tap_layers,
@@ -213,6 +255,10 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch):
     assert engine.runner.req_pool.max_context_len == limit
     assert got == want
     # graph widths while they fit, the request's own lengths once the rounded width would not
-    assert any(fits and rows == [8] for _, rows, fits in rows_seen)
+    # (with the overlap schedule, the steps that fit are fused step graphs instead)
+    if overlap:
+        assert engine.scheduler.spec.fused.replays > 0
+    else:
+        assert any(fits and rows == [8] for _, rows, fits in rows_seen)
     assert any(not fits and rows == lens for lens, rows, fits in rows_seen)
     assert all(rows == lens for lens, rows, fits in rows_seen if not fits)

@@ -52,7 +52,8 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
     """With (stand-in) CUDA graphs the plain step is one decode-graph replay that also commits the
     draft's context KV (the runner's decode hook, captured) and samples greedily inside the graph:
     tokens and the draft's context-KV pools equal the eager engine's, and the host sampler only
-    runs for prefill."""
+    runs for prefill.(Step by step: the overlap schedule lets a finished request ride along one
+    step, whose draft-KV writes land in dead positions, so the pools would differ there.)"""
     from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
 
     table = tmp_path / "widths.json"
@@ -62,7 +63,8 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
     params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
               for n in (5, 8, 20, 26)]
     kw = dict(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-              max_running_requests=4, device="cpu", speculative_algorithm="DSpark",
+              max_running_requests=4, device="cpu", disable_overlap_schedule=True,
+              speculative_algorithm="DSpark",
               speculative_dspark_verify_policy="static",
               speculative_dspark_width_table_path=str(table))
     results = {}
@@ -76,18 +78,18 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
             for pool in spec.ctx_kv:
                 pool.fill_(float("nan"))   # poison: every slot a request uses must be written
             calls = {"sampler": 0, "plain": 0}
-            sampler_forward, overlapped = sched.sampler.forward, sched._decode_overlapped
+            sampler_forward, forward = sched.sampler.forward, sched._forward
 
-            def count_sampler(*a, _f=sampler_forward):
-                calls["sampler"] += 1
+            def count_sampler(*a, _f=sampler_forward, _c=calls):
+                _c["sampler"] += 1
                 return _f(*a)
 
-            def count_plain(_f=overlapped):
-                calls["plain"] += 1
-                return _f()
+            def count_plain(work, taps=(), _f=forward, _c=calls):
+                _c["plain"] += all(r.prefill_done for r, _ in work)
+                return _f(work, taps)
 
             sched.sampler.forward = count_sampler  # type: ignore[method-assign]
-            sched._decode_overlapped = count_plain  # type: ignore[method-assign]
+            sched._forward = count_plain  # type: ignore[method-assign]
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             results[graphs] = ([o["output_ids"] for o in outs],
                                [p[1:].clone() for p in spec.ctx_kv], calls)

@@ -19,6 +19,12 @@ from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.host_copy import PendingRead, read_to_host
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
+from sgl_dspark.srt.speculative.dspark.fused_step import (
+    FusedLaunch,
+    fused_width,
+    launch_fused,
+    resolve_fused,
+)
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
@@ -33,7 +39,8 @@ class SchedulerConfig:
     max_running_requests: int = 64
     eos_token_ids: tuple[int, ...] = ()
     # Launch decode step N+1 from step N's sampled tokens on the device before reading them
-    # (see `Scheduler._decode_overlapped`); speculative decoding always runs step by step.
+    # (see `Scheduler._decode_overlapped`); all-greedy DSpark steps chain their state on the
+    # device the same way when fused step graphs are captured (`Scheduler._spec_overlapped`).
     overlap_schedule: bool = False
 
 
@@ -50,6 +57,20 @@ class _InflightDecode:
     reqs: list[Req]
     next_ids: torch.Tensor
     host: PendingRead
+    kind: str = "decode"
+
+
+@dataclass
+class _InflightSpec:
+    """A fused DSpark step launched but not read yet (`fused_step.py`); its next state (anchors,
+    sequence lengths) stays on the device, in the graph's inputs."""
+
+    launch: FusedLaunch
+    kind: str = "spec"
+
+    @property
+    def reqs(self) -> list[Req]:
+        return self.launch.reqs
 
 
 class RequestRejected(ValueError):
@@ -66,7 +87,7 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self._reserved_pages = 0
-        self._inflight: _InflightDecode | None = None
+        self._inflight: _InflightDecode | _InflightSpec | None = None
 
     # ---- admission -------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -154,7 +175,7 @@ class Scheduler:
         self._admit()
         updated: list[Req] = []
         finished: list[Req] = []
-        if self._inflight is not None and not self._can_overlap():
+        if self._inflight is not None and self._overlap_kind() is None:
             # The batch changes (a request finished, was aborted or joined): read the step in
             # flight first, so the next batch is planned from known tokens.
             updated += self._resolve(self._inflight)
@@ -164,7 +185,7 @@ class Scheduler:
         if not self.running:
             return StepResult(updated, finished)
         if self.spec is None:
-            if self._can_overlap():
+            if self._overlap_kind() == "decode":
                 updated += self._decode_overlapped()
             else:
                 updated += self._forward(self._plan_work(self.running))
@@ -173,8 +194,11 @@ class Scheduler:
             prefilling = [r for r in self.running if not r.prefill_done]
             if prefilling:
                 updated += self._forward(self._plan_work(prefilling), self.spec.tap_layers)
-            if decoding and self._can_overlap():
+            kind = self._overlap_kind() if decoding else None
+            if kind == "decode":
                 updated += self._decode_overlapped()
+            elif kind == "spec":
+                updated += self._spec_overlapped()
             elif decoding and self.spec.plain_decode(len(decoding)):
                 # No speculation at this batch size: a plain decode step that commits the
                 # draft's context KV for its tokens, so DSpark can resume when the batch shrinks.
@@ -193,17 +217,27 @@ class Scheduler:
         return finished
 
     # ---- overlapped decode -----------------------------------------------------------------
-    def _can_overlap(self) -> bool:
-        """An all-decode batch of exactly the requests of the step in flight (or none in
-        flight) can be launched before that step is read."""
+    def _overlap_kind(self) -> str | None:
+        """The step an all-decode batch can launch before the step in flight is read: "decode"
+        (plain decode, also DSpark's static width 1) or "spec" (a fused all-greedy DSpark step),
+        when the batch is exactly the requests of the step in flight of the same kind (or none is
+        in flight); None otherwise."""
         if not (self.cfg.overlap_schedule and self.running
                 and all(r.prefill_done for r in self.running)):
-            return False
-        if self.spec is not None and not self.spec.plain_decode(len(self.running)):
-            return False  # DSpark steps run one at a time
+            return None
         prev = self._inflight
-        return prev is None or (len(prev.reqs) == len(self.running)
-                                and all(a is b for a, b in zip(prev.reqs, self.running)))
+        if self.spec is None or self.spec.plain_decode(len(self.running)):
+            kind = "decode"
+        else:
+            lag = prev.launch.width if isinstance(prev, _InflightSpec) else 0
+            if fused_width(self.spec, self.running, lag) is None:
+                return None   # the worker's own step, one at a time
+            kind = "spec"
+        if prev is None:
+            return kind
+        same = (prev.kind == kind and len(prev.reqs) == len(self.running)
+                and all(a is b for a, b in zip(prev.reqs, self.running)))
+        return kind if same else None
 
     def _decode_overlapped(self) -> list[Req]:
         """Launch this decode step, then read the previous one while it runs.
@@ -215,6 +249,7 @@ class Scheduler:
         and seeded outputs are the same as step by step: a token's position and its sampling
         counter are known before its predecessor is read."""
         prev = self._inflight
+        assert prev is None or isinstance(prev, _InflightDecode)
         reqs = list(self.running)
         work = [(r, [0] if prev is not None else r.next_input(1)) for r in reqs]
         pool = self.runner.req_pool
@@ -234,9 +269,34 @@ class Scheduler:
                                          PendingRead(res.next_token_ids, res.next_token_logprobs))
         return self._resolve(prev) if prev is not None else []
 
-    def _resolve(self, step: _InflightDecode) -> list[Req]:
+    def _spec_overlapped(self) -> list[Req]:
+        """Launch this fused DSpark step, then read the previous one while it runs. The step's
+        anchors and sequence lengths are the previous step's, still on the device (chained);
+        the host supplies request slots, verify lengths and simulated counts, which do not
+        depend on the previous step's results. Requests finished by the previous step ride along
+        once, as in `_decode_overlapped`, and take nothing when read."""
+        assert self.spec is not None
+        prev = self._inflight
+        lag = prev.launch.width if isinstance(prev, _InflightSpec) else 0
+        reqs = list(self.running)
+        width = fused_width(self.spec, reqs, lag)
+        assert width is not None
+        launch = launch_fused(self.spec, reqs, width, chained=prev is not None, lag_width=lag)
+        self._inflight = _InflightSpec(launch)
+        return self._resolve(prev) if prev is not None else []
+
+    def _resolve(self, step: _InflightDecode | _InflightSpec) -> list[Req]:
         """Append the tokens of a step read from the device; requests that finished or were
         aborted since it was launched take nothing."""
+        if isinstance(step, _InflightSpec):
+            assert self.spec is not None
+            live = [not (r.finished or r.slot < 0) for r in step.reqs]
+            done = []
+            for req, out in zip(step.reqs, resolve_fused(self.spec, step.launch, live)):
+                if out is not None:
+                    self.append_tokens(req, *out)
+                    done.append(req)
+            return done
         ids, lps = step.host.wait()
         updated = []
         for req, tok, lp in zip(step.reqs, ids, lps):

@@ -219,7 +219,7 @@ class CudaGraphRunner:
     def _forward(self, w: int, input_ids: torch.Tensor, positions: torch.Tensor,
                  out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
                  prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
-                 ) -> tuple[torch.Tensor, ...]:
+                 ) -> tuple[Any, ...]:
         """The captured region: a uniform-width batch built from the static inputs (its row
         tables are made inside the capture, so replays recompute them), outputs as [B, W, ...].
         Width 1 (the decode graph) also runs the runner's decode hook and the greedy sampler, so

@@ -27,6 +27,7 @@ from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, 
 from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
+from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
 from sgl_dspark.srt.speculative.dspark.ops import (
     create_accept_fn,
@@ -34,6 +35,7 @@ from sgl_dspark.srt.speculative.dspark.ops import (
     create_markov_greedy_fn,
 )
 from sgl_dspark.srt.speculative.dspark.policy import (
+    FullPolicy,
     PolicyArgs,
     StaticWidthPolicy,
     create_verify_policy,
@@ -144,6 +146,7 @@ class DSparkWorker:
         self.draft_graphs: BatchGraphs | None = None
         self.draft_graphs_bs1: BatchGraphs | None = None
         self.epilogue_graphs: dict[int, BatchGraphs] = {}
+        self.fused: FusedGreedySteps | None = None
         self._generation: dict[int, int] = {}
         if args.simulate_accept_len is not None:
             top = min(self.gamma, self.gamma_bs1) + 1
@@ -321,6 +324,16 @@ class DSparkWorker:
         return tuple(sorted({1, 2, 3, full, *narrow} & set(range(1, full + 1))
                             | {self.gamma_bs1 + 1}))
 
+    def fused_widths(self) -> tuple[int, ...]:
+        """Verify widths of the fused step graphs: those a full or table-driven static policy
+        returns (host-known widths, no confidences), width 1 excepted (plain decode)."""
+        policy = self.policy
+        if isinstance(policy, FullPolicy):
+            return (self.gamma + 1,)
+        if isinstance(policy, StaticWidthPolicy) and policy.online is None:
+            return tuple(w for w in policy.graph_widths() if w > 1)
+        return ()
+
     def init_cuda_graphs(self, max_bs: int, graph_factory=None) -> None:
         """Capture the greedy draft (draft forward, Markov loop, confidences) per batch bucket.
         Sampled batches draw Gumbel noise from a generator and propose eagerly."""
@@ -342,6 +355,9 @@ class DSparkWorker:
             self.epilogue_graphs[w] = BatchGraphs(self._greedy_epilogue, inputs, pads,
                                                   graph_batch_sizes(max_bs), dev, graph_factory,
                                                   name=f"DSpark epilogue graphs (width {w})")
+        widths = self.fused_widths()
+        if widths and self.sts_recorder is None:
+            self.fused = FusedGreedySteps(self, widths, graph_batch_sizes(max_bs), graph_factory)
         if self.gamma_bs1 != self.gamma:
             self.draft_graphs_bs1 = BatchGraphs(
                 functools.partial(self._propose_greedy, self.gamma_bs1), example, (0, 1, 0),
@@ -404,17 +420,20 @@ class DSparkWorker:
                               cap_lens=cap_lens)
 
     def _sim_counts(self, reqs: list[Req], device: torch.device) -> torch.Tensor:
+        return to_device(self.sim_count_list(reqs), torch.int64, device)
+
+    def sim_count_list(self, reqs: list[Req]) -> list[int]:
         """Benchmark-only simulated acceptance: this step's forced draft counts, a deterministic
         schedule with the requested mean (zeros when acceptance is not simulated)."""
         if self.args.simulate_accept_len is None:
-            return torch.zeros(len(reqs), dtype=torch.int64, device=device)
+            return [0] * len(reqs)
         x = float(self.args.simulate_accept_len) - 1.0
         forced = []
         for r in reqs:
             done = self._sim_progress.get(r.rid, 0.0)
             forced.append(int((done + 1) * x) - int(done * x) if x > 0 else 0)
             self._sim_progress[r.rid] = done + 1
-        return to_device(forced, torch.int64, device)
+        return forced
 
     def _simulated_accept(self, verify_ids, lens_t, seq_t, logits, reqs):
         """Benchmark-only: accept the forced draft counts; the bonus is the target's argmax at
