@@ -85,6 +85,10 @@ def time_graph(fn, calls: int, replays: int) -> tuple[float, bool]:
 
 
 def main() -> None:
+    # A reference serves several cases and six M values: past dynamo's default of 8 shapes per
+    # function, torch.compile silently falls back to eager (results before this line was added
+    # compared against eager there).
+    torch._dynamo.config.recompile_limit = 64
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None, help="write the Markdown table here")
     p.add_argument("--calls-per-graph", type=int, default=20)

@@ -6,7 +6,8 @@ clamped to [1, 254]. Each element ``x / 2^(e-127)`` is rounded to nearest, ties 
 the E2M1 grid {0, .5, 1, 1.5, 2, 3, 4, 6} (magnitudes above 6 saturate to 6); the code is
 ``sign << 3 | magnitude index`` where sign is the input's sign bit, so -0.0 and negative values
 that round to zero encode as 0x8 (-0). Two codes per byte, low nibble = even element. An all-zero
-group gets ``e = 114`` (2^-13, the first power of two >= 1e-4) and codes 0.
+group gets ``e = 114`` (2^-13, the first power of two >= 1e-4) and codes 0; a group holding an
+infinity gets ``e = 254`` (the clamp). NaN inputs give undefined codes.
 
 Every float operation here is elementwise with a defined rounding (div_rn, bit tricks, exact
 power-of-two products, max), so the kernels are bit-exact against the references on any backend
@@ -82,7 +83,7 @@ def fp4_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     groups = x.float().reshape(*x.shape[:-1], k // FP4_GROUP, FP4_GROUP)
     amax = groups.abs().amax(dim=-1)
     sf = torch.maximum(amax / 6, torch.tensor(_SCALE_FLOOR, dtype=torch.float32, device=x.device))
-    exponent = (_ceil_log2_ref(sf) + 127).clamp(1, 254)
+    exponent = torch.where(sf.isinf(), 254, (_ceil_log2_ref(sf) + 127).clamp(1, 254))
     codes = e2m1_encode_ref(groups / _pow2_ref(exponent - 127).unsqueeze(-1))
     codes = codes.reshape(*x.shape[:-1], k)
     packed = codes[..., 0::2] | (codes[..., 1::2] << 4)
@@ -152,11 +153,17 @@ def _e2m1_decode(code):
 def _fp4_quant_groups(even, odd):
     """even/odd fp32 [A, G, 16]: the two halves of each 32-group's element pairs.
     Returns (packed bytes int32 [A, G, 16], UE8M0 exponent bytes int32 [A, G])."""
+    # No division can see a zero dividend: NVIDIA's div_rn calls a slow subroutine for one (the
+    # masked rows of a row block at small T, zero groups). sf only decides the power of two, and
+    # flooring amax at 6·2^-13 first gives the same one as flooring amax/6 at 1e-4 (2^-13).
     amax = tl.maximum(tl.max(tl.abs(even), axis=2), tl.max(tl.abs(odd), axis=2))
-    sf = tl.maximum(tl.div_rn(amax, 6.0), 1e-4)
+    sf = tl.div_rn(tl.maximum(amax, 6.0 * 2.0**-13), 6.0)
     exponent = tl.minimum(tl.maximum(_ceil_pow2_biased_exponent(sf), 1), 254)
-    scale = _pow2_from_biased_exponent(exponent)[:, :, None]
-    packed = _e2m1_encode(tl.div_rn(even, scale)) | (_e2m1_encode(tl.div_rn(odd, scale)) << 4)
+    # x / 2^(e-127) == x · 2^(127-e), both correctly rounded, with the exact factor built from
+    # its bits (e = 254: the subnormal 2^-127; no flush to zero on either backend by default).
+    inv_bits = tl.where(exponent < 254, (254 - exponent) << 23, 0x400000)
+    inv_scale = inv_bits.to(tl.float32, bitcast=True)[:, :, None]
+    packed = _e2m1_encode(even * inv_scale) | (_e2m1_encode(odd * inv_scale) << 4)
     return packed, exponent
 
 

@@ -1,21 +1,22 @@
 """K2 + K3: MoE router gate -> top-k ids and weights, padded rows filled, in one or two launches.
 
-Logits come from one of three sources (a constexpr switch on one kernel):
-  * x [M, H] and gate_weight [E, H]: the kernel runs a split-K GEMV (fixed 512-wide K splits, 16
-    experts per program: 192 programs per 16-row block at H 4096, E 384). Up to 8 rows, the last
-    program to finish (a per-block counter it resets) sums the splits in order and routes; above
-    that a second launch routes the partials, all row tiles in parallel;
+Logits come from one of three sources:
+  * x [M, H] and gate_weight [E, H]: a split-K GEMV (fixed 16-row x 16-expert x 512-K tiles, 192
+    programs per row block at H 4096, E 384). With `_RouteMeta.fused` the last GEMV program of a
+    row block (a per-block counter it resets) routes the block (one launch); else a second launch;
   * partials fp32 [S, M, E] from an external split-K GEMV, summed in order s = 0..S-1;
   * logits fp32 [M, E].
 Then per row: scores (sqrtsoftplus | sigmoid), selection on scores + correction bias, top-k,
 weights = unbiased scores of the chosen experts, renormalised (w / (sum + 1e-20)), times the routed
-scaling factor; optional appended shared-expert columns; rows >= n_valid (device int32 scalar) get
-`fill_id` / weight 0 in every column. Hash routing (ids = tid2eid[input_ids]) is another switch.
+scaling factor; appended shared-expert columns; rows >= n_valid (device int32 scalar) get `fill_id`
+/ weight 0. Hash routing (ids = tid2eid[input_ids]) is another switch.
 
 Numerics (the spec is `router_topk_ref`):
   * sqrtsoftplus(l) = sqrt_rn(l if l > 20 else log2(1 + exp2(l * log2e)) * ln2);
     sigmoid(l) = 1 / (1 + exp2(-l * log2e)). exp2/log2 lowerings differ by backend, so weights are
     X2 at the ulp level; everything after the scores is exact fp32 in a fixed order.
+  * A row's logits never depend on M, the grid or `_route_meta`: the GEMV tile, K split and chains
+    are constants and the splits are summed in order s = 0..S-1.
   * NaN score -> weight 0 and selection value -inf.
   * Tie rule: descending selection value; equal values -> the lower expert id first (-0.0 == +0.0),
     i.e. `torch.sort(..., descending=True, stable=True)`.
@@ -29,17 +30,43 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
 
 _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 _SOURCE_X, _SOURCE_LOGITS, _SOURCE_PARTIALS = 0, 1, 2
-_SPLIT_K = 512  # K per GEMV split: fixed, so a row's logits never depend on M or the grid
-_GEMV_ROWS = 16  # rows per GEMV tile (tl.dot minimum); also fixed for the same reason
-# Experts per GEMV tile: the smallest tl.dot width, for many programs at M = 1; fixed for every M
-# so a row's logits come from the same instructions whatever the batch (also on MFMA).
+# GEMV tile: fixed for every M so a row's logits come from the same instructions whatever the
+# batch (also on MFMA, whose instruction depends on the tile): 16 rows (the tl.dot minimum), 16
+# experts (the smallest dot width: many programs at M = 1), K split 512 as CHAINS pieces of one
+# batched dot (sm90: the MMA chain is 8 deep, not 32; the pieces are then summed).
+_SPLIT_K = 512
+_GEMV_ROWS = 16
 _GEMV_EXPERTS = 16
-_FUSED_ROUTE_MAX_ROWS = 8  # x source: the last GEMV program routes <= 2 serial epilogue tiles
+_GEMV_CHAINS = 4  # changes the logits' rounding (alike for every M); sweep_router.py times 1/2/4
+_GEMV_WARPS = 4  # also the fused tail's: 4 rows route at once, one per warp
 _LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
+
+
+class _RouteMeta(NamedTuple):
+    """Launch shape of the routing step: changes no result bit (sweep_router.py checks that)."""
+
+    fused: bool  # x source: the last GEMV program of a row block routes it (one launch)
+    tail_rows: int  # fused: rows per step of that program's loop (4 = one row per warp)
+    rows: int  # routing launch: rows per program
+    warps: int  # routing launch: num_warps (rows >= warps: each warp owns whole rows)
+    gemv_stages: int  # GEMV num_stages: its K loop runs once, staging only costs shared memory
+    unroll: bool  # top-k slots unrolled (ILP across slots) or a loop (a 6x smaller i-cache need)
+
+
+def _route_meta(num_rows: int, interpreted: bool = False) -> _RouteMeta:
+    """The launch shape for M rows; the one place sweep_router.py patches. Unmeasured defaults,
+    reasoned from the sm90 SASS: a routed row is ~2.2k instructions on one warp (reductions are
+    single REDUX ops), so up to 8 rows the last GEMV program routes them in one step (2 rows per
+    warp above 4), cheaper than a second launch (~1.5 us in a graph); above that each row gets a
+    one-warp program. The CPU interpreter pays per program, not per row: 16 rows each there."""
+    if interpreted:
+        return _RouteMeta(num_rows <= 8, 4, 16, 4, 2, False)
+    return _RouteMeta(num_rows <= 8, 4 if num_rows <= 4 else 8, 1, 1, 2, True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,8 +93,7 @@ class RouterConfig:
         if self.scoring not in _SCORINGS:
             raise ValueError(f"scoring must be one of {sorted(_SCORINGS)}, got {self.scoring!r}")
         if self.topk < 1 or self.num_shared < 0:
-            raise ValueError(f"topk must be >= 1 and num_shared >= 0, got {self.topk}, "
-                             f"{self.num_shared}")  # fmt: skip
+            raise ValueError(f"need topk >= 1, num_shared >= 0: {self.topk}, {self.num_shared}")
 
 
 class RouterTopkOutput(NamedTuple):
@@ -85,23 +111,18 @@ class RouterWorkspace(NamedTuple):
     counters: torch.Tensor
 
 
-def make_router_workspace(
-    max_rows: int, num_experts: int, hidden: int, device: torch.device | str
-) -> RouterWorkspace:
+def make_router_workspace(max_rows: int, num_experts: int, hidden: int,
+                          device: torch.device | str) -> RouterWorkspace:  # fmt: skip
     """Allocate a reusable workspace (keep one per layer shape: no memset per call)."""
     splits = triton.cdiv(hidden, _SPLIT_K)
     return RouterWorkspace(
         torch.empty(splits * max_rows * num_experts, dtype=torch.float32, device=device),
-        torch.zeros(triton.cdiv(max(max_rows, 1), _GEMV_ROWS), dtype=torch.int32, device=device),
-    )
+        torch.zeros(triton.cdiv(max(max_rows, 1), _GEMV_ROWS), dtype=torch.int32, device=device))
 
 
-def _logits_ref(
-    x: torch.Tensor | None,
-    gate_weight: torch.Tensor | None,
-    logits: torch.Tensor | None,
-    partials: torch.Tensor | None,
-) -> torch.Tensor:
+def _logits_ref(x: torch.Tensor | None, gate_weight: torch.Tensor | None,
+                logits: torch.Tensor | None, partials: torch.Tensor | None,
+                ) -> torch.Tensor:  # fmt: skip
     if logits is not None:
         return logits.float()
     if partials is not None:
@@ -121,19 +142,13 @@ def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 
 
 def router_topk_ref(
-    config: RouterConfig,
-    *,
-    x: torch.Tensor | None = None,
-    gate_weight: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
-    partials: torch.Tensor | None = None,
-    correction_bias: torch.Tensor | None = None,
-    n_valid: torch.Tensor | None = None,
-    input_ids: torch.Tensor | None = None,
-    tid2eid: torch.Tensor | None = None,
-    logits_out: torch.Tensor | None = None,
+    config: RouterConfig, *, x: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None, logits_out: torch.Tensor | None = None,
     workspace: RouterWorkspace | None = None,
-) -> RouterTopkOutput:
+) -> RouterTopkOutput:  # fmt: skip
     """Reference (the spec); same arguments as `router_topk` (`workspace` is ignored)."""
     full_logits = _logits_ref(x, gate_weight, logits, partials)
     if logits_out is not None:
@@ -170,142 +185,86 @@ def router_topk_ref(
 
 
 @triton.jit
-def _scores(logits, SCORING: tl.constexpr):
-    if SCORING == 0:
-        soft = tl.log2(1.0 + tl.exp2(logits * 1.4426950408889634)) * 0.6931471805599453
-        return tl.sqrt_rn(tl.where(logits > 20.0, logits, soft))
-    else:
-        one = tl.full(logits.shape, 1.0, tl.float32)
-        return tl.div_rn(one, 1.0 + tl.exp2(-logits * 1.4426950408889634))
+def _sqrt_rn(x):
+    """tl.sqrt_rn minus its per-element slow-path branch (it serialised the MUFU latencies): the
+    fast path (same sm90 instructions and bits; exact for 2^-101 <= x < inf), small x scaled in."""
+    small = x < 7.888609052210118e-31  # 2^-100
+    xs = tl.where(small, x * 18446744073709551616.0, x)
+    r = tl.rsqrt(xs)
+    s = xs * r
+    out = tl.fma(tl.fma(-s, s, xs), r * 0.5, s)
+    out = tl.where(small, out * 2.3283064365386963e-10, out)  # 2^-32: exact
+    return tl.where((x > 0.0) & (x < float("inf")), out, tl.where(x < 0.0, float("nan"), x))
 
 
 @triton.jit
-def _route_rows(
-    row0, n_valid, logits_ptr, partials_ptr, bias_ptr, input_ids_ptr, tid2eid_ptr,
-    ids_ptr, weights_ptr, logits_out_ptr,
-    num_rows, num_experts, stride_tid,
-    routed_scale, shared_weight, fill_id, shared_id_base,
-    SOURCE: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr, HASH: tl.constexpr,
-    RENORMALIZE: tl.constexpr, WRITE_LOGITS: tl.constexpr, TOPK: tl.constexpr,
-    NUM_SHARED: tl.constexpr, NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_E: tl.constexpr, BLOCK_OUT: tl.constexpr,
-):  # fmt: skip
-    rows = row0 + tl.arange(0, ROWS)
-    cols = tl.arange(0, BLOCK_E)
-    row_ok = rows < num_rows
-    col_ok = cols < num_experts
-    tile_ok = row_ok[:, None] & col_ok[None, :]
-    offs = rows[:, None] * num_experts + cols[None, :]
-    if SOURCE == 1:
-        logits = tl.load(logits_ptr + offs, mask=tile_ok, other=0.0)
-    else:
-        # Unrolled: the S loads are independent, so they are all in flight at once (one round
-        # trip instead of S); the adds still run in the reference's order s = 0..S-1.
-        logits = tl.load(partials_ptr + offs, mask=tile_ok, other=0.0)
-        for split in tl.static_range(1, NUM_SPLITS):
-            logits += tl.load(partials_ptr + split * num_rows * num_experts + offs, mask=tile_ok)
-        if WRITE_LOGITS:
-            tl.store(logits_out_ptr + offs, logits, mask=tile_ok)
-    scores = _scores(logits, SCORING)
-    gather_src = tl.where(scores != scores, 0.0, scores)
-    is_pad = rows >= n_valid
+def _scores(logits, SCORING: tl.constexpr, BRANCHLESS_SQRT: tl.constexpr):
+    if SCORING == 0:
+        soft = tl.log2(1.0 + tl.exp2(logits * 1.4426950408889634)) * 0.6931471805599453
+        soft = tl.where(logits > 20.0, logits, soft)
+        # The interpreter's rsqrt and fma round twice (1-ulp errors): exact sqrt there.
+        return _sqrt_rn(soft) if BRANCHLESS_SQRT else tl.sqrt_rn(soft)
+    one = tl.full(logits.shape, 1.0, tl.float32)
+    return tl.div_rn(one, 1.0 + tl.exp2(-logits * 1.4426950408889634))
 
-    out_cols = tl.arange(0, BLOCK_OUT)[None, :]
-    out_ids = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.int32)
-    out_w = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32)
-    total = tl.zeros([ROWS], dtype=tl.float32)
-    if HASH:
-        live = row_ok & (rows < n_valid)
-        token = tl.load(input_ids_ptr + rows, mask=live, other=0).to(tl.int64)
-        for slot in tl.static_range(TOPK):
-            expert = tl.load(tid2eid_ptr + token * stride_tid + slot, mask=live, other=0)
-            expert = expert.to(tl.int32)
-            picked = tl.sum(tl.where(cols[None, :] == expert[:, None], gather_src, 0.0), axis=1)
-            out_ids = tl.where(out_cols == slot, expert[:, None], out_ids)
-            out_w = tl.where(out_cols == slot, picked[:, None], out_w)
-            total += picked
-    else:
-        choice = scores
-        if HAS_BIAS:
-            choice = choice + tl.load(bias_ptr + cols, mask=col_ok, other=0.0)[None, :]
-        choice = tl.where(choice != choice, float("-inf"), choice)
-        choice = tl.where(choice == 0.0, 0.0, choice)  # -0.0 and +0.0 must tie
-        # Order-preserving int32 key: a float compare with a distinct "taken" value that NaN/-inf
-        # scores can never equal; the max's tie-break-left gives the lower expert id.
-        bits = choice.to(tl.int32, bitcast=True)
-        key = tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-        taken = tl.full([ROWS, BLOCK_E], -2147483648, tl.int32)
-        key = tl.where(col_ok[None, :], key, taken)
-        for slot in tl.static_range(TOPK):
-            _, expert = tl.max(key, axis=1, return_indices=True, return_indices_tie_break_left=True)
-            hit = cols[None, :] == expert[:, None]
-            picked = tl.sum(tl.where(hit, gather_src, 0.0), axis=1)
-            key = tl.where(hit, taken, key)
-            out_ids = tl.where(out_cols == slot, expert[:, None], out_ids)
-            out_w = tl.where(out_cols == slot, picked[:, None], out_w)
-            total += picked
-    if RENORMALIZE:
-        denom = tl.zeros([ROWS, BLOCK_OUT], dtype=tl.float32) + (total + 1e-20)[:, None]
-        out_w = tl.div_rn(out_w, denom)
-    out_w = out_w * routed_scale
-    is_shared = (out_cols >= TOPK) & (out_cols < TOPK + NUM_SHARED)
-    out_ids = tl.where(is_shared, shared_id_base + out_cols - TOPK, out_ids)
-    out_w = tl.where(is_shared, shared_weight, out_w)
-    out_ids = tl.where(is_pad[:, None], fill_id, out_ids)
-    out_w = tl.where(is_pad[:, None], 0.0, out_w)
-    out_offs = rows[:, None] * (TOPK + NUM_SHARED) + out_cols
-    out_ok = row_ok[:, None] & (out_cols < TOPK + NUM_SHARED)
-    tl.store(ids_ptr + out_offs, out_ids, mask=out_ok)
-    tl.store(weights_ptr + out_offs, out_w, mask=out_ok)
+
+@triton.jit
+def _row_max(x):
+    # Chunks first (in-thread when a warp owns the row), then the lanes: one REDUX on sm90.
+    return tl.max(tl.max(x, axis=1, keep_dims=True), axis=2, keep_dims=True)
 
 
 @triton.jit
 def _router_topk_kernel(
-    x_ptr, gate_ptr, logits_ptr, partials_ptr, bias_ptr, n_valid_ptr, input_ids_ptr, tid2eid_ptr,
-    ids_ptr, weights_ptr, logits_out_ptr, counter_ptr,
+    x_ptr, gate_ptr, logits_ptr, partials_ptr, counter_ptr, bias_ptr, n_valid_ptr, input_ids_ptr,
+    tid2eid_ptr, ids_ptr, weights_ptr, logits_out_ptr,
     num_rows, hidden, num_experts, stride_x, stride_gate, stride_tid,
     routed_scale, shared_weight, fill_id, shared_id_base,
     SOURCE: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_N_VALID: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
     WRITE_LOGITS: tl.constexpr, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, ROUTE: tl.constexpr,
-    BLOCK_M: tl.constexpr, EPI_M: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_OUT: tl.constexpr,
-    SPLIT_K: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    NUM_SPLITS: tl.constexpr, ROUTE: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr, BLOCK_OUT: tl.constexpr,
+    SPLIT_K: tl.constexpr, GEMV_M: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr,
+    CHAINS: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
+    UNROLL: tl.constexpr,
 ):  # fmt: skip
     """x source: program (row block, split x expert tile) writes one GEMV partial; with ROUTE the
-    last arrival of the row block then routes it (else a second launch with the partials source
-    does). Logits/partials sources: program (row block) routes its rows."""
-    pid_m = tl.program_id(0)
-    row0 = pid_m * BLOCK_M
+    last arrival of the row block routes its rows. Else program p routes rows [p * ROWS, +ROWS)."""
+    pid = tl.program_id(0)
+    row0, row_end = pid * ROWS, pid * ROWS + ROWS
     if SOURCE == 0:
-        # Split-K GEMV tile: rows [row0, +BLOCK_M) x experts [e0, +GEMV_N) x K [split*SPLIT_K, +SPLIT_K).
         tile = tl.program_id(1)
         n_etiles = tl.cdiv(num_experts, GEMV_N)
         split = tile // n_etiles
-        rows = row0 + tl.arange(0, BLOCK_M)
+        xrows = pid * GEMV_M + tl.arange(0, GEMV_M)
         experts = (tile - split * n_etiles) * GEMV_N + tl.arange(0, GEMV_N)
-        acc = tl.zeros([BLOCK_M, GEMV_N], dtype=tl.float32)
+        xrow_ok = xrows < num_rows
+        expert_ok = experts < num_experts
+        acc = tl.zeros([GEMV_M, GEMV_N], dtype=tl.float32)
         for k0 in range(split * SPLIT_K, split * SPLIT_K + SPLIT_K, GEMV_K):
-            ks = k0 + tl.arange(0, GEMV_K)
-            x_tile = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :],
-                             mask=(rows < num_rows)[:, None] & (ks < hidden)[None, :], other=0.0)
-            w_tile = tl.load(gate_ptr + experts[None, :] * stride_gate + ks[:, None],
-                             mask=(ks < hidden)[:, None] & (experts < num_experts)[None, :],
-                             other=0.0)  # fmt: skip
-            if DOT_FP32:
-                x_tile = x_tile.to(tl.float32)
+            # K as CHAINS contiguous pieces, one batch entry each: their MMA chains run on
+            # separate warps, then a fixed-shape sum over the pieces.
+            ks = k0 + tl.arange(0, CHAINS)[:, None] * (GEMV_K // CHAINS) \
+                + tl.arange(0, GEMV_K // CHAINS)[None, :]
+            x_tile = tl.load(x_ptr + xrows[None, :, None] * stride_x + ks[:, None, :],
+                             mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :], other=0.0)
+            w_tile = tl.load(gate_ptr + experts[None, None, :] * stride_gate + ks[:, :, None],
+                             mask=(ks < hidden)[:, :, None] & expert_ok[None, None, :], other=0.0)
+            if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.6): the exact
+                x_tile = x_tile.to(tl.float32)  # bf16 products are formed in fp32 instead
                 w_tile = w_tile.to(tl.float32)
-                acc = tl.dot(x_tile, w_tile, acc, input_precision="ieee")
-            else:
-                acc = tl.dot(x_tile, w_tile, acc)
-        tl.store(partials_ptr + split * num_rows * num_experts + rows[:, None] * num_experts
-                 + experts[None, :], acc,
-                 mask=(rows < num_rows)[:, None] & (experts < num_experts)[None, :])  # fmt: skip
+            # "ieee": fp32 inputs must not go through tf32 (bf16 ignores the setting).
+            acc += tl.sum(tl.dot(x_tile, w_tile, input_precision="ieee"), axis=0)
+        tl.store(partials_ptr + split * num_rows * num_experts + xrows[:, None] * num_experts
+                 + experts[None, :], acc, mask=xrow_ok[:, None] & expert_ok[None, :])  # fmt: skip
+        row0 = pid * GEMV_M
+        row_end = tl.minimum(row0 + GEMV_M, num_rows)
         if ROUTE:
             # Release our partial, acquire everyone else's; the last arrival routes the row
             # block. The barrier orders every thread's partial store before the release.
             tl.debug_barrier()
-            ticket = tl.atomic_add(counter_ptr + pid_m, 1, sem="acq_rel")
+            ticket = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
             is_last = ticket == tl.num_programs(1) - 1
         else:
             is_last = False
@@ -313,30 +272,92 @@ def _router_topk_kernel(
         is_last = True
     if is_last:
         if SOURCE == 0:
-            tl.store(counter_ptr + pid_m, 0)  # ready for the next launch (graph replay)
+            tl.store(counter_ptr + pid, 0)  # ready for the next launch (graph replay)
         n_valid = num_rows
         if HAS_N_VALID:
             n_valid = tl.load(n_valid_ptr)
-        for sub in tl.static_range(BLOCK_M // EPI_M):
-            if row0 + sub * EPI_M < num_rows:  # small M: route only sub-blocks holding rows
-                _route_rows(
-                    row0 + sub * EPI_M, n_valid, logits_ptr, partials_ptr, bias_ptr,
-                    input_ids_ptr, tid2eid_ptr, ids_ptr, weights_ptr, logits_out_ptr,
-                    num_rows, num_experts, stride_tid,
-                    routed_scale, shared_weight, fill_id, shared_id_base,
-                    SOURCE, SCORING, HAS_BIAS, HASH, RENORMALIZE, WRITE_LOGITS, TOPK, NUM_SHARED,
-                    NUM_SPLITS, EPI_M, BLOCK_E, BLOCK_OUT,
-                )  # fmt: skip
+        # Rows [r0, r0 + ROWS) per step of a runtime loop (one copy of the code). Tile [ROWS,
+        # CHUNKS, CHUNK], expert = chunk * CHUNK + lane: CHUNK 128 fills a warp's 32 lanes x 4 and
+        # the layout's next axis is the rows (the first of the equally strided ones), so warps
+        # split rows and a row's reductions stay in one warp. Per-row values: [ROWS, 1, 1].
+        for r0 in range(row0, row_end, ROWS):
+            rows = r0 + tl.arange(0, ROWS)[:, None, None]
+            cols = tl.arange(0, CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
+            row_ok = rows < num_rows
+            col_ok = cols < num_experts
+            tile_ok = row_ok & col_ok
+            offs = rows * num_experts + cols
+            if SOURCE == 1:
+                logits = tl.load(logits_ptr + offs, mask=tile_ok, other=0.0)
+            else:
+                # The reference's order s = 0..S-1; a group's loads are independent, so
+                # SPLIT_GROUP are in flight at once (a round trip per group, bounded registers).
+                logits = tl.load(partials_ptr + offs, mask=tile_ok, other=0.0)
+                for s0 in range(1, NUM_SPLITS, SPLIT_GROUP):
+                    for j in tl.static_range(SPLIT_GROUP):
+                        live = s0 + j < NUM_SPLITS
+                        part = tl.load(partials_ptr + (s0 + j) * num_rows * num_experts + offs,
+                                       mask=tile_ok & live, other=0.0)  # fmt: skip
+                        logits = tl.where(live, logits + part, logits)
+                if WRITE_LOGITS:
+                    tl.store(logits_out_ptr + offs, logits, mask=tile_ok)
+            scores = _scores(logits, SCORING, not INTERPRETED)
+            # Scores are >= +0.0 (NaN -> 0), so their bits are int32 >= 0 and a max over
+            # "hit ? bits : 0" with one hit gathers them exactly (an int REDUX, no float tree).
+            gather_bits = tl.where(scores != scores, 0.0, scores).to(tl.int32, bitcast=True)
+            out_cols = tl.arange(0, BLOCK_OUT)[None, None, :]
+            out_ids = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.int32)
+            out_w = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.float32)
+            total = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
+            if HASH:
+                live = row_ok & (rows < n_valid)
+                token = tl.load(input_ids_ptr + rows, mask=live, other=0).to(tl.int64)
+            else:
+                choice = scores
+                if HAS_BIAS:  # a full-tile load: a [1, CHUNKS, CHUNK] one gets a layout with the
+                    # warps on the chunks, and the whole top-k would follow it
+                    choice += tl.load(bias_ptr + rows * 0 + cols, mask=tile_ok, other=0.0)
+                choice = tl.where(choice != choice, float("-inf"), choice)
+                choice = tl.where(choice == 0.0, 0.0, choice)  # -0.0 and +0.0 must tie
+                # Order-preserving int32 key; "taken" (INT_MIN) is below every real key (NaN and
+                # -inf included). Per slot: the max key, then the lowest expert holding it.
+                bits = choice.to(tl.int32, bitcast=True)
+                key = tl.where(col_ok, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)
+            for slot in tl.range(0, TOPK, loop_unroll_factor=UNROLL):
+                if HASH:
+                    expert = tl.load(tid2eid_ptr + token * stride_tid + slot, mask=live, other=0)
+                    expert = expert.to(tl.int32)
+                else:  # the lowest expert holding the max key (a max over negated ids)
+                    expert = -_row_max(tl.where(key == _row_max(key), -cols, -2147483647))
+                hit = cols == expert
+                if not HASH:
+                    key = tl.where(hit, -2147483648, key)
+                picked = _row_max(tl.where(hit, gather_bits, 0)).to(tl.float32, bitcast=True)
+                out_ids = tl.where(out_cols == slot, expert, out_ids)
+                out_w = tl.where(out_cols == slot, picked, out_w)
+                total += picked
+            if RENORMALIZE:
+                out_w = tl.div_rn(out_w, tl.zeros_like(out_w) + (total + 1e-20))
+            out_w = out_w * routed_scale
+            is_shared = (out_cols >= TOPK) & (out_cols < TOPK + NUM_SHARED)
+            out_ids = tl.where(is_shared, shared_id_base + out_cols - TOPK, out_ids)
+            out_w = tl.where(is_shared, shared_weight, out_w)
+            out_ids = tl.where(rows >= n_valid, fill_id, out_ids)
+            out_w = tl.where(rows >= n_valid, 0.0, out_w)
+            out_offs = rows * (TOPK + NUM_SHARED) + out_cols
+            out_ok = row_ok & (out_cols < TOPK + NUM_SHARED)
+            tl.store(ids_ptr + out_offs, out_ids, mask=out_ok)
+            tl.store(weights_ptr + out_offs, out_w, mask=out_ok)
 
 
-def _epilogue_rows(num_splits: int, fused: bool) -> int:
-    """Rows per routing tile: the S partial tiles are loaded at once (one round trip), so bound
-    S * rows; half as many in the GEMV kernel (its state is live too). DSV4, S = 8: 8 rows (182
-    registers on sm90, 4 warps), fused 4 rows (154); 8 fused rows would spill."""
-    rows = 8
-    while rows > 1 and rows * num_splits > (32 if fused else 64):
-        rows //= 2
-    return rows
+def _tile_shape(num_experts: int, rows: int, warps: int, num_splits: int) -> dict[str, int]:
+    """Constexprs of a [rows, CHUNKS, CHUNK] routing tile on `warps` warps. SPLIT_GROUP bounds the
+    partial loads in flight to ~128 fp32 registers per thread (more would spill)."""
+    block_e = triton.next_power_of_2(num_experts)
+    per_thread = max(1, block_e * rows // (32 * warps))
+    group = max(1, min(num_splits - 1, 128 // per_thread))
+    return dict(ROWS=rows, CHUNKS=block_e // min(block_e, 128), CHUNK=min(block_e, 128),
+                SPLIT_GROUP=group)  # fmt: skip
 
 
 def _require(cond: bool, message: str) -> None:
@@ -344,27 +365,19 @@ def _require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def _require_tensor(
-    name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
-) -> None:
-    _require(
-        tuple(tensor.shape) == shape and tensor.dtype in dtypes and tensor.stride(-1) == 1,
-        f"{name} must be {shape} of {dtypes} with a contiguous last dim, "
-        f"got {tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}",
-    )
+def _require_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...],
+                    dtypes: tuple[torch.dtype, ...]) -> None:  # fmt: skip
+    _require(tuple(tensor.shape) == shape and tensor.dtype in dtypes and tensor.stride(-1) == 1,
+             f"{name} must be {shape} of {dtypes} with a contiguous last dim, "
+             f"got {tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}")  # fmt: skip
 
 
-def _logits_source(
-    x: torch.Tensor | None,
-    gate_weight: torch.Tensor | None,
-    logits: torch.Tensor | None,
-    partials: torch.Tensor | None,
-) -> tuple[int, int, int, int, torch.device]:
+def _logits_source(x: torch.Tensor | None, gate_weight: torch.Tensor | None,
+                   logits: torch.Tensor | None, partials: torch.Tensor | None,
+                   ) -> tuple[int, int, int, int, torch.device]:  # fmt: skip
     """Validate the one given logits source; returns (source, M, E, H or 0, device)."""
-    _require(
-        sum(t is not None for t in (x, logits, partials)) == 1,
-        "give exactly one of x (with gate_weight), logits, partials",
-    )
+    _require(sum(t is not None for t in (x, logits, partials)) == 1,
+             "give exactly one of x (with gate_weight), logits, partials")  # fmt: skip
     if x is not None:
         _require(gate_weight is not None and x.dim() == 2, "x [M, H] needs gate_weight [E, H]")
         assert gate_weight is not None
@@ -384,21 +397,15 @@ def _logits_source(
 
 
 def router_topk(
-    config: RouterConfig,
-    *,
-    x: torch.Tensor | None = None,
-    gate_weight: torch.Tensor | None = None,
-    logits: torch.Tensor | None = None,
-    partials: torch.Tensor | None = None,
-    correction_bias: torch.Tensor | None = None,
-    n_valid: torch.Tensor | None = None,
-    input_ids: torch.Tensor | None = None,
-    tid2eid: torch.Tensor | None = None,
-    logits_out: torch.Tensor | None = None,
+    config: RouterConfig, *, x: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None, logits: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None, logits_out: torch.Tensor | None = None,
     workspace: RouterWorkspace | None = None,
-) -> RouterTopkOutput:
-    """Router gate + top-k + pad fill in one launch, two for the x source above 8 rows
-    (graph-safe).
+) -> RouterTopkOutput:  # fmt: skip
+    """Router gate + top-k + pad fill in one launch (two for the x source unless
+    `_route_meta(M).fused`); graph-safe.
 
     Args:
         config: the layer's `RouterConfig`.
@@ -440,52 +447,54 @@ def router_topk(
     if num_rows == 0:
         return RouterTopkOutput(ids, weights)
 
+    interpreted = isinstance(_router_topk_kernel, InterpretedFunction)
+    meta = _route_meta(num_rows, interpreted)
+    num_splits = triton.cdiv(hidden, _SPLIT_K) if source == _SOURCE_X else (
+        partials.shape[0] if partials is not None else 1)  # fmt: skip
+    gemv_k = min(_SPLIT_K, max(16, triton.next_power_of_2(hidden)))
     dummy = ids  # stands in for absent pointer arguments; never dereferenced
+    common = dict(
+        ids_ptr=ids, weights_ptr=weights, num_rows=num_rows, hidden=hidden,
+        num_experts=num_experts, stride_x=x.stride(0) if x is not None else 0,
+        stride_gate=gate_weight.stride(0) if gate_weight is not None else 0,
+        stride_tid=tid2eid.stride(0) if tid2eid is not None else 0,
+        routed_scale=float(config.routed_scaling_factor),
+        shared_weight=float(config.shared_weight), fill_id=int(config.fill_id),
+        shared_id_base=int(num_experts if config.shared_id_base is None else config.shared_id_base),
+        SCORING=_SCORINGS[config.scoring], HAS_BIAS=correction_bias is not None,
+        HAS_N_VALID=n_valid is not None, HASH=is_hash, RENORMALIZE=config.renormalize,
+        WRITE_LOGITS=logits_out is not None, TOPK=topk, NUM_SHARED=config.num_shared,
+        NUM_SPLITS=num_splits, BLOCK_OUT=triton.next_power_of_2(width), SPLIT_K=_SPLIT_K,
+        GEMV_M=_GEMV_ROWS, GEMV_N=_GEMV_EXPERTS, GEMV_K=gemv_k,
+        CHAINS=max(1, min(_GEMV_CHAINS, gemv_k // 16)), DOT_FP32=device.type == "cpu",
+        INTERPRETED=interpreted, UNROLL=topk if meta.unroll else 1,
+        **{name: t if t is not None else dummy for name, t in (
+            ("x_ptr", x), ("gate_ptr", gate_weight), ("logits_ptr", logits),
+            ("bias_ptr", correction_bias), ("n_valid_ptr", n_valid), ("input_ids_ptr", input_ids),
+            ("tid2eid_ptr", tid2eid), ("logits_out_ptr", logits_out))},
+    )  # fmt: skip
 
-    def launch(grid: tuple[int, ...], source: int, partials: torch.Tensor | None, block_m: int,
-               route: bool) -> None:  # fmt: skip
-        _router_topk_kernel[grid](
-            *(t if t is not None else dummy for t in (x, gate_weight, logits, partials)),
-            *(t if t is not None else dummy for t in (correction_bias, n_valid, input_ids,
-                                                      tid2eid)),
-            ids, weights, logits_out if logits_out is not None else dummy,
-            workspace.counters if workspace is not None else dummy,
-            num_rows, hidden, num_experts,
-            x.stride(0) if x is not None else 0,
-            gate_weight.stride(0) if gate_weight is not None else 0,
-            tid2eid.stride(0) if tid2eid is not None else 0,
-            float(config.routed_scaling_factor), float(config.shared_weight), int(config.fill_id),
-            int(num_experts if config.shared_id_base is None else config.shared_id_base),
-            SOURCE=source, SCORING=_SCORINGS[config.scoring], HAS_BIAS=correction_bias is not None,
-            HAS_N_VALID=n_valid is not None, HASH=is_hash, RENORMALIZE=config.renormalize,
-            WRITE_LOGITS=logits_out is not None, TOPK=topk, NUM_SHARED=config.num_shared,
-            NUM_SPLITS=num_splits, ROUTE=route, BLOCK_M=block_m, EPI_M=epi_m,
-            BLOCK_E=triton.next_power_of_2(num_experts),
-            BLOCK_OUT=triton.next_power_of_2(width), SPLIT_K=_SPLIT_K, GEMV_N=_GEMV_EXPERTS,
-            GEMV_K=min(_SPLIT_K, max(16, triton.next_power_of_2(max(hidden, 1)))),
-            # fp32 inputs must not go through tf32; the CPU interpreter's bf16 tl.dot returns
-            # garbage (triton 3.6), so there the exact bf16 products are formed in fp32 instead.
-            DOT_FP32=x is not None and (x.dtype == torch.float32 or x.device.type == "cpu"),
-            num_warps=4,
+    def route_launch(source: int, partials: torch.Tensor | None) -> None:
+        _router_topk_kernel[(triton.cdiv(num_rows, meta.rows),)](
+            partials_ptr=partials if partials is not None else dummy, counter_ptr=dummy,
+            SOURCE=source, ROUTE=True, num_warps=meta.warps,
+            **_tile_shape(num_experts, meta.rows, meta.warps, num_splits), **common,
         )  # fmt: skip
 
-    num_splits = partials.shape[0] if partials is not None else 1
-    if source == _SOURCE_X:
-        num_splits = triton.cdiv(hidden, _SPLIT_K)
-    fused = source == _SOURCE_X and num_rows <= _FUSED_ROUTE_MAX_ROWS
-    epi_m = _epilogue_rows(num_splits, fused)
     if source != _SOURCE_X:
-        launch((triton.cdiv(num_rows, epi_m),), source, partials, epi_m, route=True)
+        route_launch(source, partials)
         return RouterTopkOutput(ids, weights)
     if workspace is None:
         workspace = make_router_workspace(num_rows, num_experts, hidden, device)
     _require(workspace.partials.numel() >= num_splits * num_rows * num_experts
              and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
              "workspace too small for this call")  # fmt: skip
-    gemv_grid = (triton.cdiv(num_rows, _GEMV_ROWS),
-                 num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS))
-    launch(gemv_grid, _SOURCE_X, workspace.partials, _GEMV_ROWS, route=fused)
-    if not fused:  # every row block routed in parallel instead of by one last arrival each
-        launch((triton.cdiv(num_rows, epi_m),), _SOURCE_PARTIALS, workspace.partials, epi_m,
-               route=True)
+    _router_topk_kernel[(triton.cdiv(num_rows, _GEMV_ROWS),
+                         num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS))](
+        partials_ptr=workspace.partials, counter_ptr=workspace.counters, SOURCE=_SOURCE_X,
+        ROUTE=meta.fused, **_tile_shape(num_experts, meta.tail_rows, _GEMV_WARPS, num_splits),
+        num_warps=_GEMV_WARPS, num_stages=meta.gemv_stages, **common,
+    )  # fmt: skip
+    if not meta.fused:  # every row routed in parallel instead of by one last arrival per block
+        route_launch(_SOURCE_PARTIALS, workspace.partials)
     return RouterTopkOutput(ids, weights)

@@ -83,7 +83,14 @@ def _rms_norm_kernel(
                 other=0.0).to(tl.float32)
 
     # Masked columns load 0 and add nothing; the tree over BLOCK_N depends on N only.
-    mean_sq = tl.div_rn(tl.sum(x * x, axis=1), N * 1.0)
+    sum_sq = tl.sum(x * x, axis=1)
+    if (N & (N - 1)) == 0:
+        # Dividing by a power of two is multiplying by its exact reciprocal (same rounding), and
+        # a multiply has no slow path: NVIDIA's div_rn calls a slow subroutine for a zero
+        # dividend (the masked rows of a packed tile at small M, all-zero rows).
+        mean_sq = sum_sq * (1.0 / N)
+    else:
+        mean_sq = tl.div_rn(sum_sq, N * 1.0)
     rstd = tl.rsqrt(mean_sq + eps)[:, None]
     if HAS_WEIGHT:
         w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
@@ -94,12 +101,16 @@ def _rms_norm_kernel(
     tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch_shape(n: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps) from the row width only, so results are batch invariant."""
+def _norm_meta(n: int) -> dict[str, int]:
+    """Launch meta-parameters from the row width only. They fix the layout of a row over
+    threads, hence its summation tree (Triton's per-thread vector width follows the tile size):
+    any change, rows per program included, can move rstd's last bit, and a rule that looked at
+    the row count would make a row's bits depend on its batch. `benchmark/kernels/
+    sweep_launch.py` times alternatives and flags those whose bits differ from this default."""
     block_n = triton.next_power_of_2(n)
     block_m = max(1, _TILE // block_n)
-    num_warps = min(16, max(4, block_m * block_n // 1024))
-    return block_m, block_n, num_warps
+    return {"BLOCK_M": block_m, "BLOCK_N": block_n,
+            "num_warps": min(16, max(4, block_m * block_n // 1024))}
 
 
 def rms_norm(
@@ -151,12 +162,11 @@ def rms_norm(
     if n > MAX_N:
         raise ValueError(f"rms_norm supports rows of at most {MAX_N} elements, got N={n}")
     n_rows = x.numel() // n
-    block_m, block_n, num_warps = _launch_shape(n)
-    grid = (triton.cdiv(n_rows, block_m),)
-    _rms_norm_kernel[grid](
+    meta = _norm_meta(n)
+    _rms_norm_kernel[(triton.cdiv(n_rows, meta["BLOCK_M"]),)](
         x, x if weight is None else weight, out, n_rows, row_stride, float(eps),
-        N=n, BLOCK_M=block_m, BLOCK_N=block_n, HAS_WEIGHT=weight is not None,
+        N=n, HAS_WEIGHT=weight is not None,
         IS_BF16=x.dtype == torch.bfloat16, IS_FP16=x.dtype == torch.float16,
-        num_warps=num_warps, enable_fp_fusion=False,
+        enable_fp_fusion=False, **meta,
     )
     return out

@@ -17,8 +17,8 @@ Work split (why two launches): one program scanning a 32k-129k column row is a l
 of loads, so each row is cut into column chunks scanned by separate programs (grid
 ``[M, chunks]``, up to four shards per launch), which write one pair per chunk; a tiny second
 launch combines the chunk pairs with the same order-independent rule as stage 2. The chunk size
-comes from the shapes only (``_plan_chunks``): about ``_TARGET_PROGRAMS`` programs per launch and
-at least ``_MIN_CHUNK`` columns each. A row that fits in one chunk of one shard is written
+comes from the shapes only (``_chunk_meta``): about ``_TARGET_PROGRAMS`` programs per launch
+and at least ``_MIN_CHUNK`` columns each. A row that fits in one chunk of one shard is written
 directly by stage 1 (single launch). Results do not depend on the chunking: max/min and
 index compares are exact.
 """
@@ -88,32 +88,31 @@ def _chunk_argmax_kernel(
     end = tl.minimum(start + chunk, width)
     row_ptr = base + row * stride
     cols = tl.arange(0, BLOCK)
-    best_val = tl.full((), float("-inf"), tl.float32)
-    # The chunk's first column: the answer for an all -inf chunk. An empty chunk (start >= width,
-    # only when a caller forces more chunks than columns) keeps -inf and an index past its
-    # shard's real columns, so it never beats one.
-    best_idx = start
-    found_nan = tl.full((), 0, tl.int32)
+    # Per-lane winners, one cross-lane reduction at the end (not three per block): a lane sees
+    # its columns in increasing order, so a strict '>' keeps its first maximum, and its first
+    # NaN sticks (nothing is '>' NaN, and a NaN is taken only over a number). A lane that never
+    # takes a column keeps -inf and the index `end`.
+    lane_val = tl.full((BLOCK,), float("-inf"), tl.float32)
+    lane_idx = tl.zeros((BLOCK,), tl.int32) + end
     for block_start in range(start, end, BLOCK):
         idx = block_start + cols
-        in_chunk = idx < end
-        x = tl.load(row_ptr + idx, mask=in_chunk, other=float("-inf")).to(tl.float32)
-        is_nan = (x != x) & in_chunk
-        # First NaN of the block (NaN beats everything, earlier blocks have smaller indices).
-        nan_idx = tl.min(tl.where(is_nan, idx, end), axis=0)
-        block_has_nan = nan_idx < end
-        finite_x = tl.where(is_nan, float("-inf"), x)
-        block_max = tl.max(finite_x, axis=0)
-        # Smallest column holding the block maximum (left tie-break; -0.0 == +0.0).
-        max_idx = tl.min(tl.where((finite_x == block_max) & in_chunk, idx, end), axis=0)
-        # Strict '>' across blocks keeps the earlier (smaller) index on ties.
-        take_max = (found_nan == 0) & (block_max > best_val)
-        best_idx = tl.where(take_max, max_idx, best_idx)
-        best_val = tl.where(take_max, block_max, best_val)
-        take_nan = (found_nan == 0) & block_has_nan
-        best_idx = tl.where(take_nan, nan_idx, best_idx)
-        best_val = tl.where(take_nan, float("nan"), best_val)
-        found_nan = tl.where(take_nan, 1, found_nan)
+        x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+        take = (x > lane_val) | ((x != x) & (lane_val == lane_val))
+        lane_val = tl.where(take, x, lane_val)
+        lane_idx = tl.where(take, idx, lane_idx)
+    # The first NaN wins; else the smallest column holding the maximum (-0.0 == +0.0).
+    lane_nan = lane_val != lane_val
+    nan_idx = tl.min(tl.where(lane_nan, lane_idx, end), axis=0)
+    finite_val = tl.where(lane_nan, float("-inf"), lane_val)
+    best_val = tl.max(finite_val, axis=0)
+    best_idx = tl.min(tl.where(finite_val == best_val, lane_idx, end), axis=0)
+    has_nan = nan_idx < end
+    best_idx = tl.where(has_nan, nan_idx, best_idx)
+    best_val = tl.where(has_nan, float("nan"), best_val)
+    # No lane took a column: the chunk is all -inf (its first column is the answer) or empty
+    # (only when a caller forces more chunks than columns: -inf and an index past the shard's
+    # real columns, so it never beats one).
+    best_idx = tl.where(best_idx < end, best_idx, start)
     global_idx = best_idx.to(tl.int64) + offset
     if WRITE_PAIRS:
         out = pairs_ptr + row * pairs_row_stride + (pairs_first + c) * 2
@@ -173,23 +172,34 @@ class _ChunkPlan(NamedTuple):
     chunks: list[int]  # columns per chunk, per shard
     counts: list[int]  # chunks per row, per shard
     block: int  # columns per load
+    num_warps: int
+
+
+def _chunk_meta(total_width: int, num_rows: int) -> dict[str, int]:
+    """Stage-1 launch meta-parameters from the shapes only (graph-safe): ``per_row`` chunks per
+    row (~_TARGET_PROGRAMS programs, >= _MIN_CHUNK columns each), ``max_block`` columns per load
+    at most, ``num_warps``. Max/min and index compares are exact, so the results never depend on
+    them; `benchmark/kernels/sweep_launch.py` times alternatives against this default."""
+    per_row = max(1, min(triton.cdiv(total_width, _MIN_CHUNK),
+                         triton.cdiv(_TARGET_PROGRAMS, num_rows)))
+    return {"per_row": per_row, "max_block": _MAX_BLOCK, "num_warps": 4}
 
 
 def _plan_chunks(widths: Sequence[int], rows: int, num_chunks: int | None) -> _ChunkPlan:
-    """Chunking from the shapes only (graph-safe): ~_TARGET_PROGRAMS programs, >= _MIN_CHUNK
-    columns each; ``num_chunks`` forces that many chunks per row of every shard (tests)."""
+    """Chunking of every shard's rows (`_chunk_meta`); ``num_chunks`` forces that many chunks
+    per row of every shard (tests)."""
+    meta = _chunk_meta(sum(widths), rows)
     if num_chunks is not None:
         if not 1 <= num_chunks <= _MAX_FORCED_CHUNKS:  # grid axis 1 is capped at 65535
             raise ValueError(f"num_chunks must lie in [1, {_MAX_FORCED_CHUNKS}], got {num_chunks}")
         chunks = [triton.cdiv(w, num_chunks) for w in widths]
-        block = max(16, min(_MAX_BLOCK, triton.next_power_of_2(max(chunks))))
-        return _ChunkPlan(chunks, [num_chunks] * len(widths), block)
-    total = sum(widths)
-    per_row = max(1, min(triton.cdiv(total, _MIN_CHUNK), triton.cdiv(_TARGET_PROGRAMS, rows)))
-    chunk = triton.cdiv(total, per_row)
-    block = max(16, min(_MAX_BLOCK, triton.next_power_of_2(chunk)))
+        block = max(16, min(meta["max_block"], triton.next_power_of_2(max(chunks))))
+        return _ChunkPlan(chunks, [num_chunks] * len(widths), block, meta["num_warps"])
+    chunk = triton.cdiv(sum(widths), meta["per_row"])
+    block = max(16, min(meta["max_block"], triton.next_power_of_2(chunk)))
     chunk = triton.cdiv(chunk, block) * block
-    return _ChunkPlan([chunk] * len(widths), [triton.cdiv(w, chunk) for w in widths], block)
+    return _ChunkPlan([chunk] * len(widths), [triton.cdiv(w, chunk) for w in widths], block,
+                      meta["num_warps"])
 
 
 def _launch_chunks(
@@ -223,7 +233,7 @@ def _launch_chunks(
             *(offsets[j] for j in pad), *(plan.chunks[j] for j in pad),
             starts[1], starts[2], starts[3], row_stride, first,
             NUM_SHARDS=len(group), BLOCK=plan.block, WRITE_PAIRS=not write_ids,
-            WRITE_IDS=write_ids,
+            WRITE_IDS=write_ids, num_warps=plan.num_warps,
         )  # fmt: skip
         first += total
         i = group[-1] + 1

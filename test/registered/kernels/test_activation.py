@@ -9,6 +9,7 @@ interpreter's fp32->fp8 cast is wrong at ties and when rounding crosses a power 
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -21,6 +22,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
 )
 ON_GPU = DEVICE == "cuda"
+activation_module = importlib.import_module("sgl_dspark.kernels.activation")
 MAX_FLIP_FRACTION = 1e-3  # exp2 lowering: measured ~6e-6 of bf16 outputs (kernels.md §K6)
 
 
@@ -163,3 +165,23 @@ def test_cuda_graph_replay_matches_eager() -> None:
     assert isinstance(eager, Fp8Activation) and isinstance(captured, Fp8Activation)
     assert torch.equal(captured.q.view(torch.uint8), eager.q.view(torch.uint8))
     assert torch.equal(captured.scale, eager.scale)
+
+
+@pytest.mark.parametrize("block,num_warps", [(128, 1), (256, 2), (2048, 8)])
+def test_launch_meta_never_changes_results(block: int, num_warps: int, monkeypatch) -> None:
+    """Columns per program and warps are free (`_act_meta`): every element, group amax and row
+    amax is computed the same way, so each variant gives the default's bits (and the
+    reference's, within the exp2 allowance), also when BLOCK is wider than the row."""
+    gen = torch.Generator().manual_seed(block + num_warps)
+    gate_up = _gate_up(3, 384, torch.bfloat16, gen)
+    plain = silu_mul_clamp(gate_up, 7.0)
+    fp8 = {f: silu_mul_clamp(gate_up, 7.0, f, True) for f in ("fp8_row", "fp8_group")}
+    monkeypatch.setattr(activation_module, "_act_meta",
+                        lambda rows, inter, mode: {"BLOCK": block, "num_warps": num_warps})
+    got = silu_mul_clamp(gate_up, 7.0, out=torch.full_like(plain, float("nan")))
+    assert torch.equal(got.view(torch.int16), plain.view(torch.int16))
+    _assert_close_ulp(got, silu_mul_clamp_ref(gate_up, 7.0))
+    for out_format, want in fp8.items():
+        variant = silu_mul_clamp(gate_up, 7.0, out_format, True)
+        assert torch.equal(variant.q.view(torch.uint8), want.q.view(torch.uint8))
+        assert torch.equal(variant.scale, want.scale)

@@ -7,6 +7,7 @@ are checked against hand-derived values (E2M1 ties, scale edges), HF's RoPE and 
 
 from __future__ import annotations
 
+import importlib
 import math
 
 import pytest
@@ -25,6 +26,7 @@ from sgl_dspark.kernels.fp4_indexer import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+fp4_indexer_module = importlib.import_module("sgl_dspark.kernels.fp4_indexer")
 POISON = 0xAB
 
 # (value, expected code) derived by hand from the grid {0, .5, 1, 1.5, 2, 3, 4, 6} (codes 0..7):
@@ -285,3 +287,36 @@ def test_index_q_bad_arguments_raise(change: dict, match: str) -> None:
     inp.update(change)
     with pytest.raises(ValueError, match=match):
         index_q_rope_fp4(**inp)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_k_quant_infinite_group_uses_the_top_scale(dtype: torch.dtype) -> None:
+    """amax = inf is the only way to the largest scale byte, 254 (2^127), whose reciprocal is
+    the subnormal 2^-127: finite values are still divided exactly (3e38 / 2^127 = 1.76 -> 2.0,
+    code 4; 1.0 / 2^127 -> +0, code 0; -1.0 -> -0, code 8); inf saturates to 6 (code 7)."""
+    x = torch.randn(3, 64)
+    x[0, :4] = torch.tensor([float("inf"), 3e38, 1.0, -1.0])
+    x[2, 40:44] = torch.tensor([-float("inf"), -3e38, 0.0, -0.0])
+    x = x.to(dtype)
+    codes, scales = fp4_index_k_quant(x.to(DEVICE))
+    ref_codes, ref_scales = fp4_index_k_quant_ref(x)
+    assert torch.equal(codes.cpu(), ref_codes) and torch.equal(scales.cpu(), ref_scales)
+    assert scales[0, 0].item() == 254 and scales[2, 1].item() == 254
+    assert _nibbles(codes.cpu())[0, :4].tolist() == [7, 4, 0, 8]
+    assert _nibbles(codes.cpu())[2, 40:44].tolist() == [15, 12, 0, 8]
+
+
+@pytest.mark.parametrize("block_rows,num_warps", [(1, 1), (2, 2), (16, 4), (32, 8)])
+def test_k_quant_launch_meta_never_changes_results(block_rows: int, num_warps: int,
+                                                   monkeypatch) -> None:
+    """Rows per program and warps are free: every row is quantised on its own (partial row
+    blocks at T = 1, 5, 37 included)."""
+    monkeypatch.setattr(fp4_indexer_module, "_k_quant_meta",
+                        lambda t, k: {"BLOCK_ROWS": block_rows, "num_warps": num_warps})
+    for t in (1, 5, 37):
+        x = _random_rows(t, 128, torch.bfloat16, seed=t + block_rows).to(DEVICE)
+        codes = torch.full((t, 64), POISON, dtype=torch.uint8, device=DEVICE)
+        scales = torch.full((t, 4), POISON, dtype=torch.uint8, device=DEVICE)
+        fp4_index_k_quant(x, out_codes=codes, out_scales=scales)
+        ref_codes, ref_scales = fp4_index_k_quant_ref(x)
+        assert torch.equal(codes, ref_codes) and torch.equal(scales, ref_scales)

@@ -1,8 +1,10 @@
 """K2+K3: router gate / top-k / pad fill vs `router_topk_ref`.
 
-The x source runs a split-K GEMV (16 experts per program); up to 8 rows the last GEMV program
-routes (one launch), above that a second launch routes the partials; both are covered below, with
-the workspace poisoned so every partial read must have been written by this call.
+The x source runs a split-K GEMV (16 experts per program); with `_route_meta(M).fused` (up to 8
+rows by default) the last GEMV program routes (one launch), otherwise a second launch routes the
+partials; both are covered below, with the workspace poisoned so every partial read must have been
+written by this call. Every launch shape the H200 sweep may pick (`sweep_router.CANDIDATES`) must
+give bit-identical results, and a row's logits must not depend on the batch it is routed in.
 
 Ids are X0 wherever the reference's selection values are separated by more than the score
 transcendentals' error (exp2/log2 lowerings differ: numpy vs torch on CPU, approx ex2/lg2 on GPU);
@@ -12,8 +14,14 @@ match the reference's sorted values within that error. Weights: fp32 tolerance (
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
+import triton.language as tl
+from sgl_dspark.kernels import moe_route
 from sgl_dspark.kernels.moe_route import (
     RouterConfig,
     RouterTopkOutput,
@@ -22,6 +30,9 @@ from sgl_dspark.kernels.moe_route import (
     router_topk_ref,
 )
 from sgl_dspark.kernels.moe_route import _scores_ref as scores_ref
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from benchmark.kernels import sweep_router  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
@@ -170,8 +181,11 @@ def _grid_exact_inputs(
     return x.to(dtype).to(DEVICE), w.to(dtype).to(DEVICE)
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("num_rows,hidden", [(1, 64), (16, 1000), (17, 1100), (37, 96)])
+@pytest.mark.parametrize(
+    "num_rows,hidden,dtype",
+    [(1, 64, torch.bfloat16), (1, 64, torch.float32), (16, 1000, torch.bfloat16),
+     (17, 1100, torch.float32), (37, 96, torch.bfloat16)],
+)  # fmt: skip
 def test_x_source_split_k(num_rows: int, hidden: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(num_rows * 3 + hidden)
     x, gate = _grid_exact_inputs(num_rows, hidden, 384, dtype, gen)
@@ -193,8 +207,8 @@ def test_x_source_split_k(num_rows: int, hidden: int, dtype: torch.dtype) -> Non
 
 @pytest.mark.parametrize("num_rows", [0, 1, 8, 9, 24])
 def test_x_source_dsv4_hidden_fused_and_two_launch(num_rows: int) -> None:
-    # H = 4096 -> S = 8 splits; rows <= 8 take the fused last-program path, 9 and 24 the second
-    # routing launch (ceil(M / 8) row tiles in parallel).
+    # H = 4096 -> S = 8 splits; by default rows <= 8 take the fused last-program path, 9 and 24
+    # the second routing launch.
     gen = torch.Generator().manual_seed(4096 + num_rows)
     x, gate = _grid_exact_inputs(num_rows, 4096, 384, torch.bfloat16, gen)
     bias = _random_bias(384, "randn", gen)
@@ -210,6 +224,131 @@ def test_x_source_dsv4_hidden_fused_and_two_launch(num_rows: int) -> None:
     assert torch.equal(logits_out, ref_logits)
     _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", bias), 6, n_valid)
     assert int(workspace.counters.abs().sum()) == 0
+
+
+def _x_call(num_rows: int, experts: int, gen: torch.Generator, exact: bool = True,
+            scoring: str = "sqrtsoftplus", bias: bool = True, num_shared: int = 1,
+            pad: int = 2) -> tuple[RouterConfig, dict]:  # fmt: skip
+    """One x-source call at H 600 (S = 2 splits, the second ragged): config and kwargs, the
+    workspace poisoned (every partial read must be written by the call)."""
+    if exact:
+        x, gate = _grid_exact_inputs(num_rows, 600, experts, torch.bfloat16, gen)
+    else:  # arbitrary bf16 values: the summation order shows in the logits' bits
+        x = torch.randn(num_rows, 600, generator=gen).to(torch.bfloat16).to(DEVICE)
+        gate = (torch.randn(experts, 600, generator=gen) * 0.05).to(torch.bfloat16).to(DEVICE)
+    workspace = make_router_workspace(max(num_rows, 1), experts, 600, DEVICE)
+    workspace.partials.fill_(float("nan"))
+    config = RouterConfig(6, scoring, routed_scaling_factor=2.5, num_shared=num_shared,
+                          shared_id_base=500, fill_id=-1)  # fmt: skip
+    kwargs = dict(
+        x=x, gate_weight=gate, workspace=workspace,
+        correction_bias=_random_bias(experts, "randn", gen) if bias else None,
+        n_valid=torch.tensor(max(num_rows - pad, 0), dtype=torch.int32, device=DEVICE),
+    )  # fmt: skip
+    return config, kwargs
+
+
+@pytest.mark.parametrize("num_rows", [1, 2, 5, 8, 9, 17, 33])
+def test_x_source_row_counts(num_rows: int) -> None:
+    # E = 200: a partial last expert tile and a half-masked routing chunk; the options rotate
+    # with M (both scorings, with / without bias, 0-2 shared columns, padded rows).
+    gen = torch.Generator().manual_seed(200 + num_rows)
+    scoring = ("sqrtsoftplus", "sigmoid")[num_rows % 2]
+    config, kwargs = _x_call(num_rows, 200, gen, scoring=scoring, bias=num_rows % 3 != 0,
+                             num_shared=num_rows % 3, pad=num_rows // 3)  # fmt: skip
+    logits_out = torch.full((num_rows, 200), float("nan"), device=DEVICE)
+    got = router_topk(config, logits_out=logits_out, **kwargs)
+    ref_logits = torch.empty_like(logits_out)
+    ref = router_topk_ref(config, logits_out=ref_logits, **kwargs)
+    assert torch.equal(logits_out, ref_logits)
+    choice = _selection_values(ref_logits, scoring, kwargs["correction_bias"])
+    _check(got, ref, choice, 6, kwargs["n_valid"])
+    assert int(kwargs["workspace"].counters.abs().sum()) == 0
+
+
+@pytest.mark.parametrize("num_rows,names", [
+    (5, list(sweep_router.CANDIDATES)),  # every shape the sweep may pick
+    (20, ["fused tail4", "fused tail8", "2-launch r1w1", "2-launch r4w4"]),  # two row blocks
+])  # fmt: skip
+def test_route_meta_candidates_bit_identical(num_rows: int, names: list[str]) -> None:
+    # The launch shape changes no bit (ids, weights, logits) whatever it is: the sweep times
+    # these candidates on a GPU with the same check.
+    gen = torch.Generator().manual_seed(num_rows)
+    config, kwargs = _x_call(num_rows, 130, gen, exact=False)  # 9 expert tiles, 2 chunks
+    inputs = dict(config=config, **kwargs)
+    assert sweep_router.verify_candidates(inputs, names) == []
+    # The check itself sees a one-ulp difference.
+    ids, weights, logits = sweep_router.run_with_logits(inputs)
+    bumped = (weights.view(torch.int32) + 1).view(torch.float32)
+    assert sweep_router.same_outputs((ids, weights, logits), (ids, weights, logits))
+    assert not sweep_router.same_outputs((ids, weights, logits), (ids, bumped, logits))
+
+
+def test_logits_independent_of_batch() -> None:
+    # Arbitrary bf16 inputs (summation order matters): a row routed alone, or inside batches
+    # taking the fused (5 rows) and two-launch (17, 33 rows) paths, in other row blocks, gets the
+    # same logits, ids and weights bit for bit. Rows that move within their 16-row GEMV tile are
+    # checked on a GPU only: the interpreter's dot is numpy's matmul, whose result for a row
+    # depends on its place in the tile (an MMA's does not).
+    gen = torch.Generator().manual_seed(33)
+    config, kwargs = _x_call(33, 200, gen, exact=False, pad=0)
+    whole = sweep_router.run_with_logits(dict(config=config, **kwargs))
+    assert not torch.isnan(whole[2]).any()
+    shifted = [(7, 24), (5, 6), (20, 22)] if ON_GPU else []
+    for lo, hi in [(0, 1), (16, 17), (32, 33), (0, 5), (0, 17), *shifted]:
+        sub = dict(kwargs, x=kwargs["x"][lo:hi].contiguous(), n_valid=None)
+        part = sweep_router.run_with_logits(dict(config=config, **sub))
+        assert sweep_router.same_outputs(tuple(t[lo:hi] for t in whole), part), (lo, hi)
+
+    def make_inputs(num_rows: int, device: str) -> dict:
+        config, kwargs = _x_call(num_rows, 130, torch.Generator().manual_seed(1), exact=False)
+        return dict(config=config, **kwargs)
+
+    # The sweep's own GPU check of the same property (prefixes of the largest batch).
+    assert sweep_router.logits_invariant(make_inputs, (1, 5, 17), DEVICE)
+
+
+@pytest.mark.parametrize("chains", [1, 2])
+def test_gemv_chain_variants(chains: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The GEMV chain counts the sweep times (4 is the default, covered everywhere else).
+    monkeypatch.setattr(moe_route, "_GEMV_CHAINS", chains)
+    gen = torch.Generator().manual_seed(chains)
+    config, kwargs = _x_call(6, 200, gen)
+    logits_out = torch.full((6, 200), float("nan"), device=DEVICE)
+    got = router_topk(config, logits_out=logits_out, **kwargs)
+    ref_logits = torch.empty_like(logits_out)
+    ref = router_topk_ref(config, logits_out=ref_logits, **kwargs)
+    assert torch.equal(logits_out, ref_logits)
+    _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", kwargs["correction_bias"]), 6,
+           kwargs["n_valid"])  # fmt: skip
+
+
+@triton.jit
+def _sqrt_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(out_ptr + offs, moe_route._sqrt_rn(x), mask=offs < n)
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on 0, inf, NaN, negatives
+def test_branchless_sqrt() -> None:
+    # The GPU path's sqrt_rn (sqrt.rn's fast path, small inputs scaled into it): exact on a GPU;
+    # the interpreter's rsqrt and fma round twice, so within 1 ulp there. Zeros, infinities and
+    # NaNs (the values kept out of the fast path) exact everywhere.
+    gen = torch.Generator().manual_seed(5)
+    special = torch.tensor([0.0, -0.0, float("inf"), float("nan"), -1.0, -float("inf")])
+    x = torch.cat([special, torch.tensor([1e-45, 1e-38, 2.0**-100, 2.0**-101, 3.0e38, 20.0, 2.0]),
+                   torch.rand(3000, generator=gen) * 30,
+                   torch.exp(torch.randn(3000, generator=gen) * 25)]).to(DEVICE)  # fmt: skip
+    out = torch.full_like(x, 7.0)
+    _sqrt_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
+    want = torch.sqrt(x)
+    assert torch.equal(torch.isnan(out), torch.isnan(want))
+    ok = ~torch.isnan(want)
+    gap = (out[ok].view(torch.int32) - want[ok].view(torch.int32)).abs()
+    assert int(gap.max()) <= (0 if ON_GPU else 1)
+    assert torch.equal(out[: len(special)][ok[: len(special)]].view(torch.int32),
+                       want[: len(special)][ok[: len(special)]].view(torch.int32))  # fmt: skip
 
 
 @pytest.mark.parametrize("splits,num_rows", [(9, 13), (16, 5), (2, 33)])

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.rmsnorm import MAX_N, rms_norm, rms_norm_ref
+from sgl_dspark.kernels.rmsnorm import MAX_N, _norm_meta, rms_norm, rms_norm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
@@ -161,3 +161,26 @@ def test_rejects_bad_layouts() -> None:
         rms_norm(x.to(torch.int32), None, 1e-6)
     with pytest.raises(ValueError, match="at most"):
         rms_norm(torch.ones(1, MAX_N + 1, device=DEVICE), None, 1e-6)
+
+
+@pytest.mark.parametrize("n", [64, 100, 1024])
+def test_zero_rows_in_a_partial_row_block(n: int) -> None:
+    """All-zero rows (mean square 0, rstd = 1/sqrt(eps)) beside normal ones, with a row count
+    that leaves the last row block partly masked; power-of-two N takes the multiply-by-1/N
+    path, N = 100 the division."""
+    x, weight = _inputs((7, n), torch.float32, True, seed=n + 1)
+    x[1] = 0.0
+    x[6] = 0.0
+    got = rms_norm(x, weight, 1e-6, out=_poisoned(x))
+    _assert_x2_close(got, rms_norm_ref(x, weight, 1e-6))
+    assert torch.equal(got[[1, 6]], torch.zeros(2, n, device=DEVICE))
+
+
+def test_launch_meta_at_the_dsv4_widths() -> None:
+    """From the width only (batch invariance): hidden 4096 one row a program, q_lora 1024
+    four, heads 512 eight."""
+    assert _norm_meta(4096) == {"BLOCK_M": 1, "BLOCK_N": 4096, "num_warps": 4}
+    assert _norm_meta(1024) == {"BLOCK_M": 4, "BLOCK_N": 1024, "num_warps": 4}
+    assert _norm_meta(512) == {"BLOCK_M": 8, "BLOCK_N": 512, "num_warps": 4}
+    assert _norm_meta(100) == {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4}
+    assert _norm_meta(16384) == {"BLOCK_M": 1, "BLOCK_N": 16384, "num_warps": 16}

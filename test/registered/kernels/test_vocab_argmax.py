@@ -6,9 +6,12 @@ and NaNs exactly on chunk and shard boundaries."""
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from sgl_dspark.kernels.vocab_argmax import (
+    _chunk_meta,
     _plan_chunks,
     combine_shard_argmax,
     shard_argmax_pairs,
@@ -17,6 +20,8 @@ from sgl_dspark.kernels.vocab_argmax import (
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The module (the package re-exports a function of the same name).
+vocab_argmax_module = importlib.import_module("sgl_dspark.kernels.vocab_argmax")
 
 
 def _random_logits(
@@ -148,7 +153,7 @@ def _boundary_rows(width: int, boundaries: list[int], gen: torch.Generator) -> t
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("width,num_chunks", [(1000, 1), (1000, 3), (1000, 7), (4097, 2),
-                                              (37, 64), (5, 8)])
+                                              (37, 40), (5, 8)])
 def test_forced_chunks_with_ties_on_chunk_boundaries(width, num_chunks, dtype) -> None:
     gen = torch.Generator().manual_seed(width * 17 + num_chunks)
     chunk = -(-width // num_chunks)
@@ -227,3 +232,40 @@ def test_plan_spreads_the_dsv4_vocab(rows: int) -> None:
     assert plan.block <= plan.chunks[0] and plan.chunks[0] % plan.block == 0
     single = _plan_chunks([129280], 4096, None)
     assert single.counts == [1]  # large M: one program per row, no combine launch
+
+
+@pytest.mark.parametrize("meta,dtype", [
+    ({"per_row": 1, "max_block": 16, "num_warps": 4}, torch.float32),  # many blocks per chunk
+    ({"per_row": 3, "max_block": 32, "num_warps": 2}, torch.bfloat16),
+    ({"per_row": 1000, "max_block": 4096, "num_warps": 8}, torch.float32),  # 16-column chunks
+], ids=["one_chunk_many_blocks", "three_chunks", "smallest_chunks"])
+def test_launch_meta_never_changes_results(meta, dtype, monkeypatch) -> None:
+    """Any meta `_chunk_meta` may return gives torch.argmax's ids: ties, NaNs and all -inf rows
+    on block boundaries (the lanes of a block see columns b, b + BLOCK, ...)."""
+    monkeypatch.setattr(vocab_argmax_module, "_chunk_meta", lambda total, rows: dict(meta))
+    gen = torch.Generator().manual_seed(meta["per_row"] * 31 + meta["max_block"])
+    width = 200
+    x = torch.cat([_boundary_rows(width, [16, 32, 33, 199], gen),
+                   torch.randn(2, width, generator=gen),
+                   torch.randint(-2, 3, (2, width), generator=gen).float()])
+    x[-1, [52, 84, 116]] = float("nan")  # one lane (BLOCK 16 or 32) sees three NaNs -> 52
+    x[-2, [84, 52]] = float("inf")  # and two +inf -> 52
+    x = x.to(dtype).to(DEVICE)
+    expected = vocab_argmax_ref([x])
+    assert torch.equal(vocab_argmax(x, out=torch.full_like(expected, -7)), expected)
+    pairs = shard_argmax_pairs(x, 77, out=torch.full((x.shape[0], 2), float("nan"),
+                                                     device=DEVICE))
+    assert torch.equal(pairs[:, 1].long(), expected + 77)
+    picked = x.float().gather(1, expected[:, None])[:, 0]
+    assert torch.equal(pairs[:, 0].isnan(), picked.isnan())
+    assert torch.equal(pairs[:, 0].nan_to_num(), picked.nan_to_num())
+    shards = [s.contiguous() for s in torch.split(x, [60, 1, 139], dim=1)]
+    assert torch.equal(vocab_argmax(shards), expected)
+
+
+def test_default_meta_matches_the_documented_plan() -> None:
+    """The DSV4 rank shard (V/4 = 32320): ~1024 programs of >= 512 columns, one load each."""
+    for rows, per_row in ((1, 64), (8, 64), (24, 43), (128, 8)):
+        assert _chunk_meta(32320, rows) == {"per_row": per_row, "max_block": 4096, "num_warps": 4}
+    plan = _plan_chunks([32320], 128, None)
+    assert plan.chunks == [4096] and plan.counts == [8] and plan.block == 4096
