@@ -59,14 +59,14 @@ class _RouteMeta(NamedTuple):
 
 
 def _route_meta(num_rows: int, interpreted: bool = False) -> _RouteMeta:
-    """The launch shape for M rows; the one place sweep_router.py patches. Unmeasured defaults,
-    reasoned from the sm90 SASS: a routed row is ~2.2k instructions on one warp (reductions are
-    single REDUX ops), so up to 8 rows the last GEMV program routes them in one step (2 rows per
-    warp above 4), cheaper than a second launch (~1.5 us in a graph); above that each row gets a
-    one-warp program. The CPU interpreter pays per program, not per row: 16 rows each there."""
+    """The launch shape for M rows; the one place sweep_router.py patches. Measured on an H200
+    (`benchmark/results/kernels.md`, sweep of 2026-11-30): two launches with a one-warp program
+    per routed row and a rolled top-k loop won at M = 1 (7.7 us against 8.9 for the last GEMV
+    program routing the block) and at M = 32 (8.9 against 9.5). The CPU interpreter pays per
+    program, not per row: 16 rows each there."""
     if interpreted:
         return _RouteMeta(num_rows <= 8, 4, 16, 4, 2, False)
-    return _RouteMeta(num_rows <= 8, 4 if num_rows <= 4 else 8, 1, 1, 2, True)
+    return _RouteMeta(False, 4, 1, 1, 2, False)
 
 
 @dataclass(frozen=True, slots=True)

@@ -179,9 +179,14 @@ def _chunk_meta(total_width: int, num_rows: int) -> dict[str, int]:
     """Stage-1 launch meta-parameters from the shapes only (graph-safe): ``per_row`` chunks per
     row (~_TARGET_PROGRAMS programs, >= _MIN_CHUNK columns each), ``max_block`` columns per load
     at most, ``num_warps``. Max/min and index compares are exact, so the results never depend on
-    them; `benchmark/kernels/sweep_launch.py` times alternatives against this default."""
+    them; `benchmark/kernels/sweep_launch.py` times alternatives against this default. H200
+    sweep (kernels.md, V_s = 32320): about 512 programs in all up to M = 32 (M = 32: 16 chunks
+    per row, 5.38 against 5.93 us for 32); from M = 128 one 16-warp program per row (6.25
+    against 8.43 us)."""
+    if num_rows >= 128:
+        return {"per_row": 1, "max_block": _MAX_BLOCK, "num_warps": 16}
     per_row = max(1, min(triton.cdiv(total_width, _MIN_CHUNK),
-                         triton.cdiv(_TARGET_PROGRAMS, num_rows)))
+                         triton.cdiv(_TARGET_PROGRAMS // 2, num_rows)))
     return {"per_row": per_row, "max_block": _MAX_BLOCK, "num_warps": 4}
 
 

@@ -11,7 +11,6 @@ import importlib
 import pytest
 import torch
 from sgl_dspark.kernels.vocab_argmax import (
-    _chunk_meta,
     _plan_chunks,
     combine_shard_argmax,
     shard_argmax_pairs,
@@ -263,9 +262,13 @@ def test_launch_meta_never_changes_results(meta, dtype, monkeypatch) -> None:
     assert torch.equal(vocab_argmax(shards), expected)
 
 
-def test_default_meta_matches_the_documented_plan() -> None:
-    """The DSV4 rank shard (V/4 = 32320): ~1024 programs of >= 512 columns, one load each."""
-    for rows, per_row in ((1, 64), (8, 64), (24, 43), (128, 8)):
-        assert _chunk_meta(32320, rows) == {"per_row": per_row, "max_block": 4096, "num_warps": 4}
-    plan = _plan_chunks([32320], 128, None)
-    assert plan.chunks == [4096] and plan.counts == [8] and plan.block == 4096
+def test_default_plan_covers_every_column_once() -> None:
+    """Whatever the row count, the default plan's chunks tile the shard (chunk * count covers
+    it, a chunk a whole number of loads, no empty chunk), chunks hold >= 512 columns unless the
+    shard is narrower, and the programs stay within the grid limit."""
+    for width in (1, 600, 32320, 129280):
+        for rows in (1, 4, 8, 24, 32, 128, 1000):
+            plan = _plan_chunks([width], rows, None)
+            (chunk,), (count,) = plan.chunks, plan.counts
+            assert chunk % plan.block == 0 and chunk * count >= width > chunk * (count - 1)
+            assert chunk >= min(width, 512) and rows * count <= 65535 * 65535
