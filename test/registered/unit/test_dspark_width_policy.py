@@ -207,3 +207,16 @@ def test_static_width_table_width_one_means_plain_decode(tmp_path):
         path.write_text(json.dumps({"widths_by_batch_size": {"1": bad}}))
         with pytest.raises(ValueError, match="widths_by_batch_size|width"):
             load_width_table(path, 8)
+    assert load_width_table(path, 8, clamp=True) == {1: 8}   # 9 > full: clamped, not rejected
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 7])
+def test_packaged_h200_table_serves_every_block_size(gamma):
+    """Without --speculative-dspark-width-table-path the static policy on an H200 reads the
+    packaged table; its widths are clamped to the model's full width, so small blocks load it."""
+    from sgl_dspark.srt.speculative.dspark.policy import PolicyArgs, StaticWidthPolicy
+
+    policy = StaticWidthPolicy(gamma, PolicyArgs(device_name="NVIDIA H200"), torch.device("cpu"))
+    widths = [policy.width(b) for b in (1, 2, 8, 16, 32, 64)]
+    assert all(1 <= w <= gamma + 1 for w in widths) and not policy.plain_decode(32)
+    assert set(widths) <= set(policy.graph_widths())

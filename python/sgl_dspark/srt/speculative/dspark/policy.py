@@ -80,9 +80,11 @@ class FullPolicy(BaseVerifyPolicy):
         return [self.gamma + 1] * len(slots)
 
 
-def load_width_table(path: str | Path, full_width: int) -> dict[int, int]:
+def load_width_table(path: str | Path, full_width: int, clamp: bool = False) -> dict[int, int]:
     """`{"device": str, "widths_by_batch_size": {"<bs>": W | "full"}}` -> {bs: W}; W = 1 means
-    no speculation at that batch size (plain decode steps)."""
+    no speculation at that batch size (plain decode steps). `clamp`: widths above this model's
+    full width become the full width (a packaged per-device table serves every block size)
+    instead of being rejected."""
     with open(path) as f:
         data = json.load(f)
     table = data.get("widths_by_batch_size") if isinstance(data, dict) else None
@@ -91,6 +93,8 @@ def load_width_table(path: str | Path, full_width: int) -> dict[int, int]:
     out = {}
     for bs, w in table.items():
         width = full_width if w == "full" else int(w)
+        if clamp and width > full_width:
+            width = full_width
         if not 1 <= width <= full_width:
             raise ValueError(f"{path}: width {w!r} for batch size {bs} must be 'full' or in "
                              f"[1, {full_width}] (1: no speculation)")
@@ -129,7 +133,7 @@ class StaticWidthPolicy(BaseVerifyPolicy):
                     f"static verify policy: no width table for device {args.device_name!r}; pass "
                     "--speculative-dspark-width-table-path or --speculative-dspark-online-width")
             path = str(packaged)
-        self.table = load_width_table(path, full)
+        self.table = load_width_table(path, full, clamp=args.width_table_path is None)
 
     def graph_widths(self) -> tuple[int, ...]:
         """Every width this policy may return (the widths to capture verify graphs for)."""
