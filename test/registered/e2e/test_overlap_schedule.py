@@ -91,3 +91,68 @@ def test_join_and_abort_mid_decode_match_step_by_step():
     assert got[1:] == want[1:]
     assert got[0] == want[0][:len(got[0])] and len(got[0]) >= len(want[0]) - 1
     assert 0 < len(want[0]) < 20 and len(want[1]) == 20 and len(want[2]) == 20
+
+
+# ---- DSpark: fused all-greedy steps chained on the device -------------------------------------
+
+
+def _dspark_engine(overlap: bool) -> Engine:
+    """DSpark with (stand-in) graphs on CPU, so all-greedy steps run as fused step graphs; with
+    the overlap schedule they chain (anchors and lengths stay on the device between steps)."""
+    from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
+
+    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
+                    max_running_requests=8, device="cpu", disable_overlap_schedule=not overlap,
+                    speculative_algorithm="DSpark", speculative_dspark_block_size=4)
+    spec = engine.scheduler.spec
+    engine.runner.init_cuda_graphs(8, spec.graph_verify_widths(), spec.tap_layers,
+                                   graph_factory=EagerGraph)
+    spec.init_cuda_graphs(8, graph_factory=EagerGraph)
+    return engine
+
+
+def _count_chained(engine: Engine) -> list[bool]:
+    fused = engine.scheduler.spec.fused
+    chained: list[bool] = []
+    launch = fused.launch
+    fused.launch = (lambda w, rows, ch, _f=launch, _log=chained:  # type: ignore[method-assign]
+                    (_log.append(ch), _f(w, rows, ch))[1])
+    return chained
+
+
+def test_dspark_fused_steps_with_stops_and_a_sampled_request_equal_step_by_step():
+    """Greedy requests stopping at different steps plus one seeded sampled request (which keeps
+    the batch on the worker's own step until it ends): tokens and finish reasons equal the
+    step-by-step schedule, and chained fused steps ran."""
+    prompts = _prompts(5, seed=11)
+    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
+              for n in (3, 11, 26, 17, 30)]
+    params[3]["stop_token_ids"] = [5, 17, 99]
+    params.append({"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.9, "seed": 3,
+                   "ignore_eos": True})
+    prompts = prompts + _prompts(1, seed=12)
+    outs = {}
+    for overlap in (False, True):
+        with _dspark_engine(overlap) as engine:
+            chained = _count_chained(engine)
+            outs[overlap] = (engine.generate(input_ids=prompts, sampling_params=params,
+                                             return_logprob=True), chained)
+    (want, chained_s), (got, chained_o) = outs[False], outs[True]
+    assert [_summary(o) for o in got] == [_summary(o) for o in want]
+    for g, w in zip(got, want):
+        torch.testing.assert_close(_logprobs(g), _logprobs(w), rtol=1e-5, atol=1e-5)
+    assert not chained_s and chained_o.count(True) >= 5
+    assert len({len(o["output_ids"]) for o in got}) >= 4
+
+
+def test_dspark_fused_join_and_abort_mid_decode_match_step_by_step():
+    prompts = _prompts(3, seed=13)
+    with _dspark_engine(False) as a, _dspark_engine(True) as b:
+        chained = _count_chained(b)
+        want = list(_drive(a, prompts, join_at=4, abort_at=7).values())
+        got = list(_drive(b, prompts, join_at=4, abort_at=7).values())
+    # As for plain decode: the others are unaffected, the aborted one is a prefix (a DSpark step
+    # commits up to a block of tokens, so it may stop up to one step's commit earlier).
+    assert got[1:] == want[1:]
+    assert got[0] == want[0][:len(got[0])] and len(got[0]) >= 1
+    assert chained.count(True) >= 2
