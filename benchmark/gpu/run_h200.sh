@@ -43,12 +43,20 @@ fi
 if has graphs; then
   timeout 300 python3 -m pytest -q -p no:cacheprovider -x test/registered/e2e/test_cuda_graph_runner.py \
     test/registered/e2e/test_dspark_step_no_sync.py test/registered/e2e/test_overlap_schedule.py \
+    test/registered/e2e/test_dspark_plain_decode.py \
     test/registered/e2e/test_kernel_backend_e2e.py 2>&1 | tee "$OUT/graph_tests.txt" | tail -30
 fi
 if has engine; then
   timeout 420 python3 benchmark/bench_engine.py --config mid_910m --batch-sizes 1,8,32 --attention-backend triton --no-overlap-row \
     --out-dir "$OUT" 2>&1 | grep -v '"ids"' | tail -40
   cat "$OUT/engine.md" 2>/dev/null
+fi
+if has sweeps; then  # launch-shape sweeps (each candidate checked bit-identical first)
+  timeout 240 python3 benchmark/kernels/sweep_launch.py --out "$OUT/sweep_launch.md" 2>&1 | tail -3
+  timeout 240 python3 benchmark/kernels/sweep_router.py --out "$OUT/sweep_router.md" 2>&1 | tail -3
+fi
+if has prefill; then  # host vs device time of a prefill and of a decode step
+  python3 benchmark/gpu/profile_prefill.py --out-dir "$OUT" 2>&1 | tail -3
 fi
 if has kbench; then
   python3 benchmark/kernels/run_all.py --out "$OUT/kernels.md" ${KBENCH_ONLY:+--only "$KBENCH_ONLY"} \
