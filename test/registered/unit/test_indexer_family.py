@@ -139,6 +139,66 @@ def test_compressor_decode_branch(overlap: bool, ratio: int, dtype: torch.dtype)
     assert torch.equal(got_state.kv, state.kv) and torch.equal(got_state.score, state.score)
 
 
+@pytest.mark.parametrize("overlap, ratio", [(True, 4), (False, 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compressor_extend_branch(overlap: bool, ratio: int, dtype: torch.dtype) -> None:
+    """Prefill chunks longer than the ring, some after a prefix whose ring rows they read: the
+    torch branch (block-end and ring rows listed from host lengths, no device read) equals
+    `compressor_pool_ref` (+ rope) bit for bit on the block ends and leaves exactly the last R
+    rows of each request in the ring; the Triton binding (`compressor_extend`) writes the same
+    entries within X2 tolerance and the same ring."""
+    gen = torch.Generator().manual_seed(21 + ratio)
+    hidden, head_dim, ring = 48, 32, 32
+    batch = _batch(ForwardMode.EXTEND, [0, 21, 40, 3], [37, 50, 19, 2], gen)
+    width = 2 * head_dim if overlap else head_dim
+    req_slots = batch.req_to_token.shape[0]
+    state0 = CompressorState(kv=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
+                             score=torch.randn(req_slots, ring, width, generator=gen).to(dtype))
+    x = torch.randn(batch.num_tokens, hidden, generator=gen).to(dtype)
+    inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
+    results = {}
+    for name, kernels in (("torch", TORCH), ("triton", TRITON)):
+        comp = BlockCompressor(hidden, head_dim, ratio, overlap, 1e-6, kernels=kernels)
+        init = torch.Generator().manual_seed(6)
+        for p in comp.parameters():
+            p.data = torch.randn(p.shape, generator=init) * (0.2 if p.dim() == 2 else 1.0)
+        comp = comp.to(dtype).to(DEVICE)
+        comp.position_bias.data = comp.position_bias.data.float()
+        comp.kv_norm.weight.data = comp.kv_norm.weight.data.float()
+        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE))
+        entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype,
+                             device=DEVICE)
+        _compress(comp, batch, state, entries, x.to(DEVICE), inv_freq)
+        results[name] = (entries, state, comp)
+    entries, state, comp = results["torch"]
+    assert comp._extend_step is None and results["triton"][2]._extend_step is not None
+    slot_tok = batch.req_pool_indices[batch.token_req]
+    kv, score = comp.kv_proj(x.to(DEVICE)), comp.gate_proj(x.to(DEVICE))
+    ref = compressor_pool_ref(
+        kv, score, state0.kv.to(DEVICE), state0.score.to(DEVICE), comp.position_bias,
+        comp.kv_norm.weight, batch.positions, slot_tok, batch.prefix_lens[batch.token_req],
+        batch.req_to_token, ratio, overlap, 1e-6)
+    ends = (batch.positions + 1) % ratio == 0
+    assert ends.sum() >= 3
+    start = batch.positions - (ratio - 1)
+    want = apply_rope_tail(ref.entries, *rope_cos_sin(start, inv_freq))[ends]
+    assert torch.equal(entries[ref.slots[ends]], want)
+    want_ring = [state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE)]
+    kept = batch.positions >= batch.seq_lens[batch.token_req] - ring
+    assert (~kept).any()   # some chunk is longer than the ring
+    for t, rows in zip(want_ring, (kv, score)):
+        t[slot_tok[kept], batch.positions[kept] % ring] = rows[kept].to(dtype)
+    assert torch.equal(state.kv, want_ring[0]) and torch.equal(state.score, want_ring[1])
+    got_entries, got_state, _ = results["triton"]
+    written = ref.slots[ends]
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-6, atol=2**-6)
+    torch.testing.assert_close(got_entries[written].float(), want.float(), **tol)
+    untouched = torch.ones(entries.shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[written] = False
+    assert torch.isnan(got_entries[untouched]).all()  # no other entry was written
+    assert torch.equal(got_state.kv, state.kv) and torch.equal(got_state.score, state.score)
+
+
 def _runner(overrides: str | None, weights: list[tuple[str, torch.Tensor]]) -> ModelRunner:
     rc = RunnerConfig(device=DEVICE, max_total_tokens=2048, max_running_requests=4,
                       context_length=128, kernel_backend_overrides=overrides)
