@@ -88,6 +88,29 @@ def _compress(comp: BlockCompressor, batch: ForwardBatch, state: CompressorState
     comp.compress(comp.kv_proj(x), comp.gate_proj(x), batch, state, entries, rope)
 
 
+def _both_choices(batch: ForwardBatch, state0: CompressorState, x: torch.Tensor, hidden: int,
+                  head_dim: int, ratio: int, overlap: bool, dtype: torch.dtype, seed: int,
+                  ) -> dict[str, tuple[torch.Tensor, CompressorState, BlockCompressor]]:
+    """One compressor with the same parameters per "indexer" choice, run on `batch` from copies
+    of `state0` into NaN entry pools: name -> (entries, state, compressor)."""
+    inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
+    results = {}
+    for name, kernels in (("torch", TORCH), ("triton", TRITON)):
+        comp = BlockCompressor(hidden, head_dim, ratio, overlap, 1e-6, kernels=kernels)
+        init = torch.Generator().manual_seed(seed)  # the same parameters for both choices
+        for p in comp.parameters():
+            p.data = torch.randn(p.shape, generator=init) * (0.2 if p.dim() == 2 else 1.0)
+        comp = comp.to(dtype).to(DEVICE)
+        comp.position_bias.data = comp.position_bias.data.float()  # fp32, as the runner keeps it
+        comp.kv_norm.weight.data = comp.kv_norm.weight.data.float()
+        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE))
+        entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype,
+                             device=DEVICE)
+        _compress(comp, batch, state, entries, x.to(DEVICE), inv_freq)
+        results[name] = (entries, state, comp)
+    return results
+
+
 @pytest.mark.parametrize("overlap, ratio", [(True, 4), (False, 16)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compressor_decode_branch(overlap: bool, ratio: int, dtype: torch.dtype) -> None:
@@ -103,20 +126,7 @@ def test_compressor_decode_branch(overlap: bool, ratio: int, dtype: torch.dtype)
                              score=torch.randn(req_slots, ring, width, generator=gen).to(dtype))
     x = torch.randn(batch.num_tokens, hidden, generator=gen).to(dtype)
     inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
-    results = {}
-    for name, kernels in (("torch", TORCH), ("triton", TRITON)):
-        comp = BlockCompressor(hidden, head_dim, ratio, overlap, 1e-6, kernels=kernels)
-        init = torch.Generator().manual_seed(5)  # the same parameters for both choices
-        for p in comp.parameters():
-            p.data = torch.randn(p.shape, generator=init) * (0.2 if p.dim() == 2 else 1.0)
-        comp = comp.to(dtype).to(DEVICE)
-        comp.position_bias.data = comp.position_bias.data.float()  # fp32, as the runner keeps it
-        comp.kv_norm.weight.data = comp.kv_norm.weight.data.float()
-        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE))
-        entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype,
-                             device=DEVICE)
-        _compress(comp, batch, state, entries, x.to(DEVICE), inv_freq)
-        results[name] = (entries, state, comp)
+    results = _both_choices(batch, state0, x, hidden, head_dim, ratio, overlap, dtype, seed=5)
     entries, state, comp = results["torch"]
     slot_tok = batch.req_pool_indices[batch.token_req]
     ref = compressor_pool_ref(
@@ -156,20 +166,7 @@ def test_compressor_extend_branch(overlap: bool, ratio: int, dtype: torch.dtype)
                              score=torch.randn(req_slots, ring, width, generator=gen).to(dtype))
     x = torch.randn(batch.num_tokens, hidden, generator=gen).to(dtype)
     inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
-    results = {}
-    for name, kernels in (("torch", TORCH), ("triton", TRITON)):
-        comp = BlockCompressor(hidden, head_dim, ratio, overlap, 1e-6, kernels=kernels)
-        init = torch.Generator().manual_seed(6)
-        for p in comp.parameters():
-            p.data = torch.randn(p.shape, generator=init) * (0.2 if p.dim() == 2 else 1.0)
-        comp = comp.to(dtype).to(DEVICE)
-        comp.position_bias.data = comp.position_bias.data.float()
-        comp.kv_norm.weight.data = comp.kv_norm.weight.data.float()
-        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE))
-        entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype,
-                             device=DEVICE)
-        _compress(comp, batch, state, entries, x.to(DEVICE), inv_freq)
-        results[name] = (entries, state, comp)
+    results = _both_choices(batch, state0, x, hidden, head_dim, ratio, overlap, dtype, seed=6)
     entries, state, comp = results["torch"]
     assert comp._extend_step is None and results["triton"][2]._extend_step is not None
     slot_tok = batch.req_pool_indices[batch.token_req]
