@@ -66,6 +66,7 @@ class FusedGreedySteps:
         self.replays = 0
         factory = graph_factory or make_graph_factory(dev)
         t0 = time.perf_counter()
+        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
         for w in reversed(self.widths):
             for bs in reversed(self.batch_sizes):
                 graph = factory()
@@ -76,8 +77,10 @@ class FusedGreedySteps:
                     out = graph.capture(run)
                     self.inputs.zero_()
                 self._graphs[(w, bs)] = (graph, out)
-        logger.info("Captured %d fused DSpark step graphs (widths %s x bs %s) in %.1f s",
-                    len(self._graphs), self.widths, self.batch_sizes, time.perf_counter() - t0)
+        mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
+        logger.info("Captured %d fused DSpark step graphs (widths %s x bs %s) in %.1f s, "
+                    "+%.0f MiB reserved", len(self._graphs), self.widths, self.batch_sizes,
+                    time.perf_counter() - t0, mem)
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= batch_size), None)
