@@ -224,16 +224,12 @@ class CudaGraphRunner:
         tables are made inside the capture, so replays recompute them), outputs as [B, W, ...].
         Width 1 (the decode graph) also runs the runner's decode hook and the greedy sampler, so
         an all-greedy decode step is one replay with nothing left for the host to launch."""
-        bs, n = req_pool_indices.shape[0], input_ids.numel()
-        rows = torch.arange(n, dtype=torch.int64, device=input_ids.device)
+        bs = req_pool_indices.shape[0]
         pool = self.runner.req_pool
-        batch = ForwardBatch(
-            mode=ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY,
-            input_ids=input_ids.reshape(n), positions=positions.reshape(n), token_req=rows // w,
-            out_cache_loc=out_cache_loc.reshape(n), req_pool_indices=req_pool_indices,
-            prefix_lens=prefix_lens, seq_lens=seq_lens, logits_indices=rows,
-            req_to_token=pool.req_to_token, max_seq_len=pool.max_context_len,
-            extend_lens_cpu=(w,) * bs, prefix_lens_cpu=(0,) * bs)
+        batch = ForwardBatch.uniform(
+            ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY, input_ids, positions,
+            out_cache_loc, req_pool_indices, prefix_lens, seq_lens, pool.req_to_token,
+            pool.max_context_len)
         out = self.runner.model(batch, self.runner.kv_pool, self.runner.attn_backend,
                                 self.tap_layers)
         logits = out.logits.view(bs, w, -1)

@@ -94,6 +94,25 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
+    def uniform(cls, mode: ForwardMode, input_ids: torch.Tensor, positions: torch.Tensor,
+                out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
+                prefix_lens: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
+                max_seq_len: int) -> ForwardBatch:
+        """A batch of B requests with W rows each, from device tensors only (`[B, W]` ids,
+        positions and token slots, `[B]` request slots and lengths), logits on every row: the
+        shape captured CUDA graphs run. Host lengths are placeholders (W rows each, prefix 0),
+        so nothing built here reads the device."""
+        bs, w = input_ids.shape
+        n = bs * w
+        rows = torch.arange(n, dtype=torch.int64, device=input_ids.device)
+        return cls(
+            mode=mode, input_ids=input_ids.reshape(n), positions=positions.reshape(n),
+            token_req=rows // w, out_cache_loc=out_cache_loc.reshape(n),
+            req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, seq_lens=seq_lens,
+            logits_indices=rows, req_to_token=req_to_token, max_seq_len=max_seq_len,
+            extend_lens_cpu=(w,) * bs, prefix_lens_cpu=(0,) * bs)
+
+    @classmethod
     def build(cls, mode: ForwardMode, input_ids: list[list[int]], prefix_lens: list[int],
               req_pool_indices: list[int], req_to_token: torch.Tensor,
               logits_rows: str | list[list[int]] = "last",

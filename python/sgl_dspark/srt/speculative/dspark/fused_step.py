@@ -91,18 +91,11 @@ class FusedGreedySteps:
         anchors, seq, slots, lens, forced = (self.inputs[i, :bs] for i in range(5))
         prop = worker._propose_greedy(worker.gamma, anchors, seq, slots)
         verify_ids = torch.cat((anchors[:, None], prop.markov.drafts), dim=1)[:, :w]
-        n = bs * w
         positions = seq[:, None] + torch.arange(w, device=seq.device)[None, :]
         pool = runner.req_pool
         cache_loc = pool.req_to_token[slots[:, None], positions]
-        rows = torch.arange(n, dtype=torch.int64, device=seq.device)
-        batch = ForwardBatch(
-            mode=ForwardMode.VERIFY, input_ids=verify_ids.reshape(n),
-            positions=positions.reshape(n), token_req=rows // w,
-            out_cache_loc=cache_loc.reshape(n), req_pool_indices=slots, prefix_lens=seq,
-            seq_lens=seq + w, logits_indices=rows, req_to_token=pool.req_to_token,
-            max_seq_len=pool.max_context_len, extend_lens_cpu=(w,) * bs,
-            prefix_lens_cpu=(0,) * bs)
+        batch = ForwardBatch.uniform(ForwardMode.VERIFY, verify_ids, positions, cache_loc, slots,
+                                     seq, seq + w, pool.req_to_token, pool.max_context_len)
         out = runner.model(batch, runner.kv_pool, runner.attn_backend, worker.tap_layers)
         taps = [out.hidden_taps[layer].view(bs, w, -1) for layer in worker.tap_layers]
         acc, tok_lp = worker._greedy_epilogue(verify_ids, lens, seq, out.logits.view(bs, w, -1),
