@@ -201,7 +201,8 @@ def main() -> None:
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--profile", action="store_true", help="also write torch.profiler tables of "
-                   "bs 1 decode steps (eager, graphs, DSpark) to --out-dir")
+                   "bs 1 decode steps (eager, graphs, DSpark full and bs 1 static cases) to "
+                   "--out-dir")
     p.add_argument("--out-dir", default=".")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # capture logs
@@ -285,6 +286,9 @@ def main() -> None:
         engine = Engine(**base, **spec, speculative_dspark_verify_policy="static",
                         speculative_dspark_width_table_path=str(table))
         measure(f"dspark_static_w{w}", bs, engine, accept_len=a.accept_len)
+        if profiling and bs == 1:
+            profile_steps(engine, prompts_for(1, a.input_len, cfg.vocab_size),
+                          out / f"profile_dspark_static_w{w}_bs1.txt")
         engine.shutdown()
         del engine
         gc.collect()

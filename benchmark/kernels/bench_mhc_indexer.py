@@ -66,9 +66,19 @@ def _mhc_check(want: Any, got: Any) -> None:
     assert torch.equal(_bits(want.streams), _bits(got.streams)), "streams differ"
     for name in ("pre", "post", "comb"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6)
+    # x_in = sum_j pre[j] * Rs'[j]: pre may differ by its 1e-5 relative tolerance, so where the
+    # terms cancel, x_in's absolute error is bounded by 1e-5 * sum_j |pre[j] * Rs'[j]|, which can
+    # exceed a fixed atol (the M = 128 run had 2 of 524288 elements there). Per element: one bf16
+    # ulp of the result plus that cancellation bound (scaled by rstd * |w| for the normed output).
+    mag = (want.pre.float()[:, :, None] * want.streams.float()).abs().sum(1)
+    x_in_w = want.x_in.float()
+    rstd = torch.rsqrt(x_in_w.pow(2).mean(-1, keepdim=True) + 1e-6)
+    bounds = {"x_in": 2e-5 * mag, "x_normed": 2e-5 * mag * rstd * 1.5}
     for name in ("x_in", "x_normed"):
         w, g = getattr(want, name).float(), getattr(got, name).float()
-        torch.testing.assert_close(g, w, rtol=2.0**-7, atol=1e-5)
+        tol = 2.0**-7 * w.abs() + bounds[name] + 1e-30
+        bad = ((g - w).abs() > tol).sum().item()
+        assert bad == 0, f"{name}: {bad} elements outside one ulp + the cancellation bound"
         assert (w != g).float().mean().item() < 0.02, f"{name}: too many 1-ulp differences"
 
 

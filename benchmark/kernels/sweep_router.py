@@ -7,10 +7,11 @@ every M) and must give ids, weights and logits bit-identical to the default's (i
 numerics); then it is timed under CUDA graphs with `run_all.time_graph`, on the inputs of
 bench_moe's "router_topk from x" case, next to `torch.compile(router_topk_ref)` on the same inputs.
 
-GEMV chains (`moe_route._GEMV_CHAINS`) do change the logits' rounding, so a chain count must be one
-value for every M: each count is checked against the reference with bench_moe's tolerance check,
-and for "logits independent of M" (rows of x[:M] routed at every M give the logits of the same rows
-routed at the largest M, bit for bit), then timed with the default launch shape at every M.
+GEMV shapes (`moe_route`'s `_GEMV_CHAINS`, `_GEMV_EXPERTS`, `_SPLIT_K`, `_GEMV_WARPS`, see
+`GEMV_SHAPES`) may change the logits' rounding, so a shape must be one choice for every M: each is
+checked against the reference with bench_moe's tolerance check, and for "logits independent of M"
+(rows of x[:M] routed at every M give the logits of the same rows routed at the largest M, bit for
+bit), then timed with the default launch shape at every M.
 
 About 2-3 minutes on an H200, most of it Triton and torch.compile compilation (one per M).
 """
@@ -56,22 +57,37 @@ CANDIDATES: dict[str, _RouteMeta] = {
     "2-launch r1w4": _RouteMeta(False, 4, 1, 4, 2, True),
     "2-launch r1w1 st1": _RouteMeta(False, 4, 1, 1, 1, True),
 }
-CHAINS = (1, 2, 4)
+# Module constants of the GEMV (tile experts, K split, MMA chains, warps), "default" = as is.
+GEMV_SHAPES: dict[str, dict[str, int]] = {
+    "default": {},
+    "chains=2": {"_GEMV_CHAINS": 2},
+    "experts=32": {"_GEMV_EXPERTS": 32},
+    "split_k=256": {"_SPLIT_K": 256},
+    "split_k=1024": {"_SPLIT_K": 1024},
+    "split_k=1024 experts=32": {"_SPLIT_K": 1024, "_GEMV_EXPERTS": 32},
+    "warps=2": {"_GEMV_WARPS": 2},
+    "warps=8": {"_GEMV_WARPS": 8},
+    "split_k=256 warps=2": {"_SPLIT_K": 256, "_GEMV_WARPS": 2},
+}
 
 
 @contextmanager
-def patched(meta: _RouteMeta | None = None, chains: int | None = None) -> Iterator[None]:
-    """`moe_route._route_meta` returning `meta` for every M (None: the default) and/or another
-    `_GEMV_CHAINS`, restored on exit."""
-    old_meta, old_chains = moe_route._route_meta, moe_route._GEMV_CHAINS
+def patched(meta: _RouteMeta | None = None,
+            gemv: dict[str, int] | None = None) -> Iterator[None]:
+    """`moe_route._route_meta` returning `meta` for every M (None: the default) and/or other GEMV
+    module constants (`GEMV_SHAPES`), restored on exit."""
+    old_meta = moe_route._route_meta
+    old_gemv = {k: getattr(moe_route, k) for k in (gemv or {})}
     if meta is not None:
         moe_route._route_meta = lambda num_rows, interpreted=False: meta
-    if chains is not None:
-        moe_route._GEMV_CHAINS = chains
+    for k, v in (gemv or {}).items():
+        setattr(moe_route, k, v)
     try:
         yield
     finally:
-        moe_route._route_meta, moe_route._GEMV_CHAINS = old_meta, old_chains
+        moe_route._route_meta = old_meta
+        for k, v in old_gemv.items():
+            setattr(moe_route, k, v)
 
 
 def run_with_logits(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -131,18 +147,20 @@ def main() -> None:
     p.add_argument("--calls-per-graph", type=int, default=20)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
+    p.add_argument("--gemv-only", action="store_true",
+                   help="skip the launch-shape candidates (time the default shape only)")
     args = p.parse_args()
     assert torch.cuda.is_available(), "sweep_router.py needs a GPU"
     m_values = tuple(int(v) for v in args.m.split(","))
     t0 = time.time()
-    names = [DEFAULT, *CANDIDATES]
+    names = [DEFAULT] if args.gemv_only else [DEFAULT, *CANDIDATES]
     us: dict[tuple[str, int], float] = {}
     notes: list[str] = []
     compiled = torch.compile(router_topk_ref, dynamic=False)
     for m in m_values:
         inputs = _route_x_inputs(m, "cuda")
         _route_check(router_topk_ref(**inputs), router_topk(**inputs))
-        bad = verify_candidates(inputs, list(CANDIDATES))
+        bad = verify_candidates(inputs, names[1:])
         notes += [f"M={m}: `{name}` changed the outputs (a bug: excluded)" for name in bad]
         for name in names:
             if name in bad:
@@ -153,16 +171,20 @@ def main() -> None:
             us["torch.compile(ref)", m] = _timed(lambda x=inputs: compiled(**x), args)
         print(f"M={m} done ({time.time() - t0:.0f} s)", flush=True)
 
-    chain_us: dict[tuple[int, int], float] = {}
+    chain_us: dict[tuple[str, int], float] = {}
     chain_notes: list[str] = []
-    for chains in CHAINS:
-        with patched(chains=chains):
-            for m in m_values:
-                inputs = _route_x_inputs(m, "cuda")
-                _route_check(router_topk_ref(**inputs), router_topk(**inputs))
-                chain_us[chains, m] = _timed(lambda x=inputs: router_topk(**x), args)
-            if not logits_invariant(_route_x_inputs, m_values, "cuda"):
-                chain_notes.append(f"chains={chains}: logits depend on M (a bug)")
+    for shape, consts in GEMV_SHAPES.items():
+        with patched(gemv=consts):
+            try:
+                for m in m_values:
+                    inputs = _route_x_inputs(m, "cuda")  # its workspace fits this K split
+                    _route_check(router_topk_ref(**inputs), router_topk(**inputs))
+                    chain_us[shape, m] = _timed(lambda x=inputs: router_topk(**x), args)
+                if not logits_invariant(_route_x_inputs, m_values, "cuda"):
+                    chain_notes.append(f"{shape}: logits depend on M (a bug)")
+            except Exception as e:  # noqa: BLE001 - a shape that fails is reported, not fatal
+                chain_notes.append(f"{shape}: failed: {type(e).__name__}: {str(e)[:120]}")
+        print(f"GEMV {shape} done ({time.time() - t0:.0f} s)", flush=True)
 
     head = "| | " + " | ".join(f"M={m}" for m in m_values) + " |"
     rule = "|---" * (len(m_values) + 1) + "|"
@@ -183,13 +205,13 @@ def main() -> None:
             f"{us[best[m], m] / us['torch.compile(ref)', m]:.2f}" for m in m_values) + " |")
     defaults = ", ".join(f"M={m}: {tuple(moe_route._route_meta(m))}" for m in m_values)
     lines += ["", f"default = {defaults}", *notes, "",
-              "## GEMV chains (change the logits' rounding: pick ONE value for all M), default "
+              "## GEMV shapes (may change the logits' rounding: pick ONE for all M), default "
               "launch shape", "", head + " sum |", rule + "---|"]  # fmt: skip
-    for chains in CHAINS:
-        vals = [chain_us[chains, m] for m in m_values]
-        lines.append(f"| chains={chains} | " + " | ".join(f"{v:.1f}" for v in vals)
+    for shape in GEMV_SHAPES:
+        vals = [chain_us.get((shape, m), float("nan")) for m in m_values]
+        lines.append(f"| {shape} | " + " | ".join(f"{v:.1f}" for v in vals)
                      + f" | {sum(vals):.1f} |")  # fmt: skip
-    lines += ["", *(chain_notes or ["every chain count: logits independent of M (checked)"]),
+    lines += ["", *(chain_notes or ["every GEMV shape: logits independent of M (checked)"]),
               "", f"(total {time.time() - t0:.0f} s)"]
     text = "\n".join(lines)
     print(text)

@@ -4,6 +4,15 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.runtime.interpreter import InterpretedFunction
+
+
+def interpreted(kernel: object) -> bool:
+    """True when `kernel` runs in the CPU interpreter (TRITON_INTERPRET=1). Its fp32 -> bf16
+    cast truncates (kernels.md §0.4), so kernels round on the bits there (`round_to_bf16`);
+    compiled, the native cast already rounds to nearest even (one instruction instead of six
+    integer ops per element, which shows at the ~1 us scale of a decode-step kernel)."""
+    return isinstance(kernel, InterpretedFunction)
 
 
 @triton.jit
@@ -25,4 +34,16 @@ def round_to_storage(x, KIND: tl.constexpr):
         x = round_to_bf16(x)
     elif KIND == 2:
         x = x.to(tl.float16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def round_bf16_native_or_bits(x, ON_BITS: tl.constexpr):
+    """fp32 -> nearest-even bf16 value, kept in fp32: on the bits in the interpreter
+    (`ON_BITS`, see `interpreted`), else through the native round-to-nearest-even cast. Both
+    give the same bits (NaN stays NaN)."""
+    if ON_BITS:
+        x = round_to_bf16(x)
+    else:
+        x = x.to(tl.bfloat16).to(tl.float32)
     return x

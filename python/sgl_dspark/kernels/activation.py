@@ -28,6 +28,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import interpreted, round_bf16_native_or_bits
+
 _FP8_MAX = 448.0
 _FP8_GROUP = 128
 _MAX_BLOCK = 1024
@@ -90,10 +92,15 @@ def _round_bf16(x):
 
 
 @triton.jit
-def _clamped_swiglu(row_ptr, cols, inter, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr):
-    in_cols = cols < inter
-    gate = tl.load(row_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
-    up = tl.load(row_ptr + inter + cols, mask=in_cols, other=0.0).to(tl.float32)
+def _clamped_swiglu(row_ptr, cols, inter, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr,
+                    ON_BITS: tl.constexpr, EVEN: tl.constexpr):
+    if EVEN:  # the programs tile the row exactly: unpredicated (vectorised) loads
+        gate = tl.load(row_ptr + cols).to(tl.float32)
+        up = tl.load(row_ptr + inter + cols).to(tl.float32)
+    else:
+        in_cols = cols < inter
+        gate = tl.load(row_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
+        up = tl.load(row_ptr + inter + cols, mask=in_cols, other=0.0).to(tl.float32)
     if HAS_LIMIT:
         gate = tl.where(gate > limit, limit, gate)
         up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
@@ -101,7 +108,7 @@ def _clamped_swiglu(row_ptr, cols, inter, limit, HAS_LIMIT: tl.constexpr, ROUND_
     sigmoid = tl.div_rn(one, 1.0 + tl.exp2(-gate * 1.4426950408889634))
     y = gate * sigmoid * up
     if ROUND_BF16:
-        y = _round_bf16(y)
+        y = round_bf16_native_or_bits(y, ON_BITS)
     return y
 
 
@@ -127,7 +134,8 @@ def _to_fp8(y, scale):
 def _silu_mul_clamp_kernel(
     in_ptr, out_ptr, scale_ptr, inter, stride_in, limit,
     HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_MODE: tl.constexpr,
-    UE8M0: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr,
+    UE8M0: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, ON_BITS: tl.constexpr,
+    EVEN: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     row_in = in_ptr + row * stride_in
@@ -137,20 +145,26 @@ def _silu_mul_clamp_kernel(
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, inter, BLOCK):
             y = _clamped_swiglu(
-                row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16
-            )
+                row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16, ON_BITS,
+                EVEN)
             amax = tl.maximum(amax, tl.abs(y))
         scale = _fp8_scale(tl.max(amax, axis=0), UE8M0)
         for c0 in range(0, inter, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
-            y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT, ROUND_BF16)
+            y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT, ROUND_BF16, ON_BITS, EVEN)
             tl.store(row_out + cols, _to_fp8(y, scale), mask=cols < inter)
         tl.store(scale_ptr + row, scale)
     else:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT, ROUND_BF16)
+        # Plain bf16 output: the store's own cast rounds (compiled); the fp8 epilogues read the
+        # rounded values.
+        y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT,
+                            ROUND_BF16 and (OUT_MODE != 0 or ON_BITS), ON_BITS, EVEN)
         if OUT_MODE == 0:
-            tl.store(row_out + cols, y.to(out_ptr.dtype.element_ty), mask=cols < inter)
+            if EVEN:
+                tl.store(row_out + cols, y.to(out_ptr.dtype.element_ty))
+            else:
+                tl.store(row_out + cols, y.to(out_ptr.dtype.element_ty), mask=cols < inter)
         else:
             groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
             scale = _fp8_scale(tl.max(tl.abs(groups), axis=1), UE8M0)
@@ -235,6 +249,8 @@ def silu_mul_clamp(
             OUT_MODE=mode,
             UE8M0=bool(scale_ue8m0),
             GROUP=_FP8_GROUP,
+            ON_BITS=interpreted(_silu_mul_clamp_kernel),
+            EVEN=inter % meta["BLOCK"] == 0,
             # The reference rounds every product separately; keep the compiler from contracting
             # any future mul+add into an FMA, which would move y (so the amax and the fp8 scale)
             # by an ulp between the plain and the fp8 variants.

@@ -7,8 +7,9 @@
 Rounding happens exactly where the unfused chain (moe_reduction -> scale -> shared add) stores to
 memory, the slot sum has a fixed order and FMA contraction is off, so the result is X1: bit-equal
 to `moe_reduce_ref` on any backend, the CPU interpreter included (bf16 rounding is done on the bits).
-Remote slots are never read (their `y` rows may hold garbage); a token with no local slot gets
-out = round(0 + shared), so the EP all-reduce still sees the shared expert once.
+Remote slots' `y` rows may hold garbage (even NaN): they are loaded (the buffer is allocated) but
+never used, a select drops them; a token with no local slot gets out = round(0 + shared), so the
+EP all-reduce still sees the shared expert once.
 
 As a stage-2 GEMM epilogue: a CTA that owns a (token tile x H tile) of the down projection computes
 its slots' GEMM tiles one slot at a time (a per-token slot list built from K1's sorted ids), keeps
@@ -23,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_dspark.kernels.activation import _round_bf16
+from sgl_dspark.kernels._triton_utils import interpreted, round_bf16_native_or_bits
 
 _MAX_BLOCK_H = 256  # more programs at small M: latency-bound loads overlap across SMs
 
@@ -66,18 +67,19 @@ def moe_reduce_ref(
 @triton.jit
 def _route_reduce_tail(acc, shared_ptr, out_ptr, offs, in_cols, routed_scale,
                        APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
-                       ROUND_BF16: tl.constexpr):  # fmt: skip
-    """fp32 slot sum -> stored output, rounding where the unfused chain stores."""
+                       ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):  # fmt: skip
+    """fp32 slot sum -> stored output, rounding where the unfused chain stores (on the bits in
+    the interpreter, `ON_BITS`; by the native nearest-even cast when compiled: same bits)."""
     if ROUND_BF16:
-        acc = _round_bf16(acc)
+        acc = round_bf16_native_or_bits(acc, ON_BITS)
     if APPLY_SCALE:
         acc = acc * routed_scale
         if ROUND_BF16:
-            acc = _round_bf16(acc)
+            acc = round_bf16_native_or_bits(acc, ON_BITS)
     if HAS_SHARED:
         acc = acc + tl.load(shared_ptr + offs, mask=in_cols, other=0.0).to(tl.float32)
-        if ROUND_BF16:
-            acc = _round_bf16(acc)
+        if ROUND_BF16 and ON_BITS:  # compiled, the store's cast rounds
+            acc = round_bf16_native_or_bits(acc, ON_BITS)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=in_cols)
 
 
@@ -86,23 +88,26 @@ def _moe_reduce_kernel(
     y_ptr, weights_ptr, ids_ptr, mask_ptr, shared_ptr, out_ptr,
     hidden, num_experts, routed_scale,
     TOPK: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr,
+    ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, ON_BITS: tl.constexpr, EVEN_H: tl.constexpr,
 ):  # fmt: skip
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    in_cols = cols < hidden
+    # EVEN_H: the programs tile H exactly, so no lane is masked (unpredicated, vectorised loads).
+    in_cols = (cols < hidden) | EVEN_H
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for slot in tl.static_range(TOPK):
         expert = tl.load(ids_ptr + token * TOPK + slot)
         known = (expert >= 0) & (expert < num_experts)
         is_local = tl.load(mask_ptr + expert, mask=known, other=0) == 1
         weight = tl.load(weights_ptr + token * TOPK + slot)
-        row = tl.load(
-            y_ptr + (token * TOPK + slot) * hidden + cols, mask=in_cols & is_local, other=0.0
-        ).to(tl.float32)
+        # Read whether or not the expert is local (the row is allocated; a remote row's garbage
+        # is discarded by the select below, never added): the load then does not wait for the
+        # id -> mask lookup, so the three loads of a slot are in flight together.
+        row = tl.load(y_ptr + (token * TOPK + slot) * hidden + cols, mask=in_cols,
+                      other=0.0).to(tl.float32)
         acc += tl.where(is_local, weight * row, 0.0)
     _route_reduce_tail(acc, shared_ptr, out_ptr, token * hidden + cols, in_cols, routed_scale,
-                       APPLY_SCALE, HAS_SHARED, ROUND_BF16)  # fmt: skip
+                       APPLY_SCALE, HAS_SHARED, ROUND_BF16, ON_BITS)  # fmt: skip
 
 
 def moe_reduce(
@@ -166,6 +171,8 @@ def moe_reduce(
         APPLY_SCALE=routed_scale != 1.0,
         HAS_SHARED=shared is not None,
         ROUND_BF16=y.dtype == torch.bfloat16,
+        ON_BITS=interpreted(_moe_reduce_kernel),
+        EVEN_H=hidden % meta["BLOCK_H"] == 0,
         enable_fp_fusion=False,  # the reference rounds w * y before adding it
         **meta,
     )

@@ -11,8 +11,8 @@ depend on the batch it is in), while torch's `mean` uses its own order. The rsqr
 (the hardware approximation on GPU, as torch's CUDA rsqrt; numpy's `1 / sqrt` in the interpreter,
 where torch's CPU rsqrt differs in the last bit for ~15% of inputs). Given the same rstd, every
 later step equals torch bit for bit: products are separate fp32 roundings (FMA contraction is
-disabled) and bf16 results are rounded to nearest-even on the bits (the interpreter's own
-fp32 -> bf16 cast truncates, §0.4). So outputs differ from the reference by at most one or two
+disabled) and bf16 results are rounded to nearest-even (on the bits in the interpreter, whose
+own fp32 -> bf16 cast truncates, §0.4; compiled, by the native cast: the same bits). So outputs differ from the reference by at most one or two
 units in the last place of x's dtype, and only where rstd's last bits differ (fp32: a few ulps;
 bf16/fp16: well under 1% of elements in tests).
 """
@@ -23,7 +23,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_dspark.kernels._triton_utils import round_to_storage
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    round_bf16_native_or_bits,
+    round_to_storage,
+)
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The whole row lives in registers (one load, one store); 16384 fp32 values over 16 warps is 32
@@ -50,10 +54,12 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> to
 
 
 @triton.jit
-def _round_to_dtype(v, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr):
-    """fp32 -> the nearest-even value of the storage dtype, kept in fp32 (exact on store)."""
+def _round_to_dtype(v, IS_BF16: tl.constexpr, IS_FP16: tl.constexpr, ON_BITS: tl.constexpr):
+    """fp32 -> the nearest-even value of the storage dtype, kept in fp32 (exact on store). bf16
+    on the bits in the interpreter only (`_triton_utils.interpreted`); compiled, the native
+    cast rounds the same way."""
     if IS_BF16:
-        v = round_to_storage(v, 1)
+        v = round_bf16_native_or_bits(v, ON_BITS)
     elif IS_FP16:
         v = round_to_storage(v, 2)
     return v
@@ -73,14 +79,27 @@ def _rms_norm_kernel(
     HAS_WEIGHT: tl.constexpr,
     IS_BF16: tl.constexpr,
     IS_FP16: tl.constexpr,
+    FULL_TILE: tl.constexpr,
+    ON_BITS: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
     offsets = rows.to(tl.int64)[:, None] * N + cols[None, :]
-    x = tl.load(x_ptr + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :], mask=mask,
-                other=0.0).to(tl.float32)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_row_stride + cols[None, :]
+    # The weight is loaded with x, in x's [BLOCK_M, BLOCK_N] shape: loaded after the reduction
+    # it was a second memory round trip on the critical path, and its 1-D layout went through
+    # shared memory to meet x's (seen in the sm90 SASS).
+    w_ptrs = weight_ptr + (rows * 0)[:, None] + cols[None, :]
+    if FULL_TILE:  # one row per program (grid = rows) and N == BLOCK_N: no lane overhangs
+        x = tl.load(x_ptrs).to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptrs).to(tl.float32)
+    else:
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
+        if HAS_WEIGHT:
+            w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
 
     # Masked columns load 0 and add nothing; the tree over BLOCK_N depends on N only.
     sum_sq = tl.sum(x * x, axis=1)
@@ -93,12 +112,15 @@ def _rms_norm_kernel(
         mean_sq = tl.div_rn(sum_sq, N * 1.0)
     rstd = tl.rsqrt(mean_sq + eps)[:, None]
     if HAS_WEIGHT:
-        w = tl.load(weight_ptr + cols, mask=col_mask, other=0.0).to(tl.float32)[None, :]
         y = w * (x * rstd)
     else:
-        y = x * _round_to_dtype(rstd, IS_BF16, IS_FP16)
-    y = _round_to_dtype(y, IS_BF16, IS_FP16)
-    tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
+        y = x * _round_to_dtype(rstd, IS_BF16, IS_FP16, ON_BITS)
+    if ON_BITS:  # compiled, the store's own cast rounds to nearest even
+        y = _round_to_dtype(y, IS_BF16, IS_FP16, ON_BITS)
+    if FULL_TILE:
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty))
+    else:
+        tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def _norm_meta(n: int) -> dict[str, int]:
@@ -167,6 +189,7 @@ def rms_norm(
         x, x if weight is None else weight, out, n_rows, row_stride, float(eps),
         N=n, HAS_WEIGHT=weight is not None,
         IS_BF16=x.dtype == torch.bfloat16, IS_FP16=x.dtype == torch.float16,
-        enable_fp_fusion=False, **meta,
+        FULL_TILE=meta["BLOCK_M"] == 1 and meta["BLOCK_N"] == n,
+        ON_BITS=interpreted(_rms_norm_kernel), enable_fp_fusion=False, **meta,
     )
     return out
