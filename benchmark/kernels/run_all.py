@@ -5,7 +5,8 @@ and ours under CUDA graphs, at DeepSeek-V4-Flash decode shapes (issue 5, deliver
 
 Timing: each callable is captured `--calls-per-graph` times into one CUDA graph; the graph is
 replayed `--replays` times between CUDA events and the median replay time / calls is reported in
-microseconds (launch gaps amortised, as in a captured decode step). A reference that cannot be
+microseconds (launch gaps amortised, as in a captured decode step). Ours and compile are timed
+twice each in ABBA order and averaged. A reference that cannot be
 captured (host syncs) is timed eagerly with events and marked `*`. The bandwidth floor is the
 case's minimal bytes over the measured device-to-device copy bandwidth (bytes read + written).
 """
@@ -122,13 +123,21 @@ def main() -> None:
                     ref_fn, ours_fn = case["reference"], case["launcher"]
                     te, ge = time_graph(lambda f=ref_fn, x=inputs: f(**x), a.calls_per_graph,
                                         a.replays)
-                    try:
-                        tc, gc = time_graph(lambda f=compiled, x=inputs: f(**x),
-                                            a.calls_per_graph, a.replays)
-                    except Exception:  # noqa: BLE001
-                        tc, gc = float("nan"), False
-                    to, go = time_graph(lambda f=ours_fn, x=inputs: f(**x), a.calls_per_graph,
-                                        a.replays)
+                    # ours and compile in ABBA order (ours, compile, compile, ours), each the
+                    # mean of its two runs: a drift of the device clock over the case then
+                    # weighs on both sides alike (the two are often within a few percent).
+                    def ours_time(f=ours_fn, x=inputs) -> tuple[float, bool]:
+                        return time_graph(lambda: f(**x), a.calls_per_graph, a.replays)
+
+                    def compile_time(f=compiled, x=inputs) -> tuple[float, bool]:
+                        try:
+                            return time_graph(lambda: f(**x), a.calls_per_graph, a.replays)
+                        except Exception:  # noqa: BLE001
+                            return float("nan"), False
+
+                    (to1, go), (tc1, gc) = ours_time(), compile_time()
+                    (tc2, _), (to2, _) = compile_time(), ours_time()
+                    to, tc = (to1 + to2) / 2, (tc1 + tc2) / 2
                     floor = case["bytes_moved"](m) / bw * 1e6
                     row += [f"{te:.1f}{'' if ge else '*'}", f"{tc:.1f}{'' if gc else '*'}",
                             f"{to:.1f}{'' if go else '*'}", f"{floor:.2f}",

@@ -89,7 +89,9 @@ class FusedGreedySteps:
         """The captured region for `bs` columns and verify width `w`."""
         worker, runner = self.worker, self.worker.runner
         anchors, seq, slots, lens, forced = (self.inputs[i, :bs] for i in range(5))
-        prop = worker._propose_greedy(worker.gamma, anchors, seq, slots)
+        # A width-w step verifies w - 1 drafts: the Markov loop stops there (bs 1, width 4: 3
+        # of the 7 steps, each a 16 MB read of the head at the mid model's vocabulary).
+        prop = worker._propose_greedy(worker.gamma, anchors, seq, slots, max(1, w - 1))
         verify_ids = torch.cat((anchors[:, None], prop.markov.drafts), dim=1)[:, :w]
         positions = seq[:, None] + torch.arange(w, device=seq.device)[None, :]
         pool = runner.req_pool
