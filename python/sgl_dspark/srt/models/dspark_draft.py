@@ -18,7 +18,7 @@ is sliding-window only); context features are the target's completed residual af
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -41,11 +41,57 @@ from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import rope_cos_sin, rope_impl, rope_inv_freq
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
 
+# (q [B, Q, H, Dh], ctx_pool [N, Dh], ctx_slots [B, C], ctx_valid [B, C], kv_block [B, Q, Dh],
+#  sinks [H], scale) -> [B, Q, H, Dh]
+DraftAttentionFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
+    torch.Tensor,
+]
+# The attention backends (`--attention-backend`) the draft's attention core has an
+# implementation for.
+DRAFT_ATTENTION_BACKENDS = ("torch", "triton")
+
+
+def draft_attention_torch(q: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: torch.Tensor,
+                          ctx_valid: torch.Tensor, kv_block: torch.Tensor, sinks: torch.Tensor,
+                          scale: float) -> torch.Tensor:
+    """Attention core of a draft stage: each block row sees the visible context rows
+    `ctx_pool[ctx_slots]` and every block row, plus a per-head sink in the denominator.
+    Shapes as `DraftAttentionFn`; logits and probabilities are rounded to q's dtype."""
+    batch, q_len = kv_block.shape[:2]
+    keys = torch.cat((ctx_pool[ctx_slots].to(kv_block.dtype), kv_block), dim=1)  # [B, C+Q, Dh]
+    valid = torch.cat((ctx_valid, ctx_valid.new_ones(batch, q_len)), dim=1)
+    logits = torch.einsum("bqhd,bkd->bqhk", q, keys) * scale
+    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
+    sink = sinks.to(logits.dtype).view(1, 1, -1, 1).expand(batch, q_len, -1, 1)
+    logits = torch.cat((logits, sink), dim=-1)
+    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
+    return torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys)
+
+
+def draft_attention_impl(attention_backend: str) -> DraftAttentionFn:
+    """The draft attention core for the target's `--attention-backend`, bound once per layer.
+
+    torch: `draft_attention_torch`. triton: one launch of `kernels/draft_attention.py`
+    (X2 against torch: fp32 online softmax), which reads the context rows through the slots.
+    """
+    if attention_backend == "torch":
+        return draft_attention_torch
+    if attention_backend == "triton":
+        # Imported only when chosen: the torch path never loads Triton.
+        from sgl_dspark.kernels.draft_attention import draft_attention
+
+        return draft_attention
+    raise ValueError(f"the DSpark draft has no attention core for --attention-backend "
+                     f"{attention_backend!r}; supported: {DRAFT_ATTENTION_BACKENDS}")
+
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice,
+                 attention_backend: str = "torch") -> None:
         super().__init__()
         self.rope = rope_impl(kernels)
+        self.attention = draft_attention_impl(attention_backend)
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
@@ -70,9 +116,11 @@ class DraftAttention(nn.Module):
         kv = self.rms_norm(self.kv_proj(main_x), self.kv_norm.weight, self.kv_norm.eps)
         return self.rope(kv, cos, sin)
 
-    def forward(self, u: torch.Tensor, ctx_kv: torch.Tensor, ctx_valid: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, batch: int, q_len: int) -> torch.Tensor:
-        """u `[B*Q, D]` normed block input; ctx_kv `[B, C, Dh]` with ctx_valid `[B, C]`."""
+    def forward(self, u: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: torch.Tensor,
+                ctx_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
+                q_len: int) -> torch.Tensor:
+        """u `[B*Q, D]` normed block input; the context rows are `ctx_pool [N, Dh]` at
+        `ctx_slots [B, C]`, visible where `ctx_valid [B, C]`."""
         rows = u.shape[0]
         q_a, kv = self.x_proj(u)
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
@@ -82,14 +130,8 @@ class DraftAttention(nn.Module):
         q = self.rope(q, cos, sin).view(batch, q_len, self.n_heads, self.head_dim)
         kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
         kv = self.rope(kv, cos, sin).view(batch, q_len, -1)
-        keys = torch.cat((ctx_kv.to(kv.dtype), kv), dim=1)                  # [B, C+Q, Dh]
-        valid = torch.cat((ctx_valid, ctx_valid.new_ones(batch, q_len)), dim=1)
-        logits = torch.einsum("bqhd,bkd->bqhk", q, keys) * self.head_dim**-0.5
-        logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
-        sink = self.sinks.to(logits.dtype).view(1, 1, -1, 1).expand(batch, q_len, -1, 1)
-        logits = torch.cat((logits, sink), dim=-1)
-        probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-        o = torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys).reshape(rows, self.n_heads, -1)
+        o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks,
+                           self.head_dim**-0.5).reshape(rows, self.n_heads, -1)
         o = self.rope(o, cos, sin, inverse=True)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
@@ -104,17 +146,18 @@ class DraftStage(nn.Module):
     attn_hc: HyperConnection
     ffn_hc: HyperConnection
 
-    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
         super().__init__()
-        self.self_attn = DraftAttention(cfg, kernels)
+        self.self_attn = DraftAttention(cfg, kernels, attention_backend)
         # Draft stages use learned routing only (no hash table).
         add_moe_and_mixers(self, cfg, False, kernels)
 
 
 class DraftBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DraftStage(cfg, kernels) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DraftStage(cfg, kernels, attention_backend)
+                                    for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
 
@@ -135,14 +178,17 @@ class ConfidenceHead(nn.Module):
 class DSparkDraftModel(nn.Module):
     inv_freq: torch.Tensor
 
-    def __init__(self, dcfg: DSparkConfig, kernels: KernelChoice | None = None) -> None:
+    def __init__(self, dcfg: DSparkConfig, kernels: KernelChoice | None = None,
+                 attention_backend: str = "torch") -> None:
+        """`attention_backend`: the target's `--attention-backend`; it picks the attention core
+        of every stage (`draft_attention_impl`)."""
         super().__init__()
         self.kernels = kernels or KernelChoice()
         cfg = dcfg.stage_config
         self.dcfg = dcfg
         self.cfg = cfg
         d = cfg.hidden_size
-        self.model = DraftBody(cfg, self.kernels)
+        self.model = DraftBody(cfg, self.kernels, attention_backend)
         self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)
         self.main_proj = nn.Linear(dcfg.num_stages * d, d, bias=False)
@@ -162,14 +208,17 @@ class DSparkDraftModel(nn.Module):
         return [stage.self_attn.context_kv(main_x, cos, sin) for stage in stages]
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                ctx_kv: list[torch.Tensor], ctx_valid: torch.Tensor,
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                ctx_pools: Sequence[torch.Tensor], ctx_slots: torch.Tensor,
+                ctx_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Block rows through every stage.
 
         Args:
             block_embeds: `[B, Q, D]` target embeddings of [anchor, mask, ...].
             positions: `[B, Q]` absolute positions of the rows.
-            ctx_kv: per stage `[B, C, Dh]` gathered context KV; ctx_valid `[B, C]` bool.
+            ctx_pools: per stage the context-KV pool `[N, Dh]` (indexed by KV slot).
+            ctx_slots: `[B, C]` int slots of the context positions, shared by every stage;
+            ctx_valid: `[B, C]` bool, which of them are visible (slots of invisible ones are
+                never read by the Triton core).
         Returns:
             y `[B, Q, D]`: the collapsed, pre-norm hidden state (the confidence feature), and
             `final_norm(y)` (the base-logit input; fused with the hyper head on the mhc kernels).
@@ -182,15 +231,16 @@ class DSparkDraftModel(nn.Module):
         if self.hc_boundary is not None:
             streams = run_fused_hc_layers(
                 streams, stages,
-                lambda k, u: stages[k].self_attn(u, ctx_kv[k], ctx_valid, cos, sin, batch, q_len),
+                lambda k, u: stages[k].self_attn(u, ctx_pools[k], ctx_slots, ctx_valid, cos, sin,
+                                                 batch, q_len),
                 lambda k, u: stages[k].mlp(u, None),
                 self.hc_boundary)
             y, y_normed = self.hc_boundary.head(streams, self.model.hc_head, self.model.norm)
             return (y.view(batch, q_len, d), y_normed.view(batch, q_len, d))
-        for stage, kv in zip(stages, ctx_kv):
+        for stage, pool in zip(stages, ctx_pools):
             pre, post, comb = stage.attn_hc.coeffs(streams)
             u = stage.input_layernorm(hc_collapse(streams, pre))
-            a = stage.self_attn(u, kv, ctx_valid, cos, sin, batch, q_len)
+            a = stage.self_attn(u, pool, ctx_slots, ctx_valid, cos, sin, batch, q_len)
             streams = hc_expand(streams, a, post, comb)
             pre, post, comb = stage.ffn_hc.coeffs(streams)
             f = stage.mlp(stage.post_attention_layernorm(hc_collapse(streams, pre)), None)

@@ -117,7 +117,7 @@ class DSparkWorker:
             if g < 1 or g + 1 > runner.rc.max_verify_tokens:
                 raise ValueError(f"DSpark {name} {g} must be >= 1 and leave max_verify_tokens "
                                  f">= {g + 1} (got {runner.rc.max_verify_tokens})")
-        draft = DSparkDraftModel(dcfg, runner.kernels)
+        draft = DSparkDraftModel(dcfg, runner.kernels, runner.rc.attention_backend)
         # "spec" family implementations, bound once (style R11).
         self.accept_fn = create_accept_fn(runner.kernels)
         self.draft_inputs_fn = create_draft_inputs_fn(runner.kernels)
@@ -364,9 +364,11 @@ class DSparkWorker:
                 [1], dev, graph_factory, name="DSpark bs1 draft graph")
 
     def _propose_greedy(self, gamma: int, anchors: torch.Tensor, seq_t: torch.Tensor,
-                        slot_t: torch.Tensor) -> DraftProposal:
+                        slot_t: torch.Tensor, num_drafts: int | None = None) -> DraftProposal:
+        """All-greedy proposal; `num_drafts` < gamma runs only that many Markov steps (a step
+        verifying width W reads W - 1 drafts, and draft k depends on drafts < k only)."""
         ones = torch.ones(anchors.shape[0], dtype=torch.float32, device=anchors.device)
-        return self._propose(anchors, seq_t, slot_t, ones, ones.bool(), True, gamma)
+        return self._propose(anchors, seq_t, slot_t, ones, ones.bool(), True, gamma, num_drafts)
 
     def propose(self, reqs: list[Req], anchors: torch.Tensor, seq_t: torch.Tensor,
                 slot_t: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor,
@@ -379,7 +381,7 @@ class DSparkWorker:
 
     def _propose(self, anchors: torch.Tensor, seq_t: torch.Tensor, slot_t: torch.Tensor,
                  temp: torch.Tensor, greedy: torch.Tensor, all_greedy: bool,
-                 gamma: int) -> DraftProposal:
+                 gamma: int, num_drafts: int | None = None) -> DraftProposal:
         """Draft forward over [anchor, mask, ...] at positions s .. s+gamma-1, then the Markov
         head (left to right) and, when the policy reads them, the confidences."""
         runner = self.runner
@@ -387,10 +389,16 @@ class DSparkWorker:
                                       self.window, self.dcfg.noise_token_id)
         target = runner.model
         embeds = target.model.embed_tokens(inputs.input_ids)
-        ctx = [kv[inputs.ctx_slots] for kv in self.ctx_kv]
-        y, y_normed = self.draft(embeds, inputs.positions, ctx, inputs.ctx_valid)
+        y, y_normed = self.draft(embeds, inputs.positions, self.ctx_kv, inputs.ctx_slots,
+                                 inputs.ctx_valid)
         base_logits = target.compute_logits(y_normed)                          # [B, gamma, V]
         w1, w2 = self.draft.markov_head.embed.weight, self.draft.markov_head.head.weight
+        if num_drafts is not None and num_drafts < gamma:
+            # The block's rows still all run (the draft attends bidirectionally inside the
+            # block); only the sequential Markov loop stops early. No confidences are read.
+            assert all_greedy and not (self.policy.needs_confidence
+                                       or self.sts_recorder is not None)
+            base_logits = base_logits[:, :num_drafts]
         if all_greedy:
             ms = self.markov_greedy_fn(base_logits, w1, w2, anchors)
         else:
