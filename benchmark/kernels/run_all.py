@@ -147,6 +147,8 @@ def main() -> None:
                     traceback.print_exc()
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
+                if a.out:  # written as it goes: a run cut short keeps its rows
+                    Path(a.out).write_text("\n".join(lines) + "\n")
     lines.append("")
     lines.append(f"(`*` = not capturable in a CUDA graph, timed eagerly; total {time.time() - t0:.0f} s)")
     text = "\n".join(lines)
