@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
-from benchmark.kernels.run_all import MODULES  # noqa: E402
+from benchmark.kernels.run_all import MODULES, capture_calls  # noqa: E402
 
 
 def kernel_times(fn, calls: int = 20, replays: int = 20) -> list[tuple[str, float]]:
@@ -29,18 +29,7 @@ def kernel_times(fn, calls: int = 20, replays: int = 20) -> list[tuple[str, floa
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        for _ in range(calls):
-            fn()
+    g = capture_calls(fn, calls)
     g.replay()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:

@@ -53,22 +53,28 @@ def copy_bandwidth() -> float:
     return 2 * n / statistics.median(times)
 
 
-def time_graph(fn, calls: int, replays: int) -> tuple[float, bool]:
-    """Median microseconds per call; second value False when graph capture failed."""
+def capture_calls(fn, calls: int) -> torch.cuda.CUDAGraph:
+    """`calls` back-to-back calls of `fn` in one CUDA graph (after 3 warm-up calls and one on a
+    side stream, which settle compilation and the allocator); raises if `fn` cannot be captured."""
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    try:
-        g = torch.cuda.CUDAGraph()
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    with torch.cuda.graph(g):
+        for _ in range(calls):
             fn()
-        torch.cuda.current_stream().wait_stream(s)
-        with torch.cuda.graph(g):
-            for _ in range(calls):
-                fn()
-        run, graphed = g.replay, True
+    return g
+
+
+def time_graph(fn, calls: int, replays: int) -> tuple[float, bool]:
+    """Median microseconds per call; second value False when graph capture failed."""
+    try:
+        run, graphed = capture_calls(fn, calls).replay, True
     except Exception:  # noqa: BLE001 - capture refuses host syncs; time eagerly then
         torch.cuda.synchronize()
         run, graphed = (lambda: [fn() for _ in range(calls)]), False
