@@ -26,6 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
+from sgl_dspark.kernels._triton_utils import set_programmatic_launch  # noqa: E402
+
 MODULES = ("benchmark.kernels.bench_spec", "benchmark.kernels.bench_moe",
            "benchmark.kernels.bench_mhc_indexer", "benchmark.kernels.bench_attention",
            "benchmark.kernels.bench_indexer", "benchmark.kernels.bench_norm",
@@ -101,13 +103,19 @@ def main() -> None:
     p.add_argument("--calls-per-graph", type=int, default=20)
     p.add_argument("--replays", type=int, default=50)
     p.add_argument("--only", default=None, help="comma list of substrings; run the cases whose name contains one")
+    p.add_argument("--pdl-ab", action="store_true",
+                   help="also time ours without programmatic dependent launch and torch.compile "
+                        "with Inductor's own PDL (triton.enable_pdl), in the same ABBA rounds")
+    p.add_argument("--m", default=None, help="comma list of M values (default: all of M_VALUES)")
     a = p.parse_args()
+    m_values = tuple(int(m) for m in a.m.split(",")) if a.m else M_VALUES
     assert torch.cuda.is_available(), "run_all.py needs a GPU"
     bw = copy_bandwidth()
     lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
              f"copy bandwidth {bw / 1e12:.2f} TB/s", "",
              "| kernel | M | check | eager us | compile us | ours us | floor us | "
-             "ours/compile | ours/floor |", "|---|---|---|---|---|---|---|---|---|"]
+             "ours/compile | ours/floor |" + (" ours no-PDL us | compile+PDL us |" if a.pdl_ab else ""),
+             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.pdl_ab else "")]
     t0 = time.time()
     for mod_name in MODULES:
         try:
@@ -120,7 +128,9 @@ def main() -> None:
             if a.only and not any(k in case["name"] for k in a.only.split(",")):
                 continue
             compiled = torch.compile(case["reference"], dynamic=False)
-            for m in M_VALUES:
+            compiled_pdl = torch.compile(case["reference"], dynamic=False,
+                                         options={"triton.enable_pdl": True})
+            for m in m_values:
                 row = [case["name"], str(m)]
                 try:
                     inputs = case["make_inputs"](m, "cuda")
@@ -141,15 +151,33 @@ def main() -> None:
                         except Exception:  # noqa: BLE001
                             return float("nan"), False
 
+                    def no_pdl_time() -> tuple[float, bool]:
+                        set_programmatic_launch(False)
+                        try:
+                            return ours_time()
+                        finally:
+                            set_programmatic_launch(True)
+
+                    def compile_pdl_time(f=compiled_pdl, x=inputs) -> tuple[float, bool]:
+                        return compile_time(f, x)
+
+                    # --pdl-ab nests a second ABBA inside: ours, compile, no-PDL, compile+PDL,
+                    # compile+PDL, no-PDL, compile, ours.
                     (to1, go), (tc1, gc) = ours_time(), compile_time()
+                    extra1, extra2 = [], []
+                    if a.pdl_ab:
+                        tn1, tp1 = no_pdl_time()[0], compile_pdl_time()[0]
+                        tp2, tn2 = compile_pdl_time()[0], no_pdl_time()[0]
+                        extra1, extra2 = [tn1, tp1], [tn2, tp2]
                     (tc2, _), (to2, _) = compile_time(), ours_time()
                     to, tc = (to1 + to2) / 2, (tc1 + tc2) / 2
                     floor = case["bytes_moved"](m) / bw * 1e6
                     row += [f"{te:.1f}{'' if ge else '*'}", f"{tc:.1f}{'' if gc else '*'}",
                             f"{to:.1f}{'' if go else '*'}", f"{floor:.2f}",
                             f"{to / tc:.2f}" if tc == tc else "n/a", f"{to / floor:.1f}"]
+                    row += [f"{(u + v) / 2:.2f}" for u, v in zip(extra1, extra2)]
                 except Exception as e:  # noqa: BLE001
-                    row += [f"FAIL {type(e).__name__}: {str(e)[:60]}"] + [""] * 6
+                    row += [f"FAIL {type(e).__name__}: {str(e)[:60]}"] + [""] * (8 if a.pdl_ab else 6)
                     traceback.print_exc()
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)

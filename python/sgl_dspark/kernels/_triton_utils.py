@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
+import torch
 import triton
 import triton.language as tl
+from triton.language.extra import cuda as _cuda_language
 from triton.runtime.interpreter import InterpretedFunction
+
+_pdl_allowed = True
 
 
 def interpreted(kernel: object) -> bool:
@@ -13,6 +20,50 @@ def interpreted(kernel: object) -> bool:
     compiled, the native cast already rounds to nearest even (one instruction instead of six
     integer ops per element, which shows at the ~1 us scale of a decode-step kernel)."""
     return isinstance(kernel, InterpretedFunction)
+
+
+@functools.cache
+def _device_has_pdl(device_index: int) -> bool:
+    # Programmatic dependent launch: CUDA on sm90 and later (HIP has no equivalent).
+    return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def set_programmatic_launch(allowed: bool) -> None:
+    """Allow (the default) or forbid programmatic dependent launch, process-wide: the benchmark's
+    A/B switch. It changes no result bit, only when a kernel's launch may start."""
+    global _pdl_allowed
+    _pdl_allowed = allowed
+
+
+def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
+    """Launch options of a kernel that takes a `PDL` constexpr (see `wait_for_producers`).
+
+    With programmatic dependent launch (compiled, CUDA sm90+) the GPU may start the kernel while
+    its predecessor on the stream still runs, hiding ~1 us of launch latency per kernel, also
+    inside CUDA graphs (capture keeps the programmatic edge). The kernel must then call
+    `wait_for_producers` before its first load of data another kernel wrote and before its first
+    store, and may call `release_dependents` once its own inputs are loaded."""
+    pdl = (_pdl_allowed and not interpreted(kernel) and device.type == "cuda"
+           and _device_has_pdl(device.index if device.index is not None
+                               else torch.cuda.current_device()))  # fmt: skip
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
+
+
+@triton.jit
+def wait_for_producers(PDL: tl.constexpr):
+    """Block until the kernels before this one on the stream have finished and their writes are
+    visible (a no-op unless launched programmatically). Every load of another kernel's output
+    and every store must come after it."""
+    if PDL:
+        _cuda_language.gdc_wait()
+
+
+@triton.jit
+def release_dependents(PDL: tl.constexpr):
+    """Let the next kernel's launch begin (it still waits for this kernel's completion in its
+    own `wait_for_producers`): call once this program's inputs are loaded."""
+    if PDL:
+        _cuda_language.gdc_launch_dependents()
 
 
 @triton.jit

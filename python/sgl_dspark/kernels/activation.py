@@ -28,7 +28,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_dspark.kernels._triton_utils import interpreted, round_bf16_native_or_bits
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    programmatic_launch,
+    release_dependents,
+    round_bf16_native_or_bits,
+    wait_for_producers,
+)
 
 _FP8_MAX = 448.0
 _FP8_GROUP = 128
@@ -135,8 +141,10 @@ def _silu_mul_clamp_kernel(
     in_ptr, out_ptr, scale_ptr, inter, stride_in, limit,
     HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_MODE: tl.constexpr,
     UE8M0: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, ON_BITS: tl.constexpr,
-    EVEN: tl.constexpr,
+    EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)  # gate_up comes from the previous kernel; out may still be read
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     row_in = in_ptr + row * stride_in
     row_out = out_ptr + row * inter
@@ -255,6 +263,7 @@ def silu_mul_clamp(
             # any future mul+add into an FMA, which would move y (so the amax and the fp8 scale)
             # by an ulp between the plain and the fp8 variants.
             enable_fp_fusion=False,
+            **programmatic_launch(_silu_mul_clamp_kernel, gate_up.device),
             **meta,
         )
     if scale is not None:

@@ -24,7 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_dspark.kernels._triton_utils import interpreted, round_bf16_native_or_bits
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    programmatic_launch,
+    release_dependents,
+    round_bf16_native_or_bits,
+    wait_for_producers,
+)
 
 _MAX_BLOCK_H = 256  # more programs at small M: latency-bound loads overlap across SMs
 
@@ -89,7 +95,10 @@ def _moe_reduce_kernel(
     hidden, num_experts, routed_scale,
     TOPK: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
     ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, ON_BITS: tl.constexpr, EVEN_H: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)  # y, the routes and shared come from earlier kernels
+    release_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     # EVEN_H: the programs tile H exactly, so no lane is masked (unpredicated, vectorised loads).
@@ -174,6 +183,7 @@ def moe_reduce(
         ON_BITS=interpreted(_moe_reduce_kernel),
         EVEN_H=hidden % meta["BLOCK_H"] == 0,
         enable_fp_fusion=False,  # the reference rounds w * y before adding it
+        **programmatic_launch(_moe_reduce_kernel, y.device),
         **meta,
     )
     return out

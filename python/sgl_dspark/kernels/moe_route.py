@@ -32,6 +32,12 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
+from sgl_dspark.kernels._triton_utils import (
+    programmatic_launch,
+    release_dependents,
+    wait_for_producers,
+)
+
 _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 _SOURCE_X, _SOURCE_LOGITS, _SOURCE_PARTIALS = 0, 1, 2
 # GEMV tile: fixed for every M so a row's logits come from the same instructions whatever the
@@ -227,12 +233,15 @@ def _router_topk_kernel(
     CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr, BLOCK_OUT: tl.constexpr,
     SPLIT_K: tl.constexpr, GEMV_M: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr,
     CHAINS: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    UNROLL: tl.constexpr,
+    UNROLL: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """x source: program (row block, split x expert tile) writes one GEMV partial; with ROUTE the
     last arrival of the row block routes its rows. Else program p routes rows [p * ROWS, +ROWS)."""
     pid = tl.program_id(0)
     row0, row_end = pid * ROWS, pid * ROWS + ROWS
+    if SOURCE != 0:  # the logits / partials come from the previous kernel
+        wait_for_producers(PDL)
+        release_dependents(PDL)
     if SOURCE == 0:
         tile = tl.program_id(1)
         n_etiles = tl.cdiv(num_experts, GEMV_N)
@@ -247,10 +256,14 @@ def _router_topk_kernel(
             # separate warps, then a fixed-shape sum over the pieces.
             ks = k0 + tl.arange(0, CHAINS)[:, None] * (GEMV_K // CHAINS) \
                 + tl.arange(0, GEMV_K // CHAINS)[None, :]
-            x_tile = tl.load(x_ptr + xrows[None, :, None] * stride_x + ks[:, None, :],
-                             mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :], other=0.0)
+            # The gate weight is no kernel's output: its (larger) load starts before the wait,
+            # overlapping the previous kernel's tail under programmatic launch; x waits.
             w_tile = tl.load(gate_ptr + experts[None, None, :] * stride_gate + ks[:, :, None],
                              mask=(ks < hidden)[:, :, None] & expert_ok[None, None, :], other=0.0)
+            wait_for_producers(PDL)
+            release_dependents(PDL)
+            x_tile = tl.load(x_ptr + xrows[None, :, None] * stride_x + ks[:, None, :],
+                             mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :], other=0.0)
             if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.6): the exact
                 x_tile = x_tile.to(tl.float32)  # bf16 products are formed in fp32 instead
                 w_tile = w_tile.to(tl.float32)
@@ -468,6 +481,7 @@ def router_topk(
         GEMV_M=_GEMV_ROWS, GEMV_N=_GEMV_EXPERTS, GEMV_K=gemv_k,
         CHAINS=max(1, min(_GEMV_CHAINS, gemv_k // 16)), DOT_FP32=device.type == "cpu",
         INTERPRETED=interpreted, UNROLL=topk if meta.unroll else 1,
+        **programmatic_launch(_router_topk_kernel, device),
         **{name: t if t is not None else dummy for name, t in (
             ("x_ptr", x), ("gate_ptr", gate_weight), ("logits_ptr", logits),
             ("bias_ptr", correction_bias), ("n_valid_ptr", n_valid), ("input_ids_ptr", input_ids),

@@ -249,6 +249,37 @@ def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
     return ran
 
 
+# Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`).
+PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kernel",
+               "moe_route._router_topk_kernel")
+
+
+def check_programmatic_launch(recs: dict[str, _Recorder]) -> list[str]:
+    """Recompile each PDL kernel's first recorded launch for sm90 with PDL on and off: on, the
+    PTX must wait on the grid dependency before it loads and release dependents; off, neither
+    instruction may appear (the CPU-recorded launches are off, as on gfx950)."""
+    target = TARGETS["sm90"][0]
+    report = []
+    for key in PDL_KERNELS:
+        rec = recs[key]
+        args, kwargs = rec.calls[0]
+        assert kwargs["PDL"] is False, (key, "a CPU launch must not ask for PDL")
+        for pdl in (False, True):
+            src, options = _source(rec.fn, args, {**kwargs, "PDL": pdl})
+            ptx = triton.compile(src, target=target, options=options).asm["ptx"]
+            waits = ptx.count("griddepcontrol.wait")
+            releases = ptx.count("griddepcontrol.launch_dependents")
+            assert (waits > 0 and releases > 0) if pdl else (waits == releases == 0), \
+                (key, pdl, waits, releases)
+            if pdl:  # the wait precedes every store and (but for the router GEMV's gate
+                # weight, which no kernel writes) every global load
+                first_wait = ptx.index("griddepcontrol.wait")
+                assert first_wait < ptx.index("st.global"), key
+                assert key.startswith("moe_route") or first_wait < ptx.index("ld.global"), key
+        report.append(f"ok pdl {key}")
+    return report
+
+
 def main(names: list[str]) -> int:
     if names == ["--all"]:
         recs = record_all_kernels()
@@ -256,6 +287,11 @@ def main(names: list[str]) -> int:
             CASES[case][2]()
         print(f"ran {len(bench_launches())} benchmark launches", flush=True)
         failed = 0
+        try:
+            print("\n".join(check_programmatic_launch(recs)), flush=True)
+        except Exception as exc:
+            failed += 1
+            print(f"FAIL pdl: {type(exc).__name__}: {exc}", flush=True)
         for key, rec in sorted(recs.items()):
             if not rec.calls:
                 continue

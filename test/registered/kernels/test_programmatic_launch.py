@@ -1,0 +1,121 @@
+"""Programmatic dependent launch (`_triton_utils.programmatic_launch`): asked for only where it
+exists (compiled, CUDA sm90+), and on a GPU a chain of PDL kernels inside a CUDA graph gives the
+bits of the same chain launched plainly and of the references, replay after replay with new
+inputs (a kernel that started before its producer finished, or stored before its predecessor
+read the buffer, would show here). The PTX side (wait before the first load and store) is
+checked ahead of time in `gpu_targets_check.check_programmatic_launch`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from sgl_dspark.kernels import _triton_utils
+from sgl_dspark.kernels.activation import _silu_mul_clamp_kernel, silu_mul_clamp, silu_mul_clamp_ref
+from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
+from sgl_dspark.kernels.moe_route import (
+    RouterConfig,
+    make_router_workspace,
+    router_topk,
+    router_topk_ref,
+)
+
+ON_GPU = torch.cuda.is_available()
+
+
+def test_never_asked_for_on_cpu_or_when_forbidden() -> None:
+    assert _triton_utils.programmatic_launch(_silu_mul_clamp_kernel, torch.device("cpu")) == {
+        "PDL": False}
+    try:
+        _triton_utils.set_programmatic_launch(False)
+        if ON_GPU:
+            assert _triton_utils.programmatic_launch(
+                _silu_mul_clamp_kernel, torch.device("cuda")) == {"PDL": False}
+    finally:
+        _triton_utils.set_programmatic_launch(True)
+    if ON_GPU and not _triton_utils.interpreted(_silu_mul_clamp_kernel):
+        want = torch.version.hip is None and torch.cuda.get_device_capability()[0] >= 9
+        got = _triton_utils.programmatic_launch(_silu_mul_clamp_kernel, torch.device("cuda"))
+        assert got["PDL"] is want and got.get("launch_pdl", False) is want
+
+
+def _chain(x: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor, shared: torch.Tensor,
+           mask: torch.Tensor, workspace) -> tuple[torch.Tensor, ...]:  # fmt: skip
+    """Each kernel reads what the one before it just wrote: a torch producer, the router (GEMV
+    then routing launch), K6 twice (its output is the next call's input) and K4 on the
+    router's routes."""
+    x = x * 1.0  # a plain torch kernel writes the router's input
+    config = RouterConfig(topk=6, scoring="sqrtsoftplus", routed_scaling_factor=2.5)
+    routes = router_topk(config, x=x, gate_weight=gate, workspace=workspace)
+    act = silu_mul_clamp(gate_up, 7.0)
+    act = silu_mul_clamp(act, 7.0)
+    y = act[:, None, :].expand(-1, 6, -1).contiguous()
+    out = moe_reduce(y, routes.weights, routes.ids, mask, 1.5, shared)
+    return routes.ids, routes.weights, act, out
+
+
+def _chain_ref(x, gate, gate_up, shared, mask) -> tuple[torch.Tensor, ...]:
+    config = RouterConfig(topk=6, scoring="sqrtsoftplus", routed_scaling_factor=2.5)
+    routes = router_topk_ref(config, x=x, gate_weight=gate)
+    act = silu_mul_clamp_ref(silu_mul_clamp_ref(gate_up, 7.0), 7.0)
+    y = act[:, None, :].expand(-1, 6, -1).contiguous()
+    return routes.ids, routes.weights, act, moe_reduce_ref(y, routes.weights, routes.ids, mask,
+                                                          1.5, shared)  # fmt: skip
+
+
+@pytest.mark.skipif(not ON_GPU, reason="programmatic launch needs a GPU")
+@pytest.mark.parametrize("rows", [1, 5, 32])
+def test_graph_chain_equals_plain_launches_and_reference(rows: int) -> None:
+    gen = torch.Generator().manual_seed(rows)
+    hidden, experts = 1024, 64
+    gate = torch.randn(experts, hidden, generator=gen).to(torch.bfloat16).cuda()
+    mask = (torch.rand(experts, generator=gen) < 0.5).to(torch.int32).cuda()
+    static = [torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda"),
+              torch.full((rows, 4 * hidden), float("nan"), dtype=torch.bfloat16, device="cuda"),
+              torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")]
+    workspace = make_router_workspace(rows, experts, hidden, "cuda")
+
+    def fresh_inputs() -> list[torch.Tensor]:
+        return [torch.randn(rows, hidden, generator=gen).to(torch.bfloat16),
+                (torch.randn(rows, 4 * hidden, generator=gen) * 4).to(torch.bfloat16),
+                torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)]
+
+    graphs = {}
+    for pdl in (True, False):
+        _triton_utils.set_programmatic_launch(pdl)
+        try:
+            for src, dst in zip(fresh_inputs(), static):
+                dst.copy_(src)
+            _chain(static[0], gate, static[1], static[2], mask, workspace)  # compile first
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                # Four chains back to back: each one's first kernel follows the last one's.
+                outs = [_chain(static[0], gate, static[1], static[2], mask, workspace)
+                        for _ in range(4)]  # fmt: skip
+            graphs[pdl] = (graph, outs)
+        finally:
+            _triton_utils.set_programmatic_launch(True)
+    for _ in range(3):
+        inputs = fresh_inputs()
+        want = _chain_ref(inputs[0].cuda(), gate, inputs[1].cuda(), inputs[2].cuda(), mask)
+        for pdl, (graph, outs) in graphs.items():
+            for out in outs:
+                for tensor in out:
+                    tensor.fill_(-7)  # poison: every output must be rewritten by the replay
+            for src, dst in zip(inputs, static):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            for out in outs:
+                ids, weights, act, reduced = out
+                assert torch.equal(ids, want[0]), pdl
+                # Weights X2 (the scores' exp2/log2 lowerings), K6 X2 (exp2): small tolerances;
+                # with PDL off and on the bits must agree exactly (checked below).
+                torch.testing.assert_close(weights, want[1], rtol=1e-5, atol=1e-6)
+                torch.testing.assert_close(act.float(), want[2].float(), rtol=2**-7, atol=0)
+                torch.testing.assert_close(reduced.float(), want[3].float(), rtol=2**-6, atol=1e-2)
+        for a, b in zip(graphs[True][1][0], graphs[False][1][0]):
+            assert torch.equal(a, b)
+        for out in graphs[True][1][1:]:
+            for a, b in zip(out, graphs[True][1][0]):
+                assert torch.equal(a, b)
