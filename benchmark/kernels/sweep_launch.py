@@ -114,6 +114,13 @@ _NORM = (
     {"BLOCK_M": _double("BLOCK_M")}, {"BLOCK_M": _double("BLOCK_M"), "num_warps": 8},
 )
 
+# Per-head rows (N 512, 64 x M rows): rows per program (the default packs 8) and warps.
+_NORM_HEADS = (
+    {"BLOCK_M": 1}, {"BLOCK_M": 2}, {"BLOCK_M": 4}, {"BLOCK_M": 4, "num_warps": 2},
+    {"BLOCK_M": 8, "num_warps": 2}, {"BLOCK_M": 8, "num_warps": 8}, {"BLOCK_M": 16},
+    {"BLOCK_M": 16, "num_warps": 8}, {"BLOCK_M": 32, "num_warps": 8},
+)
+
 TARGETS: dict[str, SweepTarget] = {t.key: t for t in (
     SweepTarget("k4", "moe_reduce", "_reduce_meta", "bench_moe",
                 ("K4 moe_reduce (slot-ordered)",), _K4, _out),
@@ -129,7 +136,8 @@ TARGETS: dict[str, SweepTarget] = {t.key: t for t in (
                 ("rmsnorm_hidden_d4096", "rmsnorm_q_lora_d1024"), _NORM, _out,
                 bits_may_differ=True),
     SweepTarget("rmsnorm_heads", "rmsnorm", "_norm_meta", "bench_norm",
-                ("rmsnorm_q_heads_64x512_weightless",), _NORM, _out, bits_may_differ=True),
+                ("rmsnorm_q_heads_64x512_weightless",), _NORM_HEADS, _out,
+                bits_may_differ=True),
 )}
 DEFAULT_KEYS = ("k4", "k6", "k9", "k14", "rmsnorm")
 

@@ -132,6 +132,11 @@ def _norm_meta(n: int) -> dict[str, int]:
     H200 sweep (kernels.md): one row per program (D 1024: 1.67 against 1.93 us at M = 1, where
     4-row programs idle 3 rows) and 8 warps at D 4096 (2.07 against 2.14 us), same bits there."""
     block_n = triton.next_power_of_2(n)
+    if block_n <= 512:
+        # Rows of <= 512 (per-head norms: 64 x M rows of 512) are packed _TILE // block_n per
+        # program: one row per program left the wide launches at 1.2-1.6x torch.compile's time
+        # (thousands of 128-thread programs; run of 2026-11-30, sixth session, kernels.md).
+        return {"BLOCK_M": _TILE // block_n, "BLOCK_N": block_n, "num_warps": 4}
     return {"BLOCK_M": 1, "BLOCK_N": block_n, "num_warps": min(16, max(4, block_n // 512))}
 
 

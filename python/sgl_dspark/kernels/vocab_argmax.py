@@ -32,6 +32,12 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import (
+    programmatic_launch,
+    release_dependents,
+    wait_for_producers,
+)
+
 # Largest vocab whose indices fp32 represents exactly.
 _MAX_EXACT_INDEX = 1 << 24
 # Index of an empty slot in the combine pass: above every real index, exact in fp32.
@@ -58,11 +64,13 @@ def _chunk_argmax_kernel(
     offset0, offset1, offset2, offset3, chunk0, chunk1, chunk2, chunk3,
     first1, first2, first3, pairs_row_stride, pairs_first,
     NUM_SHARDS: tl.constexpr, BLOCK: tl.constexpr, WRITE_PAIRS: tl.constexpr,
-    WRITE_IDS: tl.constexpr,
+    WRITE_IDS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, c): chunk c of this launch's shards -> one (value, global index) pair at
     ``pairs_ptr + row * pairs_row_stride + (pairs_first + c) * 2`` (and/or the id when the chunk
     is the whole row). Shards 1..3 own chunks from ``first1..3``; the selects are scalar."""
+    wait_for_producers(PDL)  # the logits come from the previous kernel
+    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     base, width, stride, offset, chunk, local = shard0, width0, stride0, offset0, chunk0, c
@@ -239,6 +247,7 @@ def _launch_chunks(
             starts[1], starts[2], starts[3], row_stride, first,
             NUM_SHARDS=len(group), BLOCK=plan.block, WRITE_PAIRS=not write_ids,
             WRITE_IDS=write_ids, num_warps=plan.num_warps,
+            **programmatic_launch(_chunk_argmax_kernel, pairs.device),
         )  # fmt: skip
         first += total
         i = group[-1] + 1

@@ -251,7 +251,7 @@ def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
 
 # Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`).
 PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kernel",
-               "moe_route._router_topk_kernel")
+               "moe_route._router_topk_kernel", "vocab_argmax._chunk_argmax_kernel")
 
 
 def check_programmatic_launch(recs: dict[str, _Recorder]) -> list[str]:
