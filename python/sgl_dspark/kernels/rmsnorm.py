@@ -25,16 +25,19 @@ import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
+    programmatic_launch,
+    release_dependents,
     round_bf16_native_or_bits,
     round_to_storage,
+    wait_for_producers,
 )
 
 _SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # The whole row lives in registers (one load, one store); 16384 fp32 values over 16 warps is 32
 # registers a thread, the most we allow. DeepSeek-V4's widest norm is the hidden size (4096).
 MAX_N = 16384
-# Elements of x one program handles: small rows (per-head norms) are packed several per program.
-_TILE = 4096
+# Elements of x one program handles when rows of <= 512 are packed several per program.
+_PACKED_TILE = 2048
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -81,6 +84,7 @@ def _rms_norm_kernel(
     IS_FP16: tl.constexpr,
     FULL_TILE: tl.constexpr,
     ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
@@ -92,14 +96,19 @@ def _rms_norm_kernel(
     # it was a second memory round trip on the critical path, and its 1-D layout went through
     # shared memory to meet x's (seen in the sm90 SASS).
     w_ptrs = weight_ptr + (rows * 0)[:, None] + cols[None, :]
+    # The weight is no kernel's output: under programmatic launch it loads before the wait.
     if FULL_TILE:  # one row per program (grid = rows) and N == BLOCK_N: no lane overhangs
-        x = tl.load(x_ptrs).to(tl.float32)
         if HAS_WEIGHT:
             w = tl.load(w_ptrs).to(tl.float32)
+        wait_for_producers(PDL)
+        release_dependents(PDL)
+        x = tl.load(x_ptrs).to(tl.float32)
     else:
-        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
         if HAS_WEIGHT:
             w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
+        wait_for_producers(PDL)
+        release_dependents(PDL)
+        x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
 
     # Masked columns load 0 and add nothing; the tree over BLOCK_N depends on N only.
     sum_sq = tl.sum(x * x, axis=1)
@@ -133,10 +142,12 @@ def _norm_meta(n: int) -> dict[str, int]:
     4-row programs idle 3 rows) and 8 warps at D 4096 (2.07 against 2.14 us), same bits there."""
     block_n = triton.next_power_of_2(n)
     if block_n <= 512:
-        # Rows of <= 512 (per-head norms: 64 x M rows of 512) are packed _TILE // block_n per
+        # Rows of <= 512 (per-head norms: 64 x M rows of 512) are packed 2048 elements per
         # program: one row per program left the wide launches at 1.2-1.6x torch.compile's time
-        # (thousands of 128-thread programs; run of 2026-11-30, sixth session, kernels.md).
-        return {"BLOCK_M": _TILE // block_n, "BLOCK_N": block_n, "num_warps": 4}
+        # (thousands of 128-thread programs). H200 sweep at N 512 (sixth session, kernels.md):
+        # 4 rows won at M = 128 (3.69 against 6.39 us for 1 row), 1-2 rows at M = 1 / 24 by
+        # 0.1 us.
+        return {"BLOCK_M": _PACKED_TILE // block_n, "BLOCK_N": block_n, "num_warps": 4}
     return {"BLOCK_M": 1, "BLOCK_N": block_n, "num_warps": min(16, max(4, block_n // 512))}
 
 
@@ -195,6 +206,7 @@ def rms_norm(
         N=n, HAS_WEIGHT=weight is not None,
         IS_BF16=x.dtype == torch.bfloat16, IS_FP16=x.dtype == torch.float16,
         FULL_TILE=meta["BLOCK_M"] == 1 and meta["BLOCK_N"] == n,
-        ON_BITS=interpreted(_rms_norm_kernel), enable_fp_fusion=False, **meta,
+        ON_BITS=interpreted(_rms_norm_kernel), enable_fp_fusion=False,
+        **programmatic_launch(_rms_norm_kernel, x.device), **meta,
     )
     return out

@@ -251,7 +251,8 @@ def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
 
 # Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`).
 PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kernel",
-               "moe_route._router_topk_kernel", "vocab_argmax._chunk_argmax_kernel")
+               "moe_route._router_topk_kernel", "vocab_argmax._chunk_argmax_kernel",
+               "rmsnorm._rms_norm_kernel")
 
 
 def check_programmatic_launch(recs: dict[str, _Recorder]) -> list[str]:
@@ -271,11 +272,12 @@ def check_programmatic_launch(recs: dict[str, _Recorder]) -> list[str]:
             releases = ptx.count("griddepcontrol.launch_dependents")
             assert (waits > 0 and releases > 0) if pdl else (waits == releases == 0), \
                 (key, pdl, waits, releases)
-            if pdl:  # the wait precedes every store and (but for the router GEMV's gate
-                # weight, which no kernel writes) every global load
+            if pdl:  # the wait precedes every store and (but for weights, which no kernel
+                # writes: the router GEMV's gate, the norm's weight) every global load
                 first_wait = ptx.index("griddepcontrol.wait")
                 assert first_wait < ptx.index("st.global"), key
-                assert key.startswith("moe_route") or first_wait < ptx.index("ld.global"), key
+                assert key.startswith(("moe_route", "rmsnorm")) or \
+                    first_wait < ptx.index("ld.global"), key
         report.append(f"ok pdl {key}")
     return report
 
