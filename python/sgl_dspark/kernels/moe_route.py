@@ -322,12 +322,9 @@ def _router_topk_kernel(
             out_ids = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.int32)
             out_w = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.float32)
             total = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
-            if HASH:  # every slot's expert in one load (a load per slot of the loop below
-                # was a dependent round trip each)
+            if HASH:
                 live = row_ok & (rows < n_valid)
                 token = tl.load(input_ids_ptr + rows, mask=live, other=0).to(tl.int64)
-                hashed = tl.load(tid2eid_ptr + token * stride_tid + out_cols,
-                                 mask=live & (out_cols < TOPK), other=0).to(tl.int32)
             else:
                 choice = scores
                 if HAS_BIAS:  # a full-tile load: a [1, CHUNKS, CHUNK] one gets a layout with the
@@ -340,8 +337,9 @@ def _router_topk_kernel(
                 bits = choice.to(tl.int32, bitcast=True)
                 key = tl.where(col_ok, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)
             for slot in tl.range(0, TOPK, loop_unroll_factor=UNROLL):
-                if HASH:  # a sum of one hit and zeros: exact
-                    expert = tl.sum(tl.where(out_cols == slot, hashed, 0), axis=2, keep_dims=True)
+                if HASH:
+                    expert = tl.load(tid2eid_ptr + token * stride_tid + slot, mask=live, other=0)
+                    expert = expert.to(tl.int32)
                 else:  # the lowest expert holding the max key (a max over negated ids)
                     expert = -_row_max(tl.where(key == _row_max(key), -cols, -2147483647))
                 hit = cols == expert
