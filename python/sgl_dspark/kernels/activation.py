@@ -14,10 +14,6 @@ Exactness: X2 vs an exp-based silu (≤1 bf16 ulp); against `silu_mul_clamp_ref`
 the only difference is the backend's exp2 (numpy vs torch on CPU, ex2.approx on GPU): rare 1-ulp
 flips. NaN in g or u propagates to y (the clamps are written as selects); NaN in the fp8 paths is
 undefined (the amax of a NaN group is backend-specific).
-
-`_round_bf16` is also the bf16 rounding helper of other kernels in this package: it does
-fp32->bf16 round-to-nearest-even on the bits, so the result is exact on GPU and in the CPU
-interpreter (whose own fp32->bf16 cast truncates).
 """
 
 from __future__ import annotations
@@ -87,14 +83,6 @@ def silu_mul_clamp_ref(
         scale = _round_scale_ue8m0_ref(scale)
     q = torch.clamp(groups / scale[..., None], -_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn)
     return Fp8Activation(q.reshape(values.shape), scale)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> the nearest-even bf16 value, returned as fp32 (NaN passes through)."""
-    bits = x.to(tl.int32, bitcast=True)
-    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536
-    return tl.where(x != x, x, rounded.to(tl.float32, bitcast=True))
 
 
 @triton.jit

@@ -27,7 +27,8 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _require
-from sgl_dspark.kernels.activation import _round_bf16, silu_mul_clamp, silu_mul_clamp_ref
+from sgl_dspark.kernels._triton_utils import round_to_bf16
+from sgl_dspark.kernels.activation import silu_mul_clamp, silu_mul_clamp_ref
 from sgl_dspark.kernels.moe_sort import MoeSortOutput
 
 _TOKEN_MASK = (1 << 24) - 1
@@ -100,7 +101,7 @@ def _moe_grouped_gemm_kernel(
         else:
             acc = tl.dot(a_tile, w_tile, acc)
     if ROUND_BF16:
-        acc = _round_bf16(acc)
+        acc = round_to_bf16(acc)
     tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])  # fmt: skip
 
