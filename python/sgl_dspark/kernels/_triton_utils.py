@@ -11,7 +11,9 @@ import triton.language as tl
 from triton.language.extra import cuda as _cuda_language
 from triton.runtime.interpreter import InterpretedFunction
 
-_pdl_allowed = True
+
+class _ProgrammaticLaunchSwitch:
+    allowed = True  # process-wide; `set_programmatic_launch` flips it (no `global` statement)
 
 
 def interpreted(kernel: object) -> bool:
@@ -31,8 +33,7 @@ def _device_has_pdl(device_index: int) -> bool:
 def set_programmatic_launch(allowed: bool) -> None:
     """Allow (the default) or forbid programmatic dependent launch, process-wide: the benchmark's
     A/B switch. It changes no result bit, only when a kernel's launch may start."""
-    global _pdl_allowed
-    _pdl_allowed = allowed
+    _ProgrammaticLaunchSwitch.allowed = allowed
 
 
 def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
@@ -42,8 +43,8 @@ def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
     its predecessor on the stream still runs, hiding ~1 us of launch latency per kernel, also
     inside CUDA graphs (capture keeps the programmatic edge). The kernel must then call
     `wait_for_producers` before its first load of data another kernel wrote and before its first
-    store, and may call `release_dependents` once its own inputs are loaded."""
-    pdl = (_pdl_allowed and not interpreted(kernel) and device.type == "cuda"
+    store."""
+    pdl = (_ProgrammaticLaunchSwitch.allowed and not interpreted(kernel) and device.type == "cuda"
            and _device_has_pdl(device.index if device.index is not None
                                else torch.cuda.current_device()))  # fmt: skip
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
@@ -52,17 +53,11 @@ def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
 @triton.jit
 def wait_for_producers(PDL: tl.constexpr):
     """Block until the kernels before this one on the stream have finished and their writes are
-    visible (a no-op unless launched programmatically). Every load of another kernel's output
-    and every store must come after it."""
+    visible, then let the next kernel's launch begin (it still waits for this one's completion
+    in its own call). A no-op unless launched programmatically. Every load of another kernel's
+    output and every store must come after it."""
     if PDL:
         _cuda_language.gdc_wait()
-
-
-@triton.jit
-def release_dependents(PDL: tl.constexpr):
-    """Let the next kernel's launch begin (it still waits for this kernel's completion in its
-    own `wait_for_producers`): call once this program's inputs are loaded."""
-    if PDL:
         _cuda_language.gdc_launch_dependents()
 
 

@@ -27,7 +27,6 @@ import triton.language as tl
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
-    release_dependents,
     round_bf16_native_or_bits,
     wait_for_producers,
 )
@@ -132,7 +131,6 @@ def _silu_mul_clamp_kernel(
     EVEN: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_producers(PDL)  # gate_up comes from the previous kernel; out may still be read
-    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     row_in = in_ptr + row * stride_in
     row_out = out_ptr + row * inter

@@ -27,7 +27,6 @@ import triton.language as tl
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
-    release_dependents,
     round_bf16_native_or_bits,
     wait_for_producers,
 )
@@ -98,7 +97,6 @@ def _moe_reduce_kernel(
     PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_producers(PDL)  # y, the routes and shared come from earlier kernels
-    release_dependents(PDL)
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     # EVEN_H: the programs tile H exactly, so no lane is masked (unpredicated, vectorised loads).

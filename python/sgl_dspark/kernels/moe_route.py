@@ -32,11 +32,8 @@ import triton
 import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
-from sgl_dspark.kernels._triton_utils import (
-    programmatic_launch,
-    release_dependents,
-    wait_for_producers,
-)
+from sgl_dspark.kernels._checks import require as _require
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 
 _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 _SOURCE_X, _SOURCE_LOGITS, _SOURCE_PARTIALS = 0, 1, 2
@@ -65,11 +62,10 @@ class _RouteMeta(NamedTuple):
 
 
 def _route_meta(num_rows: int, interpreted: bool = False) -> _RouteMeta:
-    """The launch shape for M rows; the one place sweep_router.py patches. Measured on an H200
-    (`benchmark/results/kernels.md`, sweep of 2026-11-30): two launches with a one-warp program
-    per routed row and a rolled top-k loop won at M = 1 (7.7 us against 8.9 for the last GEMV
-    program routing the block) and at M = 32 (8.9 against 9.5). The CPU interpreter pays per
-    program, not per row: 16 rows each there."""
+    """The launch shape for M rows; the one place sweep_router.py patches. H200 (kernels.md):
+    two launches, a one-warp program per routed row, rolled top-k: 7.7 us at M = 1 against 8.9
+    for the last GEMV program routing its block, 8.9 / 9.5 at M = 32 (5.9 us at M = 1 once both
+    launches are programmatic). The CPU interpreter pays per program: 16 rows each there."""
     if interpreted:
         return _RouteMeta(num_rows <= 8, 4, 16, 4, 2, False)
     return _RouteMeta(False, 4, 1, 1, 2, False)
@@ -241,7 +237,6 @@ def _router_topk_kernel(
     row0, row_end = pid * ROWS, pid * ROWS + ROWS
     if SOURCE != 0:  # the logits / partials come from the previous kernel
         wait_for_producers(PDL)
-        release_dependents(PDL)
     if SOURCE == 0:
         tile = tl.program_id(1)
         n_etiles = tl.cdiv(num_experts, GEMV_N)
@@ -256,12 +251,10 @@ def _router_topk_kernel(
             # separate warps, then a fixed-shape sum over the pieces.
             ks = k0 + tl.arange(0, CHAINS)[:, None] * (GEMV_K // CHAINS) \
                 + tl.arange(0, GEMV_K // CHAINS)[None, :]
-            # The gate weight is no kernel's output: its (larger) load starts before the wait,
-            # overlapping the previous kernel's tail under programmatic launch; x waits.
+            # The gate weight is no kernel's output: its load overlaps the previous kernel.
             w_tile = tl.load(gate_ptr + experts[None, None, :] * stride_gate + ks[:, :, None],
                              mask=(ks < hidden)[:, :, None] & expert_ok[None, None, :], other=0.0)
             wait_for_producers(PDL)
-            release_dependents(PDL)
             x_tile = tl.load(x_ptr + xrows[None, :, None] * stride_x + ks[:, None, :],
                              mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :], other=0.0)
             if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.6): the exact
@@ -274,8 +267,7 @@ def _router_topk_kernel(
         row0 = pid * GEMV_M
         row_end = tl.minimum(row0 + GEMV_M, num_rows)
         if ROUTE:
-            # Release our partial, acquire everyone else's; the last arrival routes the row
-            # block. The barrier orders every thread's partial store before the release.
+            # Release ours, acquire all partials (the barrier orders every thread's store first).
             tl.debug_barrier()
             ticket = tl.atomic_add(counter_ptr + pid, 1, sem="acq_rel")
             is_last = ticket == tl.num_programs(1) - 1
@@ -289,10 +281,9 @@ def _router_topk_kernel(
         n_valid = num_rows
         if HAS_N_VALID:
             n_valid = tl.load(n_valid_ptr)
-        # Rows [r0, r0 + ROWS) per step of a runtime loop (one copy of the code). Tile [ROWS,
-        # CHUNKS, CHUNK], expert = chunk * CHUNK + lane: CHUNK 128 fills a warp's 32 lanes x 4 and
-        # the layout's next axis is the rows (the first of the equally strided ones), so warps
-        # split rows and a row's reductions stay in one warp. Per-row values: [ROWS, 1, 1].
+        # Rows [r0, r0 + ROWS) per loop step. Tile [ROWS, CHUNKS, CHUNK], expert = chunk * CHUNK
+        # + lane: CHUNK 128 fills a warp's 32 lanes x 4 and the layout's next axis is the rows,
+        # so warps split rows and a row's reductions stay in one warp. Per-row: [ROWS, 1, 1].
         for r0 in range(row0, row_end, ROWS):
             rows = r0 + tl.arange(0, ROWS)[:, None, None]
             cols = tl.arange(0, CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
@@ -371,11 +362,6 @@ def _tile_shape(num_experts: int, rows: int, warps: int, num_splits: int) -> dic
     group = max(1, min(num_splits - 1, 128 // per_thread))
     return dict(ROWS=rows, CHUNKS=block_e // min(block_e, 128), CHUNK=min(block_e, 128),
                 SPLIT_GROUP=group)  # fmt: skip
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
 
 
 def _require_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...],

@@ -26,7 +26,6 @@ import triton.language as tl
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
-    release_dependents,
     round_bf16_native_or_bits,
     round_to_storage,
     wait_for_producers,
@@ -101,13 +100,11 @@ def _rms_norm_kernel(
         if HAS_WEIGHT:
             w = tl.load(w_ptrs).to(tl.float32)
         wait_for_producers(PDL)
-        release_dependents(PDL)
         x = tl.load(x_ptrs).to(tl.float32)
     else:
         if HAS_WEIGHT:
             w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
         wait_for_producers(PDL)
-        release_dependents(PDL)
         x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
 
     # Masked columns load 0 and add nothing; the tree over BLOCK_N depends on N only.

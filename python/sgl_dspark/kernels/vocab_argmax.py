@@ -32,11 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_dspark.kernels._triton_utils import (
-    programmatic_launch,
-    release_dependents,
-    wait_for_producers,
-)
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 
 # Largest vocab whose indices fp32 represents exactly.
 _MAX_EXACT_INDEX = 1 << 24
@@ -70,7 +66,6 @@ def _chunk_argmax_kernel(
     ``pairs_ptr + row * pairs_row_stride + (pairs_first + c) * 2`` (and/or the id when the chunk
     is the whole row). Shards 1..3 own chunks from ``first1..3``; the selects are scalar."""
     wait_for_producers(PDL)  # the logits come from the previous kernel
-    release_dependents(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
     base, width, stride, offset, chunk, local = shard0, width0, stride0, offset0, chunk0, c
