@@ -129,7 +129,7 @@ def main() -> None:
                 continue
             compiled = torch.compile(case["reference"], dynamic=False)
             compiled_pdl = torch.compile(case["reference"], dynamic=False,
-                                         options={"triton.enable_pdl": True})
+                                         options={"triton.enable_pdl": True}) if a.pdl_ab else None
             for m in m_values:
                 row = [case["name"], str(m)]
                 try:

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._checks import require as _check
 from sgl_dspark.kernels.sparse_attention import _online_softmax_step
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -126,11 +127,6 @@ def _draft_attention_kernel(
     out = acc / denom[:, None]
     tl.store(out_ptr + b * out_stride_b + (qi * out_stride_i + qh * out_stride_h)[:, None]
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=tile_ok)
-
-
-def _check(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
 
 
 def draft_attention(
