@@ -21,6 +21,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+
 
 class DraftInputs(NamedTuple):
     input_ids: torch.Tensor  # int64 [B, Q]
@@ -92,14 +94,19 @@ def _prepare_draft_inputs_kernel(
     W: tl.constexpr,
     COLS: tl.constexpr,
     BLOCK_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)  # the anchors and lengths come from the last step's acceptance
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     cols = tl.arange(0, COLS)
     in_batch = rows < num_rows
-    valid = in_batch & (rows < tl.load(n_valid_ptr))
-    seq = tl.load(seq_lens_ptr + rows, mask=valid, other=0).to(tl.int64)
-    pool = tl.load(req_pool_ptr + rows, mask=valid, other=0).to(tl.int64)
-    anchor = tl.load(anchors_ptr + rows, mask=valid, other=0).to(tl.int64)
+    # The row loads do not wait for n_valid (padding rows are in bounds too): one round trip
+    # for all four before the table lookup, which needs seq and pool.
+    n_valid = tl.load(n_valid_ptr)
+    seq = tl.load(seq_lens_ptr + rows, mask=in_batch, other=0).to(tl.int64)
+    pool = tl.load(req_pool_ptr + rows, mask=in_batch, other=0).to(tl.int64)
+    anchor = tl.load(anchors_ptr + rows, mask=in_batch, other=0).to(tl.int64)
+    valid = in_batch & (rows < n_valid)
     positions = seq[:, None] + cols[None, :]
     readable = valid[:, None] & (positions >= 0) & (positions < table_width)
     readable = readable & ((pool >= 0) & (pool < pool_rows))[:, None]
@@ -193,5 +200,6 @@ def prepare_draft_inputs(
         mask_token_id, pad_position, pad_slot,
         Q=draft_len, W=verify_width,
         COLS=triton.next_power_of_2(max(draft_len, verify_width)), BLOCK_ROWS=block_rows,
+        **programmatic_launch(_prepare_draft_inputs_kernel, device),
     )
     return out

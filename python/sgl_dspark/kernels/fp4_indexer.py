@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _require
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 from sgl_dspark.kernels._triton_utils import round_to_bf16 as _round_to_bf16
 from sgl_dspark.kernels.rope import rope_tail_ref
 
@@ -182,9 +183,15 @@ def _fp4_index_k_quant_kernel(
     x_ptr, codes_ptr, scales_ptr, loc_ptr,
     T, x_row_stride, codes_row_stride, scales_row_stride,
     G: tl.constexpr, GP: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_LOC: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    wait_for_producers(PDL)  # x is the previous kernel's output; the cache rows may be read
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     row_ok = rows < T
+    if HAS_LOC:  # issued with the row's loads: one round trip before the stores, not two
+        out_rows = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
+    else:
+        out_rows = rows.to(tl.int64)
     offs_g = tl.arange(0, GP)
     offs_p = tl.arange(0, 16)
     mask = row_ok[:, None, None] & (offs_g < G)[None, :, None]
@@ -194,10 +201,7 @@ def _fp4_index_k_quant_kernel(
     odd = tl.load(src + 1, mask=mask, other=0.0).to(tl.float32)
     packed, exponent = _fp4_quant_groups(even, odd)
     if HAS_LOC:
-        out_rows = tl.load(loc_ptr + rows, mask=row_ok, other=0).to(tl.int64)
         row_ok = row_ok & (out_rows != 0)  # slot 0 is the reserved dummy slot: publish nothing
-    else:
-        out_rows = rows.to(tl.int64)
     mask = row_ok[:, None, None] & (offs_g < G)[None, :, None]
     dst = codes_ptr + out_rows[:, None, None] * codes_row_stride + cols // 2
     tl.store(dst, packed.to(codes_ptr.dtype.element_ty), mask=mask)
@@ -264,7 +268,7 @@ def fp4_index_k_quant(
         x, out_codes, out_scales, loc if loc is not None else x,
         t, x.stride(0), out_codes.stride(0), out_scales.stride(0),
         G=g, GP=triton.next_power_of_2(g), HAS_LOC=loc is not None, enable_fp_fusion=False,
-        **meta,
+        **programmatic_launch(_fp4_index_k_quant_kernel, x.device), **meta,
     )
     return out_codes, out_scales
 
@@ -342,9 +346,11 @@ def _index_q_rope_fp4_kernel(
     NUM_PARTIALS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
     G: tl.constexpr, GP: tl.constexpr,
     ROUND_BF16: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WRITE_FAKE_QUANT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Grid (T, 4): 16 heads of one token per program; head blocks beyond n_heads zero-fill
     their scale slots."""
+    wait_for_producers(PDL)  # q and the weight partials are the projections' outputs
     t = tl.program_id(0).to(tl.int64)
     head_block = tl.program_id(1)
     heads = head_block * 16 + tl.arange(0, 16)
@@ -486,5 +492,6 @@ def index_q_rope_fp4(
         HEAD_DIM=head_dim, ROPE_DIM=rope_dim, G=g, GP=triton.next_power_of_2(g),
         ROUND_BF16=q.dtype == torch.bfloat16, HAS_WEIGHTS=weight_partials is not None,
         WRITE_FAKE_QUANT=return_fake_quant, num_warps=4, enable_fp_fusion=False,
+        **programmatic_launch(_index_q_rope_fp4_kernel, q.device),
     )
     return out

@@ -33,6 +33,8 @@ import triton.language as tl
 from triton.runtime.interpreter import InterpretedFunction
 
 from sgl_dspark.kernels._checks import require as _require
+from sgl_dspark.kernels._router_math import hash_route_rows
+from sgl_dspark.kernels._router_math import scores as _scores
 from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 
 _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
@@ -187,30 +189,6 @@ def router_topk_ref(
 
 
 @triton.jit
-def _sqrt_rn(x):
-    """tl.sqrt_rn minus its per-element slow-path branch (it serialised the MUFU latencies): the
-    fast path (same sm90 instructions and bits; exact for 2^-101 <= x < inf), small x scaled in."""
-    small = x < 7.888609052210118e-31  # 2^-100
-    xs = tl.where(small, x * 18446744073709551616.0, x)
-    r = tl.rsqrt(xs)
-    s = xs * r
-    out = tl.fma(tl.fma(-s, s, xs), r * 0.5, s)
-    out = tl.where(small, out * 2.3283064365386963e-10, out)  # 2^-32: exact
-    return tl.where((x > 0.0) & (x < float("inf")), out, tl.where(x < 0.0, float("nan"), x))
-
-
-@triton.jit
-def _scores(logits, SCORING: tl.constexpr, BRANCHLESS_SQRT: tl.constexpr):
-    if SCORING == 0:
-        soft = tl.log2(1.0 + tl.exp2(logits * 1.4426950408889634)) * 0.6931471805599453
-        soft = tl.where(logits > 20.0, logits, soft)
-        # The interpreter's rsqrt and fma round twice (1-ulp errors): exact sqrt there.
-        return _sqrt_rn(soft) if BRANCHLESS_SQRT else tl.sqrt_rn(soft)
-    one = tl.full(logits.shape, 1.0, tl.float32)
-    return tl.div_rn(one, 1.0 + tl.exp2(-logits * 1.4426950408889634))
-
-
-@triton.jit
 def _row_max(x):
     # Chunks first (in-thread when a warp owns the row), then the lanes: one REDUX on sm90.
     return tl.max(tl.max(x, axis=1, keep_dims=True), axis=2, keep_dims=True)
@@ -220,7 +198,7 @@ def _row_max(x):
 def _router_topk_kernel(
     x_ptr, gate_ptr, logits_ptr, partials_ptr, counter_ptr, bias_ptr, n_valid_ptr, input_ids_ptr,
     tid2eid_ptr, ids_ptr, weights_ptr, logits_out_ptr,
-    num_rows, hidden, num_experts, stride_x, stride_gate, stride_tid,
+    num_rows, hidden, num_experts, num_tokens, stride_x, stride_gate, stride_tid,
     routed_scale, shared_weight, fill_id, shared_id_base,
     SOURCE: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
     HAS_N_VALID: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
@@ -281,42 +259,47 @@ def _router_topk_kernel(
         n_valid = num_rows
         if HAS_N_VALID:
             n_valid = tl.load(n_valid_ptr)
-        # Rows [r0, r0 + ROWS) per loop step. Tile [ROWS, CHUNKS, CHUNK], expert = chunk * CHUNK
-        # + lane: CHUNK 128 fills a warp's 32 lanes x 4 and the layout's next axis is the rows,
-        # so warps split rows and a row's reductions stay in one warp. Per-row: [ROWS, 1, 1].
-        for r0 in range(row0, row_end, ROWS):
-            rows = r0 + tl.arange(0, ROWS)[:, None, None]
-            cols = tl.arange(0, CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
-            row_ok = rows < num_rows
-            col_ok = cols < num_experts
-            tile_ok = row_ok & col_ok
-            offs = rows * num_experts + cols
-            if SOURCE == 1:
-                logits = tl.load(logits_ptr + offs, mask=tile_ok, other=0.0)
-            else:
-                # The reference's order s = 0..S-1; a group's loads are independent, so
-                # SPLIT_GROUP are in flight at once (a round trip per group, bounded registers).
-                logits = tl.load(partials_ptr + offs, mask=tile_ok, other=0.0)
-                for s0 in range(1, NUM_SPLITS, SPLIT_GROUP):
-                    for j in tl.static_range(SPLIT_GROUP):
-                        live = s0 + j < NUM_SPLITS
-                        part = tl.load(partials_ptr + (s0 + j) * num_rows * num_experts + offs,
-                                       mask=tile_ok & live, other=0.0)  # fmt: skip
-                        logits = tl.where(live, logits + part, logits)
-                if WRITE_LOGITS:
-                    tl.store(logits_out_ptr + offs, logits, mask=tile_ok)
-            scores = _scores(logits, SCORING, not INTERPRETED)
-            # Scores are >= +0.0 (NaN -> 0), so their bits are int32 >= 0 and a max over
-            # "hit ? bits : 0" with one hit gathers them exactly (an int REDUX, no float tree).
-            gather_bits = tl.where(scores != scores, 0.0, scores).to(tl.int32, bitcast=True)
-            out_cols = tl.arange(0, BLOCK_OUT)[None, None, :]
-            out_ids = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.int32)
-            out_w = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.float32)
-            total = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
-            if HASH:
-                live = row_ok & (rows < n_valid)
-                token = tl.load(input_ids_ptr + rows, mask=live, other=0).to(tl.int64)
-            else:
+        if HASH:
+            hash_route_rows(
+                row0, row_end, n_valid, logits_ptr, partials_ptr, input_ids_ptr, tid2eid_ptr,
+                ids_ptr, weights_ptr, num_rows, num_experts, num_tokens, stride_tid,
+                routed_scale, shared_weight, fill_id, shared_id_base, SOURCE == 1, SCORING,
+                RENORMALIZE, TOPK, NUM_SHARED, NUM_SPLITS, ROWS, BLOCK_OUT, not INTERPRETED)
+        else:
+            # Rows [r0, r0 + ROWS) per loop step. Tile [ROWS, CHUNKS, CHUNK], expert = chunk *
+            # CHUNK + lane: CHUNK 128 fills a warp's 32 lanes x 4 and the layout's next axis is
+            # the rows, so warps split rows and a row's reductions stay in one warp. Per-row:
+            # [ROWS, 1, 1].
+            for r0 in range(row0, row_end, ROWS):
+                rows = r0 + tl.arange(0, ROWS)[:, None, None]
+                cols = (tl.arange(0, CHUNKS)[None, :, None] * CHUNK
+                        + tl.arange(0, CHUNK)[None, None, :])
+                row_ok = rows < num_rows
+                col_ok = cols < num_experts
+                tile_ok = row_ok & col_ok
+                offs = rows * num_experts + cols
+                if SOURCE == 1:
+                    logits = tl.load(logits_ptr + offs, mask=tile_ok, other=0.0)
+                else:
+                    # The reference's order s = 0..S-1; a group's loads are independent, so
+                    # SPLIT_GROUP are in flight at once (a round trip per group, bounded registers).
+                    logits = tl.load(partials_ptr + offs, mask=tile_ok, other=0.0)
+                    for s0 in range(1, NUM_SPLITS, SPLIT_GROUP):
+                        for j in tl.static_range(SPLIT_GROUP):
+                            live = s0 + j < NUM_SPLITS
+                            part = tl.load(partials_ptr + (s0 + j) * num_rows * num_experts + offs,
+                                           mask=tile_ok & live, other=0.0)  # fmt: skip
+                            logits = tl.where(live, logits + part, logits)
+                    if WRITE_LOGITS:
+                        tl.store(logits_out_ptr + offs, logits, mask=tile_ok)
+                scores = _scores(logits, SCORING, not INTERPRETED)
+                # Scores are >= +0.0 (NaN -> 0), so their bits are int32 >= 0 and a max over
+                # "hit ? bits : 0" with one hit gathers them exactly (an int REDUX, no float tree).
+                gather_bits = tl.where(scores != scores, 0.0, scores).to(tl.int32, bitcast=True)
+                out_cols = tl.arange(0, BLOCK_OUT)[None, None, :]
+                out_ids = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.int32)
+                out_w = tl.zeros([ROWS, 1, BLOCK_OUT], dtype=tl.float32)
+                total = tl.zeros([ROWS, 1, 1], dtype=tl.float32)
                 choice = scores
                 if HAS_BIAS:  # a full-tile load: a [1, CHUNKS, CHUNK] one gets a layout with the
                     # warps on the chunks, and the whole top-k would follow it
@@ -327,31 +310,27 @@ def _router_topk_kernel(
                 # -inf included). Per slot: the max key, then the lowest expert holding it.
                 bits = choice.to(tl.int32, bitcast=True)
                 key = tl.where(col_ok, tl.where(bits < 0, bits ^ 0x7FFFFFFF, bits), -2147483648)
-            for slot in tl.range(0, TOPK, loop_unroll_factor=UNROLL):
-                if HASH:
-                    expert = tl.load(tid2eid_ptr + token * stride_tid + slot, mask=live, other=0)
-                    expert = expert.to(tl.int32)
-                else:  # the lowest expert holding the max key (a max over negated ids)
+                for slot in tl.range(0, TOPK, loop_unroll_factor=UNROLL):
+                    # the lowest expert holding the max key (a max over negated ids)
                     expert = -_row_max(tl.where(key == _row_max(key), -cols, -2147483647))
-                hit = cols == expert
-                if not HASH:
+                    hit = cols == expert
                     key = tl.where(hit, -2147483648, key)
-                picked = _row_max(tl.where(hit, gather_bits, 0)).to(tl.float32, bitcast=True)
-                out_ids = tl.where(out_cols == slot, expert, out_ids)
-                out_w = tl.where(out_cols == slot, picked, out_w)
-                total += picked
-            if RENORMALIZE:
-                out_w = tl.div_rn(out_w, tl.zeros_like(out_w) + (total + 1e-20))
-            out_w = out_w * routed_scale
-            is_shared = (out_cols >= TOPK) & (out_cols < TOPK + NUM_SHARED)
-            out_ids = tl.where(is_shared, shared_id_base + out_cols - TOPK, out_ids)
-            out_w = tl.where(is_shared, shared_weight, out_w)
-            out_ids = tl.where(rows >= n_valid, fill_id, out_ids)
-            out_w = tl.where(rows >= n_valid, 0.0, out_w)
-            out_offs = rows * (TOPK + NUM_SHARED) + out_cols
-            out_ok = row_ok & (out_cols < TOPK + NUM_SHARED)
-            tl.store(ids_ptr + out_offs, out_ids, mask=out_ok)
-            tl.store(weights_ptr + out_offs, out_w, mask=out_ok)
+                    picked = _row_max(tl.where(hit, gather_bits, 0)).to(tl.float32, bitcast=True)
+                    out_ids = tl.where(out_cols == slot, expert, out_ids)
+                    out_w = tl.where(out_cols == slot, picked, out_w)
+                    total += picked
+                if RENORMALIZE:
+                    out_w = tl.div_rn(out_w, tl.zeros_like(out_w) + (total + 1e-20))
+                out_w = out_w * routed_scale
+                is_shared = (out_cols >= TOPK) & (out_cols < TOPK + NUM_SHARED)
+                out_ids = tl.where(is_shared, shared_id_base + out_cols - TOPK, out_ids)
+                out_w = tl.where(is_shared, shared_weight, out_w)
+                out_ids = tl.where(rows >= n_valid, fill_id, out_ids)
+                out_w = tl.where(rows >= n_valid, 0.0, out_w)
+                out_offs = rows * (TOPK + NUM_SHARED) + out_cols
+                out_ok = row_ok & (out_cols < TOPK + NUM_SHARED)
+                tl.store(ids_ptr + out_offs, out_ids, mask=out_ok)
+                tl.store(weights_ptr + out_offs, out_w, mask=out_ok)
 
 
 def _tile_shape(num_experts: int, rows: int, warps: int, num_splits: int) -> dict[str, int]:
@@ -430,6 +409,7 @@ def router_topk(
         assert input_ids is not None
         _require_tensor("tid2eid", tid2eid, (tid2eid.shape[0], topk), (torch.int32, torch.int64))
         _require_tensor("input_ids", input_ids, (num_rows,), (torch.int32, torch.int64))
+        _require(logits_out is None, "hash routing gathers its experts' logits only: no logits_out")
     if correction_bias is not None:
         _require_tensor("correction_bias", correction_bias, (num_experts,), (torch.float32,))
     if n_valid is not None:
@@ -454,7 +434,8 @@ def router_topk(
     dummy = ids  # stands in for absent pointer arguments; never dereferenced
     common = dict(
         ids_ptr=ids, weights_ptr=weights, num_rows=num_rows, hidden=hidden,
-        num_experts=num_experts, stride_x=x.stride(0) if x is not None else 0,
+        num_experts=num_experts, num_tokens=tid2eid.shape[0] if tid2eid is not None else 1,
+        stride_x=x.stride(0) if x is not None else 0,
         stride_gate=gate_weight.stride(0) if gate_weight is not None else 0,
         stride_tid=tid2eid.stride(0) if tid2eid is not None else 0,
         routed_scale=float(config.routed_scaling_factor),

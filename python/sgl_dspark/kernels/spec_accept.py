@@ -55,6 +55,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _require
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 
 FIXED_POINT_BITS = 40
 UNIFORM_BITS = 24
@@ -212,13 +213,14 @@ def _spec_accept_kernel(
     W: tl.constexpr, W_POW2: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
     PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_SAMPLED: tl.constexpr,
     HAS_MASK: tl.constexpr, FIXED_ONE: tl.constexpr, MIN_RESIDUAL: tl.constexpr,
-    U_BITS: tl.constexpr,
+    U_BITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, c). PHASE 0: one program per row does everything (grid [B, 1]). Split
     sampled path, grid [B, C] with vocab chunk c = [c * chunk, +chunk): PHASE 1 writes the
     chunk's two fixed-point masses to ``sums[row, c]``; PHASE 2 reads all C of them, finds the
     chunk holding the sampled token, and that program alone scans it and writes the row
     (non-sampled rows are written by chunk 0)."""
+    wait_for_producers(PDL)  # every input is the verify forward's or the last phase's output
     row = tl.program_id(0).to(tl.int64)
     pid_c = tl.program_id(1)
     cols = tl.arange(0, W_POW2)
@@ -242,7 +244,8 @@ def _spec_accept_kernel(
         target = tl.load(target_ids_ptr + row * W + cols, mask=cols < W, other=0).to(tl.int64)
         mismatch = in_window & (drafts != target)
         accept = tl.min(tl.where(mismatch, cols, last), axis=0)
-        bonus = tl.load(target_ids_ptr + row * W + accept).to(tl.int64)
+        # Picked from the loaded row (accept < W): no second, dependent round trip.
+        bonus = tl.sum(tl.where(cols == accept, target, 0), axis=0)
     if HAS_SAMPLED:
         run_sampler = is_valid
         if HAS_MASK:
@@ -487,6 +490,8 @@ def spec_accept(
             HAS_GREEDY=target_ids is not None, HAS_SAMPLED=target_probs is not None,
             HAS_MASK=has_mask,
             FIXED_ONE=float(1 << FIXED_POINT_BITS), MIN_RESIDUAL=MIN_RESIDUAL_MASS,
-            U_BITS=UNIFORM_BITS,
+            U_BITS=UNIFORM_BITS, **programmatic_launch(_spec_accept_kernel, verify_ids.device),
+            # Greedy only: a row is W ids, one warp's work (fewer cross-warp reductions).
+            num_warps=4 if target_probs is not None else 1,
         )
     return out

@@ -129,10 +129,11 @@ def _chunk_argmax_kernel(
 def _combine_pairs_kernel(
     pairs_ptr, ids_ptr, pairs_out_ptr, num_rows, num_parts, stride_part, stride_row,
     ROWS: tl.constexpr, BLOCK_P: tl.constexpr, WRITE_IDS: tl.constexpr,
-    WRITE_PAIRS: tl.constexpr, NO_INDEX: tl.constexpr,
+    WRITE_PAIRS: tl.constexpr, NO_INDEX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Rows [pid * ROWS, +ROWS): winner over ``num_parts`` (value, index) pairs per row, the pair
     (row, p) at ``pairs_ptr + p * stride_part + row * stride_row``."""
+    wait_for_producers(PDL)  # the pairs are stage 1's (or the other ranks') output
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
     parts = tl.arange(0, BLOCK_P)
@@ -258,7 +259,7 @@ def _launch_combine(
         pairs, ids if ids is not None else pairs, pairs_out if pairs_out is not None else pairs,
         num_rows, num_parts, stride_part, stride_row,
         ROWS=rows, BLOCK_P=block_p, WRITE_IDS=ids is not None, WRITE_PAIRS=pairs_out is not None,
-        NO_INDEX=_NO_INDEX,
+        NO_INDEX=_NO_INDEX, **programmatic_launch(_combine_pairs_kernel, pairs.device),
     )  # fmt: skip
 
 

@@ -249,36 +249,52 @@ def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
     return ran
 
 
-# Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`).
-PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kernel",
-               "moe_route._router_topk_kernel", "vocab_argmax._chunk_argmax_kernel",
-               "rmsnorm._rms_norm_kernel")
+# Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`), each
+# with whether it loads weights (tensors no kernel writes) before its wait: those loads overlap
+# the previous kernel's tail, so for them only the stores are checked to follow the wait.
+PDL_KERNELS = {
+    "activation._silu_mul_clamp_kernel": False, "moe_reduce._moe_reduce_kernel": False,
+    "moe_route._router_topk_kernel": True, "vocab_argmax._chunk_argmax_kernel": False,
+    "rmsnorm._rms_norm_kernel": True, "vocab_argmax._combine_pairs_kernel": False,
+    "spec_accept._spec_accept_kernel": False, "draft_inputs._prepare_draft_inputs_kernel": False,
+    "rope._rope_tail_kernel": False, "fp4_indexer._fp4_index_k_quant_kernel": False,
+    "fp4_indexer._index_q_rope_fp4_kernel": False,
+}
 
 
-def check_programmatic_launch(recs: dict[str, _Recorder]) -> list[str]:
-    """Recompile each PDL kernel's first recorded launch for sm90 with PDL on and off: on, the
-    PTX must wait on the grid dependency before it loads and release dependents; off, neither
-    instruction may appear (the CPU-recorded launches are off, as on gfx950)."""
+def check_programmatic_launch(recs: dict[str, _Recorder],
+                              kernels: dict[str, bool] | None = None) -> list[str]:
+    """Recompile each PDL kernel's recorded launches for sm90 with PDL on and off: on, the
+    PTX must wait on the grid dependency before it stores (and, unless it prefetches weights,
+    before it loads) and release dependents; off, neither instruction may appear (the
+    CPU-recorded launches are off, as on gfx950)."""
     target = TARGETS["sm90"][0]
     report = []
-    for key in PDL_KERNELS:
+    for key, weights_first in (PDL_KERNELS if kernels is None else kernels).items():
         rec = recs[key]
-        args, kwargs = rec.calls[0]
-        assert kwargs["PDL"] is False, (key, "a CPU launch must not ask for PDL")
-        for pdl in (False, True):
-            src, options = _source(rec.fn, args, {**kwargs, "PDL": pdl})
-            ptx = triton.compile(src, target=target, options=options).asm["ptx"]
-            waits = ptx.count("griddepcontrol.wait")
-            releases = ptx.count("griddepcontrol.launch_dependents")
-            assert (waits > 0 and releases > 0) if pdl else (waits == releases == 0), \
-                (key, pdl, waits, releases)
-            if pdl:  # the wait precedes every store and (but for weights, which no kernel
-                # writes: the router GEMV's gate, the norm's weight) every global load
-                first_wait = ptx.index("griddepcontrol.wait")
-                assert first_wait < ptx.index("st.global"), key
-                assert key.startswith(("moe_route", "rmsnorm")) or \
-                    first_wait < ptx.index("ld.global"), key
-        report.append(f"ok pdl {key}")
+        assert rec.calls, (key, "not launched")
+        seen = set()
+        for args, kwargs in rec.calls:
+            assert kwargs["PDL"] is False, (key, "a CPU launch must not ask for PDL")
+            constexprs = tuple(sorted((k, v) for k, v in kwargs.items()
+                                      if isinstance(v, (bool, int, str)) and k.isupper()))
+            if constexprs in seen:
+                continue
+            seen.add(constexprs)
+            for pdl in (False, True):
+                src, options = _source(rec.fn, args, {**kwargs, "PDL": pdl})
+                ptx = triton.compile(src, target=target, options=options).asm["ptx"]
+                waits = ptx.count("griddepcontrol.wait")
+                releases = ptx.count("griddepcontrol.launch_dependents")
+                assert (waits > 0 and releases > 0) if pdl else (waits == releases == 0), \
+                    (key, pdl, waits, releases)
+                if pdl:
+                    first_wait = ptx.index("griddepcontrol.wait")
+                    for op in ("st.global", "atom.global", "red.global"):
+                        assert op not in ptx or first_wait < ptx.index(op), (key, op)
+                    assert weights_first or "ld.global" not in ptx or \
+                        first_wait < ptx.index("ld.global"), key
+        report.append(f"ok pdl {key}: {len(seen)} variants")
     return report
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_dspark.kernels import moe_route
+from sgl_dspark.kernels import _router_math, moe_route
 from sgl_dspark.kernels.moe_route import (
     RouterConfig,
     RouterTopkOutput,
@@ -327,7 +327,7 @@ def test_gemv_chain_variants(chains: int, monkeypatch: pytest.MonkeyPatch) -> No
 def _sqrt_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, moe_route._sqrt_rn(x), mask=offs < n)
+    tl.store(out_ptr + offs, _router_math._sqrt_rn(x), mask=offs < n)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on 0, inf, NaN, negatives
@@ -386,8 +386,20 @@ def test_hash_routing(num_rows: int, table_dtype: torch.dtype) -> None:
     # The runtime's hash layers route from x: fused (<= 8 rows) or two launches.
     x, gate = _grid_exact_inputs(num_rows, 96, 384, torch.float32, gen)
     kwargs = dict(x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=input_ids, n_valid=n_valid)
-    config = RouterConfig(6, routed_scaling_factor=1.5)
+    config = RouterConfig(6, routed_scaling_factor=1.5, num_shared=1, fill_id=-1)
     _check(router_topk(config, **kwargs), router_topk_ref(config, **kwargs), None, 6)
+    # From split-K partials: the gathered logits are summed in split order, as the full path.
+    partials = torch.randn(3, num_rows, 384, generator=gen).to(DEVICE)
+    kwargs = dict(partials=partials, tid2eid=tid2eid, input_ids=input_ids, n_valid=n_valid)
+    _check(router_topk(config, **kwargs), router_topk_ref(config, **kwargs), None, 6)
+    # A padding row's token id may be anything (a stale slot): it reads in bounds, gets filled.
+    garbage = input_ids.clone()
+    garbage[num_rows - 1] = -7 if num_rows % 2 else 10**6
+    got = router_topk(config, **{**kwargs, "input_ids": garbage})
+    _check(got, router_topk_ref(config, **kwargs), None, 6)
+    assert got.ids[num_rows - 1].tolist() == [-1] * 7
+    with pytest.raises(ValueError, match="logits_out"):
+        router_topk(config, **kwargs, logits_out=torch.empty(num_rows, 384, device=DEVICE))
 
 
 def test_hand_derived_ties_and_padding() -> None:

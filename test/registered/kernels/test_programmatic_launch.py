@@ -2,7 +2,8 @@
 exists (compiled, CUDA sm90+), and on a GPU a chain of PDL kernels inside a CUDA graph gives the
 bits of the same chain launched plainly and of the references, replay after replay with new
 inputs (a kernel that started before its producer finished, or stored before its predecessor
-read the buffer, would show here). The PTX side (wait before the first load and store) is
+read the buffer, would show here): the MoE chain (router, K6, K4) and the DSpark step's tail with
+an indexer head (K15, K16, K13, K9). The PTX side (wait before the first load and store) is
 checked ahead of time in `gpu_targets_check.check_programmatic_launch`."""
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ import pytest
 import torch
 from sgl_dspark.kernels import _triton_utils
 from sgl_dspark.kernels.activation import _silu_mul_clamp_kernel, silu_mul_clamp, silu_mul_clamp_ref
+from sgl_dspark.kernels.draft_inputs import prepare_draft_inputs, prepare_draft_inputs_ref
+from sgl_dspark.kernels.fp4_indexer import fp4_index_k_quant, fp4_index_k_quant_ref
 from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
 from sgl_dspark.kernels.moe_route import (
     RouterConfig,
@@ -18,6 +21,8 @@ from sgl_dspark.kernels.moe_route import (
     router_topk,
     router_topk_ref,
 )
+from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
+from sgl_dspark.kernels.spec_accept import spec_accept, spec_accept_ref
 
 ON_GPU = torch.cuda.is_available()
 
@@ -119,3 +124,84 @@ def test_graph_chain_equals_plain_launches_and_reference(rows: int) -> None:
         for out in graphs[True][1][1:]:
             for a, b in zip(out, graphs[True][1][0]):
                 assert torch.equal(a, b)
+
+
+def _spec_chain(verify_ids, verify_lens, seq_lens, target_src, pool_idx, req_to_token, n_valid,
+                q, cos, sin, accept, inputs, rope, fp4):  # fmt: skip
+    """The DSpark step's tail and an indexer's head, each kernel on the last one's output: a
+    torch producer writes the target ids, K15 accepts, K16 plans the next draft from K15's
+    anchors and lengths; a torch producer writes q, K13 rotates it, K9 quantises the result."""
+    target_ids = target_src + 0
+    out = accept(verify_ids, verify_lens, seq_lens, target_ids=target_ids)
+    plan = inputs(out.next_anchors, out.new_seq_lens, pool_idx, req_to_token, n_valid,
+                  draft_len=4, verify_width=verify_ids.shape[1], mask_token_id=7)  # fmt: skip
+    rotated = rope(q * 1.0, cos, sin)
+    codes, scales = fp4(rotated.reshape(-1, rotated.shape[-1]))
+    return (*out, *plan, rotated, codes, scales)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="programmatic launch needs a GPU")
+@pytest.mark.parametrize("rows", [1, 6, 32])
+def test_spec_and_indexer_chain_in_a_graph(rows: int) -> None:
+    gen = torch.Generator().manual_seed(100 + rows)
+    width, heads, head_dim, table = 4, 8, 128, 64
+    pool_idx = torch.randperm(rows, generator=gen).cuda()
+    req_to_token = torch.randperm(rows * table, generator=gen).reshape(rows, table).cuda()
+    n_valid = torch.tensor([max(rows - 1, 1)], dtype=torch.int32, device="cuda")
+    static = {"verify_ids": torch.zeros(rows, width, dtype=torch.int64, device="cuda"),
+              "verify_lens": torch.zeros(rows, dtype=torch.int32, device="cuda"),
+              "seq_lens": torch.zeros(rows, dtype=torch.int32, device="cuda"),
+              "target_src": torch.zeros(rows, width, dtype=torch.int64, device="cuda"),
+              "q": torch.zeros(rows, heads, head_dim, dtype=torch.bfloat16, device="cuda"),
+              "cos": torch.zeros(rows, 32, device="cuda"), "sin": torch.zeros(rows, 32, device="cuda")}
+
+    def fresh() -> dict[str, torch.Tensor]:
+        verify = torch.randint(0, 4, (rows, width), generator=gen)  # small ids: partial accepts
+        angles = torch.rand(rows, 32, generator=gen) * 6.28
+        return {"verify_ids": verify, "verify_lens": torch.randint(0, width + 1, (rows,),
+                                                                   generator=gen).int(),
+                "seq_lens": torch.randint(0, table - width - 4, (rows,), generator=gen).int(),
+                "target_src": torch.randint(0, 4, (rows, width), generator=gen),
+                "q": (torch.randn(rows, heads, head_dim, generator=gen) * 3).to(torch.bfloat16),
+                "cos": angles.cos(), "sin": angles.sin()}  # fmt: skip
+
+    kernels = dict(accept=spec_accept, inputs=prepare_draft_inputs, rope=rope_tail,
+                   fp4=fp4_index_k_quant)
+    refs = dict(accept=spec_accept_ref, inputs=prepare_draft_inputs_ref, rope=rope_tail_ref,
+                fp4=fp4_index_k_quant_ref)
+    fixed = (pool_idx, req_to_token, n_valid)
+
+    def run(fns: dict, tensors: dict) -> tuple[torch.Tensor, ...]:
+        t = tensors
+        return _spec_chain(t["verify_ids"], t["verify_lens"], t["seq_lens"], t["target_src"],
+                           *fixed, t["q"], t["cos"], t["sin"], **fns)  # fmt: skip
+
+    graphs = {}
+    for pdl in (True, False):
+        _triton_utils.set_programmatic_launch(pdl)
+        try:
+            for name, value in fresh().items():
+                static[name].copy_(value)
+            run(kernels, static)  # compile first
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outs = [run(kernels, static) for _ in range(3)]
+            graphs[pdl] = (graph, outs)
+        finally:
+            _triton_utils.set_programmatic_launch(True)
+    for _ in range(3):
+        inputs = fresh()
+        want = run(refs, {k: v.cuda() for k, v in inputs.items()})
+        for graph, outs in graphs.values():
+            for out in outs:
+                for tensor in out:
+                    tensor.fill_(-3)  # poison: every output must be rewritten by the replay
+            for name, value in inputs.items():
+                static[name].copy_(value)
+            graph.replay()
+            torch.cuda.synchronize()
+            for out in outs:
+                assert len(out) == len(want)
+                for got, ref in zip(out, want):  # integer, copied and X1 outputs: exact
+                    assert torch.equal(got, ref.to(got.dtype))
