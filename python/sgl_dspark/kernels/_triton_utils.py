@@ -62,6 +62,16 @@ def wait_for_producers(PDL: tl.constexpr):
 
 
 @triton.jit
+def prefetch_l2(ptrs):
+    """Pull the lines holding `ptrs` into L2: a hint with no result and no ordering, so no later
+    load changes. Under programmatic launch a weight's first tile streams in while the previous
+    kernel finishes, without peeling it out of a pipelined loop. NVIDIA PTX: call it only where
+    the launch is CUDA (under `PDL`)."""
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
+                              dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
 def round_to_bf16(x):
     """fp32 -> nearest-even bf16 value, kept in fp32 (NaN passes through). Portable: the CPU
     interpreter's own fp32 -> bf16 cast truncates (kernels.md §0.4), and the later store of an

@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 from sgl_dspark.kernels._triton_utils import round_to_storage as _to_storage
 
 _STORAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
@@ -176,12 +177,16 @@ def _compressor_pool_kernel(
     SPAN: tl.constexpr, OVERLAP: tl.constexpr, STORAGE: tl.constexpr, BLOCK_D: tl.constexpr,
     SPAN_BLOCK: tl.constexpr, FUSED: tl.constexpr, NOPE_HALF: tl.constexpr,
     BLOCK_W: tl.constexpr, ROW_LIST: tl.constexpr, RING_STORE: tl.constexpr,
-    POOL: tl.constexpr,
+    POOL: tl.constexpr, PDL: tl.constexpr,
 ):
     """FUSED false: pooled entry and slot per row into out / out_slot (compressor_pool).
     FUSED true (compressor_decode): the row's raw kv/score go to its ring row (RING_STORE), and
     a block end's entry is rotated and written straight into the entry pool `out` at its slot
     (POOL). ROW_LIST: program i handles row rows[i] (compressor_extend), else row i."""
+    # Before everything: the row list, positions, kv/score rows and the rings come from earlier
+    # kernels, and every path stores. The parameters (position bias, norm weight) are read only
+    # deep in the pooling, where prefetching them would gain nothing.
+    wait_for_producers(PDL)
     row = tl.program_id(0).to(tl.int64)
     if ROW_LIST:
         row = tl.load(rows_ptr + row)
@@ -371,7 +376,7 @@ def compressor_pool(
         BLOCK_D=block_d,
         SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
         FUSED=False, NOPE_HALF=0, BLOCK_W=1, ROW_LIST=False, RING_STORE=False, POOL=True,
-        enable_fp_fusion=False,
+        enable_fp_fusion=False, **programmatic_launch(_compressor_pool_kernel, kv.device),
     )
     return PooledEntries(out, out_slots)
 
@@ -478,4 +483,5 @@ def launch_fused(
         FUSED=True, NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
         BLOCK_W=triton.next_power_of_2(kv.shape[1]), ROW_LIST=rows is not None,
         RING_STORE=ring_store, POOL=pool, enable_fp_fusion=False,
+        **programmatic_launch(_compressor_pool_kernel, kv.device),
     )

@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _check
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 from sgl_dspark.kernels.sparse_attention import _online_softmax_step
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -80,9 +81,12 @@ def _draft_attention_kernel(
     slots_stride_b, slots_stride_j, valid_stride_b, valid_stride_j,
     block_stride_b, block_stride_i, out_stride_b, out_stride_i, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr,
+    DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (request b, row block): rows r = i * H + h of the request's Q x H query rows.
+    # q, the block rows, the context pool and slots come from earlier kernels; the sinks
+    # (parameters) are off the critical path, so nothing is loaded before the wait.
+    wait_for_producers(PDL)
     b = tl.program_id(0).to(tl.int64)
     rows = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < q_len * num_heads
@@ -210,5 +214,6 @@ def draft_attention(
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         ROUND_P=q.dtype != torch.float32,
         num_warps=8 if d_pow2 >= 256 else 4,
+        **programmatic_launch(_draft_attention_kernel, q.device),
     )
     return out

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _require
-from sgl_dspark.kernels._triton_utils import round_to_bf16
+from sgl_dspark.kernels._triton_utils import programmatic_launch, round_to_bf16, wait_for_producers
 from sgl_dspark.kernels.activation import silu_mul_clamp, silu_mul_clamp_ref
 from sgl_dspark.kernels.moe_sort import MoeSortOutput
 
@@ -69,8 +69,11 @@ def _moe_grouped_gemm_kernel(
     num_tokens, n_cols, k_dim, stride_a, stride_we, stride_wn, stride_out,
     TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    # Everything depends on K1's routing (which blocks live, which expert's weights): no
+    # weight can be fetched before the previous kernels' outputs are visible.
+    wait_for_producers(PDL)
     pid_m = tl.program_id(0)
     # Blocks past the valid prefix hold undefined ids (K1 leaves them unwritten): leave at once.
     if pid_m * BLOCK_M >= tl.load(num_valid_ptr):
@@ -206,7 +209,7 @@ def moe_grouped_gemm(
         BLOCK_M=block_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        num_warps=4, num_stages=4,
+        num_warps=4, num_stages=4, **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
     )
     return out
 

@@ -33,6 +33,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+
 _RADIX_BINS = 256
 # Largest chunk: with T <= 128 rows there is about one program per SM, so a row's passes are a
 # serial chain of chunk loads; big chunks keep the chain short (N = 16384 -> 4 chunks per pass).
@@ -85,8 +87,9 @@ def _order_keys(row_ptr, idx, mask):
 @triton.jit
 def _index_topk_kernel(
     scores_ptr, visible_ptr, ids_ptr, valid_ptr, width, k, stride_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BINS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
+    wait_for_producers(PDL)  # the scores and visible counts come from earlier kernels
     row = tl.program_id(0).to(tl.int64)
     row_ptr = scores_ptr + row * stride_row
     out_ids = ids_ptr + row * k
@@ -221,5 +224,6 @@ def index_topk(
     _index_topk_kernel[(num_rows,)](
         scores, visible, ids, valid.view(torch.uint8), width, k, scores.stride(0),
         BLOCK_N=block_n, BLOCK_K=block_k, BINS=_RADIX_BINS, num_warps=num_warps,
+        **programmatic_launch(_index_topk_kernel, device),
     )  # fmt: skip
     return ids, valid

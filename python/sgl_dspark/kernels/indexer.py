@@ -24,6 +24,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
 
@@ -90,7 +92,11 @@ def _indexer_logits_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # Before the early -inf store too: every input is an activation, cache or index of earlier
+    # kernels (the head weights w are per-token activations), and out may still be read.
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     first = tl.program_id(1) * BLOCK_N
     cols = first + tl.arange(0, BLOCK_N)
@@ -199,5 +205,6 @@ def indexer_logits(
         # Widening bf16/fp16 tiles to fp32 changes no value (their products are exact in fp32);
         # the CPU interpreter needs it because its bf16 tl.dot is wrong (triton 3.6).
         DOT_FP32=qi.dtype == torch.float32 or qi.device.type == "cpu",
+        **programmatic_launch(_indexer_logits_kernel, qi.device),
     )
     return out

@@ -47,6 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import prefetch_l2, programmatic_launch, wait_for_producers
 from sgl_dspark.kernels._triton_utils import round_to_storage as _round_to_kind
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -138,13 +139,26 @@ def _markov_step_kernel(
     BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
     BLOCK_P: tl.constexpr, RESOLVE_PREV: tl.constexpr, COMPUTE: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_KIND: tl.constexpr,
-    NO_INDEX: tl.constexpr,
+    NO_INDEX: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row block, chunk) of position k; see the module docstring for the three steps."""
     pid_c = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     row_ok = rows < batch
     rows = rows.to(tl.int64)
+    if COMPUTE and PDL:
+        # W2 is a parameter and dominates the bytes: the chunk's first tile streams into L2
+        # while the previous kernel finishes. A prefetch, not a load held in registers: peeling
+        # the first tile out of the loop took the DSV4-Flash variants from 128 to ~190
+        # registers (sm90 ptxas), one program per SM instead of two. One address per 128-byte
+        # line, clamped into W2 (rows < end <= V, columns < rank).
+        line: tl.constexpr = 1024 // w2_ptr.dtype.element_ty.primitive_bitwidth
+        first_cols = tl.minimum(pid_c * chunk + tl.arange(0, BLOCK_V),
+                                tl.minimum(pid_c * chunk + chunk, vocab) - 1)
+        w2_lines = tl.minimum(tl.arange(0, (BLOCK_R + line - 1) // line) * line, rank - 1)
+        prefetch_l2(w2_ptr + first_cols.to(tl.int64)[:, None] * stride_w2 + w2_lines[None, :])
+    # The partials / anchors and U come from earlier kernels, and every output may still be read.
+    wait_for_producers(PDL)
     if RESOLVE_PREV:
         best_val = tl.full((BLOCK_B,), float("-inf"), tl.float32)
         best_idx = tl.full((BLOCK_B,), NO_INDEX, tl.int32)
@@ -329,6 +343,6 @@ def markov_greedy(
             BLOCK_B=plan.block_b, BLOCK_V=plan.block_v, BLOCK_R=plan.block_r,
             BLOCK_P=plan.block_p, RESOLVE_PREV=k > 0, COMPUTE=compute, USE_DOT=plan.use_dot,
             DOT_IN_FP32=dot_in_fp32, ROUND_KIND=_ROUND_KIND[w2.dtype], NO_INDEX=_NO_INDEX,
-            num_warps=_NUM_WARPS,
+            num_warps=_NUM_WARPS, **programmatic_launch(_markov_step_kernel, device),
         )  # fmt: skip
     return out

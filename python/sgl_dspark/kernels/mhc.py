@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import check_tensor, require
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 from sgl_dspark.kernels._triton_utils import round_to_bf16 as _round_to_bf16
 
 # Phase A D-slice width: aims at 64 slices (programs at M = 1), within these bounds.
@@ -140,8 +141,6 @@ def mhc_pre_ref(
 # ---- Triton kernel ------------------------------------------------------------------------------
 
 
-
-
 @triton.jit
 def _pick(t, offs_j, j: tl.constexpr):
     """Row j of fp32 t [NP, B], bit for bit (signed zeros, NaN payloads): an integer sum of the
@@ -175,7 +174,7 @@ def _stream_update_and_partials(
     streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
     D: tl.constexpr, NUM_SLICES: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
     RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr,
-    HAS_UPDATE: tl.constexpr,
+    HAS_UPDATE: tl.constexpr, PDL: tl.constexpr,
 ):
     """Phase A, program (row tile, D slice): Rs' of BLOCK_M rows on the slice; per row, the
     slice's partial fn projection (partials columns < R) and sum of squares (column R).
@@ -193,6 +192,8 @@ def _stream_update_and_partials(
     # fn[r, j·D + d]: the stream-major flatten of §4.2. Loaded once, reused by every row.
     fn_offs = offs_r[:, None, None] * (N * D) + offs_j[None, :, None] * D + offs_d[None, None, :]
     fn_tile = tl.load(fn_ptr + fn_offs, mask=mask_r[:, None, None] & mask_jd[None, :, :], other=0.0)
+    # fn is a parameter (no kernel writes it): its load above overlaps the previous kernel.
+    wait_for_producers(PDL)
 
     # Unrolled, each row running the same code on the same shapes (so its bits depend neither
     # on BLOCK_M nor on its place in the tile); the next row's loads are issued before this
@@ -367,14 +368,16 @@ def _mhc_post_combine_kernel(
     SINKHORN_ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr,
     SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
     FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, HAS_UPDATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """PHASE 0: grid (row tiles, D slices), see _stream_update_and_partials. PHASE 1: grid
     (M, 2), program (row, 0) collapses and norms, program (row, 1) forms post' and comb'."""
     if PHASE == 0:
         _stream_update_and_partials(
             streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
-            D, NUM_SLICES, N, NP, RP, BLOCK_M, BLOCK_D, ROUND_BF16, HAS_UPDATE)
+            D, NUM_SLICES, N, NP, RP, BLOCK_M, BLOCK_D, ROUND_BF16, HAS_UPDATE, PDL)
     else:
+        wait_for_producers(PDL)  # phase A's partials and Rs' are read first
         row = tl.program_id(0).to(tl.int64)
         if tl.program_id(1) == 0:
             _finish_collapse_norm(
@@ -484,7 +487,8 @@ def _launch(
     meta = dict(D=d, NUM_SLICES=num_slices, SINKHORN_ITERS=int(sinkhorn_iters),
                 N=n, NP=triton.next_power_of_2(n), RP=rp, SP=triton.next_power_of_2(num_slices),
                 BLOCK_D=block_d, FINISH_BLOCK=finish_block, ROUND_BF16=act == torch.bfloat16,
-                HAS_UPDATE=update is not None, enable_fp_fusion=False)
+                HAS_UPDATE=update is not None, enable_fp_fusion=False,
+                **programmatic_launch(_mhc_post_combine_kernel, dev))
     _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
         *args, PHASE=0, BLOCK_M=block_m, num_warps=4, **meta)
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.

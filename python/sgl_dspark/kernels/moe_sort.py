@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+
 # Packed route id: (slot << 24) | token. Tokens must fit in 24 bits, slots in the 7 bits above.
 _TOKEN_BITS = 24
 _ZERO_CHUNK = 1024
@@ -150,7 +152,11 @@ def _moe_sort_kernel(
     NUM_BINS: tl.constexpr,
     PAIR_CHUNK: tl.constexpr,
     ZERO_CHUNK: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    # The routes are the router's output, and every buffer stored here (moe_buf included) may
+    # still be read by an earlier kernel: wait before anything else.
+    wait_for_producers(PDL)
     # One program per local expert (one program when E_loc == 0). Every program rebuilds the same
     # histogram: a few hundred routes at decode, cheaper than a second launch or a grid barrier.
     pid = tl.program_id(0)
@@ -326,5 +332,6 @@ def moe_sort(
         PAIR_CHUNK=min(triton.next_power_of_2(num_pairs), _MAX_PAIR_CHUNK),
         ZERO_CHUNK=_ZERO_CHUNK,
         num_warps=2,
+        **programmatic_launch(_moe_sort_kernel, device),
     )
     return out

@@ -21,6 +21,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require
+from sgl_dspark.kernels._triton_utils import prefetch_l2, programmatic_launch, wait_for_producers
 from sgl_dspark.kernels._triton_utils import round_to_bf16 as _round_to_bf16
 
 MAX_M = 16
@@ -35,19 +36,27 @@ def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (x.float() @ weight.float().t()).to(x.dtype)
 
 
-
-
 @triton.jit
 def _small_m_linear_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND_BF16: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
+    if PDL:
+        # The weight is no kernel's output and dominates the bytes: its first K tile streams
+        # into L2 while the previous kernel finishes. A prefetch rather than a peeled load
+        # keeps the pipelined K loop (and so every bit) as it is. One address per 128-byte
+        # line, clamped in bounds (K >= 1 here).
+        line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
+        w_lines = tl.minimum(tl.arange(0, BLOCK_K // line) * line, K - 1)
+        prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
+                     + w_lines[None, :])
+    wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
@@ -118,6 +127,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
         # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
         # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
-        num_warps=4, num_stages=stages,
+        num_warps=4, num_stages=stages, **programmatic_launch(_small_m_linear_kernel, x.device),
     )
     return out

@@ -27,6 +27,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 # Register budget of one program: BLOCK_H x Dh fp32 accumulator and BLOCK_N x Dh key tile.
@@ -118,11 +120,16 @@ def _window_sparse_attention_kernel(
     extra_stride_t, extra_stride_n, valid_stride_t, out_stride_t, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_EXTRA: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, SPLIT: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Key tiles are numbered window tiles first (cdiv(window, BLOCK_N) of them), then extra-key
     # tiles; program (token, head block, split) covers tiles [split, split + 1) * tiles_per_split.
     # SPLIT=False: one split covering everything, normalised output written directly.
     # SPLIT=True: out_ptr is the fp32 partial acc [T, S, H, Dh], part_m/part_l are [T, S, H].
+    # q, the KV cache, the page table and the positions come from earlier kernels. The sinks are
+    # parameters but sit off the critical path (the q and key loads issue alongside), so nothing
+    # is loaded before the wait.
+    wait_for_producers(PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     split = tl.program_id(2)
@@ -193,11 +200,12 @@ def _window_sparse_attention_kernel(
 def _merge_attention_splits_kernel(
     part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr,
     num_heads, num_splits, out_stride_t, out_stride_h,
-    HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, BLOCK_D: tl.constexpr,
+    HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (token, head, dim block): o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s
     # + 2^(sink - M)) with M = max(sink, max_s m_s), which is finite, so a partial with
     # m_s = -inf (or a split slot past num_splits) has weight exactly 0 and never makes a NaN.
+    wait_for_producers(PDL)  # the partials come from the split launch just before
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
@@ -353,6 +361,7 @@ def window_sparse_attention(
         ROUND_P=q.dtype != torch.float32,
         SPLIT=split,
         num_warps=8 if d_pow2 >= 256 else 4,
+        **programmatic_launch(_window_sparse_attention_kernel, q.device),
     )
     if split:
         s_pow2 = triton.next_power_of_2(num_splits)
@@ -361,6 +370,6 @@ def window_sparse_attention(
             part_acc, part_m, part_l, sinks, out,
             heads, num_splits, out.stride(0), out.stride(1),
             HEAD_DIM=head_dim, S_POW2=s_pow2, BLOCK_D=block_d,
-            num_warps=4,
+            num_warps=4, **programmatic_launch(_merge_attention_splits_kernel, q.device),
         )
     return out

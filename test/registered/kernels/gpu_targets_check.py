@@ -32,8 +32,8 @@ _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
         torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1",
         torch.float8_e4m3fn: "*fp8e4nv"}
-_KERNEL_MODULES = ("activation", "compressor_pool", "draft_inputs", "fp4_indexer", "fused_moe",
-                   "index_topk", "indexer", "markov", "mhc", "moe_reduce", "moe_route", "moe_sort",
+_KERNEL_MODULES = ("activation", "compressor_pool", "draft_attention", "draft_inputs",
+                   "fp4_indexer", "fused_moe", "index_topk", "indexer", "markov", "mhc", "moe_reduce", "moe_route", "moe_sort",
                    "rmsnorm", "rope", "small_m_linear", "sparse_attention", "spec_accept",
                    "vocab_argmax")
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
@@ -182,6 +182,16 @@ def _silu_mul_clamp() -> Callable[[], object]:
     return lambda: silu_mul_clamp(_bf16(6, 2 * 2048), 10.0)
 
 
+def _draft_attention(batch: int, heads: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.draft_attention import draft_attention
+
+    # The mid model's draft stage: 16 heads of 128, a block of 8 queries, 128 context rows.
+    return lambda: draft_attention(
+        _bf16(batch, 8, heads, 128), _bf16(300, 128), torch.zeros(batch, 128, dtype=torch.int64),
+        torch.ones(batch, 128, dtype=torch.bool), _bf16(batch, 8, 128), torch.zeros(heads),
+        128**-0.5)
+
+
 def _grouped_gemm() -> Callable[[], object]:
     from sgl_dspark.kernels.fused_moe import moe_grouped_gemm
 
@@ -192,6 +202,9 @@ def _grouped_gemm() -> Callable[[], object]:
 
 
 CASES = {
+    "draft_attention_b1": ("draft_attention", "_draft_attention_kernel", _draft_attention(1, 16)),
+    "draft_attention_b32": ("draft_attention", "_draft_attention_kernel",
+                            _draft_attention(32, 64)),
     "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
     "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
@@ -258,7 +271,13 @@ PDL_KERNELS = {
     "rmsnorm._rms_norm_kernel": True, "vocab_argmax._combine_pairs_kernel": False,
     "spec_accept._spec_accept_kernel": False, "draft_inputs._prepare_draft_inputs_kernel": False,
     "rope._rope_tail_kernel": False, "fp4_indexer._fp4_index_k_quant_kernel": False,
-    "fp4_indexer._index_q_rope_fp4_kernel": False,
+    "fp4_indexer._index_q_rope_fp4_kernel": False, "mhc._mhc_post_combine_kernel": True,
+    "small_m_linear._small_m_linear_kernel": False, "fused_moe._moe_grouped_gemm_kernel": False,
+    "moe_sort._moe_sort_kernel": False, "sparse_attention._window_sparse_attention_kernel": False,
+    "sparse_attention._merge_attention_splits_kernel": False,
+    "indexer._indexer_logits_kernel": False, "index_topk._index_topk_kernel": False,
+    "compressor_pool._compressor_pool_kernel": False, "markov._markov_step_kernel": False,
+    "draft_attention._draft_attention_kernel": False,
 }
 
 

@@ -218,7 +218,7 @@ def test_merge_ignores_empty_partials() -> None:
     _merge_attention_splits_kernel[(tokens, heads, triton.cdiv(head_dim, block_d))](
         acc.to(DEVICE), m.to(DEVICE), l_part.to(DEVICE), sinks.to(DEVICE), out,
         heads, splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, S_POW2=8, BLOCK_D=block_d,
+        HEAD_DIM=head_dim, S_POW2=8, BLOCK_D=block_d, PDL=False,
     )
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-6)
