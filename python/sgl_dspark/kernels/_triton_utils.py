@@ -14,6 +14,7 @@ from triton.runtime.interpreter import InterpretedFunction
 
 class _ProgrammaticLaunchSwitch:
     allowed = True  # process-wide; `set_programmatic_launch` flips it (no `global` statement)
+    only: frozenset[str] | None = None  # kernel names allowed, None = all
 
 
 def interpreted(kernel: object) -> bool:
@@ -30,10 +31,12 @@ def _device_has_pdl(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def set_programmatic_launch(allowed: bool) -> None:
+def set_programmatic_launch(allowed: bool, only: set[str] | None = None) -> None:
     """Allow (the default) or forbid programmatic dependent launch, process-wide: the benchmark's
-    A/B switch. It changes no result bit, only when a kernel's launch may start."""
+    A/B switch. It changes no result bit, only when a kernel's launch may start. `only` limits it
+    to the kernels of these names (a bisection aid)."""
     _ProgrammaticLaunchSwitch.allowed = allowed
+    _ProgrammaticLaunchSwitch.only = frozenset(only) if only is not None else None
 
 
 def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
@@ -44,7 +47,9 @@ def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
     inside CUDA graphs (capture keeps the programmatic edge). The kernel must then call
     `wait_for_producers` before its first load of data another kernel wrote and before its first
     store."""
+    only = _ProgrammaticLaunchSwitch.only
     pdl = (_ProgrammaticLaunchSwitch.allowed and not interpreted(kernel) and device.type == "cuda"
+           and (only is None or getattr(kernel, "__name__", None) in only)
            and _device_has_pdl(device.index if device.index is not None
                                else torch.cuda.current_device()))  # fmt: skip
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}

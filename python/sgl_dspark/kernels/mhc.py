@@ -180,6 +180,7 @@ def _stream_update_and_partials(
     slice's partial fn projection (partials columns < R) and sum of squares (column R).
     Without HAS_UPDATE (opening only) Rs' is Rs itself and nothing is stored but partials."""
     R: tl.constexpr = (2 + N) * N
+    wait_for_producers(PDL)  # streams, y, post and comb come from earlier kernels
     slice_id = tl.program_id(1)
     act_ty = streams_out_ptr.dtype.element_ty
     offs_j = tl.arange(0, NP)
@@ -192,8 +193,6 @@ def _stream_update_and_partials(
     # fn[r, j·D + d]: the stream-major flatten of §4.2. Loaded once, reused by every row.
     fn_offs = offs_r[:, None, None] * (N * D) + offs_j[None, :, None] * D + offs_d[None, None, :]
     fn_tile = tl.load(fn_ptr + fn_offs, mask=mask_r[:, None, None] & mask_jd[None, :, :], other=0.0)
-    # fn is a parameter (no kernel writes it): its load above overlaps the previous kernel.
-    wait_for_producers(PDL)
 
     # Unrolled, each row running the same code on the same shapes (so its bits depend neither
     # on BLOCK_M nor on its place in the tile); the next row's loads are issued before this

@@ -35,7 +35,7 @@ from triton.runtime.interpreter import InterpretedFunction
 from sgl_dspark.kernels._checks import require as _require
 from sgl_dspark.kernels._router_math import hash_route_rows
 from sgl_dspark.kernels._router_math import scores as _scores
-from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import prefetch_l2, programmatic_launch, wait_for_producers
 
 _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 _SOURCE_X, _SOURCE_LOGITS, _SOURCE_PARTIALS = 0, 1, 2
@@ -224,15 +224,23 @@ def _router_topk_kernel(
         xrow_ok = xrows < num_rows
         expert_ok = experts < num_experts
         acc = tl.zeros([GEMV_M, GEMV_N], dtype=tl.float32)
+        if PDL:
+            # The gate weight is no kernel's output: its first K tile streams into L2 while the
+            # previous kernel finishes. A prefetch, not a load: the pipeliner would hoist the
+            # loop's first x load along with it, above the wait (a race, seen on the H200).
+            line: tl.constexpr = 1024 // gate_ptr.dtype.element_ty.primitive_bitwidth
+            k_lines = tl.minimum(split * SPLIT_K + tl.arange(0, GEMV_K // line) * line,
+                                 hidden - 1)
+            prefetch_l2(gate_ptr + tl.minimum(experts, num_experts - 1)[:, None] * stride_gate
+                        + k_lines[None, :])
+        wait_for_producers(PDL)
         for k0 in range(split * SPLIT_K, split * SPLIT_K + SPLIT_K, GEMV_K):
             # K as CHAINS contiguous pieces, one batch entry each: their MMA chains run on
             # separate warps, then a fixed-shape sum over the pieces.
             ks = k0 + tl.arange(0, CHAINS)[:, None] * (GEMV_K // CHAINS) \
                 + tl.arange(0, GEMV_K // CHAINS)[None, :]
-            # The gate weight is no kernel's output: its load overlaps the previous kernel.
             w_tile = tl.load(gate_ptr + experts[None, None, :] * stride_gate + ks[:, :, None],
                              mask=(ks < hidden)[:, :, None] & expert_ok[None, None, :], other=0.0)
-            wait_for_producers(PDL)
             x_tile = tl.load(x_ptr + xrows[None, :, None] * stride_x + ks[:, None, :],
                              mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :], other=0.0)
             if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.6): the exact

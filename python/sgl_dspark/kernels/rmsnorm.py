@@ -25,6 +25,7 @@ import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
+    prefetch_l2,
     programmatic_launch,
     round_bf16_native_or_bits,
     round_to_storage,
@@ -95,16 +96,21 @@ def _rms_norm_kernel(
     # it was a second memory round trip on the critical path, and its 1-D layout went through
     # shared memory to meet x's (seen in the sm90 SASS).
     w_ptrs = weight_ptr + (rows * 0)[:, None] + cols[None, :]
-    # The weight is no kernel's output: under programmatic launch it loads before the wait.
+    if HAS_WEIGHT and PDL:
+        # The weight is no kernel's output: it streams into L2 while the previous kernel
+        # finishes. A prefetch, not a load, so the compiler cannot move x's load above the
+        # wait with it.
+        line: tl.constexpr = 1024 // weight_ptr.dtype.element_ty.primitive_bitwidth
+        lines: tl.constexpr = (BLOCK_N + line - 1) // line  # one address per 128-byte line
+        prefetch_l2(weight_ptr + tl.minimum(tl.arange(0, lines) * line, N - 1))
+    wait_for_producers(PDL)
     if FULL_TILE:  # one row per program (grid = rows) and N == BLOCK_N: no lane overhangs
         if HAS_WEIGHT:
             w = tl.load(w_ptrs).to(tl.float32)
-        wait_for_producers(PDL)
         x = tl.load(x_ptrs).to(tl.float32)
     else:
         if HAS_WEIGHT:
             w = tl.load(w_ptrs, mask=mask, other=0.0).to(tl.float32)
-        wait_for_producers(PDL)
         x = tl.load(x_ptrs, mask=mask, other=0.0).to(tl.float32)
 
     # Masked columns load 0 and add nothing; the tree over BLOCK_N depends on N only.

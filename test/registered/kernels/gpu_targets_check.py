@@ -33,8 +33,8 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
         torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1",
         torch.float8_e4m3fn: "*fp8e4nv"}
 _KERNEL_MODULES = ("activation", "compressor_pool", "draft_attention", "draft_inputs",
-                   "fp4_indexer", "fused_moe", "index_topk", "indexer", "markov", "mhc", "moe_reduce", "moe_route", "moe_sort",
-                   "rmsnorm", "rope", "small_m_linear", "sparse_attention", "spec_accept",
+                   "fp4_indexer", "fused_moe", "index_topk", "indexer", "markov", "mhc",
+                   "moe_reduce", "moe_route", "moe_sort", "rmsnorm", "rope", "small_m_linear", "sparse_attention", "spec_accept",
                    "vocab_argmax")
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
@@ -114,6 +114,14 @@ def _small_m_linear(n: int, k: int, dtype: torch.dtype) -> Callable[[], object]:
     from sgl_dspark.kernels.small_m_linear import small_m_linear
 
     return lambda: small_m_linear(torch.randn(3, k).to(dtype), torch.randn(n, k).to(dtype))
+
+
+def _router_from_x(hidden: int, dtype: torch.dtype) -> Callable[[], object]:
+    from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
+
+    # H < 512: the GEMV's K loop runs several times and is software-pipelined (the tiny model).
+    return lambda: router_topk(RouterConfig(2), x=torch.randn(3, hidden).to(dtype),
+                               gate_weight=torch.randn(16, hidden).to(dtype))
 
 
 def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[], object]:
@@ -202,6 +210,10 @@ def _grouped_gemm() -> Callable[[], object]:
 
 
 CASES = {
+    "router_from_x_h128_fp32": ("moe_route", "_router_topk_kernel",
+                                _router_from_x(128, torch.float32)),
+    "router_from_x_h128_bf16": ("moe_route", "_router_topk_kernel",
+                                _router_from_x(128, torch.bfloat16)),
     "draft_attention_b1": ("draft_attention", "_draft_attention_kernel", _draft_attention(1, 16)),
     "draft_attention_b32": ("draft_attention", "_draft_attention_kernel",
                             _draft_attention(32, 64)),
@@ -262,44 +274,46 @@ def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
     return ran
 
 
-# Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`), each
-# with whether it loads weights (tensors no kernel writes) before its wait: those loads overlap
-# the previous kernel's tail, so for them only the stores are checked to follow the wait.
-PDL_KERNELS = {
-    "activation._silu_mul_clamp_kernel": False, "moe_reduce._moe_reduce_kernel": False,
-    "moe_route._router_topk_kernel": True, "vocab_argmax._chunk_argmax_kernel": False,
-    "rmsnorm._rms_norm_kernel": True, "vocab_argmax._combine_pairs_kernel": False,
-    "spec_accept._spec_accept_kernel": False, "draft_inputs._prepare_draft_inputs_kernel": False,
-    "rope._rope_tail_kernel": False, "fp4_indexer._fp4_index_k_quant_kernel": False,
-    "fp4_indexer._index_q_rope_fp4_kernel": False, "mhc._mhc_post_combine_kernel": True,
-    "small_m_linear._small_m_linear_kernel": False, "fused_moe._moe_grouped_gemm_kernel": False,
-    "moe_sort._moe_sort_kernel": False, "sparse_attention._window_sparse_attention_kernel": False,
-    "sparse_attention._merge_attention_splits_kernel": False,
-    "indexer._indexer_logits_kernel": False, "index_topk._index_topk_kernel": False,
-    "compressor_pool._compressor_pool_kernel": False, "markov._markov_step_kernel": False,
-    "draft_attention._draft_attention_kernel": False,
-}
+# Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`). None
+# loads anything before its wait, weights included: a weight tile is prefetched into L2 instead
+# (`prefetch_l2`), because a real load next to a loop lets the software pipeliner hoist the
+# loop's first activation load above the wait with it (the router's GEMV did at H < 512: a race
+# that changed the engine's tokens under CUDA graphs on the H200).
+PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kernel",
+               "moe_route._router_topk_kernel", "vocab_argmax._chunk_argmax_kernel",
+               "rmsnorm._rms_norm_kernel", "vocab_argmax._combine_pairs_kernel",
+               "spec_accept._spec_accept_kernel", "draft_inputs._prepare_draft_inputs_kernel",
+               "rope._rope_tail_kernel", "fp4_indexer._fp4_index_k_quant_kernel",
+               "fp4_indexer._index_q_rope_fp4_kernel", "mhc._mhc_post_combine_kernel",
+               "small_m_linear._small_m_linear_kernel", "fused_moe._moe_grouped_gemm_kernel",
+               "moe_sort._moe_sort_kernel", "sparse_attention._window_sparse_attention_kernel",
+               "sparse_attention._merge_attention_splits_kernel",
+               "indexer._indexer_logits_kernel", "index_topk._index_topk_kernel",
+               "compressor_pool._compressor_pool_kernel", "markov._markov_step_kernel",
+               "draft_attention._draft_attention_kernel")
 
 
 def check_programmatic_launch(recs: dict[str, _Recorder],
-                              kernels: dict[str, bool] | None = None) -> list[str]:
-    """Recompile each PDL kernel's recorded launches for sm90 with PDL on and off: on, the
-    PTX must wait on the grid dependency before it stores (and, unless it prefetches weights,
-    before it loads) and release dependents; off, neither instruction may appear (the
-    CPU-recorded launches are off, as on gfx950)."""
+                              kernels: tuple[str, ...] = PDL_KERNELS) -> list[str]:
+    """Recompile each PDL kernel's recorded launch variants for sm90 with PDL on and off: on, the
+    PTX must wait on the grid dependency before every global load, store and atomic, and release
+    dependents; off, neither instruction may appear (the CPU-recorded launches are off, as on
+    gfx950)."""
     target = TARGETS["sm90"][0]
     report = []
-    for key, weights_first in (PDL_KERNELS if kernels is None else kernels).items():
+    for key in kernels:
         rec = recs[key]
         assert rec.calls, (key, "not launched")
         seen = set()
         for args, kwargs in rec.calls:
             assert kwargs["PDL"] is False, (key, "a CPU launch must not ask for PDL")
-            constexprs = tuple(sorted((k, v) for k, v in kwargs.items()
-                                      if isinstance(v, (bool, int, str)) and k.isupper()))
-            if constexprs in seen:
+            variant = (tuple(sorted((k, v) for k, v in kwargs.items()
+                                    if isinstance(v, (bool, int, str)) and k.isupper())),
+                       tuple(str(t.dtype) for t in (*args, *kwargs.values())
+                             if isinstance(t, torch.Tensor)))  # fmt: skip
+            if variant in seen:
                 continue
-            seen.add(constexprs)
+            seen.add(variant)
             for pdl in (False, True):
                 src, options = _source(rec.fn, args, {**kwargs, "PDL": pdl})
                 ptx = triton.compile(src, target=target, options=options).asm["ptx"]
@@ -309,10 +323,8 @@ def check_programmatic_launch(recs: dict[str, _Recorder],
                     (key, pdl, waits, releases)
                 if pdl:
                     first_wait = ptx.index("griddepcontrol.wait")
-                    for op in ("st.global", "atom.global", "red.global"):
+                    for op in ("ld.global", "st.global", "atom.global", "red.global", "cp.async"):
                         assert op not in ptx or first_wait < ptx.index(op), (key, op)
-                    assert weights_first or "ld.global" not in ptx or \
-                        first_wait < ptx.index("ld.global"), key
         report.append(f"ok pdl {key}: {len(seen)} variants")
     return report
 
