@@ -61,50 +61,66 @@ def rope_tail_ref(
 
 @triton.jit
 def _rope_tail_kernel(
-    x_ptr, cos_ptr, sin_ptr, out_ptr, in_heads, out_heads,
-    x_stride_m, x_stride_h, out_stride_m, out_stride_h, cs_stride_m, out_rows_ptr,
-    NOPE_PAIRS: tl.constexpr, PAIRS: tl.constexpr, PAIRS_POW2: tl.constexpr,
-    BLOCK_H: tl.constexpr, INVERSE: tl.constexpr, OUT_BF16: tl.constexpr,
-    SCATTER: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
-    """Program (token, head block): whole rows as [BLOCK_H, pairs, 2], one load and one store
-    (the rope pairs are the row's last HALF; the others pass through)."""
+    x_ptr,
+    cos_ptr,
+    sin_ptr,
+    out_ptr,
+    in_heads,
+    out_heads,
+    x_stride_m,
+    x_stride_h,
+    out_stride_m,
+    out_stride_h,
+    cs_stride_m,
+    out_rows_ptr,
+    NOPE: tl.constexpr,
+    HALF: tl.constexpr,
+    NOPE_POW2: tl.constexpr,
+    HALF_POW2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INVERSE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    SCATTER: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_for_producers(PDL)  # x is the projection's output; out may still be read
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    is_src = (heads < in_heads)[:, None]
-    is_dst = (heads < out_heads)[:, None]
+    is_src = heads < in_heads
+    is_dst = heads < out_heads
+    x_rows = x_ptr + token * x_stride_m + heads[:, None].to(tl.int64) * x_stride_h
     # SCATTER: token m's row goes to out[out_rows[m]] (e.g. a KV pool at the batch's slots).
     dst = tl.load(out_rows_ptr + token).to(tl.int64) if SCATTER else token
-    pair = tl.arange(0, PAIRS_POW2)
-    in_row = pair < PAIRS
-    tail = pair - NOPE_PAIRS  # index into cos/sin, < 0 for pass-through pairs
-    is_tail = (tail >= 0) & in_row
-    cos = tl.load(cos_ptr + token * cs_stride_m + tail, mask=is_tail, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + token * cs_stride_m + tail, mask=is_tail, other=0.0)[None, :]
+    out_rows = out_ptr + dst * out_stride_m + heads[:, None].to(tl.int64) * out_stride_h
+
+    # Pass-through channels: copied in the storage dtype, bit for bit (zeros for pad heads).
+    nope_cols = tl.arange(0, NOPE_POW2)[None, :]
+    nope_mask = nope_cols < NOPE
+    nope = tl.load(x_rows + nope_cols, mask=is_src[:, None] & nope_mask, other=0.0)
+    tl.store(out_rows + nope_cols, nope, mask=is_dst[:, None] & nope_mask)
+
+    pair = tl.arange(0, HALF_POW2)
+    pair_mask = pair < HALF
+    cos = tl.load(cos_ptr + token * cs_stride_m + pair, mask=pair_mask, other=0.0)[None, :]
+    sin = tl.load(sin_ptr + token * cs_stride_m + pair, mask=pair_mask, other=0.0)[None, :]
     if INVERSE:
         sin = -sin
-    cols = 2 * pair[None, :, None] + tl.arange(0, 2)[None, None, :]  # [1, pairs, 2]
-    x_rows = x_ptr + token * x_stride_m + heads[:, None, None].to(tl.int64) * x_stride_h
-    row = tl.load(x_rows + cols, mask=is_src[:, :, None] & in_row[None, :, None], other=0.0)
-    a, b = tl.split(row)
-    af = a.to(tl.float32)
-    bf = b.to(tl.float32)
-    rot_a = af * cos - bf * sin
-    rot_b = af * sin + bf * cos
+    even_cols = NOPE + 2 * pair[None, :]
+    load_mask = is_src[:, None] & pair_mask[None, :]
+    a = tl.load(x_rows + even_cols, mask=load_mask, other=0.0).to(tl.float32)
+    b = tl.load(x_rows + even_cols + 1, mask=load_mask, other=0.0).to(tl.float32)
+    # Pad heads get +0.0 exactly (0 * negative cos would give -0.0).
+    rot_a = tl.where(is_src[:, None], a * cos - b * sin, 0.0)
+    rot_b = tl.where(is_src[:, None], a * sin + b * cos, 0.0)
+    store_mask = is_dst[:, None] & pair_mask[None, :]
     if OUT_BF16:
         rot_a = round_to_bf16(rot_a).to(tl.bfloat16)
         rot_b = round_to_bf16(rot_b).to(tl.bfloat16)
     else:
         rot_a = rot_a.to(out_ptr.dtype.element_ty)
         rot_b = rot_b.to(out_ptr.dtype.element_ty)
-    # Pass-through channels keep their stored bits; pad heads get +0.0 exactly (0 * a negative
-    # cos would give -0.0).
-    zero = tl.zeros_like(rot_a)
-    a = tl.where(is_src, tl.where(is_tail[None, :], rot_a, a), zero)
-    b = tl.where(is_src, tl.where(is_tail[None, :], rot_b, b), zero)
-    out_rows = out_ptr + dst * out_stride_m + heads[:, None, None].to(tl.int64) * out_stride_h
-    tl.store(out_rows + cols, tl.join(a, b), mask=is_dst[:, :, None] & in_row[None, :, None])
+    tl.store(out_rows + even_cols, rot_a, mask=store_mask)
+    tl.store(out_rows + even_cols + 1, rot_b, mask=store_mask)
 
 
 def rope_tail(
@@ -141,8 +157,6 @@ def rope_tail(
         raise ValueError(f"cos/sin must both be [M={num_tokens}, rd/2], got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
     half = cos.shape[1]
-    if head_dim % 2:  # the kernel reads whole rows as channel pairs
-        raise ValueError(f"x's head dim must be even, got {head_dim}")
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or half < 1 or 2 * half > head_dim:
         raise ValueError(f"cos/sin must be fp32 with 1 <= rd/2 <= D/2 (D={head_dim}), got "
                          f"{cos.dtype}/{sin.dtype} rd/2={half}")
@@ -172,15 +186,18 @@ def rope_tail(
     if out.data_ptr() == x.data_ptr() and (out.shape != x.shape or out.stride() != x.stride()
                                            or out_rows is not None):
         raise ValueError("in-place rope needs out to be x itself (same heads and strides)")
+    nope = head_dim - 2 * half
     out_heads = out.shape[1]
     block_h = max(1, min(16, 4096 // triton.next_power_of_2(head_dim)))
     grid = (num_tokens, triton.cdiv(out_heads, block_h))
     _rope_tail_kernel[grid](
         x, cos, sin, out, num_heads, out_heads,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        cos if out_rows is None else out_rows, NOPE_PAIRS=head_dim // 2 - half,
-        PAIRS=head_dim // 2, PAIRS_POW2=triton.next_power_of_2(head_dim // 2), BLOCK_H=block_h,
-        INVERSE=inverse, OUT_BF16=x.dtype == torch.bfloat16, SCATTER=out_rows is not None,
-        enable_fp_fusion=False, **programmatic_launch(_rope_tail_kernel, x.device),
+        cos if out_rows is None else out_rows, NOPE=nope, HALF=half,
+        NOPE_POW2=triton.next_power_of_2(max(nope, 1)), HALF_POW2=triton.next_power_of_2(half),
+        BLOCK_H=block_h, INVERSE=inverse, OUT_BF16=x.dtype == torch.bfloat16,
+        SCATTER=out_rows is not None,
+        enable_fp_fusion=False,
+        **programmatic_launch(_rope_tail_kernel, x.device),
     )
     return out
