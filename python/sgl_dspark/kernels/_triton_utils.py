@@ -67,13 +67,23 @@ def wait_for_producers(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Pull the lines holding `ptrs` into L2: a hint with no result and no ordering, so no later
-    load changes. Under programmatic launch a weight's first tile streams in while the previous
-    kernel finishes, without peeling it out of a pipelined loop. NVIDIA PTX: call it only where
-    the launch is CUDA (under `PDL`)."""
+def _prefetch_l2(ptrs):
+    # A hint with no result and no ordering, so no later load changes.
     tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
                               dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def prefetch_tile_l2(ptr, rows, row_stride, col0, col_end, WIDTH: tl.constexpr):
+    """Pull the lines of a weight tile into L2: `rows` (row indices, in bounds) x columns
+    [col0, col0 + WIDTH), one address per 128-byte line, clamped below `col_end`. Called before
+    `wait_for_producers` so a weight's first tile streams in while the previous kernel finishes.
+    A prefetch and not a load: a real load before the wait lets the compiler (the software
+    pipeliner of a following loop) move activation loads above the wait with it. NVIDIA PTX:
+    call it only under `PDL`."""
+    line: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
+    cols = tl.minimum(col0 + tl.arange(0, (WIDTH + line - 1) // line) * line, col_end - 1)
+    _prefetch_l2(ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :])
 
 
 @triton.jit

@@ -47,7 +47,11 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_dspark.kernels._triton_utils import prefetch_l2, programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import (
+    prefetch_tile_l2,
+    programmatic_launch,
+    wait_for_producers,
+)
 from sgl_dspark.kernels._triton_utils import round_to_storage as _round_to_kind
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -150,13 +154,11 @@ def _markov_step_kernel(
         # W2 is a parameter and dominates the bytes: the chunk's first tile streams into L2
         # while the previous kernel finishes. A prefetch, not a load held in registers: peeling
         # the first tile out of the loop took the DSV4-Flash variants from 128 to ~190
-        # registers (sm90 ptxas), one program per SM instead of two. One address per 128-byte
-        # line, clamped into W2 (rows < end <= V, columns < rank).
-        line: tl.constexpr = 1024 // w2_ptr.dtype.element_ty.primitive_bitwidth
+        # registers (sm90 ptxas), one program per SM instead of two. Rows clamped into the
+        # chunk (< end <= V).
         first_cols = tl.minimum(pid_c * chunk + tl.arange(0, BLOCK_V),
                                 tl.minimum(pid_c * chunk + chunk, vocab) - 1)
-        w2_lines = tl.minimum(tl.arange(0, (BLOCK_R + line - 1) // line) * line, rank - 1)
-        prefetch_l2(w2_ptr + first_cols.to(tl.int64)[:, None] * stride_w2 + w2_lines[None, :])
+        prefetch_tile_l2(w2_ptr, first_cols, stride_w2, 0, rank, BLOCK_R)
     # The partials / anchors and U come from earlier kernels, and every output may still be read.
     wait_for_producers(PDL)
     if RESOLVE_PREV:

@@ -35,7 +35,11 @@ from triton.runtime.interpreter import InterpretedFunction
 from sgl_dspark.kernels._checks import require as _require
 from sgl_dspark.kernels._router_math import hash_route_rows
 from sgl_dspark.kernels._router_math import scores as _scores
-from sgl_dspark.kernels._triton_utils import prefetch_l2, programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import (
+    prefetch_tile_l2,
+    programmatic_launch,
+    wait_for_producers,
+)
 
 _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 _SOURCE_X, _SOURCE_LOGITS, _SOURCE_PARTIALS = 0, 1, 2
@@ -228,11 +232,8 @@ def _router_topk_kernel(
             # The gate weight is no kernel's output: its first K tile streams into L2 while the
             # previous kernel finishes. A prefetch, not a load: the pipeliner would hoist the
             # loop's first x load along with it, above the wait (a race, seen on the H200).
-            line: tl.constexpr = 1024 // gate_ptr.dtype.element_ty.primitive_bitwidth
-            k_lines = tl.minimum(split * SPLIT_K + tl.arange(0, GEMV_K // line) * line,
-                                 hidden - 1)
-            prefetch_l2(gate_ptr + tl.minimum(experts, num_experts - 1)[:, None] * stride_gate
-                        + k_lines[None, :])
+            prefetch_tile_l2(gate_ptr, tl.minimum(experts, num_experts - 1), stride_gate,
+                             split * SPLIT_K, hidden, GEMV_K)
         wait_for_producers(PDL)
         for k0 in range(split * SPLIT_K, split * SPLIT_K + SPLIT_K, GEMV_K):
             # K as CHAINS contiguous pieces, one batch entry each: their MMA chains run on

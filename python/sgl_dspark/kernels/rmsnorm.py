@@ -25,7 +25,7 @@ import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
-    prefetch_l2,
+    prefetch_tile_l2,
     programmatic_launch,
     round_bf16_native_or_bits,
     round_to_storage,
@@ -100,9 +100,7 @@ def _rms_norm_kernel(
         # The weight is no kernel's output: it streams into L2 while the previous kernel
         # finishes. A prefetch, not a load, so the compiler cannot move x's load above the
         # wait with it.
-        line: tl.constexpr = 1024 // weight_ptr.dtype.element_ty.primitive_bitwidth
-        lines: tl.constexpr = (BLOCK_N + line - 1) // line  # one address per 128-byte line
-        prefetch_l2(weight_ptr + tl.minimum(tl.arange(0, lines) * line, N - 1))
+        prefetch_tile_l2(weight_ptr, tl.zeros([1], tl.int32), 0, 0, N, BLOCK_N)
     wait_for_producers(PDL)
     if FULL_TILE:  # one row per program (grid = rows) and N == BLOCK_N: no lane overhangs
         if HAS_WEIGHT:

@@ -21,7 +21,11 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require
-from sgl_dspark.kernels._triton_utils import prefetch_l2, programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import (
+    prefetch_tile_l2,
+    programmatic_launch,
+    wait_for_producers,
+)
 from sgl_dspark.kernels._triton_utils import round_to_bf16 as _round_to_bf16
 
 MAX_M = 16
@@ -50,12 +54,8 @@ def _small_m_linear_kernel(
     if PDL:
         # The weight is no kernel's output and dominates the bytes: its first K tile streams
         # into L2 while the previous kernel finishes. A prefetch rather than a peeled load
-        # keeps the pipelined K loop (and so every bit) as it is. One address per 128-byte
-        # line, clamped in bounds (K >= 1 here).
-        line: tl.constexpr = 1024 // w_ptr.dtype.element_ty.primitive_bitwidth
-        w_lines = tl.minimum(tl.arange(0, BLOCK_K // line) * line, K - 1)
-        prefetch_l2(w_ptr + tl.minimum(offs_n, N - 1)[:, None].to(tl.int64) * stride_wn
-                     + w_lines[None, :])
+        # keeps the pipelined K loop (and so every bit) as it is (K >= 1 here).
+        prefetch_tile_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, 0, K, BLOCK_K)
     wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
     x_rows = x_ptr + offs_m[:, None].to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn
