@@ -198,6 +198,8 @@ def main() -> None:
                    help="also time CUDA graphs with these attention backends (comma list)")
     p.add_argument("--no-overlap-row", action="store_true",
                    help="also time CUDA graphs with --disable-overlap-schedule")
+    p.add_argument("--no-pdl-row", action="store_true",
+                   help="also time graphs with --disable-programmatic-launch (A/B)")
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-eager", action="store_true")
     p.add_argument("--profile", action="store_true", help="also write torch.profiler tables of "
@@ -257,6 +259,8 @@ def main() -> None:
               for b in a.extra_attention_backends.split(",") if b]
     if a.no_overlap_row:
         modes.append(("ours_cuda_graph_no_overlap", {"disable_overlap_schedule": True}))
+    if a.no_pdl_row:
+        modes.append(("ours_cuda_graph_no_pdl", {"disable_programmatic_launch": True}))
     for system, kw in modes[1 if a.skip_eager else 0:]:
         engine = Engine(**{**base, **kw})
         for bs in sizes:

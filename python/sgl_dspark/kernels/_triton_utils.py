@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -15,6 +17,7 @@ from triton.runtime.interpreter import InterpretedFunction
 class _ProgrammaticLaunchSwitch:
     allowed = True  # process-wide; `set_programmatic_launch` flips it (no `global` statement)
     only: frozenset[str] | None = None  # kernel names allowed, None = all
+    max_graph_batch: int | None = None  # graphs of larger batches launch plainly; None = all
 
 
 def interpreted(kernel: object) -> bool:
@@ -31,12 +34,34 @@ def _device_has_pdl(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def set_programmatic_launch(allowed: bool, only: set[str] | None = None) -> None:
-    """Allow (the default) or forbid programmatic dependent launch, process-wide: the benchmark's
-    A/B switch. It changes no result bit, only when a kernel's launch may start. `only` limits it
-    to the kernels of these names (a bisection aid)."""
+def set_programmatic_launch(allowed: bool, only: set[str] | None = None,
+                            max_graph_batch: int | None = None) -> None:
+    """Allow (the default) or forbid programmatic dependent launch, process-wide. It changes no
+    result bit, only when a kernel's launch may start. `only` limits it to the kernels of these
+    names (a bisection aid); `max_graph_batch` to graphs captured for at most that many requests
+    (see `programmatic_launch_for_batch`)."""
+    if max_graph_batch is not None and max_graph_batch < 0:
+        raise ValueError(f"max_graph_batch must be >= 0 or None, got {max_graph_batch}")
     _ProgrammaticLaunchSwitch.allowed = allowed
     _ProgrammaticLaunchSwitch.only = frozenset(only) if only is not None else None
+    _ProgrammaticLaunchSwitch.max_graph_batch = max_graph_batch
+
+
+@contextlib.contextmanager
+def programmatic_launch_for_batch(batch_size: int) -> Iterator[None]:
+    """Scope of a graph capture for `batch_size` requests: launches inside it are programmatic
+    only if allowed and the batch is at most `max_graph_batch`. On the H200 the launch overlap
+    won at small batches while plain launches were faster at bs 32 (`benchmark/results/
+    engine.md`, eighth session); the cause is not established (a dependent grid's programs wait
+    resident on the SMs, which the wide grids of a large batch may need)."""
+    switch = _ProgrammaticLaunchSwitch
+    saved = switch.allowed
+    limit = switch.max_graph_batch
+    switch.allowed = saved and (limit is None or batch_size <= limit)
+    try:
+        yield
+    finally:
+        switch.allowed = saved
 
 
 def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:

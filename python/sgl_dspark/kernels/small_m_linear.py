@@ -120,6 +120,10 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     # fp32 wide blocks within an SM's budget (H200 228 KB; MI355X 160 KB of LDS).
     block_k = _BLOCK_K if x.element_size() <= 2 else _BLOCK_K // 2
     stages = 4 if block_n <= 16 else 3
+    # Two warps for the 16 x 16 bf16 tile: the same bits; on the H200, with the weights read
+    # from HBM, 0.3-0.5 us less at M = 1 and K = 1024, within +-0.1 us at M = 4..8, less at
+    # M = 16 (benchmark/results/sweeps/2026-11-30_s8_probe_gemv.md). fp32 and wide: untested.
+    warps = 2 if block_n <= 16 and x.element_size() <= 2 else 4
     _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
         BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
@@ -127,6 +131,6 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
         # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
         # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
-        num_warps=4, num_stages=stages, **programmatic_launch(_small_m_linear_kernel, x.device),
+        num_warps=warps, num_stages=stages, **programmatic_launch(_small_m_linear_kernel, x.device),
     )
     return out

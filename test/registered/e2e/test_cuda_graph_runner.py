@@ -191,6 +191,24 @@ def test_cuda_graphs_equal_eager_and_cpu(reference, tmp_path, spec):
     assert graphed == reference
 
 
+@cuda_only
+@pytest.mark.parametrize("spec_width", [None, 3])
+def test_plain_launches_above_the_programmatic_batch_limit(reference, spec_width):
+    """--programmatic-launch-max-bs 2: buckets 1 and 2 are captured with programmatic launches,
+    4 and 6 with plain ones (the batch shrinks through all of them as requests finish); the
+    tokens stay those of eager and CPU runs."""
+    kw: dict = {}
+    if spec_width is not None:
+        kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": spec_width}
+    try:
+        graphed = _cuda_generate(cuda_graph_max_bs=6, programmatic_launch_max_bs=2, **kw)
+    finally:
+        from sgl_dspark.kernels._triton_utils import set_programmatic_launch
+
+        set_programmatic_launch(True)  # process-wide: leave the default for later tests
+    assert graphed == reference
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
     """Single-request steps draft their own block size (the bs1 runtime) and verify its full

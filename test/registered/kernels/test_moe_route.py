@@ -402,6 +402,40 @@ def test_hash_routing(num_rows: int, table_dtype: torch.dtype) -> None:
         router_topk(config, **kwargs, logits_out=torch.empty(num_rows, 384, device=DEVICE))
 
 
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: exp2 overflow, inf / inf
+@pytest.mark.parametrize("experts", [72, 384])  # BLOCK_E 128, 512: the row tile's tail masked
+@pytest.mark.parametrize("num_rows", [0, 1, 5, 33])
+def test_hash_routing_from_logits_row(num_rows: int, experts: int,
+                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    # Hash routing from logits: bit for bit what the one-split partials path gives, whatever
+    # the expert count (non-power-of-two E masks the routing tile's tail). Logits (k / 8)^2 > 20 score exactly k / 8 (torch's
+    # CPU sqrt is not always correctly rounded): the reference is exact too. Row 0: NaN at a picked
+    # expert, +inf at one not picked; row 1 the reverse (renormalised: a NaN weight, as the ref).
+    empty = torch.empty  # poisoned outputs: the kernel must write every element
+    monkeypatch.setattr(moe_route.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(
+        float("nan") if k.get("dtype") == torch.float32 else -7))  # fmt: skip
+    gen, vocab, pad = torch.Generator().manual_seed(num_rows + experts), 300, min(2, num_rows // 2)
+    tid2eid = torch.randint(0, experts, (vocab, 6), generator=gen, dtype=torch.int32)
+    ids = torch.randint(0, vocab, (num_rows,), generator=gen)
+    logits = (torch.randint(37, 97, (num_rows, experts), generator=gen).float() / 8) ** 2
+    for row, (hit, miss) in list(enumerate([(torch.nan, torch.inf), (torch.inf, torch.nan)]))[:num_rows]:  # fmt: skip
+        logits[row, tid2eid[ids[row], 0]] = hit
+        logits[row, next(e for e in range(experts) if e not in tid2eid[ids[row]])] = miss
+    stale = torch.cat([ids[: num_rows - pad], torch.tensor([-5, vocab + 3])[:pad]])  # pad rows
+    base = dict(tid2eid=tid2eid.to(DEVICE), n_valid=torch.tensor(num_rows - pad, dtype=torch.int32, device=DEVICE))  # fmt: skip
+    for renorm, lg in [(r, x) for r in (True, False) for x in (logits, torch.randn(logits.shape, generator=gen))]:  # fmt: skip
+        config = RouterConfig(6, renormalize=renorm, routed_scaling_factor=1.5, num_shared=1, fill_id=-1)  # fmt: skip
+        got = router_topk(config, input_ids=stale.to(DEVICE), logits=lg.to(DEVICE), **base)
+        old = router_topk(config, input_ids=stale.to(DEVICE), partials=lg[None].to(DEVICE), **base)
+        want = router_topk_ref(config, input_ids=ids.to(DEVICE), logits=lg.to(DEVICE), **base)
+        assert torch.equal(got.ids, want.ids) and torch.equal(got.ids, old.ids)
+        assert torch.equal(got.weights.view(torch.int32), old.weights.view(torch.int32))
+        torch.testing.assert_close(got.weights, want.weights, rtol=0 if lg is logits else RTOL, atol=0, equal_nan=True)  # fmt: skip
+        if lg is logits:
+            assert bool(torch.isnan(got.weights).any()) == (renorm and num_rows > 1)
+            assert got.weights[:1, 0].eq(0).all() and got.ids[num_rows - pad :].eq(-1).all()
+
+
 def test_hand_derived_ties_and_padding() -> None:
     # Row 0: all logits equal, no bias -> experts 0..3, weights 1/4 each (times scale 2).
     # Row 1: experts 5 and 2 share the top value, 7 is next -> [2, 5, 7, 0] (ties: lower id first).

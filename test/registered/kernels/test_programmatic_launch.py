@@ -43,6 +43,36 @@ def test_never_asked_for_on_cpu_or_when_forbidden() -> None:
         assert got["PDL"] is want and got.get("launch_pdl", False) is want
 
 
+def _allowed_now() -> bool:
+    """What a launch would get on an sm90 GPU now (the switch; the device part is tested above)."""
+    return _triton_utils._ProgrammaticLaunchSwitch.allowed
+
+
+@pytest.mark.parametrize("limit", [None, 0, 1, 8])
+def test_batch_scope_limits_graph_captures_and_restores(limit: int | None) -> None:
+    try:
+        _triton_utils.set_programmatic_launch(True, max_graph_batch=limit)
+        for bs in (1, 2, 8, 9, 32):
+            with _triton_utils.programmatic_launch_for_batch(bs):
+                assert _allowed_now() is (limit is None or bs <= limit), (bs, limit)
+                if ON_GPU and not _allowed_now():
+                    assert _triton_utils.programmatic_launch(
+                        _silu_mul_clamp_kernel, torch.device("cuda")) == {"PDL": False}
+            assert _allowed_now() is True  # restored after each scope
+        _triton_utils.set_programmatic_launch(False, max_graph_batch=limit)
+        with _triton_utils.programmatic_launch_for_batch(1):
+            assert _allowed_now() is False  # a scope never turns a forbidden launch on
+        assert _allowed_now() is False
+        with pytest.raises(RuntimeError), _triton_utils.programmatic_launch_for_batch(1):
+            raise RuntimeError("capture failed")  # restored on the error path too
+        assert _allowed_now() is False
+    finally:
+        _triton_utils.set_programmatic_launch(True)
+    with pytest.raises(ValueError, match="max_graph_batch"):
+        _triton_utils.set_programmatic_launch(True, max_graph_batch=-1)
+    assert _triton_utils._ProgrammaticLaunchSwitch.max_graph_batch is None
+
+
 def _chain(x: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor, shared: torch.Tensor,
            mask: torch.Tensor, workspace) -> tuple[torch.Tensor, ...]:  # fmt: skip
     """Each kernel reads what the one before it just wrote: a torch producer, the router (GEMV

@@ -95,6 +95,14 @@ class ServerArgs:
               "the draft); default min(--max-running-requests, 32); 0 = run eagerly. Needs the "
               "Triton MoE path (--kernel-backend triton).")
     disable_cuda_graph: bool = _arg(False, "Run every step eagerly (no CUDA graphs).")
+    disable_programmatic_launch: bool = _arg(
+        False, "CUDA sm90+: launch every fused Triton kernel as a plain launch instead of a "
+               "programmatic dependent launch (which overlaps a kernel's launch with the tail "
+               "of the one before it). Changes timing only, never a result; process-wide.")
+    programmatic_launch_max_bs: int = _arg(
+        24, "CUDA sm90+: capture graphs of at most this many requests with programmatic "
+            "launches, larger ones with plain launches (measured on an H200: programmatic "
+            "launch faster up to bs 24, not at bs 32); 0: plain launches in every graph.")
     disable_overlap_schedule: bool = _arg(
         False, "Run decode steps one at a time: read each step's tokens before launching the "
                "next (default: the next decode step is launched from the sampled tokens still "
@@ -282,6 +290,8 @@ def _validate(a: ServerArgs) -> None:
              f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}")
     _require(a.cuda_graph_max_bs is None or a.cuda_graph_max_bs >= 0,
              f"--cuda-graph-max-bs must be >= 0, got {a.cuda_graph_max_bs}")
+    _require(a.programmatic_launch_max_bs >= 0,
+             f"--programmatic-launch-max-bs must be >= 0, got {a.programmatic_launch_max_bs}")
     _require(not (a.disable_cuda_graph and a.cuda_graph_max_bs),
              "--cuda-graph-max-bs conflicts with --disable-cuda-graph")
     _require(not a.cuda_graph_max_bs or a.cuda_graph_max_bs <= a.max_running_requests,

@@ -44,6 +44,8 @@ class EngineArgs:
     random_seed: int = 0
     cuda_graph_max_bs: int | None = None              # None: min(max_running_requests, 32)
     disable_cuda_graph: bool = False
+    disable_programmatic_launch: bool = False         # CUDA sm90+: plain kernel launches
+    programmatic_launch_max_bs: int = 24              # larger graphs: plain launches
     disable_overlap_schedule: bool = False
     speculative_algorithm: str | None = None          # None | "DSpark" (case-insensitive)
     speculative_draft_model_path: str | None = None
@@ -131,6 +133,13 @@ class Engine:
                           kernel_backend=args.kernel_backend,
                           kernel_backend_overrides=args.kernel_backend_overrides,
                           mem_fraction_static=args.mem_fraction_static)
+        # Process-wide (the launchers read it at every launch and at graph capture): the last
+        # engine built in a process decides. It moves timing only, never a result bit.
+        if args.device != "cpu":
+            from sgl_dspark.kernels._triton_utils import set_programmatic_launch
+
+            set_programmatic_launch(not args.disable_programmatic_launch,
+                                    max_graph_batch=args.programmatic_launch_max_bs)
         self.runner = ModelRunner(cfg, rc, weights=weights)
         spec = create_spec_worker(args, self.runner)
         init_cuda_graphs(args, self.runner, spec)

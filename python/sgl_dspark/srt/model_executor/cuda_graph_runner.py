@@ -47,10 +47,11 @@ def graph_batch_sizes(max_bs: int) -> list[int]:
 
 
 class Graph(Protocol):
-    """One captured region: `capture(fn)` runs fn once under capture and returns its outputs;
-    `replay()` re-runs the region, rewriting those same output tensors."""
+    """One captured region: `capture(fn, batch_size)` runs fn (a step for `batch_size`
+    requests) once under capture and returns its outputs; `replay()` re-runs the region,
+    rewriting those same output tensors."""
 
-    def capture(self, fn: Callable[[], Any]) -> Any: ...
+    def capture(self, fn: Callable[[], Any], batch_size: int) -> Any: ...
 
     def replay(self) -> None: ...
 
@@ -60,8 +61,13 @@ class CudaGraph:
         self.pool, self.stream = pool, stream
         self.graph = torch.cuda.CUDAGraph()
 
-    def capture(self, fn: Callable[[], Any]) -> Any:
-        with torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream):
+    def capture(self, fn: Callable[[], Any], batch_size: int) -> Any:
+        # The batch decides whether the Triton kernels launch programmatically (baked into the
+        # graph's kernel nodes at capture).
+        from sgl_dspark.kernels._triton_utils import programmatic_launch_for_batch
+
+        with programmatic_launch_for_batch(batch_size), torch.cuda.graph(
+                self.graph, pool=self.pool, stream=self.stream):
             return fn()
 
     def replay(self) -> None:
@@ -72,7 +78,7 @@ class EagerGraph:
     """Stand-in with CUDA-graph semantics for CPU tests of the padding and buffer logic: replay
     re-runs the function and copies its results into the tensors the capture returned."""
 
-    def capture(self, fn: Callable[[], Any]) -> Any:
+    def capture(self, fn: Callable[[], Any], batch_size: int) -> Any:
         self.fn = fn
         self.out = fn()
         return self.out
@@ -103,13 +109,16 @@ def make_graph_factory(device: torch.device) -> Callable[[], Graph]:
     return lambda: CudaGraph(pool, stream)
 
 
-def warm_up(fn: Callable[[], Any], device: torch.device, iters: int = 2) -> None:
-    """Run fn before capture (Triton compilation, cuBLAS workspaces) on a side stream."""
+def warm_up(fn: Callable[[], Any], device: torch.device, batch_size: int, iters: int = 2) -> None:
+    """Run fn before capture (Triton compilation, cuBLAS workspaces) on a side stream, with the
+    launch kind the capture for `batch_size` will use (so nothing compiles during capture)."""
     if device.type != "cuda":
         return
+    from sgl_dspark.kernels._triton_utils import programmatic_launch_for_batch
+
     side = torch.cuda.Stream(device)
     side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):
+    with torch.cuda.stream(side), programmatic_launch_for_batch(batch_size):
         for _ in range(iters):
             fn()
     torch.cuda.current_stream(device).wait_stream(side)
@@ -155,8 +164,8 @@ class BatchGraphs:
             run = functools.partial(fn, *(buf[:bs] for buf in self.static))
             graph = factory()
             with torch.inference_mode():
-                warm_up(run, device)
-                out = graph.capture(run)
+                warm_up(run, device, bs)
+                out = graph.capture(run, bs)
             self._graphs[bs] = (graph, out)
         logger.info("Captured %d %s (bs %s) in %.1f s", len(self._graphs), name,
                     self.batch_sizes, time.perf_counter() - t0)

@@ -72,9 +72,9 @@ class FusedGreedySteps:
                 graph = factory()
                 run = functools.partial(self._step, w, bs)
                 with torch.inference_mode():
-                    warm_up(run, dev)
+                    warm_up(run, dev, bs)
                     self.inputs.zero_()   # warm-up steps rewrote the state rows
-                    out = graph.capture(run)
+                    out = graph.capture(run, bs)
                     self.inputs.zero_()
                 self._graphs[(w, bs)] = (graph, out)
         mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
