@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import argparse
 import functools
-import statistics
+import itertools
 import sys
 from pathlib import Path
 
@@ -24,6 +24,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 from sgl_dspark.kernels._triton_utils import (  # noqa: E402
     prefetch_tile_l2,
@@ -34,6 +35,8 @@ from sgl_dspark.kernels.small_m_linear import (  # noqa: E402
     _small_m_linear_kernel,
     small_m_linear,
 )
+
+from benchmark.kernels.run_all import time_graph  # noqa: E402
 
 SHAPES = [(1024, 1024), (1024, 512), (1160, 1024), (2048, 256), (2560, 256), (384, 1024),
           (640, 1024)]
@@ -104,31 +107,14 @@ def variants():
 
 
 def time_cycle(fn, xs, ws, replays=20):
-    def run():
-        for i in range(COPIES):
-            fn(xs[i], ws[i])
-    for _ in range(2):
-        run()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        run()
-    torch.cuda.current_stream().wait_stream(s)
-    with torch.cuda.graph(g):
-        run()
-    g.replay()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / COPIES)
-    return statistics.median(times)
+    """us per call of `fn`, COPIES calls in one graph, each on the next weight copy."""
+    turn = itertools.count()
+
+    def call():
+        i = next(turn) % COPIES
+        return fn(xs[i], ws[i])
+
+    return time_graph(call, COPIES, replays)[0]
 
 
 def main():
