@@ -76,10 +76,20 @@ def _small_m_linear_kernel(
              acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
-def _block_n(n: int) -> int:
-    """Narrow column blocks spread small N over many programs; wide N (an lm_head) has
-    programs enough with wider blocks, which amortise the reads of x."""
-    return 16 if n <= 8192 else 64
+def _linear_meta(n: int, element_size: int) -> dict[str, int]:
+    """Launch shape (the one place sweeps and probes override): narrow column blocks spread
+    small N over many programs; wide N (an lm_head) has programs enough with wider blocks,
+    which amortise the reads of x."""
+    block_n = 16 if n <= 8192 else 64
+    # Shared memory per pipeline stage is (16 + BLOCK_N) x BLOCK_K elements: keep 4 stages of
+    # fp32 wide blocks within an SM's budget (H200 228 KB; MI355X 160 KB of LDS).
+    block_k = _BLOCK_K if element_size <= 2 else _BLOCK_K // 2
+    # Two warps for the 16 x 16 bf16 tile: the same bits; on the H200, with the weights read
+    # from HBM, 0.3-0.5 us less at M = 1 and K = 1024, within +-0.1 us at M = 4..8, less at
+    # M = 16 (benchmark/results/sweeps/2026-11-30_s8_probe_gemv.md). fp32 and wide: untested.
+    warps = 2 if block_n <= 16 and element_size <= 2 else 4
+    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_stages": 4 if block_n <= 16 else 3,
+            "num_warps": warps}
 
 
 def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
@@ -115,22 +125,13 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
             f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}")
     if k == 0:
         return out.zero_()
-    block_n = _block_n(n)
-    # Shared memory per pipeline stage is (16 + BLOCK_N) x BLOCK_K elements: keep 4 stages of
-    # fp32 wide blocks within an SM's budget (H200 228 KB; MI355X 160 KB of LDS).
-    block_k = _BLOCK_K if x.element_size() <= 2 else _BLOCK_K // 2
-    stages = 4 if block_n <= 16 else 3
-    # Two warps for the 16 x 16 bf16 tile: the same bits; on the H200, with the weights read
-    # from HBM, 0.3-0.5 us less at M = 1 and K = 1024, within +-0.1 us at M = 4..8, less at
-    # M = 16 (benchmark/results/sweeps/2026-11-30_s8_probe_gemv.md). fp32 and wide: untested.
-    warps = 2 if block_n <= 16 and x.element_size() <= 2 else 4
-    _small_m_linear_kernel[(triton.cdiv(n, block_n),)](
+    meta = _linear_meta(n, x.element_size())
+    _small_m_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]),)](
         x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
-        BLOCK_M=_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        ROUND_BF16=x.dtype == torch.bfloat16,
+        BLOCK_M=_BLOCK_M, ROUND_BF16=x.dtype == torch.bfloat16,
         # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
         # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
-        num_warps=warps, num_stages=stages, **programmatic_launch(_small_m_linear_kernel, x.device),
+        **meta, **programmatic_launch(_small_m_linear_kernel, x.device),
     )
     return out
