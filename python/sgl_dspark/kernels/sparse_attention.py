@@ -5,7 +5,9 @@ shared KV head is both key and value. Token t at position p sees
   * the window keys at positions j in (p - window, p], j >= 0, read as
     ``window_kv[req_to_token[token_slot[t], j]]``;
   * the per-token extra keys ``extra_kv[t, n]`` where ``extra_valid[t, n]`` (compressed entries:
-    all visible ones for HCA layers, the indexer's selection for CSA layers).
+    all visible ones for HCA layers, the indexer's selection for CSA layers). With
+    ``extra_slots`` the extra keys are read in place from a pool, ``extra_kv[extra_slots[t, n]]``,
+    so the caller never gathers them into a ``[T, N, Dh]`` copy (one launch less per layer).
 Per head h: ``o = sum_j softmax([scale * q.k_j ; sinks[h]])_j * k_j``, i.e. the sink adds
 ``exp(sinks[h])`` to the denominator only (its value is zero).
 
@@ -114,13 +116,13 @@ def _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
 @triton.jit
 def _window_sparse_attention_kernel(
     q_ptr, kv_ptr, pos_ptr, slot_ptr, table_ptr, sinks_ptr, extra_ptr, extra_valid_ptr, out_ptr,
-    part_m_ptr, part_l_ptr,
+    part_m_ptr, part_l_ptr, extra_slots_ptr, slots_stride_t,
     num_heads, window, num_extra, qk_scale, tiles_per_split,
     q_stride_t, q_stride_h, kv_stride, table_stride,
     extra_stride_t, extra_stride_n, valid_stride_t, out_stride_t, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, SPLIT: tl.constexpr,
-    PDL: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, EXTRA_IN_POOL: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROUND_P: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
 ):
     # Key tiles are numbered window tiles first (cdiv(window, BLOCK_N) of them), then extra-key
     # tiles; program (token, head block, split) covers tiles [split, split + 1) * tiles_per_split.
@@ -176,8 +178,14 @@ def _window_sparse_attention_kernel(
             in_range = idx < num_extra
             valid = tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range,
                             other=0) != 0
-            keys = tl.load(extra_row + idx[:, None].to(tl.int64) * extra_stride_n + dims[None, :],
-                           mask=valid[:, None] & dim_ok[None, :], other=0.0).to(kv_dtype)
+            if EXTRA_IN_POOL:  # pool rows at this token's slots (extra_stride_n: pool rows)
+                rows = tl.load(extra_slots_ptr + token * slots_stride_t + idx, mask=valid,
+                               other=0).to(tl.int64)
+                key_ptrs = extra_ptr + rows[:, None] * extra_stride_n + dims[None, :]
+            else:
+                key_ptrs = extra_row + idx[:, None].to(tl.int64) * extra_stride_n + dims[None, :]
+            keys = tl.load(key_ptrs, mask=valid[:, None] & dim_ok[None, :],
+                           other=0.0).to(kv_dtype)
             m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
                                                  DOT_FP32, ROUND_P)
 
@@ -262,6 +270,7 @@ def window_sparse_attention(
     extra_valid: torch.Tensor | None,
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
+    extra_slots: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Window + extra-key attention with sinks, no host sync (CUDA-graph safe).
 
@@ -275,6 +284,9 @@ def window_sparse_attention(
     allocated here) and a merge launch. None picks it from the shapes (`_auto_num_splits`: split
     only when tokens x head blocks leaves SMs idle), so rounding may differ between batch sizes.
     Splits past the last key tile are allowed (they contribute nothing).
+    `extra_slots`: optional int32/int64 [T, N]; extra_kv is then a pool [rows, Dh] and token t's
+    extra key n is `extra_kv[extra_slots[t, n]]` (read only where extra_valid; the same values,
+    so the same bits, as passing the gathered `extra_kv[extra_slots]`).
     """
     if q.dim() != 3 or q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q must be [T, H, Dh] bf16/fp16/fp32, got {q.dtype} {tuple(q.shape)}")
@@ -295,7 +307,23 @@ def window_sparse_attention(
         raise ValueError(f"sinks must be [{heads}], got {tuple(sinks.shape)}")
     has_extra = extra_kv is not None
     num_extra = 0
-    if extra_kv is not None:
+    in_pool = extra_slots is not None
+    if extra_slots is not None:
+        if extra_kv is None or extra_valid is None:
+            raise ValueError("extra_slots needs extra_kv (the pool) and extra_valid")
+        if extra_slots.dim() != 2 or extra_slots.shape[0] != tokens or extra_slots.dtype not in (
+                torch.int32, torch.int64) or extra_slots.stride(-1) != 1:
+            raise ValueError(f"extra_slots must be int32/int64 [{tokens}, N] with unit stride "
+                             f"along N, got {extra_slots.dtype} {tuple(extra_slots.shape)}")
+        if extra_kv.dim() != 2 or extra_kv.shape[1] != head_dim \
+                or extra_kv.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"extra_kv must be a pool [rows, {head_dim}] float with "
+                             f"extra_slots, got {extra_kv.dtype} {tuple(extra_kv.shape)}")
+        num_extra = extra_slots.shape[1]
+        if extra_valid.shape != extra_slots.shape or extra_valid.dtype != torch.bool:
+            raise ValueError(f"extra_valid must be bool [{tokens}, {num_extra}], got "
+                             f"{extra_valid.dtype} {tuple(extra_valid.shape)}")
+    elif extra_kv is not None:
         if extra_valid is None:
             raise ValueError("extra_valid is required with extra_kv")
         if extra_kv.dim() != 3 or extra_kv.shape[0] != tokens or extra_kv.shape[2] != head_dim \
@@ -325,9 +353,14 @@ def window_sparse_attention(
         has_extra = False
         extra_arg, valid_arg = q, positions  # never read (HAS_EXTRA=False)
         extra_strides, valid_stride = (0, 0), 0
+    elif in_pool:
+        extra_arg, valid_arg = extra_kv, extra_valid.view(torch.uint8)
+        extra_strides, valid_stride = (0, extra_kv.stride(0)), extra_valid.stride(0)
     else:
         extra_arg, valid_arg = extra_kv, extra_valid.view(torch.uint8)
         extra_strides, valid_stride = (extra_kv.stride(0), extra_kv.stride(1)), extra_valid.stride(0)
+    slots_arg = extra_slots if in_pool and has_extra else positions  # read with EXTRA_IN_POOL only
+    slots_stride = extra_slots.stride(0) if in_pool and extra_slots is not None else 0
     d_pow2 = max(16, triton.next_power_of_2(head_dim))
     block_h = max(16, min(triton.next_power_of_2(heads), _TILE_ELEMS // d_pow2))
     block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
@@ -349,12 +382,12 @@ def window_sparse_attention(
         part_m = part_l = out  # never touched (SPLIT=False)
     _window_sparse_attention_kernel[(tokens, head_blocks, num_splits)](
         q, window_kv, positions, token_slot, req_to_token, sinks, extra_arg, valid_arg, first_out,
-        part_m, part_l,
+        part_m, part_l, slots_arg, slots_stride,
         heads, window, num_extra, scale * _LOG2E, tiles_per_split,
         q.stride(0), q.stride(1), window_kv.stride(0), req_to_token.stride(0),
         extra_strides[0], extra_strides[1], valid_stride, first_strides[0], first_strides[1],
         HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_H=block_h, BLOCK_N=block_n,
-        HAS_EXTRA=has_extra,
+        HAS_EXTRA=has_extra, EXTRA_IN_POOL=in_pool and has_extra,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",

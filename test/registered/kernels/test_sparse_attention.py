@@ -269,3 +269,33 @@ def test_cuda_graph_replay_matches_eager(num_splits: int | None) -> None:
     torch.cuda.synchronize()
     assert torch.equal(captured, window_sparse_attention(**static, num_splits=num_splits))
     assert not torch.equal(captured, before)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extra_keys_read_in_place_from_a_pool(num_splits: int, dtype: torch.dtype) -> None:
+    """extra_slots: the kernel reads each extra key from the pool row the slot names; the same
+    values as the gathered copy, so the same bits, single pass and split-K. Invalid picks point
+    at a row full of NaN, which must never be read."""
+    inputs = _inputs([40, 9, 70], [1, 3, 2], heads=5, head_dim=64, window=16, num_extra=24,
+                     dtype=dtype, seed=41)
+    gen = torch.Generator().manual_seed(42)
+    tokens, n, d = inputs["extra_kv"].shape
+    pool = torch.randn(3 * n * tokens + 1, d, generator=gen).to(dtype)
+    pool[0] = float("nan")  # where invalid picks point
+    slots = torch.randint(1, pool.shape[0], (tokens, n), generator=gen)
+    valid = inputs["extra_valid"].cpu()
+    slots = torch.where(valid, slots, torch.zeros_like(slots))
+    pool, slots = pool.to(DEVICE), slots.to(DEVICE)
+    gathered = {**inputs, "extra_kv": pool[slots].nan_to_num(0.0)}
+    in_pool = {**inputs, "extra_kv": pool, "extra_slots": slots}
+    want = _run_poisoned(gathered, num_splits)
+    got = _run_poisoned(in_pool, num_splits)
+    assert torch.equal(got, want)
+    ref = window_sparse_attention_ref(**gathered)
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+    with pytest.raises(ValueError, match="extra_slots"):
+        window_sparse_attention(**{**in_pool, "extra_slots": slots[:, :3].float()})
+    with pytest.raises(ValueError, match="extra_kv must be a pool"):
+        window_sparse_attention(**{**in_pool, "extra_kv": pool[slots]})

@@ -1,8 +1,9 @@
 """DeepSeek-V4 rotary embedding (spec §3): interleaved pairs on the trailing `rd` channels.
 
 Two rope types exist: "main" (plain RoPE, sliding-only layers) and "compress" (optionally YaRN;
-CSA/HCA layers, their compressors and the indexer). Tables are computed per forward from the flat
-token positions; no cache indexed by position is kept, so any position is valid.
+CSA/HCA layers, their compressors and the indexer). The target model looks its cos/sin rows up in
+a `RopeTable` of every position its context can hold (computed once with `rope_cos_sin`, so the
+rows are the bits a per-forward computation gives); the DSpark draft computes them per forward.
 """
 
 from __future__ import annotations
@@ -46,6 +47,30 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
     """cos/sin tables `[N, rd/2]` in fp32 for integer positions `[N]`."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     return freqs.cos(), freqs.sin()
+
+
+class RopeTable:
+    """cos | sin of one rope type at positions 0..length-1, fp32 `[length, rd]`, computed once.
+
+    A decode step otherwise rebuilds every table from its positions (cast, outer product, cos,
+    sin: four launches per table and per compressor block start); a lookup is one gather. Rows
+    are `rope_cos_sin`'s for the same positions (the same elementwise ops on the same values).
+    """
+
+    def __init__(self, inv_freq: torch.Tensor, length: int) -> None:
+        positions = torch.arange(length, dtype=torch.int64, device=inv_freq.device)
+        cos, sin = rope_cos_sin(positions, inv_freq)
+        self.half = cos.shape[1]
+        self.length = length
+        self.table = torch.cat((cos, sin), dim=1)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) `[N, rd/2]` of positions `[N]` in `[-length, length)`: column views of one
+        gathered `[N, rd]` block (unit stride along rd/2, one row stride for both). Negative
+        positions wrap (they only occur for block starts of rows that end no block, whose
+        entries are discarded)."""
+        rows = self.table[positions]
+        return rows[:, :self.half], rows[:, self.half:]
 
 
 def apply_rope_tail(

@@ -97,6 +97,8 @@ class ModelRunner:
         self.kv_pool = DeepseekV4KVPool(model_cfg, num_pages * page, self.req_pool.size,
                                         rc.max_verify_tokens, self.dtype, self.device)
         self.attn_backend = create_attention_backend(rc.attention_backend)
+        # cos/sin of every position a request can reach, built before any graph is captured.
+        self.model.rope_tables(self.req_pool.max_context_len)
         self.graph_runner: CudaGraphRunner | None = None
         # Runs after every DECODE forward, eagerly or inside the decode graphs (set before they
         # are captured): DSpark commits its draft's context KV of the decoded tokens here.

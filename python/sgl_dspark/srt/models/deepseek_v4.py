@@ -35,8 +35,8 @@ from sgl_dspark.srt.layers.mhc import (
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import (
+    RopeTable,
     RopeTailFn,
-    rope_cos_sin,
     rope_impl,
     rope_inv_freq,
     rope_store_impl,
@@ -46,12 +46,12 @@ from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
 
 class RopeTables:
-    """cos/sin of both rope types for one batch, plus on-demand tables for other positions."""
+    """cos/sin of both rope types for one batch, plus lookups at other positions."""
 
-    def __init__(self, cfg: ModelConfig, positions: torch.Tensor, inv_main: torch.Tensor,
-                 inv_compress: torch.Tensor, rope: RopeTailFn) -> None:
-        self.inv = {"main": inv_main, "compress": inv_compress}
-        self.tables = {k: rope_cos_sin(positions, v) for k, v in self.inv.items()}
+    def __init__(self, positions: torch.Tensor, main: RopeTable, compress: RopeTable,
+                 rope: RopeTailFn) -> None:
+        self.compress = compress
+        self.tables = {"main": main.lookup(positions), "compress": compress.lookup(positions)}
         self.rope = rope
         self._cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = {
             "positions": self.tables["compress"]}
@@ -60,8 +60,7 @@ class RopeTables:
                         cache_key: object = None) -> torch.Tensor:
         """Compressor / indexer entries and index queries at their own positions. Callers whose
         positions are a function of the batch alone name them by `cache_key` ("positions" = the
-        batch's own), so every layer of one forward shares one cos/sin table (a decode step
-        otherwise rebuilds it in four kernels per compressor)."""
+        batch's own), so every layer of one forward shares one lookup."""
         return self.rope(x, *self.compress_table(positions, cache_key))
 
     def compress_table(self, positions: torch.Tensor,
@@ -69,7 +68,7 @@ class RopeTables:
         """cos/sin of the "compress" rope at `positions` (cached under `cache_key`, see above)."""
         table = self._cache.get(cache_key) if cache_key is not None else None
         if table is None:
-            table = rope_cos_sin(positions, self.inv["compress"])
+            table = self.compress.lookup(positions)
             if cache_key is not None:
                 self._cache[cache_key] = table
         return table
@@ -141,9 +140,11 @@ class Attention(nn.Module):
         q = self.rope(q, cos, sin)
         kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
         self.rope_store(kv, cos, sin, kv_state.window, batch.out_cache_loc)
-        extra, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
+        slots, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
+        # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather).
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
-                            self.head_dim**-0.5, extra, valid)
+                            self.head_dim**-0.5, kv_state.compressed if slots is not None else None,
+                            valid, slots)
         o = self.rope(o, cos, sin, inverse=True)
         og = o.reshape(T, self.groups, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
@@ -153,8 +154,10 @@ class Attention(nn.Module):
     def _compressed_keys(self, comp_in: list[torch.Tensor], index_q: list[torch.Tensor],
                          batch: ForwardBatch, kv_state: LayerKV, rope: RopeTables,
                          ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """comp_in: this layer's x projections after q_a and kv (compressor kv, gate, then the
-        indexer's kv, gate, weights); index_q: [indexer q_b(qr)] on CSA layers."""
+        """(pool rows [T, N] of the compressed entries each token attends to, their validity
+        [T, N]), or (None, None) on sliding layers. comp_in: this layer's x projections after
+        q_a and kv (compressor kv, gate, then the indexer's kv, gate, weights); index_q:
+        [indexer q_b(qr)] on CSA layers."""
         comp = self.compressor
         if comp is None:
             return None, None
@@ -167,14 +170,14 @@ class Attention(nn.Module):
             slots = entry_slots(batch, n_max, m)
             valid = batch.cached(("hca_valid", n_max, m), lambda: torch.arange(
                 n_max, device=batch.positions.device)[None, :] < visible_entries(batch, m)[:, None])
-            return kv_state.compressed[slots], valid
+            return slots, valid
         indexer: Indexer = comp.indexer  # type: ignore[assignment]
         assert kv_state.index_keys is not None and kv_state.index_state is not None
         indexer.compress(comp_in[2], comp_in[3], batch, kv_state.index_state,
                          kv_state.index_keys, rope)
         ids, valid = indexer.select(index_q[0], comp_in[4], batch, kv_state.index_keys, rope)
         slots = entry_slots(batch, n_max, m).gather(1, ids) if ids.shape[1] else ids
-        return kv_state.compressed[slots], valid
+        return slots, valid
 
 
 def add_moe_and_mixers(layer: nn.Module, cfg: ModelConfig, is_hash: bool,
@@ -266,6 +269,23 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)
         self.linear = linear_impl(self.kernels)
+        self._rope_tables: tuple[RopeTable, RopeTable] | None = None
+
+    def rope_tables(self, context_len: int) -> tuple[RopeTable, RopeTable]:
+        """The ("main", "compress") cos/sin tables of positions 0..context_len-1 (every position
+        a request of a `context_len`-wide token table can hold), built on first use. The model
+        runner builds them before any graph is captured; a capture never builds one."""
+        tables = self._rope_tables
+        if tables is None or tables[0].length < context_len or (
+                tables[0].table.device != self.lm_head.weight.device):
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("rope tables must be built before CUDA-graph capture "
+                                   "(call rope_tables(context_len) first)")
+            m = self.model
+            tables = (RopeTable(m.inv_freq_main, context_len),
+                      RopeTable(m.inv_freq_compress, context_len))
+            self._rope_tables = tables
+        return tables
 
     def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
                 tap_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -273,7 +293,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         batch.memo.clear()   # per-forward derived tensors (see ForwardBatch.memo)
         x = m.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        rope = RopeTables(self.cfg, batch.positions, m.inv_freq_main, m.inv_freq_compress,
+        rope = RopeTables(batch.positions, *self.rope_tables(batch.req_to_token.shape[1]),
                           self.compress_rope)
         taps: dict[int, torch.Tensor] = {}
 

@@ -14,7 +14,8 @@ class BaseAttentionBackend(ABC):
     @abstractmethod
     def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
                 sinks: torch.Tensor, window: int, scale: float,
-                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None) -> torch.Tensor:
+                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
+                extra_slots: torch.Tensor | None = None) -> torch.Tensor:
         """Attention output for every token of the batch.
 
         Args:
@@ -24,6 +25,9 @@ class BaseAttentionBackend(ABC):
             window: query at position t sees window positions (t - window, t].
             extra_kv: `[T, N, Dh]` per-token compressed entries (or None), with
             extra_valid: `[T, N]` bool visibility/selection mask.
+            extra_slots: optional `[T, N]` int rows of a pool: extra_kv is then the pool
+                `[rows, Dh]` and the entries are `extra_kv[extra_slots]` (a backend may read
+                them in place instead of gathering a copy).
         Returns:
             `[T, H, Dh]` in q's dtype.
         """

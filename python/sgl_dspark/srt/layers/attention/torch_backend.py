@@ -11,7 +11,10 @@ from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 class TorchAttentionBackend(BaseAttentionBackend):
     def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
                 sinks: torch.Tensor, window: int, scale: float,
-                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None) -> torch.Tensor:
+                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
+                extra_slots: torch.Tensor | None = None) -> torch.Tensor:
+        if extra_kv is not None and extra_slots is not None:
+            extra_kv = extra_kv[extra_slots]
         pos = batch.positions
         offs = torch.arange(window - 1, -1, -1, device=pos.device)
         win_pos = pos[:, None] - offs[None, :]                          # [T, W]

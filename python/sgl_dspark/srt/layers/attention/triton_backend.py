@@ -23,9 +23,10 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
     def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
                 sinks: torch.Tensor, window: int, scale: float,
-                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None) -> torch.Tensor:
+                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
+                extra_slots: torch.Tensor | None = None) -> torch.Tensor:
         token_slot = batch.token_slots()
         return self._attention(
             q, window_kv, batch.positions, token_slot, batch.req_to_token, window, sinks, scale,
-            extra_kv, extra_valid,
+            extra_kv, extra_valid, extra_slots=extra_slots,
         )
