@@ -328,7 +328,7 @@ CASES: list[dict[str, Any]] = [
     dict(name="K6 silu_mul_clamp routed (I=2048, fp8 group)", make_inputs=_act_routed_inputs,
          reference=silu_mul_clamp_ref, launcher=silu_mul_clamp, check=_act_check,
          bytes_moved=_act_routed_bytes),
-    dict(name="fused_moe stage 1 + K6 + stage 2 (EP4, 96 local, bf16)",
+    dict(name="fused_moe stage 1 with K6 epilogue + stage 2 (EP4, 96 local, bf16)",
          make_inputs=_experts_inputs, reference=_experts_torch, launcher=_experts_launch,
          check=_experts_check, bytes_moved=_experts_bytes),
 ]  # fmt: skip

@@ -9,9 +9,27 @@ to one local expert, every row is a packed route id `(slot << 24) | token` or th
     row = token * topk + slot (stage 2: a = h [M * topk, I], the route's activation)
 
 Sentinel rows and pairs routed to remote experts are never written (their output rows keep
-whatever the buffer held; K4 never reads them). `fused_moe` chains the routed expert:
-stage 1 with `gate_up_proj` -> K6 clamped SwiGLU -> stage 2 with `down_proj`, giving
-`y [M, topk, D]` per (token, slot), the layout K4 (`moe_reduce`) reduces.
+whatever the buffer held; K4 never reads them). `fused_moe` runs the routed expert in two
+launches: stage 1 with `gate_up_proj` and K6's clamped SwiGLU as its epilogue (`out_swiglu`),
+then stage 2 with `down_proj`, giving `y [M, topk, D]` per (token, slot), the layout K4
+(`moe_reduce`) reduces. K6 can instead run as stage 2's input prologue (`a_swiglu`), but every
+N tile then recomputes it (x D / BLOCK_N, dead rows of each block too): on the H200 (bf16, CUDA
+graphs) the two-launch chain took 16.4 / 66.4 us at M = 1 / 256 with the epilogue, 23.8 / 132.8
+with the prologue and 17.1 / 73.4 as three launches (D 1024, I 512, 64 experts, top-6); 96.6 /
+196.5 / 97.9 us at M = 1 with D 4096, I 2048, 96 experts.
+
+Exactness of both against stage 1 -> `silu_mul_clamp` -> stage 2: K6 is evaluated with K6's fp32
+ops in K6's order (selects for the clamps, exp2, `div_rn`, (g * sigmoid) * u; no mul feeds an
+add, so FMA contraction cannot differ) on the values the plain GEMM stores (the epilogue rounds
+its accumulators to bf16 first, as the store would), then rounded to bf16 as K6's plain output
+is (nearest even: K6's store cast compiled, on the bits interpreted, like `_k6`). The prologue
+feeds stage 2's dot the very tiles it loaded before (dead rows and columns past K are 0 both
+ways: K6 of 0s is +0). The epilogue's tile holds BLOCK_N / 2 gate and BLOCK_N / 2 up rows of
+the weight: the same dot shape, A tile and K steps as the plain stage 1, only with columns at
+other positions of the tile, and a compiled dot (mma or FMA) sums each output in an order that
+does not depend on its column, so the bits match on the GPU (checked on the H200). The CPU
+interpreter's dot is numpy's fp32 matmul, whose sums do depend on a column's position: there
+the epilogue matches to fp32 rounding only (the prologue stays bit-exact).
 
 Numerics: X2 (fp32 accumulation order differs from torch's matmul). fp32 inputs use IEEE fp32
 dot products (no tf32); bf16 inputs multiply exactly and accumulate in fp32, then round once to
@@ -27,8 +45,14 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _require
-from sgl_dspark.kernels._triton_utils import programmatic_launch, round_to_bf16, wait_for_producers
-from sgl_dspark.kernels.activation import silu_mul_clamp, silu_mul_clamp_ref
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    programmatic_launch,
+    round_bf16_native_or_bits,
+    round_to_bf16,
+    wait_for_producers,
+)
+from sgl_dspark.kernels.activation import silu_mul_clamp_ref
 from sgl_dspark.kernels.moe_sort import MoeSortOutput
 
 _TOKEN_MASK = (1 << 24) - 1
@@ -44,13 +68,22 @@ def moe_grouped_gemm_ref(
     a_per_pair: bool = False,
     block_size: int = 32,
     out: torch.Tensor | None = None,
+    *,
+    a_swiglu: bool = False,
+    out_swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Reference (the spec); same arguments as `moe_grouped_gemm`. Block by block over the valid
-    prefix of K1's layout: each live row's product in fp32, rounded once to a's dtype."""
+    prefix of K1's layout: each live row's product in fp32, rounded once to a's dtype (with
+    a_swiglu of K6(a), with out_swiglu then K6 of it; K6 as `silu_mul_clamp_ref`)."""
+    if a_swiglu:
+        h = silu_mul_clamp_ref(a, swiglu_limit)
+        assert isinstance(h, torch.Tensor)
+        a = h
     num_tokens = a.shape[0] // topk if a_per_pair else a.shape[0]
     if out is None:
-        out = torch.full((num_tokens * topk, weight.shape[1]), float("nan"), dtype=a.dtype,
-                         device=a.device)  # fmt: skip
+        n_out = weight.shape[1] // 2 if out_swiglu else weight.shape[1]
+        out = torch.full((num_tokens * topk, n_out), float("nan"), dtype=a.dtype, device=a.device)
     num_entries = int(num_valid[0])
     for block in range(num_entries // block_size):
         packed = sorted_ids[block * block_size : (block + 1) * block_size].long()
@@ -59,17 +92,46 @@ def moe_grouped_gemm_ref(
         pair = token[live] * topk + slot[live]
         rows = pair if a_per_pair else token[live]
         expert = int(sorted_expert_ids[block])
-        out[pair] = (a[rows].float() @ weight[expert].float().t()).to(a.dtype)
+        product = (a[rows].float() @ weight[expert].float().t()).to(a.dtype)
+        if out_swiglu:
+            h = silu_mul_clamp_ref(product, swiglu_limit)
+            assert isinstance(h, torch.Tensor)
+            product = h
+        out[pair] = product
     return out
+
+
+@triton.jit
+def _k6(gate, up, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr,
+        ON_BITS: tl.constexpr):  # fmt: skip
+    """K6 (activation.py `_clamped_swiglu`) op for op on fp32 gate / up tiles, then the bf16 value
+    K6's plain output stores (nearest even: the native cast compiled, the bits interpreted)."""
+    if HAS_LIMIT:
+        gate = tl.where(gate > limit, limit, gate)
+        up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
+    one = tl.full(gate.shape, 1.0, tl.float32)
+    sigmoid = tl.div_rn(one, 1.0 + tl.exp2(-gate * 1.4426950408889634))
+    y = gate * sigmoid * up
+    if ROUND_BF16:
+        y = round_bf16_native_or_bits(y, ON_BITS)
+    return y
+
+
+@triton.jit
+def _dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
+    if DOT_FP32:
+        return tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a_tile, w_tile, acc)
 
 
 @triton.jit
 def _moe_grouped_gemm_kernel(
     a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_valid_ptr,
-    num_tokens, n_cols, k_dim, stride_a, stride_we, stride_wn, stride_out,
+    num_tokens, n_cols, k_dim, stride_a, stride_we, stride_wn, stride_out, limit,
     TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, A_SWIGLU: tl.constexpr, OUT_SWIGLU: tl.constexpr,
+    HAS_LIMIT: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Everything depends on K1's routing (which blocks live, which expert's weights): no
     # weight can be fetched before the previous kernels' outputs are visible.
@@ -87,26 +149,47 @@ def _moe_grouped_gemm_kernel(
         a_rows = pair
     else:
         a_rows = token
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
+    if OUT_SWIGLU:
+        # Tile columns [0, HALF) are gate rows j of the weight, [HALF, BLOCK_N) the matching up
+        # rows n_cols + j (n_cols = I): one dot of the plain GEMM's shape, HALF outputs.
+        HALF: tl.constexpr = BLOCK_N // 2
+        cols = tl.program_id(1) * HALF + tl.arange(0, BLOCK_N) % HALF
+        col_ok = cols < n_cols
+        w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_cols)
+    else:
+        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        w_rows = cols
     w_base = w_ptr + expert * stride_we
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_dim
-        a_tile = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
-                         mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w_tile = tl.load(w_base + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        if DOT_FP32:
-            acc = tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc,
-                         input_precision="ieee")  # fmt: skip
+        if A_SWIGLU:  # K6 of [gate | up]: dead rows / columns load 0 and give y = +0 exactly
+            a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
+            a_ok = live[:, None] & k_ok[None, :]
+            gate = tl.load(a_ptrs, mask=a_ok, other=0.0).to(tl.float32)
+            up = tl.load(a_ptrs + k_dim, mask=a_ok, other=0.0).to(tl.float32)
+            a_tile = _k6(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+            a_tile = a_tile.to(a_ptr.dtype.element_ty)
         else:
-            acc = tl.dot(a_tile, w_tile, acc)
+            a_tile = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                             mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w_tile = tl.load(w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        acc = _dot(a_tile, w_tile, acc, DOT_FP32)
     if ROUND_BF16:
         acc = round_to_bf16(acc)
-    tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=live[:, None] & col_ok[None, :])  # fmt: skip
+    if OUT_SWIGLU:  # K6 of the [gate | up] values a plain stage 1 would have stored
+        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+        y = _k6(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+        j = tl.program_id(1) * HALF + tl.arange(0, HALF)
+        tl.store(out_ptr + pair[:, None] * stride_out + j[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & (j < n_cols)[None, :])  # fmt: skip
+    else:
+        tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :],
+                 acc.to(out_ptr.dtype.element_ty),
+                 mask=live[:, None] & col_ok[None, :])  # fmt: skip
 
 
 def _check_sorted(
@@ -143,6 +226,10 @@ def moe_grouped_gemm(
     a_per_pair: bool = False,
     block_size: int = 32,
     out: torch.Tensor | None = None,
+    *,
+    a_swiglu: bool = False,
+    out_swiglu: bool = False,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """One expert GEMM over K1's sorted blocks, one launch, no host sync (graph-safe).
 
@@ -154,17 +241,38 @@ def moe_grouped_gemm(
             `block_size`, on a's device.
         topk: routes per token (the packing of sorted_ids).
         out: optional [M * topk, N] in a's dtype, last dim contiguous.
+        a_swiglu: K6 as input prologue: a is [rows, 2K] = [gate | up] (a stage-1 output) and the
+            A operand is `silu_mul_clamp(a, swiglu_limit)` [rows, K], formed tile by tile in
+            registers, bit for bit K6's. Every N tile recomputes it (BLOCK_M x K per program,
+            dead rows too): 2x slower than the three launches on the H200 (module docstring).
+        out_swiglu: K6 as output epilogue: weight is [E_loc, 2I, K] = [gate rows | up rows];
+            out [M * topk, I] = `silu_mul_clamp` of what the plain GEMM would store, K6
+            evaluated once per element (each program's tile pairs gate and up columns).
+        swiglu_limit: K6's clamp (> 0), only with a_swiglu or out_swiglu; None: no clamp.
     Returns:
-        out [M * topk, N]: row token * topk + slot = a[row] @ weight[e].T for every route K1
-        kept; other rows are left as they were (undefined when out is allocated here).
+        out [M * topk, N] ([M * topk, N / 2] with out_swiglu): row token * topk + slot =
+        a[row] @ weight[e].T (K6 applied to a[row] / to the product with a_swiglu / out_swiglu)
+        for every route K1 kept; other rows are left as they were (undefined when out is
+        allocated here).
     """
     _require(a.dim() == 2 and a.dtype in (torch.bfloat16, torch.float32) and a.stride(1) == 1,
              f"a must be bf16/fp32 [rows, K] with a contiguous last dim, got {a.dtype} "
              f"{tuple(a.shape)} strides {a.stride()}")  # fmt: skip
+    _require(not (a_swiglu and out_swiglu), "a_swiglu and out_swiglu are exclusive")
+    _require(a_swiglu or out_swiglu or swiglu_limit is None,
+             "swiglu_limit needs a_swiglu=True or out_swiglu=True")  # fmt: skip
+    _require(swiglu_limit is None or swiglu_limit > 0,
+             f"swiglu_limit must be > 0 or None, got {swiglu_limit}")  # fmt: skip
+    _require(not a_swiglu or a.shape[1] % 2 == 0,
+             f"a_swiglu needs a = [gate | up] of even width 2K, got {tuple(a.shape)}")  # fmt: skip
+    k_in = a.shape[1] // 2 if a_swiglu else a.shape[1]
     _require(weight.dim() == 3 and weight.dtype == a.dtype and weight.stride(2) == 1
-             and weight.shape[2] == a.shape[1],
-             f"weight must be {a.dtype} [E_loc, N, {a.shape[1]}] with a contiguous last dim, "
-             f"got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+             and weight.shape[2] == k_in,
+             f"weight must be {a.dtype} [E_loc, N, {k_in}] with a contiguous last dim"
+             + (f" (a_swiglu: a's width {a.shape[1]} must be 2 * weight's K)" if a_swiglu else "")
+             + f", got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+    _require(not out_swiglu or weight.shape[1] % 2 == 0,
+             f"out_swiglu needs weight [E_loc, 2I, K], got {tuple(weight.shape)}")  # fmt: skip
     _require(topk >= 1, f"topk must be >= 1, got {topk}")
     _require(not a_per_pair or a.shape[0] % topk == 0,
              f"a_per_pair needs a [M * {topk}, K], got {tuple(a.shape)}")  # fmt: skip
@@ -172,21 +280,24 @@ def moe_grouped_gemm(
     num_tokens = a.shape[0] // topk if a_per_pair else a.shape[0]
     _require(num_tokens < 1 << 24, f"M = {num_tokens} does not fit the packed route ids")
     n_cols, k_dim = weight.shape[1], weight.shape[2]
+    n_out = n_cols // 2 if out_swiglu else n_cols
     if out is None:
-        out = torch.empty(num_tokens * topk, n_cols, dtype=a.dtype, device=a.device)
-    _require(tuple(out.shape) == (num_tokens * topk, n_cols) and out.dtype == a.dtype
+        out = torch.empty(num_tokens * topk, n_out, dtype=a.dtype, device=a.device)
+    _require(tuple(out.shape) == (num_tokens * topk, n_out) and out.dtype == a.dtype
              and out.stride(1) == 1 and out.device == a.device,
-             f"out must be {a.dtype} {(num_tokens * topk, n_cols)} "
+             f"out must be {a.dtype} {(num_tokens * topk, n_out)} "
              "with a contiguous last dim")  # fmt: skip
-    if num_tokens == 0 or n_cols == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
+    if num_tokens == 0 or n_out == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
         return out  # no route can be local (E_loc = 0) or nothing to compute
     # Tiles depend on (N, K) only, so a row's summation order never depends on M. Narrow
     # column tiles and long K steps: at decode sizes a few sorted blocks are live, and each
     # program streams its expert's [BLOCK_N, K] weight slice, so more, shorter streams
-    # (32 columns: 2x the programs of 64) keep more SMs reading.
+    # (32 columns: 2x the programs of 64) keep more SMs reading. out_swiglu keeps the tiles and
+    # the grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and
+    # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
     block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
     block_k = min(128, max(16, triton.next_power_of_2(k_dim)))
-    grid = (sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n))
+    grid = (sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n))  # 2I / BLOCK_N: I / HALF
     _moe_grouped_gemm_kernel[grid](
         a,
         weight,
@@ -195,12 +306,13 @@ def moe_grouped_gemm(
         sorted_expert_ids,
         num_valid,
         num_tokens,
-        n_cols,
+        n_out,
         k_dim,
         a.stride(0),
         weight.stride(0),
         weight.stride(1),
         out.stride(0),
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
         TOPK=topk,
         A_PER_PAIR=a_per_pair,
         # tf32 must stay off for fp32; see the module docstring for the CPU bf16 case.
@@ -209,6 +321,10 @@ def moe_grouped_gemm(
         BLOCK_M=block_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        A_SWIGLU=a_swiglu,
+        OUT_SWIGLU=out_swiglu,
+        HAS_LIMIT=swiglu_limit is not None,
+        ON_BITS=interpreted(_moe_grouped_gemm_kernel),
         num_warps=4, num_stages=4, **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
     )
     return out
@@ -257,7 +373,9 @@ def fused_moe(
     block_size: int = 32,
     out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Routed experts over K1's layout: stage 1 -> K6 -> stage 2, three launches, no host sync.
+    """Routed experts over K1's layout in two launches, no host sync: stage 1 with K6 as its
+    epilogue (`out_swiglu`), then stage 2; compiled, the same bits as the three-launch chain
+    stage 1 -> `silu_mul_clamp` -> stage 2 (module docstring).
 
     Args:
         x: [M, D] bf16 or fp32, last dim contiguous.
@@ -275,6 +393,7 @@ def fused_moe(
     _require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
              f"gate_up_proj must be [E_loc, 2I, D], got {tuple(gate_up_proj.shape)}")  # fmt: skip
     inter = gate_up_proj.shape[1] // 2
+    _require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
     _require(tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
              f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got "
              f"{tuple(down_proj.shape)}")  # fmt: skip
@@ -286,9 +405,8 @@ def fused_moe(
     if num_tokens == 0:
         return out
     routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
-    gate_up = moe_grouped_gemm(x, gate_up_proj, *routes, block_size=block_size)
-    h = silu_mul_clamp(gate_up, limit)
-    assert isinstance(h, torch.Tensor)
+    h = moe_grouped_gemm(x, gate_up_proj, *routes, block_size=block_size, out_swiglu=True,
+                         swiglu_limit=limit)  # fmt: skip
     moe_grouped_gemm(h, down_proj, *routes, a_per_pair=True, block_size=block_size,
                      out=out.view(num_tokens * topk, hidden))  # fmt: skip
     return out

@@ -9,25 +9,47 @@ rotated tail is rounded once to the input dtype (round-to-nearest-even). The out
 hold a different head count: heads beyond the input's are written as zeros (attention kernels that
 want a head multiple), heads beyond the output's are dropped (un-padding the attention output).
 
-Exactness: X1. Each product and the final add/sub are separately rounded fp32 operations, as in
-the reference (the kernel is launched with FMA contraction disabled), and the bf16 rounding is
-done on the bits (RNE), so the kernel equals the reference bit for bit on GPU and in the
-interpreter (whose own fp32 -> bf16 cast truncates).
+Optional pre-norm (``norm_eps``): each (token, head) row of D channels is first RMS-normalised
+over all D channels as `kernels/rmsnorm.py` does (the q heads' weightless norm, or the KV row's
+weighted one), rounded to x's dtype where the unfused `rms_norm` -> `rope_tail` chain stores it;
+the nope channels are then written normed and the tail rotated from the rounded normed values.
+This saves the norm's launch: H200, CUDA graphs, bf16, M = 1, norm + rope went from 2.03 to 1.53
+us for q (16 heads of 512, padded to 64) and from 1.70 to 1.02 us for the KV row (scatter).
+
+Exactness: X1 without the norm. Each product and the final add/sub are separately rounded fp32
+operations, as in the reference (the kernel is launched with FMA contraction disabled), and the
+bf16 rounding is done on the bits (RNE), so the kernel equals the reference bit for bit on GPU and
+in the interpreter (whose own fp32 -> bf16 cast truncates).
+With the norm: X2 against `rms_norm_ref` -> `rope_tail_ref`. The sum of squares is reduced in the
+kernel's own order (nope part and rope pairs summed separately, then added; the tree depends on D
+and on the launch's head block and warps, themselves fixed by D and H_out, never on the token
+count M, so a row's bits depend neither on M nor on the other rows) and the rsqrt is `tl.rsqrt`,
+so rstd may differ from torch's in its last bits. Every later step is the reference's: weighted
+`dtype(w * (x * rstd))`, weightless `dtype(x * dtype(rstd))`, each an fp32 operation rounded to
+nearest even, then the X1 rotation of the rounded normed values. Given the kernel's own normed
+row, the output is the reference rotation bit for bit. bf16 outputs differ from the composition
+only where rstd's last bit moves a rounding (1 element in 2.8M in tests), fp32 by a few ulps.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import (
+    interpreted,
     programmatic_launch,
+    round_bf16_native_or_bits,
     round_to_bf16,
     wait_for_producers,
 )
+from sgl_dspark.kernels.rmsnorm import rms_norm_ref
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_X_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # `_round_to_x`
 
 
 def rope_tail_ref(
@@ -37,12 +59,23 @@ def rope_tail_ref(
     *,
     inverse: bool = False,
     out_heads: int | None = None,
+    norm_eps: float | None = None,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Reference: rotate the trailing ``rd = 2 * cos.shape[1]`` channels of every head.
 
     x [M, H, D] (bf16/fp16/fp32), cos/sin fp32 [M, rd/2] (positions already applied).
+    norm_eps: first apply `rms_norm_ref(x, norm_weight, norm_eps)` to every (token, head) row of
+    D channels (norm_weight [D] or None for the weightless norm), i.e. the unfused composition
+    `rms_norm` -> `rope_tail`; `rope_tail` with the same arguments is X2 against it (module).
     Returns [M, out_heads or H, D] in x's dtype.
     """
+    if norm_eps is not None:
+        if inverse:
+            raise ValueError("norm_eps (pre-norm) is not supported with inverse=True")
+        x = rms_norm_ref(x, norm_weight, norm_eps)
+    elif norm_weight is not None:
+        raise ValueError("norm_weight needs norm_eps")
     num_tokens, num_heads, head_dim = x.shape
     rope_dim = 2 * cos.shape[1]
     xf = x.float()
@@ -60,6 +93,17 @@ def rope_tail_ref(
 
 
 @triton.jit
+def _round_to_x(v, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
+    """fp32 -> the nearest-even value of x's dtype (X_KIND 0 fp32, 1 bf16, 2 fp16), kept in fp32
+    (exact on store). bf16 on the bits in the interpreter only (its own cast truncates)."""
+    if X_KIND == 1:
+        v = round_bf16_native_or_bits(v, ON_BITS)
+    elif X_KIND == 2:
+        v = v.to(tl.float16).to(tl.float32)
+    return v
+
+
+@triton.jit
 def _rope_tail_kernel(
     x_ptr,
     cos_ptr,
@@ -73,6 +117,8 @@ def _rope_tail_kernel(
     out_stride_h,
     cs_stride_m,
     out_rows_ptr,
+    norm_w_ptr,
+    norm_eps,
     NOPE: tl.constexpr,
     HALF: tl.constexpr,
     NOPE_POW2: tl.constexpr,
@@ -81,6 +127,10 @@ def _rope_tail_kernel(
     INVERSE: tl.constexpr,
     OUT_BF16: tl.constexpr,
     SCATTER: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # x is the projection's output; out may still be read
@@ -97,7 +147,8 @@ def _rope_tail_kernel(
     nope_cols = tl.arange(0, NOPE_POW2)[None, :]
     nope_mask = nope_cols < NOPE
     nope = tl.load(x_rows + nope_cols, mask=is_src[:, None] & nope_mask, other=0.0)
-    tl.store(out_rows + nope_cols, nope, mask=is_dst[:, None] & nope_mask)
+    if not NORM:
+        tl.store(out_rows + nope_cols, nope, mask=is_dst[:, None] & nope_mask)
 
     pair = tl.arange(0, HALF_POW2)
     pair_mask = pair < HALF
@@ -109,6 +160,36 @@ def _rope_tail_kernel(
     load_mask = is_src[:, None] & pair_mask[None, :]
     a = tl.load(x_rows + even_cols, mask=load_mask, other=0.0).to(tl.float32)
     b = tl.load(x_rows + even_cols + 1, mask=load_mask, other=0.0).to(tl.float32)
+    if NORM:
+        # RMSNorm of the whole row (rmsnorm.py's rounding points). Masked lanes load 0 and add
+        # nothing; the tree depends on NOPE_POW2, HALF_POW2, BLOCK_H and the warps (never M).
+        nope = nope.to(tl.float32)
+        sum_sq = tl.sum(nope * nope, axis=1) + tl.sum(a * a + b * b, axis=1)
+        if ((NOPE + 2 * HALF) & (NOPE + 2 * HALF - 1)) == 0:
+            mean_sq = sum_sq * (1.0 / (NOPE + 2 * HALF))  # exact reciprocal: same rounding
+        else:
+            mean_sq = tl.div_rn(sum_sq, (NOPE + 2 * HALF) * 1.0)
+        rstd = tl.rsqrt(mean_sq + norm_eps)[:, None]
+        if NORM_WEIGHT:
+            w_nope = tl.load(norm_w_ptr + nope_cols, mask=nope_mask, other=0.0).to(tl.float32)
+            w_pair = pair_mask[None, :]
+            w_a = tl.load(norm_w_ptr + even_cols, mask=w_pair, other=0.0).to(tl.float32)
+            w_b = tl.load(norm_w_ptr + even_cols + 1, mask=w_pair, other=0.0).to(tl.float32)
+            nope = w_nope * (nope * rstd)
+            a = w_a * (a * rstd)
+            b = w_b * (b * rstd)
+        else:
+            rstd = _round_to_x(rstd, X_KIND, ON_BITS)
+            nope = nope * rstd
+            a = a * rstd
+            b = b * rstd
+        # Rounded where the unfused chain stores the norm's output; the rotation reads these.
+        nope = tl.where(is_src[:, None], _round_to_x(nope, X_KIND, ON_BITS), 0.0)
+        a = _round_to_x(a, X_KIND, ON_BITS)
+        b = _round_to_x(b, X_KIND, ON_BITS)
+        # After every load of the row (out may be x itself).
+        tl.store(out_rows + nope_cols, nope.to(out_ptr.dtype.element_ty),
+                 mask=is_dst[:, None] & nope_mask)
     # Pad heads get +0.0 exactly (0 * negative cos would give -0.0).
     rot_a = tl.where(is_src[:, None], a * cos - b * sin, 0.0)
     rot_b = tl.where(is_src[:, None], a * sin + b * cos, 0.0)
@@ -123,6 +204,27 @@ def _rope_tail_kernel(
     tl.store(out_rows + even_cols + 1, rot_b, mask=store_mask)
 
 
+def _check_norm_args(x: torch.Tensor, inverse: bool, norm_eps: float | None,
+                     norm_weight: torch.Tensor | None) -> None:
+    if norm_eps is None:
+        if norm_weight is not None:
+            raise ValueError("norm_weight needs norm_eps (the pre-norm is off without it)")
+        return
+    if inverse:
+        raise ValueError("norm_eps (pre-norm) is not supported with inverse=True")
+    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not (
+            math.isfinite(norm_eps) and norm_eps >= 0):
+        raise ValueError(f"norm_eps must be a finite float >= 0, got {norm_eps!r}")
+    if norm_weight is None:
+        return
+    head_dim = x.shape[2]
+    if norm_weight.shape != (head_dim,) or norm_weight.dtype not in (torch.float32, x.dtype) or (
+            norm_weight.stride(0) != 1 or norm_weight.device != x.device):
+        raise ValueError(f"norm_weight must be [D={head_dim}] fp32 or {x.dtype} with unit stride "
+                         f"on {x.device}, got {norm_weight.dtype} {tuple(norm_weight.shape)} "
+                         f"strides {norm_weight.stride()} on {norm_weight.device}")
+
+
 def rope_tail(
     x: torch.Tensor,
     cos: torch.Tensor,
@@ -132,6 +234,8 @@ def rope_tail(
     out: torch.Tensor | None = None,
     out_heads: int | None = None,
     out_rows: torch.Tensor | None = None,
+    norm_eps: float | None = None,
+    norm_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Rotate the trailing rope channels of every head and write full rows, in one launch.
 
@@ -147,6 +251,13 @@ def rope_tail(
         out_rows: optional int32/int64 [M]: token m is written to ``out[out_rows[m]]`` (``out``
             required, any number of rows; e.g. the paged KV pool at the batch's cache slots),
             replacing a separate index_put. Rows must be distinct (else the last writer wins).
+        norm_eps: fuse a pre-norm: RMS-normalise every (token, head) row of D channels (nope and
+            rope) with this eps before rotating, as `rms_norm(x, norm_weight, norm_eps)` then
+            `rope_tail` (X2 against that composition, see module); the nope channels are
+            written normed. Not with ``inverse``.
+        norm_weight: the norm's weight, [D] fp32 or x's dtype, unit stride (the weighted
+            variant, `dtype(w * (x * rstd))`); None with ``norm_eps``: the weightless one,
+            `dtype(x * dtype(rstd))`. Needs ``norm_eps``.
     Returns:
         ``out``: heads < min(H, H_out) rotated, heads in [H, H_out) zero.
     """
@@ -156,6 +267,7 @@ def rope_tail(
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != num_tokens:
         raise ValueError(f"cos/sin must both be [M={num_tokens}, rd/2], got {tuple(cos.shape)} "
                          f"and {tuple(sin.shape)}")
+    _check_norm_args(x, inverse, norm_eps, norm_weight)
     half = cos.shape[1]
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or half < 1 or 2 * half > head_dim:
         raise ValueError(f"cos/sin must be fp32 with 1 <= rd/2 <= D/2 (D={head_dim}), got "
@@ -189,15 +301,28 @@ def rope_tail(
     nope = head_dim - 2 * half
     out_heads = out.shape[1]
     block_h = max(1, min(16, 4096 // triton.next_power_of_2(head_dim)))
+    meta: dict[str, int] = {}
+    if norm_eps is not None:
+        # The norm's reductions make a small tile's shape matter. H200, CUDA graphs, bf16 at
+        # M = 1 / 32: the KV row (1 head of 512, scatter) took 1.43 / 1.51 us in 8-head blocks of
+        # 4 warps and 1.05 / 1.07 us as one head on one warp (rope alone: 0.96); q (16 heads of
+        # 512 padded to 64) 1.50 / 2.04 us at the default, slower on 1 or 2 warps. The block
+        # (hence the summation tree) follows D and H_out, never M.
+        block_h = min(block_h, triton.next_power_of_2(out_heads))
+        if block_h * triton.next_power_of_2(head_dim) <= 512:
+            meta["num_warps"] = 1
     grid = (num_tokens, triton.cdiv(out_heads, block_h))
     _rope_tail_kernel[grid](
         x, cos, sin, out, num_heads, out_heads,
         x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        cos if out_rows is None else out_rows, NOPE=nope, HALF=half,
+        cos if out_rows is None else out_rows,
+        x if norm_weight is None else norm_weight, 0.0 if norm_eps is None else float(norm_eps),
+        NOPE=nope, HALF=half,
         NOPE_POW2=triton.next_power_of_2(max(nope, 1)), HALF_POW2=triton.next_power_of_2(half),
         BLOCK_H=block_h, INVERSE=inverse, OUT_BF16=x.dtype == torch.bfloat16,
-        SCATTER=out_rows is not None,
-        enable_fp_fusion=False,
+        SCATTER=out_rows is not None, NORM=norm_eps is not None,
+        NORM_WEIGHT=norm_weight is not None, X_KIND=_X_KIND[x.dtype],
+        ON_BITS=interpreted(_rope_tail_kernel), enable_fp_fusion=False, **meta,
         **programmatic_launch(_rope_tail_kernel, x.device),
     )
     return out

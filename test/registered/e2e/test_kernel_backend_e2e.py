@@ -15,7 +15,6 @@ import torch
 from sgl_dspark import Engine
 from sgl_dspark.kernels.vocab_argmax import vocab_argmax
 from sgl_dspark.srt.configs.server_args import ServerArgs
-from sgl_dspark.srt.layers.rotary import apply_rope_tail
 from sgl_dspark.srt.speculative.dspark.accept import accept_step
 from sgl_dspark.srt.speculative.dspark.ops import draft_inputs_torch
 
@@ -41,19 +40,25 @@ def _generate(params: dict, **kw) -> list[list[int]]:
         e.shutdown()
 
 
+def _triton_rope(fn) -> bool:
+    """Whether `rope_impl` bound the K13 kernel's wrapper (its torch binding composes
+    `apply_rope_tail` with the norm family's RMSNorm)."""
+    return fn.__name__ == "rope_tail_triton"
+
+
 def _bound(e: Engine) -> dict[str, bool]:
     """Which families the engine's layers bound to Triton (read from the built objects)."""
     model = e.runner.model
     attn = model.model.layers[0].self_attn
     out = {
-        "rope": attn.rope is not apply_rope_tail and model.compress_rope is not apply_rope_tail,
+        "rope": _triton_rope(attn.rope) and _triton_rope(model.compress_rope),
         "mhc": model.hc_boundary is not None,
         "sampling": e.scheduler.sampler.greedy_argmax is vocab_argmax,
     }
     spec = e.scheduler.spec
     if spec is not None:
         draft_attn = spec.draft.model.layers[0].self_attn
-        assert (draft_attn.rope is not apply_rope_tail) == out["rope"]
+        assert _triton_rope(draft_attn.rope) == out["rope"]
         assert (spec.draft.hc_boundary is not None) == out["mhc"]
         out["spec"] = spec.accept_fn is not accept_step
         assert (spec.draft_inputs_fn is not draft_inputs_torch) == out["spec"]

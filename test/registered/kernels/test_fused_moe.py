@@ -8,24 +8,40 @@ Tolerances (X2: only the fp32 summation order differs from torch's matmul):
   * bf16, the whole chain: one-ulp flips of stage 1 and K6 (exp2 lowering) feed stage 2, so a few
     bf16 ulps of |y| ~ 1: rtol = atol = 2^-6.
 Rows the kernel must not write are poisoned with NaN and must still be NaN afterwards.
+
+K6 fused into a GEMM must equal the unfused chain (GEMM -> `silu_mul_clamp` -> GEMM) BIT FOR BIT
+on the GPU: `fused_moe` replaced that chain, and graph / speculative-decoding tests compare tokens.
+Both fusions run K6's fp32 ops in K6's order and round to bf16 the way K6's plain output does
+(compiled: K6 by its store's native nearest-even cast, the fusions by the same cast; interpreted:
+all on the bits, since the interpreter's cast truncates), with the same exp2 function.
+  * Prologue (`a_swiglu`, stage 2): the dot gets the very tiles the unfused stage 2 loads, so the
+    bits match on every backend and are asserted exactly everywhere.
+  * Epilogue (`out_swiglu`, stage 1; what `fused_moe` uses): a tile pairs BLOCK_N / 2 gate with
+    BLOCK_N / 2 up weight rows, so a gate or up column sits at another position of the tile than
+    in the unfused stage 1. A compiled dot's sum for an output does not depend on its position;
+    the interpreter's dot is numpy's fp32 matmul (OpenBLAS), whose sums do (permuting B's
+    columns changes about a third of the fp32 results in the last bit). So the bits are asserted
+    exactly on CUDA only, within CHAIN_TOL on CPU; on every backend the epilogue must equal,
+    bit for bit, the unfused chain run on a weight whose rows are laid out as the epilogue's
+    tiles (same positions), which pins its rounding and K6 arithmetic on CPU too.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+from sgl_dspark.kernels.activation import silu_mul_clamp
 from sgl_dspark.kernels.fused_moe import (
     fused_moe,
     fused_moe_ref,
     moe_grouped_gemm,
     moe_grouped_gemm_ref,
 )
-from sgl_dspark.kernels.moe_sort import moe_sort, moe_sort_ref, prepare_moe_sort
+from sgl_dspark.kernels.moe_sort import MoeSortOutput, moe_sort, moe_sort_ref, prepare_moe_sort
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
-# The chain runs K6 over every row of its stage-1 buffer, remote routes' uninitialised rows too
-# (nobody reads them); numpy reports the overflows that garbage produces in the interpreter.
+# K6 of a very negative gate overflows exp2 to inf (sigmoid 0, as meant); numpy reports it.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -68,6 +84,36 @@ def _local_pairs(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     num_experts = mask.numel()
     known = (ids >= 0) & (ids < num_experts)
     return known & (mask.long()[ids.long().clamp(0, num_experts - 1)] == 1)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The raw bits (so NaN poison compares equal to itself and -0 differs from +0)."""
+    return t.view(torch.int16 if t.dtype == torch.bfloat16 else torch.int32)
+
+
+def _assert_same_bits(got: torch.Tensor, old: torch.Tensor, exact: bool, tol: dict) -> None:
+    """The same NaN entries (K6 of NaN poison need not keep its bits), and elsewhere the same
+    bits (exact) or values within `tol`."""
+    nan = torch.isnan(got)
+    assert torch.equal(nan, torch.isnan(old)), "the fused kernel wrote other entries"
+    if exact:
+        assert torch.equal(_bits(got[~nan]), _bits(old[~nan])), "fused bits differ from the chain"
+    else:
+        torch.testing.assert_close(got[~nan], old[~nan], **tol)
+
+
+def _three_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
+                    sort: MoeSortOutput, topk: int,
+                    limit: float | None) -> torch.Tensor:  # fmt: skip
+    """The composition `fused_moe` replaced: stage 1 -> K6 (`silu_mul_clamp`) -> stage 2."""
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
+    rows = x.shape[0] * topk
+    gate_up = torch.full((rows, gate_up_proj.shape[1]), float("nan"), dtype=x.dtype, device=DEVICE)
+    moe_grouped_gemm(x, gate_up_proj, *routes, out=gate_up)  # remote routes' rows stay NaN
+    h = silu_mul_clamp(gate_up, limit)
+    assert isinstance(h, torch.Tensor)
+    out = torch.full((rows, down_proj.shape[1]), float("nan"), dtype=x.dtype, device=DEVICE)
+    return moe_grouped_gemm(h, down_proj, *routes, a_per_pair=True, out=out)
 
 
 def _randn(shape: tuple[int, ...], scale: float, dtype: torch.dtype,
@@ -144,6 +190,7 @@ def test_grouped_gemm_hand_derived() -> None:
         (17, 3, 8, 64, 32, "all_local", "hot", 1.5),
         (9, 2, 6, 32, 48, "none_local", "topk", 2.0),
         (11, 2, 6, 64, 16, "ep_slice", "topk", 3.0),
+        (3, 6, 8, 160, 64, "random", "topk", 1.0),  # D = 160: two K steps of stage 1
     ],
 )
 def test_fused_moe_matches_ref(num_tokens: int, topk: int, num_experts: int, hidden: int,
@@ -165,6 +212,8 @@ def test_fused_moe_matches_ref(num_tokens: int, topk: int, num_experts: int, hid
     assert torch.isnan(got[~local]).all(), "a remote route was written"
     assert not torch.isnan(got[local]).any()
     torch.testing.assert_close(got[local], want[local], **CHAIN_TOL[dtype])
+    old = _three_launches(x, gate_up, down, sort, topk, limit).view(got.shape)
+    _assert_same_bits(got, old, DEVICE == "cuda", CHAIN_TOL[dtype])  # see the module docstring
 
 
 def test_fused_moe_allocates_output_and_m0() -> None:
@@ -196,3 +245,149 @@ def test_rejects_bad_layouts() -> None:
     with pytest.raises(ValueError, match="sorted_ids"):
         moe_grouped_gemm(x, torch.ones(4, 16, 32, device=DEVICE), sort.sorted_ids.long(),
                          *routes[1:])  # fmt: skip
+
+
+@pytest.mark.parametrize("limit", [None, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_tokens,topk,num_experts,inter,n_cols,mask_kind,routing,a_per_pair,pad",
+    [
+        (1, 1, 4, 48, 64, "all_local", "topk", True, 0),
+        (1, 6, 8, 64, 40, "all_local", "topk", True, 0),
+        (3, 2, 8, 48, 96, "random", "fills", True, 8),  # rows strided: a is a column slice
+        (8, 6, 8, 64, 64, "all_local", "topk", True, 0),
+        (33, 2, 6, 48, 32, "ep_slice", "hot", True, 0),
+        (33, 6, 4, 64, 72, "all_local", "hot", True, 16),
+        (8, 2, 4, 160, 48, "random", "topk", False, 0),  # K = 160: two K steps, the last partial
+    ],
+)
+def test_swiglu_prologue_matches_composition(num_tokens: int, topk: int, num_experts: int,
+                                             inter: int, n_cols: int, mask_kind: str,
+                                             routing: str, a_per_pair: bool, pad: int,
+                                             dtype: torch.dtype,
+                                             limit: float | None) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(num_tokens * 13 + topk * 5 + inter + n_cols + pad)
+    mask = _mask(mask_kind, num_experts, gen)
+    ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
+    sort = moe_sort(ids, weights, prepare_moe_sort(mask), 0)
+    num_local = max(int(mask.sum()), 1)
+    rows = num_tokens * topk if a_per_pair else num_tokens
+    # std 2 around a limit of 1: both clamps (gate above, up on both sides) act on many entries.
+    a = _randn((rows, 2 * inter + pad), 2.0, dtype, gen)[:, : 2 * inter]
+    if limit is not None:
+        gate, up = a[:, :inter], a[:, inter:]
+        assert (gate > limit).any() and (up > limit).any() and (up < -limit).any()
+    weight = _randn((num_local, n_cols, inter), inter**-0.5, dtype, gen)
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk, a_per_pair)
+    poison = torch.full((num_tokens * topk, n_cols), float("nan"), dtype=dtype, device=DEVICE)
+    got = moe_grouped_gemm(a, weight, *routes, out=poison.clone(), a_swiglu=True,
+                           swiglu_limit=limit)  # fmt: skip
+    h = silu_mul_clamp(a, limit)
+    assert isinstance(h, torch.Tensor)
+    old = moe_grouped_gemm(h, weight, *routes, out=poison.clone())
+    written = ~torch.isnan(got).all(dim=1)
+    assert torch.equal(written, _local_pairs(ids, mask).reshape(-1)), "wrong rows written"
+    assert torch.isnan(got[~written]).all(), "a skipped row was partly written"
+    assert not torch.isnan(got[written]).any()
+    assert torch.equal(_bits(got), _bits(old)), "prologue differs from silu_mul_clamp + GEMM"
+    want = moe_grouped_gemm_ref(a, weight, *routes, out=poison.clone(), a_swiglu=True,
+                                swiglu_limit=limit)  # fmt: skip
+    # K6 vs its reference: rare 1-ulp exp2 flips of h, then one GEMM (CHAIN_TOL's budget).
+    torch.testing.assert_close(got[written], want[written], **CHAIN_TOL[dtype])
+    if limit is not None and written.any():  # the limit reached the kernel: clamping mattered
+        free = moe_grouped_gemm_ref(a, weight, *routes, a_swiglu=True)[written].float()
+        assert (free - got[written].float()).abs().max() > 0.1
+
+
+def test_rejects_bad_swiglu_args() -> None:
+    mask = torch.ones(4, dtype=torch.int32, device=DEVICE)
+    ids = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
+    sort = moe_sort(ids, torch.ones(2, 2, device=DEVICE), prepare_moe_sort(mask), 0)
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, 2)
+    gate_up = torch.randn(4, 64, device=DEVICE)
+    weight = torch.randn(4, 16, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="2 \\* weight's K"):  # a's width 64 != 2 * 64
+        moe_grouped_gemm(gate_up, torch.randn(4, 16, 64, device=DEVICE), *routes,
+                         a_per_pair=True, a_swiglu=True)  # fmt: skip
+    with pytest.raises(ValueError, match="a_swiglu"):  # odd width
+        moe_grouped_gemm(gate_up[:, :63], weight, *routes, a_per_pair=True, a_swiglu=True)
+    with pytest.raises(ValueError, match="swiglu_limit"):  # a limit without a fusion
+        moe_grouped_gemm(gate_up[:, :32], weight, *routes, a_per_pair=True, swiglu_limit=1.0)
+    with pytest.raises(ValueError, match="exclusive"):
+        moe_grouped_gemm(gate_up, weight, *routes, a_per_pair=True, a_swiglu=True,
+                         out_swiglu=True)  # fmt: skip
+    x = torch.randn(2, 32, device=DEVICE)
+    with pytest.raises(ValueError, match="out_swiglu"):  # weight [E, 2I, K] needs an even 2I
+        moe_grouped_gemm(x, torch.randn(4, 15, 32, device=DEVICE), *routes, out_swiglu=True)
+    with pytest.raises(ValueError, match="out must be"):  # out_swiglu's out is [M * topk, I]
+        moe_grouped_gemm(x, weight, *routes, out_swiglu=True, out=torch.empty(4, 16))
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="swiglu_limit"):
+            moe_grouped_gemm(gate_up, weight, *routes, a_per_pair=True, a_swiglu=True,
+                             swiglu_limit=bad)  # fmt: skip
+    with pytest.raises(ValueError, match="swiglu_limit"):  # fused_moe checks its limit too
+        fused_moe(x, torch.randn(4, 64, 32, device=DEVICE), torch.randn(4, 32, 32, device=DEVICE),
+                  sort, 2, 0.0)  # fmt: skip
+
+
+@pytest.mark.parametrize("limit", [None, 1.0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_tokens,topk,num_experts,inter,hidden,mask_kind,routing",
+    [
+        (1, 1, 4, 48, 64, "all_local", "topk"),
+        (1, 6, 8, 64, 32, "all_local", "topk"),
+        (3, 2, 8, 48, 160, "random", "fills"),  # D = 160: two K steps, the last partial
+        (8, 6, 8, 64, 64, "all_local", "topk"),
+        (8, 2, 4, 24, 64, "random", "topk"),  # I = 24: the second tile's last 8 columns masked
+        (33, 2, 6, 16, 48, "ep_slice", "hot"),
+        (33, 6, 4, 64, 96, "all_local", "hot"),
+    ],
+)
+def test_swiglu_epilogue_matches_composition(num_tokens: int, topk: int, num_experts: int,
+                                             inter: int, hidden: int, mask_kind: str,
+                                             routing: str, dtype: torch.dtype,
+                                             limit: float | None) -> None:  # fmt: skip
+    gen = torch.Generator().manual_seed(num_tokens * 11 + topk * 3 + inter + hidden)
+    mask = _mask(mask_kind, num_experts, gen)
+    ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
+    sort = moe_sort(ids, weights, prepare_moe_sort(mask), 0)
+    num_local = max(int(mask.sum()), 1)
+    x = _randn((num_tokens, hidden), 1.0, dtype, gen)
+    weight = _randn((num_local, 2 * inter, hidden), 3 * hidden**-0.5, dtype, gen)  # |gate_up| ~ 3
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
+    rows = num_tokens * topk
+    gate_up = moe_grouped_gemm(x, weight, *routes, out=torch.full(
+        (rows, 2 * inter), float("nan"), dtype=dtype, device=DEVICE))  # fmt: skip
+    old = silu_mul_clamp(gate_up, limit)  # unwritten (NaN) rows stay NaN
+    assert isinstance(old, torch.Tensor)
+    poison = torch.full((rows, inter), float("nan"), dtype=dtype, device=DEVICE)
+    got = moe_grouped_gemm(x, weight, *routes, out=poison.clone(), out_swiglu=True,
+                           swiglu_limit=limit)  # fmt: skip
+    written = ~torch.isnan(got).all(dim=1)
+    assert torch.equal(written, _local_pairs(ids, mask).reshape(-1)), "wrong rows written"
+    assert torch.isnan(got[~written]).all(), "a skipped row was partly written"
+    assert not torch.isnan(got[written]).any()
+    _assert_same_bits(got, old, DEVICE == "cuda", CHAIN_TOL[dtype])  # see the module docstring
+    # The chain with the epilogue's column placement: weight rows per tile of BLOCK_N (the
+    # kernel's choice for N = 2I) as [HALF gate rows | HALF up rows], zero rows past I.
+    half = min(32, max(16, 1 << (2 * inter - 1).bit_length())) // 2
+    tiles = -(-inter // half)
+    padded = torch.zeros(num_local, 2, tiles * half, hidden, dtype=dtype, device=DEVICE)
+    padded[:, :, :inter] = weight.view(num_local, 2, inter, hidden)
+    placed = padded.view(num_local, 2, tiles, half, hidden).transpose(1, 2).reshape(
+        num_local, tiles * 2 * half, hidden)  # fmt: skip
+    by_tile = moe_grouped_gemm(x, placed, *routes, out=torch.full(
+        (rows, tiles * 2 * half), float("nan"), dtype=dtype, device=DEVICE))  # fmt: skip
+    gate_up_placed = by_tile.view(rows, tiles, 2, half).transpose(1, 2).reshape(rows, 2, -1)
+    same_place = silu_mul_clamp(gate_up_placed[:, :, :inter].reshape(rows, 2 * inter), limit)
+    assert isinstance(same_place, torch.Tensor)
+    _assert_same_bits(got, same_place, True, {})
+    want = moe_grouped_gemm_ref(x, weight, *routes, out=poison.clone(), out_swiglu=True,
+                                swiglu_limit=limit)  # fmt: skip
+    torch.testing.assert_close(got[written], want[written], **CHAIN_TOL[dtype])
+    if limit is not None and written.any():  # both clamps acted, and the limit reached the kernel
+        gate, up = gate_up[written, :inter], gate_up[written, inter:]
+        assert (gate > limit).any() and (up > limit).any() and (up < -limit).any()
+        free = moe_grouped_gemm_ref(x, weight, *routes, out_swiglu=True)[written].float()
+        assert (free - got[written].float()).abs().max() > 0.1

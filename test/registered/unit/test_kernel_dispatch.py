@@ -28,14 +28,24 @@ TORCH, TRITON = KernelChoice("torch"), KernelChoice("triton")
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
+def _rope_args(seed: int = 3):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(5, 3, 64, generator=gen).to(DEVICE)
+    ang = torch.rand(5, 16, generator=gen) * 50
+    return x, ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+
+
 def test_torch_choice_binds_the_torch_implementations():
-    assert rope_impl(TORCH) is apply_rope_tail
+    x, cos, sin = _rope_args()
+    assert torch.equal(rope_impl(TORCH)(x, cos, sin), apply_rope_tail(x, cos, sin))
     assert hc_boundary_impl(TORCH) is None
     assert create_draft_inputs_fn(TORCH) is draft_inputs_torch
     logits = torch.randn(3, 9, device=DEVICE)
     assert torch.equal(greedy_argmax_impl(TORCH)(logits), torch.argmax(logits, -1))
     mixed = KernelChoice("triton", (("rope", "torch"), ("mhc", "torch")))
-    assert rope_impl(mixed) is apply_rope_tail and hc_boundary_impl(mixed) is None
+    assert torch.equal(rope_impl(mixed)(x, cos, sin, inverse=True),
+                       apply_rope_tail(x, cos, sin, inverse=True))
+    assert hc_boundary_impl(mixed) is None
 
 
 # ---- rope ------------------------------------------------------------------------------------
@@ -225,3 +235,36 @@ def test_markov_greedy_choice_equals_torch_loop():
     assert torch.equal(got.drafts, want.drafts)
     assert torch.equal(got.markov_embeds, want.markov_embeds)
     torch.testing.assert_close(got.step_logits, want.step_logits, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_with_pre_norm_dispatch(dtype):
+    """`norm=` on the rope family: with rope and norm both Triton the norm runs inside the rope
+    launch (X2 against norm then rope: the sum of squares in another order); with the norm
+    family overridden to torch, the torch norm runs first and the bits are norm-then-rope's."""
+    from sgl_dspark.srt.layers.norm import rms_norm
+
+    gen = torch.Generator().manual_seed(11)
+    x = (torch.randn(6, 4, 64, generator=gen) * 3).to(dtype).to(DEVICE)
+    ang = torch.rand(6, 16, generator=gen) * 50
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    w = (torch.rand(64, generator=gen) + 0.5).to(DEVICE)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+    norm_torch = KernelChoice("triton", (("norm", "torch"),))
+    for norm in ((None, 1e-6), (w, 1e-6)):
+        want = apply_rope_tail(rms_norm(x, *norm), cos, sin)
+        got = rope_impl(TRITON)(x, cos, sin, norm=norm)
+        torch.testing.assert_close(got.float(), want.float(), **tol)
+        assert torch.equal(rope_impl(TORCH)(x, cos, sin, norm=norm), want)
+        assert torch.equal(rope_impl(norm_torch)(x, cos, sin, norm=norm), want)
+    slots = torch.tensor([9, 3, 17, 0, 4, 12], device=DEVICE)
+    rows = x[:, 0]
+    pools = {}
+    for name, k in (("torch", TORCH), ("triton", TRITON)):
+        pool = torch.full((20, 64), float("nan"), dtype=dtype, device=DEVICE)
+        rope_store_impl(k)(rows, cos, sin, pool, slots, norm=(w, 1e-6))
+        pools[name] = pool
+    want = apply_rope_tail(rms_norm(rows, w, 1e-6), cos, sin)
+    assert torch.equal(pools["torch"][slots], want)
+    torch.testing.assert_close(pools["triton"][slots].float(), want.float(), **tol)
+    assert torch.isnan(pools["triton"][1].float()).all()

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
 from sgl_dspark.srt.configs.model_config import RopeConfig
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.norm import rms_norm_impl
 
 # (x [N, ..., Dh], cos [N, rd/2], sin [N, rd/2], inverse) -> rotated copy of x
 RopeTailFn = Callable[..., torch.Tensor]
@@ -95,53 +97,94 @@ def apply_rope_tail(
     return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
 
 
+# An RMSNorm applied to x right before its rotation: (weight [Dh] or None for the weightless
+# per-head norm, eps). The norm family's implementation, unless rope and norm are both Triton,
+# in which case the rope kernel normalises each row itself (one launch instead of two).
+PreNorm = tuple[torch.Tensor | None, float]
+
+
+def _fuses_norm(kernels: KernelChoice) -> bool:
+    return kernels.of("rope") == "triton" and kernels.of("norm") == "triton"
+
+
 def rope_impl(kernels: KernelChoice) -> RopeTailFn:
     """The rope-tail implementation of the "rope" family, bound once by the layer that uses it.
 
     torch: `apply_rope_tail`. triton: the K13 kernel (`kernels/rope.py::rope_tail`), which equals
     `apply_rope_tail` bit for bit (the same separately rounded fp32 products, one RNE round to
-    x's dtype). Both take `(x, cos, sin, inverse=False)`; the Triton one takes x `[N, Dh]` or
-    `[N, H, Dh]` with unit stride along Dh.
+    x's dtype). Both take `(x, cos, sin, inverse=False, norm=None)`; the Triton one takes x
+    `[N, Dh]` or `[N, H, Dh]` with unit stride along Dh. `norm` (a `PreNorm`) normalises every
+    row of Dh first; with "norm" also Triton that happens inside the rope launch (X2 against
+    the two launches: the sum of squares is reduced in another order; the rounding points are
+    the same).
     """
+    norm_fn = rms_norm_impl(kernels)
     if kernels.of("rope") == "torch":
-        return apply_rope_tail
+        def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       inverse: bool = False, norm: PreNorm | None = None) -> torch.Tensor:
+            if norm is not None:
+                x = norm_fn(x, *norm)
+            return apply_rope_tail(x, cos, sin, inverse)
+
+        return rope_torch
     # Imported only when chosen: the torch path never loads Triton.
     from sgl_dspark.kernels.rope import rope_tail
 
+    fuse = _fuses_norm(kernels)
+
     def rope_tail_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         inverse: bool = False) -> torch.Tensor:
+                         inverse: bool = False, norm: PreNorm | None = None) -> torch.Tensor:
+        fused_norm: dict[str, Any] = {}
+        if norm is not None and fuse:
+            fused_norm = {"norm_weight": norm[0], "norm_eps": norm[1]}
+        elif norm is not None:
+            x = norm_fn(x, *norm)
         if x.stride(-1) != 1:  # the kernel reads rows with unit channel stride
             x = x.contiguous()
         if x.dim() == 2:  # single-head rows (kv, compressor entries): one head of Dh
-            return rope_tail(x.unsqueeze(1), cos, sin, inverse=inverse).squeeze(1)
+            return rope_tail(x.unsqueeze(1), cos, sin, inverse=inverse,
+                             **fused_norm).squeeze(1)
         assert x.dim() == 3, f"rope_tail takes [N, Dh] or [N, H, Dh], got {tuple(x.shape)}"
-        return rope_tail(x, cos, sin, inverse=inverse)
+        return rope_tail(x, cos, sin, inverse=inverse, **fused_norm)
 
     return rope_tail_triton
 
 
-# (x [N, Dh], cos [N, rd/2], sin [N, rd/2], pool [slots, Dh], slots [N]) -> None: pool[slots] =
-# rope(x) in the pool's dtype
-RopeStoreFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                       None]
+# (x [N, Dh], cos [N, rd/2], sin [N, rd/2], pool [slots, Dh], slots [N], norm=None) -> None:
+# pool[slots] = rope(norm(x)) in the pool's dtype
+RopeStoreFn = Callable[..., None]
 
 
 def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
     """Rotate single-head rows and store them into a paged pool (the KV write of a layer), of the
-    "rope" family. torch: `apply_rope_tail` then an index_put. triton: one `rope_tail` launch that
-    scatters each rotated row to its slot (bit for bit the same values)."""
+    "rope" family, optionally normalising them first (`norm`, as in `rope_impl`). torch:
+    `apply_rope_tail` then an index_put. triton: one `rope_tail` launch that scatters each
+    rotated row to its slot (bit for bit the same values), with the norm inside it when "norm"
+    is Triton too."""
+    norm_fn = rms_norm_impl(kernels)
     if kernels.of("rope") == "torch":
         def store_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        pool: torch.Tensor, slots: torch.Tensor) -> None:
+                        pool: torch.Tensor, slots: torch.Tensor,
+                        norm: PreNorm | None = None) -> None:
+            if norm is not None:
+                x = norm_fn(x, *norm)
             pool[slots] = apply_rope_tail(x, cos, sin).to(pool.dtype)
 
         return store_torch
     from sgl_dspark.kernels.rope import rope_tail
 
+    fuse = _fuses_norm(kernels)
+
     def store_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     pool: torch.Tensor, slots: torch.Tensor) -> None:
+                     pool: torch.Tensor, slots: torch.Tensor,
+                     norm: PreNorm | None = None) -> None:
+        fused_norm: dict[str, Any] = {}
+        if norm is not None and fuse and x.dtype == pool.dtype:
+            fused_norm = {"norm_weight": norm[0], "norm_eps": norm[1]}
+        elif norm is not None:
+            x = norm_fn(x, *norm)
         if x.dtype != pool.dtype or x.stride(-1) != 1:
             x = x.to(pool.dtype).contiguous()
-        rope_tail(x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots)
+        rope_tail(x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots, **fused_norm)
 
     return store_triton

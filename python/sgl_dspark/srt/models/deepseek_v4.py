@@ -135,11 +135,10 @@ class Attention(nn.Module):
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
         q, *index_q = self.qr_proj(qr)
         q = q.view(T, self.n_heads, self.head_dim)
-        if self.q_head_norm:
-            q = self.rms_norm(q, None, self.eps)
-        q = self.rope(q, cos, sin)
-        kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
-        self.rope_store(kv, cos, sin, kv_state.window, batch.out_cache_loc)
+        # Both norms run inside the rope launches (rope_impl / rope_store_impl).
+        q = self.rope(q, cos, sin, norm=(None, self.eps) if self.q_head_norm else None)
+        self.rope_store(kv, cos, sin, kv_state.window, batch.out_cache_loc,
+                        norm=(self.kv_norm.weight, self.kv_norm.eps))
         slots, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
         # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather).
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,

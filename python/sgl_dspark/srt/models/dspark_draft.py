@@ -113,8 +113,8 @@ class DraftAttention(nn.Module):
 
     def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """KV rows `[N, Dh]` of committed tokens from the projected target features."""
-        kv = self.rms_norm(self.kv_proj(main_x), self.kv_norm.weight, self.kv_norm.eps)
-        return self.rope(kv, cos, sin)
+        return self.rope(self.kv_proj(main_x), cos, sin,
+                         norm=(self.kv_norm.weight, self.kv_norm.eps))
 
     def forward(self, u: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: torch.Tensor,
                 ctx_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
@@ -125,11 +125,11 @@ class DraftAttention(nn.Module):
         q_a, kv = self.x_proj(u)
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
         q = self.linear(qr, self.q_b_proj.weight).view(rows, self.n_heads, self.head_dim)
-        if self.q_head_norm:
-            q = self.rms_norm(q, None, self.eps)
-        q = self.rope(q, cos, sin).view(batch, q_len, self.n_heads, self.head_dim)
-        kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
-        kv = self.rope(kv, cos, sin).view(batch, q_len, -1)
+        # Both norms run inside the rope launches (rope_impl).
+        q = self.rope(q, cos, sin, norm=(None, self.eps) if self.q_head_norm else None)
+        q = q.view(batch, q_len, self.n_heads, self.head_dim)
+        kv = self.rope(kv, cos, sin, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        kv = kv.view(batch, q_len, -1)
         o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks,
                            self.head_dim**-0.5).reshape(rows, self.n_heads, -1)
         o = self.rope(o, cos, sin, inverse=True)

@@ -4,8 +4,9 @@ expert, both SwiGLU with the DeepSeek-V4 clamp (spec §6.3).
 The "moe" kernel family picks the implementation once, at construction (style R11):
   * torch: per-expert loop over the routed tokens (reads the expert counts on the host).
   * triton, no host sync in forward: K1 sort of the routes into 32-row expert blocks ->
-    grouped GEMM stage 1 -> K6 clamped SwiGLU -> grouped GEMM stage 2 (`kernels/fused_moe.py`)
-    -> K4 slot-ordered reduce with the shared expert's output added (`kernels/moe_reduce.py`).
+    grouped GEMM stage 1 with the K6 clamped SwiGLU as its epilogue -> grouped GEMM stage 2
+    (`kernels/fused_moe.py`) -> K4 slot-ordered reduce with the shared expert's output added
+    (`kernels/moe_reduce.py`).
     Every expert is local (one GPU): the expert mask is all ones and K1's per-mask table is built
     once, here in the constructor, from a host tensor (so no device read ever happens); it is a
     non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
