@@ -59,19 +59,27 @@ class RopeTable:
     are `rope_cos_sin`'s for the same positions (the same elementwise ops on the same values).
     """
 
-    def __init__(self, inv_freq: torch.Tensor, length: int) -> None:
+    def __init__(self, inv_freq: torch.Tensor, length: int, shifts: tuple[int, ...] = ()) -> None:
         positions = torch.arange(length, dtype=torch.int64, device=inv_freq.device)
         cos, sin = rope_cos_sin(positions, inv_freq)
         self.half = cos.shape[1]
         self.length = length
         self.table = torch.cat((cos, sin), dim=1)
+        # Row p of shifted[s] is row p - s of the table (wrapping like a negative index): the
+        # compressors' block starts (position - (m - 1)) in one gather instead of two launches.
+        self.shifted = {s: torch.roll(self.table, s, dims=0) for s in shifts if s}
 
-    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(cos, sin) `[N, rd/2]` of positions `[N]` in `[-length, length)`: column views of one
-        gathered `[N, rd]` block (unit stride along rd/2, one row stride for both). Negative
-        positions wrap (they only occur for block starts of rows that end no block, whose
-        entries are discarded)."""
-        rows = self.table[positions]
+    def lookup(self, positions: torch.Tensor, shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """(cos, sin) `[N, rd/2]` of `positions - shift` (positions `[N]`, the shifted ones in
+        `[-length, length)`): column views of one gathered `[N, rd]` block (unit stride along
+        rd/2, one row stride for both). Negative positions wrap (they only occur for block
+        starts of rows that end no block, whose entries are discarded)."""
+        if shift == 0:
+            rows = self.table[positions]
+        elif shift in self.shifted:
+            rows = self.shifted[shift][positions]
+        else:
+            rows = self.table[positions - shift]
         return rows[:, :self.half], rows[:, self.half:]
 
 

@@ -63,12 +63,13 @@ class RopeTables:
         batch's own), so every layer of one forward shares one lookup."""
         return self.rope(x, *self.compress_table(positions, cache_key))
 
-    def compress_table(self, positions: torch.Tensor,
-                       cache_key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos/sin of the "compress" rope at `positions` (cached under `cache_key`, see above)."""
+    def compress_table(self, positions: torch.Tensor, cache_key: object = None,
+                       shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of the "compress" rope at `positions - shift` (cached under `cache_key`, see
+        above)."""
         table = self._cache.get(cache_key) if cache_key is not None else None
         if table is None:
-            table = self.compress.lookup(positions)
+            table = self.compress.lookup(positions, shift)
             if cache_key is not None:
                 self._cache[cache_key] = table
         return table
@@ -281,8 +282,9 @@ class DeepseekV4ForCausalLM(nn.Module):
                 raise RuntimeError("rope tables must be built before CUDA-graph capture "
                                    "(call rope_tables(context_len) first)")
             m = self.model
+            block_starts = tuple(sorted({r - 1 for r in self.cfg.compress_ratios if r > 1}))
             tables = (RopeTable(m.inv_freq_main, context_len),
-                      RopeTable(m.inv_freq_compress, context_len))
+                      RopeTable(m.inv_freq_compress, context_len, block_starts))
             self._rope_tables = tables
         return tables
 

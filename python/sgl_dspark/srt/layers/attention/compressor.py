@@ -32,9 +32,9 @@ class CompressRope(Protocol):
                         cache_key: object = None) -> torch.Tensor:
         """Rotate x [N, ...] at positions [N]."""
 
-    def compress_table(self, positions: torch.Tensor,
-                       cache_key: object = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos / sin fp32 [N, rd/2] of positions [N]."""
+    def compress_table(self, positions: torch.Tensor, cache_key: object = None,
+                       shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos / sin fp32 [N, rd/2] of positions - shift ([N])."""
 
 
 # (kv, score, state_kv, state_score, position_bias, norm_weight, positions, token_slot,
@@ -148,8 +148,7 @@ class BlockCompressor(nn.Module):
             # block) and every row's raw kv/score into the ring. Prefill: the block-end rows,
             # then the ring rows (compressor_extend). No host synchronisation either way.
             m = self.ratio
-            start = batch.cached(("block_start", m), lambda: batch.positions - (m - 1))
-            cos, sin = rope.compress_table(start, ("block_start", m))
+            cos, sin = rope.compress_table(batch.positions, ("block_start", m), shift=m - 1)
             rows = (batch.block_end_rows(m), batch.last_rows(state.ring)) if extend else ()
             step(kv, score, state.kv, state.score, self.position_bias, self.kv_norm.weight,
                  batch.positions, slot_tok, batch.token_prefix_lens(), batch.req_to_token, m,
@@ -284,7 +283,7 @@ def entry_slots(batch: ForwardBatch, n_entries: int, ratio: int) -> torch.Tensor
     """Pool rows `[T, n_entries]` of entries 0..n_entries-1 of each token's request (rows of
     entries beyond the request's length point at garbage and must be masked by the caller)."""
     def compute() -> torch.Tensor:
-        w = torch.arange(n_entries, device=batch.positions.device) * ratio
+        w = torch.arange(0, n_entries * ratio, ratio, device=batch.positions.device)
         w = w.clamp(max=batch.req_to_token.shape[1] - 1)
         return batch.req_to_token[batch.token_slots()[:, None], w[None, :]] // ratio
 
