@@ -94,6 +94,15 @@ def _clamped_swiglu(row_ptr, cols, inter, limit, HAS_LIMIT: tl.constexpr, ROUND_
         in_cols = cols < inter
         gate = tl.load(row_ptr + cols, mask=in_cols, other=0.0).to(tl.float32)
         up = tl.load(row_ptr + inter + cols, mask=in_cols, other=0.0).to(tl.float32)
+    return clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+
+
+@triton.jit
+def clamped_swiglu_values(gate, up, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr,
+                          ON_BITS: tl.constexpr):
+    """K6 on fp32 gate / up values of any shape (the one definition of its ops and their order;
+    kernels that fuse K6 into a GEMM call it to keep K6's bits). ROUND_BF16: the nearest-even
+    bf16 value, kept in fp32 (on the bits when ON_BITS, i.e. interpreted)."""
     if HAS_LIMIT:
         gate = tl.where(gate > limit, limit, gate)
         up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))

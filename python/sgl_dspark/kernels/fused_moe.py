@@ -22,7 +22,8 @@ Exactness of both against stage 1 -> `silu_mul_clamp` -> stage 2: K6 is evaluate
 ops in K6's order (selects for the clamps, exp2, `div_rn`, (g * sigmoid) * u; no mul feeds an
 add, so FMA contraction cannot differ) on the values the plain GEMM stores (the epilogue rounds
 its accumulators to bf16 first, as the store would), then rounded to bf16 as K6's plain output
-is (nearest even: K6's store cast compiled, on the bits interpreted, like `_k6`). The prologue
+is (nearest even: K6's store cast compiled, on the bits interpreted): both call K6's own
+`activation.clamped_swiglu_values`. The prologue
 feeds stage 2's dot the very tiles it loaded before (dead rows and columns past K are 0 both
 ways: K6 of 0s is +0). The epilogue's tile holds BLOCK_N / 2 gate and BLOCK_N / 2 up rows of
 the weight: the same dot shape, A tile and K steps as the plain stage 1, only with columns at
@@ -48,11 +49,10 @@ from sgl_dspark.kernels._checks import require as _require
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
-    round_bf16_native_or_bits,
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.activation import silu_mul_clamp_ref
+from sgl_dspark.kernels.activation import clamped_swiglu_values, silu_mul_clamp_ref
 from sgl_dspark.kernels.moe_sort import MoeSortOutput
 
 _TOKEN_MASK = (1 << 24) - 1
@@ -99,22 +99,6 @@ def moe_grouped_gemm_ref(
             product = h
         out[pair] = product
     return out
-
-
-@triton.jit
-def _k6(gate, up, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr,
-        ON_BITS: tl.constexpr):  # fmt: skip
-    """K6 (activation.py `_clamped_swiglu`) op for op on fp32 gate / up tiles, then the bf16 value
-    K6's plain output stores (nearest even: the native cast compiled, the bits interpreted)."""
-    if HAS_LIMIT:
-        gate = tl.where(gate > limit, limit, gate)
-        up = tl.where(up > limit, limit, tl.where(up < -limit, -limit, up))
-    one = tl.full(gate.shape, 1.0, tl.float32)
-    sigmoid = tl.div_rn(one, 1.0 + tl.exp2(-gate * 1.4426950408889634))
-    y = gate * sigmoid * up
-    if ROUND_BF16:
-        y = round_bf16_native_or_bits(y, ON_BITS)
-    return y
 
 
 @triton.jit
@@ -170,7 +154,7 @@ def _moe_grouped_gemm_kernel(
             a_ok = live[:, None] & k_ok[None, :]
             gate = tl.load(a_ptrs, mask=a_ok, other=0.0).to(tl.float32)
             up = tl.load(a_ptrs + k_dim, mask=a_ok, other=0.0).to(tl.float32)
-            a_tile = _k6(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+            a_tile = clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
             a_tile = a_tile.to(a_ptr.dtype.element_ty)
         else:
             a_tile = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
@@ -182,7 +166,7 @@ def _moe_grouped_gemm_kernel(
         acc = round_to_bf16(acc)
     if OUT_SWIGLU:  # K6 of the [gate | up] values a plain stage 1 would have stored
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
-        y = _k6(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+        y = clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
         j = tl.program_id(1) * HALF + tl.arange(0, HALF)
         tl.store(out_ptr + pair[:, None] * stride_out + j[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & (j < n_cols)[None, :])  # fmt: skip
