@@ -77,8 +77,8 @@ def _compress(comp: BlockCompressor, batch: ForwardBatch, state: CompressorState
               entries: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor) -> None:
     class Rope:
         def compress_table(self, positions: torch.Tensor, cache_key: object = None,
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
-            return rope_cos_sin(positions, inv_freq)
+                           shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+            return rope_cos_sin(positions - shift, inv_freq)
 
         def rotate_compress(self, v: torch.Tensor, positions: torch.Tensor,
                             cache_key: object = None) -> torch.Tensor:
