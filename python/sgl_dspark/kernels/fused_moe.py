@@ -12,25 +12,23 @@ Sentinel rows and pairs routed to remote experts are never written (their output
 whatever the buffer held; K4 never reads them). `fused_moe` runs the routed expert in two
 launches: stage 1 with `gate_up_proj` and K6's clamped SwiGLU as its epilogue (`out_swiglu`),
 then stage 2 with `down_proj`, giving `y [M, topk, D]` per (token, slot), the layout K4
-(`moe_reduce`) reduces. K6 can instead run as stage 2's input prologue (`a_swiglu`), but every
-N tile then recomputes it (x D / BLOCK_N, dead rows of each block too): on the H200 (bf16, CUDA
-graphs) the two-launch chain took 16.4 / 66.4 us at M = 1 / 256 with the epilogue, 23.8 / 132.8
-with the prologue and 17.1 / 73.4 as three launches (D 1024, I 512, 64 experts, top-6); 96.6 /
+(`moe_reduce`) reduces. K6 as stage 2's input prologue instead was measured and dropped: every
+N tile recomputes it (x D / BLOCK_N, dead rows of each block too). On the H200 (bf16, CUDA
+graphs) the routed experts took 16.4 / 66.4 us at M = 1 / 256 with the epilogue, 23.8 / 132.8
+with a prologue and 17.1 / 73.4 as three launches (D 1024, I 512, 64 experts, top-6); 96.6 /
 196.5 / 97.9 us at M = 1 with D 4096, I 2048, 96 experts.
 
-Exactness of both against stage 1 -> `silu_mul_clamp` -> stage 2: K6 is evaluated with K6's fp32
+Exactness against stage 1 -> `silu_mul_clamp` -> stage 2: K6 is evaluated with K6's fp32
 ops in K6's order (selects for the clamps, exp2, `div_rn`, (g * sigmoid) * u; no mul feeds an
 add, so FMA contraction cannot differ) on the values the plain GEMM stores (the epilogue rounds
 its accumulators to bf16 first, as the store would), then rounded to bf16 as K6's plain output
 is (nearest even: K6's store cast compiled, on the bits interpreted): both call K6's own
-`activation.clamped_swiglu_values`. The prologue
-feeds stage 2's dot the very tiles it loaded before (dead rows and columns past K are 0 both
-ways: K6 of 0s is +0). The epilogue's tile holds BLOCK_N / 2 gate and BLOCK_N / 2 up rows of
+`activation.clamped_swiglu_values`. The epilogue's tile holds BLOCK_N / 2 gate and BLOCK_N / 2 up rows of
 the weight: the same dot shape, A tile and K steps as the plain stage 1, only with columns at
 other positions of the tile, and a compiled dot (mma or FMA) sums each output in an order that
 does not depend on its column, so the bits match on the GPU (checked on the H200). The CPU
 interpreter's dot is numpy's fp32 matmul, whose sums do depend on a column's position: there
-the epilogue matches to fp32 rounding only (the prologue stays bit-exact).
+the epilogue matches to fp32 rounding only.
 
 Numerics: X2 (fp32 accumulation order differs from torch's matmul). fp32 inputs use IEEE fp32
 dot products (no tf32); bf16 inputs multiply exactly and accumulate in fp32, then round once to
@@ -69,17 +67,12 @@ def moe_grouped_gemm_ref(
     block_size: int = 32,
     out: torch.Tensor | None = None,
     *,
-    a_swiglu: bool = False,
     out_swiglu: bool = False,
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """Reference (the spec); same arguments as `moe_grouped_gemm`. Block by block over the valid
     prefix of K1's layout: each live row's product in fp32, rounded once to a's dtype (with
-    a_swiglu of K6(a), with out_swiglu then K6 of it; K6 as `silu_mul_clamp_ref`)."""
-    if a_swiglu:
-        h = silu_mul_clamp_ref(a, swiglu_limit)
-        assert isinstance(h, torch.Tensor)
-        a = h
+    out_swiglu then K6 of it, K6 as `silu_mul_clamp_ref`)."""
     num_tokens = a.shape[0] // topk if a_per_pair else a.shape[0]
     if out is None:
         n_out = weight.shape[1] // 2 if out_swiglu else weight.shape[1]
@@ -114,7 +107,7 @@ def _moe_grouped_gemm_kernel(
     num_tokens, n_cols, k_dim, stride_a, stride_we, stride_wn, stride_out, limit,
     TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, A_SWIGLU: tl.constexpr, OUT_SWIGLU: tl.constexpr,
+    BLOCK_K: tl.constexpr, OUT_SWIGLU: tl.constexpr,
     HAS_LIMIT: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Everything depends on K1's routing (which blocks live, which expert's weights): no
@@ -149,16 +142,8 @@ def _moe_grouped_gemm_kernel(
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_dim
-        if A_SWIGLU:  # K6 of [gate | up]: dead rows / columns load 0 and give y = +0 exactly
-            a_ptrs = a_ptr + a_rows[:, None] * stride_a + ks[None, :]
-            a_ok = live[:, None] & k_ok[None, :]
-            gate = tl.load(a_ptrs, mask=a_ok, other=0.0).to(tl.float32)
-            up = tl.load(a_ptrs + k_dim, mask=a_ok, other=0.0).to(tl.float32)
-            a_tile = clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
-            a_tile = a_tile.to(a_ptr.dtype.element_ty)
-        else:
-            a_tile = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
-                             mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        a_tile = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+                         mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w_tile = tl.load(w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
         acc = _dot(a_tile, w_tile, acc, DOT_FP32)
@@ -211,7 +196,6 @@ def moe_grouped_gemm(
     block_size: int = 32,
     out: torch.Tensor | None = None,
     *,
-    a_swiglu: bool = False,
     out_swiglu: bool = False,
     swiglu_limit: float | None = None,
 ) -> torch.Tensor:
@@ -225,36 +209,26 @@ def moe_grouped_gemm(
             `block_size`, on a's device.
         topk: routes per token (the packing of sorted_ids).
         out: optional [M * topk, N] in a's dtype, last dim contiguous.
-        a_swiglu: K6 as input prologue: a is [rows, 2K] = [gate | up] (a stage-1 output) and the
-            A operand is `silu_mul_clamp(a, swiglu_limit)` [rows, K], formed tile by tile in
-            registers, bit for bit K6's. Every N tile recomputes it (BLOCK_M x K per program,
-            dead rows too): 2x slower than the three launches on the H200 (module docstring).
         out_swiglu: K6 as output epilogue: weight is [E_loc, 2I, K] = [gate rows | up rows];
             out [M * topk, I] = `silu_mul_clamp` of what the plain GEMM would store, K6
             evaluated once per element (each program's tile pairs gate and up columns).
-        swiglu_limit: K6's clamp (> 0), only with a_swiglu or out_swiglu; None: no clamp.
+        swiglu_limit: K6's clamp (> 0), only with out_swiglu; None: no clamp.
     Returns:
         out [M * topk, N] ([M * topk, N / 2] with out_swiglu): row token * topk + slot =
-        a[row] @ weight[e].T (K6 applied to a[row] / to the product with a_swiglu / out_swiglu)
+        a[row] @ weight[e].T (K6 applied to the product with out_swiglu)
         for every route K1 kept; other rows are left as they were (undefined when out is
         allocated here).
     """
     _require(a.dim() == 2 and a.dtype in (torch.bfloat16, torch.float32) and a.stride(1) == 1,
              f"a must be bf16/fp32 [rows, K] with a contiguous last dim, got {a.dtype} "
              f"{tuple(a.shape)} strides {a.stride()}")  # fmt: skip
-    _require(not (a_swiglu and out_swiglu), "a_swiglu and out_swiglu are exclusive")
-    _require(a_swiglu or out_swiglu or swiglu_limit is None,
-             "swiglu_limit needs a_swiglu=True or out_swiglu=True")  # fmt: skip
+    _require(out_swiglu or swiglu_limit is None, "swiglu_limit needs out_swiglu=True")
     _require(swiglu_limit is None or swiglu_limit > 0,
              f"swiglu_limit must be > 0 or None, got {swiglu_limit}")  # fmt: skip
-    _require(not a_swiglu or a.shape[1] % 2 == 0,
-             f"a_swiglu needs a = [gate | up] of even width 2K, got {tuple(a.shape)}")  # fmt: skip
-    k_in = a.shape[1] // 2 if a_swiglu else a.shape[1]
     _require(weight.dim() == 3 and weight.dtype == a.dtype and weight.stride(2) == 1
-             and weight.shape[2] == k_in,
-             f"weight must be {a.dtype} [E_loc, N, {k_in}] with a contiguous last dim"
-             + (f" (a_swiglu: a's width {a.shape[1]} must be 2 * weight's K)" if a_swiglu else "")
-             + f", got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
+             and weight.shape[2] == a.shape[1],
+             f"weight must be {a.dtype} [E_loc, N, {a.shape[1]}] with a contiguous last dim, "
+             f"got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
     _require(not out_swiglu or weight.shape[1] % 2 == 0,
              f"out_swiglu needs weight [E_loc, 2I, K], got {tuple(weight.shape)}")  # fmt: skip
     _require(topk >= 1, f"topk must be >= 1, got {topk}")
@@ -305,7 +279,6 @@ def moe_grouped_gemm(
         BLOCK_M=block_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
-        A_SWIGLU=a_swiglu,
         OUT_SWIGLU=out_swiglu,
         HAS_LIMIT=swiglu_limit is not None,
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
