@@ -32,13 +32,15 @@ def compressor_extend_ref(
     the block start with cos / sin rows `[T, rd/2]`) go into the entry pool `entries`; then the
     raw kv/score of `ring_rows` go to their state ring rows `pos mod R`. Arguments as
     `compressor_decode_ref`; the row lists are int64 `[n]` flat row indices (no two ring rows
-    of one request may share a ring row)."""
+    of one request may share a ring row), where -1 entries (a list padded to a static size, as
+    a prefill graph's) are skipped."""
     from sgl_dspark.kernels.rope import rope_tail_ref
 
     pooled, slots = compressor_pool_ref(kv, score, state_kv, state_score, position_bias,
                                         norm_weight, positions, token_slot, token_prefix,
                                         req_to_token, ratio, overlap, eps)
-    ends = block_end_rows
+    ends = block_end_rows[block_end_rows >= 0]
+    ring_rows = ring_rows[ring_rows >= 0]
     rotated = rope_tail_ref(pooled[ends].unsqueeze(1), cos[ends], sin[ends]).squeeze(1)
     entries[slots[ends]] = rotated.to(entries.dtype)
     ring_row = positions[ring_rows].remainder(state_kv.shape[1])
@@ -56,7 +58,7 @@ def compressor_extend(
     """`compressor_extend_ref` in two launches (pool + rope + entry store over the block-end rows,
     then the ring store over the ring rows). Layouts as `compressor_decode`; the row lists are
     contiguous int64 `[n]` on kv's device, block-end rows must end a block ((pos + 1) % m == 0;
-    others are skipped). Exactness: entries X2 against the reference (as `compressor_decode`),
+    others are skipped), -1 entries are skipped. Exactness: entries X2 against the reference (as `compressor_decode`),
     ring rows copied."""
     check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
                      token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)

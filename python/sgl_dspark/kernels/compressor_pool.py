@@ -190,6 +190,8 @@ def _compressor_pool_kernel(
     row = tl.program_id(0).to(tl.int64)
     if ROW_LIST:
         row = tl.load(rows_ptr + row)
+        if row < 0:   # padding of a list with a static size (a prefill graph's)
+            return
     cols = tl.arange(0, BLOCK_D)
     in_col = cols < head_dim
     pos = tl.load(pos_ptr + row)

@@ -94,6 +94,10 @@ class ServerArgs:
         None, "Largest batch size captured in CUDA graphs (decode, every DSpark verify width and "
               "the draft); default min(--max-running-requests, 32); 0 = run eagerly. Needs the "
               "Triton MoE path (--kernel-backend triton).")
+    cuda_graph_max_prefill_tokens: int | None = _arg(
+        None, "Largest prefill forward (tokens over all its requests, at most --cuda-graph-max-bs "
+              "requests) replayed from a CUDA graph; larger ones run eagerly. Default "
+              "min(--chunked-prefill-size, 4096); 0 = every prefill eagerly.")
     disable_cuda_graph: bool = _arg(False, "Run every step eagerly (no CUDA graphs).")
     disable_programmatic_launch: bool = _arg(
         False, "CUDA sm90+: launch every fused Triton kernel as a plain launch instead of a "
@@ -288,6 +292,9 @@ def _validate(a: ServerArgs) -> None:
     _require(a.page_size >= 0, f"--page-size must be >= 0 (0 = auto), got {a.page_size}")
     _require(a.mem_fraction_static is None or 0.0 < a.mem_fraction_static < 1.0,
              f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}")
+    _require(a.cuda_graph_max_prefill_tokens is None or a.cuda_graph_max_prefill_tokens >= 0,
+             "--cuda-graph-max-prefill-tokens must be >= 0 (0 = eager prefill), got "
+             f"{a.cuda_graph_max_prefill_tokens}")
     _require(a.cuda_graph_max_bs is None or a.cuda_graph_max_bs >= 0,
              f"--cuda-graph-max-bs must be >= 0, got {a.cuda_graph_max_bs}")
     _require(a.programmatic_launch_max_bs >= 0,

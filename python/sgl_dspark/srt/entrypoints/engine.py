@@ -43,6 +43,7 @@ class EngineArgs:
     kernel_backend_overrides: str | None = None       # e.g. "moe=torch,rope=triton"
     random_seed: int = 0
     cuda_graph_max_bs: int | None = None              # None: min(max_running_requests, 32)
+    cuda_graph_max_prefill_tokens: int | None = None  # None: min(chunked_prefill_size, 4096)
     disable_cuda_graph: bool = False
     disable_programmatic_launch: bool = False         # CUDA sm90+: plain kernel launches
     programmatic_launch_max_bs: int = 24              # larger graphs: plain launches
@@ -96,10 +97,15 @@ def init_cuda_graphs(args: EngineArgs, runner: ModelRunner, spec: DSparkWorker |
                        "--kernel-backend triton for graphs")
         return
     max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, 32)
+    prefill_tokens = args.cuda_graph_max_prefill_tokens
+    if prefill_tokens is None:
+        chunk = args.chunked_prefill_size
+        prefill_tokens = min(chunk if chunk > 0 else args.context_length, 4096)
     if spec is None:
-        runner.init_cuda_graphs(max_bs)
+        runner.init_cuda_graphs(max_bs, prefill_max_tokens=prefill_tokens)
         return
-    runner.init_cuda_graphs(max_bs, spec.graph_verify_widths(), spec.tap_layers)
+    runner.init_cuda_graphs(max_bs, spec.graph_verify_widths(), spec.tap_layers,
+                            prefill_max_tokens=prefill_tokens)
     spec.init_cuda_graphs(max_bs)
 
 

@@ -231,7 +231,7 @@ class CudaGraphRunner:
                  ) -> tuple[Any, ...]:
         """The captured region: a uniform-width batch built from the static inputs (its row
         tables are made inside the capture, so replays recompute them), outputs as [B, W, ...].
-        Width 1 (the decode graph) also runs the runner's decode hook and the greedy sampler, so
+        Width 1 (the decode graph) also runs the runner's commit hook and the greedy sampler, so
         an all-greedy decode step is one replay with nothing left for the host to launch."""
         bs = req_pool_indices.shape[0]
         pool = self.runner.req_pool
@@ -245,8 +245,8 @@ class CudaGraphRunner:
         taps = {k: v.view(bs, w, -1) for k, v in out.hidden_taps.items()}
         if w != 1:
             return logits, taps
-        if self.runner.decode_hook is not None:
-            self.runner.decode_hook(batch, out)
+        if self.runner.commit_hook is not None:
+            self.runner.commit_hook(batch, out)
         greedy = self._sampler.greedy(out.logits)
         return logits, taps, greedy.next_token_ids.view(bs, 1), greedy.next_token_logprobs.view(bs, 1)
 

@@ -41,6 +41,9 @@ class ForwardBatch:
     max_seq_len: int               # host: max(seq_lens), sizes the gathers
     extend_lens_cpu: tuple[int, ...]
     prefix_lens_cpu: tuple[int, ...]
+    # False for an EXTEND batch over the static buffers of a prefill graph: its host lengths are
+    # placeholders, so the row lists below come from device tensors (see `block_end_rows`).
+    host_lens: bool = True
     # Tensors derived from the batch alone (token slots, entry tables), computed once per forward
     # and shared by every layer; the model clears it when a forward starts, so a captured CUDA
     # graph recomputes them inside the graph instead of reading a stale warm-up result.
@@ -59,12 +62,18 @@ class ForwardBatch:
         """[T] prefix length of every token's request."""
         return self.cached("token_prefix", lambda: self.prefix_lens[self.token_req])
 
-    # Row lists of EXTEND batches from their host-known lengths, so prefill code selects rows
-    # without reading a device mask (a synchronisation). Decode/verify graphs build batches with
-    # placeholder host lengths: only eager EXTEND batches may call these.
+    # Row lists of EXTEND batches, from host-known lengths (no device read: a synchronisation)
+    # or, for a prefill graph's batch (`host_lens` False), computed on the device and padded
+    # with -1 to a size fixed by the batch shape; consumers skip the -1 rows. Decode/verify graphs
+    # build batches with placeholder host lengths: only EXTEND batches may call these.
     def block_end_rows(self, ratio: int) -> torch.Tensor:
         """[n] int64 flat rows whose position ends a block of `ratio` ((pos + 1) % ratio == 0)."""
         def compute() -> torch.Tensor:
+            if not self.host_lens:
+                # A request of n rows ends at most n // ratio + 1 blocks.
+                cap = min(self.num_tokens, self.num_tokens // ratio + self.req_pool_indices.shape[0])
+                ends = (self.positions + 1).remainder(ratio) == 0
+                return compact_rows(ends & self._real_rows(), cap)
             rows: list[int] = []
             start = 0
             for p0, n in zip(self.prefix_lens_cpu, self.extend_lens_cpu):
@@ -77,6 +86,10 @@ class ForwardBatch:
     def last_rows(self, count: int) -> torch.Tensor:
         """[n] int64 flat rows among the last `count` positions of their request."""
         def compute() -> torch.Tensor:
+            if not self.host_lens:
+                cap = min(self.num_tokens, count * self.req_pool_indices.shape[0])
+                last = self.positions >= self.seq_lens[self.token_req] - count
+                return compact_rows(last & self._real_rows(), cap)
             rows: list[int] = []
             start = 0
             for n in self.extend_lens_cpu:
@@ -84,6 +97,10 @@ class ForwardBatch:
                 start += n
             return to_device(rows, torch.int64, self.positions.device)
         return self.cached(("last_rows", count), compute)
+
+    def _real_rows(self) -> torch.Tensor:
+        """[T] bool: rows of real requests (padding rows belong to request slot 0, reserved)."""
+        return self.cached("real_rows", lambda: self.token_slots() != 0)
 
     @property
     def batch_size(self) -> int:
@@ -159,3 +176,14 @@ class ForwardBatch:
             max_seq_len=max(seq), extend_lens_cpu=tuple(extend),
             prefix_lens_cpu=tuple(prefix_lens),
         )
+
+
+def compact_rows(mask: torch.Tensor, size: int) -> torch.Tensor:
+    """Indices of the true entries of `mask` [T] in ascending order, padded with -1 to [size]
+    (at least the number of true entries), without reading the device: each true entry goes to
+    its rank, the others to a discarded extra element."""
+    rank = torch.cumsum(mask, 0) - 1
+    dest = torch.where(mask, rank, size)
+    out = torch.full((size + 1,), -1, dtype=torch.int64, device=mask.device)
+    out.scatter_(0, dest, torch.arange(mask.shape[0], device=mask.device))
+    return out[:size]

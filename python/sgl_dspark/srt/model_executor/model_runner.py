@@ -23,6 +23,7 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     graph_batch_sizes,
 )
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.model_executor.prefill_graph_runner import PrefillGraphRunner
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM, ModelOutput
 
 logger = logging.getLogger(__name__)
@@ -100,9 +101,12 @@ class ModelRunner:
         # cos/sin of every position a request can reach, built before any graph is captured.
         self.model.rope_tables(self.req_pool.max_context_len)
         self.graph_runner: CudaGraphRunner | None = None
-        # Runs after every DECODE forward, eagerly or inside the decode graphs (set before they
-        # are captured): DSpark commits its draft's context KV of the decoded tokens here.
-        self.decode_hook: Callable[[ForwardBatch, ModelOutput], None] | None = None
+        self.prefill_graphs: PrefillGraphRunner | None = None
+        # Runs after every DECODE and EXTEND forward (the forwards whose rows are all committed),
+        # eagerly or inside the graphs, with at least `commit_taps` among the forward's taps
+        # (`set_commit_hook`, before any capture): DSpark commits its draft's context KV here.
+        self.commit_hook: Callable[[ForwardBatch, ModelOutput], None] | None = None
+        self.commit_taps: tuple[int, ...] = ()
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page,
                     num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20)
 
@@ -123,18 +127,28 @@ class ModelRunner:
                     tokens, budget / 2**30)
         return tokens
 
+    def set_commit_hook(self, hook: Callable[[ForwardBatch, ModelOutput], None],
+                        tap_layers: tuple[int, ...]) -> None:
+        if self.graph_runner is not None or self.prefill_graphs is not None:
+            raise RuntimeError("the commit hook must be set before CUDA graphs are captured")
+        self.commit_hook, self.commit_taps = hook, tap_layers
+
     def init_cuda_graphs(self, max_bs: int, widths: Sequence[int] = (1,),
-                         tap_layers: tuple[int, ...] = (),
+                         tap_layers: tuple[int, ...] = (), prefill_max_tokens: int = 0,
                          graph_factory: Callable[[], Graph] | None = None) -> None:
         """Capture decode (width 1) and verify (other widths) graphs for batch buckets up to
-        `max_bs`. Needs a forward without host synchronisation: the torch MoE backend reads
-        expert counts on the host, so CUDA graphs require `moe=triton`. `graph_factory`
-        replaces the graph type (CPU tests use `EagerGraph`)."""
+        `max_bs`, and prefill graphs for up to `prefill_max_tokens` tokens of up to `max_bs`
+        requests (0: prefill runs eagerly). Needs a forward without host synchronisation: the
+        torch MoE backend reads expert counts on the host, so CUDA graphs require `moe=triton`.
+        `graph_factory` replaces the graph type (CPU tests use `EagerGraph`)."""
         if self.device.type == "cuda" and self.kernels.of("moe") != "triton":
             raise ValueError("CUDA graphs need the sync-free MoE path: use --kernel-backend triton "
                              "(or --kernel-backend-overrides moe=triton), or --disable-cuda-graph")
         self.graph_runner = CudaGraphRunner(self, graph_batch_sizes(max_bs), widths, tap_layers,
                                             graph_factory)
+        if prefill_max_tokens > 0:
+            self.prefill_graphs = PrefillGraphRunner(self, prefill_max_tokens, max_bs, tap_layers,
+                                                     graph_factory)
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -143,6 +157,9 @@ class ModelRunner:
                 f"verify width {max(batch.extend_lens_cpu)} > max_verify_tokens "
                 f"{self.rc.max_verify_tokens}"
             )
+        commit = self.commit_hook is not None and not batch.mode.may_roll_back
+        if commit and not set(self.commit_taps) <= set(tap_layers):
+            tap_layers = tuple(sorted({*tap_layers, *self.commit_taps}))
         if self.device.type == "cuda" and batch.mode is not ForwardMode.EXTEND:
             # Decode/verify gathers span the whole context capacity on CUDA, as in the captured
             # graphs, so an eager step (a batch larger than the graphs, --disable-cuda-graph)
@@ -150,9 +167,11 @@ class ModelRunner:
             batch = dataclasses.replace(batch, max_seq_len=self.req_pool.max_context_len)
         if self.graph_runner is not None and self.graph_runner.can_run(batch, tap_layers):
             return self.graph_runner.replay(batch, tap_layers)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, tap_layers):
+            return self.prefill_graphs.replay(batch, tap_layers)
         out = self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
-        if batch.mode is ForwardMode.DECODE and self.decode_hook is not None:
-            self.decode_hook(batch, out)
+        if commit:
+            self.commit_hook(batch, out)
         return out
 
 

@@ -142,7 +142,7 @@ class DSparkWorker:
         self.sts_recorder = (StsRecorder(args.sts_collect_path, self.gamma)
                              if args.sts_collect_path else None)
         self._sim_progress: dict[str, float] = {}
-        runner.decode_hook = self._commit_decoded   # before any decode graph is captured
+        runner.set_commit_hook(self._commit_rows, self.tap_layers)
         self.draft_graphs: BatchGraphs | None = None
         self.draft_graphs_bs1: BatchGraphs | None = None
         self.epilogue_graphs: dict[int, BatchGraphs] = {}
@@ -177,11 +177,12 @@ class DSparkWorker:
             for pool, kv in zip(self.ctx_kv, self.draft.context_kv(feats, positions)):
                 pool[slots] = kv.to(pool.dtype)
 
-    def _commit_decoded(self, batch: ForwardBatch, out: ModelOutput) -> None:
-        """The runner's decode hook: a plain decode step (static width 1) commits every row, so
-        the draft's context KV of its tokens is written in the same forward (inside the decode
-        graph when one runs). A width-1 verify replays that graph too: its one row is the
-        anchor, which the step's epilogue commits again with the same values."""
+    def _commit_rows(self, batch: ForwardBatch, out: ModelOutput) -> None:
+        """The runner's commit hook: a prefill chunk and a plain decode step (static width 1)
+        commit every row, so the draft's context KV of their tokens is written in the same
+        forward (inside the prefill or decode graph when one runs). A width-1 verify replays the
+        decode graph too: its one row is the anchor, which the step's epilogue commits again
+        with the same values."""
         self.inject(batch.positions, batch.out_cache_loc, out.hidden_taps)
 
     def on_new_request(self, req: Req) -> None:

@@ -1,0 +1,130 @@
+"""CUDA graphs of prefill (EXTEND) forwards, one per token-count bucket (style R23).
+
+An eager prefill forward is host-bound at small batches: a 512-token prompt of the 910M bench
+model took ~20 ms of Python and launches for ~5 ms of kernels on an H200
+(`benchmark/results/engine.md`). Replayed from a graph it costs its kernels.
+
+A batch of n tokens over B requests runs in the graph of the smallest bucket T >= n, with
+`max_requests + 1` request rows. Padding tokens (rows n..T-1) belong to one padding request
+(request slot 0, token slot 0, position 0: both slots are reserved by the pools), so every
+write of theirs lands in dummy state; the request rows past B are padding requests with slot 0
+and no tokens. The graph's batch sees the static context capacity as `max_seq_len` and builds
+its compressor row lists on the device (`ForwardBatch.host_lens` False), so the capture depends
+on no host length. Logits are computed for `max_requests + 1` rows; a replay returns the rows the
+batch asked for. The runner's commit hook (DSpark's context-KV injection) runs inside the graph,
+as in the decode graphs.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from sgl_dspark.srt.model_executor.cuda_graph_runner import Graph, make_graph_factory, warm_up
+from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.model_executor.model_runner import ModelRunner
+    from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
+
+logger = logging.getLogger(__name__)
+
+_TOKEN_FIELDS = ("input_ids", "positions", "token_req", "out_cache_loc")
+_REQUEST_FIELDS = ("req_pool_indices", "prefix_lens", "seq_lens")
+
+
+def prefill_token_buckets(max_tokens: int) -> list[int]:
+    """Captured token counts: the powers of two from 16 below `max_tokens`, and `max_tokens`."""
+    if max_tokens < 1:
+        raise ValueError(f"prefill graph token limit must be >= 1, got {max_tokens}")
+    buckets, t = [], 16
+    while t < max_tokens:
+        buckets.append(t)
+        t *= 2
+    return buckets + [max_tokens]
+
+
+class PrefillGraphRunner:
+    def __init__(self, runner: ModelRunner, max_tokens: int, max_requests: int,
+                 tap_layers: tuple[int, ...] = (),
+                 graph_factory: Callable[[], Graph] | None = None) -> None:
+        if not 1 <= max_requests <= runner.req_pool.size - 1:
+            raise ValueError(f"prefill graphs for {max_requests} requests: must lie in "
+                             f"[1, --max-running-requests {runner.req_pool.size - 1}]")
+        self.runner = runner
+        self.buckets = prefill_token_buckets(max_tokens)
+        self.max_requests = max_requests
+        self.tap_layers = tap_layers
+        self.replays = 0   # replays so far (tests read it)
+        dev = runner.device
+        rows = max_requests + 1   # the last request row is always padding
+        self._tokens = {k: torch.zeros(self.buckets[-1], dtype=torch.int64, device=dev)
+                        for k in _TOKEN_FIELDS}
+        self._requests = {k: torch.zeros(rows, dtype=torch.int64, device=dev)
+                          for k in _REQUEST_FIELDS}
+        self._logits_rows = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self._graphs: dict[int, tuple[Graph, Any]] = {}
+        factory = graph_factory or make_graph_factory(dev)
+        t0 = time.perf_counter()
+        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        self._tokens["token_req"].fill_(max_requests)   # captured on padding only
+        for t in reversed(self.buckets):   # largest first: later captures reuse its memory
+            run = functools.partial(self._forward, t)
+            graph = factory()
+            with torch.inference_mode():
+                warm_up(run, dev, t)
+                self._graphs[t] = (graph, graph.capture(run, t))
+        mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
+        logger.info("Captured %d prefill graphs (tokens %s, up to %d requests) in %.1f s, "
+                    "+%.0f MiB reserved", len(self._graphs), self.buckets, max_requests,
+                    time.perf_counter() - t0, mem)
+
+    def _forward(self, t: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The captured region: an EXTEND batch over rows [:t] of the static buffers."""
+        pool = self.runner.req_pool
+        tok = {k: v[:t] for k, v in self._tokens.items()}
+        batch = ForwardBatch(
+            mode=ForwardMode.EXTEND, **tok, **self._requests, logits_indices=self._logits_rows,
+            req_to_token=pool.req_to_token, max_seq_len=pool.max_context_len,
+            extend_lens_cpu=(), prefix_lens_cpu=(), host_lens=False)
+        out = self.runner.model(batch, self.runner.kv_pool, self.runner.attn_backend,
+                                self.tap_layers)
+        if self.runner.commit_hook is not None:
+            self.runner.commit_hook(batch, out)
+        return out.logits, out.hidden_taps
+
+    def bucket_for(self, num_tokens: int) -> int | None:
+        return next((t for t in self.buckets if t >= num_tokens), None)
+
+    def can_run(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> bool:
+        return (batch.mode is ForwardMode.EXTEND and batch.host_lens
+                and set(tap_layers) <= set(self.tap_layers)
+                and self.bucket_for(batch.num_tokens) is not None
+                and batch.batch_size <= self.max_requests
+                and batch.logits_indices.shape[0] <= self.max_requests + 1)
+
+    def replay(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
+        from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
+
+        n, b, n_logits = batch.num_tokens, batch.batch_size, batch.logits_indices.shape[0]
+        t = self.bucket_for(n)
+        assert t is not None, n
+        for k, buf in self._tokens.items():
+            buf[:n].copy_(getattr(batch, k))
+            # padding rows: token 0 at position 0 of the padding request b, token slot 0
+            buf[n:t].fill_(b if k == "token_req" else 0)
+        for k, buf in self._requests.items():
+            buf[:b].copy_(getattr(batch, k))
+            buf[b:].zero_()
+        self._logits_rows[:n_logits].copy_(batch.logits_indices)
+        self._logits_rows[n_logits:].zero_()
+        graph, (logits, taps) = self._graphs[t]
+        graph.replay()
+        self.replays += 1
+        return ModelOutput(logits=logits[:n_logits],
+                           hidden_taps={k: taps[k][:n] for k in tap_layers})
