@@ -3,10 +3,11 @@
 A prefill chunk completes many blocks and writes more rows than the state ring holds, so the
 decode step's single launch (`compressor_decode`: an entry candidate and a ring write per row)
 does not fit it: most rows end no block, and rows of one request would race for ring rows that
-other programs' spans still read. Here the caller lists the rows instead, from host-known
-lengths (`ForwardBatch.block_end_rows` / `last_rows`): the block-end rows pool, rotate and store
-their entries (first launch, reading the ring of earlier chunks), then the rows each request keeps
-go to its ring (second launch, after every read). Both launches are the FUSED kernel of
+other programs' spans still read. Here the caller lists the rows instead (`ForwardBatch.
+block_end_rows` / `last_rows`: from host-known lengths, or in a prefill graph built on the
+device and padded with -1 to a static size, entries this kernel skips): the block-end rows
+pool, rotate and store their entries (first launch, reading the ring of earlier chunks), then
+the rows each request keeps go to its ring (second launch, after every read). Both launches are the FUSED kernel of
 `compressor_pool.py` with a row list.
 """
 

@@ -7,7 +7,8 @@ that completes a block is processed; rows of earlier forwards come from the requ
 
 The "indexer" kernel family chooses, once per layer, the indexer scoring and the pooling steps
 (decode/verify and prefill): torch (this module's code) or the Triton kernels. Neither path reads
-the device: prefill selects its block-end and ring rows from host-known lengths.
+the device: prefill selects its block-end and ring rows from host-known lengths, or in a prefill
+graph from device-built lists padded with -1 (`ForwardBatch.block_end_rows`).
 """
 
 from __future__ import annotations
