@@ -107,13 +107,15 @@ def _moe_grouped_gemm_kernel(
     num_tokens, n_cols, k_dim, stride_a, stride_we, stride_wn, stride_out, limit,
     TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, OUT_SWIGLU: tl.constexpr,
+    BLOCK_K: tl.constexpr, OUT_SWIGLU: tl.constexpr, TILE_MAJOR: tl.constexpr,
     HAS_LIMIT: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     # Everything depends on K1's routing (which blocks live, which expert's weights): no
     # weight can be fetched before the previous kernels' outputs are visible.
     wait_for_producers(PDL)
-    pid_m = tl.program_id(0)
+    # TILE_MAJOR: grid (N tiles, blocks), so the live blocks' programs are launched first.
+    pid_m = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
+    pid_n = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
     # Blocks past the valid prefix hold undefined ids (K1 leaves them unwritten): leave at once.
     if pid_m * BLOCK_M >= tl.load(num_valid_ptr):
         return
@@ -130,11 +132,11 @@ def _moe_grouped_gemm_kernel(
         # Tile columns [0, HALF) are gate rows j of the weight, [HALF, BLOCK_N) the matching up
         # rows n_cols + j (n_cols = I): one dot of the plain GEMM's shape, HALF outputs.
         HALF: tl.constexpr = BLOCK_N // 2
-        cols = tl.program_id(1) * HALF + tl.arange(0, BLOCK_N) % HALF
+        cols = pid_n * HALF + tl.arange(0, BLOCK_N) % HALF
         col_ok = cols < n_cols
         w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_cols)
     else:
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
         w_rows = cols
     w_base = w_ptr + expert * stride_we
@@ -152,7 +154,7 @@ def _moe_grouped_gemm_kernel(
     if OUT_SWIGLU:  # K6 of the [gate | up] values a plain stage 1 would have stored
         gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
         y = clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
-        j = tl.program_id(1) * HALF + tl.arange(0, HALF)
+        j = pid_n * HALF + tl.arange(0, HALF)
         tl.store(out_ptr + pair[:, None] * stride_out + j[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & (j < n_cols)[None, :])  # fmt: skip
     else:
@@ -198,6 +200,7 @@ def moe_grouped_gemm(
     *,
     out_swiglu: bool = False,
     swiglu_limit: float | None = None,
+    tile_major: bool | None = None,
 ) -> torch.Tensor:
     """One expert GEMM over K1's sorted blocks, one launch, no host sync (graph-safe).
 
@@ -213,6 +216,10 @@ def moe_grouped_gemm(
             out [M * topk, I] = `silu_mul_clamp` of what the plain GEMM would store, K6
             evaluated once per element (each program's tile pairs gate and up columns).
         swiglu_limit: K6's clamp (> 0), only with out_swiglu; None: no clamp.
+        tile_major: program order (timing only, never a result bit): N tiles fastest, so the
+            live blocks' programs come first. None: when K1's layout is at least half padding
+            (decode sizes: the static grid spans the layout's largest block count, mostly dead
+            blocks), else blocks fastest (consecutive blocks of one expert share weight tiles).
     Returns:
         out [M * topk, N] ([M * topk, N / 2] with out_swiglu): row token * topk + slot =
         a[row] @ weight[e].T (K6 applied to the product with out_swiglu)
@@ -255,7 +262,10 @@ def moe_grouped_gemm(
     # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
     block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
     block_k = min(128, max(16, triton.next_power_of_2(k_dim)))
-    grid = (sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n))  # 2I / BLOCK_N: I / HALF
+    n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
+    if tile_major is None:
+        tile_major = 2 * num_tokens * topk <= n_blocks * block_size
+    grid = (n_tiles, n_blocks) if tile_major else (n_blocks, n_tiles)
     _moe_grouped_gemm_kernel[grid](
         a,
         weight,
@@ -280,6 +290,7 @@ def moe_grouped_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         OUT_SWIGLU=out_swiglu,
+        TILE_MAJOR=tile_major,
         HAS_LIMIT=swiglu_limit is not None,
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
         num_warps=4, num_stages=4, **programmatic_launch(_moe_grouped_gemm_kernel, a.device),

@@ -148,6 +148,10 @@ def test_grouped_gemm_matches_ref(num_tokens: int, topk: int, num_experts: int, 
     poison = torch.full((num_tokens * topk, n_cols), float("nan"), dtype=dtype, device=DEVICE)
     got = moe_grouped_gemm(*args, out=poison.clone())
     want = moe_grouped_gemm_ref(*args, out=poison.clone())
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    for tile_major in (True, False):  # the program order moves no bit (auto picks one)
+        forced = moe_grouped_gemm(*args, out=poison.clone(), tile_major=tile_major)
+        assert torch.equal(forced.view(bits), got.view(bits)), f"tile_major={tile_major}"
     written = ~torch.isnan(got).all(dim=1)
     assert torch.equal(written, _local_pairs(ids, mask).reshape(-1)), "wrong rows written"
     assert torch.isnan(got[~written]).all(), "a skipped row was partly written"
