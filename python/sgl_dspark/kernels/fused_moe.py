@@ -217,11 +217,12 @@ def moe_grouped_gemm(
             evaluated once per element (each program's tile pairs gate and up columns).
         swiglu_limit: K6's clamp (> 0), only with out_swiglu; None: no clamp.
         tile_major: program order (timing only, never a result bit): N tiles fastest, so the
-            live blocks' programs come first. None: when K1's layout has at least 4 blocks per
-            route (M = 1: the static grid spans the layout's largest block count, ~62 blocks
-            for 6 live at 64 experts), else blocks fastest. On the H200 at D 1024, I 512, 64
-            experts the two launches took 14.9 against 17.2 us at M = 1, 28.4 against 27.5 at
-            M = 4 (`benchmark/kernels/probe_moe_order.py`, results/kernels.md).
+            live blocks' programs come first. None: tile-major for one token (the static grid
+            spans K1's largest block count, ~62 blocks for 6 live at 64 experts), else blocks
+            fastest. Both launches on the H200 (`benchmark/kernels/probe_moe_order.py`,
+            results/kernels.md), tile- against block-major: M = 1 15.0 / 17.1 us (D 1024,
+            I 512, 64 experts) and 124 / 139 us (D 4096, I 2048, 96 of 384 experts local);
+            M = 4: 28.6 / 27.8 and 183 / 151; M = 8: 222 / 171 (the latter shape).
     Returns:
         out [M * topk, N] ([M * topk, N / 2] with out_swiglu): row token * topk + slot =
         a[row] @ weight[e].T (K6 applied to the product with out_swiglu)
@@ -266,7 +267,7 @@ def moe_grouped_gemm(
     block_k = min(128, max(16, triton.next_power_of_2(k_dim)))
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
-        tile_major = 4 * num_tokens * topk <= n_blocks
+        tile_major = num_tokens == 1
     grid = (n_tiles, n_blocks) if tile_major else (n_blocks, n_tiles)
     _moe_grouped_gemm_kernel[grid](
         a,
