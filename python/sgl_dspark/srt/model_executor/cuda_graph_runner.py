@@ -109,6 +109,12 @@ def make_graph_factory(device: torch.device) -> Callable[[], Graph]:
     return lambda: CudaGraph(pool, stream)
 
 
+def reserved_mib(device: torch.device) -> float:
+    """MiB reserved by PyTorch's allocator on a CUDA device (where the graphs' pool lives; free
+    device memory is no measure: capture itself can return cached blocks to the driver)."""
+    return torch.cuda.memory_reserved(device) / 2**20 if device.type == "cuda" else 0.0
+
+
 def warm_up(fn: Callable[[], Any], device: torch.device, batch_size: int, iters: int = 2) -> None:
     """Run fn before capture (Triton compilation, cuBLAS workspaces) on a side stream, with the
     launch kind the capture for `batch_size` will use (so nothing compiles during capture)."""
@@ -209,9 +215,7 @@ class CudaGraphRunner:
         dev = runner.device
         factory = graph_factory or make_graph_factory(dev)   # one memory pool for all widths
         t0 = time.perf_counter()
-        # Reserved by PyTorch's allocator (the graphs' pool lives there); free device memory is
-        # no measure: capture itself can return cached blocks to the driver.
-        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        mem0 = reserved_mib(dev)
         self._by_width: dict[int, BatchGraphs] = {}
         for w in reversed(self.widths):
             tokens = torch.zeros((1, w), dtype=torch.int64, device=dev)
@@ -220,7 +224,7 @@ class CudaGraphRunner:
                 functools.partial(self._forward, w), (tokens,) * 3 + (reqs,) * 3,
                 (0, 0, 0, 0, 0, w), self.batch_sizes, dev, factory,
                 name=f"target graphs (width {w})")
-        mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
+        mem = reserved_mib(dev) - mem0
         logger.info("Captured %d target graphs (bs %s x widths %s) in %.1f s, +%.0f MiB reserved",
                     len(self.batch_sizes) * len(self.widths), self.batch_sizes, self.widths,
                     time.perf_counter() - t0, mem)
@@ -239,14 +243,11 @@ class CudaGraphRunner:
             ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY, input_ids, positions,
             out_cache_loc, req_pool_indices, prefix_lens, seq_lens, pool.req_to_token,
             pool.max_context_len)
-        out = self.runner.model(batch, self.runner.kv_pool, self.runner.attn_backend,
-                                self.tap_layers)
+        out = self.runner.run_model(batch, self.tap_layers)   # decode (w 1) commits its rows
         logits = out.logits.view(bs, w, -1)
         taps = {k: v.view(bs, w, -1) for k, v in out.hidden_taps.items()}
         if w != 1:
             return logits, taps
-        if self.runner.commit_hook is not None:
-            self.runner.commit_hook(batch, out)
         greedy = self._sampler.greedy(out.logits)
         return logits, taps, greedy.next_token_ids.view(bs, 1), greedy.next_token_logprobs.view(bs, 1)
 

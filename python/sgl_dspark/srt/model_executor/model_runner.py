@@ -157,8 +157,8 @@ class ModelRunner:
                 f"verify width {max(batch.extend_lens_cpu)} > max_verify_tokens "
                 f"{self.rc.max_verify_tokens}"
             )
-        commit = None if batch.mode.may_roll_back else self.commit_hook
-        if commit is not None and not set(self.commit_taps) <= set(tap_layers):
+        commits = self.commit_hook is not None and not batch.mode.may_roll_back
+        if commits and not set(self.commit_taps) <= set(tap_layers):
             tap_layers = tuple(sorted({*tap_layers, *self.commit_taps}))
         if self.device.type == "cuda" and batch.mode is not ForwardMode.EXTEND:
             # Decode/verify gathers span the whole context capacity on CUDA, as in the captured
@@ -169,9 +169,14 @@ class ModelRunner:
             return self.graph_runner.replay(batch, tap_layers)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, tap_layers):
             return self.prefill_graphs.replay(batch, tap_layers)
+        return self.run_model(batch, tap_layers)
+
+    def run_model(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
+        """The model's forward, then the commit hook where the batch commits its rows (DECODE,
+        EXTEND): the one place both happen, eagerly and inside every captured graph."""
         out = self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
-        if commit is not None:
-            commit(batch, out)
+        if self.commit_hook is not None and not batch.mode.may_roll_back:
+            self.commit_hook(batch, out)
         return out
 
 

@@ -25,7 +25,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from sgl_dspark.srt.model_executor.cuda_graph_runner import Graph, make_graph_factory, warm_up
+from sgl_dspark.srt.model_executor.cuda_graph_runner import (
+    Graph,
+    make_graph_factory,
+    reserved_mib,
+    warm_up,
+)
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
@@ -71,7 +76,7 @@ class PrefillGraphRunner:
         self._graphs: dict[int, tuple[Graph, Any]] = {}
         factory = graph_factory or make_graph_factory(dev)
         t0 = time.perf_counter()
-        mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
+        mem0 = reserved_mib(dev)
         self._tokens["token_req"].fill_(max_requests)   # captured on padding only
         for t in reversed(self.buckets):   # largest first: later captures reuse its memory
             run = functools.partial(self._forward, t)
@@ -79,7 +84,7 @@ class PrefillGraphRunner:
             with torch.inference_mode():
                 warm_up(run, dev, t)
                 self._graphs[t] = (graph, graph.capture(run, t))
-        mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
+        mem = reserved_mib(dev) - mem0
         logger.info("Captured %d prefill graphs (tokens %s, up to %d requests) in %.1f s, "
                     "+%.0f MiB reserved", len(self._graphs), self.buckets, max_requests,
                     time.perf_counter() - t0, mem)
@@ -92,10 +97,7 @@ class PrefillGraphRunner:
             mode=ForwardMode.EXTEND, **tok, **self._requests, logits_indices=self._logits_rows,
             req_to_token=pool.req_to_token, max_seq_len=pool.max_context_len,
             extend_lens_cpu=(), prefix_lens_cpu=(), host_lens=False)
-        out = self.runner.model(batch, self.runner.kv_pool, self.runner.attn_backend,
-                                self.tap_layers)
-        if self.runner.commit_hook is not None:
-            self.runner.commit_hook(batch, out)
+        out = self.runner.run_model(batch, self.tap_layers)   # commits its rows
         return out.logits, out.hidden_taps
 
     def bucket_for(self, num_tokens: int) -> int | None:

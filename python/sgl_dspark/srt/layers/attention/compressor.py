@@ -161,10 +161,11 @@ class BlockCompressor(nn.Module):
         pos, ring = batch.positions, state.ring
         if extend:
             keep = batch.last_rows(ring)
-            kept = keep >= 0            # a prefill graph's list is padded with -1
-            keep = keep.clamp(min=0)    # ... whose rows write to the dummy request slot 0
-            slot_tok = torch.where(kept, slot_tok[keep], torch.zeros_like(keep))
-            pos, kv, score = pos[keep], kv[keep], score[keep]
+            kept = keep >= 0 if not batch.host_lens else None   # a prefill graph's: -1 padded
+            keep = keep.clamp(min=0) if kept is not None else keep
+            pos, slot_tok, kv, score = pos[keep], slot_tok[keep], kv[keep], score[keep]
+            if kept is not None:   # padding entries write to the dummy request slot 0
+                slot_tok = torch.where(kept, slot_tok, torch.zeros_like(slot_tok))
         # else: a decode/verify request has fewer new rows than the ring (asserted by the runner's
         # max_verify_tokens), so every row is kept and no boolean mask (a host sync) is needed.
         ridx = pos.remainder(ring)
@@ -181,8 +182,9 @@ class BlockCompressor(nn.Module):
             # Prefill: only the completed blocks. A prefill graph's list is padded with -1: those
             # rows compute an entry at row 0 and write it to the dummy entry 0.
             ends = batch.block_end_rows(m)
-            write_mask = ends >= 0
-            ends = ends.clamp(min=0)
+            if not batch.host_lens:
+                write_mask = ends >= 0
+                ends = ends.clamp(min=0)
         else:
             # Decode/verify (few rows): a candidate entry for every row, written only where a block
             # ends (other rows write to the reserved dummy entry 0): no host synchronisation.

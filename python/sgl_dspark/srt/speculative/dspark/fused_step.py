@@ -98,7 +98,7 @@ class FusedGreedySteps:
         cache_loc = pool.req_to_token[slots[:, None], positions]
         batch = ForwardBatch.uniform(ForwardMode.VERIFY, verify_ids, positions, cache_loc, slots,
                                      seq, seq + w, pool.req_to_token, pool.max_context_len)
-        out = runner.model(batch, runner.kv_pool, runner.attn_backend, worker.tap_layers)
+        out = runner.run_model(batch, worker.tap_layers)   # a verify: commits nothing
         taps = [out.hidden_taps[layer].view(bs, w, -1) for layer in worker.tap_layers]
         acc, tok_lp = worker._greedy_epilogue(verify_ids, lens, seq, out.logits.view(bs, w, -1),
                                               positions, cache_loc, forced, *taps)
