@@ -5,7 +5,8 @@ A verify batch has B requests; row r verifies ``L_r = verify_lens[r]`` tokens (0
 j+1; the target row at the accept length n_r supplies the bonus token.
 
 Greedy rule: n_r = length of the longest prefix with ``d_{j+1} == target_ids[r, j]`` (j < L_r-1),
-bonus = ``target_ids[r, n_r]``.
+bonus = ``target_ids[r, n_r]``. Simulated acceptance (benchmarks, ``forced_accept``) replaces
+n_r by min(forced_r, L_r - 1) and keeps that bonus rule.
 
 Sampled rule (standard speculative rejection sampling): draft j is accepted iff
 ``accept_uniforms[r, j-1] * Q[r, j-1, d_j] < P[r, j-1, d_j]`` (fp32 product, then compare), stopping
@@ -114,6 +115,7 @@ def spec_accept_ref(
     sample_uniforms: torch.Tensor | None = None,
     greedy_mask: torch.Tensor | None = None,
     fill_token: int = -1,
+    forced_accept: torch.Tensor | None = None,
 ) -> AcceptOutput:
     """Reference for ``spec_accept`` (same arguments and outputs; plain vectorised torch)."""
     num_rows, width = verify_ids.shape
@@ -126,6 +128,8 @@ def spec_accept_ref(
     accept_g = bonus_g = accept_s = bonus_s = zeros
     if target_ids is not None:
         accept_g = _leading_true(in_window & (drafts == target_ids[:, :-1].long()))
+        if forced_accept is not None:
+            accept_g = torch.minimum(forced_accept.long().clamp(min=0), (lens - 1).clamp(min=0))
         bonus_g = target_ids.long()[rows, accept_g]
     if target_probs is not None:
         assert draft_probs is not None and accept_uniforms is not None
@@ -206,13 +210,13 @@ def _threshold(total, uniform, U_BITS: tl.constexpr):
 
 @triton.jit
 def _spec_accept_kernel(
-    verify_ids_ptr, verify_lens_ptr, seq_lens_ptr, target_ids_ptr, greedy_mask_ptr,
+    verify_ids_ptr, verify_lens_ptr, seq_lens_ptr, target_ids_ptr, forced_ptr, greedy_mask_ptr,
     p_ptr, q_ptr, accept_u_ptr, sample_u_ptr, sums_ptr, accept_scratch_ptr,
     accept_lens_ptr, commit_lens_ptr, out_tokens_ptr, next_anchors_ptr, new_seq_lens_ptr,
     vocab, chunk, num_chunks, p_stride_b, p_stride_w, q_stride_b, q_stride_w, fill_token,
     W: tl.constexpr, W_POW2: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
-    PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_SAMPLED: tl.constexpr,
-    HAS_MASK: tl.constexpr, FIXED_ONE: tl.constexpr, MIN_RESIDUAL: tl.constexpr,
+    PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_FORCED: tl.constexpr,
+    HAS_SAMPLED: tl.constexpr, HAS_MASK: tl.constexpr, FIXED_ONE: tl.constexpr, MIN_RESIDUAL: tl.constexpr,
     U_BITS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     """Program (row, c). PHASE 0: one program per row does everything (grid [B, 1]). Split
@@ -242,8 +246,12 @@ def _spec_accept_kernel(
     writer = pid_c == 0
     if HAS_GREEDY and PHASE != 1:
         target = tl.load(target_ids_ptr + row * W + cols, mask=cols < W, other=0).to(tl.int64)
-        mismatch = in_window & (drafts != target)
-        accept = tl.min(tl.where(mismatch, cols, last), axis=0)
+        if HAS_FORCED:   # simulated acceptance: the count is given, the bonus is the target's
+            forced = tl.load(forced_ptr + row).to(tl.int32)
+            accept = tl.minimum(tl.maximum(forced, 0), last)
+        else:
+            mismatch = in_window & (drafts != target)
+            accept = tl.min(tl.where(mismatch, cols, last), axis=0)
         # Picked from the loaded row (accept < W): no second, dependent round trip.
         bonus = tl.sum(tl.where(cols == accept, target, 0), axis=0)
     if HAS_SAMPLED:
@@ -413,6 +421,7 @@ def spec_accept(
     fill_token: int = -1,
     out: AcceptOutput | None = None,
     num_chunks: int | None = None,
+    forced_accept: torch.Tensor | None = None,
 ) -> AcceptOutput:
     """Finalise one verify step on device (no host sync; graph-capturable): one launch, or two
     when the sampled rule splits the vocab scan over chunks (``_plan_vocab_chunks``).
@@ -432,6 +441,9 @@ def spec_accept(
         out: optional preallocated ``AcceptOutput`` (static graph buffers) with the output dtypes.
         num_chunks: force the sampled vocab scan into this many chunks per row (1 = one program
             per row, one launch); default from the shapes. Tests use it; results never change.
+        forced_accept: int32/int64 [B], simulated acceptance (benchmarks): with the greedy rule
+            only, row r accepts min(max(forced, 0), L_r - 1) drafts whatever the target says;
+            the bonus is still ``target_ids[r, n_r]``.
     Returns:
         ``AcceptOutput`` (see the module docstring for the exact rule).
     Raises:
@@ -460,6 +472,10 @@ def spec_accept(
             target_probs, draft_probs, accept_uniforms, sample_uniforms, rows, width)
         p_arg, vocab = target_probs, target_probs.shape[2]
         q_arg = draft if draft.numel() > 0 else target_probs  # W == 1: Q is never read
+    if forced_accept is not None:
+        _require(target_ids is not None and target_probs is None,
+                 "forced_accept applies to the greedy rule alone (give target_ids only)")
+        _check_vector(forced_accept, "forced_accept", rows, int_types)
     has_mask = target_ids is not None and target_probs is not None
     mask_arg = placeholder
     if has_mask:
@@ -481,13 +497,15 @@ def spec_accept(
     for phase in (0,) if chunks == 1 else (1, 2):
         _spec_accept_kernel[(rows, chunks)](
             verify_ids, verify_lens, seq_lens,
-            target_ids if target_ids is not None else placeholder, mask_arg,
+            target_ids if target_ids is not None else placeholder,
+            forced_accept if forced_accept is not None else placeholder, mask_arg,
             p_arg, q_arg, ua_arg, us_arg, sums, accept_scratch,
             *out,
             vocab, chunk, chunks, *p_strides, *q_strides, fill_token,
             W=width, W_POW2=triton.next_power_of_2(width), BLOCK_V=block_v,
             BLOCK_C=triton.next_power_of_2(chunks), PHASE=phase,
-            HAS_GREEDY=target_ids is not None, HAS_SAMPLED=target_probs is not None,
+            HAS_GREEDY=target_ids is not None, HAS_FORCED=forced_accept is not None,
+            HAS_SAMPLED=target_probs is not None,
             HAS_MASK=has_mask,
             FIXED_ONE=float(1 << FIXED_POINT_BITS), MIN_RESIDUAL=MIN_RESIDUAL_MASS,
             U_BITS=UNIFORM_BITS, **programmatic_launch(_spec_accept_kernel, verify_ids.device),

@@ -156,6 +156,38 @@ def test_greedy_matches_reference_and_oracle(rows: int, width: int) -> None:
     _assert_same(spec_accept(ids_d, lens_d, seqs_d, target_ids=target_d), want)
 
 
+@pytest.mark.parametrize("rows", [0, 1, 5, 13])
+@pytest.mark.parametrize("width", [1, 2, 4, 8])
+def test_forced_accept_matches_reference_and_rule(rows: int, width: int) -> None:
+    """Simulated acceptance: n = min(max(forced, 0), L - 1) whatever the target says, bonus =
+    the target id at row n; forced counts beyond the window and negative ones included."""
+    gen = torch.Generator().manual_seed(7 * rows + width)
+    ids, lens, seqs = _verify_batch(rows, width, 50, gen)
+    target = _greedy_targets(ids, 50, gen)
+    forced = torch.randint(-1, width + 2, (rows,), generator=gen)
+    want = spec_accept_ref(ids, lens, seqs, target_ids=target, forced_accept=forced)
+    n = torch.minimum(forced.clamp(min=0), (lens.clamp(0, width) - 1).clamp(min=0))
+    real = lens > 0
+    assert torch.equal(want.accept_lens.long(), torch.where(real, n, 0))
+    bonus = target.long().gather(1, n[:, None]).squeeze(1) if rows else n
+    assert torch.equal(want.next_anchors, torch.where(real, bonus, ids[:, 0]))
+    ids_d, lens_d, seqs_d, target_d, forced_d = _to(DEVICE, ids, lens, seqs, target, forced)
+    poisoned = AcceptOutput(*(torch.full_like(t, 12345).to(DEVICE) for t in want))
+    got = spec_accept(ids_d, lens_d, seqs_d, target_ids=target_d, forced_accept=forced_d,
+                      out=poisoned)
+    _assert_same(got, want)
+
+
+def test_forced_accept_needs_the_greedy_rule_alone() -> None:
+    ids = torch.zeros(2, 3, dtype=torch.int64, device=DEVICE)
+    lens = torch.full((2,), 3, device=DEVICE)
+    probs = torch.full((2, 3, 4), 0.25, device=DEVICE)
+    with pytest.raises(ValueError, match="forced_accept"):
+        spec_accept(ids, lens, lens, target_probs=probs, draft_probs=probs[:, :2],
+                    accept_uniforms=probs[:, :2, 0].contiguous(),
+                    sample_uniforms=probs[:, 0, 0].contiguous(), forced_accept=lens)
+
+
 @pytest.mark.parametrize("num_chunks", [None, 1, 3, 64])
 @pytest.mark.parametrize("rows,width,vocab", [(0, 3, 8), (1, 1, 37), (5, 2, 37), (9, 4, 300),
                                               (7, 6, 5000), (3, 8, 129)])

@@ -293,12 +293,19 @@ def _random_step(batch: int, width: int, vocab: int, seed: int, coarse: bool):
 @pytest.mark.parametrize("batch, width, vocab, coarse", [
     (12, 1, 7, False), (24, 3, 5, True), (40, 4, 33, False), (16, 6, 9, True),
 ])
-@pytest.mark.parametrize("mode", ["greedy", "sampled", "capped"])
+@pytest.mark.parametrize("mode", ["greedy", "sampled", "capped", "forced"])
 def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
     args = _random_step(batch, width, vocab, seed=batch * width + vocab, coarse=coarse)
     ids, lens, seq, logits, greedy, p, q, coins, bonus_u = args
     kw = {}
-    if mode != "greedy":
+    if mode == "forced":   # simulated acceptance: counts given, bonus = argmax at that row
+        kw["forced_accept"] = torch.randint(0, width + 1, (batch,),
+                                            generator=torch.Generator().manual_seed(3))
+        want = accept_step(ids, lens, seq, logits, greedy, **kw)
+        n = torch.minimum(kw["forced_accept"], (lens - 1).clamp(min=0))
+        assert torch.equal(want.accept_len, torch.where(lens > 0, n, 0))
+        assert torch.equal(want.bonus, logits.argmax(-1).gather(1, n[:, None]).squeeze(1))
+    elif mode != "greedy":
         kw = dict(target_probs=p, draft_probs=q, coins=coins, bonus_uniforms=bonus_u)
     if mode == "capped":
         cap_gen = torch.Generator().manual_seed(5)
@@ -314,7 +321,7 @@ def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
                  "cap_trim"):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert torch.equal(got.bonus[real], want.bonus[real])
-    if mode != "greedy":  # the sampled rule did run: some drafts accepted, some rejected
+    if mode in ("sampled", "capped"):  # the sampled rule ran: some accepted, some rejected
         drafts = (lens - 1).clamp(min=0)
         assert bool(((got.accept_len > 0) & real).any()) or width == 1
         assert bool((got.accept_len < drafts).any()) or width == 1

@@ -235,20 +235,23 @@ class CudaGraphRunner:
                  ) -> tuple[Any, ...]:
         """The captured region: a uniform-width batch built from the static inputs (its row
         tables are made inside the capture, so replays recompute them), outputs as [B, W, ...].
-        Width 1 (the decode graph) also runs the runner's commit hook and the greedy sampler, so
-        an all-greedy decode step is one replay with nothing left for the host to launch."""
+        Every width runs the runner's tap hook; width 1 (the decode graph) also runs the greedy
+        sampler, so an all-greedy decode step is one replay with nothing left for the host to
+        launch."""
         bs = req_pool_indices.shape[0]
         pool = self.runner.req_pool
         batch = ForwardBatch.uniform(
             ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY, input_ids, positions,
             out_cache_loc, req_pool_indices, prefix_lens, seq_lens, pool.req_to_token,
             pool.max_context_len)
-        out = self.runner.run_model(batch, self.tap_layers)   # decode (w 1) commits its rows
+        out = self.runner.run_model(batch, self.tap_layers)
         logits = out.logits.view(bs, w, -1)
         taps = {k: v.view(bs, w, -1) for k, v in out.hidden_taps.items()}
         if w != 1:
+            self.runner.join_tap_hook()
             return logits, taps
         greedy = self._sampler.greedy(out.logits)
+        self.runner.join_tap_hook()
         return logits, taps, greedy.next_token_ids.view(bs, 1), greedy.next_token_logprobs.view(bs, 1)
 
     # ---- replay --------------------------------------------------------------------------

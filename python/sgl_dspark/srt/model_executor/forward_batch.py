@@ -21,10 +21,6 @@ class ForwardMode(enum.Enum):
     DECODE = "decode"   # one token per request
     VERIFY = "verify"   # W tokens per request whose state may later be rolled back
 
-    @property
-    def may_roll_back(self) -> bool:
-        return self is ForwardMode.VERIFY
-
 
 @dataclass(frozen=True)
 class ForwardBatch:

@@ -102,11 +102,15 @@ class ModelRunner:
         self.model.rope_tables(self.req_pool.max_context_len)
         self.graph_runner: CudaGraphRunner | None = None
         self.prefill_graphs: PrefillGraphRunner | None = None
-        # Runs after every DECODE and EXTEND forward (the forwards whose rows are all committed),
-        # eagerly or inside the graphs, with at least `commit_taps` among the forward's taps
-        # (`set_commit_hook`, before any capture): DSpark commits its draft's context KV here.
-        self.commit_hook: Callable[[ForwardBatch, ModelOutput], None] | None = None
-        self.commit_taps: tuple[int, ...] = ()
+        # Runs on the taps of every forward, eagerly or inside the graphs, with at least
+        # `hook_taps` among the forward's taps (`set_tap_hook`, before any capture): DSpark
+        # writes its draft's context KV of every row here.
+        self.tap_hook: Callable[[ForwardBatch, dict[int, torch.Tensor]], None] | None = None
+        self.hook_taps: tuple[int, ...] = ()
+        # Inside a capture the hook runs on this side stream, concurrently with the hyper head,
+        # the logits and whatever the captured region does next, until `join_tap_hook`.
+        self._hook_stream: torch.cuda.Stream | None = None
+        self._hook_pending: tuple[object, ...] | None = None
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page,
                     num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20)
 
@@ -127,11 +131,19 @@ class ModelRunner:
                     tokens, budget / 2**30)
         return tokens
 
-    def set_commit_hook(self, hook: Callable[[ForwardBatch, ModelOutput], None],
-                        tap_layers: tuple[int, ...]) -> None:
+    def set_tap_hook(self, hook: Callable[[ForwardBatch, dict[int, torch.Tensor]], None],
+                     tap_layers: tuple[int, ...]) -> None:
+        """`hook(batch, taps)` runs after the last of `tap_layers` in every forward, on every
+        row. Rows a verify later rejects are written too: as with the target's own KV, their
+        positions are past the committed length, so nothing reads them before the step that
+        commits those positions writes them again."""
         if self.graph_runner is not None or self.prefill_graphs is not None:
-            raise RuntimeError("the commit hook must be set before CUDA graphs are captured")
-        self.commit_hook, self.commit_taps = hook, tap_layers
+            raise RuntimeError("the tap hook must be set before CUDA graphs are captured")
+        if not tap_layers:
+            raise ValueError("a tap hook needs at least one tap layer")
+        self.tap_hook, self.hook_taps = hook, tap_layers
+        if self.device.type == "cuda":
+            self._hook_stream = torch.cuda.Stream(self.device)
 
     def init_cuda_graphs(self, max_bs: int, widths: Sequence[int] = (1,),
                          tap_layers: tuple[int, ...] = (), prefill_max_tokens: int = 0,
@@ -157,9 +169,8 @@ class ModelRunner:
                 f"verify width {max(batch.extend_lens_cpu)} > max_verify_tokens "
                 f"{self.rc.max_verify_tokens}"
             )
-        commits = self.commit_hook is not None and not batch.mode.may_roll_back
-        if commits and not set(self.commit_taps) <= set(tap_layers):
-            tap_layers = tuple(sorted({*tap_layers, *self.commit_taps}))
+        if self.tap_hook is not None and not set(self.hook_taps) <= set(tap_layers):
+            tap_layers = tuple(sorted({*tap_layers, *self.hook_taps}))
         if self.device.type == "cuda" and batch.mode is not ForwardMode.EXTEND:
             # Decode/verify gathers span the whole context capacity on CUDA, as in the captured
             # graphs, so an eager step (a batch larger than the graphs, --disable-cuda-graph)
@@ -172,12 +183,36 @@ class ModelRunner:
         return self.run_model(batch, tap_layers)
 
     def run_model(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
-        """The model's forward, then the commit hook where the batch commits its rows (DECODE,
-        EXTEND): the one place both happen, eagerly and inside every captured graph."""
-        out = self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
-        if self.commit_hook is not None and not batch.mode.may_roll_back:
-            self.commit_hook(batch, out)
-        return out
+        """The model's forward with the tap hook on its taps: the one place both happen, eagerly
+        and inside every captured graph. Inside a capture the hook is forked onto a side stream
+        as soon as its taps exist; the captured region must end with `join_tap_hook`."""
+        hook = self.tap_hook
+        if hook is None:
+            return self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
+        assert self._hook_pending is None, "a captured region did not call join_tap_hook"
+        side = self._hook_stream
+        fork = side is not None and torch.cuda.is_current_stream_capturing()
+
+        def on_taps(taps: dict[int, torch.Tensor]) -> None:
+            if not fork:
+                hook(batch, taps)
+                return
+            assert side is not None
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):
+                hook(batch, taps)
+            # The hook's inputs stay referenced until the join, so the capture's allocator
+            # cannot hand their memory to later work of the main stream while the side reads.
+            self._hook_pending = (batch, taps)
+
+        return self.model(batch, self.kv_pool, self.attn_backend, tap_layers, on_taps=on_taps)
+
+    def join_tap_hook(self) -> None:
+        """End of a captured region: the main stream waits for a forked tap hook."""
+        if self._hook_pending is not None:
+            assert self._hook_stream is not None
+            torch.cuda.current_stream(self.device).wait_stream(self._hook_stream)
+            self._hook_pending = None
 
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)

@@ -11,7 +11,7 @@ write of theirs lands in dummy state; the request rows past B are padding reques
 and no tokens. The graph's batch sees the static context capacity as `max_seq_len` and builds
 its compressor row lists on the device (`ForwardBatch.host_lens` False), so the capture depends
 on no host length. Logits are computed for `max_requests + 1` rows; a replay returns the rows the
-batch asked for. The runner's commit hook (DSpark's context-KV injection) runs inside the graph,
+batch asked for. The runner's tap hook (DSpark's context-KV injection) runs inside the graph,
 as in the decode graphs.
 """
 
@@ -97,7 +97,8 @@ class PrefillGraphRunner:
             mode=ForwardMode.EXTEND, **tok, **self._requests, logits_indices=self._logits_rows,
             req_to_token=pool.req_to_token, max_seq_len=pool.max_context_len,
             extend_lens_cpu=(), prefix_lens_cpu=(), host_lens=False)
-        out = self.runner.run_model(batch, self.tap_layers)   # commits its rows
+        out = self.runner.run_model(batch, self.tap_layers)
+        self.runner.join_tap_hook()
         return out.logits, out.hidden_taps
 
     def bucket_for(self, num_tokens: int) -> int | None:

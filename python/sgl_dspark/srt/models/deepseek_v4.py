@@ -7,7 +7,7 @@ state dict loads by name. One forward serves prefill, chunked prefill, decode an
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import cast
 
@@ -289,7 +289,10 @@ class DeepseekV4ForCausalLM(nn.Module):
         return tables
 
     def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
-                tap_layers: tuple[int, ...] = ()) -> ModelOutput:
+                tap_layers: tuple[int, ...] = (),
+                on_taps: Callable[[dict[int, torch.Tensor]], None] | None = None) -> ModelOutput:
+        """`on_taps`: called with the taps once the last of `tap_layers` has run, before the
+        hyper head and the logits (a consumer of the taps can start while those run)."""
         m = self.model
         batch.memo.clear()   # per-forward derived tensors (see ForwardBatch.memo)
         x = m.embed_tokens(batch.input_ids)
@@ -301,6 +304,8 @@ class DeepseekV4ForCausalLM(nn.Module):
         def tap(i: int, streams: torch.Tensor) -> None:
             if i in tap_layers:
                 taps[i] = streams.float().mean(dim=1).to(streams.dtype)
+                if on_taps is not None and len(taps) == len(set(tap_layers)):
+                    on_taps(taps)
 
         if self.hc_boundary is None:
             for i, layer in enumerate(m.layers):

@@ -203,6 +203,7 @@ def accept_step(
     coins: torch.Tensor | None = None,
     bonus_uniforms: torch.Tensor | None = None,
     cap_lens: torch.Tensor | None = None,
+    forced_accept: torch.Tensor | None = None,
 ) -> AcceptOutput:
     """Full acceptance for a (possibly mixed) batch, selected per row by ``greedy`` [B] bool.
 
@@ -213,8 +214,16 @@ def accept_step(
         target_probs / draft_probs / coins / bonus_uniforms: see ``sampled_accept``; pass None
             for all of them when the host knows every row is greedy.
         cap_lens: optional [B] cap-accept limits l_r on accepted drafts.
+        forced_accept: optional [B] int64, simulated acceptance (benchmarks only): every row
+            accepts min(forced, verify_len - 1) drafts whatever the target says, and its bonus
+            is the target argmax at that row; no other rule applies.
     """
-    accept_len, bonus = greedy_accept(verify_ids, verify_lens, torch.argmax(target_logits, dim=-1))
+    target_argmax = torch.argmax(target_logits, dim=-1)
+    if forced_accept is not None:
+        n = torch.minimum(forced_accept, (verify_lens - 1).clamp(min=0))
+        bonus = target_argmax.gather(1, n[:, None]).squeeze(1)
+        return finalize_accept(verify_ids, verify_lens, seq_lens, n, bonus)
+    accept_len, bonus = greedy_accept(verify_ids, verify_lens, target_argmax)
     if target_probs is not None:
         if draft_probs is None or coins is None or bonus_uniforms is None:
             raise ValueError("sampled acceptance needs draft_probs, coins and bonus_uniforms")

@@ -2,9 +2,9 @@
 
 One replay runs the draft forward and Markov loop, the target's verify forward over
 [anchor, d_1 .. d_{W-1}] at positions seq .. seq + W - 1 (its token slots looked up on the
-device), acceptance, the draft's context-KV commit and the committed tokens' logprobs: the same
-ops as the worker's separate draft / verify / epilogue graphs, without their host round trips
-(verify batch built on the host, logits and taps copied into the epilogue's buffers).
+device) with the draft's context KV of its rows, acceptance and the committed tokens' logprobs:
+the same ops as the worker's separate draft / verify / epilogue graphs, without their host round
+trips (verify batch built on the host, logits copied into the epilogue's buffers).
 
 The step's next state (anchors = bonus tokens, sequence lengths + commit lengths) is written back
 into the graph's own input buffers, so the next step of an unchanged batch needs no input from
@@ -98,13 +98,15 @@ class FusedGreedySteps:
         cache_loc = pool.req_to_token[slots[:, None], positions]
         batch = ForwardBatch.uniform(ForwardMode.VERIFY, verify_ids, positions, cache_loc, slots,
                                      seq, seq + w, pool.req_to_token, pool.max_context_len)
-        out = runner.run_model(batch, worker.tap_layers)   # a verify: commits nothing
-        taps = [out.hidden_taps[layer].view(bs, w, -1) for layer in worker.tap_layers]
+        # The tap hook writes the draft context KV of all w rows, on a side stream while the
+        # logits and the epilogue run (`ModelRunner.run_model`).
+        out = runner.run_model(batch, worker.tap_layers)
         acc, tok_lp = worker._greedy_epilogue(verify_ids, lens, seq, out.logits.view(bs, w, -1),
-                                              positions, cache_loc, forced, *taps)
+                                              forced)
         # The next step's state, in place (every read of these rows is above).
         anchors.copy_(acc.next_anchor)
         seq.copy_(acc.new_seq_lens)
+        runner.join_tap_hook()
         return FusedStepOutput(acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len)
 
     @torch.inference_mode()

@@ -37,7 +37,8 @@ class AcceptFn(Protocol):
                  target_probs: torch.Tensor | None = None,
                  draft_probs: torch.Tensor | None = None, coins: torch.Tensor | None = None,
                  bonus_uniforms: torch.Tensor | None = None,
-                 cap_lens: torch.Tensor | None = None) -> AcceptOutput: ...
+                 cap_lens: torch.Tensor | None = None,
+                 forced_accept: torch.Tensor | None = None) -> AcceptOutput: ...
 
 
 class DraftBlockInputs(NamedTuple):
@@ -66,11 +67,15 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
                       target_probs: torch.Tensor | None = None,
                       draft_probs: torch.Tensor | None = None, coins: torch.Tensor | None = None,
                       bonus_uniforms: torch.Tensor | None = None,
-                      cap_lens: torch.Tensor | None = None) -> AcceptOutput:
+                      cap_lens: torch.Tensor | None = None,
+                      forced_accept: torch.Tensor | None = None) -> AcceptOutput:
         batch, width, vocab = target_logits.shape
         verify_ids = verify_ids.contiguous()
         target_ids = vocab_argmax(target_logits.reshape(batch * width, vocab)).view(batch, width)
-        if target_probs is None:
+        if forced_accept is not None:   # simulation: the greedy launch with forced counts
+            out = spec_accept(verify_ids, verify_lens.contiguous(), seq_lens.contiguous(),
+                              target_ids=target_ids, forced_accept=forced_accept.contiguous())
+        elif target_probs is None:
             out = spec_accept(verify_ids, verify_lens.contiguous(), seq_lens.contiguous(),
                               target_ids=target_ids)
         else:
@@ -84,7 +89,7 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
                               sample_uniforms=bonus_uniforms.float().contiguous(),
                               greedy_mask=greedy.contiguous())
         accept_len = out.accept_lens.to(torch.int64)
-        if cap_lens is not None:
+        if cap_lens is not None and forced_accept is None:
             # Padding rows: the kernel's bonus is the anchor; finalize_accept ignores it there.
             capped, bonus, cap_trim = apply_cap(verify_ids, accept_len, out.next_anchors,
                                                 cap_lens)

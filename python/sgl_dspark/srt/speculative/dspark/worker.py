@@ -24,9 +24,7 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_b
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.host_copy import read_to_host, to_device, to_device_packed
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
-from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
-from sgl_dspark.srt.speculative.dspark.accept import finalize_accept
 from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
 from sgl_dspark.srt.speculative.dspark.ops import (
@@ -142,7 +140,7 @@ class DSparkWorker:
         self.sts_recorder = (StsRecorder(args.sts_collect_path, self.gamma)
                              if args.sts_collect_path else None)
         self._sim_progress: dict[str, float] = {}
-        runner.set_commit_hook(self._commit_rows, self.tap_layers)
+        runner.set_tap_hook(self._write_context_kv, self.tap_layers)
         self.draft_graphs: BatchGraphs | None = None
         self.draft_graphs_bs1: BatchGraphs | None = None
         self.epilogue_graphs: dict[int, BatchGraphs] = {}
@@ -166,24 +164,23 @@ class DSparkWorker:
         return self.policy.plain_decode(batch_size)
 
     def inject(self, positions: torch.Tensor, slots: torch.Tensor,
-               taps: dict[int, torch.Tensor], rows: torch.Tensor | None = None) -> None:
-        """Write draft context KV for committed tokens (rows of a target forward)."""
+               taps: dict[int, torch.Tensor]) -> None:
+        """Write the draft context KV of target forward rows at `slots`."""
         feats = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
-        if rows is not None:
-            feats, positions, slots = feats[rows], positions[rows], slots[rows]
         if feats.shape[0] == 0:
             return
         with torch.inference_mode():
             for pool, kv in zip(self.ctx_kv, self.draft.context_kv(feats, positions)):
                 pool[slots] = kv.to(pool.dtype)
 
-    def _commit_rows(self, batch: ForwardBatch, out: ModelOutput) -> None:
-        """The runner's commit hook: a prefill chunk and a plain decode step (static width 1)
-        commit every row, so the draft's context KV of their tokens is written in the same
-        forward (inside the prefill or decode graph when one runs). A width-1 verify replays the
-        decode graph too: its one row is the anchor, which the step's epilogue commits again
-        with the same values."""
-        self.inject(batch.positions, batch.out_cache_loc, out.hidden_taps)
+    def _write_context_kv(self, batch: ForwardBatch, taps: dict[int, torch.Tensor]) -> None:
+        """The runner's tap hook: the draft's context KV of every row of every target forward
+        (prefill chunks, decode steps and verify windows), inside the forward's graph when one
+        runs. A verify writes its rejected rows too, at positions past the committed length:
+        the step that later commits a position verifies it again and rewrites its row before
+        any draft reads it, exactly as for the target's own KV, so acceptance never waits for
+        this and the hook can overlap the logits and the acceptance (`set_tap_hook`)."""
+        self.inject(batch.positions, batch.out_cache_loc, taps)
 
     def on_new_request(self, req: Req) -> None:
         self._generation[req.slot] = self._generation.get(req.slot, 0) + 1
@@ -261,26 +258,18 @@ class DSparkWorker:
             logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
             logits[flat_r, flat_j] = out.logits
         timer.mark("verify")
-        # 6-7. acceptance on the device, then the commit: draft context KV for anchor + accepted
-        #    drafts (rows j < commit_len; the other rows write to the reserved dummy slot 0
-        #    instead of being filtered, so no sync), and the committed tokens' logprobs. Greedy
-        #    uniform steps replay this epilogue from a CUDA graph.
+        # 6-7. acceptance on the device and the committed tokens' logprobs (the verify forward
+        #    wrote the draft context KV of its rows: `_write_context_kv`). Greedy uniform steps
+        #    replay this epilogue from a CUDA graph.
         epilogue = self.epilogue_graphs.get(W)
         if (epilogue is not None and uniform and all_greedy and cap_lens is None
                 and self.sts_recorder is None and epilogue.bucket_for(B) is not None):
             forced = self._sim_counts(reqs, lens_t.device)
-            taps = [out.hidden_taps[layer].view(B, W, -1) for layer in self.tap_layers]
-            acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits,
-                                          batch.positions.view(B, W),
-                                          batch.out_cache_loc.view(B, W), forced, *taps)
+            acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced)
         else:
             acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp,
                                top_k, top_p, need_trunc, ms, cap_lens, reqs)
-            committed = flat_j < acc.commit_len[flat_r]
-            ctx_slots = torch.where(committed, batch.out_cache_loc, torch.zeros_like(flat_j))
-            self.inject(batch.positions, ctx_slots, out.hidden_taps)
-            tok_lp = torch.log_softmax(logits, dim=-1).gather(
-                2, acc.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
+            tok_lp = _token_logprobs(logits, acc.out_tokens)
         if not bs1:
             self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
         if self.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
@@ -344,15 +333,13 @@ class DSparkWorker:
                                         example, (0, 1, 0), graph_batch_sizes(max_bs), dev,
                                         graph_factory, name="DSpark draft graphs")
         runner = self.runner
-        hidden = runner.model_cfg.hidden_size
         vocab = runner.model_cfg.vocab_size
         for w in self.graph_verify_widths():
             def ex(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
                 return torch.zeros((1, *shape), dtype=dtype, device=dev)
 
-            inputs = [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex(w), ex(w), ex(),
-                      *[ex(w, hidden, dtype=runner.dtype) for _ in self.tap_layers]]
-            pads = [0, 0, 1, 0.0, 0, 0, 0, *[0.0] * len(self.tap_layers)]
+            inputs = [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex()]
+            pads = [0, 0, 1, 0.0, 0]
             self.epilogue_graphs[w] = BatchGraphs(self._greedy_epilogue, inputs, pads,
                                                   graph_batch_sizes(max_bs), dev, graph_factory,
                                                   name=f"DSpark epilogue graphs (width {w})")
@@ -417,7 +404,8 @@ class DSparkWorker:
         dev = logits.device
         B, W = verify_ids.shape
         if self.args.simulate_accept_len is not None:
-            return self._simulated_accept(verify_ids, lens_t, seq_t, logits, reqs)
+            return self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy,
+                                  forced_accept=self._sim_counts(reqs, dev))
         if all_greedy:
             return self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy, cap_lens=cap_lens)
         p = target_probs(logits, temp, top_k, top_p, apply_top_k_top_p=need_trunc)
@@ -444,35 +432,21 @@ class DSparkWorker:
             self._sim_progress[r.rid] = done + 1
         return forced
 
-    def _simulated_accept(self, verify_ids, lens_t, seq_t, logits, reqs):
-        """Benchmark-only: accept the forced draft counts; the bonus is the target's argmax at
-        the first unaccepted row."""
-        return self._forced_accept(verify_ids, lens_t, seq_t, logits,
-                                   self._sim_counts(reqs, logits.device))
-
-    @staticmethod
-    def _forced_accept(verify_ids, lens_t, seq_t, logits, forced):
-        n = torch.minimum(forced, (lens_t - 1).clamp(min=0))
-        bonus = torch.argmax(logits, dim=-1).gather(1, n[:, None]).squeeze(1)
-        return finalize_accept(verify_ids, lens_t, seq_t, n, bonus, None)
+    def _forced(self, counts: torch.Tensor) -> torch.Tensor | None:
+        """The accept counts to force: `counts` when acceptance is simulated, else None."""
+        return counts if self.args.simulate_accept_len is not None else None
 
     def _greedy_epilogue(self, verify_ids: torch.Tensor, lens_t: torch.Tensor,
-                         seq_t: torch.Tensor, logits: torch.Tensor, positions: torch.Tensor,
-                         cache_loc: torch.Tensor, forced: torch.Tensor, *taps: torch.Tensor):
-        """Acceptance + draft context-KV commit + logprobs of an all-greedy uniform step (the
-        captured "folded epilogue"); batch-first inputs [B, W, ...], padding rows have
-        lens_t == 0 and commit nothing."""
-        B, W = verify_ids.shape
-        if self.args.simulate_accept_len is not None:
-            acc = self._forced_accept(verify_ids, lens_t, seq_t, logits, forced)
-        else:
-            greedy = torch.ones(B, dtype=torch.bool, device=verify_ids.device)
-            acc = self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy)
-        cols = torch.arange(W, device=verify_ids.device)
-        committed = cols[None, :] < acc.commit_len[:, None]
-        ctx_slots = torch.where(committed, cache_loc, torch.zeros_like(cache_loc))
-        self.inject(positions.reshape(-1), ctx_slots.reshape(-1),
-                    {layer: t.reshape(B * W, -1) for layer, t in zip(self.tap_layers, taps)})
-        tok_lp = torch.log_softmax(logits, dim=-1).gather(
-            2, acc.out_tokens.clamp(min=0)[:, :, None]).squeeze(2)
-        return acc, tok_lp
+                         seq_t: torch.Tensor, logits: torch.Tensor, forced: torch.Tensor):
+        """Acceptance + logprobs of an all-greedy uniform step (the captured "folded
+        epilogue"); batch-first inputs [B, W, ...], padding rows have lens_t == 0 and commit
+        nothing. `forced`: the simulated accept counts (ignored without simulation)."""
+        greedy = torch.ones(verify_ids.shape[0], dtype=torch.bool, device=verify_ids.device)
+        acc = self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy,
+                             forced_accept=self._forced(forced))
+        return acc, _token_logprobs(logits, acc.out_tokens)
+
+
+def _token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """[B, W] log-softmax of verify logits [B, W, V] at the output tokens (-1 fill reads id 0)."""
+    return torch.log_softmax(logits, dim=-1).gather(2, tokens.clamp(min=0)[:, :, None]).squeeze(2)
