@@ -295,12 +295,15 @@ def _random_step(batch: int, width: int, vocab: int, seed: int, coarse: bool):
 ])
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "capped", "forced"])
 def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
+    """Both acceptance backends on the same inputs (CPU interpreter in CI; compiled on a GPU,
+    where the Triton launches need device tensors)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     args = _random_step(batch, width, vocab, seed=batch * width + vocab, coarse=coarse)
-    ids, lens, seq, logits, greedy, p, q, coins, bonus_u = args
+    ids, lens, seq, logits, greedy, p, q, coins, bonus_u = (t.to(device) for t in args)
     kw = {}
     if mode == "forced":   # simulated acceptance: counts given, bonus = argmax at that row
         kw["forced_accept"] = torch.randint(0, width + 1, (batch,),
-                                            generator=torch.Generator().manual_seed(3))
+                                            generator=torch.Generator().manual_seed(3)).to(device)
         want = accept_step(ids, lens, seq, logits, greedy, **kw)
         n = torch.minimum(kw["forced_accept"], (lens - 1).clamp(min=0))
         assert torch.equal(want.accept_len, torch.where(lens > 0, n, 0))
@@ -309,7 +312,7 @@ def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
         kw = dict(target_probs=p, draft_probs=q, coins=coins, bonus_uniforms=bonus_u)
     if mode == "capped":
         cap_gen = torch.Generator().manual_seed(5)
-        kw["cap_lens"] = torch.randint(0, width, (batch,), generator=cap_gen)
+        kw["cap_lens"] = torch.randint(0, width, (batch,), generator=cap_gen).to(device)
     elif mode == "greedy":
         greedy = torch.ones_like(greedy)
     want = accept_step(ids, lens, seq, logits, greedy, **kw)

@@ -260,7 +260,7 @@ class Scheduler:
                                    pool.req_to_token,
                                    input_ids_device=None if prev is None else prev.next_ids)
         taps = self.spec.tap_layers if self.spec is not None else ()
-        out = self.runner.forward(batch, taps)   # DSpark's draft KV: the runner's commit hook
+        out = self.runner.forward(batch, taps)   # DSpark's draft KV: the runner's tap hook
         for req in reqs:
             req.kv_len += 1
         lag = 0 if prev is None else 1  # tokens sampled but not yet appended
@@ -330,7 +330,7 @@ class Scheduler:
         mode = ForwardMode.DECODE if all(r.prefill_done for r, _ in work) else ForwardMode.EXTEND
         batch = ForwardBatch.build(mode, [ids for _, ids in work], [r.kv_len for r, _ in work],
                                    [r.slot for r, _ in work], pool.req_to_token, logits_rows=rows)
-        # (with DSpark the runner's commit hook writes the draft's context KV of these rows)
+        # (with DSpark the runner's tap hook writes the draft's context KV of these rows)
         out = self.runner.forward(batch, tap_layers)
         for req, ids in work:
             req.kv_len += len(ids)
