@@ -215,12 +215,12 @@ def accept_step(
             for all of them when the host knows every row is greedy.
         cap_lens: optional [B] cap-accept limits l_r on accepted drafts.
         forced_accept: optional [B] int64, simulated acceptance (benchmarks only): every row
-            accepts min(forced, verify_len - 1) drafts whatever the target says, and its bonus
+            accepts min(max(forced, 0), verify_len - 1) drafts whatever the target says; its bonus
             is the target argmax at that row; no other rule applies.
     """
     target_argmax = torch.argmax(target_logits, dim=-1)
     if forced_accept is not None:
-        n = torch.minimum(forced_accept, (verify_lens - 1).clamp(min=0))
+        n = torch.minimum(forced_accept.clamp(min=0), (verify_lens - 1).clamp(min=0))
         bonus = target_argmax.gather(1, n[:, None]).squeeze(1)
         return finalize_accept(verify_ids, verify_lens, seq_lens, n, bonus)
     accept_len, bonus = greedy_accept(verify_ids, verify_lens, target_argmax)
