@@ -6,7 +6,7 @@ j+1; the target row at the accept length n_r supplies the bonus token.
 
 Greedy rule: n_r = length of the longest prefix with ``d_{j+1} == target_ids[r, j]`` (j < L_r-1),
 bonus = ``target_ids[r, n_r]``. Simulated acceptance (benchmarks, ``forced_accept``) replaces
-n_r by min(forced_r, L_r - 1) and keeps that bonus rule.
+n_r by min(max(forced_r, 0), L_r - 1) and keeps that bonus rule.
 
 Sampled rule (standard speculative rejection sampling): draft j is accepted iff
 ``accept_uniforms[r, j-1] * Q[r, j-1, d_j] < P[r, j-1, d_j]`` (fp32 product, then compare), stopping
@@ -29,22 +29,19 @@ because no float is ever summed.
   The residual is used iff its fixed-point mass exceeds 2**16 (probability 2**-24, below fp32
   resolution of a normalised row); otherwise P is used. Quantisation drops token mass below 2**-40
   (at most V * 2**-40 ~ 1.2e-7 in total variation at V = 129280).
-Where fp summation order *would* flip tokens: a float CDF (torch.cumsum vs a blocked tl.cumsum) can
-differ in the last ulp, which moves a boundary past a uniform that sits within ~1e-7 of it; the
-fixed-point rule above removes that, so tests compare tokens with ``torch.equal`` on random inputs.
+Why fixed point: a float CDF (torch.cumsum vs a blocked tl.cumsum) can differ in the last ulp and
+move a boundary past a uniform within ~1e-7 of it; integers cannot, so tests use ``torch.equal``.
 
-Outputs (``AcceptOutput``): accept_lens int32 [B] (n), commit_lens int32 [B] (n+1), out_tokens
-int64 [B, W] (drafts d_1..d_n in columns 0..n-1, bonus at column n, ``fill_token`` after),
-next_anchors int64 [B] (the bonus), new_seq_lens [B] (seq_lens + commit, seq_lens' dtype).
-Padding rows (L_r = 0) commit nothing: n = c = 0, out_tokens all fill, next anchor = current
-anchor, new_seq_len = seq_len. ``verify_lens`` is clamped to [0, W].
+Outputs (``AcceptOutput``): accept_lens int32 [B] (n), commit_lens int32 [B] (n+1), out_tokens int64
+[B, W] (drafts d_1..d_n in columns 0..n-1, bonus at column n, ``fill_token`` after), next_anchors
+int64 [B] (the bonus), new_seq_lens [B] (seq_lens + commit, seq_lens' dtype). Padding rows (L_r = 0)
+commit nothing (n = c = 0, all fill, anchor and seq_len kept). ``verify_lens`` is clamped to [0, W].
 
-Work split: a one-program-per-row scan of a 129k vocab is a long serial chain of loads, so when
-rows are few the sampled draw runs in two launches over vocab chunks (grid [B, C], C from the
-shapes only, ``_plan_vocab_chunks``): phase 1 writes each chunk's integer masses; phase 2 sums
-them, locates the chunk whose CDF crosses the threshold, and only that program rescans its chunk
-and writes the row. Integer sums make the token independent of C. Greedy-only steps and large
-batches stay one launch of one program per row.
+Work split: one program scanning a 129k-vocab row is a long serial chain of loads, so with few
+rows the sampled draw takes two launches over vocab chunks (grid [B, C], C from the shapes,
+``_plan_vocab_chunks``): phase 1 writes each chunk's integer masses; phase 2 finds the chunk whose
+CDF crosses the threshold, whose program alone rescans it and writes the row (the token does not
+depend on C). Greedy-only steps and large batches: one launch, one program per row.
 """
 
 from __future__ import annotations
@@ -55,6 +52,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._checks import check_tensor
 from sgl_dspark.kernels._checks import require as _require
 from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 
@@ -88,9 +86,8 @@ def sample_inverse_cdf_ref(weights: torch.Tensor, uniforms: torch.Tensor) -> tor
     return torch.where(total > 0, token, torch.zeros_like(token))
 
 
-def sample_residual_ref(
-    p_rows: torch.Tensor, q_rows: torch.Tensor, uniforms: torch.Tensor
-) -> torch.Tensor:
+def sample_residual_ref(p_rows: torch.Tensor, q_rows: torch.Tensor,
+                        uniforms: torch.Tensor) -> torch.Tensor:
     """Token ~ normalize(max(P - Q, 0)), or ~ P when the residual has no mass. fp32 [N, V] -> [N]."""
     p = p_rows.float().clamp_min(0.0)
     residual = _to_fixed_point((p - q_rows.float()).clamp_min(0.0))
@@ -247,8 +244,7 @@ def _spec_accept_kernel(
     if HAS_GREEDY and PHASE != 1:
         target = tl.load(target_ids_ptr + row * W + cols, mask=cols < W, other=0).to(tl.int64)
         if HAS_FORCED:   # simulated acceptance: the count is given, the bonus is the target's
-            forced = tl.load(forced_ptr + row).to(tl.int32)
-            accept = tl.minimum(tl.maximum(forced, 0), last)
+            accept = tl.minimum(tl.maximum(tl.load(forced_ptr + row).to(tl.int32), 0), last)
         else:
             mismatch = in_window & (drafts != target)
             accept = tl.min(tl.where(mismatch, cols, last), axis=0)
@@ -359,14 +355,11 @@ def _plan_vocab_chunks(rows: int, vocab: int, num_chunks: int | None) -> tuple[i
     return triton.cdiv(vocab, chunk), chunk, block_v
 
 
-def _check_vector(t: torch.Tensor | None, name: str, rows: int,
-                  dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    _require(
-        t is not None and t.shape == (rows,) and t.dtype in dtypes and t.is_contiguous(),
-        f"{name} must be a contiguous [{rows}] tensor of {dtypes}, got "
-        f"{None if t is None else (t.dtype, tuple(t.shape))}",
-    )
+def _check_given(t: torch.Tensor | None, name: str, shape: tuple[int, ...],
+                 dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    _require(t is not None, f"{name} is required")
     assert t is not None
+    check_tensor(name, t, shape, dtypes, t.device)
     return t
 
 
@@ -385,11 +378,10 @@ def _check_sampling_inputs(
              and draft_probs.dtype == torch.float32
              and (draft_probs.numel() == 0 or draft_probs.stride(-1) == 1),
              f"draft_probs must be fp32 [{rows}, {width - 1}, {vocab}] with unit V stride")
-    _require(accept_uniforms is not None and accept_uniforms.shape == (rows, width - 1)
-             and accept_uniforms.dtype == torch.float32 and accept_uniforms.is_contiguous(),
-             f"accept_uniforms must be contiguous fp32 [{rows}, {width - 1}]")
-    assert draft_probs is not None and accept_uniforms is not None
-    sample_uniforms = _check_vector(sample_uniforms, "sample_uniforms", rows, (torch.float32,))
+    assert draft_probs is not None
+    accept_uniforms = _check_given(accept_uniforms, "accept_uniforms", (rows, width - 1),
+                                   (torch.float32,))
+    sample_uniforms = _check_given(sample_uniforms, "sample_uniforms", (rows,), (torch.float32,))
     return draft_probs, accept_uniforms, sample_uniforms
 
 
@@ -401,9 +393,7 @@ def _output_buffers(out: AcceptOutput | None, rows: int, width: int, seq_dtype: 
         return AcceptOutput(*(torch.empty(s, dtype=d, device=device)
                               for s, d in zip(shapes, dtypes)))
     for name, buf, dtype, shape in zip(AcceptOutput._fields, out, dtypes, shapes):
-        assert buf.dtype == dtype and buf.shape == shape and buf.is_contiguous(), (
-            f"out.{name} must be contiguous {dtype} {shape}, got {buf.dtype} {tuple(buf.shape)}"
-        )
+        check_tensor(f"out.{name}", buf, shape, (dtype,), device)
     return out
 
 
@@ -441,9 +431,7 @@ def spec_accept(
         out: optional preallocated ``AcceptOutput`` (static graph buffers) with the output dtypes.
         num_chunks: force the sampled vocab scan into this many chunks per row (1 = one program
             per row, one launch); default from the shapes. Tests use it; results never change.
-        forced_accept: int32/int64 [B], simulated acceptance (benchmarks): with the greedy rule
-            only, row r accepts min(max(forced, 0), L_r - 1) drafts whatever the target says;
-            the bonus is still ``target_ids[r, n_r]``.
+        forced_accept: int32/int64 [B] (greedy rule only): simulated acceptance, module doc.
     Returns:
         ``AcceptOutput`` (see the module docstring for the exact rule).
     Raises:
@@ -451,35 +439,32 @@ def spec_accept(
     """
     _require(verify_ids.dim() == 2 and verify_ids.shape[1] >= 1,
              f"verify_ids must be [B, W>=1], got {tuple(verify_ids.shape)}")
-    _require(verify_ids.dtype == torch.int64 and verify_ids.is_contiguous(),
-             f"verify_ids must be contiguous int64, got {verify_ids.dtype}")
     rows, width = verify_ids.shape
+    check_tensor("verify_ids", verify_ids, (rows, width), (torch.int64,), verify_ids.device)
     int_types = (torch.int32, torch.int64)
-    _check_vector(verify_lens, "verify_lens", rows, int_types)
-    _check_vector(seq_lens, "seq_lens", rows, int_types)
+    _check_given(verify_lens, "verify_lens", (rows,), int_types)
+    _check_given(seq_lens, "seq_lens", (rows,), int_types)
     _require(target_ids is not None or target_probs is not None,
              "give target_ids (greedy rule) and/or target_probs (sampled rule)")
     # Operands a constexpr switch leaves unused get a placeholder pointer.
     placeholder = verify_ids
     if target_ids is not None:
-        _require(target_ids.shape == (rows, width) and target_ids.dtype in int_types
-                 and target_ids.is_contiguous(),
-                 f"target_ids must be contiguous int [{rows}, {width}], got "
-                 f"{target_ids.dtype} {tuple(target_ids.shape)}")
+        check_tensor("target_ids", target_ids, (rows, width), int_types, verify_ids.device)
     p_arg, q_arg, ua_arg, us_arg, vocab = placeholder, placeholder, placeholder, placeholder, 1
     if target_probs is not None:
         draft, ua_arg, us_arg = _check_sampling_inputs(
             target_probs, draft_probs, accept_uniforms, sample_uniforms, rows, width)
         p_arg, vocab = target_probs, target_probs.shape[2]
         q_arg = draft if draft.numel() > 0 else target_probs  # W == 1: Q is never read
-    if forced_accept is not None:
-        _require(target_ids is not None and target_probs is None,
-                 "forced_accept applies to the greedy rule alone (give target_ids only)")
-        _check_vector(forced_accept, "forced_accept", rows, int_types)
+    if forced_accept is not None:   # the greedy rule alone
+        _require(target_ids is not None and target_probs is None, "forced_accept needs "
+                 "target_ids only")
+        _check_given(forced_accept, "forced_accept", (rows,), int_types)
     has_mask = target_ids is not None and target_probs is not None
     mask_arg = placeholder
     if has_mask:
-        mask_arg = _check_vector(greedy_mask, "greedy_mask", rows, (torch.bool,)).view(torch.uint8)
+        mask_arg = _check_given(greedy_mask, "greedy_mask", (rows,), (torch.bool,))
+        mask_arg = mask_arg.view(torch.uint8)
     else:
         _require(greedy_mask is None, "greedy_mask needs both target_ids and target_probs")
     out = _output_buffers(out, rows, width, seq_lens.dtype, verify_ids.device)
