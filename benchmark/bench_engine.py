@@ -72,6 +72,14 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int, device: str) -> tu
 
 
 # ---- ours ----------------------------------------------------------------------------------
+def write_checkpoints(hf, cfg: ModelConfig, work: str, draft_layers: int, gamma: int) -> None:
+    """The HF model's weights as our released checkpoint in `work`, and the benchmarks' seeded
+    random DSpark draft (`draft_layers` stages, block `gamma`) in `work/dspark`."""
+    save_released_checkpoint({k: v.detach().cpu() for k, v in hf.state_dict().items()}, cfg, work)
+    init_dspark_draft(work, str(Path(work) / "dspark"), num_layers=draft_layers,
+                      block_size=gamma, seed=1)
+
+
 def time_engine(engine: Engine, prompts: list[list[int]], new_tokens: int,
                 device: str) -> tuple[float, float, list]:
     """(wall s for new_tokens, median wall s of three 1-token calls (prefill + first token),
@@ -230,13 +238,11 @@ def main() -> None:
         emit({"system": "hf_generate", "bs": bs, "wall_s": wall,
               "tok_s_user": a.output_len / wall, "tok_s_total": bs * a.output_len / wall,
               "ids": ids})
-    save_released_checkpoint({k: v.detach().cpu() for k, v in hf.state_dict().items()}, cfg, work)
+    write_checkpoints(hf, cfg, work, a.draft_layers, a.gamma)
     del hf
     gc.collect()
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
-    init_dspark_draft(work, str(Path(work) / "dspark"), num_layers=a.draft_layers,
-                      block_size=a.gamma, seed=1)
     ctx = a.input_len + a.output_len + 2 * (a.gamma + 1) + 64
     base = dict(model_path=work, device=dev, dtype="bfloat16", skip_tokenizer_init=True,
                 kernel_backend="triton" if dev.startswith("cuda") else "torch",

@@ -34,11 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from sgl_dspark import Engine  # noqa: E402
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.model_executor.cuda_graph_runner import make_graph_factory  # noqa: E402
-from sgl_dspark.srt.model_loader.export import save_released_checkpoint  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
-from sgl_dspark.tools.init_dspark_draft import init_dspark_draft  # noqa: E402
 
-from benchmark.bench_engine import build_hf, prompts_for  # noqa: E402
+from benchmark.bench_engine import build_hf, prompts_for, write_checkpoints  # noqa: E402
 
 
 def time_replays(replay: Callable[[], None], reset: Callable[[], None], iters: int,
@@ -95,16 +93,15 @@ def main() -> None:
     cfg = ModelConfig.from_hf_dict(raw)
     work = tempfile.mkdtemp(prefix="probe_dspark_")
     hf = build_hf(raw, a.device)
-    save_released_checkpoint({k: v.detach().cpu() for k, v in hf.state_dict().items()}, cfg, work)
+    write_checkpoints(hf, cfg, work, a.draft_layers, a.gamma)
     del hf
     gc.collect()
     if dev.type == "cuda":
         torch.cuda.empty_cache()
-    init_dspark_draft(work, str(Path(work) / "dspark"), num_layers=a.draft_layers,
-                      block_size=a.gamma, seed=1)
     ctx = a.input_len + 256
     base = dict(model_path=work, device=a.device, dtype="bfloat16", skip_tokenizer_init=True,
-                kernel_backend="triton" if dev.type == "cuda" else "torch", attention_backend=a.attention_backend,
+                kernel_backend="triton" if dev.type == "cuda" else "torch",
+                attention_backend=a.attention_backend,
                 context_length=ctx, max_running_requests=1, max_total_tokens=ctx + 4096,
                 chunked_prefill_size=4096)
     prompt = prompts_for(1, a.input_len, cfg.vocab_size)
@@ -172,26 +169,25 @@ def main() -> None:
         state["ms"] = worker.markov_greedy_fn(state["u"][:, : a.width - 1], w1, w2, anchors)
 
     nothing = lambda: None  # noqa: E731
-    with torch.inference_mode():
-        for name, fn in ((f"draft body ({a.draft_layers} stages, {a.gamma} rows)", body),
-                         ("draft base logits", logits), (f"Markov loop ({a.width - 1} drafts)",
-                                                         markov)):
-            rows.append((name, time_replays(capture(fn, dev), nothing, a.iters, a.batches, dev)))
-        W = a.width
-        verify_ids = torch.full((1, W), 7, device=dev)
-        lens = torch.tensor([W], device=dev)
-        vlogits = torch.randn(1, W, cfg.vocab_size, device=dev)
-        positions = (seq[:, None] + torch.arange(W, device=dev)[None, :]).reshape(-1)
-        cache_loc = runner.req_pool.req_to_token[slot, positions]
-        taps = {k: torch.randn(W, cfg.hidden_size, device=dev, dtype=runner.dtype)
-                for k in worker.tap_layers}
-        forced = torch.tensor([2], device=dev)
-        rows.append((f"epilogue (acceptance + logprobs, width {W})", time_replays(
-            capture(lambda: worker._greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
-            nothing, a.iters, a.batches, dev)))
-        rows.append((f"draft context-KV write ({W} rows; in the step it overlaps the logits)",
-                     time_replays(capture(lambda: worker.inject(positions, cache_loc, taps), dev),
-                                  nothing, a.iters, a.batches, dev)))
+    for name, fn in ((f"draft body ({a.draft_layers} stages, {a.gamma} rows)", body),
+                     ("draft base logits", logits), (f"Markov loop ({a.width - 1} drafts)",
+                                                     markov)):
+        rows.append((name, time_replays(capture(fn, dev), nothing, a.iters, a.batches, dev)))
+    W = a.width
+    verify_ids = torch.full((1, W), 7, device=dev)
+    lens = torch.tensor([W], device=dev)
+    vlogits = torch.randn(1, W, cfg.vocab_size, device=dev)
+    positions = (seq[:, None] + torch.arange(W, device=dev)[None, :]).reshape(-1)
+    cache_loc = runner.req_pool.req_to_token[slot, positions]
+    taps = {k: torch.randn(W, cfg.hidden_size, device=dev, dtype=runner.dtype)
+            for k in worker.tap_layers}
+    forced = torch.tensor([2], device=dev)
+    rows.append((f"epilogue (acceptance + logprobs, width {W})", time_replays(
+        capture(lambda: worker._greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
+        nothing, a.iters, a.batches, dev)))
+    rows.append((f"draft context-KV write ({W} rows; in the step it overlaps the logits)",
+                 time_replays(capture(lambda: worker.inject(positions, cache_loc, taps), dev),
+                              nothing, a.iters, a.batches, dev)))
     engine.shutdown()
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     text = (f"# DSpark bs 1 step parts ({name}, {a.config}, gamma "
