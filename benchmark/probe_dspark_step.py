@@ -36,7 +36,12 @@ from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.model_executor.cuda_graph_runner import make_graph_factory  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 
-from benchmark.bench_engine import build_hf, prompts_for, write_checkpoints  # noqa: E402
+from benchmark.bench_engine import (  # noqa: E402
+    build_hf,
+    kernel_list,
+    prompts_for,
+    write_checkpoints,
+)
 
 
 def time_replays(replay: Callable[[], None], reset: Callable[[], None], iters: int,
@@ -74,6 +79,20 @@ def capture(fn: Callable[[], object], device: torch.device) -> Callable[[], None
     return graph.replay
 
 
+def profile_replays(replay: Callable[[], None], reset: Callable[[], None], iters: int) -> str:
+    """The device kernels of `iters` replays under torch.profiler, per replay (the profiler
+    stretches small kernels: read launch counts and shares, not the absolute times)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    reset()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            replay()
+        torch.cuda.synchronize()
+    return kernel_list(prof, iters)
+
+
 @torch.inference_mode()
 def main() -> None:
     p = argparse.ArgumentParser()
@@ -87,6 +106,8 @@ def main() -> None:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="probe_dspark_step.md")
+    p.add_argument("--profile", default="", help="also write each part's device kernels "
+                   "(torch.profiler over --iters replays) to this file (CUDA only)")
     a = p.parse_args()
     dev = torch.device(a.device)
     raw = dict(BENCH_CONFIGS[a.config])
@@ -107,8 +128,14 @@ def main() -> None:
     prompt = prompts_for(1, a.input_len, cfg.vocab_size)
     params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     rows: list[tuple[str, float]] = []
+    kernels: list[str] = []
 
-    def time_target(engine: Engine, w: int) -> float:
+    def timed(name: str, replay: Callable[[], None], reset: Callable[[], None]) -> None:
+        rows.append((name, time_replays(replay, reset, a.iters, a.batches, dev)))
+        if a.profile and dev.type == "cuda":
+            kernels.append(f"## {name}\n\n{profile_replays(replay, reset, a.iters)}\n")
+
+    def time_target(name: str, engine: Engine, w: int) -> None:
         graphs = engine.runner.graph_runner._by_width[w]
         static = graphs.static        # ids, positions, token slots [1, w]; slot, prefix, seq [1]
 
@@ -117,11 +144,11 @@ def main() -> None:
             static[2][:1] = static[1][:1]
             static[3][:1], static[4][:1], static[5][:1] = 1, a.input_len, a.input_len + w
         graph = graphs._graphs[1][0]
-        return time_replays(graph.replay, reset, a.iters, a.batches, dev)
+        timed(name, graph.replay, reset)
 
     engine = Engine(**base)
     engine.generate(input_ids=prompt, sampling_params=params)
-    rows.append(("no-spec decode graph (width 1)", time_target(engine, 1)))
+    time_target("no-spec decode graph (width 1)", engine, 1)
     engine.shutdown()
     del engine
     gc.collect()
@@ -134,17 +161,16 @@ def main() -> None:
                     speculative_dspark_width_table_path=str(table))
     engine.generate(input_ids=prompt, sampling_params=params)
     worker = engine.scheduler.spec
-    rows.append(("DSpark engine target graph width 1 (+ tap hook)", time_target(engine, 1)))
-    rows.append((f"DSpark engine target graph width {a.width} (verify, + tap hook)",
-                 time_target(engine, a.width)))
+    time_target("DSpark engine target graph width 1 (+ tap hook)", engine, 1)
+    time_target(f"DSpark engine target graph width {a.width} (verify, + tap hook)", engine,
+                a.width)
     fused = worker.fused
     seq0 = a.input_len + 1
 
     def reset_fused() -> None:
         fused.inputs[:, 0] = torch.tensor([5, seq0, 1, a.width, 2], device=dev)
     graph = fused._graphs[(a.width, 1)][0]
-    rows.append((f"fused step (width {a.width}, forced accept 2)",
-                 time_replays(graph.replay, reset_fused, a.iters, a.batches, dev)))
+    timed(f"fused step (width {a.width}, forced accept 2)", graph.replay, reset_fused)
 
     anchors = torch.tensor([5], device=dev)
     seq = torch.tensor([seq0], device=dev)
@@ -172,22 +198,21 @@ def main() -> None:
     for name, fn in ((f"draft body ({a.draft_layers} stages, {a.gamma} rows)", body),
                      ("draft base logits", logits), (f"Markov loop ({a.width - 1} drafts)",
                                                      markov)):
-        rows.append((name, time_replays(capture(fn, dev), nothing, a.iters, a.batches, dev)))
+        timed(name, capture(fn, dev), nothing)
     W = a.width
     verify_ids = torch.full((1, W), 7, device=dev)
     lens = torch.tensor([W], device=dev)
     vlogits = torch.randn(1, W, cfg.vocab_size, device=dev)
     positions = (seq[:, None] + torch.arange(W, device=dev)[None, :]).reshape(-1)
     cache_loc = runner.req_pool.req_to_token[slot, positions]
-    taps = {k: torch.randn(W, cfg.hidden_size, device=dev, dtype=runner.dtype)
+    taps = {k: torch.randn(W, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=runner.dtype)
             for k in worker.tap_layers}
     forced = torch.tensor([2], device=dev)
-    rows.append((f"epilogue (acceptance + logprobs, width {W})", time_replays(
-        capture(lambda: worker._greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
-        nothing, a.iters, a.batches, dev)))
-    rows.append((f"draft context-KV write ({W} rows; in the step it overlaps the logits)",
-                 time_replays(capture(lambda: worker.inject(positions, cache_loc, taps), dev),
-                              nothing, a.iters, a.batches, dev)))
+    timed(f"epilogue (acceptance + logprobs, width {W})",
+          capture(lambda: worker._greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
+          nothing)
+    timed(f"draft context-KV write ({W} rows; in the step it overlaps the logits)",
+          capture(lambda: worker.inject(positions, cache_loc, taps), dev), nothing)
     engine.shutdown()
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     text = (f"# DSpark bs 1 step parts ({name}, {a.config}, gamma "
@@ -197,6 +222,9 @@ def main() -> None:
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(text)
     print(text)
+    if kernels:
+        Path(a.profile).write_text(f"# Device kernels per replay ({name}, {a.config})\n\n"
+                                   + "\n".join(kernels))
 
 
 if __name__ == "__main__":

@@ -65,8 +65,7 @@ def _step_inputs(draft: DSparkDraftModel, seq_lens: list[int], gen: torch.Genera
     pools = [torch.randn(num_slots, cfg.head_dim, generator=gen).to(DEVICE)
              for _ in range(draft.dcfg.num_stages)]
     with torch.no_grad():
-        for pool, kv in zip(pools, draft.context_kv(feats.to(DEVICE), positions.to(DEVICE))):
-            pool[slots.to(DEVICE)] = kv
+        draft.write_context_kv(feats.to(DEVICE), positions.to(DEVICE), pools, slots.to(DEVICE))
     ctx_pos = torch.tensor(seq_lens)[:, None] - window + torch.arange(window)[None, :]
     ctx_valid = ctx_pos >= 0
     ctx_slots = torch.stack([torch.where(ctx_valid[r], row[ctx_pos[r].clamp(min=0)], 0)

@@ -246,7 +246,7 @@ class CudaGraphRunner:
             pool.max_context_len)
         out = self.runner.run_model(batch, self.tap_layers)
         logits = out.logits.view(bs, w, -1)
-        taps = {k: v.view(bs, w, -1) for k, v in out.hidden_taps.items()}
+        taps = {k: v.view(bs, w, *v.shape[1:]) for k, v in out.tap_streams.items()}
         if w != 1:
             self.runner.join_tap_hook()
             return logits, taps
@@ -281,7 +281,7 @@ class CudaGraphRunner:
             batch.out_cache_loc.view(B, w), batch.req_pool_indices, batch.prefix_lens,
             batch.seq_lens)
         out = ModelOutput(logits=logits.reshape(n, -1),
-                          hidden_taps={k: taps[k].reshape(n, -1) for k in tap_layers})
+                          tap_streams={k: taps[k].flatten(0, 1) for k in tap_layers})
         if greedy:
             out.greedy_ids, out.greedy_logprobs = greedy[0].reshape(n), greedy[1].reshape(n)
         return out

@@ -99,7 +99,7 @@ class PrefillGraphRunner:
             extend_lens_cpu=(), prefix_lens_cpu=(), host_lens=False)
         out = self.runner.run_model(batch, self.tap_layers)
         self.runner.join_tap_hook()
-        return out.logits, out.hidden_taps
+        return out.logits, out.tap_streams
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return next((t for t in self.buckets if t >= num_tokens), None)
@@ -130,4 +130,4 @@ class PrefillGraphRunner:
         graph.replay()
         self.replays += 1
         return ModelOutput(logits=logits[:n_logits],
-                           hidden_taps={k: taps[k][:n] for k in tap_layers})
+                           tap_streams={k: taps[k][:n] for k in tap_layers})

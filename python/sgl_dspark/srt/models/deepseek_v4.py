@@ -245,14 +245,27 @@ class DeepseekV4Model(nn.Module):
                              persistent=False)
 
 
+def stream_means(streams: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """The hidden-state feature of mHC streams: their mean over `dim` (the stream axis),
+    accumulated in fp32 and rounded to the streams' dtype."""
+    return streams.float().mean(dim=dim).to(streams.dtype)
+
+
 @dataclass
 class ModelOutput:
     logits: torch.Tensor                  # [N, V] fp32, rows = batch.logits_indices
-    hidden_taps: dict[int, torch.Tensor]  # layer id -> [T, D] mean over streams after the layer
+    # layer id -> [T, n, D]: the mHC streams after the layer, as the layer left them (their
+    # mean is only computed where it is read: `hidden_taps`, or DSpark's tap hook)
+    tap_streams: dict[int, torch.Tensor]
     # Decode graphs also return the greedy choice of every logits row (ids [N] int64 and their
     # log_softmax [N] fp32, the sampler's own ops), so an all-greedy step needs no host sampling.
     greedy_ids: torch.Tensor | None = None
     greedy_logprobs: torch.Tensor | None = None
+
+    @property
+    def hidden_taps(self) -> dict[int, torch.Tensor]:
+        """layer id -> [T, D] mean over the streams after the layer."""
+        return {k: stream_means(v) for k, v in self.tap_streams.items()}
 
 
 class DeepseekV4ForCausalLM(nn.Module):
@@ -291,8 +304,9 @@ class DeepseekV4ForCausalLM(nn.Module):
     def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
                 tap_layers: tuple[int, ...] = (),
                 on_taps: Callable[[dict[int, torch.Tensor]], None] | None = None) -> ModelOutput:
-        """`on_taps`: called with the taps once the last of `tap_layers` has run, before the
-        hyper head and the logits (a consumer of the taps can start while those run)."""
+        """`on_taps`: called with the tap streams (`ModelOutput.tap_streams`) once the last of
+        `tap_layers` has run, before the hyper head and the logits (a consumer of the taps can
+        start while those run; nothing is computed for them on the way)."""
         m = self.model
         batch.memo.clear()   # per-forward derived tensors (see ForwardBatch.memo)
         x = m.embed_tokens(batch.input_ids)
@@ -303,7 +317,7 @@ class DeepseekV4ForCausalLM(nn.Module):
 
         def tap(i: int, streams: torch.Tensor) -> None:
             if i in tap_layers:
-                taps[i] = streams.float().mean(dim=1).to(streams.dtype)
+                taps[i] = streams
                 if on_taps is not None and len(taps) == len(set(tap_layers)):
                     on_taps(taps)
 
@@ -323,7 +337,7 @@ class DeepseekV4ForCausalLM(nn.Module):
             h = self.rms_norm(m.hc_head(last), m.norm.weight, m.norm.eps)
         else:
             _, h = self.hc_boundary.head(last, m.hc_head, m.norm)
-        return ModelOutput(logits=self.compute_logits(h), hidden_taps=taps)
+        return ModelOutput(logits=self.compute_logits(h), tap_streams=taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden rows `[..., D]`."""

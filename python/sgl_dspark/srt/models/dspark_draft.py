@@ -12,7 +12,8 @@ released-name mapping is shared; `main_proj`, `main_norm`, `markov_head.{embed,h
 `confidence_head.proj` are DSpark's own. Embedding and lm_head are the target's (not owned).
 
 Open-question choices (dspark.md §9): block rows and context rows use the "main" rope (the draft
-is sliding-window only); context features are the target's completed residual after each layer in
+is sliding-window only; cos/sin are looked up in the draft's own `RopeTable` once the runtime has
+built it, `build_rope_table`); context features are the target's completed residual after each layer in
 `target_layer_ids` (the V4 convention), averaged over mHC streams.
 """
 
@@ -38,7 +39,13 @@ from sgl_dspark.srt.layers.mhc import (
 )
 from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
-from sgl_dspark.srt.layers.rotary import rope_cos_sin, rope_impl, rope_inv_freq
+from sgl_dspark.srt.layers.rotary import (
+    RopeTable,
+    rope_cos_sin,
+    rope_impl,
+    rope_inv_freq,
+    rope_store_impl,
+)
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
 
 # (q [B, Q, H, Dh], ctx_pool [N, Dh], ctx_slots [B, C], ctx_valid [B, C], kv_block [B, Q, Dh],
@@ -91,6 +98,7 @@ class DraftAttention(nn.Module):
                  attention_backend: str = "torch") -> None:
         super().__init__()
         self.rope = rope_impl(kernels)
+        self.rope_store = rope_store_impl(kernels)
         self.attention = draft_attention_impl(attention_backend)
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
@@ -111,10 +119,12 @@ class DraftAttention(nn.Module):
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj]
 
-    def context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """KV rows `[N, Dh]` of committed tokens from the projected target features."""
-        return self.rope(self.kv_proj(main_x), cos, sin,
-                         norm=(self.kv_norm.weight, self.kv_norm.eps))
+    def store_context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         pool: torch.Tensor, slots: torch.Tensor) -> None:
+        """`pool[slots]` = the KV rows of target tokens from their projected features `main_x`
+        (kv_norm and RoPE inside the store's launch where the kernels allow)."""
+        self.rope_store(self.linear(main_x, self.kv_proj.weight), cos, sin, pool, slots,
+                        norm=(self.kv_norm.weight, self.kv_norm.eps))
 
     def forward(self, u: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: torch.Tensor,
                 ctx_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
@@ -197,15 +207,33 @@ class DSparkDraftModel(nn.Module):
         self.confidence_head = ConfidenceHead(d, dcfg.markov_rank)
         self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_main, cfg.qk_rope_head_dim),
                              persistent=False)
+        self.linear = linear_impl(self.kernels)
+        self.rope_table: RopeTable | None = None
 
-    def context_kv(self, features: torch.Tensor, positions: torch.Tensor) -> list[torch.Tensor]:
-        """Per stage, the context KV rows `[N, Dh]` of committed tokens with target features
-        `[N, n_f * D]` at `positions [N]`."""
-        main_x = self.rms_norm(self.main_proj(features.to(self.main_proj.weight.dtype)),
+    def build_rope_table(self, length: int) -> None:
+        """Precompute cos/sin of positions [0, length) (on the draft's device; before any graph
+        capture). Its rows are `rope_cos_sin`'s bits, so it only saves the per-forward launches
+        (cast, outer product, cos, sin) for one gather."""
+        self.rope_table = RopeTable(self.inv_freq, length)
+
+    def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin `[N, rd/2]` of `positions [N]`: from the table when built (positions must
+        then lie below its length), else computed."""
+        if self.rope_table is None:
+            return rope_cos_sin(positions, self.inv_freq)
+        return self.rope_table.lookup(positions)
+
+    def write_context_kv(self, features: torch.Tensor, positions: torch.Tensor,
+                         pools: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
+        """Each stage's context KV of target tokens with features `[N, n_f * D]` at
+        `positions [N]`, stored at `pools[stage][slots]`."""
+        weight = self.main_proj.weight
+        main_x = self.rms_norm(self.linear(features.to(weight.dtype), weight),
                                self.main_norm.weight, self.main_norm.eps)
-        cos, sin = rope_cos_sin(positions, self.inv_freq)
+        cos, sin = self.cos_sin(positions)
         stages = cast(Sequence[DraftStage], self.model.layers)
-        return [stage.self_attn.context_kv(main_x, cos, sin) for stage in stages]
+        for stage, pool in zip(stages, pools, strict=True):
+            stage.self_attn.store_context_kv(main_x, cos, sin, pool, slots)
 
     def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
                 ctx_pools: Sequence[torch.Tensor], ctx_slots: torch.Tensor,
@@ -226,7 +254,7 @@ class DSparkDraftModel(nn.Module):
         batch, q_len, d = block_embeds.shape
         x = block_embeds.reshape(batch * q_len, d)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        cos, sin = rope_cos_sin(positions.reshape(-1), self.inv_freq)
+        cos, sin = self.cos_sin(positions.reshape(-1))
         stages = cast("Sequence[DraftStage]", self.model.layers)
         if self.hc_boundary is not None:
             streams = run_fused_hc_layers(

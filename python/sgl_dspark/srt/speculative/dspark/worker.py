@@ -24,6 +24,7 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_b
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.host_copy import read_to_host, to_device, to_device_packed
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
+from sgl_dspark.srt.models.deepseek_v4 import stream_means
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
@@ -123,6 +124,9 @@ class DSparkWorker:
         load_weights(draft, weights)
         self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
         fuse_linear_groups(self.draft)  # after placement (see LinearGroup)
+        # Block rows reach seq + gamma - 1 (the bs1 runtime's gamma when larger).
+        self.draft.build_rope_table(runner.req_pool.max_context_len
+                                    + max(self.gamma, self.gamma_bs1))
         dh = dcfg.stage_config.head_dim
         self.ctx_kv = [torch.zeros(runner.kv_pool.num_slots, dh, dtype=runner.dtype,
                                    device=runner.device) for _ in range(dcfg.num_stages)]
@@ -164,14 +168,17 @@ class DSparkWorker:
         return self.policy.plain_decode(batch_size)
 
     def inject(self, positions: torch.Tensor, slots: torch.Tensor,
-               taps: dict[int, torch.Tensor]) -> None:
-        """Write the draft context KV of target forward rows at `slots`."""
-        feats = torch.cat([taps[layer] for layer in self.tap_layers], dim=-1)
-        if feats.shape[0] == 0:
+               tap_streams: dict[int, torch.Tensor]) -> None:
+        """Write the draft context KV of target forward rows at `slots`, from the target's
+        streams `[N, n, D]` after each tap layer (their means are the features)."""
+        rows = tap_streams[self.tap_layers[0]].shape[0]
+        if rows == 0:
             return
+        # One stack and one mean for all tap layers: [N, n_f, n, D] -> [N, n_f * D].
+        streams = torch.stack([tap_streams[layer] for layer in self.tap_layers], dim=1)
+        feats = stream_means(streams, dim=2).reshape(rows, -1)
         with torch.inference_mode():
-            for pool, kv in zip(self.ctx_kv, self.draft.context_kv(feats, positions)):
-                pool[slots] = kv.to(pool.dtype)
+            self.draft.write_context_kv(feats, positions, self.ctx_kv, slots)
 
     def _write_context_kv(self, batch: ForwardBatch, taps: dict[int, torch.Tensor]) -> None:
         """The runner's tap hook: the draft's context KV of every row of every target forward
