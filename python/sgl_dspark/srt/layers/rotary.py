@@ -3,7 +3,8 @@
 Two rope types exist: "main" (plain RoPE, sliding-only layers) and "compress" (optionally YaRN;
 CSA/HCA layers, their compressors and the indexer). The target model looks its cos/sin rows up in
 a `RopeTable` of every position its context can hold (computed once with `rope_cos_sin`, so the
-rows are the bits a per-forward computation gives); the DSpark draft computes them per forward.
+rows are the bits a per-forward computation gives); so does the DSpark draft once its runtime has
+built its own table (`DSparkDraftModel.build_rope_table`).
 """
 
 from __future__ import annotations
