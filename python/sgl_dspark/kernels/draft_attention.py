@@ -22,46 +22,22 @@ probabilities to the input dtype, and it sums the keys tile by tile. 16-bit inpu
 probabilities to the key dtype before the PV product, as the torch path does; the accumulator is
 fp32. fp32 inputs agree with the reference to ~1e-6; bf16 to a few 1e-2 (the reference's bf16
 logits).
-
-Fused RoPE (`rope=DraftRope(...)`, K13's draft half: "rotate while the row is read"): q and the
-block rows arrive as the raw projections. On load the kernel normalises every q head row (the
-weightless q-head RMSNorm, when `q_norm_eps` is given) and every block row (kv_norm, weighted),
-rotates their trailing rd channels at the row's position, and rotates the output's tail back
-(inverse RoPE) before storing it: three launches of the unfused chain (`rope_tail` for q, for the
-block rows and for the output) fold into this one. The rounding points are the unfused chain's
-(normed values, rotated values and the attention output each rounded to the storage dtype);
-the sums of squares are reduced in another order and the rotation's products may contract into
-FMAs, so against `rope_tail_ref` -> `draft_attention_ref` -> inverse `rope_tail_ref` it is X2
-like the core itself.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _check
-from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
-from sgl_dspark.kernels.rope import _X_KIND, _round_to_x, rope_tail_ref
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 from sgl_dspark.kernels.sparse_attention import _online_softmax_step
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
 # Register budget of one program: BLOCK_M x Dh fp32 accumulator and BLOCK_N x Dh key tile.
 _TILE_ELEMS = 8192
-
-
-class DraftRope(NamedTuple):
-    """The RoPE (and pre-norms) `draft_attention` applies itself (module doc, "Fused RoPE")."""
-
-    cos: torch.Tensor             # [B * Q, rd / 2] fp32, row b * Q + i: block row i of request b
-    sin: torch.Tensor             # same shape and row stride as cos, unit stride along rd / 2
-    q_norm_eps: float | None      # weightless RMSNorm of every q head row first (None: none)
-    kv_norm_weight: torch.Tensor  # [Dh] the block rows' RMSNorm weight
-    kv_norm_eps: float
 
 
 def draft_attention_ref(
@@ -72,7 +48,6 @@ def draft_attention_ref(
     kv_block: torch.Tensor,
     sinks: torch.Tensor,
     scale: float,
-    rope: DraftRope | None = None,
 ) -> torch.Tensor:
     """Reference (plain torch; the draft model's torch attention core).
 
@@ -84,22 +59,9 @@ def draft_attention_ref(
         kv_block: [B, Q, Dh] the block's own KV rows, q's dtype.
         sinks: [H] sink logits.
         scale: logit scale (Dh ** -0.5 in the model).
-        rope: when given, q and kv_block are the raw projections: the unfused chain
-            `rope_tail_ref` (with the norms) on both, the attention, then the inverse
-            `rope_tail_ref` on the output.
     Returns:
         [B, Q, H, Dh] in q's dtype.
     """
-    if rope is not None:
-        b, n, h, d = q.shape
-        q = rope_tail_ref(q.reshape(b * n, h, d), rope.cos, rope.sin,
-                          norm_eps=rope.q_norm_eps).view(b, n, h, d)
-        kv_block = rope_tail_ref(kv_block.reshape(b * n, 1, d), rope.cos, rope.sin,
-                                 norm_eps=rope.kv_norm_eps,
-                                 norm_weight=rope.kv_norm_weight).view(b, n, d)
-        out = draft_attention_ref(q, ctx_pool, ctx_slots, ctx_valid, kv_block, sinks, scale)
-        return rope_tail_ref(out.reshape(b * n, h, d), rope.cos, rope.sin,
-                             inverse=True).view(b, n, h, d)
     batch, q_len = kv_block.shape[:2]
     keys = torch.cat((ctx_pool[ctx_slots].to(kv_block.dtype), kv_block), dim=1)  # [B, C+Q, Dh]
     valid = torch.cat((ctx_valid, ctx_valid.new_ones(batch, q_len)), dim=1)
@@ -112,55 +74,14 @@ def draft_attention_ref(
 
 
 @triton.jit
-def _rms_rows(x, weight, eps, HEAD_DIM: tl.constexpr, WEIGHT: tl.constexpr,
-              X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
-    """RMSNorm of every row of x [R, D_POW2] (fp32; padded channels 0) with rmsnorm.py's rounding
-    points: weighted `dtype(w * (x * rstd))`, weightless `dtype(x * dtype(rstd))`."""
-    sum_sq = tl.sum(x * x, axis=1)
-    if (HEAD_DIM & (HEAD_DIM - 1)) == 0:
-        mean_sq = sum_sq * (1.0 / HEAD_DIM)  # exact reciprocal: same rounding as the division
-    else:
-        mean_sq = tl.div_rn(sum_sq, HEAD_DIM * 1.0)
-    rstd = tl.rsqrt(mean_sq + eps)[:, None]
-    if WEIGHT:
-        y = weight[None, :] * (x * rstd)
-    else:
-        y = x * _round_to_x(rstd, X_KIND, ON_BITS)
-    return _round_to_x(y, X_KIND, ON_BITS)
-
-
-@triton.jit
-def _rotate_tail(x, cs_rows, cos_ptr, sin_ptr, row_ok, INVERSE: tl.constexpr,
-                 ROWS: tl.constexpr, D_POW2: tl.constexpr, NOPE: tl.constexpr,
-                 HEAD_DIM: tl.constexpr, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
-    """Interleaved RoPE (rope.py's math) on channels [NOPE, HEAD_DIM) of every row of x
-    [ROWS, D_POW2] (fp32 values of the storage dtype), at the cos/sin row offsets `cs_rows`
-    [ROWS]; the rotated pairs are rounded to the storage dtype, the other channels pass."""
-    a, b = tl.split(tl.reshape(x, [ROWS, D_POW2 // 2, 2]))
-    pair = tl.arange(0, D_POW2 // 2)
-    tail = (pair >= NOPE // 2) & (pair < HEAD_DIM // 2)
-    col = tl.where(tail, pair - NOPE // 2, 0)
-    mask = row_ok[:, None] & tail[None, :]
-    cos = tl.load(cos_ptr + cs_rows[:, None] + col[None, :], mask=mask, other=1.0)
-    sin = tl.load(sin_ptr + cs_rows[:, None] + col[None, :], mask=mask, other=0.0)
-    if INVERSE:
-        sin = -sin
-    rot_a = tl.where(tail[None, :], _round_to_x(a * cos - b * sin, X_KIND, ON_BITS), a)
-    rot_b = tl.where(tail[None, :], _round_to_x(a * sin + b * cos, X_KIND, ON_BITS), b)
-    return tl.reshape(tl.join(rot_a, rot_b), [ROWS, D_POW2])
-
-
-@triton.jit
 def _draft_attention_kernel(
     q_ptr, pool_ptr, slots_ptr, valid_ptr, block_ptr, sinks_ptr, out_ptr,
-    cos_ptr, sin_ptr, kv_w_ptr, q_eps, kv_eps,
     num_heads, q_len, num_ctx, qk_scale,
     q_stride_b, q_stride_i, q_stride_h, pool_stride,
     slots_stride_b, slots_stride_j, valid_stride_b, valid_stride_j,
-    block_stride_b, block_stride_i, out_stride_b, out_stride_i, out_stride_h, cs_stride,
+    block_stride_b, block_stride_i, out_stride_b, out_stride_i, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, ROPE: tl.constexpr, NOPE: tl.constexpr,
-    Q_NORM: tl.constexpr, X_KIND: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (request b, row block): rows r = i * H + h of the request's Q x H query rows.
     # q, the block rows, the context pool and slots come from earlier kernels; the sinks
@@ -176,17 +97,7 @@ def _draft_attention_kernel(
     tile_ok = row_ok[:, None] & dim_ok[None, :]
     kv_dtype = block_ptr.dtype.element_ty
     q = tl.load(q_ptr + b * q_stride_b + (qi * q_stride_i + qh * q_stride_h)[:, None]
-                + dims[None, :], mask=tile_ok, other=0.0)
-    if ROPE:
-        # cos/sin row of block row i of request b: b * Q + i.
-        q_cs = (b * q_len + qi) * cs_stride
-        q = q.to(tl.float32)
-        if Q_NORM:
-            q = _rms_rows(q, q, q_eps, HEAD_DIM, False, X_KIND, ON_BITS)
-        q = _rotate_tail(q, q_cs, cos_ptr, sin_ptr, row_ok, False, BLOCK_M, D_POW2, NOPE,
-                         HEAD_DIM, X_KIND, ON_BITS)
-        kv_w = tl.load(kv_w_ptr + dims, mask=dim_ok, other=0.0).to(tl.float32)
-    q = q.to(kv_dtype)
+                + dims[None, :], mask=tile_ok, other=0.0).to(kv_dtype)
     sink = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     # The running max starts at the (finite) sink, so it stays finite and masked keys give
     # exp2(-inf) = 0.
@@ -213,20 +124,11 @@ def _draft_attention_kernel(
         valid = i < q_len
         keys = tl.load(block_ptr + b * block_stride_b + i[:, None].to(tl.int64) * block_stride_i
                        + dims[None, :], mask=valid[:, None] & dim_ok[None, :], other=0.0)
-        if ROPE:
-            keys = _rms_rows(keys.to(tl.float32), kv_w, kv_eps, HEAD_DIM, True, X_KIND, ON_BITS)
-            keys = _rotate_tail(keys, (b * q_len + i) * cs_stride, cos_ptr, sin_ptr, valid,
-                                False, BLOCK_N, D_POW2, NOPE, HEAD_DIM, X_KIND,
-                                ON_BITS).to(kv_dtype)
         m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32,
                                              ROUND_P)
 
     denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
     out = acc / denom[:, None]
-    if ROPE:
-        # Rounded where the unfused chain stores the attention output, then rotated back.
-        out = _rotate_tail(_round_to_x(out, X_KIND, ON_BITS), q_cs, cos_ptr, sin_ptr, row_ok,
-                           True, BLOCK_M, D_POW2, NOPE, HEAD_DIM, X_KIND, ON_BITS)
     tl.store(out_ptr + b * out_stride_b + (qi * out_stride_i + qh * out_stride_h)[:, None]
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
@@ -240,7 +142,6 @@ def draft_attention(
     sinks: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
-    rope: DraftRope | None = None,
 ) -> torch.Tensor:
     """Draft-stage attention core in one launch, no host sync (CUDA-graph safe).
 
@@ -255,8 +156,6 @@ def draft_attention(
         sinks: [H] finite sink logits (any float dtype, used in fp32).
         scale: logit scale.
         out: optional [B, Q, H, Dh] buffer of q's dtype, unit stride along Dh.
-        rope: q and kv_block are then the raw projections; the q-head norm, kv_norm, RoPE and
-            the output's inverse RoPE run inside the launch (module doc, "Fused RoPE").
     Returns:
         [B, Q, H, Dh] in q's dtype (`out` when given).
     Raises:
@@ -299,23 +198,17 @@ def draft_attention(
                f"{name} must have unit stride along Dh, got strides {t.stride()}")
     _check(sinks.stride(0) == 1 or heads == 1, f"sinks must be contiguous, got {sinks.stride()}")
     d_pow2 = max(16, triton.next_power_of_2(head_dim))
-    fused = _check_rope(rope, q, batch * q_len, head_dim)
     rows = q_len * heads
     block_m = max(16, min(triton.next_power_of_2(rows), _TILE_ELEMS // d_pow2))
     block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
     valid_u8 = ctx_valid.view(torch.uint8)
     _draft_attention_kernel[(batch, triton.cdiv(rows, block_m))](
         q, ctx_pool, ctx_slots, valid_u8, kv_block, sinks, out,
-        fused.cos, fused.sin, fused.kv_norm_weight, fused.q_norm_eps or 0.0, fused.kv_norm_eps,
         heads, q_len, num_ctx, scale * _LOG2E,
         q.stride(0), q.stride(1), q.stride(2), ctx_pool.stride(0),
         ctx_slots.stride(0), ctx_slots.stride(1), valid_u8.stride(0), valid_u8.stride(1),
         kv_block.stride(0), kv_block.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        fused.cos.stride(0),
         HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_M=block_m, BLOCK_N=block_n,
-        ROPE=rope is not None, NOPE=0 if rope is None else head_dim - 2 * fused.cos.shape[1],
-        Q_NORM=fused.q_norm_eps is not None, X_KIND=_X_KIND[q.dtype],
-        ON_BITS=interpreted(_draft_attention_kernel),
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
@@ -324,25 +217,3 @@ def draft_attention(
         **programmatic_launch(_draft_attention_kernel, q.device),
     )
     return out
-
-
-def _check_rope(rope: DraftRope | None, q: torch.Tensor, rows: int, head_dim: int) -> DraftRope:
-    """`rope`, checked, or stand-in operands (never read) when there is none."""
-    if rope is None:
-        none = q.new_zeros(1, 1, dtype=torch.float32)
-        return DraftRope(none, none, None, none, 0.0)
-    cos, sin, w = rope.cos, rope.sin, rope.kv_norm_weight
-    half = cos.shape[1] if cos.dim() == 2 else -1
-    _check(cos.dim() == 2 and cos.shape[0] == rows and 0 < 2 * half <= head_dim
-           and cos.dtype == torch.float32 and cos.stride(1) == 1,
-           f"rope.cos must be fp32 [{rows}, rd/2] with 0 < rd <= {head_dim} and unit stride "
-           f"along rd/2, got {cos.dtype} {tuple(cos.shape)} strides {cos.stride()}")
-    _check(sin.shape == cos.shape and sin.dtype == cos.dtype and sin.stride() == cos.stride(),
-           f"rope.sin must match rope.cos (shape, dtype, strides), got {sin.dtype} "
-           f"{tuple(sin.shape)} strides {sin.stride()}")
-    _check(w.dim() == 1 and w.shape[0] == head_dim and w.is_floating_point() and w.stride(0) == 1,
-           f"rope.kv_norm_weight must be a contiguous float [{head_dim}], got {w.dtype} "
-           f"{tuple(w.shape)}")
-    _check(len({cos.device, sin.device, w.device, q.device}) == 1,
-           "rope tensors must be on q's device")
-    return rope

@@ -190,18 +190,14 @@ def _silu_mul_clamp() -> Callable[[], object]:
     return lambda: silu_mul_clamp(_bf16(6, 2 * 2048), 10.0)
 
 
-def _draft_attention(batch: int, heads: int, fused_rope: bool = False,
-                     ) -> Callable[[], object]:
-    from sgl_dspark.kernels.draft_attention import DraftRope, draft_attention
+def _draft_attention(batch: int, heads: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.draft_attention import draft_attention
 
-    # The mid model's draft stage: 16 heads of 128, a block of 8 queries, 128 context rows;
-    # `fused_rope`: its q/kv norms and RoPE (rd 64) inside the launch, as the model runs it.
-    cs = torch.zeros(batch * 8, 64)
-    rope = DraftRope(cs[:, :32], cs[:, 32:], 1e-6, torch.ones(128), 1e-6) if fused_rope else None
+    # The mid model's draft stage: 16 heads of 128, a block of 8 queries, 128 context rows.
     return lambda: draft_attention(
         _bf16(batch, 8, heads, 128), _bf16(300, 128), torch.zeros(batch, 128, dtype=torch.int64),
         torch.ones(batch, 128, dtype=torch.bool), _bf16(batch, 8, 128), torch.zeros(heads),
-        128**-0.5, rope=rope)
+        128**-0.5)
 
 
 def _grouped_gemm() -> Callable[[], object]:
@@ -221,8 +217,6 @@ CASES = {
     "draft_attention_b1": ("draft_attention", "_draft_attention_kernel", _draft_attention(1, 16)),
     "draft_attention_b32": ("draft_attention", "_draft_attention_kernel",
                             _draft_attention(32, 64)),
-    "draft_attention_rope_b1": ("draft_attention", "_draft_attention_kernel",
-                                _draft_attention(1, 16, fused_rope=True)),
     "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
     "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),

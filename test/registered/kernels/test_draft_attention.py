@@ -4,16 +4,13 @@ Not bit-exact: the kernel's online softmax sums the keys tile by tile in fp32 (e
 folded into the scale), so fp32 results agree to ~1e-6 relative (asserted at 1e-5). With bf16
 inputs the reference rounds its logits and probabilities to bf16 where the kernel keeps them in
 fp32 (and the interpreter truncates the bf16 output), hence a few 1e-2 (see `test_bf16_...`).
-With the fused RoPE (`rope=`), the reference is the unfused chain `rope_tail_ref` (q-head norm,
-kv_norm) -> attention -> inverse `rope_tail_ref`, at the same tolerances (the kernel's sums of
-squares and rotation products add a few fp32 ulps).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.draft_attention import DraftRope, draft_attention, draft_attention_ref
+from sgl_dspark.kernels.draft_attention import draft_attention, draft_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
@@ -179,59 +176,3 @@ def test_rejects_bad_arguments() -> None:
     out = torch.empty(2, 3, 4, 128, device=DEVICE)[..., ::2]
     with pytest.raises(ValueError, match="out must have unit stride"):
         draft_attention(**inputs, out=out)
-
-
-def _rope(rows: int, head_dim: int, rope_dim: int, q_norm: bool, seed: int) -> DraftRope:
-    """cos/sin of random positions as column views of one [rows, rd] block (the layout of a rope
-    table lookup: shared row stride), and a kv_norm weight around 1."""
-    gen = torch.Generator().manual_seed(seed)
-    positions = torch.randint(0, 8192, (rows,), generator=gen).float()
-    inv_freq = 1.0 / 10000 ** (torch.arange(0, rope_dim, 2).float() / rope_dim)
-    freqs = positions[:, None] * inv_freq[None, :]
-    table = torch.cat((freqs.cos(), freqs.sin()), dim=1).to(DEVICE)
-    weight = (torch.rand(head_dim, generator=gen) + 0.5).to(DEVICE)
-    return DraftRope(table[:, : rope_dim // 2], table[:, rope_dim // 2:],
-                     1e-6 if q_norm else None, weight, 1e-6)
-
-
-# (B, Q, H, Dh, C, rd): the mid model's stage, a small odd one, no context, the V4-Flash stage
-# and a Dh that is not a power of two (nope part of 64).
-ROPE_SWEEP = [(1, 7, 16, 128, 128, 64), (3, 4, 3, 64, 5, 32), (2, 1, 1, 64, 0, 64),
-              (1, 7, 64, 512, 128, 64), (2, 3, 5, 96, 20, 32)]
-
-
-@pytest.mark.parametrize("q_norm", [True, False])
-@pytest.mark.parametrize("case", ROPE_SWEEP, ids=str)
-def test_fused_rope_fp32_matches_unfused_reference(case, q_norm: bool) -> None:
-    *shape, rope_dim = case
-    inputs = _inputs(*shape, dtype=torch.float32, seed=sum(case) + q_norm)
-    inputs["rope"] = _rope(shape[0] * shape[1], shape[3], rope_dim, q_norm, seed=sum(case))
-    got = _run_poisoned(inputs)
-    torch.testing.assert_close(got, _ref(inputs), rtol=1e-5, atol=1e-5)
-    # The rope is applied: without it the output differs.
-    plain = {k: v for k, v in inputs.items() if k != "rope"}
-    assert not torch.allclose(got, _ref(plain), rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.parametrize("case", [ROPE_SWEEP[0], ROPE_SWEEP[1], ROPE_SWEEP[3]], ids=str)
-def test_fused_rope_bf16_matches_unfused_reference(case) -> None:
-    *shape, rope_dim = case
-    inputs = _inputs(*shape, dtype=torch.bfloat16, seed=3 + sum(case))
-    inputs["rope"] = _rope(shape[0] * shape[1], shape[3], rope_dim, True, seed=sum(case))
-    got = _run_poisoned(inputs)
-    assert got.dtype == torch.bfloat16
-    # As `test_bf16_matches_reference`: the bf16 chain rounds its logits and probabilities.
-    torch.testing.assert_close(got.float(), _ref(inputs).float(), rtol=0.05, atol=0.05)
-
-
-def test_fused_rope_rejects_bad_operands() -> None:
-    inputs = _inputs(2, 3, 4, 64, 5, dtype=torch.float32, seed=1)
-    rope = _rope(6, 64, 32, True, seed=1)
-    bad = {
-        "rope.cos": rope._replace(cos=rope.cos[:5]),
-        "rope.sin": rope._replace(sin=rope.sin.contiguous()),
-        "rope.kv_norm_weight": rope._replace(kv_norm_weight=rope.kv_norm_weight[:32]),
-    }
-    for name, value in bad.items():
-        with pytest.raises(ValueError, match=name):
-            draft_attention(**inputs, rope=value)

@@ -105,11 +105,6 @@ def test_backend_binds_the_attention_core() -> None:
     drafts = _drafts(KernelChoice())
     for backend, fn in (("torch", draft_attention_torch), ("triton", draft_attention)):
         assert all(stage.self_attn.attention is fn for stage in drafts[backend].model.layers)
-    # The fused RoPE rides on the Triton core only with Triton rope and norm kernels.
-    fused = _drafts(KernelChoice("triton"))
-    for backend, expected in (("torch", False), ("triton", True)):
-        assert all(s.self_attn.fused_rope is expected for s in fused[backend].model.layers)
-    assert not any(s.self_attn.fused_rope for s in drafts["triton"].model.layers)
     with pytest.raises(ValueError, match="--attention-backend 'flash'"):
         DSparkDraftModel(_dcfg(), attention_backend="flash")
 

@@ -76,13 +76,6 @@ def draft_attention_torch(q: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: to
     return torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys)
 
 
-def fuses_draft_rope(attention_backend: str, kernels: KernelChoice) -> bool:
-    """Whether the draft's attention launch also applies its RoPE and pre-norms (the Triton
-    core's `rope` operand), as the unfused "rope"/"norm" launches would with Triton kernels."""
-    return (attention_backend == "triton" and kernels.of("rope") == "triton"
-            and kernels.of("norm") == "triton")
-
-
 def draft_attention_impl(attention_backend: str) -> DraftAttentionFn:
     """The draft attention core for the target's `--attention-backend`, bound once per layer.
 
@@ -107,14 +100,6 @@ class DraftAttention(nn.Module):
         self.rope = rope_impl(kernels)
         self.rope_store = rope_store_impl(kernels)
         self.attention = draft_attention_impl(attention_backend)
-        # Triton: q's head norm and RoPE, the block rows' kv_norm and RoPE and the output's
-        # inverse RoPE run inside the attention launch (three launches fewer per stage).
-        self.fused_rope = fuses_draft_rope(attention_backend, kernels)
-        if self.fused_rope:
-            from sgl_dspark.kernels.draft_attention import DraftRope, draft_attention
-
-            self.fused_attention: Callable[..., torch.Tensor] = draft_attention
-            self.rope_operand = DraftRope
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
@@ -150,13 +135,6 @@ class DraftAttention(nn.Module):
         q_a, kv = self.x_proj(u)
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
         q = self.linear(qr, self.q_b_proj.weight).view(rows, self.n_heads, self.head_dim)
-        if self.fused_rope:
-            rope = self.rope_operand(cos, sin, self.eps if self.q_head_norm else None,
-                                     self.kv_norm.weight, self.kv_norm.eps)
-            o = self.fused_attention(
-                q.view(batch, q_len, self.n_heads, self.head_dim), ctx_pool, ctx_slots,
-                ctx_valid, kv.view(batch, q_len, -1), self.sinks, self.head_dim**-0.5, rope=rope)
-            return self._project_out(o.reshape(rows, self.n_heads, -1), rows)
         # Both norms run inside the rope launches (rope_impl).
         q = self.rope(q, cos, sin, norm=(None, self.eps) if self.q_head_norm else None)
         q = q.view(batch, q_len, self.n_heads, self.head_dim)
@@ -164,10 +142,7 @@ class DraftAttention(nn.Module):
         kv = kv.view(batch, q_len, -1)
         o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks,
                            self.head_dim**-0.5).reshape(rows, self.n_heads, -1)
-        return self._project_out(self.rope(o, cos, sin, inverse=True), rows)
-
-    def _project_out(self, o: torch.Tensor, rows: int) -> torch.Tensor:
-        """Grouped wo_a then wo_b of the attention output `[rows, H, Dh]` (inverse-rotated)."""
+        o = self.rope(o, cos, sin, inverse=True)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
         return self.linear(z, self.o_b_proj.weight)
