@@ -134,10 +134,10 @@ class ModelRunner:
     def set_tap_hook(self, hook: Callable[[ForwardBatch, dict[int, torch.Tensor]], None],
                      tap_layers: tuple[int, ...]) -> None:
         """`hook(batch, taps)` runs after the last of `tap_layers` in every forward, on every
-        row; `taps` are the forward's tap streams (`ModelOutput.tap_streams`, layer -> [T, n, D]),
-        which the hook must not modify. Rows a verify later rejects are written too: as with the target's own KV, their
-        positions are past the committed length, so nothing reads them before the step that
-        commits those positions writes them again."""
+        row; `taps` are the forward's tap streams (`ModelOutput.tap_streams`, layer ->
+        [T, n, D]), which the hook must not modify. Rows a verify later rejects are written too:
+        as with the target's own KV, their positions are past the committed length, so nothing
+        reads them before the step that commits those positions writes them again."""
         if self.graph_runner is not None or self.prefill_graphs is not None:
             raise RuntimeError("the tap hook must be set before CUDA graphs are captured")
         if not tap_layers:

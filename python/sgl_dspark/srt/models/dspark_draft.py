@@ -13,8 +13,8 @@ released-name mapping is shared; `main_proj`, `main_norm`, `markov_head.{embed,h
 
 Open-question choices (dspark.md §9): block rows and context rows use the "main" rope (the draft
 is sliding-window only; cos/sin are looked up in the draft's own `RopeTable` once the runtime has
-built it, `build_rope_table`); context features are the target's completed residual after each layer in
-`target_layer_ids` (the V4 convention), averaged over mHC streams.
+built it, `build_rope_table`); context features are the target's completed residual after each
+layer in `target_layer_ids` (the V4 convention), averaged over mHC streams.
 """
 
 from __future__ import annotations
