@@ -1,11 +1,12 @@
-"""Helpers for DSpark end-to-end tests: small random targets on disk, drafts from the init tool,
-policy configurations."""
+"""Helpers for end-to-end tests: small random targets on disk, drafts from the init tool,
+policy configurations, random greedy request sets."""
 
 from __future__ import annotations
 
 import json
 import os
 
+import torch
 from safetensors.torch import save_file
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
@@ -13,6 +14,20 @@ from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG, tiny_weights
 from sgl_dspark.tools.init_dspark_draft import init_dspark_draft
 
 _S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
+
+
+def greedy_requests(count: int, seed: int, max_prompt_len: int, first_new_tokens: int,
+                    new_tokens_step: int, vocab: int = 263,
+                    ) -> tuple[list[list[int]], list[dict]]:
+    """`count` random prompts of 1 .. max_prompt_len - 1 tokens (ids from 7, below `vocab`),
+    greedy, request i generating first_new_tokens + i * new_tokens_step tokens (different
+    lengths, so a running batch shrinks through several sizes)."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(7, vocab, (int(torch.randint(1, max_prompt_len, (1,), generator=g)),),
+                             generator=g).tolist() for _ in range(count)]
+    params = [{"temperature": 0.0, "ignore_eos": True,
+               "max_new_tokens": first_new_tokens + new_tokens_step * i} for i in range(count)]
+    return prompts, params
 
 
 def write_random_target(out_dir: str, vocab_size: int = 512, seed: int = 0, **overrides) -> str:

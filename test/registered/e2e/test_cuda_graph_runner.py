@@ -15,7 +15,7 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     graph_batch_sizes,
 )
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from spec_utils import POLICIES, policy_kwargs, write_policy_tables
+from spec_utils import POLICIES, greedy_requests, policy_kwargs, write_policy_tables
 
 N_PROMPTS = 7
 
@@ -29,13 +29,8 @@ class CountingGraph(EagerGraph):
 
 
 def _requests(vocab: int = 263):
-    g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(7, vocab, (int(torch.randint(1, 30, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(N_PROMPTS)]
     # different lengths: the running batch shrinks through several buckets (padding rows)
-    params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 6 + 5 * i}
-              for i in range(N_PROMPTS)]
-    return prompts, params
+    return greedy_requests(N_PROMPTS, 3, 30, 6, 5, vocab)
 
 
 def _generate(graph_bs: int | None, **kw) -> tuple[list[list[int]], Engine]:

@@ -17,6 +17,7 @@ from sgl_dspark.srt.model_executor.prefill_graph_runner import (
     PrefillGraphRunner,
     prefill_token_buckets,
 )
+from spec_utils import greedy_requests
 
 N_PROMPTS = 6
 POISON = -777.0
@@ -148,12 +149,7 @@ def test_prefill_replay_equals_eager_forward(kw):
 
 
 def _requests():
-    g = torch.Generator().manual_seed(5)
-    prompts = [torch.randint(7, 263, (int(torch.randint(1, 45, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(N_PROMPTS)]
-    params = [{"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 4 + 3 * i}
-              for i in range(N_PROMPTS)]
-    return prompts, params
+    return greedy_requests(N_PROMPTS, 5, 45, 4, 3)
 
 
 def _generate(prefill_tokens: int | None, **kw) -> tuple[list[list[int]], Engine]:
