@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import itertools
 import json
 import logging
 import statistics
@@ -203,6 +204,10 @@ def main() -> None:
     p.add_argument("--accept-len", type=float, default=3.2)
     p.add_argument("--static-cases", default="1:4,1:5,32:2,32:3",
                    help="DSpark static-width runs as bs:width (comma list)")
+    p.add_argument("--alt-draft-top-k", type=int, default=None,
+                   help="repeat the static cases with a second draft routing this many experts "
+                   "per token (dspark_num_experts_per_tok; dspark.md reports top-3 for the "
+                   "deployed V4.1-Flash draft against the target's top-6)")
     p.add_argument("--attention-backend", default="torch")
     p.add_argument("--extra-attention-backends", default="",
                    help="also time CUDA graphs with these attention backends (comma list)")
@@ -295,13 +300,20 @@ def main() -> None:
     engine.shutdown()
     del engine
     gc.collect()
-    for case in [c for c in a.static_cases.split(",") if c]:
+    drafts = [("", {})]
+    if a.alt_draft_top_k is not None:
+        alt = str(Path(work) / f"dspark_top{a.alt_draft_top_k}")
+        init_dspark_draft(work, alt, num_layers=a.draft_layers, block_size=a.gamma, seed=1,
+                          num_experts_per_tok=a.alt_draft_top_k)
+        drafts.append((f"_draft_top{a.alt_draft_top_k}", {"speculative_draft_model_path": alt}))
+    for (suffix, draft), case in itertools.product(
+            drafts, [c for c in a.static_cases.split(",") if c]):
         bs, w = (int(x) for x in case.split(":"))
         table = Path(work) / f"widths_{w}.json"
         table.write_text(json.dumps({"widths_by_batch_size": {"1": w}}))
-        engine = Engine(**base, **spec, speculative_dspark_verify_policy="static",
+        engine = Engine(**base, **spec, **draft, speculative_dspark_verify_policy="static",
                         speculative_dspark_width_table_path=str(table))
-        measure(f"dspark_static_w{w}", bs, engine, accept_len=a.accept_len)
+        measure(f"dspark_static_w{w}{suffix}", bs, engine, accept_len=a.accept_len)
         if profiling and bs == 1:
             profile_steps(engine, prompts_for(1, a.input_len, cfg.vocab_size),
                           out / f"profile_dspark_static_w{w}_bs1.txt")
@@ -312,7 +324,7 @@ def main() -> None:
     meta = {"config": a.config, "device": torch.cuda.get_device_name() if dev.startswith("cuda")
             else dev, "torch": torch.__version__, "copy_bandwidth_Bps": bw,
             "input_len": a.input_len, "output_len": a.output_len, "gamma": a.gamma,
-            "draft_layers": a.draft_layers}
+            "draft_layers": a.draft_layers, "alt_draft_top_k": a.alt_draft_top_k}
     (out / "engine.json").write_text(json.dumps({"meta": meta, "rows": rows}))
     (out / "engine.md").write_text(render(meta, rows))
     print(render(meta, rows))

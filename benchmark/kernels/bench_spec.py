@@ -19,6 +19,7 @@ from typing import Any
 import torch
 from sgl_dspark.kernels.draft_inputs import prepare_draft_inputs, prepare_draft_inputs_ref
 from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
+from sgl_dspark.kernels.rope_qkv import rope_q_kv, rope_q_kv_ref
 from sgl_dspark.kernels.spec_accept import spec_accept, spec_accept_ref
 from sgl_dspark.kernels.vocab_argmax import shard_argmax_pairs, vocab_argmax, vocab_argmax_ref
 
@@ -75,6 +76,50 @@ def _rope_launch(x, cos, sin, out, inverse):
 
 def _rope_bytes(m: int) -> int:
     return m * (HEADS_LOCAL * HEAD_DIM * 2 + HEADS_PADDED * HEAD_DIM * 2 + ROPE_DIM * 4)
+
+
+# K13's fused design: the q heads' norm + rope tail + head padding and the KV row's kv_norm +
+# rope + store into the paged pool, one launch (the reference: the q chain, then the KV chain
+# and its index_put, as an attention layer of the engine runs them unfused).
+POOL_ROWS, NORM_EPS = 4096, 1e-6
+
+
+def _rope_qkv_inputs(m: int, device: str) -> dict[str, Any]:
+    gen = _gen(m)
+    angles = torch.rand(m, ROPE_DIM // 2, generator=gen) * 1000
+    tensors = dict(
+        q=torch.randn(m, HEADS_LOCAL, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        kv=torch.randn(m, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        cos=angles.cos(), sin=angles.sin(),
+        q_out=torch.empty(m, HEADS_PADDED, HEAD_DIM, dtype=torch.bfloat16),
+        kv_norm_weight=(torch.rand(HEAD_DIM, generator=gen) + 0.5).to(torch.bfloat16),
+        kv_out=torch.randn(POOL_ROWS, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        kv_rows=torch.randperm(POOL_ROWS, generator=gen)[:m])
+    return {k: v.to(device) for k, v in tensors.items()}
+
+
+def _rope_qkv_ref(q, kv, cos, sin, q_out, kv_norm_weight, kv_out, kv_rows):
+    return rope_q_kv_ref(q, kv, cos, sin, q_out_heads=q_out.shape[1], q_norm_eps=NORM_EPS,
+                         kv_norm_eps=NORM_EPS, kv_norm_weight=kv_norm_weight, kv_out=kv_out,
+                         kv_rows=kv_rows)
+
+
+def _rope_qkv_launch(q, kv, cos, sin, q_out, kv_norm_weight, kv_out, kv_rows):
+    return rope_q_kv(q, kv, cos, sin, q_out=q_out, q_norm_eps=NORM_EPS, kv_norm_eps=NORM_EPS,
+                     kv_norm_weight=kv_norm_weight, kv_out=kv_out, kv_rows=kv_rows)
+
+
+def _check_normed_bf16(want: tuple, got: tuple) -> None:
+    """X2 (the norms' rstd may move a last bit, rope.py): within one bf16 ulp of the value's
+    magnitude and almost all elements equal."""
+    for w, g in zip(want, got):
+        w, g = w.float(), g.float()
+        assert ((w - g).abs() <= 2.0**-7 * w.abs() + 1e-6).all(), "beyond one bf16 ulp"
+        assert (w == g).float().mean() >= 0.99, "too many elements differ"
+
+
+def _rope_qkv_bytes(m: int) -> int:
+    return _rope_bytes(m) + m * (2 * HEAD_DIM * 2 + 8) + HEAD_DIM * 2
 
 
 # ----------------------------------------------------------------------------- K14
@@ -161,6 +206,8 @@ CASES: list[dict[str, Any]] = [
           _rope_ref, _rope_launch, _check_bits, _rope_bytes),
     _case("k13_rope_inverse_out_unpad64to16", lambda m, d: _rope_inputs(m, d, inverse=True),
           _rope_ref, _rope_launch, _check_bits, _rope_bytes),
+    _case("k13_rope_q_kv_store_norms", _rope_qkv_inputs, _rope_qkv_ref, _rope_qkv_launch,
+          _check_normed_bf16, _rope_qkv_bytes),
     _case("k14_shard_argmax_pairs_rank", _rank_inputs, _rank_pairs_ref, shard_argmax_pairs,
           _check_equal, lambda m: m * (VOCAB_LOCAL * 4 + 8)),
     _case("k14_vocab_argmax_4_shards", _argmax_inputs, vocab_argmax_ref, vocab_argmax,

@@ -21,6 +21,7 @@ from sgl_dspark.kernels.moe_route import (
 from sgl_dspark.kernels.moe_sort import MoeSortOutput, MoeSortPlan, moe_sort, prepare_moe_sort
 from sgl_dspark.kernels.rmsnorm import rms_norm
 from sgl_dspark.kernels.rope import rope_tail
+from sgl_dspark.kernels.rope_qkv import rope_q_kv
 from sgl_dspark.kernels.small_m_linear import small_m_linear
 from sgl_dspark.kernels.sparse_attention import window_sparse_attention
 from sgl_dspark.kernels.spec_accept import AcceptOutput, spec_accept
@@ -35,5 +36,5 @@ __all__ = [
     "spec_accept", "vocab_argmax", "window_sparse_attention",
     "PooledEntries", "compressor_pool", "indexer_logits",
     "rms_norm", "compressor_decode", "compressor_extend", "index_topk", "mhc_pre", "MarkovGreedyOutput", "markov_greedy",
-    "small_m_linear",
+    "small_m_linear", "rope_q_kv",
 ]

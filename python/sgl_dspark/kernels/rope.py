@@ -34,6 +34,7 @@ only where rstd's last bit moves a rounding (1 element in 2.8M in tests), fp32 b
 from __future__ import annotations
 
 import math
+from typing import Any, NamedTuple
 
 import torch
 import triton
@@ -104,38 +105,16 @@ def _round_to_x(v, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
 
 
 @triton.jit
-def _rope_tail_kernel(
-    x_ptr,
-    cos_ptr,
-    sin_ptr,
-    out_ptr,
-    in_heads,
-    out_heads,
-    x_stride_m,
-    x_stride_h,
-    out_stride_m,
-    out_stride_h,
-    cs_stride_m,
-    out_rows_ptr,
-    norm_w_ptr,
-    norm_eps,
-    NOPE: tl.constexpr,
-    HALF: tl.constexpr,
-    NOPE_POW2: tl.constexpr,
-    HALF_POW2: tl.constexpr,
-    BLOCK_H: tl.constexpr,
-    INVERSE: tl.constexpr,
-    OUT_BF16: tl.constexpr,
-    SCATTER: tl.constexpr,
-    NORM: tl.constexpr,
-    NORM_WEIGHT: tl.constexpr,
-    X_KIND: tl.constexpr,
-    ON_BITS: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    wait_for_producers(PDL)  # x is the projection's output; out may still be read
-    token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+def rope_rows(token, head_block, cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, in_heads,
+              out_heads, x_stride_m, x_stride_h, out_stride_m, out_stride_h, out_rows_ptr,
+              norm_w_ptr, norm_eps, NOPE: tl.constexpr, HALF: tl.constexpr,
+              NOPE_POW2: tl.constexpr, HALF_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
+              INVERSE: tl.constexpr, OUT_BF16: tl.constexpr, SCATTER: tl.constexpr,
+              NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, X_KIND: tl.constexpr,
+              ON_BITS: tl.constexpr):
+    """One program's work: heads [head_block * BLOCK_H, +BLOCK_H) of token `token` (int64).
+    The caller has waited for its producers (`wait_for_producers`)."""
+    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
     is_src = heads < in_heads
     is_dst = heads < out_heads
     x_rows = x_ptr + token * x_stride_m + heads[:, None].to(tl.int64) * x_stride_h
@@ -204,6 +183,24 @@ def _rope_tail_kernel(
     tl.store(out_rows + even_cols + 1, rot_b, mask=store_mask)
 
 
+
+
+@triton.jit
+def _rope_tail_kernel(cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, in_heads, out_heads,
+                      x_stride_m, x_stride_h, out_stride_m, out_stride_h, out_rows_ptr,
+                      norm_w_ptr, norm_eps, NOPE: tl.constexpr, HALF: tl.constexpr,
+                      NOPE_POW2: tl.constexpr, HALF_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
+                      INVERSE: tl.constexpr, OUT_BF16: tl.constexpr, SCATTER: tl.constexpr,
+                      NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, X_KIND: tl.constexpr,
+                      ON_BITS: tl.constexpr, PDL: tl.constexpr):
+    wait_for_producers(PDL)  # x is the projection's output; out may still be read
+    rope_rows(tl.program_id(0).to(tl.int64), tl.program_id(1), cos_ptr, sin_ptr, cs_stride_m,
+              x_ptr, out_ptr, in_heads, out_heads, x_stride_m, x_stride_h, out_stride_m,
+              out_stride_h, out_rows_ptr, norm_w_ptr, norm_eps, NOPE, HALF, NOPE_POW2,
+              HALF_POW2, BLOCK_H, INVERSE, OUT_BF16, SCATTER, NORM, NORM_WEIGHT, X_KIND,
+              ON_BITS)
+
+
 def _check_norm_args(x: torch.Tensor, inverse: bool, norm_eps: float | None,
                      norm_weight: torch.Tensor | None) -> None:
     if norm_eps is None:
@@ -261,6 +258,35 @@ def rope_tail(
     Returns:
         ``out``: heads < min(H, H_out) rotated, heads in [H, H_out) zero.
     """
+    plan = plan_rope_rows(x, cos, sin, inverse=inverse, out=out, out_heads=out_heads,
+                          out_rows=out_rows, norm_eps=norm_eps, norm_weight=norm_weight)
+    if plan.empty:
+        return plan.out
+    _rope_tail_kernel[(x.shape[0], plan.blocks)](
+        cos, sin, cos.stride(0), *plan.args, **plan.meta, **plan.options,
+        ON_BITS=interpreted(_rope_tail_kernel), enable_fp_fusion=False,
+        **programmatic_launch(_rope_tail_kernel, x.device))
+    return plan.out
+
+
+class RopeRowsPlan(NamedTuple):
+    """One `rope_rows` job, validated: `args` are its runtime arguments after the shared
+    cos/sin ones (x, out, heads, strides, out rows, norm weight, eps), `meta` its constexprs but
+    ON_BITS, `options` its launch options (warps), `blocks` its head blocks per token; `empty`
+    when there is nothing to launch."""
+    out: torch.Tensor
+    args: tuple
+    meta: dict[str, Any]
+    options: dict[str, int]
+    blocks: int
+    empty: bool
+
+
+def plan_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool,
+                   out: torch.Tensor | None, out_heads: int | None, out_rows: torch.Tensor | None,
+                   norm_eps: float | None, norm_weight: torch.Tensor | None) -> RopeRowsPlan:
+    """Validate `rope_tail`'s arguments (its docstring), allocate ``out`` when None and choose
+    the tile; shared by `rope_tail` and the fused q + KV launch (`rope_qkv.py`)."""
     if x.dim() != 3 or x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"x must be [M, H, D] bf16/fp16/fp32, got {x.dtype} {tuple(x.shape)}")
     num_tokens, num_heads, head_dim = x.shape
@@ -288,7 +314,7 @@ def rope_tail(
         raise ValueError(f"out must be [{num_tokens if out_rows is None else 'rows'}, H_out, "
                          f"{head_dim}] {x.dtype}, got {out.dtype} {tuple(out.shape)}")
     if num_tokens == 0 or out.shape[1] == 0:
-        return out
+        return RopeRowsPlan(out, (), {}, {}, 0, True)
     for name, t in (("x", x), ("out", out), ("cos", cos), ("sin", sin)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
@@ -301,7 +327,7 @@ def rope_tail(
     nope = head_dim - 2 * half
     out_heads = out.shape[1]
     block_h = max(1, min(16, 4096 // triton.next_power_of_2(head_dim)))
-    meta: dict[str, int] = {}
+    options: dict[str, int] = {}
     if norm_eps is not None:
         # The norm's reductions make a small tile's shape matter. H200, CUDA graphs, bf16 at
         # M = 1 / 32: the KV row (1 head of 512, scatter) took 1.43 / 1.51 us in 8-head blocks of
@@ -310,19 +336,14 @@ def rope_tail(
         # (hence the summation tree) follows D and H_out, never M.
         block_h = min(block_h, triton.next_power_of_2(out_heads))
         if block_h * triton.next_power_of_2(head_dim) <= 512:
-            meta["num_warps"] = 1
-    grid = (num_tokens, triton.cdiv(out_heads, block_h))
-    _rope_tail_kernel[grid](
-        x, cos, sin, out, num_heads, out_heads,
-        x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0),
-        cos if out_rows is None else out_rows,
-        x if norm_weight is None else norm_weight, 0.0 if norm_eps is None else float(norm_eps),
-        NOPE=nope, HALF=half,
-        NOPE_POW2=triton.next_power_of_2(max(nope, 1)), HALF_POW2=triton.next_power_of_2(half),
-        BLOCK_H=block_h, INVERSE=inverse, OUT_BF16=x.dtype == torch.bfloat16,
-        SCATTER=out_rows is not None, NORM=norm_eps is not None,
-        NORM_WEIGHT=norm_weight is not None, X_KIND=_X_KIND[x.dtype],
-        ON_BITS=interpreted(_rope_tail_kernel), enable_fp_fusion=False, **meta,
-        **programmatic_launch(_rope_tail_kernel, x.device),
-    )
-    return out
+            options["num_warps"] = 1
+    args = (x, out, num_heads, out_heads, x.stride(0), x.stride(1), out.stride(0),
+            out.stride(1), cos if out_rows is None else out_rows,
+            x if norm_weight is None else norm_weight,
+            0.0 if norm_eps is None else float(norm_eps))
+    constexprs = dict(NOPE=nope, HALF=half, NOPE_POW2=triton.next_power_of_2(max(nope, 1)),
+                      HALF_POW2=triton.next_power_of_2(half), BLOCK_H=block_h, INVERSE=inverse,
+                      OUT_BF16=x.dtype == torch.bfloat16, SCATTER=out_rows is not None,
+                      NORM=norm_eps is not None, NORM_WEIGHT=norm_weight is not None,
+                      X_KIND=_X_KIND[x.dtype])
+    return RopeRowsPlan(out, args, constexprs, options, triton.cdiv(out_heads, block_h), False)

@@ -34,8 +34,8 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
         torch.float8_e4m3fn: "*fp8e4nv"}
 _KERNEL_MODULES = ("activation", "compressor_pool", "draft_attention", "draft_inputs",
                    "fp4_indexer", "fused_moe", "index_topk", "indexer", "markov", "mhc",
-                   "moe_reduce", "moe_route", "moe_sort", "rmsnorm", "rope", "small_m_linear", "sparse_attention", "spec_accept",
-                   "vocab_argmax")
+                   "moe_reduce", "moe_route", "moe_sort", "rmsnorm", "rope", "rope_qkv",
+                   "small_m_linear", "sparse_attention", "spec_accept", "vocab_argmax")
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
 _HEAVY_BENCH_CASES = ("fused_moe stage 1",)
@@ -178,6 +178,16 @@ def _rope_store() -> Callable[[], object]:
                              out=_bf16(50, 1, 128), out_rows=torch.tensor([4, 9, 1]))
 
 
+def _rope_q_kv_store() -> Callable[[], object]:
+    from sgl_dspark.kernels.rope_qkv import rope_q_kv
+
+    # The mid model's layer: 16 q heads of 128 (weightless norm), the KV row normed and stored.
+    return lambda: rope_q_kv(_bf16(3, 16, 128), _bf16(3, 128), torch.ones(3, 32),
+                             torch.zeros(3, 32), q_norm_eps=1e-6, kv_norm_eps=1e-6,
+                             kv_norm_weight=torch.ones(128), kv_out=_bf16(50, 128),
+                             kv_rows=torch.tensor([4, 9, 1]))
+
+
 def _rms_norm_strided() -> Callable[[], object]:
     from sgl_dspark.kernels.rmsnorm import rms_norm
 
@@ -219,6 +229,7 @@ CASES = {
                             _draft_attention(32, 64)),
     "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
+    "rope_q_kv_store": ("rope_qkv", "_rope_q_kv_kernel", _rope_q_kv_store()),
     "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
     "silu_mul_clamp_i2048": ("activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
     "small_m_linear_mid_x_proj": ("small_m_linear", "_small_m_linear_kernel",
@@ -290,7 +301,7 @@ PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kern
                "sparse_attention._merge_attention_splits_kernel",
                "indexer._indexer_logits_kernel", "index_topk._index_topk_kernel",
                "compressor_pool._compressor_pool_kernel", "markov._markov_step_kernel",
-               "draft_attention._draft_attention_kernel")
+               "draft_attention._draft_attention_kernel", "rope_qkv._rope_q_kv_kernel")
 
 
 def check_programmatic_launch(recs: dict[str, _Recorder],

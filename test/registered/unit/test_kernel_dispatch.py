@@ -16,7 +16,12 @@ from sgl_dspark.srt.layers.mhc import (
     run_fused_hc_layers,
 )
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
-from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_impl, rope_store_impl
+from sgl_dspark.srt.layers.rotary import (
+    apply_rope_tail,
+    rope_impl,
+    rope_q_kv_impl,
+    rope_store_impl,
+)
 from sgl_dspark.srt.layers.sampler import greedy_argmax_impl
 from sgl_dspark.srt.speculative.dspark.ops import create_draft_inputs_fn, draft_inputs_torch
 
@@ -268,3 +273,44 @@ def test_rope_with_pre_norm_dispatch(dtype):
     assert torch.equal(pools["torch"][slots], want)
     torch.testing.assert_close(pools["triton"][slots].float(), want.float(), **tol)
     assert torch.isnan(pools["triton"][1].float()).all()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_q_kv_dispatch(dtype):
+    """An attention layer's q + KV rotations (`rope_q_kv_impl`): torch is `rope_impl` for q and
+    `rope_store_impl` (or `rope_impl`) for the KV row, bit for bit; triton's one launch gives
+    q the bits of `rope_impl`'s Triton binding and the KV row X2 (norm inside), the bits of the
+    torch chain when the norm family is torch, and stores only at the slots; a pool of another
+    dtype takes the rows converted (the norm then runs before the conversion)."""
+    gen = torch.Generator().manual_seed(21)
+    q = (torch.randn(6, 4, 64, generator=gen) * 3).to(dtype).to(DEVICE)
+    kv = (torch.randn(6, 64, generator=gen) * 3).to(dtype).to(DEVICE)
+    ang = torch.rand(6, 16, generator=gen) * 50
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    w = (torch.rand(64, generator=gen) + 0.5).to(DEVICE)
+    slots = torch.tensor([9, 3, 17, 0, 4, 12], device=DEVICE)
+    q_norm, kv_norm = (None, 1e-6), (w, 1e-6)
+    want_q = rope_impl(TORCH)(q, cos, sin, norm=q_norm)
+    want_kv = rope_impl(TORCH)(kv, cos, sin, norm=kv_norm)
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
+    norm_torch = KernelChoice("triton", (("norm", "torch"),))
+    for k in (TORCH, TRITON, norm_torch):
+        got_q, got_kv = rope_q_kv_impl(k)(q, kv, cos, sin, q_norm=q_norm, kv_norm=kv_norm)
+        pool = torch.full((20, 64), float("nan"), dtype=dtype, device=DEVICE)
+        stored_q, none = rope_q_kv_impl(k)(q, kv, cos, sin, q_norm=q_norm, kv_norm=kv_norm,
+                                           pool=pool, slots=slots)
+        assert none is None and torch.equal(stored_q, got_q)
+        assert torch.isnan(pool[1].float()).all() and torch.equal(pool[slots], got_kv)
+        if k is TRITON:
+            assert torch.equal(got_q, rope_impl(TRITON)(q, cos, sin, norm=q_norm))
+            torch.testing.assert_close(got_q.float(), want_q.float(), **tol)
+            torch.testing.assert_close(got_kv.float(), want_kv.float(), **tol)
+        else:
+            assert torch.equal(got_q, want_q) and torch.equal(got_kv, want_kv)
+    if dtype == torch.float32:  # a bf16 pool: the fp32 rows normed, rotated, then converted
+        pool = torch.full((20, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        rope_q_kv_impl(TRITON)(q, kv, cos, sin, kv_norm=kv_norm, pool=pool, slots=slots)
+        want = apply_rope_tail(rms_norm(kv, *kv_norm).to(torch.bfloat16), cos, sin)
+        # The Triton norm's fp32 sum order may move a bf16 rounding (X2).
+        torch.testing.assert_close(pool[slots].float(), want.float(), rtol=2**-7, atol=2e-2)
+        assert torch.isnan(pool[1].float()).all()

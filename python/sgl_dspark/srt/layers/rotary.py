@@ -197,3 +197,56 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
         rope_tail(x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots, **fused_norm)
 
     return store_triton
+
+
+# (q [N, H, Dh], kv [N, Dkv], cos, sin, q_norm=None, kv_norm=None, pool=None, slots=None)
+# -> (rotated q, rotated kv rows, or None when they were stored into pool[slots])
+RopeQKVFn = Callable[..., tuple[torch.Tensor, torch.Tensor | None]]
+
+
+def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
+    """An attention layer's rotations at one set of positions, of the "rope" family: the query
+    heads (optional `q_norm`) and the KV row (optional `kv_norm`), the latter returned, or with
+    `pool`/`slots` stored into the paged pool. torch: `rope_impl` for both (and an index_put).
+    triton: one launch for both (K13's fused design, `kernels/rope_qkv.py`), with the norms
+    inside it when "norm" is Triton too; the query rows are `rope_impl`'s bits, the KV row's
+    norm X2 (its sum of squares runs over the launch's warps)."""
+    rope = rope_impl(kernels)
+    if kernels.of("rope") == "torch":
+        store = rope_store_impl(kernels)
+
+        def q_kv_torch(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                       q_norm: PreNorm | None = None, kv_norm: PreNorm | None = None,
+                       pool: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+            q = rope(q, cos, sin, norm=q_norm)
+            if pool is None:
+                return q, rope(kv, cos, sin, norm=kv_norm)
+            store(kv, cos, sin, pool, slots, norm=kv_norm)
+            return q, None
+
+        return q_kv_torch
+    from sgl_dspark.kernels.rope_qkv import rope_q_kv
+
+    norm_fn = rms_norm_impl(kernels)
+    fuse = _fuses_norm(kernels)
+
+    def q_kv_triton(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                    q_norm: PreNorm | None = None, kv_norm: PreNorm | None = None,
+                    pool: torch.Tensor | None = None, slots: torch.Tensor | None = None,
+                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if q_norm is not None and (not fuse or q_norm[0] is not None):
+            q, q_norm = norm_fn(q, *q_norm), None  # the kernel fuses the weightless q norm
+        if kv_norm is not None and (not fuse or (pool is not None and kv.dtype != pool.dtype)):
+            kv, kv_norm = norm_fn(kv, *kv_norm), None
+        if pool is not None and kv.dtype != pool.dtype:
+            kv = kv.to(pool.dtype)
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+        q_out, kv_out = rope_q_kv(
+            q, kv, cos, sin, q_norm_eps=None if q_norm is None else q_norm[1],
+            kv_norm_eps=None if kv_norm is None else kv_norm[1],
+            kv_norm_weight=None if kv_norm is None else kv_norm[0], kv_out=pool, kv_rows=slots)
+        return q_out, None if pool is not None else kv_out
+
+    return q_kv_triton

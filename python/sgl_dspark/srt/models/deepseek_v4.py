@@ -39,7 +39,7 @@ from sgl_dspark.srt.layers.rotary import (
     RopeTailFn,
     rope_impl,
     rope_inv_freq,
-    rope_store_impl,
+    rope_q_kv_impl,
 )
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
@@ -80,7 +80,7 @@ class Attention(nn.Module):
         super().__init__()
         self.kernels = kernels
         self.rope = rope_impl(kernels)
-        self.rope_store = rope_store_impl(kernels)
+        self.rope_q_kv = rope_q_kv_impl(kernels)
         self.rms_norm = rms_norm_impl(kernels)
         self.layer_type = cfg.layer_types[layer_id]
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
@@ -136,10 +136,11 @@ class Attention(nn.Module):
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
         q, *index_q = self.qr_proj(qr)
         q = q.view(T, self.n_heads, self.head_dim)
-        # Both norms run inside the rope launches (rope_impl / rope_store_impl).
-        q = self.rope(q, cos, sin, norm=(None, self.eps) if self.q_head_norm else None)
-        self.rope_store(kv, cos, sin, kv_state.window, batch.out_cache_loc,
-                        norm=(self.kv_norm.weight, self.kv_norm.eps))
+        # One launch rotates q and stores the KV row, both norms inside it (rope_q_kv_impl).
+        q, _ = self.rope_q_kv(q, kv, cos, sin,
+                              q_norm=(None, self.eps) if self.q_head_norm else None,
+                              kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
+                              pool=kv_state.window, slots=batch.out_cache_loc)
         slots, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
         # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather).
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,

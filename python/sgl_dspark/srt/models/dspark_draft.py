@@ -44,6 +44,7 @@ from sgl_dspark.srt.layers.rotary import (
     rope_cos_sin,
     rope_impl,
     rope_inv_freq,
+    rope_q_kv_impl,
     rope_store_impl,
 )
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
@@ -99,6 +100,7 @@ class DraftAttention(nn.Module):
         super().__init__()
         self.rope = rope_impl(kernels)
         self.rope_store = rope_store_impl(kernels)
+        self.rope_q_kv = rope_q_kv_impl(kernels)
         self.attention = draft_attention_impl(attention_backend)
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
@@ -135,11 +137,13 @@ class DraftAttention(nn.Module):
         q_a, kv = self.x_proj(u)
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
         q = self.linear(qr, self.q_b_proj.weight).view(rows, self.n_heads, self.head_dim)
-        # Both norms run inside the rope launches (rope_impl).
-        q = self.rope(q, cos, sin, norm=(None, self.eps) if self.q_head_norm else None)
+        # One launch rotates q and the block's KV rows, both norms inside it (rope_q_kv_impl).
+        q, kv_rows = self.rope_q_kv(q, kv, cos, sin,
+                                    q_norm=(None, self.eps) if self.q_head_norm else None,
+                                    kv_norm=(self.kv_norm.weight, self.kv_norm.eps))
+        assert kv_rows is not None
         q = q.view(batch, q_len, self.n_heads, self.head_dim)
-        kv = self.rope(kv, cos, sin, norm=(self.kv_norm.weight, self.kv_norm.eps))
-        kv = kv.view(batch, q_len, -1)
+        kv = kv_rows.view(batch, q_len, -1)
         o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks,
                            self.head_dim**-0.5).reshape(rows, self.n_heads, -1)
         o = self.rope(o, cos, sin, inverse=True)
