@@ -115,6 +115,44 @@ def _k_check(want: Any, got: Any) -> None:
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), "codes/scales differ"
 
 
+# K9 as kernels.md specifies its unfused reference: quantise, then write each row into its
+# 68-byte cache slot (64 payload + 4 scale bytes); slot 0 is the reserved dummy (a padded row's)
+# and is never written. The slots are a shuffled subset of a 4096-slot cache.
+CACHE_SLOTS = 4096
+
+
+def _k_store_inputs(m: int, device: str) -> dict[str, Any]:
+    gen = _gen(m)
+    loc = torch.randperm(CACHE_SLOTS - 1, generator=gen)[:m] + 1
+    if m >= 4:
+        loc[-1] = 0  # a graph bucket's padding row
+    cache = torch.randint(0, 256, (CACHE_SLOTS, INDEX_HEAD_DIM // 2 + INDEX_HEAD_DIM // 32),
+                          generator=gen, dtype=torch.uint8)
+    x = torch.randn(m, INDEX_HEAD_DIM, generator=gen).to(torch.bfloat16)
+    return {"x": x.to(device), "loc": loc.to(device), "cache": cache.to(device)}
+
+
+def fp4_index_k_store_ref(x: torch.Tensor, loc: torch.Tensor,
+                          cache: torch.Tensor) -> torch.Tensor:
+    """K9's reference, then the cache write: `cache[loc[t]] = codes[t] | scales[t]` for loc != 0
+    (no host sync: a dummy row writes slot 0's own bytes back)."""
+    codes, scales = fp4_index_k_quant_ref(x)
+    rows = torch.cat([codes, scales], dim=1).to(cache.dtype)
+    cache[loc] = torch.where((loc != 0)[:, None], rows, cache[loc])
+    return cache
+
+
+def _k_store_launch(x: torch.Tensor, loc: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
+    half = INDEX_HEAD_DIM // 2
+    fp4_index_k_quant(x, loc=loc, out_codes=cache[:, :half], out_scales=cache[:, half:])
+    return cache
+
+
+def _k_store_check(want: torch.Tensor, got: torch.Tensor) -> None:
+    assert want.data_ptr() != got.data_ptr(), "the check needs two caches"
+    assert torch.equal(want, got), "cache bytes differ"
+
+
 # ----------------------------------------------------------------------------- K10
 
 
@@ -157,6 +195,9 @@ CASES: list[dict[str, Any]] = [
           mhc_post_combine, _mhc_check, _mhc_bytes_engine),
     _case("k9_fp4_index_k_quant_128", _k_inputs, fp4_index_k_quant_ref, fp4_index_k_quant,
           _k_check, lambda m: m * (INDEX_HEAD_DIM * 2 + INDEX_HEAD_DIM // 2 + 4)),
+    _case("k9_fp4_index_k_quant_store_68B_slots", _k_store_inputs, fp4_index_k_store_ref,
+          _k_store_launch, _k_store_check,
+          lambda m: m * (INDEX_HEAD_DIM * 2 + 8 + 2 * (INDEX_HEAD_DIM // 2 + 4))),
     _case("k10_index_q_rope_fp4_pack_weights_64h", _q_inputs, index_q_rope_fp4_ref,
           index_q_rope_fp4, _q_check, _q_bytes),
 ]

@@ -1,0 +1,37 @@
+"""The benchmark cases whose launcher writes into an input buffer (a KV pool, an index-key cache):
+their reference and launcher, run on separate input sets as `run_all` runs them, pass the case's
+check, and the check rejects a launcher output with one slot changed (it compares the buffers)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+from benchmark.kernels import bench_mhc_indexer, bench_spec  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+CASES = {c["name"]: c for c in bench_spec.CASES + bench_mhc_indexer.CASES}
+
+
+@pytest.mark.parametrize("m", [1, 5])
+@pytest.mark.parametrize("name,buffer", [("k13_rope_q_kv_store_norms", 1),
+                                         ("k9_fp4_index_k_quant_store_68B_slots", None)])
+def test_buffer_writing_case_checks(name: str, buffer: int | None, m: int) -> None:
+    case = CASES[name]
+    want = case["reference"](**case["make_inputs"](m, DEVICE))
+    inputs = case["make_inputs"](m, DEVICE)
+    untouched = {k: v.clone() for k, v in inputs.items() if isinstance(v, torch.Tensor)}
+    got = case["launcher"](**inputs)
+    case["check"](want, got)
+    out = got if buffer is None else got[buffer]
+    assert not torch.equal(out, untouched["cache" if buffer is None else "kv_out"]), \
+        "the launcher wrote nothing"
+    # The slot the launcher wrote first, corrupted: the check must notice.
+    slot = (inputs["loc"] if buffer is None else inputs["kv_rows"])[0]
+    out[slot] = out[slot] + 1 if out.dtype == torch.uint8 else out[slot] * 3 + 1
+    with pytest.raises(AssertionError):
+        case["check"](want, got)
