@@ -168,6 +168,16 @@ def _route_hash_inputs(m: int, device: str) -> dict[str, Any]:
     )
 
 
+def _route_hash_x_inputs(m: int, device: str) -> dict[str, Any]:
+    """Hash routing as the engine's hash layers call it: gate logits from x inside the launch
+    (the GEMV), experts from the token's tid2eid row."""
+    inputs = _route_x_inputs(m, device)
+    hashed = _route_hash_inputs(m, device)
+    del inputs["correction_bias"], inputs["workspace"]
+    return {**inputs, "tid2eid": hashed["tid2eid"], "input_ids": hashed["input_ids"],
+            "workspace": make_router_workspace(m, EXPERTS, HIDDEN, device)}
+
+
 def _route_check(want: Any, got: Any) -> None:
     """Ids exact except where two experts' selection values are within the score transcendentals'
     error (exp2/log2 lowerings, and bf16-GEMV summation order for the x source); weights ~1e-4."""
@@ -319,6 +329,9 @@ CASES: list[dict[str, Any]] = [
     dict(name="K2+K3 router_topk hash", make_inputs=_route_hash_inputs,
          reference=router_topk_ref, launcher=router_topk, check=_route_check,
          bytes_moved=_route_hash_bytes),
+    dict(name="K2+K3 router_topk hash from x (GEMV fused)", make_inputs=_route_hash_x_inputs,
+         reference=router_topk_ref, launcher=router_topk, check=_route_check,
+         bytes_moved=lambda m: _route_x_bytes(m) - 4 * EXPERTS + 4 * m * TOPK),
     dict(name="K4 moe_reduce (slot-ordered)", make_inputs=_reduce_inputs,
          reference=moe_reduce_ref, launcher=moe_reduce, check=_check_equal,
          bytes_moved=_reduce_bytes),
