@@ -34,8 +34,8 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
         torch.float8_e4m3fn: "*fp8e4nv"}
 _KERNEL_MODULES = ("activation", "compressor_pool", "draft_attention", "draft_inputs",
                    "fp4_indexer", "fused_moe", "index_topk", "indexer", "markov", "mhc",
-                   "moe_reduce", "moe_route", "moe_sort", "rmsnorm", "rope", "rope_qkv",
-                   "small_m_linear", "sparse_attention", "spec_accept", "vocab_argmax")
+                   "moe_reduce", "moe_route", "moe_route_hash", "moe_sort", "rmsnorm", "rope",
+                   "rope_qkv", "small_m_linear", "sparse_attention", "spec_accept", "vocab_argmax")
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
 _HEAVY_BENCH_CASES = ("fused_moe stage 1",)
@@ -122,6 +122,16 @@ def _router_from_x(hidden: int, dtype: torch.dtype) -> Callable[[], object]:
     # H < 512: the GEMV's K loop runs several times and is software-pipelined (the tiny model).
     return lambda: router_topk(RouterConfig(2), x=torch.randn(3, hidden).to(dtype),
                                gate_weight=torch.randn(16, hidden).to(dtype))
+
+
+def _hash_router_from_x(hidden: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
+
+    # The mid model's hash layers: top-6 of 64 experts, H 1024, a shared column.
+    return lambda: router_topk(RouterConfig(6, num_shared=1), x=_bf16(3, hidden),
+                               gate_weight=_bf16(64, hidden),
+                               tid2eid=torch.zeros(50, 6, dtype=torch.int32),
+                               input_ids=torch.tensor([4, 9, 1]))
 
 
 def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[], object]:
@@ -230,6 +240,8 @@ CASES = {
     "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
     "rope_q_kv_store": ("rope_qkv", "_rope_q_kv_kernel", _rope_q_kv_store()),
+    "hash_router_from_x_h1024": ("moe_route_hash", "_hash_route_x_kernel",
+                                 _hash_router_from_x(1024)),
     "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
     "silu_mul_clamp_i2048": ("activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
     "small_m_linear_mid_x_proj": ("small_m_linear", "_small_m_linear_kernel",
@@ -301,7 +313,8 @@ PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kern
                "sparse_attention._merge_attention_splits_kernel",
                "indexer._indexer_logits_kernel", "index_topk._index_topk_kernel",
                "compressor_pool._compressor_pool_kernel", "markov._markov_step_kernel",
-               "draft_attention._draft_attention_kernel", "rope_qkv._rope_q_kv_kernel")
+               "draft_attention._draft_attention_kernel", "rope_qkv._rope_q_kv_kernel",
+               "moe_route_hash._hash_route_x_kernel")
 
 
 def check_programmatic_launch(recs: dict[str, _Recorder],
