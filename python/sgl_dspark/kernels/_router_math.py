@@ -64,35 +64,21 @@ def hash_route_rows(
             for s in tl.static_range(1, NUM_SPLITS):
                 logits += tl.load(partials_ptr + s * num_rows * num_experts + offs, mask=ok,
                                   other=0.0)  # fmt: skip
-        finish_hash_rows(rows, row_ok, cols, expert, logits, ok, n_valid, ids_ptr, weights_ptr,
-                         routed_scale, shared_weight, fill_id, shared_id_base, SCORING,
-                         RENORMALIZE, TOPK, NUM_SHARED, BRANCHLESS_SQRT)
-
-
-@triton.jit
-def finish_hash_rows(
-    rows, row_ok, cols, expert, logits, ok, n_valid, ids_ptr, weights_ptr, routed_scale,
-    shared_weight, fill_id, shared_id_base, SCORING: tl.constexpr, RENORMALIZE: tl.constexpr,
-    TOPK: tl.constexpr, NUM_SHARED: tl.constexpr, BRANCHLESS_SQRT: tl.constexpr,
-):  # fmt: skip
-    """Hash routing's weights from the chosen experts' logits ([ROWS, BLOCK_OUT], slot columns;
-    `ok` marks real routed slots), the shared columns and the padding fill, stored."""
-    w = scores(logits, SCORING, BRANCHLESS_SQRT)
-    w = tl.where(ok & (w == w), w, 0.0)  # NaN score -> weight 0
-    if RENORMALIZE:
-        # Slot order, as the reference sums (slot 0 alone equals 0 + slot 0: weights are >= 0).
-        total = tl.sum(tl.where(cols == 0, w, 0.0), axis=1, keep_dims=True)
-        for slot in tl.static_range(1, TOPK):
-            total += tl.sum(tl.where(cols == slot, w, 0.0), axis=1, keep_dims=True)
-        w = tl.div_rn(w, tl.zeros_like(w) + (total + 1e-20))
-    w = w * routed_scale
-    is_shared = (cols >= TOPK) & (cols < TOPK + NUM_SHARED)
-    ids = tl.where(is_shared, shared_id_base + cols - TOPK, expert)
-    w = tl.where(is_shared, shared_weight, w)
-    is_pad = rows >= n_valid
-    ids = tl.where(is_pad, fill_id, ids)
-    w = tl.where(is_pad, 0.0, w)
-    out_offs = rows * (TOPK + NUM_SHARED) + cols
-    out_ok = row_ok & (cols < TOPK + NUM_SHARED)
-    tl.store(ids_ptr + out_offs, ids, mask=out_ok)
-    tl.store(weights_ptr + out_offs, w, mask=out_ok)
+        w = scores(logits, SCORING, BRANCHLESS_SQRT)
+        w = tl.where(ok & (w == w), w, 0.0)  # NaN score -> weight 0
+        if RENORMALIZE:
+            total = tl.zeros([ROWS, 1], dtype=tl.float32)
+            for slot in tl.static_range(TOPK):  # slot order, as the reference sums
+                total += tl.sum(tl.where(cols == slot, w, 0.0), axis=1, keep_dims=True)
+            w = tl.div_rn(w, tl.zeros_like(w) + (total + 1e-20))
+        w = w * routed_scale
+        is_shared = (cols >= TOPK) & (cols < TOPK + NUM_SHARED)
+        ids = tl.where(is_shared, shared_id_base + cols - TOPK, expert)
+        w = tl.where(is_shared, shared_weight, w)
+        is_pad = rows >= n_valid
+        ids = tl.where(is_pad, fill_id, ids)
+        w = tl.where(is_pad, 0.0, w)
+        out_offs = rows * (TOPK + NUM_SHARED) + cols
+        out_ok = row_ok & (cols < TOPK + NUM_SHARED)
+        tl.store(ids_ptr + out_offs, ids, mask=out_ok)
+        tl.store(weights_ptr + out_offs, w, mask=out_ok)

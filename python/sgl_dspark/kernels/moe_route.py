@@ -10,7 +10,7 @@ Then per row: scores (sqrtsoftplus | sigmoid), selection on scores + correction 
 weights = unbiased scores of the chosen experts, renormalised (w / (sum + 1e-20)), times the routed
 scaling factor; appended shared-expert columns; rows >= n_valid (device int32 scalar) get `fill_id`
 / weight 0. Hash routing (ids = tid2eid[input_ids]) is another switch; from x it is
-`moe_route_hash.py`'s launch (only the token's experts' gate rows are read).
+`moe_route_hash.py`'s GEMV (only the token's experts' gate rows are read) + the routing launch.
 
 Numerics (the spec is `router_topk_ref`):
   * sqrtsoftplus(l) = sqrt_rn(l if l > 20 else log2(1 + exp2(l * log2e)) * ln2);
@@ -41,7 +41,7 @@ from sgl_dspark.kernels._triton_utils import (
     programmatic_launch,
     wait_for_producers,
 )
-from sgl_dspark.kernels.moe_route_hash import hash_route_from_x
+from sgl_dspark.kernels.moe_route_hash import hash_gemv_partials
 
 _SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 _SOURCE_X, _SOURCE_LOGITS, _SOURCE_PARTIALS = 0, 1, 2
@@ -407,8 +407,7 @@ def router_topk(
         n_valid: int32 device scalar ([] or [1]); rows >= n_valid get fill_id / weight 0.
         input_ids, tid2eid: hash routing: int [M] token ids and int [V, topk] expert table.
         logits_out: optional fp32 [M, E] receiving the summed logits (x / partials sources).
-        workspace: scratch for the x source (`make_router_workspace`); allocated if None;
-            unused by hash routing.
+        workspace: scratch for the x source (`make_router_workspace`); allocated if None.
     Returns:
         `RouterTopkOutput` (ids int32, weights fp32, both [M, topk + num_shared]).
     """
@@ -438,12 +437,6 @@ def router_topk(
     if num_rows == 0:
         return RouterTopkOutput(ids, weights)
 
-    if is_hash and source == _SOURCE_X:  # the token's own experts' gate rows only
-        assert x is not None and gate_weight is not None
-        assert input_ids is not None and tid2eid is not None
-        hash_route_from_x(x, gate_weight, input_ids, tid2eid, n_valid, ids, weights, config,
-                          _SCORINGS[config.scoring], num_experts)
-        return RouterTopkOutput(ids, weights)
     interpreted = isinstance(_router_topk_kernel, InterpretedFunction)
     meta = _route_meta(num_rows, interpreted)
     num_splits = triton.cdiv(hidden, _SPLIT_K) if source == _SOURCE_X else (
@@ -488,6 +481,12 @@ def router_topk(
     _require(workspace.partials.numel() >= num_splits * num_rows * num_experts
              and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
              "workspace too small for this call")  # fmt: skip
+    if is_hash:  # the rows' own experts' partials only, then the routing launch
+        assert x is not None and gate_weight is not None
+        assert input_ids is not None and tid2eid is not None
+        hash_gemv_partials(x, gate_weight, input_ids, tid2eid, workspace.partials, _SPLIT_K)
+        route_launch(_SOURCE_PARTIALS, workspace.partials)
+        return RouterTopkOutput(ids, weights)
     _router_topk_kernel[(triton.cdiv(num_rows, _GEMV_ROWS),
                          num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS))](
         partials_ptr=workspace.partials, counter_ptr=workspace.counters, SOURCE=_SOURCE_X,

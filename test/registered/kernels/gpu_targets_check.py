@@ -54,15 +54,29 @@ class _Recorder:
         return launch
 
 
+def _kernel_modules() -> list:
+    return [importlib.import_module(f"sgl_dspark.kernels.{m}") for m in _KERNEL_MODULES]
+
+
 def _record(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
     mod = importlib.import_module(module)
     real = getattr(mod, kernel)
     rec = _Recorder(real)
     setattr(mod, kernel, rec)
+    # The launcher may launch other kernels too (the hash GEMV, then the routing launch): they
+    # record into throwaway recorders, so nothing runs on the CPU tensors.
+    others = {m: {n: o for n, o in vars(m).items() if n.endswith("_kernel") and o is not rec
+                  and type(o).__name__ == "JITFunction"} for m in _kernel_modules()}
+    for m, kernels in others.items():
+        for n, o in kernels.items():
+            setattr(m, n, _Recorder(o))
     try:
         run()
     finally:
         setattr(mod, kernel, real)
+        for m, kernels in others.items():
+            for n, o in kernels.items():
+                setattr(m, n, o)
     assert rec.calls, f"{module}.{kernel} was not launched"
     return rec
 
@@ -240,7 +254,7 @@ CASES = {
     "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
     "rope_q_kv_store": ("rope_qkv", "_rope_q_kv_kernel", _rope_q_kv_store()),
-    "hash_router_from_x_h1024": ("moe_route_hash", "_hash_route_x_kernel",
+    "hash_router_from_x_h1024": ("moe_route_hash", "_hash_gemv_partials_kernel",
                                  _hash_router_from_x(1024)),
     "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
     "silu_mul_clamp_i2048": ("activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
@@ -314,7 +328,7 @@ PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kern
                "indexer._indexer_logits_kernel", "index_topk._index_topk_kernel",
                "compressor_pool._compressor_pool_kernel", "markov._markov_step_kernel",
                "draft_attention._draft_attention_kernel", "rope_qkv._rope_q_kv_kernel",
-               "moe_route_hash._hash_route_x_kernel")
+               "moe_route_hash._hash_gemv_partials_kernel")
 
 
 def check_programmatic_launch(recs: dict[str, _Recorder],

@@ -1,6 +1,7 @@
-"""Hash routing from x (`moe_route_hash.py`, reached through `router_topk`): the gate GEMV of the
-token's own experts only, against `router_topk_ref`. Ids are a table lookup (exact); weights are
-X2 (the dot's summation order), exact where the inputs make every fp32 sum exact."""
+"""Hash routing from x (`router_topk`: `moe_route_hash.py`'s split-K GEMV of the token's own
+experts only, then the routing launch), against `router_topk_ref`. Ids are a table lookup
+(exact); weights are X2 (the dot's summation order), and where the inputs make every fp32 sum
+exact, bit for bit those of routing from the exact logits."""
 
 from __future__ import annotations
 

@@ -88,8 +88,7 @@ class Router(nn.Module):
                       input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         x = x.contiguous()
         ws = None
-        # Hash routing from x needs no split-K scratch (moe_route_hash: one launch).
-        if not self.is_hash and x.shape[0] <= _PERSISTENT_WORKSPACE_ROWS:
+        if x.shape[0] <= _PERSISTENT_WORKSPACE_ROWS:
             # Decode/verify-sized calls share one workspace that lives as long as the router
             # (the kernel leaves its counters zero) instead of zeroing a fresh one per call: one
             # memset kernel less per layer and step. It is never reallocated, because captured
