@@ -183,8 +183,6 @@ def rope_rows(token, head_block, cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, 
     tl.store(out_rows + even_cols + 1, rot_b, mask=store_mask)
 
 
-
-
 @triton.jit
 def _rope_tail_kernel(cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, in_heads, out_heads,
                       x_stride_m, x_stride_h, out_stride_m, out_stride_h, out_rows_ptr,

@@ -116,6 +116,23 @@ def _fuses_norm(kernels: KernelChoice) -> bool:
     return kernels.of("rope") == "triton" and kernels.of("norm") == "triton"
 
 
+def _launch_ready(x: torch.Tensor, norm: PreNorm | None, fuse: bool, norm_fn: Callable,
+                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, PreNorm | None]:
+    """x for a Triton rope launch: (x, the norm the launch must fuse, or None). The norm is
+    applied here instead when it cannot be fused (`fuse` False, or x is cast to another
+    `dtype`, a pool's, after it); x leaves in `dtype` with unit channel stride."""
+    dtype = x.dtype if dtype is None else dtype
+    if norm is not None and not (fuse and x.dtype == dtype):
+        x, norm = norm_fn(x, *norm), None
+    if x.dtype != dtype or x.stride(-1) != 1:  # the kernel reads rows with unit channel stride
+        x = x.to(dtype).contiguous()
+    return x, norm
+
+
+def _norm_kwargs(norm: PreNorm | None) -> dict[str, Any]:
+    return {} if norm is None else {"norm_weight": norm[0], "norm_eps": norm[1]}
+
+
 def rope_impl(kernels: KernelChoice) -> RopeTailFn:
     """The rope-tail implementation of the "rope" family, bound once by the layer that uses it.
 
@@ -143,13 +160,8 @@ def rope_impl(kernels: KernelChoice) -> RopeTailFn:
 
     def rope_tail_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                          inverse: bool = False, norm: PreNorm | None = None) -> torch.Tensor:
-        fused_norm: dict[str, Any] = {}
-        if norm is not None and fuse:
-            fused_norm = {"norm_weight": norm[0], "norm_eps": norm[1]}
-        elif norm is not None:
-            x = norm_fn(x, *norm)
-        if x.stride(-1) != 1:  # the kernel reads rows with unit channel stride
-            x = x.contiguous()
+        x, norm = _launch_ready(x, norm, fuse, norm_fn)
+        fused_norm = _norm_kwargs(norm)
         if x.dim() == 2:  # single-head rows (kv, compressor entries): one head of Dh
             return rope_tail(x.unsqueeze(1), cos, sin, inverse=inverse,
                              **fused_norm).squeeze(1)
@@ -187,14 +199,9 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
     def store_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                      pool: torch.Tensor, slots: torch.Tensor,
                      norm: PreNorm | None = None) -> None:
-        fused_norm: dict[str, Any] = {}
-        if norm is not None and fuse and x.dtype == pool.dtype:
-            fused_norm = {"norm_weight": norm[0], "norm_eps": norm[1]}
-        elif norm is not None:
-            x = norm_fn(x, *norm)
-        if x.dtype != pool.dtype or x.stride(-1) != 1:
-            x = x.to(pool.dtype).contiguous()
-        rope_tail(x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots, **fused_norm)
+        x, norm = _launch_ready(x, norm, fuse, norm_fn, pool.dtype)
+        rope_tail(x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots,
+                  **_norm_kwargs(norm))
 
     return store_triton
 
@@ -235,14 +242,11 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
                     q_norm: PreNorm | None = None, kv_norm: PreNorm | None = None,
                     pool: torch.Tensor | None = None, slots: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        if q_norm is not None and (not fuse or q_norm[0] is not None):
-            q, q_norm = norm_fn(q, *q_norm), None  # the kernel fuses the weightless q norm
-        if kv_norm is not None and (not fuse or (pool is not None and kv.dtype != pool.dtype)):
-            kv, kv_norm = norm_fn(kv, *kv_norm), None
-        if pool is not None and kv.dtype != pool.dtype:
-            kv = kv.to(pool.dtype)
-        q = q if q.stride(-1) == 1 else q.contiguous()
-        kv = kv if kv.stride(-1) == 1 else kv.contiguous()
+        # The launch fuses the weightless q norm only (a weighted one runs before it).
+        q, q_norm = _launch_ready(q, q_norm, fuse and (q_norm is None or q_norm[0] is None),
+                                  norm_fn)
+        kv, kv_norm = _launch_ready(kv, kv_norm, fuse, norm_fn,
+                                    None if pool is None else pool.dtype)
         q_out, kv_out = rope_q_kv(
             q, kv, cos, sin, q_norm_eps=None if q_norm is None else q_norm[1],
             kv_norm_eps=None if kv_norm is None else kv_norm[1],
