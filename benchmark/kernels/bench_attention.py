@@ -7,6 +7,10 @@ compressed entries per token (CSA index_topk), bf16. M = bs * w token rows, mapp
 in the shape sheet (kernels.md §0.1); each request has a random context of 1k-4k tokens in
 64-token pages drawn at random from the pool.
 
+The last two cases add the inverse rope of the output's rd = 64 channels (K13's inverse tail):
+as the attention's epilogue (one launch, what the engine runs) and as a separate `rope_tail`
+launch after it (what it ran before); the reference is the unfused torch chain.
+
 Two cases time the same launcher: the default (split-K chosen from the shape: at these shapes
 40 key tiles of 16 keys, so 20 splits at M=1 down to 3 at M=128 on 132 SMs) and the single pass
 forced with ``num_splits=1`` (the kernel before split-K), to show what the split buys per M.
@@ -18,6 +22,7 @@ import functools
 from typing import Any
 
 import torch
+from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
 from sgl_dspark.kernels.sparse_attention import (
     window_sparse_attention,
     window_sparse_attention_ref,
@@ -66,6 +71,29 @@ def _bytes(m: int) -> int:
     return m * per_token + HEADS_LOCAL * 4
 
 
+ROPE_DIM = 64
+
+
+def _rope_inputs(m: int, device: str) -> dict[str, Any]:
+    inputs = _inputs(m, device)
+    angles = torch.rand(inputs["q"].shape[0], ROPE_DIM // 2,
+                        generator=torch.Generator().manual_seed(m)) * 7  # fmt: skip
+    table = torch.cat((angles.cos(), angles.sin()), dim=1).to(device)  # as RopeTable.lookup
+    return {**inputs, "cos": table[:, : ROPE_DIM // 2], "sin": table[:, ROPE_DIM // 2 :]}
+
+
+def _attn_rope_ref(cos, sin, **inputs) -> torch.Tensor:
+    return rope_tail_ref(window_sparse_attention_ref(**inputs), cos, sin, inverse=True)
+
+
+def _attn_rope_epilogue(cos, sin, **inputs) -> torch.Tensor:
+    return window_sparse_attention(**inputs, inverse_rope=(cos, sin))
+
+
+def _attn_then_rope(cos, sin, **inputs) -> torch.Tensor:
+    return rope_tail(window_sparse_attention(**inputs), cos, sin, inverse=True)
+
+
 CASES: list[dict[str, Any]] = [
     dict(name="attn_window128_extra512_h16_d512", make_inputs=_inputs,
          reference=window_sparse_attention_ref, launcher=window_sparse_attention, check=_check,
@@ -74,4 +102,10 @@ CASES: list[dict[str, Any]] = [
          reference=window_sparse_attention_ref,
          launcher=functools.partial(window_sparse_attention, num_splits=1), check=_check,
          bytes_moved=_bytes),
+    dict(name="attn_window128_extra512_h16_d512 + inverse rope, epilogue (K13 inverse fused)",
+         make_inputs=_rope_inputs, reference=_attn_rope_ref, launcher=_attn_rope_epilogue,
+         check=_check, bytes_moved=_bytes),
+    dict(name="attn_window128_extra512_h16_d512 + inverse rope, separate rope_tail launch",
+         make_inputs=_rope_inputs, reference=_attn_rope_ref, launcher=_attn_then_rope,
+         check=_check, bytes_moved=_bytes),
 ]

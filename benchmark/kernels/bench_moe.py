@@ -31,6 +31,7 @@ from sgl_dspark.kernels.moe_route import (
     router_topk_ref,
 )
 from sgl_dspark.kernels.moe_sort import MoeSortOutput, moe_sort, moe_sort_capacity, prepare_moe_sort
+from sgl_dspark.kernels.moe_token_gemm import moe_route_gate_up, moe_token_down_reduce
 
 HIDDEN, EXPERTS, LOCAL, TOPK, INTER, SHARED_INTER = 4096, 384, 96, 6, 2048, 512
 SPLITS = HIDDEN // 512
@@ -317,6 +318,47 @@ def _experts_bytes(m: int) -> int:
     return int(weights + activations)
 
 
+# ----------------------------------------------------------------------------- K4 as stage 2's epilogue
+
+
+def _token_experts_inputs(m: int, device: str) -> dict[str, Any]:
+    gen = _gen(m)
+    mask = _ep_mask(device)
+    topk_ids = _topk_ids(m, gen).to(device)
+    gate_up, down = _expert_weights(device)
+    plan = prepare_moe_sort(mask)
+    return dict(x=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
+                gate_up_proj=gate_up, down_proj=down, topk_ids=topk_ids,
+                topk_weights=torch.rand(m, TOPK, generator=gen).to(device),
+                shared=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
+                expert_mask=mask, local_table=plan.local_table, limit=10.0)  # fmt: skip
+
+
+def _token_experts_torch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask,
+                         local_table, limit) -> torch.Tensor:  # fmt: skip
+    """The unfused chain: sync-free dense experts (`_experts_torch`), then K4's reference."""
+    y = _experts_torch(x, gate_up_proj, down_proj, None, topk_ids, expert_mask, limit)
+    return moe_reduce_ref(y, topk_weights, topk_ids, expert_mask, ROUTED_SCALE, shared)
+
+
+def _token_experts_launch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask,
+                          local_table, limit) -> torch.Tensor:  # fmt: skip
+    h = moe_route_gate_up(x, gate_up_proj, topk_ids, local_table, LOCAL, limit)
+    return moe_token_down_reduce(h, down_proj, topk_ids, topk_weights, local_table, LOCAL,
+                                 ROUTED_SCALE, shared)  # fmt: skip
+
+
+def _token_experts_check(want: torch.Tensor, got: torch.Tensor) -> None:
+    """bf16, X2 as the grouped case (GEMM order, K6's exp2), through the weighted sum."""
+    torch.testing.assert_close(got, want, rtol=2**-5, atol=2**-5)
+
+
+def _token_experts_bytes(m: int) -> int:
+    # The floor is the sorted path's traffic (each hit expert read once; this path reads it once
+    # per route, mostly from L2 when routes share it) plus shared in and out.
+    return _experts_bytes(m) + 2 * 2 * m * HIDDEN
+
+
 CASES: list[dict[str, Any]] = [
     dict(name="K1 moe_sort (EP4, 96 local)", make_inputs=_sort_inputs, reference=_sort_torch,
          launcher=_sort_launch, check=_sort_check, bytes_moved=_sort_bytes),
@@ -344,4 +386,8 @@ CASES: list[dict[str, Any]] = [
     dict(name="fused_moe stage 1 with K6 epilogue + stage 2 (EP4, 96 local, bf16)",
          make_inputs=_experts_inputs, reference=_experts_torch, launcher=_experts_launch,
          check=_experts_check, bytes_moved=_experts_bytes),
+    dict(name="K4 as stage-2 epilogue: per-route stage 1 (K6) + per-token stage 2 + reduce + "
+              "scale + shared (EP4, 96 local, bf16)", make_inputs=_token_experts_inputs,
+         reference=_token_experts_torch, launcher=_token_experts_launch,
+         check=_token_experts_check, bytes_moved=_token_experts_bytes),
 ]  # fmt: skip

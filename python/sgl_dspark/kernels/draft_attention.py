@@ -31,7 +31,8 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _check
-from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.rope import X_KIND, check_epilogue_tables, rotate_rounded_tail, round_to_x
 from sgl_dspark.kernels.sparse_attention import _online_softmax_step
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -75,13 +76,14 @@ def draft_attention_ref(
 
 @triton.jit
 def _draft_attention_kernel(
-    q_ptr, pool_ptr, slots_ptr, valid_ptr, block_ptr, sinks_ptr, out_ptr,
-    num_heads, q_len, num_ctx, qk_scale,
+    q_ptr, pool_ptr, slots_ptr, valid_ptr, block_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr,
+    cs_stride, num_heads, q_len, num_ctx, qk_scale, rope_dim,
     q_stride_b, q_stride_i, q_stride_h, pool_stride,
     slots_stride_b, slots_stride_j, valid_stride_b, valid_stride_j,
     block_stride_b, block_stride_i, out_stride_b, out_stride_i, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, ROPE: tl.constexpr, X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (request b, row block): rows r = i * H + h of the request's Q x H query rows.
     # q, the block rows, the context pool and slots come from earlier kernels; the sinks
@@ -128,7 +130,10 @@ def _draft_attention_kernel(
                                              ROUND_P)
 
     denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
-    out = acc / denom[:, None]
+    out = round_to_x(acc / denom[:, None], X_KIND, ON_BITS)
+    if ROPE:  # the inverse rotation of the output's rope channels at the row's position
+        out = rotate_rounded_tail(out, b * q_len + qi, cos_ptr, sin_ptr, cs_stride, 0, HEAD_DIM,
+                                  rope_dim, BLOCK_M, D_POW2, True, X_KIND, ON_BITS)
     tl.store(out_ptr + b * out_stride_b + (qi * out_stride_i + qh * out_stride_h)[:, None]
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
@@ -142,6 +147,7 @@ def draft_attention(
     sinks: torch.Tensor,
     scale: float,
     out: torch.Tensor | None = None,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Draft-stage attention core in one launch, no host sync (CUDA-graph safe).
 
@@ -156,6 +162,10 @@ def draft_attention(
         sinks: [H] finite sink logits (any float dtype, used in fp32).
         scale: logit scale.
         out: optional [B, Q, H, Dh] buffer of q's dtype, unit stride along Dh.
+        inverse_rope: optional (cos, sin) fp32 [B * Q, rd/2] at the block rows' positions (one
+            row stride, unit stride along rd/2): the output's trailing rd channels are rotated
+            back in the epilogue, the bits of `rope_tail(out, cos, sin, inverse=True)` after
+            this kernel (one launch less per stage). The kernel runs with FMA contraction off.
     Returns:
         [B, Q, H, Dh] in q's dtype (`out` when given).
     Raises:
@@ -191,6 +201,10 @@ def draft_attention(
         _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
                f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} "
                f"{tuple(out.shape)} on {out.device}")
+    rope_dim = 0
+    if inverse_rope is not None:
+        rope_dim = check_epilogue_tables(*inverse_rope, batch * q_len, head_dim, q.device)
+    cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without ROPE
     if out.numel() == 0:
         return out
     for name, t in (("q", q), ("kv_block", kv_block), ("ctx_pool", ctx_pool), ("out", out)):
@@ -203,8 +217,8 @@ def draft_attention(
     block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
     valid_u8 = ctx_valid.view(torch.uint8)
     _draft_attention_kernel[(batch, triton.cdiv(rows, block_m))](
-        q, ctx_pool, ctx_slots, valid_u8, kv_block, sinks, out,
-        heads, q_len, num_ctx, scale * _LOG2E,
+        q, ctx_pool, ctx_slots, valid_u8, kv_block, sinks, out, cos, sin, cos.stride(0),
+        heads, q_len, num_ctx, scale * _LOG2E, rope_dim,
         q.stride(0), q.stride(1), q.stride(2), ctx_pool.stride(0),
         ctx_slots.stride(0), ctx_slots.stride(1), valid_u8.stride(0), valid_u8.stride(1),
         kv_block.stride(0), kv_block.stride(1), out.stride(0), out.stride(1), out.stride(2),
@@ -212,8 +226,9 @@ def draft_attention(
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
-        ROUND_P=q.dtype != torch.float32,
-        num_warps=8 if d_pow2 >= 256 else 4,
+        ROUND_P=q.dtype != torch.float32, ROPE=inverse_rope is not None,
+        X_KIND=X_KIND[q.dtype], ON_BITS=interpreted(_draft_attention_kernel),
+        num_warps=8 if d_pow2 >= 256 else 4, enable_fp_fusion=False,
         **programmatic_launch(_draft_attention_kernel, q.device),
     )
     return out

@@ -95,10 +95,24 @@ def moe_grouped_gemm_ref(
 
 
 @triton.jit
-def _dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
+def expert_dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
+    """One K chunk of an expert product (the one definition: `moe_token_gemm` forms its
+    products with it too, so both kernels sum a product's chunks the same way)."""
     if DOT_FP32:
         return tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a_tile, w_tile, acc)
+
+
+@triton.jit
+def swiglu_tile(acc, limit, BLOCK_M: tl.constexpr, HALF: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):  # fmt: skip
+    """K6 of an fp32 [BLOCK_M, 2 * HALF] product tile whose columns [0, HALF) are gate and
+    [HALF, 2 * HALF) the matching up outputs: rounded as a plain GEMM's store would round them,
+    then K6's own ops (`clamped_swiglu_values`). Returns [BLOCK_M, HALF]."""
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+    return clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
 
 
 @triton.jit
@@ -148,19 +162,23 @@ def _moe_grouped_gemm_kernel(
                          mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
         w_tile = tl.load(w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
                          mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
-        acc = _dot(a_tile, w_tile, acc, DOT_FP32)
-    if ROUND_BF16:
-        acc = round_to_bf16(acc)
+        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
     if OUT_SWIGLU:  # K6 of the [gate | up] values a plain stage 1 would have stored
-        gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
-        y = clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+        y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
         j = pid_n * HALF + tl.arange(0, HALF)
         tl.store(out_ptr + pair[:, None] * stride_out + j[None, :], y.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & (j < n_cols)[None, :])  # fmt: skip
     else:
+        if ROUND_BF16:
+            acc = round_to_bf16(acc)
         tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :],
                  acc.to(out_ptr.dtype.element_ty),
                  mask=live[:, None] & col_ok[None, :])  # fmt: skip
+
+
+def expert_block_k(k_dim: int) -> int:
+    """K chunk of the expert GEMMs (the grouped and the per-token kernels share it)."""
+    return min(128, max(16, triton.next_power_of_2(k_dim)))
 
 
 def _check_sorted(
@@ -264,7 +282,7 @@ def moe_grouped_gemm(
     # the grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and
     # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
     block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
-    block_k = min(128, max(16, triton.next_power_of_2(k_dim)))
+    block_k = expert_block_k(k_dim)
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
         tile_major = num_tokens == 1

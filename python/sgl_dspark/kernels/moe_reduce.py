@@ -14,7 +14,7 @@ EP all-reduce still sees the shared expert once.
 As a stage-2 GEMM epilogue: a CTA that owns a (token tile x H tile) of the down projection computes
 its slots' GEMM tiles one slot at a time (a per-token slot list built from K1's sorted ids), keeps
 the running fp32 `r` tile in registers in slot order instead of storing `y [M, topk, H]`, and then
-runs this kernel's tail (round, scale, round, + shared, round, store). `_route_reduce_tail` is that
+runs this kernel's tail (round, scale, round, + shared, round, store). `route_reduce_tail` is that
 tail; only the producer of the per-slot tile changes.
 """
 
@@ -70,7 +70,7 @@ def moe_reduce_ref(
 
 
 @triton.jit
-def _route_reduce_tail(acc, shared_ptr, out_ptr, offs, in_cols, routed_scale,
+def route_reduce_tail(acc, shared_ptr, out_ptr, offs, in_cols, routed_scale,
                        APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
                        ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):  # fmt: skip
     """fp32 slot sum -> stored output, rounding where the unfused chain stores (on the bits in
@@ -113,7 +113,7 @@ def _moe_reduce_kernel(
         row = tl.load(y_ptr + (token * TOPK + slot) * hidden + cols, mask=in_cols,
                       other=0.0).to(tl.float32)
         acc += tl.where(is_local, weight * row, 0.0)
-    _route_reduce_tail(acc, shared_ptr, out_ptr, token * hidden + cols, in_cols, routed_scale,
+    route_reduce_tail(acc, shared_ptr, out_ptr, token * hidden + cols, in_cols, routed_scale,
                        APPLY_SCALE, HAS_SHARED, ROUND_BF16, ON_BITS)  # fmt: skip
 
 

@@ -50,7 +50,7 @@ from sgl_dspark.kernels._triton_utils import (
 from sgl_dspark.kernels.rmsnorm import rms_norm_ref
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-_X_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # `_round_to_x`
+X_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}  # `round_to_x`
 
 
 def rope_tail_ref(
@@ -94,7 +94,7 @@ def rope_tail_ref(
 
 
 @triton.jit
-def _round_to_x(v, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
+def round_to_x(v, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
     """fp32 -> the nearest-even value of x's dtype (X_KIND 0 fp32, 1 bf16, 2 fp16), kept in fp32
     (exact on store). bf16 on the bits in the interpreter only (its own cast truncates)."""
     if X_KIND == 1:
@@ -102,6 +102,30 @@ def _round_to_x(v, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
     elif X_KIND == 2:
         v = v.to(tl.float16).to(tl.float32)
     return v
+
+
+@triton.jit
+def rotate_rounded_tail(v, cs_rows, cos_ptr, sin_ptr, cs_stride, dim0, head_dim, rope_dim,
+                        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
+                        X_KIND: tl.constexpr, ON_BITS: tl.constexpr):  # fmt: skip
+    """`rope_rows`' rotation as an epilogue of another kernel's output tile: v fp32
+    [ROWS, BLOCK_D] holds channels dim0 + [0, BLOCK_D) (dim0 even) of ROWS head rows, already
+    rounded to x's dtype (what the producer would store); row r rotates by the angles of
+    cos/sin row cs_rows[r]. The rope channels (the last rope_dim of head_dim) get the same
+    fp32 products and rounding as `rope_rows` (the caller launches with FMA contraction off);
+    the others pass through. Returns the tile to store."""
+    a, b = tl.split(tl.reshape(v, [ROWS, BLOCK_D // 2, 2]))
+    even = dim0 + 2 * tl.arange(0, BLOCK_D // 2)
+    is_rope = (even >= head_dim - rope_dim) & (even < head_dim)
+    pair = (even - (head_dim - rope_dim)) // 2
+    cs = cs_rows[:, None].to(tl.int64) * cs_stride + pair[None, :]
+    cos = tl.load(cos_ptr + cs, mask=is_rope[None, :], other=0.0)
+    sin = tl.load(sin_ptr + cs, mask=is_rope[None, :], other=0.0)
+    if INVERSE:
+        sin = -sin
+    rot_a = tl.where(is_rope[None, :], round_to_x(a * cos - b * sin, X_KIND, ON_BITS), a)
+    rot_b = tl.where(is_rope[None, :], round_to_x(a * sin + b * cos, X_KIND, ON_BITS), b)
+    return tl.reshape(tl.join(rot_a, rot_b), [ROWS, BLOCK_D])
 
 
 @triton.jit
@@ -158,14 +182,14 @@ def rope_rows(token, head_block, cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, 
             a = w_a * (a * rstd)
             b = w_b * (b * rstd)
         else:
-            rstd = _round_to_x(rstd, X_KIND, ON_BITS)
+            rstd = round_to_x(rstd, X_KIND, ON_BITS)
             nope = nope * rstd
             a = a * rstd
             b = b * rstd
         # Rounded where the unfused chain stores the norm's output; the rotation reads these.
-        nope = tl.where(is_src[:, None], _round_to_x(nope, X_KIND, ON_BITS), 0.0)
-        a = _round_to_x(a, X_KIND, ON_BITS)
-        b = _round_to_x(b, X_KIND, ON_BITS)
+        nope = tl.where(is_src[:, None], round_to_x(nope, X_KIND, ON_BITS), 0.0)
+        a = round_to_x(a, X_KIND, ON_BITS)
+        b = round_to_x(b, X_KIND, ON_BITS)
         # After every load of the row (out may be x itself).
         tl.store(out_rows + nope_cols, nope.to(out_ptr.dtype.element_ty),
                  mask=is_dst[:, None] & nope_mask)
@@ -280,6 +304,27 @@ class RopeRowsPlan(NamedTuple):
     empty: bool
 
 
+def check_epilogue_tables(cos: torch.Tensor, sin: torch.Tensor, rows: int, head_dim: int,
+                          device: torch.device) -> int:
+    """Checks the cos/sin rows another kernel rotates its output with (`rotate_rounded_tail`):
+    fp32 [rows, rd/2], unit stride along rd/2, one row stride for both, on `device`, the rope
+    channels pair-aligned (D - rd even). Returns rd."""
+    if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != rows:
+        raise ValueError(f"inverse_rope: cos/sin must both be [{rows}, rd/2], got "
+                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+    rope_dim = 2 * cos.shape[1]
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not 2 <= rope_dim <= head_dim \
+            or (head_dim - rope_dim) % 2:
+        raise ValueError(f"inverse_rope: cos/sin must be fp32 with 2 <= rd <= D = {head_dim} and "
+                         f"D - rd even, got {cos.dtype}/{sin.dtype} rd = {rope_dim}")
+    if (rows > 0 and (cos.stride(1) != 1 or sin.stride(1) != 1)) or cos.stride(0) != sin.stride(0):
+        raise ValueError(f"inverse_rope: cos/sin need unit stride along rd/2 and one row stride, "
+                         f"got {cos.stride()} and {sin.stride()}")
+    if cos.device != device or sin.device != device:
+        raise ValueError(f"inverse_rope: cos/sin are on {cos.device}/{sin.device}, not {device}")
+    return rope_dim
+
+
 def plan_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool,
                    out: torch.Tensor | None, out_heads: int | None, out_rows: torch.Tensor | None,
                    norm_eps: float | None, norm_weight: torch.Tensor | None) -> RopeRowsPlan:
@@ -343,5 +388,5 @@ def plan_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inv
                       HALF_POW2=triton.next_power_of_2(half), BLOCK_H=block_h, INVERSE=inverse,
                       OUT_BF16=x.dtype == torch.bfloat16, SCATTER=out_rows is not None,
                       NORM=norm_eps is not None, NORM_WEIGHT=norm_weight is not None,
-                      X_KIND=_X_KIND[x.dtype])
+                      X_KIND=X_KIND[x.dtype])
     return RopeRowsPlan(out, args, constexprs, options, triton.cdiv(out_heads, block_h), False)

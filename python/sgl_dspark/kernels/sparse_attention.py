@@ -29,7 +29,13 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.rope import (
+    X_KIND,
+    check_epilogue_tables,
+    rotate_rounded_tail,
+    round_to_x,
+)
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _LOG2E = 1.4426950408889634
@@ -116,13 +122,14 @@ def _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
 @triton.jit
 def _window_sparse_attention_kernel(
     q_ptr, kv_ptr, pos_ptr, slot_ptr, table_ptr, sinks_ptr, extra_ptr, extra_valid_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, extra_slots_ptr, slots_stride_t,
-    num_heads, window, num_extra, qk_scale, tiles_per_split,
+    part_m_ptr, part_l_ptr, extra_slots_ptr, slots_stride_t, cos_ptr, sin_ptr, cs_stride,
+    num_heads, out_heads, window, num_extra, qk_scale, tiles_per_split, rope_dim,
     q_stride_t, q_stride_h, kv_stride, table_stride,
     extra_stride_t, extra_stride_n, valid_stride_t, out_stride_t, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     HAS_EXTRA: tl.constexpr, EXTRA_IN_POOL: tl.constexpr, DOT_FP32: tl.constexpr,
-    ROUND_P: tl.constexpr, SPLIT: tl.constexpr, PDL: tl.constexpr,
+    ROUND_P: tl.constexpr, SPLIT: tl.constexpr, ROPE: tl.constexpr, X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Key tiles are numbered window tiles first (cdiv(window, BLOCK_N) of them), then extra-key
     # tiles; program (token, head block, split) covers tiles [split, split + 1) * tiles_per_split.
@@ -198,17 +205,21 @@ def _window_sparse_attention_kernel(
                  mask=head_ok[:, None] & dim_ok[None, :])
     else:
         denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
-        out = acc / denom[:, None]
+        out = round_to_x(acc / denom[:, None], X_KIND, ON_BITS)
+        if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
+            out = rotate_rounded_tail(out, token + heads * 0, cos_ptr, sin_ptr, cs_stride, 0,
+                                      HEAD_DIM, rope_dim, BLOCK_H, D_POW2, True, X_KIND, ON_BITS)
         tl.store(out_ptr + token * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h
                  + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=head_ok[:, None] & dim_ok[None, :])
+                 mask=(heads < out_heads)[:, None] & dim_ok[None, :])
 
 
 @triton.jit
 def _merge_attention_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr,
-    num_heads, num_splits, out_stride_t, out_stride_h,
-    HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr,
+    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, cs_stride,
+    num_heads, num_splits, out_stride_t, out_stride_h, rope_dim,
+    HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
+    X_KIND: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
 ):
     # Program (token, head, dim block): o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s
     # + 2^(sink - M)) with M = max(sink, max_s m_s), which is finite, so a partial with
@@ -229,7 +240,12 @@ def _merge_attention_splits_kernel(
     m_max = tl.maximum(tl.max(m, axis=0), sink)
     weight = tl.exp2(m - m_max)
     denom = tl.sum(l_part * weight, axis=0) + tl.exp2(sink - m_max)
-    out = tl.sum(acc * weight[:, None], axis=0) / denom
+    out = round_to_x(tl.sum(acc * weight[:, None], axis=0) / denom, X_KIND, ON_BITS)
+    if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
+        out = tl.reshape(rotate_rounded_tail(
+            out[None, :], token + tl.zeros([1], tl.int64), cos_ptr, sin_ptr, cs_stride,
+            tl.program_id(2) * BLOCK_D, HEAD_DIM, rope_dim, 1, BLOCK_D, True, X_KIND, ON_BITS),
+            [BLOCK_D])
     tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
@@ -271,6 +287,8 @@ def window_sparse_attention(
     out: torch.Tensor | None = None,
     num_splits: int | None = None,
     extra_slots: torch.Tensor | None = None,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+    out_heads: int | None = None,
 ) -> torch.Tensor:
     """Window + extra-key attention with sinks, no host sync (CUDA-graph safe).
 
@@ -287,6 +305,13 @@ def window_sparse_attention(
     `extra_slots`: optional int32/int64 [T, N]; extra_kv is then a pool [rows, Dh] and token t's
     extra key n is `extra_kv[extra_slots[t, n]]` (read only where extra_valid; the same values,
     so the same bits, as passing the gathered `extra_kv[extra_slots]`).
+    `inverse_rope`: optional (cos, sin) fp32 [T, rd/2] (one row stride, unit stride along rd/2):
+    the output's trailing rd channels are rotated back by -angle in the output's epilogue, the
+    same bits as `rope_tail(out, cos, sin, inverse=True)` after this kernel (K13's inverse
+    tail; one launch less per layer). `out_heads`: keep the first H_out <= H heads only
+    (un-padding the head dim of q); `out` is then [T, H_out, Dh].
+    Both kernels run with FMA contraction off (the rotation rounds each product as
+    `rope_tail` does; the attention itself is X2 either way).
     """
     if q.dim() != 3 or q.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"q must be [T, H, Dh] bf16/fp16/fp32, got {q.dtype} {tuple(q.shape)}")
@@ -334,12 +359,20 @@ def window_sparse_attention(
         if extra_valid.shape != extra_kv.shape[:2] or extra_valid.dtype != torch.bool:
             raise ValueError(f"extra_valid must be bool [{tokens}, {num_extra}], got "
                              f"{extra_valid.dtype} {tuple(extra_valid.shape)}")
+    out_heads = heads if out_heads is None else out_heads
+    if not 0 <= out_heads <= heads:
+        raise ValueError(f"out_heads must be in [0, {heads}], got {out_heads}")
+    out_shape = (tokens, out_heads, head_dim)
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)
-    elif out.shape != q.shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {q.dtype} {tuple(q.shape)}, got {out.dtype} "
+        out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
+    elif tuple(out.shape) != out_shape or out.dtype != q.dtype:
+        raise ValueError(f"out must be {q.dtype} {out_shape}, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    if tokens == 0 or heads == 0:
+    rope_dim = 0
+    if inverse_rope is not None:
+        rope_dim = check_epilogue_tables(*inverse_rope, tokens, head_dim, q.device)
+    cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without ROPE
+    if tokens == 0 or out_heads == 0:
         return out
     to_check = [("q", q), ("window_kv", window_kv), ("out", out), ("req_to_token", req_to_token)]
     if extra_kv is not None and extra_valid is not None and num_extra > 0:
@@ -382,8 +415,9 @@ def window_sparse_attention(
         part_m = part_l = out  # never touched (SPLIT=False)
     _window_sparse_attention_kernel[(tokens, head_blocks, num_splits)](
         q, window_kv, positions, token_slot, req_to_token, sinks, extra_arg, valid_arg, first_out,
-        part_m, part_l, slots_arg, slots_stride,
-        heads, window, num_extra, scale * _LOG2E, tiles_per_split,
+        part_m, part_l, slots_arg, slots_stride, cos, sin, cos.stride(0),
+        heads, heads if split else out_heads, window, num_extra, scale * _LOG2E, tiles_per_split,
+        rope_dim,
         q.stride(0), q.stride(1), window_kv.stride(0), req_to_token.stride(0),
         extra_strides[0], extra_strides[1], valid_stride, first_strides[0], first_strides[1],
         HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_H=block_h, BLOCK_N=block_n,
@@ -392,17 +426,20 @@ def window_sparse_attention(
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         ROUND_P=q.dtype != torch.float32,
-        SPLIT=split,
-        num_warps=8 if d_pow2 >= 256 else 4,
+        SPLIT=split, ROPE=inverse_rope is not None, X_KIND=X_KIND[q.dtype],
+        ON_BITS=interpreted(_window_sparse_attention_kernel),
+        num_warps=8 if d_pow2 >= 256 else 4, enable_fp_fusion=False,
         **programmatic_launch(_window_sparse_attention_kernel, q.device),
     )
     if split:
         s_pow2 = triton.next_power_of_2(num_splits)
         block_d = max(16, min(d_pow2, _TILE_ELEMS // s_pow2))
-        _merge_attention_splits_kernel[(tokens, heads, triton.cdiv(head_dim, block_d))](
-            part_acc, part_m, part_l, sinks, out,
-            heads, num_splits, out.stride(0), out.stride(1),
-            HEAD_DIM=head_dim, S_POW2=s_pow2, BLOCK_D=block_d,
-            num_warps=4, **programmatic_launch(_merge_attention_splits_kernel, q.device),
+        _merge_attention_splits_kernel[(tokens, out_heads, triton.cdiv(head_dim, block_d))](
+            part_acc, part_m, part_l, sinks, out, cos, sin, cos.stride(0),
+            heads, num_splits, out.stride(0), out.stride(1), rope_dim,
+            HEAD_DIM=head_dim, S_POW2=s_pow2, BLOCK_D=block_d, ROPE=inverse_rope is not None,
+            X_KIND=X_KIND[q.dtype], ON_BITS=interpreted(_merge_attention_splits_kernel),
+            num_warps=4, enable_fp_fusion=False,
+            **programmatic_launch(_merge_attention_splits_kernel, q.device),
         )
     return out

@@ -46,19 +46,24 @@ def _triton_rope(fn) -> bool:
     return fn.__name__ == "rope_tail_triton"
 
 
+def _triton_rope_q_kv(fn) -> bool:
+    """Whether `rope_q_kv_impl` bound K13's fused q + KV launch."""
+    return fn.__name__ == "q_kv_triton"
+
+
 def _bound(e: Engine) -> dict[str, bool]:
     """Which families the engine's layers bound to Triton (read from the built objects)."""
     model = e.runner.model
     attn = model.model.layers[0].self_attn
     out = {
-        "rope": _triton_rope(attn.rope) and _triton_rope(model.compress_rope),
+        "rope": _triton_rope_q_kv(attn.rope_q_kv) and _triton_rope(model.compress_rope),
         "mhc": model.hc_boundary is not None,
         "sampling": e.scheduler.sampler.greedy_argmax is vocab_argmax,
     }
     spec = e.scheduler.spec
     if spec is not None:
         draft_attn = spec.draft.model.layers[0].self_attn
-        assert _triton_rope(draft_attn.rope) == out["rope"]
+        assert _triton_rope_q_kv(draft_attn.rope_q_kv) == out["rope"]
         assert (spec.draft.hc_boundary is not None) == out["mhc"]
         out["spec"] = spec.accept_fn is not accept_step
         assert (spec.draft_inputs_fn is not draft_inputs_torch) == out["spec"]

@@ -34,11 +34,12 @@ _PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
         torch.float8_e4m3fn: "*fp8e4nv"}
 _KERNEL_MODULES = ("activation", "compressor_pool", "draft_attention", "draft_inputs",
                    "fp4_indexer", "fused_moe", "index_topk", "indexer", "markov", "mhc",
-                   "moe_reduce", "moe_route", "moe_route_hash", "moe_sort", "rmsnorm", "rope",
+                   "moe_reduce", "moe_route", "moe_route_hash", "moe_sort", "moe_token_gemm",
+                   "rmsnorm", "rope",
                    "rope_qkv", "small_m_linear", "sparse_attention", "spec_accept", "vocab_argmax")
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
-_HEAVY_BENCH_CASES = ("fused_moe stage 1",)
+_HEAVY_BENCH_CASES = ("fused_moe stage 1", "K4 as stage-2 epilogue")
 
 
 class _Recorder:
@@ -224,14 +225,27 @@ def _silu_mul_clamp() -> Callable[[], object]:
     return lambda: silu_mul_clamp(_bf16(6, 2 * 2048), 10.0)
 
 
-def _draft_attention(batch: int, heads: int) -> Callable[[], object]:
+def _draft_attention(batch: int, heads: int, rope: bool = False) -> Callable[[], object]:
     from sgl_dspark.kernels.draft_attention import draft_attention
 
     # The mid model's draft stage: 16 heads of 128, a block of 8 queries, 128 context rows.
+    tables = torch.zeros(batch * 8, 64).split(32, dim=1) if rope else None
     return lambda: draft_attention(
         _bf16(batch, 8, heads, 128), _bf16(300, 128), torch.zeros(batch, 128, dtype=torch.int64),
         torch.ones(batch, 128, dtype=torch.bool), _bf16(batch, 8, 128), torch.zeros(heads),
-        128**-0.5)
+        128**-0.5, inverse_rope=tables)
+
+
+def _split_attention_inverse_rope() -> Callable[[], object]:
+    from sgl_dspark.kernels.sparse_attention import window_sparse_attention
+
+    # One decode token of the mid model (16 heads of 128, rd 64), split-K: both launches carry
+    # the epilogue's variant (the single pass when the merge is off).
+    cos, sin = torch.zeros(1, 64).split(32, dim=1)
+    return lambda: window_sparse_attention(
+        _bf16(1, 16, 128), _bf16(300, 128), torch.zeros(1, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64), torch.zeros(2, 256, dtype=torch.int64), 128,
+        torch.zeros(16), 128**-0.5, None, None, num_splits=4, inverse_rope=(cos, sin))
 
 
 def _grouped_gemm() -> Callable[[], object]:
@@ -243,12 +257,32 @@ def _grouped_gemm() -> Callable[[], object]:
         torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 6)
 
 
+def _token_gemms() -> Callable[[], object]:
+    from sgl_dspark.kernels.moe_token_gemm import moe_route_gate_up, moe_token_down_reduce
+
+    # The mid model's experts (D 1024, I 512), two of them local; tiles depend on (D, I) only.
+    table = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ids = torch.tensor([[0, 1, 2, 0, 1, 1]], dtype=torch.int32)
+
+    def run() -> object:
+        h = moe_route_gate_up(_bf16(1, 1024), _bf16(2, 1024, 1024), ids, table, 2, 10.0)
+        return moe_token_down_reduce(h, _bf16(2, 1024, 512), ids, torch.ones(1, 6), table, 2,
+                                     1.0, _bf16(1, 1024))  # fmt: skip
+    return run
+
+
 CASES = {
+    "moe_route_gate_up": ("moe_token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
+    "moe_token_down_reduce": ("moe_token_gemm", "_moe_token_down_kernel", _token_gemms()),
     "router_from_x_h128_fp32": ("moe_route", "_router_topk_kernel",
                                 _router_from_x(128, torch.float32)),
     "router_from_x_h128_bf16": ("moe_route", "_router_topk_kernel",
                                 _router_from_x(128, torch.bfloat16)),
     "draft_attention_b1": ("draft_attention", "_draft_attention_kernel", _draft_attention(1, 16)),
+    "draft_attention_inverse_rope": ("draft_attention", "_draft_attention_kernel",
+                                     _draft_attention(1, 16, rope=True)),
+    "attention_split_inverse_rope": ("sparse_attention", "_merge_attention_splits_kernel",
+                                     _split_attention_inverse_rope()),
     "draft_attention_b32": ("draft_attention", "_draft_attention_kernel",
                             _draft_attention(32, 64)),
     "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
@@ -328,7 +362,9 @@ PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kern
                "indexer._indexer_logits_kernel", "index_topk._index_topk_kernel",
                "compressor_pool._compressor_pool_kernel", "markov._markov_step_kernel",
                "draft_attention._draft_attention_kernel", "rope_qkv._rope_q_kv_kernel",
-               "moe_route_hash._hash_gemv_partials_kernel")
+               "moe_route_hash._hash_gemv_partials_kernel",
+               "moe_token_gemm._moe_route_gate_up_kernel",
+               "moe_token_gemm._moe_token_down_kernel")
 
 
 def check_programmatic_launch(recs: dict[str, _Recorder],

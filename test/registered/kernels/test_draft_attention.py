@@ -176,3 +176,32 @@ def test_rejects_bad_arguments() -> None:
     out = torch.empty(2, 3, 4, 128, device=DEVICE)[..., ::2]
     with pytest.raises(ValueError, match="out must have unit stride"):
         draft_attention(**inputs, out=out)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("batch,q_len,heads,head_dim,num_ctx,rope_dim", [
+    (1, 7, 16, 128, 40, 64),   # the mid model's draft stage: block 7, Dh 128, rd 64
+    (3, 4, 5, 64, 9, 64),      # rd = Dh; rows past one row block
+    (2, 3, 2, 80, 0, 16),      # no context; Dh not a power of two
+])
+def test_inverse_rope_epilogue_equals_rope_tail_after(batch: int, q_len: int, heads: int,
+                                                      head_dim: int, num_ctx: int, rope_dim: int,
+                                                      dtype: torch.dtype) -> None:  # fmt: skip
+    """The fused epilogue is `rope_tail(out, cos, sin, inverse=True)` of the kernel's own output
+    at each block row's angles, bit for bit."""
+    from sgl_dspark.kernels.rope import rope_tail
+
+    inputs = _inputs(batch, q_len, heads, head_dim, num_ctx, dtype, seed=head_dim + q_len)
+    gen = torch.Generator().manual_seed(3)
+    angles = torch.rand(batch * q_len, rope_dim // 2, generator=gen) * 7
+    table = torch.cat((angles.cos(), angles.sin()), dim=1).to(DEVICE)
+    cos, sin = table[:, : rope_dim // 2], table[:, rope_dim // 2 :]
+    plain = draft_attention(**inputs).reshape(batch * q_len, heads, head_dim)
+    want = rope_tail(plain, cos, sin, inverse=True).view(batch, q_len, heads, head_dim)
+    got = draft_attention(**inputs, out=torch.full_like(inputs["q"], float("nan")),
+                          inverse_rope=(cos, sin))  # fmt: skip
+    bits = torch.int32 if dtype == torch.float32 else torch.int16
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert not torch.equal(got, plain.view_as(got)), "the rotation did nothing"
+    with pytest.raises(ValueError, match="inverse_rope"):
+        draft_attention(**inputs, inverse_rope=(cos[:1], sin[:1]))

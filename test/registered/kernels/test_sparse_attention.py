@@ -216,9 +216,10 @@ def test_merge_ignores_empty_partials() -> None:
     out = torch.full((tokens, heads, head_dim), float("nan"), device=DEVICE)
     block_d = 32  # 2 dim blocks, the second one partial
     _merge_attention_splits_kernel[(tokens, heads, triton.cdiv(head_dim, block_d))](
-        acc.to(DEVICE), m.to(DEVICE), l_part.to(DEVICE), sinks.to(DEVICE), out,
-        heads, splits, out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, S_POW2=8, BLOCK_D=block_d, PDL=False,
+        acc.to(DEVICE), m.to(DEVICE), l_part.to(DEVICE), sinks.to(DEVICE), out, out, out, 0,
+        heads, splits, out.stride(0), out.stride(1), 0,
+        HEAD_DIM=head_dim, S_POW2=8, BLOCK_D=block_d, ROPE=False, X_KIND=0, ON_BITS=False,
+        PDL=False,
     )
     assert not torch.isnan(out).any()
     torch.testing.assert_close(out.cpu().double(), want, rtol=1e-5, atol=1e-6)
@@ -299,3 +300,52 @@ def test_extra_keys_read_in_place_from_a_pool(num_splits: int, dtype: torch.dtyp
         window_sparse_attention(**{**in_pool, "extra_slots": slots[:, :3].float()})
     with pytest.raises(ValueError, match="extra_kv must be a pool"):
         window_sparse_attention(**{**in_pool, "extra_kv": pool[slots]})
+
+
+def _rope_tables(tokens: int, rope_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin as the engine passes them: column views of one fp32 [T, rd] block (RopeTable)."""
+    angles = torch.rand(tokens, rope_dim // 2, generator=torch.Generator().manual_seed(seed)) * 7
+    table = torch.cat((angles.cos(), angles.sin()), dim=1).to(DEVICE)
+    return table[:, : rope_dim // 2], table[:, rope_dim // 2 :]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("index,rope_dim,out_heads", [
+    (0, 64, None),   # rd = Dh: every channel rotates
+    (1, 16, 3),      # 5 heads un-padded to 3; head block and dim block partial
+    (2, 64, None),   # verify rows, Dh 128 (the mid model's layout)
+    (4, 64, 2),      # DSV4 Dh 512 with rd 64, un-padded
+])
+def test_inverse_rope_epilogue_equals_rope_tail_after(index: int, rope_dim: int,
+                                                      out_heads: int | None, num_splits: int,
+                                                      dtype: torch.dtype) -> None:  # fmt: skip
+    """The fused epilogue is `rope_tail(out, cos, sin, inverse=True)` of the kernel's own output,
+    bit for bit (the same fp32 products, no FMA, one nearest-even rounding), and un-pads."""
+    from sgl_dspark.kernels.rope import rope_tail
+
+    inputs = _inputs(*CASES[index], dtype=dtype, seed=700 + index)
+    tokens, heads, _ = inputs["q"].shape
+    cos, sin = _rope_tables(tokens, rope_dim, seed=index)
+    plain = window_sparse_attention(**inputs, num_splits=num_splits)
+    want = rope_tail(plain, cos, sin, inverse=True, out_heads=out_heads)
+    kept = heads if out_heads is None else out_heads
+    out = torch.full((tokens, kept, inputs["q"].shape[2]), float("nan"), dtype=dtype,
+                     device=DEVICE)  # fmt: skip
+    got = window_sparse_attention(**inputs, num_splits=num_splits, inverse_rope=(cos, sin),
+                                  out_heads=out_heads, out=out)  # fmt: skip
+    assert got is out
+    bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
+    assert torch.equal(got.view(bits), want.view(bits))
+    assert not torch.equal(got, plain[:, :kept]), "the rotation did nothing"
+
+
+def test_inverse_rope_bad_tables() -> None:
+    inputs = _inputs(*CASES[0], dtype=torch.float32, seed=1)
+    cos, sin = _rope_tables(1, 64, seed=1)
+    with pytest.raises(ValueError, match="inverse_rope"):
+        window_sparse_attention(**inputs, inverse_rope=(cos.double(), sin))
+    with pytest.raises(ValueError, match="inverse_rope"):
+        window_sparse_attention(**inputs, inverse_rope=_rope_tables(1, 66, seed=1))  # rd > D
+    with pytest.raises(ValueError, match="out_heads"):
+        window_sparse_attention(**inputs, out_heads=17)

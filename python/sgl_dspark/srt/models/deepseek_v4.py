@@ -79,7 +79,6 @@ class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
         self.kernels = kernels
-        self.rope = rope_impl(kernels)
         self.rope_q_kv = rope_q_kv_impl(kernels)
         self.rms_norm = rms_norm_impl(kernels)
         self.layer_type = cfg.layer_types[layer_id]
@@ -142,11 +141,11 @@ class Attention(nn.Module):
                               kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
                               pool=kv_state.window, slots=batch.out_cache_loc)
         slots, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
-        # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather).
+        # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather); the
+        # output's rope channels are rotated back inside the backend (the V rope carried into o).
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
                             self.head_dim**-0.5, kv_state.compressed if slots is not None else None,
-                            valid, slots)
-        o = self.rope(o, cos, sin, inverse=True)
+                            valid, slots, inverse_rope=(cos, sin))
         og = o.reshape(T, self.groups, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)

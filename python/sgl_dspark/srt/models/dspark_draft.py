@@ -41,8 +41,8 @@ from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import (
     RopeTable,
+    apply_rope_tail,
     rope_cos_sin,
-    rope_impl,
     rope_inv_freq,
     rope_q_kv_impl,
     rope_store_impl,
@@ -50,11 +50,9 @@ from sgl_dspark.srt.layers.rotary import (
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
 
 # (q [B, Q, H, Dh], ctx_pool [N, Dh], ctx_slots [B, C], ctx_valid [B, C], kv_block [B, Q, Dh],
-#  sinks [H], scale) -> [B, Q, H, Dh]
-DraftAttentionFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float],
-    torch.Tensor,
-]
+#  sinks [H], scale, inverse_rope=None | (cos, sin) [B*Q, rd/2]) -> [B, Q, H, Dh], the output's
+# rope channels rotated back when inverse_rope is given
+DraftAttentionFn = Callable[..., torch.Tensor]
 # The attention backends (`--attention-backend`) the draft's attention core has an
 # implementation for.
 DRAFT_ATTENTION_BACKENDS = ("torch", "triton")
@@ -62,7 +60,9 @@ DRAFT_ATTENTION_BACKENDS = ("torch", "triton")
 
 def draft_attention_torch(q: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: torch.Tensor,
                           ctx_valid: torch.Tensor, kv_block: torch.Tensor, sinks: torch.Tensor,
-                          scale: float) -> torch.Tensor:
+                          scale: float,
+                          inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                          ) -> torch.Tensor:
     """Attention core of a draft stage: each block row sees the visible context rows
     `ctx_pool[ctx_slots]` and every block row, plus a per-head sink in the denominator.
     Shapes as `DraftAttentionFn`; logits and probabilities are rounded to q's dtype."""
@@ -74,7 +74,10 @@ def draft_attention_torch(q: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: to
     sink = sinks.to(logits.dtype).view(1, 1, -1, 1).expand(batch, q_len, -1, 1)
     logits = torch.cat((logits, sink), dim=-1)
     probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-    return torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys)
+    o = torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys)
+    if inverse_rope is None:
+        return o
+    return apply_rope_tail(o.flatten(0, 1), *inverse_rope, inverse=True).view_as(o)
 
 
 def draft_attention_impl(attention_backend: str) -> DraftAttentionFn:
@@ -98,7 +101,6 @@ class DraftAttention(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice,
                  attention_backend: str = "torch") -> None:
         super().__init__()
-        self.rope = rope_impl(kernels)
         self.rope_store = rope_store_impl(kernels)
         self.rope_q_kv = rope_q_kv_impl(kernels)
         self.attention = draft_attention_impl(attention_backend)
@@ -144,9 +146,9 @@ class DraftAttention(nn.Module):
         assert kv_rows is not None
         q = q.view(batch, q_len, self.n_heads, self.head_dim)
         kv = kv_rows.view(batch, q_len, -1)
-        o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks,
-                           self.head_dim**-0.5).reshape(rows, self.n_heads, -1)
-        o = self.rope(o, cos, sin, inverse=True)
+        # The output's rope channels are rotated back inside the attention (its epilogue).
+        o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks, self.head_dim**-0.5,
+                           inverse_rope=(cos, sin)).reshape(rows, self.n_heads, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = torch.einsum("tgi,gri->tgr", o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
         return self.linear(z, self.o_b_proj.weight)

@@ -15,7 +15,8 @@ class BaseAttentionBackend(ABC):
     def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
                 sinks: torch.Tensor, window: int, scale: float,
                 extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
-                extra_slots: torch.Tensor | None = None) -> torch.Tensor:
+                extra_slots: torch.Tensor | None = None,
+                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """Attention output for every token of the batch.
 
         Args:
@@ -28,6 +29,9 @@ class BaseAttentionBackend(ABC):
             extra_slots: optional `[T, N]` int rows of a pool: extra_kv is then the pool
                 `[rows, Dh]` and the entries are `extra_kv[extra_slots]` (a backend may read
                 them in place instead of gathering a copy).
+            inverse_rope: optional `(cos, sin)` fp32 `[T, rd/2]`: rotate the output's trailing
+                rd channels back by -angle (`apply_rope_tail(o, cos, sin, inverse=True)`, the
+                V rope carried into o); a backend may do it in its output's epilogue.
         Returns:
             `[T, H, Dh]` in q's dtype.
         """

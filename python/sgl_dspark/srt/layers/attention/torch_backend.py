@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
+from sgl_dspark.srt.layers.rotary import apply_rope_tail
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
 
@@ -12,7 +13,8 @@ class TorchAttentionBackend(BaseAttentionBackend):
     def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
                 sinks: torch.Tensor, window: int, scale: float,
                 extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
-                extra_slots: torch.Tensor | None = None) -> torch.Tensor:
+                extra_slots: torch.Tensor | None = None,
+                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         if extra_kv is not None and extra_slots is not None:
             extra_kv = extra_kv[extra_slots]
         pos = batch.positions
@@ -33,4 +35,5 @@ class TorchAttentionBackend(BaseAttentionBackend):
         logits = torch.cat((logits, sink), dim=-1)
         logits = logits - logits.max(dim=-1, keepdim=True).values
         probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)
-        return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+        o = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+        return o if inverse_rope is None else apply_rope_tail(o, *inverse_rope, inverse=True)

@@ -11,7 +11,8 @@ from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 class TritonAttentionBackend(BaseAttentionBackend):
     """Same math as `TorchAttentionBackend` in one kernel launch (two for small batches, whose
     key range is split across programs and merged); no host sync, so it can run inside a captured
-    CUDA graph. Numerics: X2 against the torch backend (fp32 online softmax, reordered sums).
+    CUDA graph. Numerics: X2 against the torch backend (fp32 online softmax, reordered sums); the
+    inverse rope runs in the output's epilogue, `apply_rope_tail`'s bits on the kernel's output.
     """
 
     def __init__(self) -> None:
@@ -24,9 +25,10 @@ class TritonAttentionBackend(BaseAttentionBackend):
     def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
                 sinks: torch.Tensor, window: int, scale: float,
                 extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
-                extra_slots: torch.Tensor | None = None) -> torch.Tensor:
+                extra_slots: torch.Tensor | None = None,
+                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         token_slot = batch.token_slots()
         return self._attention(
             q, window_kv, batch.positions, token_slot, batch.req_to_token, window, sinks, scale,
-            extra_kv, extra_valid, extra_slots=extra_slots,
+            extra_kv, extra_valid, extra_slots=extra_slots, inverse_rope=inverse_rope,
         )

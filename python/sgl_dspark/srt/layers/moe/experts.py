@@ -6,7 +6,9 @@ The "moe" kernel family picks the implementation once, at construction (style R1
   * triton, no host sync in forward: K1 sort of the routes into 32-row expert blocks ->
     grouped GEMM stage 1 with the K6 clamped SwiGLU as its epilogue -> grouped GEMM stage 2
     (`kernels/fused_moe.py`) -> K4 slot-ordered reduce with the shared expert's output added
-    (`kernels/moe_reduce.py`).
+    (`kernels/moe_reduce.py`). Up to `TOKEN_PATH_MAX_M` tokens the routes are not sorted:
+    stage 1 per route (K6 epilogue), then stage 2 per token with K4 as its epilogue
+    (`kernels/moe_token_gemm.py`): two launches instead of four, the same bits on a GPU.
     Every expert is local (one GPU): the expert mask is all ones and K1's per-mask table is built
     once, here in the constructor, from a host tensor (so no device read ever happens); it is a
     non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
@@ -23,6 +25,10 @@ from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
 _SORT_BLOCK = 32  # rows per expert block of K1, and the M tile of the grouped GEMMs
+# Tokens up to which the unsorted per-route / per-token kernels run: each route then streams
+# its expert's weights itself, which costs more bytes than one read per expert once tokens
+# share experts (H200 measurements: benchmark/results/kernels.md, fourteenth session).
+TOKEN_PATH_MAX_M = 8
 
 
 def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -50,8 +56,10 @@ class RoutedExperts(nn.Module):
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
             from sgl_dspark.kernels.moe_sort import MoeSortPlan, prepare_moe_sort
+            from sgl_dspark.kernels.moe_token_gemm import moe_route_gate_up, moe_token_down_reduce
 
             self._moe_sort, self._fused_moe, self._moe_reduce = moe_sort, fused_moe, moe_reduce
+            self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
             self._plan_type = MoeSortPlan
             mask = torch.ones(n_experts, dtype=torch.int32)
             plan = prepare_moe_sort(mask)  # host tensor: no device read
@@ -92,13 +100,18 @@ class RoutedExperts(nn.Module):
         x = x.contiguous()
         ids = ids.to(torch.int32).contiguous()  # no-ops for the triton router's outputs
         weights = weights.to(torch.float32).contiguous()
+        if shared is not None:
+            shared = shared.to(x.dtype).contiguous()
+        if x.shape[0] <= TOKEN_PATH_MAX_M:
+            h = self._route_gate_up(x, self.gate_up_proj, ids, self.sort_table, self._num_local,
+                                    self.limit)  # fmt: skip
+            return self._token_down_reduce(h, self.down_proj, ids, weights, self.sort_table,
+                                           self._num_local, 1.0, shared)  # fmt: skip
         plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
         # hidden_size=0: the grouped GEMMs write per-route rows, so K1's accumulator is unused.
         routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
         y = self._fused_moe(x, self.gate_up_proj, self.down_proj, routes, ids.shape[1],
                             self.limit, block_size=_SORT_BLOCK)
-        if shared is not None:
-            shared = shared.to(x.dtype).contiguous()
         return self._moe_reduce(y, weights, ids, self.expert_mask, 1.0, shared)
 
 

@@ -1,0 +1,122 @@
+"""Probe: routed experts + K4 at decode sizes, sorted path vs the per-token path, on one device.
+
+  sorted:    K1 `moe_sort` -> `fused_moe` (grouped stage 1 with K6, grouped stage 2) -> K4
+             `moe_reduce` (4 launches; what the engine ran before);
+  per-token: `moe_route_gate_up` -> `moe_token_down_reduce` (2 launches).
+
+For each shape and M, both are first checked BIT-EQUAL (the engine picks one by M, so they must
+agree), then timed ABBA in CUDA graphs whose `--calls` launches use as many routings (the
+experts' weights then come from HBM as in a decode step). `--down-metas` also times stage 2
+launch shapes (each one bit-checked too). This picks `experts.TOKEN_PATH_MAX_M` and
+`moe_token_gemm._down_meta`.
+
+Usage (device machine): python3 benchmark/kernels/probe_moe_token.py --out probe.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sgl_dspark.kernels import moe_token_gemm  # noqa: E402
+from sgl_dspark.kernels.fused_moe import fused_moe  # noqa: E402
+from sgl_dspark.kernels.moe_reduce import moe_reduce  # noqa: E402
+from sgl_dspark.kernels.moe_sort import moe_sort, prepare_moe_sort  # noqa: E402
+
+from benchmark.kernels.run_all import time_graph  # noqa: E402
+
+SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k)
+    "mid_910m": (1024, 512, 64, 64, 6),
+    "dsv4_flash_ep4": (4096, 2048, 96, 384, 6),
+}
+DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
+    (16, 128, 4, 4), (16, 256, 4, 3), (16, 128, 2, 4), (32, 128, 4, 4), (16, 512, 4, 2),
+]
+
+
+def _setup(shape: str, m: int, calls: int):
+    d, inter, local, experts, topk = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(11 + m)
+    gate_up = torch.randn(local, 2 * inter, d, generator=gen, device="cuda",
+                          dtype=torch.bfloat16) * (3 * d**-0.5)  # fmt: skip
+    down = torch.randn(local, d, inter, generator=gen, device="cuda",
+                       dtype=torch.bfloat16) * inter**-0.5  # fmt: skip
+    mask = torch.zeros(experts, dtype=torch.int32)
+    mask[:local] = 1
+    mask = mask.to("cuda")
+    plan = prepare_moe_sort(mask)
+    x = torch.randn(m, d, generator=gen, device="cuda").to(torch.bfloat16)
+    shared = torch.randn(m, d, generator=gen, device="cuda").to(torch.bfloat16)
+    routings = []
+    for _ in range(calls):
+        ids = torch.rand(m, experts, generator=gen, device="cuda").argsort(1)[:, :topk]
+        routings.append((ids.to(torch.int32).contiguous(), torch.rand(m, topk, device="cuda")))
+    outs = [torch.empty(m, d, dtype=torch.bfloat16, device="cuda") for _ in routings]
+
+    def sorted_path() -> list[torch.Tensor]:
+        for (ids, w), out in zip(routings, outs):
+            y = fused_moe(x, gate_up, down, moe_sort(ids, w, plan, 0), topk, 10.0)
+            moe_reduce(y, w, ids, mask, 1.0, shared, out=out)
+        return outs
+
+    def token_path() -> list[torch.Tensor]:
+        for (ids, w), out in zip(routings, outs):
+            h = moe_token_gemm.moe_route_gate_up(x, gate_up, ids, plan.local_table,
+                                                 plan.num_local, 10.0)  # fmt: skip
+            moe_token_gemm.moe_token_down_reduce(h, down, ids, w, plan.local_table,
+                                                 plan.num_local, 1.0, shared, out=out)  # fmt: skip
+        return outs
+
+    return sorted_path, token_path
+
+
+def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return all(torch.equal(u.view(torch.int16), v.view(torch.int16)) for u, v in zip(a, b))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--m", default="1,2,4,7,8,12,16,32")
+    p.add_argument("--calls", type=int, default=8)
+    p.add_argument("--replays", type=int, default=30)
+    p.add_argument("--down-metas", action="store_true")
+    a = p.parse_args()
+    lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", "",
+             "| shape | M | variant | bits equal sorted | sorted us | per-token us | ratio |",
+             "|---|---|---|---|---|---|---|"]
+    default_meta = moe_token_gemm._down_meta
+    metas = DOWN_METAS if a.down_metas else [None]
+    for shape in SHAPES:
+        for m in (int(v) for v in a.m.split(",")):
+            sorted_path, token_path = _setup(shape, m, a.calls)
+            want = [t.clone() for t in sorted_path()]
+            for meta in metas:
+                if meta is not None:
+                    bn, bk, warps, stages = meta
+                    moe_token_gemm._down_meta = lambda k, bn=bn, bk=bk, w=warps, s=stages: {
+                        "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
+                try:
+                    equal = _same_bits(want, token_path())
+                    s1, t1 = (time_graph(f, 1, a.replays)[0] for f in (sorted_path, token_path))
+                    t2, s2 = (time_graph(f, 1, a.replays)[0] for f in (token_path, sorted_path))
+                    srt, tok = (s1 + s2) / 2 / a.calls, (t1 + t2) / 2 / a.calls
+                    row = [shape, str(m), str(meta or "default"), str(equal), f"{srt:.1f}",
+                           f"{tok:.1f}", f"{srt / tok:.2f}"]
+                except Exception as exc:  # noqa: BLE001
+                    row = [shape, str(m), str(meta), f"FAIL {type(exc).__name__}: {exc}"[:90],
+                           "", "", ""]
+                finally:
+                    moe_token_gemm._down_meta = default_meta
+                lines.append("| " + " | ".join(row) + " |")
+                print(lines[-1], flush=True)
+                if a.out:
+                    Path(a.out).write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,316 @@
+"""Routed experts for decode-sized batches in two launches: per-route stage 1 with K6 as its
+epilogue, per-token stage 2 with K4 as its epilogue (kernels.md §K4 "fused design", §K6; model
+spec §6.3).
+
+The sorted path (K1 `moe_sort` -> grouped stage 1 with K6 -> grouped stage 2 -> K4 `moe_reduce`)
+is four launches and an `[M, topk, D]` round trip. At a few tokens the routes need no sorting:
+a route is a one-row block whose expert is its own id, and a token's slot list (what §K4's
+deterministic variant builds from K1's output) is its row of `ids`:
+
+  stage 1, `moe_route_gate_up`, grid (M * topk routes, 2I tiles):
+      h[t * topk + k] = K6(x[t] @ gate_up_proj[l].T)       l = local id of ids[t, k]
+      (remote and out-of-range routes leave their rows as they were);
+  stage 2, `moe_token_down_reduce`, grid (M tokens, D tiles): the program that owns token t's
+      output tile walks its slots in slot order; a local slot's product h[t * topk + k] @
+      down_proj[l].T is formed and rounded as the grouped GEMM forms it, weighted and summed in
+      fp32, then K4's tail (`route_reduce_tail`: round, routed scale, round, + shared, round)
+      stores out[t]. No per-slot rows are written.
+
+Exactness: X1 against the sorted path on a GPU, i.e. the same bits as `fused_moe` -> `moe_reduce`
+(asserted on the H200). Each product is `expert_dot` over the same K chunks (`expert_block_k`)
+from a zero accumulator, rounded once to bf16, and a compiled dot sums an output in an order that
+depends neither on its row or column in the tile nor on the tile's size (fused_moe's docstring);
+K6 is `swiglu_tile`, K4's sum has the slot order, FMA contraction off and the same tail. The CPU
+interpreter's dot is numpy's fp32 matmul, whose sums depend on the tile shape, so there the
+products agree to fp32 rounding (one bf16 ulp after rounding) and the tests use a tolerance.
+Against the references (`*_ref`, torch's matmul): X2, as the grouped GEMMs.
+
+Cost: each route streams its expert's weights itself (the sorted path reads an expert once for
+all its routes), so this path is for small M; `RoutedExperts` picks it up to a token count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import require as _require
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    programmatic_launch,
+    round_to_bf16,
+    wait_for_producers,
+)
+from sgl_dspark.kernels.activation import silu_mul_clamp_ref
+from sgl_dspark.kernels.fused_moe import expert_block_k, expert_dot, swiglu_tile
+from sgl_dspark.kernels.moe_reduce import moe_reduce_ref, route_reduce_tail
+
+# tl.dot's smallest row count; row 0 is the route's (or token's) row, the others are masked.
+_TILE_M = tl.constexpr(16)
+
+
+def _local_ids_ref(ids: torch.Tensor, local_table: torch.Tensor,
+                   num_local: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(local id, is local) per route, as the kernels derive them."""
+    num_experts = local_table.numel()
+    known = (ids >= 0) & (ids < num_experts)
+    local = torch.where(known, local_table.long()[ids.long().clamp(0, num_experts - 1)],
+                        num_local)  # fmt: skip
+    return local, local < num_local
+
+
+def moe_route_gate_up_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
+                          local_table: torch.Tensor, num_local: int, limit: float | None,
+                          h: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Reference of stage 1; same arguments as `moe_route_gate_up`."""
+    num_tokens, topk = ids.shape
+    inter = gate_up_proj.shape[1] // 2
+    if h is None:
+        h = torch.full((num_tokens * topk, inter), float("nan"), dtype=x.dtype, device=x.device)
+    local, is_local = _local_ids_ref(ids, local_table, num_local)
+    for route in torch.nonzero(is_local.reshape(-1)).flatten().tolist():
+        weight = gate_up_proj[int(local.reshape(-1)[route])]
+        gate_up = (x[route // topk].float() @ weight.float().t()).to(x.dtype)
+        act = silu_mul_clamp_ref(gate_up[None], limit)
+        assert isinstance(act, torch.Tensor)
+        h[route] = act[0]
+    return h
+
+
+def moe_token_down_reduce_ref(h: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
+                              weights: torch.Tensor, local_table: torch.Tensor, num_local: int,
+                              routed_scale: float = 1.0,
+                              shared: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Reference of stage 2 + K4: each local route's product rounded to h's dtype, then
+    `moe_reduce_ref` (slot order, scale, shared add); same arguments as
+    `moe_token_down_reduce`."""
+    num_tokens, topk = ids.shape
+    local, is_local = _local_ids_ref(ids, local_table, num_local)
+    y = torch.zeros(num_tokens, topk, down_proj.shape[1], dtype=h.dtype, device=h.device)
+    for route in torch.nonzero(is_local.reshape(-1)).flatten().tolist():
+        weight = down_proj[int(local.reshape(-1)[route])]
+        y.view(-1, y.shape[2])[route] = (h[route].float() @ weight.float().t()).to(h.dtype)
+    expert_mask = (local_table < num_local).to(torch.int32)
+    return moe_reduce_ref(y, weights, ids, expert_mask, routed_scale, shared)
+
+
+@triton.jit
+def _route_locality(ids_ptr, table_ptr, route, num_experts, num_local):
+    """(local expert id as int64, is local) of one route; unknown ids count as remote."""
+    expert = tl.load(ids_ptr + route)
+    known = (expert >= 0) & (expert < num_experts)
+    local = tl.load(table_ptr + expert, mask=known, other=num_local)
+    return local.to(tl.int64), local < num_local
+
+
+@triton.jit
+def _moe_route_gate_up_kernel(
+    x_ptr, w_ptr, h_ptr, ids_ptr, table_ptr,
+    n_inter, k_dim, num_experts, num_local, stride_x, stride_we, stride_wn, stride_h, limit,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr, HAS_LIMIT: tl.constexpr, ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
+    route = tl.program_id(0).to(tl.int64)
+    local, is_local = _route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
+    if not is_local:  # remote or out of range: K4 never reads this row
+        return
+    # Tile columns [0, HALF) are gate rows j, [HALF, BLOCK_N) the matching up rows I + j, as in
+    # the grouped stage 1's K6 epilogue.
+    HALF: tl.constexpr = BLOCK_N // 2
+    cols = tl.program_id(1) * HALF + tl.arange(0, BLOCK_N) % HALF
+    col_ok = cols < n_inter
+    w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_inter).to(tl.int64)
+    live = tl.arange(0, _TILE_M) == 0
+    x_row = x_ptr + (route // TOPK) * stride_x
+    w_base = w_ptr + local * stride_we
+    acc = tl.zeros([_TILE_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_dim
+        a_tile = tl.load(x_row + live[:, None] * 0 + ks[None, :], mask=live[:, None] & k_ok[None, :],
+                         other=0.0)  # fmt: skip
+        w_tile = tl.load(w_base + w_rows[None, :] * stride_wn + ks[:, None],
+                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
+    j = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    tl.store(h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
+             y.to(h_ptr.dtype.element_ty), mask=live[:, None] & (j < n_inter)[None, :])  # fmt: skip
+
+
+@triton.jit
+def _moe_token_down_kernel(
+    h_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, weights_ptr, shared_ptr,
+    n_cols, k_dim, num_experts, num_local, stride_h, stride_we, stride_wn, routed_scale,
+    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
+    ON_BITS: tl.constexpr, PDL: tl.constexpr,
+):  # fmt: skip
+    wait_for_producers(PDL)  # h is stage 1's output; the routes and shared come earlier
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < n_cols
+    live = tl.arange(0, _TILE_M) == 0
+    chunks = tl.cdiv(k_dim, BLOCK_K)
+    acc = tl.zeros([_TILE_M, BLOCK_N], dtype=tl.float32)
+    total = tl.zeros([_TILE_M, BLOCK_N], dtype=tl.float32)
+    # One loop over (slot, K chunk) rather than a K loop per slot: the pipeline streams the next
+    # slot's weights while this slot's last chunks are summed (a loop per slot would drain and
+    # refill it topk times per program).
+    for it in range(0, TOPK * chunks):
+        slot = it // chunks
+        k0 = (it - slot * chunks) * BLOCK_K
+        route = token * TOPK + slot
+        local, is_local = _route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = (ks < k_dim) & is_local
+        a_tile = tl.load(h_ptr + route * stride_h + live[:, None] * 0 + ks[None, :],
+                         mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
+        w_tile = tl.load(w_ptr + local * stride_we + cols[None, :].to(tl.int64) * stride_wn
+                         + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+        # At a slot's last chunk its product is complete: round it as the grouped GEMM's store
+        # does, add w * y in slot order (the reduce's own arithmetic), restart from zero.
+        last = k0 + BLOCK_K >= k_dim
+        weight = tl.load(weights_ptr + route)
+        product = acc
+        if ROUND_BF16:
+            product = round_to_bf16(product)
+        total += tl.where(last & is_local, weight * product, 0.0)
+        acc = tl.where(last, 0.0, acc)
+    # Row 0 is the token's (the other rows hold exact zeros: their loads are masked).
+    row = tl.sum(tl.where(live[:, None], total, 0.0), axis=0)
+    route_reduce_tail(row, shared_ptr, out_ptr, token * n_cols + cols, col_ok, routed_scale,
+                      APPLY_SCALE, HAS_SHARED, ROUND_BF16, ON_BITS)  # fmt: skip
+
+
+def _check_routes(ids: torch.Tensor, local_table: torch.Tensor, num_local: int,
+                  device: torch.device) -> None:  # fmt: skip
+    _require(ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(),
+             f"ids must be contiguous int32 [M, topk], got {ids.dtype} {tuple(ids.shape)}")
+    _require(ids.shape[1] >= 1, "ids: topk must be >= 1")
+    _require(local_table.dim() == 1 and local_table.dtype == torch.int32
+             and local_table.is_contiguous(),
+             "local_table must be contiguous int32 [E] (MoeSortPlan.local_table)")  # fmt: skip
+    _require(0 <= num_local <= local_table.numel(),
+             f"num_local must be in [0, {local_table.numel()}], got {num_local}")
+    for name, tensor in (("ids", ids), ("local_table", local_table)):
+        _require(tensor.device == device, f"{name} is on {tensor.device}, x on {device}")
+
+
+def _check_weight(name: str, weight: torch.Tensor, a: torch.Tensor, num_local: int) -> None:
+    _require(weight.dim() == 3 and weight.dtype == a.dtype and weight.stride(2) == 1
+             and weight.shape[2] == a.shape[1] and weight.shape[0] >= num_local
+             and weight.device == a.device,
+             f"{name} must be {a.dtype} [>= {num_local} local experts, N, {a.shape[1]}] on "
+             f"{a.device} with a contiguous last dim, got {weight.dtype} "
+             f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+
+
+def moe_route_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
+                      local_table: torch.Tensor, num_local: int, limit: float | None,
+                      h: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Stage 1 per route with K6 as its epilogue, one launch, no host sync (graph-safe).
+
+    Args:
+        x: [M, D] bf16 or fp32, last dim contiguous.
+        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows, then up rows).
+        ids: int32 [M, topk] contiguous: global expert per route; ids outside [0, E) are remote.
+        local_table, num_local: K1's plan (`prepare_moe_sort`): local id per global expert,
+            >= num_local for a remote one.
+        limit: swiglu_limit (> 0), None for no clamp.
+        h: optional [M * topk, I] output in x's dtype, contiguous.
+    Returns:
+        h [M * topk, I]: row t * topk + k = K6(x[t] @ gate_up_proj[l].T) for a local route,
+        untouched otherwise (undefined when h is allocated here).
+    """
+    _require(x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1,
+             f"x must be bf16/fp32 [M, D] with a contiguous last dim, got {x.dtype} "
+             f"{tuple(x.shape)}")  # fmt: skip
+    _check_routes(ids, local_table, num_local, x.device)
+    _check_weight("gate_up_proj", gate_up_proj, x, num_local)
+    _require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
+    _require(ids.shape[0] == x.shape[0], f"ids has {ids.shape[0]} rows, x {x.shape[0]}")
+    _require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
+    routes, inter = ids.numel(), gate_up_proj.shape[1] // 2
+    if h is None:
+        h = torch.empty(routes, inter, dtype=x.dtype, device=x.device)
+    _require(tuple(h.shape) == (routes, inter) and h.dtype == x.dtype and h.is_contiguous(),
+             f"h must be contiguous {x.dtype} {(routes, inter)}")
+    if routes == 0 or inter == 0 or num_local == 0:
+        return h
+    block_n = 32  # 16 gate + 16 up columns: the grouped stage 1's tile
+    _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, block_n))](
+        x, gate_up_proj, h, ids, local_table,
+        inter, x.shape[1], local_table.numel(), num_local, x.stride(0),
+        gate_up_proj.stride(0), gate_up_proj.stride(1), h.stride(0),
+        float(limit) if limit is not None else 0.0,
+        TOPK=ids.shape[1], BLOCK_N=block_n, BLOCK_K=expert_block_k(x.shape[1]),
+        # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
+        DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        ROUND_BF16=x.dtype == torch.bfloat16, HAS_LIMIT=limit is not None,
+        ON_BITS=interpreted(_moe_route_gate_up_kernel), num_warps=4, num_stages=4,
+        **programmatic_launch(_moe_route_gate_up_kernel, x.device),
+    )  # fmt: skip
+    return h
+
+
+def _down_meta(k_dim: int) -> dict[str, int]:
+    """Launch shape of stage 2 (sweeps override it). 16 output columns per program: D = 1024
+    spreads one token over 64 programs; the K chunk is the grouped GEMM's (`expert_block_k`)."""
+    return {"BLOCK_N": 16, "BLOCK_K": expert_block_k(k_dim), "num_warps": 4, "num_stages": 4}
+
+
+def moe_token_down_reduce(h: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
+                          weights: torch.Tensor, local_table: torch.Tensor, num_local: int,
+                          routed_scale: float = 1.0, shared: torch.Tensor | None = None,
+                          out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """Stage 2 per token with K4 as its epilogue, one launch, no host sync (graph-safe).
+
+    Args:
+        h: [M * topk, I] bf16 or fp32 contiguous (stage 1's output; remote routes' rows are
+            never read).
+        down_proj: [E_loc, D, I] in h's dtype, last dim contiguous.
+        ids: int32 [M, topk] contiguous; local_table, num_local: as `moe_route_gate_up`.
+        weights: fp32 [M, topk] contiguous routing weights.
+        routed_scale: multiplies the rounded routed sum (1.0 when the router folded it in).
+        shared: optional [M, D] in h's dtype, contiguous: the shared expert's output to add.
+        out: optional [M, D] output in h's dtype, contiguous.
+    Returns:
+        out [M, D] = K4 of the local routes' products (`moe_token_down_reduce_ref`).
+    """
+    _require(h.dim() == 2 and h.dtype in (torch.bfloat16, torch.float32) and h.is_contiguous(),
+             f"h must be contiguous bf16/fp32 [M * topk, I], got {h.dtype} {tuple(h.shape)}")
+    _check_routes(ids, local_table, num_local, h.device)
+    _check_weight("down_proj", down_proj, h, num_local)
+    num_tokens, topk = ids.shape
+    _require(h.shape[0] == num_tokens * topk, f"h has {h.shape[0]} rows, ids {num_tokens}x{topk}")
+    _require(weights.shape == ids.shape and weights.dtype == torch.float32
+             and weights.is_contiguous() and weights.device == h.device,
+             f"weights must be contiguous fp32 {tuple(ids.shape)}, got {weights.dtype} "
+             f"{tuple(weights.shape)}")  # fmt: skip
+    hidden = down_proj.shape[1]
+    for name, tensor in (("shared", shared), ("out", out)):
+        _require(tensor is None or (tuple(tensor.shape) == (num_tokens, hidden)
+                                    and tensor.dtype == h.dtype and tensor.is_contiguous()
+                                    and tensor.device == h.device),
+                 f"{name} must be contiguous {h.dtype} {(num_tokens, hidden)}")  # fmt: skip
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    meta = _down_meta(h.shape[1])
+    _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        h, down_proj, out, ids, local_table, weights, shared if shared is not None else out,
+        hidden, h.shape[1], local_table.numel(), num_local, h.stride(0),
+        down_proj.stride(0), down_proj.stride(1), float(routed_scale),
+        TOPK=topk, DOT_FP32=h.dtype == torch.float32 or h.device.type == "cpu",
+        ROUND_BF16=h.dtype == torch.bfloat16, APPLY_SCALE=routed_scale != 1.0,
+        HAS_SHARED=shared is not None, ON_BITS=interpreted(_moe_token_down_kernel),
+        enable_fp_fusion=False,  # K4 rounds w * y before adding it
+        **meta, **programmatic_launch(_moe_token_down_kernel, h.device),
+    )  # fmt: skip
+    return out
