@@ -30,8 +30,15 @@ from sgl_dspark.kernels.moe_route import (
     router_topk,
     router_topk_ref,
 )
-from sgl_dspark.kernels.moe_sort import MoeSortOutput, moe_sort, moe_sort_capacity, prepare_moe_sort
+from sgl_dspark.kernels.moe_sort import (
+    MoeSortOutput,
+    MoeSortPlan,
+    moe_sort,
+    moe_sort_capacity,
+    prepare_moe_sort,
+)
 from sgl_dspark.kernels.moe_token_gemm import moe_route_gate_up, moe_token_down_reduce
+from sgl_dspark.srt.layers.moe.experts import TOKEN_PATH_MAX_M
 
 HIDDEN, EXPERTS, LOCAL, TOPK, INTER, SHARED_INTER = 4096, 384, 96, 6, 2048, 512
 SPLITS = HIDDEN // 512
@@ -343,9 +350,16 @@ def _token_experts_torch(x, gate_up_proj, down_proj, topk_ids, topk_weights, sha
 
 def _token_experts_launch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask,
                           local_table, limit) -> torch.Tensor:  # fmt: skip
-    h = moe_route_gate_up(x, gate_up_proj, topk_ids, local_table, LOCAL, limit)
-    return moe_token_down_reduce(h, down_proj, topk_ids, topk_weights, local_table, LOCAL,
-                                 ROUTED_SCALE, shared)  # fmt: skip
+    """As `RoutedExperts` dispatches: K4 as the per-token stage 2's epilogue up to
+    TOKEN_PATH_MAX_M tokens, above that K1 sort -> grouped GEMMs -> K4 `moe_reduce`."""
+    if x.shape[0] <= TOKEN_PATH_MAX_M:
+        h = moe_route_gate_up(x, gate_up_proj, topk_ids, local_table, LOCAL, limit)
+        return moe_token_down_reduce(h, down_proj, topk_ids, topk_weights, local_table, LOCAL,
+                                     ROUTED_SCALE, shared)  # fmt: skip
+    plan = MoeSortPlan(local_table, LOCAL, triton.next_power_of_2(LOCAL + 1))
+    sort = moe_sort(topk_ids, topk_weights, plan, 0)
+    y = fused_moe(x, gate_up_proj, down_proj, sort, TOPK, limit)
+    return moe_reduce(y, topk_weights, topk_ids, expert_mask, ROUTED_SCALE, shared)
 
 
 def _token_experts_check(want: torch.Tensor, got: torch.Tensor) -> None:
@@ -386,8 +400,8 @@ CASES: list[dict[str, Any]] = [
     dict(name="fused_moe stage 1 with K6 epilogue + stage 2 (EP4, 96 local, bf16)",
          make_inputs=_experts_inputs, reference=_experts_torch, launcher=_experts_launch,
          check=_experts_check, bytes_moved=_experts_bytes),
-    dict(name="K4 as stage-2 epilogue: per-route stage 1 (K6) + per-token stage 2 + reduce + "
-              "scale + shared (EP4, 96 local, bf16)", make_inputs=_token_experts_inputs,
+    dict(name="K4 as stage-2 epilogue: routed experts + reduce + scale + shared as the engine "
+              "dispatches (per-token kernels up to 4 tokens; EP4, 96 local, bf16)", make_inputs=_token_experts_inputs,
          reference=_token_experts_torch, launcher=_token_experts_launch,
          check=_token_experts_check, bytes_moved=_token_experts_bytes),
 ]  # fmt: skip

@@ -34,7 +34,8 @@ SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k)
     "dsv4_flash_ep4": (4096, 2048, 96, 384, 6),
 }
 DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-    (16, 128, 4, 4), (16, 256, 4, 3), (16, 128, 2, 4), (32, 128, 4, 4), (16, 512, 4, 2),
+    (16, 128, 4, 3), (16, 64, 4, 4), (16, 256, 4, 2), (8, 128, 4, 3), (16, 128, 8, 3),
+    (32, 64, 4, 3),
 ]
 
 

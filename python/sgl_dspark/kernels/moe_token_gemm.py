@@ -96,9 +96,10 @@ def moe_token_down_reduce_ref(h: torch.Tensor, down_proj: torch.Tensor, ids: tor
 
 
 @triton.jit
-def _route_locality(ids_ptr, table_ptr, route, num_experts, num_local):
-    """(local expert id as int64, is local) of one route; unknown ids count as remote."""
-    expert = tl.load(ids_ptr + route)
+def _route_locality(ids_ptr, table_ptr, route, num_experts, num_local, in_range=True):
+    """(local expert id as int64, is local) of routes (a scalar or a tile of route indices);
+    unknown ids and routes outside `in_range` count as remote."""
+    expert = tl.load(ids_ptr + route, mask=in_range, other=-1)
     known = (expert >= 0) & (expert < num_experts)
     local = tl.load(table_ptr + expert, mask=known, other=num_local)
     return local.to(tl.int64), local < num_local
@@ -145,46 +146,56 @@ def _moe_route_gate_up_kernel(
 def _moe_token_down_kernel(
     h_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, weights_ptr, shared_ptr,
     n_cols, k_dim, num_experts, num_local, stride_h, stride_we, stride_wn, routed_scale,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    ROUND_BF16: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    ON_BITS: tl.constexpr, PDL: tl.constexpr,
+    TOPK: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_BF16: tl.constexpr,
+    APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr, ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):  # fmt: skip
+    # All of the token's slots in one tile: row k of A is route k's h row, and the columns hold
+    # SLOTS blocks of BLOCK_N output columns, block k from slot k's expert. One dot per K chunk
+    # then streams every slot's weights at once (a loop over slots waits on each expert's
+    # weights in turn: latency-bound at decode sizes); the products wanted are the diagonal
+    # blocks (row k, block k), the rest is discarded work of idle matrix units.
     wait_for_producers(PDL)  # h is stage 1's output; the routes and shared come earlier
     token = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    col_ok = cols < n_cols
-    live = tl.arange(0, _TILE_M) == 0
-    chunks = tl.cdiv(k_dim, BLOCK_K)
-    acc = tl.zeros([_TILE_M, BLOCK_N], dtype=tl.float32)
-    total = tl.zeros([_TILE_M, BLOCK_N], dtype=tl.float32)
-    # One loop over (slot, K chunk) rather than a K loop per slot: the pipeline streams the next
-    # slot's weights while this slot's last chunks are summed (a loop per slot would drain and
-    # refill it topk times per program).
-    for it in range(0, TOPK * chunks):
-        slot = it // chunks
-        k0 = (it - slot * chunks) * BLOCK_K
-        route = token * TOPK + slot
-        local, is_local = _route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
+    n0 = tl.program_id(1) * BLOCK_N
+    tile_cols = tl.arange(0, SLOTS * BLOCK_N)
+    col_slot = tile_cols // BLOCK_N
+    cols = n0 + tile_cols % BLOCK_N
+    col_local, col_is_local = _route_locality(ids_ptr, table_ptr, token * TOPK + col_slot,
+                                              num_experts, num_local, col_slot < TOPK)
+    col_ok = col_is_local & (cols < n_cols)
+    w_cols = w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn
+    rows = tl.arange(0, ROWS)
+    _, row_is_local = _route_locality(ids_ptr, table_ptr, token * TOPK + rows, num_experts,
+                                      num_local, rows < TOPK)
+    h_rows = h_ptr + (token * TOPK + rows) * stride_h
+    acc = tl.zeros([ROWS, SLOTS * BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = (ks < k_dim) & is_local
-        a_tile = tl.load(h_ptr + route * stride_h + live[:, None] * 0 + ks[None, :],
-                         mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w_tile = tl.load(w_ptr + local * stride_we + cols[None, :].to(tl.int64) * stride_wn
-                         + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        k_ok = ks < k_dim
+        a_tile = tl.load(h_rows[:, None] + ks[None, :], mask=row_is_local[:, None] & k_ok[None, :],
+                         other=0.0)  # fmt: skip
+        w_tile = tl.load(w_cols[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                         other=0.0)  # fmt: skip
         acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
-        # At a slot's last chunk its product is complete: round it as the grouped GEMM's store
-        # does, add w * y in slot order (the reduce's own arithmetic), restart from zero.
-        last = k0 + BLOCK_K >= k_dim
-        weight = tl.load(weights_ptr + route)
-        product = acc
-        if ROUND_BF16:
-            product = round_to_bf16(product)
-        total += tl.where(last & is_local, weight * product, 0.0)
-        acc = tl.where(last, 0.0, acc)
-    # Row 0 is the token's (the other rows hold exact zeros: their loads are masked).
-    row = tl.sum(tl.where(live[:, None], total, 0.0), axis=0)
-    route_reduce_tail(row, shared_ptr, out_ptr, token * n_cols + cols, col_ok, routed_scale,
-                      APPLY_SCALE, HAS_SHARED, ROUND_BF16, ON_BITS)  # fmt: skip
+    # Slot k's product: row k, column block k (adding exact zeros of the other rows).
+    slots = tl.arange(0, SLOTS)
+    on_diag = rows[:, None, None] == slots[None, :, None]
+    product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, SLOTS, BLOCK_N]), 0.0), axis=0)
+    if ROUND_BF16:  # as the grouped GEMM's store rounds it
+        product = round_to_bf16(product)
+    _, slot_is_local = _route_locality(ids_ptr, table_ptr, token * TOPK + slots, num_experts,
+                                       num_local, slots < TOPK)
+    weight = tl.load(weights_ptr + token * TOPK + slots, mask=slots < TOPK, other=0.0)
+    terms = tl.where(slot_is_local[:, None], weight[:, None] * product, 0.0)
+    # K4's sum in slot order (the reduce's own arithmetic; FMA contraction is off).
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        total += tl.sum(tl.where(slots[:, None] == k, terms, 0.0), axis=0)
+    out_cols = n0 + tl.arange(0, BLOCK_N)
+    route_reduce_tail(total, shared_ptr, out_ptr, token * n_cols + out_cols, out_cols < n_cols,
+                      routed_scale, APPLY_SCALE, HAS_SHARED, ROUND_BF16, ON_BITS)  # fmt: skip
 
 
 def _check_routes(ids: torch.Tensor, local_table: torch.Tensor, num_local: int,
@@ -259,9 +270,11 @@ def moe_route_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Te
 
 
 def _down_meta(k_dim: int) -> dict[str, int]:
-    """Launch shape of stage 2 (sweeps override it). 16 output columns per program: D = 1024
-    spreads one token over 64 programs; the K chunk is the grouped GEMM's (`expert_block_k`)."""
-    return {"BLOCK_N": 16, "BLOCK_K": expert_block_k(k_dim), "num_warps": 4, "num_stages": 4}
+    """Launch shape of stage 2 (`benchmark/kernels/probe_moe_token.py` times others; every
+    shape gives the same bits: a dot's sum does not depend on the tile). 16 output columns per
+    program: D = 1024 spreads one token over 64 programs, each streaming a [BLOCK_K, 8 x 16]
+    tile of all its slots' weights per step."""
+    return {"BLOCK_N": 16, "BLOCK_K": expert_block_k(k_dim), "num_warps": 4, "num_stages": 3}
 
 
 def moe_token_down_reduce(h: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
@@ -307,7 +320,8 @@ def moe_token_down_reduce(h: torch.Tensor, down_proj: torch.Tensor, ids: torch.T
         h, down_proj, out, ids, local_table, weights, shared if shared is not None else out,
         hidden, h.shape[1], local_table.numel(), num_local, h.stride(0),
         down_proj.stride(0), down_proj.stride(1), float(routed_scale),
-        TOPK=topk, DOT_FP32=h.dtype == torch.float32 or h.device.type == "cpu",
+        TOPK=topk, SLOTS=triton.next_power_of_2(topk), ROWS=max(16, triton.next_power_of_2(topk)),
+        DOT_FP32=h.dtype == torch.float32 or h.device.type == "cpu",
         ROUND_BF16=h.dtype == torch.bfloat16, APPLY_SCALE=routed_scale != 1.0,
         HAS_SHARED=shared is not None, ON_BITS=interpreted(_moe_token_down_kernel),
         enable_fp_fusion=False,  # K4 rounds w * y before adding it

@@ -25,10 +25,12 @@ from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
 _SORT_BLOCK = 32  # rows per expert block of K1, and the M tile of the grouped GEMMs
-# Tokens up to which the unsorted per-route / per-token kernels run: each route then streams
-# its expert's weights itself, which costs more bytes than one read per expert once tokens
-# share experts (H200 measurements: benchmark/results/kernels.md, fourteenth session).
-TOKEN_PATH_MAX_M = 8
+# Tokens up to which the unsorted per-route / per-token kernels run (the same bits as the sorted
+# path). Each route streams its expert's weights itself, which stops paying once tokens share
+# experts: routed experts + K4 on the H200, sorted / per-token, 910M model (D 1024, I 512, 64
+# experts): M = 1 18.0 / 11.9 us, M = 4 32.3 / 25.1, M = 7 40.0 / 39.5, M = 16 58.0 / 65.2;
+# DSV4-Flash EP4: 131 / 48, 156 / 116, 175 / 181 (benchmark/kernels/probe_moe_token.py).
+TOKEN_PATH_MAX_M = 4
 
 
 def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
