@@ -132,7 +132,10 @@ def _draft_attention_kernel(
     denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
     out = round_to_x(acc / denom[:, None], X_KIND, ON_BITS)
     if ROPE:  # the inverse rotation of the output's rope channels at the row's position
-        out = rotate_rounded_tail(out, b * q_len + qi, cos_ptr, sin_ptr, cs_stride, 0, HEAD_DIM,
+        # Rows past Q x H (the last row block's tail) are not stored; they read row 0's angles
+        # rather than a cos/sin row past the table's end.
+        cs_rows = b * q_len + tl.where(row_ok, qi, 0)
+        out = rotate_rounded_tail(out, cs_rows, cos_ptr, sin_ptr, cs_stride, 0, HEAD_DIM,
                                   rope_dim, BLOCK_M, D_POW2, True, X_KIND, ON_BITS)
     tl.store(out_ptr + b * out_stride_b + (qi * out_stride_i + qh * out_stride_h)[:, None]
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=tile_ok)
