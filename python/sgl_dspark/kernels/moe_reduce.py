@@ -11,11 +11,11 @@ Remote slots' `y` rows may hold garbage (even NaN): they are loaded (the buffer 
 never used, a select drops them; a token with no local slot gets out = round(0 + shared), so the
 EP all-reduce still sees the shared expert once.
 
-As a stage-2 GEMM epilogue: a CTA that owns a (token tile x H tile) of the down projection computes
-its slots' GEMM tiles one slot at a time (a per-token slot list built from K1's sorted ids), keeps
-the running fp32 `r` tile in registers in slot order instead of storing `y [M, topk, H]`, and then
-runs this kernel's tail (round, scale, round, + shared, round, store). `route_reduce_tail` is that
-tail; only the producer of the per-slot tile changes.
+As a stage-2 GEMM epilogue (`moe_token_gemm.moe_token_down_reduce`, the engine's path up to a few
+tokens): the program that owns a token's H tile forms its slots' products itself (the token's row
+of ids is its slot list), sums them in slot order in registers instead of storing
+`y [M, topk, H]`, and runs this kernel's tail, `route_reduce_tail` (round, scale, round, + shared,
+round, store); only the producer of the per-slot values differs, so the bits are the same.
 """
 
 from __future__ import annotations

@@ -11,15 +11,17 @@ deterministic variant builds from K1's output) is its row of `ids`:
       h[t * topk + k] = K6(x[t] @ gate_up_proj[l].T)       l = local id of ids[t, k]
       (remote and out-of-range routes leave their rows as they were);
   stage 2, `moe_token_down_reduce`, grid (M tokens, D tiles): the program that owns token t's
-      output tile walks its slots in slot order; a local slot's product h[t * topk + k] @
-      down_proj[l].T is formed and rounded as the grouped GEMM forms it, weighted and summed in
-      fp32, then K4's tail (`route_reduce_tail`: round, routed scale, round, + shared, round)
-      stores out[t]. No per-slot rows are written.
+      output tile forms all of its slots' products in one tile (row k of A = h[t * topk + k],
+      column block k = slot k's expert: one dot per K step streams every slot's weights), each
+      local product h[t * topk + k] @ down_proj[l].T rounded as the grouped GEMM stores it, then
+      weighted and summed in fp32 in slot order and finished by K4's tail (`route_reduce_tail`:
+      round, routed scale, round, + shared, round). No per-slot rows are written.
 
 Exactness: X1 against the sorted path on a GPU, i.e. the same bits as `fused_moe` -> `moe_reduce`
-(asserted on the H200). Each product is `expert_dot` over the same K chunks (`expert_block_k`)
-from a zero accumulator, rounded once to bf16, and a compiled dot sums an output in an order that
-depends neither on its row or column in the tile nor on the tile's size (fused_moe's docstring);
+(asserted on the H200, for every launch shape `probe_moe_token.py` tried). Each product is
+`expert_dot` over K chunks from a zero accumulator, rounded once to bf16, and a compiled dot sums
+an output in an order that depends neither on its row or column in the tile nor on the tile's
+size (fused_moe's docstring);
 K6 is `swiglu_tile`, K4's sum has the slot order, FMA contraction off and the same tail. The CPU
 interpreter's dot is numpy's fp32 matmul, whose sums depend on the tile shape, so there the
 products agree to fp32 rounding (one bf16 ulp after rounding) and the tests use a tolerance.

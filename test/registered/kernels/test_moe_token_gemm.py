@@ -24,15 +24,11 @@ from sgl_dspark.kernels.moe_token_gemm import (
     moe_token_down_reduce_ref,
 )
 
+# The grouped GEMMs' tolerance class and interpreter warning filters (the same kernels' maths).
+from test_fused_moe import CHAIN_TOL, pytestmark  # noqa: E402, F401
+
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = DEVICE == "cuda"
-pytestmark = [
-    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
-    pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
-]
-GEMM_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
-CHAIN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
-             torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
 
 
 def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
