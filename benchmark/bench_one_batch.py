@@ -22,7 +22,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice  # noqa: E402
-from sgl_dspark.srt.layers.rotary import rope_inv_freq  # noqa: E402
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
@@ -31,15 +30,22 @@ from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E40
 
 def random_model(cfg: ModelConfig, device: str, seed: int = 0,
                  kernels: KernelChoice | None = None) -> DeepseekV4ForCausalLM:
-    """Seeded random weights generated on the device (std 0.02 matrices, unit norms)."""
-    with torch.device("meta"):
+    """Seeded random weights generated on the device (std 0.02 matrices, unit norms).
+
+    Built on the device itself, not on "meta" + `to_empty`: some modules derive non-persistent
+    buffers in their constructors (the triton MoE's K1 expert table, from a host tensor), which
+    a meta build cannot compute and `to_empty` would leave undefined. Integer buffers other than
+    the hash table keep those values."""
+    with torch.device(device):
         model = DeepseekV4ForCausalLM(cfg, kernels)
-    model = model.to_empty(device=device)
+    model = model.to(device)  # buffers a constructor built on the host
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, t in list(model.named_parameters()) + list(model.named_buffers()):
             if name.endswith("tid2eid"):
                 t.copy_(torch.randint(0, cfg.n_routed_experts, t.shape, generator=g, device=device))
+            elif not t.is_floating_point():
+                continue
             elif name.endswith(("norm.weight", "scale", "hc_scale")) or "layernorm" in name:
                 t.fill_(1.0)
             elif name.endswith(("sinks", "position_bias", ".base", "hc_base",
@@ -49,10 +55,6 @@ def random_model(cfg: ModelConfig, device: str, seed: int = 0,
                 continue
             else:
                 t.normal_(0.0, 0.02, generator=g)
-    # to_empty left the rope tables uninitialised: rebuild them
-    model.model.inv_freq_main = rope_inv_freq(cfg.rope_main, cfg.qk_rope_head_dim).to(device)
-    model.model.inv_freq_compress = rope_inv_freq(cfg.rope_compress,
-                                                  cfg.qk_rope_head_dim).to(device)
     return model
 
 

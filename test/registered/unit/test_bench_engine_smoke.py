@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[3]
 
 
@@ -28,3 +30,27 @@ def test_bench_engine_toy_cpu(tmp_path):
         assert all(len(ids) == 3 for ids in r["ids"])   # ignore_eos: exactly output-len tokens
     table = (tmp_path / "engine.md").read_text()
     assert table.count("| dspark_full |") == 2 and "x HF" in table
+
+
+def test_bench_one_batch_random_model_with_triton_moe():
+    """`bench_one_batch.random_model` (also the GPU e2e script's model) with the triton MoE: the
+    experts' K1 table, built from a host tensor in the constructor, must survive the build (a
+    build on "meta" could not make it: "Cannot copy out of meta tensor"), and the seeded weights
+    must be set."""
+    sys.path.insert(0, str(ROOT))
+    from sgl_dspark.kernels.moe_sort import prepare_moe_sort
+    from sgl_dspark.srt.configs.model_config import ModelConfig
+    from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+    from sgl_dspark.srt.layers.moe.experts import RoutedExperts
+    from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS
+
+    from benchmark.bench_one_batch import random_model
+
+    cfg = ModelConfig.from_hf_dict(BENCH_CONFIGS["toy"])
+    model = random_model(cfg, "cpu", kernels=KernelChoice(backend="triton"))
+    experts = [m for m in model.modules() if isinstance(m, RoutedExperts)]
+    assert experts
+    for m in experts:
+        want = prepare_moe_sort(torch.ones(m.n_experts, dtype=torch.int32)).local_table
+        assert torch.equal(m.sort_table, want) and bool((m.expert_mask == 1).all())
+        assert m.gate_up_proj.abs().sum() > 0  # the seeded init ran

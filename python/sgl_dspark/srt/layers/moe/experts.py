@@ -63,7 +63,9 @@ class RoutedExperts(nn.Module):
             self._moe_sort, self._fused_moe, self._moe_reduce = moe_sort, fused_moe, moe_reduce
             self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
             self._plan_type = MoeSortPlan
-            mask = torch.ones(n_experts, dtype=torch.int32)
+            # On the host whatever the ambient device (a model built under torch.device("cuda")
+            # or "meta"): the plan is read there, and Module.to() moves the buffers.
+            mask = torch.ones(n_experts, dtype=torch.int32, device="cpu")
             plan = prepare_moe_sort(mask)  # host tensor: no device read
             self.register_buffer("expert_mask", mask, persistent=False)
             self.register_buffer("sort_table", plan.local_table, persistent=False)
