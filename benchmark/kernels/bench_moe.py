@@ -32,7 +32,6 @@ from sgl_dspark.kernels.moe_route import (
 )
 from sgl_dspark.kernels.moe_sort import (
     MoeSortOutput,
-    MoeSortPlan,
     moe_sort,
     moe_sort_capacity,
     prepare_moe_sort,
@@ -338,26 +337,26 @@ def _token_experts_inputs(m: int, device: str) -> dict[str, Any]:
                 gate_up_proj=gate_up, down_proj=down, topk_ids=topk_ids,
                 topk_weights=torch.rand(m, TOPK, generator=gen).to(device),
                 shared=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
-                expert_mask=mask, local_table=plan.local_table, limit=10.0)  # fmt: skip
+                expert_mask=mask, sort_plan=plan, limit=10.0)  # fmt: skip
 
 
 def _token_experts_torch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask,
-                         local_table, limit) -> torch.Tensor:  # fmt: skip
+                         sort_plan, limit) -> torch.Tensor:  # fmt: skip
     """The unfused chain: sync-free dense experts (`_experts_torch`), then K4's reference."""
     y = _experts_torch(x, gate_up_proj, down_proj, None, topk_ids, expert_mask, limit)
     return moe_reduce_ref(y, topk_weights, topk_ids, expert_mask, ROUTED_SCALE, shared)
 
 
 def _token_experts_launch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask,
-                          local_table, limit) -> torch.Tensor:  # fmt: skip
+                          sort_plan, limit) -> torch.Tensor:  # fmt: skip
     """As `RoutedExperts` dispatches: K4 as the per-token stage 2's epilogue up to
     TOKEN_PATH_MAX_M tokens, above that K1 sort -> grouped GEMMs -> K4 `moe_reduce`."""
     if x.shape[0] <= TOKEN_PATH_MAX_M:
-        h = moe_route_gate_up(x, gate_up_proj, topk_ids, local_table, LOCAL, limit)
-        return moe_token_down_reduce(h, down_proj, topk_ids, topk_weights, local_table, LOCAL,
+        table, num_local = sort_plan.local_table, sort_plan.num_local
+        h = moe_route_gate_up(x, gate_up_proj, topk_ids, table, num_local, limit)
+        return moe_token_down_reduce(h, down_proj, topk_ids, topk_weights, table, num_local,
                                      ROUTED_SCALE, shared)  # fmt: skip
-    plan = MoeSortPlan(local_table, LOCAL, triton.next_power_of_2(LOCAL + 1))
-    sort = moe_sort(topk_ids, topk_weights, plan, 0)
+    sort = moe_sort(topk_ids, topk_weights, sort_plan, 0)
     y = fused_moe(x, gate_up_proj, down_proj, sort, TOPK, limit)
     return moe_reduce(y, topk_weights, topk_ids, expert_mask, ROUTED_SCALE, shared)
 

@@ -32,7 +32,7 @@ import triton.language as tl
 
 from sgl_dspark.kernels._checks import require as _check
 from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
-from sgl_dspark.kernels.rope import X_KIND, check_epilogue_tables, rotate_rounded_tail, round_to_x
+from sgl_dspark.kernels.rope import X_KIND, epilogue_tables, rotate_rounded_tail, round_to_x
 from sgl_dspark.kernels.sparse_attention import _online_softmax_step
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -132,11 +132,9 @@ def _draft_attention_kernel(
     denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
     out = round_to_x(acc / denom[:, None], X_KIND, ON_BITS)
     if ROPE:  # the inverse rotation of the output's rope channels at the row's position
-        # Rows past Q x H (the last row block's tail) are not stored; they read row 0's angles
-        # rather than a cos/sin row past the table's end.
-        cs_rows = b * q_len + tl.where(row_ok, qi, 0)
-        out = rotate_rounded_tail(out, cs_rows, cos_ptr, sin_ptr, cs_stride, 0, HEAD_DIM,
-                                  rope_dim, BLOCK_M, D_POW2, True, X_KIND, ON_BITS)
+        # Rows past Q x H (the last row block's tail, never stored) would index past the table.
+        out = rotate_rounded_tail(out, b * q_len + qi, row_ok, cos_ptr, sin_ptr, cs_stride, 0,
+                                  HEAD_DIM, rope_dim, BLOCK_M, D_POW2, True, X_KIND, ON_BITS)
     tl.store(out_ptr + b * out_stride_b + (qi * out_stride_i + qh * out_stride_h)[:, None]
              + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=tile_ok)
 
@@ -204,10 +202,7 @@ def draft_attention(
         _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
                f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} "
                f"{tuple(out.shape)} on {out.device}")
-    rope_dim = 0
-    if inverse_rope is not None:
-        rope_dim = check_epilogue_tables(*inverse_rope, batch * q_len, head_dim, q.device)
-    cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without ROPE
+    tables = epilogue_tables(inverse_rope, batch * q_len, head_dim, sinks)
     if out.numel() == 0:
         return out
     for name, t in (("q", q), ("kv_block", kv_block), ("ctx_pool", ctx_pool), ("out", out)):
@@ -220,8 +215,8 @@ def draft_attention(
     block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
     valid_u8 = ctx_valid.view(torch.uint8)
     _draft_attention_kernel[(batch, triton.cdiv(rows, block_m))](
-        q, ctx_pool, ctx_slots, valid_u8, kv_block, sinks, out, cos, sin, cos.stride(0),
-        heads, q_len, num_ctx, scale * _LOG2E, rope_dim,
+        q, ctx_pool, ctx_slots, valid_u8, kv_block, sinks, out, tables.cos, tables.sin,
+        tables.stride, heads, q_len, num_ctx, scale * _LOG2E, tables.rope_dim,
         q.stride(0), q.stride(1), q.stride(2), ctx_pool.stride(0),
         ctx_slots.stride(0), ctx_slots.stride(1), valid_u8.stride(0), valid_u8.stride(1),
         kv_block.stride(0), kv_block.stride(1), out.stride(0), out.stride(1), out.stride(2),

@@ -105,13 +105,15 @@ def round_to_x(v, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
 
 
 @triton.jit
-def rotate_rounded_tail(v, cs_rows, cos_ptr, sin_ptr, cs_stride, dim0, head_dim, rope_dim,
-                        ROWS: tl.constexpr, BLOCK_D: tl.constexpr, INVERSE: tl.constexpr,
-                        X_KIND: tl.constexpr, ON_BITS: tl.constexpr):  # fmt: skip
+def rotate_rounded_tail(v, cs_rows, row_ok, cos_ptr, sin_ptr, cs_stride, dim0, head_dim,
+                        rope_dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
+                        INVERSE: tl.constexpr, X_KIND: tl.constexpr,
+                        ON_BITS: tl.constexpr):  # fmt: skip
     """`rope_rows`' rotation as an epilogue of another kernel's output tile: v fp32
     [ROWS, BLOCK_D] holds channels dim0 + [0, BLOCK_D) (dim0 even) of ROWS head rows, already
     rounded to x's dtype (what the producer would store); row r rotates by the angles of
-    cos/sin row cs_rows[r]. The rope channels (the last rope_dim of head_dim) get the same
+    cos/sin row cs_rows[r], read only where row_ok[r] (rows the caller does not store, e.g. a
+    row block's tail past the table, load nothing and pass through). The rope channels (the last rope_dim of head_dim) get the same
     fp32 products and rounding as `rope_rows` (the caller launches with FMA contraction off);
     the others pass through. Returns the tile to store."""
     a, b = tl.split(tl.reshape(v, [ROWS, BLOCK_D // 2, 2]))
@@ -119,8 +121,9 @@ def rotate_rounded_tail(v, cs_rows, cos_ptr, sin_ptr, cs_stride, dim0, head_dim,
     is_rope = (even >= head_dim - rope_dim) & (even < head_dim)
     pair = (even - (head_dim - rope_dim)) // 2
     cs = cs_rows[:, None].to(tl.int64) * cs_stride + pair[None, :]
-    cos = tl.load(cos_ptr + cs, mask=is_rope[None, :], other=0.0)
-    sin = tl.load(sin_ptr + cs, mask=is_rope[None, :], other=0.0)
+    load = row_ok[:, None] & is_rope[None, :]
+    cos = tl.load(cos_ptr + cs, mask=load, other=0.0)
+    sin = tl.load(sin_ptr + cs, mask=load, other=0.0)
     if INVERSE:
         sin = -sin
     rot_a = tl.where(is_rope[None, :], round_to_x(a * cos - b * sin, X_KIND, ON_BITS), a)
@@ -304,11 +307,24 @@ class RopeRowsPlan(NamedTuple):
     empty: bool
 
 
-def check_epilogue_tables(cos: torch.Tensor, sin: torch.Tensor, rows: int, head_dim: int,
-                          device: torch.device) -> int:
+class EpilogueTables(NamedTuple):
+    """Launch arguments of a `rotate_rounded_tail` epilogue: (cos, sin, their row stride, rd);
+    without one, placeholders that the kernel never reads (ROPE off) and rd = 0."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    stride: int
+    rope_dim: int
+
+
+def epilogue_tables(inverse_rope: tuple[torch.Tensor, torch.Tensor] | None, rows: int,
+                    head_dim: int, placeholder: torch.Tensor) -> EpilogueTables:
     """Checks the cos/sin rows another kernel rotates its output with (`rotate_rounded_tail`):
-    fp32 [rows, rd/2], unit stride along rd/2, one row stride for both, on `device`, the rope
-    channels pair-aligned (D - rd even). Returns rd."""
+    fp32 [rows, rd/2], unit stride along rd/2, one row stride for both, on the placeholder's
+    device, the rope channels pair-aligned (D - rd even)."""
+    if inverse_rope is None:
+        return EpilogueTables(placeholder, placeholder, 0, 0)
+    cos, sin = inverse_rope
+    device = placeholder.device
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != rows:
         raise ValueError(f"inverse_rope: cos/sin must both be [{rows}, rd/2], got "
                          f"{tuple(cos.shape)} and {tuple(sin.shape)}")
@@ -322,7 +338,7 @@ def check_epilogue_tables(cos: torch.Tensor, sin: torch.Tensor, rows: int, head_
                          f"got {cos.stride()} and {sin.stride()}")
     if cos.device != device or sin.device != device:
         raise ValueError(f"inverse_rope: cos/sin are on {cos.device}/{sin.device}, not {device}")
-    return rope_dim
+    return EpilogueTables(cos, sin, cos.stride(0), rope_dim)
 
 
 def plan_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool,

@@ -32,7 +32,7 @@ import triton.language as tl
 from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
 from sgl_dspark.kernels.rope import (
     X_KIND,
-    check_epilogue_tables,
+    epilogue_tables,
     rotate_rounded_tail,
     round_to_x,
 )
@@ -207,8 +207,9 @@ def _window_sparse_attention_kernel(
         denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
         out = round_to_x(acc / denom[:, None], X_KIND, ON_BITS)
         if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
-            out = rotate_rounded_tail(out, token + heads * 0, cos_ptr, sin_ptr, cs_stride, 0,
-                                      HEAD_DIM, rope_dim, BLOCK_H, D_POW2, True, X_KIND, ON_BITS)
+            out = rotate_rounded_tail(out, token + heads * 0, heads < out_heads, cos_ptr, sin_ptr,
+                                      cs_stride, 0, HEAD_DIM, rope_dim, BLOCK_H, D_POW2, True,
+                                      X_KIND, ON_BITS)
         tl.store(out_ptr + token * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h
                  + dims[None, :], out.to(out_ptr.dtype.element_ty),
                  mask=(heads < out_heads)[:, None] & dim_ok[None, :])
@@ -243,9 +244,9 @@ def _merge_attention_splits_kernel(
     out = round_to_x(tl.sum(acc * weight[:, None], axis=0) / denom, X_KIND, ON_BITS)
     if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
         out = tl.reshape(rotate_rounded_tail(
-            out[None, :], token + tl.zeros([1], tl.int64), cos_ptr, sin_ptr, cs_stride,
-            tl.program_id(2) * BLOCK_D, HEAD_DIM, rope_dim, 1, BLOCK_D, True, X_KIND, ON_BITS),
-            [BLOCK_D])
+            out[None, :], token + tl.zeros([1], tl.int64), tl.full([1], True, tl.int1), cos_ptr,
+            sin_ptr, cs_stride, tl.program_id(2) * BLOCK_D, HEAD_DIM, rope_dim, 1, BLOCK_D, True,
+            X_KIND, ON_BITS), [BLOCK_D])
     tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims,
              out.to(out_ptr.dtype.element_ty), mask=dim_ok)
 
@@ -368,10 +369,7 @@ def window_sparse_attention(
     elif tuple(out.shape) != out_shape or out.dtype != q.dtype:
         raise ValueError(f"out must be {q.dtype} {out_shape}, got {out.dtype} "
                          f"{tuple(out.shape)}")
-    rope_dim = 0
-    if inverse_rope is not None:
-        rope_dim = check_epilogue_tables(*inverse_rope, tokens, head_dim, q.device)
-    cos, sin = inverse_rope if inverse_rope is not None else (sinks, sinks)  # unread without ROPE
+    tables = epilogue_tables(inverse_rope, tokens, head_dim, sinks)
     if tokens == 0 or out_heads == 0:
         return out
     to_check = [("q", q), ("window_kv", window_kv), ("out", out), ("req_to_token", req_to_token)]
@@ -415,9 +413,9 @@ def window_sparse_attention(
         part_m = part_l = out  # never touched (SPLIT=False)
     _window_sparse_attention_kernel[(tokens, head_blocks, num_splits)](
         q, window_kv, positions, token_slot, req_to_token, sinks, extra_arg, valid_arg, first_out,
-        part_m, part_l, slots_arg, slots_stride, cos, sin, cos.stride(0),
+        part_m, part_l, slots_arg, slots_stride, tables.cos, tables.sin, tables.stride,
         heads, heads if split else out_heads, window, num_extra, scale * _LOG2E, tiles_per_split,
-        rope_dim,
+        tables.rope_dim,
         q.stride(0), q.stride(1), window_kv.stride(0), req_to_token.stride(0),
         extra_strides[0], extra_strides[1], valid_stride, first_strides[0], first_strides[1],
         HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_H=block_h, BLOCK_N=block_n,
@@ -435,8 +433,8 @@ def window_sparse_attention(
         s_pow2 = triton.next_power_of_2(num_splits)
         block_d = max(16, min(d_pow2, _TILE_ELEMS // s_pow2))
         _merge_attention_splits_kernel[(tokens, out_heads, triton.cdiv(head_dim, block_d))](
-            part_acc, part_m, part_l, sinks, out, cos, sin, cos.stride(0),
-            heads, num_splits, out.stride(0), out.stride(1), rope_dim,
+            part_acc, part_m, part_l, sinks, out, tables.cos, tables.sin, tables.stride,
+            heads, num_splits, out.stride(0), out.stride(1), tables.rope_dim,
             HEAD_DIM=head_dim, S_POW2=s_pow2, BLOCK_D=block_d, ROPE=inverse_rope is not None,
             X_KIND=X_KIND[q.dtype], ON_BITS=interpreted(_merge_attention_splits_kernel),
             num_warps=4, enable_fp_fusion=False,

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.fused_moe import fused_moe
+from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm
 from sgl_dspark.kernels.moe_reduce import moe_reduce
 from sgl_dspark.kernels.moe_sort import moe_sort, prepare_moe_sort
 from sgl_dspark.kernels.moe_token_gemm import (
@@ -83,8 +83,6 @@ def _sorted_path(c: dict, limit: float | None, routed_scale: float,
     y = fused_moe(c["x"], c["gate_up"], c["down"], sort, topk, limit)
     out = moe_reduce(y, c["weights"], c["ids"], c["mask"], routed_scale, shared)
     # Stage 1 alone, to compare h: the grouped GEMM with the K6 epilogue, as fused_moe runs it.
-    from sgl_dspark.kernels.fused_moe import moe_grouped_gemm
-
     routes = c["ids"].numel()
     h = torch.full((routes, c["gate_up"].shape[1] // 2), float("nan"), dtype=c["x"].dtype,
                    device=DEVICE)  # fmt: skip

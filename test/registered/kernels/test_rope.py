@@ -6,7 +6,9 @@ import math
 
 import pytest
 import torch
-from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
+import triton
+import triton.language as tl
+from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref, rotate_rounded_tail
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -325,3 +327,33 @@ def test_norm_bad_arguments_raise() -> None:
     # Validated before the empty-batch early return too.
     with pytest.raises(ValueError, match="norm_weight must be"):
         rope_tail(x[:0], cos[:0], cos[:0], norm_eps=_EPS, norm_weight=weight[:8])
+
+
+
+@triton.jit
+def _rotate_rows_kernel(v_ptr, cos_ptr, sin_ptr, out_ptr, rows_ok, BLOCK_D: tl.constexpr):
+    # 16 rows of BLOCK_D channels, rd = 32; rows >= rows_ok index 2^40 rows past the table.
+    rows = tl.arange(0, 16)
+    cols = tl.arange(0, BLOCK_D)
+    v = tl.load(v_ptr + rows[:, None] * BLOCK_D + cols[None, :])
+    ok = rows < rows_ok
+    cs_rows = tl.where(ok, rows.to(tl.int64), rows.to(tl.int64) + (1 << 40))
+    # cos/sin: column views of one [16, 32] table (row stride 32).
+    out = rotate_rounded_tail(v, cs_rows, ok, cos_ptr, sin_ptr, 32, 0, BLOCK_D, 32, 16, BLOCK_D,
+                              True, 0, False)
+    tl.store(out_ptr + rows[:, None] * BLOCK_D + cols[None, :], out)
+
+
+def test_rotate_rounded_tail_reads_no_table_row_of_a_masked_row() -> None:
+    """The epilogue helper loads table rows only where `row_ok`: a caller's unstored rows (a row
+    block's tail) may carry any row index, here 2^40 rows past the table, which a read would
+    fault on. The other rows equal `rope_tail(..., inverse=True)` of the same values."""
+    gen = torch.Generator().manual_seed(0)
+    v = torch.randn(16, 64, generator=gen).to(DEVICE)
+    table = torch.randn(16, 32, generator=gen).to(DEVICE)
+    cos, sin = table[:, :16], table[:, 16:]
+    out = torch.full_like(v, float("nan"))
+    _rotate_rows_kernel[(1,)](v, cos, sin, out, 10, BLOCK_D=64)
+    want = rope_tail(v[:10, None], cos[:10], sin[:10], inverse=True)[:, 0]
+    assert torch.equal(out[:10], want)
+    assert torch.equal(out[10:, :32], v[10:, :32])  # masked rows: nope channels pass through
