@@ -208,6 +208,10 @@ def main() -> None:
                    help="repeat the static cases with a second draft routing this many experts "
                    "per token (dspark_num_experts_per_tok; dspark.md reports top-3 for the "
                    "deployed V4.1-Flash draft against the target's top-6)")
+    p.add_argument("--bs1-block-size", type=int, default=None,
+                   help="repeat the bs 1 static cases with --speculative-dspark-bs1-block-size "
+                   "set to this (a static width w verifies only w - 1 drafts, so a bs 1 "
+                   "runtime may draft fewer rows than the checkpoint's block)")
     p.add_argument("--attention-backend", default="torch")
     p.add_argument("--extra-attention-backends", default="",
                    help="also time CUDA graphs with these attention backends (comma list)")
@@ -306,9 +310,14 @@ def main() -> None:
         init_dspark_draft(work, alt, num_layers=a.draft_layers, block_size=a.gamma, seed=1,
                           num_experts_per_tok=a.alt_draft_top_k)
         drafts.append((f"_draft_top{a.alt_draft_top_k}", {"speculative_draft_model_path": alt}))
+    if a.bs1_block_size is not None:
+        drafts.append((f"_bs1_block{a.bs1_block_size}",
+                       {"speculative_dspark_bs1_block_size": a.bs1_block_size}))
     for (suffix, draft), case in itertools.product(
             drafts, [c for c in a.static_cases.split(",") if c]):
         bs, w = (int(x) for x in case.split(":"))
+        if "speculative_dspark_bs1_block_size" in draft and bs != 1:
+            continue   # the bs 1 runtime's block size changes nothing at other batch sizes
         table = Path(work) / f"widths_{w}.json"
         table.write_text(json.dumps({"widths_by_batch_size": {"1": w}}))
         engine = Engine(**base, **spec, **draft, speculative_dspark_verify_policy="static",
@@ -324,7 +333,8 @@ def main() -> None:
     meta = {"config": a.config, "device": torch.cuda.get_device_name() if dev.startswith("cuda")
             else dev, "torch": torch.__version__, "copy_bandwidth_Bps": bw,
             "input_len": a.input_len, "output_len": a.output_len, "gamma": a.gamma,
-            "draft_layers": a.draft_layers, "alt_draft_top_k": a.alt_draft_top_k}
+            "draft_layers": a.draft_layers, "alt_draft_top_k": a.alt_draft_top_k,
+            "bs1_block_size": a.bs1_block_size}
     (out / "engine.json").write_text(json.dumps({"meta": meta, "rows": rows}))
     (out / "engine.md").write_text(render(meta, rows))
     print(render(meta, rows))

@@ -32,7 +32,7 @@ MODULES = ("benchmark.kernels.bench_spec", "benchmark.kernels.bench_moe",
            "benchmark.kernels.bench_mhc_indexer", "benchmark.kernels.bench_attention",
            "benchmark.kernels.bench_indexer", "benchmark.kernels.bench_norm",
            "benchmark.kernels.bench_index_topk", "benchmark.kernels.bench_markov",
-           "benchmark.kernels.bench_linear")
+           "benchmark.kernels.bench_linear", "benchmark.kernels.bench_floor")
 M_VALUES = (1, 4, 8, 24, 32, 128)
 
 

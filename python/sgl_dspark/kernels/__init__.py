@@ -2,8 +2,9 @@
 in its family module and are imported only by tests and benchmarks)."""
 
 from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp
+from sgl_dspark.kernels.compressor_decode import compressor_decode
 from sgl_dspark.kernels.compressor_extend import compressor_extend
-from sgl_dspark.kernels.compressor_pool import PooledEntries, compressor_decode, compressor_pool
+from sgl_dspark.kernels.compressor_pool import PooledEntries, compressor_pool
 from sgl_dspark.kernels.draft_inputs import DraftInputs, prepare_draft_inputs
 from sgl_dspark.kernels.fp4_indexer import IndexQFp4Output, fp4_index_k_quant, index_q_rope_fp4
 from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm

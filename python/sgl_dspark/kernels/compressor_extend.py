@@ -15,11 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_dspark.kernels.compressor_pool import (
-    check_fused_args,
-    compressor_pool_ref,
-    launch_fused,
-)
+from sgl_dspark.kernels.compressor_decode import check_fused_args, launch_fused
+from sgl_dspark.kernels.compressor_pool import compressor_pool_ref
 
 
 def compressor_extend_ref(

@@ -151,20 +151,26 @@ def _span_logits(
 
 
 @triton.jit
-def _rope_pairs(entry, row, cos_ptr, sin_ptr, cs_stride, head_dim,
-                NOPE_HALF: tl.constexpr, BLOCK_D: tl.constexpr, STORAGE: tl.constexpr):
-    """Rotate the trailing rope channels of entry [BLOCK_D] (fp32, interleaved pairs after
-    NOPE_HALF pass-through pairs) by the row's cos/sin, as `kernels/rope.py`: separately rounded
+def _rope_pairs(entry, c, s, is_rope, BLOCK_D: tl.constexpr, STORAGE: tl.constexpr):
+    """Rotate the trailing rope channels of entry [BLOCK_D] (fp32, interleaved pairs; `c`, `s`
+    and `is_rope` per pair, from `_rope_table_rows`) as `kernels/rope.py`: separately rounded
     fp32 products (no FMA: launched with fp fusion off), one round to the kv dtype."""
     a, b = tl.split(tl.reshape(entry, (BLOCK_D // 2, 2)))
+    rot_a = tl.where(is_rope, _to_storage(a * c - b * s, STORAGE), a)
+    rot_b = tl.where(is_rope, _to_storage(a * s + b * c, STORAGE), b)
+    return tl.reshape(tl.join(rot_a, rot_b), (BLOCK_D,))
+
+
+@triton.jit
+def _rope_table_rows(row, cos_ptr, sin_ptr, cs_stride, head_dim,
+                     NOPE_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The row's cos/sin per channel pair (1 / 0 on the NOPE_HALF pass-through pairs)."""
     pair = tl.arange(0, BLOCK_D // 2)
     k = pair - NOPE_HALF
     is_rope = (k >= 0) & (2 * pair < head_dim)
     c = tl.load(cos_ptr + row * cs_stride + k, mask=is_rope, other=1.0)
     s = tl.load(sin_ptr + row * cs_stride + k, mask=is_rope, other=0.0)
-    rot_a = tl.where(is_rope, _to_storage(a * c - b * s, STORAGE), a)
-    rot_b = tl.where(is_rope, _to_storage(a * s + b * c, STORAGE), b)
-    return tl.reshape(tl.join(rot_a, rot_b), (BLOCK_D,))
+    return c, s, is_rope
 
 
 @triton.jit
@@ -194,8 +200,11 @@ def _compressor_pool_kernel(
             return
     cols = tl.arange(0, BLOCK_D)
     in_col = cols < head_dim
+    # The row's scalars in one round trip (the prefix too, though only block ends use it), so
+    # that the span loads below wait for nothing else.
     pos = tl.load(pos_ptr + row)
     req = tl.load(slot_ptr + row)
+    prefix = tl.load(prefix_ptr + row)
     if FUSED and RING_STORE:
         # Ring rows of this forward never alias a ring row that any span reads (R >= span +
         # rows per request: a read position q < prefix and a written p >= prefix differ by
@@ -221,47 +230,66 @@ def _compressor_pool_kernel(
                      mask=in_col)
             tl.store(out_slot_ptr + row, pos * 0)
             return
-    prefix = tl.load(prefix_ptr + row)
-
-    # Three passes over the span in tiles of SPAN_BLOCK slots (max, denominator, weighted sum),
-    # as torch's softmax: the weights are normalised and rounded to the kv dtype before they
-    # meet kv. A CSA span (2m = 8) is a single tile.
-    top = tl.full((BLOCK_D,), float("-inf"), tl.float32)
-    for j0 in range(0, SPAN, SPAN_BLOCK):
-        sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+    # What the entry needs besides the span does not depend on it: issued with the span loads.
+    block_start = tl.load(table_ptr + req * table_stride + pos - (ratio - 1))
+    norm_w = tl.load(norm_w_ptr + cols, mask=in_col, other=0.0).to(tl.float32)
+    if FUSED:
+        cos_r, sin_r, is_rope = _rope_table_rows(row, cos_ptr, sin_ptr, cs_stride, head_dim,
+                                                 NOPE_HALF, BLOCK_D)
+    # torch's softmax over the span: the weights are normalised and rounded to the kv dtype
+    # before they meet kv.
+    if SPAN <= SPAN_BLOCK:
+        # One tile (a CSA span, 2m = 8): every load in one round trip, one pass. The same
+        # arithmetic as the passes below with one tile (max, sum of exp, weighted sum).
+        sc = _span_logits(0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
                           score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
                           bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)
-        top = tl.maximum(top, tl.max(sc, axis=0))
-    top = tl.where(in_col, top, 0.0)
-    denom = tl.zeros((BLOCK_D,), tl.float32)
-    for j0 in range(0, SPAN, SPAN_BLOCK):
-        sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-                          score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
-                          bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)
-        denom += tl.sum(tl.exp(sc - top[None, :]), axis=0)
-    denom = tl.where(in_col, denom, 1.0)
-    acc = tl.zeros((BLOCK_D,), tl.float32)
-    for j0 in range(0, SPAN, SPAN_BLOCK):
-        sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-                          score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
-                          bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)
-        weight = _to_storage(tl.exp(sc - top[None, :]) / denom[None, :], STORAGE)
-        # Absent slots load kv = 0 (and have weight 0), as the reference's masked_fill.
         kv, _q, _offset, _keep = _span_tile(
-            j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+            0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
             kv_ptr, kv_stride, state_kv_ptr, skv_stride_r, skv_stride_q,
             SPAN, OVERLAP, SPAN_BLOCK)
-        acc += tl.sum(_to_storage(kv * weight, STORAGE), axis=0)
+        top = tl.where(in_col, tl.max(sc, axis=0), 0.0)
+        e = tl.exp(sc - top[None, :])
+        denom = tl.where(in_col, tl.sum(e, axis=0), 1.0)
+        acc = tl.sum(_to_storage(kv * _to_storage(e / denom[None, :], STORAGE), STORAGE), axis=0)
+    else:
+        # Three passes over the span in tiles of SPAN_BLOCK slots (max, denominator, sum).
+        top = tl.full((BLOCK_D,), float("-inf"), tl.float32)
+        for j0 in range(0, SPAN, SPAN_BLOCK):
+            sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+                              score_ptr, score_stride, state_score_ptr, ss_stride_r,
+                              ss_stride_q, bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK,
+                              STORAGE)
+            top = tl.maximum(top, tl.max(sc, axis=0))
+        top = tl.where(in_col, top, 0.0)
+        denom = tl.zeros((BLOCK_D,), tl.float32)
+        for j0 in range(0, SPAN, SPAN_BLOCK):
+            sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+                              score_ptr, score_stride, state_score_ptr, ss_stride_r,
+                              ss_stride_q, bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK,
+                              STORAGE)
+            denom += tl.sum(tl.exp(sc - top[None, :]), axis=0)
+        denom = tl.where(in_col, denom, 1.0)
+        acc = tl.zeros((BLOCK_D,), tl.float32)
+        for j0 in range(0, SPAN, SPAN_BLOCK):
+            sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+                              score_ptr, score_stride, state_score_ptr, ss_stride_r,
+                              ss_stride_q, bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK,
+                              STORAGE)
+            weight = _to_storage(tl.exp(sc - top[None, :]) / denom[None, :], STORAGE)
+            # Absent slots load kv = 0 (and have weight 0), as the reference's masked_fill.
+            kv, _q, _offset, _keep = _span_tile(
+                j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
+                kv_ptr, kv_stride, state_kv_ptr, skv_stride_r, skv_stride_q,
+                SPAN, OVERLAP, SPAN_BLOCK)
+            acc += tl.sum(_to_storage(kv * weight, STORAGE), axis=0)
     pooled = _to_storage(acc, STORAGE)
 
     mean_sq = tl.sum(pooled * pooled, axis=0) / head_dim
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
-    norm_w = tl.load(norm_w_ptr + cols, mask=in_col, other=0.0).to(tl.float32)
     entry = _to_storage(norm_w * (pooled * rstd), STORAGE)
-    block_start = tl.load(table_ptr + req * table_stride + pos - (ratio - 1))
     if FUSED:
-        entry = _rope_pairs(entry, row, cos_ptr, sin_ptr, cs_stride, head_dim, NOPE_HALF,
-                            BLOCK_D, STORAGE)
+        entry = _rope_pairs(entry, cos_r, sin_r, is_rope, BLOCK_D, STORAGE)
         tl.store(out_ptr + (block_start // ratio) * out_stride + cols,
                  entry.to(out_ptr.dtype.element_ty), mask=in_col)
     else:
@@ -381,109 +409,3 @@ def compressor_pool(
         enable_fp_fusion=False, **programmatic_launch(_compressor_pool_kernel, kv.device),
     )
     return PooledEntries(out, out_slots)
-
-
-def compressor_decode_ref(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor,
-) -> None:
-    """Reference of the whole decode/verify step of a compressor, in place: the entries of the
-    blocks these rows end (`compressor_pool_ref`, then rope at the block start with the given
-    cos/sin rows `[T, rd/2]`) are written into the entry pool `entries` `[slots, Dh]`; then every
-    row's raw kv/score goes to its state ring row `pos mod R`."""
-    from sgl_dspark.kernels.rope import rope_tail_ref
-
-    pooled, slots = compressor_pool_ref(kv, score, state_kv, state_score, position_bias,
-                                        norm_weight, positions, token_slot, token_prefix,
-                                        req_to_token, ratio, overlap, eps)
-    rotated = rope_tail_ref(pooled.unsqueeze(1), cos, sin).squeeze(1)
-    ends = (positions + 1) % ratio == 0
-    entries[slots[ends]] = rotated[ends].to(entries.dtype)
-    ring_row = positions.remainder(state_kv.shape[1])
-    state_kv[token_slot, ring_row] = kv.to(state_kv.dtype)
-    state_score[token_slot, ring_row] = score.to(state_score.dtype)
-
-
-def compressor_decode(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor,
-) -> None:
-    """`compressor_decode_ref` in one launch (pooling, RoPE, entry store and ring store fused).
-
-    Arguments as `compressor_pool`, plus cos / sin fp32 `[T, rd/2]` (unit stride along rd/2, one
-    row stride) at each row's block start, and the entry pool `entries` `[slots, Dh]` of kv's
-    dtype with unit channel stride. The state rings must hold R >= span + (rows of one request
-    in this forward) rows (the pool's sizing), so that no ring row written here is read by
-    another row's span. Exactness: the entry as `compressor_pool` (X2) followed by
-    `kernels/rope.py` (bit for bit); the ring rows are copies.
-    """
-    check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
-                     token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)
-    launch_fused(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
-                 token_slot, token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries,
-                 rows=None, ring_store=True, pool=True)
-
-
-def check_fused_args(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, cos: torch.Tensor, sin: torch.Tensor, entries: torch.Tensor,
-) -> None:
-    """`_check_args` plus the entry pool and the rope tables of the fused launchers (decode,
-    `compressor_extend.py`)."""
-    tokens, head_dim = _check_args(kv, score, state_kv, state_score, position_bias,
-                                   norm_weight, positions, token_slot, token_prefix,
-                                   req_to_token, ratio, overlap)
-    if (entries.dim() != 2 or entries.shape[1] != head_dim or entries.dtype != kv.dtype
-            or entries.stride(1) != 1):
-        raise ValueError(f"entries must be [slots, {head_dim}] {kv.dtype} with unit channel "
-                         f"stride, got {entries.dtype} {tuple(entries.shape)}")
-    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != tokens
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32
-            or not 1 <= 2 * cos.shape[1] <= head_dim or head_dim % 2
-            or cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0)):
-        raise ValueError(f"cos/sin must be fp32 [{tokens}, rd/2] with 2 <= rd <= Dh={head_dim} "
-                         f"(Dh even), unit stride along rd/2 and one row stride; got "
-                         f"{cos.dtype} {tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}")
-    span = 2 * ratio if overlap else ratio
-    if state_kv.shape[1] < span + 1:
-        raise ValueError(f"state ring of {state_kv.shape[1]} rows is too short for span {span}")
-
-
-def launch_fused(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor, *, rows: torch.Tensor | None, ring_store: bool, pool: bool,
-) -> None:
-    """One FUSED launch (arguments checked by `check_fused_args`) over every row, or over the
-    rows listed in `rows` (int64 [n], contiguous): the ring store and/or the pooled entry."""
-    programs = kv.shape[0] if rows is None else rows.shape[0]
-    if programs == 0:
-        return
-    head_dim = norm_weight.shape[0]
-    span = 2 * ratio if overlap else ratio
-    block_d = triton.next_power_of_2(head_dim)
-    _compressor_pool_kernel[(programs,)](
-        kv, score, state_kv, state_score, position_bias, norm_weight,
-        positions, token_slot, token_prefix, req_to_token, entries, positions, cos, sin,
-        positions if rows is None else rows, head_dim, ratio, state_kv.shape[1], eps,
-        kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
-        state_score.stride(0), state_score.stride(1), position_bias.stride(0),
-        req_to_token.stride(0), entries.stride(0), cos.stride(0),
-        SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
-        BLOCK_D=block_d,
-        SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
-        FUSED=True, NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
-        BLOCK_W=triton.next_power_of_2(kv.shape[1]), ROW_LIST=rows is not None,
-        RING_STORE=ring_store, POOL=pool, enable_fp_fusion=False,
-        **programmatic_launch(_compressor_pool_kernel, kv.device),
-    )

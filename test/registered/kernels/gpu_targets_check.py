@@ -150,7 +150,7 @@ def _hash_router_from_x(hidden: int) -> Callable[[], object]:
 
 
 def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[], object]:
-    from sgl_dspark.kernels.compressor_pool import compressor_decode
+    from sgl_dspark.kernels.compressor_decode import compressor_decode
 
     width = 2 * head_dim if overlap else head_dim
     span = 2 * ratio if overlap else ratio

@@ -35,3 +35,17 @@ def test_buffer_writing_case_checks(name: str, buffer: int | None, m: int) -> No
     out[slot] = out[slot] + 1 if out.dtype == torch.uint8 else out[slot] * 3 + 1
     with pytest.raises(AssertionError):
         case["check"](want, got)
+
+
+def test_launch_floor_case_adds_one_and_its_check_rejects_a_wrong_value() -> None:
+    from benchmark.kernels import bench_floor
+
+    (case,) = bench_floor.CASES
+    for m in (1, 32):
+        inputs = case["make_inputs"](m, DEVICE)
+        got = case["launcher"](**inputs)
+        case["check"](case["reference"](**inputs), got)
+        assert inputs["x"].item() != 0.0   # random, not zeros
+        assert case["launcher"](torch.full((1,), 2.5, device=DEVICE)).item() == 3.5
+        with pytest.raises(AssertionError):
+            case["check"](case["reference"](**inputs), got + 1)

@@ -11,12 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor_pool import (
-    compressor_decode,
-    compressor_decode_ref,
-    compressor_pool,
-    compressor_pool_ref,
-)
+from sgl_dspark.kernels.compressor_decode import compressor_decode, compressor_decode_ref
+from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
 from sgl_dspark.kernels.rope import rope_tail
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor_pool import compressor_decode, compressor_pool_ref
+from sgl_dspark.kernels.compressor_decode import compressor_decode
+from sgl_dspark.kernels.compressor_pool import compressor_pool_ref
 from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
 from sgl_dspark.srt.layers.attention.compressor import (
     BlockCompressor,

@@ -65,14 +65,14 @@ def decode_step_impl(kernels: KernelChoice) -> DecodeStepFn | None:
     """The decode/verify step of the "indexer" family, bound once per compressor.
 
     torch: None (the compressor's own torch code, shared with prefill). triton: the one-launch
-    `kernels/compressor_pool.py::compressor_decode`: block pooling (X2: same rounding points,
+    `kernels/compressor_decode.py::compressor_decode`: block pooling (X2: same rounding points,
     fp32 sums in another order), RoPE at the block start, the entry store and the state-ring
     store; prefill keeps the torch code either way.
     """
     if kernels.of("indexer") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.compressor_pool import compressor_decode
+    from sgl_dspark.kernels.compressor_decode import compressor_decode
 
     return compressor_decode
 
