@@ -104,13 +104,14 @@ def _indexer_bytes(m: int) -> int:
 # ----------------------------------------------------------------------------- block pooling
 
 
-def _pool_inputs(m: int, device: str, ratio: int, overlap: bool) -> dict[str, Any]:
+def _pool_inputs(m: int, device: str, ratio: int, overlap: bool,
+                 head_dim: int = HEAD_DIM) -> dict[str, Any]:
     salt = 2 if overlap else 3
     gen = _gen(m, salt)
     seq_lens = _seq_lens(m, ratio, salt=salt)
     table, _ = _page_table(seq_lens, gen)
     positions, token_slot, prefix = _rows(seq_lens, m)
-    width = 2 * HEAD_DIM if overlap else HEAD_DIM
+    width = 2 * head_dim if overlap else head_dim
     span = 2 * ratio if overlap else ratio
     ring = 1 << (span + MAX_VERIFY - 1).bit_length()
     req_slots = seq_lens.shape[0] + 1
@@ -121,7 +122,7 @@ def _pool_inputs(m: int, device: str, ratio: int, overlap: bool) -> dict[str, An
         state_kv=torch.randn(req_slots, ring, width, generator=gen).to(torch.bfloat16),
         state_score=(2 * torch.randn(req_slots, ring, width, generator=gen)).to(torch.bfloat16),
         position_bias=0.5 * torch.randn(ratio, width, generator=gen),
-        norm_weight=1 + 0.1 * torch.randn(HEAD_DIM, generator=gen),
+        norm_weight=1 + 0.1 * torch.randn(head_dim, generator=gen),
         positions=positions, token_slot=token_slot, token_prefix=prefix, req_to_token=table,
     )
     return {**{k: v.to(device) for k, v in tensors.items()}, "ratio": ratio, "overlap": overlap,
@@ -135,25 +136,30 @@ def _pool_check(want: Any, got: Any) -> None:
     torch.testing.assert_close(got.entries.float(), want.entries.float(), rtol=2**-6, atol=2**-6)
 
 
-def _pool_bytes(m: int, ratio: int, overlap: bool) -> int:
+def _pool_bytes(m: int, ratio: int, overlap: bool, head_dim: int = HEAD_DIM) -> int:
     bs, _ = _bs_w(m)
-    width = 2 * HEAD_DIM if overlap else HEAD_DIM
+    width = 2 * head_dim if overlap else head_dim
     span = 2 * ratio if overlap else ratio
     ends = min(bs, m)  # one block end per request
-    rows_read = ends * span * HEAD_DIM * 2 * 2             # kv + score half-rows, bf16
-    return rows_read + ratio * width * 4 + m * (HEAD_DIM * 2 + 8 + 3 * 8) + ends * 8
+    rows_read = ends * span * head_dim * 2 * 2             # kv + score half-rows, bf16
+    return rows_read + ratio * width * 4 + m * (head_dim * 2 + 8 + 3 * 8) + ends * 8
+
+
+def _pool_case(name: str, ratio: int, overlap: bool, head_dim: int) -> dict[str, Any]:
+    return dict(name=name,
+                make_inputs=lambda m, device: _pool_inputs(m, device, ratio, overlap, head_dim),
+                reference=compressor_pool_ref, launcher=compressor_pool, check=_pool_check,
+                bytes_moved=lambda m: _pool_bytes(m, ratio, overlap, head_dim))
 
 
 CASES: list[dict[str, Any]] = [
     dict(name="indexer_logits_h64_d128_m4_nmax2048", make_inputs=_indexer_inputs,
          reference=indexer_logits_ref, launcher=indexer_logits, check=_indexer_check,
          bytes_moved=_indexer_bytes),
-    dict(name="compressor_pool_csa_m4_dh512",
-         make_inputs=lambda m, device: _pool_inputs(m, device, CSA_RATIO, True),
-         reference=compressor_pool_ref, launcher=compressor_pool, check=_pool_check,
-         bytes_moved=lambda m: _pool_bytes(m, CSA_RATIO, True)),
-    dict(name="compressor_pool_hca_m128_dh512",
-         make_inputs=lambda m, device: _pool_inputs(m, device, HCA_RATIO, False),
-         reference=compressor_pool_ref, launcher=compressor_pool, check=_pool_check,
-         bytes_moved=lambda m: _pool_bytes(m, HCA_RATIO, False)),
+    _pool_case("compressor_pool_csa_m4_dh512", CSA_RATIO, True, HEAD_DIM),
+    _pool_case("compressor_pool_hca_m128_dh512", HCA_RATIO, False, HEAD_DIM),
+    # The benchmark model's (mid_910m): attention head 128, indexer head 64.
+    _pool_case("compressor_pool_csa_m4_dh128", CSA_RATIO, True, 128),
+    _pool_case("compressor_pool_csa_m4_dh64_indexer", CSA_RATIO, True, 64),
+    _pool_case("compressor_pool_hca_m128_dh128", HCA_RATIO, False, 128),
 ]

@@ -86,6 +86,14 @@ def _double(key: str) -> Callable[[Meta], int]:
     return lambda d: d[key] * 2
 
 
+def _times4(key: str) -> Callable[[Meta], int]:
+    return lambda d: d[key] * 4
+
+
+def _times16(key: str) -> Callable[[Meta], int]:
+    return lambda d: d[key] * 16
+
+
 def _pairs(a: str, b: str, *values: tuple[int, int]) -> tuple[Meta, ...]:
     return tuple({a: x, b: y} for x, y in values)
 
@@ -121,6 +129,21 @@ _NORM_HEADS = (
     {"BLOCK_M": 16, "num_warps": 8}, {"BLOCK_M": 32, "num_warps": 8},
 )
 
+# Compressor pooling: warps, and span slots per tile (SPAN_BLOCK >= span: the one-pass path).
+_POOL = (
+    {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8}, {"num_warps": 16},
+    {"SPAN_BLOCK": _half("SPAN_BLOCK")}, {"SPAN_BLOCK": _double("SPAN_BLOCK")},
+    {"SPAN_BLOCK": _double("SPAN_BLOCK"), "num_warps": 8},
+    {"SPAN_BLOCK": _times4("SPAN_BLOCK"), "num_warps": 8},
+    {"SPAN_BLOCK": _times4("SPAN_BLOCK"), "num_warps": 16},
+    {"SPAN_BLOCK": _times16("SPAN_BLOCK"), "num_warps": 16},
+)
+
+
+def _pool_out(default: Any) -> dict[str, torch.Tensor]:
+    return {"out": _poison(default.entries), "out_slots": _poison(default.slots)}
+
+
 TARGETS: dict[str, SweepTarget] = {t.key: t for t in (
     SweepTarget("k4", "moe_reduce", "_reduce_meta", "bench_moe",
                 ("K4 moe_reduce (slot-ordered)",), _K4, _out),
@@ -138,6 +161,11 @@ TARGETS: dict[str, SweepTarget] = {t.key: t for t in (
     SweepTarget("rmsnorm_heads", "rmsnorm", "_norm_meta", "bench_norm",
                 ("rmsnorm_q_heads_64x512_weightless",), _NORM_HEADS, _out,
                 bits_may_differ=True),
+    # X2 (the span sums' order follows the tile split and the warps' layout).
+    SweepTarget("compressor", "compressor_pool", "_pool_meta", "bench_indexer",
+                ("compressor_pool_csa_m4_dh512", "compressor_pool_hca_m128_dh512",
+                 "compressor_pool_csa_m4_dh128", "compressor_pool_csa_m4_dh64_indexer",
+                 "compressor_pool_hca_m128_dh128"), _POOL, _pool_out, bits_may_differ=True),
 )}
 DEFAULT_KEYS = ("k4", "k6", "k9", "k14", "rmsnorm")
 

@@ -11,9 +11,9 @@ import triton
 from sgl_dspark.kernels._triton_utils import programmatic_launch
 from sgl_dspark.kernels.compressor_pool import (
     _STORAGE_CODES,
-    _TILE_ELEMS,
     _check_args,
     _compressor_pool_kernel,
+    _pool_meta,
 )
 
 
@@ -107,7 +107,6 @@ def launch_fused(
         return
     head_dim = norm_weight.shape[0]
     span = 2 * ratio if overlap else ratio
-    block_d = triton.next_power_of_2(head_dim)
     _compressor_pool_kernel[(programs,)](
         kv, score, state_kv, state_score, position_bias, norm_weight,
         positions, token_slot, token_prefix, req_to_token, entries, positions, cos, sin,
@@ -116,9 +115,7 @@ def launch_fused(
         state_score.stride(0), state_score.stride(1), position_bias.stride(0),
         req_to_token.stride(0), entries.stride(0), cos.stride(0),
         SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
-        BLOCK_D=block_d,
-        SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
-        FUSED=True, NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
+        **_pool_meta(head_dim, span), FUSED=True, NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
         BLOCK_W=triton.next_power_of_2(kv.shape[1]), ROW_LIST=rows is not None,
         RING_STORE=ring_store, POOL=pool, enable_fp_fusion=False,
         **programmatic_launch(_compressor_pool_kernel, kv.device),

@@ -37,6 +37,15 @@ _STORAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _TILE_ELEMS = 4096
 
 
+def _pool_meta(head_dim: int, span: int) -> dict[str, int]:
+    """Launch meta-parameters, a function of (Dh, span) only, so a row's bits never depend on
+    the batch (`benchmark/kernels/sweep_launch.py` overrides them): BLOCK_D, span slots per tile
+    (one tile: the single pass) and warps."""
+    block_d = triton.next_power_of_2(head_dim)
+    span_block = min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d))
+    return {"BLOCK_D": block_d, "SPAN_BLOCK": span_block, "num_warps": 4}
+
+
 class PooledEntries(NamedTuple):
     entries: torch.Tensor  # [T, Dh] kv dtype, un-rotated; zeros on rows that end no block
     slots: torch.Tensor    # [T] int64 entry slot; 0 (the dummy entry) on rows that end no block
@@ -393,8 +402,6 @@ def compressor_pool(
                          f"{out_slots.dtype} {tuple(out_slots.shape)}")
     if tokens == 0:
         return PooledEntries(out, out_slots)
-    span = 2 * ratio if overlap else ratio
-    block_d = triton.next_power_of_2(head_dim)
     _compressor_pool_kernel[(tokens,)](
         kv, score, state_kv, state_score, position_bias, norm_weight,
         positions, token_slot, token_prefix, req_to_token, out, out_slots, out, out,
@@ -402,10 +409,8 @@ def compressor_pool(
         kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
         state_score.stride(0), state_score.stride(1), position_bias.stride(0),
         req_to_token.stride(0), out.stride(0), 0,
-        SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
-        BLOCK_D=block_d,
-        SPAN_BLOCK=min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d)),
-        FUSED=False, NOPE_HALF=0, BLOCK_W=1, ROW_LIST=False, RING_STORE=False, POOL=True,
+        SPAN=2 * ratio if overlap else ratio, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
+        **_pool_meta(head_dim, 2 * ratio if overlap else ratio), FUSED=False, NOPE_HALF=0, BLOCK_W=1, ROW_LIST=False, RING_STORE=False, POOL=True,
         enable_fp_fusion=False, **programmatic_launch(_compressor_pool_kernel, kv.device),
     )
     return PooledEntries(out, out_slots)
