@@ -33,17 +33,21 @@ from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_produ
 from sgl_dspark.kernels._triton_utils import round_to_storage as _to_storage
 
 _STORAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Register budget of one program: a tile of SPAN_BLOCK span slots x Dh channels (fp32).
-_TILE_ELEMS = 4096
+# Register budget of one program: a tile of SPAN_BLOCK span slots x Dh channels (fp32), with 4
+# warps; a span that does not fit gets 8 warps and a 4x larger tile (the H200 sweep,
+# `sweeps/2026-11-30_s15_sweep_pool_5d26ea2.md`: HCA at Dh 128 in one pass, 35.7 -> 13.8 us).
+_TILE_ELEMS, _WIDE_TILE_ELEMS = 4096, 16384
 
 
 def _pool_meta(head_dim: int, span: int) -> dict[str, int]:
     """Launch meta-parameters, a function of (Dh, span) only, so a row's bits never depend on
     the batch (`benchmark/kernels/sweep_launch.py` overrides them): BLOCK_D, span slots per tile
     (one tile: the single pass) and warps."""
-    block_d = triton.next_power_of_2(head_dim)
-    span_block = min(triton.next_power_of_2(span), max(1, _TILE_ELEMS // block_d))
-    return {"BLOCK_D": block_d, "SPAN_BLOCK": span_block, "num_warps": 4}
+    block_d, span_p2 = triton.next_power_of_2(head_dim), triton.next_power_of_2(span)
+    if span_p2 * block_d <= _TILE_ELEMS:
+        return {"BLOCK_D": block_d, "SPAN_BLOCK": span_p2, "num_warps": 4}
+    span_block = min(span_p2, max(1, _WIDE_TILE_ELEMS // block_d))
+    return {"BLOCK_D": block_d, "SPAN_BLOCK": span_block, "num_warps": 8}
 
 
 class PooledEntries(NamedTuple):

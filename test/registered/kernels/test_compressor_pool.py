@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark.kernels.compressor_decode import compressor_decode, compressor_decode_ref
-from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
+from sgl_dspark.kernels.compressor_pool import _pool_meta, compressor_pool, compressor_pool_ref
 from sgl_dspark.kernels.rope import rope_tail
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -84,8 +84,15 @@ CASES = [
     ([14, 31, 0], [3, 1, 8], 24, 16, False),          # HCA-like; a request with no ring rows
     ([10, 3], [6, 7], 20, 3, True),                   # ratio not a power of two
     ([21, 6], [2, 5], 48, 1, True),                   # ratio 1: every row ends a block
-    ([250], [8], 72, 128, False),                     # m = 128: several span tiles
+    ([250], [8], 72, 128, False),                     # m = 128 in one (wide) tile
+    ([383, 120], [4, 9], 264, 128, False),            # m = 128 in several span tiles
 ]
+
+
+def test_cases_cover_the_one_pass_and_the_tiled_pooling() -> None:
+    tiles = {-(-(2 * r if ov else r) // _pool_meta(d, 2 * r if ov else r)["SPAN_BLOCK"])
+             for _p, _e, d, r, ov in CASES}
+    assert 1 in tiles and max(tiles) >= 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
