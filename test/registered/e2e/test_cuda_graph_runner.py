@@ -207,26 +207,41 @@ def test_plain_launches_above_the_programmatic_batch_limit(reference, spec_width
 @pytest.mark.parametrize("graphs", [False, True])
 def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
     """Single-request steps draft their own block size (the bs1 runtime) and verify its full
-    window; the last request decodes alone, so both runtimes run."""
+    window; the last request decodes alone, so both runtimes run. With graphs the all-greedy
+    steps are fused step graphs, the single-request ones at the bs1 runtime's width."""
+    from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
     from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
 
-    used: list[tuple[int, int]] = []
-    real = DSparkWorker.propose
+    used: list[tuple[int, int]] = []       # the worker's own steps: (requests, block size)
+    fused: list[tuple[int, int]] = []      # fused step graphs: (requests, verify width)
+    real, real_launch = DSparkWorker.propose, FusedGreedySteps.launch
 
     def spy(self, reqs, *args):
         used.append((len(reqs), args[-1]))
         return real(self, reqs, *args)
 
+    def spy_launch(self, width, host_rows, chained):
+        fused.append((len(host_rows[0]), width))
+        return real_launch(self, width, host_rows, chained)
+
     monkeypatch.setattr(DSparkWorker, "propose", spy)
+    monkeypatch.setattr(FusedGreedySteps, "launch", spy_launch)
     kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": 2,
           "speculative_dspark_bs1_block_size": 5}
     got, engine = _generate(6 if graphs else None, **kw)
     assert got == reference
-    assert (1, 5) in used and any(b > 1 and g == 2 for b, g in used)
     assert all(g == (5 if b == 1 else 2) for b, g in used)
+    assert all(w == (6 if b == 1 else 3) for b, w in fused)
+    steps = used + fused
+    assert any(b == 1 for b, _ in steps) and any(b > 1 for b, _ in steps)
     if graphs:
-        assert engine.scheduler.spec.draft_graphs_bs1 is not None
-        assert 6 in engine.scheduler.spec.graph_verify_widths()
+        spec = engine.scheduler.spec
+        assert spec.draft_graphs_bs1 is not None
+        assert 6 in spec.graph_verify_widths()
+        assert (1, 6) in fused   # the bs1 runtime ran as a fused step graph
+        assert spec.fused is not None and spec.fused.has(6, 1) and not spec.fused.has(3, 1)
+    else:
+        assert not fused and (1, 5) in used
 
 
 @pytest.mark.parametrize("overlap", [False, True])

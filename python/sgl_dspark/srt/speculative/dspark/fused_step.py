@@ -52,6 +52,9 @@ class FusedGreedySteps:
     `inputs` `[5, max_bs]` int64 holds, per request column: anchor, sequence length, request
     slot, verify length and simulated accept count. Padding columns are slot 0, length 0, verify
     length 0: they commit nothing, and their KV writes land in the reserved dummy slot 0.
+
+    With a bs1 runtime of its own block size (`gamma_bs1 != gamma`), bucket 1 has one graph
+    instead: that block size, verifying its full window (as the worker's own bs1 step).
     """
 
     def __init__(self, worker: DSparkWorker, widths: Sequence[int], batch_sizes: Sequence[int],
@@ -64,26 +67,36 @@ class FusedGreedySteps:
         self.inputs = torch.zeros(5, self.batch_sizes[-1], dtype=torch.int64, device=dev)
         self._graphs: dict[tuple[int, int], tuple[Graph, FusedStepOutput]] = {}
         self.replays = 0
+        self.bs1_width = worker.gamma_bs1 + 1 if worker.gamma_bs1 != worker.gamma else None
+        shapes = [(w, bs) for w in self.widths for bs in self.batch_sizes
+                  if bs != 1 or self.bs1_width is None]
+        if self.bs1_width is not None and 1 in self.batch_sizes:
+            shapes.append((self.bs1_width, 1))
         factory = graph_factory or make_graph_factory(dev)
         t0 = time.perf_counter()
         mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
-        for w in reversed(self.widths):
-            for bs in reversed(self.batch_sizes):
-                graph = factory()
-                run = functools.partial(self._step, w, bs)
-                with torch.inference_mode():
-                    warm_up(run, dev, bs)
-                    self.inputs.zero_()   # warm-up steps rewrote the state rows
-                    out = graph.capture(run, bs)
-                    self.inputs.zero_()
-                self._graphs[(w, bs)] = (graph, out)
+        for w, bs in sorted(shapes, reverse=True):   # the largest first: the pool is reused
+            graph = factory()
+            run = functools.partial(self._step, w, bs)
+            with torch.inference_mode():
+                warm_up(run, dev, bs)
+                self.inputs.zero_()   # warm-up steps rewrote the state rows
+                out = graph.capture(run, bs)
+                self.inputs.zero_()
+            self._graphs[(w, bs)] = (graph, out)
         mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
-        logger.info("Captured %d fused DSpark step graphs (widths %s x bs %s) in %.1f s, "
+        logger.info("Captured %d fused DSpark step graphs (widths %s x bs %s%s) in %.1f s, "
                     "+%.0f MiB reserved", len(self._graphs), self.widths, self.batch_sizes,
+                    "" if self.bs1_width is None else f"; bs 1: width {self.bs1_width}",
                     time.perf_counter() - t0, mem)
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= batch_size), None)
+
+    def has(self, width: int, batch_size: int) -> bool:
+        """Whether a graph runs `batch_size` requests at verify width `width`."""
+        bs = self.bucket_for(batch_size)
+        return bs is not None and (width, bs) in self._graphs
 
     def _step(self, w: int, bs: int) -> FusedStepOutput:
         """The captured region for `bs` columns and verify width `w`."""
@@ -91,7 +104,8 @@ class FusedGreedySteps:
         anchors, seq, slots, lens, forced = (self.inputs[i, :bs] for i in range(5))
         # A width-w step verifies w - 1 drafts: the Markov loop stops there (bs 1, width 4: 3
         # of the 7 steps, each a 16 MB read of the head at the mid model's vocabulary).
-        prop = worker._propose_greedy(worker.gamma, anchors, seq, slots, max(1, w - 1))
+        gamma = worker.gamma if bs != 1 or self.bs1_width is None else worker.gamma_bs1
+        prop = worker._propose_greedy(gamma, anchors, seq, slots, max(1, w - 1))
         verify_ids = torch.cat((anchors[:, None], prop.markov.drafts), dim=1)[:, :w]
         positions = seq[:, None] + torch.arange(w, device=seq.device)[None, :]
         pool = runner.req_pool
@@ -119,7 +133,7 @@ class FusedGreedySteps:
         """
         B = len(host_rows[0])
         bs = self.bucket_for(B)
-        assert bs is not None and width in self.widths, (B, width)
+        assert bs is not None and (width, bs) in self._graphs, (B, width)
         first = _SLOT if chained else _ANCHOR
         assert len(host_rows) == 5 - first
         # Columns beyond B are padding: zero in every row (their state rows stay zero, since a
@@ -151,15 +165,17 @@ def fused_width(worker: DSparkWorker, reqs: Sequence[Req], lag_width: int) -> in
     """
     fused = worker.fused
     B = len(reqs)
-    if fused is None or fused.bucket_for(B) is None or (B == 1 and worker.gamma_bs1 != worker.gamma):
-        return None   # the bs1 runtime drafts its own block size (the worker's own step)
-    if not all(r.params.is_greedy for r in reqs):
+    if fused is None or not all(r.params.is_greedy for r in reqs):
         return None
-    width = int(worker.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
-    if width not in fused.widths:
+    bs1 = B == 1 and fused.bs1_width is not None
+    # The bs1 runtime verifies its full window whatever the policy (the worker's own step).
+    width = fused.bs1_width if bs1 else int(
+        worker.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
+    if width is None or not fused.has(width, B):
         return None
     limit = worker.runner.req_pool.max_context_len
-    if any(r.kv_len + lag_width + max(width, worker.gamma) > limit for r in reqs):
+    gamma = worker.gamma_bs1 if bs1 else worker.gamma
+    if any(r.kv_len + lag_width + max(width, gamma) > limit for r in reqs):
         return None
     return width
 
