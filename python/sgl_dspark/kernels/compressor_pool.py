@@ -252,8 +252,8 @@ def _compressor_pool_kernel(
     # torch's softmax over the span: the weights are normalised and rounded to the kv dtype
     # before they meet kv.
     if SPAN <= SPAN_BLOCK:
-        # One tile (a CSA span, 2m = 8): every load in one round trip, one pass. The same
-        # arithmetic as the passes below with one tile (max, sum of exp, weighted sum).
+        # One tile (every CSA span; an HCA span in the wide tile up to Dh 128): every load in
+        # one round trip, one pass. The passes below with one tile do the same arithmetic.
         sc = _span_logits(0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
                           score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
                           bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)

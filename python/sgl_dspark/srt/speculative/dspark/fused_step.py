@@ -171,7 +171,8 @@ def fused_width(worker: DSparkWorker, reqs: Sequence[Req], lag_width: int) -> in
     # The bs1 runtime verifies its full window whatever the policy (the worker's own step).
     width = fused.bs1_width if bs1 else int(
         worker.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
-    if width is None or not fused.has(width, B):
+    # (A bs1 step runs only as bucket 1's own graph, never padded into another bucket's.)
+    if width is None or not fused.has(width, B) or (bs1 and fused.bucket_for(1) != 1):
         return None
     limit = worker.runner.req_pool.max_context_len
     gamma = worker.gamma_bs1 if bs1 else worker.gamma
