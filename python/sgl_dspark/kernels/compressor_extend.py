@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_dspark.kernels.compressor_decode import check_fused_args, launch_fused
-from sgl_dspark.kernels.compressor_pool import compressor_pool_ref
+from sgl_dspark.kernels.compressor_decode import check_fused_args
+from sgl_dspark.kernels.compressor_pool import compressor_pool_ref, launch_fused
 
 
 def compressor_extend_ref(

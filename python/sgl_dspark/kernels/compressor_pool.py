@@ -418,3 +418,34 @@ def compressor_pool(
         enable_fp_fusion=False, **programmatic_launch(_compressor_pool_kernel, kv.device),
     )
     return PooledEntries(out, out_slots)
+
+
+def launch_fused(
+    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
+    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
+    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
+    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    entries: torch.Tensor, *, rows: torch.Tensor | None, ring_store: bool, pool: bool,
+) -> None:
+    """One FUSED launch (arguments checked by `compressor_decode.check_fused_args`) over every
+    row, or over the rows listed in `rows` (int64 [n], contiguous): the ring store and/or the
+    pooled entry. Launched here, beside the kernel, so that a test that swaps the module's
+    kernel (`gpu_targets_check.py`'s recorder) swaps this launch too."""
+    programs = kv.shape[0] if rows is None else rows.shape[0]
+    if programs == 0:
+        return
+    head_dim = norm_weight.shape[0]
+    span = 2 * ratio if overlap else ratio
+    _compressor_pool_kernel[(programs,)](
+        kv, score, state_kv, state_score, position_bias, norm_weight,
+        positions, token_slot, token_prefix, req_to_token, entries, positions, cos, sin,
+        positions if rows is None else rows, head_dim, ratio, state_kv.shape[1], eps,
+        kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
+        state_score.stride(0), state_score.stride(1), position_bias.stride(0),
+        req_to_token.stride(0), entries.stride(0), cos.stride(0),
+        SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype],
+        **_pool_meta(head_dim, span), FUSED=True, NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
+        BLOCK_W=triton.next_power_of_2(kv.shape[1]), ROW_LIST=rows is not None,
+        RING_STORE=ring_store, POOL=pool, enable_fp_fusion=False,
+        **programmatic_launch(_compressor_pool_kernel, kv.device),
+    )
