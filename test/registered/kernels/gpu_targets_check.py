@@ -40,8 +40,6 @@ _KERNEL_MODULES = ("activation", "compressor_pool", "draft_attention", "draft_in
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
 _HEAVY_BENCH_CASES = ("fused_moe stage 1", "K4 as stage-2 epilogue")
-# Benchmark cases whose kernel is the benchmark's own, not the library's (no recorder for it).
-_BENCH_ONLY_KERNEL_CASES = ("launch_floor",)
 
 
 class _Recorder:
@@ -315,21 +313,26 @@ CASES = {
 
 def record_all_kernels() -> dict[str, _Recorder]:
     """Replace every `*_kernel` JIT function of the kernel modules by a recorder."""
-    from triton.runtime.jit import JITFunction
-
-    recs = {}
+    recs: dict[str, _Recorder] = {}
     for m in _KERNEL_MODULES:
-        mod = importlib.import_module(f"sgl_dspark.kernels.{m}")
-        for name, obj in list(vars(mod).items()):
-            if isinstance(obj, JITFunction) and name.endswith("_kernel"):
-                recs[f"{m}.{name}"] = _Recorder(obj)
-                setattr(mod, name, recs[f"{m}.{name}"])
+        _record_module(importlib.import_module(f"sgl_dspark.kernels.{m}"), m, recs)
     return recs
 
 
-def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
+def _record_module(mod, label: str, recs: dict[str, _Recorder]) -> None:
+    """Swap the module's `*_kernel` JIT functions for recorders, added to `recs`."""
+    from triton.runtime.jit import JITFunction
+
+    for name, obj in list(vars(mod).items()):
+        if isinstance(obj, JITFunction) and name.endswith("_kernel"):
+            recs[f"{label}.{name}"] = _Recorder(obj)
+            setattr(mod, name, recs[f"{label}.{name}"])
+
+
+def bench_launches(recs: dict[str, _Recorder], m_values: tuple[int, ...] = (1, 32)) -> list[str]:
     """Call every launcher of `benchmark/kernels` (DeepSeek-V4-Flash shapes) at these M, with
-    the kernels recording; returns the case names that ran."""
+    the kernels recording (a benchmark module's own kernels too, added to `recs`); returns the
+    case names that ran."""
     import sys
     from pathlib import Path
 
@@ -338,9 +341,10 @@ def bench_launches(m_values: tuple[int, ...] = (1, 32)) -> list[str]:
 
     ran = []
     for modname in MODULES:
-        for case in importlib.import_module(modname).CASES:
-            if any(case["name"].startswith(h)
-                   for h in _HEAVY_BENCH_CASES + _BENCH_ONLY_KERNEL_CASES):
+        mod = importlib.import_module(modname)
+        _record_module(mod, modname.rsplit(".", 1)[-1], recs)
+        for case in mod.CASES:
+            if any(case["name"].startswith(h) for h in _HEAVY_BENCH_CASES):
                 continue
             for m in m_values:
                 case["launcher"](**case["make_inputs"](m, "cpu"))
@@ -411,7 +415,7 @@ def main(names: list[str]) -> int:
         recs = record_all_kernels()
         for case in sorted(CASES):
             CASES[case][2]()
-        print(f"ran {len(bench_launches())} benchmark launches", flush=True)
+        print(f"ran {len(bench_launches(recs))} benchmark launches", flush=True)
         failed = 0
         try:
             print("\n".join(check_programmatic_launch(recs)), flush=True)

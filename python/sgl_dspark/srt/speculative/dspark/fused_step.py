@@ -94,8 +94,10 @@ class FusedGreedySteps:
         return next((b for b in self.batch_sizes if b >= batch_size), None)
 
     def has(self, width: int, batch_size: int) -> bool:
-        """Whether a graph runs `batch_size` requests at verify width `width`."""
-        bs = self.bucket_for(batch_size)
+        """Whether a graph runs `batch_size` requests at verify width `width`. A bs1-runtime
+        step runs only as bucket 1's own graph, never padded into a larger bucket's (which
+        drafts the main block size)."""
+        bs = 1 if batch_size == 1 and self.bs1_width is not None else self.bucket_for(batch_size)
         return bs is not None and (width, bs) in self._graphs
 
     def _step(self, w: int, bs: int) -> FusedStepOutput:
@@ -171,8 +173,7 @@ def fused_width(worker: DSparkWorker, reqs: Sequence[Req], lag_width: int) -> in
     # The bs1 runtime verifies its full window whatever the policy (the worker's own step).
     width = fused.bs1_width if bs1 else int(
         worker.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
-    # (A bs1 step runs only as bucket 1's own graph, never padded into another bucket's.)
-    if width is None or not fused.has(width, B) or (bs1 and fused.bucket_for(1) != 1):
+    if width is None or not fused.has(width, B):
         return None
     limit = worker.runner.req_pool.max_context_len
     gamma = worker.gamma_bs1 if bs1 else worker.gamma
