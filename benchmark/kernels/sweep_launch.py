@@ -130,13 +130,23 @@ _NORM_HEADS = (
 )
 
 # Compressor pooling: warps, and span slots per tile (SPAN_BLOCK >= span: the one-pass path).
+def _quarter(key: str) -> Callable[[Meta], int]:
+    return lambda d: max(1, d[key] // 4)
+
+
+def _wider_channels(d: Meta) -> int:
+    return min(d["BLOCK_D"], d["BLOCK_C"] * 2)   # a program's channels never exceed the row
+
+
+# BLOCK_C below BLOCK_D splits a row's channels over programs; SPAN_BLOCK x BLOCK_C is one
+# program's tile.
 _POOL = (
-    {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8}, {"num_warps": 16},
-    {"SPAN_BLOCK": _half("SPAN_BLOCK")}, {"SPAN_BLOCK": _double("SPAN_BLOCK")},
-    {"SPAN_BLOCK": _double("SPAN_BLOCK"), "num_warps": 8},
-    {"SPAN_BLOCK": _times4("SPAN_BLOCK"), "num_warps": 8},
-    {"SPAN_BLOCK": _times4("SPAN_BLOCK"), "num_warps": 16},
-    {"SPAN_BLOCK": _times16("SPAN_BLOCK"), "num_warps": 16},
+    {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8},
+    {"BLOCK_C": _half("BLOCK_C")}, {"BLOCK_C": _quarter("BLOCK_C")},
+    {"BLOCK_C": _half("BLOCK_C"), "num_warps": 2}, {"BLOCK_C": _quarter("BLOCK_C"), "num_warps": 2},
+    {"BLOCK_C": _half("BLOCK_C"), "SPAN_BLOCK": _double("SPAN_BLOCK")},
+    {"BLOCK_C": _wider_channels, "SPAN_BLOCK": _half("SPAN_BLOCK")},
+    {"SPAN_BLOCK": _half("SPAN_BLOCK")}, {"SPAN_BLOCK": _half("SPAN_BLOCK"), "num_warps": 2},
 )
 
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from sgl_dspark.kernels.compressor_pool import _check_args, launch_fused
+from sgl_dspark.kernels._checks import check_compressor_args
+from sgl_dspark.kernels.compressor_pool import launch_fused
 
 
 def compressor_decode_ref(
@@ -41,7 +42,7 @@ def compressor_decode(
     position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
     token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
     ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor,
+    entries: torch.Tensor, *, counters: torch.Tensor | None = None,
 ) -> None:
     """`compressor_decode_ref` in one launch (pooling, RoPE, entry store and ring store fused).
 
@@ -49,14 +50,17 @@ def compressor_decode(
     row stride) at each row's block start, and the entry pool `entries` `[slots, Dh]` of kv's
     dtype with unit channel stride. The state rings must hold R >= span + (rows of one request
     in this forward) rows (the pool's sizing), so that no ring row written here is read by
-    another row's span. Exactness: the entry as `compressor_pool` (X2) followed by
+    another row's span. `counters`: int32 `[>= slots]`, zeroed once and then left zero by every
+    launch: the entries' arrival counters when a row's channels are split over programs (a span
+    x Dh beyond one program's tile, e.g. HCA); zeroed per call (a memset) when omitted.
+    Exactness: the entry as `compressor_pool` (X2) followed by
     `kernels/rope.py` (bit for bit); the ring rows are copies.
     """
     check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
                      token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)
     launch_fused(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
                  token_slot, token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries,
-                 rows=None, ring_store=True, pool=True)
+                 rows=None, ring_store=True, pool=True, counters=counters)
 
 
 def check_fused_args(
@@ -65,9 +69,9 @@ def check_fused_args(
     token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
     ratio: int, overlap: bool, cos: torch.Tensor, sin: torch.Tensor, entries: torch.Tensor,
 ) -> None:
-    """`_check_args` plus the entry pool and the rope tables of the fused launchers (decode,
+    """`check_compressor_args` plus the entry pool and the rope tables of the fused launchers (decode,
     `compressor_extend.py`)."""
-    tokens, head_dim = _check_args(kv, score, state_kv, state_score, position_bias,
+    tokens, head_dim = check_compressor_args(kv, score, state_kv, state_score, position_bias,
                                    norm_weight, positions, token_slot, token_prefix,
                                    req_to_token, ratio, overlap)
     if (entries.dim() != 2 or entries.shape[1] != head_dim or entries.dtype != kv.dtype

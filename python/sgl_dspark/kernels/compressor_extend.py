@@ -51,13 +51,14 @@ def compressor_extend(
     position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
     token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
     ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor, block_end_rows: torch.Tensor, ring_rows: torch.Tensor,
+    entries: torch.Tensor, block_end_rows: torch.Tensor, ring_rows: torch.Tensor, *,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """`compressor_extend_ref` in two launches (pool + rope + entry store over the block-end rows,
     then the ring store over the ring rows). Layouts as `compressor_decode`; the row lists are
     contiguous int64 `[n]` on kv's device, block-end rows must end a block ((pos + 1) % m == 0;
-    others are skipped), -1 entries are skipped. Exactness: entries X2 against the reference (as `compressor_decode`),
-    ring rows copied."""
+    others are skipped), -1 entries are skipped; `counters` as `compressor_decode`'s. Exactness:
+    entries X2 against the reference (as `compressor_decode`), ring rows copied."""
     check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
                      token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)
     for name, rows in (("block_end_rows", block_end_rows), ("ring_rows", ring_rows)):
@@ -67,5 +68,5 @@ def compressor_extend(
                              f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")
     args = (kv, score, state_kv, state_score, position_bias, norm_weight, positions, token_slot,
             token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries)
-    launch_fused(*args, rows=block_end_rows, ring_store=False, pool=True)
-    launch_fused(*args, rows=ring_rows, ring_store=True, pool=False)
+    launch_fused(*args, rows=block_end_rows, ring_store=False, pool=True, counters=counters)
+    launch_fused(*args, rows=ring_rows, ring_store=True, pool=False, counters=None)

@@ -9,13 +9,22 @@ the norm can spread to at most ~2 ulps (same for fp16). Entry slots are exact.
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from sgl_dspark.kernels.compressor_decode import compressor_decode, compressor_decode_ref
-from sgl_dspark.kernels.compressor_pool import _pool_meta, compressor_pool, compressor_pool_ref
+from sgl_dspark.kernels.compressor_pool import (
+    _channel_blocks,
+    _pool_meta,
+    compressor_pool,
+    compressor_pool_ref,
+)
 from sgl_dspark.kernels.rope import rope_tail
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# The module, not `sgl_dspark.kernels.compressor_pool` (the package re-exports the function).
+pool_module = importlib.import_module("sgl_dspark.kernels.compressor_pool")
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -24,11 +33,12 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _inputs(prefix_lens, extends, head_dim, ratio, overlap, dtype, seed, max_verify=8, page=16):
+def _inputs(prefix_lens, extends, head_dim, ratio, overlap, dtype, seed, max_verify=8, page=None):
     """A decode/verify forward over random pages, with state rings as the runtime leaves them:
     ring rows of positions [prefix - R, prefix) hold earlier rows; every other ring row (stale,
     or never written because the request is young) is NaN, so reading one would show."""
     gen = torch.Generator().manual_seed(seed)
+    page = page or max(16, ratio)   # pages hold whole blocks, as the runtime's
     width = 2 * head_dim if overlap else head_dim
     span = 2 * ratio if overlap else ratio
     ring = _next_pow2(span + max_verify)
@@ -84,15 +94,28 @@ CASES = [
     ([14, 31, 0], [3, 1, 8], 24, 16, False),          # HCA-like; a request with no ring rows
     ([10, 3], [6, 7], 20, 3, True),                   # ratio not a power of two
     ([21, 6], [2, 5], 48, 1, True),                   # ratio 1: every row ends a block
-    ([250], [8], 72, 128, False),                     # m = 128 in one (wide) tile
-    ([383, 120], [4, 9], 264, 128, False),            # m = 128 in several span tiles
+    ([250], [8], 72, 128, False),                     # m = 128: channels split over programs
+    ([383, 120], [4, 9], 264, 128, False),            # m = 128, Dh not a power of two, split
+    ([1020, 511], [6, 3], 24, 512, False),            # m = 512: split and two span tiles
 ]
 
 
-def test_cases_cover_the_one_pass_and_the_tiled_pooling() -> None:
-    tiles = {-(-(2 * r if ov else r) // _pool_meta(d, 2 * r if ov else r)["SPAN_BLOCK"])
-             for _p, _e, d, r, ov in CASES}
-    assert 1 in tiles and max(tiles) >= 3
+def _layout(head_dim: int, ratio: int, overlap: bool) -> tuple[int, int]:
+    """(span tiles, programs per row) of the default launch."""
+    span = 2 * ratio if overlap else ratio
+    meta = _pool_meta(head_dim, span)
+    return -(-span // meta["SPAN_BLOCK"]), _channel_blocks(meta, head_dim)
+
+
+def test_cases_cover_the_one_pass_the_tiled_and_the_split_pooling() -> None:
+    layouts = {_layout(d, r, ov) for _p, _e, d, r, ov in CASES}
+    assert (1, 1) in layouts                                # one program, one pass
+    assert any(t == 1 and p > 1 for t, p in layouts)        # split channels, one pass
+    assert any(t > 1 and p > 1 for t, p in layouts)         # split channels, span tiles
+    # The benchmark model's and DSV4-Flash's HCA rows are split (one program per row over
+    # 128 x Dh was latency-bound), their CSA rows are not.
+    assert _layout(128, 128, False)[1] > 1 and _layout(512, 128, False)[1] > 1
+    assert _layout(128, 4, True) == (1, 1) and _layout(512, 4, True) == (1, 1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -196,6 +219,72 @@ def test_fused_decode_matches_reference(index: int, dtype: torch.dtype) -> None:
     assert _same_bits(got_entries[pooled.slots[ends]], composed[ends])
 
 
+def _unsplit_meta(head_dim: int, span: int) -> dict[str, int]:
+    meta = dict(_pool_meta(head_dim, span))
+    meta["BLOCK_C"] = meta["BLOCK_D"]
+    meta["SPAN_BLOCK"] = min(meta["SPAN_BLOCK"], 4096 // meta["BLOCK_D"])
+    return meta
+
+
+@pytest.mark.parametrize("index", [i for i, c in enumerate(CASES) if _layout(*c[2:])[1] > 1])
+def test_split_rows_round_trip_exactly(index: int, monkeypatch) -> None:
+    """A split row's programs store kv-dtype values and the last arrival norms what they
+    stored, so the entries equal one program's per row with the same span tiles (in the
+    interpreter, whose per-channel sums do not depend on the tile's width; compiled, the tile
+    shape may change the sums' order: X2, as against the reference)."""
+    prefix, extends, head_dim, ratio, overlap = CASES[index]
+    inputs = _inputs(prefix, extends, head_dim, ratio, overlap, torch.bfloat16, seed=60 + index)
+    counters = torch.zeros(len(inputs["positions"]), dtype=torch.int32, device=DEVICE)
+    split = compressor_pool(**inputs, counters=counters)
+    assert (counters == 0).all()                               # left as found
+    span = 2 * ratio if overlap else ratio
+    same_tiles = _pool_meta(head_dim, span)["SPAN_BLOCK"]
+    monkeypatch.setattr(pool_module, "_pool_meta", lambda d, s: {
+        **_unsplit_meta(d, s), "SPAN_BLOCK": same_tiles})
+    whole = compressor_pool(**inputs)
+    assert torch.equal(split.slots, whole.slots)
+    if DEVICE == "cpu":
+        assert _same_bits(split.entries, whole.entries)
+    else:
+        _check(split, whole, torch.bfloat16)
+
+
+def test_split_counters_survive_rows_sharing_the_dummy_entry() -> None:
+    """Padding rows (request slot 0, whose pages are the dummy page) that end a block all pool
+    into entry 0 in one launch: their arrivals interleave on one counter, which every launch
+    still leaves at zero, and the real rows' entries are unaffected."""
+    inputs = _inputs([250, 120], [8, 8], 72, 128, False, torch.float32, seed=7)
+    assert _layout(72, 128, False)[1] > 1
+    pad = 3
+    for key, fill in (("positions", 127), ("token_slot", 0), ("token_prefix", 127)):
+        inputs[key] = torch.cat((inputs[key], torch.full((pad,), fill, device=DEVICE)))
+    for key in ("kv", "score"):
+        inputs[key] = torch.cat((inputs[key], torch.randn(pad, inputs[key].shape[1],
+                                                          device=DEVICE)))
+    assert (inputs["req_to_token"][0] == 0).all()
+    for key in ("state_kv", "state_score"):   # the dummy request's ring: stale but finite
+        inputs[key][0] = torch.randn(inputs[key][0].shape, device=DEVICE)
+    rope_half = 18
+    cos, sin = _rope_rows(inputs["positions"] - 127, rope_half)
+    n_slots = int(inputs["req_to_token"].max()) // 128 + 1
+    counters = torch.zeros(n_slots + 5, dtype=torch.int32, device=DEVICE)
+    for _ in range(2):
+        want_entries = torch.full((n_slots, 72), float("nan"), device=DEVICE)
+        compressor_decode_ref(**{**inputs, "state_kv": inputs["state_kv"].clone(),
+                                 "state_score": inputs["state_score"].clone()},
+                              cos=cos, sin=sin, entries=want_entries)
+        got_entries = torch.full((n_slots, 72), float("nan"), device=DEVICE)
+        compressor_decode(**{**inputs, "state_kv": inputs["state_kv"].clone(),
+                             "state_score": inputs["state_score"].clone()},
+                          cos=cos, sin=sin, entries=got_entries, counters=counters)
+        assert (counters == 0).all()
+        real = ~torch.isnan(want_entries).any(dim=1)
+        real[0] = False
+        assert real.sum() == 2
+        torch.testing.assert_close(got_entries[real], want_entries[real], rtol=1e-5, atol=1e-5)
+        assert torch.isfinite(got_entries[0]).all()           # the dummy: some padding row's
+
+
 def test_fused_decode_bad_inputs() -> None:
     inputs = _inputs([6], [2], 16, 4, True, torch.float32, seed=2)
     cos, sin = _rope_rows(inputs["positions"], 4)
@@ -208,3 +297,7 @@ def test_fused_decode_bad_inputs() -> None:
         compressor_decode(**{**inputs, "state_kv": inputs["state_kv"][:, :4],
                              "state_score": inputs["state_score"][:, :4]},
                           cos=cos, sin=sin, entries=entries)
+    for bad in (torch.zeros(63, dtype=torch.int32), torch.zeros(64, dtype=torch.int64)):
+        with pytest.raises(ValueError, match="counters"):
+            compressor_decode(**inputs, cos=cos, sin=sin, entries=entries,
+                              counters=bad.to(DEVICE))

@@ -9,6 +9,8 @@ test_compressor_pool.py), so the end-to-end check compares greedy tokens plus a 
 
 from __future__ import annotations
 
+import importlib
+
 import pytest
 import torch
 from sgl_dspark.kernels.compressor_decode import compressor_decode
@@ -33,6 +35,17 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 TORCH, TRITON = KernelChoice("torch"), KernelChoice("torch", (("indexer", "triton"),))
+_POOL_MODULE = importlib.import_module("sgl_dspark.kernels.compressor_pool")
+
+
+def _force_split(monkeypatch: pytest.MonkeyPatch, split: bool) -> None:
+    """With `split`, the pooling kernel splits every row's channels over 16-wide programs (the
+    last arrival norms the row), so these small shapes take the path of wide HCA rows."""
+    if not split:
+        return
+    default = _POOL_MODULE._pool_meta
+    monkeypatch.setattr(_POOL_MODULE, "_pool_meta",
+                        lambda d, s: {**default(d, s), "BLOCK_C": 16, "SPAN_BLOCK": 16})
 
 
 def test_choice_binds_implementations() -> None:
@@ -104,20 +117,26 @@ def _both_choices(batch: ForwardBatch, state0: CompressorState, x: torch.Tensor,
         comp = comp.to(dtype).to(DEVICE)
         comp.position_bias.data = comp.position_bias.data.float()  # fp32, as the runner keeps it
         comp.kv_norm.weight.data = comp.kv_norm.weight.data.float()
-        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE))
         entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype,
                              device=DEVICE)
+        counters = torch.zeros(entries.shape[0], dtype=torch.int32, device=DEVICE)
+        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE),
+                                counters)
         _compress(comp, batch, state, entries, x.to(DEVICE), inv_freq)
+        assert (counters == 0).all()   # the kernel leaves its arrival counters as it found them
         results[name] = (entries, state, comp)
     return results
 
 
-@pytest.mark.parametrize("overlap, ratio", [(True, 4), (False, 16)])
+@pytest.mark.parametrize("overlap, ratio, split",
+                         [(True, 4, False), (False, 16, False), (True, 4, True), (False, 16, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compressor_decode_branch(overlap: bool, ratio: int, dtype: torch.dtype) -> None:
+def test_compressor_decode_branch(overlap: bool, ratio: int, split: bool, dtype: torch.dtype,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """The torch decode branch equals `compressor_pool_ref` (+ rope) bit for bit on the rows
     that end a block; the Triton binding writes the same entries within X2 tolerance and leaves
-    the same ring."""
+    the same ring (also with each row's channels split over programs)."""
+    _force_split(monkeypatch, split)
     gen = torch.Generator().manual_seed(11 + ratio)
     hidden, head_dim = 48, 32
     batch = _batch(ForwardMode.VERIFY, [13, 46, 2, 27], [3, 2, 2, 5], gen)
@@ -150,14 +169,17 @@ def test_compressor_decode_branch(overlap: bool, ratio: int, dtype: torch.dtype)
     assert torch.equal(got_state.kv, state.kv) and torch.equal(got_state.score, state.score)
 
 
-@pytest.mark.parametrize("overlap, ratio", [(True, 4), (False, 16)])
+@pytest.mark.parametrize("overlap, ratio, split",
+                         [(True, 4, False), (False, 16, False), (True, 4, True), (False, 16, True)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compressor_extend_branch(overlap: bool, ratio: int, dtype: torch.dtype) -> None:
+def test_compressor_extend_branch(overlap: bool, ratio: int, split: bool, dtype: torch.dtype,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """Prefill chunks longer than the ring, some after a prefix whose ring rows they read: the
     torch branch (block-end and ring rows listed from host lengths, no device read) equals
     `compressor_pool_ref` (+ rope) bit for bit on the block ends and leaves exactly the last R
     rows of each request in the ring; the Triton binding (`compressor_extend`) writes the same
-    entries within X2 tolerance and the same ring."""
+    entries within X2 tolerance and the same ring (also with each row's channels split)."""
+    _force_split(monkeypatch, split)
     gen = torch.Generator().manual_seed(21 + ratio)
     hidden, head_dim, ring = 48, 32, 32
     batch = _batch(ForwardMode.EXTEND, [0, 21, 40, 3], [37, 50, 19, 2], gen)
@@ -253,15 +275,12 @@ def test_tiny_model_greedy_tokens_match_torch() -> None:
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32, reordered sums
 
 
-def test_large_pooling_tiles_keep_the_torch_pooling() -> None:
-    # One program per row over span x head_dim: HCA m 128 at Dh 512 is 18x slower than the torch
-    # code on an H200 (benchmark/results/kernels.md), so such compressors bind no kernel.
-    def bound(ratio: int, head_dim: int, overlap: bool) -> bool:
+def test_every_pooling_shape_binds_the_kernel() -> None:
+    # Wide rows (HCA m 128 at Dh 512) split their channels over programs instead of keeping
+    # the torch pooling, as they did while one program pooled a whole row.
+    for ratio, head_dim, overlap in ((4, 512, True), (128, 128, False), (128, 512, False)):
         comp = BlockCompressor(64, head_dim, ratio, overlap, 1e-6, kernels=TRITON)
-        return comp._decode_step is not None
-
-    assert bound(4, 512, True) and bound(128, 128, False)
-    assert not bound(128, 512, False)
+        assert comp._decode_step is not None and comp._extend_step is not None
     assert not BlockCompressor(64, 32, 4, True, 1e-6, kernels=TORCH)._decode_step
 
 

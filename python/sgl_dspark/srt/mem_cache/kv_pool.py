@@ -7,7 +7,9 @@ Per layer:
 * CSA indexer keys `[num_slots // m, Di]`, same addressing;
 * compressor state rings `[req_slots, R, width]` of raw (kv, gate) rows of the last R positions
   (position p at row p % R), for the compressor and the indexer. R covers the 2m (CSA) or m (HCA)
-  rows a block needs plus the rows a rejected verify can overwrite.
+  rows a block needs plus the rows a rejected verify can overwrite;
+* per compressor, int32 arrival counters `[num_slots // m]`, one per entry, for the pooling
+  kernel when it splits a wide entry's channels over programs (zero between launches).
 
 Rollback is free: everything is addressed by position, readers only read positions below their
 own, and rejected positions are rewritten when real tokens reach them.
@@ -30,6 +32,8 @@ def _next_pow2(x: int) -> int:
 class CompressorState:
     kv: torch.Tensor     # [req_slots, R, width]
     score: torch.Tensor  # [req_slots, R, width]
+    # [entries] int32, zero; None: a kernel that needs them zeroes its own per call
+    entry_counters: torch.Tensor | None = None
 
     @property
     def ring(self) -> int:
@@ -65,10 +69,11 @@ class DeepseekV4KVPool:
             ring = _next_pow2(span + max_verify_tokens)
             width = 2 * dh if overlap else dh
 
-            def state(w: int, ring: int = ring) -> CompressorState:
+            def state(w: int, ring: int = ring, entries: int = num_slots // m) -> CompressorState:
                 return CompressorState(
                     kv=torch.zeros(req_slots, ring, w, dtype=dtype, device=device),
                     score=torch.zeros(req_slots, ring, w, dtype=dtype, device=device),
+                    entry_counters=torch.zeros(entries, dtype=torch.int32, device=device),
                 )
 
             layer = LayerKV(
@@ -84,14 +89,15 @@ class DeepseekV4KVPool:
 
     @staticmethod
     def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> float:
-        """Device bytes per token slot (window KV + amortised compressed entries)."""
+        """Device bytes per token slot (window KV + amortised compressed entries and their
+        arrival counters)."""
         elem = torch.empty(0, dtype=dtype).element_size()
         total = 0.0
         for i, lt in enumerate(cfg.layer_types):
-            total += cfg.head_dim
+            total += cfg.head_dim * elem
             if lt in (CSA, HCA):
                 m = cfg.compress_ratio(i)
-                total += cfg.head_dim / m
+                total += (cfg.head_dim * elem + 4) / m
                 if lt == CSA:
-                    total += cfg.index_head_dim / m
-        return total * elem
+                    total += (cfg.index_head_dim * elem + 4) / m
+        return total

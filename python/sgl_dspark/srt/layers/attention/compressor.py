@@ -111,22 +111,14 @@ def index_topk_torch(scores: torch.Tensor, visible: torch.Tensor,
     return torch.where(valid, top, torch.zeros_like(top)), valid
 
 
-_MAX_POOL_TILE = 16384
-
-
 class BlockCompressor(nn.Module):
     """Parameters `kv_proj`, `gate_proj`, `position_bias`, `kv_norm` (HF names)."""
 
     def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool,
                  eps: float, *, kernels: KernelChoice) -> None:
         super().__init__()
-        span = 2 * ratio if overlap else ratio
-        # The Triton pooling runs one program per row over the whole span x head_dim tile; past
-        # _MAX_POOL_TILE elements (HCA m 128 at Dh 512: 145 us against 8 us for the torch code
-        # on an H200, benchmark/results/kernels.md) this compressor keeps the torch pooling.
-        fits = span * head_dim <= _MAX_POOL_TILE
-        self._decode_step = decode_step_impl(kernels) if fits else None
-        self._extend_step = extend_step_impl(kernels) if fits else None
+        self._decode_step = decode_step_impl(kernels)
+        self._extend_step = extend_step_impl(kernels)
         width = 2 * head_dim if overlap else head_dim
         self.head_dim = head_dim
         self.ratio = ratio
@@ -153,7 +145,8 @@ class BlockCompressor(nn.Module):
             rows = (batch.block_end_rows(m), batch.last_rows(state.ring)) if extend else ()
             step(kv, score, state.kv, state.score, self.position_bias, self.kv_norm.weight,
                  batch.positions, slot_tok, batch.token_prefix_lens(), batch.req_to_token, m,
-                 self.overlap, self.kv_norm.eps, cos, sin, entries, *rows)
+                 self.overlap, self.kv_norm.eps, cos, sin, entries, *rows,
+                 counters=state.entry_counters)
             return
         self._emit_entries_torch(kv, score, batch, state, entries, rope, slot_tok)
         # Only the last `ring` positions of each request are kept, so no two rows of one
