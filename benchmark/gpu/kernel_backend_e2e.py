@@ -162,6 +162,9 @@ def main() -> None:
     p.add_argument("--tiny-new-tokens", type=int, default=48)
     p.add_argument("--config", default="dsv4_flash_slice", choices=sorted(BENCH_CONFIGS))
     p.add_argument("--skip-random-model", action="store_true")
+    p.add_argument("--random-prompt-len", type=int, default=12,
+                   help="first prompt's length (the others 3, 6, 9 longer); >= 113 puts HCA "
+                        "block ends (every 128 positions) in the decode steps")
     p.add_argument("--random-dtypes", default="float32,bfloat16",
                    help="fp32: the exactness gate (numeric differences ~1e-6 cannot flip a "
                         "greedy choice unless two logits tie); bf16: flips at near-ties are "
@@ -178,7 +181,7 @@ def main() -> None:
         cfg = ModelConfig.from_hf_dict(BENCH_CONFIGS[a.config])
         for dtype in a.random_dtypes.split(","):
             result["cases"][f"{a.config}_{dtype}"] = random_model_case(
-                cfg, a.device, dtype, bs=4, prompt_len=12, steps=16)
+                cfg, a.device, dtype, bs=4, prompt_len=a.random_prompt_len, steps=16)
             gc.collect()
             torch.cuda.empty_cache()
     # bf16 random-model flips are numerics at near-ties (reported, with gaps), not wiring bugs;
