@@ -11,6 +11,11 @@ check, bytes_moved(M)). M = bs * w token rows, mapped to (bs, w) as in the shape
     part of it); CSA m = 4 with overlap (rows of 2*512) and HCA m = 128 (rows of 512). Every
     request's last row ends a block (one entry per request per step, the most a w <= m step
     emits), the other rows are candidates that write the dummy entry. bf16 rows, fp32 bias.
+  * decode step (`compressor_decode`, the engine's call: pooling + RoPE + entry store + ring
+    store in one launch) at the HCA shapes, in a step where every request's last row ends a
+    block and in a "steady" step one position earlier, where no row does (127 of 128 steps of
+    an HCA layer): its reference is the same chain with the block-end writes masked instead
+    of selected, so it needs no host sync and can be graph-captured.
 The top-k that follows the indexer stays `torch.topk` and is not part of these cases.
 """
 
@@ -19,14 +24,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from sgl_dspark.kernels.compressor_decode import compressor_decode
 from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
 from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
+from sgl_dspark.kernels.rope import rope_tail_ref
 
 INDEX_HEADS, INDEX_DIM, CSA_RATIO = 64, 128, 4
 CONTEXT = 8192
 N_MAX = CONTEXT // CSA_RATIO  # 2048
 HEAD_DIM, HCA_RATIO = 512, 128
 MAX_VERIFY = 16  # ring rows beyond the span, as DeepseekV4KVPool sizes them
+ROPE_DIM = 64
 PAGE = 128       # a multiple of both compress ratios
 M_VALUES = (1, 4, 8, 24, 32, 128)
 _BS_W = {1: (1, 1), 4: (1, 4), 8: (1, 8), 24: (8, 3), 32: (8, 4), 128: (32, 4)}
@@ -152,6 +160,62 @@ def _pool_case(name: str, ratio: int, overlap: bool, head_dim: int) -> dict[str,
                 bytes_moved=lambda m: _pool_bytes(m, ratio, overlap, head_dim))
 
 
+# ----------------------------------------------------------------------------- decode step
+
+
+def _decode_inputs(m: int, device: str, head_dim: int, steady: bool) -> dict[str, Any]:
+    inputs = _pool_inputs(m, device, HCA_RATIO, False, head_dim)
+    if steady:   # one position earlier: no row ends a block
+        inputs["positions"] = inputs["positions"] - 1
+        inputs["token_prefix"] = inputs["token_prefix"] - 1
+    gen = _gen(m, 4)
+    angles = torch.rand(inputs["positions"].shape[0], ROPE_DIM // 2, generator=gen) * 6.3
+    slots = int(inputs["req_to_token"].max()) // HCA_RATIO + 1
+    extra = dict(cos=angles.cos(), sin=angles.sin(),
+                 entries=torch.randn(slots, head_dim, generator=gen).to(torch.bfloat16),
+                 counters=torch.zeros(slots, dtype=torch.int32))
+    return {**inputs, **{k: v.to(device) for k, v in extra.items()}}
+
+
+def compressor_decode_masked_ref(counters: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, ...]:
+    """`compressor_decode_ref` with the entry writes masked rather than selected (a row that
+    ends no block writes its slot's own value back), so it runs without a host sync."""
+    pooled, slots = compressor_pool_ref(*(kw[k] for k in (
+        "kv", "score", "state_kv", "state_score", "position_bias", "norm_weight", "positions",
+        "token_slot", "token_prefix", "req_to_token", "ratio", "overlap", "eps")))
+    rotated = rope_tail_ref(pooled.unsqueeze(1), kw["cos"], kw["sin"]).squeeze(1)
+    ends = ((kw["positions"] + 1) % kw["ratio"] == 0)[:, None]
+    entries = kw["entries"]
+    entries[slots] = torch.where(ends, rotated.to(entries.dtype), entries[slots])
+    ring_row = kw["positions"].remainder(kw["state_kv"].shape[1])
+    kw["state_kv"][kw["token_slot"], ring_row] = kw["kv"]
+    kw["state_score"][kw["token_slot"], ring_row] = kw["score"]
+    return entries, kw["state_kv"], kw["state_score"]
+
+
+def _decode_launch(**kw: Any) -> tuple[torch.Tensor, ...]:
+    compressor_decode(**kw)
+    return kw["entries"], kw["state_kv"], kw["state_score"]
+
+
+def _decode_check(want: Any, got: Any) -> None:
+    assert want[0].data_ptr() != got[0].data_ptr(), "the check needs two entry pools"
+    assert torch.equal(want[1], got[1]) and torch.equal(want[2], got[2]), "ring rows differ"
+    torch.testing.assert_close(got[0].float(), want[0].float(), rtol=2**-6, atol=2**-6)
+
+
+def _decode_bytes(m: int, head_dim: int, steady: bool) -> int:
+    ring = m * head_dim * 2 * 2 * 2          # kv + score rows read, then written to the ring
+    return ring + (m * 3 * 8 if steady else _pool_bytes(m, HCA_RATIO, False, head_dim))
+
+
+def _decode_case(name: str, head_dim: int, steady: bool) -> dict[str, Any]:
+    return dict(name=name,
+                make_inputs=lambda m, device: _decode_inputs(m, device, head_dim, steady),
+                reference=compressor_decode_masked_ref, launcher=_decode_launch,
+                check=_decode_check, bytes_moved=lambda m: _decode_bytes(m, head_dim, steady))
+
+
 CASES: list[dict[str, Any]] = [
     dict(name="indexer_logits_h64_d128_m4_nmax2048", make_inputs=_indexer_inputs,
          reference=indexer_logits_ref, launcher=indexer_logits, check=_indexer_check,
@@ -162,4 +226,8 @@ CASES: list[dict[str, Any]] = [
     _pool_case("compressor_pool_csa_m4_dh128", CSA_RATIO, True, 128),
     _pool_case("compressor_pool_csa_m4_dh64_indexer", CSA_RATIO, True, 64),
     _pool_case("compressor_pool_hca_m128_dh128", HCA_RATIO, False, 128),
+    _decode_case("compressor_decode_hca_m128_dh512", HEAD_DIM, False),
+    _decode_case("compressor_decode_hca_m128_dh512_steady", HEAD_DIM, True),
+    _decode_case("compressor_decode_hca_m128_dh128", 128, False),
+    _decode_case("compressor_decode_hca_m128_dh128_steady", 128, True),
 ]

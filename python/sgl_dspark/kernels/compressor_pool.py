@@ -34,12 +34,14 @@ from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_produ
 from sgl_dspark.kernels._triton_utils import round_to_storage as _to_storage
 
 _STORAGE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-# Register budget of one program: a tile of SPAN_BLOCK span slots x BLOCK_C channels (fp32) with
-# 4 warps. A row whose span x Dh does not fit splits its channels over BLOCK_C-wide programs (the
-# span softmax and sum are per channel); only the RMSNorm couples them, and the last program of
-# the row to arrive applies it. One program per row over a wide tile was latency-bound: HCA m 128
-# at Dh 512 took 107 us against 7.4 for torch.compile (`sweeps/2026-11-30_s15_*`).
-_TILE_ELEMS, _MIN_CHANNELS = 4096, 16
+# A row's pooling is split over programs of BLOCK_C channels (the span softmax and sum are per
+# channel; only the RMSNorm couples them, and the last program of the row to arrive applies it)
+# until a program's span x BLOCK_C tile is _PROGRAM_ELEMS (at least _MIN_CHANNELS wide); a span
+# tile holds at most _TILE_ELEMS, more spans take several passes. The H200 sweep
+# (`sweeps/2026-11-30_s16_sweep_pool_fde29a1.md`, M = 1): HCA m 128 at Dh 512 in 8-channel
+# programs 6.2 us (one program per row: 107 us), CSA at Dh 512 in 128-channel programs 6.2 us
+# (7.0 whole); rows of <= 1024 elements (CSA at Dh 64/128) are fastest whole.
+_PROGRAM_ELEMS, _MIN_CHANNELS, _TILE_ELEMS = 1024, 8, 4096
 
 
 def _pool_meta(head_dim: int, span: int) -> dict[str, int]:
@@ -48,7 +50,7 @@ def _pool_meta(head_dim: int, span: int) -> dict[str, int]:
     (the channels of one program: BLOCK_D, or a split), span slots per tile (one tile: the
     single pass) and warps."""
     block_d, span_p2 = triton.next_power_of_2(head_dim), triton.next_power_of_2(span)
-    block_c = min(block_d, max(_MIN_CHANNELS, _TILE_ELEMS // span_p2))
+    block_c = min(block_d, max(_MIN_CHANNELS, _PROGRAM_ELEMS // span_p2))
     return {"BLOCK_D": block_d, "BLOCK_C": block_c,
             "SPAN_BLOCK": min(span_p2, _TILE_ELEMS // block_c), "num_warps": 4}
 
