@@ -188,6 +188,26 @@ def test_cuda_graphs_equal_eager_and_cpu(reference, tmp_path, spec):
 
 @cuda_only
 @pytest.mark.parametrize("spec_width", [None, 3])
+def test_split_compressor_pooling_in_graphs(reference, monkeypatch, spec_width):
+    """Every compressor row split over 16-channel programs (the path of wide HCA rows; the tiny
+    model's rows fit one program): the arrival counters live in the KV pool across graph
+    replays, and graphs, eager and CPU still give the same tokens."""
+    import importlib
+
+    pool_module = importlib.import_module("sgl_dspark.kernels.compressor_pool")
+    default = pool_module._pool_meta
+    monkeypatch.setattr(pool_module, "_pool_meta",
+                        lambda d, s: {**default(d, s), "BLOCK_C": 16, "SPAN_BLOCK": 16})
+    kw: dict = {}
+    if spec_width is not None:
+        kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": spec_width}
+    graphed = _cuda_generate(cuda_graph_max_bs=6, **kw)
+    assert graphed == _cuda_generate(disable_cuda_graph=True, **kw)
+    assert graphed == reference
+
+
+@cuda_only
+@pytest.mark.parametrize("spec_width", [None, 3])
 def test_plain_launches_above_the_programmatic_batch_limit(reference, spec_width):
     """--programmatic-launch-max-bs 2: buckets 1 and 2 are captured with programmatic launches,
     4 and 6 with plain ones (the batch shrinks through all of them as requests finish); the
