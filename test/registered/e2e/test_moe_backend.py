@@ -15,6 +15,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 from sgl_dspark import Engine
+from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 
@@ -68,9 +69,11 @@ def _no_host_sync() -> Iterator[None]:
         yield
 
 
+@pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("is_hash,scoring", [(False, "sqrtsoftplus"), (True, "sqrtsoftplus"),
                                              (False, "sigmoid")])  # fmt: skip
-def test_triton_block_equals_torch_block(is_hash: bool, scoring: str) -> None:
+def test_triton_block_equals_torch_block(is_hash: bool, scoring: str, fold: bool) -> None:
+    """Also with the shared expert folded into the routed stacks (as placed models run)."""
     torch_block = _block(KernelChoice("torch"), is_hash, scoring)
     triton_block = _block(KernelChoice("torch", (("moe", "triton"),)), is_hash, scoring)
     state = _random_state(torch_block, seed=3 + int(is_hash))
@@ -78,6 +81,13 @@ def test_triton_block_equals_torch_block(is_hash: bool, scoring: str) -> None:
     triton_block.load_state_dict(state)  # strict: the triton buffers stay out of checkpoints
     torch_block.to(DEVICE)
     triton_block.to(DEVICE)
+    if fold:
+        fuse_after_placement(triton_block)
+        assert triton_block.experts.folded
+        # The checkpoint parameters are views of the stacks and keep their values and names.
+        assert triton_block.state_dict().keys() == state.keys()
+        for name, value in triton_block.state_dict().items():
+            assert torch.equal(value.cpu(), state[name].to(value.dtype)), name
     gen = torch.Generator().manual_seed(11)
     for num_tokens in (0, 1, 5, 37):
         x = torch.randn(num_tokens, HIDDEN, generator=gen).to(DEVICE)
@@ -88,6 +98,10 @@ def test_triton_block_equals_torch_block(is_hash: bool, scoring: str) -> None:
             with _no_host_sync():
                 got = triton_block(x, input_ids)
                 weights_k, ids_k = triton_block.gate(x, input_ids)
+                weights_s, ids_s = triton_block.gate(x, input_ids, with_shared=True)
+        # with_shared: the same routes, then the shared expert as expert E with weight 1.
+        assert torch.equal(ids_s[:, :TOPK], ids_k) and torch.equal(weights_s[:, :TOPK], weights_k)
+        assert (ids_s[:, TOPK] == EXPERTS).all() and (weights_s[:, TOPK] == 1).all()
         assert ids_k.dtype == torch.int32 and weights_k.dtype == torch.float32
         ids_t, order_t = ids_t.sort(dim=1)
         ids_k, order_k = ids_k.long().sort(dim=1)
@@ -98,6 +112,30 @@ def test_triton_block_equals_torch_block(is_hash: bool, scoring: str) -> None:
         if num_tokens:
             assert want.abs().max() > 0.05  # a real signal, not an all-zero output
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_folded_shared_expert_bits_do_not_depend_on_the_batch() -> None:
+    """Folded, a token's output comes from the per-token kernels (up to 4 tokens) or the sorted
+    ones (more): the same bits on a GPU, as unfolded (the interpreter's fp32 dots may sum in
+    another order per tile shape: a tolerance there). Untied by a later `Module.to()`, the block
+    runs the shared expert separately again and stays correct."""
+    block = _block(KernelChoice("triton"), False, "sqrtsoftplus")
+    block.load_state_dict(_random_state(block, seed=5))
+    block.to(DEVICE)
+    fuse_after_placement(block)
+    assert block.experts.folded
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(21, HIDDEN, generator=gen).to(DEVICE)
+    with torch.no_grad():
+        few, many = block(x[:3], None), block(x, None)[:3]
+        untied = block.double().float()
+        assert not untied.experts.folded
+        unfolded = untied(x, None)[:3]
+    if DEVICE == "cuda":
+        assert torch.equal(few, many)
+    else:
+        torch.testing.assert_close(few, many, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(unfolded, many, rtol=1e-4, atol=1e-5)
 
 
 def test_triton_block_without_shared_add() -> None:
@@ -125,8 +163,11 @@ def test_tiny_model_greedy_tokens_match_torch_backend() -> None:
         engine = Engine(model_path="tiny", device=DEVICE, dtype="float32", kernel_backend="torch",
                         kernel_backend_overrides=overrides, context_length=256)  # fmt: skip
         buffers = dict(engine.runner.model.named_buffers())
-        # K1's table exists only when the triton path was built for every layer's experts.
+        # K1's table exists only when the triton path was built for every layer's experts, and
+        # the runner folded each layer's shared expert into its routed stacks.
         assert ("model.layers.0.mlp.experts.sort_table" in buffers) == (overrides is not None)
+        assert all(layer.mlp.experts.folded == (overrides is not None)
+                   for layer in engine.runner.model.model.layers)
         outputs.append([o["output_ids"] for o in engine.generate(prompt=prompts,
                                                                  sampling_params=params)])
         engine.shutdown()

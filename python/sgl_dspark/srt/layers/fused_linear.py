@@ -112,3 +112,15 @@ def fuse_linear_groups(model: nn.Module) -> int:
                     g.fuse()
                     n += 1
     return n
+
+
+def fuse_after_placement(model: nn.Module) -> None:
+    """The weight layouts that must be built once the model is on its final device and dtype
+    (a later `Module.to()` unties them, and their owners then fall back to the separate
+    weights): every `LinearGroup`, then each module's own `fuse_weights()` (the MoE's shared
+    expert folded into the routed experts' stacks, `moe/experts.py`)."""
+    fuse_linear_groups(model)
+    for mod in model.modules():
+        fuse = getattr(mod, "fuse_weights", None)
+        if callable(fuse):
+            fuse()

@@ -13,7 +13,7 @@ import torch
 
 from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
 from sgl_dspark.srt.layers.attention import create_attention_backend
-from sgl_dspark.srt.layers.fused_linear import fuse_linear_groups
+from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool
@@ -90,7 +90,7 @@ class ModelRunner:
             if weights is not None:
                 load_weights(model, weights)
         self.model = cast_model(model, self.dtype).to(self.device).eval()
-        fuse_linear_groups(self.model)  # after placement (see LinearGroup)
+        fuse_after_placement(self.model)  # after placement (see fused_linear.py)
         num_pages = max(2, self._kv_tokens(model_cfg) // page + 1)
         self.allocator = PagedTokenAllocator(num_pages, page)
         self.req_pool = ReqToTokenPool(rc.max_running_requests, rc.context_length, self.allocator,

@@ -13,9 +13,19 @@ The "moe" kernel family picks the implementation once, at construction (style R1
     once, here in the constructor, from a host tensor (so no device read ever happens); it is a
     non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
     The routed scale is already in the router's weights, so K4 applies none.
+    Once the model is placed (`fused_linear.fuse_after_placement`), the shared expert is folded
+    into the routed experts' stacks as expert E (`[E + 1, 2I, D]` / `[E + 1, D, I]`; the
+    checkpoint parameters become views of them) and the router appends it to every token as
+    one more route of weight 1: the same kernels then run it with the routed experts, and its
+    own three launches (gate-up GEMM, K6, down GEMM) go. Its product joins K4's slot-ordered
+    fp32 sum as the last slot instead of being added to the rounded routed sum (X2 against
+    the torch chain, which rounds the routed sum first); the per-token and the sorted paths
+    still give the same bits.
 """
 
 from __future__ import annotations
+
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +33,9 @@ from torch import nn
 
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+
+if TYPE_CHECKING:
+    from sgl_dspark.kernels.moe_sort import MoeSortPlan
 
 _SORT_BLOCK = 32  # rows per expert block of K1, and the M tile of the grouped GEMMs
 # Tokens up to which the unsorted per-route / per-token kernels run (the same bits as the sorted
@@ -54,7 +67,8 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * intermediate, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden_size, intermediate))
         self._combine = self._combine_torch
-        if _uses_triton(kernels):
+        self._triton = _uses_triton(kernels)
+        if self._triton:
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
             from sgl_dspark.kernels.moe_sort import MoeSortPlan, prepare_moe_sort
@@ -79,6 +93,45 @@ class RoutedExperts(nn.Module):
         row are summed."""
         return self._combine(x, ids, weights, shared)
 
+    def fold_shared(self, shared: SharedExpert) -> None:
+        """Stack the shared expert after the routed ones as expert E (triton backend; shapes
+        must match) and make both modules' parameters views of the stacks (no extra memory
+        once the old tensors are freed). A later `Module.to()` unties them: `folded` is then
+        False and the model runs the shared expert separately again."""
+        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
+        if not self._triton or gate.shape[0] != self.intermediate:
+            return
+        from sgl_dspark.kernels.moe_sort import prepare_moe_sort
+
+        gate_up = torch.cat((self.gate_up_proj.data, torch.cat((gate.data, up.data))[None]))
+        down_all = torch.cat((self.down_proj.data, down.data[None]))
+        e = self.n_experts
+        self.gate_up_proj.data, self.down_proj.data = gate_up[:e], down_all[:e]
+        gate.data, up.data = gate_up[e, :self.intermediate], gate_up[e, self.intermediate:]
+        down.data = down_all[e]
+        shared.gate_up.weight = gate_up[e]   # its group stays fused (the members are views)
+        mask = torch.ones(e + 1, dtype=torch.int32, device="cpu")
+        plan = prepare_moe_sort(mask)
+        self._stacks = (gate_up, down_all)
+        self._folded_plan = self._plan_type(plan.local_table.to(gate_up.device), plan.num_local,
+                                            plan.num_bins)
+        self._folded_mask = mask.to(gate_up.device)
+
+    @property
+    def folded(self) -> bool:
+        stacks = getattr(self, "_stacks", None)
+        return stacks is not None and (
+            self.gate_up_proj.data_ptr() == stacks[0].data_ptr()
+            and self.down_proj.data_ptr() == stacks[1].data_ptr())
+
+    def forward_folded(self, x: torch.Tensor, ids: torch.Tensor,
+                       weights: torch.Tensor) -> torch.Tensor:
+        """`forward` with the shared expert as expert E (ids/weights `[T, k + 1]`, the router's
+        `with_shared` output); requires `folded`."""
+        gate_up, down = self._stacks
+        plan = self._folded_plan
+        return self._run_triton(x, ids, weights, None, gate_up, down, plan, self._folded_mask)
+
     def _combine_torch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        shared: torch.Tensor | None) -> torch.Tensor:
         out = torch.zeros_like(x)
@@ -101,22 +154,28 @@ class RoutedExperts(nn.Module):
 
     def _combine_triton(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                         shared: torch.Tensor | None) -> torch.Tensor:
+        plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
+        return self._run_triton(x, ids, weights, shared, self.gate_up_proj, self.down_proj, plan,
+                                self.expert_mask)
+
+    def _run_triton(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
+                    shared: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor,
+                    plan: MoeSortPlan, mask: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         ids = ids.to(torch.int32).contiguous()  # no-ops for the triton router's outputs
         weights = weights.to(torch.float32).contiguous()
         if shared is not None:
             shared = shared.to(x.dtype).contiguous()
         if x.shape[0] <= TOKEN_PATH_MAX_M:
-            h = self._route_gate_up(x, self.gate_up_proj, ids, self.sort_table, self._num_local,
+            h = self._route_gate_up(x, gate_up, ids, plan.local_table, plan.num_local,
                                     self.limit)  # fmt: skip
-            return self._token_down_reduce(h, self.down_proj, ids, weights, self.sort_table,
-                                           self._num_local, 1.0, shared)  # fmt: skip
-        plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
+            return self._token_down_reduce(h, down, ids, weights, plan.local_table,
+                                           plan.num_local, 1.0, shared)  # fmt: skip
         # hidden_size=0: the grouped GEMMs write per-route rows, so K1's accumulator is unused.
         routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
-        y = self._fused_moe(x, self.gate_up_proj, self.down_proj, routes, ids.shape[1],
-                            self.limit, block_size=_SORT_BLOCK)
-        return self._moe_reduce(y, weights, ids, self.expert_mask, 1.0, shared)
+        y = self._fused_moe(x, gate_up, down, routes, ids.shape[1], self.limit,
+                            block_size=_SORT_BLOCK)
+        return self._moe_reduce(y, weights, ids, mask, 1.0, shared)
 
 
 class SharedExpert(nn.Module):
@@ -167,7 +226,16 @@ class SparseMoE(nn.Module):
         self.shared_experts = shared
         self._fuse_shared_add = _uses_triton(kernels)
 
+    def fuse_weights(self) -> None:
+        """After placement (`fused_linear.fuse_after_placement`): fold the shared expert into
+        the routed experts' stacks (triton backend)."""
+        if self._fuse_shared_add:
+            self.experts.fold_shared(self.shared_experts)
+
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.experts.folded:
+            weights, ids = self.gate(x, input_ids, with_shared=True)
+            return self.experts.forward_folded(x, ids, weights)
         weights, ids = self.gate(x, input_ids)
         if self._fuse_shared_add:
             return self.experts(x, ids, weights, shared=self.shared_experts(x))

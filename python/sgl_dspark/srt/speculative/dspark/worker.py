@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
-from sgl_dspark.srt.layers.fused_linear import fuse_linear_groups
+from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_batch_sizes
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
@@ -123,7 +123,7 @@ class DSparkWorker:
         self.markov_greedy_fn = create_markov_greedy_fn(runner.kernels)
         load_weights(draft, weights)
         self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
-        fuse_linear_groups(self.draft)  # after placement (see LinearGroup)
+        fuse_after_placement(self.draft)  # after placement (see fused_linear.py)
         # Block rows reach seq + gamma - 1 (the bs1 runtime's gamma when larger).
         self.draft.build_rope_table(runner.req_pool.max_context_len
                                     + max(self.gamma, self.gamma_bs1))
