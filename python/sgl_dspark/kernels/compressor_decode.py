@@ -69,11 +69,11 @@ def check_fused_args(
     token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
     ratio: int, overlap: bool, cos: torch.Tensor, sin: torch.Tensor, entries: torch.Tensor,
 ) -> None:
-    """`check_compressor_args` plus the entry pool and the rope tables of the fused launchers (decode,
-    `compressor_extend.py`)."""
+    """`check_compressor_args` plus the entry pool and the rope tables of the fused launchers
+    (decode, `compressor_extend.py`)."""
     tokens, head_dim = check_compressor_args(kv, score, state_kv, state_score, position_bias,
-                                   norm_weight, positions, token_slot, token_prefix,
-                                   req_to_token, ratio, overlap)
+                                             norm_weight, positions, token_slot, token_prefix,
+                                             req_to_token, ratio, overlap)
     if (entries.dim() != 2 or entries.shape[1] != head_dim or entries.dtype != kv.dtype
             or entries.stride(1) != 1):
         raise ValueError(f"entries must be [slots, {head_dim}] {kv.dtype} with unit channel "

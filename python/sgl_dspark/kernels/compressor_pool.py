@@ -386,8 +386,8 @@ def compressor_pool(
         (slots exactly).
     """
     tokens, head_dim = check_compressor_args(kv, score, state_kv, state_score, position_bias,
-                                   norm_weight, positions, token_slot, token_prefix,
-                                   req_to_token, ratio, overlap)
+                                             norm_weight, positions, token_slot, token_prefix,
+                                             req_to_token, ratio, overlap)
     if out is None:
         out = torch.empty((tokens, head_dim), dtype=kv.dtype, device=kv.device)
     if out_slots is None:

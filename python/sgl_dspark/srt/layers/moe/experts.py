@@ -129,8 +129,8 @@ class RoutedExperts(nn.Module):
         """`forward` with the shared expert as expert E (ids/weights `[T, k + 1]`, the router's
         `with_shared` output); requires `folded`."""
         gate_up, down = self._stacks
-        plan = self._folded_plan
-        return self._run_triton(x, ids, weights, None, gate_up, down, plan, self._folded_mask)
+        return self._run_triton(x, ids, weights, None, gate_up, down, self._folded_plan,
+                                self._folded_mask)
 
     def _combine_torch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
                        shared: torch.Tensor | None) -> torch.Tensor:
