@@ -39,22 +39,27 @@ def indexer_logits_ref(
     req_to_token: torch.Tensor,
     ratio: int,
     n_max: int,
+    *,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Reference (plain torch, the math of `Indexer.select` before its top-k).
 
     Args:
         qi: [T, Hi, Di] rotated index queries (bf16/fp16/fp32).
-        weights: [T, Hi] fp32 head weights, already multiplied by Hi**-0.5.
+        weights: [T, Hi] head weights (fp32 or qi's dtype), used as fp32(weights) * weight_scale
+            (the layer passes its projection's output and Hi**-0.5).
         index_keys: [num_entry_slots, Di] index keys of the layer (qi's dtype).
         positions: [T] int position of each token.
         token_slot: [T] int request slot (row of req_to_token) of each token.
         req_to_token: [slots, max_ctx] int token slot of (request slot, position).
         ratio: compression ratio m (entry n covers positions [n*m, (n+1)*m)).
         n_max: output width (number of entry columns).
+        weight_scale: multiplies the fp32 head weights.
     Returns:
         [T, n_max] fp32 scores, -inf where n >= (positions + 1) // ratio.
     """
     head_dim = qi.shape[-1]
+    weights = weights.float() * weight_scale
     cols = torch.arange(n_max, device=positions.device) * ratio
     cols = cols.clamp(max=req_to_token.shape[1] - 1)
     slots = req_to_token[token_slot[:, None], cols[None, :]] // ratio          # [T, N]
@@ -82,6 +87,7 @@ def _indexer_logits_kernel(
     ratio,
     table_width,
     scale,
+    weight_scale,
     q_stride_t,
     q_stride_h,
     w_stride_t,
@@ -123,7 +129,9 @@ def _indexer_logits_kernel(
     q = tl.load(q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
                 mask=in_head[:, None] & in_dim[None, :], other=0.0)           # [BLOCK_H, BLOCK_D]
     # Pad heads have q = 0 and w = 0, so they add exact zeros to the head sum.
-    w = tl.load(w_ptr + token * w_stride_t + heads, mask=in_head, other=0.0)
+    # fp32(w) * weight_scale, as the reference: the layer's scaled copy is no separate launch.
+    w = tl.load(w_ptr + token * w_stride_t + heads, mask=in_head, other=0.0).to(tl.float32)
+    w = w * weight_scale
     if DOT_FP32:
         q = q.to(tl.float32)
         keys = keys.to(tl.float32)
@@ -145,18 +153,21 @@ def indexer_logits(
     *,
     out: torch.Tensor | None = None,
     block_n: int = 64,
+    weight_scale: float = 1.0,
 ) -> torch.Tensor:
     """Indexer scores of every token against its request's compressed entries, one launch.
 
     Args:
         qi: [T, Hi, Di] bf16/fp16/fp32, unit stride along Di (token/head strides free).
-        weights: [T, Hi] fp32, unit stride along Hi; already scaled by Hi**-0.5.
+        weights: [T, Hi] fp32 or qi's dtype, unit stride along Hi (the row stride free: the
+            layer passes a column view of its fused projection's output).
         index_keys: [num_entry_slots, Di] of qi's dtype, unit stride along Di.
         positions, token_slot: [T] int64 (contiguous).
         req_to_token: [slots, max_ctx] int64, unit stride along max_ctx.
         ratio: m >= 1; n_max >= 0: host ints (the launch shape depends only on T and n_max).
         out: optional [T, n_max] fp32 buffer with unit column stride.
         block_n: entries per program (power of two >= 16).
+        weight_scale: the head weights are used as fp32(weights) * weight_scale.
     Returns:
         ``out`` [T, n_max] fp32: the scores of `indexer_logits_ref`, -inf beyond each token's
         visible entries.
@@ -164,9 +175,9 @@ def indexer_logits(
     if qi.dim() != 3 or qi.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"qi must be [T, Hi, Di] bf16/fp16/fp32, got {qi.dtype} {tuple(qi.shape)}")
     tokens, num_heads, head_dim = qi.shape
-    if weights.shape != (tokens, num_heads) or weights.dtype != torch.float32:
-        raise ValueError(f"weights must be fp32 [{tokens}, {num_heads}], got {weights.dtype} "
-                         f"{tuple(weights.shape)}")
+    if weights.shape != (tokens, num_heads) or weights.dtype not in (torch.float32, qi.dtype):
+        raise ValueError(f"weights must be fp32 or {qi.dtype} [{tokens}, {num_heads}], got "
+                         f"{weights.dtype} {tuple(weights.shape)}")
     if index_keys.dim() != 2 or index_keys.shape[1] != head_dim or index_keys.dtype != qi.dtype:
         raise ValueError(f"index_keys must be [slots, {head_dim}] {qi.dtype}, got "
                          f"{index_keys.dtype} {tuple(index_keys.shape)}")
@@ -197,7 +208,7 @@ def indexer_logits(
     _indexer_logits_kernel[grid](
         qi, weights, index_keys, positions, token_slot, req_to_token, out,
         num_heads, head_dim, n_max, ratio, req_to_token.shape[1], head_dim**-0.5,
-        qi.stride(0), qi.stride(1), weights.stride(0), index_keys.stride(0),
+        float(weight_scale), qi.stride(0), qi.stride(1), weights.stride(0), index_keys.stride(0),
         req_to_token.stride(0), out.stride(0),
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),

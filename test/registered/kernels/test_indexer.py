@@ -84,6 +84,26 @@ def test_matches_reference(index: int, dtype: torch.dtype) -> None:
     assert torch.isfinite(want).any() and torch.isneginf(want).any()  # both regimes exercised
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_weights_in_qi_dtype_scaled_inside(dtype: torch.dtype) -> None:
+    """The layer's call: head weights as a column view of its fused projection (qi's dtype,
+    row stride of the whole output) with Hi**-0.5 applied inside: equal to scaling an fp32 copy
+    first (the kernel reproduces fp32(w) * scale, then the same math)."""
+    inputs = _inputs([57, 21], [4, 3], 64, 128, 4, dtype, seed=8)
+    heads = inputs["weights"].shape[1]
+    fused = torch.randn(7, 3 * heads, generator=torch.Generator().manual_seed(1)).to(dtype)
+    fused = fused.to(DEVICE)
+    head_w = fused[:, heads:2 * heads]
+    scale = heads**-0.5
+    scaled_copy = {**inputs, "weights": head_w.float() * scale}
+    want = indexer_logits_ref(**scaled_copy, n_max=20)
+    assert torch.equal(indexer_logits_ref(**{**inputs, "weights": head_w}, n_max=20,
+                                           weight_scale=scale), want)
+    got = indexer_logits(**{**inputs, "weights": head_w}, n_max=20, weight_scale=scale)
+    assert torch.equal(got, indexer_logits(**scaled_copy, n_max=20))
+    _check(got, want)
+
+
 def test_strided_queries_and_empty_launches() -> None:
     inputs = _inputs([29, 50], [3, 2], 6, 32, 4, torch.float32, seed=3)
     fused = torch.randn(5, 2, 6, 32).to(DEVICE)          # e.g. a view of a fused projection

@@ -78,13 +78,16 @@ def test_torch_scores_equal_kernel_reference(dtype: torch.dtype) -> None:
     batch = _batch(ForwardMode.VERIFY, [2, 61, 130], [3, 4, 2], gen)
     tokens, n_max = batch.num_tokens, batch.max_seq_len // 4
     qi = torch.randn(tokens, 6, 32, generator=gen).to(dtype).to(DEVICE)
-    w = torch.randn(tokens, 6, generator=gen).to(DEVICE)
+    w = torch.randn(tokens, 6, generator=gen).to(dtype).to(DEVICE)   # the projection's dtype
     keys = torch.randn(96 * 16 // 4, 32, generator=gen).to(dtype).to(DEVICE)
     slot = batch.req_pool_indices[batch.token_req]
     args = (qi, w, keys, batch.positions, slot, batch.req_to_token, 4, n_max)
-    want = indexer_scores_torch(*args)
-    assert torch.equal(indexer_logits_ref(*args), want)
+    want = indexer_scores_torch(*args, weight_scale=6**-0.5)
+    assert torch.equal(indexer_logits_ref(*args, weight_scale=6**-0.5), want)
     assert torch.isneginf(want).any() and torch.isfinite(want).any()
+    # The scale applies to the fp32 weights, as the layer's scaled copy did.
+    scaled = (w.float() * 6**-0.5, *args[2:])
+    assert torch.equal(indexer_scores_torch(qi, *scaled), want)
 
 
 def _compress(comp: BlockCompressor, batch: ForwardBatch, state: CompressorState,

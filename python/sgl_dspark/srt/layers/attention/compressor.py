@@ -41,10 +41,10 @@ class CompressRope(Protocol):
 # (kv, score, state_kv, state_score, position_bias, norm_weight, positions, token_slot,
 #  token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries) -> None (in place)
 DecodeStepFn = Callable[..., None]
-# (qi [T, Hi, Di], weights [T, Hi] fp32, index_keys, positions, token_slot, req_to_token, ratio,
-#  n_max) -> scores [T, n_max] fp32, -inf beyond each token's visible entries
-IndexerScoresFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor, int, int], torch.Tensor]
+# (qi [T, Hi, Di], weights [T, Hi] (fp32 or qi's dtype), index_keys, positions, token_slot,
+#  req_to_token, ratio, n_max, *, weight_scale) -> scores [T, n_max] fp32, -inf beyond each
+#  token's visible entries; the head weights are used as fp32(weights) * weight_scale
+IndexerScoresFn = Callable[..., torch.Tensor]
 
 
 # (... as DecodeStepFn ..., entries, block_end_rows, ring_rows) -> None (in place)
@@ -249,22 +249,26 @@ class Indexer(BlockCompressor):
             return z, z.bool()
         qi = rope.rotate_compress(qi.view(T, self.n_heads, self.head_dim), batch.positions,
                                   "positions")
-        w = head_w.float() * self.n_heads**-0.5                                # [T, Hi]
         token_slot = batch.token_slots()
-        scores = self._scores(qi, w, index_keys, batch.positions, token_slot, batch.req_to_token,
-                              m, n_max)                                       # [T, N]
+        # The head weights' fp32 cast and Hi**-0.5 scale happen inside the scoring.
+        scores = self._scores(qi, head_w, index_keys, batch.positions, token_slot,
+                              batch.req_to_token, m, n_max,
+                              weight_scale=self.n_heads**-0.5)                # [T, N]
         return self._topk(scores, visible_entries(batch, m), k)
 
 
 def indexer_scores_torch(qi: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
                          positions: torch.Tensor, token_slot: torch.Tensor,
-                         req_to_token: torch.Tensor, ratio: int, n_max: int) -> torch.Tensor:
+                         req_to_token: torch.Tensor, ratio: int, n_max: int, *,
+                         weight_scale: float = 1.0) -> torch.Tensor:
     """`score[t, n] = sum_h w[t, h] * relu(qi[t, h] . K_n) * Di**-0.5` in fp32 for the entries
     n < (pos_t + 1) // ratio of token t's request, -inf beyond: `[T, n_max]` fp32.
 
-    qi `[T, Hi, Di]`, weights `[T, Hi]` fp32, index_keys `[entry slots, Di]`; entry n of token t
-    is `index_keys[req_to_token[token_slot[t], n * ratio] // ratio]`.
+    qi `[T, Hi, Di]`, weights `[T, Hi]` (w = fp32(weights) * weight_scale), index_keys
+    `[entry slots, Di]`; entry n of token t is `index_keys[req_to_token[token_slot[t], n * ratio]
+    // ratio]`.
     """
+    weights = weights.float() * weight_scale
     cols = torch.arange(n_max, device=positions.device) * ratio
     cols = cols.clamp(max=req_to_token.shape[1] - 1)
     keys = index_keys[req_to_token[token_slot[:, None], cols[None, :]] // ratio]  # [T, N, Di]
