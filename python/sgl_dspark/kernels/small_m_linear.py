@@ -12,6 +12,10 @@ Exactness: X2. Each output is an fp32 dot product over K in BLOCK_K chunks (chun
 fixed, in-chunk order the matrix unit's), rounded once to the output dtype (RNE on the bits for
 bf16, so the interpreter's truncating cast is never used); the BLAS sums in another order.
 A row's result does not depend on M (the tile is always 16 rows) or on the other rows.
+
+`small_m_grouped_linear` runs G such products side by side in one launch (the grouped output
+projection: group g multiplies its own K columns of x by its own weight), each group exactly
+as `small_m_linear` would.
 """
 
 from __future__ import annotations
@@ -43,9 +47,16 @@ def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _small_m_linear_kernel(
     x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
+    stride_xg, stride_wg, stride_yg,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
 ):
+    # Program (column block, group): a group's x columns, weight and output columns start at
+    # its group strides (0 and one group for a plain linear).
+    group = tl.program_id(1).to(tl.int64)
+    x_ptr += group * stride_xg
+    w_ptr += group * stride_wg
+    y_ptr += group * stride_yg
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -125,13 +136,59 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
             f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}")
     if k == 0:
         return out.zero_()
+    _launch(x, weight, out, groups=1, group_strides=(0, 0, 0))
+    return out
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
+            group_strides: tuple[int, int, int]) -> None:
+    """One launch over (column blocks, groups); x / weight / out are a group's first [M, K] /
+    [N, K] / [M, N] views (row strides from them), the group strides move to the next."""
+    (m, k), n = x.shape, weight.shape[0]
     meta = _linear_meta(n, x.element_size())
-    _small_m_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]),)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0),
+    _small_m_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]), groups)](
+        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), *group_strides,
         BLOCK_M=_BLOCK_M, ROUND_BF16=x.dtype == torch.bfloat16,
         # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
         # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         **meta, **programmatic_launch(_small_m_linear_kernel, x.device),
     )
+
+
+def small_m_grouped_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Reference: `y[:, g] = x[:, g] @ weight[g]^T` accumulated in fp32, rounded once to x's
+    dtype. x [M, G, K], weight [G, N, K] of x's dtype. Returns [M, G, N]."""
+    return torch.einsum("mgk,gnk->mgn", x.float(), weight.float()).to(x.dtype)
+
+
+def small_m_grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """G independent `small_m_linear`s in one launch, each group's bits as its own call.
+
+    Args:
+        x: [M, G, K] bf16/fp16/fp32 with unit stride along K (row and group strides free);
+            0 <= M <= MAX_M.
+        weight: [G, N, K] of x's dtype, unit stride along K.
+    Returns:
+        [M, G, N] contiguous in x's dtype (X2 against `small_m_grouped_linear_ref`).
+    """
+    require(x.dim() == 3 and weight.dim() == 3 and x.shape[1] == weight.shape[0]
+            and x.shape[2] == weight.shape[2],
+            f"x must be [M, G, K] and weight [G, N, K], got {tuple(x.shape)} and "
+            f"{tuple(weight.shape)}")
+    require(x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype,
+            f"x and weight: one dtype of bf16/fp16/fp32, got {x.dtype} and {weight.dtype}")
+    m, groups, k = x.shape
+    n = weight.shape[1]
+    require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
+    require(x.device == weight.device, f"weight is on {weight.device}, x on {x.device}")
+    out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0 or groups == 0:
+        return out
+    require(x.stride(2) == 1 and weight.stride(2) == 1,
+            f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}")
+    if k == 0:
+        return out.zero_()
+    _launch(x[:, 0], weight[0], out[:, 0], groups,
+            (x.stride(1), weight.stride(0), out.stride(1)))
     return out

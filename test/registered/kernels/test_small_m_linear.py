@@ -9,7 +9,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_linear, small_m_linear_ref
+from sgl_dspark.kernels.small_m_linear import (
+    MAX_M,
+    small_m_grouped_linear,
+    small_m_grouped_linear_ref,
+    small_m_linear,
+    small_m_linear_ref,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -65,3 +71,37 @@ def test_empty_and_bad_inputs() -> None:
         small_m_linear(x, w.bfloat16())
     with pytest.raises(ValueError, match="K="):
         small_m_linear(x, w[:, :32])
+
+
+# ---- the grouped variant (V4's grouped output projection) ------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,groups,n,k", [(1, 4, 256, 512), (5, 8, 40, 72), (16, 1, 24, 300),
+                                          (3, 3, 16, 256)])
+def test_grouped_matches_reference_and_per_group_calls(m: int, groups: int, n: int, k: int,
+                                                       dtype: torch.dtype) -> None:
+    """Each group equals `small_m_linear` on its own columns bit for bit (the same program per
+    column block, moved by the group strides), and the reference within X2. x is a view of
+    the attention's output rows (head-major), as the layer passes it."""
+    g = torch.Generator().manual_seed(m * 100 + groups)
+    rows = torch.randn(m, groups * k + 8, generator=g).to(dtype).to(DEVICE)  # a wider row
+    x = rows[:, :groups * k].view(m, groups, k)
+    w = (torch.randn(groups, n, k, generator=g) * k**-0.5).to(dtype).to(DEVICE)
+    got = small_m_grouped_linear(x, w)
+    assert got.shape == (m, groups, n) and got.is_contiguous()
+    for group in range(groups):
+        assert torch.equal(got[:, group], small_m_linear(x[:, group], w[group]))
+    _check(got, small_m_grouped_linear_ref(x, w))
+
+
+def test_grouped_empty_and_bad_inputs() -> None:
+    x = torch.randn(2, 4, 32).to(DEVICE)
+    w = torch.randn(4, 16, 32).to(DEVICE)
+    assert small_m_grouped_linear(x[:0], w).shape == (0, 4, 16)
+    with pytest.raises(ValueError, match="G, N, K"):
+        small_m_grouped_linear(x, w[:3])
+    with pytest.raises(ValueError, match="dtype"):
+        small_m_grouped_linear(x, w.double())
+    with pytest.raises(ValueError, match="rows"):
+        small_m_grouped_linear(torch.randn(MAX_M + 1, 4, 32).to(DEVICE), w)

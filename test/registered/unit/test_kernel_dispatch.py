@@ -225,6 +225,30 @@ def test_linear_family_small_m_kernel_and_blas_fallback():
         assert torch.equal(lin(x, w), torch.nn.functional.linear(x, w))
 
 
+def test_grouped_linear_family_small_m_kernel_and_einsum_fallback():
+    """The grouped output projection: torch is the einsum; triton sends decode-sized rows to
+    the grouped small-M launch (X2 vs the einsum, each group as `small_m_linear`) and larger
+    ones to the einsum itself (bit for bit)."""
+    from sgl_dspark.kernels.small_m_linear import small_m_linear
+    from sgl_dspark.srt.layers.fused_linear import grouped_linear_impl
+
+    gen = torch.Generator().manual_seed(9)
+    w = (torch.randn(4, 24, 64, generator=gen) * 0.1).to(DEVICE)
+
+    def einsum(x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("mgk,gnk->mgn", x, w)
+
+    grouped = grouped_linear_impl(TRITON)
+    for rows in (1, 5, 16):
+        x = torch.randn(rows, 4 * 64, generator=gen).to(DEVICE).view(rows, 4, 64)
+        assert torch.equal(grouped_linear_impl(TORCH)(x, w), einsum(x))
+        got = grouped(x, w)
+        torch.testing.assert_close(got, einsum(x), rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[:, 2], small_m_linear(x[:, 2], w[2]))
+    x = torch.randn(17, 4, 64, generator=gen).to(DEVICE)
+    assert torch.equal(grouped(x, w), einsum(x))
+
+
 def test_markov_greedy_choice_equals_torch_loop():
     """The spec family's all-greedy Markov loop: the Triton launches give the torch loop's
     drafts and embeddings (fp32 weights: no rounding of the W2 dot), step logits to X2."""

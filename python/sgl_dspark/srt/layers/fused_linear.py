@@ -50,6 +50,33 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     return linear
 
 
+# (x [M, G, K], weight [G, N, K]) -> [M, G, N]: group g's columns of x times its own weight
+GroupedLinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def _grouped_linear_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    return torch.einsum("mgk,gnk->mgn", x, weight)
+
+
+def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
+    """The grouped bias-free linear of the "linear" family (V4's grouped output projection
+    `o_a`). torch: one batched einsum (the BLAS). triton: decode-sized inputs (at most `MAX_M`
+    rows, K <= 4096, unit stride along K) as G small-M products in one launch
+    (`kernels/small_m_linear.py::small_m_grouped_linear`; X2 against the BLAS), larger ones
+    through the einsum as before."""
+    if kernels is None or kernels.of("linear") == "torch":
+        return _grouped_linear_torch
+    from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_grouped_linear
+
+    def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if 0 < x.shape[0] <= MAX_M and x.shape[2] <= _SMALL_M_MAX_K and (
+                x.stride(2) == 1 and weight.stride(2) == 1 and x.dtype == weight.dtype):
+            return small_m_grouped_linear(x, weight)
+        return _grouped_linear_torch(x, weight)
+
+    return grouped_linear
+
+
 class LinearGroup:
     """Members' outputs `[..., out_i]` for one input, in member order (column views of one GEMM
     output once fused)."""

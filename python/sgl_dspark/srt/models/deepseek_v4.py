@@ -22,7 +22,7 @@ from sgl_dspark.srt.layers.attention.compressor import (
     entry_slots,
     visible_entries,
 )
-from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
+from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -123,6 +123,7 @@ class Attention(nn.Module):
         self.x_proj = LinearGroup(x_members, kernels)
         self.qr_proj = LinearGroup(qr_members, kernels)
         self.linear = linear_impl(kernels)
+        self.grouped_linear = grouped_linear_impl(kernels)
 
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj, self.qr_proj]
@@ -148,7 +149,7 @@ class Attention(nn.Module):
                             valid, slots, inverse_rope=(cos, sin))
         og = o.reshape(T, self.groups, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
-        z = torch.einsum("tgi,gri->tgr", og, wa).reshape(T, -1)
+        z = self.grouped_linear(og, wa).reshape(T, -1)
         return self.linear(z, self.o_b_proj.weight)
 
     def _compressed_keys(self, comp_in: list[torch.Tensor], index_q: list[torch.Tensor],

@@ -27,7 +27,7 @@ from torch import nn
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
-from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
+from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -119,6 +119,7 @@ class DraftAttention(nn.Module):
         self.rms_norm = rms_norm_impl(kernels)
         self.x_proj = LinearGroup([self.q_a_proj, self.kv_proj], kernels)  # one GEMM, fused
         self.linear = linear_impl(kernels)
+        self.grouped_linear = grouped_linear_impl(kernels)
 
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj]
@@ -150,7 +151,7 @@ class DraftAttention(nn.Module):
         o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks, self.head_dim**-0.5,
                            inverse_rope=(cos, sin)).reshape(rows, self.n_heads, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
-        z = torch.einsum("tgi,gri->tgr", o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
+        z = self.grouped_linear(o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
         return self.linear(z, self.o_b_proj.weight)
 
 
