@@ -16,6 +16,9 @@ Selection rule (X0, exact on every backend):
     (a positive-sign NaN above +inf, a negative-sign NaN below -inf); the reference differs.
 Output layout: the selected ids in ascending index order in slots ``0..s-1`` (s = number
 selected = ``min(k, candidates)``), then slots ``s..k-1`` hold id 0 with valid False.
+With ``entry_rows = (req_to_token, token_slot, ratio)`` the selected slots hold the entries'
+pool rows instead, ``req_to_token[token_slot[t], min(id * ratio, W - 1)] // ratio`` (the KV
+pool's entry addressing), so the attention reads the entries without a gather launch between.
 
 Algorithm (per program): each score maps to an int32 key whose signed order is the float order
 (positive floats keep their bits, negative floats flip the 31 low bits). A 4-pass radix select
@@ -43,7 +46,8 @@ _MAX_BLOCK_K = 1024
 
 
 def index_topk_ref(
-    scores: torch.Tensor, visible: torch.Tensor, k: int
+    scores: torch.Tensor, visible: torch.Tensor, k: int,
+    entry_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference (the spec): top-k visible entries per row, ids ascending, invalid slots last.
 
@@ -51,6 +55,7 @@ def index_topk_ref(
         scores: fp32 ``[T, N]``; entries ``n >= visible[t]`` are ignored whatever they hold.
         visible: int ``[T]``; number of real entries of each row (clamped to ``[0, N]``).
         k: slots per row, ``k >= 1`` (may exceed N or visible).
+        entry_rows: optional ``(req_to_token, token_slot, ratio)``: return pool rows, not ids.
     Returns:
         ``(ids, valid)``: int64 ``[T, k]`` and bool ``[T, k]``, as described in the module doc.
     """
@@ -73,7 +78,17 @@ def index_topk_ref(
     past_end = torch.where(valid, top, torch.full_like(top, width + k))
     ids = torch.sort(past_end, dim=1).values
     ids = torch.where(valid, ids, torch.zeros_like(ids))
+    if entry_rows is not None:
+        ids = torch.where(valid, entry_pool_rows_ref(ids, *entry_rows), torch.zeros_like(ids))
     return ids, valid
+
+
+def entry_pool_rows_ref(ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor,
+                        ratio: int) -> torch.Tensor:
+    """int64 ``[T, k]`` pool rows of compressed entries ``ids`` ``[T, k]`` of each row's request
+    (``token_slot`` ``[T]``: its row of ``req_to_token``): entry n starts at position n·ratio."""
+    cols = (ids * ratio).clamp(max=req_to_token.shape[1] - 1)
+    return req_to_token[token_slot[:, None], cols].long() // ratio
 
 
 @triton.jit
@@ -87,7 +102,9 @@ def _order_keys(row_ptr, idx, mask):
 @triton.jit
 def _index_topk_kernel(
     scores_ptr, visible_ptr, ids_ptr, valid_ptr, width, k, stride_row,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BINS: tl.constexpr, PDL: tl.constexpr,
+    table_ptr, token_slot_ptr, table_width, table_stride, ratio,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BINS: tl.constexpr,
+    ENTRY_ROWS: tl.constexpr, PDL: tl.constexpr,
 ):  # fmt: skip
     wait_for_producers(PDL)  # the scores and visible counts come from earlier kernels
     row = tl.program_id(0).to(tl.int64)
@@ -95,6 +112,8 @@ def _index_topk_kernel(
     out_ids = ids_ptr + row * k
     out_valid = valid_ptr + row * k
     num_cand = tl.minimum(tl.maximum(tl.load(visible_ptr + row), 0), width).to(tl.int32)
+    if ENTRY_ROWS:  # this row's request: its row of the request-to-token table
+        table_row = table_ptr + tl.load(token_slot_ptr + row).to(tl.int64) * table_stride
     take_all = num_cand <= k
     offs = tl.arange(0, BLOCK_N)
     bins = tl.arange(0, BINS)
@@ -145,7 +164,12 @@ def _index_topk_kernel(
         sel = in_cand & (take_all | by_threshold)
         sel_i = sel.to(tl.int32)
         pos = num_out + tl.cumsum(sel_i, axis=0) - sel_i
-        tl.store(out_ids + pos, idx.to(tl.int64), mask=sel)
+        if ENTRY_ROWS:
+            col = tl.minimum(idx.to(tl.int64) * ratio, table_width - 1)
+            value = tl.load(table_row + col, mask=sel, other=0).to(tl.int64) // ratio
+        else:
+            value = idx.to(tl.int64)
+        tl.store(out_ids + pos, value, mask=sel)
         num_out += tl.sum(sel_i, axis=0)
         num_eq += tl.sum(is_eq, axis=0)
 
@@ -185,6 +209,7 @@ def index_topk(
     *,
     out_ids: torch.Tensor | None = None,
     out_valid: torch.Tensor | None = None,
+    entry_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k visible entries per row in one launch; same result as ``index_topk_ref``.
 
@@ -195,9 +220,13 @@ def index_topk(
         k: slots per row, ``k >= 1``; slots past the number of candidates are invalid.
         out_ids: optional int64 ``[T, k]`` contiguous buffer for the ids.
         out_valid: optional bool ``[T, k]`` contiguous buffer for the validity mask.
+        entry_rows: optional ``(req_to_token, token_slot, ratio)``: int64/int32 ``[R, W]`` with
+            unit column stride, int64 ``[T]`` contiguous, int >= 1. The selected slots then
+            hold the entries' pool rows (module doc) instead of their ids.
     Returns:
-        ``(ids, valid)``: int64 ``[T, k]`` (selected ids ascending, then 0) and bool ``[T, k]``
-        (True exactly in slots ``0..min(k, candidates)-1``); the ``out_*`` buffers when given.
+        ``(ids, valid)``: int64 ``[T, k]`` (selected ids ascending, or their pool rows, then 0)
+        and bool ``[T, k]`` (True exactly in slots ``0..min(k, candidates)-1``); the ``out_*``
+        buffers when given.
     Raises:
         ValueError: wrong dtype, rank, shape, device or layout, or ``k < 1``.
     """
@@ -220,10 +249,34 @@ def index_topk(
     valid = _check_out(out_valid, "out_valid", (num_rows, k), torch.bool, device)
     if num_rows == 0:
         return ids, valid
+    if entry_rows is None:
+        table, token_slot, ratio = visible, visible, 1   # never read (ENTRY_ROWS false)
+        table_width = table_stride = 1
+    else:
+        table, token_slot, ratio = entry_rows
+        _check_entry_rows(table, token_slot, ratio, num_rows, device)
+        table_width, table_stride = table.shape[1], table.stride(0)
     block_n, block_k, num_warps = _block_sizes(width, k)
     _index_topk_kernel[(num_rows,)](
         scores, visible, ids, valid.view(torch.uint8), width, k, scores.stride(0),
-        BLOCK_N=block_n, BLOCK_K=block_k, BINS=_RADIX_BINS, num_warps=num_warps,
-        **programmatic_launch(_index_topk_kernel, device),
+        table, token_slot, table_width, table_stride, ratio,
+        BLOCK_N=block_n, BLOCK_K=block_k, BINS=_RADIX_BINS, ENTRY_ROWS=entry_rows is not None,
+        num_warps=num_warps, **programmatic_launch(_index_topk_kernel, device),
     )  # fmt: skip
     return ids, valid
+
+
+def _check_entry_rows(table: torch.Tensor, token_slot: torch.Tensor, ratio: int, num_rows: int,
+                      device: torch.device) -> None:
+    if table.dtype not in (torch.int64, torch.int32) or table.dim() != 2 or table.shape[1] < 1 \
+            or table.stride(1) != 1 or table.device != device:
+        raise ValueError(f"entry_rows: req_to_token must be int64/int32 [R, W >= 1] with unit "
+                         f"column stride on {device}, got {table.dtype} {list(table.shape)} "
+                         f"strides {table.stride()} on {table.device}")
+    if token_slot.dtype != torch.int64 or tuple(token_slot.shape) != (num_rows,) \
+            or not token_slot.is_contiguous() or token_slot.device != device:
+        raise ValueError(f"entry_rows: token_slot must be contiguous int64 [{num_rows}] on "
+                         f"{device}, got {token_slot.dtype} {list(token_slot.shape)} on "
+                         f"{token_slot.device}")
+    if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
+        raise ValueError(f"entry_rows: ratio must be an int >= 1, got {ratio!r}")

@@ -12,7 +12,7 @@ import importlib
 
 import pytest
 import torch
-from sgl_dspark.kernels.index_topk import index_topk, index_topk_ref
+from sgl_dspark.kernels.index_topk import entry_pool_rows_ref, index_topk, index_topk_ref
 
 # The module itself (the package re-exports the launcher under the same name).
 topk_module = importlib.import_module("sgl_dspark.kernels.index_topk")
@@ -184,6 +184,58 @@ def test_allocates_outputs_and_empty_batch() -> None:
     assert empty_ids.shape == (0, 4) and empty_valid.shape == (0, 4)
 
 
+def _entry_table(rows: int, width: int, ratio: int, gen: torch.Generator
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A request-to-token table whose block starts are distinct multiples of `ratio` (random
+    pages, as the allocator hands them out), narrower than `width * ratio` so that the
+    clamp to its last column is exercised, and a random request row per token."""
+    req_slots, cols = 5, max(1, (width * ratio) // 2 + 3)
+    table = torch.randperm(req_slots * cols * 4, generator=gen)[: req_slots * cols] * ratio
+    table = table.view(req_slots, cols) + torch.randint(0, ratio, (req_slots, cols),
+                                                         generator=gen)  # fmt: skip
+    token_slot = torch.randint(0, req_slots, (rows,), generator=gen)
+    return table, token_slot
+
+
+@pytest.mark.parametrize("mode", ["randn", "ties"])
+@pytest.mark.parametrize("rows,width,k,ratio", [(1, 1, 1, 4), (3, 100, 4, 4), (17, 257, 64, 4),
+                                                (5, 40, 8, 128), (3, 1500, 64, 1)])
+@pytest.mark.parametrize("table_dtype", [torch.int64, torch.int32])
+def test_entry_rows_match_reference(rows: int, width: int, k: int, ratio: int, mode: str,
+                                    table_dtype: torch.dtype) -> None:
+    """With `entry_rows` the kernel writes the selected entries' pool rows (what the attention
+    reads), the same as the reference's ids mapped through the table; invalid slots hold 0."""
+    gen = torch.Generator().manual_seed(rows * 31 + width + k + ratio)
+    visible = _visible(rows, width, gen)
+    scores = _with_garbage(_scores(rows, width, mode, gen), visible, gen)
+    table, token_slot = _entry_table(rows, width, ratio, gen)
+    want_ids, want_valid = index_topk_ref(scores, visible, k)
+    want_rows, want_valid2 = index_topk_ref(scores, visible, k, (table, token_slot, ratio))
+    assert torch.equal(want_valid, want_valid2)
+    mapped = torch.where(want_valid, entry_pool_rows_ref(want_ids, table, token_slot, ratio), 0)
+    assert torch.equal(want_rows, mapped)
+    out_ids = torch.full((rows, k), -12345, dtype=torch.int64, device=DEVICE)
+    got_rows, got_valid = index_topk(
+        scores.to(DEVICE), visible.to(DEVICE), k, out_ids=out_ids,
+        entry_rows=(table.to(table_dtype).to(DEVICE), token_slot.to(DEVICE), ratio))
+    assert torch.equal(got_valid.cpu(), want_valid)
+    assert torch.equal(got_rows.cpu(), want_rows)
+    if rows and bool(want_valid.any()):
+        assert not torch.equal(want_rows[want_valid], want_ids[want_valid])
+
+
+def test_entry_pool_rows_ref_by_hand() -> None:
+    table = torch.tensor([[0, 1, 2, 3, 40, 41, 42, 43, 8, 9], [12, 13, 14, 15, 4, 5, 6, 7, 36, 37]])
+    token_slot = torch.tensor([1, 0])
+    ids = torch.tensor([[0, 1, 2], [2, 1, 0]])
+    # Entry n starts at column 4n of the request's row.
+    want = torch.tensor([[12 // 4, 4 // 4, 36 // 4], [8 // 4, 40 // 4, 0]])
+    assert torch.equal(entry_pool_rows_ref(ids, table, token_slot, 4), want)
+    # Past the table's last column: the last column is read (those entries are masked later).
+    assert torch.equal(entry_pool_rows_ref(torch.tensor([[3]]), table, torch.tensor([0]), 4),
+                       torch.tensor([[9 // 4]]))
+
+
 def test_bad_inputs_raise() -> None:
     scores = torch.randn(3, 8, device=DEVICE)
     visible = torch.tensor([1, 2, 3], device=DEVICE)
@@ -205,3 +257,11 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match="out_valid"):
         index_topk(scores, visible, 2, out_valid=torch.empty(3, 2, dtype=torch.uint8,
                                                              device=DEVICE))
+    table = torch.zeros(2, 16, dtype=torch.int64, device=DEVICE)
+    slot = torch.zeros(3, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="req_to_token"):
+        index_topk(scores, visible, 2, entry_rows=(table.float(), slot, 4))
+    with pytest.raises(ValueError, match="token_slot"):
+        index_topk(scores, visible, 2, entry_rows=(table, slot[:2], 4))
+    with pytest.raises(ValueError, match="ratio"):
+        index_topk(scores, visible, 2, entry_rows=(table, slot, 0))

@@ -289,7 +289,8 @@ def test_every_pooling_shape_binds_the_kernel() -> None:
 
 def test_index_topk_choice_selects_the_torch_set():
     """The triton choice binds the one-launch select; on untied scores it picks the same entries
-    as the torch path (ids in ascending order rather than by score), invalid picks id 0."""
+    as the torch path (in ascending order rather than by score) and both return their pool
+    rows through the request's table, invalid picks row 0."""
     from sgl_dspark.kernels.index_topk import index_topk
     from sgl_dspark.srt.layers.attention.compressor import index_topk_impl
 
@@ -298,10 +299,21 @@ def test_index_topk_choice_selects_the_torch_set():
     scores = torch.randn(5, 40, generator=gen)
     visible = torch.tensor([0, 3, 17, 40, 25])
     scores[torch.arange(40)[None, :] >= visible[:, None]] = float("-inf")
-    want_ids, want_valid = index_topk_impl(TORCH)(scores.to(DEVICE), visible.to(DEVICE), 8)
-    got_ids, got_valid = index_topk_impl(TRITON)(scores.to(DEVICE), visible.to(DEVICE), 8)
+    ratio = 4
+    # Shuffled pages: an entry's pool row is not its id.
+    table = (torch.randperm(3 * 160, generator=gen)[:3 * 160].view(3, 160) // ratio) * ratio
+    token_slot = torch.tensor([2, 0, 1, 1, 2])
+    entry_rows = (table.to(DEVICE), token_slot.to(DEVICE), ratio)
+    want_ids, want_valid = index_topk_impl(TORCH)(scores.to(DEVICE), visible.to(DEVICE), 8,
+                                                  entry_rows=entry_rows)
+    got_ids, got_valid = index_topk_impl(TRITON)(scores.to(DEVICE), visible.to(DEVICE), 8,
+                                                 entry_rows=entry_rows)
     assert torch.equal(got_valid.sum(1), want_valid.sum(1))
+    top = scores.topk(8, dim=-1).indices
     for r in range(5):
         assert sorted(got_ids[r][got_valid[r]].tolist()) == sorted(
             want_ids[r][want_valid[r]].tolist())
+        picked = top[r][top[r] < visible[r]]
+        assert sorted(want_ids[r][want_valid[r]].tolist()) == sorted(
+            (table[token_slot[r], picked * ratio] // ratio).tolist())
         assert (got_ids[r][~got_valid[r]] == 0).all()

@@ -121,17 +121,45 @@ def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
     want = _unfused(streams, layers, want_taps)
     boundary = hc_boundary_impl(TRITON)
     assert boundary is not None
-    got = run_fused_hc_layers(
+    got, no_head = run_fused_hc_layers(
         streams, layers,
         lambda i, x: torch.tanh(x @ layers[i].w_attn),
         lambda i, x: torch.tanh(x @ layers[i].w_ffn),
         boundary, lambda i, s: got_taps.append((i, s)))
     # X2: the kernel reduces in another order (fp32), so a tolerance, not equality.
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert no_head is None
     assert [i for i, _ in got_taps] == list(range(num_layers))
     for (_, g), w in zip(got_taps, want_taps):
         torch.testing.assert_close(g, w, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(want, streams)
+
+    # With the hyper head, the last boundary also returns head(streams) and its final norm;
+    # the streams and the taps are those of the run without it.
+    head, norm = _head_and_norm(n, d, gen)
+    got_taps.clear()
+    got_h, head_out = run_fused_hc_layers(
+        streams, layers,
+        lambda i, x: torch.tanh(x @ layers[i].w_attn),
+        lambda i, x: torch.tanh(x @ layers[i].w_ffn),
+        boundary, lambda i, s: got_taps.append((i, s)), head=(head, norm))
+    torch.testing.assert_close(got_h, want, atol=1e-4, rtol=1e-4)
+    assert [i for i, _ in got_taps] == list(range(num_layers))
+    assert head_out is not None
+    y, y_normed = head_out
+    torch.testing.assert_close(y, head(want), atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(y_normed, rms_norm(head(want), norm.weight, 1e-6), atol=1e-4,
+                               rtol=1e-4)
+
+
+def _head_and_norm(n: int, d: int, gen: torch.Generator) -> tuple[HyperHead, RMSNorm]:
+    head = HyperHead(n, d, 1e-6, 1e-6)
+    head.hc_fn.data = torch.randn(n, n * d, generator=gen) * 0.05
+    head.hc_base.data = torch.randn(n, generator=gen)
+    head.hc_scale.data = torch.rand(1, generator=gen) + 0.5
+    norm = RMSNorm(d, 1e-6)
+    norm.weight.data = 1 + 0.1 * torch.randn(d, generator=gen)
+    return head.to(DEVICE), norm.to(DEVICE)
 
 
 # ---- sampling --------------------------------------------------------------------------------
@@ -164,26 +192,27 @@ def test_draft_inputs_triton_equals_torch(batch, gamma, window):
     assert bool(want.ctx_valid.any()) and bool((~want.ctx_valid).any())
 
 
-def test_fused_hyper_head_matches_unfused_and_follows_new_weights():
-    """`boundary.head` (the opening kernel with the head's parameters padded to a mixer) equals
-    the hyper head + final RMSNorm within X2 tolerance, and picks up replaced parameters."""
+def test_last_boundary_with_hyper_head_matches_unfused_and_follows_new_weights():
+    """`boundary.close_to_head` (the last stream update with the head's parameters padded to a
+    mixer) equals hc_expand + the hyper head + the final RMSNorm within X2 tolerance, and picks
+    up replaced head parameters."""
     gen = torch.Generator().manual_seed(21)
-    n, d = 4, 96
-    head = HyperHead(n, d, 1e-6, 1e-6)
-    head.hc_fn.data = torch.randn(n, n * d, generator=gen) * 0.05
-    head.hc_base.data = torch.randn(n, generator=gen)
-    head.hc_scale.data = torch.rand(1, generator=gen) + 0.5
-    norm = RMSNorm(d, 1e-6)
-    norm.weight.data = 1 + 0.1 * torch.randn(d, generator=gen)
-    head, norm = head.to(DEVICE), norm.to(DEVICE)
-    streams = torch.randn(5, n, d, generator=gen).to(DEVICE)
+    n, d, rows = 4, 96, 5
+    head, norm = _head_and_norm(n, d, gen)
+    streams = torch.randn(rows, n, d, generator=gen).to(DEVICE)
+    y = torch.randn(rows, d, generator=gen).to(DEVICE)
+    post = (2 * torch.rand(rows, n, generator=gen)).to(DEVICE)
+    comb = torch.softmax(torch.randn(rows, n, n, generator=gen), -1).to(DEVICE)
     boundary = hc_boundary_impl(TRITON)
     assert boundary is not None
+    want_streams = hc_expand(streams, y, post, comb)
     for _ in range(2):  # second round: new head weights must not reuse the cached padding
-        y, y_normed = boundary.head(streams, head, norm)
-        want = head(streams)
-        torch.testing.assert_close(y, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(y_normed, rms_norm(want, norm.weight, 1e-6), atol=1e-5,
+        got_streams, got_y, got_normed = boundary.close_to_head(streams, y, post, comb, head,
+                                                                norm)
+        want = head(want_streams)
+        torch.testing.assert_close(got_streams, want_streams, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_y, want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got_normed, rms_norm(want, norm.weight, 1e-6), atol=1e-5,
                                    rtol=1e-5)
         head.hc_fn.data = (torch.randn(n, n * d, generator=gen) * 0.05).to(DEVICE)
 

@@ -101,9 +101,11 @@ class HcBoundary(Protocol):
              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Open the first sublayer: (its normed input, post, comb)."""
 
-    def head(self, streams: torch.Tensor, head: HyperHead, norm: RMSNorm,
-             ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The hyper head and the final norm: (`head(streams)`, `norm(head(streams))`)."""
+    def close_to_head(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                      comb: torch.Tensor, head: HyperHead, norm: RMSNorm,
+                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Close the last sublayer and apply the hyper head and the final norm:
+        (streams', `head(streams')`, `norm(head(streams'))`)."""
 
 
 def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
@@ -113,7 +115,8 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one kernel (two launches: a pass
     split over D, then a per-row finish); `open` (`mhc_pre`) runs the same kernel without the
     stream update for the first sublayer (about 120 small torch kernels otherwise: the Sinkhorn
-    loop alone is 3 per iteration). It is X2 against the
+    loop alone is 3 per iteration); `close_to_head` closes the last sublayer with the hyper head
+    and the final norm in the place of the next mixer and its norm. It is X2 against the
     torch path: the stream update is accumulated in fp32 with fp32 post/comb (`hc_expand` casts
     them to the activation dtype and uses a matmul), and the coefficient reductions run in a
     different order, so outputs agree to a tolerance, not bit for bit.
@@ -141,17 +144,20 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
                           sinkhorn_iters=hc.sinkhorn_iters, rms_eps=hc.rms_eps)
             return out.x_normed, out.post, out.comb
 
-        def head(self, streams: torch.Tensor, head: HyperHead, norm: RMSNorm,
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        def close_to_head(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
+                          comb: torch.Tensor, head: HyperHead, norm: RMSNorm,
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             # The hyper head is the pre half of a mixer (weightless RMSNorm over n·D, fn
-            # projection, sigmoid + eps, collapse) and the final norm follows it, so the opening
-            # kernel computes both from the head's fn/base/scale zero-padded to a mixer's shape
-            # (the padded rows only feed post/comb, which are discarded).
+            # projection, sigmoid + eps, collapse) and the final norm follows it, so the last
+            # boundary's kernel computes both from the head's fn/base/scale zero-padded to a
+            # mixer's shape (the padded rows only feed post/comb, which are discarded): one
+            # kernel instead of the unfused stream update (five torch launches) and another.
             assert norm.eps == head.rms_eps, (norm.eps, head.rms_eps)
             fn, base, scale = _padded_head_params(head)
-            out = mhc_pre(streams, fn, base, scale, norm.weight, hc_eps=head.hc_eps,
-                          sinkhorn_iters=1, rms_eps=head.rms_eps)
-            return out.x_in, out.x_normed
+            out = mhc_post_combine(
+                streams, y.contiguous(), post, comb, fn, base, scale, norm.weight,
+                hc_eps=head.hc_eps, sinkhorn_iters=1, rms_eps=head.rms_eps)
+            return out.streams, out.x_in, out.x_normed
 
     return _Boundary()
 
@@ -185,21 +191,26 @@ def run_fused_hc_layers(
     ffn: Callable[[int, torch.Tensor], torch.Tensor],
     boundary: HcBoundary,
     after_layer: Callable[[int, torch.Tensor], None] | None = None,
-) -> torch.Tensor:
+    head: tuple[HyperHead, RMSNorm] | None = None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """Run mHC layers with fused boundaries: attn post + ffn pre inside a layer, ffn post + the
     next layer's attn pre across layers.
 
-    The first layer's attn pre runs `boundary.open`; the last layer's ffn post runs unfused
-    (the hyper head follows it).
+    The first layer's attn pre runs `boundary.open`; the last layer's ffn post runs with the
+    hyper head and the final norm (`boundary.close_to_head`) when `head` is given, unfused
+    otherwise.
 
     Args:
         streams: `[T, n, D]` residual streams entering layer 0.
         attn, ffn: `(layer index, normed input [T, D]) -> sublayer output [T, D]`.
         boundary: from `hc_boundary_impl`.
         after_layer: called with `(layer index, streams after the layer)` (hidden-state taps).
-    Returns the streams after the last layer.
+        head: the hyper head and the final norm (`[T, D]` each: every row gets them).
+    Returns the streams after the last layer and, with `head`, (`head(streams)`,
+    `norm(head(streams))`).
     """
     x, post, comb = boundary.open(streams, layers[0].attn_hc, layers[0].input_layernorm)
+    head_out = None
     for i, layer in enumerate(layers):
         a = attn(i, x)
         streams, x, post, comb = boundary(streams, a, post, comb, layer.ffn_hc,
@@ -209,8 +220,11 @@ def run_fused_hc_layers(
             nxt = layers[i + 1]
             streams, x, post, comb = boundary(streams, f, post, comb, nxt.attn_hc,
                                               nxt.input_layernorm)
+        elif head is not None:
+            streams, y, y_normed = boundary.close_to_head(streams, f, post, comb, *head)
+            head_out = (y, y_normed)
         else:
             streams = hc_expand(streams, f, post, comb)
         if after_layer is not None:
             after_layer(i, streams)
-    return streams
+    return streams, head_out

@@ -176,9 +176,7 @@ class Attention(nn.Module):
         assert kv_state.index_keys is not None and kv_state.index_state is not None
         indexer.compress(comp_in[2], comp_in[3], batch, kv_state.index_state,
                          kv_state.index_keys, rope)
-        ids, valid = indexer.select(index_q[0], comp_in[4], batch, kv_state.index_keys, rope)
-        slots = entry_slots(batch, n_max, m).gather(1, ids) if ids.shape[1] else ids
-        return slots, valid
+        return indexer.select(index_q[0], comp_in[4], batch, kv_state.index_keys, rope)
 
 
 def add_moe_and_mixers(layer: nn.Module, cfg: ModelConfig, is_hash: bool,
@@ -326,18 +324,19 @@ class DeepseekV4ForCausalLM(nn.Module):
             for i, layer in enumerate(m.layers):
                 streams = layer(streams, batch, pool.layers[i], rope, backend)
                 tap(i, streams)
+            h = self.rms_norm(m.hc_head(streams[batch.logits_indices]), m.norm.weight,
+                              m.norm.eps)
         else:
+            # The last boundary applies the hyper head and the final norm to every row (one
+            # kernel); the logits rows are picked from its output.
             layers = cast("Sequence[DecoderLayer]", m.layers)
-            streams = run_fused_hc_layers(
+            _, head_out = run_fused_hc_layers(
                 streams, layers,
                 lambda i, x: layers[i].self_attn(x, batch, pool.layers[i], rope, backend),
                 lambda i, x: layers[i].mlp(x, batch.input_ids),
-                self.hc_boundary, tap)
-        last = streams[batch.logits_indices]
-        if self.hc_boundary is None:
-            h = self.rms_norm(m.hc_head(last), m.norm.weight, m.norm.eps)
-        else:
-            _, h = self.hc_boundary.head(last, m.hc_head, m.norm)
+                self.hc_boundary, tap, head=(m.hc_head, m.norm))
+            assert head_out is not None
+            h = head_out[1][batch.logits_indices]
         return ModelOutput(logits=self.compute_logits(h), tap_streams=taps)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -264,13 +264,14 @@ class DSparkDraftModel(nn.Module):
         cos, sin = self.cos_sin(positions.reshape(-1))
         stages = cast("Sequence[DraftStage]", self.model.layers)
         if self.hc_boundary is not None:
-            streams = run_fused_hc_layers(
+            _, head_out = run_fused_hc_layers(
                 streams, stages,
                 lambda k, u: stages[k].self_attn(u, ctx_pools[k], ctx_slots, ctx_valid, cos, sin,
                                                  batch, q_len),
                 lambda k, u: stages[k].mlp(u, None),
-                self.hc_boundary)
-            y, y_normed = self.hc_boundary.head(streams, self.model.hc_head, self.model.norm)
+                self.hc_boundary, head=(self.model.hc_head, self.model.norm))
+            assert head_out is not None
+            y, y_normed = head_out
             return (y.view(batch, q_len, d), y_normed.view(batch, q_len, d))
         for stage, pool in zip(stages, ctx_pools):
             pre, post, comb = stage.attn_hc.coeffs(streams)

@@ -87,15 +87,17 @@ def indexer_scores_impl(kernels: KernelChoice) -> IndexerScoresFn:
     return indexer_logits
 
 
-# (scores [T, N] fp32, visible [T] int64, k) -> (entry ids [T, k] int64, valid [T, k] bool)
-TopkFn = Callable[[torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+# (scores [T, N] fp32, visible [T] int64, k, *, entry_rows=(req_to_token, token_slot [T],
+#  ratio)) -> (the selected entries' pool rows [T, k] int64, valid [T, k] bool)
+TopkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 def index_topk_impl(kernels: KernelChoice) -> TopkFn:
     """The indexer's top-k selection of the "indexer" family: `index_topk_torch`, or the
     one-launch Triton select `kernels/index_topk.py::index_topk` (the same set up to ties at the
     threshold, which it breaks toward the lower index; ids in ascending order rather than by
-    score, so the attention's entry sums run in another order: X2 end to end)."""
+    score, so the attention's entry sums run in another order: X2 end to end). Both return the
+    selected entries' pool rows (`entry_rows`), the kernel from inside its launch."""
     if kernels.of("indexer") == "torch":
         return index_topk_torch
     from sgl_dspark.kernels.index_topk import index_topk
@@ -103,12 +105,15 @@ def index_topk_impl(kernels: KernelChoice) -> TopkFn:
     return index_topk
 
 
-def index_topk_torch(scores: torch.Tensor, visible: torch.Tensor,
-                     k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """torch.topk over rows whose entries >= visible are -inf; invalid picks become id 0."""
+def index_topk_torch(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
+                     entry_rows: tuple[torch.Tensor, torch.Tensor, int],
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """torch.topk over rows whose entries >= visible are -inf, then the picks' pool rows
+    (`entry_pool_rows`); invalid picks become row 0."""
     top = scores.topk(k, dim=-1).indices
     valid = top < visible[:, None]
-    return torch.where(valid, top, torch.zeros_like(top)), valid
+    rows = entry_pool_rows(top, *entry_rows)
+    return torch.where(valid, rows, torch.zeros_like(rows)), valid
 
 
 class BlockCompressor(nn.Module):
@@ -238,7 +243,8 @@ class Indexer(BlockCompressor):
         `qi = q_b_proj(qr)` `[T, Hi * Di]` and head weights `head_w = scorer.weights_proj(x)`
         `[T, Hi]` (computed in the layer's fused projections).
 
-        Returns (entry_ids [T, k] int64, valid [T, k] bool); ids of invalid picks are 0.
+        Returns (the picked entries' pool rows [T, k] int64, valid [T, k] bool); rows of
+        invalid picks are 0.
         """
         T = qi.shape[0]
         m = self.ratio
@@ -254,7 +260,8 @@ class Indexer(BlockCompressor):
         scores = self._scores(qi, head_w, index_keys, batch.positions, token_slot,
                               batch.req_to_token, m, n_max,
                               weight_scale=self.n_heads**-0.5)                # [T, N]
-        return self._topk(scores, visible_entries(batch, m), k)
+        return self._topk(scores, visible_entries(batch, m), k,
+                          entry_rows=(batch.req_to_token, token_slot, m))
 
 
 def indexer_scores_torch(qi: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
@@ -285,9 +292,18 @@ def visible_entries(batch: ForwardBatch, ratio: int) -> torch.Tensor:
     return batch.cached(("visible", ratio), lambda: (batch.positions + 1) // ratio)
 
 
+def entry_pool_rows(ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor,
+                    ratio: int) -> torch.Tensor:
+    """Pool rows `[T, N]` of entries `ids` `[T, N]` of each token's request (entry n starts at
+    position n * ratio; rows of entries beyond the request's length point at garbage and must
+    be masked by the caller)."""
+    cols = (ids * ratio).clamp(max=req_to_token.shape[1] - 1)
+    return req_to_token[token_slot[:, None], cols] // ratio
+
+
 def entry_slots(batch: ForwardBatch, n_entries: int, ratio: int) -> torch.Tensor:
-    """Pool rows `[T, n_entries]` of entries 0..n_entries-1 of each token's request (rows of
-    entries beyond the request's length point at garbage and must be masked by the caller)."""
+    """`entry_pool_rows` of entries 0..n_entries-1 of each token's request `[T, n_entries]`
+    (their block starts built directly: one launch fewer than ids * ratio)."""
     def compute() -> torch.Tensor:
         w = torch.arange(0, n_entries * ratio, ratio, device=batch.positions.device)
         w = w.clamp(max=batch.req_to_token.shape[1] - 1)
