@@ -8,6 +8,10 @@ shared KV head is both key and value. Token t at position p sees
     all visible ones for HCA layers, the indexer's selection for CSA layers). With
     ``extra_slots`` the extra keys are read in place from a pool, ``extra_kv[extra_slots[t, n]]``,
     so the caller never gathers them into a ``[T, N, Dh]`` copy (one launch less per layer).
+    With ``extra_entries = (N, m)`` (HCA layers) the extra keys are the request's compressed
+    entries n < N themselves, visible while n < (p + 1) // m and read at their pool rows
+    ``req_to_token[token_slot[t], min(n * m, W - 1)] // m`` (`dense_entries_ref`): no slot
+    table and no mask are built per forward.
 Per head h: ``o = sum_j softmax([scale * q.k_j ; sinks[h]])_j * k_j``, i.e. the sink adds
 ``exp(sinks[h])`` to the denominator only (its value is zero).
 
@@ -96,6 +100,17 @@ def window_sparse_attention_ref(
     return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
 
 
+def dense_entries_ref(positions: torch.Tensor, token_slot: torch.Tensor,
+                      req_to_token: torch.Tensor, num_entries: int,
+                      ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pool rows [T, N] int64, valid [T, N] bool) of ``extra_entries = (N, ratio)``: every
+    compressed entry n < N of the token's request, visible once its block is complete."""
+    entry = torch.arange(num_entries, device=positions.device)
+    cols = (entry * ratio).clamp(max=req_to_token.shape[1] - 1)
+    rows = req_to_token[token_slot[:, None], cols[None, :]].long() // ratio
+    return rows, entry[None, :] < ((positions + 1) // ratio)[:, None]
+
+
 @triton.jit
 def _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
                          DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr):
@@ -124,10 +139,11 @@ def _window_sparse_attention_kernel(
     q_ptr, kv_ptr, pos_ptr, slot_ptr, table_ptr, sinks_ptr, extra_ptr, extra_valid_ptr, out_ptr,
     part_m_ptr, part_l_ptr, extra_slots_ptr, slots_stride_t, cos_ptr, sin_ptr, cs_stride,
     num_heads, out_heads, window, num_extra, qk_scale, tiles_per_split, rope_dim,
-    q_stride_t, q_stride_h, kv_stride, table_stride,
+    q_stride_t, q_stride_h, kv_stride, table_stride, table_width, entry_ratio,
     extra_stride_t, extra_stride_n, valid_stride_t, out_stride_t, out_stride_h,
     HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, EXTRA_IN_POOL: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, EXTRA_IN_POOL: tl.constexpr, DENSE_ENTRIES: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     ROUND_P: tl.constexpr, SPLIT: tl.constexpr, ROPE: tl.constexpr, X_KIND: tl.constexpr,
     ON_BITS: tl.constexpr, PDL: tl.constexpr,
 ):
@@ -183,11 +199,17 @@ def _window_sparse_attention_kernel(
         for n0 in range(extra_start, extra_stop, BLOCK_N):
             idx = n0 + offs
             in_range = idx < num_extra
-            valid = tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range,
-                            other=0) != 0
-            if EXTRA_IN_POOL:  # pool rows at this token's slots (extra_stride_n: pool rows)
-                rows = tl.load(extra_slots_ptr + token * slots_stride_t + idx, mask=valid,
-                               other=0).to(tl.int64)
+            if DENSE_ENTRIES:  # the request's entries: complete blocks, rows from the table
+                valid = in_range & (idx < (position + 1) // entry_ratio)
+                col = tl.minimum(idx.to(tl.int64) * entry_ratio, table_width - 1)
+                rows = tl.load(table_row + col, mask=valid, other=0).to(tl.int64) // entry_ratio
+            else:
+                valid = tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range,
+                                other=0) != 0
+                if EXTRA_IN_POOL:  # pool rows at this token's slots
+                    rows = tl.load(extra_slots_ptr + token * slots_stride_t + idx, mask=valid,
+                                   other=0).to(tl.int64)
+            if DENSE_ENTRIES or EXTRA_IN_POOL:  # extra_stride_n: pool rows
                 key_ptrs = extra_ptr + rows[:, None] * extra_stride_n + dims[None, :]
             else:
                 key_ptrs = extra_row + idx[:, None].to(tl.int64) * extra_stride_n + dims[None, :]
@@ -290,6 +312,7 @@ def window_sparse_attention(
     extra_slots: torch.Tensor | None = None,
     inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     out_heads: int | None = None,
+    extra_entries: tuple[int, int] | None = None,
 ) -> torch.Tensor:
     """Window + extra-key attention with sinks, no host sync (CUDA-graph safe).
 
@@ -306,6 +329,10 @@ def window_sparse_attention(
     `extra_slots`: optional int32/int64 [T, N]; extra_kv is then a pool [rows, Dh] and token t's
     extra key n is `extra_kv[extra_slots[t, n]]` (read only where extra_valid; the same values,
     so the same bits, as passing the gathered `extra_kv[extra_slots]`).
+    `extra_entries`: optional (N, ratio): extra_kv is then a pool [rows, Dh] of compressed
+    entries and token t sees its request's entries n < N with n < (position + 1) // ratio, at
+    their pool rows (module doc); extra_valid and extra_slots must be None. The same bits as
+    passing `dense_entries_ref`'s rows and mask as extra_slots and extra_valid.
     `inverse_rope`: optional (cos, sin) fp32 [T, rd/2] (one row stride, unit stride along rd/2):
     the output's trailing rd channels are rotated back by -angle in the output's epilogue, the
     same bits as `rope_tail(out, cos, sin, inverse=True)` after this kernel (K13's inverse
@@ -334,7 +361,19 @@ def window_sparse_attention(
     has_extra = extra_kv is not None
     num_extra = 0
     in_pool = extra_slots is not None
-    if extra_slots is not None:
+    dense, entry_ratio = extra_entries is not None, 1
+    if extra_entries is not None:
+        num_extra, entry_ratio = extra_entries
+        if extra_kv is None or extra_valid is not None or extra_slots is not None:
+            raise ValueError("extra_entries needs extra_kv (the entry pool) and neither "
+                             "extra_valid nor extra_slots")
+        if num_extra < 0 or entry_ratio < 1:
+            raise ValueError(f"extra_entries must be (N >= 0, ratio >= 1), got {extra_entries}")
+        if extra_kv.dim() != 2 or extra_kv.shape[1] != head_dim \
+                or extra_kv.dtype not in _SUPPORTED_DTYPES:
+            raise ValueError(f"extra_kv must be a pool [rows, {head_dim}] float with "
+                             f"extra_entries, got {extra_kv.dtype} {tuple(extra_kv.shape)}")
+    elif extra_slots is not None:
         if extra_kv is None or extra_valid is None:
             raise ValueError("extra_slots needs extra_kv (the pool) and extra_valid")
         if extra_slots.dim() != 2 or extra_slots.shape[0] != tokens or extra_slots.dtype not in (
@@ -375,19 +414,26 @@ def window_sparse_attention(
     to_check = [("q", q), ("window_kv", window_kv), ("out", out), ("req_to_token", req_to_token)]
     if extra_kv is not None and extra_valid is not None and num_extra > 0:
         to_check += [("extra_kv", extra_kv), ("extra_valid", extra_valid)]
+    if dense and extra_kv is not None:
+        to_check.append(("extra_kv", extra_kv))
     for name, t in to_check:
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
     if sinks.stride(0) != 1 and heads > 1:
         raise ValueError(f"sinks must be contiguous, got stride {sinks.stride()}")
-    if extra_kv is None or extra_valid is None or num_extra == 0:
+    if extra_kv is None or num_extra == 0 or (extra_valid is None and not dense):
         has_extra = False
         extra_arg, valid_arg = q, positions  # never read (HAS_EXTRA=False)
         extra_strides, valid_stride = (0, 0), 0
+    elif dense:
+        extra_arg, valid_arg = extra_kv, positions  # no mask: visibility from the positions
+        extra_strides, valid_stride = (0, extra_kv.stride(0)), 0
     elif in_pool:
+        assert extra_valid is not None
         extra_arg, valid_arg = extra_kv, extra_valid.view(torch.uint8)
         extra_strides, valid_stride = (0, extra_kv.stride(0)), extra_valid.stride(0)
     else:
+        assert extra_valid is not None
         extra_arg, valid_arg = extra_kv, extra_valid.view(torch.uint8)
         extra_strides, valid_stride = (extra_kv.stride(0), extra_kv.stride(1)), extra_valid.stride(0)
     slots_arg = extra_slots if in_pool and has_extra else positions  # read with EXTRA_IN_POOL only
@@ -417,9 +463,11 @@ def window_sparse_attention(
         heads, heads if split else out_heads, window, num_extra, scale * _LOG2E, tiles_per_split,
         tables.rope_dim,
         q.stride(0), q.stride(1), window_kv.stride(0), req_to_token.stride(0),
+        req_to_token.shape[1], entry_ratio,
         extra_strides[0], extra_strides[1], valid_stride, first_strides[0], first_strides[1],
         HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_H=block_h, BLOCK_N=block_n,
         HAS_EXTRA=has_extra, EXTRA_IN_POOL=in_pool and has_extra,
+        DENSE_ENTRIES=dense and has_extra,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",

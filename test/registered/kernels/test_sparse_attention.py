@@ -16,6 +16,7 @@ from sgl_dspark.kernels.sparse_attention import (
     _auto_num_splits,
     _merge_attention_splits_kernel,
     _sm_count,
+    dense_entries_ref,
     window_sparse_attention,
     window_sparse_attention_ref,
 )
@@ -300,6 +301,45 @@ def test_extra_keys_read_in_place_from_a_pool(num_splits: int, dtype: torch.dtyp
         window_sparse_attention(**{**in_pool, "extra_slots": slots[:, :3].float()})
     with pytest.raises(ValueError, match="extra_kv must be a pool"):
         window_sparse_attention(**{**in_pool, "extra_kv": pool[slots]})
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ratio,num_entries", [(4, 30), (8, 3), (128, 2), (1, 70)])
+def test_dense_entries_equal_explicit_slots(num_splits: int, dtype: torch.dtype, ratio: int,
+                                            num_entries: int) -> None:
+    """extra_entries (HCA): the kernel derives each entry's pool row and visibility from the
+    table and the position; the same bits as passing `dense_entries_ref`'s rows and mask as
+    extra_slots / extra_valid. Rows of entries not yet complete are garbage (NaN) and must
+    never be read; entries past the table's width read its last column (masked)."""
+    inputs = _inputs([40, 9, 270, 1], [1, 3, 2, 1], heads=5, head_dim=64, window=16,
+                     num_extra=None, dtype=dtype, seed=43 + ratio)
+    gen = torch.Generator().manual_seed(ratio)
+    table = inputs["req_to_token"]
+    pool = torch.randn(int(table.max()) // ratio + 2, 64, generator=gen).to(dtype).to(DEVICE)
+    rows, valid = dense_entries_ref(inputs["positions"], inputs["token_slot"], table,
+                                    num_entries, ratio)
+    assert bool(valid.any()) and not bool(valid.all())
+    visible_rows = rows[valid].unique()
+    garbage = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
+    garbage[visible_rows] = False
+    pool[garbage] = float("nan")  # only rows of visible entries hold numbers
+    explicit = {**inputs, "extra_kv": pool, "extra_slots": torch.where(valid, rows, 0),
+                "extra_valid": valid}
+    dense = {**inputs, "extra_kv": pool, "extra_entries": (num_entries, ratio)}
+    want = _run_poisoned(explicit, num_splits)
+    got = _run_poisoned(dense, num_splits)
+    assert torch.equal(got, want)
+    ref = window_sparse_attention_ref(**{**inputs, "extra_kv": pool[rows].nan_to_num(0.0),
+                                         "extra_valid": valid})
+    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.float(), ref.float(), **tol)
+    with pytest.raises(ValueError, match="extra_entries"):
+        window_sparse_attention(**{**dense, "extra_valid": valid})
+    with pytest.raises(ValueError, match="extra_entries"):
+        window_sparse_attention(**{**dense, "extra_entries": (num_entries, 0)})
+    with pytest.raises(ValueError, match="extra_kv must be a pool"):
+        window_sparse_attention(**{**dense, "extra_kv": pool[None]})
 
 
 def _rope_tables(tokens: int, rope_dim: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -71,6 +71,33 @@ def test_matches_torch_backend(index: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
+@pytest.mark.parametrize("mode, prefix, extend, ratio", [
+    (ForwardMode.DECODE, [7, 0, 40], [1, 1, 1], 4),
+    (ForwardMode.VERIFY, [20, 3], [4, 3], 8),
+    (ForwardMode.EXTEND, [0, 12], [13, 6], 4),
+])
+def test_dense_entries_match_torch_backend(mode: ForwardMode, prefix: list[int],
+                                           extend: list[int], ratio: int) -> None:
+    """extra_entries (HCA): every complete entry of the request, read in place from the entry
+    pool; the triton backend derives rows and visibility inside the kernel, the torch backend
+    builds them (`entry_slots`, visible counts)."""
+    gen = torch.Generator().manual_seed(ratio + len(prefix))
+    batch = _batch(mode, prefix, extend, gen)
+    tokens, heads, head_dim = batch.num_tokens, 3, 64
+    q = (torch.randn(tokens, heads, head_dim, generator=gen) * 2).to(DEVICE)
+    window_kv = torch.randn(64 * 4, head_dim, generator=gen).to(DEVICE)
+    entries = torch.randn(64 * 4 // ratio, head_dim, generator=gen).to(DEVICE)
+    sinks = (torch.randn(heads, generator=gen) * 3).to(DEVICE)
+    args = (q, window_kv, batch, sinks, 8, head_dim**-0.5, entries, None, None)
+    num_entries = batch.max_seq_len // ratio
+    want = create_attention_backend("torch").forward(*args, extra_entries=(num_entries, ratio))
+    got = create_attention_backend("triton").forward(*args, extra_entries=(num_entries, ratio))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    without = create_attention_backend("torch").forward(q, window_kv, batch, sinks, 8,
+                                                        head_dim**-0.5, None, None)
+    assert not torch.allclose(want, without)   # some token sees an entry
+
+
 def test_registered_under_triton() -> None:
     assert "triton" in ATTENTION_BACKENDS
     assert type(create_attention_backend("triton")).__name__ == "TritonAttentionBackend"

@@ -16,12 +16,7 @@ from torch import nn
 
 from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
-from sgl_dspark.srt.layers.attention.compressor import (
-    BlockCompressor,
-    Indexer,
-    entry_slots,
-    visible_entries,
-)
+from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
@@ -141,12 +136,12 @@ class Attention(nn.Module):
                               q_norm=(None, self.eps) if self.q_head_norm else None,
                               kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
                               pool=kv_state.window, slots=batch.out_cache_loc)
-        slots, valid = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
+        slots, valid, entries = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
         # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather); the
         # output's rope channels are rotated back inside the backend (the V rope carried into o).
         o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
-                            self.head_dim**-0.5, kv_state.compressed if slots is not None else None,
-                            valid, slots, inverse_rope=(cos, sin))
+                            self.head_dim**-0.5, kv_state.compressed, valid, slots,
+                            inverse_rope=(cos, sin), extra_entries=entries)
         og = o.reshape(T, self.groups, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = self.grouped_linear(og, wa).reshape(T, -1)
@@ -154,29 +149,28 @@ class Attention(nn.Module):
 
     def _compressed_keys(self, comp_in: list[torch.Tensor], index_q: list[torch.Tensor],
                          batch: ForwardBatch, kv_state: LayerKV, rope: RopeTables,
-                         ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """(pool rows [T, N] of the compressed entries each token attends to, their validity
-        [T, N]), or (None, None) on sliding layers. comp_in: this layer's x projections after
-        q_a and kv (compressor kv, gate, then the indexer's kv, gate, weights); index_q:
-        [indexer q_b(qr)] on CSA layers."""
+                         ) -> tuple[torch.Tensor | None, torch.Tensor | None,
+                                    tuple[int, int] | None]:
+        """The compressed entries each token attends to, as the backend's (extra_slots,
+        extra_valid, extra_entries): on CSA layers the indexer's picks (pool rows [T, k], their
+        validity [T, k], None), on HCA layers every complete entry (None, None, (N, ratio)),
+        on sliding layers nothing. comp_in: this layer's x projections after q_a and kv
+        (compressor kv, gate, then the indexer's kv, gate, weights); index_q: [indexer
+        q_b(qr)] on CSA layers."""
         comp = self.compressor
         if comp is None:
-            return None, None
+            return None, None, None
         assert kv_state.compressed is not None and kv_state.comp_state is not None
         m = comp.ratio
         comp.compress(comp_in[0], comp_in[1], batch, kv_state.comp_state, kv_state.compressed,
                       rope)
-        n_max = batch.max_seq_len // m
         if self.layer_type == HCA:
-            slots = entry_slots(batch, n_max, m)
-            valid = batch.cached(("hca_valid", n_max, m), lambda: torch.arange(
-                n_max, device=batch.positions.device)[None, :] < visible_entries(batch, m)[:, None])
-            return slots, valid
+            return None, None, (batch.max_seq_len // m, m)
         indexer: Indexer = comp.indexer  # type: ignore[assignment]
         assert kv_state.index_keys is not None and kv_state.index_state is not None
         indexer.compress(comp_in[2], comp_in[3], batch, kv_state.index_state,
                          kv_state.index_keys, rope)
-        return indexer.select(index_q[0], comp_in[4], batch, kv_state.index_keys, rope)
+        return *indexer.select(index_q[0], comp_in[4], batch, kv_state.index_keys, rope), None
 
 
 def add_moe_and_mixers(layer: nn.Module, cfg: ModelConfig, is_hash: bool,

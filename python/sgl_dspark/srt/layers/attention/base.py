@@ -16,7 +16,8 @@ class BaseAttentionBackend(ABC):
                 sinks: torch.Tensor, window: int, scale: float,
                 extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
                 extra_slots: torch.Tensor | None = None,
-                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                extra_entries: tuple[int, int] | None = None) -> torch.Tensor:
         """Attention output for every token of the batch.
 
         Args:
@@ -29,6 +30,10 @@ class BaseAttentionBackend(ABC):
             extra_slots: optional `[T, N]` int rows of a pool: extra_kv is then the pool
                 `[rows, Dh]` and the entries are `extra_kv[extra_slots]` (a backend may read
                 them in place instead of gathering a copy).
+            extra_entries: optional `(N, ratio)` (HCA layers): extra_kv is the pool of the
+                layer's compressed entries and every token sees its request's entries n < N
+                whose block is complete (n < (position + 1) // ratio), at their pool rows
+                (`entry_slots`); extra_valid and extra_slots are then None.
             inverse_rope: optional `(cos, sin)` fp32 `[T, rd/2]`: rotate the output's trailing
                 rd channels back by -angle (`apply_rope_tail(o, cos, sin, inverse=True)`, the
                 V rope carried into o); a backend may do it in its output's epilogue.

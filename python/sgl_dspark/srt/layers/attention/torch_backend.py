@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
+from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 from sgl_dspark.srt.layers.rotary import apply_rope_tail
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
@@ -14,7 +15,13 @@ class TorchAttentionBackend(BaseAttentionBackend):
                 sinks: torch.Tensor, window: int, scale: float,
                 extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
                 extra_slots: torch.Tensor | None = None,
-                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+                extra_entries: tuple[int, int] | None = None) -> torch.Tensor:
+        if extra_entries is not None:
+            n, ratio = extra_entries
+            extra_slots = entry_slots(batch, n, ratio)
+            extra_valid = batch.cached(("entry_valid", n, ratio), lambda: torch.arange(
+                n, device=q.device)[None, :] < visible_entries(batch, ratio)[:, None])
         if extra_kv is not None and extra_slots is not None:
             extra_kv = extra_kv[extra_slots]
         pos = batch.positions
