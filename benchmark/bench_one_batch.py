@@ -23,7 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.layers.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
-from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig  # noqa: E402
+from sgl_dspark.srt.model_executor.model_runner import (  # noqa: E402
+    ModelRunner,
+    RunnerConfig,
+    default_page_size,
+)
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 
@@ -113,8 +117,11 @@ def main() -> None:
     ctx = a.input_len + a.output_len + 32
     backend = a.kernel_backend or ("triton" if a.device.startswith("cuda") else "torch")
     kernels = KernelChoice.parse(backend)
+    # Requests hold whole pages: budget each one its context rounded up to a page.
+    page = default_page_size(cfg)
+    per_request = -(-ctx // page) * page
     runner = ModelRunner(cfg, RunnerConfig(device=a.device, dtype=a.dtype,
-                                           max_total_tokens=max(sizes) * ctx + 1024,
+                                           max_total_tokens=max(sizes) * per_request + 1024,
                                            max_running_requests=max(sizes), context_length=ctx,
                                            kernel_backend=backend),
                          model=random_model(cfg, a.device, kernels=kernels))
