@@ -18,7 +18,7 @@ Output layout: the selected ids in ascending index order in slots ``0..s-1`` (s 
 selected = ``min(k, candidates)``), then slots ``s..k-1`` hold id 0 with valid False.
 With ``entry_rows = (req_to_token, token_slot, ratio)`` the selected slots hold the entries'
 pool rows instead, ``req_to_token[token_slot[t], min(id * ratio, W - 1)] // ratio`` (the KV
-pool's entry addressing), so the attention reads the entries without a gather launch between.
+pool's entry addressing, `entry_rows.py`), so the attention reads the entries without a gather launch between.
 
 Algorithm (per program): each score maps to an int32 key whose signed order is the float order
 (positive floats keep their bits, negative floats flip the 31 low bits). A 4-pass radix select
@@ -37,6 +37,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.entry_rows import entry_pool_rows_ref, load_entry_rows
 
 _RADIX_BINS = 256
 # Largest chunk: with T <= 128 rows there is about one program per SM, so a row's passes are a
@@ -81,14 +82,6 @@ def index_topk_ref(
     if entry_rows is not None:
         ids = torch.where(valid, entry_pool_rows_ref(ids, *entry_rows), torch.zeros_like(ids))
     return ids, valid
-
-
-def entry_pool_rows_ref(ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor,
-                        ratio: int) -> torch.Tensor:
-    """int64 ``[T, k]`` pool rows of compressed entries ``ids`` ``[T, k]`` of each row's request
-    (``token_slot`` ``[T]``: its row of ``req_to_token``): entry n starts at position n·ratio."""
-    cols = (ids * ratio).clamp(max=req_to_token.shape[1] - 1)
-    return req_to_token[token_slot[:, None], cols].long() // ratio
 
 
 @triton.jit
@@ -165,8 +158,7 @@ def _index_topk_kernel(
         sel_i = sel.to(tl.int32)
         pos = num_out + tl.cumsum(sel_i, axis=0) - sel_i
         if ENTRY_ROWS:
-            col = tl.minimum(idx.to(tl.int64) * ratio, table_width - 1)
-            value = tl.load(table_row + col, mask=sel, other=0).to(tl.int64) // ratio
+            value = load_entry_rows(table_row, idx, ratio, table_width, sel)
         else:
             value = idx.to(tl.int64)
         tl.store(out_ids + pos, value, mask=sel)

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.entry_rows import entry_pool_rows_ref, load_entry_rows
 
 _SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
@@ -60,15 +61,13 @@ def indexer_logits_ref(
     """
     head_dim = qi.shape[-1]
     weights = weights.float() * weight_scale
-    cols = torch.arange(n_max, device=positions.device) * ratio
-    cols = cols.clamp(max=req_to_token.shape[1] - 1)
-    slots = req_to_token[token_slot[:, None], cols[None, :]] // ratio          # [T, N]
+    entry_ids = torch.arange(n_max, device=positions.device)
+    slots = entry_pool_rows_ref(entry_ids[None, :], req_to_token, token_slot, ratio)  # [T, N]
     keys = index_keys[slots]                                                   # [T, N, Di]
     scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
     scores = torch.relu(scores) * head_dim**-0.5
     scores = (scores * weights.unsqueeze(-1)).sum(dim=1)                       # [T, N]
     visible = (positions + 1) // ratio
-    entry_ids = torch.arange(n_max, device=positions.device)
     return scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
 
 
@@ -116,9 +115,7 @@ def _indexer_logits_kernel(
 
     seen = in_row & (cols < visible)
     req = tl.load(slot_ptr + token)
-    block_start = tl.minimum(cols.to(tl.int64) * ratio, table_width - 1)
-    tok = tl.load(table_ptr + req * table_stride + block_start, mask=seen, other=0)
-    entry = tok // ratio
+    entry = load_entry_rows(table_ptr + req * table_stride, cols, ratio, table_width, seen)
 
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < head_dim

@@ -34,6 +34,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.entry_rows import entry_pool_rows_ref, load_entry_rows
 from sgl_dspark.kernels.rope import (
     X_KIND,
     epilogue_tables,
@@ -105,10 +106,9 @@ def dense_entries_ref(positions: torch.Tensor, token_slot: torch.Tensor,
                       ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(pool rows [T, N] int64, valid [T, N] bool) of ``extra_entries = (N, ratio)``: every
     compressed entry n < N of the token's request, visible once its block is complete."""
-    entry = torch.arange(num_entries, device=positions.device)
-    cols = (entry * ratio).clamp(max=req_to_token.shape[1] - 1)
-    rows = req_to_token[token_slot[:, None], cols[None, :]].long() // ratio
-    return rows, entry[None, :] < ((positions + 1) // ratio)[:, None]
+    entry = torch.arange(num_entries, device=positions.device)[None, :]
+    rows = entry_pool_rows_ref(entry, req_to_token, token_slot, ratio)
+    return rows, entry < ((positions + 1) // ratio)[:, None]
 
 
 @triton.jit
@@ -201,8 +201,7 @@ def _window_sparse_attention_kernel(
             in_range = idx < num_extra
             if DENSE_ENTRIES:  # the request's entries: complete blocks, rows from the table
                 valid = in_range & (idx < (position + 1) // entry_ratio)
-                col = tl.minimum(idx.to(tl.int64) * entry_ratio, table_width - 1)
-                rows = tl.load(table_row + col, mask=valid, other=0).to(tl.int64) // entry_ratio
+                rows = load_entry_rows(table_row, idx, entry_ratio, table_width, valid)
             else:
                 valid = tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range,
                                 other=0) != 0

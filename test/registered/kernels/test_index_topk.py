@@ -12,7 +12,8 @@ import importlib
 
 import pytest
 import torch
-from sgl_dspark.kernels.index_topk import entry_pool_rows_ref, index_topk, index_topk_ref
+from sgl_dspark.kernels.entry_rows import entry_pool_rows_ref
+from sgl_dspark.kernels.index_topk import index_topk, index_topk_ref
 
 # The module itself (the package re-exports the launcher under the same name).
 topk_module = importlib.import_module("sgl_dspark.kernels.index_topk")

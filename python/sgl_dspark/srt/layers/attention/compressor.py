@@ -294,19 +294,17 @@ def visible_entries(batch: ForwardBatch, ratio: int) -> torch.Tensor:
 
 def entry_pool_rows(ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor,
                     ratio: int) -> torch.Tensor:
-    """Pool rows `[T, N]` of entries `ids` `[T, N]` of each token's request (entry n starts at
-    position n * ratio; rows of entries beyond the request's length point at garbage and must
-    be masked by the caller)."""
+    """Pool rows `[T, N]` of entries `ids` `[T, N]` (or `[1, N]`) of each token's request (the
+    KV pool's addressing: entry n starts at position n * ratio; rows of entries beyond the
+    request's length point at garbage and must be masked by the caller)."""
     cols = (ids * ratio).clamp(max=req_to_token.shape[1] - 1)
     return req_to_token[token_slot[:, None], cols] // ratio
 
 
 def entry_slots(batch: ForwardBatch, n_entries: int, ratio: int) -> torch.Tensor:
-    """`entry_pool_rows` of entries 0..n_entries-1 of each token's request `[T, n_entries]`
-    (their block starts built directly: one launch fewer than ids * ratio)."""
+    """`entry_pool_rows` of entries 0..n_entries-1 of each token's request `[T, n_entries]`."""
     def compute() -> torch.Tensor:
-        w = torch.arange(0, n_entries * ratio, ratio, device=batch.positions.device)
-        w = w.clamp(max=batch.req_to_token.shape[1] - 1)
-        return batch.req_to_token[batch.token_slots()[:, None], w[None, :]] // ratio
+        ids = torch.arange(n_entries, device=batch.positions.device)[None, :]
+        return entry_pool_rows(ids, batch.req_to_token, batch.token_slots(), ratio)
 
     return batch.cached(("entry_slots", n_entries, ratio), compute)
