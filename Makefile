@@ -29,6 +29,7 @@ test: $(VENV)/.installed
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check python test benchmark
+	$(PY) -m ruff format --check python test benchmark
 	$(PY) -m mypy python/sgl_dspark/srt python/sgl_dspark/kernels
 
 clean:

@@ -61,15 +61,20 @@ def build_hf(raw: dict, device: str):
 
 def time_hf(model, prompts: list[list[int]], new_tokens: int, device: str) -> tuple[float, list]:
     ids = torch.tensor(prompts, device=device)
-    kw = {"max_new_tokens": new_tokens, "min_new_tokens": new_tokens, "do_sample": False,
-          "attention_mask": torch.ones_like(ids), "pad_token_id": 0}
+    kw = {
+        "max_new_tokens": new_tokens,
+        "min_new_tokens": new_tokens,
+        "do_sample": False,
+        "attention_mask": torch.ones_like(ids),
+        "pad_token_id": 0,
+    }
     with torch.inference_mode():
         model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4})  # warm-up
         sync(device)
         t0 = time.perf_counter()
         out = model.generate(ids, **kw)
         sync(device)
-    return time.perf_counter() - t0, out[:, ids.shape[1]:].tolist()
+    return time.perf_counter() - t0, out[:, ids.shape[1] :].tolist()
 
 
 # ---- ours ----------------------------------------------------------------------------------
@@ -77,14 +82,17 @@ def write_checkpoints(hf, cfg: ModelConfig, work: str, draft_layers: int, gamma:
     """The HF model's weights as our released checkpoint in `work`, and the benchmarks' seeded
     random DSpark draft (`draft_layers` stages, block `gamma`) in `work/dspark`."""
     save_released_checkpoint({k: v.detach().cpu() for k, v in hf.state_dict().items()}, cfg, work)
-    init_dspark_draft(work, str(Path(work) / "dspark"), num_layers=draft_layers,
-                      block_size=gamma, seed=1)
+    init_dspark_draft(
+        work, str(Path(work) / "dspark"), num_layers=draft_layers, block_size=gamma, seed=1
+    )
 
 
-def time_engine(engine: Engine, prompts: list[list[int]], new_tokens: int,
-                device: str) -> tuple[float, float, list]:
+def time_engine(
+    engine: Engine, prompts: list[list[int]], new_tokens: int, device: str
+) -> tuple[float, float, list]:
     """(wall s for new_tokens, median wall s of three 1-token calls (prefill + first token),
     output ids)."""
+
     def run(n: int) -> tuple[float, list]:
         params = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
         sync(device)
@@ -94,7 +102,7 @@ def time_engine(engine: Engine, prompts: list[list[int]], new_tokens: int,
         return time.perf_counter() - t0, [o["output_ids"] for o in outs]
 
     run(min(8, new_tokens))  # warm-up (Triton compilation, allocator)
-    t1 = statistics.median(run(1)[0] for _ in range(3))   # one sample moved by up to 15 ms
+    t1 = statistics.median(run(1)[0] for _ in range(3))  # one sample moved by up to 15 ms
     tn, ids = run(new_tokens)
     return tn, t1, ids
 
@@ -105,8 +113,12 @@ def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: i
     from torch.profiler import ProfilerActivity, profile
 
     sched = engine.scheduler
-    reqs = [engine._make_req(p, {"max_new_tokens": 10 * steps, "temperature": 0.0,
-                                 "ignore_eos": True}, False) for p in prompts]
+    reqs = [
+        engine._make_req(
+            p, {"max_new_tokens": 10 * steps, "temperature": 0.0, "ignore_eos": True}, False
+        )
+        for p in prompts
+    ]
     for r in reqs:
         sched.add(r)
     while not all(r.prefill_done and r.output_ids for r in reqs):
@@ -122,8 +134,10 @@ def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: i
         wall = (time.perf_counter() - t0) / steps
     table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    path.write_text(f"{steps} steps, {wall * 1e3:.2f} ms/step wall (under the profiler)\n\n"
-                    f"{table}\n\n{cpu}\n\n{kernel_list(prof, steps)}\n")
+    path.write_text(
+        f"{steps} steps, {wall * 1e3:.2f} ms/step wall (under the profiler)\n\n"
+        f"{table}\n\n{cpu}\n\n{kernel_list(prof, steps)}\n"
+    )
     while sched.has_work:
         sched.step()
 
@@ -142,8 +156,12 @@ def kernel_list(prof, steps: int) -> str:
     rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
     n = sum(v[0] for v in agg.values()) / steps
     t = sum(v[1] for v in agg.values()) / steps
-    lines = [f"device kernels per step: {n:.1f} launches, {t:.1f} us", "",
-             "| launches/step | us/step | kernel |", "|---|---|---|"]
+    lines = [
+        f"device kernels per step: {n:.1f} launches, {t:.1f} us",
+        "",
+        "| launches/step | us/step | kernel |",
+        "|---|---|---|",
+    ]
     lines += [f"| {c / steps:.2f} | {us / steps:.1f} | {name[:140]} |" for name, (c, us) in rows]
     return "\n".join(lines)
 
@@ -202,30 +220,57 @@ def main() -> None:
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--draft-layers", type=int, default=3)
     p.add_argument("--accept-len", type=float, default=3.2)
-    p.add_argument("--static-cases", default="1:4,1:5,32:2,32:3",
-                   help="DSpark static-width runs as bs:width (comma list)")
-    p.add_argument("--alt-draft-top-k", type=int, default=None,
-                   help="repeat the static cases with a second draft routing this many experts "
-                   "per token (dspark_num_experts_per_tok; dspark.md reports top-3 for the "
-                   "deployed V4.1-Flash draft against the target's top-6)")
-    p.add_argument("--bs1-block-size", type=int, default=None,
-                   help="repeat the bs 1 static cases with --speculative-dspark-bs1-block-size "
-                   "set to this (a static width w verifies only w - 1 drafts, so a bs 1 "
-                   "runtime may draft fewer rows than the checkpoint's block)")
+    p.add_argument(
+        "--static-cases",
+        default="1:4,1:5,32:2,32:3",
+        help="DSpark static-width runs as bs:width (comma list)",
+    )
+    p.add_argument(
+        "--alt-draft-top-k",
+        type=int,
+        default=None,
+        help="repeat the static cases with a second draft routing this many experts "
+        "per token (dspark_num_experts_per_tok; dspark.md reports top-3 for the "
+        "deployed V4.1-Flash draft against the target's top-6)",
+    )
+    p.add_argument(
+        "--bs1-block-size",
+        type=int,
+        default=None,
+        help="repeat the bs 1 static cases with --speculative-dspark-bs1-block-size "
+        "set to this (a static width w verifies only w - 1 drafts, so a bs 1 "
+        "runtime may draft fewer rows than the checkpoint's block)",
+    )
     p.add_argument("--attention-backend", default="torch")
-    p.add_argument("--extra-attention-backends", default="",
-                   help="also time CUDA graphs with these attention backends (comma list)")
-    p.add_argument("--no-overlap-row", action="store_true",
-                   help="also time CUDA graphs with --disable-overlap-schedule")
-    p.add_argument("--no-pdl-row", action="store_true",
-                   help="also time graphs with --disable-programmatic-launch (A/B)")
-    p.add_argument("--eager-prefill-row", action="store_true",
-                   help="also time graphs with --cuda-graph-max-prefill-tokens 0 (A/B)")
+    p.add_argument(
+        "--extra-attention-backends",
+        default="",
+        help="also time CUDA graphs with these attention backends (comma list)",
+    )
+    p.add_argument(
+        "--no-overlap-row",
+        action="store_true",
+        help="also time CUDA graphs with --disable-overlap-schedule",
+    )
+    p.add_argument(
+        "--no-pdl-row",
+        action="store_true",
+        help="also time graphs with --disable-programmatic-launch (A/B)",
+    )
+    p.add_argument(
+        "--eager-prefill-row",
+        action="store_true",
+        help="also time graphs with --cuda-graph-max-prefill-tokens 0 (A/B)",
+    )
     p.add_argument("--skip-hf", action="store_true")
     p.add_argument("--skip-eager", action="store_true")
-    p.add_argument("--profile", action="store_true", help="also write torch.profiler tables of "
-                   "bs 1 decode steps (eager, graphs, DSpark full and bs 1 static cases) to "
-                   "--out-dir")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="also write torch.profiler tables of "
+        "bs 1 decode steps (eager, graphs, DSpark full and bs 1 static cases) to "
+        "--out-dir",
+    )
     p.add_argument("--out-dir", default=".")
     a = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # capture logs
@@ -242,99 +287,160 @@ def main() -> None:
 
     work = tempfile.mkdtemp(prefix="bench_engine_")
     hf = build_hf(raw, dev)
-    for bs in ([] if a.skip_hf else hf_sizes):
+    for bs in [] if a.skip_hf else hf_sizes:
         wall, ids = time_hf(hf, prompts_for(bs, a.input_len, cfg.vocab_size), a.output_len, dev)
-        emit({"system": "hf_generate", "bs": bs, "wall_s": wall,
-              "tok_s_user": a.output_len / wall, "tok_s_total": bs * a.output_len / wall,
-              "ids": ids})
+        emit(
+            {
+                "system": "hf_generate",
+                "bs": bs,
+                "wall_s": wall,
+                "tok_s_user": a.output_len / wall,
+                "tok_s_total": bs * a.output_len / wall,
+                "ids": ids,
+            }
+        )
     write_checkpoints(hf, cfg, work, a.draft_layers, a.gamma)
     del hf
     gc.collect()
     if dev.startswith("cuda"):
         torch.cuda.empty_cache()
     ctx = a.input_len + a.output_len + 2 * (a.gamma + 1) + 64
-    base = dict(model_path=work, device=dev, dtype="bfloat16", skip_tokenizer_init=True,
-                kernel_backend="triton" if dev.startswith("cuda") else "torch",
-                attention_backend=a.attention_backend,
-                context_length=ctx, max_running_requests=max(sizes),
-                max_total_tokens=max(sizes) * ctx + 4096, chunked_prefill_size=4096)
+    base = dict(
+        model_path=work,
+        device=dev,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        kernel_backend="triton" if dev.startswith("cuda") else "torch",
+        attention_backend=a.attention_backend,
+        context_length=ctx,
+        max_running_requests=max(sizes),
+        max_total_tokens=max(sizes) * ctx + 4096,
+        chunked_prefill_size=4096,
+    )
     bw = copy_bandwidth(dev)
 
     def measure(system: str, bs: int, engine: Engine, **extra) -> None:
-        wall, t1, ids = time_engine(engine, prompts_for(bs, a.input_len, cfg.vocab_size),
-                                    a.output_len, dev)
+        wall, t1, ids = time_engine(
+            engine, prompts_for(bs, a.input_len, cfg.vocab_size), a.output_len, dev
+        )
         step_ms = (wall - t1) / max(a.output_len - 1, 1) * 1e3
         floor_ms = step_bytes(engine, bs, a.input_len + a.output_len // 2) / bw * 1e3
-        emit({"system": system, "bs": bs, "wall_s": wall, "prefill_s": t1,
-              "tok_s_user": a.output_len / wall, "tok_s_total": bs * a.output_len / wall,
-              "decode_ms_per_token": step_ms, "floor_ms_per_step": floor_ms, **extra,
-              "ids": ids})
+        emit(
+            {
+                "system": system,
+                "bs": bs,
+                "wall_s": wall,
+                "prefill_s": t1,
+                "tok_s_user": a.output_len / wall,
+                "tok_s_total": bs * a.output_len / wall,
+                "decode_ms_per_token": step_ms,
+                "floor_ms_per_step": floor_ms,
+                **extra,
+                "ids": ids,
+            }
+        )
 
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     profiling = a.profile and dev.startswith("cuda")
     modes = [("ours_eager", {"disable_cuda_graph": True}), ("ours_cuda_graph", {})]
-    modes += [(f"ours_cuda_graph_attn_{b}", {"attention_backend": b})
-              for b in a.extra_attention_backends.split(",") if b]
+    modes += [
+        (f"ours_cuda_graph_attn_{b}", {"attention_backend": b})
+        for b in a.extra_attention_backends.split(",")
+        if b
+    ]
     if a.no_overlap_row:
         modes.append(("ours_cuda_graph_no_overlap", {"disable_overlap_schedule": True}))
     if a.eager_prefill_row:
         modes.append(("ours_cuda_graph_eager_prefill", {"cuda_graph_max_prefill_tokens": 0}))
     if a.no_pdl_row:
         modes.append(("ours_cuda_graph_no_pdl", {"disable_programmatic_launch": True}))
-    for system, kw in modes[1 if a.skip_eager else 0:]:
+    for system, kw in modes[1 if a.skip_eager else 0 :]:
         engine = Engine(**{**base, **kw})
         for bs in sizes:
             measure(system, bs, engine)
         if profiling:
-            profile_steps(engine, prompts_for(1, a.input_len, cfg.vocab_size),
-                          out / f"profile_{system}_bs1.txt")
+            profile_steps(
+                engine,
+                prompts_for(1, a.input_len, cfg.vocab_size),
+                out / f"profile_{system}_bs1.txt",
+            )
         engine.shutdown()
         del engine
         gc.collect()
 
-    spec = dict(speculative_algorithm="DSpark", speculative_dspark_block_size=a.gamma,
-                speculative_dspark_simulate_accept_len=a.accept_len)
+    spec = dict(
+        speculative_algorithm="DSpark",
+        speculative_dspark_block_size=a.gamma,
+        speculative_dspark_simulate_accept_len=a.accept_len,
+    )
     engine = Engine(**base, **spec)
     for bs in sizes:
         measure("dspark_full", bs, engine, accept_len=a.accept_len)
     if profiling:
-        profile_steps(engine, prompts_for(1, a.input_len, cfg.vocab_size),
-                      out / "profile_dspark_full_bs1.txt")
+        profile_steps(
+            engine, prompts_for(1, a.input_len, cfg.vocab_size), out / "profile_dspark_full_bs1.txt"
+        )
     engine.shutdown()
     del engine
     gc.collect()
     drafts = [("", {})]
     if a.alt_draft_top_k is not None:
         alt = str(Path(work) / f"dspark_top{a.alt_draft_top_k}")
-        init_dspark_draft(work, alt, num_layers=a.draft_layers, block_size=a.gamma, seed=1,
-                          num_experts_per_tok=a.alt_draft_top_k)
+        init_dspark_draft(
+            work,
+            alt,
+            num_layers=a.draft_layers,
+            block_size=a.gamma,
+            seed=1,
+            num_experts_per_tok=a.alt_draft_top_k,
+        )
         drafts.append((f"_draft_top{a.alt_draft_top_k}", {"speculative_draft_model_path": alt}))
     if a.bs1_block_size is not None:
-        drafts.append((f"_bs1_block{a.bs1_block_size}",
-                       {"speculative_dspark_bs1_block_size": a.bs1_block_size}))
+        drafts.append(
+            (
+                f"_bs1_block{a.bs1_block_size}",
+                {"speculative_dspark_bs1_block_size": a.bs1_block_size},
+            )
+        )
     for (suffix, draft), case in itertools.product(
-            drafts, [c for c in a.static_cases.split(",") if c]):
+        drafts, [c for c in a.static_cases.split(",") if c]
+    ):
         bs, w = (int(x) for x in case.split(":"))
         if "speculative_dspark_bs1_block_size" in draft and bs != 1:
-            continue   # the bs 1 runtime's block size changes nothing at other batch sizes
+            continue  # the bs 1 runtime's block size changes nothing at other batch sizes
         table = Path(work) / f"widths_{w}.json"
         table.write_text(json.dumps({"widths_by_batch_size": {"1": w}}))
-        engine = Engine(**base, **spec, **draft, speculative_dspark_verify_policy="static",
-                        speculative_dspark_width_table_path=str(table))
+        engine = Engine(
+            **base,
+            **spec,
+            **draft,
+            speculative_dspark_verify_policy="static",
+            speculative_dspark_width_table_path=str(table),
+        )
         measure(f"dspark_static_w{w}{suffix}", bs, engine, accept_len=a.accept_len)
         if profiling and bs == 1:
-            profile_steps(engine, prompts_for(1, a.input_len, cfg.vocab_size),
-                          out / f"profile_dspark_static_w{w}_bs1.txt")
+            profile_steps(
+                engine,
+                prompts_for(1, a.input_len, cfg.vocab_size),
+                out / f"profile_dspark_static_w{w}_bs1.txt",
+            )
         engine.shutdown()
         del engine
         gc.collect()
 
-    meta = {"config": a.config, "device": torch.cuda.get_device_name() if dev.startswith("cuda")
-            else dev, "torch": torch.__version__, "copy_bandwidth_Bps": bw,
-            "input_len": a.input_len, "output_len": a.output_len, "gamma": a.gamma,
-            "draft_layers": a.draft_layers, "alt_draft_top_k": a.alt_draft_top_k,
-            "bs1_block_size": a.bs1_block_size}
+    meta = {
+        "config": a.config,
+        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev,
+        "torch": torch.__version__,
+        "copy_bandwidth_Bps": bw,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "gamma": a.gamma,
+        "draft_layers": a.draft_layers,
+        "alt_draft_top_k": a.alt_draft_top_k,
+        "bs1_block_size": a.bs1_block_size,
+    }
     (out / "engine.json").write_text(json.dumps({"meta": meta, "rows": rows}))
     (out / "engine.md").write_text(render(meta, rows))
     print(render(meta, rows))
@@ -352,12 +458,15 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 def render(meta: dict, rows: list[dict]) -> str:
     by = {(r["system"], r["bs"]): r for r in rows}
-    lines = [f"config {meta['config']}, {meta['device']}, torch {meta['torch']}, prompts "
-             f"{meta['input_len']} + {meta['output_len']} new tokens, copy bandwidth "
-             f"{meta['copy_bandwidth_Bps'] / 1e12:.2f} TB/s", "",
-             "| system | bs | tok/s/user | tok/s total | x HF | decode ms/token | floor ms/step "
-             "| same tokens as eager | mean prefix equal to HF |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"config {meta['config']}, {meta['device']}, torch {meta['torch']}, prompts "
+        f"{meta['input_len']} + {meta['output_len']} new tokens, copy bandwidth "
+        f"{meta['copy_bandwidth_Bps'] / 1e12:.2f} TB/s",
+        "",
+        "| system | bs | tok/s/user | tok/s total | x HF | decode ms/token | floor ms/step "
+        "| same tokens as eager | mean prefix equal to HF |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         hf = by.get(("hf_generate", r["bs"]))
         eager = by.get(("ours_eager", r["bs"]))
@@ -367,11 +476,15 @@ def render(meta: dict, rows: list[dict]) -> str:
             same = f"{sum(x == y for x, y in zip(r['ids'], eager['ids']))}/{len(eager['ids'])}"
         prefix = "-"
         if hf is not None and r["system"].startswith("ours"):
-            prefix = f"{sum(common_prefix(x, y) for x, y in zip(r['ids'], hf['ids'])) / r['bs']:.1f}"
-        lines.append(f"| {r['system']} | {r['bs']} | {r['tok_s_user']:.1f} | "
-                     f"{r['tok_s_total']:.1f} | {ratio} | "
-                     f"{r.get('decode_ms_per_token', float('nan')):.2f} | "
-                     f"{r.get('floor_ms_per_step', float('nan')):.3f} | {same} | {prefix} |")
+            prefix = (
+                f"{sum(common_prefix(x, y) for x, y in zip(r['ids'], hf['ids'])) / r['bs']:.1f}"
+            )
+        lines.append(
+            f"| {r['system']} | {r['bs']} | {r['tok_s_user']:.1f} | "
+            f"{r['tok_s_total']:.1f} | {ratio} | "
+            f"{r.get('decode_ms_per_token', float('nan')):.2f} | "
+            f"{r.get('floor_ms_per_step', float('nan')):.3f} | {same} | {prefix} |"
+        )
     return "\n".join(lines) + "\n"
 
 

@@ -32,8 +32,9 @@ from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402
 
 
-def random_model(cfg: ModelConfig, device: str, seed: int = 0,
-                 kernels: KernelChoice | None = None) -> DeepseekV4ForCausalLM:
+def random_model(
+    cfg: ModelConfig, device: str, seed: int = 0, kernels: KernelChoice | None = None
+) -> DeepseekV4ForCausalLM:
     """Seeded random weights generated on the device (std 0.02 matrices, unit norms).
 
     Built on the device itself, not on "meta" + `to_empty`: some modules derive non-persistent
@@ -52,8 +53,9 @@ def random_model(cfg: ModelConfig, device: str, seed: int = 0,
                 continue
             elif name.endswith(("norm.weight", "scale", "hc_scale")) or "layernorm" in name:
                 t.fill_(1.0)
-            elif name.endswith(("sinks", "position_bias", ".base", "hc_base",
-                                "e_score_correction_bias")):
+            elif name.endswith(
+                ("sinks", "position_bias", ".base", "hc_base", "e_score_correction_bias")
+            ):
                 t.zero_()
             elif name.startswith("model.inv_freq"):
                 continue
@@ -85,8 +87,13 @@ def bench(runner: ModelRunner, bs: int, input_len: int, output_len: int, device:
         steps = []
         for i in range(output_len):
             t0 = time.perf_counter()
-            batch = ForwardBatch.build(ForwardMode.DECODE, [[t] for t in nxt],
-                                       [input_len + i] * bs, slots, pool.req_to_token)
+            batch = ForwardBatch.build(
+                ForwardMode.DECODE,
+                [[t] for t in nxt],
+                [input_len + i] * bs,
+                slots,
+                pool.req_to_token,
+            )
             nxt = torch.argmax(runner.forward(batch).logits, dim=-1).tolist()
             sync(device)
             steps.append(time.perf_counter() - t0)
@@ -94,9 +101,15 @@ def bench(runner: ModelRunner, bs: int, input_len: int, output_len: int, device:
         for s in slots:
             pool.free_slot(s)
     step = statistics.median(steps)
-    return {"batch_size": bs, "input_len": input_len, "output_len": output_len,
-            "prefill_s": prefill_s, "decode_step_ms": step * 1e3,
-            "tok_s_per_user": 1.0 / step, "tok_s_total": bs / step}
+    return {
+        "batch_size": bs,
+        "input_len": input_len,
+        "output_len": output_len,
+        "prefill_s": prefill_s,
+        "decode_step_ms": step * 1e3,
+        "tok_s_per_user": 1.0 / step,
+        "tok_s_total": bs / step,
+    }
 
 
 def main() -> None:
@@ -108,8 +121,11 @@ def main() -> None:
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--kernel-backend", default=None, help="default: triton on cuda, else torch")
-    p.add_argument("--cuda-graph", action="store_true", help="replay decode steps from CUDA "
-                   "graphs captured for the batch sizes")
+    p.add_argument(
+        "--cuda-graph",
+        action="store_true",
+        help="replay decode steps from CUDA graphs captured for the batch sizes",
+    )
     p.add_argument("--out", default=None)
     a = p.parse_args()
     cfg = ModelConfig.from_hf_dict(BENCH_CONFIGS[a.config])
@@ -120,19 +136,27 @@ def main() -> None:
     # Requests hold whole pages: budget each one its context rounded up to a page.
     page = default_page_size(cfg)
     per_request = -(-ctx // page) * page
-    runner = ModelRunner(cfg, RunnerConfig(device=a.device, dtype=a.dtype,
-                                           max_total_tokens=max(sizes) * per_request + 1024,
-                                           max_running_requests=max(sizes), context_length=ctx,
-                                           kernel_backend=backend),
-                         model=random_model(cfg, a.device, kernels=kernels))
+    runner = ModelRunner(
+        cfg,
+        RunnerConfig(
+            device=a.device,
+            dtype=a.dtype,
+            max_total_tokens=max(sizes) * per_request + 1024,
+            max_running_requests=max(sizes),
+            context_length=ctx,
+            kernel_backend=backend,
+        ),
+        model=random_model(cfg, a.device, kernels=kernels),
+    )
     if a.cuda_graph:
         runner.init_cuda_graphs(max(sizes))
     rows = [bench(runner, bs, a.input_len, a.output_len, a.device) for bs in sizes]
     for r in rows:
         print(json.dumps(r))
     if a.out:
-        Path(a.out).write_text(json.dumps({"config": a.config, "dtype": a.dtype, "rows": rows},
-                                          indent=1))
+        Path(a.out).write_text(
+            json.dumps({"config": a.config, "dtype": a.dtype, "rows": rows}, indent=1)
+        )
 
 
 if __name__ == "__main__":

@@ -44,12 +44,17 @@ from benchmark.bench_engine import (  # noqa: E402
 )
 
 
-def time_replays(replay: Callable[[], None], reset: Callable[[], None], iters: int,
-                 batches: int, device: torch.device) -> float:
+def time_replays(
+    replay: Callable[[], None],
+    reset: Callable[[], None],
+    iters: int,
+    batches: int,
+    device: torch.device,
+) -> float:
     """Median microseconds per replay over `batches` batches of `iters` replays (CUDA events;
     wall time on CPU, where the script only smoke-tests)."""
     times = []
-    for _ in range(batches + 1):   # the first batch warms up
+    for _ in range(batches + 1):  # the first batch warms up
         reset()
         if device.type == "cuda":
             start = torch.cuda.Event(enable_timing=True)
@@ -106,8 +111,12 @@ def main() -> None:
     p.add_argument("--attention-backend", default="triton")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", default="probe_dspark_step.md")
-    p.add_argument("--profile", default="", help="also write each part's device kernels "
-                   "(torch.profiler over --iters replays) to this file (CUDA only)")
+    p.add_argument(
+        "--profile",
+        default="",
+        help="also write each part's device kernels "
+        "(torch.profiler over --iters replays) to this file (CUDA only)",
+    )
     a = p.parse_args()
     dev = torch.device(a.device)
     raw = dict(BENCH_CONFIGS[a.config])
@@ -120,11 +129,18 @@ def main() -> None:
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     ctx = a.input_len + 256
-    base = dict(model_path=work, device=a.device, dtype="bfloat16", skip_tokenizer_init=True,
-                kernel_backend="triton" if dev.type == "cuda" else "torch",
-                attention_backend=a.attention_backend,
-                context_length=ctx, max_running_requests=1, max_total_tokens=ctx + 4096,
-                chunked_prefill_size=4096)
+    base = dict(
+        model_path=work,
+        device=a.device,
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        kernel_backend="triton" if dev.type == "cuda" else "torch",
+        attention_backend=a.attention_backend,
+        context_length=ctx,
+        max_running_requests=1,
+        max_total_tokens=ctx + 4096,
+        chunked_prefill_size=4096,
+    )
     prompt = prompts_for(1, a.input_len, cfg.vocab_size)
     params = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
     rows: list[tuple[str, float]] = []
@@ -137,12 +153,13 @@ def main() -> None:
 
     def time_target(name: str, engine: Engine, w: int) -> None:
         graphs = engine.runner.graph_runner._by_width[w]
-        static = graphs.static        # ids, positions, token slots [1, w]; slot, prefix, seq [1]
+        static = graphs.static  # ids, positions, token slots [1, w]; slot, prefix, seq [1]
 
         def reset() -> None:
             static[1][:1] = torch.arange(a.input_len, a.input_len + w, device=dev)
             static[2][:1] = static[1][:1]
             static[3][:1], static[4][:1], static[5][:1] = 1, a.input_len, a.input_len + w
+
         graph = graphs._graphs[1][0]
         timed(name, graph.replay, reset)
 
@@ -155,20 +172,24 @@ def main() -> None:
 
     table = Path(work) / "widths.json"
     table.write_text(json.dumps({"widths_by_batch_size": {"1": a.width}}))
-    engine = Engine(**base, speculative_algorithm="DSpark", speculative_dspark_block_size=a.gamma,
-                    speculative_dspark_simulate_accept_len=3.2,
-                    speculative_dspark_verify_policy="static",
-                    speculative_dspark_width_table_path=str(table))
+    engine = Engine(
+        **base,
+        speculative_algorithm="DSpark",
+        speculative_dspark_block_size=a.gamma,
+        speculative_dspark_simulate_accept_len=3.2,
+        speculative_dspark_verify_policy="static",
+        speculative_dspark_width_table_path=str(table),
+    )
     engine.generate(input_ids=prompt, sampling_params=params)
     worker = engine.scheduler.spec
     time_target("DSpark engine target graph width 1 (+ tap hook)", engine, 1)
-    time_target(f"DSpark engine target graph width {a.width} (verify, + tap hook)", engine,
-                a.width)
+    time_target(f"DSpark engine target graph width {a.width} (verify, + tap hook)", engine, a.width)
     fused = worker.fused
     seq0 = a.input_len + 1
 
     def reset_fused() -> None:
         fused.inputs[:, 0] = torch.tensor([5, seq0, 1, a.width, 2], device=dev)
+
     graph = fused._graphs[(a.width, 1)][0]
     timed(f"fused step (width {a.width}, forced accept 2)", graph.replay, reset_fused)
 
@@ -180,11 +201,19 @@ def main() -> None:
     state: dict[str, torch.Tensor] = {}
 
     def body() -> None:
-        inputs = worker.draft_inputs_fn(anchors, seq, slot, runner.req_pool.req_to_token,
-                                        a.gamma, worker.window, worker.dcfg.noise_token_id)
+        inputs = worker.draft_inputs_fn(
+            anchors,
+            seq,
+            slot,
+            runner.req_pool.req_to_token,
+            a.gamma,
+            worker.window,
+            worker.dcfg.noise_token_id,
+        )
         embeds = target.model.embed_tokens(inputs.input_ids)
-        state["y"], state["yn"] = worker.draft(embeds, inputs.positions, worker.ctx_kv,
-                                               inputs.ctx_slots, inputs.ctx_valid)
+        state["y"], state["yn"] = worker.draft(
+            embeds, inputs.positions, worker.ctx_kv, inputs.ctx_slots, inputs.ctx_valid
+        )
 
     def logits() -> None:
         state["u"] = target.compute_logits(state["yn"])
@@ -195,9 +224,11 @@ def main() -> None:
         state["ms"] = worker.markov_greedy_fn(state["u"][:, : a.width - 1], w1, w2, anchors)
 
     nothing = lambda: None  # noqa: E731
-    for name, fn in ((f"draft body ({a.draft_layers} stages, {a.gamma} rows)", body),
-                     ("draft base logits", logits), (f"Markov loop ({a.width - 1} drafts)",
-                                                     markov)):
+    for name, fn in (
+        (f"draft body ({a.draft_layers} stages, {a.gamma} rows)", body),
+        ("draft base logits", logits),
+        (f"Markov loop ({a.width - 1} drafts)", markov),
+    ):
         timed(name, capture(fn, dev), nothing)
     W = a.width
     verify_ids = torch.full((1, W), 7, device=dev)
@@ -205,26 +236,36 @@ def main() -> None:
     vlogits = torch.randn(1, W, cfg.vocab_size, device=dev)
     positions = (seq[:, None] + torch.arange(W, device=dev)[None, :]).reshape(-1)
     cache_loc = runner.req_pool.req_to_token[slot, positions]
-    taps = {k: torch.randn(W, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=runner.dtype)
-            for k in worker.tap_layers}
+    taps = {
+        k: torch.randn(W, cfg.hc_mult, cfg.hidden_size, device=dev, dtype=runner.dtype)
+        for k in worker.tap_layers
+    }
     forced = torch.tensor([2], device=dev)
-    timed(f"epilogue (acceptance + logprobs, width {W})",
-          capture(lambda: worker._greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
-          nothing)
-    timed(f"draft context-KV write ({W} rows; in the step it overlaps the logits)",
-          capture(lambda: worker.inject(positions, cache_loc, taps), dev), nothing)
+    timed(
+        f"epilogue (acceptance + logprobs, width {W})",
+        capture(lambda: worker._greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
+        nothing,
+    )
+    timed(
+        f"draft context-KV write ({W} rows; in the step it overlaps the logits)",
+        capture(lambda: worker.inject(positions, cache_loc, taps), dev),
+        nothing,
+    )
     engine.shutdown()
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
-    text = (f"# DSpark bs 1 step parts ({name}, {a.config}, gamma "
-            f"{a.gamma}, {a.draft_layers} draft stages, width {a.width}, attention "
-            f"{a.attention_backend})\n\n| part | us per replay |\n|---|---|\n"
-            + "".join(f"| {n} | {t:.1f} |\n" for n, t in rows))
+    text = (
+        f"# DSpark bs 1 step parts ({name}, {a.config}, gamma "
+        f"{a.gamma}, {a.draft_layers} draft stages, width {a.width}, attention "
+        f"{a.attention_backend})\n\n| part | us per replay |\n|---|---|\n"
+        + "".join(f"| {n} | {t:.1f} |\n" for n, t in rows)
+    )
     Path(a.out).parent.mkdir(parents=True, exist_ok=True)
     Path(a.out).write_text(text)
     print(text)
     if kernels:
-        Path(a.profile).write_text(f"# Device kernels per replay ({name}, {a.config})\n\n"
-                                   + "\n".join(kernels))
+        Path(a.profile).write_text(
+            f"# Device kernels per replay ({name}, {a.config})\n\n" + "\n".join(kernels)
+        )
 
 
 if __name__ == "__main__":

@@ -44,27 +44,41 @@ def main() -> None:
     del hf
     gc.collect()
     torch.cuda.empty_cache()
-    eng = Engine(model_path=work, device="cuda", dtype="bfloat16", skip_tokenizer_init=True,
-                 kernel_backend="triton", attention_backend="triton", context_length=1024,
-                 max_running_requests=8, max_total_tokens=16384, chunked_prefill_size=4096)
+    eng = Engine(
+        model_path=work,
+        device="cuda",
+        dtype="bfloat16",
+        skip_tokenizer_init=True,
+        kernel_backend="triton",
+        attention_backend="triton",
+        context_length=1024,
+        max_running_requests=8,
+        max_total_tokens=16384,
+        chunked_prefill_size=4096,
+    )
     prompts = prompts_for(1, a.input_len, cfg.vocab_size)
 
     def call(n: int) -> float:
         torch.cuda.synchronize()
         t0 = time.perf_counter()
-        eng.generate(input_ids=prompts, sampling_params={"max_new_tokens": n, "temperature": 0.0,
-                                                         "ignore_eos": True})
+        eng.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True},
+        )
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
     for _ in range(3):
         call(8)
     walls = [call(1) for _ in range(5)]
-    report = [f"1-token call (bs 1, {a.input_len} prompt tokens): median "
-              f"{statistics.median(walls) * 1e3:.2f} ms, all {[round(w * 1e3, 2) for w in walls]}"]
+    report = [
+        f"1-token call (bs 1, {a.input_len} prompt tokens): median "
+        f"{statistics.median(walls) * 1e3:.2f} ms, all {[round(w * 1e3, 2) for w in walls]}"
+    ]
     walls8 = [call(33) for _ in range(3)]
     report.append(f"33-token call: median {statistics.median(walls8) * 1e3:.2f} ms")
     from torch.profiler import ProfilerActivity, profile
+
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         call(1)
     ka = prof.key_averages()
@@ -84,8 +98,9 @@ def main() -> None:
     report.append(s.getvalue())
     # Decode: host time per scheduler step vs device time (graphs + overlap).
     sched = eng.scheduler
-    req = eng._make_req(prompts[0], {"max_new_tokens": 200, "temperature": 0.0,
-                                     "ignore_eos": True}, False)
+    req = eng._make_req(
+        prompts[0], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}, False
+    )
     sched.add(req)
     while not (req.prefill_done and req.output_ids):
         sched.step()
@@ -103,8 +118,10 @@ def main() -> None:
     pr.disable()
     torch.cuda.synchronize()
     wall = (time.perf_counter() - t0) / 50
-    report.append(f"decode bs1: {wall * 1e3:.3f} ms/step wall under cProfile, host step median "
-                  f"{statistics.median(host) * 1e3:.3f} ms")
+    report.append(
+        f"decode bs1: {wall * 1e3:.3f} ms/step wall under cProfile, host step median "
+        f"{statistics.median(host) * 1e3:.3f} ms"
+    )
     s = io.StringIO()
     pstats.Stats(pr, stream=s).sort_stats("tottime").print_stats(40)
     report.append(s.getvalue())

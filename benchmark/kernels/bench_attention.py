@@ -50,13 +50,18 @@ def _inputs(m: int, device: str) -> dict[str, Any]:
     inputs = dict(
         q=torch.randn(tokens, HEADS_LOCAL, HEAD_DIM, generator=gen).to(torch.bfloat16),
         window_kv=torch.randn(num_pages * PAGE, HEAD_DIM, generator=gen).to(torch.bfloat16),
-        positions=positions.contiguous(), token_slot=token_slot.contiguous(), req_to_token=table,
+        positions=positions.contiguous(),
+        token_slot=token_slot.contiguous(),
+        req_to_token=table,
         sinks=torch.randn(HEADS_LOCAL, generator=gen),
         extra_kv=torch.randn(tokens, NUM_EXTRA, HEAD_DIM, generator=gen).to(torch.bfloat16),
         extra_valid=torch.rand(tokens, NUM_EXTRA, generator=gen) < 0.95,
     )
-    return {**{k: v.to(device) for k, v in inputs.items()}, "window": WINDOW,
-            "scale": HEAD_DIM**-0.5}
+    return {
+        **{k: v.to(device) for k, v in inputs.items()},
+        "window": WINDOW,
+        "scale": HEAD_DIM**-0.5,
+    }
 
 
 def _check(want: torch.Tensor, got: torch.Tensor) -> None:
@@ -66,8 +71,12 @@ def _check(want: torch.Tensor, got: torch.Tensor) -> None:
 
 def _bytes(m: int) -> int:
     # Per token: q, output, window slot ids + rows, extra rows + mask (bf16 / int64 / bool).
-    per_token = (2 * HEADS_LOCAL * HEAD_DIM * 2 + WINDOW * (8 + HEAD_DIM * 2)
-                 + NUM_EXTRA * (HEAD_DIM * 2 + 1) + 8 * 2)
+    per_token = (
+        2 * HEADS_LOCAL * HEAD_DIM * 2
+        + WINDOW * (8 + HEAD_DIM * 2)
+        + NUM_EXTRA * (HEAD_DIM * 2 + 1)
+        + 8 * 2
+    )
     return m * per_token + HEADS_LOCAL * 4
 
 
@@ -76,8 +85,10 @@ ROPE_DIM = 64
 
 def _rope_inputs(m: int, device: str) -> dict[str, Any]:
     inputs = _inputs(m, device)
-    angles = torch.rand(inputs["q"].shape[0], ROPE_DIM // 2,
-                        generator=torch.Generator().manual_seed(m)) * 7  # fmt: skip
+    angles = (
+        torch.rand(inputs["q"].shape[0], ROPE_DIM // 2, generator=torch.Generator().manual_seed(m))
+        * 7
+    )
     table = torch.cat((angles.cos(), angles.sin()), dim=1).to(device)  # as RopeTable.lookup
     return {**inputs, "cos": table[:, : ROPE_DIM // 2], "sin": table[:, ROPE_DIM // 2 :]}
 
@@ -95,17 +106,36 @@ def _attn_then_rope(cos, sin, **inputs) -> torch.Tensor:
 
 
 CASES: list[dict[str, Any]] = [
-    dict(name="attn_window128_extra512_h16_d512", make_inputs=_inputs,
-         reference=window_sparse_attention_ref, launcher=window_sparse_attention, check=_check,
-         bytes_moved=_bytes),
-    dict(name="attn_window128_extra512_h16_d512_single_pass", make_inputs=_inputs,
-         reference=window_sparse_attention_ref,
-         launcher=functools.partial(window_sparse_attention, num_splits=1), check=_check,
-         bytes_moved=_bytes),
-    dict(name="attn_window128_extra512_h16_d512 + inverse rope, epilogue (K13 inverse fused)",
-         make_inputs=_rope_inputs, reference=_attn_rope_ref, launcher=_attn_rope_epilogue,
-         check=_check, bytes_moved=_bytes),
-    dict(name="attn_window128_extra512_h16_d512 + inverse rope, separate rope_tail launch",
-         make_inputs=_rope_inputs, reference=_attn_rope_ref, launcher=_attn_then_rope,
-         check=_check, bytes_moved=_bytes),
+    dict(
+        name="attn_window128_extra512_h16_d512",
+        make_inputs=_inputs,
+        reference=window_sparse_attention_ref,
+        launcher=window_sparse_attention,
+        check=_check,
+        bytes_moved=_bytes,
+    ),
+    dict(
+        name="attn_window128_extra512_h16_d512_single_pass",
+        make_inputs=_inputs,
+        reference=window_sparse_attention_ref,
+        launcher=functools.partial(window_sparse_attention, num_splits=1),
+        check=_check,
+        bytes_moved=_bytes,
+    ),
+    dict(
+        name="attn_window128_extra512_h16_d512 + inverse rope, epilogue (K13 inverse fused)",
+        make_inputs=_rope_inputs,
+        reference=_attn_rope_ref,
+        launcher=_attn_rope_epilogue,
+        check=_check,
+        bytes_moved=_bytes,
+    ),
+    dict(
+        name="attn_window128_extra512_h16_d512 + inverse rope, separate rope_tail launch",
+        make_inputs=_rope_inputs,
+        reference=_attn_rope_ref,
+        launcher=_attn_then_rope,
+        check=_check,
+        bytes_moved=_bytes,
+    ),
 ]

@@ -50,6 +50,12 @@ def _check(want: torch.Tensor, got: torch.Tensor) -> None:
 
 
 CASES: list[dict[str, Any]] = [
-    dict(name="launch_floor_add_one_element", make_inputs=_make_inputs, reference=add_one_ref,
-         launcher=add_one, check=_check, bytes_moved=lambda m: 8),
+    dict(
+        name="launch_floor_add_one_element",
+        make_inputs=_make_inputs,
+        reference=add_one_ref,
+        launcher=add_one,
+        check=_check,
+        bytes_moved=lambda m: 8,
+    ),
 ]

@@ -38,8 +38,9 @@ def _make_inputs(m: int, device: str, width: int, k: int) -> dict[str, Any]:
     return {"scores": scores.to(device), "visible": visible.to(device), "k": k}
 
 
-def _same_selection(want: tuple[torch.Tensor, torch.Tensor],
-                    got: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _same_selection(
+    want: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]
+) -> None:
     # X0: the selected id sets must match; slot order differs (score order vs ascending).
     def selected(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ids, valid = out
@@ -47,8 +48,9 @@ def _same_selection(want: tuple[torch.Tensor, torch.Tensor],
 
     assert torch.equal(want[1].sum(1), got[1].sum(1)), "selected counts differ"
     assert torch.equal(selected(want), selected(got)), "selected id sets differ"
-    assert torch.equal(got[0], torch.where(got[1], got[0], torch.zeros_like(got[0]))), \
+    assert torch.equal(got[0], torch.where(got[1], got[0], torch.zeros_like(got[0]))), (
         "invalid slots must hold id 0"
+    )
 
 
 def _bytes(m: int, width: int, k: int) -> int:

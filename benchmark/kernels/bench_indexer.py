@@ -35,7 +35,7 @@ N_MAX = CONTEXT // CSA_RATIO  # 2048
 HEAD_DIM, HCA_RATIO = 512, 128
 MAX_VERIFY = 16  # ring rows beyond the span, as DeepseekV4KVPool sizes them
 ROPE_DIM = 64
-PAGE = 128       # a multiple of both compress ratios
+PAGE = 128  # a multiple of both compress ratios
 M_VALUES = (1, 4, 8, 24, 32, 128)
 _BS_W = {1: (1, 1), 4: (1, 4), 8: (1, 8), 24: (8, 3), 32: (8, 4), 128: (32, 4)}
 
@@ -87,9 +87,10 @@ def _indexer_inputs(m: int, device: str) -> dict[str, Any]:
     tensors = dict(
         qi=torch.randn(tokens, INDEX_HEADS, INDEX_DIM, generator=gen).to(torch.bfloat16),
         weights=torch.randn(tokens, INDEX_HEADS, generator=gen) * INDEX_HEADS**-0.5,
-        index_keys=torch.randn(num_slots // CSA_RATIO, INDEX_DIM, generator=gen).to(
-            torch.bfloat16),
-        positions=positions, token_slot=token_slot, req_to_token=table,
+        index_keys=torch.randn(num_slots // CSA_RATIO, INDEX_DIM, generator=gen).to(torch.bfloat16),
+        positions=positions,
+        token_slot=token_slot,
+        req_to_token=table,
     )
     return {**{k: v.to(device) for k, v in tensors.items()}, "ratio": CSA_RATIO, "n_max": N_MAX}
 
@@ -106,14 +107,15 @@ def _indexer_bytes(m: int) -> int:
     positions, _, _ = _rows(_seq_lens(m, 1, salt=1), m)
     visible = int(((positions + 1) // CSA_RATIO).sum())
     per_token = INDEX_HEADS * INDEX_DIM * 2 + INDEX_HEADS * 4 + N_MAX * 4 + 2 * 8
-    return m * per_token + visible * (INDEX_DIM * 2 + 8)   # keys + their page-table entries
+    return m * per_token + visible * (INDEX_DIM * 2 + 8)  # keys + their page-table entries
 
 
 # ----------------------------------------------------------------------------- block pooling
 
 
-def _pool_inputs(m: int, device: str, ratio: int, overlap: bool,
-                 head_dim: int = HEAD_DIM) -> dict[str, Any]:
+def _pool_inputs(
+    m: int, device: str, ratio: int, overlap: bool, head_dim: int = HEAD_DIM
+) -> dict[str, Any]:
     salt = 2 if overlap else 3
     gen = _gen(m, salt)
     seq_lens = _seq_lens(m, ratio, salt=salt)
@@ -131,10 +133,17 @@ def _pool_inputs(m: int, device: str, ratio: int, overlap: bool,
         state_score=(2 * torch.randn(req_slots, ring, width, generator=gen)).to(torch.bfloat16),
         position_bias=0.5 * torch.randn(ratio, width, generator=gen),
         norm_weight=1 + 0.1 * torch.randn(head_dim, generator=gen),
-        positions=positions, token_slot=token_slot, token_prefix=prefix, req_to_token=table,
+        positions=positions,
+        token_slot=token_slot,
+        token_prefix=prefix,
+        req_to_token=table,
     )
-    return {**{k: v.to(device) for k, v in tensors.items()}, "ratio": ratio, "overlap": overlap,
-            "eps": 1e-6}
+    return {
+        **{k: v.to(device) for k, v in tensors.items()},
+        "ratio": ratio,
+        "overlap": overlap,
+        "eps": 1e-6,
+    }
 
 
 def _pool_check(want: Any, got: Any) -> None:
@@ -149,15 +158,19 @@ def _pool_bytes(m: int, ratio: int, overlap: bool, head_dim: int = HEAD_DIM) -> 
     width = 2 * head_dim if overlap else head_dim
     span = 2 * ratio if overlap else ratio
     ends = min(bs, m)  # one block end per request
-    rows_read = ends * span * head_dim * 2 * 2             # kv + score half-rows, bf16
+    rows_read = ends * span * head_dim * 2 * 2  # kv + score half-rows, bf16
     return rows_read + ratio * width * 4 + m * (head_dim * 2 + 8 + 3 * 8) + ends * 8
 
 
 def _pool_case(name: str, ratio: int, overlap: bool, head_dim: int) -> dict[str, Any]:
-    return dict(name=name,
-                make_inputs=lambda m, device: _pool_inputs(m, device, ratio, overlap, head_dim),
-                reference=compressor_pool_ref, launcher=compressor_pool, check=_pool_check,
-                bytes_moved=lambda m: _pool_bytes(m, ratio, overlap, head_dim))
+    return dict(
+        name=name,
+        make_inputs=lambda m, device: _pool_inputs(m, device, ratio, overlap, head_dim),
+        reference=compressor_pool_ref,
+        launcher=compressor_pool,
+        check=_pool_check,
+        bytes_moved=lambda m: _pool_bytes(m, ratio, overlap, head_dim),
+    )
 
 
 # ----------------------------------------------------------------------------- decode step
@@ -165,24 +178,44 @@ def _pool_case(name: str, ratio: int, overlap: bool, head_dim: int) -> dict[str,
 
 def _decode_inputs(m: int, device: str, head_dim: int, steady: bool) -> dict[str, Any]:
     inputs = _pool_inputs(m, device, HCA_RATIO, False, head_dim)
-    if steady:   # one position earlier: no row ends a block
+    if steady:  # one position earlier: no row ends a block
         inputs["positions"] = inputs["positions"] - 1
         inputs["token_prefix"] = inputs["token_prefix"] - 1
     gen = _gen(m, 4)
     angles = torch.rand(inputs["positions"].shape[0], ROPE_DIM // 2, generator=gen) * 6.3
     slots = int(inputs["req_to_token"].max()) // HCA_RATIO + 1
-    extra = dict(cos=angles.cos(), sin=angles.sin(),
-                 entries=torch.randn(slots, head_dim, generator=gen).to(torch.bfloat16),
-                 counters=torch.zeros(slots, dtype=torch.int32))
+    extra = dict(
+        cos=angles.cos(),
+        sin=angles.sin(),
+        entries=torch.randn(slots, head_dim, generator=gen).to(torch.bfloat16),
+        counters=torch.zeros(slots, dtype=torch.int32),
+    )
     return {**inputs, **{k: v.to(device) for k, v in extra.items()}}
 
 
 def compressor_decode_masked_ref(counters: torch.Tensor, **kw: Any) -> tuple[torch.Tensor, ...]:
     """`compressor_decode_ref` with the entry writes masked rather than selected (a row that
     ends no block writes its slot's own value back), so it runs without a host sync."""
-    pooled, slots = compressor_pool_ref(*(kw[k] for k in (
-        "kv", "score", "state_kv", "state_score", "position_bias", "norm_weight", "positions",
-        "token_slot", "token_prefix", "req_to_token", "ratio", "overlap", "eps")))
+    pooled, slots = compressor_pool_ref(
+        *(
+            kw[k]
+            for k in (
+                "kv",
+                "score",
+                "state_kv",
+                "state_score",
+                "position_bias",
+                "norm_weight",
+                "positions",
+                "token_slot",
+                "token_prefix",
+                "req_to_token",
+                "ratio",
+                "overlap",
+                "eps",
+            )
+        )
+    )
     rotated = rope_tail_ref(pooled.unsqueeze(1), kw["cos"], kw["sin"]).squeeze(1)
     ends = ((kw["positions"] + 1) % kw["ratio"] == 0)[:, None]
     entries = kw["entries"]
@@ -205,21 +238,30 @@ def _decode_check(want: Any, got: Any) -> None:
 
 
 def _decode_bytes(m: int, head_dim: int, steady: bool) -> int:
-    ring = m * head_dim * 2 * 2 * 2          # kv + score rows read, then written to the ring
+    ring = m * head_dim * 2 * 2 * 2  # kv + score rows read, then written to the ring
     return ring + (m * 3 * 8 if steady else _pool_bytes(m, HCA_RATIO, False, head_dim))
 
 
 def _decode_case(name: str, head_dim: int, steady: bool) -> dict[str, Any]:
-    return dict(name=name,
-                make_inputs=lambda m, device: _decode_inputs(m, device, head_dim, steady),
-                reference=compressor_decode_masked_ref, launcher=_decode_launch,
-                check=_decode_check, bytes_moved=lambda m: _decode_bytes(m, head_dim, steady))
+    return dict(
+        name=name,
+        make_inputs=lambda m, device: _decode_inputs(m, device, head_dim, steady),
+        reference=compressor_decode_masked_ref,
+        launcher=_decode_launch,
+        check=_decode_check,
+        bytes_moved=lambda m: _decode_bytes(m, head_dim, steady),
+    )
 
 
 CASES: list[dict[str, Any]] = [
-    dict(name="indexer_logits_h64_d128_m4_nmax2048", make_inputs=_indexer_inputs,
-         reference=indexer_logits_ref, launcher=indexer_logits, check=_indexer_check,
-         bytes_moved=_indexer_bytes),
+    dict(
+        name="indexer_logits_h64_d128_m4_nmax2048",
+        make_inputs=_indexer_inputs,
+        reference=indexer_logits_ref,
+        launcher=indexer_logits,
+        check=_indexer_check,
+        bytes_moved=_indexer_bytes,
+    ),
     _pool_case("compressor_pool_csa_m4_dh512", CSA_RATIO, True, HEAD_DIM),
     _pool_case("compressor_pool_hca_m128_dh512", HCA_RATIO, False, HEAD_DIM),
     # The benchmark model's (mid_910m): attention head 128, indexer head 64.

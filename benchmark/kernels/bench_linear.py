@@ -44,8 +44,14 @@ def _check(want: torch.Tensor, got: torch.Tensor) -> None:
 
 
 def _case(name: str, n: int, k: int) -> dict[str, Any]:
-    return dict(name=name, make_inputs=_make_inputs(n, k), reference=_blas, launcher=_dispatch,
-                check=_check, bytes_moved=lambda m: 2 * (n * k + m * k + m * n))
+    return dict(
+        name=name,
+        make_inputs=_make_inputs(n, k),
+        reference=_blas,
+        launcher=_dispatch,
+        check=_check,
+        bytes_moved=lambda m: 2 * (n * k + m * k + m * n),
+    )
 
 
 CASES: list[dict[str, Any]] = [

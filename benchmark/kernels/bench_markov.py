@@ -42,10 +42,13 @@ def _make_inputs(batch: int, device: str, vocab: int, rank: int) -> dict[str, An
     w1 = torch.randn(vocab, rank, generator=gen).to(_WEIGHT_DTYPE)
     w2 = (torch.randn(vocab, rank, generator=gen) / rank**0.5).to(_WEIGHT_DTYPE)  # bias ~ N(0,1)
     tensors = dict(
-        base_logits=base.to(_BASE_DTYPE), w1=w1, w2=w2,
+        base_logits=base.to(_BASE_DTYPE),
+        w1=w1,
+        w2=w2,
         anchors=torch.randint(0, vocab, (batch,), generator=gen),
-        temperature=torch.ones(batch), greedy=torch.ones(batch, dtype=torch.bool),
-    )  # fmt: skip
+        temperature=torch.ones(batch),
+        greedy=torch.ones(batch, dtype=torch.bool),
+    )
     return {k: v.to(device) for k, v in tensors.items()}
 
 

@@ -57,8 +57,12 @@ def _mhc_inputs(m: int, device: str, hidden: int = HIDDEN) -> dict[str, Any]:
         scale=torch.ones(3),
         norm_weight=1 + 0.1 * torch.randn(hidden, generator=gen),
     )
-    return {**{k: v.to(device) for k, v in tensors.items()},
-            "hc_eps": 1e-6, "sinkhorn_iters": HC_SINKHORN_ITERS, "rms_eps": 1e-6}
+    return {
+        **{k: v.to(device) for k, v in tensors.items()},
+        "hc_eps": 1e-6,
+        "sinkhorn_iters": HC_SINKHORN_ITERS,
+        "rms_eps": 1e-6,
+    }
 
 
 def _mhc_check(want: Any, got: Any) -> None:
@@ -126,14 +130,18 @@ def _k_store_inputs(m: int, device: str) -> dict[str, Any]:
     loc = torch.randperm(CACHE_SLOTS - 1, generator=gen)[:m] + 1
     if m >= 4:
         loc[-1] = 0  # a graph bucket's padding row
-    cache = torch.randint(0, 256, (CACHE_SLOTS, INDEX_HEAD_DIM // 2 + INDEX_HEAD_DIM // 32),
-                          generator=gen, dtype=torch.uint8)
+    cache = torch.randint(
+        0,
+        256,
+        (CACHE_SLOTS, INDEX_HEAD_DIM // 2 + INDEX_HEAD_DIM // 32),
+        generator=gen,
+        dtype=torch.uint8,
+    )
     x = torch.randn(m, INDEX_HEAD_DIM, generator=gen).to(torch.bfloat16)
     return {"x": x.to(device), "loc": loc.to(device), "cache": cache.to(device)}
 
 
-def fp4_index_k_store_ref(x: torch.Tensor, loc: torch.Tensor,
-                          cache: torch.Tensor) -> torch.Tensor:
+def fp4_index_k_store_ref(x: torch.Tensor, loc: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
     """K9's reference, then the cache write: `cache[loc[t]] = codes[t] | scales[t]` for loc != 0
     (no host sync: a dummy row writes slot 0's own bytes back)."""
     codes, scales = fp4_index_k_quant_ref(x)
@@ -165,8 +173,12 @@ def _q_inputs(m: int, device: str) -> dict[str, Any]:
         positions=torch.randint(0, ROPE_TABLE, (m,), generator=gen),
         weight_partials=torch.randn(HEAD_WEIGHT_SPLITS, m, INDEX_HEADS, generator=gen),
     )
-    return {**{k: v.to(device) for k, v in tensors.items()}, "n_heads": INDEX_HEADS,
-            "rope_dim": ROPE_DIM, "head_weight_scale": INDEX_HEAD_DIM**-0.5 * INDEX_HEADS**-0.5}
+    return {
+        **{k: v.to(device) for k, v in tensors.items()},
+        "n_heads": INDEX_HEADS,
+        "rope_dim": ROPE_DIM,
+        "head_weight_scale": INDEX_HEAD_DIM**-0.5 * INDEX_HEADS**-0.5,
+    }
 
 
 def _q_check(want: Any, got: Any) -> None:
@@ -182,22 +194,63 @@ def _q_bytes(m: int) -> int:
     return m * (read + written)
 
 
-def _case(name: str, make_inputs: Callable[[int, str], dict[str, Any]], reference: Callable,
-          launcher: Callable, check: Callable, bytes_moved: Callable[[int], int]) -> dict[str, Any]:
-    return dict(name=name, make_inputs=make_inputs, reference=reference, launcher=launcher,
-                check=check, bytes_moved=bytes_moved)
+def _case(
+    name: str,
+    make_inputs: Callable[[int, str], dict[str, Any]],
+    reference: Callable,
+    launcher: Callable,
+    check: Callable,
+    bytes_moved: Callable[[int], int],
+) -> dict[str, Any]:
+    return dict(
+        name=name,
+        make_inputs=make_inputs,
+        reference=reference,
+        launcher=launcher,
+        check=check,
+        bytes_moved=bytes_moved,
+    )
 
 
 CASES: list[dict[str, Any]] = [
-    _case("k7_mhc_post_combine_norm_bf16_hc4", _mhc_inputs, mhc_post_combine_ref,
-          mhc_post_combine, _mhc_check, _mhc_bytes),
-    _case("k7_mhc_post_combine_norm_bf16_hc4_d1024", _mhc_inputs_engine, mhc_post_combine_ref,
-          mhc_post_combine, _mhc_check, _mhc_bytes_engine),
-    _case("k9_fp4_index_k_quant_128", _k_inputs, fp4_index_k_quant_ref, fp4_index_k_quant,
-          _k_check, lambda m: m * (INDEX_HEAD_DIM * 2 + INDEX_HEAD_DIM // 2 + 4)),
-    _case("k9_fp4_index_k_quant_store_68B_slots", _k_store_inputs, fp4_index_k_store_ref,
-          _k_store_launch, _k_store_check,
-          lambda m: m * (INDEX_HEAD_DIM * 2 + 8 + 2 * (INDEX_HEAD_DIM // 2 + 4))),
-    _case("k10_index_q_rope_fp4_pack_weights_64h", _q_inputs, index_q_rope_fp4_ref,
-          index_q_rope_fp4, _q_check, _q_bytes),
+    _case(
+        "k7_mhc_post_combine_norm_bf16_hc4",
+        _mhc_inputs,
+        mhc_post_combine_ref,
+        mhc_post_combine,
+        _mhc_check,
+        _mhc_bytes,
+    ),
+    _case(
+        "k7_mhc_post_combine_norm_bf16_hc4_d1024",
+        _mhc_inputs_engine,
+        mhc_post_combine_ref,
+        mhc_post_combine,
+        _mhc_check,
+        _mhc_bytes_engine,
+    ),
+    _case(
+        "k9_fp4_index_k_quant_128",
+        _k_inputs,
+        fp4_index_k_quant_ref,
+        fp4_index_k_quant,
+        _k_check,
+        lambda m: m * (INDEX_HEAD_DIM * 2 + INDEX_HEAD_DIM // 2 + 4),
+    ),
+    _case(
+        "k9_fp4_index_k_quant_store_68B_slots",
+        _k_store_inputs,
+        fp4_index_k_store_ref,
+        _k_store_launch,
+        _k_store_check,
+        lambda m: m * (INDEX_HEAD_DIM * 2 + 8 + 2 * (INDEX_HEAD_DIM // 2 + 4)),
+    ),
+    _case(
+        "k10_index_q_rope_fp4_pack_weights_64h",
+        _q_inputs,
+        index_q_rope_fp4_ref,
+        index_q_rope_fp4,
+        _q_check,
+        _q_bytes,
+    ),
 ]

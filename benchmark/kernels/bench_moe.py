@@ -109,8 +109,13 @@ def _sort_torch(topk_ids, topk_weights, expert_mask, plan, hidden_size) -> MoeSo
     total = padded.sum()
     num_valid = torch.stack([total, torch.full_like(total, num_tokens)]).to(torch.int32)
     moe_buf = torch.zeros(num_tokens, hidden_size, dtype=torch.bfloat16, device=device)
-    return MoeSortOutput(sorted_ids[:capacity].to(torch.int32), sorted_weights[:capacity],
-                         block_expert.to(torch.int32), num_valid, moe_buf)  # fmt: skip
+    return MoeSortOutput(
+        sorted_ids[:capacity].to(torch.int32),
+        sorted_weights[:capacity],
+        block_expert.to(torch.int32),
+        num_valid,
+        moe_buf,
+    )
 
 
 def _sort_launch(topk_ids, topk_weights, expert_mask, plan, hidden_size) -> MoeSortOutput:
@@ -181,8 +186,12 @@ def _route_hash_x_inputs(m: int, device: str) -> dict[str, Any]:
     inputs = _route_x_inputs(m, device)
     hashed = _route_hash_inputs(m, device)
     del inputs["correction_bias"], inputs["workspace"]
-    return {**inputs, "tid2eid": hashed["tid2eid"], "input_ids": hashed["input_ids"],
-            "workspace": make_router_workspace(m, EXPERTS, HIDDEN, device)}
+    return {
+        **inputs,
+        "tid2eid": hashed["tid2eid"],
+        "input_ids": hashed["input_ids"],
+        "workspace": make_router_workspace(m, EXPERTS, HIDDEN, device),
+    }
 
 
 def _route_check(want: Any, got: Any) -> None:
@@ -238,8 +247,12 @@ def _act_shared_inputs(m: int, device: str) -> dict[str, Any]:
 
 def _act_routed_inputs(m: int, device: str) -> dict[str, Any]:
     gate_up = torch.randn(_local_rows(m), 2 * INTER, generator=_gen(m)) * 4
-    return dict(gate_up=gate_up.to(torch.bfloat16).to(device), limit=10.0,
-                out_format="fp8_group", scale_ue8m0=True)  # fmt: skip
+    return dict(
+        gate_up=gate_up.to(torch.bfloat16).to(device),
+        limit=10.0,
+        out_format="fp8_group",
+        scale_ue8m0=True,
+    )
 
 
 def _act_check(want: Any, got: Any) -> None:
@@ -271,10 +284,13 @@ def _act_routed_bytes(m: int) -> int:
 def _expert_weights(device: str) -> tuple[torch.Tensor, torch.Tensor]:
     """The 96 local experts' bf16 weights (4.8 GB), made once on the device, shared by every M."""
     gen = torch.Generator(device=device).manual_seed(99)
-    gate_up = torch.randn(LOCAL, 2 * INTER, HIDDEN, generator=gen, device=device,
-                          dtype=torch.bfloat16) * (3 * HIDDEN**-0.5)  # |gate/up| ~ 3: clamps hit
-    down = torch.randn(LOCAL, HIDDEN, INTER, generator=gen, device=device,
-                       dtype=torch.bfloat16) * INTER**-0.5
+    gate_up = torch.randn(
+        LOCAL, 2 * INTER, HIDDEN, generator=gen, device=device, dtype=torch.bfloat16
+    ) * (3 * HIDDEN**-0.5)  # |gate/up| ~ 3: clamps hit
+    down = (
+        torch.randn(LOCAL, HIDDEN, INTER, generator=gen, device=device, dtype=torch.bfloat16)
+        * INTER**-0.5
+    )
     return gate_up, down
 
 
@@ -286,9 +302,15 @@ def _experts_inputs(m: int, device: str) -> dict[str, Any]:
     # K1 runs here, outside the timed region: it has its own case above.
     weights = torch.rand(m, TOPK, generator=gen).to(device)
     sort = moe_sort(topk_ids, weights, prepare_moe_sort(mask), 0)
-    return dict(x=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
-                gate_up_proj=gate_up, down_proj=down, sort=sort, topk_ids=topk_ids,
-                expert_mask=mask, limit=10.0)  # fmt: skip
+    return dict(
+        x=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
+        gate_up_proj=gate_up,
+        down_proj=down,
+        sort=sort,
+        topk_ids=topk_ids,
+        expert_mask=mask,
+        limit=10.0,
+    )
 
 
 def _experts_torch(x, gate_up_proj, down_proj, sort, topk_ids, expert_mask, limit) -> torch.Tensor:
@@ -333,29 +355,38 @@ def _token_experts_inputs(m: int, device: str) -> dict[str, Any]:
     topk_ids = _topk_ids(m, gen).to(device)
     gate_up, down = _expert_weights(device)
     plan = prepare_moe_sort(mask)
-    return dict(x=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
-                gate_up_proj=gate_up, down_proj=down, topk_ids=topk_ids,
-                topk_weights=torch.rand(m, TOPK, generator=gen).to(device),
-                shared=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
-                expert_mask=mask, sort_plan=plan, limit=10.0)  # fmt: skip
+    return dict(
+        x=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
+        gate_up_proj=gate_up,
+        down_proj=down,
+        topk_ids=topk_ids,
+        topk_weights=torch.rand(m, TOPK, generator=gen).to(device),
+        shared=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16).to(device),
+        expert_mask=mask,
+        sort_plan=plan,
+        limit=10.0,
+    )
 
 
-def _token_experts_torch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask,
-                         sort_plan, limit) -> torch.Tensor:  # fmt: skip
+def _token_experts_torch(
+    x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask, sort_plan, limit
+) -> torch.Tensor:
     """The unfused chain: sync-free dense experts (`_experts_torch`), then K4's reference."""
     y = _experts_torch(x, gate_up_proj, down_proj, None, topk_ids, expert_mask, limit)
     return moe_reduce_ref(y, topk_weights, topk_ids, expert_mask, ROUTED_SCALE, shared)
 
 
-def _token_experts_launch(x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask,
-                          sort_plan, limit) -> torch.Tensor:  # fmt: skip
+def _token_experts_launch(
+    x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask, sort_plan, limit
+) -> torch.Tensor:
     """As `RoutedExperts` dispatches: K4 as the per-token stage 2's epilogue up to
     TOKEN_PATH_MAX_M tokens, above that K1 sort -> grouped GEMMs -> K4 `moe_reduce`."""
     if x.shape[0] <= TOKEN_PATH_MAX_M:
         table, num_local = sort_plan.local_table, sort_plan.num_local
         h = moe_route_gate_up(x, gate_up_proj, topk_ids, table, num_local, limit)
-        return moe_token_down_reduce(h, down_proj, topk_ids, topk_weights, table, num_local,
-                                     ROUTED_SCALE, shared)  # fmt: skip
+        return moe_token_down_reduce(
+            h, down_proj, topk_ids, topk_weights, table, num_local, ROUTED_SCALE, shared
+        )
     sort = moe_sort(topk_ids, topk_weights, sort_plan, 0)
     y = fused_moe(x, gate_up_proj, down_proj, sort, TOPK, limit)
     return moe_reduce(y, topk_weights, topk_ids, expert_mask, ROUTED_SCALE, shared)
@@ -373,34 +404,85 @@ def _token_experts_bytes(m: int) -> int:
 
 
 CASES: list[dict[str, Any]] = [
-    dict(name="K1 moe_sort (EP4, 96 local)", make_inputs=_sort_inputs, reference=_sort_torch,
-         launcher=_sort_launch, check=_sort_check, bytes_moved=_sort_bytes),
-    dict(name="K2+K3 router_topk from x (GEMV fused)", make_inputs=_route_x_inputs,
-         reference=router_topk_ref, launcher=router_topk, check=_route_check,
-         bytes_moved=_route_x_bytes),
-    dict(name="K2+K3 router_topk from split-K partials", make_inputs=_route_partials_inputs,
-         reference=router_topk_ref, launcher=router_topk, check=_route_check,
-         bytes_moved=_route_partials_bytes),
-    dict(name="K2+K3 router_topk hash", make_inputs=_route_hash_inputs,
-         reference=router_topk_ref, launcher=router_topk, check=_route_check,
-         bytes_moved=_route_hash_bytes),
-    dict(name="K2+K3 router_topk hash from x (GEMV fused)", make_inputs=_route_hash_x_inputs,
-         reference=router_topk_ref, launcher=router_topk, check=_route_check,
-         bytes_moved=lambda m: _route_x_bytes(m) - 4 * EXPERTS + 4 * m * TOPK),
-    dict(name="K4 moe_reduce (slot-ordered)", make_inputs=_reduce_inputs,
-         reference=moe_reduce_ref, launcher=moe_reduce, check=_check_equal,
-         bytes_moved=_reduce_bytes),
-    dict(name="K6 silu_mul_clamp shared (I=512, bf16)", make_inputs=_act_shared_inputs,
-         reference=silu_mul_clamp_ref, launcher=silu_mul_clamp, check=_act_check,
-         bytes_moved=_act_shared_bytes),
-    dict(name="K6 silu_mul_clamp routed (I=2048, fp8 group)", make_inputs=_act_routed_inputs,
-         reference=silu_mul_clamp_ref, launcher=silu_mul_clamp, check=_act_check,
-         bytes_moved=_act_routed_bytes),
-    dict(name="fused_moe stage 1 with K6 epilogue + stage 2 (EP4, 96 local, bf16)",
-         make_inputs=_experts_inputs, reference=_experts_torch, launcher=_experts_launch,
-         check=_experts_check, bytes_moved=_experts_bytes),
-    dict(name="K4 as stage-2 epilogue: routed experts + reduce + scale + shared as the engine "
-              "dispatches (per-token kernels up to 4 tokens; EP4, 96 local, bf16)", make_inputs=_token_experts_inputs,
-         reference=_token_experts_torch, launcher=_token_experts_launch,
-         check=_token_experts_check, bytes_moved=_token_experts_bytes),
-]  # fmt: skip
+    dict(
+        name="K1 moe_sort (EP4, 96 local)",
+        make_inputs=_sort_inputs,
+        reference=_sort_torch,
+        launcher=_sort_launch,
+        check=_sort_check,
+        bytes_moved=_sort_bytes,
+    ),
+    dict(
+        name="K2+K3 router_topk from x (GEMV fused)",
+        make_inputs=_route_x_inputs,
+        reference=router_topk_ref,
+        launcher=router_topk,
+        check=_route_check,
+        bytes_moved=_route_x_bytes,
+    ),
+    dict(
+        name="K2+K3 router_topk from split-K partials",
+        make_inputs=_route_partials_inputs,
+        reference=router_topk_ref,
+        launcher=router_topk,
+        check=_route_check,
+        bytes_moved=_route_partials_bytes,
+    ),
+    dict(
+        name="K2+K3 router_topk hash",
+        make_inputs=_route_hash_inputs,
+        reference=router_topk_ref,
+        launcher=router_topk,
+        check=_route_check,
+        bytes_moved=_route_hash_bytes,
+    ),
+    dict(
+        name="K2+K3 router_topk hash from x (GEMV fused)",
+        make_inputs=_route_hash_x_inputs,
+        reference=router_topk_ref,
+        launcher=router_topk,
+        check=_route_check,
+        bytes_moved=lambda m: _route_x_bytes(m) - 4 * EXPERTS + 4 * m * TOPK,
+    ),
+    dict(
+        name="K4 moe_reduce (slot-ordered)",
+        make_inputs=_reduce_inputs,
+        reference=moe_reduce_ref,
+        launcher=moe_reduce,
+        check=_check_equal,
+        bytes_moved=_reduce_bytes,
+    ),
+    dict(
+        name="K6 silu_mul_clamp shared (I=512, bf16)",
+        make_inputs=_act_shared_inputs,
+        reference=silu_mul_clamp_ref,
+        launcher=silu_mul_clamp,
+        check=_act_check,
+        bytes_moved=_act_shared_bytes,
+    ),
+    dict(
+        name="K6 silu_mul_clamp routed (I=2048, fp8 group)",
+        make_inputs=_act_routed_inputs,
+        reference=silu_mul_clamp_ref,
+        launcher=silu_mul_clamp,
+        check=_act_check,
+        bytes_moved=_act_routed_bytes,
+    ),
+    dict(
+        name="fused_moe stage 1 with K6 epilogue + stage 2 (EP4, 96 local, bf16)",
+        make_inputs=_experts_inputs,
+        reference=_experts_torch,
+        launcher=_experts_launch,
+        check=_experts_check,
+        bytes_moved=_experts_bytes,
+    ),
+    dict(
+        name="K4 as stage-2 epilogue: routed experts + reduce + scale + shared as the engine "
+        "dispatches (per-token kernels up to 4 tokens; EP4, 96 local, bf16)",
+        make_inputs=_token_experts_inputs,
+        reference=_token_experts_torch,
+        launcher=_token_experts_launch,
+        check=_token_experts_check,
+        bytes_moved=_token_experts_bytes,
+    ),
+]

@@ -22,14 +22,16 @@ EPS = 1e-6
 M_VALUES = (1, 4, 8, 24, 32, 128)
 
 
-def _make_inputs(rows_per_token: int, n: int, weighted: bool,
-                 ) -> Callable[[int, str], dict[str, Any]]:
+def _make_inputs(
+    rows_per_token: int,
+    n: int,
+    weighted: bool,
+) -> Callable[[int, str], dict[str, Any]]:
     def make(m: int, device: str) -> dict[str, Any]:
         gen = torch.Generator().manual_seed(97 * n + m)
         x = torch.randn(m * rows_per_token, n, generator=gen).to(torch.bfloat16)
         weight = 1 + 0.1 * torch.randn(n, generator=gen) if weighted else None
-        return dict(x=x.to(device), weight=None if weight is None else weight.to(device),
-                    eps=EPS)
+        return dict(x=x.to(device), weight=None if weight is None else weight.to(device), eps=EPS)
 
     return make
 
@@ -37,8 +39,9 @@ def _make_inputs(rows_per_token: int, n: int, weighted: bool,
 def _check(want: torch.Tensor, got: torch.Tensor) -> None:
     # X2: the mean square is summed in another order, so rstd may differ in its last fp32 bit;
     # bf16 outputs then differ by at most two units in the last place, and only rarely.
-    torch.testing.assert_close(got.float(), want.float(), rtol=2 * torch.finfo(torch.bfloat16).eps,
-                               atol=1e-30)
+    torch.testing.assert_close(
+        got.float(), want.float(), rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-30
+    )
     assert (got == want).float().mean().item() >= 0.99
 
 
@@ -48,9 +51,14 @@ def _bytes(rows_per_token: int, n: int, weighted: bool) -> Callable[[int], int]:
 
 
 def _case(name: str, rows_per_token: int, n: int, weighted: bool) -> dict[str, Any]:
-    return dict(name=name, make_inputs=_make_inputs(rows_per_token, n, weighted),
-                reference=rms_norm_ref, launcher=rms_norm, check=_check,
-                bytes_moved=_bytes(rows_per_token, n, weighted))
+    return dict(
+        name=name,
+        make_inputs=_make_inputs(rows_per_token, n, weighted),
+        reference=rms_norm_ref,
+        launcher=rms_norm,
+        check=_check,
+        bytes_moved=_bytes(rows_per_token, n, weighted),
+    )
 
 
 CASES: list[dict[str, Any]] = [

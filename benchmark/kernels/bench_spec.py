@@ -90,23 +90,44 @@ def _rope_qkv_inputs(m: int, device: str) -> dict[str, Any]:
     tensors = dict(
         q=torch.randn(m, HEADS_LOCAL, HEAD_DIM, generator=gen).to(torch.bfloat16),
         kv=torch.randn(m, HEAD_DIM, generator=gen).to(torch.bfloat16),
-        cos=angles.cos(), sin=angles.sin(),
+        cos=angles.cos(),
+        sin=angles.sin(),
         q_out=torch.empty(m, HEADS_PADDED, HEAD_DIM, dtype=torch.bfloat16),
         kv_norm_weight=(torch.rand(HEAD_DIM, generator=gen) + 0.5).to(torch.bfloat16),
         kv_out=torch.randn(POOL_ROWS, HEAD_DIM, generator=gen).to(torch.bfloat16),
-        kv_rows=torch.randperm(POOL_ROWS, generator=gen)[:m])
+        kv_rows=torch.randperm(POOL_ROWS, generator=gen)[:m],
+    )
     return {k: v.to(device) for k, v in tensors.items()}
 
 
 def _rope_qkv_ref(q, kv, cos, sin, q_out, kv_norm_weight, kv_out, kv_rows):
-    return rope_q_kv_ref(q, kv, cos, sin, q_out_heads=q_out.shape[1], q_norm_eps=NORM_EPS,
-                         kv_norm_eps=NORM_EPS, kv_norm_weight=kv_norm_weight, kv_out=kv_out,
-                         kv_rows=kv_rows)
+    return rope_q_kv_ref(
+        q,
+        kv,
+        cos,
+        sin,
+        q_out_heads=q_out.shape[1],
+        q_norm_eps=NORM_EPS,
+        kv_norm_eps=NORM_EPS,
+        kv_norm_weight=kv_norm_weight,
+        kv_out=kv_out,
+        kv_rows=kv_rows,
+    )
 
 
 def _rope_qkv_launch(q, kv, cos, sin, q_out, kv_norm_weight, kv_out, kv_rows):
-    return rope_q_kv(q, kv, cos, sin, q_out=q_out, q_norm_eps=NORM_EPS, kv_norm_eps=NORM_EPS,
-                     kv_norm_weight=kv_norm_weight, kv_out=kv_out, kv_rows=kv_rows)
+    return rope_q_kv(
+        q,
+        kv,
+        cos,
+        sin,
+        q_out=q_out,
+        q_norm_eps=NORM_EPS,
+        kv_norm_eps=NORM_EPS,
+        kv_norm_weight=kv_norm_weight,
+        kv_out=kv_out,
+        kv_rows=kv_rows,
+    )
 
 
 def _check_normed_bf16(want: tuple, got: tuple) -> None:
@@ -157,12 +178,17 @@ def _accept_inputs(m: int, device: str, sampled: bool) -> dict[str, Any]:
         p = torch.softmax(torch.randn(bs, w, vocab, generator=gen) * 3, -1)
         q = torch.softmax(torch.randn(bs, w - 1, vocab, generator=gen) * 3, -1)
         ids[:, 1:] = p[:, :-1].argmax(-1)  # mostly accepted, like a good draft
-        inputs.update(target_probs=p, draft_probs=q, accept_uniforms=torch.rand(bs, w - 1,
-                      generator=gen), sample_uniforms=torch.rand(bs, generator=gen))
+        inputs.update(
+            target_probs=p,
+            draft_probs=q,
+            accept_uniforms=torch.rand(bs, w - 1, generator=gen),
+            sample_uniforms=torch.rand(bs, generator=gen),
+        )
     else:
         target = torch.randint(0, vocab, (bs, w), generator=gen)
-        target[:, : w - 1] = torch.where(torch.rand(bs, w - 1, generator=gen) < 0.8,
-                                         ids[:, 1:], target[:, : w - 1])
+        target[:, : w - 1] = torch.where(
+            torch.rand(bs, w - 1, generator=gen) < 0.8, ids[:, 1:], target[:, : w - 1]
+        )
         inputs.update(target_ids=target)
     return {k: v.to(device) for k, v in inputs.items()}
 
@@ -188,35 +214,99 @@ def _draft_inputs(m: int, device: str) -> dict[str, Any]:
         req_to_token=table.reshape(2 * m, table_width),
         n_valid=torch.tensor(max(m - 1, 1), dtype=torch.int32),
     )
-    return {**{k: v.to(device) for k, v in inputs.items()}, "draft_len": GAMMA,
-            "verify_width": GAMMA + 1, "mask_token_id": VOCAB - 1}
+    return {
+        **{k: v.to(device) for k, v in inputs.items()},
+        "draft_len": GAMMA,
+        "verify_width": GAMMA + 1,
+        "mask_token_id": VOCAB - 1,
+    }
 
 
 def _draft_bytes(m: int) -> int:
     return m * (3 * 8 + (GAMMA + 1) * 4 + (3 * GAMMA + 2 * (GAMMA + 1)) * 8)
 
 
-def _case(name: str, make_inputs: Callable[[int, str], dict[str, Any]], reference: Callable,
-          launcher: Callable, check: Callable, bytes_moved: Callable[[int], int]) -> dict[str, Any]:
-    return dict(name=name, make_inputs=make_inputs, reference=reference, launcher=launcher,
-                check=check, bytes_moved=bytes_moved)
+def _case(
+    name: str,
+    make_inputs: Callable[[int, str], dict[str, Any]],
+    reference: Callable,
+    launcher: Callable,
+    check: Callable,
+    bytes_moved: Callable[[int], int],
+) -> dict[str, Any]:
+    return dict(
+        name=name,
+        make_inputs=make_inputs,
+        reference=reference,
+        launcher=launcher,
+        check=check,
+        bytes_moved=bytes_moved,
+    )
 
 
 CASES: list[dict[str, Any]] = [
-    _case("k13_rope_q_tail_pad16to64", lambda m, d: _rope_inputs(m, d, inverse=False),
-          _rope_ref, _rope_launch, _check_bits, _rope_bytes),
-    _case("k13_rope_inverse_out_unpad64to16", lambda m, d: _rope_inputs(m, d, inverse=True),
-          _rope_ref, _rope_launch, _check_bits, _rope_bytes),
-    _case("k13_rope_q_kv_store_norms", _rope_qkv_inputs, _rope_qkv_ref, _rope_qkv_launch,
-          _check_normed_bf16, _rope_qkv_bytes),
-    _case("k14_shard_argmax_pairs_rank", _rank_inputs, _rank_pairs_ref, shard_argmax_pairs,
-          _check_equal, lambda m: m * (VOCAB_LOCAL * 4 + 8)),
-    _case("k14_vocab_argmax_4_shards", _argmax_inputs, vocab_argmax_ref, vocab_argmax,
-          _check_equal, lambda m: m * (VOCAB * 4 + 8 * TP + 8)),
-    _case("k15_accept_greedy", lambda m, d: _accept_inputs(m, d, sampled=False), spec_accept_ref,
-          spec_accept, _check_equal, lambda m: _accept_bytes(m, sampled=False)),
-    _case("k15_accept_sampled", lambda m, d: _accept_inputs(m, d, sampled=True), spec_accept_ref,
-          spec_accept, _check_equal, lambda m: _accept_bytes(m, sampled=True)),
-    _case("k16_draft_inputs_gamma5", _draft_inputs, prepare_draft_inputs_ref,
-          prepare_draft_inputs, _check_equal, _draft_bytes),
+    _case(
+        "k13_rope_q_tail_pad16to64",
+        lambda m, d: _rope_inputs(m, d, inverse=False),
+        _rope_ref,
+        _rope_launch,
+        _check_bits,
+        _rope_bytes,
+    ),
+    _case(
+        "k13_rope_inverse_out_unpad64to16",
+        lambda m, d: _rope_inputs(m, d, inverse=True),
+        _rope_ref,
+        _rope_launch,
+        _check_bits,
+        _rope_bytes,
+    ),
+    _case(
+        "k13_rope_q_kv_store_norms",
+        _rope_qkv_inputs,
+        _rope_qkv_ref,
+        _rope_qkv_launch,
+        _check_normed_bf16,
+        _rope_qkv_bytes,
+    ),
+    _case(
+        "k14_shard_argmax_pairs_rank",
+        _rank_inputs,
+        _rank_pairs_ref,
+        shard_argmax_pairs,
+        _check_equal,
+        lambda m: m * (VOCAB_LOCAL * 4 + 8),
+    ),
+    _case(
+        "k14_vocab_argmax_4_shards",
+        _argmax_inputs,
+        vocab_argmax_ref,
+        vocab_argmax,
+        _check_equal,
+        lambda m: m * (VOCAB * 4 + 8 * TP + 8),
+    ),
+    _case(
+        "k15_accept_greedy",
+        lambda m, d: _accept_inputs(m, d, sampled=False),
+        spec_accept_ref,
+        spec_accept,
+        _check_equal,
+        lambda m: _accept_bytes(m, sampled=False),
+    ),
+    _case(
+        "k15_accept_sampled",
+        lambda m, d: _accept_inputs(m, d, sampled=True),
+        spec_accept_ref,
+        spec_accept,
+        _check_equal,
+        lambda m: _accept_bytes(m, sampled=True),
+    ),
+    _case(
+        "k16_draft_inputs_gamma5",
+        _draft_inputs,
+        prepare_draft_inputs_ref,
+        prepare_draft_inputs,
+        _check_equal,
+        _draft_bytes,
+    ),
 ]

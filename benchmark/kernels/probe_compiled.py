@@ -36,8 +36,10 @@ def kernel_times(fn, calls: int = 20, replays: int = 20) -> list[tuple[str, floa
         for _ in range(replays):
             g.replay()
         torch.cuda.synchronize()
-    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
-                     key=lambda e: e.time_range.start)
+    kernels = sorted(
+        (e for e in prof.events() if e.device_type == DeviceType.CUDA),
+        key=lambda e: e.time_range.start,
+    )
     # The i-th launch of a call (two launches of one kernel, e.g. the router's GEMV and route,
     # are told apart by their place in the call).
     per_call = max(1, len(kernels) // (calls * replays))

@@ -39,16 +39,35 @@ sml = importlib.import_module("sgl_dspark.kernels.small_m_linear")
 
 from benchmark.kernels.run_all import time_graph  # noqa: E402
 
-SHAPES = [(1024, 1024), (1024, 512), (1160, 1024), (2048, 256), (2560, 256), (384, 1024),
-          (640, 1024)]
+SHAPES = [
+    (1024, 1024),
+    (1024, 512),
+    (1160, 1024),
+    (2048, 256),
+    (2560, 256),
+    (384, 1024),
+    (640, 1024),
+]
 M_VALUES = (1, 4, 8, 16)
 COPIES = 64
 
 
 @triton.jit
-def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                 PDL: tl.constexpr):
+def _gemv_kernel(
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     mask_n = offs_n < N
@@ -62,14 +81,20 @@ def _gemv_kernel(x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
     for k0 in range(0, K, BLOCK_K):
         kk = k0 + offs_k
         mask_k = kk < K
-        w = tl.load(w_ptr + rows_w[:, None].to(tl.int64) * stride_wn + kk[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)
+        w = tl.load(
+            w_ptr + rows_w[:, None].to(tl.int64) * stride_wn + kk[None, :],
+            mask=mask_n[:, None] & mask_k[None, :],
+            other=0.0,
+        ).to(tl.float32)
         for m in tl.static_range(BLOCK_M):
             x = tl.load(x_ptr + m * stride_xm + kk, mask=mask_k & (m < M), other=0.0)
             part = tl.sum(w * x.to(tl.float32)[None, :], axis=1)
             acc = tl.where(offs_m[:, None] == m, acc + part[None, :], acc)
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=(offs_m[:, None] < M) & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=(offs_m[:, None] < M) & mask_n[None, :],
+    )
 
 
 def gemv(x, w, block_n, block_k, warps, out=None):
@@ -77,17 +102,33 @@ def gemv(x, w, block_n, block_k, warps, out=None):
     n = w.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device) if out is None else out
     _gemv_kernel[(triton.cdiv(n, block_n),)](
-        x, w, out, m, n, k, x.stride(0), w.stride(0), out.stride(0),
-        BLOCK_M=triton.next_power_of_2(m), BLOCK_N=block_n, BLOCK_K=min(block_k, triton.next_power_of_2(k)),
-        num_warps=warps, **programmatic_launch(_gemv_kernel, x.device))
+        x,
+        w,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        w.stride(0),
+        out.stride(0),
+        BLOCK_M=triton.next_power_of_2(m),
+        BLOCK_N=block_n,
+        BLOCK_K=min(block_k, triton.next_power_of_2(k)),
+        num_warps=warps,
+        **programmatic_launch(_gemv_kernel, x.device),
+    )
     return out
 
 
 def tc(x, w, block_k, stages, warps):
     """`small_m_linear` with its launch meta (`_linear_meta`) overridden, as the sweeps do."""
     default = sml._linear_meta
-    sml._linear_meta = lambda n, size: {**default(n, size), "BLOCK_K": block_k,
-                                        "num_stages": stages, "num_warps": warps}
+    sml._linear_meta = lambda n, size: {
+        **default(n, size),
+        "BLOCK_K": block_k,
+        "num_stages": stages,
+        "num_warps": warps,
+    }
     try:
         return small_m_linear(x, w)
     finally:
@@ -97,12 +138,16 @@ def tc(x, w, block_k, stages, warps):
 def variants():
     yield "tc_current", lambda x, w: small_m_linear(x, w)
     for bk, stages, warps in [(256, 4, 2), (256, 4, 1), (512, 2, 2), (256, 3, 2)]:
-        yield f"tc_k{bk}_s{stages}_w{warps}", functools.partial(
-            tc, block_k=bk, stages=stages, warps=warps)
+        yield (
+            f"tc_k{bk}_s{stages}_w{warps}",
+            functools.partial(tc, block_k=bk, stages=stages, warps=warps),
+        )
     yield "cublas", lambda x, w: F.linear(x, w)
     for bn, bk, warps in [(16, 1024, 8)]:  # the best at M = 1 of the first probe
-        yield f"gemv_n{bn}_k{bk}_w{warps}", functools.partial(
-            gemv, block_n=bn, block_k=bk, warps=warps)
+        yield (
+            f"gemv_n{bn}_k{bk}_w{warps}",
+            functools.partial(gemv, block_n=bn, block_k=bk, warps=warps),
+        )
 
 
 def time_cycle(fn, xs, ws, replays=20):
@@ -121,14 +166,16 @@ def main():
     p.add_argument("--out", default="probe_gemv.md")
     a = p.parse_args()
     dev = torch.device("cuda")
-    lines = ["| N x K | M | " + " | ".join(n for n, _ in variants()) + " |",
-             "|---|---|" + "---|" * len(list(variants()))]
+    lines = [
+        "| N x K | M | " + " | ".join(n for n, _ in variants()) + " |",
+        "|---|---|" + "---|" * len(list(variants())),
+    ]
     notes = []
     for n, k in SHAPES:
         ws = [(torch.randn(n, k, device=dev) * k**-0.5).to(torch.bfloat16) for _ in range(COPIES)]
         for m in M_VALUES:
             xs = [torch.randn(m, k, device=dev).to(torch.bfloat16) for _ in range(COPIES)]
-            want = (xs[0].float() @ ws[0].float().t())
+            want = xs[0].float() @ ws[0].float().t()
             cells = []
             for name, fn in variants():
                 got = fn(xs[0], ws[0]).float()
@@ -138,8 +185,9 @@ def main():
                     one = fn(xs[0][:1].contiguous(), ws[0])
                     if not torch.equal(one, fn(xs[0], ws[0])[:1]):
                         notes.append(f"{name} {n}x{k}: row 0 at M=16 != M=1")
-                if name.startswith("tc_k") and not torch.equal(fn(xs[0], ws[0]),
-                                                              small_m_linear(xs[0], ws[0])):
+                if name.startswith("tc_k") and not torch.equal(
+                    fn(xs[0], ws[0]), small_m_linear(xs[0], ws[0])
+                ):
                     notes.append(f"{name} {n}x{k} M={m}: bits differ from tc_current")
                 if not ok:
                     notes.append(f"{name} {n}x{k} M={m}: rel err {err:.2e}")
@@ -148,8 +196,13 @@ def main():
             print(lines[-1], flush=True)
         del ws
         torch.cuda.empty_cache()
-    text = "us per call, 64 distinct weight copies cycled in one graph (HBM reads)\n\n" + \
-        "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
+    text = (
+        "us per call, 64 distinct weight copies cycled in one graph (HBM reads)\n\n"
+        + "\n".join(lines)
+        + "\n\n"
+        + "\n".join(notes)
+        + "\n"
+    )
     Path(a.out).write_text(text)
     print("\n".join(notes))
 

@@ -28,10 +28,14 @@ SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k)
 def _case(shape: str, m: int, calls: int, device: str):
     d, inter, local, experts, topk = SHAPES[shape]
     gen = torch.Generator(device=device).manual_seed(7 + m)
-    gate_up = torch.randn(local, 2 * inter, d, generator=gen, device=device,
-                          dtype=torch.bfloat16) * d**-0.5
-    down = torch.randn(local, d, inter, generator=gen, device=device,
-                       dtype=torch.bfloat16) * inter**-0.5
+    gate_up = (
+        torch.randn(local, 2 * inter, d, generator=gen, device=device, dtype=torch.bfloat16)
+        * d**-0.5
+    )
+    down = (
+        torch.randn(local, d, inter, generator=gen, device=device, dtype=torch.bfloat16)
+        * inter**-0.5
+    )
     mask = torch.zeros(experts, dtype=torch.int32)
     mask[:local] = 1
     plan = prepare_moe_sort(mask.to(device))
@@ -42,14 +46,16 @@ def _case(shape: str, m: int, calls: int, device: str):
         sorts.append(moe_sort(ids.to(torch.int32), torch.rand(m, topk, device=device), plan, 0))
 
     # Rows of remote routes are never written: poisoned, so both orders compare in full.
-    outs = [torch.full((m * topk, d), float("nan"), dtype=torch.bfloat16, device=device)
-            for _ in sorts]
+    outs = [
+        torch.full((m * topk, d), float("nan"), dtype=torch.bfloat16, device=device) for _ in sorts
+    ]
 
     def run(tile_major: bool) -> list[torch.Tensor]:
         for s, out in zip(sorts, outs):
             routes = (s.sorted_ids, s.sorted_expert_ids, s.num_valid, topk)
-            h = moe_grouped_gemm(x, gate_up, *routes, out_swiglu=True, swiglu_limit=10.0,
-                                 tile_major=tile_major)
+            h = moe_grouped_gemm(
+                x, gate_up, *routes, out_swiglu=True, swiglu_limit=10.0, tile_major=tile_major
+            )
             moe_grouped_gemm(h, down, *routes, a_per_pair=True, out=out, tile_major=tile_major)
         return outs
 
@@ -57,7 +63,7 @@ def _case(shape: str, m: int, calls: int, device: str):
 
 
 def _graph_us(run, tile_major: bool, calls: int, replays: int) -> float:
-    run(tile_major)   # compile
+    run(tile_major)  # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -82,8 +88,10 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--out", default=None)
     a = p.parse_args()
-    rows = ["| shape | M | block-major us | tile-major us | ratio | auto picks |",
-            "|---|---|---|---|---|---|"]
+    rows = [
+        "| shape | M | block-major us | tile-major us | ratio | auto picks |",
+        "|---|---|---|---|---|---|",
+    ]
     for shape in SHAPES:
         for m in (int(v) for v in a.m.split(",")):
             run = _case(shape, m, a.calls, "cuda")
@@ -91,10 +99,10 @@ def main() -> None:
             for x, y in zip(first, run(False)):
                 assert torch.equal(x.view(torch.int16), y.view(torch.int16)), (shape, m)
             ab = {True: [], False: []}
-            for order in (False, True, True, False):   # ABBA
+            for order in (False, True, True, False):  # ABBA
                 ab[order].append(_graph_us(run, order, a.calls, a.replays))
             blk, tile = statistics.mean(ab[False]), statistics.mean(ab[True])
-            auto = "tile" if m == 1 else "block"   # moe_grouped_gemm's choice
+            auto = "tile" if m == 1 else "block"  # moe_grouped_gemm's choice
             rows.append(f"| {shape} | {m} | {blk:.2f} | {tile:.2f} | {blk / tile:.2f}x | {auto} |")
             print(rows[-1], flush=True)
     text = "\n".join(rows) + "\n"

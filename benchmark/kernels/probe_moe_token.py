@@ -34,7 +34,11 @@ SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k)
     "dsv4_flash_ep4": (4096, 2048, 96, 384, 6),
 }
 DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
-    (16, 128, 4, 3), (16, 64, 4, 4), (16, 256, 4, 2), (8, 128, 4, 3), (16, 128, 8, 3),
+    (16, 128, 4, 3),
+    (16, 64, 4, 4),
+    (16, 256, 4, 2),
+    (8, 128, 4, 3),
+    (16, 128, 8, 3),
     (32, 64, 4, 3),
 ]
 
@@ -42,10 +46,13 @@ DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 def _setup(shape: str, m: int, calls: int):
     d, inter, local, experts, topk = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(11 + m)
-    gate_up = torch.randn(local, 2 * inter, d, generator=gen, device="cuda",
-                          dtype=torch.bfloat16) * (3 * d**-0.5)  # fmt: skip
-    down = torch.randn(local, d, inter, generator=gen, device="cuda",
-                       dtype=torch.bfloat16) * inter**-0.5  # fmt: skip
+    gate_up = torch.randn(
+        local, 2 * inter, d, generator=gen, device="cuda", dtype=torch.bfloat16
+    ) * (3 * d**-0.5)
+    down = (
+        torch.randn(local, d, inter, generator=gen, device="cuda", dtype=torch.bfloat16)
+        * inter**-0.5
+    )
     mask = torch.zeros(experts, dtype=torch.int32)
     mask[:local] = 1
     mask = mask.to("cuda")
@@ -66,10 +73,12 @@ def _setup(shape: str, m: int, calls: int):
 
     def token_path() -> list[torch.Tensor]:
         for (ids, w), out in zip(routings, outs):
-            h = moe_token_gemm.moe_route_gate_up(x, gate_up, ids, plan.local_table,
-                                                 plan.num_local, 10.0)  # fmt: skip
-            moe_token_gemm.moe_token_down_reduce(h, down, ids, w, plan.local_table,
-                                                 plan.num_local, 1.0, shared, out=out)  # fmt: skip
+            h = moe_token_gemm.moe_route_gate_up(
+                x, gate_up, ids, plan.local_table, plan.num_local, 10.0
+            )
+            moe_token_gemm.moe_token_down_reduce(
+                h, down, ids, w, plan.local_table, plan.num_local, 1.0, shared, out=out
+            )
         return outs
 
     return sorted_path, token_path
@@ -87,9 +96,12 @@ def main() -> None:
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--down-metas", action="store_true")
     a = p.parse_args()
-    lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}", "",
-             "| shape | M | variant | bits equal sorted | sorted us | per-token us | ratio |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}",
+        "",
+        "| shape | M | variant | bits equal sorted | sorted us | per-token us | ratio |",
+        "|---|---|---|---|---|---|---|",
+    ]
     default_meta = moe_token_gemm._down_meta
     metas = DOWN_METAS if a.down_metas else [None]
     for shape in SHAPES:
@@ -100,17 +112,35 @@ def main() -> None:
                 if meta is not None:
                     bn, bk, warps, stages = meta
                     moe_token_gemm._down_meta = lambda k, bn=bn, bk=bk, w=warps, s=stages: {
-                        "BLOCK_N": bn, "BLOCK_K": bk, "num_warps": w, "num_stages": s}
+                        "BLOCK_N": bn,
+                        "BLOCK_K": bk,
+                        "num_warps": w,
+                        "num_stages": s,
+                    }
                 try:
                     equal = _same_bits(want, token_path())
                     s1, t1 = (time_graph(f, 1, a.replays)[0] for f in (sorted_path, token_path))
                     t2, s2 = (time_graph(f, 1, a.replays)[0] for f in (token_path, sorted_path))
                     srt, tok = (s1 + s2) / 2 / a.calls, (t1 + t2) / 2 / a.calls
-                    row = [shape, str(m), str(meta or "default"), str(equal), f"{srt:.1f}",
-                           f"{tok:.1f}", f"{srt / tok:.2f}"]
+                    row = [
+                        shape,
+                        str(m),
+                        str(meta or "default"),
+                        str(equal),
+                        f"{srt:.1f}",
+                        f"{tok:.1f}",
+                        f"{srt / tok:.2f}",
+                    ]
                 except Exception as exc:  # noqa: BLE001
-                    row = [shape, str(m), str(meta), f"FAIL {type(exc).__name__}: {exc}"[:90],
-                           "", "", ""]
+                    row = [
+                        shape,
+                        str(m),
+                        str(meta),
+                        f"FAIL {type(exc).__name__}: {exc}"[:90],
+                        "",
+                        "",
+                        "",
+                    ]
                 finally:
                     moe_token_gemm._down_meta = default_meta
                 lines.append("| " + " | ".join(row) + " |")

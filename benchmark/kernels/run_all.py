@@ -28,11 +28,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sgl_dspark.kernels._triton_utils import set_programmatic_launch  # noqa: E402
 
-MODULES = ("benchmark.kernels.bench_spec", "benchmark.kernels.bench_moe",
-           "benchmark.kernels.bench_mhc_indexer", "benchmark.kernels.bench_attention",
-           "benchmark.kernels.bench_indexer", "benchmark.kernels.bench_norm",
-           "benchmark.kernels.bench_index_topk", "benchmark.kernels.bench_markov",
-           "benchmark.kernels.bench_linear", "benchmark.kernels.bench_floor")
+MODULES = (
+    "benchmark.kernels.bench_spec",
+    "benchmark.kernels.bench_moe",
+    "benchmark.kernels.bench_mhc_indexer",
+    "benchmark.kernels.bench_attention",
+    "benchmark.kernels.bench_indexer",
+    "benchmark.kernels.bench_norm",
+    "benchmark.kernels.bench_index_topk",
+    "benchmark.kernels.bench_markov",
+    "benchmark.kernels.bench_linear",
+    "benchmark.kernels.bench_floor",
+)
 M_VALUES = (1, 4, 8, 24, 32, 128)
 
 
@@ -102,20 +109,30 @@ def main() -> None:
     p.add_argument("--out", default=None, help="write the Markdown table here")
     p.add_argument("--calls-per-graph", type=int, default=20)
     p.add_argument("--replays", type=int, default=50)
-    p.add_argument("--only", default=None, help="comma list of substrings; run the cases whose name contains one")
-    p.add_argument("--pdl-ab", action="store_true",
-                   help="also time ours without programmatic dependent launch and torch.compile "
-                        "with Inductor's own PDL (triton.enable_pdl), in the same ABBA rounds")
+    p.add_argument(
+        "--only",
+        default=None,
+        help="comma list of substrings; run the cases whose name contains one",
+    )
+    p.add_argument(
+        "--pdl-ab",
+        action="store_true",
+        help="also time ours without programmatic dependent launch and torch.compile "
+        "with Inductor's own PDL (triton.enable_pdl), in the same ABBA rounds",
+    )
     p.add_argument("--m", default=None, help="comma list of M values (default: all of M_VALUES)")
     a = p.parse_args()
     m_values = tuple(int(m) for m in a.m.split(",")) if a.m else M_VALUES
     assert torch.cuda.is_available(), "run_all.py needs a GPU"
     bw = copy_bandwidth()
-    lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-             f"copy bandwidth {bw / 1e12:.2f} TB/s", "",
-             "| kernel | M | check | eager us | compile us | ours us | floor us | "
-             "ours/compile | ours/floor |" + (" ours no-PDL us | compile+PDL us |" if a.pdl_ab else ""),
-             "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.pdl_ab else "")]
+    lines = [
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"copy bandwidth {bw / 1e12:.2f} TB/s",
+        "",
+        "| kernel | M | check | eager us | compile us | ours us | floor us | "
+        "ours/compile | ours/floor |" + (" ours no-PDL us | compile+PDL us |" if a.pdl_ab else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|---|" if a.pdl_ab else ""),
+    ]
     t0 = time.time()
     for mod_name in MODULES:
         try:
@@ -128,20 +145,27 @@ def main() -> None:
             if a.only and not any(k in case["name"] for k in a.only.split(",")):
                 continue
             compiled = torch.compile(case["reference"], dynamic=False)
-            compiled_pdl = torch.compile(case["reference"], dynamic=False,
-                                         options={"triton.enable_pdl": True}) if a.pdl_ab else None
+            compiled_pdl = (
+                torch.compile(case["reference"], dynamic=False, options={"triton.enable_pdl": True})
+                if a.pdl_ab
+                else None
+            )
             for m in m_values:
                 row = [case["name"], str(m)]
                 try:
                     # Two input sets (make_inputs is seeded by M): a case that writes into an
                     # input buffer (a KV pool, an index-key cache) is checked on its own copy.
                     inputs = case["make_inputs"](m, "cuda")
-                    case["check"](case["reference"](**case["make_inputs"](m, "cuda")),
-                                  case["launcher"](**inputs))
+                    case["check"](
+                        case["reference"](**case["make_inputs"](m, "cuda")),
+                        case["launcher"](**inputs),
+                    )
                     row.append("ok")
                     ref_fn, ours_fn = case["reference"], case["launcher"]
-                    te, ge = time_graph(lambda f=ref_fn, x=inputs: f(**x), a.calls_per_graph,
-                                        a.replays)
+                    te, ge = time_graph(
+                        lambda f=ref_fn, x=inputs: f(**x), a.calls_per_graph, a.replays
+                    )
+
                     # ours and compile in ABBA order (ours, compile, compile, ours), each the
                     # mean of its two runs: a drift of the device clock over the case then
                     # weighs on both sides alike (the two are often within a few percent).
@@ -175,19 +199,28 @@ def main() -> None:
                     (tc2, _), (to2, _) = compile_time(), ours_time()
                     to, tc = (to1 + to2) / 2, (tc1 + tc2) / 2
                     floor = case["bytes_moved"](m) / bw * 1e6
-                    row += [f"{te:.1f}{'' if ge else '*'}", f"{tc:.1f}{'' if gc else '*'}",
-                            f"{to:.1f}{'' if go else '*'}", f"{floor:.2f}",
-                            f"{to / tc:.2f}" if tc == tc else "n/a", f"{to / floor:.1f}"]
+                    row += [
+                        f"{te:.1f}{'' if ge else '*'}",
+                        f"{tc:.1f}{'' if gc else '*'}",
+                        f"{to:.1f}{'' if go else '*'}",
+                        f"{floor:.2f}",
+                        f"{to / tc:.2f}" if tc == tc else "n/a",
+                        f"{to / floor:.1f}",
+                    ]
                     row += [f"{(u + v) / 2:.2f}" for u, v in zip(extra1, extra2)]
                 except Exception as e:  # noqa: BLE001
-                    row += [f"FAIL {type(e).__name__}: {str(e)[:60]}"] + [""] * (8 if a.pdl_ab else 6)
+                    row += [f"FAIL {type(e).__name__}: {str(e)[:60]}"] + [""] * (
+                        8 if a.pdl_ab else 6
+                    )
                     traceback.print_exc()
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
                 if a.out:  # written as it goes: a run cut short keeps its rows
                     Path(a.out).write_text("\n".join(lines) + "\n")
     lines.append("")
-    lines.append(f"(`*` = not capturable in a CUDA graph, timed eagerly; total {time.time() - t0:.0f} s)")
+    lines.append(
+        f"(`*` = not capturable in a CUDA graph, timed eagerly; total {time.time() - t0:.0f} s)"
+    )
     text = "\n".join(lines)
     print(text)
     if a.out:

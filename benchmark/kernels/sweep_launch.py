@@ -99,35 +99,109 @@ def _pairs(a: str, b: str, *values: tuple[int, int]) -> tuple[Meta, ...]:
 
 
 # Columns (or rows) per program x warps, around each default (listed in its meta function).
-_K4 = _pairs("BLOCK_H", "num_warps", (128, 1), (256, 1), (256, 2), (512, 1), (512, 2), (512, 4),
-             (1024, 2), (1024, 4), (1024, 8), (2048, 4), (2048, 8), (4096, 8))
-_K6 = _pairs("BLOCK", "num_warps", (128, 1), (128, 2), (128, 4), (256, 1), (256, 2), (256, 4),
-             (512, 1), (512, 2), (512, 8), (1024, 4), (1024, 8))
-_K6_FP8 = _pairs("BLOCK", "num_warps", (128, 1), (128, 2), (256, 2), (256, 4), (512, 2),
-                 (512, 4), (1024, 2), (1024, 8), (2048, 4), (2048, 8))
-_K9 = _pairs("BLOCK_ROWS", "num_warps", (1, 1), (2, 1), (2, 2), (4, 1), (4, 2), (4, 4), (8, 1),
-             (8, 2), (16, 2), (16, 4), (32, 4), (32, 8))
+_K4 = _pairs(
+    "BLOCK_H",
+    "num_warps",
+    (128, 1),
+    (256, 1),
+    (256, 2),
+    (512, 1),
+    (512, 2),
+    (512, 4),
+    (1024, 2),
+    (1024, 4),
+    (1024, 8),
+    (2048, 4),
+    (2048, 8),
+    (4096, 8),
+)
+_K6 = _pairs(
+    "BLOCK",
+    "num_warps",
+    (128, 1),
+    (128, 2),
+    (128, 4),
+    (256, 1),
+    (256, 2),
+    (256, 4),
+    (512, 1),
+    (512, 2),
+    (512, 8),
+    (1024, 4),
+    (1024, 8),
+)
+_K6_FP8 = _pairs(
+    "BLOCK",
+    "num_warps",
+    (128, 1),
+    (128, 2),
+    (256, 2),
+    (256, 4),
+    (512, 2),
+    (512, 4),
+    (1024, 2),
+    (1024, 8),
+    (2048, 4),
+    (2048, 8),
+)
+_K9 = _pairs(
+    "BLOCK_ROWS",
+    "num_warps",
+    (1, 1),
+    (2, 1),
+    (2, 2),
+    (4, 1),
+    (4, 2),
+    (4, 4),
+    (8, 1),
+    (8, 2),
+    (16, 2),
+    (16, 4),
+    (32, 4),
+    (32, 8),
+)
 _K14 = (
-    {"num_warps": 2}, {"num_warps": 8}, {"max_block": 1024}, {"max_block": 2048},
-    {"per_row": _half("per_row")}, {"per_row": _double("per_row")},
+    {"num_warps": 2},
+    {"num_warps": 8},
+    {"max_block": 1024},
+    {"max_block": 2048},
+    {"per_row": _half("per_row")},
+    {"per_row": _double("per_row")},
     {"per_row": _half("per_row"), "num_warps": 8},
     {"per_row": _double("per_row"), "max_block": 1024},
-    {"per_row": 1, "num_warps": 8}, {"per_row": 1, "num_warps": 16},
-    {"per_row": 4, "num_warps": 8}, {"per_row": 16, "max_block": 2048},
+    {"per_row": 1, "num_warps": 8},
+    {"per_row": 1, "num_warps": 16},
+    {"per_row": 4, "num_warps": 8},
+    {"per_row": 16, "max_block": 2048},
 )
 _NORM = (
-    {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8}, {"num_warps": 16},
-    {"BLOCK_M": 1}, {"BLOCK_M": 1, "num_warps": 1}, {"BLOCK_M": 1, "num_warps": 2},
-    {"BLOCK_M": 1, "num_warps": 8}, {"BLOCK_M": 2}, {"BLOCK_M": 2, "num_warps": 8},
-    {"BLOCK_M": _double("BLOCK_M")}, {"BLOCK_M": _double("BLOCK_M"), "num_warps": 8},
+    {"num_warps": 1},
+    {"num_warps": 2},
+    {"num_warps": 8},
+    {"num_warps": 16},
+    {"BLOCK_M": 1},
+    {"BLOCK_M": 1, "num_warps": 1},
+    {"BLOCK_M": 1, "num_warps": 2},
+    {"BLOCK_M": 1, "num_warps": 8},
+    {"BLOCK_M": 2},
+    {"BLOCK_M": 2, "num_warps": 8},
+    {"BLOCK_M": _double("BLOCK_M")},
+    {"BLOCK_M": _double("BLOCK_M"), "num_warps": 8},
 )
 
 # Per-head rows (N 512, 64 x M rows): rows per program (the default packs 8) and warps.
 _NORM_HEADS = (
-    {"BLOCK_M": 1}, {"BLOCK_M": 2}, {"BLOCK_M": 4}, {"BLOCK_M": 4, "num_warps": 2},
-    {"BLOCK_M": 8, "num_warps": 2}, {"BLOCK_M": 8, "num_warps": 8}, {"BLOCK_M": 16},
-    {"BLOCK_M": 16, "num_warps": 8}, {"BLOCK_M": 32, "num_warps": 8},
+    {"BLOCK_M": 1},
+    {"BLOCK_M": 2},
+    {"BLOCK_M": 4},
+    {"BLOCK_M": 4, "num_warps": 2},
+    {"BLOCK_M": 8, "num_warps": 2},
+    {"BLOCK_M": 8, "num_warps": 8},
+    {"BLOCK_M": 16},
+    {"BLOCK_M": 16, "num_warps": 8},
+    {"BLOCK_M": 32, "num_warps": 8},
 )
+
 
 # Compressor pooling: warps, and span slots per tile (SPAN_BLOCK >= span: the one-pass path).
 def _quarter(key: str) -> Callable[[Meta], int]:
@@ -135,18 +209,23 @@ def _quarter(key: str) -> Callable[[Meta], int]:
 
 
 def _wider_channels(d: Meta) -> int:
-    return min(d["BLOCK_D"], d["BLOCK_C"] * 2)   # a program's channels never exceed the row
+    return min(d["BLOCK_D"], d["BLOCK_C"] * 2)  # a program's channels never exceed the row
 
 
 # BLOCK_C below BLOCK_D splits a row's channels over programs; SPAN_BLOCK x BLOCK_C is one
 # program's tile.
 _POOL = (
-    {"num_warps": 1}, {"num_warps": 2}, {"num_warps": 8},
-    {"BLOCK_C": _half("BLOCK_C")}, {"BLOCK_C": _quarter("BLOCK_C")},
-    {"BLOCK_C": _half("BLOCK_C"), "num_warps": 2}, {"BLOCK_C": _quarter("BLOCK_C"), "num_warps": 2},
+    {"num_warps": 1},
+    {"num_warps": 2},
+    {"num_warps": 8},
+    {"BLOCK_C": _half("BLOCK_C")},
+    {"BLOCK_C": _quarter("BLOCK_C")},
+    {"BLOCK_C": _half("BLOCK_C"), "num_warps": 2},
+    {"BLOCK_C": _quarter("BLOCK_C"), "num_warps": 2},
     {"BLOCK_C": _half("BLOCK_C"), "SPAN_BLOCK": _double("SPAN_BLOCK")},
     {"BLOCK_C": _wider_channels, "SPAN_BLOCK": _half("SPAN_BLOCK")},
-    {"SPAN_BLOCK": _half("SPAN_BLOCK")}, {"SPAN_BLOCK": _half("SPAN_BLOCK"), "num_warps": 2},
+    {"SPAN_BLOCK": _half("SPAN_BLOCK")},
+    {"SPAN_BLOCK": _half("SPAN_BLOCK"), "num_warps": 2},
 )
 
 
@@ -154,29 +233,93 @@ def _pool_out(default: Any) -> dict[str, torch.Tensor]:
     return {"out": _poison(default.entries), "out_slots": _poison(default.slots)}
 
 
-TARGETS: dict[str, SweepTarget] = {t.key: t for t in (
-    SweepTarget("k4", "moe_reduce", "_reduce_meta", "bench_moe",
-                ("K4 moe_reduce (slot-ordered)",), _K4, _out),
-    SweepTarget("k6", "activation", "_act_meta", "bench_moe",
-                ("K6 silu_mul_clamp shared (I=512, bf16)",), _K6, _out),
-    SweepTarget("k6_fp8", "activation", "_act_meta", "bench_moe",
-                ("K6 silu_mul_clamp routed (I=2048, fp8 group)",), _K6_FP8, _no_out),
-    SweepTarget("k9", "fp4_indexer", "_k_quant_meta", "bench_mhc_indexer",
-                ("k9_fp4_index_k_quant_128",), _K9, _k9_out),
-    SweepTarget("k14", "vocab_argmax", "_chunk_meta", "bench_spec",
-                ("k14_shard_argmax_pairs_rank",), _K14, _out),
-    SweepTarget("rmsnorm", "rmsnorm", "_norm_meta", "bench_norm",
-                ("rmsnorm_hidden_d4096", "rmsnorm_q_lora_d1024"), _NORM, _out,
-                bits_may_differ=True),
-    SweepTarget("rmsnorm_heads", "rmsnorm", "_norm_meta", "bench_norm",
-                ("rmsnorm_q_heads_64x512_weightless",), _NORM_HEADS, _out,
-                bits_may_differ=True),
-    # X2 (the span sums' order follows the tile split and the warps' layout).
-    SweepTarget("compressor", "compressor_pool", "_pool_meta", "bench_indexer",
-                ("compressor_pool_csa_m4_dh512", "compressor_pool_hca_m128_dh512",
-                 "compressor_pool_csa_m4_dh128", "compressor_pool_csa_m4_dh64_indexer",
-                 "compressor_pool_hca_m128_dh128"), _POOL, _pool_out, bits_may_differ=True),
-)}
+TARGETS: dict[str, SweepTarget] = {
+    t.key: t
+    for t in (
+        SweepTarget(
+            "k4",
+            "moe_reduce",
+            "_reduce_meta",
+            "bench_moe",
+            ("K4 moe_reduce (slot-ordered)",),
+            _K4,
+            _out,
+        ),
+        SweepTarget(
+            "k6",
+            "activation",
+            "_act_meta",
+            "bench_moe",
+            ("K6 silu_mul_clamp shared (I=512, bf16)",),
+            _K6,
+            _out,
+        ),
+        SweepTarget(
+            "k6_fp8",
+            "activation",
+            "_act_meta",
+            "bench_moe",
+            ("K6 silu_mul_clamp routed (I=2048, fp8 group)",),
+            _K6_FP8,
+            _no_out,
+        ),
+        SweepTarget(
+            "k9",
+            "fp4_indexer",
+            "_k_quant_meta",
+            "bench_mhc_indexer",
+            ("k9_fp4_index_k_quant_128",),
+            _K9,
+            _k9_out,
+        ),
+        SweepTarget(
+            "k14",
+            "vocab_argmax",
+            "_chunk_meta",
+            "bench_spec",
+            ("k14_shard_argmax_pairs_rank",),
+            _K14,
+            _out,
+        ),
+        SweepTarget(
+            "rmsnorm",
+            "rmsnorm",
+            "_norm_meta",
+            "bench_norm",
+            ("rmsnorm_hidden_d4096", "rmsnorm_q_lora_d1024"),
+            _NORM,
+            _out,
+            bits_may_differ=True,
+        ),
+        SweepTarget(
+            "rmsnorm_heads",
+            "rmsnorm",
+            "_norm_meta",
+            "bench_norm",
+            ("rmsnorm_q_heads_64x512_weightless",),
+            _NORM_HEADS,
+            _out,
+            bits_may_differ=True,
+        ),
+        # X2 (the span sums' order follows the tile split and the warps' layout).
+        SweepTarget(
+            "compressor",
+            "compressor_pool",
+            "_pool_meta",
+            "bench_indexer",
+            (
+                "compressor_pool_csa_m4_dh512",
+                "compressor_pool_hca_m128_dh512",
+                "compressor_pool_csa_m4_dh128",
+                "compressor_pool_csa_m4_dh64_indexer",
+                "compressor_pool_hca_m128_dh128",
+            ),
+            _POOL,
+            _pool_out,
+            bits_may_differ=True,
+        ),
+    )
+}
 DEFAULT_KEYS = ("k4", "k6", "k9", "k14", "rmsnorm")
 
 
@@ -245,8 +388,11 @@ def _resolved(metas: list[Meta]) -> str:
     return "; ".join(uniq)
 
 
-def check_candidates(keys: tuple[str, ...], device: str, m_values: tuple[int, ...],
-                     ) -> dict[tuple[str, str, int], str]:
+def check_candidates(
+    keys: tuple[str, ...],
+    device: str,
+    m_values: tuple[int, ...],
+) -> dict[tuple[str, str, int], str]:
     """Step 1 alone: {(case, candidate label, M): "ok" | "differs" | "error: ..."}."""
     results: dict[tuple[str, str, int], str] = {}
     for key in keys:
@@ -262,8 +408,9 @@ def check_candidates(keys: tuple[str, ...], device: str, m_values: tuple[int, ..
     return results
 
 
-def _check_one(target: SweepTarget, case: dict[str, Any], inputs: dict[str, Any], want: Any,
-               overrides: Meta) -> tuple[str, Meta | None]:
+def _check_one(
+    target: SweepTarget, case: dict[str, Any], inputs: dict[str, Any], want: Any, overrides: Meta
+) -> tuple[str, Meta | None]:
     """(status, the meta the launcher used) of one candidate on one input."""
     patched = _Patched(target, overrides)
     try:
@@ -284,8 +431,13 @@ class _Row:
     us: dict[int, float] = field(default_factory=dict)
 
 
-def _check_rows(target: SweepTarget, case: dict[str, Any], inputs: dict[int, dict[str, Any]],
-                want: dict[int, Any], default_metas: list[Meta]) -> list[_Row]:
+def _check_rows(
+    target: SweepTarget,
+    case: dict[str, Any],
+    inputs: dict[int, dict[str, Any]],
+    want: dict[int, Any],
+    default_metas: list[Meta],
+) -> list[_Row]:
     """Step 1 for every candidate at every M; duplicates of the default or of an earlier
     candidate (same meta at every M) are marked and not timed."""
     rows: list[_Row] = []
@@ -305,9 +457,16 @@ def _check_rows(target: SweepTarget, case: dict[str, Any], inputs: dict[int, dic
     return rows
 
 
-def _sweep_case(target: SweepTarget, name: str, m_values: tuple[int, ...], calls: int,
-                replays: int, use_compile: bool, log: Callable[[str], None],
-                device: str = "cuda") -> list[str]:
+def _sweep_case(
+    target: SweepTarget,
+    name: str,
+    m_values: tuple[int, ...],
+    calls: int,
+    replays: int,
+    use_compile: bool,
+    log: Callable[[str], None],
+    device: str = "cuda",
+) -> list[str]:
     """Summary rows of one benchmark case, then "", then its candidate x M matrix."""
     from benchmark.kernels import run_all
 
@@ -318,10 +477,15 @@ def _sweep_case(target: SweepTarget, name: str, m_values: tuple[int, ...], calls
         want = {m: case["launcher"](**inputs[m]) for m in m_values}
     default_metas = list(default_meta.seen)
     rows = _check_rows(target, case, inputs, want, default_metas)
-    log(f"  checked {len(rows)} candidates: "
-        f"{sum(r.status == 'ok' for r in rows)} exact and distinct")
-    timed = [r for r in rows if r.status == "ok"
-             or (target.bits_may_differ and r.status.startswith("differs"))]
+    log(
+        f"  checked {len(rows)} candidates: "
+        f"{sum(r.status == 'ok' for r in rows)} exact and distinct"
+    )
+    timed = [
+        r
+        for r in rows
+        if r.status == "ok" or (target.bits_may_differ and r.status.startswith("differs"))
+    ]
     compiled = torch.compile(case["reference"], dynamic=False) if use_compile else None
     summary, default_us = [], {}
     for i, m in enumerate(m_values):
@@ -329,8 +493,7 @@ def _sweep_case(target: SweepTarget, name: str, m_values: tuple[int, ...], calls
         t_compile = float("nan")
         if compiled is not None:
             try:
-                t_compile, _ = time_graph(functools.partial(compiled, **inputs[m]), calls,
-                                          replays)
+                t_compile, _ = time_graph(functools.partial(compiled, **inputs[m]), calls, replays)
             except Exception as e:  # noqa: BLE001 - a reference inductor cannot handle
                 log(f"  torch.compile failed at M={m}: {type(e).__name__}: {e}")
         before, _ = time_graph(launch, calls, replays)
@@ -341,15 +504,21 @@ def _sweep_case(target: SweepTarget, name: str, m_values: tuple[int, ...], calls
         default_us[m] = (before, after)
         ref = statistics.median([before, after])
         best = min((r for r in timed if r.status == "ok"), key=lambda r: r.us[m], default=None)
-        best_x2 = min((r for r in timed if r.status != "ok"), key=lambda r: r.us[m],
-                      default=None)
-        cells = [name, str(m), f"{t_compile:.2f}" if t_compile == t_compile else "-",
-                 f"{before:.2f} / {after:.2f}", _meta_text(default_metas[i])]
-        cells += [_meta_text(best.metas[i]), f"{best.us[m]:.2f}", f"{best.us[m] / ref:.2f}"] \
-            if best else ["-", "-", "-"]
+        best_x2 = min((r for r in timed if r.status != "ok"), key=lambda r: r.us[m], default=None)
+        cells = [
+            name,
+            str(m),
+            f"{t_compile:.2f}" if t_compile == t_compile else "-",
+            f"{before:.2f} / {after:.2f}",
+            _meta_text(default_metas[i]),
+        ]
+        cells += (
+            [_meta_text(best.metas[i]), f"{best.us[m]:.2f}", f"{best.us[m] / ref:.2f}"]
+            if best
+            else ["-", "-", "-"]
+        )
         if target.bits_may_differ:
-            cells.append(f"{_meta_text(best_x2.metas[i])}: {best_x2.us[m]:.2f}" if best_x2
-                         else "-")
+            cells.append(f"{_meta_text(best_x2.metas[i])}: {best_x2.us[m]:.2f}" if best_x2 else "-")
         summary.append("| " + " | ".join(cells) + " |")
         log(summary[-1])
     return summary + [""] + _matrix(name, rows, m_values, default_us)
@@ -359,32 +528,46 @@ def _meta_text(meta: Meta) -> str:
     return " ".join(f"{k}={v}" for k, v in meta.items())
 
 
-def _matrix(name: str, rows: list[_Row], m_values: tuple[int, ...],
-            default_us: dict[int, tuple[float, float]]) -> list[str]:
+def _matrix(
+    name: str,
+    rows: list[_Row],
+    m_values: tuple[int, ...],
+    default_us: dict[int, tuple[float, float]],
+) -> list[str]:
     head = f"| {name}: candidate | " + " | ".join(f"M={m}" for m in m_values) + " | metas |"
-    lines = [head, "|---" * (len(m_values) + 2) + "|",
-             "| default | " + " | ".join(f"{statistics.median(default_us[m]):.2f}"
-                                         for m in m_values) + " | |"]
-    fastest = {m: min((r.us[m] for r in rows if r.status == "ok" and m in r.us),
-                      default=float("inf")) for m in m_values}
+    lines = [
+        head,
+        "|---" * (len(m_values) + 2) + "|",
+        "| default | "
+        + " | ".join(f"{statistics.median(default_us[m]):.2f}" for m in m_values)
+        + " | |",
+    ]
+    fastest = {
+        m: min((r.us[m] for r in rows if r.status == "ok" and m in r.us), default=float("inf"))
+        for m in m_values
+    }
     for row in rows:
         metas = _resolved(row.metas)
         if row.us:
             flag = "" if row.status == "ok" else " (other bits)"
-            cells = [f"**{row.us[m]:.2f}**" if row.us[m] == fastest[m] else f"{row.us[m]:.2f}"
-                     for m in m_values]
+            cells = [
+                f"**{row.us[m]:.2f}**" if row.us[m] == fastest[m] else f"{row.us[m]:.2f}"
+                for m in m_values
+            ]
             lines.append(f"| {row.label}{flag} | " + " | ".join(cells) + f" | {metas} |")
         else:
-            lines.append(f"| {row.label} | {row.status} |" + " |" * (len(m_values) - 1)
-                         + f" {metas} |")
+            lines.append(
+                f"| {row.label} | {row.status} |" + " |" * (len(m_values) - 1) + f" {metas} |"
+            )
     return lines + [""]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", default=None, help="write the Markdown report here")
-    p.add_argument("--only", default=",".join(DEFAULT_KEYS),
-                   help=f"comma list of {sorted(TARGETS)}")
+    p.add_argument(
+        "--only", default=",".join(DEFAULT_KEYS), help=f"comma list of {sorted(TARGETS)}"
+    )
     p.add_argument("--m", default=",".join(map(str, M_VALUES)), help="comma list of M values")
     p.add_argument("--calls", type=int, default=20, help="calls per CUDA graph")
     p.add_argument("--replays", type=int, default=30)
@@ -404,25 +587,35 @@ def main() -> None:
     def log(text: str) -> None:
         print(f"[{time.time() - t0:6.1f} s] {text}", file=sys.stderr, flush=True)
 
-    lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
-             f"{triton.__version__}  (graph of {a.calls} calls, median of {a.replays} replays, "
-             "us per call)", ""]
+    lines = [
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  triton "
+        f"{triton.__version__}  (graph of {a.calls} calls, median of {a.replays} replays, "
+        "us per call)",
+        "",
+    ]
     for key in keys:
         target = TARGETS[key]
         lines += [f"## {key}: `{target.module}.{target.meta_fn}`", ""]
-        head = ["case", "M", "compile us", "default us (before / after)", "default meta",
-                "best exact candidate", "us", "best / default"]
+        head = [
+            "case",
+            "M",
+            "compile us",
+            "default us (before / after)",
+            "default meta",
+            "best exact candidate",
+            "us",
+            "best / default",
+        ]
         if target.bits_may_differ:
             head.append("fastest with other bits (X2)")
         lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         matrices: list[str] = []
         for name in target.cases:
             log(f"{key}: {name}")
-            out = _sweep_case(target, name, m_values, a.calls, a.replays,
-                              not a.no_compile, log)
+            out = _sweep_case(target, name, m_values, a.calls, a.replays, not a.no_compile, log)
             split = out.index("")
             lines += out[:split]
-            matrices += out[split + 1:]
+            matrices += out[split + 1 :]
         lines += [""] + matrices
     lines.append(f"(total {time.time() - t0:.0f} s)")
     text = "\n".join(lines)

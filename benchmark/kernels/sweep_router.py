@@ -72,8 +72,7 @@ GEMV_SHAPES: dict[str, dict[str, int]] = {
 
 
 @contextmanager
-def patched(meta: _RouteMeta | None = None,
-            gemv: dict[str, int] | None = None) -> Iterator[None]:
+def patched(meta: _RouteMeta | None = None, gemv: dict[str, int] | None = None) -> Iterator[None]:
     """`moe_route._route_meta` returning `meta` for every M (None: the default) and/or other GEMV
     module constants (`GEMV_SHAPES`), restored on exit."""
     old_meta = moe_route._route_meta
@@ -102,9 +101,13 @@ def run_with_logits(inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor,
 
 def same_outputs(want: tuple[torch.Tensor, ...], got: tuple[torch.Tensor, ...]) -> bool:
     """Bit equality (NaN equal to NaN)."""
-    return all(torch.equal(a.view(torch.int32) if a.is_floating_point() else a,
-                           b.view(torch.int32) if b.is_floating_point() else b)
-               for a, b in zip(want, got))  # fmt: skip
+    return all(
+        torch.equal(
+            a.view(torch.int32) if a.is_floating_point() else a,
+            b.view(torch.int32) if b.is_floating_point() else b,
+        )
+        for a, b in zip(want, got)
+    )
 
 
 def verify_candidates(inputs: dict[str, Any], names: list[str]) -> list[str]:
@@ -118,8 +121,9 @@ def verify_candidates(inputs: dict[str, Any], names: list[str]) -> list[str]:
     return bad
 
 
-def logits_invariant(make_inputs: Callable[[int, str], dict[str, Any]], m_values: tuple[int, ...],
-                     device: str) -> bool:  # fmt: skip
+def logits_invariant(
+    make_inputs: Callable[[int, str], dict[str, Any]], m_values: tuple[int, ...], device: str
+) -> bool:
     """Rows x[:M] routed at each M have the logits (and ids, weights) of the same rows routed at
     the largest M, bit for bit."""
     big = make_inputs(max(m_values), device)
@@ -129,9 +133,10 @@ def logits_invariant(make_inputs: Callable[[int, str], dict[str, Any]], m_values
         sub_ids, sub_weights, sub_logits = run_with_logits(sub)
         n_valid = int(big["n_valid"])  # rows past n_valid are padding in `big` only
         keep = min(m, n_valid)
-        if not (same_outputs((logits[:m],), (sub_logits,))
-                and same_outputs((ids[:keep], weights[:keep]), (sub_ids[:keep],
-                                                                 sub_weights[:keep]))):
+        if not (
+            same_outputs((logits[:m],), (sub_logits,))
+            and same_outputs((ids[:keep], weights[:keep]), (sub_ids[:keep], sub_weights[:keep]))
+        ):
             return False
     return True
 
@@ -147,8 +152,11 @@ def main() -> None:
     p.add_argument("--calls-per-graph", type=int, default=20)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--no-compile", action="store_true", help="skip torch.compile of the reference")
-    p.add_argument("--gemv-only", action="store_true",
-                   help="skip the launch-shape candidates (time the default shape only)")
+    p.add_argument(
+        "--gemv-only",
+        action="store_true",
+        help="skip the launch-shape candidates (time the default shape only)",
+    )
     args = p.parse_args()
     assert torch.cuda.is_available(), "sweep_router.py needs a GPU"
     m_values = tuple(int(v) for v in args.m.split(","))
@@ -188,31 +196,57 @@ def main() -> None:
 
     head = "| | " + " | ".join(f"M={m}" for m in m_values) + " |"
     rule = "|---" * (len(m_values) + 1) + "|"
-    lines = [f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
-             f"default GEMV chains {moe_route._GEMV_CHAINS}; us per call (CUDA graph, median of "
-             f"{args.replays} replays of {args.calls_per_graph} calls)", "",
-             "## Launch shape (`_route_meta`, no numerics change)", "", head, rule]  # fmt: skip
+    lines = [
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  "
+        f"default GEMV chains {moe_route._GEMV_CHAINS}; us per call (CUDA graph, median of "
+        f"{args.replays} replays of {args.calls_per_graph} calls)",
+        "",
+        "## Launch shape (`_route_meta`, no numerics change)",
+        "",
+        head,
+        rule,
+    ]
     rows = names + ([] if args.no_compile else ["torch.compile(ref)"])
     for name in rows:
         label = f"{name} {tuple(CANDIDATES[name])}" if name in CANDIDATES else name
-        lines.append(f"| {label} | " + " | ".join(
-            f"{us[name, m]:.1f}" if (name, m) in us else "-" for m in m_values) + " |")
+        lines.append(
+            f"| {label} | "
+            + " | ".join(f"{us[name, m]:.1f}" if (name, m) in us else "-" for m in m_values)
+            + " |"
+        )
     best = {m: min((n for n in names if (n, m) in us), key=lambda n: us[n, m]) for m in m_values}
-    lines.append("| **best** | " + " | ".join(f"{best[m]} {us[best[m], m]:.1f}"
-                                              for m in m_values) + " |")  # fmt: skip
+    lines.append(
+        "| **best** | " + " | ".join(f"{best[m]} {us[best[m], m]:.1f}" for m in m_values) + " |"
+    )
     if not args.no_compile:
-        lines.append("| best / compile | " + " | ".join(
-            f"{us[best[m], m] / us['torch.compile(ref)', m]:.2f}" for m in m_values) + " |")
+        lines.append(
+            "| best / compile | "
+            + " | ".join(f"{us[best[m], m] / us['torch.compile(ref)', m]:.2f}" for m in m_values)
+            + " |"
+        )
     defaults = ", ".join(f"M={m}: {tuple(moe_route._route_meta(m))}" for m in m_values)
-    lines += ["", f"default = {defaults}", *notes, "",
-              "## GEMV shapes (may change the logits' rounding: pick ONE for all M), default "
-              "launch shape", "", head + " sum |", rule + "---|"]  # fmt: skip
+    lines += [
+        "",
+        f"default = {defaults}",
+        *notes,
+        "",
+        "## GEMV shapes (may change the logits' rounding: pick ONE for all M), default "
+        "launch shape",
+        "",
+        head + " sum |",
+        rule + "---|",
+    ]
     for shape in GEMV_SHAPES:
         vals = [chain_us.get((shape, m), float("nan")) for m in m_values]
-        lines.append(f"| {shape} | " + " | ".join(f"{v:.1f}" for v in vals)
-                     + f" | {sum(vals):.1f} |")  # fmt: skip
-    lines += ["", *(chain_notes or ["every GEMV shape: logits independent of M (checked)"]),
-              "", f"(total {time.time() - t0:.0f} s)"]
+        lines.append(
+            f"| {shape} | " + " | ".join(f"{v:.1f}" for v in vals) + f" | {sum(vals):.1f} |"
+        )
+    lines += [
+        "",
+        *(chain_notes or ["every GEMV shape: logits independent of M (checked)"]),
+        "",
+        f"(total {time.time() - t0:.0f} s)",
+    ]
     text = "\n".join(lines)
     print(text)
     if args.out:

@@ -24,21 +24,30 @@ READY_MARKER = "The server is ready."
 
 def curl_example(base_url: str, args: ServerArgs) -> str:
     """A chat request against `base_url` that can be pasted into a shell."""
-    body = {"model": args.served_model_name,
-            "messages": [{"role": "user", "content": "Hello!"}], "max_tokens": 32}
+    body = {
+        "model": args.served_model_name,
+        "messages": [{"role": "user", "content": "Hello!"}],
+        "max_tokens": 32,
+    }
     parts = ["curl", f"{base_url}/v1/chat/completions", "-H", "Content-Type: application/json"]
     if args.api_key is not None:
         parts = parts[:2] + ["-H", "Authorization: Bearer $SGL_DSPARK_API_KEY"] + parts[2:]
     line = " ".join(shlex.quote(p) for p in parts)
     # Double quotes around the auth header so the shell expands the variable.
-    line = line.replace("'Authorization: Bearer $SGL_DSPARK_API_KEY'",
-                        '"Authorization: Bearer $SGL_DSPARK_API_KEY"')
+    line = line.replace(
+        "'Authorization: Bearer $SGL_DSPARK_API_KEY'", '"Authorization: Bearer $SGL_DSPARK_API_KEY"'
+    )
     return f"{line} -d {shlex.quote(json.dumps(body))}"
 
 
 def ready_message(base_url: str, args: ServerArgs) -> str:
-    lines = [f"{READY_MARKER} Serving {args.served_model_name!r} at {base_url}", "Try:", "",
-             "  " + curl_example(base_url, args), ""]
+    lines = [
+        f"{READY_MARKER} Serving {args.served_model_name!r} at {base_url}",
+        "Try:",
+        "",
+        "  " + curl_example(base_url, args),
+        "",
+    ]
     if args.api_key is not None:
         lines.insert(2, "(first: export SGL_DSPARK_API_KEY=<the --api-key value>)")
     return "\n".join(lines)
@@ -46,10 +55,12 @@ def ready_message(base_url: str, args: ServerArgs) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = ServerArgs.from_cli_args(argv)
-    logging.basicConfig(level=args.log_level.upper(),
-                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s")
-    shown = {k: ("<redacted>" if k == "api_key" and v is not None else v)
-             for k, v in vars(args).items()}
+    logging.basicConfig(
+        level=args.log_level.upper(), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s"
+    )
+    shown = {
+        k: ("<redacted>" if k == "api_key" and v is not None else v) for k, v in vars(args).items()
+    }
     logger.info("server args: %s", shown)
 
     from sgl_dspark.srt.entrypoints.http_server import run_server

@@ -10,8 +10,13 @@ def require(cond: bool, message: str) -> None:
         raise ValueError(message)
 
 
-def check_tensor(name: str, t: torch.Tensor, shape: tuple[int, ...],
-                 dtypes: tuple[torch.dtype, ...], device: torch.device) -> None:
+def check_tensor(
+    name: str,
+    t: torch.Tensor,
+    shape: tuple[int, ...],
+    dtypes: tuple[torch.dtype, ...],
+    device: torch.device,
+) -> None:
     """Exact shape, one of `dtypes`, contiguous, on `device`; the message names the argument."""
     require(tuple(t.shape) == shape, f"{name}: expected shape {shape}, got {tuple(t.shape)}")
     require(t.dtype in dtypes, f"{name}: expected dtype in {dtypes}, got {t.dtype}")
@@ -23,10 +28,18 @@ _COMPRESSOR_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_compressor_args(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
 ) -> tuple[int, int]:
     """Layout checks of the compressor launchers (`compressor_pool`, `compressor_decode`,
     `compressor_extend`); returns (T, Dh)."""
@@ -35,27 +48,42 @@ def check_compressor_args(
     tokens, width = kv.shape
     head_dim = norm_weight.shape[0] if norm_weight.dim() == 1 else -1
     if head_dim < 1 or width != (2 * head_dim if overlap else head_dim):
-        raise ValueError(f"kv width {width} must be {'2*' if overlap else ''}Dh with Dh = "
-                         f"norm_weight's length, got norm_weight {tuple(norm_weight.shape)}")
+        raise ValueError(
+            f"kv width {width} must be {'2*' if overlap else ''}Dh with Dh = "
+            f"norm_weight's length, got norm_weight {tuple(norm_weight.shape)}"
+        )
     if score.shape != kv.shape or score.dtype != kv.dtype:
-        raise ValueError(f"score must match kv ({kv.dtype} {tuple(kv.shape)}), got "
-                         f"{score.dtype} {tuple(score.shape)}")
+        raise ValueError(
+            f"score must match kv ({kv.dtype} {tuple(kv.shape)}), got "
+            f"{score.dtype} {tuple(score.shape)}"
+        )
     for name, t in (("state_kv", state_kv), ("state_score", state_score)):
         if t.dim() != 3 or t.shape[2] != width or t.dtype != kv.dtype or t.stride(2) != 1:
-            raise ValueError(f"{name} must be [req_slots, R, {width}] {kv.dtype} with unit "
-                             f"channel stride, got {t.dtype} {tuple(t.shape)} {t.stride()}")
+            raise ValueError(
+                f"{name} must be [req_slots, R, {width}] {kv.dtype} with unit "
+                f"channel stride, got {t.dtype} {tuple(t.shape)} {t.stride()}"
+            )
     if state_score.shape != state_kv.shape:
-        raise ValueError(f"state_score {tuple(state_score.shape)} != state_kv "
-                         f"{tuple(state_kv.shape)}")
-    if position_bias.shape != (ratio, width) or position_bias.dtype not in (torch.float32,
-                                                                            kv.dtype):
-        raise ValueError(f"position_bias must be [{ratio}, {width}] fp32 or {kv.dtype}, got "
-                         f"{position_bias.dtype} {tuple(position_bias.shape)}")
-    for name, t in (("positions", positions), ("token_slot", token_slot),
-                    ("token_prefix", token_prefix)):
+        raise ValueError(
+            f"state_score {tuple(state_score.shape)} != state_kv {tuple(state_kv.shape)}"
+        )
+    if position_bias.shape != (ratio, width) or position_bias.dtype not in (
+        torch.float32,
+        kv.dtype,
+    ):
+        raise ValueError(
+            f"position_bias must be [{ratio}, {width}] fp32 or {kv.dtype}, got "
+            f"{position_bias.dtype} {tuple(position_bias.shape)}"
+        )
+    for name, t in (
+        ("positions", positions),
+        ("token_slot", token_slot),
+        ("token_prefix", token_prefix),
+    ):
         if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be contiguous int64 [{tokens}], got {t.dtype} {tuple(t.shape)}"
+            )
     if req_to_token.dim() != 2 or req_to_token.dtype != torch.int64:
         raise ValueError(f"req_to_token must be int64 [slots, max_ctx], got {req_to_token.dtype}")
     if ratio < 1:

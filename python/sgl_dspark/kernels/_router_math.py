@@ -34,13 +34,33 @@ def scores(logits, SCORING: tl.constexpr, BRANCHLESS_SQRT: tl.constexpr):
 
 @triton.jit
 def hash_route_rows(
-    row0, row_end, n_valid, logits_ptr, partials_ptr, input_ids_ptr, tid2eid_ptr, ids_ptr,
-    weights_ptr, num_rows, num_experts, num_tokens, stride_tid, routed_scale, shared_weight,
-    fill_id, shared_id_base,
-    FROM_LOGITS: tl.constexpr, SCORING: tl.constexpr, RENORMALIZE: tl.constexpr,
-    TOPK: tl.constexpr, NUM_SHARED: tl.constexpr, NUM_SPLITS: tl.constexpr, ROWS: tl.constexpr,
-    BLOCK_OUT: tl.constexpr, BRANCHLESS_SQRT: tl.constexpr,
-):  # fmt: skip
+    row0,
+    row_end,
+    n_valid,
+    logits_ptr,
+    partials_ptr,
+    input_ids_ptr,
+    tid2eid_ptr,
+    ids_ptr,
+    weights_ptr,
+    num_rows,
+    num_experts,
+    num_tokens,
+    stride_tid,
+    routed_scale,
+    shared_weight,
+    fill_id,
+    shared_id_base,
+    FROM_LOGITS: tl.constexpr,
+    SCORING: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    TOPK: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    BRANCHLESS_SQRT: tl.constexpr,
+):
     """Hash routing of rows [row0, row_end): ids = tid2eid[input_ids], weights the scores of
     those TOPK experts only, gathered from the logits (or the split partials, summed in order
     s = 0..S-1 as the full path does), so a row costs three dependent loads and no reductions
@@ -62,8 +82,9 @@ def hash_route_rows(
         else:
             logits = tl.load(partials_ptr + offs, mask=ok, other=0.0)
             for s in tl.static_range(1, NUM_SPLITS):
-                logits += tl.load(partials_ptr + s * num_rows * num_experts + offs, mask=ok,
-                                  other=0.0)  # fmt: skip
+                logits += tl.load(
+                    partials_ptr + s * num_rows * num_experts + offs, mask=ok, other=0.0
+                )
         w = scores(logits, SCORING, BRANCHLESS_SQRT)
         w = tl.where(ok & (w == w), w, 0.0)  # NaN score -> weight 0
         if RENORMALIZE:

@@ -34,8 +34,9 @@ def _device_has_pdl(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-def set_programmatic_launch(allowed: bool, only: set[str] | None = None,
-                            max_graph_batch: int | None = None) -> None:
+def set_programmatic_launch(
+    allowed: bool, only: set[str] | None = None, max_graph_batch: int | None = None
+) -> None:
     """Allow (the default) or forbid programmatic dependent launch, process-wide. It changes no
     result bit, only when a kernel's launch may start. `only` limits it to the kernels of these
     names (a bisection aid); `max_graph_batch` to graphs captured for at most that many requests
@@ -73,10 +74,15 @@ def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
     `wait_for_producers` before its first load of data another kernel wrote and before its first
     store."""
     only = _ProgrammaticLaunchSwitch.only
-    pdl = (_ProgrammaticLaunchSwitch.allowed and not interpreted(kernel) and device.type == "cuda"
-           and (only is None or getattr(kernel, "__name__", None) in only)
-           and _device_has_pdl(device.index if device.index is not None
-                               else torch.cuda.current_device()))  # fmt: skip
+    pdl = (
+        _ProgrammaticLaunchSwitch.allowed
+        and not interpreted(kernel)
+        and device.type == "cuda"
+        and (only is None or getattr(kernel, "__name__", None) in only)
+        and _device_has_pdl(
+            device.index if device.index is not None else torch.cuda.current_device()
+        )
+    )
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
@@ -94,8 +100,14 @@ def wait_for_producers(PDL: tl.constexpr):
 @triton.jit
 def _prefetch_l2(ptrs):
     # A hint with no result and no ordering, so no later load changes.
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // dummy $0", "=r,l", [ptrs],
-                              dtype=tl.int32, is_pure=False, pack=1)
+    tl.inline_asm_elementwise(
+        "prefetch.global.L2 [$1]; // dummy $0",
+        "=r,l",
+        [ptrs],
+        dtype=tl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @triton.jit

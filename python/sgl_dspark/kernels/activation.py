@@ -85,8 +85,16 @@ def silu_mul_clamp_ref(
 
 
 @triton.jit
-def _clamped_swiglu(row_ptr, cols, inter, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr,
-                    ON_BITS: tl.constexpr, EVEN: tl.constexpr):
+def _clamped_swiglu(
+    row_ptr,
+    cols,
+    inter,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    EVEN: tl.constexpr,
+):
     if EVEN:  # the programs tile the row exactly: unpredicated (vectorised) loads
         gate = tl.load(row_ptr + cols).to(tl.float32)
         up = tl.load(row_ptr + inter + cols).to(tl.float32)
@@ -98,8 +106,9 @@ def _clamped_swiglu(row_ptr, cols, inter, limit, HAS_LIMIT: tl.constexpr, ROUND_
 
 
 @triton.jit
-def clamped_swiglu_values(gate, up, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr,
-                          ON_BITS: tl.constexpr):
+def clamped_swiglu_values(
+    gate, up, limit, HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr
+):
     """K6 on fp32 gate / up values of any shape (the one definition of its ops and their order;
     kernels that fuse K6 into a GEMM call it to keep K6's bits). ROUND_BF16: the nearest-even
     bf16 value, kept in fp32 (on the bits when ON_BITS, i.e. interpreted)."""
@@ -134,11 +143,22 @@ def _to_fp8(y, scale):
 
 @triton.jit
 def _silu_mul_clamp_kernel(
-    in_ptr, out_ptr, scale_ptr, inter, stride_in, limit,
-    HAS_LIMIT: tl.constexpr, ROUND_BF16: tl.constexpr, OUT_MODE: tl.constexpr,
-    UE8M0: tl.constexpr, BLOCK: tl.constexpr, GROUP: tl.constexpr, ON_BITS: tl.constexpr,
-    EVEN: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    in_ptr,
+    out_ptr,
+    scale_ptr,
+    inter,
+    stride_in,
+    limit,
+    HAS_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    OUT_MODE: tl.constexpr,
+    UE8M0: tl.constexpr,
+    BLOCK: tl.constexpr,
+    GROUP: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    EVEN: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_for_producers(PDL)  # gate_up comes from the previous kernel; out may still be read
     row = tl.program_id(0).to(tl.int64)
     row_in = in_ptr + row * stride_in
@@ -148,8 +168,8 @@ def _silu_mul_clamp_kernel(
         amax = tl.zeros([BLOCK], dtype=tl.float32)
         for c0 in range(0, inter, BLOCK):
             y = _clamped_swiglu(
-                row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16, ON_BITS,
-                EVEN)
+                row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16, ON_BITS, EVEN
+            )
             amax = tl.maximum(amax, tl.abs(y))
         scale = _fp8_scale(tl.max(amax, axis=0), UE8M0)
         for c0 in range(0, inter, BLOCK):
@@ -161,8 +181,16 @@ def _silu_mul_clamp_kernel(
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         # Plain bf16 output: the store's own cast rounds (compiled); the fp8 epilogues read the
         # rounded values.
-        y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT,
-                            ROUND_BF16 and (OUT_MODE != 0 or ON_BITS), ON_BITS, EVEN)
+        y = _clamped_swiglu(
+            row_in,
+            cols,
+            inter,
+            limit,
+            HAS_LIMIT,
+            ROUND_BF16 and (OUT_MODE != 0 or ON_BITS),
+            ON_BITS,
+            EVEN,
+        )
         if OUT_MODE == 0:
             if EVEN:
                 tl.store(row_out + cols, y.to(out_ptr.dtype.element_ty))
@@ -187,8 +215,10 @@ def _act_meta(rows: int, inter: int, mode: int) -> dict[str, int]:
     (1.39 against 1.52 us at M = 1); the fp8 modes keep the whole-row default."""
     if mode == 0:
         return {"BLOCK": _FP8_GROUP, "num_warps": 4}
-    return {"BLOCK": min(_MAX_BLOCK, max(_FP8_GROUP, triton.next_power_of_2(inter))),
-            "num_warps": 4}
+    return {
+        "BLOCK": min(_MAX_BLOCK, max(_FP8_GROUP, triton.next_power_of_2(inter))),
+        "num_warps": 4,
+    }
 
 
 def silu_mul_clamp(

@@ -12,10 +12,21 @@ from sgl_dspark.kernels.compressor_pool import launch_fused
 
 
 def compressor_decode_ref(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
     entries: torch.Tensor,
 ) -> None:
     """Reference of the whole decode/verify step of a compressor, in place: the entries of the
@@ -26,9 +37,21 @@ def compressor_decode_ref(
     from sgl_dspark.kernels.compressor_pool import compressor_pool_ref
     from sgl_dspark.kernels.rope import rope_tail_ref
 
-    pooled, slots = compressor_pool_ref(kv, score, state_kv, state_score, position_bias,
-                                        norm_weight, positions, token_slot, token_prefix,
-                                        req_to_token, ratio, overlap, eps)
+    pooled, slots = compressor_pool_ref(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        eps,
+    )
     rotated = rope_tail_ref(pooled.unsqueeze(1), cos, sin).squeeze(1)
     ends = (positions + 1) % ratio == 0
     entries[slots[ends]] = rotated[ends].to(entries.dtype)
@@ -38,11 +61,24 @@ def compressor_decode_ref(
 
 
 def compressor_decode(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor, *, counters: torch.Tensor | None = None,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
+    *,
+    counters: torch.Tensor | None = None,
 ) -> None:
     """`compressor_decode_ref` in one launch (pooling, RoPE, entry store and ring store fused).
 
@@ -56,35 +92,107 @@ def compressor_decode(
     Exactness: the entry as `compressor_pool` (X2) followed by
     `kernels/rope.py` (bit for bit); the ring rows are copies.
     """
-    check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
-                     token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)
-    launch_fused(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
-                 token_slot, token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries,
-                 rows=None, ring_store=True, pool=True, counters=counters)
+    check_fused_args(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        cos,
+        sin,
+        entries,
+    )
+    launch_fused(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        eps,
+        cos,
+        sin,
+        entries,
+        rows=None,
+        ring_store=True,
+        pool=True,
+        counters=counters,
+    )
 
 
 def check_fused_args(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, cos: torch.Tensor, sin: torch.Tensor, entries: torch.Tensor,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
 ) -> None:
     """`check_compressor_args` plus the entry pool and the rope tables of the fused launchers
     (decode, `compressor_extend.py`)."""
-    tokens, head_dim = check_compressor_args(kv, score, state_kv, state_score, position_bias,
-                                             norm_weight, positions, token_slot, token_prefix,
-                                             req_to_token, ratio, overlap)
-    if (entries.dim() != 2 or entries.shape[1] != head_dim or entries.dtype != kv.dtype
-            or entries.stride(1) != 1):
-        raise ValueError(f"entries must be [slots, {head_dim}] {kv.dtype} with unit channel "
-                         f"stride, got {entries.dtype} {tuple(entries.shape)}")
-    if (cos.shape != sin.shape or cos.dim() != 2 or cos.shape[0] != tokens
-            or cos.dtype != torch.float32 or sin.dtype != torch.float32
-            or not 1 <= 2 * cos.shape[1] <= head_dim or head_dim % 2
-            or cos.stride(1) != 1 or sin.stride(1) != 1 or cos.stride(0) != sin.stride(0)):
-        raise ValueError(f"cos/sin must be fp32 [{tokens}, rd/2] with 2 <= rd <= Dh={head_dim} "
-                         f"(Dh even), unit stride along rd/2 and one row stride; got "
-                         f"{cos.dtype} {tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}")
+    tokens, head_dim = check_compressor_args(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+    )
+    if (
+        entries.dim() != 2
+        or entries.shape[1] != head_dim
+        or entries.dtype != kv.dtype
+        or entries.stride(1) != 1
+    ):
+        raise ValueError(
+            f"entries must be [slots, {head_dim}] {kv.dtype} with unit channel "
+            f"stride, got {entries.dtype} {tuple(entries.shape)}"
+        )
+    if (
+        cos.shape != sin.shape
+        or cos.dim() != 2
+        or cos.shape[0] != tokens
+        or cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+        or not 1 <= 2 * cos.shape[1] <= head_dim
+        or head_dim % 2
+        or cos.stride(1) != 1
+        or sin.stride(1) != 1
+        or cos.stride(0) != sin.stride(0)
+    ):
+        raise ValueError(
+            f"cos/sin must be fp32 [{tokens}, rd/2] with 2 <= rd <= Dh={head_dim} "
+            f"(Dh even), unit stride along rd/2 and one row stride; got "
+            f"{cos.dtype} {tuple(cos.shape)} / {sin.dtype} {tuple(sin.shape)}"
+        )
     span = 2 * ratio if overlap else ratio
     if state_kv.shape[1] < span + 1:
         raise ValueError(f"state ring of {state_kv.shape[1]} rows is too short for span {span}")

@@ -20,11 +20,24 @@ from sgl_dspark.kernels.compressor_pool import compressor_pool_ref, launch_fused
 
 
 def compressor_extend_ref(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor, block_end_rows: torch.Tensor, ring_rows: torch.Tensor,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
+    block_end_rows: torch.Tensor,
+    ring_rows: torch.Tensor,
 ) -> None:
     """Reference, in place: the entries of `block_end_rows` (`compressor_pool_ref`, then rope at
     the block start with cos / sin rows `[T, rd/2]`) go into the entry pool `entries`; then the
@@ -34,9 +47,21 @@ def compressor_extend_ref(
     a prefill graph's) are skipped."""
     from sgl_dspark.kernels.rope import rope_tail_ref
 
-    pooled, slots = compressor_pool_ref(kv, score, state_kv, state_score, position_bias,
-                                        norm_weight, positions, token_slot, token_prefix,
-                                        req_to_token, ratio, overlap, eps)
+    pooled, slots = compressor_pool_ref(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        eps,
+    )
     ends = block_end_rows[block_end_rows >= 0]
     ring_rows = ring_rows[ring_rows >= 0]
     rotated = rope_tail_ref(pooled[ends].unsqueeze(1), cos[ends], sin[ends]).squeeze(1)
@@ -47,11 +72,25 @@ def compressor_extend_ref(
 
 
 def compressor_extend(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor, block_end_rows: torch.Tensor, ring_rows: torch.Tensor, *,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
+    block_end_rows: torch.Tensor,
+    ring_rows: torch.Tensor,
+    *,
     counters: torch.Tensor | None = None,
 ) -> None:
     """`compressor_extend_ref` in two launches (pool + rope + entry store over the block-end rows,
@@ -59,14 +98,51 @@ def compressor_extend(
     contiguous int64 `[n]` on kv's device, block-end rows must end a block ((pos + 1) % m == 0;
     others are skipped), -1 entries are skipped; `counters` as `compressor_decode`'s. Exactness:
     entries X2 against the reference (as `compressor_decode`), ring rows copied."""
-    check_fused_args(kv, score, state_kv, state_score, position_bias, norm_weight, positions,
-                     token_slot, token_prefix, req_to_token, ratio, overlap, cos, sin, entries)
+    check_fused_args(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        cos,
+        sin,
+        entries,
+    )
     for name, rows in (("block_end_rows", block_end_rows), ("ring_rows", ring_rows)):
-        if rows.dim() != 1 or rows.dtype != torch.int64 or not rows.is_contiguous() or (
-                rows.device != kv.device):
-            raise ValueError(f"{name} must be contiguous int64 [n] on {kv.device}, got "
-                             f"{rows.dtype} {tuple(rows.shape)} on {rows.device}")
-    args = (kv, score, state_kv, state_score, position_bias, norm_weight, positions, token_slot,
-            token_prefix, req_to_token, ratio, overlap, eps, cos, sin, entries)
+        if (
+            rows.dim() != 1
+            or rows.dtype != torch.int64
+            or not rows.is_contiguous()
+            or (rows.device != kv.device)
+        ):
+            raise ValueError(
+                f"{name} must be contiguous int64 [n] on {kv.device}, got "
+                f"{rows.dtype} {tuple(rows.shape)} on {rows.device}"
+            )
+    args = (
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        eps,
+        cos,
+        sin,
+        entries,
+    )
     launch_fused(*args, rows=block_end_rows, ring_store=False, pool=True, counters=counters)
     launch_fused(*args, rows=ring_rows, ring_store=True, pool=False, counters=None)

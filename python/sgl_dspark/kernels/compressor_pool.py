@@ -51,8 +51,12 @@ def _pool_meta(head_dim: int, span: int) -> dict[str, int]:
     single pass) and warps."""
     block_d, span_p2 = triton.next_power_of_2(head_dim), triton.next_power_of_2(span)
     block_c = min(block_d, max(_MIN_CHANNELS, _PROGRAM_ELEMS // span_p2))
-    return {"BLOCK_D": block_d, "BLOCK_C": block_c,
-            "SPAN_BLOCK": min(span_p2, _TILE_ELEMS // block_c), "num_warps": 4}
+    return {
+        "BLOCK_D": block_d,
+        "BLOCK_C": block_c,
+        "SPAN_BLOCK": min(span_p2, _TILE_ELEMS // block_c),
+        "num_warps": 4,
+    }
 
 
 def _channel_blocks(meta: dict[str, int], head_dim: int) -> int:
@@ -62,7 +66,7 @@ def _channel_blocks(meta: dict[str, int], head_dim: int) -> int:
 
 class PooledEntries(NamedTuple):
     entries: torch.Tensor  # [T, Dh] kv dtype, un-rotated; zeros on rows that end no block
-    slots: torch.Tensor    # [T] int64 entry slot; 0 (the dummy entry) on rows that end no block
+    slots: torch.Tensor  # [T] int64 entry slot; 0 (the dummy entry) on rows that end no block
 
 
 def compressor_pool_ref(
@@ -99,7 +103,7 @@ def compressor_pool_ref(
     rows = torch.arange(pos.shape[0], device=pos.device)
     span = 2 * m if overlap else m
     rel = torch.arange(span, device=pos.device) - (span - 1)
-    q = pos[:, None] + rel[None, :]                                     # absolute row positions
+    q = pos[:, None] + rel[None, :]  # absolute row positions
     fresh = (q >= token_prefix[:, None]).unsqueeze(-1)
     flat = (rows[:, None] + rel[None, :]).clamp(min=0)
     slot = token_slot[:, None]
@@ -110,7 +114,7 @@ def compressor_pool_ref(
     if overlap:
         kv_rows = torch.cat((kv_rows[:, :m, :d], kv_rows[:, m:, d:]), dim=1)
         sc_rows = torch.cat((sc_rows[:, :m, :d], sc_rows[:, m:, d:]), dim=1)
-        absent = (q < 0).unsqueeze(-1)                      # block 0 has no previous block
+        absent = (q < 0).unsqueeze(-1)  # block 0 has no previous block
         kv_rows = kv_rows.masked_fill(absent, 0.0)
         sc_rows = sc_rows.masked_fill(absent, float("-inf"))
     weights = torch.softmax(sc_rows, dim=1, dtype=torch.float32).to(kv_rows.dtype)
@@ -121,15 +125,32 @@ def compressor_pool_ref(
     start = pos - (m - 1)
     slots = req_to_token[token_slot, start.clamp(min=0)] // m
     is_end = (pos + 1) % m == 0
-    return PooledEntries(torch.where(is_end[:, None], entries, torch.zeros_like(entries)),
-                         torch.where(is_end, slots, torch.zeros_like(slots)))
+    return PooledEntries(
+        torch.where(is_end[:, None], entries, torch.zeros_like(entries)),
+        torch.where(is_end, slots, torch.zeros_like(slots)),
+    )
 
 
 @triton.jit
 def _span_tile(
-    j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-    new_ptr, new_stride, state_ptr, state_stride_r, state_stride_q,
-    SPAN: tl.constexpr, OVERLAP: tl.constexpr, SPAN_BLOCK: tl.constexpr,
+    j0,
+    row,
+    pos,
+    prefix,
+    req,
+    ratio,
+    ring,
+    cols,
+    in_col,
+    head_dim,
+    new_ptr,
+    new_stride,
+    state_ptr,
+    state_stride_r,
+    state_stride_q,
+    SPAN: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    SPAN_BLOCK: tl.constexpr,
 ):
     """Span slots j0 .. j0 + SPAN_BLOCK - 1 as an fp32 tile [SPAN_BLOCK, BLOCK_D] (this forward's
     rows or ring rows; 0 where a slot is absent) plus the per-slot positions and presence."""
@@ -137,38 +158,81 @@ def _span_tile(
     q = pos - (SPAN - 1) + j
     present = j < SPAN
     if OVERLAP:
-        offset = (j >= ratio).to(tl.int64) * head_dim      # Ca for slots < m, Cb after
-        present = present & (q >= 0)                       # block 0 has no previous block
+        offset = (j >= ratio).to(tl.int64) * head_dim  # Ca for slots < m, Cb after
+        present = present & (q >= 0)  # block 0 has no previous block
     else:
         offset = j.to(tl.int64) * 0
     fresh = q >= prefix
     ring_row = q % ring
-    ring_row = tl.where(ring_row < 0, ring_row + ring, ring_row)   # floor mod on any backend
+    ring_row = tl.where(ring_row < 0, ring_row + ring, ring_row)  # floor mod on any backend
     chan = offset[:, None] + cols[None, :]
     keep = present[:, None] & in_col[None, :]
-    new_vals = tl.load(new_ptr + (row - (pos - q))[:, None] * new_stride + chan,
-                       mask=keep & fresh[:, None], other=0.0)
-    old_vals = tl.load(state_ptr + req * state_stride_r + ring_row[:, None] * state_stride_q + chan,
-                       mask=keep & (q < prefix)[:, None], other=0.0)
+    new_vals = tl.load(
+        new_ptr + (row - (pos - q))[:, None] * new_stride + chan,
+        mask=keep & fresh[:, None],
+        other=0.0,
+    )
+    old_vals = tl.load(
+        state_ptr + req * state_stride_r + ring_row[:, None] * state_stride_q + chan,
+        mask=keep & (q < prefix)[:, None],
+        other=0.0,
+    )
     vals = tl.where(fresh[:, None], new_vals, old_vals).to(tl.float32)
     return vals, q, offset, keep
 
 
 @triton.jit
 def _span_logits(
-    j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-    score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q, bias_ptr, bias_stride,
-    SPAN: tl.constexpr, OVERLAP: tl.constexpr, SPAN_BLOCK: tl.constexpr, STORAGE: tl.constexpr,
+    j0,
+    row,
+    pos,
+    prefix,
+    req,
+    ratio,
+    ring,
+    cols,
+    in_col,
+    head_dim,
+    score_ptr,
+    score_stride,
+    state_score_ptr,
+    ss_stride_r,
+    ss_stride_q,
+    bias_ptr,
+    bias_stride,
+    SPAN: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    SPAN_BLOCK: tl.constexpr,
+    STORAGE: tl.constexpr,
 ):
     """kv_dtype(score + kv_dtype(position_bias)) of span slots j0.., -inf where absent."""
     sc, q, offset, keep = _span_tile(
-        j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-        score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
-        SPAN, OVERLAP, SPAN_BLOCK)
+        j0,
+        row,
+        pos,
+        prefix,
+        req,
+        ratio,
+        ring,
+        cols,
+        in_col,
+        head_dim,
+        score_ptr,
+        score_stride,
+        state_score_ptr,
+        ss_stride_r,
+        ss_stride_q,
+        SPAN,
+        OVERLAP,
+        SPAN_BLOCK,
+    )
     bias_row = q % ratio
     bias_row = tl.where(bias_row < 0, bias_row + ratio, bias_row)
-    bias = tl.load(bias_ptr + bias_row[:, None] * bias_stride + offset[:, None] + cols[None, :],
-                   mask=keep, other=0.0)
+    bias = tl.load(
+        bias_ptr + bias_row[:, None] * bias_stride + offset[:, None] + cols[None, :],
+        mask=keep,
+        other=0.0,
+    )
     sc = _to_storage(sc + _to_storage(bias.to(tl.float32), STORAGE), STORAGE)
     return tl.where(keep, sc, float("-inf"))
 
@@ -185,8 +249,9 @@ def _rope_pairs(entry, c, s, is_rope, BLOCK_D: tl.constexpr, STORAGE: tl.constex
 
 
 @triton.jit
-def _rope_table_rows(row, cos_ptr, sin_ptr, cs_stride, head_dim,
-                     NOPE_HALF: tl.constexpr, BLOCK_D: tl.constexpr):
+def _rope_table_rows(
+    row, cos_ptr, sin_ptr, cs_stride, head_dim, NOPE_HALF: tl.constexpr, BLOCK_D: tl.constexpr
+):
     """The row's cos/sin per channel pair (1 / 0 on the NOPE_HALF pass-through pairs)."""
     pair = tl.arange(0, BLOCK_D // 2)
     k = pair - NOPE_HALF
@@ -198,15 +263,49 @@ def _rope_table_rows(row, cos_ptr, sin_ptr, cs_stride, head_dim,
 
 @triton.jit
 def _compressor_pool_kernel(
-    kv_ptr, score_ptr, state_kv_ptr, state_score_ptr, bias_ptr, norm_w_ptr,
-    pos_ptr, slot_ptr, prefix_ptr, table_ptr, out_ptr, out_slot_ptr, cos_ptr, sin_ptr,
-    rows_ptr, counters_ptr, head_dim, ratio, ring, eps,
-    kv_stride, score_stride, skv_stride_r, skv_stride_q, ss_stride_r, ss_stride_q,
-    bias_stride, table_stride, out_stride, cs_stride,
-    SPAN: tl.constexpr, OVERLAP: tl.constexpr, STORAGE: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_C: tl.constexpr, SPAN_BLOCK: tl.constexpr, FUSED: tl.constexpr,
-    NOPE_HALF: tl.constexpr, BLOCK_W: tl.constexpr, ROW_LIST: tl.constexpr,
-    RING_STORE: tl.constexpr, POOL: tl.constexpr, PDL: tl.constexpr,
+    kv_ptr,
+    score_ptr,
+    state_kv_ptr,
+    state_score_ptr,
+    bias_ptr,
+    norm_w_ptr,
+    pos_ptr,
+    slot_ptr,
+    prefix_ptr,
+    table_ptr,
+    out_ptr,
+    out_slot_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows_ptr,
+    counters_ptr,
+    head_dim,
+    ratio,
+    ring,
+    eps,
+    kv_stride,
+    score_stride,
+    skv_stride_r,
+    skv_stride_q,
+    ss_stride_r,
+    ss_stride_q,
+    bias_stride,
+    table_stride,
+    out_stride,
+    cs_stride,
+    SPAN: tl.constexpr,
+    OVERLAP: tl.constexpr,
+    STORAGE: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    SPAN_BLOCK: tl.constexpr,
+    FUSED: tl.constexpr,
+    NOPE_HALF: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    ROW_LIST: tl.constexpr,
+    RING_STORE: tl.constexpr,
+    POOL: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """FUSED false: pooled entry and slot per row into out / out_slot (compressor_pool).
     FUSED true (compressor_decode): the row's raw kv/score go to its ring row (RING_STORE), and
@@ -225,7 +324,7 @@ def _compressor_pool_kernel(
     cblock = tl.program_id(1)
     if ROW_LIST:
         row = tl.load(rows_ptr + row)
-        if row < 0:   # padding of a list with a static size (a prefill graph's)
+        if row < 0:  # padding of a list with a static size (a prefill graph's)
             return
     cols = cblock * BLOCK_C + tl.arange(0, BLOCK_C)
     in_col = cols < head_dim
@@ -245,18 +344,27 @@ def _compressor_pool_kernel(
             ring_row = tl.where(ring_row < 0, ring_row + ring, ring_row)
             kv_raw = tl.load(kv_ptr + row * kv_stride + wcols, mask=wmask)
             sc_raw = tl.load(score_ptr + row * score_stride + wcols, mask=wmask)
-            tl.store(state_kv_ptr + req * skv_stride_r + ring_row * skv_stride_q + wcols,
-                     kv_raw, mask=wmask)
-            tl.store(state_score_ptr + req * ss_stride_r + ring_row * ss_stride_q + wcols,
-                     sc_raw, mask=wmask)
+            tl.store(
+                state_kv_ptr + req * skv_stride_r + ring_row * skv_stride_q + wcols,
+                kv_raw,
+                mask=wmask,
+            )
+            tl.store(
+                state_score_ptr + req * ss_stride_r + ring_row * ss_stride_q + wcols,
+                sc_raw,
+                mask=wmask,
+            )
     if FUSED:
         if not POOL or (pos + 1) % ratio != 0:
             return
     else:
         if (pos + 1) % ratio != 0:
             # Not a block end: the dummy entry 0 gets zeros, nothing is loaded.
-            tl.store(out_ptr + row * out_stride + cols,
-                     tl.zeros((BLOCK_C,), tl.float32).to(out_ptr.dtype.element_ty), mask=in_col)
+            tl.store(
+                out_ptr + row * out_stride + cols,
+                tl.zeros((BLOCK_C,), tl.float32).to(out_ptr.dtype.element_ty),
+                mask=in_col,
+            )
             tl.store(out_slot_ptr + row, pos * 0)
             return
     # What the entry needs besides the span does not depend on it: issued with the span loads.
@@ -268,20 +376,57 @@ def _compressor_pool_kernel(
     if BLOCK_C == BLOCK_D:
         norm_w = tl.load(norm_w_ptr + cols, mask=in_col, other=0.0).to(tl.float32)
         if FUSED:
-            cos_r, sin_r, is_rope = _rope_table_rows(row, cos_ptr, sin_ptr, cs_stride, head_dim,
-                                                     NOPE_HALF, BLOCK_D)
+            cos_r, sin_r, is_rope = _rope_table_rows(
+                row, cos_ptr, sin_ptr, cs_stride, head_dim, NOPE_HALF, BLOCK_D
+            )
     # torch's softmax over the span: the weights are normalised and rounded to the kv dtype
     # before they meet kv.
     if SPAN <= SPAN_BLOCK:
         # One tile: every load in one round trip, one pass. The passes below with one tile do
         # the same arithmetic.
-        sc = _span_logits(0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-                          score_ptr, score_stride, state_score_ptr, ss_stride_r, ss_stride_q,
-                          bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK, STORAGE)
+        sc = _span_logits(
+            0,
+            row,
+            pos,
+            prefix,
+            req,
+            ratio,
+            ring,
+            cols,
+            in_col,
+            head_dim,
+            score_ptr,
+            score_stride,
+            state_score_ptr,
+            ss_stride_r,
+            ss_stride_q,
+            bias_ptr,
+            bias_stride,
+            SPAN,
+            OVERLAP,
+            SPAN_BLOCK,
+            STORAGE,
+        )
         kv, _q, _offset, _keep = _span_tile(
-            0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-            kv_ptr, kv_stride, state_kv_ptr, skv_stride_r, skv_stride_q,
-            SPAN, OVERLAP, SPAN_BLOCK)
+            0,
+            row,
+            pos,
+            prefix,
+            req,
+            ratio,
+            ring,
+            cols,
+            in_col,
+            head_dim,
+            kv_ptr,
+            kv_stride,
+            state_kv_ptr,
+            skv_stride_r,
+            skv_stride_q,
+            SPAN,
+            OVERLAP,
+            SPAN_BLOCK,
+        )
         top = tl.where(in_col, tl.max(sc, axis=0), 0.0)
         e = tl.exp(sc - top[None, :])
         denom = tl.where(in_col, tl.sum(e, axis=0), 1.0)
@@ -290,32 +435,105 @@ def _compressor_pool_kernel(
         # Three passes over the span in tiles of SPAN_BLOCK slots (max, denominator, sum).
         top = tl.full((BLOCK_C,), float("-inf"), tl.float32)
         for j0 in range(0, SPAN, SPAN_BLOCK):
-            sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-                              score_ptr, score_stride, state_score_ptr, ss_stride_r,
-                              ss_stride_q, bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK,
-                              STORAGE)
+            sc = _span_logits(
+                j0,
+                row,
+                pos,
+                prefix,
+                req,
+                ratio,
+                ring,
+                cols,
+                in_col,
+                head_dim,
+                score_ptr,
+                score_stride,
+                state_score_ptr,
+                ss_stride_r,
+                ss_stride_q,
+                bias_ptr,
+                bias_stride,
+                SPAN,
+                OVERLAP,
+                SPAN_BLOCK,
+                STORAGE,
+            )
             top = tl.maximum(top, tl.max(sc, axis=0))
         top = tl.where(in_col, top, 0.0)
         denom = tl.zeros((BLOCK_C,), tl.float32)
         for j0 in range(0, SPAN, SPAN_BLOCK):
-            sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-                              score_ptr, score_stride, state_score_ptr, ss_stride_r,
-                              ss_stride_q, bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK,
-                              STORAGE)
+            sc = _span_logits(
+                j0,
+                row,
+                pos,
+                prefix,
+                req,
+                ratio,
+                ring,
+                cols,
+                in_col,
+                head_dim,
+                score_ptr,
+                score_stride,
+                state_score_ptr,
+                ss_stride_r,
+                ss_stride_q,
+                bias_ptr,
+                bias_stride,
+                SPAN,
+                OVERLAP,
+                SPAN_BLOCK,
+                STORAGE,
+            )
             denom += tl.sum(tl.exp(sc - top[None, :]), axis=0)
         denom = tl.where(in_col, denom, 1.0)
         acc = tl.zeros((BLOCK_C,), tl.float32)
         for j0 in range(0, SPAN, SPAN_BLOCK):
-            sc = _span_logits(j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-                              score_ptr, score_stride, state_score_ptr, ss_stride_r,
-                              ss_stride_q, bias_ptr, bias_stride, SPAN, OVERLAP, SPAN_BLOCK,
-                              STORAGE)
+            sc = _span_logits(
+                j0,
+                row,
+                pos,
+                prefix,
+                req,
+                ratio,
+                ring,
+                cols,
+                in_col,
+                head_dim,
+                score_ptr,
+                score_stride,
+                state_score_ptr,
+                ss_stride_r,
+                ss_stride_q,
+                bias_ptr,
+                bias_stride,
+                SPAN,
+                OVERLAP,
+                SPAN_BLOCK,
+                STORAGE,
+            )
             weight = _to_storage(tl.exp(sc - top[None, :]) / denom[None, :], STORAGE)
             # Absent slots load kv = 0 (and have weight 0), as the reference's masked_fill.
             kv, _q, _offset, _keep = _span_tile(
-                j0, row, pos, prefix, req, ratio, ring, cols, in_col, head_dim,
-                kv_ptr, kv_stride, state_kv_ptr, skv_stride_r, skv_stride_q,
-                SPAN, OVERLAP, SPAN_BLOCK)
+                j0,
+                row,
+                pos,
+                prefix,
+                req,
+                ratio,
+                ring,
+                cols,
+                in_col,
+                head_dim,
+                kv_ptr,
+                kv_stride,
+                state_kv_ptr,
+                skv_stride_r,
+                skv_stride_q,
+                SPAN,
+                OVERLAP,
+                SPAN_BLOCK,
+            )
             acc += tl.sum(_to_storage(kv * weight, STORAGE), axis=0)
     pooled = _to_storage(acc, STORAGE)
     out_row = out_ptr + dest * out_stride
@@ -323,7 +541,7 @@ def _compressor_pool_kernel(
         # The pooled values are kv-dtype values already, so the round trip through the
         # destination row is exact and the norm below sees what one program would have.
         tl.store(out_row + cols, pooled.to(out_ptr.dtype.element_ty), mask=in_col)
-        tl.debug_barrier()   # every thread's store before the release
+        tl.debug_barrier()  # every thread's store before the release
         ticket = tl.atomic_add(counters_ptr + dest, 1, sem="acq_rel")
         per_row = tl.num_programs(1)
         if ticket % per_row != per_row - 1:
@@ -334,8 +552,9 @@ def _compressor_pool_kernel(
         pooled = tl.load(out_row + cols, mask=in_col, other=0.0).to(tl.float32)
         norm_w = tl.load(norm_w_ptr + cols, mask=in_col, other=0.0).to(tl.float32)
         if FUSED:
-            cos_r, sin_r, is_rope = _rope_table_rows(row, cos_ptr, sin_ptr, cs_stride, head_dim,
-                                                     NOPE_HALF, BLOCK_D)
+            cos_r, sin_r, is_rope = _rope_table_rows(
+                row, cos_ptr, sin_ptr, cs_stride, head_dim, NOPE_HALF, BLOCK_D
+            )
 
     mean_sq = tl.sum(pooled * pooled, axis=0) / head_dim
     rstd = 1.0 / tl.sqrt_rn(mean_sq + eps)
@@ -385,51 +604,108 @@ def compressor_pool(
         `PooledEntries(out, out_slots)`, equal to `compressor_pool_ref` within X2 tolerance
         (slots exactly).
     """
-    tokens, head_dim = check_compressor_args(kv, score, state_kv, state_score, position_bias,
-                                             norm_weight, positions, token_slot, token_prefix,
-                                             req_to_token, ratio, overlap)
+    tokens, head_dim = check_compressor_args(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+    )
     if out is None:
         out = torch.empty((tokens, head_dim), dtype=kv.dtype, device=kv.device)
     if out_slots is None:
         out_slots = torch.empty((tokens,), dtype=torch.int64, device=kv.device)
     if out.shape != (tokens, head_dim) or out.dtype != kv.dtype or out.stride(-1) != 1:
-        raise ValueError(f"out must be [{tokens}, {head_dim}] {kv.dtype} with unit channel "
-                         f"stride, got {out.dtype} {tuple(out.shape)}")
-    if out_slots.shape != (tokens,) or out_slots.dtype != torch.int64 or (
-            not out_slots.is_contiguous()):
-        raise ValueError(f"out_slots must be contiguous int64 [{tokens}], got "
-                         f"{out_slots.dtype} {tuple(out_slots.shape)}")
+        raise ValueError(
+            f"out must be [{tokens}, {head_dim}] {kv.dtype} with unit channel "
+            f"stride, got {out.dtype} {tuple(out.shape)}"
+        )
+    if (
+        out_slots.shape != (tokens,)
+        or out_slots.dtype != torch.int64
+        or (not out_slots.is_contiguous())
+    ):
+        raise ValueError(
+            f"out_slots must be contiguous int64 [{tokens}], got "
+            f"{out_slots.dtype} {tuple(out_slots.shape)}"
+        )
     if tokens == 0:
         return PooledEntries(out, out_slots)
     span = 2 * ratio if overlap else ratio
     meta = _pool_meta(head_dim, span)
     per_row = _channel_blocks(meta, head_dim)
     _compressor_pool_kernel[(tokens, per_row)](
-        kv, score, state_kv, state_score, position_bias, norm_weight,
-        positions, token_slot, token_prefix, req_to_token, out, out_slots, out, out,
-        positions, _arrival_counters(counters, tokens, per_row, positions), head_dim, ratio,
-        state_kv.shape[1], eps,
-        kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
-        state_score.stride(0), state_score.stride(1), position_bias.stride(0),
-        req_to_token.stride(0), out.stride(0), 0,
-        SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype], **meta, FUSED=False,
-        NOPE_HALF=0, BLOCK_W=1, ROW_LIST=False, RING_STORE=False, POOL=True,
-        enable_fp_fusion=False, **programmatic_launch(_compressor_pool_kernel, kv.device),
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        out,
+        out_slots,
+        out,
+        out,
+        positions,
+        _arrival_counters(counters, tokens, per_row, positions),
+        head_dim,
+        ratio,
+        state_kv.shape[1],
+        eps,
+        kv.stride(0),
+        score.stride(0),
+        state_kv.stride(0),
+        state_kv.stride(1),
+        state_score.stride(0),
+        state_score.stride(1),
+        position_bias.stride(0),
+        req_to_token.stride(0),
+        out.stride(0),
+        0,
+        SPAN=span,
+        OVERLAP=overlap,
+        STORAGE=_STORAGE_CODES[kv.dtype],
+        **meta,
+        FUSED=False,
+        NOPE_HALF=0,
+        BLOCK_W=1,
+        ROW_LIST=False,
+        RING_STORE=False,
+        POOL=True,
+        enable_fp_fusion=False,
+        **programmatic_launch(_compressor_pool_kernel, kv.device),
     )
     return PooledEntries(out, out_slots)
 
 
-def _arrival_counters(counters: torch.Tensor | None, needed: int, per_row: int,
-                      placeholder: torch.Tensor) -> torch.Tensor:
+def _arrival_counters(
+    counters: torch.Tensor | None, needed: int, per_row: int, placeholder: torch.Tensor
+) -> torch.Tensor:
     """The int32 arrival counters of a launch that splits rows over `per_row` programs (zeroed
     here, one memset, when the caller keeps none); `placeholder` when rows are not split (the
     kernel then never reads them)."""
     if counters is not None and (
-            counters.dtype != torch.int32 or counters.dim() != 1 or not counters.is_contiguous()
-            or counters.numel() < needed or counters.device != placeholder.device):
-        raise ValueError(f"counters must be contiguous int32 [>= {needed}] on "
-                         f"{placeholder.device}, got {counters.dtype} {tuple(counters.shape)} "
-                         f"on {counters.device}")
+        counters.dtype != torch.int32
+        or counters.dim() != 1
+        or not counters.is_contiguous()
+        or counters.numel() < needed
+        or counters.device != placeholder.device
+    ):
+        raise ValueError(
+            f"counters must be contiguous int32 [>= {needed}] on "
+            f"{placeholder.device}, got {counters.dtype} {tuple(counters.shape)} "
+            f"on {counters.device}"
+        )
     if per_row == 1:
         return placeholder
     if counters is None:
@@ -438,11 +714,26 @@ def _arrival_counters(counters: torch.Tensor | None, needed: int, per_row: int,
 
 
 def launch_fused(
-    kv: torch.Tensor, score: torch.Tensor, state_kv: torch.Tensor, state_score: torch.Tensor,
-    position_bias: torch.Tensor, norm_weight: torch.Tensor, positions: torch.Tensor,
-    token_slot: torch.Tensor, token_prefix: torch.Tensor, req_to_token: torch.Tensor,
-    ratio: int, overlap: bool, eps: float, cos: torch.Tensor, sin: torch.Tensor,
-    entries: torch.Tensor, *, rows: torch.Tensor | None, ring_store: bool, pool: bool,
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
+    *,
+    rows: torch.Tensor | None,
+    ring_store: bool,
+    pool: bool,
     counters: torch.Tensor | None,
 ) -> None:
     """One FUSED launch (arguments checked by `compressor_decode.check_fused_args`) over every
@@ -458,17 +749,46 @@ def launch_fused(
     meta = _pool_meta(head_dim, span)
     per_row = _channel_blocks(meta, head_dim) if pool else 1
     _compressor_pool_kernel[(programs, per_row)](
-        kv, score, state_kv, state_score, position_bias, norm_weight,
-        positions, token_slot, token_prefix, req_to_token, entries, positions, cos, sin,
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        entries,
+        positions,
+        cos,
+        sin,
         positions if rows is None else rows,
-        _arrival_counters(counters, entries.shape[0], per_row, positions), head_dim, ratio,
-        state_kv.shape[1], eps,
-        kv.stride(0), score.stride(0), state_kv.stride(0), state_kv.stride(1),
-        state_score.stride(0), state_score.stride(1), position_bias.stride(0),
-        req_to_token.stride(0), entries.stride(0), cos.stride(0),
-        SPAN=span, OVERLAP=overlap, STORAGE=_STORAGE_CODES[kv.dtype], **meta, FUSED=True,
+        _arrival_counters(counters, entries.shape[0], per_row, positions),
+        head_dim,
+        ratio,
+        state_kv.shape[1],
+        eps,
+        kv.stride(0),
+        score.stride(0),
+        state_kv.stride(0),
+        state_kv.stride(1),
+        state_score.stride(0),
+        state_score.stride(1),
+        position_bias.stride(0),
+        req_to_token.stride(0),
+        entries.stride(0),
+        cos.stride(0),
+        SPAN=span,
+        OVERLAP=overlap,
+        STORAGE=_STORAGE_CODES[kv.dtype],
+        **meta,
+        FUSED=True,
         NOPE_HALF=(head_dim - 2 * cos.shape[1]) // 2,
-        BLOCK_W=triton.next_power_of_2(kv.shape[1]), ROW_LIST=rows is not None,
-        RING_STORE=ring_store, POOL=pool, enable_fp_fusion=False,
+        BLOCK_W=triton.next_power_of_2(kv.shape[1]),
+        ROW_LIST=rows is not None,
+        RING_STORE=ring_store,
+        POOL=pool,
+        enable_fp_fusion=False,
         **programmatic_launch(_compressor_pool_kernel, kv.device),
     )

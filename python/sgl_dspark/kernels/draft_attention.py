@@ -76,14 +76,44 @@ def draft_attention_ref(
 
 @triton.jit
 def _draft_attention_kernel(
-    q_ptr, pool_ptr, slots_ptr, valid_ptr, block_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr,
-    cs_stride, num_heads, q_len, num_ctx, qk_scale, rope_dim,
-    q_stride_b, q_stride_i, q_stride_h, pool_stride,
-    slots_stride_b, slots_stride_j, valid_stride_b, valid_stride_j,
-    block_stride_b, block_stride_i, out_stride_b, out_stride_i, out_stride_h,
-    HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr, ROPE: tl.constexpr, X_KIND: tl.constexpr,
-    ON_BITS: tl.constexpr, PDL: tl.constexpr,
+    q_ptr,
+    pool_ptr,
+    slots_ptr,
+    valid_ptr,
+    block_ptr,
+    sinks_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    cs_stride,
+    num_heads,
+    q_len,
+    num_ctx,
+    qk_scale,
+    rope_dim,
+    q_stride_b,
+    q_stride_i,
+    q_stride_h,
+    pool_stride,
+    slots_stride_b,
+    slots_stride_j,
+    valid_stride_b,
+    valid_stride_j,
+    block_stride_b,
+    block_stride_i,
+    out_stride_b,
+    out_stride_i,
+    out_stride_h,
+    HEAD_DIM: tl.constexpr,
+    D_POW2: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROUND_P: tl.constexpr,
+    ROPE: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (request b, row block): rows r = i * H + h of the request's Q x H query rows.
     # q, the block rows, the context pool and slots come from earlier kernels; the sinks
@@ -98,8 +128,11 @@ def _draft_attention_kernel(
     dim_ok = dims < HEAD_DIM
     tile_ok = row_ok[:, None] & dim_ok[None, :]
     kv_dtype = block_ptr.dtype.element_ty
-    q = tl.load(q_ptr + b * q_stride_b + (qi * q_stride_i + qh * q_stride_h)[:, None]
-                + dims[None, :], mask=tile_ok, other=0.0).to(kv_dtype)
+    q = tl.load(
+        q_ptr + b * q_stride_b + (qi * q_stride_i + qh * q_stride_h)[:, None] + dims[None, :],
+        mask=tile_ok,
+        other=0.0,
+    ).to(kv_dtype)
     sink = tl.load(sinks_ptr + qh, mask=row_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     # The running max starts at the (finite) sink, so it stays finite and masked keys give
     # exp2(-inf) = 0.
@@ -111,32 +144,66 @@ def _draft_attention_kernel(
     for j0 in range(0, num_ctx, BLOCK_N):
         j = j0 + offs
         in_range = j < num_ctx
-        valid = tl.load(valid_ptr + b * valid_stride_b + j * valid_stride_j, mask=in_range,
-                        other=0) != 0
+        valid = (
+            tl.load(valid_ptr + b * valid_stride_b + j * valid_stride_j, mask=in_range, other=0)
+            != 0
+        )
         # Invalid positions (dummy slots) are never dereferenced.
-        slot = tl.load(slots_ptr + b * slots_stride_b + j * slots_stride_j, mask=valid,
-                       other=0).to(tl.int64)
-        keys = tl.load(pool_ptr + slot[:, None] * pool_stride + dims[None, :],
-                       mask=valid[:, None] & dim_ok[None, :], other=0.0).to(kv_dtype)
-        m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32,
-                                             ROUND_P)
+        slot = tl.load(slots_ptr + b * slots_stride_b + j * slots_stride_j, mask=valid, other=0).to(
+            tl.int64
+        )
+        keys = tl.load(
+            pool_ptr + slot[:, None] * pool_stride + dims[None, :],
+            mask=valid[:, None] & dim_ok[None, :],
+            other=0.0,
+        ).to(kv_dtype)
+        m_i, l_i, acc = _online_softmax_step(
+            q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32, ROUND_P
+        )
 
     for i0 in range(0, q_len, BLOCK_N):
         i = i0 + offs
         valid = i < q_len
-        keys = tl.load(block_ptr + b * block_stride_b + i[:, None].to(tl.int64) * block_stride_i
-                       + dims[None, :], mask=valid[:, None] & dim_ok[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32,
-                                             ROUND_P)
+        keys = tl.load(
+            block_ptr
+            + b * block_stride_b
+            + i[:, None].to(tl.int64) * block_stride_i
+            + dims[None, :],
+            mask=valid[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        m_i, l_i, acc = _online_softmax_step(
+            q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32, ROUND_P
+        )
 
     denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
     out = round_to_x(acc / denom[:, None], X_KIND, ON_BITS)
     if ROPE:  # the inverse rotation of the output's rope channels at the row's position
         # Rows past Q x H (the last row block's tail, never stored) would index past the table.
-        out = rotate_rounded_tail(out, b * q_len + qi, row_ok, cos_ptr, sin_ptr, cs_stride, 0,
-                                  HEAD_DIM, rope_dim, BLOCK_M, D_POW2, True, X_KIND, ON_BITS)
-    tl.store(out_ptr + b * out_stride_b + (qi * out_stride_i + qh * out_stride_h)[:, None]
-             + dims[None, :], out.to(out_ptr.dtype.element_ty), mask=tile_ok)
+        out = rotate_rounded_tail(
+            out,
+            b * q_len + qi,
+            row_ok,
+            cos_ptr,
+            sin_ptr,
+            cs_stride,
+            0,
+            HEAD_DIM,
+            rope_dim,
+            BLOCK_M,
+            D_POW2,
+            True,
+            X_KIND,
+            ON_BITS,
+        )
+    tl.store(
+        out_ptr
+        + b * out_stride_b
+        + (qi * out_stride_i + qh * out_stride_h)[:, None]
+        + dims[None, :],
+        out.to(out_ptr.dtype.element_ty),
+        mask=tile_ok,
+    )
 
 
 def draft_attention(
@@ -174,40 +241,58 @@ def draft_attention(
     Exactness: X2 against `draft_attention_ref` (fp32 online softmax; see the module doc).
     Grid: (B, cdiv(Q * H, BLOCK_M)); every program walks all C + Q keys once.
     """
-    _check(q.dim() == 4 and q.dtype in _SUPPORTED_DTYPES,
-           f"q must be [B, Q, H, Dh] bf16/fp16/fp32, got {q.dtype} {tuple(q.shape)}")
+    _check(
+        q.dim() == 4 and q.dtype in _SUPPORTED_DTYPES,
+        f"q must be [B, Q, H, Dh] bf16/fp16/fp32, got {q.dtype} {tuple(q.shape)}",
+    )
     batch, q_len, heads, head_dim = q.shape
-    _check(tuple(kv_block.shape) == (batch, q_len, head_dim) and kv_block.dtype == q.dtype,
-           f"kv_block must be [{batch}, {q_len}, {head_dim}] {q.dtype}, got {kv_block.dtype} "
-           f"{tuple(kv_block.shape)}")
-    _check(ctx_pool.dim() == 2 and ctx_pool.shape[1] == head_dim
-           and ctx_pool.dtype in _SUPPORTED_DTYPES,
-           f"ctx_pool must be [N, {head_dim}] bf16/fp16/fp32, got {ctx_pool.dtype} "
-           f"{tuple(ctx_pool.shape)}")
-    _check(ctx_slots.dim() == 2 and ctx_slots.shape[0] == batch
-           and ctx_slots.dtype in (torch.int32, torch.int64),
-           f"ctx_slots must be int32/int64 [{batch}, C], got {ctx_slots.dtype} "
-           f"{tuple(ctx_slots.shape)}")
+    _check(
+        tuple(kv_block.shape) == (batch, q_len, head_dim) and kv_block.dtype == q.dtype,
+        f"kv_block must be [{batch}, {q_len}, {head_dim}] {q.dtype}, got {kv_block.dtype} "
+        f"{tuple(kv_block.shape)}",
+    )
+    _check(
+        ctx_pool.dim() == 2
+        and ctx_pool.shape[1] == head_dim
+        and ctx_pool.dtype in _SUPPORTED_DTYPES,
+        f"ctx_pool must be [N, {head_dim}] bf16/fp16/fp32, got {ctx_pool.dtype} "
+        f"{tuple(ctx_pool.shape)}",
+    )
+    _check(
+        ctx_slots.dim() == 2
+        and ctx_slots.shape[0] == batch
+        and ctx_slots.dtype in (torch.int32, torch.int64),
+        f"ctx_slots must be int32/int64 [{batch}, C], got {ctx_slots.dtype} "
+        f"{tuple(ctx_slots.shape)}",
+    )
     num_ctx = ctx_slots.shape[1]
-    _check(tuple(ctx_valid.shape) == (batch, num_ctx) and ctx_valid.dtype == torch.bool,
-           f"ctx_valid must be bool [{batch}, {num_ctx}], got {ctx_valid.dtype} "
-           f"{tuple(ctx_valid.shape)}")
-    _check(sinks.dim() == 1 and sinks.shape[0] == heads and sinks.is_floating_point(),
-           f"sinks must be float [{heads}], got {sinks.dtype} {tuple(sinks.shape)}")
+    _check(
+        tuple(ctx_valid.shape) == (batch, num_ctx) and ctx_valid.dtype == torch.bool,
+        f"ctx_valid must be bool [{batch}, {num_ctx}], got {ctx_valid.dtype} "
+        f"{tuple(ctx_valid.shape)}",
+    )
+    _check(
+        sinks.dim() == 1 and sinks.shape[0] == heads and sinks.is_floating_point(),
+        f"sinks must be float [{heads}], got {sinks.dtype} {tuple(sinks.shape)}",
+    )
     devices = {t.device for t in (q, ctx_pool, ctx_slots, ctx_valid, kv_block, sinks)}
     _check(len(devices) == 1, f"all tensors must be on one device, got {devices}")
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)
     else:
-        _check(out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
-               f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} "
-               f"{tuple(out.shape)} on {out.device}")
+        _check(
+            out.shape == q.shape and out.dtype == q.dtype and out.device == q.device,
+            f"out must be {q.dtype} {tuple(q.shape)} on {q.device}, got {out.dtype} "
+            f"{tuple(out.shape)} on {out.device}",
+        )
     tables = epilogue_tables(inverse_rope, batch * q_len, head_dim, sinks)
     if out.numel() == 0:
         return out
     for name, t in (("q", q), ("kv_block", kv_block), ("ctx_pool", ctx_pool), ("out", out)):
-        _check(t.stride(-1) == 1 or t.shape[-1] == 1,
-               f"{name} must have unit stride along Dh, got strides {t.stride()}")
+        _check(
+            t.stride(-1) == 1 or t.shape[-1] == 1,
+            f"{name} must have unit stride along Dh, got strides {t.stride()}",
+        )
     _check(sinks.stride(0) == 1 or heads == 1, f"sinks must be contiguous, got {sinks.stride()}")
     d_pow2 = max(16, triton.next_power_of_2(head_dim))
     rows = q_len * heads
@@ -215,18 +300,47 @@ def draft_attention(
     block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
     valid_u8 = ctx_valid.view(torch.uint8)
     _draft_attention_kernel[(batch, triton.cdiv(rows, block_m))](
-        q, ctx_pool, ctx_slots, valid_u8, kv_block, sinks, out, tables.cos, tables.sin,
-        tables.stride, heads, q_len, num_ctx, scale * _LOG2E, tables.rope_dim,
-        q.stride(0), q.stride(1), q.stride(2), ctx_pool.stride(0),
-        ctx_slots.stride(0), ctx_slots.stride(1), valid_u8.stride(0), valid_u8.stride(1),
-        kv_block.stride(0), kv_block.stride(1), out.stride(0), out.stride(1), out.stride(2),
-        HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_M=block_m, BLOCK_N=block_n,
+        q,
+        ctx_pool,
+        ctx_slots,
+        valid_u8,
+        kv_block,
+        sinks,
+        out,
+        tables.cos,
+        tables.sin,
+        tables.stride,
+        heads,
+        q_len,
+        num_ctx,
+        scale * _LOG2E,
+        tables.rope_dim,
+        q.stride(0),
+        q.stride(1),
+        q.stride(2),
+        ctx_pool.stride(0),
+        ctx_slots.stride(0),
+        ctx_slots.stride(1),
+        valid_u8.stride(0),
+        valid_u8.stride(1),
+        kv_block.stride(0),
+        kv_block.stride(1),
+        out.stride(0),
+        out.stride(1),
+        out.stride(2),
+        HEAD_DIM=head_dim,
+        D_POW2=d_pow2,
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
-        ROUND_P=q.dtype != torch.float32, ROPE=inverse_rope is not None,
-        X_KIND=X_KIND[q.dtype], ON_BITS=interpreted(_draft_attention_kernel),
-        num_warps=8 if d_pow2 >= 256 else 4, enable_fp_fusion=False,
+        ROUND_P=q.dtype != torch.float32,
+        ROPE=inverse_rope is not None,
+        X_KIND=X_KIND[q.dtype],
+        ON_BITS=interpreted(_draft_attention_kernel),
+        num_warps=8 if d_pow2 >= 256 else 4,
+        enable_fp_fusion=False,
         **programmatic_launch(_draft_attention_kernel, q.device),
     )
     return out

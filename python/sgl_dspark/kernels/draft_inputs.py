@@ -57,9 +57,13 @@ def prepare_draft_inputs_ref(
         positions = seq + torch.arange(width, device=device)[None, :]
         readable = valid & (positions >= 0) & (positions < table_width)
         readable = readable & (pool >= 0) & (pool < pool_rows)
-        slots = req_to_token.long()[
-            pool.clamp(0, max(pool_rows - 1, 0)), positions.clamp(0, max(table_width - 1, 0))
-        ] if pool_rows > 0 and table_width > 0 else torch.zeros_like(positions)
+        slots = (
+            req_to_token.long()[
+                pool.clamp(0, max(pool_rows - 1, 0)), positions.clamp(0, max(table_width - 1, 0))
+            ]
+            if pool_rows > 0 and table_width > 0
+            else torch.zeros_like(positions)
+        )
         slots = torch.where(readable, slots, torch.full_like(slots, pad_slot))
         positions = torch.where(valid, positions, torch.full_like(positions, pad_position))
         return positions, slots
@@ -163,30 +167,46 @@ def prepare_draft_inputs(
     """
     num_rows = anchors.shape[0]
     int_types = (torch.int32, torch.int64)
-    for name, t in (("anchors", anchors), ("seq_lens", seq_lens),
-                    ("req_pool_indices", req_pool_indices)):
-        if t.shape != (num_rows,) or t.dtype not in int_types or not t.is_contiguous():
-            raise ValueError(f"{name} must be a contiguous int32/int64 [{num_rows}] tensor, got "
-                             f"{t.dtype} {tuple(t.shape)}")
-    if req_to_token.dim() != 2 or req_to_token.dtype not in int_types or (
-        req_to_token.numel() > 0 and req_to_token.stride(1) != 1
+    for name, t in (
+        ("anchors", anchors),
+        ("seq_lens", seq_lens),
+        ("req_pool_indices", req_pool_indices),
     ):
-        raise ValueError(f"req_to_token must be int32/int64 [R, S_max] with unit column stride, "
-                         f"got {req_to_token.dtype} {tuple(req_to_token.shape)}")
+        if t.shape != (num_rows,) or t.dtype not in int_types or not t.is_contiguous():
+            raise ValueError(
+                f"{name} must be a contiguous int32/int64 [{num_rows}] tensor, got "
+                f"{t.dtype} {tuple(t.shape)}"
+            )
+    if (
+        req_to_token.dim() != 2
+        or req_to_token.dtype not in int_types
+        or (req_to_token.numel() > 0 and req_to_token.stride(1) != 1)
+    ):
+        raise ValueError(
+            f"req_to_token must be int32/int64 [R, S_max] with unit column stride, "
+            f"got {req_to_token.dtype} {tuple(req_to_token.shape)}"
+        )
     if n_valid.numel() != 1 or n_valid.dtype not in int_types:
-        raise ValueError(f"n_valid must be a one-element int32/int64 tensor, got {n_valid.dtype} "
-                         f"{tuple(n_valid.shape)}")
+        raise ValueError(
+            f"n_valid must be a one-element int32/int64 tensor, got {n_valid.dtype} "
+            f"{tuple(n_valid.shape)}"
+        )
     if draft_len < 1 or verify_width < 1:
         raise ValueError(f"draft_len ({draft_len}) and verify_width ({verify_width}) must be >= 1")
     device = anchors.device
     if out is None:
-        out = DraftInputs(*(
-            torch.empty((num_rows, width), dtype=torch.int64, device=device)
-            for width in (draft_len, draft_len, draft_len, verify_width, verify_width)
-        ))
-    for name, buf, width in zip(DraftInputs._fields, out,
-                                (draft_len, draft_len, draft_len, verify_width, verify_width)):
-        assert buf.shape == (num_rows, width) and buf.dtype == torch.int64 and buf.is_contiguous(), (
+        out = DraftInputs(
+            *(
+                torch.empty((num_rows, width), dtype=torch.int64, device=device)
+                for width in (draft_len, draft_len, draft_len, verify_width, verify_width)
+            )
+        )
+    for name, buf, width in zip(
+        DraftInputs._fields, out, (draft_len, draft_len, draft_len, verify_width, verify_width)
+    ):
+        assert (
+            buf.shape == (num_rows, width) and buf.dtype == torch.int64 and buf.is_contiguous()
+        ), (
             f"out.{name} must be contiguous int64 [{num_rows}, {width}], got {buf.dtype} "
             f"{tuple(buf.shape)}"
         )
@@ -194,12 +214,23 @@ def prepare_draft_inputs(
         return out
     block_rows = 16
     _prepare_draft_inputs_kernel[(triton.cdiv(num_rows, block_rows),)](
-        anchors, seq_lens, req_pool_indices, req_to_token, n_valid, *out,
-        num_rows, req_to_token.shape[0], req_to_token.shape[1],
+        anchors,
+        seq_lens,
+        req_pool_indices,
+        req_to_token,
+        n_valid,
+        *out,
+        num_rows,
+        req_to_token.shape[0],
+        req_to_token.shape[1],
         req_to_token.stride(0) if req_to_token.numel() > 0 else 0,
-        mask_token_id, pad_position, pad_slot,
-        Q=draft_len, W=verify_width,
-        COLS=triton.next_power_of_2(max(draft_len, verify_width)), BLOCK_ROWS=block_rows,
+        mask_token_id,
+        pad_position,
+        pad_slot,
+        Q=draft_len,
+        W=verify_width,
+        COLS=triton.next_power_of_2(max(draft_len, verify_width)),
+        BLOCK_ROWS=block_rows,
         **programmatic_launch(_prepare_draft_inputs_kernel, device),
     )
     return out

@@ -15,8 +15,9 @@ import triton
 import triton.language as tl
 
 
-def entry_pool_rows_ref(ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor,
-                        ratio: int) -> torch.Tensor:
+def entry_pool_rows_ref(
+    ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor, ratio: int
+) -> torch.Tensor:
     """int64 ``[T, N]`` pool rows of compressed entries ``ids`` ``[T, N]`` (or ``[1, N]``,
     broadcast) of each row's request (``token_slot`` ``[T]``: its row of ``req_to_token``)."""
     cols = (ids * ratio).clamp(max=req_to_token.shape[1] - 1)

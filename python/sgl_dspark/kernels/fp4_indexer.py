@@ -143,9 +143,11 @@ def _e2m1_encode(v):
 @triton.jit
 def _e2m1_decode(code):
     mag_code = code & 7
-    mag = tl.where(mag_code < 4, mag_code.to(tl.float32) * 0.5,
-                   tl.where(mag_code < 6, (mag_code - 2).to(tl.float32),
-                            tl.where(mag_code == 6, 4.0, 6.0)))
+    mag = tl.where(
+        mag_code < 4,
+        mag_code.to(tl.float32) * 0.5,
+        tl.where(mag_code < 6, (mag_code - 2).to(tl.float32), tl.where(mag_code == 6, 4.0, 6.0)),
+    )
     # Multiply (not negate): Triton lowers -x as 0 - x, which turns -0.0 into +0.0.
     return mag * tl.where(code >= 8, -1.0, 1.0)
 
@@ -180,9 +182,18 @@ def fp4_index_k_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 @triton.jit
 def _fp4_index_k_quant_kernel(
-    x_ptr, codes_ptr, scales_ptr, loc_ptr,
-    T, x_row_stride, codes_row_stride, scales_row_stride,
-    G: tl.constexpr, GP: tl.constexpr, BLOCK_ROWS: tl.constexpr, HAS_LOC: tl.constexpr,
+    x_ptr,
+    codes_ptr,
+    scales_ptr,
+    loc_ptr,
+    T,
+    x_row_stride,
+    codes_row_stride,
+    scales_row_stride,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    BLOCK_ROWS: tl.constexpr,
+    HAS_LOC: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # x is the previous kernel's output; the cache rows may be read
@@ -242,22 +253,28 @@ def fp4_index_k_quant(
     _require(x.dtype in (torch.bfloat16, torch.float16, torch.float32), f"x: bad dtype {x.dtype}")
     _require(x.stride(1) == 1 or t == 0, "x: inner stride must be 1")
     if loc is not None:
-        _require(out_codes is not None and out_scales is not None,
-                 "loc: out_codes and out_scales are required with loc")
-        _require(loc.shape == (t,) and loc.dtype in (torch.int32, torch.int64)
-                 and loc.is_contiguous(),
-                 f"loc: expected contiguous int32/int64 [{t}], got {loc.dtype} {tuple(loc.shape)}")
+        _require(
+            out_codes is not None and out_scales is not None,
+            "loc: out_codes and out_scales are required with loc",
+        )
+        _require(
+            loc.shape == (t,) and loc.dtype in (torch.int32, torch.int64) and loc.is_contiguous(),
+            f"loc: expected contiguous int32/int64 [{t}], got {loc.dtype} {tuple(loc.shape)}",
+        )
     rows = out_codes.shape[0] if out_codes is not None else t
     if out_codes is None:
         out_codes = torch.empty(t, k // 2, dtype=torch.uint8, device=x.device)
     if out_scales is None:
         out_scales = torch.empty(t, k // FP4_GROUP, dtype=torch.uint8, device=x.device)
     for name, buf, width in (
-        ("out_codes", out_codes, k // 2), ("out_scales", out_scales, k // FP4_GROUP)
+        ("out_codes", out_codes, k // 2),
+        ("out_scales", out_scales, k // FP4_GROUP),
     ):
         _require(buf.dtype in (torch.uint8, torch.int8), f"{name}: uint8/int8, not {buf.dtype}")
-        _require(buf.dim() == 2 and buf.shape == (rows, width) and buf.stride(1) == 1,
-                 f"{name}: expected [{rows}, {width}] with inner stride 1, got {tuple(buf.shape)}")
+        _require(
+            buf.dim() == 2 and buf.shape == (rows, width) and buf.stride(1) == 1,
+            f"{name}: expected [{rows}, {width}] with inner stride 1, got {tuple(buf.shape)}",
+        )
         _require(buf.device == x.device, f"{name}: expected device {x.device}")
     _require(loc is not None or rows == t, f"out_codes: expected {t} rows without loc, got {rows}")
     if t == 0:
@@ -265,10 +282,20 @@ def fp4_index_k_quant(
     g = k // FP4_GROUP
     meta = _k_quant_meta(t, k)
     _fp4_index_k_quant_kernel[(triton.cdiv(t, meta["BLOCK_ROWS"]),)](
-        x, out_codes, out_scales, loc if loc is not None else x,
-        t, x.stride(0), out_codes.stride(0), out_scales.stride(0),
-        G=g, GP=triton.next_power_of_2(g), HAS_LOC=loc is not None, enable_fp_fusion=False,
-        **programmatic_launch(_fp4_index_k_quant_kernel, x.device), **meta,
+        x,
+        out_codes,
+        out_scales,
+        loc if loc is not None else x,
+        t,
+        x.stride(0),
+        out_codes.stride(0),
+        out_scales.stride(0),
+        G=g,
+        GP=triton.next_power_of_2(g),
+        HAS_LOC=loc is not None,
+        enable_fp_fusion=False,
+        **programmatic_launch(_fp4_index_k_quant_kernel, x.device),
+        **meta,
     )
     return out_codes, out_scales
 
@@ -325,8 +352,15 @@ def index_q_rope_fp4_ref(
     x = index_q_rope_ref(q.view(t, n_heads, head_dim), cos_sin, positions, rope_dim)
     fake_quant = fp4_fake_quant_ref(x)
     codes, exponents = fp4_quant_ref(fake_quant)
-    scales = torch.zeros(t, 1, head_dim // FP4_GROUP, _HEAD_BLOCK, _MAX_HEAD_BLOCKS,
-                         dtype=torch.uint8, device=q.device)
+    scales = torch.zeros(
+        t,
+        1,
+        head_dim // FP4_GROUP,
+        _HEAD_BLOCK,
+        _MAX_HEAD_BLOCKS,
+        dtype=torch.uint8,
+        device=q.device,
+    )
     for h in range(n_heads):
         scales[:, 0, :, h % _HEAD_BLOCK, h // _HEAD_BLOCK] = exponents[:, h, :]
     head_weights = None
@@ -341,11 +375,27 @@ def index_q_rope_fp4_ref(
 
 @triton.jit
 def _index_q_rope_fp4_kernel(
-    q_ptr, cos_sin_ptr, pos_ptr, codes_ptr, scales_ptr, partials_ptr, weights_ptr, fake_quant_ptr,
-    q_row_stride, max_pos, n_heads, partial_stride, head_weight_scale,
-    NUM_PARTIALS: tl.constexpr, HEAD_DIM: tl.constexpr, ROPE_DIM: tl.constexpr,
-    G: tl.constexpr, GP: tl.constexpr,
-    ROUND_BF16: tl.constexpr, HAS_WEIGHTS: tl.constexpr, WRITE_FAKE_QUANT: tl.constexpr,
+    q_ptr,
+    cos_sin_ptr,
+    pos_ptr,
+    codes_ptr,
+    scales_ptr,
+    partials_ptr,
+    weights_ptr,
+    fake_quant_ptr,
+    q_row_stride,
+    max_pos,
+    n_heads,
+    partial_stride,
+    head_weight_scale,
+    NUM_PARTIALS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    ROPE_DIM: tl.constexpr,
+    G: tl.constexpr,
+    GP: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    HAS_WEIGHTS: tl.constexpr,
+    WRITE_FAKE_QUANT: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Grid (T, 4): 16 heads of one token per program; head blocks beyond n_heads zero-fill
@@ -438,26 +488,40 @@ def index_q_rope_fp4(
     """
     _require(q.dim() == 2, f"q: expected [T, n_heads*Di], got {tuple(q.shape)}")
     t, width = q.shape
-    _require(n_heads % _HEAD_BLOCK == 0 and 0 < n_heads <= _HEAD_BLOCK * _MAX_HEAD_BLOCKS,
-             f"n_heads: must be a multiple of 16 in [16, 64], got {n_heads}")
+    _require(
+        n_heads % _HEAD_BLOCK == 0 and 0 < n_heads <= _HEAD_BLOCK * _MAX_HEAD_BLOCKS,
+        f"n_heads: must be a multiple of 16 in [16, 64], got {n_heads}",
+    )
     _require(width % n_heads == 0, f"q: width {width} is not a multiple of n_heads={n_heads}")
     head_dim = width // n_heads
     _require(head_dim % FP4_GROUP == 0, f"q: head dim {head_dim} must be a multiple of 32")
-    _require(rope_dim % 2 == 0 and 0 < rope_dim <= head_dim,
-             f"rope_dim: must be even in (0, {head_dim}], got {rope_dim}")
+    _require(
+        rope_dim % 2 == 0 and 0 < rope_dim <= head_dim,
+        f"rope_dim: must be even in (0, {head_dim}], got {rope_dim}",
+    )
     _require(q.dtype in (torch.bfloat16, torch.float32), f"q: must be bf16/fp32, got {q.dtype}")
     _require(q.stride(1) == 1 or t == 0, "q: inner stride must be 1")
-    _require(cos_sin.dim() == 3 and cos_sin.shape[1:] == (rope_dim // 2, 2)
-             and cos_sin.dtype == torch.float32 and cos_sin.is_contiguous(),
-             f"cos_sin: expected contiguous fp32 [max_pos, {rope_dim // 2}, 2]")
-    _require(positions.shape == (t,) and positions.dtype in (torch.int32, torch.int64),
-             f"positions: expected int32/int64 [{t}]")
+    _require(
+        cos_sin.dim() == 3
+        and cos_sin.shape[1:] == (rope_dim // 2, 2)
+        and cos_sin.dtype == torch.float32
+        and cos_sin.is_contiguous(),
+        f"cos_sin: expected contiguous fp32 [max_pos, {rope_dim // 2}, 2]",
+    )
+    _require(
+        positions.shape == (t,) and positions.dtype in (torch.int32, torch.int64),
+        f"positions: expected int32/int64 [{t}]",
+    )
     positions = positions.contiguous()
     if weight_partials is not None:
-        _require(weight_partials.dim() == 3 and weight_partials.shape[1:] == (t, n_heads)
-                 and weight_partials.shape[0] >= 1 and weight_partials.dtype == torch.float32
-                 and weight_partials.is_contiguous(),
-                 f"weight_partials: expected contiguous fp32 [S>=1, {t}, {n_heads}]")
+        _require(
+            weight_partials.dim() == 3
+            and weight_partials.shape[1:] == (t, n_heads)
+            and weight_partials.shape[0] >= 1
+            and weight_partials.dtype == torch.float32
+            and weight_partials.is_contiguous(),
+            f"weight_partials: expected contiguous fp32 [S>=1, {t}, {n_heads}]",
+        )
     g = head_dim // FP4_GROUP
     dev = q.device
     specs: list[tuple[tuple[int, ...], torch.dtype, bool]] = [  # (shape, dtype, wanted)
@@ -472,9 +536,14 @@ def index_q_rope_fp4(
         if want and buf is None and out is None:
             buf = torch.empty(shape, dtype=dt, device=dev)
         if want:
-            _require(buf is not None and tuple(buf.shape) == shape and buf.dtype == dt
-                     and buf.is_contiguous() and buf.device == dev,
-                     f"out.{name}: expected contiguous {dt} {shape} on {dev}")
+            _require(
+                buf is not None
+                and tuple(buf.shape) == shape
+                and buf.dtype == dt
+                and buf.is_contiguous()
+                and buf.device == dev,
+                f"out.{name}: expected contiguous {dt} {shape} on {dev}",
+            )
         bufs.append(buf if want else None)
     codes, scales, head_weights, fake_quant = bufs
     assert codes is not None and scales is not None
@@ -482,16 +551,29 @@ def index_q_rope_fp4(
     if t == 0:
         return out
     _index_q_rope_fp4_kernel[(t, _MAX_HEAD_BLOCKS)](
-        q, cos_sin, positions, out.codes, out.scales,
+        q,
+        cos_sin,
+        positions,
+        out.codes,
+        out.scales,
         weight_partials if weight_partials is not None else q,
         out.head_weights if out.head_weights is not None else q,
         out.fake_quant if out.fake_quant is not None else q,
-        q.stride(0), cos_sin.shape[0], n_heads,
-        t * n_heads, float(head_weight_scale),
+        q.stride(0),
+        cos_sin.shape[0],
+        n_heads,
+        t * n_heads,
+        float(head_weight_scale),
         NUM_PARTIALS=weight_partials.shape[0] if weight_partials is not None else 0,
-        HEAD_DIM=head_dim, ROPE_DIM=rope_dim, G=g, GP=triton.next_power_of_2(g),
-        ROUND_BF16=q.dtype == torch.bfloat16, HAS_WEIGHTS=weight_partials is not None,
-        WRITE_FAKE_QUANT=return_fake_quant, num_warps=4, enable_fp_fusion=False,
+        HEAD_DIM=head_dim,
+        ROPE_DIM=rope_dim,
+        G=g,
+        GP=triton.next_power_of_2(g),
+        ROUND_BF16=q.dtype == torch.bfloat16,
+        HAS_WEIGHTS=weight_partials is not None,
+        WRITE_FAKE_QUANT=return_fake_quant,
+        num_warps=4,
+        enable_fp_fusion=False,
         **programmatic_launch(_index_q_rope_fp4_kernel, q.device),
     )
     return out

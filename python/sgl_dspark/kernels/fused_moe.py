@@ -104,8 +104,15 @@ def expert_dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def swiglu_tile(acc, limit, BLOCK_M: tl.constexpr, HALF: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):  # fmt: skip
+def swiglu_tile(
+    acc,
+    limit,
+    BLOCK_M: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    ON_BITS: tl.constexpr,
+):
     """K6 of an fp32 [BLOCK_M, 2 * HALF] product tile whose columns [0, HALF) are gate and
     [HALF, 2 * HALF) the matching up outputs: rounded as a plain GEMM's store would round them,
     then K6's own ops (`clamped_swiglu_values`). Returns [BLOCK_M, HALF]."""
@@ -117,13 +124,33 @@ def swiglu_tile(acc, limit, BLOCK_M: tl.constexpr, HALF: tl.constexpr, HAS_LIMIT
 
 @triton.jit
 def _moe_grouped_gemm_kernel(
-    a_ptr, w_ptr, out_ptr, sorted_ids_ptr, expert_ids_ptr, num_valid_ptr,
-    num_tokens, n_cols, k_dim, stride_a, stride_we, stride_wn, stride_out, limit,
-    TOPK: tl.constexpr, A_PER_PAIR: tl.constexpr, DOT_FP32: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, OUT_SWIGLU: tl.constexpr, TILE_MAJOR: tl.constexpr,
-    HAS_LIMIT: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_valid_ptr,
+    num_tokens,
+    n_cols,
+    k_dim,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_out,
+    limit,
+    TOPK: tl.constexpr,
+    A_PER_PAIR: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_SWIGLU: tl.constexpr,
+    TILE_MAJOR: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     # Everything depends on K1's routing (which blocks live, which expert's weights): no
     # weight can be fetched before the previous kernels' outputs are visible.
     wait_for_producers(PDL)
@@ -158,22 +185,33 @@ def _moe_grouped_gemm_kernel(
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_dim
-        a_tile = tl.load(a_ptr + a_rows[:, None] * stride_a + ks[None, :],
-                         mask=live[:, None] & k_ok[None, :], other=0.0)  # fmt: skip
-        w_tile = tl.load(w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
-                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        a_tile = tl.load(
+            a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+            mask=live[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w_tile = tl.load(
+            w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
     if OUT_SWIGLU:  # K6 of the [gate | up] values a plain stage 1 would have stored
         y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
         j = pid_n * HALF + tl.arange(0, HALF)
-        tl.store(out_ptr + pair[:, None] * stride_out + j[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & (j < n_cols)[None, :])  # fmt: skip
+        tl.store(
+            out_ptr + pair[:, None] * stride_out + j[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=live[:, None] & (j < n_cols)[None, :],
+        )
     else:
         if ROUND_BF16:
             acc = round_to_bf16(acc)
-        tl.store(out_ptr + pair[:, None] * stride_out + cols[None, :],
-                 acc.to(out_ptr.dtype.element_ty),
-                 mask=live[:, None] & col_ok[None, :])  # fmt: skip
+        tl.store(
+            out_ptr + pair[:, None] * stride_out + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=live[:, None] & col_ok[None, :],
+        )
 
 
 def expert_block_k(k_dim: int) -> int:
@@ -188,20 +226,29 @@ def _check_sorted(
     block_size: int,
     device: torch.device,
 ) -> None:
-    _require(block_size >= 16 and block_size & (block_size - 1) == 0,
-             f"block_size must be a power of two >= 16 (tl.dot), got {block_size}")  # fmt: skip
-    _require(sorted_ids.dim() == 1 and sorted_ids.dtype == torch.int32
-             and sorted_ids.is_contiguous(),
-             "sorted_ids must be contiguous int32 [capacity]")  # fmt: skip
+    _require(
+        block_size >= 16 and block_size & (block_size - 1) == 0,
+        f"block_size must be a power of two >= 16 (tl.dot), got {block_size}",
+    )
+    _require(
+        sorted_ids.dim() == 1 and sorted_ids.dtype == torch.int32 and sorted_ids.is_contiguous(),
+        "sorted_ids must be contiguous int32 [capacity]",
+    )
     num_blocks = triton.cdiv(sorted_ids.numel(), block_size)
-    _require(tuple(sorted_expert_ids.shape) == (num_blocks,)
-             and sorted_expert_ids.dtype == torch.int32,
-             f"sorted_expert_ids must be int32 [{num_blocks}], got "
-             f"{sorted_expert_ids.dtype} {tuple(sorted_expert_ids.shape)}")  # fmt: skip
-    _require(num_valid.numel() >= 1 and num_valid.dtype == torch.int32,
-             "num_valid must be int32 [2] (K1's output)")  # fmt: skip
-    for name, tensor in (("sorted_ids", sorted_ids), ("sorted_expert_ids", sorted_expert_ids),
-                         ("num_valid", num_valid)):  # fmt: skip
+    _require(
+        tuple(sorted_expert_ids.shape) == (num_blocks,) and sorted_expert_ids.dtype == torch.int32,
+        f"sorted_expert_ids must be int32 [{num_blocks}], got "
+        f"{sorted_expert_ids.dtype} {tuple(sorted_expert_ids.shape)}",
+    )
+    _require(
+        num_valid.numel() >= 1 and num_valid.dtype == torch.int32,
+        "num_valid must be int32 [2] (K1's output)",
+    )
+    for name, tensor in (
+        ("sorted_ids", sorted_ids),
+        ("sorted_expert_ids", sorted_expert_ids),
+        ("num_valid", num_valid),
+    ):
         _require(tensor.device == device, f"{name} is on {tensor.device}, a on {device}")
 
 
@@ -247,21 +294,33 @@ def moe_grouped_gemm(
         for every route K1 kept; other rows are left as they were (undefined when out is
         allocated here).
     """
-    _require(a.dim() == 2 and a.dtype in (torch.bfloat16, torch.float32) and a.stride(1) == 1,
-             f"a must be bf16/fp32 [rows, K] with a contiguous last dim, got {a.dtype} "
-             f"{tuple(a.shape)} strides {a.stride()}")  # fmt: skip
+    _require(
+        a.dim() == 2 and a.dtype in (torch.bfloat16, torch.float32) and a.stride(1) == 1,
+        f"a must be bf16/fp32 [rows, K] with a contiguous last dim, got {a.dtype} "
+        f"{tuple(a.shape)} strides {a.stride()}",
+    )
     _require(out_swiglu or swiglu_limit is None, "swiglu_limit needs out_swiglu=True")
-    _require(swiglu_limit is None or swiglu_limit > 0,
-             f"swiglu_limit must be > 0 or None, got {swiglu_limit}")  # fmt: skip
-    _require(weight.dim() == 3 and weight.dtype == a.dtype and weight.stride(2) == 1
-             and weight.shape[2] == a.shape[1],
-             f"weight must be {a.dtype} [E_loc, N, {a.shape[1]}] with a contiguous last dim, "
-             f"got {weight.dtype} {tuple(weight.shape)}")  # fmt: skip
-    _require(not out_swiglu or weight.shape[1] % 2 == 0,
-             f"out_swiglu needs weight [E_loc, 2I, K], got {tuple(weight.shape)}")  # fmt: skip
+    _require(
+        swiglu_limit is None or swiglu_limit > 0,
+        f"swiglu_limit must be > 0 or None, got {swiglu_limit}",
+    )
+    _require(
+        weight.dim() == 3
+        and weight.dtype == a.dtype
+        and weight.stride(2) == 1
+        and weight.shape[2] == a.shape[1],
+        f"weight must be {a.dtype} [E_loc, N, {a.shape[1]}] with a contiguous last dim, "
+        f"got {weight.dtype} {tuple(weight.shape)}",
+    )
+    _require(
+        not out_swiglu or weight.shape[1] % 2 == 0,
+        f"out_swiglu needs weight [E_loc, 2I, K], got {tuple(weight.shape)}",
+    )
     _require(topk >= 1, f"topk must be >= 1, got {topk}")
-    _require(not a_per_pair or a.shape[0] % topk == 0,
-             f"a_per_pair needs a [M * {topk}, K], got {tuple(a.shape)}")  # fmt: skip
+    _require(
+        not a_per_pair or a.shape[0] % topk == 0,
+        f"a_per_pair needs a [M * {topk}, K], got {tuple(a.shape)}",
+    )
     _check_sorted(sorted_ids, sorted_expert_ids, num_valid, block_size, a.device)
     num_tokens = a.shape[0] // topk if a_per_pair else a.shape[0]
     _require(num_tokens < 1 << 24, f"M = {num_tokens} does not fit the packed route ids")
@@ -269,10 +328,13 @@ def moe_grouped_gemm(
     n_out = n_cols // 2 if out_swiglu else n_cols
     if out is None:
         out = torch.empty(num_tokens * topk, n_out, dtype=a.dtype, device=a.device)
-    _require(tuple(out.shape) == (num_tokens * topk, n_out) and out.dtype == a.dtype
-             and out.stride(1) == 1 and out.device == a.device,
-             f"out must be {a.dtype} {(num_tokens * topk, n_out)} "
-             "with a contiguous last dim")  # fmt: skip
+    _require(
+        tuple(out.shape) == (num_tokens * topk, n_out)
+        and out.dtype == a.dtype
+        and out.stride(1) == 1
+        and out.device == a.device,
+        f"out must be {a.dtype} {(num_tokens * topk, n_out)} with a contiguous last dim",
+    )
     if num_tokens == 0 or n_out == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
         return out  # no route can be local (E_loc = 0) or nothing to compute
     # Tiles depend on (N, K) only, so a row's summation order never depends on M. Narrow
@@ -314,7 +376,9 @@ def moe_grouped_gemm(
         TILE_MAJOR=tile_major,
         HAS_LIMIT=swiglu_limit is not None,
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
-        num_warps=4, num_stages=4, **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
+        num_warps=4,
+        num_stages=4,
+        **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
     )
     return out
 
@@ -337,8 +401,9 @@ def fused_moe_ref(
     num_experts = expert_mask.numel()
     is_local = expert_mask.long().cpu()
     local_ids = torch.cumsum(is_local, 0) - is_local
-    y = torch.full((num_tokens, topk, down_proj.shape[1]), float("nan"), dtype=x.dtype,
-                   device=x.device)  # fmt: skip
+    y = torch.full(
+        (num_tokens, topk, down_proj.shape[1]), float("nan"), dtype=x.dtype, device=x.device
+    )
     for token in range(num_tokens):
         for slot in range(topk):
             expert = int(topk_ids[token, slot])
@@ -379,23 +444,36 @@ def fused_moe(
         is local, untouched elsewhere (K4 reads only local slots).
     """
     num_tokens, hidden = x.shape
-    _require(gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
-             f"gate_up_proj must be [E_loc, 2I, D], got {tuple(gate_up_proj.shape)}")  # fmt: skip
+    _require(
+        gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
+        f"gate_up_proj must be [E_loc, 2I, D], got {tuple(gate_up_proj.shape)}",
+    )
     inter = gate_up_proj.shape[1] // 2
     _require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
-    _require(tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
-             f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got "
-             f"{tuple(down_proj.shape)}")  # fmt: skip
+    _require(
+        tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
+        f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got {tuple(down_proj.shape)}",
+    )
     if out is None:
         out = torch.empty(num_tokens, topk, hidden, dtype=x.dtype, device=x.device)
-    _require(tuple(out.shape) == (num_tokens, topk, hidden) and out.is_contiguous()
-             and out.dtype == x.dtype, f"out must be contiguous {x.dtype} "
-             f"{(num_tokens, topk, hidden)}")  # fmt: skip
+    _require(
+        tuple(out.shape) == (num_tokens, topk, hidden)
+        and out.is_contiguous()
+        and out.dtype == x.dtype,
+        f"out must be contiguous {x.dtype} {(num_tokens, topk, hidden)}",
+    )
     if num_tokens == 0:
         return out
     routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
-    h = moe_grouped_gemm(x, gate_up_proj, *routes, block_size=block_size, out_swiglu=True,
-                         swiglu_limit=limit)  # fmt: skip
-    moe_grouped_gemm(h, down_proj, *routes, a_per_pair=True, block_size=block_size,
-                     out=out.view(num_tokens * topk, hidden))  # fmt: skip
+    h = moe_grouped_gemm(
+        x, gate_up_proj, *routes, block_size=block_size, out_swiglu=True, swiglu_limit=limit
+    )
+    moe_grouped_gemm(
+        h,
+        down_proj,
+        *routes,
+        a_per_pair=True,
+        block_size=block_size,
+        out=out.view(num_tokens * topk, hidden),
+    )
     return out

@@ -47,7 +47,9 @@ _MAX_BLOCK_K = 1024
 
 
 def index_topk_ref(
-    scores: torch.Tensor, visible: torch.Tensor, k: int,
+    scores: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
     entry_rows: tuple[torch.Tensor, torch.Tensor, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference (the spec): top-k visible entries per row, ids ascending, invalid slots last.
@@ -94,11 +96,24 @@ def _order_keys(row_ptr, idx, mask):
 
 @triton.jit
 def _index_topk_kernel(
-    scores_ptr, visible_ptr, ids_ptr, valid_ptr, width, k, stride_row,
-    table_ptr, token_slot_ptr, table_width, table_stride, ratio,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, BINS: tl.constexpr,
-    ENTRY_ROWS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    scores_ptr,
+    visible_ptr,
+    ids_ptr,
+    valid_ptr,
+    width,
+    k,
+    stride_row,
+    table_ptr,
+    token_slot_ptr,
+    table_width,
+    table_stride,
+    ratio,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BINS: tl.constexpr,
+    ENTRY_ROWS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_for_producers(PDL)  # the scores and visible counts come from earlier kernels
     row = tl.program_id(0).to(tl.int64)
     row_ptr = scores_ptr + row * stride_row
@@ -182,13 +197,20 @@ def _block_sizes(width: int, k: int) -> tuple[int, int, int]:
     return block_n, block_k, num_warps
 
 
-def _check_out(buf: torch.Tensor | None, name: str, shape: tuple[int, int], dtype: torch.dtype,
-               device: torch.device) -> torch.Tensor:
+def _check_out(
+    buf: torch.Tensor | None,
+    name: str,
+    shape: tuple[int, int],
+    dtype: torch.dtype,
+    device: torch.device,
+) -> torch.Tensor:
     if buf is None:
         return torch.empty(shape, dtype=dtype, device=device)
     if buf.dtype != dtype or tuple(buf.shape) != shape or buf.device != device:
-        raise ValueError(f"{name} must be {dtype} {list(shape)} on {device}, got {buf.dtype} "
-                         f"{list(buf.shape)} on {buf.device}")
+        raise ValueError(
+            f"{name} must be {dtype} {list(shape)} on {device}, got {buf.dtype} "
+            f"{list(buf.shape)} on {buf.device}"
+        )
     if not buf.is_contiguous():
         raise ValueError(f"{name} must be contiguous")
     return buf
@@ -228,8 +250,9 @@ def index_topk(
         raise ValueError(f"scores must be fp32 [T, N], got {scores.dtype} {list(scores.shape)}")
     num_rows, width = scores.shape
     if visible.dtype not in (torch.int64, torch.int32) or tuple(visible.shape) != (num_rows,):
-        raise ValueError(f"visible must be int64/int32 [{num_rows}], got {visible.dtype} "
-                         f"{list(visible.shape)}")
+        raise ValueError(
+            f"visible must be int64/int32 [{num_rows}], got {visible.dtype} {list(visible.shape)}"
+        )
     if visible.device != scores.device:
         raise ValueError(f"visible is on {visible.device}, scores on {scores.device}")
     if not visible.is_contiguous():
@@ -242,7 +265,7 @@ def index_topk(
     if num_rows == 0:
         return ids, valid
     if entry_rows is None:
-        table, token_slot, ratio = visible, visible, 1   # never read (ENTRY_ROWS false)
+        table, token_slot, ratio = visible, visible, 1  # never read (ENTRY_ROWS false)
         table_width = table_stride = 1
     else:
         table, token_slot, ratio = entry_rows
@@ -250,25 +273,53 @@ def index_topk(
         table_width, table_stride = table.shape[1], table.stride(0)
     block_n, block_k, num_warps = _block_sizes(width, k)
     _index_topk_kernel[(num_rows,)](
-        scores, visible, ids, valid.view(torch.uint8), width, k, scores.stride(0),
-        table, token_slot, table_width, table_stride, ratio,
-        BLOCK_N=block_n, BLOCK_K=block_k, BINS=_RADIX_BINS, ENTRY_ROWS=entry_rows is not None,
-        num_warps=num_warps, **programmatic_launch(_index_topk_kernel, device),
-    )  # fmt: skip
+        scores,
+        visible,
+        ids,
+        valid.view(torch.uint8),
+        width,
+        k,
+        scores.stride(0),
+        table,
+        token_slot,
+        table_width,
+        table_stride,
+        ratio,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        BINS=_RADIX_BINS,
+        ENTRY_ROWS=entry_rows is not None,
+        num_warps=num_warps,
+        **programmatic_launch(_index_topk_kernel, device),
+    )
     return ids, valid
 
 
-def _check_entry_rows(table: torch.Tensor, token_slot: torch.Tensor, ratio: int, num_rows: int,
-                      device: torch.device) -> None:
-    if table.dtype not in (torch.int64, torch.int32) or table.dim() != 2 or table.shape[1] < 1 \
-            or table.stride(1) != 1 or table.device != device:
-        raise ValueError(f"entry_rows: req_to_token must be int64/int32 [R, W >= 1] with unit "
-                         f"column stride on {device}, got {table.dtype} {list(table.shape)} "
-                         f"strides {table.stride()} on {table.device}")
-    if token_slot.dtype != torch.int64 or tuple(token_slot.shape) != (num_rows,) \
-            or not token_slot.is_contiguous() or token_slot.device != device:
-        raise ValueError(f"entry_rows: token_slot must be contiguous int64 [{num_rows}] on "
-                         f"{device}, got {token_slot.dtype} {list(token_slot.shape)} on "
-                         f"{token_slot.device}")
+def _check_entry_rows(
+    table: torch.Tensor, token_slot: torch.Tensor, ratio: int, num_rows: int, device: torch.device
+) -> None:
+    if (
+        table.dtype not in (torch.int64, torch.int32)
+        or table.dim() != 2
+        or table.shape[1] < 1
+        or table.stride(1) != 1
+        or table.device != device
+    ):
+        raise ValueError(
+            f"entry_rows: req_to_token must be int64/int32 [R, W >= 1] with unit "
+            f"column stride on {device}, got {table.dtype} {list(table.shape)} "
+            f"strides {table.stride()} on {table.device}"
+        )
+    if (
+        token_slot.dtype != torch.int64
+        or tuple(token_slot.shape) != (num_rows,)
+        or not token_slot.is_contiguous()
+        or token_slot.device != device
+    ):
+        raise ValueError(
+            f"entry_rows: token_slot must be contiguous int64 [{num_rows}] on "
+            f"{device}, got {token_slot.dtype} {list(token_slot.shape)} on "
+            f"{token_slot.device}"
+        )
     if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:
         raise ValueError(f"entry_rows: ratio must be an int >= 1, got {ratio!r}")

@@ -63,10 +63,10 @@ def indexer_logits_ref(
     weights = weights.float() * weight_scale
     entry_ids = torch.arange(n_max, device=positions.device)
     slots = entry_pool_rows_ref(entry_ids[None, :], req_to_token, token_slot, ratio)  # [T, N]
-    keys = index_keys[slots]                                                   # [T, N, Di]
+    keys = index_keys[slots]  # [T, N, Di]
     scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
     scores = torch.relu(scores) * head_dim**-0.5
-    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)                       # [T, N]
+    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, N]
     visible = (positions + 1) // ratio
     return scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
 
@@ -119,12 +119,18 @@ def _indexer_logits_kernel(
 
     dims = tl.arange(0, BLOCK_D)
     in_dim = dims < head_dim
-    keys = tl.load(keys_ptr + entry[:, None] * keys_stride + dims[None, :],
-                   mask=seen[:, None] & in_dim[None, :], other=0.0)            # [BLOCK_N, BLOCK_D]
+    keys = tl.load(
+        keys_ptr + entry[:, None] * keys_stride + dims[None, :],
+        mask=seen[:, None] & in_dim[None, :],
+        other=0.0,
+    )  # [BLOCK_N, BLOCK_D]
     heads = tl.arange(0, BLOCK_H)
     in_head = heads < num_heads
-    q = tl.load(q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
-                mask=in_head[:, None] & in_dim[None, :], other=0.0)           # [BLOCK_H, BLOCK_D]
+    q = tl.load(
+        q_ptr + token * q_stride_t + heads[:, None] * q_stride_h + dims[None, :],
+        mask=in_head[:, None] & in_dim[None, :],
+        other=0.0,
+    )  # [BLOCK_H, BLOCK_D]
     # Pad heads have q = 0 and w = 0, so they add exact zeros to the head sum.
     # fp32(w) * weight_scale, as the reference: the layer's scaled copy is no separate launch.
     w = tl.load(w_ptr + token * w_stride_t + heads, mask=in_head, other=0.0).to(tl.float32)
@@ -132,7 +138,7 @@ def _indexer_logits_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
         keys = keys.to(tl.float32)
-    dots = tl.dot(q, tl.trans(keys), input_precision="ieee")                 # [BLOCK_H, BLOCK_N]
+    dots = tl.dot(q, tl.trans(keys), input_precision="ieee")  # [BLOCK_H, BLOCK_N]
     per_head = tl.maximum(dots, 0.0) * scale
     score = tl.sum(per_head * w[:, None], axis=0)
     tl.store(out_row, tl.where(seen, score, float("-inf")), mask=in_row)
@@ -173,18 +179,25 @@ def indexer_logits(
         raise ValueError(f"qi must be [T, Hi, Di] bf16/fp16/fp32, got {qi.dtype} {tuple(qi.shape)}")
     tokens, num_heads, head_dim = qi.shape
     if weights.shape != (tokens, num_heads) or weights.dtype not in (torch.float32, qi.dtype):
-        raise ValueError(f"weights must be fp32 or {qi.dtype} [{tokens}, {num_heads}], got "
-                         f"{weights.dtype} {tuple(weights.shape)}")
+        raise ValueError(
+            f"weights must be fp32 or {qi.dtype} [{tokens}, {num_heads}], got "
+            f"{weights.dtype} {tuple(weights.shape)}"
+        )
     if index_keys.dim() != 2 or index_keys.shape[1] != head_dim or index_keys.dtype != qi.dtype:
-        raise ValueError(f"index_keys must be [slots, {head_dim}] {qi.dtype}, got "
-                         f"{index_keys.dtype} {tuple(index_keys.shape)}")
+        raise ValueError(
+            f"index_keys must be [slots, {head_dim}] {qi.dtype}, got "
+            f"{index_keys.dtype} {tuple(index_keys.shape)}"
+        )
     for name, t in (("positions", positions), ("token_slot", token_slot)):
         if t.shape != (tokens,) or t.dtype != torch.int64 or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous int64 [{tokens}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
+            raise ValueError(
+                f"{name} must be contiguous int64 [{tokens}], got {t.dtype} {tuple(t.shape)}"
+            )
     if req_to_token.dim() != 2 or req_to_token.dtype != torch.int64:
-        raise ValueError(f"req_to_token must be int64 [slots, max_ctx], got {req_to_token.dtype} "
-                         f"{tuple(req_to_token.shape)}")
+        raise ValueError(
+            f"req_to_token must be int64 [slots, max_ctx], got {req_to_token.dtype} "
+            f"{tuple(req_to_token.shape)}"
+        )
     if ratio < 1 or n_max < 0:
         raise ValueError(f"ratio must be >= 1 and n_max >= 0, got ratio={ratio} n_max={n_max}")
     if block_n < _MIN_DOT or block_n & (block_n - 1):
@@ -192,21 +205,43 @@ def indexer_logits(
     if out is None:
         out = torch.empty((tokens, n_max), dtype=torch.float32, device=qi.device)
     elif out.shape != (tokens, n_max) or out.dtype != torch.float32:
-        raise ValueError(f"out must be fp32 [{tokens}, {n_max}], got {out.dtype} "
-                         f"{tuple(out.shape)}")
+        raise ValueError(
+            f"out must be fp32 [{tokens}, {n_max}], got {out.dtype} {tuple(out.shape)}"
+        )
     if tokens == 0 or n_max == 0:
         return out
-    for name, t in (("qi", qi), ("weights", weights), ("index_keys", index_keys),
-                    ("req_to_token", req_to_token), ("out", out)):
+    for name, t in (
+        ("qi", qi),
+        ("weights", weights),
+        ("index_keys", index_keys),
+        ("req_to_token", req_to_token),
+        ("out", out),
+    ):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
     block_n = min(block_n, max(_MIN_DOT, triton.next_power_of_2(n_max)))
     grid = (tokens, triton.cdiv(n_max, block_n))
     _indexer_logits_kernel[grid](
-        qi, weights, index_keys, positions, token_slot, req_to_token, out,
-        num_heads, head_dim, n_max, ratio, req_to_token.shape[1], head_dim**-0.5,
-        float(weight_scale), qi.stride(0), qi.stride(1), weights.stride(0), index_keys.stride(0),
-        req_to_token.stride(0), out.stride(0),
+        qi,
+        weights,
+        index_keys,
+        positions,
+        token_slot,
+        req_to_token,
+        out,
+        num_heads,
+        head_dim,
+        n_max,
+        ratio,
+        req_to_token.shape[1],
+        head_dim**-0.5,
+        float(weight_scale),
+        qi.stride(0),
+        qi.stride(1),
+        weights.stride(0),
+        index_keys.stride(0),
+        req_to_token.stride(0),
+        out.stride(0),
         BLOCK_H=max(_MIN_DOT, triton.next_power_of_2(num_heads)),
         BLOCK_D=max(_MIN_DOT, triton.next_power_of_2(head_dim)),
         BLOCK_N=block_n,

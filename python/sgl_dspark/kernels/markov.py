@@ -137,14 +137,38 @@ def _fold_argmax(best_val, best_idx, vals, idx, valid, NO_INDEX: tl.constexpr):
 
 @triton.jit(do_not_specialize=["k"])
 def _markov_step_kernel(
-    base_ptr, w1_ptr, w2_ptr, anchors_ptr, drafts_ptr, logits_ptr, embeds_ptr, part_val_ptr,
-    part_idx_ptr, k, batch, gamma, vocab, rank, chunk, num_chunks,
-    stride_base_b, stride_base_g, stride_w1, stride_w2,
-    BLOCK_B: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_R: tl.constexpr,
-    BLOCK_P: tl.constexpr, RESOLVE_PREV: tl.constexpr, COMPUTE: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_KIND: tl.constexpr,
-    NO_INDEX: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    base_ptr,
+    w1_ptr,
+    w2_ptr,
+    anchors_ptr,
+    drafts_ptr,
+    logits_ptr,
+    embeds_ptr,
+    part_val_ptr,
+    part_idx_ptr,
+    k,
+    batch,
+    gamma,
+    vocab,
+    rank,
+    chunk,
+    num_chunks,
+    stride_base_b,
+    stride_base_g,
+    stride_w1,
+    stride_w2,
+    BLOCK_B: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    RESOLVE_PREV: tl.constexpr,
+    COMPUTE: tl.constexpr,
+    USE_DOT: tl.constexpr,
+    DOT_IN_FP32: tl.constexpr,
+    ROUND_KIND: tl.constexpr,
+    NO_INDEX: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (row block, chunk) of position k; see the module docstring for the three steps."""
     pid_c = tl.program_id(1)
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
@@ -156,8 +180,9 @@ def _markov_step_kernel(
         # the first tile out of the loop took the DSV4-Flash variants from 128 to ~190
         # registers (sm90 ptxas), one program per SM instead of two. Rows clamped into the
         # chunk (< end <= V).
-        first_cols = tl.minimum(pid_c * chunk + tl.arange(0, BLOCK_V),
-                                tl.minimum(pid_c * chunk + chunk, vocab) - 1)
+        first_cols = tl.minimum(
+            pid_c * chunk + tl.arange(0, BLOCK_V), tl.minimum(pid_c * chunk + chunk, vocab) - 1
+        )
         prefetch_tile_l2(w2_ptr, first_cols, stride_w2, 0, rank, BLOCK_R)
     # The partials / anchors and U come from earlier kernels, and every output may still be read.
     wait_for_producers(PDL)
@@ -194,12 +219,16 @@ def _markov_step_kernel(
         for v0 in range(start, end, BLOCK_V):
             cols = v0 + cols_in_block
             col_ok = cols < end
-            w = tl.load(w2_ptr + cols.to(tl.int64)[:, None] * stride_w2 + rk[None, :],
-                        mask=col_ok[:, None] & (rk < rank)[None, :], other=0.0)  # fmt: skip
+            w = tl.load(
+                w2_ptr + cols.to(tl.int64)[:, None] * stride_w2 + rk[None, :],
+                mask=col_ok[:, None] & (rk < rank)[None, :],
+                other=0.0,
+            )
             if USE_DOT:
                 if DOT_IN_FP32:  # fp32 W2, or the interpreter (no bf16 dot there)
-                    acc = tl.dot(e_w.to(tl.float32), tl.trans(w.to(tl.float32)),
-                                 input_precision="ieee")  # fmt: skip
+                    acc = tl.dot(
+                        e_w.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee"
+                    )
                 else:
                     acc = tl.dot(e_w, tl.trans(w), out_dtype=tl.float32)
             else:  # one row: broadcast GEMV, no padding of the rows to the MMA minimum
@@ -254,8 +283,10 @@ def _plan(batch: int, vocab: int, rank: int, w2_elem: int, num_chunks: int | Non
 def _check_out(out: MarkovGreedyOutput, shapes: MarkovGreedyOutput, device: torch.device) -> None:
     for name, got, want in zip(MarkovGreedyOutput._fields, out, shapes):
         if got.shape != want.shape or got.dtype != want.dtype or got.device != device:
-            raise ValueError(f"out.{name} must be {want.dtype} {tuple(want.shape)} on {device}, "
-                             f"got {got.dtype} {tuple(got.shape)} on {got.device}")  # fmt: skip
+            raise ValueError(
+                f"out.{name} must be {want.dtype} {tuple(want.shape)} on {device}, "
+                f"got {got.dtype} {tuple(got.shape)} on {got.device}"
+            )
         if not got.is_contiguous():
             raise ValueError(f"out.{name} must be contiguous")
 
@@ -274,15 +305,17 @@ def _check_inputs(
     if not 1 <= vocab < _NO_INDEX:
         raise ValueError(f"base_logits: vocab V must lie in [1, 2**31 - 1), got {vocab}")
     if w1.dim() != 2 or w2.dim() != 2 or w1.shape != w2.shape or w1.shape[0] != vocab:
-        raise ValueError(f"w1 and w2 must both be [V={vocab}, r], got {tuple(w1.shape)} and "
-                         f"{tuple(w2.shape)}")  # fmt: skip
+        raise ValueError(
+            f"w1 and w2 must both be [V={vocab}, r], got {tuple(w1.shape)} and {tuple(w2.shape)}"
+        )
     if not 1 <= w1.shape[1] <= _MAX_RANK:
         raise ValueError(f"w1/w2: markov rank r must lie in [1, {_MAX_RANK}], got {w1.shape[1]}")
     if w1.stride(1) != 1 or w2.stride(1) != 1 or base_logits.stride(2) != 1:
         raise ValueError("base_logits, w1 and w2 must have unit stride in their last dim")
     if anchors.shape != (batch,) or anchors.dtype not in _INDEX_DTYPES:
-        raise ValueError(f"anchors must be int64/int32 [{batch}], got {anchors.dtype} "
-                         f"{tuple(anchors.shape)}")  # fmt: skip
+        raise ValueError(
+            f"anchors must be int64/int32 [{batch}], got {anchors.dtype} {tuple(anchors.shape)}"
+        )
     if anchors.device != base_logits.device:
         raise ValueError(f"anchors is on {anchors.device}, base_logits on {base_logits.device}")
 
@@ -339,12 +372,37 @@ def markov_greedy(
     for k in range(gamma + 1):
         compute = k < gamma
         _markov_step_kernel[(row_blocks, plan.num_chunks if compute else 1)](
-            base_logits, w1, w2, anchors, out.drafts, out.step_logits, out.embeds, part_val,
-            part_idx, k, batch, gamma, vocab, rank, plan.chunk, plan.num_chunks,
-            base_logits.stride(0), base_logits.stride(1), w1.stride(0), w2.stride(0),
-            BLOCK_B=plan.block_b, BLOCK_V=plan.block_v, BLOCK_R=plan.block_r,
-            BLOCK_P=plan.block_p, RESOLVE_PREV=k > 0, COMPUTE=compute, USE_DOT=plan.use_dot,
-            DOT_IN_FP32=dot_in_fp32, ROUND_KIND=_ROUND_KIND[w2.dtype], NO_INDEX=_NO_INDEX,
-            num_warps=_NUM_WARPS, **programmatic_launch(_markov_step_kernel, device),
-        )  # fmt: skip
+            base_logits,
+            w1,
+            w2,
+            anchors,
+            out.drafts,
+            out.step_logits,
+            out.embeds,
+            part_val,
+            part_idx,
+            k,
+            batch,
+            gamma,
+            vocab,
+            rank,
+            plan.chunk,
+            plan.num_chunks,
+            base_logits.stride(0),
+            base_logits.stride(1),
+            w1.stride(0),
+            w2.stride(0),
+            BLOCK_B=plan.block_b,
+            BLOCK_V=plan.block_v,
+            BLOCK_R=plan.block_r,
+            BLOCK_P=plan.block_p,
+            RESOLVE_PREV=k > 0,
+            COMPUTE=compute,
+            USE_DOT=plan.use_dot,
+            DOT_IN_FP32=dot_in_fp32,
+            ROUND_KIND=_ROUND_KIND[w2.dtype],
+            NO_INDEX=_NO_INDEX,
+            num_warps=_NUM_WARPS,
+            **programmatic_launch(_markov_step_kernel, device),
+        )
     return out

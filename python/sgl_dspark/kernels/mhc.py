@@ -54,8 +54,14 @@ class MhcPostCombineOutput(NamedTuple):
 
 
 def mhc_coeffs_ref(
-    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, *,
-    hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """hc_coeffs of deepseek_v4_model.md §4.2.
 
@@ -112,30 +118,49 @@ def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Ten
 
 
 def mhc_post_combine_ref(
-    streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
-    hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+    streams: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
 ) -> MhcPostCombineOutput:
     """Unfused chain: mhc_post_ref, then mhc_coeffs_ref of the next sublayer on the updated
     (stored, i.e. dtype-rounded) streams, its collapse, and its RMSNorm."""
     new_streams = mhc_post_ref(streams, y, post, comb)
-    pre2, post2, comb2 = mhc_coeffs_ref(new_streams, fn, base, scale, hc_eps=hc_eps,
-                                        sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps)
+    pre2, post2, comb2 = mhc_coeffs_ref(
+        new_streams, fn, base, scale, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps
+    )
     x_in = mhc_collapse_ref(new_streams, pre2)
     x_normed = rms_norm_ref(x_in, norm_weight, rms_eps)
     return MhcPostCombineOutput(new_streams, pre2, post2, comb2, x_in, x_normed)
 
 
 def mhc_pre_ref(
-    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    norm_weight: torch.Tensor, *, hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
 ) -> MhcPostCombineOutput:
     """Open the first sublayer: coeffs, collapse and RMSNorm of the (unchanged) streams."""
-    pre, post, comb = mhc_coeffs_ref(streams, fn, base, scale, hc_eps=hc_eps,
-                                     sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps)
+    pre, post, comb = mhc_coeffs_ref(
+        streams, fn, base, scale, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps
+    )
     x_in = mhc_collapse_ref(streams, pre)
-    return MhcPostCombineOutput(streams, pre, post, comb, x_in,
-                                rms_norm_ref(x_in, norm_weight, rms_eps))
+    return MhcPostCombineOutput(
+        streams, pre, post, comb, x_in, rms_norm_ref(x_in, norm_weight, rms_eps)
+    )
 
 
 # ---- Triton kernel ------------------------------------------------------------------------------
@@ -151,30 +176,61 @@ def _pick(t, offs_j, j: tl.constexpr):
 
 
 @triton.jit
-def _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, row, M, offs_j, mask_j, offs_d, mask_d,
-              D: tl.constexpr, N: tl.constexpr, HAS_UPDATE: tl.constexpr):
+def _load_row(
+    streams_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    row,
+    M,
+    offs_j,
+    mask_j,
+    offs_d,
+    mask_d,
+    D: tl.constexpr,
+    N: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
+):
     """Phase A inputs of one row on one slice: y [B], post [NP], comb [NP, NP], Rs [NP, B]."""
     ok = row < M
     mask_jd = mask_j[:, None] & mask_d[None, :] & ok
     if HAS_UPDATE:
         y = tl.load(y_ptr + row * D + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
         post = tl.load(post_ptr + row * N + offs_j, mask=mask_j & ok, other=0.0)
-        comb = tl.load(comb_ptr + row * N * N + offs_j[:, None] * N + offs_j[None, :],
-                       mask=mask_j[:, None] & mask_j[None, :] & ok, other=0.0)
+        comb = tl.load(
+            comb_ptr + row * N * N + offs_j[:, None] * N + offs_j[None, :],
+            mask=mask_j[:, None] & mask_j[None, :] & ok,
+            other=0.0,
+        )
     else:
         y, post = offs_d.to(tl.float32), offs_j.to(tl.float32)  # unused placeholders
         comb = post[:, None] + post[None, :]
-    src = tl.load(streams_ptr + (row * N + offs_j[:, None]) * D + offs_d[None, :], mask=mask_jd,
-                  other=0.0).to(tl.float32)
+    src = tl.load(
+        streams_ptr + (row * N + offs_j[:, None]) * D + offs_d[None, :], mask=mask_jd, other=0.0
+    ).to(tl.float32)
     return y, post, comb, src
 
 
 @triton.jit
 def _stream_update_and_partials(
-    streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
-    D: tl.constexpr, NUM_SLICES: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    RP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, ROUND_BF16: tl.constexpr,
-    HAS_UPDATE: tl.constexpr, PDL: tl.constexpr,
+    streams_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    fn_ptr,
+    streams_out_ptr,
+    partials_ptr,
+    M,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     """Phase A, program (row tile, D slice): Rs' of BLOCK_M rows on the slice; per row, the
     slice's partial fn projection (partials columns < R) and sum of squares (column R).
@@ -198,14 +254,39 @@ def _stream_update_and_partials(
     # on BLOCK_M nor on its place in the tile); the next row's loads are issued before this
     # row's arithmetic so that their latency overlaps it.
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
-    y, post, comb, src = _load_row(streams_ptr, y_ptr, post_ptr, comb_ptr, first_row, M,
-                                   offs_j, mask_j, offs_d, mask_d, D, N, HAS_UPDATE)
+    y, post, comb, src = _load_row(
+        streams_ptr,
+        y_ptr,
+        post_ptr,
+        comb_ptr,
+        first_row,
+        M,
+        offs_j,
+        mask_j,
+        offs_d,
+        mask_d,
+        D,
+        N,
+        HAS_UPDATE,
+    )
     for i in tl.static_range(BLOCK_M):
         row = first_row + i
         if i + 1 < BLOCK_M:
             y_next, post_next, comb_next, src_next = _load_row(
-                streams_ptr, y_ptr, post_ptr, comb_ptr, row + 1, M,
-                offs_j, mask_j, offs_d, mask_d, D, N, HAS_UPDATE)
+                streams_ptr,
+                y_ptr,
+                post_ptr,
+                comb_ptr,
+                row + 1,
+                M,
+                offs_j,
+                mask_j,
+                offs_d,
+                mask_d,
+                D,
+                N,
+                HAS_UPDATE,
+            )
         if HAS_UPDATE:
             # The reference's operand order: post term first, then j increasing.
             acc = post[:, None] * y[None, :]
@@ -226,13 +307,17 @@ def _stream_update_and_partials(
 
 
 @triton.jit
-def _slice_sum(ws_ptr, cols, col_mask, NUM_SLICES: tl.constexpr, SP: tl.constexpr,
-               RP: tl.constexpr):
+def _slice_sum(
+    ws_ptr, cols, col_mask, NUM_SLICES: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr
+):
     """Σ over the D slices of one row's partial columns ``cols``: one load, one reduction whose
     tree is fixed by the shape, i.e. by (n, D)."""
     offs_s = tl.arange(0, SP)
-    vals = tl.load(ws_ptr + offs_s[:, None] * RP + cols[None, :],
-                   mask=(offs_s < NUM_SLICES)[:, None] & col_mask[None, :], other=0.0)
+    vals = tl.load(
+        ws_ptr + offs_s[:, None] * RP + cols[None, :],
+        mask=(offs_s < NUM_SLICES)[:, None] & col_mask[None, :],
+        other=0.0,
+    )
     return tl.sum(vals, axis=0)
 
 
@@ -242,8 +327,15 @@ def _inv_rms(sumsq, count: tl.constexpr, eps):  # 1 / sqrt(sumsq / count + eps),
 
 
 @triton.jit
-def _row_inv_rms(ws_ptr, rms_eps, D: tl.constexpr, N: tl.constexpr, NUM_SLICES: tl.constexpr,
-                 SP: tl.constexpr, RP: tl.constexpr):
+def _row_inv_rms(
+    ws_ptr,
+    rms_eps,
+    D: tl.constexpr,
+    N: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SP: tl.constexpr,
+    RP: tl.constexpr,
+):
     """1 / sqrt(mean(Rs'²) + eps) over the row's n·D values, from the slices' sums of squares."""
     offs_s = tl.arange(0, SP)
     part = tl.load(ws_ptr + offs_s * RP + (2 + N) * N, mask=offs_s < NUM_SLICES, other=0.0)
@@ -251,8 +343,9 @@ def _row_inv_rms(ws_ptr, rms_eps, D: tl.constexpr, N: tl.constexpr, NUM_SLICES: 
 
 
 @triton.jit
-def _collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr,
-                    ROUND_BF16: tl.constexpr):
+def _collapse_store(
+    rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr, ROUND_BF16: tl.constexpr
+):
     """x_in = Σ_j pre[j]·rs[j, :] (rs [NP, B] fp32) with j increasing, the reference's order;
     stores it and returns the stored value in fp32."""
     x = _pick(pre[:, None], offs_j, 0) * _pick(rs, offs_j, 0)
@@ -274,10 +367,25 @@ def _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_d, mask_d, ROUND_BF16: t
 
 @triton.jit
 def _finish_collapse_norm(
-    row, streams_out_ptr, pre_out_ptr, x_in_ptr, x_normed_ptr, partials_ptr, base_ptr,
-    scale_ptr, norm_w_ptr, hc_eps, rms_eps,
-    D: tl.constexpr, NUM_SLICES: tl.constexpr, N: tl.constexpr, NP: tl.constexpr,
-    RP: tl.constexpr, SP: tl.constexpr, FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr,
+    row,
+    streams_out_ptr,
+    pre_out_ptr,
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    base_ptr,
+    scale_ptr,
+    norm_w_ptr,
+    hc_eps,
+    rms_eps,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
 ):
     """Phase B, program (row, 0): pre', x_in = Σ_j pre'[j]·Rs'[j] and RMSNorm_w(x_in)."""
     offs_j = tl.arange(0, NP)
@@ -289,8 +397,9 @@ def _finish_collapse_norm(
     if FINISH_BLOCK >= D:
         # Issued before the coefficient chain so that these loads overlap it.
         mask_f = offs_f < D
-        rs = tl.load(rows_ptr + offs_f[None, :], mask=mask_j[:, None] & mask_f[None, :],
-                     other=0.0).to(tl.float32)
+        rs = tl.load(
+            rows_ptr + offs_f[None, :], mask=mask_j[:, None] & mask_f[None, :], other=0.0
+        ).to(tl.float32)
         w = tl.load(norm_w_ptr + offs_f, mask=mask_f, other=0.0).to(tl.float32)
 
     ws = partials_ptr + row * NUM_SLICES * RP
@@ -309,8 +418,9 @@ def _finish_collapse_norm(
         sumsq_x = tl.zeros([FINISH_BLOCK], tl.float32)
         for d0 in range(0, D, FINISH_BLOCK):
             mask_d = d0 + offs_f < D
-            rs = tl.load(rows_ptr + d0 + offs_f[None, :], mask=mask_j[:, None] & mask_d[None, :],
-                         other=0.0).to(tl.float32)
+            rs = tl.load(
+                rows_ptr + d0 + offs_f[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0
+            ).to(tl.float32)
             x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, d0 + offs_f, mask_d, N, ROUND_BF16)
             sumsq_x += x * x
         # NOTE: the norm pass re-reads x_in written above by other threads of this program.
@@ -325,9 +435,21 @@ def _finish_collapse_norm(
 
 @triton.jit
 def _finish_coeffs(
-    row, post_out_ptr, comb_out_ptr, partials_ptr, base_ptr, scale_ptr, hc_eps, rms_eps,
-    D: tl.constexpr, NUM_SLICES: tl.constexpr, SINKHORN_ITERS: tl.constexpr, N: tl.constexpr,
-    NP: tl.constexpr, RP: tl.constexpr, SP: tl.constexpr,
+    row,
+    post_out_ptr,
+    comb_out_ptr,
+    partials_ptr,
+    base_ptr,
+    scale_ptr,
+    hc_eps,
+    rms_eps,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
 ):
     """Phase B, program (row, 1): post' (sigmoid) and comb' (softmax + Sinkhorn)."""
     offs_j = tl.arange(0, NP)
@@ -338,8 +460,11 @@ def _finish_coeffs(
     inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
     mix_post = _slice_sum(ws, N + offs_j, mask_j, NUM_SLICES, SP, RP) * inv_rms
     offs_s = tl.arange(0, SP)
-    comb_part = tl.load(ws + offs_s[:, None, None] * RP + 2 * N + comb_idx[None, :, :],
-                        mask=(offs_s < NUM_SLICES)[:, None, None] & mask_jk[None, :, :], other=0.0)
+    comb_part = tl.load(
+        ws + offs_s[:, None, None] * RP + 2 * N + comb_idx[None, :, :],
+        mask=(offs_s < NUM_SLICES)[:, None, None] & mask_jk[None, :, :],
+        other=0.0,
+    )
     mix_comb = tl.sum(comb_part, axis=0) * inv_rms
 
     base_post = tl.load(base_ptr + N + offs_j, mask=mask_j, other=0.0)
@@ -360,33 +485,105 @@ def _finish_coeffs(
 
 @triton.jit
 def _mhc_post_combine_kernel(
-    streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, base_ptr, scale_ptr, norm_w_ptr,
-    streams_out_ptr, pre_out_ptr, post_out_ptr, comb_out_ptr, x_in_ptr, x_normed_ptr,
-    partials_ptr, M, hc_eps, rms_eps,
-    PHASE: tl.constexpr, D: tl.constexpr, NUM_SLICES: tl.constexpr,
-    SINKHORN_ITERS: tl.constexpr, N: tl.constexpr, NP: tl.constexpr, RP: tl.constexpr,
-    SP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-    FINISH_BLOCK: tl.constexpr, ROUND_BF16: tl.constexpr, HAS_UPDATE: tl.constexpr,
+    streams_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    fn_ptr,
+    base_ptr,
+    scale_ptr,
+    norm_w_ptr,
+    streams_out_ptr,
+    pre_out_ptr,
+    post_out_ptr,
+    comb_out_ptr,
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    M,
+    hc_eps,
+    rms_eps,
+    PHASE: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """PHASE 0: grid (row tiles, D slices), see _stream_update_and_partials. PHASE 1: grid
     (M, 2), program (row, 0) collapses and norms, program (row, 1) forms post' and comb'."""
     if PHASE == 0:
         _stream_update_and_partials(
-            streams_ptr, y_ptr, post_ptr, comb_ptr, fn_ptr, streams_out_ptr, partials_ptr, M,
-            D, NUM_SLICES, N, NP, RP, BLOCK_M, BLOCK_D, ROUND_BF16, HAS_UPDATE, PDL)
+            streams_ptr,
+            y_ptr,
+            post_ptr,
+            comb_ptr,
+            fn_ptr,
+            streams_out_ptr,
+            partials_ptr,
+            M,
+            D,
+            NUM_SLICES,
+            N,
+            NP,
+            RP,
+            BLOCK_M,
+            BLOCK_D,
+            ROUND_BF16,
+            HAS_UPDATE,
+            PDL,
+        )
     else:
         wait_for_producers(PDL)  # phase A's partials and Rs' are read first
         row = tl.program_id(0).to(tl.int64)
         if tl.program_id(1) == 0:
             _finish_collapse_norm(
-                row, streams_out_ptr, pre_out_ptr, x_in_ptr, x_normed_ptr, partials_ptr,
-                base_ptr, scale_ptr, norm_w_ptr, hc_eps, rms_eps,
-                D, NUM_SLICES, N, NP, RP, SP, FINISH_BLOCK, ROUND_BF16)
+                row,
+                streams_out_ptr,
+                pre_out_ptr,
+                x_in_ptr,
+                x_normed_ptr,
+                partials_ptr,
+                base_ptr,
+                scale_ptr,
+                norm_w_ptr,
+                hc_eps,
+                rms_eps,
+                D,
+                NUM_SLICES,
+                N,
+                NP,
+                RP,
+                SP,
+                FINISH_BLOCK,
+                ROUND_BF16,
+            )
         else:
             _finish_coeffs(
-                row, post_out_ptr, comb_out_ptr, partials_ptr, base_ptr, scale_ptr,
-                hc_eps, rms_eps, D, NUM_SLICES, SINKHORN_ITERS, N, NP, RP, SP)
+                row,
+                post_out_ptr,
+                comb_out_ptr,
+                partials_ptr,
+                base_ptr,
+                scale_ptr,
+                hc_eps,
+                rms_eps,
+                D,
+                NUM_SLICES,
+                SINKHORN_ITERS,
+                N,
+                NP,
+                RP,
+                SP,
+            )
 
 
 # ---- Launcher -----------------------------------------------------------------------------------
@@ -404,9 +601,18 @@ def _rows_per_program(m: int) -> int:
 
 
 def mhc_post_combine(
-    streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor,
-    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
-    hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+    streams: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
     out: MhcPostCombineOutput | None = None,
 ) -> MhcPostCombineOutput:
     """Fused mhc_post_combine_ref (two launches of one Triton kernel, no host sync).
@@ -422,26 +628,61 @@ def mhc_post_combine(
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed).
     """
-    return _launch(streams, (y, post, comb), fn, base, scale, norm_weight, hc_eps=hc_eps,
-                   sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps, out=out)
+    return _launch(
+        streams,
+        (y, post, comb),
+        fn,
+        base,
+        scale,
+        norm_weight,
+        hc_eps=hc_eps,
+        sinkhorn_iters=sinkhorn_iters,
+        rms_eps=rms_eps,
+        out=out,
+    )
 
 
 def mhc_pre(
-    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    norm_weight: torch.Tensor, *, hc_eps: float, sinkhorn_iters: int, rms_eps: float,
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
     out: MhcPostCombineOutput | None = None,
 ) -> MhcPostCombineOutput:
     """Fused mhc_pre_ref (open the first sublayer): mhc_post_combine's launches without the
     stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
     is the input itself (``out.streams`` is not written). Arguments as mhc_post_combine."""
-    return _launch(streams, None, fn, base, scale, norm_weight, hc_eps=hc_eps,
-                   sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps, out=out)
+    return _launch(
+        streams,
+        None,
+        fn,
+        base,
+        scale,
+        norm_weight,
+        hc_eps=hc_eps,
+        sinkhorn_iters=sinkhorn_iters,
+        rms_eps=rms_eps,
+        out=out,
+    )
 
 
 def _launch(
-    streams: torch.Tensor, update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, norm_weight: torch.Tensor, *,
-    hc_eps: float, sinkhorn_iters: int, rms_eps: float, out: MhcPostCombineOutput | None,
+    streams: torch.Tensor,
+    update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    out: MhcPostCombineOutput | None,
 ) -> MhcPostCombineOutput:
     require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
@@ -467,8 +708,9 @@ def _launch(
     out_shapes = [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)]
     out_dtypes = [act, torch.float32, torch.float32, torch.float32, act, act]
     if out is None:
-        out = MhcPostCombineOutput(*(torch.empty(shape, dtype=dt, device=dev)
-                                     for shape, dt in zip(out_shapes, out_dtypes)))
+        out = MhcPostCombineOutput(
+            *(torch.empty(shape, dtype=dt, device=dev) for shape, dt in zip(out_shapes, out_dtypes))
+        )
     for name, t, shape, dt in zip(out._fields, out, out_shapes, out_dtypes):
         check_tensor(f"out.{name}", t, shape, (dt,), dev)
     if update is None:
@@ -481,17 +723,42 @@ def _launch(
     rp = triton.next_power_of_2(r + 1)  # fn projection columns, then the sum of squares
     finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
     partials = torch.empty(m, num_slices, rp, dtype=torch.float32, device=dev)
-    args = (streams, y, post, comb, fn, base, scale, norm_weight, *out, partials,
-            m, float(hc_eps), float(rms_eps))
-    meta = dict(D=d, NUM_SLICES=num_slices, SINKHORN_ITERS=int(sinkhorn_iters),
-                N=n, NP=triton.next_power_of_2(n), RP=rp, SP=triton.next_power_of_2(num_slices),
-                BLOCK_D=block_d, FINISH_BLOCK=finish_block, ROUND_BF16=act == torch.bfloat16,
-                HAS_UPDATE=update is not None, enable_fp_fusion=False,
-                **programmatic_launch(_mhc_post_combine_kernel, dev))
+    args = (
+        streams,
+        y,
+        post,
+        comb,
+        fn,
+        base,
+        scale,
+        norm_weight,
+        *out,
+        partials,
+        m,
+        float(hc_eps),
+        float(rms_eps),
+    )
+    meta = dict(
+        D=d,
+        NUM_SLICES=num_slices,
+        SINKHORN_ITERS=int(sinkhorn_iters),
+        N=n,
+        NP=triton.next_power_of_2(n),
+        RP=rp,
+        SP=triton.next_power_of_2(num_slices),
+        BLOCK_D=block_d,
+        FINISH_BLOCK=finish_block,
+        ROUND_BF16=act == torch.bfloat16,
+        HAS_UPDATE=update is not None,
+        enable_fp_fusion=False,
+        **programmatic_launch(_mhc_post_combine_kernel, dev),
+    )
     _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
-        *args, PHASE=0, BLOCK_M=block_m, num_warps=4, **meta)
+        *args, PHASE=0, BLOCK_M=block_m, num_warps=4, **meta
+    )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
     # About 512 row elements per warp, i.e. n fp32 stream values of 16 columns per thread.
     _mhc_post_combine_kernel[(m, 2)](
-        *args, PHASE=1, BLOCK_M=1, num_warps=min(16, max(4, finish_block // 512)), **meta)
+        *args, PHASE=1, BLOCK_M=1, num_warps=min(16, max(4, finish_block // 512)), **meta
+    )
     return out

@@ -70,9 +70,18 @@ def moe_reduce_ref(
 
 
 @triton.jit
-def route_reduce_tail(acc, shared_ptr, out_ptr, offs, in_cols, routed_scale,
-                       APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
-                       ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):  # fmt: skip
+def route_reduce_tail(
+    acc,
+    shared_ptr,
+    out_ptr,
+    offs,
+    in_cols,
+    routed_scale,
+    APPLY_SCALE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    ON_BITS: tl.constexpr,
+):
     """fp32 slot sum -> stored output, rounding where the unfused chain stores (on the bits in
     the interpreter, `ON_BITS`; by the native nearest-even cast when compiled: same bits)."""
     if ROUND_BF16:
@@ -90,12 +99,24 @@ def route_reduce_tail(acc, shared_ptr, out_ptr, offs, in_cols, routed_scale,
 
 @triton.jit
 def _moe_reduce_kernel(
-    y_ptr, weights_ptr, ids_ptr, mask_ptr, shared_ptr, out_ptr,
-    hidden, num_experts, routed_scale,
-    TOPK: tl.constexpr, APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr,
-    ROUND_BF16: tl.constexpr, BLOCK_H: tl.constexpr, ON_BITS: tl.constexpr, EVEN_H: tl.constexpr,
+    y_ptr,
+    weights_ptr,
+    ids_ptr,
+    mask_ptr,
+    shared_ptr,
+    out_ptr,
+    hidden,
+    num_experts,
+    routed_scale,
+    TOPK: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    EVEN_H: tl.constexpr,
     PDL: tl.constexpr,
-):  # fmt: skip
+):
     wait_for_producers(PDL)  # y, the routes and shared come from earlier kernels
     token = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -110,11 +131,22 @@ def _moe_reduce_kernel(
         # Read whether or not the expert is local (the row is allocated; a remote row's garbage
         # is discarded by the select below, never added): the load then does not wait for the
         # id -> mask lookup, so the three loads of a slot are in flight together.
-        row = tl.load(y_ptr + (token * TOPK + slot) * hidden + cols, mask=in_cols,
-                      other=0.0).to(tl.float32)
+        row = tl.load(y_ptr + (token * TOPK + slot) * hidden + cols, mask=in_cols, other=0.0).to(
+            tl.float32
+        )
         acc += tl.where(is_local, weight * row, 0.0)
-    route_reduce_tail(acc, shared_ptr, out_ptr, token * hidden + cols, in_cols, routed_scale,
-                       APPLY_SCALE, HAS_SHARED, ROUND_BF16, ON_BITS)  # fmt: skip
+    route_reduce_tail(
+        acc,
+        shared_ptr,
+        out_ptr,
+        token * hidden + cols,
+        in_cols,
+        routed_scale,
+        APPLY_SCALE,
+        HAS_SHARED,
+        ROUND_BF16,
+        ON_BITS,
+    )
 
 
 def moe_reduce(

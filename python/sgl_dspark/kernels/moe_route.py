@@ -121,18 +121,23 @@ class RouterWorkspace(NamedTuple):
     counters: torch.Tensor
 
 
-def make_router_workspace(max_rows: int, num_experts: int, hidden: int,
-                          device: torch.device | str) -> RouterWorkspace:  # fmt: skip
+def make_router_workspace(
+    max_rows: int, num_experts: int, hidden: int, device: torch.device | str
+) -> RouterWorkspace:
     """Allocate a reusable workspace (keep one per layer shape: no memset per call)."""
     splits = triton.cdiv(hidden, _SPLIT_K)
     return RouterWorkspace(
         torch.empty(splits * max_rows * num_experts, dtype=torch.float32, device=device),
-        torch.zeros(triton.cdiv(max(max_rows, 1), _GEMV_ROWS), dtype=torch.int32, device=device))
+        torch.zeros(triton.cdiv(max(max_rows, 1), _GEMV_ROWS), dtype=torch.int32, device=device),
+    )
 
 
-def _logits_ref(x: torch.Tensor | None, gate_weight: torch.Tensor | None,
-                logits: torch.Tensor | None, partials: torch.Tensor | None,
-                ) -> torch.Tensor:  # fmt: skip
+def _logits_ref(
+    x: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    logits: torch.Tensor | None,
+    partials: torch.Tensor | None,
+) -> torch.Tensor:
     if logits is not None:
         return logits.float()
     if partials is not None:
@@ -152,13 +157,19 @@ def _scores_ref(logits: torch.Tensor, scoring: str) -> torch.Tensor:
 
 
 def router_topk_ref(
-    config: RouterConfig, *, x: torch.Tensor | None = None,
-    gate_weight: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-    partials: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
-    n_valid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-    tid2eid: torch.Tensor | None = None, logits_out: torch.Tensor | None = None,
+    config: RouterConfig,
+    *,
+    x: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
+    logits_out: torch.Tensor | None = None,
     workspace: RouterWorkspace | None = None,
-) -> RouterTopkOutput:  # fmt: skip
+) -> RouterTopkOutput:
     """Reference (the spec); same arguments as `router_topk` (`workspace` is ignored)."""
     full_logits = _logits_ref(x, gate_weight, logits, partials)
     if logits_out is not None:
@@ -202,19 +213,55 @@ def _row_max(x):
 
 @triton.jit
 def _router_topk_kernel(
-    x_ptr, gate_ptr, logits_ptr, partials_ptr, counter_ptr, bias_ptr, n_valid_ptr, input_ids_ptr,
-    tid2eid_ptr, ids_ptr, weights_ptr, logits_out_ptr,
-    num_rows, hidden, num_experts, num_tokens, stride_x, stride_gate, stride_tid,
-    routed_scale, shared_weight, fill_id, shared_id_base,
-    SOURCE: tl.constexpr, SCORING: tl.constexpr, HAS_BIAS: tl.constexpr,
-    HAS_N_VALID: tl.constexpr, HASH: tl.constexpr, RENORMALIZE: tl.constexpr,
-    WRITE_LOGITS: tl.constexpr, TOPK: tl.constexpr, NUM_SHARED: tl.constexpr,
-    NUM_SPLITS: tl.constexpr, ROUTE: tl.constexpr, ROWS: tl.constexpr, CHUNKS: tl.constexpr,
-    CHUNK: tl.constexpr, SPLIT_GROUP: tl.constexpr, BLOCK_OUT: tl.constexpr,
-    SPLIT_K: tl.constexpr, GEMV_M: tl.constexpr, GEMV_N: tl.constexpr, GEMV_K: tl.constexpr,
-    CHAINS: tl.constexpr, DOT_FP32: tl.constexpr, INTERPRETED: tl.constexpr,
-    UNROLL: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    gate_ptr,
+    logits_ptr,
+    partials_ptr,
+    counter_ptr,
+    bias_ptr,
+    n_valid_ptr,
+    input_ids_ptr,
+    tid2eid_ptr,
+    ids_ptr,
+    weights_ptr,
+    logits_out_ptr,
+    num_rows,
+    hidden,
+    num_experts,
+    num_tokens,
+    stride_x,
+    stride_gate,
+    stride_tid,
+    routed_scale,
+    shared_weight,
+    fill_id,
+    shared_id_base,
+    SOURCE: tl.constexpr,
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    HAS_N_VALID: tl.constexpr,
+    HASH: tl.constexpr,
+    RENORMALIZE: tl.constexpr,
+    WRITE_LOGITS: tl.constexpr,
+    TOPK: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    ROUTE: tl.constexpr,
+    ROWS: tl.constexpr,
+    CHUNKS: tl.constexpr,
+    CHUNK: tl.constexpr,
+    SPLIT_GROUP: tl.constexpr,
+    BLOCK_OUT: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    GEMV_M: tl.constexpr,
+    GEMV_N: tl.constexpr,
+    GEMV_K: tl.constexpr,
+    CHAINS: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    INTERPRETED: tl.constexpr,
+    UNROLL: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """x source: program (row block, split x expert tile) writes one GEMV partial; with ROUTE the
     last arrival of the row block routes its rows. Else program p routes rows [p * ROWS, +ROWS)."""
     pid = tl.program_id(0)
@@ -234,25 +281,46 @@ def _router_topk_kernel(
             # The gate weight is no kernel's output: its first K tile streams into L2 while the
             # previous kernel finishes. A prefetch, not a load: the pipeliner would hoist the
             # loop's first x load along with it, above the wait (a race, seen on the H200).
-            prefetch_tile_l2(gate_ptr, tl.minimum(experts, num_experts - 1), stride_gate,
-                             split * SPLIT_K, hidden, GEMV_K)
+            prefetch_tile_l2(
+                gate_ptr,
+                tl.minimum(experts, num_experts - 1),
+                stride_gate,
+                split * SPLIT_K,
+                hidden,
+                GEMV_K,
+            )
         wait_for_producers(PDL)
         for k0 in range(split * SPLIT_K, split * SPLIT_K + SPLIT_K, GEMV_K):
             # K as CHAINS contiguous pieces, one batch entry each: their MMA chains run on
             # separate warps, then a fixed-shape sum over the pieces.
-            ks = k0 + tl.arange(0, CHAINS)[:, None] * (GEMV_K // CHAINS) \
+            ks = (
+                k0
+                + tl.arange(0, CHAINS)[:, None] * (GEMV_K // CHAINS)
                 + tl.arange(0, GEMV_K // CHAINS)[None, :]
-            w_tile = tl.load(gate_ptr + experts[None, None, :] * stride_gate + ks[:, :, None],
-                             mask=(ks < hidden)[:, :, None] & expert_ok[None, None, :], other=0.0)
-            x_tile = tl.load(x_ptr + xrows[None, :, None] * stride_x + ks[:, None, :],
-                             mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :], other=0.0)
+            )
+            w_tile = tl.load(
+                gate_ptr + experts[None, None, :] * stride_gate + ks[:, :, None],
+                mask=(ks < hidden)[:, :, None] & expert_ok[None, None, :],
+                other=0.0,
+            )
+            x_tile = tl.load(
+                x_ptr + xrows[None, :, None] * stride_x + ks[:, None, :],
+                mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :],
+                other=0.0,
+            )
             if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.6): the exact
                 x_tile = x_tile.to(tl.float32)  # bf16 products are formed in fp32 instead
                 w_tile = w_tile.to(tl.float32)
             # "ieee": fp32 inputs must not go through tf32 (bf16 ignores the setting).
             acc += tl.sum(tl.dot(x_tile, w_tile, input_precision="ieee"), axis=0)
-        tl.store(partials_ptr + split * num_rows * num_experts + xrows[:, None] * num_experts
-                 + experts[None, :], acc, mask=xrow_ok[:, None] & expert_ok[None, :])  # fmt: skip
+        tl.store(
+            partials_ptr
+            + split * num_rows * num_experts
+            + xrows[:, None] * num_experts
+            + experts[None, :],
+            acc,
+            mask=xrow_ok[:, None] & expert_ok[None, :],
+        )
         row0 = pid * GEMV_M
         row_end = tl.minimum(row0 + GEMV_M, num_rows)
         if ROUTE:
@@ -272,10 +340,33 @@ def _router_topk_kernel(
             n_valid = tl.load(n_valid_ptr)
         if HASH:
             hash_route_rows(
-                row0, row_end, n_valid, logits_ptr, partials_ptr, input_ids_ptr, tid2eid_ptr,
-                ids_ptr, weights_ptr, num_rows, num_experts, num_tokens, stride_tid,
-                routed_scale, shared_weight, fill_id, shared_id_base, SOURCE == 1, SCORING,
-                RENORMALIZE, TOPK, NUM_SHARED, NUM_SPLITS, ROWS, BLOCK_OUT, not INTERPRETED)
+                row0,
+                row_end,
+                n_valid,
+                logits_ptr,
+                partials_ptr,
+                input_ids_ptr,
+                tid2eid_ptr,
+                ids_ptr,
+                weights_ptr,
+                num_rows,
+                num_experts,
+                num_tokens,
+                stride_tid,
+                routed_scale,
+                shared_weight,
+                fill_id,
+                shared_id_base,
+                SOURCE == 1,
+                SCORING,
+                RENORMALIZE,
+                TOPK,
+                NUM_SHARED,
+                NUM_SPLITS,
+                ROWS,
+                BLOCK_OUT,
+                not INTERPRETED,
+            )
         else:
             # Rows [r0, r0 + ROWS) per loop step. Tile [ROWS, CHUNKS, CHUNK], expert = chunk *
             # CHUNK + lane: CHUNK 128 fills a warp's 32 lanes x 4 and the layout's next axis is
@@ -283,8 +374,9 @@ def _router_topk_kernel(
             # [ROWS, 1, 1].
             for r0 in range(row0, row_end, ROWS):
                 rows = r0 + tl.arange(0, ROWS)[:, None, None]
-                cols = (tl.arange(0, CHUNKS)[None, :, None] * CHUNK
-                        + tl.arange(0, CHUNK)[None, None, :])
+                cols = (
+                    tl.arange(0, CHUNKS)[None, :, None] * CHUNK + tl.arange(0, CHUNK)[None, None, :]
+                )
                 row_ok = rows < num_rows
                 col_ok = cols < num_experts
                 tile_ok = row_ok & col_ok
@@ -298,8 +390,11 @@ def _router_topk_kernel(
                     for s0 in range(1, NUM_SPLITS, SPLIT_GROUP):
                         for j in tl.static_range(SPLIT_GROUP):
                             live = s0 + j < NUM_SPLITS
-                            part = tl.load(partials_ptr + (s0 + j) * num_rows * num_experts + offs,
-                                           mask=tile_ok & live, other=0.0)  # fmt: skip
+                            part = tl.load(
+                                partials_ptr + (s0 + j) * num_rows * num_experts + offs,
+                                mask=tile_ok & live,
+                                other=0.0,
+                            )
                             logits = tl.where(live, logits + part, logits)
                     if WRITE_LOGITS:
                         tl.store(logits_out_ptr + offs, logits, mask=tile_ok)
@@ -350,23 +445,32 @@ def _tile_shape(num_experts: int, rows: int, warps: int, num_splits: int) -> dic
     block_e = triton.next_power_of_2(num_experts)
     per_thread = max(1, block_e * rows // (32 * warps))
     group = max(1, min(num_splits - 1, 128 // per_thread))
-    return dict(ROWS=rows, CHUNKS=block_e // min(block_e, 128), CHUNK=min(block_e, 128),
-                SPLIT_GROUP=group)  # fmt: skip
+    return dict(
+        ROWS=rows, CHUNKS=block_e // min(block_e, 128), CHUNK=min(block_e, 128), SPLIT_GROUP=group
+    )
 
 
-def _require_tensor(name: str, tensor: torch.Tensor, shape: tuple[int, ...],
-                    dtypes: tuple[torch.dtype, ...]) -> None:  # fmt: skip
-    _require(tuple(tensor.shape) == shape and tensor.dtype in dtypes and tensor.stride(-1) == 1,
-             f"{name} must be {shape} of {dtypes} with a contiguous last dim, "
-             f"got {tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}")  # fmt: skip
+def _require_tensor(
+    name: str, tensor: torch.Tensor, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> None:
+    _require(
+        tuple(tensor.shape) == shape and tensor.dtype in dtypes and tensor.stride(-1) == 1,
+        f"{name} must be {shape} of {dtypes} with a contiguous last dim, "
+        f"got {tuple(tensor.shape)} {tensor.dtype} strides {tensor.stride()}",
+    )
 
 
-def _logits_source(x: torch.Tensor | None, gate_weight: torch.Tensor | None,
-                   logits: torch.Tensor | None, partials: torch.Tensor | None,
-                   ) -> tuple[int, int, int, int, torch.device]:  # fmt: skip
+def _logits_source(
+    x: torch.Tensor | None,
+    gate_weight: torch.Tensor | None,
+    logits: torch.Tensor | None,
+    partials: torch.Tensor | None,
+) -> tuple[int, int, int, int, torch.device]:
     """Validate the one given logits source; returns (source, M, E, H or 0, device)."""
-    _require(sum(t is not None for t in (x, logits, partials)) == 1,
-             "give exactly one of x (with gate_weight), logits, partials")  # fmt: skip
+    _require(
+        sum(t is not None for t in (x, logits, partials)) == 1,
+        "give exactly one of x (with gate_weight), logits, partials",
+    )
     if x is not None:
         _require(gate_weight is not None and x.dim() == 2, "x [M, H] needs gate_weight [E, H]")
         assert gate_weight is not None
@@ -379,20 +483,28 @@ def _logits_source(x: torch.Tensor | None, gate_weight: torch.Tensor | None,
         _require_tensor("logits", logits, tuple(logits.shape), (torch.float32,))
         return _SOURCE_LOGITS, logits.shape[0], logits.shape[1], 0, logits.device
     assert partials is not None
-    _require(partials.dim() == 3 and partials.shape[0] >= 1 and partials.is_contiguous(),
-             "partials must be contiguous [S, M, E]")  # fmt: skip
+    _require(
+        partials.dim() == 3 and partials.shape[0] >= 1 and partials.is_contiguous(),
+        "partials must be contiguous [S, M, E]",
+    )
     _require_tensor("partials", partials, tuple(partials.shape), (torch.float32,))
     return _SOURCE_PARTIALS, partials.shape[1], partials.shape[2], 0, partials.device
 
 
 def router_topk(
-    config: RouterConfig, *, x: torch.Tensor | None = None,
-    gate_weight: torch.Tensor | None = None, logits: torch.Tensor | None = None,
-    partials: torch.Tensor | None = None, correction_bias: torch.Tensor | None = None,
-    n_valid: torch.Tensor | None = None, input_ids: torch.Tensor | None = None,
-    tid2eid: torch.Tensor | None = None, logits_out: torch.Tensor | None = None,
+    config: RouterConfig,
+    *,
+    x: torch.Tensor | None = None,
+    gate_weight: torch.Tensor | None = None,
+    logits: torch.Tensor | None = None,
+    partials: torch.Tensor | None = None,
+    correction_bias: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
+    input_ids: torch.Tensor | None = None,
+    tid2eid: torch.Tensor | None = None,
+    logits_out: torch.Tensor | None = None,
     workspace: RouterWorkspace | None = None,
-) -> RouterTopkOutput:  # fmt: skip
+) -> RouterTopkOutput:
     """Router gate + top-k + pad fill in one launch (two for the x source unless
     `_route_meta(M).fused`); graph-safe.
 
@@ -415,8 +527,10 @@ def router_topk(
     topk, is_hash = config.topk, tid2eid is not None
     _require(is_hash or topk <= num_experts, f"topk {topk} exceeds E = {num_experts}")
     if tid2eid is not None:
-        _require(input_ids is not None and correction_bias is None,
-                 "hash routing needs input_ids and takes no correction_bias")  # fmt: skip
+        _require(
+            input_ids is not None and correction_bias is None,
+            "hash routing needs input_ids and takes no correction_bias",
+        )
         assert input_ids is not None
         _require_tensor("tid2eid", tid2eid, (tid2eid.shape[0], topk), (torch.int32, torch.int64))
         _require_tensor("input_ids", input_ids, (num_rows,), (torch.int32, torch.int64))
@@ -424,8 +538,10 @@ def router_topk(
     if correction_bias is not None:
         _require_tensor("correction_bias", correction_bias, (num_experts,), (torch.float32,))
     if n_valid is not None:
-        _require(n_valid.numel() == 1 and n_valid.dtype == torch.int32 and n_valid.device == device,
-                 "n_valid must be an int32 device scalar")  # fmt: skip
+        _require(
+            n_valid.numel() == 1 and n_valid.dtype == torch.int32 and n_valid.device == device,
+            "n_valid must be an int32 device scalar",
+        )
     if logits_out is not None:
         _require(source != _SOURCE_LOGITS, "logits_out needs the x or partials source")
         _require(logits_out.is_contiguous(), "logits_out must be contiguous")
@@ -439,60 +555,100 @@ def router_topk(
 
     interpreted = isinstance(_router_topk_kernel, InterpretedFunction)
     meta = _route_meta(num_rows, interpreted)
-    num_splits = triton.cdiv(hidden, _SPLIT_K) if source == _SOURCE_X else (
-        partials.shape[0] if partials is not None else 1)  # fmt: skip
+    num_splits = (
+        triton.cdiv(hidden, _SPLIT_K)
+        if source == _SOURCE_X
+        else (partials.shape[0] if partials is not None else 1)
+    )
     gemv_k = min(_SPLIT_K, max(16, triton.next_power_of_2(hidden)))
     dummy = ids  # stands in for absent pointer arguments; never dereferenced
     common = dict(
-        ids_ptr=ids, weights_ptr=weights, num_rows=num_rows, hidden=hidden,
-        num_experts=num_experts, num_tokens=tid2eid.shape[0] if tid2eid is not None else 1,
+        ids_ptr=ids,
+        weights_ptr=weights,
+        num_rows=num_rows,
+        hidden=hidden,
+        num_experts=num_experts,
+        num_tokens=tid2eid.shape[0] if tid2eid is not None else 1,
         stride_x=x.stride(0) if x is not None else 0,
         stride_gate=gate_weight.stride(0) if gate_weight is not None else 0,
         stride_tid=tid2eid.stride(0) if tid2eid is not None else 0,
         routed_scale=float(config.routed_scaling_factor),
-        shared_weight=float(config.shared_weight), fill_id=int(config.fill_id),
+        shared_weight=float(config.shared_weight),
+        fill_id=int(config.fill_id),
         shared_id_base=int(num_experts if config.shared_id_base is None else config.shared_id_base),
-        SCORING=_SCORINGS[config.scoring], HAS_BIAS=correction_bias is not None,
-        HAS_N_VALID=n_valid is not None, HASH=is_hash, RENORMALIZE=config.renormalize,
-        WRITE_LOGITS=logits_out is not None, TOPK=topk, NUM_SHARED=config.num_shared,
-        NUM_SPLITS=num_splits, BLOCK_OUT=triton.next_power_of_2(width), SPLIT_K=_SPLIT_K,
-        GEMV_M=_GEMV_ROWS, GEMV_N=_GEMV_EXPERTS, GEMV_K=gemv_k,
-        CHAINS=max(1, min(_GEMV_CHAINS, gemv_k // 16)), DOT_FP32=device.type == "cpu",
-        INTERPRETED=interpreted, UNROLL=topk if meta.unroll else 1,
+        SCORING=_SCORINGS[config.scoring],
+        HAS_BIAS=correction_bias is not None,
+        HAS_N_VALID=n_valid is not None,
+        HASH=is_hash,
+        RENORMALIZE=config.renormalize,
+        WRITE_LOGITS=logits_out is not None,
+        TOPK=topk,
+        NUM_SHARED=config.num_shared,
+        NUM_SPLITS=num_splits,
+        BLOCK_OUT=triton.next_power_of_2(width),
+        SPLIT_K=_SPLIT_K,
+        GEMV_M=_GEMV_ROWS,
+        GEMV_N=_GEMV_EXPERTS,
+        GEMV_K=gemv_k,
+        CHAINS=max(1, min(_GEMV_CHAINS, gemv_k // 16)),
+        DOT_FP32=device.type == "cpu",
+        INTERPRETED=interpreted,
+        UNROLL=topk if meta.unroll else 1,
         **programmatic_launch(_router_topk_kernel, device),
-        **{name: t if t is not None else dummy for name, t in (
-            ("x_ptr", x), ("gate_ptr", gate_weight), ("logits_ptr", logits),
-            ("bias_ptr", correction_bias), ("n_valid_ptr", n_valid), ("input_ids_ptr", input_ids),
-            ("tid2eid_ptr", tid2eid), ("logits_out_ptr", logits_out))},
-    )  # fmt: skip
+        **{
+            name: t if t is not None else dummy
+            for name, t in (
+                ("x_ptr", x),
+                ("gate_ptr", gate_weight),
+                ("logits_ptr", logits),
+                ("bias_ptr", correction_bias),
+                ("n_valid_ptr", n_valid),
+                ("input_ids_ptr", input_ids),
+                ("tid2eid_ptr", tid2eid),
+                ("logits_out_ptr", logits_out),
+            )
+        },
+    )
 
     def route_launch(source: int, partials: torch.Tensor | None) -> None:
         _router_topk_kernel[(triton.cdiv(num_rows, meta.rows),)](
-            partials_ptr=partials if partials is not None else dummy, counter_ptr=dummy,
-            SOURCE=source, ROUTE=True, num_warps=meta.warps,
-            **_tile_shape(num_experts, meta.rows, meta.warps, num_splits), **common,
-        )  # fmt: skip
+            partials_ptr=partials if partials is not None else dummy,
+            counter_ptr=dummy,
+            SOURCE=source,
+            ROUTE=True,
+            num_warps=meta.warps,
+            **_tile_shape(num_experts, meta.rows, meta.warps, num_splits),
+            **common,
+        )
 
     if source != _SOURCE_X:
         route_launch(source, partials)
         return RouterTopkOutput(ids, weights)
     if workspace is None:
         workspace = make_router_workspace(num_rows, num_experts, hidden, device)
-    _require(workspace.partials.numel() >= num_splits * num_rows * num_experts
-             and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
-             "workspace too small for this call")  # fmt: skip
+    _require(
+        workspace.partials.numel() >= num_splits * num_rows * num_experts
+        and workspace.counters.numel() >= triton.cdiv(num_rows, _GEMV_ROWS),
+        "workspace too small for this call",
+    )
     if is_hash:  # the rows' own experts' partials only, then the routing launch
         assert x is not None and gate_weight is not None
         assert input_ids is not None and tid2eid is not None
         hash_gemv_partials(x, gate_weight, input_ids, tid2eid, workspace.partials, _SPLIT_K)
         route_launch(_SOURCE_PARTIALS, workspace.partials)
         return RouterTopkOutput(ids, weights)
-    _router_topk_kernel[(triton.cdiv(num_rows, _GEMV_ROWS),
-                         num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS))](
-        partials_ptr=workspace.partials, counter_ptr=workspace.counters, SOURCE=_SOURCE_X,
-        ROUTE=meta.fused, **_tile_shape(num_experts, meta.tail_rows, _GEMV_WARPS, num_splits),
-        num_warps=_GEMV_WARPS, num_stages=meta.gemv_stages, **common,
-    )  # fmt: skip
+    _router_topk_kernel[
+        (triton.cdiv(num_rows, _GEMV_ROWS), num_splits * triton.cdiv(num_experts, _GEMV_EXPERTS))
+    ](
+        partials_ptr=workspace.partials,
+        counter_ptr=workspace.counters,
+        SOURCE=_SOURCE_X,
+        ROUTE=meta.fused,
+        **_tile_shape(num_experts, meta.tail_rows, _GEMV_WARPS, num_splits),
+        num_warps=_GEMV_WARPS,
+        num_stages=meta.gemv_stages,
+        **common,
+    )
     if not meta.fused:  # every row routed in parallel instead of by one last arrival per block
         route_launch(_SOURCE_PARTIALS, workspace.partials)
     return RouterTopkOutput(ids, weights)

@@ -28,10 +28,23 @@ _WARPS = 4
 
 @triton.jit
 def _hash_gemv_partials_kernel(
-    x_ptr, gate_ptr, input_ids_ptr, tid2eid_ptr, partials_ptr, num_rows, hidden, num_experts,
-    num_tokens, stride_x, stride_gate, stride_tid,
-    TOPK: tl.constexpr, BLOCK_TOPK: tl.constexpr, SPLIT_K: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    gate_ptr,
+    input_ids_ptr,
+    tid2eid_ptr,
+    partials_ptr,
+    num_rows,
+    hidden,
+    num_experts,
+    num_tokens,
+    stride_x,
+    stride_gate,
+    stride_tid,
+    TOPK: tl.constexpr,
+    BLOCK_TOPK: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (row, split): the fp32 partial logits of the row's TOPK experts over K range
     [split * SPLIT_K, +SPLIT_K), stored at partials[split, row, expert] (the full GEMV's layout,
     so the routing launch sums them in split order as for any x source)."""
@@ -48,15 +61,24 @@ def _hash_gemv_partials_kernel(
     ks = split * SPLIT_K + tl.arange(0, SPLIT_K)
     k_ok = ks < hidden
     xk = tl.load(x_ptr + row.to(tl.int64) * stride_x + ks, mask=k_ok, other=0.0)
-    wk = tl.load(gate_ptr + expert[:, None] * stride_gate + ks[None, :],
-                 mask=ok[:, None] & k_ok[None, :], other=0.0)
+    wk = tl.load(
+        gate_ptr + expert[:, None] * stride_gate + ks[None, :],
+        mask=ok[:, None] & k_ok[None, :],
+        other=0.0,
+    )
     partial = tl.sum(wk.to(tl.float32) * xk.to(tl.float32)[None, :], axis=1)
     dst = partials_ptr + (split.to(tl.int64) * num_rows + row) * num_experts + expert
     tl.store(dst, partial, mask=ok)  # a repeated expert stores the same value twice
 
 
-def hash_gemv_partials(x: torch.Tensor, gate_weight: torch.Tensor, input_ids: torch.Tensor,
-                       tid2eid: torch.Tensor, partials: torch.Tensor, split_k: int) -> None:
+def hash_gemv_partials(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    input_ids: torch.Tensor,
+    tid2eid: torch.Tensor,
+    partials: torch.Tensor,
+    split_k: int,
+) -> None:
     """partials [S, M, E] (S = ceil(H / split_k)) at each row's own experts = the split-K partial
     logits of x [M, H] @ gate [E, H].T; the other entries are left as they are (the hash route
     never reads them). Called by `moe_route.router_topk`, which validates the arguments."""
@@ -65,7 +87,21 @@ def hash_gemv_partials(x: torch.Tensor, gate_weight: torch.Tensor, input_ids: to
         return
     topk = tid2eid.shape[1]
     _hash_gemv_partials_kernel[(num_rows, triton.cdiv(hidden, split_k))](
-        x, gate_weight, input_ids, tid2eid, partials, num_rows, hidden, gate_weight.shape[0],
-        tid2eid.shape[0], x.stride(0), gate_weight.stride(0), tid2eid.stride(0),
-        TOPK=topk, BLOCK_TOPK=triton.next_power_of_2(topk), SPLIT_K=split_k, num_warps=_WARPS,
-        **programmatic_launch(_hash_gemv_partials_kernel, x.device))
+        x,
+        gate_weight,
+        input_ids,
+        tid2eid,
+        partials,
+        num_rows,
+        hidden,
+        gate_weight.shape[0],
+        tid2eid.shape[0],
+        x.stride(0),
+        gate_weight.stride(0),
+        tid2eid.stride(0),
+        TOPK=topk,
+        BLOCK_TOPK=triton.next_power_of_2(topk),
+        SPLIT_K=split_k,
+        num_warps=_WARPS,
+        **programmatic_launch(_hash_gemv_partials_kernel, x.device),
+    )

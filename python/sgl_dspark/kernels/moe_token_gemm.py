@@ -52,19 +52,25 @@ from sgl_dspark.kernels.moe_reduce import moe_reduce_ref, route_reduce_tail
 _TILE_M = tl.constexpr(16)
 
 
-def _local_ids_ref(ids: torch.Tensor, local_table: torch.Tensor,
-                   num_local: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _local_ids_ref(
+    ids: torch.Tensor, local_table: torch.Tensor, num_local: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(local id, is local) per route, as the kernels derive them."""
     num_experts = local_table.numel()
     known = (ids >= 0) & (ids < num_experts)
-    local = torch.where(known, local_table.long()[ids.long().clamp(0, num_experts - 1)],
-                        num_local)  # fmt: skip
+    local = torch.where(known, local_table.long()[ids.long().clamp(0, num_experts - 1)], num_local)
     return local, local < num_local
 
 
-def moe_route_gate_up_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
-                          local_table: torch.Tensor, num_local: int, limit: float | None,
-                          h: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def moe_route_gate_up_ref(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    ids: torch.Tensor,
+    local_table: torch.Tensor,
+    num_local: int,
+    limit: float | None,
+    h: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reference of stage 1; same arguments as `moe_route_gate_up`."""
     num_tokens, topk = ids.shape
     inter = gate_up_proj.shape[1] // 2
@@ -80,10 +86,16 @@ def moe_route_gate_up_ref(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torc
     return h
 
 
-def moe_token_down_reduce_ref(h: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
-                              weights: torch.Tensor, local_table: torch.Tensor, num_local: int,
-                              routed_scale: float = 1.0,
-                              shared: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def moe_token_down_reduce_ref(
+    h: torch.Tensor,
+    down_proj: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    local_table: torch.Tensor,
+    num_local: int,
+    routed_scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Reference of stage 2 + K4: each local route's product rounded to h's dtype, then
     `moe_reduce_ref` (slot order, scale, shared add); same arguments as
     `moe_token_down_reduce`."""
@@ -109,12 +121,29 @@ def _route_locality(ids_ptr, table_ptr, route, num_experts, num_local, in_range=
 
 @triton.jit
 def _moe_route_gate_up_kernel(
-    x_ptr, w_ptr, h_ptr, ids_ptr, table_ptr,
-    n_inter, k_dim, num_experts, num_local, stride_x, stride_we, stride_wn, stride_h, limit,
-    TOPK: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-    ROUND_BF16: tl.constexpr, HAS_LIMIT: tl.constexpr, ON_BITS: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    ids_ptr,
+    table_ptr,
+    n_inter,
+    k_dim,
+    num_experts,
+    num_local,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    limit,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
-):  # fmt: skip
+):
     wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
     route = tl.program_id(0).to(tl.int64)
     local, is_local = _route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
@@ -133,26 +162,53 @@ def _moe_route_gate_up_kernel(
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_dim
-        a_tile = tl.load(x_row + live[:, None] * 0 + ks[None, :], mask=live[:, None] & k_ok[None, :],
-                         other=0.0)  # fmt: skip
-        w_tile = tl.load(w_base + w_rows[None, :] * stride_wn + ks[:, None],
-                         mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # fmt: skip
+        a_tile = tl.load(
+            x_row + live[:, None] * 0 + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0
+        )
+        w_tile = tl.load(
+            w_base + w_rows[None, :] * stride_wn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
         acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
     j = tl.program_id(1) * HALF + tl.arange(0, HALF)
-    tl.store(h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
-             y.to(h_ptr.dtype.element_ty), mask=live[:, None] & (j < n_inter)[None, :])  # fmt: skip
+    tl.store(
+        h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
+        y.to(h_ptr.dtype.element_ty),
+        mask=live[:, None] & (j < n_inter)[None, :],
+    )
 
 
 @triton.jit
 def _moe_token_down_kernel(
-    h_ptr, w_ptr, out_ptr, ids_ptr, table_ptr, weights_ptr, shared_ptr,
-    n_cols, k_dim, num_experts, num_local, stride_h, stride_we, stride_wn, routed_scale,
-    TOPK: tl.constexpr, SLOTS: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, ROUND_BF16: tl.constexpr,
-    APPLY_SCALE: tl.constexpr, HAS_SHARED: tl.constexpr, ON_BITS: tl.constexpr,
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    ids_ptr,
+    table_ptr,
+    weights_ptr,
+    shared_ptr,
+    n_cols,
+    k_dim,
+    num_experts,
+    num_local,
+    stride_h,
+    stride_we,
+    stride_wn,
+    routed_scale,
+    TOPK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
-):  # fmt: skip
+):
     # All of the token's slots in one tile: row k of A is route k's h row, and the columns hold
     # SLOTS blocks of BLOCK_N output columns, block k from slot k's expert. One dot per K chunk
     # then streams every slot's weights at once (a loop over slots waits on each expert's
@@ -164,22 +220,26 @@ def _moe_token_down_kernel(
     tile_cols = tl.arange(0, SLOTS * BLOCK_N)
     col_slot = tile_cols // BLOCK_N
     cols = n0 + tile_cols % BLOCK_N
-    col_local, col_is_local = _route_locality(ids_ptr, table_ptr, token * TOPK + col_slot,
-                                              num_experts, num_local, col_slot < TOPK)
+    col_local, col_is_local = _route_locality(
+        ids_ptr, table_ptr, token * TOPK + col_slot, num_experts, num_local, col_slot < TOPK
+    )
     col_ok = col_is_local & (cols < n_cols)
     w_cols = w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn
     rows = tl.arange(0, ROWS)
-    _, row_is_local = _route_locality(ids_ptr, table_ptr, token * TOPK + rows, num_experts,
-                                      num_local, rows < TOPK)
+    _, row_is_local = _route_locality(
+        ids_ptr, table_ptr, token * TOPK + rows, num_experts, num_local, rows < TOPK
+    )
     h_rows = h_ptr + (token * TOPK + rows) * stride_h
     acc = tl.zeros([ROWS, SLOTS * BLOCK_N], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < k_dim
-        a_tile = tl.load(h_rows[:, None] + ks[None, :], mask=row_is_local[:, None] & k_ok[None, :],
-                         other=0.0)  # fmt: skip
-        w_tile = tl.load(w_cols[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
-                         other=0.0)  # fmt: skip
+        a_tile = tl.load(
+            h_rows[:, None] + ks[None, :], mask=row_is_local[:, None] & k_ok[None, :], other=0.0
+        )
+        w_tile = tl.load(
+            w_cols[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )
         acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
     # Slot k's product: row k, column block k (adding exact zeros of the other rows).
     slots = tl.arange(0, SLOTS)
@@ -187,8 +247,9 @@ def _moe_token_down_kernel(
     product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, SLOTS, BLOCK_N]), 0.0), axis=0)
     if ROUND_BF16:  # as the grouped GEMM's store rounds it
         product = round_to_bf16(product)
-    _, slot_is_local = _route_locality(ids_ptr, table_ptr, token * TOPK + slots, num_experts,
-                                       num_local, slots < TOPK)
+    _, slot_is_local = _route_locality(
+        ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
+    )
     weight = tl.load(weights_ptr + token * TOPK + slots, mask=slots < TOPK, other=0.0)
     terms = tl.where(slot_is_local[:, None], weight[:, None] * product, 0.0)
     # K4's sum in slot order (the reduce's own arithmetic; FMA contraction is off).
@@ -196,36 +257,63 @@ def _moe_token_down_kernel(
     for k in tl.static_range(TOPK):
         total += tl.sum(tl.where(slots[:, None] == k, terms, 0.0), axis=0)
     out_cols = n0 + tl.arange(0, BLOCK_N)
-    route_reduce_tail(total, shared_ptr, out_ptr, token * n_cols + out_cols, out_cols < n_cols,
-                      routed_scale, APPLY_SCALE, HAS_SHARED, ROUND_BF16, ON_BITS)  # fmt: skip
+    route_reduce_tail(
+        total,
+        shared_ptr,
+        out_ptr,
+        token * n_cols + out_cols,
+        out_cols < n_cols,
+        routed_scale,
+        APPLY_SCALE,
+        HAS_SHARED,
+        ROUND_BF16,
+        ON_BITS,
+    )
 
 
-def _check_routes(ids: torch.Tensor, local_table: torch.Tensor, num_local: int,
-                  device: torch.device) -> None:  # fmt: skip
-    _require(ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(),
-             f"ids must be contiguous int32 [M, topk], got {ids.dtype} {tuple(ids.shape)}")
+def _check_routes(
+    ids: torch.Tensor, local_table: torch.Tensor, num_local: int, device: torch.device
+) -> None:
+    _require(
+        ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(),
+        f"ids must be contiguous int32 [M, topk], got {ids.dtype} {tuple(ids.shape)}",
+    )
     _require(ids.shape[1] >= 1, "ids: topk must be >= 1")
-    _require(local_table.dim() == 1 and local_table.dtype == torch.int32
-             and local_table.is_contiguous(),
-             "local_table must be contiguous int32 [E] (MoeSortPlan.local_table)")  # fmt: skip
-    _require(0 <= num_local <= local_table.numel(),
-             f"num_local must be in [0, {local_table.numel()}], got {num_local}")
+    _require(
+        local_table.dim() == 1 and local_table.dtype == torch.int32 and local_table.is_contiguous(),
+        "local_table must be contiguous int32 [E] (MoeSortPlan.local_table)",
+    )
+    _require(
+        0 <= num_local <= local_table.numel(),
+        f"num_local must be in [0, {local_table.numel()}], got {num_local}",
+    )
     for name, tensor in (("ids", ids), ("local_table", local_table)):
         _require(tensor.device == device, f"{name} is on {tensor.device}, x on {device}")
 
 
 def _check_weight(name: str, weight: torch.Tensor, a: torch.Tensor, num_local: int) -> None:
-    _require(weight.dim() == 3 and weight.dtype == a.dtype and weight.stride(2) == 1
-             and weight.shape[2] == a.shape[1] and weight.shape[0] >= num_local
-             and weight.device == a.device,
-             f"{name} must be {a.dtype} [>= {num_local} local experts, N, {a.shape[1]}] on "
-             f"{a.device} with a contiguous last dim, got {weight.dtype} "
-             f"{tuple(weight.shape)} on {weight.device}")  # fmt: skip
+    _require(
+        weight.dim() == 3
+        and weight.dtype == a.dtype
+        and weight.stride(2) == 1
+        and weight.shape[2] == a.shape[1]
+        and weight.shape[0] >= num_local
+        and weight.device == a.device,
+        f"{name} must be {a.dtype} [>= {num_local} local experts, N, {a.shape[1]}] on "
+        f"{a.device} with a contiguous last dim, got {weight.dtype} "
+        f"{tuple(weight.shape)} on {weight.device}",
+    )
 
 
-def moe_route_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Tensor,
-                      local_table: torch.Tensor, num_local: int, limit: float | None,
-                      h: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def moe_route_gate_up(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    ids: torch.Tensor,
+    local_table: torch.Tensor,
+    num_local: int,
+    limit: float | None,
+    h: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Stage 1 per route with K6 as its epilogue, one launch, no host sync (graph-safe).
 
     Args:
@@ -240,9 +328,10 @@ def moe_route_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Te
         h [M * topk, I]: row t * topk + k = K6(x[t] @ gate_up_proj[l].T) for a local route,
         untouched otherwise (undefined when h is allocated here).
     """
-    _require(x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1,
-             f"x must be bf16/fp32 [M, D] with a contiguous last dim, got {x.dtype} "
-             f"{tuple(x.shape)}")  # fmt: skip
+    _require(
+        x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1,
+        f"x must be bf16/fp32 [M, D] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}",
+    )
     _check_routes(ids, local_table, num_local, x.device)
     _check_weight("gate_up_proj", gate_up_proj, x, num_local)
     _require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
@@ -251,23 +340,40 @@ def moe_route_gate_up(x: torch.Tensor, gate_up_proj: torch.Tensor, ids: torch.Te
     routes, inter = ids.numel(), gate_up_proj.shape[1] // 2
     if h is None:
         h = torch.empty(routes, inter, dtype=x.dtype, device=x.device)
-    _require(tuple(h.shape) == (routes, inter) and h.dtype == x.dtype and h.is_contiguous(),
-             f"h must be contiguous {x.dtype} {(routes, inter)}")
+    _require(
+        tuple(h.shape) == (routes, inter) and h.dtype == x.dtype and h.is_contiguous(),
+        f"h must be contiguous {x.dtype} {(routes, inter)}",
+    )
     if routes == 0 or inter == 0 or num_local == 0:
         return h
     block_n = 32  # 16 gate + 16 up columns: the grouped stage 1's tile
     _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, block_n))](
-        x, gate_up_proj, h, ids, local_table,
-        inter, x.shape[1], local_table.numel(), num_local, x.stride(0),
-        gate_up_proj.stride(0), gate_up_proj.stride(1), h.stride(0),
+        x,
+        gate_up_proj,
+        h,
+        ids,
+        local_table,
+        inter,
+        x.shape[1],
+        local_table.numel(),
+        num_local,
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        h.stride(0),
         float(limit) if limit is not None else 0.0,
-        TOPK=ids.shape[1], BLOCK_N=block_n, BLOCK_K=expert_block_k(x.shape[1]),
+        TOPK=ids.shape[1],
+        BLOCK_N=block_n,
+        BLOCK_K=expert_block_k(x.shape[1]),
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
-        ROUND_BF16=x.dtype == torch.bfloat16, HAS_LIMIT=limit is not None,
-        ON_BITS=interpreted(_moe_route_gate_up_kernel), num_warps=4, num_stages=4,
+        ROUND_BF16=x.dtype == torch.bfloat16,
+        HAS_LIMIT=limit is not None,
+        ON_BITS=interpreted(_moe_route_gate_up_kernel),
+        num_warps=4,
+        num_stages=4,
         **programmatic_launch(_moe_route_gate_up_kernel, x.device),
-    )  # fmt: skip
+    )
     return h
 
 
@@ -279,10 +385,17 @@ def _down_meta(k_dim: int) -> dict[str, int]:
     return {"BLOCK_N": 16, "BLOCK_K": expert_block_k(k_dim), "num_warps": 4, "num_stages": 3}
 
 
-def moe_token_down_reduce(h: torch.Tensor, down_proj: torch.Tensor, ids: torch.Tensor,
-                          weights: torch.Tensor, local_table: torch.Tensor, num_local: int,
-                          routed_scale: float = 1.0, shared: torch.Tensor | None = None,
-                          out: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def moe_token_down_reduce(
+    h: torch.Tensor,
+    down_proj: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    local_table: torch.Tensor,
+    num_local: int,
+    routed_scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Stage 2 per token with K4 as its epilogue, one launch, no host sync (graph-safe).
 
     Args:
@@ -297,36 +410,65 @@ def moe_token_down_reduce(h: torch.Tensor, down_proj: torch.Tensor, ids: torch.T
     Returns:
         out [M, D] = K4 of the local routes' products (`moe_token_down_reduce_ref`).
     """
-    _require(h.dim() == 2 and h.dtype in (torch.bfloat16, torch.float32) and h.is_contiguous(),
-             f"h must be contiguous bf16/fp32 [M * topk, I], got {h.dtype} {tuple(h.shape)}")
+    _require(
+        h.dim() == 2 and h.dtype in (torch.bfloat16, torch.float32) and h.is_contiguous(),
+        f"h must be contiguous bf16/fp32 [M * topk, I], got {h.dtype} {tuple(h.shape)}",
+    )
     _check_routes(ids, local_table, num_local, h.device)
     _check_weight("down_proj", down_proj, h, num_local)
     num_tokens, topk = ids.shape
     _require(h.shape[0] == num_tokens * topk, f"h has {h.shape[0]} rows, ids {num_tokens}x{topk}")
-    _require(weights.shape == ids.shape and weights.dtype == torch.float32
-             and weights.is_contiguous() and weights.device == h.device,
-             f"weights must be contiguous fp32 {tuple(ids.shape)}, got {weights.dtype} "
-             f"{tuple(weights.shape)}")  # fmt: skip
+    _require(
+        weights.shape == ids.shape
+        and weights.dtype == torch.float32
+        and weights.is_contiguous()
+        and weights.device == h.device,
+        f"weights must be contiguous fp32 {tuple(ids.shape)}, got {weights.dtype} "
+        f"{tuple(weights.shape)}",
+    )
     hidden = down_proj.shape[1]
     for name, tensor in (("shared", shared), ("out", out)):
-        _require(tensor is None or (tuple(tensor.shape) == (num_tokens, hidden)
-                                    and tensor.dtype == h.dtype and tensor.is_contiguous()
-                                    and tensor.device == h.device),
-                 f"{name} must be contiguous {h.dtype} {(num_tokens, hidden)}")  # fmt: skip
+        _require(
+            tensor is None
+            or (
+                tuple(tensor.shape) == (num_tokens, hidden)
+                and tensor.dtype == h.dtype
+                and tensor.is_contiguous()
+                and tensor.device == h.device
+            ),
+            f"{name} must be contiguous {h.dtype} {(num_tokens, hidden)}",
+        )
     if out is None:
         out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     if num_tokens == 0 or hidden == 0:
         return out
     meta = _down_meta(h.shape[1])
     _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
-        h, down_proj, out, ids, local_table, weights, shared if shared is not None else out,
-        hidden, h.shape[1], local_table.numel(), num_local, h.stride(0),
-        down_proj.stride(0), down_proj.stride(1), float(routed_scale),
-        TOPK=topk, SLOTS=triton.next_power_of_2(topk), ROWS=max(16, triton.next_power_of_2(topk)),
+        h,
+        down_proj,
+        out,
+        ids,
+        local_table,
+        weights,
+        shared if shared is not None else out,
+        hidden,
+        h.shape[1],
+        local_table.numel(),
+        num_local,
+        h.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        float(routed_scale),
+        TOPK=topk,
+        SLOTS=triton.next_power_of_2(topk),
+        ROWS=max(16, triton.next_power_of_2(topk)),
         DOT_FP32=h.dtype == torch.float32 or h.device.type == "cpu",
-        ROUND_BF16=h.dtype == torch.bfloat16, APPLY_SCALE=routed_scale != 1.0,
-        HAS_SHARED=shared is not None, ON_BITS=interpreted(_moe_token_down_kernel),
+        ROUND_BF16=h.dtype == torch.bfloat16,
+        APPLY_SCALE=routed_scale != 1.0,
+        HAS_SHARED=shared is not None,
+        ON_BITS=interpreted(_moe_token_down_kernel),
         enable_fp_fusion=False,  # K4 rounds w * y before adding it
-        **meta, **programmatic_launch(_moe_token_down_kernel, h.device),
-    )  # fmt: skip
+        **meta,
+        **programmatic_launch(_moe_token_down_kernel, h.device),
+    )
     return out

@@ -181,21 +181,30 @@ def rms_norm(
     elif x.dim() == 2 and x.stride(1) == 1 and x.stride(0) >= n:
         row_stride = x.stride(0)
     else:
-        raise ValueError(f"x must be contiguous or 2-D with unit stride along N, got shape "
-                         f"{tuple(x.shape)} strides {x.stride()}")
+        raise ValueError(
+            f"x must be contiguous or 2-D with unit stride along N, got shape "
+            f"{tuple(x.shape)} strides {x.stride()}"
+        )
     if weight is not None:
         if weight.shape != (n,) or not weight.is_floating_point() or weight.stride(0) != 1:
-            raise ValueError(f"weight must be a contiguous float [{n}], got {weight.dtype} "
-                             f"{tuple(weight.shape)} strides {weight.stride()}")
+            raise ValueError(
+                f"weight must be a contiguous float [{n}], got {weight.dtype} "
+                f"{tuple(weight.shape)} strides {weight.stride()}"
+            )
         if weight.device != x.device:
             raise ValueError(f"weight is on {weight.device}, x on {x.device}")
     if out is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    elif out.shape != x.shape or out.dtype != x.dtype or not out.is_contiguous() or (
-        out.device != x.device
+    elif (
+        out.shape != x.shape
+        or out.dtype != x.dtype
+        or not out.is_contiguous()
+        or (out.device != x.device)
     ):
-        raise ValueError(f"out must be a contiguous {x.dtype} {tuple(x.shape)} on {x.device}, "
-                         f"got {out.dtype} {tuple(out.shape)} on {out.device}")
+        raise ValueError(
+            f"out must be a contiguous {x.dtype} {tuple(x.shape)} on {x.device}, "
+            f"got {out.dtype} {tuple(out.shape)} on {out.device}"
+        )
     if x.numel() == 0:
         return out
     if n > MAX_N:
@@ -203,11 +212,20 @@ def rms_norm(
     n_rows = x.numel() // n
     meta = _norm_meta(n)
     _rms_norm_kernel[(triton.cdiv(n_rows, meta["BLOCK_M"]),)](
-        x, x if weight is None else weight, out, n_rows, row_stride, float(eps),
-        N=n, HAS_WEIGHT=weight is not None,
-        IS_BF16=x.dtype == torch.bfloat16, IS_FP16=x.dtype == torch.float16,
+        x,
+        x if weight is None else weight,
+        out,
+        n_rows,
+        row_stride,
+        float(eps),
+        N=n,
+        HAS_WEIGHT=weight is not None,
+        IS_BF16=x.dtype == torch.bfloat16,
+        IS_FP16=x.dtype == torch.float16,
         FULL_TILE=meta["BLOCK_M"] == 1 and meta["BLOCK_N"] == n,
-        ON_BITS=interpreted(_rms_norm_kernel), enable_fp_fusion=False,
-        **programmatic_launch(_rms_norm_kernel, x.device), **meta,
+        ON_BITS=interpreted(_rms_norm_kernel),
+        enable_fp_fusion=False,
+        **programmatic_launch(_rms_norm_kernel, x.device),
+        **meta,
     )
     return out

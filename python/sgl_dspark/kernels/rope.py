@@ -105,10 +105,22 @@ def round_to_x(v, X_KIND: tl.constexpr, ON_BITS: tl.constexpr):
 
 
 @triton.jit
-def rotate_rounded_tail(v, cs_rows, row_ok, cos_ptr, sin_ptr, cs_stride, dim0, head_dim,
-                        rope_dim, ROWS: tl.constexpr, BLOCK_D: tl.constexpr,
-                        INVERSE: tl.constexpr, X_KIND: tl.constexpr,
-                        ON_BITS: tl.constexpr):  # fmt: skip
+def rotate_rounded_tail(
+    v,
+    cs_rows,
+    row_ok,
+    cos_ptr,
+    sin_ptr,
+    cs_stride,
+    dim0,
+    head_dim,
+    rope_dim,
+    ROWS: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    INVERSE: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+):
     """`rope_rows`' rotation as an epilogue of another kernel's output tile: v fp32
     [ROWS, BLOCK_D] holds channels dim0 + [0, BLOCK_D) (dim0 even) of ROWS head rows, already
     rounded to x's dtype (what the producer would store); row r rotates by the angles of
@@ -132,13 +144,36 @@ def rotate_rounded_tail(v, cs_rows, row_ok, cos_ptr, sin_ptr, cs_stride, dim0, h
 
 
 @triton.jit
-def rope_rows(token, head_block, cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, in_heads,
-              out_heads, x_stride_m, x_stride_h, out_stride_m, out_stride_h, out_rows_ptr,
-              norm_w_ptr, norm_eps, NOPE: tl.constexpr, HALF: tl.constexpr,
-              NOPE_POW2: tl.constexpr, HALF_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
-              INVERSE: tl.constexpr, OUT_BF16: tl.constexpr, SCATTER: tl.constexpr,
-              NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, X_KIND: tl.constexpr,
-              ON_BITS: tl.constexpr):
+def rope_rows(
+    token,
+    head_block,
+    cos_ptr,
+    sin_ptr,
+    cs_stride_m,
+    x_ptr,
+    out_ptr,
+    in_heads,
+    out_heads,
+    x_stride_m,
+    x_stride_h,
+    out_stride_m,
+    out_stride_h,
+    out_rows_ptr,
+    norm_w_ptr,
+    norm_eps,
+    NOPE: tl.constexpr,
+    HALF: tl.constexpr,
+    NOPE_POW2: tl.constexpr,
+    HALF_POW2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INVERSE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    SCATTER: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+):
     """One program's work: heads [head_block * BLOCK_H, +BLOCK_H) of token `token` (int64).
     The caller has waited for its producers (`wait_for_producers`)."""
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -194,8 +229,11 @@ def rope_rows(token, head_block, cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, 
         a = round_to_x(a, X_KIND, ON_BITS)
         b = round_to_x(b, X_KIND, ON_BITS)
         # After every load of the row (out may be x itself).
-        tl.store(out_rows + nope_cols, nope.to(out_ptr.dtype.element_ty),
-                 mask=is_dst[:, None] & nope_mask)
+        tl.store(
+            out_rows + nope_cols,
+            nope.to(out_ptr.dtype.element_ty),
+            mask=is_dst[:, None] & nope_mask,
+        )
     # Pad heads get +0.0 exactly (0 * negative cos would give -0.0).
     rot_a = tl.where(is_src[:, None], a * cos - b * sin, 0.0)
     rot_b = tl.where(is_src[:, None], a * sin + b * cos, 0.0)
@@ -211,40 +249,96 @@ def rope_rows(token, head_block, cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, 
 
 
 @triton.jit
-def _rope_tail_kernel(cos_ptr, sin_ptr, cs_stride_m, x_ptr, out_ptr, in_heads, out_heads,
-                      x_stride_m, x_stride_h, out_stride_m, out_stride_h, out_rows_ptr,
-                      norm_w_ptr, norm_eps, NOPE: tl.constexpr, HALF: tl.constexpr,
-                      NOPE_POW2: tl.constexpr, HALF_POW2: tl.constexpr, BLOCK_H: tl.constexpr,
-                      INVERSE: tl.constexpr, OUT_BF16: tl.constexpr, SCATTER: tl.constexpr,
-                      NORM: tl.constexpr, NORM_WEIGHT: tl.constexpr, X_KIND: tl.constexpr,
-                      ON_BITS: tl.constexpr, PDL: tl.constexpr):
+def _rope_tail_kernel(
+    cos_ptr,
+    sin_ptr,
+    cs_stride_m,
+    x_ptr,
+    out_ptr,
+    in_heads,
+    out_heads,
+    x_stride_m,
+    x_stride_h,
+    out_stride_m,
+    out_stride_h,
+    out_rows_ptr,
+    norm_w_ptr,
+    norm_eps,
+    NOPE: tl.constexpr,
+    HALF: tl.constexpr,
+    NOPE_POW2: tl.constexpr,
+    HALF_POW2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    INVERSE: tl.constexpr,
+    OUT_BF16: tl.constexpr,
+    SCATTER: tl.constexpr,
+    NORM: tl.constexpr,
+    NORM_WEIGHT: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     wait_for_producers(PDL)  # x is the projection's output; out may still be read
-    rope_rows(tl.program_id(0).to(tl.int64), tl.program_id(1), cos_ptr, sin_ptr, cs_stride_m,
-              x_ptr, out_ptr, in_heads, out_heads, x_stride_m, x_stride_h, out_stride_m,
-              out_stride_h, out_rows_ptr, norm_w_ptr, norm_eps, NOPE, HALF, NOPE_POW2,
-              HALF_POW2, BLOCK_H, INVERSE, OUT_BF16, SCATTER, NORM, NORM_WEIGHT, X_KIND,
-              ON_BITS)
+    rope_rows(
+        tl.program_id(0).to(tl.int64),
+        tl.program_id(1),
+        cos_ptr,
+        sin_ptr,
+        cs_stride_m,
+        x_ptr,
+        out_ptr,
+        in_heads,
+        out_heads,
+        x_stride_m,
+        x_stride_h,
+        out_stride_m,
+        out_stride_h,
+        out_rows_ptr,
+        norm_w_ptr,
+        norm_eps,
+        NOPE,
+        HALF,
+        NOPE_POW2,
+        HALF_POW2,
+        BLOCK_H,
+        INVERSE,
+        OUT_BF16,
+        SCATTER,
+        NORM,
+        NORM_WEIGHT,
+        X_KIND,
+        ON_BITS,
+    )
 
 
-def _check_norm_args(x: torch.Tensor, inverse: bool, norm_eps: float | None,
-                     norm_weight: torch.Tensor | None) -> None:
+def _check_norm_args(
+    x: torch.Tensor, inverse: bool, norm_eps: float | None, norm_weight: torch.Tensor | None
+) -> None:
     if norm_eps is None:
         if norm_weight is not None:
             raise ValueError("norm_weight needs norm_eps (the pre-norm is off without it)")
         return
     if inverse:
         raise ValueError("norm_eps (pre-norm) is not supported with inverse=True")
-    if isinstance(norm_eps, bool) or not isinstance(norm_eps, (int, float)) or not (
-            math.isfinite(norm_eps) and norm_eps >= 0):
+    if (
+        isinstance(norm_eps, bool)
+        or not isinstance(norm_eps, (int, float))
+        or not (math.isfinite(norm_eps) and norm_eps >= 0)
+    ):
         raise ValueError(f"norm_eps must be a finite float >= 0, got {norm_eps!r}")
     if norm_weight is None:
         return
     head_dim = x.shape[2]
-    if norm_weight.shape != (head_dim,) or norm_weight.dtype not in (torch.float32, x.dtype) or (
-            norm_weight.stride(0) != 1 or norm_weight.device != x.device):
-        raise ValueError(f"norm_weight must be [D={head_dim}] fp32 or {x.dtype} with unit stride "
-                         f"on {x.device}, got {norm_weight.dtype} {tuple(norm_weight.shape)} "
-                         f"strides {norm_weight.stride()} on {norm_weight.device}")
+    if (
+        norm_weight.shape != (head_dim,)
+        or norm_weight.dtype not in (torch.float32, x.dtype)
+        or (norm_weight.stride(0) != 1 or norm_weight.device != x.device)
+    ):
+        raise ValueError(
+            f"norm_weight must be [D={head_dim}] fp32 or {x.dtype} with unit stride "
+            f"on {x.device}, got {norm_weight.dtype} {tuple(norm_weight.shape)} "
+            f"strides {norm_weight.stride()} on {norm_weight.device}"
+        )
 
 
 def rope_tail(
@@ -283,14 +377,30 @@ def rope_tail(
     Returns:
         ``out``: heads < min(H, H_out) rotated, heads in [H, H_out) zero.
     """
-    plan = plan_rope_rows(x, cos, sin, inverse=inverse, out=out, out_heads=out_heads,
-                          out_rows=out_rows, norm_eps=norm_eps, norm_weight=norm_weight)
+    plan = plan_rope_rows(
+        x,
+        cos,
+        sin,
+        inverse=inverse,
+        out=out,
+        out_heads=out_heads,
+        out_rows=out_rows,
+        norm_eps=norm_eps,
+        norm_weight=norm_weight,
+    )
     if plan.empty:
         return plan.out
     _rope_tail_kernel[(x.shape[0], plan.blocks)](
-        cos, sin, cos.stride(0), *plan.args, **plan.meta, **plan.options,
-        ON_BITS=interpreted(_rope_tail_kernel), enable_fp_fusion=False,
-        **programmatic_launch(_rope_tail_kernel, x.device))
+        cos,
+        sin,
+        cos.stride(0),
+        *plan.args,
+        **plan.meta,
+        **plan.options,
+        ON_BITS=interpreted(_rope_tail_kernel),
+        enable_fp_fusion=False,
+        **programmatic_launch(_rope_tail_kernel, x.device),
+    )
     return plan.out
 
 
@@ -299,6 +409,7 @@ class RopeRowsPlan(NamedTuple):
     cos/sin ones (x, out, heads, strides, out rows, norm weight, eps), `meta` its constexprs but
     ON_BITS, `options` its launch options (warps), `blocks` its head blocks per token; `empty`
     when there is nothing to launch."""
+
     out: torch.Tensor
     args: tuple
     meta: dict[str, Any]
@@ -310,14 +421,19 @@ class RopeRowsPlan(NamedTuple):
 class EpilogueTables(NamedTuple):
     """Launch arguments of a `rotate_rounded_tail` epilogue: (cos, sin, their row stride, rd);
     without one, placeholders that the kernel never reads (ROPE off) and rd = 0."""
+
     cos: torch.Tensor
     sin: torch.Tensor
     stride: int
     rope_dim: int
 
 
-def epilogue_tables(inverse_rope: tuple[torch.Tensor, torch.Tensor] | None, rows: int,
-                    head_dim: int, placeholder: torch.Tensor) -> EpilogueTables:
+def epilogue_tables(
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None,
+    rows: int,
+    head_dim: int,
+    placeholder: torch.Tensor,
+) -> EpilogueTables:
     """Checks the cos/sin rows another kernel rotates its output with (`rotate_rounded_tail`):
     fp32 [rows, rd/2], unit stride along rd/2, one row stride for both, on the placeholder's
     device, the rope channels pair-aligned (D - rd even)."""
@@ -326,37 +442,60 @@ def epilogue_tables(inverse_rope: tuple[torch.Tensor, torch.Tensor] | None, rows
     cos, sin = inverse_rope
     device = placeholder.device
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != rows:
-        raise ValueError(f"inverse_rope: cos/sin must both be [{rows}, rd/2], got "
-                         f"{tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"inverse_rope: cos/sin must both be [{rows}, rd/2], got "
+            f"{tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     rope_dim = 2 * cos.shape[1]
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or not 2 <= rope_dim <= head_dim \
-            or (head_dim - rope_dim) % 2:
-        raise ValueError(f"inverse_rope: cos/sin must be fp32 with 2 <= rd <= D = {head_dim} and "
-                         f"D - rd even, got {cos.dtype}/{sin.dtype} rd = {rope_dim}")
+    if (
+        cos.dtype != torch.float32
+        or sin.dtype != torch.float32
+        or not 2 <= rope_dim <= head_dim
+        or (head_dim - rope_dim) % 2
+    ):
+        raise ValueError(
+            f"inverse_rope: cos/sin must be fp32 with 2 <= rd <= D = {head_dim} and "
+            f"D - rd even, got {cos.dtype}/{sin.dtype} rd = {rope_dim}"
+        )
     if (rows > 0 and (cos.stride(1) != 1 or sin.stride(1) != 1)) or cos.stride(0) != sin.stride(0):
-        raise ValueError(f"inverse_rope: cos/sin need unit stride along rd/2 and one row stride, "
-                         f"got {cos.stride()} and {sin.stride()}")
+        raise ValueError(
+            f"inverse_rope: cos/sin need unit stride along rd/2 and one row stride, "
+            f"got {cos.stride()} and {sin.stride()}"
+        )
     if cos.device != device or sin.device != device:
         raise ValueError(f"inverse_rope: cos/sin are on {cos.device}/{sin.device}, not {device}")
     return EpilogueTables(cos, sin, cos.stride(0), rope_dim)
 
 
-def plan_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inverse: bool,
-                   out: torch.Tensor | None, out_heads: int | None, out_rows: torch.Tensor | None,
-                   norm_eps: float | None, norm_weight: torch.Tensor | None) -> RopeRowsPlan:
+def plan_rope_rows(
+    x: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    inverse: bool,
+    out: torch.Tensor | None,
+    out_heads: int | None,
+    out_rows: torch.Tensor | None,
+    norm_eps: float | None,
+    norm_weight: torch.Tensor | None,
+) -> RopeRowsPlan:
     """Validate `rope_tail`'s arguments (its docstring), allocate ``out`` when None and choose
     the tile; shared by `rope_tail` and the fused q + KV launch (`rope_qkv.py`)."""
     if x.dim() != 3 or x.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"x must be [M, H, D] bf16/fp16/fp32, got {x.dtype} {tuple(x.shape)}")
     num_tokens, num_heads, head_dim = x.shape
     if cos.dim() != 2 or cos.shape != sin.shape or cos.shape[0] != num_tokens:
-        raise ValueError(f"cos/sin must both be [M={num_tokens}, rd/2], got {tuple(cos.shape)} "
-                         f"and {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos/sin must both be [M={num_tokens}, rd/2], got {tuple(cos.shape)} "
+            f"and {tuple(sin.shape)}"
+        )
     _check_norm_args(x, inverse, norm_eps, norm_weight)
     half = cos.shape[1]
     if cos.dtype != torch.float32 or sin.dtype != torch.float32 or half < 1 or 2 * half > head_dim:
-        raise ValueError(f"cos/sin must be fp32 with 1 <= rd/2 <= D/2 (D={head_dim}), got "
-                         f"{cos.dtype}/{sin.dtype} rd/2={half}")
+        raise ValueError(
+            f"cos/sin must be fp32 with 1 <= rd/2 <= D/2 (D={head_dim}), got "
+            f"{cos.dtype}/{sin.dtype} rd/2={half}"
+        )
     if out is None:
         if out_rows is not None:
             raise ValueError("out_rows needs an out buffer to scatter into")
@@ -364,24 +503,33 @@ def plan_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inv
         out = torch.empty((num_tokens, out_heads, head_dim), dtype=x.dtype, device=x.device)
     elif out_heads is not None and out.shape[1] != out_heads:
         raise ValueError(f"out has {out.shape[1]} heads but out_heads={out_heads}")
-    if out_rows is not None and (out_rows.shape != (num_tokens,) or out_rows.dtype not in (
-            torch.int32, torch.int64) or out_rows.device != x.device):
-        raise ValueError(f"out_rows must be int32/int64 [{num_tokens}] on {x.device}, got "
-                         f"{out_rows.dtype} {tuple(out_rows.shape)} on {out_rows.device}")
+    if out_rows is not None and (
+        out_rows.shape != (num_tokens,)
+        or out_rows.dtype not in (torch.int32, torch.int64)
+        or out_rows.device != x.device
+    ):
+        raise ValueError(
+            f"out_rows must be int32/int64 [{num_tokens}] on {x.device}, got "
+            f"{out_rows.dtype} {tuple(out_rows.shape)} on {out_rows.device}"
+        )
     rows_ok = out_rows is not None or out.shape[0] == num_tokens
     if out.dim() != 3 or not rows_ok or out.shape[2] != head_dim or out.dtype != x.dtype:
-        raise ValueError(f"out must be [{num_tokens if out_rows is None else 'rows'}, H_out, "
-                         f"{head_dim}] {x.dtype}, got {out.dtype} {tuple(out.shape)}")
+        raise ValueError(
+            f"out must be [{num_tokens if out_rows is None else 'rows'}, H_out, "
+            f"{head_dim}] {x.dtype}, got {out.dtype} {tuple(out.shape)}"
+        )
     if num_tokens == 0 or out.shape[1] == 0:
         return RopeRowsPlan(out, (), {}, {}, 0, True)
     for name, t in (("x", x), ("out", out), ("cos", cos), ("sin", sin)):
         if t.stride(-1) != 1:
             raise ValueError(f"{name} must have unit stride in its last dim, got {t.stride()}")
     if cos.stride(0) != sin.stride(0):
-        raise ValueError(f"cos and sin must share a row stride, got {cos.stride(0)}, "
-                         f"{sin.stride(0)}")
-    if out.data_ptr() == x.data_ptr() and (out.shape != x.shape or out.stride() != x.stride()
-                                           or out_rows is not None):
+        raise ValueError(
+            f"cos and sin must share a row stride, got {cos.stride(0)}, {sin.stride(0)}"
+        )
+    if out.data_ptr() == x.data_ptr() and (
+        out.shape != x.shape or out.stride() != x.stride() or out_rows is not None
+    ):
         raise ValueError("in-place rope needs out to be x itself (same heads and strides)")
     nope = head_dim - 2 * half
     out_heads = out.shape[1]
@@ -396,13 +544,30 @@ def plan_rope_rows(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, inv
         block_h = min(block_h, triton.next_power_of_2(out_heads))
         if block_h * triton.next_power_of_2(head_dim) <= 512:
             options["num_warps"] = 1
-    args = (x, out, num_heads, out_heads, x.stride(0), x.stride(1), out.stride(0),
-            out.stride(1), cos if out_rows is None else out_rows,
-            x if norm_weight is None else norm_weight,
-            0.0 if norm_eps is None else float(norm_eps))
-    constexprs = dict(NOPE=nope, HALF=half, NOPE_POW2=triton.next_power_of_2(max(nope, 1)),
-                      HALF_POW2=triton.next_power_of_2(half), BLOCK_H=block_h, INVERSE=inverse,
-                      OUT_BF16=x.dtype == torch.bfloat16, SCATTER=out_rows is not None,
-                      NORM=norm_eps is not None, NORM_WEIGHT=norm_weight is not None,
-                      X_KIND=X_KIND[x.dtype])
+    args = (
+        x,
+        out,
+        num_heads,
+        out_heads,
+        x.stride(0),
+        x.stride(1),
+        out.stride(0),
+        out.stride(1),
+        cos if out_rows is None else out_rows,
+        x if norm_weight is None else norm_weight,
+        0.0 if norm_eps is None else float(norm_eps),
+    )
+    constexprs = dict(
+        NOPE=nope,
+        HALF=half,
+        NOPE_POW2=triton.next_power_of_2(max(nope, 1)),
+        HALF_POW2=triton.next_power_of_2(half),
+        BLOCK_H=block_h,
+        INVERSE=inverse,
+        OUT_BF16=x.dtype == torch.bfloat16,
+        SCATTER=out_rows is not None,
+        NORM=norm_eps is not None,
+        NORM_WEIGHT=norm_weight is not None,
+        X_KIND=X_KIND[x.dtype],
+    )
     return RopeRowsPlan(out, args, constexprs, options, triton.cdiv(out_heads, block_h), False)

@@ -51,8 +51,9 @@ def rope_q_kv_ref(
     weighted norm, then (with `kv_out`) the index_put `kv_out[kv_rows] = rows` (or a copy into
     `kv_out` [M, Dkv]). Returns (q rows, kv_out or the new kv rows)."""
     q_rows = rope_tail_ref(q, cos, sin, out_heads=q_out_heads, norm_eps=q_norm_eps)
-    rows = rope_tail_ref(kv[:, None], cos, sin, norm_eps=kv_norm_eps,
-                         norm_weight=kv_norm_weight)[:, 0]
+    rows = rope_tail_ref(kv[:, None], cos, sin, norm_eps=kv_norm_eps, norm_weight=kv_norm_weight)[
+        :, 0
+    ]
     if kv_out is None:
         return q_rows, rows
     if kv_rows is None:
@@ -66,31 +67,115 @@ def rope_q_kv_ref(
 
 @triton.jit
 def _rope_q_kv_kernel(
-    cos_ptr, sin_ptr, cs_stride_m,
-    q_ptr, q_out_ptr, q_heads, q_out_heads, q_stride_m, q_stride_h, q_out_stride_m,
-    q_out_stride_h, q_rows_ptr, q_w_ptr, q_eps,
-    kv_ptr, kv_out_ptr, kv_heads, kv_out_heads, kv_stride_m, kv_stride_h, kv_out_stride_m,
-    kv_out_stride_h, kv_rows_ptr, kv_w_ptr, kv_eps,
-    Q_BLOCKS: tl.constexpr, HALF: tl.constexpr, HALF_POW2: tl.constexpr,
-    Q_NOPE: tl.constexpr, Q_NOPE_POW2: tl.constexpr, Q_BLOCK_H: tl.constexpr,
-    Q_OUT_BF16: tl.constexpr, Q_NORM: tl.constexpr, Q_X_KIND: tl.constexpr,
-    KV_NOPE: tl.constexpr, KV_NOPE_POW2: tl.constexpr, KV_OUT_BF16: tl.constexpr,
-    KV_SCATTER: tl.constexpr, KV_NORM: tl.constexpr, KV_NORM_WEIGHT: tl.constexpr,
-    KV_X_KIND: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
+    cos_ptr,
+    sin_ptr,
+    cs_stride_m,
+    q_ptr,
+    q_out_ptr,
+    q_heads,
+    q_out_heads,
+    q_stride_m,
+    q_stride_h,
+    q_out_stride_m,
+    q_out_stride_h,
+    q_rows_ptr,
+    q_w_ptr,
+    q_eps,
+    kv_ptr,
+    kv_out_ptr,
+    kv_heads,
+    kv_out_heads,
+    kv_stride_m,
+    kv_stride_h,
+    kv_out_stride_m,
+    kv_out_stride_h,
+    kv_rows_ptr,
+    kv_w_ptr,
+    kv_eps,
+    Q_BLOCKS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_POW2: tl.constexpr,
+    Q_NOPE: tl.constexpr,
+    Q_NOPE_POW2: tl.constexpr,
+    Q_BLOCK_H: tl.constexpr,
+    Q_OUT_BF16: tl.constexpr,
+    Q_NORM: tl.constexpr,
+    Q_X_KIND: tl.constexpr,
+    KV_NOPE: tl.constexpr,
+    KV_NOPE_POW2: tl.constexpr,
+    KV_OUT_BF16: tl.constexpr,
+    KV_SCATTER: tl.constexpr,
+    KV_NORM: tl.constexpr,
+    KV_NORM_WEIGHT: tl.constexpr,
+    KV_X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # q and kv are the projections' outputs
     token = tl.program_id(0).to(tl.int64)
     block = tl.program_id(1)
     if block < Q_BLOCKS:
-        rope_rows(token, block, cos_ptr, sin_ptr, cs_stride_m, q_ptr, q_out_ptr, q_heads,
-                  q_out_heads, q_stride_m, q_stride_h, q_out_stride_m, q_out_stride_h,
-                  q_rows_ptr, q_w_ptr, q_eps, Q_NOPE, HALF, Q_NOPE_POW2, HALF_POW2, Q_BLOCK_H,
-                  False, Q_OUT_BF16, False, Q_NORM, False, Q_X_KIND, ON_BITS)
+        rope_rows(
+            token,
+            block,
+            cos_ptr,
+            sin_ptr,
+            cs_stride_m,
+            q_ptr,
+            q_out_ptr,
+            q_heads,
+            q_out_heads,
+            q_stride_m,
+            q_stride_h,
+            q_out_stride_m,
+            q_out_stride_h,
+            q_rows_ptr,
+            q_w_ptr,
+            q_eps,
+            Q_NOPE,
+            HALF,
+            Q_NOPE_POW2,
+            HALF_POW2,
+            Q_BLOCK_H,
+            False,
+            Q_OUT_BF16,
+            False,
+            Q_NORM,
+            False,
+            Q_X_KIND,
+            ON_BITS,
+        )
     else:
-        rope_rows(token, 0, cos_ptr, sin_ptr, cs_stride_m, kv_ptr, kv_out_ptr, kv_heads,
-                  kv_out_heads, kv_stride_m, kv_stride_h, kv_out_stride_m, kv_out_stride_h,
-                  kv_rows_ptr, kv_w_ptr, kv_eps, KV_NOPE, HALF, KV_NOPE_POW2, HALF_POW2, 1,
-                  False, KV_OUT_BF16, KV_SCATTER, KV_NORM, KV_NORM_WEIGHT, KV_X_KIND, ON_BITS)
+        rope_rows(
+            token,
+            0,
+            cos_ptr,
+            sin_ptr,
+            cs_stride_m,
+            kv_ptr,
+            kv_out_ptr,
+            kv_heads,
+            kv_out_heads,
+            kv_stride_m,
+            kv_stride_h,
+            kv_out_stride_m,
+            kv_out_stride_h,
+            kv_rows_ptr,
+            kv_w_ptr,
+            kv_eps,
+            KV_NOPE,
+            HALF,
+            KV_NOPE_POW2,
+            HALF_POW2,
+            1,
+            False,
+            KV_OUT_BF16,
+            KV_SCATTER,
+            KV_NORM,
+            KV_NORM_WEIGHT,
+            KV_X_KIND,
+            ON_BITS,
+        )
 
 
 def rope_q_kv(
@@ -121,31 +206,73 @@ def rope_q_kv(
     Every argument is validated as `rope_tail` validates it. Returns (q_out, kv_out).
     """
     if kv.dim() != 2 or kv.device != q.device:
-        raise ValueError(f"kv must be [M, Dkv] on q's device {q.device}, got "
-                         f"{tuple(kv.shape)} on {kv.device}")
+        raise ValueError(
+            f"kv must be [M, Dkv] on q's device {q.device}, got {tuple(kv.shape)} on {kv.device}"
+        )
     if kv_out is not None and kv_out.dim() != 2:
         raise ValueError(f"kv_out must be [rows, Dkv], got {tuple(kv_out.shape)}")
-    q_plan = plan_rope_rows(q, cos, sin, inverse=False, out=q_out, out_heads=q_out_heads,
-                            out_rows=None, norm_eps=q_norm_eps, norm_weight=None)
-    kv_plan = plan_rope_rows(kv[:, None], cos, sin, inverse=False,
-                             out=None if kv_out is None else kv_out[:, None], out_heads=None,
-                             out_rows=kv_rows, norm_eps=kv_norm_eps, norm_weight=kv_norm_weight)
+    q_plan = plan_rope_rows(
+        q,
+        cos,
+        sin,
+        inverse=False,
+        out=q_out,
+        out_heads=q_out_heads,
+        out_rows=None,
+        norm_eps=q_norm_eps,
+        norm_weight=None,
+    )
+    kv_plan = plan_rope_rows(
+        kv[:, None],
+        cos,
+        sin,
+        inverse=False,
+        out=None if kv_out is None else kv_out[:, None],
+        out_heads=None,
+        out_rows=kv_rows,
+        norm_eps=kv_norm_eps,
+        norm_weight=kv_norm_weight,
+    )
     kv_out = kv_plan.out[:, 0]
     if kv_plan.empty:  # M = 0
         return q_plan.out, kv_out
     if q_plan.empty:  # no query heads to write: the KV row alone
-        rope_tail(kv[:, None], cos, sin, out=kv_plan.out, out_rows=kv_rows, norm_eps=kv_norm_eps,
-                  norm_weight=kv_norm_weight)
+        rope_tail(
+            kv[:, None],
+            cos,
+            sin,
+            out=kv_plan.out,
+            out_rows=kv_rows,
+            norm_eps=kv_norm_eps,
+            norm_weight=kv_norm_weight,
+        )
         return q_plan.out, kv_out
     qm, km = q_plan.meta, kv_plan.meta
     _rope_q_kv_kernel[(q.shape[0], q_plan.blocks + 1)](
-        cos, sin, cos.stride(0), *q_plan.args, *kv_plan.args,
-        Q_BLOCKS=q_plan.blocks, HALF=qm["HALF"], HALF_POW2=qm["HALF_POW2"],
-        Q_NOPE=qm["NOPE"], Q_NOPE_POW2=qm["NOPE_POW2"], Q_BLOCK_H=qm["BLOCK_H"],
-        Q_OUT_BF16=qm["OUT_BF16"], Q_NORM=qm["NORM"], Q_X_KIND=qm["X_KIND"],
-        KV_NOPE=km["NOPE"], KV_NOPE_POW2=km["NOPE_POW2"], KV_OUT_BF16=km["OUT_BF16"],
-        KV_SCATTER=km["SCATTER"], KV_NORM=km["NORM"], KV_NORM_WEIGHT=km["NORM_WEIGHT"],
-        KV_X_KIND=km["X_KIND"], ON_BITS=interpreted(_rope_q_kv_kernel),
-        enable_fp_fusion=False, **q_plan.options,
-        **programmatic_launch(_rope_q_kv_kernel, q.device))
+        cos,
+        sin,
+        cos.stride(0),
+        *q_plan.args,
+        *kv_plan.args,
+        Q_BLOCKS=q_plan.blocks,
+        HALF=qm["HALF"],
+        HALF_POW2=qm["HALF_POW2"],
+        Q_NOPE=qm["NOPE"],
+        Q_NOPE_POW2=qm["NOPE_POW2"],
+        Q_BLOCK_H=qm["BLOCK_H"],
+        Q_OUT_BF16=qm["OUT_BF16"],
+        Q_NORM=qm["NORM"],
+        Q_X_KIND=qm["X_KIND"],
+        KV_NOPE=km["NOPE"],
+        KV_NOPE_POW2=km["NOPE_POW2"],
+        KV_OUT_BF16=km["OUT_BF16"],
+        KV_SCATTER=km["SCATTER"],
+        KV_NORM=km["NORM"],
+        KV_NORM_WEIGHT=km["NORM_WEIGHT"],
+        KV_X_KIND=km["X_KIND"],
+        ON_BITS=interpreted(_rope_q_kv_kernel),
+        enable_fp_fusion=False,
+        **q_plan.options,
+        **programmatic_launch(_rope_q_kv_kernel, q.device),
+    )
     return q_plan.out, kv_out

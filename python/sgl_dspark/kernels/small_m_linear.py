@@ -46,10 +46,24 @@ def small_m_linear_ref(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 @triton.jit
 def _small_m_linear_kernel(
-    x_ptr, w_ptr, y_ptr, M, N, K, stride_xm, stride_wn, stride_ym,
-    stride_xg, stride_wg, stride_yg,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ROUND_BF16: tl.constexpr, DOT_FP32: tl.constexpr, PDL: tl.constexpr,
+    x_ptr,
+    w_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_ym,
+    stride_xg,
+    stride_wg,
+    stride_yg,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (column block, group): a group's x columns, weight and output columns start at
     # its group strides (0 and one group for a plain linear).
@@ -77,14 +91,16 @@ def _small_m_linear_kernel(
         x = tl.load(x_rows + kk[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         w = tl.load(w_rows + kk[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         if DOT_FP32:
-            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc,
-                         input_precision="ieee")
+            acc = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
         else:
             acc = tl.dot(x, tl.trans(w), acc)
     if ROUND_BF16:
         acc = _round_to_bf16(acc)
-    tl.store(y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
-             acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    tl.store(
+        y_ptr + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 def _linear_meta(n: int, element_size: int) -> dict[str, int]:
@@ -99,12 +115,17 @@ def _linear_meta(n: int, element_size: int) -> dict[str, int]:
     # from HBM, 0.3-0.5 us less at M = 1 and K = 1024, within +-0.1 us at M = 4..8, less at
     # M = 16 (benchmark/results/sweeps/2026-11-30_s8_probe_gemv.md). fp32 and wide: untested.
     warps = 2 if block_n <= 16 and element_size <= 2 else 4
-    return {"BLOCK_N": block_n, "BLOCK_K": block_k, "num_stages": 4 if block_n <= 16 else 3,
-            "num_warps": warps}
+    return {
+        "BLOCK_N": block_n,
+        "BLOCK_K": block_k,
+        "num_stages": 4 if block_n <= 16 else 3,
+        "num_warps": warps,
+    }
 
 
-def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
-                   out: torch.Tensor | None = None) -> torch.Tensor:
+def small_m_linear(
+    x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """`x @ weight^T` for M <= 16 rows in one launch (no host sync; graph-safe).
 
     Args:
@@ -115,44 +136,68 @@ def small_m_linear(x: torch.Tensor, weight: torch.Tensor,
     Returns:
         [M, N] in x's dtype (X2 against `small_m_linear_ref`, see the module doc).
     """
-    require(x.dim() == 2 and weight.dim() == 2, f"x and weight must be 2-D, got "
-            f"{tuple(x.shape)} and {tuple(weight.shape)}")
+    require(
+        x.dim() == 2 and weight.dim() == 2,
+        f"x and weight must be 2-D, got {tuple(x.shape)} and {tuple(weight.shape)}",
+    )
     m, k = x.shape
     n = weight.shape[0]
-    require(x.dtype in (torch.bfloat16, torch.float16, torch.float32),
-            f"x: dtype must be bf16/fp16/fp32, got {x.dtype}")
+    require(
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32),
+        f"x: dtype must be bf16/fp16/fp32, got {x.dtype}",
+    )
     require(weight.dtype == x.dtype, f"weight: dtype {weight.dtype} != x's {x.dtype}")
     require(weight.shape[1] == k, f"weight: expected K={k} columns, got {weight.shape[1]}")
     require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
     require(x.device == weight.device, f"weight is on {weight.device}, x on {x.device}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    require(out.shape == (m, n) and out.dtype == x.dtype and (m == 0 or out.stride(1) == 1),
-            f"out: expected [{m}, {n}] {x.dtype} with unit column stride, got "
-            f"{out.dtype} {tuple(out.shape)}")
+    require(
+        out.shape == (m, n) and out.dtype == x.dtype and (m == 0 or out.stride(1) == 1),
+        f"out: expected [{m}, {n}] {x.dtype} with unit column stride, got "
+        f"{out.dtype} {tuple(out.shape)}",
+    )
     if m == 0 or n == 0:
         return out
-    require(x.stride(1) == 1 and weight.stride(1) == 1,
-            f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}")
+    require(
+        x.stride(1) == 1 and weight.stride(1) == 1,
+        f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}",
+    )
     if k == 0:
         return out.zero_()
     _launch(x, weight, out, groups=1, group_strides=(0, 0, 0))
     return out
 
 
-def _launch(x: torch.Tensor, weight: torch.Tensor, out: torch.Tensor, groups: int,
-            group_strides: tuple[int, int, int]) -> None:
+def _launch(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor,
+    groups: int,
+    group_strides: tuple[int, int, int],
+) -> None:
     """One launch over (column blocks, groups); x / weight / out are a group's first [M, K] /
     [N, K] / [M, N] views (row strides from them), the group strides move to the next."""
     (m, k), n = x.shape, weight.shape[0]
     meta = _linear_meta(n, x.element_size())
     _small_m_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]), groups)](
-        x, weight, out, m, n, k, x.stride(0), weight.stride(0), out.stride(0), *group_strides,
-        BLOCK_M=_BLOCK_M, ROUND_BF16=x.dtype == torch.bfloat16,
+        x,
+        weight,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.stride(0),
+        out.stride(0),
+        *group_strides,
+        BLOCK_M=_BLOCK_M,
+        ROUND_BF16=x.dtype == torch.bfloat16,
         # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
         # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
-        **meta, **programmatic_launch(_small_m_linear_kernel, x.device),
+        **meta,
+        **programmatic_launch(_small_m_linear_kernel, x.device),
     )
 
 
@@ -172,12 +217,17 @@ def small_m_grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     Returns:
         [M, G, N] contiguous in x's dtype (X2 against `small_m_grouped_linear_ref`).
     """
-    require(x.dim() == 3 and weight.dim() == 3 and x.shape[1] == weight.shape[0]
-            and x.shape[2] == weight.shape[2],
-            f"x must be [M, G, K] and weight [G, N, K], got {tuple(x.shape)} and "
-            f"{tuple(weight.shape)}")
-    require(x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype,
-            f"x and weight: one dtype of bf16/fp16/fp32, got {x.dtype} and {weight.dtype}")
+    require(
+        x.dim() == 3
+        and weight.dim() == 3
+        and x.shape[1] == weight.shape[0]
+        and x.shape[2] == weight.shape[2],
+        f"x must be [M, G, K] and weight [G, N, K], got {tuple(x.shape)} and {tuple(weight.shape)}",
+    )
+    require(
+        x.dtype in (torch.bfloat16, torch.float16, torch.float32) and weight.dtype == x.dtype,
+        f"x and weight: one dtype of bf16/fp16/fp32, got {x.dtype} and {weight.dtype}",
+    )
     m, groups, k = x.shape
     n = weight.shape[1]
     require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
@@ -185,10 +235,11 @@ def small_m_grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or groups == 0:
         return out
-    require(x.stride(2) == 1 and weight.stride(2) == 1,
-            f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}")
+    require(
+        x.stride(2) == 1 and weight.stride(2) == 1,
+        f"x and weight need unit stride along K, got {x.stride()} and {weight.stride()}",
+    )
     if k == 0:
         return out.zero_()
-    _launch(x[:, 0], weight[0], out[:, 0], groups,
-            (x.stride(1), weight.stride(0), out.stride(1)))
+    _launch(x[:, 0], weight[0], out[:, 0], groups, (x.stride(1), weight.stride(0), out.stride(1)))
     return out

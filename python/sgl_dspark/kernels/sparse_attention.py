@@ -84,10 +84,10 @@ def window_sparse_attention_ref(
         [T, H, Dh] in q's dtype.
     """
     offsets = torch.arange(window - 1, -1, -1, device=positions.device)
-    win_pos = positions[:, None] - offsets[None, :]                      # [T, W]
+    win_pos = positions[:, None] - offsets[None, :]  # [T, W]
     valid = win_pos >= 0
     kv_slots = req_to_token[token_slot[:, None], win_pos.clamp(min=0)]
-    keys = window_kv[kv_slots]                                           # [T, W, Dh]
+    keys = window_kv[kv_slots]  # [T, W, Dh]
     if extra_kv is not None:
         assert extra_valid is not None, "extra_kv needs extra_valid"
         keys = torch.cat((keys, extra_kv.to(keys.dtype)), dim=1)
@@ -97,13 +97,17 @@ def window_sparse_attention_ref(
     sink_column = sinks.to(logits.dtype)[None, :, None].expand(logits.shape[0], -1, 1)
     logits = torch.cat((logits, sink_column), dim=-1)
     logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)      # drop the sink column
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)  # drop the sink column
     return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
 
 
-def dense_entries_ref(positions: torch.Tensor, token_slot: torch.Tensor,
-                      req_to_token: torch.Tensor, num_entries: int,
-                      ratio: int) -> tuple[torch.Tensor, torch.Tensor]:
+def dense_entries_ref(
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    req_to_token: torch.Tensor,
+    num_entries: int,
+    ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(pool rows [T, N] int64, valid [T, N] bool) of ``extra_entries = (N, ratio)``: every
     compressed entry n < N of the token's request, visible once its block is complete."""
     entry = torch.arange(num_entries, device=positions.device)[None, :]
@@ -112,8 +116,9 @@ def dense_entries_ref(positions: torch.Tensor, token_slot: torch.Tensor,
 
 
 @triton.jit
-def _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
-                         DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr):
+def _online_softmax_step(
+    q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32: tl.constexpr, ROUND_P: tl.constexpr
+):
     # One tile of keys [BLOCK_N, D] for the head block q [BLOCK_H, D]; logits in the log2 domain.
     if DOT_FP32:
         s = tl.dot(q.to(tl.float32), tl.trans(keys.to(tl.float32)), input_precision="ieee")
@@ -136,16 +141,54 @@ def _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
 
 @triton.jit
 def _window_sparse_attention_kernel(
-    q_ptr, kv_ptr, pos_ptr, slot_ptr, table_ptr, sinks_ptr, extra_ptr, extra_valid_ptr, out_ptr,
-    part_m_ptr, part_l_ptr, extra_slots_ptr, slots_stride_t, cos_ptr, sin_ptr, cs_stride,
-    num_heads, out_heads, window, num_extra, qk_scale, tiles_per_split, rope_dim,
-    q_stride_t, q_stride_h, kv_stride, table_stride, table_width, entry_ratio,
-    extra_stride_t, extra_stride_n, valid_stride_t, out_stride_t, out_stride_h,
-    HEAD_DIM: tl.constexpr, D_POW2: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    HAS_EXTRA: tl.constexpr, EXTRA_IN_POOL: tl.constexpr, DENSE_ENTRIES: tl.constexpr,
+    q_ptr,
+    kv_ptr,
+    pos_ptr,
+    slot_ptr,
+    table_ptr,
+    sinks_ptr,
+    extra_ptr,
+    extra_valid_ptr,
+    out_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    extra_slots_ptr,
+    slots_stride_t,
+    cos_ptr,
+    sin_ptr,
+    cs_stride,
+    num_heads,
+    out_heads,
+    window,
+    num_extra,
+    qk_scale,
+    tiles_per_split,
+    rope_dim,
+    q_stride_t,
+    q_stride_h,
+    kv_stride,
+    table_stride,
+    table_width,
+    entry_ratio,
+    extra_stride_t,
+    extra_stride_n,
+    valid_stride_t,
+    out_stride_t,
+    out_stride_h,
+    HEAD_DIM: tl.constexpr,
+    D_POW2: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    EXTRA_IN_POOL: tl.constexpr,
+    DENSE_ENTRIES: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    ROUND_P: tl.constexpr, SPLIT: tl.constexpr, ROPE: tl.constexpr, X_KIND: tl.constexpr,
-    ON_BITS: tl.constexpr, PDL: tl.constexpr,
+    ROUND_P: tl.constexpr,
+    SPLIT: tl.constexpr,
+    ROPE: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Key tiles are numbered window tiles first (cdiv(window, BLOCK_N) of them), then extra-key
     # tiles; program (token, head block, split) covers tiles [split, split + 1) * tiles_per_split.
@@ -161,8 +204,11 @@ def _window_sparse_attention_kernel(
     head_ok = heads < num_heads
     dims = tl.arange(0, D_POW2)
     dim_ok = dims < HEAD_DIM
-    q = tl.load(q_ptr + token * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h
-                + dims[None, :], mask=head_ok[:, None] & dim_ok[None, :], other=0.0)
+    q = tl.load(
+        q_ptr + token * q_stride_t + heads[:, None].to(tl.int64) * q_stride_h + dims[None, :],
+        mask=head_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     kv_dtype = kv_ptr.dtype.element_ty
     q = q.to(kv_dtype)
     sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
@@ -186,10 +232,14 @@ def _window_sparse_attention_kernel(
         key_pos = first + j0 + offs
         valid = (key_pos >= 0) & (j0 + offs < window)
         kv_slot = tl.load(table_row + key_pos, mask=valid, other=0).to(tl.int64)
-        keys = tl.load(kv_ptr + kv_slot[:, None] * kv_stride + dims[None, :],
-                       mask=valid[:, None] & dim_ok[None, :], other=0.0)
-        m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32,
-                                             ROUND_P)
+        keys = tl.load(
+            kv_ptr + kv_slot[:, None] * kv_stride + dims[None, :],
+            mask=valid[:, None] & dim_ok[None, :],
+            other=0.0,
+        )
+        m_i, l_i, acc = _online_softmax_step(
+            q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32, ROUND_P
+        )
 
     if HAS_EXTRA:
         extra_row = extra_ptr + token * extra_stride_t
@@ -203,45 +253,85 @@ def _window_sparse_attention_kernel(
                 valid = in_range & (idx < (position + 1) // entry_ratio)
                 rows = load_entry_rows(table_row, idx, entry_ratio, table_width, valid)
             else:
-                valid = tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range,
-                                other=0) != 0
+                valid = (
+                    tl.load(extra_valid_ptr + token * valid_stride_t + idx, mask=in_range, other=0)
+                    != 0
+                )
                 if EXTRA_IN_POOL:  # pool rows at this token's slots
-                    rows = tl.load(extra_slots_ptr + token * slots_stride_t + idx, mask=valid,
-                                   other=0).to(tl.int64)
+                    rows = tl.load(
+                        extra_slots_ptr + token * slots_stride_t + idx, mask=valid, other=0
+                    ).to(tl.int64)
             if DENSE_ENTRIES or EXTRA_IN_POOL:  # extra_stride_n: pool rows
                 key_ptrs = extra_ptr + rows[:, None] * extra_stride_n + dims[None, :]
             else:
                 key_ptrs = extra_row + idx[:, None].to(tl.int64) * extra_stride_n + dims[None, :]
-            keys = tl.load(key_ptrs, mask=valid[:, None] & dim_ok[None, :],
-                           other=0.0).to(kv_dtype)
-            m_i, l_i, acc = _online_softmax_step(q, keys, valid, m_i, l_i, acc, qk_scale,
-                                                 DOT_FP32, ROUND_P)
+            keys = tl.load(key_ptrs, mask=valid[:, None] & dim_ok[None, :], other=0.0).to(kv_dtype)
+            m_i, l_i, acc = _online_softmax_step(
+                q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32, ROUND_P
+            )
 
     if SPLIT:
         # Partials of (token, split): rows of [T, S, H(, Dh)], contiguous over heads and dims.
         row = (token * tl.num_programs(2) + split) * num_heads + heads
         tl.store(part_m_ptr + row, m_i, mask=head_ok)
         tl.store(part_l_ptr + row, l_i, mask=head_ok)
-        tl.store(out_ptr + row[:, None] * HEAD_DIM + dims[None, :], acc,
-                 mask=head_ok[:, None] & dim_ok[None, :])
+        tl.store(
+            out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=head_ok[:, None] & dim_ok[None, :],
+        )
     else:
         denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
         out = round_to_x(acc / denom[:, None], X_KIND, ON_BITS)
         if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
-            out = rotate_rounded_tail(out, token + heads * 0, heads < out_heads, cos_ptr, sin_ptr,
-                                      cs_stride, 0, HEAD_DIM, rope_dim, BLOCK_H, D_POW2, True,
-                                      X_KIND, ON_BITS)
-        tl.store(out_ptr + token * out_stride_t + heads[:, None].to(tl.int64) * out_stride_h
-                 + dims[None, :], out.to(out_ptr.dtype.element_ty),
-                 mask=(heads < out_heads)[:, None] & dim_ok[None, :])
+            out = rotate_rounded_tail(
+                out,
+                token + heads * 0,
+                heads < out_heads,
+                cos_ptr,
+                sin_ptr,
+                cs_stride,
+                0,
+                HEAD_DIM,
+                rope_dim,
+                BLOCK_H,
+                D_POW2,
+                True,
+                X_KIND,
+                ON_BITS,
+            )
+        tl.store(
+            out_ptr
+            + token * out_stride_t
+            + heads[:, None].to(tl.int64) * out_stride_h
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=(heads < out_heads)[:, None] & dim_ok[None, :],
+        )
 
 
 @triton.jit
 def _merge_attention_splits_kernel(
-    part_acc_ptr, part_m_ptr, part_l_ptr, sinks_ptr, out_ptr, cos_ptr, sin_ptr, cs_stride,
-    num_heads, num_splits, out_stride_t, out_stride_h, rope_dim,
-    HEAD_DIM: tl.constexpr, S_POW2: tl.constexpr, BLOCK_D: tl.constexpr, ROPE: tl.constexpr,
-    X_KIND: tl.constexpr, ON_BITS: tl.constexpr, PDL: tl.constexpr,
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    sinks_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    cs_stride,
+    num_heads,
+    num_splits,
+    out_stride_t,
+    out_stride_h,
+    rope_dim,
+    HEAD_DIM: tl.constexpr,
+    S_POW2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
 ):
     # Program (token, head, dim block): o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s
     # + 2^(sink - M)) with M = max(sink, max_s m_s), which is finite, so a partial with
@@ -253,23 +343,44 @@ def _merge_attention_splits_kernel(
     dim_ok = dims < HEAD_DIM
     splits = tl.arange(0, S_POW2)
     split_ok = splits < num_splits
-    row = (token * num_splits + splits) * num_heads + head                      # [S_POW2]
+    row = (token * num_splits + splits) * num_heads + head  # [S_POW2]
     m = tl.load(part_m_ptr + row, mask=split_ok, other=float("-inf"))
     l_part = tl.load(part_l_ptr + row, mask=split_ok, other=0.0)
-    acc = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
-                  mask=split_ok[:, None] & dim_ok[None, :], other=0.0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None] & dim_ok[None, :],
+        other=0.0,
+    )
     sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
     m_max = tl.maximum(tl.max(m, axis=0), sink)
     weight = tl.exp2(m - m_max)
     denom = tl.sum(l_part * weight, axis=0) + tl.exp2(sink - m_max)
     out = round_to_x(tl.sum(acc * weight[:, None], axis=0) / denom, X_KIND, ON_BITS)
     if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
-        out = tl.reshape(rotate_rounded_tail(
-            out[None, :], token + tl.zeros([1], tl.int64), tl.full([1], True, tl.int1), cos_ptr,
-            sin_ptr, cs_stride, tl.program_id(2) * BLOCK_D, HEAD_DIM, rope_dim, 1, BLOCK_D, True,
-            X_KIND, ON_BITS), [BLOCK_D])
-    tl.store(out_ptr + token * out_stride_t + head * out_stride_h + dims,
-             out.to(out_ptr.dtype.element_ty), mask=dim_ok)
+        out = tl.reshape(
+            rotate_rounded_tail(
+                out[None, :],
+                token + tl.zeros([1], tl.int64),
+                tl.full([1], True, tl.int1),
+                cos_ptr,
+                sin_ptr,
+                cs_stride,
+                tl.program_id(2) * BLOCK_D,
+                HEAD_DIM,
+                rope_dim,
+                1,
+                BLOCK_D,
+                True,
+                X_KIND,
+                ON_BITS,
+            ),
+            [BLOCK_D],
+        )
+    tl.store(
+        out_ptr + token * out_stride_t + head * out_stride_h + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_ok,
+    )
 
 
 def _auto_num_splits(programs: int, total_tiles: int, sm_count: int) -> int:
@@ -344,13 +455,17 @@ def window_sparse_attention(
         raise ValueError(f"q must be [T, H, Dh] bf16/fp16/fp32, got {q.dtype} {tuple(q.shape)}")
     tokens, heads, head_dim = q.shape
     if window_kv.dim() != 2 or window_kv.shape[1] != head_dim or window_kv.dtype != q.dtype:
-        raise ValueError(f"window_kv must be [slots, {head_dim}] {q.dtype}, got "
-                         f"{window_kv.dtype} {tuple(window_kv.shape)}")
+        raise ValueError(
+            f"window_kv must be [slots, {head_dim}] {q.dtype}, got "
+            f"{window_kv.dtype} {tuple(window_kv.shape)}"
+        )
     _check_int_vector("positions", positions, tokens)
     _check_int_vector("token_slot", token_slot, tokens)
     if req_to_token.dim() != 2 or req_to_token.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"req_to_token must be int32/int64 [slots, max_ctx], got "
-                         f"{req_to_token.dtype} {tuple(req_to_token.shape)}")
+        raise ValueError(
+            f"req_to_token must be int32/int64 [slots, max_ctx], got "
+            f"{req_to_token.dtype} {tuple(req_to_token.shape)}"
+        )
     if window < 1:
         raise ValueError(f"window must be >= 1, got {window}")
     if num_splits is not None and num_splits < 1:
@@ -364,40 +479,68 @@ def window_sparse_attention(
     if extra_entries is not None:
         num_extra, entry_ratio = extra_entries
         if extra_kv is None or extra_valid is not None or extra_slots is not None:
-            raise ValueError("extra_entries needs extra_kv (the entry pool) and neither "
-                             "extra_valid nor extra_slots")
+            raise ValueError(
+                "extra_entries needs extra_kv (the entry pool) and neither "
+                "extra_valid nor extra_slots"
+            )
         if num_extra < 0 or entry_ratio < 1:
             raise ValueError(f"extra_entries must be (N >= 0, ratio >= 1), got {extra_entries}")
-        if extra_kv.dim() != 2 or extra_kv.shape[1] != head_dim \
-                or extra_kv.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"extra_kv must be a pool [rows, {head_dim}] float with "
-                             f"extra_entries, got {extra_kv.dtype} {tuple(extra_kv.shape)}")
+        if (
+            extra_kv.dim() != 2
+            or extra_kv.shape[1] != head_dim
+            or extra_kv.dtype not in _SUPPORTED_DTYPES
+        ):
+            raise ValueError(
+                f"extra_kv must be a pool [rows, {head_dim}] float with "
+                f"extra_entries, got {extra_kv.dtype} {tuple(extra_kv.shape)}"
+            )
     elif extra_slots is not None:
         if extra_kv is None or extra_valid is None:
             raise ValueError("extra_slots needs extra_kv (the pool) and extra_valid")
-        if extra_slots.dim() != 2 or extra_slots.shape[0] != tokens or extra_slots.dtype not in (
-                torch.int32, torch.int64) or extra_slots.stride(-1) != 1:
-            raise ValueError(f"extra_slots must be int32/int64 [{tokens}, N] with unit stride "
-                             f"along N, got {extra_slots.dtype} {tuple(extra_slots.shape)}")
-        if extra_kv.dim() != 2 or extra_kv.shape[1] != head_dim \
-                or extra_kv.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"extra_kv must be a pool [rows, {head_dim}] float with "
-                             f"extra_slots, got {extra_kv.dtype} {tuple(extra_kv.shape)}")
+        if (
+            extra_slots.dim() != 2
+            or extra_slots.shape[0] != tokens
+            or extra_slots.dtype not in (torch.int32, torch.int64)
+            or extra_slots.stride(-1) != 1
+        ):
+            raise ValueError(
+                f"extra_slots must be int32/int64 [{tokens}, N] with unit stride "
+                f"along N, got {extra_slots.dtype} {tuple(extra_slots.shape)}"
+            )
+        if (
+            extra_kv.dim() != 2
+            or extra_kv.shape[1] != head_dim
+            or extra_kv.dtype not in _SUPPORTED_DTYPES
+        ):
+            raise ValueError(
+                f"extra_kv must be a pool [rows, {head_dim}] float with "
+                f"extra_slots, got {extra_kv.dtype} {tuple(extra_kv.shape)}"
+            )
         num_extra = extra_slots.shape[1]
         if extra_valid.shape != extra_slots.shape or extra_valid.dtype != torch.bool:
-            raise ValueError(f"extra_valid must be bool [{tokens}, {num_extra}], got "
-                             f"{extra_valid.dtype} {tuple(extra_valid.shape)}")
+            raise ValueError(
+                f"extra_valid must be bool [{tokens}, {num_extra}], got "
+                f"{extra_valid.dtype} {tuple(extra_valid.shape)}"
+            )
     elif extra_kv is not None:
         if extra_valid is None:
             raise ValueError("extra_valid is required with extra_kv")
-        if extra_kv.dim() != 3 or extra_kv.shape[0] != tokens or extra_kv.shape[2] != head_dim \
-                or extra_kv.dtype not in _SUPPORTED_DTYPES:
-            raise ValueError(f"extra_kv must be [{tokens}, N, {head_dim}] float, got "
-                             f"{extra_kv.dtype} {tuple(extra_kv.shape)}")
+        if (
+            extra_kv.dim() != 3
+            or extra_kv.shape[0] != tokens
+            or extra_kv.shape[2] != head_dim
+            or extra_kv.dtype not in _SUPPORTED_DTYPES
+        ):
+            raise ValueError(
+                f"extra_kv must be [{tokens}, N, {head_dim}] float, got "
+                f"{extra_kv.dtype} {tuple(extra_kv.shape)}"
+            )
         num_extra = extra_kv.shape[1]
         if extra_valid.shape != extra_kv.shape[:2] or extra_valid.dtype != torch.bool:
-            raise ValueError(f"extra_valid must be bool [{tokens}, {num_extra}], got "
-                             f"{extra_valid.dtype} {tuple(extra_valid.shape)}")
+            raise ValueError(
+                f"extra_valid must be bool [{tokens}, {num_extra}], got "
+                f"{extra_valid.dtype} {tuple(extra_valid.shape)}"
+            )
     out_heads = heads if out_heads is None else out_heads
     if not 0 <= out_heads <= heads:
         raise ValueError(f"out_heads must be in [0, {heads}], got {out_heads}")
@@ -405,8 +548,7 @@ def window_sparse_attention(
     if out is None:
         out = torch.empty(out_shape, dtype=q.dtype, device=q.device)
     elif tuple(out.shape) != out_shape or out.dtype != q.dtype:
-        raise ValueError(f"out must be {q.dtype} {out_shape}, got {out.dtype} "
-                         f"{tuple(out.shape)}")
+        raise ValueError(f"out must be {q.dtype} {out_shape}, got {out.dtype} {tuple(out.shape)}")
     tables = epilogue_tables(inverse_rope, tokens, head_dim, sinks)
     if tokens == 0 or out_heads == 0:
         return out
@@ -434,7 +576,10 @@ def window_sparse_attention(
     else:
         assert extra_valid is not None
         extra_arg, valid_arg = extra_kv, extra_valid.view(torch.uint8)
-        extra_strides, valid_stride = (extra_kv.stride(0), extra_kv.stride(1)), extra_valid.stride(0)
+        extra_strides, valid_stride = (
+            (extra_kv.stride(0), extra_kv.stride(1)),
+            extra_valid.stride(0),
+        )
     slots_arg = extra_slots if in_pool and has_extra else positions  # read with EXTRA_IN_POOL only
     slots_stride = extra_slots.stride(0) if in_pool and extra_slots is not None else 0
     d_pow2 = max(16, triton.next_power_of_2(head_dim))
@@ -448,8 +593,9 @@ def window_sparse_attention(
     split = num_splits > 1
     if split:
         # Partials, fully overwritten by the first launch (every split writes, empty ones too).
-        part_acc = torch.empty((tokens, num_splits, heads, head_dim), dtype=torch.float32,
-                               device=q.device)
+        part_acc = torch.empty(
+            (tokens, num_splits, heads, head_dim), dtype=torch.float32, device=q.device
+        )
         part_m = torch.empty((tokens, num_splits, heads), dtype=torch.float32, device=q.device)
         part_l = torch.empty_like(part_m)
         first_out, first_strides = part_acc, (0, 0)  # partial strides are implied by the shape
@@ -457,34 +603,84 @@ def window_sparse_attention(
         first_out, first_strides = out, (out.stride(0), out.stride(1))
         part_m = part_l = out  # never touched (SPLIT=False)
     _window_sparse_attention_kernel[(tokens, head_blocks, num_splits)](
-        q, window_kv, positions, token_slot, req_to_token, sinks, extra_arg, valid_arg, first_out,
-        part_m, part_l, slots_arg, slots_stride, tables.cos, tables.sin, tables.stride,
-        heads, heads if split else out_heads, window, num_extra, scale * _LOG2E, tiles_per_split,
+        q,
+        window_kv,
+        positions,
+        token_slot,
+        req_to_token,
+        sinks,
+        extra_arg,
+        valid_arg,
+        first_out,
+        part_m,
+        part_l,
+        slots_arg,
+        slots_stride,
+        tables.cos,
+        tables.sin,
+        tables.stride,
+        heads,
+        heads if split else out_heads,
+        window,
+        num_extra,
+        scale * _LOG2E,
+        tiles_per_split,
         tables.rope_dim,
-        q.stride(0), q.stride(1), window_kv.stride(0), req_to_token.stride(0),
-        req_to_token.shape[1], entry_ratio,
-        extra_strides[0], extra_strides[1], valid_stride, first_strides[0], first_strides[1],
-        HEAD_DIM=head_dim, D_POW2=d_pow2, BLOCK_H=block_h, BLOCK_N=block_n,
-        HAS_EXTRA=has_extra, EXTRA_IN_POOL=in_pool and has_extra,
+        q.stride(0),
+        q.stride(1),
+        window_kv.stride(0),
+        req_to_token.stride(0),
+        req_to_token.shape[1],
+        entry_ratio,
+        extra_strides[0],
+        extra_strides[1],
+        valid_stride,
+        first_strides[0],
+        first_strides[1],
+        HEAD_DIM=head_dim,
+        D_POW2=d_pow2,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        HAS_EXTRA=has_extra,
+        EXTRA_IN_POOL=in_pool and has_extra,
         DENSE_ENTRIES=dense and has_extra,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         ROUND_P=q.dtype != torch.float32,
-        SPLIT=split, ROPE=inverse_rope is not None, X_KIND=X_KIND[q.dtype],
+        SPLIT=split,
+        ROPE=inverse_rope is not None,
+        X_KIND=X_KIND[q.dtype],
         ON_BITS=interpreted(_window_sparse_attention_kernel),
-        num_warps=8 if d_pow2 >= 256 else 4, enable_fp_fusion=False,
+        num_warps=8 if d_pow2 >= 256 else 4,
+        enable_fp_fusion=False,
         **programmatic_launch(_window_sparse_attention_kernel, q.device),
     )
     if split:
         s_pow2 = triton.next_power_of_2(num_splits)
         block_d = max(16, min(d_pow2, _TILE_ELEMS // s_pow2))
         _merge_attention_splits_kernel[(tokens, out_heads, triton.cdiv(head_dim, block_d))](
-            part_acc, part_m, part_l, sinks, out, tables.cos, tables.sin, tables.stride,
-            heads, num_splits, out.stride(0), out.stride(1), tables.rope_dim,
-            HEAD_DIM=head_dim, S_POW2=s_pow2, BLOCK_D=block_d, ROPE=inverse_rope is not None,
-            X_KIND=X_KIND[q.dtype], ON_BITS=interpreted(_merge_attention_splits_kernel),
-            num_warps=4, enable_fp_fusion=False,
+            part_acc,
+            part_m,
+            part_l,
+            sinks,
+            out,
+            tables.cos,
+            tables.sin,
+            tables.stride,
+            heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            tables.rope_dim,
+            HEAD_DIM=head_dim,
+            S_POW2=s_pow2,
+            BLOCK_D=block_d,
+            ROPE=inverse_rope is not None,
+            X_KIND=X_KIND[q.dtype],
+            ON_BITS=interpreted(_merge_attention_splits_kernel),
+            num_warps=4,
+            enable_fp_fusion=False,
             **programmatic_launch(_merge_attention_splits_kernel, q.device),
         )
     return out

@@ -86,8 +86,9 @@ def sample_inverse_cdf_ref(weights: torch.Tensor, uniforms: torch.Tensor) -> tor
     return torch.where(total > 0, token, torch.zeros_like(token))
 
 
-def sample_residual_ref(p_rows: torch.Tensor, q_rows: torch.Tensor,
-                        uniforms: torch.Tensor) -> torch.Tensor:
+def sample_residual_ref(
+    p_rows: torch.Tensor, q_rows: torch.Tensor, uniforms: torch.Tensor
+) -> torch.Tensor:
     """Token ~ normalize(max(P - Q, 0)), or ~ P when the residual has no mass. fp32 [N, V] -> [N]."""
     p = p_rows.float().clamp_min(0.0)
     residual = _to_fixed_point((p - q_rows.float()).clamp_min(0.0))
@@ -173,8 +174,18 @@ def spec_accept_ref(
 
 
 @triton.jit
-def _scan_chunk(p_row_ptr, q_row_ptr, use_q, start, end, carry, threshold,
-                BLOCK_V: tl.constexpr, FIXED_ONE: tl.constexpr, COUNT: tl.constexpr):  # fmt: skip
+def _scan_chunk(
+    p_row_ptr,
+    q_row_ptr,
+    use_q,
+    start,
+    end,
+    carry,
+    threshold,
+    BLOCK_V: tl.constexpr,
+    FIXED_ONE: tl.constexpr,
+    COUNT: tl.constexpr,
+):
     """Columns [start, end) of a bonus row, weights ``trunc(max(P - Q, 0) * 2**40)`` (Q masked
     by ``use_q``). COUNT=False: (P mass, weight mass). COUNT=True: (number of columns whose CDF,
     starting from ``carry``, is <= threshold, 0). Integer sums: any tree gives the same values."""
@@ -207,15 +218,45 @@ def _threshold(total, uniform, U_BITS: tl.constexpr):
 
 @triton.jit
 def _spec_accept_kernel(
-    verify_ids_ptr, verify_lens_ptr, seq_lens_ptr, target_ids_ptr, forced_ptr, greedy_mask_ptr,
-    p_ptr, q_ptr, accept_u_ptr, sample_u_ptr, sums_ptr, accept_scratch_ptr,
-    accept_lens_ptr, commit_lens_ptr, out_tokens_ptr, next_anchors_ptr, new_seq_lens_ptr,
-    vocab, chunk, num_chunks, p_stride_b, p_stride_w, q_stride_b, q_stride_w, fill_token,
-    W: tl.constexpr, W_POW2: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_C: tl.constexpr,
-    PHASE: tl.constexpr, HAS_GREEDY: tl.constexpr, HAS_FORCED: tl.constexpr,
-    HAS_SAMPLED: tl.constexpr, HAS_MASK: tl.constexpr, FIXED_ONE: tl.constexpr, MIN_RESIDUAL: tl.constexpr,
-    U_BITS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    verify_ids_ptr,
+    verify_lens_ptr,
+    seq_lens_ptr,
+    target_ids_ptr,
+    forced_ptr,
+    greedy_mask_ptr,
+    p_ptr,
+    q_ptr,
+    accept_u_ptr,
+    sample_u_ptr,
+    sums_ptr,
+    accept_scratch_ptr,
+    accept_lens_ptr,
+    commit_lens_ptr,
+    out_tokens_ptr,
+    next_anchors_ptr,
+    new_seq_lens_ptr,
+    vocab,
+    chunk,
+    num_chunks,
+    p_stride_b,
+    p_stride_w,
+    q_stride_b,
+    q_stride_w,
+    fill_token,
+    W: tl.constexpr,
+    W_POW2: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    PHASE: tl.constexpr,
+    HAS_GREEDY: tl.constexpr,
+    HAS_FORCED: tl.constexpr,
+    HAS_SAMPLED: tl.constexpr,
+    HAS_MASK: tl.constexpr,
+    FIXED_ONE: tl.constexpr,
+    MIN_RESIDUAL: tl.constexpr,
+    U_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (row, c). PHASE 0: one program per row does everything (grid [B, 1]). Split
     sampled path, grid [B, C] with vocab chunk c = [c * chunk, +chunk): PHASE 1 writes the
     chunk's two fixed-point masses to ``sums[row, c]``; PHASE 2 reads all C of them, finds the
@@ -243,7 +284,7 @@ def _spec_accept_kernel(
     writer = pid_c == 0
     if HAS_GREEDY and PHASE != 1:
         target = tl.load(target_ids_ptr + row * W + cols, mask=cols < W, other=0).to(tl.int64)
-        if HAS_FORCED:   # simulated acceptance: the count is given, the bonus is the target's
+        if HAS_FORCED:  # simulated acceptance: the count is given, the bonus is the target's
             accept = tl.minimum(tl.maximum(tl.load(forced_ptr + row).to(tl.int32), 0), last)
         else:
             mismatch = in_window & (drafts != target)
@@ -283,9 +324,18 @@ def _spec_accept_kernel(
             use_q = accept_s < last
             if PHASE == 1:
                 start = pid_c * chunk
-                chunk_p, chunk_res = _scan_chunk(p_row, q_row, use_q, start,
-                                                 tl.minimum(start + chunk, vocab), 0, 0, BLOCK_V,
-                                                 FIXED_ONE, False)
+                chunk_p, chunk_res = _scan_chunk(
+                    p_row,
+                    q_row,
+                    use_q,
+                    start,
+                    tl.minimum(start + chunk, vocab),
+                    0,
+                    0,
+                    BLOCK_V,
+                    FIXED_ONE,
+                    False,
+                )
                 tl.store(sums_ptr + (row * num_chunks + pid_c) * 2, chunk_p)
                 tl.store(sums_ptr + (row * num_chunks + pid_c) * 2 + 1, chunk_res)
                 if pid_c == 0:
@@ -293,14 +343,24 @@ def _spec_accept_kernel(
             else:
                 token = tl.zeros((), tl.int64)
                 if PHASE == 0:
-                    p_total, res_total = _scan_chunk(p_row, q_row, use_q, 0, vocab, 0, 0,
-                                                     BLOCK_V, FIXED_ONE, False)
+                    p_total, res_total = _scan_chunk(
+                        p_row, q_row, use_q, 0, vocab, 0, 0, BLOCK_V, FIXED_ONE, False
+                    )
                     use_residual = res_total > MIN_RESIDUAL
                     total = tl.where(use_residual, res_total, p_total)
                     threshold = _threshold(total, uniform, U_BITS)
-                    token, _ = _scan_chunk(p_row, q_row, use_q & use_residual, 0, vocab,
-                                           tl.zeros((), tl.int64), threshold, BLOCK_V, FIXED_ONE,
-                                           True)
+                    token, _ = _scan_chunk(
+                        p_row,
+                        q_row,
+                        use_q & use_residual,
+                        0,
+                        vocab,
+                        tl.zeros((), tl.int64),
+                        threshold,
+                        BLOCK_V,
+                        FIXED_ONE,
+                        True,
+                    )
                 else:
                     use_residual = tl.sum(res_mass, axis=0) > MIN_RESIDUAL
                     mass = tl.where(use_residual, res_mass, p_mass)
@@ -316,9 +376,18 @@ def _spec_accept_kernel(
                     if writer:
                         carry = tl.sum(tl.where(chunk_ids < owner, mass, 0), axis=0)
                         start = owner * chunk
-                        count, _ = _scan_chunk(p_row, q_row, use_q & use_residual, start,
-                                               tl.minimum(start + chunk, vocab), carry, threshold,
-                                               BLOCK_V, FIXED_ONE, True)
+                        count, _ = _scan_chunk(
+                            p_row,
+                            q_row,
+                            use_q & use_residual,
+                            start,
+                            tl.minimum(start + chunk, vocab),
+                            carry,
+                            threshold,
+                            BLOCK_V,
+                            FIXED_ONE,
+                            True,
+                        )
                         token = start + count
                 accept = accept_s
                 bonus = tl.where(total > 0, token, 0)
@@ -344,8 +413,10 @@ _TARGET_PROGRAMS, _MIN_CHUNK, _MAX_CHUNKS, _MAX_FORCED_CHUNKS = 1024, 512, 256, 
 def _plan_vocab_chunks(rows: int, vocab: int, num_chunks: int | None) -> tuple[int, int, int]:
     """(chunks per row, columns per chunk, BLOCK_V) from the shapes only (graph-safe)."""
     if num_chunks is not None:  # tests: exactly this many, possibly empty past the vocab
-        _require(1 <= num_chunks <= _MAX_FORCED_CHUNKS,
-                 f"num_chunks must lie in [1, {_MAX_FORCED_CHUNKS}], got {num_chunks}")
+        _require(
+            1 <= num_chunks <= _MAX_FORCED_CHUNKS,
+            f"num_chunks must lie in [1, {_MAX_FORCED_CHUNKS}], got {num_chunks}",
+        )
         chunk = triton.cdiv(vocab, num_chunks)
         return num_chunks, chunk, max(16, min(4096, triton.next_power_of_2(chunk)))
     per_row = min(_MAX_CHUNKS, triton.cdiv(vocab, _MIN_CHUNK), triton.cdiv(_TARGET_PROGRAMS, rows))
@@ -355,8 +426,9 @@ def _plan_vocab_chunks(rows: int, vocab: int, num_chunks: int | None) -> tuple[i
     return triton.cdiv(vocab, chunk), chunk, block_v
 
 
-def _check_given(t: torch.Tensor | None, name: str, shape: tuple[int, ...],
-                 dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+def _check_given(
+    t: torch.Tensor | None, name: str, shape: tuple[int, ...], dtypes: tuple[torch.dtype, ...]
+) -> torch.Tensor:
     _require(t is not None, f"{name} is required")
     assert t is not None
     check_tensor(name, t, shape, dtypes, t.device)
@@ -364,34 +436,47 @@ def _check_given(t: torch.Tensor | None, name: str, shape: tuple[int, ...],
 
 
 def _check_sampling_inputs(
-    target_probs: torch.Tensor, draft_probs: torch.Tensor | None,
-    accept_uniforms: torch.Tensor | None, sample_uniforms: torch.Tensor | None, rows: int,
+    target_probs: torch.Tensor,
+    draft_probs: torch.Tensor | None,
+    accept_uniforms: torch.Tensor | None,
+    sample_uniforms: torch.Tensor | None,
+    rows: int,
     width: int,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    _require(target_probs.dim() == 3 and target_probs.shape[:2] == (rows, width)
-             and target_probs.shape[2] >= 1 and target_probs.dtype == torch.float32
-             and target_probs.stride(-1) == 1,
-             f"target_probs must be fp32 [{rows}, {width}, V>=1] with unit V stride, got "
-             f"{target_probs.dtype} {tuple(target_probs.shape)}")
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    _require(
+        target_probs.dim() == 3
+        and target_probs.shape[:2] == (rows, width)
+        and target_probs.shape[2] >= 1
+        and target_probs.dtype == torch.float32
+        and target_probs.stride(-1) == 1,
+        f"target_probs must be fp32 [{rows}, {width}, V>=1] with unit V stride, got "
+        f"{target_probs.dtype} {tuple(target_probs.shape)}",
+    )
     vocab = target_probs.shape[2]
-    _require(draft_probs is not None and draft_probs.shape == (rows, width - 1, vocab)
-             and draft_probs.dtype == torch.float32
-             and (draft_probs.numel() == 0 or draft_probs.stride(-1) == 1),
-             f"draft_probs must be fp32 [{rows}, {width - 1}, {vocab}] with unit V stride")
+    _require(
+        draft_probs is not None
+        and draft_probs.shape == (rows, width - 1, vocab)
+        and draft_probs.dtype == torch.float32
+        and (draft_probs.numel() == 0 or draft_probs.stride(-1) == 1),
+        f"draft_probs must be fp32 [{rows}, {width - 1}, {vocab}] with unit V stride",
+    )
     assert draft_probs is not None
-    accept_uniforms = _check_given(accept_uniforms, "accept_uniforms", (rows, width - 1),
-                                   (torch.float32,))
+    accept_uniforms = _check_given(
+        accept_uniforms, "accept_uniforms", (rows, width - 1), (torch.float32,)
+    )
     sample_uniforms = _check_given(sample_uniforms, "sample_uniforms", (rows,), (torch.float32,))
     return draft_probs, accept_uniforms, sample_uniforms
 
 
-def _output_buffers(out: AcceptOutput | None, rows: int, width: int, seq_dtype: torch.dtype,
-                    device: torch.device) -> AcceptOutput:
+def _output_buffers(
+    out: AcceptOutput | None, rows: int, width: int, seq_dtype: torch.dtype, device: torch.device
+) -> AcceptOutput:
     dtypes = (torch.int32, torch.int32, torch.int64, torch.int64, seq_dtype)
     shapes = ((rows,), (rows,), (rows, width), (rows,), (rows,))
     if out is None:
-        return AcceptOutput(*(torch.empty(s, dtype=d, device=device)
-                              for s, d in zip(shapes, dtypes)))
+        return AcceptOutput(
+            *(torch.empty(s, dtype=d, device=device) for s, d in zip(shapes, dtypes))
+        )
     for name, buf, dtype, shape in zip(AcceptOutput._fields, out, dtypes, shapes):
         check_tensor(f"out.{name}", buf, shape, (dtype,), device)
     return out
@@ -437,15 +522,19 @@ def spec_accept(
     Raises:
         ValueError: a missing operand or a wrong shape/dtype/layout (checked on the host only).
     """
-    _require(verify_ids.dim() == 2 and verify_ids.shape[1] >= 1,
-             f"verify_ids must be [B, W>=1], got {tuple(verify_ids.shape)}")
+    _require(
+        verify_ids.dim() == 2 and verify_ids.shape[1] >= 1,
+        f"verify_ids must be [B, W>=1], got {tuple(verify_ids.shape)}",
+    )
     rows, width = verify_ids.shape
     check_tensor("verify_ids", verify_ids, (rows, width), (torch.int64,), verify_ids.device)
     int_types = (torch.int32, torch.int64)
     _check_given(verify_lens, "verify_lens", (rows,), int_types)
     _check_given(seq_lens, "seq_lens", (rows,), int_types)
-    _require(target_ids is not None or target_probs is not None,
-             "give target_ids (greedy rule) and/or target_probs (sampled rule)")
+    _require(
+        target_ids is not None or target_probs is not None,
+        "give target_ids (greedy rule) and/or target_probs (sampled rule)",
+    )
     # Operands a constexpr switch leaves unused get a placeholder pointer.
     placeholder = verify_ids
     if target_ids is not None:
@@ -453,12 +542,14 @@ def spec_accept(
     p_arg, q_arg, ua_arg, us_arg, vocab = placeholder, placeholder, placeholder, placeholder, 1
     if target_probs is not None:
         draft, ua_arg, us_arg = _check_sampling_inputs(
-            target_probs, draft_probs, accept_uniforms, sample_uniforms, rows, width)
+            target_probs, draft_probs, accept_uniforms, sample_uniforms, rows, width
+        )
         p_arg, vocab = target_probs, target_probs.shape[2]
         q_arg = draft if draft.numel() > 0 else target_probs  # W == 1: Q is never read
-    if forced_accept is not None:   # the greedy rule alone
-        _require(target_ids is not None and target_probs is None, "forced_accept needs "
-                 "target_ids only")
+    if forced_accept is not None:  # the greedy rule alone
+        _require(
+            target_ids is not None and target_probs is None, "forced_accept needs target_ids only"
+        )
         _check_given(forced_accept, "forced_accept", (rows,), int_types)
     has_mask = target_ids is not None and target_probs is not None
     mask_arg = placeholder
@@ -481,19 +572,38 @@ def spec_accept(
         accept_scratch = torch.empty((rows,), dtype=torch.int32, device=verify_ids.device)
     for phase in (0,) if chunks == 1 else (1, 2):
         _spec_accept_kernel[(rows, chunks)](
-            verify_ids, verify_lens, seq_lens,
+            verify_ids,
+            verify_lens,
+            seq_lens,
             target_ids if target_ids is not None else placeholder,
-            forced_accept if forced_accept is not None else placeholder, mask_arg,
-            p_arg, q_arg, ua_arg, us_arg, sums, accept_scratch,
+            forced_accept if forced_accept is not None else placeholder,
+            mask_arg,
+            p_arg,
+            q_arg,
+            ua_arg,
+            us_arg,
+            sums,
+            accept_scratch,
             *out,
-            vocab, chunk, chunks, *p_strides, *q_strides, fill_token,
-            W=width, W_POW2=triton.next_power_of_2(width), BLOCK_V=block_v,
-            BLOCK_C=triton.next_power_of_2(chunks), PHASE=phase,
-            HAS_GREEDY=target_ids is not None, HAS_FORCED=forced_accept is not None,
+            vocab,
+            chunk,
+            chunks,
+            *p_strides,
+            *q_strides,
+            fill_token,
+            W=width,
+            W_POW2=triton.next_power_of_2(width),
+            BLOCK_V=block_v,
+            BLOCK_C=triton.next_power_of_2(chunks),
+            PHASE=phase,
+            HAS_GREEDY=target_ids is not None,
+            HAS_FORCED=forced_accept is not None,
             HAS_SAMPLED=target_probs is not None,
             HAS_MASK=has_mask,
-            FIXED_ONE=float(1 << FIXED_POINT_BITS), MIN_RESIDUAL=MIN_RESIDUAL_MASS,
-            U_BITS=UNIFORM_BITS, **programmatic_launch(_spec_accept_kernel, verify_ids.device),
+            FIXED_ONE=float(1 << FIXED_POINT_BITS),
+            MIN_RESIDUAL=MIN_RESIDUAL_MASS,
+            U_BITS=UNIFORM_BITS,
+            **programmatic_launch(_spec_accept_kernel, verify_ids.device),
             # Greedy only: a row is W ids, one warp's work (fewer cross-warp reductions).
             num_warps=4 if target_probs is not None else 1,
         )

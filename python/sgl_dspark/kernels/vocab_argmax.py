@@ -55,13 +55,39 @@ def vocab_argmax_ref(shards: Sequence[torch.Tensor]) -> torch.Tensor:
 
 @triton.jit
 def _chunk_argmax_kernel(
-    shard0, shard1, shard2, shard3, pairs_ptr, ids_ptr,
-    width0, width1, width2, width3, stride0, stride1, stride2, stride3,
-    offset0, offset1, offset2, offset3, chunk0, chunk1, chunk2, chunk3,
-    first1, first2, first3, pairs_row_stride, pairs_first,
-    NUM_SHARDS: tl.constexpr, BLOCK: tl.constexpr, WRITE_PAIRS: tl.constexpr,
-    WRITE_IDS: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    shard0,
+    shard1,
+    shard2,
+    shard3,
+    pairs_ptr,
+    ids_ptr,
+    width0,
+    width1,
+    width2,
+    width3,
+    stride0,
+    stride1,
+    stride2,
+    stride3,
+    offset0,
+    offset1,
+    offset2,
+    offset3,
+    chunk0,
+    chunk1,
+    chunk2,
+    chunk3,
+    first1,
+    first2,
+    first3,
+    pairs_row_stride,
+    pairs_first,
+    NUM_SHARDS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    WRITE_PAIRS: tl.constexpr,
+    WRITE_IDS: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Program (row, c): chunk c of this launch's shards -> one (value, global index) pair at
     ``pairs_ptr + row * pairs_row_stride + (pairs_first + c) * 2`` (and/or the id when the chunk
     is the whole row). Shards 1..3 own chunks from ``first1..3``; the selects are scalar."""
@@ -127,10 +153,20 @@ def _chunk_argmax_kernel(
 
 @triton.jit
 def _combine_pairs_kernel(
-    pairs_ptr, ids_ptr, pairs_out_ptr, num_rows, num_parts, stride_part, stride_row,
-    ROWS: tl.constexpr, BLOCK_P: tl.constexpr, WRITE_IDS: tl.constexpr,
-    WRITE_PAIRS: tl.constexpr, NO_INDEX: tl.constexpr, PDL: tl.constexpr,
-):  # fmt: skip
+    pairs_ptr,
+    ids_ptr,
+    pairs_out_ptr,
+    num_rows,
+    num_parts,
+    stride_part,
+    stride_row,
+    ROWS: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    WRITE_IDS: tl.constexpr,
+    WRITE_PAIRS: tl.constexpr,
+    NO_INDEX: tl.constexpr,
+    PDL: tl.constexpr,
+):
     """Rows [pid * ROWS, +ROWS): winner over ``num_parts`` (value, index) pairs per row, the pair
     (row, p) at ``pairs_ptr + p * stride_part + row * stride_row``."""
     wait_for_producers(PDL)  # the pairs are stage 1's (or the other ranks') output
@@ -158,8 +194,10 @@ def _combine_pairs_kernel(
         cand_idx = tl.where(has_nan, nan_idx, max_idx)
         earlier = cand_idx < best_idx
         better_nan = has_nan & ((best_nan == 0) | earlier)
-        better_num = (has_nan == 0) & (best_nan == 0) & (
-            (block_max > best_val) | ((block_max == best_val) & earlier)
+        better_num = (
+            (has_nan == 0)
+            & (best_nan == 0)
+            & ((block_max > best_val) | ((block_max == best_val) & earlier))
         )
         better = better_nan | better_num
         best_val = tl.where(better, cand_val, best_val)
@@ -189,8 +227,9 @@ def _chunk_meta(total_width: int, num_rows: int) -> dict[str, int]:
     against 8.43 us)."""
     if num_rows >= 128:
         return {"per_row": 1, "max_block": _MAX_BLOCK, "num_warps": 16}
-    per_row = max(1, min(triton.cdiv(total_width, _MIN_CHUNK),
-                         triton.cdiv(_TARGET_PROGRAMS // 2, num_rows)))
+    per_row = max(
+        1, min(triton.cdiv(total_width, _MIN_CHUNK), triton.cdiv(_TARGET_PROGRAMS // 2, num_rows))
+    )
     return {"per_row": per_row, "max_block": _MAX_BLOCK, "num_warps": 4}
 
 
@@ -207,8 +246,9 @@ def _plan_chunks(widths: Sequence[int], rows: int, num_chunks: int | None) -> _C
     chunk = triton.cdiv(sum(widths), meta["per_row"])
     block = max(16, min(meta["max_block"], triton.next_power_of_2(chunk)))
     chunk = triton.cdiv(chunk, block) * block
-    return _ChunkPlan([chunk] * len(widths), [triton.cdiv(w, chunk) for w in widths], block,
-                      meta["num_warps"])
+    return _ChunkPlan(
+        [chunk] * len(widths), [triton.cdiv(w, chunk) for w in widths], block, meta["num_warps"]
+    )
 
 
 def _launch_chunks(
@@ -227,8 +267,11 @@ def _launch_chunks(
     i = 0
     while i < len(shards):
         group = [i]
-        while (len(group) < _SHARDS_PER_LAUNCH and group[-1] + 1 < len(shards)
-               and shards[group[-1] + 1].dtype == shards[i].dtype):
+        while (
+            len(group) < _SHARDS_PER_LAUNCH
+            and group[-1] + 1 < len(shards)
+            and shards[group[-1] + 1].dtype == shards[i].dtype
+        ):
             group.append(group[-1] + 1)
         pad = group + [group[0]] * (_SHARDS_PER_LAUNCH - len(group))  # unused slots: never read
         starts, total = [], 0
@@ -237,30 +280,55 @@ def _launch_chunks(
             total += plan.counts[j]
         starts += [total] * (_SHARDS_PER_LAUNCH - len(group))
         _chunk_argmax_kernel[(num_rows, total)](
-            *(shards[j] for j in pad), pairs, ids,
-            *(shards[j].shape[1] for j in pad), *(shards[j].stride(0) for j in pad),
-            *(offsets[j] for j in pad), *(plan.chunks[j] for j in pad),
-            starts[1], starts[2], starts[3], row_stride, first,
-            NUM_SHARDS=len(group), BLOCK=plan.block, WRITE_PAIRS=not write_ids,
-            WRITE_IDS=write_ids, num_warps=plan.num_warps,
+            *(shards[j] for j in pad),
+            pairs,
+            ids,
+            *(shards[j].shape[1] for j in pad),
+            *(shards[j].stride(0) for j in pad),
+            *(offsets[j] for j in pad),
+            *(plan.chunks[j] for j in pad),
+            starts[1],
+            starts[2],
+            starts[3],
+            row_stride,
+            first,
+            NUM_SHARDS=len(group),
+            BLOCK=plan.block,
+            WRITE_PAIRS=not write_ids,
+            WRITE_IDS=write_ids,
+            num_warps=plan.num_warps,
             **programmatic_launch(_chunk_argmax_kernel, pairs.device),
-        )  # fmt: skip
+        )
         first += total
         i = group[-1] + 1
 
 
 def _launch_combine(
-    pairs: torch.Tensor, num_rows: int, num_parts: int, stride_part: int, stride_row: int,
-    ids: torch.Tensor | None, pairs_out: torch.Tensor | None,
-) -> None:  # fmt: skip
+    pairs: torch.Tensor,
+    num_rows: int,
+    num_parts: int,
+    stride_part: int,
+    stride_row: int,
+    ids: torch.Tensor | None,
+    pairs_out: torch.Tensor | None,
+) -> None:
     block_p = min(256, triton.next_power_of_2(num_parts))
     rows = max(1, min(64, 1024 // block_p))
     _combine_pairs_kernel[(triton.cdiv(num_rows, rows),)](
-        pairs, ids if ids is not None else pairs, pairs_out if pairs_out is not None else pairs,
-        num_rows, num_parts, stride_part, stride_row,
-        ROWS=rows, BLOCK_P=block_p, WRITE_IDS=ids is not None, WRITE_PAIRS=pairs_out is not None,
-        NO_INDEX=_NO_INDEX, **programmatic_launch(_combine_pairs_kernel, pairs.device),
-    )  # fmt: skip
+        pairs,
+        ids if ids is not None else pairs,
+        pairs_out if pairs_out is not None else pairs,
+        num_rows,
+        num_parts,
+        stride_part,
+        stride_row,
+        ROWS=rows,
+        BLOCK_P=block_p,
+        WRITE_IDS=ids is not None,
+        WRITE_PAIRS=pairs_out is not None,
+        NO_INDEX=_NO_INDEX,
+        **programmatic_launch(_combine_pairs_kernel, pairs.device),
+    )
 
 
 def _check_shard(logits: torch.Tensor, vocab_offset: int, name: str) -> None:
@@ -269,7 +337,9 @@ def _check_shard(logits: torch.Tensor, vocab_offset: int, name: str) -> None:
     if logits.dtype not in _SUPPORTED_DTYPES:
         raise ValueError(f"{name} dtype must be fp32/bf16/fp16, got {logits.dtype}")
     if logits.shape[1] > 0 and logits.stride(1) != 1:
-        raise ValueError(f"{name} must be contiguous in the vocab dim, got strides {logits.stride()}")
+        raise ValueError(
+            f"{name} must be contiguous in the vocab dim, got strides {logits.stride()}"
+        )
     if vocab_offset < 0 or vocab_offset + logits.shape[1] > _MAX_EXACT_INDEX:
         raise ValueError(
             f"{name}: vocab_offset {vocab_offset} + width {logits.shape[1]} must lie in [0, 2**24]"
@@ -378,8 +448,10 @@ def vocab_argmax(
     for i, (shard, offset) in enumerate(zip(shards, vocab_offsets)):
         _check_shard(shard, offset, f"shards[{i}]")
         if shard.shape[0] != num_rows or shard.device != shards[0].device:
-            raise ValueError(f"shards[{i}] has {shard.shape[0]} rows on {shard.device}, expected "
-                             f"{num_rows} on {shards[0].device}")
+            raise ValueError(
+                f"shards[{i}] has {shard.shape[0]} rows on {shard.device}, expected "
+                f"{num_rows} on {shards[0].device}"
+            )
         if shard.shape[1] == 0:
             raise ValueError(f"shards[{i}] has zero width")
     device = shards[0].device

@@ -38,9 +38,14 @@ def profile_batch(engine: Engine, bs: int, warmup: int, steps: int) -> list[floa
     params = SamplingParams(max_new_tokens=warmup + steps + 8, temperature=1.0, ignore_eos=True)
     g = torch.Generator().manual_seed(bs)
     vocab = engine.runner.model_cfg.vocab_size
-    reqs = [Req(rid=f"sps-{bs}-{i}", params=params,
-                prompt_ids=torch.randint(4, vocab, (16,), generator=g).tolist())
-            for i in range(bs)]
+    reqs = [
+        Req(
+            rid=f"sps-{bs}-{i}",
+            params=params,
+            prompt_ids=torch.randint(4, vocab, (16,), generator=g).tolist(),
+        )
+        for i in range(bs)
+    ]
     for r in reqs:
         sched.add(r)
     while any(not r.prefill_done or not r.output_ids for r in reqs):
@@ -74,13 +79,19 @@ def main(argv: list[str] | None = None) -> None:
     sizes = sorted({int(x) for x in a.batch_sizes.split(",") if x.strip()})
     if not sizes or sizes[0] < 1:
         raise SystemExit("--batch-sizes needs positive integers")
-    engine = Engine(model_path=a.model_path, device=a.device, dtype=a.dtype,
-                    skip_tokenizer_init=True, max_running_requests=max(sizes),
-                    max_total_tokens=max(sizes) * (16 + a.warmup_steps + a.steps + 64) * 2,
-                    context_length=256, speculative_algorithm="DSpark",
-                    speculative_draft_model_path=a.speculative_draft_model_path,
-                    speculative_dspark_block_size=a.speculative_dspark_block_size,
-                    speculative_dspark_simulate_accept_len=1.0)
+    engine = Engine(
+        model_path=a.model_path,
+        device=a.device,
+        dtype=a.dtype,
+        skip_tokenizer_init=True,
+        max_running_requests=max(sizes),
+        max_total_tokens=max(sizes) * (16 + a.warmup_steps + a.steps + 64) * 2,
+        context_length=256,
+        speculative_algorithm="DSpark",
+        speculative_draft_model_path=a.speculative_draft_model_path,
+        speculative_dspark_block_size=a.speculative_dspark_block_size,
+        speculative_dspark_simulate_accept_len=1.0,
+    )
     gamma = engine.scheduler.spec.gamma
     tokens, sps, records = [], [], []
     for bs in sizes:
@@ -88,8 +99,9 @@ def main(argv: list[str] | None = None) -> None:
         med = statistics.median(times)
         tokens.append(bs * (gamma + 1))
         sps.append(1.0 / med)
-        records.extend({"batch_size": bs, "verify_tokens": bs * (gamma + 1), "step_s": t}
-                       for t in times)
+        records.extend(
+            {"batch_size": bs, "verify_tokens": bs * (gamma + 1), "step_s": t} for t in times
+        )
         logger.info("bs=%d verify_tokens=%d median step %.2f ms", bs, tokens[-1], med * 1e3)
     table = DiagonalSpsTable(tuple(tokens), tuple(sps), max(tokens))
     save_sps_table(table, a.out)

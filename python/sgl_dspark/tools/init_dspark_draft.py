@@ -25,10 +25,17 @@ from sgl_dspark.srt.speculative.dspark.draft_checkpoint import save_draft_checkp
 logger = logging.getLogger(__name__)
 
 
-def init_dspark_draft(target_path: str, output: str, num_layers: int = 3, block_size: int = 5,
-                      markov_rank: int = 64, seed: int = 0, noise_token_id: int | None = None,
-                      n_routed_experts: int | None = None,
-                      num_experts_per_tok: int | None = None) -> DSparkConfig:
+def init_dspark_draft(
+    target_path: str,
+    output: str,
+    num_layers: int = 3,
+    block_size: int = 5,
+    markov_rank: int = 64,
+    seed: int = 0,
+    noise_token_id: int | None = None,
+    n_routed_experts: int | None = None,
+    num_experts_per_tok: int | None = None,
+) -> DSparkConfig:
     with open(os.path.join(target_path, "config.json")) as f:
         raw = json.load(f)
     target = ModelConfig.from_hf_dict(raw)
@@ -39,8 +46,9 @@ def init_dspark_draft(target_path: str, output: str, num_layers: int = 3, block_
         **raw,
         "dspark_block_size": block_size,
         "dspark_markov_rank": markov_rank,
-        "dspark_noise_token_id": (target.vocab_size - 1 if noise_token_id is None
-                                  else noise_token_id),
+        "dspark_noise_token_id": (
+            target.vocab_size - 1 if noise_token_id is None else noise_token_id
+        ),
         "dspark_target_layer_ids": layers,
         "dspark_n_routed_experts": n_routed_experts or target.n_routed_experts,
         "dspark_num_experts_per_tok": num_experts_per_tok or target.num_experts_per_tok,
@@ -62,15 +70,25 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--num-layers", type=int, default=3, help="draft stages (target layers read)")
     p.add_argument("--block-size", type=int, default=5, help="gamma: drafts per step")
     p.add_argument("--markov-rank", type=int, default=64, help="rank r of the Markov head")
-    p.add_argument("--noise-token-id", type=int, default=None,
-                   help="mask token id (default: vocab_size - 1)")
+    p.add_argument(
+        "--noise-token-id", type=int, default=None, help="mask token id (default: vocab_size - 1)"
+    )
     p.add_argument("--n-routed-experts", type=int, default=None)
     p.add_argument("--num-experts-per-tok", type=int, default=None)
     p.add_argument("--seed", type=int, default=0)
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO)
-    init_dspark_draft(a.target_path, a.output, a.num_layers, a.block_size, a.markov_rank, a.seed,
-                      a.noise_token_id, a.n_routed_experts, a.num_experts_per_tok)
+    init_dspark_draft(
+        a.target_path,
+        a.output,
+        a.num_layers,
+        a.block_size,
+        a.markov_rank,
+        a.seed,
+        a.noise_token_id,
+        a.n_routed_experts,
+        a.num_experts_per_tok,
+    )
 
 
 if __name__ == "__main__":

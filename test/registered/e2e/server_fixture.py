@@ -40,8 +40,9 @@ class ServerProcess:
         return match.group(1)
 
     def info(self) -> dict:
-        return httpx.get(f"{self.base_url}/get_server_info", headers=self.auth_headers,
-                         timeout=30).json()
+        return httpx.get(
+            f"{self.base_url}/get_server_info", headers=self.auth_headers, timeout=30
+        ).json()
 
     def wait_idle(self, timeout: float = 30.0) -> dict:
         """Poll /get_server_info until nothing runs or waits; return that info."""
@@ -63,7 +64,8 @@ class ServerProcess:
             self.proc.kill()
             self.proc.wait()
             raise AssertionError(
-                f"server ignored SIGTERM for {timeout} s:\n{self.log()[-3000:]}") from None
+                f"server ignored SIGTERM for {timeout} s:\n{self.log()[-3000:]}"
+            ) from None
 
 
 def server_env() -> dict[str, str]:
@@ -75,8 +77,18 @@ def server_env() -> dict[str, str]:
 
 def launch(log_path: Path, *args: str, api_key: str | None = None) -> ServerProcess:
     """Start the tiny-model server with extra CLI `args`; return once /health answers 200."""
-    cmd = [sys.executable, "-m", "sgl_dspark.launch_server", "--model-path", "tiny",
-           "--host", "127.0.0.1", "--port", "0", *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "sgl_dspark.launch_server",
+        "--model-path",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "0",
+        *args,
+    ]
     if api_key is not None:
         cmd += ["--api-key", api_key]
     with open(log_path, "w") as log:
@@ -85,8 +97,10 @@ def launch(log_path: Path, *args: str, api_key: str | None = None) -> ServerProc
     base_url = None
     while base_url is None:
         if proc.poll() is not None:
-            raise AssertionError(f"server exited with {proc.returncode} during startup "
-                                 f"({shlex.join(cmd)}):\n{log_path.read_text()[-3000:]}")
+            raise AssertionError(
+                f"server exited with {proc.returncode} during startup "
+                f"({shlex.join(cmd)}):\n{log_path.read_text()[-3000:]}"
+            )
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"server not ready after {STARTUP_TIMEOUT_S} s")
@@ -101,8 +115,11 @@ def launch(log_path: Path, *args: str, api_key: str | None = None) -> ServerProc
 
 
 @contextlib.contextmanager
-def running_server(log_path: Path, *args: str, api_key: str | None = None,
-                   ) -> Iterator[ServerProcess]:
+def running_server(
+    log_path: Path,
+    *args: str,
+    api_key: str | None = None,
+) -> Iterator[ServerProcess]:
     """`launch`, yield, then stop with SIGTERM and assert a clean exit (status 0 and the
     shutdown log line)."""
     server = launch(log_path, *args, api_key=api_key)

@@ -16,27 +16,55 @@ from sgl_dspark.tools.init_dspark_draft import init_dspark_draft
 _S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
 
-def greedy_requests(count: int, seed: int, max_prompt_len: int, first_new_tokens: int,
-                    new_tokens_step: int, vocab: int = 263,
-                    ) -> tuple[list[list[int]], list[dict]]:
+def greedy_requests(
+    count: int,
+    seed: int,
+    max_prompt_len: int,
+    first_new_tokens: int,
+    new_tokens_step: int,
+    vocab: int = 263,
+) -> tuple[list[list[int]], list[dict]]:
     """`count` random prompts of 1 .. max_prompt_len - 1 tokens (ids from 7, below `vocab`),
     greedy, request i generating first_new_tokens + i * new_tokens_step tokens (different
     lengths, so a running batch shrinks through several sizes)."""
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(7, vocab, (int(torch.randint(1, max_prompt_len, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(count)]
-    params = [{"temperature": 0.0, "ignore_eos": True,
-               "max_new_tokens": first_new_tokens + new_tokens_step * i} for i in range(count)]
+    prompts = [
+        torch.randint(
+            7, vocab, (int(torch.randint(1, max_prompt_len, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(count)
+    ]
+    params = [
+        {
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "max_new_tokens": first_new_tokens + new_tokens_step * i,
+        }
+        for i in range(count)
+    ]
     return prompts, params
 
 
 def write_random_target(out_dir: str, vocab_size: int = 512, seed: int = 0, **overrides) -> str:
     """A small DeepSeek-V4 target with HF names (as save_pretrained would write them)."""
-    raw = {**TINY_HF_CONFIG, "vocab_size": vocab_size, "hidden_size": 64, "head_dim": 32,
-           "q_lora_rank": 32, "o_lora_rank": 16, "moe_intermediate_size": 32,
-           "index_n_heads": 16, "index_head_dim": 16, "num_hidden_layers": 4,
-           "layer_types": [_S, _C, _H, _C], "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
-           "bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2, **overrides}
+    raw = {
+        **TINY_HF_CONFIG,
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "head_dim": 32,
+        "q_lora_rank": 32,
+        "o_lora_rank": 16,
+        "moe_intermediate_size": 32,
+        "index_n_heads": 16,
+        "index_head_dim": 16,
+        "num_hidden_layers": 4,
+        "layer_types": [_S, _C, _H, _C],
+        "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
+        "bos_token_id": 0,
+        "eos_token_id": 1,
+        "pad_token_id": 2,
+        **overrides,
+    }
     cfg = ModelConfig.from_hf_dict(raw)
     shapes = [(k, tuple(v.shape)) for k, v in DeepseekV4ForCausalLM(cfg).state_dict().items()]
     weights = {k: v.contiguous() for k, v in tiny_weights(cfg, shapes, seed=seed)}
@@ -48,8 +76,15 @@ def write_random_target(out_dir: str, vocab_size: int = 512, seed: int = 0, **ov
 
 
 def write_random_draft(target_dir: str, out_dir: str, block_size: int, seed: int = 1) -> str:
-    init_dspark_draft(target_dir, out_dir, num_layers=2, block_size=block_size, markov_rank=16,
-                      seed=seed, noise_token_id=3)
+    init_dspark_draft(
+        target_dir,
+        out_dir,
+        num_layers=2,
+        block_size=block_size,
+        markov_rank=16,
+        seed=seed,
+        noise_token_id=3,
+    )
     return out_dir
 
 
@@ -58,10 +93,15 @@ def write_policy_tables(tmp_dir: str, gamma: int) -> dict[str, str]:
     verify token), so every policy has something to decide."""
     widths = {"widths_by_batch_size": {"1": "full", "3": min(3, gamma + 1), "8": 2}}
     tokens = [1, 2, 4, 8, 16, 32, 64, 128, 256]
-    sps = {"sample_batch_tokens": tokens,
-           "sample_steps_per_sec": [1000.0 / (10.0 + 0.4 * t) for t in tokens],
-           "max_batch_tokens": 256}
-    paths = {"width": os.path.join(tmp_dir, "widths.json"), "sps": os.path.join(tmp_dir, "sps.json")}
+    sps = {
+        "sample_batch_tokens": tokens,
+        "sample_steps_per_sec": [1000.0 / (10.0 + 0.4 * t) for t in tokens],
+        "max_batch_tokens": 256,
+    }
+    paths = {
+        "width": os.path.join(tmp_dir, "widths.json"),
+        "sps": os.path.join(tmp_dir, "sps.json"),
+    }
     with open(paths["width"], "w") as f:
         json.dump(widths, f)
     with open(paths["sps"], "w") as f:
@@ -72,17 +112,25 @@ def write_policy_tables(tmp_dir: str, gamma: int) -> dict[str, str]:
 def policy_kwargs(name: str, tables: dict[str, str]) -> dict:
     return {
         "full": {"speculative_dspark_verify_policy": "full"},
-        "static_table": {"speculative_dspark_verify_policy": "static",
-                         "speculative_dspark_width_table_path": tables["width"]},
-        "static_online": {"speculative_dspark_verify_policy": "static",
-                          "speculative_dspark_online_width": True,
-                          "speculative_dspark_sps_table_path": tables["sps"]},
-        "confidence_sync": {"speculative_dspark_verify_policy": "confidence",
-                            "speculative_dspark_confidence_mode": "sync",
-                            "speculative_dspark_sps_table_path": tables["sps"]},
-        "confidence_async": {"speculative_dspark_verify_policy": "confidence",
-                             "speculative_dspark_confidence_mode": "async",
-                             "speculative_dspark_sps_table_path": tables["sps"]},
+        "static_table": {
+            "speculative_dspark_verify_policy": "static",
+            "speculative_dspark_width_table_path": tables["width"],
+        },
+        "static_online": {
+            "speculative_dspark_verify_policy": "static",
+            "speculative_dspark_online_width": True,
+            "speculative_dspark_sps_table_path": tables["sps"],
+        },
+        "confidence_sync": {
+            "speculative_dspark_verify_policy": "confidence",
+            "speculative_dspark_confidence_mode": "sync",
+            "speculative_dspark_sps_table_path": tables["sps"],
+        },
+        "confidence_async": {
+            "speculative_dspark_verify_policy": "confidence",
+            "speculative_dspark_confidence_mode": "async",
+            "speculative_dspark_sps_table_path": tables["sps"],
+        },
     }[name]
 
 

@@ -34,8 +34,13 @@ def _requests(vocab: int = 263):
 
 
 def _generate(graph_bs: int | None, **kw) -> tuple[list[list[int]], Engine]:
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                    max_running_requests=N_PROMPTS, **kw)
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=N_PROMPTS,
+        **kw,
+    )
     if graph_bs is not None:
         spec = engine.scheduler.spec
         widths = spec.graph_verify_widths() if spec else (1,)
@@ -65,7 +70,7 @@ def test_graph_batch_sizes():
 
 def test_decode_graphs_equal_eager(reference):
     CountingGraph.replays = 0
-    got, engine = _generate(4)   # batches of 5..7 run eagerly, 1..4 replay padded buckets
+    got, engine = _generate(4)  # batches of 5..7 run eagerly, 1..4 replay padded buckets
     assert got == reference
     assert CountingGraph.replays > 0
 
@@ -73,10 +78,13 @@ def test_decode_graphs_equal_eager(reference):
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
-    kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": gamma,
-          **policy_kwargs(policy, write_policy_tables(str(tmp_path), gamma))}
+    kw = {
+        "speculative_algorithm": "DSpark",
+        "speculative_dspark_block_size": gamma,
+        **policy_kwargs(policy, write_policy_tables(str(tmp_path), gamma)),
+    }
     CountingGraph.replays = 0
-    got, engine = _generate(6, **kw)   # 7 requests: eager until one finishes
+    got, engine = _generate(6, **kw)  # 7 requests: eager until one finishes
     assert got == reference
     spec = engine.scheduler.spec
     assert spec.draft_graphs is not None and CountingGraph.replays > 0
@@ -87,8 +95,9 @@ def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
     # commit) replays, except under the async confidence policy, whose on-device cap keeps the
     # eager acceptance.
     # (with gamma 1 the online policy has no narrow width left: it is the table {1: full})
-    fused = policy in ("full", "static_table") or (policy == "static_online"
-                                                   and spec.policy.online is None)
+    fused = policy in ("full", "static_table") or (
+        policy == "static_online" and spec.policy.online is None
+    )
     assert (spec.fused is not None and spec.fused.replays > 0) == fused
     epilogue_replays = sum(g.replays for g in spec.epilogue_graphs.values())
     assert (epilogue_replays > 0) == (not fused and policy != "confidence_async")
@@ -100,22 +109,32 @@ def test_fused_steps_chained_equal_step_by_step(tmp_path, accept_len):
     """The overlap schedule chains fused DSpark steps on the device (anchors and lengths never
     visit the host between them); tokens and logprobs equal the step-by-step schedule, also
     with simulated acceptance (whose forced counts are host inputs of each launch)."""
-    kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": 4,
-          "speculative_dspark_simulate_accept_len": accept_len}
+    kw = {
+        "speculative_algorithm": "DSpark",
+        "speculative_dspark_block_size": 4,
+        "speculative_dspark_simulate_accept_len": accept_len,
+    }
     prompts, params = _requests()
     outs = {}
     for overlap in (True, False):
-        engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                        max_running_requests=N_PROMPTS, disable_overlap_schedule=not overlap,
-                        **kw)
+        engine = Engine(
+            model_path="tiny",
+            skip_tokenizer_init=True,
+            context_length=256,
+            max_running_requests=N_PROMPTS,
+            disable_overlap_schedule=not overlap,
+            **kw,
+        )
         spec = engine.scheduler.spec
-        engine.runner.init_cuda_graphs(N_PROMPTS, spec.graph_verify_widths(), spec.tap_layers,
-                                       graph_factory=EagerGraph)
+        engine.runner.init_cuda_graphs(
+            N_PROMPTS, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
+        )
         spec.init_cuda_graphs(N_PROMPTS, graph_factory=EagerGraph)
         chained: list[bool] = []
         launch = spec.fused.launch
-        spec.fused.launch = (lambda w, rows, ch, _f=launch, _log=chained:  # type: ignore[method-assign]
-                             (_log.append(ch), _f(w, rows, ch))[1])
+        spec.fused.launch = lambda w, rows, ch, _f=launch, _log=chained: (  # type: ignore[method-assign]
+            (_log.append(ch), _f(w, rows, ch))[1]
+        )
         res = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         outs[overlap] = ([o["output_ids"] for o in res], [o["meta_info"] for o in res], chained)
         engine.shutdown()
@@ -124,8 +143,10 @@ def test_fused_steps_chained_equal_step_by_step(tmp_path, accept_len):
     assert chained_o.count(True) > len(prompts) and not chained_s
     for a, b in zip(meta_o, meta_s):
         assert a["spec_verify_ct"] == b["spec_verify_ct"]
-        torch.testing.assert_close(torch.tensor([lp for lp, _, _ in a["output_token_logprobs"]]),
-                                   torch.tensor([lp for lp, _, _ in b["output_token_logprobs"]]))
+        torch.testing.assert_close(
+            torch.tensor([lp for lp, _, _ in a["output_token_logprobs"]]),
+            torch.tensor([lp for lp, _, _ in b["output_token_logprobs"]]),
+        )
 
 
 def _tiny_runner_batch(engine: Engine, mode: ForwardMode, lens: list[int]) -> ForwardBatch:
@@ -133,13 +154,15 @@ def _tiny_runner_batch(engine: Engine, mode: ForwardMode, lens: list[int]) -> Fo
     slots = [pool.alloc_slot() for _ in lens]
     for s, n in zip(slots, lens):
         pool.reserve(s, 8 + n)
-    return ForwardBatch.build(mode, [[5] * n for n in lens], [8] * len(lens), slots,
-                              pool.req_to_token, logits_rows="all")
+    return ForwardBatch.build(
+        mode, [[5] * n for n in lens], [8] * len(lens), slots, pool.req_to_token, logits_rows="all"
+    )
 
 
 def test_can_run_only_uniform_captured_shapes():
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=64,
-                    max_running_requests=16)
+    engine = Engine(
+        model_path="tiny", skip_tokenizer_init=True, context_length=64, max_running_requests=16
+    )
     runner = engine.runner
     graphs = CudaGraphRunner(runner, [1, 2], [1, 3], tap_layers=(1,), graph_factory=EagerGraph)
     assert graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1, 1]), ())
@@ -161,23 +184,43 @@ cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CU
 
 
 def _cuda_generate(**kw) -> list[list[int]]:
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                    max_running_requests=N_PROMPTS, device="cuda", dtype="float32",
-                    kernel_backend="triton", **kw)
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=N_PROMPTS,
+        device="cuda",
+        dtype="float32",
+        kernel_backend="triton",
+        **kw,
+    )
     prompts, params = _requests()
     return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=params)]
 
 
 @cuda_only
-@pytest.mark.parametrize("spec", [None, ("full", 7), ("full", 3), ("static_table", 5),
-                                  ("static_online", 4), ("confidence_sync", 3),
-                                  ("confidence_async", 7), ("bs1_runtime", 3)])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        None,
+        ("full", 7),
+        ("full", 3),
+        ("static_table", 5),
+        ("static_online", 4),
+        ("confidence_sync", 3),
+        ("confidence_async", 7),
+        ("bs1_runtime", 3),
+    ],
+)
 def test_cuda_graphs_equal_eager_and_cpu(reference, tmp_path, spec):
     kw: dict = {}
     if spec is not None:
         policy = "full" if spec[0] == "bs1_runtime" else spec[0]
-        kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": spec[1],
-              **policy_kwargs(policy, write_policy_tables(str(tmp_path), spec[1]))}
+        kw = {
+            "speculative_algorithm": "DSpark",
+            "speculative_dspark_block_size": spec[1],
+            **policy_kwargs(policy, write_policy_tables(str(tmp_path), spec[1])),
+        }
         if spec[0] == "bs1_runtime":
             kw["speculative_dspark_bs1_block_size"] = 7
     graphed = _cuda_generate(cuda_graph_max_bs=6, **kw)
@@ -196,8 +239,9 @@ def test_split_compressor_pooling_in_graphs(reference, monkeypatch, spec_width):
 
     pool_module = importlib.import_module("sgl_dspark.kernels.compressor_pool")
     default = pool_module._pool_meta
-    monkeypatch.setattr(pool_module, "_pool_meta",
-                        lambda d, s: {**default(d, s), "BLOCK_C": 16, "SPAN_BLOCK": 16})
+    monkeypatch.setattr(
+        pool_module, "_pool_meta", lambda d, s: {**default(d, s), "BLOCK_C": 16, "SPAN_BLOCK": 16}
+    )
     kw: dict = {}
     if spec_width is not None:
         kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": spec_width}
@@ -232,8 +276,8 @@ def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
     from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
     from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
 
-    used: list[tuple[int, int]] = []       # the worker's own steps: (requests, block size)
-    fused: list[tuple[int, int]] = []      # fused step graphs: (requests, verify width)
+    used: list[tuple[int, int]] = []  # the worker's own steps: (requests, block size)
+    fused: list[tuple[int, int]] = []  # fused step graphs: (requests, verify width)
     real, real_launch = DSparkWorker.propose, FusedGreedySteps.launch
 
     def spy(self, reqs, *args):
@@ -246,8 +290,11 @@ def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
 
     monkeypatch.setattr(DSparkWorker, "propose", spy)
     monkeypatch.setattr(FusedGreedySteps, "launch", spy_launch)
-    kw = {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": 2,
-          "speculative_dspark_bs1_block_size": 5}
+    kw = {
+        "speculative_algorithm": "DSpark",
+        "speculative_dspark_block_size": 2,
+        "speculative_dspark_bs1_block_size": 5,
+    }
     got, engine = _generate(6 if graphs else None, **kw)
     assert got == reference
     assert all(g == (5 if b == 1 else 2) for b, g in used)
@@ -258,7 +305,7 @@ def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
         spec = engine.scheduler.spec
         assert spec.draft_graphs_bs1 is not None
         assert 6 in spec.graph_verify_widths()
-        assert (1, 6) in fused   # the bs1 runtime ran as a fused step graph
+        assert (1, 6) in fused  # the bs1 runtime ran as a fused step graph
         assert spec.fused is not None and spec.fused.has(6, 1) and not spec.fused.has(3, 1)
     else:
         assert not fused and (1, 5) in used
@@ -272,16 +319,23 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch, over
     worker's own step takes over."""
     from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
 
-    prompt = list(range(7, 57))                        # 50 tokens; context table of 64
+    prompt = list(range(7, 57))  # 50 tokens; context table of 64
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 13}
 
     def run(**kw) -> tuple[list[int], Engine]:
-        engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=64,
-                        max_running_requests=2, disable_overlap_schedule=not overlap, **kw)
+        engine = Engine(
+            model_path="tiny",
+            skip_tokenizer_init=True,
+            context_length=64,
+            max_running_requests=2,
+            disable_overlap_schedule=not overlap,
+            **kw,
+        )
         spec = engine.scheduler.spec
         if spec is not None:
-            engine.runner.init_cuda_graphs(1, spec.graph_verify_widths(), spec.tap_layers,
-                                           graph_factory=EagerGraph)
+            engine.runner.init_cuda_graphs(
+                1, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
+            )
             spec.init_cuda_graphs(1, graph_factory=EagerGraph)
         return engine.generate(input_ids=prompt, sampling_params=params)["output_ids"], engine
 
@@ -296,7 +350,7 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch, over
         rows_seen.append((list(lens), list(rows), fits))
         return rows
 
-    limit = 64   # context_length 64 is a whole number of pages of the tiny model
+    limit = 64  # context_length 64 is a whole number of pages of the tiny model
     monkeypatch.setattr(DSparkWorker, "_verify_rows", spy)
     want, _ = run()
     got, engine = run(speculative_algorithm="DSpark", speculative_dspark_block_size=7)

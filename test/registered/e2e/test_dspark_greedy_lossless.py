@@ -22,11 +22,20 @@ N_PROMPTS = 32
 
 def _requests(seed: int, vocab: int) -> tuple[list[list[int]], list[dict]]:
     g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(7, vocab, (int(torch.randint(1, 24, (1,), generator=g)),),
-                             generator=g).tolist() for _ in range(N_PROMPTS)]
-    params = [{"temperature": 0.0, "ignore_eos": True,
-               "max_new_tokens": int(torch.randint(1, 14, (1,), generator=g))}
-              for _ in range(N_PROMPTS)]
+    prompts = [
+        torch.randint(
+            7, vocab, (int(torch.randint(1, 24, (1,), generator=g)),), generator=g
+        ).tolist()
+        for _ in range(N_PROMPTS)
+    ]
+    params = [
+        {
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "max_new_tokens": int(torch.randint(1, 14, (1,), generator=g)),
+        }
+        for _ in range(N_PROMPTS)
+    ]
     return prompts, params
 
 
@@ -72,9 +81,17 @@ def test_tiny_pair_greedy_lossless(tiny_case, tmp_path, gamma, policy):
     prompts, params, expected = tiny_case
     tables = write_policy_tables(str(tmp_path), gamma)
     for bs in (1, 3, 8):
-        got = _run({"model_path": "tiny", "max_running_requests": bs,
-                    "speculative_algorithm": "DSpark", "speculative_dspark_block_size": gamma,
-                    **policy_kwargs(policy, tables)}, prompts, params)
+        got = _run(
+            {
+                "model_path": "tiny",
+                "max_running_requests": bs,
+                "speculative_algorithm": "DSpark",
+                "speculative_dspark_block_size": gamma,
+                **policy_kwargs(policy, tables),
+            },
+            prompts,
+            params,
+        )
         assert got == expected, f"bs={bs}"
 
 
@@ -93,9 +110,22 @@ def test_tool_draft_greedy_lossless(disk_target, gamma):
     root, target, prompts, params, expected = disk_target
     draft = write_random_draft(target, str(root / f"draft_{gamma}"), block_size=gamma)
     tables = write_policy_tables(str(root), gamma)
-    for policy, bs in (("full", 3), ("static_table", 8), ("confidence_sync", 1),
-                       ("confidence_async", 8), ("static_online", 3)):
-        got = _run({"model_path": target, "max_running_requests": bs,
-                    "speculative_algorithm": "dspark", "speculative_draft_model_path": draft,
-                    **policy_kwargs(policy, tables)}, prompts, params)
+    for policy, bs in (
+        ("full", 3),
+        ("static_table", 8),
+        ("confidence_sync", 1),
+        ("confidence_async", 8),
+        ("static_online", 3),
+    ):
+        got = _run(
+            {
+                "model_path": target,
+                "max_running_requests": bs,
+                "speculative_algorithm": "dspark",
+                "speculative_draft_model_path": draft,
+                **policy_kwargs(policy, tables),
+            },
+            prompts,
+            params,
+        )
         assert got == expected, f"policy={policy} bs={bs}"

@@ -22,13 +22,14 @@ def _oracle_propose(reference: dict[tuple[int, ...], list[int]]):
         for r in reqs:
             ref = reference[tuple(r.prompt_ids)]
             k = len(r.output_ids)
-            nxt = ref[k:k + gamma]
+            nxt = ref[k : k + gamma]
             rows.append(nxt + [0] * (gamma - len(nxt)))
         drafts = torch.tensor(rows, dtype=torch.int64, device=anchors.device)
         vocab = self.runner.model_cfg.vocab_size
         z = torch.zeros(len(reqs), gamma, vocab, device=anchors.device)
         e = torch.zeros(len(reqs), gamma, self.dcfg.markov_rank, device=anchors.device)
         return DraftProposal(MarkovSampleOutput(drafts, z, e), None)
+
     return propose
 
 
@@ -36,10 +37,17 @@ def _oracle_propose(reference: dict[tuple[int, ...], list[int]]):
 def test_oracle_draft_accepts_whole_blocks(gamma):
     params = {"max_new_tokens": N_NEW, "temperature": 0.0, "ignore_eos": True}
     base = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256)
-    reference = {tuple(p): o["output_ids"]
-                 for p, o in zip(PROMPTS, base.generate(input_ids=PROMPTS, sampling_params=params))}
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                    speculative_algorithm="DSpark", speculative_dspark_block_size=gamma)
+    reference = {
+        tuple(p): o["output_ids"]
+        for p, o in zip(PROMPTS, base.generate(input_ids=PROMPTS, sampling_params=params))
+    }
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        speculative_algorithm="DSpark",
+        speculative_dspark_block_size=gamma,
+    )
     worker = engine.scheduler.spec
     worker.propose = types.MethodType(_oracle_propose(reference), worker)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)

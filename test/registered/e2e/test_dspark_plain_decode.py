@@ -18,16 +18,22 @@ def test_width_one_runs_plain_decode_and_stays_lossless(tmp_path):
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (7, 12, 5, 9)]
     # Different lengths: the batch shrinks from 4 (plain) to 2 and 1 (DSpark) as requests end.
-    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-              for n in (6, 9, 30, 40)]
-    common = dict(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                  max_running_requests=8, device=DEVICE)
+    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in (6, 9, 30, 40)]
+    common = dict(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=8,
+        device=DEVICE,
+    )
     with Engine(**common) as plain:
-        want = [o["output_ids"] for o in plain.generate(input_ids=prompts,
-                                                        sampling_params=params)]
-    with Engine(**common, speculative_algorithm="DSpark",
-                speculative_dspark_verify_policy="static",
-                speculative_dspark_width_table_path=str(table)) as spec_engine:
+        want = [o["output_ids"] for o in plain.generate(input_ids=prompts, sampling_params=params)]
+    with Engine(
+        **common,
+        speculative_algorithm="DSpark",
+        speculative_dspark_verify_policy="static",
+        speculative_dspark_width_table_path=str(table),
+    ) as spec_engine:
         sched = spec_engine.scheduler
         calls = {"plain": 0, "spec": 0}
         overlapped, spec_step = sched._decode_overlapped, sched.spec.step
@@ -42,8 +48,9 @@ def test_width_one_runs_plain_decode_and_stays_lossless(tmp_path):
 
         sched._decode_overlapped = count_plain  # type: ignore[method-assign]
         sched.spec.step = count_spec  # type: ignore[method-assign]
-        got = [o["output_ids"] for o in spec_engine.generate(input_ids=prompts,
-                                                             sampling_params=params)]
+        got = [
+            o["output_ids"] for o in spec_engine.generate(input_ids=prompts, sampling_params=params)
+        ]
     assert got == want
     assert calls["plain"] >= 4 and calls["spec"] >= 4, calls
 
@@ -64,32 +71,39 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
     table.write_text(json.dumps({"widths_by_batch_size": {"1": 3, "3": 1}}))
     g = torch.Generator().manual_seed(8)
     prompts = [torch.randint(5, 200, (n,), generator=g).tolist() for n in (6, 11, 4, 8)]
-    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-              for n in (5, 8, 20, 26)]
-    kw = dict(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-              max_running_requests=4, device="cpu", disable_overlap_schedule=True,
-              speculative_algorithm="DSpark",
-              speculative_dspark_verify_policy="static",
-              speculative_dspark_width_table_path=str(table))
+    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in (5, 8, 20, 26)]
+    kw = dict(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=4,
+        device="cpu",
+        disable_overlap_schedule=True,
+        speculative_algorithm="DSpark",
+        speculative_dspark_verify_policy="static",
+        speculative_dspark_width_table_path=str(table),
+    )
     results = {}
     for graphs in (False, True):
         with Engine(**kw) as engine:
             spec, sched = engine.scheduler.spec, engine.scheduler
             if graphs:
-                engine.runner.init_cuda_graphs(4, spec.graph_verify_widths(), spec.tap_layers,
-                                               graph_factory=EagerGraph)
+                engine.runner.init_cuda_graphs(
+                    4, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
+                )
                 spec.init_cuda_graphs(4, graph_factory=EagerGraph)
             for pool in spec.ctx_kv:
-                pool.fill_(float("nan"))   # poison: every slot a request uses must be written
+                pool.fill_(float("nan"))  # poison: every slot a request uses must be written
             calls = {"sampler": 0, "plain": 0}
             # Each request's draft context KV at its committed positions, read when it ends
             # (later requests reuse its pages).
             committed: list[list[torch.Tensor]] = []
             done = spec.on_request_done
 
-            def record_committed(req, _f=done, _c=committed, _pool=engine.runner.req_pool,
-                                 _kv=spec.ctx_kv):
-                slots = _pool.req_to_token[req.slot, :req.kv_len]
+            def record_committed(
+                req, _f=done, _c=committed, _pool=engine.runner.req_pool, _kv=spec.ctx_kv
+            ):
+                slots = _pool.req_to_token[req.slot, : req.kv_len]
                 assert bool((slots > 0).all())
                 _c.append([p[slots].clone() for p in _kv])
                 return _f(req)
@@ -109,14 +123,20 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
             sched._forward = count_plain  # type: ignore[method-assign]
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             assert len(committed) == len(prompts)
-            results[graphs] = ([o["output_ids"] for o in outs],
-                               [torch.cat(per_layer) for per_layer in zip(*committed)], calls)
-    (eager_ids, eager_kv, eager_calls), (graph_ids, graph_kv, graph_calls) = results[False], results[True]
+            results[graphs] = (
+                [o["output_ids"] for o in outs],
+                [torch.cat(per_layer) for per_layer in zip(*committed)],
+                calls,
+            )
+    (eager_ids, eager_kv, eager_calls), (graph_ids, graph_kv, graph_calls) = (
+        results[False],
+        results[True],
+    )
     assert graph_ids == eager_ids
     assert graph_calls["plain"] >= 4 and eager_calls["plain"] == graph_calls["plain"]
     # eager: the sampler runs for every plain step; graphs: only for the prompts' first tokens
     assert eager_calls["sampler"] >= eager_calls["plain"]
     assert graph_calls["sampler"] <= len(prompts) < graph_calls["plain"]
-    for e, gkv in zip(eager_kv, graph_kv):   # the pools were poisoned: all written, and equal
+    for e, gkv in zip(eager_kv, graph_kv):  # the pools were poisoned: all written, and equal
         assert not torch.isnan(e).any() and not torch.isnan(gkv).any()
         torch.testing.assert_close(gkv, e, rtol=1e-5, atol=1e-5)

@@ -30,6 +30,7 @@ def pair(tmp_path_factory):
     draft = write_random_draft(target, str(root / "d"), block_size=3, seed=12)
     # Sharpen the Markov head so the draft's proposals are confident and often wrong.
     from safetensors.torch import load_file, save_file
+
     path = str(root / "d" / "model.safetensors")
     tensors = load_file(path)
     key = next(k for k in tensors if k.endswith("markov_head.head.weight"))
@@ -41,37 +42,52 @@ def pair(tmp_path_factory):
 def _exact_joint(engine: Engine, sp: SamplingParams) -> np.ndarray:
     """p(t1, t2, t3) for the prompt under the target with the sampler's processing."""
     runner = engine.runner
-    seqs = [PROMPT] + [PROMPT + [a] for a in range(V)] + [PROMPT + [a, b]
-                                                           for a in range(V) for b in range(V)]
+    seqs = (
+        [PROMPT]
+        + [PROMPT + [a] for a in range(V)]
+        + [PROMPT + [a, b] for a in range(V) for b in range(V)]
+    )
     slots = []
     try:
         for s in seqs:
             slots.append(runner.req_pool.alloc_slot())
             runner.req_pool.reserve(slots[-1], len(s))
-        batch = ForwardBatch.build(ForwardMode.EXTEND, seqs, [0] * len(seqs), slots,
-                                   runner.req_pool.req_to_token)
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND, seqs, [0] * len(seqs), slots, runner.req_pool.req_to_token
+        )
         logits = runner.forward(batch).logits
     finally:
         for s in slots:
             runner.req_pool.free_slot(s)
-    info = SamplingBatchInfo.from_params([sp] * len(seqs), V, logits.device,
-                                         counters=[0] * len(seqs))
+    info = SamplingBatchInfo.from_params(
+        [sp] * len(seqs), V, logits.device, counters=[0] * len(seqs)
+    )
     p = processed_probs(logits, info).double().numpy()
-    p1, p2, p3 = p[0], p[1:1 + V], p[1 + V:].reshape(V, V, V)
+    p1, p2, p3 = p[0], p[1 : 1 + V], p[1 + V :].reshape(V, V, V)
     return p1[:, None, None] * p2[:, :, None] * p3
 
 
-@pytest.mark.parametrize("sp", [
-    {"temperature": 1.0},
-    {"temperature": 0.7},
-    {"temperature": 1.0, "top_k": 6, "top_p": 0.85},
-], ids=["t1.0", "t0.7", "topk_topp"])
+@pytest.mark.parametrize(
+    "sp",
+    [
+        {"temperature": 1.0},
+        {"temperature": 0.7},
+        {"temperature": 1.0, "top_k": 6, "top_p": 0.85},
+    ],
+    ids=["t1.0", "t0.7", "topk_topp"],
+)
 def test_first_three_tokens_follow_target(pair, sp):
     target, draft = pair
-    engine = Engine(model_path=target, skip_tokenizer_init=True, context_length=64,
-                    max_running_requests=1024, max_total_tokens=1024 * 64,
-                    speculative_algorithm="DSpark", speculative_draft_model_path=draft,
-                    random_seed=7)
+    engine = Engine(
+        model_path=target,
+        skip_tokenizer_init=True,
+        context_length=64,
+        max_running_requests=1024,
+        max_total_tokens=1024 * 64,
+        speculative_algorithm="DSpark",
+        speculative_draft_model_path=draft,
+        random_seed=7,
+    )
     # 4 new tokens: after token 1 the step verifies anchor + 2 drafts, so tokens 2 and 3 come
     # from one verify (accepted drafts, a correction, or the bonus).
     params = {**sp, "max_new_tokens": 4, "ignore_eos": True}

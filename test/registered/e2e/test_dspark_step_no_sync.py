@@ -16,19 +16,41 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("policy", ["full", "static_table"])
 def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, monkeypatch):
     import json
+
     widths = tmp_path / "w.json"
     widths.write_text(json.dumps({"widths_by_batch_size": {"1": "full", "4": 3}}))
-    extra = {} if policy == "full" else {"speculative_dspark_verify_policy": "static",
-                                         "speculative_dspark_width_table_path": str(widths)}
-    engine = Engine(model_path="tiny", device="cuda", dtype="bfloat16", context_length=256,
-                    speculative_algorithm="DSpark", kernel_backend="torch",
-                    kernel_backend_overrides="moe=triton", **extra)
+    extra = (
+        {}
+        if policy == "full"
+        else {
+            "speculative_dspark_verify_policy": "static",
+            "speculative_dspark_width_table_path": str(widths),
+        }
+    )
+    engine = Engine(
+        model_path="tiny",
+        device="cuda",
+        dtype="bfloat16",
+        context_length=256,
+        speculative_algorithm="DSpark",
+        kernel_backend="torch",
+        kernel_backend_overrides="moe=triton",
+        **extra,
+    )
     sched = engine.scheduler
     from sgl_dspark.srt.managers.req import Req
     from sgl_dspark.srt.sampling.sampling_params import SamplingParams
-    reqs = [Req(rid=str(i), prompt_ids=[5 + i, 6, 7, 8],
-                params=SamplingParams(max_new_tokens=40, temperature=0.0 if i % 2 else 0.8,
-                                      ignore_eos=True)) for i in range(4)]
+
+    reqs = [
+        Req(
+            rid=str(i),
+            prompt_ids=[5 + i, 6, 7, 8],
+            params=SamplingParams(
+                max_new_tokens=40, temperature=0.0 if i % 2 else 0.8, ignore_eos=True
+            ),
+        )
+        for i in range(4)
+    ]
     for r in reqs:
         sched.add(r)
     while not all(r.prefill_done and r.output_ids for r in reqs):

@@ -14,8 +14,9 @@ from sgl_dspark.tools import dspark_sps_profile, dspark_sts_fit
 
 def test_sps_profiler_writes_table(tmp_path):
     out = str(tmp_path / "sps.json")
-    dspark_sps_profile.main(["--batch-sizes", "1,3", "--steps", "4", "--warmup-steps", "1",
-                             "--out", out])
+    dspark_sps_profile.main(
+        ["--batch-sizes", "1,3", "--steps", "4", "--warmup-steps", "1", "--out", out]
+    )
     table = load_sps_table(out, kind="diagonal")
     gamma = 5  # tiny-dspark's block size
     assert list(table.sample_batch_tokens) == [1 * (gamma + 1), 3 * (gamma + 1)]
@@ -26,11 +27,17 @@ def test_sps_profiler_writes_table(tmp_path):
 
 def test_sts_collection_labels_match_acceptance_and_fit_runs(tmp_path):
     stem = str(tmp_path / "sts")
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                    speculative_algorithm="DSpark", speculative_dspark_sts_collect_path=stem)
-    outs = engine.generate(input_ids=[[9, 10, 11], [12, 13], [40, 41, 42, 43]],
-                           sampling_params={"max_new_tokens": 20, "temperature": 0.0,
-                                            "ignore_eos": True})
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        speculative_algorithm="DSpark",
+        speculative_dspark_sts_collect_path=stem,
+    )
+    outs = engine.generate(
+        input_ids=[[9, 10, 11], [12, 13], [40, 41, 42, 43]],
+        sampling_params={"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True},
+    )
     worker = engine.scheduler.spec
     engine.shutdown()
     shards = sorted(glob.glob(stem + ".*.pt"))

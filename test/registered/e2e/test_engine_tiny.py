@@ -39,10 +39,12 @@ def test_outputs_independent_of_batching_and_chunking(engine):
     alone = [engine.generate(prompt=p, sampling_params=GREEDY)["output_ids"] for p in PROMPTS]
     together = [o["output_ids"] for o in engine.generate(prompt=PROMPTS, sampling_params=GREEDY)]
     assert alone == together
-    small_chunks = Engine(model_path="tiny", context_length=512, chunked_prefill_size=7,
-                          max_running_requests=2)
-    assert [o["output_ids"] for o in small_chunks.generate(prompt=PROMPTS,
-                                                           sampling_params=GREEDY)] == alone
+    small_chunks = Engine(
+        model_path="tiny", context_length=512, chunked_prefill_size=7, max_running_requests=2
+    )
+    assert [
+        o["output_ids"] for o in small_chunks.generate(prompt=PROMPTS, sampling_params=GREEDY)
+    ] == alone
 
 
 def test_input_ids_and_logprobs(engine):
@@ -53,6 +55,7 @@ def test_input_ids_and_logprobs(engine):
     assert all(lp <= 0.0 and math.isfinite(lp) for lp, _, _ in lps)
     # first logprob equals log_softmax of a direct forward at the last prompt token
     from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
     runner = engine.runner
     slot = runner.req_pool.alloc_slot()
     try:
@@ -85,8 +88,7 @@ def test_seeded_sampling_is_reproducible(engine):
 
 
 def test_more_requests_than_slots_queue_and_finish():
-    e = Engine(model_path="tiny", context_length=256, max_running_requests=3,
-               max_total_tokens=1024)
+    e = Engine(model_path="tiny", context_length=256, max_running_requests=3, max_total_tokens=1024)
     outs = e.generate(prompt=[f"request {i}" for i in range(10)], sampling_params=GREEDY)
     assert all(o["meta_info"]["completion_tokens"] == 20 for o in outs)
     assert e.runner.allocator.num_free_pages == e.runner.allocator.num_usable_pages
@@ -108,6 +110,7 @@ def test_bad_requests_raise_clear_errors(engine):
 def test_hidden_state_taps(engine):
     """DSpark reads mean-over-streams residuals after chosen layers."""
     from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+
     runner = engine.runner
     ids = engine.tokenizer.encode(PROMPTS[0])
     slot = runner.req_pool.alloc_slot()

@@ -81,21 +81,36 @@ def test_triton_backend_gives_torch_greedy_tokens(spec):
 def test_triton_accept_gives_torch_sampled_dspark_tokens():
     # With the model families on torch the verify logits are the same bits, so seeded sampling
     # (Markov draft, accept coins, the fixed-point bonus draw) must commit the same tokens.
-    sampled = {"max_new_tokens": 8, "temperature": 0.9, "top_p": 0.95, "seed": 7,
-               "ignore_eos": True}
+    sampled = {
+        "max_new_tokens": 8,
+        "temperature": 0.9,
+        "top_p": 0.95,
+        "seed": 7,
+        "ignore_eos": True,
+    }
     want = _generate(sampled, kernel_backend="torch", **DSPARK)
-    got = _generate(sampled, kernel_backend="torch",
-                    kernel_backend_overrides="spec=triton,sampling=triton", **DSPARK)
+    got = _generate(
+        sampled,
+        kernel_backend="torch",
+        kernel_backend_overrides="spec=triton,sampling=triton",
+        **DSPARK,
+    )
     assert got == want
 
 
-@pytest.mark.parametrize("backend, overrides, want", [
-    ("torch", None, dict(rope=False, mhc=False, sampling=False, spec=False)),
-    ("triton", None, dict(rope=True, mhc=True, sampling=True, spec=True)),
-    ("triton", "mhc=torch, spec=torch", dict(rope=True, mhc=False, sampling=True, spec=False)),
-    ("torch", "rope=triton,sampling=triton", dict(rope=True, mhc=False, sampling=True,
-                                                  spec=False)),
-])
+@pytest.mark.parametrize(
+    "backend, overrides, want",
+    [
+        ("torch", None, dict(rope=False, mhc=False, sampling=False, spec=False)),
+        ("triton", None, dict(rope=True, mhc=True, sampling=True, spec=True)),
+        ("triton", "mhc=torch, spec=torch", dict(rope=True, mhc=False, sampling=True, spec=False)),
+        (
+            "torch",
+            "rope=triton,sampling=triton",
+            dict(rope=True, mhc=False, sampling=True, spec=False),
+        ),
+    ],
+)
 def test_overrides_bind_per_family(backend, overrides, want):
     e = _engine(kernel_backend=backend, kernel_backend_overrides=overrides, **DSPARK)
     try:
@@ -104,12 +119,15 @@ def test_overrides_bind_per_family(backend, overrides, want):
         e.shutdown()
 
 
-@pytest.mark.parametrize("kw, match", [
-    (dict(kernel_backend="cuda"), "--kernel-backend"),
-    (dict(kernel_backend_overrides="attention=triton"), "unknown family 'attention'"),
-    (dict(kernel_backend_overrides="rope=cuda"), "rope='cuda'"),
-    (dict(kernel_backend_overrides="rope"), "family=impl"),
-])
+@pytest.mark.parametrize(
+    "kw, match",
+    [
+        (dict(kernel_backend="cuda"), "--kernel-backend"),
+        (dict(kernel_backend_overrides="attention=triton"), "unknown family 'attention'"),
+        (dict(kernel_backend_overrides="rope=cuda"), "rope='cuda'"),
+        (dict(kernel_backend_overrides="rope"), "family=impl"),
+    ],
+)
 def test_bad_kernel_choices_are_rejected(kw, match):
     with pytest.raises(ValueError, match=match):
         _engine(**kw)

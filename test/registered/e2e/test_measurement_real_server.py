@@ -27,17 +27,50 @@ WL_NAME = "random-in8-out12-c4"
 
 
 def server_cmd(*flags: str) -> str:
-    parts = [sys.executable, "-m", "sgl_dspark.launch_server", "--model-path", "tiny",
-             "--host", "127.0.0.1", "--log-level", "warning", "--context-length", "3072",
-             "--max-total-tokens", "65536", *flags]
+    parts = [
+        sys.executable,
+        "-m",
+        "sgl_dspark.launch_server",
+        "--model-path",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--log-level",
+        "warning",
+        "--context-length",
+        "3072",
+        "--max-total-tokens",
+        "65536",
+        *flags,
+    ]
     return " ".join(shlex.quote(p) for p in parts) + " --port {port}"
 
 
 def _run_ab(out: Path, baseline: str, candidate: str, *extra: str) -> dict[str, Any]:
-    return ab.main(["--baseline-cmd", baseline, "--candidate-cmd", candidate,
-                    "--replicates", "4", "--runs-per-launch", "2", "--warmup-runs", "1",
-                    "--workload", WORKLOAD, "--backend", "sglang", "--ready-timeout", "120",
-                    "--no-plot", "--output-dir", str(out), *extra])
+    return ab.main(
+        [
+            "--baseline-cmd",
+            baseline,
+            "--candidate-cmd",
+            candidate,
+            "--replicates",
+            "4",
+            "--runs-per-launch",
+            "2",
+            "--warmup-runs",
+            "1",
+            "--workload",
+            WORKLOAD,
+            "--backend",
+            "sglang",
+            "--ready-timeout",
+            "120",
+            "--no-plot",
+            "--output-dir",
+            str(out),
+            *extra,
+        ]
+    )
 
 
 def test_aa_on_real_server_contains_zero(tmp_path):
@@ -70,10 +103,18 @@ def test_ab_on_real_server_detects_slowed_candidate(tmp_path):
 
 
 def _gsm8k(url: str, out: Path) -> dict:
-    cfg = EvalConfig(base_url=url, train_path=str(FIXTURE / "train.jsonl"),
-                     test_path=str(FIXTURE / "test.jsonl"), backend="openai", num_shots=5,
-                     num_questions=20, max_new_tokens=48, parallel=20, output_dir=str(out),
-                     progress=False)
+    cfg = EvalConfig(
+        base_url=url,
+        train_path=str(FIXTURE / "train.jsonl"),
+        test_path=str(FIXTURE / "test.jsonl"),
+        backend="openai",
+        num_shots=5,
+        num_questions=20,
+        max_new_tokens=48,
+        parallel=20,
+        output_dir=str(out),
+        progress=False,
+    )
     return run_eval(cfg)[1]
 
 
@@ -82,15 +123,28 @@ def test_gsm8k_with_and_without_dspark_has_no_differing_answers(tmp_path):
     for name, flags in (("plain", ()), ("dspark", ("--speculative-algorithm", "DSpark"))):
         port = find_free_port()
         cmd = server_cmd(*flags).replace("{port}", str(port))
-        with ServerProcess(cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log",
-                           ready_timeout_s=120.0):
+        with ServerProcess(
+            cmd, f"http://127.0.0.1:{port}", tmp_path / f"{name}.log", ready_timeout_s=120.0
+        ):
             summaries[name] = _gsm8k(f"http://127.0.0.1:{port}", tmp_path / name)
     assert summaries["plain"]["failed"] == 0 and summaries["dspark"]["failed"] == 0
-    rc = compare.main(["--baseline", str(tmp_path / "plain"), "--candidate",
-                       str(tmp_path / "dspark"), "--require-identical",
-                       "--output-json", str(tmp_path / "cmp.json")])
+    rc = compare.main(
+        [
+            "--baseline",
+            str(tmp_path / "plain"),
+            "--candidate",
+            str(tmp_path / "dspark"),
+            "--require-identical",
+            "--output-json",
+            str(tmp_path / "cmp.json"),
+        ]
+    )
     pooled = json.loads((tmp_path / "cmp.json").read_text())["pooled"]
     assert rc == 0 and pooled["differing_answers"] == 0
-    plain = [json.loads(x) for x in (tmp_path / "plain" / "per_question.jsonl").read_text().splitlines()]
-    spec = [json.loads(x) for x in (tmp_path / "dspark" / "per_question.jsonl").read_text().splitlines()]
+    plain = [
+        json.loads(x) for x in (tmp_path / "plain" / "per_question.jsonl").read_text().splitlines()
+    ]
+    spec = [
+        json.loads(x) for x in (tmp_path / "dspark" / "per_question.jsonl").read_text().splitlines()
+    ]
     assert len(plain) == 20 and [p["output"] for p in plain] == [s["output"] for s in spec]

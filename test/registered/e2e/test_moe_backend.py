@@ -70,8 +70,9 @@ def _no_host_sync() -> Iterator[None]:
 
 
 @pytest.mark.parametrize("fold", [False, True])
-@pytest.mark.parametrize("is_hash,scoring", [(False, "sqrtsoftplus"), (True, "sqrtsoftplus"),
-                                             (False, "sigmoid")])  # fmt: skip
+@pytest.mark.parametrize(
+    "is_hash,scoring", [(False, "sqrtsoftplus"), (True, "sqrtsoftplus"), (False, "sigmoid")]
+)
 def test_triton_block_equals_torch_block(is_hash: bool, scoring: str, fold: bool) -> None:
     """Also with the shared expert folded into the routed stacks (as placed models run)."""
     torch_block = _block(KernelChoice("torch"), is_hash, scoring)
@@ -106,8 +107,9 @@ def test_triton_block_equals_torch_block(is_hash: bool, scoring: str, fold: bool
         ids_t, order_t = ids_t.sort(dim=1)
         ids_k, order_k = ids_k.long().sort(dim=1)
         assert torch.equal(ids_k, ids_t), "routing differs"
-        torch.testing.assert_close(weights_k.gather(1, order_k), weights_t.gather(1, order_t),
-                                   rtol=1e-5, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            weights_k.gather(1, order_k), weights_t.gather(1, order_t), rtol=1e-5, atol=1e-6
+        )
         assert got.shape == want.shape == (num_tokens, HIDDEN)
         if num_tokens:
             assert want.abs().max() > 0.05  # a real signal, not an all-zero output
@@ -144,8 +146,9 @@ def test_triton_block_without_shared_add() -> None:
     experts = RoutedExperts(EXPERTS, HIDDEN, INTER, LIMIT, KernelChoice("triton"))
     state = _random_state(torch_block, seed=9)
     torch_block.load_state_dict(state)
-    experts.load_state_dict({k[len("experts."):]: v for k, v in state.items()
-                             if k.startswith("experts.")})  # fmt: skip
+    experts.load_state_dict(
+        {k[len("experts.") :]: v for k, v in state.items() if k.startswith("experts.")}
+    )
     x = torch.randn(6, HIDDEN, generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         weights, ids = torch_block.gate(x, None)
@@ -160,16 +163,25 @@ def test_tiny_model_greedy_tokens_match_torch_backend() -> None:
     outputs = []
     for overrides in (None, "moe=triton"):
         # fp32 on both backends (the CPU default), so greedy choices compare like for like.
-        engine = Engine(model_path="tiny", device=DEVICE, dtype="float32", kernel_backend="torch",
-                        kernel_backend_overrides=overrides, context_length=256)  # fmt: skip
+        engine = Engine(
+            model_path="tiny",
+            device=DEVICE,
+            dtype="float32",
+            kernel_backend="torch",
+            kernel_backend_overrides=overrides,
+            context_length=256,
+        )
         buffers = dict(engine.runner.model.named_buffers())
         # K1's table exists only when the triton path was built for every layer's experts, and
         # the runner folded each layer's shared expert into its routed stacks.
         assert ("model.layers.0.mlp.experts.sort_table" in buffers) == (overrides is not None)
-        assert all(layer.mlp.experts.folded == (overrides is not None)
-                   for layer in engine.runner.model.model.layers)
-        outputs.append([o["output_ids"] for o in engine.generate(prompt=prompts,
-                                                                 sampling_params=params)])
+        assert all(
+            layer.mlp.experts.folded == (overrides is not None)
+            for layer in engine.runner.model.model.layers
+        )
+        outputs.append(
+            [o["output_ids"] for o in engine.generate(prompt=prompts, sampling_params=params)]
+        )
         engine.shutdown()
     assert [len(ids) for ids in outputs[0]] == [8, 8]
     assert outputs[1] == outputs[0]

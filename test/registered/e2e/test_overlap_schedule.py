@@ -13,14 +13,22 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def _engine(overlap: bool) -> Engine:
-    return Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                  max_running_requests=8, device=DEVICE, disable_overlap_schedule=not overlap)
+    return Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=8,
+        device=DEVICE,
+        disable_overlap_schedule=not overlap,
+    )
 
 
 def _prompts(n: int, seed: int) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return [torch.randint(5, 200, (int(torch.randint(3, 20, (1,), generator=g)),),
-                          generator=g).tolist() for _ in range(n)]
+    return [
+        torch.randint(5, 200, (int(torch.randint(3, 20, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
 
 
 def _summary(out: dict) -> tuple:
@@ -34,17 +42,27 @@ def _logprobs(out: dict) -> torch.Tensor:
 def test_greedy_and_seeded_outputs_equal_step_by_step():
     prompts = _prompts(5, seed=1)
     with _engine(False) as ref_engine:
-        free = ref_engine.generate(input_ids=prompts, sampling_params={
-            "max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+        free = ref_engine.generate(
+            input_ids=prompts,
+            sampling_params={"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True},
+        )
         # Stop tokens taken from the free run, so requests stop at different steps.
-        params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True,
-                   "stop_token_ids": [o["output_ids"][k]]}
-                  for o, n, k in zip(free, (1, 9, 24, 17, 30), (0, 3, 20, 6, 2))]
-        params.append({"max_new_tokens": 15, "temperature": 0.8, "top_p": 0.9, "seed": 7,
-                       "ignore_eos": True})
+        params = [
+            {
+                "max_new_tokens": n,
+                "temperature": 0.0,
+                "ignore_eos": True,
+                "stop_token_ids": [o["output_ids"][k]],
+            }
+            for o, n, k in zip(free, (1, 9, 24, 17, 30), (0, 3, 20, 6, 2))
+        ]
+        params.append(
+            {"max_new_tokens": 15, "temperature": 0.8, "top_p": 0.9, "seed": 7, "ignore_eos": True}
+        )
         prompts_all = prompts + _prompts(1, seed=2)
-        want = ref_engine.generate(input_ids=prompts_all, sampling_params=params,
-                                   return_logprob=True)
+        want = ref_engine.generate(
+            input_ids=prompts_all, sampling_params=params, return_logprob=True
+        )
     with _engine(True) as engine:
         calls = []
         orig = engine.scheduler._decode_overlapped
@@ -61,8 +79,12 @@ def test_greedy_and_seeded_outputs_equal_step_by_step():
     assert len(lengths) >= 4, lengths  # requests really stopped at different steps
 
 
-def _drive(engine: Engine, prompts: list[list[int]], join_at: int, abort_at: int,
-           ) -> dict[str, list[int]]:
+def _drive(
+    engine: Engine,
+    prompts: list[list[int]],
+    join_at: int,
+    abort_at: int,
+) -> dict[str, list[int]]:
     """Two requests decode; a third joins at step `join_at`; the first is aborted at step
     `abort_at`. Returns every request's tokens."""
     sched = engine.scheduler
@@ -89,7 +111,7 @@ def test_join_and_abort_mid_decode_match_step_by_step():
     # The others are unaffected; the aborted one stops earlier (its token in flight at the abort
     # is dropped), so its output is a prefix of the step-by-step one.
     assert got[1:] == want[1:]
-    assert got[0] == want[0][:len(got[0])] and len(got[0]) >= len(want[0]) - 1
+    assert got[0] == want[0][: len(got[0])] and len(got[0]) >= len(want[0]) - 1
     assert 0 < len(want[0]) < 20 and len(want[1]) == 20 and len(want[2]) == 20
 
 
@@ -101,12 +123,20 @@ def _dspark_engine(overlap: bool) -> Engine:
     the overlap schedule they chain (anchors and lengths stay on the device between steps)."""
     from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
 
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                    max_running_requests=8, device="cpu", disable_overlap_schedule=not overlap,
-                    speculative_algorithm="DSpark", speculative_dspark_block_size=4)
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=8,
+        device="cpu",
+        disable_overlap_schedule=not overlap,
+        speculative_algorithm="DSpark",
+        speculative_dspark_block_size=4,
+    )
     spec = engine.scheduler.spec
-    engine.runner.init_cuda_graphs(8, spec.graph_verify_widths(), spec.tap_layers,
-                                   graph_factory=EagerGraph)
+    engine.runner.init_cuda_graphs(
+        8, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
+    )
     spec.init_cuda_graphs(8, graph_factory=EagerGraph)
     return engine
 
@@ -115,8 +145,9 @@ def _count_chained(engine: Engine) -> list[bool]:
     fused = engine.scheduler.spec.fused
     chained: list[bool] = []
     launch = fused.launch
-    fused.launch = (lambda w, rows, ch, _f=launch, _log=chained:  # type: ignore[method-assign]
-                    (_log.append(ch), _f(w, rows, ch))[1])
+    fused.launch = lambda w, rows, ch, _f=launch, _log=chained: (  # type: ignore[method-assign]
+        (_log.append(ch), _f(w, rows, ch))[1]
+    )
     return chained
 
 
@@ -125,18 +156,22 @@ def test_dspark_fused_steps_with_stops_and_a_sampled_request_equal_step_by_step(
     the batch on the worker's own step until it ends): tokens and finish reasons equal the
     step-by-step schedule, and chained fused steps ran."""
     prompts = _prompts(5, seed=11)
-    params = [{"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
-              for n in (3, 11, 26, 17, 30)]
+    params = [
+        {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True} for n in (3, 11, 26, 17, 30)
+    ]
     params[3]["stop_token_ids"] = [5, 17, 99]
-    params.append({"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.9, "seed": 3,
-                   "ignore_eos": True})
+    params.append(
+        {"max_new_tokens": 9, "temperature": 0.8, "top_p": 0.9, "seed": 3, "ignore_eos": True}
+    )
     prompts = prompts + _prompts(1, seed=12)
     outs = {}
     for overlap in (False, True):
         with _dspark_engine(overlap) as engine:
             chained = _count_chained(engine)
-            outs[overlap] = (engine.generate(input_ids=prompts, sampling_params=params,
-                                             return_logprob=True), chained)
+            outs[overlap] = (
+                engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True),
+                chained,
+            )
     (want, chained_s), (got, chained_o) = outs[False], outs[True]
     assert [_summary(o) for o in got] == [_summary(o) for o in want]
     for g, w in zip(got, want):
@@ -154,5 +189,5 @@ def test_dspark_fused_join_and_abort_mid_decode_match_step_by_step():
     # As for plain decode: the others are unaffected, the aborted one is a prefix (a DSpark step
     # commits up to a block of tokens, so it may stop up to one step's commit earlier).
     assert got[1:] == want[1:]
-    assert got[0] == want[0][:len(got[0])] and len(got[0]) >= 1
+    assert got[0] == want[0][: len(got[0])] and len(got[0]) >= 1
     assert chained.count(True) >= 2

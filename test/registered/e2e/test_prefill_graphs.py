@@ -50,11 +50,18 @@ def _padded(batch: ForwardBatch, tokens: int, requests: int) -> ForwardBatch:
         return torch.cat([x, torch.full((size - x.shape[0],), value, dtype=x.dtype, device=dev)])
 
     return dataclasses.replace(
-        batch, input_ids=pad(batch.input_ids, tokens, 0), positions=pad(batch.positions, tokens, 0),
-        token_req=pad(batch.token_req, tokens, b), out_cache_loc=pad(batch.out_cache_loc, tokens, 0),
+        batch,
+        input_ids=pad(batch.input_ids, tokens, 0),
+        positions=pad(batch.positions, tokens, 0),
+        token_req=pad(batch.token_req, tokens, b),
+        out_cache_loc=pad(batch.out_cache_loc, tokens, 0),
         req_pool_indices=pad(batch.req_pool_indices, requests, 0),
-        prefix_lens=pad(batch.prefix_lens, requests, 0), seq_lens=pad(batch.seq_lens, requests, 0),
-        extend_lens_cpu=(), prefix_lens_cpu=(), host_lens=False)
+        prefix_lens=pad(batch.prefix_lens, requests, 0),
+        seq_lens=pad(batch.seq_lens, requests, 0),
+        extend_lens_cpu=(),
+        prefix_lens_cpu=(),
+        host_lens=False,
+    )
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -66,23 +73,29 @@ def test_device_row_lists_equal_host_lists(seed):
     extends = torch.randint(1, 40, (b,), generator=g).tolist()
     prefixes = torch.randint(0, 50, (b,), generator=g).tolist()
     table = torch.zeros(b + 1, 128, dtype=torch.int64)
-    batch = ForwardBatch.build(ForwardMode.EXTEND, [[1] * n for n in extends], prefixes,
-                               list(range(1, b + 1)), table)
+    batch = ForwardBatch.build(
+        ForwardMode.EXTEND, [[1] * n for n in extends], prefixes, list(range(1, b + 1)), table
+    )
     pad_tokens = sum(extends) + int(torch.randint(0, 20, (1,), generator=g))
     padded = _padded(batch, pad_tokens, b + 1 + int(torch.randint(0, 3, (1,), generator=g)))
     for ratio in (1, 3, 4, 128):
         want, got = batch.block_end_rows(ratio), padded.block_end_rows(ratio)
-        assert torch.equal(got[:want.numel()], want)
-        assert bool((got[want.numel():] == -1).all())
+        assert torch.equal(got[: want.numel()], want)
+        assert bool((got[want.numel() :] == -1).all())
     for count in (1, 6, 16, 64):
         want, got = batch.last_rows(count), padded.last_rows(count)
-        assert torch.equal(got[:want.numel()], want)
-        assert bool((got[want.numel():] == -1).all())
+        assert torch.equal(got[: want.numel()], want)
+        assert bool((got[want.numel() :] == -1).all())
 
 
 def _poisoned_engine(**kw) -> Engine:
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                    max_running_requests=8, **kw)
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=8,
+        **kw,
+    )
     for t in _pool_tensors(engine):
         # Never test on zeros: unwritten state keeps this value. Finite, as the pools' contents
         # always are (zeros, then stale rows): the torch attention multiplies masked rows by 0.
@@ -105,8 +118,17 @@ def _pool_tensors(engine: Engine) -> list[torch.Tensor]:
 # (test_compressor_extend.py).
 ON_GPU = torch.cuda.is_available()
 BACKENDS = [{"kernel_backend": "torch", "attention_backend": "torch"}] + (
-    [{"device": "cuda", "dtype": "float32", "kernel_backend": "triton",
-      "attention_backend": "triton"}] if ON_GPU else [])
+    [
+        {
+            "device": "cuda",
+            "dtype": "float32",
+            "kernel_backend": "triton",
+            "attention_backend": "triton",
+        }
+    ]
+    if ON_GPU
+    else []
+)
 
 
 @pytest.mark.parametrize("kw", BACKENDS, ids=lambda kw: kw["kernel_backend"])
@@ -117,10 +139,11 @@ def test_prefill_replay_equals_eager_forward(kw):
     writes (slot 0) are excluded."""
     eager, graphed = _poisoned_engine(**kw), _poisoned_engine(**kw)
     factory = None if ON_GPU and kw.get("device") == "cuda" else CountingGraph
-    graphed.runner.prefill_graphs = PrefillGraphRunner(graphed.runner, 128, 4, (1, 3),
-                                                       graph_factory=factory)
+    graphed.runner.prefill_graphs = PrefillGraphRunner(
+        graphed.runner, 128, 4, (1, 3), graph_factory=factory
+    )
     g = torch.Generator().manual_seed(11)
-    chunks = [[37, 5, 60], [20, 11]]   # chunk 2 continues the first two requests of chunk 1
+    chunks = [[37, 5, 60], [20, 11]]  # chunk 2 continues the first two requests of chunk 1
     ids = [[torch.randint(3, 200, (n,), generator=g).tolist() for n in c] for c in chunks]
     outs: dict[str, list[torch.Tensor]] = {"eager": [], "graphed": []}
     CountingGraph.replays = 0
@@ -129,14 +152,15 @@ def test_prefill_replay_equals_eager_forward(kw):
         slots = [pool.alloc_slot() for _ in chunks[0]]
         prefix = [0] * len(slots)
         for chunk, chunk_ids in zip(chunks, ids):
-            reqs = slots[:len(chunk)]
+            reqs = slots[: len(chunk)]
             for s, p, n in zip(reqs, prefix, chunk):
                 pool.reserve(s, p + n)
-            batch = ForwardBatch.build(ForwardMode.EXTEND, chunk_ids, prefix[:len(chunk)], reqs,
-                                       pool.req_to_token)
+            batch = ForwardBatch.build(
+                ForwardMode.EXTEND, chunk_ids, prefix[: len(chunk)], reqs, pool.req_to_token
+            )
             out = engine.runner.forward(batch, (1, 3))
             outs[name] += [out.logits.clone(), out.hidden_taps[3].clone()]
-            prefix = [p + n for p, n in zip(prefix, chunk)] + prefix[len(chunk):]
+            prefix = [p + n for p, n in zip(prefix, chunk)] + prefix[len(chunk) :]
     assert graphed.runner.prefill_graphs.replays == 2
     assert CountingGraph.replays == (0 if factory is None else 2)
     # fp32; the GEMMs of T padded rows may sum in another order than those of the real rows
@@ -144,7 +168,7 @@ def test_prefill_replay_equals_eager_forward(kw):
     for a, b in zip(outs["eager"], outs["graphed"]):
         torch.testing.assert_close(b, a, **tol)
     for a, b in zip(_pool_tensors(eager), _pool_tensors(graphed)):
-        assert bool((a[1:] != POISON).any())   # the prefill wrote real rows
+        assert bool((a[1:] != POISON).any())  # the prefill wrote real rows
         torch.testing.assert_close(b[1:], a[1:], **tol)
 
 
@@ -153,19 +177,28 @@ def _requests():
 
 
 def _generate(prefill_tokens: int | None, **kw) -> tuple[list[list[int]], Engine]:
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=256,
-                    max_running_requests=N_PROMPTS, chunked_prefill_size=16, **kw)
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=N_PROMPTS,
+        chunked_prefill_size=16,
+        **kw,
+    )
     if prefill_tokens is not None:
         spec = engine.scheduler.spec
         engine.runner.init_cuda_graphs(
-            N_PROMPTS, spec.graph_verify_widths() if spec else (1,),
-            spec.tap_layers if spec else (), prefill_max_tokens=prefill_tokens,
-            graph_factory=CountingGraph)
+            N_PROMPTS,
+            spec.graph_verify_widths() if spec else (1,),
+            spec.tap_layers if spec else (),
+            prefill_max_tokens=prefill_tokens,
+            graph_factory=CountingGraph,
+        )
         if spec is not None:
             spec.init_cuda_graphs(N_PROMPTS, graph_factory=CountingGraph)
     engine._eager_extends = 0
 
-    def count_eager_extend(module, args):   # an EXTEND forward that reaches the model eagerly
+    def count_eager_extend(module, args):  # an EXTEND forward that reaches the model eagerly
         if args[0].mode is ForwardMode.EXTEND and args[0].host_lens:
             engine._eager_extends += 1
 
@@ -186,8 +219,11 @@ def test_prefill_graphs_equal_eager_greedy(reference, spec):
     Without DSpark, prompt chunks mix with decode rows of running requests, so most prefill
     steps have more rows and run eagerly; with DSpark, prefill steps hold prompt rows only, so
     every one replays, and the draft's context KV of prompt rows is written inside the graph."""
-    kw = {} if spec is None else {"speculative_algorithm": "DSpark",
-                                  "speculative_dspark_block_size": spec}
+    kw = (
+        {}
+        if spec is None
+        else {"speculative_algorithm": "DSpark", "speculative_dspark_block_size": spec}
+    )
     got, engine = _generate(16, **kw)
     assert got == reference
     graphs = engine.runner.prefill_graphs
@@ -196,8 +232,9 @@ def test_prefill_graphs_equal_eager_greedy(reference, spec):
 
 
 def test_prefill_graph_request_limit():
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, context_length=64,
-                    max_running_requests=4)
+    engine = Engine(
+        model_path="tiny", skip_tokenizer_init=True, context_length=64, max_running_requests=4
+    )
     with pytest.raises(ValueError, match="max-running-requests"):
         PrefillGraphRunner(engine.runner, 32, 5, graph_factory=EagerGraph)
     graphs = PrefillGraphRunner(engine.runner, 32, 2, graph_factory=EagerGraph)
@@ -207,11 +244,12 @@ def test_prefill_graph_request_limit():
         pool.reserve(s, 40)
 
     def batch(mode, lens):
-        return ForwardBatch.build(mode, [[5] * n for n in lens], [0] * len(lens),
-                                  slots[:len(lens)], pool.req_to_token)
+        return ForwardBatch.build(
+            mode, [[5] * n for n in lens], [0] * len(lens), slots[: len(lens)], pool.req_to_token
+        )
 
     assert graphs.can_run(batch(ForwardMode.EXTEND, [20, 12]), ())
-    assert not graphs.can_run(batch(ForwardMode.EXTEND, [20, 13]), ())      # 33 tokens
-    assert not graphs.can_run(batch(ForwardMode.EXTEND, [2, 2, 2]), ())     # 3 requests
+    assert not graphs.can_run(batch(ForwardMode.EXTEND, [20, 13]), ())  # 33 tokens
+    assert not graphs.can_run(batch(ForwardMode.EXTEND, [2, 2, 2]), ())  # 3 requests
     assert not graphs.can_run(batch(ForwardMode.DECODE, [1, 1]), ())
-    assert not graphs.can_run(batch(ForwardMode.EXTEND, [4]), (1,))        # taps not captured
+    assert not graphs.can_run(batch(ForwardMode.EXTEND, [4]), (1,))  # taps not captured

@@ -39,8 +39,7 @@ def _c(prompt: Any = "hello", **kw: Any) -> dict:
 def _chat(messages: Any = None, **kw: Any) -> dict:
     if messages is None:
         messages = [{"role": "user", "content": "hi"}]
-    return {"model": "tiny", "messages": messages,
-            "max_tokens": 4, **kw}
+    return {"model": "tiny", "messages": messages, "max_tokens": 4, **kw}
 
 
 COMP, CHAT, GEN = "/v1/completions", "/v1/chat/completions", "/generate"
@@ -52,10 +51,17 @@ CASES = [
     Case("unknown model", COMP, {**_c(), "model": "gpt-9"}, 404, "does not exist", "model"),
     Case("unknown field", COMP, _c(foo=1), 400, "unrecognized request argument", "foo"),
     Case("temperature str", COMP, _c(temperature="hot"), 400, "valid number", "temperature"),
-    Case("temperature < 0", COMP, _c(temperature=-0.5), 400, "greater than or equal to 0",
-         "temperature"),
-    Case("temperature > 2", COMP, _c(temperature=2.5), 400, "less than or equal to 2",
-         "temperature"),
+    Case(
+        "temperature < 0",
+        COMP,
+        _c(temperature=-0.5),
+        400,
+        "greater than or equal to 0",
+        "temperature",
+    ),
+    Case(
+        "temperature > 2", COMP, _c(temperature=2.5), 400, "less than or equal to 2", "temperature"
+    ),
     Case("top_p 0", COMP, _c(top_p=0), 400, "greater than 0", "top_p"),
     Case("top_p > 1", COMP, _c(top_p=1.5), 400, "less than or equal to 1", "top_p"),
     Case("top_k 0", COMP, _c(top_k=0), 400, "top_k must be -1", "top_k"),
@@ -70,54 +76,136 @@ CASES = [
     Case("empty prompt list", COMP, _c([]), 400, "must not be empty", "prompt"),
     Case("empty id prompt", COMP, _c([[]]), 400, "must not be empty", "prompt"),
     Case("prompt wrong type", COMP, _c(5), 400, "invalid type for 'prompt'", "prompt"),
-    Case("prompt too long", COMP, _c("x" * (CTX + 10)), 400, "exceeds the context length",
-         "prompt"),
-    Case("prompt + max_tokens too long", COMP, _c("hi", max_tokens=CTX), 400,
-         "exceeds the context length", "prompt"),
-    Case("never fits the KV pool", COMP, _c("hi", max_tokens=200), 400,
-         "more than the pool holds", "prompt"),
+    Case(
+        "prompt too long", COMP, _c("x" * (CTX + 10)), 400, "exceeds the context length", "prompt"
+    ),
+    Case(
+        "prompt + max_tokens too long",
+        COMP,
+        _c("hi", max_tokens=CTX),
+        400,
+        "exceeds the context length",
+        "prompt",
+    ),
+    Case(
+        "never fits the KV pool",
+        COMP,
+        _c("hi", max_tokens=200),
+        400,
+        "more than the pool holds",
+        "prompt",
+    ),
     Case("token id out of vocab", COMP, _c([0, 70, 99999]), 400, "out of range", "prompt"),
     Case("negative token id", COMP, _c([0, -3]), 400, "out of range", "prompt"),
     Case("stop wrong type", COMP, _c(stop=5), 400, "invalid type for 'stop'", "stop"),
     Case("stop empty string", COMP, _c(stop=[""]), 400, "non-empty strings", "stop"),
     Case("logprobs top-k", COMP, _c(logprobs=3), 400, "logprobs > 0", "logprobs"),
-    Case("logprobs out of range", COMP, _c(logprobs=9), 400, "less than or equal to 5",
-         "logprobs"),
+    Case("logprobs out of range", COMP, _c(logprobs=9), 400, "less than or equal to 5", "logprobs"),
     Case("echo + logprobs", COMP, _c(echo=True, logprobs=0), 400, "prompt logprobs", "echo"),
-    Case("frequency_penalty", COMP, _c(frequency_penalty=0.5), 400, "not supported",
-         "frequency_penalty"),
+    Case(
+        "frequency_penalty",
+        COMP,
+        _c(frequency_penalty=0.5),
+        400,
+        "not supported",
+        "frequency_penalty",
+    ),
     Case("logit_bias", COMP, _c(logit_bias={"5": 1.0}), 400, "not supported", "logit_bias"),
     Case("suffix", COMP, _c(suffix="end"), 400, "not supported", "suffix"),
     Case("bad api key", COMP, _c(), 401, "incorrect api key", auth="sk-wrong"),
     Case("missing api key", COMP, _c(), 401, "incorrect api key", auth=None),
     Case("chat no messages", CHAT, _chat([]), 400, "at least 1", "messages"),
-    Case("chat bad role", CHAT, _chat([{"role": "robot", "content": "x"}]), 400, "'system'",
-         "messages.0.role"),
-    Case("chat content int", CHAT, _chat([{"role": "user", "content": 5}]), 400,
-         "invalid type for 'messages.0.content'", "messages.0.content"),
-    Case("chat tools", CHAT, _chat(tools=[{"type": "function"}]), 400, "tools are not supported",
-         "tools"),
-    Case("chat top_logprobs", CHAT, _chat(logprobs=True, top_logprobs=2), 400,
-         "top_logprobs > 0", "top_logprobs"),
-    Case("chat max tokens disagree", CHAT, _chat(max_completion_tokens=9), 400, "disagree",
-         "max_completion_tokens"),
+    Case(
+        "chat bad role",
+        CHAT,
+        _chat([{"role": "robot", "content": "x"}]),
+        400,
+        "'system'",
+        "messages.0.role",
+    ),
+    Case(
+        "chat content int",
+        CHAT,
+        _chat([{"role": "user", "content": 5}]),
+        400,
+        "invalid type for 'messages.0.content'",
+        "messages.0.content",
+    ),
+    Case(
+        "chat tools",
+        CHAT,
+        _chat(tools=[{"type": "function"}]),
+        400,
+        "tools are not supported",
+        "tools",
+    ),
+    Case(
+        "chat top_logprobs",
+        CHAT,
+        _chat(logprobs=True, top_logprobs=2),
+        400,
+        "top_logprobs > 0",
+        "top_logprobs",
+    ),
+    Case(
+        "chat max tokens disagree",
+        CHAT,
+        _chat(max_completion_tokens=9),
+        400,
+        "disagree",
+        "max_completion_tokens",
+    ),
     Case("chat unknown model", CHAT, {**_chat(), "model": "x"}, 404, "does not exist", "model"),
     Case("generate text and ids", GEN, {"text": "a", "input_ids": [1]}, 400, "exactly one"),
     Case("generate nothing", GEN, {"sampling_params": {}}, 400, "exactly one"),
-    Case("generate bad sampling value", GEN, {"text": "a", "sampling_params":
-                                              {"temperature": -1}}, 400, "temperature must be",
-         "temperature"),
-    Case("generate unknown sampling key", GEN, {"text": "a", "sampling_params": {"tmp": 1}}, 400,
-         "unknown sampling_params key", "sampling_params"),
-    Case("generate sampling list mismatch", GEN, {"text": ["a", "b"], "sampling_params": [{}]},
-         400, "1 entries for 2 prompts", "sampling_params"),
-    Case("generate n > 1", GEN, {"text": "a", "sampling_params": {"n": 2}}, 400,
-         "not supported on /generate", "n"),
-    Case("generate max_new_tokens 0", GEN, {"text": "a", "sampling_params":
-                                            {"max_new_tokens": 0}}, 400, "must be >= 1",
-         "max_new_tokens"),
-    Case("generate duplicate rids", GEN, {"text": ["a", "b"], "rid": ["r", "r"]}, 400, "unique",
-         "rid"),
+    Case(
+        "generate bad sampling value",
+        GEN,
+        {"text": "a", "sampling_params": {"temperature": -1}},
+        400,
+        "temperature must be",
+        "temperature",
+    ),
+    Case(
+        "generate unknown sampling key",
+        GEN,
+        {"text": "a", "sampling_params": {"tmp": 1}},
+        400,
+        "unknown sampling_params key",
+        "sampling_params",
+    ),
+    Case(
+        "generate sampling list mismatch",
+        GEN,
+        {"text": ["a", "b"], "sampling_params": [{}]},
+        400,
+        "1 entries for 2 prompts",
+        "sampling_params",
+    ),
+    Case(
+        "generate n > 1",
+        GEN,
+        {"text": "a", "sampling_params": {"n": 2}},
+        400,
+        "not supported on /generate",
+        "n",
+    ),
+    Case(
+        "generate max_new_tokens 0",
+        GEN,
+        {"text": "a", "sampling_params": {"max_new_tokens": 0}},
+        400,
+        "must be >= 1",
+        "max_new_tokens",
+    ),
+    Case(
+        "generate duplicate rids",
+        GEN,
+        {"text": ["a", "b"], "rid": ["r", "r"]},
+        400,
+        "unique",
+        "rid",
+    ),
     Case("generate empty text", GEN, {"text": ""}, 400, "must not be empty", "text"),
     Case("wrong method", COMP, None, 405, "method not allowed", method="GET"),
     Case("unknown route", "/v1/embeddings", {}, 404, "not found"),
@@ -130,13 +218,26 @@ GOOD = [
     (COMP, _c([0, 80, 90, 100], max_tokens=9, temperature=0, ignore_eos=True), True),
     (COMP, _c(["a batch", "of two"], max_tokens=7, temperature=0.7, seed=9, n=2), False),
     (CHAT, _chat([{"role": "user", "content": "good chat"}], max_tokens=15, temperature=0), False),
-    (CHAT, _chat([{"role": "user", "content": "streamed chat"}], max_tokens=11, temperature=1.0,
-                 seed=4), True),
-    (GEN, {"text": "native good", "sampling_params": {"max_new_tokens": 13, "temperature": 0}},
-     False),
-    (GEN, {"input_ids": [[0, 60], [0, 61, 62]], "sampling_params": {"max_new_tokens": 8,
-                                                                     "temperature": 0.5,
-                                                                     "seed": 1}}, True),
+    (
+        CHAT,
+        _chat(
+            [{"role": "user", "content": "streamed chat"}], max_tokens=11, temperature=1.0, seed=4
+        ),
+        True,
+    ),
+    (
+        GEN,
+        {"text": "native good", "sampling_params": {"max_new_tokens": 13, "temperature": 0}},
+        False,
+    ),
+    (
+        GEN,
+        {
+            "input_ids": [[0, 60], [0, 61, 62]],
+            "sampling_params": {"max_new_tokens": 8, "temperature": 0.5, "seed": 1},
+        },
+        True,
+    ),
 ]
 
 
@@ -164,8 +265,9 @@ async def _send_good(client: httpx.AsyncClient, path: str, body: dict, stream: b
             return out["output_ids"] if isinstance(out, dict) else [o["output_ids"] for o in out]
         key = "text" if path == COMP else "message"
         return [c[key] if key == "text" else c[key]["content"] for c in out["choices"]]
-    async with client.stream("POST", path, json={**body, "stream": True},
-                             headers=_headers(API_KEY)) as r:
+    async with client.stream(
+        "POST", path, json={**body, "stream": True}, headers=_headers(API_KEY)
+    ) as r:
         assert r.status_code == 200
         payloads = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
     assert payloads[-1] == "[DONE]"
@@ -186,8 +288,9 @@ async def _send_good(client: httpx.AsyncClient, path: str, body: dict, stream: b
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("bad_input") / "server.log"
-    with running_server(log, "--context-length", str(CTX), "--max-total-tokens", str(KV_TOKENS),
-                        api_key=API_KEY) as srv:
+    with running_server(
+        log, "--context-length", str(CTX), "--max-total-tokens", str(KV_TOKENS), api_key=API_KEY
+    ) as srv:
         yield srv
 
 
@@ -197,23 +300,27 @@ def test_bad_inputs_alongside_good_requests(server):
     async def run() -> tuple[list, list, list]:
         async with httpx.AsyncClient(base_url=server.base_url, timeout=120) as client:
             alone = [await _send_good(client, *g) for g in GOOD]
-            tasks = [_send_good(client, *g) for g in GOOD] + [_send_case(client, c)
-                                                              for c in CASES]
+            tasks = [_send_good(client, *g) for g in GOOD] + [_send_case(client, c) for c in CASES]
             results = await asyncio.gather(*tasks)
-        return alone, results[:len(GOOD)], results[len(GOOD):]
+        return alone, results[: len(GOOD)], results[len(GOOD) :]
 
     alone, together, answers = asyncio.run(run())
     assert together == alone
     failures = []
     for case, (status, body) in zip(CASES, answers):
         err = body.get("error", {})
-        ok = (status == case.status and case.message.lower() in str(err.get("message")).lower()
-              and set(err) == {"message", "type", "param", "code"}
-              and err["type"] == "invalid_request_error"
-              and (case.param is None or err.get("param") == case.param))
+        ok = (
+            status == case.status
+            and case.message.lower() in str(err.get("message")).lower()
+            and set(err) == {"message", "type", "param", "code"}
+            and err["type"] == "invalid_request_error"
+            and (case.param is None or err.get("param") == case.param)
+        )
         if not ok:
-            failures.append(f"{case.name}: expected {case.status} {case.message!r} "
-                            f"param={case.param!r}, got {status} {body}")
+            failures.append(
+                f"{case.name}: expected {case.status} {case.message!r} "
+                f"param={case.param!r}, got {status} {body}"
+            )
     assert not failures, "\n".join(failures)
     info = server.wait_idle()
     assert info["kv_free_pages"] == info["kv_total_pages"]

@@ -20,8 +20,9 @@ from sgl_dspark.srt.entrypoints.http_server import build_engine, create_app
 
 class InProcessServer:
     def __init__(self) -> None:
-        self.args = ServerArgs(model_path="tiny", context_length=256,
-                               max_total_tokens=4096).resolved()
+        self.args = ServerArgs(
+            model_path="tiny", context_length=256, max_total_tokens=4096
+        ).resolved()
         self.engine = build_engine(self.args)
         self.app = create_app(self.args, self.engine)
         sock = socket.create_server(("127.0.0.1", 0))
@@ -63,8 +64,14 @@ def srv():
 
 
 def _completion(prompt: str, max_tokens: int = 10, **kw) -> dict:
-    return {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, **kw}
+    return {
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        **kw,
+    }
 
 
 async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
@@ -72,8 +79,11 @@ async def _post(client: httpx.AsyncClient, body: dict) -> tuple[int, dict]:
     return r.status_code, r.json()
 
 
-async def _stream(client: httpx.AsyncClient, body: dict, started: asyncio.Event | None = None,
-                  ) -> list[dict]:
+async def _stream(
+    client: httpx.AsyncClient,
+    body: dict,
+    started: asyncio.Event | None = None,
+) -> list[dict]:
     async with client.stream("POST", "/v1/completions", json={**body, "stream": True}) as r:
         assert r.status_code == 200
         events = []
@@ -113,8 +123,9 @@ def test_tokenizer_failure_fails_only_that_request(srv, monkeypatch):
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
-            return await asyncio.gather(_post(client, _completion("BOOM now")),
-                                        *(_post(client, b) for b in GOOD))
+            return await asyncio.gather(
+                _post(client, _completion("BOOM now")), *(_post(client, b) for b in GOOD)
+            )
 
     (status, body), *good = asyncio.run(run())
     _assert_500(status, body, "tokenizer exploded")
@@ -172,8 +183,9 @@ def test_output_failure_fails_only_that_request(srv, monkeypatch):
 
     async def run():
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
-            return await asyncio.gather(_post(client, _completion("lp", 30, logprobs=0)),
-                                        *(_post(client, b) for b in GOOD))
+            return await asyncio.gather(
+                _post(client, _completion("lp", 30, logprobs=0)), *(_post(client, b) for b in GOOD)
+            )
 
     (status, body), *good = asyncio.run(run())
     _assert_500(status, body, "decoder exploded")

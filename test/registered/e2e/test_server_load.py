@@ -27,8 +27,15 @@ GREEDY_PROMPTS = ["alpha", "beta gamma", "delta epsilon zeta", "eta"]
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("load") / "server.log"
-    with running_server(log, "--context-length", "512", "--max-total-tokens", "20480",
-                        "--max-running-requests", str(MAX_RUNNING)) as srv:
+    with running_server(
+        log,
+        "--context-length",
+        "512",
+        "--max-total-tokens",
+        "20480",
+        "--max-running-requests",
+        str(MAX_RUNNING),
+    ) as srv:
         yield srv
 
 
@@ -43,14 +50,23 @@ async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> list[dict
 
 
 async def _greedy_text(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> str:
-    events = await _stream(client, "/v1/completions", {
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "ignore_eos": True})
+    events = await _stream(
+        client,
+        "/v1/completions",
+        {
+            "model": "tiny",
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+        },
+    )
     return "".join(e["choices"][0]["text"] for e in events)
 
 
-async def _one_request(client: httpx.AsyncClient, rng: random.Random,
-                       references: dict[str, str]) -> str:
+async def _one_request(
+    client: httpx.AsyncClient, rng: random.Random, references: dict[str, str]
+) -> str:
     """One random streaming request; checks its token count (ignore_eos makes it exact)."""
     n = rng.randint(1, 24)
     kind = rng.choice(["completion", "chat", "generate", "greedy"])
@@ -58,22 +74,42 @@ async def _one_request(client: httpx.AsyncClient, rng: random.Random,
         prompt = rng.choice(GREEDY_PROMPTS)
         assert await _greedy_text(client, prompt, 16) == references[prompt]
     elif kind == "completion":
-        events = await _stream(client, "/v1/completions", {
-            "model": "tiny", "prompt": "load " * rng.randint(1, 30), "max_tokens": n,
-            "temperature": 0.8, "logprobs": 0, "ignore_eos": True,
-            "stream_options": {"include_usage": True}})
+        events = await _stream(
+            client,
+            "/v1/completions",
+            {
+                "model": "tiny",
+                "prompt": "load " * rng.randint(1, 30),
+                "max_tokens": n,
+                "temperature": 0.8,
+                "logprobs": 0,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         tokens = sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1])
         assert tokens == events[-1]["usage"]["completion_tokens"] == n
         assert events[-2]["choices"][0]["finish_reason"] == "length"
     elif kind == "chat":
-        events = await _stream(client, "/v1/chat/completions", {
-            "model": "tiny", "messages": [{"role": "user", "content": "x" * rng.randint(1, 60)}],
-            "max_tokens": n, "ignore_eos": True, "stream_options": {"include_usage": True}})
+        events = await _stream(
+            client,
+            "/v1/chat/completions",
+            {
+                "model": "tiny",
+                "messages": [{"role": "user", "content": "x" * rng.randint(1, 60)}],
+                "max_tokens": n,
+                "ignore_eos": True,
+                "stream_options": {"include_usage": True},
+            },
+        )
         assert events[-1]["usage"]["completion_tokens"] == n
     else:
         ids = [0] + [rng.randrange(7, 263) for _ in range(rng.randint(1, 50))]
-        events = await _stream(client, "/generate", {
-            "input_ids": ids, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}})
+        events = await _stream(
+            client,
+            "/generate",
+            {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}},
+        )
         final = events[-1]
         assert len(final["output_ids"]) == final["meta_info"]["completion_tokens"] == n
         assert final["meta_info"]["prompt_tokens"] == len(ids)
@@ -83,8 +119,9 @@ async def _one_request(client: httpx.AsyncClient, rng: random.Random,
 def test_32_streaming_clients_for_60s(server):
     async def run() -> Counter:
         limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=120,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(
+            base_url=server.base_url, timeout=120, limits=limits
+        ) as client:
             references = {p: await _greedy_text(client, p, 16) for p in GREEDY_PROMPTS}
             deadline = time.monotonic() + LOAD_SECONDS
             done: Counter = Counter()
@@ -109,14 +146,35 @@ def test_32_streaming_clients_for_60s(server):
 
 
 def _long_request(seed: int) -> tuple[str, dict]:
-    path, body = random.Random(seed).choice([
-        ("/v1/completions", {"model": "tiny", "prompt": f"leave {seed}",
-                             "max_tokens": LONG_TOKENS, "ignore_eos": True}),
-        ("/v1/chat/completions", {"model": "tiny", "max_tokens": LONG_TOKENS, "ignore_eos": True,
-                                  "messages": [{"role": "user", "content": "bye"}]}),
-        ("/generate", {"text": "gone", "sampling_params": {"max_new_tokens": LONG_TOKENS,
-                                                           "ignore_eos": True}}),
-    ])
+    path, body = random.Random(seed).choice(
+        [
+            (
+                "/v1/completions",
+                {
+                    "model": "tiny",
+                    "prompt": f"leave {seed}",
+                    "max_tokens": LONG_TOKENS,
+                    "ignore_eos": True,
+                },
+            ),
+            (
+                "/v1/chat/completions",
+                {
+                    "model": "tiny",
+                    "max_tokens": LONG_TOKENS,
+                    "ignore_eos": True,
+                    "messages": [{"role": "user", "content": "bye"}],
+                },
+            ),
+            (
+                "/generate",
+                {
+                    "text": "gone",
+                    "sampling_params": {"max_new_tokens": LONG_TOKENS, "ignore_eos": True},
+                },
+            ),
+        ]
+    )
     return path, {**body, "stream": True}
 
 
@@ -136,11 +194,9 @@ def test_disconnecting_clients_leak_no_pages(server):
     num_queued = NUM_DISCONNECTING - MAX_RUNNING
 
     async def run() -> list[int]:
-        limits = httpx.Limits(max_connections=NUM_DISCONNECTING + 8,
-                              max_keepalive_connections=0)
+        limits = httpx.Limits(max_connections=NUM_DISCONNECTING + 8, max_keepalive_connections=0)
         holders_leave = asyncio.Event()
-        async with httpx.AsyncClient(base_url=server.base_url, timeout=60,
-                                     limits=limits) as client:
+        async with httpx.AsyncClient(base_url=server.base_url, timeout=60, limits=limits) as client:
 
             async def wait_for_state(key: str, value: int) -> None:
                 while (await client.get("/get_server_info")).json()[key] != value:
@@ -176,8 +232,9 @@ def test_disconnecting_clients_leak_no_pages(server):
 
             holders = [asyncio.create_task(holder(i)) for i in range(MAX_RUNNING)]
             await asyncio.wait_for(wait_for_state("num_running_reqs", MAX_RUNNING), 60)
-            waiters = [asyncio.create_task(queued(i))
-                       for i in range(MAX_RUNNING, NUM_DISCONNECTING)]
+            waiters = [
+                asyncio.create_task(queued(i)) for i in range(MAX_RUNNING, NUM_DISCONNECTING)
+            ]
             await asyncio.wait_for(wait_for_state("num_waiting_reqs", num_queued), 60)
             queued_seen = await asyncio.gather(*waiters)
             await asyncio.wait_for(wait_for_state("num_waiting_reqs", 0), 60)
@@ -193,8 +250,11 @@ def test_disconnecting_clients_leak_no_pages(server):
     # Aborted, not run to completion: finishing any one of them takes LONG_TOKENS steps.
     assert info["total_steps"] - steps_before < LONG_TOKENS
     # And the server still serves.
-    r = httpx.post(f"{server.base_url}/v1/completions", timeout=60,
-                   json={"model": "tiny", "prompt": "still here", "max_tokens": 3})
+    r = httpx.post(
+        f"{server.base_url}/v1/completions",
+        timeout=60,
+        json={"model": "tiny", "prompt": "still here", "max_tokens": 3},
+    )
     assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3
 
 

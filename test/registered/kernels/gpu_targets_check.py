@@ -26,17 +26,45 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 # Per-block shared memory limits: H200 (sm90) 227 KB opt-in, MI355X (gfx950) 160 KB of LDS.
-TARGETS = {"sm90": (GPUTarget("cuda", 90, 32), 232448),
-           "gfx950": (GPUTarget("hip", "gfx950", 64), 163840)}
+TARGETS = {
+    "sm90": (GPUTarget("cuda", 90, 32), 232448),
+    "gfx950": (GPUTarget("hip", "gfx950", 64), 163840),
+}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
-_PTR = {torch.float32: "*fp32", torch.bfloat16: "*bf16", torch.float16: "*fp16",
-        torch.int64: "*i64", torch.int32: "*i32", torch.uint8: "*u8", torch.bool: "*i1",
-        torch.float8_e4m3fn: "*fp8e4nv"}
-_KERNEL_MODULES = ("activation", "compressor_pool", "draft_attention", "draft_inputs",
-                   "fp4_indexer", "fused_moe", "index_topk", "indexer", "markov", "mhc",
-                   "moe_reduce", "moe_route", "moe_route_hash", "moe_sort", "moe_token_gemm",
-                   "rmsnorm", "rope",
-                   "rope_qkv", "small_m_linear", "sparse_attention", "spec_accept", "vocab_argmax")
+_PTR = {
+    torch.float32: "*fp32",
+    torch.bfloat16: "*bf16",
+    torch.float16: "*fp16",
+    torch.int64: "*i64",
+    torch.int32: "*i32",
+    torch.uint8: "*u8",
+    torch.bool: "*i1",
+    torch.float8_e4m3fn: "*fp8e4nv",
+}
+_KERNEL_MODULES = (
+    "activation",
+    "compressor_pool",
+    "draft_attention",
+    "draft_inputs",
+    "fp4_indexer",
+    "fused_moe",
+    "index_topk",
+    "indexer",
+    "markov",
+    "mhc",
+    "moe_reduce",
+    "moe_route",
+    "moe_route_hash",
+    "moe_sort",
+    "moe_token_gemm",
+    "rmsnorm",
+    "rope",
+    "rope_qkv",
+    "small_m_linear",
+    "sparse_attention",
+    "spec_accept",
+    "vocab_argmax",
+)
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
 _HEAVY_BENCH_CASES = ("fused_moe stage 1", "K4 as stage-2 epilogue")
@@ -52,6 +80,7 @@ class _Recorder:
     def __getitem__(self, grid):
         def launch(*args, **kwargs):
             self.calls.append((args, kwargs))
+
         return launch
 
 
@@ -66,8 +95,14 @@ def _record(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
     setattr(mod, kernel, rec)
     # The launcher may launch other kernels too (the hash GEMV, then the routing launch): they
     # record into throwaway recorders, so nothing runs on the CPU tensors.
-    others = {m: {n: o for n, o in vars(m).items() if n.endswith("_kernel") and o is not rec
-                  and type(o).__name__ == "JITFunction"} for m in _kernel_modules()}
+    others = {
+        m: {
+            n: o
+            for n, o in vars(m).items()
+            if n.endswith("_kernel") and o is not rec and type(o).__name__ == "JITFunction"
+        }
+        for m in _kernel_modules()
+    }
     for m, kernels in others.items():
         for n, o in kernels.items():
             setattr(m, n, _Recorder(o))
@@ -96,7 +131,7 @@ def _source(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
         elif isinstance(v, bool):
             signature[param.name] = "i1"
         elif isinstance(v, int):
-            signature[param.name] = "i32" if -2**31 <= v < 2**31 else "i64"
+            signature[param.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
         else:
             signature[param.name] = "fp32"
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
@@ -135,18 +170,24 @@ def _router_from_x(hidden: int, dtype: torch.dtype) -> Callable[[], object]:
     from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
 
     # H < 512: the GEMV's K loop runs several times and is software-pipelined (the tiny model).
-    return lambda: router_topk(RouterConfig(2), x=torch.randn(3, hidden).to(dtype),
-                               gate_weight=torch.randn(16, hidden).to(dtype))
+    return lambda: router_topk(
+        RouterConfig(2),
+        x=torch.randn(3, hidden).to(dtype),
+        gate_weight=torch.randn(16, hidden).to(dtype),
+    )
 
 
 def _hash_router_from_x(hidden: int) -> Callable[[], object]:
     from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
 
     # The mid model's hash layers: top-6 of 64 experts, H 1024, a shared column.
-    return lambda: router_topk(RouterConfig(6, num_shared=1), x=_bf16(3, hidden),
-                               gate_weight=_bf16(64, hidden),
-                               tid2eid=torch.zeros(50, 6, dtype=torch.int32),
-                               input_ids=torch.tensor([4, 9, 1]))
+    return lambda: router_topk(
+        RouterConfig(6, num_shared=1),
+        x=_bf16(3, hidden),
+        gate_weight=_bf16(64, hidden),
+        tid2eid=torch.zeros(50, 6, dtype=torch.int32),
+        input_ids=torch.tensor([4, 9, 1]),
+    )
 
 
 def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[], object]:
@@ -159,11 +200,24 @@ def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[],
     def run() -> None:
         t = 2
         compressor_decode(
-            _bf16(t, width), _bf16(t, width), _bf16(3, ring, width), _bf16(3, ring, width),
-            torch.randn(ratio, width), torch.ones(head_dim), torch.tensor([7, 8]),
-            torch.tensor([1, 1]), torch.tensor([7, 7]), torch.zeros(3, 256, dtype=torch.int64),
-            ratio, overlap, 1e-6, torch.ones(t, head_dim // 4), torch.zeros(t, head_dim // 4),
-            _bf16(64, head_dim))
+            _bf16(t, width),
+            _bf16(t, width),
+            _bf16(3, ring, width),
+            _bf16(3, ring, width),
+            torch.randn(ratio, width),
+            torch.ones(head_dim),
+            torch.tensor([7, 8]),
+            torch.tensor([1, 1]),
+            torch.tensor([7, 7]),
+            torch.zeros(3, 256, dtype=torch.int64),
+            ratio,
+            overlap,
+            1e-6,
+            torch.ones(t, head_dim // 4),
+            torch.zeros(t, head_dim // 4),
+            _bf16(64, head_dim),
+        )
+
     return run
 
 
@@ -178,8 +232,10 @@ def _mhc(d: int, opening: bool) -> Callable[[], object]:
         if opening:
             mhc_pre(_bf16(2, n, d), *heads, **kw)
         else:
-            mhc_post_combine(_bf16(2, n, d), _bf16(2, d), torch.rand(2, n), torch.rand(2, n, n),
-                             *heads, **kw)
+            mhc_post_combine(
+                _bf16(2, n, d), _bf16(2, d), torch.rand(2, n), torch.rand(2, n, n), *heads, **kw
+            )
+
     return run
 
 
@@ -192,25 +248,41 @@ def _index_topk(width: int, k: int) -> Callable[[], object]:
 def _markov(vocab: int, rank: int, batch: int) -> Callable[[], object]:
     from sgl_dspark.kernels.markov import markov_greedy
 
-    return lambda: markov_greedy(torch.randn(batch, 7, vocab), _bf16(vocab, rank),
-                                 _bf16(vocab, rank), torch.zeros(batch, dtype=torch.int64))
+    return lambda: markov_greedy(
+        torch.randn(batch, 7, vocab),
+        _bf16(vocab, rank),
+        _bf16(vocab, rank),
+        torch.zeros(batch, dtype=torch.int64),
+    )
 
 
 def _rope_store() -> Callable[[], object]:
     from sgl_dspark.kernels.rope import rope_tail
 
-    return lambda: rope_tail(_bf16(3, 1, 128), torch.ones(3, 32), torch.zeros(3, 32),
-                             out=_bf16(50, 1, 128), out_rows=torch.tensor([4, 9, 1]))
+    return lambda: rope_tail(
+        _bf16(3, 1, 128),
+        torch.ones(3, 32),
+        torch.zeros(3, 32),
+        out=_bf16(50, 1, 128),
+        out_rows=torch.tensor([4, 9, 1]),
+    )
 
 
 def _rope_q_kv_store() -> Callable[[], object]:
     from sgl_dspark.kernels.rope_qkv import rope_q_kv
 
     # The mid model's layer: 16 q heads of 128 (weightless norm), the KV row normed and stored.
-    return lambda: rope_q_kv(_bf16(3, 16, 128), _bf16(3, 128), torch.ones(3, 32),
-                             torch.zeros(3, 32), q_norm_eps=1e-6, kv_norm_eps=1e-6,
-                             kv_norm_weight=torch.ones(128), kv_out=_bf16(50, 128),
-                             kv_rows=torch.tensor([4, 9, 1]))
+    return lambda: rope_q_kv(
+        _bf16(3, 16, 128),
+        _bf16(3, 128),
+        torch.ones(3, 32),
+        torch.zeros(3, 32),
+        q_norm_eps=1e-6,
+        kv_norm_eps=1e-6,
+        kv_norm_weight=torch.ones(128),
+        kv_out=_bf16(50, 128),
+        kv_rows=torch.tensor([4, 9, 1]),
+    )
 
 
 def _rms_norm_strided() -> Callable[[], object]:
@@ -231,9 +303,15 @@ def _draft_attention(batch: int, heads: int, rope: bool = False) -> Callable[[],
     # The mid model's draft stage: 16 heads of 128, a block of 8 queries, 128 context rows.
     tables = torch.zeros(batch * 8, 64).split(32, dim=1) if rope else None
     return lambda: draft_attention(
-        _bf16(batch, 8, heads, 128), _bf16(300, 128), torch.zeros(batch, 128, dtype=torch.int64),
-        torch.ones(batch, 128, dtype=torch.bool), _bf16(batch, 8, 128), torch.zeros(heads),
-        128**-0.5, inverse_rope=tables)
+        _bf16(batch, 8, heads, 128),
+        _bf16(300, 128),
+        torch.zeros(batch, 128, dtype=torch.int64),
+        torch.ones(batch, 128, dtype=torch.bool),
+        _bf16(batch, 8, 128),
+        torch.zeros(heads),
+        128**-0.5,
+        inverse_rope=tables,
+    )
 
 
 def _split_attention_inverse_rope() -> Callable[[], object]:
@@ -243,9 +321,19 @@ def _split_attention_inverse_rope() -> Callable[[], object]:
     # the epilogue's variant (the single pass when the merge is off).
     cos, sin = torch.zeros(1, 64).split(32, dim=1)
     return lambda: window_sparse_attention(
-        _bf16(1, 16, 128), _bf16(300, 128), torch.zeros(1, dtype=torch.int64),
-        torch.zeros(1, dtype=torch.int64), torch.zeros(2, 256, dtype=torch.int64), 128,
-        torch.zeros(16), 128**-0.5, None, None, num_splits=4, inverse_rope=(cos, sin))
+        _bf16(1, 16, 128),
+        _bf16(300, 128),
+        torch.zeros(1, dtype=torch.int64),
+        torch.zeros(1, dtype=torch.int64),
+        torch.zeros(2, 256, dtype=torch.int64),
+        128,
+        torch.zeros(16),
+        128**-0.5,
+        None,
+        None,
+        num_splits=4,
+        inverse_rope=(cos, sin),
+    )
 
 
 def _grouped_gemm() -> Callable[[], object]:
@@ -253,8 +341,13 @@ def _grouped_gemm() -> Callable[[], object]:
 
     # Tiles depend on (N, K) only: N, K >= the largest tiles give the production variant.
     return lambda: moe_grouped_gemm(
-        _bf16(4, 256), _bf16(3, 64, 256), torch.zeros(64, dtype=torch.int32),
-        torch.zeros(2, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 6)
+        _bf16(4, 256),
+        _bf16(3, 64, 256),
+        torch.zeros(64, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        6,
+    )
 
 
 def _token_gemms() -> Callable[[], object]:
@@ -266,42 +359,73 @@ def _token_gemms() -> Callable[[], object]:
 
     def run() -> object:
         h = moe_route_gate_up(_bf16(1, 1024), _bf16(2, 1024, 1024), ids, table, 2, 10.0)
-        return moe_token_down_reduce(h, _bf16(2, 1024, 512), ids, torch.ones(1, 6), table, 2,
-                                     1.0, _bf16(1, 1024))  # fmt: skip
+        return moe_token_down_reduce(
+            h, _bf16(2, 1024, 512), ids, torch.ones(1, 6), table, 2, 1.0, _bf16(1, 1024)
+        )
+
     return run
 
 
 CASES = {
     "moe_route_gate_up": ("moe_token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
     "moe_token_down_reduce": ("moe_token_gemm", "_moe_token_down_kernel", _token_gemms()),
-    "router_from_x_h128_fp32": ("moe_route", "_router_topk_kernel",
-                                _router_from_x(128, torch.float32)),
-    "router_from_x_h128_bf16": ("moe_route", "_router_topk_kernel",
-                                _router_from_x(128, torch.bfloat16)),
+    "router_from_x_h128_fp32": (
+        "moe_route",
+        "_router_topk_kernel",
+        _router_from_x(128, torch.float32),
+    ),
+    "router_from_x_h128_bf16": (
+        "moe_route",
+        "_router_topk_kernel",
+        _router_from_x(128, torch.bfloat16),
+    ),
     "draft_attention_b1": ("draft_attention", "_draft_attention_kernel", _draft_attention(1, 16)),
-    "draft_attention_inverse_rope": ("draft_attention", "_draft_attention_kernel",
-                                     _draft_attention(1, 16, rope=True)),
-    "attention_split_inverse_rope": ("sparse_attention", "_merge_attention_splits_kernel",
-                                     _split_attention_inverse_rope()),
-    "draft_attention_b32": ("draft_attention", "_draft_attention_kernel",
-                            _draft_attention(32, 64)),
+    "draft_attention_inverse_rope": (
+        "draft_attention",
+        "_draft_attention_kernel",
+        _draft_attention(1, 16, rope=True),
+    ),
+    "attention_split_inverse_rope": (
+        "sparse_attention",
+        "_merge_attention_splits_kernel",
+        _split_attention_inverse_rope(),
+    ),
+    "draft_attention_b32": ("draft_attention", "_draft_attention_kernel", _draft_attention(32, 64)),
     "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
     "rope_q_kv_store": ("rope_qkv", "_rope_q_kv_kernel", _rope_q_kv_store()),
-    "hash_router_from_x_h1024": ("moe_route_hash", "_hash_gemv_partials_kernel",
-                                 _hash_router_from_x(1024)),
+    "hash_router_from_x_h1024": (
+        "moe_route_hash",
+        "_hash_gemv_partials_kernel",
+        _hash_router_from_x(1024),
+    ),
     "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
     "silu_mul_clamp_i2048": ("activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
-    "small_m_linear_mid_x_proj": ("small_m_linear", "_small_m_linear_kernel",
-                                  _small_m_linear(1160, 1024, torch.bfloat16)),
-    "small_m_linear_lm_head": ("small_m_linear", "_small_m_linear_kernel",
-                               _small_m_linear(32000, 1024, torch.bfloat16)),
-    "small_m_linear_fp32_wide": ("small_m_linear", "_small_m_linear_kernel",
-                                 _small_m_linear(9000, 40, torch.float32)),
-    "compressor_decode_csa": ("compressor_pool", "_compressor_pool_kernel",
-                              _compressor_decode(128, 4, True)),
-    "compressor_decode_hca": ("compressor_pool", "_compressor_pool_kernel",
-                              _compressor_decode(128, 128, False)),
+    "small_m_linear_mid_x_proj": (
+        "small_m_linear",
+        "_small_m_linear_kernel",
+        _small_m_linear(1160, 1024, torch.bfloat16),
+    ),
+    "small_m_linear_lm_head": (
+        "small_m_linear",
+        "_small_m_linear_kernel",
+        _small_m_linear(32000, 1024, torch.bfloat16),
+    ),
+    "small_m_linear_fp32_wide": (
+        "small_m_linear",
+        "_small_m_linear_kernel",
+        _small_m_linear(9000, 40, torch.float32),
+    ),
+    "compressor_decode_csa": (
+        "compressor_pool",
+        "_compressor_pool_kernel",
+        _compressor_decode(128, 4, True),
+    ),
+    "compressor_decode_hca": (
+        "compressor_pool",
+        "_compressor_pool_kernel",
+        _compressor_decode(128, 128, False),
+    ),
     "mhc_pre_d4096": ("mhc", "_mhc_post_combine_kernel", _mhc(4096, True)),
     "mhc_post_combine_d1024": ("mhc", "_mhc_post_combine_kernel", _mhc(1024, False)),
     "index_topk_flash": ("index_topk", "_index_topk_kernel", _index_topk(16384, 512)),
@@ -357,25 +481,39 @@ def bench_launches(recs: dict[str, _Recorder], m_values: tuple[int, ...] = (1, 3
 # (`prefetch_l2`), because a real load next to a loop lets the software pipeliner hoist the
 # loop's first activation load above the wait with it (the router's GEMV did at H < 512: a race
 # that changed the engine's tokens under CUDA graphs on the H200).
-PDL_KERNELS = ("activation._silu_mul_clamp_kernel", "moe_reduce._moe_reduce_kernel",
-               "moe_route._router_topk_kernel", "vocab_argmax._chunk_argmax_kernel",
-               "rmsnorm._rms_norm_kernel", "vocab_argmax._combine_pairs_kernel",
-               "spec_accept._spec_accept_kernel", "draft_inputs._prepare_draft_inputs_kernel",
-               "rope._rope_tail_kernel", "fp4_indexer._fp4_index_k_quant_kernel",
-               "fp4_indexer._index_q_rope_fp4_kernel", "mhc._mhc_post_combine_kernel",
-               "small_m_linear._small_m_linear_kernel", "fused_moe._moe_grouped_gemm_kernel",
-               "moe_sort._moe_sort_kernel", "sparse_attention._window_sparse_attention_kernel",
-               "sparse_attention._merge_attention_splits_kernel",
-               "indexer._indexer_logits_kernel", "index_topk._index_topk_kernel",
-               "compressor_pool._compressor_pool_kernel", "markov._markov_step_kernel",
-               "draft_attention._draft_attention_kernel", "rope_qkv._rope_q_kv_kernel",
-               "moe_route_hash._hash_gemv_partials_kernel",
-               "moe_token_gemm._moe_route_gate_up_kernel",
-               "moe_token_gemm._moe_token_down_kernel")
+PDL_KERNELS = (
+    "activation._silu_mul_clamp_kernel",
+    "moe_reduce._moe_reduce_kernel",
+    "moe_route._router_topk_kernel",
+    "vocab_argmax._chunk_argmax_kernel",
+    "rmsnorm._rms_norm_kernel",
+    "vocab_argmax._combine_pairs_kernel",
+    "spec_accept._spec_accept_kernel",
+    "draft_inputs._prepare_draft_inputs_kernel",
+    "rope._rope_tail_kernel",
+    "fp4_indexer._fp4_index_k_quant_kernel",
+    "fp4_indexer._index_q_rope_fp4_kernel",
+    "mhc._mhc_post_combine_kernel",
+    "small_m_linear._small_m_linear_kernel",
+    "fused_moe._moe_grouped_gemm_kernel",
+    "moe_sort._moe_sort_kernel",
+    "sparse_attention._window_sparse_attention_kernel",
+    "sparse_attention._merge_attention_splits_kernel",
+    "indexer._indexer_logits_kernel",
+    "index_topk._index_topk_kernel",
+    "compressor_pool._compressor_pool_kernel",
+    "markov._markov_step_kernel",
+    "draft_attention._draft_attention_kernel",
+    "rope_qkv._rope_q_kv_kernel",
+    "moe_route_hash._hash_gemv_partials_kernel",
+    "moe_token_gemm._moe_route_gate_up_kernel",
+    "moe_token_gemm._moe_token_down_kernel",
+)
 
 
-def check_programmatic_launch(recs: dict[str, _Recorder],
-                              kernels: tuple[str, ...] = PDL_KERNELS) -> list[str]:
+def check_programmatic_launch(
+    recs: dict[str, _Recorder], kernels: tuple[str, ...] = PDL_KERNELS
+) -> list[str]:
     """Recompile each PDL kernel's recorded launch variants for sm90 with PDL on and off: on, the
     PTX must wait on the grid dependency before every global load, store and atomic, and release
     dependents; off, neither instruction may appear (the CPU-recorded launches are off, as on
@@ -388,10 +526,18 @@ def check_programmatic_launch(recs: dict[str, _Recorder],
         seen = set()
         for args, kwargs in rec.calls:
             assert kwargs["PDL"] is False, (key, "a CPU launch must not ask for PDL")
-            variant = (tuple(sorted((k, v) for k, v in kwargs.items()
-                                    if isinstance(v, (bool, int, str)) and k.isupper())),
-                       tuple(str(t.dtype) for t in (*args, *kwargs.values())
-                             if isinstance(t, torch.Tensor)))  # fmt: skip
+            variant = (
+                tuple(
+                    sorted(
+                        (k, v)
+                        for k, v in kwargs.items()
+                        if isinstance(v, (bool, int, str)) and k.isupper()
+                    )
+                ),
+                tuple(
+                    str(t.dtype) for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)
+                ),
+            )
             if variant in seen:
                 continue
             seen.add(variant)
@@ -400,8 +546,12 @@ def check_programmatic_launch(recs: dict[str, _Recorder],
                 ptx = triton.compile(src, target=target, options=options).asm["ptx"]
                 waits = ptx.count("griddepcontrol.wait")
                 releases = ptx.count("griddepcontrol.launch_dependents")
-                assert (waits > 0 and releases > 0) if pdl else (waits == releases == 0), \
-                    (key, pdl, waits, releases)
+                assert (waits > 0 and releases > 0) if pdl else (waits == releases == 0), (
+                    key,
+                    pdl,
+                    waits,
+                    releases,
+                )
                 if pdl:
                     first_wait = ptx.index("griddepcontrol.wait")
                     for op in ("ld.global", "st.global", "atom.global", "red.global", "cp.async"):

@@ -176,8 +176,11 @@ def test_launch_meta_never_changes_results(block: int, num_warps: int, monkeypat
     gate_up = _gate_up(3, 384, torch.bfloat16, gen)
     plain = silu_mul_clamp(gate_up, 7.0)
     fp8 = {f: silu_mul_clamp(gate_up, 7.0, f, True) for f in ("fp8_row", "fp8_group")}
-    monkeypatch.setattr(activation_module, "_act_meta",
-                        lambda rows, inter, mode: {"BLOCK": block, "num_warps": num_warps})
+    monkeypatch.setattr(
+        activation_module,
+        "_act_meta",
+        lambda rows, inter, mode: {"BLOCK": block, "num_warps": num_warps},
+    )
     got = silu_mul_clamp(gate_up, 7.0, out=torch.full_like(plain, float("nan")))
     assert torch.equal(got.view(torch.int16), plain.view(torch.int16))
     _assert_close_ulp(got, silu_mul_clamp_ref(gate_up, 7.0))

@@ -20,8 +20,10 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 
 
 @pytest.mark.parametrize("m", [1, 5])
-@pytest.mark.parametrize("name,buffer", [("k13_rope_q_kv_store_norms", 1),
-                                         ("k9_fp4_index_k_quant_store_68B_slots", None)])
+@pytest.mark.parametrize(
+    "name,buffer",
+    [("k13_rope_q_kv_store_norms", 1), ("k9_fp4_index_k_quant_store_68B_slots", None)],
+)
 def test_buffer_writing_case_checks(name: str, buffer: int | None, m: int) -> None:
     case = CASES[name]
     want = case["reference"](**case["make_inputs"](m, DEVICE))
@@ -30,8 +32,9 @@ def test_buffer_writing_case_checks(name: str, buffer: int | None, m: int) -> No
     got = case["launcher"](**inputs)
     case["check"](want, got)
     out = got if buffer is None else got[buffer]
-    assert not torch.equal(out, untouched["cache" if buffer is None else "kv_out"]), \
+    assert not torch.equal(out, untouched["cache" if buffer is None else "kv_out"]), (
         "the launcher wrote nothing"
+    )
     # The slot the launcher wrote first, corrupted: the check must notice.
     slot = (inputs["loc"] if buffer is None else inputs["kv_rows"])[0]
     out[slot] = out[slot] + 1 if out.dtype == torch.uint8 else out[slot] * 3 + 1
@@ -71,7 +74,7 @@ def test_launch_floor_case_adds_one_and_its_check_rejects_a_wrong_value() -> Non
         inputs = case["make_inputs"](m, DEVICE)
         got = case["launcher"](**inputs)
         case["check"](case["reference"](**inputs), got)
-        assert inputs["x"].item() != 0.0   # random, not zeros
+        assert inputs["x"].item() != 0.0  # random, not zeros
         assert case["launcher"](torch.full((1,), 2.5, device=DEVICE)).item() == 3.5
         with pytest.raises(AssertionError):
             case["check"](case["reference"](**inputs), got + 1)

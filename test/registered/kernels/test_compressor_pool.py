@@ -38,7 +38,7 @@ def _inputs(prefix_lens, extends, head_dim, ratio, overlap, dtype, seed, max_ver
     ring rows of positions [prefix - R, prefix) hold earlier rows; every other ring row (stale,
     or never written because the request is young) is NaN, so reading one would show."""
     gen = torch.Generator().manual_seed(seed)
-    page = page or max(16, ratio)   # pages hold whole blocks, as the runtime's
+    page = page or max(16, ratio)  # pages hold whole blocks, as the runtime's
     width = 2 * head_dim if overlap else head_dim
     span = 2 * ratio if overlap else ratio
     ring = _next_pow2(span + max_verify)
@@ -64,17 +64,23 @@ def _inputs(prefix_lens, extends, head_dim, ratio, overlap, dtype, seed, max_ver
     tensors = dict(
         kv=torch.randn(tokens, width, generator=gen),
         score=torch.randn(tokens, width, generator=gen) * 2,
-        state_kv=state_kv, state_score=state_score,
+        state_kv=state_kv,
+        state_score=state_score,
         position_bias=torch.randn(ratio, width, generator=gen) * 0.5,
         norm_weight=1 + 0.1 * torch.randn(head_dim, generator=gen),
         positions=torch.tensor(positions, dtype=torch.int64),
         token_slot=torch.tensor(token_slot, dtype=torch.int64),
-        token_prefix=torch.tensor(token_prefix, dtype=torch.int64), req_to_token=table,
+        token_prefix=torch.tensor(token_prefix, dtype=torch.int64),
+        req_to_token=table,
     )
     for name in ("kv", "score", "state_kv", "state_score"):
         tensors[name] = tensors[name].to(dtype)
-    return {**{k: v.to(DEVICE) for k, v in tensors.items()}, "ratio": ratio, "overlap": overlap,
-            "eps": 1e-6}
+    return {
+        **{k: v.to(DEVICE) for k, v in tensors.items()},
+        "ratio": ratio,
+        "overlap": overlap,
+        "eps": 1e-6,
+    }
 
 
 def _check(got, want, dtype: torch.dtype) -> None:
@@ -88,15 +94,15 @@ def _check(got, want, dtype: torch.dtype) -> None:
 
 CASES = [
     # (prefix_lens, extends, head_dim, ratio, overlap)
-    ([7], [1], 64, 4, True),                          # one decode row that ends a CSA block
-    ([0, 13, 2, 30], [4, 3, 2, 1], 24, 4, True),      # block 0 (absent Ca half), verify rows
-    ([5, 44, 60], [8, 5, 4], 40, 4, True),            # spans reach into the ring
-    ([14, 31, 0], [3, 1, 8], 24, 16, False),          # HCA-like; a request with no ring rows
-    ([10, 3], [6, 7], 20, 3, True),                   # ratio not a power of two
-    ([21, 6], [2, 5], 48, 1, True),                   # ratio 1: every row ends a block
-    ([250], [8], 72, 128, False),                     # m = 128: channels split over programs
-    ([383, 120], [4, 9], 264, 128, False),            # m = 128, Dh not a power of two, split
-    ([2040, 1023], [6, 3], 24, 1024, False),          # m = 1024: split and two span tiles
+    ([7], [1], 64, 4, True),  # one decode row that ends a CSA block
+    ([0, 13, 2, 30], [4, 3, 2, 1], 24, 4, True),  # block 0 (absent Ca half), verify rows
+    ([5, 44, 60], [8, 5, 4], 40, 4, True),  # spans reach into the ring
+    ([14, 31, 0], [3, 1, 8], 24, 16, False),  # HCA-like; a request with no ring rows
+    ([10, 3], [6, 7], 20, 3, True),  # ratio not a power of two
+    ([21, 6], [2, 5], 48, 1, True),  # ratio 1: every row ends a block
+    ([250], [8], 72, 128, False),  # m = 128: channels split over programs
+    ([383, 120], [4, 9], 264, 128, False),  # m = 128, Dh not a power of two, split
+    ([2040, 1023], [6, 3], 24, 1024, False),  # m = 1024: split and two span tiles
 ]
 
 
@@ -109,9 +115,9 @@ def _layout(head_dim: int, ratio: int, overlap: bool) -> tuple[int, int]:
 
 def test_cases_cover_the_one_pass_the_tiled_and_the_split_pooling() -> None:
     layouts = {_layout(d, r, ov) for _p, _e, d, r, ov in CASES}
-    assert (1, 1) in layouts                                # one program, one pass
-    assert any(t == 1 and p > 1 for t, p in layouts)        # split channels, one pass
-    assert any(t > 1 and p > 1 for t, p in layouts)         # split channels, span tiles
+    assert (1, 1) in layouts  # one program, one pass
+    assert any(t == 1 and p > 1 for t, p in layouts)  # split channels, one pass
+    assert any(t > 1 and p > 1 for t, p in layouts)  # split channels, span tiles
     # The benchmark model's and DSV4-Flash's HCA rows are split (one program per row over
     # 128 x Dh was latency-bound), as is DSV4-Flash's CSA row; the benchmark model's are not.
     assert _layout(128, 128, False)[1] > 1 and _layout(512, 128, False)[1] > 1
@@ -127,7 +133,7 @@ def test_matches_reference(index: int, dtype: torch.dtype) -> None:
     want = compressor_pool_ref(**inputs)
     ends = (inputs["positions"] + 1) % ratio == 0
     assert ends.any()
-    out = torch.full_like(want.entries, float("nan"))          # poisoned outputs
+    out = torch.full_like(want.entries, float("nan"))  # poisoned outputs
     out_slots = torch.full_like(want.slots, -7)
     got = compressor_pool(**inputs, out=out, out_slots=out_slots)
     assert got.entries is out and got.slots is out_slots
@@ -139,7 +145,7 @@ def test_matches_reference(index: int, dtype: torch.dtype) -> None:
 def test_bias_in_kv_dtype_and_strided_rows() -> None:
     inputs = _inputs([9, 22], [3, 2], 32, 4, True, torch.bfloat16, seed=3)
     inputs["position_bias"] = inputs["position_bias"].bfloat16()
-    wide = torch.randn(5, 3 * 64).bfloat16().to(DEVICE)       # kv and score as column slices
+    wide = torch.randn(5, 3 * 64).bfloat16().to(DEVICE)  # kv and score as column slices
     wide[:, :64], wide[:, 64:128] = inputs["kv"], inputs["score"]
     inputs["kv"], inputs["score"] = wide[:, :64], wide[:, 64:128]
     _check(compressor_pool(**inputs), compressor_pool_ref(**inputs), torch.bfloat16)
@@ -154,19 +160,30 @@ def test_hand_derived_entry() -> None:
     state_kv, state_score = state.clone(), state.clone()
     state_kv[0, 2, 0], state_score[0, 2, 0] = 4.0, 0.0
     got = compressor_pool(
-        torch.tensor([[8.0]]).to(DEVICE), torch.tensor([[3.0]]).log().to(DEVICE),
-        state_kv.to(DEVICE), state_score.to(DEVICE), torch.zeros(2, 1).to(DEVICE),
-        torch.tensor([0.5]).to(DEVICE), torch.tensor([3]).to(DEVICE),
-        torch.tensor([0]).to(DEVICE), torch.tensor([3]).to(DEVICE), table.to(DEVICE), 2, False,
-        0.0)
+        torch.tensor([[8.0]]).to(DEVICE),
+        torch.tensor([[3.0]]).log().to(DEVICE),
+        state_kv.to(DEVICE),
+        state_score.to(DEVICE),
+        torch.zeros(2, 1).to(DEVICE),
+        torch.tensor([0.5]).to(DEVICE),
+        torch.tensor([3]).to(DEVICE),
+        torch.tensor([0]).to(DEVICE),
+        torch.tensor([3]).to(DEVICE),
+        table.to(DEVICE),
+        2,
+        False,
+        0.0,
+    )
     torch.testing.assert_close(got.entries.cpu(), torch.tensor([[0.5]]), rtol=1e-6, atol=0)
     assert got.slots.tolist() == [(8 + 2) // 2]
 
 
 def test_empty_and_bad_inputs() -> None:
     inputs = _inputs([6], [2], 16, 4, True, torch.float32, seed=1)
-    empty = {k: (v[:0] if k in ("kv", "score", "positions", "token_slot", "token_prefix")
-                 else v) for k, v in inputs.items()}
+    empty = {
+        k: (v[:0] if k in ("kv", "score", "positions", "token_slot", "token_prefix") else v)
+        for k, v in inputs.items()
+    }
     got = compressor_pool(**empty)
     assert got.entries.shape == (0, 16) and got.slots.shape == (0,)
     with pytest.raises(ValueError, match="kv width"):
@@ -212,8 +229,9 @@ def test_fused_decode_matches_reference(index: int, dtype: torch.dtype) -> None:
     written = ~torch.isnan(want_entries).any(dim=1)
     assert written.any() and torch.equal(written, ~torch.isnan(got_entries).any(dim=1))
     tol = {torch.float32: 1e-5, torch.bfloat16: 2**-6}[dtype]
-    torch.testing.assert_close(got_entries[written].float(), want_entries[written].float(),
-                               rtol=tol, atol=tol)
+    torch.testing.assert_close(
+        got_entries[written].float(), want_entries[written].float(), rtol=tol, atol=tol
+    )
     pooled = compressor_pool(**inputs)
     ends = (inputs["positions"] + 1) % ratio == 0
     composed = rope_tail(pooled.entries.unsqueeze(1), cos, sin).squeeze(1)
@@ -237,11 +255,12 @@ def test_split_rows_round_trip_exactly(index: int, monkeypatch) -> None:
     inputs = _inputs(prefix, extends, head_dim, ratio, overlap, torch.bfloat16, seed=60 + index)
     counters = torch.zeros(len(inputs["positions"]), dtype=torch.int32, device=DEVICE)
     split = compressor_pool(**inputs, counters=counters)
-    assert (counters == 0).all()                               # left as found
+    assert (counters == 0).all()  # left as found
     span = 2 * ratio if overlap else ratio
     same_tiles = _pool_meta(head_dim, span)["SPAN_BLOCK"]
-    monkeypatch.setattr(pool_module, "_pool_meta", lambda d, s: {
-        **_unsplit_meta(d, s), "SPAN_BLOCK": same_tiles})
+    monkeypatch.setattr(
+        pool_module, "_pool_meta", lambda d, s: {**_unsplit_meta(d, s), "SPAN_BLOCK": same_tiles}
+    )
     whole = compressor_pool(**inputs)
     assert torch.equal(split.slots, whole.slots)
     if DEVICE == "cpu":
@@ -260,10 +279,11 @@ def test_split_counters_survive_rows_sharing_the_dummy_entry() -> None:
     for key, fill in (("positions", 127), ("token_slot", 0), ("token_prefix", 127)):
         inputs[key] = torch.cat((inputs[key], torch.full((pad,), fill, device=DEVICE)))
     for key in ("kv", "score"):
-        inputs[key] = torch.cat((inputs[key], torch.randn(pad, inputs[key].shape[1],
-                                                          device=DEVICE)))
+        inputs[key] = torch.cat(
+            (inputs[key], torch.randn(pad, inputs[key].shape[1], device=DEVICE))
+        )
     assert (inputs["req_to_token"][0] == 0).all()
-    for key in ("state_kv", "state_score"):   # the dummy request's ring: stale but finite
+    for key in ("state_kv", "state_score"):  # the dummy request's ring: stale but finite
         inputs[key][0] = torch.randn(inputs[key][0].shape, device=DEVICE)
     rope_half = 18
     cos, sin = _rope_rows(inputs["positions"] - 127, rope_half)
@@ -271,19 +291,34 @@ def test_split_counters_survive_rows_sharing_the_dummy_entry() -> None:
     counters = torch.zeros(n_slots + 5, dtype=torch.int32, device=DEVICE)
     for _ in range(2):
         want_entries = torch.full((n_slots, 72), float("nan"), device=DEVICE)
-        compressor_decode_ref(**{**inputs, "state_kv": inputs["state_kv"].clone(),
-                                 "state_score": inputs["state_score"].clone()},
-                              cos=cos, sin=sin, entries=want_entries)
+        compressor_decode_ref(
+            **{
+                **inputs,
+                "state_kv": inputs["state_kv"].clone(),
+                "state_score": inputs["state_score"].clone(),
+            },
+            cos=cos,
+            sin=sin,
+            entries=want_entries,
+        )
         got_entries = torch.full((n_slots, 72), float("nan"), device=DEVICE)
-        compressor_decode(**{**inputs, "state_kv": inputs["state_kv"].clone(),
-                             "state_score": inputs["state_score"].clone()},
-                          cos=cos, sin=sin, entries=got_entries, counters=counters)
+        compressor_decode(
+            **{
+                **inputs,
+                "state_kv": inputs["state_kv"].clone(),
+                "state_score": inputs["state_score"].clone(),
+            },
+            cos=cos,
+            sin=sin,
+            entries=got_entries,
+            counters=counters,
+        )
         assert (counters == 0).all()
         real = ~torch.isnan(want_entries).any(dim=1)
         real[0] = False
         assert real.sum() == 2
         torch.testing.assert_close(got_entries[real], want_entries[real], rtol=1e-5, atol=1e-5)
-        assert torch.isfinite(got_entries[0]).all()           # the dummy: some padding row's
+        assert torch.isfinite(got_entries[0]).all()  # the dummy: some padding row's
 
 
 def test_fused_decode_bad_inputs() -> None:
@@ -295,10 +330,16 @@ def test_fused_decode_bad_inputs() -> None:
     with pytest.raises(ValueError, match="cos/sin"):
         compressor_decode(**inputs, cos=cos[:, :3], sin=sin, entries=entries)
     with pytest.raises(ValueError, match="too short"):
-        compressor_decode(**{**inputs, "state_kv": inputs["state_kv"][:, :4],
-                             "state_score": inputs["state_score"][:, :4]},
-                          cos=cos, sin=sin, entries=entries)
+        compressor_decode(
+            **{
+                **inputs,
+                "state_kv": inputs["state_kv"][:, :4],
+                "state_score": inputs["state_score"][:, :4],
+            },
+            cos=cos,
+            sin=sin,
+            entries=entries,
+        )
     for bad in (torch.zeros(63, dtype=torch.int32), torch.zeros(64, dtype=torch.int64)):
         with pytest.raises(ValueError, match="counters"):
-            compressor_decode(**inputs, cos=cos, sin=sin, entries=entries,
-                              counters=bad.to(DEVICE))
+            compressor_decode(**inputs, cos=cos, sin=sin, entries=entries, counters=bad.to(DEVICE))

@@ -17,8 +17,16 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
 
-def _inputs(batch: int, q_len: int, heads: int, head_dim: int, num_ctx: int,
-            dtype: torch.dtype, seed: int, pool_dtype: torch.dtype | None = None) -> dict:
+def _inputs(
+    batch: int,
+    q_len: int,
+    heads: int,
+    head_dim: int,
+    num_ctx: int,
+    dtype: torch.dtype,
+    seed: int,
+    pool_dtype: torch.dtype | None = None,
+) -> dict:
     """Random inputs shaped like a draft step: request 0 sits at a position < C (leading context
     positions invalid, their slots the dummy slot 0), request 1 (if any) sees no context at all,
     the others a random mask. The dummy slot and every unused pool row hold NaN, so reading one
@@ -43,9 +51,13 @@ def _inputs(batch: int, q_len: int, heads: int, head_dim: int, num_ctx: int,
     q = torch.randn(batch, q_len, heads, head_dim, generator=gen) * 2
     kv_block = torch.randn(batch, q_len, head_dim, generator=gen)
     return dict(
-        q=q.to(dtype).to(DEVICE), ctx_pool=pool.to(pool_dtype or dtype).to(DEVICE),
-        ctx_slots=slots.to(DEVICE), ctx_valid=valid.to(DEVICE),
-        kv_block=kv_block.to(dtype).to(DEVICE), sinks=sinks.to(DEVICE), scale=head_dim**-0.5,
+        q=q.to(dtype).to(DEVICE),
+        ctx_pool=pool.to(pool_dtype or dtype).to(DEVICE),
+        ctx_slots=slots.to(DEVICE),
+        ctx_valid=valid.to(DEVICE),
+        kv_block=kv_block.to(dtype).to(DEVICE),
+        sinks=sinks.to(DEVICE),
+        scale=head_dim**-0.5,
     )
 
 
@@ -65,15 +77,23 @@ def _run_poisoned(inputs: dict) -> torch.Tensor:
 
 
 def _upcast(inputs: dict) -> dict:
-    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-            for k, v in inputs.items()}
+    return {
+        k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
 
 
 # The full sweep (B, Q, H, Dh, C) in fp32: Q up to the largest block, heads below, at and above
 # one row block, Dh 64/128 plus the DeepSeek-V4-Flash stage (64 heads, Dh 512) and a Dh that is
 # not a power of two; C = 0 (no context), a short window and the benchmark's 128.
-SWEEP = [(b, q, h, d, c) for b in (1, 3) for q in (1, 4, 7, 16) for h in (1, 3, 16)
-         for d in (64, 128) for c in (0, 5, 128)]
+SWEEP = [
+    (b, q, h, d, c)
+    for b in (1, 3)
+    for q in (1, 4, 7, 16)
+    for h in (1, 3, 16)
+    for d in (64, 128)
+    for c in (0, 5, 128)
+]
 EXTRA = [(1, 7, 64, 512, 128), (2, 3, 5, 96, 20)]
 BF16 = [(1, 7, 16, 128, 128), (3, 4, 3, 64, 5), (3, 16, 3, 128, 0), (1, 7, 64, 512, 128)]
 
@@ -120,8 +140,13 @@ def test_strided_views() -> None:
     slots_wide[:, 3:15] = base["ctx_slots"]
     valid_wide = torch.zeros(2, 20, dtype=torch.bool, device=DEVICE)
     valid_wide[:, 3:15] = base["ctx_valid"]
-    strided = {**base, "q": q_wide[:, :, 1:], "kv_block": kv_wide[..., 8:72],
-               "ctx_slots": slots_wide[:, 3:15], "ctx_valid": valid_wide[:, 3:15]}
+    strided = {
+        **base,
+        "q": q_wide[:, :, 1:],
+        "kv_block": kv_wide[..., 8:72],
+        "ctx_slots": slots_wide[:, 3:15],
+        "ctx_valid": valid_wide[:, 3:15],
+    }
     got = _run_poisoned(strided)
     torch.testing.assert_close(got, _ref(base), rtol=1e-5, atol=1e-5)
 
@@ -144,8 +169,10 @@ def test_sink_only_softmax_sanity() -> None:
 
 def test_empty_batch() -> None:
     inputs = _inputs(1, 3, 2, 64, 4, dtype=torch.float32, seed=0)
-    empty = {k: v[:0] if k in ("q", "ctx_slots", "ctx_valid", "kv_block") else v
-             for k, v in inputs.items()}
+    empty = {
+        k: v[:0] if k in ("q", "ctx_slots", "ctx_valid", "kv_block") else v
+        for k, v in inputs.items()
+    }
     assert draft_attention(**empty).shape == (0, 3, 2, 64)
 
 
@@ -179,14 +206,23 @@ def test_rejects_bad_arguments() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("batch,q_len,heads,head_dim,num_ctx,rope_dim", [
-    (1, 7, 16, 128, 40, 64),   # the mid model's draft stage: block 7, Dh 128, rd 64
-    (3, 4, 5, 64, 9, 64),      # rd = Dh; rows past one row block
-    (2, 3, 2, 80, 0, 16),      # no context; Dh not a power of two
-])
-def test_inverse_rope_epilogue_equals_rope_tail_after(batch: int, q_len: int, heads: int,
-                                                      head_dim: int, num_ctx: int, rope_dim: int,
-                                                      dtype: torch.dtype) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "batch,q_len,heads,head_dim,num_ctx,rope_dim",
+    [
+        (1, 7, 16, 128, 40, 64),  # the mid model's draft stage: block 7, Dh 128, rd 64
+        (3, 4, 5, 64, 9, 64),  # rd = Dh; rows past one row block
+        (2, 3, 2, 80, 0, 16),  # no context; Dh not a power of two
+    ],
+)
+def test_inverse_rope_epilogue_equals_rope_tail_after(
+    batch: int,
+    q_len: int,
+    heads: int,
+    head_dim: int,
+    num_ctx: int,
+    rope_dim: int,
+    dtype: torch.dtype,
+) -> None:
     """The fused epilogue is `rope_tail(out, cos, sin, inverse=True)` of the kernel's own output
     at each block row's angles, bit for bit."""
     from sgl_dspark.kernels.rope import rope_tail
@@ -198,8 +234,9 @@ def test_inverse_rope_epilogue_equals_rope_tail_after(batch: int, q_len: int, he
     cos, sin = table[:, : rope_dim // 2], table[:, rope_dim // 2 :]
     plain = draft_attention(**inputs).reshape(batch * q_len, heads, head_dim)
     want = rope_tail(plain, cos, sin, inverse=True).view(batch, q_len, heads, head_dim)
-    got = draft_attention(**inputs, out=torch.full_like(inputs["q"], float("nan")),
-                          inverse_rope=(cos, sin))  # fmt: skip
+    got = draft_attention(
+        **inputs, out=torch.full_like(inputs["q"], float("nan")), inverse_rope=(cos, sin)
+    )
     bits = torch.int32 if dtype == torch.float32 else torch.int16
     assert torch.equal(got.view(bits), want.view(bits))
     assert not torch.equal(got, plain.view_as(got)), "the rotation did nothing"

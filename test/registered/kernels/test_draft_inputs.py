@@ -25,15 +25,20 @@ def _oracle(anchors, seqs, pools, table, n_valid, q, w) -> DraftInputs:
     for r in range(len(anchors)):
         valid = r < n_valid
         pos = [int(seqs[r]) + j if valid else PAD_POS for j in range(max(q, w))]
-        slots = [_oracle_slot(table, valid, int(seqs[r]), int(pools[r]), j)
-                 for j in range(max(q, w))]
+        slots = [
+            _oracle_slot(table, valid, int(seqs[r]), int(pools[r]), j) for j in range(max(q, w))
+        ]
         ids.append([int(anchors[r]) if valid else MASK_ID] + [MASK_ID] * (q - 1))
         dpos.append(pos[:q])
         vpos.append(pos[:w])
         dslot.append(slots[:q])
         vslot.append(slots[:w])
-    return DraftInputs(*(torch.tensor(x, dtype=torch.long).reshape(len(anchors), width)
-                         for x, width in zip((ids, dpos, dslot, vpos, vslot), (q, q, q, w, w))))
+    return DraftInputs(
+        *(
+            torch.tensor(x, dtype=torch.long).reshape(len(anchors), width)
+            for x, width in zip((ids, dpos, dslot, vpos, vslot), (q, q, q, w, w))
+        )
+    )
 
 
 def _inputs(rows: int, gen: torch.Generator, idx_dtype: torch.dtype):
@@ -58,11 +63,17 @@ def test_matches_reference_and_oracle(rows, draft_len, verify_width, pad_rows) -
     anchors, seqs, pools, table = _inputs(rows, gen, idx_dtype)
     n_valid_int = 0 if pad_rows == "all" else max(rows - pad_rows, 0)
     n_valid = torch.tensor(n_valid_int, dtype=torch.int32)
-    kwargs = dict(draft_len=draft_len, verify_width=verify_width, mask_token_id=MASK_ID,
-                  pad_position=PAD_POS, pad_slot=PAD_SLOT)
+    kwargs = dict(
+        draft_len=draft_len,
+        verify_width=verify_width,
+        mask_token_id=MASK_ID,
+        pad_position=PAD_POS,
+        pad_slot=PAD_SLOT,
+    )
     want = prepare_draft_inputs_ref(anchors, seqs, pools, table, n_valid, **kwargs)
-    oracle = _oracle(anchors.tolist(), seqs.tolist(), pools.tolist(), table, n_valid_int,
-                     draft_len, verify_width)
+    oracle = _oracle(
+        anchors.tolist(), seqs.tolist(), pools.tolist(), table, n_valid_int, draft_len, verify_width
+    )
     for name, w, o in zip(DraftInputs._fields, want, oracle):
         assert torch.equal(w, o), name
     out = DraftInputs(*(torch.full_like(t, -999, device=DEVICE) for t in want))
@@ -80,11 +91,13 @@ def test_allocates_outputs_and_accepts_strided_table() -> None:
     wide[:, : table.shape[1]] = table
     strided = wide[:, : table.shape[1]]  # row stride > width, like a view into a larger pool
     n_valid = torch.tensor([9], dtype=torch.int64)
-    kwargs = dict(draft_len=5, verify_width=6, mask_token_id=MASK_ID,
-                  pad_position=PAD_POS, pad_slot=PAD_SLOT)
+    kwargs = dict(
+        draft_len=5, verify_width=6, mask_token_id=MASK_ID, pad_position=PAD_POS, pad_slot=PAD_SLOT
+    )
     want = prepare_draft_inputs_ref(anchors, seqs, pools, table, n_valid, **kwargs)
-    got = prepare_draft_inputs(*(t.to(DEVICE) for t in (anchors, seqs, pools, strided, n_valid)),
-                               **kwargs)
+    got = prepare_draft_inputs(
+        *(t.to(DEVICE) for t in (anchors, seqs, pools, strided, n_valid)), **kwargs
+    )
     for name, g, w in zip(DraftInputs._fields, got, want):
         assert torch.equal(g.cpu(), w), name
 

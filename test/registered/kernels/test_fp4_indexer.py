@@ -32,10 +32,35 @@ POISON = 0xAB
 # (value, expected code) derived by hand from the grid {0, .5, 1, 1.5, 2, 3, 4, 6} (codes 0..7):
 # ties go to the even code, the sign bit is bit 3.
 HAND_CODES = [
-    (0.0, 0), (0.5, 1), (1.0, 2), (1.5, 3), (2.0, 4), (3.0, 5), (4.0, 6), (6.0, 7),
-    (0.25, 0), (0.75, 2), (1.25, 2), (1.75, 4), (2.5, 4), (3.5, 6), (5.0, 6),  # ties
-    (0.2, 0), (0.3, 1), (1.1, 2), (2.6, 5), (4.9, 6), (5.1, 7), (5.9, 7),
-    (-0.0, 8), (-0.1, 8), (-0.75, 10), (-2.5, 12), (-5.0, 14), (-6.0, 15), (0.1, 0),
+    (0.0, 0),
+    (0.5, 1),
+    (1.0, 2),
+    (1.5, 3),
+    (2.0, 4),
+    (3.0, 5),
+    (4.0, 6),
+    (6.0, 7),
+    (0.25, 0),
+    (0.75, 2),
+    (1.25, 2),
+    (1.75, 4),
+    (2.5, 4),
+    (3.5, 6),
+    (5.0, 6),  # ties
+    (0.2, 0),
+    (0.3, 1),
+    (1.1, 2),
+    (2.6, 5),
+    (4.9, 6),
+    (5.1, 7),
+    (5.9, 7),
+    (-0.0, 8),
+    (-0.1, 8),
+    (-0.75, 10),
+    (-2.5, 12),
+    (-5.0, 14),
+    (-6.0, 15),
+    (0.1, 0),
 ]
 
 
@@ -50,8 +75,15 @@ def _nibbles(packed: torch.Tensor) -> torch.Tensor:
 def _midpoint_neighbours() -> list[tuple[float, int]]:
     """Values one fp32 ulp either side of each midpoint round away from the tie."""
     cases = []
-    for mid, lower, upper in [(0.25, 0, 1), (0.75, 1, 2), (1.25, 2, 3), (1.75, 3, 4), (2.5, 4, 5),
-                              (3.5, 5, 6), (5.0, 6, 7)]:
+    for mid, lower, upper in [
+        (0.25, 0, 1),
+        (0.75, 1, 2),
+        (1.25, 2, 3),
+        (1.75, 3, 4),
+        (2.5, 4, 5),
+        (3.5, 5, 6),
+        (5.0, 6, 7),
+    ]:
         m = torch.tensor(mid)
         cases.append((torch.nextafter(m, torch.tensor(0.0)).item(), lower))
         cases.append((torch.nextafter(m, torch.tensor(9.0)).item(), upper))
@@ -77,7 +109,7 @@ def test_k_quant_kernel_rounds_like_hand_table() -> None:
     for i, (v, c) in enumerate(cases):
         x[i // per_row, i % per_row], expected[i // per_row, i % per_row] = v, c
     x[:, 31], expected[:, 31] = 6.0, 7
-    expected[len(cases) // per_row, len(cases) % per_row:31] = 0  # padding zeros
+    expected[len(cases) // per_row, len(cases) % per_row : 31] = 0  # padding zeros
     codes, scales = fp4_index_k_quant(x.to(DEVICE))
     assert torch.equal(_nibbles(codes.cpu()), expected)
     assert scales.cpu().flatten().tolist() == [127] * rows
@@ -147,7 +179,7 @@ def test_k_quant_scatter_to_cache_slots() -> None:
     # Scatter into a 68-byte-per-slot cache through strided views; slot 0 is the dummy.
     cache = torch.full((slots, k // 2 + k // 32), POISON, dtype=torch.uint8, device=DEVICE)
     loc = torch.tensor([5, 0, 17, 3, 0, 11, 1, 19, 8], dtype=torch.int64, device=DEVICE)
-    fp4_index_k_quant(x, loc=loc, out_codes=cache[:, : k // 2], out_scales=cache[:, k // 2:])
+    fp4_index_k_quant(x, loc=loc, out_codes=cache[:, : k // 2], out_scales=cache[:, k // 2 :])
     ref_codes, ref_scales = fp4_index_k_quant_ref(x)
     expected = torch.full_like(cache, POISON)
     written = loc != 0
@@ -156,8 +188,12 @@ def test_k_quant_scatter_to_cache_slots() -> None:
     # An int8 cache and an x that is a strided column slice of a wider tensor.
     wide = torch.cat([torch.ones(t, 16, dtype=x.dtype, device=DEVICE), x], dim=1)
     cache8 = torch.zeros(slots, k // 2 + k // 32, dtype=torch.int8, device=DEVICE)
-    fp4_index_k_quant(wide[:, 16:], loc=loc.to(torch.int32), out_codes=cache8[:, : k // 2],
-                      out_scales=cache8[:, k // 2:])
+    fp4_index_k_quant(
+        wide[:, 16:],
+        loc=loc.to(torch.int32),
+        out_codes=cache8[:, : k // 2],
+        out_scales=cache8[:, k // 2 :],
+    )
     assert torch.equal(cache8.view(torch.uint8)[loc[written]], expected[loc[written]])
 
 
@@ -166,8 +202,16 @@ def test_k_quant_scatter_to_cache_slots() -> None:
 # ------------------------------------------------------------------------------------------------
 
 
-def _q_inputs(t: int, heads: int, head_dim: int, rope_dim: int, dtype: torch.dtype, seed: int,
-              num_partials: int | None, max_pos: int = 40) -> dict:
+def _q_inputs(
+    t: int,
+    heads: int,
+    head_dim: int,
+    rope_dim: int,
+    dtype: torch.dtype,
+    seed: int,
+    num_partials: int | None,
+    max_pos: int = 40,
+) -> dict:
     g = torch.Generator().manual_seed(seed)
     q = torch.randn(t, heads, head_dim, generator=g) * 3
     if heads > 2:
@@ -181,9 +225,15 @@ def _q_inputs(t: int, heads: int, head_dim: int, rope_dim: int, dtype: torch.dty
     partials = None
     if num_partials is not None:
         partials = torch.randn(num_partials, t, heads, generator=g).to(DEVICE)
-    return dict(q=q.reshape(t, heads * head_dim).to(dtype).to(DEVICE), cos_sin=cos_sin.to(DEVICE),
-                positions=positions.to(DEVICE), n_heads=heads, rope_dim=rope_dim,
-                weight_partials=partials, head_weight_scale=128**-0.5 * 64**-0.5)
+    return dict(
+        q=q.reshape(t, heads * head_dim).to(dtype).to(DEVICE),
+        cos_sin=cos_sin.to(DEVICE),
+        positions=positions.to(DEVICE),
+        n_heads=heads,
+        rope_dim=rope_dim,
+        weight_partials=partials,
+        head_weight_scale=128**-0.5 * 64**-0.5,
+    )
 
 
 def _poisoned_q_out(t: int, heads: int, head_dim: int, dtype: torch.dtype) -> IndexQFp4Output:
@@ -205,8 +255,9 @@ def _poisoned_q_out(t: int, heads: int, head_dim: int, dtype: torch.dtype) -> In
         (2, 16, 64, 64, torch.bfloat16, None),
     ],
 )
-def test_index_q_matches_ref(t: int, heads: int, head_dim: int, rope_dim: int, dtype: torch.dtype,
-                             num_partials: int | None) -> None:
+def test_index_q_matches_ref(
+    t: int, heads: int, head_dim: int, rope_dim: int, dtype: torch.dtype, num_partials: int | None
+) -> None:
     inp = _q_inputs(t, heads, head_dim, rope_dim, dtype, seed=t + heads, num_partials=num_partials)
     ref = index_q_rope_fp4_ref(**inp)
     out = _poisoned_q_out(t, heads, head_dim, dtype)
@@ -221,7 +272,7 @@ def test_index_q_matches_ref(t: int, heads: int, head_dim: int, rope_dim: int, d
     else:
         assert torch.equal(_bits(got.head_weights), _bits(ref.head_weights))
     # Scale slots of head blocks that do not exist are zero; the rest are real exponents.
-    assert (got.scales[..., heads // 16:] == 0).all()
+    assert (got.scales[..., heads // 16 :] == 0).all()
     assert (got.scales[..., : heads // 16] >= 100).all()
 
 
@@ -307,12 +358,16 @@ def test_k_quant_infinite_group_uses_the_top_scale(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("block_rows,num_warps", [(1, 1), (2, 2), (16, 4), (32, 8)])
-def test_k_quant_launch_meta_never_changes_results(block_rows: int, num_warps: int,
-                                                   monkeypatch) -> None:
+def test_k_quant_launch_meta_never_changes_results(
+    block_rows: int, num_warps: int, monkeypatch
+) -> None:
     """Rows per program and warps are free: every row is quantised on its own (partial row
     blocks at T = 1, 5, 37 included)."""
-    monkeypatch.setattr(fp4_indexer_module, "_k_quant_meta",
-                        lambda t, k: {"BLOCK_ROWS": block_rows, "num_warps": num_warps})
+    monkeypatch.setattr(
+        fp4_indexer_module,
+        "_k_quant_meta",
+        lambda t, k: {"BLOCK_ROWS": block_rows, "num_warps": num_warps},
+    )
     for t in (1, 5, 37):
         x = _random_rows(t, 128, torch.bfloat16, seed=t + block_rows).to(DEVICE)
         codes = torch.full((t, 64), POISON, dtype=torch.uint8, device=DEVICE)

@@ -45,8 +45,10 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
 ]
 GEMM_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2**-7, atol=1e-5)}
-CHAIN_TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5),
-             torch.bfloat16: dict(rtol=2**-6, atol=2**-6)}
+CHAIN_TOL = {
+    torch.float32: dict(rtol=1e-5, atol=1e-5),
+    torch.bfloat16: dict(rtol=2**-6, atol=2**-6),
+}
 
 
 def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
@@ -63,8 +65,9 @@ def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
     return mask.to(DEVICE)
 
 
-def _routes(num_tokens: int, topk: int, num_experts: int, routing: str,
-            gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _routes(
+    num_tokens: int, topk: int, num_experts: int, routing: str, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     if routing == "hot":  # two experts take everything: several full blocks, idle experts
         ids = torch.randint(0, 2, (num_tokens, topk), generator=gen)
     elif routing == "one":  # every slot on expert 1: M * topk routes, full blocks if 32 | M*topk
@@ -100,9 +103,14 @@ def _assert_same_bits(got: torch.Tensor, old: torch.Tensor, exact: bool, tol: di
         torch.testing.assert_close(got[~nan], old[~nan], **tol)
 
 
-def _three_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torch.Tensor,
-                    sort: MoeSortOutput, topk: int,
-                    limit: float | None) -> torch.Tensor:  # fmt: skip
+def _three_launches(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    sort: MoeSortOutput,
+    topk: int,
+    limit: float | None,
+) -> torch.Tensor:
     """The composition `fused_moe` replaced: stage 1 -> K6 (`silu_mul_clamp`) -> stage 2."""
     routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
     rows = x.shape[0] * topk
@@ -114,8 +122,9 @@ def _three_launches(x: torch.Tensor, gate_up_proj: torch.Tensor, down_proj: torc
     return moe_grouped_gemm(h, down_proj, *routes, a_per_pair=True, out=out)
 
 
-def _randn(shape: tuple[int, ...], scale: float, dtype: torch.dtype,
-           gen: torch.Generator) -> torch.Tensor:  # fmt: skip
+def _randn(
+    shape: tuple[int, ...], scale: float, dtype: torch.dtype, gen: torch.Generator
+) -> torch.Tensor:
     return (torch.randn(shape, generator=gen) * scale).to(dtype).to(DEVICE)
 
 
@@ -134,9 +143,17 @@ def _randn(shape: tuple[int, ...], scale: float, dtype: torch.dtype,
         (13, 4, 16, 128, 130, "random", "topk"),
     ],
 )
-def test_grouped_gemm_matches_ref(num_tokens: int, topk: int, num_experts: int, n_cols: int,
-                                  k_dim: int, mask_kind: str, routing: str, a_per_pair: bool,
-                                  dtype: torch.dtype) -> None:  # fmt: skip
+def test_grouped_gemm_matches_ref(
+    num_tokens: int,
+    topk: int,
+    num_experts: int,
+    n_cols: int,
+    k_dim: int,
+    mask_kind: str,
+    routing: str,
+    a_per_pair: bool,
+    dtype: torch.dtype,
+) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 31 + n_cols + k_dim + int(a_per_pair))
     mask = _mask(mask_kind, num_experts, gen)
     ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
@@ -170,8 +187,7 @@ def test_grouped_gemm_hand_derived() -> None:
     weight[0, 0, :] = 1.0  # local 0 (expert 0), column 0: row sum
     weight[1, 3, :2] = torch.tensor([3.0, -0.5], device=DEVICE)  # local 1 (expert 2), column 3
     out = torch.full((4, 16), float("nan"), device=DEVICE)
-    moe_grouped_gemm(x, weight, sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, 2,
-                     out=out)  # fmt: skip
+    moe_grouped_gemm(x, weight, sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, 2, out=out)
     want = torch.full((4, 16), float("nan"))
     want[0] = 0.0
     want[0, 3] = 1.0 * 3.0 - 1.0 * 0.5  # pair (token 0, slot 0) = expert 2
@@ -195,9 +211,17 @@ def test_grouped_gemm_hand_derived() -> None:
         (3, 6, 8, 160, 64, "random", "topk", 1.0),  # D = 160: two K steps of stage 1
     ],
 )
-def test_fused_moe_matches_ref(num_tokens: int, topk: int, num_experts: int, hidden: int,
-                               inter: int, mask_kind: str, routing: str, limit: float | None,
-                               dtype: torch.dtype) -> None:  # fmt: skip
+def test_fused_moe_matches_ref(
+    num_tokens: int,
+    topk: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    mask_kind: str,
+    routing: str,
+    limit: float | None,
+    dtype: torch.dtype,
+) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 7 + hidden + inter)
     mask = _mask(mask_kind, num_experts, gen)
     ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
@@ -226,8 +250,9 @@ def test_fused_moe_allocates_output_and_m0() -> None:
     down = _randn((4, 32, 16), 0.2, torch.float32, gen)
     ids, weights = _routes(3, 2, 4, "topk", gen)
     got = fused_moe(x, gate_up, down, moe_sort(ids, weights, prepare_moe_sort(mask), 0), 2, 10.0)
-    torch.testing.assert_close(got, fused_moe_ref(x, gate_up, down, ids, mask, 10.0), rtol=1e-5,
-                               atol=1e-5)  # fmt: skip
+    torch.testing.assert_close(
+        got, fused_moe_ref(x, gate_up, down, ids, mask, 10.0), rtol=1e-5, atol=1e-5
+    )
     empty = moe_sort(ids[:0], weights[:0], prepare_moe_sort(mask), 0)
     assert fused_moe(x[:0], gate_up, down, empty, 2, 10.0).shape == (0, 2, 32)
 
@@ -250,8 +275,9 @@ def test_rejects_bad_layouts() -> None:
     with pytest.raises(ValueError, match="a_per_pair"):
         moe_grouped_gemm(x[:1], torch.ones(4, 16, 32, device=DEVICE), *routes, a_per_pair=True)
     with pytest.raises(ValueError, match="sorted_ids"):
-        moe_grouped_gemm(x, torch.ones(4, 16, 32, device=DEVICE), sort.sorted_ids.long(),
-                         *routes[1:])  # fmt: skip
+        moe_grouped_gemm(
+            x, torch.ones(4, 16, 32, device=DEVICE), sort.sorted_ids.long(), *routes[1:]
+        )
 
 
 def test_rejects_bad_swiglu_args() -> None:
@@ -268,8 +294,14 @@ def test_rejects_bad_swiglu_args() -> None:
         with pytest.raises(ValueError, match="swiglu_limit"):
             moe_grouped_gemm(x, weight, *routes, out_swiglu=True, swiglu_limit=bad)
     with pytest.raises(ValueError, match="swiglu_limit"):  # fused_moe checks its limit too
-        fused_moe(x, torch.randn(4, 64, 32, device=DEVICE), torch.randn(4, 32, 32, device=DEVICE),
-                  sort, 2, 0.0)  # fmt: skip
+        fused_moe(
+            x,
+            torch.randn(4, 64, 32, device=DEVICE),
+            torch.randn(4, 32, 32, device=DEVICE),
+            sort,
+            2,
+            0.0,
+        )
 
 
 @pytest.mark.parametrize("limit", [None, 1.0])
@@ -286,10 +318,17 @@ def test_rejects_bad_swiglu_args() -> None:
         (33, 6, 4, 64, 96, "all_local", "hot"),
     ],
 )
-def test_swiglu_epilogue_matches_composition(num_tokens: int, topk: int, num_experts: int,
-                                             inter: int, hidden: int, mask_kind: str,
-                                             routing: str, dtype: torch.dtype,
-                                             limit: float | None) -> None:  # fmt: skip
+def test_swiglu_epilogue_matches_composition(
+    num_tokens: int,
+    topk: int,
+    num_experts: int,
+    inter: int,
+    hidden: int,
+    mask_kind: str,
+    routing: str,
+    dtype: torch.dtype,
+    limit: float | None,
+) -> None:
     gen = torch.Generator().manual_seed(num_tokens * 11 + topk * 3 + inter + hidden)
     mask = _mask(mask_kind, num_experts, gen)
     ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
@@ -299,13 +338,18 @@ def test_swiglu_epilogue_matches_composition(num_tokens: int, topk: int, num_exp
     weight = _randn((num_local, 2 * inter, hidden), 3 * hidden**-0.5, dtype, gen)  # |gate_up| ~ 3
     routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
     rows = num_tokens * topk
-    gate_up = moe_grouped_gemm(x, weight, *routes, out=torch.full(
-        (rows, 2 * inter), float("nan"), dtype=dtype, device=DEVICE))  # fmt: skip
+    gate_up = moe_grouped_gemm(
+        x,
+        weight,
+        *routes,
+        out=torch.full((rows, 2 * inter), float("nan"), dtype=dtype, device=DEVICE),
+    )
     old = silu_mul_clamp(gate_up, limit)  # unwritten (NaN) rows stay NaN
     assert isinstance(old, torch.Tensor)
     poison = torch.full((rows, inter), float("nan"), dtype=dtype, device=DEVICE)
-    got = moe_grouped_gemm(x, weight, *routes, out=poison.clone(), out_swiglu=True,
-                           swiglu_limit=limit)  # fmt: skip
+    got = moe_grouped_gemm(
+        x, weight, *routes, out=poison.clone(), out_swiglu=True, swiglu_limit=limit
+    )
     written = ~torch.isnan(got).all(dim=1)
     assert torch.equal(written, _local_pairs(ids, mask).reshape(-1)), "wrong rows written"
     assert torch.isnan(got[~written]).all(), "a skipped row was partly written"
@@ -317,16 +361,24 @@ def test_swiglu_epilogue_matches_composition(num_tokens: int, topk: int, num_exp
     tiles = -(-inter // half)
     padded = torch.zeros(num_local, 2, tiles * half, hidden, dtype=dtype, device=DEVICE)
     padded[:, :, :inter] = weight.view(num_local, 2, inter, hidden)
-    placed = padded.view(num_local, 2, tiles, half, hidden).transpose(1, 2).reshape(
-        num_local, tiles * 2 * half, hidden)  # fmt: skip
-    by_tile = moe_grouped_gemm(x, placed, *routes, out=torch.full(
-        (rows, tiles * 2 * half), float("nan"), dtype=dtype, device=DEVICE))  # fmt: skip
+    placed = (
+        padded.view(num_local, 2, tiles, half, hidden)
+        .transpose(1, 2)
+        .reshape(num_local, tiles * 2 * half, hidden)
+    )
+    by_tile = moe_grouped_gemm(
+        x,
+        placed,
+        *routes,
+        out=torch.full((rows, tiles * 2 * half), float("nan"), dtype=dtype, device=DEVICE),
+    )
     gate_up_placed = by_tile.view(rows, tiles, 2, half).transpose(1, 2).reshape(rows, 2, -1)
     same_place = silu_mul_clamp(gate_up_placed[:, :, :inter].reshape(rows, 2 * inter), limit)
     assert isinstance(same_place, torch.Tensor)
     _assert_same_bits(got, same_place, True, {})
-    want = moe_grouped_gemm_ref(x, weight, *routes, out=poison.clone(), out_swiglu=True,
-                                swiglu_limit=limit)  # fmt: skip
+    want = moe_grouped_gemm_ref(
+        x, weight, *routes, out=poison.clone(), out_swiglu=True, swiglu_limit=limit
+    )
     torch.testing.assert_close(got[written], want[written], **CHAIN_TOL[dtype])
     if limit is not None and written.any():  # both clamps acted, and the limit reached the kernel
         gate, up = gate_up[written, :inter], gate_up[written, inter:]

@@ -16,10 +16,12 @@ CHECK = Path(__file__).with_name("gpu_targets_check.py")
 
 def test_kernels_compile_for_sm90_and_gfx950() -> None:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[3] / "python"),
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, str(CHECK), "--all"], env=env, capture_output=True,
-                          text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).resolve().parents[3] / "python"), env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        [sys.executable, str(CHECK), "--all"], env=env, capture_output=True, text=True, timeout=900
+    )
     lines = proc.stdout.splitlines()
     assert proc.returncode == 0, proc.stdout + proc.stderr
     # Every kernel module's kernels were launched and compiled (21 kernels today).

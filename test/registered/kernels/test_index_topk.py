@@ -46,8 +46,9 @@ def _visible(rows: int, width: int, gen: torch.Generator) -> torch.Tensor:
     return vis
 
 
-def _with_garbage(scores: torch.Tensor, visible: torch.Tensor, gen: torch.Generator
-                  ) -> torch.Tensor:
+def _with_garbage(
+    scores: torch.Tensor, visible: torch.Tensor, gen: torch.Generator
+) -> torch.Tensor:
     """Large finite values past each row's visible count: selected only if the mask is wrong."""
     rows, width = scores.shape
     beyond = torch.arange(width)[None, :] >= visible.clamp(0, width)[:, None]
@@ -55,8 +56,9 @@ def _with_garbage(scores: torch.Tensor, visible: torch.Tensor, gen: torch.Genera
     return torch.where(beyond, garbage, scores)
 
 
-def _brute_force(scores: torch.Tensor, visible: torch.Tensor, k: int
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _brute_force(
+    scores: torch.Tensor, visible: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows, width = scores.shape
     ids = torch.zeros(rows, k, dtype=torch.int64)
     valid = torch.zeros(rows, k, dtype=torch.bool)
@@ -70,21 +72,24 @@ def _brute_force(scores: torch.Tensor, visible: torch.Tensor, k: int
     return ids, valid
 
 
-def _run_kernel(scores: torch.Tensor, visible: torch.Tensor, k: int
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+def _run_kernel(
+    scores: torch.Tensor, visible: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     rows = scores.shape[0]
     out_ids = torch.full((rows, k), -12345, dtype=torch.int64, device=DEVICE)
     # Poison: True everywhere, so a slot the kernel forgets to clear shows up as valid.
     out_valid = torch.ones(rows, k, dtype=torch.bool, device=DEVICE)
-    ids, valid = index_topk(scores.to(DEVICE), visible.to(DEVICE), k,
-                            out_ids=out_ids, out_valid=out_valid)
+    ids, valid = index_topk(
+        scores.to(DEVICE), visible.to(DEVICE), k, out_ids=out_ids, out_valid=out_valid
+    )
     assert ids.data_ptr() == out_ids.data_ptr() and valid.data_ptr() == out_valid.data_ptr()
     return ids.cpu(), valid.cpu()
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("rows,width", [(0, 64), (1, 1), (3, 5), (17, 64), (3, 100), (17, 257),
-                                        (3, 1500), (1, 1500)])
+@pytest.mark.parametrize(
+    "rows,width", [(0, 64), (1, 1), (3, 5), (17, 64), (3, 100), (17, 257), (3, 1500), (1, 1500)]
+)
 @pytest.mark.parametrize("k", [1, 4, 64])
 def test_kernel_matches_reference(rows: int, width: int, k: int, mode: str) -> None:
     gen = torch.Generator().manual_seed(rows * 100003 + width * 101 + k + 7 * MODES.index(mode))
@@ -102,8 +107,9 @@ def test_many_chunks_per_row(monkeypatch: pytest.MonkeyPatch, block_n: int, mode
     """Small chunks: the histogram passes and the in-order compaction span many chunks, and the
     tied threshold entries straddle chunk boundaries."""
     real = topk_module._block_sizes
-    monkeypatch.setattr(topk_module, "_block_sizes",
-                        lambda width, k: (block_n, *real(width, k)[1:]))
+    monkeypatch.setattr(
+        topk_module, "_block_sizes", lambda width, k: (block_n, *real(width, k)[1:])
+    )
     gen = torch.Generator().manual_seed(block_n + 31 * MODES.index(mode))
     rows, width = 5, 300
     visible = _visible(rows, width, gen)
@@ -164,9 +170,13 @@ def test_hand_derived_case() -> None:
     # Row 1: 2 candidates (visible 2) of which one is -inf: both selected, slot 2 invalid.
     # Row 2: visible 0: nothing selected.
     inf = float("inf")
-    scores = torch.tensor([[5.0, 7.0, 7.0, -inf, 7.0, 1.0],
-                           [-inf, 2.0, 9.0, 9.0, 9.0, 9.0],
-                           [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]])
+    scores = torch.tensor(
+        [
+            [5.0, 7.0, 7.0, -inf, 7.0, 1.0],
+            [-inf, 2.0, 9.0, 9.0, 9.0, 9.0],
+            [1.0, 2.0, 3.0, 4.0, 5.0, 6.0],
+        ]
+    )
     visible = torch.tensor([6, 2, 0])
     ids = torch.tensor([[1, 2, 4], [0, 1, 0], [0, 0, 0]])
     valid = torch.tensor([[True, True, True], [True, True, False], [False, False, False]])
@@ -180,30 +190,34 @@ def test_allocates_outputs_and_empty_batch() -> None:
     assert ids.dtype == torch.int64 and valid.dtype == torch.bool and ids.shape == (2, 4)
     want = index_topk_ref(scores.cpu(), torch.tensor([10, 4]), 4)
     assert torch.equal(ids.cpu(), want[0]) and torch.equal(valid.cpu(), want[1])
-    empty_ids, empty_valid = index_topk(scores[:0], torch.zeros(0, dtype=torch.int64,
-                                                                device=DEVICE), 4)
+    empty_ids, empty_valid = index_topk(
+        scores[:0], torch.zeros(0, dtype=torch.int64, device=DEVICE), 4
+    )
     assert empty_ids.shape == (0, 4) and empty_valid.shape == (0, 4)
 
 
-def _entry_table(rows: int, width: int, ratio: int, gen: torch.Generator
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+def _entry_table(
+    rows: int, width: int, ratio: int, gen: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A request-to-token table whose block starts are distinct multiples of `ratio` (random
     pages, as the allocator hands them out), narrower than `width * ratio` so that the
     clamp to its last column is exercised, and a random request row per token."""
     req_slots, cols = 5, max(1, (width * ratio) // 2 + 3)
     table = torch.randperm(req_slots * cols * 4, generator=gen)[: req_slots * cols] * ratio
-    table = table.view(req_slots, cols) + torch.randint(0, ratio, (req_slots, cols),
-                                                         generator=gen)  # fmt: skip
+    table = table.view(req_slots, cols) + torch.randint(0, ratio, (req_slots, cols), generator=gen)
     token_slot = torch.randint(0, req_slots, (rows,), generator=gen)
     return table, token_slot
 
 
 @pytest.mark.parametrize("mode", ["randn", "ties"])
-@pytest.mark.parametrize("rows,width,k,ratio", [(1, 1, 1, 4), (3, 100, 4, 4), (17, 257, 64, 4),
-                                                (5, 40, 8, 128), (3, 1500, 64, 1)])
+@pytest.mark.parametrize(
+    "rows,width,k,ratio",
+    [(1, 1, 1, 4), (3, 100, 4, 4), (17, 257, 64, 4), (5, 40, 8, 128), (3, 1500, 64, 1)],
+)
 @pytest.mark.parametrize("table_dtype", [torch.int64, torch.int32])
-def test_entry_rows_match_reference(rows: int, width: int, k: int, ratio: int, mode: str,
-                                    table_dtype: torch.dtype) -> None:
+def test_entry_rows_match_reference(
+    rows: int, width: int, k: int, ratio: int, mode: str, table_dtype: torch.dtype
+) -> None:
     """With `entry_rows` the kernel writes the selected entries' pool rows (what the attention
     reads), the same as the reference's ids mapped through the table; invalid slots hold 0."""
     gen = torch.Generator().manual_seed(rows * 31 + width + k + ratio)
@@ -217,8 +231,12 @@ def test_entry_rows_match_reference(rows: int, width: int, k: int, ratio: int, m
     assert torch.equal(want_rows, mapped)
     out_ids = torch.full((rows, k), -12345, dtype=torch.int64, device=DEVICE)
     got_rows, got_valid = index_topk(
-        scores.to(DEVICE), visible.to(DEVICE), k, out_ids=out_ids,
-        entry_rows=(table.to(table_dtype).to(DEVICE), token_slot.to(DEVICE), ratio))
+        scores.to(DEVICE),
+        visible.to(DEVICE),
+        k,
+        out_ids=out_ids,
+        entry_rows=(table.to(table_dtype).to(DEVICE), token_slot.to(DEVICE), ratio),
+    )
     assert torch.equal(got_valid.cpu(), want_valid)
     assert torch.equal(got_rows.cpu(), want_rows)
     if rows and bool(want_valid.any()):
@@ -233,8 +251,10 @@ def test_entry_pool_rows_ref_by_hand() -> None:
     want = torch.tensor([[12 // 4, 4 // 4, 36 // 4], [8 // 4, 40 // 4, 0]])
     assert torch.equal(entry_pool_rows_ref(ids, table, token_slot, 4), want)
     # Past the table's last column: the last column is read (those entries are masked later).
-    assert torch.equal(entry_pool_rows_ref(torch.tensor([[3]]), table, torch.tensor([0]), 4),
-                       torch.tensor([[9 // 4]]))
+    assert torch.equal(
+        entry_pool_rows_ref(torch.tensor([[3]]), table, torch.tensor([0]), 4),
+        torch.tensor([[9 // 4]]),
+    )
 
 
 def test_bad_inputs_raise() -> None:
@@ -253,11 +273,11 @@ def test_bad_inputs_raise() -> None:
     with pytest.raises(ValueError, match="column stride"):
         index_topk(scores.t().contiguous().t(), visible, 2)
     with pytest.raises(ValueError, match="out_ids"):
-        index_topk(scores, visible, 2, out_ids=torch.empty(3, 3, dtype=torch.int64,
-                                                           device=DEVICE))
+        index_topk(scores, visible, 2, out_ids=torch.empty(3, 3, dtype=torch.int64, device=DEVICE))
     with pytest.raises(ValueError, match="out_valid"):
-        index_topk(scores, visible, 2, out_valid=torch.empty(3, 2, dtype=torch.uint8,
-                                                             device=DEVICE))
+        index_topk(
+            scores, visible, 2, out_valid=torch.empty(3, 2, dtype=torch.uint8, device=DEVICE)
+        )
     table = torch.zeros(2, 16, dtype=torch.int64, device=DEVICE)
     slot = torch.zeros(3, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="req_to_token"):

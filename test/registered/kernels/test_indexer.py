@@ -22,16 +22,17 @@ def _paged(seq_lens: list[int], extends: list[int], page: int, gen: torch.Genera
     the padding row pointing at the dummy page 0, as ReqToTokenPool does)."""
     max_ctx = -(-max(seq_lens) // page) * page
     num_pages = sum(-(-s // page) for s in seq_lens) + 2
-    order = torch.randperm(num_pages - 1, generator=gen) + 1          # page 0 stays the dummy
+    order = torch.randperm(num_pages - 1, generator=gen) + 1  # page 0 stays the dummy
     table = (torch.arange(max_ctx) % page).repeat(len(seq_lens) + 2, 1)
     req_slots = torch.randperm(len(seq_lens) + 1, generator=gen)[: len(seq_lens)] + 1
     used, positions, token_slot = 0, [], []
     for r, (seq, ext) in enumerate(zip(seq_lens, extends)):
         n_pages = -(-seq // page)
-        pages = order[used:used + n_pages]
+        pages = order[used : used + n_pages]
         used += n_pages
-        table[req_slots[r], : n_pages * page] = (pages[:, None] * page
-                                                 + torch.arange(page)).flatten()
+        table[req_slots[r], : n_pages * page] = (
+            pages[:, None] * page + torch.arange(page)
+        ).flatten()
         positions += list(range(seq - ext, seq))
         token_slot += [int(req_slots[r])] * ext
     return torch.tensor(positions), torch.tensor(token_slot), table, num_pages * page
@@ -46,9 +47,15 @@ def _inputs(seq_lens, extends, heads, head_dim, ratio, dtype, seed, page=16):
     # Head weights of both signs (so scores can be negative) and a few exact zeros.
     weights = torch.randn(tokens, heads, generator=gen) * heads**-0.5
     weights[:, :1] = 0.0
-    return dict(qi=qi.to(dtype).to(DEVICE), weights=weights.to(DEVICE),
-                index_keys=keys.to(dtype).to(DEVICE), positions=positions.to(DEVICE),
-                token_slot=token_slot.to(DEVICE), req_to_token=table.to(DEVICE), ratio=ratio)
+    return dict(
+        qi=qi.to(dtype).to(DEVICE),
+        weights=weights.to(DEVICE),
+        index_keys=keys.to(dtype).to(DEVICE),
+        positions=positions.to(DEVICE),
+        token_slot=token_slot.to(DEVICE),
+        req_to_token=table.to(DEVICE),
+        ratio=ratio,
+    )
 
 
 def _check(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -62,12 +69,12 @@ def _check(got: torch.Tensor, want: torch.Tensor) -> None:
 
 CASES = [
     # (seq_lens, extends, heads, head_dim, ratio, n_max, block_n)
-    ([9], [1], 16, 32, 4, 4, 16),                 # the tiny model's indexer, one decode row
-    ([3, 40, 77], [1, 1, 1], 5, 24, 4, 37, 16),   # 0 visible entries; n_max not a multiple
-    ([57, 21], [4, 3], 64, 128, 4, 20, 16),       # DSV4 head shape, verify rows
-    ([130, 6], [5, 2], 3, 40, 16, 9, 16),         # HCA-like ratio, odd heads/dims
-    ([33, 12, 1], [2, 5, 1], 1, 16, 1, 40, 32),   # ratio 1: every position is an entry
-    ([100], [3], 7, 20, 4, 25, 64),               # one chunk covers every entry
+    ([9], [1], 16, 32, 4, 4, 16),  # the tiny model's indexer, one decode row
+    ([3, 40, 77], [1, 1, 1], 5, 24, 4, 37, 16),  # 0 visible entries; n_max not a multiple
+    ([57, 21], [4, 3], 64, 128, 4, 20, 16),  # DSV4 head shape, verify rows
+    ([130, 6], [5, 2], 3, 40, 16, 9, 16),  # HCA-like ratio, odd heads/dims
+    ([33, 12, 1], [2, 5, 1], 1, 16, 1, 40, 32),  # ratio 1: every position is an entry
+    ([100], [3], 7, 20, 4, 25, 64),  # one chunk covers every entry
 ]
 
 
@@ -93,12 +100,13 @@ def test_head_weights_in_qi_dtype_scaled_inside(dtype: torch.dtype) -> None:
     heads = inputs["weights"].shape[1]
     fused = torch.randn(7, 3 * heads, generator=torch.Generator().manual_seed(1)).to(dtype)
     fused = fused.to(DEVICE)
-    head_w = fused[:, heads:2 * heads]
+    head_w = fused[:, heads : 2 * heads]
     scale = heads**-0.5
     scaled_copy = {**inputs, "weights": head_w.float() * scale}
     want = indexer_logits_ref(**scaled_copy, n_max=20)
-    assert torch.equal(indexer_logits_ref(**{**inputs, "weights": head_w}, n_max=20,
-                                           weight_scale=scale), want)
+    assert torch.equal(
+        indexer_logits_ref(**{**inputs, "weights": head_w}, n_max=20, weight_scale=scale), want
+    )
     got = indexer_logits(**{**inputs, "weights": head_w}, n_max=20, weight_scale=scale)
     assert torch.equal(got, indexer_logits(**scaled_copy, n_max=20))
     _check(got, want)
@@ -106,13 +114,15 @@ def test_head_weights_in_qi_dtype_scaled_inside(dtype: torch.dtype) -> None:
 
 def test_strided_queries_and_empty_launches() -> None:
     inputs = _inputs([29, 50], [3, 2], 6, 32, 4, torch.float32, seed=3)
-    fused = torch.randn(5, 2, 6, 32).to(DEVICE)          # e.g. a view of a fused projection
+    fused = torch.randn(5, 2, 6, 32).to(DEVICE)  # e.g. a view of a fused projection
     fused[:, 0] = inputs["qi"]
-    inputs["qi"] = fused[:, 0]                           # token stride 384, head stride 32
+    inputs["qi"] = fused[:, 0]  # token stride 384, head stride 32
     assert not inputs["qi"].is_contiguous()
     _check(indexer_logits(**inputs, n_max=13), indexer_logits_ref(**inputs, n_max=13))
-    empty = {k: (v[:0] if k in ("qi", "weights", "positions", "token_slot") else v)
-             for k, v in inputs.items()}
+    empty = {
+        k: (v[:0] if k in ("qi", "weights", "positions", "token_slot") else v)
+        for k, v in inputs.items()
+    }
     assert indexer_logits(**empty, n_max=13).shape == (0, 13)
     assert indexer_logits(**inputs, n_max=0).shape == (5, 0)
 
@@ -142,9 +152,17 @@ def test_hand_derived_scores() -> None:
     keys[4, 0], keys[6, 0], keys[1, 0] = 3.0, -1.0, 0.5
     qi = torch.zeros(1, 1, 16)
     qi[0, 0, 0] = 2.0
-    got = indexer_logits(qi.to(DEVICE), torch.tensor([[0.75]]).to(DEVICE), keys.to(DEVICE),
-                         torch.tensor([5]).to(DEVICE), torch.tensor([0]).to(DEVICE),
-                         table.to(DEVICE), 2, 4, block_n=16).cpu()
+    got = indexer_logits(
+        qi.to(DEVICE),
+        torch.tensor([[0.75]]).to(DEVICE),
+        keys.to(DEVICE),
+        torch.tensor([5]).to(DEVICE),
+        torch.tensor([0]).to(DEVICE),
+        table.to(DEVICE),
+        2,
+        4,
+        block_n=16,
+    ).cpu()
     expect = torch.tensor([[0.75 * 6.0 / 4.0, 0.0, 0.75 * 1.0 / 4.0, float("-inf")]])
     assert torch.equal(got, expect)
 

@@ -35,8 +35,12 @@ def _inputs(batch, gamma, vocab, rank, base_dtype, w1_dtype, w2_dtype, seed):
     w1 = torch.randn(vocab, rank, generator=gen)
     w2 = torch.randn(vocab, rank, generator=gen) / rank**0.5
     anchors = torch.randint(0, vocab, (batch,), generator=gen)
-    return (base.to(base_dtype).to(DEVICE), w1.to(w1_dtype).to(DEVICE),
-            w2.to(w2_dtype).to(DEVICE), anchors.to(DEVICE))  # fmt: skip
+    return (
+        base.to(base_dtype).to(DEVICE),
+        w1.to(w1_dtype).to(DEVICE),
+        w2.to(w2_dtype).to(DEVICE),
+        anchors.to(DEVICE),
+    )
 
 
 def _poisoned_out(batch, gamma, vocab, rank, w1_dtype) -> MarkovGreedyOutput:
@@ -168,8 +172,9 @@ def test_strided_inputs() -> None:
     _check_own_chain(got, base, w1, w2, anchors)
 
 
-@pytest.mark.parametrize("dtypes", [(F32, F32, F32), (BF16, BF16, BF16), (F32, F32, BF16),
-                                    (F16, BF16, F16)])  # fmt: skip
+@pytest.mark.parametrize(
+    "dtypes", [(F32, F32, F32), (BF16, BF16, BF16), (F32, F32, BF16), (F16, BF16, F16)]
+)
 def test_reference_equals_markov_sample(dtypes) -> None:
     base_dt, w1_dt, w2_dt = dtypes
     for batch, gamma, vocab, rank in [(1, 7, 37, 8), (3, 4, 1000, 48), (2, 1, 1, 16)]:
@@ -209,7 +214,7 @@ def _bad(name: str):
         "w2_dtype": dict(w2=w2.double()),
         "rank_too_big": dict(
             w1=torch.randn(37, 1025, device=DEVICE), w2=torch.randn(37, 1025, device=DEVICE)
-        ),  # fmt: skip
+        ),
         "w2_col_stride": dict(w2=torch.randn(8, 37, device=DEVICE).t()),
         "anchors_shape": dict(anchors=anchors[:1]),
         "anchors_float": dict(anchors=anchors.float()),
@@ -220,19 +225,47 @@ def _bad(name: str):
     return {**args, **bad}
 
 
-@pytest.mark.parametrize("name", ["base_2d", "base_int", "vocab_zero", "w1_rows", "w2_rank",
-                                  "w2_dtype", "rank_too_big", "w2_col_stride", "anchors_shape",
-                                  "anchors_float", "out_shape", "out_dtype", "num_chunks"])  # fmt: skip
+@pytest.mark.parametrize(
+    "name",
+    [
+        "base_2d",
+        "base_int",
+        "vocab_zero",
+        "w1_rows",
+        "w2_rank",
+        "w2_dtype",
+        "rank_too_big",
+        "w2_col_stride",
+        "anchors_shape",
+        "anchors_float",
+        "out_shape",
+        "out_dtype",
+        "num_chunks",
+    ],
+)
 def test_bad_inputs_raise(name) -> None:
     kwargs = _bad(name)
     with pytest.raises(ValueError):
-        markov_greedy(kwargs.pop("base_logits"), kwargs.pop("w1"), kwargs.pop("w2"),
-                      kwargs.pop("anchors"), **kwargs)  # fmt: skip
+        markov_greedy(
+            kwargs.pop("base_logits"),
+            kwargs.pop("w1"),
+            kwargs.pop("w2"),
+            kwargs.pop("anchors"),
+            **kwargs,
+        )
 
 
-@pytest.mark.parametrize("batch,vocab,rank,elem", [(1, 32000, 64, 2), (32, 32000, 64, 2),
-                                                   (1, 129280, 256, 2), (8, 129280, 256, 4),
-                                                   (1, 1, 1, 4), (3, 5000, 48, 2)])  # fmt: skip
+@pytest.mark.parametrize(
+    "batch,vocab,rank,elem",
+    [
+        (1, 32000, 64, 2),
+        (32, 32000, 64, 2),
+        (1, 129280, 256, 2),
+        (8, 129280, 256, 4),
+        (1, 1, 1, 4),
+        (3, 5000, 48, 2),
+    ],
+)
 def test_plan_covers_vocab_once(batch, vocab, rank, elem) -> None:
     plan = _plan(batch, vocab, rank, elem, None)
     assert (plan.num_chunks - 1) * plan.chunk < vocab <= plan.num_chunks * plan.chunk

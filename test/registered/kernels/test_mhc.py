@@ -50,8 +50,14 @@ def _poisoned_out(m: int, n: int, d: int, dtype: torch.dtype) -> MhcPostCombineO
     def nan(*shape: int, dt: torch.dtype = torch.float32) -> torch.Tensor:
         return torch.full(shape, float("nan"), dtype=dt, device=DEVICE)
 
-    return MhcPostCombineOutput(nan(m, n, d, dt=dtype), nan(m, n), nan(m, n), nan(m, n, n),
-                                nan(m, d, dt=dtype), nan(m, d, dt=dtype))
+    return MhcPostCombineOutput(
+        nan(m, n, d, dt=dtype),
+        nan(m, n),
+        nan(m, n),
+        nan(m, n, n),
+        nan(m, d, dt=dtype),
+        nan(m, d, dt=dtype),
+    )
 
 
 def _assert_bits_equal(a: torch.Tensor, b: torch.Tensor) -> None:
@@ -90,8 +96,9 @@ def test_coeffs_ref_matches_hf_hyper_connection(n: int, iters: int, hc_eps: floa
     hf_cfg = pytest.importorskip("transformers.models.deepseek_v4.configuration_deepseek_v4")
     hf_mod = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
     d = 96
-    cfg = hf_cfg.DeepseekV4Config(hidden_size=d, hc_mult=n, hc_sinkhorn_iters=iters, hc_eps=hc_eps,
-                                  rms_norm_eps=1e-6)
+    cfg = hf_cfg.DeepseekV4Config(
+        hidden_size=d, hc_mult=n, hc_sinkhorn_iters=iters, hc_eps=hc_eps, rms_norm_eps=1e-6
+    )
     hc = hf_mod.DeepseekV4HyperConnection(cfg)
     inp = _make_inputs(6, n, d, torch.float32, seed=n)
     with torch.no_grad():
@@ -101,8 +108,9 @@ def test_coeffs_ref_matches_hf_hyper_connection(n: int, iters: int, hc_eps: floa
         streams = inp["streams"].cpu()
         hf_post, hf_comb, hf_collapsed = hc(streams.unsqueeze(0))
     fn, base, scale = inp["fn"].cpu(), inp["base"].cpu(), inp["scale"].cpu()
-    pre, post, comb = mhc_coeffs_ref(streams, fn, base, scale,
-                                     hc_eps=hc_eps, sinkhorn_iters=iters, rms_eps=1e-6)
+    pre, post, comb = mhc_coeffs_ref(
+        streams, fn, base, scale, hc_eps=hc_eps, sinkhorn_iters=iters, rms_eps=1e-6
+    )
     torch.testing.assert_close(post, hf_post[0], rtol=0, atol=0)
     torch.testing.assert_close(comb, hf_comb[0], rtol=0, atol=0)
     collapsed = mhc_collapse_ref(streams, pre)
@@ -166,11 +174,18 @@ def test_kernel_matches_ref(m: int, n: int, d: int, dtype: torch.dtype, iters: i
 
 @pytest.mark.parametrize(
     "m,n,d,dtype,iters",
-    [(1, 4, 96, torch.float32, 20), (5, 4, 160, torch.bfloat16, 20), (4, 1, 96, torch.bfloat16, 1),
-     (37, 4, 96, torch.bfloat16, 3), (2, 4, 1100, torch.bfloat16, 20), (3, 2, 33, torch.float32, 4)],
+    [
+        (1, 4, 96, torch.float32, 20),
+        (5, 4, 160, torch.bfloat16, 20),
+        (4, 1, 96, torch.bfloat16, 1),
+        (37, 4, 96, torch.bfloat16, 3),
+        (2, 4, 1100, torch.bfloat16, 20),
+        (3, 2, 33, torch.float32, 4),
+    ],
 )
-def test_pre_matches_ref_and_equals_identity_update(m: int, n: int, d: int, dtype: torch.dtype,
-                                                    iters: int) -> None:
+def test_pre_matches_ref_and_equals_identity_update(
+    m: int, n: int, d: int, dtype: torch.dtype, iters: int
+) -> None:
     """Opening only: the coefficients / x_in / normed input of the given streams (tolerance, X2),
     the streams returned untouched, and bit-identical to the full kernel with post = 0 and
     comb = I (same reduction trees; the identity update reproduces Rs exactly)."""
@@ -190,9 +205,14 @@ def test_pre_matches_ref_and_equals_identity_update(m: int, n: int, d: int, dtyp
     _assert_close_act(out.x_in, ref.x_in)
     _assert_close_act(out.x_normed, ref.x_normed)
     ident = mhc_post_combine(
-        inp["streams"], inp["y"], torch.zeros(m, n, device=DEVICE),
-        torch.eye(n, device=DEVICE).expand(m, n, n).contiguous(), **heads,
-        sinkhorn_iters=iters, **_KW)
+        inp["streams"],
+        inp["y"],
+        torch.zeros(m, n, device=DEVICE),
+        torch.eye(n, device=DEVICE).expand(m, n, n).contiguous(),
+        **heads,
+        sinkhorn_iters=iters,
+        **_KW,
+    )
     _assert_bits_equal(ident.streams, inp["streams"])
     for name in ("pre", "post", "comb", "x_in", "x_normed"):
         _assert_bits_equal(getattr(out, name), getattr(ident, name))
@@ -200,8 +220,15 @@ def test_pre_matches_ref_and_equals_identity_update(m: int, n: int, d: int, dtyp
 
 def test_pre_empty_batch() -> None:
     inp = _make_inputs(0, 4, 96, torch.bfloat16, seed=1)
-    out = mhc_pre(inp["streams"], inp["fn"], inp["base"], inp["scale"], inp["norm_weight"],
-                  sinkhorn_iters=3, **_KW)
+    out = mhc_pre(
+        inp["streams"],
+        inp["fn"],
+        inp["base"],
+        inp["scale"],
+        inp["norm_weight"],
+        sinkhorn_iters=3,
+        **_KW,
+    )
     assert out.x_normed.shape == (0, 96) and out.comb.shape == (0, 4, 4)
 
 
@@ -213,8 +240,9 @@ def test_kernel_keeps_signed_zeros() -> None:
     inp["y"][:, ::3] = -0.0
     ref = mhc_post_combine_ref(**inp, sinkhorn_iters=3, **_KW)
     assert torch.signbit(ref.streams[:, :, ::3]).all()
-    out = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(3, 4, 96,
-                                                                              torch.bfloat16))
+    out = mhc_post_combine(
+        **inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(3, 4, 96, torch.bfloat16)
+    )
     _assert_bits_equal(out.streams, ref.streams)
     _assert_close_act(out.x_normed, ref.x_normed)
 
@@ -232,8 +260,9 @@ def test_kernel_large_magnitudes_and_hc_eps() -> None:
     torch.testing.assert_close(out.x_normed, ref.x_normed, rtol=1e-5, atol=1e-5)
 
 
-def _assert_rows_equal(got: MhcPostCombineOutput, want: MhcPostCombineOutput, rows: list[int],
-                       want_rows: list[int]) -> None:
+def _assert_rows_equal(
+    got: MhcPostCombineOutput, want: MhcPostCombineOutput, rows: list[int], want_rows: list[int]
+) -> None:
     for name, a, b in zip(MhcPostCombineOutput._fields, got, want):
         for r, wr in zip(rows, want_rows):
             int_ty = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
@@ -268,8 +297,9 @@ def test_kernel_chunked_finish(monkeypatch: pytest.MonkeyPatch) -> None:
     m, n, d = 3, 4, 160
     inp = _make_inputs(m, n, d, torch.bfloat16, seed=21)
     ref = mhc_post_combine_ref(**inp, sinkhorn_iters=5, **_KW)
-    out = mhc_post_combine(**inp, sinkhorn_iters=5, **_KW,
-                           out=_poisoned_out(m, n, d, torch.bfloat16))
+    out = mhc_post_combine(
+        **inp, sinkhorn_iters=5, **_KW, out=_poisoned_out(m, n, d, torch.bfloat16)
+    )
     _assert_bits_equal(out.streams, ref.streams)
     torch.testing.assert_close(out.pre, ref.pre, rtol=1e-5, atol=1e-6)
     _assert_close_act(out.x_in, ref.x_in)
@@ -280,8 +310,9 @@ def test_repeated_calls_are_identical() -> None:
     """No state survives a call: repeats are bit-identical."""
     inp = _make_inputs(9, 4, 96, torch.float32, seed=9)
     first = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
-    second = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(9, 4, 96,
-                                                                                 torch.float32))
+    second = mhc_post_combine(
+        **inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(9, 4, 96, torch.float32)
+    )
     for a, b in zip(first, second):
         _assert_bits_equal(a, b)
 

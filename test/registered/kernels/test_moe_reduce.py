@@ -30,9 +30,14 @@ def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
 
 
 def _inputs(
-    num_tokens: int, topk: int, hidden: int, num_experts: int, mask: torch.Tensor,
-    dtype: torch.dtype, gen: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    num_tokens: int,
+    topk: int,
+    hidden: int,
+    num_experts: int,
+    mask: torch.Tensor,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     ids = torch.randint(-1, num_experts + 1, (num_tokens, topk), generator=gen)  # -1, E: fills
     weights = torch.rand(num_tokens, topk, generator=gen)
     weights[torch.rand(num_tokens, topk, generator=gen) < 0.1] = 0.0  # padded-row style routes
@@ -122,9 +127,11 @@ def test_launch_meta_never_changes_results(block_h: int, num_warps: int, monkeyp
     gen = torch.Generator().manual_seed(block_h + num_warps)
     mask = _mask("ep_slice", 384, gen)
     y, weights, ids, shared = _inputs(5, 6, 1000, 384, mask, torch.bfloat16, gen)
-    monkeypatch.setattr(moe_reduce_module, "_reduce_meta",
-                        lambda tokens, hidden: {"BLOCK_H": block_h, "num_warps": num_warps})
+    monkeypatch.setattr(
+        moe_reduce_module,
+        "_reduce_meta",
+        lambda tokens, hidden: {"BLOCK_H": block_h, "num_warps": num_warps},
+    )
     out = torch.full((5, 1000), float("nan"), dtype=torch.bfloat16, device=DEVICE)
     got = moe_reduce(y, weights, ids, mask, routed_scale=2.5, shared=shared, out=out)
-    assert torch.equal(got, moe_reduce_ref(y, weights, ids, mask, routed_scale=2.5,
-                                           shared=shared))
+    assert torch.equal(got, moe_reduce_ref(y, weights, ids, mask, routed_scale=2.5, shared=shared))

@@ -162,11 +162,21 @@ def test_partials_source_and_logits_out(num_rows: int, splits: int) -> None:
     bias = _random_bias(384, "randn", gen)
     n_valid = torch.tensor([num_rows - 1], dtype=torch.int32, device=DEVICE)
     logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
-    got = router_topk(RouterConfig(6), partials=partials, correction_bias=bias, n_valid=n_valid,
-                      logits_out=logits_out)  # fmt: skip
+    got = router_topk(
+        RouterConfig(6),
+        partials=partials,
+        correction_bias=bias,
+        n_valid=n_valid,
+        logits_out=logits_out,
+    )
     ref_logits = torch.empty_like(logits_out)
-    ref = router_topk_ref(RouterConfig(6), partials=partials, correction_bias=bias, n_valid=n_valid,
-                          logits_out=ref_logits)  # fmt: skip
+    ref = router_topk_ref(
+        RouterConfig(6),
+        partials=partials,
+        correction_bias=bias,
+        n_valid=n_valid,
+        logits_out=ref_logits,
+    )
     assert torch.equal(logits_out, ref_logits)  # fixed-order fp32 sum: exact
     _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", bias), 6, n_valid)
 
@@ -183,9 +193,14 @@ def _grid_exact_inputs(
 
 @pytest.mark.parametrize(
     "num_rows,hidden,dtype",
-    [(1, 64, torch.bfloat16), (1, 64, torch.float32), (16, 1000, torch.bfloat16),
-     (17, 1100, torch.float32), (37, 96, torch.bfloat16)],
-)  # fmt: skip
+    [
+        (1, 64, torch.bfloat16),
+        (1, 64, torch.float32),
+        (16, 1000, torch.bfloat16),
+        (17, 1100, torch.float32),
+        (37, 96, torch.bfloat16),
+    ],
+)
 def test_x_source_split_k(num_rows: int, hidden: int, dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(num_rows * 3 + hidden)
     x, gate = _grid_exact_inputs(num_rows, hidden, 384, dtype, gen)
@@ -226,9 +241,16 @@ def test_x_source_dsv4_hidden_fused_and_two_launch(num_rows: int) -> None:
     assert int(workspace.counters.abs().sum()) == 0
 
 
-def _x_call(num_rows: int, experts: int, gen: torch.Generator, exact: bool = True,
-            scoring: str = "sqrtsoftplus", bias: bool = True, num_shared: int = 1,
-            pad: int = 2) -> tuple[RouterConfig, dict]:  # fmt: skip
+def _x_call(
+    num_rows: int,
+    experts: int,
+    gen: torch.Generator,
+    exact: bool = True,
+    scoring: str = "sqrtsoftplus",
+    bias: bool = True,
+    num_shared: int = 1,
+    pad: int = 2,
+) -> tuple[RouterConfig, dict]:
     """One x-source call at H 600 (S = 2 splits, the second ragged): config and kwargs, the
     workspace poisoned (every partial read must be written by the call)."""
     if exact:
@@ -238,13 +260,16 @@ def _x_call(num_rows: int, experts: int, gen: torch.Generator, exact: bool = Tru
         gate = (torch.randn(experts, 600, generator=gen) * 0.05).to(torch.bfloat16).to(DEVICE)
     workspace = make_router_workspace(max(num_rows, 1), experts, 600, DEVICE)
     workspace.partials.fill_(float("nan"))
-    config = RouterConfig(6, scoring, routed_scaling_factor=2.5, num_shared=num_shared,
-                          shared_id_base=500, fill_id=-1)  # fmt: skip
+    config = RouterConfig(
+        6, scoring, routed_scaling_factor=2.5, num_shared=num_shared, shared_id_base=500, fill_id=-1
+    )
     kwargs = dict(
-        x=x, gate_weight=gate, workspace=workspace,
+        x=x,
+        gate_weight=gate,
+        workspace=workspace,
         correction_bias=_random_bias(experts, "randn", gen) if bias else None,
         n_valid=torch.tensor(max(num_rows - pad, 0), dtype=torch.int32, device=DEVICE),
-    )  # fmt: skip
+    )
     return config, kwargs
 
 
@@ -254,8 +279,15 @@ def test_x_source_row_counts(num_rows: int) -> None:
     # with M (both scorings, with / without bias, 0-2 shared columns, padded rows).
     gen = torch.Generator().manual_seed(200 + num_rows)
     scoring = ("sqrtsoftplus", "sigmoid")[num_rows % 2]
-    config, kwargs = _x_call(num_rows, 200, gen, scoring=scoring, bias=num_rows % 3 != 0,
-                             num_shared=num_rows % 3, pad=num_rows // 3)  # fmt: skip
+    config, kwargs = _x_call(
+        num_rows,
+        200,
+        gen,
+        scoring=scoring,
+        bias=num_rows % 3 != 0,
+        num_shared=num_rows % 3,
+        pad=num_rows // 3,
+    )
     logits_out = torch.full((num_rows, 200), float("nan"), device=DEVICE)
     got = router_topk(config, logits_out=logits_out, **kwargs)
     ref_logits = torch.empty_like(logits_out)
@@ -266,10 +298,13 @@ def test_x_source_row_counts(num_rows: int) -> None:
     assert int(kwargs["workspace"].counters.abs().sum()) == 0
 
 
-@pytest.mark.parametrize("num_rows,names", [
-    (5, list(sweep_router.CANDIDATES)),  # every shape the sweep may pick
-    (20, ["fused tail4", "fused tail8", "2-launch r1w1", "2-launch r4w4"]),  # two row blocks
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "num_rows,names",
+    [
+        (5, list(sweep_router.CANDIDATES)),  # every shape the sweep may pick
+        (20, ["fused tail4", "fused tail8", "2-launch r1w1", "2-launch r4w4"]),  # two row blocks
+    ],
+)
 def test_route_meta_candidates_bit_identical(num_rows: int, names: list[str]) -> None:
     # The launch shape changes no bit (ids, weights, logits) whatever it is: the sweep times
     # these candidates on a GPU with the same check.
@@ -319,8 +354,13 @@ def test_gemv_chain_variants(chains: int, monkeypatch: pytest.MonkeyPatch) -> No
     ref_logits = torch.empty_like(logits_out)
     ref = router_topk_ref(config, logits_out=ref_logits, **kwargs)
     assert torch.equal(logits_out, ref_logits)
-    _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", kwargs["correction_bias"]), 6,
-           kwargs["n_valid"])  # fmt: skip
+    _check(
+        got,
+        ref,
+        _selection_values(ref_logits, "sqrtsoftplus", kwargs["correction_bias"]),
+        6,
+        kwargs["n_valid"],
+    )
 
 
 @triton.jit
@@ -337,9 +377,14 @@ def test_branchless_sqrt() -> None:
     # NaNs (the values kept out of the fast path) exact everywhere.
     gen = torch.Generator().manual_seed(5)
     special = torch.tensor([0.0, -0.0, float("inf"), float("nan"), -1.0, -float("inf")])
-    x = torch.cat([special, torch.tensor([1e-45, 1e-38, 2.0**-100, 2.0**-101, 3.0e38, 20.0, 2.0]),
-                   torch.rand(3000, generator=gen) * 30,
-                   torch.exp(torch.randn(3000, generator=gen) * 25)]).to(DEVICE)  # fmt: skip
+    x = torch.cat(
+        [
+            special,
+            torch.tensor([1e-45, 1e-38, 2.0**-100, 2.0**-101, 3.0e38, 20.0, 2.0]),
+            torch.rand(3000, generator=gen) * 30,
+            torch.exp(torch.randn(3000, generator=gen) * 25),
+        ]
+    ).to(DEVICE)
     out = torch.full_like(x, 7.0)
     _sqrt_kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), BLOCK=1024)
     want = torch.sqrt(x)
@@ -347,8 +392,10 @@ def test_branchless_sqrt() -> None:
     ok = ~torch.isnan(want)
     gap = (out[ok].view(torch.int32) - want[ok].view(torch.int32)).abs()
     assert int(gap.max()) <= (0 if ON_GPU else 1)
-    assert torch.equal(out[: len(special)][ok[: len(special)]].view(torch.int32),
-                       want[: len(special)][ok[: len(special)]].view(torch.int32))  # fmt: skip
+    assert torch.equal(
+        out[: len(special)][ok[: len(special)]].view(torch.int32),
+        want[: len(special)][ok[: len(special)]].view(torch.int32),
+    )
 
 
 @pytest.mark.parametrize("splits,num_rows", [(9, 13), (16, 5), (2, 33)])
@@ -360,8 +407,9 @@ def test_partials_source_split_counts(splits: int, num_rows: int) -> None:
     logits_out = torch.full((num_rows, 384), float("nan"), device=DEVICE)
     got = router_topk(RouterConfig(6), partials=partials, n_valid=n_valid, logits_out=logits_out)
     ref_logits = torch.empty_like(logits_out)
-    ref = router_topk_ref(RouterConfig(6), partials=partials, n_valid=n_valid,
-                          logits_out=ref_logits)  # fmt: skip
+    ref = router_topk_ref(
+        RouterConfig(6), partials=partials, n_valid=n_valid, logits_out=ref_logits
+    )
     assert torch.equal(logits_out, ref_logits)
     _check(got, ref, _selection_values(ref_logits, "sqrtsoftplus", None), 6, n_valid)
 
@@ -405,32 +453,49 @@ def test_hash_routing(num_rows: int, table_dtype: torch.dtype) -> None:
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy: exp2 overflow, inf / inf
 @pytest.mark.parametrize("experts", [72, 384])  # BLOCK_E 128, 512: the row tile's tail masked
 @pytest.mark.parametrize("num_rows", [0, 1, 5, 33])
-def test_hash_routing_from_logits_row(num_rows: int, experts: int,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_hash_routing_from_logits_row(
+    num_rows: int, experts: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Hash routing from logits: bit for bit what the one-split partials path gives, whatever
     # the expert count (non-power-of-two E masks the routing tile's tail). Logits (k / 8)^2 > 20 score exactly k / 8 (torch's
     # CPU sqrt is not always correctly rounded): the reference is exact too. Row 0: NaN at a picked
     # expert, +inf at one not picked; row 1 the reverse (renormalised: a NaN weight, as the ref).
     empty = torch.empty  # poisoned outputs: the kernel must write every element
-    monkeypatch.setattr(moe_route.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(
-        float("nan") if k.get("dtype") == torch.float32 else -7))  # fmt: skip
+    monkeypatch.setattr(
+        moe_route.torch,
+        "empty",
+        lambda *a, **k: empty(*a, **k).fill_(
+            float("nan") if k.get("dtype") == torch.float32 else -7
+        ),
+    )
     gen, vocab, pad = torch.Generator().manual_seed(num_rows + experts), 300, min(2, num_rows // 2)
     tid2eid = torch.randint(0, experts, (vocab, 6), generator=gen, dtype=torch.int32)
     ids = torch.randint(0, vocab, (num_rows,), generator=gen)
     logits = (torch.randint(37, 97, (num_rows, experts), generator=gen).float() / 8) ** 2
-    for row, (hit, miss) in list(enumerate([(torch.nan, torch.inf), (torch.inf, torch.nan)]))[:num_rows]:  # fmt: skip
+    for row, (hit, miss) in list(enumerate([(torch.nan, torch.inf), (torch.inf, torch.nan)]))[
+        :num_rows
+    ]:
         logits[row, tid2eid[ids[row], 0]] = hit
         logits[row, next(e for e in range(experts) if e not in tid2eid[ids[row]])] = miss
     stale = torch.cat([ids[: num_rows - pad], torch.tensor([-5, vocab + 3])[:pad]])  # pad rows
-    base = dict(tid2eid=tid2eid.to(DEVICE), n_valid=torch.tensor(num_rows - pad, dtype=torch.int32, device=DEVICE))  # fmt: skip
-    for renorm, lg in [(r, x) for r in (True, False) for x in (logits, torch.randn(logits.shape, generator=gen))]:  # fmt: skip
-        config = RouterConfig(6, renormalize=renorm, routed_scaling_factor=1.5, num_shared=1, fill_id=-1)  # fmt: skip
+    base = dict(
+        tid2eid=tid2eid.to(DEVICE),
+        n_valid=torch.tensor(num_rows - pad, dtype=torch.int32, device=DEVICE),
+    )
+    for renorm, lg in [
+        (r, x) for r in (True, False) for x in (logits, torch.randn(logits.shape, generator=gen))
+    ]:
+        config = RouterConfig(
+            6, renormalize=renorm, routed_scaling_factor=1.5, num_shared=1, fill_id=-1
+        )
         got = router_topk(config, input_ids=stale.to(DEVICE), logits=lg.to(DEVICE), **base)
         old = router_topk(config, input_ids=stale.to(DEVICE), partials=lg[None].to(DEVICE), **base)
         want = router_topk_ref(config, input_ids=ids.to(DEVICE), logits=lg.to(DEVICE), **base)
         assert torch.equal(got.ids, want.ids) and torch.equal(got.ids, old.ids)
         assert torch.equal(got.weights.view(torch.int32), old.weights.view(torch.int32))
-        torch.testing.assert_close(got.weights, want.weights, rtol=0 if lg is logits else RTOL, atol=0, equal_nan=True)  # fmt: skip
+        torch.testing.assert_close(
+            got.weights, want.weights, rtol=0 if lg is logits else RTOL, atol=0, equal_nan=True
+        )
         if lg is logits:
             assert bool(torch.isnan(got.weights).any()) == (renorm and num_rows > 1)
             assert got.weights[:1, 0].eq(0).all() and got.ids[num_rows - pad :].eq(-1).all()

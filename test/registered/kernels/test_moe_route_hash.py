@@ -20,12 +20,18 @@ def _poison_outputs(monkeypatch: pytest.MonkeyPatch) -> None:
     """router_topk allocates its outputs with torch.empty: fill them with NaN / -7 so the kernel
     must write every element."""
     empty = torch.empty
-    monkeypatch.setattr(moe_route.torch, "empty", lambda *a, **k: empty(*a, **k).fill_(
-        float("nan") if k.get("dtype") == torch.float32 else -7))  # fmt: skip
+    monkeypatch.setattr(
+        moe_route.torch,
+        "empty",
+        lambda *a, **k: empty(*a, **k).fill_(
+            float("nan") if k.get("dtype") == torch.float32 else -7
+        ),
+    )
 
 
-def _inputs(rows: int, hidden: int, experts: int, topk: int, dtype: torch.dtype, seed: int,
-            exact: bool):
+def _inputs(
+    rows: int, hidden: int, experts: int, topk: int, dtype: torch.dtype, seed: int, exact: bool
+):
     gen = torch.Generator().manual_seed(seed)
     vocab = 500
     if exact:
@@ -42,32 +48,41 @@ def _inputs(rows: int, hidden: int, experts: int, topk: int, dtype: torch.dtype,
 @pytest.mark.parametrize("exact", [True, False])
 @pytest.mark.parametrize(
     "rows,hidden,experts,topk,shared",
-    [(1, 4096, 384, 6, 0),  # DSV4-Flash shapes
-     (5, 1024, 64, 6, 1),  # the 910M benchmark model's hash layers
-     (37, 600, 72, 2, 1),  # H not a multiple of the K chunk, E not a power of two
-     (3, 96, 8, 3, 0)],
-)  # fmt: skip
-def test_matches_reference(rows, hidden, experts, topk, shared, exact, dtype,
-                           monkeypatch: pytest.MonkeyPatch) -> None:
+    [
+        (1, 4096, 384, 6, 0),  # DSV4-Flash shapes
+        (5, 1024, 64, 6, 1),  # the 910M benchmark model's hash layers
+        (37, 600, 72, 2, 1),  # H not a multiple of the K chunk, E not a power of two
+        (3, 96, 8, 3, 0),
+    ],
+)
+def test_matches_reference(
+    rows, hidden, experts, topk, shared, exact, dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     _poison_outputs(monkeypatch)
-    x, gate, tid2eid, input_ids = _inputs(rows, hidden, experts, topk, dtype,
-                                          seed=rows + hidden, exact=exact)
+    x, gate, tid2eid, input_ids = _inputs(
+        rows, hidden, experts, topk, dtype, seed=rows + hidden, exact=exact
+    )
     n_valid = torch.tensor(max(rows - 1, 1), dtype=torch.int32, device=DEVICE)
     for scoring, renorm in (("sqrtsoftplus", True), ("sigmoid", False)):
-        config = RouterConfig(topk, scoring, renormalize=renorm, routed_scaling_factor=1.5,
-                              num_shared=shared, fill_id=-1)
-        kwargs = dict(x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=input_ids,
-                      n_valid=n_valid)
+        config = RouterConfig(
+            topk,
+            scoring,
+            renormalize=renorm,
+            routed_scaling_factor=1.5,
+            num_shared=shared,
+            fill_id=-1,
+        )
+        kwargs = dict(x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=input_ids, n_valid=n_valid)
         got, want = router_topk(config, **kwargs), router_topk_ref(config, **kwargs)
         _check(got, want, None, topk)  # ids exact, weights within RTOL
         if exact:  # every fp32 sum exact: the from-logits launch, given the exact logits,
             # gives the same bits (the same scoring and renormalisation code)
             logits = (x.float() @ gate.float().T).contiguous()
-            from_logits = router_topk(config, logits=logits, tid2eid=tid2eid,
-                                      input_ids=input_ids, n_valid=n_valid)
+            from_logits = router_topk(
+                config, logits=logits, tid2eid=tid2eid, input_ids=input_ids, n_valid=n_valid
+            )
             assert torch.equal(got.ids, from_logits.ids)
-            assert torch.equal(got.weights.view(torch.int32),
-                               from_logits.weights.view(torch.int32))
+            assert torch.equal(got.weights.view(torch.int32), from_logits.weights.view(torch.int32))
         if rows > 1:
             assert got.ids[-1].tolist() == [-1] * (topk + shared)
             assert got.weights[-1].eq(0).all()
@@ -95,22 +110,28 @@ def test_rows_do_not_depend_on_batch_and_stale_pad_ids() -> None:
     config = RouterConfig(6, routed_scaling_factor=1.5, num_shared=1, fill_id=-1)
     batch = router_topk(config, x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=input_ids)
     for m in range(8):
-        one = router_topk(config, x=x[m : m + 1], gate_weight=gate, tid2eid=tid2eid,
-                          input_ids=input_ids[m : m + 1])
+        one = router_topk(
+            config,
+            x=x[m : m + 1],
+            gate_weight=gate,
+            tid2eid=tid2eid,
+            input_ids=input_ids[m : m + 1],
+        )
         assert torch.equal(one.ids, batch.ids[m : m + 1])
-        assert torch.equal(one.weights.view(torch.int32),
-                           batch.weights[m : m + 1].view(torch.int32))
+        assert torch.equal(
+            one.weights.view(torch.int32), batch.weights[m : m + 1].view(torch.int32)
+        )
     stale = input_ids.clone()
     stale[6:] = torch.tensor([-3, 10**6], device=DEVICE)
     n_valid = torch.tensor(6, dtype=torch.int32, device=DEVICE)
-    got = router_topk(config, x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=stale,
-                      n_valid=n_valid)
+    got = router_topk(
+        config, x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=stale, n_valid=n_valid
+    )
     assert torch.equal(got.weights[:6].view(torch.int32), batch.weights[:6].view(torch.int32))
     assert got.ids[6:].eq(-1).all() and got.weights[6:].eq(0).all()
 
 
 def test_empty_batch() -> None:
     x, gate, tid2eid, input_ids = _inputs(0, 64, 16, 6, torch.float32, seed=1, exact=False)
-    got = router_topk(RouterConfig(6), x=x, gate_weight=gate, tid2eid=tid2eid,
-                      input_ids=input_ids)
+    got = router_topk(RouterConfig(6), x=x, gate_weight=gate, tid2eid=tid2eid, input_ids=input_ids)
     assert got.ids.shape == (0, 6) and got.weights.shape == (0, 6)

@@ -41,8 +41,17 @@ def _mask(kind: str, num_experts: int, gen: torch.Generator) -> torch.Tensor:
     return mask
 
 
-def _case(num_tokens: int, topk: int, num_experts: int, hidden: int, inter: int, mask_kind: str,
-          routing: str, dtype: torch.dtype, seed: int) -> dict:  # fmt: skip
+def _case(
+    num_tokens: int,
+    topk: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    mask_kind: str,
+    routing: str,
+    dtype: torch.dtype,
+    seed: int,
+) -> dict:
     gen = torch.Generator().manual_seed(seed)
     mask = _mask(mask_kind, num_experts, gen)
     plan = prepare_moe_sort(mask.to(DEVICE))
@@ -66,7 +75,9 @@ def _case(num_tokens: int, topk: int, num_experts: int, hidden: int, inter: int,
         shared=randn(num_tokens, hidden),
         ids=ids.to(torch.int32).contiguous().to(DEVICE),
         weights=weights.to(DEVICE),
-        mask=mask.to(DEVICE), plan=plan, num_local=plan.num_local,
+        mask=mask.to(DEVICE),
+        plan=plan,
+        num_local=plan.num_local,
     )
 
 
@@ -75,8 +86,9 @@ def _is_local(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return known & (mask.long()[ids.long().clamp(0, mask.numel() - 1)] == 1)
 
 
-def _sorted_path(c: dict, limit: float | None, routed_scale: float,
-                 shared: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+def _sorted_path(
+    c: dict, limit: float | None, routed_scale: float, shared: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """What the per-token path replaces: (stage 1's rows, K4's output) through K1's sort."""
     topk = c["ids"].shape[1]
     sort = moe_sort(c["ids"], c["weights"], c["plan"], 0)
@@ -84,15 +96,24 @@ def _sorted_path(c: dict, limit: float | None, routed_scale: float,
     out = moe_reduce(y, c["weights"], c["ids"], c["mask"], routed_scale, shared)
     # Stage 1 alone, to compare h: the grouped GEMM with the K6 epilogue, as fused_moe runs it.
     routes = c["ids"].numel()
-    h = torch.full((routes, c["gate_up"].shape[1] // 2), float("nan"), dtype=c["x"].dtype,
-                   device=DEVICE)  # fmt: skip
-    moe_grouped_gemm(c["x"], c["gate_up"], sort.sorted_ids, sort.sorted_expert_ids,
-                     sort.num_valid, topk, out=h, out_swiglu=True, swiglu_limit=limit)
+    h = torch.full(
+        (routes, c["gate_up"].shape[1] // 2), float("nan"), dtype=c["x"].dtype, device=DEVICE
+    )
+    moe_grouped_gemm(
+        c["x"],
+        c["gate_up"],
+        sort.sorted_ids,
+        sort.sorted_expert_ids,
+        sort.num_valid,
+        topk,
+        out=h,
+        out_swiglu=True,
+        swiglu_limit=limit,
+    )
     return h, out
 
 
-def _assert_close_or_equal(got: torch.Tensor, want: torch.Tensor, exact: bool,
-                           tol: dict) -> None:  # fmt: skip
+def _assert_close_or_equal(got: torch.Tensor, want: torch.Tensor, exact: bool, tol: dict) -> None:
     if exact:
         bits = torch.int16 if got.dtype == torch.bfloat16 else torch.int32
         assert torch.equal(got.view(bits), want.view(bits)), "bits differ from the sorted path"
@@ -123,18 +144,19 @@ def test_stages_match_refs_and_sorted_path(case: tuple, dtype: torch.dtype) -> N
 
     poison = torch.full((ids.numel(), inter), float("nan"), dtype=dtype, device=DEVICE)
     h = moe_route_gate_up(c["x"], c["gate_up"], ids, table, n_loc, limit, h=poison.clone())
-    h_ref = moe_route_gate_up_ref(c["x"], c["gate_up"], ids, table, n_loc, limit,
-                                  h=poison.clone())  # fmt: skip
+    h_ref = moe_route_gate_up_ref(c["x"], c["gate_up"], ids, table, n_loc, limit, h=poison.clone())
     assert torch.isnan(h[~local]).all(), "a remote route's row was written"
     assert not torch.isnan(h[local]).any(), "a local route's row was not written"
     torch.testing.assert_close(h[local], h_ref[local], **CHAIN_TOL[dtype])
 
     out = torch.full((num_tokens, hidden), float("nan"), dtype=dtype, device=DEVICE)
-    got = moe_token_down_reduce(h, c["down"], ids, c["weights"], table, n_loc, scale,
-                                c["shared"], out=out)  # fmt: skip
+    got = moe_token_down_reduce(
+        h, c["down"], ids, c["weights"], table, n_loc, scale, c["shared"], out=out
+    )
     assert got is out and not torch.isnan(got).any()
-    want = moe_token_down_reduce_ref(h, c["down"], ids, c["weights"], table, n_loc, scale,
-                                     c["shared"])  # fmt: skip
+    want = moe_token_down_reduce_ref(
+        h, c["down"], ids, c["weights"], table, n_loc, scale, c["shared"]
+    )
     torch.testing.assert_close(got, want, **CHAIN_TOL[dtype])
 
     h_sorted, out_sorted = _sorted_path(c, limit, scale, c["shared"])
@@ -150,8 +172,7 @@ def test_down_reduce_options(shared: bool, scale: float) -> None:
     c = _case(5, 3, 8, 64, 48, "random", "topk", torch.bfloat16, seed=11)
     ids, table, n_loc = c["ids"], c["plan"].local_table, c["num_local"]
     h = moe_route_gate_up(c["x"], c["gate_up"], ids, table, n_loc, None)
-    args = (h, c["down"], ids, c["weights"], table, n_loc, scale,
-            c["shared"] if shared else None)
+    args = (h, c["down"], ids, c["weights"], table, n_loc, scale, c["shared"] if shared else None)
     got = moe_token_down_reduce(*args)
     torch.testing.assert_close(got, moe_token_down_reduce_ref(*args), **CHAIN_TOL[torch.bfloat16])
     _, out_sorted = _sorted_path(c, None, scale, c["shared"] if shared else None)
@@ -166,14 +187,22 @@ def test_rows_do_not_depend_on_m() -> None:
     h = moe_route_gate_up(c["x"], c["gate_up"], ids, table, n_loc, 2.0)
     out = moe_token_down_reduce(h, c["down"], ids, c["weights"], table, n_loc, 1.0, c["shared"])
     for lo, hi in ((0, 1), (3, 7), (8, 9)):
-        h_part = moe_route_gate_up(c["x"][lo:hi], c["gate_up"], ids[lo:hi].contiguous(), table,
-                                   n_loc, 2.0)  # fmt: skip
+        h_part = moe_route_gate_up(
+            c["x"][lo:hi], c["gate_up"], ids[lo:hi].contiguous(), table, n_loc, 2.0
+        )
         routes = slice(lo * 4, hi * 4)
         local = _is_local(ids[lo:hi], c["mask"]).reshape(-1)
         assert torch.equal(h_part[local], h[routes][local])
-        part = moe_token_down_reduce(h[routes].contiguous(), c["down"], ids[lo:hi].contiguous(),
-                                     c["weights"][lo:hi].contiguous(), table, n_loc, 1.0,
-                                     c["shared"][lo:hi].contiguous())  # fmt: skip
+        part = moe_token_down_reduce(
+            h[routes].contiguous(),
+            c["down"],
+            ids[lo:hi].contiguous(),
+            c["weights"][lo:hi].contiguous(),
+            table,
+            n_loc,
+            1.0,
+            c["shared"][lo:hi].contiguous(),
+        )
         assert torch.equal(part, out[lo:hi])
 
 
@@ -188,8 +217,9 @@ def test_remote_rows_of_h_are_never_read() -> None:
     got = moe_token_down_reduce(h, c["down"], ids, c["weights"], table, n_loc, 1.0, c["shared"])
     assert not torch.isnan(got).any()
     h[~local] = 7.0
-    assert torch.equal(got, moe_token_down_reduce(h, c["down"], ids, c["weights"], table, n_loc,
-                                                  1.0, c["shared"]))  # fmt: skip
+    assert torch.equal(
+        got, moe_token_down_reduce(h, c["down"], ids, c["weights"], table, n_loc, 1.0, c["shared"])
+    )
 
 
 def test_hand_derived() -> None:
@@ -205,8 +235,9 @@ def test_hand_derived() -> None:
     down[1, 7, 0] = -1.0  # local 1 (expert 2): out column 7 = -h[:, 0]
     weights = torch.tensor([[0.5, 4.0], [0.25, 2.0]], device=DEVICE)
     shared = torch.ones(2, 16, device=DEVICE)
-    out = moe_token_down_reduce(h, down, ids, weights, plan.local_table, plan.num_local, 2.0,
-                                shared)  # fmt: skip
+    out = moe_token_down_reduce(
+        h, down, ids, weights, plan.local_table, plan.num_local, 2.0, shared
+    )
     want = torch.ones(2, 16)
     want[0, 7] += 2.0 * (0.5 * -1.0)  # token 0: slot 0 = expert 2 on h row 0; slot 1 remote
     want[1, 5] += 2.0 * (0.25 * 2.0 * 2.0)  # token 1: slot 0 = expert 0 on h row 2
@@ -220,7 +251,9 @@ def test_empty_and_bad_arguments() -> None:
     h = moe_route_gate_up(c["x"][:0], c["gate_up"], ids[:0], table, n_loc, 1.0)
     assert h.shape == (0, 16)
     assert moe_token_down_reduce(h, c["down"], ids[:0], c["weights"][:0], table, n_loc).shape == (
-        0, 32)
+        0,
+        32,
+    )
     with pytest.raises(ValueError, match="ids"):
         moe_route_gate_up(c["x"], c["gate_up"], ids.long(), table, n_loc, 1.0)
     with pytest.raises(ValueError, match="gate_up_proj"):

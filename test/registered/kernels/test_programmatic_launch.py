@@ -29,12 +29,14 @@ ON_GPU = torch.cuda.is_available()
 
 def test_never_asked_for_on_cpu_or_when_forbidden() -> None:
     assert _triton_utils.programmatic_launch(_silu_mul_clamp_kernel, torch.device("cpu")) == {
-        "PDL": False}
+        "PDL": False
+    }
     try:
         _triton_utils.set_programmatic_launch(False)
         if ON_GPU:
             assert _triton_utils.programmatic_launch(
-                _silu_mul_clamp_kernel, torch.device("cuda")) == {"PDL": False}
+                _silu_mul_clamp_kernel, torch.device("cuda")
+            ) == {"PDL": False}
     finally:
         _triton_utils.set_programmatic_launch(True)
     if ON_GPU and not _triton_utils.interpreted(_silu_mul_clamp_kernel):
@@ -57,7 +59,8 @@ def test_batch_scope_limits_graph_captures_and_restores(limit: int | None) -> No
                 assert _allowed_now() is (limit is None or bs <= limit), (bs, limit)
                 if ON_GPU and not _allowed_now():
                     assert _triton_utils.programmatic_launch(
-                        _silu_mul_clamp_kernel, torch.device("cuda")) == {"PDL": False}
+                        _silu_mul_clamp_kernel, torch.device("cuda")
+                    ) == {"PDL": False}
             assert _allowed_now() is True  # restored after each scope
         _triton_utils.set_programmatic_launch(False, max_graph_batch=limit)
         with _triton_utils.programmatic_launch_for_batch(1):
@@ -73,8 +76,14 @@ def test_batch_scope_limits_graph_captures_and_restores(limit: int | None) -> No
     assert _triton_utils._ProgrammaticLaunchSwitch.max_graph_batch is None
 
 
-def _chain(x: torch.Tensor, gate: torch.Tensor, gate_up: torch.Tensor, shared: torch.Tensor,
-           mask: torch.Tensor, workspace) -> tuple[torch.Tensor, ...]:  # fmt: skip
+def _chain(
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    gate_up: torch.Tensor,
+    shared: torch.Tensor,
+    mask: torch.Tensor,
+    workspace,
+) -> tuple[torch.Tensor, ...]:
     """Each kernel reads what the one before it just wrote: a torch producer, the router (GEMV
     then routing launch), K6 twice (its output is the next call's input) and K4 on the
     router's routes."""
@@ -93,8 +102,12 @@ def _chain_ref(x, gate, gate_up, shared, mask) -> tuple[torch.Tensor, ...]:
     routes = router_topk_ref(config, x=x, gate_weight=gate)
     act = silu_mul_clamp_ref(silu_mul_clamp_ref(gate_up, 7.0), 7.0)
     y = act[:, None, :].expand(-1, 6, -1).contiguous()
-    return routes.ids, routes.weights, act, moe_reduce_ref(y, routes.weights, routes.ids, mask,
-                                                          1.5, shared)  # fmt: skip
+    return (
+        routes.ids,
+        routes.weights,
+        act,
+        moe_reduce_ref(y, routes.weights, routes.ids, mask, 1.5, shared),
+    )
 
 
 @pytest.mark.skipif(not ON_GPU, reason="programmatic launch needs a GPU")
@@ -104,15 +117,19 @@ def test_graph_chain_equals_plain_launches_and_reference(rows: int) -> None:
     hidden, experts = 1024, 64
     gate = torch.randn(experts, hidden, generator=gen).to(torch.bfloat16).cuda()
     mask = (torch.rand(experts, generator=gen) < 0.5).to(torch.int32).cuda()
-    static = [torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda"),
-              torch.full((rows, 4 * hidden), float("nan"), dtype=torch.bfloat16, device="cuda"),
-              torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda")]
+    static = [
+        torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda"),
+        torch.full((rows, 4 * hidden), float("nan"), dtype=torch.bfloat16, device="cuda"),
+        torch.full((rows, hidden), float("nan"), dtype=torch.bfloat16, device="cuda"),
+    ]
     workspace = make_router_workspace(rows, experts, hidden, "cuda")
 
     def fresh_inputs() -> list[torch.Tensor]:
-        return [torch.randn(rows, hidden, generator=gen).to(torch.bfloat16),
-                (torch.randn(rows, 4 * hidden, generator=gen) * 4).to(torch.bfloat16),
-                torch.randn(rows, hidden, generator=gen).to(torch.bfloat16)]
+        return [
+            torch.randn(rows, hidden, generator=gen).to(torch.bfloat16),
+            (torch.randn(rows, 4 * hidden, generator=gen) * 4).to(torch.bfloat16),
+            torch.randn(rows, hidden, generator=gen).to(torch.bfloat16),
+        ]
 
     graphs = {}
     for pdl in (True, False):
@@ -125,8 +142,9 @@ def test_graph_chain_equals_plain_launches_and_reference(rows: int) -> None:
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 # Four chains back to back: each one's first kernel follows the last one's.
-                outs = [_chain(static[0], gate, static[1], static[2], mask, workspace)
-                        for _ in range(4)]  # fmt: skip
+                outs = [
+                    _chain(static[0], gate, static[1], static[2], mask, workspace) for _ in range(4)
+                ]
             graphs[pdl] = (graph, outs)
         finally:
             _triton_utils.set_programmatic_launch(True)
@@ -156,15 +174,37 @@ def test_graph_chain_equals_plain_launches_and_reference(rows: int) -> None:
                 assert torch.equal(a, b)
 
 
-def _spec_chain(verify_ids, verify_lens, seq_lens, target_src, pool_idx, req_to_token, n_valid,
-                q, cos, sin, accept, inputs, rope, fp4):  # fmt: skip
+def _spec_chain(
+    verify_ids,
+    verify_lens,
+    seq_lens,
+    target_src,
+    pool_idx,
+    req_to_token,
+    n_valid,
+    q,
+    cos,
+    sin,
+    accept,
+    inputs,
+    rope,
+    fp4,
+):
     """The DSpark step's tail and an indexer's head, each kernel on the last one's output: a
     torch producer writes the target ids, K15 accepts, K16 plans the next draft from K15's
     anchors and lengths; a torch producer writes q, K13 rotates it, K9 quantises the result."""
     target_ids = target_src + 0
     out = accept(verify_ids, verify_lens, seq_lens, target_ids=target_ids)
-    plan = inputs(out.next_anchors, out.new_seq_lens, pool_idx, req_to_token, n_valid,
-                  draft_len=4, verify_width=verify_ids.shape[1], mask_token_id=7)  # fmt: skip
+    plan = inputs(
+        out.next_anchors,
+        out.new_seq_lens,
+        pool_idx,
+        req_to_token,
+        n_valid,
+        draft_len=4,
+        verify_width=verify_ids.shape[1],
+        mask_token_id=7,
+    )
     rotated = rope(q * 1.0, cos, sin)
     codes, scales = fp4(rotated.reshape(-1, rotated.shape[-1]))
     return (*out, *plan, rotated, codes, scales)
@@ -178,33 +218,53 @@ def test_spec_and_indexer_chain_in_a_graph(rows: int) -> None:
     pool_idx = torch.randperm(rows, generator=gen).cuda()
     req_to_token = torch.randperm(rows * table, generator=gen).reshape(rows, table).cuda()
     n_valid = torch.tensor([max(rows - 1, 1)], dtype=torch.int32, device="cuda")
-    static = {"verify_ids": torch.zeros(rows, width, dtype=torch.int64, device="cuda"),
-              "verify_lens": torch.zeros(rows, dtype=torch.int32, device="cuda"),
-              "seq_lens": torch.zeros(rows, dtype=torch.int32, device="cuda"),
-              "target_src": torch.zeros(rows, width, dtype=torch.int64, device="cuda"),
-              "q": torch.zeros(rows, heads, head_dim, dtype=torch.bfloat16, device="cuda"),
-              "cos": torch.zeros(rows, 32, device="cuda"), "sin": torch.zeros(rows, 32, device="cuda")}
+    static = {
+        "verify_ids": torch.zeros(rows, width, dtype=torch.int64, device="cuda"),
+        "verify_lens": torch.zeros(rows, dtype=torch.int32, device="cuda"),
+        "seq_lens": torch.zeros(rows, dtype=torch.int32, device="cuda"),
+        "target_src": torch.zeros(rows, width, dtype=torch.int64, device="cuda"),
+        "q": torch.zeros(rows, heads, head_dim, dtype=torch.bfloat16, device="cuda"),
+        "cos": torch.zeros(rows, 32, device="cuda"),
+        "sin": torch.zeros(rows, 32, device="cuda"),
+    }
 
     def fresh() -> dict[str, torch.Tensor]:
         verify = torch.randint(0, 4, (rows, width), generator=gen)  # small ids: partial accepts
         angles = torch.rand(rows, 32, generator=gen) * 6.28
-        return {"verify_ids": verify, "verify_lens": torch.randint(0, width + 1, (rows,),
-                                                                   generator=gen).int(),
-                "seq_lens": torch.randint(0, table - width - 4, (rows,), generator=gen).int(),
-                "target_src": torch.randint(0, 4, (rows, width), generator=gen),
-                "q": (torch.randn(rows, heads, head_dim, generator=gen) * 3).to(torch.bfloat16),
-                "cos": angles.cos(), "sin": angles.sin()}  # fmt: skip
+        return {
+            "verify_ids": verify,
+            "verify_lens": torch.randint(0, width + 1, (rows,), generator=gen).int(),
+            "seq_lens": torch.randint(0, table - width - 4, (rows,), generator=gen).int(),
+            "target_src": torch.randint(0, 4, (rows, width), generator=gen),
+            "q": (torch.randn(rows, heads, head_dim, generator=gen) * 3).to(torch.bfloat16),
+            "cos": angles.cos(),
+            "sin": angles.sin(),
+        }
 
-    kernels = dict(accept=spec_accept, inputs=prepare_draft_inputs, rope=rope_tail,
-                   fp4=fp4_index_k_quant)
-    refs = dict(accept=spec_accept_ref, inputs=prepare_draft_inputs_ref, rope=rope_tail_ref,
-                fp4=fp4_index_k_quant_ref)
+    kernels = dict(
+        accept=spec_accept, inputs=prepare_draft_inputs, rope=rope_tail, fp4=fp4_index_k_quant
+    )
+    refs = dict(
+        accept=spec_accept_ref,
+        inputs=prepare_draft_inputs_ref,
+        rope=rope_tail_ref,
+        fp4=fp4_index_k_quant_ref,
+    )
     fixed = (pool_idx, req_to_token, n_valid)
 
     def run(fns: dict, tensors: dict) -> tuple[torch.Tensor, ...]:
         t = tensors
-        return _spec_chain(t["verify_ids"], t["verify_lens"], t["seq_lens"], t["target_src"],
-                           *fixed, t["q"], t["cos"], t["sin"], **fns)  # fmt: skip
+        return _spec_chain(
+            t["verify_ids"],
+            t["verify_lens"],
+            t["seq_lens"],
+            t["target_src"],
+            *fixed,
+            t["q"],
+            t["cos"],
+            t["sin"],
+            **fns,
+        )
 
     graphs = {}
     for pdl in (True, False):

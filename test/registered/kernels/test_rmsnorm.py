@@ -26,9 +26,13 @@ ROWS = (0, 1, 7, 300)
 WIDTHS = (16, 64, 100, 512, 1024, 4096)
 
 
-def _inputs(shape: tuple[int, ...], dtype: torch.dtype, weighted: bool, seed: int,
-            weight_dtype: torch.dtype = torch.float32,
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _inputs(
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    weighted: bool,
+    seed: int,
+    weight_dtype: torch.dtype = torch.float32,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Rows with mixed magnitudes (mean square from ~1e-8, where eps matters, to ~1e4)."""
     gen = torch.Generator().manual_seed(seed)
     n = shape[-1]
@@ -92,7 +96,7 @@ def test_row_result_does_not_depend_on_batch(n: int) -> None:
     x, weight = _inputs((37, n), torch.float32, True, seed=n)
     batch = rms_norm(x, weight, 1e-6)
     for r in (0, 18, 36):
-        assert torch.equal(rms_norm(x[r:r + 1], weight, 1e-6), batch[r:r + 1])
+        assert torch.equal(rms_norm(x[r : r + 1], weight, 1e-6), batch[r : r + 1])
     assert torch.equal(rms_norm(x[5:21], weight, 1e-6), batch[5:21])
 
 
@@ -101,11 +105,11 @@ def test_reference_matches_float64_maths() -> None:
     x, weight = _inputs((50, 100), torch.float32, True, seed=8)
     x64, w64 = x.double(), weight.double()
     want = w64 * x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-6).double(), want, rtol=1e-6,
-                               atol=1e-30)
+    torch.testing.assert_close(rms_norm_ref(x, weight, 1e-6).double(), want, rtol=1e-6, atol=1e-30)
     unweighted = x64 / torch.sqrt((x64 * x64).mean(-1, keepdim=True) + 1e-6)
-    torch.testing.assert_close(rms_norm_ref(x, None, 1e-6).double(), unweighted, rtol=1e-6,
-                               atol=1e-30)
+    torch.testing.assert_close(
+        rms_norm_ref(x, None, 1e-6).double(), unweighted, rtol=1e-6, atol=1e-30
+    )
 
 
 def test_weightless_rounds_rstd_to_input_dtype() -> None:

@@ -63,8 +63,9 @@ def test_strided_views_and_preallocated_bucket() -> None:
     cos_view, sin_view = table[:, : rope_dim // 2], table[:, rope_dim // 2 :]
     bucket = torch.full((tokens + 4, 8, head_dim), float("nan"), dtype=torch.bfloat16)
     bucket = bucket.to(DEVICE)
-    got = rope_tail(x_view.to(DEVICE), cos_view.to(DEVICE), sin_view.to(DEVICE),
-                    out=bucket[:tokens])
+    got = rope_tail(
+        x_view.to(DEVICE), cos_view.to(DEVICE), sin_view.to(DEVICE), out=bucket[:tokens]
+    )
     _assert_bits_equal(got, rope_tail_ref(x_view, cos_view, sin_view, out_heads=8))
     assert torch.isnan(bucket[tokens:].float()).all()  # rows past M untouched
 
@@ -84,7 +85,9 @@ def test_reference_against_hand_derived_rotation() -> None:
     cos = torch.tensor([[0.0, -1.0]])
     sin = torch.tensor([[1.0, 0.0]])
     assert rope_tail_ref(x, cos, sin).tolist() == [[[1.0, 2.0, -4.0, 3.0, -5.0, -6.0]]]
-    assert rope_tail_ref(x, cos, sin, inverse=True).tolist() == [[[1.0, 2.0, 4.0, -3.0, -5.0, -6.0]]]
+    assert rope_tail_ref(x, cos, sin, inverse=True).tolist() == [
+        [[1.0, 2.0, 4.0, -3.0, -5.0, -6.0]]
+    ]
     got = rope_tail(x.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), out_heads=2)
     assert got.cpu().tolist() == [[[1.0, 2.0, -4.0, 3.0, -5.0, -6.0], [0.0] * 6]]
 
@@ -135,8 +138,9 @@ _EPS = 1e-6
 _RSTD_ULPS = 8  # rstd may differ from torch's in its last bits (summation order, rsqrt)
 
 
-def _norm_inputs(tokens: int, heads: int, head_dim: int, rope_dim: int, dtype, seed: int,
-                 weighted: bool):
+def _norm_inputs(
+    tokens: int, heads: int, head_dim: int, rope_dim: int, dtype, seed: int, weighted: bool
+):
     x, cos, sin = _inputs(tokens, heads, head_dim, rope_dim, dtype, seed)
     gen = torch.Generator().manual_seed(seed + 1000)
     x = x + (torch.rand(tokens, heads, 1, generator=gen) * 4).to(dtype)  # rows of varied scale
@@ -203,8 +207,9 @@ def _assert_close_to_composition(got, want) -> None:
 @pytest.mark.parametrize("heads,head_dim,rope_dim", [(1, 128, 64), (3, 64, 32), (16, 96, 32)])
 def test_weightless_norm_per_head(tokens, heads, head_dim, rope_dim, dtype) -> None:
     """q: HF's UnweightedRMSNorm of every head, then the rope tail, in one launch."""
-    x, cos, sin, _ = _norm_inputs(tokens, heads, head_dim, rope_dim, dtype,
-                                  seed=7 * tokens + heads, weighted=False)
+    x, cos, sin, _ = _norm_inputs(
+        tokens, heads, head_dim, rope_dim, dtype, seed=7 * tokens + heads, weighted=False
+    )
     want = rope_tail_ref(x, cos, sin, norm_eps=_EPS)
     x, cos, sin = _to(DEVICE, x, cos, sin)
     out = torch.full((tokens, heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
@@ -223,8 +228,9 @@ def test_weightless_norm_per_head(tokens, heads, head_dim, rope_dim, dtype) -> N
 def test_weighted_norm_scatter_into_pool(tokens, head_dim, rope_dim, dtype) -> None:
     """The KV row: weighted norm, rope tail and the write into the paged pool at shuffled
     slots in one launch; every other pool row keeps its poison."""
-    x, cos, sin, weight = _norm_inputs(tokens, 1, head_dim, rope_dim, dtype,
-                                       seed=11 * tokens + head_dim, weighted=True)
+    x, cos, sin, weight = _norm_inputs(
+        tokens, 1, head_dim, rope_dim, dtype, seed=11 * tokens + head_dim, weighted=True
+    )
     if dtype == torch.bfloat16 and head_dim == 96:
         weight = weight.to(dtype)  # a weight stored in x's dtype
     want = rope_tail_ref(x, cos, sin, norm_eps=_EPS, norm_weight=weight)
@@ -232,8 +238,7 @@ def test_weighted_norm_scatter_into_pool(tokens, head_dim, rope_dim, dtype) -> N
     pool = torch.full((48, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     slots = torch.randperm(48, generator=torch.Generator().manual_seed(tokens))[:tokens]
     slots = slots.to(DEVICE)
-    rope_tail(x, cos, sin, out=pool.unsqueeze(1), out_rows=slots, norm_eps=_EPS,
-              norm_weight=weight)
+    rope_tail(x, cos, sin, out=pool.unsqueeze(1), out_rows=slots, norm_eps=_EPS, norm_weight=weight)
     got = pool[slots].unsqueeze(1)
     normed = _normed_by_kernel(x, cos, _EPS, weight)
     _assert_norm_after_rstd(normed, x, _EPS, weight)
@@ -263,23 +268,28 @@ def test_norm_with_head_padding_and_in_place(heads, out_heads, dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("weighted,heads,head_dim,rope_dim",
-                         [(False, 16, 128, 64), (False, 5, 96, 32), (True, 1, 512, 64)])
+@pytest.mark.parametrize(
+    "weighted,heads,head_dim,rope_dim",
+    [(False, 16, 128, 64), (False, 5, 96, 32), (True, 1, 512, 64)],
+)
 def test_norm_rows_do_not_depend_on_batch(weighted, heads, head_dim, rope_dim, dtype) -> None:
     """Speculative verify rows must reproduce decode rows: each row of a T = 8 call equals, bit
     for bit, the same row run alone (T = 1); and a row does not change when the other rows do."""
-    x, cos, sin, weight = _norm_inputs(8, heads, head_dim, rope_dim, dtype, seed=head_dim,
-                                       weighted=weighted)
+    x, cos, sin, weight = _norm_inputs(
+        8, heads, head_dim, rope_dim, dtype, seed=head_dim, weighted=weighted
+    )
     x, cos, sin, weight = _to(DEVICE, x, cos, sin, weight)
     batch = torch.full_like(x, float("nan"))
     rope_tail(x, cos, sin, out=batch, norm_eps=_EPS, norm_weight=weight)
     assert not torch.isnan(batch.float()).any()
     for m in range(8):
-        one = rope_tail(x[m : m + 1], cos[m : m + 1], sin[m : m + 1], norm_eps=_EPS,
-                        norm_weight=weight)
+        one = rope_tail(
+            x[m : m + 1], cos[m : m + 1], sin[m : m + 1], norm_eps=_EPS, norm_weight=weight
+        )
         _assert_bits_equal(batch[m : m + 1], one)
-    other = _norm_inputs(8, heads, head_dim, rope_dim, dtype, seed=head_dim + 1,
-                         weighted=False)[0].to(DEVICE)
+    other = _norm_inputs(8, heads, head_dim, rope_dim, dtype, seed=head_dim + 1, weighted=False)[
+        0
+    ].to(DEVICE)
     h = heads // 2
     other[3, h] = x[3, h]
     again = rope_tail(other, cos, sin, norm_eps=_EPS, norm_weight=weight)
@@ -317,8 +327,13 @@ def test_norm_bad_arguments_raise() -> None:
         rope_tail(x, cos, cos, inverse=True, norm_eps=_EPS)
     with pytest.raises(ValueError, match="inverse"):
         rope_tail_ref(x, cos, cos, inverse=True, norm_eps=_EPS)
-    for bad in (weight[:8], torch.rand(2, 16, device=DEVICE), weight.double(),
-                weight.half(), torch.rand(32, device=DEVICE)[::2]):
+    for bad in (
+        weight[:8],
+        torch.rand(2, 16, device=DEVICE),
+        weight.double(),
+        weight.half(),
+        torch.rand(32, device=DEVICE)[::2],
+    ):
         with pytest.raises(ValueError, match="norm_weight must be"):
             rope_tail(x, cos, cos, norm_eps=_EPS, norm_weight=bad)
     for bad_eps in (-1e-6, float("nan"), float("inf")):
@@ -327,7 +342,6 @@ def test_norm_bad_arguments_raise() -> None:
     # Validated before the empty-batch early return too.
     with pytest.raises(ValueError, match="norm_weight must be"):
         rope_tail(x[:0], cos[:0], cos[:0], norm_eps=_EPS, norm_weight=weight[:8])
-
 
 
 @triton.jit
@@ -339,8 +353,9 @@ def _rotate_rows_kernel(v_ptr, cos_ptr, sin_ptr, out_ptr, rows_ok, BLOCK_D: tl.c
     ok = rows < rows_ok
     cs_rows = tl.where(ok, rows.to(tl.int64), rows.to(tl.int64) + (1 << 40))
     # cos/sin: column views of one [16, 32] table (row stride 32).
-    out = rotate_rounded_tail(v, cs_rows, ok, cos_ptr, sin_ptr, 32, 0, BLOCK_D, 32, 16, BLOCK_D,
-                              True, 0, False)
+    out = rotate_rounded_tail(
+        v, cs_rows, ok, cos_ptr, sin_ptr, 32, 0, BLOCK_D, 32, 16, BLOCK_D, True, 0, False
+    )
     tl.store(out_ptr + rows[:, None] * BLOCK_D + cols[None, :], out)
 
 

@@ -28,8 +28,9 @@ def _kv_normed_by_kernel(q, kv, cos, kv_norm_eps, weight):
     """The fused launch's own normed KV rows: the identity rotation returns them exactly
     (test_rope's `_normed_by_kernel`, through the pair launch so the warps are the same)."""
     ones = torch.ones_like(cos)
-    _, rows = rope_q_kv(q, kv, ones, ones * 0, q_norm_eps=_EPS, kv_norm_eps=kv_norm_eps,
-                        kv_norm_weight=weight)
+    _, rows = rope_q_kv(
+        q, kv, ones, ones * 0, q_norm_eps=_EPS, kv_norm_eps=kv_norm_eps, kv_norm_weight=weight
+    )
     return rows
 
 
@@ -44,19 +45,29 @@ def _kv_normed_by_kernel(q, kv, cos, kv_norm_eps, weight):
         (7, 12, 10, 40, 40, 6),  # un-padded, rd/2 not a power of two
     ],
 )
-def test_without_norms_bit_exact(tokens, heads, out_heads, head_dim, kv_dim, rope_dim, scatter,
-                                 dtype) -> None:
+def test_without_norms_bit_exact(
+    tokens, heads, out_heads, head_dim, kv_dim, rope_dim, scatter, dtype
+) -> None:
     q, kv, cos, sin, _ = _case(tokens, heads, head_dim, kv_dim, rope_dim, dtype, seed=tokens)
-    pool = torch.full((tokens + 9, kv_dim) if scatter else (tokens, kv_dim), float("nan"),
-                      dtype=dtype)
+    pool = torch.full(
+        (tokens + 9, kv_dim) if scatter else (tokens, kv_dim), float("nan"), dtype=dtype
+    )
     rows = torch.randperm(tokens + 9, generator=torch.Generator().manual_seed(3))[:tokens]
-    want_q, want_pool = rope_q_kv_ref(q, kv, cos, sin, q_out_heads=out_heads,
-                                      kv_out=pool.clone(), kv_rows=rows if scatter else None)
+    want_q, want_pool = rope_q_kv_ref(
+        q,
+        kv,
+        cos,
+        sin,
+        q_out_heads=out_heads,
+        kv_out=pool.clone(),
+        kv_rows=rows if scatter else None,
+    )
     q, kv, cos, sin, pool, rows = _to(DEVICE, q, kv, cos, sin, pool, rows)
     q_out = torch.full((tokens, out_heads, head_dim), float("nan"), dtype=dtype, device=DEVICE)
     kv_out = pool
-    got_q, got_kv = rope_q_kv(q, kv, cos, sin, q_out=q_out, kv_out=kv_out,
-                              kv_rows=rows if scatter else None)
+    got_q, got_kv = rope_q_kv(
+        q, kv, cos, sin, q_out=q_out, kv_out=kv_out, kv_rows=rows if scatter else None
+    )
     assert got_q is q_out and got_kv.data_ptr() == kv_out.data_ptr()
     _assert_bits_equal(got_q, want_q)
     # Scattered: slots outside the batch's rows keep their poison (bits: NaN == NaN).
@@ -65,25 +76,44 @@ def test_without_norms_bit_exact(tokens, heads, out_heads, head_dim, kv_dim, rop
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("tokens", [1, 6, 33])
-@pytest.mark.parametrize("heads,out_heads,head_dim,kv_dim,rope_dim,weighted",
-                         [(16, 64, 512, 512, 64, True), (16, 16, 128, 128, 64, True),
-                          (5, 8, 96, 64, 32, False)])
-def test_with_norms(tokens, heads, out_heads, head_dim, kv_dim, rope_dim, weighted,
-                    dtype) -> None:
+@pytest.mark.parametrize(
+    "heads,out_heads,head_dim,kv_dim,rope_dim,weighted",
+    [(16, 64, 512, 512, 64, True), (16, 16, 128, 128, 64, True), (5, 8, 96, 64, 32, False)],
+)
+def test_with_norms(tokens, heads, out_heads, head_dim, kv_dim, rope_dim, weighted, dtype) -> None:
     """The engine's call: weightless q-head norm + pad, weighted kv_norm + scatter into the pool.
     q equals the single-job kernel bit for bit; the KV row is the rotation of the launch's own
     rounded norm bit for bit, and X2 against the composition."""
-    q, kv, cos, sin, weight = _case(tokens, heads, head_dim, kv_dim, rope_dim, dtype,
-                                    seed=17 * tokens + heads)
+    q, kv, cos, sin, weight = _case(
+        tokens, heads, head_dim, kv_dim, rope_dim, dtype, seed=17 * tokens + heads
+    )
     weight = weight if weighted else None
-    want_q, want_kv = rope_q_kv_ref(q, kv, cos, sin, q_out_heads=out_heads, q_norm_eps=_EPS,
-                                    kv_norm_eps=_EPS, kv_norm_weight=weight)
+    want_q, want_kv = rope_q_kv_ref(
+        q,
+        kv,
+        cos,
+        sin,
+        q_out_heads=out_heads,
+        q_norm_eps=_EPS,
+        kv_norm_eps=_EPS,
+        kv_norm_weight=weight,
+    )
     q, kv, cos, sin, weight = _to(DEVICE, q, kv, cos, sin, weight)
     pool = torch.full((50, kv_dim), float("nan"), dtype=dtype, device=DEVICE)
     slots = torch.randperm(50, generator=torch.Generator().manual_seed(tokens))[:tokens]
     slots = slots.to(DEVICE)
-    got_q, _ = rope_q_kv(q, kv, cos, sin, q_out_heads=out_heads, q_norm_eps=_EPS,
-                         kv_norm_eps=_EPS, kv_norm_weight=weight, kv_out=pool, kv_rows=slots)
+    got_q, _ = rope_q_kv(
+        q,
+        kv,
+        cos,
+        sin,
+        q_out_heads=out_heads,
+        q_norm_eps=_EPS,
+        kv_norm_eps=_EPS,
+        kv_norm_weight=weight,
+        kv_out=pool,
+        kv_rows=slots,
+    )
     _assert_bits_equal(got_q, rope_tail(q, cos, sin, out_heads=out_heads, norm_eps=_EPS))
     _assert_close_to_composition(got_q, want_q)
     got_kv = pool[slots]
@@ -101,12 +131,20 @@ def test_rows_do_not_depend_on_batch(dtype) -> None:
     """Verify rows must reproduce decode rows: each token of an M = 8 launch equals, bit for bit,
     the same token launched alone, for q and for the normed KV row."""
     q, kv, cos, sin, weight = _to(DEVICE, *_case(8, 16, 128, 128, 64, dtype, seed=5))
-    q_all, kv_all = rope_q_kv(q, kv, cos, sin, q_norm_eps=_EPS, kv_norm_eps=_EPS,
-                              kv_norm_weight=weight)
+    q_all, kv_all = rope_q_kv(
+        q, kv, cos, sin, q_norm_eps=_EPS, kv_norm_eps=_EPS, kv_norm_weight=weight
+    )
     for m in range(8):
         one = slice(m, m + 1)
-        q_one, kv_one = rope_q_kv(q[one], kv[one], cos[one], sin[one], q_norm_eps=_EPS,
-                                  kv_norm_eps=_EPS, kv_norm_weight=weight)
+        q_one, kv_one = rope_q_kv(
+            q[one],
+            kv[one],
+            cos[one],
+            sin[one],
+            q_norm_eps=_EPS,
+            kv_norm_eps=_EPS,
+            kv_norm_weight=weight,
+        )
         _assert_bits_equal(q_all[one], q_one)
         _assert_bits_equal(kv_all[one], kv_one)
 
@@ -135,7 +173,6 @@ def test_bad_arguments_raise() -> None:
     with pytest.raises(ValueError, match="kv_out must be"):
         rope_q_kv(q, kv, cos, sin, kv_out=torch.empty(3, 1, 32, device=DEVICE))
     with pytest.raises(ValueError, match="out must be"):
-        rope_q_kv(q, kv, cos, sin, kv_out=torch.empty(3, 32, dtype=torch.bfloat16,
-                                                       device=DEVICE))
+        rope_q_kv(q, kv, cos, sin, kv_out=torch.empty(3, 32, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="norm_weight must be"):
         rope_q_kv(q, kv, cos, sin, kv_norm_eps=_EPS, kv_norm_weight=weight[:16])

@@ -39,8 +39,18 @@ def _check(got: torch.Tensor, want: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,n,k", [(1, 16, 256), (1, 1160, 1024), (3, 100, 300), (8, 37, 64),
-                                   (16, 520, 513), (5, 9000, 40), (2, 1, 1)])
+@pytest.mark.parametrize(
+    "m,n,k",
+    [
+        (1, 16, 256),
+        (1, 1160, 1024),
+        (3, 100, 300),
+        (8, 37, 64),
+        (16, 520, 513),
+        (5, 9000, 40),
+        (2, 1, 1),
+    ],
+)
 def test_matches_reference(m: int, n: int, k: int, dtype: torch.dtype) -> None:
     x, w = _inputs(m, n, k, dtype, seed=m * 1000 + n + k)
     out = torch.full((m, n), float("nan"), dtype=dtype, device=DEVICE)
@@ -58,7 +68,7 @@ def test_strided_rows_and_batch_invariance() -> None:
     got = small_m_linear(wide[:, 50:250], w)
     assert torch.equal(got, small_m_linear(x, w))
     for r in range(6):
-        assert torch.equal(small_m_linear(x[r:r + 1], w), got[r:r + 1])
+        assert torch.equal(small_m_linear(x[r : r + 1], w), got[r : r + 1])
 
 
 def test_empty_and_bad_inputs() -> None:
@@ -77,16 +87,18 @@ def test_empty_and_bad_inputs() -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("m,groups,n,k", [(1, 4, 256, 512), (5, 8, 40, 72), (16, 1, 24, 300),
-                                          (3, 3, 16, 256)])
-def test_grouped_matches_reference_and_per_group_calls(m: int, groups: int, n: int, k: int,
-                                                       dtype: torch.dtype) -> None:
+@pytest.mark.parametrize(
+    "m,groups,n,k", [(1, 4, 256, 512), (5, 8, 40, 72), (16, 1, 24, 300), (3, 3, 16, 256)]
+)
+def test_grouped_matches_reference_and_per_group_calls(
+    m: int, groups: int, n: int, k: int, dtype: torch.dtype
+) -> None:
     """Each group equals `small_m_linear` on its own columns bit for bit (the same program per
     column block, moved by the group strides), and the reference within X2. x is a view of
     the attention's output rows (head-major), as the layer passes it."""
     g = torch.Generator().manual_seed(m * 100 + groups)
     rows = torch.randn(m, groups * k + 8, generator=g).to(dtype).to(DEVICE)  # a wider row
-    x = rows[:, :groups * k].view(m, groups, k)
+    x = rows[:, : groups * k].view(m, groups, k)
     w = (torch.randn(groups, n, k, generator=g) * k**-0.5).to(dtype).to(DEVICE)
     got = small_m_grouped_linear(x, w)
     assert got.shape == (m, groups, n) and got.is_contiguous()

@@ -37,18 +37,16 @@ def _paged_batch(seq_lens: list[int], extends: list[int], page_size: int, gen: t
     positions, token_slot = [], []
     for r, (seq, ext) in enumerate(zip(seq_lens, extends)):
         n_pages = -(-seq // page_size)
-        pages = page_order[used:used + n_pages]
+        pages = page_order[used : used + n_pages]
         used += n_pages
         row = (pages[:, None] * page_size + torch.arange(page_size)[None, :]).flatten()
         table[req_slots[r], : n_pages * page_size] = row
         positions += list(range(seq - ext, seq))
         token_slot += [int(req_slots[r])] * ext
-    return (torch.tensor(positions), torch.tensor(token_slot), table,
-            num_pages * page_size)
+    return (torch.tensor(positions), torch.tensor(token_slot), table, num_pages * page_size)
 
 
-def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed,
-            invalid_rows=(1,)):
+def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed, invalid_rows=(1,)):
     gen = torch.Generator().manual_seed(seed)
     positions, token_slot, table, num_slots = _paged_batch(seq_lens, extends, 4, gen)
     tokens = positions.shape[0]
@@ -67,10 +65,16 @@ def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed,
         extra_kv = extra_kv.to(dtype).to(DEVICE)
         extra_valid = extra_valid.to(DEVICE)
     return dict(
-        q=q.to(dtype).to(DEVICE), window_kv=window_kv.to(dtype).to(DEVICE),
-        positions=positions.to(DEVICE), token_slot=token_slot.to(DEVICE),
-        req_to_token=table.to(DEVICE), window=window, sinks=sinks.to(DEVICE),
-        scale=head_dim**-0.5, extra_kv=extra_kv, extra_valid=extra_valid,
+        q=q.to(dtype).to(DEVICE),
+        window_kv=window_kv.to(dtype).to(DEVICE),
+        positions=positions.to(DEVICE),
+        token_slot=token_slot.to(DEVICE),
+        req_to_token=table.to(DEVICE),
+        window=window,
+        sinks=sinks.to(DEVICE),
+        scale=head_dim**-0.5,
+        extra_kv=extra_kv,
+        extra_valid=extra_valid,
     )
 
 
@@ -83,19 +87,21 @@ def _run_poisoned(inputs: dict, num_splits: int | None = None) -> torch.Tensor:
 
 
 def _upcast(inputs: dict) -> dict:
-    return {k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
-            for k, v in inputs.items()}
+    return {
+        k: v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+        for k, v in inputs.items()
+    }
 
 
 CASES = [
     # (seq_lens, extends, heads, head_dim, window, num_extra)
-    ([9], [1], 16, 64, 4, None),                 # plain decode, window < position
-    ([3, 17, 6], [1, 1, 1], 5, 32, 8, 13),      # window longer than some positions, odd heads
-    ([12, 5, 30], [4, 3, 4], 16, 128, 6, 0),    # verify widths 4/3/4, N = 0
-    ([2, 25], [2, 3], 20, 64, 16, 37),          # heads > one head block, window > position
-    ([40], [1], 3, 512, 5, 21),                 # DSV4 head dim
-    ([1], [1], 1, 32, 1, 3),                    # window 1, the first token of a request
-    ([130, 70], [2, 1], 16, 512, 128, 40),      # DSV4 local heads, window 128, Dh 512
+    ([9], [1], 16, 64, 4, None),  # plain decode, window < position
+    ([3, 17, 6], [1, 1, 1], 5, 32, 8, 13),  # window longer than some positions, odd heads
+    ([12, 5, 30], [4, 3, 4], 16, 128, 6, 0),  # verify widths 4/3/4, N = 0
+    ([2, 25], [2, 3], 20, 64, 16, 37),  # heads > one head block, window > position
+    ([40], [1], 3, 512, 5, 21),  # DSV4 head dim
+    ([1], [1], 1, 32, 1, 3),  # window 1, the first token of a request
+    ([130, 70], [2, 1], 16, 512, 128, 40),  # DSV4 local heads, window 128, Dh 512
 ]
 
 
@@ -124,8 +130,10 @@ def test_bf16_matches_reference(index: int) -> None:
 
 def test_empty_batch() -> None:
     inputs = _inputs([4], [1], 4, 32, 4, 5, dtype=torch.float32, seed=0)
-    empty = {k: v[:0] if k in ("q", "positions", "token_slot", "extra_kv", "extra_valid") else v
-             for k, v in inputs.items()}
+    empty = {
+        k: v[:0] if k in ("q", "positions", "token_slot", "extra_kv", "extra_valid") else v
+        for k, v in inputs.items()
+    }
     got = window_sparse_attention(**empty)
     assert got.shape == (0, 4, 32)
 
@@ -154,12 +162,12 @@ def test_rejects_bad_layouts() -> None:
 # is cdiv(window, BLOCK_N) + cdiv(N, BLOCK_N) and forced splits beyond it leave empty splits.
 SPLIT_CASES = [
     # (seq_lens, extends, heads, head_dim, window, num_extra, rows with no valid extra key)
-    ([6], [1], 3, 64, 4, None, ()),                  # T=1, 1 tile: every split past 1 is empty
-    ([2, 9, 40], [1, 1, 1], 5, 128, 32, 5, (0,)),    # T=3, early tokens mask most window slots
-    ([3, 90], [3, 4], 7, 96, 40, 100, (1, 4)),       # T=7, splits mixing window and extra tiles
-    ([1, 130, 4], [1, 2, 4], 6, 64, 128, 0, ()),     # T=7, N=0, position 0 sees one key
-    ([60, 3], [1, 2], 72, 128, 100, 37, (2,)),       # 2 head blocks (64 + 8 heads)
-    ([20, 150], [2, 1], 5, 512, 128, 37, (0,)),      # Dh 512: 8 + 3 tiles of 16 keys
+    ([6], [1], 3, 64, 4, None, ()),  # T=1, 1 tile: every split past 1 is empty
+    ([2, 9, 40], [1, 1, 1], 5, 128, 32, 5, (0,)),  # T=3, early tokens mask most window slots
+    ([3, 90], [3, 4], 7, 96, 40, 100, (1, 4)),  # T=7, splits mixing window and extra tiles
+    ([1, 130, 4], [1, 2, 4], 6, 64, 128, 0, ()),  # T=7, N=0, position 0 sees one key
+    ([60, 3], [1, 2], 72, 128, 100, 37, (2,)),  # 2 head blocks (64 + 8 heads)
+    ([20, 150], [2, 1], 5, 512, 128, 37, (0,)),  # Dh 512: 8 + 3 tiles of 16 keys
 ]
 
 
@@ -192,8 +200,10 @@ def test_split_bf16_matches_reference(index: int, num_splits: int) -> None:
 
 def test_split_empty_batch() -> None:
     inputs = _inputs([4], [1], 4, 32, 4, 5, dtype=torch.float32, seed=5)
-    empty = {k: v[:0] if k in ("q", "positions", "token_slot", "extra_kv", "extra_valid") else v
-             for k, v in inputs.items()}
+    empty = {
+        k: v[:0] if k in ("q", "positions", "token_slot", "extra_kv", "extra_valid") else v
+        for k, v in inputs.items()
+    }
     for num_splits in (None, 1, 3):
         assert window_sparse_attention(**empty, num_splits=num_splits).shape == (0, 4, 32)
 
@@ -211,15 +221,31 @@ def test_merge_ignores_empty_partials() -> None:
     empty[0, :, 0] = True  # a (token, head) whose every split is empty: only the sink remains
     m[empty], l_part[empty], acc[empty] = float("-inf"), 0.0, 0.0
     sinks = torch.randn(heads, generator=gen) * 2
-    weight = torch.exp2(m.double())                                      # [T, S, H]
+    weight = torch.exp2(m.double())  # [T, S, H]
     denom = (weight * l_part.double()).sum(1) + torch.exp(sinks.double())
     want = (weight[..., None] * acc.double()).sum(1) / denom[..., None]
     out = torch.full((tokens, heads, head_dim), float("nan"), device=DEVICE)
     block_d = 32  # 2 dim blocks, the second one partial
     _merge_attention_splits_kernel[(tokens, heads, triton.cdiv(head_dim, block_d))](
-        acc.to(DEVICE), m.to(DEVICE), l_part.to(DEVICE), sinks.to(DEVICE), out, out, out, 0,
-        heads, splits, out.stride(0), out.stride(1), 0,
-        HEAD_DIM=head_dim, S_POW2=8, BLOCK_D=block_d, ROPE=False, X_KIND=0, ON_BITS=False,
+        acc.to(DEVICE),
+        m.to(DEVICE),
+        l_part.to(DEVICE),
+        sinks.to(DEVICE),
+        out,
+        out,
+        out,
+        0,
+        heads,
+        splits,
+        out.stride(0),
+        out.stride(1),
+        0,
+        HEAD_DIM=head_dim,
+        S_POW2=8,
+        BLOCK_D=block_d,
+        ROPE=False,
+        X_KIND=0,
+        ON_BITS=False,
         PDL=False,
     )
     assert not torch.isnan(out).any()
@@ -279,8 +305,9 @@ def test_extra_keys_read_in_place_from_a_pool(num_splits: int, dtype: torch.dtyp
     """extra_slots: the kernel reads each extra key from the pool row the slot names; the same
     values as the gathered copy, so the same bits, single pass and split-K. Invalid picks point
     at a row full of NaN, which must never be read."""
-    inputs = _inputs([40, 9, 70], [1, 3, 2], heads=5, head_dim=64, window=16, num_extra=24,
-                     dtype=dtype, seed=41)
+    inputs = _inputs(
+        [40, 9, 70], [1, 3, 2], heads=5, head_dim=64, window=16, num_extra=24, dtype=dtype, seed=41
+    )
     gen = torch.Generator().manual_seed(42)
     tokens, n, d = inputs["extra_kv"].shape
     pool = torch.randn(3 * n * tokens + 1, d, generator=gen).to(dtype)
@@ -306,8 +333,9 @@ def test_extra_keys_read_in_place_from_a_pool(num_splits: int, dtype: torch.dtyp
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("ratio,num_entries", [(4, 30), (8, 3), (128, 2), (1, 70)])
-def test_dense_entries_equal_explicit_slots(num_splits: int, dtype: torch.dtype, ratio: int,
-                                            num_entries: int) -> None:
+def test_dense_entries_equal_explicit_slots(
+    num_splits: int, dtype: torch.dtype, ratio: int, num_entries: int
+) -> None:
     """extra_entries (HCA): the kernel derives each entry's pool row and visibility from the
     table and the position; the same keys and mask as passing `dense_entries_ref`'s rows and
     mask as extra_slots / extra_valid. Rows of entries not yet complete are garbage (NaN) and
@@ -317,20 +345,33 @@ def test_dense_entries_equal_explicit_slots(num_splits: int, dtype: torch.dtype,
     few output ulps, while fp32 and single-pass bf16 were equal, so the keys and masks agree;
     the cause inside the compiled 16-bit split variants was not isolated. There both must
     agree with the reference (X2) and with each other to bf16 rounding."""
-    inputs = _inputs([40, 9, 270, 1], [1, 3, 2, 1], heads=5, head_dim=64, window=16,
-                     num_extra=None, dtype=dtype, seed=43 + ratio)
+    inputs = _inputs(
+        [40, 9, 270, 1],
+        [1, 3, 2, 1],
+        heads=5,
+        head_dim=64,
+        window=16,
+        num_extra=None,
+        dtype=dtype,
+        seed=43 + ratio,
+    )
     gen = torch.Generator().manual_seed(ratio)
     table = inputs["req_to_token"]
     pool = torch.randn(int(table.max()) // ratio + 2, 64, generator=gen).to(dtype).to(DEVICE)
-    rows, valid = dense_entries_ref(inputs["positions"], inputs["token_slot"], table,
-                                    num_entries, ratio)
+    rows, valid = dense_entries_ref(
+        inputs["positions"], inputs["token_slot"], table, num_entries, ratio
+    )
     assert bool(valid.any()) and not bool(valid.all())
     visible_rows = rows[valid].unique()
     garbage = torch.ones(pool.shape[0], dtype=torch.bool, device=DEVICE)
     garbage[visible_rows] = False
     pool[garbage] = float("nan")  # only rows of visible entries hold numbers
-    explicit = {**inputs, "extra_kv": pool, "extra_slots": torch.where(valid, rows, 0),
-                "extra_valid": valid}
+    explicit = {
+        **inputs,
+        "extra_kv": pool,
+        "extra_slots": torch.where(valid, rows, 0),
+        "extra_valid": valid,
+    }
     dense = {**inputs, "extra_kv": pool, "extra_entries": (num_entries, ratio)}
     want = _run_poisoned(explicit, num_splits)
     got = _run_poisoned(dense, num_splits)
@@ -338,8 +379,9 @@ def test_dense_entries_equal_explicit_slots(num_splits: int, dtype: torch.dtype,
         torch.testing.assert_close(got.float(), want.float(), rtol=1e-2, atol=1e-2)
     else:
         assert torch.equal(got, want)
-    ref = window_sparse_attention_ref(**{**inputs, "extra_kv": pool[rows].nan_to_num(0.0),
-                                         "extra_valid": valid})
+    ref = window_sparse_attention_ref(
+        **{**inputs, "extra_kv": pool[rows].nan_to_num(0.0), "extra_valid": valid}
+    )
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.float(), ref.float(), **tol)
     with pytest.raises(ValueError, match="extra_entries"):
@@ -359,15 +401,18 @@ def _rope_tables(tokens: int, rope_dim: int, seed: int) -> tuple[torch.Tensor, t
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("index,rope_dim,out_heads", [
-    (0, 64, None),   # rd = Dh: every channel rotates
-    (1, 16, 3),      # 5 heads un-padded to 3; head block and dim block partial
-    (2, 64, None),   # verify rows, Dh 128 (the mid model's layout)
-    (4, 64, 2),      # DSV4 Dh 512 with rd 64, un-padded
-])
-def test_inverse_rope_epilogue_equals_rope_tail_after(index: int, rope_dim: int,
-                                                      out_heads: int | None, num_splits: int,
-                                                      dtype: torch.dtype) -> None:  # fmt: skip
+@pytest.mark.parametrize(
+    "index,rope_dim,out_heads",
+    [
+        (0, 64, None),  # rd = Dh: every channel rotates
+        (1, 16, 3),  # 5 heads un-padded to 3; head block and dim block partial
+        (2, 64, None),  # verify rows, Dh 128 (the mid model's layout)
+        (4, 64, 2),  # DSV4 Dh 512 with rd 64, un-padded
+    ],
+)
+def test_inverse_rope_epilogue_equals_rope_tail_after(
+    index: int, rope_dim: int, out_heads: int | None, num_splits: int, dtype: torch.dtype
+) -> None:
     """The fused epilogue is `rope_tail(out, cos, sin, inverse=True)` of the kernel's own output,
     bit for bit (the same fp32 products, no FMA, one nearest-even rounding), and un-pads."""
     from sgl_dspark.kernels.rope import rope_tail
@@ -378,10 +423,10 @@ def test_inverse_rope_epilogue_equals_rope_tail_after(index: int, rope_dim: int,
     plain = window_sparse_attention(**inputs, num_splits=num_splits)
     want = rope_tail(plain, cos, sin, inverse=True, out_heads=out_heads)
     kept = heads if out_heads is None else out_heads
-    out = torch.full((tokens, kept, inputs["q"].shape[2]), float("nan"), dtype=dtype,
-                     device=DEVICE)  # fmt: skip
-    got = window_sparse_attention(**inputs, num_splits=num_splits, inverse_rope=(cos, sin),
-                                  out_heads=out_heads, out=out)  # fmt: skip
+    out = torch.full((tokens, kept, inputs["q"].shape[2]), float("nan"), dtype=dtype, device=DEVICE)
+    got = window_sparse_attention(
+        **inputs, num_splits=num_splits, inverse_rope=(cos, sin), out_heads=out_heads, out=out
+    )
     assert got is out
     bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
     assert torch.equal(got.view(bits), want.view(bits))

@@ -173,8 +173,9 @@ def test_forced_accept_matches_reference_and_rule(rows: int, width: int) -> None
     assert torch.equal(want.next_anchors, torch.where(real, bonus, ids[:, 0]))
     ids_d, lens_d, seqs_d, target_d, forced_d = _to(DEVICE, ids, lens, seqs, target, forced)
     poisoned = AcceptOutput(*(torch.full_like(t, 12345).to(DEVICE) for t in want))
-    got = spec_accept(ids_d, lens_d, seqs_d, target_ids=target_d, forced_accept=forced_d,
-                      out=poisoned)
+    got = spec_accept(
+        ids_d, lens_d, seqs_d, target_ids=target_d, forced_accept=forced_d, out=poisoned
+    )
     _assert_same(got, want)
 
 
@@ -183,14 +184,22 @@ def test_forced_accept_needs_the_greedy_rule_alone() -> None:
     lens = torch.full((2,), 3, device=DEVICE)
     probs = torch.full((2, 3, 4), 0.25, device=DEVICE)
     with pytest.raises(ValueError, match="forced_accept"):
-        spec_accept(ids, lens, lens, target_probs=probs, draft_probs=probs[:, :2],
-                    accept_uniforms=probs[:, :2, 0].contiguous(),
-                    sample_uniforms=probs[:, 0, 0].contiguous(), forced_accept=lens)
+        spec_accept(
+            ids,
+            lens,
+            lens,
+            target_probs=probs,
+            draft_probs=probs[:, :2],
+            accept_uniforms=probs[:, :2, 0].contiguous(),
+            sample_uniforms=probs[:, 0, 0].contiguous(),
+            forced_accept=lens,
+        )
 
 
 @pytest.mark.parametrize("num_chunks", [None, 1, 3, 64])
-@pytest.mark.parametrize("rows,width,vocab", [(0, 3, 8), (1, 1, 37), (5, 2, 37), (9, 4, 300),
-                                              (7, 6, 5000), (3, 8, 129)])
+@pytest.mark.parametrize(
+    "rows,width,vocab", [(0, 3, 8), (1, 1, 37), (5, 2, 37), (9, 4, 300), (7, 6, 5000), (3, 8, 129)]
+)
 def test_sampled_matches_reference_and_oracle(
     rows: int, width: int, vocab: int, num_chunks: int | None
 ) -> None:
@@ -200,8 +209,15 @@ def test_sampled_matches_reference_and_oracle(
     ids, p, q, ua, us = _sampling_inputs(rows, width, vocab, gen)
     args = dict(target_probs=p, draft_probs=q, accept_uniforms=ua, sample_uniforms=us)
     want = spec_accept_ref(ids, lens, seqs, **args)
-    oracle = _oracle(ids.numpy(), lens.numpy(), seqs.numpy(), p=p.numpy(), q=q.numpy(),
-                     ua=ua.numpy(), us=us.numpy())
+    oracle = _oracle(
+        ids.numpy(),
+        lens.numpy(),
+        seqs.numpy(),
+        p=p.numpy(),
+        q=q.numpy(),
+        ua=ua.numpy(),
+        us=us.numpy(),
+    )
     _assert_oracle(want, oracle)
     dev = dict(zip(args, _to(DEVICE, *args.values())))
     ids_d, lens_d, seqs_d = _to(DEVICE, ids, lens, seqs)
@@ -235,8 +251,16 @@ def test_mixed_batch_selects_rule_per_row() -> None:
     for num_chunks in (None, 1, 5):  # 5 chunks: greedy and padding rows are written by chunk 0
         for buf in out:
             buf.fill_(-99)
-        got = spec_accept(ids_d, lens_d, seqs_d, target_ids=target_d, greedy_mask=greedy_d,
-                          out=out, num_chunks=num_chunks, **dev)
+        got = spec_accept(
+            ids_d,
+            lens_d,
+            seqs_d,
+            target_ids=target_d,
+            greedy_mask=greedy_d,
+            out=out,
+            num_chunks=num_chunks,
+            **dev,
+        )
         assert all(g.data_ptr() == o.data_ptr() for g, o in zip(got, out))
         _assert_same(got, want)
 
@@ -302,8 +326,12 @@ def test_split_scan_threshold_on_chunk_boundaries(num_chunks: int) -> None:
     ids = torch.full((rows, 1), 3)
     lens = torch.ones(rows, dtype=torch.long)
     seqs = torch.arange(rows)
-    args = dict(target_probs=p, draft_probs=torch.zeros(rows, 0, 8),
-                accept_uniforms=torch.zeros(rows, 0), sample_uniforms=us)
+    args = dict(
+        target_probs=p,
+        draft_probs=torch.zeros(rows, 0, 8),
+        accept_uniforms=torch.zeros(rows, 0),
+        sample_uniforms=us,
+    )
     want = spec_accept_ref(ids, lens, seqs, **args)
     assert want.next_anchors.tolist() == [tok for _, _, tok in p_rows]
     dev = dict(zip(args, _to(DEVICE, *args.values())))
@@ -313,8 +341,12 @@ def test_split_scan_threshold_on_chunk_boundaries(num_chunks: int) -> None:
     # Residual draw: draft 0 is rejected (0.9 * Q(0) = 0.225 >= P(0) = 0.125); the residual
     # max(P - Q, 0) = 1/8 on columns 2..5 (mass 2**39), u = 0.5 -> t = 2**38 = its CDF[3] -> 4.
     q = torch.tensor([0.25, 0.25, 0, 0, 0, 0, 0.25, 0.25])
-    args = dict(target_probs=torch.stack([eighth, eighth])[None], draft_probs=q[None, None],
-                accept_uniforms=torch.tensor([[0.9]]), sample_uniforms=torch.tensor([0.5]))
+    args = dict(
+        target_probs=torch.stack([eighth, eighth])[None],
+        draft_probs=q[None, None],
+        accept_uniforms=torch.tensor([[0.9]]),
+        sample_uniforms=torch.tensor([0.5]),
+    )
     ids, lens, seqs = torch.tensor([[5, 0]]), torch.tensor([2]), torch.tensor([10])
     want = spec_accept_ref(ids, lens, seqs, **args)
     assert want.accept_lens.tolist() == [0] and want.next_anchors.tolist() == [4]
@@ -348,8 +380,13 @@ def test_sampled_rule_is_distributed_as_target(draft_kind: str) -> None:
         q1 = torch.tensor([0.01, 0.04, 0.05, 0.10, 0.10, 0.20, 0.20, 0.30])
         q2 = torch.tensor([0.30, 0.30, 0.20, 0.02, 0.03, 0.05, 0.05, 0.05])
         q = torch.stack([q1, q2]).expand(trials, 2, vocab).contiguous()
-        drafts = torch.stack([torch.multinomial(q1, trials, True, generator=gen),
-                              torch.multinomial(q2, trials, True, generator=gen)], 1)
+        drafts = torch.stack(
+            [
+                torch.multinomial(q1, trials, True, generator=gen),
+                torch.multinomial(q2, trials, True, generator=gen),
+            ],
+            1,
+        )
     else:  # argmax-style drafts that always propose a fixed (wrong-mode) token
         drafts = torch.tensor([1, 2]).expand(trials, 2)
         q = torch.nn.functional.one_hot(drafts, vocab).float()
@@ -383,9 +420,16 @@ def test_bad_arguments_raise() -> None:
         spec_accept(ids, lens, lens)
     with pytest.raises(ValueError, match="greedy_mask"):
         p = torch.rand(2, 3, 5, device=DEVICE)
-        spec_accept(ids, lens, lens, target_ids=ids, target_probs=p,
-                    draft_probs=p[:, :2].contiguous(), accept_uniforms=p[:, :2, 0].contiguous(),
-                    sample_uniforms=p[:, 0, 0].contiguous())
+        spec_accept(
+            ids,
+            lens,
+            lens,
+            target_ids=ids,
+            target_probs=p,
+            draft_probs=p[:, :2].contiguous(),
+            accept_uniforms=p[:, :2, 0].contiguous(),
+            sample_uniforms=p[:, 0, 0].contiguous(),
+        )
     with pytest.raises(ValueError, match="verify_lens"):
         spec_accept(ids, lens[:1], lens, target_ids=ids)
 
@@ -401,8 +445,17 @@ def test_cuda_graph_replay_matches_eager() -> None:
     inputs = [t.cuda() for t in (ids, lens, seqs, target, greedy, p, q, ua, us)]
 
     def step(ids, lens, seqs, target, greedy, p, q, ua, us):
-        return spec_accept(ids, lens, seqs, target_ids=target, greedy_mask=greedy,
-                           target_probs=p, draft_probs=q, accept_uniforms=ua, sample_uniforms=us)
+        return spec_accept(
+            ids,
+            lens,
+            seqs,
+            target_ids=target,
+            greedy_mask=greedy,
+            target_probs=p,
+            draft_probs=q,
+            accept_uniforms=ua,
+            sample_uniforms=us,
+        )
 
     eager = step(*inputs)
     torch.cuda.synchronize()

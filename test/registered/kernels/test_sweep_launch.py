@@ -66,19 +66,24 @@ def test_report_rows_with_a_fake_timer(monkeypatch) -> None:
         return 2.0 + 0.1 * module._k_quant_meta(1, 128)["num_warps"], True
 
     monkeypatch.setattr(run_all, "time_graph", fake_time_graph)
-    lines = sweep_launch._sweep_case(target, target.cases[0], (1, 8), 20, 30, False,
-                                     lambda text: None, device=DEVICE)
-    summary = lines[:lines.index("")]
+    lines = sweep_launch._sweep_case(
+        target, target.cases[0], (1, 8), 20, 30, False, lambda text: None, device=DEVICE
+    )
+    summary = lines[: lines.index("")]
     assert len(summary) == 2
     default = module._k_quant_meta(1, 128)
     default_us = f"{2.0 + 0.1 * default['num_warps']:.2f}"
     for line, m in zip(summary, (1, 8)):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:5] == [target.cases[0], str(m), "-", f"{default_us} / {default_us}",
-                             " ".join(f"{k}={v}" for k, v in default.items())]
+        assert cells[:5] == [
+            target.cases[0],
+            str(m),
+            "-",
+            f"{default_us} / {default_us}",
+            " ".join(f"{k}={v}" for k, v in default.items()),
+        ]
         # (one-warp candidates tie under the fake timer: any of them is a best)
         assert cells[5].endswith("num_warps=1") and cells[6] == "2.10"
-    matrix = lines[lines.index("") + 1:]
+    matrix = lines[lines.index("") + 1 :]
     assert matrix[2].startswith(f"| default | {default_us} | {default_us} |")
-    assert len([row for row in matrix if row.startswith("| BLOCK_ROWS=")]) == len(
-        target.candidates)
+    assert len([row for row in matrix if row.startswith("| BLOCK_ROWS=")]) == len(target.candidates)

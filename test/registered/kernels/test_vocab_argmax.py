@@ -151,8 +151,9 @@ def _boundary_rows(width: int, boundaries: list[int], gen: torch.Generator) -> t
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("width,num_chunks", [(1000, 1), (1000, 3), (1000, 7), (4097, 2),
-                                              (37, 40), (5, 8)])
+@pytest.mark.parametrize(
+    "width,num_chunks", [(1000, 1), (1000, 3), (1000, 7), (4097, 2), (37, 40), (5, 8)]
+)
 def test_forced_chunks_with_ties_on_chunk_boundaries(width, num_chunks, dtype) -> None:
     gen = torch.Generator().manual_seed(width * 17 + num_chunks)
     chunk = -(-width // num_chunks)
@@ -182,19 +183,28 @@ def test_ties_on_shard_boundaries(num_chunks) -> None:
     expected = torch.argmax(x, -1)
     assert torch.equal(vocab_argmax(shards, num_chunks=num_chunks), expected)
     order = [2, 0, 3, 1]
-    got = vocab_argmax([shards[i] for i in order], [([0] + starts)[i] for i in order],
-                       num_chunks=num_chunks)
+    got = vocab_argmax(
+        [shards[i] for i in order], [([0] + starts)[i] for i in order], num_chunks=num_chunks
+    )
     assert torch.equal(got, expected)
 
 
 def test_many_shards_mixed_dtypes_span_launches() -> None:
     # Six shards -> stage-1 launches of up to four same-dtype shards each.
     gen = torch.Generator().manual_seed(9)
-    dtypes = [torch.float32, torch.float32, torch.bfloat16, torch.bfloat16, torch.bfloat16,
-              torch.float32]
+    dtypes = [
+        torch.float32,
+        torch.float32,
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.bfloat16,
+        torch.float32,
+    ]
     widths = [300, 517, 64, 1000, 2, 900]
-    shards = [(torch.randint(-3, 4, (11, w), generator=gen).float()).to(d).to(DEVICE)
-              for w, d in zip(widths, dtypes)]
+    shards = [
+        (torch.randint(-3, 4, (11, w), generator=gen).float()).to(d).to(DEVICE)
+        for w, d in zip(widths, dtypes)
+    ]
     expected = vocab_argmax_ref(shards)
     for num_chunks in (None, 3):
         assert torch.equal(vocab_argmax(shards, num_chunks=num_chunks), expected)
@@ -233,27 +243,34 @@ def test_plan_spreads_the_dsv4_vocab(rows: int) -> None:
     assert single.counts == [1]  # large M: one program per row, no combine launch
 
 
-@pytest.mark.parametrize("meta,dtype", [
-    ({"per_row": 1, "max_block": 16, "num_warps": 4}, torch.float32),  # many blocks per chunk
-    ({"per_row": 3, "max_block": 32, "num_warps": 2}, torch.bfloat16),
-    ({"per_row": 1000, "max_block": 4096, "num_warps": 8}, torch.float32),  # 16-column chunks
-], ids=["one_chunk_many_blocks", "three_chunks", "smallest_chunks"])
+@pytest.mark.parametrize(
+    "meta,dtype",
+    [
+        ({"per_row": 1, "max_block": 16, "num_warps": 4}, torch.float32),  # many blocks per chunk
+        ({"per_row": 3, "max_block": 32, "num_warps": 2}, torch.bfloat16),
+        ({"per_row": 1000, "max_block": 4096, "num_warps": 8}, torch.float32),  # 16-column chunks
+    ],
+    ids=["one_chunk_many_blocks", "three_chunks", "smallest_chunks"],
+)
 def test_launch_meta_never_changes_results(meta, dtype, monkeypatch) -> None:
     """Any meta `_chunk_meta` may return gives torch.argmax's ids: ties, NaNs and all -inf rows
     on block boundaries (the lanes of a block see columns b, b + BLOCK, ...)."""
     monkeypatch.setattr(vocab_argmax_module, "_chunk_meta", lambda total, rows: dict(meta))
     gen = torch.Generator().manual_seed(meta["per_row"] * 31 + meta["max_block"])
     width = 200
-    x = torch.cat([_boundary_rows(width, [16, 32, 33, 199], gen),
-                   torch.randn(2, width, generator=gen),
-                   torch.randint(-2, 3, (2, width), generator=gen).float()])
+    x = torch.cat(
+        [
+            _boundary_rows(width, [16, 32, 33, 199], gen),
+            torch.randn(2, width, generator=gen),
+            torch.randint(-2, 3, (2, width), generator=gen).float(),
+        ]
+    )
     x[-1, [52, 84, 116]] = float("nan")  # one lane (BLOCK 16 or 32) sees three NaNs -> 52
     x[-2, [84, 52]] = float("inf")  # and two +inf -> 52
     x = x.to(dtype).to(DEVICE)
     expected = vocab_argmax_ref([x])
     assert torch.equal(vocab_argmax(x, out=torch.full_like(expected, -7)), expected)
-    pairs = shard_argmax_pairs(x, 77, out=torch.full((x.shape[0], 2), float("nan"),
-                                                     device=DEVICE))
+    pairs = shard_argmax_pairs(x, 77, out=torch.full((x.shape[0], 2), float("nan"), device=DEVICE))
     assert torch.equal(pairs[:, 1].long(), expected + 77)
     picked = x.float().gather(1, expected[:, None])[:, 0]
     assert torch.equal(pairs[:, 0].isnan(), picked.isnan())

@@ -19,20 +19,26 @@ class Driver:
         self.committed[slot] = 0
         return slot
 
-    def step(self, mode: ForwardMode, work: list[tuple[int, list[int]]],
-             commit: bool = True) -> list[torch.Tensor]:
+    def step(
+        self, mode: ForwardMode, work: list[tuple[int, list[int]]], commit: bool = True
+    ) -> list[torch.Tensor]:
         """Run `work` = [(slot, new token ids)]; return per-request logits `[n_i, V]` for every
         new token. With commit=False the tokens are verified but not committed (rolled back)."""
         pool = self.runner.req_pool
         for slot, ids in work:
             pool.reserve(slot, self.committed[slot] + len(ids))
-        batch = ForwardBatch.build(mode, [ids for _, ids in work],
-                                   [self.committed[s] for s, _ in work], [s for s, _ in work],
-                                   pool.req_to_token, logits_rows="all")
+        batch = ForwardBatch.build(
+            mode,
+            [ids for _, ids in work],
+            [self.committed[s] for s, _ in work],
+            [s for s, _ in work],
+            pool.req_to_token,
+            logits_rows="all",
+        )
         out = self.runner.forward(batch).logits
         res, start = [], 0
         for slot, ids in work:
-            res.append(out[start:start + len(ids)])
+            res.append(out[start : start + len(ids)])
             start += len(ids)
             if commit:
                 self.committed[slot] += len(ids)

@@ -27,9 +27,11 @@ def setup(request):
 
 def _runner(setup) -> tuple[object, Driver]:
     hf, cfg = setup
-    runner = ModelRunner(cfg, RunnerConfig(max_total_tokens=8192, max_running_requests=16,
-                                           context_length=256),
-                         weights=hf.state_dict().items())
+    runner = ModelRunner(
+        cfg,
+        RunnerConfig(max_total_tokens=8192, max_running_requests=16, context_length=256),
+        weights=hf.state_dict().items(),
+    )
     return hf, Driver(runner)
 
 
@@ -54,8 +56,8 @@ def test_chunked_prefill(setup):
     slot = drv.new_request()
     start = 0
     for n in (13, 22, 1, 44):
-        out = drv.step(ForwardMode.EXTEND, [(slot, ids[start:start + n])])[0]
-        torch.testing.assert_close(out, ref[start:start + n], **TOL)
+        out = drv.step(ForwardMode.EXTEND, [(slot, ids[start : start + n])])[0]
+        torch.testing.assert_close(out, ref[start : start + n], **TOL)
         start += n
 
 
@@ -73,7 +75,7 @@ def test_decode_token_by_token_in_a_batch(setup):
         for i, o in enumerate(outs):
             got[i].append(o[0])
     for p, c, g in zip(prompts, conts, got):
-        ref = hf_logits(hf, p + c)[len(p):]
+        ref = hf_logits(hf, p + c)[len(p) :]
         torch.testing.assert_close(torch.stack(g), ref, **TOL)
 
 
@@ -91,13 +93,13 @@ def test_verify_equals_decode_steps(setup, width):
         outs = drv.step(ForwardMode.VERIFY, list(zip(slots, win)))
         for i, (seq, o) in enumerate(zip(seqs, outs)):
             seq.extend(win[i])
-            torch.testing.assert_close(o, hf_logits(hf, seq)[-widths[i]:], **TOL)
+            torch.testing.assert_close(o, hf_logits(hf, seq)[-widths[i] :], **TOL)
     # and against our own decode steps on a fresh runner
     _, drv2 = _runner(setup)
     s2 = drv2.new_request()
     drv2.step(ForwardMode.EXTEND, [(s2, prompts[0][:-1])])
-    dec = [drv2.step(ForwardMode.DECODE, [(s2, [t])])[0][0] for t in seqs[0][len(prompts[0]) - 1:]]
-    ver_ref = hf_logits(hf, seqs[0])[len(prompts[0]) - 1:]
+    dec = [drv2.step(ForwardMode.DECODE, [(s2, [t])])[0][0] for t in seqs[0][len(prompts[0]) - 1 :]]
+    ver_ref = hf_logits(hf, seqs[0])[len(prompts[0]) - 1 :]
     torch.testing.assert_close(torch.stack(dec), ver_ref, **TOL)
 
 

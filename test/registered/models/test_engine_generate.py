@@ -40,15 +40,21 @@ def _prompts() -> list[list[int]]:
 
 
 def test_greedy_generate_matches_hf(hf_model, hf_dir):
-    engine = Engine(model_path=hf_dir, skip_tokenizer_init=True, context_length=256,
-                    chunked_prefill_size=16)
+    engine = Engine(
+        model_path=hf_dir, skip_tokenizer_init=True, context_length=256, chunked_prefill_size=16
+    )
     params = {"max_new_tokens": 70, "temperature": 0.0, "ignore_eos": True}
     outs = engine.generate(input_ids=_prompts(), sampling_params=params)
     for ids, out in zip(_prompts(), outs):
-        ref = hf_model.generate(torch.tensor([ids]), max_new_tokens=70, do_sample=False,
-                                eos_token_id=None, pad_token_id=0,
-                                attention_mask=torch.ones(1, len(ids), dtype=torch.long))
-        assert out["output_ids"] == ref[0, len(ids):].tolist()
+        ref = hf_model.generate(
+            torch.tensor([ids]),
+            max_new_tokens=70,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        )
+        assert out["output_ids"] == ref[0, len(ids) :].tolist()
         assert out["meta_info"]["completion_tokens"] == 70
         assert out["meta_info"]["prompt_tokens"] == len(ids)
     engine.shutdown()
@@ -56,11 +62,14 @@ def test_greedy_generate_matches_hf(hf_model, hf_dir):
 
 def _first_logits(model_dir: str) -> torch.Tensor:
     engine = Engine(model_path=model_dir, skip_tokenizer_init=True, context_length=256)
-    outs = engine.generate(input_ids=_prompts(), return_logprob=True,
-                           sampling_params={"max_new_tokens": 4, "temperature": 0.0,
-                                            "ignore_eos": True})
-    return torch.tensor([[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]]
-                         for o in outs]), [o["output_ids"] for o in outs]
+    outs = engine.generate(
+        input_ids=_prompts(),
+        return_logprob=True,
+        sampling_params={"max_new_tokens": 4, "temperature": 0.0, "ignore_eos": True},
+    )
+    return torch.tensor(
+        [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs]
+    ), [o["output_ids"] for o in outs]
 
 
 def test_released_names_give_equal_outputs(hf_model, hf_dir, tmp_path):
@@ -81,14 +90,23 @@ def test_released_names_give_equal_outputs(hf_model, hf_dir, tmp_path):
 def test_quantized_checkpoint_equals_dequantized_twin(hf_model, hf_dir, tmp_path, expert_dtype):
     cfg = ModelConfig.from_pretrained(hf_dir)
     qdir = tmp_path / "quant"
-    save_released_checkpoint(hf_model.state_dict(), cfg, str(qdir), quantize=True,
-                             expert_dtype=expert_dtype)
+    save_released_checkpoint(
+        hf_model.state_dict(), cfg, str(qdir), quantize=True, expert_dtype=expert_dtype
+    )
     # The twin: the same HF state dict with every quantised tensor replaced by its dequantised
     # value, computed here from the quantisers (independent of the loader).
     twin = {k: v.clone() for k, v in hf_model.state_dict().items()}
-    dense = ("q_a_proj.weight", "q_b_proj.weight", "kv_proj.weight", "o_a_proj.weight",
-             "o_b_proj.weight", "indexer.q_b_proj.weight", "shared_experts.gate_proj.weight",
-             "shared_experts.up_proj.weight", "shared_experts.down_proj.weight")
+    dense = (
+        "q_a_proj.weight",
+        "q_b_proj.weight",
+        "kv_proj.weight",
+        "o_a_proj.weight",
+        "o_b_proj.weight",
+        "indexer.q_b_proj.weight",
+        "shared_experts.gate_proj.weight",
+        "shared_experts.up_proj.weight",
+        "shared_experts.down_proj.weight",
+    )
     for k, v in twin.items():
         in_compressor = "compressor." in k and not k.endswith("indexer.q_b_proj.weight")
         if k.endswith(dense) and not in_compressor:

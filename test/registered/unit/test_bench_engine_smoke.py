@@ -15,10 +15,32 @@ ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_bench_engine_toy_cpu(tmp_path):
-    cmd = [sys.executable, str(ROOT / "benchmark" / "bench_engine.py"), "--config", "toy",
-           "--device", "cpu", "--batch-sizes", "1,2", "--input-len", "10", "--output-len", "3",
-           "--gamma", "2", "--accept-len", "2", "--draft-layers", "1", "--static-cases", "2:2,1:2",
-           "--bs1-block-size", "1", "--out-dir", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmark" / "bench_engine.py"),
+        "--config",
+        "toy",
+        "--device",
+        "cpu",
+        "--batch-sizes",
+        "1,2",
+        "--input-len",
+        "10",
+        "--output-len",
+        "3",
+        "--gamma",
+        "2",
+        "--accept-len",
+        "2",
+        "--draft-layers",
+        "1",
+        "--static-cases",
+        "2:2,1:2",
+        "--bs1-block-size",
+        "1",
+        "--out-dir",
+        str(tmp_path),
+    ]
     subprocess.run(cmd, check=True, capture_output=True, timeout=600)
     data = json.loads((tmp_path / "engine.json").read_text())
     seen = {(r["system"], r["bs"]) for r in data["rows"]}
@@ -29,7 +51,7 @@ def test_bench_engine_toy_cpu(tmp_path):
     assert {s for s in seen if s[0].endswith("_bs1_block1")} == {("dspark_static_w2_bs1_block1", 1)}
     for r in data["rows"]:
         assert r["tok_s_total"] > 0 and len(r["ids"]) == r["bs"]
-        assert all(len(ids) == 3 for ids in r["ids"])   # ignore_eos: exactly output-len tokens
+        assert all(len(ids) == 3 for ids in r["ids"])  # ignore_eos: exactly output-len tokens
     table = (tmp_path / "engine.md").read_text()
     assert table.count("| dspark_full |") == 2 and "x HF" in table
 

@@ -108,7 +108,9 @@ def test_hf_byte_level_bpe_stream():
     raw = tokenizers.Tokenizer(models.BPE())
     raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     raw.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     raw.train_from_iterator(["héllo wörld 你好 😀 🎉 done"] * 10, trainer)
 
     class Wrapped:
@@ -171,8 +173,10 @@ def test_streaming_stop_strings_property(seed):
     rng = random.Random(1000 + seed)
     alphabet = ["a", "b", "c", "😀", "好"]
     text = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 30)))
-    stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
-             for _ in range(rng.randint(1, 3))]
+    stops = [
+        "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 4)))
+        for _ in range(rng.randint(1, 3))
+    ]
     no_stop_trim = rng.random() < 0.3
     data = text.encode("utf-8")
     detok = IncrementalDetokenizer(ByteTokenizer(), stop=stops, no_stop_trim=no_stop_trim)

@@ -31,8 +31,13 @@ GAMMA = 4
 
 def _dcfg() -> DSparkConfig:
     target = ModelConfig.from_hf_dict(TINY_HF_CONFIG)
-    raw = {**TINY_HF_CONFIG, "dspark_block_size": GAMMA, "dspark_markov_rank": 8,
-           "dspark_noise_token_id": 3, "dspark_target_layer_ids": [3, 4]}
+    raw = {
+        **TINY_HF_CONFIG,
+        "dspark_block_size": GAMMA,
+        "dspark_markov_rank": 8,
+        "dspark_noise_token_id": 3,
+        "dspark_target_layer_ids": [3, 4],
+    }
     return DSparkConfig.from_dict(raw, target)
 
 
@@ -57,23 +62,31 @@ def _step_inputs(draft: DSparkDraftModel, seq_lens: list[int], gen: torch.Genera
     perm = torch.randperm(num_slots - 1, generator=gen) + 1
     table, used = [], 0
     for s in seq_lens:
-        table.append(perm[used:used + s])
+        table.append(perm[used : used + s])
         used += s
     slots = torch.cat(table)
     positions = torch.cat([torch.arange(s) for s in seq_lens])
     feats = torch.randn(slots.shape[0], len(draft.dcfg.target_layer_ids) * d, generator=gen)
-    pools = [torch.randn(num_slots, cfg.head_dim, generator=gen).to(DEVICE)
-             for _ in range(draft.dcfg.num_stages)]
+    pools = [
+        torch.randn(num_slots, cfg.head_dim, generator=gen).to(DEVICE)
+        for _ in range(draft.dcfg.num_stages)
+    ]
     with torch.no_grad():
         draft.write_context_kv(feats.to(DEVICE), positions.to(DEVICE), pools, slots.to(DEVICE))
     ctx_pos = torch.tensor(seq_lens)[:, None] - window + torch.arange(window)[None, :]
     ctx_valid = ctx_pos >= 0
-    ctx_slots = torch.stack([torch.where(ctx_valid[r], row[ctx_pos[r].clamp(min=0)], 0)
-                             for r, row in enumerate(table)])
+    ctx_slots = torch.stack(
+        [torch.where(ctx_valid[r], row[ctx_pos[r].clamp(min=0)], 0) for r, row in enumerate(table)]
+    )
     block_pos = torch.tensor(seq_lens)[:, None] + torch.arange(GAMMA)[None, :]
     embeds = torch.randn(len(seq_lens), GAMMA, d, generator=gen)
-    return (embeds.to(DEVICE), block_pos.to(DEVICE), pools, ctx_slots.to(DEVICE),
-            ctx_valid.to(DEVICE))
+    return (
+        embeds.to(DEVICE),
+        block_pos.to(DEVICE),
+        pools,
+        ctx_slots.to(DEVICE),
+        ctx_valid.to(DEVICE),
+    )
 
 
 @pytest.mark.parametrize("kernel_backend", ["torch", "triton"])
@@ -128,9 +141,15 @@ def test_torch_core_is_the_reference(dtype: torch.dtype) -> None:
 
 
 def _dspark_greedy(attention_backend: str) -> list[list[int]]:
-    engine = Engine(model_path="tiny", device=DEVICE, dtype="float32", context_length=128,
-                    speculative_algorithm="DSpark", speculative_dspark_block_size=3,
-                    attention_backend=attention_backend)
+    engine = Engine(
+        model_path="tiny",
+        device=DEVICE,
+        dtype="float32",
+        context_length=128,
+        speculative_algorithm="DSpark",
+        speculative_dspark_block_size=3,
+        attention_backend=attention_backend,
+    )
     try:
         draft = engine.scheduler.spec.draft
         want_fn = draft_attention if attention_backend == "triton" else draft_attention_torch

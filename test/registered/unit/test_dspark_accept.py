@@ -117,12 +117,19 @@ def _inverse_cdf_ref(weights: list[int], u: float) -> int:
 
 
 def test_inverse_cdf_hand_cases():
-    probs = torch.tensor([[0.0, 0.25, 0.0, 0.75], [0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.0, 2.0],
-                          [0.0, 0.0, 0.0, 0.0], [-1.0, 0.5, -0.5, 0.5]])
+    probs = torch.tensor(
+        [
+            [0.0, 0.25, 0.0, 0.75],
+            [0.5, 0.5, 0.0, 0.0],
+            [0.0, 0.0, 0.0, 2.0],
+            [0.0, 0.0, 0.0, 0.0],
+            [-1.0, 0.5, -0.5, 0.5],
+        ]
+    )
     cases = {  # u -> expected token per row (hand-derived: intervals [C[k-1], C[k]) of u * S)
         0.0: [1, 0, 3, 0, 1],
         0.2499999: [1, 0, 3, 0, 1],
-        0.25: [3, 0, 3, 0, 1],   # on the boundary 0.25 * S: the upper token
+        0.25: [3, 0, 3, 0, 1],  # on the boundary 0.25 * S: the upper token
         0.5: [3, 1, 3, 0, 3],
         0.9999999: [3, 1, 3, 0, 3],
     }
@@ -143,8 +150,11 @@ def test_inverse_cdf_random_rows_match_integer_reference():
 
 
 def test_fixed_point_constants_match_the_kernel():
-    kernel = {"FIXED_POINT_BITS": FIXED_POINT_BITS, "UNIFORM_BITS": UNIFORM_BITS,
-              "MIN_RESIDUAL_MASS": MIN_RESIDUAL_MASS}
+    kernel = {
+        "FIXED_POINT_BITS": FIXED_POINT_BITS,
+        "UNIFORM_BITS": UNIFORM_BITS,
+        "MIN_RESIDUAL_MASS": MIN_RESIDUAL_MASS,
+    }
     assert {name: getattr(accept_mod, name) for name in kernel} == kernel
 
 
@@ -162,8 +172,10 @@ def _sampled_ref(verify_ids, verify_lens, p, q, coins, bonus_u):
                 break
         weights = _fixed(p[b, n].tolist())
         if rejected:
-            resid = [max(np.float32(max(x, 0.0)) - np.float32(y), np.float32(0.0))
-                     for x, y in zip(p[b, n].tolist(), q[b, n].tolist())]
+            resid = [
+                max(np.float32(max(x, 0.0)) - np.float32(y), np.float32(0.0))
+                for x, y in zip(p[b, n].tolist(), q[b, n].tolist())
+            ]
             resid_w = _fixed([float(r) for r in resid])
             weights = resid_w if sum(resid_w) > 2**16 else weights
         lens.append(n)
@@ -271,8 +283,9 @@ def _random_step(batch: int, width: int, vocab: int, seed: int, coarse: bool):
     chain = torch.argmax(logits, -1)
     verify_ids = torch.cat([torch.randint(0, vocab, (batch, 1), generator=gen), chain[:, :-1]], 1)
     noise = torch.rand((batch, width), generator=gen) < 0.3
-    verify_ids = torch.where(noise, torch.randint(0, vocab, (batch, width), generator=gen),
-                             verify_ids)
+    verify_ids = torch.where(
+        noise, torch.randint(0, vocab, (batch, width), generator=gen), verify_ids
+    )
     p = torch.softmax(logits * 2, -1)
     q = torch.softmax(torch.randn((batch, max(width - 1, 0), vocab), generator=gen) * 2, -1)
     coins = torch.rand((batch, max(width - 1, 0)), generator=gen)
@@ -290,9 +303,15 @@ def _random_step(batch: int, width: int, vocab: int, seed: int, coarse: bool):
     return verify_ids, verify_lens, seq_lens, logits, greedy, p, q, coins, bonus_u
 
 
-@pytest.mark.parametrize("batch, width, vocab, coarse", [
-    (12, 1, 7, False), (24, 3, 5, True), (40, 4, 33, False), (16, 6, 9, True),
-])
+@pytest.mark.parametrize(
+    "batch, width, vocab, coarse",
+    [
+        (12, 1, 7, False),
+        (24, 3, 5, True),
+        (40, 4, 33, False),
+        (16, 6, 9, True),
+    ],
+)
 @pytest.mark.parametrize("mode", ["greedy", "sampled", "capped", "forced"])
 def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
     """Both acceptance backends on the same inputs (CPU interpreter in CI; compiled on a GPU,
@@ -301,9 +320,10 @@ def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
     args = _random_step(batch, width, vocab, seed=batch * width + vocab, coarse=coarse)
     ids, lens, seq, logits, greedy, p, q, coins, bonus_u = (t.to(device) for t in args)
     kw = {}
-    if mode == "forced":   # simulated acceptance: counts given, bonus = argmax at that row
-        kw["forced_accept"] = torch.randint(0, width + 1, (batch,),
-                                            generator=torch.Generator().manual_seed(3)).to(device)
+    if mode == "forced":  # simulated acceptance: counts given, bonus = argmax at that row
+        kw["forced_accept"] = torch.randint(
+            0, width + 1, (batch,), generator=torch.Generator().manual_seed(3)
+        ).to(device)
         want = accept_step(ids, lens, seq, logits, greedy, **kw)
         n = torch.minimum(kw["forced_accept"], (lens - 1).clamp(min=0))
         assert torch.equal(want.accept_len, torch.where(lens > 0, n, 0))
@@ -320,8 +340,14 @@ def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
     assert triton_accept is not accept_step
     got = triton_accept(ids, lens, seq, logits, greedy, **kw)
     real = lens > 0
-    for name in ("accept_len", "commit_len", "out_tokens", "next_anchor", "new_seq_lens",
-                 "cap_trim"):
+    for name in (
+        "accept_len",
+        "commit_len",
+        "out_tokens",
+        "next_anchor",
+        "new_seq_lens",
+        "cap_trim",
+    ):
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert torch.equal(got.bonus[real], want.bonus[real])
     if mode in ("sampled", "capped"):  # the sampled rule ran: some accepted, some rejected

@@ -29,8 +29,13 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 def _draft(kernel_backend: str, seed: int = 5) -> DSparkDraftModel:
     target = ModelConfig.from_hf_dict(TINY_HF_CONFIG)
-    raw = {**TINY_HF_CONFIG, "dspark_block_size": 4, "dspark_markov_rank": 8,
-           "dspark_noise_token_id": 3, "dspark_target_layer_ids": [1, 3, 4]}
+    raw = {
+        **TINY_HF_CONFIG,
+        "dspark_block_size": 4,
+        "dspark_markov_rank": 8,
+        "dspark_noise_token_id": 3,
+        "dspark_target_layer_ids": [1, 3, 4],
+    }
     dcfg = DSparkConfig.from_dict(raw, target)
     model = DSparkDraftModel(dcfg, KernelChoice(kernel_backend))
     shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
@@ -53,19 +58,25 @@ def test_context_kv_store_equals_unfused(kernel_backend: str, rows: int) -> None
     feats = torch.randn(rows, draft.dcfg.num_stages * d, generator=gen).to(DEVICE)
     positions = torch.randint(0, 300, (rows,), generator=gen).to(DEVICE)
     slots = (torch.randperm(num_slots - 1, generator=gen)[:rows] + 1).to(DEVICE)
-    pools = [torch.full((num_slots, dh), float("nan"), device=DEVICE)
-             for _ in range(draft.dcfg.num_stages)]
+    pools = [
+        torch.full((num_slots, dh), float("nan"), device=DEVICE)
+        for _ in range(draft.dcfg.num_stages)
+    ]
     with torch.no_grad():
         draft.write_context_kv(feats, positions, pools, slots)
-        main_x = _rms(F.linear(feats, draft.main_proj.weight), draft.main_norm.weight,
-                      draft.main_norm.eps)
+        main_x = _rms(
+            F.linear(feats, draft.main_proj.weight), draft.main_norm.weight, draft.main_norm.eps
+        )
         cos, sin = rope_cos_sin(positions, draft.inv_freq)
         untouched = torch.ones(num_slots, dtype=torch.bool, device=DEVICE)
         untouched[slots] = False
         for stage, pool in zip(draft.model.layers, pools, strict=True):
             attn = stage.self_attn
-            want = apply_rope_tail(_rms(F.linear(main_x, attn.kv_proj.weight),
-                                        attn.kv_norm.weight, attn.kv_norm.eps), cos, sin)
+            want = apply_rope_tail(
+                _rms(F.linear(main_x, attn.kv_proj.weight), attn.kv_norm.weight, attn.kv_norm.eps),
+                cos,
+                sin,
+            )
             got = pool[slots]
             if kernel_backend == "torch":
                 assert torch.equal(got, want)
@@ -95,8 +106,10 @@ def test_rope_table_gives_the_computed_bits(kernel_backend: str) -> None:
     ctx_valid = torch.ones(2, 16, dtype=torch.bool, device=DEVICE)
     out = {}
     for name, draft in (("computed", computed), ("tabled", tabled)):
-        pools = [torch.zeros(num_slots, cfg.head_dim, device=DEVICE)
-                 for _ in range(draft.dcfg.num_stages)]
+        pools = [
+            torch.zeros(num_slots, cfg.head_dim, device=DEVICE)
+            for _ in range(draft.dcfg.num_stages)
+        ]
         with torch.no_grad():
             draft.write_context_kv(feats, positions, pools, slots)
             out[name] = [*pools, *draft(embeds, block_pos, pools, ctx_slots, ctx_valid)]

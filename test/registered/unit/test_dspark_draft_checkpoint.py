@@ -39,8 +39,22 @@ def _model_state(dcfg: DSparkConfig, path: str) -> dict[str, torch.Tensor]:
 
 def test_init_tool_round_trip_and_names(target_dir, tmp_path):
     out = str(tmp_path / "draft")
-    init_main(["--target-path", target_dir, "--output", out, "--num-layers", "2",
-               "--block-size", "4", "--markov-rank", "8", "--seed", "3"])
+    init_main(
+        [
+            "--target-path",
+            target_dir,
+            "--output",
+            out,
+            "--num-layers",
+            "2",
+            "--block-size",
+            "4",
+            "--markov-rank",
+            "8",
+            "--seed",
+            "3",
+        ]
+    )
     raw = json.loads(open(os.path.join(out, "config.json")).read())
     assert raw["dspark_block_size"] == 4 and raw["dspark_target_layer_ids"] == [3, 4]
     names = set(load_file(os.path.join(out, "model.safetensors")))
@@ -104,19 +118,29 @@ def test_bundled_draft_is_found_in_target_dir(tmp_path):
     draft_tensors = load_file(str(draft_dir / "model.safetensors"))
     save_file({**target_tensors, **draft_tensors}, str(d / "model.safetensors"))
     (d / "config.json").write_text((draft_dir / "config.json").read_text())
-    engine = Engine(model_path=str(d), skip_tokenizer_init=True, context_length=128,
-                    speculative_algorithm="DSpark")
+    engine = Engine(
+        model_path=str(d),
+        skip_tokenizer_init=True,
+        context_length=128,
+        speculative_algorithm="DSpark",
+    )
     assert engine.scheduler.spec.gamma == 4
     plain = Engine(model_path=str(d), skip_tokenizer_init=True, context_length=128)
     sp = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
-    assert engine.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"] == \
-        plain.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
+    assert (
+        engine.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
+        == plain.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"]
+    )
 
 
 def test_bad_drafts_fail_with_clear_errors(target_dir, tmp_path):
     target = ModelConfig.from_hf_dict(TINY_HF_CONFIG)
-    base = {"dspark_block_size": 3, "dspark_markov_rank": 8, "dspark_noise_token_id": 3,
-            "dspark_target_layer_ids": [3, 4]}
+    base = {
+        "dspark_block_size": 3,
+        "dspark_markov_rank": 8,
+        "dspark_noise_token_id": 3,
+        "dspark_target_layer_ids": [3, 4],
+    }
     with pytest.raises(ValueError, match="markov_rank"):
         DSparkConfig.from_dict({**base, "dspark_markov_rank": 0}, target)
     with pytest.raises(ValueError, match="target_layer_ids"):

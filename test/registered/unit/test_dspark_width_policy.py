@@ -207,7 +207,7 @@ def test_static_width_table_width_one_means_plain_decode(tmp_path):
         path.write_text(json.dumps({"widths_by_batch_size": {"1": bad}}))
         with pytest.raises(ValueError, match="widths_by_batch_size|width"):
             load_width_table(path, 8)
-    assert load_width_table(path, 8, clamp=True) == {1: 8}   # 9 > full: clamped, not rejected
+    assert load_width_table(path, 8, clamp=True) == {1: 8}  # 9 > full: clamped, not rejected
 
 
 @pytest.mark.parametrize("gamma", [1, 3, 7])

@@ -44,8 +44,9 @@ def _force_split(monkeypatch: pytest.MonkeyPatch, split: bool) -> None:
     if not split:
         return
     default = _POOL_MODULE._pool_meta
-    monkeypatch.setattr(_POOL_MODULE, "_pool_meta",
-                        lambda d, s: {**default(d, s), "BLOCK_C": 16, "SPAN_BLOCK": 16})
+    monkeypatch.setattr(
+        _POOL_MODULE, "_pool_meta", lambda d, s: {**default(d, s), "BLOCK_C": 16, "SPAN_BLOCK": 16}
+    )
 
 
 def test_choice_binds_implementations() -> None:
@@ -58,8 +59,9 @@ def test_choice_binds_implementations() -> None:
         KernelChoice.parse("torch", "indexer=cuda")
 
 
-def _batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int],
-           gen: torch.Generator) -> ForwardBatch:
+def _batch(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], gen: torch.Generator
+) -> ForwardBatch:
     """Requests in shuffled request slots over scattered pages of a ReqToTokenPool."""
     allocator = PagedTokenAllocator(num_pages=96, page_size=16)
     pages = allocator.alloc(allocator.num_free_pages)
@@ -78,7 +80,7 @@ def test_torch_scores_equal_kernel_reference(dtype: torch.dtype) -> None:
     batch = _batch(ForwardMode.VERIFY, [2, 61, 130], [3, 4, 2], gen)
     tokens, n_max = batch.num_tokens, batch.max_seq_len // 4
     qi = torch.randn(tokens, 6, 32, generator=gen).to(dtype).to(DEVICE)
-    w = torch.randn(tokens, 6, generator=gen).to(dtype).to(DEVICE)   # the projection's dtype
+    w = torch.randn(tokens, 6, generator=gen).to(dtype).to(DEVICE)  # the projection's dtype
     keys = torch.randn(96 * 16 // 4, 32, generator=gen).to(dtype).to(DEVICE)
     slot = batch.req_pool_indices[batch.token_req]
     args = (qi, w, keys, batch.positions, slot, batch.req_to_token, 4, n_max)
@@ -90,24 +92,40 @@ def test_torch_scores_equal_kernel_reference(dtype: torch.dtype) -> None:
     assert torch.equal(indexer_scores_torch(qi, *scaled), want)
 
 
-def _compress(comp: BlockCompressor, batch: ForwardBatch, state: CompressorState,
-              entries: torch.Tensor, x: torch.Tensor, inv_freq: torch.Tensor) -> None:
+def _compress(
+    comp: BlockCompressor,
+    batch: ForwardBatch,
+    state: CompressorState,
+    entries: torch.Tensor,
+    x: torch.Tensor,
+    inv_freq: torch.Tensor,
+) -> None:
     class Rope:
-        def compress_table(self, positions: torch.Tensor, cache_key: object = None,
-                           shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        def compress_table(
+            self, positions: torch.Tensor, cache_key: object = None, shift: int = 0
+        ) -> tuple[torch.Tensor, torch.Tensor]:
             return rope_cos_sin(positions - shift, inv_freq)
 
-        def rotate_compress(self, v: torch.Tensor, positions: torch.Tensor,
-                            cache_key: object = None) -> torch.Tensor:
+        def rotate_compress(
+            self, v: torch.Tensor, positions: torch.Tensor, cache_key: object = None
+        ) -> torch.Tensor:
             return apply_rope_tail(v, *self.compress_table(positions))
 
     rope = Rope()
     comp.compress(comp.kv_proj(x), comp.gate_proj(x), batch, state, entries, rope)
 
 
-def _both_choices(batch: ForwardBatch, state0: CompressorState, x: torch.Tensor, hidden: int,
-                  head_dim: int, ratio: int, overlap: bool, dtype: torch.dtype, seed: int,
-                  ) -> dict[str, tuple[torch.Tensor, CompressorState, BlockCompressor]]:
+def _both_choices(
+    batch: ForwardBatch,
+    state0: CompressorState,
+    x: torch.Tensor,
+    hidden: int,
+    head_dim: int,
+    ratio: int,
+    overlap: bool,
+    dtype: torch.dtype,
+    seed: int,
+) -> dict[str, tuple[torch.Tensor, CompressorState, BlockCompressor]]:
     """One compressor with the same parameters per "indexer" choice, run on `batch` from copies
     of `state0` into NaN entry pools: name -> (entries, state, compressor)."""
     inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
@@ -120,22 +138,25 @@ def _both_choices(batch: ForwardBatch, state0: CompressorState, x: torch.Tensor,
         comp = comp.to(dtype).to(DEVICE)
         comp.position_bias.data = comp.position_bias.data.float()  # fp32, as the runner keeps it
         comp.kv_norm.weight.data = comp.kv_norm.weight.data.float()
-        entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype,
-                             device=DEVICE)
+        entries = torch.full((96 * 16 // ratio, head_dim), float("nan"), dtype=dtype, device=DEVICE)
         counters = torch.zeros(entries.shape[0], dtype=torch.int32, device=DEVICE)
-        state = CompressorState(state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE),
-                                counters)
+        state = CompressorState(
+            state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE), counters
+        )
         _compress(comp, batch, state, entries, x.to(DEVICE), inv_freq)
-        assert (counters == 0).all()   # the kernel leaves its arrival counters as it found them
+        assert (counters == 0).all()  # the kernel leaves its arrival counters as it found them
         results[name] = (entries, state, comp)
     return results
 
 
-@pytest.mark.parametrize("overlap, ratio, split",
-                         [(True, 4, False), (False, 16, False), (True, 4, True), (False, 16, True)])
+@pytest.mark.parametrize(
+    "overlap, ratio, split",
+    [(True, 4, False), (False, 16, False), (True, 4, True), (False, 16, True)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compressor_decode_branch(overlap: bool, ratio: int, split: bool, dtype: torch.dtype,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compressor_decode_branch(
+    overlap: bool, ratio: int, split: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The torch decode branch equals `compressor_pool_ref` (+ rope) bit for bit on the rows
     that end a block; the Triton binding writes the same entries within X2 tolerance and leaves
     the same ring (also with each row's channels split over programs)."""
@@ -145,17 +166,30 @@ def test_compressor_decode_branch(overlap: bool, ratio: int, split: bool, dtype:
     batch = _batch(ForwardMode.VERIFY, [13, 46, 2, 27], [3, 2, 2, 5], gen)
     width = 2 * head_dim if overlap else head_dim
     ring, req_slots = 32, batch.req_to_token.shape[0]
-    state0 = CompressorState(kv=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
-                             score=torch.randn(req_slots, ring, width, generator=gen).to(dtype))
+    state0 = CompressorState(
+        kv=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
+        score=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
+    )
     x = torch.randn(batch.num_tokens, hidden, generator=gen).to(dtype)
     inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
     results = _both_choices(batch, state0, x, hidden, head_dim, ratio, overlap, dtype, seed=5)
     entries, state, comp = results["torch"]
     slot_tok = batch.req_pool_indices[batch.token_req]
     ref = compressor_pool_ref(
-        comp.kv_proj(x.to(DEVICE)), comp.gate_proj(x.to(DEVICE)), state0.kv.to(DEVICE),
-        state0.score.to(DEVICE), comp.position_bias, comp.kv_norm.weight, batch.positions,
-        slot_tok, batch.prefix_lens[batch.token_req], batch.req_to_token, ratio, overlap, 1e-6)
+        comp.kv_proj(x.to(DEVICE)),
+        comp.gate_proj(x.to(DEVICE)),
+        state0.kv.to(DEVICE),
+        state0.score.to(DEVICE),
+        comp.position_bias,
+        comp.kv_norm.weight,
+        batch.positions,
+        slot_tok,
+        batch.prefix_lens[batch.token_req],
+        batch.req_to_token,
+        ratio,
+        overlap,
+        1e-6,
+    )
     ends = (batch.positions + 1) % ratio == 0
     assert ends.sum() >= 2
     start = batch.positions - (ratio - 1)
@@ -172,11 +206,14 @@ def test_compressor_decode_branch(overlap: bool, ratio: int, split: bool, dtype:
     assert torch.equal(got_state.kv, state.kv) and torch.equal(got_state.score, state.score)
 
 
-@pytest.mark.parametrize("overlap, ratio, split",
-                         [(True, 4, False), (False, 16, False), (True, 4, True), (False, 16, True)])
+@pytest.mark.parametrize(
+    "overlap, ratio, split",
+    [(True, 4, False), (False, 16, False), (True, 4, True), (False, 16, True)],
+)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compressor_extend_branch(overlap: bool, ratio: int, split: bool, dtype: torch.dtype,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compressor_extend_branch(
+    overlap: bool, ratio: int, split: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Prefill chunks longer than the ring, some after a prefix whose ring rows they read: the
     torch branch (block-end and ring rows listed from host lengths, no device read) equals
     `compressor_pool_ref` (+ rope) bit for bit on the block ends and leaves exactly the last R
@@ -188,8 +225,10 @@ def test_compressor_extend_branch(overlap: bool, ratio: int, split: bool, dtype:
     batch = _batch(ForwardMode.EXTEND, [0, 21, 40, 3], [37, 50, 19, 2], gen)
     width = 2 * head_dim if overlap else head_dim
     req_slots = batch.req_to_token.shape[0]
-    state0 = CompressorState(kv=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
-                             score=torch.randn(req_slots, ring, width, generator=gen).to(dtype))
+    state0 = CompressorState(
+        kv=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
+        score=torch.randn(req_slots, ring, width, generator=gen).to(dtype),
+    )
     x = torch.randn(batch.num_tokens, hidden, generator=gen).to(dtype)
     inv_freq = 1.0 / 1000 ** (torch.arange(0, 16, 2) / 16)
     results = _both_choices(batch, state0, x, hidden, head_dim, ratio, overlap, dtype, seed=6)
@@ -198,9 +237,20 @@ def test_compressor_extend_branch(overlap: bool, ratio: int, split: bool, dtype:
     slot_tok = batch.req_pool_indices[batch.token_req]
     kv, score = comp.kv_proj(x.to(DEVICE)), comp.gate_proj(x.to(DEVICE))
     ref = compressor_pool_ref(
-        kv, score, state0.kv.to(DEVICE), state0.score.to(DEVICE), comp.position_bias,
-        comp.kv_norm.weight, batch.positions, slot_tok, batch.prefix_lens[batch.token_req],
-        batch.req_to_token, ratio, overlap, 1e-6)
+        kv,
+        score,
+        state0.kv.to(DEVICE),
+        state0.score.to(DEVICE),
+        comp.position_bias,
+        comp.kv_norm.weight,
+        batch.positions,
+        slot_tok,
+        batch.prefix_lens[batch.token_req],
+        batch.req_to_token,
+        ratio,
+        overlap,
+        1e-6,
+    )
     ends = (batch.positions + 1) % ratio == 0
     assert ends.sum() >= 3
     start = batch.positions - (ratio - 1)
@@ -208,7 +258,7 @@ def test_compressor_extend_branch(overlap: bool, ratio: int, split: bool, dtype:
     assert torch.equal(entries[ref.slots[ends]], want)
     want_ring = [state0.kv.clone().to(DEVICE), state0.score.clone().to(DEVICE)]
     kept = batch.positions >= batch.seq_lens[batch.token_req] - ring
-    assert (~kept).any()   # some chunk is longer than the ring
+    assert (~kept).any()  # some chunk is longer than the ring
     for t, rows in zip(want_ring, (kv, score)):
         t[slot_tok[kept], batch.positions[kept] % ring] = rows[kept].to(dtype)
     assert torch.equal(state.kv, want_ring[0]) and torch.equal(state.score, want_ring[1])
@@ -223,13 +273,19 @@ def test_compressor_extend_branch(overlap: bool, ratio: int, split: bool, dtype:
 
 
 def _runner(overrides: str | None, weights: list[tuple[str, torch.Tensor]]) -> ModelRunner:
-    rc = RunnerConfig(device=DEVICE, max_total_tokens=2048, max_running_requests=4,
-                      context_length=128, kernel_backend_overrides=overrides)
+    rc = RunnerConfig(
+        device=DEVICE,
+        max_total_tokens=2048,
+        max_running_requests=4,
+        context_length=128,
+        kernel_backend_overrides=overrides,
+    )
     return ModelRunner(tiny_config(), rc, weights=weights)
 
 
-def _greedy(runner: ModelRunner, prompts: list[list[int]], verify: list[list[int]],
-            steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _greedy(
+    runner: ModelRunner, prompts: list[list[int]], verify: list[list[int]], steps: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill, one committed verify forward, then `steps` greedy decode steps."""
     pool = runner.req_pool
     slots = [pool.alloc_slot() for _ in prompts]
@@ -301,19 +357,23 @@ def test_index_topk_choice_selects_the_torch_set():
     scores[torch.arange(40)[None, :] >= visible[:, None]] = float("-inf")
     ratio = 4
     # Shuffled pages: an entry's pool row is not its id.
-    table = (torch.randperm(3 * 160, generator=gen)[:3 * 160].view(3, 160) // ratio) * ratio
+    table = (torch.randperm(3 * 160, generator=gen)[: 3 * 160].view(3, 160) // ratio) * ratio
     token_slot = torch.tensor([2, 0, 1, 1, 2])
     entry_rows = (table.to(DEVICE), token_slot.to(DEVICE), ratio)
-    want_ids, want_valid = index_topk_impl(TORCH)(scores.to(DEVICE), visible.to(DEVICE), 8,
-                                                  entry_rows=entry_rows)
-    got_ids, got_valid = index_topk_impl(TRITON)(scores.to(DEVICE), visible.to(DEVICE), 8,
-                                                 entry_rows=entry_rows)
+    want_ids, want_valid = index_topk_impl(TORCH)(
+        scores.to(DEVICE), visible.to(DEVICE), 8, entry_rows=entry_rows
+    )
+    got_ids, got_valid = index_topk_impl(TRITON)(
+        scores.to(DEVICE), visible.to(DEVICE), 8, entry_rows=entry_rows
+    )
     assert torch.equal(got_valid.sum(1), want_valid.sum(1))
     top = scores.topk(8, dim=-1).indices
     for r in range(5):
         assert sorted(got_ids[r][got_valid[r]].tolist()) == sorted(
-            want_ids[r][want_valid[r]].tolist())
+            want_ids[r][want_valid[r]].tolist()
+        )
         picked = top[r][top[r] < visible[r]]
         assert sorted(want_ids[r][want_valid[r]].tolist()) == sorted(
-            (table[token_slot[r], picked * ratio] // ratio).tolist())
+            (table[token_slot[r], picked * ratio] // ratio).tolist()
+        )
         assert (got_ids[r][~got_valid[r]] == 0).all()

@@ -48,15 +48,17 @@ def test_torch_choice_binds_the_torch_implementations():
     logits = torch.randn(3, 9, device=DEVICE)
     assert torch.equal(greedy_argmax_impl(TORCH)(logits), torch.argmax(logits, -1))
     mixed = KernelChoice("triton", (("rope", "torch"), ("mhc", "torch")))
-    assert torch.equal(rope_impl(mixed)(x, cos, sin, inverse=True),
-                       apply_rope_tail(x, cos, sin, inverse=True))
+    assert torch.equal(
+        rope_impl(mixed)(x, cos, sin, inverse=True), apply_rope_tail(x, cos, sin, inverse=True)
+    )
     assert hc_boundary_impl(mixed) is None
 
 
 # ---- rope ------------------------------------------------------------------------------------
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape, half", [((1, 64), 8), ((7, 64), 8), ((5, 4, 64), 8),
-                                         ((3, 3, 32), 16), ((9, 16, 32), 4)])
+@pytest.mark.parametrize(
+    "shape, half", [((1, 64), 8), ((7, 64), 8), ((5, 4, 64), 8), ((3, 3, 32), 16), ((9, 16, 32), 4)]
+)
 @pytest.mark.parametrize("inverse", [False, True])
 def test_rope_triton_is_bit_exact(shape, half, dtype, inverse):
     gen = torch.Generator().manual_seed(shape[0] * 31 + half)
@@ -74,7 +76,7 @@ def test_rope_triton_is_bit_exact(shape, half, dtype, inverse):
 def test_rope_triton_takes_strided_views():
     gen = torch.Generator().manual_seed(3)
     fused = torch.randn(6, 2 * 4 * 32, generator=gen).to(DEVICE)  # a fused projection output
-    x = fused.view(6, 8, 32)[:, ::2]                         # every other head: head stride 64
+    x = fused.view(6, 8, 32)[:, ::2]  # every other head: head stride 64
     tail_major = torch.randn(6, 32, 4, generator=gen).to(DEVICE).transpose(1, 2)  # ch. stride 4
     freqs = (torch.rand(6, 8, generator=gen) * 10).to(DEVICE)
     for view in (x, tail_major):
@@ -90,8 +92,11 @@ class _Layer(torch.nn.Module):
         self.attn_hc, self.ffn_hc = HyperConnection(*args), HyperConnection(*args)
         self.input_layernorm, self.post_attention_layernorm = RMSNorm(d, 1e-6), RMSNorm(d, 1e-6)
         for p in self.parameters():
-            p.data = 1 + 0.2 * torch.randn(p.shape, generator=gen) if p.dim() < 2 else (
-                0.05 * torch.randn(p.shape, generator=gen))
+            p.data = (
+                1 + 0.2 * torch.randn(p.shape, generator=gen)
+                if p.dim() < 2
+                else (0.05 * torch.randn(p.shape, generator=gen))
+            )
         self.w_attn = 0.3 * torch.randn(d, d, generator=gen)
         self.w_ffn = 0.3 * torch.randn(d, d, generator=gen)
         self.to(DEVICE)  # parameters; the plain weight attributes are moved by hand
@@ -110,8 +115,7 @@ def _unfused(streams, layers, taps):
     return streams
 
 
-@pytest.mark.parametrize("rows, n, d, num_layers", [(1, 4, 64, 1), (6, 4, 128, 3),
-                                                    (37, 2, 96, 2)])
+@pytest.mark.parametrize("rows, n, d, num_layers", [(1, 4, 64, 1), (6, 4, 128, 3), (37, 2, 96, 2)])
 def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
     gen = torch.Generator().manual_seed(rows + d)
     layers = [_Layer(n, d, gen) for _ in range(num_layers)]
@@ -122,10 +126,13 @@ def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
     boundary = hc_boundary_impl(TRITON)
     assert boundary is not None
     got, no_head = run_fused_hc_layers(
-        streams, layers,
+        streams,
+        layers,
         lambda i, x: torch.tanh(x @ layers[i].w_attn),
         lambda i, x: torch.tanh(x @ layers[i].w_ffn),
-        boundary, lambda i, s: got_taps.append((i, s)))
+        boundary,
+        lambda i, s: got_taps.append((i, s)),
+    )
     # X2: the kernel reduces in another order (fp32), so a tolerance, not equality.
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert no_head is None
@@ -139,17 +146,22 @@ def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
     head, norm = _head_and_norm(n, d, gen)
     got_taps.clear()
     got_h, head_out = run_fused_hc_layers(
-        streams, layers,
+        streams,
+        layers,
         lambda i, x: torch.tanh(x @ layers[i].w_attn),
         lambda i, x: torch.tanh(x @ layers[i].w_ffn),
-        boundary, lambda i, s: got_taps.append((i, s)), head=(head, norm))
+        boundary,
+        lambda i, s: got_taps.append((i, s)),
+        head=(head, norm),
+    )
     torch.testing.assert_close(got_h, want, atol=1e-4, rtol=1e-4)
     assert [i for i, _ in got_taps] == list(range(num_layers))
     assert head_out is not None
     y, y_normed = head_out
     torch.testing.assert_close(y, head(want), atol=1e-4, rtol=1e-4)
-    torch.testing.assert_close(y_normed, rms_norm(head(want), norm.weight, 1e-6), atol=1e-4,
-                               rtol=1e-4)
+    torch.testing.assert_close(
+        y_normed, rms_norm(head(want), norm.weight, 1e-6), atol=1e-4, rtol=1e-4
+    )
 
 
 def _head_and_norm(n: int, d: int, gen: torch.Generator) -> tuple[HyperHead, RMSNorm]:
@@ -167,7 +179,7 @@ def _head_and_norm(n: int, d: int, gen: torch.Generator) -> tuple[HyperHead, RMS
 def test_greedy_argmax_triton_equals_torch_with_ties(rows, vocab):
     gen = torch.Generator().manual_seed(vocab)
     logits = torch.randn(rows, vocab, generator=gen).to(DEVICE)
-    logits[0, vocab // 2:] = logits[0].max() + 1  # a tie: the first index wins
+    logits[0, vocab // 2 :] = logits[0].max() + 1  # a tie: the first index wins
     got = greedy_argmax_impl(TRITON)(logits)
     assert got.dtype == torch.int64 and torch.equal(got, torch.argmax(logits, -1))
     assert int(got[0]) == vocab // 2
@@ -179,7 +191,7 @@ def test_draft_inputs_triton_equals_torch(batch, gamma, window):
     gen = torch.Generator().manual_seed(batch * gamma)
     table = torch.randint(1, 1000, (12, 96), generator=gen)
     seq = torch.randint(0, 60, (batch,), generator=gen)
-    seq[0] = 0                                      # a fresh request: no context at all
+    seq[0] = 0  # a fresh request: no context at all
     rows = torch.randperm(12, generator=gen)[:batch]
     anchors = torch.randint(0, 500, (batch,), generator=gen)
     table, seq, rows, anchors = (t.to(DEVICE) for t in (table, seq, rows, anchors))
@@ -207,13 +219,13 @@ def test_last_boundary_with_hyper_head_matches_unfused_and_follows_new_weights()
     assert boundary is not None
     want_streams = hc_expand(streams, y, post, comb)
     for _ in range(2):  # second round: new head weights must not reuse the cached padding
-        got_streams, got_y, got_normed = boundary.close_to_head(streams, y, post, comb, head,
-                                                                norm)
+        got_streams, got_y, got_normed = boundary.close_to_head(streams, y, post, comb, head, norm)
         want = head(want_streams)
         torch.testing.assert_close(got_streams, want_streams, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_y, want, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(got_normed, rms_norm(want, norm.weight, 1e-6), atol=1e-5,
-                                   rtol=1e-5)
+        torch.testing.assert_close(
+            got_normed, rms_norm(want, norm.weight, 1e-6), atol=1e-5, rtol=1e-5
+        )
         head.hc_fn.data = (torch.randn(n, n * d, generator=gen) * 0.05).to(DEVICE)
 
 
@@ -247,8 +259,9 @@ def test_linear_family_small_m_kernel_and_blas_fallback():
     lin = linear_impl(TRITON)
     for rows in (1, 7, 16):
         x = torch.randn(rows, 96, generator=gen).to(DEVICE)
-        torch.testing.assert_close(lin(x, w), torch.nn.functional.linear(x, w), rtol=1e-5,
-                                   atol=1e-5)
+        torch.testing.assert_close(
+            lin(x, w), torch.nn.functional.linear(x, w), rtol=1e-5, atol=1e-5
+        )
     for x in (torch.randn(17, 96, generator=gen), torch.randn(2, 3, 96, generator=gen)):
         x = x.to(DEVICE)
         assert torch.equal(lin(x, w), torch.nn.functional.linear(x, w))
@@ -350,8 +363,9 @@ def test_rope_q_kv_dispatch(dtype):
     for k in (TORCH, TRITON, norm_torch):
         got_q, got_kv = rope_q_kv_impl(k)(q, kv, cos, sin, q_norm=q_norm, kv_norm=kv_norm)
         pool = torch.full((20, 64), float("nan"), dtype=dtype, device=DEVICE)
-        stored_q, none = rope_q_kv_impl(k)(q, kv, cos, sin, q_norm=q_norm, kv_norm=kv_norm,
-                                           pool=pool, slots=slots)
+        stored_q, none = rope_q_kv_impl(k)(
+            q, kv, cos, sin, q_norm=q_norm, kv_norm=kv_norm, pool=pool, slots=slots
+        )
         assert none is None and torch.equal(stored_q, got_q)
         assert torch.isnan(pool[1].float()).all() and torch.equal(pool[slots], got_kv)
         if k is TRITON:

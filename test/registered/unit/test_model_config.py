@@ -46,18 +46,39 @@ def _ours(cfg: ModelConfig) -> dict:
 CASES = {
     "defaults": dict(num_hidden_layers=7),
     "legacy_released": dict(
-        num_hidden_layers=5, compress_ratios=[0, 4, 128, 4, 128, 0], num_hash_layers=2,
-        qk_rope_head_dim=64, head_dim=512, compress_rope_theta=40000.0,
-        rope_scaling={"type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
-                      "beta_fast": 32, "beta_slow": 1},
-        max_position_embeddings=1048576),
-    "legacy_scalar_rates": dict(num_hidden_layers=4, compress_rate_csa=8, compress_rate_hca=64,
-                                layer_types=[SLIDING, CSA, HCA, CSA]),
+        num_hidden_layers=5,
+        compress_ratios=[0, 4, 128, 4, 128, 0],
+        num_hash_layers=2,
+        qk_rope_head_dim=64,
+        head_dim=512,
+        compress_rope_theta=40000.0,
+        rope_scaling={
+            "type": "yarn",
+            "factor": 16,
+            "original_max_position_embeddings": 65536,
+            "beta_fast": 32,
+            "beta_slow": 1,
+        },
+        max_position_embeddings=1048576,
+    ),
+    "legacy_scalar_rates": dict(
+        num_hidden_layers=4,
+        compress_rate_csa=8,
+        compress_rate_hca=64,
+        layer_types=[SLIDING, CSA, HCA, CSA],
+    ),
     "explicit_nested_rope": dict(
-        num_hidden_layers=3, partial_rotary_factor=0.25, head_dim=64,
-        rope_parameters={"rope_type": "yarn", "factor": 4.0,
-                         "original_max_position_embeddings": 64},
-        max_position_embeddings=256, mlp_layer_types=["moe", "hash_moe", "moe"]),
+        num_hidden_layers=3,
+        partial_rotary_factor=0.25,
+        head_dim=64,
+        rope_parameters={
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+        max_position_embeddings=256,
+        mlp_layer_types=["moe", "hash_moe", "moe"],
+    ),
 }
 
 
@@ -89,28 +110,38 @@ def test_record_is_frozen_and_typed():
 
 
 def test_text_config_is_flattened():
-    cfg = ModelConfig.from_hf_dict({"model_type": "deepseek_v41",
-                                    "text_config": {"hidden_size": 256, "num_hidden_layers": 2,
-                                                    "hc_pre_from_prev_sublayer": False}})
+    cfg = ModelConfig.from_hf_dict(
+        {
+            "model_type": "deepseek_v41",
+            "text_config": {
+                "hidden_size": 256,
+                "num_hidden_layers": 2,
+                "hc_pre_from_prev_sublayer": False,
+            },
+        }
+    )
     assert cfg.hidden_size == 256 and cfg.q_head_norm is False
 
 
-@pytest.mark.parametrize("field,value", [
-    ("engram_layer_ids", [3]),
-    ("kv_source_layer_ids", [1]),
-    ("index_source_layer_ids", [1]),
-    ("candidate_source_layer_id", 2),
-    ("candidate_topk_blocks", 8),
-    ("vision_config", {"depth": 2}),
-    ("image_token_id", 129264),
-    ("hc_pre_from_prev_sublayer", True),
-    ("compress_ratios", [0, 1, 4]),
-    ("compress_ratios", [2, 4]),
-    ("model_type", "llama"),
-    ("scoring_func", "softmax"),
-    ("num_key_value_heads", 2),
-    ("n_shared_experts", 2),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("engram_layer_ids", [3]),
+        ("kv_source_layer_ids", [1]),
+        ("index_source_layer_ids", [1]),
+        ("candidate_source_layer_id", 2),
+        ("candidate_topk_blocks", 8),
+        ("vision_config", {"depth": 2}),
+        ("image_token_id", 129264),
+        ("hc_pre_from_prev_sublayer", True),
+        ("compress_ratios", [0, 1, 4]),
+        ("compress_ratios", [2, 4]),
+        ("model_type", "llama"),
+        ("scoring_func", "softmax"),
+        ("num_key_value_heads", 2),
+        ("n_shared_experts", 2),
+    ],
+)
 def test_unsupported_fields_are_rejected_by_name(field, value):
     raw = {"num_hidden_layers": 3, field: value}
     with pytest.raises(UnsupportedConfigError) as e:
@@ -123,25 +154,35 @@ def test_v41_defaults_to_pre_from_prev_and_is_rejected():
         ModelConfig.from_hf_dict({"model_type": "deepseek_v41", "num_hidden_layers": 2})
 
 
-@pytest.mark.parametrize("raw,needle", [
-    ({"num_hidden_layers": 3, "layer_types": [SLIDING, CSA]}, "layer_types"),
-    ({"num_hidden_layers": 2, "layer_types": [SLIDING, "full_attention"]}, "layer_types"),
-    ({"num_hidden_layers": 2, "mlp_layer_types": ["moe", "dense"]}, "mlp_layer_types"),
-    ({"num_attention_heads": 6, "o_groups": 4}, "o_groups"),
-    ({"num_experts_per_tok": 9, "n_routed_experts": 8}, "num_experts_per_tok"),
-    ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "original_max_position"),
-    ({"compress_rates": {CSA: 0}}, "compress_rates"),
-])
+@pytest.mark.parametrize(
+    "raw,needle",
+    [
+        ({"num_hidden_layers": 3, "layer_types": [SLIDING, CSA]}, "layer_types"),
+        ({"num_hidden_layers": 2, "layer_types": [SLIDING, "full_attention"]}, "layer_types"),
+        ({"num_hidden_layers": 2, "mlp_layer_types": ["moe", "dense"]}, "mlp_layer_types"),
+        ({"num_attention_heads": 6, "o_groups": 4}, "o_groups"),
+        ({"num_experts_per_tok": 9, "n_routed_experts": 8}, "num_experts_per_tok"),
+        ({"quantization_config": {"quant_method": "awq"}}, "quant_method"),
+        ({"rope_parameters": {"rope_type": "yarn", "factor": 2.0}}, "original_max_position"),
+        ({"compress_rates": {CSA: 0}}, "compress_rates"),
+    ],
+)
 def test_malformed_values_raise_value_error_naming_field(raw, needle):
     with pytest.raises(ValueError, match=needle):
         ModelConfig.from_hf_dict(raw)
 
 
 def test_quantization_config_and_expert_dtype(tmp_path):
-    raw = {"num_hidden_layers": 2, "expert_dtype": "fp4",
-           "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                   "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}}
+    raw = {
+        "num_hidden_layers": 2,
+        "expert_dtype": "fp4",
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+            "scale_fmt": "ue8m0",
+        },
+    }
     (tmp_path / "config.json").write_text(json.dumps(raw))
     cfg = ModelConfig.from_pretrained(str(tmp_path))
     assert cfg.quantization is not None

@@ -54,12 +54,12 @@ def test_triton_binding_normalises_like_torch() -> None:
     w = (1 + 0.3 * torch.randn(64, generator=gen)).to(DEVICE)
     fused = rms_norm_impl(TRITON)
     for weight in (w, None):
-        torch.testing.assert_close(fused(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=1e-6,
-                                   atol=1e-30)
+        torch.testing.assert_close(
+            fused(x, weight, 1e-6), rms_norm(x, weight, 1e-6), rtol=1e-6, atol=1e-30
+        )
     # Non-contiguous input (a transposed view) is made contiguous by the binding.
     xt = torch.randn(64, 9, generator=gen).to(DEVICE).t()
-    torch.testing.assert_close(fused(xt, w, 1e-6), rms_norm(xt, w, 1e-6), rtol=1e-6,
-                               atol=1e-30)
+    torch.testing.assert_close(fused(xt, w, 1e-6), rms_norm(xt, w, 1e-6), rtol=1e-6, atol=1e-30)
 
 
 def test_model_binds_the_family_and_keeps_parameter_names() -> None:
@@ -78,8 +78,14 @@ def test_model_binds_the_family_and_keeps_parameter_names() -> None:
 
 
 def _generate(**kw) -> tuple[list[list[int]], list[list[float]], Engine]:
-    engine = Engine(model_path="tiny", skip_tokenizer_init=True, device=DEVICE, dtype="float32",
-                    context_length=128, **kw)
+    engine = Engine(
+        model_path="tiny",
+        skip_tokenizer_init=True,
+        device=DEVICE,
+        dtype="float32",
+        context_length=128,
+        **kw,
+    )
     gen = torch.Generator().manual_seed(5)
     prompts = [torch.randint(40, 134, (n,), generator=gen).tolist() for n in (3, 11, 20)]
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 30}
@@ -91,15 +97,17 @@ def _generate(**kw) -> tuple[list[list[int]], list[list[float]], Engine]:
 
 def test_tiny_model_greedy_tokens_match_torch() -> None:
     want_tokens, want_lp, base = _generate(kernel_backend="torch")
-    got_tokens, got_lp, engine = _generate(kernel_backend="torch",
-                                           kernel_backend_overrides="norm=triton")
+    got_tokens, got_lp, engine = _generate(
+        kernel_backend="torch", kernel_backend_overrides="norm=triton"
+    )
     assert base.runner.model.rms_norm is rms_norm
     assert engine.runner.model.rms_norm is not rms_norm
     assert engine.runner.model.model.layers[0].self_attn.rms_norm is not rms_norm
     assert all(len(seq) == 30 for seq in want_tokens)
     assert len({t for seq in want_tokens for t in seq}) > 5  # not a degenerate repetition
     assert got_tokens == want_tokens
-    torch.testing.assert_close(torch.tensor(got_lp), torch.tensor(want_lp), rtol=1e-4,
-                               atol=1e-4)  # fp32, reordered sums in every norm
+    torch.testing.assert_close(
+        torch.tensor(got_lp), torch.tensor(want_lp), rtol=1e-4, atol=1e-4
+    )  # fp32, reordered sums in every norm
     base.shutdown()
     engine.shutdown()

@@ -33,8 +33,12 @@ def test_no_top_level_sglang_package():
 
 def _is_triton_jit(dec: ast.expr) -> bool:
     target = dec.func if isinstance(dec, ast.Call) else dec
-    return isinstance(target, ast.Attribute) and target.attr in ("jit", "autotune") and \
-        isinstance(target.value, ast.Name) and target.value.id == "triton"
+    return (
+        isinstance(target, ast.Attribute)
+        and target.attr in ("jit", "autotune")
+        and isinstance(target.value, ast.Name)
+        and target.value.id == "triton"
+    )
 
 
 def test_triton_kernels_only_in_kernels_package():
@@ -82,9 +86,13 @@ def test_kernels_do_not_import_runtime_and_runtime_never_imports_refs():
 
 
 def test_no_global_statements_in_runtime_or_kernels():
-    bad = [f"{_rel(p)}:{node.lineno}" for p in SOURCES
-           if _rel(p).startswith(("srt/", "kernels/"))
-           for node in ast.walk(_tree(p)) if isinstance(node, ast.Global)]
+    bad = [
+        f"{_rel(p)}:{node.lineno}"
+        for p in SOURCES
+        if _rel(p).startswith(("srt/", "kernels/"))
+        for node in ast.walk(_tree(p))
+        if isinstance(node, ast.Global)
+    ]
     assert not bad, bad
 
 

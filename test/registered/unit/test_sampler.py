@@ -91,8 +91,9 @@ def _info(params, vocab, **kw):
 def test_processed_probs_hand_cases(probs, params, expected):
     logits = torch.log(torch.tensor([probs], dtype=torch.float32))
     got = processed_probs(logits, _info([SamplingParams(**params)], len(probs)))
-    torch.testing.assert_close(got[0], torch.tensor(expected, dtype=torch.float32),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        got[0], torch.tensor(expected, dtype=torch.float32), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_processed_probs_matches_reference_mixed_batch():
@@ -131,8 +132,11 @@ def test_sampled_histograms_match_filtered_distribution(vocab):
     ids = Sampler()(logits, info).next_token_ids.view(draws, len(cases)).numpy()
     for j, (case_logits, case_params) in enumerate(cases):
         counts = np.bincount(ids[:, j], minlength=vocab)
-        expected = ref_probs(case_logits, case_params) if not case_params.is_greedy else \
-            np.eye(vocab)[int(np.argmax(case_logits))]
+        expected = (
+            ref_probs(case_logits, case_params)
+            if not case_params.is_greedy
+            else np.eye(vocab)[int(np.argmax(case_logits))]
+        )
         assert (counts[expected == 0] == 0).all(), (j, counts, expected)
         if (expected > 0).sum() > 1:
             assert _chi_square_pvalue(counts, expected) > 1e-4, (j, counts, expected)
@@ -162,19 +166,27 @@ def test_greedy_is_first_argmax_and_logprobs_are_raw():
         top = int(logits[r].argmax())
         logits[r, (top + 7) % vocab] = logits[r, top]
     rng = random.Random(3)
-    params = [SamplingParams(temperature=0.0) if r % 3 else
-              SamplingParams(temperature=rng.choice([0.7, 2.0]), top_p=0.9) for r in range(batch)]
+    params = [
+        SamplingParams(temperature=0.0)
+        if r % 3
+        else SamplingParams(temperature=rng.choice([0.7, 2.0]), top_p=0.9)
+        for r in range(batch)
+    ]
     out = Sampler()(logits, _info(params, vocab, generator=gen))
     ref_logits = logits.double().numpy()
     for r, p in enumerate(params):
         row = ref_logits[r]
         if p.is_greedy:
             assert int(out.next_token_ids[r]) == int(np.argmax(row))  # numpy: first on ties
-    log_softmax = ref_logits - (np.log(np.exp(ref_logits - ref_logits.max(1, keepdims=True))
-                                       .sum(1, keepdims=True)) + ref_logits.max(1, keepdims=True))
+    log_softmax = ref_logits - (
+        np.log(np.exp(ref_logits - ref_logits.max(1, keepdims=True)).sum(1, keepdims=True))
+        + ref_logits.max(1, keepdims=True)
+    )
     chosen = log_softmax[np.arange(batch), out.next_token_ids.numpy()]
     np.testing.assert_allclose(out.next_token_logprobs.numpy(), chosen, rtol=1e-5, atol=1e-5)
-    assert out.next_token_ids.dtype == torch.int64 and out.next_token_logprobs.dtype == torch.float32
+    assert (
+        out.next_token_ids.dtype == torch.int64 and out.next_token_logprobs.dtype == torch.float32
+    )
 
 
 def test_all_greedy_batch_and_edge_shapes():
@@ -191,15 +203,26 @@ def test_all_greedy_batch_and_edge_shapes():
 # ---------------------------------------------------------------- seeds
 
 
-def _batch_with(target: SamplingParams, target_logits: torch.Tensor, step: int, rng: random.Random,
-                gen: torch.Generator) -> tuple[torch.Tensor, SamplingBatchInfo, int]:
+def _batch_with(
+    target: SamplingParams,
+    target_logits: torch.Tensor,
+    step: int,
+    rng: random.Random,
+    gen: torch.Generator,
+) -> tuple[torch.Tensor, SamplingBatchInfo, int]:
     """A random batch containing the target row at a random position."""
     vocab = target_logits.shape[0]
     size = rng.randint(1, 6)
-    others = [SamplingParams(temperature=rng.choice([0.0, 0.6, 1.5]),
-                             top_k=rng.choice([-1, 3, 50]), top_p=rng.choice([1.0, 0.5]),
-                             min_p=rng.choice([0.0, 0.1]),
-                             seed=rng.choice([None, rng.randrange(2**63)])) for _ in range(size)]
+    others = [
+        SamplingParams(
+            temperature=rng.choice([0.0, 0.6, 1.5]),
+            top_k=rng.choice([-1, 3, 50]),
+            top_p=rng.choice([1.0, 0.5]),
+            min_p=rng.choice([0.0, 0.1]),
+            seed=rng.choice([None, rng.randrange(2**63)]),
+        )
+        for _ in range(size)
+    ]
     pos = rng.randint(0, size)
     params = others[:pos] + [target] + others[pos:]
     logits = torch.randn(size + 1, vocab, generator=gen)
@@ -209,16 +232,24 @@ def _batch_with(target: SamplingParams, target_logits: torch.Tensor, step: int, 
     return logits, _info(params, vocab, counters=counters, generator=gen), pos
 
 
-@pytest.mark.parametrize("target_kwargs", [{"temperature": 1.5}, {"top_p": 0.8, "top_k": 100},
-                                           {"min_p": 0.02, "temperature": 0.9}])
+@pytest.mark.parametrize(
+    "target_kwargs",
+    [{"temperature": 1.5}, {"top_p": 0.8, "top_k": 100}, {"min_p": 0.02, "temperature": 0.9}],
+)
 def test_seeded_request_independent_of_batch(target_kwargs):
     gen = torch.Generator().manual_seed(11)
     rng = random.Random(11)
     vocab, steps = 300, 40
     target = SamplingParams(seed=987654321, **target_kwargs)
     step_logits = torch.randn(steps, vocab, generator=gen) * 2
-    alone = [int(Sampler()(step_logits[s : s + 1], _info([target], vocab, counters=[s]))
-                 .next_token_ids[0]) for s in range(steps)]
+    alone = [
+        int(
+            Sampler()(step_logits[s : s + 1], _info([target], vocab, counters=[s])).next_token_ids[
+                0
+            ]
+        )
+        for s in range(steps)
+    ]
     for trial in range(3):
         mixed = []
         for s in range(steps):
@@ -226,8 +257,14 @@ def test_seeded_request_independent_of_batch(target_kwargs):
             mixed.append(int(Sampler()(logits, info).next_token_ids[pos]))
         assert mixed == alone, trial
     other_seed = SamplingParams(seed=987654322, **target_kwargs)
-    changed = [int(Sampler()(step_logits[s : s + 1], _info([other_seed], vocab, counters=[s]))
-                   .next_token_ids[0]) for s in range(steps)]
+    changed = [
+        int(
+            Sampler()(
+                step_logits[s : s + 1], _info([other_seed], vocab, counters=[s])
+            ).next_token_ids[0]
+        )
+        for s in range(steps)
+    ]
     assert changed != alone  # 40 draws from a high-entropy row: equal by chance ~never
     assert len(set(alone)) > 5  # the counter advances the stream
 
@@ -246,8 +283,9 @@ def test_counters_required_with_seed_and_validated():
 def test_unseeded_rows_use_generator():
     params = [SamplingParams(temperature=2.0)] * 64
     logits = torch.zeros(64, 100)
-    draw = lambda s: Sampler()(logits, _info(params, 100, generator=torch.Generator()
-                                              .manual_seed(s))).next_token_ids.tolist()
+    draw = lambda s: Sampler()(
+        logits, _info(params, 100, generator=torch.Generator().manual_seed(s))
+    ).next_token_ids.tolist()
     assert draw(5) == draw(5) and draw(5) != draw(6)
 
 

@@ -45,9 +45,20 @@ def test_stop_normalised_to_tuple(value, expected):
 
 
 def test_from_dict_round_trip_and_int_to_float():
-    d = {"max_new_tokens": 7, "temperature": 2, "top_p": 0.25, "top_k": 40, "min_p": 0.125,
-         "stop": ["x"], "stop_token_ids": [3, 9], "ignore_eos": True, "skip_special_tokens": False,
-         "no_stop_trim": True, "n": 3, "seed": 1234}
+    d = {
+        "max_new_tokens": 7,
+        "temperature": 2,
+        "top_p": 0.25,
+        "top_k": 40,
+        "min_p": 0.125,
+        "stop": ["x"],
+        "stop_token_ids": [3, 9],
+        "ignore_eos": True,
+        "skip_special_tokens": False,
+        "no_stop_trim": True,
+        "n": 3,
+        "seed": 1234,
+    }
     p = SamplingParams.from_dict(d)
     assert isinstance(p.temperature, float) and p.temperature == 2.0
     assert p.stop_token_ids == (3, 9)
@@ -58,8 +69,10 @@ def test_from_dict_round_trip_and_int_to_float():
 
 
 def test_from_dict_null_means_default():
-    assert SamplingParams.from_dict({"temperature": None, "seed": None, "stop": None}) == \
-        SamplingParams()
+    assert (
+        SamplingParams.from_dict({"temperature": None, "seed": None, "stop": None})
+        == SamplingParams()
+    )
 
 
 def test_unknown_keys_rejected_by_name():
@@ -72,18 +85,40 @@ def test_unknown_keys_rejected_by_name():
 @pytest.mark.parametrize(
     ("field", "value"),
     [
-        ("max_new_tokens", -1), ("max_new_tokens", 1.5), ("max_new_tokens", "8"),
+        ("max_new_tokens", -1),
+        ("max_new_tokens", 1.5),
+        ("max_new_tokens", "8"),
         ("max_new_tokens", True),
-        ("temperature", -0.1), ("temperature", math.nan), ("temperature", math.inf),
-        ("temperature", "hot"), ("temperature", True),
-        ("top_p", 0.0), ("top_p", 1.01), ("top_p", -0.5), ("top_p", math.nan),
-        ("top_k", 0), ("top_k", -2), ("top_k", 2.0),
-        ("min_p", -0.01), ("min_p", 1.5), ("min_p", math.nan),
-        ("n", 0), ("n", 1.0),
-        ("seed", -1), ("seed", 2**63), ("seed", 1.0),
-        ("stop", ""), ("stop", [""]), ("stop", ["a", 3]), ("stop", 5),
-        ("stop_token_ids", [-1]), ("stop_token_ids", [1.0]), ("stop_token_ids", 7),
-        ("ignore_eos", 1), ("skip_special_tokens", "yes"), ("no_stop_trim", 0),
+        ("temperature", -0.1),
+        ("temperature", math.nan),
+        ("temperature", math.inf),
+        ("temperature", "hot"),
+        ("temperature", True),
+        ("top_p", 0.0),
+        ("top_p", 1.01),
+        ("top_p", -0.5),
+        ("top_p", math.nan),
+        ("top_k", 0),
+        ("top_k", -2),
+        ("top_k", 2.0),
+        ("min_p", -0.01),
+        ("min_p", 1.5),
+        ("min_p", math.nan),
+        ("n", 0),
+        ("n", 1.0),
+        ("seed", -1),
+        ("seed", 2**63),
+        ("seed", 1.0),
+        ("stop", ""),
+        ("stop", [""]),
+        ("stop", ["a", 3]),
+        ("stop", 5),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [1.0]),
+        ("stop_token_ids", 7),
+        ("ignore_eos", 1),
+        ("skip_special_tokens", "yes"),
+        ("no_stop_trim", 0),
     ],
 )
 def test_invalid_values_name_the_field(field, value):
@@ -111,8 +146,18 @@ def test_neutral_penalties_accepted():
 
 @pytest.mark.parametrize(
     ("field", "value"),
-    [("top_p", 1.0), ("top_p", 1e-6), ("top_k", 1), ("top_k", 10**6), ("min_p", 0.0),
-     ("min_p", 1.0), ("max_new_tokens", 0), ("seed", 0), ("seed", 2**63 - 1), ("n", 16)],
+    [
+        ("top_p", 1.0),
+        ("top_p", 1e-6),
+        ("top_k", 1),
+        ("top_k", 10**6),
+        ("min_p", 0.0),
+        ("min_p", 1.0),
+        ("max_new_tokens", 0),
+        ("seed", 0),
+        ("seed", 2**63 - 1),
+        ("n", 16),
+    ],
 )
 def test_boundary_values_accepted(field, value):
     assert getattr(SamplingParams.from_dict({field: value}), field) == value

@@ -31,13 +31,31 @@ def test_help_lists_every_field_with_help():
     for f in dataclasses.fields(ServerArgs):
         assert _flag(f.name) in text, f.name
         assert len(f.metadata["help"]) > 15, f.name
-    for flag in ("--model-path", "--tokenizer-path", "--skip-tokenizer-init", "--host", "--port",
-                 "--api-key", "--dtype", "--device", "--mem-fraction-static", "--max-total-tokens",
-                 "--max-running-requests", "--chunked-prefill-size", "--context-length",
-                 "--served-model-name", "--log-level", "--cuda-graph-max-bs",
-                 "--disable-cuda-graph", "--speculative-algorithm", "--kernel-backend",
-                 "--attention-backend", "--page-size", "--random-seed",
-                 "--speculative-dspark-verify-policy"):
+    for flag in (
+        "--model-path",
+        "--tokenizer-path",
+        "--skip-tokenizer-init",
+        "--host",
+        "--port",
+        "--api-key",
+        "--dtype",
+        "--device",
+        "--mem-fraction-static",
+        "--max-total-tokens",
+        "--max-running-requests",
+        "--chunked-prefill-size",
+        "--context-length",
+        "--served-model-name",
+        "--log-level",
+        "--cuda-graph-max-bs",
+        "--disable-cuda-graph",
+        "--speculative-algorithm",
+        "--kernel-backend",
+        "--attention-backend",
+        "--page-size",
+        "--random-seed",
+        "--speculative-dspark-verify-policy",
+    ):
         assert flag in text, flag
 
 
@@ -53,16 +71,31 @@ def test_engine_arguments_are_server_args():
 
 
 def test_parse_types_defaults_and_resolution():
-    args = ServerArgs.from_cli_args(["--model-path", "tiny", "--port", "8123",
-                                     "--chunked-prefill-size", "-1", "--skip-tokenizer-init",
-                                     "--dtype", "half", "--device", "cpu",
-                                     "--mem-fraction-static", "0.5"])
+    args = ServerArgs.from_cli_args(
+        [
+            "--model-path",
+            "tiny",
+            "--port",
+            "8123",
+            "--chunked-prefill-size",
+            "-1",
+            "--skip-tokenizer-init",
+            "--dtype",
+            "half",
+            "--device",
+            "cpu",
+            "--mem-fraction-static",
+            "0.5",
+        ]
+    )
     assert args.port == 8123 and args.skip_tokenizer_init is True
     assert args.dtype == "float16" and args.device == "cpu" and args.kernel_backend == "torch"
     assert args.served_model_name == "tiny" and args.mem_fraction_static == 0.5
     kwargs = args.engine_kwargs(["chunked_prefill_size", "context_length", "not_a_field"])
-    assert kwargs == {"chunked_prefill_size": args.context_length,
-                      "context_length": args.context_length}
+    assert kwargs == {
+        "chunked_prefill_size": args.context_length,
+        "context_length": args.context_length,
+    }
     defaults = ServerArgs.from_cli_args(["--model-path", "m", "--device", "cpu"])
     for f in dataclasses.fields(ServerArgs):
         if f.name not in ("model_path", "device", "dtype", "kernel_backend", "served_model_name"):
@@ -75,40 +108,78 @@ def test_unknown_flag_suggests_the_right_one(capsys):
     assert "unrecognized arguments" in err and "did you mean --max-running-requests" in err
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--skip-tokenizer-init", "--tokenizer-path", "x"], "--tokenizer-path conflicts"),
-    (["--disable-cuda-graph", "--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs conflicts"),
-    (["--max-running-requests", "4", "--cuda-graph-max-bs", "8"],
-     "--cuda-graph-max-bs 8 exceeds --max-running-requests 4"),
-    (["--speculative-dspark-block-size", "4"], "need(s) --speculative-algorithm"),
-    (["--speculative-algorithm", "DSpark", "--speculative-dspark-bs1-block-size", "0"],
-     "--speculative-dspark-bs1-block-size must be in [1, 15]"),
-    (["--speculative-algorithm", "DSpark", "--speculative-dspark-confidence-mode", "async"],
-     "only used with --speculative-dspark-verify-policy confidence"),
-    (["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-policy", "static",
-      "--speculative-dspark-online-width", "--speculative-dspark-width-table-path", "w.json"],
-     "--speculative-dspark-width-table-path conflicts with --speculative-dspark-online-width"),
-    (["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-widths", "2,4"],
-     "only used with --speculative-dspark-online-width"),
-    (["--speculative-algorithm", "dspark", "--speculative-dspark-verify-policy", "static",
-      "--speculative-dspark-online-width", "--speculative-dspark-verify-widths", "1,x"],
-     "must be a comma list of ints >= 2"),
-    (["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-policy", "static",
-      "--speculative-dspark-sps-table-path", "s.json"], "with --speculative-dspark-online-width"),
-    (["--speculative-dspark-verify-policy", "static"], "need(s) --speculative-algorithm"),
-    (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of"),
-    (["--port", "70000"], "--port must be in"),
-    (["--programmatic-launch-max-bs", "-1"], "--programmatic-launch-max-bs must be >= 0"),
-    (["--context-length", "0"], "--context-length must be >= 1"),
-    (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be -1"),
-    (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1)"),
-    (["--api-key", ""], "--api-key must not be empty"),
-    (["--dtype", "int8"], "invalid choice: 'int8'"),
-    (["--attention-backend", "flash"], "invalid choice: 'flash'"),
-    (["--port", "eighty"], "invalid int value"),
-    (["--kernel-backend-overrides", "attention=triton"], "unknown family 'attention'"),
-    (["--kernel-backend-overrides", "moe"], "expects family=impl"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--skip-tokenizer-init", "--tokenizer-path", "x"], "--tokenizer-path conflicts"),
+        (["--disable-cuda-graph", "--cuda-graph-max-bs", "8"], "--cuda-graph-max-bs conflicts"),
+        (
+            ["--max-running-requests", "4", "--cuda-graph-max-bs", "8"],
+            "--cuda-graph-max-bs 8 exceeds --max-running-requests 4",
+        ),
+        (["--speculative-dspark-block-size", "4"], "need(s) --speculative-algorithm"),
+        (
+            ["--speculative-algorithm", "DSpark", "--speculative-dspark-bs1-block-size", "0"],
+            "--speculative-dspark-bs1-block-size must be in [1, 15]",
+        ),
+        (
+            ["--speculative-algorithm", "DSpark", "--speculative-dspark-confidence-mode", "async"],
+            "only used with --speculative-dspark-verify-policy confidence",
+        ),
+        (
+            [
+                "--speculative-algorithm",
+                "DSpark",
+                "--speculative-dspark-verify-policy",
+                "static",
+                "--speculative-dspark-online-width",
+                "--speculative-dspark-width-table-path",
+                "w.json",
+            ],
+            "--speculative-dspark-width-table-path conflicts with --speculative-dspark-online-width",
+        ),
+        (
+            ["--speculative-algorithm", "DSpark", "--speculative-dspark-verify-widths", "2,4"],
+            "only used with --speculative-dspark-online-width",
+        ),
+        (
+            [
+                "--speculative-algorithm",
+                "dspark",
+                "--speculative-dspark-verify-policy",
+                "static",
+                "--speculative-dspark-online-width",
+                "--speculative-dspark-verify-widths",
+                "1,x",
+            ],
+            "must be a comma list of ints >= 2",
+        ),
+        (
+            [
+                "--speculative-algorithm",
+                "DSpark",
+                "--speculative-dspark-verify-policy",
+                "static",
+                "--speculative-dspark-sps-table-path",
+                "s.json",
+            ],
+            "with --speculative-dspark-online-width",
+        ),
+        (["--speculative-dspark-verify-policy", "static"], "need(s) --speculative-algorithm"),
+        (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of"),
+        (["--port", "70000"], "--port must be in"),
+        (["--programmatic-launch-max-bs", "-1"], "--programmatic-launch-max-bs must be >= 0"),
+        (["--context-length", "0"], "--context-length must be >= 1"),
+        (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be -1"),
+        (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1)"),
+        (["--api-key", ""], "--api-key must not be empty"),
+        (["--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--attention-backend", "flash"], "invalid choice: 'flash'"),
+        (["--port", "eighty"], "invalid int value"),
+        (["--kernel-backend-overrides", "attention=triton"], "unknown family 'attention'"),
+        (["--kernel-backend-overrides", "moe"], "expects family=impl"),
+    ],
+)
 def test_bad_or_conflicting_flags_exit_2(capsys, argv, needle):
     err = _parse_error(capsys, ["--model-path", "tiny", *argv])
     assert needle in err
@@ -118,25 +189,39 @@ def test_dspark_flags_validated_in_server_args():
     args = ServerArgs(model_path="tiny", speculative_algorithm="dspark").resolved()
     assert args.speculative_algorithm == "DSpark"  # case-insensitive, canonical spelling
     with pytest.raises(ValueError, match="only used with --speculative-dspark-verify-policy"):
-        ServerArgs(model_path="tiny", speculative_algorithm="DSPARK",
-                   speculative_dspark_sps_table_path="t.json")
+        ServerArgs(
+            model_path="tiny",
+            speculative_algorithm="DSPARK",
+            speculative_dspark_sps_table_path="t.json",
+        )
     with pytest.raises(ValueError, match="exceeds --speculative-dspark-block-size"):
-        ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
-                   speculative_dspark_block_size=3, speculative_dspark_simulate_accept_len=4.5)
+        ServerArgs(
+            model_path="tiny",
+            speculative_algorithm="DSpark",
+            speculative_dspark_block_size=3,
+            speculative_dspark_simulate_accept_len=4.5,
+        )
     with pytest.raises(ValueError, match="--speculative-dspark-block-size must be >= 1"):
-        ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
-                   speculative_dspark_block_size=0)
-    ok = ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
-                    speculative_dspark_verify_policy="confidence",
-                    speculative_dspark_confidence_mode="async",
-                    speculative_dspark_sps_table_path="sps.json",
-                    speculative_dspark_confidence_sts_path="sts.json")
+        ServerArgs(
+            model_path="tiny", speculative_algorithm="DSpark", speculative_dspark_block_size=0
+        )
+    ok = ServerArgs(
+        model_path="tiny",
+        speculative_algorithm="DSpark",
+        speculative_dspark_verify_policy="confidence",
+        speculative_dspark_confidence_mode="async",
+        speculative_dspark_sps_table_path="sps.json",
+        speculative_dspark_confidence_sts_path="sts.json",
+    )
     assert ok.speculative_dspark_confidence_mode == "async"
-    online = ServerArgs(model_path="tiny", speculative_algorithm="DSpark",
-                        speculative_dspark_verify_policy="static",
-                        speculative_dspark_online_width=True,
-                        speculative_dspark_verify_widths="2,3,4",
-                        speculative_dspark_sps_table_path="sps.json")
+    online = ServerArgs(
+        model_path="tiny",
+        speculative_algorithm="DSpark",
+        speculative_dspark_verify_policy="static",
+        speculative_dspark_online_width=True,
+        speculative_dspark_verify_widths="2,3,4",
+        speculative_dspark_sps_table_path="sps.json",
+    )
     assert online.speculative_dspark_verify_widths == "2,3,4"
 
 
@@ -152,9 +237,20 @@ def test_ready_message_has_a_pasteable_curl_line():
 
 
 def test_cli_entry_points():
-    bad = subprocess.run([sys.executable, "-m", "sgl_dspark.launch_server", "--model-path",
-                          "tiny", "--speculative-dspark-block-size", "4"], capture_output=True,
-                         text=True, timeout=120)
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "sgl_dspark.launch_server",
+            "--model-path",
+            "tiny",
+            "--speculative-dspark-block-size",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2 and "need(s) --speculative-algorithm DSpark" in bad.stderr
     script = str(Path(sys.executable).with_name("sgl-dspark-server"))
     helped = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)

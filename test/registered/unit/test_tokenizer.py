@@ -17,8 +17,15 @@ from sgl_dspark.srt.tokenizer import (
 )
 
 # Code-point pools: ASCII, Latin-1, CJK, emoji, combining marks (no surrogates: not encodable).
-_POOLS = [(0x20, 0x7E), (0x00, 0x1F), (0xA0, 0xFF), (0x4E00, 0x9FFF), (0x1F600, 0x1F64F),
-          (0x0300, 0x036F), (0x10000, 0x10FFFF)]
+_POOLS = [
+    (0x20, 0x7E),
+    (0x00, 0x1F),
+    (0xA0, 0xFF),
+    (0x4E00, 0x9FFF),
+    (0x1F600, 0x1F64F),
+    (0x0300, 0x036F),
+    (0x10000, 0x10FFFF),
+]
 
 
 def random_text(rng: random.Random, length: int) -> str:
@@ -37,7 +44,14 @@ def test_byte_vocab_layout():
     assert (tok.bos_token_id, tok.eos_token_id, tok.pad_token_id, tok.mask_token_id) == (0, 1, 2, 3)
     assert tok.vocab_size == len(tok) == BYTE_VOCAB_SIZE == 512
     assert tok.convert_ids_to_tokens([0, 1, 2, 3, 4, 5, 6]) == [
-        "<bos>", "<eos>", "<pad>", "<mask>", "<|user|>", "<|assistant|>", "<|system|>"]
+        "<bos>",
+        "<eos>",
+        "<pad>",
+        "<mask>",
+        "<|user|>",
+        "<|assistant|>",
+        "<|system|>",
+    ]
     assert isinstance(tok, TokenizerLike)
 
 
@@ -77,7 +91,8 @@ def test_byte_decode_reserved_out_of_range_and_invalid_utf8():
     emoji = [b + 7 for b in raw]
     assert tok.decode(emoji[:2] + [1] + emoji[2:]) == "😀"
     assert tok.decode(emoji[:2] + [1] + emoji[2:], skip_special_tokens=False) == (
-        raw[:2].decode(errors="replace") + "<eos>" + raw[2:].decode(errors="replace"))
+        raw[:2].decode(errors="replace") + "<eos>" + raw[2:].decode(errors="replace")
+    )
 
 
 def test_byte_token_strings_round_trip():
@@ -94,16 +109,21 @@ def test_byte_token_strings_round_trip():
 
 def test_byte_chat_template():
     tok = ByteTokenizer()
-    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "2+2?"},
-                {"role": "assistant", "content": "4"}, {"role": "user", "content": "ok 好"}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+        {"role": "user", "content": "ok 好"},
+    ]
     expected = "<|system|>Be brief.\n<|user|>2+2?\n<|assistant|>4\n<|user|>ok 好\n<|assistant|>"
     assert tok.apply_chat_template(messages) == expected
     assert tok.apply_chat_template(messages, add_generation_prompt=False) == expected[:-13]
     ids = tok.apply_chat_template(messages, tokenize=True)
     assert ids == tok.encode(expected)
     assert ids[:2] == [0, 6] and ids.count(0) == 1 and ids[-1] == 5
-    parts = [{"role": "user", "content": [{"type": "text", "text": "a"},
-                                          {"type": "text", "text": "b"}]}]
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
     assert tok.apply_chat_template(parts) == "<|user|>ab\n<|assistant|>"
 
 
@@ -112,11 +132,15 @@ def test_byte_chat_template():
     [
         ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role"),
         ([{"content": "x"}], r"messages\[0\]\.role"),
-        ([{"role": "user", "content": "a"}, {"role": "user", "content": 3}],
-         r"messages\[1\]\.content"),
+        (
+            [{"role": "user", "content": "a"}, {"role": "user", "content": 3}],
+            r"messages\[1\]\.content",
+        ),
         ([{"role": "user", "content": None}], r"messages\[0\]\.content"),
-        ([{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}],
-         r"messages\[0\]\.content\[0\]"),
+        (
+            [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}],
+            r"messages\[0\]\.content\[0\]",
+        ),
         (["hello"], r"messages\[0\] must be a mapping"),
         ("hello", "messages must be a list"),
     ],
@@ -178,12 +202,16 @@ def _train_bpe(post_processor: bool):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=["<s>", "</s>", "<pad>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator(_CORPUS * 20, trainer)
     if post_processor:
         tok.post_processor = processors.TemplateProcessing(
-            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))])
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+        )
     return tok
 
 
@@ -191,9 +219,13 @@ def _train_bpe(post_processor: bool):
 def hf_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_tok")
     _train_bpe(post_processor=True).save(str(path / "tokenizer.json"))
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>",
-              "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True}, "pad_token": "<pad>",
-              "chat_template": _TEMPLATE}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": "<s>",
+        "eos_token": {"__type": "AddedToken", "content": "</s>", "special": True},
+        "pad_token": "<pad>",
+        "chat_template": _TEMPLATE,
+    }
     (path / "tokenizer_config.json").write_text(json.dumps(config))
     return path
 
@@ -208,16 +240,20 @@ def test_hf_tokenizer_matches_transformers(hf_dir):
     ours = get_tokenizer(str(hf_dir))
     ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
     assert isinstance(ours, HFTokenizer) and isinstance(ours, TokenizerLike)
-    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == \
-        (ref.bos_token_id, ref.eos_token_id, ref.pad_token_id)
+    assert (ours.bos_token_id, ours.eos_token_id, ours.pad_token_id) == (
+        ref.bos_token_id,
+        ref.eos_token_id,
+        ref.pad_token_id,
+    )
     assert (ours.vocab_size, len(ours)) == (ref.vocab_size, len(ref))
     for text in _texts():
         for special in (True, False):
             ids = ours.encode(text, add_special_tokens=special)
             assert ids == ref.encode(text, add_special_tokens=special), text
             for skip in (True, False):
-                assert ours.decode(ids, skip_special_tokens=skip) == \
-                    ref.decode(ids, skip_special_tokens=skip)
+                assert ours.decode(ids, skip_special_tokens=skip) == ref.decode(
+                    ids, skip_special_tokens=skip
+                )
         assert ours.convert_ids_to_tokens(ids) == ref.convert_ids_to_tokens(ids)
 
 
@@ -225,18 +261,25 @@ def test_hf_chat_template_matches_transformers(hf_dir):
     transformers = pytest.importorskip("transformers")
     ours = get_tokenizer(str(hf_dir))
     ref = transformers.AutoTokenizer.from_pretrained(str(hf_dir))
-    messages = [{"role": "system", "content": "sys"}, {"role": "user", "content": "héllo 😀"},
-                {"role": "assistant", "content": "hi"}, {"role": "user", "content": "again"}]
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": "héllo 😀"},
+        {"role": "assistant", "content": "hi"},
+        {"role": "user", "content": "again"},
+    ]
     tools = [{"type": "function", "function": {"name": "f", "description": "ünï"}}]
     for gen in (True, False):
         for kwargs in ({}, {"tools": tools}):
             text = ours.apply_chat_template(messages, add_generation_prompt=gen, **kwargs)
             assert text == ref.apply_chat_template(
-                messages, add_generation_prompt=gen, tokenize=False, **kwargs)
-            ids = ours.apply_chat_template(messages, add_generation_prompt=gen, tokenize=True,
-                                           **kwargs)
-            assert ids == ref.apply_chat_template(messages, add_generation_prompt=gen,
-                                                  tokenize=True, return_dict=False, **kwargs)
+                messages, add_generation_prompt=gen, tokenize=False, **kwargs
+            )
+            ids = ours.apply_chat_template(
+                messages, add_generation_prompt=gen, tokenize=True, **kwargs
+            )
+            assert ids == ref.apply_chat_template(
+                messages, add_generation_prompt=gen, tokenize=True, return_dict=False, **kwargs
+            )
     assert text.count("<s>") == 1 and "[2]" in text and "[1]" not in text  # continue + trim
     with pytest.raises(ValueError, match="unknown role tool"):
         ours.apply_chat_template([{"role": "tool", "content": "x"}])
@@ -248,7 +291,8 @@ def test_hf_add_bos_token_and_template_file(tmp_path):
     raw = _train_bpe(post_processor=False)
     raw.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True}))
+        json.dumps({"bos_token": "<s>", "eos_token": "</s>", "add_bos_token": True})
+    )
     tok = get_tokenizer(str(tmp_path))
     with pytest.raises(ValueError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
@@ -257,17 +301,24 @@ def test_hf_add_bos_token_and_template_file(tmp_path):
         plain = raw.encode(text, add_special_tokens=False).ids
         assert tok.encode(text, add_special_tokens=False) == plain
         assert tok.encode(text) == [bos] + plain
-    (tmp_path / "chat_template.jinja").write_text("{% for m in messages %}{{ m.content }};{% endfor %}")
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }};{% endfor %}"
+    )
     tok = get_tokenizer(str(tmp_path))
-    assert tok.apply_chat_template([{"role": "user", "content": "a"},
-                                    {"role": "user", "content": "b"}]) == "a;b;"
+    assert (
+        tok.apply_chat_template(
+            [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]
+        )
+        == "a;b;"
+    )
 
 
 def test_hf_add_bos_token_with_post_processor_adds_one_bos(tmp_path):
     raw = _train_bpe(post_processor=True)
     raw.save(str(tmp_path / "tokenizer.json"))
     (tmp_path / "tokenizer_config.json").write_text(
-        json.dumps({"bos_token": "<s>", "add_bos_token": True}))
+        json.dumps({"bos_token": "<s>", "add_bos_token": True})
+    )
     tok = get_tokenizer(str(tmp_path))
     for text in _texts():
         assert tok.encode(text) == raw.encode(text).ids
@@ -278,9 +329,16 @@ def test_transformers_fallback_for_dirs_without_tokenizer_json(tmp_path):
     pytest.importorskip("transformers")
     raw = _train_bpe(post_processor=False)
     raw.model.save(str(tmp_path))  # vocab.json + merges.txt: a slow GPT-2 tokenizer
-    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
-        {"tokenizer_class": "GPT2Tokenizer", "bos_token": "<s>", "eos_token": "</s>",
-         "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"}))
+    (tmp_path / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "GPT2Tokenizer",
+                "bos_token": "<s>",
+                "eos_token": "</s>",
+                "chat_template": "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}",
+            }
+        )
+    )
     tok = get_tokenizer(str(tmp_path))
     assert isinstance(tok, TransformersTokenizer) and isinstance(tok, TokenizerLike)
     assert tok.eos_token_id == raw.token_to_id("</s>")

@@ -20,8 +20,9 @@ from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def _batch(mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int],
-           gen: torch.Generator) -> ForwardBatch:
+def _batch(
+    mode: ForwardMode, prefix_lens: list[int], extend_lens: list[int], gen: torch.Generator
+) -> ForwardBatch:
     """Requests in shuffled request slots, their pages taken from a shuffled free list."""
     allocator = PagedTokenAllocator(num_pages=64, page_size=4)
     pages = allocator.alloc(allocator.num_free_pages)
@@ -71,13 +72,17 @@ def test_matches_torch_backend(index: int, dtype: torch.dtype) -> None:
         torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
-@pytest.mark.parametrize("mode, prefix, extend, ratio", [
-    (ForwardMode.DECODE, [7, 0, 40], [1, 1, 1], 4),
-    (ForwardMode.VERIFY, [20, 3], [4, 3], 8),
-    (ForwardMode.EXTEND, [0, 12], [13, 6], 4),
-])
-def test_dense_entries_match_torch_backend(mode: ForwardMode, prefix: list[int],
-                                           extend: list[int], ratio: int) -> None:
+@pytest.mark.parametrize(
+    "mode, prefix, extend, ratio",
+    [
+        (ForwardMode.DECODE, [7, 0, 40], [1, 1, 1], 4),
+        (ForwardMode.VERIFY, [20, 3], [4, 3], 8),
+        (ForwardMode.EXTEND, [0, 12], [13, 6], 4),
+    ],
+)
+def test_dense_entries_match_torch_backend(
+    mode: ForwardMode, prefix: list[int], extend: list[int], ratio: int
+) -> None:
     """extra_entries (HCA): every complete entry of the request, read in place from the entry
     pool; the triton backend derives rows and visibility inside the kernel, the torch backend
     builds them (`entry_slots`, visible counts)."""
@@ -93,9 +98,10 @@ def test_dense_entries_match_torch_backend(mode: ForwardMode, prefix: list[int],
     want = create_attention_backend("torch").forward(*args, extra_entries=(num_entries, ratio))
     got = create_attention_backend("triton").forward(*args, extra_entries=(num_entries, ratio))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    without = create_attention_backend("torch").forward(q, window_kv, batch, sinks, 8,
-                                                        head_dim**-0.5, None, None)
-    assert not torch.allclose(want, without)   # some token sees an entry
+    without = create_attention_backend("torch").forward(
+        q, window_kv, batch, sinks, 8, head_dim**-0.5, None, None
+    )
+    assert not torch.allclose(want, without)  # some token sees an entry
 
 
 def test_registered_under_triton() -> None:
@@ -105,13 +111,19 @@ def test_registered_under_triton() -> None:
 
 def _runner(backend: str, weights: list[tuple[str, torch.Tensor]]) -> ModelRunner:
     cfg = tiny_config()
-    rc = RunnerConfig(device=DEVICE, max_total_tokens=2048, max_running_requests=4,
-                      context_length=128, attention_backend=backend)
+    rc = RunnerConfig(
+        device=DEVICE,
+        max_total_tokens=2048,
+        max_running_requests=4,
+        context_length=128,
+        attention_backend=backend,
+    )
     return ModelRunner(cfg, rc, weights=weights)
 
 
-def _greedy(runner: ModelRunner, prompts: list[list[int]], verify: list[list[int]],
-            decode_steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+def _greedy(
+    runner: ModelRunner, prompts: list[list[int]], verify: list[list[int]], decode_steps: int
+) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Prefill, one verify step (committed), then greedy decode; returns tokens and logits."""
     pool = runner.req_pool
     slots = [pool.alloc_slot() for _ in prompts]

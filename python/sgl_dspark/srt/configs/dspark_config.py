@@ -20,12 +20,12 @@ DEFAULT_BLOCK_SIZE = 7
 
 @dataclass(frozen=True, slots=True)
 class DSparkConfig:
-    block_size: int                      # gamma: drafts proposed per step
-    markov_rank: int                     # r
-    noise_token_id: int                  # mask token fed after the anchor
-    target_layer_ids: tuple[int, ...]    # target layers whose features feed the draft (= stages)
+    block_size: int  # gamma: drafts proposed per step
+    markov_rank: int  # r
+    noise_token_id: int  # mask token fed after the anchor
+    target_layer_ids: tuple[int, ...]  # target layers whose features feed the draft (= stages)
     enable_confidence_head: bool
-    stage_config: ModelConfig            # V4 layer shape of the draft stages
+    stage_config: ModelConfig  # V4 layer shape of the draft stages
     markov_head_type: str = "vanilla"
 
     @property
@@ -33,8 +33,9 @@ class DSparkConfig:
         return len(self.target_layer_ids)
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any], target: ModelConfig,
-                  block_size_override: int | None = None) -> DSparkConfig:
+    def from_dict(
+        cls, raw: dict[str, Any], target: ModelConfig, block_size_override: int | None = None
+    ) -> DSparkConfig:
         nested = [raw.get("dspark_config") or {}, raw.get("dflash_config") or {}]
 
         def get(key: str, *aliases: str, default: Any = None) -> Any:
@@ -57,29 +58,36 @@ class DSparkConfig:
             raise ValueError(f"DSpark block size must be >= 1, got {gamma}")
         rank = int(get("markov_rank", default=0))
         if rank <= 0:
-            raise ValueError("DSpark config field 'markov_rank' must be > 0 (the Markov head is "
-                             "required)")
+            raise ValueError(
+                "DSpark config field 'markov_rank' must be > 0 (the Markov head is required)"
+            )
         head_type = str(get("markov_head_type", default="vanilla"))
         if head_type != "vanilla":
             raise UnsupportedConfigError(
                 f"DSpark config field 'markov_head_type'={head_type!r}: only 'vanilla' is "
-                "implemented")
+                "implemented"
+            )
         if not bool(get("sample_from_anchor", default=True)):
             raise UnsupportedConfigError(
                 "DSpark config field 'sample_from_anchor'=false (the DFlash layout) is not "
-                "implemented")
+                "implemented"
+            )
         noise = get("noise_token_id", "mask_token_id")
         if noise is None or not 0 <= int(noise) < target.vocab_size:
-            raise ValueError(f"DSpark config field 'noise_token_id'={noise!r} must index the "
-                             f"target embedding (vocab {target.vocab_size})")
+            raise ValueError(
+                f"DSpark config field 'noise_token_id'={noise!r} must index the "
+                f"target embedding (vocab {target.vocab_size})"
+            )
         layers = get("target_layer_ids")
         if not layers:
             raise ValueError("DSpark config field 'target_layer_ids' is required")
         layers = tuple(int(x) for x in layers)
         bad = [x for x in layers if not 0 <= x < target.num_hidden_layers]
         if bad:
-            raise ValueError(f"DSpark config field 'target_layer_ids' has layers {bad} outside the "
-                             f"target's {target.num_hidden_layers} layers")
+            raise ValueError(
+                f"DSpark config field 'target_layer_ids' has layers {bad} outside the "
+                f"target's {target.num_hidden_layers} layers"
+            )
         n_stages = len(layers)
         window = int(get("sliding_window", "window_size", default=target.sliding_window))
         stage_cfg = dataclasses.replace(
@@ -88,22 +96,31 @@ class DSparkConfig:
             layer_types=(SLIDING,) * n_stages,
             mlp_layer_types=(MOE,) * n_stages,
             n_routed_experts=int(get("n_routed_experts", default=target.n_routed_experts)),
-            num_experts_per_tok=int(get("num_experts_per_tok", "n_activated_experts",
-                                        default=target.num_experts_per_tok)),
+            num_experts_per_tok=int(
+                get(
+                    "num_experts_per_tok", "n_activated_experts", default=target.num_experts_per_tok
+                )
+            ),
             sliding_window=window,
             hc_mult=int(raw.get("hc_mult", target.hc_mult)),
             hc_eps=float(raw.get("hc_eps", target.hc_eps)),
             hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", target.hc_sinkhorn_iters)),
             q_head_norm=bool(raw.get("q_head_norm", target.q_head_norm)),
         )
-        return cls(block_size=gamma, markov_rank=rank, noise_token_id=int(noise),
-                   target_layer_ids=layers,
-                   enable_confidence_head=bool(get("enable_confidence_head", default=True)),
-                   stage_config=stage_cfg, markov_head_type=head_type)
+        return cls(
+            block_size=gamma,
+            markov_rank=rank,
+            noise_token_id=int(noise),
+            target_layer_ids=layers,
+            enable_confidence_head=bool(get("enable_confidence_head", default=True)),
+            stage_config=stage_cfg,
+            markov_head_type=head_type,
+        )
 
     @classmethod
-    def from_pretrained(cls, path: str, target: ModelConfig,
-                        block_size_override: int | None = None) -> DSparkConfig:
+    def from_pretrained(
+        cls, path: str, target: ModelConfig, block_size_override: int | None = None
+    ) -> DSparkConfig:
         cfg_path = os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise FileNotFoundError(f"no config.json in DSpark draft directory {path!r}")

@@ -156,13 +156,38 @@ _UNSUPPORTED_V41 = {
 
 # Keys that we read, ignore knowingly (V3-template leftovers, training-only knobs, HF bookkeeping).
 _KNOWN_IGNORED = {
-    "n_group", "topk_group", "topk_method", "kv_lora_rank", "qk_nope_head_dim", "v_head_dim",
-    "first_k_dense_replace", "moe_layer_freq", "ep_size", "window_size", "output_router_logits",
-    "router_aux_loss_coef", "router_jitter_noise", "initializer_range", "use_cache",
-    "attention_bias", "attention_dropout", "mlp_bias", "transformers_version", "dtype",
-    "auto_map", "num_local_experts", "intermediate_size", "rope_scaling", "engram_num_embeddings",
-    "engram_max_ngram_size", "engram_vocab_size", "engram_n_heads", "engram_head_dim",
-    "engram_pad_token_id", "engram_compressed_vocab_size", "candidate_block_size",
+    "n_group",
+    "topk_group",
+    "topk_method",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "v_head_dim",
+    "first_k_dense_replace",
+    "moe_layer_freq",
+    "ep_size",
+    "window_size",
+    "output_router_logits",
+    "router_aux_loss_coef",
+    "router_jitter_noise",
+    "initializer_range",
+    "use_cache",
+    "attention_bias",
+    "attention_dropout",
+    "mlp_bias",
+    "transformers_version",
+    "dtype",
+    "auto_map",
+    "num_local_experts",
+    "intermediate_size",
+    "rope_scaling",
+    "engram_num_embeddings",
+    "engram_max_ngram_size",
+    "engram_vocab_size",
+    "engram_n_heads",
+    "engram_head_dim",
+    "engram_pad_token_id",
+    "engram_compressed_vocab_size",
+    "candidate_block_size",
 }
 
 
@@ -208,7 +233,9 @@ def _quant_from_dict(raw: dict[str, Any]) -> QuantConfig | None:
     if q is None:
         return None
     if not isinstance(q, dict):
-        raise ValueError(f"config field 'quantization_config' must be a dict, got {type(q).__name__}")
+        raise ValueError(
+            f"config field 'quantization_config' must be a dict, got {type(q).__name__}"
+        )
     method = q.get("quant_method")
     if method != "fp8":
         raise UnsupportedConfigError(
@@ -286,7 +313,9 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
         raise ValueError(f"config field 'layer_types' has {len(layer_types)} entries, need {n}")
     bad = [t for t in layer_types if t not in LAYER_TYPES]
     if bad:
-        raise ValueError(f"config field 'layer_types': unknown entries {bad}; allowed {LAYER_TYPES}")
+        raise ValueError(
+            f"config field 'layer_types': unknown entries {bad}; allowed {LAYER_TYPES}"
+        )
 
     mlp_types = raw.get("mlp_layer_types")
     if mlp_types is None:
@@ -332,8 +361,10 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
         raise UnsupportedConfigError(f"config field 'hidden_act'={hidden_act!r}: only 'silu'")
 
     eos = raw.get("eos_token_id", 1)
-    eos_ids = tuple(int(e) for e in eos) if isinstance(eos, list) else (
-        () if eos is None else (int(eos),)
+    eos_ids = (
+        tuple(int(e) for e in eos)
+        if isinstance(eos, list)
+        else (() if eos is None else (int(eos),))
     )
     dtype = str(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16")
 
@@ -350,7 +381,9 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
         q_lora_rank=int(get("q_lora_rank", base.q_lora_rank)),
         qk_rope_head_dim=rd,
         num_experts_per_tok=int(get("num_experts_per_tok", base.num_experts_per_tok)),
-        n_routed_experts=int(get("n_routed_experts", get("num_local_experts", base.n_routed_experts))),
+        n_routed_experts=int(
+            get("n_routed_experts", get("num_local_experts", base.n_routed_experts))
+        ),
         n_shared_experts=int(get("n_shared_experts", 1)),
         scoring_func=scoring,
         norm_topk_prob=bool(get("norm_topk_prob", True)),
@@ -395,15 +428,21 @@ def _validate(cfg: ModelConfig) -> None:
         if not cond:
             raise ValueError(msg)
 
-    need(cfg.num_attention_heads % cfg.o_groups == 0,
-         f"config fields 'num_attention_heads'={cfg.num_attention_heads} must be divisible by "
-         f"'o_groups'={cfg.o_groups}")
-    need(cfg.index_head_dim >= cfg.qk_rope_head_dim,
-         f"config field 'index_head_dim'={cfg.index_head_dim} must be >= rope dim "
-         f"{cfg.qk_rope_head_dim}")
-    need(0 < cfg.num_experts_per_tok <= cfg.n_routed_experts,
-         f"config field 'num_experts_per_tok'={cfg.num_experts_per_tok} must be in "
-         f"[1, n_routed_experts={cfg.n_routed_experts}]")
+    need(
+        cfg.num_attention_heads % cfg.o_groups == 0,
+        f"config fields 'num_attention_heads'={cfg.num_attention_heads} must be divisible by "
+        f"'o_groups'={cfg.o_groups}",
+    )
+    need(
+        cfg.index_head_dim >= cfg.qk_rope_head_dim,
+        f"config field 'index_head_dim'={cfg.index_head_dim} must be >= rope dim "
+        f"{cfg.qk_rope_head_dim}",
+    )
+    need(
+        0 < cfg.num_experts_per_tok <= cfg.n_routed_experts,
+        f"config field 'num_experts_per_tok'={cfg.num_experts_per_tok} must be in "
+        f"[1, n_routed_experts={cfg.n_routed_experts}]",
+    )
     need(cfg.hc_mult >= 1, f"config field 'hc_mult'={cfg.hc_mult} must be >= 1")
     need(cfg.hc_sinkhorn_iters >= 1, "config field 'hc_sinkhorn_iters' must be >= 1")
     need(cfg.sliding_window >= 1, "config field 'sliding_window' must be >= 1")
@@ -418,6 +457,14 @@ def _validate(cfg: ModelConfig) -> None:
 
 
 __all__ = [
-    "CSA", "HCA", "SLIDING", "HASH_MOE", "MOE", "LAYER_TYPES", "ModelConfig", "QuantConfig",
-    "RopeConfig", "UnsupportedConfigError",
+    "CSA",
+    "HCA",
+    "SLIDING",
+    "HASH_MOE",
+    "MOE",
+    "LAYER_TYPES",
+    "ModelConfig",
+    "QuantConfig",
+    "RopeConfig",
+    "UnsupportedConfigError",
 ]

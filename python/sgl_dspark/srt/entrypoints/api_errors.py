@@ -15,8 +15,9 @@ def error_type(status: int) -> str:
 class ApiError(Exception):
     """An error answered with `status` and an OpenAI-style body (raised by route handlers)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None,
-                 code: str | None = None) -> None:
+    def __init__(
+        self, status: int, message: str, param: str | None = None, code: str | None = None
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
@@ -34,7 +35,14 @@ class ApiError(Exception):
         return f"data: {json.dumps(self.body(), ensure_ascii=False)}\n\n"
 
 
-def error_body(status: int, message: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    return {"error": {"message": message, "type": error_type(status), "param": param,
-                      "code": code if code is not None else str(status)}}
+def error_body(
+    status: int, message: str, param: str | None = None, code: str | None = None
+) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": error_type(status),
+            "param": param,
+            "code": code if code is not None else str(status),
+        }
+    }

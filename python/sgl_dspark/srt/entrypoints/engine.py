@@ -33,26 +33,26 @@ class EngineArgs:
     device: str = "cpu"
     dtype: str = "auto"
     max_total_tokens: int = 32768
-    mem_fraction_static: float | None = None          # CUDA: KV pool from free memory
+    mem_fraction_static: float | None = None  # CUDA: KV pool from free memory
     max_running_requests: int = 32
     context_length: int = 4096
     chunked_prefill_size: int = 512
     page_size: int = 0
     attention_backend: str = "torch"
-    kernel_backend: str = "torch"                     # torch | triton
-    kernel_backend_overrides: str | None = None       # e.g. "moe=torch,rope=triton"
+    kernel_backend: str = "torch"  # torch | triton
+    kernel_backend_overrides: str | None = None  # e.g. "moe=torch,rope=triton"
     random_seed: int = 0
-    cuda_graph_max_bs: int | None = None              # None: min(max_running_requests, 32)
+    cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 32)
     cuda_graph_max_prefill_tokens: int | None = None  # None: min(chunked_prefill_size, 4096)
     disable_cuda_graph: bool = False
-    disable_programmatic_launch: bool = False         # CUDA sm90+: plain kernel launches
-    programmatic_launch_max_bs: int = 24              # larger graphs: plain launches
+    disable_programmatic_launch: bool = False  # CUDA sm90+: plain kernel launches
+    programmatic_launch_max_bs: int = 24  # larger graphs: plain launches
     disable_overlap_schedule: bool = False
-    speculative_algorithm: str | None = None          # None | "DSpark" (case-insensitive)
+    speculative_algorithm: str | None = None  # None | "DSpark" (case-insensitive)
     speculative_draft_model_path: str | None = None
     speculative_dspark_block_size: int | None = None
     speculative_dspark_bs1_block_size: int | None = None
-    speculative_dspark_verify_policy: str = "full"    # full | static | confidence
+    speculative_dspark_verify_policy: str = "full"  # full | static | confidence
     speculative_dspark_width_table_path: str | None = None
     speculative_dspark_online_width: bool = False
     speculative_dspark_verify_widths: str = "2,3"
@@ -76,14 +76,23 @@ def create_spec_worker(args: EngineArgs, runner: ModelRunner) -> DSparkWorker | 
         verify_widths=args.speculative_dspark_verify_widths,
         sps_table_path=args.speculative_dspark_sps_table_path,
         confidence_mode=args.speculative_dspark_confidence_mode,
-        device_name=device_name(runner.device))
-    dargs = DSparkArgs(policy=policy, sts_path=args.speculative_dspark_confidence_sts_path,
-                       simulate_accept_len=args.speculative_dspark_simulate_accept_len,
-                       sts_collect_path=args.speculative_dspark_sts_collect_path,
-                       bs1_block_size=args.speculative_dspark_bs1_block_size,
-                       seed=args.random_seed)
-    return create_dspark_worker(runner, args.model_path, args.speculative_draft_model_path,
-                                args.speculative_dspark_block_size, dargs)
+        device_name=device_name(runner.device),
+    )
+    dargs = DSparkArgs(
+        policy=policy,
+        sts_path=args.speculative_dspark_confidence_sts_path,
+        simulate_accept_len=args.speculative_dspark_simulate_accept_len,
+        sts_collect_path=args.speculative_dspark_sts_collect_path,
+        bs1_block_size=args.speculative_dspark_bs1_block_size,
+        seed=args.random_seed,
+    )
+    return create_dspark_worker(
+        runner,
+        args.model_path,
+        args.speculative_draft_model_path,
+        args.speculative_dspark_block_size,
+        dargs,
+    )
 
 
 def init_cuda_graphs(args: EngineArgs, runner: ModelRunner, spec: DSparkWorker | None) -> None:
@@ -93,8 +102,10 @@ def init_cuda_graphs(args: EngineArgs, runner: ModelRunner, spec: DSparkWorker |
     if runner.device.type != "cuda" or args.disable_cuda_graph or args.cuda_graph_max_bs == 0:
         return
     if runner.kernels.of("moe") != "triton" and args.cuda_graph_max_bs is None:
-        logger.warning("CUDA graphs off: the torch MoE backend synchronises with the host; use "
-                       "--kernel-backend triton for graphs")
+        logger.warning(
+            "CUDA graphs off: the torch MoE backend synchronises with the host; use "
+            "--kernel-backend triton for graphs"
+        )
         return
     max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, 32)
     prefill_tokens = args.cuda_graph_max_prefill_tokens
@@ -104,8 +115,9 @@ def init_cuda_graphs(args: EngineArgs, runner: ModelRunner, spec: DSparkWorker |
     if spec is None:
         runner.init_cuda_graphs(max_bs, prefill_max_tokens=prefill_tokens)
         return
-    runner.init_cuda_graphs(max_bs, spec.graph_verify_widths(), spec.tap_layers,
-                            prefill_max_tokens=prefill_tokens)
+    runner.init_cuda_graphs(
+        max_bs, spec.graph_verify_widths(), spec.tap_layers, prefill_max_tokens=prefill_tokens
+    )
     spec.init_cuda_graphs(max_bs)
 
 
@@ -130,48 +142,66 @@ class Engine:
         self.args = args
         cfg, weights = resolve_model(args.model_path, resolve_dtype(dtype), seed=args.random_seed)
         gamma = args.speculative_dspark_block_size or 7
-        rc = RunnerConfig(device=args.device, dtype=dtype, max_total_tokens=args.max_total_tokens,
-                          max_verify_tokens=max(16, gamma + 1,
-                                                (args.speculative_dspark_bs1_block_size or 0) + 1),
-                          max_running_requests=args.max_running_requests,
-                          context_length=args.context_length, page_size=args.page_size,
-                          attention_backend=args.attention_backend,
-                          kernel_backend=args.kernel_backend,
-                          kernel_backend_overrides=args.kernel_backend_overrides,
-                          mem_fraction_static=args.mem_fraction_static)
+        rc = RunnerConfig(
+            device=args.device,
+            dtype=dtype,
+            max_total_tokens=args.max_total_tokens,
+            max_verify_tokens=max(16, gamma + 1, (args.speculative_dspark_bs1_block_size or 0) + 1),
+            max_running_requests=args.max_running_requests,
+            context_length=args.context_length,
+            page_size=args.page_size,
+            attention_backend=args.attention_backend,
+            kernel_backend=args.kernel_backend,
+            kernel_backend_overrides=args.kernel_backend_overrides,
+            mem_fraction_static=args.mem_fraction_static,
+        )
         # Process-wide (the launchers read it at every launch and at graph capture): the last
         # engine built in a process decides. It moves timing only, never a result bit.
         if args.device != "cpu":
             from sgl_dspark.kernels._triton_utils import set_programmatic_launch
 
-            set_programmatic_launch(not args.disable_programmatic_launch,
-                                    max_graph_batch=args.programmatic_launch_max_bs)
+            set_programmatic_launch(
+                not args.disable_programmatic_launch,
+                max_graph_batch=args.programmatic_launch_max_bs,
+            )
         self.runner = ModelRunner(cfg, rc, weights=weights)
         spec = create_spec_worker(args, self.runner)
         init_cuda_graphs(args, self.runner, spec)
         self.tokenizer: TokenizerLike | None = None
         if not args.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(args.model_path, args.tokenizer_path)
-        self.scheduler = Scheduler(self.runner, SchedulerConfig(
-            chunked_prefill_size=args.chunked_prefill_size,
-            max_running_requests=args.max_running_requests,
-            eos_token_ids=cfg.eos_token_ids,
-            overlap_schedule=not args.disable_overlap_schedule), spec=spec)
+        self.scheduler = Scheduler(
+            self.runner,
+            SchedulerConfig(
+                chunked_prefill_size=args.chunked_prefill_size,
+                max_running_requests=args.max_running_requests,
+                eos_token_ids=cfg.eos_token_ids,
+                overlap_schedule=not args.disable_overlap_schedule,
+            ),
+            spec=spec,
+        )
         self._ids = itertools.count()
         torch.manual_seed(args.random_seed)
 
     # ---- public API --------------------------------------------------------------------
-    def generate(self, prompt: str | list[str] | None = None,
-                 sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None,
-                 return_logprob: bool = False) -> dict | list[dict]:
+    def generate(
+        self,
+        prompt: str | list[str] | None = None,
+        sampling_params: dict | list[dict] | None = None,
+        input_ids: list[int] | list[list[int]] | None = None,
+        return_logprob: bool = False,
+    ) -> dict | list[dict]:
         """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
         prompts, single = self._normalise_inputs(prompt, input_ids)
-        params_list = sampling_params if isinstance(sampling_params, list) else (
-            [sampling_params] * len(prompts))
+        params_list = (
+            sampling_params
+            if isinstance(sampling_params, list)
+            else ([sampling_params] * len(prompts))
+        )
         if len(params_list) != len(prompts):
-            raise ValueError(f"sampling_params has {len(params_list)} entries for "
-                             f"{len(prompts)} prompts")
+            raise ValueError(
+                f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
+            )
         reqs = [self._make_req(p, sp or {}, return_logprob) for p, sp in zip(prompts, params_list)]
         for r in reqs:
             self.scheduler.add(r)
@@ -215,12 +245,20 @@ class Engine:
         params = SamplingParams.from_dict(sp)
         detok = None
         if self.tokenizer is not None:
-            detok = IncrementalDetokenizer(self.tokenizer,
-                                           skip_special_tokens=params.skip_special_tokens,
-                                           stop=params.stop, no_stop_trim=params.no_stop_trim,
-                                           prompt_ids=ids)
-        return Req(rid=str(next(self._ids)), prompt_ids=list(ids), params=params,
-                   return_logprob=return_logprob, detok=detok)
+            detok = IncrementalDetokenizer(
+                self.tokenizer,
+                skip_special_tokens=params.skip_special_tokens,
+                stop=params.stop,
+                no_stop_trim=params.no_stop_trim,
+                prompt_ids=ids,
+            )
+        return Req(
+            rid=str(next(self._ids)),
+            prompt_ids=list(ids),
+            params=params,
+            return_logprob=return_logprob,
+            detok=detok,
+        )
 
     def _output(self, req: Req) -> dict:
         text = ""
@@ -235,13 +273,15 @@ class Engine:
         }
         if self.scheduler.spec is not None:
             meta["spec_verify_ct"] = req.spec_verify_ct
-            meta["spec_accept_length"] = (req.spec_committed / req.spec_verify_ct
-                                          if req.spec_verify_ct else 0.0)
+            meta["spec_accept_length"] = (
+                req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else 0.0
+            )
             if self.args.speculative_dspark_simulate_accept_len is not None:
                 meta["spec_simulated_accept_len"] = self.args.speculative_dspark_simulate_accept_len
         if req.return_logprob:
             tok = self.tokenizer
             meta["output_token_logprobs"] = [
                 (lp, t, tok.decode([t], skip_special_tokens=False) if tok else None)
-                for lp, t in zip(req.output_logprobs, req.output_ids)]
+                for lp, t in zip(req.output_logprobs, req.output_ids)
+            ]
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

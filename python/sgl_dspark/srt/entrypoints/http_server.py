@@ -81,9 +81,15 @@ class ApiMiddleware:
             if not self._authorized(scope):
                 if counted:
                     self.metrics.count_request(path, 401)
-                response = JSONResponse(error_body(
-                    401, "Incorrect API key provided: send 'Authorization: Bearer <key>' with "
-                         "the server's --api-key", code="invalid_api_key"), status_code=401)
+                response = JSONResponse(
+                    error_body(
+                        401,
+                        "Incorrect API key provided: send 'Authorization: Bearer <key>' with "
+                        "the server's --api-key",
+                        code="invalid_api_key",
+                    ),
+                    status_code=401,
+                )
                 await response(scope, receive, send)
                 return
         if not counted:
@@ -103,7 +109,8 @@ class ApiMiddleware:
             if name == b"authorization":
                 scheme, _, token = value.decode("latin-1").partition(" ")
                 return scheme.lower() == "bearer" and hmac.compare_digest(
-                    token.strip().encode(), self.api_key.encode())
+                    token.strip().encode(), self.api_key.encode()
+                )
         return False
 
 
@@ -133,11 +140,16 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
     spec = engine.scheduler.spec
     spec_positions = spec.gamma if spec is not None else 0
     metrics = ServerMetrics(str(server_args.served_model_name), spec_positions)
-    loop = SchedulerLoop(engine.scheduler, engine.tokenizer,
-                         step_delay_s=server_args.debug_step_delay_ms / 1e3)
-    ctx = ServingContext(args=server_args, loop=loop, metrics=metrics,
-                         has_tokenizer=engine.tokenizer is not None,
-                         vocab_size=engine.runner.model_cfg.vocab_size)
+    loop = SchedulerLoop(
+        engine.scheduler, engine.tokenizer, step_delay_s=server_args.debug_step_delay_ms / 1e3
+    )
+    ctx = ServingContext(
+        args=server_args,
+        loop=loop,
+        metrics=metrics,
+        has_tokenizer=engine.tokenizer is not None,
+        vocab_size=engine.runner.model_cfg.vocab_size,
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -147,23 +159,40 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         finally:
             await asyncio.to_thread(loop.shutdown)
 
-    app = FastAPI(title="sglang-dspark", version=sgl_dspark.__version__, lifespan=lifespan,
-                  docs_url=None, redoc_url=None, openapi_url=None)
+    app = FastAPI(
+        title="sglang-dspark",
+        version=sgl_dspark.__version__,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
     app.state.ctx = ctx
-    for path, handler in (("/v1/completions", create_completion),
-                          ("/v1/chat/completions", create_chat_completion),
-                          ("/generate", generate), ("/abort_request", abort_request)):
+    for path, handler in (
+        ("/v1/completions", create_completion),
+        ("/v1/chat/completions", create_chat_completion),
+        ("/generate", generate),
+        ("/abort_request", abort_request),
+    ):
         app.add_api_route(path, _route(ctx, handler), methods=["POST"])
-    for path, handler in (("/health", _health), ("/health_generate", _health_generate),
-                          ("/v1/models", _models), ("/get_model_info", _model_info),
-                          ("/get_server_info", _server_info), ("/metrics", _metrics)):
+    for path, handler in (
+        ("/health", _health),
+        ("/health_generate", _health_generate),
+        ("/v1/models", _models),
+        ("/get_model_info", _model_info),
+        ("/get_server_info", _server_info),
+        ("/metrics", _metrics),
+    ):
         app.add_api_route(path, _route(ctx, handler), methods=["GET"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
-        return JSONResponse(error_body(exc.status_code, message), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return JSONResponse(
+            error_body(exc.status_code, message),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
 
     app.add_middleware(ApiMiddleware, api_key=server_args.api_key, metrics=metrics)
     return app
@@ -176,8 +205,11 @@ async def _health(ctx: ServingContext, request: Request) -> Response:
 
 async def _health_generate(ctx: ServingContext, request: Request) -> Response:
     """Generate one token through the whole stack; 503 when that fails or takes too long."""
-    inp = GenerateReqInput(rid=f"health-{new_rid()}", input_ids=[0],
-                           sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0))
+    inp = GenerateReqInput(
+        rid=f"health-{new_rid()}",
+        input_ids=[0],
+        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+    )
     group = RequestGroup(ctx, request, "/health_generate", [inp], "input_ids")
 
     async def run() -> None:
@@ -194,19 +226,36 @@ async def _health_generate(ctx: ServingContext, request: Request) -> Response:
 
 async def _models(ctx: ServingContext, request: Request) -> Response:
     args = ctx.args
-    return JSONResponse({"object": "list", "data": [{
-        "id": args.served_model_name, "object": "model", "created": int(time.time()),
-        "owned_by": "sglang-dspark", "root": args.model_path,
-        "max_model_len": args.context_length}]})
+    return JSONResponse(
+        {
+            "object": "list",
+            "data": [
+                {
+                    "id": args.served_model_name,
+                    "object": "model",
+                    "created": int(time.time()),
+                    "owned_by": "sglang-dspark",
+                    "root": args.model_path,
+                    "max_model_len": args.context_length,
+                }
+            ],
+        }
+    )
 
 
 async def _model_info(ctx: ServingContext, request: Request) -> Response:
     args = ctx.args
-    return JSONResponse({
-        "model_path": args.model_path, "tokenizer_path": args.tokenizer_path or (
-            None if args.skip_tokenizer_init else args.model_path),
-        "served_model_name": args.served_model_name, "is_generation": True,
-        "context_length": args.context_length, "vocab_size": ctx.vocab_size})
+    return JSONResponse(
+        {
+            "model_path": args.model_path,
+            "tokenizer_path": args.tokenizer_path
+            or (None if args.skip_tokenizer_init else args.model_path),
+            "served_model_name": args.served_model_name,
+            "is_generation": True,
+            "context_length": args.context_length,
+            "vocab_size": ctx.vocab_size,
+        }
+    )
 
 
 async def _server_info(ctx: ServingContext, request: Request) -> Response:
@@ -214,9 +263,12 @@ async def _server_info(ctx: ServingContext, request: Request) -> Response:
     if info.get("api_key") is not None:
         info["api_key"] = "<redacted>"
     stats = ctx.loop.stats
-    info.update(dataclasses.asdict(stats), version=sgl_dspark.__version__,
-                token_usage=stats.token_usage,
-                max_total_num_tokens=stats.kv_total_pages * stats.page_size)
+    info.update(
+        dataclasses.asdict(stats),
+        version=sgl_dspark.__version__,
+        token_usage=stats.token_usage,
+        max_total_num_tokens=stats.kv_total_pages * stats.page_size,
+    )
     return JSONResponse(info)
 
 
@@ -252,9 +304,12 @@ def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None =
     base_url = display_url(server_args.host, sock.getsockname()[1])
     # uvicorn annotates the grace period as int but only uses it as an asyncio timeout.
     grace: Any = server_args.graceful_shutdown_timeout
-    config = uvicorn.Config(app, log_level=server_args.log_level,
-                            access_log=server_args.log_level == "debug",
-                            timeout_graceful_shutdown=grace)
+    config = uvicorn.Config(
+        app,
+        log_level=server_args.log_level,
+        access_log=server_args.log_level == "debug",
+        timeout_graceful_shutdown=grace,
+    )
     server = uvicorn.Server(config)
 
     async def serve() -> None:

@@ -67,30 +67,43 @@ def _prompts(body: GenerateRequest) -> tuple[list[tuple[str | None, list[int] | 
 def _per_prompt(value: Any, count: int, param: str) -> list[Any]:
     if isinstance(value, list):
         if len(value) != count:
-            raise ApiError(400, f"{param} has {len(value)} entries for {count} prompts",
-                           param=param)
+            raise ApiError(
+                400, f"{param} has {len(value)} entries for {count} prompts", param=param
+            )
         return value
     return [value] * count
 
 
-def _meta(rid: str, prompt_tokens: int, completion_tokens: int, finish_reason: Any,
-          res: SubResult | None, return_logprob: bool, start: float,
-          simulated_accept_len: float | None = None) -> dict[str, Any]:
-    meta: dict[str, Any] = {"id": rid, "prompt_tokens": prompt_tokens,
-                            "completion_tokens": completion_tokens,
-                            "finish_reason": finish_reason,
-                            "e2e_latency": time.perf_counter() - start}
+def _meta(
+    rid: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    finish_reason: Any,
+    res: SubResult | None,
+    return_logprob: bool,
+    start: float,
+    simulated_accept_len: float | None = None,
+) -> dict[str, Any]:
+    meta: dict[str, Any] = {
+        "id": rid,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "finish_reason": finish_reason,
+        "e2e_latency": time.perf_counter() - start,
+    }
     if res is not None and res.spec_verify_ct is not None:
         meta["spec_verify_ct"] = res.spec_verify_ct
-        meta["spec_accept_length"] = ((res.spec_committed or 0) / res.spec_verify_ct
-                                      if res.spec_verify_ct else 0.0)
+        meta["spec_accept_length"] = (
+            (res.spec_committed or 0) / res.spec_verify_ct if res.spec_verify_ct else 0.0
+        )
     if simulated_accept_len is not None:
         # Benchmark-only mode: the tokens are not the model's output.
         meta["spec_simulated_accept_len"] = simulated_accept_len
     if return_logprob and res is not None:
         texts: list[str | None] = list(res.token_texts) or [None] * len(res.token_ids)
-        meta["output_token_logprobs"] = [[lp, t, s] for lp, t, s in
-                                         zip(res.logprobs, res.token_ids, texts)]
+        meta["output_token_logprobs"] = [
+            [lp, t, s] for lp, t, s in zip(res.logprobs, res.token_ids, texts)
+        ]
     return meta
 
 
@@ -99,22 +112,39 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
     body = await parse_body(request, GenerateRequest)
     prompts, single = _prompts(body)
     sp_list = _per_prompt(body.sampling_params, len(prompts), "sampling_params")
-    rids = _per_prompt(body.rid, len(prompts), "rid") if body.rid is not None else [
-        new_rid() for _ in prompts]
+    rids = (
+        _per_prompt(body.rid, len(prompts), "rid")
+        if body.rid is not None
+        else [new_rid() for _ in prompts]
+    )
     if len(set(rids)) != len(rids):
         raise ApiError(400, "rid values must be unique", param="rid")
     inputs = []
     for (text, ids), sp, rid in zip(prompts, sp_list, rids):
         params = make_sampling_params(sp or {}, default_param="sampling_params")
         if params.max_new_tokens < 1:
-            raise ApiError(400, "max_new_tokens must be >= 1 (prefill-only requests are not "
-                                f"supported), got {params.max_new_tokens}",
-                           param="max_new_tokens")
+            raise ApiError(
+                400,
+                "max_new_tokens must be >= 1 (prefill-only requests are not "
+                f"supported), got {params.max_new_tokens}",
+                param="max_new_tokens",
+            )
         if params.n != 1:
-            raise ApiError(400, "sampling_params.n > 1 is not supported on /generate; send the "
-                                "prompt several times (or use n on /v1/completions)", param="n")
-        inputs.append(GenerateReqInput(rid=rid, sampling_params=params, text=text,
-                                       input_ids=ids, return_logprob=body.return_logprob))
+            raise ApiError(
+                400,
+                "sampling_params.n > 1 is not supported on /generate; send the "
+                "prompt several times (or use n on /v1/completions)",
+                param="n",
+            )
+        inputs.append(
+            GenerateReqInput(
+                rid=rid,
+                sampling_params=params,
+                text=text,
+                input_ids=ids,
+                return_logprob=body.return_logprob,
+            )
+        )
     param = "text" if body.text is not None else "input_ids"
     sim = ctx.args.speculative_dspark_simulate_accept_len
     group = RequestGroup(ctx, request, "/generate", inputs, param)
@@ -123,10 +153,23 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
         async with group:
             await group.start()
             results = await group.collect()
-        outs = [{"text": r.text, "output_ids": r.token_ids,
-                 "meta_info": _meta(inp.rid, r.accepted.prompt_tokens, r.completion_tokens,
-                                    r.finish_reason, r, body.return_logprob, start, sim)}
-                for inp, r in zip(inputs, results)]
+        outs = [
+            {
+                "text": r.text,
+                "output_ids": r.token_ids,
+                "meta_info": _meta(
+                    inp.rid,
+                    r.accepted.prompt_tokens,
+                    r.completion_tokens,
+                    r.finish_reason,
+                    r,
+                    body.return_logprob,
+                    start,
+                    sim,
+                ),
+            }
+            for inp, r in zip(inputs, results)
+        ]
         return JSONResponse(outs[0] if single else outs)
 
     accepted = await group.start()
@@ -137,9 +180,19 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
             res = results[i]
             res.add(out)
             event: dict[str, Any] = {
-                "text": res.text, "output_ids": res.token_ids,
-                "meta_info": _meta(out.rid, out.prompt_tokens, out.completion_tokens,
-                                   out.finish_reason, res, body.return_logprob, start, sim)}
+                "text": res.text,
+                "output_ids": res.token_ids,
+                "meta_info": _meta(
+                    out.rid,
+                    out.prompt_tokens,
+                    out.completion_tokens,
+                    out.finish_reason,
+                    res,
+                    body.return_logprob,
+                    start,
+                    sim,
+                ),
+            }
             if not single:
                 event["index"] = i
             yield sse(event)

@@ -114,8 +114,15 @@ _TYPE_HINTS = {
     "rid": "a string or a list of strings",
     "content": "a string or a list of {'type': 'text', 'text': str} parts",
 }
-_RANGE_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal",
-                 "too_short", "too_long", "literal_error"}
+_RANGE_ERRORS = {
+    "greater_than",
+    "greater_than_equal",
+    "less_than",
+    "less_than_equal",
+    "too_short",
+    "too_long",
+    "literal_error",
+}
 
 
 def describe_validation_error(exc: ValidationError) -> tuple[str, str | None]:

@@ -42,9 +42,21 @@ from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 _OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "stop", "stop_token_ids",
-                    "ignore_eos", "skip_special_tokens", "no_stop_trim", "seed",
-                    "frequency_penalty", "presence_penalty", "repetition_penalty")
+_SAMPLING_FIELDS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "no_stop_trim",
+    "seed",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+)
 
 
 def _common_checks(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
@@ -52,16 +64,21 @@ def _common_checks(ctx: ServingContext, body: CompletionRequest | ChatCompletion
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
     if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_SEQUENCES:
-        raise ApiError(400, f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got "
-                            f"{len(body.stop)}", param="stop")
+        raise ApiError(
+            400,
+            f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(body.stop)}",
+            param="stop",
+        )
 
 
-def _sampling_params(body: CompletionRequest | ChatCompletionRequest,
-                     max_tokens: int) -> SamplingParams:
+def _sampling_params(
+    body: CompletionRequest | ChatCompletionRequest, max_tokens: int
+) -> SamplingParams:
     values: dict[str, Any] = {"max_new_tokens": max_tokens}
     values.update({name: getattr(body, name) for name in _SAMPLING_FIELDS})
-    return make_sampling_params({k: v for k, v in values.items() if v is not None},
-                                rename=_OPENAI_NAMES)
+    return make_sampling_params(
+        {k: v for k, v in values.items() if v is not None}, rename=_OPENAI_NAMES
+    )
 
 
 def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
@@ -79,8 +96,11 @@ def _finish(out: GenerateOutput | SubResult) -> tuple[str | None, Any]:
 
 def _usage(group: RequestGroup, completion_tokens: int, n: int) -> dict[str, int]:
     prompt = sum(acc.prompt_tokens for i, acc in enumerate(group.accepted) if i % n == 0)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens}
+    return {
+        "prompt_tokens": prompt,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt + completion_tokens,
+    }
 
 
 # ---- /v1/completions ----------------------------------------------------------------------------
@@ -108,8 +128,12 @@ def _completion_logprobs(texts: list[str], logprobs: list[float], start: int) ->
     for t in texts:
         offsets.append(pos)
         pos += len(t)
-    return {"tokens": texts, "token_logprobs": logprobs, "top_logprobs": None,
-            "text_offset": offsets}
+    return {
+        "tokens": texts,
+        "token_logprobs": logprobs,
+        "top_logprobs": None,
+        "text_offset": offsets,
+    }
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
@@ -118,28 +142,46 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     require_tokenizer(ctx, "/v1/completions")
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
-        raise ApiError(400, "best_of must equal n (best-of ranking is not supported)",
-                       param="best_of")
+        raise ApiError(
+            400, "best_of must equal n (best-of ranking is not supported)", param="best_of"
+        )
     if body.suffix is not None:
         raise ApiError(400, "suffix is not supported", param="suffix")
     if body.logprobs:
-        raise ApiError(400, "logprobs > 0 (top alternatives) is not supported; use logprobs=0 "
-                            "for the chosen tokens' logprobs", param="logprobs")
+        raise ApiError(
+            400,
+            "logprobs > 0 (top alternatives) is not supported; use logprobs=0 "
+            "for the chosen tokens' logprobs",
+            param="logprobs",
+        )
     if body.echo and body.logprobs is not None:
-        raise ApiError(400, "echo with logprobs needs prompt logprobs, which are not supported",
-                       param="echo")
+        raise ApiError(
+            400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo"
+        )
     prompts = _completion_prompts(body.prompt)
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     params = _sampling_params(body, max_tokens)
     want_lp = body.logprobs is not None
     base = uuid.uuid4().hex
-    inputs = [GenerateReqInput(rid=f"{base}-{p}-{j}", sampling_params=_choice_params(params, j),
-                               text=text, input_ids=ids, return_logprob=want_lp,
-                               return_prompt_text=body.echo)
-              for p, (text, ids) in enumerate(prompts) for j in range(n)]
+    inputs = [
+        GenerateReqInput(
+            rid=f"{base}-{p}-{j}",
+            sampling_params=_choice_params(params, j),
+            text=text,
+            input_ids=ids,
+            return_logprob=want_lp,
+            return_prompt_text=body.echo,
+        )
+        for p, (text, ids) in enumerate(prompts)
+        for j in range(n)
+    ]
     group = RequestGroup(ctx, request, "/v1/completions", inputs, "prompt", _OPENAI_NAMES)
-    meta = {"id": f"cmpl-{base}", "object": "text_completion", "created": int(time.time()),
-            "model": body.model}
+    meta = {
+        "id": f"cmpl-{base}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": body.model,
+    }
     if not body.stream:
         async with group:
             await group.start()
@@ -148,11 +190,17 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         for i, res in enumerate(results):
             echo = (res.accepted.prompt_text or "") if body.echo else ""
             reason, matched = _finish(res)
-            choices.append({
-                "index": i, "text": echo + res.text, "finish_reason": reason,
-                "matched_stop": matched,
-                "logprobs": _completion_logprobs(res.token_texts, res.logprobs, len(echo))
-                if want_lp else None})
+            choices.append(
+                {
+                    "index": i,
+                    "text": echo + res.text,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                    "logprobs": _completion_logprobs(res.token_texts, res.logprobs, len(echo))
+                    if want_lp
+                    else None,
+                }
+            )
         usage = _usage(group, sum(r.completion_tokens for r in results), n)
         return JSONResponse({**meta, "choices": choices, "usage": usage})
 
@@ -165,8 +213,19 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         if body.echo:
             for i, acc in enumerate(group.accepted):
                 offsets[i] = len(acc.prompt_text or "")
-                yield sse({**meta, "choices": [{"index": i, "text": acc.prompt_text or "",
-                                                "logprobs": None, "finish_reason": None}]})
+                yield sse(
+                    {
+                        **meta,
+                        "choices": [
+                            {
+                                "index": i,
+                                "text": acc.prompt_text or "",
+                                "logprobs": None,
+                                "finish_reason": None,
+                            }
+                        ],
+                    }
+                )
         async for i, out in group.outputs():
             completion_tokens[i] = out.completion_tokens
             if not (out.text or out.finished or (want_lp and out.token_ids)):
@@ -174,8 +233,9 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             reason, matched = _finish(out)
             logprobs = None
             if want_lp:
-                logprobs = _completion_logprobs(list(out.token_texts), list(out.logprobs),
-                                                offsets[i])
+                logprobs = _completion_logprobs(
+                    list(out.token_texts), list(out.logprobs), offsets[i]
+                )
                 offsets[i] += sum(len(t) for t in out.token_texts)
             choice = {"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
@@ -188,10 +248,13 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
-def _chat_logprobs(texts: list[str] | tuple[str, ...],
-                   logprobs: list[float] | tuple[float, ...]) -> list[dict[str, Any]]:
-    return [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-            for t, lp in zip(texts, logprobs)]
+def _chat_logprobs(
+    texts: list[str] | tuple[str, ...], logprobs: list[float] | tuple[float, ...]
+) -> list[dict[str, Any]]:
+    return [
+        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
+        for t, lp in zip(texts, logprobs)
+    ]
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
@@ -201,26 +264,48 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
     if body.top_logprobs:
-        raise ApiError(400, "top_logprobs > 0 is not supported; the chosen tokens' logprobs are "
-                            "returned with logprobs=true", param="top_logprobs")
+        raise ApiError(
+            400,
+            "top_logprobs > 0 is not supported; the chosen tokens' logprobs are "
+            "returned with logprobs=true",
+            param="top_logprobs",
+        )
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
-    if (body.max_tokens is not None and body.max_completion_tokens is not None
-            and body.max_tokens != body.max_completion_tokens):
-        raise ApiError(400, "max_tokens and max_completion_tokens disagree; send one",
-                       param="max_completion_tokens")
+    if (
+        body.max_tokens is not None
+        and body.max_completion_tokens is not None
+        and body.max_tokens != body.max_completion_tokens
+    ):
+        raise ApiError(
+            400,
+            "max_tokens and max_completion_tokens disagree; send one",
+            param="max_completion_tokens",
+        )
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = _sampling_params(body, max_tokens or 1)  # 1 is replaced by fill_context
-    messages = [{"role": m.role, "content": m.content if isinstance(m.content, str)
-                 else "".join(part.text for part in m.content)} for m in body.messages]
+    messages = [
+        {
+            "role": m.role,
+            "content": m.content
+            if isinstance(m.content, str)
+            else "".join(part.text for part in m.content),
+        }
+        for m in body.messages
+    ]
     n = body.n or 1
     base = uuid.uuid4().hex
-    inputs = [GenerateReqInput(rid=f"{base}-{j}", sampling_params=_choice_params(params, j),
-                               messages=messages, return_logprob=body.logprobs,
-                               fill_context=max_tokens is None)
-              for j in range(n)]
-    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages",
-                         _OPENAI_NAMES)
+    inputs = [
+        GenerateReqInput(
+            rid=f"{base}-{j}",
+            sampling_params=_choice_params(params, j),
+            messages=messages,
+            return_logprob=body.logprobs,
+            fill_context=max_tokens is None,
+        )
+        for j in range(n)
+    ]
+    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages", _OPENAI_NAMES)
     meta = {"id": f"chatcmpl-{base}", "created": int(time.time()), "model": body.model}
     if not body.stream:
         async with group:
@@ -229,14 +314,21 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         choices = []
         for i, res in enumerate(results):
             reason, matched = _finish(res)
-            choices.append({
-                "index": i, "message": {"role": "assistant", "content": res.text},
-                "logprobs": {"content": _chat_logprobs(res.token_texts, res.logprobs)}
-                if body.logprobs else None,
-                "finish_reason": reason, "matched_stop": matched})
+            choices.append(
+                {
+                    "index": i,
+                    "message": {"role": "assistant", "content": res.text},
+                    "logprobs": {"content": _chat_logprobs(res.token_texts, res.logprobs)}
+                    if body.logprobs
+                    else None,
+                    "finish_reason": reason,
+                    "matched_stop": matched,
+                }
+            )
         usage = _usage(group, sum(r.completion_tokens for r in results), n)
-        return JSONResponse({**meta, "object": "chat.completion", "choices": choices,
-                             "usage": usage})
+        return JSONResponse(
+            {**meta, "object": "chat.completion", "choices": choices, "usage": usage}
+        )
 
     await group.start()
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -245,24 +337,38 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     async def events() -> AsyncIterator[str]:
         completion_tokens = [0] * n
         for i in range(n):
-            yield sse({**chunk_meta, "choices": [{
-                "index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                "finish_reason": None}]})
+            yield sse(
+                {
+                    **chunk_meta,
+                    "choices": [
+                        {
+                            "index": i,
+                            "delta": {"role": "assistant", "content": ""},
+                            "logprobs": None,
+                            "finish_reason": None,
+                        }
+                    ],
+                }
+            )
         async for i, out in group.outputs():
             completion_tokens[i] = out.completion_tokens
             if not (out.text or out.finished or (body.logprobs and out.token_ids)):
                 continue
             reason, matched = _finish(out)
             choice: dict[str, Any] = {
-                "index": i, "delta": {"content": out.text} if out.text else {},
+                "index": i,
+                "delta": {"content": out.text} if out.text else {},
                 "logprobs": {"content": _chat_logprobs(out.token_texts, out.logprobs)}
-                if body.logprobs else None,
-                "finish_reason": reason}
+                if body.logprobs
+                else None,
+                "finish_reason": reason,
+            }
             if reason is not None:
                 choice["matched_stop"] = matched
             yield sse({**chunk_meta, "choices": [choice]})
         if include_usage:
-            yield sse({**chunk_meta, "choices": [],
-                       "usage": _usage(group, sum(completion_tokens), n)})
+            yield sse(
+                {**chunk_meta, "choices": [], "usage": _usage(group, sum(completion_tokens), n)}
+            )
 
     return GroupStreamingResponse(stream_events(group, events), group)

@@ -81,18 +81,28 @@ async def parse_body(request: Request, model: type[_Model]) -> _Model:
 def check_model_name(ctx: ServingContext, name: str) -> None:
     served = ctx.args.served_model_name
     if name != served:
-        raise ApiError(404, f"The model '{name}' does not exist; this server serves '{served}'",
-                       param="model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{served}'",
+            param="model",
+            code="model_not_found",
+        )
 
 
 def require_tokenizer(ctx: ServingContext, what: str) -> None:
     if not ctx.has_tokenizer:
-        raise ApiError(400, f"{what} needs a tokenizer, and this server runs with "
-                            "--skip-tokenizer-init; use /generate with input_ids")
+        raise ApiError(
+            400,
+            f"{what} needs a tokenizer, and this server runs with "
+            "--skip-tokenizer-init; use /generate with input_ids",
+        )
 
 
-def make_sampling_params(values: Mapping[str, Any], rename: Mapping[str, str] | None = None,
-                         default_param: str | None = None) -> SamplingParams:
+def make_sampling_params(
+    values: Mapping[str, Any],
+    rename: Mapping[str, str] | None = None,
+    default_param: str | None = None,
+) -> SamplingParams:
     """`SamplingParams.from_dict(values)`; a ValueError becomes a 400 whose `param` is the API's
     name of the offending field (`rename` maps SamplingParams names to API names), or
     `default_param` when the message names no single field."""
@@ -139,9 +149,15 @@ class RequestGroup:
     """The sub-requests of one HTTP request. Use as `async with`: leaving the block aborts
     whatever has not finished (client gone, handler cancelled, error)."""
 
-    def __init__(self, ctx: ServingContext, request: Request, endpoint: str,
-                 inputs: list[GenerateReqInput], prompt_param: str,
-                 renames: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        ctx: ServingContext,
+        request: Request,
+        endpoint: str,
+        inputs: list[GenerateReqInput],
+        prompt_param: str,
+        renames: Mapping[str, str] | None = None,
+    ) -> None:
         """`prompt_param` is the API field a rejection points at; `renames` rewrites the
         scheduler's field names in rejection messages to the API's (max_new_tokens ->
         max_tokens)."""
@@ -221,8 +237,11 @@ class RequestGroup:
             if time.monotonic() - self._last_poll >= DISCONNECT_POLL_S:
                 self._last_poll = time.monotonic()
                 if await self.request.is_disconnected():
-                    logger.info("client left %s; aborting %d request(s)", self.endpoint,
-                                len(self._unfinished))
+                    logger.info(
+                        "client left %s; aborting %d request(s)",
+                        self.endpoint,
+                        len(self._unfinished),
+                    )
                     self.abort_unfinished()
                     raise ClientDisconnected()
             if not self._queue.empty():
@@ -245,8 +264,7 @@ class RequestGroup:
                 metrics.observe_chunk(now - last, len(out.token_ids))
             self._last_time[out.rid] = now
         if out.finished:
-            metrics.observe_finished(out.prompt_tokens, out.completion_tokens,
-                                     now - self._arrival)
+            metrics.observe_finished(out.prompt_tokens, out.completion_tokens, now - self._arrival)
 
 
 class GroupStreamingResponse(StreamingResponse):
@@ -254,8 +272,9 @@ class GroupStreamingResponse(StreamingResponse):
     (Starlette does not close the body iterator when the client disconnects mid-`send`)."""
 
     def __init__(self, content: AsyncIterator[str], group: RequestGroup) -> None:
-        super().__init__(content, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+        super().__init__(
+            content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"}
+        )
         self._group = group
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -265,8 +284,9 @@ class GroupStreamingResponse(StreamingResponse):
             self._group.abort_unfinished()
 
 
-async def stream_events(group: RequestGroup,
-                        events: Callable[[], AsyncIterator[str]]) -> AsyncIterator[str]:
+async def stream_events(
+    group: RequestGroup, events: Callable[[], AsyncIterator[str]]
+) -> AsyncIterator[str]:
     """Wrap an SSE event generator: errors after the stream started become an error event,
     and every stream ends with `[DONE]` unless the client left."""
     try:

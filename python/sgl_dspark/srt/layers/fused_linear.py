@@ -42,8 +42,12 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # K <= 4096: measured on an H200 (benchmark/results/kernels.md), the kernel matches or
         # beats the BLAS up to K = 1024 and loses ~10% at K = 8192 (DSV4-Flash o_b).
-        if x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.shape[1] <= _SMALL_M_MAX_K and (
-                x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype):
+        if (
+            x.dim() == 2
+            and 0 < x.shape[0] <= MAX_M
+            and x.shape[1] <= _SMALL_M_MAX_K
+            and (x.stride(1) == 1 and weight.stride(1) == 1 and x.dtype == weight.dtype)
+        ):
             return small_m_linear(x, weight)
         return F.linear(x, weight)
 
@@ -69,8 +73,11 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
     from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_grouped_linear
 
     def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        if 0 < x.shape[0] <= MAX_M and x.shape[2] <= _SMALL_M_MAX_K and (
-                x.stride(2) == 1 and weight.stride(2) == 1 and x.dtype == weight.dtype):
+        if (
+            0 < x.shape[0] <= MAX_M
+            and x.shape[2] <= _SMALL_M_MAX_K
+            and (x.stride(2) == 1 and weight.stride(2) == 1 and x.dtype == weight.dtype)
+        ):
             return small_m_grouped_linear(x, weight)
         return _grouped_linear_torch(x, weight)
 
@@ -81,16 +88,21 @@ class LinearGroup:
     """Members' outputs `[..., out_i]` for one input, in member order (column views of one GEMM
     output once fused)."""
 
-    def __init__(self, linears: Sequence[nn.Linear], kernels: KernelChoice | None = None,
-                 ) -> None:
+    def __init__(
+        self,
+        linears: Sequence[nn.Linear],
+        kernels: KernelChoice | None = None,
+    ) -> None:
         if not linears:
             raise ValueError("LinearGroup needs at least one nn.Linear")
         for lin in linears:
             if lin.bias is not None:
                 raise ValueError("LinearGroup members must be bias-free")
         if len({lin.in_features for lin in linears}) != 1:
-            raise ValueError(f"LinearGroup members must share in_features, got "
-                             f"{[lin.in_features for lin in linears]}")
+            raise ValueError(
+                f"LinearGroup members must share in_features, got "
+                f"{[lin.in_features for lin in linears]}"
+            )
         self.linears = list(linears)
         self.sizes = [lin.out_features for lin in linears]
         self.weight: torch.Tensor | None = None

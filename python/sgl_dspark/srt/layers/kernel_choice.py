@@ -24,11 +24,14 @@ class KernelChoice:
             raise ValueError(f"--kernel-backend {self.backend!r}: choose from {KERNEL_BACKENDS}")
         for fam, impl in self.overrides:
             if fam not in KERNEL_FAMILIES:
-                raise ValueError(f"--kernel-backend-overrides: unknown family {fam!r}; "
-                                 f"families: {KERNEL_FAMILIES}")
+                raise ValueError(
+                    f"--kernel-backend-overrides: unknown family {fam!r}; "
+                    f"families: {KERNEL_FAMILIES}"
+                )
             if impl not in KERNEL_BACKENDS:
-                raise ValueError(f"--kernel-backend-overrides {fam}={impl!r}: choose from "
-                                 f"{KERNEL_BACKENDS}")
+                raise ValueError(
+                    f"--kernel-backend-overrides {fam}={impl!r}: choose from {KERNEL_BACKENDS}"
+                )
 
     def of(self, family: str) -> str:
         assert family in KERNEL_FAMILIES, family

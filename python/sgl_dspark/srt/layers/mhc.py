@@ -15,8 +15,9 @@ from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
 class HyperConnection(nn.Module):
     """One mHC mixer (`attn_hc` / `ffn_hc`): parameters `fn`, `base`, `scale` (HF names, fp32)."""
 
-    def __init__(self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float,
-                 rms_eps: float) -> None:
+    def __init__(
+        self, hc_mult: int, hidden_size: int, sinkhorn_iters: int, hc_eps: float, rms_eps: float
+    ) -> None:
         super().__init__()
         n = hc_mult
         self.hc_mult = n
@@ -51,8 +52,9 @@ def hc_collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
     return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
-def hc_expand(streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
-              comb: torch.Tensor) -> torch.Tensor:
+def hc_expand(
+    streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor, comb: torch.Tensor
+) -> torch.Tensor:
     """`Rs'[k] = post[k] * y + sum_j comb[j, k] * Rs[j]` (HF casts post/comb to the act dtype)."""
     dtype = streams.dtype
     return post.to(dtype).unsqueeze(-1) * y.unsqueeze(-2) + torch.matmul(
@@ -73,7 +75,9 @@ class HyperHead(nn.Module):
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
         u = rms_norm(streams.flatten(1).float(), None, self.rms_eps)
-        pre = torch.sigmoid((u @ self.hc_fn.float().t()) * self.hc_scale.float() + self.hc_base.float())
+        pre = torch.sigmoid(
+            (u @ self.hc_fn.float().t()) * self.hc_scale.float() + self.hc_base.float()
+        )
         return hc_collapse(streams, pre + self.hc_eps)
 
 
@@ -92,18 +96,34 @@ class HcSublayers(Protocol):
 class HcBoundary(Protocol):
     """The fused sublayer boundaries of the "mhc" family (see `hc_boundary_impl`)."""
 
-    def __call__(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
-                 comb: torch.Tensor, next_hc: HyperConnection, next_norm: RMSNorm,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    def __call__(
+        self,
+        streams: torch.Tensor,
+        y: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        next_hc: HyperConnection,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """Close a sublayer and open the next: (streams', next input normed, post', comb')."""
 
-    def open(self, streams: torch.Tensor, hc: HyperConnection, norm: RMSNorm,
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def open(
+        self,
+        streams: torch.Tensor,
+        hc: HyperConnection,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Open the first sublayer: (its normed input, post, comb)."""
 
-    def close_to_head(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
-                      comb: torch.Tensor, head: HyperHead, norm: RMSNorm,
-                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def close_to_head(
+        self,
+        streams: torch.Tensor,
+        y: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        head: HyperHead,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Close the last sublayer and apply the hyper head and the final norm:
         (streams', `head(streams')`, `norm(head(streams'))`)."""
 
@@ -127,26 +147,59 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     from sgl_dspark.kernels.mhc import mhc_post_combine, mhc_pre
 
     class _Boundary:
-        def __call__(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
-                     comb: torch.Tensor, next_hc: HyperConnection, next_norm: RMSNorm,
-                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        def __call__(
+            self,
+            streams: torch.Tensor,
+            y: torch.Tensor,
+            post: torch.Tensor,
+            comb: torch.Tensor,
+            next_hc: HyperConnection,
+            next_norm: RMSNorm,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
             assert next_norm.eps == next_hc.rms_eps, (next_norm.eps, next_hc.rms_eps)
             out = mhc_post_combine(
-                streams, y.contiguous(), post, comb, next_hc.fn, next_hc.base, next_hc.scale,
-                next_norm.weight, hc_eps=next_hc.hc_eps, sinkhorn_iters=next_hc.sinkhorn_iters,
-                rms_eps=next_hc.rms_eps)
+                streams,
+                y.contiguous(),
+                post,
+                comb,
+                next_hc.fn,
+                next_hc.base,
+                next_hc.scale,
+                next_norm.weight,
+                hc_eps=next_hc.hc_eps,
+                sinkhorn_iters=next_hc.sinkhorn_iters,
+                rms_eps=next_hc.rms_eps,
+            )
             return out.streams, out.x_normed, out.post, out.comb
 
-        def open(self, streams: torch.Tensor, hc: HyperConnection, norm: RMSNorm,
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def open(
+            self,
+            streams: torch.Tensor,
+            hc: HyperConnection,
+            norm: RMSNorm,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
-            out = mhc_pre(streams, hc.fn, hc.base, hc.scale, norm.weight, hc_eps=hc.hc_eps,
-                          sinkhorn_iters=hc.sinkhorn_iters, rms_eps=hc.rms_eps)
+            out = mhc_pre(
+                streams,
+                hc.fn,
+                hc.base,
+                hc.scale,
+                norm.weight,
+                hc_eps=hc.hc_eps,
+                sinkhorn_iters=hc.sinkhorn_iters,
+                rms_eps=hc.rms_eps,
+            )
             return out.x_normed, out.post, out.comb
 
-        def close_to_head(self, streams: torch.Tensor, y: torch.Tensor, post: torch.Tensor,
-                          comb: torch.Tensor, head: HyperHead, norm: RMSNorm,
-                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        def close_to_head(
+            self,
+            streams: torch.Tensor,
+            y: torch.Tensor,
+            post: torch.Tensor,
+            comb: torch.Tensor,
+            head: HyperHead,
+            norm: RMSNorm,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             # The hyper head is the pre half of a mixer (weightless RMSNorm over n·D, fn
             # projection, sigmoid + eps, collapse) and the final norm follows it, so the last
             # boundary's kernel computes both from the head's fn/base/scale zero-padded to a
@@ -155,8 +208,18 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             assert norm.eps == head.rms_eps, (norm.eps, head.rms_eps)
             fn, base, scale = _padded_head_params(head)
             out = mhc_post_combine(
-                streams, y.contiguous(), post, comb, fn, base, scale, norm.weight,
-                hc_eps=head.hc_eps, sinkhorn_iters=1, rms_eps=head.rms_eps)
+                streams,
+                y.contiguous(),
+                post,
+                comb,
+                fn,
+                base,
+                scale,
+                norm.weight,
+                hc_eps=head.hc_eps,
+                sinkhorn_iters=1,
+                rms_eps=head.rms_eps,
+            )
             return out.streams, out.x_in, out.x_normed
 
     return _Boundary()
@@ -213,13 +276,15 @@ def run_fused_hc_layers(
     head_out = None
     for i, layer in enumerate(layers):
         a = attn(i, x)
-        streams, x, post, comb = boundary(streams, a, post, comb, layer.ffn_hc,
-                                          layer.post_attention_layernorm)
+        streams, x, post, comb = boundary(
+            streams, a, post, comb, layer.ffn_hc, layer.post_attention_layernorm
+        )
         f = ffn(i, x)
         if i + 1 < len(layers):
             nxt = layers[i + 1]
-            streams, x, post, comb = boundary(streams, f, post, comb, nxt.attn_hc,
-                                              nxt.input_layernorm)
+            streams, x, post, comb = boundary(
+                streams, f, post, comb, nxt.attn_hc, nxt.input_layernorm
+            )
         elif head is not None:
             streams, y, y_normed = boundary.close_to_head(streams, f, post, comb, *head)
             head_out = (y, y_normed)

@@ -30,12 +30,14 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
     inv_freq = 1.0 / pos_freqs
     if rope.rope_type == "default":
         return inv_freq
+
     # YaRN (spec §3): blend interpolated and extrapolated frequencies with a linear ramp
     # over the pair index; attention_factor stays 1 (DeepSeek-V4 applies no mscale).
     def correction_dim(num_rotations: float) -> float:
-        return (rope_dim * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (
-            2 * math.log(rope.theta)
-        )
+        return (
+            rope_dim
+            * math.log(rope.original_max_position_embeddings / (num_rotations * 2 * math.pi))
+        ) / (2 * math.log(rope.theta))
 
     lo = max(math.floor(correction_dim(rope.beta_fast)), 0)
     hi: float = min(math.ceil(correction_dim(rope.beta_slow)), rope_dim - 1)
@@ -46,7 +48,9 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
     return inv_interp * ramp + inv_freq * (1 - ramp)
 
 
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_cos_sin(
+    positions: torch.Tensor, inv_freq: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[N, rd/2]` in fp32 for integer positions `[N]`."""
     freqs = positions.to(torch.float32)[:, None] * inv_freq.to(positions.device)[None, :]
     return freqs.cos(), freqs.sin()
@@ -81,7 +85,7 @@ class RopeTable:
             rows = self.shifted[shift][positions]
         else:
             rows = self.table[positions - shift]
-        return rows[:, :self.half], rows[:, self.half:]
+        return rows[:, : self.half], rows[:, self.half :]
 
 
 def apply_rope_tail(
@@ -116,8 +120,13 @@ def _fuses_norm(kernels: KernelChoice) -> bool:
     return kernels.of("rope") == "triton" and kernels.of("norm") == "triton"
 
 
-def _launch_ready(x: torch.Tensor, norm: PreNorm | None, fuse: bool, norm_fn: Callable,
-                  dtype: torch.dtype | None = None) -> tuple[torch.Tensor, PreNorm | None]:
+def _launch_ready(
+    x: torch.Tensor,
+    norm: PreNorm | None,
+    fuse: bool,
+    norm_fn: Callable,
+    dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, PreNorm | None]:
     """x for a Triton rope launch: (x, the norm the launch must fuse, or None). The norm is
     applied here instead when it cannot be fused (`fuse` False, or x is cast to another
     `dtype`, a pool's, after it); x leaves in `dtype` with unit channel stride."""
@@ -146,8 +155,14 @@ def rope_impl(kernels: KernelChoice) -> RopeTailFn:
     """
     norm_fn = rms_norm_impl(kernels)
     if kernels.of("rope") == "torch":
-        def rope_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       inverse: bool = False, norm: PreNorm | None = None) -> torch.Tensor:
+
+        def rope_torch(
+            x: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            inverse: bool = False,
+            norm: PreNorm | None = None,
+        ) -> torch.Tensor:
             if norm is not None:
                 x = norm_fn(x, *norm)
             return apply_rope_tail(x, cos, sin, inverse)
@@ -158,13 +173,17 @@ def rope_impl(kernels: KernelChoice) -> RopeTailFn:
 
     fuse = _fuses_norm(kernels)
 
-    def rope_tail_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         inverse: bool = False, norm: PreNorm | None = None) -> torch.Tensor:
+    def rope_tail_triton(
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        inverse: bool = False,
+        norm: PreNorm | None = None,
+    ) -> torch.Tensor:
         x, norm = _launch_ready(x, norm, fuse, norm_fn)
         fused_norm = _norm_kwargs(norm)
         if x.dim() == 2:  # single-head rows (kv, compressor entries): one head of Dh
-            return rope_tail(x.unsqueeze(1), cos, sin, inverse=inverse,
-                             **fused_norm).squeeze(1)
+            return rope_tail(x.unsqueeze(1), cos, sin, inverse=inverse, **fused_norm).squeeze(1)
         assert x.dim() == 3, f"rope_tail takes [N, Dh] or [N, H, Dh], got {tuple(x.shape)}"
         return rope_tail(x, cos, sin, inverse=inverse, **fused_norm)
 
@@ -184,9 +203,15 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
     is Triton too."""
     norm_fn = rms_norm_impl(kernels)
     if kernels.of("rope") == "torch":
-        def store_torch(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                        pool: torch.Tensor, slots: torch.Tensor,
-                        norm: PreNorm | None = None) -> None:
+
+        def store_torch(
+            x: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            pool: torch.Tensor,
+            slots: torch.Tensor,
+            norm: PreNorm | None = None,
+        ) -> None:
             if norm is not None:
                 x = norm_fn(x, *norm)
             pool[slots] = apply_rope_tail(x, cos, sin).to(pool.dtype)
@@ -196,12 +221,18 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
 
     fuse = _fuses_norm(kernels)
 
-    def store_triton(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                     pool: torch.Tensor, slots: torch.Tensor,
-                     norm: PreNorm | None = None) -> None:
+    def store_triton(
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+        norm: PreNorm | None = None,
+    ) -> None:
         x, norm = _launch_ready(x, norm, fuse, norm_fn, pool.dtype)
-        rope_tail(x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots,
-                  **_norm_kwargs(norm))
+        rope_tail(
+            x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots, **_norm_kwargs(norm)
+        )
 
     return store_triton
 
@@ -222,10 +253,16 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
     if kernels.of("rope") == "torch":
         store = rope_store_impl(kernels)
 
-        def q_kv_torch(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                       q_norm: PreNorm | None = None, kv_norm: PreNorm | None = None,
-                       pool: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        def q_kv_torch(
+            q: torch.Tensor,
+            kv: torch.Tensor,
+            cos: torch.Tensor,
+            sin: torch.Tensor,
+            q_norm: PreNorm | None = None,
+            kv_norm: PreNorm | None = None,
+            pool: torch.Tensor | None = None,
+            slots: torch.Tensor | None = None,
+        ) -> tuple[torch.Tensor, torch.Tensor | None]:
             q = rope(q, cos, sin, norm=q_norm)
             if pool is None:
                 return q, rope(kv, cos, sin, norm=kv_norm)
@@ -238,19 +275,34 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
     norm_fn = rms_norm_impl(kernels)
     fuse = _fuses_norm(kernels)
 
-    def q_kv_triton(q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                    q_norm: PreNorm | None = None, kv_norm: PreNorm | None = None,
-                    pool: torch.Tensor | None = None, slots: torch.Tensor | None = None,
-                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def q_kv_triton(
+        q: torch.Tensor,
+        kv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: PreNorm | None = None,
+        kv_norm: PreNorm | None = None,
+        pool: torch.Tensor | None = None,
+        slots: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The launch fuses the weightless q norm only (a weighted one runs before it).
-        q, q_norm = _launch_ready(q, q_norm, fuse and (q_norm is None or q_norm[0] is None),
-                                  norm_fn)
-        kv, kv_norm = _launch_ready(kv, kv_norm, fuse, norm_fn,
-                                    None if pool is None else pool.dtype)
+        q, q_norm = _launch_ready(
+            q, q_norm, fuse and (q_norm is None or q_norm[0] is None), norm_fn
+        )
+        kv, kv_norm = _launch_ready(
+            kv, kv_norm, fuse, norm_fn, None if pool is None else pool.dtype
+        )
         q_out, kv_out = rope_q_kv(
-            q, kv, cos, sin, q_norm_eps=None if q_norm is None else q_norm[1],
+            q,
+            kv,
+            cos,
+            sin,
+            q_norm_eps=None if q_norm is None else q_norm[1],
             kv_norm_eps=None if kv_norm is None else kv_norm[1],
-            kv_norm_weight=None if kv_norm is None else kv_norm[0], kv_out=pool, kv_rows=slots)
+            kv_norm_weight=None if kv_norm is None else kv_norm[0],
+            kv_out=pool,
+            kv_rows=slots,
+        )
         return q_out, None if pool is not None else kv_out
 
     return q_kv_triton

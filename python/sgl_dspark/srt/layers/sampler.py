@@ -70,8 +70,10 @@ def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) ->
     Returns:
         [B] float32 in [0, 1), multiples of 2**-24.
     """
-    assert seeds.dtype == torch.int64 and counters.dtype == torch.int64, (seeds.dtype,
-                                                                          counters.dtype)
+    assert seeds.dtype == torch.int64 and counters.dtype == torch.int64, (
+        seeds.dtype,
+        counters.dtype,
+    )
     h = _mix32((seeds & _MASK32) ^ (stream & _MASK32))
     h = _mix32(h ^ ((seeds >> 32) & _MASK32) ^ 0x9E3779B9)
     h = _mix32(h ^ (counters & _MASK32))
@@ -140,21 +142,31 @@ class SamplingBatchInfo:
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
         temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
-        top_ks = [vocab_size if g or p.top_k < 0 else min(p.top_k, vocab_size)
-                  for p, g in zip(params, greedy)]
+        top_ks = [
+            vocab_size if g or p.top_k < 0 else min(p.top_k, vocab_size)
+            for p, g in zip(params, greedy)
+        ]
         top_ps = [1.0 if g else p.top_p for p, g in zip(params, greedy)]
         min_ps = [0.0 if g else p.min_p for p, g in zip(params, greedy)]
         num_unseeded = sum(p.seed is None for p in params)
-        random_keys = iter(torch.randint(0, _MAX_KEY, (num_unseeded,), generator=generator)
-                           .tolist())
+        random_keys = iter(
+            torch.randint(0, _MAX_KEY, (num_unseeded,), generator=generator).tolist()
+        )
         seeds = [p.seed if p.seed is not None else next(random_keys) for p in params]
-        temps_t, top_ps_t, min_ps_t = to_device_packed([temps, top_ps, min_ps], torch.float32,
-                                                       device)
+        temps_t, top_ps_t, min_ps_t = to_device_packed(
+            [temps, top_ps, min_ps], torch.float32, device
+        )
         top_ks_t, seeds_t, counters_t, greedy_t = to_device_packed(
-            [top_ks, seeds, counters, [int(g) for g in greedy]], torch.int64, device)
+            [top_ks, seeds, counters, [int(g) for g in greedy]], torch.int64, device
+        )
         return cls(
-            temperatures=temps_t, top_ps=top_ps_t, top_ks=top_ks_t, min_ps=min_ps_t,
-            is_greedy=greedy_t.bool(), seeds=seeds_t, counters=counters_t,
+            temperatures=temps_t,
+            top_ps=top_ps_t,
+            top_ks=top_ks_t,
+            min_ps=min_ps_t,
+            is_greedy=greedy_t.bool(),
+            seeds=seeds_t,
+            counters=counters_t,
             vocab_size=vocab_size,
             all_greedy=all(greedy),
             need_top_k=any(k < vocab_size for k in top_ks),
@@ -252,7 +264,10 @@ class Sampler(nn.Module):
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         """Args: logits [B, V] fp32 (V == info.vocab_size). Returns `SamplerOutput`."""
         assert logits.dim() == 2 and tuple(logits.shape) == (info.batch_size, info.vocab_size), (
-            tuple(logits.shape), info.batch_size, info.vocab_size)
+            tuple(logits.shape),
+            info.batch_size,
+            info.vocab_size,
+        )
         assert logits.dtype == torch.float32, logits.dtype
         greedy_ids = self.greedy_argmax(logits)
         if info.all_greedy:

@@ -106,7 +106,7 @@ class SchedulerStats:
     num_running_reqs: int
     num_waiting_reqs: int
     kv_free_pages: int
-    kv_total_pages: int      # pages a request can ever hold (the dummy page excluded)
+    kv_total_pages: int  # pages a request can ever hold (the dummy page excluded)
     page_size: int
     free_req_slots: int
     total_steps: int

@@ -14,8 +14,30 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 
 from sgl_dspark.srt.managers.io_struct import SchedulerStats
 
-_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.4,
-                    0.6, 0.8, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+_LATENCY_BUCKETS = (
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.6,
+    0.8,
+    1.0,
+    2.0,
+    4.0,
+    8.0,
+    16.0,
+    32.0,
+    64.0,
+)
 _E2E_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0)
 
 
@@ -28,21 +50,44 @@ class ServerMetrics:
         labels = {"model_name": model_name}
         self._labels = labels
         self.num_requests = Counter(
-            "sglang:num_requests", "HTTP generation requests by endpoint and status code",
-            ["model_name", "endpoint", "code"], registry=reg)
-        self.prompt_tokens = Counter("sglang:prompt_tokens", "Prompt tokens of finished requests",
-                                     ["model_name"], registry=reg).labels(**labels)
+            "sglang:num_requests",
+            "HTTP generation requests by endpoint and status code",
+            ["model_name", "endpoint", "code"],
+            registry=reg,
+        )
+        self.prompt_tokens = Counter(
+            "sglang:prompt_tokens",
+            "Prompt tokens of finished requests",
+            ["model_name"],
+            registry=reg,
+        ).labels(**labels)
         self.generation_tokens = Counter(
-            "sglang:generation_tokens", "Output tokens of finished requests", ["model_name"],
-            registry=reg).labels(**labels)
-        self.ttft = Histogram("sglang:time_to_first_token_seconds",
-                              "Arrival to first output token", ["model_name"],
-                              buckets=_LATENCY_BUCKETS, registry=reg).labels(**labels)
-        self.itl = Histogram("sglang:inter_token_latency_seconds",
-                             "Time between output tokens (a chunk's gap over its tokens)",
-                             ["model_name"], buckets=_LATENCY_BUCKETS, registry=reg).labels(**labels)
-        self.e2e = Histogram("sglang:e2e_request_latency_seconds", "Arrival to last output token",
-                             ["model_name"], buckets=_E2E_BUCKETS, registry=reg).labels(**labels)
+            "sglang:generation_tokens",
+            "Output tokens of finished requests",
+            ["model_name"],
+            registry=reg,
+        ).labels(**labels)
+        self.ttft = Histogram(
+            "sglang:time_to_first_token_seconds",
+            "Arrival to first output token",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
+        self.itl = Histogram(
+            "sglang:inter_token_latency_seconds",
+            "Time between output tokens (a chunk's gap over its tokens)",
+            ["model_name"],
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
+        self.e2e = Histogram(
+            "sglang:e2e_request_latency_seconds",
+            "Arrival to last output token",
+            ["model_name"],
+            buckets=_E2E_BUCKETS,
+            registry=reg,
+        ).labels(**labels)
         self.running = self._gauge("sglang:num_running_reqs", "Requests in the running batch")
         self.queued = self._gauge("sglang:num_queue_reqs", "Requests waiting for admission")
         self.token_usage = self._gauge("sglang:token_usage", "Fraction of KV pages in use")
@@ -51,13 +96,17 @@ class ServerMetrics:
         self.spec_accept_length: Gauge | None = None
         if spec_positions > 0:
             self.spec_accept_length = self._gauge(
-                "sglang:spec_accept_length", "DSpark mean tokens committed per request-step")
+                "sglang:spec_accept_length", "DSpark mean tokens committed per request-step"
+            )
             self.spec_accept_rate = self._gauge(
-                "sglang:spec_accept_rate", "DSpark correct drafts / verified drafts")
+                "sglang:spec_accept_rate", "DSpark correct drafts / verified drafts"
+            )
             self.spec_position_acceptance = Gauge(
                 "sglang:spec_accept_rate_by_position",
                 "DSpark conditional acceptance of draft position k given k-1 accepted",
-                ["model_name", "position"], registry=reg)
+                ["model_name", "position"],
+                registry=reg,
+            )
             self._spec_positions = spec_positions
 
     def _gauge(self, name: str, doc: str) -> Gauge:
@@ -77,19 +126,24 @@ class ServerMetrics:
             for _ in range(num_tokens):
                 self.itl.observe(per_token)
 
-    def observe_finished(self, prompt_tokens: int, completion_tokens: int,
-                         e2e_seconds: float) -> None:
+    def observe_finished(
+        self, prompt_tokens: int, completion_tokens: int, e2e_seconds: float
+    ) -> None:
         self.prompt_tokens.inc(prompt_tokens)
         self.generation_tokens.inc(completion_tokens)
         self.e2e.observe(e2e_seconds)
 
-    def record_spec(self, accept_length: float, accept_rate: float,
-                    conditional_acceptance: Sequence[float | None]) -> None:
+    def record_spec(
+        self,
+        accept_length: float,
+        accept_rate: float,
+        conditional_acceptance: Sequence[float | None],
+    ) -> None:
         """Set the DSpark gauges; positions without data are left unset."""
         assert self.spec_accept_length is not None, "server metrics built without DSpark"
         self.spec_accept_length.set(accept_length)
         self.spec_accept_rate.set(accept_rate)
-        for k, value in enumerate(conditional_acceptance[:self._spec_positions], start=1):
+        for k, value in enumerate(conditional_acceptance[: self._spec_positions], start=1):
             if value is not None:
                 self.spec_position_acceptance.labels(position=str(k), **self._labels).set(value)
 
@@ -101,6 +155,9 @@ class ServerMetrics:
         self.kv_free_pages.set(stats.kv_free_pages)
         self.kv_total_pages.set(stats.kv_total_pages)
         if self.spec_accept_length is not None and stats.spec_accept_length is not None:
-            self.record_spec(stats.spec_accept_length, stats.spec_accept_rate or 0.0,
-                             stats.spec_acceptance_by_position)
+            self.record_spec(
+                stats.spec_accept_length,
+                stats.spec_accept_rate or 0.0,
+                stats.spec_acceptance_by_position,
+            )
         return generate_latest(self.registry)

@@ -18,12 +18,12 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
     detok: IncrementalDetokenizer | None = None
-    slot: int = -1                 # request slot in ReqToTokenPool; -1 = not admitted
-    kv_len: int = 0                # tokens whose KV state is committed
-    reserved_tokens: int = 0       # KV budget promised at admission
+    slot: int = -1  # request slot in ReqToTokenPool; -1 = not admitted
+    kv_len: int = 0  # tokens whose KV state is committed
+    reserved_tokens: int = 0  # KV budget promised at admission
     finish_reason: dict[str, Any] | None = None
-    spec_verify_ct: int = 0        # DSpark verify steps this request took part in
-    spec_committed: int = 0        # tokens committed by those steps (accepted drafts + bonus)
+    spec_verify_ct: int = 0  # DSpark verify steps this request took part in
+    spec_committed: int = 0  # tokens committed by those steps (accepted drafts + bonus)
     error: str | None = None
 
     @property
@@ -41,5 +41,5 @@ class Req:
     def next_input(self, budget: int) -> list[int]:
         """Tokens to feed next: a prefill chunk of at most `budget`, or the last sampled token."""
         if not self.prefill_done:
-            return self.prompt_ids[self.kv_len:self.kv_len + budget]
+            return self.prompt_ids[self.kv_len : self.kv_len + budget]
         return [self.output_ids[-1]]

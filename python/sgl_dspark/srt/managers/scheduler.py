@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    chunked_prefill_size: int = 512      # max prefill tokens per step (all requests)
+    chunked_prefill_size: int = 512  # max prefill tokens per step (all requests)
     max_running_requests: int = 64
     eos_token_ids: tuple[int, ...] = ()
     # Launch decode step N+1 from step N's sampled tokens on the device before reading them
@@ -78,8 +78,9 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
-    def __init__(self, runner: ModelRunner, cfg: SchedulerConfig,
-                 spec: DSparkWorker | None = None) -> None:
+    def __init__(
+        self, runner: ModelRunner, cfg: SchedulerConfig, spec: DSparkWorker | None = None
+    ) -> None:
         self.runner = runner
         self.cfg = cfg
         self.spec = spec
@@ -99,7 +100,8 @@ class Scheduler:
         if total > ctx:
             raise RequestRejected(
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
-                f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}")
+                f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}"
+            )
         if self._pages_for(total) > self.runner.allocator.num_usable_pages:
             raise RequestRejected(f"request needs {total} tokens of KV, more than the pool holds")
         if self.spec is not None and req.params.min_p > 0:
@@ -222,8 +224,9 @@ class Scheduler:
         (plain decode, also DSpark's static width 1) or "spec" (a fused all-greedy DSpark step),
         when the batch is exactly the requests of the step in flight of the same kind (or none is
         in flight); None otherwise."""
-        if not (self.cfg.overlap_schedule and self.running
-                and all(r.prefill_done for r in self.running)):
+        if not (
+            self.cfg.overlap_schedule and self.running and all(r.prefill_done for r in self.running)
+        ):
             return None
         prev = self._inflight
         if self.spec is None or self.spec.plain_decode(len(self.running)):
@@ -231,12 +234,15 @@ class Scheduler:
         else:
             lag = prev.launch.width if isinstance(prev, _InflightSpec) else 0
             if fused_width(self.spec, self.running, lag) is None:
-                return None   # the worker's own step, one at a time
+                return None  # the worker's own step, one at a time
             kind = "spec"
         if prev is None:
             return kind
-        same = (prev.kind == kind and len(prev.reqs) == len(self.running)
-                and all(a is b for a, b in zip(prev.reqs, self.running)))
+        same = (
+            prev.kind == kind
+            and len(prev.reqs) == len(self.running)
+            and all(a is b for a, b in zip(prev.reqs, self.running))
+        )
         return kind if same else None
 
     def _decode_overlapped(self) -> list[Req]:
@@ -255,18 +261,23 @@ class Scheduler:
         pool = self.runner.req_pool
         for req, _ in work:
             pool.reserve(req.slot, req.kv_len + 1)
-        batch = ForwardBatch.build(ForwardMode.DECODE, [ids for _, ids in work],
-                                   [r.kv_len for r in reqs], [r.slot for r in reqs],
-                                   pool.req_to_token,
-                                   input_ids_device=None if prev is None else prev.next_ids)
+        batch = ForwardBatch.build(
+            ForwardMode.DECODE,
+            [ids for _, ids in work],
+            [r.kv_len for r in reqs],
+            [r.slot for r in reqs],
+            pool.req_to_token,
+            input_ids_device=None if prev is None else prev.next_ids,
+        )
         taps = self.spec.tap_layers if self.spec is not None else ()
-        out = self.runner.forward(batch, taps)   # DSpark's draft KV: the runner's tap hook
+        out = self.runner.forward(batch, taps)  # DSpark's draft KV: the runner's tap hook
         for req in reqs:
             req.kv_len += 1
         lag = 0 if prev is None else 1  # tokens sampled but not yet appended
         res = self._sample_device(reqs, out, lag)
-        self._inflight = _InflightDecode(reqs, res.next_token_ids,
-                                         PendingRead(res.next_token_ids, res.next_token_logprobs))
+        self._inflight = _InflightDecode(
+            reqs, res.next_token_ids, PendingRead(res.next_token_ids, res.next_token_logprobs)
+        )
         return self._resolve(prev) if prev is not None else []
 
     def _spec_overlapped(self) -> list[Req]:
@@ -318,18 +329,27 @@ class Scheduler:
                 work.append((req, chunk))
         return work
 
-    def _forward(self, work: list[tuple[Req, list[int]]],
-                 tap_layers: tuple[int, ...] = ()) -> list[Req]:
+    def _forward(
+        self, work: list[tuple[Req, list[int]]], tap_layers: tuple[int, ...] = ()
+    ) -> list[Req]:
         """One forward over `work`; samples where a token is due; returns the sampled requests."""
         pool = self.runner.req_pool
         for req, ids in work:
             pool.reserve(req.slot, req.kv_len + len(ids))
         # Logits only where a token is sampled: the last prompt token and every decode token.
-        rows = [[len(ids) - 1] if req.kv_len + len(ids) >= len(req.prompt_ids) else []
-                for req, ids in work]
+        rows = [
+            [len(ids) - 1] if req.kv_len + len(ids) >= len(req.prompt_ids) else []
+            for req, ids in work
+        ]
         mode = ForwardMode.DECODE if all(r.prefill_done for r, _ in work) else ForwardMode.EXTEND
-        batch = ForwardBatch.build(mode, [ids for _, ids in work], [r.kv_len for r, _ in work],
-                                   [r.slot for r, _ in work], pool.req_to_token, logits_rows=rows)
+        batch = ForwardBatch.build(
+            mode,
+            [ids for _, ids in work],
+            [r.kv_len for r, _ in work],
+            [r.slot for r, _ in work],
+            pool.req_to_token,
+            logits_rows=rows,
+        )
         # (with DSpark the runner's tap hook writes the draft's context KV of these rows)
         out = self.runner.forward(batch, tap_layers)
         for req, ids in work:
@@ -350,9 +370,12 @@ class Scheduler:
         if out.greedy_ids is not None and all(r.params.is_greedy for r in reqs):
             assert out.greedy_logprobs is not None
             return SamplerOutput(out.greedy_ids, out.greedy_logprobs)
-        info = SamplingBatchInfo.from_params([r.params for r in reqs], out.logits.shape[1],
-                                             out.logits.device,
-                                             counters=[len(r.output_ids) + lag for r in reqs])
+        info = SamplingBatchInfo.from_params(
+            [r.params for r in reqs],
+            out.logits.shape[1],
+            out.logits.device,
+            counters=[len(r.output_ids) + lag for r in reqs],
+        )
         return self.sampler(out.logits, info)
 
     def append_tokens(self, req: Req, tokens: list[int], logprobs: list[float]) -> None:

@@ -70,13 +70,15 @@ class SchedulerLoop:
     `shutdown` from the thread that owns the event loop.
     """
 
-    def __init__(self, scheduler: Scheduler, tokenizer: TokenizerLike | None,
-                 step_delay_s: float = 0.0) -> None:
+    def __init__(
+        self, scheduler: Scheduler, tokenizer: TokenizerLike | None, step_delay_s: float = 0.0
+    ) -> None:
         self._scheduler = scheduler
         self._step_delay_s = step_delay_s
         self._tokenizer = tokenizer
         self._inbox: queue.Queue[tuple[GenerateReqInput, OutQueue] | AbortReq | _Stop] = (
-            queue.Queue())
+            queue.Queue()
+        )
         self._tracked: dict[str, _Tracked] = {}
         self._pending: list[tuple[OutQueue, SchedulerOutput]] = []
         self._event_loop: asyncio.AbstractEventLoop | None = None
@@ -108,8 +110,7 @@ class SchedulerLoop:
     def start(self, event_loop: asyncio.AbstractEventLoop) -> None:
         assert self._thread is None, "SchedulerLoop.start called twice"
         self._event_loop = event_loop
-        self._thread = threading.Thread(target=self._run, name="sgl-dspark-scheduler",
-                                        daemon=True)
+        self._thread = threading.Thread(target=self._run, name="sgl-dspark-scheduler", daemon=True)
         self._thread.start()
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -130,8 +131,9 @@ class SchedulerLoop:
                     if not self._iterate():
                         break
                 except Exception as exc:  # a bug outside step(): fail what is in flight, go on
-                    logger.exception("scheduler loop iteration failed; failing %d requests",
-                                     len(self._tracked))
+                    logger.exception(
+                        "scheduler loop iteration failed; failing %d requests", len(self._tracked)
+                    )
                     self._abort_all(500, f"internal error: {exc}")
                     self._stats = self._snapshot()
                     self._flush()
@@ -167,23 +169,32 @@ class SchedulerLoop:
 
     def _add(self, inp: GenerateReqInput, out: OutQueue) -> None:
         if inp.rid in self._tracked:
-            self._post(out, ReqFailed(inp.rid, 400, f"request id {inp.rid!r} is already in use",
-                                      "rid"))
+            self._post(
+                out, ReqFailed(inp.rid, 400, f"request id {inp.rid!r} is already in use", "rid")
+            )
             return
         try:
             ids = self._tokenize(inp)
             p = self._finalise_params(inp, len(ids))
             detok = None
             if self._tokenizer is not None:
-                detok = IncrementalDetokenizer(self._tokenizer,
-                                               skip_special_tokens=p.skip_special_tokens,
-                                               stop=p.stop, no_stop_trim=p.no_stop_trim,
-                                               prompt_ids=ids)
+                detok = IncrementalDetokenizer(
+                    self._tokenizer,
+                    skip_special_tokens=p.skip_special_tokens,
+                    stop=p.stop,
+                    no_stop_trim=p.no_stop_trim,
+                    prompt_ids=ids,
+                )
             prompt_text = None
             if inp.return_prompt_text and self._tokenizer is not None:
                 prompt_text = self._tokenizer.decode(ids)
-            req = Req(rid=inp.rid, prompt_ids=ids, params=p,
-                      return_logprob=inp.return_logprob, detok=detok)
+            req = Req(
+                rid=inp.rid,
+                prompt_ids=ids,
+                params=p,
+                return_logprob=inp.return_logprob,
+                detok=detok,
+            )
             self._scheduler.add(req)  # last: once added, the request must be tracked
         except (RequestRejected, ValueError) as exc:
             self._post(out, ReqFailed(inp.rid, 400, str(exc)))
@@ -199,31 +210,37 @@ class SchedulerLoop:
         if inp.input_ids is not None:
             return list(inp.input_ids)
         if self._tokenizer is None:
-            raise ValueError("text and chat prompts need a tokenizer; this server runs with "
-                             "--skip-tokenizer-init, so send token ids")
+            raise ValueError(
+                "text and chat prompts need a tokenizer; this server runs with "
+                "--skip-tokenizer-init, so send token ids"
+            )
         if inp.text is not None:
             return self._tokenizer.encode(inp.text)
         assert inp.messages is not None
-        ids = self._tokenizer.apply_chat_template(inp.messages, add_generation_prompt=True,
-                                                  tokenize=True)
+        ids = self._tokenizer.apply_chat_template(
+            inp.messages, add_generation_prompt=True, tokenize=True
+        )
         assert isinstance(ids, list), type(ids)
         return ids
 
     def _finalise_params(self, inp: GenerateReqInput, num_prompt_ids: int) -> SamplingParams:
         params = inp.sampling_params
         if params.stop and self._tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this server runs with "
-                             "--skip-tokenizer-init, so use stop_token_ids")
+            raise ValueError(
+                "stop strings need a tokenizer; this server runs with "
+                "--skip-tokenizer-init, so use stop_token_ids"
+            )
         if not inp.fill_context:
             return params
         runner = self._scheduler.runner
         # The longest sequence the context and, with the speculative window, the pool allow.
-        pool = (runner.allocator.num_usable_pages * runner.page_size
-                - runner.rc.max_verify_tokens)
+        pool = runner.allocator.num_usable_pages * runner.page_size - runner.rc.max_verify_tokens
         limit = min(runner.req_pool.max_context_len, pool)
         if num_prompt_ids >= limit:
-            raise ValueError(f"the prompt ({num_prompt_ids} tokens) leaves no room for output "
-                             f"in the context length {limit}")
+            raise ValueError(
+                f"the prompt ({num_prompt_ids} tokens) leaves no room for output "
+                f"in the context length {limit}"
+            )
         return dataclasses.replace(params, max_new_tokens=limit - num_prompt_ids)
 
     def _abort(self, rid: str, notify: bool = True) -> None:
@@ -251,8 +268,7 @@ class SchedulerLoop:
             result = self._scheduler.step()
         except Exception as exc:
             running = [r.rid for r in self._scheduler.running]
-            logger.exception("scheduler step failed; failing its %d running requests",
-                             len(running))
+            logger.exception("scheduler step failed; failing its %d running requests", len(running))
             for rid in running:
                 self._fail(rid, f"internal error: {exc}")
             return
@@ -283,24 +299,31 @@ class SchedulerLoop:
             if req.finished:
                 req.detok.finish()  # flush held-back text; a no-op after a stop-string match
             text = req.detok.text
-        new_ids = tuple(req.output_ids[tracked.sent_tokens:])
+        new_ids = tuple(req.output_ids[tracked.sent_tokens :])
         logprobs: tuple[float, ...] = ()
         token_texts: tuple[str, ...] = ()
         if tracked.return_logprob:
-            logprobs = tuple(req.output_logprobs[tracked.sent_tokens:])
+            logprobs = tuple(req.output_logprobs[tracked.sent_tokens :])
             if self._tokenizer is not None:
-                token_texts = tuple(self._tokenizer.decode([t], skip_special_tokens=False)
-                                    for t in new_ids)
+                token_texts = tuple(
+                    self._tokenizer.decode([t], skip_special_tokens=False) for t in new_ids
+                )
         spec = self._scheduler.spec is not None
-        delta = text[tracked.sent_chars:]
+        delta = text[tracked.sent_chars :]
         tracked.sent_chars = len(text)
         tracked.sent_tokens = len(req.output_ids)
-        return GenerateOutput(rid=req.rid, text=delta, token_ids=new_ids, logprobs=logprobs,
-                              token_texts=token_texts, prompt_tokens=len(req.prompt_ids),
-                              completion_tokens=len(req.output_ids),
-                              finish_reason=req.finish_reason,
-                              spec_verify_ct=req.spec_verify_ct if spec else None,
-                              spec_committed=req.spec_committed if spec else None)
+        return GenerateOutput(
+            rid=req.rid,
+            text=delta,
+            token_ids=new_ids,
+            logprobs=logprobs,
+            token_texts=token_texts,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            finish_reason=req.finish_reason,
+            spec_verify_ct=req.spec_verify_ct if spec else None,
+            spec_committed=req.spec_committed if spec else None,
+        )
 
     def _spec_summary(self) -> dict:
         """DSpark acceptance, refreshed at most every SPEC_METRICS_INTERVAL_S (the summary syncs
@@ -317,7 +340,8 @@ class SchedulerLoop:
             self._spec_fields = {
                 "spec_accept_length": summary.accept_length,
                 "spec_accept_rate": summary.accept_rate,
-                "spec_acceptance_by_position": tuple(summary.conditional_acceptance)}
+                "spec_acceptance_by_position": tuple(summary.conditional_acceptance),
+            }
         return self._spec_fields
 
     def _snapshot(self) -> SchedulerStats:

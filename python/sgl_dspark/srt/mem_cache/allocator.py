@@ -21,7 +21,9 @@ class PagedTokenAllocator:
 
     def __init__(self, num_pages: int, page_size: int) -> None:
         if num_pages < 2:
-            raise ValueError(f"KV pool needs at least 2 pages (one is the dummy page), got {num_pages}")
+            raise ValueError(
+                f"KV pool needs at least 2 pages (one is the dummy page), got {num_pages}"
+            )
         self.page_size = page_size
         self.num_pages = num_pages
         # LIFO free list: recently freed pages are reused first (warm in cache).
@@ -39,7 +41,7 @@ class PagedTokenAllocator:
         if n > len(self._free):
             raise OutOfKVMemory(f"need {n} KV pages, {len(self._free)} free")
         out = self._free[-n:] if n else []
-        del self._free[len(self._free) - n:]
+        del self._free[len(self._free) - n :]
         return out[::-1]
 
     def free(self, pages: list[int]) -> None:
@@ -54,14 +56,20 @@ class ReqToTokenPool:
     Slot 0 is reserved for padding rows: its table row points at the dummy page.
     """
 
-    def __init__(self, max_reqs: int, max_context_len: int, allocator: PagedTokenAllocator,
-                 device: torch.device | str) -> None:
+    def __init__(
+        self,
+        max_reqs: int,
+        max_context_len: int,
+        allocator: PagedTokenAllocator,
+        device: torch.device | str,
+    ) -> None:
         ps = allocator.page_size
         self.allocator = allocator
         self.max_context_len = -(-max_context_len // ps) * ps
         self.size = max_reqs + 1
-        self.req_to_token = torch.zeros(self.size, self.max_context_len, dtype=torch.int64,
-                                        device=device)
+        self.req_to_token = torch.zeros(
+            self.size, self.max_context_len, dtype=torch.int64, device=device
+        )
         self._pages: dict[int, list[int]] = {}
         self._free_slots = list(range(self.size - 1, 0, -1))
         self._dummy_row = torch.arange(self.max_context_len, device=device) % ps
@@ -87,7 +95,9 @@ class ReqToTokenPool:
     def reserve(self, slot: int, num_tokens: int) -> None:
         """Make positions [0, num_tokens) of `slot` addressable (allocating pages as needed)."""
         if num_tokens > self.max_context_len:
-            raise ValueError(f"{num_tokens} tokens exceed the context table ({self.max_context_len})")
+            raise ValueError(
+                f"{num_tokens} tokens exceed the context table ({self.max_context_len})"
+            )
         n_new = self.pages_needed(slot, num_tokens)
         if n_new == 0:
             return
@@ -98,8 +108,9 @@ class ReqToTokenPool:
         pages.extend(new)
         page_t = torch.tensor(new, dtype=torch.int64)
         slots = (page_t[:, None] * ps + torch.arange(ps)[None, :]).reshape(-1)
-        self.req_to_token[slot, start * ps:(start + n_new) * ps] = to_device(
-            slots, torch.int64, self.req_to_token.device)
+        self.req_to_token[slot, start * ps : (start + n_new) * ps] = to_device(
+            slots, torch.int64, self.req_to_token.device
+        )
 
     def free_slot(self, slot: int) -> None:
         self.allocator.free(self._pages.pop(slot))

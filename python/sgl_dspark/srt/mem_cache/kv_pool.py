@@ -30,7 +30,7 @@ def _next_pow2(x: int) -> int:
 
 @dataclass
 class CompressorState:
-    kv: torch.Tensor     # [req_slots, R, width]
+    kv: torch.Tensor  # [req_slots, R, width]
     score: torch.Tensor  # [req_slots, R, width]
     # [entries] int32, zero; None: a kernel that needs them zeroes its own per call
     entry_counters: torch.Tensor | None = None
@@ -51,8 +51,15 @@ class LayerKV:
 
 
 class DeepseekV4KVPool:
-    def __init__(self, cfg: ModelConfig, num_slots: int, req_slots: int, max_verify_tokens: int,
-                 dtype: torch.dtype, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        num_slots: int,
+        req_slots: int,
+        max_verify_tokens: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
         self.num_slots = num_slots
         self.max_verify_tokens = max_verify_tokens
         self.layers: list[LayerKV] = []

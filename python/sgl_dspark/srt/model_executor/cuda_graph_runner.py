@@ -66,8 +66,10 @@ class CudaGraph:
         # graph's kernel nodes at capture).
         from sgl_dspark.kernels._triton_utils import programmatic_launch_for_batch
 
-        with programmatic_launch_for_batch(batch_size), torch.cuda.graph(
-                self.graph, pool=self.pool, stream=self.stream):
+        with (
+            programmatic_launch_for_batch(batch_size),
+            torch.cuda.graph(self.graph, pool=self.pool, stream=self.stream),
+        ):
             return fn()
 
     def replay(self) -> None:
@@ -151,17 +153,25 @@ class BatchGraphs:
     outputs (tensors with the batch in dim 0, in any tuple/dict tree) are returned as rows [:B].
     """
 
-    def __init__(self, fn: Callable[..., Any], example_inputs: Sequence[torch.Tensor],
-                 pad_values: Sequence[float | int | bool], batch_sizes: Sequence[int],
-                 device: torch.device, graph_factory: Callable[[], Graph] | None = None,
-                 name: str = "graphs") -> None:
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        example_inputs: Sequence[torch.Tensor],
+        pad_values: Sequence[float | int | bool],
+        batch_sizes: Sequence[int],
+        device: torch.device,
+        graph_factory: Callable[[], Graph] | None = None,
+        name: str = "graphs",
+    ) -> None:
         self.batch_sizes = sorted(set(batch_sizes))
         self.max_bs = self.batch_sizes[-1]
         self.pad_values = tuple(pad_values)
-        self.static = [torch.empty((self.max_bs, *x.shape[1:]), dtype=x.dtype, device=device)
-                       for x in example_inputs]
+        self.static = [
+            torch.empty((self.max_bs, *x.shape[1:]), dtype=x.dtype, device=device)
+            for x in example_inputs
+        ]
         self._graphs: dict[int, tuple[Graph, Any]] = {}
-        self.replays = 0   # replays so far (tests and debugging read it)
+        self.replays = 0  # replays so far (tests and debugging read it)
         factory = graph_factory or make_graph_factory(device)
         t0 = time.perf_counter()
         for buf, v in zip(self.static, self.pad_values):
@@ -173,8 +183,13 @@ class BatchGraphs:
                 warm_up(run, device, bs)
                 out = graph.capture(run, bs)
             self._graphs[bs] = (graph, out)
-        logger.info("Captured %d %s (bs %s) in %.1f s", len(self._graphs), name,
-                    self.batch_sizes, time.perf_counter() - t0)
+        logger.info(
+            "Captured %d %s (bs %s) in %.1f s",
+            len(self._graphs),
+            name,
+            self.batch_sizes,
+            time.perf_counter() - t0,
+        )
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= batch_size), None)
@@ -198,22 +213,31 @@ class CudaGraphRunner:
     inputs [B, W] (ids, positions, token slots) and [B] (request slots, prefix and sequence
     lengths); padding requests get slot 0, position 0 and token slot 0."""
 
-    def __init__(self, runner: ModelRunner, batch_sizes: Sequence[int], widths: Sequence[int],
-                 tap_layers: tuple[int, ...] = (),
-                 graph_factory: Callable[[], Graph] | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        batch_sizes: Sequence[int],
+        widths: Sequence[int],
+        tap_layers: tuple[int, ...] = (),
+        graph_factory: Callable[[], Graph] | None = None,
+    ) -> None:
         self.runner = runner
         self.batch_sizes = sorted(set(batch_sizes))
         self.widths = sorted(set(widths))
         if self.widths[0] < 1 or self.widths[-1] > runner.rc.max_verify_tokens:
-            raise ValueError(f"captured verify widths {self.widths} must lie in "
-                             f"[1, max_verify_tokens={runner.rc.max_verify_tokens}]")
+            raise ValueError(
+                f"captured verify widths {self.widths} must lie in "
+                f"[1, max_verify_tokens={runner.rc.max_verify_tokens}]"
+            )
         if self.batch_sizes[-1] > runner.req_pool.size - 1:
-            raise ValueError(f"--cuda-graph-max-bs {self.batch_sizes[-1]} exceeds "
-                             f"--max-running-requests {runner.req_pool.size - 1}")
+            raise ValueError(
+                f"--cuda-graph-max-bs {self.batch_sizes[-1]} exceeds "
+                f"--max-running-requests {runner.req_pool.size - 1}"
+            )
         self.tap_layers = tap_layers
         self._sampler = Sampler(runner.kernels)
         dev = runner.device
-        factory = graph_factory or make_graph_factory(dev)   # one memory pool for all widths
+        factory = graph_factory or make_graph_factory(dev)  # one memory pool for all widths
         t0 = time.perf_counter()
         mem0 = reserved_mib(dev)
         self._by_width: dict[int, BatchGraphs] = {}
@@ -221,18 +245,34 @@ class CudaGraphRunner:
             tokens = torch.zeros((1, w), dtype=torch.int64, device=dev)
             reqs = torch.zeros(1, dtype=torch.int64, device=dev)
             self._by_width[w] = BatchGraphs(
-                functools.partial(self._forward, w), (tokens,) * 3 + (reqs,) * 3,
-                (0, 0, 0, 0, 0, w), self.batch_sizes, dev, factory,
-                name=f"target graphs (width {w})")
+                functools.partial(self._forward, w),
+                (tokens,) * 3 + (reqs,) * 3,
+                (0, 0, 0, 0, 0, w),
+                self.batch_sizes,
+                dev,
+                factory,
+                name=f"target graphs (width {w})",
+            )
         mem = reserved_mib(dev) - mem0
-        logger.info("Captured %d target graphs (bs %s x widths %s) in %.1f s, +%.0f MiB reserved",
-                    len(self.batch_sizes) * len(self.widths), self.batch_sizes, self.widths,
-                    time.perf_counter() - t0, mem)
+        logger.info(
+            "Captured %d target graphs (bs %s x widths %s) in %.1f s, +%.0f MiB reserved",
+            len(self.batch_sizes) * len(self.widths),
+            self.batch_sizes,
+            self.widths,
+            time.perf_counter() - t0,
+            mem,
+        )
 
-    def _forward(self, w: int, input_ids: torch.Tensor, positions: torch.Tensor,
-                 out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
-                 prefix_lens: torch.Tensor, seq_lens: torch.Tensor,
-                 ) -> tuple[Any, ...]:
+    def _forward(
+        self,
+        w: int,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+    ) -> tuple[Any, ...]:
         """The captured region: a uniform-width batch built from the static inputs (its row
         tables are made inside the capture, so replays recompute them), outputs as [B, W, ...].
         Every width runs the runner's tap hook; width 1 (the decode graph) also runs the greedy
@@ -241,9 +281,16 @@ class CudaGraphRunner:
         bs = req_pool_indices.shape[0]
         pool = self.runner.req_pool
         batch = ForwardBatch.uniform(
-            ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY, input_ids, positions,
-            out_cache_loc, req_pool_indices, prefix_lens, seq_lens, pool.req_to_token,
-            pool.max_context_len)
+            ForwardMode.DECODE if w == 1 else ForwardMode.VERIFY,
+            input_ids,
+            positions,
+            out_cache_loc,
+            req_pool_indices,
+            prefix_lens,
+            seq_lens,
+            pool.req_to_token,
+            pool.max_context_len,
+        )
         out = self.runner.run_model(batch, self.tap_layers)
         logits = out.logits.view(bs, w, -1)
         taps = {k: v.view(bs, w, *v.shape[1:]) for k, v in out.tap_streams.items()}
@@ -252,7 +299,12 @@ class CudaGraphRunner:
             return logits, taps
         greedy = self._sampler.greedy(out.logits)
         self.runner.join_tap_hook()
-        return logits, taps, greedy.next_token_ids.view(bs, 1), greedy.next_token_logprobs.view(bs, 1)
+        return (
+            logits,
+            taps,
+            greedy.next_token_ids.view(bs, 1),
+            greedy.next_token_logprobs.view(bs, 1),
+        )
 
     # ---- replay --------------------------------------------------------------------------
     def width_for(self, width: int) -> int | None:
@@ -267,9 +319,12 @@ class CudaGraphRunner:
             return False
         lens = batch.extend_lens_cpu
         w = lens[0]
-        return (all(n == w for n in lens) and w in self.widths
-                and self.bucket_for(len(lens)) is not None
-                and batch.logits_indices.shape[0] == batch.num_tokens)
+        return (
+            all(n == w for n in lens)
+            and w in self.widths
+            and self.bucket_for(len(lens)) is not None
+            and batch.logits_indices.shape[0] == batch.num_tokens
+        )
 
     def replay(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
         from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
@@ -277,11 +332,16 @@ class CudaGraphRunner:
         B, n = batch.batch_size, batch.num_tokens
         w = n // B
         logits, taps, *greedy = self._by_width[w].replay(
-            batch.input_ids.view(B, w), batch.positions.view(B, w),
-            batch.out_cache_loc.view(B, w), batch.req_pool_indices, batch.prefix_lens,
-            batch.seq_lens)
-        out = ModelOutput(logits=logits.reshape(n, -1),
-                          tap_streams={k: taps[k].flatten(0, 1) for k in tap_layers})
+            batch.input_ids.view(B, w),
+            batch.positions.view(B, w),
+            batch.out_cache_loc.view(B, w),
+            batch.req_pool_indices,
+            batch.prefix_lens,
+            batch.seq_lens,
+        )
+        out = ModelOutput(
+            logits=logits.reshape(n, -1), tap_streams={k: taps[k].flatten(0, 1) for k in tap_layers}
+        )
         if greedy:
             out.greedy_ids, out.greedy_logprobs = greedy[0].reshape(n), greedy[1].reshape(n)
         return out

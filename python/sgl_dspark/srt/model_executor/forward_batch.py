@@ -17,24 +17,24 @@ from sgl_dspark.srt.model_executor.host_copy import to_device, to_device_packed
 
 
 class ForwardMode(enum.Enum):
-    EXTEND = "extend"   # prefill or a chunk of it
-    DECODE = "decode"   # one token per request
-    VERIFY = "verify"   # W tokens per request whose state may later be rolled back
+    EXTEND = "extend"  # prefill or a chunk of it
+    DECODE = "decode"  # one token per request
+    VERIFY = "verify"  # W tokens per request whose state may later be rolled back
 
 
 @dataclass(frozen=True)
 class ForwardBatch:
     mode: ForwardMode
-    input_ids: torch.Tensor        # [T] int64
-    positions: torch.Tensor        # [T] int64
-    token_req: torch.Tensor        # [T] int64, batch row of each token
-    out_cache_loc: torch.Tensor    # [T] int64, token slot each new token writes
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    token_req: torch.Tensor  # [T] int64, batch row of each token
+    out_cache_loc: torch.Tensor  # [T] int64, token slot each new token writes
     req_pool_indices: torch.Tensor  # [B] int64, request slot (row of req_to_token, state rings)
-    prefix_lens: torch.Tensor      # [B] int64
-    seq_lens: torch.Tensor         # [B] int64, prefix + extend
-    logits_indices: torch.Tensor   # [N] int64, flat rows whose logits are computed
-    req_to_token: torch.Tensor     # [slots, max_ctx] int64 (shared table, not a copy)
-    max_seq_len: int               # host: max(seq_lens), sizes the gathers
+    prefix_lens: torch.Tensor  # [B] int64
+    seq_lens: torch.Tensor  # [B] int64, prefix + extend
+    logits_indices: torch.Tensor  # [N] int64, flat rows whose logits are computed
+    req_to_token: torch.Tensor  # [slots, max_ctx] int64 (shared table, not a copy)
+    max_seq_len: int  # host: max(seq_lens), sizes the gathers
     extend_lens_cpu: tuple[int, ...]
     prefix_lens_cpu: tuple[int, ...]
     # False for an EXTEND batch over the static buffers of a prefill graph: its host lengths are
@@ -64,23 +64,28 @@ class ForwardBatch:
     # build batches with placeholder host lengths: only EXTEND batches may call these.
     def block_end_rows(self, ratio: int) -> torch.Tensor:
         """[n] int64 flat rows whose position ends a block of `ratio` ((pos + 1) % ratio == 0)."""
+
         def compute() -> torch.Tensor:
             if not self.host_lens:
                 # A request of n rows ends at most n // ratio + 1 blocks.
-                cap = min(self.num_tokens, self.num_tokens // ratio + self.req_pool_indices.shape[0])
+                cap = min(
+                    self.num_tokens, self.num_tokens // ratio + self.req_pool_indices.shape[0]
+                )
                 ends = (self.positions + 1).remainder(ratio) == 0
                 return compact_rows(ends & self._real_rows(), cap)
             rows: list[int] = []
             start = 0
             for p0, n in zip(self.prefix_lens_cpu, self.extend_lens_cpu):
-                first = -(-(p0 + 1) // ratio) * ratio - 1   # the first block end >= p0
+                first = -(-(p0 + 1) // ratio) * ratio - 1  # the first block end >= p0
                 rows.extend(range(start + first - p0, start + n, ratio))
                 start += n
             return to_device(rows, torch.int64, self.positions.device)
+
         return self.cached(("block_end_rows", ratio), compute)
 
     def last_rows(self, count: int) -> torch.Tensor:
         """[n] int64 flat rows among the last `count` positions of their request."""
+
         def compute() -> torch.Tensor:
             if not self.host_lens:
                 cap = min(self.num_tokens, count * self.req_pool_indices.shape[0])
@@ -92,6 +97,7 @@ class ForwardBatch:
                 rows.extend(range(start + max(0, n - count), start + n))
                 start += n
             return to_device(rows, torch.int64, self.positions.device)
+
         return self.cached(("last_rows", count), compute)
 
     def _real_rows(self) -> torch.Tensor:
@@ -107,10 +113,18 @@ class ForwardBatch:
         return int(self.input_ids.shape[0])
 
     @classmethod
-    def uniform(cls, mode: ForwardMode, input_ids: torch.Tensor, positions: torch.Tensor,
-                out_cache_loc: torch.Tensor, req_pool_indices: torch.Tensor,
-                prefix_lens: torch.Tensor, seq_lens: torch.Tensor, req_to_token: torch.Tensor,
-                max_seq_len: int) -> ForwardBatch:
+    def uniform(
+        cls,
+        mode: ForwardMode,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        out_cache_loc: torch.Tensor,
+        req_pool_indices: torch.Tensor,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        req_to_token: torch.Tensor,
+        max_seq_len: int,
+    ) -> ForwardBatch:
         """A batch of B requests with W rows each, from device tensors only (`[B, W]` ids,
         positions and token slots, `[B]` request slots and lengths), logits on every row: the
         shape captured CUDA graphs run. Host lengths are placeholders (W rows each, prefix 0),
@@ -119,17 +133,32 @@ class ForwardBatch:
         n = bs * w
         rows = torch.arange(n, dtype=torch.int64, device=input_ids.device)
         return cls(
-            mode=mode, input_ids=input_ids.reshape(n), positions=positions.reshape(n),
-            token_req=rows // w, out_cache_loc=out_cache_loc.reshape(n),
-            req_pool_indices=req_pool_indices, prefix_lens=prefix_lens, seq_lens=seq_lens,
-            logits_indices=rows, req_to_token=req_to_token, max_seq_len=max_seq_len,
-            extend_lens_cpu=(w,) * bs, prefix_lens_cpu=(0,) * bs)
+            mode=mode,
+            input_ids=input_ids.reshape(n),
+            positions=positions.reshape(n),
+            token_req=rows // w,
+            out_cache_loc=out_cache_loc.reshape(n),
+            req_pool_indices=req_pool_indices,
+            prefix_lens=prefix_lens,
+            seq_lens=seq_lens,
+            logits_indices=rows,
+            req_to_token=req_to_token,
+            max_seq_len=max_seq_len,
+            extend_lens_cpu=(w,) * bs,
+            prefix_lens_cpu=(0,) * bs,
+        )
 
     @classmethod
-    def build(cls, mode: ForwardMode, input_ids: list[list[int]], prefix_lens: list[int],
-              req_pool_indices: list[int], req_to_token: torch.Tensor,
-              logits_rows: str | list[list[int]] = "last",
-              input_ids_device: torch.Tensor | None = None) -> ForwardBatch:
+    def build(
+        cls,
+        mode: ForwardMode,
+        input_ids: list[list[int]],
+        prefix_lens: list[int],
+        req_pool_indices: list[int],
+        req_to_token: torch.Tensor,
+        logits_rows: str | list[list[int]] = "last",
+        input_ids_device: torch.Tensor | None = None,
+    ) -> ForwardBatch:
         """Build from host lists. `logits_rows`: "last" (last token of each request), "all",
         or per request the offsets (within its extend) that need logits. `input_ids_device`
         (flat `[T]`) replaces the host ids, so tokens produced on the device (DSpark drafts)
@@ -160,16 +189,26 @@ class ForwardBatch:
         host_ids = flat_ids if input_ids_device is None else []
         ids_t, pos_t, req_t, pool_t, prefix_t, seq_t, rows_t = to_device_packed(
             [host_ids, positions, token_req, list(req_pool_indices), list(prefix_lens), seq, rows],
-            torch.int64, device)
+            torch.int64,
+            device,
+        )
         out_loc = req_to_token[pool_t[req_t], pos_t]
         if input_ids_device is not None:
             ids_t = input_ids_device
         assert ids_t.shape[0] == len(flat_ids), (ids_t.shape, len(flat_ids))
         return cls(
-            mode=mode, input_ids=ids_t, positions=pos_t, token_req=req_t,
-            out_cache_loc=out_loc, req_pool_indices=pool_t, prefix_lens=prefix_t,
-            seq_lens=seq_t, logits_indices=rows_t, req_to_token=req_to_token,
-            max_seq_len=max(seq), extend_lens_cpu=tuple(extend),
+            mode=mode,
+            input_ids=ids_t,
+            positions=pos_t,
+            token_req=req_t,
+            out_cache_loc=out_loc,
+            req_pool_indices=pool_t,
+            prefix_lens=prefix_t,
+            seq_lens=seq_t,
+            logits_indices=rows_t,
+            req_to_token=req_to_token,
+            max_seq_len=max(seq),
+            extend_lens_cpu=tuple(extend),
             prefix_lens_cpu=tuple(prefix_lens),
         )
 

@@ -13,8 +13,11 @@ from collections.abc import Sequence
 import torch
 
 
-def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool] | torch.Tensor,
-              dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+def to_device(
+    values: Sequence[int] | Sequence[float] | Sequence[bool] | torch.Tensor,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
     device = torch.device(device)
     host = values if isinstance(values, torch.Tensor) else torch.tensor(values, dtype=dtype)
     host = host.to(dtype)
@@ -23,8 +26,11 @@ def to_device(values: Sequence[int] | Sequence[float] | Sequence[bool] | torch.T
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def to_device_packed(groups: Sequence[Sequence[int] | Sequence[float]], dtype: torch.dtype,
-                     device: torch.device | str) -> list[torch.Tensor]:
+def to_device_packed(
+    groups: Sequence[Sequence[int] | Sequence[float]],
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> list[torch.Tensor]:
     """Several host lists of one dtype through a single pinned buffer and a single copy: each
     copy is a driver call plus a graph-free kernel launch, so a decode step's dozen small
     inputs cost one transfer instead of a dozen. Returns contiguous views, one per group."""
@@ -34,7 +40,7 @@ def to_device_packed(groups: Sequence[Sequence[int] | Sequence[float]], dtype: t
     whole = host.to(device, non_blocking=True) if device.type == "cuda" else host
     out, start = [], 0
     for g in groups:
-        out.append(whole[start:start + len(g)])
+        out.append(whole[start : start + len(g)])
         start += len(g)
     return out
 

@@ -30,9 +30,19 @@ logger = logging.getLogger(__name__)
 
 # Parameters HF keeps in fp32 when the model runs in bf16 (spec §11.4): mHC, sinks, biases, norms.
 _FP32_PARAM_SUFFIXES = (
-    "attn_hc.fn", "attn_hc.base", "attn_hc.scale", "ffn_hc.fn", "ffn_hc.base", "ffn_hc.scale",
-    "hc_head.hc_fn", "hc_head.hc_base", "hc_head.hc_scale", "sinks", "position_bias",
-    "e_score_correction_bias", "norm.weight",
+    "attn_hc.fn",
+    "attn_hc.base",
+    "attn_hc.scale",
+    "ffn_hc.fn",
+    "ffn_hc.base",
+    "ffn_hc.scale",
+    "hc_head.hc_fn",
+    "hc_head.hc_base",
+    "hc_head.hc_scale",
+    "sinks",
+    "position_bias",
+    "e_score_correction_bias",
+    "norm.weight",
 )
 
 
@@ -47,7 +57,7 @@ class RunnerConfig:
     max_total_tokens: int = 16384
     max_running_requests: int = 64
     context_length: int = 4096
-    page_size: int = 0            # 0 = smallest page that every compress rate divides
+    page_size: int = 0  # 0 = smallest page that every compress rate divides
     max_verify_tokens: int = 16
     attention_backend: str = "torch"
     kernel_backend: str = "torch"
@@ -56,8 +66,14 @@ class RunnerConfig:
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    table = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
-             "bf16": torch.bfloat16, "float16": torch.float16, "half": torch.float16}
+    table = {
+        "float32": torch.float32,
+        "fp32": torch.float32,
+        "bfloat16": torch.bfloat16,
+        "bf16": torch.bfloat16,
+        "float16": torch.float16,
+        "half": torch.float16,
+    }
     if name not in table:
         raise ValueError(f"dtype {name!r} not supported; choose from {sorted(table)}")
     return table[name]
@@ -69,9 +85,13 @@ def default_page_size(cfg: ModelConfig) -> int:
 
 
 class ModelRunner:
-    def __init__(self, model_cfg: ModelConfig, rc: RunnerConfig,
-                 weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-                 model: DeepseekV4ForCausalLM | None = None) -> None:
+    def __init__(
+        self,
+        model_cfg: ModelConfig,
+        rc: RunnerConfig,
+        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        model: DeepseekV4ForCausalLM | None = None,
+    ) -> None:
         self.model_cfg = model_cfg
         self.rc = rc
         self.device = torch.device(rc.device)
@@ -93,10 +113,17 @@ class ModelRunner:
         fuse_after_placement(self.model)  # after placement (see fused_linear.py)
         num_pages = max(2, self._kv_tokens(model_cfg) // page + 1)
         self.allocator = PagedTokenAllocator(num_pages, page)
-        self.req_pool = ReqToTokenPool(rc.max_running_requests, rc.context_length, self.allocator,
-                                       self.device)
-        self.kv_pool = DeepseekV4KVPool(model_cfg, num_pages * page, self.req_pool.size,
-                                        rc.max_verify_tokens, self.dtype, self.device)
+        self.req_pool = ReqToTokenPool(
+            rc.max_running_requests, rc.context_length, self.allocator, self.device
+        )
+        self.kv_pool = DeepseekV4KVPool(
+            model_cfg,
+            num_pages * page,
+            self.req_pool.size,
+            rc.max_verify_tokens,
+            self.dtype,
+            self.device,
+        )
         self.attn_backend = create_attention_backend(rc.attention_backend)
         # cos/sin of every position a request can reach, built before any graph is captured.
         self.model.rope_tables(self.req_pool.max_context_len)
@@ -111,8 +138,12 @@ class ModelRunner:
         # the logits and whatever the captured region does next, until `join_tap_hook`.
         self._hook_stream: torch.cuda.Stream | None = None
         self._hook_pending: tuple[object, ...] | None = None
-        logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page,
-                    num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20)
+        logger.info(
+            "KV pool: %d pages x %d tokens, %.1f MiB",
+            num_pages,
+            page,
+            num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20,
+        )
 
     def _kv_tokens(self, cfg: ModelConfig) -> int:
         """KV pool size in tokens: --max-total-tokens, or on CUDA with --mem-fraction-static the
@@ -125,14 +156,23 @@ class ModelRunner:
         per_token = DeepseekV4KVPool.bytes_per_token(cfg, self.dtype)
         tokens = int(budget // per_token)
         if tokens < 2 * self.page_size:
-            raise RuntimeError(f"--mem-fraction-static {frac}: only {budget / 2**30:.2f} GiB left "
-                               "for the KV pool after the weights; raise the fraction")
-        logger.info("KV pool sized from --mem-fraction-static %.2f: %d tokens (%.1f GiB)", frac,
-                    tokens, budget / 2**30)
+            raise RuntimeError(
+                f"--mem-fraction-static {frac}: only {budget / 2**30:.2f} GiB left "
+                "for the KV pool after the weights; raise the fraction"
+            )
+        logger.info(
+            "KV pool sized from --mem-fraction-static %.2f: %d tokens (%.1f GiB)",
+            frac,
+            tokens,
+            budget / 2**30,
+        )
         return tokens
 
-    def set_tap_hook(self, hook: Callable[[ForwardBatch, dict[int, torch.Tensor]], None],
-                     tap_layers: tuple[int, ...]) -> None:
+    def set_tap_hook(
+        self,
+        hook: Callable[[ForwardBatch, dict[int, torch.Tensor]], None],
+        tap_layers: tuple[int, ...],
+    ) -> None:
         """`hook(batch, taps)` runs after the last of `tap_layers` in every forward, on every
         row; `taps` are the forward's tap streams (`ModelOutput.tap_streams`, layer ->
         [T, n, D]), which the hook must not modify. Rows a verify later rejects are written too:
@@ -146,22 +186,31 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._hook_stream = torch.cuda.Stream(self.device)
 
-    def init_cuda_graphs(self, max_bs: int, widths: Sequence[int] = (1,),
-                         tap_layers: tuple[int, ...] = (), prefill_max_tokens: int = 0,
-                         graph_factory: Callable[[], Graph] | None = None) -> None:
+    def init_cuda_graphs(
+        self,
+        max_bs: int,
+        widths: Sequence[int] = (1,),
+        tap_layers: tuple[int, ...] = (),
+        prefill_max_tokens: int = 0,
+        graph_factory: Callable[[], Graph] | None = None,
+    ) -> None:
         """Capture decode (width 1) and verify (other widths) graphs for batch buckets up to
         `max_bs`, and prefill graphs for up to `prefill_max_tokens` tokens of up to `max_bs`
         requests (0: prefill runs eagerly). Needs a forward without host synchronisation: the
         torch MoE backend reads expert counts on the host, so CUDA graphs require `moe=triton`.
         `graph_factory` replaces the graph type (CPU tests use `EagerGraph`)."""
         if self.device.type == "cuda" and self.kernels.of("moe") != "triton":
-            raise ValueError("CUDA graphs need the sync-free MoE path: use --kernel-backend triton "
-                             "(or --kernel-backend-overrides moe=triton), or --disable-cuda-graph")
-        self.graph_runner = CudaGraphRunner(self, graph_batch_sizes(max_bs), widths, tap_layers,
-                                            graph_factory)
+            raise ValueError(
+                "CUDA graphs need the sync-free MoE path: use --kernel-backend triton "
+                "(or --kernel-backend-overrides moe=triton), or --disable-cuda-graph"
+            )
+        self.graph_runner = CudaGraphRunner(
+            self, graph_batch_sizes(max_bs), widths, tap_layers, graph_factory
+        )
         if prefill_max_tokens > 0:
-            self.prefill_graphs = PrefillGraphRunner(self, prefill_max_tokens, max_bs, tap_layers,
-                                                     graph_factory)
+            self.prefill_graphs = PrefillGraphRunner(
+                self, prefill_max_tokens, max_bs, tap_layers, graph_factory
+            )
 
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
@@ -239,8 +288,10 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
             raise ValueError(f"checkpoint tensor {name!r} does not belong to the model")
         target = params[name]
         if tuple(tensor.shape) != tuple(target.shape):
-            raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
-                             f"the model expects {tuple(target.shape)}")
+            raise ValueError(
+                f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
+            )
         if name in seen:
             raise ValueError(f"checkpoint tensor {name!r} appears twice")
         with torch.no_grad():

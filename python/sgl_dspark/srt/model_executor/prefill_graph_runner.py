@@ -55,48 +55,70 @@ def prefill_token_buckets(max_tokens: int) -> list[int]:
 
 
 class PrefillGraphRunner:
-    def __init__(self, runner: ModelRunner, max_tokens: int, max_requests: int,
-                 tap_layers: tuple[int, ...] = (),
-                 graph_factory: Callable[[], Graph] | None = None) -> None:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        max_tokens: int,
+        max_requests: int,
+        tap_layers: tuple[int, ...] = (),
+        graph_factory: Callable[[], Graph] | None = None,
+    ) -> None:
         if not 1 <= max_requests <= runner.req_pool.size - 1:
-            raise ValueError(f"prefill graphs for {max_requests} requests: must lie in "
-                             f"[1, --max-running-requests {runner.req_pool.size - 1}]")
+            raise ValueError(
+                f"prefill graphs for {max_requests} requests: must lie in "
+                f"[1, --max-running-requests {runner.req_pool.size - 1}]"
+            )
         self.runner = runner
         self.buckets = prefill_token_buckets(max_tokens)
         self.max_requests = max_requests
         self.tap_layers = tap_layers
-        self.replays = 0   # replays so far (tests read it)
+        self.replays = 0  # replays so far (tests read it)
         dev = runner.device
-        rows = max_requests + 1   # the last request row is always padding
-        self._tokens = {k: torch.zeros(self.buckets[-1], dtype=torch.int64, device=dev)
-                        for k in _TOKEN_FIELDS}
-        self._requests = {k: torch.zeros(rows, dtype=torch.int64, device=dev)
-                          for k in _REQUEST_FIELDS}
+        rows = max_requests + 1  # the last request row is always padding
+        self._tokens = {
+            k: torch.zeros(self.buckets[-1], dtype=torch.int64, device=dev) for k in _TOKEN_FIELDS
+        }
+        self._requests = {
+            k: torch.zeros(rows, dtype=torch.int64, device=dev) for k in _REQUEST_FIELDS
+        }
         self._logits_rows = torch.zeros(rows, dtype=torch.int64, device=dev)
         self._graphs: dict[int, tuple[Graph, Any]] = {}
         factory = graph_factory or make_graph_factory(dev)
         t0 = time.perf_counter()
         mem0 = reserved_mib(dev)
-        self._tokens["token_req"].fill_(max_requests)   # captured on padding only
-        for t in reversed(self.buckets):   # largest first: later captures reuse its memory
+        self._tokens["token_req"].fill_(max_requests)  # captured on padding only
+        for t in reversed(self.buckets):  # largest first: later captures reuse its memory
             run = functools.partial(self._forward, t)
             graph = factory()
             with torch.inference_mode():
                 warm_up(run, dev, t)
                 self._graphs[t] = (graph, graph.capture(run, t))
         mem = reserved_mib(dev) - mem0
-        logger.info("Captured %d prefill graphs (tokens %s, up to %d requests) in %.1f s, "
-                    "+%.0f MiB reserved", len(self._graphs), self.buckets, max_requests,
-                    time.perf_counter() - t0, mem)
+        logger.info(
+            "Captured %d prefill graphs (tokens %s, up to %d requests) in %.1f s, "
+            "+%.0f MiB reserved",
+            len(self._graphs),
+            self.buckets,
+            max_requests,
+            time.perf_counter() - t0,
+            mem,
+        )
 
     def _forward(self, t: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """The captured region: an EXTEND batch over rows [:t] of the static buffers."""
         pool = self.runner.req_pool
         tok = {k: v[:t] for k, v in self._tokens.items()}
         batch = ForwardBatch(
-            mode=ForwardMode.EXTEND, **tok, **self._requests, logits_indices=self._logits_rows,
-            req_to_token=pool.req_to_token, max_seq_len=pool.max_context_len,
-            extend_lens_cpu=(), prefix_lens_cpu=(), host_lens=False)
+            mode=ForwardMode.EXTEND,
+            **tok,
+            **self._requests,
+            logits_indices=self._logits_rows,
+            req_to_token=pool.req_to_token,
+            max_seq_len=pool.max_context_len,
+            extend_lens_cpu=(),
+            prefix_lens_cpu=(),
+            host_lens=False,
+        )
         out = self.runner.run_model(batch, self.tap_layers)
         self.runner.join_tap_hook()
         return out.logits, out.tap_streams
@@ -105,11 +127,14 @@ class PrefillGraphRunner:
         return next((t for t in self.buckets if t >= num_tokens), None)
 
     def can_run(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> bool:
-        return (batch.mode is ForwardMode.EXTEND and batch.host_lens
-                and set(tap_layers) <= set(self.tap_layers)
-                and self.bucket_for(batch.num_tokens) is not None
-                and batch.batch_size <= self.max_requests
-                and batch.logits_indices.shape[0] <= self.max_requests + 1)
+        return (
+            batch.mode is ForwardMode.EXTEND
+            and batch.host_lens
+            and set(tap_layers) <= set(self.tap_layers)
+            and self.bucket_for(batch.num_tokens) is not None
+            and batch.batch_size <= self.max_requests
+            and batch.logits_indices.shape[0] <= self.max_requests + 1
+        )
 
     def replay(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
         from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
@@ -129,5 +154,6 @@ class PrefillGraphRunner:
         graph, (logits, taps) = self._graphs[t]
         graph.replay()
         self.replays += 1
-        return ModelOutput(logits=logits[:n_logits],
-                           tap_streams={k: taps[k][:n] for k in tap_layers})
+        return ModelOutput(
+            logits=logits[:n_logits], tap_streams={k: taps[k][:n] for k in tap_layers}
+        )

@@ -43,23 +43,27 @@ from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 class RopeTables:
     """cos/sin of both rope types for one batch, plus lookups at other positions."""
 
-    def __init__(self, positions: torch.Tensor, main: RopeTable, compress: RopeTable,
-                 rope: RopeTailFn) -> None:
+    def __init__(
+        self, positions: torch.Tensor, main: RopeTable, compress: RopeTable, rope: RopeTailFn
+    ) -> None:
         self.compress = compress
         self.tables = {"main": main.lookup(positions), "compress": compress.lookup(positions)}
         self.rope = rope
         self._cache: dict[object, tuple[torch.Tensor, torch.Tensor]] = {
-            "positions": self.tables["compress"]}
+            "positions": self.tables["compress"]
+        }
 
-    def rotate_compress(self, x: torch.Tensor, positions: torch.Tensor,
-                        cache_key: object = None) -> torch.Tensor:
+    def rotate_compress(
+        self, x: torch.Tensor, positions: torch.Tensor, cache_key: object = None
+    ) -> torch.Tensor:
         """Compressor / indexer entries and index queries at their own positions. Callers whose
         positions are a function of the batch alone name them by `cache_key` ("positions" = the
         batch's own), so every layer of one forward shares one lookup."""
         return self.rope(x, *self.compress_table(positions, cache_key))
 
-    def compress_table(self, positions: torch.Tensor, cache_key: object = None,
-                       shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress_table(
+        self, positions: torch.Tensor, cache_key: object = None, shift: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of the "compress" rope at `positions - shift` (cached under `cache_key`, see
         above)."""
         table = self._cache.get(cache_key) if cache_key is not None else None
@@ -97,12 +101,20 @@ class Attention(nn.Module):
         self.compressor: BlockCompressor | None = None
         if self.layer_type in (CSA, HCA):
             m = cfg.compress_ratio(layer_id)
-            self.compressor = BlockCompressor(d, cfg.head_dim, m, self.layer_type == CSA,
-                                              cfg.rms_norm_eps, kernels=kernels)
+            self.compressor = BlockCompressor(
+                d, cfg.head_dim, m, self.layer_type == CSA, cfg.rms_norm_eps, kernels=kernels
+            )
             if self.layer_type == CSA:
-                self.compressor.indexer = Indexer(d, cfg.q_lora_rank, cfg.index_n_heads,
-                                                  cfg.index_head_dim, cfg.index_topk, m,
-                                                  cfg.rms_norm_eps, kernels=kernels)
+                self.compressor.indexer = Indexer(
+                    d,
+                    cfg.q_lora_rank,
+                    cfg.index_n_heads,
+                    cfg.index_head_dim,
+                    cfg.index_topk,
+                    m,
+                    cfg.rms_norm_eps,
+                    kernels=kernels,
+                )
         # The projections of the layer input and of the q_a rank, each run as one GEMM once
         # fused (see LinearGroup): x -> q_a, kv, compressor kv/gate, indexer kv/gate/weights;
         # qr -> q_b, indexer q_b.
@@ -123,8 +135,14 @@ class Attention(nn.Module):
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj, self.qr_proj]
 
-    def forward(self, x: torch.Tensor, batch: ForwardBatch, kv_state: LayerKV,
-                rope: RopeTables, backend: BaseAttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv_state: LayerKV,
+        rope: RopeTables,
+        backend: BaseAttentionBackend,
+    ) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = rope.tables[self.rope_kind]
         q_a, kv, *comp_in = self.x_proj(x)
@@ -132,25 +150,45 @@ class Attention(nn.Module):
         q, *index_q = self.qr_proj(qr)
         q = q.view(T, self.n_heads, self.head_dim)
         # One launch rotates q and stores the KV row, both norms inside it (rope_q_kv_impl).
-        q, _ = self.rope_q_kv(q, kv, cos, sin,
-                              q_norm=(None, self.eps) if self.q_head_norm else None,
-                              kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
-                              pool=kv_state.window, slots=batch.out_cache_loc)
+        q, _ = self.rope_q_kv(
+            q,
+            kv,
+            cos,
+            sin,
+            q_norm=(None, self.eps) if self.q_head_norm else None,
+            kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
+            pool=kv_state.window,
+            slots=batch.out_cache_loc,
+        )
         slots, valid, entries = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
         # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather); the
         # output's rope channels are rotated back inside the backend (the V rope carried into o).
-        o = backend.forward(q, kv_state.window, batch, self.sinks, self.window,
-                            self.head_dim**-0.5, kv_state.compressed, valid, slots,
-                            inverse_rope=(cos, sin), extra_entries=entries)
+        o = backend.forward(
+            q,
+            kv_state.window,
+            batch,
+            self.sinks,
+            self.window,
+            self.head_dim**-0.5,
+            kv_state.compressed,
+            valid,
+            slots,
+            inverse_rope=(cos, sin),
+            extra_entries=entries,
+        )
         og = o.reshape(T, self.groups, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = self.grouped_linear(og, wa).reshape(T, -1)
         return self.linear(z, self.o_b_proj.weight)
 
-    def _compressed_keys(self, comp_in: list[torch.Tensor], index_q: list[torch.Tensor],
-                         batch: ForwardBatch, kv_state: LayerKV, rope: RopeTables,
-                         ) -> tuple[torch.Tensor | None, torch.Tensor | None,
-                                    tuple[int, int] | None]:
+    def _compressed_keys(
+        self,
+        comp_in: list[torch.Tensor],
+        index_q: list[torch.Tensor],
+        batch: ForwardBatch,
+        kv_state: LayerKV,
+        rope: RopeTables,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, tuple[int, int] | None]:
         """The compressed entries each token attends to, as the backend's (extra_slots,
         extra_valid, extra_entries): on CSA layers the indexer's picks (pool rows [T, k], their
         validity [T, k], None), on HCA layers every complete entry (None, None, (N, ratio)),
@@ -162,29 +200,40 @@ class Attention(nn.Module):
             return None, None, None
         assert kv_state.compressed is not None and kv_state.comp_state is not None
         m = comp.ratio
-        comp.compress(comp_in[0], comp_in[1], batch, kv_state.comp_state, kv_state.compressed,
-                      rope)
+        comp.compress(comp_in[0], comp_in[1], batch, kv_state.comp_state, kv_state.compressed, rope)
         if self.layer_type == HCA:
             return None, None, (batch.max_seq_len // m, m)
         indexer: Indexer = comp.indexer  # type: ignore[assignment]
         assert kv_state.index_keys is not None and kv_state.index_state is not None
-        indexer.compress(comp_in[2], comp_in[3], batch, kv_state.index_state,
-                         kv_state.index_keys, rope)
+        indexer.compress(
+            comp_in[2], comp_in[3], batch, kv_state.index_state, kv_state.index_keys, rope
+        )
         return *indexer.select(index_q[0], comp_in[4], batch, kv_state.index_keys, rope), None
 
 
-def add_moe_and_mixers(layer: nn.Module, cfg: ModelConfig, is_hash: bool,
-                       kernels: KernelChoice) -> None:
+def add_moe_and_mixers(
+    layer: nn.Module, cfg: ModelConfig, is_hash: bool, kernels: KernelChoice
+) -> None:
     """The parts a V4 block (target layer or DSpark draft stage) has besides attention, under
     their HF names: `mlp` (router + routed + shared experts), the two RMSNorms and the two mHC
     mixers."""
     d = cfg.hidden_size
-    router = Router(d, cfg.n_routed_experts, cfg.num_experts_per_tok, cfg.vocab_size, is_hash,
-                    cfg.scoring_func, cfg.routed_scaling_factor, cfg.norm_topk_prob, kernels)
+    router = Router(
+        d,
+        cfg.n_routed_experts,
+        cfg.num_experts_per_tok,
+        cfg.vocab_size,
+        is_hash,
+        cfg.scoring_func,
+        cfg.routed_scaling_factor,
+        cfg.norm_topk_prob,
+        kernels,
+    )
     layer.mlp = SparseMoE(
         router,
-        RoutedExperts(cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit,
-                      kernels),
+        RoutedExperts(
+            cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels
+        ),
         SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels),
         kernels,
     )
@@ -209,11 +258,18 @@ class DecoderLayer(nn.Module):
         self.self_attn = Attention(cfg, layer_id, kernels)
         add_moe_and_mixers(self, cfg, cfg.mlp_layer_types[layer_id] == HASH_MOE, kernels)
 
-    def forward(self, streams: torch.Tensor, batch: ForwardBatch, kv_state: LayerKV,
-                rope: RopeTables, backend: BaseAttentionBackend) -> torch.Tensor:
+    def forward(
+        self,
+        streams: torch.Tensor,
+        batch: ForwardBatch,
+        kv_state: LayerKV,
+        rope: RopeTables,
+        backend: BaseAttentionBackend,
+    ) -> torch.Tensor:
         pre, post, comb = self.attn_hc.coeffs(streams)
-        a = self.self_attn(self.input_layernorm(hc_collapse(streams, pre)), batch, kv_state,
-                           rope, backend)
+        a = self.self_attn(
+            self.input_layernorm(hc_collapse(streams, pre)), batch, kv_state, rope, backend
+        )
         streams = hc_expand(streams, a, post, comb)
         pre, post, comb = self.ffn_hc.coeffs(streams)
         f = self.mlp(self.post_attention_layernorm(hc_collapse(streams, pre)), batch.input_ids)
@@ -228,14 +284,16 @@ class DeepseekV4Model(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, kernels)
-                                    for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, kernels) for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
         rd = cfg.qk_rope_head_dim
         self.register_buffer("inv_freq_main", rope_inv_freq(cfg.rope_main, rd), persistent=False)
-        self.register_buffer("inv_freq_compress", rope_inv_freq(cfg.rope_compress, rd),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq_compress", rope_inv_freq(cfg.rope_compress, rd), persistent=False
+        )
 
 
 def stream_means(streams: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -246,7 +304,7 @@ def stream_means(streams: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor                  # [N, V] fp32, rows = batch.logits_indices
+    logits: torch.Tensor  # [N, V] fp32, rows = batch.logits_indices
     # layer id -> [T, n, D]: the mHC streams after the layer, as the layer left them (their
     # mean is only computed where it is read: `hidden_taps`, or DSpark's tap hook)
     tap_streams: dict[int, torch.Tensor]
@@ -282,30 +340,43 @@ class DeepseekV4ForCausalLM(nn.Module):
         a request of a `context_len`-wide token table can hold), built on first use. The model
         runner builds them before any graph is captured; a capture never builds one."""
         tables = self._rope_tables
-        if tables is None or tables[0].length < context_len or (
-                tables[0].table.device != self.lm_head.weight.device):
+        if (
+            tables is None
+            or tables[0].length < context_len
+            or (tables[0].table.device != self.lm_head.weight.device)
+        ):
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError("rope tables must be built before CUDA-graph capture "
-                                   "(call rope_tables(context_len) first)")
+                raise RuntimeError(
+                    "rope tables must be built before CUDA-graph capture "
+                    "(call rope_tables(context_len) first)"
+                )
             m = self.model
             block_starts = tuple(sorted({r - 1 for r in self.cfg.compress_ratios if r > 1}))
-            tables = (RopeTable(m.inv_freq_main, context_len),
-                      RopeTable(m.inv_freq_compress, context_len, block_starts))
+            tables = (
+                RopeTable(m.inv_freq_main, context_len),
+                RopeTable(m.inv_freq_compress, context_len, block_starts),
+            )
             self._rope_tables = tables
         return tables
 
-    def forward(self, batch: ForwardBatch, pool: DeepseekV4KVPool, backend: BaseAttentionBackend,
-                tap_layers: tuple[int, ...] = (),
-                on_taps: Callable[[dict[int, torch.Tensor]], None] | None = None) -> ModelOutput:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pool: DeepseekV4KVPool,
+        backend: BaseAttentionBackend,
+        tap_layers: tuple[int, ...] = (),
+        on_taps: Callable[[dict[int, torch.Tensor]], None] | None = None,
+    ) -> ModelOutput:
         """`on_taps`: called with the tap streams (`ModelOutput.tap_streams`) once the last of
         `tap_layers` has run, before the hyper head and the logits (a consumer of the taps can
         start while those run; nothing is computed for them on the way)."""
         m = self.model
-        batch.memo.clear()   # per-forward derived tensors (see ForwardBatch.memo)
+        batch.memo.clear()  # per-forward derived tensors (see ForwardBatch.memo)
         x = m.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
-        rope = RopeTables(batch.positions, *self.rope_tables(batch.req_to_token.shape[1]),
-                          self.compress_rope)
+        rope = RopeTables(
+            batch.positions, *self.rope_tables(batch.req_to_token.shape[1]), self.compress_rope
+        )
         taps: dict[int, torch.Tensor] = {}
 
         def tap(i: int, streams: torch.Tensor) -> None:
@@ -318,17 +389,20 @@ class DeepseekV4ForCausalLM(nn.Module):
             for i, layer in enumerate(m.layers):
                 streams = layer(streams, batch, pool.layers[i], rope, backend)
                 tap(i, streams)
-            h = self.rms_norm(m.hc_head(streams[batch.logits_indices]), m.norm.weight,
-                              m.norm.eps)
+            h = self.rms_norm(m.hc_head(streams[batch.logits_indices]), m.norm.weight, m.norm.eps)
         else:
             # The last boundary applies the hyper head and the final norm to every row (one
             # kernel); the logits rows are picked from its output.
             layers = cast("Sequence[DecoderLayer]", m.layers)
             _, head_out = run_fused_hc_layers(
-                streams, layers,
+                streams,
+                layers,
                 lambda i, x: layers[i].self_attn(x, batch, pool.layers[i], rope, backend),
                 lambda i, x: layers[i].mlp(x, batch.input_ids),
-                self.hc_boundary, tap, head=(m.hc_head, m.norm))
+                self.hc_boundary,
+                tap,
+                head=(m.hc_head, m.norm),
+            )
             assert head_out is not None
             h = head_out[1][batch.logits_indices]
         return ModelOutput(logits=self.compute_logits(h), tap_streams=taps)

@@ -58,11 +58,16 @@ DraftAttentionFn = Callable[..., torch.Tensor]
 DRAFT_ATTENTION_BACKENDS = ("torch", "triton")
 
 
-def draft_attention_torch(q: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: torch.Tensor,
-                          ctx_valid: torch.Tensor, kv_block: torch.Tensor, sinks: torch.Tensor,
-                          scale: float,
-                          inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                          ) -> torch.Tensor:
+def draft_attention_torch(
+    q: torch.Tensor,
+    ctx_pool: torch.Tensor,
+    ctx_slots: torch.Tensor,
+    ctx_valid: torch.Tensor,
+    kv_block: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
     """Attention core of a draft stage: each block row sees the visible context rows
     `ctx_pool[ctx_slots]` and every block row, plus a per-head sink in the denominator.
     Shapes as `DraftAttentionFn`; logits and probabilities are rounded to q's dtype."""
@@ -93,13 +98,16 @@ def draft_attention_impl(attention_backend: str) -> DraftAttentionFn:
         from sgl_dspark.kernels.draft_attention import draft_attention
 
         return draft_attention
-    raise ValueError(f"the DSpark draft has no attention core for --attention-backend "
-                     f"{attention_backend!r}; supported: {DRAFT_ATTENTION_BACKENDS}")
+    raise ValueError(
+        f"the DSpark draft has no attention core for --attention-backend "
+        f"{attention_backend!r}; supported: {DRAFT_ATTENTION_BACKENDS}"
+    )
 
 
 class DraftAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, kernels: KernelChoice,
-                 attention_backend: str = "torch") -> None:
+    def __init__(
+        self, cfg: ModelConfig, kernels: KernelChoice, attention_backend: str = "torch"
+    ) -> None:
         super().__init__()
         self.rope_store = rope_store_impl(kernels)
         self.rope_q_kv = rope_q_kv_impl(kernels)
@@ -124,16 +132,36 @@ class DraftAttention(nn.Module):
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj]
 
-    def store_context_kv(self, main_x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                         pool: torch.Tensor, slots: torch.Tensor) -> None:
+    def store_context_kv(
+        self,
+        main_x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        pool: torch.Tensor,
+        slots: torch.Tensor,
+    ) -> None:
         """`pool[slots]` = the KV rows of target tokens from their projected features `main_x`
         (kv_norm and RoPE inside the store's launch where the kernels allow)."""
-        self.rope_store(self.linear(main_x, self.kv_proj.weight), cos, sin, pool, slots,
-                        norm=(self.kv_norm.weight, self.kv_norm.eps))
+        self.rope_store(
+            self.linear(main_x, self.kv_proj.weight),
+            cos,
+            sin,
+            pool,
+            slots,
+            norm=(self.kv_norm.weight, self.kv_norm.eps),
+        )
 
-    def forward(self, u: torch.Tensor, ctx_pool: torch.Tensor, ctx_slots: torch.Tensor,
-                ctx_valid: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, batch: int,
-                q_len: int) -> torch.Tensor:
+    def forward(
+        self,
+        u: torch.Tensor,
+        ctx_pool: torch.Tensor,
+        ctx_slots: torch.Tensor,
+        ctx_valid: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        batch: int,
+        q_len: int,
+    ) -> torch.Tensor:
         """u `[B*Q, D]` normed block input; the context rows are `ctx_pool [N, Dh]` at
         `ctx_slots [B, C]`, visible where `ctx_valid [B, C]`."""
         rows = u.shape[0]
@@ -141,15 +169,28 @@ class DraftAttention(nn.Module):
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
         q = self.linear(qr, self.q_b_proj.weight).view(rows, self.n_heads, self.head_dim)
         # One launch rotates q and the block's KV rows, both norms inside it (rope_q_kv_impl).
-        q, kv_rows = self.rope_q_kv(q, kv, cos, sin,
-                                    q_norm=(None, self.eps) if self.q_head_norm else None,
-                                    kv_norm=(self.kv_norm.weight, self.kv_norm.eps))
+        q, kv_rows = self.rope_q_kv(
+            q,
+            kv,
+            cos,
+            sin,
+            q_norm=(None, self.eps) if self.q_head_norm else None,
+            kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
+        )
         assert kv_rows is not None
         q = q.view(batch, q_len, self.n_heads, self.head_dim)
         kv = kv_rows.view(batch, q_len, -1)
         # The output's rope channels are rotated back inside the attention (its epilogue).
-        o = self.attention(q, ctx_pool, ctx_slots, ctx_valid, kv, self.sinks, self.head_dim**-0.5,
-                           inverse_rope=(cos, sin)).reshape(rows, self.n_heads, -1)
+        o = self.attention(
+            q,
+            ctx_pool,
+            ctx_slots,
+            ctx_valid,
+            kv,
+            self.sinks,
+            self.head_dim**-0.5,
+            inverse_rope=(cos, sin),
+        ).reshape(rows, self.n_heads, -1)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = self.grouped_linear(o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
         return self.linear(z, self.o_b_proj.weight)
@@ -173,8 +214,9 @@ class DraftStage(nn.Module):
 class DraftBody(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(DraftStage(cfg, kernels, attention_backend)
-                                    for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DraftStage(cfg, kernels, attention_backend) for _ in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
 
@@ -182,8 +224,8 @@ class DraftBody(nn.Module):
 class MarkovHead(nn.Module):
     def __init__(self, vocab: int, rank: int) -> None:
         super().__init__()
-        self.embed = nn.Embedding(vocab, rank)                 # W1 [V, r]
-        self.head = nn.Linear(rank, vocab, bias=False)         # W2 [V, r]
+        self.embed = nn.Embedding(vocab, rank)  # W1 [V, r]
+        self.head = nn.Linear(rank, vocab, bias=False)  # W2 [V, r]
 
 
 class ConfidenceHead(nn.Module):
@@ -195,8 +237,12 @@ class ConfidenceHead(nn.Module):
 class DSparkDraftModel(nn.Module):
     inv_freq: torch.Tensor
 
-    def __init__(self, dcfg: DSparkConfig, kernels: KernelChoice | None = None,
-                 attention_backend: str = "torch") -> None:
+    def __init__(
+        self,
+        dcfg: DSparkConfig,
+        kernels: KernelChoice | None = None,
+        attention_backend: str = "torch",
+    ) -> None:
         """`attention_backend`: the target's `--attention-backend`; it picks the attention core
         of every stage (`draft_attention_impl`)."""
         super().__init__()
@@ -212,8 +258,9 @@ class DSparkDraftModel(nn.Module):
         self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, dcfg.markov_rank)
         self.confidence_head = ConfidenceHead(d, dcfg.markov_rank)
-        self.register_buffer("inv_freq", rope_inv_freq(cfg.rope_main, cfg.qk_rope_head_dim),
-                             persistent=False)
+        self.register_buffer(
+            "inv_freq", rope_inv_freq(cfg.rope_main, cfg.qk_rope_head_dim), persistent=False
+        )
         self.linear = linear_impl(self.kernels)
         self.rope_table: RopeTable | None = None
 
@@ -230,21 +277,34 @@ class DSparkDraftModel(nn.Module):
             return rope_cos_sin(positions, self.inv_freq)
         return self.rope_table.lookup(positions)
 
-    def write_context_kv(self, features: torch.Tensor, positions: torch.Tensor,
-                         pools: Sequence[torch.Tensor], slots: torch.Tensor) -> None:
+    def write_context_kv(
+        self,
+        features: torch.Tensor,
+        positions: torch.Tensor,
+        pools: Sequence[torch.Tensor],
+        slots: torch.Tensor,
+    ) -> None:
         """Each stage's context KV of target tokens with features `[N, n_f * D]` at
         `positions [N]`, stored at `pools[stage][slots]`."""
         weight = self.main_proj.weight
-        main_x = self.rms_norm(self.linear(features.to(weight.dtype), weight),
-                               self.main_norm.weight, self.main_norm.eps)
+        main_x = self.rms_norm(
+            self.linear(features.to(weight.dtype), weight),
+            self.main_norm.weight,
+            self.main_norm.eps,
+        )
         cos, sin = self.cos_sin(positions)
         stages = cast(Sequence[DraftStage], self.model.layers)
         for stage, pool in zip(stages, pools, strict=True):
             stage.self_attn.store_context_kv(main_x, cos, sin, pool, slots)
 
-    def forward(self, block_embeds: torch.Tensor, positions: torch.Tensor,
-                ctx_pools: Sequence[torch.Tensor], ctx_slots: torch.Tensor,
-                ctx_valid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        positions: torch.Tensor,
+        ctx_pools: Sequence[torch.Tensor],
+        ctx_slots: torch.Tensor,
+        ctx_valid: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Block rows through every stage.
 
         Args:
@@ -265,11 +325,15 @@ class DSparkDraftModel(nn.Module):
         stages = cast("Sequence[DraftStage]", self.model.layers)
         if self.hc_boundary is not None:
             _, head_out = run_fused_hc_layers(
-                streams, stages,
-                lambda k, u: stages[k].self_attn(u, ctx_pools[k], ctx_slots, ctx_valid, cos, sin,
-                                                 batch, q_len),
+                streams,
+                stages,
+                lambda k, u: stages[k].self_attn(
+                    u, ctx_pools[k], ctx_slots, ctx_valid, cos, sin, batch, q_len
+                ),
                 lambda k, u: stages[k].mlp(u, None),
-                self.hc_boundary, head=(self.model.hc_head, self.model.norm))
+                self.hc_boundary,
+                head=(self.model.hc_head, self.model.norm),
+            )
             assert head_out is not None
             y, y_normed = head_out
             return (y.view(batch, q_len, d), y_normed.view(batch, q_len, d))

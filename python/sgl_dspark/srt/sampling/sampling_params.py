@@ -113,8 +113,11 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed < _MAX_SEED:
                 raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        for name, neutral in (("frequency_penalty", 0.0), ("presence_penalty", 0.0),
-                              ("repetition_penalty", 1.0)):
+        for name, neutral in (
+            ("frequency_penalty", 0.0),
+            ("presence_penalty", 0.0),
+            ("repetition_penalty", 1.0),
+        ):
             value = _check_float(name, getattr(self, name))
             if value != neutral:
                 raise ValueError(f"{name}={value} is not supported yet (only {neutral})")

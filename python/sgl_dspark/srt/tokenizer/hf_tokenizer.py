@@ -54,10 +54,12 @@ def _select_chat_template(value: Any) -> str | None:
     raise ValueError("tokenizer_config.json: chat_template must be a str or a list with 'default'")
 
 
-def _tojson(value: Any, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:
-    return json.dumps(value, ensure_ascii=False, indent=indent, separators=separators,
-                      sort_keys=sort_keys)
+def _tojson(
+    value: Any, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(
+        value, ensure_ascii=False, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def _raise_template_error(message: str) -> None:
@@ -72,8 +74,9 @@ def _compile_chat_template(source: str) -> Any:
     except ImportError as exc:
         raise RuntimeError("rendering a chat template needs jinja2: pip install jinja2") from exc
     # Same whitespace rules as HF templates are written for.
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols]
+    )
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_template_error
     env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -83,8 +86,9 @@ def _compile_chat_template(source: str) -> Any:
 class HFTokenizer:
     """A `tokenizers.Tokenizer` with the HF tokenizer API subset in `TokenizerLike`."""
 
-    def __init__(self, tokenizer: Any, config: Mapping[str, Any], chat_template: str | None,
-                 name: str) -> None:
+    def __init__(
+        self, tokenizer: Any, config: Mapping[str, Any], chat_template: str | None, name: str
+    ) -> None:
         self._tok = tokenizer
         self._name = name
         self.bos_token = _token_content(config.get("bos_token"))
@@ -159,8 +163,11 @@ class HFTokenizer:
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Ids -> text; unknown ids render as nothing, broken UTF-8 as U+FFFD."""
-        return str(self._tok.decode([operator.index(i) for i in ids],
-                                    skip_special_tokens=skip_special_tokens))
+        return str(
+            self._tok.decode(
+                [operator.index(i) for i in ids], skip_special_tokens=skip_special_tokens
+            )
+        )
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> str | None | list[str | None]:
         if isinstance(ids, Sequence):
@@ -184,8 +191,10 @@ class HFTokenizer:
             RuntimeError: jinja2 is not installed.
         """
         if self.chat_template is None:
-            raise ValueError(f"the tokenizer at {self._name} has no chat template "
-                             "(tokenizer_config.json 'chat_template' or chat_template.jinja)")
+            raise ValueError(
+                f"the tokenizer at {self._name} has no chat template "
+                "(tokenizer_config.json 'chat_template' or chat_template.jinja)"
+            )
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise ValueError(f"messages must be a list of messages, got {type(messages).__name__}")
         for index, message in enumerate(messages):
@@ -236,8 +245,11 @@ class TransformersTokenizer:
         return list(self.hf_tokenizer.encode(text, add_special_tokens=add_special_tokens))
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
-        return str(self.hf_tokenizer.decode([operator.index(i) for i in ids],
-                                            skip_special_tokens=skip_special_tokens))
+        return str(
+            self.hf_tokenizer.decode(
+                [operator.index(i) for i in ids], skip_special_tokens=skip_special_tokens
+            )
+        )
 
     def convert_ids_to_tokens(self, ids: int | Sequence[int]) -> Any:
         return self.hf_tokenizer.convert_ids_to_tokens(ids)
@@ -250,8 +262,11 @@ class TransformersTokenizer:
         **template_kwargs: Any,
     ) -> str | list[int]:
         out = self.hf_tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=tokenize,
-            return_dict=False, **template_kwargs,
+            list(messages),
+            add_generation_prompt=add_generation_prompt,
+            tokenize=tokenize,
+            return_dict=False,
+            **template_kwargs,
         )
         return list(out) if tokenize else str(out)
 
@@ -278,8 +293,9 @@ def _load_with_transformers(path: str, trust_remote_code: bool) -> TokenizerLike
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, KeyError) as exc:
-        raise RuntimeError(f"could not load a tokenizer from {path!r} ({exc}); {_SKIP_HINT}") \
-            from exc
+        raise RuntimeError(
+            f"could not load a tokenizer from {path!r} ({exc}); {_SKIP_HINT}"
+        ) from exc
     logger.info("Loaded tokenizer %s from %s through transformers", type(tokenizer).__name__, path)
     return TransformersTokenizer(tokenizer)
 

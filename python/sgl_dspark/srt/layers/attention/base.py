@@ -12,12 +12,20 @@ from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
 class BaseAttentionBackend(ABC):
     @abstractmethod
-    def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
-                sinks: torch.Tensor, window: int, scale: float,
-                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
-                extra_slots: torch.Tensor | None = None,
-                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                extra_entries: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        window_kv: torch.Tensor,
+        batch: ForwardBatch,
+        sinks: torch.Tensor,
+        window: int,
+        scale: float,
+        extra_kv: torch.Tensor | None,
+        extra_valid: torch.Tensor | None,
+        extra_slots: torch.Tensor | None = None,
+        inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        extra_entries: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         """Attention output for every token of the batch.
 
         Args:

@@ -29,12 +29,14 @@ class CompressRope(Protocol):
     """The "compress" rope of one forward. `cache_key` names positions that are a function of
     the batch alone, so the caller may reuse their cos/sin table across layers."""
 
-    def rotate_compress(self, x: torch.Tensor, positions: torch.Tensor,
-                        cache_key: object = None) -> torch.Tensor:
+    def rotate_compress(
+        self, x: torch.Tensor, positions: torch.Tensor, cache_key: object = None
+    ) -> torch.Tensor:
         """Rotate x [N, ...] at positions [N]."""
 
-    def compress_table(self, positions: torch.Tensor, cache_key: object = None,
-                       shift: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    def compress_table(
+        self, positions: torch.Tensor, cache_key: object = None, shift: int = 0
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """cos / sin fp32 [N, rd/2] of positions - shift ([N])."""
 
 
@@ -105,9 +107,13 @@ def index_topk_impl(kernels: KernelChoice) -> TopkFn:
     return index_topk
 
 
-def index_topk_torch(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
-                     entry_rows: tuple[torch.Tensor, torch.Tensor, int],
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+def index_topk_torch(
+    scores: torch.Tensor,
+    visible: torch.Tensor,
+    k: int,
+    *,
+    entry_rows: tuple[torch.Tensor, torch.Tensor, int],
+) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk over rows whose entries >= visible are -inf, then the picks' pool rows
     (`entry_pool_rows`); invalid picks become row 0."""
     top = scores.topk(k, dim=-1).indices
@@ -119,8 +125,16 @@ def index_topk_torch(scores: torch.Tensor, visible: torch.Tensor, k: int, *,
 class BlockCompressor(nn.Module):
     """Parameters `kv_proj`, `gate_proj`, `position_bias`, `kv_norm` (HF names)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, ratio: int, overlap: bool,
-                 eps: float, *, kernels: KernelChoice) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        ratio: int,
+        overlap: bool,
+        eps: float,
+        *,
+        kernels: KernelChoice,
+    ) -> None:
         super().__init__()
         self._decode_step = decode_step_impl(kernels)
         self._extend_step = extend_step_impl(kernels)
@@ -133,8 +147,15 @@ class BlockCompressor(nn.Module):
         self.position_bias = nn.Parameter(torch.zeros(ratio, width))
         self.kv_norm = RMSNorm(head_dim, eps)
 
-    def compress(self, kv: torch.Tensor, score: torch.Tensor, batch: ForwardBatch,
-                 state: CompressorState, entries: torch.Tensor, rope: CompressRope) -> None:
+    def compress(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        batch: ForwardBatch,
+        state: CompressorState,
+        entries: torch.Tensor,
+        rope: CompressRope,
+    ) -> None:
         """Emit the entries of every block completed by this batch into `entries`, then record
         this batch's raw rows in the state ring. kv / score: `kv_proj(x)` / `gate_proj(x)` (the
         layer computes them in its fused x projection)."""
@@ -148,10 +169,26 @@ class BlockCompressor(nn.Module):
             m = self.ratio
             cos, sin = rope.compress_table(batch.positions, ("block_start", m), shift=m - 1)
             rows = (batch.block_end_rows(m), batch.last_rows(state.ring)) if extend else ()
-            step(kv, score, state.kv, state.score, self.position_bias, self.kv_norm.weight,
-                 batch.positions, slot_tok, batch.token_prefix_lens(), batch.req_to_token, m,
-                 self.overlap, self.kv_norm.eps, cos, sin, entries, *rows,
-                 counters=state.entry_counters)
+            step(
+                kv,
+                score,
+                state.kv,
+                state.score,
+                self.position_bias,
+                self.kv_norm.weight,
+                batch.positions,
+                slot_tok,
+                batch.token_prefix_lens(),
+                batch.req_to_token,
+                m,
+                self.overlap,
+                self.kv_norm.eps,
+                cos,
+                sin,
+                entries,
+                *rows,
+                counters=state.entry_counters,
+            )
             return
         self._emit_entries_torch(kv, score, batch, state, entries, rope, slot_tok)
         # Only the last `ring` positions of each request are kept, so no two rows of one
@@ -159,10 +196,10 @@ class BlockCompressor(nn.Module):
         pos, ring = batch.positions, state.ring
         if extend:
             keep = batch.last_rows(ring)
-            kept = keep >= 0 if not batch.host_lens else None   # a prefill graph's: -1 padded
+            kept = keep >= 0 if not batch.host_lens else None  # a prefill graph's: -1 padded
             keep = keep.clamp(min=0) if kept is not None else keep
             pos, slot_tok, kv, score = pos[keep], slot_tok[keep], kv[keep], score[keep]
-            if kept is not None:   # padding entries write to the dummy request slot 0
+            if kept is not None:  # padding entries write to the dummy request slot 0
                 slot_tok = torch.where(kept, slot_tok, torch.zeros_like(slot_tok))
         # else: a decode/verify request has fewer new rows than the ring (asserted by the runner's
         # max_verify_tokens), so every row is kept and no boolean mask (a host sync) is needed.
@@ -170,9 +207,16 @@ class BlockCompressor(nn.Module):
         state.kv[slot_tok, ridx] = kv.to(state.kv.dtype)
         state.score[slot_tok, ridx] = score.to(state.score.dtype)
 
-    def _emit_entries_torch(self, kv: torch.Tensor, score: torch.Tensor, batch: ForwardBatch,
-                            state: CompressorState, entries: torch.Tensor, rope: CompressRope,
-                            slot_tok: torch.Tensor) -> None:
+    def _emit_entries_torch(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor,
+        batch: ForwardBatch,
+        state: CompressorState,
+        entries: torch.Tensor,
+        rope: CompressRope,
+        slot_tok: torch.Tensor,
+    ) -> None:
         m, d, ring = self.ratio, self.head_dim, state.ring
         pos = batch.positions
         write_mask = None
@@ -191,7 +235,7 @@ class BlockCompressor(nn.Module):
         if ends.numel() > 0:
             span = 2 * m if self.overlap else m
             rel = torch.arange(span, device=pos.device) - (span - 1)
-            q = pos[ends, None] + rel[None, :]                       # absolute row positions
+            q = pos[ends, None] + rel[None, :]  # absolute row positions
             prefix = batch.prefix_lens[batch.token_req[ends]]
             fresh = (q >= prefix[:, None]).unsqueeze(-1)
             flat = (ends[:, None] + rel[None, :]).clamp(min=0)
@@ -226,8 +270,18 @@ class IndexerScorer(nn.Module):
 class Indexer(BlockCompressor):
     """Lightning indexer: its own overlapping compressor over index keys, plus query scoring."""
 
-    def __init__(self, hidden_size: int, q_lora_rank: int, n_heads: int, head_dim: int,
-                 topk: int, ratio: int, eps: float, *, kernels: KernelChoice) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        q_lora_rank: int,
+        n_heads: int,
+        head_dim: int,
+        topk: int,
+        ratio: int,
+        eps: float,
+        *,
+        kernels: KernelChoice,
+    ) -> None:
         super().__init__(hidden_size, head_dim, ratio, overlap=True, eps=eps, kernels=kernels)
         self._scores = indexer_scores_impl(kernels)
         self._topk = index_topk_impl(kernels)
@@ -236,9 +290,14 @@ class Indexer(BlockCompressor):
         self.q_b_proj = nn.Linear(q_lora_rank, n_heads * head_dim, bias=False)
         self.scorer = IndexerScorer(hidden_size, n_heads)
 
-    def select(self, qi: torch.Tensor, head_w: torch.Tensor, batch: ForwardBatch,
-               index_keys: torch.Tensor, rope: CompressRope,
-               ) -> tuple[torch.Tensor, torch.Tensor]:
+    def select(
+        self,
+        qi: torch.Tensor,
+        head_w: torch.Tensor,
+        batch: ForwardBatch,
+        index_keys: torch.Tensor,
+        rope: CompressRope,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Top-k visible compressed entries per token, from the index queries
         `qi = q_b_proj(qr)` `[T, Hi * Di]` and head weights `head_w = scorer.weights_proj(x)`
         `[T, Hi]` (computed in the layer's fused projections).
@@ -253,21 +312,39 @@ class Indexer(BlockCompressor):
         if k == 0 or T == 0:
             z = torch.zeros(T, 0, dtype=torch.int64, device=qi.device)
             return z, z.bool()
-        qi = rope.rotate_compress(qi.view(T, self.n_heads, self.head_dim), batch.positions,
-                                  "positions")
+        qi = rope.rotate_compress(
+            qi.view(T, self.n_heads, self.head_dim), batch.positions, "positions"
+        )
         token_slot = batch.token_slots()
         # The head weights' fp32 cast and Hi**-0.5 scale happen inside the scoring.
-        scores = self._scores(qi, head_w, index_keys, batch.positions, token_slot,
-                              batch.req_to_token, m, n_max,
-                              weight_scale=self.n_heads**-0.5)                # [T, N]
-        return self._topk(scores, visible_entries(batch, m), k,
-                          entry_rows=(batch.req_to_token, token_slot, m))
+        scores = self._scores(
+            qi,
+            head_w,
+            index_keys,
+            batch.positions,
+            token_slot,
+            batch.req_to_token,
+            m,
+            n_max,
+            weight_scale=self.n_heads**-0.5,
+        )  # [T, N]
+        return self._topk(
+            scores, visible_entries(batch, m), k, entry_rows=(batch.req_to_token, token_slot, m)
+        )
 
 
-def indexer_scores_torch(qi: torch.Tensor, weights: torch.Tensor, index_keys: torch.Tensor,
-                         positions: torch.Tensor, token_slot: torch.Tensor,
-                         req_to_token: torch.Tensor, ratio: int, n_max: int, *,
-                         weight_scale: float = 1.0) -> torch.Tensor:
+def indexer_scores_torch(
+    qi: torch.Tensor,
+    weights: torch.Tensor,
+    index_keys: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    n_max: int,
+    *,
+    weight_scale: float = 1.0,
+) -> torch.Tensor:
     """`score[t, n] = sum_h w[t, h] * relu(qi[t, h] . K_n) * Di**-0.5` in fp32 for the entries
     n < (pos_t + 1) // ratio of token t's request, -inf beyond: `[T, n_max]` fp32.
 
@@ -280,8 +357,8 @@ def indexer_scores_torch(qi: torch.Tensor, weights: torch.Tensor, index_keys: to
     cols = cols.clamp(max=req_to_token.shape[1] - 1)
     keys = index_keys[req_to_token[token_slot[:, None], cols[None, :]] // ratio]  # [T, N, Di]
     scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
-    scores = torch.relu(scores) * qi.shape[-1]**-0.5
-    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)                       # [T, N]
+    scores = torch.relu(scores) * qi.shape[-1] ** -0.5
+    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, N]
     visible = (positions + 1) // ratio
     entry_ids = torch.arange(n_max, device=positions.device)
     return scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
@@ -292,8 +369,9 @@ def visible_entries(batch: ForwardBatch, ratio: int) -> torch.Tensor:
     return batch.cached(("visible", ratio), lambda: (batch.positions + 1) // ratio)
 
 
-def entry_pool_rows(ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor,
-                    ratio: int) -> torch.Tensor:
+def entry_pool_rows(
+    ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor, ratio: int
+) -> torch.Tensor:
     """Pool rows `[T, N]` of entries `ids` `[T, N]` (or `[1, N]`) of each token's request (the
     KV pool's addressing: entry n starts at position n * ratio; rows of entries beyond the
     request's length point at garbage and must be masked by the caller)."""
@@ -303,6 +381,7 @@ def entry_pool_rows(ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: t
 
 def entry_slots(batch: ForwardBatch, n_entries: int, ratio: int) -> torch.Tensor:
     """`entry_pool_rows` of entries 0..n_entries-1 of each token's request `[T, n_entries]`."""
+
     def compute() -> torch.Tensor:
         ids = torch.arange(n_entries, device=batch.positions.device)[None, :]
         return entry_pool_rows(ids, batch.req_to_token, batch.token_slots(), ratio)

@@ -11,26 +11,39 @@ from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
 
 class TorchAttentionBackend(BaseAttentionBackend):
-    def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
-                sinks: torch.Tensor, window: int, scale: float,
-                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
-                extra_slots: torch.Tensor | None = None,
-                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                extra_entries: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        window_kv: torch.Tensor,
+        batch: ForwardBatch,
+        sinks: torch.Tensor,
+        window: int,
+        scale: float,
+        extra_kv: torch.Tensor | None,
+        extra_valid: torch.Tensor | None,
+        extra_slots: torch.Tensor | None = None,
+        inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        extra_entries: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         if extra_entries is not None:
             n, ratio = extra_entries
             extra_slots = entry_slots(batch, n, ratio)
-            extra_valid = batch.cached(("entry_valid", n, ratio), lambda: torch.arange(
-                n, device=q.device)[None, :] < visible_entries(batch, ratio)[:, None])
+            extra_valid = batch.cached(
+                ("entry_valid", n, ratio),
+                lambda: (
+                    torch.arange(n, device=q.device)[None, :]
+                    < visible_entries(batch, ratio)[:, None]
+                ),
+            )
         if extra_kv is not None and extra_slots is not None:
             extra_kv = extra_kv[extra_slots]
         pos = batch.positions
         offs = torch.arange(window - 1, -1, -1, device=pos.device)
-        win_pos = pos[:, None] - offs[None, :]                          # [T, W]
+        win_pos = pos[:, None] - offs[None, :]  # [T, W]
         win_valid = win_pos >= 0
         slot = batch.token_slots()
         kv_slots = batch.req_to_token[slot[:, None], win_pos.clamp(min=0)]
-        keys = window_kv[kv_slots]                                       # [T, W, Dh]
+        keys = window_kv[kv_slots]  # [T, W, Dh]
         valid = win_valid
         if extra_kv is not None:
             assert extra_valid is not None

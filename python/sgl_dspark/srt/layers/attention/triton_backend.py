@@ -22,15 +22,33 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
         self._attention = window_sparse_attention
 
-    def forward(self, q: torch.Tensor, window_kv: torch.Tensor, batch: ForwardBatch,
-                sinks: torch.Tensor, window: int, scale: float,
-                extra_kv: torch.Tensor | None, extra_valid: torch.Tensor | None,
-                extra_slots: torch.Tensor | None = None,
-                inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-                extra_entries: tuple[int, int] | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        q: torch.Tensor,
+        window_kv: torch.Tensor,
+        batch: ForwardBatch,
+        sinks: torch.Tensor,
+        window: int,
+        scale: float,
+        extra_kv: torch.Tensor | None,
+        extra_valid: torch.Tensor | None,
+        extra_slots: torch.Tensor | None = None,
+        inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
+        extra_entries: tuple[int, int] | None = None,
+    ) -> torch.Tensor:
         token_slot = batch.token_slots()
         return self._attention(
-            q, window_kv, batch.positions, token_slot, batch.req_to_token, window, sinks, scale,
-            extra_kv, extra_valid, extra_slots=extra_slots, inverse_rope=inverse_rope,
+            q,
+            window_kv,
+            batch.positions,
+            token_slot,
+            batch.req_to_token,
+            window,
+            sinks,
+            scale,
+            extra_kv,
+            extra_valid,
+            extra_slots=extra_slots,
+            inverse_rope=inverse_rope,
             extra_entries=extra_entries,
         )

@@ -58,8 +58,15 @@ def _uses_triton(kernels: KernelChoice | None) -> bool:
 class RoutedExperts(nn.Module):
     expert_mask: torch.Tensor  # triton backend only: int32 [E], all ones (every expert local)
     sort_table: torch.Tensor  # triton backend only: K1's local-id table for that mask
-    def __init__(self, n_experts: int, hidden_size: int, intermediate: int, limit: float,
-                 kernels: KernelChoice | None = None) -> None:
+
+    def __init__(
+        self,
+        n_experts: int,
+        hidden_size: int,
+        intermediate: int,
+        limit: float,
+        kernels: KernelChoice | None = None,
+    ) -> None:
         super().__init__()
         self.n_experts = n_experts
         self.intermediate = intermediate
@@ -86,8 +93,13 @@ class RoutedExperts(nn.Module):
             self._num_local, self._num_bins = plan.num_local, plan.num_bins
             self._combine = self._combine_triton
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                shared: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        shared: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """x `[T, D]`, ids/weights `[T, k]` (+ optional shared-expert output `[T, D]`) ->
         `sum_k weights[:, k] * expert_{ids[:, k]}(x) (+ shared)` `[T, D]`; duplicate ids in a
         row are summed."""
@@ -107,14 +119,15 @@ class RoutedExperts(nn.Module):
         down_all = torch.cat((self.down_proj.data, down.data[None]))
         e = self.n_experts
         self.gate_up_proj.data, self.down_proj.data = gate_up[:e], down_all[:e]
-        gate.data, up.data = gate_up[e, :self.intermediate], gate_up[e, self.intermediate:]
+        gate.data, up.data = gate_up[e, : self.intermediate], gate_up[e, self.intermediate :]
         down.data = down_all[e]
-        shared.gate_up.weight = gate_up[e]   # its group stays fused (the members are views)
+        shared.gate_up.weight = gate_up[e]  # its group stays fused (the members are views)
         mask = torch.ones(e + 1, dtype=torch.int32, device="cpu")
         plan = prepare_moe_sort(mask)
         self._stacks = (gate_up, down_all)
-        self._folded_plan = self._plan_type(plan.local_table.to(gate_up.device), plan.num_local,
-                                            plan.num_bins)
+        self._folded_plan = self._plan_type(
+            plan.local_table.to(gate_up.device), plan.num_local, plan.num_bins
+        )
         self._folded_mask = mask.to(gate_up.device)
 
     @property
@@ -122,18 +135,22 @@ class RoutedExperts(nn.Module):
         stacks = getattr(self, "_stacks", None)
         return stacks is not None and (
             self.gate_up_proj.data_ptr() == stacks[0].data_ptr()
-            and self.down_proj.data_ptr() == stacks[1].data_ptr())
+            and self.down_proj.data_ptr() == stacks[1].data_ptr()
+        )
 
-    def forward_folded(self, x: torch.Tensor, ids: torch.Tensor,
-                       weights: torch.Tensor) -> torch.Tensor:
+    def forward_folded(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
         """`forward` with the shared expert as expert E (ids/weights `[T, k + 1]`, the router's
         `with_shared` output); requires `folded`."""
         gate_up, down = self._stacks
-        return self._run_triton(x, ids, weights, None, gate_up, down, self._folded_plan,
-                                self._folded_mask)
+        return self._run_triton(
+            x, ids, weights, None, gate_up, down, self._folded_plan, self._folded_mask
+        )
 
-    def _combine_torch(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                       shared: torch.Tensor | None) -> torch.Tensor:
+    def _combine_torch(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
+    ) -> torch.Tensor:
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -144,45 +161,57 @@ class RoutedExperts(nn.Module):
         for e, n in enumerate(counts):
             if n == 0:
                 continue
-            tok = token_of[start:start + n]
+            tok = token_of[start : start + n]
             gu = F.linear(x[tok], self.gate_up_proj[e])
-            h = swiglu_clamp(gu[:, :self.intermediate], gu[:, self.intermediate:], self.limit)
-            y = F.linear(h, self.down_proj[e]) * w_sorted[start:start + n, None].to(x.dtype)
+            h = swiglu_clamp(gu[:, : self.intermediate], gu[:, self.intermediate :], self.limit)
+            y = F.linear(h, self.down_proj[e]) * w_sorted[start : start + n, None].to(x.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
         return out if shared is None else out + shared
 
-    def _combine_triton(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                        shared: torch.Tensor | None) -> torch.Tensor:
+    def _combine_triton(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
+    ) -> torch.Tensor:
         plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
-        return self._run_triton(x, ids, weights, shared, self.gate_up_proj, self.down_proj, plan,
-                                self.expert_mask)
+        return self._run_triton(
+            x, ids, weights, shared, self.gate_up_proj, self.down_proj, plan, self.expert_mask
+        )
 
-    def _run_triton(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                    shared: torch.Tensor | None, gate_up: torch.Tensor, down: torch.Tensor,
-                    plan: MoeSortPlan, mask: torch.Tensor) -> torch.Tensor:
+    def _run_triton(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        shared: torch.Tensor | None,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        plan: MoeSortPlan,
+        mask: torch.Tensor,
+    ) -> torch.Tensor:
         x = x.contiguous()
         ids = ids.to(torch.int32).contiguous()  # no-ops for the triton router's outputs
         weights = weights.to(torch.float32).contiguous()
         if shared is not None:
             shared = shared.to(x.dtype).contiguous()
         if x.shape[0] <= TOKEN_PATH_MAX_M:
-            h = self._route_gate_up(x, gate_up, ids, plan.local_table, plan.num_local,
-                                    self.limit)  # fmt: skip
-            return self._token_down_reduce(h, down, ids, weights, plan.local_table,
-                                           plan.num_local, 1.0, shared)  # fmt: skip
+            h = self._route_gate_up(x, gate_up, ids, plan.local_table, plan.num_local, self.limit)
+            return self._token_down_reduce(
+                h, down, ids, weights, plan.local_table, plan.num_local, 1.0, shared
+            )
         # hidden_size=0: the grouped GEMMs write per-route rows, so K1's accumulator is unused.
         routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
-        y = self._fused_moe(x, gate_up, down, routes, ids.shape[1], self.limit,
-                            block_size=_SORT_BLOCK)
+        y = self._fused_moe(
+            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=_SORT_BLOCK
+        )
         return self._moe_reduce(y, weights, ids, mask, 1.0, shared)
 
 
 class SharedExpert(nn.Module):
     """Dense SwiGLU with the clamp; with the triton "moe" backend the activation is K6."""
 
-    def __init__(self, hidden_size: int, intermediate: int, limit: float,
-                 kernels: KernelChoice | None = None) -> None:
+    def __init__(
+        self, hidden_size: int, intermediate: int, limit: float, kernels: KernelChoice | None = None
+    ) -> None:
         super().__init__()
         self.limit = limit
         self.gate_proj = nn.Linear(hidden_size, intermediate, bias=False)
@@ -218,8 +247,13 @@ class SparseMoE(nn.Module):
     """`mlp`: gate (router) + experts + shared_experts; output = routed + shared (with the triton
     "moe" backend the shared output is added inside the routed reduce, K4)."""
 
-    def __init__(self, router: nn.Module, experts: RoutedExperts, shared: SharedExpert,
-                 kernels: KernelChoice | None = None) -> None:
+    def __init__(
+        self,
+        router: nn.Module,
+        experts: RoutedExperts,
+        shared: SharedExpert,
+        kernels: KernelChoice | None = None,
+    ) -> None:
         super().__init__()
         self.gate = router
         self.experts = experts

@@ -38,9 +38,18 @@ class Router(nn.Module):
     tid2eid: torch.Tensor
     e_score_correction_bias: torch.Tensor
 
-    def __init__(self, hidden_size: int, n_experts: int, top_k: int, vocab_size: int,
-                 is_hash: bool, scoring_func: str, routed_scaling_factor: float,
-                 norm_topk_prob: bool, kernels: KernelChoice | None = None) -> None:
+    def __init__(
+        self,
+        hidden_size: int,
+        n_experts: int,
+        top_k: int,
+        vocab_size: int,
+        is_hash: bool,
+        scoring_func: str,
+        routed_scaling_factor: float,
+        norm_topk_prob: bool,
+        kernels: KernelChoice | None = None,
+    ) -> None:
         super().__init__()
         self.top_k = top_k
         self.is_hash = is_hash
@@ -65,22 +74,28 @@ class Router(nn.Module):
             self._router_topk = router_topk
             self._make_workspace = make_router_workspace
             self._workspace: RouterWorkspace | None = None
-            self._config = RouterConfig(top_k, scoring_func, renormalize=norm_topk_prob,
-                                        routed_scaling_factor=routed_scaling_factor)
+            self._config = RouterConfig(
+                top_k,
+                scoring_func,
+                renormalize=norm_topk_prob,
+                routed_scaling_factor=routed_scaling_factor,
+            )
             # The shared expert as one more route (id E, weight 1), for experts that fold it
             # into their stacks.
             self._config_shared = dataclasses.replace(self._config, num_shared=1)
             self._route = self._route_triton
 
-    def forward(self, x: torch.Tensor, input_ids: torch.Tensor,
-                with_shared: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, input_ids: torch.Tensor, with_shared: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights, ids) `[T, k]`, or `[T, k + 1]` with_shared (triton only): the last column
         is the shared expert as expert E with weight 1 (rows past the graph's valid count get
         the fill id and weight 0 in every column)."""
         return self._route(x, input_ids, with_shared)
 
-    def _route_torch(self, x: torch.Tensor, input_ids: torch.Tensor,
-                     with_shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_torch(
+        self, x: torch.Tensor, input_ids: torch.Tensor, with_shared: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if with_shared:
             raise ValueError("with_shared needs the triton moe backend")
         scores = score_fn(F.linear(x, self.weight), self.scoring_func)
@@ -94,8 +109,9 @@ class Router(nn.Module):
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
         return w * self.routed_scaling_factor, ids
 
-    def _route_triton(self, x: torch.Tensor, input_ids: torch.Tensor,
-                      with_shared: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def _route_triton(
+        self, x: torch.Tensor, input_ids: torch.Tensor, with_shared: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         config = self._config_shared if with_shared else self._config
         x = x.contiguous()
         ws = None
@@ -106,14 +122,25 @@ class Router(nn.Module):
             # graphs keep its address; larger (prefill) calls allocate their own.
             if self._workspace is None or self._workspace.partials.device != x.device:
                 self._workspace = self._make_workspace(
-                    _PERSISTENT_WORKSPACE_ROWS, self.weight.shape[0], x.shape[1], x.device)
+                    _PERSISTENT_WORKSPACE_ROWS, self.weight.shape[0], x.shape[1], x.device
+                )
             ws = self._workspace
         if self.is_hash:
-            out = self._router_topk(config, x=x, gate_weight=self.weight,
-                                    input_ids=input_ids, tid2eid=self.tid2eid, workspace=ws)
+            out = self._router_topk(
+                config,
+                x=x,
+                gate_weight=self.weight,
+                input_ids=input_ids,
+                tid2eid=self.tid2eid,
+                workspace=ws,
+            )
         else:
             # The bias is an fp32 buffer (cast_model leaves buffers alone); .float() is a no-op.
-            out = self._router_topk(config, x=x, gate_weight=self.weight,
-                                    correction_bias=self.e_score_correction_bias.float(),
-                                    workspace=ws)
+            out = self._router_topk(
+                config,
+                x=x,
+                gate_weight=self.weight,
+                correction_bias=self.e_score_correction_bias.float(),
+                workspace=ws,
+            )
         return out.weights, out.ids

@@ -45,12 +45,20 @@ _OWN = {
     "confidence_head.proj.weight": "confidence_head.proj.weight",
 }
 _OWN_INV = {v: k for k, v in _OWN.items()}
-_IGNORED = ("ffn.gate.bias_vl", "emb.tok_emb.weight", "head.weight", "e_proj", "h_proj",
-            "enorm.weight", "hnorm.weight")
+_IGNORED = (
+    "ffn.gate.bias_vl",
+    "emb.tok_emb.weight",
+    "head.weight",
+    "e_proj",
+    "h_proj",
+    "enorm.weight",
+    "hnorm.weight",
+)
 
 
-def _internal_name(stored: str, num_stages: int,
-                   num_experts: int) -> tuple[str, str, ExpertSlot | None] | None:
+def _internal_name(
+    stored: str, num_stages: int, num_experts: int
+) -> tuple[str, str, ExpertSlot | None] | None:
     m = _MTP_RE.match(stored)
     if m is None:
         return None
@@ -63,8 +71,10 @@ def _internal_name(stored: str, num_stages: int,
     if base + ".weight" in _OWN and suffix.endswith(".scale"):
         return (_OWN[base + ".weight"], "scale", None)
     if stage >= num_stages:
-        raise ValueError(f"draft tensor {stored!r}: stage {stage} but the draft has "
-                         f"{num_stages} stages (len(target_layer_ids))")
+        raise ValueError(
+            f"draft tensor {stored!r}: stage {stage} but the draft has "
+            f"{num_stages} stages (len(target_layer_ids))"
+        )
     mapped = parse_checkpoint_name(f"layers.{stage}.{suffix}", num_stages, num_experts)
     assert mapped is not None
     return (mapped.hf_name, mapped.role, mapped.expert)
@@ -77,7 +87,8 @@ def load_draft_weights(path: str, dcfg: DSparkConfig) -> Iterator[tuple[str, tor
     weights: dict[str, torch.Tensor] = {}
     scales: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor | None]]] = (
-        defaultdict(dict))
+        defaultdict(dict)
+    )
     expert_scales: dict[tuple[str, int, str], torch.Tensor] = {}
     for file in find_safetensors_files(path):
         with safe_open(file, framework="pt") as f:
@@ -129,8 +140,9 @@ def load_draft_weights(path: str, dcfg: DSparkConfig) -> Iterator[tuple[str, tor
         yield name, torch.stack(rows)
 
 
-def save_draft_checkpoint(state_dict: dict[str, torch.Tensor], dcfg: DSparkConfig,
-                          config_dict: dict, out_dir: str) -> None:
+def save_draft_checkpoint(
+    state_dict: dict[str, torch.Tensor], dcfg: DSparkConfig, config_dict: dict, out_dir: str
+) -> None:
     """Write a draft in the `mtp.<k>.` layout (unquantised) plus its config.json."""
     last = dcfg.num_stages - 1
     out: dict[str, torch.Tensor] = {}
@@ -145,14 +157,14 @@ def save_draft_checkpoint(state_dict: dict[str, torch.Tensor], dcfg: DSparkConfi
             layer, kind = stack
             for e in range(t.shape[0]):
                 if kind == "down_proj":
-                    out["mtp." + released_expert_name(layer, e, "w2")[len("layers."):]] = t[e]
+                    out["mtp." + released_expert_name(layer, e, "w2")[len("layers.") :]] = t[e]
                 else:
                     inter = t.shape[1] // 2
                     for proj, part in (("w1", t[e, :inter]), ("w3", t[e, inter:])):
                         name_e = released_expert_name(layer, e, proj)  # type: ignore[arg-type]
-                        out["mtp." + name_e[len("layers."):]] = part.contiguous()
+                        out["mtp." + name_e[len("layers.") :]] = part.contiguous()
             continue
-        out["mtp." + hf_to_released(name)[len("layers."):]] = t
+        out["mtp." + hf_to_released(name)[len("layers.") :]] = t
     os.makedirs(out_dir, exist_ok=True)
     save_file(out, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:

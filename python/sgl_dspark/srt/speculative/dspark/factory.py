@@ -21,15 +21,24 @@ from sgl_dspark.srt.speculative.dspark.worker import DSparkArgs, DSparkWorker
 
 TINY_DSPARK_NAME = "tiny-dspark"
 TINY_DSPARK_CONFIG = {
-    "dspark_block_size": 5, "dspark_markov_rank": 32, "dspark_noise_token_id": 3,
-    "dspark_target_layer_ids": [2, 3, 4], "dspark_n_routed_experts": 8,
-    "dspark_num_experts_per_tok": 2, "sliding_window": 32, "enable_confidence_head": True,
+    "dspark_block_size": 5,
+    "dspark_markov_rank": 32,
+    "dspark_noise_token_id": 3,
+    "dspark_target_layer_ids": [2, 3, 4],
+    "dspark_n_routed_experts": 8,
+    "dspark_num_experts_per_tok": 2,
+    "sliding_window": 32,
+    "enable_confidence_head": True,
 }
 
 
-def resolve_draft(model_path: str, draft_path: str | None, runner: ModelRunner,
-                  block_size: int | None, seed: int = 0,
-                  ) -> tuple[DSparkConfig, Iterable[tuple[str, torch.Tensor]]]:
+def resolve_draft(
+    model_path: str,
+    draft_path: str | None,
+    runner: ModelRunner,
+    block_size: int | None,
+    seed: int = 0,
+) -> tuple[DSparkConfig, Iterable[tuple[str, torch.Tensor]]]:
     target = runner.model_cfg
     if draft_path is None:
         if target.extra:
@@ -41,7 +50,8 @@ def resolve_draft(model_path: str, draft_path: str | None, runner: ModelRunner,
         else:
             raise ValueError(
                 "DSpark needs a draft: pass --speculative-draft-model-path (the target config has "
-                "no dspark_* keys and there is no <model>/dspark/ directory)")
+                "no dspark_* keys and there is no <model>/dspark/ directory)"
+            )
     if draft_path == TINY_DSPARK_NAME:
         if model_path != TINY_MODEL_NAME:
             raise ValueError("the built-in 'tiny-dspark' draft pairs only with the 'tiny' target")
@@ -54,7 +64,12 @@ def resolve_draft(model_path: str, draft_path: str | None, runner: ModelRunner,
     return dcfg, load_draft_weights(draft_path, dcfg)
 
 
-def create_dspark_worker(runner: ModelRunner, model_path: str, draft_path: str | None,
-                         block_size: int | None, args: DSparkArgs) -> DSparkWorker:
+def create_dspark_worker(
+    runner: ModelRunner,
+    model_path: str,
+    draft_path: str | None,
+    block_size: int | None,
+    args: DSparkArgs,
+) -> DSparkWorker:
     dcfg, weights = resolve_draft(model_path, draft_path, runner, block_size, seed=args.seed)
     return DSparkWorker(runner, dcfg, weights, args)

@@ -40,10 +40,10 @@ _ANCHOR, _SEQ, _SLOT, _LENS, _FORCED = range(5)
 class FusedStepOutput(NamedTuple):
     """Device results of one fused step, rows [:B] (overwritten by the next replay)."""
 
-    commit_len: torch.Tensor   # [B] int64
-    out_tokens: torch.Tensor   # [B, W] int64, -1 after the bonus
-    logprobs: torch.Tensor     # [B, W] fp32
-    accept_len: torch.Tensor   # [B] int64
+    commit_len: torch.Tensor  # [B] int64
+    out_tokens: torch.Tensor  # [B, W] int64, -1 after the bonus
+    logprobs: torch.Tensor  # [B, W] fp32
+    accept_len: torch.Tensor  # [B] int64
 
 
 class FusedGreedySteps:
@@ -57,8 +57,13 @@ class FusedGreedySteps:
     instead: that block size, verifying its full window (as the worker's own bs1 step).
     """
 
-    def __init__(self, worker: DSparkWorker, widths: Sequence[int], batch_sizes: Sequence[int],
-                 graph_factory: Callable[[], Graph] | None = None) -> None:
+    def __init__(
+        self,
+        worker: DSparkWorker,
+        widths: Sequence[int],
+        batch_sizes: Sequence[int],
+        graph_factory: Callable[[], Graph] | None = None,
+    ) -> None:
         self.worker = worker
         runner = worker.runner
         dev = runner.device
@@ -68,27 +73,37 @@ class FusedGreedySteps:
         self._graphs: dict[tuple[int, int], tuple[Graph, FusedStepOutput]] = {}
         self.replays = 0
         self.bs1_width = worker.gamma_bs1 + 1 if worker.gamma_bs1 != worker.gamma else None
-        shapes = [(w, bs) for w in self.widths for bs in self.batch_sizes
-                  if bs != 1 or self.bs1_width is None]
+        shapes = [
+            (w, bs)
+            for w in self.widths
+            for bs in self.batch_sizes
+            if bs != 1 or self.bs1_width is None
+        ]
         if self.bs1_width is not None and 1 in self.batch_sizes:
             shapes.append((self.bs1_width, 1))
         factory = graph_factory or make_graph_factory(dev)
         t0 = time.perf_counter()
         mem0 = torch.cuda.memory_reserved(dev) if dev.type == "cuda" else 0
-        for w, bs in sorted(shapes, reverse=True):   # the largest first: the pool is reused
+        for w, bs in sorted(shapes, reverse=True):  # the largest first: the pool is reused
             graph = factory()
             run = functools.partial(self._step, w, bs)
             with torch.inference_mode():
                 warm_up(run, dev, bs)
-                self.inputs.zero_()   # warm-up steps rewrote the state rows
+                self.inputs.zero_()  # warm-up steps rewrote the state rows
                 out = graph.capture(run, bs)
                 self.inputs.zero_()
             self._graphs[(w, bs)] = (graph, out)
         mem = (torch.cuda.memory_reserved(dev) - mem0) / 2**20 if dev.type == "cuda" else 0.0
-        logger.info("Captured %d fused DSpark step graphs (widths %s x bs %s%s) in %.1f s, "
-                    "+%.0f MiB reserved", len(self._graphs), self.widths, self.batch_sizes,
-                    "" if self.bs1_width is None else f"; bs 1: width {self.bs1_width}",
-                    time.perf_counter() - t0, mem)
+        logger.info(
+            "Captured %d fused DSpark step graphs (widths %s x bs %s%s) in %.1f s, "
+            "+%.0f MiB reserved",
+            len(self._graphs),
+            self.widths,
+            self.batch_sizes,
+            "" if self.bs1_width is None else f"; bs 1: width {self.bs1_width}",
+            time.perf_counter() - t0,
+            mem,
+        )
 
     def bucket_for(self, batch_size: int) -> int | None:
         return next((b for b in self.batch_sizes if b >= batch_size), None)
@@ -112,13 +127,23 @@ class FusedGreedySteps:
         positions = seq[:, None] + torch.arange(w, device=seq.device)[None, :]
         pool = runner.req_pool
         cache_loc = pool.req_to_token[slots[:, None], positions]
-        batch = ForwardBatch.uniform(ForwardMode.VERIFY, verify_ids, positions, cache_loc, slots,
-                                     seq, seq + w, pool.req_to_token, pool.max_context_len)
+        batch = ForwardBatch.uniform(
+            ForwardMode.VERIFY,
+            verify_ids,
+            positions,
+            cache_loc,
+            slots,
+            seq,
+            seq + w,
+            pool.req_to_token,
+            pool.max_context_len,
+        )
         # The tap hook writes the draft context KV of all w rows, on a side stream while the
         # logits and the epilogue run (`ModelRunner.run_model`).
         out = runner.run_model(batch, worker.tap_layers)
-        acc, tok_lp = worker._greedy_epilogue(verify_ids, lens, seq, out.logits.view(bs, w, -1),
-                                              forced)
+        acc, tok_lp = worker._greedy_epilogue(
+            verify_ids, lens, seq, out.logits.view(bs, w, -1), forced
+        )
         # The next step's state, in place (every read of these rows is above).
         anchors.copy_(acc.next_anchor)
         seq.copy_(acc.new_seq_lens)
@@ -140,8 +165,9 @@ class FusedGreedySteps:
         assert len(host_rows) == 5 - first
         # Columns beyond B are padding: zero in every row (their state rows stay zero, since a
         # padding column commits nothing).
-        host = torch.zeros(5 - first, self.inputs.shape[1], dtype=torch.int64,
-                           pin_memory=self.inputs.is_cuda)
+        host = torch.zeros(
+            5 - first, self.inputs.shape[1], dtype=torch.int64, pin_memory=self.inputs.is_cuda
+        )
         host[:, :B] = torch.tensor(host_rows, dtype=torch.int64)
         self.inputs[first:].copy_(host, non_blocking=True)
         graph, out = self._graphs[(width, bs)]
@@ -156,7 +182,7 @@ class FusedLaunch(NamedTuple):
     reqs: list[Req]
     width: int
     verify_lens: list[int]
-    host: PendingRead          # commit_len, out_tokens, logprobs, accept_len
+    host: PendingRead  # commit_len, out_tokens, logprobs, accept_len
 
 
 def fused_width(worker: DSparkWorker, reqs: Sequence[Req], lag_width: int) -> int | None:
@@ -171,8 +197,11 @@ def fused_width(worker: DSparkWorker, reqs: Sequence[Req], lag_width: int) -> in
         return None
     bs1 = B == 1 and fused.bs1_width is not None
     # The bs1 runtime verifies its full window whatever the policy (the worker's own step).
-    width = fused.bs1_width if bs1 else int(
-        worker.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
+    width = (
+        fused.bs1_width
+        if bs1
+        else int(worker.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
+    )
     if width is None or not fused.has(width, B):
         return None
     limit = worker.runner.req_pool.max_context_len
@@ -182,8 +211,9 @@ def fused_width(worker: DSparkWorker, reqs: Sequence[Req], lag_width: int) -> in
     return width
 
 
-def launch_fused(worker: DSparkWorker, reqs: list[Req], width: int, chained: bool,
-                 lag_width: int) -> FusedLaunch:
+def launch_fused(
+    worker: DSparkWorker, reqs: list[Req], width: int, chained: bool, lag_width: int
+) -> FusedLaunch:
     """Reserve the pages the step may write, then replay its graph (no host synchronisation).
     `chained`: the previous launch was a fused step of exactly these requests, still in flight
     (`lag_width` its width): the graph's state rows already hold their anchors and lengths."""
@@ -198,12 +228,14 @@ def launch_fused(worker: DSparkWorker, reqs: list[Req], width: int, chained: boo
     if not chained:
         rows = [[r.output_ids[-1] for r in reqs], [r.kv_len for r in reqs], *rows]
     out = worker.fused.launch(width, rows, chained)
-    return FusedLaunch(reqs, width, lens, PendingRead(out.commit_len, out.out_tokens,
-                                                      out.logprobs, out.accept_len))
+    return FusedLaunch(
+        reqs, width, lens, PendingRead(out.commit_len, out.out_tokens, out.logprobs, out.accept_len)
+    )
 
 
-def resolve_fused(worker: DSparkWorker, step: FusedLaunch,
-                  live: Sequence[bool]) -> list[tuple[list[int], list[float]] | None]:
+def resolve_fused(
+    worker: DSparkWorker, step: FusedLaunch, live: Sequence[bool]
+) -> list[tuple[list[int], list[float]] | None]:
     """Read a fused step's results (waits for it): per request the committed tokens and their
     logprobs, None where `live` is false (a request that finished or was aborted after the
     launch rode along: its row is not a step of its own). Sequence lengths and the metrics
@@ -211,10 +243,12 @@ def resolve_fused(worker: DSparkWorker, step: FusedLaunch,
     commit, toks, lps, accepted = step.host.wait()
     rows = [i for i, ok in enumerate(live) if ok]
     if rows:
-        worker.metrics.record_step(torch.tensor([step.verify_lens[i] for i in rows]),
-                                   torch.tensor([accepted[i] for i in rows]),
-                                   request_ids=[step.reqs[i].rid for i in rows],
-                                   cap_trim=torch.zeros(len(rows), dtype=torch.int64))
+        worker.metrics.record_step(
+            torch.tensor([step.verify_lens[i] for i in rows]),
+            torch.tensor([accepted[i] for i in rows]),
+            request_ids=[step.reqs[i].rid for i in rows],
+            cap_trim=torch.zeros(len(rows), dtype=torch.int64),
+        )
     out: list[tuple[list[int], list[float]] | None] = []
     for r, ok, c, t, lp in zip(step.reqs, live, commit, toks, lps):
         if not ok:

@@ -32,20 +32,27 @@ from sgl_dspark.srt.speculative.dspark.sampling import MarkovSampleOutput, marko
 
 
 class AcceptFn(Protocol):
-    def __call__(self, verify_ids: torch.Tensor, verify_lens: torch.Tensor,
-                 seq_lens: torch.Tensor, target_logits: torch.Tensor, greedy: torch.Tensor,
-                 target_probs: torch.Tensor | None = None,
-                 draft_probs: torch.Tensor | None = None, coins: torch.Tensor | None = None,
-                 bonus_uniforms: torch.Tensor | None = None,
-                 cap_lens: torch.Tensor | None = None,
-                 forced_accept: torch.Tensor | None = None) -> AcceptOutput: ...
+    def __call__(
+        self,
+        verify_ids: torch.Tensor,
+        verify_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        target_logits: torch.Tensor,
+        greedy: torch.Tensor,
+        target_probs: torch.Tensor | None = None,
+        draft_probs: torch.Tensor | None = None,
+        coins: torch.Tensor | None = None,
+        bonus_uniforms: torch.Tensor | None = None,
+        cap_lens: torch.Tensor | None = None,
+        forced_accept: torch.Tensor | None = None,
+    ) -> AcceptOutput: ...
 
 
 class DraftBlockInputs(NamedTuple):
-    input_ids: torch.Tensor   # [B, gamma] int64: anchor, then the mask token
-    positions: torch.Tensor   # [B, gamma] int64: s .. s + gamma - 1
-    ctx_slots: torch.Tensor   # [B, window] int64: KV slots of positions s - window .. s - 1
-    ctx_valid: torch.Tensor   # [B, window] bool: position >= 0
+    input_ids: torch.Tensor  # [B, gamma] int64: anchor, then the mask token
+    positions: torch.Tensor  # [B, gamma] int64: s .. s + gamma - 1
+    ctx_slots: torch.Tensor  # [B, window] int64: KV slots of positions s - window .. s - 1
+    ctx_valid: torch.Tensor  # [B, window] bool: position >= 0
 
 
 # (anchors [B], seq_lens [B], req pool rows [B], req_to_token, gamma, window, mask token id)
@@ -62,37 +69,53 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
     from sgl_dspark.kernels.spec_accept import spec_accept
     from sgl_dspark.kernels.vocab_argmax import vocab_argmax
 
-    def accept_triton(verify_ids: torch.Tensor, verify_lens: torch.Tensor,
-                      seq_lens: torch.Tensor, target_logits: torch.Tensor, greedy: torch.Tensor,
-                      target_probs: torch.Tensor | None = None,
-                      draft_probs: torch.Tensor | None = None, coins: torch.Tensor | None = None,
-                      bonus_uniforms: torch.Tensor | None = None,
-                      cap_lens: torch.Tensor | None = None,
-                      forced_accept: torch.Tensor | None = None) -> AcceptOutput:
+    def accept_triton(
+        verify_ids: torch.Tensor,
+        verify_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        target_logits: torch.Tensor,
+        greedy: torch.Tensor,
+        target_probs: torch.Tensor | None = None,
+        draft_probs: torch.Tensor | None = None,
+        coins: torch.Tensor | None = None,
+        bonus_uniforms: torch.Tensor | None = None,
+        cap_lens: torch.Tensor | None = None,
+        forced_accept: torch.Tensor | None = None,
+    ) -> AcceptOutput:
         batch, width, vocab = target_logits.shape
         verify_ids = verify_ids.contiguous()
         target_ids = vocab_argmax(target_logits.reshape(batch * width, vocab)).view(batch, width)
-        if forced_accept is not None:   # simulation: the greedy launch with forced counts
-            out = spec_accept(verify_ids, verify_lens.contiguous(), seq_lens.contiguous(),
-                              target_ids=target_ids, forced_accept=forced_accept.contiguous())
+        if forced_accept is not None:  # simulation: the greedy launch with forced counts
+            out = spec_accept(
+                verify_ids,
+                verify_lens.contiguous(),
+                seq_lens.contiguous(),
+                target_ids=target_ids,
+                forced_accept=forced_accept.contiguous(),
+            )
         elif target_probs is None:
-            out = spec_accept(verify_ids, verify_lens.contiguous(), seq_lens.contiguous(),
-                              target_ids=target_ids)
+            out = spec_accept(
+                verify_ids, verify_lens.contiguous(), seq_lens.contiguous(), target_ids=target_ids
+            )
         else:
             if draft_probs is None or coins is None or bonus_uniforms is None:
                 raise ValueError("sampled acceptance needs draft_probs, coins and bonus_uniforms")
             # accept_step allows Q / coins wider than W - 1; the kernel takes exactly W - 1.
-            out = spec_accept(verify_ids, verify_lens.contiguous(), seq_lens.contiguous(),
-                              target_ids=target_ids, target_probs=target_probs.float().contiguous(),
-                              draft_probs=draft_probs[:, : width - 1].float().contiguous(),
-                              accept_uniforms=coins[:, : width - 1].float().contiguous(),
-                              sample_uniforms=bonus_uniforms.float().contiguous(),
-                              greedy_mask=greedy.contiguous())
+            out = spec_accept(
+                verify_ids,
+                verify_lens.contiguous(),
+                seq_lens.contiguous(),
+                target_ids=target_ids,
+                target_probs=target_probs.float().contiguous(),
+                draft_probs=draft_probs[:, : width - 1].float().contiguous(),
+                accept_uniforms=coins[:, : width - 1].float().contiguous(),
+                sample_uniforms=bonus_uniforms.float().contiguous(),
+                greedy_mask=greedy.contiguous(),
+            )
         accept_len = out.accept_lens.to(torch.int64)
         if cap_lens is not None and forced_accept is None:
             # Padding rows: the kernel's bonus is the anchor; finalize_accept ignores it there.
-            capped, bonus, cap_trim = apply_cap(verify_ids, accept_len, out.next_anchors,
-                                                cap_lens)
+            capped, bonus, cap_trim = apply_cap(verify_ids, accept_len, out.next_anchors, cap_lens)
             return finalize_accept(verify_ids, verify_lens, seq_lens, capped, bonus, cap_trim)
         return AcceptOutput(
             accept_len=accept_len,
@@ -107,9 +130,15 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
     return accept_triton
 
 
-def draft_inputs_torch(anchors: torch.Tensor, seq_lens: torch.Tensor, pool_rows: torch.Tensor,
-                       req_to_token: torch.Tensor, gamma: int, window: int,
-                       mask_token_id: int) -> DraftBlockInputs:
+def draft_inputs_torch(
+    anchors: torch.Tensor,
+    seq_lens: torch.Tensor,
+    pool_rows: torch.Tensor,
+    req_to_token: torch.Tensor,
+    gamma: int,
+    window: int,
+    mask_token_id: int,
+) -> DraftBlockInputs:
     dev = anchors.device
     ids = torch.full((anchors.shape[0], gamma), mask_token_id, dtype=torch.int64, device=dev)
     ids[:, 0] = anchors
@@ -125,23 +154,47 @@ def create_draft_inputs_fn(kernels: KernelChoice) -> DraftInputsFn:
         return draft_inputs_torch
     from sgl_dspark.kernels.draft_inputs import prepare_draft_inputs
 
-    def draft_inputs_triton(anchors: torch.Tensor, seq_lens: torch.Tensor,
-                            pool_rows: torch.Tensor, req_to_token: torch.Tensor, gamma: int,
-                            window: int, mask_token_id: int) -> DraftBlockInputs:
+    def draft_inputs_triton(
+        anchors: torch.Tensor,
+        seq_lens: torch.Tensor,
+        pool_rows: torch.Tensor,
+        req_to_token: torch.Tensor,
+        gamma: int,
+        window: int,
+        mask_token_id: int,
+    ) -> DraftBlockInputs:
         n_valid = torch.full((1,), anchors.shape[0], dtype=torch.int64, device=anchors.device)
-        block = prepare_draft_inputs(anchors, seq_lens, pool_rows, req_to_token, n_valid,
-                                     draft_len=gamma, verify_width=1, mask_token_id=mask_token_id)
-        ctx = prepare_draft_inputs(anchors, seq_lens - window, pool_rows, req_to_token, n_valid,
-                                   draft_len=1, verify_width=window, mask_token_id=mask_token_id)
-        return DraftBlockInputs(block.input_ids, block.draft_positions, ctx.verify_slots,
-                                ctx.verify_positions >= 0)
+        block = prepare_draft_inputs(
+            anchors,
+            seq_lens,
+            pool_rows,
+            req_to_token,
+            n_valid,
+            draft_len=gamma,
+            verify_width=1,
+            mask_token_id=mask_token_id,
+        )
+        ctx = prepare_draft_inputs(
+            anchors,
+            seq_lens - window,
+            pool_rows,
+            req_to_token,
+            n_valid,
+            draft_len=1,
+            verify_width=window,
+            mask_token_id=mask_token_id,
+        )
+        return DraftBlockInputs(
+            block.input_ids, block.draft_positions, ctx.verify_slots, ctx.verify_positions >= 0
+        )
 
     return draft_inputs_triton
 
 
 # (base_logits [B, gamma, V], w1 [V, r], w2 [V, r], anchors [B]) -> MarkovSampleOutput
-MarkovGreedyFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-                          MarkovSampleOutput]
+MarkovGreedyFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], MarkovSampleOutput
+]
 
 
 def create_markov_greedy_fn(kernels: KernelChoice) -> MarkovGreedyFn:
@@ -150,17 +203,19 @@ def create_markov_greedy_fn(kernels: KernelChoice) -> MarkovGreedyFn:
     position plus one (X2: the W2 dot product is summed in another order; drafts are the argmax
     of the kernel's own step logits, ties to the first index as torch.argmax)."""
     if kernels.of("spec") == "torch":
-        def greedy_torch(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                         anchors: torch.Tensor) -> MarkovSampleOutput:
+
+        def greedy_torch(
+            base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, anchors: torch.Tensor
+        ) -> MarkovSampleOutput:
             ones = torch.ones(anchors.shape[0], dtype=torch.bool, device=anchors.device)
-            return markov_sample(base_logits, w1, w2, anchors, ones.float(), ones,
-                                 all_greedy=True)
+            return markov_sample(base_logits, w1, w2, anchors, ones.float(), ones, all_greedy=True)
 
         return greedy_torch
     from sgl_dspark.kernels.markov import markov_greedy
 
-    def greedy_triton(base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
-                      anchors: torch.Tensor) -> MarkovSampleOutput:
+    def greedy_triton(
+        base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, anchors: torch.Tensor
+    ) -> MarkovSampleOutput:
         out = markov_greedy(base_logits, w1, w2, anchors)
         return MarkovSampleOutput(out.drafts, out.step_logits, out.embeds)
 

@@ -47,7 +47,7 @@ class PolicyArgs:
     online_width: bool = False
     verify_widths: str = "2,3"
     sps_table_path: str | None = None
-    confidence_mode: str = "sync"     # sync (Algorithm 1) | async (top-K with lagged budget)
+    confidence_mode: str = "sync"  # sync (Algorithm 1) | async (top-K with lagged budget)
     device_name: str = "cpu"
 
 
@@ -55,15 +55,21 @@ class BaseVerifyPolicy(ABC):
     needs_confidence = False
 
     @abstractmethod
-    def verify_lens(self, confidence: torch.Tensor | None, slots: list[int],
-                    generations: list[int]) -> list[int] | torch.Tensor:
+    def verify_lens(
+        self, confidence: torch.Tensor | None, slots: list[int], generations: list[int]
+    ) -> list[int] | torch.Tensor:
         """Verify lengths (anchor included), each in [1, gamma + 1]: a host list when the
         policy decides on the host, or a `[B]` int64 device tensor (async confidence policy,
         applied as a cap on acceptance over a full-width verify)."""
 
     def observe(  # noqa: B027 - an optional hook: policies without feedback keep the no-op
-            self, verify_lens: torch.Tensor, accept_lens: torch.Tensor,
-            confidence: torch.Tensor | None, slots: list[int], generations: list[int]) -> None:
+        self,
+        verify_lens: torch.Tensor,
+        accept_lens: torch.Tensor,
+        confidence: torch.Tensor | None,
+        slots: list[int],
+        generations: list[int],
+    ) -> None:
         """Feed back the step's outcome (online statistics, confidence relay)."""
 
     def plain_decode(self, batch_size: int) -> bool:
@@ -96,8 +102,10 @@ def load_width_table(path: str | Path, full_width: int, clamp: bool = False) -> 
         if clamp and width > full_width:
             width = full_width
         if not 1 <= width <= full_width:
-            raise ValueError(f"{path}: width {w!r} for batch size {bs} must be 'full' or in "
-                             f"[1, {full_width}] (1: no speculation)")
+            raise ValueError(
+                f"{path}: width {w!r} for batch size {bs} must be 'full' or in "
+                f"[1, {full_width}] (1: no speculation)"
+            )
         out[int(bs)] = width
     return dict(sorted(out.items()))
 
@@ -114,16 +122,19 @@ class StaticWidthPolicy(BaseVerifyPolicy):
         if args.online_width:
             sps = resolve_width_sps_table(args.device_name, args.sps_table_path)
             if sps is None:
-                raise ValueError("--speculative-dspark-online-width needs an SPS table for this "
-                                 "device (--speculative-dspark-sps-table-path)")
+                raise ValueError(
+                    "--speculative-dspark-online-width needs an SPS table for this "
+                    "device (--speculative-dspark-sps-table-path)"
+                )
             # Configured widths that a small block cannot use (>= its full width) are dropped.
             narrow = [int(w) for w in str(args.verify_widths).split(",") if w.strip()]
             narrow = [w for w in narrow if w < full]
             if not narrow:
                 self.table = {1: full}
                 return
-            self.online = VerifyWidthPolicy(parse_verify_widths(narrow, full)[:-1], full, sps,
-                                            device=device)
+            self.online = VerifyWidthPolicy(
+                parse_verify_widths(narrow, full)[:-1], full, sps, device=device
+            )
             return
         path = args.width_table_path
         if path is None:
@@ -131,7 +142,8 @@ class StaticWidthPolicy(BaseVerifyPolicy):
             if not packaged.is_file():
                 raise ValueError(
                     f"static verify policy: no width table for device {args.device_name!r}; pass "
-                    "--speculative-dspark-width-table-path or --speculative-dspark-online-width")
+                    "--speculative-dspark-width-table-path or --speculative-dspark-online-width"
+                )
             path = str(packaged)
         self.table = load_width_table(path, full, clamp=args.width_table_path is None)
 
@@ -169,11 +181,14 @@ class ConfidencePolicy(BaseVerifyPolicy):
         if args.sps_table_path is None:
             raise ValueError("confidence verify policy needs --speculative-dspark-sps-table-path")
         if args.confidence_mode not in ("sync", "async"):
-            raise ValueError(f"--speculative-dspark-confidence-mode {args.confidence_mode!r}: "
-                             "sync or async")
+            raise ValueError(
+                f"--speculative-dspark-confidence-mode {args.confidence_mode!r}: sync or async"
+            )
         self.gamma, self.device, self.mode = gamma, device, args.confidence_mode
         self.table = load_sps_table(args.sps_table_path)
-        self.relay = ConfidenceRelay(num_slots, gamma, device=device) if self.mode == "async" else None
+        self.relay = (
+            ConfidenceRelay(num_slots, gamma, device=device) if self.mode == "async" else None
+        )
 
     def verify_lens(self, confidence, slots, generations):
         assert confidence is not None
@@ -186,12 +201,16 @@ class ConfidencePolicy(BaseVerifyPolicy):
 
     def observe(self, verify_lens, accept_lens, confidence, slots, generations):
         if self.relay is not None and confidence is not None:
-            self.relay.publish(torch.as_tensor(slots, device=self.device),
-                               torch.as_tensor(generations, device=self.device), confidence)
+            self.relay.publish(
+                torch.as_tensor(slots, device=self.device),
+                torch.as_tensor(generations, device=self.device),
+                confidence,
+            )
 
 
-def create_verify_policy(gamma: int, args: PolicyArgs, device: torch.device,
-                         num_slots: int) -> BaseVerifyPolicy:
+def create_verify_policy(
+    gamma: int, args: PolicyArgs, device: torch.device, num_slots: int
+) -> BaseVerifyPolicy:
     if args.policy == "full":
         return FullPolicy(gamma, device)
     if args.policy == "static":

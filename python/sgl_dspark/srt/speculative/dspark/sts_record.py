@@ -26,8 +26,13 @@ class StsRecorder:
         self._steps = 0
         self._shards = 0
 
-    def record(self, raw: torch.Tensor, verify_ids: torch.Tensor, logits: torch.Tensor,
-               verify_lens: torch.Tensor) -> None:
+    def record(
+        self,
+        raw: torch.Tensor,
+        verify_ids: torch.Tensor,
+        logits: torch.Tensor,
+        verify_lens: torch.Tensor,
+    ) -> None:
         """raw `[B, gamma]`; verify_ids `[B, W]`; logits `[B, W, V]`; verify_lens `[B]`."""
         width = verify_ids.shape[1]
         match = verify_ids[:, 1:] == torch.argmax(logits, dim=-1)[:, : width - 1]

@@ -57,9 +57,9 @@ logger = logging.getLogger(__name__)
 class DSparkArgs:
     policy: PolicyArgs = field(default_factory=PolicyArgs)
     sts_path: str | None = None
-    simulate_accept_len: float | None = None   # benchmark-only: forced mean accept length
-    sts_collect_path: str | None = None        # write (raw confidence, prefix label) shards
-    bs1_block_size: int | None = None          # gamma of single-request steps (None: the same)
+    simulate_accept_len: float | None = None  # benchmark-only: forced mean accept length
+    sts_collect_path: str | None = None  # write (raw confidence, prefix label) shards
+    bs1_block_size: int | None = None  # gamma of single-request steps (None: the same)
     seed: int = 0
 
 
@@ -93,14 +93,14 @@ class _StepTimer:
 
 
 class DraftProposal(NamedTuple):
-    markov: MarkovSampleOutput            # drafts [B, gamma], step logits z, Markov embeddings
-    confidence: torch.Tensor | None       # [B, gamma] (None when the policy needs none)
+    markov: MarkovSampleOutput  # drafts [B, gamma], step logits z, Markov embeddings
+    confidence: torch.Tensor | None  # [B, gamma] (None when the policy needs none)
     raw_confidence: torch.Tensor | None = None  # [B, gamma] logits before STS and sigmoid
 
 
 class SpecStepOutput(NamedTuple):
-    tokens: list[int]        # committed tokens (accepted drafts + bonus), in order
-    logprobs: list[float]    # target logprob of each (raw verify logits)
+    tokens: list[int]  # committed tokens (accepted drafts + bonus), in order
+    logprobs: list[float]  # target logprob of each (raw verify logits)
 
 
 class DSparkWorker:
@@ -114,8 +114,10 @@ class DSparkWorker:
         self.gamma_bs1 = args.bs1_block_size or self.gamma
         for name, g in (("block size", self.gamma), ("bs1 block size", self.gamma_bs1)):
             if g < 1 or g + 1 > runner.rc.max_verify_tokens:
-                raise ValueError(f"DSpark {name} {g} must be >= 1 and leave max_verify_tokens "
-                                 f">= {g + 1} (got {runner.rc.max_verify_tokens})")
+                raise ValueError(
+                    f"DSpark {name} {g} must be >= 1 and leave max_verify_tokens "
+                    f">= {g + 1} (got {runner.rc.max_verify_tokens})"
+                )
         draft = DSparkDraftModel(dcfg, runner.kernels, runner.rc.attention_backend)
         # "spec" family implementations, bound once (style R11).
         self.accept_fn = create_accept_fn(runner.kernels)
@@ -125,24 +127,32 @@ class DSparkWorker:
         self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
         fuse_after_placement(self.draft)  # after placement (see fused_linear.py)
         # Block rows reach seq + gamma - 1 (the bs1 runtime's gamma when larger).
-        self.draft.build_rope_table(runner.req_pool.max_context_len
-                                    + max(self.gamma, self.gamma_bs1))
+        self.draft.build_rope_table(
+            runner.req_pool.max_context_len + max(self.gamma, self.gamma_bs1)
+        )
         dh = dcfg.stage_config.head_dim
-        self.ctx_kv = [torch.zeros(runner.kv_pool.num_slots, dh, dtype=runner.dtype,
-                                   device=runner.device) for _ in range(dcfg.num_stages)]
+        self.ctx_kv = [
+            torch.zeros(runner.kv_pool.num_slots, dh, dtype=runner.dtype, device=runner.device)
+            for _ in range(dcfg.num_stages)
+        ]
         self.window = dcfg.stage_config.sliding_window
-        self.policy = create_verify_policy(self.gamma, args.policy, runner.device,
-                                           runner.req_pool.size)
+        self.policy = create_verify_policy(
+            self.gamma, args.policy, runner.device, runner.req_pool.size
+        )
         self.sts = StsCalibration.load(args.sts_path, self.gamma) if args.sts_path else None
-        self.sts_temperatures = (None if self.sts is None else
-                                 to_device(self.sts.temperatures, torch.float32, runner.device))
+        self.sts_temperatures = (
+            None
+            if self.sts is None
+            else to_device(self.sts.temperatures, torch.float32, runner.device)
+        )
         if self.policy.needs_confidence and not dcfg.enable_confidence_head:
             raise ValueError("the confidence verify policy needs a draft with a confidence head")
         self.generator = torch.Generator(device=runner.device).manual_seed(args.seed)
         # host-side: fed with the values each step reads anyway (see step 8)
         self.metrics = DSparkMetrics(max(self.gamma, self.gamma_bs1), device="cpu")
-        self.sts_recorder = (StsRecorder(args.sts_collect_path, self.gamma)
-                             if args.sts_collect_path else None)
+        self.sts_recorder = (
+            StsRecorder(args.sts_collect_path, self.gamma) if args.sts_collect_path else None
+        )
         self._sim_progress: dict[str, float] = {}
         runner.set_tap_hook(self._write_context_kv, self.tap_layers)
         self.draft_graphs: BatchGraphs | None = None
@@ -153,10 +163,15 @@ class DSparkWorker:
         if args.simulate_accept_len is not None:
             top = min(self.gamma, self.gamma_bs1) + 1
             if not 1.0 <= args.simulate_accept_len <= top:
-                raise ValueError(f"--speculative-dspark-simulate-accept-len must be in "
-                                 f"[1, {top}], got {args.simulate_accept_len}")
-            logger.warning("DSpark SIMULATED ACCEPTANCE (mean accept length %.2f): outputs are NOT "
-                           "the model's; use only to benchmark", args.simulate_accept_len)
+                raise ValueError(
+                    f"--speculative-dspark-simulate-accept-len must be in "
+                    f"[1, {top}], got {args.simulate_accept_len}"
+                )
+            logger.warning(
+                "DSpark SIMULATED ACCEPTANCE (mean accept length %.2f): outputs are NOT "
+                "the model's; use only to benchmark",
+                args.simulate_accept_len,
+            )
 
     @property
     def tap_layers(self) -> tuple[int, ...]:
@@ -167,8 +182,9 @@ class DSparkWorker:
         """The verify policy turns speculation off for this batch size (static width 1)."""
         return self.policy.plain_decode(batch_size)
 
-    def inject(self, positions: torch.Tensor, slots: torch.Tensor,
-               tap_streams: dict[int, torch.Tensor]) -> None:
+    def inject(
+        self, positions: torch.Tensor, slots: torch.Tensor, tap_streams: dict[int, torch.Tensor]
+    ) -> None:
         """Write the draft context KV of target forward rows at `slots`, from the target's
         streams `[N, n, D]` after each tap layer (their means are the features)."""
         rows = tap_streams[self.tap_layers[0]].shape[0]
@@ -213,13 +229,22 @@ class DSparkWorker:
         all_greedy = all(p.is_greedy for p in params)
         # the step's host inputs in two transfers (one per dtype)
         anchors, seq_t, slot_t, top_k, greedy_i = to_device_packed(
-            [[r.output_ids[-1] for r in reqs], seq, slots,
-             [TOP_K_ALL if p.top_k < 0 else p.top_k for p in params],
-             [int(p.is_greedy) for p in params]], torch.int64, dev)
+            [
+                [r.output_ids[-1] for r in reqs],
+                seq,
+                slots,
+                [TOP_K_ALL if p.top_k < 0 else p.top_k for p in params],
+                [int(p.is_greedy) for p in params],
+            ],
+            torch.int64,
+            dev,
+        )
         greedy = greedy_i.bool()
         temp, top_p = to_device_packed(
             [[1.0 if p.is_greedy else p.temperature for p in params], [p.top_p for p in params]],
-            torch.float32, dev)
+            torch.float32,
+            dev,
+        )
         need_trunc = any(not p.is_greedy and (p.top_k > 0 or p.top_p < 1.0) for p in params)
 
         # 1-3. draft forward, Markov sampling, confidences
@@ -239,25 +264,39 @@ class DSparkWorker:
         else:
             lens = list(planned)
         # never verify past max_new_tokens: the request ends there anyway
-        lens = [max(1, min(n, r.params.max_new_tokens - len(r.output_ids))) for n, r in
-                zip(lens, reqs)]
+        lens = [
+            max(1, min(n, r.params.max_new_tokens - len(r.output_ids))) for n, r in zip(lens, reqs)
+        ]
         # 5. one target verify forward. Eager: ragged widths in a flat batch (flat row (r, j)
         #    indices are host-known, so the device ids are gathered without a sync). With CUDA
         #    graphs: every request verifies the smallest captured width >= the widest request;
         #    rows past a request's own length are never accepted (acceptance reads lens_t).
         rows = self._verify_rows(reqs, lens)
         W = max(rows)
-        verify_ids = torch.cat((anchors[:, None], ms.drafts), dim=1)[:, :W]    # [B, W]
+        verify_ids = torch.cat((anchors[:, None], ms.drafts), dim=1)[:, :W]  # [B, W]
         for r, n in zip(reqs, rows):
             pool.reserve(r.slot, r.kv_len + n)
         flat_r, flat_j, lens_t = to_device_packed(
-            [[i for i, n in enumerate(rows) for _ in range(n)], [j for n in rows for j in range(n)],
-             lens], torch.int64, dev)
+            [
+                [i for i, n in enumerate(rows) for _ in range(n)],
+                [j for n in rows for j in range(n)],
+                lens,
+            ],
+            torch.int64,
+            dev,
+        )
         uniform = all(n == W for n in rows)
-        batch = ForwardBatch.build(ForwardMode.VERIFY, [[0] * n for n in rows], seq, slots,
-                                   pool.req_to_token, logits_rows="all",
-                                   input_ids_device=(verify_ids.reshape(-1).contiguous() if uniform else
-                                                     verify_ids[flat_r, flat_j]))
+        batch = ForwardBatch.build(
+            ForwardMode.VERIFY,
+            [[0] * n for n in rows],
+            seq,
+            slots,
+            pool.req_to_token,
+            logits_rows="all",
+            input_ids_device=(
+                verify_ids.reshape(-1).contiguous() if uniform else verify_ids[flat_r, flat_j]
+            ),
+        )
         out = runner.forward(batch, tap_layers=self.tap_layers)
         if uniform:
             logits = out.logits.view(B, W, -1)
@@ -269,13 +308,32 @@ class DSparkWorker:
         #    wrote the draft context KV of its rows: `_write_context_kv`). Greedy uniform steps
         #    replay this epilogue from a CUDA graph.
         epilogue = self.epilogue_graphs.get(W)
-        if (epilogue is not None and uniform and all_greedy and cap_lens is None
-                and self.sts_recorder is None and epilogue.bucket_for(B) is not None):
+        if (
+            epilogue is not None
+            and uniform
+            and all_greedy
+            and cap_lens is None
+            and self.sts_recorder is None
+            and epilogue.bucket_for(B) is not None
+        ):
             forced = self._sim_counts(reqs, lens_t.device)
             acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced)
         else:
-            acc = self._accept(verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp,
-                               top_k, top_p, need_trunc, ms, cap_lens, reqs)
+            acc = self._accept(
+                verify_ids,
+                lens_t,
+                seq_t,
+                logits,
+                greedy,
+                all_greedy,
+                temp,
+                top_k,
+                top_p,
+                need_trunc,
+                ms,
+                cap_lens,
+                reqs,
+            )
             tok_lp = _token_logprobs(logits, acc.out_tokens)
         if not bs1:
             self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
@@ -284,11 +342,16 @@ class DSparkWorker:
         timer.mark("accept")
         # 8. the scheduler reads the finalised results once, through one copy; the metrics are
         #    then accumulated on the host from the same values (no per-step metric kernels)
-        commit, toks, lps, accepted, trimmed = _to_host(acc.commit_len, acc.out_tokens, tok_lp,
-                                                         acc.accept_len, acc.cap_trim)
-        self.metrics.record_step(torch.tensor(lens), torch.tensor(accepted),
-                                 request_ids=[r.rid for r in reqs], timing=timer.spans(),
-                                 cap_trim=torch.tensor(trimmed))
+        commit, toks, lps, accepted, trimmed = _to_host(
+            acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len, acc.cap_trim
+        )
+        self.metrics.record_step(
+            torch.tensor(lens),
+            torch.tensor(accepted),
+            request_ids=[r.rid for r in reqs],
+            timing=timer.spans(),
+            cap_trim=torch.tensor(trimmed),
+        )
         for r, c in zip(reqs, commit):
             r.kv_len += c
             r.spec_verify_ct += 1
@@ -318,8 +381,9 @@ class DSparkWorker:
         narrow: tuple[int, ...] = ()
         if isinstance(self.policy, StaticWidthPolicy):
             narrow = self.policy.graph_widths()
-        return tuple(sorted({1, 2, 3, full, *narrow} & set(range(1, full + 1))
-                            | {self.gamma_bs1 + 1}))
+        return tuple(
+            sorted({1, 2, 3, full, *narrow} & set(range(1, full + 1)) | {self.gamma_bs1 + 1})
+        )
 
     def fused_widths(self) -> tuple[int, ...]:
         """Verify widths of the fused step graphs: those a full or table-driven static policy
@@ -336,92 +400,174 @@ class DSparkWorker:
         Sampled batches draw Gumbel noise from a generator and propose eagerly."""
         dev = self.runner.device
         example = (torch.zeros(1, dtype=torch.int64, device=dev),) * 3
-        self.draft_graphs = BatchGraphs(functools.partial(self._propose_greedy, self.gamma),
-                                        example, (0, 1, 0), graph_batch_sizes(max_bs), dev,
-                                        graph_factory, name="DSpark draft graphs")
+        self.draft_graphs = BatchGraphs(
+            functools.partial(self._propose_greedy, self.gamma),
+            example,
+            (0, 1, 0),
+            graph_batch_sizes(max_bs),
+            dev,
+            graph_factory,
+            name="DSpark draft graphs",
+        )
         runner = self.runner
         vocab = runner.model_cfg.vocab_size
         for w in self.graph_verify_widths():
+
             def ex(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
                 return torch.zeros((1, *shape), dtype=dtype, device=dev)
 
             inputs = [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex()]
             pads = [0, 0, 1, 0.0, 0]
-            self.epilogue_graphs[w] = BatchGraphs(self._greedy_epilogue, inputs, pads,
-                                                  graph_batch_sizes(max_bs), dev, graph_factory,
-                                                  name=f"DSpark epilogue graphs (width {w})")
+            self.epilogue_graphs[w] = BatchGraphs(
+                self._greedy_epilogue,
+                inputs,
+                pads,
+                graph_batch_sizes(max_bs),
+                dev,
+                graph_factory,
+                name=f"DSpark epilogue graphs (width {w})",
+            )
         widths = self.fused_widths()
         if widths and self.sts_recorder is None:
             self.fused = FusedGreedySteps(self, widths, graph_batch_sizes(max_bs), graph_factory)
         if self.gamma_bs1 != self.gamma:
             self.draft_graphs_bs1 = BatchGraphs(
-                functools.partial(self._propose_greedy, self.gamma_bs1), example, (0, 1, 0),
-                [1], dev, graph_factory, name="DSpark bs1 draft graph")
+                functools.partial(self._propose_greedy, self.gamma_bs1),
+                example,
+                (0, 1, 0),
+                [1],
+                dev,
+                graph_factory,
+                name="DSpark bs1 draft graph",
+            )
 
-    def _propose_greedy(self, gamma: int, anchors: torch.Tensor, seq_t: torch.Tensor,
-                        slot_t: torch.Tensor, num_drafts: int | None = None) -> DraftProposal:
+    def _propose_greedy(
+        self,
+        gamma: int,
+        anchors: torch.Tensor,
+        seq_t: torch.Tensor,
+        slot_t: torch.Tensor,
+        num_drafts: int | None = None,
+    ) -> DraftProposal:
         """All-greedy proposal; `num_drafts` < gamma runs only that many Markov steps (a step
         verifying width W reads W - 1 drafts, and draft k depends on drafts < k only)."""
         ones = torch.ones(anchors.shape[0], dtype=torch.float32, device=anchors.device)
         return self._propose(anchors, seq_t, slot_t, ones, ones.bool(), True, gamma, num_drafts)
 
-    def propose(self, reqs: list[Req], anchors: torch.Tensor, seq_t: torch.Tensor,
-                slot_t: torch.Tensor, temp: torch.Tensor, greedy: torch.Tensor,
-                all_greedy: bool, gamma: int) -> DraftProposal:
+    def propose(
+        self,
+        reqs: list[Req],
+        anchors: torch.Tensor,
+        seq_t: torch.Tensor,
+        slot_t: torch.Tensor,
+        temp: torch.Tensor,
+        greedy: torch.Tensor,
+        all_greedy: bool,
+        gamma: int,
+    ) -> DraftProposal:
         graphs = self.draft_graphs_bs1 if gamma != self.gamma else self.draft_graphs
-        if (graphs is not None and all_greedy and self.sts_recorder is None
-                and graphs.bucket_for(len(reqs)) is not None):
+        if (
+            graphs is not None
+            and all_greedy
+            and self.sts_recorder is None
+            and graphs.bucket_for(len(reqs)) is not None
+        ):
             return graphs.replay(anchors, seq_t, slot_t)
         return self._propose(anchors, seq_t, slot_t, temp, greedy, all_greedy, gamma)
 
-    def _propose(self, anchors: torch.Tensor, seq_t: torch.Tensor, slot_t: torch.Tensor,
-                 temp: torch.Tensor, greedy: torch.Tensor, all_greedy: bool,
-                 gamma: int, num_drafts: int | None = None) -> DraftProposal:
+    def _propose(
+        self,
+        anchors: torch.Tensor,
+        seq_t: torch.Tensor,
+        slot_t: torch.Tensor,
+        temp: torch.Tensor,
+        greedy: torch.Tensor,
+        all_greedy: bool,
+        gamma: int,
+        num_drafts: int | None = None,
+    ) -> DraftProposal:
         """Draft forward over [anchor, mask, ...] at positions s .. s+gamma-1, then the Markov
         head (left to right) and, when the policy reads them, the confidences."""
         runner = self.runner
-        inputs = self.draft_inputs_fn(anchors, seq_t, slot_t, runner.req_pool.req_to_token, gamma,
-                                      self.window, self.dcfg.noise_token_id)
+        inputs = self.draft_inputs_fn(
+            anchors,
+            seq_t,
+            slot_t,
+            runner.req_pool.req_to_token,
+            gamma,
+            self.window,
+            self.dcfg.noise_token_id,
+        )
         target = runner.model
         embeds = target.model.embed_tokens(inputs.input_ids)
-        y, y_normed = self.draft(embeds, inputs.positions, self.ctx_kv, inputs.ctx_slots,
-                                 inputs.ctx_valid)
-        base_logits = target.compute_logits(y_normed)                          # [B, gamma, V]
+        y, y_normed = self.draft(
+            embeds, inputs.positions, self.ctx_kv, inputs.ctx_slots, inputs.ctx_valid
+        )
+        base_logits = target.compute_logits(y_normed)  # [B, gamma, V]
         w1, w2 = self.draft.markov_head.embed.weight, self.draft.markov_head.head.weight
         if num_drafts is not None and num_drafts < gamma:
             # The block's rows still all run (the draft attends bidirectionally inside the
             # block); only the sequential Markov loop stops early. No confidences are read.
-            assert all_greedy and not (self.policy.needs_confidence
-                                       or self.sts_recorder is not None)
+            assert all_greedy and not (
+                self.policy.needs_confidence or self.sts_recorder is not None
+            )
             base_logits = base_logits[:, :num_drafts]
         if all_greedy:
             ms = self.markov_greedy_fn(base_logits, w1, w2, anchors)
         else:
-            ms = markov_sample(base_logits, w1, w2, anchors, temp, greedy,
-                               generator=self.generator)
-        if gamma != self.gamma or not (self.policy.needs_confidence
-                                       or self.sts_recorder is not None):
-            return DraftProposal(ms, None)   # the bs1 runtime schedules no confidences
-        c = confidence_head(y, ms.markov_embeds, self.draft.confidence_head.proj.weight,
-                            temperatures=self.sts_temperatures)
+            ms = markov_sample(base_logits, w1, w2, anchors, temp, greedy, generator=self.generator)
+        if gamma != self.gamma or not (
+            self.policy.needs_confidence or self.sts_recorder is not None
+        ):
+            return DraftProposal(ms, None)  # the bs1 runtime schedules no confidences
+        c = confidence_head(
+            y,
+            ms.markov_embeds,
+            self.draft.confidence_head.proj.weight,
+            temperatures=self.sts_temperatures,
+        )
         return DraftProposal(ms, c.confidence, c.raw)
 
-    def _accept(self, verify_ids, lens_t, seq_t, logits, greedy, all_greedy, temp, top_k, top_p,
-                need_trunc, ms, cap_lens, reqs):
+    def _accept(
+        self,
+        verify_ids,
+        lens_t,
+        seq_t,
+        logits,
+        greedy,
+        all_greedy,
+        temp,
+        top_k,
+        top_p,
+        need_trunc,
+        ms,
+        cap_lens,
+        reqs,
+    ):
         dev = logits.device
         B, W = verify_ids.shape
         if self.args.simulate_accept_len is not None:
-            return self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy,
-                                  forced_accept=self._sim_counts(reqs, dev))
+            return self.accept_fn(
+                verify_ids, lens_t, seq_t, logits, greedy, forced_accept=self._sim_counts(reqs, dev)
+            )
         if all_greedy:
             return self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy, cap_lens=cap_lens)
         p = target_probs(logits, temp, top_k, top_p, apply_top_k_top_p=need_trunc)
         q = draft_probs(ms.step_logits[:, : W - 1], temp, greedy, ms.drafts[:, : W - 1])
         coins = torch.rand((B, max(W - 1, 0)), generator=self.generator, device=dev)
         bonus_u = torch.rand((B,), generator=self.generator, device=dev)
-        return self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy, target_probs=p,
-                              draft_probs=q, coins=coins, bonus_uniforms=bonus_u,
-                              cap_lens=cap_lens)
+        return self.accept_fn(
+            verify_ids,
+            lens_t,
+            seq_t,
+            logits,
+            greedy,
+            target_probs=p,
+            draft_probs=q,
+            coins=coins,
+            bonus_uniforms=bonus_u,
+            cap_lens=cap_lens,
+        )
 
     def _sim_counts(self, reqs: list[Req], device: torch.device) -> torch.Tensor:
         return to_device(self.sim_count_list(reqs), torch.int64, device)
@@ -443,14 +589,21 @@ class DSparkWorker:
         """The accept counts to force: `counts` when acceptance is simulated, else None."""
         return counts if self.args.simulate_accept_len is not None else None
 
-    def _greedy_epilogue(self, verify_ids: torch.Tensor, lens_t: torch.Tensor,
-                         seq_t: torch.Tensor, logits: torch.Tensor, forced: torch.Tensor):
+    def _greedy_epilogue(
+        self,
+        verify_ids: torch.Tensor,
+        lens_t: torch.Tensor,
+        seq_t: torch.Tensor,
+        logits: torch.Tensor,
+        forced: torch.Tensor,
+    ):
         """Acceptance + logprobs of an all-greedy uniform step (the captured "folded
         epilogue"); batch-first inputs [B, W, ...], padding rows have lens_t == 0 and commit
         nothing. `forced`: the simulated accept counts (ignored without simulation)."""
         greedy = torch.ones(verify_ids.shape[0], dtype=torch.bool, device=verify_ids.device)
-        acc = self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy,
-                             forced_accept=self._forced(forced))
+        acc = self.accept_fn(
+            verify_ids, lens_t, seq_t, logits, greedy, forced_accept=self._forced(forced)
+        )
         return acc, _token_logprobs(logits, acc.out_tokens)
 
 
