@@ -21,8 +21,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice  # noqa: E402
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.model_executor.model_runner import (  # noqa: E402
     ModelRunner,
     RunnerConfig,

@@ -34,9 +34,9 @@ sys.path.insert(0, str(ROOT))
 
 from sgl_dspark import Engine  # noqa: E402
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice  # noqa: E402
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
+from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.layers.sampler import greedy_argmax_impl  # noqa: E402
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM  # noqa: E402

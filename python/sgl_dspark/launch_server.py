@@ -15,7 +15,7 @@ import shlex
 import sys
 from collections.abc import Sequence
 
-from sgl_dspark.srt.configs.server_args import ServerArgs
+from sgl_dspark.srt.server_args import ServerArgs
 
 logger = logging.getLogger("sgl_dspark.launch_server")
 

@@ -20,8 +20,8 @@ import time
 
 import torch
 
+from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.entrypoints.engine import Engine
-from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 from sgl_dspark.srt.speculative.dspark.sps import DiagonalSpsTable, save_sps_table
 

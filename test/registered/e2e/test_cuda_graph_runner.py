@@ -9,12 +9,12 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark import Engine
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
     EagerGraph,
     graph_batch_sizes,
 )
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from spec_utils import POLICIES, greedy_requests, policy_kwargs, write_policy_tables
 
 N_PROMPTS = 7

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from scipy.stats import chisquare
 from sgl_dspark import Engine
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.layers.sampler import SamplingBatchInfo, processed_probs
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 from spec_utils import write_random_draft, write_random_target
 

@@ -38,7 +38,7 @@ def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, monkey
         **extra,
     )
     sched = engine.scheduler
-    from sgl_dspark.srt.managers.req import Req
+    from sgl_dspark.srt.core.req import Req
     from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
     reqs = [

@@ -54,7 +54,7 @@ def test_input_ids_and_logprobs(engine):
     assert [t for _, t, _ in lps] == out["output_ids"]
     assert all(lp <= 0.0 and math.isfinite(lp) for lp, _, _ in lps)
     # first logprob equals log_softmax of a direct forward at the last prompt token
-    from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+    from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 
     runner = engine.runner
     slot = runner.req_pool.alloc_slot()
@@ -109,7 +109,7 @@ def test_bad_requests_raise_clear_errors(engine):
 
 def test_hidden_state_taps(engine):
     """DSpark reads mean-over-streams residuals after chosen layers."""
-    from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+    from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 
     runner = engine.runner
     ids = engine.tokenizer.encode(PROMPTS[0])

@@ -15,8 +15,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 from sgl_dspark import Engine
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

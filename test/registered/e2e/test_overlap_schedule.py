@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 from sgl_dspark import Engine
-from sgl_dspark.srt.managers.req import Req
+from sgl_dspark.srt.core.req import Req
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 

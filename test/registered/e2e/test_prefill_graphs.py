@@ -11,8 +11,8 @@ import dataclasses
 import pytest
 import torch
 from sgl_dspark import Engine
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.prefill_graph_runner import (
     PrefillGraphRunner,
     prefill_token_buckets,

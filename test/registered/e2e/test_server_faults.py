@@ -14,8 +14,8 @@ import httpx
 import pytest
 import torch
 import uvicorn
-from sgl_dspark.srt.configs.server_args import ServerArgs
 from sgl_dspark.srt.entrypoints.http_server import build_engine, create_app
+from sgl_dspark.srt.server_args import ServerArgs
 
 
 class InProcessServer:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark.kernels.compressor_extend import compressor_extend, compressor_extend_ref
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from test_compressor_pool import DEVICE, _inputs, _rope_rows, _same_bits
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
 
 

@@ -11,7 +11,7 @@ import torch
 from hf_reference import PARITY_CONFIGS, hf_logits, make_hf_model
 from runner_utils import Driver
 from sgl_dspark.srt.configs.model_config import ModelConfig
-from sgl_dspark.srt.model_executor.forward_batch import ForwardMode
+from sgl_dspark.srt.core.forward_batch import ForwardMode
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
 
 TOL = dict(atol=1e-5, rtol=1e-5)

@@ -64,7 +64,7 @@ def test_bench_one_batch_random_model_with_triton_moe():
     sys.path.insert(0, str(ROOT))
     from sgl_dspark.kernels.moe_sort import prepare_moe_sort
     from sgl_dspark.srt.configs.model_config import ModelConfig
-    from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+    from sgl_dspark.srt.core.kernel_choice import KernelChoice
     from sgl_dspark.srt.layers.moe.experts import RoutedExperts
     from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS
 

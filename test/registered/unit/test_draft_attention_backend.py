@@ -17,7 +17,7 @@ from sgl_dspark import Engine
 from sgl_dspark.kernels.draft_attention import draft_attention, draft_attention_ref
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.model_executor.model_runner import load_weights
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel, draft_attention_torch
 from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG, tiny_weights

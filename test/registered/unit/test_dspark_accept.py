@@ -10,7 +10,7 @@ import pytest
 import torch
 from scipy import stats
 from sgl_dspark.kernels.spec_accept import FIXED_POINT_BITS, MIN_RESIDUAL_MASS, UNIFORM_BITS
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.speculative.dspark import accept as accept_mod
 from sgl_dspark.srt.speculative.dspark.accept import (
     accept_step,

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin
 from sgl_dspark.srt.model_executor.model_runner import load_weights
 from sgl_dspark.srt.models.deepseek_v4 import stream_means

@@ -16,17 +16,17 @@ import torch
 from sgl_dspark.kernels.compressor_decode import compressor_decode
 from sgl_dspark.kernels.compressor_pool import compressor_pool_ref
 from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention.compressor import (
     BlockCompressor,
     decode_step_impl,
     indexer_scores_impl,
     indexer_scores_torch,
 )
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.mem_cache.kv_pool import CompressorState
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights

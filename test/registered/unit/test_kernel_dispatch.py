@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
     HyperHead,

@@ -13,7 +13,7 @@ import pytest
 import torch
 from sgl_dspark import Engine
 from sgl_dspark.kernels.rmsnorm import rms_norm_ref
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm, rms_norm_impl
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sgl_dspark.srt.models.tiny import tiny_config

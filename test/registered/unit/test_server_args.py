@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 from sgl_dspark.launch_server import curl_example, ready_message
-from sgl_dspark.srt.configs.server_args import ServerArgs, make_parser
 from sgl_dspark.srt.entrypoints.engine import EngineArgs
+from sgl_dspark.srt.server_args import ServerArgs, make_parser
 
 
 def _flag(name: str) -> str:

@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS, create_attention_backend
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from sgl_dspark.srt.managers.req import Req
+from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
 from sgl_dspark.srt.model_loader.model_source import resolve_model

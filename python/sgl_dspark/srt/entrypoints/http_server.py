@@ -49,8 +49,8 @@ from sgl_dspark.srt.managers.scheduler_loop import SchedulerLoop
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from sgl_dspark.srt.configs.server_args import ServerArgs
     from sgl_dspark.srt.entrypoints.engine import Engine
+    from sgl_dspark.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

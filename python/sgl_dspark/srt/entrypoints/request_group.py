@@ -32,9 +32,9 @@ from sgl_dspark.srt.managers.io_struct import (
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
-    from sgl_dspark.srt.configs.server_args import ServerArgs
     from sgl_dspark.srt.managers.metrics import ServerMetrics
     from sgl_dspark.srt.managers.scheduler_loop import SchedulerLoop
+    from sgl_dspark.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 

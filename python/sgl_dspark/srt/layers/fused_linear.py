@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
 _SMALL_M_MAX_K = 4096
 # (x [..., K], weight [N, K]) -> x @ weight^T [..., N]

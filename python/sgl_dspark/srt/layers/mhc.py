@@ -8,7 +8,7 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
 
 

@@ -7,7 +7,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
 # (x [..., N], weight [N] | None, eps) -> normalised x of x's shape and dtype
 RmsNormFn = Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from sgl_dspark.srt.configs.model_config import RopeConfig
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import rms_norm_impl
 
 # (x [N, ..., Dh], cos [N, rd/2], sin [N, rd/2], inverse) -> rotated copy of x

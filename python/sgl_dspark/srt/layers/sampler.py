@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
-from sgl_dspark.srt.model_executor.host_copy import to_device_packed
+from sgl_dspark.srt.core.host_copy import to_device_packed
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.sampling.sampling_params import SamplingParams

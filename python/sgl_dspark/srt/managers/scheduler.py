@@ -14,10 +14,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.host_copy import PendingRead, read_to_host
+from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo
-from sgl_dspark.srt.managers.req import Req
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.host_copy import PendingRead, read_to_host
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
 from sgl_dspark.srt.speculative.dspark.fused_step import (
     FusedLaunch,

@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.managers.io_struct import (
     AbortReq,
     GenerateOutput,
@@ -36,7 +37,6 @@ from sgl_dspark.srt.managers.io_struct import (
     SchedulerOutput,
     SchedulerStats,
 )
-from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.managers.scheduler import RequestRejected, Scheduler
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 from sgl_dspark.srt.tokenizer import IncrementalDetokenizer

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_dspark.srt.model_executor.host_copy import to_device
+from sgl_dspark.srt.core.host_copy import to_device
 
 
 class OutOfKVMemory(RuntimeError):

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.layers.sampler import Sampler
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.model_executor.model_runner import ModelRunner

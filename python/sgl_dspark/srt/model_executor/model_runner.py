@@ -12,9 +12,10 @@ from typing import TypeVar
 import torch
 
 from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool
 from sgl_dspark.srt.model_executor.cuda_graph_runner import (
@@ -22,7 +23,6 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     Graph,
     graph_batch_sizes,
 )
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.prefill_graph_runner import PrefillGraphRunner
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM, ModelOutput
 

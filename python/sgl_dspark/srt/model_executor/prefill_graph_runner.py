@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     Graph,
     make_graph_factory,
     reserved_mib,
     warm_up,
 )
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.model_executor.model_runner import ModelRunner

@@ -15,10 +15,11 @@ import torch
 from torch import nn
 
 from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
+from sgl_dspark.srt.core.forward_batch import ForwardBatch
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
     HyperHead,
@@ -37,7 +38,6 @@ from sgl_dspark.srt.layers.rotary import (
     rope_q_kv_impl,
 )
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
 
 class RopeTables:

@@ -7,7 +7,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
+from sgl_dspark.srt.core.forward_batch import ForwardBatch
 
 
 class BaseAttentionBackend(ABC):

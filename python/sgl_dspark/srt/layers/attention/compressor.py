@@ -19,10 +19,10 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm
 from sgl_dspark.srt.mem_cache.kv_pool import CompressorState
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
 
 
 class CompressRope(Protocol):

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
+from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 from sgl_dspark.srt.layers.rotary import apply_rope_tail
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
 
 class TorchAttentionBackend(BaseAttentionBackend):

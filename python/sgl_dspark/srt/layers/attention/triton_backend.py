@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch
 
 
 class TritonAttentionBackend(BaseAttentionBackend):

@@ -31,8 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
 
 if TYPE_CHECKING:
     from sgl_dspark.kernels.moe_sort import MoeSortPlan

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
 
 def score_fn(logits: torch.Tensor, scoring_func: str) -> torch.Tensor:

@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from sgl_dspark.srt.managers.req import Req
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.host_copy import PendingRead
+from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.model_executor.cuda_graph_runner import Graph, make_graph_factory, warm_up
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.host_copy import PendingRead
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker

@@ -21,7 +21,7 @@ from typing import NamedTuple, Protocol
 
 import torch
 
-from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.speculative.dspark.accept import (
     AcceptOutput,
     accept_step,

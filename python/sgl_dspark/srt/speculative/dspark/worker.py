@@ -18,11 +18,11 @@ from typing import NamedTuple
 import torch
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.host_copy import read_to_host, to_device, to_device_packed
+from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
-from sgl_dspark.srt.managers.req import Req
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, graph_batch_sizes
-from sgl_dspark.srt.model_executor.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.host_copy import read_to_host, to_device, to_device_packed
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, cast_model, load_weights
 from sgl_dspark.srt.models.deepseek_v4 import stream_means
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel

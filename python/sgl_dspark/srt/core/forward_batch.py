@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from sgl_dspark.srt.model_executor.host_copy import to_device, to_device_packed
+from sgl_dspark.srt.core.host_copy import to_device, to_device_packed
 
 
 class ForwardMode(enum.Enum):

@@ -355,7 +355,7 @@ def _validate(a: ServerArgs) -> None:
     _check_choice("--dtype", a.dtype, DTYPE_CHOICES)
     _check_choice("--kernel-backend", a.kernel_backend, KERNEL_BACKEND_CHOICES)
     _check_choice("--attention-backend", a.attention_backend, _attention_backend_choices())
-    from sgl_dspark.srt.layers.kernel_choice import KernelChoice
+    from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
     KernelChoice.parse("torch", a.kernel_backend_overrides)  # raises naming the flag
     for flag, value in (
