@@ -287,14 +287,6 @@ class ServerArgs:
             parser.error(str(exc))
             raise  # unreachable: parser.error exits
 
-    def engine_kwargs(self, names: Sequence[str]) -> dict[str, Any]:
-        """The values of `names` (Engine argument names, which are ServerArgs field names), with
-        --chunked-prefill-size -1 expressed as "the whole context"."""
-        out = {name: getattr(self, name) for name in names if hasattr(self, name)}
-        if out.get("chunked_prefill_size") == -1:
-            out["chunked_prefill_size"] = self.context_length
-        return out
-
 
 _FIELD_TYPES: dict[str, type] = {
     "str": str,

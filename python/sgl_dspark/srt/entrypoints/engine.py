@@ -1,74 +1,53 @@
 """Offline engine, SGLang-style: `Engine(model_path=...).generate(prompt=..., sampling_params=...)`.
 
-Runs the scheduler in-process; the HTTP server drives the same scheduler from its own loop.
+Builds the model runner, the step executor (plain, or DSpark's over the plain one), their CUDA
+graphs (captured once, at startup) and the host-only scheduler; the HTTP server drives the same
+scheduler from its own thread. Its arguments are `ServerArgs` fields.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from sgl_dspark.srt.core.req import Req
+from sgl_dspark.srt.core.step import BaseStepExecutor
 from sgl_dspark.srt.managers.scheduler import Scheduler, SchedulerConfig
+from sgl_dspark.srt.model_executor.cuda_graph_runner import (
+    CudaGraphRunner,
+    GraphFactory,
+    graph_batch_sizes,
+)
+from sgl_dspark.srt.model_executor.decode_executor import DecodeExecutor
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
 from sgl_dspark.srt.model_loader.model_source import resolve_model
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
+from sgl_dspark.srt.server_args import ServerArgs
+from sgl_dspark.srt.speculative.dspark.executor import DSparkExecutor
 from sgl_dspark.srt.speculative.dspark.factory import create_dspark_worker
 from sgl_dspark.srt.speculative.dspark.policy import PolicyArgs
-from sgl_dspark.srt.speculative.dspark.worker import DSparkArgs, DSparkWorker
+from sgl_dspark.srt.speculative.dspark.worker import DSparkArgs
 from sgl_dspark.srt.tokenizer import IncrementalDetokenizer, TokenizerLike, get_tokenizer
 
 logger = logging.getLogger(__name__)
 
-
-@dataclass(frozen=True)
-class EngineArgs:
-    model_path: str = "tiny"
-    tokenizer_path: str | None = None
-    skip_tokenizer_init: bool = False
-    device: str = "cpu"
-    dtype: str = "auto"
-    max_total_tokens: int = 32768
-    mem_fraction_static: float | None = None  # CUDA: KV pool from free memory
-    max_running_requests: int = 32
-    context_length: int = 4096
-    chunked_prefill_size: int = 512
-    page_size: int = 0
-    attention_backend: str = "torch"
-    kernel_backend: str = "torch"  # torch | triton
-    kernel_backend_overrides: str | None = None  # e.g. "moe=torch,rope=triton"
-    random_seed: int = 0
-    cuda_graph_max_bs: int | None = None  # None: min(max_running_requests, 32)
-    cuda_graph_max_prefill_tokens: int | None = None  # None: min(chunked_prefill_size, 4096)
-    disable_cuda_graph: bool = False
-    disable_programmatic_launch: bool = False  # CUDA sm90+: plain kernel launches
-    programmatic_launch_max_bs: int = 24  # larger graphs: plain launches
-    disable_overlap_schedule: bool = False
-    speculative_algorithm: str | None = None  # None | "DSpark" (case-insensitive)
-    speculative_draft_model_path: str | None = None
-    speculative_dspark_block_size: int | None = None
-    speculative_dspark_bs1_block_size: int | None = None
-    speculative_dspark_verify_policy: str = "full"  # full | static | confidence
-    speculative_dspark_width_table_path: str | None = None
-    speculative_dspark_online_width: bool = False
-    speculative_dspark_verify_widths: str = "2,3"
-    speculative_dspark_sps_table_path: str | None = None
-    speculative_dspark_confidence_mode: str = "sync"  # sync (Algorithm 1) | async (top-K)
-    speculative_dspark_confidence_sts_path: str | None = None
-    speculative_dspark_simulate_accept_len: float | None = None
-    speculative_dspark_sts_collect_path: str | None = None
+DEFAULT_DSPARK_BLOCK_SIZE = 7
 
 
-def create_spec_worker(args: EngineArgs, runner: ModelRunner) -> DSparkWorker | None:
-    algo = args.speculative_algorithm
-    if algo is None:
-        return None
-    if algo.lower() != "dspark":
-        raise ValueError(f"--speculative-algorithm {algo!r}: only DSpark is supported")
+def max_verify_tokens(args: ServerArgs) -> int:
+    """The widest verify window a DSpark step may run (KV positions past the committed length)."""
+    gamma = args.speculative_dspark_block_size or DEFAULT_DSPARK_BLOCK_SIZE
+    return max(16, gamma + 1, (args.speculative_dspark_bs1_block_size or 0) + 1)
+
+
+def create_executor(args: ServerArgs, runner: ModelRunner) -> BaseStepExecutor:
+    """The plain decode executor, or DSpark's executor over one (its draft's context-KV writer
+    on every target forward)."""
+    if args.speculative_algorithm is None:
+        return DecodeExecutor(runner)
     policy = PolicyArgs(
         policy=args.speculative_dspark_verify_policy,
         width_table_path=args.speculative_dspark_width_table_path,
@@ -84,41 +63,60 @@ def create_spec_worker(args: EngineArgs, runner: ModelRunner) -> DSparkWorker | 
         simulate_accept_len=args.speculative_dspark_simulate_accept_len,
         sts_collect_path=args.speculative_dspark_sts_collect_path,
         bs1_block_size=args.speculative_dspark_bs1_block_size,
-        seed=args.random_seed,
     )
-    return create_dspark_worker(
+    worker = create_dspark_worker(
         runner,
         args.model_path,
         args.speculative_draft_model_path,
         args.speculative_dspark_block_size,
         dargs,
+        seed=args.random_seed,
     )
+    decode = DecodeExecutor(
+        runner, consumer=worker.context_kv_consumer, step_window=runner.rc.max_verify_tokens
+    )
+    return DSparkExecutor(decode, worker)
 
 
-def init_cuda_graphs(args: EngineArgs, runner: ModelRunner, spec: DSparkWorker | None) -> None:
-    """Capture the target's decode/verify graphs (and the DSpark draft's) on CUDA unless
-    disabled. Graphs need the sync-free MoE path; with the torch MoE backend they are only an
-    error when asked for explicitly (--cuda-graph-max-bs), otherwise the engine runs eagerly."""
+def init_cuda_graphs(
+    executor: BaseStepExecutor,
+    runner: ModelRunner,
+    max_bs: int,
+    prefill_max_tokens: int = 0,
+    graph_factory: GraphFactory | None = None,
+) -> CudaGraphRunner:
+    """Register every graph of `executor` for batch buckets up to `max_bs` (and prefill graphs
+    for up to `prefill_max_tokens` tokens) and capture them. `graph_factory` replaces the graph
+    type (CPU tests use `EagerGraph`)."""
+    graphs = CudaGraphRunner(runner.device, graph_factory)
+    sizes = graph_batch_sizes(max_bs)
+    if isinstance(executor, DSparkExecutor):
+        executor.register_graphs(graphs, sizes, prefill_max_tokens)
+    else:
+        assert isinstance(executor, DecodeExecutor), type(executor)
+        executor.register_graphs(graphs, sizes, (1,), prefill_max_tokens)
+    graphs.capture()
+    return graphs
+
+
+def graph_limits(args: ServerArgs, runner: ModelRunner) -> tuple[int, int] | None:
+    """(largest graph batch size, largest graphed prefill) the server args ask for, or None when
+    the engine runs eagerly. Graphs need the sync-free MoE path; with the torch MoE backend they
+    are only an error when asked for explicitly (--cuda-graph-max-bs)."""
     if runner.device.type != "cuda" or args.disable_cuda_graph or args.cuda_graph_max_bs == 0:
-        return
+        return None
     if runner.kernels.of("moe") != "triton" and args.cuda_graph_max_bs is None:
         logger.warning(
             "CUDA graphs off: the torch MoE backend synchronises with the host; use "
             "--kernel-backend triton for graphs"
         )
-        return
+        return None
     max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, 32)
     prefill_tokens = args.cuda_graph_max_prefill_tokens
     if prefill_tokens is None:
         chunk = args.chunked_prefill_size
         prefill_tokens = min(chunk if chunk > 0 else args.context_length, 4096)
-    if spec is None:
-        runner.init_cuda_graphs(max_bs, prefill_max_tokens=prefill_tokens)
-        return
-    runner.init_cuda_graphs(
-        max_bs, spec.graph_verify_widths(), spec.tap_layers, prefill_max_tokens=prefill_tokens
-    )
-    spec.init_cuda_graphs(max_bs)
+    return max_bs, prefill_tokens
 
 
 def device_name(device: torch.device) -> str:
@@ -128,33 +126,27 @@ def device_name(device: torch.device) -> str:
 
 
 class Engine:
-    """Args as `EngineArgs` (keyword arguments). `dtype="auto"` is float32 on CPU, the
-    checkpoint's dtype otherwise."""
+    """Keyword arguments are `ServerArgs` fields (`model_path` is required); "auto" values are
+    resolved as for the server (float32 and the torch kernels on CPU)."""
 
     def __init__(self, **kwargs: Any) -> None:
-        unknown = set(kwargs) - set(EngineArgs.__dataclass_fields__)
+        unknown = set(kwargs) - set(ServerArgs.__dataclass_fields__)
         if unknown:
             raise TypeError(f"unknown Engine arguments: {sorted(unknown)}")
-        args = EngineArgs(**kwargs)
-        dtype = args.dtype
-        if dtype == "auto":
-            dtype = "float32" if args.device == "cpu" else "bfloat16"
+        self._init(ServerArgs(**kwargs).resolved())
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs) -> Engine:
+        engine = cls.__new__(cls)
+        engine._init(args.resolved())
+        return engine
+
+    def _init(self, args: ServerArgs) -> None:
         self.args = args
-        cfg, weights = resolve_model(args.model_path, resolve_dtype(dtype), seed=args.random_seed)
-        gamma = args.speculative_dspark_block_size or 7
-        rc = RunnerConfig(
-            device=args.device,
-            dtype=dtype,
-            max_total_tokens=args.max_total_tokens,
-            max_verify_tokens=max(16, gamma + 1, (args.speculative_dspark_bs1_block_size or 0) + 1),
-            max_running_requests=args.max_running_requests,
-            context_length=args.context_length,
-            page_size=args.page_size,
-            attention_backend=args.attention_backend,
-            kernel_backend=args.kernel_backend,
-            kernel_backend_overrides=args.kernel_backend_overrides,
-            mem_fraction_static=args.mem_fraction_static,
+        cfg, weights = resolve_model(
+            args.model_path, resolve_dtype(args.dtype), seed=args.random_seed
         )
+        rc = RunnerConfig.from_server_args(args, max_verify_tokens(args))
         # Process-wide (the launchers read it at every launch and at graph capture): the last
         # engine built in a process decides. It moves timing only, never a result bit.
         if args.device != "cpu":
@@ -165,23 +157,43 @@ class Engine:
                 max_graph_batch=args.programmatic_launch_max_bs,
             )
         self.runner = ModelRunner(cfg, rc, weights=weights)
-        spec = create_spec_worker(args, self.runner)
-        init_cuda_graphs(args, self.runner, spec)
+        self.executor = create_executor(args, self.runner)
+        self.graphs: CudaGraphRunner | None = None
+        limits = graph_limits(args, self.runner)
+        if limits is not None:
+            self.init_graphs(*limits)
         self.tokenizer: TokenizerLike | None = None
         if not args.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(args.model_path, args.tokenizer_path)
+        chunk = args.chunked_prefill_size
         self.scheduler = Scheduler(
-            self.runner,
             SchedulerConfig(
-                chunked_prefill_size=args.chunked_prefill_size,
+                chunked_prefill_size=chunk if chunk > 0 else -1,
                 max_running_requests=args.max_running_requests,
                 eos_token_ids=cfg.eos_token_ids,
+                vocab_size=cfg.vocab_size,
                 overlap_schedule=not args.disable_overlap_schedule,
             ),
-            spec=spec,
+            self.runner.req_pool,
+            self.runner.allocator,
+            self.executor,
         )
         self._ids = itertools.count()
         torch.manual_seed(args.random_seed)
+
+    def init_graphs(
+        self, max_bs: int, prefill_max_tokens: int = 0, graph_factory: GraphFactory | None = None
+    ) -> None:
+        """Register and capture every CUDA graph (at startup; tests call it with `EagerGraph`)."""
+        assert self.graphs is None, "graphs are captured once"
+        self.graphs = init_cuda_graphs(
+            self.executor, self.runner, max_bs, prefill_max_tokens, graph_factory
+        )
+
+    @property
+    def spec(self) -> DSparkExecutor | None:
+        """The DSpark executor, or None without speculative decoding."""
+        return self.executor if isinstance(self.executor, DSparkExecutor) else None
 
     # ---- public API --------------------------------------------------------------------
     def generate(
@@ -211,8 +223,8 @@ class Engine:
         return outs[0] if single else outs
 
     def shutdown(self) -> None:
-        if self.scheduler is not None and self.scheduler.spec is not None:
-            self.scheduler.spec.close()
+        if self.scheduler is not None:
+            self.executor.close()
         self.scheduler = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
 
@@ -271,7 +283,7 @@ class Engine:
             "completion_tokens": len(req.output_ids),
             "finish_reason": req.finish_reason,
         }
-        if self.scheduler.spec is not None:
+        if self.spec is not None:
             meta["spec_verify_ct"] = req.spec_verify_ct
             meta["spec_accept_length"] = (
                 req.spec_committed / req.spec_verify_ct if req.spec_verify_ct else 0.0

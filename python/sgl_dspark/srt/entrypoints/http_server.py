@@ -137,11 +137,14 @@ def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitab
 def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
     """Build the app over `engine` (its scheduler, runner and tokenizer). The scheduler thread
     starts with the app's lifespan and stops when it ends."""
-    spec = engine.scheduler.spec
-    spec_positions = spec.gamma if spec is not None else 0
+    spec = engine.spec
+    spec_positions = spec.worker.gamma if spec is not None else 0
     metrics = ServerMetrics(str(server_args.served_model_name), spec_positions)
     loop = SchedulerLoop(
-        engine.scheduler, engine.tokenizer, step_delay_s=server_args.debug_step_delay_ms / 1e3
+        engine.scheduler,
+        engine.tokenizer,
+        step_delay_s=server_args.debug_step_delay_ms / 1e3,
+        spec_metrics=spec.metrics if spec is not None else None,
     )
     ctx = ServingContext(
         args=server_args,
@@ -278,12 +281,10 @@ async def _metrics(ctx: ServingContext, request: Request) -> Response:
 
 # ---- running ------------------------------------------------------------------------------------
 def build_engine(server_args: ServerArgs) -> Engine:
-    """The offline Engine configured from `server_args` (every Engine argument is a ServerArgs
-    field of the same name)."""
-    from sgl_dspark.srt.entrypoints.engine import Engine, EngineArgs
+    """The offline Engine configured from `server_args`."""
+    from sgl_dspark.srt.entrypoints.engine import Engine
 
-    names = [f.name for f in dataclasses.fields(EngineArgs)]
-    return Engine(**server_args.engine_kwargs(names))
+    return Engine.from_server_args(server_args)
 
 
 def display_url(host: str, port: int) -> str:

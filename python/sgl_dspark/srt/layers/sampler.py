@@ -1,4 +1,5 @@
-"""Batched next-token sampling with per-row parameters and counter-based, per-request seeds.
+"""The sampler of plain and speculative decoding: per-row parameters, per-request seeded
+randomness, one inverse-CDF draw.
 
 Per row, for a sampled (non-greedy) request, with p = softmax(logits / temperature):
 
@@ -6,23 +7,25 @@ Per row, for a sampled (non-greedy) request, with p = softmax(logits / temperatu
 2. top-p: on the top-k distribution renormalised, keep the smallest most-probable prefix whose
    mass reaches top_p (a token is kept iff the mass strictly before it is < top_p);
 3. min-p: keep tokens with p >= min_p * max(p);
-4. renormalise and draw by inverse CDF (in token-id order) with one uniform u in [0, 1).
+4. draw by the fixed-point inverse CDF (`sample_from_probs`: integer masses, so every device and
+   every reduction order picks the same token for the same uniform).
 
-Greedy rows (`top_k == 1`, which includes temperature 0) take `torch.argmax` of the raw logits
-(first index on ties). The returned logprob of each chosen token is under the UNPROCESSED
-distribution, `log_softmax(logits)` (SGLang's default), not the temperature/filtered one.
+Greedy rows (`top_k == 1`, which includes temperature 0) take the first argmax of the raw logits.
+The returned logprob of each chosen token is under the UNPROCESSED distribution,
+`log_softmax(logits)` (SGLang's default), not the temperature/filtered one.
 
-Randomness (no `torch.Generator` state on the device, no `.item()`): the uniform of a row is a
-hash of (request seed, counter, stream). The counter is the index of the token in the request's
-output (0 for the first generated token), so a seeded request draws the same uniforms whatever
-else is in the batch, across steps, TP ranks and graph replays. Rows without a seed get a fresh
-random key from a host-side `torch.Generator` each time a batch is built. Filtering is a per-row
-mask and sampling always runs in token-id order, so a row's result does not depend on which
-filters other rows need.
+Randomness (no `torch.Generator` state on the device, no `.item()`): every uniform is a hash of
+(request seed, counter, stream). The counter is the index, in the request's output, of the token
+the uniform decides (0 for the first generated token); the stream separates the uses: the
+sampler's own draw, and DSpark's draft proposal, acceptance coin and bonus draw. So a seeded
+request draws the same uniforms whatever else is in the batch, across steps, TP ranks and graph
+replays, with or without the overlap schedule. Rows without a seed get a fresh random key from a
+host-side `torch.Generator` each time a batch record is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
@@ -30,15 +33,20 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.spec_accept import _to_fixed_point as to_fixed_point  # MERGE-FIX
+from sgl_dspark.kernels.spec_accept import sample_inverse_cdf_ref  # MERGE-FIX
 from sgl_dspark.srt.core.host_copy import to_device_packed
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
-# Domain constant of the token-sampling uniforms; other consumers (e.g. speculative accept coins)
-# call `counter_uniform` with their own stream so their draws stay independent of these.
+# Domain constants of the uniforms: each use draws from its own stream, so the draws of one use
+# stay independent of another's at the same (seed, counter).
 SAMPLER_STREAM = 0x53A4_D1E5
+DRAFT_STREAM = 0x2D7A_F70B  # DSpark draft proposals (Markov head)
+ACCEPT_STREAM = 0x6C01_A5E9  # DSpark acceptance coins
+BONUS_STREAM = 0x1B0E_5A11  # DSpark bonus / correction draws
 _MASK32 = 0xFFFFFFFF
 _MAX_KEY = 2**63 - 1
 
@@ -60,15 +68,16 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor, stream: int) -> torch.Tensor:
-    """One uniform per row from (seed, counter, stream); a pure function, same on every device.
+    """One uniform per element from (seed, counter, stream); a pure function, the same on every
+    device.
 
     Args:
-        seeds: [B] int64 in [0, 2**63).
-        counters: [B] int64 in [0, 2**63).
+        seeds: int64 in [0, 2**63), broadcastable with `counters` (e.g. [B, 1]).
+        counters: int64 in [0, 2**63) (e.g. [B, W]: a row's counter plus the position).
         stream: domain constant (e.g. `SAMPLER_STREAM`) separating independent uses.
 
     Returns:
-        [B] float32 in [0, 1), multiples of 2**-24.
+        float32 in [0, 1) of the broadcast shape, multiples of 2**-24.
     """
     assert seeds.dtype == torch.int64 and counters.dtype == torch.int64, (
         seeds.dtype,
@@ -95,7 +104,7 @@ class SamplingBatchInfo:
     min_ps: torch.Tensor  # [B] fp32 in [0, 1]
     is_greedy: torch.Tensor  # [B] bool
     seeds: torch.Tensor  # [B] int64: the request seed, or a fresh random key
-    counters: torch.Tensor  # [B] int64: index of the sampled token in the request's output
+    counters: torch.Tensor  # [B] int64: index in the request's output of the row's (first) token
     vocab_size: int
     all_greedy: bool
     need_top_k: bool
@@ -174,6 +183,29 @@ class SamplingBatchInfo:
             need_min_p=any(m > 0.0 for m in min_ps),
         )
 
+    def per_position(self, width: int) -> SamplingBatchInfo:
+        """The record of `width` consecutive output positions per row (a DSpark verify window):
+        row r * width + j has row r's parameters and seed and counter `counters[r] + j`."""
+        counters = self.counters[:, None] + torch.arange(width, device=self.counters.device)
+        return dataclasses.replace(
+            self,
+            temperatures=self.temperatures.repeat_interleave(width),
+            top_ps=self.top_ps.repeat_interleave(width),
+            top_ks=self.top_ks.repeat_interleave(width),
+            min_ps=self.min_ps.repeat_interleave(width),
+            is_greedy=self.is_greedy.repeat_interleave(width),
+            seeds=self.seeds.repeat_interleave(width),
+            counters=counters.reshape(-1),
+        )
+
+    def uniforms(self, stream: int, width: int | None = None) -> torch.Tensor:
+        """The rows' uniforms of `stream`: [B] at each row's counter, or [B, width] at counters
+        `counters[r] + j` (one per position of a window)."""
+        if width is None:
+            return counter_uniform(self.seeds, self.counters, stream)
+        positions = torch.arange(width, device=self.counters.device)
+        return counter_uniform(self.seeds[:, None], self.counters[:, None] + positions, stream)
+
 
 def processed_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """The distribution each row samples from (steps 1-3 of the module doc), renormalised.
@@ -206,26 +238,21 @@ def processed_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
     return probs / probs.sum(dim=-1, keepdim=True)
 
 
-def inverse_cdf_sample(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Index i with cdf[i-1] <= u * total < cdf[i], in token-id order; never a zero-mass token.
+def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """One token per row by the fixed-point inverse CDF; never a zero-mass token.
+
+    The masses become integers (`to_fixed_point`) and the token is the first whose integer CDF
+    exceeds `uniform * total` (`sample_inverse_cdf_ref`): the same function the acceptance kernel
+    implements, so a draw never depends on the device or on a float summation order.
 
     Args:
-        probs: [B, V] fp32, non-negative, each row with positive mass (need not sum to 1).
+        probs: [B, V] fp32, non-negative (need not sum to 1; negative entries count as 0).
         uniforms: [B] fp32 in [0, 1).
 
     Returns:
-        [B] int64.
+        [B] int64 (0 for a row without mass).
     """
-    cdf = torch.cumsum(probs, dim=-1)
-    total = cdf[:, -1]
-    # Keep the target strictly below the last cdf value so the search always lands in range.
-    target = torch.minimum(uniforms * total, torch.nextafter(total, torch.zeros_like(total)))
-    index = torch.searchsorted(cdf, target[:, None], right=True)
-    # NOTE: a parallel (GPU) cumsum is not guaranteed monotone across zero-mass tokens; if the
-    # target falls into such a rounding gap, take the row's mode instead (probability ~1e-7).
-    hit_zero = probs.gather(1, index) <= 0
-    index = torch.where(hit_zero, probs.argmax(dim=-1, keepdim=True), index)
-    return index.squeeze(1)
+    return sample_inverse_cdf_ref(to_fixed_point(probs.float().clamp(min=0.0)), uniforms)
 
 
 class SamplerOutput(NamedTuple):
@@ -240,7 +267,7 @@ def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
 def greedy_argmax_impl(kernels: KernelChoice) -> Callable[[torch.Tensor], torch.Tensor]:
     """Greedy ids `[B]` int64 of logits `[B, V]` for the "sampling" family.
 
-    torch: `torch.argmax`; triton: K14 (`kernels/vocab_argmax.py::vocab_argmax`), equal to
+    torch: `torch.argmax`; triton: `vocab_argmax` (the split-vocabulary argmax kernel), equal to
     `torch.argmax` including ties (first index) and NaN rows.
     """
     if kernels.of("sampling") == "torch":
@@ -273,8 +300,8 @@ class Sampler(nn.Module):
         if info.all_greedy:
             next_ids = greedy_ids
         else:
-            uniforms = counter_uniform(info.seeds, info.counters, SAMPLER_STREAM)
-            sampled_ids = inverse_cdf_sample(processed_probs(logits, info), uniforms)
+            uniforms = info.uniforms(SAMPLER_STREAM)
+            sampled_ids = sample_from_probs(processed_probs(logits, info), uniforms)
             next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
         return SamplerOutput(next_ids, token_logprobs(logits, next_ids))
 

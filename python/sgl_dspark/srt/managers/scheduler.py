@@ -1,76 +1,43 @@
-"""Continuous-batching scheduler (host side): admission with KV reservation, chunked prefill
-mixed with decode in one flat batch, sampling, stop conditions, freeing.
+"""Continuous-batching scheduler: host-only policy (admission, chunked prefill, overlap, aborts,
+stop conditions, KV accounting) over an executor that runs the steps (`srt/core/step.py`).
 
-Admission reserves the KV a request can ever need (prompt + max_new_tokens), so a running request
-never runs out of pages and nothing needs preempting; a request that could never fit is rejected.
+Admission reserves the KV a request can ever need (prompt + max_new_tokens + the executor's step
+window) and maps its pages at once, so a running request never runs out of pages and nothing
+needs preempting; a request that could never fit is rejected before it is queued. Requests are
+served first come, first served: a request that does not fit yet holds back the ones behind it.
+
+This module imports no torch: it sees the device only through the executor's step contract.
 """
 
 from __future__ import annotations
 
 import logging
-from collections import deque
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
-import torch
-
-from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.core.host_copy import PendingRead, read_to_host
-from sgl_dspark.srt.core.req import Req
-from sgl_dspark.srt.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo
-from sgl_dspark.srt.model_executor.model_runner import ModelRunner
-from sgl_dspark.srt.speculative.dspark.fused_step import (
-    FusedLaunch,
-    fused_width,
-    launch_fused,
-    resolve_fused,
-)
+from sgl_dspark.srt.core.step import StepWork
 
 if TYPE_CHECKING:
-    from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
-    from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
+    from sgl_dspark.srt.core.req import Req
+    from sgl_dspark.srt.core.step import BaseStepExecutor, InflightStep, ReqUpdate
+    from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SchedulerConfig:
-    chunked_prefill_size: int = 512  # max prefill tokens per step (all requests)
+    chunked_prefill_size: int = 512  # most prompt tokens per step over all requests; <= 0: no limit
     max_running_requests: int = 64
     eos_token_ids: tuple[int, ...] = ()
-    # Launch decode step N+1 from step N's sampled tokens on the device before reading them
-    # (see `Scheduler._decode_overlapped`); all-greedy DSpark steps chain their state on the
-    # device the same way when fused step graphs are captured (`Scheduler._spec_overlapped`).
+    vocab_size: int | None = None  # prompt token ids must lie in [0, vocab_size)
+    # Launch the next step before reading the one in flight when the executor can chain them.
     overlap_schedule: bool = False
 
 
 class StepResult(NamedTuple):
-    updated: list[Req]
-    finished: list[Req]
-
-
-@dataclass
-class _InflightDecode:
-    """A decode step launched but not read yet: its requests in batch order, the sampled ids on
-    the device (the next step's input) and the pending host copy of ids and logprobs."""
-
-    reqs: list[Req]
-    next_ids: torch.Tensor
-    host: PendingRead
-    kind: str = "decode"
-
-
-@dataclass
-class _InflightSpec:
-    """A fused DSpark step launched but not read yet (`fused_step.py`); its next state (anchors,
-    sequence lengths) stays on the device, in the graph's inputs."""
-
-    launch: FusedLaunch
-    kind: str = "spec"
-
-    @property
-    def reqs(self) -> list[Req]:
-        return self.launch.reqs
+    updated: list[Req]  # requests with new output tokens, in batch order
+    finished: list[Req]  # requests that finished (already released)
 
 
 class RequestRejected(ValueError):
@@ -78,23 +45,30 @@ class RequestRejected(ValueError):
 
 
 class Scheduler:
+    """Plans and applies steps; not thread-safe (one thread drives it, see `scheduler_loop`)."""
+
     def __init__(
-        self, runner: ModelRunner, cfg: SchedulerConfig, spec: DSparkWorker | None = None
+        self,
+        cfg: SchedulerConfig,
+        req_pool: ReqToTokenPool,
+        allocator: PagedTokenAllocator,
+        executor: BaseStepExecutor,
     ) -> None:
-        self.runner = runner
         self.cfg = cfg
-        self.spec = spec
-        self.sampler = Sampler(runner.kernels)
-        self.waiting: deque[Req] = deque()
-        self.running: list[Req] = []
+        self.req_pool = req_pool
+        self.allocator = allocator
+        self.executor = executor
+        # Insertion-ordered by rid: FCFS order, and an abort finds its request in O(1).
+        self.waiting: dict[str, Req] = {}
+        self.running: dict[str, Req] = {}
         self._reserved_pages = 0
-        self._inflight: _InflightDecode | _InflightSpec | None = None
+        self._inflight: InflightStep | None = None
 
     # ---- admission -------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
         """Raise RequestRejected when `req` can never run (checked before queueing)."""
         total = len(req.prompt_ids) + req.params.max_new_tokens
-        ctx = self.runner.req_pool.max_context_len
+        ctx = self.req_pool.max_context_len
         if not req.prompt_ids:
             raise RequestRejected("the prompt is empty")
         if total > ctx:
@@ -102,284 +76,145 @@ class Scheduler:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
                 f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}"
             )
-        if self._pages_for(total) > self.runner.allocator.num_usable_pages:
+        if self._pages_for(total) > self.allocator.num_usable_pages:
             raise RequestRejected(f"request needs {total} tokens of KV, more than the pool holds")
-        if self.spec is not None and req.params.min_p > 0:
-            raise RequestRejected("min_p is not supported with DSpark speculative decoding")
-        vocab = self.runner.model_cfg.vocab_size
-        bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
-        if bad:
-            raise RequestRejected(f"token ids out of range [0, {vocab}): {bad[:5]}")
+        vocab = self.cfg.vocab_size
+        if vocab is not None:
+            bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise RequestRejected(f"token ids out of range [0, {vocab}): {bad[:5]}")
 
     def add(self, req: Req) -> None:
         self.validate(req)
-        self.waiting.append(req)
+        if req.rid in self.waiting or req.rid in self.running:
+            raise RequestRejected(f"request id {req.rid!r} is already in use")
+        self.waiting[req.rid] = req
 
     def _pages_for(self, tokens: int) -> int:
-        # + max_verify_tokens: speculative steps write a window past the committed length.
-        ps = self.runner.page_size
-        return -(-(tokens + self.runner.rc.max_verify_tokens) // ps)
+        # A step may write up to `step_window` positions past the committed length.
+        ps = self.allocator.page_size
+        return -(-(tokens + self.executor.step_window) // ps)
 
     def _admit(self) -> None:
-        alloc = self.runner.allocator
         while self.waiting and len(self.running) < self.cfg.max_running_requests:
-            req = self.waiting[0]
+            req = next(iter(self.waiting.values()))
             pages = self._pages_for(len(req.prompt_ids) + req.params.max_new_tokens)
-            if self._reserved_pages + pages > alloc.num_usable_pages:
-                break  # wait for memory (FCFS: do not let later requests overtake)
-            if self.runner.req_pool.num_free_slots == 0:
+            if self._reserved_pages + pages > self.allocator.num_usable_pages:
+                break  # wait for memory (FCFS: later requests do not overtake)
+            if self.req_pool.num_free_slots == 0:
                 break
-            self.waiting.popleft()
-            req.slot = self.runner.req_pool.alloc_slot()
-            req.reserved_tokens = pages * self.runner.page_size
+            del self.waiting[req.rid]
+            req.slot = self.req_pool.alloc_slot()
+            req.reserved_tokens = pages * self.allocator.page_size
             self._reserved_pages += pages
-            self.running.append(req)
-            if self.spec is not None:
-                self.spec.on_new_request(req)
+            # Every position the request can address gets its page now: steps never allocate.
+            self.req_pool.reserve(req.slot, min(req.reserved_tokens, self.req_pool.max_context_len))
+            self.running[req.rid] = req
+            self.executor.on_admit(req)
 
     def release(self, req: Req) -> None:
-        if self.spec is not None:
-            self.spec.on_request_done(req)
+        """Free the request's slot and pages (it finished or was aborted)."""
         if req.slot >= 0:
-            self.runner.req_pool.free_slot(req.slot)
-            self._reserved_pages -= req.reserved_tokens // self.runner.page_size
+            self.executor.on_release(req)
+            self.req_pool.free_slot(req.slot)
+            self._reserved_pages -= req.reserved_tokens // self.allocator.page_size
             req.slot = -1
-        if req in self.running:
-            self.running.remove(req)
+        self.running.pop(req.rid, None)
 
     def abort(self, rid: str) -> Req | None:
-        for req in list(self.waiting):
-            if req.rid == rid:
-                self.waiting.remove(req)
-                req.finish_reason = {"type": "abort"}
-                return req
-        for req in self.running:
-            if req.rid == rid:
-                req.finish_reason = {"type": "abort"}
-                self.release(req)
-                return req
-        return None
+        """Abort `rid` if it is queued or running; returns it (finish reason abort) or None."""
+        req = self.waiting.pop(rid, None)
+        if req is None:
+            req = self.running.get(rid)
+            if req is None:
+                return None
+            self.release(req)
+        req.finish_reason = {"type": "abort"}
+        return req
 
     @property
     def has_work(self) -> bool:
-        # A step in flight with running requests still owes them tokens.
+        # A step in flight has running requests: they are owed its tokens.
         return bool(self.waiting or self.running)
 
     # ---- one step --------------------------------------------------------------------------
     def step(self) -> StepResult:
-        """Run one scheduling step over the running requests.
-
-        Without speculation: one flat forward mixing prefill chunks and decode tokens. With
-        DSpark: a prefill forward for requests still in their prompt (their features feed the
-        draft's context), then one DSpark step for the requests that were already decoding.
-        Returns the requests that received new output tokens (`updated`, in batch order) and
-        those that finished (already released)."""
+        """Run one scheduling step over the running requests: admit, plan, launch, and apply the
+        results of the step that completes (this one, or with the overlap schedule the one
+        launched before it)."""
         self._admit()
         updated: list[Req] = []
         finished: list[Req] = []
-        if self._inflight is not None and self._overlap_kind() is None:
-            # The batch changes (a request finished, was aborted or joined): read the step in
-            # flight first, so the next batch is planned from known tokens.
-            updated += self._resolve(self._inflight)
+        prev = self._inflight
+        work = self._plan()
+        if prev is not None and not (
+            work and self.cfg.overlap_schedule and self.executor.can_chain(work, prev)
+        ):
+            # The next step needs the results in flight (the batch changed or the step kinds
+            # differ): read them first and plan from known tokens.
             self._inflight = None
+            updated += self._apply(prev.wait())
             finished += self._release_finished()
             self._admit()
-        if not self.running:
-            return StepResult(updated, finished)
-        if self.spec is None:
-            if self._overlap_kind() == "decode":
-                updated += self._decode_overlapped()
+            prev = None
+            work = self._plan()
+        if work:
+            launched = self.executor.launch(work, prev)
+            if prev is not None:  # read the previous step while this one runs
+                updated += self._apply(prev.wait())
+            if self.cfg.overlap_schedule and launched.chainable:
+                self._inflight = launched
             else:
-                updated += self._forward(self._plan_work(self.running))
-        else:
-            decoding = [r for r in self.running if r.prefill_done]
-            prefilling = [r for r in self.running if not r.prefill_done]
-            if prefilling:
-                updated += self._forward(self._plan_work(prefilling), self.spec.tap_layers)
-            kind = self._overlap_kind() if decoding else None
-            if kind == "decode":
-                updated += self._decode_overlapped()
-            elif kind == "spec":
-                updated += self._spec_overlapped()
-            elif decoding and self.spec.plain_decode(len(decoding)):
-                # No speculation at this batch size: a plain decode step that commits the
-                # draft's context KV for its tokens, so DSpark can resume when the batch shrinks.
-                updated += self._forward(self._plan_work(decoding), self.spec.tap_layers)
-            elif decoding:
-                for req, out in zip(decoding, self.spec.step(decoding)):
-                    self.append_tokens(req, out.tokens, out.logprobs)
-                updated += decoding
+                self._inflight = None
+                updated += self._apply(launched.wait())
         finished += self._release_finished()
         return StepResult(_unique(updated), finished)
 
+    def _plan(self) -> StepWork:
+        budget = self.cfg.chunked_prefill_size
+        prefill: list[tuple[Req, tuple[int, ...]]] = []
+        decode: list[Req] = []
+        for req in self.running.values():
+            if req.prefill_done:
+                decode.append(req)
+            elif budget != 0:
+                start = req.kv_len
+                end = (
+                    len(req.prompt_ids) if budget < 0 else min(len(req.prompt_ids), start + budget)
+                )
+                prefill.append((req, tuple(req.prompt_ids[start:end])))
+                if budget > 0:
+                    budget -= end - start
+        return StepWork(tuple(prefill), tuple(decode))
+
     def _release_finished(self) -> list[Req]:
-        finished = [r for r in self.running if r.finished]
+        finished = [r for r in self.running.values() if r.finished]
         for r in finished:
             self.release(r)
         return finished
 
-    # ---- overlapped decode -----------------------------------------------------------------
-    def _overlap_kind(self) -> str | None:
-        """The step an all-decode batch can launch before the step in flight is read: "decode"
-        (plain decode, also DSpark's static width 1) or "spec" (a fused all-greedy DSpark step),
-        when the batch is exactly the requests of the step in flight of the same kind (or none is
-        in flight); None otherwise."""
-        if not (
-            self.cfg.overlap_schedule and self.running and all(r.prefill_done for r in self.running)
-        ):
-            return None
-        prev = self._inflight
-        if self.spec is None or self.spec.plain_decode(len(self.running)):
-            kind = "decode"
-        else:
-            lag = prev.launch.width if isinstance(prev, _InflightSpec) else 0
-            if fused_width(self.spec, self.running, lag) is None:
-                return None  # the worker's own step, one at a time
-            kind = "spec"
-        if prev is None:
-            return kind
-        same = (
-            prev.kind == kind
-            and len(prev.reqs) == len(self.running)
-            and all(a is b for a, b in zip(prev.reqs, self.running))
-        )
-        return kind if same else None
-
-    def _decode_overlapped(self) -> list[Req]:
-        """Launch this decode step, then read the previous one while it runs.
-
-        The step's input tokens are the previous step's sampled ids, still on the device; the
-        host only needs positions and slots, which do not depend on the token values. A request
-        that the previous step finishes (EOS, stop, length) has already been given this step's
-        token: it is dropped when read (its KV write lands in its own reserved pages). Greedy
-        and seeded outputs are the same as step by step: a token's position and its sampling
-        counter are known before its predecessor is read."""
-        prev = self._inflight
-        assert prev is None or isinstance(prev, _InflightDecode)
-        reqs = list(self.running)
-        work = [(r, [0] if prev is not None else r.next_input(1)) for r in reqs]
-        pool = self.runner.req_pool
-        for req, _ in work:
-            pool.reserve(req.slot, req.kv_len + 1)
-        batch = ForwardBatch.build(
-            ForwardMode.DECODE,
-            [ids for _, ids in work],
-            [r.kv_len for r in reqs],
-            [r.slot for r in reqs],
-            pool.req_to_token,
-            input_ids_device=None if prev is None else prev.next_ids,
-        )
-        taps = self.spec.tap_layers if self.spec is not None else ()
-        out = self.runner.forward(batch, taps)  # DSpark's draft KV: the runner's tap hook
-        for req in reqs:
-            req.kv_len += 1
-        lag = 0 if prev is None else 1  # tokens sampled but not yet appended
-        res = self._sample_device(reqs, out, lag)
-        self._inflight = _InflightDecode(
-            reqs, res.next_token_ids, PendingRead(res.next_token_ids, res.next_token_logprobs)
-        )
-        return self._resolve(prev) if prev is not None else []
-
-    def _spec_overlapped(self) -> list[Req]:
-        """Launch this fused DSpark step, then read the previous one while it runs. The step's
-        anchors and sequence lengths are the previous step's, still on the device (chained);
-        the host supplies request slots, verify lengths and simulated counts, which do not
-        depend on the previous step's results. Requests finished by the previous step ride along
-        once, as in `_decode_overlapped`, and take nothing when read."""
-        assert self.spec is not None
-        prev = self._inflight
-        lag = prev.launch.width if isinstance(prev, _InflightSpec) else 0
-        reqs = list(self.running)
-        width = fused_width(self.spec, reqs, lag)
-        assert width is not None
-        launch = launch_fused(self.spec, reqs, width, chained=prev is not None, lag_width=lag)
-        self._inflight = _InflightSpec(launch)
-        return self._resolve(prev) if prev is not None else []
-
-    def _resolve(self, step: _InflightDecode | _InflightSpec) -> list[Req]:
-        """Append the tokens of a step read from the device; requests that finished or were
-        aborted since it was launched take nothing."""
-        if isinstance(step, _InflightSpec):
-            assert self.spec is not None
-            live = [not (r.finished or r.slot < 0) for r in step.reqs]
-            done = []
-            for req, out in zip(step.reqs, resolve_fused(self.spec, step.launch, live)):
-                if out is not None:
-                    self.append_tokens(req, *out)
-                    done.append(req)
-            return done
-        ids, lps = step.host.wait()
-        updated = []
-        for req, tok, lp in zip(step.reqs, ids, lps):
+    # ---- applying results --------------------------------------------------------------------
+    def _apply(self, updates: list[ReqUpdate]) -> list[Req]:
+        """The one place a step's results change requests; returns those with new tokens.
+        A request that finished or was aborted after the step was launched takes nothing."""
+        out = []
+        for u in updates:
+            req = u.req
             if req.finished or req.slot < 0:
                 continue
-            self.append_tokens(req, [tok], [lp])
-            updated.append(req)
-        return updated
+            req.kv_len += u.kv_committed
+            if u.speculative:
+                req.spec_verify_ct += 1
+                req.spec_committed += len(u.tokens)
+            if u.tokens:
+                self._append_tokens(req, u.tokens, u.logprobs)
+                out.append(req)
+        return out
 
-    def _plan_work(self, reqs: list[Req]) -> list[tuple[Req, list[int]]]:
-        budget = self.cfg.chunked_prefill_size
-        work: list[tuple[Req, list[int]]] = []
-        for req in reqs:
-            if req.prefill_done:
-                work.append((req, req.next_input(1)))
-            elif budget > 0:
-                chunk = req.next_input(budget)
-                budget -= len(chunk)
-                work.append((req, chunk))
-        return work
-
-    def _forward(
-        self, work: list[tuple[Req, list[int]]], tap_layers: tuple[int, ...] = ()
-    ) -> list[Req]:
-        """One forward over `work`; samples where a token is due; returns the sampled requests."""
-        pool = self.runner.req_pool
-        for req, ids in work:
-            pool.reserve(req.slot, req.kv_len + len(ids))
-        # Logits only where a token is sampled: the last prompt token and every decode token.
-        rows = [
-            [len(ids) - 1] if req.kv_len + len(ids) >= len(req.prompt_ids) else []
-            for req, ids in work
-        ]
-        mode = ForwardMode.DECODE if all(r.prefill_done for r, _ in work) else ForwardMode.EXTEND
-        batch = ForwardBatch.build(
-            mode,
-            [ids for _, ids in work],
-            [r.kv_len for r, _ in work],
-            [r.slot for r, _ in work],
-            pool.req_to_token,
-            logits_rows=rows,
-        )
-        # (with DSpark the runner's tap hook writes the draft's context KV of these rows)
-        out = self.runner.forward(batch, tap_layers)
-        for req, ids in work:
-            req.kv_len += len(ids)
-        sampled = [req for (req, _), r in zip(work, rows) if r]
-        if sampled:
-            res = self._sample_device(sampled, out, 0)
-            ids, lps = read_to_host(res.next_token_ids, res.next_token_logprobs)
-            for req, tok, lp in zip(sampled, ids, lps):
-                self.append_tokens(req, [tok], [lp])
-        return sampled
-
-    def _sample_device(self, reqs: list[Req], out: ModelOutput, lag: int) -> SamplerOutput:
-        """One token per logits row of `out` (rows in `reqs` order), left on the device. A
-        decode graph already computed the greedy choice, which an all-greedy batch takes as is
-        (the same ops as the sampler); otherwise the sampler runs with the batch record.
-        `lag`: tokens sampled for these requests but not appended yet (sampling counters)."""
-        if out.greedy_ids is not None and all(r.params.is_greedy for r in reqs):
-            assert out.greedy_logprobs is not None
-            return SamplerOutput(out.greedy_ids, out.greedy_logprobs)
-        info = SamplingBatchInfo.from_params(
-            [r.params for r in reqs],
-            out.logits.shape[1],
-            out.logits.device,
-            counters=[len(r.output_ids) + lag for r in reqs],
-        )
-        return self.sampler(out.logits, info)
-
-    def append_tokens(self, req: Req, tokens: list[int], logprobs: list[float]) -> None:
-        """Append sampled tokens, stopping at the first stop condition (extra tokens dropped)."""
+    def _append_tokens(
+        self, req: Req, tokens: tuple[int, ...], logprobs: tuple[float, ...]
+    ) -> None:
+        """Append sampled tokens, stopping at the first stop condition (later tokens dropped)."""
         p = req.params
         if p.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
@@ -400,12 +235,12 @@ class Scheduler:
 
 
 def _unique(reqs: list[Req]) -> list[Req]:
-    """Each request once, first occurrence first: a step that reads the overlapped step in
-    flight and then runs another forward may update a request twice."""
-    seen: set[int] = set()
+    """Each request once, first occurrence first: a step that reads the step in flight and then
+    its own results may update a request twice."""
+    seen: set[str] = set()
     out = []
     for r in reqs:
-        if id(r) not in seen:
-            seen.add(id(r))
+        if r.rid not in seen:
+            seen.add(r.rid)
             out.append(r)
     return out

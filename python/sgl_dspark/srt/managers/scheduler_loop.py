@@ -42,6 +42,7 @@ from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 from sgl_dspark.srt.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
+    from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
     from sgl_dspark.srt.tokenizer import TokenizerLike
 
 logger = logging.getLogger(__name__)
@@ -71,9 +72,15 @@ class SchedulerLoop:
     """
 
     def __init__(
-        self, scheduler: Scheduler, tokenizer: TokenizerLike | None, step_delay_s: float = 0.0
+        self,
+        scheduler: Scheduler,
+        tokenizer: TokenizerLike | None,
+        step_delay_s: float = 0.0,
+        spec_metrics: DSparkMetrics | None = None,
     ) -> None:
+        """`spec_metrics`: DSpark's acceptance statistics (None without speculative decoding)."""
         self._scheduler = scheduler
+        self._spec_metrics = spec_metrics
         self._step_delay_s = step_delay_s
         self._tokenizer = tokenizer
         self._inbox: queue.Queue[tuple[GenerateReqInput, OutQueue] | AbortReq | _Stop] = (
@@ -232,10 +239,10 @@ class SchedulerLoop:
             )
         if not inp.fill_context:
             return params
-        runner = self._scheduler.runner
-        # The longest sequence the context and, with the speculative window, the pool allow.
-        pool = runner.allocator.num_usable_pages * runner.page_size - runner.rc.max_verify_tokens
-        limit = min(runner.req_pool.max_context_len, pool)
+        sched = self._scheduler
+        # The longest sequence the context and, with the executor's step window, the pool allow.
+        pages = sched.allocator.num_usable_pages * sched.allocator.page_size
+        limit = min(sched.req_pool.max_context_len, pages - sched.executor.step_window)
         if num_prompt_ids >= limit:
             raise ValueError(
                 f"the prompt ({num_prompt_ids} tokens) leaves no room for output "
@@ -267,7 +274,7 @@ class SchedulerLoop:
         try:
             result = self._scheduler.step()
         except Exception as exc:
-            running = [r.rid for r in self._scheduler.running]
+            running = list(self._scheduler.running)
             logger.exception("scheduler step failed; failing its %d running requests", len(running))
             for rid in running:
                 self._fail(rid, f"internal error: {exc}")
@@ -308,7 +315,7 @@ class SchedulerLoop:
                 token_texts = tuple(
                     self._tokenizer.decode([t], skip_special_tokens=False) for t in new_ids
                 )
-        spec = self._scheduler.spec is not None
+        spec = self._spec_metrics is not None
         delta = text[tracked.sent_chars :]
         tracked.sent_chars = len(text)
         tracked.sent_tokens = len(req.output_ids)
@@ -328,14 +335,14 @@ class SchedulerLoop:
     def _spec_summary(self) -> dict:
         """DSpark acceptance, refreshed at most every SPEC_METRICS_INTERVAL_S (the summary syncs
         with the device) and whenever the scheduler goes idle."""
-        spec = self._scheduler.spec
-        if spec is None:
+        metrics = self._spec_metrics
+        if metrics is None:
             return {}
         now = time.monotonic()
         if self._scheduler.has_work and now - self._spec_time < SPEC_METRICS_INTERVAL_S:
             return self._spec_fields
         self._spec_time = now
-        summary = spec.metrics.summary()
+        summary = metrics.summary()
         if summary.request_steps:
             self._spec_fields = {
                 "spec_accept_length": summary.accept_length,
@@ -345,14 +352,14 @@ class SchedulerLoop:
         return self._spec_fields
 
     def _snapshot(self) -> SchedulerStats:
-        runner = self._scheduler.runner
+        sched = self._scheduler
         return SchedulerStats(
             num_running_reqs=len(self._scheduler.running),
             num_waiting_reqs=len(self._scheduler.waiting),
-            kv_free_pages=runner.allocator.num_free_pages,
-            kv_total_pages=runner.allocator.num_usable_pages,
-            page_size=runner.page_size,
-            free_req_slots=runner.req_pool.num_free_slots,
+            kv_free_pages=sched.allocator.num_free_pages,
+            kv_total_pages=sched.allocator.num_usable_pages,
+            page_size=sched.allocator.page_size,
+            free_req_slots=sched.req_pool.num_free_slots,
             total_steps=self._steps,
             **self._spec_summary(),
         )

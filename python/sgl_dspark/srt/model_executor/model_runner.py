@@ -5,9 +5,9 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -18,17 +18,12 @@ from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool
-from sgl_dspark.srt.model_executor.cuda_graph_runner import (
-    CudaGraphRunner,
-    Graph,
-    graph_batch_sizes,
-)
-from sgl_dspark.srt.model_executor.prefill_graph_runner import PrefillGraphRunner
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM, ModelOutput
+from sgl_dspark.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# Parameters HF keeps in fp32 when the model runs in bf16 (spec §11.4): mHC, sinks, biases, norms.
+# Parameters HF keeps in fp32 when the model runs in bf16: mHC, sinks, biases, norms.
 _FP32_PARAM_SUFFIXES = (
     "attn_hc.fn",
     "attn_hc.base",
@@ -50,19 +45,41 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_PARAM_SUFFIXES) or "layernorm" in name
 
 
-@dataclass(frozen=True)
+def _server_default(name: str) -> Any:
+    return ServerArgs.__dataclass_fields__[name].default
+
+
+@dataclass(frozen=True, slots=True)
 class RunnerConfig:
+    """What the runner needs of the server args (`from_server_args`), with their defaults;
+    device, dtype and kernel backend are resolved values (ServerArgs' "auto" on a CPU)."""
+
     device: str = "cpu"
     dtype: str = "float32"
-    max_total_tokens: int = 16384
-    max_running_requests: int = 64
-    context_length: int = 4096
-    page_size: int = 0  # 0 = smallest page that every compress rate divides
-    max_verify_tokens: int = 16
-    attention_backend: str = "torch"
+    max_total_tokens: int = _server_default("max_total_tokens")
+    max_running_requests: int = _server_default("max_running_requests")
+    context_length: int = _server_default("context_length")
+    page_size: int = _server_default("page_size")  # 0 = smallest page every compress rate divides
+    max_verify_tokens: int = 16  # widest verify window a step may run
+    attention_backend: str = _server_default("attention_backend")
     kernel_backend: str = "torch"
-    kernel_backend_overrides: str | None = None
-    mem_fraction_static: float | None = None  # CUDA: size the KV pool from free memory
+    kernel_backend_overrides: str | None = _server_default("kernel_backend_overrides")
+    mem_fraction_static: float | None = _server_default("mem_fraction_static")
+
+    @classmethod
+    def from_server_args(cls, args: ServerArgs, max_verify_tokens: int) -> RunnerConfig:
+        """The runner's record of resolved server args (`ServerArgs.resolved`)."""
+        fields = {f for f in cls.__dataclass_fields__ if f != "max_verify_tokens"}
+        return cls(max_verify_tokens=max_verify_tokens, **{f: getattr(args, f) for f in fields})
+
+
+class TapConsumer(NamedTuple):
+    """Work that reads a forward's tap streams while the forward runs (DSpark writes its draft's
+    context KV of every row here): `consume(batch, taps)` with `taps` layer -> [T, n, D], which it
+    must not modify, once the last of `layers` has run."""
+
+    layers: tuple[int, ...]
+    consume: Callable[[ForwardBatch, dict[int, torch.Tensor]], None]
 
 
 def resolve_dtype(name: str) -> torch.dtype:
@@ -127,17 +144,12 @@ class ModelRunner:
         self.attn_backend = create_attention_backend(rc.attention_backend)
         # cos/sin of every position a request can reach, built before any graph is captured.
         self.model.rope_tables(self.req_pool.max_context_len)
-        self.graph_runner: CudaGraphRunner | None = None
-        self.prefill_graphs: PrefillGraphRunner | None = None
-        # Runs on the taps of every forward, eagerly or inside the graphs, with at least
-        # `hook_taps` among the forward's taps (`set_tap_hook`, before any capture): DSpark
-        # writes its draft's context KV of every row here.
-        self.tap_hook: Callable[[ForwardBatch, dict[int, torch.Tensor]], None] | None = None
-        self.hook_taps: tuple[int, ...] = ()
-        # Inside a capture the hook runs on this side stream, concurrently with the hyper head,
-        # the logits and whatever the captured region does next, until `join_tap_hook`.
-        self._hook_stream: torch.cuda.Stream | None = None
-        self._hook_pending: tuple[object, ...] | None = None
+        # Side stream of a tap consumer forked inside a captured region (`run_model`); created
+        # here because no stream may be created while a capture is under way.
+        self._tap_stream: torch.cuda.Stream | None = None
+        if self.device.type == "cuda":
+            self._tap_stream = torch.cuda.Stream(self.device)
+        self._taps_pending: tuple[object, ...] | None = None
         logger.info(
             "KV pool: %d pages x %d tokens, %.1f MiB",
             num_pages,
@@ -168,101 +180,67 @@ class ModelRunner:
         )
         return tokens
 
-    def set_tap_hook(
-        self,
-        hook: Callable[[ForwardBatch, dict[int, torch.Tensor]], None],
-        tap_layers: tuple[int, ...],
-    ) -> None:
-        """`hook(batch, taps)` runs after the last of `tap_layers` in every forward, on every
-        row; `taps` are the forward's tap streams (`ModelOutput.tap_streams`, layer ->
-        [T, n, D]), which the hook must not modify. Rows a verify later rejects are written too:
-        as with the target's own KV, their positions are past the committed length, so nothing
-        reads them before the step that commits those positions writes them again."""
-        if self.graph_runner is not None or self.prefill_graphs is not None:
-            raise RuntimeError("the tap hook must be set before CUDA graphs are captured")
-        if not tap_layers:
-            raise ValueError("a tap hook needs at least one tap layer")
-        self.tap_hook, self.hook_taps = hook, tap_layers
-        if self.device.type == "cuda":
-            self._hook_stream = torch.cuda.Stream(self.device)
-
-    def init_cuda_graphs(
-        self,
-        max_bs: int,
-        widths: Sequence[int] = (1,),
-        tap_layers: tuple[int, ...] = (),
-        prefill_max_tokens: int = 0,
-        graph_factory: Callable[[], Graph] | None = None,
-    ) -> None:
-        """Capture decode (width 1) and verify (other widths) graphs for batch buckets up to
-        `max_bs`, and prefill graphs for up to `prefill_max_tokens` tokens of up to `max_bs`
-        requests (0: prefill runs eagerly). Needs a forward without host synchronisation: the
-        torch MoE backend reads expert counts on the host, so CUDA graphs require `moe=triton`.
-        `graph_factory` replaces the graph type (CPU tests use `EagerGraph`)."""
-        if self.device.type == "cuda" and self.kernels.of("moe") != "triton":
-            raise ValueError(
-                "CUDA graphs need the sync-free MoE path: use --kernel-backend triton "
-                "(or --kernel-backend-overrides moe=triton), or --disable-cuda-graph"
-            )
-        self.graph_runner = CudaGraphRunner(
-            self, graph_batch_sizes(max_bs), widths, tap_layers, graph_factory
-        )
-        if prefill_max_tokens > 0:
-            self.prefill_graphs = PrefillGraphRunner(
-                self, prefill_max_tokens, max_bs, tap_layers, graph_factory
-            )
-
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, tap_layers: tuple[int, ...] = ()) -> ModelOutput:
+    def forward(
+        self,
+        batch: ForwardBatch,
+        tap_layers: tuple[int, ...] = (),
+        consumer: TapConsumer | None = None,
+    ) -> ModelOutput:
+        """One eager forward of `batch` (executors replay graphs instead where they have one).
+        `tap_layers`: layers whose streams `ModelOutput.tap_streams` returns; `consumer` runs on
+        the taps of its layers during the forward (see `run_model`)."""
         if batch.mode is ForwardMode.VERIFY:
             assert max(batch.extend_lens_cpu) <= self.rc.max_verify_tokens, (
                 f"verify width {max(batch.extend_lens_cpu)} > max_verify_tokens "
                 f"{self.rc.max_verify_tokens}"
             )
-        if self.tap_hook is not None and not set(self.hook_taps) <= set(tap_layers):
-            tap_layers = tuple(sorted({*tap_layers, *self.hook_taps}))
         if self.device.type == "cuda" and batch.mode is not ForwardMode.EXTEND:
             # Decode/verify gathers span the whole context capacity on CUDA, as in the captured
             # graphs, so an eager step (a batch larger than the graphs, --disable-cuda-graph)
             # computes the same shapes, hence the same bits, as a replay.
             batch = dataclasses.replace(batch, max_seq_len=self.req_pool.max_context_len)
-        if self.graph_runner is not None and self.graph_runner.can_run(batch, tap_layers):
-            return self.graph_runner.replay(batch, tap_layers)
-        if self.prefill_graphs is not None and self.prefill_graphs.can_run(batch, tap_layers):
-            return self.prefill_graphs.replay(batch, tap_layers)
-        return self.run_model(batch, tap_layers)
+        out = self.run_model(batch, tap_layers, consumer)
+        self.join_taps()
+        return out
 
-    def run_model(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
-        """The model's forward with the tap hook on its taps: the one place both happen, eagerly
-        and inside every captured graph. Inside a capture the hook is forked onto a side stream
-        as soon as its taps exist; the captured region must end with `join_tap_hook`."""
-        hook = self.tap_hook
-        if hook is None:
+    def run_model(
+        self,
+        batch: ForwardBatch,
+        tap_layers: tuple[int, ...] = (),
+        consumer: TapConsumer | None = None,
+    ) -> ModelOutput:
+        """The model's forward with `consumer` on its taps: the one place both happen, eagerly
+        and inside every captured graph. Inside a capture the consumer is forked onto a side
+        stream as soon as its taps exist, so it overlaps the rest of the forward; the captured
+        region must end with `join_taps`."""
+        if consumer is None:
             return self.model(batch, self.kv_pool, self.attn_backend, tap_layers)
-        assert self._hook_pending is None, "a captured region did not call join_tap_hook"
-        side = self._hook_stream
-        fork = side is not None and torch.cuda.is_current_stream_capturing()
+        tap_layers = tuple(sorted({*tap_layers, *consumer.layers}))
+        assert self._taps_pending is None, "a captured region did not call join_taps"
+        fork = self.device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
         def on_taps(taps: dict[int, torch.Tensor]) -> None:
             if not fork:
-                hook(batch, taps)
+                consumer.consume(batch, taps)
                 return
+            side = self._tap_stream
             assert side is not None
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
-                hook(batch, taps)
-            # The hook's inputs stay referenced until the join, so the capture's allocator
+                consumer.consume(batch, taps)
+            # The consumer's inputs stay referenced until the join, so the capture's allocator
             # cannot hand their memory to later work of the main stream while the side reads.
-            self._hook_pending = (batch, taps)
+            self._taps_pending = (batch, taps)
 
         return self.model(batch, self.kv_pool, self.attn_backend, tap_layers, on_taps=on_taps)
 
-    def join_tap_hook(self) -> None:
-        """End of a captured region: the main stream waits for a forked tap hook."""
-        if self._hook_pending is not None:
-            assert self._hook_stream is not None
-            torch.cuda.current_stream(self.device).wait_stream(self._hook_stream)
-            self._hook_pending = None
+    def join_taps(self) -> None:
+        """End of a captured region: the main stream waits for a forked tap consumer."""
+        if self._taps_pending is not None:
+            assert self._tap_stream is not None
+            torch.cuda.current_stream(self.device).wait_stream(self._tap_stream)
+            self._taps_pending = None
 
 
 ModuleT = TypeVar("ModuleT", bound=torch.nn.Module)

@@ -1,4 +1,4 @@
-"""Resolve the DSpark draft for a target and build the worker (dspark.md §1.10, §7).
+"""Resolve the DSpark draft for a target and build the worker.
 
 Draft location: `--speculative-draft-model-path` (a directory, or `tiny-dspark`); otherwise the
 target directory itself when its config bundles `dspark_*` keys, then `<model>/dspark/`, and the
@@ -70,6 +70,8 @@ def create_dspark_worker(
     draft_path: str | None,
     block_size: int | None,
     args: DSparkArgs,
+    seed: int = 0,
 ) -> DSparkWorker:
-    dcfg, weights = resolve_draft(model_path, draft_path, runner, block_size, seed=args.seed)
+    """The worker of the draft `resolve_draft` finds; `seed` initialises a built-in draft."""
+    dcfg, weights = resolve_draft(model_path, draft_path, runner, block_size, seed=seed)
     return DSparkWorker(runner, dcfg, weights, args)

@@ -1,12 +1,12 @@
-"""Draft-side sampling (Markov head, confidence head) and target/draft probability processing.
+"""Draft-side sampling (Markov head, confidence head) and the target / draft distributions that
+DSpark's acceptance compares.
 
-Design `dspark.md` §1.7 (Markov loop), §1.8 (confidence head), §5 (sampling parameters). All
-functions are plain torch, batched, and free of host syncs, so they serve both as the runtime
-path on any device and as the reference for fused kernels.
-
-Sampling-parameter conventions: ``temperature`` [B] float (clamped >= 1e-5 before dividing);
-``top_k`` [B] int64 already normalised by the caller -- SGLang's "-1 = disabled" must arrive as a
-value >= V (e.g. ``TOP_K_ALL``); a row is greedy iff top_k <= 1 or temperature <= 0.
+All functions are plain torch, batched and free of host syncs, so they serve as the runtime path
+on any device and as the reference for the fused kernels. Sampled draws go through the one
+sampler's rules (`srt/layers/sampler.py`): the target distribution of a verify row is
+`processed_probs` with the request's parameters, and a sampled draft is drawn from
+softmax(z / T) by `sample_from_probs` with the request's counter-based uniforms, so a seeded
+request proposes the same drafts whatever else is in the batch.
 """
 
 from __future__ import annotations
@@ -15,24 +15,9 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_dspark.srt.layers.sampler import SamplingBatchInfo, processed_probs, sample_from_probs
+
 MIN_TEMPERATURE = 1e-5
-TOP_K_ALL = 1 << 30
-
-
-def is_greedy(temperature: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
-    """[B] bool: greedy rows (top_k <= 1 or temperature <= 0)."""
-    return (top_k <= 1) | (temperature <= 0)
-
-
-def gumbel_noise(
-    shape: tuple[int, ...],
-    generator: torch.Generator | None = None,
-    device: torch.device | str = "cpu",
-) -> torch.Tensor:
-    """i.i.d. standard Gumbel(0, 1) samples, fp32, via -log(-log(u)) with u clamped into (0, 1)."""
-    u = torch.rand(shape, generator=generator, device=device, dtype=torch.float32)
-    tiny = torch.finfo(torch.float32).tiny
-    return -torch.log(-torch.log(u.clamp(min=tiny, max=1.0 - 2**-24)))
 
 
 class MarkovSampleOutput(NamedTuple):
@@ -48,9 +33,7 @@ def markov_sample(
     anchors: torch.Tensor,
     temperature: torch.Tensor,
     greedy: torch.Tensor,
-    noise: torch.Tensor | None = None,
-    generator: torch.Generator | None = None,
-    all_greedy: bool = False,
+    uniforms: torch.Tensor | None = None,
 ) -> MarkovSampleOutput:
     """Sequential Markov-head sampling of gamma drafts per request.
 
@@ -59,16 +42,14 @@ def markov_sample(
         w1: [V, r] Markov embedding table; w2: [V, r] output weight (bias = W2 @ W1[prev]).
         anchors: [B] int64, prev_1 (the last committed-but-unverified token).
         temperature: [B] per-row temperature (clamped >= 1e-5); greedy: [B] bool.
-        noise: optional Gumbel noise [B, gamma, V]; else drawn from ``generator``.
-        all_greedy: host hint that every row is greedy (skips drawing and adding noise).
+        uniforms: [B, gamma] uniforms of the sampled rows' draws (`DRAFT_STREAM`); None when
+            every row is greedy.
     Returns:
-        drafts x [B, gamma] (x_k = argmax z_k for greedy rows, argmax z_k / T + G_k otherwise,
-        an exact sample of softmax(z_k / T)), step logits z [B, gamma, V] fp32 and the Markov
-        embeddings e [B, gamma, r] the confidence head consumes.
+        drafts x [B, gamma] (x_k = argmax z_k for greedy rows, an exact sample of softmax(z_k / T)
+        otherwise), step logits z [B, gamma, V] fp32 and the Markov embeddings e [B, gamma, r]
+        the confidence head consumes.
     """
     batch, gamma, vocab = base_logits.shape
-    if noise is None and not all_greedy:
-        noise = gumbel_noise((batch, gamma, vocab), generator, base_logits.device)
     temp = temperature.float().clamp(min=MIN_TEMPERATURE).view(batch, 1)
     drafts = torch.empty((batch, gamma), dtype=torch.int64, device=base_logits.device)
     step_logits = torch.empty((batch, gamma, vocab), dtype=torch.float32, device=base_logits.device)
@@ -78,8 +59,8 @@ def markov_sample(
         e = w1[prev]
         z = base_logits[:, k].float() + torch.matmul(e.to(w2.dtype), w2.t()).float()
         x = torch.argmax(z, dim=-1)
-        if noise is not None:
-            sampled = torch.argmax(z / temp + noise[:, k].float(), dim=-1)
+        if uniforms is not None:
+            sampled = sample_from_probs(torch.softmax(z / temp, dim=-1), uniforms[:, k])
             x = torch.where(greedy, x, sampled)
         drafts[:, k] = x
         step_logits[:, k] = z
@@ -122,49 +103,18 @@ def confidence_head(
     return ConfidenceOutput(torch.sigmoid(scaled), raw)
 
 
-def _truncate_top_k_top_p(
-    scaled: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor
-) -> torch.Tensor:
-    """Mask scaled logits [N, V] outside the per-row top-k set, then outside the top-p nucleus of
-    the renormalised top-k distribution (always keeping the most likely token)."""
-    vocab = scaled.shape[-1]
-    sorted_vals, sorted_idx = torch.sort(scaled, dim=-1, descending=True, stable=True)
-    ranks = torch.arange(vocab, device=scaled.device).view(1, vocab)
-    keep = ranks < top_k.clamp(1, vocab).view(-1, 1)
-    probs = torch.softmax(sorted_vals.masked_fill(~keep, float("-inf")), dim=-1)
-    mass_before = torch.cumsum(probs, dim=-1) - probs
-    keep &= (mass_before < top_p.view(-1, 1)) | (top_p.view(-1, 1) >= 1.0)
-    keep[:, 0] = True
-    keep_orig = torch.zeros_like(keep).scatter_(1, sorted_idx, keep)
-    return scaled.masked_fill(~keep_orig, float("-inf"))
+def target_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Verify logits [B, W, V] -> target distributions P [B, W, V] fp32.
 
-
-def target_probs(
-    logits: torch.Tensor,
-    temperature: torch.Tensor,
-    top_k: torch.Tensor,
-    top_p: torch.Tensor,
-    apply_top_k_top_p: bool = True,
-) -> torch.Tensor:
-    """Verify logits [B, W, V] -> target distributions P [B, W, V] fp32 (§5).
-
-    Sampled rows: softmax(logits / T) restricted to top-k, then renormalised top-p. Greedy rows
-    (top_k <= 1 or T <= 0): one-hot at the argmax (first index on ties). ``apply_top_k_top_p`` is a
-    host-side hint: pass False when no request of the batch truncates, to skip the vocab sort.
+    Sampled rows: the sampler's `processed_probs` (temperature, top-k, top-p, min-p) of each
+    verify row with its request's parameters. Greedy rows: one-hot at the argmax (first index on
+    ties), the distribution argmax decoding samples from.
     """
     batch, width, vocab = logits.shape
-    temp = temperature.float().clamp(min=MIN_TEMPERATURE)
-    scaled = logits.float() / temp.view(batch, 1, 1)
-    if apply_top_k_top_p:
-        scaled = _truncate_top_k_top_p(
-            scaled.reshape(batch * width, vocab),
-            top_k.repeat_interleave(width),
-            top_p.float().repeat_interleave(width),
-        ).view(batch, width, vocab)
-    probs = torch.softmax(scaled, dim=-1)
+    probs = processed_probs(logits.reshape(batch * width, vocab).float(), info.per_position(width))
+    probs = probs.view(batch, width, vocab)
     one_hot = torch.zeros_like(probs).scatter_(-1, torch.argmax(logits, dim=-1, keepdim=True), 1.0)
-    greedy = is_greedy(temperature, top_k).view(batch, 1, 1)
-    return torch.where(greedy, one_hot, probs)
+    return torch.where(info.is_greedy.view(batch, 1, 1), one_hot, probs)
 
 
 def draft_probs(

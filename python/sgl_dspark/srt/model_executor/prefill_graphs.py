@@ -1,8 +1,7 @@
-"""CUDA graphs of prefill (EXTEND) forwards, one per token-count bucket (style R23).
+"""Graphs of prefill (EXTEND) forwards, one per token-count bucket.
 
-An eager prefill forward is host-bound at small batches: a 512-token prompt of the 910M bench
-model took ~20 ms of Python and launches for ~5 ms of kernels on an H200
-(`benchmark/results/engine.md`). Replayed from a graph it costs its kernels.
+An eager prefill forward is host-bound at small batches (Python and launch overhead exceed its
+kernels); replayed from a graph it costs its kernels.
 
 A batch of n tokens over B requests runs in the graph of the smallest bucket T >= n, with
 `max_requests + 1` request rows. Padding tokens (rows n..T-1) belong to one padding request
@@ -11,33 +10,23 @@ write of theirs lands in dummy state; the request rows past B are padding reques
 and no tokens. The graph's batch sees the static context capacity as `max_seq_len` and builds
 its compressor row lists on the device (`ForwardBatch.host_lens` False), so the capture depends
 on no host length. Logits are computed for `max_requests + 1` rows; a replay returns the rows the
-batch asked for. The runner's tap hook (DSpark's context-KV injection) runs inside the graph,
-as in the decode graphs.
+batch asked for. The tap consumer (DSpark's context-KV writer) runs inside the graph, as in the
+decode graphs.
 """
 
 from __future__ import annotations
 
 import functools
-import logging
-import time
-from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.cuda_graph_runner import (
-    Graph,
-    make_graph_factory,
-    reserved_mib,
-    warm_up,
-)
+from sgl_dspark.srt.model_executor.cuda_graph_runner import CudaGraphRunner, bucket_for
 
 if TYPE_CHECKING:
-    from sgl_dspark.srt.model_executor.model_runner import ModelRunner
+    from sgl_dspark.srt.model_executor.model_runner import ModelRunner, TapConsumer
     from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
-
-logger = logging.getLogger(__name__)
 
 _TOKEN_FIELDS = ("input_ids", "positions", "token_req", "out_cache_loc")
 _REQUEST_FIELDS = ("req_pool_indices", "prefix_lens", "seq_lens")
@@ -54,25 +43,28 @@ def prefill_token_buckets(max_tokens: int) -> list[int]:
     return buckets + [max_tokens]
 
 
-class PrefillGraphRunner:
+FAMILY = "prefill"
+
+
+class PrefillGraphs:
     def __init__(
         self,
+        graphs: CudaGraphRunner,
         runner: ModelRunner,
         max_tokens: int,
         max_requests: int,
-        tap_layers: tuple[int, ...] = (),
-        graph_factory: Callable[[], Graph] | None = None,
+        consumer: TapConsumer | None,
     ) -> None:
         if not 1 <= max_requests <= runner.req_pool.size - 1:
             raise ValueError(
                 f"prefill graphs for {max_requests} requests: must lie in "
                 f"[1, --max-running-requests {runner.req_pool.size - 1}]"
             )
+        self.graphs = graphs
         self.runner = runner
+        self.consumer = consumer
         self.buckets = prefill_token_buckets(max_tokens)
         self.max_requests = max_requests
-        self.tap_layers = tap_layers
-        self.replays = 0  # replays so far (tests read it)
         dev = runner.device
         rows = max_requests + 1  # the last request row is always padding
         self._tokens = {
@@ -82,29 +74,15 @@ class PrefillGraphRunner:
             k: torch.zeros(rows, dtype=torch.int64, device=dev) for k in _REQUEST_FIELDS
         }
         self._logits_rows = torch.zeros(rows, dtype=torch.int64, device=dev)
-        self._graphs: dict[int, tuple[Graph, Any]] = {}
-        factory = graph_factory or make_graph_factory(dev)
-        t0 = time.perf_counter()
-        mem0 = reserved_mib(dev)
         self._tokens["token_req"].fill_(max_requests)  # captured on padding only
-        for t in reversed(self.buckets):  # largest first: later captures reuse its memory
-            run = functools.partial(self._forward, t)
-            graph = factory()
-            with torch.inference_mode():
-                warm_up(run, dev, t)
-                self._graphs[t] = (graph, graph.capture(run, t))
-        mem = reserved_mib(dev) - mem0
-        logger.info(
-            "Captured %d prefill graphs (tokens %s, up to %d requests) in %.1f s, "
-            "+%.0f MiB reserved",
-            len(self._graphs),
-            self.buckets,
-            max_requests,
-            time.perf_counter() - t0,
-            mem,
-        )
+        for t in self.buckets:
+            graphs.register(FAMILY, t, functools.partial(self._forward, t), launch_batch=t)
 
-    def _forward(self, t: int) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+    @property
+    def replays(self) -> int:
+        return self.graphs.replays[FAMILY]
+
+    def _forward(self, t: int) -> torch.Tensor:
         """The captured region: an EXTEND batch over rows [:t] of the static buffers."""
         pool = self.runner.req_pool
         tok = {k: v[:t] for k, v in self._tokens.items()}
@@ -119,24 +97,24 @@ class PrefillGraphRunner:
             prefix_lens_cpu=(),
             host_lens=False,
         )
-        out = self.runner.run_model(batch, self.tap_layers)
-        self.runner.join_tap_hook()
-        return out.logits, out.tap_streams
+        out = self.runner.run_model(batch, (), self.consumer)
+        self.runner.join_taps()
+        return out.logits
 
     def bucket_for(self, num_tokens: int) -> int | None:
-        return next((t for t in self.buckets if t >= num_tokens), None)
+        return bucket_for(self.buckets, num_tokens)
 
     def can_run(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> bool:
         return (
             batch.mode is ForwardMode.EXTEND
             and batch.host_lens
-            and set(tap_layers) <= set(self.tap_layers)
+            and not tap_layers
             and self.bucket_for(batch.num_tokens) is not None
             and batch.batch_size <= self.max_requests
             and batch.logits_indices.shape[0] <= self.max_requests + 1
         )
 
-    def replay(self, batch: ForwardBatch, tap_layers: tuple[int, ...]) -> ModelOutput:
+    def replay(self, batch: ForwardBatch) -> ModelOutput:
         from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 
         n, b, n_logits = batch.num_tokens, batch.batch_size, batch.logits_indices.shape[0]
@@ -151,9 +129,5 @@ class PrefillGraphRunner:
             buf[b:].zero_()
         self._logits_rows[:n_logits].copy_(batch.logits_indices)
         self._logits_rows[n_logits:].zero_()
-        graph, (logits, taps) = self._graphs[t]
-        graph.replay()
-        self.replays += 1
-        return ModelOutput(
-            logits=logits[:n_logits], tap_streams={k: taps[k][:n] for k in tap_layers}
-        )
+        logits = self.graphs.replay(FAMILY, t)
+        return ModelOutput(logits=logits[:n_logits], tap_streams={})

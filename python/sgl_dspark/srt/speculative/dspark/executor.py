@@ -1,0 +1,446 @@
+"""The DSpark step executor: owns the whole speculative step.
+
+Per step: prompt chunks run as a plain forward (their taps write the draft's context KV); the
+decoding requests then take one of three paths:
+
+* the verify policy turns speculation off at this batch size (static width 1): a plain decode
+  step through the decode executor, which the overlap schedule chains like any decode step;
+* an all-greedy batch at a host-known width with captured fused steps: one fused graph replay
+  (draft, verify, acceptance, context KV), whose next state stays on the device, so the overlap
+  schedule chains these steps too;
+* otherwise the eager step: draft (graph per bucket when all greedy), verify lengths from the
+  policy, the target's verify forward (a graph per width when the batch fits), acceptance (a
+  graph per width for all-greedy uniform steps), one read of the results.
+
+Request state changes only through the `ReqUpdate`s the steps return (`speculative=True`).
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.host_copy import PendingRead, read_to_host, to_device, to_device_packed
+from sgl_dspark.srt.core.step import (
+    BaseStepExecutor,
+    CompletedStep,
+    InflightStep,
+    ReqUpdate,
+    StepWork,
+)
+from sgl_dspark.srt.layers.sampler import SamplingBatchInfo
+from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner
+from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
+from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
+from sgl_dspark.srt.speculative.dspark.worker import DraftProposal, token_logprobs
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.core.req import Req
+    from sgl_dspark.srt.model_executor.decode_executor import DecodeExecutor
+    from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """The eager step's one read of its results (a module name, so tests can watch it)."""
+    return read_to_host(*tensors)
+
+
+class _StepTimer:
+    """Segment times of a step: CUDA event pairs (read lazily by the metrics) or host ms."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[tuple[str, object]] = [("start", self._now())]
+
+    def _now(self) -> object:
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            return ev
+        return time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        self.marks.append((name, self._now()))
+
+    def spans(self) -> dict:
+        out = {}
+        for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
+            out[name] = (a, b) if self.cuda else (b - a) * 1e3  # type: ignore[operator]
+        return out
+
+
+class FusedStep(InflightStep):
+    """A fused step launched and not read yet; its next state stays in the graph's inputs."""
+
+    kind = "spec"
+    chainable = True
+
+    def __init__(
+        self,
+        executor: DSparkExecutor,
+        reqs: tuple[Req, ...],
+        width: int,
+        verify_lens: list[int],
+        host: PendingRead,
+    ) -> None:
+        self._executor = executor
+        self._reqs = reqs
+        self.width = width
+        self.verify_lens = verify_lens
+        self.host = host  # commit_len, out_tokens, logprobs, accept_len
+
+    @property
+    def reqs(self) -> tuple[Req, ...]:
+        return self._reqs
+
+    def wait(self) -> list[ReqUpdate]:
+        """Per request its committed tokens and their logprobs. A request that finished or was
+        aborted after the launch rode along: it takes nothing, and the metrics skip its row."""
+        commit, toks, lps, accepted = self.host.wait()
+        live = [i for i, r in enumerate(self._reqs) if not (r.finished or r.slot < 0)]
+        if live:
+            self._executor.metrics.record_step(
+                torch.tensor([self.verify_lens[i] for i in live]),
+                torch.tensor([accepted[i] for i in live]),
+                request_ids=[self._reqs[i].rid for i in live],
+                cap_trim=torch.zeros(len(live), dtype=torch.int64),
+            )
+        return [
+            ReqUpdate(
+                self._reqs[i],
+                commit[i],
+                tuple(toks[i][: commit[i]]),
+                tuple(lps[i][: commit[i]]),
+                speculative=True,
+            )
+            for i in live
+        ]
+
+
+class DSparkExecutor(BaseStepExecutor):
+    def __init__(self, decode: DecodeExecutor, worker: DSparkWorker) -> None:
+        self.decode = decode
+        self.worker = worker
+        self.runner = decode.runner
+        self.policy = worker.policy
+        # Host-side: fed with the values each step reads anyway.
+        self.metrics = DSparkMetrics(max(worker.gamma, worker.gamma_bs1), device="cpu")
+        self._generation: dict[int, int] = {}  # request slot -> admissions (policy state)
+        self._sim_steps: dict[str, int] = {}  # DSpark steps launched per request (simulation)
+        self.draft_graphs: BatchGraphs | None = None
+        self.draft_graphs_bs1: BatchGraphs | None = None
+        self.epilogue_graphs: dict[int, BatchGraphs] = {}
+        self.fused: FusedGreedySteps | None = None
+
+    @property
+    def step_window(self) -> int:
+        return self.runner.rc.max_verify_tokens
+
+    def on_admit(self, req: Req) -> None:
+        self._generation[req.slot] = self._generation.get(req.slot, 0) + 1
+        self._sim_steps[req.rid] = 0
+
+    def on_release(self, req: Req) -> None:
+        self._sim_steps.pop(req.rid, None)
+
+    def close(self) -> None:
+        self.worker.close()
+
+    # ---- graphs ---------------------------------------------------------------------------
+    def register_graphs(
+        self, graphs: CudaGraphRunner, batch_sizes: Sequence[int], prefill_max_tokens: int = 0
+    ) -> None:
+        """Register every graph of the step: the target's decode / verify widths and prefill
+        (through the decode executor), the greedy draft per bucket (and the bs1 runtime's), the
+        greedy acceptance per width, and the fused steps of host-known widths."""
+        worker, dev = self.worker, self.runner.device
+        widths = worker.graph_verify_widths()
+        self.decode.register_graphs(graphs, batch_sizes, widths, prefill_max_tokens)
+        example = (torch.zeros(1, dtype=torch.int64, device=dev),) * 3
+        self.draft_graphs = BatchGraphs(
+            graphs,
+            "DSpark draft",
+            functools.partial(worker.propose_greedy, worker.gamma),
+            example,
+            (0, 1, 0),
+            batch_sizes,
+        )
+        if worker.gamma_bs1 != worker.gamma:
+            self.draft_graphs_bs1 = BatchGraphs(
+                graphs,
+                "DSpark bs1 draft",
+                functools.partial(worker.propose_greedy, worker.gamma_bs1),
+                example,
+                (0, 1, 0),
+                [1],
+            )
+        vocab = self.runner.model_cfg.vocab_size
+        for w in widths:
+
+            def ex(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+                return torch.zeros((1, *shape), dtype=dtype, device=dev)
+
+            self.epilogue_graphs[w] = BatchGraphs(
+                graphs,
+                f"DSpark acceptance width {w}",
+                worker.greedy_epilogue,
+                [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex()],
+                [0, 0, 1, 0.0, 0],
+                batch_sizes,
+            )
+        fused_widths = worker.fused_widths()
+        if fused_widths:
+            runner = self.runner
+            self.fused = FusedGreedySteps(
+                graphs,
+                runner.req_pool,
+                fused_widths,
+                batch_sizes,
+                worker.gamma,
+                worker.gamma_bs1,
+                worker.propose_greedy,
+                functools.partial(runner.run_model, tap_layers=(), consumer=self.decode.consumer),
+                runner.join_taps,
+                worker.greedy_epilogue,
+            )
+
+    # ---- the step contract ------------------------------------------------------------------
+    def can_chain(self, work: StepWork, prev: InflightStep) -> bool:
+        if work.prefill or not work.decode:
+            return False
+        if len(prev.reqs) != len(work.decode) or any(
+            a is not b for a, b in zip(prev.reqs, work.decode)
+        ):
+            return False
+        if self.policy.plain_decode(len(work.decode)):
+            return self.decode.can_chain(work, prev)
+        if not isinstance(prev, FusedStep):
+            return False
+        return self._fused_width(work.decode, prev.width) is not None
+
+    def launch(self, work: StepWork, prev: InflightStep | None) -> InflightStep:
+        updates: list[ReqUpdate] = []
+        if work.prefill:
+            # The prompt chunks' taps write the draft's context KV (the decode executor's
+            # consumer); the decoding requests' step follows.
+            updates = self.decode.launch(StepWork(prefill=work.prefill), None).wait()
+        decoding = work.decode
+        if not decoding:
+            return CompletedStep(work.reqs, updates)
+        step: InflightStep
+        if self.policy.plain_decode(len(decoding)):
+            # No speculation at this batch size: a plain decode step (it writes the draft's
+            # context KV of its tokens, so speculation resumes when the batch shrinks).
+            step = self.decode.launch(StepWork(decode=decoding), prev)
+        else:
+            lag = prev.width if isinstance(prev, FusedStep) else 0
+            width = self._fused_width(decoding, lag)
+            if width is not None:
+                step = self._launch_fused(decoding, width, prev)
+            else:
+                assert prev is None, "the eager step never chains"
+                step = CompletedStep(decoding, self.eager_step(list(decoding)))
+        if not updates:
+            return step
+        return CompletedStep(work.reqs, updates + step.wait())
+
+    # ---- fused steps ------------------------------------------------------------------------
+    def _fused_width(self, reqs: Sequence[Req], lag_width: int) -> int | None:
+        """The verify width at which the fused graphs run this all-greedy batch, or None.
+        `lag_width`: the width of a fused step still in flight for these requests (its commits
+        are not in `kv_len` yet), 0 when none: the step must fit the context after it."""
+        fused, worker = self.fused, self.worker
+        B = len(reqs)
+        if fused is None or not all(r.params.is_greedy for r in reqs):
+            return None
+        bs1 = B == 1 and fused.bs1_width is not None
+        # The bs1 runtime verifies its full window whatever the policy (as the eager step).
+        width = (
+            fused.bs1_width
+            if bs1
+            else int(self.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
+        )
+        if width is None or not fused.has(width, B):
+            return None
+        limit = self.runner.req_pool.max_context_len
+        gamma = worker.gamma_bs1 if bs1 else worker.gamma
+        if any(r.kv_len + lag_width + max(width, gamma) > limit for r in reqs):
+            return None
+        return width
+
+    def _launch_fused(
+        self, reqs: tuple[Req, ...], width: int, prev: InflightStep | None
+    ) -> FusedStep:
+        """Replay the fused step (no host synchronisation). With `prev` (a fused step of exactly
+        these requests, in flight) the graph's state rows already hold their anchors and
+        lengths; otherwise they come from the requests."""
+        assert self.fused is not None
+        # Never verify past max_new_tokens (the request ends there anyway); with a step in flight
+        # `output_ids` lags, so this may verify a little more, never less, than needed.
+        lens = [max(1, min(width, r.params.max_new_tokens - len(r.output_ids))) for r in reqs]
+        rows = [[r.slot for r in reqs], lens, self._simulated_counts(reqs)]
+        chained = isinstance(prev, FusedStep)
+        if not chained:
+            rows = [[r.output_ids[-1] for r in reqs], [r.kv_len for r in reqs], *rows]
+        out = self.fused.launch(width, rows, chained)
+        host = PendingRead(out.commit_len, out.out_tokens, out.logprobs, out.accept_len)
+        return FusedStep(self, reqs, width, lens, host)
+
+    def _simulated_counts(self, reqs: Sequence[Req]) -> list[int]:
+        steps = [self._sim_steps.get(r.rid, 0) for r in reqs]
+        for r, n in zip(reqs, steps):
+            self._sim_steps[r.rid] = n + 1
+        return self.worker.simulated_counts(steps)
+
+    # ---- the eager step ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def eager_step(self, reqs: list[Req]) -> list[ReqUpdate]:
+        """One DSpark step of `reqs` (all decoding, none in flight), read once at the end."""
+        worker, runner = self.worker, self.runner
+        dev = runner.device
+        B = len(reqs)
+        timer = _StepTimer(dev)
+        seq = [r.kv_len for r in reqs]
+        slots = [r.slot for r in reqs]
+        info = SamplingBatchInfo.from_params(
+            [r.params for r in reqs],
+            runner.model_cfg.vocab_size,
+            dev,
+            counters=[len(r.output_ids) for r in reqs],
+        )
+        anchors, seq_t, slot_t = to_device_packed(
+            [[r.output_ids[-1] for r in reqs], seq, slots], torch.int64, dev
+        )
+        # 1-3. draft forward, Markov sampling, confidences
+        bs1 = B == 1 and worker.gamma_bs1 != worker.gamma
+        gamma = worker.gamma_bs1 if bs1 else worker.gamma
+        prop = self._propose(B, anchors, seq_t, slot_t, info, gamma)
+        ms, conf = prop.markov, prop.confidence
+        timer.mark("draft")
+        gens = [self._generation.get(s, 1) for s in slots]
+        # 4. verify lengths: host values for full/static/sync policies (no device round trip);
+        #    the async confidence policy verifies the full window and caps acceptance on device.
+        #    The bs1 runtime always verifies its full window.
+        planned = [gamma + 1] if bs1 else self.policy.verify_lens(conf, slots, gens)
+        cap_lens = None
+        if isinstance(planned, torch.Tensor):
+            cap_lens, lens = planned - 1, [gamma + 1] * B
+        else:
+            lens = list(planned)
+        # never verify past max_new_tokens: the request ends there anyway
+        lens = [
+            max(1, min(n, r.params.max_new_tokens - len(r.output_ids))) for n, r in zip(lens, reqs)
+        ]
+        # 5. one target verify forward. Eager: ragged widths in a flat batch (flat row (r, j)
+        #    indices are host-known, so the device ids are gathered without a sync). With CUDA
+        #    graphs: every request verifies the smallest captured width >= the widest request;
+        #    rows past a request's own length are never accepted (acceptance reads lens_t).
+        rows = self._verify_rows(reqs, lens)
+        W = max(rows)
+        verify_ids = torch.cat((anchors[:, None], ms.drafts), dim=1)[:, :W]  # [B, W]
+        flat_r, flat_j, lens_t = to_device_packed(
+            [
+                [i for i, n in enumerate(rows) for _ in range(n)],
+                [j for n in rows for j in range(n)],
+                lens,
+            ],
+            torch.int64,
+            dev,
+        )
+        uniform = all(n == W for n in rows)
+        batch = ForwardBatch.build(
+            ForwardMode.VERIFY,
+            [[0] * n for n in rows],
+            seq,
+            slots,
+            runner.req_pool.req_to_token,
+            logits_rows="all",
+            input_ids_device=(
+                verify_ids.reshape(-1).contiguous() if uniform else verify_ids[flat_r, flat_j]
+            ),
+        )
+        out = self.decode.forward(batch)  # its taps write the draft's context KV of every row
+        if uniform:
+            logits = out.logits.view(B, W, -1)
+        else:
+            logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
+            logits[flat_r, flat_j] = out.logits
+        timer.mark("verify")
+        # 6-7. acceptance on the device and the committed tokens' logprobs. Greedy uniform steps
+        #    replay the acceptance from a graph.
+        epilogue = self.epilogue_graphs.get(W)
+        simulated = worker.args.simulate_accept_len is not None
+        forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
+        if (
+            epilogue is not None
+            and uniform
+            and info.all_greedy
+            and cap_lens is None
+            and worker.sts_recorder is None
+            and epilogue.bucket_for(B) is not None
+        ):
+            acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced)
+        else:
+            acc = worker.accept(
+                verify_ids,
+                lens_t,
+                seq_t,
+                logits,
+                info,
+                prop,
+                cap_lens,
+                forced if simulated else None,
+            )
+            tok_lp = token_logprobs(logits, acc.out_tokens)
+        if not bs1:
+            self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
+        if worker.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
+            worker.sts_recorder.record(prop.raw_confidence, verify_ids, logits, lens_t)
+        timer.mark("accept")
+        # 8. the finalised results in one read; the metrics are then accumulated on the host
+        #    from the same values (no per-step metric kernels)
+        commit, toks, lps, accepted, trimmed = _to_host(
+            acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len, acc.cap_trim
+        )
+        self.metrics.record_step(
+            torch.tensor(lens),
+            torch.tensor(accepted),
+            request_ids=[r.rid for r in reqs],
+            timing=timer.spans(),
+            cap_trim=torch.tensor(trimmed),
+        )
+        return [
+            ReqUpdate(r, c, tuple(t[:c]), tuple(lp[:c]), speculative=True)
+            for r, c, t, lp in zip(reqs, commit, toks, lps)
+        ]
+
+    def _propose(
+        self,
+        batch_size: int,
+        anchors: torch.Tensor,
+        seq_t: torch.Tensor,
+        slot_t: torch.Tensor,
+        info: SamplingBatchInfo,
+        gamma: int,
+    ) -> DraftProposal:
+        worker = self.worker
+        if info.all_greedy and worker.sts_recorder is None:
+            graphs = self.draft_graphs_bs1 if gamma != worker.gamma else self.draft_graphs
+            if graphs is not None and graphs.bucket_for(batch_size) is not None:
+                return graphs.replay(anchors, seq_t, slot_t)
+            return worker.propose_greedy(gamma, anchors, seq_t, slot_t)
+        return worker.propose(gamma, anchors, seq_t, slot_t, info)
+
+    def _verify_rows(self, reqs: list[Req], lens: list[int]) -> list[int]:
+        """Rows each request runs in the verify forward: its verify length, or with graphs the
+        captured width that covers the whole batch (when one does and the context fits)."""
+        w = self.decode.graph_width_for(len(reqs), max(lens))
+        limit = self.runner.req_pool.max_context_len
+        if w is None or any(r.kv_len + w > limit for r in reqs):
+            return lens
+        return [w] * len(reqs)
