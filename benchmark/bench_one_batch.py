@@ -23,6 +23,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode  # noqa: E402
 from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
+from sgl_dspark.srt.model_executor.cuda_graph_runner import (  # noqa: E402
+    CudaGraphRunner,
+    graph_batch_sizes,
+)
+from sgl_dspark.srt.model_executor.decode_executor import DecodeExecutor  # noqa: E402
 from sgl_dspark.srt.model_executor.model_runner import (  # noqa: E402
     ModelRunner,
     RunnerConfig,
@@ -69,7 +74,8 @@ def sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def bench(runner: ModelRunner, bs: int, input_len: int, output_len: int, device: str) -> dict:
+def bench(executor: DecodeExecutor, bs: int, input_len: int, output_len: int, device: str) -> dict:
+    runner = executor.runner
     pool = runner.req_pool
     g = torch.Generator().manual_seed(bs)
     vocab = runner.model_cfg.vocab_size
@@ -81,7 +87,7 @@ def bench(runner: ModelRunner, bs: int, input_len: int, output_len: int, device:
         sync(device)
         t0 = time.perf_counter()
         batch = ForwardBatch.build(ForwardMode.EXTEND, prompts, [0] * bs, slots, pool.req_to_token)
-        nxt = torch.argmax(runner.forward(batch).logits, dim=-1).tolist()
+        nxt = torch.argmax(executor.forward(batch).logits, dim=-1).tolist()
         sync(device)
         prefill_s = time.perf_counter() - t0
         steps = []
@@ -94,7 +100,7 @@ def bench(runner: ModelRunner, bs: int, input_len: int, output_len: int, device:
                 slots,
                 pool.req_to_token,
             )
-            nxt = torch.argmax(runner.forward(batch).logits, dim=-1).tolist()
+            nxt = torch.argmax(executor.forward(batch).logits, dim=-1).tolist()
             sync(device)
             steps.append(time.perf_counter() - t0)
     finally:
@@ -148,9 +154,12 @@ def main() -> None:
         ),
         model=random_model(cfg, a.device, kernels=kernels),
     )
+    executor = DecodeExecutor(runner)
     if a.cuda_graph:
-        runner.init_cuda_graphs(max(sizes))
-    rows = [bench(runner, bs, a.input_len, a.output_len, a.device) for bs in sizes]
+        graphs = CudaGraphRunner(runner.device)
+        executor.register_graphs(graphs, graph_batch_sizes(max(sizes)))
+        graphs.capture()
+    rows = [bench(executor, bs, a.input_len, a.output_len, a.device) for bs in sizes]
     for r in rows:
         print(json.dumps(r))
     if a.out:

@@ -17,6 +17,7 @@ add up to the step.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import statistics
@@ -33,8 +34,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_dspark import Engine  # noqa: E402
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
-from sgl_dspark.srt.model_executor.cuda_graph_runner import make_graph_factory  # noqa: E402
+from sgl_dspark.srt.model_executor.cuda_graph_runner import CudaGraphRunner  # noqa: E402
+from sgl_dspark.srt.model_executor.target_graphs import FAMILY as TARGET  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
+from sgl_dspark.srt.speculative.dspark.fused_step import FAMILY as FUSED  # noqa: E402
 
 from benchmark.bench_engine import (  # noqa: E402
     build_hf,
@@ -79,9 +82,10 @@ def capture(fn: Callable[[], object], device: torch.device) -> Callable[[], None
         fn()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    graph = make_graph_factory(device)()
-    graph.capture(fn, 1)
-    return graph.replay
+    graphs = CudaGraphRunner(device)
+    graphs.register("probe", 0, fn, launch_batch=1)
+    graphs.capture()
+    return functools.partial(graphs.replay, "probe", 0)
 
 
 def profile_replays(replay: Callable[[], None], reset: Callable[[], None], iters: int) -> str:
@@ -152,7 +156,8 @@ def main() -> None:
             kernels.append(f"## {name}\n\n{profile_replays(replay, reset, a.iters)}\n")
 
     def time_target(name: str, engine: Engine, w: int) -> None:
-        graphs = engine.runner.graph_runner._by_width[w]
+        executor = engine.spec.decode if engine.spec is not None else engine.executor
+        graphs = executor.target_graphs._by_width[w]
         static = graphs.static  # ids, positions, token slots [1, w]; slot, prefix, seq [1]
 
         def reset() -> None:
@@ -160,7 +165,7 @@ def main() -> None:
             static[2][:1] = static[1][:1]
             static[3][:1], static[4][:1], static[5][:1] = 1, a.input_len, a.input_len + w
 
-        graph = graphs._graphs[1][0]
+        graph = engine.graphs.graph(TARGET.format(w), 1)
         timed(name, graph.replay, reset)
 
     engine = Engine(**base)
@@ -181,16 +186,18 @@ def main() -> None:
         speculative_dspark_width_table_path=str(table),
     )
     engine.generate(input_ids=prompt, sampling_params=params)
-    worker = engine.scheduler.spec
-    time_target("DSpark engine target graph width 1 (+ tap hook)", engine, 1)
-    time_target(f"DSpark engine target graph width {a.width} (verify, + tap hook)", engine, a.width)
-    fused = worker.fused
+    worker = engine.spec.worker
+    time_target("DSpark engine target graph width 1 (+ context-KV writer)", engine, 1)
+    time_target(
+        f"DSpark engine target graph width {a.width} (verify, + context-KV writer)", engine, a.width
+    )
+    fused = engine.spec.fused
     seq0 = a.input_len + 1
 
     def reset_fused() -> None:
         fused.inputs[:, 0] = torch.tensor([5, seq0, 1, a.width, 2], device=dev)
 
-    graph = fused._graphs[(a.width, 1)][0]
+    graph = engine.graphs.graph(FUSED, (a.width, 1))
     timed(f"fused step (width {a.width}, forced accept 2)", graph.replay, reset_fused)
 
     anchors = torch.tensor([5], device=dev)
@@ -243,7 +250,7 @@ def main() -> None:
     forced = torch.tensor([2], device=dev)
     timed(
         f"epilogue (acceptance + logprobs, width {W})",
-        capture(lambda: worker._greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
+        capture(lambda: worker.greedy_epilogue(verify_ids, lens, seq, vlogits, forced), dev),
         nothing,
     )
     timed(

@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         speculative_dspark_block_size=a.speculative_dspark_block_size,
         speculative_dspark_simulate_accept_len=1.0,
     )
-    gamma = engine.scheduler.spec.gamma
+    gamma = engine.spec.worker.gamma
     tokens, sps, records = [], [], []
     for bs in sizes:
         times = profile_batch(engine, bs, a.warmup_steps, a.steps)

@@ -1,4 +1,4 @@
-"""CUDA-graph runner (issue 7): graphed decode/verify/draft steps produce the same greedy tokens as
+"""CUDA-graph runner: graphed decode/verify/draft steps produce the same greedy tokens as
 eager steps. On CPU the graphs are `EagerGraph` stand-ins with CUDA-graph buffer semantics (the
 capture's output tensors are rewritten by every replay), which checks the static buffers, the
 padding to batch buckets with dummy requests, the uniform verify widths and the draft-graph
@@ -15,6 +15,7 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     EagerGraph,
     graph_batch_sizes,
 )
+from sgl_dspark.srt.model_executor.target_graphs import TargetGraphs
 from spec_utils import POLICIES, greedy_requests, policy_kwargs, write_policy_tables
 
 N_PROMPTS = 7
@@ -36,18 +37,14 @@ def _requests(vocab: int = 263):
 def _generate(graph_bs: int | None, **kw) -> tuple[list[list[int]], Engine]:
     engine = Engine(
         model_path="tiny",
+        device="cpu",
         skip_tokenizer_init=True,
         context_length=256,
         max_running_requests=N_PROMPTS,
         **kw,
     )
     if graph_bs is not None:
-        spec = engine.scheduler.spec
-        widths = spec.graph_verify_widths() if spec else (1,)
-        taps = spec.tap_layers if spec else ()
-        engine.runner.init_cuda_graphs(graph_bs, widths, taps, graph_factory=CountingGraph)
-        if spec is not None:
-            spec.init_cuda_graphs(graph_bs, graph_factory=CountingGraph)
+        engine.init_graphs(graph_bs, graph_factory=CountingGraph)
     prompts, params = _requests()
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     pages = engine.runner.allocator
@@ -86,10 +83,10 @@ def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
     CountingGraph.replays = 0
     got, engine = _generate(6, **kw)  # 7 requests: eager until one finishes
     assert got == reference
-    spec = engine.scheduler.spec
+    spec = engine.spec
     assert spec.draft_graphs is not None and CountingGraph.replays > 0
     if policy.startswith("confidence"):
-        assert spec.graph_verify_widths() == tuple(range(1, gamma + 2))
+        assert spec.worker.graph_verify_widths() == tuple(range(1, gamma + 2))
     # Host-known widths (full, static table): all-greedy steps are fused step graphs, chained
     # by the overlap schedule. Otherwise the folded greedy epilogue (acceptance + context-KV
     # commit) replays, except under the async confidence policy, whose on-device cap keeps the
@@ -119,22 +116,23 @@ def test_fused_steps_chained_equal_step_by_step(tmp_path, accept_len):
     for overlap in (True, False):
         engine = Engine(
             model_path="tiny",
+            device="cpu",
             skip_tokenizer_init=True,
             context_length=256,
             max_running_requests=N_PROMPTS,
             disable_overlap_schedule=not overlap,
             **kw,
         )
-        spec = engine.scheduler.spec
-        engine.runner.init_cuda_graphs(
-            N_PROMPTS, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
-        )
-        spec.init_cuda_graphs(N_PROMPTS, graph_factory=EagerGraph)
+        spec = engine.spec
+        engine.init_graphs(N_PROMPTS, graph_factory=EagerGraph)
         chained: list[bool] = []
-        launch = spec.fused.launch
-        spec.fused.launch = lambda w, rows, ch, _f=launch, _log=chained: (  # type: ignore[method-assign]
-            (_log.append(ch), _f(w, rows, ch))[1]
-        )
+        # Step by step (no overlap schedule) runs the eager step: no fused graphs at all.
+        assert (spec.fused is not None) == overlap
+        if spec.fused is not None:
+            launch = spec.fused.launch
+            spec.fused.launch = lambda w, rows, ch, _f=launch, _log=chained: (  # type: ignore[method-assign]
+                (_log.append(ch), _f(w, rows, ch))[1]
+            )
         res = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
         outs[overlap] = ([o["output_ids"] for o in res], [o["meta_info"] for o in res], chained)
         engine.shutdown()
@@ -161,22 +159,58 @@ def _tiny_runner_batch(engine: Engine, mode: ForwardMode, lens: list[int]) -> Fo
 
 def test_can_run_only_uniform_captured_shapes():
     engine = Engine(
-        model_path="tiny", skip_tokenizer_init=True, context_length=64, max_running_requests=16
+        model_path="tiny",
+        device="cpu",
+        skip_tokenizer_init=True,
+        context_length=64,
+        max_running_requests=16,
     )
-    runner = engine.runner
-    graphs = CudaGraphRunner(runner, [1, 2], [1, 3], tap_layers=(1,), graph_factory=EagerGraph)
+    runner, sampler = engine.runner, engine.executor.sampler
+
+    def target_graphs(batch_sizes, widths) -> TargetGraphs:
+        runner_graphs = CudaGraphRunner(runner.device, graph_factory=EagerGraph)
+        return TargetGraphs(runner_graphs, runner, sampler, batch_sizes, widths, None)
+
+    graphs = target_graphs([1, 2], [1, 3])
     assert graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1, 1]), ())
-    assert graphs.can_run(_tiny_runner_batch(engine, ForwardMode.VERIFY, [3]), (1,))
+    assert graphs.can_run(_tiny_runner_batch(engine, ForwardMode.VERIFY, [3]), ())
     assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.EXTEND, [1]), ())
     assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.VERIFY, [3, 2]), ())
     assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.VERIFY, [2]), ())
+    # Tap streams are not graph outputs: a forward that asks for them runs eagerly.
     assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1]), (0,))
     assert not graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1, 1, 1]), ())
     assert graphs.width_for(2) == 3 and graphs.width_for(4) is None
     with pytest.raises(ValueError, match="max_verify_tokens"):
-        CudaGraphRunner(runner, [1], [runner.rc.max_verify_tokens + 1], graph_factory=EagerGraph)
+        target_graphs([1], [runner.rc.max_verify_tokens + 1])
     with pytest.raises(ValueError, match="max-running-requests"):
-        CudaGraphRunner(runner, [17], [1], graph_factory=EagerGraph)
+        target_graphs([17], [1])
+
+
+def test_one_graph_runner_captures_every_family_once():
+    """Every family registers with the one runner and is captured by one `capture()`; a key
+    registered twice is an error, and replays are counted per family."""
+    engine = Engine(
+        model_path="tiny",
+        device="cpu",
+        skip_tokenizer_init=True,
+        context_length=64,
+        max_running_requests=4,
+        speculative_algorithm="DSpark",
+    )
+    engine.init_graphs(2, prefill_max_tokens=32, graph_factory=CountingGraph)
+    graphs = engine.graphs
+    families = {family for family, _ in graphs._graphs}
+    assert {"prefill", "target width 1", "DSpark draft", "DSpark fused step"} <= families
+    assert any(f.startswith("DSpark acceptance width") for f in families)
+    with pytest.raises(AssertionError, match="captured once"):
+        engine.init_graphs(2, graph_factory=CountingGraph)
+    with pytest.raises(ValueError, match="registered twice"):
+        graphs.register("prefill", 16, lambda: None, launch_batch=16)
+        graphs.register("prefill", 16, lambda: None, launch_batch=16)
+    params = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}
+    engine.generate(input_ids=[[5, 6, 7], [8, 9, 10, 11]], sampling_params=params)
+    assert graphs.replays["prefill"] > 0 and graphs.replays["DSpark fused step"] > 0
 
 
 # ---- real CUDA graphs ------------------------------------------------------------------------
@@ -273,22 +307,22 @@ def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
     """Single-request steps draft their own block size (the bs1 runtime) and verify its full
     window; the last request decodes alone, so both runtimes run. With graphs the all-greedy
     steps are fused step graphs, the single-request ones at the bs1 runtime's width."""
+    from sgl_dspark.srt.speculative.dspark.executor import DSparkExecutor
     from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
-    from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
 
-    used: list[tuple[int, int]] = []  # the worker's own steps: (requests, block size)
+    used: list[tuple[int, int]] = []  # the eager steps' proposals: (requests, block size)
     fused: list[tuple[int, int]] = []  # fused step graphs: (requests, verify width)
-    real, real_launch = DSparkWorker.propose, FusedGreedySteps.launch
+    real, real_launch = DSparkExecutor._propose, FusedGreedySteps.launch
 
-    def spy(self, reqs, *args):
-        used.append((len(reqs), args[-1]))
-        return real(self, reqs, *args)
+    def spy(self, batch_size, *args):
+        used.append((batch_size, args[-1]))
+        return real(self, batch_size, *args)
 
     def spy_launch(self, width, host_rows, chained):
         fused.append((len(host_rows[0]), width))
         return real_launch(self, width, host_rows, chained)
 
-    monkeypatch.setattr(DSparkWorker, "propose", spy)
+    monkeypatch.setattr(DSparkExecutor, "_propose", spy)
     monkeypatch.setattr(FusedGreedySteps, "launch", spy_launch)
     kw = {
         "speculative_algorithm": "DSpark",
@@ -302,9 +336,9 @@ def test_bs1_runtime_block_size_is_lossless(reference, graphs, monkeypatch):
     steps = used + fused
     assert any(b == 1 for b, _ in steps) and any(b > 1 for b, _ in steps)
     if graphs:
-        spec = engine.scheduler.spec
+        spec = engine.spec
         assert spec.draft_graphs_bs1 is not None
-        assert 6 in spec.graph_verify_widths()
+        assert 6 in spec.worker.graph_verify_widths()
         assert (1, 6) in fused  # the bs1 runtime ran as a fused step graph
         assert spec.fused is not None and spec.fused.has(6, 1) and not spec.fused.has(3, 1)
     else:
@@ -317,7 +351,7 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch, over
     own (ragged) lengths eagerly, and the output still equals target-only greedy decoding. With
     the overlap schedule the fused step graphs run until the context end is near, then the
     worker's own step takes over."""
-    from sgl_dspark.srt.speculative.dspark.worker import DSparkWorker
+    from sgl_dspark.srt.speculative.dspark.executor import DSparkExecutor
 
     prompt = list(range(7, 57))  # 50 tokens; context table of 64
     params = {"temperature": 0.0, "ignore_eos": True, "max_new_tokens": 13}
@@ -325,33 +359,30 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch, over
     def run(**kw) -> tuple[list[int], Engine]:
         engine = Engine(
             model_path="tiny",
+            device="cpu",
             skip_tokenizer_init=True,
             context_length=64,
             max_running_requests=2,
             disable_overlap_schedule=not overlap,
             **kw,
         )
-        spec = engine.scheduler.spec
-        if spec is not None:
-            engine.runner.init_cuda_graphs(
-                1, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
-            )
-            spec.init_cuda_graphs(1, graph_factory=EagerGraph)
+        if engine.spec is not None:
+            engine.init_graphs(1, graph_factory=EagerGraph)
         return engine.generate(input_ids=prompt, sampling_params=params)["output_ids"], engine
 
     rows_seen: list[tuple[list[int], list[int]]] = []
-    real = DSparkWorker._verify_rows
+    real = DSparkExecutor._verify_rows
 
     def spy(self, reqs, lens):
         rows = real(self, reqs, lens)
-        graphs = self.runner.graph_runner
+        graphs = self.decode.target_graphs
         rounded = graphs.width_for(max(lens))
         fits = rounded is not None and reqs[0].kv_len + rounded <= limit
         rows_seen.append((list(lens), list(rows), fits))
         return rows
 
     limit = 64  # context_length 64 is a whole number of pages of the tiny model
-    monkeypatch.setattr(DSparkWorker, "_verify_rows", spy)
+    monkeypatch.setattr(DSparkExecutor, "_verify_rows", spy)
     want, _ = run()
     got, engine = run(speculative_algorithm="DSpark", speculative_dspark_block_size=7)
     assert engine.runner.req_pool.max_context_len == limit
@@ -359,7 +390,7 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch, over
     # graph widths while they fit, the request's own lengths once the rounded width would not
     # (with the overlap schedule, the steps that fit are fused step graphs instead)
     if overlap:
-        assert engine.scheduler.spec.fused.replays > 0
+        assert engine.spec.fused.replays > 0
     else:
         assert any(fits and rows == [8] for _, rows, fits in rows_seen)
     assert any(not fits and rows == lens for lens, rows, fits in rows_seen)

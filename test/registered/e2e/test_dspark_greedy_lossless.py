@@ -40,7 +40,7 @@ def _requests(seed: int, vocab: int) -> tuple[list[list[int]], list[dict]]:
 
 
 def _run(engine_kwargs: dict, prompts, params) -> list[list[int]]:
-    engine = Engine(skip_tokenizer_init=True, context_length=256, **engine_kwargs)
+    engine = Engine(device="cpu", skip_tokenizer_init=True, context_length=256, **engine_kwargs)
     outs = engine.generate(input_ids=prompts, sampling_params=params)
     pages = engine.runner.allocator
     assert pages.num_free_pages == pages.num_usable_pages  # every page came back

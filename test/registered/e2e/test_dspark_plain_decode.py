@@ -34,20 +34,20 @@ def test_width_one_runs_plain_decode_and_stays_lossless(tmp_path):
         speculative_dspark_verify_policy="static",
         speculative_dspark_width_table_path=str(table),
     ) as spec_engine:
-        sched = spec_engine.scheduler
+        spec = spec_engine.spec
         calls = {"plain": 0, "spec": 0}
-        overlapped, spec_step = sched._decode_overlapped, sched.spec.step
+        decode_launch, spec_step = spec.decode.launch, spec.eager_step
 
-        def count_plain():
-            calls["plain"] += 1
-            return overlapped()
+        def count_plain(work, prev):
+            calls["plain"] += not work.prefill
+            return decode_launch(work, prev)
 
         def count_spec(reqs):
             calls["spec"] += 1
             return spec_step(reqs)
 
-        sched._decode_overlapped = count_plain  # type: ignore[method-assign]
-        sched.spec.step = count_spec  # type: ignore[method-assign]
+        spec.decode.launch = count_plain  # type: ignore[method-assign]
+        spec.eager_step = count_spec  # type: ignore[method-assign]
         got = [
             o["output_ids"] for o in spec_engine.generate(input_ids=prompts, sampling_params=params)
         ]
@@ -57,7 +57,7 @@ def test_width_one_runs_plain_decode_and_stays_lossless(tmp_path):
 
 def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
     """With (stand-in) CUDA graphs the plain step is one decode-graph replay that also writes the
-    draft's context KV (the runner's tap hook, captured) and samples greedily inside the graph:
+    draft's context KV (the decode executor's tap consumer, captured) and samples greedily inside the graph:
     tokens and the draft's context KV of every committed position equal the eager engine's, and
     the host sampler only runs for prefill. Only committed positions are compared, when their
     request ends: a verify writes the context KV of every row it verifies, and the graphs verify
@@ -86,41 +86,39 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
     results = {}
     for graphs in (False, True):
         with Engine(**kw) as engine:
-            spec, sched = engine.scheduler.spec, engine.scheduler
+            spec = engine.spec
             if graphs:
-                engine.runner.init_cuda_graphs(
-                    4, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
-                )
-                spec.init_cuda_graphs(4, graph_factory=EagerGraph)
-            for pool in spec.ctx_kv:
+                engine.init_graphs(4, graph_factory=EagerGraph)
+            for pool in spec.worker.ctx_kv:
                 pool.fill_(float("nan"))  # poison: every slot a request uses must be written
             calls = {"sampler": 0, "plain": 0}
             # Each request's draft context KV at its committed positions, read when it ends
             # (later requests reuse its pages).
             committed: list[list[torch.Tensor]] = []
-            done = spec.on_request_done
+            done = spec.on_release
 
             def record_committed(
-                req, _f=done, _c=committed, _pool=engine.runner.req_pool, _kv=spec.ctx_kv
+                req, _f=done, _c=committed, _pool=engine.runner.req_pool, _kv=spec.worker.ctx_kv
             ):
                 slots = _pool.req_to_token[req.slot, : req.kv_len]
                 assert bool((slots > 0).all())
                 _c.append([p[slots].clone() for p in _kv])
                 return _f(req)
 
-            spec.on_request_done = record_committed  # type: ignore[method-assign]
-            sampler_forward, forward = sched.sampler.forward, sched._forward
+            spec.on_release = record_committed  # type: ignore[method-assign]
+            decode = spec.decode
+            sampler_forward, launch = decode.sampler.forward, decode.launch
 
             def count_sampler(*a, _f=sampler_forward, _c=calls):
                 _c["sampler"] += 1
                 return _f(*a)
 
-            def count_plain(work, taps=(), _f=forward, _c=calls):
-                _c["plain"] += all(r.prefill_done for r, _ in work)
-                return _f(work, taps)
+            def count_plain(work, prev, _f=launch, _c=calls):
+                _c["plain"] += not work.prefill
+                return _f(work, prev)
 
-            sched.sampler.forward = count_sampler  # type: ignore[method-assign]
-            sched._forward = count_plain  # type: ignore[method-assign]
+            decode.sampler.forward = count_sampler  # type: ignore[method-assign]
+            decode.launch = count_plain  # type: ignore[method-assign]
             outs = engine.generate(input_ids=prompts, sampling_params=params)
             assert len(committed) == len(prompts)
             results[graphs] = (

@@ -98,7 +98,7 @@ def test_first_three_tokens_follow_target(pair, sp):
         assert len(t) == 4
         counts[t[0], t[1], t[2]] += 1
     # the draft really was tried and often rejected, and sometimes accepted
-    summary = engine.scheduler.spec.metrics.summary()
+    summary = engine.spec.metrics.summary()
     assert summary.verified_drafts >= 2 * N_SAMPLES
     assert 0 < summary.correct_drafts < 0.75 * summary.verified_drafts  # >= 25% rejected
     expected = _exact_joint(engine, SamplingParams.from_dict({**params, "max_new_tokens": 3}))

@@ -1,6 +1,6 @@
 """On a GPU, a DSpark decode step (draft, Markov sampling, verify forward, acceptance, commit) runs
-without a stream synchronisation until its results are read once at the end (issue 3: "no blocking
-host sync inside the step"). Uses CUDA's sync debug mode, which raises on synchronising calls.
+without a stream synchronisation until its results are read once at the end (no blocking host
+sync inside the step). Uses CUDA's sync debug mode, which raises on synchronising calls.
 The MoE family runs on Triton: the torch MoE backend reads expert counts on the host."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark import Engine
-from sgl_dspark.srt.speculative.dspark import worker as worker_mod
+from sgl_dspark.srt.speculative.dspark import executor as executor_mod
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -58,7 +58,7 @@ def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, monkey
     sched.step()  # warm-up: Triton compilation, pinned-memory pools
     torch.cuda.synchronize()
 
-    real_to_host = worker_mod._to_host
+    real_to_host = executor_mod._to_host
     reads = []
 
     def guarded_to_host(*tensors):
@@ -67,11 +67,11 @@ def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, monkey
         reads.append(len(tensors))
         return real_to_host(*tensors)
 
-    monkeypatch.setattr(worker_mod, "_to_host", guarded_to_host)
+    monkeypatch.setattr(executor_mod, "_to_host", guarded_to_host)
     for _ in range(3):
         torch.cuda.set_sync_debug_mode("error")
         try:
-            sched.spec.step(sched.running)
+            engine.spec.eager_step(list(sched.running.values()))
         finally:
             torch.cuda.set_sync_debug_mode(0)
     assert reads == [5, 5, 5]

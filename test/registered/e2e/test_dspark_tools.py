@@ -38,20 +38,20 @@ def test_sts_collection_labels_match_acceptance_and_fit_runs(tmp_path):
         input_ids=[[9, 10, 11], [12, 13], [40, 41, 42, 43]],
         sampling_params={"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True},
     )
-    worker = engine.scheduler.spec
+    spec = engine.spec
     engine.shutdown()
     shards = sorted(glob.glob(stem + ".*.pt"))
     assert shards
     data = [torch.load(s) for s in shards]
     raw = torch.cat([d["raw"] for d in data])
     mask = torch.cat([d["prefix_mask"] for d in data])
-    assert raw.shape == mask.shape and raw.shape[1] == worker.gamma
+    assert raw.shape == mask.shape and raw.shape[1] == spec.worker.gamma
     assert torch.isfinite(raw).all()
     # labels are prefixes (1s then 0s), and their total equals the accepted drafts
     assert torch.all(mask[:, 1:] <= mask[:, :-1])
-    assert int(mask.sum()) == worker.metrics.summary().correct_drafts
+    assert int(mask.sum()) == spec.metrics.summary().correct_drafts
     assert sum(o["meta_info"]["spec_verify_ct"] for o in outs) == raw.shape[0]
     sts_out = str(tmp_path / "sts.json")
     dspark_sts_fit.main(["--data-glob", stem + ".*.pt", "--out", sts_out])
     temps = json.load(open(sts_out))["temperatures"]
-    assert len(temps) == worker.gamma and all(t > 0 for t in temps)
+    assert len(temps) == spec.worker.gamma and all(t > 0 for t in temps)

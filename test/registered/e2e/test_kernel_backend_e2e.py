@@ -15,7 +15,6 @@ import torch
 from sgl_dspark import Engine
 from sgl_dspark.kernels.vocab_argmax import vocab_argmax
 from sgl_dspark.srt.server_args import ServerArgs
-from sgl_dspark.srt.speculative.dspark.accept import accept_step
 from sgl_dspark.srt.speculative.dspark.ops import draft_inputs_torch
 
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
@@ -55,18 +54,20 @@ def _bound(e: Engine) -> dict[str, bool]:
     """Which families the engine's layers bound to Triton (read from the built objects)."""
     model = e.runner.model
     attn = model.model.layers[0].self_attn
+    spec = e.spec
+    decode = spec.decode if spec is not None else e.executor
     out = {
         "rope": _triton_rope_q_kv(attn.rope_q_kv) and _triton_rope(model.compress_rope),
         "mhc": model.hc_boundary is not None,
-        "sampling": e.scheduler.sampler.greedy_argmax is vocab_argmax,
+        "sampling": decode.sampler.greedy_argmax is vocab_argmax,
     }
-    spec = e.scheduler.spec
     if spec is not None:
-        draft_attn = spec.draft.model.layers[0].self_attn
+        worker = spec.worker
+        draft_attn = worker.draft.model.layers[0].self_attn
         assert _triton_rope_q_kv(draft_attn.rope_q_kv) == out["rope"]
-        assert (spec.draft.hc_boundary is not None) == out["mhc"]
-        out["spec"] = spec.accept_fn is not accept_step
-        assert (spec.draft_inputs_fn is not draft_inputs_torch) == out["spec"]
+        assert (worker.draft.hc_boundary is not None) == out["mhc"]
+        out["spec"] = worker.accept_fn.__name__ == "accept_triton"
+        assert (worker.draft_inputs_fn is not draft_inputs_torch) == out["spec"]
     return out
 
 

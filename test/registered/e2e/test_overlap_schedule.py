@@ -65,8 +65,14 @@ def test_greedy_and_seeded_outputs_equal_step_by_step():
         )
     with _engine(True) as engine:
         calls = []
-        orig = engine.scheduler._decode_overlapped
-        engine.scheduler._decode_overlapped = lambda: calls.append(1) or orig()  # type: ignore
+        orig = engine.executor.launch
+
+        def count_chained(work, prev):
+            if prev is not None:
+                calls.append(1)
+            return orig(work, prev)
+
+        engine.executor.launch = count_chained  # type: ignore[method-assign]
         got = engine.generate(input_ids=prompts_all, sampling_params=params, return_logprob=True)
     assert len(calls) > 10  # the overlapped path ran
     assert [_summary(o) for o in got] == [_summary(o) for o in want]
@@ -133,17 +139,15 @@ def _dspark_engine(overlap: bool) -> Engine:
         speculative_algorithm="DSpark",
         speculative_dspark_block_size=4,
     )
-    spec = engine.scheduler.spec
-    engine.runner.init_cuda_graphs(
-        8, spec.graph_verify_widths(), spec.tap_layers, graph_factory=EagerGraph
-    )
-    spec.init_cuda_graphs(8, graph_factory=EagerGraph)
+    engine.init_graphs(8, graph_factory=EagerGraph)
     return engine
 
 
 def _count_chained(engine: Engine) -> list[bool]:
-    fused = engine.scheduler.spec.fused
+    fused = engine.spec.fused
     chained: list[bool] = []
+    if fused is None:  # step by step: the eager step, no fused graphs
+        return chained
     launch = fused.launch
     fused.launch = lambda w, rows, ch, _f=launch, _log=chained: (  # type: ignore[method-assign]
         (_log.append(ch), _f(w, rows, ch))[1]

@@ -1,4 +1,4 @@
-"""Prefill graphs (`PrefillGraphRunner`): EXTEND forwards replayed per token-count bucket give the
+"""Prefill graphs (`PrefillGraphs`): EXTEND forwards replayed per token-count bucket give the
 eager forward's logits, KV state and greedy tokens. On CPU the graphs are `EagerGraph` stand-ins
 with CUDA-graph buffer semantics, which checks the static buffers, the padding rows and requests
 (dummy slot 0) and the device-built compressor row lists; on a GPU the engine captures real
@@ -12,11 +12,10 @@ import pytest
 import torch
 from sgl_dspark import Engine
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
-from sgl_dspark.srt.model_executor.prefill_graph_runner import (
-    PrefillGraphRunner,
-    prefill_token_buckets,
-)
+from sgl_dspark.srt.model_executor.cuda_graph_runner import CudaGraphRunner, EagerGraph
+from sgl_dspark.srt.model_executor.model_runner import TapConsumer
+from sgl_dspark.srt.model_executor.prefill_graphs import PrefillGraphs, prefill_token_buckets
+from sgl_dspark.srt.models.deepseek_v4 import stream_means
 from spec_utils import greedy_requests
 
 N_PROMPTS = 6
@@ -89,6 +88,7 @@ def test_device_row_lists_equal_host_lists(seed):
 
 
 def _poisoned_engine(**kw) -> Engine:
+    kw.setdefault("device", "cpu")
     engine = Engine(
         model_path="tiny",
         skip_tokenizer_init=True,
@@ -139,9 +139,23 @@ def test_prefill_replay_equals_eager_forward(kw):
     writes (slot 0) are excluded."""
     eager, graphed = _poisoned_engine(**kw), _poisoned_engine(**kw)
     factory = None if ON_GPU and kw.get("device") == "cuda" else CountingGraph
-    graphed.runner.prefill_graphs = PrefillGraphRunner(
-        graphed.runner, 128, 4, (1, 3), graph_factory=factory
-    )
+    taps: dict[str, torch.Tensor] = {}
+
+    def tap_recorder(name: str, engine: Engine) -> TapConsumer:
+        # The tap streams of layer 3 as the consumer sees them, inside the graph or eagerly.
+        runner = engine.runner
+        hc, dim = runner.model_cfg.hc_mult, runner.model_cfg.hidden_size
+        buf = taps[name] = torch.full((128, hc, dim), POISON, device=runner.device)
+
+        def record(batch: ForwardBatch, streams: dict[int, torch.Tensor]) -> None:
+            buf[: streams[3].shape[0]].copy_(streams[3])
+
+        return TapConsumer((1, 3), record)
+
+    eager_consumer = tap_recorder("eager", eager)
+    runner_graphs = CudaGraphRunner(graphed.runner.device, graph_factory=factory)
+    prefill = PrefillGraphs(runner_graphs, graphed.runner, 128, 4, tap_recorder("graphed", graphed))
+    runner_graphs.capture()
     g = torch.Generator().manual_seed(11)
     chunks = [[37, 5, 60], [20, 11]]  # chunk 2 continues the first two requests of chunk 1
     ids = [[torch.randint(3, 200, (n,), generator=g).tolist() for n in c] for c in chunks]
@@ -158,10 +172,15 @@ def test_prefill_replay_equals_eager_forward(kw):
             batch = ForwardBatch.build(
                 ForwardMode.EXTEND, chunk_ids, prefix[: len(chunk)], reqs, pool.req_to_token
             )
-            out = engine.runner.forward(batch, (1, 3))
-            outs[name] += [out.logits.clone(), out.hidden_taps[3].clone()]
+            if name == "eager":
+                out = engine.runner.forward(batch, consumer=eager_consumer)
+            else:
+                assert prefill.can_run(batch, ())
+                out = prefill.replay(batch)
+            n = batch.num_tokens
+            outs[name] += [out.logits.clone(), stream_means(taps[name][:n]).clone()]
             prefix = [p + n for p, n in zip(prefix, chunk)] + prefix[len(chunk) :]
-    assert graphed.runner.prefill_graphs.replays == 2
+    assert prefill.replays == 2
     assert CountingGraph.replays == (0 if factory is None else 2)
     # fp32; the GEMMs of T padded rows may sum in another order than those of the real rows
     tol = {"rtol": 1e-4, "atol": 1e-4}
@@ -179,6 +198,7 @@ def _requests():
 def _generate(prefill_tokens: int | None, **kw) -> tuple[list[list[int]], Engine]:
     engine = Engine(
         model_path="tiny",
+        device="cpu",
         skip_tokenizer_init=True,
         context_length=256,
         max_running_requests=N_PROMPTS,
@@ -186,16 +206,7 @@ def _generate(prefill_tokens: int | None, **kw) -> tuple[list[list[int]], Engine
         **kw,
     )
     if prefill_tokens is not None:
-        spec = engine.scheduler.spec
-        engine.runner.init_cuda_graphs(
-            N_PROMPTS,
-            spec.graph_verify_widths() if spec else (1,),
-            spec.tap_layers if spec else (),
-            prefill_max_tokens=prefill_tokens,
-            graph_factory=CountingGraph,
-        )
-        if spec is not None:
-            spec.init_cuda_graphs(N_PROMPTS, graph_factory=CountingGraph)
+        engine.init_graphs(N_PROMPTS, prefill_tokens, graph_factory=CountingGraph)
     engine._eager_extends = 0
 
     def count_eager_extend(module, args):  # an EXTEND forward that reaches the model eagerly
@@ -226,18 +237,24 @@ def test_prefill_graphs_equal_eager_greedy(reference, spec):
     )
     got, engine = _generate(16, **kw)
     assert got == reference
-    graphs = engine.runner.prefill_graphs
+    executor = engine.spec.decode if engine.spec is not None else engine.executor
+    graphs = executor.prefill_graphs
     assert graphs is not None and graphs.buckets == [16] and graphs.replays > 0
     assert (engine._eager_extends > 0) == (spec is None)
 
 
 def test_prefill_graph_request_limit():
     engine = Engine(
-        model_path="tiny", skip_tokenizer_init=True, context_length=64, max_running_requests=4
+        model_path="tiny",
+        device="cpu",
+        skip_tokenizer_init=True,
+        context_length=64,
+        max_running_requests=4,
     )
+    runner_graphs = CudaGraphRunner(engine.runner.device, graph_factory=EagerGraph)
     with pytest.raises(ValueError, match="max-running-requests"):
-        PrefillGraphRunner(engine.runner, 32, 5, graph_factory=EagerGraph)
-    graphs = PrefillGraphRunner(engine.runner, 32, 2, graph_factory=EagerGraph)
+        PrefillGraphs(runner_graphs, engine.runner, 32, 5, None)
+    graphs = PrefillGraphs(runner_graphs, engine.runner, 32, 2, None)
     pool = engine.runner.req_pool
     slots = [pool.alloc_slot() for _ in range(3)]
     for s in slots:
@@ -252,4 +269,4 @@ def test_prefill_graph_request_limit():
     assert not graphs.can_run(batch(ForwardMode.EXTEND, [20, 13]), ())  # 33 tokens
     assert not graphs.can_run(batch(ForwardMode.EXTEND, [2, 2, 2]), ())  # 3 requests
     assert not graphs.can_run(batch(ForwardMode.DECODE, [1, 1]), ())
-    assert not graphs.can_run(batch(ForwardMode.EXTEND, [4]), (1,))  # taps not captured
+    assert not graphs.can_run(batch(ForwardMode.EXTEND, [4]), (1,))  # taps are no outputs

@@ -180,7 +180,7 @@ def test_reference_equals_markov_sample(dtypes) -> None:
     for batch, gamma, vocab, rank in [(1, 7, 37, 8), (3, 4, 1000, 48), (2, 1, 1, 16)]:
         base, w1, w2, anchors = _inputs(batch, gamma, vocab, rank, base_dt, w1_dt, w2_dt, vocab)
         ones = torch.ones(batch, device=DEVICE)
-        ms = markov_sample(base, w1, w2, anchors, ones, ones.bool(), all_greedy=True)
+        ms = markov_sample(base, w1, w2, anchors, ones, ones.bool())
         ref = markov_greedy_ref(base, w1, w2, anchors)
         assert torch.equal(ref.drafts, ms.drafts)
         assert torch.equal(ref.step_logits, ms.step_logits)

@@ -151,7 +151,7 @@ def _dspark_greedy(attention_backend: str) -> list[list[int]]:
         attention_backend=attention_backend,
     )
     try:
-        draft = engine.scheduler.spec.draft
+        draft = engine.spec.worker.draft
         want_fn = draft_attention if attention_backend == "triton" else draft_attention_torch
         calls = [0]
         for stage in draft.model.layers:

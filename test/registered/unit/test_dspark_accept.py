@@ -1,7 +1,6 @@
-"""Runtime acceptance (design dspark.md §2.4, §2.6): greedy, sampled, mixed, cap, finalisation,
-the fixed-point bonus draw, equality of the torch and Triton ("spec" family) implementations on
-identical uniforms, and distributional exactness (chi-square) -- including a detectably biased
-anticipating policy."""
+"""Runtime acceptance: greedy, sampled, mixed, cap, finalisation, the fixed-point bonus draw,
+equality of the torch and Triton ("spec" family) implementations on identical uniforms, and
+distributional exactness (chi-square) -- including a detectably biased anticipating policy."""
 
 from __future__ import annotations
 
@@ -9,24 +8,66 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from sgl_dspark.kernels.spec_accept import FIXED_POINT_BITS, MIN_RESIDUAL_MASS, UNIFORM_BITS
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
-from sgl_dspark.srt.speculative.dspark import accept as accept_mod
-from sgl_dspark.srt.speculative.dspark.accept import (
-    accept_step,
-    greedy_accept,
-    sample_inverse_cdf,
-    sampled_accept,
-)
-from sgl_dspark.srt.speculative.dspark.ops import create_accept_fn
+from sgl_dspark.srt.layers.sampler import SamplingBatchInfo
+from sgl_dspark.srt.layers.sampler import sample_from_probs as sample_inverse_cdf
+from sgl_dspark.srt.sampling import SamplingParams
+from sgl_dspark.srt.speculative.dspark.accept import create_accept_fn
 from sgl_dspark.srt.speculative.dspark.planner import plan_algorithm1
-from sgl_dspark.srt.speculative.dspark.sampling import (
-    TOP_K_ALL,
-    draft_probs,
-    markov_sample,
-    target_probs,
-)
+from sgl_dspark.srt.speculative.dspark.sampling import draft_probs, markov_sample
+from sgl_dspark.srt.speculative.dspark.sampling import target_probs as _target_probs
 from sgl_dspark.srt.speculative.dspark.sps import DiagonalSpsTable
+
+TOP_K_ALL = 1 << 30  # a top-k larger than any vocabulary: no truncation
+
+# The torch backend of acceptance (the reference rules, `spec_accept_ref`).
+accept_step = create_accept_fn(KernelChoice("torch"))
+
+
+def greedy_accept(
+    verify_ids: torch.Tensor, verify_lens: torch.Tensor, chain: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(n, bonus) of all-greedy acceptance against the target argmax chain [B, W]."""
+    vocab = int(max(int(chain.max()), int(verify_ids.max()))) + 1
+    logits = torch.nn.functional.one_hot(chain, vocab).float()
+    batch = verify_ids.shape[0]
+    out = accept_step(
+        verify_ids,
+        verify_lens,
+        torch.zeros(batch, dtype=torch.int64),
+        logits,
+        torch.ones(batch, dtype=torch.bool),
+    )
+    return out.accept_len, out.bonus
+
+
+def sampled_accept(verify_ids, verify_lens, p, q, coins, bonus_u):
+    """(n, bonus) of all-sampled acceptance with target P, draft Q and the given uniforms."""
+    batch = verify_ids.shape[0]
+    out = accept_step(
+        verify_ids,
+        verify_lens,
+        torch.zeros(batch, dtype=torch.int64, device=verify_ids.device),
+        p,
+        torch.zeros(batch, dtype=torch.bool, device=verify_ids.device),
+        p,
+        q,
+        coins,
+        bonus_u,
+    )
+    return out.accept_len, out.bonus
+
+
+def target_probs(logits, temperature, top_k, top_p):
+    """The target distributions of verify logits [B, W, V] for per-row sampling parameters."""
+    params = [
+        SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p))
+        for t, k, p in zip(temperature, top_k, top_p)
+    ]
+    info = SamplingBatchInfo.from_params(
+        params, logits.shape[-1], logits.device, counters=[0] * len(params)
+    )
+    return _target_probs(logits, info)
 
 
 def _logits_with_argmax(chain: torch.Tensor, vocab: int, gen: torch.Generator) -> torch.Tensor:
@@ -147,15 +188,6 @@ def test_inverse_cdf_random_rows_match_integer_reference():
         want = [_inverse_cdf_ref(_fixed(row), float(x)) for row, x in zip(probs.tolist(), u)]
         assert got == want
         assert all(probs[i, t] > 0 for i, t in enumerate(got))
-
-
-def test_fixed_point_constants_match_the_kernel():
-    kernel = {
-        "FIXED_POINT_BITS": FIXED_POINT_BITS,
-        "UNIFORM_BITS": UNIFORM_BITS,
-        "MIN_RESIDUAL_MASS": MIN_RESIDUAL_MASS,
-    }
-    assert {name: getattr(accept_mod, name) for name in kernel} == kernel
 
 
 def _sampled_ref(verify_ids, verify_lens, p, q, coins, bonus_u):
@@ -327,7 +359,9 @@ def test_triton_accept_equals_torch(batch, width, vocab, coarse, mode):
         want = accept_step(ids, lens, seq, logits, greedy, **kw)
         n = torch.minimum(kw["forced_accept"], (lens - 1).clamp(min=0))
         assert torch.equal(want.accept_len, torch.where(lens > 0, n, 0))
-        assert torch.equal(want.bonus, logits.argmax(-1).gather(1, n[:, None]).squeeze(1))
+        real = lens > 0  # a padding row's bonus is its anchor, which nothing reads
+        bonus = logits.argmax(-1).gather(1, n[:, None]).squeeze(1)
+        assert torch.equal(want.bonus[real], bonus[real])
     elif mode != "greedy":
         kw = dict(target_probs=p, draft_probs=q, coins=coins, bonus_uniforms=bonus_u)
     if mode == "capped":
@@ -373,6 +407,8 @@ class ToyModels:
         self.w1 = torch.eye(VOCAB)
         self.w2 = draft_logits.t().contiguous()
         self.gen = gen
+        # The draft's uniforms come from their own stream, as the engine's do.
+        self.draft_gen = torch.Generator().manual_seed(seed + 1)
 
     def target_dist(self, temp, top_k, top_p):
         n = VOCAB
@@ -395,7 +431,7 @@ class ToyModels:
             anchors,
             temps,
             greedy,
-            generator=self.gen,
+            uniforms=torch.rand((n, 2), generator=self.draft_gen),
         )
         verify_ids = torch.cat([anchors.view(-1, 1), draft.drafts], dim=1)
         logits = self.target_logits[verify_ids]  # row j scores the token after verify_ids[:, j]

@@ -124,7 +124,7 @@ def test_bundled_draft_is_found_in_target_dir(tmp_path):
         context_length=128,
         speculative_algorithm="DSpark",
     )
-    assert engine.scheduler.spec.gamma == 4
+    assert engine.spec.worker.gamma == 4
     plain = Engine(model_path=str(d), skip_tokenizer_init=True, context_length=128)
     sp = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     assert (

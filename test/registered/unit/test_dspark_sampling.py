@@ -1,4 +1,4 @@
-"""Markov-head sampling, confidence head and target/draft probability processing (§1.7, §1.8, §5)."""
+"""Markov-head sampling, confidence head and target/draft probability processing."""
 
 from __future__ import annotations
 
@@ -8,15 +8,31 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
+from sgl_dspark.srt.layers.sampler import SamplingBatchInfo, sample_from_probs
+from sgl_dspark.srt.sampling import SamplingParams
 from sgl_dspark.srt.speculative.dspark.sampling import (
-    TOP_K_ALL,
     confidence_head,
     draft_probs,
-    gumbel_noise,
-    is_greedy,
     markov_sample,
-    target_probs,
 )
+from sgl_dspark.srt.speculative.dspark.sampling import target_probs as _target_probs
+
+TOP_K_ALL = 1 << 30  # a top-k larger than any vocabulary: no truncation
+
+
+def _params(temperature, top_k, top_p) -> list[SamplingParams]:
+    return [
+        SamplingParams(temperature=float(t), top_k=int(k), top_p=float(p))
+        for t, k, p in zip(temperature, top_k, top_p)
+    ]
+
+
+def target_probs(logits, temperature, top_k, top_p):
+    params = _params(temperature, top_k, top_p)
+    info = SamplingBatchInfo.from_params(
+        params, logits.shape[-1], logits.device, counters=[0] * len(params)
+    )
+    return _target_probs(logits, info)
 
 
 def _inputs(batch: int, gamma: int, vocab: int, rank: int, seed: int):
@@ -28,7 +44,7 @@ def _inputs(batch: int, gamma: int, vocab: int, rank: int, seed: int):
     return gen, base, w1, w2, anchors
 
 
-def _naive_markov(base, w1, w2, anchors, temperature, greedy, noise):
+def _naive_markov(base, w1, w2, anchors, temperature, greedy, uniforms):
     batch, gamma, _ = base.shape
     drafts, logits, embeds = [], [], []
     for b in range(batch):
@@ -37,8 +53,11 @@ def _naive_markov(base, w1, w2, anchors, temperature, greedy, noise):
         for k in range(gamma):
             e = w1[prev]
             z = base[b, k] + w2 @ e
-            key = z if greedy[b] else z / max(float(temperature[b]), 1e-5) + noise[b, k]
-            x = int(torch.argmax(key))
+            if greedy[b]:
+                x = int(torch.argmax(z))
+            else:
+                probs = torch.softmax(z / max(float(temperature[b]), 1e-5), -1)
+                x = int(sample_from_probs(probs[None], uniforms[b, k : k + 1])[0])
             row_x.append(x), row_z.append(z), row_e.append(e)
             prev = x
         drafts.append(row_x), logits.append(torch.stack(row_z)), embeds.append(torch.stack(row_e))
@@ -51,9 +70,9 @@ def test_markov_loop_matches_naive(batch, gamma, vocab, rank):
     temperature = torch.rand(batch, generator=gen) + 0.3
     temperature[0] = 0.0  # clamped to 1e-5, still a valid sampled row
     greedy = torch.rand(batch, generator=gen) < 0.4
-    noise = gumbel_noise((batch, gamma, vocab), gen)
-    out = markov_sample(base, w1, w2, anchors, temperature, greedy, noise=noise)
-    want_x, want_z, want_e = _naive_markov(base, w1, w2, anchors, temperature, greedy, noise)
+    uniforms = torch.rand((batch, gamma), generator=gen)
+    out = markov_sample(base, w1, w2, anchors, temperature, greedy, uniforms=uniforms)
+    want_x, want_z, want_e = _naive_markov(base, w1, w2, anchors, temperature, greedy, uniforms)
     assert out.drafts.dtype == torch.int64 and out.step_logits.dtype == torch.float32
     assert torch.equal(out.drafts, want_x)
     torch.testing.assert_close(out.step_logits, want_z, rtol=1e-5, atol=1e-5)
@@ -63,26 +82,22 @@ def test_markov_loop_matches_naive(batch, gamma, vocab, rank):
     assert torch.equal(out.markov_embeds, w1[prev])
 
 
-def test_generator_reproducible():
+def test_uniforms_decide_the_draws():
     _, base, w1, w2, anchors = _inputs(4, 3, 20, 4, seed=1)
     temperature, greedy = torch.full((4,), 0.8), torch.zeros(4, dtype=torch.bool)
-    a = markov_sample(
-        base, w1, w2, anchors, temperature, greedy, generator=torch.Generator().manual_seed(9)
-    )
-    b = markov_sample(
-        base, w1, w2, anchors, temperature, greedy, generator=torch.Generator().manual_seed(9)
-    )
-    noise = gumbel_noise((4, 3, 20), torch.Generator().manual_seed(9))
-    c = markov_sample(base, w1, w2, anchors, temperature, greedy, noise=noise)
-    assert torch.equal(a.drafts, b.drafts) and torch.equal(a.drafts, c.drafts)
-    # The all-greedy hint gives the same drafts as greedy rows with noise present.
+    u = torch.rand((4, 3), generator=torch.Generator().manual_seed(9))
+    a = markov_sample(base, w1, w2, anchors, temperature, greedy, uniforms=u)
+    b = markov_sample(base, w1, w2, anchors, temperature, greedy, uniforms=u.clone())
+    c = markov_sample(base, w1, w2, anchors, temperature, greedy, uniforms=1 - u)
+    assert torch.equal(a.drafts, b.drafts) and not torch.equal(a.drafts, c.drafts)
+    # Without uniforms every row is greedy: the same drafts as greedy rows given uniforms.
     all_g = torch.ones(4, dtype=torch.bool)
-    d = markov_sample(base, w1, w2, anchors, temperature, all_g, all_greedy=True)
-    e = markov_sample(base, w1, w2, anchors, temperature, all_g, noise=noise)
+    d = markov_sample(base, w1, w2, anchors, temperature, all_g)
+    e = markov_sample(base, w1, w2, anchors, temperature, all_g, uniforms=u)
     assert torch.equal(d.drafts, e.drafts) and torch.equal(d.step_logits, e.step_logits)
 
 
-def test_gumbel_max_follows_softmax():
+def test_markov_draws_follow_softmax():
     # Two steps of one context, 30k samples: the joint (x1, x2) histogram must match
     # softmax(z1 / T)[x1] * softmax(z2(x1) / T)[x2] -- the Markov bias conditions step 2 on x1.
     vocab, temp, n = 6, 0.7, 30_000
@@ -97,7 +112,7 @@ def test_gumbel_max_follows_softmax():
         anchors,
         torch.full((n,), temp),
         torch.zeros(n, dtype=torch.bool),
-        generator=gen,
+        uniforms=torch.rand((n, 2), generator=gen),
     )
     z1 = base[0, 0] + w2 @ w1[anchors[0]]
     p1 = torch.softmax(z1.double() / temp, -1)
@@ -176,10 +191,10 @@ def test_target_probs_match_naive():
                 logits[b, w], float(temperature[b]), int(top_k[b]), float(top_p[b])
             )
             torch.testing.assert_close(probs[b, w].double(), want, rtol=1e-5, atol=1e-6)
-    assert is_greedy(temperature, top_k).tolist() == [False, False, False, True, True, False, False]
-    # Skipping truncation is exact when no row truncates.
-    plain = target_probs(logits[:1], temperature[:1], top_k[:1], top_p[:1], apply_top_k_top_p=False)
-    torch.testing.assert_close(plain, probs[:1])
+    greedy = [p.is_greedy for p in _params(temperature, top_k, top_p)]
+    assert greedy == [False, False, False, True, True, False, False]
+    # A row without truncation is the plain tempered softmax.
+    torch.testing.assert_close(probs[0], torch.softmax(logits[0], -1))
 
 
 def test_target_probs_hand_derived():
@@ -216,15 +231,13 @@ def test_no_host_sync_on_meta_tensors():
         torch.empty(batch, dtype=torch.int64, device=m),
         torch.empty(batch, device=m),
         torch.empty(batch, dtype=torch.bool, device=m),
-        noise=torch.empty((batch, gamma, vocab), device=m),
+        uniforms=torch.empty((batch, gamma), device=m),
     )
     conf = confidence_head(
         torch.empty((batch, gamma, 7), device=m), out.markov_embeds, torch.empty(7 + rank, device=m)
     )
-    probs = target_probs(
-        torch.empty((batch, 2, vocab), device=m),
-        torch.empty(batch, device=m),
-        torch.empty(batch, dtype=torch.int64, device=m),
-        torch.empty(batch, device=m),
+    info = SamplingBatchInfo.from_params(
+        [SamplingParams(temperature=0.7, top_p=0.9)] * batch, vocab, m, counters=[0] * batch
     )
+    probs = _target_probs(torch.empty((batch, 2, vocab), device=m), info)
     assert out.drafts.device.type == conf.confidence.device.type == probs.device.type == "meta"

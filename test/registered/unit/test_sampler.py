@@ -15,8 +15,8 @@ from sgl_dspark.srt.layers.sampler import (
     Sampler,
     SamplingBatchInfo,
     counter_uniform,
-    inverse_cdf_sample,
     processed_probs,
+    sample_from_probs,
 )
 from sgl_dspark.srt.sampling import SamplingParams
 
@@ -310,13 +310,13 @@ def test_counter_uniform_is_uniform_and_deterministic():
 def test_inverse_cdf_never_picks_zero_mass():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]] * 4)
     u = torch.tensor([0.0, 0.4999, 0.5, 1.0 - 2.0**-24])
-    assert inverse_cdf_sample(probs, u).tolist() == [1, 1, 3, 3]
+    assert sample_from_probs(probs, u).tolist() == [1, 1, 3, 3]
     gen = torch.Generator().manual_seed(0)
     probs = torch.rand(2000, 30, generator=gen) * (torch.rand(2000, 30, generator=gen) < 0.2)
     probs[:, 7] += 1e-3  # every row keeps some mass
     extremes = torch.tensor([0.0, 1.0 - 2.0**-24]).repeat(1000)
     for u in (torch.rand(2000, generator=gen), extremes):
-        picked = inverse_cdf_sample(probs, u)
+        picked = sample_from_probs(probs, u)
         assert (probs.gather(1, picked[:, None]) > 0).all()
 
 

@@ -10,8 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from sgl_dspark import Engine
 from sgl_dspark.launch_server import curl_example, ready_message
-from sgl_dspark.srt.entrypoints.engine import EngineArgs
+from sgl_dspark.srt.model_executor.model_runner import RunnerConfig
 from sgl_dspark.srt.server_args import ServerArgs, make_parser
 
 
@@ -60,14 +61,30 @@ def test_help_lists_every_field_with_help():
 
 
 def test_engine_arguments_are_server_args():
-    """The server builds its Engine from ServerArgs: every Engine argument must be a server
-    flag with the same default once "auto" values are resolved (on CPU here)."""
-    resolved = ServerArgs(model_path="tiny", device="cpu").resolved()
-    server = {f.name for f in dataclasses.fields(ServerArgs)}
-    for f in dataclasses.fields(EngineArgs):
-        assert f.name in server, f"Engine argument {f.name} has no --{f.name.replace('_', '-')}"
-        if f.name != "dtype":  # the engine resolves its own "auto" dtype the same way
-            assert getattr(resolved, f.name) == f.default, f.name
+    """The Engine's arguments are the server's: the record it keeps is the resolved ServerArgs
+    of its keyword arguments, an unknown argument is refused, and the runner's record takes its
+    defaults from ServerArgs."""
+    engine = Engine(model_path="tiny", device="cpu", skip_tokenizer_init=True, context_length=64)
+    assert (
+        engine.args
+        == ServerArgs(
+            model_path="tiny", device="cpu", skip_tokenizer_init=True, context_length=64
+        ).resolved()
+    )
+    with pytest.raises(TypeError, match="not_a_flag"):
+        Engine(model_path="tiny", not_a_flag=1)
+    runner_defaults = RunnerConfig()
+    for f in dataclasses.fields(RunnerConfig):
+        if f.name in ServerArgs.__dataclass_fields__ and f.name not in (
+            "device",
+            "dtype",
+            "kernel_backend",
+        ):
+            assert (
+                getattr(runner_defaults, f.name) == ServerArgs.__dataclass_fields__[f.name].default
+            ), f.name
+    rc = RunnerConfig.from_server_args(engine.args, max_verify_tokens=16)
+    assert (rc.device, rc.dtype, rc.context_length) == ("cpu", "float32", 64)
 
 
 def test_parse_types_defaults_and_resolution():
@@ -91,11 +108,7 @@ def test_parse_types_defaults_and_resolution():
     assert args.port == 8123 and args.skip_tokenizer_init is True
     assert args.dtype == "float16" and args.device == "cpu" and args.kernel_backend == "torch"
     assert args.served_model_name == "tiny" and args.mem_fraction_static == 0.5
-    kwargs = args.engine_kwargs(["chunked_prefill_size", "context_length", "not_a_field"])
-    assert kwargs == {
-        "chunked_prefill_size": args.context_length,
-        "context_length": args.context_length,
-    }
+    assert args.chunked_prefill_size == -1  # no chunking: the scheduler's prefill budget is off
     defaults = ServerArgs.from_cli_args(["--model-path", "m", "--device", "cpu"])
     for f in dataclasses.fields(ServerArgs):
         if f.name not in ("model_path", "device", "dtype", "kernel_backend", "served_model_name"):

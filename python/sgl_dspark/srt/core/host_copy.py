@@ -37,7 +37,7 @@ def to_device_packed(
     device = torch.device(device)
     flat = [v for g in groups for v in g]
     host = torch.tensor(flat, dtype=dtype, pin_memory=device.type == "cuda")
-    whole = host.to(device, non_blocking=True) if device.type == "cuda" else host
+    whole = host.to(device, non_blocking=device.type == "cuda")
     out, start = [], 0
     for g in groups:
         out.append(whole[start : start + len(g)])

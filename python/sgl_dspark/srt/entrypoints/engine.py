@@ -75,7 +75,7 @@ def create_executor(args: ServerArgs, runner: ModelRunner) -> BaseStepExecutor:
     decode = DecodeExecutor(
         runner, consumer=worker.context_kv_consumer, step_window=runner.rc.max_verify_tokens
     )
-    return DSparkExecutor(decode, worker)
+    return DSparkExecutor(decode, worker, fused_steps=not args.disable_overlap_schedule)
 
 
 def init_cuda_graphs(

@@ -25,7 +25,7 @@ import queue
 import threading
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.managers.io_struct import (
@@ -42,13 +42,19 @@ from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 from sgl_dspark.srt.tokenizer import IncrementalDetokenizer
 
 if TYPE_CHECKING:
-    from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
     from sgl_dspark.srt.tokenizer import TokenizerLike
 
 logger = logging.getLogger(__name__)
 
 OutQueue = asyncio.Queue  # of SchedulerOutput
 SPEC_METRICS_INTERVAL_S = 1.0
+
+
+class AcceptanceStats(Protocol):
+    """Speculative acceptance statistics (DSpark's metrics): `summary()` has `request_steps`,
+    `accept_length`, `accept_rate` and `conditional_acceptance`."""
+
+    def summary(self) -> Any: ...
 
 
 class _Stop:
@@ -76,7 +82,7 @@ class SchedulerLoop:
         scheduler: Scheduler,
         tokenizer: TokenizerLike | None,
         step_delay_s: float = 0.0,
-        spec_metrics: DSparkMetrics | None = None,
+        spec_metrics: AcceptanceStats | None = None,
     ) -> None:
         """`spec_metrics`: DSpark's acceptance statistics (None without speculative decoding)."""
         self._scheduler = scheduler

@@ -199,10 +199,15 @@ class CudaGraphRunner:
     def has(self, family: str, key: Hashable) -> bool:
         return (family, key) in self._graphs
 
+    def graph(self, family: str, key: Hashable) -> Graph:
+        """The captured graph of a region (benchmarks replay it alone)."""
+        return self._graphs[(family, key)][0]
+
     def replay(self, family: str, key: Hashable) -> Any:
         """Replay a captured region; returns its (rewritten) outputs."""
         graph, out = self._graphs[(family, key)]
-        graph.replay()
+        with torch.inference_mode():  # (an eager stand-in rewrites the captured outputs)
+            graph.replay()
         self.replays[family] += 1
         return out
 

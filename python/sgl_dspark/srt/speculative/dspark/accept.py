@@ -176,4 +176,5 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
             cap_trim=torch.zeros_like(accept_len),
         )
 
+    accept.__name__ = f"accept_{kernels.of('spec')}"
     return accept

@@ -5,9 +5,9 @@ decoding requests then take one of three paths:
 
 * the verify policy turns speculation off at this batch size (static width 1): a plain decode
   step through the decode executor, which the overlap schedule chains like any decode step;
-* an all-greedy batch at a host-known width with captured fused steps: one fused graph replay
-  (draft, verify, acceptance, context KV), whose next state stays on the device, so the overlap
-  schedule chains these steps too;
+* an all-greedy batch at a host-known width with captured fused steps (with the overlap
+  schedule): one fused graph replay (draft, verify, acceptance, context KV), whose next state
+  stays on the device, so the overlap schedule chains these steps too;
 * otherwise the eager step: draft (graph per bucket when all greedy), verify lengths from the
   policy, the target's verify forward (a graph per width when the batch fits), acceptance (a
   graph per width for all-greedy uniform steps), one read of the results.
@@ -123,9 +123,15 @@ class FusedStep(InflightStep):
 
 
 class DSparkExecutor(BaseStepExecutor):
-    def __init__(self, decode: DecodeExecutor, worker: DSparkWorker) -> None:
+    def __init__(
+        self, decode: DecodeExecutor, worker: DSparkWorker, fused_steps: bool = True
+    ) -> None:
+        """`fused_steps`: run all-greedy steps of host-known widths as fused step graphs when
+        they are captured (with the overlap schedule); otherwise every speculative step is the
+        eager step, the reference path."""
         self.decode = decode
         self.worker = worker
+        self.fused_steps = fused_steps
         self.runner = decode.runner
         self.policy = worker.policy
         # Host-side: fed with the values each step reads anyway.
@@ -193,7 +199,7 @@ class DSparkExecutor(BaseStepExecutor):
                 [0, 0, 1, 0.0, 0],
                 batch_sizes,
             )
-        fused_widths = worker.fused_widths()
+        fused_widths = worker.fused_widths() if self.fused_steps else ()
         if fused_widths:
             runner = self.runner
             self.fused = FusedGreedySteps(
