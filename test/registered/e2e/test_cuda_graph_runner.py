@@ -1,4 +1,4 @@
-"""CUDA-graph runner (issue 7): graphed decode/verify/draft steps produce the same greedy tokens as
+"""CUDA-graph runner: graphed decode/verify/draft steps produce the same greedy tokens as
 eager steps. On CPU the graphs are `EagerGraph` stand-ins with CUDA-graph buffer semantics (the
 capture's output tensors are rewritten by every replay), which checks the static buffers, the
 padding to batch buckets with dummy requests, the uniform verify widths and the draft-graph

@@ -1,6 +1,6 @@
 """On a GPU, a DSpark decode step (draft, Markov sampling, verify forward, acceptance, commit) runs
-without a stream synchronisation until its results are read once at the end (issue 3: "no blocking
-host sync inside the step"). Uses CUDA's sync debug mode, which raises on synchronising calls.
+without a stream synchronisation until its results are read once at the end (no blocking
+host sync inside the step). Uses CUDA's sync debug mode, which raises on synchronising calls.
 The MoE family runs on Triton: the torch MoE backend reads expert counts on the host."""
 
 from __future__ import annotations

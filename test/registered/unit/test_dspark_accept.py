@@ -1,4 +1,4 @@
-"""Runtime acceptance (design dspark.md §2.4, §2.6): greedy, sampled, mixed, cap, finalisation,
+"""Runtime acceptance: greedy, sampled, mixed, cap, finalisation,
 the fixed-point bonus draw, equality of the torch and Triton ("spec" family) implementations on
 identical uniforms, and distributional exactness (chi-square) -- including a detectably biased
 anticipating policy."""
@@ -461,8 +461,9 @@ def test_committed_tokens_follow_target(temp, top_k, top_p, ragged):
 
 
 def test_anticipating_length_policy_is_biased():
-    # App. A: c1 = 0.8 from the context, c2 high only if x1 is in a favoured set. The global argmax
-    # without early stop verifies x1 only when x1 is favoured, which biases the committed token.
+    # A counterexample: c1 = 0.8 from the context, c2 high only if x1 is in a favoured set. The
+    # global argmax without early stop verifies x1 only when x1 is favoured, which biases the
+    # committed token.
     n, anchor, temp = 40_000, 2, 1.0
     models = ToyModels(seed=99)
     dist = models.target_dist(temp, TOP_K_ALL, 1.0)[anchor]

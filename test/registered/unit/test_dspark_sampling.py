@@ -1,4 +1,4 @@
-"""Markov-head sampling, confidence head and target/draft probability processing (§1.7, §1.8, §5)."""
+"""Markov-head sampling, confidence head and target/draft probability processing."""
 
 from __future__ import annotations
 
