@@ -1,4 +1,4 @@
-"""End-to-end engine benchmark (issue 7), side by side in one process on one device:
+"""End-to-end engine benchmark, side by side in one process on one device:
 
 1. HF transformers `DeepseekV4ForCausalLM.generate` (greedy, random weights seeded 0);
 2. ours through `Engine.generate` on the same weights, eager (`--disable-cuda-graph`);
@@ -102,7 +102,7 @@ def time_engine(
         return time.perf_counter() - t0, [o["output_ids"] for o in outs]
 
     run(min(8, new_tokens))  # warm-up (Triton compilation, allocator)
-    t1 = statistics.median(run(1)[0] for _ in range(3))  # one sample moved by up to 15 ms
+    t1 = statistics.median(run(1)[0] for _ in range(3))  # one sample is too noisy
     tn, ids = run(new_tokens)
     return tn, t1, ids
 
@@ -230,8 +230,7 @@ def main() -> None:
         type=int,
         default=None,
         help="repeat the static cases with a second draft routing this many experts "
-        "per token (dspark_num_experts_per_tok; dspark.md reports top-3 for the "
-        "deployed V4.1-Flash draft against the target's top-6)",
+        "per token (dspark_num_experts_per_tok; e.g. 3 against the target's top-6)",
     )
     p.add_argument(
         "--bs1-block-size",

@@ -43,7 +43,7 @@ def random_model(
     """Seeded random weights generated on the device (std 0.02 matrices, unit norms).
 
     Built on the device itself, not on "meta" + `to_empty`: some modules derive non-persistent
-    buffers in their constructors (the triton MoE's K1 expert table, from a host tensor), which
+    buffers in their constructors (the triton MoE's expert-sort table, from a host tensor), which
     a meta build cannot compute and `to_empty` would leave undefined. Integer buffers other than
     the hash table keep those values."""
     with torch.device(device):

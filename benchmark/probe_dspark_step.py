@@ -1,4 +1,4 @@
-"""Where a bs 1 DSpark step's time goes (issue 7): each part of the fused step replayed alone
+"""Where a bs 1 DSpark step's time goes: each part of the fused step replayed alone
 from its own CUDA graph on the device, next to the no-spec decode step of the same build.
 
 Parts (all at bs 1, the bench's mid-size model, draft of `--draft-layers` stages, block `--gamma`):

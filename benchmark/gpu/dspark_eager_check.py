@@ -1,4 +1,4 @@
-"""DSpark eager on a GPU vs CPU greedy (issue 3): the built-in tiny pair, a batch of 8, every
+"""DSpark eager on a GPU vs CPU greedy: the built-in tiny pair, a batch of 8, every
 verify policy; prints whether the GPU tokens equal the CPU target-only greedy tokens.
 
     PYTHONPATH=python python benchmark/gpu/dspark_eager_check.py [--out result.json]

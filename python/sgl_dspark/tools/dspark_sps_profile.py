@@ -6,8 +6,8 @@
 For each batch size bs, bs requests (16-token prompts) decode with simulated acceptance 1.0 (every
 step commits exactly the bonus token, so the batch and its lengths stay fixed) and the full verify
 policy; the step time is the median over the steady steps after a warm-up. The diagonal table maps
-verify tokens bs * (gamma + 1) to steps per second (dspark.md §3.6). A `<out>.records.jsonl` side
-file keeps every measured step.
+verify tokens bs * (gamma + 1) to steps per second (`srt/speculative/dspark/sps.py`). A
+`<out>.records.jsonl` side file keeps every measured step.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@
 
 Each shard is a ``torch.save``d dict with ``raw`` [n, gamma] (raw confidence logits collected
 with identity temperatures) and ``prefix_mask`` [n, gamma] (1 for positions inside the prefix of
-drafts that matched the target). The output is the STS JSON of design `dspark.md` §3.7.
+drafts that matched the target). The output is the STS JSON of `srt/speculative/dspark/sts.py`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""DSpark greedy output equals target-only greedy output, token for token (issue 3): built-in
+"""DSpark greedy output equals target-only greedy output, token for token: built-in
 tiny pair and a random draft written by the init tool for an on-disk target; every verify policy,
 block sizes 1/3/5/7, batch sizes 1/3/8, requests ending mid-block on max_new_tokens or a stop
 token."""

@@ -3,8 +3,8 @@ torch backend, with and without DSpark; per-family overrides bind what they name
 rejected. On CPU the kernels run under the Triton interpreter (slow: few, short prompts); on a GPU
 the same tests run compiled.
 
-Exactness of the wired kernels against the torch path: rope (K13), greedy argmax (K14), accept
-(K15) and draft inputs (K16) are exact; the mHC boundary (K7) is X2 (fp32 tolerance), so the
+Exactness of the wired kernels against the torch path: rope, greedy argmax, accept and draft
+inputs are exact; the mHC boundary agrees within an fp32 tolerance, so the
 greedy comparison relies on the tiny model's clear logit margins (its lm_head is wide on purpose).
 """
 
@@ -40,13 +40,13 @@ def _generate(params: dict, **kw) -> list[list[int]]:
 
 
 def _triton_rope(fn) -> bool:
-    """Whether `rope_impl` bound the K13 kernel's wrapper (its torch binding composes
+    """Whether `rope_impl` bound the Triton rope kernel's wrapper (its torch binding composes
     `apply_rope_tail` with the norm family's RMSNorm)."""
     return fn.__name__ == "rope_tail_triton"
 
 
 def _triton_rope_q_kv(fn) -> bool:
-    """Whether `rope_q_kv_impl` bound K13's fused q + KV launch."""
+    """Whether `rope_q_kv_impl` bound the fused q + KV rope launch (`rope_q_kv`)."""
     return fn.__name__ == "q_kv_triton"
 
 

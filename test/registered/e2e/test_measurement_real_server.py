@@ -1,4 +1,4 @@
-"""The measurement tools against our real CPU server (issue 6 acceptance): an A/A run of ab.py
+"""The measurement tools against our real CPU server: an A/A run of ab.py
 over two launches of the same build yields a CI containing 0; an A/B run whose candidate is
 slowed by the test-only `--debug-step-delay-ms` flag is detected; 5-shot GSM8K on a 20-question
 subset gives 0 differing answers with and without DSpark under greedy."""

@@ -1,5 +1,6 @@
-"""The triton "moe" backend (router K2+K3 -> K1 sort -> grouped GEMMs + K6 -> K4 reduce with the
-shared expert) equals the torch MoE block, and the tiny model generates the same greedy tokens.
+"""The triton "moe" backend (`router_topk` -> `moe_sort` -> grouped GEMMs with the SwiGLU
+epilogue -> `moe_reduce` with the shared expert) equals the torch MoE block, and the tiny model
+generates the same greedy tokens.
 
 Tolerance of the block check (fp32): both sides compute the same fp32 maths with other summation
 orders (slot sum, GEMM K order) and other score transcendentals (exp2/log2 vs softplus), so
@@ -172,7 +173,7 @@ def test_tiny_model_greedy_tokens_match_torch_backend() -> None:
             context_length=256,
         )
         buffers = dict(engine.runner.model.named_buffers())
-        # K1's table exists only when the triton path was built for every layer's experts, and
+        # The sort's table exists only when the triton path was built for every layer's experts, and
         # the runner folded each layer's shared expert into its routed stacks.
         assert ("model.layers.0.mlp.experts.sort_table" in buffers) == (overrides is not None)
         assert all(

@@ -9,8 +9,8 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 S, C, H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
-# Spec §11.1 main config; "sensitivity" variant changes hc_eps / Sinkhorn iterations (§11.1);
-# two more of our own: other layer orders, hc_mult 2, CSA rate 8, sigmoid router, plain rope.
+# A main config and its "sensitivity" variant (other hc_eps / Sinkhorn iterations);
+# two more: other layer orders, hc_mult 2, CSA rate 8, sigmoid router, plain rope.
 _BASE = dict(
     vocab_size=512,
     hidden_size=128,
@@ -83,7 +83,7 @@ PARITY_CONFIGS: dict[str, dict] = {
 
 
 def make_hf_model(name: str, seed: int = 0) -> DeepseekV4ForCausalLM:
-    """HF model with every constant-initialised tensor randomised (spec §11.2)."""
+    """HF model with every constant-initialised tensor randomised (`randomise_constants`)."""
     kwargs = copy.deepcopy(PARITY_CONFIGS[name])
     if kwargs.get("rope_parameters") is None:
         kwargs.pop("rope_parameters", None)

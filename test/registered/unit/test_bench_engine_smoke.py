@@ -58,9 +58,9 @@ def test_bench_engine_toy_cpu(tmp_path):
 
 def test_bench_one_batch_random_model_with_triton_moe():
     """`bench_one_batch.random_model` (also the GPU e2e script's model) with the triton MoE: the
-    experts' K1 table, built from a host tensor in the constructor, must survive the build (a
-    build on "meta" could not make it: "Cannot copy out of meta tensor"), and the seeded weights
-    must be set."""
+    experts' sort table, built from a host tensor in the constructor, must survive the build (a
+    build on "meta" could not make it: "Cannot copy out of meta tensor"), and seeded random
+    weights must be set."""
     sys.path.insert(0, str(ROOT))
     from sgl_dspark.kernels.moe_sort import prepare_moe_sort
     from sgl_dspark.srt.configs.model_config import ModelConfig
@@ -77,4 +77,4 @@ def test_bench_one_batch_random_model_with_triton_moe():
     for m in experts:
         want = prepare_moe_sort(torch.ones(m.n_experts, dtype=torch.int32)).local_table
         assert torch.equal(m.sort_table, want) and bool((m.expert_mask == 1).all())
-        assert m.gate_up_proj.abs().sum() > 0  # the seeded init ran
+        assert m.gate_up_proj.abs().sum() > 0  # the random init ran

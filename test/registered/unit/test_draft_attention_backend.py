@@ -4,7 +4,7 @@ spec) on a tiny random draft and end to end in the built-in tiny model with DSpa
 passes the target's backend to the draft), and the torch core against the kernel module's
 reference.
 
-Not bit-exact (X2): the kernel keeps the softmax in fp32 and sums the keys tile by tile, so fp32
+Not bit-exact: the kernel keeps the softmax in fp32 and sums the keys tile by tile, so fp32
 draft outputs agree to ~1e-6 (asserted at 1e-4 after the stages' MoE and mHC mixing, which can
 amplify a last-ulp difference somewhat); the torch core equals the reference bit for bit.
 """

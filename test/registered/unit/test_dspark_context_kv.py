@@ -3,7 +3,7 @@ replaces, and the draft's rope table against per-forward cos/sin.
 
 `write_context_kv` stores, per stage, rope(kv_norm(kv_proj(main_norm(main_proj(F))))) at the
 given slots in one rope launch per stage (the norm and the scatter inside it on Triton). The
-torch kernels are the composition itself (bit for bit); the Triton path is X2 (its small-M GEMM
+torch kernels are the composition itself (bit for bit); the Triton path is inexact (its small-M GEMM
 and the norm's reduction order), so it is compared with a tolerance. Pool rows outside the slots
 are poisoned and must stay untouched.
 """

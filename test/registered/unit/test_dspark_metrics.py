@@ -1,4 +1,4 @@
-"""DSpark metrics (design dspark.md §6): lazy reduction equals a direct host computation."""
+"""DSpark metrics: lazy reduction equals a direct host computation."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Confidence-scheduled verify lengths: Algorithm 1, async top-K budget/allocation, relay (§3.1-3.3)."""
+"""Confidence-scheduled verify lengths: Algorithm 1, async top-K budget/allocation, relay."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ APP_A_TABLE = DiagonalSpsTable((1, 2, 3), (1.0, 0.5, 0.45), 3)
 
 # ---- independent references ------------------------------------------------------------------
 def _key(survival, r, j):
-    """§3.1 order key: survival descending, then position, then request."""
+    """Candidate order key: survival descending, then position, then request."""
     return (-survival[r][j - 1], j, r)
 
 

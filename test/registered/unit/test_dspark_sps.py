@@ -1,4 +1,4 @@
-"""SPS cost tables: JSON validation, round trip and the three lookups (design dspark.md §3.6)."""
+"""SPS cost tables: JSON validation, round trip and the three lookups."""
 
 from __future__ import annotations
 

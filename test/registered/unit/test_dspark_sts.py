@@ -1,4 +1,4 @@
-"""STS calibration (design dspark.md §3.7): ECE, left-to-right grid fit, JSON record, CLI."""
+"""STS calibration: ECE, left-to-right grid fit, JSON record, CLI."""
 
 from __future__ import annotations
 

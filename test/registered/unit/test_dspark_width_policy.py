@@ -1,4 +1,4 @@
-"""Static per-step verify width policy (design dspark.md §3.4), incl. the upstream behavioural checks."""
+"""Static per-step verify width policy, incl. the behavioural checks of the reference policy."""
 
 from __future__ import annotations
 
@@ -41,7 +41,7 @@ TOKENS = (
 
 
 def synthetic_table() -> DiagonalSpsTable:
-    """Shaped like the MI355X TP4 profile: step time 10 ms + 0.05 ms per verify token."""
+    """A synthetic profile: step time 10 ms + 0.05 ms per verify token."""
     return DiagonalSpsTable(TOKENS, tuple(1000.0 / (10.0 + 0.05 * t) for t in TOKENS), TOKENS[-1])
 
 

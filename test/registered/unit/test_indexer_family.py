@@ -3,7 +3,7 @@ math against the kernels' references (bit for bit: the references are the spec o
 path), and the tiny model end to end (`indexer=triton` gives torch's greedy tokens over decode
 steps that cross many CSA (m=4) and several HCA (m=16) block boundaries).
 
-The Triton pieces are X2 (fp32 sums in another order, see test_indexer.py and
+The Triton pieces are not bit-exact (fp32 sums in another order, see test_indexer.py and
 test_compressor_pool.py), so the end-to-end check compares greedy tokens plus a loose logit bound.
 """
 
@@ -158,7 +158,7 @@ def test_compressor_decode_branch(
     overlap: bool, ratio: int, split: bool, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The torch decode branch equals `compressor_pool_ref` (+ rope) bit for bit on the rows
-    that end a block; the Triton binding writes the same entries within X2 tolerance and leaves
+    that end a block; the Triton binding writes the same entries within tolerance and leaves
     the same ring (also with each row's channels split over programs)."""
     _force_split(monkeypatch, split)
     gen = torch.Generator().manual_seed(11 + ratio)
@@ -218,7 +218,7 @@ def test_compressor_extend_branch(
     torch branch (block-end and ring rows listed from host lengths, no device read) equals
     `compressor_pool_ref` (+ rope) bit for bit on the block ends and leaves exactly the last R
     rows of each request in the ring; the Triton binding (`compressor_extend`) writes the same
-    entries within X2 tolerance and the same ring (also with each row's channels split)."""
+    entries within tolerance and the same ring (also with each row's channels split)."""
     _force_split(monkeypatch, split)
     gen = torch.Generator().manual_seed(21 + ratio)
     hidden, head_dim, ring = 48, 32, 32

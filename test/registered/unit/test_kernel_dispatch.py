@@ -133,7 +133,7 @@ def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
         boundary,
         lambda i, s: got_taps.append((i, s)),
     )
-    # X2: the kernel reduces in another order (fp32), so a tolerance, not equality.
+    # The kernel reduces in another order (fp32), so a tolerance, not equality.
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
     assert no_head is None
     assert [i for i, _ in got_taps] == list(range(num_layers))
@@ -206,7 +206,7 @@ def test_draft_inputs_triton_equals_torch(batch, gamma, window):
 
 def test_last_boundary_with_hyper_head_matches_unfused_and_follows_new_weights():
     """`boundary.close_to_head` (the last stream update with the head's parameters padded to a
-    mixer) equals hc_expand + the hyper head + the final RMSNorm within X2 tolerance, and picks
+    mixer) equals hc_expand + the hyper head + the final RMSNorm within tolerance, and picks
     up replaced head parameters."""
     gen = torch.Generator().manual_seed(21)
     n, d, rows = 4, 96, 5
@@ -249,7 +249,7 @@ def test_rope_store_triton_equals_torch(dtype):
 
 
 def test_linear_family_small_m_kernel_and_blas_fallback():
-    """triton: decode-sized rows through the small-M kernel (X2 vs F.linear), larger or 3-D
+    """triton: decode-sized rows through the small-M kernel (a tolerance vs F.linear), larger or 3-D
     inputs through F.linear itself (bit for bit)."""
     from sgl_dspark.srt.layers.fused_linear import linear_impl
 
@@ -269,7 +269,7 @@ def test_linear_family_small_m_kernel_and_blas_fallback():
 
 def test_grouped_linear_family_small_m_kernel_and_einsum_fallback():
     """The grouped output projection: torch is the einsum; triton sends decode-sized rows to
-    the grouped small-M launch (X2 vs the einsum, each group as `small_m_linear`) and larger
+    the grouped small-M launch (inexact vs the einsum, each group as `small_m_linear`) and larger
     ones to the einsum itself (bit for bit)."""
     from sgl_dspark.kernels.small_m_linear import small_m_linear
     from sgl_dspark.srt.layers.fused_linear import grouped_linear_impl
@@ -293,7 +293,7 @@ def test_grouped_linear_family_small_m_kernel_and_einsum_fallback():
 
 def test_markov_greedy_choice_equals_torch_loop():
     """The spec family's all-greedy Markov loop: the Triton launches give the torch loop's
-    drafts and embeddings (fp32 weights: no rounding of the W2 dot), step logits to X2."""
+    drafts and embeddings (fp32 weights: no rounding of the W2 dot), step logits to a tolerance."""
     from sgl_dspark.srt.speculative.dspark.ops import create_markov_greedy_fn
 
     gen = torch.Generator().manual_seed(12)
@@ -311,7 +311,7 @@ def test_markov_greedy_choice_equals_torch_loop():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_with_pre_norm_dispatch(dtype):
     """`norm=` on the rope family: with rope and norm both Triton the norm runs inside the rope
-    launch (X2 against norm then rope: the sum of squares in another order); with the norm
+    launch (a tolerance against norm then rope: the sum of squares in another order); with the norm
     family overridden to torch, the torch norm runs first and the bits are norm-then-rope's."""
     from sgl_dspark.srt.layers.norm import rms_norm
 
@@ -345,7 +345,7 @@ def test_rope_with_pre_norm_dispatch(dtype):
 def test_rope_q_kv_dispatch(dtype):
     """An attention layer's q + KV rotations (`rope_q_kv_impl`): torch is `rope_impl` for q and
     `rope_store_impl` (or `rope_impl`) for the KV row, bit for bit; triton's one launch gives
-    q the bits of `rope_impl`'s Triton binding and the KV row X2 (norm inside), the bits of the
+    q the bits of `rope_impl`'s Triton binding and the KV row inexact (norm inside), the bits of the
     torch chain when the norm family is torch, and stores only at the slots; a pool of another
     dtype takes the rows converted (the norm then runs before the conversion)."""
     gen = torch.Generator().manual_seed(21)
@@ -378,6 +378,6 @@ def test_rope_q_kv_dispatch(dtype):
         pool = torch.full((20, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         rope_q_kv_impl(TRITON)(q, kv, cos, sin, kv_norm=kv_norm, pool=pool, slots=slots)
         want = apply_rope_tail(rms_norm(kv, *kv_norm).to(torch.bfloat16), cos, sin)
-        # The Triton norm's fp32 sum order may move a bf16 rounding (X2).
+        # The Triton norm's fp32 sum order may move a bf16 rounding.
         torch.testing.assert_close(pool[slots].float(), want.float(), rtol=2**-7, atol=2e-2)
         assert torch.isnan(pool[1].float()).all()

@@ -70,7 +70,7 @@ def tiny_hf_config() -> DeepseekV4Config:
 
 
 def randomise_constants(model: torch.nn.Module, seed: int) -> None:
-    """Spec §11.2: overwrite what HF initialises to 0/1 so every tensor is distinctive."""
+    """Overwrite what HF initialises to 0/1 so every tensor is distinctive."""
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, t in model.state_dict().items():
@@ -130,7 +130,7 @@ def test_released_names_follow_the_release_layout(hf_state, config) -> None:
     n_expert_tensors = sum(1 for k in hf_state if ".mlp.experts." in k)
     assert len(released) == len(hf_state) - n_expert_tensors + 6 * E * 3
     gate_up = hf_state["model.layers.3.mlp.experts.gate_up_proj"]
-    # Hand-picked rows of spec §9.2.
+    # Hand-picked rows of the released <-> HF name table (`name_mapping.py`).
     pairs = {
         "embed.weight": hf_state["model.embed_tokens.weight"],
         "head.weight": hf_state["lm_head.weight"],
@@ -225,7 +225,7 @@ def test_naming_scheme_detection(hf_model, hf_state, config, tmp_path, writer) -
 def dequantised_twin(
     hf_state: dict[str, torch.Tensor], expert_dtype: str
 ) -> dict[str, torch.Tensor]:
-    """What a quantised export must load as, built from this file's list of FP8 modules (§9.3).
+    """What a quantised export must load as, built from this file's list of FP8 modules.
 
     Released experts are quantised one `[out, in]` matrix at a time, so `gate_up_proj` is split
     into its w1 and w3 halves first (their FP8 blocks must not straddle the two)."""

@@ -3,7 +3,7 @@ the kernel's reference (bit for bit: the reference is the spec of the torch path
 keys, and the tiny model end to end (`norm=triton` gives torch's greedy tokens over 30 decode
 steps in fp32).
 
-The Triton RMSNorm is X2 (another fp32 summation order for the mean square, see
+The Triton RMSNorm is not bit-exact (another fp32 summation order for the mean square, see
 test_rmsnorm.py), so the end-to-end check compares greedy tokens plus a loose logprob bound.
 """
 

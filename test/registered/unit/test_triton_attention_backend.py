@@ -2,7 +2,7 @@
 over a paged ReqToTokenPool, and end to end in the tiny model (greedy tokens of prefill, verify
 and decode steps).
 
-Not bit-exact (X2): the kernel's online softmax (and split-K merge for small batches) sums in
+Not bit-exact: the kernel's online softmax (and split-K merge for small batches) sums in
 another order than the torch backend's one-shot softmax; fp32 agrees to ~1e-6.
 """
 

@@ -1,4 +1,4 @@
-"""DSpark draft configuration (dspark.md §1.10): resolved once from the draft's config.json.
+"""DSpark draft configuration: resolved once from the draft's config.json.
 
 Key precedence: `dspark_<key>` at top level > nested `dspark_config` > nested `dflash_config` >
 plain top-level key. The draft stages inherit the V4 layer shape of the target (hidden size, heads,

@@ -47,7 +47,7 @@ class RopeConfig:
 
 @dataclass(frozen=True, slots=True)
 class QuantConfig:
-    """Checkpoint quantisation (spec §9.3). `None` in ModelConfig means unquantised weights."""
+    """Checkpoint quantisation (see `model_loader/quantization.py`); `None` means unquantised."""
 
     quant_method: str = "fp8"
     weight_block_size: tuple[int, int] = (128, 128)

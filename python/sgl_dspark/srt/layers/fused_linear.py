@@ -12,7 +12,7 @@ the old tensor; `ModelRunner` fuses after placement).
 
 Exactness: each output column is the same dot product, but the GEMM sees a wider N and the BLAS
 may pick another kernel (tile or split-K order), so outputs can differ from the separate GEMMs in
-the last bits (X2 class of kernels.md).
+the last bits.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     """The bias-free linear of the "linear" family. torch: `F.linear`. triton: decode-sized
     inputs (2-D, at most `MAX_M` rows, K <= 4096, unit stride along K) go through the small-M kernel
-    `kernels/small_m_linear.py` (narrow column blocks over many programs; X2: another
-    summation order than the BLAS), larger ones through `F.linear` as before."""
+    `kernels/small_m_linear.py` (narrow column blocks over many programs; another summation
+    order than the BLAS), larger ones through `F.linear`."""
     if kernels is None or kernels.of("linear") == "torch":
         return F.linear
     from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_linear
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # K <= 4096: measured on an H200 (benchmark/results/kernels.md), the kernel matches or
-        # beats the BLAS up to K = 1024 and loses ~10% at K = 8192 (DSV4-Flash o_b).
+        # K <= 4096: the kernel matches or beats the BLAS up to K = 1024 and loses to it at
+        # K = 8192 (DSV4-Flash o_b; benchmark/results/kernels.md).
         if (
             x.dim() == 2
             and 0 < x.shape[0] <= MAX_M
@@ -66,8 +66,8 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
     """The grouped bias-free linear of the "linear" family (V4's grouped output projection
     `o_a`). torch: one batched einsum (the BLAS). triton: decode-sized inputs (at most `MAX_M`
     rows, K <= 4096, unit stride along K) as G small-M products in one launch
-    (`kernels/small_m_linear.py::small_m_grouped_linear`; X2 against the BLAS), larger ones
-    through the einsum as before."""
+    (`kernels/small_m_linear.py::small_m_grouped_linear`; not bitwise against the BLAS), larger ones
+    through the einsum."""
     if kernels is None or kernels.of("linear") == "torch":
         return _grouped_linear_torch
     from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_grouped_linear

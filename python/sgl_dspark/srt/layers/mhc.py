@@ -1,4 +1,4 @@
-"""Manifold-constrained hyper-connections (spec §4): coefficients, collapse, stream update, head."""
+"""Manifold-constrained hyper-connections (mHC): coefficients, collapse, stream update, head."""
 
 from __future__ import annotations
 
@@ -131,12 +131,12 @@ class HcBoundary(Protocol):
 def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
 
-    triton: K7 (`kernels/mhc.py::mhc_post_combine`) closes one sublayer (`hc_expand`) and opens
+    triton: `kernels/mhc.py::mhc_post_combine` closes one sublayer (`hc_expand`) and opens
     the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one kernel (two launches: a pass
     split over D, then a per-row finish); `open` (`mhc_pre`) runs the same kernel without the
     stream update for the first sublayer (about 120 small torch kernels otherwise: the Sinkhorn
     loop alone is 3 per iteration); `close_to_head` closes the last sublayer with the hyper head
-    and the final norm in the place of the next mixer and its norm. It is X2 against the
+    and the final norm in the place of the next mixer and its norm. It differs from the
     torch path: the stream update is accumulated in fp32 with fp32 post/comb (`hc_expand` casts
     them to the activation dtype and uses a matmul), and the coefficient reductions run in a
     different order, so outputs agree to a tolerance, not bit for bit.

@@ -1,4 +1,4 @@
-"""DeepSeek-V4 rotary embedding (spec §3): interleaved pairs on the trailing `rd` channels.
+"""DeepSeek-V4 rotary embedding: interleaved pairs on the trailing `rd` channels.
 
 Two rope types exist: "main" (plain RoPE, sliding-only layers) and "compress" (optionally YaRN;
 CSA/HCA layers, their compressors and the indexer). The target model looks its cos/sin rows up in
@@ -31,7 +31,7 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
     if rope.rope_type == "default":
         return inv_freq
 
-    # YaRN (spec §3): blend interpolated and extrapolated frequencies with a linear ramp
+    # YaRN: blend interpolated and extrapolated frequencies with a linear ramp
     # over the pair index; attention_factor stays 1 (DeepSeek-V4 applies no mscale).
     def correction_dim(num_rotations: float) -> float:
         return (
@@ -145,11 +145,11 @@ def _norm_kwargs(norm: PreNorm | None) -> dict[str, Any]:
 def rope_impl(kernels: KernelChoice) -> RopeTailFn:
     """The rope-tail implementation of the "rope" family, bound once by the layer that uses it.
 
-    torch: `apply_rope_tail`. triton: the K13 kernel (`kernels/rope.py::rope_tail`), which equals
+    torch: `apply_rope_tail`. triton: the rope kernel (`kernels/rope.py::rope_tail`), which equals
     `apply_rope_tail` bit for bit (the same separately rounded fp32 products, one RNE round to
     x's dtype). Both take `(x, cos, sin, inverse=False, norm=None)`; the Triton one takes x
     `[N, Dh]` or `[N, H, Dh]` with unit stride along Dh. `norm` (a `PreNorm`) normalises every
-    row of Dh first; with "norm" also Triton that happens inside the rope launch (X2 against
+    row of Dh first; with "norm" also Triton that happens inside the rope launch (inexact against
     the two launches: the sum of squares is reduced in another order; the rounding points are
     the same).
     """
@@ -246,9 +246,9 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
     """An attention layer's rotations at one set of positions, of the "rope" family: the query
     heads (optional `q_norm`) and the KV row (optional `kv_norm`), the latter returned, or with
     `pool`/`slots` stored into the paged pool. torch: `rope_impl` for both (and an index_put).
-    triton: one launch for both (K13's fused design, `kernels/rope_qkv.py`), with the norms
+    triton: one launch for both (`kernels/rope_qkv.py::rope_q_kv`), with the norms
     inside it when "norm" is Triton too; the query rows are `rope_impl`'s bits, the KV row's
-    norm X2 (its sum of squares runs over the launch's warps)."""
+    norm within a tolerance (its sum of squares runs over the launch's warps)."""
     rope = rope_impl(kernels)
     if kernels.of("rope") == "torch":
         store = rope_store_impl(kernels)

@@ -1,4 +1,4 @@
-"""Device KV state of DeepSeek-V4 (spec §5.9), addressed through `ReqToTokenPool`.
+"""Device KV state of DeepSeek-V4, addressed through `ReqToTokenPool`.
 
 Per layer:
 * window KV `[num_slots, Dh]`: the rotated kv of every token at its token slot (K = V);

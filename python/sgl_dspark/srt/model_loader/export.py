@@ -1,9 +1,9 @@
-"""Write an HF-named DeepSeek-V4 state dict as a checkpoint in the released layout (spec §9).
+"""Write an HF-named DeepSeek-V4 state dict as a checkpoint in the released layout.
 
 The inverse of the loader: tensors get released names (routed experts unstacked into per-expert
-`w1/w3/w2`), optionally quantised the way the released V4-Flash checkpoint is (§9.3: dense
+`w1/w3/w2`), optionally quantised the way the released V4-Flash checkpoint is (dense
 linears FP8 with 128x128 E8M0 block scales, routed experts FP8 or MXFP4), and `config.json` uses
-the released (legacy) keys (§1.3). Used by tests to build tiny quantised checkpoints, and by users
+the released (legacy) keys. Used by tests to build tiny quantised checkpoints, and by users
 to re-export a model.
 """
 
@@ -30,7 +30,7 @@ from sgl_dspark.srt.model_loader.weight_utils import INDEX_FILE
 if TYPE_CHECKING:
     from sgl_dspark.srt.configs.model_config import ModelConfig
 
-# Released modules stored as FP8 in V4-Flash (§9.3). Compressor/indexer-compressor projections,
+# Released modules stored as FP8 in V4-Flash. Compressor/indexer-compressor projections,
 # `indexer.weights_proj` and the router stay unquantised.
 _FP8_MODULE_SUFFIXES = (
     "attn.wq_a",
@@ -112,7 +112,7 @@ def released_state_dict(
 def released_config_dict(
     config: ModelConfig, quantize: bool = False, expert_dtype: str = "fp8"
 ) -> dict[str, Any]:
-    """`config.json` contents in the released style (legacy keys of spec §1.3)."""
+    """`config.json` contents in the released style (the legacy keys)."""
     ratios = list(config.compress_ratios)
     d: dict[str, Any] = {
         "architectures": list(config.architectures),
@@ -229,7 +229,7 @@ def save_released_checkpoint(
     expert_dtype: str = "fp8",
     max_shard_bytes: int | None = None,
 ) -> None:
-    """Write `hf_state_dict` (HF names, §9.1) to `out_dir` as a released-layout checkpoint.
+    """Write `hf_state_dict` (HF names) to `out_dir` as a released-layout checkpoint.
 
     Args:
         hf_state_dict: HF-named tensors (e.g. `DeepseekV4ForCausalLM.state_dict()`).

@@ -1,6 +1,6 @@
-"""Tensor names of DeepSeek-V4 checkpoints: released names <-> HF transformers names (spec §9.2).
+"""Tensor names of DeepSeek-V4 checkpoints: released names <-> HF transformers names.
 
-Our model's parameters use exactly the HF names (§9.1). A checkpoint uses one of three schemes:
+Our model's parameters use exactly the HF names. A checkpoint uses one of three schemes:
 * "released": DeepSeek's own names (`embed.weight`, `layers.3.attn.wq_a.weight`, per-expert
   `layers.3.ffn.experts.7.w1.weight`, FP8 block scales as `<linear>.scale`, MTP under `mtp.`);
 * "hf": HF names (`model.layers.3.self_attn.q_a_proj.weight`, stacked experts, scales as

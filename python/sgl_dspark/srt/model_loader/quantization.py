@@ -1,4 +1,4 @@
-"""Checkpoint weight formats of DeepSeek-V4 (spec §9.3): FP8 E4M3 with block scales and MXFP4.
+"""Checkpoint weight formats of DeepSeek-V4: FP8 E4M3 with block scales and MXFP4.
 
 Dequantisers turn stored tensors into float32; quantisers build the same formats (used by the
 exporter and by tests). All scales are powers of two, so dequantisation is exact in float32.

@@ -3,8 +3,8 @@
 * `dsv4_flash_slice`: DeepSeek-V4-Flash per-layer dimensions (D 4096, 64 heads x 512, q rank 1024,
   8 output groups of rank 1024, hc 4, window 128, CSA 4 with a 64x128 indexer (top-512), HCA 128,
   I 2048, top-6) with 4 layers and 96 routed experts (one EP4 rank's share of 384), V 129280:
-  one H200 holds it in bf16.
-* `mid_910m`: the 910M-parameter model of the GPU-runtime issue (HF `generate` baseline).
+  one GPU holds it in bf16.
+* `mid_910m`: the 910M-parameter engine benchmark model (HF `generate` baseline).
 * `toy`: the same layer pattern at toy sizes, for CPU smoke tests of the benchmark scripts.
 """
 

@@ -2,7 +2,7 @@
 
 Module and parameter names equal HF transformers' `DeepseekV4ForCausalLM`, so a `save_pretrained`
 state dict loads by name. One forward serves prefill, chunked prefill, decode and verify
-(spec §2–§7; see `ForwardBatch` for the batch layout and `DeepseekV4KVPool` for the state).
+(see `ForwardBatch` for the batch layout and `DeepseekV4KVPool` for the state).
 """
 
 from __future__ import annotations
@@ -328,7 +328,7 @@ class DeepseekV4ForCausalLM(nn.Module):
         self.kernels = kernels or KernelChoice()
         self.model = DeepseekV4Model(cfg, self.kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # Bound once here (style R11): the compressor/indexer rope and the mHC boundaries.
+        # Bound once here: the compressor/indexer rope and the mHC boundaries.
         self.compress_rope = rope_impl(self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)

@@ -1,4 +1,4 @@
-"""DSpark draft model for DeepSeek-V4 targets (dspark.md §1).
+"""DSpark draft model for DeepSeek-V4 targets.
 
 A block of Q = gamma rows per request ([anchor, mask, ..., mask] at positions s..s+gamma-1) runs
 through `num_stages` V4-style stages (mHC + sliding-window MQA with sinks + MoE). Each stage's
@@ -11,7 +11,7 @@ Parameter names: stages live under `model.layers.{k}` with the target's layer na
 released-name mapping is shared; `main_proj`, `main_norm`, `markov_head.{embed,head}`,
 `confidence_head.proj` are DSpark's own. Embedding and lm_head are the target's (not owned).
 
-Open-question choices (dspark.md §9): block rows and context rows use the "main" rope (the draft
+Choices the released sources leave open: block rows and context rows use the "main" rope (the draft
 is sliding-window only; cos/sin are looked up in the draft's own `RopeTable` once the runtime has
 built it, `build_rope_table`); context features are the target's completed residual after each
 layer in `target_layer_ids` (the V4 convention), averaged over mHC streams.
@@ -89,7 +89,7 @@ def draft_attention_impl(attention_backend: str) -> DraftAttentionFn:
     """The draft attention core for the target's `--attention-backend`, bound once per layer.
 
     torch: `draft_attention_torch`. triton: one launch of `kernels/draft_attention.py`
-    (X2 against torch: fp32 online softmax), which reads the context rows through the slots.
+    (inexact against torch: fp32 online softmax), which reads the context rows through the slots.
     """
     if attention_backend == "torch":
         return draft_attention_torch

@@ -1,4 +1,4 @@
-"""KV compressors of CSA/HCA layers and the lightning indexer (spec §5.3–§5.5, §5.9).
+"""KV compressors of CSA/HCA layers and the lightning indexer, with their decode state.
 
 Both compress blocks of m consecutive tokens into one entry by a per-channel softmax over the
 block's gate scores. CSA ("overlap") entries mix the previous block's first-half channels (Ca)
@@ -67,7 +67,7 @@ def decode_step_impl(kernels: KernelChoice) -> DecodeStepFn | None:
     """The decode/verify step of the "indexer" family, bound once per compressor.
 
     torch: None (the compressor's own torch code, shared with prefill). triton: the one-launch
-    `kernels/compressor_decode.py::compressor_decode`: block pooling (X2: same rounding points,
+    `kernels/compressor_decode.py::compressor_decode`: block pooling (same rounding points,
     fp32 sums in another order), RoPE at the block start, the entry store and the state-ring
     store; prefill keeps the torch code either way.
     """
@@ -81,7 +81,7 @@ def decode_step_impl(kernels: KernelChoice) -> DecodeStepFn | None:
 
 def indexer_scores_impl(kernels: KernelChoice) -> IndexerScoresFn:
     """The indexer scoring of the "indexer" family: `indexer_scores_torch`, or the Triton
-    variable-context kernel `kernels/indexer.py::indexer_logits` (X2: fp32 sums reordered)."""
+    variable-context kernel `kernels/indexer.py::indexer_logits` (fp32 sums reordered)."""
     if kernels.of("indexer") == "torch":
         return indexer_scores_torch
     from sgl_dspark.kernels.indexer import indexer_logits
@@ -98,7 +98,7 @@ def index_topk_impl(kernels: KernelChoice) -> TopkFn:
     """The indexer's top-k selection of the "indexer" family: `index_topk_torch`, or the
     one-launch Triton select `kernels/index_topk.py::index_topk` (the same set up to ties at the
     threshold, which it breaks toward the lower index; ids in ascending order rather than by
-    score, so the attention's entry sums run in another order: X2 end to end). Both return the
+    score, so the attention's entry sums run in another order). Both return the
     selected entries' pool rows (`entry_rows`), the kernel from inside its launch."""
     if kernels.of("indexer") == "torch":
         return index_topk_torch

@@ -11,8 +11,9 @@ from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 class TritonAttentionBackend(BaseAttentionBackend):
     """Same math as `TorchAttentionBackend` in one kernel launch (two for small batches, whose
     key range is split across programs and merged); no host sync, so it can run inside a captured
-    CUDA graph. Numerics: X2 against the torch backend (fp32 online softmax, reordered sums); the
-    inverse rope runs in the output's epilogue, `apply_rope_tail`'s bits on the kernel's output.
+    CUDA graph. Numerics: not bitwise against the torch backend (fp32 online softmax, reordered
+    sums); the inverse rope runs in the output's epilogue, `apply_rope_tail`'s bits on the
+    kernel's output.
     """
 
     def __init__(self) -> None:

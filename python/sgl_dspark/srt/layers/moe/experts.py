@@ -1,26 +1,26 @@
 """Routed experts (stacked `gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`) and the shared
-expert, both SwiGLU with the DeepSeek-V4 clamp (spec §6.3).
+expert, both SwiGLU with the DeepSeek-V4 clamp.
 
-The "moe" kernel family picks the implementation once, at construction (style R11):
+The "moe" kernel family picks the implementation once, at construction:
   * torch: per-expert loop over the routed tokens (reads the expert counts on the host).
-  * triton, no host sync in forward: K1 sort of the routes into 32-row expert blocks ->
-    grouped GEMM stage 1 with the K6 clamped SwiGLU as its epilogue -> grouped GEMM stage 2
-    (`kernels/fused_moe.py`) -> K4 slot-ordered reduce with the shared expert's output added
+  * triton, no host sync in forward: `moe_sort` of the routes into 32-row expert blocks ->
+    grouped GEMM stage 1 with the clamped SwiGLU as its epilogue -> grouped GEMM stage 2
+    (`kernels/fused_moe.py`) -> `moe_reduce`, slot-ordered, with the shared expert's output added
     (`kernels/moe_reduce.py`). Up to `TOKEN_PATH_MAX_M` tokens the routes are not sorted:
-    stage 1 per route (K6 epilogue), then stage 2 per token with K4 as its epilogue
+    stage 1 per route (SwiGLU epilogue), then stage 2 per token with the reduce as its epilogue
     (`kernels/moe_token_gemm.py`): two launches instead of four, the same bits on a GPU.
-    Every expert is local (one GPU): the expert mask is all ones and K1's per-mask table is built
+    Every expert is local (one GPU): the expert mask is all ones and the sort's mask table is built
     once, here in the constructor, from a host tensor (so no device read ever happens); it is a
     non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
-    The routed scale is already in the router's weights, so K4 applies none.
+    The routed scale is already in the router's weights, so the reduce applies none.
     Once the model is placed (`fused_linear.fuse_after_placement`), the shared expert is folded
     into the routed experts' stacks as expert E (`[E + 1, 2I, D]` / `[E + 1, D, I]`; the
     checkpoint parameters become views of them) and the router appends it to every token as
     one more route of weight 1: the same kernels then run it with the routed experts, and its
-    own three launches (gate-up GEMM, K6, down GEMM) go. Its product joins K4's slot-ordered
-    fp32 sum as the last slot instead of being added to the rounded routed sum (X2 against
-    the torch chain, which rounds the routed sum first); the per-token and the sorted paths
-    still give the same bits.
+    own three launches (gate-up GEMM, SwiGLU, down GEMM) go. Its product joins the reduce's
+    slot-ordered fp32 sum as the last slot instead of being added to the rounded routed sum
+    (not bitwise against the torch chain, which rounds the routed sum first); the per-token and
+    the sorted paths still give the same bits.
 """
 
 from __future__ import annotations
@@ -37,12 +37,10 @@ from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 if TYPE_CHECKING:
     from sgl_dspark.kernels.moe_sort import MoeSortPlan
 
-_SORT_BLOCK = 32  # rows per expert block of K1, and the M tile of the grouped GEMMs
+_SORT_BLOCK = 32  # rows per expert block of `moe_sort`, and the M tile of the grouped GEMMs
 # Tokens up to which the unsorted per-route / per-token kernels run (the same bits as the sorted
 # path). Each route streams its expert's weights itself, which stops paying once tokens share
-# experts: routed experts + K4 on the H200, sorted / per-token, 910M model (D 1024, I 512, 64
-# experts): M = 1 18.0 / 11.9 us, M = 4 32.3 / 25.1, M = 7 40.0 / 39.5, M = 16 58.0 / 65.2;
-# DSV4-Flash EP4: 131 / 48, 156 / 116, 175 / 181 (benchmark/kernels/probe_moe_token.py).
+# experts (`benchmark/kernels/probe_moe_token.py`; measured in benchmark/results/kernels.md).
 TOKEN_PATH_MAX_M = 4
 
 
@@ -57,7 +55,7 @@ def _uses_triton(kernels: KernelChoice | None) -> bool:
 
 class RoutedExperts(nn.Module):
     expert_mask: torch.Tensor  # triton backend only: int32 [E], all ones (every expert local)
-    sort_table: torch.Tensor  # triton backend only: K1's local-id table for that mask
+    sort_table: torch.Tensor  # triton backend only: `moe_sort`'s local-id table for that mask
 
     def __init__(
         self,
@@ -198,7 +196,7 @@ class RoutedExperts(nn.Module):
             return self._token_down_reduce(
                 h, down, ids, weights, plan.local_table, plan.num_local, 1.0, shared
             )
-        # hidden_size=0: the grouped GEMMs write per-route rows, so K1's accumulator is unused.
+        # hidden_size=0: the grouped GEMMs write per-route rows, so `moe_sort`'s sum is unused.
         routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
         y = self._fused_moe(
             x, gate_up, down, routes, ids.shape[1], self.limit, block_size=_SORT_BLOCK
@@ -207,7 +205,7 @@ class RoutedExperts(nn.Module):
 
 
 class SharedExpert(nn.Module):
-    """Dense SwiGLU with the clamp; with the triton "moe" backend the activation is K6."""
+    """Dense SwiGLU with the clamp; with the triton "moe" backend the activation is one kernel."""
 
     def __init__(
         self, hidden_size: int, intermediate: int, limit: float, kernels: KernelChoice | None = None
@@ -245,7 +243,7 @@ class SharedExpert(nn.Module):
 
 class SparseMoE(nn.Module):
     """`mlp`: gate (router) + experts + shared_experts; output = routed + shared (with the triton
-    "moe" backend the shared output is added inside the routed reduce, K4)."""
+    "moe" backend the shared output is added inside the routed reduce, `moe_reduce`)."""
 
     def __init__(
         self,

@@ -1,7 +1,7 @@
-"""MoE routers (spec §6.1–§6.2): learned top-k with correction bias, and hash routing.
+"""MoE routers: learned top-k with correction bias, and hash routing.
 
-The "moe" kernel family picks the implementation once, at construction (style R11): "torch" runs
-the module's own torch code; "triton" runs K2+K3 (`kernels/moe_route.py::router_topk`: the gate
+The "moe" kernel family picks the implementation once, at construction: "torch" runs
+the module's own torch code; "triton" runs `kernels/moe_route.py::router_topk` (the gate
 GEMV, scores, biased top-k or the hash table, renormalisation and the routed scale in one launch,
 int32 ids / fp32 weights, no host sync).
 """

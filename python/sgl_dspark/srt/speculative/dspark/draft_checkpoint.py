@@ -1,4 +1,4 @@
-"""DSpark draft checkpoints in SGLang's layout (dspark.md §1.10): tensors under `mtp.<stage>.`,
+"""DSpark draft checkpoints in SGLang's layout: tensors under `mtp.<stage>.`,
 FP8 block scales as `.scale`, per-expert `ffn.experts.<e>.w{1,2,3}` (FP8 or MXFP4).
 
 Stage tensors reuse the target's released-name table (`layers.<k>.<suffix>`), so a draft stage

@@ -1,4 +1,4 @@
-"""DSpark acceptance and timing metrics (design `dspark.md` §6).
+"""DSpark acceptance and timing metrics.
 
 ``record_step`` only launches device ops (in-place adds into device counters, plus small per-step
 tensors kept for lazy reduction); nothing is read back inside the decode step. ``summary``,

@@ -1,6 +1,7 @@
-"""Confidence-scheduled verify lengths (design `dspark.md` §3.1-§3.3).
+"""Confidence-scheduled verify lengths: Algorithm 1 of the DSpark paper (`plan_algorithm1`, a
+greedy walk over the ordered candidates with early stop) and its async top-K variant.
 
-Every policy here is non-anticipating (§2.6): the decision to verify draft x_{r,k} may depend on
+Every policy here is non-anticipating: the decision to verify draft x_{r,k} may depend on
 x_{r,<k} and on independent draws, never on x_{r,k} itself. That is what keeps speculative
 sampling exact, and it is why Algorithm 1 must stop at the first non-improving candidate and why
 the async variant takes its budget from lagged confidences.
@@ -39,7 +40,7 @@ def predicted_throughput(
 def order_candidates(
     survival: Sequence[Sequence[float]], eps: float = VALID_SURVIVAL_EPS
 ) -> list[tuple[int, int]]:
-    """Valid candidates (r, j), j 1-based, in §3.1 order: survival descending, then j ascending,
+    """Valid candidates (r, j), j 1-based, in order: survival descending, then j ascending,
     then r ascending. Candidates with survival < eps (or NaN) are dropped.
 
     Because survival is non-increasing in j and ties go to the smaller j, every set made of the
@@ -64,7 +65,8 @@ def plan_algorithm1(
     table: SpsTable,
     eps: float = VALID_SURVIVAL_EPS,
 ) -> Algorithm1Result:
-    """Paper Algorithm 1: greedy walk over §3.1-ordered candidates with early stop.
+    """Algorithm 1 of the DSpark paper: greedy walk over the candidates in `order_candidates`'s
+    order, stopping at the first one that does not raise the predicted throughput.
 
     Args:
         confidence: [R, gamma] per-position conditional acceptance estimates (host data; a device
@@ -111,7 +113,7 @@ def compute_verify_budget(
     table: SpsTable,
     eps: float = VALID_SURVIVAL_EPS,
 ) -> BudgetResult:
-    """Host budget K_t of the async top-K policy (§3.3), from lagged survival rows.
+    """Host budget K_t of the async top-K policy, from lagged survival rows.
 
     Args:
         lagged_survival: [R, gamma] CPU tensor, survival rows of the R scheduled requests taken
@@ -164,7 +166,8 @@ def allocate_verify_lengths(
     row_valid: torch.Tensor | None = None,
     eps: float = VALID_SURVIVAL_EPS,
 ) -> torch.Tensor:
-    """Device-side allocation of the async top-K policy: verify the first K candidates (§3.1 order).
+    """Device-side allocation of the async top-K policy: verify the first K candidates
+    (`order_candidates`'s order).
 
     Vectorised, no host sync (safe inside a CUDA graph when ``budget`` is a device tensor).
 
@@ -187,7 +190,7 @@ def allocate_verify_lengths(
     if row_valid is not None:
         valid &= row_valid.view(batch, 1)
     # Rank = number of candidates ordered before each one. Flatten position-major (index j*B + r)
-    # so a stable descending sort breaks value ties by j, then r, exactly as §3.1 requires.
+    # so a stable descending sort breaks value ties by j, then r, exactly as `order_candidates`.
     keys = torch.where(valid, survival, torch.full_like(survival, -1.0)).t().reshape(-1)
     order = torch.sort(keys, descending=True, stable=True).indices
     ranks = torch.empty_like(order)
@@ -212,7 +215,8 @@ def survival_or_ones(rows: torch.Tensor, usable: torch.Tensor) -> torch.Tensor:
 
 
 class ConfidenceRelay:
-    """Per-slot confidence buffer plus a ring of ``lag + 1`` host snapshots (§3.3).
+    """Per-slot confidence buffer plus a ring of ``lag + 1`` host snapshots (the async budget's
+    lagged confidences).
 
     ``publish`` runs after every decode step: it scatters the step's confidences into a per-slot
     device buffer and copies the whole buffer (with slot generations) into the next ring entry --

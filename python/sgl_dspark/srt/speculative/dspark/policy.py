@@ -1,10 +1,10 @@
-"""Verify-length policies behind one interface (dspark.md §3), chosen by server args.
+"""Verify-length policies behind one interface, chosen by server args.
 
 * `full`: every request verifies its whole block (1 + gamma tokens).
 * `static`: one width W for the whole batch per step, from a per-device table keyed by batch
-  size, or from the online width policy (§3.4) driven by an SPS table.
-* `confidence`: Algorithm 1 with early stop (§3.2, synchronous) or the async top-K variant
-  (§3.3: budget from lagged confidences, allocation from the current ones).
+  size, or from the online width policy (`width_policy.py`) driven by an SPS table.
+* `confidence`: Algorithm 1 with early stop (`planner.plan_algorithm1`, synchronous) or the async
+  top-K variant (budget from lagged confidences, allocation from the current ones).
 
 All policies are non-anticipating: a length never depends on whether the draft it admits is
 correct, which keeps DSpark lossless.

@@ -1,6 +1,6 @@
 """SPS cost tables: how many target steps per second a decode step of a given size runs at.
 
-Two JSON formats (design `dspark.md` §3.6):
+Two JSON formats:
 
 - diagonal: ``{"sample_batch_tokens": [int, strictly increasing], "sample_steps_per_sec": [float],
   "max_batch_tokens": int}`` -- steps/s as a function of verify tokens per step, profiled in static

@@ -1,4 +1,4 @@
-"""Sequential Temperature Scaling of the confidence head (design `dspark.md` §3.7).
+"""Sequential Temperature Scaling of the confidence head.
 
 The confidence head emits raw logits raw_k per draft position; the runtime uses
 c_k = sigmoid(raw_k / T_k). STS fits T_1..T_gamma left to right so that the cumulative product
@@ -69,7 +69,7 @@ def apply_sts(
 
 @dataclass(frozen=True, slots=True)
 class StsCalibration:
-    """Per-position STS temperatures plus fit diagnostics (the JSON record of §3.7)."""
+    """Per-position STS temperatures plus fit diagnostics (the STS JSON record)."""
 
     temperatures: tuple[float, ...]
     dataset: str = ""

@@ -1,4 +1,4 @@
-"""Collect STS calibration data while serving (dspark.md §3.7): raw confidence logits and the
+"""Collect STS calibration data while serving: raw confidence logits and the
 prefix labels (1 for positions before the first draft that differs from the target's argmax
 chain), written as `<stem>.<i>.pt` shards for `python -m sgl_dspark.tools.dspark_sts_fit`.
 

@@ -1,8 +1,8 @@
-"""Static per-step verify width (design `dspark.md` §3.4).
+"""Static per-step verify width.
 
 Every request of a step verifies the same W tokens (anchor + first W-1 drafts), so the verify maps
 onto one captured graph per (width, batch bucket). The width depends only on the batch size and on
-lagged acceptance statistics, never on this step's drafts, so the policy is exact (§2.6) and
+lagged acceptance statistics, never on this step's drafts, so the policy is exact and
 deterministic across TP ranks that see the same histograms.
 
 Hardware tables: the width policy needs a diagonal SPS table. A user table (JSON path) wins; else a
