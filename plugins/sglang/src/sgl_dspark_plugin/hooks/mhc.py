@@ -5,9 +5,10 @@ fresh ``pre``).
 SGLang's unfused chain there: ``hc_post`` (R' = post * y + comb^T R), then ``hc_pre`` of the
 next hyper-connection on R' (weightless RMS, the ``fn`` projection, sigmoid pre/post, softmax +
 Sinkhorn comb), the collapse sum_j pre_j R'_j and the sublayer's RMSNorm. `mhc_post_combine`
-is that chain in two launches, returning the same (R', post', comb', normed input). R' is bit
-exact (elementwise, the same operand order); the coefficients and the normed input go through
-split reductions and exp/sigmoid lowerings: equal to fp32 rounding, one bf16 ulp on bf16 rows.
+is that chain in two launches, returning the same (R', post', comb', normed input). R' sums the
+streams in a fixed order where SGLang's torch expression reduces in its own; the coefficients
+and the normed input go through split reductions and exp/sigmoid lowerings: equal to fp32
+rounding, R' within one bf16 ulp on bf16 rows.
 
 Taken when the layer runs the V4 scheme (not V4.1's lagged ``pre``), the producer is SGLang's
 plain ``HcUpdate``, the norm is a plain RMSNorm whose epsilon is the mHC one (the kernel uses

@@ -2,10 +2,11 @@
 (sum of the per-slot expert outputs, times the routed scaling factor, into the output rows).
 
 SGLang's runner has already multiplied every slot by its router weight, so the kernel runs with
-unit weights and every slot local: out = round(round(sum_k y[t, k]) * scale), the sum in slot
-order in fp32. SGLang's torch.sum / Triton sum also accumulates in fp32 and rounds once, in its
-own order: equal after rounding to bf16 except where two fp32 orders straddle a rounding
-boundary (at most one bf16 ulp).
+every slot local and the routed scaling factor as each slot's weight: out = round(sum_k scale *
+y[t, k]), the sum in slot order in fp32, rounded once. SGLang's Triton sum (its path where the
+GPU has programmatic launch, the H200 among them) computes round(scale * sum_k y[t, k]) in fp32:
+equal after rounding to bf16 except where the two fp32 values straddle a rounding boundary (at
+most one bf16 ulp). Its torch.compile path (other GPUs) rounds the sum before scaling.
 """
 
 from __future__ import annotations
@@ -32,22 +33,23 @@ TARGET = Target(
 )
 
 
-class _UnitRoutes:
-    """Unit weights, expert-0 ids and a one-expert local mask, kept for the process's life.
+class _ScaleRoutes:
+    """Weights all equal to the scale, expert-0 ids and a one-expert local mask, kept for the
+    process's life.
 
     Buffers are never freed or replaced: a CUDA graph captured with one keeps its address."""
 
     def __init__(self) -> None:
-        self._by_key: dict[tuple[torch.device, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._by_key: dict[tuple[torch.device, int, float], tuple[torch.Tensor, torch.Tensor]] = {}
         self._masks: dict[torch.device, torch.Tensor] = {}
         self._kept: list[torch.Tensor] = []
 
-    def get(self, device: torch.device, rows: int, topk: int):
-        key = (device, topk)
+    def get(self, device: torch.device, rows: int, topk: int, scale: float):
+        key = (device, topk, scale)
         weights, ids = self._by_key.get(key, (None, None))
         if weights is None or weights.shape[0] < rows:
             capacity = max(rows, 2 * (0 if weights is None else weights.shape[0]), 256)
-            weights = torch.ones(capacity, topk, dtype=torch.float32, device=device)
+            weights = torch.full((capacity, topk), scale, dtype=torch.float32, device=device)
             ids = torch.zeros(capacity, topk, dtype=torch.int32, device=device)
             self._by_key[key] = (weights, ids)
             self._kept += [weights, ids]
@@ -58,7 +60,7 @@ class _UnitRoutes:
         return weights[:rows], ids[:rows], mask
 
 
-_UNIT_ROUTES = _UnitRoutes()
+_SCALE_ROUTES = _ScaleRoutes()
 
 
 def around(
@@ -102,6 +104,6 @@ def around(
     if not kernels_run_on(y, out):
         decline(NAME, f"tensors on {y.device.type}")
         return sglang()
-    weights, ids, mask = _UNIT_ROUTES.get(y.device, y.shape[0], y.shape[1])
-    moe_reduce(y, weights, ids, mask, routed_scale=scale, out=out)
+    weights, ids, mask = _SCALE_ROUTES.get(y.device, y.shape[0], y.shape[1], scale)
+    moe_reduce(y, weights, ids, mask, routed_scale=1.0, out=out)
     return out
