@@ -7,11 +7,10 @@ import dataclasses
 
 import pytest
 import sglang
+from _util import ALL_HOOKS, run_python
 from sgl_dspark_plugin import flags, plugin
 from sgl_dspark_plugin.contract import SGLANG_VERSION, PluginContractError, Target, resolve
 from sgl_dspark_plugin.hooks import BY_NAME, HOOKS
-
-from _util import ALL_HOOKS, run_python
 
 
 def test_installed_sglang_is_the_contract_version():

@@ -158,7 +158,9 @@ def _by_expert(weights, ids):
 @pytest.mark.parametrize("tokens, experts, topk", [(1, 64, 6), (7, 384, 6), (20, 256, 8)])
 @pytest.mark.parametrize("renormalize, apply_scale", [(True, True), (True, False), (False, True)])
 @pytest.mark.parametrize("padded", [0, 3])
-def test_router_gate_equals_sglang(monkeypatch, tokens, experts, topk, renormalize, apply_scale, padded):
+def test_router_gate_equals_sglang(
+    monkeypatch, tokens, experts, topk, renormalize, apply_scale, padded
+):
     from sglang.srt.layers.moe import topk as sglang_topk
 
     # SGLang masks padded rows inside its gate on CUDA; this CPU run takes the same branch.

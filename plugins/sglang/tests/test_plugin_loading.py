@@ -12,10 +12,9 @@ import inspect
 import textwrap
 
 import pytest
+from _util import ALL_HOOKS, run_python
 from sgl_dspark_plugin import flags
 from sgl_dspark_plugin.hooks import HOOKS
-
-from _util import ALL_HOOKS, run_python
 
 # (module, entry function or method that starts the process kind)
 PROCESS_ENTRIES = [

@@ -43,7 +43,9 @@ def _num_draft_tokens(value: str, ours: dict[str, str]) -> list[str]:
     try:
         window = int(value)
     except ValueError as exc:
-        raise ArgvError(f"--speculative-num-draft-tokens: expected an integer, got {value!r}") from exc
+        raise ArgvError(
+            f"--speculative-num-draft-tokens: expected an integer, got {value!r}"
+        ) from exc
     if window < 2:
         raise ArgvError(f"--speculative-num-draft-tokens must be >= 2 (gamma + 1), got {window}")
     given = ours.get("--speculative-dspark-block-size")
@@ -121,12 +123,16 @@ def translate(
     return out
 
 
-def _sglang_only(flag: str, values: list[str], given: dict[str, str], out: Translation) -> list[str]:
+def _sglang_only(
+    flag: str, values: list[str], given: dict[str, str], out: Translation
+) -> list[str]:
     if flag in MAPPED:
         if len(values) != 1:
             raise ArgvError(f"{flag}: expected one value")
         mapped = MAPPED[flag](values[0], given)
-        out.notes.append(f"{flag} {values[0]}: mapped to {' '.join(mapped) or 'the given block size'}")
+        out.notes.append(
+            f"{flag} {values[0]}: mapped to {' '.join(mapped) or 'the given block size'}"
+        )
         return mapped
     if flag in SINGLE_VALUE:
         if values != [SINGLE_VALUE[flag]]:

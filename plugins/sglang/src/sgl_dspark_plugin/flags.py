@@ -33,9 +33,7 @@ def enabled_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     unknown = [n for n in names if n not in BY_NAME]
     if unknown:
-        raise PluginContractError(
-            f"{ENV}: unknown hook(s) {unknown}; known: {sorted(BY_NAME)}"
-        )
+        raise PluginContractError(f"{ENV}: unknown hook(s) {unknown}; known: {sorted(BY_NAME)}")
     return names
 
 
