@@ -9,7 +9,13 @@ import pytest
 import sglang
 from _util import ALL_HOOKS, run_python
 from sgl_dspark_plugin import flags, plugin
-from sgl_dspark_plugin.contract import SGLANG_VERSION, PluginContractError, Target, resolve
+from sgl_dspark_plugin.contract import (
+    SGLANG_VERSION,
+    PluginContractError,
+    Target,
+    resolve,
+    resolve_ours,
+)
 from sgl_dspark_plugin.hooks import BY_NAME, HOOKS
 
 
@@ -21,6 +27,21 @@ def test_installed_sglang_is_the_contract_version():
 def test_kernel_hook_target_resolves(spec):
     target = resolve(spec.target)
     assert callable(target)
+
+
+@pytest.mark.parametrize("spec", HOOKS, ids=lambda s: s.name)
+def test_what_each_hook_runs_of_ours_resolves(spec):
+    assert spec.ours and all(callable(resolve_ours(name)) for name in spec.ours)
+
+
+def test_a_moved_implementation_of_ours_stops_the_process(monkeypatch):
+    spec = BY_NAME["silu_mul_clamp"]
+    moved = dataclasses.replace(spec, ours=("sgl_dspark.kernels:silu_mul_clamp_renamed",))
+    monkeypatch.setitem(BY_NAME, spec.name, moved)
+    monkeypatch.setenv(flags.ENV, spec.name)
+    monkeypatch.setattr(plugin, "registered", set())
+    with pytest.raises(SystemExit, match="silu_mul_clamp_renamed"):
+        plugin.register()
 
 
 @pytest.mark.parametrize("target", [flags.ADD_CLI_ARGS, flags.FROM_CLI_ARGS], ids=str)

@@ -63,6 +63,18 @@ def resolve(target: Target) -> Any:
     return getattr(owner, attr)
 
 
+def resolve_ours(name: str) -> Any:
+    """An sglang-dspark object a hook calls ("module:attribute"); raises PluginContractError, so
+    a hook never discovers at its first call that this checkout moved or renamed it."""
+    try:
+        return pkgutil.resolve_name(name)
+    except (ImportError, AttributeError, ValueError) as exc:
+        raise PluginContractError(
+            f"sglang-dspark has no {name} ({type(exc).__name__}: {exc}); reinstall the plugin "
+            "from the same checkout as sglang-dspark"
+        ) from exc
+
+
 def _unwrapped(function: Callable[..., Any]) -> Callable[..., Any]:
     """The original function under any hook wrappers already applied (``__wrapped__`` chain):
     the contract is about SGLang's definition, not about who patched it first."""

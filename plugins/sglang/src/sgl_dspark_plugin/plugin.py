@@ -13,7 +13,7 @@ import logging
 from collections.abc import Iterable
 
 from sgl_dspark_plugin import flags
-from sgl_dspark_plugin.contract import PluginContractError, is_hooked_by, resolve
+from sgl_dspark_plugin.contract import PluginContractError, is_hooked_by, resolve, resolve_ours
 from sgl_dspark_plugin.hooks import BY_NAME
 
 logger = logging.getLogger("sgl_dspark_plugin")
@@ -54,6 +54,8 @@ def install(names: Iterable[str], *, apply_now: bool) -> None:
     new = [BY_NAME[name] for name in names if name not in registered]
     for spec in new:
         resolve(spec.target)
+        for name in spec.ours:
+            resolve_ours(name)
     for spec in new:
         HookRegistry.register(spec.target.path, spec.around, HookType.AROUND)
         registered.add(spec.name)

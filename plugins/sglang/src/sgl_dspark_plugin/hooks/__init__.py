@@ -19,11 +19,12 @@ class HookSpec:
     help: str
     target: Target
     around: Callable[..., Any]
+    ours: tuple[str, ...]  # sglang-dspark names the hook calls ("module:attribute")
 
 
 def _spec(module: ModuleType, help: str) -> HookSpec:
     flag = "--enable-dspark-" + module.NAME.replace("_", "-")
-    return HookSpec(module.NAME, flag, help, module.TARGET, module.around)
+    return HookSpec(module.NAME, flag, help, module.TARGET, module.around, module.OURS)
 
 
 HOOKS: tuple[HookSpec, ...] = (

@@ -17,6 +17,7 @@ from sgl_dspark_plugin.contract import Target
 from sgl_dspark_plugin.hooks._common import decline, kernels_run_on
 
 NAME = "silu_mul_clamp"
+OURS = ("sgl_dspark.kernels:silu_mul_clamp",)
 TARGET = Target(
     "sglang.kernels.ops.activation.silu_and_mul_clamp.silu_and_mul_clamp",
     ("input", "output", "swiglu_limit"),

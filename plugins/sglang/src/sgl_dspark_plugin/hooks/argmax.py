@@ -16,6 +16,8 @@ from sgl_dspark_plugin.contract import Target
 from sgl_dspark_plugin.hooks._common import decline, kernels_run_on
 
 NAME = "greedy_argmax"
+# What it runs of sglang-dspark (checked at install like the target).
+OURS = ("sgl_dspark.kernels:vocab_argmax",)
 TARGET = Target(
     "sglang.kernels.ops.speculative.dspark.dspark_accept._row_argmax", ("logits", "fused")
 )

@@ -27,6 +27,7 @@ from sgl_dspark_plugin.contract import Target
 from sgl_dspark_plugin.hooks._common import decline, kernels_run_on
 
 NAME = "mhc_post_combine"
+OURS = ("sgl_dspark.kernels:mhc_post_combine",)
 TARGET = Target(
     "sglang.srt.models.deepseek_v4_boundary.HcReadCall.update_and_read",
     ("self", "update", "value", "residual", "norm", "kwargs"),

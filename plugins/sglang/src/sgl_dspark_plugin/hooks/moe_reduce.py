@@ -19,6 +19,7 @@ from sgl_dspark_plugin.contract import Target
 from sgl_dspark_plugin.hooks._common import decline, kernels_run_on
 
 NAME = "moe_route_reduce"
+OURS = ("sgl_dspark.kernels:moe_reduce",)
 TARGET = Target(
     "sglang.srt.layers.moe.moe_runner.triton_utils.fused_moe.moe_combine_topk",
     (

@@ -26,6 +26,7 @@ from sgl_dspark_plugin.contract import Target
 from sgl_dspark_plugin.hooks._common import decline, kernels_run_on
 
 NAME = "router_gate"
+OURS = ("sgl_dspark.kernels:router_topk",)
 TARGET = Target(
     "sglang.srt.layers.moe.topk.biased_topk_jit_kernel_impl",
     (

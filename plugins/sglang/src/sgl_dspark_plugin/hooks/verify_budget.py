@@ -21,6 +21,11 @@ from sgl_dspark_plugin.contract import Target
 from sgl_dspark_plugin.hooks._common import decline
 
 NAME = "verify_budget"
+OURS = (
+    "sgl_dspark.srt.speculative.dspark.planner:compute_verify_budget",
+    "sgl_dspark.srt.speculative.dspark.sps:sps_table_from_json_dict",
+    "sgl_dspark.srt.speculative.dspark.sps:AdditiveSpsTable",
+)
 TARGET = Target(
     "sglang.srt.speculative.dspark_components.dspark_planner.compute_verify_token_budget",
     ("history_survival_probs", "sps_table", "cfg"),
