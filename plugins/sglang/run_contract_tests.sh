@@ -5,11 +5,11 @@
 #
 #   bash plugins/sglang/run_contract_tests.sh [pytest args...]
 #
-# SGL_DSPARK_SGLANG_VENV: where the venv lives (default: ~/.cache/sglang-dspark/venv-sglang-0.5.23).
+# DSPARK_SGLANG_VENV: where the venv lives (default: ~/.cache/sglang-dspark/venv-sglang-0.5.23).
 set -euo pipefail
 here="$(cd "$(dirname "$0")" && pwd)"
 repo="$(cd "$here/../.." && pwd)"
-venv="${SGL_DSPARK_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/sglang-dspark/venv-sglang-0.5.23}"
+venv="${DSPARK_SGLANG_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/sglang-dspark/venv-sglang-0.5.23}"
 py="$venv/bin/python"
 sglang_version="0.5.23"
 

@@ -3,7 +3,7 @@
 SGLang calls ``load_plugins()`` at the start of each process kind; the first test pins that
 contract (the call is in the entry function's body). The others run each process kind's module
 in a fresh interpreter, load the plugins the way that module does, and check the hooks named in
-``SGL_DSPARK_PLUGIN_HOOKS`` (inherited from the launching process) are in place."""
+``DSPARK_PLUGIN_HOOKS`` (inherited from the launching process) are in place."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ def test_flags_parse_and_install_in_the_launching_process():
         " '--enable-dspark-mhc-post-combine'])\n"
         "from sgl_dspark_plugin.contract import is_hooked_by\n"
         "from sgl_dspark_plugin.hooks import HOOKS\n"
-        "print(os.environ['SGL_DSPARK_PLUGIN_HOOKS'])\n"
+        "print(os.environ['DSPARK_PLUGIN_HOOKS'])\n"
         "print(sorted(args._sgl_dspark_hooks))\n"
         "print(sorted(s.name for s in HOOKS if is_hooked_by(s.target, s.around)))\n"
     )
@@ -99,7 +99,7 @@ def test_without_flags_nothing_is_hooked():
         "args = prepare_server_args(['--model-path', 'x'])\n"
         "from sgl_dspark_plugin.contract import is_hooked_by\n"
         "from sgl_dspark_plugin.hooks import HOOKS\n"
-        "print('env=' + os.environ.get('SGL_DSPARK_PLUGIN_HOOKS', '<unset>'))\n"
+        "print('env=' + os.environ.get('DSPARK_PLUGIN_HOOKS', '<unset>'))\n"
         "print([s.name for s in HOOKS if is_hooked_by(s.target, s.around)])\n"
         "print(getattr(args, '_sgl_dspark_hooks'))\n"
     )

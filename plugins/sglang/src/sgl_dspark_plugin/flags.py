@@ -2,10 +2,10 @@
 
 An AFTER hook on ``ServerArgs.add_cli_args`` adds one ``--enable-dspark-*`` flag per hook (off
 by default). An AFTER hook on ``ServerArgs.from_cli_args`` reads them, exports the chosen names
-in ``SGL_DSPARK_PLUGIN_HOOKS`` (the scheduler, detokenizer and data-parallel processes that
+in ``DSPARK_PLUGIN_HOOKS`` (the scheduler, detokenizer and data-parallel processes that
 SGLang starts inherit the environment, and `plugin.register` reads it when each one loads its
 plugins) and installs them in the launching process. ``sglang.Engine`` users, who pass no CLI,
-set ``SGL_DSPARK_PLUGIN_HOOKS`` themselves.
+set ``DSPARK_PLUGIN_HOOKS`` themselves.
 """
 
 from __future__ import annotations
@@ -17,7 +17,8 @@ from typing import Any
 from sgl_dspark_plugin.contract import PluginContractError, Target
 from sgl_dspark_plugin.hooks import BY_NAME, HOOKS
 
-ENV = "SGL_DSPARK_PLUGIN_HOOKS"
+# Not SGL_*: SGLang rewrites every SGL_* variable to SGLANG_* with a deprecation warning.
+ENV = "DSPARK_PLUGIN_HOOKS"
 ADD_CLI_ARGS = Target("sglang.srt.server_args.ServerArgs.add_cli_args", ("parser",))
 FROM_CLI_ARGS = Target("sglang.srt.server_args.ServerArgs.from_cli_args", ("cls", "args"))
 _GROUP_TITLE = "sglang-dspark kernel hooks (plugin)"
@@ -28,7 +29,7 @@ def dest(name: str) -> str:
 
 
 def enabled_from_env(environ: dict[str, str] | None = None) -> tuple[str, ...]:
-    """Hook names listed in SGL_DSPARK_PLUGIN_HOOKS; an unknown name is an error."""
+    """Hook names listed in DSPARK_PLUGIN_HOOKS; an unknown name is an error."""
     raw = (os.environ if environ is None else environ).get(ENV, "")
     names = tuple(n.strip() for n in raw.split(",") if n.strip())
     unknown = [n for n in names if n not in BY_NAME]

@@ -3,7 +3,7 @@ that loads plugins (the CLI, ``launch_server``, ``Engine``, the scheduler, the d
 the data-parallel controller).
 
 It always hooks SGLang's argument parser (the ``--enable-dspark-*`` flags), and hooks the kernel
-targets named in ``SGL_DSPARK_PLUGIN_HOOKS``. Every target is checked against the contract first;
+targets named in ``DSPARK_PLUGIN_HOOKS``. Every target is checked against the contract first;
 a mismatch stops the process (`SystemExit` with the reason) instead of serving without the hook.
 """
 

@@ -14,7 +14,7 @@ from sgl_dspark_plugin.hooks import activation, argmax, mhc, moe_reduce, router,
 
 @dataclass(frozen=True)
 class HookSpec:
-    name: str  # also the value in SGL_DSPARK_PLUGIN_HOOKS
+    name: str  # also the value in DSPARK_PLUGIN_HOOKS
     flag: str  # the SGLang CLI flag that turns it on
     help: str
     target: Target
