@@ -319,9 +319,9 @@ class V41Reference:
         kv = x @ self.p(pre + "wkv.weight").T
         if m == 1:
             return rmsnorm(kv, self.p(pre + "norm.weight"), self.eps)
-        groups = x.shape[0] // m
-        z = (x @ self.p(pre + "wgate.weight").T)[: groups * m].reshape(groups, m, -1)
-        kv = kv[: groups * m].reshape(groups, m, -1)
+        groups, width = x.shape[0] // m, kv.shape[1]
+        z = (x @ self.p(pre + "wgate.weight").T)[: groups * m].reshape(groups, m, width)
+        kv = kv[: groups * m].reshape(groups, m, width)
         pooled = (torch.softmax(z, dim=1) * kv).sum(1)
         return rmsnorm(pooled, self.p(pre + "norm.weight"), self.eps)
 
