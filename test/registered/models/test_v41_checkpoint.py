@@ -131,13 +131,18 @@ def test_hf_module_names_load_like_the_released_names(tmp_path):
     renamed = {
         ("lm_head.weight" if k == "head.weight" else "model." + k): v for k, v in tensors.items()
     }
+    # what the multimodal release adds: vision tower, aligner, image markers, DSpark stages
+    extra = ["vision.blocks.0.attn.qkv.weight", "aligner.proj.weight", "image_newline"]
+    renamed.update({k: torch.ones(2, 2) for k in [*extra, "mtp.0.main_norm.weight"]})
     d = _model_dir(C2, tmp_path / "hf", renamed)
     cfg = ModelConfig.from_pretrained(str(C2))
     a = load_state_dict(str(C2), cfg, torch.float32, V41_NAMES)
     b = load_state_dict(str(d), cfg, torch.float32, V41_NAMES)
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    # dropped: the vision-only router bias and the scale of the fp32 Engram table
+    # dropped: the vision-only router bias, the scale of the fp32 Engram table, the vision and
+    # DSpark tensors
     assert not any("bias_vl" in k or k.endswith("embed.scale") for k in a)
+    assert not any(k.startswith(("model.vision", "model.aligner", "model.image")) for k in b)
 
 
 def test_malformed_fp4_scale_is_refused_by_name(tmp_path):

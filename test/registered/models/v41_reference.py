@@ -1,8 +1,9 @@
 """An independent fp32 reference of the DeepSeek-V4.1 text model, for tests only.
 
-Written from the architecture description in docs (single-pass mHC, CSA2 compressor ratios 1/2,
+Written from a description of the architecture (single-pass mHC, CSA2 compressor ratios 1/2,
 shared latents, the V4.1 indexer with reused top-k and candidate blocks, Engram, MoE with
-`gate_temp`, the QAT fake-quantisers) and sharing no code with `sgl_dspark`: it reads
+`gate_temp`, the QAT fake-quantisers), not from the engine, and sharing no code with
+`sgl_dspark`: it reads
 `config.json`, `model.safetensors` (released tensor names) and `tokenizer.json` itself, and runs
 one whole sequence at a time (no cache, positions 0..S-1), every rule written per query row.
 Decode logits are the rows of a longer one-shot run: every visibility rule is positional, so a

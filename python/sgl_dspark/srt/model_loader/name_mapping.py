@@ -115,6 +115,7 @@ class NameTable:
     layer_plain: dict[str, str]
     load_only_aliases: dict[str, str] = field(default_factory=dict)
     dropped_layer_suffixes: frozenset[str] = frozenset()
+    dropped_prefixes: tuple[str, ...] = ()
     scale_only_if_fp8: frozenset[str] = frozenset()
     fp8_block_overrides: dict[str, tuple[int, int]] = field(default_factory=dict)
 
@@ -187,6 +188,8 @@ V41_NAMES = NameTable(
     },
     # The router bias of image tokens: text-only serving never routes an image token.
     dropped_layer_suffixes=frozenset({"ffn.gate.bias_vl"}),
+    # The vision tower, its aligner and the image marker embeddings of the multimodal release.
+    dropped_prefixes=("vision.", "aligner.", "image_start", "image_end", "image_newline"),
     # The Engram table's per-row scales (per 32 channels) apply to an FP8 table only.
     scale_only_if_fp8=frozenset({"engram.embed"}),
     fp8_block_overrides={"engram.embed": (1, 32)},
@@ -307,6 +310,9 @@ def parse_checkpoint_name(
     bare = name.removeprefix("model.")
     if bare.startswith("mtp."):
         logger.debug("dropping MTP tensor %s (the MTP layer is not loaded)", name)
+        return None
+    if bare.startswith(table.dropped_prefixes):
+        logger.debug("dropping %s (not used by the text model)", name)
         return None
     hf_bare = table.hf_global_bare
     if bare in hf_bare and (name != bare or bare not in table.global_names):
