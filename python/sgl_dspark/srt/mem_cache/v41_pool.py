@@ -45,8 +45,10 @@ def _next_pow2(x: int) -> int:
 
 
 class QuantizedRows:
-    """`rows` cache rows of `dim` channels in the packed form of one quantiser (elements and
-    scales), or plain in `dtype` when `dim` is not a multiple of its block."""
+    """`rows` cache rows of `dim` channels in the packed form of one quantiser, or plain in
+    `dtype` when `dim` is not a multiple of its block. Packed elements and scales are kept as
+    raw bytes (uint8; FP8 codes are viewed as `float8_e4m3fn` only to convert them), so every
+    device indexes them like any byte tensor."""
 
     def __init__(
         self,
@@ -58,20 +60,13 @@ class QuantizedRows:
     ) -> None:
         self.fmt, self.dim, self.dtype = fmt, dim, dtype
         self.packed = fq.quantizes(dim, _BLOCKS[fmt])
-        self.data: torch.Tensor
         self.scales: torch.Tensor | None = None
         if not self.packed:
             self.data = torch.zeros(rows, dim, dtype=dtype, device=device)
-        elif fmt == "fp8_window":
-            self.data = torch.zeros(rows, dim, dtype=torch.float8_e4m3fn, device=device)
-            self.scales = torch.zeros(
-                rows, dim // fq.WINDOW_BLOCK, dtype=torch.uint8, device=device
-            )
-        else:
-            self.data = torch.zeros(rows, dim // 2, dtype=torch.uint8, device=device)
-            scale_dtype = torch.float8_e4m3fn if fmt == "fp4_latent" else torch.uint8
-            n_scales = dim // _BLOCKS[fmt]
-            self.scales = torch.zeros(rows, n_scales, dtype=scale_dtype, device=device)
+            return
+        width = dim if fmt == "fp8_window" else dim // 2  # FP8 codes, or E2M1 pairs
+        self.data = torch.zeros(rows, width, dtype=torch.uint8, device=device)
+        self.scales = torch.zeros(rows, dim // _BLOCKS[fmt], dtype=torch.uint8, device=device)
 
     @staticmethod
     def bytes_per_row(dim: int, fmt: RowFormat, dtype: torch.dtype) -> float:
@@ -87,22 +82,22 @@ class QuantizedRows:
             return
         assert self.scales is not None
         elements, scales = _QUANTIZE[self.fmt](values)
-        self.data[rows] = elements
-        self.scales[rows] = scales
+        self.data[rows] = elements.view(torch.uint8)
+        self.scales[rows] = scales.view(torch.uint8)
 
     def load(self, rows: torch.Tensor) -> torch.Tensor:
         """The values at `rows` (any shape) `[*rows.shape, dim]` in the pool's dtype."""
         if not self.packed:
             return self.data[rows]
         assert self.scales is not None
+        elements, scales = self.data[rows], self.scales[rows]
         if self.fmt == "fp8_window":
-            return fq.dequantize_fp8_window(
-                fq.Fp8Rows(self.data[rows], self.scales[rows]), self.dtype
-            )
-        stored = fq.Fp4Rows(self.data[rows], self.scales[rows])
+            codes = elements.view(torch.float8_e4m3fn)
+            return fq.dequantize_fp8_window(fq.Fp8Rows(codes, scales), self.dtype)
         if self.fmt == "fp4_latent":
+            stored = fq.Fp4Rows(elements, scales.view(torch.float8_e4m3fn))
             return fq.dequantize_fp4_latent(stored, self.dtype)
-        return fq.dequantize_fp4_index(stored, self.dtype)
+        return fq.dequantize_fp4_index(fq.Fp4Rows(elements, scales), self.dtype)
 
 
 @dataclass
