@@ -1,5 +1,6 @@
 """ModelConfig.from_hf_dict: HF's derivations (checked against transformers' DeepseekV4Config),
-legacy released keys, and clear rejection of unsupported V4.1 features."""
+legacy released keys, and clear rejection of V4.1 features in V4 configs (V4.1 configs:
+test_v41_config.py)."""
 
 from __future__ import annotations
 
@@ -113,14 +114,20 @@ def test_text_config_is_flattened():
     cfg = ModelConfig.from_hf_dict(
         {
             "model_type": "deepseek_v41",
+            "architectures": ["DeepseekV41ForConditionalGeneration"],
+            "vision_config": {"depth": 2},
             "text_config": {
+                "model_type": "deepseek_v41_text",
                 "hidden_size": 256,
                 "num_hidden_layers": 2,
-                "hc_pre_from_prev_sublayer": False,
+                "compress_ratios": [0, 0],
             },
         }
     )
     assert cfg.hidden_size == 256 and cfg.q_head_norm is False
+    assert cfg.hc_pre_from_prev_sublayer is True
+    assert cfg.architectures == ("DeepseekV41ForCausalLM",)
+    assert cfg.v41 is not None and cfg.v41.has_vision_tower
 
 
 @pytest.mark.parametrize(
@@ -149,9 +156,11 @@ def test_unsupported_fields_are_rejected_by_name(field, value):
     assert field.split("_")[0] in str(e.value)
 
 
-def test_v41_defaults_to_pre_from_prev_and_is_rejected():
+def test_v41_single_pass_mhc_is_required():
+    raw = {"model_type": "deepseek_v41", "num_hidden_layers": 2, "compress_ratios": [0, 0]}
+    assert ModelConfig.from_hf_dict(raw).hc_pre_from_prev_sublayer
     with pytest.raises(UnsupportedConfigError, match="hc_pre_from_prev_sublayer"):
-        ModelConfig.from_hf_dict({"model_type": "deepseek_v41", "num_hidden_layers": 2})
+        ModelConfig.from_hf_dict({**raw, "hc_pre_from_prev_sublayer": False})
 
 
 @pytest.mark.parametrize(

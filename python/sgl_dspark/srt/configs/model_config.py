@@ -1,8 +1,10 @@
 """DeepSeek-V4 / V4.1 model configuration: one frozen, typed record built from HF `config.json`.
 
 `ModelConfig.from_hf_dict` applies the same derivations as transformers' `DeepseekV4Config`
-(legacy keys, default layer schedule, nested rope parameters) and rejects V4.1 features that this
-engine does not implement yet, naming the offending field. Model code reads only this record.
+(legacy keys, default layer schedule, nested rope parameters). A V4.1 config (model type
+`deepseek_v41` and its variants; the composite form nests the text model in `text_config`) adds
+the fields of `configs/deepseek_v41.py`, kept in `ModelConfig.v41`. Unsupported features are
+rejected naming the offending field. Model code reads only this record.
 """
 
 from __future__ import annotations
@@ -12,9 +14,22 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl_dspark.srt.configs.deepseek_v41 import (
+    V41_DEFAULTS,
+    V41Config,
+    parse_v41_fields,
+    refuse_hash_layers,
+    refuse_v41_fields,
+    resolve_aliases,
+    v41_architectures,
+)
+from sgl_dspark.srt.configs.errors import UnsupportedConfigError
+
 SLIDING = "sliding_attention"
 CSA = "compressed_sparse_attention"
 HCA = "heavily_compressed_attention"
+# V4.1 layers with compress ratio 1 or 2 (shared latents; roles in `ModelConfig.v41`).
+CSA2 = "csa2_attention"
 LAYER_TYPES = (SLIDING, CSA, HCA)
 HASH_MOE = "hash_moe"
 MOE = "moe"
@@ -24,12 +39,10 @@ _RATIO_TO_LAYER_TYPE = {0: SLIDING, 4: CSA, 128: HCA}
 _DEFAULT_COMPRESS_RATES = {CSA: 4, HCA: 128}
 _DEFAULT_NUM_HASH_LAYERS = 3
 _DEFAULT_PARTIAL_ROTARY_FACTOR = 64 / 512
-_SUPPORTED_MODEL_TYPES = ("deepseek_v4", "deepseek_v41")
+V41_MODEL_TYPES = ("deepseek_v41", "deepseek_v41_text", "deepseek_v4.1", "deepseek_v4.1_text")
+_SUPPORTED_MODEL_TYPES = ("deepseek_v4", *V41_MODEL_TYPES)
 _SUPPORTED_SCORING = ("sqrtsoftplus", "sigmoid")
-
-
-class UnsupportedConfigError(ValueError):
-    """A config field names a feature this engine does not implement (yet)."""
+V4_ARCHITECTURE = "DeepseekV4ForCausalLM"
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,14 +114,25 @@ class ModelConfig:
     torch_dtype: str = "bfloat16"
     quantization: QuantConfig | None = None
     model_type: str = "deepseek_v4"
-    architectures: tuple[str, ...] = ("DeepseekV4ForCausalLM",)
+    architectures: tuple[str, ...] = (V4_ARCHITECTURE,)
     # DSpark keys bundled in a target config (read by the DSpark draft config, kept verbatim here).
     extra: tuple[tuple[str, Any], ...] = ()
+    # DeepSeek-V4.1 schedule, roles, Engram and router temperature; None for V4.
+    v41: V41Config | None = None
 
     # ---- derived views -------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        """The model class name the model registry builds (`models/registry.py`)."""
+        return self.architectures[0]
+
     def compress_ratio(self, layer_id: int) -> int:
-        """0 for sliding-only layers, else the compress rate m of the layer's type."""
+        """0 for sliding-only layers, else the compress rate m of the layer's type (V4.1: the
+        layer's own ratio, 1 or 2)."""
         lt = self.layer_types[layer_id]
+        if lt == CSA2:
+            assert self.v41 is not None, "csa2 layers need the V4.1 fields"
+            return self.v41.compress_ratios[layer_id]
         return 0 if lt == SLIDING else dict(self.compress_rates)[lt]
 
     @property
@@ -141,66 +165,6 @@ class ModelConfig:
     @classmethod
     def from_hf_dict(cls, raw: dict[str, Any]) -> ModelConfig:
         return _from_hf_dict(cls, raw)
-
-
-# Keys of V4.1-only features and the value that means "feature off".
-_UNSUPPORTED_V41 = {
-    "engram_layer_ids": ([], None),
-    "kv_source_layer_ids": ([], None),
-    "index_source_layer_ids": ([], None),
-    "candidate_source_layer_id": (-1, None),
-    "candidate_topk_blocks": (0, None),
-    "vision_config": (None, {}),
-    "image_token_id": (None,),
-}
-
-# Keys that we read, ignore knowingly (V3-template leftovers, training-only knobs, HF bookkeeping).
-_KNOWN_IGNORED = {
-    "n_group",
-    "topk_group",
-    "topk_method",
-    "kv_lora_rank",
-    "qk_nope_head_dim",
-    "v_head_dim",
-    "first_k_dense_replace",
-    "moe_layer_freq",
-    "ep_size",
-    "window_size",
-    "output_router_logits",
-    "router_aux_loss_coef",
-    "router_jitter_noise",
-    "initializer_range",
-    "use_cache",
-    "attention_bias",
-    "attention_dropout",
-    "mlp_bias",
-    "transformers_version",
-    "dtype",
-    "auto_map",
-    "num_local_experts",
-    "intermediate_size",
-    "rope_scaling",
-    "engram_num_embeddings",
-    "engram_max_ngram_size",
-    "engram_vocab_size",
-    "engram_n_heads",
-    "engram_head_dim",
-    "engram_pad_token_id",
-    "engram_compressed_vocab_size",
-    "candidate_block_size",
-}
-
-
-def _check_v41_features(raw: dict[str, Any]) -> None:
-    for key, off_values in _UNSUPPORTED_V41.items():
-        if key in raw and raw[key] not in off_values:
-            raise UnsupportedConfigError(
-                f"config field {key!r}={raw[key]!r}: this V4.1 feature is not implemented by "
-                "sgl_dspark yet (supported: V4 layers with compress ratios 0/4/128)"
-            )
-    for key in raw:
-        if key.startswith("vision_") and raw[key] not in (None, {}, []):
-            raise UnsupportedConfigError(f"config field {key!r}: vision models are not supported")
 
 
 def _rope_from_dict(d: dict[str, Any], theta_default: float) -> RopeConfig:
@@ -266,8 +230,12 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
         raise UnsupportedConfigError(
             f"config field 'model_type'={model_type!r}: expected one of {_SUPPORTED_MODEL_TYPES}"
         )
-    _check_v41_features(raw)
-    is_v41 = model_type == "deepseek_v41"
+    is_v41 = model_type in V41_MODEL_TYPES
+    if is_v41:
+        raw = resolve_aliases(raw)
+        raw.update({k: v for k, v in V41_DEFAULTS.items() if raw.get(k) is None})
+    else:
+        refuse_v41_fields(raw)
 
     def get(key: str, default: Any) -> Any:
         v = raw.get(key, default)
@@ -295,8 +263,14 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
         if v <= 0:
             raise ValueError(f"config field 'compress_rates[{k!r}]'={v}: must be positive")
 
-    # layer types: explicit > legacy compress_ratios > HF default schedule.
+    v41 = None
+    if is_v41:
+        v41 = parse_v41_fields(raw, n, int(get("num_nextn_predict_layers", 3)))
+    # layer types: V4.1 from its ratios; V4 explicit > legacy compress_ratios > HF default.
     layer_types = raw.get("layer_types")
+    if v41 is not None:
+        # (a V4.1 config's own `layer_types` is HF's cache-dispatch label, not this enum)
+        layer_types = [SLIDING if r == 0 else CSA2 for r in v41.compress_ratios]
     if layer_types is None and raw.get("compress_ratios") is not None:
         layer_types = []
         for r in raw["compress_ratios"]:
@@ -311,13 +285,15 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
     layer_types = tuple(layer_types[:n])
     if len(layer_types) != n:
         raise ValueError(f"config field 'layer_types' has {len(layer_types)} entries, need {n}")
-    bad = [t for t in layer_types if t not in LAYER_TYPES]
+    allowed = (SLIDING, CSA2) if is_v41 else LAYER_TYPES
+    bad = [t for t in layer_types if t not in allowed]
     if bad:
-        raise ValueError(
-            f"config field 'layer_types': unknown entries {bad}; allowed {LAYER_TYPES}"
-        )
+        raise ValueError(f"config field 'layer_types': unknown entries {bad}; allowed {allowed}")
 
     mlp_types = raw.get("mlp_layer_types")
+    if is_v41:
+        refuse_hash_layers(raw, mlp_types)
+        mlp_types = [MOE] * n
     if mlp_types is None:
         n_hash = int(get("num_hash_layers", _DEFAULT_NUM_HASH_LAYERS))
         mlp_types = [HASH_MOE] * min(n, n_hash) + [MOE] * max(0, n - n_hash)
@@ -416,8 +392,13 @@ def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig
         torch_dtype=dtype,
         quantization=_quant_from_dict(raw),
         model_type=model_type,
-        architectures=tuple(raw.get("architectures") or ("DeepseekV4ForCausalLM",)),
+        architectures=(
+            v41_architectures(raw, V4_ARCHITECTURE)
+            if is_v41
+            else tuple(raw.get("architectures") or (V4_ARCHITECTURE,))
+        ),
         extra=tuple(sorted((k, v) for k, v in raw.items() if k.startswith("dspark_"))),
+        v41=v41,
     )
     _validate(cfg)
     return cfg
@@ -446,9 +427,10 @@ def _validate(cfg: ModelConfig) -> None:
     need(cfg.hc_mult >= 1, f"config field 'hc_mult'={cfg.hc_mult} must be >= 1")
     need(cfg.hc_sinkhorn_iters >= 1, "config field 'hc_sinkhorn_iters' must be >= 1")
     need(cfg.sliding_window >= 1, "config field 'sliding_window' must be >= 1")
-    if cfg.hc_pre_from_prev_sublayer:
+    if cfg.hc_pre_from_prev_sublayer != (cfg.v41 is not None):
         raise UnsupportedConfigError(
-            "config field 'hc_pre_from_prev_sublayer'=True (V4.1) is not implemented yet"
+            f"config field 'hc_pre_from_prev_sublayer'={cfg.hc_pre_from_prev_sublayer}: "
+            "supported for DeepSeek-V4.1 configs only, where it must be true (single-pass mHC)"
         )
     if cfg.n_shared_experts != 1:
         raise UnsupportedConfigError(
@@ -458,6 +440,8 @@ def _validate(cfg: ModelConfig) -> None:
 
 __all__ = [
     "CSA",
+    "CSA2",
+    "V41_MODEL_TYPES",
     "HCA",
     "SLIDING",
     "HASH_MOE",

@@ -23,7 +23,7 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import (
 )
 from sgl_dspark.srt.model_executor.decode_executor import DecodeExecutor
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig, resolve_dtype
-from sgl_dspark.srt.model_loader.model_source import resolve_model
+from sgl_dspark.srt.models.source import resolve_model
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 from sgl_dspark.srt.server_args import ServerArgs
 from sgl_dspark.srt.speculative.dspark.executor import DSparkExecutor

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
+from sgl_dspark.srt.mem_cache.base import BaseKVPool
 
 
 def _next_pow2(x: int) -> int:
@@ -50,7 +51,7 @@ class LayerKV:
     index_state: CompressorState | None = None
 
 
-class DeepseekV4KVPool:
+class DeepseekV4KVPool(BaseKVPool):
     def __init__(
         self,
         cfg: ModelConfig,

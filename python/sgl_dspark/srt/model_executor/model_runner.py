@@ -11,14 +11,15 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
+from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
-from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool
-from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM, ModelOutput
+from sgl_dspark.srt.models.base import BaseCausalLM
+from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
+from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -97,7 +98,7 @@ def resolve_dtype(name: str) -> torch.dtype:
 
 
 def default_page_size(cfg: ModelConfig) -> int:
-    rates = [cfg.compress_ratio(i) for i, lt in enumerate(cfg.layer_types) if lt in (CSA, HCA)]
+    rates = [r for r in cfg.compress_ratios if r > 0]
     return math.lcm(1, *rates) if rates else 16
 
 
@@ -107,23 +108,25 @@ class ModelRunner:
         model_cfg: ModelConfig,
         rc: RunnerConfig,
         weights: Iterable[tuple[str, torch.Tensor]] | None = None,
-        model: DeepseekV4ForCausalLM | None = None,
+        model: BaseCausalLM | None = None,
     ) -> None:
         self.model_cfg = model_cfg
         self.rc = rc
         self.device = torch.device(rc.device)
         self.dtype = resolve_dtype(rc.dtype)
         page = rc.page_size or default_page_size(model_cfg)
-        for i, lt in enumerate(model_cfg.layer_types):
-            if lt in (CSA, HCA) and page % model_cfg.compress_ratio(i):
+        for i, ratio in enumerate(model_cfg.compress_ratios):
+            if ratio > 0 and page % ratio:
                 raise ValueError(
                     f"--page-size {page} must be a multiple of every compress rate "
-                    f"(layer {i} has {model_cfg.compress_ratio(i)})"
+                    f"(layer {i} has {ratio})"
                 )
         self.page_size = page
         self.kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
+        entry = model_entry(model_cfg)
+        entry.check_runtime(model_cfg, self.kernels, rc.attention_backend)
         if model is None:
-            model = DeepseekV4ForCausalLM(model_cfg, self.kernels)
+            model = entry.build_model(model_cfg, self.kernels)
             if weights is not None:
                 load_weights(model, weights)
         self.model = cast_model(model, self.dtype).to(self.device).eval()
@@ -133,7 +136,7 @@ class ModelRunner:
         self.req_pool = ReqToTokenPool(
             rc.max_running_requests, rc.context_length, self.allocator, self.device
         )
-        self.kv_pool = DeepseekV4KVPool(
+        self.kv_pool = entry.build_kv_pool(
             model_cfg,
             num_pages * page,
             self.req_pool.size,
@@ -154,7 +157,7 @@ class ModelRunner:
             "KV pool: %d pages x %d tokens, %.1f MiB",
             num_pages,
             page,
-            num_pages * page * DeepseekV4KVPool.bytes_per_token(model_cfg, self.dtype) / 2**20,
+            num_pages * page * entry.kv_bytes_per_token(model_cfg, self.dtype) / 2**20,
         )
 
     def _kv_tokens(self, cfg: ModelConfig) -> int:
@@ -165,7 +168,7 @@ class ModelRunner:
             return self.rc.max_total_tokens
         free, total = torch.cuda.mem_get_info(self.device)
         budget = frac * total - (total - free)
-        per_token = DeepseekV4KVPool.bytes_per_token(cfg, self.dtype)
+        per_token = model_entry(cfg).kv_bytes_per_token(cfg, self.dtype)
         tokens = int(budget // per_token)
         if tokens < 2 * self.page_size:
             raise RuntimeError(

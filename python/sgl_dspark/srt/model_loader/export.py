@@ -238,6 +238,11 @@ def save_released_checkpoint(
             and quantise routed experts as `expert_dtype` ("fp8" or "fp4" = MXFP4).
         max_shard_bytes: split into `model-0000i-of-0000n.safetensors` + index when set.
     """
+    if config.v41 is not None:
+        raise ValueError(
+            "save_released_checkpoint writes the DeepSeek-V4 layout; a DeepSeek-V4.1 config "
+            f"(model_type {config.model_type!r}) has other tensors and config fields"
+        )
     block = config.quantization.weight_block_size if config.quantization else (128, 128)
     tensors = released_state_dict(hf_state_dict, quantize, expert_dtype, block)
     os.makedirs(out_dir, exist_ok=True)

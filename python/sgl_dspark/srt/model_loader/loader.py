@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Literal, NamedTuple
 import torch
 
 from sgl_dspark.srt.model_loader.name_mapping import (
+    V4_NAMES,
+    NameTable,
     detect_naming_scheme,
     is_fp32_param,
     is_integer_buffer,
@@ -22,6 +24,7 @@ from sgl_dspark.srt.model_loader.name_mapping import (
     released_expert_name,
 )
 from sgl_dspark.srt.model_loader.quantization import (
+    MXFP4_GROUP,
     dequantize_fp8_block,
     dequantize_mxfp4,
     fp8_block_scale_shape,
@@ -41,14 +44,19 @@ _PLAIN_DTYPES = frozenset({"F32", "BF16", "F16", "F64"})
 _INTEGER_DTYPES = frozenset({"I64", "I32", "I16", "U8", "I8", "U16", "U32"})
 _SCALE_DTYPES = frozenset({"F8_E8M0", "U8", "F32", "BF16", "F16"})
 _DEFAULT_BLOCK = (128, 128)
+# MXFP4 scale groups a checkpoint may declare through its scale shapes (32 is the MX standard;
+# some DeepSeek-V4.1 expert checkpoints are described with 16).
+_FP4_GROUPS = (MXFP4_GROUP, 16)
 
 
 class StoredPart(NamedTuple):
-    """One stored weight and, when quantised, its scale (stored names)."""
+    """One stored weight and, when quantised, its scale (stored names) and scale block: FP8
+    (rows, cols) per scale, FP4 (1, channels) per scale."""
 
     weight: str
     scale: str | None
     fmt: StoredFormat
+    block: tuple[int, int] = _DEFAULT_BLOCK
 
 
 class LoadItem(NamedTuple):
@@ -63,7 +71,7 @@ class LoadItem(NamedTuple):
 class CheckpointPlan(NamedTuple):
     scheme: str
     items: tuple[LoadItem, ...]
-    dropped: tuple[str, ...]  # stored names deliberately not loaded (MTP)
+    dropped: tuple[str, ...]  # stored names deliberately not loaded (MTP, unused tensors)
     block: tuple[int, int]
 
 
@@ -108,13 +116,18 @@ def _check_part(
             f"(supported: {sorted(_SCALE_DTYPES)})"
         )
     shape = infos[weight].shape
-    expected = fp8_block_scale_shape(shape, block) if fmt == "fp8" else mxfp4_scale_shape(shape)
-    if scale_info.shape != expected:
-        raise ValueError(
-            f"tensor {scale!r}: scale shape {list(scale_info.shape)} does not match "
-            f"{fmt} weight {weight!r} of shape {list(shape)} (expected {list(expected)})"
-        )
-    return StoredPart(weight, scale, fmt)
+    if fmt == "fp8":
+        candidates = {block: fp8_block_scale_shape(shape, block)}
+    else:
+        candidates = {(1, g): mxfp4_scale_shape(shape, g) for g in _FP4_GROUPS}
+    for part_block, expected in candidates.items():
+        if scale_info.shape == expected:
+            return StoredPart(weight, scale, fmt, part_block)
+    raise ValueError(
+        f"tensor {scale!r}: scale shape {list(scale_info.shape)} does not match "
+        f"{fmt} weight {weight!r} of shape {list(shape)} (expected one of "
+        f"{[list(e) for e in candidates.values()]})"
+    )
 
 
 def _dequantized_shape(part: StoredPart, infos: dict[str, TensorInfo]) -> tuple[int, ...]:
@@ -122,8 +135,11 @@ def _dequantized_shape(part: StoredPart, infos: dict[str, TensorInfo]) -> tuple[
     return (*shape[:-1], 2 * shape[-1]) if part.fmt == "fp4" else shape
 
 
-def plan_checkpoint(reader: SafetensorsReader, config: ModelConfig) -> CheckpointPlan:
-    """Map and validate every stored tensor of an open checkpoint (headers only)."""
+def plan_checkpoint(
+    reader: SafetensorsReader, config: ModelConfig, names: NameTable = V4_NAMES
+) -> CheckpointPlan:
+    """Map and validate every stored tensor of an open checkpoint (headers only), with the
+    tensor names of the model's architecture (`names`)."""
     infos = reader.infos
     block = config.quantization.weight_block_size if config.quantization else _DEFAULT_BLOCK
     num_experts = config.n_routed_experts
@@ -131,10 +147,10 @@ def plan_checkpoint(reader: SafetensorsReader, config: ModelConfig) -> Checkpoin
     scales: dict[str, str] = {}
     expert_parts: dict[str, dict[tuple[int, str, str], str]] = {}
     order: dict[str, None] = {}  # HF names in first-seen order
-    dropped = []
+    dropped: list[str] = []
     all_mapped = []
     for name in infos:
-        mapped = parse_checkpoint_name(name, config.num_hidden_layers, num_experts)
+        mapped = parse_checkpoint_name(name, config.num_hidden_layers, num_experts, names)
         if mapped is None:
             dropped.append(name)
             continue
@@ -161,17 +177,27 @@ def plan_checkpoint(reader: SafetensorsReader, config: ModelConfig) -> Checkpoin
                 f"tensor {stacked!r} and per-expert tensor {next(iter(slots.values()))!r} both "
                 f"provide {hf_name!r}"
             )
-    for hf_name, scale in scales.items():
+    for hf_name, scale_name in scales.items():
         if hf_name not in weights:
-            raise ValueError(f"tensor {scale!r}: scale without a weight (expected {hf_name!r})")
+            raise ValueError(
+                f"tensor {scale_name!r}: scale without a weight (expected {hf_name!r})"
+            )
 
     items = []
     for hf_name in order:
         if hf_name in expert_parts:
             items.append(_plan_experts(hf_name, expert_parts[hf_name], num_experts, infos, block))
-        else:
-            part = _check_part(weights[hf_name], scales.get(hf_name), hf_name, infos, block)
-            items.append(LoadItem(hf_name, "plain", (part,)))
+            continue
+        scale: str | None = scales.get(hf_name)
+        if (
+            scale is not None
+            and names.reads_scale_only_if_fp8(hf_name)
+            and infos[weights[hf_name]].dtype != "F8_E4M3"
+        ):
+            dropped.append(scale)  # the scale of an FP8 table, stored with a plain one
+            scale = None
+        part = _check_part(weights[hf_name], scale, hf_name, infos, names.block_of(hf_name, block))
+        items.append(LoadItem(hf_name, "plain", (part,)))
     return CheckpointPlan(scheme, tuple(items), tuple(dropped), block)
 
 
@@ -207,14 +233,14 @@ def _plan_experts(
     return LoadItem(hf_name, "gate_up" if gate_up else "down", tuple(parts))
 
 
-def _read_part(reader: SafetensorsReader, part: StoredPart, block: tuple[int, int]) -> torch.Tensor:
+def _read_part(reader: SafetensorsReader, part: StoredPart) -> torch.Tensor:
     tensor = reader.get(part.weight)
     if part.fmt == "fp8":
         assert part.scale is not None
-        return dequantize_fp8_block(tensor, reader.get(part.scale), block)
+        return dequantize_fp8_block(tensor, reader.get(part.scale), part.block)
     if part.fmt == "fp4":
         assert part.scale is not None
-        return dequantize_mxfp4(tensor, reader.get(part.scale))
+        return dequantize_mxfp4(tensor, reader.get(part.scale), part.block[1])
     return tensor
 
 
@@ -224,8 +250,8 @@ def _output_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if is_fp32_param(hf_name) else dtype
 
 
-def _materialise(reader: SafetensorsReader, item: LoadItem, block: tuple[int, int]) -> torch.Tensor:
-    tensors = [_read_part(reader, p, block) for p in item.parts]
+def _materialise(reader: SafetensorsReader, item: LoadItem) -> torch.Tensor:
+    tensors = [_read_part(reader, p) for p in item.parts]
     if item.kind == "plain":
         return tensors[0]
     if item.kind == "gate_up":
@@ -240,12 +266,12 @@ def _iter_plan(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     with SafetensorsReader(model_path) as reader:
         for item in plan.items:
-            tensor = _materialise(reader, item, plan.block)
+            tensor = _materialise(reader, item)
             yield item.hf_name, tensor.to(_output_dtype(item.hf_name, dtype)).contiguous()
 
 
 def load_checkpoint(
-    model_path: str, config: ModelConfig, dtype: torch.dtype
+    model_path: str, config: ModelConfig, dtype: torch.dtype, names: NameTable = V4_NAMES
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for every tensor of the checkpoint in `model_path`.
 
@@ -263,10 +289,10 @@ def load_checkpoint(
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
     with SafetensorsReader(model_path) as reader:
-        plan = plan_checkpoint(reader, config)
+        plan = plan_checkpoint(reader, config, names)
     formats = Counter(p.fmt for item in plan.items for p in item.parts)
     logger.info(
-        "checkpoint %s: %s names, %d tensors (%d fp8, %d mxfp4 parts), %d MTP tensors skipped",
+        "checkpoint %s: %s names, %d tensors (%d fp8, %d mxfp4 parts), %d tensors skipped",
         model_path,
         plan.scheme,
         len(plan.items),
@@ -278,10 +304,10 @@ def load_checkpoint(
 
 
 def load_state_dict(
-    model_path: str, config: ModelConfig, dtype: torch.dtype
+    model_path: str, config: ModelConfig, dtype: torch.dtype, names: NameTable = V4_NAMES
 ) -> dict[str, torch.Tensor]:
     """`dict(load_checkpoint(...))`: the whole HF-named state dict in memory."""
-    return dict(load_checkpoint(model_path, config, dtype))
+    return dict(load_checkpoint(model_path, config, dtype, names))
 
 
 __all__ = [

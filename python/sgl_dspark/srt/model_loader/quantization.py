@@ -78,10 +78,13 @@ def fp8_block_scale_shape(
     return (*lead, -(-rows // block[0]), -(-cols // block[1]))
 
 
-def mxfp4_scale_shape(packed_shape: torch.Size | tuple[int, ...]) -> tuple[int, ...]:
-    """Scale shape for a packed MXFP4 weight `[..., out, in/2]`."""
+def mxfp4_scale_shape(
+    packed_shape: torch.Size | tuple[int, ...], group: int = MXFP4_GROUP
+) -> tuple[int, ...]:
+    """Scale shape for a packed MXFP4 weight `[..., out, in/2]` with one scale per `group`
+    input channels (32; some checkpoints declare 16)."""
     *lead, rows, packed_cols = packed_shape
-    return (*lead, rows, -(-(2 * packed_cols) // MXFP4_GROUP))
+    return (*lead, rows, -(-(2 * packed_cols) // group))
 
 
 def dequantize_fp8_block(
@@ -111,9 +114,12 @@ def unpack_e2m1(packed: torch.Tensor) -> torch.Tensor:
     return table[codes].reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
-def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """MXFP4 packed `[..., out, in/2]` with group-32 scales `[..., out, in/32]` -> float32."""
-    expected = mxfp4_scale_shape(packed.shape)
+def dequantize_mxfp4(
+    packed: torch.Tensor, scale: torch.Tensor, group: int = MXFP4_GROUP
+) -> torch.Tensor:
+    """MXFP4 packed `[..., out, in/2]` with scales per `group` channels `[..., out, in/group]`
+    -> float32."""
+    expected = mxfp4_scale_shape(packed.shape, group)
     if tuple(scale.shape) != expected:
         raise ValueError(
             f"MXFP4 scale shape {tuple(scale.shape)} does not match packed weight "
@@ -121,7 +127,7 @@ def dequantize_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         )
     values = unpack_e2m1(packed)
     cols = values.shape[-1]
-    multipliers = scale_to_float(scale).repeat_interleave(MXFP4_GROUP, dim=-1)[..., :cols]
+    multipliers = scale_to_float(scale).repeat_interleave(group, dim=-1)[..., :cols]
     return values * multipliers
 
 
@@ -191,10 +197,12 @@ def round_to_e2m1_codes(x: torch.Tensor) -> torch.Tensor:
     return code | sign
 
 
-def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Float `[..., out, in]` (in even) -> (packed int8 `[..., out, in/2]`, e8m0 `[..., out, ceil(in/32)]`).
+def quantize_mxfp4(
+    weight: torch.Tensor, group: int = MXFP4_GROUP
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float `[..., out, in]` (in even) -> (packed int8 `[..., out, in/2]`, e8m0 `[..., out, ceil(in/group)]`).
 
-    Each group of 32 gets the smallest power-of-two scale s with amax / s <= 6 (no clipping);
+    Each group of `group` channels (32 by default) gets the smallest power-of-two scale s with amax / s <= 6 (no clipping);
     values round to the E2M1 grid with ties to even. Packed as int8, the dtype of the released
     checkpoints (HF's dequantiser only unpacks int8).
     """
@@ -204,12 +212,12 @@ def quantize_mxfp4(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         )
     w32 = _check_finite(weight, "quantize_mxfp4")
     *lead, rows, cols = w32.shape
-    groups = -(-cols // MXFP4_GROUP)
-    padded = torch.zeros(*lead, rows, groups * MXFP4_GROUP, dtype=torch.float32, device=w32.device)
+    groups = -(-cols // group)
+    padded = torch.zeros(*lead, rows, groups * group, dtype=torch.float32, device=w32.device)
     padded[..., :cols] = w32
-    amax = padded.reshape(*lead, rows, groups, MXFP4_GROUP).abs().amax(dim=-1)
+    amax = padded.reshape(*lead, rows, groups, group).abs().amax(dim=-1)
     k = _pow2_exponent_covering(amax, FP4_E2M1_MAX)
-    multipliers = torch.exp2(k.to(torch.float32)).repeat_interleave(MXFP4_GROUP, dim=-1)[..., :cols]
+    multipliers = torch.exp2(k.to(torch.float32)).repeat_interleave(group, dim=-1)[..., :cols]
     codes = round_to_e2m1_codes(w32 / multipliers)
     pairs = codes.reshape(*lead, rows, cols // 2, 2)
     packed = (pairs[..., 0] | (pairs[..., 1] << 4)).view(torch.int8)

@@ -26,9 +26,11 @@ class TensorInfo(NamedTuple):
 def find_safetensors_files(model_path: str) -> list[str]:
     """The checkpoint's safetensors files, in a stable order.
 
-    With `model.safetensors.index.json`, the shards named in its `weight_map`; otherwise every
-    `*.safetensors` file in the directory. Raises ValueError when there are none or a shard named
-    by the index is missing.
+    With `model.safetensors.index.json`, the shards named in its `weight_map`; otherwise the
+    weight files by HF's naming (`model.safetensors`, or `model-*-of-*.safetensors` shards), and
+    only when there are none every `*.safetensors` file in the directory (so other safetensors
+    files beside the model's, e.g. test data, are not read as weights). Raises ValueError when
+    there are none or a shard named by the index is missing.
     """
     if not os.path.isdir(model_path):
         raise ValueError(f"model path {model_path!r} is not a directory")
@@ -49,7 +51,11 @@ def find_safetensors_files(model_path: str) -> list[str]:
                 raise ValueError(f"{index_path}: shard {shard!r} is listed but missing")
             files.append(path)
         return files
-    files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    single = os.path.join(model_path, "model.safetensors")
+    if os.path.isfile(single):
+        return [single]
+    files = sorted(glob.glob(os.path.join(model_path, "model-*-of-*.safetensors")))
+    files = files or sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise ValueError(f"no *.safetensors files in model directory {model_path!r}")
     return files

@@ -38,6 +38,7 @@ from sgl_dspark.srt.layers.rotary import (
     rope_q_kv_impl,
 )
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
+from sgl_dspark.srt.models.base import BaseCausalLM
 
 
 class RopeTables:
@@ -319,8 +320,10 @@ class ModelOutput:
         return {k: stream_means(v) for k, v in self.tap_streams.items()}
 
 
-class DeepseekV4ForCausalLM(nn.Module):
+class DeepseekV4ForCausalLM(BaseCausalLM):
     """Capabilities used by DSpark: `forward(..., tap_layers=...)` returns per-layer features."""
+
+    model: DeepseekV4Model
 
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice | None = None) -> None:
         super().__init__()

@@ -352,15 +352,30 @@ def indexer_scores_torch(
     `[entry slots, Di]`; entry n of token t is `index_keys[req_to_token[token_slot[t], n * ratio]
     // ratio]`.
     """
-    weights = weights.float() * weight_scale
     cols = torch.arange(n_max, device=positions.device) * ratio
     cols = cols.clamp(max=req_to_token.shape[1] - 1)
     keys = index_keys[req_to_token[token_slot[:, None], cols[None, :]] // ratio]  # [T, N, Di]
+    return indexer_scores_of_keys(qi, weights, keys, positions, ratio, weight_scale=weight_scale)
+
+
+def indexer_scores_of_keys(
+    qi: torch.Tensor,
+    weights: torch.Tensor,
+    keys: torch.Tensor,
+    positions: torch.Tensor,
+    ratio: int,
+    *,
+    weight_scale: float = 1.0,
+) -> torch.Tensor:
+    """`indexer_scores_torch` over keys already gathered per token (`[T, N, Di]`, entry n of
+    token t's request at `keys[t, n]`): `[T, N]` fp32, -inf at entries n >= (pos_t + 1) // ratio.
+    """
+    weights = weights.float() * weight_scale
     scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
     scores = torch.relu(scores) * qi.shape[-1] ** -0.5
     scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, N]
     visible = (positions + 1) // ratio
-    entry_ids = torch.arange(n_max, device=positions.device)
+    entry_ids = torch.arange(keys.shape[1], device=positions.device)
     return scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
 
 

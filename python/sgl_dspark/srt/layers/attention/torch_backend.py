@@ -37,23 +37,36 @@ class TorchAttentionBackend(BaseAttentionBackend):
             )
         if extra_kv is not None and extra_slots is not None:
             extra_kv = extra_kv[extra_slots]
-        pos = batch.positions
-        offs = torch.arange(window - 1, -1, -1, device=pos.device)
-        win_pos = pos[:, None] - offs[None, :]  # [T, W]
-        win_valid = win_pos >= 0
-        slot = batch.token_slots()
-        kv_slots = batch.req_to_token[slot[:, None], win_pos.clamp(min=0)]
+        kv_slots, valid = window_rows(batch, window)
         keys = window_kv[kv_slots]  # [T, W, Dh]
-        valid = win_valid
         if extra_kv is not None:
             assert extra_valid is not None
             keys = torch.cat((keys, extra_kv.to(keys.dtype)), dim=1)
             valid = torch.cat((valid, extra_valid), dim=1)
-        logits = torch.einsum("thd,tkd->thk", q, keys) * scale
-        logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
-        sink = sinks.to(logits.dtype)[None, :, None].expand(logits.shape[0], -1, 1)
-        logits = torch.cat((logits, sink), dim=-1)
-        logits = logits - logits.max(dim=-1, keepdim=True).values
-        probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)
-        o = torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)
+        o = sink_attention(q, keys, valid, sinks, scale)
         return o if inverse_rope is None else apply_rope_tail(o, *inverse_rope, inverse=True)
+
+
+def window_rows(batch: ForwardBatch, window: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token slots `[T, W]` of the window positions (t - W, t] of every token, and whether each
+    position exists (>= 0); missing positions point at the request's slot of position 0."""
+    pos = batch.positions
+    offs = torch.arange(window - 1, -1, -1, device=pos.device)
+    win_pos = pos[:, None] - offs[None, :]  # [T, W]
+    slot = batch.token_slots()
+    return batch.req_to_token[slot[:, None], win_pos.clamp(min=0)], win_pos >= 0
+
+
+def sink_attention(
+    q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """Per-token MQA with a sink logit per head: q `[T, H, Dh]`, keys (= values) `[T, K, Dh]`,
+    valid `[T, K]` bool, sinks `[H]` (the sink adds exp(sink) to the softmax denominator only).
+    Returns `[T, H, Dh]` in q's dtype (before any inverse rope)."""
+    logits = torch.einsum("thd,tkd->thk", q, keys) * scale
+    logits = logits.masked_fill(~valid[:, None, :], float("-inf"))
+    sink = sinks.to(logits.dtype)[None, :, None].expand(logits.shape[0], -1, 1)
+    logits = torch.cat((logits, sink), dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)
+    return torch.einsum("thk,tkd->thd", probs, keys).to(q.dtype)

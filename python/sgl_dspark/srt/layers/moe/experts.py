@@ -64,9 +64,13 @@ class RoutedExperts(nn.Module):
         intermediate: int,
         limit: float,
         kernels: KernelChoice | None = None,
+        weight_before_down: bool = False,
     ) -> None:
+        """`weight_before_down` (DeepSeek-V4.1): each route's weight scales its activation
+        before the down projection (fp32), not the projected output."""
         super().__init__()
         self.n_experts = n_experts
+        self.weight_before_down = weight_before_down
         self.intermediate = intermediate
         self.limit = limit
         self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * intermediate, hidden_size))
@@ -74,6 +78,11 @@ class RoutedExperts(nn.Module):
         self._combine = self._combine_torch
         self._triton = _uses_triton(kernels)
         if self._triton:
+            if weight_before_down:
+                raise ValueError(
+                    "the Triton experts weight the projected output: DeepSeek-V4.1 experts "
+                    "run with --kernel-backend-overrides moe=torch"
+                )
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
             from sgl_dspark.kernels.moe_sort import MoeSortPlan, prepare_moe_sort
@@ -162,7 +171,11 @@ class RoutedExperts(nn.Module):
             tok = token_of[start : start + n]
             gu = F.linear(x[tok], self.gate_up_proj[e])
             h = swiglu_clamp(gu[:, : self.intermediate], gu[:, self.intermediate :], self.limit)
-            y = F.linear(h, self.down_proj[e]) * w_sorted[start : start + n, None].to(x.dtype)
+            w = w_sorted[start : start + n, None]
+            if self.weight_before_down:
+                y = F.linear((h.float() * w.float()).to(x.dtype), self.down_proj[e])
+            else:
+                y = F.linear(h, self.down_proj[e]) * w.to(x.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
         return out if shared is None else out + shared

@@ -49,9 +49,13 @@ class Router(nn.Module):
         routed_scaling_factor: float,
         norm_topk_prob: bool,
         kernels: KernelChoice | None = None,
+        gate_temp: float | None = None,
     ) -> None:
+        """`gate_temp` (DeepSeek-V4.1): the router logits are computed in fp32 and divided by
+        it; None keeps V4's logits in the activation dtype."""
         super().__init__()
         self.top_k = top_k
+        self.gate_temp = gate_temp
         self.is_hash = is_hash
         self.scoring_func = scoring_func
         self.routed_scaling_factor = routed_scaling_factor
@@ -63,6 +67,11 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
         self._route = self._route_torch
         if (kernels or KernelChoice()).of("moe") == "triton":
+            if gate_temp is not None:
+                raise ValueError(
+                    "the Triton router has no gate temperature: DeepSeek-V4.1 routes with "
+                    "--kernel-backend-overrides moe=torch"
+                )
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels.moe_route import (
                 RouterConfig,
@@ -98,7 +107,11 @@ class Router(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if with_shared:
             raise ValueError("with_shared needs the triton moe backend")
-        scores = score_fn(F.linear(x, self.weight), self.scoring_func)
+        if self.gate_temp is None:
+            logits = F.linear(x, self.weight)
+        else:
+            logits = F.linear(x.float(), self.weight.float()) / self.gate_temp
+        scores = score_fn(logits, self.scoring_func)
         if self.is_hash:
             ids = self.tid2eid[input_ids].long()
         else:

@@ -3,14 +3,16 @@ checkpoint directory (HF or released names, optionally FP8/MXFP4)."""
 
 from __future__ import annotations
 
+import itertools
 import os
 from collections.abc import Iterable
 
 import torch
 
 from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.model_loader.loader import load_checkpoint
-from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.models.tiny import TINY_MODEL_NAME, tiny_config, tiny_weights
 
 
@@ -21,7 +23,8 @@ def resolve_model(
 ) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]]]:
     if model_path == TINY_MODEL_NAME:
         cfg = tiny_config()
-        shapes = [(k, tuple(v.shape)) for k, v in DeepseekV4ForCausalLM(cfg).state_dict().items()]
+        model = model_entry(cfg).build_model(cfg, KernelChoice())
+        shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
         return cfg, tiny_weights(cfg, shapes, seed=seed)
     if not os.path.isdir(model_path):
         raise ValueError(
@@ -29,4 +32,9 @@ def resolve_model(
             "(downloads from a model hub are not supported)"
         )
     cfg = ModelConfig.from_pretrained(model_path)
-    return cfg, load_checkpoint(model_path, cfg, dtype)
+    entry = model_entry(cfg)
+    weights = load_checkpoint(model_path, cfg, dtype, entry.checkpoint_names)
+    if entry.model_files is None:
+        return cfg, weights
+    # Tensors derived from other files of the model directory (the tokenizer), checked now.
+    return cfg, itertools.chain(weights, entry.model_files(cfg, model_path))

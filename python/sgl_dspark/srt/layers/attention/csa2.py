@@ -1,0 +1,200 @@
+"""DeepSeek-V4.1 compressed attention (CSA2): the compressor of a kv source, the indexer of an
+index source, the two-level candidate-block restriction and the top-k selection.
+
+Compressor (ratio m in {1, 2}, no overlap, no position bias): group g covers positions
+[g*m, (g+1)*m) and is emitted by the token at its last position. m = 1: the latent of token t is
+`norm(x_t @ wkv^T)`; m = 2: per channel, a softmax over the group's two gate scores weights the
+two kv rows (fp32), rounded to the model dtype before the norm. The latent is returned before
+RoPE: the index keys are derived from it first, then it is rotated at the group's first
+position and quantised into the source's cache.
+
+Indexer: queries `fp4(rope(qr @ wq_b^T))` per head, head weights `(x @ weights_proj^T) / sqrt(Hi)`,
+keys `fp4(rope(norm(latent @ wk^T)))` (kv sources own `wk`; Reindex layers score their source's
+keys); `score[t, g] = sum_h w[t, h] * relu(q[t, h] . K_g) / sqrt(Di)` over the groups visible to
+t (g < (pos_t + 1) // m).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import nn
+
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.layers.attention.compressor import CompressRope, entry_pool_rows
+from sgl_dspark.srt.layers.norm import RMSNorm, RmsNormFn
+from sgl_dspark.srt.mem_cache.v41_pool import PairState
+
+
+class EmittedGroups(NamedTuple):
+    """Groups closed by this batch: pre-RoPE latents `[n, Dh]`, their first positions `[n]`,
+    and the cache rows they go to `[n]` (the dummy row 0 for rows that close no group)."""
+
+    latents: torch.Tensor
+    start_positions: torch.Tensor
+    entry_rows: torch.Tensor
+
+
+class Csa2Compressor(nn.Module):
+    """`kv_proj` (wkv), `gate_proj` (wgate, ratio > 1 only), `kv_norm` (norm)."""
+
+    def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float) -> None:
+        super().__init__()
+        assert ratio in (1, 2), ratio
+        self.ratio = ratio
+        self.kv_proj = nn.Linear(hidden_size, head_dim, bias=False)
+        self.gate_proj = nn.Linear(hidden_size, head_dim, bias=False) if ratio > 1 else None
+        self.kv_norm = RMSNorm(head_dim, eps)
+
+    def projections(self) -> list[nn.Linear]:
+        """The layer-input projections this compressor reads, in `emit`'s argument order."""
+        return [self.kv_proj] if self.gate_proj is None else [self.kv_proj, self.gate_proj]
+
+    def emit(
+        self,
+        kv: torch.Tensor,
+        score: torch.Tensor | None,
+        batch: ForwardBatch,
+        pairs: PairState | None,
+        rms_norm: RmsNormFn,
+    ) -> EmittedGroups:
+        """The groups closed by this batch, then (ratio 2) this batch's raw rows recorded in the
+        pending-pair ring. kv / score: `kv_proj(x)` / `gate_proj(x)` `[T, Dh]`."""
+        norm = (self.kv_norm.weight, self.kv_norm.eps)
+        if self.ratio == 1:
+            rows = batch.out_cache_loc
+            return EmittedGroups(rms_norm(kv, *norm), batch.positions, rows)
+        assert score is not None and pairs is not None
+        m, pos, slot = self.ratio, batch.positions, batch.token_slots()
+        if batch.mode is ForwardMode.EXTEND:
+            # The rows that close a group (a prefill graph's list is -1 padded: those compute a
+            # latent from row 0 and write it to the dummy row 0).
+            ends = batch.block_end_rows(m)
+            real = ends >= 0 if not batch.host_lens else None
+            ends = ends.clamp(min=0)
+        else:
+            # Decode/verify (few rows): a candidate for every row, written only where a group
+            # closes (other rows write to the dummy row 0), so nothing reads the device.
+            ends = torch.arange(pos.shape[0], device=pos.device)
+            real = (pos + 1) % m == 0
+        end_pos = pos[ends]
+        partner_pos = end_pos - 1
+        # The partner is the previous row when it belongs to this batch (same request), else
+        # the request's ring holds it; all reads happen before this batch writes the ring.
+        fresh = partner_pos >= batch.prefix_lens[batch.token_req[ends]]
+        ring_idx = partner_pos.clamp(min=0).remainder(pairs.ring)
+        prev = (ends - 1).clamp(min=0)
+        kv_prev = torch.where(fresh[:, None], kv[prev].float(), pairs.kv[slot[ends], ring_idx])
+        sc_prev = torch.where(
+            fresh[:, None], score[prev].float(), pairs.score[slot[ends], ring_idx]
+        )
+        kv_pair = torch.stack((kv_prev, kv[ends].float()), dim=1)  # [n, 2, Dh]
+        sc_pair = torch.stack((sc_prev, score[ends].float()), dim=1)
+        pooled = (torch.softmax(sc_pair, dim=1) * kv_pair).sum(dim=1).to(kv.dtype)
+        start = end_pos - (m - 1)
+        rows = batch.req_to_token[slot[ends], start.clamp(min=0)] // m
+        if real is not None:
+            rows = torch.where(real, rows, torch.zeros_like(rows))
+        self._record(kv, score, batch, pairs)
+        return EmittedGroups(rms_norm(pooled, *norm), start, rows)
+
+    @staticmethod
+    def _record(
+        kv: torch.Tensor, score: torch.Tensor, batch: ForwardBatch, pairs: PairState
+    ) -> None:
+        pos, slot = batch.positions, batch.token_slots()
+        if batch.mode is ForwardMode.EXTEND:
+            # Only the last `ring` positions of each request are kept (no collisions).
+            keep = batch.last_rows(pairs.ring)
+            real = keep >= 0 if not batch.host_lens else None
+            keep = keep.clamp(min=0)
+            pos, slot, kv, score = pos[keep], slot[keep], kv[keep], score[keep]
+            if real is not None:  # padding entries write to the dummy request slot 0
+                slot = torch.where(real, slot, torch.zeros_like(slot))
+        # else: a decode/verify request has fewer rows than the ring (the pool sizes it from
+        # the runner's max_verify_tokens), so every row is kept.
+        idx = pos.remainder(pairs.ring)
+        pairs.kv[slot, idx] = kv.float()
+        pairs.score[slot, idx] = score.float()
+
+
+class Csa2Indexer(nn.Module):
+    """`q_b_proj` (wq_b), `weights_proj`; with `owns_keys` (a kv source) also `k_proj` (wk) and
+    `k_norm`."""
+
+    def __init__(
+        self,
+        hidden_size: int,
+        q_lora_rank: int,
+        head_dim: int,
+        n_heads: int,
+        index_dim: int,
+        topk: int,
+        owns_keys: bool,
+        eps: float,
+    ) -> None:
+        super().__init__()
+        self.n_heads, self.index_dim, self.topk = n_heads, index_dim, topk
+        self.q_b_proj = nn.Linear(q_lora_rank, n_heads * index_dim, bias=False)
+        self.weights_proj = nn.Linear(hidden_size, n_heads, bias=False)
+        self.k_proj = nn.Linear(head_dim, index_dim, bias=False) if owns_keys else None
+        self.k_norm = RMSNorm(index_dim, eps) if owns_keys else None
+
+    def keys(
+        self,
+        latents: torch.Tensor,
+        start_positions: torch.Tensor,
+        rope: CompressRope,
+        rms_norm: RmsNormFn,
+    ) -> torch.Tensor:
+        """Index keys `[n, Di]` of pre-RoPE latents (before quantisation)."""
+        assert self.k_proj is not None and self.k_norm is not None
+        k = rms_norm(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
+        return rope.rotate_compress(k, start_positions.clamp(min=0))
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int
+) -> torch.Tensor:
+    """`[T, N]` bool: the compressed positions of each row's candidate blocks.
+
+    Blocks of `block` positions are scored by their best visible score; the block holding the
+    newest visible position (`visible - 1`) is always kept; then the best `topk_blocks` blocks
+    with a finite score (ties to the lower block). scores `[T, N]` fp32 (-inf where not
+    visible), visible `[T]`.
+    """
+    rows, width = scores.shape
+    if width == 0:
+        return torch.zeros_like(scores, dtype=torch.bool)
+    n_blocks = -(-width // block)
+    padded = scores.new_full((rows, n_blocks * block), float("-inf"))
+    padded[:, :width] = scores
+    block_max = padded.view(rows, n_blocks, block).amax(dim=-1)
+    newest = ((visible - 1).clamp(min=0) // block).clamp(max=n_blocks - 1)
+    pinned = torch.where(visible > 0, float("inf"), block_max.gather(1, newest[:, None])[:, 0])
+    block_max = block_max.scatter(1, newest[:, None], pinned[:, None])
+    top = torch.topk(block_max, min(topk_blocks, n_blocks), dim=-1)
+    keep = torch.zeros_like(block_max, dtype=torch.bool)
+    keep.scatter_(1, top.indices, top.values > float("-inf"))
+    return keep.repeat_interleave(block, dim=1)[:, :width]
+
+
+def select_topk(
+    scores: torch.Tensor, k: int, batch: ForwardBatch, ratio: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` best entries of every row (`torch.topk`), dropping picks scored -inf: (their
+    cache rows `[T, k]`, 0 where dropped; valid `[T, k]`)."""
+    top = torch.topk(scores, k, dim=-1)
+    valid = top.values > float("-inf")
+    rows = entry_pool_rows(top.indices, batch.req_to_token, batch.token_slots(), ratio)
+    return torch.where(valid, rows, torch.zeros_like(rows)), valid
+
+
+__all__ = [
+    "Csa2Compressor",
+    "Csa2Indexer",
+    "EmittedGroups",
+    "select_candidate_blocks",
+    "select_topk",
+]

@@ -1,0 +1,101 @@
+"""Engram: an n-gram hash memory added to the mHC streams before a layer (DeepSeek-V4.1).
+
+Hashing (once per forward for every engram layer): token t at position p sees the tokens at
+p, p-1, ..., p-(N-1) (missing positions read the pad token), each through the compressed token
+map (`tokenizer/engram_map.py`). With the layer's odd multipliers M, `r_0 = c_0 * M_0` and
+`r_i = r_(i-1) XOR (c_i * M_i)`; the (i+1)-gram hash of head h is `r_i mod P[i-1][h]` plus the
+row offset of that (n-gram, head) slice of the layer's table (int64, never overflowing:
+`c * M < 2^63`).
+
+Module (per engram layer): the rows of every hash are embedded and concatenated, projected to
+one key per stream and one shared value; each stream j gets `sigmoid(signed_sqrt(dot_j)) *
+value` added, where dot_j is the scaled product of the RMS-normalised stream, the key and
+`q_weight * k_weight` (all fp32, each stream normalised on its own).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from sgl_dspark.srt.configs.deepseek_v41 import EngramConfig
+from sgl_dspark.srt.core.forward_batch import ForwardBatch
+
+_GATE_FLOOR = 1e-6  # |dot| floor inside the signed square root (a zero dot gates at sigmoid(1e-3))
+
+
+def ngram_history(
+    batch: ForwardBatch, token_ids: torch.Tensor, n: int, pad_id: int
+) -> torch.Tensor:
+    """`[T, n]` token ids at positions p, p-1, ..., p-(n-1) of every row's request (the pad id
+    before position 0), read from the per-slot ids of `token_ids` (this batch's rows already
+    written there)."""
+    shifts = torch.arange(n, device=batch.positions.device)
+    pos = batch.positions[:, None] - shifts[None, :]
+    slots = batch.req_to_token[batch.token_slots()[:, None], pos.clamp(min=0)]
+    return torch.where(pos >= 0, token_ids[slots], torch.full_like(slots, pad_id))
+
+
+class EngramHash(nn.Module):
+    """The hashing constants of one engram layer, as non-persistent buffers."""
+
+    multipliers: torch.Tensor  # [N] int64
+    primes: torch.Tensor  # [N - 1, heads] int64
+    offsets: torch.Tensor  # [(N - 1) * heads] int64
+
+    def __init__(self, cfg: EngramConfig, index: int) -> None:
+        super().__init__()
+        self.register_buffer(
+            "multipliers", torch.tensor(cfg.multipliers[index], dtype=torch.int64), False
+        )
+        self.register_buffer("primes", torch.tensor(cfg.primes[index], dtype=torch.int64), False)
+        self.register_buffer("offsets", torch.tensor(cfg.offsets(index), dtype=torch.int64), False)
+
+    def forward(self, compressed: torch.Tensor) -> torch.Tensor:
+        """compressed `[T, N]` compressed ids -> table rows `[T, (N - 1) * heads]` int64
+        (n-gram size major, head minor)."""
+        products = compressed * self.multipliers[None, :]
+        mixed = products[:, 0]
+        cols = []
+        for i in range(1, products.shape[1]):
+            mixed = torch.bitwise_xor(mixed, products[:, i])
+            cols.append(mixed[:, None].remainder(self.primes[i - 1][None, :]))
+        return torch.cat(cols, dim=1) + self.offsets[None, :]
+
+
+class Engram(nn.Module):
+    """`embed` (the hash table), `wkv`, `q_weight`, `k_weight` (checkpoint names), plus the
+    hashing constants `hash`."""
+
+    def __init__(
+        self, cfg: EngramConfig, index: int, hidden_size: int, hc_mult: int, eps: float
+    ) -> None:
+        super().__init__()
+        self.eps = eps
+        self.hc_mult = hc_mult
+        self.hash = EngramHash(cfg, index)
+        self.embed = nn.Embedding(cfg.num_embeddings[index], cfg.head_dim)
+        self.wkv = nn.Linear(
+            cfg.ids_per_token * cfg.head_dim, (hc_mult + 1) * hidden_size, bias=False
+        )
+        self.q_weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+        self.k_weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
+
+    def forward(self, streams: torch.Tensor, compressed_history: torch.Tensor) -> torch.Tensor:
+        """streams `[T, n, D]`, compressed_history `[T, N]` -> streams with the gated value
+        added (streams' dtype)."""
+        T, n, d = streams.shape
+        rows = self.hash(compressed_history)
+        kv = self.wkv(self.embed(rows).flatten(1)).float()
+        key, value = kv[:, : n * d].view(T, n, d), kv[:, n * d :]
+        s = streams.float()
+        rstd = torch.rsqrt(s.pow(2).mean(-1) + self.eps) * torch.rsqrt(
+            key.pow(2).mean(-1) + self.eps
+        )
+        wqk = (self.q_weight.float() * self.k_weight.float())[None]
+        dot = (s * wqk * key).sum(-1) * rstd * d**-0.5  # [T, n]
+        gate = torch.sigmoid(torch.copysign(dot.abs().clamp(min=_GATE_FLOOR).sqrt(), dot))
+        return (s + gate[:, :, None] * value[:, None, :]).to(streams.dtype)
+
+
+__all__ = ["Engram", "EngramHash", "ngram_history"]

@@ -1,0 +1,226 @@
+"""DeepSeek-V4.1 causal LM for serving: a flat token batch of many requests over paged KV state
+(`DeepseekV41KVPool`), one forward for prefill, chunked prefill, decode and verify.
+
+Over V4: single-pass mHC (each sublayer's input is collapsed with the previous site's `pre`,
+the first with stream 0, the final norm's with the last FFN's; no hyper head); no per-head q
+norm; CSA2 attention with shared latents, reused top-k and candidate blocks
+(`deepseek_v41_attention.py`); Engram before its layers; MoE routed with a temperature, no hash
+layers, each route's weight applied before the down projection; the QAT quantisers on the window
+KV, latents and indexer q/k. Parameter names follow V4's module layout (`model.layers.{i}.
+self_attn...`); `model_loader/name_mapping.py` maps the released / HF names onto them.
+
+Hidden-state taps (`tap_layers`) are the streams entering a layer's attention (after its
+Engram), V4.1's DSpark feature convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import cast
+
+import torch
+from torch import nn
+
+from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.core.forward_batch import ForwardBatch
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.attention import BaseAttentionBackend
+from sgl_dspark.srt.layers.engram import Engram, ngram_history
+from sgl_dspark.srt.layers.fused_linear import linear_impl
+from sgl_dspark.srt.layers.mhc import HyperConnection, hc_collapse, hc_expand
+from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.rotary import RopeTable, rope_impl, rope_inv_freq
+from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
+from sgl_dspark.srt.models.base import BaseCausalLM
+from sgl_dspark.srt.models.deepseek_v4 import ModelOutput, RopeTables
+from sgl_dspark.srt.models.deepseek_v41_attention import Csa2Attention, Csa2Selections
+
+# Op families whose Triton kernels compute V4's math, not V4.1's (the fused mHC boundary, the
+# V4 compressor / indexer kernels, the router without temperature and the experts that weight
+# the projected output): a V4.1 model runs them in torch.
+TORCH_ONLY_FAMILIES = ("mhc", "indexer", "moe")
+
+
+def check_runtime(cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
+    """Refuse, at startup, implementations that do not compute V4.1 (ValueError naming the
+    argument to change)."""
+    triton = [f for f in TORCH_ONLY_FAMILIES if kernels.of(f) != "torch"]
+    if triton:
+        overrides = ",".join(f"{f}=torch" for f in triton)
+        raise ValueError(
+            f"DeepSeek-V4.1 has no Triton kernels for {triton} yet: add "
+            f"--kernel-backend-overrides {overrides}"
+        )
+    if attention_backend != "torch":
+        raise ValueError(
+            f"--attention-backend {attention_backend!r}: DeepSeek-V4.1's quantised caches are "
+            "read by the torch attention only (use --attention-backend torch)"
+        )
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
+        super().__init__()
+        v41 = cfg.v41
+        assert v41 is not None
+        d, k = cfg.hidden_size, cfg.num_experts_per_tok
+        self.engram: Engram | None = None
+        if v41.engram is not None and layer_id in v41.engram.layer_ids:
+            index = v41.engram.layer_ids.index(layer_id)
+            self.engram = Engram(v41.engram, index, d, cfg.hc_mult, cfg.rms_norm_eps)
+        self.self_attn = Csa2Attention(cfg, layer_id, kernels)
+        router = Router(
+            d,
+            cfg.n_routed_experts,
+            k,
+            cfg.vocab_size,
+            False,
+            cfg.scoring_func,
+            cfg.routed_scaling_factor,
+            cfg.norm_topk_prob and k > 1,  # a single route keeps its raw score
+            kernels,
+            gate_temp=v41.gate_temp,
+        )
+        experts = RoutedExperts(
+            cfg.n_routed_experts,
+            d,
+            cfg.moe_intermediate_size,
+            cfg.swiglu_limit,
+            kernels,
+            weight_before_down=True,
+        )
+        shared = SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels)
+        self.mlp = SparseMoE(router, experts, shared, kernels)
+        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
+        hc = (cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
+        self.attn_hc = HyperConnection(*hc)
+        self.ffn_hc = HyperConnection(*hc)
+
+    def forward(
+        self,
+        streams: torch.Tensor,
+        pre: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DeepseekV41KVPool,
+        rope: RopeTables,
+        shared: Csa2Selections,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """streams `[T, n, D]` after this layer's Engram, `pre` `[T, n]` fp32 of the previous
+        site -> (streams after the layer, the FFN site's `pre`)."""
+        pre_attn, post, comb = self.attn_hc.coeffs(streams)
+        x = self.input_layernorm(hc_collapse(streams, pre))
+        streams = hc_expand(streams, self.self_attn(x, batch, pool, rope, shared), post, comb)
+        pre_ffn, post, comb = self.ffn_hc.coeffs(streams)
+        x = self.post_attention_layernorm(hc_collapse(streams, pre_attn))
+        return hc_expand(streams, self.mlp(x, batch.input_ids), post, comb), pre_ffn
+
+
+class DeepseekV41Model(nn.Module):
+    inv_freq_main: torch.Tensor
+    inv_freq_compress: torch.Tensor
+    engram_token_map: torch.Tensor
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, kernels) for i in range(cfg.num_hidden_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        rd = cfg.qk_rope_head_dim
+        self.register_buffer("inv_freq_main", rope_inv_freq(cfg.rope_main, rd), persistent=False)
+        self.register_buffer(
+            "inv_freq_compress", rope_inv_freq(cfg.rope_compress, rd), persistent=False
+        )
+        if cfg.v41 is not None and cfg.v41.engram is not None:
+            # Compressed id of every token id (`tokenizer/engram_map.py`), loaded with the
+            # weights from the model's tokenizer.
+            token_map = torch.zeros(cfg.vocab_size, dtype=torch.int64)
+            self.register_buffer("engram_token_map", token_map)
+
+
+class DeepseekV41ForCausalLM(BaseCausalLM):
+    model: DeepseekV41Model
+
+    def __init__(self, cfg: ModelConfig, kernels: KernelChoice | None = None) -> None:
+        super().__init__()
+        assert cfg.v41 is not None, "DeepseekV41ForCausalLM needs a DeepSeek-V4.1 config"
+        self.cfg = cfg
+        self.kernels = kernels or KernelChoice()
+        self.model = DeepseekV41Model(cfg, self.kernels)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.compress_rope = rope_impl(self.kernels)
+        self.rms_norm = rms_norm_impl(self.kernels)
+        self.linear = linear_impl(self.kernels)
+        self._rope_tables: tuple[RopeTable, RopeTable] | None = None
+
+    def rope_tables(self, context_len: int) -> tuple[RopeTable, RopeTable]:
+        tables = self._rope_tables
+        device = self.lm_head.weight.device
+        if tables is None or tables[0].length < context_len or tables[0].table.device != device:
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("rope tables must be built before CUDA-graph capture")
+            m = self.model
+            tables = (
+                RopeTable(m.inv_freq_main, context_len),
+                RopeTable(m.inv_freq_compress, context_len),
+            )
+            self._rope_tables = tables
+        return tables
+
+    def forward(
+        self,
+        batch: ForwardBatch,
+        pool: DeepseekV41KVPool,
+        backend: BaseAttentionBackend,
+        tap_layers: tuple[int, ...] = (),
+        on_taps: Callable[[dict[int, torch.Tensor]], None] | None = None,
+    ) -> ModelOutput:
+        """`backend` is unused: the attention reads the quantised caches itself (torch, which
+        `check_runtime` enforces). `on_taps` runs once the last of `tap_layers` is collected."""
+        del backend
+        m, n = self.model, self.cfg.hc_mult
+        batch.memo.clear()  # per-forward derived tensors (see ForwardBatch.memo)
+        streams = m.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, n, -1).contiguous()
+        rope = RopeTables(
+            batch.positions, *self.rope_tables(batch.req_to_token.shape[1]), self.compress_rope
+        )
+        history = self._engram_history(batch, pool)
+        shared = Csa2Selections()
+        pre = torch.zeros(streams.shape[0], n, dtype=torch.float32, device=streams.device)
+        pre[:, 0] = 1.0  # the first sublayer reads stream 0
+        taps: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(cast("Sequence[DecoderLayer]", m.layers)):
+            if layer.engram is not None:
+                assert history is not None
+                streams = layer.engram(streams, history)
+            if i in tap_layers:
+                taps[i] = streams
+                if on_taps is not None and len(taps) == len(set(tap_layers)):
+                    on_taps(taps)
+            streams, pre = layer(streams, pre, batch, pool, rope, shared)
+        rows = batch.logits_indices
+        h = self.rms_norm(hc_collapse(streams[rows], pre[rows]), m.norm.weight, m.norm.eps)
+        return ModelOutput(logits=self.compute_logits(h), tap_streams=taps)
+
+    def _engram_history(self, batch: ForwardBatch, pool: DeepseekV41KVPool) -> torch.Tensor | None:
+        """`[T, N]` compressed ids of every row's n-gram history, after recording this batch's
+        ids at their token slots (rows of a rejected verify are rewritten when real tokens
+        reach their positions, before anything later reads them)."""
+        engram = self.cfg.v41.engram if self.cfg.v41 is not None else None
+        if engram is None:
+            return None
+        assert pool.token_ids is not None
+        pool.token_ids[batch.out_cache_loc] = batch.input_ids
+        raw = ngram_history(batch, pool.token_ids, engram.max_ngram_size, engram.pad_id)
+        return self.model.engram_token_map[raw]
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        vocab = self.lm_head.weight.shape[0]
+        return self.linear(rows, self.lm_head.weight).float().view(*hidden.shape[:-1], vocab)
+
+
+__all__ = ["DeepseekV41ForCausalLM", "check_runtime"]

@@ -1,0 +1,200 @@
+"""Attention of a DeepSeek-V4.1 layer: MQA with sinks over the sliding window (FP8 window KV) and,
+on layers with a compress ratio, over the shared compressed latents at the top-k positions.
+
+Every layer computes its own queries and window KV. A kv source (Full) emits the latents and
+index keys of the groups its rows close; an index source (Full or Reindex) selects a top-k from
+its own queries and publishes it; a Reuse layer attends the top-k last published for its source.
+The candidate source publishes its candidate blocks, which restrict the top-k of later index
+sources. What is published lives for one forward (`Csa2Selections`); the latents, index keys and
+pending pairs live in the pool (`DeepseekV41KVPool`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from sgl_dspark.srt.configs.deepseek_v41 import LayerRole
+from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.core.forward_batch import ForwardBatch
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.attention.compressor import (
+    entry_slots,
+    indexer_scores_of_keys,
+    visible_entries,
+)
+from sgl_dspark.srt.layers.attention.csa2 import (
+    Csa2Compressor,
+    Csa2Indexer,
+    select_candidate_blocks,
+    select_topk,
+)
+from sgl_dspark.srt.layers.attention.torch_backend import sink_attention, window_rows
+from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.rotary import rope_impl
+from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
+from sgl_dspark.srt.models.deepseek_v4 import RopeTables
+from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp4_index
+
+
+@dataclass
+class Csa2Selections:
+    """Published within one forward: per kv source, the latest top-k (cache rows `[T, k]`,
+    valid `[T, k]`); per candidate source, its candidate positions `[T, N]`."""
+
+    topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+    candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class Csa2Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
+        super().__init__()
+        v41 = cfg.v41
+        assert v41 is not None
+        self.layer_id = layer_id
+        self.ratio = v41.compress_ratios[layer_id]
+        self.role = v41.role(layer_id)
+        self.source = v41.source_of(layer_id)
+        self.candidate_of = v41.candidates_of(layer_id)
+        self.publishes_candidates = v41.is_candidate_source(layer_id)
+        self.candidate_blocks = (v41.candidate_topk_blocks, v41.candidate_block_size)
+        self.rope_kind = "main" if self.ratio == 0 else "compress"
+        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
+        self.window, self.groups, self.o_rank = cfg.sliding_window, cfg.o_groups, cfg.o_lora_rank
+        self.q_head_norm, self.eps = cfg.q_head_norm, cfg.rms_norm_eps
+        d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
+        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, hd, bias=False)
+        self.kv_proj = nn.Linear(d, cfg.head_dim, bias=False)
+        self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.o_a_proj = nn.Linear(hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+        self.compressor: Csa2Compressor | None = None
+        self.indexer: Csa2Indexer | None = None
+        x_members, qr_members = [self.q_a_proj, self.kv_proj], [self.q_b_proj]
+        if self.role is LayerRole.FULL:
+            self.compressor = Csa2Compressor(d, cfg.head_dim, self.ratio, cfg.rms_norm_eps)
+            x_members += self.compressor.projections()
+        if self.role in (LayerRole.FULL, LayerRole.REINDEX):
+            self.indexer = Csa2Indexer(
+                d,
+                cfg.q_lora_rank,
+                cfg.head_dim,
+                cfg.index_n_heads,
+                cfg.index_head_dim,
+                cfg.index_topk,
+                owns_keys=self.role is LayerRole.FULL,
+                eps=cfg.rms_norm_eps,
+            )
+            x_members.append(self.indexer.weights_proj)
+            qr_members.append(self.indexer.q_b_proj)
+        # One GEMM per input once fused: x -> q_a, kv, compressor kv (+ gate), indexer head
+        # weights; qr -> q_b, indexer q_b.
+        self.x_proj = LinearGroup(x_members, kernels)
+        self.qr_proj = LinearGroup(qr_members, kernels)
+        self.rms_norm = rms_norm_impl(kernels)
+        self.rope = rope_impl(kernels)
+        self.linear = linear_impl(kernels)
+        self.grouped_linear = grouped_linear_impl(kernels)
+
+    def linear_groups(self) -> list[LinearGroup]:
+        return [self.x_proj, self.qr_proj]
+
+    def forward(
+        self,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DeepseekV41KVPool,
+        rope: RopeTables,
+        shared: Csa2Selections,
+    ) -> torch.Tensor:
+        T = x.shape[0]
+        cos, sin = rope.tables[self.rope_kind]
+        q_a, kv, *x_rest = self.x_proj(x)
+        qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
+        q, *index_q = self.qr_proj(qr)
+        q_norm = (None, self.eps) if self.q_head_norm else None
+        q = self.rope(q.view(T, self.n_heads, self.head_dim), cos, sin, norm=q_norm)
+        kv = self.rope(kv, cos, sin, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        window = pool.window[self.layer_id]
+        window.store(batch.out_cache_loc, kv)  # FP8-quantised: what every reader sees
+        slots, valid = window_rows(batch, self.window)
+        keys = window.load(slots)  # [T, W, Dh]
+        if self.ratio > 0:
+            latent_keys, latent_valid = self._compressed(x_rest, index_q, batch, pool, rope, shared)
+            keys = torch.cat((keys, latent_keys.to(keys.dtype)), dim=1)
+            valid = torch.cat((valid, latent_valid), dim=1)
+        o = sink_attention(q, keys, valid, self.sinks, self.head_dim**-0.5)
+        o = self.rope(o, cos, sin, inverse=True)
+        wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
+        z = self.grouped_linear(o.reshape(T, self.groups, -1), wa).reshape(T, -1)
+        return self.linear(z, self.o_b_proj.weight)
+
+    def _compressed(
+        self,
+        x_rest: list[torch.Tensor],
+        index_q: list[torch.Tensor],
+        batch: ForwardBatch,
+        pool: DeepseekV41KVPool,
+        rope: RopeTables,
+        shared: Csa2Selections,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The latents this layer attends `[T, k, Dh]` and their validity `[T, k]`. x_rest: the
+        x projections after q_a and kv (compressor kv (+ gate), then indexer head weights)."""
+        assert self.source is not None
+        src = pool.sources[self.source]
+        if self.compressor is not None:
+            n_comp = len(self.compressor.projections())
+            comp_in, x_rest = x_rest[:n_comp], x_rest[n_comp:]
+            gate = comp_in[1] if n_comp > 1 else None
+            groups = self.compressor.emit(comp_in[0], gate, batch, src.pairs, self.rms_norm)
+            # Index keys come from the latent before its rotation; both are quantised on store.
+            assert self.indexer is not None
+            keys = self.indexer.keys(groups.latents, groups.start_positions, rope, self.rms_norm)
+            src.index_keys.store(groups.entry_rows, keys)
+            latents = rope.rotate_compress(groups.latents, groups.start_positions.clamp(min=0))
+            src.latents.store(groups.entry_rows, latents)
+        if self.indexer is not None:
+            shared.topk[self.source] = self._select(
+                index_q[0], x_rest[0], batch, pool, rope, shared
+            )
+        rows, valid = shared.topk[self.source]
+        return src.latents.load(rows), valid
+
+    def _select(
+        self,
+        qi: torch.Tensor,
+        head_w: torch.Tensor,
+        batch: ForwardBatch,
+        pool: DeepseekV41KVPool,
+        rope: RopeTables,
+        shared: Csa2Selections,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This index source's top-k (cache rows, valid), from its queries `qi` `[T, Hi * Di]`
+        and head weights `head_w` `[T, Hi]`."""
+        assert self.indexer is not None and self.source is not None
+        m, T = self.ratio, qi.shape[0]
+        n_max = batch.max_seq_len // m
+        k = min(self.indexer.topk, n_max)
+        if k == 0 or T == 0:
+            z = torch.zeros(T, 0, dtype=torch.int64, device=qi.device)
+            return z, z.bool()
+        qi = qi.view(T, self.indexer.n_heads, self.indexer.index_dim)
+        qi = fake_quant_fp4_index(rope.rotate_compress(qi, batch.positions, "positions"))
+        keys = pool.sources[self.source].index_keys.load(entry_slots(batch, n_max, m))
+        scores = indexer_scores_of_keys(
+            qi, head_w, keys, batch.positions, m, weight_scale=self.indexer.n_heads**-0.5
+        )
+        if self.publishes_candidates:
+            blocks, size = self.candidate_blocks
+            shared.candidates[self.layer_id] = select_candidate_blocks(
+                scores, visible_entries(batch, m), blocks, size
+            )
+        elif self.candidate_of is not None:
+            scores = scores.masked_fill(~shared.candidates[self.candidate_of], float("-inf"))
+        return select_topk(scores, k, batch, m)

@@ -1,0 +1,102 @@
+"""Engram pieces of the engine: the compressed token map and the hash ids against the fixture's
+stored values, the gate at a zero dot product, refusals of a bad tokenizer; and the startup
+refusal of kernel / attention choices that do not compute V4.1."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.layers.engram import Engram, EngramHash, ngram_history
+from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
+from sgl_dspark.srt.tokenizer.engram_map import compressed_token_map
+
+C2 = pathlib.Path(__file__).resolve().parent / "fixtures" / "deepseek_v41" / "c2_hc4_sigmoid_engram"
+
+
+@pytest.fixture(scope="module")
+def c2():
+    cfg = ModelConfig.from_pretrained(str(C2))
+    meta = json.loads((C2 / "vectors.json").read_text())["engram"]
+    return cfg, meta, load_file(str(C2 / "vectors.safetensors"))
+
+
+def test_token_map_and_refusals(c2, tmp_path):
+    cfg, meta, _ = c2
+    e = cfg.v41.engram
+    token_map = compressed_token_map(str(C2 / "tokenizer.json"), 320, e.compressed_vocab_size, 2)
+    assert token_map.tolist() == meta["token_map"]
+    # ids past the tokenizer (a padded vocabulary) read as the pad token
+    padded = compressed_token_map(str(C2 / "tokenizer.json"), 330, e.compressed_vocab_size, 2)
+    assert padded[320:].tolist() == [meta["token_map"][2]] * 10
+    with pytest.raises(ValueError, match="engram_compressed_vocab_size"):
+        compressed_token_map(str(C2 / "tokenizer.json"), 320, 280, 2)
+    with pytest.raises(ValueError, match="tokenizer"):
+        compressed_token_map(str(tmp_path / "tokenizer.json"), 320, 281, 2)
+
+
+def test_hash_ids_of_the_stored_prompt(c2):
+    """A two-chunk prefill (the second chunk's history reaches into the first) hashes every
+    position to the rows HF recorded."""
+    cfg, meta, vec = c2
+    e = cfg.v41.engram
+    ids = vec["p2.input_ids"]
+    want = vec["p2.debug.engram_hash_ids"]  # [S, layers, (N - 1) * heads]
+    token_map = torch.tensor(meta["token_map"])
+    req_to_token = torch.arange(128).view(1, 128).repeat(2, 1)
+    token_ids = torch.zeros(128, dtype=torch.int64)
+    split = 29
+    got = []
+    for start, end in ((0, split), (split, ids.shape[0])):
+        batch = ForwardBatch.build(
+            ForwardMode.EXTEND, [ids[start:end].tolist()], [start], [1], req_to_token
+        )
+        token_ids[batch.out_cache_loc] = batch.input_ids
+        history = ngram_history(batch, token_ids, e.max_ngram_size, e.pad_id)
+        got.append(torch.stack([EngramHash(e, i)(token_map[history]) for i in range(2)], 1))
+    assert torch.equal(torch.cat(got), want)
+
+
+def test_gate_at_zero_dot_is_sigmoid_of_the_floor(c2):
+    cfg, _, _ = c2
+    engram = Engram(cfg.v41.engram, 0, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps)
+    with torch.no_grad():
+        engram.q_weight.zero_()  # every dot product is exactly 0
+        engram.embed.weight.normal_()
+        engram.wkv.weight.normal_()
+    streams = torch.randn(3, cfg.hc_mult, cfg.hidden_size)
+    history = torch.randint(0, 200, (3, cfg.v41.engram.max_ngram_size))
+    out = engram(streams, history)
+    kv = engram.wkv(engram.embed(engram.hash(history)).flatten(1))
+    value = kv[:, cfg.hc_mult * cfg.hidden_size :]
+    gate = torch.sigmoid(torch.tensor(1e-3))  # copysign(sqrt(1e-6), +0.0)
+    torch.testing.assert_close(out, streams + gate * value[:, None, :])
+
+
+@pytest.mark.parametrize(
+    "kernel_backend,overrides,attention,needle",
+    [
+        ("triton", None, "torch", "mhc=torch,indexer=torch,moe=torch"),
+        ("torch", "moe=triton", "torch", "moe=torch"),
+        ("torch", None, "triton", "attention-backend"),
+    ],
+)
+def test_runtime_choices_without_v41_kernels_are_refused(
+    c2, kernel_backend, overrides, attention, needle
+):
+    cfg, _, _ = c2
+    rc = RunnerConfig(
+        kernel_backend=kernel_backend,
+        kernel_backend_overrides=overrides,
+        attention_backend=attention,
+        max_total_tokens=256,
+        max_running_requests=2,
+        context_length=64,
+    )
+    with pytest.raises(ValueError, match=needle):
+        ModelRunner(cfg, rc)
