@@ -136,17 +136,18 @@ class ServerArgs:
     programmatic_launch_max_bs: int = _arg(
         24,
         "CUDA sm90+: capture graphs of at most this many requests with programmatic "
-        "launches, larger ones with plain launches (measured on an H200: programmatic "
-        "launch faster up to bs 24, not at bs 32); 0: plain launches in every graph.",
+        "launches, larger ones with plain launches (programmatic launch pays off at small "
+        "batches; see benchmark/results/kernels.md); 0: plain launches in every graph.",
     )
     disable_overlap_schedule: bool = _arg(
         False,
         "Run decode steps one at a time: read each step's tokens before launching the "
         "next (default: the next decode step is launched from the sampled tokens still "
-        "on the device, and the host reads the previous step meanwhile). Speculative "
-        "decoding always runs step by step.",
+        "on the device, and the host reads the previous step meanwhile; all-greedy DSpark "
+        "steps chain the same way as fused step graphs). With this flag DSpark runs its "
+        "eager step, the reference path.",
     )
-    # ---- speculative decoding (dspark.md section 7) ----
+    # ---- speculative decoding ----
     speculative_algorithm: str | None = _arg(
         None, "Speculative decoding algorithm (case-insensitive): DSpark.", None, "{DSpark}"
     )

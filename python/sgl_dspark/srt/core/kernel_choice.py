@@ -1,7 +1,7 @@
 """Which implementation each op family uses: `--kernel-backend {torch,triton}` plus optional
 per-family overrides (`--kernel-backend-overrides moe=torch,rope=triton`).
 
-Layers resolve their callables from this record once, when they are built (style R11): the path
+Layers resolve their callables from this record once, when they are built: the path
 a deployment runs is visible in its command line, never chosen by tensor device or env var.
 """
 
