@@ -1,10 +1,10 @@
-"""K6: SiLU-mul-clamp vs `silu_mul_clamp_ref` (same exp2 formula).
+"""The clamped SwiGLU (`silu_mul_clamp`) vs `silu_mul_clamp_ref` (same exp2 formula).
 
 Plain output: the kernel and the reference differ only in the backend's exp2 (numpy vs torch on
 CPU, ex2.approx on GPU), so outputs are bit-equal except rare 1-ulp flips. fp8 output: scales are
 compared exactly where the rounded activations agree; the e4m3 codes are exact on GPU. The CPU
-interpreter's fp32->fp8 cast is wrong at ties and when rounding crosses a power of two
-(kernels.md §0.4), so on CPU a code may differ from torch's only in those two recognisable ways.
+interpreter's fp32->fp8 cast is wrong at ties and when rounding crosses a power of two, so on
+CPU a code may differ from torch's only in those two recognisable ways.
 """
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import math
 
 import pytest
 import torch
-from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp, silu_mul_clamp_ref
+from sgl_dspark.kernels.moe.activation import silu_mul_clamp
+from sgl_dspark.kernels.moe.reference import Fp8Activation, silu_mul_clamp_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
@@ -22,8 +23,8 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
 )
 ON_GPU = DEVICE == "cuda"
-activation_module = importlib.import_module("sgl_dspark.kernels.activation")
-MAX_FLIP_FRACTION = 1e-3  # exp2 lowering: measured ~6e-6 of bf16 outputs (kernels.md §K6)
+activation_module = importlib.import_module("sgl_dspark.kernels.moe.activation")
+MAX_FLIP_FRACTION = 1e-3  # exp2 lowering: ~6e-6 of bf16 outputs flip, far below this
 
 
 def _gate_up(rows: int, inter: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""K9 (index-key FP4 quantisation) and K10 (index-query RoPE + fake-quant + pack + head weights).
+"""Index-key FP4 quantisation (`fp4_index_k_quant`) and the index-query chain (`index_q_rope_fp4`:
+RoPE + fake-quant + pack + head weights).
 
 Both kernels are elementwise with defined rounding, so every output is compared bit for bit with
 the reference (floats through an integer view, so -0.0 vs +0.0 counts). The references themselves
@@ -12,21 +13,21 @@ import math
 
 import pytest
 import torch
-from sgl_dspark.kernels.fp4_indexer import (
+from sgl_dspark.kernels.indexer.fp4_k_quant import fp4_index_k_quant
+from sgl_dspark.kernels.indexer.fp4_q_rope import index_q_rope_fp4
+from sgl_dspark.kernels.indexer.reference import (
     IndexQFp4Output,
     e2m1_decode_ref,
     e2m1_encode_ref,
     fp4_dequant_ref,
     fp4_fake_quant_ref,
-    fp4_index_k_quant,
     fp4_index_k_quant_ref,
-    index_q_rope_fp4,
     index_q_rope_fp4_ref,
     index_q_rope_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-fp4_indexer_module = importlib.import_module("sgl_dspark.kernels.fp4_indexer")
+k_quant_module = importlib.import_module("sgl_dspark.kernels.indexer.fp4_k_quant")
 POISON = 0xAB
 
 # (value, expected code) derived by hand from the grid {0, .5, 1, 1.5, 2, 3, 4, 6} (codes 0..7):
@@ -198,7 +199,7 @@ def test_k_quant_scatter_to_cache_slots() -> None:
 
 
 # ------------------------------------------------------------------------------------------------
-# K10
+# The index-query chain
 # ------------------------------------------------------------------------------------------------
 
 
@@ -364,7 +365,7 @@ def test_k_quant_launch_meta_never_changes_results(
     """Rows per program and warps are free: every row is quantised on its own (partial row
     blocks at T = 1, 5, 37 included)."""
     monkeypatch.setattr(
-        fp4_indexer_module,
+        k_quant_module,
         "_k_quant_meta",
         lambda t, k: {"BLOCK_ROWS": block_rows, "num_warps": num_warps},
     )

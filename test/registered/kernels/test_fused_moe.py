@@ -1,19 +1,20 @@
-"""Grouped expert GEMMs over K1's sorted blocks vs `moe_grouped_gemm_ref` / `fused_moe_ref`.
+"""Grouped expert GEMMs over `moe_sort`'s blocks vs `moe_grouped_gemm_ref` / `fused_moe_ref`.
 
-Tolerances (X2: only the fp32 summation order differs from torch's matmul):
+Tolerances (only the fp32 summation order differs from torch's matmul):
   * fp32: IEEE fp32 dot products on every backend (tf32 off on GPU; the interpreter's fp32 tl.dot is
     a numpy fp32 matmul), so results agree to a few fp32 ulps of the row's magnitude: 1e-5.
   * bf16, one GEMM: the products are exact and both sides round an fp32 sum once to bf16, so they
     differ by at most one bf16 ulp (rtol 2^-7) where the sums straddle a rounding boundary.
-  * bf16, the whole chain: one-ulp flips of stage 1 and K6 (exp2 lowering) feed stage 2, so a few
-    bf16 ulps of |y| ~ 1: rtol = atol = 2^-6.
+  * bf16, the whole chain: one-ulp flips of stage 1 and the activation (exp2 lowering) feed
+    stage 2, so a few bf16 ulps of |y| ~ 1: rtol = atol = 2^-6.
 Rows the kernel must not write are poisoned with NaN and must still be NaN afterwards.
 
-K6 fused into a GEMM must equal the unfused chain (GEMM -> `silu_mul_clamp` -> GEMM) BIT FOR BIT
-on the GPU: `fused_moe` replaced that chain, and graph / speculative-decoding tests compare tokens.
-The fusion runs K6's fp32 ops in K6's order and rounds to bf16 the way K6's plain output does
-(compiled: K6 by its store's native nearest-even cast, the fusion by the same cast; interpreted:
-all on the bits, since the interpreter's cast truncates), with the same exp2 function.
+The activation fused into a GEMM must equal the unfused chain (GEMM -> `silu_mul_clamp` -> GEMM) BIT
+FOR BIT on the GPU: `fused_moe` replaces that chain, and graph / speculative-decoding tests compare
+tokens. The fusion runs `silu_mul_clamp`'s fp32 ops in its order and rounds to bf16 the way its
+plain output does (compiled: `silu_mul_clamp` by its store's native nearest-even cast, the fusion by
+the same cast; interpreted: all on the bits, since the interpreter's cast truncates), with the same
+exp2 function.
   * Epilogue (`out_swiglu`, stage 1; what `fused_moe` uses): a tile pairs BLOCK_N / 2 gate with
     BLOCK_N / 2 up weight rows, so a gate or up column sits at another position of the tile than
     in the unfused stage 1. A compiled dot's sum for an output does not depend on its position;
@@ -21,25 +22,27 @@ all on the bits, since the interpreter's cast truncates), with the same exp2 fun
     columns changes about a third of the fp32 results in the last bit). So the bits are asserted
     exactly on CUDA only, within CHAIN_TOL on CPU; on every backend the epilogue must equal,
     bit for bit, the unfused chain run on a weight whose rows are laid out as the epilogue's
-    tiles (same positions), which pins its rounding and K6 arithmetic on CPU too.
+    tiles (same positions), which pins its rounding and activation arithmetic on CPU too.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.activation import silu_mul_clamp
-from sgl_dspark.kernels.fused_moe import (
-    fused_moe,
+from sgl_dspark.kernels.moe.activation import silu_mul_clamp
+from sgl_dspark.kernels.moe.grouped_gemm import fused_moe, moe_grouped_gemm
+from sgl_dspark.kernels.moe.reference import (
+    MoeSortOutput,
     fused_moe_ref,
-    moe_grouped_gemm,
     moe_grouped_gemm_ref,
+    moe_sort_ref,
 )
-from sgl_dspark.kernels.moe_sort import MoeSortOutput, moe_sort, moe_sort_ref, prepare_moe_sort
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
-# K6 of a very negative gate overflows exp2 to inf (sigmoid 0, as meant); numpy reports it.
+# The activation of a very negative gate overflows exp2 to inf (sigmoid 0, as meant); numpy
+# reports it.
 pytestmark = [
     pytest.mark.filterwarnings("ignore:Conversion of an array with ndim:DeprecationWarning"),
     pytest.mark.filterwarnings("ignore:overflow encountered:RuntimeWarning"),
@@ -72,7 +75,7 @@ def _routes(
         ids = torch.randint(0, 2, (num_tokens, topk), generator=gen)
     elif routing == "one":  # every slot on expert 1: M * topk routes, full blocks if 32 | M*topk
         ids = torch.ones(num_tokens, topk, dtype=torch.int64)
-    elif routing == "fills":  # out-of-range ids (-1 / E) are dropped by K1
+    elif routing == "fills":  # out-of-range ids (-1 / E) are dropped by `moe_sort`
         ids = torch.randint(-1, num_experts + 1, (num_tokens, topk), generator=gen)
     else:
         ids = torch.rand(num_tokens, num_experts, generator=gen).argsort(dim=1)[:, :topk]
@@ -81,7 +84,7 @@ def _routes(
 
 
 def _local_pairs(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """bool [M, topk]: the routes K1 keeps, derived from ids and mask only."""
+    """bool [M, topk]: the routes `moe_sort` keeps, derived from ids and mask only."""
     num_experts = mask.numel()
     known = (ids >= 0) & (ids < num_experts)
     return known & (mask.long()[ids.long().clamp(0, num_experts - 1)] == 1)
@@ -93,7 +96,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def _assert_same_bits(got: torch.Tensor, old: torch.Tensor, exact: bool, tol: dict) -> None:
-    """The same NaN entries (K6 of NaN poison need not keep its bits), and elsewhere the same
+    """The same NaN entries (the activation of NaN poison need not keep its bits), and elsewhere the same
     bits (exact) or values within `tol`."""
     nan = torch.isnan(got)
     assert torch.equal(nan, torch.isnan(old)), "the fused kernel wrote other entries"
@@ -111,7 +114,7 @@ def _three_launches(
     topk: int,
     limit: float | None,
 ) -> torch.Tensor:
-    """The composition `fused_moe` replaced: stage 1 -> K6 (`silu_mul_clamp`) -> stage 2."""
+    """The composition `fused_moe` replaces: stage 1 -> `silu_mul_clamp` -> stage 2."""
     routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
     rows = x.shape[0] * topk
     gate_up = torch.full((rows, gate_up_proj.shape[1]), float("nan"), dtype=x.dtype, device=DEVICE)
@@ -258,7 +261,8 @@ def test_fused_moe_allocates_output_and_m0() -> None:
 
 
 def _two_token_routes():
-    """K1's layout for 2 tokens x top-2 on expert 0 of 4: (sort, the GEMMs' route arguments)."""
+    """`moe_sort`'s layout for 2 tokens x top-2 on expert 0 of 4: (sort, the GEMMs' route
+    arguments)."""
     mask = torch.ones(4, dtype=torch.int32, device=DEVICE)
     ids = torch.zeros(2, 2, dtype=torch.int32, device=DEVICE)
     sort = moe_sort(ids, torch.ones(2, 2, device=DEVICE), prepare_moe_sort(mask), 0)

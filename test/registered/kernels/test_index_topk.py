@@ -1,4 +1,4 @@
-"""Indexer top-k selection: kernel vs index_topk_ref (exact, X0), and the reference vs a
+"""Indexer top-k selection: kernel vs index_topk_ref (bit-exact), and the reference vs a
 brute-force Python selection.
 
 Edge cases: visible 0 / negative / N / > N, k > N and k > visible, many exact ties at the
@@ -12,11 +12,12 @@ import importlib
 
 import pytest
 import torch
-from sgl_dspark.kernels.entry_rows import entry_pool_rows_ref
-from sgl_dspark.kernels.index_topk import index_topk, index_topk_ref
+from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
+from sgl_dspark.kernels.indexer.reference import index_topk_ref
+from sgl_dspark.kernels.indexer.topk import index_topk
 
 # The module itself (the package re-exports the launcher under the same name).
-topk_module = importlib.import_module("sgl_dspark.kernels.index_topk")
+topk_module = importlib.import_module("sgl_dspark.kernels.indexer.topk")
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MODES = ("randn", "ties", "neginf", "zeros")

@@ -1,16 +1,17 @@
 """Lightning-indexer logits (variable-context schedule): the Triton launcher vs its torch reference.
 
-X2: both accumulate in fp32 from the same values (bf16 products are exact in fp32, fp32 inputs use
-an IEEE dot, never TF32); only the order of the Di-long dots and the Hi-long head sum differs, so
-finite scores agree to ~1e-6 relative of the largest term. The -inf pattern (entries beyond each
-token's visible count) must match exactly.
+Within a tolerance: both accumulate in fp32 from the same values (bf16 products are exact in fp32,
+fp32 inputs use an IEEE dot, never TF32); only the order of the Di-long dots and the Hi-long head
+sum differs, so finite scores agree to ~1e-6 relative of the largest term. The -inf pattern (entries
+beyond each token's visible count) must match exactly.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
+from sgl_dspark.kernels.indexer.logits import indexer_logits
+from sgl_dspark.kernels.indexer.reference import indexer_logits_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.

@@ -1,15 +1,15 @@
-"""K2+K3: router gate / top-k / pad fill vs `router_topk_ref`.
+"""Router gate / top-k / pad fill (`router_topk`) vs `router_topk_ref`.
 
 The x source runs a split-K GEMV (16 experts per program); with `_route_meta(M).fused` (up to 8
 rows by default) the last GEMV program routes (one launch), otherwise a second launch routes the
 partials; both are covered below, with the workspace poisoned so every partial read must have been
-written by this call. Every launch shape the H200 sweep may pick (`sweep_router.CANDIDATES`) must
+written by this call. Every launch shape the router sweep may pick (`sweep_router.CANDIDATES`) must
 give bit-identical results, and a row's logits must not depend on the batch it is routed in.
 
-Ids are X0 wherever the reference's selection values are separated by more than the score
+Ids are exact wherever the reference's selection values are separated by more than the score
 transcendentals' error (exp2/log2 lowerings differ: numpy vs torch on CPU, approx ex2/lg2 on GPU);
-exact ties are always compared exactly. Near-tie rows instead must pick experts whose selection values
-match the reference's sorted values within that error. Weights: fp32 tolerance (see RTOL).
+exact ties are always compared exactly. Near-tie rows instead must pick experts whose selection
+values match the reference's sorted values within that error. Weights: fp32 tolerance (see RTOL).
 """
 
 from __future__ import annotations
@@ -21,15 +21,11 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_dspark.kernels import _router_math, moe_route
-from sgl_dspark.kernels.moe_route import (
-    RouterConfig,
-    RouterTopkOutput,
-    make_router_workspace,
-    router_topk,
-    router_topk_ref,
-)
-from sgl_dspark.kernels.moe_route import _scores_ref as scores_ref
+from sgl_dspark.kernels.moe import route_rows
+from sgl_dspark.kernels.moe import router as moe_route
+from sgl_dspark.kernels.moe.reference import RouterConfig, RouterTopkOutput, router_topk_ref
+from sgl_dspark.kernels.moe.reference import _scores_ref as scores_ref
+from sgl_dspark.kernels.moe.router import make_router_workspace, router_topk
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from benchmark.kernels import sweep_router  # noqa: E402
@@ -367,7 +363,7 @@ def test_gemv_chain_variants(chains: int, monkeypatch: pytest.MonkeyPatch) -> No
 def _sqrt_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     x = tl.load(x_ptr + offs, mask=offs < n)
-    tl.store(out_ptr + offs, _router_math._sqrt_rn(x), mask=offs < n)
+    tl.store(out_ptr + offs, route_rows._sqrt_rn(x), mask=offs < n)
 
 
 @pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy on 0, inf, NaN, negatives

@@ -1,14 +1,15 @@
 """Hash routing from x (`router_topk`: `moe_route_hash.py`'s split-K GEMV of the token's own
 experts only, then the routing launch), against `router_topk_ref`. Ids are a table lookup
-(exact); weights are X2 (the dot's summation order), and where the inputs make every fp32 sum
+(exact); weights are within a tolerance (the dot's summation order), and where the inputs make every fp32 sum
 exact, bit for bit those of routing from the exact logits."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels import moe_route
-from sgl_dspark.kernels.moe_route import RouterConfig, router_topk, router_topk_ref
+from sgl_dspark.kernels.moe import router as moe_route
+from sgl_dspark.kernels.moe.reference import RouterConfig, router_topk_ref
+from sgl_dspark.kernels.moe.router import router_topk
 from test_moe_route import DEVICE, _check, _grid_exact_inputs
 
 pytestmark = pytest.mark.filterwarnings(

@@ -1,12 +1,13 @@
-"""K13 fused design: query heads + KV row in one launch, against the unfused reference chain and
+"""Query heads + KV row in one launch (`rope_q_kv`), against the unfused reference chain and
 against the single-job kernel (`rope_tail`), whose rows it must reproduce."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
-from sgl_dspark.kernels.rope_qkv import rope_q_kv, rope_q_kv_ref
+from sgl_dspark.kernels.rope.q_kv import rope_q_kv
+from sgl_dspark.kernels.rope.reference import rope_q_kv_ref, rope_tail_ref
+from sgl_dspark.kernels.rope.tail import rope_tail
 from test_rope import (
     _EPS,
     DEVICE,
@@ -83,7 +84,7 @@ def test_without_norms_bit_exact(
 def test_with_norms(tokens, heads, out_heads, head_dim, kv_dim, rope_dim, weighted, dtype) -> None:
     """The engine's call: weightless q-head norm + pad, weighted kv_norm + scatter into the pool.
     q equals the single-job kernel bit for bit; the KV row is the rotation of the launch's own
-    rounded norm bit for bit, and X2 against the composition."""
+    rounded norm bit for bit, and within a tolerance of the composition."""
     q, kv, cos, sin, weight = _case(
         tokens, heads, head_dim, kv_dim, rope_dim, dtype, seed=17 * tokens + heads
     )

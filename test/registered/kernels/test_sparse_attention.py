@@ -1,5 +1,6 @@
-"""Window + extra-key attention with sinks: the Triton launcher vs its torch reference (X2),
-single pass and split-K (flash-decoding) with its merge kernel.
+"""Window + compressed-entry attention with sinks: the Triton launcher vs its torch reference,
+single pass and split-K (flash-decoding) with its merge kernel, in the engine's two ways of
+passing the compressed entries (the indexer's selection per token; every complete entry).
 
 Not bit-exact: the kernel's online softmax rescales and sums the keys tile by tile in fp32 (and
 uses exp2 with log2(e) folded into the scale), and split-K adds the partials in yet another order,
@@ -12,13 +13,12 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
-from sgl_dspark.kernels.sparse_attention import (
+from sgl_dspark.kernels.attention.reference import dense_entries_ref, window_sparse_attention_ref
+from sgl_dspark.kernels.attention.window_sparse import (
     _auto_num_splits,
     _merge_attention_splits_kernel,
     _sm_count,
-    dense_entries_ref,
     window_sparse_attention,
-    window_sparse_attention_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -55,15 +55,26 @@ def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed, 
     # Sinks from strongly negative (no effect) to strongly positive (absorbs most of the mass).
     sinks = torch.randn(heads, generator=gen) * 3
     sinks[: min(heads, 2)] = torch.tensor([-40.0, 12.0])[: min(heads, 2)]
-    extra_kv = extra_valid = None
+    extra = {}
     if num_extra is not None:
-        extra_kv = torch.randn(tokens, num_extra, head_dim, generator=gen)
-        extra_valid = torch.rand(tokens, num_extra, generator=gen) < 0.6
+        # The selected entries (CSA): pool rows per token, read only where valid. Row 0 (where
+        # invalid picks point) and every row no valid pick names hold NaN: reading one would
+        # show in the output.
+        pool = torch.randn(2 * num_extra * tokens + 2, head_dim, generator=gen)
+        slots = torch.randint(1, pool.shape[0], (tokens, num_extra), generator=gen)
+        valid = torch.rand(tokens, num_extra, generator=gen) < 0.6
         for row in invalid_rows:
             if row < tokens:
-                extra_valid[row] = False  # a token that sees no extra key at all
-        extra_kv = extra_kv.to(dtype).to(DEVICE)
-        extra_valid = extra_valid.to(DEVICE)
+                valid[row] = False  # a token that sees no extra key at all
+        slots = torch.where(valid, slots, torch.zeros_like(slots))
+        unread = torch.ones(pool.shape[0], dtype=torch.bool)
+        unread[slots[valid]] = False
+        pool[unread] = float("nan")
+        extra = dict(
+            extra_kv=pool.to(dtype).to(DEVICE),
+            extra_valid=valid.to(DEVICE),
+            extra_slots=slots.to(DEVICE),
+        )
     return dict(
         q=q.to(dtype).to(DEVICE),
         window_kv=window_kv.to(dtype).to(DEVICE),
@@ -73,9 +84,17 @@ def _inputs(seq_lens, extends, heads, head_dim, window, num_extra, dtype, seed, 
         window=window,
         sinks=sinks.to(DEVICE),
         scale=head_dim**-0.5,
-        extra_kv=extra_kv,
-        extra_valid=extra_valid,
+        **extra,
     )
+
+
+def _ref(inputs: dict) -> torch.Tensor:
+    """The reference with the pool's NaN rows replaced by zeros: it gathers every pick, the
+    invalid ones too, and multiplies them by a zero probability, which keeps a NaN; the kernel
+    never loads them."""
+    if inputs.get("extra_kv") is None:
+        return window_sparse_attention_ref(**inputs)
+    return window_sparse_attention_ref(**{**inputs, "extra_kv": inputs["extra_kv"].nan_to_num()})
 
 
 def _run_poisoned(inputs: dict, num_splits: int | None = None) -> torch.Tensor:
@@ -108,7 +127,7 @@ CASES = [
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_fp32_matches_reference(index: int) -> None:
     inputs = _inputs(*CASES[index], dtype=torch.float32, seed=100 + index)
-    want = window_sparse_attention_ref(**inputs)
+    want = _ref(inputs)
     got = _run_poisoned(inputs)
     # Reordered fp32 sums (online softmax): a few ulps, well within 1e-5.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -120,18 +139,18 @@ def test_bf16_matches_reference(index: int) -> None:
     got = _run_poisoned(inputs)
     # Against the same math in fp32 on the bf16 inputs: only the kernel's bf16 probabilities in
     # the PV product and the final bf16 rounding differ (the interpreter truncates), so ~2^-7.
-    exact = window_sparse_attention_ref(**_upcast(inputs))
+    exact = _ref(_upcast(inputs))
     torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
     # Against the bf16 reference, which also rounds logits and probabilities to bf16: the bf16
     # logits shift the outputs by up to ~0.03 absolute (measured 0.031), so a looser bound.
-    want = window_sparse_attention_ref(**inputs)
+    want = _ref(inputs)
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
 def test_empty_batch() -> None:
     inputs = _inputs([4], [1], 4, 32, 4, 5, dtype=torch.float32, seed=0)
     empty = {
-        k: v[:0] if k in ("q", "positions", "token_slot", "extra_kv", "extra_valid") else v
+        k: v[:0] if k in ("q", "positions", "token_slot", "extra_slots", "extra_valid") else v
         for k, v in inputs.items()
     }
     got = window_sparse_attention(**empty)
@@ -152,6 +171,12 @@ def test_rejects_bad_layouts() -> None:
     inputs = _inputs([4], [1], 4, 32, 4, 5, dtype=torch.float32, seed=1)
     with pytest.raises(ValueError, match="extra_valid"):
         window_sparse_attention(**{**inputs, "extra_valid": None})
+    with pytest.raises(ValueError, match="extra_slots"):
+        window_sparse_attention(**{**inputs, "extra_slots": inputs["extra_slots"].float()})
+    with pytest.raises(ValueError, match="extra_kv must be a pool"):
+        window_sparse_attention(**{**inputs, "extra_kv": inputs["extra_kv"][None]})
+    with pytest.raises(ValueError, match="extra_kv"):
+        window_sparse_attention(**{**inputs, "extra_kv": None})
     with pytest.raises(ValueError, match="window_kv"):
         window_sparse_attention(**{**inputs, "window_kv": inputs["window_kv"].double()})
     with pytest.raises(ValueError, match="sinks"):
@@ -176,7 +201,7 @@ SPLIT_CASES = [
 def test_split_fp32_matches_reference(index: int, num_splits: int) -> None:
     *case, invalid_rows = SPLIT_CASES[index]
     inputs = _inputs(*case, dtype=torch.float32, seed=300 + index, invalid_rows=invalid_rows)
-    want = window_sparse_attention_ref(**inputs)
+    want = _ref(inputs)
     got = _run_poisoned(inputs, num_splits=num_splits)
     # Reordered fp32 sums (online softmax per split, then the weighted merge): a few ulps.
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
@@ -191,17 +216,17 @@ def test_split_bf16_matches_reference(index: int, num_splits: int) -> None:
     # Same bounds and reasons as test_bf16_matches_reference: each split rounds its probabilities
     # to bf16 before the PV product (relative to its own running max) and the output is rounded
     # once (truncated by the interpreter), ~2^-7 relative against the fp32 math on bf16 inputs...
-    exact = window_sparse_attention_ref(**_upcast(inputs))
+    exact = _ref(_upcast(inputs))
     torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=2e-2)
     # ...and the bf16 reference's own bf16 logits/probabilities add up to ~0.03 absolute.
-    want = window_sparse_attention_ref(**inputs)
+    want = _ref(inputs)
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
 def test_split_empty_batch() -> None:
     inputs = _inputs([4], [1], 4, 32, 4, 5, dtype=torch.float32, seed=5)
     empty = {
-        k: v[:0] if k in ("q", "positions", "token_slot", "extra_kv", "extra_valid") else v
+        k: v[:0] if k in ("q", "positions", "token_slot", "extra_slots", "extra_valid") else v
         for k, v in inputs.items()
     }
     for num_splits in (None, 1, 3):
@@ -244,7 +269,7 @@ def test_merge_ignores_empty_partials() -> None:
         S_POW2=8,
         BLOCK_D=block_d,
         ROPE=False,
-        X_KIND=0,
+        KIND=0,
         ON_BITS=False,
         PDL=False,
     )
@@ -291,43 +316,12 @@ def test_cuda_graph_replay_matches_eager(num_splits: int | None) -> None:
     before = captured.clone()
     # New values into the captured buffers (the page table and positions stay: they are the
     # captured batch's layout, which the fresh case need not share).
-    for key in ("q", "window_kv", "extra_kv", "extra_valid", "sinks"):
+    for key in ("q", "window_kv", "extra_kv", "extra_valid", "extra_slots", "sinks"):
         static[key].copy_(fresh[key])
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured, window_sparse_attention(**static, num_splits=num_splits))
     assert not torch.equal(captured, before)
-
-
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_extra_keys_read_in_place_from_a_pool(num_splits: int, dtype: torch.dtype) -> None:
-    """extra_slots: the kernel reads each extra key from the pool row the slot names; the same
-    values as the gathered copy, so the same bits, single pass and split-K. Invalid picks point
-    at a row full of NaN, which must never be read."""
-    inputs = _inputs(
-        [40, 9, 70], [1, 3, 2], heads=5, head_dim=64, window=16, num_extra=24, dtype=dtype, seed=41
-    )
-    gen = torch.Generator().manual_seed(42)
-    tokens, n, d = inputs["extra_kv"].shape
-    pool = torch.randn(3 * n * tokens + 1, d, generator=gen).to(dtype)
-    pool[0] = float("nan")  # where invalid picks point
-    slots = torch.randint(1, pool.shape[0], (tokens, n), generator=gen)
-    valid = inputs["extra_valid"].cpu()
-    slots = torch.where(valid, slots, torch.zeros_like(slots))
-    pool, slots = pool.to(DEVICE), slots.to(DEVICE)
-    gathered = {**inputs, "extra_kv": pool[slots].nan_to_num(0.0)}
-    in_pool = {**inputs, "extra_kv": pool, "extra_slots": slots}
-    want = _run_poisoned(gathered, num_splits)
-    got = _run_poisoned(in_pool, num_splits)
-    assert torch.equal(got, want)
-    ref = window_sparse_attention_ref(**gathered)
-    tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(got.float(), ref.float(), **tol)
-    with pytest.raises(ValueError, match="extra_slots"):
-        window_sparse_attention(**{**in_pool, "extra_slots": slots[:, :3].float()})
-    with pytest.raises(ValueError, match="extra_kv must be a pool"):
-        window_sparse_attention(**{**in_pool, "extra_kv": pool[slots]})
 
 
 @pytest.mark.parametrize("num_splits", [1, 3])
@@ -341,10 +335,11 @@ def test_dense_entries_equal_explicit_slots(
     mask as extra_slots / extra_valid. Rows of entries not yet complete are garbage (NaN) and
     must never be read; entries past the table's width read its last column (masked).
 
-    The same bits, except compiled bf16 split-K: on the H200 those two variants differed in a
-    few output ulps, while fp32 and single-pass bf16 were equal, so the keys and masks agree;
-    the cause inside the compiled 16-bit split variants was not isolated. There both must
-    agree with the reference (X2) and with each other to bf16 rounding."""
+    The same bits, except compiled bf16 split-K: there the two variants were seen to differ in
+    a few output ulps on a GPU, while fp32 and single-pass bf16 are equal, so the keys and
+    masks agree; the cause inside the compiled 16-bit split variants is not isolated. There
+    both must agree with the reference (within its tolerance) and with each other to bf16
+    rounding."""
     inputs = _inputs(
         [40, 9, 270, 1],
         [1, 3, 2, 1],
@@ -380,12 +375,14 @@ def test_dense_entries_equal_explicit_slots(
     else:
         assert torch.equal(got, want)
     ref = window_sparse_attention_ref(
-        **{**inputs, "extra_kv": pool[rows].nan_to_num(0.0), "extra_valid": valid}
+        **{**inputs, "extra_kv": pool.nan_to_num(), "extra_entries": (num_entries, ratio)}
     )
     tol = dict(rtol=2e-2, atol=2e-2) if dtype == torch.bfloat16 else dict(rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(got.float(), ref.float(), **tol)
     with pytest.raises(ValueError, match="extra_entries"):
         window_sparse_attention(**{**dense, "extra_valid": valid})
+    with pytest.raises(ValueError, match="extra_entries"):
+        window_sparse_attention(**{**dense, "extra_slots": rows})
     with pytest.raises(ValueError, match="extra_entries"):
         window_sparse_attention(**{**dense, "extra_entries": (num_entries, 0)})
     with pytest.raises(ValueError, match="extra_kv must be a pool"):
@@ -402,35 +399,36 @@ def _rope_tables(tokens: int, rope_dim: int, seed: int) -> tuple[torch.Tensor, t
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("num_splits", [1, 3])
 @pytest.mark.parametrize(
-    "index,rope_dim,out_heads",
+    "index,rope_dim",
     [
-        (0, 64, None),  # rd = Dh: every channel rotates
-        (1, 16, 3),  # 5 heads un-padded to 3; head block and dim block partial
-        (2, 64, None),  # verify rows, Dh 128 (the mid model's layout)
-        (4, 64, 2),  # DSV4 Dh 512 with rd 64, un-padded
+        (0, 64),  # rd = Dh: every channel rotates
+        (1, 16),  # 5 heads: head block and dim block partial
+        (2, 64),  # verify rows, Dh 128 (the mid model's layout)
+        (4, 64),  # DSV4 Dh 512 with rd 64
     ],
 )
 def test_inverse_rope_epilogue_equals_rope_tail_after(
-    index: int, rope_dim: int, out_heads: int | None, num_splits: int, dtype: torch.dtype
+    index: int, rope_dim: int, num_splits: int, dtype: torch.dtype
 ) -> None:
     """The fused epilogue is `rope_tail(out, cos, sin, inverse=True)` of the kernel's own output,
-    bit for bit (the same fp32 products, no FMA, one nearest-even rounding), and un-pads."""
-    from sgl_dspark.kernels.rope import rope_tail
+    bit for bit (the same fp32 products, no FMA, one nearest-even rounding)."""
+    from sgl_dspark.kernels.rope.reference import rope_tail_ref
+    from sgl_dspark.kernels.rope.tail import rope_tail
 
     inputs = _inputs(*CASES[index], dtype=dtype, seed=700 + index)
     tokens, heads, _ = inputs["q"].shape
     cos, sin = _rope_tables(tokens, rope_dim, seed=index)
     plain = window_sparse_attention(**inputs, num_splits=num_splits)
-    want = rope_tail(plain, cos, sin, inverse=True, out_heads=out_heads)
-    kept = heads if out_heads is None else out_heads
-    out = torch.full((tokens, kept, inputs["q"].shape[2]), float("nan"), dtype=dtype, device=DEVICE)
-    got = window_sparse_attention(
-        **inputs, num_splits=num_splits, inverse_rope=(cos, sin), out_heads=out_heads, out=out
-    )
+    want = rope_tail(plain, cos, sin, inverse=True)
+    out = torch.full_like(inputs["q"], float("nan"))
+    got = window_sparse_attention(**inputs, num_splits=num_splits, inverse_rope=(cos, sin), out=out)
     assert got is out
     bits = {torch.float32: torch.int32}.get(dtype, torch.int16)
     assert torch.equal(got.view(bits), want.view(bits))
-    assert not torch.equal(got, plain[:, :kept]), "the rotation did nothing"
+    assert not torch.equal(got, plain), "the rotation did nothing"
+    # The reference's inverse rope is the same rotation of its own output.
+    ref = _ref({**inputs, "inverse_rope": (cos, sin)})
+    assert torch.equal(ref, rope_tail_ref(_ref(inputs), cos, sin, inverse=True))
 
 
 def test_inverse_rope_bad_tables() -> None:
@@ -440,5 +438,5 @@ def test_inverse_rope_bad_tables() -> None:
         window_sparse_attention(**inputs, inverse_rope=(cos.double(), sin))
     with pytest.raises(ValueError, match="inverse_rope"):
         window_sparse_attention(**inputs, inverse_rope=_rope_tables(1, 66, seed=1))  # rd > D
-    with pytest.raises(ValueError, match="out_heads"):
-        window_sparse_attention(**inputs, out_heads=17)
+    with pytest.raises(ValueError, match="out"):
+        window_sparse_attention(**inputs, out=torch.empty(1, 15, 64, device=DEVICE))

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from sgl_dspark.kernels.spec_accept import FIXED_POINT_BITS, MIN_RESIDUAL_MASS, UNIFORM_BITS
+from sgl_dspark.kernels.sampling.reference import FIXED_POINT_BITS, UNIFORM_BITS
+from sgl_dspark.kernels.spec.reference import MIN_RESIDUAL_MASS
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.speculative.dspark import accept as accept_mod
 from sgl_dspark.srt.speculative.dspark.accept import (

@@ -246,7 +246,7 @@ def greedy_argmax_impl(kernels: KernelChoice) -> Callable[[torch.Tensor], torch.
     if kernels.of("sampling") == "torch":
         return _torch_argmax
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.vocab_argmax import vocab_argmax
+    from sgl_dspark.kernels.sampling.vocab_argmax import vocab_argmax
 
     return vocab_argmax
 

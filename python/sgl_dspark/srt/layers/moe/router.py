@@ -1,7 +1,7 @@
 """MoE routers (spec §6.1–§6.2): learned top-k with correction bias, and hash routing.
 
 The "moe" kernel family picks the implementation once, at construction (style R11): "torch" runs
-the module's own torch code; "triton" runs K2+K3 (`kernels/moe_route.py::router_topk`: the gate
+the module's own torch code; "triton" runs K2+K3 (`kernels/moe/router.py::router_topk`: the gate
 GEMV, scores, biased top-k or the hash table, renormalisation and the routed scale in one launch,
 int32 ids / fp32 weights, no host sync).
 """
@@ -64,7 +64,7 @@ class Router(nn.Module):
         self._route = self._route_torch
         if (kernels or KernelChoice()).of("moe") == "triton":
             # Imported only when chosen: the torch path never loads Triton.
-            from sgl_dspark.kernels.moe_route import (
+            from sgl_dspark.kernels.moe.router import (
                 RouterConfig,
                 RouterWorkspace,
                 make_router_workspace,

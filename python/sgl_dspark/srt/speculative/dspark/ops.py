@@ -66,8 +66,8 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
     if kernels.of("spec") == "torch":
         return accept_step
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.spec_accept import spec_accept
-    from sgl_dspark.kernels.vocab_argmax import vocab_argmax
+    from sgl_dspark.kernels.sampling.vocab_argmax import vocab_argmax
+    from sgl_dspark.kernels.spec.accept import spec_accept
 
     def accept_triton(
         verify_ids: torch.Tensor,
@@ -152,7 +152,7 @@ def create_draft_inputs_fn(kernels: KernelChoice) -> DraftInputsFn:
     """The draft input staging of the "spec" family (see the module doc)."""
     if kernels.of("spec") == "torch":
         return draft_inputs_torch
-    from sgl_dspark.kernels.draft_inputs import prepare_draft_inputs
+    from sgl_dspark.kernels.spec.draft_inputs import prepare_draft_inputs
 
     def draft_inputs_triton(
         anchors: torch.Tensor,
@@ -199,8 +199,8 @@ MarkovGreedyFn = Callable[
 
 def create_markov_greedy_fn(kernels: KernelChoice) -> MarkovGreedyFn:
     """The all-greedy Markov draft loop of the "spec" family. torch: `markov_sample` (about 8
-    small kernels per draft position). triton: `kernels/markov.py::markov_greedy`, one launch per
-    position plus one (X2: the W2 dot product is summed in another order; drafts are the argmax
+    small kernels per draft position). triton: `kernels/spec/markov.py::markov_greedy`, one
+    launch per position plus one (X2: the W2 dot product is summed in another order; drafts are the argmax
     of the kernel's own step logits, ties to the first index as torch.argmax)."""
     if kernels.of("spec") == "torch":
 
@@ -211,7 +211,7 @@ def create_markov_greedy_fn(kernels: KernelChoice) -> MarkovGreedyFn:
             return markov_sample(base_logits, w1, w2, anchors, ones.float(), ones, all_greedy=True)
 
         return greedy_torch
-    from sgl_dspark.kernels.markov import markov_greedy
+    from sgl_dspark.kernels.spec.markov import markov_greedy
 
     def greedy_triton(
         base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, anchors: torch.Tensor
