@@ -79,7 +79,7 @@ def patched(meta: _RouteMeta | None = None, gemv: dict[str, int] | None = None) 
     old_meta = moe_route._route_meta
     old_gemv = {k: getattr(moe_route, k) for k in (gemv or {})}
     if meta is not None:
-        moe_route._route_meta = lambda num_rows, interpreted=False: meta
+        moe_route._route_meta = lambda num_rows, on_interpreter=False: meta
     for k, v in (gemv or {}).items():
         setattr(moe_route, k, v)
     try:

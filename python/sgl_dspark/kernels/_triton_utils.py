@@ -13,6 +13,8 @@ import triton.language as tl
 from triton.language.extra import cuda as _cuda_language
 from triton.runtime.interpreter import InterpretedFunction
 
+from sgl_dspark.kernels._checks import require
+
 
 class _ProgrammaticLaunchSwitch:
     allowed = True  # process-wide; `set_programmatic_launch` flips it (no `global` statement)
@@ -41,8 +43,10 @@ def set_programmatic_launch(
     result bit, only when a kernel's launch may start. `only` limits it to the kernels of these
     names (a bisection aid); `max_graph_batch` to graphs captured for at most that many requests
     (see `programmatic_launch_for_batch`)."""
-    if max_graph_batch is not None and max_graph_batch < 0:
-        raise ValueError(f"max_graph_batch must be >= 0 or None, got {max_graph_batch}")
+    require(
+        max_graph_batch is None or max_graph_batch >= 0,
+        f"max_graph_batch must be >= 0 or None, got {max_graph_batch}",
+    )
     _ProgrammaticLaunchSwitch.allowed = allowed
     _ProgrammaticLaunchSwitch.only = frozenset(only) if only is not None else None
     _ProgrammaticLaunchSwitch.max_graph_batch = max_graph_batch

@@ -24,10 +24,10 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from triton.runtime.interpreter import InterpretedFunction
 
 from sgl_dspark.kernels._checks import require
 from sgl_dspark.kernels._triton_utils import (
+    interpreted,
     prefetch_tile_l2,
     programmatic_launch,
     wait_for_producers,
@@ -63,12 +63,12 @@ class _RouteMeta(NamedTuple):
     unroll: bool  # top-k slots unrolled (ILP across slots) or a loop (a 6x smaller i-cache need)
 
 
-def _route_meta(num_rows: int, interpreted: bool = False) -> _RouteMeta:
+def _route_meta(num_rows: int, on_interpreter: bool = False) -> _RouteMeta:
     """The launch shape for M rows; the one place `benchmark/kernels/sweep_router.py` patches.
     Compiled: two launches, a one-warp program per routed row, rolled top-k (a routed row per
     program keeps the routing step short; the fused variant serialises a block in one program).
     The CPU interpreter pays per program: 16 rows each there."""
-    if interpreted:
+    if on_interpreter:
         return _RouteMeta(num_rows <= 8, 4, 16, 4, 2, False)
     return _RouteMeta(False, 4, 1, 1, 2, False)
 
@@ -397,8 +397,8 @@ def router_topk(
     if num_rows == 0:
         return RouterTopkOutput(ids, weights)
 
-    interpreted = isinstance(_router_topk_kernel, InterpretedFunction)
-    meta = _route_meta(num_rows, interpreted)
+    on_interpreter = interpreted(_router_topk_kernel)
+    meta = _route_meta(num_rows, on_interpreter)
     num_splits = (
         triton.cdiv(hidden, _SPLIT_K)
         if source == _SOURCE_X
@@ -436,7 +436,7 @@ def router_topk(
         GEMV_K=gemv_k,
         CHAINS=max(1, min(_GEMV_CHAINS, gemv_k // 16)),
         DOT_FP32=device.type == "cpu",
-        INTERPRETED=interpreted,
+        INTERPRETED=on_interpreter,
         UNROLL=topk if meta.unroll else 1,
         **programmatic_launch(_router_topk_kernel, device),
         **{

@@ -234,8 +234,11 @@ def _plan_chunks(widths: Sequence[int], rows: int, num_chunks: int | None) -> _C
     per row of every shard (tests)."""
     meta = _chunk_meta(sum(widths), rows)
     if num_chunks is not None:
-        if not 1 <= num_chunks <= _MAX_FORCED_CHUNKS:  # grid axis 1 is capped at 65535
-            raise ValueError(f"num_chunks must lie in [1, {_MAX_FORCED_CHUNKS}], got {num_chunks}")
+        # The grid's axis 1 is capped at 65535.
+        require(
+            1 <= num_chunks <= _MAX_FORCED_CHUNKS,
+            f"num_chunks must lie in [1, {_MAX_FORCED_CHUNKS}], got {num_chunks}",
+        )
         chunks = [triton.cdiv(w, num_chunks) for w in widths]
         block = max(16, min(meta["max_block"], triton.next_power_of_2(max(chunks))))
         return _ChunkPlan(chunks, [num_chunks] * len(widths), block, meta["num_warps"])
