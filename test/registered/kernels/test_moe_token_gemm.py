@@ -2,7 +2,7 @@
 references and
 vs the sorted path they replace at small M (`fused_moe` -> `moe_reduce`).
 
-Tolerances: against the references (torch's matmul) a tolerance, as `test_fused_moe.py`: bf16
+Tolerances: against the references (torch's matmul) a tolerance, as `test_moe_grouped_gemm.py`: bf16
 products round once, so a single GEMM differs by <= 1 bf16 ulp; through the activation and the
 reduce a few ulps (2^-6). Against the sorted path the products are the same chunked dot sums: on
 CUDA the bits must be equal (the engine picks the path by token count, and graph tests compare
@@ -22,7 +22,7 @@ from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
 from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
 # The grouped GEMMs' tolerance class and interpreter warning filters (the same kernels' maths).
-from test_fused_moe import CHAIN_TOL, pytestmark  # noqa: E402, F401
+from test_moe_grouped_gemm import CHAIN_TOL, pytestmark  # noqa: E402, F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = DEVICE == "cuda"

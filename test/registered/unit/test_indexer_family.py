@@ -4,7 +4,7 @@ and the tiny model end to end (`indexer=triton` gives torch's greedy tokens over
 steps that cross many CSA (m=4) and several HCA (m=16) block boundaries).
 
 The Triton pieces are within a tolerance of torch (fp32 sums in another order, see
-test_indexer.py and test_compressor_pool.py), so the end-to-end check compares greedy tokens plus
+test_indexer_logits.py and test_compressor_pool.py), so the end-to-end check compares greedy tokens plus
 a loose logit bound.
 """
 

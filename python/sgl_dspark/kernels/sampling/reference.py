@@ -50,6 +50,7 @@ def sample_inverse_cdf_ref(weights: torch.Tensor, uniforms: torch.Tensor) -> tor
     u24 = u24.clamp(0, (1 << UNIFORM_BITS) - 1)
     low_mask = (1 << UNIFORM_BITS) - 1
     threshold = (total >> UNIFORM_BITS) * u24 + (((total & low_mask) * u24) >> UNIFORM_BITS)
+    # The integer CDF is exact and non-decreasing: the count of entries <= t by binary search.
     cdf = weights.cumsum(-1)
-    token = (cdf <= threshold[:, None]).sum(-1)
+    token = torch.searchsorted(cdf, threshold[:, None], right=True)[:, 0]
     return torch.where(total > 0, token, torch.zeros_like(token))

@@ -10,7 +10,7 @@ import torch
 from sgl_dspark.kernels.moe import router as moe_route
 from sgl_dspark.kernels.moe.reference import RouterConfig, router_topk_ref
 from sgl_dspark.kernels.moe.router import router_topk
-from test_moe_route import DEVICE, _check, _grid_exact_inputs
+from test_moe_router import DEVICE, _check, _grid_exact_inputs
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"
