@@ -5,7 +5,7 @@ plan that validates a launcher's arguments and picks its tile.
 The output buffer may hold a different head count than the input: heads beyond the input's are
 written as zeros (attention kernels that want a head multiple), heads beyond the output's are
 dropped (un-padding the attention output). With the pre-norm, each (token, head) row is first
-RMS-normalised over all D channels, rounded to x's dtype where the unrolled chain RMSNorm -> rope
+RMS-normalised over all D channels, rounded to x's dtype where the unfused chain RMSNorm -> rope
 stores it; the nope channels are then written normed and the tail rotated from the rounded
 normed values.
 """
