@@ -1,19 +1,19 @@
 """Benchmark cases for DeepSeek-V4 decode/verify attention (window through the page table +
-extra compressed keys + sinks; `sgl_dspark.kernels.sparse_attention`).
+compressed entries selected by the indexer + sinks; `sgl_dspark.kernels.attention.window_sparse`).
 
 ``CASES`` has the format of `bench_spec.py` (name, make_inputs(M, device), reference, launcher,
 check, bytes_moved(M)). Shapes: 16 local heads (64 at TP4), Dh = 512, window 128, 512 selected
 compressed entries per token (CSA index_topk), bf16. M = bs * w token rows, mapped to (bs, w) as
-in the shape sheet (kernels.md §0.1); each request has a random context of 1k-4k tokens in
+in `bench_spec._BS_W`; each request has a random context of 1k-4k tokens in
 64-token pages drawn at random from the pool.
 
-The last two cases add the inverse rope of the output's rd = 64 channels (K13's inverse tail):
-as the attention's epilogue (one launch, what the engine runs) and as a separate `rope_tail`
-launch after it (what it ran before); the reference is the unfused torch chain.
+The last two cases add the inverse rope of the output's rd = 64 channels: as the attention's
+epilogue (one launch, what the engine runs) and as a separate `rope_tail` launch after it; the
+reference is the unfused torch chain.
 
 Two cases time the same launcher: the default (split-K chosen from the shape: at these shapes
 40 key tiles of 16 keys, so 20 splits at M=1 down to 3 at M=128 on 132 SMs) and the single pass
-forced with ``num_splits=1`` (the kernel before split-K), to show what the split buys per M.
+forced with ``num_splits=1``, to show what the split buys per M.
 """
 
 from __future__ import annotations
@@ -22,11 +22,10 @@ import functools
 from typing import Any
 
 import torch
-from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
-from sgl_dspark.kernels.sparse_attention import (
-    window_sparse_attention,
-    window_sparse_attention_ref,
-)
+from sgl_dspark.kernels.attention.reference import window_sparse_attention_ref
+from sgl_dspark.kernels.attention.window_sparse import window_sparse_attention
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
+from sgl_dspark.kernels.rope.tail import rope_tail
 
 HEADS_LOCAL, HEAD_DIM, WINDOW, NUM_EXTRA, PAGE = 16, 512, 128, 512, 64
 M_VALUES = (1, 4, 8, 24, 32, 128)
@@ -47,6 +46,7 @@ def _inputs(m: int, device: str) -> dict[str, Any]:
     positions = (seq_lens[:, None] - w + torch.arange(w)[None, :]).reshape(-1)[:m]
     token_slot = (torch.arange(bs)[:, None] + 1).expand(bs, w).reshape(-1)[:m]
     tokens = positions.shape[0]
+    entry_rows = num_pages * PAGE // 4
     inputs = dict(
         q=torch.randn(tokens, HEADS_LOCAL, HEAD_DIM, generator=gen).to(torch.bfloat16),
         window_kv=torch.randn(num_pages * PAGE, HEAD_DIM, generator=gen).to(torch.bfloat16),
@@ -54,7 +54,9 @@ def _inputs(m: int, device: str) -> dict[str, Any]:
         token_slot=token_slot.contiguous(),
         req_to_token=table,
         sinks=torch.randn(HEADS_LOCAL, generator=gen),
-        extra_kv=torch.randn(tokens, NUM_EXTRA, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        # The indexer's selection, read in place from the layer's entry pool (CSA, m = 4).
+        extra_kv=torch.randn(entry_rows, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        extra_slots=torch.randint(0, entry_rows, (tokens, NUM_EXTRA), generator=gen),
         extra_valid=torch.rand(tokens, NUM_EXTRA, generator=gen) < 0.95,
     )
     return {
@@ -65,16 +67,16 @@ def _inputs(m: int, device: str) -> dict[str, Any]:
 
 
 def _check(want: torch.Tensor, got: torch.Tensor) -> None:
-    # X2: online softmax in fp32 vs the reference's bf16 logits/probabilities.
+    # A tolerance: online softmax in fp32 vs the reference's bf16 logits/probabilities.
     torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
 
 
 def _bytes(m: int) -> int:
-    # Per token: q, output, window slot ids + rows, extra rows + mask (bf16 / int64 / bool).
+    # Per token: q, output, window slot ids + rows, extra rows + slot ids + mask.
     per_token = (
         2 * HEADS_LOCAL * HEAD_DIM * 2
         + WINDOW * (8 + HEAD_DIM * 2)
-        + NUM_EXTRA * (HEAD_DIM * 2 + 1)
+        + NUM_EXTRA * (HEAD_DIM * 2 + 8 + 1)
         + 8 * 2
     )
     return m * per_token + HEADS_LOCAL * 4
@@ -123,7 +125,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_bytes,
     ),
     dict(
-        name="attn_window128_extra512_h16_d512 + inverse rope, epilogue (K13 inverse fused)",
+        name="attn_window128_extra512_h16_d512 + inverse rope, fused epilogue",
         make_inputs=_rope_inputs,
         reference=_attn_rope_ref,
         launcher=_attn_rope_epilogue,

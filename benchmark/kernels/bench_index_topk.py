@@ -1,4 +1,4 @@
-"""Benchmark cases for the lightning-indexer top-k selection (`sgl_dspark.kernels.index_topk`).
+"""Benchmark cases for the lightning-indexer top-k selection (`sgl_dspark.kernels.indexer.topk`).
 
 ``CASES`` has the format of `bench_spec.py` (name, make_inputs(M, device), reference, launcher,
 check, bytes_moved(M)); M = T query rows. Shapes:
@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from sgl_dspark.kernels.index_topk import index_topk
+from sgl_dspark.kernels.indexer.topk import index_topk
 
 _INT64_MAX = torch.iinfo(torch.int64).max
 
@@ -41,7 +41,7 @@ def _make_inputs(m: int, device: str, width: int, k: int) -> dict[str, Any]:
 def _same_selection(
     want: tuple[torch.Tensor, torch.Tensor], got: tuple[torch.Tensor, torch.Tensor]
 ) -> None:
-    # X0: the selected id sets must match; slot order differs (score order vs ascending).
+    # Exact: the selected id sets must match; slot order differs (score order vs ascending).
     def selected(out: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
         ids, valid = out
         return torch.sort(torch.where(valid, ids, torch.full_like(ids, _INT64_MAX)), dim=1).values

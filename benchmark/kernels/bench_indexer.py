@@ -1,9 +1,9 @@
 """Benchmark cases for the lightning-indexer logits (variable context) and the compressors'
-decode-time block pooling (`sgl_dspark.kernels.indexer`, `sgl_dspark.kernels.compressor_pool`).
+decode-time block pooling (`sgl_dspark.kernels.indexer.logits`, `sgl_dspark.kernels.compressor.pool`).
 
 ``CASES`` has the format of `bench_spec.py` (name, make_inputs(M, device), reference, launcher,
 check, bytes_moved(M)). M = bs * w token rows, mapped to (bs, w) as in the shape sheet
-(kernels.md §0.1). DeepSeek-V4-Flash shapes:
+(`bench_spec._BS_W`). DeepSeek-V4-Flash shapes:
   * indexer: 64 index heads x 128 dims, m = 4, context capacity 8192 tokens -> n_max = 2048
     columns (the static graph width); each request's real context is drawn from 256..8192
     tokens, so the visible entries per row vary (the varctx schedule skips the rest). bf16.
@@ -24,10 +24,12 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from sgl_dspark.kernels.compressor_decode import compressor_decode
-from sgl_dspark.kernels.compressor_pool import compressor_pool, compressor_pool_ref
-from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
-from sgl_dspark.kernels.rope import rope_tail_ref
+from sgl_dspark.kernels.compressor.decode import compressor_decode
+from sgl_dspark.kernels.compressor.pool import compressor_pool
+from sgl_dspark.kernels.compressor.reference import compressor_pool_ref
+from sgl_dspark.kernels.indexer.logits import indexer_logits
+from sgl_dspark.kernels.indexer.reference import indexer_logits_ref
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
 
 INDEX_HEADS, INDEX_DIM, CSA_RATIO = 64, 128, 4
 CONTEXT = 8192
@@ -96,7 +98,7 @@ def _indexer_inputs(m: int, device: str) -> dict[str, Any]:
 
 
 def _indexer_check(want: torch.Tensor, got: torch.Tensor) -> None:
-    # X2: fp32 accumulation of exact bf16 products in another order.
+    # A tolerance: fp32 accumulation of exact bf16 products in another order.
     hidden = torch.isneginf(want)
     assert torch.equal(torch.isneginf(got), hidden), "-inf pattern differs"
     scale = want[~hidden].abs().max().item()
@@ -147,8 +149,8 @@ def _pool_inputs(
 
 
 def _pool_check(want: Any, got: Any) -> None:
-    # X2: the rounding points are reproduced; exp lowering and fp32 sum order differ, so a bf16
-    # value at a rounding boundary may move by an ulp (the norm can spread it to ~2 ulps).
+    # A tolerance: the rounding points are reproduced; exp lowering and fp32 sum order differ, so a
+    # bf16 value at a rounding boundary may move by an ulp (the norm can spread it to ~2 ulps).
     assert torch.equal(want.slots, got.slots), "entry slots differ"
     torch.testing.assert_close(got.entries.float(), want.entries.float(), rtol=2**-6, atol=2**-6)
 

@@ -1,4 +1,4 @@
-"""Benchmark cases for the small-M linear (`sgl_dspark.kernels.small_m_linear`) against the
+"""Benchmark cases for the small-M linear (`sgl_dspark.kernels.linear.small_m`) against the
 BLAS (`F.linear`, what the "linear" family's torch choice runs), at decode projections:
     mid_x_proj     910M model, a CSA layer's fused x projection: [M, 1024] x [1160, 1024]^T
     mid_o_b        910M model, output projection: [M, 1024] x [1024, 1024]^T
@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_linear
+from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_linear
 
 
 def _dispatch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _make_inputs(n: int, k: int) -> Callable[[int, str], dict[str, Any]]:
 
 
 def _check(want: torch.Tensor, got: torch.Tensor) -> None:
-    # X2: fp32 sums in another order, one rounding to bf16: at most one bf16 ulp, rarely.
+    # A tolerance: fp32 sums in another order, one rounding to bf16: at most one bf16 ulp, rarely.
     torch.testing.assert_close(got.float(), want.float(), rtol=2**-7, atol=1e-3)
     assert (got == want).float().mean().item() >= 0.9
 

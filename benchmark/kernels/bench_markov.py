@@ -1,4 +1,4 @@
-"""Benchmark cases for the greedy Markov-head draft loop (``sgl_dspark.kernels.markov``).
+"""Benchmark cases for the greedy Markov-head draft loop (``sgl_dspark.kernels.spec.markov``).
 
 ``CASES`` is a list of dicts with keys (the convention of ``run_all.py``):
     name         str
@@ -10,7 +10,7 @@
     m_values     the batch sizes the case is meant for (``run_all.py`` may sweep its own list)
 M is the batch size B (requests, one draft chain each). Shapes: the 910M benchmark model
 (``mid_910m``: V = 32000, Markov rank r = 64 as ``tools/init_dspark_draft.py`` writes it) and
-DeepSeek-V4-Flash (V = 129280, r = 256, dspark.md §1.1), both with gamma = 7, bf16 W1/W2 and
+DeepSeek-V4-Flash (V = 129280, r = 256), both with gamma = 7, bf16 W1/W2 and
 fp32 base logits (``compute_logits`` returns fp32).
 
 Inputs plant a clear winner in every base-logit row (margin ~10 over the bias and the rest of
@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from sgl_dspark.kernels.markov import MarkovGreedyOutput, markov_greedy
+from sgl_dspark.kernels.spec.markov import markov_greedy
+from sgl_dspark.kernels.spec.reference import MarkovGreedyOutput
 from sgl_dspark.srt.speculative.dspark.sampling import MarkovSampleOutput, markov_sample
 
 GAMMA = 7

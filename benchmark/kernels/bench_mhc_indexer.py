@@ -1,4 +1,4 @@
-"""Benchmark cases for K7 (mHC post-combine) and K9/K10 (FP4 indexer quant), kernels.md §2-§3.
+"""Benchmark cases for the mHC post-combine and the FP4 indexer quantisation (keys and queries).
 
 ``CASES`` is a list of dicts with keys:
     name         str
@@ -7,7 +7,7 @@
     launcher     (**inputs) -> output   (the Triton launcher; graph-capturable)
     check        (reference_output, launcher_output) -> None, raises AssertionError on mismatch
     bytes_moved  (M) -> int, the minimal HBM traffic of the fused op (bandwidth floor)
-M is the number of token rows: mHC rows for K7, new index keys for K9, index queries for K10.
+M is the number of token rows: mHC rows, new index keys, or index queries.
 """
 
 from __future__ import annotations
@@ -16,19 +16,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sgl_dspark.kernels.fp4_indexer import (
-    fp4_index_k_quant,
-    fp4_index_k_quant_ref,
-    index_q_rope_fp4,
-    index_q_rope_fp4_ref,
-)
-from sgl_dspark.kernels.mhc import mhc_post_combine, mhc_post_combine_ref
+from sgl_dspark.kernels.indexer.fp4_k_quant import fp4_index_k_quant
+from sgl_dspark.kernels.indexer.fp4_q_rope import index_q_rope_fp4
+from sgl_dspark.kernels.indexer.reference import fp4_index_k_quant_ref, index_q_rope_fp4_ref
+from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine
+from sgl_dspark.kernels.mhc.reference import mhc_post_combine_ref
 
 HIDDEN = 4096
 HC = 4
 HC_SINKHORN_ITERS = 20
 INDEX_HEADS, INDEX_HEAD_DIM, ROPE_DIM = 64, 128, 64
-HEAD_WEIGHT_SPLITS = 8  # split-K partials of the head-weight projection (kernels.md K10 assumes 8)
+HEAD_WEIGHT_SPLITS = 8  # split-K partials of the head-weight projection
 ROPE_TABLE = 8192
 M_VALUES = (1, 4, 8, 24, 32, 128)
 
@@ -41,7 +39,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
 
 
-# ----------------------------------------------------------------------------- K7
+# ----------------------------------------------------------------------------- mhc_post_combine
 
 
 def _mhc_inputs(m: int, device: str, hidden: int = HIDDEN) -> dict[str, Any]:
@@ -66,7 +64,7 @@ def _mhc_inputs(m: int, device: str, hidden: int = HIDDEN) -> dict[str, Any]:
 
 
 def _mhc_check(want: Any, got: Any) -> None:
-    # Rs' is bit-exact; the rest passes through reductions/exp whose order differs (X2 vs torch).
+    # Rs' is bit-exact; the rest passes through reductions/exp whose order differs (a tolerance).
     assert torch.equal(_bits(want.streams), _bits(got.streams)), "streams differ"
     for name in ("pre", "post", "comb"):
         torch.testing.assert_close(getattr(got, name), getattr(want, name), rtol=1e-5, atol=1e-6)
@@ -95,7 +93,7 @@ def _mhc_bytes(m: int, hidden: int = HIDDEN) -> int:
     return m * per_row + (r * HC * hidden + r + 3 + hidden) * 4
 
 
-# The engine's tiny DSV4 config runs K7 at D = 1024 (about 20 calls per decode step).
+# The engine's tiny DSV4 config runs the boundary at D = 1024 (about 20 calls per decode step).
 ENGINE_HIDDEN = 1024
 
 
@@ -107,7 +105,7 @@ def _mhc_bytes_engine(m: int) -> int:
     return _mhc_bytes(m, ENGINE_HIDDEN)
 
 
-# ----------------------------------------------------------------------------- K9
+# ----------------------------------------------------------------------------- fp4_index_k_quant
 
 
 def _k_inputs(m: int, device: str) -> dict[str, Any]:
@@ -119,7 +117,7 @@ def _k_check(want: Any, got: Any) -> None:
     assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1]), "codes/scales differ"
 
 
-# K9 as kernels.md specifies its unfused reference: quantise, then write each row into its
+# The key quantisation's unfused chain: quantise, then write each row into its
 # 68-byte cache slot (64 payload + 4 scale bytes); slot 0 is the reserved dummy (a padded row's)
 # and is never written. The slots are a shuffled subset of a 4096-slot cache.
 CACHE_SLOTS = 4096
@@ -142,7 +140,7 @@ def _k_store_inputs(m: int, device: str) -> dict[str, Any]:
 
 
 def fp4_index_k_store_ref(x: torch.Tensor, loc: torch.Tensor, cache: torch.Tensor) -> torch.Tensor:
-    """K9's reference, then the cache write: `cache[loc[t]] = codes[t] | scales[t]` for loc != 0
+    """`fp4_index_k_quant_ref`, then the cache write: `cache[loc[t]] = codes[t] | scales[t]` for loc != 0
     (no host sync: a dummy row writes slot 0's own bytes back)."""
     codes, scales = fp4_index_k_quant_ref(x)
     rows = torch.cat([codes, scales], dim=1).to(cache.dtype)
@@ -161,7 +159,7 @@ def _k_store_check(want: torch.Tensor, got: torch.Tensor) -> None:
     assert torch.equal(want, got), "cache bytes differ"
 
 
-# ----------------------------------------------------------------------------- K10
+# ----------------------------------------------------------------------------- index_q_rope_fp4
 
 
 def _q_inputs(m: int, device: str) -> dict[str, Any]:
@@ -214,7 +212,7 @@ def _case(
 
 CASES: list[dict[str, Any]] = [
     _case(
-        "k7_mhc_post_combine_norm_bf16_hc4",
+        "mhc_post_combine_norm_bf16_hc4",
         _mhc_inputs,
         mhc_post_combine_ref,
         mhc_post_combine,
@@ -222,7 +220,7 @@ CASES: list[dict[str, Any]] = [
         _mhc_bytes,
     ),
     _case(
-        "k7_mhc_post_combine_norm_bf16_hc4_d1024",
+        "mhc_post_combine_norm_bf16_hc4_d1024",
         _mhc_inputs_engine,
         mhc_post_combine_ref,
         mhc_post_combine,
@@ -230,7 +228,7 @@ CASES: list[dict[str, Any]] = [
         _mhc_bytes_engine,
     ),
     _case(
-        "k9_fp4_index_k_quant_128",
+        "fp4_index_k_quant_128",
         _k_inputs,
         fp4_index_k_quant_ref,
         fp4_index_k_quant,
@@ -238,7 +236,7 @@ CASES: list[dict[str, Any]] = [
         lambda m: m * (INDEX_HEAD_DIM * 2 + INDEX_HEAD_DIM // 2 + 4),
     ),
     _case(
-        "k9_fp4_index_k_quant_store_68B_slots",
+        "fp4_index_k_quant_store_68B_slots",
         _k_store_inputs,
         fp4_index_k_store_ref,
         _k_store_launch,
@@ -246,7 +244,7 @@ CASES: list[dict[str, Any]] = [
         lambda m: m * (INDEX_HEAD_DIM * 2 + 8 + 2 * (INDEX_HEAD_DIM // 2 + 4)),
     ),
     _case(
-        "k10_index_q_rope_fp4_pack_weights_64h",
+        "index_q_rope_fp4_pack_weights_64h",
         _q_inputs,
         index_q_rope_fp4_ref,
         index_q_rope_fp4,

@@ -1,4 +1,5 @@
-"""Benchmark cases for the MoE kernels K1, K2+K3, K4, K6 and the grouped expert GEMMs.
+"""Benchmark cases for the MoE kernels: sort, router, route reduce, clamped SwiGLU and the
+grouped expert GEMMs.
 
 ``CASES`` is a list of dicts with keys:
     name         str
@@ -10,7 +11,7 @@
 Shapes: H = 4096, E = 384 with the 96 experts of EP rank 1 of 4 local, top-6, routed I = 2048,
 shared expert I = 512 per TP rank. M = token rows of the step.
 
-The K1 reference here is a vectorised torch sort (no host syncs, so it can be graph-captured and
+The sort's reference here is a vectorised torch sort (no host syncs, so it can be graph-captured and
 compiled); `moe_sort_ref`, the per-expert loop that specifies the op, is what the tests use.
 """
 
@@ -21,22 +22,21 @@ from typing import Any
 
 import torch
 import triton
-from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp, silu_mul_clamp_ref
-from sgl_dspark.kernels.fused_moe import fused_moe
-from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
-from sgl_dspark.kernels.moe_route import (
-    RouterConfig,
-    make_router_workspace,
-    router_topk,
-    router_topk_ref,
-)
-from sgl_dspark.kernels.moe_sort import (
+from sgl_dspark.kernels.moe.activation import silu_mul_clamp
+from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
+from sgl_dspark.kernels.moe.reduce import moe_reduce
+from sgl_dspark.kernels.moe.reference import (
+    Fp8Activation,
     MoeSortOutput,
-    moe_sort,
+    RouterConfig,
+    moe_reduce_ref,
     moe_sort_capacity,
-    prepare_moe_sort,
+    router_topk_ref,
+    silu_mul_clamp_ref,
 )
-from sgl_dspark.kernels.moe_token_gemm import moe_route_gate_up, moe_token_down_reduce
+from sgl_dspark.kernels.moe.router import make_router_workspace, router_topk
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
+from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 from sgl_dspark.srt.layers.moe.experts import TOKEN_PATH_MAX_M
 
 HIDDEN, EXPERTS, LOCAL, TOPK, INTER, SHARED_INTER = 4096, 384, 96, 6, 2048, 512
@@ -63,7 +63,7 @@ def _local_rows(m: int) -> int:
     return triton.cdiv(m * TOPK * LOCAL, EXPERTS)  # expected local routes per rank
 
 
-# ----------------------------------------------------------------------------- K1
+# ----------------------------------------------------------------------------- moe_sort
 
 
 def _sort_inputs(m: int, device: str) -> dict[str, Any]:
@@ -138,7 +138,7 @@ def _sort_bytes(m: int) -> int:
     return 8 * m * TOPK + 4 * EXPERTS + 8 * padded_entries + 2 * m * HIDDEN
 
 
-# ----------------------------------------------------------------------------- K2 + K3
+# ----------------------------------------------------------------------------- router_topk
 
 
 def _route_x_inputs(m: int, device: str) -> dict[str, Any]:
@@ -214,7 +214,7 @@ def _route_hash_bytes(m: int) -> int:
     return 4 * m * EXPERTS + 8 * m + 4 * m * TOPK + 8 * m * TOPK
 
 
-# ----------------------------------------------------------------------------- K4
+# ----------------------------------------------------------------------------- moe_reduce
 
 
 def _reduce_inputs(m: int, device: str) -> dict[str, Any]:
@@ -237,7 +237,7 @@ def _reduce_bytes(m: int) -> int:
     return 2 * _local_rows(m) * HIDDEN + 2 * 2 * m * HIDDEN + 8 * m * TOPK + 4 * EXPERTS
 
 
-# ----------------------------------------------------------------------------- K6
+# ----------------------------------------------------------------------------- silu_mul_clamp
 
 
 def _act_shared_inputs(m: int, device: str) -> dict[str, Any]:
@@ -256,7 +256,7 @@ def _act_routed_inputs(m: int, device: str) -> dict[str, Any]:
 
 
 def _act_check(want: Any, got: Any) -> None:
-    """X2 (exp2 lowering): ≤ 0.1% of bf16 outputs / fp8 codes differ, bf16 by one ulp."""
+    """A tolerance (exp2 lowering): ≤ 0.1% of bf16 outputs / fp8 codes differ, bf16 by one ulp."""
     if isinstance(want, Fp8Activation):
         same = got.q.float() == want.q.float()
         assert same.float().mean() >= 0.999, "fp8 codes differ"
@@ -299,7 +299,7 @@ def _experts_inputs(m: int, device: str) -> dict[str, Any]:
     mask = _ep_mask(device)
     topk_ids = _topk_ids(m, gen).to(device)
     gate_up, down = _expert_weights(device)
-    # K1 runs here, outside the timed region: it has its own case above.
+    # The sort runs here, outside the timed region: it has its own case above.
     weights = torch.rand(m, TOPK, generator=gen).to(device)
     sort = moe_sort(topk_ids, weights, prepare_moe_sort(mask), 0)
     return dict(
@@ -332,7 +332,8 @@ def _experts_launch(x, gate_up_proj, down_proj, sort, topk_ids, expert_mask, lim
 
 
 def _experts_check(want: torch.Tensor, got: torch.Tensor) -> None:
-    """bf16, X2: GEMM summation order and K6's exp2 flip single bf16 ulps; local routes only."""
+    """bf16, a tolerance: GEMM summation order and the activation's exp2 flip single bf16 ulps;
+    local routes only."""
     local = ~torch.isnan(want).any(dim=-1)
     assert not torch.isnan(got[local]).any(), "a local route was not written"
     torch.testing.assert_close(got[local], want[local], rtol=2**-6, atol=2**-6)
@@ -346,7 +347,7 @@ def _experts_bytes(m: int) -> int:
     return int(weights + activations)
 
 
-# ----------------------------------------------------------------------------- K4 as stage 2's epilogue
+# ------------------------------------------------------------- moe_token_down_reduce
 
 
 def _token_experts_inputs(m: int, device: str) -> dict[str, Any]:
@@ -371,7 +372,7 @@ def _token_experts_inputs(m: int, device: str) -> dict[str, Any]:
 def _token_experts_torch(
     x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask, sort_plan, limit
 ) -> torch.Tensor:
-    """The unfused chain: sync-free dense experts (`_experts_torch`), then K4's reference."""
+    """The unfused chain: sync-free dense experts (`_experts_torch`), then `moe_reduce_ref`."""
     y = _experts_torch(x, gate_up_proj, down_proj, None, topk_ids, expert_mask, limit)
     return moe_reduce_ref(y, topk_weights, topk_ids, expert_mask, ROUTED_SCALE, shared)
 
@@ -379,8 +380,8 @@ def _token_experts_torch(
 def _token_experts_launch(
     x, gate_up_proj, down_proj, topk_ids, topk_weights, shared, expert_mask, sort_plan, limit
 ) -> torch.Tensor:
-    """As `RoutedExperts` dispatches: K4 as the per-token stage 2's epilogue up to
-    TOKEN_PATH_MAX_M tokens, above that K1 sort -> grouped GEMMs -> K4 `moe_reduce`."""
+    """As `RoutedExperts` dispatches: the reduce as the per-token stage 2's epilogue up to
+    TOKEN_PATH_MAX_M tokens, above that `moe_sort` -> grouped GEMMs -> `moe_reduce`."""
     if x.shape[0] <= TOKEN_PATH_MAX_M:
         table, num_local = sort_plan.local_table, sort_plan.num_local
         h = moe_route_gate_up(x, gate_up_proj, topk_ids, table, num_local, limit)
@@ -393,7 +394,8 @@ def _token_experts_launch(
 
 
 def _token_experts_check(want: torch.Tensor, got: torch.Tensor) -> None:
-    """bf16, X2 as the grouped case (GEMM order, K6's exp2), through the weighted sum."""
+    """bf16, a tolerance as the grouped case (GEMM order, the activation's exp2), through the
+    weighted sum."""
     torch.testing.assert_close(got, want, rtol=2**-5, atol=2**-5)
 
 
@@ -405,7 +407,7 @@ def _token_experts_bytes(m: int) -> int:
 
 CASES: list[dict[str, Any]] = [
     dict(
-        name="K1 moe_sort (EP4, 96 local)",
+        name="moe_sort (EP4, 96 local)",
         make_inputs=_sort_inputs,
         reference=_sort_torch,
         launcher=_sort_launch,
@@ -413,7 +415,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_sort_bytes,
     ),
     dict(
-        name="K2+K3 router_topk from x (GEMV fused)",
+        name="router_topk from x (GEMV fused)",
         make_inputs=_route_x_inputs,
         reference=router_topk_ref,
         launcher=router_topk,
@@ -421,7 +423,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_route_x_bytes,
     ),
     dict(
-        name="K2+K3 router_topk from split-K partials",
+        name="router_topk from split-K partials",
         make_inputs=_route_partials_inputs,
         reference=router_topk_ref,
         launcher=router_topk,
@@ -429,7 +431,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_route_partials_bytes,
     ),
     dict(
-        name="K2+K3 router_topk hash",
+        name="router_topk hash",
         make_inputs=_route_hash_inputs,
         reference=router_topk_ref,
         launcher=router_topk,
@@ -437,7 +439,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_route_hash_bytes,
     ),
     dict(
-        name="K2+K3 router_topk hash from x (GEMV fused)",
+        name="router_topk hash from x (GEMV fused)",
         make_inputs=_route_hash_x_inputs,
         reference=router_topk_ref,
         launcher=router_topk,
@@ -445,7 +447,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=lambda m: _route_x_bytes(m) - 4 * EXPERTS + 4 * m * TOPK,
     ),
     dict(
-        name="K4 moe_reduce (slot-ordered)",
+        name="moe_reduce (slot-ordered)",
         make_inputs=_reduce_inputs,
         reference=moe_reduce_ref,
         launcher=moe_reduce,
@@ -453,7 +455,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_reduce_bytes,
     ),
     dict(
-        name="K6 silu_mul_clamp shared (I=512, bf16)",
+        name="silu_mul_clamp shared (I=512, bf16)",
         make_inputs=_act_shared_inputs,
         reference=silu_mul_clamp_ref,
         launcher=silu_mul_clamp,
@@ -461,7 +463,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_act_shared_bytes,
     ),
     dict(
-        name="K6 silu_mul_clamp routed (I=2048, fp8 group)",
+        name="silu_mul_clamp routed (I=2048, fp8 group)",
         make_inputs=_act_routed_inputs,
         reference=silu_mul_clamp_ref,
         launcher=silu_mul_clamp,
@@ -469,7 +471,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_act_routed_bytes,
     ),
     dict(
-        name="fused_moe stage 1 with K6 epilogue + stage 2 (EP4, 96 local, bf16)",
+        name="fused_moe stage 1 with the activation epilogue + stage 2 (EP4, 96 local, bf16)",
         make_inputs=_experts_inputs,
         reference=_experts_torch,
         launcher=_experts_launch,
@@ -477,7 +479,7 @@ CASES: list[dict[str, Any]] = [
         bytes_moved=_experts_bytes,
     ),
     dict(
-        name="K4 as stage-2 epilogue: routed experts + reduce + scale + shared as the engine "
+        name="moe_token_down_reduce: routed experts + reduce + scale + shared as the engine "
         "dispatches (per-token kernels up to 4 tokens; EP4, 96 local, bf16)",
         make_inputs=_token_experts_inputs,
         reference=_token_experts_torch,

@@ -1,4 +1,4 @@
-"""Benchmark cases for the fused RMSNorm (`sgl_dspark.kernels.rmsnorm`) at the norms of one
+"""Benchmark cases for the fused RMSNorm (`sgl_dspark.kernels.norm.rmsnorm`) at the norms of one
 DeepSeek-V4-Flash decode step.
 
 ``CASES`` has the format of `bench_spec.py` (name, make_inputs(M, device), reference, launcher,
@@ -15,7 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sgl_dspark.kernels.rmsnorm import rms_norm, rms_norm_ref
+from sgl_dspark.kernels.norm.reference import rms_norm_ref
+from sgl_dspark.kernels.norm.rmsnorm import rms_norm
 
 HIDDEN, Q_LORA, HEADS, HEAD_DIM = 4096, 1024, 64, 512
 EPS = 1e-6
@@ -37,8 +38,8 @@ def _make_inputs(
 
 
 def _check(want: torch.Tensor, got: torch.Tensor) -> None:
-    # X2: the mean square is summed in another order, so rstd may differ in its last fp32 bit;
-    # bf16 outputs then differ by at most two units in the last place, and only rarely.
+    # A tolerance: the mean square is summed in another order, so rstd may differ in its last fp32
+    # bit; bf16 outputs then differ by at most two units in the last place, and only rarely.
     torch.testing.assert_close(
         got.float(), want.float(), rtol=2 * torch.finfo(torch.bfloat16).eps, atol=1e-30
     )

@@ -1,4 +1,5 @@
-"""Benchmark cases for the draft/verify/accept kernels K13-K16 (kernels.md §3-§4).
+"""Benchmark cases for the draft/verify/accept kernels: rope, vocab argmax, acceptance, draft
+inputs.
 
 ``CASES`` is a list of dicts with keys:
     name         str
@@ -7,8 +8,8 @@
     launcher     (**inputs) -> output   (the Triton launcher; graph-capturable)
     check        (reference_output, launcher_output) -> None, raises AssertionError on mismatch
     bytes_moved  (M) -> int, the minimal HBM traffic of the fused op (bandwidth floor)
-M is the number of token rows of the step: verify tokens bs * w for K14/K15 (the shape sheet's
-mapping of M to (bs, w) is used), query tokens for K13, requests for K16.
+M is the number of token rows of the step: verify tokens bs * w for the argmax and the acceptance
+(`_BS_W` maps M to (bs, w)), query tokens for the rope, requests for the draft inputs.
 """
 
 from __future__ import annotations
@@ -17,11 +18,14 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from sgl_dspark.kernels.draft_inputs import prepare_draft_inputs, prepare_draft_inputs_ref
-from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
-from sgl_dspark.kernels.rope_qkv import rope_q_kv, rope_q_kv_ref
-from sgl_dspark.kernels.spec_accept import spec_accept, spec_accept_ref
-from sgl_dspark.kernels.vocab_argmax import shard_argmax_pairs, vocab_argmax, vocab_argmax_ref
+from sgl_dspark.kernels.rope.q_kv import rope_q_kv
+from sgl_dspark.kernels.rope.reference import rope_q_kv_ref, rope_tail_ref
+from sgl_dspark.kernels.rope.tail import rope_tail
+from sgl_dspark.kernels.sampling.reference import vocab_argmax_ref
+from sgl_dspark.kernels.sampling.vocab_argmax import shard_argmax_pairs, vocab_argmax
+from sgl_dspark.kernels.spec.accept import spec_accept
+from sgl_dspark.kernels.spec.draft_inputs import prepare_draft_inputs
+from sgl_dspark.kernels.spec.reference import prepare_draft_inputs_ref, spec_accept_ref
 
 VOCAB = 129280
 TP = 4
@@ -29,7 +33,7 @@ VOCAB_LOCAL = VOCAB // TP  # 32320
 HEADS_LOCAL, HEADS_PADDED, HEAD_DIM, ROPE_DIM = 16, 64, 512, 64
 GAMMA = 5  # draft block; W_full = GAMMA + 1, Q = GAMMA (sample_from_anchor)
 M_VALUES = (1, 4, 8, 24, 32, 128)
-# Shape sheet (kernels.md §0.1): M -> (bs, w).
+# The decode shapes: M -> (bs, w) (w = verify width; bs 1 verifies up to 8 tokens).
 _BS_W = {1: (1, 1), 4: (1, 4), 8: (1, 8), 24: (8, 3), 32: (8, 4), 128: (32, 4)}
 
 
@@ -53,7 +57,7 @@ def _check_bits(want: torch.Tensor, got: torch.Tensor) -> None:
     assert torch.equal(want.view(torch.int16), got.view(torch.int16)), "bf16 bits differ"
 
 
-# ----------------------------------------------------------------------------- K13
+# ----------------------------------------------------------------------------- rope
 
 
 def _rope_inputs(m: int, device: str, inverse: bool) -> dict[str, Any]:
@@ -78,7 +82,7 @@ def _rope_bytes(m: int) -> int:
     return m * (HEADS_LOCAL * HEAD_DIM * 2 + HEADS_PADDED * HEAD_DIM * 2 + ROPE_DIM * 4)
 
 
-# K13's fused design: the q heads' norm + rope tail + head padding and the KV row's kv_norm +
+# `rope_q_kv`: the q heads' norm + rope tail + head padding and the KV row's kv_norm +
 # rope + store into the paged pool, one launch (the reference: the q chain, then the KV chain
 # and its index_put, as an attention layer of the engine runs them unfused).
 POOL_ROWS, NORM_EPS = 4096, 1e-6
@@ -131,7 +135,7 @@ def _rope_qkv_launch(q, kv, cos, sin, q_out, kv_norm_weight, kv_out, kv_rows):
 
 
 def _check_normed_bf16(want: tuple, got: tuple) -> None:
-    """X2 (the norms' rstd may move a last bit, rope.py): within one bf16 ulp of the value's
+    """A tolerance (the norms' rstd may move a last bit, `rope/tail.py`): within one bf16 ulp of the value's
     magnitude and almost all elements equal."""
     assert want[1].data_ptr() != got[1].data_ptr(), "the check needs two pools"
     for w, g in zip(want, got):
@@ -144,7 +148,7 @@ def _rope_qkv_bytes(m: int) -> int:
     return _rope_bytes(m) + m * (2 * HEAD_DIM * 2 + 8) + HEAD_DIM * 2
 
 
-# ----------------------------------------------------------------------------- K14
+# ----------------------------------------------------------------------------- vocab_argmax
 
 
 def _argmax_inputs(m: int, device: str) -> dict[str, Any]:
@@ -163,7 +167,7 @@ def _rank_pairs_ref(logits: torch.Tensor, vocab_offset: int) -> torch.Tensor:
     return torch.stack([value, (idx + vocab_offset).float()], dim=1)
 
 
-# ----------------------------------------------------------------------------- K15
+# ----------------------------------------------------------------------------- spec_accept
 
 
 def _accept_inputs(m: int, device: str, sampled: bool) -> dict[str, Any]:
@@ -200,7 +204,7 @@ def _accept_bytes(m: int, sampled: bool) -> int:
     return small + (bs * 2 * VOCAB * 4 if sampled else 0)
 
 
-# ----------------------------------------------------------------------------- K16
+# ----------------------------------------------------------------------------- prepare_draft_inputs
 
 
 def _draft_inputs(m: int, device: str) -> dict[str, Any]:
@@ -246,7 +250,7 @@ def _case(
 
 CASES: list[dict[str, Any]] = [
     _case(
-        "k13_rope_q_tail_pad16to64",
+        "rope_tail_q_pad16to64",
         lambda m, d: _rope_inputs(m, d, inverse=False),
         _rope_ref,
         _rope_launch,
@@ -254,7 +258,7 @@ CASES: list[dict[str, Any]] = [
         _rope_bytes,
     ),
     _case(
-        "k13_rope_inverse_out_unpad64to16",
+        "rope_tail_inverse_out_unpad64to16",
         lambda m, d: _rope_inputs(m, d, inverse=True),
         _rope_ref,
         _rope_launch,
@@ -262,7 +266,7 @@ CASES: list[dict[str, Any]] = [
         _rope_bytes,
     ),
     _case(
-        "k13_rope_q_kv_store_norms",
+        "rope_q_kv_store_norms",
         _rope_qkv_inputs,
         _rope_qkv_ref,
         _rope_qkv_launch,
@@ -270,7 +274,7 @@ CASES: list[dict[str, Any]] = [
         _rope_qkv_bytes,
     ),
     _case(
-        "k14_shard_argmax_pairs_rank",
+        "shard_argmax_pairs_rank",
         _rank_inputs,
         _rank_pairs_ref,
         shard_argmax_pairs,
@@ -278,7 +282,7 @@ CASES: list[dict[str, Any]] = [
         lambda m: m * (VOCAB_LOCAL * 4 + 8),
     ),
     _case(
-        "k14_vocab_argmax_4_shards",
+        "vocab_argmax_4_shards",
         _argmax_inputs,
         vocab_argmax_ref,
         vocab_argmax,
@@ -286,7 +290,7 @@ CASES: list[dict[str, Any]] = [
         lambda m: m * (VOCAB * 4 + 8 * TP + 8),
     ),
     _case(
-        "k15_accept_greedy",
+        "spec_accept_greedy",
         lambda m, d: _accept_inputs(m, d, sampled=False),
         spec_accept_ref,
         spec_accept,
@@ -294,7 +298,7 @@ CASES: list[dict[str, Any]] = [
         lambda m: _accept_bytes(m, sampled=False),
     ),
     _case(
-        "k15_accept_sampled",
+        "spec_accept_sampled",
         lambda m, d: _accept_inputs(m, d, sampled=True),
         spec_accept_ref,
         spec_accept,
@@ -302,7 +306,7 @@ CASES: list[dict[str, Any]] = [
         lambda m: _accept_bytes(m, sampled=True),
     ),
     _case(
-        "k16_draft_inputs_gamma5",
+        "prepare_draft_inputs_gamma5",
         _draft_inputs,
         prepare_draft_inputs_ref,
         prepare_draft_inputs,

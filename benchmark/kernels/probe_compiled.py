@@ -6,7 +6,7 @@ table of device time for the reference compiled and for ours (torch.profiler ove
 replays, so launch gaps are not counted). Used to find why a one-launch kernel of ours is
 slower than compile's one launch.
 
-    python3 benchmark/kernels/probe_compiled.py --only rmsnorm,K6,K4 --m 1,32 --out-dir $OUT
+    python3 benchmark/kernels/probe_compiled.py --only rmsnorm,silu_mul_clamp,moe_reduce --m 1,32 --out-dir $OUT
 """
 
 from __future__ import annotations

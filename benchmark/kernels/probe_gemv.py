@@ -1,6 +1,6 @@
 """Probe (device only): small-M linear variants at the 910M model's decode shapes, with the weights
 read from HBM as in a decode step (64 weight copies cycled in one CUDA graph: 64-150 MB, beyond
-the H200's 50 MB L2), programmatic launch on.
+a GPU's L2), programmatic launch on.
 
     python3 benchmark/kernels/probe_gemv.py --out probe.md
 
@@ -32,10 +32,10 @@ from sgl_dspark.kernels._triton_utils import (  # noqa: E402
     programmatic_launch,
     wait_for_producers,
 )
-from sgl_dspark.kernels.small_m_linear import small_m_linear  # noqa: E402
+from sgl_dspark.kernels.linear.small_m import small_m_linear
 
 # The module (the package re-exports a function of the same name).
-sml = importlib.import_module("sgl_dspark.kernels.small_m_linear")
+sml = importlib.import_module("sgl_dspark.kernels.linear.small_m")
 
 from benchmark.kernels.run_all import time_graph  # noqa: E402
 

@@ -1,11 +1,11 @@
 """Probe: the routed experts' two grouped GEMMs (`fused_moe`'s launches) with the programs in
 tile-major vs block-major order, on one device, ABBA, CUDA-graph timed.
 
-At decode sizes K1's static layout has far more blocks than live ones (M = 1, 64 experts,
+At decode sizes `moe_sort`'s static layout has far more blocks than live ones (M = 1, 64 experts,
 block 32: ~62 blocks, 6 live), so most programs of the grid exit at once; tile-major order
 launches the live blocks' programs first. Each graph replays `--calls` launches over as many
 different routings, so the experts' weights come from HBM as in a decode step (one routing
-would keep its six experts in the 50 MB L2). Both orders are checked bit-identical first.
+would keep its six experts in L2). Both orders are checked bit-identical first.
 
 Usage (device machine): python3 benchmark/kernels/probe_moe_order.py --out probe.md
 """
@@ -16,8 +16,8 @@ import argparse
 import statistics
 
 import torch
-from sgl_dspark.kernels.fused_moe import moe_grouped_gemm
-from sgl_dspark.kernels.moe_sort import moe_sort, prepare_moe_sort
+from sgl_dspark.kernels.moe.grouped_gemm import moe_grouped_gemm
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
 
 SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k)
     "mid_910m": (1024, 512, 64, 64, 6),

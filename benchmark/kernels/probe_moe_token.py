@@ -1,7 +1,8 @@
-"""Probe: routed experts + K4 at decode sizes, sorted path vs the per-token path, on one device.
+"""Probe: routed experts + route reduce at decode sizes, sorted path vs the per-token path, on one
+device.
 
-  sorted:    K1 `moe_sort` -> `fused_moe` (grouped stage 1 with K6, grouped stage 2) -> K4
-             `moe_reduce` (4 launches; what the engine ran before);
+  sorted:    `moe_sort` -> `fused_moe` (grouped stage 1 with the activation, grouped stage 2)
+             -> `moe_reduce` (4 launches);
   per-token: `moe_route_gate_up` -> `moe_token_down_reduce` (2 launches).
 
 For each shape and M, both are first checked BIT-EQUAL (the engine picks one by M, so they must
@@ -22,10 +23,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
-from sgl_dspark.kernels import moe_token_gemm  # noqa: E402
-from sgl_dspark.kernels.fused_moe import fused_moe  # noqa: E402
-from sgl_dspark.kernels.moe_reduce import moe_reduce  # noqa: E402
-from sgl_dspark.kernels.moe_sort import moe_sort, prepare_moe_sort  # noqa: E402
+from sgl_dspark.kernels.moe import token_gemm as moe_token_gemm  # noqa: E402
+from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
+from sgl_dspark.kernels.moe.reduce import moe_reduce
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
 
 from benchmark.kernels.run_all import time_graph  # noqa: E402
 

@@ -1,5 +1,5 @@
 """Check every kernel against its reference and time reference-eager, reference-torch.compile
-and ours under CUDA graphs, at DeepSeek-V4-Flash decode shapes (issue 5, deliverable 4).
+and ours under CUDA graphs, at DeepSeek-V4-Flash decode shapes.
 
     python benchmark/kernels/run_all.py --out results.md
 

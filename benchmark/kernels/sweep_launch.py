@@ -1,6 +1,7 @@
-"""Launch-parameter sweep for the kernels that sit at the launch floor (K4, K6, K9, K14, RMSNorm).
+"""Launch-parameter sweep for the kernels that sit at the launch floor (the route reduce, the
+clamped SwiGLU, the index-key FP4 quant, the vocab argmax, RMSNorm).
 
-    python3 benchmark/kernels/sweep_launch.py --out sweep.md [--only k4,k6,k9,k14,rmsnorm]
+    python3 benchmark/kernels/sweep_launch.py --out sweep.md [--only moe_reduce,rmsnorm,...]
 
 Each launcher takes its meta-parameters (block sizes, rows per program, chunks per row,
 num_warps) from one private function of its module (`_reduce_meta`, `_act_meta`,
@@ -9,15 +10,16 @@ replaced by "the default, with these keys overridden", and the benchmark case of
 `benchmark/kernels/bench_*.py` runs at M = 1/4/8/24/32/128 on its own inputs:
 
 1. exactness first: at every M the candidate writes into poisoned output buffers and must give
-   the default's bits; a candidate that differs anywhere is rejected (for the X2 RMSNorm, whose
-   summation tree follows the thread layout, rejected candidates are still timed and reported
-   apart, never as the best);
+   the default's bits; a candidate that differs anywhere is rejected (for RMSNorm, within a
+   tolerance of its reference, whose summation tree follows the thread layout, rejected candidates
+   are still timed and reported apart, never as the best);
 2. timing: `run_all.time_graph` (CUDA graph of `--calls` calls, median of `--replays` replays,
    us per call); the default is timed before and after its candidates (the spread is the noise);
 3. torch.compile of the reference is compiled once per M and timed once.
 
 The Markdown report has one summary row per (case, M) and the full candidate x M matrix.
-Extra keys: `k6_fp8` (routed fp8-group K6), `rmsnorm_heads` (per-head weightless norm).
+Extra keys: `silu_mul_clamp_fp8` (routed, fp8 groups), `rmsnorm_heads` (per-head weightless
+norm), `compressor` (the block pooling).
 `check_candidates` runs step 1 alone (any device, the CPU interpreter included).
 """
 
@@ -54,7 +56,7 @@ class SweepTarget:
     cases: tuple[str, ...]
     candidates: tuple[Meta, ...]
     out_kwargs: Callable[[Any], dict[str, torch.Tensor]]  # poisoned output buffers
-    bits_may_differ: bool = False  # X2: candidates with other bits are timed, flagged
+    bits_may_differ: bool = False  # candidates with other bits are timed, flagged
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:
@@ -70,7 +72,7 @@ def _out(default: torch.Tensor) -> dict[str, torch.Tensor]:
     return {"out": _poison(default)}
 
 
-def _k9_out(default: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
+def _fp4_k_quant_out(default: tuple[torch.Tensor, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {"out_codes": _poison(default[0]), "out_scales": _poison(default[1])}
 
 
@@ -99,7 +101,7 @@ def _pairs(a: str, b: str, *values: tuple[int, int]) -> tuple[Meta, ...]:
 
 
 # Columns (or rows) per program x warps, around each default (listed in its meta function).
-_K4 = _pairs(
+_MOE_REDUCE = _pairs(
     "BLOCK_H",
     "num_warps",
     (128, 1),
@@ -115,7 +117,7 @@ _K4 = _pairs(
     (2048, 8),
     (4096, 8),
 )
-_K6 = _pairs(
+_SILU = _pairs(
     "BLOCK",
     "num_warps",
     (128, 1),
@@ -130,7 +132,7 @@ _K6 = _pairs(
     (1024, 4),
     (1024, 8),
 )
-_K6_FP8 = _pairs(
+_SILU_FP8 = _pairs(
     "BLOCK",
     "num_warps",
     (128, 1),
@@ -144,7 +146,7 @@ _K6_FP8 = _pairs(
     (2048, 4),
     (2048, 8),
 )
-_K9 = _pairs(
+_FP4_K_QUANT = _pairs(
     "BLOCK_ROWS",
     "num_warps",
     (1, 1),
@@ -160,7 +162,7 @@ _K9 = _pairs(
     (32, 4),
     (32, 8),
 )
-_K14 = (
+_SHARD_ARGMAX = (
     {"num_warps": 2},
     {"num_warps": 8},
     {"max_block": 1024},
@@ -237,53 +239,53 @@ TARGETS: dict[str, SweepTarget] = {
     t.key: t
     for t in (
         SweepTarget(
-            "k4",
             "moe_reduce",
+            "moe.reduce",
             "_reduce_meta",
             "bench_moe",
-            ("K4 moe_reduce (slot-ordered)",),
-            _K4,
+            ("moe_reduce (slot-ordered)",),
+            _MOE_REDUCE,
             _out,
         ),
         SweepTarget(
-            "k6",
-            "activation",
+            "silu_mul_clamp",
+            "moe.activation",
             "_act_meta",
             "bench_moe",
-            ("K6 silu_mul_clamp shared (I=512, bf16)",),
-            _K6,
+            ("silu_mul_clamp shared (I=512, bf16)",),
+            _SILU,
             _out,
         ),
         SweepTarget(
-            "k6_fp8",
-            "activation",
+            "silu_mul_clamp_fp8",
+            "moe.activation",
             "_act_meta",
             "bench_moe",
-            ("K6 silu_mul_clamp routed (I=2048, fp8 group)",),
-            _K6_FP8,
+            ("silu_mul_clamp routed (I=2048, fp8 group)",),
+            _SILU_FP8,
             _no_out,
         ),
         SweepTarget(
-            "k9",
-            "fp4_indexer",
+            "fp4_index_k_quant",
+            "indexer.fp4_k_quant",
             "_k_quant_meta",
             "bench_mhc_indexer",
-            ("k9_fp4_index_k_quant_128",),
-            _K9,
-            _k9_out,
+            ("fp4_index_k_quant_128",),
+            _FP4_K_QUANT,
+            _fp4_k_quant_out,
         ),
         SweepTarget(
-            "k14",
-            "vocab_argmax",
+            "shard_argmax",
+            "sampling.vocab_argmax",
             "_chunk_meta",
             "bench_spec",
-            ("k14_shard_argmax_pairs_rank",),
-            _K14,
+            ("shard_argmax_pairs_rank",),
+            _SHARD_ARGMAX,
             _out,
         ),
         SweepTarget(
             "rmsnorm",
-            "rmsnorm",
+            "norm.rmsnorm",
             "_norm_meta",
             "bench_norm",
             ("rmsnorm_hidden_d4096", "rmsnorm_q_lora_d1024"),
@@ -293,7 +295,7 @@ TARGETS: dict[str, SweepTarget] = {
         ),
         SweepTarget(
             "rmsnorm_heads",
-            "rmsnorm",
+            "norm.rmsnorm",
             "_norm_meta",
             "bench_norm",
             ("rmsnorm_q_heads_64x512_weightless",),
@@ -301,10 +303,10 @@ TARGETS: dict[str, SweepTarget] = {
             _out,
             bits_may_differ=True,
         ),
-        # X2 (the span sums' order follows the tile split and the warps' layout).
+        # Other bits allowed: the span sums' order follows the tile split and the warps' layout.
         SweepTarget(
             "compressor",
-            "compressor_pool",
+            "compressor.pool",
             "_pool_meta",
             "bench_indexer",
             (
@@ -320,7 +322,7 @@ TARGETS: dict[str, SweepTarget] = {
         ),
     )
 }
-DEFAULT_KEYS = ("k4", "k6", "k9", "k14", "rmsnorm")
+DEFAULT_KEYS = ("moe_reduce", "silu_mul_clamp", "fp4_index_k_quant", "shard_argmax", "rmsnorm")
 
 
 def _kernel_module(target: SweepTarget) -> ModuleType:
@@ -607,7 +609,7 @@ def main() -> None:
             "best / default",
         ]
         if target.bits_may_differ:
-            head.append("fastest with other bits (X2)")
+            head.append("fastest with other bits")
         lines += ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
         matrices: list[str] = []
         for name in target.cases:

@@ -1,19 +1,19 @@
-"""Sweep the K2+K3 router's launch shape and GEMV chain count on a GPU (DeepSeek-V4-Flash shapes).
+"""Sweep the router's launch shape and GEMV chain count on a GPU (DeepSeek-V4-Flash shapes).
 
     python3 benchmark/kernels/sweep_router.py --out sweep_router.md [--m 1,4,8] [--no-compile]
 
-Launch shape: every `_RouteMeta` in `CANDIDATES` is patched in as `moe_route._route_meta` (for
+Launch shape: every `_RouteMeta` in `CANDIDATES` is patched in as `router._route_meta` (for
 every M) and must give ids, weights and logits bit-identical to the default's (it changes no
 numerics); then it is timed under CUDA graphs with `run_all.time_graph`, on the inputs of
 bench_moe's "router_topk from x" case, next to `torch.compile(router_topk_ref)` on the same inputs.
 
-GEMV shapes (`moe_route`'s `_GEMV_CHAINS`, `_GEMV_EXPERTS`, `_SPLIT_K`, `_GEMV_WARPS`, see
-`GEMV_SHAPES`) may change the logits' rounding, so a shape must be one choice for every M: each is
-checked against the reference with bench_moe's tolerance check, and for "logits independent of M"
+GEMV shapes (`kernels/moe/router.py`'s `_GEMV_CHAINS`, `_GEMV_EXPERTS`, `_SPLIT_K`, `_GEMV_WARPS`,
+see `GEMV_SHAPES`) may change the logits' rounding, so a shape must be one choice for every M: each
+is checked against the reference with bench_moe's tolerance check, and for "logits independent of M"
 (rows of x[:M] routed at every M give the logits of the same rows routed at the largest M, bit for
 bit), then timed with the default launch shape at every M.
 
-About 2-3 minutes on an H200, most of it Triton and torch.compile compilation (one per M).
+Most of the run is Triton and torch.compile compilation (one per M).
 """
 
 from __future__ import annotations
@@ -31,8 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
-from sgl_dspark.kernels import moe_route  # noqa: E402
-from sgl_dspark.kernels.moe_route import _RouteMeta, router_topk, router_topk_ref  # noqa: E402
+from sgl_dspark.kernels.moe import router as moe_route  # noqa: E402
+from sgl_dspark.kernels.moe.reference import router_topk_ref
+from sgl_dspark.kernels.moe.router import _RouteMeta, router_topk
 
 from benchmark.kernels.bench_moe import _route_check, _route_x_inputs  # noqa: E402
 from benchmark.kernels.run_all import time_graph  # noqa: E402
@@ -78,7 +79,7 @@ def patched(meta: _RouteMeta | None = None, gemv: dict[str, int] | None = None) 
     old_meta = moe_route._route_meta
     old_gemv = {k: getattr(moe_route, k) for k in (gemv or {})}
     if meta is not None:
-        moe_route._route_meta = lambda num_rows, interpreted=False: meta
+        moe_route._route_meta = lambda num_rows, on_interpreter=False: meta
     for k, v in (gemv or {}).items():
         setattr(moe_route, k, v)
     try:

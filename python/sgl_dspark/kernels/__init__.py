@@ -1,71 +1,154 @@
-"""Triton kernels of sgl_dspark: the public launchers (references `*_ref` live beside each kernel
-in its family module and are imported only by tests and benchmarks)."""
+"""Triton kernels of sgl_dspark, one folder per kernel family (`docs/kernels.md` lists them).
 
-from sgl_dspark.kernels.activation import Fp8Activation, silu_mul_clamp
-from sgl_dspark.kernels.compressor_decode import compressor_decode
-from sgl_dspark.kernels.compressor_extend import compressor_extend
-from sgl_dspark.kernels.compressor_pool import PooledEntries, compressor_pool
-from sgl_dspark.kernels.draft_inputs import DraftInputs, prepare_draft_inputs
-from sgl_dspark.kernels.fp4_indexer import IndexQFp4Output, fp4_index_k_quant, index_q_rope_fp4
-from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm
-from sgl_dspark.kernels.index_topk import index_topk
-from sgl_dspark.kernels.indexer import indexer_logits
-from sgl_dspark.kernels.markov import MarkovGreedyOutput, markov_greedy
-from sgl_dspark.kernels.mhc import MhcPostCombineOutput, mhc_post_combine, mhc_pre
-from sgl_dspark.kernels.moe_reduce import moe_reduce
-from sgl_dspark.kernels.moe_route import (
-    RouterTopkOutput,
-    RouterWorkspace,
-    make_router_workspace,
-    router_topk,
-)
-from sgl_dspark.kernels.moe_sort import MoeSortOutput, MoeSortPlan, moe_sort, prepare_moe_sort
-from sgl_dspark.kernels.rmsnorm import rms_norm
-from sgl_dspark.kernels.rope import rope_tail
-from sgl_dspark.kernels.rope_qkv import rope_q_kv
-from sgl_dspark.kernels.small_m_linear import small_m_linear
-from sgl_dspark.kernels.sparse_attention import window_sparse_attention
-from sgl_dspark.kernels.spec_accept import AcceptOutput, spec_accept
-from sgl_dspark.kernels.vocab_argmax import combine_shard_argmax, shard_argmax_pairs, vocab_argmax
+Each family keeps its torch reference in `<family>/reference.py`, a module that never imports
+Triton: the tests compare the kernels against it, and the runtime's torch backend of the family
+calls it. The public launchers below are imported lazily, on first access, so that importing a
+reference module (or this package) never loads Triton.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sgl_dspark.kernels.attention.draft import draft_attention
+    from sgl_dspark.kernels.attention.window_sparse import window_sparse_attention
+    from sgl_dspark.kernels.compressor.decode import compressor_decode
+    from sgl_dspark.kernels.compressor.extend import compressor_extend
+    from sgl_dspark.kernels.compressor.pool import compressor_pool
+    from sgl_dspark.kernels.compressor.reference import PooledEntries
+    from sgl_dspark.kernels.indexer.fp4_k_quant import fp4_index_k_quant
+    from sgl_dspark.kernels.indexer.fp4_q_rope import index_q_rope_fp4
+    from sgl_dspark.kernels.indexer.logits import indexer_logits
+    from sgl_dspark.kernels.indexer.reference import IndexQFp4Output
+    from sgl_dspark.kernels.indexer.topk import index_topk
+    from sgl_dspark.kernels.linear.small_m import small_m_grouped_linear, small_m_linear
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
+    from sgl_dspark.kernels.mhc.reference import MhcPostCombineOutput
+    from sgl_dspark.kernels.moe.activation import silu_mul_clamp
+    from sgl_dspark.kernels.moe.grouped_gemm import fused_moe, moe_grouped_gemm
+    from sgl_dspark.kernels.moe.reduce import moe_reduce
+    from sgl_dspark.kernels.moe.reference import (
+        Fp8Activation,
+        MoeSortOutput,
+        RouterConfig,
+        RouterTopkOutput,
+    )
+    from sgl_dspark.kernels.moe.router import RouterWorkspace, make_router_workspace, router_topk
+    from sgl_dspark.kernels.moe.sort import MoeSortPlan, moe_sort, prepare_moe_sort
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+    from sgl_dspark.kernels.norm.rmsnorm import rms_norm
+    from sgl_dspark.kernels.rope.q_kv import rope_q_kv
+    from sgl_dspark.kernels.rope.tail import rope_tail
+    from sgl_dspark.kernels.sampling.vocab_argmax import (
+        combine_shard_argmax,
+        shard_argmax_pairs,
+        vocab_argmax,
+    )
+    from sgl_dspark.kernels.spec.accept import spec_accept
+    from sgl_dspark.kernels.spec.draft_inputs import prepare_draft_inputs
+    from sgl_dspark.kernels.spec.markov import markov_greedy
+    from sgl_dspark.kernels.spec.reference import AcceptOutput, DraftInputs, MarkovGreedyOutput
+
+# Public name -> the module that defines it.
+_EXPORTS = {
+    "draft_attention": "attention.draft",
+    "window_sparse_attention": "attention.window_sparse",
+    "compressor_decode": "compressor.decode",
+    "compressor_extend": "compressor.extend",
+    "compressor_pool": "compressor.pool",
+    "PooledEntries": "compressor.reference",
+    "fp4_index_k_quant": "indexer.fp4_k_quant",
+    "index_q_rope_fp4": "indexer.fp4_q_rope",
+    "indexer_logits": "indexer.logits",
+    "IndexQFp4Output": "indexer.reference",
+    "index_topk": "indexer.topk",
+    "small_m_grouped_linear": "linear.small_m",
+    "small_m_linear": "linear.small_m",
+    "mhc_post_combine": "mhc.post_combine",
+    "mhc_pre": "mhc.post_combine",
+    "MhcPostCombineOutput": "mhc.reference",
+    "silu_mul_clamp": "moe.activation",
+    "fused_moe": "moe.grouped_gemm",
+    "moe_grouped_gemm": "moe.grouped_gemm",
+    "moe_reduce": "moe.reduce",
+    "Fp8Activation": "moe.reference",
+    "MoeSortOutput": "moe.reference",
+    "RouterConfig": "moe.reference",
+    "RouterTopkOutput": "moe.reference",
+    "RouterWorkspace": "moe.router",
+    "make_router_workspace": "moe.router",
+    "router_topk": "moe.router",
+    "MoeSortPlan": "moe.sort",
+    "moe_sort": "moe.sort",
+    "prepare_moe_sort": "moe.sort",
+    "moe_route_gate_up": "moe.token_gemm",
+    "moe_token_down_reduce": "moe.token_gemm",
+    "rms_norm": "norm.rmsnorm",
+    "rope_q_kv": "rope.q_kv",
+    "rope_tail": "rope.tail",
+    "combine_shard_argmax": "sampling.vocab_argmax",
+    "shard_argmax_pairs": "sampling.vocab_argmax",
+    "vocab_argmax": "sampling.vocab_argmax",
+    "spec_accept": "spec.accept",
+    "prepare_draft_inputs": "spec.draft_inputs",
+    "markov_greedy": "spec.markov",
+    "AcceptOutput": "spec.reference",
+    "DraftInputs": "spec.reference",
+    "MarkovGreedyOutput": "spec.reference",
+}
 
 __all__ = [
     "AcceptOutput",
     "DraftInputs",
     "Fp8Activation",
     "IndexQFp4Output",
+    "MarkovGreedyOutput",
     "MhcPostCombineOutput",
     "MoeSortOutput",
     "MoeSortPlan",
+    "PooledEntries",
+    "RouterConfig",
     "RouterTopkOutput",
     "RouterWorkspace",
     "combine_shard_argmax",
+    "compressor_decode",
+    "compressor_extend",
+    "compressor_pool",
+    "draft_attention",
     "fp4_index_k_quant",
     "fused_moe",
     "index_q_rope_fp4",
+    "index_topk",
+    "indexer_logits",
     "make_router_workspace",
+    "markov_greedy",
     "mhc_post_combine",
+    "mhc_pre",
     "moe_grouped_gemm",
     "moe_reduce",
+    "moe_route_gate_up",
     "moe_sort",
+    "moe_token_down_reduce",
     "prepare_draft_inputs",
     "prepare_moe_sort",
+    "rms_norm",
+    "rope_q_kv",
     "rope_tail",
     "router_topk",
     "shard_argmax_pairs",
     "silu_mul_clamp",
+    "small_m_grouped_linear",
+    "small_m_linear",
     "spec_accept",
     "vocab_argmax",
     "window_sparse_attention",
-    "PooledEntries",
-    "compressor_pool",
-    "indexer_logits",
-    "rms_norm",
-    "compressor_decode",
-    "compressor_extend",
-    "index_topk",
-    "mhc_pre",
-    "MarkovGreedyOutput",
-    "markov_greedy",
-    "small_m_linear",
-    "rope_q_kv",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{module}"), name)

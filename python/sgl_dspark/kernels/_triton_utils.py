@@ -13,6 +13,8 @@ import triton.language as tl
 from triton.language.extra import cuda as _cuda_language
 from triton.runtime.interpreter import InterpretedFunction
 
+from sgl_dspark.kernels._checks import require
+
 
 class _ProgrammaticLaunchSwitch:
     allowed = True  # process-wide; `set_programmatic_launch` flips it (no `global` statement)
@@ -22,15 +24,15 @@ class _ProgrammaticLaunchSwitch:
 
 def interpreted(kernel: object) -> bool:
     """True when `kernel` runs in the CPU interpreter (TRITON_INTERPRET=1). Its fp32 -> bf16
-    cast truncates (kernels.md §0.4), so kernels round on the bits there (`round_to_bf16`);
-    compiled, the native cast already rounds to nearest even (one instruction instead of six
-    integer ops per element, which shows at the ~1 us scale of a decode-step kernel)."""
+    cast truncates instead of rounding to nearest even, so kernels round on the bits there
+    (`round_to_bf16`); compiled, the native cast already rounds to nearest even (one
+    instruction instead of six integer ops per element)."""
     return isinstance(kernel, InterpretedFunction)
 
 
 @functools.cache
 def _device_has_pdl(device_index: int) -> bool:
-    # Programmatic dependent launch: CUDA on sm90 and later (HIP has no equivalent).
+    # Programmatic dependent launch: CUDA compute capability 9 and later (HIP has none).
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
@@ -41,8 +43,10 @@ def set_programmatic_launch(
     result bit, only when a kernel's launch may start. `only` limits it to the kernels of these
     names (a bisection aid); `max_graph_batch` to graphs captured for at most that many requests
     (see `programmatic_launch_for_batch`)."""
-    if max_graph_batch is not None and max_graph_batch < 0:
-        raise ValueError(f"max_graph_batch must be >= 0 or None, got {max_graph_batch}")
+    require(
+        max_graph_batch is None or max_graph_batch >= 0,
+        f"max_graph_batch must be >= 0 or None, got {max_graph_batch}",
+    )
     _ProgrammaticLaunchSwitch.allowed = allowed
     _ProgrammaticLaunchSwitch.only = frozenset(only) if only is not None else None
     _ProgrammaticLaunchSwitch.max_graph_batch = max_graph_batch
@@ -51,10 +55,9 @@ def set_programmatic_launch(
 @contextlib.contextmanager
 def programmatic_launch_for_batch(batch_size: int) -> Iterator[None]:
     """Scope of a graph capture for `batch_size` requests: launches inside it are programmatic
-    only if allowed and the batch is at most `max_graph_batch`. On the H200 the launch overlap
-    won at small batches while plain launches were faster at bs 32 (`benchmark/results/
-    engine.md`, eighth session); the cause is not established (a dependent grid's programs wait
-    resident on the SMs, which the wide grids of a large batch may need)."""
+    only if allowed and the batch is at most `max_graph_batch`. The launch overlap pays at small
+    batches and can cost at large ones (`benchmark/results/engine.md`): a dependent grid's
+    programs wait resident on the SMs, which the wide grids of a large batch may need."""
     switch = _ProgrammaticLaunchSwitch
     saved = switch.allowed
     limit = switch.max_graph_batch
@@ -68,11 +71,11 @@ def programmatic_launch_for_batch(batch_size: int) -> Iterator[None]:
 def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
     """Launch options of a kernel that takes a `PDL` constexpr (see `wait_for_producers`).
 
-    With programmatic dependent launch (compiled, CUDA sm90+) the GPU may start the kernel while
-    its predecessor on the stream still runs, hiding ~1 us of launch latency per kernel, also
-    inside CUDA graphs (capture keeps the programmatic edge). The kernel must then call
-    `wait_for_producers` before its first load of data another kernel wrote and before its first
-    store."""
+    With programmatic dependent launch (compiled, CUDA compute capability 9 and later) the GPU may
+    start the kernel while its predecessor on the stream still runs, hiding the launch latency of
+    each kernel, also inside CUDA graphs (capture keeps the programmatic edge). The kernel must then
+    call `wait_for_producers` before its first load of data another kernel wrote and before its
+    first store."""
     only = _ProgrammaticLaunchSwitch.only
     pdl = (
         _ProgrammaticLaunchSwitch.allowed
@@ -126,11 +129,15 @@ def prefetch_tile_l2(ptr, rows, row_stride, col0, col_end, WIDTH: tl.constexpr):
 @triton.jit
 def round_to_bf16(x):
     """fp32 -> nearest-even bf16 value, kept in fp32 (NaN passes through). Portable: the CPU
-    interpreter's own fp32 -> bf16 cast truncates (kernels.md §0.4), and the later store of an
-    exact bf16 value is lossless."""
+    interpreter's own fp32 -> bf16 cast truncates, and the later store of an exact bf16 value
+    is lossless."""
     bits = x.to(tl.uint32, bitcast=True)
     bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
     return tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+
+
+# Storage dtype codes of the rounding helpers (`round_to_storage`, `round_to_dtype`).
+DTYPE_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 
 @triton.jit
@@ -154,4 +161,16 @@ def round_bf16_native_or_bits(x, ON_BITS: tl.constexpr):
         x = round_to_bf16(x)
     else:
         x = x.to(tl.bfloat16).to(tl.float32)
+    return x
+
+
+@triton.jit
+def round_to_dtype(x, KIND: tl.constexpr, ON_BITS: tl.constexpr):
+    """fp32 -> the nearest-even value of a storage dtype (`DTYPE_KIND`: 0 fp32, 1 bf16,
+    2 fp16), kept in fp32 (exact on store): bf16 on the bits only where `ON_BITS` (the
+    interpreter, see `interpreted`), else through the native cast."""
+    if KIND == 1:
+        x = round_bf16_native_or_bits(x, ON_BITS)
+    elif KIND == 2:
+        x = x.to(tl.float16).to(tl.float32)
     return x

@@ -271,7 +271,7 @@ def test_split_compressor_pooling_in_graphs(reference, monkeypatch, spec_width):
     replays, and graphs, eager and CPU still give the same tokens."""
     import importlib
 
-    pool_module = importlib.import_module("sgl_dspark.kernels.compressor_pool")
+    pool_module = importlib.import_module("sgl_dspark.kernels.compressor.pool")
     default = pool_module._pool_meta
     monkeypatch.setattr(
         pool_module, "_pool_meta", lambda d, s: {**default(d, s), "BLOCK_C": 16, "SPAN_BLOCK": 16}

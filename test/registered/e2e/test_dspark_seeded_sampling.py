@@ -61,7 +61,7 @@ def test_seeded_request_is_reproducible_alone_and_in_a_busy_batch(overlap):
             assert outs[position]["output_ids"] == alone[0], batch_seed
         steps = engine.spec.metrics.summary().request_steps
         assert steps > 0  # speculative steps ran
-    # Another seed gives another output (the seed, not the engine state, decides).
+    # Another seed gives another output (the request's seed decides, not the engine's state).
     with _engine(disable_overlap_schedule=not overlap) as engine:
         again = engine.generate(input_ids=PROMPT, sampling_params=SEEDED)["output_ids"]
         other = engine.generate(input_ids=PROMPT, sampling_params={**SEEDED, "seed": 99})

@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark import Engine
-from sgl_dspark.kernels.vocab_argmax import vocab_argmax
+from sgl_dspark.kernels.sampling.vocab_argmax import vocab_argmax
 from sgl_dspark.srt.server_args import ServerArgs
 from sgl_dspark.srt.speculative.dspark.ops import draft_inputs_torch
 

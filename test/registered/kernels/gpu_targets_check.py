@@ -11,7 +11,7 @@ every CPU test and still fail on a device: a construct the backend rejects, or a
 pipeline needs more shared memory than an SM has (Triton raises that only when loading the
 binary on the device). Each case calls a launcher exactly as the runtime does, with CPU tensors
 and the kernel object replaced by a recorder, then compiles every recorded launch with Triton's
-own toolchain for NVIDIA sm90 (H200) and AMD gfx950 (MI355X) and checks its shared memory
+own toolchain for the two GPU targets, NVIDIA sm90 and AMD gfx950, and checks its shared memory
 against the device's per-block limit. The launches themselves are not run here (the CPU tests
 and the compiled device tests do that)."""
 
@@ -25,7 +25,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-# Per-block shared memory limits: H200 (sm90) 227 KB opt-in, MI355X (gfx950) 160 KB of LDS.
+# Per-block shared memory limits: sm90 227 KB opt-in, gfx950 160 KB of LDS.
 TARGETS = {
     "sm90": (GPUTarget("cuda", 90, 32), 232448),
     "gfx950": (GPUTarget("hip", "gfx950", 64), 163840),
@@ -42,32 +42,33 @@ _PTR = {
     torch.float8_e4m3fn: "*fp8e4nv",
 }
 _KERNEL_MODULES = (
-    "activation",
-    "compressor_pool",
-    "draft_attention",
-    "draft_inputs",
-    "fp4_indexer",
-    "fused_moe",
-    "index_topk",
-    "indexer",
-    "markov",
-    "mhc",
-    "moe_reduce",
-    "moe_route",
-    "moe_route_hash",
-    "moe_sort",
-    "moe_token_gemm",
-    "rmsnorm",
-    "rope",
-    "rope_qkv",
-    "small_m_linear",
-    "sparse_attention",
-    "spec_accept",
-    "vocab_argmax",
+    "moe.activation",
+    "compressor.pool",
+    "attention.draft",
+    "spec.draft_inputs",
+    "indexer.fp4_q_rope",
+    "moe.grouped_gemm",
+    "indexer.topk",
+    "indexer.logits",
+    "spec.markov",
+    "mhc.post_combine",
+    "moe.reduce",
+    "moe.router",
+    "moe.hash_gemv",
+    "moe.sort",
+    "moe.token_gemm",
+    "norm.rmsnorm",
+    "rope.tail",
+    "rope.q_kv",
+    "linear.small_m",
+    "attention.window_sparse",
+    "spec.accept",
+    "sampling.vocab_argmax",
+    "indexer.fp4_k_quant",
 )
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
-_HEAVY_BENCH_CASES = ("fused_moe stage 1", "K4 as stage-2 epilogue")
+_HEAVY_BENCH_CASES = ("fused_moe stage 1", "moe_token_down_reduce")
 
 
 class _Recorder:
@@ -161,13 +162,14 @@ def _bf16(*shape: int) -> torch.Tensor:
 
 
 def _small_m_linear(n: int, k: int, dtype: torch.dtype) -> Callable[[], object]:
-    from sgl_dspark.kernels.small_m_linear import small_m_linear
+    from sgl_dspark.kernels.linear.small_m import small_m_linear
 
     return lambda: small_m_linear(torch.randn(3, k).to(dtype), torch.randn(n, k).to(dtype))
 
 
 def _router_from_x(hidden: int, dtype: torch.dtype) -> Callable[[], object]:
-    from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
+    from sgl_dspark.kernels.moe.reference import RouterConfig
+    from sgl_dspark.kernels.moe.router import router_topk
 
     # H < 512: the GEMV's K loop runs several times and is software-pipelined (the tiny model).
     return lambda: router_topk(
@@ -178,7 +180,8 @@ def _router_from_x(hidden: int, dtype: torch.dtype) -> Callable[[], object]:
 
 
 def _hash_router_from_x(hidden: int) -> Callable[[], object]:
-    from sgl_dspark.kernels.moe_route import RouterConfig, router_topk
+    from sgl_dspark.kernels.moe.reference import RouterConfig
+    from sgl_dspark.kernels.moe.router import router_topk
 
     # The mid model's hash layers: top-6 of 64 experts, H 1024, a shared column.
     return lambda: router_topk(
@@ -191,7 +194,7 @@ def _hash_router_from_x(hidden: int) -> Callable[[], object]:
 
 
 def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[], object]:
-    from sgl_dspark.kernels.compressor_decode import compressor_decode
+    from sgl_dspark.kernels.compressor.decode import compressor_decode
 
     width = 2 * head_dim if overlap else head_dim
     span = 2 * ratio if overlap else ratio
@@ -222,7 +225,7 @@ def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[],
 
 
 def _mhc(d: int, opening: bool) -> Callable[[], object]:
-    from sgl_dspark.kernels.mhc import mhc_post_combine, mhc_pre
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
 
     n, r = 4, 24
 
@@ -240,13 +243,13 @@ def _mhc(d: int, opening: bool) -> Callable[[], object]:
 
 
 def _index_topk(width: int, k: int) -> Callable[[], object]:
-    from sgl_dspark.kernels.index_topk import index_topk
+    from sgl_dspark.kernels.indexer.topk import index_topk
 
     return lambda: index_topk(torch.randn(2, width), torch.tensor([width, width // 2]), k)
 
 
 def _markov(vocab: int, rank: int, batch: int) -> Callable[[], object]:
-    from sgl_dspark.kernels.markov import markov_greedy
+    from sgl_dspark.kernels.spec.markov import markov_greedy
 
     return lambda: markov_greedy(
         torch.randn(batch, 7, vocab),
@@ -257,7 +260,7 @@ def _markov(vocab: int, rank: int, batch: int) -> Callable[[], object]:
 
 
 def _rope_store() -> Callable[[], object]:
-    from sgl_dspark.kernels.rope import rope_tail
+    from sgl_dspark.kernels.rope.tail import rope_tail
 
     return lambda: rope_tail(
         _bf16(3, 1, 128),
@@ -269,7 +272,7 @@ def _rope_store() -> Callable[[], object]:
 
 
 def _rope_q_kv_store() -> Callable[[], object]:
-    from sgl_dspark.kernels.rope_qkv import rope_q_kv
+    from sgl_dspark.kernels.rope.q_kv import rope_q_kv
 
     # The mid model's layer: 16 q heads of 128 (weightless norm), the KV row normed and stored.
     return lambda: rope_q_kv(
@@ -286,19 +289,19 @@ def _rope_q_kv_store() -> Callable[[], object]:
 
 
 def _rms_norm_strided() -> Callable[[], object]:
-    from sgl_dspark.kernels.rmsnorm import rms_norm
+    from sgl_dspark.kernels.norm.rmsnorm import rms_norm
 
     return lambda: rms_norm(_bf16(4, 1500)[:, 100:1124], torch.ones(1024), 1e-6)
 
 
 def _silu_mul_clamp() -> Callable[[], object]:
-    from sgl_dspark.kernels.activation import silu_mul_clamp
+    from sgl_dspark.kernels.moe.activation import silu_mul_clamp
 
     return lambda: silu_mul_clamp(_bf16(6, 2 * 2048), 10.0)
 
 
 def _draft_attention(batch: int, heads: int, rope: bool = False) -> Callable[[], object]:
-    from sgl_dspark.kernels.draft_attention import draft_attention
+    from sgl_dspark.kernels.attention.draft import draft_attention
 
     # The mid model's draft stage: 16 heads of 128, a block of 8 queries, 128 context rows.
     tables = torch.zeros(batch * 8, 64).split(32, dim=1) if rope else None
@@ -315,7 +318,7 @@ def _draft_attention(batch: int, heads: int, rope: bool = False) -> Callable[[],
 
 
 def _split_attention_inverse_rope() -> Callable[[], object]:
-    from sgl_dspark.kernels.sparse_attention import window_sparse_attention
+    from sgl_dspark.kernels.attention.window_sparse import window_sparse_attention
 
     # One decode token of the mid model (16 heads of 128, rd 64), split-K: both launches carry
     # the epilogue's variant (the single pass when the merge is off).
@@ -337,7 +340,7 @@ def _split_attention_inverse_rope() -> Callable[[], object]:
 
 
 def _grouped_gemm() -> Callable[[], object]:
-    from sgl_dspark.kernels.fused_moe import moe_grouped_gemm
+    from sgl_dspark.kernels.moe.grouped_gemm import moe_grouped_gemm
 
     # Tiles depend on (N, K) only: N, K >= the largest tiles give the production variant.
     return lambda: moe_grouped_gemm(
@@ -351,7 +354,7 @@ def _grouped_gemm() -> Callable[[], object]:
 
 
 def _token_gemms() -> Callable[[], object]:
-    from sgl_dspark.kernels.moe_token_gemm import moe_route_gate_up, moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
     # The mid model's experts (D 1024, I 512), two of them local; tiles depend on (D, I) only.
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -367,71 +370,71 @@ def _token_gemms() -> Callable[[], object]:
 
 
 CASES = {
-    "moe_route_gate_up": ("moe_token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
-    "moe_token_down_reduce": ("moe_token_gemm", "_moe_token_down_kernel", _token_gemms()),
+    "moe_route_gate_up": ("moe.token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
+    "moe_token_down_reduce": ("moe.token_gemm", "_moe_token_down_kernel", _token_gemms()),
     "router_from_x_h128_fp32": (
-        "moe_route",
+        "moe.router",
         "_router_topk_kernel",
         _router_from_x(128, torch.float32),
     ),
     "router_from_x_h128_bf16": (
-        "moe_route",
+        "moe.router",
         "_router_topk_kernel",
         _router_from_x(128, torch.bfloat16),
     ),
-    "draft_attention_b1": ("draft_attention", "_draft_attention_kernel", _draft_attention(1, 16)),
+    "draft_attention_b1": ("attention.draft", "_draft_attention_kernel", _draft_attention(1, 16)),
     "draft_attention_inverse_rope": (
-        "draft_attention",
+        "attention.draft",
         "_draft_attention_kernel",
         _draft_attention(1, 16, rope=True),
     ),
     "attention_split_inverse_rope": (
-        "sparse_attention",
+        "attention.window_sparse",
         "_merge_attention_splits_kernel",
         _split_attention_inverse_rope(),
     ),
-    "draft_attention_b32": ("draft_attention", "_draft_attention_kernel", _draft_attention(32, 64)),
-    "moe_grouped_gemm": ("fused_moe", "_moe_grouped_gemm_kernel", _grouped_gemm()),
-    "rope_tail_scatter": ("rope", "_rope_tail_kernel", _rope_store()),
-    "rope_q_kv_store": ("rope_qkv", "_rope_q_kv_kernel", _rope_q_kv_store()),
+    "draft_attention_b32": ("attention.draft", "_draft_attention_kernel", _draft_attention(32, 64)),
+    "moe_grouped_gemm": ("moe.grouped_gemm", "_moe_grouped_gemm_kernel", _grouped_gemm()),
+    "rope_tail_scatter": ("rope.tail", "_rope_tail_kernel", _rope_store()),
+    "rope_q_kv_store": ("rope.q_kv", "_rope_q_kv_kernel", _rope_q_kv_store()),
     "hash_router_from_x_h1024": (
-        "moe_route_hash",
+        "moe.hash_gemv",
         "_hash_gemv_partials_kernel",
         _hash_router_from_x(1024),
     ),
-    "rms_norm_strided_rows": ("rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
-    "silu_mul_clamp_i2048": ("activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
+    "rms_norm_strided_rows": ("norm.rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
+    "silu_mul_clamp_i2048": ("moe.activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
     "small_m_linear_mid_x_proj": (
-        "small_m_linear",
+        "linear.small_m",
         "_small_m_linear_kernel",
         _small_m_linear(1160, 1024, torch.bfloat16),
     ),
     "small_m_linear_lm_head": (
-        "small_m_linear",
+        "linear.small_m",
         "_small_m_linear_kernel",
         _small_m_linear(32000, 1024, torch.bfloat16),
     ),
     "small_m_linear_fp32_wide": (
-        "small_m_linear",
+        "linear.small_m",
         "_small_m_linear_kernel",
         _small_m_linear(9000, 40, torch.float32),
     ),
     "compressor_decode_csa": (
-        "compressor_pool",
+        "compressor.pool",
         "_compressor_pool_kernel",
         _compressor_decode(128, 4, True),
     ),
     "compressor_decode_hca": (
-        "compressor_pool",
+        "compressor.pool",
         "_compressor_pool_kernel",
         _compressor_decode(128, 128, False),
     ),
-    "mhc_pre_d4096": ("mhc", "_mhc_post_combine_kernel", _mhc(4096, True)),
-    "mhc_post_combine_d1024": ("mhc", "_mhc_post_combine_kernel", _mhc(1024, False)),
-    "index_topk_flash": ("index_topk", "_index_topk_kernel", _index_topk(16384, 512)),
-    "index_topk_mid": ("index_topk", "_index_topk_kernel", _index_topk(160, 64)),
-    "markov_mid_b1": ("markov", "_markov_step_kernel", _markov(32000, 64, 1)),
-    "markov_flash_b32": ("markov", "_markov_step_kernel", _markov(129280, 256, 32)),
+    "mhc_pre_d4096": ("mhc.post_combine", "_mhc_post_combine_kernel", _mhc(4096, True)),
+    "mhc_post_combine_d1024": ("mhc.post_combine", "_mhc_post_combine_kernel", _mhc(1024, False)),
+    "index_topk_flash": ("indexer.topk", "_index_topk_kernel", _index_topk(16384, 512)),
+    "index_topk_mid": ("indexer.topk", "_index_topk_kernel", _index_topk(160, 64)),
+    "markov_mid_b1": ("spec.markov", "_markov_step_kernel", _markov(32000, 64, 1)),
+    "markov_flash_b32": ("spec.markov", "_markov_step_kernel", _markov(129280, 256, 32)),
 }
 
 
@@ -479,35 +482,35 @@ def bench_launches(recs: dict[str, _Recorder], m_values: tuple[int, ...] = (1, 3
 # Kernels that take a `PDL` constexpr (programmatic dependent launch, `_triton_utils`). None
 # loads anything before its wait, weights included: a weight tile is prefetched into L2 instead
 # (`prefetch_l2`), because a real load next to a loop lets the software pipeliner hoist the
-# loop's first activation load above the wait with it (the router's GEMV did at H < 512: a race
-# that changed the engine's tokens under CUDA graphs on the H200).
+# loop's first activation load above the wait with it (the router's GEMV does at H < 512: a
+# race that changes the engine's tokens under CUDA graphs).
 PDL_KERNELS = (
-    "activation._silu_mul_clamp_kernel",
-    "moe_reduce._moe_reduce_kernel",
-    "moe_route._router_topk_kernel",
-    "vocab_argmax._chunk_argmax_kernel",
-    "rmsnorm._rms_norm_kernel",
-    "vocab_argmax._combine_pairs_kernel",
-    "spec_accept._spec_accept_kernel",
-    "draft_inputs._prepare_draft_inputs_kernel",
-    "rope._rope_tail_kernel",
-    "fp4_indexer._fp4_index_k_quant_kernel",
-    "fp4_indexer._index_q_rope_fp4_kernel",
-    "mhc._mhc_post_combine_kernel",
-    "small_m_linear._small_m_linear_kernel",
-    "fused_moe._moe_grouped_gemm_kernel",
-    "moe_sort._moe_sort_kernel",
-    "sparse_attention._window_sparse_attention_kernel",
-    "sparse_attention._merge_attention_splits_kernel",
-    "indexer._indexer_logits_kernel",
-    "index_topk._index_topk_kernel",
-    "compressor_pool._compressor_pool_kernel",
-    "markov._markov_step_kernel",
-    "draft_attention._draft_attention_kernel",
-    "rope_qkv._rope_q_kv_kernel",
-    "moe_route_hash._hash_gemv_partials_kernel",
-    "moe_token_gemm._moe_route_gate_up_kernel",
-    "moe_token_gemm._moe_token_down_kernel",
+    "moe.activation._silu_mul_clamp_kernel",
+    "moe.reduce._moe_reduce_kernel",
+    "moe.router._router_topk_kernel",
+    "sampling.vocab_argmax._chunk_argmax_kernel",
+    "norm.rmsnorm._rms_norm_kernel",
+    "sampling.vocab_argmax._combine_pairs_kernel",
+    "spec.accept._spec_accept_kernel",
+    "spec.draft_inputs._prepare_draft_inputs_kernel",
+    "rope.tail._rope_tail_kernel",
+    "indexer.fp4_k_quant._fp4_index_k_quant_kernel",
+    "indexer.fp4_q_rope._index_q_rope_fp4_kernel",
+    "mhc.post_combine._mhc_post_combine_kernel",
+    "linear.small_m._small_m_linear_kernel",
+    "moe.grouped_gemm._moe_grouped_gemm_kernel",
+    "moe.sort._moe_sort_kernel",
+    "attention.window_sparse._window_sparse_attention_kernel",
+    "attention.window_sparse._merge_attention_splits_kernel",
+    "indexer.logits._indexer_logits_kernel",
+    "indexer.topk._index_topk_kernel",
+    "compressor.pool._compressor_pool_kernel",
+    "spec.markov._markov_step_kernel",
+    "attention.draft._draft_attention_kernel",
+    "rope.q_kv._rope_q_kv_kernel",
+    "moe.hash_gemv._hash_gemv_partials_kernel",
+    "moe.token_gemm._moe_route_gate_up_kernel",
+    "moe.token_gemm._moe_token_down_kernel",
 )
 
 

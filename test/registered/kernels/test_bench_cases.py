@@ -22,7 +22,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim
 @pytest.mark.parametrize("m", [1, 5])
 @pytest.mark.parametrize(
     "name,buffer",
-    [("k13_rope_q_kv_store_norms", 1), ("k9_fp4_index_k_quant_store_68B_slots", None)],
+    [("rope_q_kv_store_norms", 1), ("fp4_index_k_quant_store_68B_slots", None)],
 )
 def test_buffer_writing_case_checks(name: str, buffer: int | None, m: int) -> None:
     case = CASES[name]

@@ -3,14 +3,16 @@ against its reference, and the host-built row lists of `ForwardBatch` against de
 
 Chunks are longer than the state ring (rows of one request would collide there) and start after
 a prefix whose last ring rows hold earlier chunks (NaN elsewhere, so a stale read would show).
-Exactness as `compressor_decode` (X2 entries, see test_compressor_pool.py), ring rows bit exact.
+Exactness as `compressor_decode` (entries within a tolerance, see test_compressor_pool.py), ring
+rows bit exact.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor_extend import compressor_extend, compressor_extend_ref
+from sgl_dspark.kernels.compressor.extend import compressor_extend
+from sgl_dspark.kernels.compressor.reference import compressor_extend_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from test_compressor_pool import DEVICE, _inputs, _rope_rows, _same_bits
 

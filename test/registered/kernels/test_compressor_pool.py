@@ -1,10 +1,10 @@
 """Decode/verify block pooling of the CSA/HCA compressors: the Triton launcher vs its reference.
 
-X2: the kernel rounds to the kv dtype at every point the torch chain does (bias, logits, softmax
-weights, products, span sum, normed output; bf16 on the bits), so what remains is the exp lowering
-and the order of three fp32 sums (softmax denominator, span sum, mean of squares): fp32 agrees to
-~1e-6 relative; in bf16 a value that lands at a rounding boundary may round the other way, which
-the norm can spread to at most ~2 ulps (same for fp16). Entry slots are exact.
+Within a tolerance: the kernel rounds to the kv dtype at every point the torch chain does (bias,
+logits, softmax weights, products, span sum, normed output; bf16 on the bits), so what remains is
+the exp lowering and the order of three fp32 sums (softmax denominator, span sum, mean of squares):
+fp32 agrees to ~1e-6 relative; in bf16 a value that lands at a rounding boundary may round the other
+way, which the norm can spread to at most ~2 ulps (same for fp16). Entry slots are exact.
 """
 
 from __future__ import annotations
@@ -13,18 +13,14 @@ import importlib
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor_decode import compressor_decode, compressor_decode_ref
-from sgl_dspark.kernels.compressor_pool import (
-    _channel_blocks,
-    _pool_meta,
-    compressor_pool,
-    compressor_pool_ref,
-)
-from sgl_dspark.kernels.rope import rope_tail
+from sgl_dspark.kernels.compressor.decode import compressor_decode
+from sgl_dspark.kernels.compressor.pool import _channel_blocks, _pool_meta, compressor_pool
+from sgl_dspark.kernels.compressor.reference import compressor_decode_ref, compressor_pool_ref
+from sgl_dspark.kernels.rope.tail import rope_tail
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-# The module, not `sgl_dspark.kernels.compressor_pool` (the package re-exports the function).
-pool_module = importlib.import_module("sgl_dspark.kernels.compressor_pool")
+# The module (the package's `compressor_pool` is the launcher function).
+pool_module = importlib.import_module("sgl_dspark.kernels.compressor.pool")
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 
@@ -209,7 +205,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("index", range(len(CASES)))
 def test_fused_decode_matches_reference(index: int, dtype: torch.dtype) -> None:
-    """Entries of block-end rows land rotated at their slots (X2 vs the reference; bit for bit
+    """Entries of block-end rows land rotated at their slots (a tolerance vs the reference; bit for bit
     vs the two-kernel composition pool -> rope_tail), no other entry slot is touched, and the
     rings get every row's raw kv/score exactly."""
     prefix, extends, head_dim, ratio, overlap = CASES[index]
@@ -250,7 +246,7 @@ def test_split_rows_round_trip_exactly(index: int, monkeypatch) -> None:
     """A split row's programs store kv-dtype values and the last arrival norms what they
     stored, so the entries equal one program's per row with the same span tiles (in the
     interpreter, whose per-channel sums do not depend on the tile's width; compiled, the tile
-    shape may change the sums' order: X2, as against the reference)."""
+    shape may change the sums' order: a tolerance, as against the reference)."""
     prefix, extends, head_dim, ratio, overlap = CASES[index]
     inputs = _inputs(prefix, extends, head_dim, ratio, overlap, torch.bfloat16, seed=60 + index)
     counters = torch.zeros(len(inputs["positions"]), dtype=torch.int32, device=DEVICE)

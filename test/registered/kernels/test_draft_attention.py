@@ -1,4 +1,4 @@
-"""DSpark draft attention core: the Triton launcher vs its torch reference (X2).
+"""DSpark draft attention core: the Triton launcher vs its torch reference (a tolerance).
 
 Not bit-exact: the kernel's online softmax sums the keys tile by tile in fp32 (exp2 with log2(e)
 folded into the scale), so fp32 results agree to ~1e-6 relative (asserted at 1e-5). With bf16
@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.draft_attention import draft_attention, draft_attention_ref
+from sgl_dspark.kernels.attention.draft import draft_attention
+from sgl_dspark.kernels.attention.reference import draft_attention_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
@@ -225,7 +226,7 @@ def test_inverse_rope_epilogue_equals_rope_tail_after(
 ) -> None:
     """The fused epilogue is `rope_tail(out, cos, sin, inverse=True)` of the kernel's own output
     at each block row's angles, bit for bit."""
-    from sgl_dspark.kernels.rope import rope_tail
+    from sgl_dspark.kernels.rope.tail import rope_tail
 
     inputs = _inputs(batch, q_len, heads, head_dim, num_ctx, dtype, seed=head_dim + q_len)
     gen = torch.Generator().manual_seed(3)

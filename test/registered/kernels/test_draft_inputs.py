@@ -1,14 +1,12 @@
-"""K16: one-launch draft inputs + verify-window plan vs its reference and a Python-loop oracle."""
+"""One-launch draft inputs + verify-window plan (`prepare_draft_inputs`) vs its reference and a
+Python-loop oracle."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.draft_inputs import (
-    DraftInputs,
-    prepare_draft_inputs,
-    prepare_draft_inputs_ref,
-)
+from sgl_dspark.kernels.spec.draft_inputs import prepare_draft_inputs
+from sgl_dspark.kernels.spec.reference import DraftInputs, prepare_draft_inputs_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MASK_ID, PAD_POS, PAD_SLOT = 128000, 3, 7

@@ -1,6 +1,6 @@
 """Greedy Markov-head draft loop: ``markov_greedy`` vs ``markov_greedy_ref`` / ``markov_sample``.
 
-Exactness (see the module docstring of ``sgl_dspark.kernels.markov``): drafts must be the exact
+Exactness (see the module docstring of ``sgl_dspark.kernels.spec.markov``): drafts must be the exact
 argmax (torch order: NaN first, then first index) of the kernel's own ``step_logits``, the
 embeddings an exact copy of ``W1[prev]`` along the kernel's own chain, and ``step_logits`` must
 match the torch math on that chain up to the rounding of a reordered dot product (one ulp of
@@ -14,13 +14,9 @@ from itertools import product
 
 import pytest
 import torch
-from sgl_dspark.kernels import markov
-from sgl_dspark.kernels.markov import (
-    MarkovGreedyOutput,
-    _plan,
-    markov_greedy,
-    markov_greedy_ref,
-)
+from sgl_dspark.kernels.spec import markov
+from sgl_dspark.kernels.spec.markov import _plan, markov_greedy
+from sgl_dspark.kernels.spec.reference import MarkovGreedyOutput, markov_greedy_ref
 from sgl_dspark.srt.speculative.dspark.sampling import markov_sample
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

@@ -1,8 +1,8 @@
-"""K7 mHC post-combine: the references against HF transformers, the kernel against the references.
+"""mHC post-combine: the references against HF transformers, the kernel against the references.
 
 Exactness: the stream update is elementwise with a fixed operand order, so Rs' must be bit-exact
-(fp32 and bf16, interpreter and GPU). The coefficients go through a split reduction, exp and
-sigmoid whose order/lowering differ from torch (X2 vs the torch chain), so they and everything
+(fp32 and bf16, interpreter and GPU). The coefficients go through a split reduction, exp and sigmoid
+whose order/lowering differ from torch (a tolerance vs the torch chain), so they and everything
 derived from them (x_in, the normed input) are compared with a tolerance.
 """
 
@@ -10,18 +10,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels import mhc as mhc_module
-from sgl_dspark.kernels.mhc import (
+from sgl_dspark.kernels.mhc import post_combine as mhc_module
+from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
+from sgl_dspark.kernels.mhc.reference import (
     MhcPostCombineOutput,
     mhc_coeffs_ref,
     mhc_collapse_ref,
-    mhc_post_combine,
     mhc_post_combine_ref,
     mhc_post_ref,
-    mhc_pre,
     mhc_pre_ref,
-    rms_norm_ref,
 )
+from sgl_dspark.kernels.norm.reference import rms_norm_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 BF16_ULP = 2.0**-7  # relative spacing of bf16 at the bottom of a binade
@@ -186,7 +185,7 @@ def test_kernel_matches_ref(m: int, n: int, d: int, dtype: torch.dtype, iters: i
 def test_pre_matches_ref_and_equals_identity_update(
     m: int, n: int, d: int, dtype: torch.dtype, iters: int
 ) -> None:
-    """Opening only: the coefficients / x_in / normed input of the given streams (tolerance, X2),
+    """Opening only: the coefficients / x_in / normed input of the given streams (a tolerance),
     the streams returned untouched, and bit-identical to the full kernel with post = 0 and
     comb = I (same reduction trees; the identity update reproduces Rs exactly)."""
     inp = _make_inputs(m, n, d, dtype, seed=7 * m + n + iters)

@@ -1,4 +1,4 @@
-"""K4: masked local route-reduce vs `moe_reduce_ref` (X1: bit-equal, interpreter included)."""
+"""Masked local route reduce (`moe_reduce`) vs `moe_reduce_ref` (bit-exact, interpreter included)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,11 @@ import importlib
 
 import pytest
 import torch
-from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
+from sgl_dspark.kernels.moe.reduce import moe_reduce
+from sgl_dspark.kernels.moe.reference import moe_reduce_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-moe_reduce_module = importlib.import_module("sgl_dspark.kernels.moe_reduce")
+moe_reduce_module = importlib.import_module("sgl_dspark.kernels.moe.reduce")
 # The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.
 pytestmark = pytest.mark.filterwarnings(
     "ignore:Conversion of an array with ndim:DeprecationWarning"

@@ -1,16 +1,11 @@
-"""K1: small-M EP MoE sort vs `moe_sort_ref` (X0: every valid output bit-equal)."""
+"""Small-M expert-parallel MoE sort (`moe_sort`) vs `moe_sort_ref` (every valid output bit-equal)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.moe_sort import (
-    MoeSortOutput,
-    moe_sort,
-    moe_sort_capacity,
-    moe_sort_ref,
-    prepare_moe_sort,
-)
+from sgl_dspark.kernels.moe.reference import MoeSortOutput, moe_sort_capacity, moe_sort_ref
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The interpreter converts scalar loop bounds through a numpy call that numpy 1.25+ deprecates.

@@ -1,12 +1,13 @@
-"""Per-route stage 1 (K6 epilogue) and per-token stage 2 (K4 epilogue) vs their references and
+"""Per-route stage 1 (activation epilogue) and per-token stage 2 (route-reduce epilogue) vs their
+references and
 vs the sorted path they replace at small M (`fused_moe` -> `moe_reduce`).
 
-Tolerances: against the references (torch's matmul) X2, as `test_fused_moe.py`: bf16 products
-round once, so a single GEMM differs by <= 1 bf16 ulp; through K6 and the reduce a few ulps
-(2^-6). Against the sorted path the products are the same chunked dot sums: on CUDA the bits
-must be equal (the engine picks the path by token count, and graph tests compare tokens); the
-CPU interpreter's dot is numpy's fp32 matmul, whose sums depend on the tile shape, so there a
-product may differ by an fp32 rounding, i.e. one bf16 ulp after rounding (CHAIN_TOL).
+Tolerances: against the references (torch's matmul) a tolerance, as `test_moe_grouped_gemm.py`: bf16
+products round once, so a single GEMM differs by <= 1 bf16 ulp; through the activation and the
+reduce a few ulps (2^-6). Against the sorted path the products are the same chunked dot sums: on
+CUDA the bits must be equal (the engine picks the path by token count, and graph tests compare
+tokens); the CPU interpreter's dot is numpy's fp32 matmul, whose sums depend on the tile shape, so
+there a product may differ by an fp32 rounding, i.e. one bf16 ulp after rounding (CHAIN_TOL).
 Outputs are poisoned with NaN before each run; rows of remote routes must keep their poison.
 """
 
@@ -14,18 +15,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.fused_moe import fused_moe, moe_grouped_gemm
-from sgl_dspark.kernels.moe_reduce import moe_reduce
-from sgl_dspark.kernels.moe_sort import moe_sort, prepare_moe_sort
-from sgl_dspark.kernels.moe_token_gemm import (
-    moe_route_gate_up,
-    moe_route_gate_up_ref,
-    moe_token_down_reduce,
-    moe_token_down_reduce_ref,
-)
+from sgl_dspark.kernels.moe.grouped_gemm import fused_moe, moe_grouped_gemm
+from sgl_dspark.kernels.moe.reduce import moe_reduce
+from sgl_dspark.kernels.moe.reference import moe_route_gate_up_ref, moe_token_down_reduce_ref
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
+from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
 # The grouped GEMMs' tolerance class and interpreter warning filters (the same kernels' maths).
-from test_fused_moe import CHAIN_TOL, pytestmark  # noqa: E402, F401
+from test_moe_grouped_gemm import CHAIN_TOL, pytestmark  # noqa: E402, F401
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 EXACT = DEVICE == "cuda"
@@ -89,12 +86,13 @@ def _is_local(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _sorted_path(
     c: dict, limit: float | None, routed_scale: float, shared: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the per-token path replaces: (stage 1's rows, K4's output) through K1's sort."""
+    """What the per-token path replaces: (stage 1's rows, the reduce's output) through `moe_sort`."""
     topk = c["ids"].shape[1]
     sort = moe_sort(c["ids"], c["weights"], c["plan"], 0)
     y = fused_moe(c["x"], c["gate_up"], c["down"], sort, topk, limit)
     out = moe_reduce(y, c["weights"], c["ids"], c["mask"], routed_scale, shared)
-    # Stage 1 alone, to compare h: the grouped GEMM with the K6 epilogue, as fused_moe runs it.
+    # Stage 1 alone, to compare h: the grouped GEMM with the activation epilogue, as fused_moe
+    # runs it.
     routes = c["ids"].numel()
     h = torch.full(
         (routes, c["gate_up"].shape[1] // 2), float("nan"), dtype=c["x"].dtype, device=DEVICE
@@ -168,7 +166,7 @@ def test_stages_match_refs_and_sorted_path(case: tuple, dtype: torch.dtype) -> N
 
 @pytest.mark.parametrize("shared,scale", [(False, 1.0), (True, 1.0), (False, 1.5)])
 def test_down_reduce_options(shared: bool, scale: float) -> None:
-    """Without the shared add, with and without the routed scale: the K4 tail's branches."""
+    """Without the shared add, with and without the routed scale: the reduce tail's branches."""
     c = _case(5, 3, 8, 64, 48, "random", "topk", torch.bfloat16, seed=11)
     ids, table, n_loc = c["ids"], c["plan"].local_table, c["num_local"]
     h = moe_route_gate_up(c["x"], c["gate_up"], ids, table, n_loc, None)

@@ -1,9 +1,10 @@
 """Programmatic dependent launch (`_triton_utils.programmatic_launch`): asked for only where it
-exists (compiled, CUDA sm90+), and on a GPU a chain of PDL kernels inside a CUDA graph gives the
+exists (compiled, CUDA compute capability 9+), and on a GPU a chain of PDL kernels inside a CUDA graph gives the
 bits of the same chain launched plainly and of the references, replay after replay with new
 inputs (a kernel that started before its producer finished, or stored before its predecessor
-read the buffer, would show here): the MoE chain (router, K6, K4) and the DSpark step's tail with
-an indexer head (K15, K16, K13, K9). The PTX side (wait before the first load and store) is
+read the buffer, would show here): the MoE chain (router, `silu_mul_clamp`, `moe_reduce`) and the
+DSpark step's tail with an indexer head (`spec_accept`, `prepare_draft_inputs`, `rope_tail`,
+`fp4_index_k_quant`). The PTX side (wait before the first load and store) is
 checked ahead of time in `gpu_targets_check.check_programmatic_launch`."""
 
 from __future__ import annotations
@@ -11,18 +12,22 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark.kernels import _triton_utils
-from sgl_dspark.kernels.activation import _silu_mul_clamp_kernel, silu_mul_clamp, silu_mul_clamp_ref
-from sgl_dspark.kernels.draft_inputs import prepare_draft_inputs, prepare_draft_inputs_ref
-from sgl_dspark.kernels.fp4_indexer import fp4_index_k_quant, fp4_index_k_quant_ref
-from sgl_dspark.kernels.moe_reduce import moe_reduce, moe_reduce_ref
-from sgl_dspark.kernels.moe_route import (
+from sgl_dspark.kernels.indexer.fp4_k_quant import fp4_index_k_quant
+from sgl_dspark.kernels.indexer.reference import fp4_index_k_quant_ref
+from sgl_dspark.kernels.moe.activation import _silu_mul_clamp_kernel, silu_mul_clamp
+from sgl_dspark.kernels.moe.reduce import moe_reduce
+from sgl_dspark.kernels.moe.reference import (
     RouterConfig,
-    make_router_workspace,
-    router_topk,
+    moe_reduce_ref,
     router_topk_ref,
+    silu_mul_clamp_ref,
 )
-from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref
-from sgl_dspark.kernels.spec_accept import spec_accept, spec_accept_ref
+from sgl_dspark.kernels.moe.router import make_router_workspace, router_topk
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
+from sgl_dspark.kernels.rope.tail import rope_tail
+from sgl_dspark.kernels.spec.accept import spec_accept
+from sgl_dspark.kernels.spec.draft_inputs import prepare_draft_inputs
+from sgl_dspark.kernels.spec.reference import prepare_draft_inputs_ref, spec_accept_ref
 
 ON_GPU = torch.cuda.is_available()
 
@@ -85,7 +90,8 @@ def _chain(
     workspace,
 ) -> tuple[torch.Tensor, ...]:
     """Each kernel reads what the one before it just wrote: a torch producer, the router (GEMV
-    then routing launch), K6 twice (its output is the next call's input) and K4 on the
+    then routing launch), `silu_mul_clamp` twice (its output is the next call's input) and
+    `moe_reduce` on the
     router's routes."""
     x = x * 1.0  # a plain torch kernel writes the router's input
     config = RouterConfig(topk=6, scoring="sqrtsoftplus", routed_scaling_factor=2.5)
@@ -162,7 +168,7 @@ def test_graph_chain_equals_plain_launches_and_reference(rows: int) -> None:
             for out in outs:
                 ids, weights, act, reduced = out
                 assert torch.equal(ids, want[0]), pdl
-                # Weights X2 (the scores' exp2/log2 lowerings), K6 X2 (exp2): small tolerances;
+                # Router weights and the activation (exp2/log2 lowerings): small tolerances;
                 # with PDL off and on the bits must agree exactly (checked below).
                 torch.testing.assert_close(weights, want[1], rtol=1e-5, atol=1e-6)
                 torch.testing.assert_close(act.float(), want[2].float(), rtol=2**-7, atol=0)
@@ -191,8 +197,9 @@ def _spec_chain(
     fp4,
 ):
     """The DSpark step's tail and an indexer's head, each kernel on the last one's output: a
-    torch producer writes the target ids, K15 accepts, K16 plans the next draft from K15's
-    anchors and lengths; a torch producer writes q, K13 rotates it, K9 quantises the result."""
+    torch producer writes the target ids, `spec_accept` accepts, `prepare_draft_inputs` plans the
+    next draft from its anchors and lengths; a torch producer writes q, `rope_tail` rotates it,
+    `fp4_index_k_quant` quantises the result."""
     target_ids = target_src + 0
     out = accept(verify_ids, verify_lens, seq_lens, target_ids=target_ids)
     plan = inputs(
@@ -293,5 +300,5 @@ def test_spec_and_indexer_chain_in_a_graph(rows: int) -> None:
             torch.cuda.synchronize()
             for out in outs:
                 assert len(out) == len(want)
-                for got, ref in zip(out, want):  # integer, copied and X1 outputs: exact
+                for got, ref in zip(out, want):  # integer, copied and exactly rounded outputs
                     assert torch.equal(got, ref.to(got.dtype))

@@ -1,7 +1,7 @@
-"""`kernels/rmsnorm.py`: the Triton RMSNorm against its reference, plus the reference against
+"""`kernels/norm/rmsnorm.py`: the Triton RMSNorm against its reference, plus the reference against
 float64 maths.
 
-Exactness (X2, see the module docstring): the kernel's mean square is summed in another order
+Exactness (a tolerance, see the module docstring): the kernel's mean square is summed in another order
 and its rsqrt may be lowered differently, so rstd can differ from torch's in its last fp32 bits.
 Everything after rstd is reproduced (same rounding points, RNE on the bits for bf16), so:
   * fp32 outputs agree to rtol 1e-6 (a few fp32 ulps of rstd);
@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.rmsnorm import MAX_N, _norm_meta, rms_norm, rms_norm_ref
+from sgl_dspark.kernels.norm.reference import rms_norm_ref
+from sgl_dspark.kernels.norm.rmsnorm import MAX_N, _norm_meta, rms_norm
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.

@@ -1,4 +1,4 @@
-"""K13: interleaved tail RoPE with full-row write vs its reference (bit-exact, X1)."""
+"""Interleaved tail RoPE with full-row write (`rope_tail`) vs its reference (bit-exact)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,9 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_dspark.kernels.rope import rope_tail, rope_tail_ref, rotate_rounded_tail
+from sgl_dspark.kernels.rope.epilogue import rotate_rounded_tail
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
+from sgl_dspark.kernels.rope.tail import rope_tail
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
@@ -132,7 +134,7 @@ def test_scatter_rows_into_a_pool(tokens: int, dtype) -> None:
         rope_tail(x, cos, sin, out_rows=rows)
 
 
-# ---- Fused pre-norm (norm_eps / norm_weight): X2 against rms_norm_ref -> rope_tail_ref. ----
+# ---- Fused pre-norm (norm_eps / norm_weight): a tolerance against rms_norm_ref -> rope. ----
 
 _EPS = 1e-6
 _RSTD_ULPS = 8  # rstd may differ from torch's in its last bits (summation order, rsqrt)

@@ -1,6 +1,6 @@
-"""Small-M linear (`kernels/small_m_linear.py`) against its fp32-accumulating reference.
+"""Small-M linear (`kernels/linear/small_m.py`) against its fp32-accumulating reference.
 
-X2: the kernel sums each dot product in BLOCK_K chunks on the matrix unit, the reference in
+Within a tolerance: the kernel sums each dot product in BLOCK_K chunks on the matrix unit, the reference in
 torch's order, so fp32 outputs agree to ~1e-5 relative (K up to a few thousand) and bf16 outputs
 to one bf16 ulp on the rare value that sits at a rounding boundary (interpreter: numpy matmul
 in fp32, same bound)."""
@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.small_m_linear import (
-    MAX_M,
-    small_m_grouped_linear,
-    small_m_grouped_linear_ref,
-    small_m_linear,
-    small_m_linear_ref,
-)
+from sgl_dspark.kernels.linear.reference import small_m_grouped_linear_ref, small_m_linear_ref
+from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_grouped_linear, small_m_linear
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -94,7 +89,7 @@ def test_grouped_matches_reference_and_per_group_calls(
     m: int, groups: int, n: int, k: int, dtype: torch.dtype
 ) -> None:
     """Each group equals `small_m_linear` on its own columns bit for bit (the same program per
-    column block, moved by the group strides), and the reference within X2. x is a view of
+    column block, moved by the group strides), and the reference within its tolerance. x is a view of
     the attention's output rows (head-major), as the layer passes it."""
     g = torch.Generator().manual_seed(m * 100 + groups)
     rows = torch.randn(m, groups * k + 8, generator=g).to(dtype).to(DEVICE)  # a wider row

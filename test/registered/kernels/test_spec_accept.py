@@ -1,4 +1,4 @@
-"""K15: on-device speculative acceptance vs its reference (exact), a plain-Python oracle of the
+"""On-device speculative acceptance (`spec_accept`) vs its reference (exact), a plain-Python oracle of the
 rule, and a chi-square check that the sampled rule's output is distributed as the target P.
 
 The sampled rule's vocab scan runs in one program per row (``num_chunks=1``) or split over vocab
@@ -11,13 +11,9 @@ import numpy as np
 import pytest
 import torch
 from scipy import stats
-from sgl_dspark.kernels.spec_accept import (
-    AcceptOutput,
-    _plan_vocab_chunks,
-    sample_inverse_cdf_ref,
-    spec_accept,
-    spec_accept_ref,
-)
+from sgl_dspark.kernels.sampling.reference import sample_inverse_cdf_ref
+from sgl_dspark.kernels.spec.accept import _plan_vocab_chunks, spec_accept
+from sgl_dspark.kernels.spec.reference import AcceptOutput, spec_accept_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 FILL = -1
@@ -356,7 +352,7 @@ def test_split_scan_threshold_on_chunk_boundaries(num_chunks: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 8, 32])
 def test_plan_spreads_the_dsv4_vocab(rows: int) -> None:
-    # V = 129280: bs 1 must launch more programs than an H200 has SMs (132); each launch stays
+    # V = 129280: bs 1 must launch more programs than a GPU of 132 SMs has SMs; each launch stays
     # near 1024 programs; chunks tile the vocab exactly once.
     chunks, chunk, block_v = _plan_vocab_chunks(rows, 129280, None)
     assert 132 <= rows * chunks <= 1100

@@ -25,13 +25,13 @@ def test_every_candidate_launches_and_matches_the_default(key: str) -> None:
     results = sweep_launch.check_candidates((key,), DEVICE, (1,))
     assert len(results) == len(target.cases) * len(target.candidates)
     bad = {k: v for k, v in results.items() if v != "ok"}
-    if target.bits_may_differ and DEVICE == "cuda":  # X2: another thread layout, other bits
+    if target.bits_may_differ and DEVICE == "cuda":  # another thread layout, other bits
         bad = {k: v for k, v in bad.items() if v != "differs"}
     assert not bad, bad
 
 
 def test_meta_functions_restored_and_overrides_resolved() -> None:
-    target = sweep_launch.TARGETS["k14"]
+    target = sweep_launch.TARGETS["shard_argmax"]
     module = sweep_launch._kernel_module(target)
     default = module._chunk_meta
     with sweep_launch._Patched(target, {"per_row": sweep_launch._double("per_row")}) as patched:
@@ -41,7 +41,7 @@ def test_meta_functions_restored_and_overrides_resolved() -> None:
 
 
 def test_check_rejects_unwritten_outputs_and_unknown_keys() -> None:
-    target = sweep_launch.TARGETS["k4"]
+    target = sweep_launch.TARGETS["moe_reduce"]
     case = sweep_launch._case(target, target.cases[0])
     inputs = case["make_inputs"](1, DEVICE)
     want = case["launcher"](**inputs)
@@ -59,7 +59,7 @@ def test_report_rows_with_a_fake_timer(monkeypatch) -> None:
     the fewest-warps exact candidate the best at every M."""
     from benchmark.kernels import run_all
 
-    target = sweep_launch.TARGETS["k9"]
+    target = sweep_launch.TARGETS["fp4_index_k_quant"]
     module = sweep_launch._kernel_module(target)
 
     def fake_time_graph(fn, calls: int, replays: int) -> tuple[float, bool]:

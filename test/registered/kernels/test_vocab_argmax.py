@@ -1,4 +1,4 @@
-"""K14: vocab-parallel greedy argmax vs torch.argmax on the concatenated logits (exact, X0).
+"""Vocab-parallel greedy argmax (`vocab_argmax`) vs torch.argmax on the concatenated logits (exact).
 
 The launchers split each row into column chunks (one program each) and combine the chunk pairs in
 a second pass; tests force chunk counts (one, several, more chunks than columns) and place ties
@@ -10,17 +10,17 @@ import importlib
 
 import pytest
 import torch
-from sgl_dspark.kernels.vocab_argmax import (
+from sgl_dspark.kernels.sampling.reference import vocab_argmax_ref
+from sgl_dspark.kernels.sampling.vocab_argmax import (
     _plan_chunks,
     combine_shard_argmax,
     shard_argmax_pairs,
     vocab_argmax,
-    vocab_argmax_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The module (the package re-exports a function of the same name).
-vocab_argmax_module = importlib.import_module("sgl_dspark.kernels.vocab_argmax")
+vocab_argmax_module = importlib.import_module("sgl_dspark.kernels.sampling.vocab_argmax")
 
 
 def _random_logits(
@@ -231,7 +231,7 @@ def test_combine_many_parts(parts: int, rows: int) -> None:
 
 @pytest.mark.parametrize("rows", [1, 8, 32, 128])
 def test_plan_spreads_the_dsv4_vocab(rows: int) -> None:
-    # V = 129280 in 4 shards: M = 1 must launch more programs than an H200 has SMs (132), and
+    # V = 129280 in 4 shards: M = 1 must launch more programs than a GPU of 132 SMs has SMs, and
     # every chunk but a shard's last is full.
     plan = _plan_chunks([32320] * 4, rows, None)
     programs = rows * sum(plan.counts)

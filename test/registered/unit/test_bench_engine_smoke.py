@@ -62,7 +62,7 @@ def test_bench_one_batch_random_model_with_triton_moe():
     build on "meta" could not make it: "Cannot copy out of meta tensor"), and seeded random
     weights must be set."""
     sys.path.insert(0, str(ROOT))
-    from sgl_dspark.kernels.moe_sort import prepare_moe_sort
+    from sgl_dspark.kernels.moe.sort import prepare_moe_sort
     from sgl_dspark.srt.configs.model_config import ModelConfig
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
     from sgl_dspark.srt.layers.moe.experts import RoutedExperts

@@ -1,10 +1,11 @@
 """The "indexer" kernel family wired into the model: what each choice binds, the runtime torch
-math against the kernels' references (bit for bit: the references are the spec of the torch
-path), and the tiny model end to end (`indexer=triton` gives torch's greedy tokens over decode
+math against the kernels' references (the scoring's torch path is `indexer_logits_ref` itself),
+and the tiny model end to end (`indexer=triton` gives torch's greedy tokens over decode
 steps that cross many CSA (m=4) and several HCA (m=16) block boundaries).
 
-The Triton pieces are not bit-exact (fp32 sums in another order, see test_indexer.py and
-test_compressor_pool.py), so the end-to-end check compares greedy tokens plus a loose logit bound.
+The Triton pieces are within a tolerance of torch (fp32 sums in another order, see
+test_indexer_logits.py and test_compressor_pool.py), so the end-to-end check compares greedy tokens plus
+a loose logit bound.
 """
 
 from __future__ import annotations
@@ -13,16 +14,16 @@ import importlib
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor_decode import compressor_decode
-from sgl_dspark.kernels.compressor_pool import compressor_pool_ref
-from sgl_dspark.kernels.indexer import indexer_logits, indexer_logits_ref
+from sgl_dspark.kernels.compressor.decode import compressor_decode
+from sgl_dspark.kernels.compressor.reference import compressor_pool_ref
+from sgl_dspark.kernels.indexer.logits import indexer_logits
+from sgl_dspark.kernels.indexer.reference import indexer_logits_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention.compressor import (
     BlockCompressor,
     decode_step_impl,
     indexer_scores_impl,
-    indexer_scores_torch,
 )
 from sgl_dspark.srt.layers.rotary import apply_rope_tail, rope_cos_sin
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
@@ -35,7 +36,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
 TORCH, TRITON = KernelChoice("torch"), KernelChoice("torch", (("indexer", "triton"),))
-_POOL_MODULE = importlib.import_module("sgl_dspark.kernels.compressor_pool")
+_POOL_MODULE = importlib.import_module("sgl_dspark.kernels.compressor.pool")
 
 
 def _force_split(monkeypatch: pytest.MonkeyPatch, split: bool) -> None:
@@ -50,7 +51,7 @@ def _force_split(monkeypatch: pytest.MonkeyPatch, split: bool) -> None:
 
 
 def test_choice_binds_implementations() -> None:
-    assert indexer_scores_impl(TORCH) is indexer_scores_torch
+    assert indexer_scores_impl(TORCH) is indexer_logits_ref
     assert decode_step_impl(TORCH) is None
     assert indexer_scores_impl(TRITON) is indexer_logits
     assert decode_step_impl(TRITON) is compressor_decode
@@ -75,7 +76,7 @@ def _batch(
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_scores_equal_kernel_reference(dtype: torch.dtype) -> None:
+def test_torch_scores_mask_and_weight_scale(dtype: torch.dtype) -> None:
     gen = torch.Generator().manual_seed(7)
     batch = _batch(ForwardMode.VERIFY, [2, 61, 130], [3, 4, 2], gen)
     tokens, n_max = batch.num_tokens, batch.max_seq_len // 4
@@ -84,12 +85,15 @@ def test_torch_scores_equal_kernel_reference(dtype: torch.dtype) -> None:
     keys = torch.randn(96 * 16 // 4, 32, generator=gen).to(dtype).to(DEVICE)
     slot = batch.req_pool_indices[batch.token_req]
     args = (qi, w, keys, batch.positions, slot, batch.req_to_token, 4, n_max)
-    want = indexer_scores_torch(*args, weight_scale=6**-0.5)
-    assert torch.equal(indexer_logits_ref(*args, weight_scale=6**-0.5), want)
+    want = indexer_logits_ref(*args, weight_scale=6**-0.5)
     assert torch.isneginf(want).any() and torch.isfinite(want).any()
+    # -inf exactly at the entries a token cannot see yet (n >= (position + 1) // 4).
+    visible = (batch.positions + 1) // 4
+    beyond = torch.arange(n_max, device=DEVICE)[None, :] >= visible[:, None]
+    assert torch.equal(torch.isneginf(want), beyond)
     # The scale applies to the fp32 weights, as the layer's scaled copy did.
     scaled = (w.float() * 6**-0.5, *args[2:])
-    assert torch.equal(indexer_scores_torch(qi, *scaled), want)
+    assert torch.equal(indexer_logits_ref(qi, *scaled), want)
 
 
 def _compress(
@@ -347,7 +351,7 @@ def test_index_topk_choice_selects_the_torch_set():
     """The triton choice binds the one-launch select; on untied scores it picks the same entries
     as the torch path (in ascending order rather than by score) and both return their pool
     rows through the request's table, invalid picks row 0."""
-    from sgl_dspark.kernels.index_topk import index_topk
+    from sgl_dspark.kernels.indexer.topk import index_topk
     from sgl_dspark.srt.layers.attention.compressor import index_topk_impl
 
     assert index_topk_impl(TRITON) is index_topk

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sgl_dspark.kernels.norm.reference import rms_norm_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -15,7 +16,7 @@ from sgl_dspark.srt.layers.mhc import (
     hc_expand,
     run_fused_hc_layers,
 )
-from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
+from sgl_dspark.srt.layers.norm import RMSNorm
 from sgl_dspark.srt.layers.rotary import (
     apply_rope_tail,
     rope_impl,
@@ -160,7 +161,7 @@ def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
     y, y_normed = head_out
     torch.testing.assert_close(y, head(want), atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(
-        y_normed, rms_norm(head(want), norm.weight, 1e-6), atol=1e-4, rtol=1e-4
+        y_normed, rms_norm_ref(head(want), norm.weight, 1e-6), atol=1e-4, rtol=1e-4
     )
 
 
@@ -224,7 +225,7 @@ def test_last_boundary_with_hyper_head_matches_unfused_and_follows_new_weights()
         torch.testing.assert_close(got_streams, want_streams, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(got_y, want, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(
-            got_normed, rms_norm(want, norm.weight, 1e-6), atol=1e-5, rtol=1e-5
+            got_normed, rms_norm_ref(want, norm.weight, 1e-6), atol=1e-5, rtol=1e-5
         )
         head.hc_fn.data = (torch.randn(n, n * d, generator=gen) * 0.05).to(DEVICE)
 
@@ -271,7 +272,7 @@ def test_grouped_linear_family_small_m_kernel_and_einsum_fallback():
     """The grouped output projection: torch is the einsum; triton sends decode-sized rows to
     the grouped small-M launch (inexact vs the einsum, each group as `small_m_linear`) and larger
     ones to the einsum itself (bit for bit)."""
-    from sgl_dspark.kernels.small_m_linear import small_m_linear
+    from sgl_dspark.kernels.linear.small_m import small_m_linear
     from sgl_dspark.srt.layers.fused_linear import grouped_linear_impl
 
     gen = torch.Generator().manual_seed(9)
@@ -313,8 +314,6 @@ def test_rope_with_pre_norm_dispatch(dtype):
     """`norm=` on the rope family: with rope and norm both Triton the norm runs inside the rope
     launch (a tolerance against norm then rope: the sum of squares in another order); with the norm
     family overridden to torch, the torch norm runs first and the bits are norm-then-rope's."""
-    from sgl_dspark.srt.layers.norm import rms_norm
-
     gen = torch.Generator().manual_seed(11)
     x = (torch.randn(6, 4, 64, generator=gen) * 3).to(dtype).to(DEVICE)
     ang = torch.rand(6, 16, generator=gen) * 50
@@ -323,7 +322,7 @@ def test_rope_with_pre_norm_dispatch(dtype):
     tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2**-7, atol=2e-2)
     norm_torch = KernelChoice("triton", (("norm", "torch"),))
     for norm in ((None, 1e-6), (w, 1e-6)):
-        want = apply_rope_tail(rms_norm(x, *norm), cos, sin)
+        want = apply_rope_tail(rms_norm_ref(x, *norm), cos, sin)
         got = rope_impl(TRITON)(x, cos, sin, norm=norm)
         torch.testing.assert_close(got.float(), want.float(), **tol)
         assert torch.equal(rope_impl(TORCH)(x, cos, sin, norm=norm), want)
@@ -335,7 +334,7 @@ def test_rope_with_pre_norm_dispatch(dtype):
         pool = torch.full((20, 64), float("nan"), dtype=dtype, device=DEVICE)
         rope_store_impl(k)(rows, cos, sin, pool, slots, norm=(w, 1e-6))
         pools[name] = pool
-    want = apply_rope_tail(rms_norm(rows, w, 1e-6), cos, sin)
+    want = apply_rope_tail(rms_norm_ref(rows, w, 1e-6), cos, sin)
     assert torch.equal(pools["torch"][slots], want)
     torch.testing.assert_close(pools["triton"][slots].float(), want.float(), **tol)
     assert torch.isnan(pools["triton"][1].float()).all()
@@ -377,7 +376,7 @@ def test_rope_q_kv_dispatch(dtype):
     if dtype == torch.float32:  # a bf16 pool: the fp32 rows normed, rotated, then converted
         pool = torch.full((20, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
         rope_q_kv_impl(TRITON)(q, kv, cos, sin, kv_norm=kv_norm, pool=pool, slots=slots)
-        want = apply_rope_tail(rms_norm(kv, *kv_norm).to(torch.bfloat16), cos, sin)
+        want = apply_rope_tail(rms_norm_ref(kv, *kv_norm).to(torch.bfloat16), cos, sin)
         # The Triton norm's fp32 sum order may move a bf16 rounding.
         torch.testing.assert_close(pool[slots].float(), want.float(), rtol=2**-7, atol=2e-2)
         assert torch.isnan(pool[1].float()).all()

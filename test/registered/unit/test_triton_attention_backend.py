@@ -2,8 +2,8 @@
 over a paged ReqToTokenPool, and end to end in the tiny model (greedy tokens of prefill, verify
 and decode steps).
 
-Not bit-exact: the kernel's online softmax (and split-K merge for small batches) sums in
-another order than the torch backend's one-shot softmax; fp32 agrees to ~1e-6.
+Not bit-exact: the kernel's online softmax (and split-K merge for small batches) sums in another
+order than the torch backend's one-shot softmax; fp32 agrees to ~1e-6.
 """
 
 from __future__ import annotations
@@ -55,14 +55,18 @@ def test_matches_torch_backend(index: int, dtype: torch.dtype) -> None:
     q = (torch.randn(tokens, heads, head_dim, generator=gen) * 2).to(dtype).to(DEVICE)
     window_kv = torch.randn(64 * 4, head_dim, generator=gen).to(dtype).to(DEVICE)
     sinks = (torch.randn(heads, generator=gen) * 3).to(DEVICE)
-    extra_kv = extra_valid = None
+    extra_kv = extra_valid = extra_slots = None
     if num_extra is not None:
-        extra_kv = torch.randn(tokens, num_extra, head_dim, generator=gen).to(dtype).to(DEVICE)
+        # The indexer's selection (CSA layers): pool rows per token, read where valid.
+        extra_kv = torch.randn(3 * tokens * num_extra + 1, head_dim, generator=gen)
+        extra_kv = extra_kv.to(dtype).to(DEVICE)
+        extra_slots = torch.randint(0, extra_kv.shape[0], (tokens, num_extra), generator=gen)
+        extra_slots = extra_slots.to(DEVICE)
         extra_valid = (torch.rand(tokens, num_extra, generator=gen) < 0.5).to(DEVICE)
         extra_valid[0] = False  # a token that sees no compressed entry
     args = (q, window_kv, batch, sinks, window, head_dim**-0.5, extra_kv, extra_valid)
-    want = create_attention_backend("torch").forward(*args)
-    got = create_attention_backend("triton").forward(*args)
+    want = create_attention_backend("torch").forward(*args, extra_slots=extra_slots)
+    got = create_attention_backend("triton").forward(*args, extra_slots=extra_slots)
     assert got.dtype == dtype and got.shape == q.shape
     if dtype == torch.float32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # reordered fp32 sums

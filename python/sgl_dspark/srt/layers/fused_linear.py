@@ -33,11 +33,11 @@ LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     """The bias-free linear of the "linear" family. torch: `F.linear`. triton: decode-sized
     inputs (2-D, at most `MAX_M` rows, K <= 4096, unit stride along K) go through the small-M kernel
-    `kernels/small_m_linear.py` (narrow column blocks over many programs; another summation
+    `kernels/linear/small_m.py` (narrow column blocks over many programs; another summation
     order than the BLAS), larger ones through `F.linear`."""
     if kernels is None or kernels.of("linear") == "torch":
         return F.linear
-    from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_linear
+    from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_linear
 
     def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         # K <= 4096: the kernel matches or beats the BLAS up to K = 1024 and loses to it at
@@ -66,11 +66,11 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
     """The grouped bias-free linear of the "linear" family (V4's grouped output projection
     `o_a`). torch: one batched einsum (the BLAS). triton: decode-sized inputs (at most `MAX_M`
     rows, K <= 4096, unit stride along K) as G small-M products in one launch
-    (`kernels/small_m_linear.py::small_m_grouped_linear`; not bitwise against the BLAS), larger ones
+    (`kernels/linear/small_m.py::small_m_grouped_linear`; not bitwise against the BLAS), larger ones
     through the einsum."""
     if kernels is None or kernels.of("linear") == "torch":
         return _grouped_linear_torch
-    from sgl_dspark.kernels.small_m_linear import MAX_M, small_m_grouped_linear
+    from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_grouped_linear
 
     def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         if (

@@ -8,8 +8,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.norm.reference import rms_norm_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
-from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm
+from sgl_dspark.srt.layers.norm import RMSNorm
 
 
 class HyperConnection(nn.Module):
@@ -31,7 +32,7 @@ class HyperConnection(nn.Module):
     def coeffs(self, streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """streams `[T, n, D]` -> pre `[T, n]`, post `[T, n]`, comb `[T, n, n]` (all fp32)."""
         n = self.hc_mult
-        u = rms_norm(streams.flatten(1).float(), None, self.rms_eps)
+        u = rms_norm_ref(streams.flatten(1).float(), None, self.rms_eps)
         mix = u @ self.fn.float().t()
         pre_w, post_w, comb_w = mix.split([n, n, n * n], dim=-1)
         pre_b, post_b, comb_b = self.base.float().split([n, n, n * n])
@@ -74,7 +75,7 @@ class HyperHead(nn.Module):
         self.hc_scale = nn.Parameter(torch.ones(1))
 
     def forward(self, streams: torch.Tensor) -> torch.Tensor:
-        u = rms_norm(streams.flatten(1).float(), None, self.rms_eps)
+        u = rms_norm_ref(streams.flatten(1).float(), None, self.rms_eps)
         pre = torch.sigmoid(
             (u @ self.hc_fn.float().t()) * self.hc_scale.float() + self.hc_base.float()
         )
@@ -131,8 +132,8 @@ class HcBoundary(Protocol):
 def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
 
-    triton: `kernels/mhc.py::mhc_post_combine` closes one sublayer (`hc_expand`) and opens
-    the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one kernel (two launches: a pass
+    triton: `kernels/mhc/post_combine.py::mhc_post_combine` closes one sublayer (`hc_expand`) and
+    opens the next (`coeffs`, `hc_collapse`, weighted RMSNorm) in one kernel (two launches: a pass
     split over D, then a per-row finish); `open` (`mhc_pre`) runs the same kernel without the
     stream update for the first sublayer (about 120 small torch kernels otherwise: the Sinkhorn
     loop alone is 3 per iteration); `close_to_head` closes the last sublayer with the hyper head
@@ -144,7 +145,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     if kernels.of("mhc") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.mhc import mhc_post_combine, mhc_pre
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
 
     class _Boundary:
         def __call__(

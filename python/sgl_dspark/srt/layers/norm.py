@@ -1,4 +1,5 @@
-"""RMSNorm variants of DeepSeek-V4 (spec §0): weighted, and weightless (per head / mHC input)."""
+"""RMSNorm of DeepSeek-V4: weighted, and weightless (per head / mHC input); the math is
+`rms_norm_ref` (`kernels/norm/reference.py`)."""
 
 from __future__ import annotations
 
@@ -7,37 +8,25 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.norm.reference import rms_norm_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
 # (x [..., N], weight [N] | None, eps) -> normalised x of x's shape and dtype
 RmsNormFn = Callable[[torch.Tensor, torch.Tensor | None, float], torch.Tensor]
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    """`w * x * rsqrt(mean(x^2) + eps)` in fp32, cast back to x's dtype once at the end.
-
-    With `weight=None` this is HF's `UnweightedRMSNorm`, which casts the fp32 rsqrt to x's dtype
-    before multiplying (identical in fp32; matches HF's rounding in bf16).
-    """
-    if weight is None:
-        rstd = torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)
-        return x * rstd.to(x.dtype)
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (weight.float() * xf).to(x.dtype)
-
-
 def rms_norm_impl(kernels: KernelChoice) -> RmsNormFn:
     """The RMSNorm implementation of the "norm" family, bound once by the layer that uses it.
 
-    torch: `rms_norm` itself. triton: `kernels/rmsnorm.py::rms_norm`, one launch instead of ~8
-    torch kernels, X2 against `rms_norm` (another fp32 summation order for the mean square; the
-    same rounding points otherwise). Both take `(x [..., N], weight [N] | None, eps)`.
+    torch: `rms_norm_ref` itself (the kernels' reference). triton: `kernels/norm/rmsnorm.py::
+    rms_norm`, one launch instead of ~8 torch kernels, within a tolerance of `rms_norm_ref`
+    (another fp32 summation order for the mean square; the same rounding points otherwise). Both
+    take `(x [..., N], weight [N] | None, eps)`.
     """
     if kernels.of("norm") == "torch":
-        return rms_norm
+        return rms_norm_ref
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.rmsnorm import rms_norm as rms_norm_triton
+    from sgl_dspark.kernels.norm.rmsnorm import rms_norm as rms_norm_triton
 
     def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
         # The kernel reads contiguous rows or 2-D rows with any row stride (a column block of a
@@ -58,4 +47,4 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps)
+        return rms_norm_ref(x, self.weight, self.eps)

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.configs.model_config import RopeConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import rms_norm_impl
@@ -91,23 +92,15 @@ class RopeTable:
 def apply_rope_tail(
     x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, inverse: bool = False
 ) -> torch.Tensor:
-    """Rotate the trailing `2 * cos.shape[-1]` channels of `x` in interleaved pairs.
+    """Rotate the trailing `2 * cos.shape[-1]` channels of `x` in interleaved pairs: the "rope"
+    family's torch path, `rope_tail_ref` (`kernels/rope/reference.py`).
 
     Args:
         x: `[N, ..., Dh]`; rows align with `cos`/`sin` `[N, rd/2]` (broadcast over middle dims).
         inverse: rotate by -phi (used to undo the rope carried by V on the attention output).
     Returns a new tensor of x's dtype; math in fp32, the nope channels pass through.
     """
-    rd = 2 * cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
-    c = cos.reshape(shape)
-    s = sin.reshape(shape)
-    if inverse:
-        s = -s
-    tail = x[..., -rd:].float()
-    a, b = tail[..., 0::2], tail[..., 1::2]
-    rot = torch.stack((a * c - b * s, a * s + b * c), dim=-1).flatten(-2)
-    return torch.cat((x[..., :-rd], rot.to(x.dtype)), dim=-1)
+    return rope_tail_ref(x, cos, sin, inverse=inverse)
 
 
 # An RMSNorm applied to x right before its rotation: (weight [Dh] or None for the weightless
@@ -145,8 +138,8 @@ def _norm_kwargs(norm: PreNorm | None) -> dict[str, Any]:
 def rope_impl(kernels: KernelChoice) -> RopeTailFn:
     """The rope-tail implementation of the "rope" family, bound once by the layer that uses it.
 
-    torch: `apply_rope_tail`. triton: the rope kernel (`kernels/rope.py::rope_tail`), which equals
-    `apply_rope_tail` bit for bit (the same separately rounded fp32 products, one RNE round to
+    torch: `apply_rope_tail`. triton: the rope kernel (`kernels/rope/tail.py::rope_tail`), which
+    equals `apply_rope_tail` bit for bit (the same separately rounded fp32 products, one RNE round to
     x's dtype). Both take `(x, cos, sin, inverse=False, norm=None)`; the Triton one takes x
     `[N, Dh]` or `[N, H, Dh]` with unit stride along Dh. `norm` (a `PreNorm`) normalises every
     row of Dh first; with "norm" also Triton that happens inside the rope launch (inexact against
@@ -169,7 +162,7 @@ def rope_impl(kernels: KernelChoice) -> RopeTailFn:
 
         return rope_torch
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.rope import rope_tail
+    from sgl_dspark.kernels.rope.tail import rope_tail
 
     fuse = _fuses_norm(kernels)
 
@@ -217,7 +210,7 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
             pool[slots] = apply_rope_tail(x, cos, sin).to(pool.dtype)
 
         return store_torch
-    from sgl_dspark.kernels.rope import rope_tail
+    from sgl_dspark.kernels.rope.tail import rope_tail
 
     fuse = _fuses_norm(kernels)
 
@@ -246,7 +239,7 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
     """An attention layer's rotations at one set of positions, of the "rope" family: the query
     heads (optional `q_norm`) and the KV row (optional `kv_norm`), the latter returned, or with
     `pool`/`slots` stored into the paged pool. torch: `rope_impl` for both (and an index_put).
-    triton: one launch for both (`kernels/rope_qkv.py::rope_q_kv`), with the norms
+    triton: one launch for both (`kernels/rope/q_kv.py::rope_q_kv`), with the norms
     inside it when "norm" is Triton too; the query rows are `rope_impl`'s bits, the KV row's
     norm within a tolerance (its sum of squares runs over the launch's warps)."""
     rope = rope_impl(kernels)
@@ -270,7 +263,7 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
             return q, None
 
         return q_kv_torch
-    from sgl_dspark.kernels.rope_qkv import rope_q_kv
+    from sgl_dspark.kernels.rope.q_kv import rope_q_kv
 
     norm_fn = rms_norm_impl(kernels)
     fuse = _fuses_norm(kernels)

@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 from torch import nn
 
-from sgl_dspark.kernels.spec_accept import _to_fixed_point as to_fixed_point  # MERGE-FIX
-from sgl_dspark.kernels.spec_accept import sample_inverse_cdf_ref  # MERGE-FIX
+from sgl_dspark.kernels.sampling.reference import sample_inverse_cdf_ref, to_fixed_point
 from sgl_dspark.srt.core.host_copy import to_device_packed
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
@@ -273,7 +272,7 @@ def greedy_argmax_impl(kernels: KernelChoice) -> Callable[[torch.Tensor], torch.
     if kernels.of("sampling") == "torch":
         return _torch_argmax
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.vocab_argmax import vocab_argmax
+    from sgl_dspark.kernels.sampling.vocab_argmax import vocab_argmax
 
     return vocab_argmax
 

@@ -16,22 +16,19 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.attention.reference import sink_attention_ref, window_rows_ref
+from sgl_dspark.kernels.indexer.reference import indexer_logits_of_keys_ref
 from sgl_dspark.srt.configs.deepseek_v41 import LayerRole
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
-from sgl_dspark.srt.layers.attention.compressor import (
-    entry_slots,
-    indexer_scores_of_keys,
-    visible_entries,
-)
+from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 from sgl_dspark.srt.layers.attention.csa2 import (
     Csa2Compressor,
     Csa2Indexer,
     select_candidate_blocks,
     select_topk,
 )
-from sgl_dspark.srt.layers.attention.torch_backend import sink_attention, window_rows
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import rope_impl
@@ -123,13 +120,15 @@ class Csa2Attention(nn.Module):
         kv = self.rope(kv, cos, sin, norm=(self.kv_norm.weight, self.kv_norm.eps))
         window = pool.window[self.layer_id]
         window.store(batch.out_cache_loc, kv)  # FP8-quantised: what every reader sees
-        slots, valid = window_rows(batch, self.window)
+        slots, valid = window_rows_ref(
+            batch.positions, batch.token_slots(), batch.req_to_token, self.window
+        )
         keys = window.load(slots)  # [T, W, Dh]
         if self.ratio > 0:
             latent_keys, latent_valid = self._compressed(x_rest, index_q, batch, pool, rope, shared)
             keys = torch.cat((keys, latent_keys.to(keys.dtype)), dim=1)
             valid = torch.cat((valid, latent_valid), dim=1)
-        o = sink_attention(q, keys, valid, self.sinks, self.head_dim**-0.5)
+        o = sink_attention_ref(q, keys, valid, self.sinks, self.head_dim**-0.5)
         o = self.rope(o, cos, sin, inverse=True)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = self.grouped_linear(o.reshape(T, self.groups, -1), wa).reshape(T, -1)
@@ -187,7 +186,7 @@ class Csa2Attention(nn.Module):
         qi = qi.view(T, self.indexer.n_heads, self.indexer.index_dim)
         qi = fake_quant_fp4_index(rope.rotate_compress(qi, batch.positions, "positions"))
         keys = pool.sources[self.source].index_keys.load(entry_slots(batch, n_max, m))
-        scores = indexer_scores_of_keys(
+        scores = indexer_logits_of_keys_ref(
             qi, head_w, keys, batch.positions, m, weight_scale=self.indexer.n_heads**-0.5
         )
         if self.publishes_candidates:

@@ -25,6 +25,7 @@ from typing import cast
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.attention.reference import draft_attention_ref
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
@@ -41,7 +42,6 @@ from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import (
     RopeTable,
-    apply_rope_tail,
     rope_cos_sin,
     rope_inv_freq,
     rope_q_kv_impl,
@@ -58,44 +58,18 @@ DraftAttentionFn = Callable[..., torch.Tensor]
 DRAFT_ATTENTION_BACKENDS = ("torch", "triton")
 
 
-def draft_attention_torch(
-    q: torch.Tensor,
-    ctx_pool: torch.Tensor,
-    ctx_slots: torch.Tensor,
-    ctx_valid: torch.Tensor,
-    kv_block: torch.Tensor,
-    sinks: torch.Tensor,
-    scale: float,
-    inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """Attention core of a draft stage: each block row sees the visible context rows
-    `ctx_pool[ctx_slots]` and every block row, plus a per-head sink in the denominator.
-    Shapes as `DraftAttentionFn`; logits and probabilities are rounded to q's dtype."""
-    batch, q_len = kv_block.shape[:2]
-    keys = torch.cat((ctx_pool[ctx_slots].to(kv_block.dtype), kv_block), dim=1)  # [B, C+Q, Dh]
-    valid = torch.cat((ctx_valid, ctx_valid.new_ones(batch, q_len)), dim=1)
-    logits = torch.einsum("bqhd,bkd->bqhk", q, keys) * scale
-    logits = logits.masked_fill(~valid[:, None, None, :], float("-inf"))
-    sink = sinks.to(logits.dtype).view(1, 1, -1, 1).expand(batch, q_len, -1, 1)
-    logits = torch.cat((logits, sink), dim=-1)
-    probs = torch.softmax(logits - logits.amax(-1, keepdim=True), dim=-1)[..., :-1]
-    o = torch.einsum("bqhk,bkd->bqhd", probs.to(keys.dtype), keys)
-    if inverse_rope is None:
-        return o
-    return apply_rope_tail(o.flatten(0, 1), *inverse_rope, inverse=True).view_as(o)
-
-
 def draft_attention_impl(attention_backend: str) -> DraftAttentionFn:
     """The draft attention core for the target's `--attention-backend`, bound once per layer.
 
-    torch: `draft_attention_torch`. triton: one launch of `kernels/draft_attention.py`
-    (inexact against torch: fp32 online softmax), which reads the context rows through the slots.
+    torch: `draft_attention_ref` (`kernels/attention/reference.py`). triton: one launch of
+    `kernels/attention/draft.py` (within a tolerance of torch: fp32 online softmax), which reads
+    the context rows through the slots.
     """
     if attention_backend == "torch":
-        return draft_attention_torch
+        return draft_attention_ref
     if attention_backend == "triton":
         # Imported only when chosen: the torch path never loads Triton.
-        from sgl_dspark.kernels.draft_attention import draft_attention
+        from sgl_dspark.kernels.attention.draft import draft_attention
 
         return draft_attention
     raise ValueError(

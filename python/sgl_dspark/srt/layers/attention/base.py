@@ -33,15 +33,12 @@ class BaseAttentionBackend(ABC):
             window_kv: `[num_slots, Dh]` layer's window KV; this batch's rows already written.
             sinks: `[H]` sink logits (fp32).
             window: query at position t sees window positions (t - window, t].
-            extra_kv: `[T, N, Dh]` per-token compressed entries (or None), with
-            extra_valid: `[T, N]` bool visibility/selection mask.
-            extra_slots: optional `[T, N]` int rows of a pool: extra_kv is then the pool
-                `[rows, Dh]` and the entries are `extra_kv[extra_slots]` (a backend may read
-                them in place instead of gathering a copy).
-            extra_entries: optional `(N, ratio)` (HCA layers): extra_kv is the pool of the
-                layer's compressed entries and every token sees its request's entries n < N
-                whose block is complete (n < (position + 1) // ratio), at their pool rows
-                (`entry_slots`); extra_valid and extra_slots are then None.
+            extra_kv: `[rows, Dh]` the layer's pool of compressed entries, or None.
+            extra_valid, extra_slots: `[T, N]` bool / int (CSA layers): token t sees the
+                entries `extra_kv[extra_slots[t, n]]` where `extra_valid[t, n]`.
+            extra_entries: optional `(N, ratio)` (HCA layers): every token sees its request's
+                entries n < N whose block is complete (n < (position + 1) // ratio), at their
+                pool rows (`entry_slots`); extra_valid and extra_slots are then None.
             inverse_rope: optional `(cos, sin)` fp32 `[T, rd/2]`: rotate the output's trailing
                 rd channels back by -angle (`apply_rope_tail(o, cos, sin, inverse=True)`, the
                 V rope carried into o); a backend may do it in its output's epilogue.

@@ -19,6 +19,8 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
+from sgl_dspark.kernels.indexer.reference import indexer_logits_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm
@@ -55,10 +57,10 @@ ExtendStepFn = Callable[..., None]
 
 def extend_step_impl(kernels: KernelChoice) -> ExtendStepFn | None:
     """The prefill (extend) step of the "indexer" family: None (torch: the compressor's own
-    code) or `kernels/compressor_extend.py::compressor_extend` (two launches over row lists)."""
+    code) or `kernels/compressor/extend.py::compressor_extend` (two launches over row lists)."""
     if kernels.of("indexer") == "torch":
         return None
-    from sgl_dspark.kernels.compressor_extend import compressor_extend
+    from sgl_dspark.kernels.compressor.extend import compressor_extend
 
     return compressor_extend
 
@@ -67,24 +69,25 @@ def decode_step_impl(kernels: KernelChoice) -> DecodeStepFn | None:
     """The decode/verify step of the "indexer" family, bound once per compressor.
 
     torch: None (the compressor's own torch code, shared with prefill). triton: the one-launch
-    `kernels/compressor_decode.py::compressor_decode`: block pooling (same rounding points,
+    `kernels/compressor/decode.py::compressor_decode`: block pooling (X2: same rounding points,
     fp32 sums in another order), RoPE at the block start, the entry store and the state-ring
     store; prefill keeps the torch code either way.
     """
     if kernels.of("indexer") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.compressor_decode import compressor_decode
+    from sgl_dspark.kernels.compressor.decode import compressor_decode
 
     return compressor_decode
 
 
 def indexer_scores_impl(kernels: KernelChoice) -> IndexerScoresFn:
-    """The indexer scoring of the "indexer" family: `indexer_scores_torch`, or the Triton
-    variable-context kernel `kernels/indexer.py::indexer_logits` (fp32 sums reordered)."""
+    """The indexer scoring of the "indexer" family: `indexer_logits_ref`, or the Triton
+    variable-context kernel `kernels/indexer/logits.py::indexer_logits` (within a tolerance:
+    fp32 sums reordered)."""
     if kernels.of("indexer") == "torch":
-        return indexer_scores_torch
-    from sgl_dspark.kernels.indexer import indexer_logits
+        return indexer_logits_ref
+    from sgl_dspark.kernels.indexer.logits import indexer_logits
 
     return indexer_logits
 
@@ -96,13 +99,13 @@ TopkFn = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 def index_topk_impl(kernels: KernelChoice) -> TopkFn:
     """The indexer's top-k selection of the "indexer" family: `index_topk_torch`, or the
-    one-launch Triton select `kernels/index_topk.py::index_topk` (the same set up to ties at the
+    one-launch Triton select `kernels/indexer/topk.py::index_topk` (the same set up to ties at the
     threshold, which it breaks toward the lower index; ids in ascending order rather than by
     score, so the attention's entry sums run in another order). Both return the
     selected entries' pool rows (`entry_rows`), the kernel from inside its launch."""
     if kernels.of("indexer") == "torch":
         return index_topk_torch
-    from sgl_dspark.kernels.index_topk import index_topk
+    from sgl_dspark.kernels.indexer.topk import index_topk
 
     return index_topk
 
@@ -115,10 +118,10 @@ def index_topk_torch(
     entry_rows: tuple[torch.Tensor, torch.Tensor, int],
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """torch.topk over rows whose entries >= visible are -inf, then the picks' pool rows
-    (`entry_pool_rows`); invalid picks become row 0."""
+    (`entry_pool_rows_ref`); invalid picks become row 0."""
     top = scores.topk(k, dim=-1).indices
     valid = top < visible[:, None]
-    rows = entry_pool_rows(top, *entry_rows)
+    rows = entry_pool_rows_ref(top, *entry_rows)
     return torch.where(valid, rows, torch.zeros_like(rows)), valid
 
 
@@ -333,72 +336,16 @@ class Indexer(BlockCompressor):
         )
 
 
-def indexer_scores_torch(
-    qi: torch.Tensor,
-    weights: torch.Tensor,
-    index_keys: torch.Tensor,
-    positions: torch.Tensor,
-    token_slot: torch.Tensor,
-    req_to_token: torch.Tensor,
-    ratio: int,
-    n_max: int,
-    *,
-    weight_scale: float = 1.0,
-) -> torch.Tensor:
-    """`score[t, n] = sum_h w[t, h] * relu(qi[t, h] . K_n) * Di**-0.5` in fp32 for the entries
-    n < (pos_t + 1) // ratio of token t's request, -inf beyond: `[T, n_max]` fp32.
-
-    qi `[T, Hi, Di]`, weights `[T, Hi]` (w = fp32(weights) * weight_scale), index_keys
-    `[entry slots, Di]`; entry n of token t is `index_keys[req_to_token[token_slot[t], n * ratio]
-    // ratio]`.
-    """
-    cols = torch.arange(n_max, device=positions.device) * ratio
-    cols = cols.clamp(max=req_to_token.shape[1] - 1)
-    keys = index_keys[req_to_token[token_slot[:, None], cols[None, :]] // ratio]  # [T, N, Di]
-    return indexer_scores_of_keys(qi, weights, keys, positions, ratio, weight_scale=weight_scale)
-
-
-def indexer_scores_of_keys(
-    qi: torch.Tensor,
-    weights: torch.Tensor,
-    keys: torch.Tensor,
-    positions: torch.Tensor,
-    ratio: int,
-    *,
-    weight_scale: float = 1.0,
-) -> torch.Tensor:
-    """`indexer_scores_torch` over keys already gathered per token (`[T, N, Di]`, entry n of
-    token t's request at `keys[t, n]`): `[T, N]` fp32, -inf at entries n >= (pos_t + 1) // ratio.
-    """
-    weights = weights.float() * weight_scale
-    scores = torch.einsum("thd,tnd->thn", qi.float(), keys.float())
-    scores = torch.relu(scores) * qi.shape[-1] ** -0.5
-    scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [T, N]
-    visible = (positions + 1) // ratio
-    entry_ids = torch.arange(keys.shape[1], device=positions.device)
-    return scores.masked_fill(entry_ids[None, :] >= visible[:, None], float("-inf"))
-
-
 def visible_entries(batch: ForwardBatch, ratio: int) -> torch.Tensor:
     """[T] number of compressed entries token t sees (blocks completed at or before it)."""
     return batch.cached(("visible", ratio), lambda: (batch.positions + 1) // ratio)
 
 
-def entry_pool_rows(
-    ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor, ratio: int
-) -> torch.Tensor:
-    """Pool rows `[T, N]` of entries `ids` `[T, N]` (or `[1, N]`) of each token's request (the
-    KV pool's addressing: entry n starts at position n * ratio; rows of entries beyond the
-    request's length point at garbage and must be masked by the caller)."""
-    cols = (ids * ratio).clamp(max=req_to_token.shape[1] - 1)
-    return req_to_token[token_slot[:, None], cols] // ratio
-
-
 def entry_slots(batch: ForwardBatch, n_entries: int, ratio: int) -> torch.Tensor:
-    """`entry_pool_rows` of entries 0..n_entries-1 of each token's request `[T, n_entries]`."""
+    """`entry_pool_rows_ref` of entries 0..n_entries-1 of each token's request `[T, n_entries]`."""
 
     def compute() -> torch.Tensor:
         ids = torch.arange(n_entries, device=batch.positions.device)[None, :]
-        return entry_pool_rows(ids, batch.req_to_token, batch.token_slots(), ratio)
+        return entry_pool_rows_ref(ids, batch.req_to_token, batch.token_slots(), ratio)
 
     return batch.cached(("entry_slots", n_entries, ratio), compute)

@@ -21,8 +21,9 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.layers.attention.compressor import CompressRope, entry_pool_rows
+from sgl_dspark.srt.layers.attention.compressor import CompressRope
 from sgl_dspark.srt.layers.norm import RMSNorm, RmsNormFn
 from sgl_dspark.srt.mem_cache.v41_pool import PairState
 
@@ -187,7 +188,7 @@ def select_topk(
     cache rows `[T, k]`, 0 where dropped; valid `[T, k]`)."""
     top = torch.topk(scores, k, dim=-1)
     valid = top.values > float("-inf")
-    rows = entry_pool_rows(top.indices, batch.req_to_token, batch.token_slots(), ratio)
+    rows = entry_pool_rows_ref(top.indices, batch.req_to_token, batch.token_slots(), ratio)
     return torch.where(valid, rows, torch.zeros_like(rows)), valid
 
 

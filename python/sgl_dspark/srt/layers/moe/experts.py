@@ -5,10 +5,10 @@ The "moe" kernel family picks the implementation once, at construction:
   * torch: per-expert loop over the routed tokens (reads the expert counts on the host).
   * triton, no host sync in forward: `moe_sort` of the routes into 32-row expert blocks ->
     grouped GEMM stage 1 with the clamped SwiGLU as its epilogue -> grouped GEMM stage 2
-    (`kernels/fused_moe.py`) -> `moe_reduce`, slot-ordered, with the shared expert's output added
-    (`kernels/moe_reduce.py`). Up to `TOKEN_PATH_MAX_M` tokens the routes are not sorted:
+    (`kernels/moe/grouped_gemm.py`) -> `moe_reduce`, slot-ordered, with the shared expert's output
+    added (`kernels/moe/reduce.py`). Up to `TOKEN_PATH_MAX_M` tokens the routes are not sorted:
     stage 1 per route (SwiGLU epilogue), then stage 2 per token with the reduce as its epilogue
-    (`kernels/moe_token_gemm.py`): two launches instead of four, the same bits on a GPU.
+    (`kernels/moe/token_gemm.py`): two launches instead of four, the same bits on a GPU.
     Every expert is local (one GPU): the expert mask is all ones and the sort's mask table is built
     once, here in the constructor, from a host tensor (so no device read ever happens); it is a
     non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
@@ -35,7 +35,7 @@ from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 
 if TYPE_CHECKING:
-    from sgl_dspark.kernels.moe_sort import MoeSortPlan
+    from sgl_dspark.kernels.moe.sort import MoeSortPlan
 
 _SORT_BLOCK = 32  # rows per expert block of `moe_sort`, and the M tile of the grouped GEMMs
 # Tokens up to which the unsorted per-route / per-token kernels run (the same bits as the sorted
@@ -85,8 +85,8 @@ class RoutedExperts(nn.Module):
                 )
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
-            from sgl_dspark.kernels.moe_sort import MoeSortPlan, prepare_moe_sort
-            from sgl_dspark.kernels.moe_token_gemm import moe_route_gate_up, moe_token_down_reduce
+            from sgl_dspark.kernels.moe.sort import MoeSortPlan, prepare_moe_sort
+            from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
             self._moe_sort, self._fused_moe, self._moe_reduce = moe_sort, fused_moe, moe_reduce
             self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
@@ -120,7 +120,7 @@ class RoutedExperts(nn.Module):
         gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
         if not self._triton or gate.shape[0] != self.intermediate:
             return
-        from sgl_dspark.kernels.moe_sort import prepare_moe_sort
+        from sgl_dspark.kernels.moe.sort import prepare_moe_sort
 
         gate_up = torch.cat((self.gate_up_proj.data, torch.cat((gate.data, up.data))[None]))
         down_all = torch.cat((self.down_proj.data, down.data[None]))

@@ -1,7 +1,7 @@
 """MoE routers: learned top-k with correction bias, and hash routing.
 
 The "moe" kernel family picks the implementation once, at construction: "torch" runs
-the module's own torch code; "triton" runs `kernels/moe_route.py::router_topk` (the gate
+the module's own torch code; "triton" runs `kernels/moe/router.py::router_topk` (the gate
 GEMV, scores, biased top-k or the hash table, renormalisation and the routed scale in one launch,
 int32 ids / fp32 weights, no host sync).
 """
@@ -73,7 +73,7 @@ class Router(nn.Module):
                     "--kernel-backend-overrides moe=torch"
                 )
             # Imported only when chosen: the torch path never loads Triton.
-            from sgl_dspark.kernels.moe_route import (
+            from sgl_dspark.kernels.moe.router import (
                 RouterConfig,
                 RouterWorkspace,
                 make_router_workspace,

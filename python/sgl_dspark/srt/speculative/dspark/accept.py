@@ -119,13 +119,13 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
     impl: Callable[..., object]
     argmax: Callable[[torch.Tensor], torch.Tensor]
     if kernels.of("spec") == "torch":
-        from sgl_dspark.kernels.spec_accept import spec_accept_ref  # MERGE-FIX
+        from sgl_dspark.kernels.spec.reference import spec_accept_ref
 
         impl, argmax = spec_accept_ref, lambda logits: torch.argmax(logits, dim=-1)
     else:
         # Imported only when chosen: the torch path never loads Triton.
-        from sgl_dspark.kernels.spec_accept import spec_accept
-        from sgl_dspark.kernels.vocab_argmax import vocab_argmax
+        from sgl_dspark.kernels.sampling.vocab_argmax import vocab_argmax
+        from sgl_dspark.kernels.spec.accept import spec_accept
 
         impl, argmax = spec_accept, vocab_argmax
 

@@ -55,7 +55,7 @@ def create_draft_inputs_fn(kernels: KernelChoice) -> DraftInputsFn:
     """The draft input staging of the "spec" family (see the module doc)."""
     if kernels.of("spec") == "torch":
         return draft_inputs_torch
-    from sgl_dspark.kernels.draft_inputs import prepare_draft_inputs
+    from sgl_dspark.kernels.spec.draft_inputs import prepare_draft_inputs
 
     def draft_inputs_triton(
         anchors: torch.Tensor,
@@ -102,9 +102,10 @@ MarkovGreedyFn = Callable[
 
 def create_markov_greedy_fn(kernels: KernelChoice) -> MarkovGreedyFn:
     """The all-greedy Markov draft loop of the "spec" family. torch: `markov_sample` (several
-    small kernels per draft position). triton: `markov_greedy`, one launch per position plus one
-    (its W2 dot product is summed in another order, so step logits agree to rounding; drafts are
-    the argmax of the kernel's own step logits, ties to the first index as torch.argmax)."""
+    small kernels per draft position). triton: `kernels/spec/markov.py::markov_greedy`, one launch
+    per position plus one (its W2 dot product is summed in another order, so step logits agree to
+    rounding; drafts are the argmax of the kernel's own step logits, ties to the first index as
+    torch.argmax)."""
     if kernels.of("spec") == "torch":
 
         def greedy_torch(
@@ -114,7 +115,7 @@ def create_markov_greedy_fn(kernels: KernelChoice) -> MarkovGreedyFn:
             return markov_sample(base_logits, w1, w2, anchors, ones.float(), ones)
 
         return greedy_torch
-    from sgl_dspark.kernels.markov import markov_greedy
+    from sgl_dspark.kernels.spec.markov import markov_greedy
 
     def greedy_triton(
         base_logits: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, anchors: torch.Tensor

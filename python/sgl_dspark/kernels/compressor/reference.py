@@ -1,0 +1,202 @@
+"""Block compression of the CSA/HCA compressors in torch: the reference of the compressor kernels
+(`pool.py`, `decode.py`, `extend.py`), and the addressing of the compressed entries in the KV
+pool (`entry_pool_rows_ref`).
+
+Every token row t (position p) is a candidate block end. When p ends a block of m positions, the
+entry of that block is pooled from the span of rows before it: m rows for HCA, 2m for CSA
+("overlap": slots 0..m-1 take the previous block's first-half channels Ca, slots m..2m-1 this
+block's second-half channels Cb; the previous half of block 0 is absent). A span row at position
+q comes from this forward (`q >= token_prefix[t]`: flat row t - (p - q)) or from the request's
+state ring (`state[token_slot[t], q mod R]`). Per channel:
+    z  = kv_dtype(score_row + kv_dtype(position_bias[q mod m]))
+    a  = kv_dtype(softmax over the span of z, in fp32)
+    e  = kv_dtype(sum over the span of kv_dtype(kv_row * a))    (sum accumulated in fp32)
+    out = kv_dtype(norm_weight * (e * rsqrt(mean(e^2) + eps)))   (RMSNorm in fp32)
+The entry slot is `req_to_token[token_slot[t], p - m + 1] // m`. Rows that do not end a block
+get zeros and slot 0 (the reserved dummy entry). The decode and prefill steps then rotate the
+entry at its block start (`rope_tail_ref`) and store it, and record the rows in the state ring.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from sgl_dspark.kernels.norm.reference import rms_norm_ref
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
+
+
+def entry_pool_rows_ref(
+    ids: torch.Tensor, req_to_token: torch.Tensor, token_slot: torch.Tensor, ratio: int
+) -> torch.Tensor:
+    """int64 ``[T, N]`` pool rows of compressed entries ``ids`` ``[T, N]`` (or ``[1, N]``,
+    broadcast) of each row's request (``token_slot`` ``[T]``: its row of ``req_to_token``).
+
+    Entry n of a request covers positions [n·m, (n + 1)·m) and lives at pool row
+    ``req_to_token[request, n·m] // m`` (pages are multiples of m, so a block start's token slot
+    is a multiple of m). The column is clamped to the table's last one, so entries past the
+    table stay in bounds; their rows are garbage that the callers mask.
+    """
+    cols = (ids * ratio).clamp(max=req_to_token.shape[1] - 1)
+    return req_to_token[token_slot[:, None], cols].long() // ratio
+
+
+class PooledEntries(NamedTuple):
+    entries: torch.Tensor  # [T, Dh] kv dtype, un-rotated; zeros on rows that end no block
+    slots: torch.Tensor  # [T] int64 entry slot; 0 (the dummy entry) on rows that end no block
+
+
+def compressor_pool_ref(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+) -> PooledEntries:
+    """The entry of every block a row of this forward ends (the module doc's pooling).
+
+    Args:
+        kv, score: [T, W] this forward's projected rows (W = 2*Dh with overlap, else Dh).
+        state_kv, state_score: [req_slots, R, W] the state rings (rows of earlier forwards).
+        position_bias: [m, W]; norm_weight: [Dh] (kv_norm's weight).
+        positions, token_slot: [T] int position and request slot of each row.
+        token_prefix: [T] int first position of this forward's rows of the row's request.
+        req_to_token: [slots, max_ctx] int page table.
+        ratio: m; overlap: CSA (True) or HCA (False); eps: RMSNorm epsilon.
+    Returns:
+        `PooledEntries` (entries [T, Dh] in kv's dtype, slots [T] int64).
+    """
+    m, ring = ratio, state_kv.shape[1]
+    d = norm_weight.shape[0]
+    pos = positions
+    rows = torch.arange(pos.shape[0], device=pos.device)
+    span = 2 * m if overlap else m
+    rel = torch.arange(span, device=pos.device) - (span - 1)
+    q = pos[:, None] + rel[None, :]  # absolute row positions
+    fresh = (q >= token_prefix[:, None]).unsqueeze(-1)
+    flat = (rows[:, None] + rel[None, :]).clamp(min=0)
+    slot = token_slot[:, None]
+    ring_idx = q.remainder(ring)
+    kv_rows = torch.where(fresh, kv[flat], state_kv[slot, ring_idx])
+    sc_rows = torch.where(fresh, score[flat], state_score[slot, ring_idx])
+    sc_rows = sc_rows + position_bias[q.remainder(m)].to(sc_rows.dtype)
+    if overlap:
+        kv_rows = torch.cat((kv_rows[:, :m, :d], kv_rows[:, m:, d:]), dim=1)
+        sc_rows = torch.cat((sc_rows[:, :m, :d], sc_rows[:, m:, d:]), dim=1)
+        absent = (q < 0).unsqueeze(-1)  # block 0 has no previous block
+        kv_rows = kv_rows.masked_fill(absent, 0.0)
+        sc_rows = sc_rows.masked_fill(absent, float("-inf"))
+    weights = torch.softmax(sc_rows, dim=1, dtype=torch.float32).to(kv_rows.dtype)
+    pooled = (kv_rows * weights).sum(dim=1)
+    entries = rms_norm_ref(pooled, norm_weight, eps)
+    start = pos - (m - 1)
+    slots = req_to_token[token_slot, start.clamp(min=0)] // m
+    is_end = (pos + 1) % m == 0
+    return PooledEntries(
+        torch.where(is_end[:, None], entries, torch.zeros_like(entries)),
+        torch.where(is_end, slots, torch.zeros_like(slots)),
+    )
+
+
+def compressor_decode_ref(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
+) -> None:
+    """The whole decode/verify step of a compressor, in place: the entries of the
+    blocks these rows end (`compressor_pool_ref`, then rope at the block start with the given
+    cos/sin rows `[T, rd/2]`) are written into the entry pool `entries` `[slots, Dh]`; then every
+    row's raw kv/score goes to its state ring row `pos mod R`."""
+    pooled, slots = compressor_pool_ref(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        eps,
+    )
+    rotated = rope_tail_ref(pooled.unsqueeze(1), cos, sin).squeeze(1)
+    ends = (positions + 1) % ratio == 0
+    entries[slots[ends]] = rotated[ends].to(entries.dtype)
+    ring_row = positions.remainder(state_kv.shape[1])
+    state_kv[token_slot, ring_row] = kv.to(state_kv.dtype)
+    state_score[token_slot, ring_row] = score.to(state_score.dtype)
+
+
+def compressor_extend_ref(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    state_kv: torch.Tensor,
+    state_score: torch.Tensor,
+    position_bias: torch.Tensor,
+    norm_weight: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+    ratio: int,
+    overlap: bool,
+    eps: float,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    entries: torch.Tensor,
+    block_end_rows: torch.Tensor,
+    ring_rows: torch.Tensor,
+) -> None:
+    """The prefill step of a compressor, in place: the entries of `block_end_rows`
+    (`compressor_pool_ref`, then rope at the block start with cos / sin rows `[T, rd/2]`) go into
+    the entry pool `entries`; then the raw kv/score of `ring_rows` go to their state ring rows
+    `pos mod R`. Arguments as `compressor_decode_ref`; the row lists are int64 `[n]` flat row
+    indices (no two ring rows of one request may share a ring row), where -1 entries (a list padded
+    to a static size, as a prefill graph's) are skipped."""
+    pooled, slots = compressor_pool_ref(
+        kv,
+        score,
+        state_kv,
+        state_score,
+        position_bias,
+        norm_weight,
+        positions,
+        token_slot,
+        token_prefix,
+        req_to_token,
+        ratio,
+        overlap,
+        eps,
+    )
+    ends = block_end_rows[block_end_rows >= 0]
+    ring_rows = ring_rows[ring_rows >= 0]
+    rotated = rope_tail_ref(pooled[ends].unsqueeze(1), cos[ends], sin[ends]).squeeze(1)
+    entries[slots[ends]] = rotated.to(entries.dtype)
+    ring_row = positions[ring_rows].remainder(state_kv.shape[1])
+    state_kv[token_slot[ring_rows], ring_row] = kv[ring_rows].to(state_kv.dtype)
+    state_score[token_slot[ring_rows], ring_row] = score[ring_rows].to(state_score.dtype)

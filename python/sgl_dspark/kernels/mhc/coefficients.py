@@ -1,0 +1,187 @@
+"""Phase B of the mHC boundary kernel (`post_combine.py`): per row, the next hyper-connection's
+coefficients from the phase-A partials, the collapse of the updated streams and its RMSNorm."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._triton_utils import round_to_bf16
+from sgl_dspark.kernels.mhc.stream_update import pick
+
+
+@triton.jit
+def _slice_sum(
+    ws_ptr, cols, col_mask, NUM_SLICES: tl.constexpr, SP: tl.constexpr, RP: tl.constexpr
+):
+    """Σ over the D slices of one row's partial columns ``cols``: one load, one reduction whose
+    tree is fixed by the shape, i.e. by (n, D)."""
+    offs_s = tl.arange(0, SP)
+    vals = tl.load(
+        ws_ptr + offs_s[:, None] * RP + cols[None, :],
+        mask=(offs_s < NUM_SLICES)[:, None] & col_mask[None, :],
+        other=0.0,
+    )
+    return tl.sum(vals, axis=0)
+
+
+@triton.jit
+def _inv_rms(sumsq, count: tl.constexpr, eps):  # 1 / sqrt(sumsq / count + eps), rounded steps
+    return tl.div_rn(1.0, tl.sqrt_rn(tl.div_rn(sumsq, count * 1.0) + eps))
+
+
+@triton.jit
+def _row_inv_rms(
+    ws_ptr,
+    rms_eps,
+    D: tl.constexpr,
+    N: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SP: tl.constexpr,
+    RP: tl.constexpr,
+):
+    """1 / sqrt(mean(Rs'²) + eps) over the row's n·D values, from the slices' sums of squares."""
+    offs_s = tl.arange(0, SP)
+    part = tl.load(ws_ptr + offs_s * RP + (2 + N) * N, mask=offs_s < NUM_SLICES, other=0.0)
+    return _inv_rms(tl.sum(part, axis=0), N * D, rms_eps)
+
+
+@triton.jit
+def _collapse_store(
+    rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr, ROUND_BF16: tl.constexpr
+):
+    """x_in = Σ_j pre[j]·rs[j, :] (rs [NP, B] fp32) with j increasing, the reference's order;
+    stores it and returns the stored value in fp32."""
+    x = pick(pre[:, None], offs_j, 0) * pick(rs, offs_j, 0)
+    for j in tl.static_range(1, N):
+        x = x + pick(pre[:, None], offs_j, j) * pick(rs, offs_j, j)
+    if ROUND_BF16:
+        x = round_to_bf16(x)
+    tl.store(x_in_row_ptr + offs_d, x.to(x_in_row_ptr.dtype.element_ty), mask=mask_d)
+    return x
+
+
+@triton.jit
+def _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_d, mask_d, ROUND_BF16: tl.constexpr):
+    out = w * (x * inv_rms_x)
+    if ROUND_BF16:
+        out = round_to_bf16(out)
+    tl.store(x_normed_row_ptr + offs_d, out.to(x_normed_row_ptr.dtype.element_ty), mask=mask_d)
+
+
+@triton.jit
+def finish_collapse_norm(
+    row,
+    streams_out_ptr,
+    pre_out_ptr,
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    base_ptr,
+    scale_ptr,
+    norm_w_ptr,
+    hc_eps,
+    rms_eps,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+):
+    """Phase B, program (row, 0): pre', x_in = Σ_j pre'[j]·Rs'[j] and RMSNorm_w(x_in)."""
+    offs_j = tl.arange(0, NP)
+    mask_j = offs_j < N
+    offs_f = tl.arange(0, FINISH_BLOCK)
+    rows_ptr = streams_out_ptr + (row * N + offs_j[:, None]) * D
+    x_in_row_ptr = x_in_ptr + row * D
+    x_normed_row_ptr = x_normed_ptr + row * D
+    if FINISH_BLOCK >= D:
+        # Issued before the coefficient chain so that these loads overlap it.
+        mask_f = offs_f < D
+        rs = tl.load(
+            rows_ptr + offs_f[None, :], mask=mask_j[:, None] & mask_f[None, :], other=0.0
+        ).to(tl.float32)
+        w = tl.load(norm_w_ptr + offs_f, mask=mask_f, other=0.0).to(tl.float32)
+
+    ws = partials_ptr + row * NUM_SLICES * RP
+    mix_pre = _slice_sum(ws, offs_j, mask_j, NUM_SLICES, SP, RP)
+    inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
+    base_pre = tl.load(base_ptr + offs_j, mask=mask_j, other=0.0)
+    pre = tl.sigmoid(mix_pre * inv_rms * tl.load(scale_ptr) + base_pre) + hc_eps
+    tl.store(pre_out_ptr + row * N + offs_j, pre, mask=mask_j)
+
+    if FINISH_BLOCK >= D:
+        # The whole row stays in registers: the stored (rounded) x_in feeds the norm directly.
+        x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_f, mask_f, N, ROUND_BF16)
+        inv_rms_x = _inv_rms(tl.sum(x * x, axis=0), D, rms_eps)
+        _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_f, mask_f, ROUND_BF16)
+    else:
+        sumsq_x = tl.zeros([FINISH_BLOCK], tl.float32)
+        for d0 in range(0, D, FINISH_BLOCK):
+            mask_d = d0 + offs_f < D
+            rs = tl.load(
+                rows_ptr + d0 + offs_f[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0
+            ).to(tl.float32)
+            x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, d0 + offs_f, mask_d, N, ROUND_BF16)
+            sumsq_x += x * x
+        # NOTE: the norm pass re-reads x_in written above by other threads of this program.
+        tl.debug_barrier()
+        inv_rms_x = _inv_rms(tl.sum(sumsq_x, axis=0), D, rms_eps)
+        for d0 in range(0, D, FINISH_BLOCK):
+            mask_d = d0 + offs_f < D
+            x = tl.load(x_in_row_ptr + d0 + offs_f, mask=mask_d, other=0.0).to(tl.float32)
+            w = tl.load(norm_w_ptr + d0 + offs_f, mask=mask_d, other=0.0).to(tl.float32)
+            _norm_store(x, w, inv_rms_x, x_normed_row_ptr, d0 + offs_f, mask_d, ROUND_BF16)
+
+
+@triton.jit
+def finish_coeffs(
+    row,
+    post_out_ptr,
+    comb_out_ptr,
+    partials_ptr,
+    base_ptr,
+    scale_ptr,
+    hc_eps,
+    rms_eps,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
+):
+    """Phase B, program (row, 1): post' (sigmoid) and comb' (softmax + Sinkhorn)."""
+    offs_j = tl.arange(0, NP)
+    mask_j = offs_j < N
+    mask_jk = mask_j[:, None] & mask_j[None, :]
+    comb_idx = offs_j[:, None] * N + offs_j[None, :]
+    ws = partials_ptr + row * NUM_SLICES * RP
+    inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
+    mix_post = _slice_sum(ws, N + offs_j, mask_j, NUM_SLICES, SP, RP) * inv_rms
+    offs_s = tl.arange(0, SP)
+    comb_part = tl.load(
+        ws + offs_s[:, None, None] * RP + 2 * N + comb_idx[None, :, :],
+        mask=(offs_s < NUM_SLICES)[:, None, None] & mask_jk[None, :, :],
+        other=0.0,
+    )
+    mix_comb = tl.sum(comb_part, axis=0) * inv_rms
+
+    base_post = tl.load(base_ptr + N + offs_j, mask=mask_j, other=0.0)
+    base_comb = tl.load(base_ptr + 2 * N + comb_idx, mask=mask_jk, other=0.0)
+    post = 2.0 * tl.sigmoid(mix_post * tl.load(scale_ptr + 1) + base_post)
+    logits = mix_comb * tl.load(scale_ptr + 2) + base_comb
+    logits = tl.where(mask_jk, logits, -1.0e30)
+    expo = tl.where(mask_jk, tl.exp(logits - tl.max(logits, axis=1)[:, None]), 0.0)
+    row_sum = tl.where(mask_j, tl.sum(expo, axis=1), 1.0)
+    comb = tl.where(mask_jk, expo / row_sum[:, None] + hc_eps, 0.0)
+    comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    for _ in range(1, SINKHORN_ITERS):
+        comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+    tl.store(post_out_ptr + row * N + offs_j, post, mask=mask_j)
+    tl.store(comb_out_ptr + row * N * N + comb_idx, comb, mask=mask_jk)

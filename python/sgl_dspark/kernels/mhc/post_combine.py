@@ -1,0 +1,318 @@
+"""mHC sublayer boundary in two launches of one kernel (`mhc_post_combine_ref` and `mhc_pre_ref`
+are the spec; `reference.py` gives the math).
+
+One call closes a sublayer and opens the next one, no atomics, no host reads:
+  A. grid (row tiles, D slices): Rs' on the slice, and per row the slice's partial fn projection
+     and sum of squares, into an fp32 scratch [M, slices, RP] (`stream_update.py`).
+  B. grid (M, 2): (row, 0) sums the row's partials into pre', then collapses and norms the whole
+     row; (row, 1) forms post' and comb', keeping Sinkhorn off the collapse's critical path
+     (`coefficients.py`).
+`mhc_pre` opens the first sublayer: the same launches without the stream update.
+
+Exactness: ``Rs'`` is bit-exact against the reference on any backend (elementwise, fixed operand
+order, FMA contraction off, bf16 rounding on the bits). The coefficients, ``x_in`` and the normed
+input go through split reductions and ``exp``/``sigmoid`` whose order and lowering differ from
+torch: within a tolerance. Every tree is fixed by (n, D) (slice width, partial layout and warp
+counts depend on n and D only; phase A runs the same unrolled code for each row of a tile), so
+a row's result never depends on M, on its position in the batch or on the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import check_tensor, require
+from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.mhc.coefficients import finish_coeffs, finish_collapse_norm
+from sgl_dspark.kernels.mhc.reference import MhcPostCombineOutput
+from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
+
+# Phase A D-slice width: aims at 64 slices (programs at M = 1), within these bounds.
+_MIN_BLOCK_D = 16
+_MAX_BLOCK_D = 64
+# Phase A rows per program: grows with M so that fn (r·n·D fp32, 1.5 MB at D = 4096) is read by
+# about _TARGET_ROW_TILES row tiles, capped so a program's unrolled row loop stays short.
+_TARGET_ROW_TILES = 4
+_MAX_BLOCK_M = 16
+# Phase B: rows up to this width stay in registers; wider ones are chunked (norm re-reads x_in).
+_MAX_FINISH_BLOCK = 8192
+
+
+@triton.jit
+def _mhc_post_combine_kernel(
+    streams_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    fn_ptr,
+    base_ptr,
+    scale_ptr,
+    norm_w_ptr,
+    streams_out_ptr,
+    pre_out_ptr,
+    post_out_ptr,
+    comb_out_ptr,
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    M,
+    hc_eps,
+    rms_eps,
+    PHASE: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """PHASE 0: grid (row tiles, D slices), see `stream_update_and_partials`. PHASE 1: grid
+    (M, 2), program (row, 0) collapses and norms, program (row, 1) forms post' and comb'."""
+    if PHASE == 0:
+        stream_update_and_partials(
+            streams_ptr,
+            y_ptr,
+            post_ptr,
+            comb_ptr,
+            fn_ptr,
+            streams_out_ptr,
+            partials_ptr,
+            M,
+            D,
+            NUM_SLICES,
+            N,
+            NP,
+            RP,
+            BLOCK_M,
+            BLOCK_D,
+            ROUND_BF16,
+            HAS_UPDATE,
+            PDL,
+        )
+    else:
+        wait_for_producers(PDL)  # phase A's partials and Rs' are read first
+        row = tl.program_id(0).to(tl.int64)
+        if tl.program_id(1) == 0:
+            finish_collapse_norm(
+                row,
+                streams_out_ptr,
+                pre_out_ptr,
+                x_in_ptr,
+                x_normed_ptr,
+                partials_ptr,
+                base_ptr,
+                scale_ptr,
+                norm_w_ptr,
+                hc_eps,
+                rms_eps,
+                D,
+                NUM_SLICES,
+                N,
+                NP,
+                RP,
+                SP,
+                FINISH_BLOCK,
+                ROUND_BF16,
+            )
+        else:
+            finish_coeffs(
+                row,
+                post_out_ptr,
+                comb_out_ptr,
+                partials_ptr,
+                base_ptr,
+                scale_ptr,
+                hc_eps,
+                rms_eps,
+                D,
+                NUM_SLICES,
+                SINKHORN_ITERS,
+                N,
+                NP,
+                RP,
+                SP,
+            )
+
+
+def _slice_width(d: int) -> int:
+    """Phase-A D-slice width: a function of D only (it fixes the split reductions' trees)."""
+    return min(_MAX_BLOCK_D, max(_MIN_BLOCK_D, triton.next_power_of_2(triton.cdiv(d, 64))))
+
+
+def _rows_per_program(m: int) -> int:
+    """Phase-A rows per program: 1 at small M (most programs), more at large M (fewer fn reads).
+    Free to depend on M: a row's arithmetic is the same whatever the tile size."""
+    return min(_MAX_BLOCK_M, triton.next_power_of_2(triton.cdiv(m, _TARGET_ROW_TILES)))
+
+
+def mhc_post_combine(
+    streams: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    out: MhcPostCombineOutput | None = None,
+) -> MhcPostCombineOutput:
+    """`mhc_post_combine_ref` in two launches of one kernel, no host sync.
+
+    Args:
+        streams: [M, n, D] fp32 or bf16, contiguous: this sublayer's input streams Rs.
+        y: [M, D], streams' dtype: this sublayer's output.
+        post, comb: [M, n] / [M, n, n] fp32: this sublayer's expand weights and mixing matrix.
+        fn, base, scale: fp32 [(2+n)·n, n·D] / [(2+n)·n] / [3]: the NEXT hyper-connection.
+        norm_weight: [D] fp32 or bf16: the NEXT sublayer's RMSNorm weight.
+        hc_eps, sinkhorn_iters (>= 1), rms_eps: the hyper-connection's constants.
+        out: optional preallocated outputs (shapes/dtypes as returned).
+    Returns:
+        MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed).
+    """
+    return _launch(
+        streams,
+        (y, post, comb),
+        fn,
+        base,
+        scale,
+        norm_weight,
+        hc_eps=hc_eps,
+        sinkhorn_iters=sinkhorn_iters,
+        rms_eps=rms_eps,
+        out=out,
+    )
+
+
+def mhc_pre(
+    streams: torch.Tensor,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    out: MhcPostCombineOutput | None = None,
+) -> MhcPostCombineOutput:
+    """`mhc_pre_ref` (open the first sublayer): `mhc_post_combine`'s launches without the
+    stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
+    is the input itself (``out.streams`` is not written). Arguments as mhc_post_combine."""
+    return _launch(
+        streams,
+        None,
+        fn,
+        base,
+        scale,
+        norm_weight,
+        hc_eps=hc_eps,
+        sinkhorn_iters=sinkhorn_iters,
+        rms_eps=rms_eps,
+        out=out,
+    )
+
+
+def _launch(
+    streams: torch.Tensor,
+    update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+    fn: torch.Tensor,
+    base: torch.Tensor,
+    scale: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    hc_eps: float,
+    sinkhorn_iters: int,
+    rms_eps: float,
+    out: MhcPostCombineOutput | None,
+) -> MhcPostCombineOutput:
+    require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
+    m, n, d = streams.shape
+    dev, act = streams.device, streams.dtype
+    require(act in (torch.float32, torch.bfloat16), f"streams: dtype must be fp32/bf16, got {act}")
+    require(n >= 1 and d >= 1, f"streams: n and D must be positive, got n={n}, D={d}")
+    require(sinkhorn_iters >= 1, f"sinkhorn_iters: must be >= 1, got {sinkhorn_iters}")
+    r = (2 + n) * n
+    f32 = (torch.float32,)
+    check_tensor("streams", streams, (m, n, d), (act,), dev)
+    if update is not None:
+        y, post, comb = update
+        check_tensor("y", y, (m, d), (act,), dev)
+        check_tensor("post", post, (m, n), f32, dev)
+        check_tensor("comb", comb, (m, n, n), f32, dev)
+    else:  # never read by the kernel (HAS_UPDATE false)
+        y = post = comb = streams
+    check_tensor("fn", fn, (r, n * d), f32, dev)
+    check_tensor("base", base, (r,), f32, dev)
+    check_tensor("scale", scale, (3,), f32, dev)
+    check_tensor("norm_weight", norm_weight, (d,), (torch.float32, torch.bfloat16), dev)
+
+    out_shapes = [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)]
+    out_dtypes = [act, torch.float32, torch.float32, torch.float32, act, act]
+    if out is None:
+        out = MhcPostCombineOutput(
+            *(torch.empty(shape, dtype=dt, device=dev) for shape, dt in zip(out_shapes, out_dtypes))
+        )
+    for name, t, shape, dt in zip(out._fields, out, out_shapes, out_dtypes):
+        check_tensor(f"out.{name}", t, shape, (dt,), dev)
+    if update is None:
+        out = out._replace(streams=streams)
+    if m == 0:
+        return out
+
+    block_d, block_m = _slice_width(d), _rows_per_program(m)
+    num_slices = triton.cdiv(d, block_d)
+    rp = triton.next_power_of_2(r + 1)  # fn projection columns, then the sum of squares
+    finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
+    partials = torch.empty(m, num_slices, rp, dtype=torch.float32, device=dev)
+    args = (
+        streams,
+        y,
+        post,
+        comb,
+        fn,
+        base,
+        scale,
+        norm_weight,
+        *out,
+        partials,
+        m,
+        float(hc_eps),
+        float(rms_eps),
+    )
+    meta = dict(
+        D=d,
+        NUM_SLICES=num_slices,
+        SINKHORN_ITERS=int(sinkhorn_iters),
+        N=n,
+        NP=triton.next_power_of_2(n),
+        RP=rp,
+        SP=triton.next_power_of_2(num_slices),
+        BLOCK_D=block_d,
+        FINISH_BLOCK=finish_block,
+        ROUND_BF16=act == torch.bfloat16,
+        HAS_UPDATE=update is not None,
+        enable_fp_fusion=False,
+        **programmatic_launch(_mhc_post_combine_kernel, dev),
+    )
+    _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
+        *args, PHASE=0, BLOCK_M=block_m, num_warps=4, **meta
+    )
+    # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
+    # About 512 row elements per warp, i.e. n fp32 stream values of 16 columns per thread.
+    _mhc_post_combine_kernel[(m, 2)](
+        *args, PHASE=1, BLOCK_M=1, num_warps=min(16, max(4, finish_block // 512)), **meta
+    )
+    return out

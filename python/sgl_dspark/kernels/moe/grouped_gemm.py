@@ -1,0 +1,405 @@
+"""Grouped expert GEMMs over `moe_sort`'s blocks (`moe_grouped_gemm_ref` and `fused_moe_ref` are
+the spec).
+
+`moe_sort` lays the routes of one rank out in blocks of `block_size` rows; every block belongs to
+one local expert, every row is a packed route id `(slot << 24) | token` or the padding sentinel
+`(topk << 24) | M`. One kernel (`moe_grouped_gemm`) runs one (block x N-tile) per program:
+
+    out[token * topk + slot, :] = a[row] @ weight[local_expert_of_block].T      (fp32 accumulate)
+    row = token              (stage 1: a = x [M, D], the token's hidden state)
+    row = token * topk + slot (stage 2: a = h [M * topk, I], the route's activation)
+
+Sentinel rows and pairs routed to remote experts are never written (their output rows keep
+whatever the buffer held; `moe_reduce` never reads them). `fused_moe` runs the routed experts in
+two launches: stage 1 with `gate_up_proj` and the clamped SwiGLU (`silu_mul_clamp`) as its
+epilogue (`out_swiglu`), then stage 2 with `down_proj`, giving `y [M, topk, D]` per (token,
+slot), the layout `moe_reduce` reduces. The activation as stage 2's input prologue instead would
+be recomputed by every N tile (x D / BLOCK_N, dead rows of each block too); as its own launch it
+costs a launch and a round trip.
+
+Exactness against stage 1 -> `silu_mul_clamp` -> stage 2: the activation is evaluated with
+`silu_mul_clamp`'s fp32 ops in its order (selects for the clamps, exp2, `div_rn`,
+(g * sigmoid) * u; no mul feeds an add, so FMA contraction cannot differ) on the values the plain
+GEMM stores (the epilogue rounds its accumulators to bf16 first, as the store would), then
+rounded to bf16 as its plain output is (nearest even: the store cast compiled, on the bits
+interpreted): both call `activation.clamped_swiglu_values`. The epilogue's tile holds
+BLOCK_N / 2 gate and BLOCK_N / 2 up rows of the weight: the same dot shape, A tile and K steps
+as the plain stage 1, only with columns at other positions of the tile, and a compiled dot (mma
+or FMA) sums each output in an order that does not depend on its column, so the bits match on
+the GPU. The CPU interpreter's dot is numpy's fp32 matmul, whose sums do depend on a column's
+position: there the epilogue matches to fp32 rounding only.
+
+Against the references: within a tolerance (the fp32 accumulation order differs from torch's
+matmul). fp32 inputs use IEEE fp32 dot products (no tf32); bf16 inputs multiply exactly and
+accumulate in fp32, then round once to bf16 (nearest even, on the bits, so the CPU interpreter
+rounds like a GPU). The CPU interpreter's bf16 `tl.dot` is unreliable (triton 3.6), so there
+bf16 tiles are widened to fp32 first (the same products, exact either way). Per-row results
+depend only on (N, K), never on M or the grid.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import require
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    programmatic_launch,
+    round_to_bf16,
+    wait_for_producers,
+)
+from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
+from sgl_dspark.kernels.moe.reference import MoeSortOutput
+
+
+@triton.jit
+def expert_dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
+    """One K chunk of an expert product (the one definition: `token_gemm.py` forms its products
+    with it too, so both kernels sum a product's chunks the same way)."""
+    if DOT_FP32:
+        return tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a_tile, w_tile, acc)
+
+
+@triton.jit
+def swiglu_tile(
+    acc,
+    limit,
+    BLOCK_M: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    ON_BITS: tl.constexpr,
+):
+    """The clamped SwiGLU of an fp32 [BLOCK_M, 2 * HALF] product tile whose columns [0, HALF)
+    are gate and [HALF, 2 * HALF) the matching up outputs: rounded as a plain GEMM's store would
+    round them, then `silu_mul_clamp`'s own ops (`clamped_swiglu_values`). Returns
+    [BLOCK_M, HALF]."""
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+    return clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+
+
+@triton.jit
+def _moe_grouped_gemm_kernel(
+    a_ptr,
+    w_ptr,
+    out_ptr,
+    sorted_ids_ptr,
+    expert_ids_ptr,
+    num_valid_ptr,
+    num_tokens,
+    n_cols,
+    k_dim,
+    stride_a,
+    stride_we,
+    stride_wn,
+    stride_out,
+    limit,
+    TOPK: tl.constexpr,
+    A_PER_PAIR: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    OUT_SWIGLU: tl.constexpr,
+    TILE_MAJOR: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Everything depends on `moe_sort`'s layout (which blocks live, which expert's weights): no
+    # weight can be fetched before the previous kernels' outputs are visible.
+    wait_for_producers(PDL)
+    # TILE_MAJOR: grid (N tiles, blocks), so the live blocks' programs are launched first.
+    pid_m = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
+    pid_n = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
+    # Blocks past the valid prefix hold undefined ids (never written): leave at once.
+    if pid_m * BLOCK_M >= tl.load(num_valid_ptr):
+        return
+    expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    packed = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    token = (packed & 0xFFFFFF).to(tl.int64)
+    pair = token * TOPK + (packed >> 24).to(tl.int64)
+    live = token < num_tokens  # the sentinel's token field is M
+    if A_PER_PAIR:
+        a_rows = pair
+    else:
+        a_rows = token
+    if OUT_SWIGLU:
+        # Tile columns [0, HALF) are gate rows j of the weight, [HALF, BLOCK_N) the matching up
+        # rows n_cols + j (n_cols = I): one dot of the plain GEMM's shape, HALF outputs.
+        HALF: tl.constexpr = BLOCK_N // 2
+        cols = pid_n * HALF + tl.arange(0, BLOCK_N) % HALF
+        col_ok = cols < n_cols
+        w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_cols)
+    else:
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < n_cols
+        w_rows = cols
+    w_base = w_ptr + expert * stride_we
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_dim
+        a_tile = tl.load(
+            a_ptr + a_rows[:, None] * stride_a + ks[None, :],
+            mask=live[:, None] & k_ok[None, :],
+            other=0.0,
+        )
+        w_tile = tl.load(
+            w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    if OUT_SWIGLU:  # the activation of the [gate | up] values a plain stage 1 would store
+        y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
+        j = pid_n * HALF + tl.arange(0, HALF)
+        tl.store(
+            out_ptr + pair[:, None] * stride_out + j[None, :],
+            y.to(out_ptr.dtype.element_ty),
+            mask=live[:, None] & (j < n_cols)[None, :],
+        )
+    else:
+        if ROUND_BF16:
+            acc = round_to_bf16(acc)
+        tl.store(
+            out_ptr + pair[:, None] * stride_out + cols[None, :],
+            acc.to(out_ptr.dtype.element_ty),
+            mask=live[:, None] & col_ok[None, :],
+        )
+
+
+def expert_block_k(k_dim: int) -> int:
+    """K chunk of the expert GEMMs (the grouped and the per-token kernels share it)."""
+    return min(128, max(16, triton.next_power_of_2(k_dim)))
+
+
+def _check_sorted(
+    sorted_ids: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    block_size: int,
+    device: torch.device,
+) -> None:
+    require(
+        block_size >= 16 and block_size & (block_size - 1) == 0,
+        f"block_size must be a power of two >= 16 (tl.dot), got {block_size}",
+    )
+    require(
+        sorted_ids.dim() == 1 and sorted_ids.dtype == torch.int32 and sorted_ids.is_contiguous(),
+        "sorted_ids must be contiguous int32 [capacity]",
+    )
+    num_blocks = triton.cdiv(sorted_ids.numel(), block_size)
+    require(
+        tuple(sorted_expert_ids.shape) == (num_blocks,) and sorted_expert_ids.dtype == torch.int32,
+        f"sorted_expert_ids must be int32 [{num_blocks}], got "
+        f"{sorted_expert_ids.dtype} {tuple(sorted_expert_ids.shape)}",
+    )
+    require(
+        num_valid.numel() >= 1 and num_valid.dtype == torch.int32,
+        "num_valid must be int32 [2] (`moe_sort`'s output)",
+    )
+    for name, tensor in (
+        ("sorted_ids", sorted_ids),
+        ("sorted_expert_ids", sorted_expert_ids),
+        ("num_valid", num_valid),
+    ):
+        require(tensor.device == device, f"{name} is on {tensor.device}, a on {device}")
+
+
+def moe_grouped_gemm(
+    a: torch.Tensor,
+    weight: torch.Tensor,
+    sorted_ids: torch.Tensor,
+    sorted_expert_ids: torch.Tensor,
+    num_valid: torch.Tensor,
+    topk: int,
+    a_per_pair: bool = False,
+    block_size: int = 32,
+    out: torch.Tensor | None = None,
+    *,
+    out_swiglu: bool = False,
+    swiglu_limit: float | None = None,
+    tile_major: bool | None = None,
+) -> torch.Tensor:
+    """`moe_grouped_gemm_ref` in one launch over `moe_sort`'s blocks, no host sync
+    (graph-safe).
+
+    Args:
+        a: [M, K] (a_per_pair=False: row = token) or [M * topk, K] (a_per_pair=True: row =
+            token * topk + slot); bf16 or fp32, last dim contiguous.
+        weight: [E_loc, N, K] in a's dtype, last dim contiguous; indexed by the local expert id.
+        sorted_ids, sorted_expert_ids, num_valid: `moe_sort`'s outputs (`MoeSortOutput`) for topk and
+            `block_size`, on a's device.
+        topk: routes per token (the packing of sorted_ids).
+        out: optional [M * topk, N] in a's dtype, last dim contiguous.
+        out_swiglu: the clamped SwiGLU as output epilogue: weight is [E_loc, 2I, K] = [gate
+            rows | up rows]; out [M * topk, I] = `silu_mul_clamp` of what the plain GEMM would
+            store, evaluated once per element (each program's tile pairs gate and up columns).
+        swiglu_limit: the activation's clamp (> 0), only with out_swiglu; None: no clamp.
+        tile_major: program order (timing only, never a result bit): N tiles fastest, so the
+            live blocks' programs come first. None: tile-major for one token (the static grid
+            spans the largest block count, ~62 blocks for 6 live at 64 experts, so the live
+            blocks' programs would otherwise start last), else blocks fastest
+            (`benchmark/kernels/probe_moe_order.py` compares the orders).
+    Returns:
+        out [M * topk, N] ([M * topk, N / 2] with out_swiglu): row token * topk + slot =
+        a[row] @ weight[e].T (the activation applied to the product with out_swiglu)
+        for every route `moe_sort` kept; other rows are left as they were (undefined when out is
+        allocated here).
+    """
+    require(
+        a.dim() == 2 and a.dtype in (torch.bfloat16, torch.float32) and a.stride(1) == 1,
+        f"a must be bf16/fp32 [rows, K] with a contiguous last dim, got {a.dtype} "
+        f"{tuple(a.shape)} strides {a.stride()}",
+    )
+    require(out_swiglu or swiglu_limit is None, "swiglu_limit needs out_swiglu=True")
+    require(
+        swiglu_limit is None or swiglu_limit > 0,
+        f"swiglu_limit must be > 0 or None, got {swiglu_limit}",
+    )
+    require(
+        weight.dim() == 3
+        and weight.dtype == a.dtype
+        and weight.stride(2) == 1
+        and weight.shape[2] == a.shape[1],
+        f"weight must be {a.dtype} [E_loc, N, {a.shape[1]}] with a contiguous last dim, "
+        f"got {weight.dtype} {tuple(weight.shape)}",
+    )
+    require(
+        not out_swiglu or weight.shape[1] % 2 == 0,
+        f"out_swiglu needs weight [E_loc, 2I, K], got {tuple(weight.shape)}",
+    )
+    require(topk >= 1, f"topk must be >= 1, got {topk}")
+    require(
+        not a_per_pair or a.shape[0] % topk == 0,
+        f"a_per_pair needs a [M * {topk}, K], got {tuple(a.shape)}",
+    )
+    _check_sorted(sorted_ids, sorted_expert_ids, num_valid, block_size, a.device)
+    num_tokens = a.shape[0] // topk if a_per_pair else a.shape[0]
+    require(num_tokens < 1 << 24, f"M = {num_tokens} does not fit the packed route ids")
+    n_cols, k_dim = weight.shape[1], weight.shape[2]
+    n_out = n_cols // 2 if out_swiglu else n_cols
+    if out is None:
+        out = torch.empty(num_tokens * topk, n_out, dtype=a.dtype, device=a.device)
+    require(
+        tuple(out.shape) == (num_tokens * topk, n_out)
+        and out.dtype == a.dtype
+        and out.stride(1) == 1
+        and out.device == a.device,
+        f"out must be {a.dtype} {(num_tokens * topk, n_out)} with a contiguous last dim",
+    )
+    if num_tokens == 0 or n_out == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
+        return out  # no route can be local (E_loc = 0) or nothing to compute
+    # Tiles depend on (N, K) only, so a row's summation order never depends on M. Narrow
+    # column tiles and long K steps: at decode sizes a few sorted blocks are live, and each
+    # program streams its expert's [BLOCK_N, K] weight slice, so more, shorter streams
+    # (32 columns: 2x the programs of 64) keep more SMs reading. out_swiglu keeps the tiles and
+    # the grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and
+    # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
+    block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
+    block_k = expert_block_k(k_dim)
+    n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
+    if tile_major is None:
+        tile_major = num_tokens == 1
+    grid = (n_tiles, n_blocks) if tile_major else (n_blocks, n_tiles)
+    _moe_grouped_gemm_kernel[grid](
+        a,
+        weight,
+        out,
+        sorted_ids,
+        sorted_expert_ids,
+        num_valid,
+        num_tokens,
+        n_out,
+        k_dim,
+        a.stride(0),
+        weight.stride(0),
+        weight.stride(1),
+        out.stride(0),
+        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        TOPK=topk,
+        A_PER_PAIR=a_per_pair,
+        # tf32 must stay off for fp32; see the module docstring for the CPU bf16 case.
+        DOT_FP32=a.dtype == torch.float32 or a.device.type == "cpu",
+        ROUND_BF16=a.dtype == torch.bfloat16,
+        BLOCK_M=block_size,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        OUT_SWIGLU=out_swiglu,
+        TILE_MAJOR=tile_major,
+        HAS_LIMIT=swiglu_limit is not None,
+        ON_BITS=interpreted(_moe_grouped_gemm_kernel),
+        num_warps=4,
+        num_stages=4,
+        **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
+    )
+    return out
+
+
+def fused_moe(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    sort: MoeSortOutput,
+    topk: int,
+    limit: float | None,
+    block_size: int = 32,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`fused_moe_ref` over `moe_sort`'s layout in two launches, no host sync: stage 1 with the
+    clamped SwiGLU as its epilogue (`out_swiglu`), then stage 2; compiled, the same bits as the
+    three-launch chain stage 1 -> `silu_mul_clamp` -> stage 2 (module docstring).
+
+    Args:
+        x: [M, D] bf16 or fp32, last dim contiguous.
+        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows first, then up rows).
+        down_proj: [E_loc, D, I] in x's dtype.
+        sort: `moe_sort(topk_ids, topk_weights, plan, ...)` for these routes and `block_size`.
+        topk: routes per token.
+        limit: swiglu_limit (None: no clamp).
+        out: optional contiguous [M, topk, D] in x's dtype.
+    Returns:
+        y [M, topk, D]; y[t, k] is expert topk_ids[t, k]'s output for token t where that expert
+        is local, untouched elsewhere (`moe_reduce` reads only local slots).
+    """
+    num_tokens, hidden = x.shape
+    require(
+        gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
+        f"gate_up_proj must be [E_loc, 2I, D], got {tuple(gate_up_proj.shape)}",
+    )
+    inter = gate_up_proj.shape[1] // 2
+    require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
+    require(
+        tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
+        f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got {tuple(down_proj.shape)}",
+    )
+    if out is None:
+        out = torch.empty(num_tokens, topk, hidden, dtype=x.dtype, device=x.device)
+    require(
+        tuple(out.shape) == (num_tokens, topk, hidden)
+        and out.is_contiguous()
+        and out.dtype == x.dtype,
+        f"out must be contiguous {x.dtype} {(num_tokens, topk, hidden)}",
+    )
+    if num_tokens == 0:
+        return out
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
+    h = moe_grouped_gemm(
+        x, gate_up_proj, *routes, block_size=block_size, out_swiglu=True, swiglu_limit=limit
+    )
+    moe_grouped_gemm(
+        h,
+        down_proj,
+        *routes,
+        a_per_pair=True,
+        block_size=block_size,
+        out=out.view(num_tokens * topk, hidden),
+    )
+    return out

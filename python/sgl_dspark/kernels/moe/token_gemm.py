@@ -1,0 +1,418 @@
+"""Routed experts for decode-sized batches in two launches: per-route stage 1 with the clamped
+SwiGLU as its epilogue, per-token stage 2 with the route reduce as its epilogue
+(`moe_route_gate_up_ref` and `moe_token_down_reduce_ref` are the spec).
+
+The sorted path (`moe_sort` -> grouped stage 1 with the activation -> grouped stage 2 ->
+`moe_reduce`) is four launches and an `[M, topk, D]` round trip. At a few tokens the routes need
+no sorting: a route is a one-row block whose expert is its own id, and a token's slot list is its
+row of `ids`:
+
+  stage 1, `moe_route_gate_up`, grid (M * topk routes, 2I tiles):
+      h[t * topk + k] = act(x[t] @ gate_up_proj[l].T)       l = local id of ids[t, k]
+      (remote and out-of-range routes leave their rows as they were);
+  stage 2, `moe_token_down_reduce`, grid (M tokens, D tiles): the program that owns token t's
+      output tile forms all of its slots' products in one tile (row k of A = h[t * topk + k],
+      column block k = slot k's expert: one dot per K step streams every slot's weights), each
+      local product h[t * topk + k] @ down_proj[l].T rounded as the grouped GEMM stores it, then
+      weighted and summed in fp32 in slot order and finished by `moe_reduce`'s tail
+      (`route_reduce_tail`: round, routed scale, round, + shared, round). No per-slot rows are
+      written.
+
+Exactness: on a GPU the same bits as the sorted path `fused_moe` -> `moe_reduce`. Each product
+is `expert_dot` over K chunks from a zero accumulator, rounded once to bf16, and a compiled dot
+sums an output in an order that depends neither on its row or column in the tile nor on the
+tile's size (`grouped_gemm.py`'s module doc); the activation is `swiglu_tile`, the reduce has
+the slot order, FMA contraction off and the same tail. The CPU interpreter's dot is numpy's fp32
+matmul, whose sums depend on the tile shape, so there the products agree to fp32 rounding (one
+bf16 ulp after rounding) and the tests use a tolerance. Against the references (torch's matmul):
+within a tolerance, as the grouped GEMMs.
+
+Cost: each route streams its expert's weights itself (the sorted path reads an expert once for
+all its routes), so this path is for small M; `RoutedExperts` picks it up to a token count.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import require
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    programmatic_launch,
+    round_to_bf16,
+    wait_for_producers,
+)
+from sgl_dspark.kernels.moe.grouped_gemm import expert_block_k, expert_dot, swiglu_tile
+from sgl_dspark.kernels.moe.reduce import route_reduce_tail
+
+# tl.dot's smallest row count; row 0 is the route's (or token's) row, the others are masked.
+_TILE_M = tl.constexpr(16)
+
+
+@triton.jit
+def _route_locality(ids_ptr, table_ptr, route, num_experts, num_local, in_range=True):
+    """(local expert id as int64, is local) of routes (a scalar or a tile of route indices);
+    unknown ids and routes outside `in_range` count as remote."""
+    expert = tl.load(ids_ptr + route, mask=in_range, other=-1)
+    known = (expert >= 0) & (expert < num_experts)
+    local = tl.load(table_ptr + expert, mask=known, other=num_local)
+    return local.to(tl.int64), local < num_local
+
+
+@triton.jit
+def _moe_route_gate_up_kernel(
+    x_ptr,
+    w_ptr,
+    h_ptr,
+    ids_ptr,
+    table_ptr,
+    n_inter,
+    k_dim,
+    num_experts,
+    num_local,
+    stride_x,
+    stride_we,
+    stride_wn,
+    stride_h,
+    limit,
+    TOPK: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
+    route = tl.program_id(0).to(tl.int64)
+    local, is_local = _route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
+    if not is_local:  # remote or out of range: the reduce never reads this row
+        return
+    # Tile columns [0, HALF) are gate rows j, [HALF, BLOCK_N) the matching up rows I + j, as in
+    # the grouped stage 1's activation epilogue.
+    HALF: tl.constexpr = BLOCK_N // 2
+    cols = tl.program_id(1) * HALF + tl.arange(0, BLOCK_N) % HALF
+    col_ok = cols < n_inter
+    w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_inter).to(tl.int64)
+    live = tl.arange(0, _TILE_M) == 0
+    x_row = x_ptr + (route // TOPK) * stride_x
+    w_base = w_ptr + local * stride_we
+    acc = tl.zeros([_TILE_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_dim
+        a_tile = tl.load(
+            x_row + live[:, None] * 0 + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0
+        )
+        w_tile = tl.load(
+            w_base + w_rows[None, :] * stride_wn + ks[:, None],
+            mask=k_ok[:, None] & col_ok[None, :],
+            other=0.0,
+        )
+        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
+    j = tl.program_id(1) * HALF + tl.arange(0, HALF)
+    tl.store(
+        h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
+        y.to(h_ptr.dtype.element_ty),
+        mask=live[:, None] & (j < n_inter)[None, :],
+    )
+
+
+@triton.jit
+def _moe_token_down_kernel(
+    h_ptr,
+    w_ptr,
+    out_ptr,
+    ids_ptr,
+    table_ptr,
+    weights_ptr,
+    shared_ptr,
+    n_cols,
+    k_dim,
+    num_experts,
+    num_local,
+    stride_h,
+    stride_we,
+    stride_wn,
+    routed_scale,
+    TOPK: tl.constexpr,
+    SLOTS: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    APPLY_SCALE: tl.constexpr,
+    HAS_SHARED: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # All of the token's slots in one tile: row k of A is route k's h row, and the columns hold
+    # SLOTS blocks of BLOCK_N output columns, block k from slot k's expert. One dot per K chunk
+    # then streams every slot's weights at once (a loop over slots waits on each expert's
+    # weights in turn: latency-bound at decode sizes); the products wanted are the diagonal
+    # blocks (row k, block k), the rest is discarded work of idle matrix units.
+    wait_for_producers(PDL)  # h is stage 1's output; the routes and shared come earlier
+    token = tl.program_id(0).to(tl.int64)
+    n0 = tl.program_id(1) * BLOCK_N
+    tile_cols = tl.arange(0, SLOTS * BLOCK_N)
+    col_slot = tile_cols // BLOCK_N
+    cols = n0 + tile_cols % BLOCK_N
+    col_local, col_is_local = _route_locality(
+        ids_ptr, table_ptr, token * TOPK + col_slot, num_experts, num_local, col_slot < TOPK
+    )
+    col_ok = col_is_local & (cols < n_cols)
+    w_cols = w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn
+    rows = tl.arange(0, ROWS)
+    _, row_is_local = _route_locality(
+        ids_ptr, table_ptr, token * TOPK + rows, num_experts, num_local, rows < TOPK
+    )
+    h_rows = h_ptr + (token * TOPK + rows) * stride_h
+    acc = tl.zeros([ROWS, SLOTS * BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < k_dim
+        a_tile = tl.load(
+            h_rows[:, None] + ks[None, :], mask=row_is_local[:, None] & k_ok[None, :], other=0.0
+        )
+        w_tile = tl.load(
+            w_cols[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
+        )
+        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    # Slot k's product: row k, column block k (adding exact zeros of the other rows).
+    slots = tl.arange(0, SLOTS)
+    on_diag = rows[:, None, None] == slots[None, :, None]
+    product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, SLOTS, BLOCK_N]), 0.0), axis=0)
+    if ROUND_BF16:  # as the grouped GEMM's store rounds it
+        product = round_to_bf16(product)
+    _, slot_is_local = _route_locality(
+        ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
+    )
+    weight = tl.load(weights_ptr + token * TOPK + slots, mask=slots < TOPK, other=0.0)
+    terms = tl.where(slot_is_local[:, None], weight[:, None] * product, 0.0)
+    # The reduce's sum in slot order (its own arithmetic; FMA contraction is off).
+    total = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for k in tl.static_range(TOPK):
+        total += tl.sum(tl.where(slots[:, None] == k, terms, 0.0), axis=0)
+    out_cols = n0 + tl.arange(0, BLOCK_N)
+    route_reduce_tail(
+        total,
+        shared_ptr,
+        out_ptr,
+        token * n_cols + out_cols,
+        out_cols < n_cols,
+        routed_scale,
+        APPLY_SCALE,
+        HAS_SHARED,
+        ROUND_BF16,
+        ON_BITS,
+    )
+
+
+def _check_routes(
+    ids: torch.Tensor, local_table: torch.Tensor, num_local: int, device: torch.device
+) -> None:
+    require(
+        ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(),
+        f"ids must be contiguous int32 [M, topk], got {ids.dtype} {tuple(ids.shape)}",
+    )
+    require(ids.shape[1] >= 1, "ids: topk must be >= 1")
+    require(
+        local_table.dim() == 1 and local_table.dtype == torch.int32 and local_table.is_contiguous(),
+        "local_table must be contiguous int32 [E] (MoeSortPlan.local_table)",
+    )
+    require(
+        0 <= num_local <= local_table.numel(),
+        f"num_local must be in [0, {local_table.numel()}], got {num_local}",
+    )
+    for name, tensor in (("ids", ids), ("local_table", local_table)):
+        require(tensor.device == device, f"{name} is on {tensor.device}, x on {device}")
+
+
+def _check_weight(name: str, weight: torch.Tensor, a: torch.Tensor, num_local: int) -> None:
+    require(
+        weight.dim() == 3
+        and weight.dtype == a.dtype
+        and weight.stride(2) == 1
+        and weight.shape[2] == a.shape[1]
+        and weight.shape[0] >= num_local
+        and weight.device == a.device,
+        f"{name} must be {a.dtype} [>= {num_local} local experts, N, {a.shape[1]}] on "
+        f"{a.device} with a contiguous last dim, got {weight.dtype} "
+        f"{tuple(weight.shape)} on {weight.device}",
+    )
+
+
+def moe_route_gate_up(
+    x: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    ids: torch.Tensor,
+    local_table: torch.Tensor,
+    num_local: int,
+    limit: float | None,
+    h: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`moe_route_gate_up_ref` in one launch: stage 1 per route with the clamped SwiGLU as its
+    epilogue, no host sync (graph-safe).
+
+    Args:
+        x: [M, D] bf16 or fp32, last dim contiguous.
+        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows, then up rows).
+        ids: int32 [M, topk] contiguous: global expert per route; ids outside [0, E) are remote.
+        local_table, num_local: `prepare_moe_sort`'s plan: local id per global expert,
+            >= num_local for a remote one.
+        limit: swiglu_limit (> 0), None for no clamp.
+        h: optional [M * topk, I] output in x's dtype, contiguous.
+    Returns:
+        h [M * topk, I]: row t * topk + k = act(x[t] @ gate_up_proj[l].T) for a local route,
+        untouched otherwise (undefined when h is allocated here).
+    """
+    require(
+        x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1,
+        f"x must be bf16/fp32 [M, D] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}",
+    )
+    _check_routes(ids, local_table, num_local, x.device)
+    _check_weight("gate_up_proj", gate_up_proj, x, num_local)
+    require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
+    require(ids.shape[0] == x.shape[0], f"ids has {ids.shape[0]} rows, x {x.shape[0]}")
+    require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
+    routes, inter = ids.numel(), gate_up_proj.shape[1] // 2
+    if h is None:
+        h = torch.empty(routes, inter, dtype=x.dtype, device=x.device)
+    require(
+        tuple(h.shape) == (routes, inter) and h.dtype == x.dtype and h.is_contiguous(),
+        f"h must be contiguous {x.dtype} {(routes, inter)}",
+    )
+    if routes == 0 or inter == 0 or num_local == 0:
+        return h
+    block_n = 32  # 16 gate + 16 up columns: the grouped stage 1's tile
+    _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, block_n))](
+        x,
+        gate_up_proj,
+        h,
+        ids,
+        local_table,
+        inter,
+        x.shape[1],
+        local_table.numel(),
+        num_local,
+        x.stride(0),
+        gate_up_proj.stride(0),
+        gate_up_proj.stride(1),
+        h.stride(0),
+        float(limit) if limit is not None else 0.0,
+        TOPK=ids.shape[1],
+        BLOCK_N=block_n,
+        BLOCK_K=expert_block_k(x.shape[1]),
+        # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
+        DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        ROUND_BF16=x.dtype == torch.bfloat16,
+        HAS_LIMIT=limit is not None,
+        ON_BITS=interpreted(_moe_route_gate_up_kernel),
+        num_warps=4,
+        num_stages=4,
+        **programmatic_launch(_moe_route_gate_up_kernel, x.device),
+    )
+    return h
+
+
+def _down_meta(k_dim: int) -> dict[str, int]:
+    """Launch shape of stage 2 (`benchmark/kernels/probe_moe_token.py` times others; every
+    shape gives the same bits: a dot's sum does not depend on the tile). 16 output columns per
+    program: D = 1024 spreads one token over 64 programs, each streaming a [BLOCK_K, 8 x 16]
+    tile of all its slots' weights per step."""
+    return {"BLOCK_N": 16, "BLOCK_K": expert_block_k(k_dim), "num_warps": 4, "num_stages": 3}
+
+
+def moe_token_down_reduce(
+    h: torch.Tensor,
+    down_proj: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    local_table: torch.Tensor,
+    num_local: int,
+    routed_scale: float = 1.0,
+    shared: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`moe_token_down_reduce_ref` in one launch: stage 2 per token with the route reduce as its
+    epilogue, no host sync (graph-safe).
+
+    Args:
+        h: [M * topk, I] bf16 or fp32 contiguous (stage 1's output; remote routes' rows are
+            never read).
+        down_proj: [E_loc, D, I] in h's dtype, last dim contiguous.
+        ids: int32 [M, topk] contiguous; local_table, num_local: as `moe_route_gate_up`.
+        weights: fp32 [M, topk] contiguous routing weights.
+        routed_scale: multiplies the rounded routed sum (1.0 when the router folded it in).
+        shared: optional [M, D] in h's dtype, contiguous: the shared expert's output to add.
+        out: optional [M, D] output in h's dtype, contiguous.
+    Returns:
+        out [M, D]: the route reduce of the local routes' products.
+    """
+    require(
+        h.dim() == 2 and h.dtype in (torch.bfloat16, torch.float32) and h.is_contiguous(),
+        f"h must be contiguous bf16/fp32 [M * topk, I], got {h.dtype} {tuple(h.shape)}",
+    )
+    _check_routes(ids, local_table, num_local, h.device)
+    _check_weight("down_proj", down_proj, h, num_local)
+    num_tokens, topk = ids.shape
+    require(h.shape[0] == num_tokens * topk, f"h has {h.shape[0]} rows, ids {num_tokens}x{topk}")
+    require(
+        weights.shape == ids.shape
+        and weights.dtype == torch.float32
+        and weights.is_contiguous()
+        and weights.device == h.device,
+        f"weights must be contiguous fp32 {tuple(ids.shape)}, got {weights.dtype} "
+        f"{tuple(weights.shape)}",
+    )
+    hidden = down_proj.shape[1]
+    for name, tensor in (("shared", shared), ("out", out)):
+        require(
+            tensor is None
+            or (
+                tuple(tensor.shape) == (num_tokens, hidden)
+                and tensor.dtype == h.dtype
+                and tensor.is_contiguous()
+                and tensor.device == h.device
+            ),
+            f"{name} must be contiguous {h.dtype} {(num_tokens, hidden)}",
+        )
+    if out is None:
+        out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
+    if num_tokens == 0 or hidden == 0:
+        return out
+    meta = _down_meta(h.shape[1])
+    _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
+        h,
+        down_proj,
+        out,
+        ids,
+        local_table,
+        weights,
+        shared if shared is not None else out,
+        hidden,
+        h.shape[1],
+        local_table.numel(),
+        num_local,
+        h.stride(0),
+        down_proj.stride(0),
+        down_proj.stride(1),
+        float(routed_scale),
+        TOPK=topk,
+        SLOTS=triton.next_power_of_2(topk),
+        ROWS=max(16, triton.next_power_of_2(topk)),
+        DOT_FP32=h.dtype == torch.float32 or h.device.type == "cpu",
+        ROUND_BF16=h.dtype == torch.bfloat16,
+        APPLY_SCALE=routed_scale != 1.0,
+        HAS_SHARED=shared is not None,
+        ON_BITS=interpreted(_moe_token_down_kernel),
+        enable_fp_fusion=False,  # the reduce rounds w * y before adding it
+        **meta,
+        **programmatic_launch(_moe_token_down_kernel, h.device),
+    )
+    return out
