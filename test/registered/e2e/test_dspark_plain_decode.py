@@ -37,6 +37,7 @@ def test_width_one_runs_plain_decode_and_stays_lossless(tmp_path):
         spec = spec_engine.spec
         calls = {"plain": 0, "spec": 0}
         decode_launch, spec_step = spec.decode.launch, spec.eager_step
+        fused_launch = spec._launch_fused
 
         def count_plain(work, prev):
             calls["plain"] += not work.prefill
@@ -46,8 +47,13 @@ def test_width_one_runs_plain_decode_and_stays_lossless(tmp_path):
             calls["spec"] += 1
             return spec_step(reqs)
 
+        def count_fused(reqs, width, prev):  # with CUDA graphs: fused step graphs
+            calls["spec"] += 1
+            return fused_launch(reqs, width, prev)
+
         spec.decode.launch = count_plain  # type: ignore[method-assign]
         spec.eager_step = count_spec  # type: ignore[method-assign]
+        spec._launch_fused = count_fused  # type: ignore[method-assign]
         got = [
             o["output_ids"] for o in spec_engine.generate(input_ids=prompts, sampling_params=params)
         ]
