@@ -104,9 +104,9 @@ def _assert_500(status: int, body: dict, needle: str) -> None:
 GOOD = [_completion(f"good {i}", 8 + i) for i in range(4)]
 
 
-def _solo(srv: InProcessServer) -> list[str]:
+def _solo(srv: InProcessServer, bodies: list[dict] = GOOD) -> list[str]:
     with httpx.Client(base_url=srv.base_url, timeout=60) as client:
-        return [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in GOOD]
+        return [client.post("/v1/completions", json=b).json()["choices"][0]["text"] for b in bodies]
 
 
 def test_tokenizer_failure_fails_only_that_request(srv, monkeypatch):
@@ -133,7 +133,9 @@ def test_tokenizer_failure_fails_only_that_request(srv, monkeypatch):
     srv.wait_idle()
 
 
-def test_forward_failure_fails_its_batch_and_server_recovers(srv, monkeypatch):
+def test_transient_forward_failure_is_retried_and_fails_nobody(srv, monkeypatch):
+    """One step raises once: its requests are retried one by one and produce exactly what they
+    produce alone."""
     alone = _solo(srv)
     runner = srv.engine.runner
     real_forward = runner.forward
@@ -150,21 +152,56 @@ def test_forward_failure_fails_its_batch_and_server_recovers(srv, monkeypatch):
     async def run():
         async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
             started = asyncio.Event()
-            stream = asyncio.create_task(_stream(client, _completion("victim", 200), started))
-            plain = asyncio.create_task(_post(client, _completion("victim two", 200)))
+            stream = asyncio.create_task(_stream(client, GOOD[0] | {"max_tokens": 40}, started))
+            plain = asyncio.create_task(_post(client, GOOD[1] | {"max_tokens": 40}))
             await started.wait()
-            while srv.stats.num_running_reqs < 2:  # both victims in the batch
+            while srv.stats.num_running_reqs < 2:  # both in the batch
                 await asyncio.sleep(0.01)
             armed.set()
-            events, (status, body) = await asyncio.gather(stream, plain)
-            after = await asyncio.gather(*(_post(client, b) for b in GOOD))
-            return events, status, body, after
+            return await asyncio.gather(stream, plain)
 
-    events, status, body, after = asyncio.run(run())
-    assert "injected forward failure" in events[-1]["error"]["message"]
-    assert events[-1]["error"]["type"] == "server_error"
-    _assert_500(status, body, "injected forward failure")
-    assert [b["choices"][0]["text"] for _, b in after] == alone
+    long_alone = _solo(srv, [GOOD[0] | {"max_tokens": 40}, GOOD[1] | {"max_tokens": 40}])
+    events, (status, body) = asyncio.run(run())
+    assert not armed.is_set(), "the failure was never injected"
+    assert "".join(e["choices"][0]["text"] for e in events) == long_alone[0]
+    assert status == 200 and body["choices"][0]["text"] == long_alone[1]
+    assert _solo(srv) == alone
+    srv.wait_idle()
+
+
+def test_forward_failure_attributed_to_one_request_fails_it_alone(srv, monkeypatch):
+    """Every step holding one request raises: that request fails (500), its batch-mates
+    finish with exactly their solo outputs, and no page leaks."""
+    alone = _solo(srv)
+    runner = srv.engine.runner
+    scheduler = srv.engine.scheduler
+    real_forward = runner.forward
+    poison_ids = srv.engine.tokenizer.encode("poison pill")
+
+    def forward(batch, *args, **kwargs):
+        slots = set(batch.req_pool_indices.tolist())
+        if any(r.prompt_ids == poison_ids and r.slot in slots for r in scheduler.running.values()):
+            raise RuntimeError("injected fault of one request at /opt/models/secret.bin")
+        return real_forward(batch, *args, **kwargs)
+
+    monkeypatch.setattr(runner, "forward", forward)
+
+    async def run():
+        async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            started = asyncio.Event()
+            stream = asyncio.create_task(_stream(client, GOOD[0], started))
+            await started.wait()
+            return await asyncio.gather(
+                stream,
+                _post(client, _completion("poison pill", 30)),
+                *(_post(client, b) for b in GOOD[1:]),
+            )
+
+    events, (status, body), *good = asyncio.run(run())
+    _assert_500(status, body, "injected fault of one request")
+    assert "/opt/models" not in json.dumps(body) and "<path>" in body["error"]["message"]
+    assert "".join(e["choices"][0]["text"] for e in events) == alone[0]
+    assert [b["choices"][0]["text"] for _, b in good] == alone[1:]
     srv.wait_idle()
 
 

@@ -120,6 +120,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
     if len(set(rids)) != len(rids):
         raise ApiError(400, "rid values must be unique", param="rid")
     inputs = []
+    return_logprob = bool(body.return_logprob)
     for (text, ids), sp, rid in zip(prompts, sp_list, rids):
         params = make_sampling_params(sp or {}, default_param="sampling_params")
         if params.max_new_tokens < 1:
@@ -142,7 +143,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                 sampling_params=params,
                 text=text,
                 input_ids=ids,
-                return_logprob=body.return_logprob,
+                return_logprob=return_logprob,
             )
         )
     param = "text" if body.text is not None else "input_ids"
@@ -163,7 +164,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                     r.completion_tokens,
                     r.finish_reason,
                     r,
-                    body.return_logprob,
+                    return_logprob,
                     start,
                     sim,
                 ),
@@ -188,7 +189,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                     out.completion_tokens,
                     out.finish_reason,
                     res,
-                    body.return_logprob,
+                    return_logprob,
                     start,
                     sim,
                 ),
