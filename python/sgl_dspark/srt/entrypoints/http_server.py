@@ -371,6 +371,9 @@ def build_server(server_args: ServerArgs, app: FastAPI) -> GracefulServer:
         app,
         http=guarded_protocol(guard),
         loop="asyncio",
+        # asyncio accepts up to `backlog` connections per wake-up before any is refused: keep
+        # that burst inside the descriptors left over by the connection limit.
+        backlog=max(16, min(2048, open_files - guard.max_connections)),
         log_level=server_args.log_level,
         access_log=server_args.log_level == "debug",
         # The drain already waited for the requests: this only bounds writing the last bytes.

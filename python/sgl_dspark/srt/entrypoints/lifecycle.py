@@ -77,7 +77,7 @@ class Lifecycle:
             logger.info("shutting down: %d requests in flight get %g s", len(active), grace_s)
         await _wait_until(lambda: not active, grace_s)
         if active:
-            logger.warning("grace period over: ending %d requests with an error", len(active))
+            logger.warning("ending %d requests in flight with an error", len(active))
             loop.fail_all(503, SHUTTING_DOWN)
             await _wait_until(lambda: not active, FLUSH_S / 2)
             for group in list(active):  # the scheduler did not answer: end them from here
