@@ -68,10 +68,10 @@ class RateLimitedLog:
         now = time.monotonic()
         if now - self._last >= self.interval_s:
             logger.warning(
-                "%s: %d in the last %.0f s%s",
+                "%s: %d since the last report, %d in all%s",
                 self.message,
                 self.count,
-                min(now - self._last, self.interval_s),
+                self.total,
                 detail,
             )
             self._last = now

@@ -89,12 +89,18 @@ class ApiMiddleware:
     counting per endpoint and status."""
 
     def __init__(
-        self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics, lifecycle: Lifecycle
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        metrics: ServerMetrics,
+        lifecycle: Lifecycle,
+        max_header_bytes: int,
     ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
         self.lifecycle = lifecycle
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -102,6 +108,18 @@ class ApiMiddleware:
             return
         path: str = scope["path"]
         counted = path in GENERATION_ENDPOINTS
+        # h11 bounds a head that arrives in pieces; this bounds one that arrived whole.
+        head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+        head += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > self.max_header_bytes:
+            error = ApiError(
+                431,
+                f"the request line and headers have {head} bytes; at most "
+                f"{self.max_header_bytes} are accepted (--max-header-bytes)",
+                close=True,
+            )
+            await error.response()(scope, receive, send)
+            return
         if self.lifecycle.shutting_down and path != "/metrics":
             if counted:
                 self.metrics.count_request(path, 503)
@@ -154,12 +172,15 @@ def bearer_matches(header: bytes, api_key: str) -> bool:
 def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     """Turn errors into OpenAI-style responses; an unexpected exception fails only this
     request (500) and is logged."""
+    refused = ctx.refused_log
 
     async def route(request: Request) -> Response:
         try:
             return await handler(ctx, request)
         except ApiError as exc:
-            if exc.status >= 500:
+            if exc.status == 503:  # overload or shutdown: counted, logged at a bounded rate
+                refused.note(f" (last: {request.url.path}: {exc.message})")
+            elif exc.status >= 500:
                 logger.error("%s: %s", request.url.path, exc.message)
             return exc.response()
         except ClientDisconnected:
@@ -246,7 +267,11 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         )
 
     app.add_middleware(
-        ApiMiddleware, api_key=server_args.api_key, metrics=metrics, lifecycle=lifecycle
+        ApiMiddleware,
+        api_key=server_args.api_key,
+        metrics=metrics,
+        lifecycle=lifecycle,
+        max_header_bytes=server_args.max_header_bytes,
     )
     return app
 

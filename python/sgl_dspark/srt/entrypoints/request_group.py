@@ -24,7 +24,7 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from sgl_dspark.srt.entrypoints.api_errors import ApiError
-from sgl_dspark.srt.entrypoints.http_limits import read_body
+from sgl_dspark.srt.entrypoints.http_limits import RateLimitedLog, read_body
 from sgl_dspark.srt.entrypoints.openai_protocol import describe_validation_error
 from sgl_dspark.srt.managers.io_struct import (
     GenerateOutput,
@@ -66,6 +66,10 @@ class ServingContext:
     has_tokenizer: bool
     vocab_size: int
     active: set[RequestGroup] = field(default_factory=set)  # groups started and not ended
+    # Requests refused with 503 (queue full, queue timeout, shutdown): one line per interval.
+    refused_log: RateLimitedLog = field(
+        default_factory=lambda: RateLimitedLog("requests refused with 503")
+    )
 
 
 class ClientDisconnected(Exception):
