@@ -5,6 +5,9 @@ the list of problems (empty = the server behaved).
 
 - abort_storm: clients start long requests and hang up at random moments; afterwards every KV
   page and slot is back, greedy output is unchanged and the server still serves.
+- huge_batch_hangup: one /generate with tens of thousands of prompts whose client hangs up
+  while a greedy stream runs: the stream never pauses for long (admission and aborts cost
+  O(1) per request) and keeps its exact output.
 - connection_flood: idle connections past the process's open-file limit; the server answers
   the surplus 503 at once, closes the idle ones after --client-timeout, logs refusals at a
   bounded rate, and serves again.
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import signal
 import sys
@@ -45,9 +49,23 @@ from benchmark.reliability.traffic import (
 )
 
 SCALES: dict[str, dict[str, Any]] = {
-    "ci": {"storm_clients": 24, "storm_s": 6.0, "flood_files": 256, "streams": 8},
-    "full": {"storm_clients": 128, "storm_s": 60.0, "flood_files": 1024, "streams": 32},
+    "ci": {
+        "storm_clients": 24,
+        "storm_s": 6.0,
+        "flood_files": 256,
+        "streams": 8,
+        "batch_prompts": 10_000,
+    },
+    "full": {
+        "storm_clients": 128,
+        "storm_s": 60.0,
+        "flood_files": 1024,
+        "streams": 32,
+        "batch_prompts": 40_000,
+    },
 }
+# The longest pause a running stream may see while a huge batch arrives and is aborted.
+MAX_STREAM_GAP_S = 5.0
 
 
 @dataclass
@@ -86,6 +104,58 @@ def abort_storm_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
         out.check(abandoned >= scale["storm_clients"], f"only {abandoned} requests abandoned")
         out.check(srv.pool_is_full(info), f"pool not full after the storm: {info}")
         out.check(before == after, "greedy output changed after the storm")
+        _clean_log(out, srv)
+        out.check(srv.stop() == 0, "exit status not 0")
+    return out
+
+
+# ---- a huge batch that hangs up -------------------------------------------------------------------
+def huge_batch_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
+    out = Outcome("huge_batch_hangup")
+    prompts = scale["batch_prompts"]
+    args = ["--max-queued-requests", str(prompts), "--max-running-requests", "32"]
+    with ServerUnderTest(log_dir / "huge_batch.log", args) as srv:
+
+        async def run() -> tuple[str, str, list[float]]:
+            async with httpx.AsyncClient(base_url=srv.base_url, timeout=300) as client:
+                reference = await greedy_text(client, "steady", 200)
+                body = {
+                    "model": "tiny",
+                    "prompt": "steady",
+                    "max_tokens": 200,
+                    "temperature": 0,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+                arrivals: list[float] = []
+                text: list[str] = []
+
+                async def stream() -> None:
+                    async with client.stream("POST", "/v1/completions", json=body) as r:
+                        async for line in r.aiter_lines():
+                            if line.startswith("data: {"):
+                                arrivals.append(time.monotonic())
+                                text.append(json.loads(line[6:])["choices"][0]["text"])
+
+                task = asyncio.create_task(stream())
+                while len(arrivals) < 5:
+                    await asyncio.sleep(0.01)
+                batch = {
+                    "text": [f"p{i}" for i in range(prompts)],
+                    "sampling_params": {"max_new_tokens": 8},
+                }
+                with contextlib.suppress(asyncio.TimeoutError):
+                    await asyncio.wait_for(client.post("/generate", json=batch), 2.0)
+                await task
+                gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+                return reference, "".join(text), gaps
+
+        reference, got, gaps = asyncio.run(run())
+        info = srv.wait_idle(120)
+        out.seen.update(prompts=prompts, max_stream_gap_s=round(max(gaps), 2))
+        out.check(got == reference, "the stream's output changed")
+        out.check(max(gaps) < MAX_STREAM_GAP_S, f"the stream paused {max(gaps):.1f} s")
+        out.check(srv.pool_is_full(info), f"pool not full: {info}")
         _clean_log(out, srv)
         out.check(srv.stop() == 0, "exit status not 0")
     return out
@@ -274,6 +344,7 @@ def _count(items: list[str]) -> dict[str, int]:
 
 SCENARIOS: dict[str, Callable[[Path, dict[str, Any]], Outcome]] = {
     "abort_storm": abort_storm_scenario,
+    "huge_batch_hangup": huge_batch_scenario,
     "connection_flood": connection_flood_scenario,
     "sigterm_under_load": sigterm_scenario,
     "sigstop_sigcont": sigstop_scenario,

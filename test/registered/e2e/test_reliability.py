@@ -1,6 +1,6 @@
 """The short variants of the load and fault scripts (`benchmark/reliability/`): sustained mixed
-load in two rounds (zero errors, every KV page back, RSS not growing), an abort storm, a
-connection flood past the open-file limit, SIGTERM under load, SIGSTOP/SIGCONT, and a scheduler
+load in two rounds (zero errors, every KV page back, RSS not growing), an abort storm, a huge
+batch whose client hangs up while a stream runs, a connection flood past the open-file limit, SIGTERM under load, SIGSTOP/SIGCONT, and a scheduler
 thread that dies or hangs. The documented full runs use the same code at full scale."""
 
 from __future__ import annotations

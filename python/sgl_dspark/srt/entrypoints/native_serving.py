@@ -31,6 +31,7 @@ from sgl_dspark.srt.entrypoints.request_group import (
     stream_events,
 )
 from sgl_dspark.srt.managers.io_struct import GenerateReqInput
+from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
 
 class AbortRequest(BaseModel):
@@ -121,8 +122,12 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
         raise ApiError(400, "rid values must be unique", param="rid")
     inputs = []
     return_logprob = bool(body.return_logprob)
+    built: dict[int, SamplingParams] = {}  # one record per distinct object: a shared dict once
     for (text, ids), sp, rid in zip(prompts, sp_list, rids):
-        params = make_sampling_params(sp or {}, default_param="sampling_params")
+        params = built.get(id(sp))
+        if params is None:
+            params = make_sampling_params(sp or {}, default_param="sampling_params")
+            built[id(sp)] = params
         if params.max_new_tokens < 1:
             raise ApiError(
                 400,

@@ -195,8 +195,8 @@ class RequestGroup:
         self.abort_unfinished()
 
     def abort_unfinished(self) -> None:
-        if self._unfinished:
-            self.ctx.loop.abort_many(list(self._unfinished))
+        if self._unfinished:  # the group stops reading: no final outputs needed
+            self.ctx.loop.abort_many(list(self._unfinished), notify=False)
             self._unfinished.clear()
         self.ctx.active.discard(self)
 

@@ -46,9 +46,11 @@ class GenerateReqInput:
 
 @dataclass(frozen=True, slots=True)
 class AbortReq:
-    """Stop requests (client gone or cancelled); their KV pages return to the pool."""
+    """Stop requests (client gone or cancelled); their KV pages return to the pool. With
+    `notify`, each waiter gets a final output (finish_reason abort)."""
 
     rids: tuple[str, ...]
+    notify: bool = True
 
 
 @dataclass(frozen=True, slots=True)

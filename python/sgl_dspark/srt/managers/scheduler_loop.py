@@ -30,7 +30,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from sgl_dspark.srt.managers.io_struct import (
@@ -71,12 +71,14 @@ class _Stop:
     """Inbox sentinel: abort everything and end the thread."""
 
 
-@dataclass(frozen=True)
+@dataclass
 class _Group:
-    """The sub-requests of one HTTP request: queued together or refused together."""
+    """The sub-requests of one HTTP request: queued together or refused together. A large
+    group is built over several iterations (`built` holds the requests made so far)."""
 
     inputs: tuple[GenerateReqInput, ...]
     out: OutQueue
+    built: list[tuple[Req, ReqAccepted]] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -154,12 +156,13 @@ class SchedulerLoop:
     def abort(self, rid: str) -> None:
         """Abort `rid` if it is still queued or running (no-op otherwise); its waiter gets a
         final output with finish_reason abort."""
-        self.abort_many([rid])
+        self._inbox.put(AbortReq((rid,)))
 
-    def abort_many(self, rids: Sequence[str]) -> None:
-        """`abort` for each of `rids`, as one message (each costs O(1) on the thread)."""
+    def abort_many(self, rids: Sequence[str], notify: bool = True) -> None:
+        """`abort` for each of `rids`, as one message (each costs O(1) on the thread);
+        `notify=False` when nobody waits for the final outputs any more."""
         if rids:
-            self._inbox.put(AbortReq(tuple(rids)))
+            self._inbox.put(AbortReq(tuple(rids), notify))
 
     def begin_drain(self) -> None:
         """Refuse new requests (503); those already submitted go on."""
@@ -242,20 +245,23 @@ class SchedulerLoop:
         """One loop iteration; False when a stop was requested."""
         busy = self._scheduler.has_work
         self._backlog.extend(self._drain(block=not (busy or self._backlog)))
-        deadline = time.monotonic() + ADMISSION_BUDGET_S
-        while self._backlog:
-            msg = self._backlog.popleft()
+        # While requests run, inbox work stops at the deadline (a large group or abort resumes
+        # in the next iteration, ahead of later messages); when idle it all runs now.
+        deadline = time.monotonic() + ADMISSION_BUDGET_S if busy else float("inf")
+        while self._backlog and time.monotonic() <= deadline:
+            msg = self._backlog[0]
             if isinstance(msg, _Stop):
                 return False
             if isinstance(msg, AbortReq):
-                for rid in msg.rids:
-                    self._abort(rid)
+                rest = self._abort_many(msg, deadline)
+                if rest:
+                    self._backlog[0] = rest
+                    continue
             elif isinstance(msg, _FailAll):
                 self._abort_all(msg.status, msg.message)
-            else:
-                self._add_group(msg)
-            if busy and time.monotonic() > deadline:
-                break
+            elif not self._add_group(msg, deadline):
+                continue
+            self._backlog.popleft()
         self._expire_queued()
         self._flush()
         if self._scheduler.has_work:
@@ -282,51 +288,68 @@ class SchedulerLoop:
                 self._post(msg.out, ReqFailed(rid, 503, message, None, RETRY_AFTER_SHUTDOWN_S))
         self._backlog.clear()
 
-    def _add_group(self, group: _Group) -> None:
-        reqs: list[Req] = []
-        accepted: list[ReqAccepted] = []
-        for inp in group.inputs:
+    def _abort_many(self, msg: AbortReq, deadline: float) -> AbortReq | None:
+        """Abort `msg.rids` until the deadline; returns what is left to abort, or None."""
+        for i, rid in enumerate(msg.rids):
+            if time.monotonic() > deadline:
+                return AbortReq(msg.rids[i:], msg.notify)
+            self._abort(rid, notify=msg.notify)
+        return None
+
+    def _add_group(self, group: _Group, deadline: float) -> bool:
+        """Build the group's requests until the deadline, then queue them all; False when it
+        is not built yet (resumed next iteration). A refusal ends the group."""
+        if not group.built and not self._group_fits(group):
+            return True
+        while len(group.built) < len(group.inputs):
+            if time.monotonic() > deadline:
+                return False
+            inp = group.inputs[len(group.built)]
             if inp.rid in self._tracked:
                 message = f"request id {_short(inp.rid)} is already in use"
                 self._post(group.out, ReqFailed(inp.rid, 400, message, "rid"))
-                return
+                return True
             try:
-                req, acc = self._io.make_req(inp)
+                group.built.append(self._io.make_req(inp))
             except (RequestRejected, ValueError) as exc:
                 self._post(group.out, ReqFailed(inp.rid, 400, str(exc)))
-                return
+                return True
             except Exception as exc:  # a broken tokenizer/template fails this request only
                 logger.exception("could not queue request %s", _short(inp.rid))
                 message = f"internal error: {type(exc).__name__}: {exc}"
                 self._post(group.out, ReqFailed(inp.rid, 500, message))
-                return
-            reqs.append(req)
-            accepted.append(acc)
-        waiting, limit = len(self._scheduler.waiting), self._max_queued
-        if limit is not None and len(reqs) > limit:  # could never be queued: retrying is useless
+                return True
+        try:
+            # Last: once added, the requests must be tracked.
+            self._scheduler.add_group([req for req, _ in group.built])
+        except RequestRejected as exc:
+            self._post(group.out, ReqFailed(group.inputs[0].rid, 400, str(exc)))
+            return True
+        for inp, (req, acc) in zip(group.inputs, group.built):
+            self._tracked[req.rid] = Tracked(req, group.out, inp.return_logprob)
+            self._post(group.out, acc)
+        return True
+
+    def _group_fits(self, group: _Group) -> bool:
+        """Whether the group fits the waiting queue; posts the refusal when not. (The queue
+        only shrinks while the group is built: groups are built one at a time, in order.)"""
+        waiting, limit, size = len(self._scheduler.waiting), self._max_queued, len(group.inputs)
+        if limit is None or not group.inputs or waiting + size <= limit:
+            return True
+        rid = group.inputs[0].rid
+        if size > limit:  # could never be queued: retrying is useless
             message = (
                 f"one request may carry at most {limit} prompts x choices "
-                f"(--max-queued-requests), got {len(reqs)}"
+                f"(--max-queued-requests), got {size}"
             )
-            self._post(group.out, ReqFailed(group.inputs[0].rid, 400, message))
-            return
-        if limit is not None and waiting + len(reqs) > limit:
+            self._post(group.out, ReqFailed(rid, 400, message))
+        else:
             message = (
                 f"the request queue is full ({waiting} waiting, at most {limit}: "
                 "--max-queued-requests); retry later"
             )
-            self._post(
-                group.out, ReqFailed(group.inputs[0].rid, 503, message, None, RETRY_AFTER_BUSY_S)
-            )
-            return
-        try:
-            self._scheduler.add_group(reqs)  # last: once added, the requests must be tracked
-        except RequestRejected as exc:
-            self._post(group.out, ReqFailed(group.inputs[0].rid, 400, str(exc)))
-            return
-        for inp, req, acc in zip(group.inputs, reqs, accepted):
-            self._tracked[req.rid] = Tracked(req, group.out, inp.return_logprob)
-            self._post(group.out, acc)
+            self._post(group.out, ReqFailed(rid, 503, message, None, RETRY_AFTER_BUSY_S))
+        return False
 
     def _expire_queued(self) -> None:
         """Refuse (503) the requests that waited longer than the queue timeout."""
