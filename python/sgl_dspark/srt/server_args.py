@@ -79,7 +79,9 @@ class ServerArgs:
         32 * 2**20, "Largest request body in bytes (larger ones are answered 413)."
     )
     max_header_bytes: int = _arg(
-        16384, "Largest request line + headers in bytes (larger ones are answered 400)."
+        16384,
+        "Largest request line + headers in bytes (larger ones are answered 431, or 400 when "
+        "they arrive in pieces).",
     )
     keep_alive_timeout: float = _arg(
         5.0, "Seconds an idle keep-alive connection stays open after a response."
