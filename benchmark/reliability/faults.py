@@ -138,8 +138,7 @@ def huge_batch_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
                                 text.append(json.loads(line[6:])["choices"][0]["text"])
 
                 task = asyncio.create_task(stream())
-                while len(arrivals) < 5:
-                    await asyncio.sleep(0.01)
+                await _until(lambda: len(arrivals) >= 5, 120)
                 batch = {
                     "text": [f"p{i}" for i in range(prompts)],
                     "sampling_params": {"max_new_tokens": 8},
@@ -235,8 +234,7 @@ def sigterm_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
                     asyncio.create_task(_stream_outcome(client, 12 if i % 2 else 3000))
                     for i in range(n)
                 ]
-                while srv.info()["num_running_reqs"] < n:
-                    await asyncio.sleep(0.05)
+                await _until(lambda: srv.info()["num_running_reqs"] >= n // 2, 120)
                 srv.signal(signal.SIGTERM)
                 signalled = time.monotonic()
                 await asyncio.sleep(0.5)
@@ -277,8 +275,7 @@ def sigstop_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
                     for _ in range(scale["streams"] // 2)
                     for p in refs
                 ]
-                while srv.info()["num_running_reqs"] == 0:
-                    await asyncio.sleep(0.02)
+                await _until(lambda: srv.info()["num_running_reqs"] > 0, 120)
                 srv.signal(signal.SIGSTOP)
                 await asyncio.sleep(2.0)
                 srv.signal(signal.SIGCONT)
@@ -333,6 +330,16 @@ def scheduler_death_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
 
 def hung_step_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
     return _fatal_scenario(log_dir, scale, "hung_step", ["--hang-after-steps", "50"])
+
+
+async def _until(cond: Callable[[], bool], timeout_s: float) -> None:
+    """Poll `cond` until it holds; TimeoutError after `timeout_s` (a scenario never waits
+    forever)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"condition not reached within {timeout_s:g} s")
+        await asyncio.sleep(0.05)
 
 
 def _count(items: list[str]) -> dict[str, int]:

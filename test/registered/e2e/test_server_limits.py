@@ -244,3 +244,29 @@ def test_client_hanging_up_mid_body_is_not_an_error(server):
     assert not [line for line in generate if 'code="500"' in line], generate
     log = server.log()
     assert "Traceback" not in log and " ERROR " not in log, log[-3000:]
+
+
+def test_a_client_that_stops_reading_a_stream_is_cut_and_its_requests_aborted(server):
+    """A streamed /generate batch with logprobs (each event repeats everything so far: several
+    megabytes in all, more than the socket buffers hold) to a client that never reads: once the buffers are full and a write waits --client-timeout, the
+    connection is cut and the requests are aborted (their pages come back)."""
+    steps_before = server.wait_idle()["total_steps"]
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    sock.connect((host, int(port)))
+    request = _gen(480, text=["slow reader"] * MAX_RUNNING, stream=True, return_logprob=True)
+    body = json.dumps(request).encode()
+    head = (
+        f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {API_KEY}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    )
+    sock.sendall(head.encode() + body)
+    deadline = time.monotonic() + 60
+    while "closed connections of slow clients" not in server.log():
+        assert time.monotonic() < deadline, "the stalled stream was never cut"
+        time.sleep(0.2)
+    info = server.wait_idle(30)
+    assert info["kv_free_pages"] == info["kv_total_pages"]
+    assert info["total_steps"] - steps_before < 480  # aborted, not run to the end
+    sock.close()

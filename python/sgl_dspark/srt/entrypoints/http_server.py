@@ -198,7 +198,6 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
     spec = engine.spec
     spec_positions = spec.worker.gamma if spec is not None else 0
     metrics = ServerMetrics(str(server_args.served_model_name), spec_positions)
-    fatal_sink: list[Lifecycle] = []
     loop = SchedulerLoop(
         engine.scheduler,
         engine.tokenizer,
@@ -206,7 +205,6 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         spec_metrics=spec.metrics if spec is not None else None,
         max_queued=server_args.max_queued_requests,
         queue_timeout_s=server_args.queue_timeout,
-        on_fatal=lambda reason: fatal_sink[0].on_fatal(reason),
     )
     ctx = ServingContext(
         args=server_args,
@@ -216,7 +214,7 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         vocab_size=engine.runner.model_cfg.vocab_size,
     )
     lifecycle = Lifecycle(ctx)
-    fatal_sink.append(lifecycle)
+    loop.on_fatal = lifecycle.on_fatal
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -290,14 +288,6 @@ async def _health_generate(ctx: ServingContext, request: Request) -> Response:
         raise ApiError(503, "the scheduler is not running")
     steps = loop.stats.total_steps
     group = None
-    if loop.stats.num_running_reqs + loop.stats.num_waiting_reqs == 0:
-        inp = GenerateReqInput(
-            rid=f"health-{new_rid()}",
-            input_ids=[0],
-            sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
-        )
-        group = RequestGroup(ctx, request, "/health_generate", [inp], "input_ids")
-        group.submit()
     deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
     try:
         while loop.stats.total_steps == steps:
@@ -305,6 +295,16 @@ async def _health_generate(ctx: ServingContext, request: Request) -> Response:
                 raise ApiError(
                     503, f"the scheduler completed no step within {HEALTH_GENERATE_TIMEOUT_S:g} s"
                 )
+            stats = loop.stats
+            if group is None and stats.num_running_reqs + stats.num_waiting_reqs == 0:
+                # Idle (or gone idle meanwhile): the probe's own token is the step to wait for.
+                inp = GenerateReqInput(
+                    rid=f"health-{new_rid()}",
+                    input_ids=[0],
+                    sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                )
+                group = RequestGroup(ctx, request, "/health_generate", [inp], "input_ids")
+                group.submit()
             await asyncio.sleep(0.02)
     finally:
         if group is not None:

@@ -104,20 +104,19 @@ class SchedulerLoop:
         spec_metrics: AcceptanceStats | None = None,
         max_queued: int | None = None,
         queue_timeout_s: float = 0.0,
-        on_fatal: Callable[[str], None] | None = None,
     ) -> None:
         """`spec_metrics`: DSpark's acceptance statistics (None without speculative decoding).
         `max_queued`: most waiting requests (a group that does not fit is refused with 503);
         None: no limit. `queue_timeout_s`: refuse (503) a request still waiting after this
-        long; 0: never. `on_fatal(reason)`: called on the event loop when the thread ends
-        unexpectedly."""
+        long; 0: never. Set `on_fatal(reason)` to be called on the event loop when the thread
+        ends unexpectedly."""
         self._scheduler = scheduler
         self._spec_metrics = spec_metrics
         self._step_delay_s = step_delay_s
         self._tokenizer = tokenizer
         self._max_queued = max_queued
         self._queue_timeout_s = queue_timeout_s
-        self._on_fatal = on_fatal
+        self.on_fatal: Callable[[str], None] | None = None
         self._inbox: queue.Queue[_Group | AbortReq | _FailAll | _Stop] = queue.Queue()
         self._backlog: collections.deque[_Group | AbortReq | _FailAll | _Stop] = collections.deque()
         # Guards the inbox against the thread ending: a message is either queued before
@@ -235,9 +234,9 @@ class SchedulerLoop:
             self._stats = self._snapshot()
             self._flush()
             logger.info("scheduler thread stopped")
-            if fatal is not None and self._on_fatal is not None and self._event_loop is not None:
+            if fatal is not None and self.on_fatal is not None and self._event_loop is not None:
                 try:
-                    self._event_loop.call_soon_threadsafe(self._on_fatal, fatal)
+                    self._event_loop.call_soon_threadsafe(self.on_fatal, fatal)
                 except RuntimeError:
                     logger.error("event loop closed; cannot report: %s", fatal)
 
