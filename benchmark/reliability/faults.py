@@ -50,11 +50,11 @@ from benchmark.reliability.traffic import (
 
 SCALES: dict[str, dict[str, Any]] = {
     "ci": {
-        "storm_clients": 24,
-        "storm_s": 6.0,
+        "storm_clients": 16,
+        "storm_s": 4.0,
         "flood_files": 256,
         "streams": 8,
-        "batch_prompts": 10_000,
+        "batch_prompts": 4_000,
     },
     "full": {
         "storm_clients": 128,

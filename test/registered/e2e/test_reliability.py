@@ -17,11 +17,11 @@ from benchmark.reliability.load import run_load  # noqa: E402
 
 
 def test_mixed_load_in_two_rounds(tmp_path):
-    report = run_load(tmp_path, streams=32, seconds=20.0, rounds=2)
+    report = run_load(tmp_path, streams=24, seconds=15.0, rounds=2)
     assert not report.problems, report.problems
     assert len(report.rounds) == 2
     for r in report.rounds:
-        assert sum(r.requests.values()) >= 32 and not r.errors and r.pool_full
+        assert sum(r.requests.values()) >= 24 and not r.errors and r.pool_full
 
 
 @pytest.mark.parametrize("name", list(faults.SCENARIOS))

@@ -225,7 +225,7 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         finally:
             watchdog.cancel()
             # A scheduler that hung is not waited for long (its thread is a daemon).
-            join_s = 5.0 if lifecycle.fatal_reason is not None else 30.0
+            join_s = 2.0 if lifecycle.fatal_reason is not None else 30.0
             await asyncio.to_thread(loop.shutdown, join_s)
 
     app = FastAPI(
