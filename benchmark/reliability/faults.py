@@ -42,6 +42,7 @@ from benchmark.reliability.traffic import (
     closed_by_server,
     greedy_text,
     health_status,
+    new_client,
     open_idle_connections,
     references,
     run_streams,
@@ -90,10 +91,10 @@ def abort_storm_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
     with ServerUnderTest(log_dir / "abort_storm.log", ["--max-running-requests", "16"]) as srv:
 
         async def run() -> tuple[dict[str, str], int, dict[str, str]]:
-            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            async with new_client(srv.base_url, 60) as client:
                 before = await references(client)
             abandoned = await abort_storm(srv.base_url, scale["storm_clients"], scale["storm_s"])
-            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
+            async with new_client(srv.base_url, 60) as client:
                 after = await references(client)
             return before, abandoned, after
 
@@ -117,7 +118,7 @@ def huge_batch_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
     with ServerUnderTest(log_dir / "huge_batch.log", args) as srv:
 
         async def run() -> tuple[str, str, list[float]]:
-            async with httpx.AsyncClient(base_url=srv.base_url, timeout=300) as client:
+            async with new_client(srv.base_url, 300) as client:
                 reference = await greedy_text(client, "steady", 200)
                 body = {
                     "model": "tiny",
@@ -227,7 +228,7 @@ def sigterm_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
     with ServerUnderTest(log_dir / "sigterm.log", args) as srv:
 
         async def run() -> tuple[list[str], list[Any], float]:
-            async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+            async with new_client(srv.base_url, 120) as client:
                 n = scale["streams"]
                 # Half finish within the grace period, half cannot.
                 tasks = [
@@ -239,7 +240,7 @@ def sigterm_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
                 signalled = time.monotonic()
                 await asyncio.sleep(0.5)
                 late = [await health_status(srv.base_url, "/health")]
-                async with httpx.AsyncClient(base_url=srv.base_url, timeout=10) as fresh:
+                async with new_client(srv.base_url, 10) as fresh:
                     r = await fresh.post(
                         "/v1/completions", json={"model": "tiny", "prompt": "late"}
                     )
@@ -268,14 +269,14 @@ def sigstop_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
     with ServerUnderTest(log_dir / "sigstop.log") as srv:
 
         async def run() -> tuple[dict[str, str], list[str]]:
-            async with httpx.AsyncClient(base_url=srv.base_url, timeout=120) as client:
+            async with new_client(srv.base_url, 120) as client:
                 refs = {p: await greedy_text(client, p, 40) for p in ("stop", "and go")}
                 tasks = [
                     asyncio.create_task(greedy_text(client, p, 40))
                     for _ in range(scale["streams"] // 2)
                     for p in refs
                 ]
-                await _until(lambda: srv.info()["num_running_reqs"] > 0, 120)
+                await _until(lambda: srv.info()["num_running_reqs"] == len(tasks), 120)
                 srv.signal(signal.SIGSTOP)
                 await asyncio.sleep(2.0)
                 srv.signal(signal.SIGCONT)
@@ -299,19 +300,17 @@ def sigstop_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
 def _fatal_scenario(log_dir: Path, scale: dict[str, Any], name: str, fault: list[str]) -> Outcome:
     out = Outcome(name)
     args = ["--watchdog-timeout", "3"]
+    streams = scale["streams"]
     with ServerUnderTest(
         log_dir / f"{name}.log",
         args,
         module="benchmark.reliability.fault_injection",
-        module_args=fault,
+        module_args=[*fault, "--when-running", str(streams)],  # every stream is in flight
     ) as srv:
 
         async def run() -> list[str]:
-            async with httpx.AsyncClient(base_url=srv.base_url, timeout=60) as client:
-                tasks = [
-                    asyncio.create_task(_stream_outcome(client, 3000))
-                    for _ in range(scale["streams"])
-                ]
+            async with new_client(srv.base_url, 60) as client:
+                tasks = [asyncio.create_task(_stream_outcome(client, 3000)) for _ in range(streams)]
                 return list(await asyncio.gather(*tasks))
 
         start = time.monotonic()
@@ -325,11 +324,11 @@ def _fatal_scenario(log_dir: Path, scale: dict[str, Any], name: str, fault: list
 
 
 def scheduler_death_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
-    return _fatal_scenario(log_dir, scale, "scheduler_death", ["--die-after-steps", "50"])
+    return _fatal_scenario(log_dir, scale, "scheduler_death", ["--die-after-steps", "20"])
 
 
 def hung_step_scenario(log_dir: Path, scale: dict[str, Any]) -> Outcome:
-    return _fatal_scenario(log_dir, scale, "hung_step", ["--hang-after-steps", "50"])
+    return _fatal_scenario(log_dir, scale, "hung_step", ["--hang-after-steps", "20"])
 
 
 async def _until(cond: Callable[[], bool], timeout_s: float) -> None:

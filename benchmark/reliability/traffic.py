@@ -16,9 +16,24 @@ from typing import Any
 
 import httpx
 
+# Idle pooled connections are dropped by the client well before the server's keep-alive timeout
+# (5 s by default), so a request never races the server closing the connection it reuses.
+KEEPALIVE_EXPIRY_S = 1.0
 GREEDY_PROMPTS = ("alpha", "beta gamma", "delta epsilon zeta", "eta")
 GREEDY_TOKENS = 16
 KINDS = ("completion", "chat", "generate", "greedy")
+
+
+def new_client(
+    base_url: str, timeout: float, connections: int = 100, keepalive: bool = True
+) -> httpx.AsyncClient:
+    """An async client for the scripts (`keepalive=False`: a new connection per request)."""
+    limits = httpx.Limits(
+        max_connections=connections,
+        max_keepalive_connections=None if keepalive else 0,
+        keepalive_expiry=KEEPALIVE_EXPIRY_S,
+    )
+    return httpx.AsyncClient(base_url=base_url, timeout=timeout, limits=limits)
 
 
 class CheckFailed(AssertionError):
@@ -118,9 +133,8 @@ async def run_streams(
 ) -> LoadResult:
     """`streams` clients, each sending checked requests back to back for `seconds`."""
     result = LoadResult()
-    limits = httpx.Limits(max_connections=streams + 8)
-    async with httpx.AsyncClient(base_url=base_url, timeout=300, limits=limits) as client:
-        refs = await references(client)
+    async with new_client(base_url, 300, streams + 8) as http:
+        refs = await references(http)
         start = time.monotonic()
         deadline = start + seconds
 
@@ -128,7 +142,7 @@ async def run_streams(
             rng = random.Random(seed * 1000 + index)
             while time.monotonic() < deadline:
                 try:
-                    result.done[await one_request(client, rng, refs)] += 1
+                    result.done[await one_request(http, rng, refs)] += 1
                 except (CheckFailed, httpx.HTTPError) as exc:
                     result.errors.append(f"{type(exc).__name__}: {exc}")
                     if stop_on_error:
@@ -176,12 +190,11 @@ async def abort_storm(base_url: str, clients: int, seconds: float, seed: int = 0
     Returns how many requests were abandoned."""
     abandoned = 0
     deadline = time.monotonic() + seconds
-    limits = httpx.Limits(max_connections=clients + 8, max_keepalive_connections=0)
-    async with httpx.AsyncClient(base_url=base_url, timeout=60, limits=limits) as client:
+    async with new_client(base_url, 60, clients + 8, keepalive=False) as http:
 
         async def leave_stream(path: str, body: dict, after: int) -> None:
             seen = 0
-            async with client.stream("POST", path, json={**body, "stream": True}) as r:
+            async with http.stream("POST", path, json={**body, "stream": True}) as r:
                 async for line in r.aiter_lines():
                     seen += line.startswith("data: ")
                     if seen >= after:
@@ -198,7 +211,7 @@ async def abort_storm(base_url: str, clients: int, seconds: float, seed: int = 0
                         await leave_stream(path, body, rng.randint(1, 5))
                     else:
                         wait = rng.uniform(0.05, 0.6) if mode == "plain" else 0.01
-                        await asyncio.wait_for(client.post(path, json=body), wait)
+                        await asyncio.wait_for(http.post(path, json=body), wait)
                 abandoned += 1
 
         await asyncio.gather(*(worker(i) for i in range(clients)))
@@ -247,7 +260,7 @@ def status_of(raw: bytes) -> int | None:
 async def health_status(base_url: str, path: str = "/health", timeout_s: float = 10.0) -> Any:
     """The status of one fresh-connection GET, or the exception's name."""
     try:
-        async with httpx.AsyncClient(base_url=base_url, timeout=timeout_s) as client:
-            return (await client.get(path)).status_code
+        async with new_client(base_url, timeout_s) as http:
+            return (await http.get(path)).status_code
     except httpx.HTTPError as exc:
         return type(exc).__name__
