@@ -71,12 +71,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout.flush()
 
     try:
-        run_server(args, on_ready=announce)
+        return run_server(args, on_ready=announce)
     except (ValueError, RuntimeError, OSError) as exc:
         logger.debug("launch failed", exc_info=True)
         logger.error("launch failed: %s", exc)
         return 1
-    return 0
 
 
 if __name__ == "__main__":

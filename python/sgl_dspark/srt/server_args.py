@@ -16,24 +16,21 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl_dspark.srt.server_args_checks import (
+    CONFIDENCE_MODE_CHOICES,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    KERNEL_BACKEND_CHOICES,
+    LOG_LEVEL_CHOICES,
+    SPECULATIVE_ALGORITHMS,
+    VERIFY_POLICY_CHOICES,
+    attention_backend_choices,
+    validate,
+)
+
 logger = logging.getLogger(__name__)
-
-SPECULATIVE_ALGORITHMS = ("DSpark",)
-
-DTYPE_CHOICES = ("auto", "float32", "float", "bfloat16", "float16", "half")
-_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
-DEVICE_CHOICES = ("auto", "cpu", "cuda")
-KERNEL_BACKEND_CHOICES = ("auto", "torch", "triton")
-VERIFY_POLICY_CHOICES = ("full", "static", "confidence")
-CONFIDENCE_MODE_CHOICES = ("sync", "async")
-LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
-
-
-def _attention_backend_choices() -> tuple[str, ...]:
-    from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS
-
-    return tuple(sorted(ATTENTION_BACKENDS))
+_DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 
 def _arg(
@@ -65,11 +62,48 @@ class ServerArgs:
     port: int = _arg(30000, "Port to listen on (0 picks a free port, shown in the ready line).")
     api_key: str | None = _arg(
         None,
-        "If set, every request except /health* and /metrics must send "
-        "'Authorization: Bearer <key>'.",
+        "If set, every route except /health and /metrics (including /health_generate, which "
+        "runs the model) needs 'Authorization: Bearer <key>'.",
     )
     graceful_shutdown_timeout: float = _arg(
-        10.0, "Seconds that SIGTERM/SIGINT wait for in-flight requests before aborting them."
+        10.0,
+        "Seconds that SIGTERM/SIGINT let in-flight requests finish (new ones get 503) before "
+        "ending the rest with an error.",
+    )
+    max_connections: int = _arg(
+        4096,
+        "Most open HTTP connections; more are answered 503 and closed. Capped below the "
+        "open-file limit, which the server raises at start where the OS allows.",
+    )
+    max_request_body_bytes: int = _arg(
+        32 * 2**20, "Largest request body in bytes (larger ones are answered 413)."
+    )
+    max_header_bytes: int = _arg(
+        16384,
+        "Largest request line + headers in bytes (larger ones are answered 431, or 400 when "
+        "they arrive in pieces).",
+    )
+    keep_alive_timeout: float = _arg(
+        5.0, "Seconds an idle keep-alive connection stays open after a response."
+    )
+    client_timeout: float = _arg(
+        30.0,
+        "Seconds a client may take to send a request's headers, and its body, and that a "
+        "streamed response may wait for the client to read; then the connection is closed "
+        "(408 for a late request).",
+    )
+    max_queued_requests: int = _arg(
+        4096, "Most requests waiting to be scheduled; more are refused with 503 and Retry-After."
+    )
+    queue_timeout: float = _arg(
+        600.0,
+        "Seconds a request may wait to be scheduled before it is refused with 503 and "
+        "Retry-After; 0: no limit.",
+    )
+    watchdog_timeout: float = _arg(
+        300.0,
+        "Seconds the scheduler may make no progress while it has requests before the server "
+        "fails them and shuts down with an error (instead of hanging).",
     )
     log_level: str = _arg("info", "Log level of the server and uvicorn.", LOG_LEVEL_CHOICES)
     # ---- runtime ----
@@ -207,7 +241,7 @@ class ServerArgs:
     )
 
     def __post_init__(self) -> None:
-        _validate(self)
+        validate(self)
 
     # ---- construction ------------------------------------------------------------------------
     def resolved(self) -> ServerArgs:
@@ -250,7 +284,7 @@ class ServerArgs:
                 kwargs["type"] = kind
                 choices = f.metadata.get("choices")
                 if f.name == "attention_backend":
-                    choices = _attention_backend_choices()
+                    choices = attention_backend_choices()
                 if choices:
                     kwargs["choices"] = choices
                 if f.metadata.get("metavar"):
@@ -316,175 +350,3 @@ def make_parser() -> argparse.ArgumentParser:
     )
     ServerArgs.add_cli_args(parser)
     return parser
-
-
-def _require(cond: bool, message: str) -> None:
-    if not cond:
-        raise ValueError(message)
-
-
-def _validate(a: ServerArgs) -> None:
-    """Each check names the flag to change. Raises ValueError."""
-    _require(
-        isinstance(a.model_path, str) and bool(a.model_path),
-        "--model-path must be a non-empty string",
-    )
-    _require(
-        not (a.skip_tokenizer_init and a.tokenizer_path is not None),
-        "--tokenizer-path conflicts with --skip-tokenizer-init (no tokenizer is loaded)",
-    )
-    _require(
-        a.served_model_name is None or bool(a.served_model_name),
-        "--served-model-name must not be empty",
-    )
-    _require(a.api_key is None or bool(a.api_key), "--api-key must not be empty")
-    _require(0 <= a.port <= 65535, f"--port must be in [0, 65535], got {a.port}")
-    _require(
-        a.graceful_shutdown_timeout >= 0,
-        f"--graceful-shutdown-timeout must be >= 0, got {a.graceful_shutdown_timeout}",
-    )
-    _check_choice("--log-level", a.log_level, LOG_LEVEL_CHOICES)
-    _check_choice("--device", a.device, DEVICE_CHOICES)
-    _check_choice("--dtype", a.dtype, DTYPE_CHOICES)
-    _check_choice("--kernel-backend", a.kernel_backend, KERNEL_BACKEND_CHOICES)
-    _check_choice("--attention-backend", a.attention_backend, _attention_backend_choices())
-    from sgl_dspark.srt.core.kernel_choice import KernelChoice
-
-    KernelChoice.parse("torch", a.kernel_backend_overrides)  # raises naming the flag
-    for flag, value in (
-        ("--context-length", a.context_length),
-        ("--max-total-tokens", a.max_total_tokens),
-        ("--max-running-requests", a.max_running_requests),
-    ):
-        _require(value >= 1, f"{flag} must be >= 1, got {value}")
-    _require(
-        a.chunked_prefill_size == -1 or a.chunked_prefill_size >= 1,
-        f"--chunked-prefill-size must be -1 (off) or >= 1, got {a.chunked_prefill_size}",
-    )
-    _require(a.page_size >= 0, f"--page-size must be >= 0 (0 = auto), got {a.page_size}")
-    _require(
-        a.mem_fraction_static is None or 0.0 < a.mem_fraction_static < 1.0,
-        f"--mem-fraction-static must be in (0, 1), got {a.mem_fraction_static}",
-    )
-    _require(
-        a.cuda_graph_max_prefill_tokens is None or a.cuda_graph_max_prefill_tokens >= 0,
-        "--cuda-graph-max-prefill-tokens must be >= 0 (0 = eager prefill), got "
-        f"{a.cuda_graph_max_prefill_tokens}",
-    )
-    _require(
-        a.cuda_graph_max_bs is None or a.cuda_graph_max_bs >= 0,
-        f"--cuda-graph-max-bs must be >= 0, got {a.cuda_graph_max_bs}",
-    )
-    _require(
-        a.programmatic_launch_max_bs >= 0,
-        f"--programmatic-launch-max-bs must be >= 0, got {a.programmatic_launch_max_bs}",
-    )
-    _require(
-        not (a.disable_cuda_graph and a.cuda_graph_max_bs),
-        "--cuda-graph-max-bs conflicts with --disable-cuda-graph",
-    )
-    _require(
-        not a.cuda_graph_max_bs or a.cuda_graph_max_bs <= a.max_running_requests,
-        f"--cuda-graph-max-bs {a.cuda_graph_max_bs} exceeds --max-running-requests "
-        f"{a.max_running_requests}",
-    )
-    _validate_speculative(a)
-
-
-def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:
-    _require(value in choices, f"{flag} must be one of {list(choices)}, got {value!r}")
-
-
-def _validate_speculative(a: ServerArgs) -> None:
-    algo = a.speculative_algorithm
-    set_flags = [
-        "--" + f.name.replace("_", "-")
-        for f in dataclasses.fields(a)
-        if f.name.startswith("speculative_")
-        and f.name != "speculative_algorithm"
-        and getattr(a, f.name) != f.default
-    ]
-    if algo is None:
-        _require(not set_flags, f"{', '.join(set_flags)} need(s) --speculative-algorithm DSpark")
-        return
-    _require(
-        isinstance(algo, str) and algo.lower() in {s.lower() for s in SPECULATIVE_ALGORITHMS},
-        f"--speculative-algorithm must be one of {list(SPECULATIVE_ALGORITHMS)} "
-        f"(case-insensitive), got {algo!r}",
-    )
-    gamma = a.speculative_dspark_block_size
-    _require(
-        gamma is None or gamma >= 1, f"--speculative-dspark-block-size must be >= 1, got {gamma}"
-    )
-    bs1 = a.speculative_dspark_bs1_block_size
-    _require(
-        bs1 is None or 1 <= bs1 <= 15,
-        f"--speculative-dspark-bs1-block-size must be in [1, 15], got {bs1}",
-    )
-    sim = a.speculative_dspark_simulate_accept_len
-    _require(
-        sim is None or sim >= 1.0,
-        f"--speculative-dspark-simulate-accept-len must be >= 1, got {sim}",
-    )
-    if sim is not None and gamma is not None:
-        _require(
-            sim <= gamma + 1,
-            f"--speculative-dspark-simulate-accept-len {sim} exceeds "
-            f"--speculative-dspark-block-size + 1 ({gamma + 1})",
-        )
-    policy = a.speculative_dspark_verify_policy
-    _check_choice("--speculative-dspark-verify-policy", policy, VERIFY_POLICY_CHOICES)
-    _check_choice(
-        "--speculative-dspark-confidence-mode",
-        a.speculative_dspark_confidence_mode,
-        CONFIDENCE_MODE_CHOICES,
-    )
-    online = a.speculative_dspark_online_width
-    for flag, used, policies in (
-        (
-            "--speculative-dspark-width-table-path",
-            a.speculative_dspark_width_table_path is not None,
-            ("static",),
-        ),
-        ("--speculative-dspark-online-width", online, ("static",)),
-        (
-            "--speculative-dspark-confidence-mode",
-            a.speculative_dspark_confidence_mode != "sync",
-            ("confidence",),
-        ),
-        (
-            "--speculative-dspark-confidence-sts-path",
-            a.speculative_dspark_confidence_sts_path is not None,
-            ("confidence",),
-        ),
-        (
-            "--speculative-dspark-sps-table-path",
-            a.speculative_dspark_sps_table_path is not None,
-            ("static", "confidence"),
-        ),
-    ):
-        _require(
-            not used or policy in policies,
-            f"{flag} is only used with --speculative-dspark-verify-policy "
-            f"{' or '.join(policies)} (got {policy})",
-        )
-    _require(
-        not (online and a.speculative_dspark_width_table_path is not None),
-        "--speculative-dspark-width-table-path conflicts with "
-        "--speculative-dspark-online-width (a fixed table or the online policy)",
-    )
-    _require(
-        online or a.speculative_dspark_verify_widths == "2,3",
-        "--speculative-dspark-verify-widths is only used with --speculative-dspark-online-width",
-    )
-    _require(
-        not (policy == "static" and a.speculative_dspark_sps_table_path is not None and not online),
-        "--speculative-dspark-sps-table-path is only used by the static policy with "
-        "--speculative-dspark-online-width",
-    )
-    widths = a.speculative_dspark_verify_widths.split(",")
-    _require(
-        all(w.strip().isdigit() and int(w) >= 2 for w in widths),
-        f"--speculative-dspark-verify-widths must be a comma list of ints >= 2, got "
-        f"{a.speculative_dspark_verify_widths!r}",
-    )

@@ -1,27 +1,21 @@
-"""Load: 32 concurrent streaming clients for 60 s (completions, chat, /generate; token counts
-and greedy outputs checked), then 50 clients that disconnect mid-stream or while queued. After
-each phase the KV pool must report every page and request slot free."""
+"""Clients that go away: 50 clients that disconnect mid-stream or while queued, and non-streaming
+clients that time out. After each phase the KV pool must report every page and request slot
+free. (Sustained mixed load runs in `test_reliability.py`.)"""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import os
 import random
-import time
-from collections import Counter
 
 import httpx
 import pytest
 from server_fixture import running_server
 
-LOAD_SECONDS = float(os.environ.get("SGL_DSPARK_LOAD_SECONDS", "60"))
-NUM_CLIENTS = 32
 NUM_DISCONNECTING = 50
 MAX_RUNNING = 32
 LONG_TOKENS = 400  # a request this long needs >= 400 steps to finish on its own
-GREEDY_PROMPTS = ["alpha", "beta gamma", "delta epsilon zeta", "eta"]
 
 
 @pytest.fixture(scope="module")
@@ -37,112 +31,6 @@ def server(tmp_path_factory):
         str(MAX_RUNNING),
     ) as srv:
         yield srv
-
-
-async def _stream(client: httpx.AsyncClient, path: str, body: dict) -> list[dict]:
-    async with client.stream("POST", path, json={**body, "stream": True}) as r:
-        assert r.status_code == 200, await r.aread()
-        payloads = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
-    assert payloads and payloads[-1] == "[DONE]", payloads[-2:]
-    events = [json.loads(p) for p in payloads[:-1]]
-    assert not any("error" in e for e in events), events
-    return events
-
-
-async def _greedy_text(client: httpx.AsyncClient, prompt: str, max_tokens: int) -> str:
-    events = await _stream(
-        client,
-        "/v1/completions",
-        {
-            "model": "tiny",
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "ignore_eos": True,
-        },
-    )
-    return "".join(e["choices"][0]["text"] for e in events)
-
-
-async def _one_request(
-    client: httpx.AsyncClient, rng: random.Random, references: dict[str, str]
-) -> str:
-    """One random streaming request; checks its token count (ignore_eos makes it exact)."""
-    n = rng.randint(1, 24)
-    kind = rng.choice(["completion", "chat", "generate", "greedy"])
-    if kind == "greedy":
-        prompt = rng.choice(GREEDY_PROMPTS)
-        assert await _greedy_text(client, prompt, 16) == references[prompt]
-    elif kind == "completion":
-        events = await _stream(
-            client,
-            "/v1/completions",
-            {
-                "model": "tiny",
-                "prompt": "load " * rng.randint(1, 30),
-                "max_tokens": n,
-                "temperature": 0.8,
-                "logprobs": 0,
-                "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-            },
-        )
-        tokens = sum(len(e["choices"][0]["logprobs"]["tokens"]) for e in events[:-1])
-        assert tokens == events[-1]["usage"]["completion_tokens"] == n
-        assert events[-2]["choices"][0]["finish_reason"] == "length"
-    elif kind == "chat":
-        events = await _stream(
-            client,
-            "/v1/chat/completions",
-            {
-                "model": "tiny",
-                "messages": [{"role": "user", "content": "x" * rng.randint(1, 60)}],
-                "max_tokens": n,
-                "ignore_eos": True,
-                "stream_options": {"include_usage": True},
-            },
-        )
-        assert events[-1]["usage"]["completion_tokens"] == n
-    else:
-        ids = [0] + [rng.randrange(7, 263) for _ in range(rng.randint(1, 50))]
-        events = await _stream(
-            client,
-            "/generate",
-            {"input_ids": ids, "sampling_params": {"max_new_tokens": n, "ignore_eos": True}},
-        )
-        final = events[-1]
-        assert len(final["output_ids"]) == final["meta_info"]["completion_tokens"] == n
-        assert final["meta_info"]["prompt_tokens"] == len(ids)
-    return kind
-
-
-def test_32_streaming_clients_for_60s(server):
-    async def run() -> Counter:
-        limits = httpx.Limits(max_connections=NUM_CLIENTS + 8)
-        async with httpx.AsyncClient(
-            base_url=server.base_url, timeout=120, limits=limits
-        ) as client:
-            references = {p: await _greedy_text(client, p, 16) for p in GREEDY_PROMPTS}
-            deadline = time.monotonic() + LOAD_SECONDS
-            done: Counter = Counter()
-
-            async def worker(seed: int) -> None:
-                rng = random.Random(seed)
-                while time.monotonic() < deadline:
-                    done[await _one_request(client, rng, references)] += 1
-
-            await asyncio.gather(*(worker(i) for i in range(NUM_CLIENTS)))
-            return done
-
-    start = time.monotonic()
-    done = asyncio.run(run())
-    print("requests done:", dict(done))
-    assert time.monotonic() - start >= LOAD_SECONDS
-    assert set(done) == {"completion", "chat", "generate", "greedy"}, done
-    assert sum(done.values()) >= NUM_CLIENTS
-    info = server.wait_idle()
-    assert info["kv_free_pages"] == info["kv_total_pages"]
-    assert info["free_req_slots"] == MAX_RUNNING
 
 
 def _long_request(seed: int) -> tuple[str, dict]:

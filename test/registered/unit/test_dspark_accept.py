@@ -532,3 +532,50 @@ def test_anticipating_length_policy_is_biased():
     p_fair = _chisquare_p(torch.bincount(fair.out_tokens[:, 0], minlength=VOCAB), dist)
     assert p_biased < 1e-6
     assert p_fair > 0.01
+
+
+# ---- totality -------------------------------------------------------------------------------
+EXTREME_PARAMS = [
+    {"top_p": 1e-46},  # rounds to 0 in fp32: the target keeps its most probable token
+    {"top_k": 2**64, "temperature": 1e300},  # past the vocabulary and past fp32's range
+    {"top_k": 10**30, "top_p": 1e-46},
+    {"temperature": 1.0000001e-6},  # just above the greedy threshold
+    {"min_p": 1.0},
+    {"temperature": 1e-5, "top_p": 5e-324},
+]
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_acceptance_total_over_extreme_sampling_values(backend):
+    """Sampled acceptance over the edges of every accepted range: target distributions with
+    mass, committed tokens inside the vocabulary, and rows whose filters keep one token commit
+    exactly the target's argmax chain."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    batch, width, vocab = len(EXTREME_PARAMS), 4, 17
+    gen = torch.Generator().manual_seed(11)
+    params = [SamplingParams(seed=i, **kw) for i, kw in enumerate(EXTREME_PARAMS)]
+    info = SamplingBatchInfo.from_params(params, vocab, device, counters=[0] * batch)
+    logits = (torch.randn((batch, width, vocab), generator=gen) * 3).to(device)
+    p = _target_probs(logits, info)
+    assert torch.isfinite(p).all()
+    torch.testing.assert_close(p.sum(-1), torch.ones(batch, width, device=device))
+    chain = logits.argmax(-1)
+    # Drafts: the target's argmax chain with one wrong token in some rows.
+    drafts = chain[:, : width - 1].clone()
+    drafts[::2, 1] = (drafts[::2, 1] + 1) % vocab
+    verify_ids = torch.cat([torch.zeros((batch, 1), dtype=torch.int64, device=device), drafts], 1)
+    q = torch.softmax(torch.randn((batch, width - 1, vocab), generator=gen), -1).to(device)
+    coins = torch.rand((batch, width - 1), generator=gen).to(device)
+    bonus_u = torch.rand(batch, generator=gen).to(device)
+    lens = torch.full((batch,), width, dtype=torch.int64, device=device)
+    seq = torch.full((batch,), 5, dtype=torch.int64, device=device)
+    out = create_accept_fn(KernelChoice(backend))(
+        verify_ids, lens, seq, logits, info.is_greedy, p, q, coins, bonus_u
+    )
+    commit = out.commit_len.tolist()
+    for row, kw in enumerate(EXTREME_PARAMS):
+        committed = out.out_tokens[row, : commit[row]]
+        assert 1 <= commit[row] <= width
+        assert ((committed >= 0) & (committed < vocab)).all(), kw
+        if kw.get("top_p", 1.0) < 1e-29 or kw.get("min_p") == 1.0:
+            assert committed.tolist() == chain[row, : commit[row]].tolist(), kw

@@ -325,3 +325,88 @@ def test_temperature_limit_is_sharp():
     info = _info([SamplingParams(temperature=1e-5, seed=1)], 3, counters=[0])
     assert Sampler()(logits, info).next_token_ids.tolist() == [1]
     assert math.isclose(float(processed_probs(logits, info)[0, 1]), 1.0)
+
+
+# ---------------------------------------------------------------- totality
+
+
+def _extreme_params(vocab: int) -> list[dict]:
+    """Values SamplingParams accepts at the edges of its ranges (and past fp32's)."""
+    return [
+        {"top_p": 1e-46},  # rounds to 0 in fp32
+        {"top_p": 5e-324},  # the smallest positive double
+        {"top_p": 1e-30, "top_k": 3},
+        {"top_k": vocab},
+        {"top_k": vocab + 1},
+        {"top_k": 2**63 - 1},
+        {"top_k": 2**63},
+        {"top_k": 2**64},
+        {"top_k": 10**30, "top_p": 1e-46},
+        {"temperature": 1.0000001e-6},  # just above the greedy threshold
+        {"temperature": 1e-5, "top_p": 1e-46},
+        {"temperature": 1e5},
+        {"temperature": 1e300},  # past fp32's range
+        {"temperature": 1.7e308, "min_p": 1.0},
+        {"min_p": 1e-46},
+        {"min_p": 1.0},
+        {"min_p": 1.0, "top_p": 1e-46, "top_k": 1},
+    ]
+
+
+def test_sampler_total_over_extreme_validated_values():
+    """Every accepted parameter value yields a distribution with mass and a token in the
+    vocabulary; a top_p that underflows fp32 (or min_p 1) keeps exactly the most probable token."""
+    vocab = 64
+    gen = torch.Generator().manual_seed(3)
+    extremes = _extreme_params(vocab)
+    params = [SamplingParams(seed=i, **kw) for i, kw in enumerate(extremes)]
+    logits = torch.randn(len(params), vocab, generator=gen) * 3
+    info = _info(params, vocab, counters=list(range(len(params))))
+    probs = processed_probs(logits, info)
+    assert torch.isfinite(probs).all()
+    torch.testing.assert_close(probs.sum(-1), torch.ones(len(params)))
+    out = Sampler()(logits, info)
+    ids = out.next_token_ids
+    assert ((ids >= 0) & (ids < vocab)).all()
+    assert torch.isfinite(out.next_token_logprobs).all()
+    argmax = logits.argmax(-1)
+    for row, kw in enumerate(extremes):
+        narrow = kw.get("top_p", 1.0) < 1e-29 or kw.get("min_p") == 1.0 or kw.get("top_k") == 1
+        if narrow and kw.get("temperature", 1.0) < 1e300:  # (at 1e300 every token ties)
+            assert int(ids[row]) == int(argmax[row]), kw
+            if not params[row].is_greedy:  # (greedy rows carry neutral filters)
+                assert float(probs[row, argmax[row]]) == 1.0, kw
+        if kw.get("temperature", 1.0) >= 1e300:
+            # The infinite-temperature limit: uniform over the vocabulary (min_p 1 keeps all).
+            torch.testing.assert_close(probs[row], torch.full((vocab,), 1 / vocab))
+
+
+def test_extreme_rows_leave_the_other_rows_of_the_batch_unchanged():
+    vocab = 64
+    gen = torch.Generator().manual_seed(4)
+    normal = [SamplingParams(temperature=0.9, top_p=0.8, seed=100 + i) for i in range(4)]
+    extreme = [SamplingParams(seed=i, **kw) for i, kw in enumerate(_extreme_params(vocab))]
+    logits_n = torch.randn(len(normal), vocab, generator=gen)
+    logits_x = torch.randn(len(extreme), vocab, generator=gen) * 3
+    alone = Sampler()(logits_n, _info(normal, vocab, counters=[5] * len(normal)))
+    mixed = Sampler()(
+        torch.cat([logits_x[:8], logits_n, logits_x[8:]]),
+        _info(extreme[:8] + normal + extreme[8:], vocab, counters=[5] * (len(extreme) + 4)),
+    )
+    assert mixed.next_token_ids[8:12].tolist() == alone.next_token_ids.tolist()
+    assert torch.equal(mixed.next_token_logprobs[8:12], alone.next_token_logprobs)
+
+
+def test_inverse_cdf_of_nan_or_massless_rows_stays_in_the_vocabulary():
+    probs = torch.tensor(
+        [
+            [float("nan")] * 5,
+            [0.0, float("nan"), 0.5, float("nan"), 0.5],
+            [0.0] * 5,
+            [float("inf"), 0.0, 0.25, 0.0, 0.0],
+        ]
+    )
+    for u in (0.0, 0.5, 1.0 - 2.0**-24):
+        picked = sample_from_probs(probs, torch.full((4,), u)).tolist()
+        assert picked[0] == 0 and picked[2] == 0
+        assert picked[1] in (2, 4) and picked[3] == 2

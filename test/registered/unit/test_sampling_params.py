@@ -167,3 +167,62 @@ def test_frozen():
     p = SamplingParams()
     with pytest.raises(AttributeError):
         p.temperature = 0.5  # type: ignore[misc]
+
+
+def test_every_field_has_a_validation_rule():
+    from dataclasses import fields
+
+    from sgl_dspark.srt.sampling.sampling_params import FIELD_RULES
+
+    assert [f.name for f in fields(SamplingParams)] == list(FIELD_RULES)
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        # SGLang's ranges (SamplingParams.verify)
+        ("frequency_penalty", 2.5, r"frequency_penalty must be in \[-2, 2\]"),
+        ("presence_penalty", -2.01, r"presence_penalty must be in \[-2, 2\]"),
+        ("repetition_penalty", 0.0, r"repetition_penalty must be in \(0, 2\]"),
+        ("repetition_penalty", 2.5, r"repetition_penalty must be in \(0, 2\]"),
+        ("top_p", 1e-400, r"top_p must be in \(0, 1\]"),  # parses to 0.0
+        ("stop", ["x"] * 33, "stop may hold at most 32 strings"),
+        # Our own, stricter
+        ("stop", "x" * 1025, "at most 1024 characters"),
+        ("stop_token_ids", list(range(1025)), "at most 1024 ids"),
+        ("temperature", 10**400, "temperature must be finite"),
+        ("top_p", -(10**400), "top_p must be finite"),
+        ("seed", 2**64, r"seed must be in \[0, 2\*\*63\)"),
+    ],
+)
+def test_ranges_of_sglang_and_our_stricter_ones(field, value, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams.from_dict({field: value})
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("top_k", 2**63),  # past the vocabulary means off
+        ("top_k", 10**30),
+        ("temperature", 1e300),
+        ("temperature", 1e-300),  # greedy
+        ("top_p", 5e-324),
+        ("min_p", 1e-300),
+        ("max_new_tokens", 10**30),  # refused later against the context length
+        ("stop", ["x"] * 32),
+        ("stop", "x" * 1024),
+        ("stop_token_ids", list(range(1024))),
+    ],
+)
+def test_extreme_values_inside_the_ranges_accepted(field, value):
+    SamplingParams.from_dict({field: value})
+
+
+def test_messages_stay_short_for_huge_values():
+    with pytest.raises(ValueError) as err:
+        SamplingParams.from_dict({"stop_token_ids": [-1] * 1000})
+    assert len(str(err.value)) < 200
+    with pytest.raises(ValueError) as err:
+        SamplingParams.from_dict({f"k{i}" * 100: 1 for i in range(50)})
+    assert len(str(err.value)) < 400

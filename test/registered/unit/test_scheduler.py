@@ -103,10 +103,11 @@ def make(
     max_running: int = 8,
     window: int = 1,
     eos: tuple[int, ...] = (),
+    executor: FakeExecutor | None = None,
 ) -> tuple[Scheduler, FakeExecutor]:
     allocator = PagedTokenAllocator(pages + 1, PAGE)
     pool = ReqToTokenPool(slots, 128, allocator, "cpu")
-    executor = FakeExecutor(window)
+    executor = executor or FakeExecutor(window)
     cfg = SchedulerConfig(
         chunked_prefill_size=chunk,
         max_running_requests=max_running,
@@ -322,3 +323,114 @@ def test_completed_steps_are_applied_at_once():
     while sched.has_work:
         sched.step()
     assert r.output_ids == expected_output([1, 2, 3], 3)
+
+
+# ---- failure isolation ----------------------------------------------------------------------
+class PoisonExecutor(FakeExecutor):
+    """Raises when a step holds a request whose prompt starts with POISON (at launch, or when
+    the step is read with `fail_at_wait`), and for one batch shape only with `fail_batch_of`."""
+
+    POISON = 13
+
+    def __init__(self, fail_at_wait: bool = False, fail_batch_of: int | None = None) -> None:
+        super().__init__()
+        self.fail_at_wait = fail_at_wait
+        self.fail_batch_of = fail_batch_of
+
+    def _doomed(self, work: StepWork) -> bool:
+        if self.fail_batch_of is not None:
+            return len(work.reqs) == self.fail_batch_of
+        return any(r.prompt_ids[0] == self.POISON for r in work.reqs)
+
+    def launch(self, work: StepWork, prev: InflightStep | None) -> InflightStep:
+        step = super().launch(work, prev)
+        if self._doomed(work):
+            if not self.fail_at_wait:
+                raise RuntimeError("device fault")
+            step.wait = lambda: (_ for _ in ()).throw(RuntimeError("device fault at read"))
+        return step
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("fail_at_wait", [False, True])
+def test_a_step_failure_fails_only_the_request_it_is_attributed_to(overlap, fail_at_wait):
+    sched, _ = make(overlap=overlap, executor=PoisonExecutor(fail_at_wait=fail_at_wait))
+    good = [req(f"g{i}", [1 + i, 2 + i, 3 + i], max_new=8) for i in range(3)]
+    for r in good[:2]:
+        sched.add(r)
+    sched.step()
+    sched.step()  # the good ones are decoding (and, with overlap, a step is in flight)
+    bad = req("bad", [PoisonExecutor.POISON, 1, 2], max_new=8)
+    sched.add(bad)
+    sched.add(good[2])
+    failed = []
+    while sched.has_work:
+        failed += sched.step().failed
+    assert failed == [bad]
+    assert bad.error == "RuntimeError: device fault" + (" at read" if fail_at_wait else "")
+    assert bad.finish_reason == {"type": "abort", "message": bad.error} and bad.slot == -1
+    for r in good:
+        assert r.output_ids == expected_output(r.prompt_ids, 8), r.rid
+        assert r.finish_reason == {"type": "length", "length": 8}
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+    assert sched._reserved_pages == 0 and sched.req_pool.num_free_slots == 8
+
+
+def test_a_failure_of_one_batch_shape_is_retried_and_fails_nobody():
+    sched, _ = make(executor=PoisonExecutor(fail_batch_of=3))
+    reqs = [req(f"r{i}", [2 * i + 1, 2 * i + 2], max_new=6) for i in range(3)]
+    for r in reqs:
+        sched.add(r)
+    failed = []
+    while sched.has_work:
+        failed += sched.step().failed
+    assert failed == []
+    for r in reqs:
+        assert r.output_ids == expected_output(r.prompt_ids, 6)
+
+
+def test_a_failure_applying_one_update_fails_that_request_alone():
+    class ExplodingDetok:
+        def append(self, tokens):
+            raise UnicodeError("detokenizer exploded")
+
+    sched, _ = make()
+    good, bad = req("good", [1, 2], max_new=4), req("bad", [3, 4], max_new=4)
+    bad.detok = ExplodingDetok()  # type: ignore[assignment]
+    sched.add_group([good, bad])
+    results = []
+    while sched.has_work:
+        results.append(sched.step())
+    assert [r for res in results for r in res.failed] == [bad]
+    assert all(bad not in res.updated for res in results)
+    assert bad.error == "UnicodeError: detokenizer exploded"
+    assert good.output_ids == expected_output([1, 2], 4)
+    assert sched.allocator.num_free_pages == sched.allocator.num_usable_pages
+
+
+def test_groups_are_queued_together_or_not_at_all():
+    sched, _ = make()
+    ok = req("x", [1, 2])
+    with pytest.raises(RequestRejected, match="already in use"):
+        sched.add_group([ok, req("x", [3])])
+    with pytest.raises(RequestRejected, match="out of range"):
+        sched.add_group([req("y", [1]), req("z", [VOCAB + 1])])
+    assert not sched.waiting
+    sched.add_group([ok, req("y", [1])])
+    assert list(sched.waiting) == ["x", "y"]
+
+
+def test_expire_waiting_takes_the_oldest_from_the_head_only():
+    sched, _ = make(slots=1, max_running=1)
+    reqs = [req(f"q{i}", [1, 2], max_new=3) for i in range(4)]
+    for i, r in enumerate(reqs):
+        r.queued_at = 10.0 + i
+        sched.add(r)
+    sched.step()  # q0 runs, the others wait
+    assert list(sched.waiting) == ["q1", "q2", "q3"]
+    expired = sched.expire_waiting(queued_before=12.5)
+    assert expired == reqs[1:3] and list(sched.waiting) == ["q3"]
+    assert all(r.finish_reason == {"type": "abort", "message": "queue timeout"} for r in expired)
+    assert sched.expire_waiting(queued_before=5.0) == []
+    run(sched)
+    assert reqs[0].output_ids and reqs[3].output_ids

@@ -24,7 +24,8 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     spec_verify_ct: int = 0  # DSpark verify steps this request took part in
     spec_committed: int = 0  # tokens committed by those steps (accepted drafts + bonus)
-    error: str | None = None
+    error: str | None = None  # why the request failed (set with an abort finish reason)
+    queued_at: float = 0.0  # when it was queued (monotonic seconds; for the queue timeout)
 
     @property
     def finished(self) -> bool:

@@ -215,10 +215,12 @@ class Engine:
                 f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
             )
         reqs = [self._make_req(p, sp or {}, return_logprob) for p, sp in zip(prompts, params_list)]
-        for r in reqs:
-            self.scheduler.add(r)
+        self.scheduler.add_group(reqs)
         while any(not r.finished for r in reqs):
             self.scheduler.step()
+        failed = [(i, r.error) for i, r in enumerate(reqs) if r.error is not None]
+        if failed:
+            raise RuntimeError(f"request {failed[0][0]} failed: {failed[0][1]}")
         outs = [self._output(r) for r in reqs]
         return outs[0] if single else outs
 

@@ -5,11 +5,18 @@ answers requests; one scheduler thread owns the model, the scheduler, the tokeni
 detokenizers (`managers/scheduler_loop.py`). Routes: OpenAI `/v1/completions`,
 `/v1/chat/completions`, `/v1/models`; SGLang `/generate`, `/abort_request`, `/health`,
 `/health_generate`, `/get_model_info`, `/get_server_info`; Prometheus `/metrics`. Every error is
-an OpenAI-style `{"error": {"message", "type", "param", "code"}}` body.
+an OpenAI-style `{"error": {"message", "type", "param", "code"}}` body; a server error's message
+never carries a stack trace or a path (`api_errors.redact`).
 
-Shutdown (SIGTERM/SIGINT): uvicorn stops accepting, waits up to --graceful-shutdown-timeout for
-in-flight requests, cancels the rest (their requests are aborted), then the scheduler thread is
-stopped and `run_server` returns.
+Authentication (`--api-key`): every route needs `Authorization: Bearer <key>` except `/health`
+(liveness: answers from memory, runs nothing) and `/metrics` (aggregate counters for
+Prometheus), which SGLang and vLLM leave open as well. `/health_generate` runs the model, so it
+is protected (SGLang leaves it open). The key is compared in constant time (`hmac.compare_digest`
+on bytes). No request field names a file: the server never opens a path a client chose.
+
+Bounds on clients (connections, header and body size, slow clients, keep-alive):
+`http_limits.py`. Shutdown, the watchdog and fatal errors: `lifecycle.py`; `run_server` returns
+the process exit status.
 """
 
 from __future__ import annotations
@@ -35,6 +42,19 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 import sgl_dspark
 from sgl_dspark.srt.entrypoints.api_errors import ApiError, error_body
+from sgl_dspark.srt.entrypoints.http_limits import (
+    ConnectionGuard,
+    connection_limit,
+    guarded_protocol,
+    quiet_accept_errors,
+    raise_open_file_limit,
+)
+from sgl_dspark.srt.entrypoints.lifecycle import (
+    FLUSH_S,
+    SHUTTING_DOWN,
+    GracefulServer,
+    Lifecycle,
+)
 from sgl_dspark.srt.entrypoints.native_serving import abort_request, generate
 from sgl_dspark.srt.entrypoints.openai_serving import create_chat_completion, create_completion
 from sgl_dspark.srt.entrypoints.request_group import (
@@ -55,21 +75,32 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 GENERATION_ENDPOINTS = ("/v1/completions", "/v1/chat/completions", "/generate")
-_AUTH_EXEMPT_PREFIXES = ("/health", "/metrics")
+AUTH_EXEMPT_PATHS = frozenset({"/health", "/metrics"})
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away"
+RETRY_AFTER_SHUTDOWN_S = 5.0
 
 Handler = Callable[[ServingContext, Request], Awaitable[Response]]
 
 
 class ApiMiddleware:
     """Pure ASGI middleware (never buffers or wraps `receive`, so streaming and disconnect
-    detection are untouched): API-key check and request counting per endpoint and status."""
+    detection are untouched): 503 while the server drains, the API-key check, and request
+    counting per endpoint and status."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, metrics: ServerMetrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        api_key: str | None,
+        metrics: ServerMetrics,
+        lifecycle: Lifecycle,
+        max_header_bytes: int,
+    ) -> None:
         self.app = app
         self.api_key = api_key
         self.metrics = metrics
+        self.lifecycle = lifecycle
+        self.max_header_bytes = max_header_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -77,7 +108,25 @@ class ApiMiddleware:
             return
         path: str = scope["path"]
         counted = path in GENERATION_ENDPOINTS
-        if self.api_key is not None and not path.startswith(_AUTH_EXEMPT_PREFIXES):
+        # h11 bounds a head that arrives in pieces; this bounds one that arrived whole.
+        head = len(scope.get("raw_path", b"")) + len(scope.get("query_string", b""))
+        head += sum(len(k) + len(v) + 4 for k, v in scope["headers"])
+        if head > self.max_header_bytes:
+            error = ApiError(
+                431,
+                f"the request line and headers have {head} bytes; at most "
+                f"{self.max_header_bytes} are accepted (--max-header-bytes)",
+                close=True,
+            )
+            await error.response()(scope, receive, send)
+            return
+        if self.lifecycle.shutting_down and path != "/metrics":
+            if counted:
+                self.metrics.count_request(path, 503)
+            error = ApiError(503, SHUTTING_DOWN, retry_after=RETRY_AFTER_SHUTDOWN_S, close=True)
+            await error.response()(scope, receive, send)
+            return
+        if self.api_key is not None and path not in AUTH_EXEMPT_PATHS:
             if not self._authorized(scope):
                 if counted:
                     self.metrics.count_request(path, 401)
@@ -107,22 +156,31 @@ class ApiMiddleware:
         assert self.api_key is not None
         for name, value in scope["headers"]:
             if name == b"authorization":
-                scheme, _, token = value.decode("latin-1").partition(" ")
-                return scheme.lower() == "bearer" and hmac.compare_digest(
-                    token.strip().encode(), self.api_key.encode()
-                )
+                return bearer_matches(value, self.api_key)
         return False
+
+
+def bearer_matches(header: bytes, api_key: str) -> bool:
+    """Whether an Authorization header value is `Bearer <api_key>`, compared in constant time
+    (as bytes: a key or header with any characters compares without raising)."""
+    scheme, _, token = header.partition(b" ")
+    return scheme.lower() == b"bearer" and hmac.compare_digest(
+        token.strip(), api_key.encode("utf-8")
+    )
 
 
 def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitable[Response]]:
     """Turn errors into OpenAI-style responses; an unexpected exception fails only this
     request (500) and is logged."""
+    refused = ctx.refused_log
 
     async def route(request: Request) -> Response:
         try:
             return await handler(ctx, request)
         except ApiError as exc:
-            if exc.status >= 500:
+            if exc.status == 503:  # overload or shutdown: counted, logged at a bounded rate
+                refused.note(f" (last: {request.url.path}: {exc.message})")
+            elif exc.status >= 500:
                 logger.error("%s: %s", request.url.path, exc.message)
             return exc.response()
         except ClientDisconnected:
@@ -145,6 +203,8 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         engine.tokenizer,
         step_delay_s=server_args.debug_step_delay_ms / 1e3,
         spec_metrics=spec.metrics if spec is not None else None,
+        max_queued=server_args.max_queued_requests,
+        queue_timeout_s=server_args.queue_timeout,
     )
     ctx = ServingContext(
         args=server_args,
@@ -153,14 +213,20 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         has_tokenizer=engine.tokenizer is not None,
         vocab_size=engine.runner.model_cfg.vocab_size,
     )
+    lifecycle = Lifecycle(ctx)
+    loop.on_fatal = lifecycle.on_fatal
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loop.start(asyncio.get_running_loop())
+        watchdog = asyncio.create_task(lifecycle.watch(server_args.watchdog_timeout))
         try:
             yield
         finally:
-            await asyncio.to_thread(loop.shutdown)
+            watchdog.cancel()
+            # A scheduler that hung is not waited for long (its thread is a daemon).
+            join_s = 2.0 if lifecycle.fatal_reason is not None else 30.0
+            await asyncio.to_thread(loop.shutdown, join_s)
 
     app = FastAPI(
         title="sglang-dspark",
@@ -171,6 +237,7 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         openapi_url=None,
     )
     app.state.ctx = ctx
+    app.state.lifecycle = lifecycle
     for path, handler in (
         ("/v1/completions", create_completion),
         ("/v1/chat/completions", create_chat_completion),
@@ -197,7 +264,13 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
             headers=getattr(exc, "headers", None),
         )
 
-    app.add_middleware(ApiMiddleware, api_key=server_args.api_key, metrics=metrics)
+    app.add_middleware(
+        ApiMiddleware,
+        api_key=server_args.api_key,
+        metrics=metrics,
+        lifecycle=lifecycle,
+        max_header_bytes=server_args.max_header_bytes,
+    )
     return app
 
 
@@ -207,23 +280,35 @@ async def _health(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _health_generate(ctx: ServingContext, request: Request) -> Response:
-    """Generate one token through the whole stack; 503 when that fails or takes too long."""
-    inp = GenerateReqInput(
-        rid=f"health-{new_rid()}",
-        input_ids=[0],
-        sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
-    )
-    group = RequestGroup(ctx, request, "/health_generate", [inp], "input_ids")
-
-    async def run() -> None:
-        async with group:
-            await group.start()
-            await group.collect()
-
+    """200 once the scheduler completes a step after the probe arrived: a busy server answers
+    as soon as its next step ends (the probe adds no work); an idle one generates one token
+    for the probe. 503 when no step completes within HEALTH_GENERATE_TIMEOUT_S."""
+    loop = ctx.loop
+    if not loop.is_alive:
+        raise ApiError(503, "the scheduler is not running")
+    steps = loop.stats.total_steps
+    group = None
+    deadline = time.monotonic() + HEALTH_GENERATE_TIMEOUT_S
     try:
-        await asyncio.wait_for(run(), HEALTH_GENERATE_TIMEOUT_S)
-    except (asyncio.TimeoutError, ApiError) as exc:
-        raise ApiError(503, f"health generation failed: {exc or 'timed out'}") from None
+        while loop.stats.total_steps == steps:
+            if time.monotonic() > deadline or not loop.is_alive:
+                raise ApiError(
+                    503, f"the scheduler completed no step within {HEALTH_GENERATE_TIMEOUT_S:g} s"
+                )
+            stats = loop.stats
+            if group is None and stats.num_running_reqs + stats.num_waiting_reqs == 0:
+                # Idle (or gone idle meanwhile): the probe's own token is the step to wait for.
+                inp = GenerateReqInput(
+                    rid=f"health-{new_rid()}",
+                    input_ids=[0],
+                    sampling_params=SamplingParams(max_new_tokens=1, temperature=0.0),
+                )
+                group = RequestGroup(ctx, request, "/health_generate", [inp], "input_ids")
+                group.submit()
+            await asyncio.sleep(0.02)
+    finally:
+        if group is not None:
+            group.abort_unfinished()
     return Response(status_code=200)
 
 
@@ -295,25 +380,49 @@ def display_url(host: str, port: int) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
-def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> None:
+def build_server(server_args: ServerArgs, app: FastAPI) -> GracefulServer:
+    """The uvicorn server of `app` with the client bounds of `http_limits` and the graceful
+    shutdown of `lifecycle` (raises the open-file limit of the process first)."""
+    open_files = raise_open_file_limit()
+    guard = ConnectionGuard(
+        max_connections=connection_limit(server_args.max_connections, open_files),
+        client_timeout=server_args.client_timeout,
+    )
+    logger.info("open-file limit %d; at most %d connections", open_files, guard.max_connections)
+    # uvicorn annotates the timeouts as int but only uses them as asyncio timeouts.
+    flush: Any = FLUSH_S
+    keep_alive: Any = server_args.keep_alive_timeout
+    config = uvicorn.Config(
+        app,
+        http=guarded_protocol(guard),
+        loop="asyncio",
+        # asyncio accepts up to `backlog` connections per wake-up before any is refused: keep
+        # that burst inside the descriptors left over by the connection limit.
+        backlog=max(16, min(2048, open_files - guard.max_connections)),
+        log_level=server_args.log_level,
+        access_log=server_args.log_level == "debug",
+        # The drain already waited for the requests: this only bounds writing the last bytes.
+        timeout_graceful_shutdown=flush,
+        timeout_keep_alive=keep_alive,
+        h11_max_incomplete_event_size=server_args.max_header_bytes,
+    )
+    return GracefulServer(config, app.state.lifecycle, server_args.graceful_shutdown_timeout)
+
+
+def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None = None) -> int:
     """Load the model, bind the port and serve until SIGTERM/SIGINT. `on_ready(base_url)` is
-    called once the server accepts requests. Raises OSError when the port cannot be bound."""
+    called once the server accepts requests. Returns the exit status: 0 after a signalled
+    shutdown, 1 after a fatal error (`lifecycle`). Raises OSError when the port cannot be
+    bound."""
     engine = build_engine(server_args)
     app = create_app(server_args, engine)
     family = socket.AF_INET6 if ":" in server_args.host else socket.AF_INET
     sock = socket.create_server((server_args.host, server_args.port), family=family)
     base_url = display_url(server_args.host, sock.getsockname()[1])
-    # uvicorn annotates the grace period as int but only uses it as an asyncio timeout.
-    grace: Any = server_args.graceful_shutdown_timeout
-    config = uvicorn.Config(
-        app,
-        log_level=server_args.log_level,
-        access_log=server_args.log_level == "debug",
-        timeout_graceful_shutdown=grace,
-    )
-    server = uvicorn.Server(config)
+    server = build_server(server_args, app)
 
     async def serve() -> None:
+        quiet_accept_errors(asyncio.get_running_loop())
         task = asyncio.create_task(server.serve(sockets=[sock]))
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
@@ -333,7 +442,12 @@ def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None =
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sock.close()
-    logger.info("server shut down cleanly")
+    lifecycle: Lifecycle = app.state.lifecycle
+    if lifecycle.fatal_reason is not None:
+        logger.error("server shut down after a fatal error: %s", lifecycle.fatal_reason)
+    else:
+        logger.info("server shut down cleanly")
+    return lifecycle.exit_status
 
 
 def _log_signal(signum: int, frame: Any) -> None:

@@ -31,6 +31,7 @@ from sgl_dspark.srt.entrypoints.request_group import (
     stream_events,
 )
 from sgl_dspark.srt.managers.io_struct import GenerateReqInput
+from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
 
 class AbortRequest(BaseModel):
@@ -120,8 +121,13 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
     if len(set(rids)) != len(rids):
         raise ApiError(400, "rid values must be unique", param="rid")
     inputs = []
+    return_logprob = bool(body.return_logprob)
+    built: dict[int, SamplingParams] = {}  # one record per distinct object: a shared dict once
     for (text, ids), sp, rid in zip(prompts, sp_list, rids):
-        params = make_sampling_params(sp or {}, default_param="sampling_params")
+        params = built.get(id(sp))
+        if params is None:
+            params = make_sampling_params(sp or {}, default_param="sampling_params")
+            built[id(sp)] = params
         if params.max_new_tokens < 1:
             raise ApiError(
                 400,
@@ -142,7 +148,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                 sampling_params=params,
                 text=text,
                 input_ids=ids,
-                return_logprob=body.return_logprob,
+                return_logprob=return_logprob,
             )
         )
     param = "text" if body.text is not None else "input_ids"
@@ -163,7 +169,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                     r.completion_tokens,
                     r.finish_reason,
                     r,
-                    body.return_logprob,
+                    return_logprob,
                     start,
                     sim,
                 ),
@@ -188,7 +194,7 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                     out.completion_tokens,
                     out.finish_reason,
                     res,
-                    body.return_logprob,
+                    return_logprob,
                     start,
                     sim,
                 ),

@@ -5,28 +5,32 @@ OpenAI API does, so a typo never silently changes sampling. Known OpenAI fields 
 does not implement are accepted only at their neutral value (e.g. `logit_bias` empty, `suffix`
 null, `frequency_penalty` 0) and otherwise answered with a 400 naming the field. Strict mode:
 an int is accepted where a number is expected, but strings are never coerced and bools are not
-ints. SGLang's sampling extensions (`top_k`, `min_p`, `stop_token_ids`, `ignore_eos`,
-`skip_special_tokens`, `no_stop_trim`, `repetition_penalty`) are accepted on the OpenAI routes.
+ints; NaN and infinities are refused. Null means the default wherever OpenAI allows null (a
+field declared `X | None`). SGLang's sampling extensions (`top_k`, `min_p`, `stop_token_ids`,
+`ignore_eos`, `skip_special_tokens`, `no_stop_trim`, `repetition_penalty`) are accepted on the
+OpenAI routes; their ranges, and those of the sampling fields every route shares, are checked
+once by `SamplingParams` (`srt/sampling/sampling_params.py`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 MAX_N = 128  # OpenAI's limit on choices per request
-MAX_STOP_SEQUENCES = 16
+MAX_RID_CHARS = 512
 
 TokenIds = list[int]
+RequestId = Annotated[str, Field(min_length=1, max_length=MAX_RID_CHARS)]
 
 
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
 class StreamOptions(_Body):
-    include_usage: bool = False
+    include_usage: bool | None = None
 
 
 class _SamplingFields(_Body):
@@ -38,7 +42,7 @@ class _SamplingFields(_Body):
     n: int | None = Field(None, ge=1, le=MAX_N)
     stop: str | list[str] | None = Field(None)
     seed: int | None = Field(None, ge=0, lt=2**63)
-    stream: bool = False
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     user: str | None = None
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -58,7 +62,7 @@ class CompletionRequest(_SamplingFields):
     prompt: str | list[str] | TokenIds | list[TokenIds]
     max_tokens: int | None = Field(None, ge=1)
     logprobs: int | None = Field(None, ge=0, le=5)
-    echo: bool = False
+    echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
 
@@ -70,7 +74,7 @@ class TextPart(_Body):
 
 class ChatMessage(_Body):
     role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart]
+    content: str | list[TextPart] | None  # null only for an assistant message (as in OpenAI)
     name: str | None = None
 
 
@@ -82,7 +86,7 @@ class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool = False
+    logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
@@ -95,10 +99,10 @@ class GenerateRequest(_Body):
 
     text: str | list[str] | None = None
     input_ids: TokenIds | list[TokenIds] | None = None
-    sampling_params: dict[str, Any] | list[dict[str, Any]] | None = None
-    stream: bool = False
-    return_logprob: bool = False
-    rid: str | list[str] | None = None
+    sampling_params: dict[str, Any] | list[dict[str, Any] | None] | None = None
+    stream: bool | None = None
+    return_logprob: bool | None = None
+    rid: RequestId | list[RequestId] | None = None
     # Accepted for SGLang clients; only these values are supported.
     return_text_in_logprobs: bool | None = None  # token texts are always returned
     logprob_start_len: int | None = Field(None, ge=-1, le=-1)  # no prompt logprobs

@@ -21,8 +21,8 @@ from fastapi.responses import JSONResponse, Response
 
 from sgl_dspark.srt.entrypoints.api_errors import ApiError
 from sgl_dspark.srt.entrypoints.openai_protocol import (
-    MAX_STOP_SEQUENCES,
     ChatCompletionRequest,
+    ChatMessage,
     CompletionRequest,
 )
 from sgl_dspark.srt.entrypoints.request_group import (
@@ -63,12 +63,6 @@ def _common_checks(ctx: ServingContext, body: CompletionRequest | ChatCompletion
     check_model_name(ctx, body.model)
     if body.logit_bias:
         raise ApiError(400, "logit_bias is not supported", param="logit_bias")
-    if isinstance(body.stop, list) and len(body.stop) > MAX_STOP_SEQUENCES:
-        raise ApiError(
-            400,
-            f"stop may hold at most {MAX_STOP_SEQUENCES} sequences, got {len(body.stop)}",
-            param="stop",
-        )
 
 
 def _sampling_params(
@@ -162,6 +156,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     params = _sampling_params(body, max_tokens)
     want_lp = body.logprobs is not None
+    echo = bool(body.echo)
     base = uuid.uuid4().hex
     inputs = [
         GenerateReqInput(
@@ -170,7 +165,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             text=text,
             input_ids=ids,
             return_logprob=want_lp,
-            return_prompt_text=body.echo,
+            return_prompt_text=echo,
         )
         for p, (text, ids) in enumerate(prompts)
         for j in range(n)
@@ -188,15 +183,17 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             results = await group.collect()
         choices = []
         for i, res in enumerate(results):
-            echo = (res.accepted.prompt_text or "") if body.echo else ""
+            prompt_text = (res.accepted.prompt_text or "") if echo else ""
             reason, matched = _finish(res)
             choices.append(
                 {
                     "index": i,
-                    "text": echo + res.text,
+                    "text": prompt_text + res.text,
                     "finish_reason": reason,
                     "matched_stop": matched,
-                    "logprobs": _completion_logprobs(res.token_texts, res.logprobs, len(echo))
+                    "logprobs": _completion_logprobs(
+                        res.token_texts, res.logprobs, len(prompt_text)
+                    )
                     if want_lp
                     else None,
                 }
@@ -210,7 +207,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
     async def events() -> AsyncIterator[str]:
         offsets = [0] * len(inputs)
         completion_tokens = [0] * len(inputs)
-        if body.echo:
+        if echo:
             for i, acc in enumerate(group.accepted):
                 offsets[i] = len(acc.prompt_text or "")
                 yield sse(
@@ -257,6 +254,22 @@ def _chat_logprobs(
     ]
 
 
+def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
+    """The template's form of one message; null content only for an assistant message."""
+    content = message.content
+    if content is None:
+        if message.role != "assistant":
+            raise ApiError(
+                400,
+                f"messages[{index}].content may be null only in an assistant message",
+                param=f"messages.{index}.content",
+            )
+        content = ""
+    elif not isinstance(content, str):
+        content = "".join(part.text for part in content)
+    return {"role": message.role, "content": content}
+
+
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
     _common_checks(ctx, body)
@@ -284,15 +297,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         )
     max_tokens = body.max_completion_tokens or body.max_tokens
     params = _sampling_params(body, max_tokens or 1)  # 1 is replaced by fill_context
-    messages = [
-        {
-            "role": m.role,
-            "content": m.content
-            if isinstance(m.content, str)
-            else "".join(part.text for part in m.content),
-        }
-        for m in body.messages
-    ]
+    messages = [_chat_message(i, m) for i, m in enumerate(body.messages)]
+    want_lp = bool(body.logprobs)
     n = body.n or 1
     base = uuid.uuid4().hex
     inputs = [
@@ -300,7 +306,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             rid=f"{base}-{j}",
             sampling_params=_choice_params(params, j),
             messages=messages,
-            return_logprob=body.logprobs,
+            return_logprob=want_lp,
             fill_context=max_tokens is None,
         )
         for j in range(n)
@@ -319,7 +325,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
                     "index": i,
                     "message": {"role": "assistant", "content": res.text},
                     "logprobs": {"content": _chat_logprobs(res.token_texts, res.logprobs)}
-                    if body.logprobs
+                    if want_lp
                     else None,
                     "finish_reason": reason,
                     "matched_stop": matched,
@@ -352,14 +358,14 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             )
         async for i, out in group.outputs():
             completion_tokens[i] = out.completion_tokens
-            if not (out.text or out.finished or (body.logprobs and out.token_ids)):
+            if not (out.text or out.finished or (want_lp and out.token_ids)):
                 continue
             reason, matched = _finish(out)
             choice: dict[str, Any] = {
                 "index": i,
                 "delta": {"content": out.text} if out.text else {},
                 "logprobs": {"content": _chat_logprobs(out.token_texts, out.logprobs)}
-                if body.logprobs
+                if want_lp
                 else None,
                 "finish_reason": reason,
             }

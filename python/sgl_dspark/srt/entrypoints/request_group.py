@@ -1,7 +1,8 @@
 """The HTTP side of generation: submit the sub-requests of one HTTP request (prompts x n) to the
-scheduler thread, wait for their acceptance, then read their outputs from one shared asyncio
-queue -- while watching for the client going away, in which case every unfinished sub-request
-is aborted (its KV pages return to the pool).
+scheduler thread as one group, wait for their acceptance, then read their outputs from one shared
+asyncio queue -- while watching for the client going away, in which case every unfinished
+sub-request is aborted (its KV pages return to the pool). Every started group is registered in
+`ServingContext.active` until it ends, so a shutdown can wait for it, or end it.
 """
 
 from __future__ import annotations
@@ -18,10 +19,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import Request
 from pydantic import BaseModel, ValidationError
+from starlette.requests import ClientDisconnect
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from sgl_dspark.srt.entrypoints.api_errors import ApiError
+from sgl_dspark.srt.entrypoints.http_limits import RateLimitedLog, read_body
 from sgl_dspark.srt.entrypoints.openai_protocol import describe_validation_error
 from sgl_dspark.srt.managers.io_struct import (
     GenerateOutput,
@@ -62,6 +65,11 @@ class ServingContext:
     metrics: ServerMetrics
     has_tokenizer: bool
     vocab_size: int
+    active: set[RequestGroup] = field(default_factory=set)  # groups started and not ended
+    # Requests refused with 503 (queue full, queue timeout, shutdown): one line per interval.
+    refused_log: RateLimitedLog = field(
+        default_factory=lambda: RateLimitedLog("requests refused with 503")
+    )
 
 
 class ClientDisconnected(Exception):
@@ -69,8 +77,13 @@ class ClientDisconnected(Exception):
 
 
 async def parse_body(request: Request, model: type[_Model]) -> _Model:
-    """Validate the raw JSON body against `model`; a 400 names the first problem."""
-    raw = await request.body()
+    """Read the body (bounded in size and time, `read_body`) and validate the raw JSON against
+    `model`; a 400 names the first problem."""
+    ctx: ServingContext = request.app.state.ctx
+    try:
+        raw = await read_body(request, ctx.args.max_request_body_bytes, ctx.args.client_timeout)
+    except ClientDisconnect:
+        raise ClientDisconnected() from None
     try:
         return model.model_validate_json(raw)
     except ValidationError as exc:
@@ -182,15 +195,26 @@ class RequestGroup:
         self.abort_unfinished()
 
     def abort_unfinished(self) -> None:
+        if self._unfinished:  # the group stops reading: no final outputs needed
+            self.ctx.loop.abort_many(list(self._unfinished), notify=False)
+            self._unfinished.clear()
+        self.ctx.active.discard(self)
+
+    def fail(self, status: int, message: str) -> None:
+        """End every unfinished sub-request with `status` from the HTTP side (the server is
+        going down and the scheduler thread may not answer any more)."""
         for rid in self._unfinished:
-            self.ctx.loop.abort(rid)
-        self._unfinished.clear()
+            self._queue.put_nowait(ReqFailed(rid, status, message))
+
+    def submit(self) -> None:
+        """Submit the sub-requests as one group (`start` does, and waits for the answer)."""
+        self.ctx.active.add(self)
+        self.ctx.loop.submit_group(self.inputs, self._queue)
 
     async def start(self) -> list[ReqAccepted]:
-        """Submit every sub-request and wait until all are queued. A rejection aborts the others
-        and raises `ApiError` (400 with the scheduler's reason)."""
-        for inp in self.inputs:
-            self.ctx.loop.submit(inp, self._queue)
+        """Submit the sub-requests as one group and wait until they are queued. A refusal
+        raises `ApiError` (400 with the scheduler's reason, or 503 with Retry-After)."""
+        self.submit()
         by_rid: dict[str, ReqAccepted] = {}
         try:
             while len(by_rid) < len(self.inputs):
@@ -200,8 +224,9 @@ class RequestGroup:
                     message = item.message
                     for old, new in self.renames.items():
                         message = message.replace(old, new)
-                    raise ApiError(item.status, message, param=item.param or self.prompt_param)
-                assert isinstance(item, ReqAccepted), f"output before acceptance: {item!r}"
+                    raise _api_error(item, message, param=item.param or self.prompt_param)
+                if not isinstance(item, ReqAccepted):  # outputs never precede the acceptances
+                    raise RuntimeError(f"output before acceptance: {type(item).__name__}")
                 by_rid[item.rid] = item
         except BaseException:
             self.abort_unfinished()
@@ -216,8 +241,9 @@ class RequestGroup:
             item = await self._next()
             if isinstance(item, ReqFailed):
                 self._unfinished.discard(item.rid)
-                raise ApiError(item.status, item.message)
-            assert isinstance(item, GenerateOutput), f"unexpected record {item!r}"
+                raise _api_error(item, item.message)
+            if not isinstance(item, GenerateOutput):
+                raise RuntimeError(f"unexpected scheduler record {type(item).__name__}")
             self._observe(item)
             if item.finished:
                 self._unfinished.discard(item.rid)
@@ -267,6 +293,10 @@ class RequestGroup:
             metrics.observe_finished(out.prompt_tokens, out.completion_tokens, now - self._arrival)
 
 
+def _api_error(failed: ReqFailed, message: str, param: str | None = None) -> ApiError:
+    return ApiError(failed.status, message, param=param, retry_after=failed.retry_after)
+
+
 class GroupStreamingResponse(StreamingResponse):
     """A StreamingResponse that aborts its group's unfinished requests however the stream ends
     (Starlette does not close the body iterator when the client disconnects mid-`send`)."""
@@ -299,5 +329,5 @@ async def stream_events(
         yield exc.sse()
     except Exception as exc:
         logger.exception("stream of %s failed", group.endpoint)
-        yield ApiError(500, f"internal error: {exc}").sse()
+        yield ApiError(500, f"internal error: {type(exc).__name__}: {exc}").sse()
     yield SSE_DONE

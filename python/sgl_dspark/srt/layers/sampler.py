@@ -10,6 +10,11 @@ Per row, for a sampled (non-greedy) request, with p = softmax(logits / temperatu
 4. draw by the fixed-point inverse CDF (`sample_from_probs`: integer masses, so every device and
    every reduction order picks the same token for the same uniform).
 
+Totality: every parameter value that `SamplingParams` accepts gives a distribution with mass and
+a token in [0, V). The most probable token always survives the filters (a top_p so small that it
+rounds to 0 in fp32 keeps exactly that token instead of nothing), a top_k past the vocabulary
+means "off", and the temperature is clamped into fp32's finite range before the division.
+
 Greedy rows (`top_k == 1`, which includes temperature 0) take the first argmax of the raw logits.
 The returned logprob of each chosen token is under the UNPROCESSED distribution,
 `log_softmax(logits)` (SGLang's default), not the temperature/filtered one.
@@ -48,6 +53,8 @@ ACCEPT_STREAM = 0x6C01_A5E9  # DSpark acceptance coins
 BONUS_STREAM = 0x1B0E_5A11  # DSpark bonus / correction draws
 _MASK32 = 0xFFFFFFFF
 _MAX_KEY = 2**63 - 1
+# The largest temperature that stays finite in fp32 (a larger one gives the same, uniform, result).
+_MAX_TEMPERATURE = float(torch.finfo(torch.float32).max)
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
@@ -149,7 +156,7 @@ class SamplingBatchInfo:
             raise ValueError(f"counters must be {batch} ints in [0, 2**63), got {counters}")
         device = torch.device(device)
         greedy = [p.is_greedy for p in params]
-        temps = [1.0 if g else p.temperature for p, g in zip(params, greedy)]
+        temps = [1.0 if g else min(p.temperature, _MAX_TEMPERATURE) for p, g in zip(params, greedy)]
         top_ks = [
             vocab_size if g or p.top_k < 0 else min(p.top_k, vocab_size)
             for p, g in zip(params, greedy)
@@ -227,8 +234,9 @@ def processed_probs(logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tens
             mass_before = cumulative - kept
             top_ps = info.top_ps[:, None]
             # Compare against top_p * (top-k mass) == top-p on the renormalised top-k distribution.
+            # The most probable token is always kept: a top_p that underflows fp32 keeps it alone.
             within = (mass_before < top_ps * cumulative[:, -1:]) | (top_ps >= 1.0)
-            keep_sorted = keep_sorted & within
+            keep_sorted = keep_sorted & (within | (ranks[None, :] == 0))
         keep = torch.empty_like(keep_sorted).scatter_(1, order, keep_sorted)
         probs = probs.masked_fill(~keep, 0.0)
     if info.need_min_p:
@@ -245,13 +253,15 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
     implements, so a draw never depends on the device or on a float summation order.
 
     Args:
-        probs: [B, V] fp32, non-negative (need not sum to 1; negative entries count as 0).
+        probs: [B, V] fp32, non-negative (need not sum to 1; negative and NaN entries count as 0).
         uniforms: [B] fp32 in [0, 1).
 
     Returns:
-        [B] int64 (0 for a row without mass).
+        [B] int64 in [0, V) (0 for a row without mass).
     """
-    return sample_inverse_cdf_ref(to_fixed_point(probs.float().clamp(min=0.0)), uniforms)
+    # NaN would turn into an arbitrary integer mass (and a token past the vocabulary).
+    masses = torch.nan_to_num(probs.float(), nan=0.0, posinf=0.0).clamp(min=0.0)
+    return sample_inverse_cdf_ref(to_fixed_point(masses), uniforms)
 
 
 class SamplerOutput(NamedTuple):

@@ -1,10 +1,13 @@
 """Typed records exchanged between the HTTP layer and the scheduler thread.
 
-HTTP -> scheduler (through `SchedulerLoop.submit` / `abort`): `GenerateReqInput`, `AbortReq`.
+HTTP -> scheduler (through `SchedulerLoop.submit_group` / `abort`): `GenerateReqInput`s (the
+sub-requests of one HTTP request, queued together or refused together), `AbortReq`.
 Scheduler -> HTTP (onto the asyncio queue given at submit), per request, in this order:
 exactly one of `ReqAccepted` / `ReqFailed`; after `ReqAccepted`, `GenerateOutput` records (the
-last one has `finish_reason` set) or a `ReqFailed` (an internal error while it ran). An abort
-ends a request with a final `GenerateOutput` whose finish_reason is `{"type": "abort"}`.
+last one has `finish_reason` set) or a `ReqFailed` (an internal error while it ran, a queue
+timeout, shutdown). An abort ends a request with a final `GenerateOutput` whose finish_reason is
+`{"type": "abort"}`. When a group is refused, only the sub-request that caused it gets a
+`ReqFailed` (the HTTP side stops at the first one and aborts the rest, a no-op).
 """
 
 from __future__ import annotations
@@ -43,9 +46,11 @@ class GenerateReqInput:
 
 @dataclass(frozen=True, slots=True)
 class AbortReq:
-    """Stop a request (client gone or cancelled); its KV pages return to the pool."""
+    """Stop requests (client gone or cancelled); their KV pages return to the pool. With
+    `notify`, each waiter gets a final output (finish_reason abort)."""
 
-    rid: str
+    rids: tuple[str, ...]
+    notify: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,13 +64,15 @@ class ReqAccepted:
 
 @dataclass(frozen=True, slots=True)
 class ReqFailed:
-    """The request will produce nothing more: `status` 400 (it can never run, message says why)
-    or 500 (an internal error while it ran)."""
+    """The request will produce nothing more: `status` 400 (it can never run, message says why),
+    500 (an internal error while it ran) or 503 (it cannot be scheduled now: queue full, queue
+    timeout, shutting down; `retry_after` seconds is a hint for the client)."""
 
     rid: str
     status: int
     message: str
     param: str | None = None
+    retry_after: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,6 +5,22 @@ Admission reserves the KV a request can ever need (prompt + max_new_tokens + the
 window) and maps its pages at once, so a running request never runs out of pages and nothing
 needs preempting; a request that could never fit is rejected before it is queued. Requests are
 served first come, first served: a request that does not fit yet holds back the ones behind it.
+Every queue operation is O(1) per request (dicts keyed by rid in arrival order).
+
+Failure isolation. Validation at admission (`SamplingParams`, `validate`) keeps every value a
+step sees inside the ranges the sampler and the acceptance kernels are total over, so a step does
+not fail because of what one request carries, and the step path itself checks nothing (no host
+syncs). Two kinds of failure remain, and each ends only the request it can be attributed to:
+- applying one request's update on the host (stop strings, detokenization): caught per update,
+  that request fails;
+- the step itself raising (a device error, a bug at one batch shape): the results in flight are
+  dropped (request state only moves through `_apply`, so nothing is half-applied) and every
+  request of the step is retried alone, from its host state, in a step of its own; a request that
+  fails alone fails, the others continue. Greedy and seeded requests redo exactly the tokens
+  they would have produced (counter-based uniforms). Retrying costs one step per request, paid
+  only after a failure.
+A failed request gets `error` and an abort finish reason and is released like an abort; it is
+reported in `StepResult.failed`.
 
 This module imports no torch: it sees the device only through the executor's step contract.
 """
@@ -38,6 +54,7 @@ class SchedulerConfig:
 class StepResult(NamedTuple):
     updated: list[Req]  # requests with new output tokens, in batch order
     finished: list[Req]  # requests that finished (already released)
+    failed: list[Req]  # requests ended by an error attributed to them (released; see `error`)
 
 
 class RequestRejected(ValueError):
@@ -63,6 +80,7 @@ class Scheduler:
         self.running: dict[str, Req] = {}
         self._reserved_pages = 0
         self._inflight: InflightStep | None = None
+        self._failed: list[Req] = []  # failed during the current step
 
     # ---- admission -------------------------------------------------------------------------
     def validate(self, req: Req) -> None:
@@ -85,10 +103,32 @@ class Scheduler:
                 raise RequestRejected(f"token ids out of range [0, {vocab}): {bad[:5]}")
 
     def add(self, req: Req) -> None:
-        self.validate(req)
-        if req.rid in self.waiting or req.rid in self.running:
-            raise RequestRejected(f"request id {req.rid!r} is already in use")
-        self.waiting[req.rid] = req
+        self.add_group([req])
+
+    def add_group(self, reqs: list[Req]) -> None:
+        """Queue `reqs` together or none of them (RequestRejected when one can never run or
+        reuses a request id)."""
+        rids: set[str] = set()
+        for req in reqs:
+            self.validate(req)
+            if req.rid in self.waiting or req.rid in self.running or req.rid in rids:
+                raise RequestRejected(f"request id {_short(req.rid)} is already in use")
+            rids.add(req.rid)
+        for req in reqs:
+            self.waiting[req.rid] = req
+
+    def expire_waiting(self, queued_before: float) -> list[Req]:
+        """Remove and return the waiting requests queued before `queued_before` (`Req.queued_at`,
+        non-decreasing in arrival order, so only the head is examined)."""
+        expired = []
+        while self.waiting:
+            req = next(iter(self.waiting.values()))
+            if req.queued_at >= queued_before:
+                break
+            del self.waiting[req.rid]
+            req.finish_reason = {"type": "abort", "message": "queue timeout"}
+            expired.append(req)
+        return expired
 
     def _pages_for(self, tokens: int) -> int:
         # A step may write up to `step_window` positions past the committed length.
@@ -141,10 +181,26 @@ class Scheduler:
     def step(self) -> StepResult:
         """Run one scheduling step over the running requests: admit, plan, launch, and apply the
         results of the step that completes (this one, or with the overlap schedule the one
-        launched before it)."""
+        launched before it). A step that raises is retried request by request (module doc)."""
         self._admit()
         updated: list[Req] = []
         finished: list[Req] = []
+        try:
+            self._step(updated, finished)
+        except Exception as exc:
+            self._inflight = None  # its results are dropped; requests redo them from host state
+            suspects = [r for r in self.running.values() if not r.finished]
+            logger.exception(
+                "step failed (%s); retrying its %d requests one by one",
+                _describe(exc),
+                len(suspects),
+            )
+            updated += self._isolate(suspects)
+        finished += self._release_finished()
+        failed, self._failed = self._failed, []
+        return StepResult(_unique(updated), finished, failed)
+
+    def _step(self, updated: list[Req], finished: list[Req]) -> None:
         prev = self._inflight
         work = self._plan()
         if prev is not None and not (
@@ -161,14 +217,40 @@ class Scheduler:
         if work:
             launched = self.executor.launch(work, prev)
             if prev is not None:  # read the previous step while this one runs
+                self._inflight = None
                 updated += self._apply(prev.wait())
             if self.cfg.overlap_schedule and launched.chainable:
                 self._inflight = launched
             else:
                 self._inflight = None
                 updated += self._apply(launched.wait())
-        finished += self._release_finished()
-        return StepResult(_unique(updated), finished)
+
+    def _isolate(self, suspects: list[Req]) -> list[Req]:
+        """Run each request alone; fail those that fail alone. Returns the updated ones."""
+        updated: list[Req] = []
+        for req in suspects:
+            if req.finished or req.slot < 0:
+                continue
+            try:
+                updated += self._apply(self.executor.launch(self._plan_alone(req), None).wait())
+            except Exception as exc:
+                logger.exception("request %s fails alone; ending it", _short(req.rid))
+                self._fail(req, exc)
+        return updated
+
+    def _plan_alone(self, req: Req) -> StepWork:
+        if req.prefill_done:
+            return StepWork(decode=(req,))
+        budget = self.cfg.chunked_prefill_size
+        end = len(req.prompt_ids) if budget <= 0 else min(len(req.prompt_ids), req.kv_len + budget)
+        return StepWork(prefill=((req, tuple(req.prompt_ids[req.kv_len : end])),))
+
+    def _fail(self, req: Req, exc: Exception) -> None:
+        """End `req` with an error (released like an abort, reported in `StepResult.failed`)."""
+        req.error = _describe(exc)
+        req.finish_reason = {"type": "abort", "message": req.error}
+        self.release(req)
+        self._failed.append(req)
 
     def _plan(self) -> StepWork:
         budget = self.cfg.chunked_prefill_size
@@ -196,20 +278,25 @@ class Scheduler:
     # ---- applying results --------------------------------------------------------------------
     def _apply(self, updates: list[ReqUpdate]) -> list[Req]:
         """The one place a step's results change requests; returns those with new tokens.
-        A request that finished or was aborted after the step was launched takes nothing."""
+        A request that finished or was aborted after the step was launched takes nothing; one
+        whose update fails on the host (a stop string, detokenization) fails alone."""
         out = []
         for u in updates:
             req = u.req
             if req.finished or req.slot < 0:
                 continue
-            req.kv_len += u.kv_committed
-            if u.speculative:
-                req.spec_verify_ct += 1
-                req.spec_committed += len(u.tokens)
-            if u.tokens:
-                self._append_tokens(req, u.tokens, u.logprobs)
-                out.append(req)
-        return out
+            try:
+                req.kv_len += u.kv_committed
+                if u.speculative:
+                    req.spec_verify_ct += 1
+                    req.spec_committed += len(u.tokens)
+                if u.tokens:
+                    self._append_tokens(req, u.tokens, u.logprobs)
+                    out.append(req)
+            except Exception as exc:
+                logger.exception("could not apply the step to request %s", _short(req.rid))
+                self._fail(req, exc)
+        return [r for r in out if r.error is None]
 
     def _append_tokens(
         self, req: Req, tokens: tuple[int, ...], logprobs: tuple[float, ...]
@@ -232,6 +319,14 @@ class Scheduler:
                 req.finish_reason = {"type": "length", "length": p.max_new_tokens}
             if req.finish_reason is not None:
                 return
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _short(text: str, limit: int = 80) -> str:
+    return repr(text) if len(text) <= limit else repr(text[: limit - 3] + "...")
 
 
 def _unique(reqs: list[Req]) -> list[Req]:

@@ -1,59 +1,130 @@
-"""Per-request sampling parameters: SGLang's names and defaults, validated once at construction."""
+"""Per-request sampling parameters: SGLang's names and defaults, validated once at construction.
+
+Validation is one table, `FIELD_RULES`: per field, the type it accepts and the range, worded for
+the error message. The ranges are SGLang's (`SamplingParams.verify`: temperature finite >= 0, top_p
+in (0, 1], top_k -1 or >= 1, min_p in [0, 1], penalties in [-2, 2] / (0, 2], at most 32 stop
+strings), plus our own where we are stricter: a seed in [0, 2**63), stop strings non-empty and at
+most `MAX_STOP_STRING_CHARS` long, at most `MAX_STOP_TOKEN_IDS` stop token ids. Every value the
+table accepts is one the sampler can run (`srt/layers/sampler.py` is total over them). A new
+field needs a rule: `test_sampling_params` checks that every field has one.
+"""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
 # Below this temperature a request is greedy (SGLang's threshold).
 GREEDY_TEMPERATURE_EPS = 1e-6
 TOP_K_OFF = -1
-_MAX_SEED = 2**63
+MAX_SEED = 2**63
+MAX_STOP_STRINGS = 32  # SGLang's limit
+MAX_STOP_STRING_CHARS = 1024
+MAX_STOP_TOKEN_IDS = 1024
 
 
-def _check_int(name: str, value: Any) -> int:
+def _int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise ValueError(f"{name} must be an int, got {value!r}")
     return value
 
 
-def _check_float(name: str, value: Any) -> float:
+def _float(name: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ValueError(f"{name} must be a number, got {value!r}")
-    if not math.isfinite(value):
+    try:
+        as_float = float(value)
+    except OverflowError:  # an int past the double range
+        raise ValueError(f"{name} must be finite, got {value!r}") from None
+    if not math.isfinite(as_float):
         raise ValueError(f"{name} must be finite, got {value!r}")
-    return float(value)
+    return as_float
 
 
-def _check_bool(name: str, value: Any) -> bool:
+def _bool(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"{name} must be a bool, got {value!r}")
     return value
 
 
-def _normalise_stop(value: Any) -> tuple[str, ...]:
+def _optional_int(name: str, value: Any) -> int | None:
+    return None if value is None else _int(name, value)
+
+
+def _stop_strings(name: str, value: Any) -> tuple[str, ...]:
     if value is None:
         return ()
     items = (value,) if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)):
-        raise ValueError(f"stop must be a str, a list of str or null, got {value!r}")
+        raise ValueError(f"{name} must be a str, a list of str or null, got {value!r}")
+    if len(items) > MAX_STOP_STRINGS:
+        raise ValueError(f"{name} may hold at most {MAX_STOP_STRINGS} strings, got {len(items)}")
     for item in items:
         if not isinstance(item, str) or not item:
-            raise ValueError(f"stop must hold non-empty strings, got {item!r}")
+            raise ValueError(f"{name} must hold non-empty strings, got {_short(item)}")
+        if len(item) > MAX_STOP_STRING_CHARS:
+            raise ValueError(
+                f"{name} strings may be at most {MAX_STOP_STRING_CHARS} characters long, "
+                f"got {len(item)}"
+            )
     return tuple(items)
 
 
-def _normalise_stop_token_ids(value: Any) -> tuple[int, ...]:
+def _token_ids(name: str, value: Any) -> tuple[int, ...]:
     if value is None:
         return ()
     if not isinstance(value, (list, tuple, set, frozenset)):
-        raise ValueError(f"stop_token_ids must be a list of int, got {value!r}")
-    ids = tuple(_check_int("stop_token_ids", v) for v in value)
+        raise ValueError(f"{name} must be a list of int, got {_short(value)}")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise ValueError(f"{name} may hold at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}")
+    ids = tuple(_int(name, v) for v in value)
     if any(v < 0 for v in ids):
-        raise ValueError(f"stop_token_ids must be >= 0, got {list(ids)}")
+        raise ValueError(f"{name} must be >= 0, got {_short(list(ids))}")
     return ids
+
+
+def _short(value: Any, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass(frozen=True, slots=True)
+class FieldRule:
+    """How one field is validated: `parse(name, value)` checks the type and returns the value to
+    store (raising ValueError naming the field); `in_range` checks that value; `expected` words
+    the range for the message ("in (0, 1]")."""
+
+    parse: Callable[[str, Any], Any]
+    in_range: Callable[[Any], bool] | None = None
+    expected: str = ""
+
+
+FIELD_RULES: dict[str, FieldRule] = {
+    "max_new_tokens": FieldRule(_int, lambda v: v >= 0, ">= 0"),
+    "temperature": FieldRule(_float, lambda v: v >= 0.0, ">= 0"),
+    "top_p": FieldRule(_float, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
+    "top_k": FieldRule(_int, lambda v: v == TOP_K_OFF or v >= 1, "-1 (off) or >= 1"),
+    "min_p": FieldRule(_float, lambda v: 0.0 <= v <= 1.0, "in [0, 1]"),
+    "stop": FieldRule(_stop_strings),
+    "stop_token_ids": FieldRule(_token_ids),
+    "ignore_eos": FieldRule(_bool),
+    "skip_special_tokens": FieldRule(_bool),
+    "no_stop_trim": FieldRule(_bool),
+    "n": FieldRule(_int, lambda v: v >= 1, ">= 1"),
+    "seed": FieldRule(_optional_int, lambda v: v is None or 0 <= v < MAX_SEED, "in [0, 2**63)"),
+    "frequency_penalty": FieldRule(_float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "presence_penalty": FieldRule(_float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
+    "repetition_penalty": FieldRule(_float, lambda v: 0.0 < v <= 2.0, "in (0, 2]"),
+}
+
+# Fields whose valid range is accepted by the API but only this neutral value runs for now.
+NEUTRAL_ONLY: dict[str, float] = {
+    "frequency_penalty": 0.0,
+    "presence_penalty": 0.0,
+    "repetition_penalty": 1.0,
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +134,7 @@ class SamplingParams:
     `stop` accepts a str, a list of str or None and is stored as a tuple; `stop_token_ids`
     likewise. A temperature below `GREEDY_TEMPERATURE_EPS` is normalised as in SGLang to
     `temperature=1.0, top_k=1`, so greedy is exactly `top_k == 1` (`is_greedy`).
-    Penalties accept only their neutral value for now. Raises ValueError naming the field.
+    Raises ValueError whose message starts with the field's name.
     """
 
     max_new_tokens: int = 128
@@ -87,41 +158,16 @@ class SamplingParams:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        put("max_new_tokens", _check_int("max_new_tokens", self.max_new_tokens))
-        if self.max_new_tokens < 0:
-            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        put("temperature", _check_float("temperature", self.temperature))
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        put("top_p", _check_float("top_p", self.top_p))
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
-        put("top_k", _check_int("top_k", self.top_k))
-        if self.top_k != TOP_K_OFF and self.top_k < 1:
-            raise ValueError(f"top_k must be -1 (off) or >= 1, got {self.top_k}")
-        put("min_p", _check_float("min_p", self.min_p))
-        if not 0.0 <= self.min_p <= 1.0:
-            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
-        put("stop", _normalise_stop(self.stop))
-        put("stop_token_ids", _normalise_stop_token_ids(self.stop_token_ids))
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
-            _check_bool(name, getattr(self, name))
-        _check_int("n", self.n)
-        if self.n < 1:
-            raise ValueError(f"n must be >= 1, got {self.n}")
-        if self.seed is not None:
-            _check_int("seed", self.seed)
-            if not 0 <= self.seed < _MAX_SEED:
-                raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        for name, neutral in (
-            ("frequency_penalty", 0.0),
-            ("presence_penalty", 0.0),
-            ("repetition_penalty", 1.0),
-        ):
-            value = _check_float(name, getattr(self, name))
-            if value != neutral:
-                raise ValueError(f"{name}={value} is not supported yet (only {neutral})")
+        for name, rule in FIELD_RULES.items():
+            value = rule.parse(name, getattr(self, name))
+            if rule.in_range is not None and not rule.in_range(value):
+                raise ValueError(f"{name} must be {rule.expected}, got {_short(value)}")
             put(name, value)
+        for name, neutral in NEUTRAL_ONLY.items():
+            if getattr(self, name) != neutral:
+                raise ValueError(
+                    f"{name}={getattr(self, name)} is not supported yet (only {neutral})"
+                )
         if self.temperature < GREEDY_TEMPERATURE_EPS:
             put("temperature", 1.0)
             put("top_k", 1)
@@ -138,9 +184,10 @@ class SamplingParams:
         if not isinstance(d, Mapping):
             raise ValueError(f"sampling_params must be an object, got {type(d).__name__}")
         known = {f.name for f in fields(cls)}
-        unknown = sorted(str(k) for k in d if k not in known)
+        unknown = sorted(str(k)[:40] for k in d if k not in known)
         if unknown:
-            raise ValueError(f"unknown sampling_params key(s): {', '.join(unknown)}")
+            shown = ", ".join(unknown[:5]) + (", ..." if len(unknown) > 5 else "")
+            raise ValueError(f"unknown sampling_params key(s): {shown}")
         return cls(**{k: v for k, v in d.items() if v is not None})
 
     def to_dict(self) -> dict[str, Any]:
