@@ -68,18 +68,20 @@ class TargetTaps:
                 pool.free_slot(slot)
 
     def extract(self, sequences: list[list[int]], max_batch_tokens: int) -> list[SequenceTaps]:
-        """Per sequence its taps, in prefill batches of at most `max_batch_tokens` tokens."""
+        """Per sequence its taps, in prefill batches of at most `max_batch_tokens` tokens and
+        no more sequences than the runner has free request slots."""
+        max_seqs = self.runner.req_pool.num_free_slots
         out: list[SequenceTaps] = []
         group: list[list[int]] = []
-        for seq in [*sequences, None]:
-            if seq is not None and (
-                not group or sum(map(len, group)) + len(seq) <= max_batch_tokens
-            ):
-                group.append(seq)
-                continue
-            if group:
+        tokens = 0
+        for seq in sequences:
+            if group and (len(group) >= max_seqs or tokens + len(seq) > max_batch_tokens):
                 out.extend(self._split(group))
-            group = [seq] if seq is not None else []
+                group, tokens = [], 0
+            group.append(seq)
+            tokens += len(seq)
+        if group:
+            out.extend(self._split(group))
         return out
 
     def _split(self, group: list[list[int]]) -> list[SequenceTaps]:
