@@ -206,12 +206,15 @@ def test_training_forward_equals_inference_forward():
     assert no_grad == []
 
 
-def _repetitive_prompts(seed: int, count: int) -> list[list[int]]:
+def _repetitive_prompts(seed: int, count: int, alphabet: int = 8) -> list[list[int]]:
+    """`count` distinct prompts, each a short motif over a small alphabet repeated."""
     r = random.Random(seed)
-    out = []
-    for _ in range(count):
-        motif = [r.randrange(10, 200) for _ in range(r.randint(2, 4))]
-        out.append((motif * 8)[: r.randint(8, 14)])
+    out: list[list[int]] = []
+    while len(out) < count:
+        motif = [r.randrange(10, 10 + alphabet) for _ in range(r.randint(2, 4))]
+        prompt = (motif * 8)[: r.randint(8, 14)]
+        if prompt not in out:
+            out.append(prompt)
     return out
 
 
@@ -262,7 +265,7 @@ def test_resume_equals_uninterrupted_run(tmp_path):
 
 def test_training_raises_engine_acceptance(tmp_path):
     data = tmp_path / "prompts.jsonl"
-    prompts = _repetitive_prompts(0, 36)
+    prompts = _repetitive_prompts(0, 120)  # the last 6 are held out
     data.write_text("".join(json.dumps({"input_ids": p}) + "\n" for p in prompts))
     out = tmp_path / "draft"
     result = train_main(
@@ -278,7 +281,7 @@ def test_training_raises_engine_acceptance(tmp_path):
             "--context-length",
             "128",
             "--max-new-tokens",
-            "20",
+            "24",
             "--eval-prompts",
             "6",
             "--eval-new-tokens",
@@ -294,13 +297,15 @@ def test_training_raises_engine_acceptance(tmp_path):
             "--n-routed-experts",
             "4",
             "--steps",
-            "200",
+            "300",
             "--batch-size",
-            "6",
-            "--anchors-per-seq",
             "8",
-            "--lr",
-            "1e-2",
+            "--anchors-per-seq",
+            "16",
+            "--warmup",
+            "30",
+            "--ce-weight",
+            "1.0",
             "--no-progress",
         ]
     )
@@ -308,11 +313,11 @@ def test_training_raises_engine_acceptance(tmp_path):
     # Lossless both ways; the trained draft is measured on prompts training never saw.
     assert before["identical"] and after["identical"]
     assert before["verify_steps"] > 0 and after["verify_steps"] > 0
-    assert after["accept_length"] >= before["accept_length"] + 0.3, (before, after)
+    assert after["accept_length"] >= before["accept_length"] + 0.5, (before, after)
     for name in ("config.json", "model.safetensors", "training_report.md", "train_state.pt"):
         assert (out / name).is_file(), name
     report = (out / "training_report.md").read_text()
-    assert "| trained |" in report and "--steps 200" in report
+    assert "| trained |" in report and "--steps 300" in report
 
     # The written draft loads in the engine; greedy DSpark output equals the target's own.
     held_out = [[p[0] + 1, *p[1:]] for p in _repetitive_prompts(7, 3)]
