@@ -115,6 +115,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--output", required=True, help="directory for the draft and the run")
     g.add_argument("--device", default="auto", help="auto (cuda when present), cuda or cpu")
     g.add_argument("--context-length", type=int, default=1024)
+    g.add_argument(
+        "--engine-args",
+        default="{}",
+        help='more Engine (server) arguments as JSON, e.g. \'{"attention_backend": "torch"}\'',
+    )
     g.add_argument("--max-new-tokens", type=int, default=128, help="continuation length")
     g.add_argument(
         "--temperature", type=float, default=0.0, help="continuations: 0 greedy, else sampled"
@@ -179,6 +184,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "model_path": args.target_path,
         "device": device_name,
         "context_length": args.context_length,
+        **json.loads(args.engine_args),
     }
     try:
         engine = Engine(**engine_args)

@@ -88,13 +88,17 @@ def v41_target(tmp_path_factory) -> tuple[str, str]:
     return str(target), str(draft)
 
 
-@pytest.mark.parametrize("target", ["tiny", "v41"])
+@pytest.mark.parametrize("target", ["tiny", "v41", "tiny-v41"])
 def test_training_features_are_the_engine_taps(target, v41_target):
-    kwargs: dict = {"model_path": "tiny"}
+    kwargs: dict = {"model_path": target}
     vocab = 512
     if target == "v41":
         kwargs = {"model_path": v41_target[0], "speculative_draft_model_path": v41_target[1]}
         vocab = 320
+    elif target == "tiny-v41":
+        # The built-in V4.1 target and its built-in draft, where this build has them.
+        tiny_v41 = pytest.importorskip("sgl_dspark.srt.models.tiny_v41")
+        vocab = tiny_v41.tiny_v41_config().vocab_size
     engine = Engine(
         **kwargs,
         device="cpu",
