@@ -188,7 +188,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     }
     try:
         engine = Engine(**engine_args)
-    except (OSError, ValueError) as e:
+    except (OSError, RuntimeError) as e:
         # A target without a tokenizer still trains on token-id prompts.
         logger.warning("target tokenizer not loaded (%s): prompts must give input_ids", e)
         engine_args["skip_tokenizer_init"] = True
