@@ -339,3 +339,46 @@ def test_training_raises_engine_acceptance(tmp_path):
     got = spec.generate(input_ids=held_out, sampling_params=params)
     assert [o["output_ids"] for o in got] == ref
     assert sum(o["meta_info"]["spec_verify_ct"] for o in got) > 0
+
+
+def test_decode_time_taps_match_training_features():
+    """The features the draft reads while serving a request (its prompt's prefill, then verify
+    forwards a few rows at a time) are the training features of the same positions (one prefill
+    of prompt + output) up to fp32 rounding: other batch shapes sum in another order."""
+    engine = Engine(
+        model_path="tiny",
+        device="cpu",
+        skip_tokenizer_init=True,
+        context_length=128,
+        speculative_algorithm="DSpark",
+        speculative_dspark_block_size=3,
+    )
+    draft = engine.spec.worker.draft
+    latest: dict[int, torch.Tensor] = {}
+    write = draft.write_context_kv
+
+    def record(features, positions, pools, slots):
+        # A rejected verify row is rewritten by the step that commits its position, so the
+        # last write of a position is the committed token's.
+        for row, pos in enumerate(positions.tolist()):
+            latest[pos] = features[row].clone()
+        return write(features, positions, pools, slots)
+
+    draft.write_context_kv = record
+    prompt = _sequences(4, 1, 512)[0]
+    out = engine.generate(
+        input_ids=prompt,
+        sampling_params={"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True},
+    )
+    del draft.write_context_kv
+    assert out["meta_info"]["spec_verify_ct"] > 0
+    seq = prompt + out["output_ids"]
+    feats, _ = TargetTaps(engine.runner, engine.spec.worker.tap_layers, top=0).features_and_logits(
+        [seq]
+    )
+    positions = [p for p in range(len(seq)) if p in latest]
+    assert len(positions) >= len(prompt) + 20
+    served = torch.stack([latest[p] for p in positions])
+    trained = feats[positions]
+    assert not torch.equal(served, torch.zeros_like(served))
+    torch.testing.assert_close(served, trained, rtol=1e-4, atol=1e-4 * float(trained.abs().max()))
