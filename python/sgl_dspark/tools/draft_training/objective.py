@@ -127,7 +127,13 @@ def draft_block_forward(
     )
     embeds = target.model.embed_tokens(inputs.input_ids)
     y, y_normed = draft(embeds, inputs.positions, pools, inputs.ctx_slots, inputs.ctx_valid)
-    return y, target.compute_logits(y_normed)
+    logits = target.compute_logits(y_normed)
+    if y_normed.requires_grad and not logits.requires_grad:
+        raise RuntimeError(
+            "the target's logits kernel is not differentiable (a Triton linear): train with "
+            '--engine-args \'{"kernel_backend": "torch"}\''
+        )
+    return y, logits
 
 
 @dataclass
