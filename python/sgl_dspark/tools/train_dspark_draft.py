@@ -58,7 +58,7 @@ from sgl_dspark.tools.init_dspark_draft import draft_config, random_draft_weight
 logger = logging.getLogger(__name__)
 
 CONTINUATIONS_FILE = "continuations.json"
-UNTRAINED_DIR = "untrained_draft"
+INITIAL_DIR = "initial_draft"
 EVAL_FILE = "acceptance.json"
 
 
@@ -220,11 +220,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     reference: list[list[int]] = []
     if eval_prompts:
         reference = greedy_reference(engine, eval_prompts, args.eval_new_tokens)
-    if eval_prompts and "untrained" not in evals:
-        untrained_dir = os.path.join(args.output, UNTRAINED_DIR)
-        save_draft_checkpoint(draft.state_dict(), dcfg, cfg_dict, untrained_dir)
-        evals["untrained"] = measure_acceptance(
-            untrained_dir, eval_prompts, reference, args.eval_new_tokens, engine_args
+    if eval_prompts and "initial" not in evals:
+        initial_dir = os.path.join(args.output, INITIAL_DIR)
+        save_draft_checkpoint(draft.state_dict(), dcfg, cfg_dict, initial_dir)
+        evals["initial"] = measure_acceptance(
+            initial_dir, eval_prompts, reference, args.eval_new_tokens, engine_args
         ).__dict__
         with open(eval_path, "w") as f:
             json.dump(evals, f, indent=2)
@@ -268,7 +268,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ).__dict__
         with open(eval_path, "w") as f:
             json.dump(evals, f, indent=2)
-    before = AcceptanceResult(**evals["untrained"]) if "untrained" in evals else None
+    before = AcceptanceResult(**evals["initial"]) if "initial" in evals else None
     after = AcceptanceResult(**evals["trained"]) if "trained" in evals else None
     plot = plot_losses(state.history, args.output)
     command = "python -m sgl_dspark.tools.train_dspark_draft " + " ".join(

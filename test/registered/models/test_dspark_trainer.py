@@ -313,7 +313,7 @@ def test_training_raises_engine_acceptance(tmp_path):
             "--no-progress",
         ]
     )
-    before, after = result["untrained"], result["trained"]
+    before, after = result["initial"], result["trained"]
     # Lossless both ways; the trained draft is measured on prompts training never saw.
     assert before["identical"] and after["identical"]
     assert before["verify_steps"] > 0 and after["verify_steps"] > 0

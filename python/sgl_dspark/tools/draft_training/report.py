@@ -85,7 +85,7 @@ def write_report(
             "| draft | mean acceptance length | verify steps | prompts | output == target-only |",
             "|---|---|---|---|---|",
         ]
-        for label, res in (("untrained", before), ("trained", after)):
+        for label, res in (("initial", before), ("trained", after)):
             if res is not None:
                 lines.append(
                     f"| {label} | {res.accept_length:.3f} | {res.verify_steps} | {res.prompts} | "
