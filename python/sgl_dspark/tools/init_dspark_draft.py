@@ -16,6 +16,8 @@ import json
 import logging
 import os
 
+import torch
+
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
@@ -25,19 +27,17 @@ from sgl_dspark.srt.speculative.dspark.draft_checkpoint import save_draft_checkp
 logger = logging.getLogger(__name__)
 
 
-def init_dspark_draft(
-    target_path: str,
-    output: str,
+def draft_config(
+    raw: dict,
     num_layers: int = 3,
     block_size: int = 5,
     markov_rank: int = 64,
-    seed: int = 0,
     noise_token_id: int | None = None,
     n_routed_experts: int | None = None,
     num_experts_per_tok: int | None = None,
-) -> DSparkConfig:
-    with open(os.path.join(target_path, "config.json")) as f:
-        raw = json.load(f)
+) -> tuple[dict, DSparkConfig]:
+    """The draft's config.json (the target's `raw` config plus `dspark_*` keys) and its parsed
+    form, for a draft reading the target's last `num_layers` layers."""
     target = ModelConfig.from_hf_dict(raw)
     if not 1 <= num_layers <= target.num_hidden_layers:
         raise ValueError(f"--num-layers {num_layers} must be in [1, {target.num_hidden_layers}]")
@@ -55,11 +55,39 @@ def init_dspark_draft(
         "enable_confidence_head": True,
     }
     cfg.pop("quantization_config", None)
-    dcfg = DSparkConfig.from_dict(cfg, target)
+    return cfg, DSparkConfig.from_dict(cfg, target)
+
+
+def random_draft_weights(dcfg: DSparkConfig, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Seeded random weights of every draft tensor (internal names)."""
     model = DSparkDraftModel(dcfg)
     shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
-    weights = dict(tiny_weights(dcfg.stage_config, shapes, seed=seed))
-    save_draft_checkpoint(weights, dcfg, cfg, output)
+    return dict(tiny_weights(dcfg.stage_config, shapes, seed=seed))
+
+
+def init_dspark_draft(
+    target_path: str,
+    output: str,
+    num_layers: int = 3,
+    block_size: int = 5,
+    markov_rank: int = 64,
+    seed: int = 0,
+    noise_token_id: int | None = None,
+    n_routed_experts: int | None = None,
+    num_experts_per_tok: int | None = None,
+) -> DSparkConfig:
+    with open(os.path.join(target_path, "config.json")) as f:
+        raw = json.load(f)
+    cfg, dcfg = draft_config(
+        raw,
+        num_layers,
+        block_size,
+        markov_rank,
+        noise_token_id,
+        n_routed_experts,
+        num_experts_per_tok,
+    )
+    save_draft_checkpoint(random_draft_weights(dcfg, seed), dcfg, cfg, output)
     return dcfg
 
 

@@ -201,6 +201,28 @@ class MarkovHead(nn.Module):
         self.embed = nn.Embedding(vocab, rank)  # W1 [V, r]
         self.head = nn.Linear(rank, vocab, bias=False)  # W2 [V, r]
 
+    def teacher_forced_logits(
+        self, base_logits: torch.Tensor, prev_tokens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step logits z_k = U_k + W2 W1[prev_k] and the Markov embeddings e_k = W1[prev_k]
+        of every position at once, with the previous tokens given (training: the anchor, then
+        the target's tokens), differentiable in U, W1 and W2. The serving loop computes the same
+        values one step at a time from its own drafts (`markov_sample`): per step the same
+        operations, so equal previous tokens give equal bits.
+
+        Args:
+            base_logits: U `[B, gamma, V]`; prev_tokens: `[B, gamma]` int64.
+        Returns:
+            z `[B, gamma, V]` fp32 and e `[B, gamma, r]` (W1's dtype).
+        """
+        w1, w2 = self.embed.weight, self.head.weight
+        steps, embeds = [], []
+        for k in range(base_logits.shape[1]):
+            e = w1[prev_tokens[:, k]]
+            steps.append(base_logits[:, k].float() + torch.matmul(e.to(w2.dtype), w2.t()).float())
+            embeds.append(e)
+        return torch.stack(steps, dim=1), torch.stack(embeds, dim=1)
+
 
 class ConfidenceHead(nn.Module):
     def __init__(self, hidden: int, rank: int) -> None:

@@ -148,12 +148,9 @@ class DSparkWorker:
     ) -> None:
         """Write the draft context KV of target forward rows at `slots`, from the target's
         streams `[N, n, D]` after each tap layer (their means are the features)."""
-        rows = tap_streams[self.tap_layers[0]].shape[0]
-        if rows == 0:
+        if tap_streams[self.tap_layers[0]].shape[0] == 0:
             return
-        # One stack and one mean for all tap layers: [N, n_f, n, D] -> [N, n_f * D].
-        streams = torch.stack([tap_streams[layer] for layer in self.tap_layers], dim=1)
-        feats = stream_means(streams, dim=2).reshape(rows, -1)
+        feats = context_features(tap_streams, self.tap_layers)
         with torch.inference_mode():
             self.draft.write_context_kv(feats, positions, self.ctx_kv, slots)
 
@@ -344,6 +341,16 @@ class DSparkWorker:
     def close(self) -> None:
         if self.sts_recorder is not None:
             self.sts_recorder.flush()
+
+
+def context_features(tap_streams: dict[int, torch.Tensor], layers: tuple[int, ...]) -> torch.Tensor:
+    """The draft's context features `[N, n_f * D]` of a target forward's rows: the mean over mHC
+    streams of each tap layer's streams `[N, n, D]`, concatenated in `layers` order. The one
+    definition the serving worker and the draft trainer both read."""
+    rows = tap_streams[layers[0]].shape[0]
+    # One stack and one mean for all tap layers: [N, n_f, n, D] -> [N, n_f * D].
+    streams = torch.stack([tap_streams[layer] for layer in layers], dim=1)
+    return stream_means(streams, dim=2).reshape(rows, -1)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
