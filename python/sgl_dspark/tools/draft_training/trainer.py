@@ -60,7 +60,7 @@ def anchor_range(seq: SequenceTaps, prompt_len: int) -> range:
 def sample_step(
     data: list[SequenceTaps], prompt_lens: list[int], cfg: TrainConfig, step: int
 ) -> tuple[list[SequenceTaps], list[tuple[int, int]]]:
-    """The sequences and anchors of `step` (a function of the seed and the step only)."""
+    """The sequences and anchors of `step` (a function of the random seed and `step` only)."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
     usable = [i for i, (s, p) in enumerate(zip(data, prompt_lens)) if len(anchor_range(s, p))]
     if not usable:
