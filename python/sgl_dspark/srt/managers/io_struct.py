@@ -36,6 +36,11 @@ class GenerateReqInput:
     input_ids: Sequence[int] | None = None
     messages: Sequence[Mapping[str, Any]] | None = None
     return_logprob: bool = False
+    # SGLang's logprob options (with return_logprob): prompt logprobs from this prompt index
+    # (-1: none), the top-N tokens per position, the logprobs of these ids.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
     return_prompt_text: bool = False
     fill_context: bool = False
 

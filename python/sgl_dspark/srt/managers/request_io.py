@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sgl_dspark.srt.constrained import Grammars
 from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.managers.io_struct import GenerateOutput, GenerateReqInput, ReqAccepted
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
@@ -41,6 +42,8 @@ class RequestIO:
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._speculative = speculative
+        cfg = scheduler.cfg
+        self._grammars = Grammars(tokenizer, cfg.vocab_size or 0, cfg.eos_token_ids)
 
     def make_req(self, inp: GenerateReqInput) -> tuple[Req, ReqAccepted]:
         """The request to queue (validated by `Scheduler.add_group`) and its acceptance record.
@@ -64,8 +67,12 @@ class RequestIO:
             prompt_ids=ids,
             params=p,
             return_logprob=inp.return_logprob,
+            logprob_start_len=inp.logprob_start_len,
+            top_logprobs_num=inp.top_logprobs_num,
+            token_ids_logprob=inp.token_ids_logprob,
             detok=detok,
             queued_at=time.monotonic(),
+            grammar=self._grammars.matcher_for(p.grammar),
         )
         return req, ReqAccepted(inp.rid, len(ids), prompt_text)
 
