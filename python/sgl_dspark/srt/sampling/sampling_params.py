@@ -95,8 +95,8 @@ def _logit_bias(name: str, value: Any) -> tuple[tuple[int, float], ...]:
     twice ("7" and "07") keeps the last value, as a dict would."""
     if value is None:
         return ()
-    if isinstance(value, (tuple, list)):  # the stored form, from `to_dict` round trips
-        value = dict(value)
+    if isinstance(value, tuple) and all(isinstance(x, tuple) and len(x) == 2 for x in value):
+        value = dict(value)  # the stored form ((id, bias), ...)
     if not isinstance(value, Mapping):
         raise ValueError(f"{name} must be an object of token id -> bias, got {_short(value)}")
     if len(value) > MAX_LOGIT_BIAS_ENTRIES:
@@ -149,7 +149,6 @@ class FieldRule:
 
 FIELD_RULES: dict[str, FieldRule] = {
     "max_new_tokens": FieldRule(_int, lambda v: v >= 0, ">= 0"),
-    "min_new_tokens": FieldRule(_int, lambda v: v >= 0, "in [0, max_new_tokens]"),
     "temperature": FieldRule(_float, lambda v: v >= 0.0, ">= 0"),
     "top_p": FieldRule(_float, lambda v: 0.0 < v <= 1.0, "in (0, 1]"),
     "top_k": FieldRule(_int, lambda v: v == TOP_K_OFF or v >= 1, "-1 (off) or >= 1"),
@@ -164,6 +163,7 @@ FIELD_RULES: dict[str, FieldRule] = {
     "frequency_penalty": FieldRule(_float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "presence_penalty": FieldRule(_float, lambda v: -2.0 <= v <= 2.0, "in [-2, 2]"),
     "repetition_penalty": FieldRule(_float, lambda v: 0.0 < v <= 2.0, "in (0, 2]"),
+    "min_new_tokens": FieldRule(_int, lambda v: v >= 0, "in [0, max_new_tokens]"),
     "logit_bias": FieldRule(_logit_bias),
     "json_schema": FieldRule(_grammar),
     "regex": FieldRule(_grammar),
