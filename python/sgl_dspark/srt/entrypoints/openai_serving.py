@@ -46,7 +46,7 @@ from sgl_dspark.srt.managers.io_struct import GenerateOutput, GenerateReqInput
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -101,14 +101,9 @@ def _sampling_params(
             )
         schema = body.json_schema
     values["json_schema"] = schema
-    try:
-        return make_sampling_params(
-            {k: v for k, v in values.items() if v is not None}, rename=_OPENAI_NAMES
-        )
-    except ApiError as exc:
-        if exc.param == "min_new_tokens":
-            exc.param = "min_tokens"
-        raise
+    return make_sampling_params(
+        {k: v for k, v in values.items() if v is not None}, rename=_OPENAI_NAMES
+    )
 
 
 def _choice_params(params: SamplingParams, j: int) -> SamplingParams:
