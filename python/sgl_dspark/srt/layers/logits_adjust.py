@@ -178,7 +178,8 @@ def grammar_bitmask(
     position j holds the tokens allowed after its output and drafts d_1..d_j (the matcher
     advances through them and rolls back); rows without a grammar allow every token. After a
     draft the grammar rejects, later positions repeat the last valid row: acceptance stops at
-    that draft anyway (the position before it gives it no mass)."""
+    that draft anyway (the position before it gives it no mass); likewise after a draft that
+    ends the grammar (the request ends with it)."""
     words = (vocab_size + 31) // 32
     mask = torch.full((len(reqs) * width, words), -1, dtype=torch.int32)
     for r, req in enumerate(reqs):
@@ -194,6 +195,11 @@ def grammar_bitmask(
                 mask[base + j : base + width] = mask[base + j - 1]
                 break
             advanced += 1
+            if matcher.terminated:
+                # The draft ended the grammar (an EOS id): the request ends there if it is
+                # accepted, so the positions after it are never used.
+                mask[base + j : base + width] = mask[base + j - 1]
+                break
             matcher.fill_mask(mask, base + j)
         matcher.rollback(advanced)
     return mask
