@@ -94,6 +94,11 @@ class Scheduler:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
                 f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}"
             )
+        if req.return_logprob and req.logprob_start_len > len(req.prompt_ids):
+            raise RequestRejected(
+                f"logprob_start_len ({req.logprob_start_len}) is higher than the number of "
+                f"prompt tokens ({len(req.prompt_ids)})"
+            )
         if self._pages_for(total) > self.allocator.num_usable_pages:
             raise RequestRejected(f"request needs {total} tokens of KV, more than the pool holds")
         vocab = self.cfg.vocab_size
