@@ -198,3 +198,19 @@ def test_logprob_extras_against_sorting():
         assert ex.top_values[r].tolist() == [float(lp[r, t]) for t in order]
         assert ex.id_values[r, : len(ids[r])].tolist() == [float(lp[r, t]) for t in ids[r]]
     assert ex.top_ids[2, :2].tolist() == [3, 10]
+
+
+def test_a_grammar_that_must_end_wins_over_min_new_tokens():
+    """A grammar complete after its output allows only EOS, which min_new_tokens holds back: the
+    row keeps EOS (a token to sample) instead of masking everything."""
+    backend = GrammarBackend(ByteTokenizer(), VOCAB, [EOS_ID])
+    req = _req(0, SamplingParams(regex="ab", min_new_tokens=5), _byte("ab"))
+    req.grammar = backend.matcher("regex", "ab")
+    for t in req.output_ids:
+        assert req.grammar.accept(t)
+    other = _req(1, SamplingParams(min_new_tokens=5), [9])
+    adjust = build_logits_adjust([req, other], VOCAB, torch.device("cpu"), EOS)
+    assert adjust is not None
+    out = adjust.apply(torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1)))
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [EOS_ID]
+    assert torch.isneginf(out[1, EOS_ID]) and torch.isfinite(out[1]).sum() == VOCAB - 1

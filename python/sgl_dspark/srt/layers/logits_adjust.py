@@ -9,7 +9,8 @@ position (SGLang's penalizers count output tokens only, never the prompt):
    and `-inf` at the stop token ids and EOS ids while fewer than `min_new_tokens` tokens are out;
 2. repetition (multiplicative) on tokens with `count[t] > 0`: a negative logit is multiplied by
    `repetition_penalty`, a positive one divided by it;
-3. grammar: `-inf` outside the tokens the request's grammar allows next;
+3. grammar: `-inf` outside the tokens the request's grammar allows next (where it allows only
+   tokens that `min_new_tokens` holds back, the grammar wins: the request ends);
 4. `logit_bias[t]` is added (after the mask, so a bias never re-allows a masked token).
 
 This is SGLang's order (its overlap schedule accumulates the additive penalizers before the
@@ -49,14 +50,25 @@ class LogitsAdjust:
     bias: torch.Tensor | None  # [N, V] fp32
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
-        """The adjusted logits [N, V] fp32 (a new tensor; `logits` is not written)."""
+        """The adjusted logits [N, V] fp32 (a new tensor; `logits` is not written).
+
+        Totality: only the grammar mask and `min_new_tokens` write -inf, and a row where they
+        leave nothing (the grammar can only end, the request may not end yet) keeps the
+        grammar's tokens: the grammar wins, so every row has a token to sample."""
+        out = self._apply(logits, self.suppress)
+        if self.suppress is not None and self.allowed is not None:
+            empty = torch.isneginf(out).all(dim=-1, keepdim=True)
+            out = torch.where(empty, self._apply(logits, None), out)
+        return out
+
+    def _apply(self, logits: torch.Tensor, suppress: torch.Tensor | None) -> torch.Tensor:
         out = logits.float().clone()
         if self.counts is not None:
             assert self.frequency is not None and self.presence is not None
             seen = self.counts > 0
             out -= self.frequency * self.counts + self.presence * seen.float()
-        if self.suppress is not None:
-            out = out.masked_fill(self.suppress, float("-inf"))
+        if suppress is not None:
+            out = out.masked_fill(suppress, float("-inf"))
         if self.counts is not None and self.repetition is not None:
             scaled = torch.where(out < 0, out * self.repetition, out / self.repetition)
             out = torch.where(self.counts > 0, scaled, out)
