@@ -234,3 +234,22 @@ def test_bad_grammar_is_a_400_naming_the_field(server):
         timeout=60,
     )
     assert r.status_code == 400 and "regex invalid grammar" in r.text
+
+
+def test_bad_response_format_schema_names_response_format(server):
+    r = httpx.post(
+        f"{server.base_url}/v1/chat/completions",
+        json={
+            "model": "tiny",
+            "messages": [{"role": "user", "content": "x"}],
+            "max_tokens": 3,
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "bad", "schema": {"type": 3}},
+            },
+        },
+        timeout=60,
+    )
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and "invalid grammar" in err["message"], err

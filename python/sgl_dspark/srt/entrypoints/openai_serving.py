@@ -88,6 +88,15 @@ def _response_format_schema(body: CompletionRequest | ChatCompletionRequest) -> 
     return json.dumps(fmt.json_schema.schema_)
 
 
+def _names(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """The API's names of the scheduler's fields in refusals: a schema from `response_format`
+    is reported as that field."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        return {**_OPENAI_NAMES, "json_schema": "response_format"}
+    return _OPENAI_NAMES
+
+
 def _sampling_params(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingParams:
@@ -200,7 +209,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         for p, (text, ids) in enumerate(prompts)
         for j in range(n)
     ]
-    group = RequestGroup(ctx, request, "/v1/completions", inputs, "prompt", _OPENAI_NAMES)
+    group = RequestGroup(ctx, request, "/v1/completions", inputs, "prompt", _names(body))
     meta = {
         "id": f"cmpl-{base}",
         "object": "text_completion",
@@ -331,7 +340,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         )
         for j in range(n)
     ]
-    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages", _OPENAI_NAMES)
+    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages", _names(body))
     meta = {"id": f"chatcmpl-{base}", "created": int(time.time()), "model": body.model}
     if not body.stream:
         async with group:

@@ -235,7 +235,8 @@ class RequestGroup:
                     message = item.message
                     for old, new in self.renames.items():
                         message = message.replace(old, new)
-                    raise _api_error(item, message, param=item.param or self.prompt_param)
+                    param = self.renames.get(item.param, item.param) if item.param else None
+                    raise _api_error(item, message, param=param or self.prompt_param)
                 if not isinstance(item, ReqAccepted):  # outputs never precede the acceptances
                     raise RuntimeError(f"output before acceptance: {type(item).__name__}")
                 by_rid[item.rid] = item
