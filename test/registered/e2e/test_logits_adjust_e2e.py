@@ -300,3 +300,9 @@ def test_grammar_needs_a_tokenizer():
     engine = Engine(model_path="tiny", device="cpu", context_length=CTX, skip_tokenizer_init=True)
     with pytest.raises(ValueError, match="regex constrained decoding needs a tokenizer"):
         engine.generate(input_ids=[5, 6], sampling_params={"regex": "a+"})
+
+
+def test_grammar_refused_with_simulated_acceptance():
+    engine = _engine(speculative_algorithm="DSpark", speculative_dspark_simulate_accept_len=2.0)
+    with pytest.raises(ValueError, match="regex: constrained decoding cannot run with simulated"):
+        engine.generate("x", {"regex": "a+", "max_new_tokens": 3})

@@ -253,3 +253,33 @@ def test_bad_response_format_schema_names_response_format(server):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == "response_format" and "invalid grammar" in err["message"], err
+
+
+def test_streamed_logprobs_equal_the_whole_response(client):
+    kw = {"model": "tiny", "prompt": "stream me", "max_tokens": 6, "temperature": 0}
+    whole = client.completions.create(**kw, logprobs=2, echo=True).choices[0].logprobs
+    tokens: list[str] = []
+    values: list[float | None] = []
+    tops: list = []
+    for chunk in client.completions.create(**kw, logprobs=2, echo=True, stream=True):
+        for choice in chunk.choices:
+            if choice.logprobs is not None:
+                tokens += choice.logprobs.tokens
+                values += choice.logprobs.token_logprobs
+                tops += choice.logprobs.top_logprobs
+    assert tokens == whole.tokens and tops == whole.top_logprobs
+    assert values[0] is None and values[1:] == pytest.approx(whole.token_logprobs[1:], abs=1e-6)
+    chat_kw = {"model": "tiny", "messages": [{"role": "user", "content": "s"}], "max_tokens": 5}
+    full = client.chat.completions.create(**chat_kw, temperature=0, logprobs=True, top_logprobs=2)
+    streamed = []
+    for chunk in client.chat.completions.create(
+        **chat_kw, temperature=0, logprobs=True, top_logprobs=2, stream=True
+    ):
+        for choice in chunk.choices:
+            if choice.logprobs is not None and choice.logprobs.content:
+                streamed += choice.logprobs.content
+    want = full.choices[0].logprobs.content
+    assert [c.token for c in streamed] == [c.token for c in want]
+    assert [[t.token for t in c.top_logprobs] for c in streamed] == [
+        [t.token for t in c.top_logprobs] for c in want
+    ]

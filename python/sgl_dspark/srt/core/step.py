@@ -141,6 +141,10 @@ class BaseStepExecutor(ABC):
     def can_chain(self, work: StepWork, prev: InflightStep) -> bool:
         """Whether `work` can launch before `prev`'s results are read."""
 
+    def refuses(self, req: Req) -> str | None:
+        """Why this executor cannot run `req` (checked before it is queued), or None."""
+        return None
+
     def on_admit(self, req: Req) -> None:  # noqa: B027 - optional hook
         """Called when `req` gets its request slot."""
 

@@ -94,6 +94,9 @@ class Scheduler:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
                 f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}"
             )
+        refusal = self.executor.refuses(req)
+        if refusal is not None:
+            raise RequestRejected(refusal)
         if req.return_logprob and req.logprob_start_len > len(req.prompt_ids):
             raise RequestRejected(
                 f"logprob_start_len ({req.logprob_start_len}) is higher than the number of "

@@ -149,6 +149,16 @@ class DSparkExecutor(BaseStepExecutor):
     def step_window(self) -> int:
         return self.runner.rc.max_verify_tokens
 
+    def refuses(self, req: Req) -> str | None:
+        grammar = req.params.grammar
+        if grammar is not None and self.worker.args.simulate_accept_len is not None:
+            # Simulated acceptance commits drafts whatever the target (and the grammar) says.
+            return (
+                f"{grammar[0]}: constrained decoding cannot run with simulated DSpark "
+                "acceptance (--speculative-dspark-simulate-accept-len)"
+            )
+        return None
+
     def on_admit(self, req: Req) -> None:
         self._generation[req.slot] = self._generation.get(req.slot, 0) + 1
         self._sim_steps[req.rid] = 0
