@@ -2,9 +2,10 @@
 
 `GrammarBackend` (one per server, built on the scheduler thread from the tokenizer) compiles a
 request's grammar against the vocabulary: `json_schema` (a JSON Schema document), `regex`, `ebnf`
-(xgrammar's EBNF dialect, GBNF-like, rule `root`), and OpenAI's `response_format` maps onto
-these (`json_object` is the built-in JSON grammar). A grammar that does not compile is a
-ValueError whose message starts with the field's name (a 400 on the HTTP routes). Compiled
+(xgrammar's EBNF dialect, GBNF-like, rule `root`); OpenAI's `response_format` maps onto
+`json_schema` as in SGLang (`json_object` is the schema `{"type": "object"}`). A grammar that
+does not compile is a `GrammarError` (a ValueError) whose message starts with the field's name
+(a 400 naming it on the HTTP routes). Compiled
 grammars are cached by source.
 
 `GrammarMatcher` (one per request, host-only) holds the grammar state after the request's
@@ -41,13 +42,8 @@ class GrammarError(ValueError):
     """A grammar that cannot be used; `param` is the request field that carried it."""
 
     def __init__(self, param: str, problem: str) -> None:
-        super().__init__(f"{param} {problem}" if param != "json_object" else problem)
-        self.param = "response_format" if param == "json_object" else param
-
-
-def bitmask_words(vocab_size: int) -> int:
-    """int32 words per row of a packed token bitmask."""
-    return (vocab_size + 31) // 32
+        super().__init__(f"{param} {problem}")
+        self.param = param
 
 
 def _import_xgrammar() -> Any:
@@ -93,9 +89,8 @@ def _encoded_vocab(tokenizer: Any, vocab_size: int) -> tuple[list[str | bytes], 
 class GrammarMatcher:
     """The grammar state of one request (module doc). Host-only; not thread-safe."""
 
-    def __init__(self, matcher: Any, xgrammar: Any) -> None:
+    def __init__(self, matcher: Any) -> None:
         self._matcher = matcher
-        self._xgr = xgrammar
 
     def fill_mask(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the tokens allowed next into `bitmask[row]` (int32 [N, words], CPU)."""
@@ -137,8 +132,8 @@ class GrammarBackend:
         self._cache: dict[tuple[str, str], Any] = {}
 
     def compile(self, kind: str, source: str) -> Any:
-        """The compiled grammar of `source` (kind "json_schema", "regex", "ebnf" or
-        "json_object"). Raises `GrammarError` naming the field."""
+        """The compiled grammar of `source` (kind "json_schema", "regex" or "ebnf"). Raises
+        `GrammarError` naming the field."""
         key = (kind, source)
         compiled = self._cache.get(key)
         if compiled is not None:
@@ -151,8 +146,6 @@ class GrammarBackend:
                 compiled = compiler.compile_regex(source)
             elif kind == "ebnf":
                 compiled = compiler.compile_grammar(source)
-            elif kind == "json_object":
-                compiled = compiler.compile_builtin_json_grammar()
             else:
                 raise ValueError(f"unknown grammar kind {kind!r}")
         except (RuntimeError, ValueError, TypeError) as exc:
@@ -166,7 +159,7 @@ class GrammarBackend:
         """A fresh matcher at the start of the grammar (raises as `compile`)."""
         compiled = self.compile(kind, source)
         matcher = self._xgr.GrammarMatcher(compiled, max_rollback_tokens=-1)
-        return GrammarMatcher(matcher, self._xgr)
+        return GrammarMatcher(matcher)
 
 
 def _first_line(exc: BaseException) -> str:
