@@ -93,7 +93,7 @@ SAMPLING_VALUES: dict[str, st.SearchStrategy] = {
     "frequency_penalty": small_float,
     "presence_penalty": small_float,
     "repetition_penalty": small_float,
-    "min_new_tokens": st.integers(-1, 9),
+    "min_new_tokens": st.one_of(st.integers(-1, 9), huge_ints),
     "logit_bias": st.dictionaries(
         st.one_of(st.integers(-1, VOCAB + 1).map(str), unicode_text), small_float, max_size=2
     ),
@@ -187,7 +187,7 @@ FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
         "return_text_in_logprobs": st.booleans(),
         "logprob_start_len": st.integers(-2, 3),
         "top_logprobs_num": st.integers(-1, 2),
-        "token_ids_logprob": st.lists(token_id, max_size=3),
+        "token_ids_logprob": st.lists(st.one_of(token_id, huge_ints), max_size=3),
     },
 }
 MODELS = {
