@@ -214,3 +214,41 @@ def test_a_grammar_that_must_end_wins_over_min_new_tokens():
     out = adjust.apply(torch.randn(2, VOCAB, generator=torch.Generator().manual_seed(1)))
     assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [EOS_ID]
     assert torch.isneginf(out[1, EOS_ID]) and torch.isfinite(out[1]).sum() == VOCAB - 1
+
+
+def test_grammar_over_a_byte_level_bpe_vocabulary(tmp_path):
+    """A Hugging Face byte-level BPE vocabulary (multi-byte tokens, the Ġ space mapping): every
+    token the regex allows first decodes to a valid start, and the tokenizer's own encoding of a
+    matching string walks the grammar to its end."""
+    from sgl_dspark.srt.tokenizer.hf_tokenizer import HFTokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    raw.train_from_iterator(["the cat 12 sat on 345 mats", "a cat and 6789 dogs"] * 30, trainer)
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = HFTokenizer.from_dir(str(tmp_path))
+    vocab = 320  # the model's vocabulary may be wider than the tokenizer's
+    eos = raw.token_to_id("</s>")
+    assert eos is not None
+    backend = GrammarBackend(tok, vocab, [eos])
+    regex = "(the|a) cat [0-9]+"
+    matcher = backend.matcher("regex", regex)
+    mask = torch.zeros((1, (vocab + 31) // 32), dtype=torch.int32)
+    matcher.fill_mask(mask, 0)
+    allowed = unpack_bitmask(mask, vocab)[0].nonzero().flatten().tolist()
+    assert allowed and all(i < raw.get_vocab_size() for i in allowed)
+    for i in allowed:
+        text = tok.decode([i])
+        assert "the cat 0".startswith(text) or "a cat 0".startswith(text), text
+    ids = tok.encode("the cat 345", add_special_tokens=False)
+    assert len(ids) < len("the cat 345")  # multi-byte tokens
+    for t in ids:
+        assert matcher.accept(t), tok.decode([t])
+    assert matcher.accept(eos) and matcher.terminated
