@@ -93,6 +93,13 @@ SAMPLING_VALUES: dict[str, st.SearchStrategy] = {
     "frequency_penalty": small_float,
     "presence_penalty": small_float,
     "repetition_penalty": small_float,
+    "min_new_tokens": st.one_of(st.integers(-1, 9), huge_ints),
+    "logit_bias": st.dictionaries(
+        st.one_of(st.integers(-1, VOCAB + 1).map(str), unicode_text), small_float, max_size=2
+    ),
+    "regex": st.sampled_from(["[a-c]{1,3}", "(x", "", "a|"]),
+    "json_schema": st.sampled_from(['{"type": "object"}', "{bad", '{"type": "nope"}']),
+    "ebnf": st.sampled_from(['root ::= "a"+', "root ::= b"]),
 }
 # (max_new_tokens always present: the default, 128, would make the fuzz slow)
 fuzzed_sampling = st.fixed_dictionaries(
@@ -119,6 +126,21 @@ COMMON_OPENAI: dict[str, st.SearchStrategy] = {
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
     "no_stop_trim": st.booleans(),
+    "response_format": st.one_of(
+        st.fixed_dictionaries({"type": st.sampled_from(["text", "json", "json_object"])}),
+        st.fixed_dictionaries(
+            {
+                "type": st.just("json_schema"),
+                "json_schema": st.fixed_dictionaries(
+                    {"name": st.just("x")},
+                    optional={"schema": st.sampled_from([{"type": "object"}, {"type": 3}])},
+                ),
+            }
+        ),
+    ),
+    "min_tokens": st.integers(-1, 9),
+    "regex": st.sampled_from(["[a-c]{1,3}", "(x"]),
+    "ebnf": SAMPLING_VALUES["ebnf"],
 }
 message = st.fixed_dictionaries(
     {
@@ -142,6 +164,7 @@ FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
         "echo": st.booleans(),
         "suffix": prompt_text,
         "best_of": st.integers(0, 3),
+        "json_schema": SAMPLING_VALUES["json_schema"],
     },
     "/v1/chat/completions": {
         **COMMON_OPENAI,
@@ -150,7 +173,6 @@ FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
         "max_completion_tokens": max_tokens,
         "logprobs": st.booleans(),
         "top_logprobs": st.integers(-1, 21),
-        "response_format": st.fixed_dictionaries({"type": st.sampled_from(["text", "json"])}),
         "tools": st.lists(st.fixed_dictionaries({"type": st.just("function")}), max_size=1),
         "tool_choice": st.sampled_from(["none", "auto"]),
         "parallel_tool_calls": st.booleans(),
@@ -165,6 +187,7 @@ FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
         "return_text_in_logprobs": st.booleans(),
         "logprob_start_len": st.integers(-2, 3),
         "top_logprobs_num": st.integers(-1, 2),
+        "token_ids_logprob": st.lists(st.one_of(token_id, huge_ints), max_size=3),
     },
 }
 MODELS = {
@@ -208,9 +231,13 @@ VALID_SAMPLING: dict[str, st.SearchStrategy] = {
     "no_stop_trim": st.booleans(),
     "n": st.just(1),
     "seed": st.integers(0, 2**63 - 1),
-    "frequency_penalty": st.just(0.0),
-    "presence_penalty": st.just(0.0),
-    "repetition_penalty": st.just(1.0),
+    "frequency_penalty": st.floats(-2.0, 2.0),
+    "presence_penalty": st.floats(-2.0, 2.0),
+    "repetition_penalty": st.floats(0.05, 2.0),
+    "logit_bias": st.dictionaries(
+        st.integers(0, VOCAB - 1).map(str), st.floats(-100.0, 100.0), max_size=3
+    ),
+    "regex": st.just("[a-c]{1,3}"),
 }
 VALID_OPENAI: dict[str, st.SearchStrategy] = {
     "temperature": st.floats(0.0, 2.0),
@@ -221,12 +248,12 @@ VALID_OPENAI: dict[str, st.SearchStrategy] = {
     "stream": st.booleans(),
     "stream_options": st.fixed_dictionaries({}, optional={"include_usage": st.booleans()}),
     "user": unicode_text,
-    "frequency_penalty": st.just(0.0),
-    "presence_penalty": st.just(0.0),
-    "logit_bias": st.just({}),
+    "frequency_penalty": VALID_SAMPLING["frequency_penalty"],
+    "presence_penalty": VALID_SAMPLING["presence_penalty"],
+    "logit_bias": VALID_SAMPLING["logit_bias"],
     "top_k": VALID_SAMPLING["top_k"],
     "min_p": VALID_SAMPLING["min_p"],
-    "repetition_penalty": st.just(1.0),
+    "repetition_penalty": VALID_SAMPLING["repetition_penalty"],
     "stop_token_ids": VALID_SAMPLING["stop_token_ids"],
     "ignore_eos": st.booleans(),
     "skip_special_tokens": st.booleans(),
@@ -236,8 +263,8 @@ VALID: dict[str, dict[str, st.SearchStrategy]] = {
     "/v1/completions": {
         **VALID_OPENAI,
         "max_tokens": st.integers(1, 8),
-        "logprobs": st.just(0),
-        "echo": st.just(False),
+        "logprobs": st.integers(0, 5),
+        "echo": st.booleans(),
         "suffix": st.none(),
         "best_of": st.none(),
     },
@@ -245,8 +272,8 @@ VALID: dict[str, dict[str, st.SearchStrategy]] = {
         **VALID_OPENAI,
         "max_completion_tokens": st.none(),
         "logprobs": st.booleans(),
-        "top_logprobs": st.just(0),
-        "response_format": st.just({"type": "text"}),
+        "top_logprobs": st.integers(0, 20),
+        "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
         "tools": st.just([]),
         "tool_choice": st.just("none"),
         "parallel_tool_calls": st.booleans(),
@@ -255,8 +282,9 @@ VALID: dict[str, dict[str, st.SearchStrategy]] = {
         "stream": st.booleans(),
         "return_logprob": st.booleans(),
         "return_text_in_logprobs": st.booleans(),
-        "logprob_start_len": st.just(-1),
-        "top_logprobs_num": st.just(0),
+        "logprob_start_len": st.integers(-1, 1),
+        "top_logprobs_num": st.integers(0, 3),
+        "token_ids_logprob": st.lists(st.integers(0, VOCAB - 1), max_size=2),
     },
 }
 # Fields that make a body plausible: with these, generation actually runs.

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 from sgl_dspark import Engine
 from sgl_dspark.srt.core.req import Req
+from sgl_dspark.srt.entrypoints.logprob_format import LogprobOptions
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -95,7 +96,7 @@ def _drive(
     `abort_at`. Returns every request's tokens."""
     sched = engine.scheduler
     params = {"max_new_tokens": 20, "temperature": 0.0, "ignore_eos": True}
-    reqs: list[Req] = [engine._make_req(p, params, False) for p in prompts]
+    reqs: list[Req] = [engine._make_req(p, params, LogprobOptions()) for p in prompts]
     sched.add(reqs[0])
     sched.add(reqs[1])
     step = 0

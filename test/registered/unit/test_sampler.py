@@ -157,7 +157,9 @@ def test_seeded_sampling_over_counters_matches_distribution():
 # ---------------------------------------------------------------- greedy and logprobs
 
 
-def test_greedy_is_first_argmax_and_logprobs_are_raw():
+def test_greedy_is_first_argmax_and_logprobs_are_temperature_scaled():
+    """Logprobs as SGLang reports them: log_softmax(logits / temperature) (1 for greedy rows),
+    before top-p."""
     gen = torch.Generator().manual_seed(3)
     vocab, batch = 50, 40
     logits = torch.randn(batch, vocab, generator=gen) * 3
@@ -178,6 +180,8 @@ def test_greedy_is_first_argmax_and_logprobs_are_raw():
         row = ref_logits[r]
         if p.is_greedy:
             assert int(out.next_token_ids[r]) == int(np.argmax(row))  # numpy: first on ties
+    temps = np.array([1.0 if p.is_greedy else p.temperature for p in params])[:, None]
+    ref_logits = ref_logits / temps
     log_softmax = ref_logits - (
         np.log(np.exp(ref_logits - ref_logits.max(1, keepdims=True)).sum(1, keepdims=True))
         + ref_logits.max(1, keepdims=True)

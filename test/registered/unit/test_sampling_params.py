@@ -76,8 +76,8 @@ def test_from_dict_null_means_default():
 
 
 def test_unknown_keys_rejected_by_name():
-    with pytest.raises(ValueError, match="regex.*tempreature|tempreature.*regex"):
-        SamplingParams.from_dict({"tempreature": 1.0, "regex": "a+"})
+    with pytest.raises(ValueError, match="tempreature.*top_pp|top_pp.*tempreature"):
+        SamplingParams.from_dict({"tempreature": 1.0, "top_pp": 0.5})
     with pytest.raises(ValueError, match="object"):
         SamplingParams.from_dict([("temperature", 1.0)])  # type: ignore[arg-type]
 
@@ -132,9 +132,42 @@ def test_invalid_values_name_the_field(field, value):
     ("field", "value"),
     [("frequency_penalty", 0.5), ("presence_penalty", -1.0), ("repetition_penalty", 1.1)],
 )
-def test_penalties_not_supported_yet(field, value):
-    with pytest.raises(ValueError, match=f"{field}.*not supported yet"):
-        SamplingParams.from_dict({field: value})
+def test_penalties_accepted_and_adjust_logits(field, value):
+    p = SamplingParams.from_dict({field: value})
+    assert getattr(p, field) == value and p.adjusts_logits
+
+
+def test_logit_bias_keys_and_range():
+    p = SamplingParams.from_dict({"logit_bias": {"7": 2.5, 9: -100, "07": 1.0}})
+    assert p.logit_bias == ((7, 1.0), (9, -100.0))  # "07" and "7" name one token: the last wins
+    assert SamplingParams.from_dict(p.to_dict()) == p
+    for bad, match in (
+        ({"x": 1.0}, "logit_bias keys"),
+        ({"-1": 1.0}, "logit_bias keys"),
+        ({"5": 100.5}, r"logit_bias values must be in \[-100, 100\]"),
+        ({"5": "1"}, "logit_bias values must be a number"),
+        ([1, 2], "logit_bias must be an object"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            SamplingParams.from_dict({"logit_bias": bad})
+
+
+def test_min_new_tokens_bounded_by_max_new_tokens():
+    assert SamplingParams(max_new_tokens=4, min_new_tokens=4).min_new_tokens == 4
+    with pytest.raises(ValueError, match=r"min_new_tokens must be in \[0, max_new_tokens \(4\)\]"):
+        SamplingParams(max_new_tokens=4, min_new_tokens=5)
+    with pytest.raises(ValueError, match="min_new_tokens"):
+        SamplingParams(min_new_tokens=-1)
+
+
+def test_one_grammar_at_most():
+    p = SamplingParams(regex="a+")
+    assert p.grammar == ("regex", "a+") and p.adjusts_logits
+    assert SamplingParams(json_schema="").grammar is None  # empty means none, as in SGLang
+    with pytest.raises(ValueError, match="regex cannot be combined with json_schema"):
+        SamplingParams(json_schema="{}", regex="a+")
+    with pytest.raises(ValueError, match="ebnf must be a str"):
+        SamplingParams.from_dict({"ebnf": 3})
 
 
 def test_neutral_penalties_accepted():

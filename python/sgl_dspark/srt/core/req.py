@@ -15,8 +15,25 @@ class Req:
     prompt_ids: list[int]
     params: SamplingParams
     return_logprob: bool = False
+    # With return_logprob (SGLang's names): prompt logprobs from this prompt index (-1 or the
+    # prompt's length: none),
+    # the N most probable tokens per position, and the logprobs of these token ids.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
     output_ids: list[int] = field(default_factory=list)
     output_logprobs: list[float] = field(default_factory=list)
+    # Per output token, with top_logprobs_num / token_ids_logprob: ((id, logprob), ...) best
+    # first, and the logprob of each id of token_ids_logprob.
+    output_top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    output_token_ids_logprobs: list[tuple[float, ...]] = field(default_factory=list)
+    # Prompt logprobs, from prompt index max(logprob_start_len, 0) on; the prompt's first token
+    # has none (None), as in SGLang.
+    input_logprobs: list[float | None] = field(default_factory=list)
+    input_top_logprobs: list[tuple[tuple[int, float], ...] | None] = field(default_factory=list)
+    input_token_ids_logprobs: list[tuple[float, ...] | None] = field(default_factory=list)
+    # The grammar state after the output so far (`srt/constrained`), when the request has one.
+    grammar: Any = None
     detok: IncrementalDetokenizer | None = None
     slot: int = -1  # request slot in ReqToTokenPool; -1 = not admitted
     kv_len: int = 0  # tokens whose KV state is committed
@@ -34,6 +51,17 @@ class Req:
     @property
     def prefill_done(self) -> bool:
         return self.kv_len >= len(self.prompt_ids)
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        return self.return_logprob and 0 <= self.logprob_start_len < len(self.prompt_ids)
+
+    @property
+    def logprob_extras(self) -> bool:
+        """Whether a step computes more than the chosen tokens' logprobs for this request."""
+        return self.return_logprob and (
+            self.top_logprobs_num > 0 or self.token_ids_logprob is not None
+        )
 
     @property
     def all_ids(self) -> list[int]:

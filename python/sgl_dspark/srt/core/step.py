@@ -23,6 +23,21 @@ if TYPE_CHECKING:
     from sgl_dspark.srt.core.req import Req
 
 
+TopLogprobs = tuple[tuple[int, float], ...]  # ((token id, logprob), ...), most probable first
+
+
+@dataclass(frozen=True, slots=True)
+class PromptLogprobs:
+    """Logprobs of prompt tokens scored by a prefill chunk: prompt indices `start`, `start + 1`,
+    ... (each under the logits of the position before it); `top` / `token_ids` only when the
+    request asks for them (else empty)."""
+
+    start: int
+    logprobs: tuple[float, ...]
+    top: tuple[TopLogprobs, ...] = ()
+    token_ids: tuple[tuple[float, ...], ...] = ()
+
+
 @dataclass(frozen=True, slots=True)
 class ReqUpdate:
     """What one step did for one request.
@@ -33,7 +48,12 @@ class ReqUpdate:
             for a decode token, the committed tokens of a DSpark verify).
         tokens: output tokens the step produced, in order (empty for a prompt chunk that ends
             before the prompt does).
-        logprobs: the target model's logprob of each token in `tokens`.
+        logprobs: the target model's logprob of each token in `tokens` (under the distribution
+            the token was sampled from before top-k/top-p/min-p: `srt/layers/logprobs.py`).
+        top_logprobs, token_ids_logprobs: per token of `tokens`, when the request asks for them
+            (`Req.top_logprobs_num`, `Req.token_ids_logprob`), else empty.
+        prompt_logprobs: prompt tokens this step scored (a prefill chunk of a request that asks
+            for prompt logprobs), else None.
         speculative: the tokens come from one DSpark verify step (counted in the request's
             `spec_verify_ct` / `spec_committed`).
     """
@@ -43,6 +63,9 @@ class ReqUpdate:
     tokens: tuple[int, ...] = ()
     logprobs: tuple[float, ...] = ()
     speculative: bool = False
+    top_logprobs: tuple[TopLogprobs, ...] = ()
+    token_ids_logprobs: tuple[tuple[float, ...], ...] = ()
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,6 +140,10 @@ class BaseStepExecutor(ABC):
     @abstractmethod
     def can_chain(self, work: StepWork, prev: InflightStep) -> bool:
         """Whether `work` can launch before `prev`'s results are read."""
+
+    def refuses(self, req: Req) -> str | None:
+        """Why this executor cannot run `req` (checked before it is queued), or None."""
+        return None
 
     def on_admit(self, req: Req) -> None:  # noqa: B027 - optional hook
         """Called when `req` gets its request slot."""

@@ -13,8 +13,10 @@ from typing import Any
 
 import torch
 
+from sgl_dspark.srt.constrained import Grammars
 from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.core.step import BaseStepExecutor
+from sgl_dspark.srt.entrypoints.logprob_format import LogprobOptions, req_logprob_meta
 from sgl_dspark.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
@@ -179,6 +181,8 @@ class Engine:
             self.executor,
         )
         self._ids = itertools.count()
+        self._grammars: Grammars | None = None
+        self._return_text_in_logprobs = False
         torch.manual_seed(args.random_seed)
 
     def init_graphs(
@@ -202,8 +206,18 @@ class Engine:
         sampling_params: dict | list[dict] | None = None,
         input_ids: list[int] | list[list[int]] | None = None,
         return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        token_ids_logprob: list[int] | None = None,
+        return_text_in_logprobs: bool = False,
     ) -> dict | list[dict]:
-        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts)."""
+        """Generate for one prompt (returns a dict) or a batch (returns a list of dicts).
+
+        With `return_logprob`, `meta_info` carries SGLang's logprob keys
+        (`srt/entrypoints/logprob_format.py`): output logprobs, prompt logprobs from
+        `logprob_start_len` (-1: none), the `top_logprobs_num` most probable tokens per
+        position and the logprobs of `token_ids_logprob`, with token texts when
+        `return_text_in_logprobs`."""
         prompts, single = self._normalise_inputs(prompt, input_ids)
         params_list = (
             sampling_params
@@ -214,7 +228,11 @@ class Engine:
             raise ValueError(
                 f"sampling_params has {len(params_list)} entries for {len(prompts)} prompts"
             )
-        reqs = [self._make_req(p, sp or {}, return_logprob) for p, sp in zip(prompts, params_list)]
+        options = LogprobOptions.parse(
+            return_logprob, logprob_start_len, top_logprobs_num, token_ids_logprob
+        )
+        self._return_text_in_logprobs = return_text_in_logprobs
+        reqs = [self._make_req(p, sp or {}, options) for p, sp in zip(prompts, params_list)]
         self.scheduler.add_group(reqs)
         while any(not r.finished for r in reqs):
             self.scheduler.step()
@@ -255,8 +273,12 @@ class Engine:
             raise ValueError("prompt must be a str or a list of str")
         return [self.tokenizer.encode(t) for t in texts], single
 
-    def _make_req(self, ids: list[int], sp: dict, return_logprob: bool) -> Req:
+    def _make_req(self, ids: list[int], sp: dict, options: LogprobOptions) -> Req:
         params = SamplingParams.from_dict(sp)
+        if self._grammars is None:
+            self._grammars = Grammars(
+                self.tokenizer, self.runner.model_cfg.vocab_size, self.scheduler.cfg.eos_token_ids
+            )
         detok = None
         if self.tokenizer is not None:
             detok = IncrementalDetokenizer(
@@ -270,8 +292,12 @@ class Engine:
             rid=str(next(self._ids)),
             prompt_ids=list(ids),
             params=params,
-            return_logprob=return_logprob,
+            return_logprob=options.return_logprob,
+            logprob_start_len=options.logprob_start_len,
+            top_logprobs_num=options.top_logprobs_num,
+            token_ids_logprob=options.token_ids_logprob,
             detok=detok,
+            grammar=self._grammars.matcher_for(params.grammar),
         )
 
     def _output(self, req: Req) -> dict:
@@ -293,9 +319,6 @@ class Engine:
             if self.args.speculative_dspark_simulate_accept_len is not None:
                 meta["spec_simulated_accept_len"] = self.args.speculative_dspark_simulate_accept_len
         if req.return_logprob:
-            tok = self.tokenizer
-            meta["output_token_logprobs"] = [
-                (lp, t, tok.decode([t], skip_special_tokens=False) if tok else None)
-                for lp, t in zip(req.output_logprobs, req.output_ids)
-            ]
+            tok = self.tokenizer if self._return_text_in_logprobs else None
+            meta.update(req_logprob_meta(req, tok))
         return {"text": text, "output_ids": list(req.output_ids), "meta_info": meta}

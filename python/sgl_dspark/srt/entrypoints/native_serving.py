@@ -1,8 +1,8 @@
 """SGLang's native `POST /generate` and `POST /abort_request`.
 
 Output per prompt, as `Engine.generate`: `{"text", "output_ids", "meta_info": {"id",
-"prompt_tokens", "completion_tokens", "finish_reason", ["output_token_logprobs": [[logprob,
-token_id, token_text], ...]], "e2e_latency"}}`; a list for a batch. Streaming sends, as SGLang
+"prompt_tokens", "completion_tokens", "finish_reason", "e2e_latency", and with `return_logprob`
+SGLang's logprob keys (`logprob_format.py`)}}`; a list for a batch. Streaming sends, as SGLang
 does, the CUMULATIVE text and output ids so far in every event (plus "index" in a batch), then
 `[DONE]`.
 """
@@ -18,6 +18,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict
 
 from sgl_dspark.srt.entrypoints.api_errors import ApiError
+from sgl_dspark.srt.entrypoints.logprob_format import LogprobOptions, sglang_logprob_meta
 from sgl_dspark.srt.entrypoints.openai_protocol import GenerateRequest
 from sgl_dspark.srt.entrypoints.request_group import (
     GroupStreamingResponse,
@@ -81,7 +82,8 @@ def _meta(
     completion_tokens: int,
     finish_reason: Any,
     res: SubResult | None,
-    return_logprob: bool,
+    logprobs: LogprobOptions | None,
+    return_text: bool,
     start: float,
     simulated_accept_len: float | None = None,
 ) -> dict[str, Any]:
@@ -100,12 +102,51 @@ def _meta(
     if simulated_accept_len is not None:
         # Benchmark-only mode: the tokens are not the model's output.
         meta["spec_simulated_accept_len"] = simulated_accept_len
-    if return_logprob and res is not None:
-        texts: list[str | None] = list(res.token_texts) or [None] * len(res.token_ids)
-        meta["output_token_logprobs"] = [
-            [lp, t, s] for lp, t, s in zip(res.logprobs, res.token_ids, texts)
-        ]
+    if logprobs is not None and res is not None:
+        meta.update(_logprob_meta(res, logprobs, return_text))
     return meta
+
+
+def _logprob_meta(res: SubResult, options: LogprobOptions, return_text: bool) -> dict[str, Any]:
+    texts: dict[int, str] | None = None
+    if return_text:
+        texts = dict(res.id_texts)
+        texts.update(zip(res.token_ids, res.token_texts))
+    prompt = res.prompt_logprobs
+    return sglang_logprob_meta(
+        output_ids=res.token_ids,
+        output_logprobs=res.logprobs,
+        output_top=res.top_logprobs,
+        output_token_ids=res.token_ids_logprobs,
+        input_ids=prompt.token_ids if prompt else (),
+        input_logprobs=prompt.logprobs if prompt else (),
+        input_top=prompt.top if prompt else (),
+        input_token_ids=prompt.token_ids_values if prompt else (),
+        top_logprobs_num=options.top_logprobs_num,
+        token_ids_logprob=options.token_ids_logprob,
+        texts=texts,
+    )
+
+
+def _logprob_options(body: GenerateRequest, count: int) -> list[LogprobOptions | None]:
+    """Per prompt, SGLang's logprob options (None without return_logprob); a list value gives
+    one per prompt."""
+    if not body.return_logprob:
+        return [None] * count
+    starts = _per_prompt(body.logprob_start_len, count, "logprob_start_len")
+    tops = _per_prompt(body.top_logprobs_num, count, "top_logprobs_num")
+    ids = body.token_ids_logprob
+    if ids is not None and (not ids or isinstance(ids[0], int)):
+        ids_list: list[Any] = [ids] * count
+    else:
+        ids_list = _per_prompt(ids, count, "token_ids_logprob")
+    out: list[LogprobOptions | None] = []
+    for start, top, token_ids in zip(starts, tops, ids_list):
+        try:
+            out.append(LogprobOptions.parse(True, start, top, token_ids))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param=str(exc).split(" ", 1)[0]) from None
+    return out
 
 
 async def generate(ctx: ServingContext, request: Request) -> Response:
@@ -122,8 +163,10 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
         raise ApiError(400, "rid values must be unique", param="rid")
     inputs = []
     return_logprob = bool(body.return_logprob)
+    logprob_options = _logprob_options(body, len(prompts))
+    return_text = bool(body.return_text_in_logprobs)
     built: dict[int, SamplingParams] = {}  # one record per distinct object: a shared dict once
-    for (text, ids), sp, rid in zip(prompts, sp_list, rids):
+    for (text, ids), sp, rid, lp_options in zip(prompts, sp_list, rids, logprob_options):
         params = built.get(id(sp))
         if params is None:
             params = make_sampling_params(sp or {}, default_param="sampling_params")
@@ -149,6 +192,9 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                 text=text,
                 input_ids=ids,
                 return_logprob=return_logprob,
+                logprob_start_len=lp_options.logprob_start_len if lp_options else -1,
+                top_logprobs_num=lp_options.top_logprobs_num if lp_options else 0,
+                token_ids_logprob=lp_options.token_ids_logprob if lp_options else None,
             )
         )
     param = "text" if body.text is not None else "input_ids"
@@ -169,12 +215,13 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                     r.completion_tokens,
                     r.finish_reason,
                     r,
-                    return_logprob,
+                    lp_options,
+                    return_text,
                     start,
                     sim,
                 ),
             }
-            for inp, r in zip(inputs, results)
+            for inp, r, lp_options in zip(inputs, results, logprob_options)
         ]
         return JSONResponse(outs[0] if single else outs)
 
@@ -194,7 +241,8 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
                     out.completion_tokens,
                     out.finish_reason,
                     res,
-                    return_logprob,
+                    logprob_options[i],
+                    return_text,
                     start,
                     sim,
                 ),

@@ -2,8 +2,8 @@
 
 Unknown fields are REJECTED (400, "Unrecognized request argument supplied: <name>"), as the
 OpenAI API does, so a typo never silently changes sampling. Known OpenAI fields that this server
-does not implement are accepted only at their neutral value (e.g. `logit_bias` empty, `suffix`
-null, `frequency_penalty` 0) and otherwise answered with a 400 naming the field. Strict mode:
+does not implement are accepted only at their neutral value (e.g. `suffix` null) and otherwise
+answered with a 400 naming the field. Strict mode:
 an int is accepted where a number is expected, but strings are never coerced and bools are not
 ints; NaN and infinities are refused. Null means the default wherever OpenAI allows null (a
 field declared `X | None`). SGLang's sampling extensions (`top_k`, `min_p`, `stop_token_ids`,
@@ -33,6 +33,22 @@ class StreamOptions(_Body):
     include_usage: bool | None = None
 
 
+class JsonSchemaFormat(_Body):
+    name: str
+    description: str | None = None
+    # `schema` would shadow a pydantic method; the wire name is the alias.
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Body):
+    """OpenAI's structured output: "json_object" (any JSON object) or "json_schema" (the given
+    schema), enforced by the grammar engine (`srt/constrained/`)."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
 class _SamplingFields(_Body):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang extensions)."""
 
@@ -56,6 +72,10 @@ class _SamplingFields(_Body):
     ignore_eos: bool | None = None
     skip_special_tokens: bool | None = None
     no_stop_trim: bool | None = None
+    min_tokens: int | None = Field(None, ge=0)
+    regex: str | None = None
+    ebnf: str | None = None
+    response_format: ResponseFormat | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -65,6 +85,7 @@ class CompletionRequest(_SamplingFields):
     echo: bool | None = None
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)
+    json_schema: str | None = None  # SGLang extension
 
 
 class TextPart(_Body):
@@ -78,17 +99,12 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
-class ResponseFormat(_Body):
-    type: Literal["text"]
-
-
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(None, ge=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Literal["none"] | None = None
     parallel_tool_calls: bool | None = None
@@ -103,10 +119,10 @@ class GenerateRequest(_Body):
     stream: bool | None = None
     return_logprob: bool | None = None
     rid: RequestId | list[RequestId] | None = None
-    # Accepted for SGLang clients; only these values are supported.
-    return_text_in_logprobs: bool | None = None  # token texts are always returned
-    logprob_start_len: int | None = Field(None, ge=-1, le=-1)  # no prompt logprobs
-    top_logprobs_num: int | None = Field(None, ge=0, le=0)  # no top-k alternatives
+    return_text_in_logprobs: bool | None = None
+    logprob_start_len: int | list[int] | None = None
+    top_logprobs_num: int | list[int] | None = None
+    token_ids_logprob: list[int] | list[list[int] | None] | None = None
 
 
 _TYPE_HINTS = {

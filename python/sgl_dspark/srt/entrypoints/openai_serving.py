@@ -1,9 +1,12 @@
 """`POST /v1/completions` and `POST /v1/chat/completions` (OpenAI wire format).
 
 Choices: one sub-request per (prompt, n); choice index = prompt_index * n + j. With `seed`,
-choice j samples with `seed + j`, so the choices differ yet each is reproducible. Logprobs are
-those of the chosen tokens under the unprocessed distribution; top alternatives are not
-available (`logprobs` > 0 / `top_logprobs` > 0 answer 400). `usage.prompt_tokens` counts each
+choice j samples with `seed + j`, so the choices differ yet each is reproducible. Logprobs (of
+the distribution each token was sampled from, as SGLang reports them: `srt/layers/logprobs.py`)
+with top alternatives: completions `logprobs: N` (with `echo`, the prompt's tokens first, the
+first one null), chat `logprobs` + `top_logprobs` (`logprob_format.py`). Penalties,
+`logit_bias`, `min_tokens`, `regex` / `ebnf` / `json_schema` and `response_format` reach the
+sampler and the grammar engine. `usage.prompt_tokens` counts each
 prompt once (not once per choice), `completion_tokens` every generated token of every choice.
 Chat without `max_tokens` may generate up to the context length.
 """
@@ -11,6 +14,7 @@ Chat without `max_tokens` may generate up to the context length.
 from __future__ import annotations
 
 import dataclasses
+import json
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,6 +24,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from sgl_dspark.srt.entrypoints.api_errors import ApiError
+from sgl_dspark.srt.entrypoints.logprob_format import chat_logprobs, completion_logprobs
 from sgl_dspark.srt.entrypoints.openai_protocol import (
     ChatCompletionRequest,
     ChatMessage,
@@ -41,7 +46,7 @@ from sgl_dspark.srt.managers.io_struct import GenerateOutput, GenerateReqInput
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
-_OPENAI_NAMES = {"max_new_tokens": "max_tokens"}
+_OPENAI_NAMES = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens"}
 _SAMPLING_FIELDS = (
     "temperature",
     "top_p",
@@ -56,20 +61,55 @@ _SAMPLING_FIELDS = (
     "frequency_penalty",
     "presence_penalty",
     "repetition_penalty",
+    "logit_bias",
+    "regex",
+    "ebnf",
 )
 
 
 def _common_checks(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
     check_model_name(ctx, body.model)
-    if body.logit_bias:
-        raise ApiError(400, "logit_bias is not supported", param="logit_bias")
+
+
+def _response_format_schema(body: CompletionRequest | ChatCompletionRequest) -> str | None:
+    """The JSON schema `response_format` asks for (SGLang's mapping: "json_object" is the schema
+    of any object), None for "text" or none."""
+    fmt = body.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return '{"type": "object"}'
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise ApiError(
+            400,
+            "response_format.json_schema.schema is required for type json_schema",
+            param="response_format",
+        )
+    return json.dumps(fmt.json_schema.schema_)
+
+
+def _names(body: CompletionRequest | ChatCompletionRequest) -> dict[str, str]:
+    """The API's names of the scheduler's fields in refusals: a schema from `response_format`
+    is reported as that field."""
+    fmt = body.response_format
+    if fmt is not None and fmt.type != "text":
+        return {**_OPENAI_NAMES, "json_schema": "response_format"}
+    return _OPENAI_NAMES
 
 
 def _sampling_params(
     body: CompletionRequest | ChatCompletionRequest, max_tokens: int
 ) -> SamplingParams:
-    values: dict[str, Any] = {"max_new_tokens": max_tokens}
+    values: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": body.min_tokens}
     values.update({name: getattr(body, name) for name in _SAMPLING_FIELDS})
+    schema = _response_format_schema(body)
+    if isinstance(body, CompletionRequest) and body.json_schema is not None:
+        if schema is not None:
+            raise ApiError(
+                400, "send one of json_schema and response_format", param="response_format"
+            )
+        schema = body.json_schema
+    values["json_schema"] = schema
     return make_sampling_params(
         {k: v for k, v in values.items() if v is not None}, rename=_OPENAI_NAMES
     )
@@ -117,17 +157,24 @@ def _completion_prompts(prompt: Any) -> list[tuple[str | None, list[int] | None]
     return out
 
 
-def _completion_logprobs(texts: list[str], logprobs: list[float], start: int) -> dict[str, Any]:
-    offsets, pos = [], start
-    for t in texts:
-        offsets.append(pos)
-        pos += len(t)
-    return {
-        "tokens": texts,
-        "token_logprobs": logprobs,
-        "top_logprobs": None,
-        "text_offset": offsets,
-    }
+def _completion_logprobs(
+    res: SubResult | GenerateOutput, top_n: int, start: int, echo: bool
+) -> dict[str, Any]:
+    """The completions `logprobs` object of `res`'s tokens (with `echo`, the prompt's first)."""
+    texts: dict[int, str] = dict(res.id_texts or {})
+    texts.update(zip(res.token_ids, res.token_texts))
+    tokens: list[int] = []
+    values: list[float | None] = []
+    tops: list[Any] = []
+    prompt = res.prompt_logprobs
+    if echo and prompt is not None:
+        tokens += prompt.token_ids
+        values += prompt.logprobs
+        tops += prompt.top or [None] * len(prompt.token_ids)
+    tokens += res.token_ids
+    values += res.logprobs
+    tops += res.top_logprobs or [()] * len(res.token_ids)
+    return completion_logprobs(tokens, values, tops, texts, top_n, start)
 
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
@@ -141,21 +188,11 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
         )
     if body.suffix is not None:
         raise ApiError(400, "suffix is not supported", param="suffix")
-    if body.logprobs:
-        raise ApiError(
-            400,
-            "logprobs > 0 (top alternatives) is not supported; use logprobs=0 "
-            "for the chosen tokens' logprobs",
-            param="logprobs",
-        )
-    if body.echo and body.logprobs is not None:
-        raise ApiError(
-            400, "echo with logprobs needs prompt logprobs, which are not supported", param="echo"
-        )
     prompts = _completion_prompts(body.prompt)
     max_tokens = body.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS
     params = _sampling_params(body, max_tokens)
     want_lp = body.logprobs is not None
+    top_n = body.logprobs or 0
     echo = bool(body.echo)
     base = uuid.uuid4().hex
     inputs = [
@@ -165,12 +202,14 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             text=text,
             input_ids=ids,
             return_logprob=want_lp,
+            logprob_start_len=0 if echo and want_lp else -1,
+            top_logprobs_num=top_n,
             return_prompt_text=echo,
         )
         for p, (text, ids) in enumerate(prompts)
         for j in range(n)
     ]
-    group = RequestGroup(ctx, request, "/v1/completions", inputs, "prompt", _OPENAI_NAMES)
+    group = RequestGroup(ctx, request, "/v1/completions", inputs, "prompt", _names(body))
     meta = {
         "id": f"cmpl-{base}",
         "object": "text_completion",
@@ -191,11 +230,7 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
                     "text": prompt_text + res.text,
                     "finish_reason": reason,
                     "matched_stop": matched,
-                    "logprobs": _completion_logprobs(
-                        res.token_texts, res.logprobs, len(prompt_text)
-                    )
-                    if want_lp
-                    else None,
+                    "logprobs": _completion_logprobs(res, top_n, 0, echo) if want_lp else None,
                 }
             )
         usage = _usage(group, sum(r.completion_tokens for r in results), n)
@@ -230,10 +265,12 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
             reason, matched = _finish(out)
             logprobs = None
             if want_lp:
-                logprobs = _completion_logprobs(
-                    list(out.token_texts), list(out.logprobs), offsets[i]
-                )
-                offsets[i] += sum(len(t) for t in out.token_texts)
+                # The prompt's logprobs (echo) were not known when its text was sent: they
+                # lead the first chunk that carries tokens, their offsets from 0.
+                with_prompt = echo and out.prompt_logprobs is not None
+                start = 0 if with_prompt else offsets[i]
+                logprobs = _completion_logprobs(out, top_n, start, echo)
+                offsets[i] = start + sum(len(t) for t in logprobs["tokens"])
             choice = {"index": i, "text": out.text, "logprobs": logprobs, "finish_reason": reason}
             if reason is not None:
                 choice["matched_stop"] = matched
@@ -245,13 +282,10 @@ async def create_completion(ctx: ServingContext, request: Request) -> Response:
 
 
 # ---- /v1/chat/completions -----------------------------------------------------------------------
-def _chat_logprobs(
-    texts: list[str] | tuple[str, ...], logprobs: list[float] | tuple[float, ...]
-) -> list[dict[str, Any]]:
-    return [
-        {"token": t, "logprob": lp, "bytes": list(t.encode("utf-8")), "top_logprobs": []}
-        for t, lp in zip(texts, logprobs)
-    ]
+def _chat_logprobs(res: SubResult | GenerateOutput, top_n: int) -> list[dict[str, Any]]:
+    texts: dict[int, str] = dict(res.id_texts or {})
+    texts.update(zip(res.token_ids, res.token_texts))
+    return chat_logprobs(res.token_ids, res.logprobs, res.top_logprobs, texts, top_n)
 
 
 def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
@@ -276,13 +310,6 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     require_tokenizer(ctx, "/v1/chat/completions")
     if body.tools:
         raise ApiError(400, "tools are not supported", param="tools")
-    if body.top_logprobs:
-        raise ApiError(
-            400,
-            "top_logprobs > 0 is not supported; the chosen tokens' logprobs are "
-            "returned with logprobs=true",
-            param="top_logprobs",
-        )
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     if (
@@ -299,6 +326,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
     params = _sampling_params(body, max_tokens or 1)  # 1 is replaced by fill_context
     messages = [_chat_message(i, m) for i, m in enumerate(body.messages)]
     want_lp = bool(body.logprobs)
+    top_n = body.top_logprobs or 0
     n = body.n or 1
     base = uuid.uuid4().hex
     inputs = [
@@ -307,11 +335,12 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             sampling_params=_choice_params(params, j),
             messages=messages,
             return_logprob=want_lp,
+            top_logprobs_num=top_n,
             fill_context=max_tokens is None,
         )
         for j in range(n)
     ]
-    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages", _OPENAI_NAMES)
+    group = RequestGroup(ctx, request, "/v1/chat/completions", inputs, "messages", _names(body))
     meta = {"id": f"chatcmpl-{base}", "created": int(time.time()), "model": body.model}
     if not body.stream:
         async with group:
@@ -324,9 +353,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
                 {
                     "index": i,
                     "message": {"role": "assistant", "content": res.text},
-                    "logprobs": {"content": _chat_logprobs(res.token_texts, res.logprobs)}
-                    if want_lp
-                    else None,
+                    "logprobs": {"content": _chat_logprobs(res, top_n)} if want_lp else None,
                     "finish_reason": reason,
                     "matched_stop": matched,
                 }
@@ -364,9 +391,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             choice: dict[str, Any] = {
                 "index": i,
                 "delta": {"content": out.text} if out.text else {},
-                "logprobs": {"content": _chat_logprobs(out.token_texts, out.logprobs)}
-                if want_lp
-                else None,
+                "logprobs": {"content": _chat_logprobs(out, top_n)} if want_lp else None,
                 "finish_reason": reason,
             }
             if reason is not None:

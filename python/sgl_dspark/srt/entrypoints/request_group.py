@@ -29,6 +29,7 @@ from sgl_dspark.srt.entrypoints.openai_protocol import describe_validation_error
 from sgl_dspark.srt.managers.io_struct import (
     GenerateOutput,
     GenerateReqInput,
+    PromptLogprobsOut,
     ReqAccepted,
     ReqFailed,
 )
@@ -146,8 +147,18 @@ class SubResult:
     finish_reason: dict[str, Any] | None = None
     spec_verify_ct: int | None = None
     spec_committed: int | None = None
+    top_logprobs: list[tuple[tuple[int, float], ...]] = field(default_factory=list)
+    token_ids_logprobs: list[tuple[float, ...]] = field(default_factory=list)
+    prompt_logprobs: PromptLogprobsOut | None = None
+    id_texts: dict[int, str] = field(default_factory=dict)
 
     def add(self, out: GenerateOutput) -> None:
+        self.top_logprobs.extend(out.top_logprobs)
+        self.token_ids_logprobs.extend(out.token_ids_logprobs)
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        if out.id_texts:
+            self.id_texts.update(out.id_texts)
         self.spec_verify_ct = out.spec_verify_ct
         self.spec_committed = out.spec_committed
         self.text += out.text
@@ -224,7 +235,8 @@ class RequestGroup:
                     message = item.message
                     for old, new in self.renames.items():
                         message = message.replace(old, new)
-                    raise _api_error(item, message, param=item.param or self.prompt_param)
+                    param = self.renames.get(item.param, item.param) if item.param else None
+                    raise _api_error(item, message, param=param or self.prompt_param)
                 if not isinstance(item, ReqAccepted):  # outputs never precede the acceptances
                     raise RuntimeError(f"output before acceptance: {type(item).__name__}")
                 by_rid[item.rid] = item

@@ -15,9 +15,11 @@ a token in [0, V). The most probable token always survives the filters (a top_p 
 rounds to 0 in fp32 keeps exactly that token instead of nothing), a top_k past the vocabulary
 means "off", and the temperature is clamped into fp32's finite range before the division.
 
-Greedy rows (`top_k == 1`, which includes temperature 0) take the first argmax of the raw logits.
-The returned logprob of each chosen token is under the UNPROCESSED distribution,
-`log_softmax(logits)` (SGLang's default), not the temperature/filtered one.
+Greedy rows (`top_k == 1`, which includes temperature 0) take the first argmax of the logits.
+The returned logprob of each chosen token is `log_softmax(logits / temperature)` (temperature 1
+for greedy rows), before top-k / top-p / min-p: SGLang's default (`srt/layers/logprobs.py`).
+The logits the sampler sees are already adjusted (penalties, biases, grammar:
+`srt/layers/logits_adjust.py`) when the request asks for that.
 
 Randomness (no `torch.Generator` state on the device, no `.item()`): every uniform is a hash of
 (request seed, counter, stream). The counter is the index, in the request's output, of the token
@@ -266,7 +268,7 @@ def sample_from_probs(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tens
 
 class SamplerOutput(NamedTuple):
     next_token_ids: torch.Tensor  # [B] int64
-    next_token_logprobs: torch.Tensor  # [B] fp32, log_softmax of the raw logits at the token
+    next_token_logprobs: torch.Tensor  # [B] fp32, log_softmax(logits / temperature) at the token
 
 
 def _torch_argmax(logits: torch.Tensor) -> torch.Tensor:
@@ -312,7 +314,11 @@ class Sampler(nn.Module):
             uniforms = info.uniforms(SAMPLER_STREAM)
             sampled_ids = sample_from_probs(processed_probs(logits, info), uniforms)
             next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
-        return SamplerOutput(next_ids, token_logprobs(logits, next_ids))
+        if info.all_greedy:
+            return SamplerOutput(next_ids, token_logprobs(logits, next_ids))
+        return SamplerOutput(
+            next_ids, token_logprobs(logits / info.temperatures[:, None], next_ids)
+        )
 
     def greedy(self, logits: torch.Tensor) -> SamplerOutput:
         """`forward` of an all-greedy batch without its batch record: the same ops, so a CUDA

@@ -36,6 +36,11 @@ class GenerateReqInput:
     input_ids: Sequence[int] | None = None
     messages: Sequence[Mapping[str, Any]] | None = None
     return_logprob: bool = False
+    # SGLang's logprob options (with return_logprob): prompt logprobs from this prompt index
+    # (-1: none), the top-N tokens per position, the logprobs of these ids.
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    token_ids_logprob: tuple[int, ...] | None = None
     return_prompt_text: bool = False
     fill_context: bool = False
 
@@ -76,6 +81,18 @@ class ReqFailed:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobsOut:
+    """Prompt logprobs of a request, sent once when its prompt is done: the prompt tokens from
+    `logprob_start_len` and their logprobs (the first None, as in SGLang), with the top-N rows
+    and the token-id values when asked (same length, first None)."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float | None, ...]
+    top: tuple[tuple[tuple[int, float], ...] | None, ...] = ()
+    token_ids_values: tuple[tuple[float, ...] | None, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
 class GenerateOutput:
     """Newly produced output of one request.
 
@@ -97,6 +114,13 @@ class GenerateOutput:
     # derived from these: spec_verify_ct and spec_accept_length = committed / verify steps).
     spec_verify_ct: int | None = None
     spec_committed: int | None = None
+    # With return_logprob and the request's top_logprobs_num / token_ids_logprob: per new token
+    # its ((id, logprob), ...) best first and the values at those ids; the prompt's logprobs
+    # once; `id_texts` the texts of the ids these name (besides `token_texts`).
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] = ()
+    token_ids_logprobs: tuple[tuple[float, ...], ...] = ()
+    prompt_logprobs: PromptLogprobsOut | None = None
+    id_texts: Mapping[int, str] | None = None
 
     @property
     def finished(self) -> bool:

@@ -10,8 +10,14 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from sgl_dspark.srt.constrained import Grammars
 from sgl_dspark.srt.core.req import Req
-from sgl_dspark.srt.managers.io_struct import GenerateOutput, GenerateReqInput, ReqAccepted
+from sgl_dspark.srt.managers.io_struct import (
+    GenerateOutput,
+    GenerateReqInput,
+    PromptLogprobsOut,
+    ReqAccepted,
+)
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 from sgl_dspark.srt.tokenizer import IncrementalDetokenizer
 
@@ -31,6 +37,7 @@ class Tracked:
     return_logprob: bool
     sent_chars: int = 0
     sent_tokens: int = 0
+    sent_prompt_logprobs: bool = False
 
 
 class RequestIO:
@@ -41,6 +48,8 @@ class RequestIO:
         self._scheduler = scheduler
         self._tokenizer = tokenizer
         self._speculative = speculative
+        cfg = scheduler.cfg
+        self._grammars = Grammars(tokenizer, cfg.vocab_size or 0, cfg.eos_token_ids)
 
     def make_req(self, inp: GenerateReqInput) -> tuple[Req, ReqAccepted]:
         """The request to queue (validated by `Scheduler.add_group`) and its acceptance record.
@@ -64,8 +73,12 @@ class RequestIO:
             prompt_ids=ids,
             params=p,
             return_logprob=inp.return_logprob,
+            logprob_start_len=inp.logprob_start_len,
+            top_logprobs_num=inp.top_logprobs_num,
+            token_ids_logprob=inp.token_ids_logprob,
             detok=detok,
             queued_at=time.monotonic(),
+            grammar=self._grammars.matcher_for(p.grammar),
         )
         return req, ReqAccepted(inp.rid, len(ids), prompt_text)
 
@@ -122,6 +135,7 @@ class RequestIO:
                 token_texts = tuple(
                     self._tokenizer.decode([t], skip_special_tokens=False) for t in new_ids
                 )
+        extras = self._logprob_extras(tracked, new_ids) if tracked.return_logprob else {}
         spec = self._speculative
         delta = text[tracked.sent_chars :]
         tracked.sent_chars = len(text)
@@ -137,4 +151,35 @@ class RequestIO:
             finish_reason=req.finish_reason,
             spec_verify_ct=req.spec_verify_ct if spec else None,
             spec_committed=req.spec_committed if spec else None,
+            **extras,
         )
+
+    def _logprob_extras(self, tracked: Tracked, new_ids: tuple[int, ...]) -> dict:
+        """Top-N / token-id logprobs of the new tokens, the prompt's logprobs once it is done,
+        and the texts of every id they name."""
+        req = tracked.req
+        sent = tracked.sent_tokens
+        out: dict = {
+            "top_logprobs": tuple(req.output_top_logprobs[sent : sent + len(new_ids)]),
+            "token_ids_logprobs": tuple(req.output_token_ids_logprobs[sent : sent + len(new_ids)]),
+        }
+        ids: set[int] = set(req.token_ids_logprob or ())
+        for row in out["top_logprobs"]:
+            ids.update(t for t, _ in row)
+        if req.wants_prompt_logprobs and req.prefill_done and not tracked.sent_prompt_logprobs:
+            tracked.sent_prompt_logprobs = True
+            prompt_ids = tuple(req.prompt_ids[req.logprob_start_len :])
+            out["prompt_logprobs"] = PromptLogprobsOut(
+                prompt_ids,
+                tuple(req.input_logprobs),
+                tuple(req.input_top_logprobs) if req.top_logprobs_num > 0 else (),
+                tuple(req.input_token_ids_logprobs) if req.token_ids_logprob is not None else (),
+            )
+            ids.update(prompt_ids)
+            for top_row in req.input_top_logprobs:
+                ids.update(t for t, _ in top_row or ())
+        if self._tokenizer is not None and ids:
+            out["id_texts"] = {
+                t: self._tokenizer.decode([t], skip_special_tokens=False) for t in ids
+            }
+        return out

@@ -94,6 +94,14 @@ class Scheduler:
                 f"prompt ({len(req.prompt_ids)} tokens) + max_new_tokens "
                 f"({req.params.max_new_tokens}) = {total} exceeds the context length {ctx}"
             )
+        refusal = self.executor.refuses(req)
+        if refusal is not None:
+            raise RequestRejected(refusal)
+        if req.return_logprob and req.logprob_start_len > len(req.prompt_ids):
+            raise RequestRejected(
+                f"logprob_start_len ({req.logprob_start_len}) is higher than the number of "
+                f"prompt tokens ({len(req.prompt_ids)})"
+            )
         if self._pages_for(total) > self.allocator.num_usable_pages:
             raise RequestRejected(f"request needs {total} tokens of KV, more than the pool holds")
         vocab = self.cfg.vocab_size
@@ -101,6 +109,13 @@ class Scheduler:
             bad = [t for t in req.prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise RequestRejected(f"token ids out of range [0, {vocab}): {bad[:5]}")
+            for name, ids in (
+                ("logit_bias", [t for t, _ in req.params.logit_bias]),
+                ("token_ids_logprob", list(req.token_ids_logprob or ())),
+            ):
+                bad = [t for t in ids if not 0 <= t < vocab]
+                if bad:
+                    raise RequestRejected(f"{name}: token ids out of range [0, {vocab}): {bad[:5]}")
 
     def add(self, req: Req) -> None:
         self.add_group([req])
@@ -286,29 +301,40 @@ class Scheduler:
             if req.finished or req.slot < 0:
                 continue
             try:
+                if req.wants_prompt_logprobs:
+                    _append_prompt_logprobs(req, u)
                 req.kv_len += u.kv_committed
                 if u.speculative:
                     req.spec_verify_ct += 1
                     req.spec_committed += len(u.tokens)
                 if u.tokens:
-                    self._append_tokens(req, u.tokens, u.logprobs)
+                    self._append_tokens(req, u)
                     out.append(req)
             except Exception as exc:
                 logger.exception("could not apply the step to request %s", _short(req.rid))
                 self._fail(req, exc)
         return [r for r in out if r.error is None]
 
-    def _append_tokens(
-        self, req: Req, tokens: tuple[int, ...], logprobs: tuple[float, ...]
-    ) -> None:
-        """Append sampled tokens, stopping at the first stop condition (later tokens dropped)."""
+    def _append_tokens(self, req: Req, u: ReqUpdate) -> None:
+        """Append sampled tokens, stopping at the first stop condition (later tokens dropped).
+        A grammar advances by each appended token and ends the request once it terminates."""
         p = req.params
         if p.max_new_tokens == 0:
             req.finish_reason = {"type": "length", "length": 0}
             return
-        for tok, lp in zip(tokens, logprobs):
+        for i, (tok, lp) in enumerate(zip(u.tokens, u.logprobs)):
             req.output_ids.append(tok)
             req.output_logprobs.append(lp)
+            if u.top_logprobs:
+                req.output_top_logprobs.append(u.top_logprobs[i])
+            if u.token_ids_logprobs:
+                req.output_token_ids_logprobs.append(u.token_ids_logprobs[i])
+            if req.grammar is not None:
+                if not req.grammar.accept(tok):
+                    raise RuntimeError(f"the grammar does not allow the sampled token {tok}")
+                if req.grammar.terminated:
+                    req.finish_reason = {"type": "stop", "matched": tok}
+                    return
             if not p.ignore_eos and tok in self.cfg.eos_token_ids:
                 req.finish_reason = {"type": "stop", "matched": tok}
             elif tok in p.stop_token_ids:
@@ -319,6 +345,25 @@ class Scheduler:
                 req.finish_reason = {"type": "length", "length": p.max_new_tokens}
             if req.finish_reason is not None:
                 return
+
+
+def _append_prompt_logprobs(req: Req, u: ReqUpdate) -> None:
+    """Record the prompt logprobs of a prefill chunk: SGLang's layout starts at the prompt index
+    `logprob_start_len` with None (no position before it is scored), then one value per later
+    prompt token."""
+    start = req.logprob_start_len
+    if req.kv_len <= start < req.kv_len + u.kv_committed:
+        req.input_logprobs.append(None)
+        req.input_top_logprobs.append(None)
+        req.input_token_ids_logprobs.append(None)
+    pl = u.prompt_logprobs
+    if pl is None:
+        return
+    req.input_logprobs.extend(pl.logprobs)
+    if pl.top:
+        req.input_top_logprobs.extend(pl.top)
+    if pl.token_ids:
+        req.input_token_ids_logprobs.extend(pl.token_ids)
 
 
 def _describe(exc: BaseException) -> str:

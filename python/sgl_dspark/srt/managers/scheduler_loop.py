@@ -311,7 +311,8 @@ class SchedulerLoop:
             try:
                 group.built.append(self._io.make_req(inp))
             except (RequestRejected, ValueError) as exc:
-                self._post(group.out, ReqFailed(inp.rid, 400, str(exc)))
+                param = getattr(exc, "param", None)  # a grammar error names its field
+                self._post(group.out, ReqFailed(inp.rid, 400, str(exc), param))
                 return True
             except Exception as exc:  # a broken tokenizer/template fails this request only
                 logger.exception("could not queue request %s", _short(inp.rid))

@@ -16,8 +16,16 @@ from typing import TYPE_CHECKING
 import torch
 
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.core.host_copy import PendingRead
-from sgl_dspark.srt.core.step import BaseStepExecutor, InflightStep, ReqUpdate, StepWork
+from sgl_dspark.srt.core.host_copy import PendingRead, to_device_packed
+from sgl_dspark.srt.core.step import (
+    BaseStepExecutor,
+    InflightStep,
+    PromptLogprobs,
+    ReqUpdate,
+    StepWork,
+)
+from sgl_dspark.srt.layers.logits_adjust import build_logits_adjust
+from sgl_dspark.srt.layers.logprobs import logprob_extras, row_logprobs, split_extras
 from sgl_dspark.srt.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo
 from sgl_dspark.srt.model_executor.prefill_graphs import PrefillGraphs
 from sgl_dspark.srt.model_executor.target_graphs import TargetGraphs
@@ -41,30 +49,96 @@ class DecodeStep(InflightStep):
         sampled: list[bool],
         next_ids: torch.Tensor,
         host: PendingRead,
+        extras: _StepLogprobs | None = None,
     ) -> None:
         self.work = work
         self.sampled = sampled  # per request of work.reqs: whether a token was sampled
         self.next_ids = next_ids  # [number of sampled requests] int64, on the device
-        self.host = host
-        self.chainable = not work.prefill
+        self.host = host  # next ids, their logprobs, then `extras`' tensors
+        self.extras = extras
+        # A request whose logits depend on its last token (penalties, a grammar) needs that
+        # token on the host before its next step is planned.
+        self.chainable = not work.prefill and not any(r.params.adjusts_logits for r in work.decode)
 
     @property
     def reqs(self) -> tuple[Req, ...]:
         return self.work.reqs
 
     def wait(self) -> list[ReqUpdate]:
-        ids, lps = self.host.wait()
+        ids, lps, *extra_lists = self.host.wait()
+        per_req = self.extras.split(extra_lists) if self.extras is not None else {}
         tokens = iter(zip(ids, lps))
+        kv = [len(chunk) for _, chunk in self.work.prefill] + [1] * len(self.work.decode)
         updates = []
-        for (req, chunk), sampled in zip(self.work.prefill, self.sampled):
+        for req, n, sampled in zip(self.work.reqs, kv, self.sampled):
             tok = next(tokens) if sampled else None
+            top, id_lps, prompt = per_req.get(req.rid, ((), (), None))
             updates.append(
-                ReqUpdate(req, len(chunk), (tok[0],) if tok else (), (tok[1],) if tok else ())
+                ReqUpdate(
+                    req,
+                    n,
+                    (tok[0],) if tok else (),
+                    (tok[1],) if tok else (),
+                    top_logprobs=top,
+                    token_ids_logprobs=id_lps,
+                    prompt_logprobs=prompt,
+                )
             )
-        for req in self.work.decode:
-            tok, lp = next(tokens)
-            updates.append(ReqUpdate(req, 1, (tok,), (lp,)))
         return updates
+
+
+class _StepLogprobs:
+    """The logprob extras of a step (top-N, token-id values, prompt logprobs), launched on the
+    device with the step and split per request on the host (`srt/layers/logprobs.py`).
+
+    Rows: for each request that asks, its scored prompt positions (a prefill chunk) then its
+    sampled token, in the step's request order."""
+
+    def __init__(self) -> None:
+        # (rid, prompt start index, number of prompt rows, sampled?, top N, token ids)
+        self.entries: list[tuple[str, int, int, bool, int, tuple[int, ...]]] = []
+        self.tensors: list[torch.Tensor] = []
+
+    def split(self, lists: list[list]) -> dict[str, tuple]:
+        if not self.entries:
+            return {}
+        prompt_lps, top_ids, top_vals, id_vals = lists
+        out: dict[str, tuple] = {}
+        row = 0
+        for rid, start, n_prompt, sampled, top_n, ids in self.entries:
+            n = n_prompt + int(sampled)
+            tops, id_lps = split_extras(
+                top_ids[row : row + n],
+                top_vals[row : row + n],
+                id_vals[row : row + n],
+                [top_n] * n,
+                [len(ids)] * n,
+            )
+            prompt = None
+            if n_prompt:
+                prompt = PromptLogprobs(
+                    start,
+                    tuple(prompt_lps[row : row + n_prompt]),
+                    tuple(tops[:n_prompt]) if top_n else (),
+                    tuple(id_lps[:n_prompt]) if ids else (),
+                )
+            sampled_top = (tops[n_prompt],) if sampled and top_n else ()
+            sampled_ids = (id_lps[n_prompt],) if sampled and ids else ()
+            out[rid] = (sampled_top, sampled_ids, prompt)
+            row += n
+        return out
+
+
+def _prompt_rows(req: Req, chunk: tuple[int, ...]) -> range:
+    """Offsets in `chunk` whose logits score a prompt token the request asks logprobs for:
+    position p scores prompt token p + 1, for p from logprob_start_len on (SGLang: the token at
+    logprob_start_len itself gets None)."""
+    if not req.wants_prompt_logprobs:
+        return range(0)
+    start = req.kv_len
+    first = max(start, req.logprob_start_len)
+    last = min(start + len(chunk), len(req.prompt_ids) - 1)  # exclusive; the last scores output
+    return range(first - start, max(first, last) - start)
 
 
 class DecodeExecutor(BaseStepExecutor):
@@ -153,10 +227,13 @@ class DecodeExecutor(BaseStepExecutor):
         ids: list[list[int]] = [list(chunk) for _, chunk in work.prefill]
         ids += [[0] if chained else [r.output_ids[-1]] for r in work.decode]
         reqs = work.reqs
-        # Logits only where a token is sampled: the last prompt token and every decode token.
+        # Logits only where a token is sampled (the last prompt token and every decode token)
+        # and where a prompt token's logprob is asked for.
         sampled = [r.kv_len + len(chunk) >= len(r.prompt_ids) for r, chunk in work.prefill]
         sampled += [True] * len(work.decode)
-        rows = [[len(x) - 1] if s else [] for x, s in zip(ids, sampled)]
+        scored = [_prompt_rows(r, chunk) for r, chunk in work.prefill]
+        scored += [range(0)] * len(work.decode)
+        rows = [[*p, len(x) - 1] if s else [*p] for x, s, p in zip(ids, sampled, scored)]
         mode = ForwardMode.EXTEND if work.prefill else ForwardMode.DECODE
         pool = self.runner.req_pool
         batch = ForwardBatch.build(
@@ -169,26 +246,110 @@ class DecodeExecutor(BaseStepExecutor):
             input_ids_device=prev.next_ids if isinstance(prev, DecodeStep) else None,
         )
         out = self.forward(batch)
+        logits = out.logits
+        greedy = (out.greedy_ids, out.greedy_logprobs)
+        sample_rows: list[int] = []
+        at = 0
+        for p, s in zip(scored, sampled):
+            at += len(p)
+            if s:
+                sample_rows.append(at)
+                at += 1
+        if any(scored):
+            logits = logits[torch.tensor(sample_rows, device=logits.device)]
+            greedy = (None, None)
         sampled_reqs = [r for r, s in zip(reqs, sampled) if s]
-        res = self._sample(sampled_reqs, out, lag)
-        host = PendingRead(res.next_token_ids, res.next_token_logprobs)
-        return DecodeStep(work, sampled, res.next_token_ids, host)
+        res, final_logits, temps = self._sample(sampled_reqs, logits, greedy, lag)
+        tensors = [res.next_token_ids, res.next_token_logprobs]
+        extras = self._logprob_extras(reqs, sampled, scored, out.logits, final_logits, temps)
+        if extras is not None:
+            tensors += extras.tensors
+        return DecodeStep(work, sampled, res.next_token_ids, PendingRead(*tensors), extras)
 
-    def _sample(self, reqs: list[Req], out: ModelOutput, lag: int) -> SamplerOutput:
-        """One token per logits row of `out` (rows in `reqs` order), left on the device. A
-        decode graph already computed the greedy choice, which an all-greedy batch takes as is
-        (the same ops as the sampler); otherwise the sampler runs with the batch record.
-        `lag`: tokens sampled for these requests but not appended yet (sampling counters)."""
+    def _sample(
+        self,
+        reqs: list[Req],
+        logits: torch.Tensor,
+        greedy: tuple[torch.Tensor | None, torch.Tensor | None],
+        lag: int,
+    ) -> tuple[SamplerOutput, torch.Tensor, torch.Tensor | None]:
+        """One token per logits row (rows in `reqs` order), left on the device, with the
+        logits it was sampled from (adjusted when a request asks: `logits_adjust.py`) and the
+        rows' temperatures (None: all 1). A decode graph already computed the greedy choice,
+        which an all-greedy batch without adjustments takes as is (the same ops as the
+        sampler); otherwise the sampler runs with the batch record. `lag`: tokens sampled for
+        these requests but not appended yet (sampling counters)."""
         if not reqs:
-            empty = out.logits.new_zeros((0,), dtype=torch.int64)
-            return SamplerOutput(empty, out.logits.new_zeros((0,)))
-        if out.greedy_ids is not None and all(r.params.is_greedy for r in reqs):
-            assert out.greedy_logprobs is not None
-            return SamplerOutput(out.greedy_ids, out.greedy_logprobs)
+            empty = logits.new_zeros((0,), dtype=torch.int64)
+            return SamplerOutput(empty, logits.new_zeros((0,))), logits, None
+        adjust = build_logits_adjust(
+            reqs, logits.shape[1], logits.device, self.runner.model_cfg.eos_token_ids
+        )
+        if adjust is not None:
+            assert lag == 0, "requests that adjust their logits never chain"
+            logits = adjust.apply(logits)
+        greedy_ids, greedy_lps = greedy
+        if adjust is None and greedy_ids is not None and all(r.params.is_greedy for r in reqs):
+            assert greedy_lps is not None
+            return SamplerOutput(greedy_ids, greedy_lps), logits, None
         info = SamplingBatchInfo.from_params(
             [r.params for r in reqs],
-            out.logits.shape[1],
-            out.logits.device,
+            logits.shape[1],
+            logits.device,
             counters=[len(r.output_ids) + lag for r in reqs],
         )
-        return self.sampler(out.logits, info)
+        return self.sampler(logits, info), logits, None if info.all_greedy else info.temperatures
+
+    def _logprob_extras(
+        self,
+        reqs: tuple[Req, ...],
+        sampled: list[bool],
+        scored: list[range],
+        raw_logits: torch.Tensor,
+        sample_logits: torch.Tensor,
+        temps: torch.Tensor | None,
+    ) -> _StepLogprobs | None:
+        """Prompt logprobs and top-N / token-id logprobs of the requests that ask for them, on
+        the device (read back with the step's tokens)."""
+        if not any(scored) and not any(r.logprob_extras for r in reqs):
+            return None
+        extras = _StepLogprobs()
+        prompt_rows: list[int] = []  # rows of raw_logits
+        prompt_targets: list[int] = []  # the prompt token each scores
+        extra_rows: list[tuple[bool, int]] = []  # (from sample_logits?, row)
+        top_k = 0
+        token_ids: list[tuple[int, ...]] = []
+        raw_at = sample_at = 0
+        for req, s, p in zip(reqs, sampled, scored):
+            wants = req.logprob_extras or bool(p)
+            top_n = req.top_logprobs_num if req.return_logprob else 0
+            ids = tuple(req.token_ids_logprob or ()) if req.return_logprob else ()
+            if wants:
+                start = req.kv_len + (p.start if p else 0) + 1
+                extras.entries.append((req.rid, start, len(p), s, top_n, ids))
+                for j in range(len(p)):
+                    prompt_rows.append(raw_at + j)
+                    prompt_targets.append(req.prompt_ids[req.kv_len + p.start + j + 1])
+                    extra_rows.append((False, raw_at + j))
+                    token_ids.append(ids)
+                if s:
+                    extra_rows.append((True, sample_at))
+                    token_ids.append(ids)
+                top_k = max(top_k, top_n)
+            raw_at += len(p) + int(s)
+            sample_at += int(s)
+        dev = raw_logits.device
+        raw_lp = row_logprobs(raw_logits)
+        sample_lp = row_logprobs(sample_logits, temps)
+        table = torch.cat([raw_lp, sample_lp], dim=0)
+        index = [
+            row + (raw_logits.shape[0] if from_sample else 0) for from_sample, row in extra_rows
+        ]
+        picked = table[torch.tensor(index, dtype=torch.int64, device=dev)]
+        prompt_lp = raw_lp.new_zeros((0,))
+        if prompt_rows:
+            rows_t, targets_t = to_device_packed([prompt_rows, prompt_targets], torch.int64, dev)
+            prompt_lp = raw_lp[rows_t, targets_t]
+        ex = logprob_extras(picked, top_k, token_ids)
+        extras.tensors = [prompt_lp, ex.top_ids, ex.top_values, ex.id_values]
+        return extras

@@ -33,6 +33,8 @@ from sgl_dspark.srt.core.step import (
     ReqUpdate,
     StepWork,
 )
+from sgl_dspark.srt.layers.logits_adjust import build_logits_adjust
+from sgl_dspark.srt.layers.logprobs import logprob_extras, row_logprobs, split_extras
 from sgl_dspark.srt.layers.sampler import SamplingBatchInfo
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner
 from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
@@ -146,6 +148,16 @@ class DSparkExecutor(BaseStepExecutor):
     @property
     def step_window(self) -> int:
         return self.runner.rc.max_verify_tokens
+
+    def refuses(self, req: Req) -> str | None:
+        grammar = req.params.grammar
+        if grammar is not None and self.worker.args.simulate_accept_len is not None:
+            # Simulated acceptance commits drafts whatever the target (and the grammar) says.
+            return (
+                f"{grammar[0]}: constrained decoding cannot run with simulated DSpark "
+                "acceptance (--speculative-dspark-simulate-accept-len)"
+            )
+        return None
 
     def on_admit(self, req: Req) -> None:
         self._generation[req.slot] = self._generation.get(req.slot, 0) + 1
@@ -262,7 +274,10 @@ class DSparkExecutor(BaseStepExecutor):
         are not in `kv_len` yet), 0 when none: the step must fit the context after it."""
         fused, worker = self.fused, self.worker
         B = len(reqs)
-        if fused is None or not all(r.params.is_greedy for r in reqs):
+        if fused is None or not all(
+            r.params.is_greedy and not r.params.adjusts_logits and not r.logprob_extras
+            for r in reqs
+        ):
             return None
         bs1 = B == 1 and fused.bs1_width is not None
         # The bs1 runtime verifies its full window whatever the policy (as the eager step).
@@ -376,6 +391,8 @@ class DSparkExecutor(BaseStepExecutor):
         else:
             logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
             logits[flat_r, flat_j] = out.logits
+        raw_logits = logits
+        logits = self._adjust(reqs, logits, verify_ids)
         timer.mark("verify")
         # 6-7. acceptance on the device and the committed tokens' logprobs. Greedy uniform steps
         #    replay the acceptance from a graph.
@@ -402,16 +419,18 @@ class DSparkExecutor(BaseStepExecutor):
                 cap_lens,
                 forced if simulated else None,
             )
-            tok_lp = token_logprobs(logits, acc.out_tokens)
+            temps = None if info.all_greedy else info.temperatures[:, None, None]
+            tok_lp = token_logprobs(logits if temps is None else logits / temps, acc.out_tokens)
         if not bs1:
             self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
         if worker.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
-            worker.sts_recorder.record(prop.raw_confidence, verify_ids, logits, lens_t)
+            worker.sts_recorder.record(prop.raw_confidence, verify_ids, raw_logits, lens_t)
         timer.mark("accept")
         # 8. the finalised results in one read; the metrics are then accumulated on the host
         #    from the same values (no per-step metric kernels)
-        commit, toks, lps, accepted, trimmed = _to_host(
-            acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len, acc.cap_trim
+        extras = self._logprob_extras(reqs, logits, info)
+        commit, toks, lps, accepted, trimmed, *extra_lists = _to_host(
+            acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len, acc.cap_trim, *extras
         )
         self.metrics.record_step(
             torch.tensor(lens),
@@ -420,10 +439,84 @@ class DSparkExecutor(BaseStepExecutor):
             timing=timer.spans(),
             cap_trim=torch.tensor(trimmed),
         )
+        tops, id_lps = self._split_extras(reqs, W, extra_lists)
         return [
-            ReqUpdate(r, c, tuple(t[:c]), tuple(lp[:c]), speculative=True)
-            for r, c, t, lp in zip(reqs, commit, toks, lps)
+            ReqUpdate(
+                r,
+                c,
+                tuple(t[:c]),
+                tuple(lp[:c]),
+                speculative=True,
+                top_logprobs=tuple(top[:c]),
+                token_ids_logprobs=tuple(ids[:c]),
+            )
+            for r, c, t, lp, top, ids in zip(reqs, commit, toks, lps, tops, id_lps)
         ]
+
+    def _adjust(
+        self, reqs: list[Req], logits: torch.Tensor, verify_ids: torch.Tensor
+    ) -> torch.Tensor:
+        """The verify logits [B, W, V] adjusted per position (penalties, biases,
+        min_new_tokens, grammar: `srt/layers/logits_adjust.py`): position j sees the drafts
+        d_1..d_j as output. A grammar reads the drafts on the host (its matcher is a CPU
+        automaton): the one extra read of such a step."""
+        B, W, V = logits.shape
+        drafts = verify_ids[:, 1:]
+        drafts_host = None
+        if any(r.grammar is not None for r in reqs) and W > 1:
+            (drafts_host,) = read_to_host(drafts)
+        adjust = build_logits_adjust(
+            reqs,
+            V,
+            logits.device,
+            self.runner.model_cfg.eos_token_ids,
+            width=W,
+            drafts=drafts,
+            drafts_host=drafts_host,
+        )
+        if adjust is None:
+            return logits
+        return adjust.apply(logits.reshape(B * W, V)).view(B, W, V)
+
+    def _logprob_extras(
+        self, reqs: list[Req], logits: torch.Tensor, info: SamplingBatchInfo
+    ) -> list[torch.Tensor]:
+        """Top-N / token-id logprobs of every verify position of the requests that ask (the
+        host keeps the committed ones), from the adjusted verify logits scaled by each
+        request's temperature: the rows plain decoding would sample those tokens from."""
+        if not any(r.logprob_extras for r in reqs):
+            return []
+        B, W, V = logits.shape
+        temps = None if info.all_greedy else info.temperatures.repeat_interleave(W)
+        lp = row_logprobs(logits.reshape(B * W, V), temps)
+        top_k = max(r.top_logprobs_num if r.return_logprob else 0 for r in reqs)
+        ids = [
+            tuple(r.token_ids_logprob or ()) if r.return_logprob else ()
+            for r in reqs
+            for _ in range(W)
+        ]
+        ex = logprob_extras(lp, top_k, ids)
+        return [ex.top_ids, ex.top_values, ex.id_values]
+
+    @staticmethod
+    def _split_extras(
+        reqs: list[Req], width: int, lists: list[list]
+    ) -> tuple[list[list], list[list]]:
+        """Per request, its positions' top-N and token-id logprobs (empty when not asked)."""
+        if not lists:
+            return [[] for _ in reqs], [[] for _ in reqs]
+        top_ids, top_vals, id_vals = lists
+        tops_out, ids_out = [], []
+        for i, r in enumerate(reqs):
+            rows = slice(i * width, (i + 1) * width)
+            top_n = r.top_logprobs_num if r.return_logprob else 0
+            n_ids = len(r.token_ids_logprob or ()) if r.return_logprob else 0
+            tops, id_lps = split_extras(
+                top_ids[rows], top_vals[rows], id_vals[rows], [top_n] * width, [n_ids] * width
+            )
+            tops_out.append(tops if top_n else [])
+            ids_out.append(id_lps if r.return_logprob and r.token_ids_logprob is not None else [])
+        return tops_out, ids_out
 
     def _propose(
         self,
