@@ -71,7 +71,9 @@ def _port(server: ServerProcess) -> str:
 @pytest.fixture(scope="module")
 def dspark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("clients") / "server.log"
-    with running_server(log, "--speculative-algorithm", "DSpark", "--max-running-requests", "8") as s:
+    with running_server(
+        log, "--speculative-algorithm", "DSpark", "--max-running-requests", "8"
+    ) as s:
         yield s
 
 

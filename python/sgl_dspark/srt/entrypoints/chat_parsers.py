@@ -62,6 +62,7 @@ class ReasoningParser:
         self.in_reasoning = name == "deepseek-r1" or thinking
         self._undecided = not self.in_reasoning  # waiting to see whether output opens <think>
         self._strip_open = True  # an opening <think> is dropped in reasoning mode
+        self._after_think = False
         self._buf = ""
 
     def feed(self, text: str, final: bool = False) -> tuple[str, str]:
@@ -89,13 +90,17 @@ class ReasoningParser:
             end = self._buf.find(THINK_END)
             if end >= 0:
                 reasoning = self._buf[:end]
-                self._buf = self._buf[end + len(THINK_END) :].lstrip("\n")
+                self._buf = self._buf[end + len(THINK_END) :]
                 self.in_reasoning = False
+                self._after_think = True
             else:
                 keep = 0 if final else _held_back(self._buf, THINK_END)
                 reasoning = self._buf[: len(self._buf) - keep]
                 self._buf = self._buf[len(self._buf) - keep :]
                 return reasoning, ""
+        if self._after_think:  # the newlines that follow </think> belong to neither part
+            self._buf = self._buf.lstrip("\n")
+            self._after_think = not self._buf
         content, self._buf = self._buf, ""
         return reasoning, content
 

@@ -334,6 +334,15 @@ def _chat_template_kwargs(
             "call, which this server does not run; use 'auto'",
             param="tool_choice",
         )
+    if body.continue_final_message:
+        raise ApiError(
+            400,
+            "continue_final_message is not supported (the prompt always ends with the "
+            "assistant's generation prompt)",
+            param="continue_final_message",
+        )
+    # stream_reasoning=false asks for the reasoning in one piece; streaming it as it comes
+    # changes no text, so it is accepted.
     use_tools = bool(body.tools) and choice != "none"
     if use_tools:
         kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
