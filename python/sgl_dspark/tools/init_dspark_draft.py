@@ -19,7 +19,7 @@ import os
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
-from sgl_dspark.srt.models.builtin_dirs import BUILTIN_MODELS, materialize
+from sgl_dspark.srt.entrypoints.builtin_dirs import BUILTIN_MODELS, materialize
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.models.tiny import tiny_weights
 from sgl_dspark.srt.speculative.dspark.draft_checkpoint import save_draft_checkpoint

@@ -12,7 +12,7 @@ import random
 
 import pytest
 from sgl_dspark import Engine
-from sgl_dspark.srt.models.builtin_dirs import materialize
+from sgl_dspark.srt.entrypoints.builtin_dirs import materialize
 from sgl_dspark.srt.tokenizer import ByteTokenizer, get_tokenizer
 from sgl_dspark.tools.init_dspark_draft import main as init_draft_main
 

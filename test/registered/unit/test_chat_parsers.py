@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from sgl_dspark.srt.entrypoints.chat_parsers import (
     ReasoningParser,
     ToolCallParser,

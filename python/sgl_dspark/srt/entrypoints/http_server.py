@@ -212,7 +212,7 @@ def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitab
 def model_directory(server_args: ServerArgs) -> str:
     """The model's directory: --model-path, or for a built-in model its materialised Hugging
     Face directory (written once into the user cache; tools load its tokenizer from there)."""
-    from sgl_dspark.srt.models.builtin_dirs import BUILTIN_MODELS, materialize
+    from sgl_dspark.srt.entrypoints.builtin_dirs import BUILTIN_MODELS, materialize
 
     if server_args.model_path in BUILTIN_MODELS:
         path = materialize(server_args.model_path, seed=server_args.random_seed)

@@ -30,6 +30,7 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
+from sgl_dspark.env import cache_root
 from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG, TINY_MODEL_NAME, tiny_config, tiny_weights
 from sgl_dspark.srt.tokenizer.byte_tokenizer import (
     BYTE_OFFSET,
@@ -42,16 +43,7 @@ from sgl_dspark.srt.tokenizer.byte_tokenizer import (
 from sgl_dspark.srt.tokenizer.hf_tokenizer import MARKER_FILE
 
 BUILTIN_MODELS = (TINY_MODEL_NAME,)
-CACHE_ENV = "SGL_DSPARK_CACHE"
 _LAYOUT_VERSION = 1  # bump when the files written here change
-
-
-def cache_root() -> str:
-    root = os.environ.get(CACHE_ENV)
-    if not root:
-        base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-        root = os.path.join(base, "sglang-dspark")
-    return root
 
 
 def _bytes_to_unicode() -> dict[int, str]:
