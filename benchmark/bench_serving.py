@@ -11,7 +11,9 @@ Examples:
 
 Reports output tok/s, tok/s/user, TTFT, TPOT and ITL percentiles and the speculative acceptance
 length (from the responses and from the server's /metrics gauge). Metric definitions:
-`benchmark/serving/metrics.py`.
+`benchmark/serving/metrics.py`. With `--output-file X.json`, the latency CDF and the throughput
+against concurrency are plotted beside it (`X.latency_cdf.png`, `X.throughput.png`; needs
+matplotlib, the `bench` extra).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from benchmark.serving.client import (
 )
 from benchmark.serving.datasets import gsm8k_requests, random_requests
 from benchmark.serving.metrics import gauge_mean, json_safe, summarize
+from benchmark.serving.plots import write_plots
 
 logger = logging.getLogger(__name__)
 
@@ -306,9 +309,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(format_summary(summary), flush=True)
         runs.append(summary)
     if args.output_file:
-        Path(args.output_file).write_text(
-            json.dumps(json_safe({"runs": runs}), indent=2, default=str)
-        )
+        out = Path(args.output_file)
+        out.write_text(json.dumps(json_safe({"runs": runs}), indent=2, default=str))
+        for path in write_plots(runs, out):
+            print(f"wrote {path}", flush=True)
     return runs
 
 
