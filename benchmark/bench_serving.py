@@ -260,7 +260,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="force output-len tokens (default: on for random, off for gsm8k)",
     )
     p.add_argument(
-        "--max-concurrency", type=int, nargs="+", default=[1], help="one run per level, e.g. 1 8 32"
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one run per level, e.g. 1 8 32 (default: 1; with --request-rate: unbounded, so "
+        "the arrival rate alone paces the requests)",
     )
     p.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson req/s (default: inf)"
@@ -280,7 +285,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     runs = []
-    for conc in args.max_concurrency:
+    levels: list[int | None] = args.max_concurrency or (
+        [None] if math.isfinite(args.request_rate) else [1]
+    )
+    for conc in levels:
         cfg = BenchConfig(
             base_url=args.base_url,
             backend=args.backend,
@@ -289,7 +297,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             dataset_path=args.dataset_path,
             train_path=args.train_path,
             num_shots=args.num_shots,
-            num_prompts=args.num_prompts or max(8, 4 * conc),
+            num_prompts=args.num_prompts or max(8, 4 * (conc or 1)),
             input_len=args.input_len,
             output_len=args.output_len,
             range_ratio=args.range_ratio,
