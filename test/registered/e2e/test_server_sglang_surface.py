@@ -60,7 +60,8 @@ def test_routes_in_both_spellings(server):
     info = httpx.get(f"{base}/model_info", timeout=30).json()
     assert info == httpx.get(f"{base}/get_model_info", timeout=30).json()
     assert os.path.isfile(os.path.join(info["tokenizer_path"], "tokenizer.json"))
-    assert os.path.isfile(os.path.join(info["model_path"], "config.json"))
+    assert info["model_path"] == "tiny" and info["model_dir"] == info["tokenizer_path"]
+    assert os.path.isfile(os.path.join(info["model_dir"], "config.json"))
     server_info = httpx.get(f"{base}/server_info", timeout=30).json()
     assert set(server_info) == set(httpx.get(f"{base}/get_server_info", timeout=30).json())
     assert server_info["internal_states"][0]["avg_spec_accept_length"] is None  # no DSpark

@@ -400,13 +400,14 @@ async def _model(ctx: ServingContext, request: Request) -> Response:
 
 
 async def _model_info(ctx: ServingContext, request: Request) -> Response:
-    """SGLang's model info. For a built-in model the paths are its materialised Hugging Face
-    directory, which external tools load with `--tokenizer <tokenizer_path>`."""
+    """SGLang's model info. For a built-in model, `tokenizer_path` (and `model_dir`) is its
+    materialised Hugging Face directory, which external tools load with `--tokenizer`."""
     args = ctx.args
     model_dir = ctx.model_dir or args.model_path
     return JSONResponse(
         {
-            "model_path": model_dir,
+            "model_path": args.model_path,
+            "model_dir": model_dir,
             "tokenizer_path": args.tokenizer_path
             or (None if args.skip_tokenizer_init else model_dir),
             "served_model_name": args.served_model_name,
