@@ -138,5 +138,8 @@ def test_client_errors_are_logged_with_the_request_id(server):
     assert out.status_code == 400 and out.json()["error"]["param"] == "lora_path"
     assert out.headers["X-Request-Id"] == "trace-4711"
     assert "request trace-4711: POST /generate -> 400 (param lora_path)" in server.log()
+    missing = httpx.get(f"{server.base_url}/no_such_route", headers={"X-Request-Id": "r-404"})
+    assert missing.status_code == 404 and missing.headers["X-Request-Id"] == "r-404"
+    assert "request r-404: GET /no_such_route" in server.log()
     # --log-requests logs each generation request by its id.
     assert "prompt tokens" in server.log() and "output tokens" in server.log()

@@ -303,10 +303,12 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
+        request_id = _request_id(request)
+        logger.info("request %s: %s -> %d", request_id, message, exc.status_code)
         return JSONResponse(
             error_body(exc.status_code, message),
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers={**(getattr(exc, "headers", None) or {}), "X-Request-Id": request_id},
         )
 
     app.add_middleware(
