@@ -123,7 +123,7 @@ def test_bench_serving_without_dspark(plain_server, tmp_path):
     assert result["accept_length"] is None
 
 
-def test_few_shot_gsm8k(dspark_server):
+def test_few_shot_gsm8k(dspark_server, tmp_path):
     out = run_client(
         "-m",
         "sglang.test.few_shot_gsm8k",
@@ -139,6 +139,7 @@ def test_few_shot_gsm8k(dspark_server):
         "16",
         "--parallel",
         "8",
+        cwd=tmp_path,  # it writes tmp_output_gsm8k.txt into the working directory
     )
     # A random tiny model answers nothing right; the client must finish and report.
     assert "Accuracy:" in out and "Invalid:" in out

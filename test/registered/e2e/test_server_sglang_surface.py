@@ -4,6 +4,7 @@ SGLang ignores them, habitual launch flags, and 4xx responses logged with the re
 
 from __future__ import annotations
 
+import json
 import os
 
 import httpx
@@ -47,6 +48,7 @@ def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("surface") / "server.log"
     os.environ.setdefault("SGL_DSPARK_CACHE", str(tmp_path_factory.mktemp("cache")))
     flags = ("--trust-remote-code", "--enable-metrics", "--log-requests", "--disable-radix-cache")
+    flags += ("--reasoning-parser", "deepseek-r1")
     with running_server(log, "--context-length", "256", *flags) as s:
         yield s
 
@@ -143,3 +145,23 @@ def test_client_errors_are_logged_with_the_request_id(server):
     assert "request r-404: GET /no_such_route" in server.log()
     # --log-requests logs each generation request by its id.
     assert "prompt tokens" in server.log() and "output tokens" in server.log()
+
+
+def test_reasoning_parser_whole_and_streamed(server):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "think"}], **GREEDY}
+    plain = _post(server, "/v1/chat/completions", {**body, "separate_reasoning": False}).json()
+    text = plain["choices"][0]["message"]["content"]
+    assert text and "reasoning_content" not in plain["choices"][0]["message"]
+    # deepseek-r1 reasons until </think>, which the tiny model never writes.
+    split = _post(server, "/v1/chat/completions", body).json()["choices"][0]["message"]
+    assert split["reasoning_content"] == text and split["content"] == ""
+    reasoning, content = "", ""
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                for choice in json.loads(line[6:])["choices"]:
+                    reasoning += choice["delta"].get("reasoning_content") or ""
+                    content += choice["delta"].get("content") or ""
+    assert (reasoning, content) == (text, "")
