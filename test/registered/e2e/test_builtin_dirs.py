@@ -126,3 +126,16 @@ def test_init_dspark_draft_from_tiny(tmp_path):
     with open(tmp_path / "draft" / "config.json") as f:
         cfg = json.load(f)
     assert cfg["dspark_block_size"] == 5 and cfg["vocab_size"] == 512
+
+
+def test_an_unwritable_cache_does_not_stop_the_server(tmp_path, monkeypatch):
+    from sgl_dspark.srt.entrypoints.http_server import model_directory
+    from sgl_dspark.srt.server_args import ServerArgs
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("SGL_DSPARK_CACHE", str(blocker / "cache"))
+    assert model_directory(ServerArgs(model_path="tiny")) is None
+    monkeypatch.setenv("SGL_DSPARK_CACHE", str(tmp_path / "cache"))
+    path = model_directory(ServerArgs(model_path="tiny"))
+    assert path is not None and os.path.isfile(os.path.join(path, "tokenizer.json"))

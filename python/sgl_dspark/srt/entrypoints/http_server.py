@@ -209,13 +209,22 @@ def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitab
     return route
 
 
-def model_directory(server_args: ServerArgs) -> str:
+def model_directory(server_args: ServerArgs) -> str | None:
     """The model's directory: --model-path, or for a built-in model its materialised Hugging
     Face directory (written once into the user cache; tools load its tokenizer from there)."""
     from sgl_dspark.srt.entrypoints.builtin_dirs import BUILTIN_MODELS, materialize
 
     if server_args.model_path in BUILTIN_MODELS:
-        path = materialize(server_args.model_path, seed=server_args.random_seed)
+        try:
+            path = materialize(server_args.model_path, seed=server_args.random_seed)
+        except OSError as exc:  # a read-only or full cache: serving works without it
+            logger.warning(
+                "could not write the built-in model's directory (%s); /model_info reports no "
+                "tokenizer directory, so pass tools a tokenizer yourself (set SGL_DSPARK_CACHE "
+                "to a writable directory)",
+                exc,
+            )
+            return None
         logger.info("built-in model %r materialised at %s", server_args.model_path, path)
         return path
     return server_args.model_path
