@@ -1,5 +1,6 @@
 # Two entry points: `make serve` (the built-in tiny model) and `make test` (the whole suite).
-# Both create or reuse a virtualenv in $(VENV) and install what they need into it.
+# Both create or reuse a virtualenv in $(VENV); `make serve` installs only what serving needs,
+# `make test` (and `make lint`) add the test tools (the `test` extra).
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
@@ -14,14 +15,18 @@ PORT ?= 30000
 
 install: $(VENV)/.installed
 
-$(VENV)/.installed: pyproject.toml Makefile
+$(VENV)/.installed-serve: pyproject.toml Makefile
 	test -x $(PY) || python3 -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PIP) install "torch==2.13.0"
 	$(PY) -c "import triton" 2>/dev/null || $(PIP) install "triton==3.6.0"
+	$(PIP) install -e .
+	touch $@
+
+$(VENV)/.installed: $(VENV)/.installed-serve
 	$(PIP) install -e ".[test]"
 	touch $@
 
-serve: $(VENV)/.installed
+serve: $(VENV)/.installed-serve
 	$(PY) -m sgl_dspark.launch_server --model-path tiny --speculative-algorithm DSpark --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed

@@ -11,7 +11,9 @@ Examples:
 
 Reports output tok/s, tok/s/user, TTFT, TPOT and ITL percentiles and the speculative acceptance
 length (from the responses and from the server's /metrics gauge). Metric definitions:
-`benchmark/serving/metrics.py`.
+`benchmark/serving/metrics.py`. With `--output-file X.json`, the latency CDF and the throughput
+against concurrency are plotted beside it (`X.latency_cdf.png`, `X.throughput.png`; needs
+matplotlib, the `bench` extra).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from benchmark.serving.client import (
 )
 from benchmark.serving.datasets import gsm8k_requests, random_requests
 from benchmark.serving.metrics import gauge_mean, json_safe, summarize
+from benchmark.serving.plots import write_plots
 
 logger = logging.getLogger(__name__)
 
@@ -257,7 +260,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="force output-len tokens (default: on for random, off for gsm8k)",
     )
     p.add_argument(
-        "--max-concurrency", type=int, nargs="+", default=[1], help="one run per level, e.g. 1 8 32"
+        "--max-concurrency",
+        type=int,
+        nargs="+",
+        default=None,
+        help="one run per level, e.g. 1 8 32 (default: 1; with --request-rate: unbounded, so "
+        "the arrival rate alone paces the requests)",
     )
     p.add_argument(
         "--request-rate", type=float, default=math.inf, help="Poisson req/s (default: inf)"
@@ -277,7 +285,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per request otherwise
     runs = []
-    for conc in args.max_concurrency:
+    levels: list[int | None] = args.max_concurrency or (
+        [None] if math.isfinite(args.request_rate) else [1]
+    )
+    for conc in levels:
         cfg = BenchConfig(
             base_url=args.base_url,
             backend=args.backend,
@@ -286,7 +297,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
             dataset_path=args.dataset_path,
             train_path=args.train_path,
             num_shots=args.num_shots,
-            num_prompts=args.num_prompts or max(8, 4 * conc),
+            num_prompts=args.num_prompts or max(8, 4 * (conc or 1)),
             input_len=args.input_len,
             output_len=args.output_len,
             range_ratio=args.range_ratio,
@@ -306,9 +317,10 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         print(format_summary(summary), flush=True)
         runs.append(summary)
     if args.output_file:
-        Path(args.output_file).write_text(
-            json.dumps(json_safe({"runs": runs}), indent=2, default=str)
-        )
+        out = Path(args.output_file)
+        out.write_text(json.dumps(json_safe({"runs": runs}), indent=2, default=str))
+        for path in write_plots(runs, out):
+            print(f"wrote {path}", flush=True)
     return runs
 
 

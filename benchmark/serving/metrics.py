@@ -122,5 +122,7 @@ def summarize(results: Sequence[RequestResult], duration_s: float) -> dict[str, 
         "tpot_ms": distribution(tpot),
         "itl_ms": distribution(itl),
         "e2e_latency_ms": distribution([r.latency for r in ok]),
+        # Every request's latency, for the latency CDF plot (`benchmark/serving/plots.py`).
+        "e2e_latencies_ms": sorted(r.latency * 1000.0 for r in ok),
         "accept_length": acceptance_length(ok),
     }

@@ -22,7 +22,9 @@ from sgl_dspark.srt.server_args_checks import (
     DTYPE_CHOICES,
     KERNEL_BACKEND_CHOICES,
     LOG_LEVEL_CHOICES,
+    REASONING_PARSER_CHOICES,
     SPECULATIVE_ALGORITHMS,
+    TOOL_CALL_PARSER_CHOICES,
     VERIFY_POLICY_CHOICES,
     attention_backend_choices,
     validate,
@@ -56,6 +58,24 @@ class ServerArgs:
     )
     served_model_name: str | None = _arg(
         None, "Model name the OpenAI API reports and accepts in 'model' (default: --model-path)."
+    )
+    trust_remote_code: bool = _arg(
+        False,
+        "Let transformers run a tokenizer's own code when it loads one that tokenizer.json "
+        "cannot describe (the model itself never runs remote code).",
+    )
+    # ---- chat ----
+    reasoning_parser: str | None = _arg(
+        None,
+        "Separate the reasoning of a thinking model into 'reasoning_content' in chat "
+        "responses, as SGLang does for these DeepSeek formats.",
+        REASONING_PARSER_CHOICES,
+    )
+    tool_call_parser: str | None = _arg(
+        None,
+        "Parse tool calls in chat output in this DeepSeek format into OpenAI 'tool_calls' "
+        "(default: the format of the served model; the built-in model uses deepseekv4).",
+        TOOL_CALL_PARSER_CHOICES,
     )
     # ---- HTTP ----
     host: str = _arg("127.0.0.1", "Address to listen on.")
@@ -106,6 +126,31 @@ class ServerArgs:
         "fails them and shuts down with an error (instead of hanging).",
     )
     log_level: str = _arg("info", "Log level of the server and uvicorn.", LOG_LEVEL_CHOICES)
+    log_requests: bool = _arg(
+        False, "Log every generation request (id, route, prompt and output token counts)."
+    )
+    log_requests_level: int = _arg(
+        0,
+        "With --log-requests: 0 logs ids and counts; 1 or more also the sampling parameters "
+        "(SGLang's levels 2 and 3, which add texts, log what 1 logs: prompts stay private).",
+    )
+    enable_metrics: bool = _arg(
+        False, "Accepted for SGLang compatibility: /metrics (Prometheus) is always served."
+    )
+    enable_cache_report: bool = _arg(
+        False,
+        "Accepted for SGLang compatibility: there is no cross-request prefix cache, so "
+        "cached-token counts are always 0.",
+    )
+    disable_radix_cache: bool = _arg(
+        False,
+        "Accepted for SGLang compatibility: there is no cross-request prefix (radix) cache.",
+    )
+    skip_server_warmup: bool = _arg(
+        False,
+        "Accepted for SGLang compatibility: the server runs no warm-up request (CUDA graphs "
+        "are captured at start either way).",
+    )
     # ---- runtime ----
     device: str = _arg(
         "auto", "Device to run on; auto = cuda when available, else cpu.", DEVICE_CHOICES

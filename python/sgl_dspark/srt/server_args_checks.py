@@ -17,6 +17,9 @@ KERNEL_BACKEND_CHOICES = ("auto", "torch", "triton")
 VERIFY_POLICY_CHOICES = ("full", "static", "confidence")
 CONFIDENCE_MODE_CHOICES = ("sync", "async")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+# SGLang's names of the DeepSeek reasoning and tool-call formats (srt/entrypoints/chat_parsers.py).
+REASONING_PARSER_CHOICES = ("deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41")
+TOOL_CALL_PARSER_CHOICES = ("deepseekv3", "deepseekv31", "deepseekv32", "deepseekv4", "deepseekv41")
 
 
 def attention_backend_choices() -> tuple[str, ...]:

@@ -3,7 +3,8 @@
     python -m sgl_dspark.tools.init_dspark_draft --target-path DIR --output DIR \\
         [--num-layers N] [--block-size G] [--markov-rank R] [--seed S]
 
-The draft reads the features of the target's last N layers, so it has N stages. Its config.json
+`--target-path tiny` reads the built-in tiny model's materialised directory. The draft reads the
+features of the target's last N layers, so it has N stages. Its config.json
 is the target's plus `dspark_*` keys; tensors use SGLang's `mtp.<stage>.` names. A random draft
 is useful to test losslessness (it disagrees with the target almost always) and to benchmark
 with simulated acceptance; it predicts nothing.
@@ -20,6 +21,7 @@ import torch
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
+from sgl_dspark.srt.entrypoints.builtin_dirs import BUILTIN_MODELS, materialize
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.models.tiny import tiny_weights
 from sgl_dspark.srt.speculative.dspark.draft_checkpoint import save_draft_checkpoint
@@ -76,6 +78,9 @@ def init_dspark_draft(
     n_routed_experts: int | None = None,
     num_experts_per_tok: int | None = None,
 ) -> DSparkConfig:
+    if target_path in BUILTIN_MODELS:
+        target_path = materialize(target_path)
+        logger.info("built-in target materialised at %s", target_path)
     with open(os.path.join(target_path, "config.json")) as f:
         raw = json.load(f)
     cfg, dcfg = draft_config(
@@ -93,7 +98,11 @@ def init_dspark_draft(
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--target-path", required=True, help="target model directory (config.json)")
+    p.add_argument(
+        "--target-path",
+        required=True,
+        help="target model directory (config.json), or a built-in model ('tiny')",
+    )
     p.add_argument("--output", required=True, help="directory to write the draft into")
     p.add_argument("--num-layers", type=int, default=3, help="draft stages (target layers read)")
     p.add_argument("--block-size", type=int, default=5, help="gamma: drafts per step")

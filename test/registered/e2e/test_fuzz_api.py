@@ -142,9 +142,24 @@ COMMON_OPENAI: dict[str, st.SearchStrategy] = {
     "regex": st.sampled_from(["[a-c]{1,3}", "(x"]),
     "ebnf": SAMPLING_VALUES["ebnf"],
 }
+name = st.one_of(st.sampled_from(["get_weather", "f"]), unicode_text)
+tool = st.fixed_dictionaries(
+    {
+        "type": st.just("function"),
+        "function": st.fixed_dictionaries(
+            {"name": name},
+            optional={
+                "description": unicode_text,
+                "parameters": st.just({"type": "object", "properties": {}}),
+            },
+        ),
+    }
+)
 message = st.fixed_dictionaries(
     {
-        "role": st.one_of(st.sampled_from(["system", "user", "assistant"]), unicode_text),
+        "role": st.one_of(
+            st.sampled_from(["system", "developer", "user", "assistant", "tool"]), unicode_text
+        ),
         "content": st.one_of(
             prompt_text,
             st.none(),
@@ -173,9 +188,19 @@ FIELDS: dict[str, dict[str, st.SearchStrategy]] = {
         "max_completion_tokens": max_tokens,
         "logprobs": st.booleans(),
         "top_logprobs": st.integers(-1, 21),
-        "tools": st.lists(st.fixed_dictionaries({"type": st.just("function")}), max_size=1),
-        "tool_choice": st.sampled_from(["none", "auto"]),
+        "tools": st.lists(tool, max_size=2),
+        "tool_choice": st.one_of(
+            st.sampled_from(["none", "auto", "required"]),
+            st.fixed_dictionaries(
+                {"type": st.just("function"), "function": st.fixed_dictionaries({"name": name})}
+            ),
+        ),
         "parallel_tool_calls": st.booleans(),
+        "chat_template_kwargs": st.dictionaries(unicode_text, st.booleans(), max_size=2),
+        "separate_reasoning": st.booleans(),
+        "stream_reasoning": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "reasoning_effort": st.one_of(st.sampled_from(["low", "high"]), unicode_text),
     },
     "/generate": {
         "text": st.one_of(prompt_text, st.lists(prompt_text, max_size=3)),
@@ -274,9 +299,10 @@ VALID: dict[str, dict[str, st.SearchStrategy]] = {
         "logprobs": st.booleans(),
         "top_logprobs": st.integers(0, 20),
         "response_format": st.sampled_from([{"type": "text"}, {"type": "json_object"}]),
-        "tools": st.just([]),
-        "tool_choice": st.just("none"),
+        "tools": st.lists(tool, max_size=1),
+        "tool_choice": st.sampled_from(["none", "auto"]),
         "parallel_tool_calls": st.booleans(),
+        "separate_reasoning": st.booleans(),
     },
     "/generate": {
         "stream": st.booleans(),

@@ -279,3 +279,17 @@ def test_config_validation() -> None:
         BenchConfig(base_url="x", dataset="gsm8k").validate()
     with pytest.raises(ValueError, match="max_concurrency"):
         BenchConfig(base_url="x", max_concurrency=0).validate()
+
+
+def test_main_writes_json_and_plots(spec_server: str, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "bench.json"
+    argv = ["--base-url", spec_server, "--backend", "sglang", "--input-len", "8"]
+    argv += ["--output-len", "6", "--max-concurrency", "1", "2", "--num-prompts", "4"]
+    bench_serving.main([*argv, "--output-file", str(out), "--disable-progress"])
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["max_concurrency"] for r in runs] == [1, 2]
+    assert all(len(r["e2e_latencies_ms"]) == 4 for r in runs)
+    for name in ("bench.latency_cdf.png", "bench.throughput.png"):
+        data = (tmp_path / name).read_bytes()
+        assert data.startswith(b"\x89PNG") and len(data) > 1000

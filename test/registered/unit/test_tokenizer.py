@@ -130,13 +130,13 @@ def test_byte_chat_template():
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
-        ([{"role": "tool", "content": "x"}], r"messages\[0\]\.role"),
+        ([{"role": "robot", "content": "x"}], r"messages\[0\]\.role"),
         ([{"content": "x"}], r"messages\[0\]\.role"),
         (
             [{"role": "user", "content": "a"}, {"role": "user", "content": 3}],
             r"messages\[1\]\.content",
         ),
-        ([{"role": "user", "content": None}], r"messages\[0\]\.content"),
+        ([{"role": "user", "content": 2.5}], r"messages\[0\]\.content"),
         (
             [{"role": "user", "content": [{"type": "image_url", "image_url": "u"}]}],
             r"messages\[0\]\.content\[0\]",

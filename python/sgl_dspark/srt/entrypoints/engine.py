@@ -166,7 +166,9 @@ class Engine:
             self.init_graphs(*limits)
         self.tokenizer: TokenizerLike | None = None
         if not args.skip_tokenizer_init:
-            self.tokenizer = get_tokenizer(args.model_path, args.tokenizer_path)
+            self.tokenizer = get_tokenizer(
+                args.model_path, args.tokenizer_path, trust_remote_code=args.trust_remote_code
+            )
         chunk = args.chunked_prefill_size
         self.scheduler = Scheduler(
             SchedulerConfig(

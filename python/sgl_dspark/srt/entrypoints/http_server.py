@@ -3,10 +3,13 @@
 Processes and threads: one process; the asyncio event loop (uvicorn + FastAPI) parses and
 answers requests; one scheduler thread owns the model, the scheduler, the tokenizer and the
 detokenizers (`managers/scheduler_loop.py`). Routes: OpenAI `/v1/completions`,
-`/v1/chat/completions`, `/v1/models`; SGLang `/generate`, `/abort_request`, `/health`,
-`/health_generate`, `/get_model_info`, `/get_server_info`; Prometheus `/metrics`. Every error is
-an OpenAI-style `{"error": {"message", "type", "param", "code"}}` body; a server error's message
-never carries a stack trace or a path (`api_errors.redact`).
+`/v1/chat/completions`, `/v1/models`, `/v1/models/{id}`; SGLang `/generate`, `/abort_request`,
+`/health`, `/health_generate`, `/ready`, `/flush_cache`, `/model_info` and `/server_info` (also
+under their older names `/get_model_info`, `/get_server_info`); Prometheus `/metrics`. Every
+error is an OpenAI-style `{"error": {"message", "type", "param", "code"}}` body; a server error's
+message never carries a stack trace or a path (`api_errors.redact`). Every 4xx is logged with
+the request's id (the client's `X-Request-Id`, else one the server makes), which the response
+carries in `X-Request-Id`.
 
 Authentication (`--api-key`): every route needs `Authorization: Bearer <key>` except `/health`
 (liveness: answers from memory, runs nothing) and `/metrics` (aggregate counters for
@@ -182,6 +185,20 @@ def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitab
                 refused.note(f" (last: {request.url.path}: {exc.message})")
             elif exc.status >= 500:
                 logger.error("%s: %s", request.url.path, exc.message)
+            elif exc.status >= 400:
+                request_id = _request_id(request)
+                logger.info(
+                    "request %s: %s %s -> %d (param %s): %s",
+                    request_id,
+                    request.method,
+                    request.url.path,
+                    exc.status,
+                    exc.param,
+                    exc.message[:300],
+                )
+                response = exc.response()
+                response.headers["X-Request-Id"] = request_id
+                return response
             return exc.response()
         except ClientDisconnected:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
@@ -190,6 +207,35 @@ def _route(ctx: ServingContext, handler: Handler) -> Callable[[Request], Awaitab
             return ApiError(500, f"internal error: {type(exc).__name__}: {exc}").response()
 
     return route
+
+
+def model_directory(server_args: ServerArgs) -> str | None:
+    """The model's directory: --model-path, or for a built-in model its materialised Hugging
+    Face directory (written once into the user cache; tools load its tokenizer from there)."""
+    from sgl_dspark.srt.entrypoints.builtin_dirs import BUILTIN_MODELS, materialize
+
+    if server_args.model_path in BUILTIN_MODELS:
+        try:
+            path = materialize(server_args.model_path, seed=server_args.random_seed)
+        except OSError as exc:  # a read-only or full cache: serving works without it
+            logger.warning(
+                "could not write the built-in model's directory (%s); /model_info reports no "
+                "tokenizer directory, so pass tools a tokenizer yourself (set SGL_DSPARK_CACHE "
+                "to a writable directory)",
+                exc,
+            )
+            return None
+        logger.info("built-in model %r materialised at %s", server_args.model_path, path)
+        return path
+    return server_args.model_path
+
+
+def _request_id(request: Request) -> str:
+    """The client's X-Request-Id (bounded, printable) or a new id."""
+    given = request.headers.get("x-request-id", "")
+    if given and len(given) <= 128 and given.isprintable():
+        return given
+    return new_rid()
 
 
 def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
@@ -212,6 +258,9 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
         metrics=metrics,
         has_tokenizer=engine.tokenizer is not None,
         vocab_size=engine.runner.model_cfg.vocab_size,
+        model_dir=model_directory(server_args),
+        model_type=engine.runner.model_cfg.model_type,
+        architectures=tuple(engine.runner.model_cfg.architectures),
     )
     lifecycle = Lifecycle(ctx)
     loop.on_fatal = lifecycle.on_fatal
@@ -248,20 +297,27 @@ def create_app(server_args: ServerArgs, engine: Engine) -> FastAPI:
     for path, handler in (
         ("/health", _health),
         ("/health_generate", _health_generate),
+        ("/ready", _ready),
         ("/v1/models", _models),
+        ("/v1/models/{model:path}", _model),
+        ("/model_info", _model_info),
         ("/get_model_info", _model_info),
+        ("/server_info", _server_info),
         ("/get_server_info", _server_info),
         ("/metrics", _metrics),
     ):
         app.add_api_route(path, _route(ctx, handler), methods=["GET"])
+    app.add_api_route("/flush_cache", _route(ctx, _flush_cache), methods=["GET", "POST"])
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         message = f"{request.method} {request.url.path}: {exc.detail}"
+        request_id = _request_id(request)
+        logger.info("request %s: %s -> %d", request_id, message, exc.status_code)
         return JSONResponse(
             error_body(exc.status_code, message),
             status_code=exc.status_code,
-            headers=getattr(exc, "headers", None),
+            headers={**(getattr(exc, "headers", None) or {}), "X-Request-Id": request_id},
         )
 
     app.add_middleware(
@@ -312,36 +368,68 @@ async def _health_generate(ctx: ServingContext, request: Request) -> Response:
     return Response(status_code=200)
 
 
-async def _models(ctx: ServingContext, request: Request) -> Response:
+async def _ready(ctx: ServingContext, request: Request) -> Response:
+    """200 once the model is loaded and the scheduler runs (SGLang's readiness probe; a
+    draining server answers 503 from the middleware)."""
+    if not ctx.loop.is_alive:
+        raise ApiError(503, "the scheduler is not running")
+    return JSONResponse({"status": "ready"})
+
+
+async def _flush_cache(ctx: ServingContext, request: Request) -> Response:
+    """SGLang's prefix-cache flush. KV pages are freed when each request ends, so nothing is
+    cached across requests and there is nothing to flush."""
+    return Response("Cache flushed (this server keeps no prefix cache).\n", status_code=200)
+
+
+def _model_card(ctx: ServingContext) -> dict[str, Any]:
     args = ctx.args
-    return JSONResponse(
-        {
-            "object": "list",
-            "data": [
-                {
-                    "id": args.served_model_name,
-                    "object": "model",
-                    "created": int(time.time()),
-                    "owned_by": "sglang-dspark",
-                    "root": args.model_path,
-                    "max_model_len": args.context_length,
-                }
-            ],
-        }
-    )
+    return {
+        "id": args.served_model_name,
+        "object": "model",
+        "created": int(time.time()),
+        "owned_by": "sglang-dspark",
+        "root": ctx.model_dir or args.model_path,
+        "max_model_len": args.context_length,
+    }
+
+
+async def _models(ctx: ServingContext, request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(ctx)]})
+
+
+async def _model(ctx: ServingContext, request: Request) -> Response:
+    name = request.path_params["model"]
+    if name != ctx.args.served_model_name:
+        raise ApiError(
+            404,
+            f"The model '{name}' does not exist; this server serves '{ctx.args.served_model_name}'",
+            param="model",
+            code="model_not_found",
+        )
+    return JSONResponse(_model_card(ctx))
 
 
 async def _model_info(ctx: ServingContext, request: Request) -> Response:
+    """SGLang's model info. For a built-in model, `tokenizer_path` (and `model_dir`) is its
+    materialised Hugging Face directory, which external tools load with `--tokenizer`."""
     args = ctx.args
+    model_dir = ctx.model_dir or args.model_path
     return JSONResponse(
         {
             "model_path": args.model_path,
+            "model_dir": model_dir,
             "tokenizer_path": args.tokenizer_path
-            or (None if args.skip_tokenizer_init else args.model_path),
+            or (None if args.skip_tokenizer_init else model_dir),
             "served_model_name": args.served_model_name,
             "is_generation": True,
             "context_length": args.context_length,
             "vocab_size": ctx.vocab_size,
+            "weight_version": "default",
+            "has_image_understanding": False,
+            "has_audio_understanding": False,
+            "model_type": ctx.model_type,
+            "architectures": list(ctx.architectures),
         }
     )
 
@@ -356,6 +444,17 @@ async def _server_info(ctx: ServingContext, request: Request) -> Response:
         version=sgl_dspark.__version__,
         token_usage=stats.token_usage,
         max_total_num_tokens=stats.kv_total_pages * stats.page_size,
+        # SGLang's per-scheduler states, read by its tools (bench_serving reads the mean
+        # acceptance length from here; null without speculative decoding).
+        internal_states=[
+            {
+                "avg_spec_accept_length": stats.spec_accept_length,
+                "spec_accept_rate": stats.spec_accept_rate,
+                "num_running_reqs": stats.num_running_reqs,
+                "num_waiting_reqs": stats.num_waiting_reqs,
+                "token_usage": stats.token_usage,
+            }
+        ],
     )
     return JSONResponse(info)
 

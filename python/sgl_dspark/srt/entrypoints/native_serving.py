@@ -5,6 +5,10 @@ Output per prompt, as `Engine.generate`: `{"text", "output_ids", "meta_info": {"
 SGLang's logprob keys (`logprob_format.py`)}}`; a list for a batch. Streaming sends, as SGLang
 does, the CUMULATIVE text and output ids so far in every event (plus "index" in a batch), then
 `[DONE]`.
+
+`max_new_tokens: 0` runs the prompt through prefill only and returns no tokens (SGLang's
+prompt pre-caching, as `few_shot_gsm8k` sends it). SGLang's fields that have no meaning here are
+handled by `sglang_fields.py`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from sgl_dspark.srt.entrypoints.request_group import (
     sse,
     stream_events,
 )
+from sgl_dspark.srt.entrypoints.sglang_fields import GENERATE_FIELDS, check_fields, sampling_dict
 from sgl_dspark.srt.managers.io_struct import GenerateReqInput
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
 
@@ -152,6 +157,7 @@ def _logprob_options(body: GenerateRequest, count: int) -> list[LogprobOptions |
 async def generate(ctx: ServingContext, request: Request) -> Response:
     start = time.perf_counter()
     body = await parse_body(request, GenerateRequest)
+    check_fields(body.model_extra, GENERATE_FIELDS, "/generate")
     prompts, single = _prompts(body)
     sp_list = _per_prompt(body.sampling_params, len(prompts), "sampling_params")
     rids = (
@@ -169,15 +175,10 @@ async def generate(ctx: ServingContext, request: Request) -> Response:
     for (text, ids), sp, rid, lp_options in zip(prompts, sp_list, rids, logprob_options):
         params = built.get(id(sp))
         if params is None:
-            params = make_sampling_params(sp or {}, default_param="sampling_params")
-            built[id(sp)] = params
-        if params.max_new_tokens < 1:
-            raise ApiError(
-                400,
-                "max_new_tokens must be >= 1 (prefill-only requests are not "
-                f"supported), got {params.max_new_tokens}",
-                param="max_new_tokens",
+            params = make_sampling_params(
+                sampling_dict(sp or {}, "/generate"), default_param="sampling_params"
             )
+            built[id(sp)] = params
         if params.n != 1:
             raise ApiError(
                 400,

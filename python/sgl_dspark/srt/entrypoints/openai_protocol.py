@@ -1,9 +1,12 @@
 """Request bodies of the HTTP API (pydantic, validated from the raw JSON bytes in strict mode).
 
-Unknown fields are REJECTED (400, "Unrecognized request argument supplied: <name>"), as the
-OpenAI API does, so a typo never silently changes sampling. Known OpenAI fields that this server
-does not implement are accepted only at their neutral value (e.g. `suffix` null) and otherwise
-answered with a 400 naming the field. Strict mode:
+Fields SGLang 0.5.23 knows but this server does not implement are checked by the policies of
+`sglang_fields.py` (inert ones ignored, the others accepted only at their neutral value, else a
+400 naming the field). Unknown fields behave as in SGLang: ignored at the top level of a body
+(the request models keep them in `model_extra` for those policies), refused inside nested
+objects and inside `sampling_params`. Known OpenAI fields that this server does not implement
+are accepted only at their neutral value (e.g. `suffix` null) and otherwise answered with a 400
+naming the field. Strict mode:
 an int is accepted where a number is expected, but strings are never coerced and bools are not
 ints; NaN and infinities are refused. Null means the default wherever OpenAI allows null (a
 field declared `X | None`). SGLang's sampling extensions (`top_k`, `min_p`, `stop_token_ids`,
@@ -29,6 +32,12 @@ class _Body(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)
 
 
+class _TopLevelBody(BaseModel):
+    """A request body: unknown fields are kept in `model_extra` (see the module doc)."""
+
+    model_config = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)
+
+
 class StreamOptions(_Body):
     include_usage: bool | None = None
 
@@ -49,7 +58,7 @@ class ResponseFormat(_Body):
     json_schema: JsonSchemaFormat | None = None
 
 
-class _SamplingFields(_Body):
+class _SamplingFields(_TopLevelBody):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI + SGLang extensions)."""
 
     model: str
@@ -93,10 +102,47 @@ class TextPart(_Body):
     text: str
 
 
+class ToolCallFunction(_Body):
+    name: str
+    arguments: str
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
+    index: int | None = None
+
+
 class ChatMessage(_Body):
-    role: Literal["system", "user", "assistant"]
-    content: str | list[TextPart] | None  # null only for an assistant message (as in OpenAI)
+    role: Literal["system", "developer", "user", "assistant", "tool"]
+    # null only for an assistant message (as in OpenAI)
+    content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+    reasoning_content: str | None = None  # assistant (SGLang's field)
+
+
+class FunctionDefinition(_Body):
+    name: str = Field(min_length=1, max_length=256)
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+
+class Tool(_Body):
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class NamedFunction(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"] = "function"
+    function: NamedFunction
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -105,12 +151,18 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: Literal["none"] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # SGLang extensions of chat.
+    chat_template_kwargs: dict[str, Any] | None = None
+    separate_reasoning: bool | None = None
+    stream_reasoning: bool | None = None
+    continue_final_message: bool | None = None
+    reasoning_effort: str | None = None
 
 
-class GenerateRequest(_Body):
+class GenerateRequest(_TopLevelBody):
     """SGLang's native `/generate`. Exactly one of `text` / `input_ids`; a list means a batch."""
 
     text: str | list[str] | None = None

@@ -18,12 +18,19 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from sgl_dspark.srt.entrypoints.api_errors import ApiError
+from sgl_dspark.srt.entrypoints.chat_parsers import (
+    DEFAULT_TOOL_PARSER,
+    ReasoningParser,
+    ToolCallParser,
+    thinking_requested,
+)
 from sgl_dspark.srt.entrypoints.logprob_format import chat_logprobs, completion_logprobs
 from sgl_dspark.srt.entrypoints.openai_protocol import (
     ChatCompletionRequest,
@@ -41,6 +48,12 @@ from sgl_dspark.srt.entrypoints.request_group import (
     require_tokenizer,
     sse,
     stream_events,
+)
+from sgl_dspark.srt.entrypoints.sglang_fields import (
+    OPENAI_FIELDS,
+    SAMPLING_EXTENSIONS,
+    check_fields,
+    sampling_dict,
 )
 from sgl_dspark.srt.managers.io_struct import GenerateOutput, GenerateReqInput
 from sgl_dspark.srt.sampling.sampling_params import SamplingParams
@@ -67,8 +80,12 @@ _SAMPLING_FIELDS = (
 )
 
 
-def _common_checks(ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest) -> None:
+def _common_checks(
+    ctx: ServingContext, body: CompletionRequest | ChatCompletionRequest, where: str
+) -> None:
     check_model_name(ctx, body.model)
+    extras = {k: v for k, v in (body.model_extra or {}).items() if k not in SAMPLING_EXTENSIONS}
+    check_fields(extras, OPENAI_FIELDS, where)
 
 
 def _response_format_schema(body: CompletionRequest | ChatCompletionRequest) -> str | None:
@@ -102,6 +119,11 @@ def _sampling_params(
 ) -> SamplingParams:
     values: dict[str, Any] = {"max_new_tokens": max_tokens, "min_new_tokens": body.min_tokens}
     values.update({name: getattr(body, name) for name in _SAMPLING_FIELDS})
+    # SGLang's sampling extensions, under their sampling_params names (neutral values of those
+    # not implemented are dropped; others are refused by SamplingParams, naming them).
+    extras = body.model_extra or {}
+    extensions = {new: extras[old] for old, new in SAMPLING_EXTENSIONS.items() if old in extras}
+    values.update(sampling_dict(extensions, "OpenAI request"))
     schema = _response_format_schema(body)
     if isinstance(body, CompletionRequest) and body.json_schema is not None:
         if schema is not None:
@@ -109,7 +131,8 @@ def _sampling_params(
                 400, "send one of json_schema and response_format", param="response_format"
             )
         schema = body.json_schema
-    values["json_schema"] = schema
+    if schema is not None:
+        values["json_schema"] = schema
     return make_sampling_params(
         {k: v for k, v in values.items() if v is not None}, rename=_OPENAI_NAMES
     )
@@ -179,7 +202,7 @@ def _completion_logprobs(
 
 async def create_completion(ctx: ServingContext, request: Request) -> Response:
     body = await parse_body(request, CompletionRequest)
-    _common_checks(ctx, body)
+    _common_checks(ctx, body, "/v1/completions")
     require_tokenizer(ctx, "/v1/completions")
     n = body.n or 1
     if body.best_of is not None and body.best_of != n:
@@ -288,8 +311,9 @@ def _chat_logprobs(res: SubResult | GenerateOutput, top_n: int) -> list[dict[str
     return chat_logprobs(res.token_ids, res.logprobs, res.top_logprobs, texts, top_n)
 
 
-def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
-    """The template's form of one message; null content only for an assistant message."""
+def _chat_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    """The template's form of one message; null content only for an assistant message. Tool
+    calls, tool call ids, names and reasoning go to the template as the OpenAI fields."""
     content = message.content
     if content is None:
         if message.role != "assistant":
@@ -301,15 +325,94 @@ def _chat_message(index: int, message: ChatMessage) -> dict[str, str]:
         content = ""
     elif not isinstance(content, str):
         content = "".join(part.text for part in content)
-    return {"role": message.role, "content": content}
+    out: dict[str, Any] = {"role": message.role, "content": content}
+    if message.tool_calls:
+        out["tool_calls"] = [call.model_dump(exclude_none=True) for call in message.tool_calls]
+    for name in ("tool_call_id", "name", "reasoning_content"):
+        value = getattr(message, name)
+        if value is not None:
+            out[name] = value
+    return out
+
+
+@dataclass
+class _ChatParsing:
+    """How a chat response's text is split: reasoning (`--reasoning-parser`) and tool calls
+    (`--tool-call-parser`, when the request offers tools)."""
+
+    reasoning: str | None
+    thinking: bool
+    tools: str | None
+
+    def reasoning_parser(self) -> ReasoningParser | None:
+        return None if self.reasoning is None else ReasoningParser(self.reasoning, self.thinking)
+
+    def tool_parser(self) -> ToolCallParser | None:
+        return None if self.tools is None else ToolCallParser(self.tools)
+
+
+def _chat_template_kwargs(
+    ctx: ServingContext, body: ChatCompletionRequest
+) -> tuple[dict[str, Any], _ChatParsing]:
+    kwargs: dict[str, Any] = dict(body.chat_template_kwargs or {})
+    choice = body.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice_name = choice.function.name
+        if not body.tools or choice_name not in {t.function.name for t in body.tools}:
+            raise ApiError(
+                400, f"tool_choice names the unknown tool {choice_name!r}", param="tool_choice"
+            )
+    if body.tools and choice not in (None, "none", "auto"):
+        raise ApiError(
+            400,
+            "tool_choice 'required' or a named function needs constrained decoding of the tool "
+            "call, which this server does not run; use 'auto'",
+            param="tool_choice",
+        )
+    if body.continue_final_message:
+        raise ApiError(
+            400,
+            "continue_final_message is not supported (the prompt always ends with the "
+            "assistant's generation prompt)",
+            param="continue_final_message",
+        )
+    # stream_reasoning=false asks for the reasoning in one piece; streaming it as it comes
+    # changes no text, so it is accepted.
+    use_tools = bool(body.tools) and choice != "none"
+    if use_tools:
+        kwargs["tools"] = [tool.model_dump(exclude_none=True) for tool in body.tools or []]
+    if body.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = body.reasoning_effort
+    tool_parser = None
+    if use_tools:
+        tool_parser = ctx.args.tool_call_parser or DEFAULT_TOOL_PARSER.get(ctx.model_type)
+    reasoning = ctx.args.reasoning_parser if body.separate_reasoning is not False else None
+    return kwargs, _ChatParsing(reasoning, thinking_requested(kwargs), tool_parser)
+
+
+def _split_chat_text(parsing: _ChatParsing, text: str) -> dict[str, Any]:
+    """The assistant message of a whole chat output."""
+    reasoning = None
+    rp = parsing.reasoning_parser()
+    if rp is not None:
+        reasoning, text = rp.feed(text, final=True)
+    message: dict[str, Any] = {"role": "assistant", "content": text}
+    if rp is not None:
+        message["reasoning_content"] = reasoning or None
+    tp = parsing.tool_parser()
+    if tp is not None:
+        parsed = tp.parse(text)
+        if parsed.calls:
+            message["content"] = parsed.content or None
+            message["tool_calls"] = parsed.calls
+    return message
 
 
 async def create_chat_completion(ctx: ServingContext, request: Request) -> Response:
     body = await parse_body(request, ChatCompletionRequest)
-    _common_checks(ctx, body)
+    _common_checks(ctx, body, "/v1/chat/completions")
     require_tokenizer(ctx, "/v1/chat/completions")
-    if body.tools:
-        raise ApiError(400, "tools are not supported", param="tools")
+    template_kwargs, parsing = _chat_template_kwargs(ctx, body)
     if body.top_logprobs is not None and not body.logprobs:
         raise ApiError(400, "top_logprobs requires logprobs=true", param="top_logprobs")
     if (
@@ -337,6 +440,7 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             return_logprob=want_lp,
             top_logprobs_num=top_n,
             fill_context=max_tokens is None,
+            chat_template_kwargs=template_kwargs or None,
         )
         for j in range(n)
     ]
@@ -349,10 +453,13 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
         choices = []
         for i, res in enumerate(results):
             reason, matched = _finish(res)
+            message = _split_chat_text(parsing, res.text)
+            if message.get("tool_calls") and reason == "stop":
+                reason = "tool_calls"
             choices.append(
                 {
                     "index": i,
-                    "message": {"role": "assistant", "content": res.text},
+                    "message": message,
                     "logprobs": {"content": _chat_logprobs(res, top_n)} if want_lp else None,
                     "finish_reason": reason,
                     "matched_stop": matched,
@@ -369,6 +476,8 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
 
     async def events() -> AsyncIterator[str]:
         completion_tokens = [0] * n
+        reasoning_parsers = [parsing.reasoning_parser() for _ in range(n)]
+        tool_parsers = [parsing.tool_parser() for _ in range(n)]
         for i in range(n):
             yield sse(
                 {
@@ -388,9 +497,29 @@ async def create_chat_completion(ctx: ServingContext, request: Request) -> Respo
             if not (out.text or out.finished or (want_lp and out.token_ids)):
                 continue
             reason, matched = _finish(out)
+            delta: dict[str, Any] = {}
+            text = out.text
+            rp, tp = reasoning_parsers[i], tool_parsers[i]
+            if rp is not None:
+                reasoning, text = rp.feed(text, final=out.finished)
+                if reasoning:
+                    delta["reasoning_content"] = reasoning
+            if tp is not None:
+                text = tp.feed(text)
+                if out.finished:
+                    parsed = tp.finish()
+                    text += parsed.content
+                    if parsed.calls:
+                        delta["tool_calls"] = parsed.calls
+                        if reason == "stop":
+                            reason = "tool_calls"
+            if text:
+                delta["content"] = text
+            if not (delta or out.finished or (want_lp and out.token_ids)):
+                continue
             choice: dict[str, Any] = {
                 "index": i,
-                "delta": {"content": out.text} if out.text else {},
+                "delta": delta,
                 "logprobs": {"content": _chat_logprobs(out, top_n)} if want_lp else None,
                 "finish_reason": reason,
             }

@@ -66,6 +66,10 @@ class ServingContext:
     metrics: ServerMetrics
     has_tokenizer: bool
     vocab_size: int
+    # The model's directory: --model-path, or where a built-in model is materialised.
+    model_dir: str | None = None
+    model_type: str = ""
+    architectures: tuple[str, ...] = ()
     active: set[RequestGroup] = field(default_factory=set)  # groups started and not ended
     # Requests refused with 503 (queue full, queue timeout, shutdown): one line per interval.
     refused_log: RateLimitedLog = field(
@@ -244,6 +248,18 @@ class RequestGroup:
             self.abort_unfinished()
             raise
         self.accepted = [by_rid[inp.rid] for inp in self.inputs]
+        if self.ctx.args.log_requests:
+            for inp, acc in zip(self.inputs, self.accepted):
+                params = (
+                    f" {inp.sampling_params.to_dict()}" if self.ctx.args.log_requests_level else ""
+                )
+                logger.info(
+                    "request %s on %s: %d prompt tokens%s",
+                    inp.rid,
+                    self.endpoint,
+                    acc.prompt_tokens,
+                    params,
+                )
         return self.accepted
 
     async def outputs(self) -> AsyncIterator[tuple[int, GenerateOutput]]:
@@ -302,6 +318,14 @@ class RequestGroup:
                 metrics.observe_chunk(now - last, len(out.token_ids))
             self._last_time[out.rid] = now
         if out.finished:
+            if self.ctx.args.log_requests:
+                logger.info(
+                    "request %s finished: %d output tokens, %s, %.3f s",
+                    out.rid,
+                    out.completion_tokens,
+                    out.finish_reason,
+                    now - self._arrival,
+                )
             metrics.observe_finished(out.prompt_tokens, out.completion_tokens, now - self._arrival)
 
 

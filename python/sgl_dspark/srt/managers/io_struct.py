@@ -43,6 +43,8 @@ class GenerateReqInput:
     token_ids_logprob: tuple[int, ...] | None = None
     return_prompt_text: bool = False
     fill_context: bool = False
+    # Extra arguments of the chat template (`tools`, `thinking`, ...), with `messages` only.
+    chat_template_kwargs: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         given = [x is not None for x in (self.text, self.input_ids, self.messages)]

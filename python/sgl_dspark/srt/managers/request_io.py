@@ -94,7 +94,10 @@ class RequestIO:
             return self._tokenizer.encode(inp.text)
         assert inp.messages is not None
         ids = self._tokenizer.apply_chat_template(
-            inp.messages, add_generation_prompt=True, tokenize=True
+            inp.messages,
+            add_generation_prompt=True,
+            tokenize=True,
+            **dict(inp.chat_template_kwargs or {}),
         )
         assert isinstance(ids, list), type(ids)
         return ids

@@ -37,4 +37,5 @@ class TokenizerLike(Protocol):
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        **template_kwargs: Any,
     ) -> str | list[int]: ...

@@ -12,7 +12,10 @@ Vocabulary (512 ids):
 | 7..262   | the bytes 0..255 of the UTF-8 text                                   |
 | 263..511 | reserved: `decode` renders them as nothing                           |
 
-Chat template (`apply_chat_template`): for each message `<|role|>` + content + `"\\n"`, then
+Chat template (`apply_chat_template`, also written as Jinja in `TINY_CHAT_TEMPLATE` for the
+model's `tokenizer_config.json`): with `tools`, first `<|system|>tools: ` + the tools as JSON +
+`"\\n"`; then for each message its role marker + content + `"\\n"` (`developer` messages take
+the system marker, `tool` results the user marker, a null content is empty), then
 `<|assistant|>` when `add_generation_prompt`. The template holds no `<bos>`; `tokenize=True`
 encodes with `add_special_tokens=True`, so the ids start with exactly one `<bos>` either way
 (render then `encode`, or `tokenize=True`).
@@ -23,6 +26,7 @@ tokenizers do for added special tokens); `<mask>` in text is encoded as its byte
 
 from __future__ import annotations
 
+import json
 import operator
 import re
 from collections.abc import Mapping, Sequence
@@ -48,7 +52,29 @@ SPECIAL_TOKENS: dict[int, str] = {
     ASSISTANT_ID: "<|assistant|>",
     SYSTEM_ID: "<|system|>",
 }
-CHAT_ROLES: dict[str, int] = {"system": SYSTEM_ID, "user": USER_ID, "assistant": ASSISTANT_ID}
+CHAT_ROLES: dict[str, int] = {
+    "system": SYSTEM_ID,
+    "developer": SYSTEM_ID,
+    "user": USER_ID,
+    "tool": USER_ID,
+    "assistant": ASSISTANT_ID,
+}
+# `apply_chat_template` as a Hugging Face chat template (Jinja): the same text after `<bos>`
+# (HF templates emit bos themselves and are encoded without special tokens), so the same ids.
+TINY_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if tools %}<|system|>tools: {{ tools | tojson }}{{ '\\n' }}{% endif %}"
+    "{%- for message in messages %}"
+    "{%- if message['role'] in ['system', 'developer'] %}{{ '<|system|>' }}"
+    "{%- elif message['role'] == 'assistant' %}{{ '<|assistant|>' }}"
+    "{%- else %}{{ '<|user|>' }}{% endif %}"
+    "{%- if message['content'] is string %}{{ message['content'] }}"
+    "{%- elif message['content'] %}{% for part in message['content'] %}{{ part['text'] }}"
+    "{%- endfor %}{% endif %}"
+    "{{ '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
 
 # Special strings `encode` recognises in text; longest first so the alternation never stops early.
 _ENCODABLE_SPECIALS = {s: i for i, s in SPECIAL_TOKENS.items() if i != MASK_ID}
@@ -72,6 +98,8 @@ def _message_text(index: int, message: Any) -> tuple[int, str]:
             f"messages[{index}].role must be one of {sorted(CHAT_ROLES)}, got {role!r}"
         )
     content = message.get("content")
+    if content is None:
+        return CHAT_ROLES[role], ""
     if isinstance(content, str):
         return CHAT_ROLES[role], content
     # OpenAI-style list of parts: only text parts are meaningful to a text-only model.
@@ -176,8 +204,11 @@ class ByteTokenizer:
         messages: Sequence[Mapping[str, Any]],
         add_generation_prompt: bool = True,
         tokenize: bool = False,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **template_kwargs: Any,
     ) -> str | list[int]:
-        """Render `messages` with the template in the module doc; ids when `tokenize`.
+        """Render `messages` with the template in the module doc; ids when `tokenize`. Other
+        template arguments (`chat_template_kwargs`) have no effect on this template.
 
         Raises:
             ValueError: a message is not a mapping, has an unknown role, or non-text content.
@@ -185,6 +216,10 @@ class ByteTokenizer:
         if isinstance(messages, (str, bytes)) or not isinstance(messages, Sequence):
             raise ValueError(f"messages must be a list of messages, got {type(messages).__name__}")
         parts = []
+        if tools:
+            parts.append(
+                f"{SPECIAL_TOKENS[SYSTEM_ID]}tools: {json.dumps(list(tools), ensure_ascii=False)}\n"
+            )
         for index, message in enumerate(messages):
             role_id, text = _message_text(index, message)
             parts.append(f"{SPECIAL_TOKENS[role_id]}{text}\n")
