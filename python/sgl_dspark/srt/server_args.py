@@ -27,6 +27,8 @@ KERNEL_BACKEND_CHOICES = ("auto", "torch", "triton")
 VERIFY_POLICY_CHOICES = ("full", "static", "confidence")
 CONFIDENCE_MODE_CHOICES = ("sync", "async")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+WEIGHT_FORMAT_CHOICES = ("auto", "native", "bf16")
+LOAD_FORMAT_CHOICES = ("auto", "dummy")
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
 
 
@@ -82,6 +84,19 @@ class ServerArgs:
         DTYPE_CHOICES,
     )
     random_seed: int = _arg(0, "Seed of the model initialisation (tiny) and of unseeded sampling.")
+    weight_format: str = _arg(
+        "auto",
+        "How quantised checkpoint weights (FP8 block-scaled, MXFP4) live on the device: native "
+        "= as stored, dequantised inside the GEMMs (the torch kernels dequantise per call); "
+        "bf16 = dequantised once at load to --dtype; auto = native on GPU, bf16 on CPU.",
+        WEIGHT_FORMAT_CHOICES,
+    )
+    load_format: str = _arg(
+        "auto",
+        "auto = the checkpoint's safetensors; dummy = seeded random weights generated on the "
+        "device in the checkpoint's declared formats (config.json only; for benchmarks).",
+        LOAD_FORMAT_CHOICES,
+    )
     kernel_backend: str = _arg(
         "auto",
         "Implementation of the fused kernels; auto = triton on GPU, torch on CPU.",
@@ -220,6 +235,9 @@ class ServerArgs:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"
+        weight_format = self.weight_format
+        if weight_format == "auto":
+            weight_format = "bf16" if device == "cpu" else "native"
         kernel_backend = self.kernel_backend
         if kernel_backend == "auto":
             kernel_backend = "torch" if device == "cpu" else "triton"
@@ -233,6 +251,7 @@ class ServerArgs:
             device=device,
             dtype=dtype,
             kernel_backend=kernel_backend,
+            weight_format=weight_format,
             served_model_name=self.served_model_name or self.model_path,
             speculative_algorithm=algo,
         )
@@ -347,6 +366,8 @@ def _validate(a: ServerArgs) -> None:
     _check_choice("--device", a.device, DEVICE_CHOICES)
     _check_choice("--dtype", a.dtype, DTYPE_CHOICES)
     _check_choice("--kernel-backend", a.kernel_backend, KERNEL_BACKEND_CHOICES)
+    _check_choice("--weight-format", a.weight_format, WEIGHT_FORMAT_CHOICES)
+    _check_choice("--load-format", a.load_format, LOAD_FORMAT_CHOICES)
     _check_choice("--attention-backend", a.attention_backend, _attention_backend_choices())
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
 

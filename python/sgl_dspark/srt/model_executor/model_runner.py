@@ -17,33 +17,20 @@ from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
+from sgl_dspark.srt.model_executor.weights import (
+    WEIGHT_FORMATS,
+    WeightFactory,
+    WeightSource,
+    build_on_meta,
+    keeps_fp32,
+    materialise,
+)
 from sgl_dspark.srt.models.base import BaseCausalLM
 from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# Parameters HF keeps in fp32 when the model runs in bf16: mHC, sinks, biases, norms.
-_FP32_PARAM_SUFFIXES = (
-    "attn_hc.fn",
-    "attn_hc.base",
-    "attn_hc.scale",
-    "ffn_hc.fn",
-    "ffn_hc.base",
-    "ffn_hc.scale",
-    "hc_head.hc_fn",
-    "hc_head.hc_base",
-    "hc_head.hc_scale",
-    "sinks",
-    "position_bias",
-    "e_score_correction_bias",
-    "norm.weight",
-)
-
-
-def keeps_fp32(name: str) -> bool:
-    return name.endswith(_FP32_PARAM_SUFFIXES) or "layernorm" in name
 
 
 def _server_default(name: str) -> Any:
@@ -66,6 +53,7 @@ class RunnerConfig:
     kernel_backend: str = "torch"
     kernel_backend_overrides: str | None = _server_default("kernel_backend_overrides")
     mem_fraction_static: float | None = _server_default("mem_fraction_static")
+    weight_format: str = "bf16"  # "native": quantised checkpoint weights stay as stored
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, max_verify_tokens: int) -> RunnerConfig:
@@ -107,9 +95,13 @@ class ModelRunner:
         self,
         model_cfg: ModelConfig,
         rc: RunnerConfig,
-        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        weights: Iterable[tuple[str, WeightSource]] | WeightFactory | None = None,
         model: BaseCausalLM | None = None,
     ) -> None:
+        """`weights`: the model's tensors by name (plain tensors or lazy sources read straight
+        onto the device, `model_executor/weights.py`), or a factory of them for the meta-built
+        model (random weights); the model is then built on the meta device. Without weights,
+        `model` (or a zero-initialised model) is cast and moved to the device."""
         self.model_cfg = model_cfg
         self.rc = rc
         self.device = torch.device(rc.device)
@@ -125,11 +117,19 @@ class ModelRunner:
         self.kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
         entry = model_entry(model_cfg)
         entry.check_runtime(model_cfg, self.kernels, rc.attention_backend)
-        if model is None:
-            model = entry.build_model(model_cfg, self.kernels)
-            if weights is not None:
-                load_weights(model, weights)
-        self.model = cast_model(model, self.dtype).to(self.device).eval()
+        if rc.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {WEIGHT_FORMATS}, got {rc.weight_format!r}"
+            )
+        if model is None and weights is not None:
+            model = build_on_meta(lambda: entry.build_model(model_cfg, self.kernels))
+            if isinstance(weights, WeightFactory):
+                weights = weights.for_model(model)
+            native = rc.weight_format == "native"
+            self.model = materialise(model, weights, self.device, self.dtype, native, "model")
+        else:
+            model = model if model is not None else entry.build_model(model_cfg, self.kernels)
+            self.model = cast_model(model, self.dtype).to(self.device).eval()
         fuse_after_placement(self.model)  # after placement (see fused_linear.py)
         num_pages = max(2, self._kv_tokens(model_cfg) // page + 1)
         self.allocator = PagedTokenAllocator(num_pages, page)

@@ -30,6 +30,7 @@ from sgl_dspark.srt.layers.mhc import (
 )
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import (
     RopeTable,
     RopeTailFn,
@@ -130,6 +131,8 @@ class Attention(nn.Module):
             qr_members.append(idx.q_b_proj)
         self.x_proj = LinearGroup(x_members, kernels)
         self.qr_proj = LinearGroup(qr_members, kernels)
+        mark_quantizable(self.o_a_proj, "weight")
+        mark_quantizable(self.o_b_proj, "weight")
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -178,9 +181,9 @@ class Attention(nn.Module):
             extra_entries=entries,
         )
         og = o.reshape(T, self.groups, -1)
-        wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
+        wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
         z = self.grouped_linear(og, wa).reshape(T, -1)
-        return self.linear(z, self.o_b_proj.weight)
+        return self.linear(z, module_weight(self.o_b_proj))
 
     def _compressed_keys(
         self,
