@@ -31,6 +31,7 @@ from sgl_dspark.kernels.moe.reference import (
 )
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
 from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+from sgl_dspark.srt.layers.quantized import row_slice
 from sgl_dspark.srt.model_loader.quantization import (
     fp8_block_to_runtime,
     mxfp4_to_runtime,
@@ -50,7 +51,7 @@ def quantized(w: torch.Tensor, fmt: str, block: int) -> QuantizedWeight:
         qw = fp8_block_to_runtime(q, s, (block, block))
     else:
         qw = mxfp4_to_runtime(*quantize_mxfp4(w, block), block)
-    return QuantizedWeight(qw.data.to(DEVICE), qw.scale.to(DEVICE), qw.fmt, qw.group)
+    return qw._replace(data=qw.data.to(DEVICE), scale=qw.scale.to(DEVICE))
 
 
 # (format, scale block, M, N, K): partial row/column blocks, K past the kernel's K step.
@@ -94,13 +95,15 @@ def test_quantized_linear_rows_independent_of_m() -> None:
 def test_quantized_grouped_linear(fmt: str, block: int) -> None:
     g = torch.Generator().manual_seed(3)
     groups, rank, k = 4, 40, 160
+    # rank 40: FP8 scale blocks of 32 or 128 rows span two groups.
     w = quantized(torch.randn(groups * rank, k, generator=g) * 0.05, fmt, block)
-    wg = w.split_rows(groups)
     x = torch.randn(3, groups, k, generator=g).to(torch.bfloat16).to(DEVICE)
-    got = quantized_grouped_linear(x, wg)
-    torch.testing.assert_close(got, small_m_grouped_linear_ref(x, wg), **GEMM_TOL[torch.bfloat16])
-    for i in range(groups):  # each group's bits as its own call
-        single = QuantizedWeight(wg.data[i], wg.scale[i], wg.fmt, wg.group)
+    got = quantized_grouped_linear(x, w)
+    torch.testing.assert_close(got, small_m_grouped_linear_ref(x, w), **GEMM_TOL[torch.bfloat16])
+    rows = w.per_row()
+    for i in range(groups):  # each group's bits as its own call on its rows
+        single = row_slice(rows, i * rank, (i + 1) * rank)
+        assert isinstance(single, QuantizedWeight)
         assert torch.equal(got[:, i], quantized_linear(x[:, i].contiguous(), single))
 
 
@@ -110,9 +113,9 @@ def test_quantized_linear_bad_arguments() -> None:
     with pytest.raises(ValueError, match="expected K=32 channels, got 64"):
         quantized_linear(torch.randn(2, 32, dtype=torch.bfloat16, device=DEVICE), w)
     with pytest.raises(ValueError, match="scale must be uint8"):
-        quantized_linear(x, QuantizedWeight(w.data, w.scale[:, :1], "fp8", 32))
+        quantized_linear(x, w._replace(scale=w.scale[:, :1]))
     with pytest.raises(ValueError, match="data must be"):
-        quantized_linear(x, QuantizedWeight(w.data.view(torch.uint8), w.scale, "fp8", 32))
+        quantized_linear(x, w._replace(data=w.data.view(torch.uint8)))
     with pytest.raises(ValueError, match="at most 16 rows"):
         quantized_linear(torch.randn(17, 64, dtype=torch.bfloat16, device=DEVICE), w)
 
@@ -192,11 +195,9 @@ def test_shared_expert_folds_into_quantized_stacks(fmt: str, block: int) -> None
         shared = SharedExpert(d, i, 1.5, kernels).to(DEVICE, torch.bfloat16)
         store_quantized(routed, "gate_up_proj", gate_up)
         store_quantized(routed, "down_proj", down)
-        halves = (
-            QuantizedWeight(shared_gu.data[0, r], shared_gu.scale[0, r], fmt, block)
-            for r in (slice(0, i), slice(i, 2 * i))
-        )
-        for lin, half in zip((shared.gate_proj, shared.up_proj), halves):
+        for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
+            half = row_slice(shared_gu.expert(0), start, start + i)
+            assert isinstance(half, QuantizedWeight)
             store_quantized(lin, "weight", half)
         store_quantized(shared.down_proj, "weight", shared_down.expert(0))
         if backend == "triton":

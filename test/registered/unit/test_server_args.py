@@ -79,6 +79,7 @@ def test_engine_arguments_are_server_args():
             "device",
             "dtype",
             "kernel_backend",
+            "weight_format",
         ):
             assert (
                 getattr(runner_defaults, f.name) == ServerArgs.__dataclass_fields__[f.name].default

@@ -51,10 +51,10 @@ def _quantized_linear_kernel(
     stride_ym,
     stride_xg,
     stride_wg,
-    stride_sg,
     stride_yg,
     FP4: tl.constexpr,
     GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -73,7 +73,9 @@ def _quantized_linear_kernel(
     wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
     x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm
     w_rows = w_ptr + group * stride_wg + offs_n.to(tl.int64) * stride_wn
-    s_rows = s_ptr + group * stride_sg + offs_n.to(tl.int64) * stride_sn
+    # A group's rows are rows group * N + n of the stacked weight (its scale blocks may span
+    # groups).
+    s_rows = s_ptr + ((group * N + offs_n.to(tl.int64)) // SCALE_ROWS) * stride_sn
     acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
     for k0 in range(0, K, BLOCK_K):
         for j in tl.static_range(BLOCK_K // SUB):
@@ -150,36 +152,37 @@ def quantized_linear(
     require(x.stride(1) == 1, f"x needs unit stride along K, got {x.stride()}")
     if k == 0:
         return out.zero_()
-    _launch(x, weight, out, 1, (0, 0, 0, 0))
+    _launch(x, weight, out, 1, (0, 0, 0))
     return out
 
 
 def quantized_grouped_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
     """`small_m_grouped_linear_ref(x, weight)` in one launch: G `quantized_linear`s, each
-    group's bits as its own call.
+    group's bits as its own call of its rows.
 
     Args:
         x: [M, G, K] bf16/fp16/fp32 with unit stride along K; 0 <= M <= MAX_M.
-        weight: `QuantizedWeight` [G, N, K].
+        weight: `QuantizedWeight` [G * N, K], contiguous rows (group g's weight is rows
+            [g * N, (g + 1) * N); its scale blocks may span groups).
     Returns:
         [M, G, N] contiguous in x's dtype.
     """
     require(
-        x.dim() == 3 and weight.data.dim() == 3 and x.shape[1] == weight.data.shape[0],
-        f"x must be [M, G, K] and weight [G, N, K], got {tuple(x.shape)} and {weight.shape}",
+        x.dim() == 3 and weight.data.dim() == 2 and weight.shape[0] % max(x.shape[1], 1) == 0,
+        f"x must be [M, G, K] and weight [G * N, K], got {tuple(x.shape)} and {weight.shape}",
     )
     m, groups, k = x.shape
     _check(x, weight, k)
     require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
-    n = weight.shape[1]
+    n = weight.shape[0] // max(groups, 1)
     out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or groups == 0:
         return out
     require(x.stride(2) == 1, f"x needs unit stride along K, got {x.stride()}")
     if k == 0:
         return out.zero_()
-    first = QuantizedWeight(weight.data[0], weight.scale[0], weight.fmt, weight.group)
-    strides = (x.stride(1), weight.data.stride(0), weight.scale.stride(0), out.stride(1))
+    first = weight._replace(data=weight.data[:n])
+    strides = (x.stride(1), n * weight.data.stride(0), out.stride(1))
     _launch(x[:, 0], first, out[:, 0], groups, strides)
     return out
 
@@ -189,7 +192,7 @@ def _launch(
     weight: QuantizedWeight,
     out: torch.Tensor,
     groups: int,
-    group_strides: tuple[int, int, int, int],
+    group_strides: tuple[int, int, int],
 ) -> None:
     """One launch over (column blocks, groups); x / weight / out are a group's first views."""
     (m, k), n = x.shape, weight.data.shape[0]
@@ -209,6 +212,7 @@ def _launch(
         *group_strides,
         FP4=weight.fmt == "mxfp4",
         GROUP=weight.group,
+        SCALE_ROWS=weight.block_rows,
         BLOCK_M=_BLOCK_M,
         SUB=chunk_channels(weight.group, meta["BLOCK_K"]),
         ROUND_BF16=x.dtype == torch.bfloat16,

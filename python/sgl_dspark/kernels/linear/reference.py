@@ -9,15 +9,15 @@ Quantised weights (`QuantizedWeight`), as the engine keeps them on the device:
 * "fp8": `data` float8_e4m3fn `[..., N, K]`;
 * "mxfp4": `data` uint8 `[..., N, K / 2]`, element 2j in the low nibble and 2j + 1 in the high
   nibble of byte j, each an E2M1 code (bit 3 the sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6);
-* `scale`: uint8 `[..., N, ceil(K / group)]` E8M0 exponent bytes e (1..254), one per row and
-  `group` input channels: `W[.., n, k] = value(data[.., n, k]) * 2^(e[.., n, k // group] - 127)`.
-Checkpoints store FP8 block scales per (rows, channels) block; the loader repeats them per row,
-so every format has one scale per (row, channel group). A row-block of the checkpoint becomes
-`block_rows` equal rows here (N / 128 of the weight's bytes in the 128 x 128 case), which lets
-projections that read one input be stacked along N whatever their row counts, and a kernel
-read one scale per output column. Every dequantised value is exact in bf16 (an FP8 or E2M1 value
-times a power of two), so a weight dequantised once at load and one dequantised in a kernel are
-the same numbers.
+* `scale`: uint8 `[..., ceil(N / block_rows), ceil(K / group)]` E8M0 exponent bytes e
+  (1..254), one per block of `block_rows` rows and `group` input channels:
+  `W[.., n, k] = value(data[.., n, k]) * 2^(e[.., n // block_rows, k // group] - 127)`.
+  FP8 checkpoints declare (block_rows, group) blocks (128 x 128 for V4, 32 x 32 for V4.1);
+  MXFP4 has block_rows 1 and group 32. Weights stacked along N (the projections of one input,
+  `layers/fused_linear.py`) keep their blocks when every member's rows fill whole blocks, else
+  the stack's scales are repeated per row (block_rows 1).
+Every dequantised value is exact in bf16 (an FP8 or E2M1 value times a power of two), so a
+weight dequantised once at load and one dequantised in a kernel are the same numbers.
 """
 
 from __future__ import annotations
@@ -51,12 +51,13 @@ E2M1_VALUES = (
 
 class QuantizedWeight(NamedTuple):
     """A weight kept in its stored format (module doc): `data`, `scale`, `fmt` ("fp8" or
-    "mxfp4") and `group` (input channels per scale)."""
+    "mxfp4"), `group` (input channels per scale) and `block_rows` (rows per scale)."""
 
     data: torch.Tensor
     scale: torch.Tensor
     fmt: str
     group: int
+    block_rows: int = 1
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -70,17 +71,15 @@ class QuantizedWeight(NamedTuple):
 
     def expert(self, index: int) -> QuantizedWeight:
         """The `index`-th matrix of a stacked weight `[E, N, K]`."""
-        return QuantizedWeight(self.data[index], self.scale[index], self.fmt, self.group)
+        return self._replace(data=self.data[index], scale=self.scale[index])
 
-    def split_rows(self, groups: int) -> QuantizedWeight:
-        """`[G * R, K]` -> `[G, R, K]` views (the grouped output projection)."""
+    def per_row(self) -> QuantizedWeight:
+        """The same weight with one scale row per row (block_rows 1)."""
+        if self.block_rows == 1:
+            return self
         n = self.data.shape[-2]
-        return QuantizedWeight(
-            self.data.view(groups, n // groups, self.data.shape[-1]),
-            self.scale.view(groups, n // groups, self.scale.shape[-1]),
-            self.fmt,
-            self.group,
-        )
+        scale = self.scale.repeat_interleave(self.block_rows, dim=-2)[..., :n, :]
+        return self._replace(scale=scale.contiguous(), block_rows=1)
 
 
 def check_quantized_weight(w: QuantizedWeight, name: str = "weight") -> None:
@@ -92,8 +91,10 @@ def check_quantized_weight(w: QuantizedWeight, name: str = "weight") -> None:
         raise ValueError(f"{name}: {w.fmt} data must be {want}, got {w.data.dtype}")
     if w.group < 1 or w.group & (w.group - 1):
         raise ValueError(f"{name}: scale group must be a power of two, got {w.group}")
-    k = w.shape[-1]
-    expected = (*w.data.shape[:-1], -(-k // w.group))
+    if w.block_rows < 1:
+        raise ValueError(f"{name}: block_rows must be >= 1, got {w.block_rows}")
+    *lead, n, _ = w.shape
+    expected = (*lead, -(-n // w.block_rows), -(-w.shape[-1] // w.group))
     if w.scale.dtype != torch.uint8 or tuple(w.scale.shape) != expected:
         raise ValueError(
             f"{name}: scale must be uint8 {list(expected)}, got {w.scale.dtype} "
@@ -117,8 +118,9 @@ def dequantize_weight_ref(w: QuantizedWeight, dtype: torch.dtype) -> torch.Tenso
     """The weight `[..., N, K]` in `dtype` (exact: each value is a stored value times a power of
     two)."""
     values = w.data.to(torch.float32) if w.fmt == "fp8" else e2m1_values_ref(w.data)
-    k = values.shape[-1]
+    n, k = values.shape[-2:]
     multipliers = e8m0_to_float_ref(w.scale).repeat_interleave(w.group, dim=-1)[..., :k]
+    multipliers = multipliers.repeat_interleave(w.block_rows, dim=-2)[..., :n, :]
     return (values * multipliers).to(dtype)
 
 
@@ -136,7 +138,9 @@ def small_m_grouped_linear_ref(
     x: torch.Tensor, weight: torch.Tensor | QuantizedWeight
 ) -> torch.Tensor:
     """`y[:, g] = x[:, g] @ weight[g]^T` accumulated in fp32, rounded once to x's dtype.
-    x [M, G, K], weight [G, N, K] of x's dtype (or quantised). Returns [M, G, N]."""
+    x [M, G, K], weight [G, N, K] of x's dtype, or quantised [G * N, K] (its scale blocks may
+    span groups). Returns [M, G, N]."""
     if isinstance(weight, QuantizedWeight):
-        weight = dequantize_weight_ref(weight, x.dtype)
+        dense = dequantize_weight_ref(weight, x.dtype)
+        weight = dense.view(x.shape[1], dense.shape[0] // x.shape[1], dense.shape[1])
     return torch.einsum("mgk,gnk->mgn", x.float(), weight.float()).to(x.dtype)

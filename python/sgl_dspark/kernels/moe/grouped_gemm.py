@@ -173,6 +173,7 @@ def _moe_grouped_gemm_kernel(
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
     GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
     SUB: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
     TILE_MAJOR: tl.constexpr,
@@ -215,7 +216,7 @@ def _moe_grouped_gemm_kernel(
         live,
         w_ptr + expert * stride_we + w_rows * stride_wn,
         col_ok,
-        s_ptr + expert * stride_se + w_rows * stride_sn,
+        s_ptr + expert * stride_se + (w_rows // SCALE_ROWS) * stride_sn,
         k_dim,
         BLOCK_M,
         BLOCK_N,
@@ -264,6 +265,7 @@ def expert_weight_args(weight: ExpertWeight, block_k: int) -> dict:
             "QUANT": True,
             "FP4": weight.fmt == "mxfp4",
             "GROUP": weight.group,
+            "SCALE_ROWS": weight.block_rows,
             "SUB": chunk_channels(weight.group, block_k),
         }
     return {
@@ -273,6 +275,7 @@ def expert_weight_args(weight: ExpertWeight, block_k: int) -> dict:
         "QUANT": False,
         "FP4": False,
         "GROUP": 1,
+        "SCALE_ROWS": 1,
         "SUB": block_k,
     }
 

@@ -85,8 +85,9 @@ GroupedLinearFn = Callable[[torch.Tensor, WeightLike], torch.Tensor]
 
 
 def _grouped_linear_torch(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
-    if isinstance(weight, QuantizedWeight):
-        weight = dequantize_weight_ref(weight, x.dtype)
+    if isinstance(weight, QuantizedWeight):  # [G * N, K], dequantised for this call
+        dense = dequantize_weight_ref(weight, x.dtype)
+        weight = dense.view(x.shape[1], dense.shape[0] // x.shape[1], dense.shape[1])
     return torch.einsum("mgk,gnk->mgn", x, weight)
 
 

@@ -41,8 +41,12 @@ def store_quantized(module: nn.Module, name: str, weight: QuantizedWeight) -> No
     check_quantized_weight(weight, name)
     setattr(module, name, nn.Parameter(weight.data, requires_grad=False))
     setattr(module, f"{name}_scale", nn.Parameter(weight.scale, requires_grad=False))
+    _record_format(module, name, weight)
+
+
+def _record_format(module: nn.Module, name: str, weight: QuantizedWeight) -> None:
     formats = dict(getattr(module, _FORMATS, {}))
-    formats[name] = (weight.fmt, weight.group)
+    formats[name] = (weight.fmt, weight.group, weight.block_rows)
     object.__setattr__(module, _FORMATS, formats)
 
 
@@ -68,6 +72,7 @@ def replace_weight(module: nn.Module, name: str, weight: WeightLike) -> None:
         assert is_quantized(module, name), name
         param.data = weight.data
         getattr(module, f"{name}_scale").data = weight.scale
+        _record_format(module, name, weight)
     else:
         assert not is_quantized(module, name), name
         param.data = weight
@@ -75,53 +80,71 @@ def replace_weight(module: nn.Module, name: str, weight: WeightLike) -> None:
 
 def weight_kind(weight: WeightLike) -> tuple[object, ...]:
     """Weights of one kind can be stacked into one tensor: dtype and device for plain tensors,
-    format, group and device for quantised ones."""
+    format, scale group and device for quantised ones."""
     if isinstance(weight, QuantizedWeight):
         return ("quantized", weight.fmt, weight.group, weight.data.device)
     return ("plain", weight.dtype, weight.device)
 
 
 def cat_weights(weights: list[WeightLike], dim: int) -> WeightLike:
-    """Weights of one kind stacked along `dim` (rows: -2, experts: 0)."""
+    """Weights of one kind stacked along `dim` (rows: -2, experts: 0). Quantised rows keep their
+    scale blocks when every member but the last fills whole blocks, else the stack has one
+    scale row per row."""
     first = weights[0]
-    if isinstance(first, QuantizedWeight):
-        qs = [w for w in weights if isinstance(w, QuantizedWeight)]
-        return QuantizedWeight(
-            torch.cat([w.data for w in qs], dim=dim),
-            torch.cat([w.scale for w in qs], dim=dim),
-            first.fmt,
-            first.group,
-        )
-    return torch.cat([w for w in weights if isinstance(w, torch.Tensor)], dim=dim)
+    if not isinstance(first, QuantizedWeight):
+        return torch.cat([w for w in weights if isinstance(w, torch.Tensor)], dim=dim)
+    qs = [w for w in weights if isinstance(w, QuantizedWeight)]
+    rows = {w.block_rows for w in qs}
+    whole = all(w.data.shape[-2] % w.block_rows == 0 for w in qs[:-1]) if dim == -2 else True
+    if len(rows) > 1 or not whole:
+        qs = [w.per_row() for w in qs]
+    return qs[0]._replace(
+        data=torch.cat([w.data for w in qs], dim=dim),
+        scale=torch.cat([w.scale for w in qs], dim=dim),
+    )
+
+
+def row_slice(weight: WeightLike, start: int, stop: int) -> WeightLike:
+    """Rows [start, stop) as a view (`start` on a scale-block boundary)."""
+    if not isinstance(weight, QuantizedWeight):
+        return weight[..., start:stop, :]
+    bo = weight.block_rows
+    assert start % bo == 0, (start, bo)
+    return weight._replace(
+        data=weight.data[..., start:stop, :],
+        scale=weight.scale[..., start // bo : -(-stop // bo), :],
+    )
 
 
 def split_rows(weight: WeightLike, sizes: list[int]) -> list[WeightLike]:
-    """Row blocks (dim -2) of a weight, as views."""
-    if isinstance(weight, QuantizedWeight):
-        datas = weight.data.split(sizes, dim=-2)
-        scales = weight.scale.split(sizes, dim=-2)
-        return [QuantizedWeight(d, s, weight.fmt, weight.group) for d, s in zip(datas, scales)]
-    return list(weight.split(sizes, dim=-2))
+    """Row blocks (dim -2) of a stacked weight, as views."""
+    out, start = [], 0
+    for size in sizes:
+        out.append(row_slice(weight, start, start + size))
+        start += size
+    return out
 
 
 def index_weight(weight: WeightLike, index: int | slice) -> WeightLike:
     """`weight[index]` along the leading (expert) dim, as a view."""
     if isinstance(weight, QuantizedWeight):
-        return QuantizedWeight(weight.data[index], weight.scale[index], weight.fmt, weight.group)
+        return weight._replace(data=weight.data[index], scale=weight.scale[index])
     return weight[index]
 
 
 def unsqueeze_weight(weight: WeightLike) -> WeightLike:
     """A leading dim of one (one matrix as a stack of one expert)."""
     if isinstance(weight, QuantizedWeight):
-        return QuantizedWeight(weight.data[None], weight.scale[None], weight.fmt, weight.group)
+        return weight._replace(data=weight.data[None], scale=weight.scale[None])
     return weight[None]
 
 
 def split_rows_into_groups(weight: WeightLike, groups: int) -> WeightLike:
-    """`[G * R, K]` -> `[G, R, K]` views (the grouped output projection's weight)."""
+    """The grouped output projection's weight: `[G * R, K]` -> `[G, R, K]` views when plain; a
+    quantised weight stays `[G * R, K]` (its scale blocks may span groups), which the grouped
+    linear takes as it is."""
     if isinstance(weight, QuantizedWeight):
-        return weight.split_rows(groups)
+        return weight
     return weight.view(groups, weight.shape[0] // groups, -1)
 
 

@@ -40,7 +40,7 @@ def _server_default(name: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """What the runner needs of the server args (`from_server_args`), with their defaults;
-    device, dtype and kernel backend are resolved values (ServerArgs' "auto" on a CPU)."""
+    device, dtype, kernel backend and weight format are resolved values (ServerArgs' "auto" on a CPU)."""
 
     device: str = "cpu"
     dtype: str = "float32"

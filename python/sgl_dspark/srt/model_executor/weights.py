@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import logging
 import time
-from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable
-from typing import Protocol, TypeVar
+from collections.abc import Callable, Iterable, Sized
+from typing import TypeVar
 
 import torch
 from torch import nn
 from tqdm import tqdm
 
-from sgl_dspark.kernels.linear.reference import QuantizedWeight
 from sgl_dspark.srt.layers.quantized import quantizable, store_quantized
+from sgl_dspark.srt.model_loader.sources import LazyTensor, WeightFactory, WeightSource
 
 logger = logging.getLogger(__name__)
 
@@ -61,29 +60,9 @@ def keeps_fp32(name: str) -> bool:
     return name.endswith(_FP32_PARAM_SUFFIXES) or "layernorm" in name
 
 
-class LazyTensor(Protocol):
-    """A weight source read on demand (`CheckpointTensor`, `DummyTensor`)."""
-
-    shape: tuple[int, ...]
-    fmt: str | None  # the stored quantised format ("fp8" / "fp4"), None when plain
-    nbytes: int
-
-    def dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor: ...
-
-    def quantized(self, device: torch.device | str) -> QuantizedWeight: ...
-
-
-WeightSource = torch.Tensor | LazyTensor
 # The runner's weight formats: "native" keeps quantised sources as stored where the module allows
 # it, "bf16" dequantises every tensor to the runtime dtype (named after the usual one).
 WEIGHT_FORMATS = ("native", "bf16")
-
-
-class WeightFactory(ABC):
-    """Weights that depend on the built model (random weights of its shapes)."""
-
-    @abstractmethod
-    def for_model(self, model: nn.Module) -> Iterable[tuple[str, WeightSource]]: ...
 
 
 def build_on_meta(build: Callable[[], ModuleT]) -> ModuleT:
@@ -119,7 +98,7 @@ def materialise(
     targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if k in model.state_dict()})
     seen: set[str] = set()
-    total = len(weights) if hasattr(weights, "__len__") else None
+    total = len(weights) if isinstance(weights, Sized) else None
     bar = tqdm(
         weights,
         total=total,

@@ -255,6 +255,14 @@ def _part_rows(item: LoadItem, index: int, rows: int) -> tuple[int | None, slice
     return index, slice(None)
 
 
+def _scale_rows(rows: slice, count: int, block_rows: int) -> slice:
+    """The scale rows of a part whose weight rows are `rows` (its first row starts a block)."""
+    if rows.start is None:
+        return slice(None)
+    start = rows.start // block_rows
+    return slice(start, start + count)
+
+
 class CheckpointTensor:
     """One model tensor of an open checkpoint, read part by part straight onto a device when
     asked: `dense(device, dtype)` dequantised, or `quantized(device)` kept as stored (FP8 /
@@ -276,7 +284,7 @@ class CheckpointTensor:
         formats = {(p.fmt, p.block) for p in item.parts}
         fmt, block = next(iter(formats))
         # The stored format when every part shares it (FP8 with one block, MXFP4 with one group).
-        self.fmt = fmt if len(formats) == 1 and fmt in ("fp8", "fp4") else None
+        self.fmt: str | None = fmt if len(formats) == 1 and fmt in ("fp8", "fp4") else None
         self._block = block
         self.nbytes = sum(
             math.prod(infos[name].shape) * _DTYPE_BYTES.get(infos[name].dtype, 1)
@@ -311,6 +319,9 @@ class CheckpointTensor:
         if self.fmt is None:
             raise ValueError(f"{self.item.hf_name!r} is not stored in one quantised format")
         rows = self.part_shape[0]
+        block_rows = self._block[0] if self.fmt == "fp8" else 1
+        if len(self.item.parts) > 1 and rows % block_rows:
+            block_rows = 1  # the parts' blocks do not tile the stack: one scale row per row
         data = scale = None
         for i, part in enumerate(self.item.parts):
             assert part.scale is not None
@@ -321,19 +332,24 @@ class CheckpointTensor:
                 qw = fp8_block_to_runtime(stored, stored_scale, part.block, what)
             else:
                 qw = mxfp4_to_runtime(stored, stored_scale, part.block[1], what)
+            if block_rows == 1:
+                qw = qw.per_row()
             if data is None or scale is None:
-                lead = self.shape[:-2]
+                lead, n = self.shape[:-2], self.shape[-2]
                 data = torch.empty(
-                    (*lead, self.shape[-2], qw.data.shape[-1]), dtype=qw.data.dtype, device=device
+                    (*lead, n, qw.data.shape[-1]), dtype=qw.data.dtype, device=device
                 )
+                scale_rows = -(-n // block_rows)
                 scale = torch.empty(
-                    (*lead, self.shape[-2], qw.scale.shape[-1]), dtype=torch.uint8, device=device
+                    (*lead, scale_rows, qw.scale.shape[-1]), dtype=torch.uint8, device=device
                 )
             expert, row_slice = _part_rows(self.item, i, rows)
-            for out, src in ((data, qw.data), (scale, qw.scale)):
-                (out if expert is None else out[expert])[row_slice].copy_(src)
+            (data if expert is None else data[expert])[row_slice].copy_(qw.data)
+            scale_slice = _scale_rows(row_slice, qw.scale.shape[-2], block_rows)
+            (scale if expert is None else scale[expert])[scale_slice].copy_(qw.scale)
         assert data is not None and scale is not None
-        return QuantizedWeight(data, scale, "fp8" if self.fmt == "fp8" else "mxfp4", self._block[1])
+        fmt = "fp8" if self.fmt == "fp8" else "mxfp4"
+        return QuantizedWeight(data, scale, fmt, self._block[1], block_rows)
 
 
 class CheckpointWeights:

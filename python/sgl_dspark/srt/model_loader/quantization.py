@@ -248,9 +248,9 @@ def e8m0_bytes(scale: torch.Tensor, what: str) -> torch.Tensor:
 def fp8_block_to_runtime(
     weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], what: str = "weight"
 ) -> QuantizedWeight:
-    """FP8 with `block = (rows, cols)` scales -> the runtime layout (one scale per row and `cols`
-    input channels; `kernels/linear/reference.py`). The block's columns must be a power of two
-    of at least 16 (a matrix-unit K step)."""
+    """FP8 with `block = (rows, cols)` scales -> the runtime layout (`kernels/linear/
+    reference.py`: the same blocks, E8M0 bytes). The block's columns must be a power of two of
+    at least 16 (a matrix-unit K step)."""
     rows, cols = block
     if cols < 16 or cols & (cols - 1):
         raise ValueError(
@@ -260,8 +260,8 @@ def fp8_block_to_runtime(
     expected = fp8_block_scale_shape(weight.shape, block)
     if tuple(scale.shape) != expected:
         raise ValueError(f"{what}: FP8 scale shape {tuple(scale.shape)}, expected {expected}")
-    per_row = e8m0_bytes(scale, what).repeat_interleave(rows, dim=-2)[..., : weight.shape[-2], :]
-    return QuantizedWeight(weight.contiguous(), per_row.contiguous(), "fp8", cols)
+    scale_bytes = e8m0_bytes(scale, what).contiguous()
+    return QuantizedWeight(weight.contiguous(), scale_bytes, "fp8", cols, rows)
 
 
 def mxfp4_to_runtime(

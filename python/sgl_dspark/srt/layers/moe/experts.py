@@ -46,6 +46,7 @@ from sgl_dspark.srt.layers.quantized import (
     mark_quantizable,
     module_weight,
     replace_weight,
+    row_slice,
     unsqueeze_weight,
     weight_kind,
     weight_ptr,
@@ -151,8 +152,8 @@ class RoutedExperts(nn.Module):
         replace_weight(self, "gate_up_proj", index_weight(gate_up, slice(0, e)))
         replace_weight(self, "down_proj", index_weight(down_all, slice(0, e)))
         shared_stack = index_weight(gate_up, e)
-        for lin, rows in ((shared.gate_proj, slice(0, i)), (shared.up_proj, slice(i, 2 * i))):
-            replace_weight(lin, "weight", _rows(shared_stack, rows))
+        for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
+            replace_weight(lin, "weight", row_slice(shared_stack, start, start + i))
         replace_weight(shared.down_proj, "weight", index_weight(down_all, e))
         shared.gate_up.restack(shared_stack)  # its group stays fused (the members are views)
         mask = torch.ones(e + 1, dtype=torch.int32, device="cpu")
@@ -248,12 +249,6 @@ def _expert(weight: WeightLike, e: int, dtype: torch.dtype) -> torch.Tensor:
     """Expert e's matrix in `dtype` (dequantised for this call when stored quantised)."""
     w = index_weight(weight, e)
     return dequantize_weight_ref(w, dtype) if isinstance(w, QuantizedWeight) else w
-
-
-def _rows(weight: WeightLike, rows: slice) -> WeightLike:
-    if isinstance(weight, QuantizedWeight):
-        return QuantizedWeight(weight.data[rows], weight.scale[rows], weight.fmt, weight.group)
-    return weight[rows]
 
 
 class SharedExpert(nn.Module):
