@@ -15,6 +15,7 @@ expert fold into the experts' stacks).
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -113,9 +114,11 @@ def test_triton_native_same_tokens(checkpoint: tuple[Path, str]) -> None:
         torch.testing.assert_close(a, b, **LOGITS_TOL)
 
 
-def test_parameter_bytes(checkpoint: tuple[Path, str]) -> None:
+def test_parameter_bytes(checkpoint: tuple[Path, str], caplog: pytest.LogCaptureFixture) -> None:
     path, expert_dtype = checkpoint
-    model = _runner(path, "native").model
+    with caplog.at_level(logging.INFO, logger="sgl_dspark.srt.model_executor"):
+        runner = _runner(path, "native")
+    model = runner.model
     packed = {"experts": [0, 0], "dense": [0, 0]}  # [stored bytes, bf16 bytes]
     for module in model.modules():
         for name in ("weight", "gate_up_proj", "down_proj"):
@@ -130,6 +133,14 @@ def test_parameter_bytes(checkpoint: tuple[Path, str]) -> None:
     assert experts <= (0.27 if expert_dtype == "fp4" else 0.51), experts
     report = load_report(model)
     assert report["experts"] > 0 and report["dense"] > 0 and report["embeddings"] > 0
+    # The routed experts as stored: their packed bytes and scales, nothing dequantised beside.
+    assert report["experts"] == packed["experts"][0], (report, packed)
+    # The runner logs what the device holds by kind, the KV pool included.
+    assert runner.memory_report == {**report, "kv": runner.memory_report["kv"]}
+    assert runner.memory_report["kv"] > 0
+    line = next(r.getMessage() for r in caplog.records if "device memory" in r.getMessage())
+    for kind in ("dense", "experts", "embeddings", "kv"):
+        assert f"{kind} " in line, line
 
 
 def test_load_peak_host_memory(tmp_path: Path) -> None:

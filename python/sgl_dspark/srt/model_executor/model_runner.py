@@ -23,6 +23,7 @@ from sgl_dspark.srt.model_executor.weights import (
     WeightSource,
     build_on_meta,
     keeps_fp32,
+    load_report,
     materialise,
 )
 from sgl_dspark.srt.models.base import BaseCausalLM
@@ -153,11 +154,15 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._tap_stream = torch.cuda.Stream(self.device)
         self._taps_pending: tuple[object, ...] | None = None
+        kv_bytes = num_pages * page * entry.kv_bytes_per_token(model_cfg, self.dtype)
+        logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page, kv_bytes / 2**20)
+        # What this device holds, by kind (weights as loaded: native or dequantised).
+        self.memory_report = {**load_report(self.model), "kv": int(kv_bytes)}
         logger.info(
-            "KV pool: %d pages x %d tokens, %.1f MiB",
-            num_pages,
-            page,
-            num_pages * page * entry.kv_bytes_per_token(model_cfg, self.dtype) / 2**20,
+            "device memory on %s (%s weights): %s",
+            self.device,
+            rc.weight_format,
+            ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in self.memory_report.items()),
         )
 
     def _kv_tokens(self, cfg: ModelConfig) -> int:
