@@ -29,6 +29,7 @@ CONFIDENCE_MODE_CHOICES = ("sync", "async")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 WEIGHT_FORMAT_CHOICES = ("auto", "native", "bf16")
 LOAD_FORMAT_CHOICES = ("auto", "dummy")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "bfloat16")
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
 
 
@@ -90,6 +91,13 @@ class ServerArgs:
         "= as stored, dequantised inside the GEMMs (the torch kernels dequantise per call); "
         "bf16 = dequantised once at load to --dtype; auto = native on GPU, bf16 on CPU.",
         WEIGHT_FORMAT_CHOICES,
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "Storage of the window KV cache: auto = --dtype; fp8_e4m3 = E4M3 (stored saturated, "
+        "read back exactly and attended in --dtype); bfloat16. DeepSeek-V4.1 keeps its "
+        "window FP8 by definition (auto or fp8_e4m3).",
+        KV_CACHE_DTYPE_CHOICES,
     )
     load_format: str = _arg(
         "auto",
@@ -368,6 +376,7 @@ def _validate(a: ServerArgs) -> None:
     _check_choice("--kernel-backend", a.kernel_backend, KERNEL_BACKEND_CHOICES)
     _check_choice("--weight-format", a.weight_format, WEIGHT_FORMAT_CHOICES)
     _check_choice("--load-format", a.load_format, LOAD_FORMAT_CHOICES)
+    _check_choice("--kv-cache-dtype", a.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
     _check_choice("--attention-backend", a.attention_backend, _attention_backend_choices())
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
 

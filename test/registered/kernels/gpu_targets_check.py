@@ -340,6 +340,27 @@ def _split_attention_inverse_rope() -> Callable[[], object]:
     )
 
 
+def _fp8_window_attention() -> Callable[[], object]:
+    from sgl_dspark.kernels.attention.window_sparse import window_sparse_attention
+
+    # DeepSeek-V4-Flash decode (64 heads of 512, window 128) on an FP8 window cache
+    # (--kv-cache-dtype fp8_e4m3), with selected compressed entries.
+    window = torch.zeros(300, 512, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return lambda: window_sparse_attention(
+        _bf16(2, 64, 512),
+        window,
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(2, 256, dtype=torch.int64),
+        128,
+        torch.zeros(64),
+        512**-0.5,
+        _bf16(64, 512),
+        torch.ones(2, 16, dtype=torch.bool),
+        extra_slots=torch.zeros(2, 16, dtype=torch.int64),
+    )
+
+
 def _grouped_gemm() -> Callable[[], object]:
     from sgl_dspark.kernels.moe.grouped_gemm import moe_grouped_gemm
 
@@ -505,6 +526,11 @@ CASES = {
         "attention.window_sparse",
         "_merge_attention_splits_kernel",
         _split_attention_inverse_rope(),
+    ),
+    "attention_fp8_window": (
+        "attention.window_sparse",
+        "_window_sparse_attention_kernel",
+        _fp8_window_attention(),
     ),
     "draft_attention_b32": ("attention.draft", "_draft_attention_kernel", _draft_attention(32, 64)),
     "moe_grouped_gemm": ("moe.grouped_gemm", "_moe_grouped_gemm_kernel", _grouped_gemm()),

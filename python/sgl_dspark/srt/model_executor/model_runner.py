@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -55,6 +56,7 @@ class RunnerConfig:
     kernel_backend_overrides: str | None = _server_default("kernel_backend_overrides")
     mem_fraction_static: float | None = _server_default("mem_fraction_static")
     weight_format: str = "bf16"  # "native": quantised checkpoint weights stay as stored
+    kv_cache_dtype: str = _server_default("kv_cache_dtype")
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, max_verify_tokens: int) -> RunnerConfig:
@@ -84,6 +86,31 @@ def resolve_dtype(name: str) -> torch.dtype:
     if name not in table:
         raise ValueError(f"dtype {name!r} not supported; choose from {sorted(table)}")
     return table[name]
+
+
+# --kv-cache-dtype -> the window KV's storage dtype (None: the runtime dtype).
+_KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _window_kv_dtype(choice: str, fixed: str | None) -> torch.dtype | None:
+    """The window KV dtype the pool is built with for `--kv-cache-dtype choice`; None where the
+    pool decides (the runtime dtype, or a model whose window storage is `fixed`)."""
+    if choice not in _KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {choice!r}"
+        )
+    if fixed is not None:
+        if choice not in ("auto", fixed):
+            raise ValueError(
+                f"--kv-cache-dtype {choice!r}: this model stores its window KV as {fixed} by "
+                f"definition (use auto or {fixed})"
+            )
+        return None
+    return _KV_CACHE_DTYPES[choice]
 
 
 def default_page_size(cfg: ModelConfig) -> int:
@@ -132,7 +159,13 @@ class ModelRunner:
             model = model if model is not None else entry.build_model(model_cfg, self.kernels)
             self.model = cast_model(model, self.dtype).to(self.device).eval()
         fuse_after_placement(self.model)  # after placement (see fused_linear.py)
-        num_pages = max(2, self._kv_tokens(model_cfg) // page + 1)
+        window = _window_kv_dtype(rc.kv_cache_dtype, entry.fixed_kv_cache_dtype)
+        self.window_kv_dtype = self.dtype if window is None else window
+        kv_options = {} if window is None else {"window_dtype": window}
+        self._kv_bytes_per_token = functools.partial(
+            entry.kv_bytes_per_token, model_cfg, self.dtype, **kv_options
+        )
+        num_pages = max(2, self._kv_tokens() // page + 1)
         self.allocator = PagedTokenAllocator(num_pages, page)
         self.req_pool = ReqToTokenPool(
             rc.max_running_requests, rc.context_length, self.allocator, self.device
@@ -144,6 +177,7 @@ class ModelRunner:
             rc.max_verify_tokens,
             self.dtype,
             self.device,
+            **kv_options,
         )
         self.attn_backend = create_attention_backend(rc.attention_backend)
         # cos/sin of every position a request can reach, built before any graph is captured.
@@ -154,7 +188,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._tap_stream = torch.cuda.Stream(self.device)
         self._taps_pending: tuple[object, ...] | None = None
-        kv_bytes = num_pages * page * entry.kv_bytes_per_token(model_cfg, self.dtype)
+        kv_bytes = num_pages * page * self._kv_bytes_per_token()
         logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page, kv_bytes / 2**20)
         # What this device holds, by kind (weights as loaded: native or dequantised).
         self.memory_report = {**load_report(self.model), "kv": int(kv_bytes)}
@@ -165,7 +199,7 @@ class ModelRunner:
             ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in self.memory_report.items()),
         )
 
-    def _kv_tokens(self, cfg: ModelConfig) -> int:
+    def _kv_tokens(self) -> int:
         """KV pool size in tokens: --max-total-tokens, or on CUDA with --mem-fraction-static the
         tokens that fit in (fraction x total memory) minus what is in use after the weights."""
         frac = self.rc.mem_fraction_static
@@ -173,7 +207,7 @@ class ModelRunner:
             return self.rc.max_total_tokens
         free, total = torch.cuda.mem_get_info(self.device)
         budget = frac * total - (total - free)
-        per_token = model_entry(cfg).kv_bytes_per_token(cfg, self.dtype)
+        per_token = self._kv_bytes_per_token()
         tokens = int(budget // per_token)
         if tokens < 2 * self.page_size:
             raise RuntimeError(

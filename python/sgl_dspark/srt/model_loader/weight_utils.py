@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
 import struct
 from contextlib import ExitStack
 from types import TracebackType
-from typing import Any, BinaryIO, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -110,7 +111,7 @@ class SafetensorsReader:
     def __init__(self, model_path: str) -> None:
         self.files = find_safetensors_files(model_path)
         self._stack = ExitStack()
-        self._handles: dict[str, BinaryIO] = {}
+        self._handles: dict[str, io.BufferedReader] = {}
         self._offsets: dict[str, tuple[int, int]] = {}  # name -> (absolute start, end)
         self.infos: dict[str, TensorInfo] = {}
 
@@ -161,7 +162,7 @@ class SafetensorsReader:
         out = torch.empty(end - begin, dtype=torch.uint8)
         handle = self._handles[info.file]
         handle.seek(begin)
-        if end > begin and handle.readinto(memoryview(out.numpy())) != end - begin:
+        if end > begin and handle.readinto(out.numpy().data) != end - begin:
             raise ValueError(f"tensor {name!r}: {info.file} is truncated")
         return out.view(dtype).reshape(shape)
 
