@@ -364,9 +364,34 @@ def main() -> None:
     bw = copy_bandwidth(a.device)
     rows: list[dict] = []
 
+    meta = {
+        "what": "bf16 vs native weights" if a.mode == "ab" else "decode",
+        "config": a.config,
+        "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
+        "torch": torch.__version__,
+        "copy_bandwidth_Bps": bw if bw == bw else 0.0,
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "kv_cache_dtype": a.kv_cache_dtype,
+        "engine_args": {k: v for k, v in kw.items() if k != "model_path"},
+        "sizes": model_sizes(a.config, raw),
+    }
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"native_{a.mode}_{a.config}"
+
+    def write(rows: list[dict], final: bool = False) -> None:
+        """The results so far (rewritten after every row, so a run cut short keeps them)."""
+        (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+        text = render_rows(meta, rows) + "\n" + render_sizes(meta["sizes"])
+        (out / f"{stem}.md").write_text(text)
+        if final:
+            print(text)
+
     def emit(row: dict) -> None:
         print(json.dumps({k: v for k, v in row.items() if k != "ids"}), flush=True)
         rows.append(row)
+        write(rows)
 
     if a.mode == "ab":
         for fmt in ("bf16", "native"):
@@ -431,24 +456,7 @@ def main() -> None:
                     emit,
                     accept_len=a.accept_len,
                 )
-    meta = {
-        "what": "bf16 vs native weights" if a.mode == "ab" else "decode",
-        "config": a.config,
-        "device": torch.cuda.get_device_name() if a.device.startswith("cuda") else a.device,
-        "torch": torch.__version__,
-        "copy_bandwidth_Bps": bw if bw == bw else 0.0,
-        "input_len": a.input_len,
-        "output_len": a.output_len,
-        "kv_cache_dtype": a.kv_cache_dtype,
-        "sizes": model_sizes(a.config, raw),
-    }
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"native_{a.mode}_{a.config}"
-    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}))
-    text = render_rows(meta, rows) + "\n" + render_sizes(meta["sizes"])
-    (out / f"{stem}.md").write_text(text)
-    print(text)
+    write(rows, final=True)
 
 
 if __name__ == "__main__":

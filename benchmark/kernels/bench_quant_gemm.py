@@ -274,17 +274,20 @@ def main() -> None:
         _shrink()
     bw = copy_bandwidth()
     rows: list[dict] = []
+
+    def progress(new: list[dict]) -> None:
+        rows.extend(new)
+        print("\n".join(render(new, bw).splitlines()[4:]), flush=True)
+        if a.out:  # rewritten after every shape, so a run cut short keeps what it measured
+            Path(a.out).write_text(render(rows, bw))
+
     for m in (int(v) for v in a.m.split(",")):
         for name, n, k, groups in DENSE:
             if a.only in name:
-                rows += bench_dense(m, name, n, k, groups, bw)
-                print(render(rows[-5:], bw).splitlines()[-1], flush=True)
+                progress(bench_dense(m, name, n, k, groups, bw))
         if not a.no_moe and a.only in "MoE":
-            rows += bench_moe(m, bw)
-    text = render(rows, bw)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text)
+            progress(bench_moe(m, bw))
+    print(render(rows, bw))
 
 
 if __name__ == "__main__":
