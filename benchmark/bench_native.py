@@ -163,6 +163,7 @@ def engine_args(a: argparse.Namespace, path: Path, raw: dict, sizes: list[int]) 
         max_running_requests=max(sizes),
         max_total_tokens=max(sizes) * ctx + 4096,
         chunked_prefill_size=4096,
+        cuda_graph_max_prefill_tokens=0,  # decode is measured; prefill graphs cost capture time
     )
     if is_v41(raw):  # what DeepSeek-V4.1 runs today (refused otherwise at startup)
         kw.update(kernel_backend_overrides=V41_TORCH_FAMILIES, attention_backend="torch")

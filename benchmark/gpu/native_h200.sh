@@ -12,6 +12,8 @@
 #          static widths and the online width policy; then the FP8 window KV cache (plain rows)
 #   v41    bench_native.py decode: dsv41_flash_rank loaded natively, bs 1 on the kernels V4.1
 #          runs today (torch mHC / indexer / MoE and attention, so eager)
+#   sweep  (not in the default set; a second call) launch shapes of the quantised linear at
+#          q_b / o_b / wide, M 1 and 16, when the gemm stage misses its goals
 # Every stage has its own time limit; each benchmark rewrites its markdown after every row.
 set -u
 OUT=${OUT:-/tmp/out}
@@ -34,7 +36,7 @@ if has env; then
 fi
 if has tests; then
   stamp tests
-  timeout 100 python3 -m pytest -q -p no:cacheprovider -n 8 \
+  timeout 80 python3 -m pytest -q -p no:cacheprovider -n 8 \
     test/registered/kernels/test_quantized_gemm.py \
     test/registered/kernels/test_window_sparse_attention.py \
     test/registered/kernels/test_moe_token_gemm.py \
@@ -42,33 +44,41 @@ if has tests; then
 fi
 if has gemm; then
   stamp gemm
-  timeout 120 python3 benchmark/kernels/bench_quant_gemm.py --out "$OUT/quant_gemm.md" \
+  timeout 110 python3 benchmark/kernels/bench_quant_gemm.py --out "$OUT/quant_gemm.md" \
     > "$OUT/quant_gemm.log" 2>&1
   tail -70 "$OUT/quant_gemm.md"
 fi
 if has ab; then
   stamp ab
-  timeout 110 python3 benchmark/bench_native.py ab --config dsv4_flash_slice --batch-sizes 1,8,32 \
+  timeout 90 python3 benchmark/bench_native.py ab --config dsv4_flash_slice --batch-sizes 1,8,32 \
     --input-len 256 --output-len 32 --out-dir "$OUT" > "$OUT/native_ab.log" 2>&1
   cat "$OUT/native_ab_dsv4_flash_slice.md"
 fi
 if has rank; then
   stamp rank
-  timeout 190 python3 benchmark/bench_native.py decode --config dsv4_flash_rank --dspark \
+  timeout 170 python3 benchmark/bench_native.py decode --config dsv4_flash_rank --dspark \
     --batch-sizes 1,8,32 --input-len 256 --output-len 32 --out-dir "$OUT" \
     > "$OUT/native_rank.log" 2>&1
   cat "$OUT/native_decode_dsv4_flash_rank.md"
   stamp rank_fp8_kv
   mkdir -p "$OUT/fp8_kv"
-  timeout 60 python3 benchmark/bench_native.py decode --config dsv4_flash_rank \
+  timeout 45 python3 benchmark/bench_native.py decode --config dsv4_flash_rank \
     --kv-cache-dtype fp8_e4m3 --batch-sizes 1,32 --input-len 256 --output-len 32 \
     --out-dir "$OUT/fp8_kv" > "$OUT/fp8_kv/native_rank_fp8_kv.log" 2>&1
   head -8 "$OUT/fp8_kv/native_decode_dsv4_flash_rank.md"
 fi
 if has v41; then
   stamp v41
-  timeout 60 python3 benchmark/bench_native.py decode --config dsv41_flash_rank --batch-sizes 1 \
+  timeout 45 python3 benchmark/bench_native.py decode --config dsv41_flash_rank --batch-sizes 1 \
     --input-len 64 --output-len 8 --out-dir "$OUT" > "$OUT/native_v41.log" 2>&1
   cat "$OUT/native_decode_dsv41_flash_rank.md" 2>/dev/null || tail -20 "$OUT/native_v41.log"
+fi
+if has sweep; then
+  stamp sweep
+  for shape in q_b o_b wide; do
+    timeout 150 python3 benchmark/kernels/bench_quant_gemm.py --sweep --m 1,16 --only "$shape" \
+      --out "$OUT/quant_sweep_$shape.md" > "$OUT/quant_sweep_$shape.log" 2>&1
+    cat "$OUT/quant_sweep_$shape.md"
+  done
 fi
 stamp done

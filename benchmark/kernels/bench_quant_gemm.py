@@ -232,6 +232,77 @@ def bench_moe(m: int, bw: float) -> list[dict]:
     return out
 
 
+# Launch shapes `--sweep` tries for the quantised linear: (BLOCK_N, weight bytes per row per K
+# step, num_stages, num_warps); the first row of each group is the library's own choice.
+SWEEP = [
+    (16, 256, 6, 4),
+    (16, 512, 4, 4),
+    (16, 1024, 3, 4),
+    (32, 512, 4, 4),
+    (32, 1024, 3, 4),
+    (64, 512, 3, 4),
+    (32, 512, 4, 8),
+    (64, 1024, 2, 8),
+]
+
+
+def sweep_linear(m_values: list[int], name: str, n: int, k: int, bw: float) -> list[dict]:
+    """The quantised linear at each `SWEEP` launch shape, its result compared with the default
+    launch's (the error column: another K step sums the scale groups in another order)."""
+    import sgl_dspark.kernels.linear.quantized as quantized
+
+    default_meta = quantized._quantized_meta
+    gen = torch.Generator().manual_seed(n + k)
+    out = []
+    for fmt, group in FORMATS:
+        qws = [quantize_random((n, k), fmt, group, gen) for _ in range(_copies(2 * n * k))]
+        reps = max(2, 64 // len(qws))
+        for m in m_values:
+            x = torch.randn(m, k, generator=gen).to(torch.bfloat16).to(DEVICE)
+            want = quantized_linear(x, qws[0])
+            label = f"W{'4' if fmt == 'mxfp4' else '8'}A16 {fmt} /{group}"
+            chosen = default_meta(fmt, group, n, k)
+            shapes = [None] + SWEEP
+            for shape in shapes:
+                if shape is None:
+                    meta, tag = chosen, "default"
+                else:
+                    bn, row_bytes, stages, warps = shape
+                    block_k = row_bytes * (2 if fmt == "mxfp4" else 1)
+                    if block_k > triton_next_pow2(k) or block_k < group and group % block_k:
+                        continue
+                    meta = dict(BLOCK_N=bn, BLOCK_K=block_k, num_stages=stages, num_warps=warps)
+                    tag = f"BN{bn} BK{block_k} s{stages} w{warps}"
+                quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
+                try:
+                    got = quantized_linear(x, qws[0])
+                    err = _max_rel_err(got, want)
+                    us = time_us([lambda w=w, x=x: quantized_linear(x, w) for w in qws], reps)
+                except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
+                    print(f"{name} {label} {tag}: {type(exc).__name__}: {exc}"[:300])
+                    continue
+                finally:
+                    quantized._quantized_meta = default_meta
+                moved = qws[0].nbytes + 2 * (m * k + m * n)
+                out.append(
+                    dict(
+                        shape=name,
+                        m=m,
+                        variant=f"{label} {tag}",
+                        us=us,
+                        floor_us=moved / bw * 1e6,
+                        err=err,
+                        tbps=moved / (us * 1e-6) / 1e12,
+                    )
+                )
+        del qws
+    return out
+
+
+def triton_next_pow2(x: int) -> int:
+    return 1 << (x - 1).bit_length()
+
+
 def render(rows: list[dict], bw: float) -> str:
     device = torch.cuda.get_device_name() if DEVICE == "cuda" else DEVICE
     lines = [
@@ -265,6 +336,11 @@ def main() -> None:
     p.add_argument("--no-moe", action="store_true")
     p.add_argument("--out", default=None)
     p.add_argument(
+        "--sweep",
+        action="store_true",
+        help="instead: the quantised linear's launch shapes (SWEEP) at the --only shapes",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="CPU check of the script (Triton interpreter): shapes / 16, 8 experts, no timing",
@@ -281,6 +357,12 @@ def main() -> None:
         if a.out:  # rewritten after every shape, so a run cut short keeps what it measured
             Path(a.out).write_text(render(rows, bw))
 
+    if a.sweep:
+        for name, n, k, groups in DENSE:
+            if a.only in name and groups == 1:
+                progress(sweep_linear([int(v) for v in a.m.split(",")], name, n, k, bw))
+        print(render(rows, bw))
+        return
     for m in (int(v) for v in a.m.split(",")):
         for name, n, k, groups in DENSE:
             if a.only in name:
