@@ -145,7 +145,9 @@ def _compile_all(rec: _Recorder) -> list[str]:
     report = []
     seen = set()
     for args, kwargs in rec.calls:
-        key = tuple(sorted((k, v) for k, v in kwargs.items()))
+        # A launch compiles anew for other constexprs or other argument types (an FP8 pool).
+        src, options = _source(rec.fn, args, kwargs)
+        key = (tuple(sorted(src.signature.items())), tuple(sorted(kwargs.items())))
         if key in seen:
             continue
         seen.add(key)

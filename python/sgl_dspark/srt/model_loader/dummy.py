@@ -7,7 +7,7 @@ a real size) then loads in seconds, with the bytes and kernels of the real one.
 Values: quantised weights are uniform random codes (every E2M1 code; every E4M3 code but NaN)
 with one power-of-two scale chosen for an RMS near 0.02; dense matrices N(0, 0.02); norm
 weights and mHC scales 1; sinks, position biases, mHC biases and router biases 0; hash tables
-uniform expert ids. A tensor's values depend on the seed and its name only, so `dense()` and
+uniform expert ids. A tensor's values depend only on `seed` and its name, so `dense()` and
 `quantized()` of one tensor are the same numbers (dense = the codes dequantised).
 """
 
