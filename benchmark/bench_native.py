@@ -210,9 +210,8 @@ def step_bytes(engine: Engine, bs: int, context: int) -> float:
     return total
 
 
-def _free(engine: Engine | None) -> None:
-    if engine is not None:
-        engine.shutdown()
+def _release_memory() -> None:
+    """Return the last engine's device memory (its frame gone) before the next loads."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -232,6 +231,7 @@ def run_engine(
 ) -> None:
     """One engine: load, then every batch size, then `after(engine)`; a failure is recorded as a
     row and the next system runs."""
+    _release_memory()
     engine = None
     try:
         t0 = time.perf_counter()
@@ -266,7 +266,9 @@ def run_engine(
         traceback.print_exc()
         emit({"system": system, "error": f"{type(exc).__name__}: {exc}"[:400], **extra})
     finally:
-        _free(engine)
+        if engine is not None:
+            engine.shutdown()
+        del engine
 
 
 SPS_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
