@@ -112,7 +112,7 @@ def main() -> None:
             for meta in metas:
                 if meta is not None:
                     bn, bk, warps, stages = meta
-                    moe_token_gemm._down_meta = lambda k, bn=bn, bk=bk, w=warps, s=stages: {
+                    moe_token_gemm._down_meta = lambda k, w_, bn=bn, bk=bk, w=warps, s=stages: {
                         "BLOCK_N": bn,
                         "BLOCK_K": bk,
                         "num_warps": w,

@@ -21,11 +21,14 @@ from sgl_dspark.srt.server_args_checks import (
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     KERNEL_BACKEND_CHOICES,
+    KV_CACHE_DTYPE_CHOICES,
+    LOAD_FORMAT_CHOICES,
     LOG_LEVEL_CHOICES,
     REASONING_PARSER_CHOICES,
     SPECULATIVE_ALGORITHMS,
     TOOL_CALL_PARSER_CHOICES,
     VERIFY_POLICY_CHOICES,
+    WEIGHT_FORMAT_CHOICES,
     attention_backend_choices,
     validate,
 )
@@ -161,6 +164,26 @@ class ServerArgs:
         DTYPE_CHOICES,
     )
     random_seed: int = _arg(0, "Seed of the model initialisation (tiny) and of unseeded sampling.")
+    weight_format: str = _arg(
+        "auto",
+        "How quantised checkpoint weights (FP8 block-scaled, MXFP4) live on the device: native "
+        "= as stored, dequantised inside the GEMMs (the torch kernels dequantise per call); "
+        "bf16 = dequantised once at load to --dtype; auto = native on GPU, bf16 on CPU.",
+        WEIGHT_FORMAT_CHOICES,
+    )
+    kv_cache_dtype: str = _arg(
+        "auto",
+        "Storage of the window KV cache: auto = --dtype; fp8_e4m3 = E4M3 (stored saturated, "
+        "read back exactly and attended in --dtype); bfloat16. DeepSeek-V4.1 keeps its "
+        "window FP8 by definition (auto or fp8_e4m3).",
+        KV_CACHE_DTYPE_CHOICES,
+    )
+    load_format: str = _arg(
+        "auto",
+        "auto = the checkpoint's safetensors; dummy = seeded random weights generated on the "
+        "device in the checkpoint's declared formats (config.json only; for benchmarks).",
+        LOAD_FORMAT_CHOICES,
+    )
     kernel_backend: str = _arg(
         "auto",
         "Implementation of the fused kernels; auto = triton on GPU, torch on CPU.",
@@ -299,6 +322,9 @@ class ServerArgs:
         dtype = _DTYPE_ALIASES.get(self.dtype, self.dtype)
         if dtype == "auto":
             dtype = "float32" if device == "cpu" else "bfloat16"
+        weight_format = self.weight_format
+        if weight_format == "auto":
+            weight_format = "bf16" if device == "cpu" else "native"
         kernel_backend = self.kernel_backend
         if kernel_backend == "auto":
             kernel_backend = "torch" if device == "cpu" else "triton"
@@ -312,6 +338,7 @@ class ServerArgs:
             device=device,
             dtype=dtype,
             kernel_backend=kernel_backend,
+            weight_format=weight_format,
             served_model_name=self.served_model_name or self.model_path,
             speculative_algorithm=algo,
         )

@@ -17,6 +17,9 @@ KERNEL_BACKEND_CHOICES = ("auto", "torch", "triton")
 VERIFY_POLICY_CHOICES = ("full", "static", "confidence")
 CONFIDENCE_MODE_CHOICES = ("sync", "async")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+WEIGHT_FORMAT_CHOICES = ("auto", "native", "bf16")
+LOAD_FORMAT_CHOICES = ("auto", "dummy")
+KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "bfloat16")
 # SGLang's names of the DeepSeek reasoning and tool-call formats (srt/entrypoints/chat_parsers.py).
 REASONING_PARSER_CHOICES = ("deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41")
 TOOL_CALL_PARSER_CHOICES = ("deepseekv3", "deepseekv31", "deepseekv32", "deepseekv4", "deepseekv41")
@@ -71,6 +74,9 @@ def validate(a: ServerArgs) -> None:
     _check_choice("--device", a.device, DEVICE_CHOICES)
     _check_choice("--dtype", a.dtype, DTYPE_CHOICES)
     _check_choice("--kernel-backend", a.kernel_backend, KERNEL_BACKEND_CHOICES)
+    _check_choice("--weight-format", a.weight_format, WEIGHT_FORMAT_CHOICES)
+    _check_choice("--load-format", a.load_format, LOAD_FORMAT_CHOICES)
+    _check_choice("--kv-cache-dtype", a.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
     _check_choice("--attention-backend", a.attention_backend, attention_backend_choices())
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
 

@@ -61,6 +61,7 @@ _KERNEL_MODULES = (
     "rope.tail",
     "rope.q_kv",
     "linear.small_m",
+    "linear.quantized",
     "attention.window_sparse",
     "spec.accept",
     "sampling.vocab_argmax",
@@ -144,7 +145,9 @@ def _compile_all(rec: _Recorder) -> list[str]:
     report = []
     seen = set()
     for args, kwargs in rec.calls:
-        key = tuple(sorted((k, v) for k, v in kwargs.items()))
+        # A launch compiles anew for other constexprs or other argument types (an FP8 pool).
+        src, options = _source(rec.fn, args, kwargs)
+        key = (tuple(sorted(src.signature.items())), tuple(sorted(kwargs.items())))
         if key in seen:
             continue
         seen.add(key)
@@ -339,6 +342,27 @@ def _split_attention_inverse_rope() -> Callable[[], object]:
     )
 
 
+def _fp8_window_attention() -> Callable[[], object]:
+    from sgl_dspark.kernels.attention.window_sparse import window_sparse_attention
+
+    # DeepSeek-V4-Flash decode (64 heads of 512, window 128) on an FP8 window cache
+    # (--kv-cache-dtype fp8_e4m3), with selected compressed entries.
+    window = torch.zeros(300, 512, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return lambda: window_sparse_attention(
+        _bf16(2, 64, 512),
+        window,
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(2, dtype=torch.int64),
+        torch.zeros(2, 256, dtype=torch.int64),
+        128,
+        torch.zeros(64),
+        512**-0.5,
+        _bf16(64, 512),
+        torch.ones(2, 16, dtype=torch.bool),
+        extra_slots=torch.zeros(2, 16, dtype=torch.int64),
+    )
+
+
 def _grouped_gemm() -> Callable[[], object]:
     from sgl_dspark.kernels.moe.grouped_gemm import moe_grouped_gemm
 
@@ -369,7 +393,119 @@ def _token_gemms() -> Callable[[], object]:
     return run
 
 
+def _quantized(fmt: str, shape: tuple[int, ...], block: int):
+    """A random `QuantizedWeight` of logical `shape` (scales of 2^0; compiling needs no values)."""
+    from sgl_dspark.kernels.linear.reference import QuantizedWeight
+
+    *lead, n, k = shape
+    rows = block if fmt == "fp8" else 1
+    if fmt == "fp8":
+        data = torch.zeros(*lead, n, k, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    else:
+        data = torch.zeros(*lead, n, k // 2, dtype=torch.uint8)
+    scale = torch.full((*lead, -(-n // rows), -(-k // block)), 127, dtype=torch.uint8)
+    return QuantizedWeight(data, scale, fmt, block, rows)
+
+
+def _quantized_linear(fmt: str, n: int, k: int, block: int, m: int = 3) -> Callable[[], object]:
+    from sgl_dspark.kernels.linear.quantized import quantized_linear
+
+    return lambda: quantized_linear(_bf16(m, k), _quantized(fmt, (n, k), block))
+
+
+def _quantized_grouped_linear(fmt: str, block: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
+
+    # DeepSeek-V4-Flash's o_a: 8 groups of 1024 rows over 4096 channels.
+    return lambda: quantized_grouped_linear(_bf16(2, 8, 4096), _quantized(fmt, (8192, 4096), block))
+
+
+def _quantized_moe(fmt: str, block: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
+    from sgl_dspark.kernels.moe.reference import MoeSortOutput
+
+    # V4-Flash expert shapes (D 4096, I 2048) at two local experts: tiles depend on (N, K).
+    sort = MoeSortOutput(
+        torch.zeros(64, dtype=torch.int32),
+        torch.zeros(64),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(4, 4096),
+    )
+    return lambda: fused_moe(
+        _bf16(4, 4096),
+        _quantized(fmt, (2, 4096, 4096), block),
+        _quantized(fmt, (2, 4096, 2048), block),
+        sort,
+        6,
+        10.0,
+    )
+
+
+def _quantized_token_gemms(fmt: str, block: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+
+    table = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ids = torch.tensor([[0, 1, 2, 0, 1, 1]], dtype=torch.int32)
+
+    def run() -> object:
+        h = moe_route_gate_up(
+            _bf16(1, 4096), _quantized(fmt, (2, 4096, 4096), block), ids, table, 2, 10.0
+        )
+        down = _quantized(fmt, (2, 4096, 2048), block)
+        return moe_token_down_reduce(h, down, ids, torch.ones(1, 6), table, 2, 1.0, _bf16(1, 4096))
+
+    return run
+
+
 CASES = {
+    # Weights kept as stored at DeepSeek-V4(.1)-Flash shapes: FP8 128 x 128 (V4), 32 x 32
+    # (V4.1), MXFP4; an lm_head-wide N takes the wide column blocks.
+    "quantized_linear_fp8_o_b": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("fp8", 4096, 8192, 128),
+    ),
+    "quantized_linear_fp8_32_q_b": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("fp8", 32768, 1280, 32, m=16),
+    ),
+    "quantized_linear_mxfp4": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("mxfp4", 4096, 4096, 32),
+    ),
+    "quantized_grouped_linear_fp8": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_grouped_linear("fp8", 128),
+    ),
+    "quantized_moe_grouped_mxfp4": (
+        "moe.grouped_gemm",
+        "_moe_grouped_gemm_kernel",
+        _quantized_moe("mxfp4", 32),
+    ),
+    "quantized_moe_grouped_fp8": (
+        "moe.grouped_gemm",
+        "_moe_grouped_gemm_kernel",
+        _quantized_moe("fp8", 128),
+    ),
+    "quantized_moe_route_gate_up_mxfp4": (
+        "moe.token_gemm",
+        "_moe_route_gate_up_kernel",
+        _quantized_token_gemms("mxfp4", 32),
+    ),
+    "quantized_moe_token_down_mxfp4": (
+        "moe.token_gemm",
+        "_moe_token_down_kernel",
+        _quantized_token_gemms("mxfp4", 32),
+    ),
+    "quantized_moe_token_down_fp8_32": (
+        "moe.token_gemm",
+        "_moe_token_down_kernel",
+        _quantized_token_gemms("fp8", 32),
+    ),
     "moe_route_gate_up": ("moe.token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
     "moe_token_down_reduce": ("moe.token_gemm", "_moe_token_down_kernel", _token_gemms()),
     "router_from_x_h128_fp32": (
@@ -392,6 +528,11 @@ CASES = {
         "attention.window_sparse",
         "_merge_attention_splits_kernel",
         _split_attention_inverse_rope(),
+    ),
+    "attention_fp8_window": (
+        "attention.window_sparse",
+        "_window_sparse_attention_kernel",
+        _fp8_window_attention(),
     ),
     "draft_attention_b32": ("attention.draft", "_draft_attention_kernel", _draft_attention(32, 64)),
     "moe_grouped_gemm": ("moe.grouped_gemm", "_moe_grouped_gemm_kernel", _grouped_gemm()),
@@ -498,6 +639,7 @@ PDL_KERNELS = (
     "indexer.fp4_q_rope._index_q_rope_fp4_kernel",
     "mhc.post_combine._mhc_post_combine_kernel",
     "linear.small_m._small_m_linear_kernel",
+    "linear.quantized._quantized_linear_kernel",
     "moe.grouped_gemm._moe_grouped_gemm_kernel",
     "moe.sort._moe_sort_kernel",
     "attention.window_sparse._window_sparse_attention_kernel",

@@ -440,3 +440,41 @@ def test_inverse_rope_bad_tables() -> None:
         window_sparse_attention(**inputs, inverse_rope=_rope_tables(1, 66, seed=1))  # rd > D
     with pytest.raises(ValueError, match="out"):
         window_sparse_attention(**inputs, out=torch.empty(1, 15, 64, device=DEVICE))
+
+
+def _fp8_window(inputs: dict) -> dict:
+    """The inputs with the window KV stored as FP8 E4M3 (values x 8, so codes span the range
+    and some saturate)."""
+    window = (inputs["window_kv"].float() * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+    return {**inputs, "window_kv": window}
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("index", [1, 3, 6])
+def test_fp8_window_cache(index: int, dtype: torch.dtype, num_splits: int) -> None:
+    """An FP8 window cache (`--kv-cache-dtype fp8_e4m3`) is read back exactly in q's dtype: the
+    reference on the FP8 pool equals the reference on that pool converted first, and the kernel
+    on the FP8 pool matches it as it does for a pool of q's dtype."""
+    inputs = _fp8_window(_inputs(*CASES[index], dtype=dtype, seed=300 + index))
+    converted = {**inputs, "window_kv": inputs["window_kv"].to(dtype)}
+    want = _ref(inputs)
+    assert torch.equal(want, _ref(converted))
+    got = _run_poisoned(inputs, num_splits=num_splits)
+    same_dtype = _run_poisoned(converted, num_splits=num_splits)
+    if dtype == torch.float32:
+        # logits 8x larger amplify the fp32 summation-order differences of softmax and the
+        # weighted sum: the absolute bound of test_fp32_matches_reference scaled by 8 * 8
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=64e-5)
+        assert torch.equal(got, same_dtype)
+    else:  # test_bf16_matches_reference's bound against the fp32 math, for values 8x larger
+        exact = _ref(_upcast(converted))
+        torch.testing.assert_close(got.float(), exact, rtol=2e-2, atol=8 * 2e-2)
+        assert torch.equal(got, same_dtype)
+
+
+def test_rejects_other_window_storage_dtypes() -> None:
+    inputs = _inputs(*CASES[0], dtype=torch.float32, seed=7)
+    bad = {**inputs, "window_kv": inputs["window_kv"].to(torch.float16)}
+    with pytest.raises(ValueError, match="window_kv"):
+        window_sparse_attention(**bad)

@@ -250,13 +250,16 @@ def test_rope_store_triton_equals_torch(dtype):
 
 
 def test_linear_family_small_m_kernel_and_blas_fallback():
-    """triton: decode-sized rows through the small-M kernel (a tolerance vs F.linear), larger or 3-D
-    inputs through F.linear itself (bit for bit)."""
+    """torch: F.linear (bit for bit on a plain weight). triton: decode-sized rows through the
+    small-M kernel (a tolerance vs F.linear), larger or 3-D inputs through F.linear itself (bit
+    for bit)."""
     from sgl_dspark.srt.layers.fused_linear import linear_impl
 
-    assert linear_impl(TORCH) is torch.nn.functional.linear
     gen = torch.Generator().manual_seed(8)
     w = (torch.randn(70, 96, generator=gen) * 0.1).to(DEVICE)
+    for x in (torch.randn(3, 96, generator=gen), torch.randn(2, 5, 96, generator=gen)):
+        x = x.to(DEVICE)
+        assert torch.equal(linear_impl(TORCH)(x, w), torch.nn.functional.linear(x, w))
     lin = linear_impl(TRITON)
     for rows in (1, 7, 16):
         x = torch.randn(rows, 96, generator=gen).to(DEVICE)

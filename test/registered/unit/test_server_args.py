@@ -79,6 +79,7 @@ def test_engine_arguments_are_server_args():
             "device",
             "dtype",
             "kernel_backend",
+            "weight_format",
         ):
             assert (
                 getattr(runner_defaults, f.name) == ServerArgs.__dataclass_fields__[f.name].default
@@ -111,9 +112,11 @@ def test_parse_types_defaults_and_resolution():
     assert args.chunked_prefill_size == -1  # no chunking: the scheduler's prefill budget is off
     defaults = ServerArgs.from_cli_args(["--model-path", "m", "--device", "cpu"])
     for f in dataclasses.fields(ServerArgs):
-        if f.name not in ("model_path", "device", "dtype", "kernel_backend", "served_model_name"):
+        resolved = ("device", "dtype", "kernel_backend", "weight_format", "served_model_name")
+        if f.name != "model_path" and f.name not in resolved:
             assert getattr(defaults, f.name) == f.default, f.name
     assert defaults.dtype == "float32" and defaults.served_model_name == "m"
+    assert defaults.weight_format == "bf16"  # auto: dequantised on CPU
 
 
 def test_unknown_flag_suggests_the_right_one(capsys):

@@ -83,7 +83,8 @@ def window_sparse_attention_ref(
 
     Args:
         q: [T, H, Dh] rotated queries.
-        window_kv: [num_slots, Dh] window KV of the layer, q's dtype.
+        window_kv: [num_slots, Dh] window KV of the layer, q's dtype or a storage dtype (FP8
+            E4M3, bf16) whose rows are read converted to q's dtype.
         positions, token_slot: [T] int position and request slot (row of req_to_token).
         req_to_token: [slots, max_ctx] int token slot of (request slot, position).
         window: the window length.
@@ -98,7 +99,7 @@ def window_sparse_attention_ref(
         [T, H, Dh] in q's dtype.
     """
     rows, valid = window_rows_ref(positions, token_slot, req_to_token, window)
-    keys = window_kv[rows]  # [T, W, Dh]
+    keys = read_rows(window_kv, rows, q.dtype)  # [T, W, Dh]
     if extra_entries is not None:
         extra_slots, extra_valid = dense_entries_ref(
             positions, token_slot, req_to_token, *extra_entries
@@ -112,6 +113,14 @@ def window_sparse_attention_ref(
     if inverse_rope is None:
         return out
     return rope_tail_ref(out, *inverse_rope, inverse=True)
+
+
+def read_rows(pool: torch.Tensor, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """`pool[rows]` converted to `dtype` (exact from FP8 to bf16/fp16/fp32); one-byte float
+    pools are gathered as bytes, so every device indexes them."""
+    if pool.is_floating_point() and pool.element_size() == 1:
+        return pool.view(torch.uint8)[rows].view(pool.dtype).to(dtype)
+    return pool[rows].to(dtype)
 
 
 def draft_attention_ref(

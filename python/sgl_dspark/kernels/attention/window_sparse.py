@@ -45,6 +45,8 @@ from sgl_dspark.kernels.compressor.entry_rows import load_entry_rows
 from sgl_dspark.kernels.rope.epilogue import epilogue_tables, rotate_rounded_tail
 
 _LOG2E = 1.4426950408889634
+# Window caches stored in another dtype than q's (`--kv-cache-dtype`), converted on load.
+WINDOW_STORAGE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
 # Register budget of one program: BLOCK_H x Dh fp32 accumulator and BLOCK_N x Dh key tile.
 _TILE_ELEMS = 8192
 # Split-K choice (see `_auto_num_splits`): aim for ~2 programs per SM, never fewer than two key
@@ -125,8 +127,7 @@ def _window_sparse_attention_kernel(
         mask=head_ok[:, None] & dim_ok[None, :],
         other=0.0,
     )
-    kv_dtype = kv_ptr.dtype.element_ty
-    q = q.to(kv_dtype)
+    kv_dtype = q_ptr.dtype.element_ty  # keys of a storage dtype (FP8) are converted on load
     sink = tl.load(sinks_ptr + heads, mask=head_ok, other=0.0).to(tl.float32) * 1.4426950408889634
     # The running max starts at the (finite) sink, so it stays finite and masked keys give
     # exp2(-inf) = 0; a split that sees no valid key keeps (m, l, acc) = (sink, 0, 0).
@@ -152,7 +153,7 @@ def _window_sparse_attention_kernel(
             kv_ptr + kv_slot[:, None] * kv_stride + dims[None, :],
             mask=valid[:, None] & dim_ok[None, :],
             other=0.0,
-        )
+        ).to(kv_dtype)
         m_i, l_i, acc = online_softmax_step(
             q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32, ROUND_P
         )
@@ -386,11 +387,12 @@ def window_sparse_attention(
     safe).
 
     Args:
-        q, window_kv: as the reference, bf16/fp16/fp32 of one dtype, unit stride along Dh.
+        q, window_kv: as the reference, bf16/fp16/fp32, unit stride along Dh; window_kv of q's
+            dtype or a storage dtype (FP8 E4M3, bf16) converted to q's on load.
         positions, token_slot: int32/int64 [T], contiguous.
         req_to_token: int32/int64 [slots, max_ctx], unit stride along max_ctx.
         window, sinks (finite), scale: as the reference.
-        extra_kv: the entry pool [rows, Dh] (any float dtype, cast to window_kv's on load, unit
+        extra_kv: the entry pool [rows, Dh] (any float dtype, cast to q's on load, unit
             stride along Dh), or None.
         extra_valid, extra_slots: selected entries, bool / int32/int64 [T, N] with unit stride
             along N and one row stride; rows are read only where valid.
@@ -419,9 +421,11 @@ def window_sparse_attention(
     )
     tokens, heads, head_dim = q.shape
     require(
-        window_kv.dim() == 2 and window_kv.shape[1] == head_dim and window_kv.dtype == q.dtype,
-        f"window_kv must be [slots, {head_dim}] {q.dtype}, got "
-        f"{window_kv.dtype} {tuple(window_kv.shape)}",
+        window_kv.dim() == 2
+        and window_kv.shape[1] == head_dim
+        and window_kv.dtype in (q.dtype, *WINDOW_STORAGE_DTYPES),
+        f"window_kv must be [slots, {head_dim}] {q.dtype} (or a storage dtype "
+        f"{WINDOW_STORAGE_DTYPES}), got {window_kv.dtype} {tuple(window_kv.shape)}",
     )
     check_index_vector("positions", positions, tokens)
     check_index_vector("token_slot", token_slot, tokens)

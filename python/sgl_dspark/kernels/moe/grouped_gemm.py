@@ -50,8 +50,17 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
+from sgl_dspark.kernels.linear.dequant import (
+    chunk_channels,
+    quantized_block_k,
+    quantized_chunk_dot,
+)
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
 from sgl_dspark.kernels.moe.reference import MoeSortOutput
+
+# A weight of the expert GEMMs: the stacked experts in the activation dtype, or kept as stored.
+ExpertWeight = torch.Tensor | QuantizedWeight
 
 
 @triton.jit
@@ -61,6 +70,58 @@ def expert_dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
     if DOT_FP32:
         return tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a_tile, w_tile, acc)
+
+
+@triton.jit
+def expert_product(
+    a_rows,
+    a_ok,
+    w_rows,
+    w_ok,
+    s_rows,
+    k_dim,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP4: tl.constexpr,
+    GROUP: tl.constexpr,
+    SUB: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    """fp32 [BM, BN] = A rows (pointers `a_rows`, unit stride along K) times the weight columns
+    (pointers `w_rows` to each output column's stored row), over all K: `expert_dot` chunk by
+    chunk, or with a quantised weight `quantized_chunk_dot` (scale pointers `s_rows`). The one
+    definition of an expert product: the grouped and the per-token kernels call it, so their
+    products sum in the same order."""
+    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        if QUANT:
+            for j in tl.static_range(BLOCK_K // SUB):
+                acc += quantized_chunk_dot(
+                    a_rows,
+                    a_ok,
+                    w_rows,
+                    w_ok,
+                    s_rows,
+                    k0 + j * SUB,
+                    k_dim,
+                    FP4,
+                    SUB,
+                    GROUP,
+                    DOT_FP32,
+                )
+        else:
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_dim
+            a_tile = tl.load(
+                a_rows[:, None] + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w_tile = tl.load(
+                w_rows[None, :] + ks[:, None], mask=k_ok[:, None] & w_ok[None, :], other=0.0
+            )
+            acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    return acc
 
 
 @triton.jit
@@ -87,6 +148,7 @@ def swiglu_tile(
 def _moe_grouped_gemm_kernel(
     a_ptr,
     w_ptr,
+    s_ptr,
     out_ptr,
     sorted_ids_ptr,
     expert_ids_ptr,
@@ -97,6 +159,8 @@ def _moe_grouped_gemm_kernel(
     stride_a,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_out,
     limit,
     TOPK: tl.constexpr,
@@ -106,6 +170,11 @@ def _moe_grouped_gemm_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP4: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SUB: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
     TILE_MAJOR: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
@@ -141,22 +210,23 @@ def _moe_grouped_gemm_kernel(
         cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         col_ok = cols < n_cols
         w_rows = cols
-    w_base = w_ptr + expert * stride_we
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_dim
-        a_tile = tl.load(
-            a_ptr + a_rows[:, None] * stride_a + ks[None, :],
-            mask=live[:, None] & k_ok[None, :],
-            other=0.0,
-        )
-        w_tile = tl.load(
-            w_base + w_rows[None, :].to(tl.int64) * stride_wn + ks[:, None],
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    w_rows = w_rows.to(tl.int64)
+    acc = expert_product(
+        a_ptr + a_rows * stride_a,
+        live,
+        w_ptr + expert * stride_we + w_rows * stride_wn,
+        col_ok,
+        s_ptr + expert * stride_se + (w_rows // SCALE_ROWS) * stride_sn,
+        k_dim,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        QUANT,
+        FP4,
+        GROUP,
+        SUB,
+        DOT_FP32,
+    )
     if OUT_SWIGLU:  # the activation of the [gate | up] values a plain stage 1 would store
         y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
         j = pid_n * HALF + tl.arange(0, HALF)
@@ -175,9 +245,62 @@ def _moe_grouped_gemm_kernel(
         )
 
 
-def expert_block_k(k_dim: int) -> int:
-    """K chunk of the expert GEMMs (the grouped and the per-token kernels share it)."""
+def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
+    """K chunk of the expert GEMMs (the grouped and the per-token kernels share it, so their
+    products sum alike): 128 channels of a bf16 / fp32 weight; 256 of a quantised one (128 or
+    256 stored bytes a row)."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_block_k(weight.fmt, k_dim, 256)
     return min(128, max(16, triton.next_power_of_2(k_dim)))
+
+
+def expert_weight_args(weight: ExpertWeight, block_k: int) -> dict:
+    """The kernel arguments that describe an expert weight: its scale pointer and strides (the
+    data itself when unquantised, never read) and the dequantisation constants."""
+    if isinstance(weight, QuantizedWeight):
+        return {
+            "s_ptr": weight.scale,
+            "stride_se": weight.scale.stride(0),
+            "stride_sn": weight.scale.stride(1),
+            "QUANT": True,
+            "FP4": weight.fmt == "mxfp4",
+            "GROUP": weight.group,
+            "SCALE_ROWS": weight.block_rows,
+            "SUB": chunk_channels(weight.group, block_k),
+        }
+    return {
+        "s_ptr": weight,
+        "stride_se": 0,
+        "stride_sn": 0,
+        "QUANT": False,
+        "FP4": False,
+        "GROUP": 1,
+        "SCALE_ROWS": 1,
+        "SUB": block_k,
+    }
+
+
+def check_expert_weight(name: str, weight: ExpertWeight, a: torch.Tensor, num_local: int) -> None:
+    """An expert stack `[>= num_local, N, K]` for activations `a [rows, K]`: in a's dtype with
+    a contiguous last dim, or a well-formed `QuantizedWeight` (ValueError naming `name`)."""
+    data = weight.data if isinstance(weight, QuantizedWeight) else weight
+    if isinstance(weight, QuantizedWeight):
+        check_quantized_weight(weight, name)
+        dtype_ok = weight.scale.device == a.device and weight.scale.stride(2) == 1
+    else:
+        dtype_ok = weight.dtype == a.dtype
+    shape = weight.shape
+    require(
+        len(shape) == 3
+        and dtype_ok
+        and data.stride(2) == 1
+        and shape[2] == a.shape[1]
+        and shape[0] >= num_local
+        and data.device == a.device,
+        f"{name} must be {a.dtype} (or quantised) [>= {num_local} experts, N, {a.shape[1]}] on "
+        f"{a.device} with a contiguous last dim, got {data.dtype} {tuple(shape)} on "
+        f"{data.device}",
+    )
 
 
 def _check_sorted(
@@ -215,7 +338,7 @@ def _check_sorted(
 
 def moe_grouped_gemm(
     a: torch.Tensor,
-    weight: torch.Tensor,
+    weight: ExpertWeight,
     sorted_ids: torch.Tensor,
     sorted_expert_ids: torch.Tensor,
     num_valid: torch.Tensor,
@@ -235,6 +358,7 @@ def moe_grouped_gemm(
         a: [M, K] (a_per_pair=False: row = token) or [M * topk, K] (a_per_pair=True: row =
             token * topk + slot); bf16 or fp32, last dim contiguous.
         weight: [E_loc, N, K] in a's dtype, last dim contiguous; indexed by the local expert id.
+            Or a `QuantizedWeight` (FP8 / MXFP4 kept as stored), dequantised in the kernel.
         sorted_ids, sorted_expert_ids, num_valid: `moe_sort`'s outputs (`MoeSortOutput`) for topk and
             `block_size`, on a's device.
         topk: routes per token (the packing of sorted_ids).
@@ -264,14 +388,7 @@ def moe_grouped_gemm(
         swiglu_limit is None or swiglu_limit > 0,
         f"swiglu_limit must be > 0 or None, got {swiglu_limit}",
     )
-    require(
-        weight.dim() == 3
-        and weight.dtype == a.dtype
-        and weight.stride(2) == 1
-        and weight.shape[2] == a.shape[1],
-        f"weight must be {a.dtype} [E_loc, N, {a.shape[1]}] with a contiguous last dim, "
-        f"got {weight.dtype} {tuple(weight.shape)}",
-    )
+    check_expert_weight("weight", weight, a, 0)
     require(
         not out_swiglu or weight.shape[1] % 2 == 0,
         f"out_swiglu needs weight [E_loc, 2I, K], got {tuple(weight.shape)}",
@@ -304,26 +421,28 @@ def moe_grouped_gemm(
     # the grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and
     # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
     block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
-    block_k = expert_block_k(k_dim)
+    block_k = expert_block_k(k_dim, weight)
+    data = weight.data if isinstance(weight, QuantizedWeight) else weight
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
         tile_major = num_tokens == 1
     grid = (n_tiles, n_blocks) if tile_major else (n_blocks, n_tiles)
     _moe_grouped_gemm_kernel[grid](
         a,
-        weight,
-        out,
-        sorted_ids,
-        sorted_expert_ids,
-        num_valid,
-        num_tokens,
-        n_out,
-        k_dim,
-        a.stride(0),
-        weight.stride(0),
-        weight.stride(1),
-        out.stride(0),
-        float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        data,
+        out_ptr=out,
+        sorted_ids_ptr=sorted_ids,
+        expert_ids_ptr=sorted_expert_ids,
+        num_valid_ptr=num_valid,
+        num_tokens=num_tokens,
+        n_cols=n_out,
+        k_dim=k_dim,
+        stride_a=a.stride(0),
+        stride_we=data.stride(0),
+        stride_wn=data.stride(1),
+        stride_out=out.stride(0),
+        limit=float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        **expert_weight_args(weight, block_k),
         TOPK=topk,
         A_PER_PAIR=a_per_pair,
         # tf32 must stay off for fp32; see the module docstring for the CPU bf16 case.
@@ -345,8 +464,8 @@ def moe_grouped_gemm(
 
 def fused_moe(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
-    down_proj: torch.Tensor,
+    gate_up_proj: ExpertWeight,
+    down_proj: ExpertWeight,
     sort: MoeSortOutput,
     topk: int,
     limit: float | None,
@@ -359,8 +478,9 @@ def fused_moe(
 
     Args:
         x: [M, D] bf16 or fp32, last dim contiguous.
-        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows first, then up rows).
-        down_proj: [E_loc, D, I] in x's dtype.
+        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows first, then up rows), or kept as
+            stored (`QuantizedWeight`, dequantised in the kernel).
+        down_proj: [E_loc, D, I] in x's dtype, or kept as stored.
         sort: `moe_sort(topk_ids, topk_weights, plan, ...)` for these routes and `block_size`.
         topk: routes per token.
         limit: swiglu_limit (None: no clamp).
@@ -371,7 +491,7 @@ def fused_moe(
     """
     num_tokens, hidden = x.shape
     require(
-        gate_up_proj.dim() == 3 and gate_up_proj.shape[1] % 2 == 0,
+        len(gate_up_proj.shape) == 3 and gate_up_proj.shape[1] % 2 == 0,
         f"gate_up_proj must be [E_loc, 2I, D], got {tuple(gate_up_proj.shape)}",
     )
     inter = gate_up_proj.shape[1] // 2

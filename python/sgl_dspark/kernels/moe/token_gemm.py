@@ -44,7 +44,15 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.moe.grouped_gemm import expert_block_k, expert_dot, swiglu_tile
+from sgl_dspark.kernels.linear.reference import QuantizedWeight
+from sgl_dspark.kernels.moe.grouped_gemm import (
+    ExpertWeight,
+    check_expert_weight,
+    expert_block_k,
+    expert_product,
+    expert_weight_args,
+    swiglu_tile,
+)
 from sgl_dspark.kernels.moe.reduce import route_reduce_tail
 
 # tl.dot's smallest row count; row 0 is the route's (or token's) row, the others are masked.
@@ -65,6 +73,7 @@ def _route_locality(ids_ptr, table_ptr, route, num_experts, num_local, in_range=
 def _moe_route_gate_up_kernel(
     x_ptr,
     w_ptr,
+    s_ptr,
     h_ptr,
     ids_ptr,
     table_ptr,
@@ -75,11 +84,18 @@ def _moe_route_gate_up_kernel(
     stride_x,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     stride_h,
     limit,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP4: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SUB: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
@@ -99,20 +115,22 @@ def _moe_route_gate_up_kernel(
     w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_inter).to(tl.int64)
     live = tl.arange(0, _TILE_M) == 0
     x_row = x_ptr + (route // TOPK) * stride_x
-    w_base = w_ptr + local * stride_we
-    acc = tl.zeros([_TILE_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_dim
-        a_tile = tl.load(
-            x_row + live[:, None] * 0 + ks[None, :], mask=live[:, None] & k_ok[None, :], other=0.0
-        )
-        w_tile = tl.load(
-            w_base + w_rows[None, :] * stride_wn + ks[:, None],
-            mask=k_ok[:, None] & col_ok[None, :],
-            other=0.0,
-        )
-        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    acc = expert_product(
+        x_row + live * 0,
+        live,
+        w_ptr + local * stride_we + w_rows * stride_wn,
+        col_ok,
+        s_ptr + local * stride_se + (w_rows // SCALE_ROWS) * stride_sn,
+        k_dim,
+        _TILE_M,
+        BLOCK_N,
+        BLOCK_K,
+        QUANT,
+        FP4,
+        GROUP,
+        SUB,
+        DOT_FP32,
+    )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
     j = tl.program_id(1) * HALF + tl.arange(0, HALF)
     tl.store(
@@ -126,6 +144,7 @@ def _moe_route_gate_up_kernel(
 def _moe_token_down_kernel(
     h_ptr,
     w_ptr,
+    s_ptr,
     out_ptr,
     ids_ptr,
     table_ptr,
@@ -138,12 +157,19 @@ def _moe_token_down_kernel(
     stride_h,
     stride_we,
     stride_wn,
+    stride_se,
+    stride_sn,
     routed_scale,
     TOPK: tl.constexpr,
     SLOTS: tl.constexpr,
     ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP4: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    SUB: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     APPLY_SCALE: tl.constexpr,
@@ -166,23 +192,27 @@ def _moe_token_down_kernel(
         ids_ptr, table_ptr, token * TOPK + col_slot, num_experts, num_local, col_slot < TOPK
     )
     col_ok = col_is_local & (cols < n_cols)
-    w_cols = w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn
     rows = tl.arange(0, ROWS)
     _, row_is_local = _route_locality(
         ids_ptr, table_ptr, token * TOPK + rows, num_experts, num_local, rows < TOPK
     )
     h_rows = h_ptr + (token * TOPK + rows) * stride_h
-    acc = tl.zeros([ROWS, SLOTS * BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        ks = k0 + tl.arange(0, BLOCK_K)
-        k_ok = ks < k_dim
-        a_tile = tl.load(
-            h_rows[:, None] + ks[None, :], mask=row_is_local[:, None] & k_ok[None, :], other=0.0
-        )
-        w_tile = tl.load(
-            w_cols[None, :] + ks[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0
-        )
-        acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    acc = expert_product(
+        h_rows,
+        row_is_local,
+        w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn,
+        col_ok,
+        s_ptr + col_local * stride_se + (cols.to(tl.int64) // SCALE_ROWS) * stride_sn,
+        k_dim,
+        ROWS,
+        SLOTS * BLOCK_N,
+        BLOCK_K,
+        QUANT,
+        FP4,
+        GROUP,
+        SUB,
+        DOT_FP32,
+    )
     # Slot k's product: row k, column block k (adding exact zeros of the other rows).
     slots = tl.arange(0, SLOTS)
     on_diag = rows[:, None, None] == slots[None, :, None]
@@ -233,23 +263,9 @@ def _check_routes(
         require(tensor.device == device, f"{name} is on {tensor.device}, x on {device}")
 
 
-def _check_weight(name: str, weight: torch.Tensor, a: torch.Tensor, num_local: int) -> None:
-    require(
-        weight.dim() == 3
-        and weight.dtype == a.dtype
-        and weight.stride(2) == 1
-        and weight.shape[2] == a.shape[1]
-        and weight.shape[0] >= num_local
-        and weight.device == a.device,
-        f"{name} must be {a.dtype} [>= {num_local} local experts, N, {a.shape[1]}] on "
-        f"{a.device} with a contiguous last dim, got {weight.dtype} "
-        f"{tuple(weight.shape)} on {weight.device}",
-    )
-
-
 def moe_route_gate_up(
     x: torch.Tensor,
-    gate_up_proj: torch.Tensor,
+    gate_up_proj: ExpertWeight,
     ids: torch.Tensor,
     local_table: torch.Tensor,
     num_local: int,
@@ -261,7 +277,8 @@ def moe_route_gate_up(
 
     Args:
         x: [M, D] bf16 or fp32, last dim contiguous.
-        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows, then up rows).
+        gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows, then up rows), or kept as stored
+            (`QuantizedWeight`, dequantised in the kernel).
         ids: int32 [M, topk] contiguous: global expert per route; ids outside [0, E) are remote.
         local_table, num_local: `prepare_moe_sort`'s plan: local id per global expert,
             >= num_local for a remote one.
@@ -276,7 +293,7 @@ def moe_route_gate_up(
         f"x must be bf16/fp32 [M, D] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}",
     )
     _check_routes(ids, local_table, num_local, x.device)
-    _check_weight("gate_up_proj", gate_up_proj, x, num_local)
+    check_expert_weight("gate_up_proj", gate_up_proj, x, num_local)
     require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
     require(ids.shape[0] == x.shape[0], f"ids has {ids.shape[0]} rows, x {x.shape[0]}")
     require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
@@ -290,24 +307,27 @@ def moe_route_gate_up(
     if routes == 0 or inter == 0 or num_local == 0:
         return h
     block_n = 32  # 16 gate + 16 up columns: the grouped stage 1's tile
+    data = _data(gate_up_proj)
+    block_k = expert_block_k(x.shape[1], gate_up_proj)
     _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, block_n))](
         x,
-        gate_up_proj,
-        h,
-        ids,
-        local_table,
-        inter,
-        x.shape[1],
-        local_table.numel(),
-        num_local,
-        x.stride(0),
-        gate_up_proj.stride(0),
-        gate_up_proj.stride(1),
-        h.stride(0),
-        float(limit) if limit is not None else 0.0,
+        data,
+        h_ptr=h,
+        ids_ptr=ids,
+        table_ptr=local_table,
+        n_inter=inter,
+        k_dim=x.shape[1],
+        num_experts=local_table.numel(),
+        num_local=num_local,
+        stride_x=x.stride(0),
+        stride_we=data.stride(0),
+        stride_wn=data.stride(1),
+        stride_h=h.stride(0),
+        limit=float(limit) if limit is not None else 0.0,
+        **expert_weight_args(gate_up_proj, block_k),
         TOPK=ids.shape[1],
         BLOCK_N=block_n,
-        BLOCK_K=expert_block_k(x.shape[1]),
+        BLOCK_K=block_k,
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         ROUND_BF16=x.dtype == torch.bfloat16,
@@ -320,17 +340,22 @@ def moe_route_gate_up(
     return h
 
 
-def _down_meta(k_dim: int) -> dict[str, int]:
+def _data(weight: ExpertWeight) -> torch.Tensor:
+    return weight.data if isinstance(weight, QuantizedWeight) else weight
+
+
+def _down_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
     """Launch shape of stage 2 (`benchmark/kernels/probe_moe_token.py` times others; every
     shape gives the same bits: a dot's sum does not depend on the tile). 16 output columns per
     program: D = 1024 spreads one token over 64 programs, each streaming a [BLOCK_K, 8 x 16]
     tile of all its slots' weights per step."""
-    return {"BLOCK_N": 16, "BLOCK_K": expert_block_k(k_dim), "num_warps": 4, "num_stages": 3}
+    block_k = expert_block_k(k_dim, weight)
+    return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
 
 
 def moe_token_down_reduce(
     h: torch.Tensor,
-    down_proj: torch.Tensor,
+    down_proj: ExpertWeight,
     ids: torch.Tensor,
     weights: torch.Tensor,
     local_table: torch.Tensor,
@@ -345,7 +370,7 @@ def moe_token_down_reduce(
     Args:
         h: [M * topk, I] bf16 or fp32 contiguous (stage 1's output; remote routes' rows are
             never read).
-        down_proj: [E_loc, D, I] in h's dtype, last dim contiguous.
+        down_proj: [E_loc, D, I] in h's dtype, last dim contiguous, or kept as stored.
         ids: int32 [M, topk] contiguous; local_table, num_local: as `moe_route_gate_up`.
         weights: fp32 [M, topk] contiguous routing weights.
         routed_scale: multiplies the rounded routed sum (1.0 when the router folded it in).
@@ -359,7 +384,7 @@ def moe_token_down_reduce(
         f"h must be contiguous bf16/fp32 [M * topk, I], got {h.dtype} {tuple(h.shape)}",
     )
     _check_routes(ids, local_table, num_local, h.device)
-    _check_weight("down_proj", down_proj, h, num_local)
+    check_expert_weight("down_proj", down_proj, h, num_local)
     num_tokens, topk = ids.shape
     require(h.shape[0] == num_tokens * topk, f"h has {h.shape[0]} rows, ids {num_tokens}x{topk}")
     require(
@@ -386,23 +411,25 @@ def moe_token_down_reduce(
         out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     if num_tokens == 0 or hidden == 0:
         return out
-    meta = _down_meta(h.shape[1])
+    meta = _down_meta(h.shape[1], down_proj)
+    data = _data(down_proj)
     _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h,
-        down_proj,
-        out,
-        ids,
-        local_table,
-        weights,
-        shared if shared is not None else out,
-        hidden,
-        h.shape[1],
-        local_table.numel(),
-        num_local,
-        h.stride(0),
-        down_proj.stride(0),
-        down_proj.stride(1),
-        float(routed_scale),
+        data,
+        out_ptr=out,
+        ids_ptr=ids,
+        table_ptr=local_table,
+        weights_ptr=weights,
+        shared_ptr=shared if shared is not None else out,
+        n_cols=hidden,
+        k_dim=h.shape[1],
+        num_experts=local_table.numel(),
+        num_local=num_local,
+        stride_h=h.stride(0),
+        stride_we=data.stride(0),
+        stride_wn=data.stride(1),
+        routed_scale=float(routed_scale),
+        **expert_weight_args(down_proj, meta["BLOCK_K"]),
         TOPK=topk,
         SLOTS=triton.next_power_of_2(topk),
         ROWS=max(16, triton.next_power_of_2(topk)),

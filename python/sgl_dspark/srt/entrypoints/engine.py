@@ -73,6 +73,7 @@ def create_executor(args: ServerArgs, runner: ModelRunner) -> BaseStepExecutor:
         args.speculative_dspark_block_size,
         dargs,
         seed=args.random_seed,
+        load_format=args.load_format,
     )
     decode = DecodeExecutor(
         runner, consumer=worker.context_kv_consumer, step_window=runner.rc.max_verify_tokens
@@ -146,7 +147,10 @@ class Engine:
     def _init(self, args: ServerArgs) -> None:
         self.args = args
         cfg, weights = resolve_model(
-            args.model_path, resolve_dtype(args.dtype), seed=args.random_seed
+            args.model_path,
+            resolve_dtype(args.dtype),
+            seed=args.random_seed,
+            load_format=args.load_format,
         )
         rc = RunnerConfig.from_server_args(args, max_verify_tokens(args))
         # Process-wide (the launchers read it at every launch and at graph capture): the last

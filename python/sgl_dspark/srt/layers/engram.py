@@ -45,11 +45,14 @@ class EngramHash(nn.Module):
 
     def __init__(self, cfg: EngramConfig, index: int) -> None:
         super().__init__()
-        self.register_buffer(
-            "multipliers", torch.tensor(cfg.multipliers[index], dtype=torch.int64), False
-        )
-        self.register_buffer("primes", torch.tensor(cfg.primes[index], dtype=torch.int64), False)
-        self.register_buffer("offsets", torch.tensor(cfg.offsets(index), dtype=torch.int64), False)
+        # Derived buffers, on the host whatever the ambient device (a meta-device build).
+        for name, values in (
+            ("multipliers", cfg.multipliers[index]),
+            ("primes", cfg.primes[index]),
+            ("offsets", cfg.offsets(index)),
+        ):
+            host = torch.tensor(values, dtype=torch.int64, device="cpu")
+            self.register_buffer(name, host, persistent=False)
 
     def forward(self, compressed: torch.Tensor) -> torch.Tensor:
         """compressed `[T, N]` compressed ids -> table rows `[T, (N - 1) * heads]` int64

@@ -23,23 +23,49 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.quantized import (
+    WeightLike,
+    cat_weights,
+    mark_quantizable,
+    module_weight,
+    replace_weight,
+    split_rows,
+    weight_kind,
+    weight_ptr,
+)
 
 _SMALL_M_MAX_K = 4096
-# (x [..., K], weight [N, K]) -> x @ weight^T [..., N]
-LinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (x [..., K], weight [N, K] plain or quantised) -> x @ weight^T [..., N]
+LinearFn = Callable[[torch.Tensor, WeightLike], torch.Tensor]
+
+
+def _dequantized_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
+    """`F.linear` on the weight dequantised for this call (the torch path of a quantised weight:
+    slow, exact weights)."""
+    if isinstance(weight, QuantizedWeight):
+        weight = dequantize_weight_ref(weight, x.dtype)
+    return F.linear(x, weight)
 
 
 def linear_impl(kernels: KernelChoice | None) -> LinearFn:
-    """The bias-free linear of the "linear" family. torch: `F.linear`. triton: decode-sized
-    inputs (2-D, at most `MAX_M` rows, K <= 4096, unit stride along K) go through the small-M kernel
-    `kernels/linear/small_m.py` (narrow column blocks over many programs; another summation
-    order than the BLAS), larger ones through `F.linear`."""
+    """The bias-free linear of the "linear" family. torch: `F.linear` (a quantised weight is
+    dequantised per call). triton: decode-sized inputs (2-D, at most `MAX_M` rows, K <= 4096,
+    unit stride along K) go through the small-M kernel `kernels/linear/small_m.py` (narrow column
+    blocks over many programs; another summation order than the BLAS), with a quantised weight
+    through `kernels/linear/quantized.py` (dequantised in the kernel, any K); larger ones through
+    `F.linear` (a quantised weight dequantised per call)."""
     if kernels is None or kernels.of("linear") == "torch":
-        return F.linear
+        return _dequantized_linear
+    from sgl_dspark.kernels.linear.quantized import quantized_linear
     from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_linear
 
-    def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            if x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1:
+                return quantized_linear(x, weight)
+            return _dequantized_linear(x, weight)
         # K <= 4096: the kernel matches or beats the BLAS up to K = 1024 and loses to it at
         # K = 8192 (DSV4-Flash o_b; benchmark/results/kernels.md).
         if (
@@ -55,10 +81,13 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
 
 
 # (x [M, G, K], weight [G, N, K]) -> [M, G, N]: group g's columns of x times its own weight
-GroupedLinearFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+GroupedLinearFn = Callable[[torch.Tensor, WeightLike], torch.Tensor]
 
 
-def _grouped_linear_torch(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def _grouped_linear_torch(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
+    if isinstance(weight, QuantizedWeight):  # [G * N, K], dequantised for this call
+        dense = dequantize_weight_ref(weight, x.dtype)
+        weight = dense.view(x.shape[1], dense.shape[0] // x.shape[1], dense.shape[1])
     return torch.einsum("mgk,gnk->mgn", x, weight)
 
 
@@ -70,9 +99,14 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
     through the einsum."""
     if kernels is None or kernels.of("linear") == "torch":
         return _grouped_linear_torch
+    from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
     from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_grouped_linear
 
-    def grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def grouped_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
+        if isinstance(weight, QuantizedWeight):
+            if 0 < x.shape[0] <= MAX_M and x.stride(2) == 1:
+                return quantized_grouped_linear(x, weight)
+            return _grouped_linear_torch(x, weight)
         if (
             0 < x.shape[0] <= MAX_M
             and x.shape[2] <= _SMALL_M_MAX_K
@@ -86,7 +120,12 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
 
 class LinearGroup:
     """Members' outputs `[..., out_i]` for one input, in member order (column views of one GEMM
-    output once fused)."""
+    output per weight kind once fused).
+
+    Members are quantizable (`layers/quantized.py`): each may hold a quantised weight. `fuse()`
+    stacks the members of one kind (plain dtype, or quantised format and scale group) into one
+    weight, so a group whose members are stored in two formats (V4's FP8 attention projections
+    beside the bf16 compressor ones) runs one GEMM per format."""
 
     def __init__(
         self,
@@ -98,6 +137,7 @@ class LinearGroup:
         for lin in linears:
             if lin.bias is not None:
                 raise ValueError("LinearGroup members must be bias-free")
+            mark_quantizable(lin, "weight")
         if len({lin.in_features for lin in linears}) != 1:
             raise ValueError(
                 f"LinearGroup members must share in_features, got "
@@ -105,38 +145,61 @@ class LinearGroup:
             )
         self.linears = list(linears)
         self.sizes = [lin.out_features for lin in linears]
-        self.weight: torch.Tensor | None = None
+        # Fused runs: (member indices, the stacked weight); members are views of it.
+        self._runs: list[tuple[list[int], WeightLike]] = []
         self.linear = linear_impl(kernels)
 
     def fuse(self) -> None:
-        """Concatenate the weights into one tensor and make each member's weight a view of it."""
-        ws = [lin.weight.data for lin in self.linears]
-        if len({(w.dtype, w.device) for w in ws}) != 1:
-            raise ValueError("LinearGroup members must share dtype and device to fuse")
-        fused = torch.cat(ws, dim=0)
-        for lin, part in zip(self.linears, fused.split(self.sizes, dim=0)):
-            lin.weight.data = part
-        self.weight = fused
+        """Stack the weights of each kind into one tensor and make each member's weight a view
+        of it."""
+        weights = [module_weight(lin) for lin in self.linears]
+        kinds: dict[tuple[object, ...], list[int]] = {}
+        for i, w in enumerate(weights):
+            kinds.setdefault(weight_kind(w), []).append(i)
+        runs: list[tuple[list[int], WeightLike]] = []
+        for members in kinds.values():
+            fused = cat_weights([weights[i] for i in members], dim=-2)
+            for i, part in zip(members, split_rows(fused, [self.sizes[i] for i in members])):
+                replace_weight(self.linears[i], "weight", part)
+            runs.append((members, fused))
+        self._runs = runs
+
+    def restack(self, weight: WeightLike) -> None:
+        """Adopt `weight` (every member's rows stacked in order, one kind) as the fused weight;
+        the members' weights must already be views of it."""
+        self._runs = [(list(range(len(self.linears))), weight)]
+
+    @property
+    def weight(self) -> WeightLike | None:
+        """The stacked weight when every member is of one kind and fused, else None."""
+        return self._runs[0][1] if self.fused and len(self._runs) == 1 else None
 
     @property
     def fused(self) -> bool:
-        w = self.weight
-        # Untied by a later Module.to(): fall back to the members (never compute with stale weights).
-        return w is not None and self.linears[0].weight.data_ptr() == w.data_ptr()
+        # Untied by a later Module.to(): fall back to the members (never compute with stale
+        # weights).
+        return bool(self._runs) and all(
+            weight_ptr(module_weight(self.linears[members[0]])) == weight_ptr(fused)
+            for members, fused in self._runs
+        )
 
     def joint(self, x: torch.Tensor) -> torch.Tensor:
-        """All outputs side by side `[..., sum(out_i)]` (contiguous): the GEMM's own output once
-        fused, else the members' outputs concatenated."""
-        if self.fused:
-            assert self.weight is not None
-            return self.linear(x, self.weight)
-        return torch.cat([self.linear(x, lin.weight) for lin in self.linears], dim=-1)
+        """All outputs side by side `[..., sum(out_i)]` (contiguous): the GEMM's own output when
+        fused into one weight, else the outputs concatenated."""
+        weight = self.weight
+        if weight is not None:
+            return self.linear(x, weight)
+        return torch.cat(self(x), dim=-1)
 
     def __call__(self, x: torch.Tensor) -> list[torch.Tensor]:
-        if len(self.linears) > 1 and self.fused:
-            assert self.weight is not None
-            return list(self.linear(x, self.weight).split(self.sizes, dim=-1))
-        return [self.linear(x, lin.weight) for lin in self.linears]
+        if len(self.linears) == 1 or not self.fused:
+            return [self.linear(x, module_weight(lin)) for lin in self.linears]
+        outs: list[torch.Tensor | None] = [None] * len(self.linears)
+        for members, fused in self._runs:
+            parts = self.linear(x, fused).split([self.sizes[i] for i in members], dim=-1)
+            for i, part in zip(members, parts):
+                outs[i] = part
+        return [o for o in outs if o is not None]
 
 
 def fuse_linear_groups(model: nn.Module) -> int:

@@ -25,8 +25,10 @@ RopeTailFn = Callable[..., torch.Tensor]
 
 
 def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
-    """Per-pair inverse frequencies `[rope_dim // 2]` (fp32), with YaRN ramp when configured."""
-    exps = torch.arange(0, rope_dim, 2, dtype=torch.float32) / rope_dim
+    """Per-pair inverse frequencies `[rope_dim // 2]` (fp32), with YaRN ramp when configured.
+    Computed on the host whatever the ambient device (a model is built on the meta device and
+    keeps this derived buffer)."""
+    exps = torch.arange(0, rope_dim, 2, dtype=torch.float32, device="cpu") / rope_dim
     pos_freqs = rope.theta**exps
     inv_freq = 1.0 / pos_freqs
     if rope.rope_type == "default":
@@ -44,7 +46,8 @@ def rope_inv_freq(rope: RopeConfig, rope_dim: int) -> torch.Tensor:
     hi: float = min(math.ceil(correction_dim(rope.beta_slow)), rope_dim - 1)
     if lo == hi:
         hi += 0.001
-    ramp = ((torch.arange(rope_dim // 2, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+    ramp = torch.arange(rope_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((ramp - lo) / (hi - lo)).clamp(0, 1)
     inv_interp = 1.0 / (rope.factor * pos_freqs)
     return inv_interp * ramp + inv_freq * (1 - ramp)
 

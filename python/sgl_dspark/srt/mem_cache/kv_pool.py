@@ -1,7 +1,9 @@
 """Device KV state of DeepSeek-V4, addressed through `ReqToTokenPool`.
 
 Per layer:
-* window KV `[num_slots, Dh]`: the rotated kv of every token at its token slot (K = V);
+* window KV `[num_slots, Dh]`: the rotated kv of every token at its token slot (K = V), in the
+  runtime dtype or `window_dtype` (`--kv-cache-dtype`: FP8 E4M3 rows are the rotated rows
+  saturated to +-448 and rounded once; attention reads them back exactly, in the runtime dtype);
 * CSA/HCA compressed entries `[num_slots // m, Dh]`: entry w of a request lives at
   `req_to_token[r, w*m] // m` (pages are multiples of m, so block-start slots are multiples of m);
 * CSA indexer keys `[num_slots // m, Di]`, same addressing;
@@ -23,6 +25,19 @@ import torch
 
 from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig
 from sgl_dspark.srt.mem_cache.base import BaseKVPool
+
+# The largest finite E4M3 magnitude: FP8 window rows saturate here rather than overflow to NaN.
+FP8_E4M3_MAX = 448.0
+
+
+def store_kv_rows(pool: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor) -> None:
+    """`pool[slots] = rows` in the pool's dtype: FP8 E4M3 pools take the rows saturated to
+    +-FP8_E4M3_MAX and rounded to nearest even (written as bytes, so any device indexes them)."""
+    if pool.dtype == torch.float8_e4m3fn:
+        codes = rows.float().clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(pool.dtype)
+        pool.view(torch.uint8)[slots] = codes.view(torch.uint8)
+    else:
+        pool[slots] = rows.to(pool.dtype)
 
 
 def _next_pow2(x: int) -> int:
@@ -60,13 +75,14 @@ class DeepseekV4KVPool(BaseKVPool):
         max_verify_tokens: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        window_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_slots = num_slots
         self.max_verify_tokens = max_verify_tokens
         self.layers: list[LayerKV] = []
         dh, di = cfg.head_dim, cfg.index_head_dim
         for i, lt in enumerate(cfg.layer_types):
-            window = torch.zeros(num_slots, dh, dtype=dtype, device=device)
+            window = torch.zeros(num_slots, dh, dtype=window_dtype or dtype, device=device)
             if lt not in (CSA, HCA):
                 self.layers.append(LayerKV(window=window))
                 continue
@@ -96,13 +112,16 @@ class DeepseekV4KVPool(BaseKVPool):
             self.layers.append(layer)
 
     @staticmethod
-    def bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> float:
+    def bytes_per_token(
+        cfg: ModelConfig, dtype: torch.dtype, window_dtype: torch.dtype | None = None
+    ) -> float:
         """Device bytes per token slot (window KV + amortised compressed entries and their
         arrival counters)."""
         elem = torch.empty(0, dtype=dtype).element_size()
+        window_elem = torch.empty(0, dtype=window_dtype or dtype).element_size()
         total = 0.0
         for i, lt in enumerate(cfg.layer_types):
-            total += cfg.head_dim * elem
+            total += cfg.head_dim * window_elem
             if lt in (CSA, HCA):
                 m = cfg.compress_ratio(i)
                 total += (cfg.head_dim * elem + 4) / m

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -17,33 +18,21 @@ from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
+from sgl_dspark.srt.model_executor.weights import (
+    WEIGHT_FORMATS,
+    WeightFactory,
+    WeightSource,
+    build_on_meta,
+    keeps_fp32,
+    load_report,
+    materialise,
+)
 from sgl_dspark.srt.models.base import BaseCausalLM
 from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-# Parameters HF keeps in fp32 when the model runs in bf16: mHC, sinks, biases, norms.
-_FP32_PARAM_SUFFIXES = (
-    "attn_hc.fn",
-    "attn_hc.base",
-    "attn_hc.scale",
-    "ffn_hc.fn",
-    "ffn_hc.base",
-    "ffn_hc.scale",
-    "hc_head.hc_fn",
-    "hc_head.hc_base",
-    "hc_head.hc_scale",
-    "sinks",
-    "position_bias",
-    "e_score_correction_bias",
-    "norm.weight",
-)
-
-
-def keeps_fp32(name: str) -> bool:
-    return name.endswith(_FP32_PARAM_SUFFIXES) or "layernorm" in name
 
 
 def _server_default(name: str) -> Any:
@@ -53,7 +42,7 @@ def _server_default(name: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """What the runner needs of the server args (`from_server_args`), with their defaults;
-    device, dtype and kernel backend are resolved values (ServerArgs' "auto" on a CPU)."""
+    device, dtype, kernel backend and weight format are resolved values (ServerArgs' "auto" on a CPU)."""
 
     device: str = "cpu"
     dtype: str = "float32"
@@ -66,6 +55,8 @@ class RunnerConfig:
     kernel_backend: str = "torch"
     kernel_backend_overrides: str | None = _server_default("kernel_backend_overrides")
     mem_fraction_static: float | None = _server_default("mem_fraction_static")
+    weight_format: str = "bf16"  # "native": quantised checkpoint weights stay as stored
+    kv_cache_dtype: str = _server_default("kv_cache_dtype")
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, max_verify_tokens: int) -> RunnerConfig:
@@ -97,6 +88,31 @@ def resolve_dtype(name: str) -> torch.dtype:
     return table[name]
 
 
+# --kv-cache-dtype -> the window KV's storage dtype (None: the runtime dtype).
+_KV_CACHE_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "bfloat16": torch.bfloat16,
+}
+
+
+def _window_kv_dtype(choice: str, fixed: str | None) -> torch.dtype | None:
+    """The window KV dtype the pool is built with for `--kv-cache-dtype choice`; None where the
+    pool decides (the runtime dtype, or a model whose window storage is `fixed`)."""
+    if choice not in _KV_CACHE_DTYPES:
+        raise ValueError(
+            f"kv_cache_dtype must be one of {sorted(_KV_CACHE_DTYPES)}, got {choice!r}"
+        )
+    if fixed is not None:
+        if choice not in ("auto", fixed):
+            raise ValueError(
+                f"--kv-cache-dtype {choice!r}: this model stores its window KV as {fixed} by "
+                f"definition (use auto or {fixed})"
+            )
+        return None
+    return _KV_CACHE_DTYPES[choice]
+
+
 def default_page_size(cfg: ModelConfig) -> int:
     rates = [r for r in cfg.compress_ratios if r > 0]
     return math.lcm(1, *rates) if rates else 16
@@ -107,9 +123,13 @@ class ModelRunner:
         self,
         model_cfg: ModelConfig,
         rc: RunnerConfig,
-        weights: Iterable[tuple[str, torch.Tensor]] | None = None,
+        weights: Iterable[tuple[str, WeightSource]] | WeightFactory | None = None,
         model: BaseCausalLM | None = None,
     ) -> None:
+        """`weights`: the model's tensors by name (plain tensors or lazy sources read straight
+        onto the device, `model_executor/weights.py`), or a factory of them for the meta-built
+        model (random weights); the model is then built on the meta device. Without weights,
+        `model` (or a zero-initialised model) is cast and moved to the device."""
         self.model_cfg = model_cfg
         self.rc = rc
         self.device = torch.device(rc.device)
@@ -125,13 +145,27 @@ class ModelRunner:
         self.kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
         entry = model_entry(model_cfg)
         entry.check_runtime(model_cfg, self.kernels, rc.attention_backend)
-        if model is None:
-            model = entry.build_model(model_cfg, self.kernels)
-            if weights is not None:
-                load_weights(model, weights)
-        self.model = cast_model(model, self.dtype).to(self.device).eval()
+        if rc.weight_format not in WEIGHT_FORMATS:
+            raise ValueError(
+                f"weight_format must be one of {WEIGHT_FORMATS}, got {rc.weight_format!r}"
+            )
+        if model is None and weights is not None:
+            model = build_on_meta(lambda: entry.build_model(model_cfg, self.kernels))
+            if isinstance(weights, WeightFactory):
+                weights = weights.for_model(model)
+            native = rc.weight_format == "native"
+            self.model = materialise(model, weights, self.device, self.dtype, native, "model")
+        else:
+            model = model if model is not None else entry.build_model(model_cfg, self.kernels)
+            self.model = cast_model(model, self.dtype).to(self.device).eval()
         fuse_after_placement(self.model)  # after placement (see fused_linear.py)
-        num_pages = max(2, self._kv_tokens(model_cfg) // page + 1)
+        window = _window_kv_dtype(rc.kv_cache_dtype, entry.fixed_kv_cache_dtype)
+        self.window_kv_dtype = self.dtype if window is None else window
+        kv_options = {} if window is None else {"window_dtype": window}
+        self._kv_bytes_per_token = functools.partial(
+            entry.kv_bytes_per_token, model_cfg, self.dtype, **kv_options
+        )
+        num_pages = max(2, self._kv_tokens() // page + 1)
         self.allocator = PagedTokenAllocator(num_pages, page)
         self.req_pool = ReqToTokenPool(
             rc.max_running_requests, rc.context_length, self.allocator, self.device
@@ -143,6 +177,7 @@ class ModelRunner:
             rc.max_verify_tokens,
             self.dtype,
             self.device,
+            **kv_options,
         )
         self.attn_backend = create_attention_backend(rc.attention_backend)
         # cos/sin of every position a request can reach, built before any graph is captured.
@@ -153,14 +188,18 @@ class ModelRunner:
         if self.device.type == "cuda":
             self._tap_stream = torch.cuda.Stream(self.device)
         self._taps_pending: tuple[object, ...] | None = None
+        kv_bytes = num_pages * page * self._kv_bytes_per_token()
+        logger.info("KV pool: %d pages x %d tokens, %.1f MiB", num_pages, page, kv_bytes / 2**20)
+        # What this device holds, by kind (weights as loaded: native or dequantised).
+        self.memory_report = {**load_report(self.model), "kv": int(kv_bytes)}
         logger.info(
-            "KV pool: %d pages x %d tokens, %.1f MiB",
-            num_pages,
-            page,
-            num_pages * page * entry.kv_bytes_per_token(model_cfg, self.dtype) / 2**20,
+            "device memory on %s (%s weights): %s",
+            self.device,
+            rc.weight_format,
+            ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in self.memory_report.items()),
         )
 
-    def _kv_tokens(self, cfg: ModelConfig) -> int:
+    def _kv_tokens(self) -> int:
         """KV pool size in tokens: --max-total-tokens, or on CUDA with --mem-fraction-static the
         tokens that fit in (fraction x total memory) minus what is in use after the weights."""
         frac = self.rc.mem_fraction_static
@@ -168,7 +207,7 @@ class ModelRunner:
             return self.rc.max_total_tokens
         free, total = torch.cuda.mem_get_info(self.device)
         budget = frac * total - (total - free)
-        per_token = model_entry(cfg).kv_bytes_per_token(cfg, self.dtype)
+        per_token = self._kv_bytes_per_token()
         tokens = int(budget // per_token)
         if tokens < 2 * self.page_size:
             raise RuntimeError(

@@ -8,12 +8,14 @@ names the tensor. `load_checkpoint` then reads one output tensor at a time.
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Literal, NamedTuple
 
 import torch
 
+from sgl_dspark.kernels.linear.reference import QuantizedWeight
 from sgl_dspark.srt.model_loader.name_mapping import (
     V4_NAMES,
     NameTable,
@@ -28,7 +30,9 @@ from sgl_dspark.srt.model_loader.quantization import (
     dequantize_fp8_block,
     dequantize_mxfp4,
     fp8_block_scale_shape,
+    fp8_block_to_runtime,
     mxfp4_scale_shape,
+    mxfp4_to_runtime,
 )
 from sgl_dspark.srt.model_loader.weight_utils import SafetensorsReader, TensorInfo
 
@@ -44,6 +48,8 @@ _PLAIN_DTYPES = frozenset({"F32", "BF16", "F16", "F64"})
 _INTEGER_DTYPES = frozenset({"I64", "I32", "I16", "U8", "I8", "U16", "U32"})
 _SCALE_DTYPES = frozenset({"F8_E8M0", "U8", "F32", "BF16", "F16"})
 _DEFAULT_BLOCK = (128, 128)
+# Bytes per element of the stored dtypes wider than one byte.
+_DTYPE_BYTES = {"F64": 8, "I64": 8, "U64": 8, "F32": 4, "I32": 4, "U32": 4, "BF16": 2, "F16": 2}
 # MXFP4 scale groups a checkpoint may declare through its scale shapes (32 is the MX standard;
 # some DeepSeek-V4.1 expert checkpoints are described with 16).
 _FP4_GROUPS = (MXFP4_GROUP, 16)
@@ -233,47 +239,153 @@ def _plan_experts(
     return LoadItem(hf_name, "gate_up" if gate_up else "down", tuple(parts))
 
 
-def _read_part(reader: SafetensorsReader, part: StoredPart) -> torch.Tensor:
-    tensor = reader.get(part.weight)
-    if part.fmt == "fp8":
-        assert part.scale is not None
-        return dequantize_fp8_block(tensor, reader.get(part.scale), part.block)
-    if part.fmt == "fp4":
-        assert part.scale is not None
-        return dequantize_mxfp4(tensor, reader.get(part.scale), part.block[1])
-    return tensor
-
-
 def _output_dtype(hf_name: str, dtype: torch.dtype) -> torch.dtype:
     if is_integer_buffer(hf_name):
         return torch.int64
     return torch.float32 if is_fp32_param(hf_name) else dtype
 
 
-def _materialise(reader: SafetensorsReader, item: LoadItem) -> torch.Tensor:
-    tensors = [_read_part(reader, p) for p in item.parts]
+def _part_rows(item: LoadItem, index: int, rows: int) -> tuple[int | None, slice]:
+    """Where part `index` of `item` lands in the output: (expert or None, row slice)."""
     if item.kind == "plain":
-        return tensors[0]
+        return None, slice(None)
     if item.kind == "gate_up":
-        return torch.stack(
-            [torch.cat(tensors[i : i + 2], dim=0) for i in range(0, len(tensors), 2)]
+        start = (index % 2) * rows
+        return index // 2, slice(start, start + rows)
+    return index, slice(None)
+
+
+def _scale_rows(rows: slice, count: int, block_rows: int) -> slice:
+    """The scale rows of a part whose weight rows are `rows` (its first row starts a block)."""
+    if rows.start is None:
+        return slice(None)
+    start = rows.start // block_rows
+    return slice(start, start + count)
+
+
+class CheckpointTensor:
+    """One model tensor of an open checkpoint, read part by part straight onto a device when
+    asked: `dense(device, dtype)` dequantised, or `quantized(device)` kept as stored (FP8 /
+    MXFP4 in the runtime layout of `kernels/linear/reference.py`). Host memory holds one stored
+    part (one expert's matrix, or one plain tensor) at a time."""
+
+    def __init__(self, reader: SafetensorsReader, item: LoadItem) -> None:
+        self._reader = reader
+        self.item = item
+        infos = reader.infos
+        self.part_shape = _dequantized_shape(item.parts[0], infos)
+        rows, *rest = self.part_shape
+        if item.kind == "plain":
+            self.shape: tuple[int, ...] = self.part_shape
+        elif item.kind == "gate_up":
+            self.shape = (len(item.parts) // 2, 2 * rows, *rest)
+        else:
+            self.shape = (len(item.parts), rows, *rest)
+        formats = {(p.fmt, p.block) for p in item.parts}
+        fmt, block = next(iter(formats))
+        # The stored format when every part shares it (FP8 with one block, MXFP4 with one group).
+        self.fmt: str | None = fmt if len(formats) == 1 and fmt in ("fp8", "fp4") else None
+        self._block = block
+        self.nbytes = sum(
+            math.prod(infos[name].shape) * _DTYPE_BYTES.get(infos[name].dtype, 1)
+            for p in item.parts
+            for name in (p.weight, p.scale)
+            if name is not None
         )
-    return torch.stack(tensors)
+
+    def dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
+        """The tensor on `device` in `dtype` (quantised parts dequantised exactly on the
+        device, then rounded once to `dtype`)."""
+        out = torch.empty(self.shape, dtype=dtype, device=device)
+        rows = self.part_shape[0]
+        for i, part in enumerate(self.item.parts):
+            stored = self._reader.get(part.weight).to(device)
+            if part.fmt == "fp8":
+                assert part.scale is not None
+                scale = self._reader.get(part.scale).to(device)
+                stored = dequantize_fp8_block(stored, scale, part.block)
+            elif part.fmt == "fp4":
+                assert part.scale is not None
+                scale = self._reader.get(part.scale).to(device)
+                stored = dequantize_mxfp4(stored, scale, part.block[1])
+            expert, row_slice = _part_rows(self.item, i, rows)
+            target = out if expert is None else out[expert]
+            target[row_slice].copy_(stored)
+        return out
+
+    def quantized(self, device: torch.device | str) -> QuantizedWeight:
+        """The tensor kept as stored, on `device`; ValueError (naming the tensor) when it is not
+        stored in one quantised format or its format has no native support."""
+        if self.fmt is None:
+            raise ValueError(f"{self.item.hf_name!r} is not stored in one quantised format")
+        rows = self.part_shape[0]
+        block_rows = self._block[0] if self.fmt == "fp8" else 1
+        if len(self.item.parts) > 1 and rows % block_rows:
+            block_rows = 1  # the parts' blocks do not tile the stack: one scale row per row
+        data = scale = None
+        for i, part in enumerate(self.item.parts):
+            assert part.scale is not None
+            stored = self._reader.get(part.weight).to(device)
+            stored_scale = self._reader.get(part.scale).to(device)
+            what = f"tensor {part.weight!r}"
+            if part.fmt == "fp8":
+                qw = fp8_block_to_runtime(stored, stored_scale, part.block, what)
+            else:
+                qw = mxfp4_to_runtime(stored, stored_scale, part.block[1], what)
+            if block_rows == 1:
+                qw = qw.per_row()
+            if data is None or scale is None:
+                lead, n = self.shape[:-2], self.shape[-2]
+                data = torch.empty(
+                    (*lead, n, qw.data.shape[-1]), dtype=qw.data.dtype, device=device
+                )
+                scale_rows = -(-n // block_rows)
+                scale = torch.empty(
+                    (*lead, scale_rows, qw.scale.shape[-1]), dtype=torch.uint8, device=device
+                )
+            expert, row_slice = _part_rows(self.item, i, rows)
+            (data if expert is None else data[expert])[row_slice].copy_(qw.data)
+            scale_slice = _scale_rows(row_slice, qw.scale.shape[-2], block_rows)
+            (scale if expert is None else scale[expert])[scale_slice].copy_(qw.scale)
+        assert data is not None and scale is not None
+        fmt = "fp8" if self.fmt == "fp8" else "mxfp4"
+        return QuantizedWeight(data, scale, fmt, self._block[1], block_rows)
 
 
-def _iter_plan(
-    model_path: str, plan: CheckpointPlan, dtype: torch.dtype
-) -> Iterator[tuple[str, torch.Tensor]]:
-    with SafetensorsReader(model_path) as reader:
-        for item in plan.items:
-            tensor = _materialise(reader, item)
-            yield item.hf_name, tensor.to(_output_dtype(item.hf_name, dtype)).contiguous()
+class CheckpointWeights:
+    """A checkpoint's tensors as `(hf_name, CheckpointTensor)`, validated from the headers when
+    built (`plan_checkpoint`); iterating opens the files, and each tensor is read when asked."""
+
+    def __init__(self, model_path: str, config: ModelConfig, names: NameTable = V4_NAMES) -> None:
+        self.model_path = model_path
+        with SafetensorsReader(model_path) as reader:
+            self.plan = plan_checkpoint(reader, config, names)
+        formats = Counter(p.fmt for item in self.plan.items for p in item.parts)
+        logger.info(
+            "checkpoint %s: %s names, %d tensors (%d fp8, %d mxfp4 parts), %d tensors skipped",
+            model_path,
+            self.plan.scheme,
+            len(self.plan.items),
+            formats["fp8"],
+            formats["fp4"],
+            len(self.plan.dropped),
+        )
+
+    def __len__(self) -> int:
+        return len(self.plan.items)
+
+    def __iter__(self) -> Iterator[tuple[str, CheckpointTensor]]:
+        with SafetensorsReader(self.model_path) as reader:
+            for item in self.plan.items:
+                yield item.hf_name, CheckpointTensor(reader, item)
 
 
 def load_checkpoint(
     model_path: str, config: ModelConfig, dtype: torch.dtype, names: NameTable = V4_NAMES
 ) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield `(hf_name, tensor)` for every tensor of the checkpoint in `model_path`.
+    """Yield `(hf_name, tensor)` for every tensor of the checkpoint in `model_path`, dequantised
+    on the host (`CheckpointWeights` reads the same tensors lazily, onto any device, optionally
+    kept as stored).
 
     Accepts released names (per-expert `w1/w2/w3`, `.scale`) or HF names. FP8 and MXFP4 weights
     are dequantised (exactly, in float32) and cast to `dtype`; HF's float32 tensors (mHC, sinks,
@@ -288,19 +400,8 @@ def load_checkpoint(
     """
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-    with SafetensorsReader(model_path) as reader:
-        plan = plan_checkpoint(reader, config, names)
-    formats = Counter(p.fmt for item in plan.items for p in item.parts)
-    logger.info(
-        "checkpoint %s: %s names, %d tensors (%d fp8, %d mxfp4 parts), %d tensors skipped",
-        model_path,
-        plan.scheme,
-        len(plan.items),
-        formats["fp8"],
-        formats["fp4"],
-        len(plan.dropped),
-    )
-    return _iter_plan(model_path, plan, dtype)
+    weights = CheckpointWeights(model_path, config, names)
+    return ((name, t.dense("cpu", _output_dtype(name, dtype)).contiguous()) for name, t in weights)
 
 
 def load_state_dict(
@@ -312,6 +413,8 @@ def load_state_dict(
 
 __all__ = [
     "CheckpointPlan",
+    "CheckpointTensor",
+    "CheckpointWeights",
     "LoadItem",
     "StoredPart",
     "load_checkpoint",

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_dspark.kernels.linear.reference import QuantizedWeight
+
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 MXFP4_GROUP = 32
@@ -224,6 +226,61 @@ def quantize_mxfp4(
     return packed, _exponent_to_e8m0(k)
 
 
+def e8m0_bytes(scale: torch.Tensor, what: str) -> torch.Tensor:
+    """Any supported scale tensor -> uint8 E8M0 exponent bytes in 1..254 (the range the kernels
+    decode); float multipliers must be powers of two. ValueError naming `what` otherwise."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        scale = scale.view(torch.uint8)
+    if scale.dtype == torch.uint8:
+        out = scale
+    elif scale.dtype in _SCALE_FLOAT_DTYPES:
+        mantissa, exponent = torch.frexp(scale.to(torch.float32))
+        if not bool(((mantissa == 0.5) & (scale > 0)).all()):
+            raise ValueError(f"{what}: scales are not all positive powers of two")
+        out = (exponent - 1 + E8M0_BIAS).clamp(0, 255).to(torch.uint8)
+    else:
+        raise ValueError(f"{what}: unsupported scale dtype {scale.dtype}")
+    if bool(((out == 0) | (out == 255)).any()):
+        raise ValueError(f"{what}: E8M0 scale bytes 0 (2^-127) or 255 (NaN) are not supported")
+    return out
+
+
+def fp8_block_to_runtime(
+    weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], what: str = "weight"
+) -> QuantizedWeight:
+    """FP8 with `block = (rows, cols)` scales -> the runtime layout (`kernels/linear/
+    reference.py`: the same blocks, E8M0 bytes). The block's columns must be a power of two of
+    at least 16 (a matrix-unit K step)."""
+    rows, cols = block
+    if cols < 16 or cols & (cols - 1):
+        raise ValueError(
+            f"{what}: FP8 scale blocks of {cols} input channels are not supported natively "
+            "(a power of two >= 16 is); use --weight-format bf16"
+        )
+    expected = fp8_block_scale_shape(weight.shape, block)
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{what}: FP8 scale shape {tuple(scale.shape)}, expected {expected}")
+    scale_bytes = e8m0_bytes(scale, what).contiguous()
+    return QuantizedWeight(weight.contiguous(), scale_bytes, "fp8", cols, rows)
+
+
+def mxfp4_to_runtime(
+    packed: torch.Tensor, scale: torch.Tensor, group: int = MXFP4_GROUP, what: str = "weight"
+) -> QuantizedWeight:
+    """Packed MXFP4 with per-`group` scales -> the runtime layout. Groups must be a power of two
+    of at least 32 (16 E2M1 pairs, a matrix-unit K step per nibble)."""
+    if group < 32 or group & (group - 1):
+        raise ValueError(
+            f"{what}: MXFP4 scale group {group} is not supported natively (a power of two "
+            ">= 32 is); use --weight-format bf16"
+        )
+    expected = mxfp4_scale_shape(packed.shape, group)
+    if tuple(scale.shape) != expected:
+        raise ValueError(f"{what}: MXFP4 scale shape {tuple(scale.shape)}, expected {expected}")
+    data = packed.view(torch.uint8).contiguous()
+    return QuantizedWeight(data, e8m0_bytes(scale, what).contiguous(), "mxfp4", group)
+
+
 __all__ = [
     "E2M1_VALUES",
     "FP8_E4M3_MAX",
@@ -231,7 +288,10 @@ __all__ = [
     "MXFP4_GROUP",
     "dequantize_fp8_block",
     "dequantize_mxfp4",
+    "e8m0_bytes",
     "fp8_block_scale_shape",
+    "fp8_block_to_runtime",
+    "mxfp4_to_runtime",
     "mxfp4_scale_shape",
     "quantize_fp8_block",
     "quantize_mxfp4",

@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import glob
+import io
 import json
 import os
+import struct
 from contextlib import ExitStack
 from types import TracebackType
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import safe_open
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -61,8 +62,47 @@ def find_safetensors_files(model_path: str) -> list[str]:
     return files
 
 
+# safetensors dtype strings -> torch dtypes.
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E8M0": torch.float8_e8m0fnu,
+}
+_MAX_HEADER = 100 * 2**20
+
+
+def _read_header(path: str) -> tuple[dict[str, Any], int]:
+    """(the JSON header, the offset of the data section) of a safetensors file."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise ValueError(f"{path}: not a safetensors file (shorter than 8 bytes)")
+        size = struct.unpack("<Q", prefix)[0]
+        if size > _MAX_HEADER:
+            raise ValueError(f"{path}: safetensors header of {size} bytes is implausible")
+        try:
+            header = json.loads(f.read(size))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}: malformed safetensors header ({e})") from e
+    header.pop("__metadata__", None)
+    return header, 8 + size
+
+
 class SafetensorsReader:
-    """Open handles on every shard; tensors are read one at a time (memory-mapped).
+    """The tensors of every shard, read one at a time by plain file reads (no memory map), so
+    the host holds only the tensor being read: a checkpoint larger than the host's memory loads
+    as well as a small one. `get(name, rows)` reads a row range of a tensor (a slice of its
+    bytes), e.g. one rank's share.
 
     Use as a context manager. `infos` maps every tensor name to its `TensorInfo`; a name stored
     in two shards raises ValueError.
@@ -71,22 +111,24 @@ class SafetensorsReader:
     def __init__(self, model_path: str) -> None:
         self.files = find_safetensors_files(model_path)
         self._stack = ExitStack()
-        self._handles: dict[str, Any] = {}
+        self._handles: dict[str, io.BufferedReader] = {}
+        self._offsets: dict[str, tuple[int, int]] = {}  # name -> (absolute start, end)
         self.infos: dict[str, TensorInfo] = {}
 
     def __enter__(self) -> SafetensorsReader:
         try:
             for path in self.files:
-                handle = self._stack.enter_context(safe_open(path, framework="pt"))
-                self._handles[path] = handle
-                for name in handle.keys():
+                header, data_start = _read_header(path)
+                self._handles[path] = self._stack.enter_context(open(path, "rb"))  # noqa: SIM115
+                for name, entry in header.items():
                     if name in self.infos:
                         raise ValueError(
                             f"tensor {name!r} is stored twice: in {self.infos[name].file!r} and "
                             f"{path!r}"
                         )
-                    view = handle.get_slice(name)
-                    self.infos[name] = TensorInfo(path, view.get_dtype(), tuple(view.get_shape()))
+                    begin, end = entry["data_offsets"]
+                    self.infos[name] = TensorInfo(path, entry["dtype"], tuple(entry["shape"]))
+                    self._offsets[name] = (data_start + begin, data_start + end)
         except BaseException:
             self._stack.close()
             raise
@@ -101,10 +143,28 @@ class SafetensorsReader:
         self._stack.close()
         self._handles.clear()
 
-    def get(self, name: str) -> torch.Tensor:
-        """Load one tensor (CPU) by its stored name."""
+    def get(self, name: str, rows: slice | None = None) -> torch.Tensor:
+        """One tensor (CPU) by its stored name; `rows`: only rows [start, stop) of its first
+        dim (read as one byte range)."""
         info = self.infos[name]
-        return self._handles[info.file].get_tensor(name)
+        dtype = _DTYPES.get(info.dtype)
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: unsupported stored dtype {info.dtype}")
+        begin, end = self._offsets[name]
+        shape = list(info.shape)
+        if rows is not None and shape:
+            start, stop, step = rows.indices(shape[0])
+            if step != 1:
+                raise ValueError(f"tensor {name!r}: row slices must be contiguous")
+            row_bytes = (end - begin) // max(shape[0], 1)
+            begin, end = begin + start * row_bytes, begin + max(stop, start) * row_bytes
+            shape[0] = max(stop - start, 0)
+        out = torch.empty(end - begin, dtype=torch.uint8)
+        handle = self._handles[info.file]
+        handle.seek(begin)
+        if end > begin and handle.readinto(out.numpy().data) != end - begin:
+            raise ValueError(f"tensor {name!r}: {info.file} is truncated")
+        return out.view(dtype).reshape(shape)
 
 
 __all__ = ["INDEX_FILE", "SafetensorsReader", "TensorInfo", "find_safetensors_files"]

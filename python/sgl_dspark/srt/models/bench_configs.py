@@ -4,15 +4,128 @@
   8 output groups of rank 1024, hc 4, window 128, CSA 4 with a 64x128 indexer (top-512), HCA 128,
   I 2048, top-6) with 4 layers and 96 routed experts (one EP4 rank's share of 384), V 129280:
   one GPU holds it in bf16.
+* `dsv41_flash_rank`: DeepSeek-V4.1-Flash at full depth (40 backbone layers + 3 DSpark draft
+  stages = 43) with one EP4 rank's share of routed experts (96 of 384; top-6 among them, so a
+  step touches at least as many local experts as the rank would), experts MXFP4 and dense
+  projections FP8 32 x 32 as released. Engram keeps its released layers, heads and widths with
+  hash tables of a 100k base vocabulary (the released 16M-row-per-hash tables are ~200 GB a layer
+  in bf16 and are read ~24 rows a token, so their size moves no step time). Random weights only
+  (`--load-format dummy`): ~280 GB in bf16, ~80 GB as stored, so one H200 holds it only natively.
+* `dsv4_flash_rank`: the same shape of workload with DeepSeek-V4-Flash's dimensions (40 layers + 3
+  draft stages, 96 routed experts as the V4.1 rank holds, FP8 128 x 128 + MXFP4): the headline
+  model while DeepSeek-V4.1 runs only its torch kernels. ~200 GB in bf16, ~60 GB as stored.
 * `mid_910m`: the 910M-parameter engine benchmark model (HF `generate` baseline).
 * `toy`: the same layer pattern at toy sizes, for CPU smoke tests of the benchmark scripts.
 """
 
 from __future__ import annotations
 
+from sgl_dspark.srt.configs.engram_layout import engram_primes
+
 _S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
 
+# DSpark draft of the rank models: 3 stages reading the last 3 backbone layers, V4.1's block and
+# Markov rank, and one EP4 rank's share of its routed experts (32 of 128, top-3).
+_RANK_DSPARK = {
+    "dspark_block_size": 5,
+    "dspark_markov_rank": 256,
+    "dspark_noise_token_id": 128799,
+    "dspark_target_layer_ids": [37, 38, 39],
+    "dspark_n_routed_experts": 32,
+    "dspark_num_experts_per_tok": 3,
+    "enable_confidence_head": True,
+}
+_ENGRAM_LAYERS = [1, 14]
+_ENGRAM_VOCAB = 100_000
+
+
+def _engram_rows() -> list[int]:
+    """Rows of each Engram layer's table: the sum of its hash primes (8 heads x n-grams 2..4)."""
+    primes = engram_primes(tuple(_ENGRAM_LAYERS), 4, 8, _ENGRAM_VOCAB)
+    return [sum(sum(heads) for heads in layer) for layer in primes]
+
+
+# Configs whose DSpark draft is described by these keys in a `dspark/config.json` (with the
+# target's; the benchmarks write it beside the target's config.json). `toy`: for CPU smoke tests.
+BENCH_DRAFT_KEYS: dict[str, dict] = {
+    "dsv41_flash_rank": _RANK_DSPARK,
+    "dsv4_flash_rank": _RANK_DSPARK,
+    "toy": {
+        "dspark_block_size": 3,
+        "dspark_markov_rank": 16,
+        "dspark_noise_token_id": 511,
+        "dspark_target_layer_ids": [1, 2, 3],
+        "dspark_n_routed_experts": 8,
+        "dspark_num_experts_per_tok": 2,
+        "enable_confidence_head": True,
+    },
+}
+
 BENCH_CONFIGS: dict[str, dict] = {
+    "dsv41_flash_rank": {
+        # The released V4.1-Flash fields the V4.1 config does not default (config/deepseek_v41.py
+        # defaults the rest: D 5120, 64 heads x 512, q rank 1280, 8 x 1024 output groups, I 2304,
+        # indexer 32 x 128 top-512, window 128).
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "vocab_size": 129280,
+        "n_routed_experts": 96,
+        "num_experts_per_tok": 6,
+        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+        "num_nextn_predict_layers": 3,
+        "kv_source_layer_ids": [2, 8, 14, 20],
+        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+        "candidate_source_layer_id": 20,
+        "candidate_topk_blocks": 2048,
+        "candidate_block_size": 8,
+        "engram_layer_ids": _ENGRAM_LAYERS,
+        "engram_num_embeddings": _engram_rows(),
+        "engram_max_ngram_size": 4,
+        "engram_n_heads": 8,
+        "engram_head_dim": 256,
+        "engram_vocab_size": _ENGRAM_VOCAB,
+        "engram_compressed_vocab_size": 99092,
+        "max_position_embeddings": 65536,
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [32, 32],
+            "scale_fmt": "ue8m0",
+            "expert_dtype": "fp4",
+        },
+        "torch_dtype": "bfloat16",
+    },
+    "dsv4_flash_rank": {
+        "vocab_size": 129280,
+        "hidden_size": 4096,
+        "moe_intermediate_size": 2048,
+        "num_hidden_layers": 40,
+        "num_attention_heads": 64,
+        "num_key_value_heads": 1,
+        "head_dim": 512,
+        "q_lora_rank": 1024,
+        "qk_rope_head_dim": 64,
+        "num_experts_per_tok": 6,
+        "n_routed_experts": 96,
+        "n_shared_experts": 1,
+        "hc_mult": 4,
+        "sliding_window": 128,
+        "o_groups": 8,
+        "o_lora_rank": 1024,
+        "index_n_heads": 64,
+        "index_head_dim": 128,
+        "index_topk": 512,
+        "max_position_embeddings": 65536,
+        "compress_rates": {_C: 4, _H: 128},
+        "quantization_config": {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "weight_block_size": [128, 128],
+            "scale_fmt": "ue8m0",
+            "expert_dtype": "fp4",
+        },
+        "torch_dtype": "bfloat16",
+    },
     "dsv4_flash_slice": {
         "vocab_size": 129280,
         "hidden_size": 4096,

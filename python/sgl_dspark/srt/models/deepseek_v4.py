@@ -30,6 +30,7 @@ from sgl_dspark.srt.layers.mhc import (
 )
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import (
     RopeTable,
     RopeTailFn,
@@ -37,7 +38,7 @@ from sgl_dspark.srt.layers.rotary import (
     rope_inv_freq,
     rope_q_kv_impl,
 )
-from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
+from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV, store_kv_rows
 from sgl_dspark.srt.models.base import BaseCausalLM
 
 
@@ -130,6 +131,8 @@ class Attention(nn.Module):
             qr_members.append(idx.q_b_proj)
         self.x_proj = LinearGroup(x_members, kernels)
         self.qr_proj = LinearGroup(qr_members, kernels)
+        mark_quantizable(self.o_a_proj, "weight")
+        mark_quantizable(self.o_b_proj, "weight")
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -150,17 +153,22 @@ class Attention(nn.Module):
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
         q, *index_q = self.qr_proj(qr)
         q = q.view(T, self.n_heads, self.head_dim)
-        # One launch rotates q and stores the KV row, both norms inside it (rope_q_kv_impl).
-        q, _ = self.rope_q_kv(
+        # One launch rotates q and stores the KV row, both norms inside it (rope_q_kv_impl);
+        # a window cache in another dtype (--kv-cache-dtype) stores the rotated rows converted.
+        window = kv_state.window
+        same_dtype = window.dtype == kv.dtype
+        q, rows = self.rope_q_kv(
             q,
             kv,
             cos,
             sin,
             q_norm=(None, self.eps) if self.q_head_norm else None,
             kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
-            pool=kv_state.window,
-            slots=batch.out_cache_loc,
+            pool=window if same_dtype else None,
+            slots=batch.out_cache_loc if same_dtype else None,
         )
+        if rows is not None:
+            store_kv_rows(window, batch.out_cache_loc, rows)
         slots, valid, entries = self._compressed_keys(comp_in, index_q, batch, kv_state, rope)
         # Compressed entries are read in place at their pool rows (no [T, N, Dh] gather); the
         # output's rope channels are rotated back inside the backend (the V rope carried into o).
@@ -178,9 +186,9 @@ class Attention(nn.Module):
             extra_entries=entries,
         )
         og = o.reshape(T, self.groups, -1)
-        wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
+        wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
         z = self.grouped_linear(og, wa).reshape(T, -1)
-        return self.linear(z, self.o_b_proj.weight)
+        return self.linear(z, module_weight(self.o_b_proj))
 
     def _compressed_keys(
         self,

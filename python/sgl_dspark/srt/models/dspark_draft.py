@@ -40,6 +40,7 @@ from sgl_dspark.srt.layers.mhc import (
 )
 from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import (
     RopeTable,
     rope_cos_sin,
@@ -100,6 +101,8 @@ class DraftAttention(nn.Module):
         self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
         self.rms_norm = rms_norm_impl(kernels)
         self.x_proj = LinearGroup([self.q_a_proj, self.kv_proj], kernels)  # one GEMM, fused
+        for lin in (self.q_b_proj, self.o_a_proj, self.o_b_proj):
+            mark_quantizable(lin, "weight")
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -117,7 +120,7 @@ class DraftAttention(nn.Module):
         """`pool[slots]` = the KV rows of target tokens from their projected features `main_x`
         (kv_norm and RoPE inside the store's launch where the kernels allow)."""
         self.rope_store(
-            self.linear(main_x, self.kv_proj.weight),
+            self.linear(main_x, module_weight(self.kv_proj)),
             cos,
             sin,
             pool,
@@ -141,7 +144,7 @@ class DraftAttention(nn.Module):
         rows = u.shape[0]
         q_a, kv = self.x_proj(u)
         qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
-        q = self.linear(qr, self.q_b_proj.weight).view(rows, self.n_heads, self.head_dim)
+        q = self.linear(qr, module_weight(self.q_b_proj)).view(rows, self.n_heads, self.head_dim)
         # One launch rotates q and the block's KV rows, both norms inside it (rope_q_kv_impl).
         q, kv_rows = self.rope_q_kv(
             q,
@@ -165,9 +168,9 @@ class DraftAttention(nn.Module):
             self.head_dim**-0.5,
             inverse_rope=(cos, sin),
         ).reshape(rows, self.n_heads, -1)
-        wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
+        wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
         z = self.grouped_linear(o.reshape(rows, self.groups, -1), wa).reshape(rows, -1)
-        return self.linear(z, self.o_b_proj.weight)
+        return self.linear(z, module_weight(self.o_b_proj))
 
 
 class DraftStage(nn.Module):
@@ -251,6 +254,7 @@ class DSparkDraftModel(nn.Module):
         self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)
         self.main_proj = nn.Linear(dcfg.num_stages * d, d, bias=False)
+        mark_quantizable(self.main_proj, "weight")
         self.main_norm = RMSNorm(d, cfg.rms_norm_eps)
         self.markov_head = MarkovHead(cfg.vocab_size, dcfg.markov_rank)
         self.confidence_head = ConfidenceHead(d, dcfg.markov_rank)
@@ -282,9 +286,11 @@ class DSparkDraftModel(nn.Module):
     ) -> None:
         """Each stage's context KV of target tokens with features `[N, n_f * D]` at
         `positions [N]`, stored at `pools[stage][slots]`."""
-        weight = self.main_proj.weight
+        weight = module_weight(self.main_proj)
+        if isinstance(weight, torch.Tensor):  # a quantised weight computes in x's dtype
+            features = features.to(weight.dtype)
         main_x = self.rms_norm(
-            self.linear(features.to(weight.dtype), weight),
+            self.linear(features, weight),
             self.main_norm.weight,
             self.main_norm.eps,
         )

@@ -15,20 +15,24 @@ from sgl_dspark.srt.mem_cache.base import BaseKVPool
 from sgl_dspark.srt.model_loader.name_mapping import V4_NAMES, V41_NAMES, NameTable
 from sgl_dspark.srt.models.base import BaseCausalLM
 
-# (cfg, num_slots, req_slots, max_verify_tokens, dtype, device) -> pool
-KVPoolFactory = Callable[[ModelConfig, int, int, int, torch.dtype, torch.device | str], BaseKVPool]
+# (cfg, num_slots, req_slots, max_verify_tokens, dtype, device[, window_dtype=]) -> pool;
+# window_dtype is passed only to models without a fixed_kv_cache_dtype.
+KVPoolFactory = Callable[..., BaseKVPool]
 
 
 @dataclass(frozen=True)
 class ModelEntry:
     build_model: Callable[[ModelConfig, KernelChoice], BaseCausalLM]
     build_kv_pool: KVPoolFactory
-    kv_bytes_per_token: Callable[[ModelConfig, torch.dtype], float]
+    kv_bytes_per_token: Callable[..., float]  # (cfg, dtype[, window_dtype=]), as the pool
     # (cfg, kernels, attention backend name) -> None, or ValueError naming the argument
     check_runtime: Callable[[ModelConfig, KernelChoice, str], None]
     checkpoint_names: NameTable
     # (cfg, model directory) -> tensors the model needs besides the checkpoint's (None: none)
     model_files: Callable[[ModelConfig, str], list[tuple[str, torch.Tensor]]] | None = None
+    # The window KV's storage when the model defines it (`--kv-cache-dtype` may only repeat it);
+    # None: chosen by `--kv-cache-dtype`, passed to the pool and its size as `window_dtype`.
+    fixed_kv_cache_dtype: str | None = None
 
 
 def _no_checks(cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
@@ -76,6 +80,7 @@ def _deepseek_v41() -> ModelEntry:
         check_runtime=check_runtime,
         checkpoint_names=V41_NAMES,
         model_files=_engram_token_map,
+        fixed_kv_cache_dtype="fp8_e4m3",
     )
 
 

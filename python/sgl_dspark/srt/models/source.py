@@ -11,7 +11,9 @@ import torch
 
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
-from sgl_dspark.srt.model_loader.loader import load_checkpoint
+from sgl_dspark.srt.model_loader.dummy import DummyWeights
+from sgl_dspark.srt.model_loader.loader import CheckpointWeights
+from sgl_dspark.srt.model_loader.sources import WeightFactory, WeightSource
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.models.tiny import TINY_MODEL_NAME, tiny_config, tiny_weights
 
@@ -20,7 +22,12 @@ def resolve_model(
     model_path: str,
     dtype: torch.dtype,
     seed: int = 0,
-) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]]]:
+    load_format: str = "auto",
+) -> tuple[ModelConfig, Iterable[tuple[str, WeightSource]] | WeightFactory]:
+    """(config, weights): the checkpoint's tensors, read lazily onto the device by the model
+    runner (`model_loader.CheckpointWeights`), or with `load_format="dummy"` seeded random
+    weights in the checkpoint's declared formats (only config.json is read)."""
+    del dtype  # the runner materialises every tensor in its own dtype
     if model_path == TINY_MODEL_NAME:
         cfg = tiny_config()
         model = model_entry(cfg).build_model(cfg, KernelChoice())
@@ -32,8 +39,10 @@ def resolve_model(
             "(downloads from a model hub are not supported)"
         )
     cfg = ModelConfig.from_pretrained(model_path)
+    if load_format == "dummy":
+        return cfg, DummyWeights(cfg, seed)
     entry = model_entry(cfg)
-    weights = load_checkpoint(model_path, cfg, dtype, entry.checkpoint_names)
+    weights = CheckpointWeights(model_path, cfg, entry.checkpoint_names)
     if entry.model_files is None:
         return cfg, weights
     # Tensors derived from other files of the model directory (the tokenizer), checked now.

@@ -21,6 +21,11 @@ The "moe" kernel family picks the implementation once, at construction:
     slot-ordered fp32 sum as the last slot instead of being added to the rounded routed sum
     (not bitwise against the torch chain, which rounds the routed sum first); the per-token and
     the sorted paths still give the same bits.
+
+Weights kept as stored (`layers/quantized.py`): both stacks may hold FP8 or MXFP4 experts. The
+Triton kernels dequantise them in their K loops; the torch loop dequantises each expert it runs
+per call. The shared expert folds into quantised stacks when it is stored in the same format and
+scale group (else it runs on its own, its output added in the reduce).
 """
 
 from __future__ import annotations
@@ -31,8 +36,21 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
+from sgl_dspark.srt.layers.quantized import (
+    WeightLike,
+    cat_weights,
+    index_weight,
+    mark_quantizable,
+    module_weight,
+    replace_weight,
+    row_slice,
+    unsqueeze_weight,
+    weight_kind,
+    weight_ptr,
+)
 
 if TYPE_CHECKING:
     from sgl_dspark.kernels.moe.sort import MoeSortPlan
@@ -75,6 +93,7 @@ class RoutedExperts(nn.Module):
         self.limit = limit
         self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * intermediate, hidden_size))
         self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden_size, intermediate))
+        mark_quantizable(self, "gate_up_proj", "down_proj")
         self._combine = self._combine_torch
         self._triton = _uses_triton(kernels)
         if self._triton:
@@ -114,35 +133,44 @@ class RoutedExperts(nn.Module):
 
     def fold_shared(self, shared: SharedExpert) -> None:
         """Stack the shared expert after the routed ones as expert E (triton backend; shapes
-        must match) and make both modules' parameters views of the stacks (no extra memory
-        once the old tensors are freed). A later `Module.to()` unties them: `folded` is then
-        False and the model runs the shared expert separately again."""
-        gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
-        if not self._triton or gate.shape[0] != self.intermediate:
+        and weight kinds must match) and make both modules' parameters views of the stacks (no
+        extra memory once the old tensors are freed). A later `Module.to()` unties them:
+        `folded` is then False and the model runs the shared expert separately again."""
+        gate, up = module_weight(shared.gate_proj), module_weight(shared.up_proj)
+        down = module_weight(shared.down_proj)
+        routed_gu = module_weight(self, "gate_up_proj")
+        routed_down = module_weight(self, "down_proj")
+        kinds = {weight_kind(w) for w in (gate, up, down, routed_gu, routed_down)}
+        if not self._triton or shared.gate_proj.out_features != self.intermediate or len(kinds) > 1:
             return
         from sgl_dspark.kernels.moe.sort import prepare_moe_sort
 
-        gate_up = torch.cat((self.gate_up_proj.data, torch.cat((gate.data, up.data))[None]))
-        down_all = torch.cat((self.down_proj.data, down.data[None]))
-        e = self.n_experts
-        self.gate_up_proj.data, self.down_proj.data = gate_up[:e], down_all[:e]
-        gate.data, up.data = gate_up[e, : self.intermediate], gate_up[e, self.intermediate :]
-        down.data = down_all[e]
-        shared.gate_up.weight = gate_up[e]  # its group stays fused (the members are views)
+        shared_gu = cat_weights([gate, up], dim=-2)
+        gate_up = cat_weights([routed_gu, unsqueeze_weight(shared_gu)], dim=0)
+        down_all = cat_weights([routed_down, unsqueeze_weight(down)], dim=0)
+        e, i = self.n_experts, self.intermediate
+        replace_weight(self, "gate_up_proj", index_weight(gate_up, slice(0, e)))
+        replace_weight(self, "down_proj", index_weight(down_all, slice(0, e)))
+        shared_stack = index_weight(gate_up, e)
+        for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
+            replace_weight(lin, "weight", row_slice(shared_stack, start, start + i))
+        replace_weight(shared.down_proj, "weight", index_weight(down_all, e))
+        shared.gate_up.restack(shared_stack)  # its group stays fused (the members are views)
         mask = torch.ones(e + 1, dtype=torch.int32, device="cpu")
         plan = prepare_moe_sort(mask)
+        device = (gate_up.data if isinstance(gate_up, QuantizedWeight) else gate_up).device
         self._stacks = (gate_up, down_all)
         self._folded_plan = self._plan_type(
-            plan.local_table.to(gate_up.device), plan.num_local, plan.num_bins
+            plan.local_table.to(device), plan.num_local, plan.num_bins
         )
-        self._folded_mask = mask.to(gate_up.device)
+        self._folded_mask = mask.to(device)
 
     @property
     def folded(self) -> bool:
         stacks = getattr(self, "_stacks", None)
         return stacks is not None and (
-            self.gate_up_proj.data_ptr() == stacks[0].data_ptr()
-            and self.down_proj.data_ptr() == stacks[1].data_ptr()
+            weight_ptr(module_weight(self, "gate_up_proj")) == weight_ptr(stacks[0])
+            and weight_ptr(module_weight(self, "down_proj")) == weight_ptr(stacks[1])
         )
 
     def forward_folded(
@@ -165,17 +193,18 @@ class RoutedExperts(nn.Module):
         token_of = order // ids.shape[1]
         w_sorted = weights.reshape(-1)[order]
         start = 0
+        gate_up, down = module_weight(self, "gate_up_proj"), module_weight(self, "down_proj")
         for e, n in enumerate(counts):
             if n == 0:
                 continue
             tok = token_of[start : start + n]
-            gu = F.linear(x[tok], self.gate_up_proj[e])
+            gu = F.linear(x[tok], _expert(gate_up, e, x.dtype))
             h = swiglu_clamp(gu[:, : self.intermediate], gu[:, self.intermediate :], self.limit)
             w = w_sorted[start : start + n, None]
             if self.weight_before_down:
-                y = F.linear((h.float() * w.float()).to(x.dtype), self.down_proj[e])
+                y = F.linear((h.float() * w.float()).to(x.dtype), _expert(down, e, x.dtype))
             else:
-                y = F.linear(h, self.down_proj[e]) * w.to(x.dtype)
+                y = F.linear(h, _expert(down, e, x.dtype)) * w.to(x.dtype)
             out.index_add_(0, tok, y.to(out.dtype))
             start += n
         return out if shared is None else out + shared
@@ -184,9 +213,8 @@ class RoutedExperts(nn.Module):
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
     ) -> torch.Tensor:
         plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
-        return self._run_triton(
-            x, ids, weights, shared, self.gate_up_proj, self.down_proj, plan, self.expert_mask
-        )
+        gate_up, down = module_weight(self, "gate_up_proj"), module_weight(self, "down_proj")
+        return self._run_triton(x, ids, weights, shared, gate_up, down, plan, self.expert_mask)
 
     def _run_triton(
         self,
@@ -194,8 +222,8 @@ class RoutedExperts(nn.Module):
         ids: torch.Tensor,
         weights: torch.Tensor,
         shared: torch.Tensor | None,
-        gate_up: torch.Tensor,
-        down: torch.Tensor,
+        gate_up: WeightLike,
+        down: WeightLike,
         plan: MoeSortPlan,
         mask: torch.Tensor,
     ) -> torch.Tensor:
@@ -217,6 +245,12 @@ class RoutedExperts(nn.Module):
         return self._moe_reduce(y, weights, ids, mask, 1.0, shared)
 
 
+def _expert(weight: WeightLike, e: int, dtype: torch.dtype) -> torch.Tensor:
+    """Expert e's matrix in `dtype` (dequantised for this call when stored quantised)."""
+    w = index_weight(weight, e)
+    return dequantize_weight_ref(w, dtype) if isinstance(w, QuantizedWeight) else w
+
+
 class SharedExpert(nn.Module):
     """Dense SwiGLU with the clamp; with the triton "moe" backend the activation is one kernel."""
 
@@ -229,6 +263,7 @@ class SharedExpert(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate, bias=False)
         self.down_proj = nn.Linear(intermediate, hidden_size, bias=False)
         self.gate_up = LinearGroup([self.gate_proj, self.up_proj], kernels)  # one GEMM, fused
+        mark_quantizable(self.down_proj, "weight")
         self.linear = linear_impl(kernels)
         self._activation = self._activation_torch
         if _uses_triton(kernels):
@@ -241,7 +276,7 @@ class SharedExpert(nn.Module):
         return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self._activation(x), self.down_proj.weight)
+        return self.linear(self._activation(x), module_weight(self.down_proj))
 
     def _activation_torch(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)

@@ -14,6 +14,8 @@ import torch
 
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner
+from sgl_dspark.srt.model_loader.dummy import DummyWeights
+from sgl_dspark.srt.model_loader.sources import WeightFactory
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.models.tiny import TINY_MODEL_NAME, tiny_weights
 from sgl_dspark.srt.speculative.dspark.draft_checkpoint import load_draft_weights
@@ -38,7 +40,8 @@ def resolve_draft(
     runner: ModelRunner,
     block_size: int | None,
     seed: int = 0,
-) -> tuple[DSparkConfig, Iterable[tuple[str, torch.Tensor]]]:
+    load_format: str = "auto",
+) -> tuple[DSparkConfig, Iterable[tuple[str, torch.Tensor]] | WeightFactory]:
     target = runner.model_cfg
     if draft_path is None:
         if target.extra:
@@ -61,6 +64,8 @@ def resolve_draft(
     if not os.path.isdir(draft_path):
         raise ValueError(f"--speculative-draft-model-path {draft_path!r} is not a directory")
     dcfg = DSparkConfig.from_pretrained(draft_path, target, block_size)
+    if load_format == "dummy":  # random weights in the declared formats (only configs read)
+        return dcfg, DummyWeights(dcfg.stage_config, seed + 1)
     return dcfg, load_draft_weights(draft_path, dcfg)
 
 
@@ -71,7 +76,11 @@ def create_dspark_worker(
     block_size: int | None,
     args: DSparkArgs,
     seed: int = 0,
+    load_format: str = "auto",
 ) -> DSparkWorker:
-    """The worker of the draft `resolve_draft` finds; `seed` initialises a built-in draft."""
-    dcfg, weights = resolve_draft(model_path, draft_path, runner, block_size, seed=seed)
+    """The worker of the draft `resolve_draft` finds; `seed` initialises a built-in or random
+    draft."""
+    dcfg, weights = resolve_draft(
+        model_path, draft_path, runner, block_size, seed=seed, load_format=load_format
+    )
     return DSparkWorker(runner, dcfg, weights, args)

@@ -21,12 +21,8 @@ from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.host_copy import to_device
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.layers.sampler import ACCEPT_STREAM, BONUS_STREAM, DRAFT_STREAM
-from sgl_dspark.srt.model_executor.model_runner import (
-    ModelRunner,
-    TapConsumer,
-    cast_model,
-    load_weights,
-)
+from sgl_dspark.srt.model_executor.model_runner import ModelRunner, TapConsumer
+from sgl_dspark.srt.model_executor.weights import WeightFactory, build_on_meta, materialise
 from sgl_dspark.srt.models.deepseek_v4 import stream_means
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.speculative.dspark.accept import AcceptOutput, create_accept_fn
@@ -86,13 +82,19 @@ class DSparkWorker:
                     f"DSpark {name} {g} must be >= 1 and leave max_verify_tokens "
                     f">= {g + 1} (got {runner.rc.max_verify_tokens})"
                 )
-        draft = DSparkDraftModel(dcfg, runner.kernels, runner.rc.attention_backend)
+        draft = build_on_meta(
+            lambda: DSparkDraftModel(dcfg, runner.kernels, runner.rc.attention_backend)
+        )
         # "spec" family implementations, bound once.
         self.accept_fn = create_accept_fn(runner.kernels)
         self.draft_inputs_fn = create_draft_inputs_fn(runner.kernels)
         self.markov_greedy_fn = create_markov_greedy_fn(runner.kernels)
-        load_weights(draft, weights)
-        self.draft = cast_model(draft, runner.dtype).to(runner.device).eval()  # type: ignore[arg-type]
+        if isinstance(weights, WeightFactory):
+            weights = weights.for_model(draft)
+        native = runner.rc.weight_format == "native"
+        self.draft = materialise(
+            draft, weights, runner.device, runner.dtype, native, "DSpark draft"
+        )
         fuse_after_placement(self.draft)  # after placement (see fused_linear.py)
         # Block rows reach seq + gamma - 1 (the bs1 runtime's gamma when larger).
         self.draft.build_rope_table(
