@@ -1,4 +1,5 @@
-# Two entry points: `make serve` (the built-in tiny model) and `make test` (the whole suite).
+# Two entry points: `make serve` (the built-in tiny DeepSeek-V4.1 with its DSpark draft) and
+# `make test` (the whole suite).
 # Both create or reuse a virtualenv in $(VENV) and install what they need into it.
 VENV ?= .venv
 PY := $(VENV)/bin/python
@@ -22,7 +23,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 	touch $@
 
 serve: $(VENV)/.installed
-	$(PY) -m sgl_dspark.launch_server --model-path tiny --speculative-algorithm DSpark --host $(HOST) --port $(PORT)
+	$(PY) -m sgl_dspark.launch_server --model-path tiny-v41 --speculative-algorithm DSpark --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)

@@ -44,7 +44,12 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.moe.grouped_gemm import expert_block_k, expert_dot, swiglu_tile
+from sgl_dspark.kernels.moe.grouped_gemm import (
+    expert_block_k,
+    expert_dot,
+    swiglu_tile,
+    weighted_activation,
+)
 from sgl_dspark.kernels.moe.reduce import route_reduce_tail
 
 # tl.dot's smallest row count; row 0 is the route's (or token's) row, the others are masked.
@@ -77,12 +82,14 @@ def _moe_route_gate_up_kernel(
     stride_wn,
     stride_h,
     limit,
+    act_weights_ptr,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
+    WEIGHT_ACT: tl.constexpr,
     ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -114,6 +121,9 @@ def _moe_route_gate_up_kernel(
         )
         acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
+    if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
+        w = tl.load(act_weights_ptr + route + tl.arange(0, _TILE_M) * 0)
+        y = weighted_activation(y, w, ROUND_BF16, ON_BITS)
     j = tl.program_id(1) * HALF + tl.arange(0, HALF)
     tl.store(
         h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
@@ -255,6 +265,7 @@ def moe_route_gate_up(
     num_local: int,
     limit: float | None,
     h: torch.Tensor | None = None,
+    act_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`moe_route_gate_up_ref` in one launch: stage 1 per route with the clamped SwiGLU as its
     epilogue, no host sync (graph-safe).
@@ -267,9 +278,13 @@ def moe_route_gate_up(
             >= num_local for a remote one.
         limit: swiglu_limit (> 0), None for no clamp.
         h: optional [M * topk, I] output in x's dtype, contiguous.
+        act_weights: optional fp32 [M, topk] contiguous routing weights: each route's
+            activation times its weight, rounded as stored (DeepSeek-V4.1's weight before the
+            down projection).
     Returns:
-        h [M * topk, I]: row t * topk + k = act(x[t] @ gate_up_proj[l].T) for a local route,
-        untouched otherwise (undefined when h is allocated here).
+        h [M * topk, I]: row t * topk + k = act(x[t] @ gate_up_proj[l].T) (times the route's
+        weight with act_weights) for a local route, untouched otherwise (undefined when h is
+        allocated here).
     """
     require(
         x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1,
@@ -280,6 +295,15 @@ def moe_route_gate_up(
     require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
     require(ids.shape[0] == x.shape[0], f"ids has {ids.shape[0]} rows, x {x.shape[0]}")
     require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
+    if act_weights is not None:
+        require(
+            act_weights.shape == ids.shape
+            and act_weights.dtype == torch.float32
+            and act_weights.is_contiguous()
+            and act_weights.device == x.device,
+            f"act_weights must be contiguous fp32 {tuple(ids.shape)}, got "
+            f"{act_weights.dtype} {tuple(act_weights.shape)}",
+        )
     routes, inter = ids.numel(), gate_up_proj.shape[1] // 2
     if h is None:
         h = torch.empty(routes, inter, dtype=x.dtype, device=x.device)
@@ -305,6 +329,7 @@ def moe_route_gate_up(
         gate_up_proj.stride(1),
         h.stride(0),
         float(limit) if limit is not None else 0.0,
+        act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
         BLOCK_N=block_n,
         BLOCK_K=expert_block_k(x.shape[1]),
@@ -312,6 +337,7 @@ def moe_route_gate_up(
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         ROUND_BF16=x.dtype == torch.bfloat16,
         HAS_LIMIT=limit is not None,
+        WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_route_gate_up_kernel),
         num_warps=4,
         num_stages=4,

@@ -19,6 +19,7 @@ from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.configs.model_config import RopeConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import rms_norm_impl
+from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp8_window
 
 # (x [N, ..., Dh], cos [N, rd/2], sin [N, rd/2], inverse) -> rotated copy of x
 RopeTailFn = Callable[..., torch.Tensor]
@@ -183,9 +184,21 @@ def rope_impl(kernels: KernelChoice) -> RopeTailFn:
     return rope_tail_triton
 
 
-# (x [N, Dh], cos [N, rd/2], sin [N, rd/2], pool [slots, Dh], slots [N], norm=None) -> None:
-# pool[slots] = rope(norm(x)) in the pool's dtype
+# (x [N, Dh], cos [N, rd/2], sin [N, rd/2], pool [slots, Dh], slots [N], norm=None, quant=None)
+# -> None: pool[slots] = quant(rope(norm(x))) in the pool's dtype
 RopeStoreFn = Callable[..., None]
+
+# Quantisers a rope launch may apply to the rows it writes: "fp8_window", DeepSeek-V4.1's window
+# KV quantiser (`fake_quant_fp8_window`), whose values the pool's dtype holds exactly.
+ROW_QUANTS = ("fp8_window",)
+
+
+def _row_quant(x: torch.Tensor, quant: str | None) -> torch.Tensor:
+    if quant is None:
+        return x
+    if quant != "fp8_window":
+        raise ValueError(f"quant={quant!r}: expected one of {ROW_QUANTS}")
+    return fake_quant_fp8_window(x)
 
 
 def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
@@ -193,7 +206,7 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
     "rope" family, optionally normalising them first (`norm`, as in `rope_impl`). torch:
     `apply_rope_tail` then an index_put. triton: one `rope_tail` launch that scatters each
     rotated row to its slot (bit for bit the same values), with the norm inside it when "norm"
-    is Triton too."""
+    is Triton too. `quant` (`ROW_QUANTS`) quantises the stored rows."""
     norm_fn = rms_norm_impl(kernels)
     if kernels.of("rope") == "torch":
 
@@ -204,10 +217,11 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
             pool: torch.Tensor,
             slots: torch.Tensor,
             norm: PreNorm | None = None,
+            quant: str | None = None,
         ) -> None:
             if norm is not None:
                 x = norm_fn(x, *norm)
-            pool[slots] = apply_rope_tail(x, cos, sin).to(pool.dtype)
+            pool[slots] = _row_quant(apply_rope_tail(x, cos, sin), quant).to(pool.dtype)
 
         return store_torch
     from sgl_dspark.kernels.rope.tail import rope_tail
@@ -221,8 +235,13 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
         pool: torch.Tensor,
         slots: torch.Tensor,
         norm: PreNorm | None = None,
+        quant: str | None = None,
     ) -> None:
         x, norm = _launch_ready(x, norm, fuse, norm_fn, pool.dtype)
+        if quant is not None:
+            rows = rope_tail(x.unsqueeze(1), cos, sin, **_norm_kwargs(norm)).squeeze(1)
+            pool[slots] = _row_quant(rows, quant)
+            return
         rope_tail(
             x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots, **_norm_kwargs(norm)
         )
@@ -255,11 +274,12 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
             kv_norm: PreNorm | None = None,
             pool: torch.Tensor | None = None,
             slots: torch.Tensor | None = None,
+            kv_quant: str | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
             q = rope(q, cos, sin, norm=q_norm)
             if pool is None:
-                return q, rope(kv, cos, sin, norm=kv_norm)
-            store(kv, cos, sin, pool, slots, norm=kv_norm)
+                return q, _row_quant(rope(kv, cos, sin, norm=kv_norm), kv_quant)
+            store(kv, cos, sin, pool, slots, norm=kv_norm, quant=kv_quant)
             return q, None
 
         return q_kv_torch
@@ -277,6 +297,7 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
         kv_norm: PreNorm | None = None,
         pool: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
+        kv_quant: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         # The launch fuses the weightless q norm only (a weighted one runs before it).
         q, q_norm = _launch_ready(
@@ -293,9 +314,13 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
             q_norm_eps=None if q_norm is None else q_norm[1],
             kv_norm_eps=None if kv_norm is None else kv_norm[1],
             kv_norm_weight=None if kv_norm is None else kv_norm[0],
-            kv_out=pool,
-            kv_rows=slots,
+            kv_out=pool if kv_quant is None else None,
+            kv_rows=slots if kv_quant is None else None,
         )
+        if kv_quant is not None:
+            kv_out = _row_quant(kv_out, kv_quant)
+            if pool is not None:
+                pool[slots] = kv_out
         return q_out, None if pool is not None else kv_out
 
     return q_kv_triton
