@@ -1,7 +1,7 @@
 """DeepSeek-V4.1's activation quantisers (part of the model, applied even with unquantised
 weights) and the packed formats its caches store them in: the reference of the kernels that
-quantise while they store (`kernels/rope/window_fp8.py`, the compressor and indexer stores) and
-of those that read the packed rows back (`codec.py` holds the shared Triton helpers).
+quantise while they store (`store.py`: the window KV store, the compressed-latent and index-key
+stores, each with its rotation).
 
 Three quantisers, each over blocks of the last dimension (left unquantised when that dimension
 is not a multiple of the block):
@@ -23,6 +23,8 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import torch
+
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
 
 FP8_MAX = 448.0
 FP4_MAX = 6.0
@@ -137,7 +139,9 @@ def quantize_fp4_latent_ref(x: torch.Tensor) -> Fp4Rows:
     amax = b.abs().amax(-1, keepdim=True).clamp(min=_LATENT_AMAX_FLOOR)
     # amax >= 6 * 2^-9 keeps the scale at or above E4M3's smallest subnormal; the cap keeps it
     # finite (an E4M3 cast past 448 is not saturating on every device).
-    scale = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
+    # A correctly rounded division on every device (CUDA turns a division by a Python scalar
+    # into a product with its reciprocal).
+    scale = (amax / torch.full_like(amax, FP4_MAX)).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
     codes = _e2m1_codes((b / scale.float()).clamp(-FP4_MAX, FP4_MAX))
     return Fp4Rows(_pack(codes.reshape(x.shape)), scale.squeeze(-1))
 
@@ -179,6 +183,36 @@ def fake_quant_fp4_index_ref(x: torch.Tensor) -> torch.Tensor:
     return dequantize_fp4_index_ref(quantize_fp4_index_ref(x), x.dtype)
 
 
+# ---- the fused stores ------------------------------------------------------------------------
+
+_QUANTIZE_REF = {
+    "fp8_window": quantize_fp8_window_ref,
+    "fp4_latent": quantize_fp4_latent_ref,
+    "fp4_index": quantize_fp4_index_ref,
+}
+
+
+def quant_store_ref(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> None:
+    """What `store.py::quant_store` computes: rotate the trailing `2 * cos.shape[1]` channels of
+    every row of x `[N, D]` (`rope_tail_ref`, when cos/sin are given), quantise the rows with
+    `fmt`'s quantiser ("fp8_window", "fp4_latent", "fp4_index") and write the packed elements
+    and scale bytes (uint8) at `rows` of `data` / `scales`."""
+    if cos is not None:
+        assert sin is not None
+        x = rope_tail_ref(x, cos, sin)
+    elements, scale = _QUANTIZE_REF[fmt](x)
+    data[rows] = elements.view(torch.uint8)
+    scales[rows] = scale.view(torch.uint8)
+
+
 __all__ = [
     "FP4_MAX",
     "FP8_MAX",
@@ -196,5 +230,6 @@ __all__ = [
     "quantize_fp4_index_ref",
     "quantize_fp4_latent_ref",
     "quantize_fp8_window_ref",
+    "quant_store_ref",
     "quantizes",
 ]

@@ -31,6 +31,7 @@ from sgl_dspark.srt.layers.attention.csa2 import (
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.quant_store import quant_store_impl
 from sgl_dspark.srt.layers.rotary import rope_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.deepseek_v4 import RopeTables
@@ -96,6 +97,7 @@ class Csa2Attention(nn.Module):
         self.qr_proj = LinearGroup(qr_members, kernels)
         self.rms_norm = rms_norm_impl(kernels)
         self.rope = rope_impl(kernels)
+        self.store_rows = quant_store_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -117,9 +119,10 @@ class Csa2Attention(nn.Module):
         q, *index_q = self.qr_proj(qr)
         q_norm = (None, self.eps) if self.q_head_norm else None
         q = self.rope(q.view(T, self.n_heads, self.head_dim), cos, sin, norm=q_norm)
-        kv = self.rope(kv, cos, sin, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
         window = pool.window[self.layer_id]
-        window.store(batch.out_cache_loc, kv)  # FP8-quantised: what every reader sees
+        # Rotated and FP8-quantised on store: what every reader (this row included) sees.
+        self.store_rows(kv, cos, sin, window, batch.out_cache_loc)
         slots, valid = window_rows_ref(
             batch.positions, batch.token_slots(), batch.req_to_token, self.window
         )
@@ -152,12 +155,13 @@ class Csa2Attention(nn.Module):
             comp_in, x_rest = x_rest[:n_comp], x_rest[n_comp:]
             gate = comp_in[1] if n_comp > 1 else None
             groups = self.compressor.emit(comp_in[0], gate, batch, src.pairs, self.rms_norm)
-            # Index keys come from the latent before its rotation; both are quantised on store.
+            # Index keys come from the latent before its rotation; both are rotated at the
+            # group's first position and quantised on store.
             assert self.indexer is not None
-            keys = self.indexer.keys(groups.latents, groups.start_positions, rope, self.rms_norm)
-            src.index_keys.store(groups.entry_rows, keys)
-            latents = rope.rotate_compress(groups.latents, groups.start_positions.clamp(min=0))
-            src.latents.store(groups.entry_rows, latents)
+            cos_g, sin_g = rope.compress_table(groups.start_positions.clamp(min=0))
+            keys = self.indexer.keys(groups.latents, self.rms_norm)
+            self.store_rows(keys, cos_g, sin_g, src.index_keys, groups.entry_rows)
+            self.store_rows(groups.latents, cos_g, sin_g, src.latents, groups.entry_rows)
         if self.indexer is not None:
             shared.topk[self.source] = self._select(
                 index_q[0], x_rest[0], batch, pool, rope, shared

@@ -23,7 +23,6 @@ from torch import nn
 
 from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.layers.attention.compressor import CompressRope
 from sgl_dspark.srt.layers.norm import RMSNorm, RmsNormFn
 from sgl_dspark.srt.mem_cache.v41_pool import PairState
 
@@ -142,17 +141,11 @@ class Csa2Indexer(nn.Module):
         self.k_proj = nn.Linear(head_dim, index_dim, bias=False) if owns_keys else None
         self.k_norm = RMSNorm(index_dim, eps) if owns_keys else None
 
-    def keys(
-        self,
-        latents: torch.Tensor,
-        start_positions: torch.Tensor,
-        rope: CompressRope,
-        rms_norm: RmsNormFn,
-    ) -> torch.Tensor:
-        """Index keys `[n, Di]` of pre-RoPE latents (before quantisation)."""
+    def keys(self, latents: torch.Tensor, rms_norm: RmsNormFn) -> torch.Tensor:
+        """Index keys `[n, Di]` of pre-RoPE latents, normalised, before their rotation (at the
+        group's first position) and quantisation, which the store applies."""
         assert self.k_proj is not None and self.k_norm is not None
-        k = rms_norm(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
-        return rope.rotate_compress(k, start_positions.clamp(min=0))
+        return rms_norm(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
 
 
 def select_candidate_blocks(
