@@ -73,7 +73,9 @@ class DecoderLayer(nn.Module):
         self.engram: Engram | None = None
         if v41.engram is not None and layer_id in v41.engram.layer_ids:
             index = v41.engram.layer_ids.index(layer_id)
-            self.engram = Engram(v41.engram, index, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps)
+            self.engram = Engram(
+                v41.engram, index, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, kernels
+            )
         self.self_attn = Csa2Attention(cfg, layer_id, kernels)
         add_moe_and_mixers(self, cfg, False, kernels)
 
