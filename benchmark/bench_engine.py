@@ -146,6 +146,9 @@ def use_random_v41_model(cfg: ModelConfig, work: str, device: str) -> None:
         if model_cfg is not cfg:
             return real_runner(model_cfg, rc, weights=weights)
         kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
+        gc.collect()  # the previous engine's model: the fp32 build needs twice its bytes
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
         return real_runner(model_cfg, rc, model=random_v41_model(cfg, device, kernels))
 
     engine_module.resolve_model = resolve  # type: ignore[assignment]
