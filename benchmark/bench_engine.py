@@ -459,8 +459,6 @@ def main() -> None:
         dtype="bfloat16",
         skip_tokenizer_init=True,
         kernel_backend="triton" if dev.startswith("cuda") else "torch",
-        # V4.1 scores its indexer in torch (the V4 indexer kernels compute V4's scores).
-        kernel_backend_overrides="indexer=torch" if v41 else None,
         attention_backend=a.attention_backend,
         context_length=ctx,
         max_running_requests=max(sizes),

@@ -423,8 +423,6 @@ def _cuda_generate_v41(**kw) -> tuple[list[list[int]], Engine]:
         device="cuda",
         dtype="float32",
         kernel_backend="triton",
-        # the V4 indexer kernels compute V4's scores: V4.1 scores in torch
-        kernel_backend_overrides="indexer=torch",
         **kw,
     )
     prompts, params = _requests()

@@ -36,21 +36,12 @@ from sgl_dspark.srt.models.base import BaseCausalLM
 from sgl_dspark.srt.models.deepseek_v4 import ModelOutput, RopeTables, add_moe_and_mixers
 from sgl_dspark.srt.models.deepseek_v41_attention import Csa2Attention, Csa2Selections
 
-# Op families whose Triton kernels compute V4's math, not V4.1's (the V4 compressor / indexer
-# kernels): a V4.1 model runs them in torch.
-TORCH_ONLY_FAMILIES = ("indexer",)
-
 
 def check_runtime(cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
     """Refuse, at startup, implementations that do not compute V4.1 (ValueError naming the
-    argument to change)."""
-    triton = [f for f in TORCH_ONLY_FAMILIES if kernels.of(f) != "torch"]
-    if triton:
-        overrides = ",".join(f"{f}=torch" for f in triton)
-        raise ValueError(
-            f"DeepSeek-V4.1 has no Triton kernels for {triton} yet: add "
-            f"--kernel-backend-overrides {overrides}"
-        )
+    argument to change). Every kernel family has V4.1's math on both backends; the attention
+    is the torch one (it reads the quantised caches itself)."""
+    del cfg, kernels
     if attention_backend != "torch":
         raise ValueError(
             f"--attention-backend {attention_backend!r}: DeepSeek-V4.1's quantised caches are "

@@ -26,8 +26,10 @@ from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entr
 from sgl_dspark.srt.layers.attention.csa2 import (
     Csa2Compressor,
     Csa2Indexer,
+    expand_blocks,
     select_candidate_blocks,
     select_topk,
+    v41_indexer_impl,
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
@@ -41,7 +43,7 @@ from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp4_index
 @dataclass
 class Csa2Selections:
     """Published within one forward: per kv source, the latest top-k (cache rows `[T, k]`,
-    valid `[T, k]`); per candidate source, its candidate positions `[T, N]`."""
+    valid `[T, k]`); per candidate source, its candidate blocks `[T, nb]`."""
 
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -98,6 +100,7 @@ class Csa2Attention(nn.Module):
         self.rms_norm = rms_norm_impl(kernels)
         self.rope = rope_impl(kernels)
         self.store_rows = quant_store_impl(kernels)
+        self.index_scores, self.block_max = v41_indexer_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -189,15 +192,34 @@ class Csa2Attention(nn.Module):
             return z, z.bool()
         qi = qi.view(T, self.indexer.n_heads, self.indexer.index_dim)
         qi = fake_quant_fp4_index(rope.rotate_compress(qi, batch.positions, "positions"))
-        keys = pool.sources[self.source].index_keys.load(entry_slots(batch, n_max, m))
-        scores = indexer_logits_of_keys_ref(
-            qi, head_w, keys, batch.positions, m, weight_scale=self.indexer.n_heads**-0.5
-        )
-        if self.publishes_candidates:
-            blocks, size = self.candidate_blocks
-            shared.candidates[self.layer_id] = select_candidate_blocks(
-                scores, visible_entries(batch, m), blocks, size
+        blocks, size = self.candidate_blocks
+        keep = shared.candidates[self.candidate_of] if self.candidate_of is not None else None
+        visible = visible_entries(batch, m)
+        rows = entry_slots(batch, n_max, m)
+        cache = pool.sources[self.source].index_keys
+        weight_scale = self.indexer.n_heads**-0.5
+        if cache.packed:
+            assert cache.scales is not None
+            scores = self.index_scores(
+                qi,
+                head_w,
+                cache.data,
+                cache.scales,
+                rows,
+                visible,
+                weight_scale=weight_scale,
+                keep_blocks=keep,
+                block=size,
             )
-        elif self.candidate_of is not None:
-            scores = scores.masked_fill(~shared.candidates[self.candidate_of], float("-inf"))
+        else:  # index keys its quantiser leaves as they are
+            scores = indexer_logits_of_keys_ref(
+                qi, head_w, cache.load(rows), batch.positions, m, weight_scale=weight_scale
+            )
+            if keep is not None:
+                hidden = ~expand_blocks(keep, size, scores.shape[1])
+                scores = scores.masked_fill(hidden, float("-inf"))
+        if self.publishes_candidates:
+            shared.candidates[self.layer_id] = select_candidate_blocks(
+                scores, visible, blocks, size, self.block_max
+            )
         return select_topk(scores, k, batch, m)

@@ -16,13 +16,16 @@ t (g < (pos_t + 1) // m).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
+from sgl_dspark.kernels.indexer.reference import candidate_block_max_ref, v41_index_scores_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm, RmsNormFn
 from sgl_dspark.srt.mem_cache.v41_pool import PairState
 
@@ -148,29 +151,47 @@ class Csa2Indexer(nn.Module):
         return rms_norm(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
 
 
-def select_candidate_blocks(
-    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int
-) -> torch.Tensor:
-    """`[T, N]` bool: the compressed positions of each row's candidate blocks.
+# (scores [T, N], visible [T], block) -> block scores [T, ceil(N / block)], newest pinned
+BlockMaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (qi, head weights, key data, key scales, entry rows, visible, *, weight_scale, keep_blocks,
+# block) -> scores [T, N]: `v41_index_scores_ref`'s arguments
+IndexScoresFn = Callable[..., torch.Tensor]
 
-    Blocks of `block` positions are scored by their best visible score; the block holding the
-    newest visible position (`visible - 1`) is always kept; then the best `topk_blocks` blocks
+
+def v41_indexer_impl(kernels: KernelChoice) -> tuple[IndexScoresFn, BlockMaxFn]:
+    """The "indexer" family of DeepSeek-V4.1: the scores of a kv source's packed FP4 index keys
+    (masks applied) and the candidate source's block scores. torch: `v41_index_scores_ref`,
+    `candidate_block_max_ref`. triton: `kernels/indexer/v41_logits.py`, one launch each (scores
+    within a tolerance, block scores bit-exact)."""
+    if kernels.of("indexer") == "torch":
+        return v41_index_scores_ref, candidate_block_max_ref
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.indexer.v41_logits import candidate_block_max, v41_index_scores
+
+    return v41_index_scores, candidate_block_max
+
+
+def select_candidate_blocks(
+    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int, block_max: BlockMaxFn
+) -> torch.Tensor:
+    """`[T, ceil(N / block)]` bool: each row's candidate blocks of `block` compressed positions.
+
+    Blocks are scored by their best visible score; the block holding the newest visible position
+    (`visible - 1`) is always kept (`block_max` pins it); then the best `topk_blocks` blocks
     with a finite score (ties to the lower block). scores `[T, N]` fp32 (-inf where not
     visible), visible `[T]`.
     """
     rows, width = scores.shape
     if width == 0:
-        return torch.zeros_like(scores, dtype=torch.bool)
-    n_blocks = -(-width // block)
-    padded = scores.new_full((rows, n_blocks * block), float("-inf"))
-    padded[:, :width] = scores
-    block_max = padded.view(rows, n_blocks, block).amax(dim=-1)
-    newest = ((visible - 1).clamp(min=0) // block).clamp(max=n_blocks - 1)
-    pinned = torch.where(visible > 0, float("inf"), block_max.gather(1, newest[:, None])[:, 0])
-    block_max = block_max.scatter(1, newest[:, None], pinned[:, None])
-    top = torch.topk(block_max, min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(block_max, dtype=torch.bool)
-    keep.scatter_(1, top.indices, top.values > float("-inf"))
+        return torch.zeros(rows, 0, dtype=torch.bool, device=scores.device)
+    ranked = block_max(scores, visible, block)
+    top = torch.topk(ranked, min(topk_blocks, ranked.shape[1]), dim=-1)
+    keep = torch.zeros_like(ranked, dtype=torch.bool)
+    return keep.scatter_(1, top.indices, top.values > float("-inf"))
+
+
+def expand_blocks(keep: torch.Tensor, block: int, width: int) -> torch.Tensor:
+    """Block mask `[T, nb]` -> position mask `[T, width]`."""
     return keep.repeat_interleave(block, dim=1)[:, :width]
 
 
@@ -189,6 +210,8 @@ __all__ = [
     "Csa2Compressor",
     "Csa2Indexer",
     "EmittedGroups",
+    "expand_blocks",
     "select_candidate_blocks",
     "select_topk",
+    "v41_indexer_impl",
 ]
