@@ -26,7 +26,7 @@ fi
 if has graphs; then  # tiny-v41 in real CUDA graphs == eager CUDA == CPU greedy; no host sync
   timeout 170 python3 -m pytest -q -p no:cacheprovider -n 4 \
     test/registered/e2e/test_cuda_graph_runner.py test/registered/e2e/test_dspark_step_no_sync.py \
-    -k "v41" 2>&1 | tee "$OUT/v41_graph_tests.txt" | tail -20
+    test/registered/e2e/test_kernel_backend_e2e.py -k "v41" 2>&1 | tee "$OUT/v41_graph_tests.txt" | tail -20
 fi
 if has bench; then  # the V4.1-Flash slice: decode step and DSpark step vs their byte floors
   timeout 220 python3 benchmark/bench_engine.py --config v41_flash_slice --batch-sizes 1,8,32 \
