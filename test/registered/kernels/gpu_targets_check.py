@@ -389,6 +389,19 @@ def _quant_store(fmt: str, d: int, rope_half: int) -> Callable[[], object]:
     )
 
 
+def _quant_store_values() -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.store import quant_store_values
+
+    # The DSpark draft's window rows (V4.1-Flash: 512 channels, rope 64) in the bf16 cache.
+    return lambda: quant_store_values(
+        _bf16(3, 512),
+        torch.tensor([4, 9, 1]),
+        _bf16(50, 512),
+        torch.ones(3, 32),
+        torch.zeros(3, 32),
+    )
+
+
 def _engram_gather() -> Callable[[], object]:
     from sgl_dspark.kernels.engram.gather import engram_gather
 
@@ -458,6 +471,11 @@ CASES = {
         "quant.store",
         "_quant_store_kernel",
         _quant_store("fp4_index", 128, 32),
+    ),
+    "quant_store_values_draft": (
+        "quant.store",
+        "_quant_store_kernel",
+        _quant_store_values(),
     ),
     "engram_gather_flash": ("engram.gather", "_engram_gather_kernel", _engram_gather()),
     "v41_index_scores_flash": (

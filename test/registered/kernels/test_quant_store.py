@@ -127,3 +127,51 @@ def test_bad_arguments_name_the_field():
         quant_store(x, rows, torch.zeros(2, 32, dtype=torch.uint8), torch.zeros(2, 4), "fp4_latent")
     with pytest.raises(ValueError, match="fmt"):
         quant_store(x, rows, torch.zeros(2, 64, dtype=torch.uint8), torch.zeros(2, 2), "fp6")
+
+
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(("n", "d", "rope_dim"), [(1, 32, 0), (6, 96, 32), (3, 512, 64)])
+def test_quant_store_values_matches_reference(x_dtype, out_dtype, n, d, rope_dim):
+    """The draft's window rows: the FP8 quantiser's values in a float cache, bit for bit
+    (-0.0 included), rows not written left poisoned."""
+    from sgl_dspark.kernels.quant.reference import quant_store_values_ref
+    from sgl_dspark.kernels.quant.store import quant_store_values
+
+    seed = zlib.crc32(f"values{x_dtype}{out_dtype}{n}{d}{rope_dim}".encode()) % 10000
+    x, cos, sin = _inputs(n, d, x_dtype, seed, rope_dim)
+    if out_dtype == torch.float16:
+        x = (x.float() / 1e3).to(x_dtype)  # stay inside fp16's exponent range
+    rows = torch.randperm(2 * n + 1, generator=torch.Generator().manual_seed(seed))[:n]
+    want = torch.full((2 * n + 1, d), float("nan"), dtype=out_dtype)
+    quant_store_values_ref(x, rows, want, cos, sin)
+    got = torch.full((2 * n + 1, d), float("nan"), dtype=out_dtype, device=DEVICE)
+    dev = [t.to(DEVICE) if t is not None else None for t in (x, rows, cos, sin)]
+    quant_store_values(dev[0], dev[1], got, dev[2], dev[3])
+    bits = torch.int32 if out_dtype == torch.float32 else torch.int16
+    assert torch.equal(got.cpu().view(bits), want.view(bits))
+
+
+def test_draft_rope_stores_with_the_window_quantiser_equal_torch():
+    """The rope family's stores with `quant="fp8_window"` (the DSpark draft of a V4.1 target):
+    the Triton binding (one fused launch for the KV rows) gives the torch binding's bits, into
+    the pool and as returned rows, next to the query heads' rope."""
+    from sgl_dspark.srt.core.kernel_choice import KernelChoice
+    from sgl_dspark.srt.layers.rotary import rope_q_kv_impl, rope_store_impl
+
+    g = torch.Generator().manual_seed(11)
+    kv = (torch.randn(5, 64, generator=g) * 3).to(torch.bfloat16)
+    q = torch.randn(5, 4, 64, generator=g).to(torch.bfloat16)
+    angles = torch.rand(5, 8, generator=g) * 50
+    cos, sin = torch.cos(angles), torch.sin(angles)
+    slots = torch.tensor([7, 2, 11, 0, 5])
+    outs = {}
+    for backend in ("torch", "triton"):
+        kernels = KernelChoice(backend)
+        dev = [t.to(DEVICE) for t in (q, kv, cos, sin, slots)]
+        pool = torch.full((12, 64), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        rope_store_impl(kernels)(dev[1], dev[2], dev[3], pool, dev[4], quant="fp8_window")
+        q_out, rows = rope_q_kv_impl(kernels)(dev[0], dev[1], dev[2], dev[3], kv_quant="fp8_window")
+        outs[backend] = [t.cpu().view(torch.int16) for t in (pool, q_out, rows)]
+    for got, want in zip(outs["triton"], outs["torch"]):
+        assert torch.equal(got, want)

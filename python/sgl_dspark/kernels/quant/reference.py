@@ -213,6 +213,21 @@ def quant_store_ref(
     scales[rows] = scale.view(torch.uint8)
 
 
+def quant_store_values_ref(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> None:
+    """What `store.py::quant_store_values` computes: `fake_quant_fp8_window_ref` of the rotated
+    rows of x (as `quant_store_ref`) written at `rows` of the float rows `out`."""
+    if cos is not None:
+        assert sin is not None
+        x = rope_tail_ref(x, cos, sin)
+    out[rows] = fake_quant_fp8_window_ref(x).to(out.dtype)
+
+
 __all__ = [
     "FP4_MAX",
     "FP8_MAX",
@@ -231,5 +246,6 @@ __all__ = [
     "quantize_fp4_latent_ref",
     "quantize_fp8_window_ref",
     "quant_store_ref",
+    "quant_store_values_ref",
     "quantizes",
 ]

@@ -1,7 +1,8 @@
 """Rotate, quantise and store cache rows in one launch (`quant_store_ref` is the spec): the
 DeepSeek-V4.1 window KV store (FP8, the rope of the layer's own positions), the compressed-latent
 store of a kv source (FP4 with E4M3 scales) and its index-key store (FP4 with exponent scales),
-both rotated at the group's first position.
+both rotated at the group's first position; and (`quant_store_values`) the DSpark draft's
+window KV rows, which hold the FP8 quantiser's values in the model dtype.
 
 One program per row: it loads the row as its even and odd channels (the RoPE pairs), rotates the
 tail, rounds it to the row's dtype (what the unfused rope would have written), quantises every
@@ -92,6 +93,8 @@ def _quant_store_kernel(
     NBP: tl.constexpr,
     BLOCK: tl.constexpr,
     FMT: tl.constexpr,
+    VALUES: tl.constexpr,
+    OUT_KIND: tl.constexpr,
     X_KIND: tl.constexpr,
     ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
@@ -126,12 +129,23 @@ def _quant_store_kernel(
         scale = pow2_from_biased_exponent(e)[:, None]
         va = tl.minimum(tl.maximum(tl.div_rn(a, scale), -448.0), 448.0)
         vb = tl.minimum(tl.maximum(tl.div_rn(b, scale), -448.0), 448.0)
-        ca, _ = e4m3_round(tl.abs(va))
-        cb, _ = e4m3_round(tl.abs(vb))
-        ca += 128 * (va.to(tl.int32, bitcast=True) < 0).to(tl.int32)
-        cb += 128 * (vb.to(tl.int32, bitcast=True) < 0).to(tl.int32)
-        tl.store(dst + even, ca.to(tl.uint8), mask=mask)
-        tl.store(dst + even + 1, cb.to(tl.uint8), mask=mask)
+        ca, ra = e4m3_round(tl.abs(va))
+        cb, rb = e4m3_round(tl.abs(vb))
+        neg_a = va.to(tl.int32, bitcast=True) < 0
+        neg_b = vb.to(tl.int32, bitcast=True) < 0
+        if VALUES:  # the dequantised values (exact in the output dtype), no scales
+            # Multiply by -1.0 (not negate): -0.0 must survive, as in the reference's product.
+            out_a = tl.where(neg_a, -1.0, 1.0) * ra * scale
+            out_b = tl.where(neg_b, -1.0, 1.0) * rb * scale
+            if OUT_KIND == 1:
+                out_a, out_b = out_a.to(tl.bfloat16), out_b.to(tl.bfloat16)
+            elif OUT_KIND == 2:
+                out_a, out_b = out_a.to(tl.float16), out_b.to(tl.float16)
+            tl.store(dst + even, out_a, mask=mask)
+            tl.store(dst + even + 1, out_b, mask=mask)
+        else:
+            tl.store(dst + even, (ca + 128 * neg_a.to(tl.int32)).to(tl.uint8), mask=mask)
+            tl.store(dst + even + 1, (cb + 128 * neg_b.to(tl.int32)).to(tl.uint8), mask=mask)
         scale_byte = e
     else:
         if FMT == 1:  # FP4 latent: E4M3 scale amax / 6 (floor 6 * 2^-9, cap 448)
@@ -148,9 +162,28 @@ def _quant_store_kernel(
         vb = tl.minimum(tl.maximum(tl.div_rn(b, scale), -6.0), 6.0)
         packed = e2m1_code(va) | (e2m1_code(vb) << 4)
         tl.store(dst + offs_b[:, None] * H + offs_h[None, :], packed.to(tl.uint8), mask=mask)
-    tl.store(
-        scales_ptr + out_row * scales_row_stride + offs_b, scale_byte.to(tl.uint8), mask=mask_b
+    if not VALUES:
+        scale_ptrs = scales_ptr + out_row * scales_row_stride + offs_b
+        tl.store(scale_ptrs, scale_byte.to(tl.uint8), mask=mask_b)
+
+
+def quant_store_values(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> None:
+    """`quant_store_values_ref` in one launch: rotate, then write the FP8 window quantiser's
+    values (`fake_quant_fp8_window_ref`) into float rows `out` `[R, D]` (fp32/bf16/fp16, unit
+    stride) at `rows` (a dense cache of the model dtype, which holds them exactly). Bit-exact."""
+    require(
+        out.dim() == 2 and out.dtype in DTYPE_KIND and out.stride(1) == 1,
+        f"out: expected fp32/bf16/fp16 [R, D] with unit stride, got {out.dtype} {tuple(out.shape)}",
     )
+    require(out.shape[1] == x.shape[-1], f"out: expected D={x.shape[-1]}, got {out.shape[1]}")
+    require(out.device == x.device, f"out: expected device {x.device}, got {out.device}")
+    _launch(x, rows, out, out, "fp8_window", cos, sin, values=True)
 
 
 def quant_store(
@@ -172,6 +205,20 @@ def quant_store(
         fmt: "fp8_window", "fp4_latent" or "fp4_index".
         cos, sin: fp32 [N, rd/2] (both or neither): rotate the trailing rd channels first.
     """
+    _launch(x, rows, data, scales, fmt, cos, sin, values=False)
+
+
+def _launch(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    *,
+    values: bool,
+) -> None:
     require(fmt in FORMATS, f"fmt: expected one of {tuple(FORMATS)}, got {fmt!r}")
     require(x.dim() == 2, f"x: expected [N, D], got shape {tuple(x.shape)}")
     n, d = x.shape
@@ -181,7 +228,8 @@ def quant_store(
     require(x.stride(1) == 1 or d == 1, "x: needs unit stride in its last dim")
     check_index_vector("rows", rows, n)
     width = d if fmt == "fp8_window" else d // 2
-    for name, t, w in (("data", data, width), ("scales", scales, d // block)):
+    checked = () if values else (("data", data, width), ("scales", scales, d // block))
+    for name, t, w in checked:
         require(
             t.dtype == torch.uint8 and t.dim() == 2 and t.shape[1] == w and t.stride(1) == 1,
             f"{name}: expected uint8 [R, {w}] with unit stride, got {t.dtype} {tuple(t.shape)}",
@@ -219,6 +267,8 @@ def quant_store(
         NBP=triton.next_power_of_2(nb),
         BLOCK=block,
         FMT=FORMATS[fmt],
+        VALUES=values,
+        OUT_KIND=DTYPE_KIND[data.dtype] if values else 0,
         X_KIND=DTYPE_KIND[x.dtype],
         ON_BITS=interpreted(_quant_store_kernel),
         num_warps=4 if d >= 1024 else 1,
@@ -227,6 +277,6 @@ def quant_store(
     )
 
 
-__all__ = ["FORMATS", "quant_store"]
+__all__ = ["FORMATS", "quant_store", "quant_store_values"]
 # Constants the kernel spells as literals (Triton reads no module globals).
 assert (FP8_MAX, FP4_MAX) == (448.0, 6.0)

@@ -193,11 +193,15 @@ RopeStoreFn = Callable[..., None]
 ROW_QUANTS = ("fp8_window",)
 
 
+def _check_quant(quant: str) -> None:
+    if quant not in ROW_QUANTS:
+        raise ValueError(f"quant={quant!r}: expected one of {ROW_QUANTS}")
+
+
 def _row_quant(x: torch.Tensor, quant: str | None) -> torch.Tensor:
     if quant is None:
         return x
-    if quant != "fp8_window":
-        raise ValueError(f"quant={quant!r}: expected one of {ROW_QUANTS}")
+    _check_quant(quant)
     return fake_quant_fp8_window(x)
 
 
@@ -224,6 +228,7 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
             pool[slots] = _row_quant(apply_rope_tail(x, cos, sin), quant).to(pool.dtype)
 
         return store_torch
+    from sgl_dspark.kernels.quant.store import quant_store_values
     from sgl_dspark.kernels.rope.tail import rope_tail
 
     fuse = _fuses_norm(kernels)
@@ -237,11 +242,13 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
         norm: PreNorm | None = None,
         quant: str | None = None,
     ) -> None:
-        x, norm = _launch_ready(x, norm, fuse, norm_fn, pool.dtype)
         if quant is not None:
-            rows = rope_tail(x.unsqueeze(1), cos, sin, **_norm_kwargs(norm)).squeeze(1)
-            pool[slots] = _row_quant(rows, quant)
+            # One launch rotates, quantises and stores (the norm runs before it).
+            _check_quant(quant)
+            x, _ = _launch_ready(x, norm, False, norm_fn, pool.dtype)
+            quant_store_values(x, slots, pool, cos, sin)
             return
+        x, norm = _launch_ready(x, norm, fuse, norm_fn, pool.dtype)
         rope_tail(
             x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots, **_norm_kwargs(norm)
         )
@@ -283,6 +290,7 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
             return q, None
 
         return q_kv_torch
+    from sgl_dspark.kernels.quant.store import quant_store_values
     from sgl_dspark.kernels.rope.q_kv import rope_q_kv
 
     norm_fn = rms_norm_impl(kernels)
@@ -299,6 +307,20 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
         slots: torch.Tensor | None = None,
         kv_quant: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kv_quant is not None:
+            # The query heads' rope, then one launch that rotates, quantises and writes the
+            # KV rows (into the pool, or into fresh rows); the KV norm runs before it.
+            _check_quant(kv_quant)
+            q_out = rope(q, cos, sin, norm=q_norm)
+            kv, _ = _launch_ready(kv, kv_norm, False, norm_fn, None if pool is None else pool.dtype)
+            if pool is not None:
+                assert slots is not None
+                quant_store_values(kv, slots, pool, cos, sin)
+                return q_out, None
+            rows_out = torch.empty_like(kv)
+            rows = torch.arange(kv.shape[0], device=kv.device)
+            quant_store_values(kv, rows, rows_out, cos, sin)
+            return q_out, rows_out
         # The launch fuses the weightless q norm only (a weighted one runs before it).
         q, q_norm = _launch_ready(
             q, q_norm, fuse and (q_norm is None or q_norm[0] is None), norm_fn
@@ -314,13 +336,9 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
             q_norm_eps=None if q_norm is None else q_norm[1],
             kv_norm_eps=None if kv_norm is None else kv_norm[1],
             kv_norm_weight=None if kv_norm is None else kv_norm[0],
-            kv_out=pool if kv_quant is None else None,
-            kv_rows=slots if kv_quant is None else None,
+            kv_out=pool,
+            kv_rows=slots,
         )
-        if kv_quant is not None:
-            kv_out = _row_quant(kv_out, kv_quant)
-            if pool is not None:
-                pool[slots] = kv_out
         return q_out, None if pool is not None else kv_out
 
     return q_kv_triton
