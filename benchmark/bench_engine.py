@@ -6,7 +6,10 @@
 4. DSpark with simulated acceptance vs no speculation (CUDA graphs), full width and static widths;
 
 at the given batch sizes with random prompts of `--input-len` tokens and `--output-len` new
-tokens (ignore_eos). Also reports the decode-step time against its memory floor: the bytes of
+tokens (ignore_eos). DeepSeek-V4.1 configs (`v41_*`) have no HF baseline (transformers' wheel has
+no V4.1) and no checkpoint on disk: every engine gets a seeded random model built on the device
+(`use_random_v41_model`), and the draft has `--draft-experts` routed experts (default: the
+config's). Also reports the decode-step time against its memory floor: the bytes of
 weights (experts: the expected number of distinct experts a batch routes to) and KV a step reads,
 over the device's measured copy bandwidth.
 
@@ -33,7 +36,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
 from sgl_dspark import Engine  # noqa: E402
+from sgl_dspark.srt.configs.deepseek_v41 import LayerRole  # noqa: E402
 from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig  # noqa: E402
+from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.model_loader.export import save_released_checkpoint  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 from sgl_dspark.tools.init_dspark_draft import init_dspark_draft  # noqa: E402
@@ -78,13 +83,76 @@ def time_hf(model, prompts: list[list[int]], new_tokens: int, device: str) -> tu
 
 
 # ---- ours ----------------------------------------------------------------------------------
-def write_checkpoints(hf, cfg: ModelConfig, work: str, draft_layers: int, gamma: int) -> None:
+def write_checkpoints(
+    hf, cfg: ModelConfig, work: str, draft_layers: int, gamma: int, **draft_kw
+) -> None:
     """The HF model's weights as our released checkpoint in `work`, and the benchmarks' seeded
     random DSpark draft (`draft_layers` stages, block `gamma`) in `work/dspark`."""
     save_released_checkpoint({k: v.detach().cpu() for k, v in hf.state_dict().items()}, cfg, work)
     init_dspark_draft(
-        work, str(Path(work) / "dspark"), num_layers=draft_layers, block_size=gamma, seed=1
+        work,
+        str(Path(work) / "dspark"),
+        num_layers=draft_layers,
+        block_size=gamma,
+        seed=1,
+        **draft_kw,
     )
+
+
+def random_v41_model(cfg: ModelConfig, device: str, kernels: KernelChoice, seed: int = 0):
+    """Seeded random DeepSeek-V4.1 weights generated on the device (as
+    `bench_one_batch.random_model`): std 0.02 matrices and tables, unit norms, mHC scales and
+    Engram q/k weights, zero biases and sinks, an Engram token map spread over the compressed
+    vocabulary."""
+    from sgl_dspark.srt.models.deepseek_v41 import DeepseekV41ForCausalLM
+
+    with torch.device(device):
+        model = DeepseekV41ForCausalLM(cfg, kernels)
+    model = model.to(device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    engram = cfg.v41.engram if cfg.v41 is not None else None
+    with torch.no_grad():
+        for name, t in list(model.named_parameters()) + list(model.named_buffers()):
+            if name == "model.engram_token_map":
+                assert engram is not None
+                ids = torch.arange(cfg.vocab_size, device=device)
+                t.copy_(ids.remainder(engram.compressed_vocab_size))
+            elif not t.is_floating_point() or name.startswith("model.inv_freq"):
+                continue
+            elif name.endswith(("norm.weight", ".scale", "q_weight", "k_weight")) or (
+                "layernorm" in name
+            ):
+                t.fill_(1.0)
+            elif name.endswith(("sinks", ".base", "e_score_correction_bias")):
+                t.zero_()
+            else:
+                t.normal_(0.0, 0.02, generator=g)
+    return model
+
+
+def use_random_v41_model(cfg: ModelConfig, work: str, device: str) -> None:
+    """Every later `Engine(model_path=work)` of this process runs a fresh `random_v41_model`
+    built with the engine's own kernel choice, instead of loading a checkpoint (the V4.1-Flash
+    slice holds 21B parameters: writing and reading them would dominate the benchmark). The
+    directory holds only config.json (the draft tool reads it)."""
+    from sgl_dspark.srt.entrypoints import engine as engine_module
+
+    real_resolve, real_runner = engine_module.resolve_model, engine_module.ModelRunner
+
+    def resolve(path: str, dtype: torch.dtype, seed: int = 0):
+        return (cfg, None) if path == work else real_resolve(path, dtype, seed=seed)
+
+    def runner(model_cfg: ModelConfig, rc, weights=None):
+        if model_cfg is not cfg:
+            return real_runner(model_cfg, rc, weights=weights)
+        kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
+        gc.collect()  # the previous engine's model: the fp32 build needs twice its bytes
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+        return real_runner(model_cfg, rc, model=random_v41_model(cfg, device, kernels))
+
+    engine_module.resolve_model = resolve  # type: ignore[assignment]
+    engine_module.ModelRunner = runner  # type: ignore[assignment,misc]
 
 
 def time_engine(
@@ -182,21 +250,76 @@ def copy_bandwidth(device: str) -> float:
     return 2 * x.numel() * 20 / (time.perf_counter() - t0)
 
 
-def step_bytes(engine: Engine, bs: int, context: int) -> float:
-    """Bytes one decode step of bs requests reads: every non-expert weight (embedding rows only),
-    the expected distinct routed experts per MoE layer under uniform routing, and the attention
-    KV (window + compressed entries + indexer keys) of each request."""
-    cfg: ModelConfig = engine.runner.model_cfg
+def _routed_bytes(p: torch.Tensor, experts: int, top_k: int, tokens: int) -> float:
+    """Bytes of a routed-expert tensor that `tokens` tokens read: the expected number of
+    distinct experts under uniform routing."""
+    distinct = experts * (1 - (1 - top_k / experts) ** tokens)
+    return p.numel() * p.element_size() * distinct / experts
+
+
+def weight_bytes(model: torch.nn.Module, experts: int, top_k: int, tokens: int) -> float:
+    """Weight bytes of one forward of `tokens` tokens: every non-expert weight, embedding and
+    Engram table rows only, the expected distinct routed experts."""
     total = 0.0
-    for name, p in engine.runner.model.named_parameters():
+    for name, p in model.named_parameters():
         nbytes = p.numel() * p.element_size()
         if "experts." in name and "shared" not in name:
-            e = cfg.n_routed_experts
-            distinct = e * (1 - (1 - cfg.num_experts_per_tok / e) ** bs)
-            nbytes *= distinct / e
+            nbytes = _routed_bytes(p, experts, top_k, tokens)
         elif name.endswith("embed_tokens.weight"):
-            nbytes = bs * p.shape[1] * p.element_size()
+            nbytes = tokens * p.shape[1] * p.element_size()
+        elif name.endswith("engram.embed.weight"):
+            nbytes = 0.0  # counted with the KV (rows per token)
         total += nbytes
+    return total
+
+
+def v41_kv_bytes(cfg: ModelConfig, context: int) -> float:
+    """Cache bytes one V4.1 request's step reads: per layer its FP8 window rows, per compressed
+    layer the packed FP4 latents of its top-k, per index source every packed index key, and the
+    Engram rows of the token."""
+    from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
+
+    v41 = cfg.v41
+    assert v41 is not None
+    act = torch.bfloat16
+    window = QuantizedRows.bytes_per_row(cfg.head_dim, "fp8_window", act)
+    latent = QuantizedRows.bytes_per_row(cfg.head_dim, "fp4_latent", act)
+    key = QuantizedRows.bytes_per_row(cfg.index_head_dim, "fp4_index", act)
+    total = 0.0
+    for i in range(cfg.num_hidden_layers):
+        total += min(context, cfg.sliding_window) * window
+        m = v41.compress_ratios[i]
+        if m > 0:
+            total += min(context // m, cfg.index_topk) * latent
+        if v41.role(i) in (LayerRole.FULL, LayerRole.REINDEX):
+            total += (context // m) * key
+    if v41.engram is not None:
+        rows = len(v41.engram.layer_ids) * v41.engram.ids_per_token
+        total += rows * v41.engram.head_dim * 2
+    return total
+
+
+def step_bytes(engine: Engine, bs: int, context: int) -> float:
+    """Bytes one step of bs requests reads. Plain decode: the target's weights for bs tokens
+    (`weight_bytes`) and the attention KV (window + compressed entries + indexer keys) of each
+    request. DSpark: the target verifies bs x (gamma + 1) tokens and the draft reads its own
+    weights for bs x gamma tokens (its context KV is small and left out)."""
+    cfg: ModelConfig = engine.runner.model_cfg
+    spec = engine.spec
+    width = 1 if spec is None else spec.worker.gamma + 1
+    total = weight_bytes(
+        engine.runner.model, cfg.n_routed_experts, cfg.num_experts_per_tok, bs * width
+    )
+    if spec is not None:
+        d = spec.worker.draft.cfg
+        total += weight_bytes(
+            spec.worker.draft,
+            d.n_routed_experts,
+            d.num_experts_per_tok,
+            bs * spec.worker.gamma,
+        )
+    if cfg.v41 is not None:
+        return total + bs * v41_kv_bytes(cfg, context)
     el = torch.finfo(engine.runner.dtype).bits // 8
     for i, lt in enumerate(cfg.layer_types):
         kv = min(context, cfg.sliding_window) * cfg.head_dim
@@ -219,6 +342,18 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--gamma", type=int, default=7)
     p.add_argument("--draft-layers", type=int, default=3)
+    p.add_argument(
+        "--draft-experts",
+        type=int,
+        default=None,
+        help="routed experts of the random draft (dspark_n_routed_experts; default: the target's)",
+    )
+    p.add_argument(
+        "--draft-top-k",
+        type=int,
+        default=None,
+        help="experts per token of the random draft (default: the target's)",
+    )
     p.add_argument("--accept-len", type=float, default=3.2)
     p.add_argument(
         "--static-cases",
@@ -285,8 +420,9 @@ def main() -> None:
         rows.append(row)
 
     work = tempfile.mkdtemp(prefix="bench_engine_")
-    hf = build_hf(raw, dev)
-    for bs in [] if a.skip_hf else hf_sizes:
+    v41 = cfg.v41 is not None
+    hf = None if v41 else build_hf(raw, dev)
+    for bs in [] if a.skip_hf or v41 else hf_sizes:
         wall, ids = time_hf(hf, prompts_for(bs, a.input_len, cfg.vocab_size), a.output_len, dev)
         emit(
             {
@@ -298,7 +434,20 @@ def main() -> None:
                 "ids": ids,
             }
         )
-    write_checkpoints(hf, cfg, work, a.draft_layers, a.gamma)
+    draft_kw = {"n_routed_experts": a.draft_experts, "num_experts_per_tok": a.draft_top_k}
+    if v41:
+        (Path(work) / "config.json").write_text(json.dumps(raw))
+        use_random_v41_model(cfg, work, dev)
+        init_dspark_draft(
+            work,
+            str(Path(work) / "dspark"),
+            num_layers=a.draft_layers,
+            block_size=a.gamma,
+            seed=1,
+            **draft_kw,
+        )
+    else:
+        write_checkpoints(hf, cfg, work, a.draft_layers, a.gamma, **draft_kw)
     del hf
     gc.collect()
     if dev.startswith("cuda"):
@@ -323,7 +472,8 @@ def main() -> None:
             engine, prompts_for(bs, a.input_len, cfg.vocab_size), a.output_len, dev
         )
         step_ms = (wall - t1) / max(a.output_len - 1, 1) * 1e3
-        floor_ms = step_bytes(engine, bs, a.input_len + a.output_len // 2) / bw * 1e3
+        floor_bytes = step_bytes(engine, bs, a.input_len + a.output_len // 2)
+        floor_ms = floor_bytes / bw * 1e3
         emit(
             {
                 "system": system,
@@ -334,6 +484,7 @@ def main() -> None:
                 "tok_s_total": bs * a.output_len / wall,
                 "decode_ms_per_token": step_ms,
                 "floor_ms_per_step": floor_ms,
+                "floor_bytes_per_step": floor_bytes,
                 **extra,
                 "ids": ids,
             }
@@ -437,6 +588,7 @@ def main() -> None:
         "output_len": a.output_len,
         "gamma": a.gamma,
         "draft_layers": a.draft_layers,
+        "draft_experts": a.draft_experts,
         "alt_draft_top_k": a.alt_draft_top_k,
         "bs1_block_size": a.bs1_block_size,
     }

@@ -24,8 +24,8 @@ if TYPE_CHECKING:
     from sgl_dspark.kernels.indexer.reference import IndexQFp4Output
     from sgl_dspark.kernels.indexer.topk import index_topk
     from sgl_dspark.kernels.linear.small_m import small_m_grouped_linear, small_m_linear
-    from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
-    from sgl_dspark.kernels.mhc.reference import MhcPostCombineOutput
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine, mhc_pre
+    from sgl_dspark.kernels.mhc.reference import MhcPostCollapseOutput, MhcPostCombineOutput
     from sgl_dspark.kernels.moe.activation import silu_mul_clamp
     from sgl_dspark.kernels.moe.grouped_gemm import fused_moe, moe_grouped_gemm
     from sgl_dspark.kernels.moe.reduce import moe_reduce
@@ -66,8 +66,10 @@ _EXPORTS = {
     "index_topk": "indexer.topk",
     "small_m_grouped_linear": "linear.small_m",
     "small_m_linear": "linear.small_m",
+    "mhc_post_collapse": "mhc.post_combine",
     "mhc_post_combine": "mhc.post_combine",
     "mhc_pre": "mhc.post_combine",
+    "MhcPostCollapseOutput": "mhc.reference",
     "MhcPostCombineOutput": "mhc.reference",
     "silu_mul_clamp": "moe.activation",
     "fused_moe": "moe.grouped_gemm",
@@ -105,6 +107,7 @@ __all__ = [
     "Fp8Activation",
     "IndexQFp4Output",
     "MarkovGreedyOutput",
+    "MhcPostCollapseOutput",
     "MhcPostCombineOutput",
     "MoeSortOutput",
     "MoeSortPlan",
@@ -124,6 +127,7 @@ __all__ = [
     "indexer_logits",
     "make_router_workspace",
     "markov_greedy",
+    "mhc_post_collapse",
     "mhc_post_combine",
     "mhc_pre",
     "moe_grouped_gemm",

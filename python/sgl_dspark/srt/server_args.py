@@ -51,8 +51,8 @@ class ServerArgs:
     # ---- model and tokenizer ----
     model_path: str = field(
         metadata={
-            "help": "Model to serve: 'tiny' (the built-in tiny DeepSeek-V4) or a checkpoint directory "
-            "holding config.json and *.safetensors."
+            "help": "Model to serve: 'tiny-v41' / 'tiny' (the built-in tiny DeepSeek-V4.1 / "
+            "DeepSeek-V4) or a checkpoint directory holding config.json and *.safetensors."
         }
     )
     tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: --model-path).")
@@ -163,7 +163,9 @@ class ServerArgs:
         "Weight and activation dtype; auto = float32 on CPU, bfloat16 on GPU.",
         DTYPE_CHOICES,
     )
-    random_seed: int = _arg(0, "Seed of the model initialisation (tiny) and of unseeded sampling.")
+    random_seed: int = _arg(
+        0, "Seed of the built-in models' initialisation and of unseeded sampling."
+    )
     weight_format: str = _arg(
         "auto",
         "How quantised checkpoint weights (FP8 block-scaled, MXFP4) live on the device: native "
@@ -255,8 +257,9 @@ class ServerArgs:
     )
     speculative_draft_model_path: str | None = _arg(
         None,
-        "DSpark draft: a directory, or 'tiny-dspark' (the built-in draft of 'tiny'). "
-        "Default: the target when its config bundles dspark_* keys, else <model>/dspark/.",
+        "DSpark draft: a directory, or 'tiny-v41-dspark' / 'tiny-dspark' (the built-in drafts "
+        "of 'tiny-v41' / 'tiny'). Default: the target when its config bundles dspark_* keys, "
+        "else <model>/dspark/, else the built-in target's own draft.",
     )
     speculative_dspark_block_size: int | None = _arg(
         None, "Drafts per step (gamma); default: the draft checkpoint's block size."

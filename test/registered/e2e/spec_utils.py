@@ -10,7 +10,10 @@ import torch
 from safetensors.torch import save_file
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
+from sgl_dspark.srt.models.deepseek_v41 import DeepseekV41ForCausalLM
 from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG, tiny_weights
+from sgl_dspark.srt.models.tiny_v41 import tiny_v41_hf_config, tiny_v41_weights
+from sgl_dspark.srt.tokenizer import MARKER_FILE
 from sgl_dspark.tools.init_dspark_draft import init_dspark_draft
 
 _S, _C, _H = "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"
@@ -72,6 +75,30 @@ def write_random_target(out_dir: str, vocab_size: int = 512, seed: int = 0, **ov
     save_file(weights, os.path.join(out_dir, "model.safetensors"))
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(raw, f)
+    return out_dir
+
+
+def write_random_v41_target(out_dir: str, seed: int = 0, **text_overrides) -> str:
+    """A DeepSeek-V4.1 target on disk shaped like the built-in tiny-v41 (every layer role), its
+    text config's fields replaced by `text_overrides`: a composite config.json, weights under the
+    model's module names, and the byte tokenizer's marker (the Engram token map is derived from
+    it; a vocabulary other than the byte tokenizer's needs `engram_layer_ids=[]`)."""
+    raw = tiny_v41_hf_config()
+    raw["text_config"].update(text_overrides)
+    cfg = ModelConfig.from_hf_dict(raw)
+    model = DeepseekV41ForCausalLM(cfg)
+    shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
+    weights = {
+        k: v.contiguous()
+        for k, v in tiny_v41_weights(cfg, shapes, seed=seed)
+        if k != "model.engram_token_map"  # derived from the tokenizer at load
+    }
+    os.makedirs(out_dir, exist_ok=True)
+    save_file(weights, os.path.join(out_dir, "model.safetensors"))
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(raw, f)
+    with open(os.path.join(out_dir, MARKER_FILE), "w") as f:
+        json.dump({"type": "byte"}, f)
     return out_dir
 
 

@@ -395,3 +395,77 @@ def test_verify_near_the_context_end_falls_back_to_ragged_rows(monkeypatch, over
         assert any(fits and rows == [8] for _, rows, fits in rows_seen)
     assert any(not fits and rows == lens for lens, rows, fits in rows_seen)
     assert all(rows == lens for lens, rows, fits in rows_seen if not fits)
+
+
+# ---- DeepSeek-V4.1 (tiny-v41 and its built-in DSpark draft) with real CUDA graphs ------------
+@pytest.fixture(scope="module")
+def v41_reference():
+    """tiny-v41's target-only greedy output on the CPU (torch kernels, fp32)."""
+    engine = Engine(
+        model_path="tiny-v41",
+        device="cpu",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=N_PROMPTS,
+    )
+    prompts, params = _requests()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    engine.shutdown()
+    return [o["output_ids"] for o in outs]
+
+
+def _cuda_generate_v41(**kw) -> tuple[list[list[int]], Engine]:
+    engine = Engine(
+        model_path="tiny-v41",
+        skip_tokenizer_init=True,
+        context_length=256,
+        max_running_requests=N_PROMPTS,
+        device="cuda",
+        dtype="float32",
+        kernel_backend="triton",
+        **kw,
+    )
+    prompts, params = _requests()
+    outs = engine.generate(input_ids=prompts, sampling_params=params)
+    return [o["output_ids"] for o in outs], engine
+
+
+@cuda_only
+@pytest.mark.parametrize(
+    ("spec", "overlap"),
+    [
+        (None, True),
+        (None, False),
+        (("full", 5), True),
+        (("full", 5), False),
+        (("full", 2), True),
+        (("static_table", 4), True),
+        (("static_online", 3), False),
+        (("confidence_sync", 3), True),
+        (("confidence_async", 5), True),
+        (("bs1_runtime", 3), True),
+    ],
+)
+def test_tiny_v41_cuda_graphs_equal_eager_and_cpu(v41_reference, tmp_path, spec, overlap):
+    """Every V4.1 path in real graphs (decode, verify widths, the bs-1 runtime, prefill, the
+    fused DSpark steps when the overlap schedule chains them): the same tokens as eager CUDA
+    and as target-only greedy on the CPU."""
+    kw: dict = {"disable_overlap_schedule": not overlap}
+    if spec is not None:
+        policy = "full" if spec[0] == "bs1_runtime" else spec[0]
+        kw |= {
+            "speculative_algorithm": "DSpark",
+            "speculative_dspark_block_size": spec[1],
+            **policy_kwargs(policy, write_policy_tables(str(tmp_path), spec[1])),
+        }
+        if spec[0] == "bs1_runtime":
+            kw["speculative_dspark_bs1_block_size"] = 6
+    graphed, engine = _cuda_generate_v41(cuda_graph_max_bs=6, **kw)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.replays["prefill"] > 0
+    assert any(k.startswith("target width") for k in graphs.replays), graphs.replays
+    engine.shutdown()
+    eager, engine = _cuda_generate_v41(disable_cuda_graph=True, **kw)
+    engine.shutdown()
+    assert graphed == eager
+    assert graphed == v41_reference

@@ -1,7 +1,9 @@
 """On a GPU, a DSpark decode step (draft, Markov sampling, verify forward, acceptance, commit) runs
 without a stream synchronisation until its results are read once at the end (no blocking host
-sync inside the step). Uses CUDA's sync debug mode, which raises on synchronising calls.
-The MoE family runs on Triton: the torch MoE backend reads expert counts on the host."""
+sync inside the step), for DeepSeek-V4 (`tiny`) and DeepSeek-V4.1 (`tiny-v41`: Engram, the
+quantised caches, the shared top-k and candidate blocks) targets. Uses CUDA's sync debug mode,
+which raises on synchronising calls. The MoE family runs on Triton: the torch MoE backend reads
+expert counts on the host."""
 
 from __future__ import annotations
 
@@ -13,8 +15,9 @@ from sgl_dspark.srt.speculative.dspark import executor as executor_mod
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
+@pytest.mark.parametrize("model", ["tiny", "tiny-v41"])
 @pytest.mark.parametrize("policy", ["full", "static_table"])
-def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, monkeypatch):
+def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, model, monkeypatch):
     import json
 
     widths = tmp_path / "w.json"
@@ -28,7 +31,7 @@ def test_dspark_step_has_no_sync_before_the_result_read(tmp_path, policy, monkey
         }
     )
     engine = Engine(
-        model_path="tiny",
+        model_path=model,
         device="cuda",
         dtype="bfloat16",
         context_length=256,

@@ -134,3 +134,47 @@ def test_bad_kernel_choices_are_rejected(kw, match):
         _engine(**kw)
     with pytest.raises(ValueError, match=match):
         ServerArgs(model_path="tiny", **kw)
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        False,
+        pytest.param(
+            True,
+            marks=pytest.mark.skipif(
+                DEVICE == "cpu",
+                reason="the interpreted draft and verify forwards exceed a CPU test's budget",
+            ),
+        ),
+    ],
+)
+def test_tiny_v41_triton_backend_equals_torch(spec):
+    """DeepSeek-V4.1 (`tiny-v41`) with every family on Triton: the single-pass mHC boundary,
+    the V4.1 router and experts, the fused cache stores (FP8 window, FP4 latents and index
+    keys), the FP4 index scoring with the candidate blocks, Engram's gather; with and without
+    its DSpark draft."""
+    kw = {**DSPARK} if spec else {}
+    params = {**GREEDY, "max_new_tokens": 4}
+
+    def run(backend: str) -> list[list[int]]:
+        e = Engine(
+            model_path="tiny-v41",
+            device=DEVICE,
+            dtype="float32",
+            context_length=128,
+            kernel_backend=backend,
+            **kw,
+        )
+        try:
+            if backend == "triton":
+                attn = e.runner.model.model.layers[3].self_attn  # kv source, candidate source
+                assert attn.store_rows.__name__ == "store_triton"
+                assert attn.index_scores.__name__ == "v41_index_scores"
+                assert e.runner.model.model.layers[0].engram.gather.__name__ == "engram_gather"
+                assert e.runner.model.hc_boundary is not None
+            return [o["output_ids"] for o in e.generate(prompt=PROMPTS, sampling_params=params)]
+        finally:
+            e.shutdown()
+
+    assert run("triton") == run("torch")

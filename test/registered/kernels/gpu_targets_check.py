@@ -66,6 +66,9 @@ _KERNEL_MODULES = (
     "spec.accept",
     "sampling.vocab_argmax",
     "indexer.fp4_k_quant",
+    "quant.store",
+    "engram.gather",
+    "indexer.v41_logits",
 )
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
@@ -458,6 +461,90 @@ def _quantized_token_gemms(fmt: str, block: int) -> Callable[[], object]:
     return run
 
 
+def _quant_store(fmt: str, d: int, rope_half: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.store import quant_store
+
+    # DeepSeek-V4.1-Flash rows: the window KV and latents of 512 (rope 64), index keys of 128.
+    width = d if fmt == "fp8_window" else d // 2
+    block = 16 if fmt == "fp4_latent" else 32
+    return lambda: quant_store(
+        _bf16(3, d),
+        torch.tensor([4, 9, 1]),
+        torch.zeros(50, width, dtype=torch.uint8),
+        torch.zeros(50, d // block, dtype=torch.uint8),
+        fmt,
+        torch.ones(3, rope_half),
+        torch.zeros(3, rope_half),
+    )
+
+
+def _quant_store_values() -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.store import quant_store_values
+
+    # The DSpark draft's window rows (V4.1-Flash: 512 channels, rope 64) in the bf16 cache.
+    return lambda: quant_store_values(
+        _bf16(3, 512),
+        torch.tensor([4, 9, 1]),
+        _bf16(50, 512),
+        torch.ones(3, 32),
+        torch.zeros(3, 32),
+    )
+
+
+def _engram_gather() -> Callable[[], object]:
+    from sgl_dspark.kernels.engram.gather import engram_gather
+
+    # V4.1-Flash: 24 ids per token (3 n-gram orders x 8 heads), rows of 256.
+    return lambda: engram_gather(_bf16(1000, 256), torch.zeros(3, 24, dtype=torch.int64))
+
+
+def _v41_index_scores() -> Callable[[], object]:
+    from sgl_dspark.kernels.indexer.v41_logits import v41_index_scores
+
+    # V4.1-Flash: 32 index heads of 128, candidate blocks of 8.
+    return lambda: v41_index_scores(
+        torch.randn(2, 32, 128),
+        _bf16(2, 32),
+        torch.zeros(100, 64, dtype=torch.uint8),
+        torch.zeros(100, 4, dtype=torch.uint8),
+        torch.zeros(2, 300, dtype=torch.int64),
+        torch.tensor([300, 17]),
+        weight_scale=32**-0.5,
+        keep_blocks=torch.ones(2, 38, dtype=torch.bool),
+        block=8,
+    )
+
+
+def _candidate_block_max() -> Callable[[], object]:
+    from sgl_dspark.kernels.indexer.v41_logits import candidate_block_max
+
+    return lambda: candidate_block_max(torch.randn(2, 16384), torch.tensor([16384, 9]), 8)
+
+
+def _mhc_single_pass(d: int, close_only: bool) -> Callable[[], object]:
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine
+
+    n, r = 4, 24
+
+    def run() -> None:
+        heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
+        update = (_bf16(2, n, d), _bf16(2, d), torch.rand(2, n), torch.rand(2, n, n))
+        pre = torch.rand(2, n)
+        if close_only:
+            mhc_post_collapse(*update, pre, heads[3], rms_eps=1e-20)
+        else:
+            mhc_post_combine(
+                *update,
+                *heads,
+                hc_eps=1e-6,
+                sinkhorn_iters=20,
+                rms_eps=1e-20,
+                collapse_pre=pre,
+            )
+
+    return run
+
+
 CASES = {
     # Weights kept as stored at DeepSeek-V4(.1)-Flash shapes: FP8 128 x 128 (V4), 32 x 32
     # (V4.1), MXFP4; an lm_head-wide N takes the wide column blocks.
@@ -505,6 +592,47 @@ CASES = {
         "moe.token_gemm",
         "_moe_token_down_kernel",
         _quantized_token_gemms("fp8", 32),
+    ),
+    "quant_store_window_fp8": (
+        "quant.store",
+        "_quant_store_kernel",
+        _quant_store("fp8_window", 512, 32),
+    ),
+    "quant_store_latent_fp4": (
+        "quant.store",
+        "_quant_store_kernel",
+        _quant_store("fp4_latent", 512, 32),
+    ),
+    "quant_store_index_fp4": (
+        "quant.store",
+        "_quant_store_kernel",
+        _quant_store("fp4_index", 128, 32),
+    ),
+    "quant_store_values_draft": (
+        "quant.store",
+        "_quant_store_kernel",
+        _quant_store_values(),
+    ),
+    "engram_gather_flash": ("engram.gather", "_engram_gather_kernel", _engram_gather()),
+    "v41_index_scores_flash": (
+        "indexer.v41_logits",
+        "_v41_index_scores_kernel",
+        _v41_index_scores(),
+    ),
+    "candidate_block_max_flash": (
+        "indexer.v41_logits",
+        "_candidate_block_max_kernel",
+        _candidate_block_max(),
+    ),
+    "mhc_single_pass_d5120": (
+        "mhc.post_combine",
+        "_mhc_post_combine_kernel",
+        _mhc_single_pass(5120, False),
+    ),
+    "mhc_post_collapse_d5120": (
+        "mhc.post_combine",
+        "_mhc_post_combine_kernel",
+        _mhc_single_pass(5120, True),
     ),
     "moe_route_gate_up": ("moe.token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
     "moe_token_down_reduce": ("moe.token_gemm", "_moe_token_down_kernel", _token_gemms()),
@@ -653,6 +781,10 @@ PDL_KERNELS = (
     "moe.hash_gemv._hash_gemv_partials_kernel",
     "moe.token_gemm._moe_route_gate_up_kernel",
     "moe.token_gemm._moe_token_down_kernel",
+    "quant.store._quant_store_kernel",
+    "engram.gather._engram_gather_kernel",
+    "indexer.v41_logits._v41_index_scores_kernel",
+    "indexer.v41_logits._candidate_block_max_kernel",
 )
 
 

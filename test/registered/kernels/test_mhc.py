@@ -339,3 +339,75 @@ def test_bad_arguments_raise(field: str, bad) -> None:
         mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
     with pytest.raises(ValueError, match="sinkhorn_iters"):
         mhc_post_combine(**_make_inputs(2, 4, 96, torch.float32, seed=1), sinkhorn_iters=0, **_KW)
+
+
+# ------------------------------------------------------------------------------------------------
+# Single-pass mHC (DeepSeek-V4.1): collapse with the previous site's pre
+# ------------------------------------------------------------------------------------------------
+
+
+def _prev_pre(m: int, n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    pre = torch.rand(m, n, generator=g) * 1.5 + 1e-6
+    if m:
+        pre[0] = 0.0
+        pre[0, 0] = 1.0  # the one-hot first input (stream 0)
+    return pre.to(DEVICE)
+
+
+@pytest.mark.parametrize(
+    "m,n,d,dtype,iters",
+    [
+        (1, 4, 96, torch.float32, 20),
+        (5, 4, 160, torch.bfloat16, 20),
+        (3, 2, 33, torch.bfloat16, 4),
+        (7, 3, 1100, torch.float32, 2),
+    ],
+)
+def test_single_pass_boundary_collapses_with_the_given_pre(
+    m: int, n: int, d: int, dtype: torch.dtype, iters: int
+) -> None:
+    """`collapse_pre`: Rs' and x_in are bit-exact (a given pre leaves nothing to reduce), the new
+    pre'/post'/comb' and the norm within the tolerance; the opening variant likewise."""
+    inp = _make_inputs(m, n, d, dtype, seed=31 * m + n)
+    prev = _prev_pre(m, n, seed=m + d)
+    ref = mhc_post_combine_ref(**inp, sinkhorn_iters=iters, **_KW, collapse_pre=prev)
+    out = mhc_post_combine(
+        **inp, sinkhorn_iters=iters, **_KW, out=_poisoned_out(m, n, d, dtype), collapse_pre=prev
+    )
+    _assert_bits_equal(out.streams, ref.streams)
+    _assert_bits_equal(out.x_in, ref.x_in)
+    for name in ("pre", "post", "comb"):
+        torch.testing.assert_close(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+    _assert_close_act(out.x_normed, ref.x_normed)
+    # the new pre is the usual one (what the next site will collapse with)
+    plain = mhc_post_combine_ref(**inp, sinkhorn_iters=iters, **_KW)
+    torch.testing.assert_close(out.pre, plain.pre, rtol=1e-5, atol=1e-6)
+
+    heads = {k: inp[k] for k in ("fn", "base", "scale", "norm_weight")}
+    ref_open = mhc_pre_ref(inp["streams"], **heads, sinkhorn_iters=iters, **_KW, collapse_pre=prev)
+    got_open = mhc_pre(inp["streams"], **heads, sinkhorn_iters=iters, **_KW, collapse_pre=prev)
+    _assert_bits_equal(got_open.x_in, ref_open.x_in)
+    torch.testing.assert_close(got_open.pre, ref_open.pre, rtol=1e-5, atol=1e-6)
+    _assert_close_act(got_open.x_normed, ref_open.x_normed)
+
+
+@pytest.mark.parametrize(
+    "m,n,d,dtype",
+    [(1, 4, 96, torch.bfloat16), (6, 2, 33, torch.float32), (4, 4, 1100, torch.bfloat16)],
+)
+def test_post_collapse_without_coefficients(m: int, n: int, d: int, dtype: torch.dtype) -> None:
+    """Close + collapse with a given pre + norm, no coefficients: Rs' and x_in bit-exact."""
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse
+    from sgl_dspark.kernels.mhc.reference import mhc_post_collapse_ref
+
+    inp = _make_inputs(m, n, d, dtype, seed=5 * m + d)
+    prev = _prev_pre(m, n, seed=d)
+    args = (inp["streams"], inp["y"], inp["post"], inp["comb"], prev, inp["norm_weight"])
+    ref = mhc_post_collapse_ref(*args, rms_eps=1e-20)
+    out = mhc_post_collapse(*args, rms_eps=1e-20)
+    _assert_bits_equal(out.streams, ref.streams)
+    _assert_bits_equal(out.x_in, ref.x_in)
+    _assert_close_act(out.x_normed, ref.x_normed)
+    with pytest.raises(ValueError, match="collapse_pre"):
+        mhc_post_collapse(*args[:4], prev[:, :1].contiguous(), args[5], rms_eps=1e-6)

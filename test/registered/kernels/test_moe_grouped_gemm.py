@@ -389,3 +389,59 @@ def test_swiglu_epilogue_matches_composition(
         assert (gate > limit).any() and (up > limit).any() and (up < -limit).any()
         free = moe_grouped_gemm_ref(x, weight, *routes, out_swiglu=True)[written].float()
         assert (free - got[written].float()).abs().max() > 0.1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "num_tokens,topk,num_experts,hidden,inter,mask_kind,routing",
+    [
+        (1, 3, 8, 64, 32, "all_local", "topk"),
+        (6, 2, 8, 48, 40, "random", "fills"),
+        (13, 4, 6, 96, 24, "all_local", "hot"),
+    ],
+)
+def test_fused_moe_weight_before_down(
+    num_tokens: int,
+    topk: int,
+    num_experts: int,
+    hidden: int,
+    inter: int,
+    mask_kind: str,
+    routing: str,
+    dtype: torch.dtype,
+) -> None:
+    """DeepSeek-V4.1: each route's activation times its weight (the sort's sorted_weights),
+    rounded as stored, before the down projection; weights spanning magnitudes and zeros."""
+    gen = torch.Generator().manual_seed(num_tokens * 11 + inter)
+    mask = _mask(mask_kind, num_experts, gen)
+    ids, weights = _routes(num_tokens, topk, num_experts, routing, gen)
+    weights = weights * torch.exp2(torch.randint(-4, 4, weights.shape, generator=gen)).to(DEVICE)
+    weights[0, 0] = 0.0
+    num_local = max(int(mask.sum()), 1)
+    x = _randn((num_tokens, hidden), 1.0, dtype, gen)
+    gate_up = _randn((num_local, 2 * inter, hidden), 3 * hidden**-0.5, dtype, gen)
+    down = _randn((num_local, hidden, inter), inter**-0.5, dtype, gen)
+    sort = moe_sort(ids, weights, prepare_moe_sort(mask), 0)
+    out = torch.full((num_tokens, topk, hidden), float("nan"), dtype=dtype, device=DEVICE)
+    got = fused_moe(x, gate_up, down, sort, topk, 2.0, out=out, weight_before_down=True)
+    want = fused_moe_ref(x, gate_up, down, ids, mask, 2.0, topk_weights=weights)
+    local = _local_pairs(ids, mask)
+    assert torch.isnan(got[~local]).all(), "a remote route was written"
+    torch.testing.assert_close(got[local], want[local], **CHAIN_TOL[dtype])
+    unweighted = fused_moe_ref(x, gate_up, down, ids, mask, 2.0)
+    if local[0, 0]:  # a zero weight zeroes the route
+        assert not got[0, 0].any() and unweighted[0, 0].abs().max() > 0
+
+
+def test_act_weights_needs_the_activation_and_sorted_shape() -> None:
+    gen = torch.Generator().manual_seed(2)
+    mask = torch.ones(4, dtype=torch.int32, device=DEVICE)
+    ids, weights = _routes(3, 2, 4, "topk", gen)
+    sort = moe_sort(ids, weights, prepare_moe_sort(mask), 0)
+    x = _randn((3, 32), 1.0, torch.float32, gen)
+    w = _randn((4, 32, 32), 0.2, torch.float32, gen)
+    routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, 2)
+    with pytest.raises(ValueError, match="act_weights needs out_swiglu"):
+        moe_grouped_gemm(x, w, *routes, act_weights=sort.sorted_weights)
+    with pytest.raises(ValueError, match="act_weights must be fp32"):
+        moe_grouped_gemm(x, w, *routes, out_swiglu=True, act_weights=weights)

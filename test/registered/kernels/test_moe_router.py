@@ -559,3 +559,38 @@ def test_cuda_graph_replay_matches_eager(num_rows: int) -> None:
         graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(captured.ids, eager.ids) and torch.equal(captured.weights, eager.weights)
+
+
+@pytest.mark.parametrize("scoring", ["sqrtsoftplus", "sigmoid"])
+@pytest.mark.parametrize("source,num_rows", [("logits", 5), ("x", 3), ("x", 20), ("hash", 6)])
+def test_gate_temperature(source: str, num_rows: int, scoring: str) -> None:
+    """DeepSeek-V4.1's router temperature: the fp32 logits divided by it before scoring (the
+    selection and the weights follow the divided logits; `logits_out` keeps them undivided)."""
+    gen = torch.Generator().manual_seed(num_rows * 3 + len(source))
+    experts, hidden, temp = 24, 48, 1.7
+    config = RouterConfig(3, scoring, routed_scaling_factor=1.5, num_shared=1, gate_temp=temp)
+    kwargs: dict = {}
+    if source == "logits":
+        kwargs["logits"] = _random_logits(num_rows, experts, "randn", gen)
+    else:
+        kwargs["x"] = torch.randn(num_rows, hidden, generator=gen).to(DEVICE)
+        kwargs["gate_weight"] = (torch.randn(experts, hidden, generator=gen) * 0.3).to(DEVICE)
+    if source == "hash":
+        kwargs["input_ids"] = torch.randint(0, 50, (num_rows,), generator=gen).to(DEVICE)
+        kwargs["tid2eid"] = torch.randint(0, experts, (50, 3), generator=gen).to(DEVICE)
+    else:
+        kwargs["correction_bias"] = _random_bias(experts, "randn", gen)
+    got = router_topk(config, **kwargs)
+    ref = router_topk_ref(config, **kwargs)
+    if source == "hash":
+        _check(got, ref, None, 3)
+        return
+    logits = kwargs.get("logits")
+    if logits is None:
+        logits = kwargs["x"].float() @ kwargs["gate_weight"].float().t()
+    choice = _selection_values(logits / temp, scoring, kwargs["correction_bias"])
+    _check(got, ref, choice, 3)
+    plain = router_topk_ref(
+        RouterConfig(3, scoring, routed_scaling_factor=1.5, num_shared=1), **kwargs
+    )
+    assert not torch.equal(plain.weights, ref.weights)  # the temperature changes the weights

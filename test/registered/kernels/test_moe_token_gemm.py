@@ -267,3 +267,27 @@ def test_empty_and_bad_arguments() -> None:
         moe_token_down_reduce(h, c["down"], ids, c["weights"], table, n_loc, 1.0, c["shared"][:1])
     with pytest.raises(ValueError, match="h has"):
         moe_token_down_reduce(h[:3], c["down"], ids, c["weights"], table, n_loc)
+
+
+@pytest.mark.parametrize("case", [CASES[0], CASES[2], CASES[3]])
+def test_weight_before_down_matches_ref_and_sorted_path(case: tuple) -> None:
+    """DeepSeek-V4.1: stage 1 scales each route's activation by its weight (rounded as stored);
+    stage 2 then sums the routes with unit weights, as the sorted path does."""
+    dtype = torch.bfloat16
+    c = _case(*case, dtype=dtype, seed=7 * CASES.index(case) + 1)
+    num_tokens, topk, hidden = c["ids"].shape[0], c["ids"].shape[1], c["x"].shape[1]
+    ids, table, n_loc, w = c["ids"], c["plan"].local_table, c["num_local"], c["weights"]
+    local = _is_local(ids, c["mask"]).reshape(-1)
+    inter = c["gate_up"].shape[1] // 2
+    poison = torch.full((ids.numel(), inter), float("nan"), dtype=dtype, device=DEVICE)
+    h = moe_route_gate_up(c["x"], c["gate_up"], ids, table, n_loc, 1.5, poison.clone(), w)
+    h_ref = moe_route_gate_up_ref(c["x"], c["gate_up"], ids, table, n_loc, 1.5, poison.clone(), w)
+    assert torch.isnan(h[~local]).all()
+    torch.testing.assert_close(h[local], h_ref[local], **CHAIN_TOL[dtype])
+    ones = torch.ones_like(w)
+    got = moe_token_down_reduce(h, c["down"], ids, ones, table, n_loc, 1.0, c["shared"])
+    sort = moe_sort(ids, w, c["plan"], 0)
+    y = fused_moe(c["x"], c["gate_up"], c["down"], sort, topk, 1.5, weight_before_down=True)
+    out_sorted = moe_reduce(y, ones, ids, c["mask"], 1.0, c["shared"])
+    assert got.shape == (num_tokens, hidden)
+    _assert_close_or_equal(got, out_sorted, EXACT, CHAIN_TOL[dtype])

@@ -81,8 +81,6 @@ def test_gate_at_zero_dot_is_sigmoid_of_the_floor(c2):
 @pytest.mark.parametrize(
     "kernel_backend,overrides,attention,needle",
     [
-        ("triton", None, "torch", "mhc=torch,indexer=torch,moe=torch"),
-        ("torch", "moe=triton", "torch", "moe=torch"),
         ("torch", None, "triton", "attention-backend"),
     ],
 )

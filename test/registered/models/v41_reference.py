@@ -417,11 +417,12 @@ class V41Reference:
             hash_ids = engram_hash_ids(ids, c, self.token_map)
             debug["engram_hash_ids"] = hash_ids
         shared: dict = {}
-        streams = []
+        streams, inputs = [], []
         for layer in range(self.n_layers):
             if layer in self.engram_layers:
                 assert hash_ids is not None
                 rs = self._engram(rs, layer, hash_ids[:, self.engram_layers.index(layer)])
+            inputs.append(rs)
             pre_a, post, comb = self._mixes(rs, layer, "attn")
             h = rmsnorm(
                 self._collapse(rs, pre), self.p(f"layers.{layer}.attn_norm.weight"), self.eps
@@ -435,5 +436,7 @@ class V41Reference:
             pre = pre_f
             streams.append(rs)
         debug["layer_output_streams"] = torch.stack(streams)
+        # the streams entering each layer's attention (after its Engram): DSpark's taps
+        debug["layer_input_streams"] = torch.stack(inputs)
         h = rmsnorm(self._collapse(rs, pre), self.p("norm.weight"), self.eps)
         return h @ self.p("head.weight").T, debug

@@ -56,6 +56,29 @@ def test_bench_engine_toy_cpu(tmp_path):
     assert table.count("| dspark_full |") == 2 and "x HF" in table
 
 
+def test_bench_engine_v41_toy_cpu(tmp_path):
+    """The DeepSeek-V4.1 path: no HF baseline, a random model built per engine, a draft with its
+    own expert count, byte floors that grow with the batch and the speculative width."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmark" / "bench_engine.py"),
+        *("--config", "v41_toy", "--device", "cpu", "--batch-sizes", "1,2"),
+        *("--input-len", "10", "--output-len", "3", "--gamma", "2", "--accept-len", "2"),
+        *("--draft-experts", "4", "--draft-top-k", "1", "--static-cases", "", "--skip-eager"),
+        *("--out-dir", str(tmp_path)),
+    ]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    data = json.loads((tmp_path / "engine.json").read_text())
+    rows = {(r["system"], r["bs"]): r for r in data["rows"]}
+    assert set(rows) == {(s, b) for s in ("ours_cuda_graph", "dspark_full") for b in (1, 2)}
+    for r in rows.values():
+        assert all(len(ids) == 3 for ids in r["ids"])
+    floor = {k: r["floor_bytes_per_step"] for k, r in rows.items()}
+    assert floor[("ours_cuda_graph", 1)] < floor[("ours_cuda_graph", 2)]
+    assert floor[("ours_cuda_graph", 1)] < floor[("dspark_full", 1)] < floor[("dspark_full", 2)]
+    assert data["meta"]["draft_experts"] == 4
+
+
 def test_bench_one_batch_random_model_with_triton_moe():
     """`bench_one_batch.random_model` (also the GPU e2e script's model) with the triton MoE: the
     experts' sort table, built from a host tensor in the constructor, must survive the build (a

@@ -1,5 +1,6 @@
 """The lightning indexer in torch: the reference of the indexer kernels (`logits.py`, `topk.py`,
-`fp4_k_quant.py`, `fp4_q_rope.py`) and the "indexer" family's torch scoring.
+`fp4_k_quant.py`, `fp4_q_rope.py`, DeepSeek-V4.1's `v41_logits.py`) and the "indexer" family's
+torch scoring.
 
 Scoring: for token t (position p, request slot r) and compressed entry n of its request,
     score[t, n] = sum_h w[t, h] * relu(qi[t, h] . K[n]) * Di**-0.5     for n < visible = (p+1) // m
@@ -32,6 +33,7 @@ from typing import NamedTuple
 import torch
 
 from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
+from sgl_dspark.kernels.quant.reference import Fp4Rows, dequantize_fp4_index_ref
 from sgl_dspark.kernels.rope.reference import rope_tail_ref
 
 FP4_GROUP = 32
@@ -285,3 +287,60 @@ def index_q_rope_fp4_ref(
         factor = torch.tensor(head_weight_scale, dtype=torch.float32, device=q.device)
         head_weights = (acc * factor).to(q.dtype)
     return IndexQFp4Output(codes, scales, head_weights, fake_quant.reshape(t, n_heads * head_dim))
+
+
+# ---- DeepSeek-V4.1: scoring packed FP4 keys, candidate blocks ---------------------------------
+
+
+def v41_index_scores_ref(
+    qi: torch.Tensor,
+    weights: torch.Tensor,
+    key_data: torch.Tensor,
+    key_scales: torch.Tensor,
+    entry_rows: torch.Tensor,
+    visible: torch.Tensor,
+    *,
+    weight_scale: float,
+    keep_blocks: torch.Tensor | None = None,
+    block: int = 1,
+) -> torch.Tensor:
+    """DeepSeek-V4.1's index scores over a kv source's packed FP4 index keys (the reference of
+    `v41_logits.py::v41_index_scores`): the module doc's score with K[n] the dequantised key at
+    cache row `entry_rows[t, n]`, -inf at n >= visible[t] and, with `keep_blocks` `[T, nb]`
+    bool (a candidate source's blocks of `block` entries), -inf outside the kept blocks.
+
+    qi `[T, Hi, Di]` (the fake-quantised queries), weights `[T, Hi]`, key_data uint8 `[R, Di/2]`,
+    key_scales uint8 `[R, Di/32]` (`quantize_fp4_index_ref`), entry_rows int `[T, N]`, visible
+    int `[T]`. Returns `[T, N]` fp32."""
+    rows = entry_rows.clamp(0, key_data.shape[0] - 1)
+    keys = dequantize_fp4_index_ref(Fp4Rows(key_data[rows], key_scales[rows]), torch.float32)
+    head_dim = qi.shape[-1]
+    scores = torch.einsum("thd,tnd->thn", qi.float(), keys)
+    scores = torch.relu(scores) * head_dim**-0.5
+    scores = (scores * (weights.float() * weight_scale).unsqueeze(-1)).sum(dim=1)
+    n = torch.arange(entry_rows.shape[1], device=entry_rows.device)
+    hidden = n[None, :] >= visible[:, None]
+    if keep_blocks is not None:
+        hidden |= ~keep_blocks.gather(1, (n // block)[None, :].expand_as(hidden))
+    return scores.masked_fill(hidden, float("-inf"))
+
+
+def candidate_block_max_ref(
+    scores: torch.Tensor, visible: torch.Tensor, block: int
+) -> torch.Tensor:
+    """The block scores of the two-level top-k: scores `[T, N]` (-inf where not visible) in
+    blocks of `block` entries (the last one padded with -inf), each block's maximum, and +inf
+    for the block holding the newest visible entry (`visible - 1`) of rows that see any.
+    Returns `[T, ceil(N / block)]` fp32 (the reference of `v41_logits.py::candidate_block_max`)."""
+    rows, width = scores.shape
+    n_blocks = -(-width // block)
+    padded = scores.new_full((rows, n_blocks * block), float("-inf"))
+    padded[:, :width] = scores
+    block_max = padded.view(rows, n_blocks, block).amax(dim=-1)
+    newest = ((visible - 1).clamp(min=0) // block).clamp(max=n_blocks - 1)
+    pinned = torch.where(
+        visible > 0,
+        torch.full_like(block_max[:, 0], float("inf")),
+        block_max.gather(1, newest[:, None])[:, 0],
+    )
+    return block_max.scatter(1, newest[:, None], pinned[:, None])

@@ -74,6 +74,7 @@ def finish_collapse_norm(
     row,
     streams_out_ptr,
     pre_out_ptr,
+    collapse_pre_ptr,
     x_in_ptr,
     x_normed_ptr,
     partials_ptr,
@@ -90,8 +91,11 @@ def finish_collapse_norm(
     SP: tl.constexpr,
     FINISH_BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
+    HAS_COEFFS: tl.constexpr,
+    PREV_PRE: tl.constexpr,
 ):
-    """Phase B, program (row, 0): pre', x_in = Σ_j pre'[j]·Rs'[j] and RMSNorm_w(x_in)."""
+    """Phase B, program (row, 0): pre' (HAS_COEFFS), x_in = Σ_j c[j]·Rs'[j] and RMSNorm_w(x_in),
+    where c is pre' or, single-pass (PREV_PRE), the given previous site's pre."""
     offs_j = tl.arange(0, NP)
     mask_j = offs_j < N
     offs_f = tl.arange(0, FINISH_BLOCK)
@@ -106,12 +110,15 @@ def finish_collapse_norm(
         ).to(tl.float32)
         w = tl.load(norm_w_ptr + offs_f, mask=mask_f, other=0.0).to(tl.float32)
 
-    ws = partials_ptr + row * NUM_SLICES * RP
-    mix_pre = _slice_sum(ws, offs_j, mask_j, NUM_SLICES, SP, RP)
-    inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
-    base_pre = tl.load(base_ptr + offs_j, mask=mask_j, other=0.0)
-    pre = tl.sigmoid(mix_pre * inv_rms * tl.load(scale_ptr) + base_pre) + hc_eps
-    tl.store(pre_out_ptr + row * N + offs_j, pre, mask=mask_j)
+    if HAS_COEFFS:
+        ws = partials_ptr + row * NUM_SLICES * RP
+        mix_pre = _slice_sum(ws, offs_j, mask_j, NUM_SLICES, SP, RP)
+        inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
+        base_pre = tl.load(base_ptr + offs_j, mask=mask_j, other=0.0)
+        pre = tl.sigmoid(mix_pre * inv_rms * tl.load(scale_ptr) + base_pre) + hc_eps
+        tl.store(pre_out_ptr + row * N + offs_j, pre, mask=mask_j)
+    if PREV_PRE:  # single-pass mHC: the collapse uses the previous site's pre
+        pre = tl.load(collapse_pre_ptr + row * N + offs_j, mask=mask_j, other=0.0)
 
     if FINISH_BLOCK >= D:
         # The whole row stays in registers: the stored (rounded) x_in feeds the norm directly.

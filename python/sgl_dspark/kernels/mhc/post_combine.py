@@ -9,9 +9,16 @@ One call closes a sublayer and opens the next one, no atomics, no host reads:
      (`coefficients.py`).
 `mhc_pre` opens the first sublayer: the same launches without the stream update.
 
+Single-pass mHC (DeepSeek-V4.1): a site collapses its sublayer input with the PREVIOUS site's
+pre. `collapse_pre` (both launchers) takes that pre in and the new pre' still comes out;
+`mhc_post_collapse` closes a sublayer and collapses with a given pre without computing any
+coefficients (before an Engram layer, and the final norm): phase A without the projection,
+phase B's (row, 0) only.
+
 Exactness: ``Rs'`` is bit-exact against the reference on any backend (elementwise, fixed operand
-order, FMA contraction off, bf16 rounding on the bits). The coefficients, ``x_in`` and the normed
-input go through split reductions and ``exp``/``sigmoid`` whose order and lowering differ from
+order, FMA contraction off, bf16 rounding on the bits), and so is ``x_in`` collapsed with a given
+``collapse_pre``. The coefficients, ``x_in`` collapsed with pre' and the normed input go through
+split reductions and ``exp``/``sigmoid`` whose order and lowering differ from
 torch: within a tolerance. Every tree is fixed by (n, D) (slice width, partial layout and warp
 counts depend on n and D only; phase A runs the same unrolled code for each row of a tile), so
 a row's result never depends on M, on its position in the batch or on the grid.
@@ -26,7 +33,7 @@ import triton.language as tl
 from sgl_dspark.kernels._checks import check_tensor, require
 from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 from sgl_dspark.kernels.mhc.coefficients import finish_coeffs, finish_collapse_norm
-from sgl_dspark.kernels.mhc.reference import MhcPostCombineOutput
+from sgl_dspark.kernels.mhc.reference import MhcPostCollapseOutput, MhcPostCombineOutput
 from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
 
 # Phase A D-slice width: aims at 64 slices (programs at M = 1), within these bounds.
@@ -57,6 +64,7 @@ def _mhc_post_combine_kernel(
     x_in_ptr,
     x_normed_ptr,
     partials_ptr,
+    collapse_pre_ptr,
     M,
     hc_eps,
     rms_eps,
@@ -73,10 +81,13 @@ def _mhc_post_combine_kernel(
     FINISH_BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HAS_UPDATE: tl.constexpr,
+    HAS_COEFFS: tl.constexpr,
+    PREV_PRE: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """PHASE 0: grid (row tiles, D slices), see `stream_update_and_partials`. PHASE 1: grid
-    (M, 2), program (row, 0) collapses and norms, program (row, 1) forms post' and comb'."""
+    (M, 2) (M, 1 without HAS_COEFFS), program (row, 0) collapses and norms, program (row, 1)
+    forms post' and comb'."""
     if PHASE == 0:
         stream_update_and_partials(
             streams_ptr,
@@ -96,6 +107,7 @@ def _mhc_post_combine_kernel(
             BLOCK_D,
             ROUND_BF16,
             HAS_UPDATE,
+            HAS_COEFFS,
             PDL,
         )
     else:
@@ -106,6 +118,7 @@ def _mhc_post_combine_kernel(
                 row,
                 streams_out_ptr,
                 pre_out_ptr,
+                collapse_pre_ptr,
                 x_in_ptr,
                 x_normed_ptr,
                 partials_ptr,
@@ -122,8 +135,10 @@ def _mhc_post_combine_kernel(
                 SP,
                 FINISH_BLOCK,
                 ROUND_BF16,
+                HAS_COEFFS,
+                PREV_PRE,
             )
-        else:
+        elif HAS_COEFFS:
             finish_coeffs(
                 row,
                 post_out_ptr,
@@ -168,6 +183,7 @@ def mhc_post_combine(
     sinkhorn_iters: int,
     rms_eps: float,
     out: MhcPostCombineOutput | None = None,
+    collapse_pre: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_post_combine_ref` in two launches of one kernel, no host sync.
 
@@ -179,20 +195,21 @@ def mhc_post_combine(
         norm_weight: [D] fp32 or bf16: the NEXT sublayer's RMSNorm weight.
         hc_eps, sinkhorn_iters (>= 1), rms_eps: the hyper-connection's constants.
         out: optional preallocated outputs (shapes/dtypes as returned).
+        collapse_pre: [M, n] fp32, single-pass mHC: x_in collapses Rs' with it (the closed
+            site's pre) instead of pre'.
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed).
     """
     return _launch(
         streams,
         (y, post, comb),
-        fn,
-        base,
-        scale,
+        (fn, base, scale),
         norm_weight,
         hc_eps=hc_eps,
         sinkhorn_iters=sinkhorn_iters,
         rms_eps=rms_eps,
         out=out,
+        collapse_pre=collapse_pre,
     )
 
 
@@ -207,6 +224,7 @@ def mhc_pre(
     sinkhorn_iters: int,
     rms_eps: float,
     out: MhcPostCombineOutput | None = None,
+    collapse_pre: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_pre_ref` (open the first sublayer): `mhc_post_combine`'s launches without the
     stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
@@ -214,29 +232,55 @@ def mhc_pre(
     return _launch(
         streams,
         None,
-        fn,
-        base,
-        scale,
+        (fn, base, scale),
         norm_weight,
         hc_eps=hc_eps,
         sinkhorn_iters=sinkhorn_iters,
         rms_eps=rms_eps,
         out=out,
+        collapse_pre=collapse_pre,
     )
+
+
+def mhc_post_collapse(
+    streams: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    collapse_pre: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+) -> MhcPostCollapseOutput:
+    """`mhc_post_collapse_ref`: close a sublayer (Rs'), collapse Rs' with `collapse_pre`
+    [M, n] fp32 and apply the weighted RMSNorm, computing no coefficients (single-pass mHC
+    before an Engram layer, and into the final norm). Two launches; other arguments as
+    mhc_post_combine. Returns MhcPostCollapseOutput(streams', x_in, x_normed)."""
+    out = _launch(
+        streams,
+        (y, post, comb),
+        None,
+        norm_weight,
+        hc_eps=0.0,
+        sinkhorn_iters=1,
+        rms_eps=rms_eps,
+        out=None,
+        collapse_pre=collapse_pre,
+    )
+    return MhcPostCollapseOutput(out.streams, out.x_in, out.x_normed)
 
 
 def _launch(
     streams: torch.Tensor,
     update: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-    fn: torch.Tensor,
-    base: torch.Tensor,
-    scale: torch.Tensor,
+    coeffs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
     norm_weight: torch.Tensor,
     *,
     hc_eps: float,
     sinkhorn_iters: int,
     rms_eps: float,
     out: MhcPostCombineOutput | None,
+    collapse_pre: torch.Tensor | None,
 ) -> MhcPostCombineOutput:
     require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
@@ -254,9 +298,16 @@ def _launch(
         check_tensor("comb", comb, (m, n, n), f32, dev)
     else:  # never read by the kernel (HAS_UPDATE false)
         y = post = comb = streams
-    check_tensor("fn", fn, (r, n * d), f32, dev)
-    check_tensor("base", base, (r,), f32, dev)
-    check_tensor("scale", scale, (3,), f32, dev)
+    if coeffs is not None:
+        fn, base, scale = coeffs
+        check_tensor("fn", fn, (r, n * d), f32, dev)
+        check_tensor("base", base, (r,), f32, dev)
+        check_tensor("scale", scale, (3,), f32, dev)
+    else:  # never read by the kernel (HAS_COEFFS false)
+        require(collapse_pre is not None, "a boundary without coefficients needs collapse_pre")
+        fn = base = scale = norm_weight
+    if collapse_pre is not None:
+        check_tensor("collapse_pre", collapse_pre, (m, n), f32, dev)
     check_tensor("norm_weight", norm_weight, (d,), (torch.float32, torch.bfloat16), dev)
 
     out_shapes = [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)]
@@ -276,7 +327,9 @@ def _launch(
     num_slices = triton.cdiv(d, block_d)
     rp = triton.next_power_of_2(r + 1)  # fn projection columns, then the sum of squares
     finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
-    partials = torch.empty(m, num_slices, rp, dtype=torch.float32, device=dev)
+    partials = torch.empty(
+        m if coeffs is not None else 0, num_slices, rp, dtype=torch.float32, device=dev
+    )
     args = (
         streams,
         y,
@@ -288,6 +341,7 @@ def _launch(
         norm_weight,
         *out,
         partials,
+        collapse_pre if collapse_pre is not None else post,
         m,
         float(hc_eps),
         float(rms_eps),
@@ -304,6 +358,8 @@ def _launch(
         FINISH_BLOCK=finish_block,
         ROUND_BF16=act == torch.bfloat16,
         HAS_UPDATE=update is not None,
+        HAS_COEFFS=coeffs is not None,
+        PREV_PRE=collapse_pre is not None,
         enable_fp_fusion=False,
         **programmatic_launch(_mhc_post_combine_kernel, dev),
     )
@@ -312,7 +368,7 @@ def _launch(
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
     # About 512 row elements per warp, i.e. n fp32 stream values of 16 columns per thread.
-    _mhc_post_combine_kernel[(m, 2)](
+    _mhc_post_combine_kernel[(m, 2 if coeffs is not None else 1)](
         *args, PHASE=1, BLOCK_M=1, num_warps=min(16, max(4, finish_block // 512)), **meta
     )
     return out

@@ -29,6 +29,14 @@ class MhcPostCombineOutput(NamedTuple):
     x_normed: torch.Tensor  # [M, D] activation dtype: RMSNorm_w(x_in)
 
 
+class MhcPostCollapseOutput(NamedTuple):
+    """Outputs of :func:`mhc_post_collapse` (no coefficients)."""
+
+    streams: torch.Tensor  # [M, n, D] activation dtype: updated streams Rs'
+    x_in: torch.Tensor  # [M, D] activation dtype: Σ_j collapse_pre[j]·Rs'[j]
+    x_normed: torch.Tensor  # [M, D] activation dtype: RMSNorm_w(x_in)
+
+
 def mhc_coeffs_ref(
     streams: torch.Tensor,
     fn: torch.Tensor,
@@ -99,15 +107,17 @@ def mhc_post_combine_ref(
     hc_eps: float,
     sinkhorn_iters: int,
     rms_eps: float,
+    collapse_pre: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     """The chain `mhc_post_combine` fuses: mhc_post_ref, then mhc_coeffs_ref of the next
     sublayer on the updated (stored, i.e. dtype-rounded) streams, its collapse, and its
-    RMSNorm."""
+    RMSNorm. Single-pass mHC (DeepSeek-V4.1): the collapse uses `collapse_pre` [M, n] fp32,
+    the closed site's pre, instead of the new pre."""
     new_streams = mhc_post_ref(streams, y, post, comb)
     pre2, post2, comb2 = mhc_coeffs_ref(
         new_streams, fn, base, scale, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps
     )
-    x_in = mhc_collapse_ref(new_streams, pre2)
+    x_in = mhc_collapse_ref(new_streams, pre2 if collapse_pre is None else collapse_pre)
     x_normed = rms_norm_ref(x_in, norm_weight, rms_eps)
     return MhcPostCombineOutput(new_streams, pre2, post2, comb2, x_in, x_normed)
 
@@ -122,12 +132,32 @@ def mhc_pre_ref(
     hc_eps: float,
     sinkhorn_iters: int,
     rms_eps: float,
+    collapse_pre: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
-    """Open the first sublayer: coeffs, collapse and RMSNorm of the (unchanged) streams."""
+    """Open the first sublayer: coeffs, collapse (with `collapse_pre` when given, single-pass
+    mHC) and RMSNorm of the (unchanged) streams."""
     pre, post, comb = mhc_coeffs_ref(
         streams, fn, base, scale, hc_eps=hc_eps, sinkhorn_iters=sinkhorn_iters, rms_eps=rms_eps
     )
-    x_in = mhc_collapse_ref(streams, pre)
+    x_in = mhc_collapse_ref(streams, pre if collapse_pre is None else collapse_pre)
     return MhcPostCombineOutput(
         streams, pre, post, comb, x_in, rms_norm_ref(x_in, norm_weight, rms_eps)
     )
+
+
+def mhc_post_collapse_ref(
+    streams: torch.Tensor,
+    y: torch.Tensor,
+    post: torch.Tensor,
+    comb: torch.Tensor,
+    collapse_pre: torch.Tensor,
+    norm_weight: torch.Tensor,
+    *,
+    rms_eps: float,
+) -> MhcPostCollapseOutput:
+    """Close a sublayer and collapse the new streams with a given pre, then the weighted
+    RMSNorm; no coefficients (single-pass mHC before an Engram layer and into the final
+    norm)."""
+    new_streams = mhc_post_ref(streams, y, post, comb)
+    x_in = mhc_collapse_ref(new_streams, collapse_pre)
+    return MhcPostCollapseOutput(new_streams, x_in, rms_norm_ref(x_in, norm_weight, rms_eps))

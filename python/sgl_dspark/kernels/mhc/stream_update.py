@@ -73,11 +73,13 @@ def stream_update_and_partials(
     BLOCK_D: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HAS_UPDATE: tl.constexpr,
+    HAS_COEFFS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Phase A, program (row tile, D slice): Rs' of BLOCK_M rows on the slice; per row, the
     slice's partial fn projection (partials columns < R) and sum of squares (column R).
-    Without HAS_UPDATE (opening only) Rs' is Rs itself and nothing is stored but partials."""
+    Without HAS_UPDATE (opening only) Rs' is Rs itself and nothing is stored but partials;
+    without HAS_COEFFS (a close that computes no coefficients) only Rs' is stored."""
     R: tl.constexpr = (2 + N) * N
     wait_for_producers(PDL)  # streams, y, post and comb come from earlier kernels
     slice_id = tl.program_id(1)
@@ -90,8 +92,12 @@ def stream_update_and_partials(
     mask_r = offs_r < R
     mask_jd = mask_j[:, None] & mask_d[None, :]
     # fn[r, j·D + d]: the streams flattened stream-major. Loaded once, reused by every row.
-    fn_offs = offs_r[:, None, None] * (N * D) + offs_j[None, :, None] * D + offs_d[None, None, :]
-    fn_tile = tl.load(fn_ptr + fn_offs, mask=mask_r[:, None, None] & mask_jd[None, :, :], other=0.0)
+    if HAS_COEFFS:
+        fn_offs = (
+            offs_r[:, None, None] * (N * D) + offs_j[None, :, None] * D + offs_d[None, None, :]
+        )
+        fn_mask = mask_r[:, None, None] & mask_jd[None, :, :]
+        fn_tile = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
 
     # Unrolled, each row running the same code on the same shapes (so its bits depend neither
     # on BLOCK_M nor on its place in the tile); the next row's loads are issued before this
@@ -141,9 +147,11 @@ def stream_update_and_partials(
             tl.store(streams_out_ptr + out_offs, acc.to(act_ty), mask=mask_jd & (row < M))
         else:
             acc = src  # opening only: the streams are read as they are (no store)
-        sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-        mix = tl.sum(tl.sum(fn_tile * acc[None, :, :], axis=2), axis=1)
-        part = tl.where(offs_r == R, sumsq, mix)
-        tl.store(partials_ptr + (row * NUM_SLICES + slice_id) * RP + offs_r, part, mask=row < M)
+        if HAS_COEFFS:
+            sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
+            mix = tl.sum(tl.sum(fn_tile * acc[None, :, :], axis=2), axis=1)
+            part = tl.where(offs_r == R, sumsq, mix)
+            part_ptr = partials_ptr + (row * NUM_SLICES + slice_id) * RP + offs_r
+            tl.store(part_ptr, part, mask=row < M)
         if i + 1 < BLOCK_M:
             y, post, comb, src = y_next, post_next, comb_next, src_next

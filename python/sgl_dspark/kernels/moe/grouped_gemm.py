@@ -47,6 +47,7 @@ from sgl_dspark.kernels._checks import require
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
+    round_bf16_native_or_bits,
     round_to_bf16,
     wait_for_producers,
 )
@@ -145,6 +146,17 @@ def swiglu_tile(
 
 
 @triton.jit
+def weighted_activation(y, w, ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):
+    """DeepSeek-V4.1's route weight before the down projection: the stored activation rows y
+    [BLOCK_M, N] (fp32 holding their stored values) times each row's fp32 weight w [BLOCK_M],
+    rounded as stored (`moe_route_gate_up_ref`'s `(h.float() * w).to(dtype)`)."""
+    y = y * w[:, None]
+    if ROUND_BF16:
+        y = round_bf16_native_or_bits(y, ON_BITS)
+    return y
+
+
+@triton.jit
 def _moe_grouped_gemm_kernel(
     a_ptr,
     w_ptr,
@@ -163,6 +175,7 @@ def _moe_grouped_gemm_kernel(
     stride_sn,
     stride_out,
     limit,
+    act_weights_ptr,
     TOPK: tl.constexpr,
     A_PER_PAIR: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -178,6 +191,7 @@ def _moe_grouped_gemm_kernel(
     OUT_SWIGLU: tl.constexpr,
     TILE_MAJOR: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
+    WEIGHT_ACT: tl.constexpr,
     ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -229,6 +243,9 @@ def _moe_grouped_gemm_kernel(
     )
     if OUT_SWIGLU:  # the activation of the [gate | up] values a plain stage 1 would store
         y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
+        if WEIGHT_ACT:  # each row's route weight (sorted like the rows), then stored rounding
+            w = tl.load(act_weights_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+            y = weighted_activation(y, w, ROUND_BF16, ON_BITS)
         j = pid_n * HALF + tl.arange(0, HALF)
         tl.store(
             out_ptr + pair[:, None] * stride_out + j[None, :],
@@ -350,6 +367,7 @@ def moe_grouped_gemm(
     out_swiglu: bool = False,
     swiglu_limit: float | None = None,
     tile_major: bool | None = None,
+    act_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`moe_grouped_gemm_ref` in one launch over `moe_sort`'s blocks, no host sync
     (graph-safe).
@@ -367,6 +385,9 @@ def moe_grouped_gemm(
             rows | up rows]; out [M * topk, I] = `silu_mul_clamp` of what the plain GEMM would
             store, evaluated once per element (each program's tile pairs gate and up columns).
         swiglu_limit: the activation's clamp (> 0), only with out_swiglu; None: no clamp.
+        act_weights: with out_swiglu, `moe_sort`'s `sorted_weights` (fp32, one per sorted row):
+            each route's activation is multiplied by its weight and rounded as stored
+            (DeepSeek-V4.1 weights a route before its down projection).
         tile_major: program order (timing only, never a result bit): N tiles fastest, so the
             live blocks' programs come first. None: tile-major for one token (the static grid
             spans the largest block count, ~62 blocks for 6 live at 64 experts, so the live
@@ -384,6 +405,16 @@ def moe_grouped_gemm(
         f"{tuple(a.shape)} strides {a.stride()}",
     )
     require(out_swiglu or swiglu_limit is None, "swiglu_limit needs out_swiglu=True")
+    if act_weights is not None:
+        require(out_swiglu, "act_weights needs out_swiglu=True")
+        require(
+            act_weights.shape == sorted_ids.shape
+            and act_weights.dtype == torch.float32
+            and act_weights.is_contiguous()
+            and act_weights.device == a.device,
+            f"act_weights must be fp32 {tuple(sorted_ids.shape)} contiguous (moe_sort's "
+            f"sorted_weights), got {act_weights.dtype} {tuple(act_weights.shape)}",
+        )
     require(
         swiglu_limit is None or swiglu_limit > 0,
         f"swiglu_limit must be > 0 or None, got {swiglu_limit}",
@@ -443,6 +474,7 @@ def moe_grouped_gemm(
         stride_out=out.stride(0),
         limit=float(swiglu_limit) if swiglu_limit is not None else 0.0,
         **expert_weight_args(weight, block_k),
+        act_weights_ptr=act_weights if act_weights is not None else out,
         TOPK=topk,
         A_PER_PAIR=a_per_pair,
         # tf32 must stay off for fp32; see the module docstring for the CPU bf16 case.
@@ -454,6 +486,7 @@ def moe_grouped_gemm(
         OUT_SWIGLU=out_swiglu,
         TILE_MAJOR=tile_major,
         HAS_LIMIT=swiglu_limit is not None,
+        WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
         num_warps=4,
         num_stages=4,
@@ -471,6 +504,7 @@ def fused_moe(
     limit: float | None,
     block_size: int = 32,
     out: torch.Tensor | None = None,
+    weight_before_down: bool = False,
 ) -> torch.Tensor:
     """`fused_moe_ref` over `moe_sort`'s layout in two launches, no host sync: stage 1 with the
     clamped SwiGLU as its epilogue (`out_swiglu`), then stage 2; compiled, the same bits as the
@@ -485,6 +519,9 @@ def fused_moe(
         topk: routes per token.
         limit: swiglu_limit (None: no clamp).
         out: optional contiguous [M, topk, D] in x's dtype.
+        weight_before_down: scale each route's activation by its weight (the sort's
+            `sorted_weights`) before the down projection (DeepSeek-V4.1); the reduce then sums
+            with unit weights.
     Returns:
         y [M, topk, D]; y[t, k] is expert topk_ids[t, k]'s output for token t where that expert
         is local, untouched elsewhere (`moe_reduce` reads only local slots).
@@ -512,7 +549,13 @@ def fused_moe(
         return out
     routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
     h = moe_grouped_gemm(
-        x, gate_up_proj, *routes, block_size=block_size, out_swiglu=True, swiglu_limit=limit
+        x,
+        gate_up_proj,
+        *routes,
+        block_size=block_size,
+        out_swiglu=True,
+        swiglu_limit=limit,
+        act_weights=sort.sorted_weights if weight_before_down else None,
     )
     moe_grouped_gemm(
         h,

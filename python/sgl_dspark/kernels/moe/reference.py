@@ -53,6 +53,8 @@ class RouterConfig:
     it, E for an id a dispatcher drops).
     num_shared / shared_weight / shared_id_base: append `num_shared` columns with ids
     shared_id_base + j (None -> E) and weight `shared_weight`.
+    gate_temp: the fp32 logits are divided by it (correctly rounded) before scoring
+    (DeepSeek-V4.1's router temperature; `logits_out` keeps them undivided).
     """
 
     topk: int
@@ -63,12 +65,15 @@ class RouterConfig:
     num_shared: int = 0
     shared_weight: float = 1.0
     shared_id_base: int | None = None
+    gate_temp: float = 1.0
 
     def __post_init__(self) -> None:
         if self.scoring not in SCORINGS:
             raise ValueError(f"scoring must be one of {sorted(SCORINGS)}, got {self.scoring!r}")
         if self.topk < 1 or self.num_shared < 0:
             raise ValueError(f"need topk >= 1, num_shared >= 0: {self.topk}, {self.num_shared}")
+        if not self.gate_temp > 0:
+            raise ValueError(f"gate_temp must be > 0, got {self.gate_temp}")
 
 
 class RouterTopkOutput(NamedTuple):
@@ -121,6 +126,8 @@ def router_topk_ref(
     full_logits = _logits_ref(x, gate_weight, logits, partials)
     if logits_out is not None:
         logits_out.copy_(full_logits)
+    if config.gate_temp != 1.0:
+        full_logits = full_logits / config.gate_temp
     scores = _scores_ref(full_logits, config.scoring)
     num_rows, num_experts = scores.shape
     gather_src = torch.where(torch.isnan(scores), torch.zeros_like(scores), scores)
@@ -308,13 +315,16 @@ def fused_moe_ref(
     topk_ids: torch.Tensor,
     expert_mask: torch.Tensor,
     limit: float | None,
+    topk_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The routed experts in terms of routes (independent of `moe_sort`'s layout).
 
     y[t, k] = act(x[t] @ gate_up_proj[l].T) @ down_proj[l].T for l = local id of expert
     topk_ids[t, k], act = `silu_mul_clamp_ref`, each GEMM accumulated in fp32 and rounded once
     to x's dtype; NaN where the
-    expert is remote or the id is outside [0, E) (rows `fused_moe` never writes).
+    expert is remote or the id is outside [0, E) (rows `fused_moe` never writes). With
+    `topk_weights` (fp32 [M, topk], `fused_moe`'s weight_before_down) the activation is
+    `(act.float() * topk_weights[t, k]).to(x.dtype)` (DeepSeek-V4.1).
     """
     num_tokens, topk = topk_ids.shape
     num_experts = expert_mask.numel()
@@ -332,6 +342,8 @@ def fused_moe_ref(
             gate_up = (x[token].float() @ gate_up_proj[local].float().t()).to(x.dtype)
             h = silu_mul_clamp_ref(gate_up[None], limit)
             assert isinstance(h, torch.Tensor)
+            if topk_weights is not None:
+                h = (h.float() * topk_weights[token, slot].float()).to(x.dtype)
             y[token, slot] = (h[0].float() @ down_proj[local].float().t()).to(x.dtype)
     return y
 
@@ -380,9 +392,10 @@ def moe_route_gate_up_ref(
     num_local: int,
     limit: float | None,
     h: torch.Tensor | None = None,
+    act_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-route stage 1 (gate-up GEMM and clamped SwiGLU); same arguments as
-    `moe_route_gate_up`."""
+    """Per-route stage 1 (gate-up GEMM and clamped SwiGLU, times the route's weight with
+    `act_weights`); same arguments as `moe_route_gate_up`."""
     num_tokens, topk = ids.shape
     inter = gate_up_proj.shape[1] // 2
     if h is None:
@@ -393,6 +406,8 @@ def moe_route_gate_up_ref(
         gate_up = (x[route // topk].float() @ weight.float().t()).to(x.dtype)
         act = silu_mul_clamp_ref(gate_up[None], limit)
         assert isinstance(act, torch.Tensor)
+        if act_weights is not None:
+            act = (act.float() * act_weights.reshape(-1)[route].float()).to(x.dtype)
         h[route] = act[0]
     return h
 

@@ -52,8 +52,10 @@ def hash_route_rows(
     shared_weight,
     fill_id,
     shared_id_base,
+    gate_temp,
     FROM_LOGITS: tl.constexpr,
     SCORING: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     TOPK: tl.constexpr,
     NUM_SHARED: tl.constexpr,
@@ -86,6 +88,8 @@ def hash_route_rows(
                 logits += tl.load(
                     partials_ptr + s * num_rows * num_experts + offs, mask=ok, other=0.0
                 )
+        if HAS_TEMP:
+            logits = tl.div_rn(logits, tl.zeros_like(logits) + gate_temp)
         w = score_logits(logits, SCORING, BRANCHLESS_SQRT)
         w = tl.where(ok & (w == w), w, 0.0)  # NaN score -> weight 0
         if RENORMALIZE:
@@ -129,8 +133,10 @@ def topk_route_rows(
     shared_weight,
     fill_id,
     shared_id_base,
+    gate_temp,
     FROM_LOGITS: tl.constexpr,
     SCORING: tl.constexpr,
+    HAS_TEMP: tl.constexpr,
     HAS_BIAS: tl.constexpr,
     RENORMALIZE: tl.constexpr,
     WRITE_LOGITS: tl.constexpr,
@@ -177,6 +183,8 @@ def topk_route_rows(
                     logits = tl.where(live, logits + part, logits)
             if WRITE_LOGITS:
                 tl.store(logits_out_ptr + offs, logits, mask=tile_ok)
+        if HAS_TEMP:  # the router temperature, correctly rounded (the reference's division)
+            logits = tl.div_rn(logits, tl.zeros_like(logits) + gate_temp)
         scores = score_logits(logits, SCORING, BRANCHLESS_SQRT)
         # Scores are >= +0.0 (NaN -> 0), so their bits are int32 >= 0 and a max over
         # "hit ? bits : 0" with one hit gathers them exactly (an int REDUX, no float tree).

@@ -52,6 +52,7 @@ from sgl_dspark.kernels.moe.grouped_gemm import (
     expert_product,
     expert_weight_args,
     swiglu_tile,
+    weighted_activation,
 )
 from sgl_dspark.kernels.moe.reduce import route_reduce_tail
 
@@ -88,6 +89,7 @@ def _moe_route_gate_up_kernel(
     stride_sn,
     stride_h,
     limit,
+    act_weights_ptr,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -99,6 +101,7 @@ def _moe_route_gate_up_kernel(
     DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
+    WEIGHT_ACT: tl.constexpr,
     ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -132,6 +135,9 @@ def _moe_route_gate_up_kernel(
         DOT_FP32,
     )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
+    if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
+        w = tl.load(act_weights_ptr + route + tl.arange(0, _TILE_M) * 0)
+        y = weighted_activation(y, w, ROUND_BF16, ON_BITS)
     j = tl.program_id(1) * HALF + tl.arange(0, HALF)
     tl.store(
         h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
@@ -271,6 +277,7 @@ def moe_route_gate_up(
     num_local: int,
     limit: float | None,
     h: torch.Tensor | None = None,
+    act_weights: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`moe_route_gate_up_ref` in one launch: stage 1 per route with the clamped SwiGLU as its
     epilogue, no host sync (graph-safe).
@@ -284,9 +291,13 @@ def moe_route_gate_up(
             >= num_local for a remote one.
         limit: swiglu_limit (> 0), None for no clamp.
         h: optional [M * topk, I] output in x's dtype, contiguous.
+        act_weights: optional fp32 [M, topk] contiguous routing weights: each route's
+            activation times its weight, rounded as stored (DeepSeek-V4.1's weight before the
+            down projection).
     Returns:
-        h [M * topk, I]: row t * topk + k = act(x[t] @ gate_up_proj[l].T) for a local route,
-        untouched otherwise (undefined when h is allocated here).
+        h [M * topk, I]: row t * topk + k = act(x[t] @ gate_up_proj[l].T) (times the route's
+        weight with act_weights) for a local route, untouched otherwise (undefined when h is
+        allocated here).
     """
     require(
         x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1,
@@ -297,6 +308,15 @@ def moe_route_gate_up(
     require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
     require(ids.shape[0] == x.shape[0], f"ids has {ids.shape[0]} rows, x {x.shape[0]}")
     require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
+    if act_weights is not None:
+        require(
+            act_weights.shape == ids.shape
+            and act_weights.dtype == torch.float32
+            and act_weights.is_contiguous()
+            and act_weights.device == x.device,
+            f"act_weights must be contiguous fp32 {tuple(ids.shape)}, got "
+            f"{act_weights.dtype} {tuple(act_weights.shape)}",
+        )
     routes, inter = ids.numel(), gate_up_proj.shape[1] // 2
     if h is None:
         h = torch.empty(routes, inter, dtype=x.dtype, device=x.device)
@@ -325,6 +345,7 @@ def moe_route_gate_up(
         stride_h=h.stride(0),
         limit=float(limit) if limit is not None else 0.0,
         **expert_weight_args(gate_up_proj, block_k),
+        act_weights_ptr=act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
@@ -332,6 +353,7 @@ def moe_route_gate_up(
         DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
         ROUND_BF16=x.dtype == torch.bfloat16,
         HAS_LIMIT=limit is not None,
+        WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_route_gate_up_kernel),
         num_warps=4,
         num_stages=4,

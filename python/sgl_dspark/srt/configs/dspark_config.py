@@ -1,8 +1,15 @@
 """DSpark draft configuration: resolved once from the draft's config.json.
 
 Key precedence: `dspark_<key>` at top level > nested `dspark_config` > nested `dflash_config` >
-plain top-level key. The draft stages inherit the V4 layer shape of the target (hidden size, heads,
+plain top-level key (a composite V4.1 config's `text_config` keys count as top-level keys, below
+those written at the top level itself). The draft stages inherit the layer shape of the target (hidden size, heads,
 mHC, ...) with the draft's own expert count / top-k and sliding window.
+
+A DeepSeek-V4.1 target's stages are V4.1 window-only layers (`stage_v41`): single-pass mHC (no
+hyper head: the output is the last FFN site's collapse), no per-head q norm, the V4.1 router and
+experts (gate temperature, the route weight before the down projection), the FP8 window
+quantiser on their KV rows; no compressed attention, no Engram. The entries of the target's
+`compress_ratios` past its backbone describe the draft layers and must be 0.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
+from sgl_dspark.srt.configs.deepseek_v41 import V41Config
 from sgl_dspark.srt.configs.model_config import MOE, SLIDING, ModelConfig, UnsupportedConfigError
 
 DEFAULT_BLOCK_SIZE = 7
@@ -36,6 +44,11 @@ class DSparkConfig:
     def from_dict(
         cls, raw: dict[str, Any], target: ModelConfig, block_size_override: int | None = None
     ) -> DSparkConfig:
+        text = raw.get("text_config")
+        if isinstance(text, dict):
+            # A composite DeepSeek-V4.1 config.json keeps the text model's fields (dspark_*
+            # included) in `text_config`; keys at the top level win.
+            raw = {**text, **{k: v for k, v in raw.items() if k != "text_config"}}
         nested = [raw.get("dspark_config") or {}, raw.get("dflash_config") or {}]
 
         def get(key: str, *aliases: str, default: Any = None) -> Any:
@@ -90,6 +103,7 @@ class DSparkConfig:
             )
         n_stages = len(layers)
         window = int(get("sliding_window", "window_size", default=target.sliding_window))
+        v41 = None if target.v41 is None else stage_v41(target.v41, n_stages)
         stage_cfg = dataclasses.replace(
             target,
             num_hidden_layers=n_stages,
@@ -106,6 +120,7 @@ class DSparkConfig:
             hc_eps=float(raw.get("hc_eps", target.hc_eps)),
             hc_sinkhorn_iters=int(raw.get("hc_sinkhorn_iters", target.hc_sinkhorn_iters)),
             q_head_norm=bool(raw.get("q_head_norm", target.q_head_norm)),
+            v41=v41,
         )
         return cls(
             block_size=gamma,
@@ -126,3 +141,26 @@ class DSparkConfig:
             raise FileNotFoundError(f"no config.json in DSpark draft directory {path!r}")
         with open(cfg_path) as f:
             return cls.from_dict(json.load(f), target, block_size_override)
+
+
+def stage_v41(target: V41Config, n_stages: int) -> V41Config:
+    """The V4.1 record of the draft stages: window-only layers, no Engram, the target's router
+    temperature. Raises UnsupportedConfigError when the target declares compressed draft
+    layers."""
+    ratios = target.draft_compress_ratios
+    if any(ratios):
+        raise UnsupportedConfigError(
+            f"config field 'compress_ratios': the DSpark draft layers (entries past the "
+            f"backbone) are {list(ratios)}; draft stages attend their sliding window only (0)"
+        )
+    return dataclasses.replace(
+        target,
+        compress_ratios=(0,) * n_stages,
+        draft_compress_ratios=(),
+        kv_source_layer_ids=(),
+        index_source_layer_ids=(),
+        candidate_source_layer_id=-1,
+        candidate_topk_blocks=0,
+        candidate_block_size=0,
+        engram=None,
+    )

@@ -11,7 +11,17 @@ from dataclasses import dataclass
 
 KERNEL_BACKENDS = ("torch", "triton")
 # Op families that have a Triton implementation wired into the runtime.
-KERNEL_FAMILIES = ("rope", "mhc", "moe", "sampling", "spec", "indexer", "norm", "linear")
+KERNEL_FAMILIES = (
+    "rope",
+    "mhc",
+    "moe",
+    "sampling",
+    "spec",
+    "indexer",
+    "norm",
+    "linear",
+    "engram",
+)
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,11 +15,15 @@ value` added, where dot_j is the scaled product of the RMS-normalised stream, th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.engram.reference import engram_gather_ref
 from sgl_dspark.srt.configs.deepseek_v41 import EngramConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 
 _GATE_FLOOR = 1e-6  # |dot| floor inside the signed square root (a zero dot gates at sigmoid(1e-3))
 
@@ -34,6 +38,22 @@ def ngram_history(
     pos = batch.positions[:, None] - shifts[None, :]
     slots = batch.req_to_token[batch.token_slots()[:, None], pos.clamp(min=0)]
     return torch.where(pos >= 0, token_ids[slots], torch.full_like(slots, pad_id))
+
+
+# (table [V, E], ids [T, K]) -> [T, K * E]: the table rows of every id, side by side
+EngramGatherFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def engram_gather_impl(kernels: KernelChoice) -> EngramGatherFn:
+    """The embedding gather of the "engram" family. torch: `engram_gather_ref` (an index and a
+    flatten). triton: `kernels/engram/gather.py::engram_gather`, one launch reading the ids in
+    place; both give the same bits."""
+    if kernels.of("engram") == "torch":
+        return engram_gather_ref
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.engram.gather import engram_gather
+
+    return engram_gather
 
 
 class EngramHash(nn.Module):
@@ -71,10 +91,17 @@ class Engram(nn.Module):
     hashing constants `hash`."""
 
     def __init__(
-        self, cfg: EngramConfig, index: int, hidden_size: int, hc_mult: int, eps: float
+        self,
+        cfg: EngramConfig,
+        index: int,
+        hidden_size: int,
+        hc_mult: int,
+        eps: float,
+        kernels: KernelChoice | None = None,
     ) -> None:
         super().__init__()
         self.eps = eps
+        self.gather = engram_gather_impl(kernels or KernelChoice())
         self.hc_mult = hc_mult
         self.hash = EngramHash(cfg, index)
         self.embed = nn.Embedding(cfg.num_embeddings[index], cfg.head_dim)
@@ -89,7 +116,7 @@ class Engram(nn.Module):
         added (streams' dtype)."""
         T, n, d = streams.shape
         rows = self.hash(compressed_history)
-        kv = self.wkv(self.embed(rows).flatten(1)).float()
+        kv = self.wkv(self.gather(self.embed.weight, rows)).float()
         key, value = kv[:, : n * d].view(T, n, d), kv[:, n * d :]
         s = streams.float()
         rstd = torch.rsqrt(s.pow(2).mean(-1) + self.eps) * torch.rsqrt(

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Container, Sequence
 from typing import Protocol
 
 import torch
@@ -128,6 +128,41 @@ class HcBoundary(Protocol):
         """Close the last sublayer and apply the hyper head and the final norm:
         (streams', `head(streams')`, `norm(head(streams'))`)."""
 
+    def open_single_pass(
+        self,
+        streams: torch.Tensor,
+        prev_pre: torch.Tensor,
+        hc: HyperConnection,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Single-pass mHC: open a sublayer whose input is collapsed with the previous site's
+        `prev_pre` `[T, n]`: (its normed input, its own pre, post, comb)."""
+
+    def single_pass(
+        self,
+        streams: torch.Tensor,
+        y: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        prev_pre: torch.Tensor,
+        next_hc: HyperConnection,
+        next_norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Single-pass mHC: close a sublayer and open the next, collapsing its input with
+        `prev_pre` (the closed site's pre): (streams', next input normed, pre', post', comb')."""
+
+    def close_collapse(
+        self,
+        streams: torch.Tensor,
+        y: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        pre: torch.Tensor,
+        norm: RMSNorm,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Close a sublayer, then collapse the new streams with `pre` and apply `norm`:
+        (streams', collapse, normed collapse); no coefficients are computed."""
+
 
 def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
@@ -140,12 +175,16 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     and the final norm in the place of the next mixer and its norm. It differs from the
     torch path: the stream update is accumulated in fp32 with fp32 post/comb (`hc_expand` casts
     them to the activation dtype and uses a matmul), and the coefficient reductions run in a
-    different order, so outputs agree to a tolerance, not bit for bit.
+    different order, so outputs agree to a tolerance, not bit for bit. Single-pass mHC
+    (DeepSeek-V4.1, `run_single_pass_layers`): the same kernel takes the previous site's pre in
+    for the collapse and gives the new pre out (`single_pass`, `open_single_pass`), and
+    `close_collapse` (`mhc_post_collapse`) closes a sublayer into a given pre's collapse and a
+    norm without computing coefficients.
     """
     if kernels.of("mhc") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine, mhc_pre
 
     class _Boundary:
         def __call__(
@@ -223,6 +262,68 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             )
             return out.streams, out.x_in, out.x_normed
 
+        def open_single_pass(
+            self,
+            streams: torch.Tensor,
+            prev_pre: torch.Tensor,
+            hc: HyperConnection,
+            norm: RMSNorm,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
+            out = mhc_pre(
+                streams,
+                hc.fn,
+                hc.base,
+                hc.scale,
+                norm.weight,
+                hc_eps=hc.hc_eps,
+                sinkhorn_iters=hc.sinkhorn_iters,
+                rms_eps=hc.rms_eps,
+                collapse_pre=prev_pre,
+            )
+            return out.x_normed, out.pre, out.post, out.comb
+
+        def single_pass(
+            self,
+            streams: torch.Tensor,
+            y: torch.Tensor,
+            post: torch.Tensor,
+            comb: torch.Tensor,
+            prev_pre: torch.Tensor,
+            next_hc: HyperConnection,
+            next_norm: RMSNorm,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+            assert next_norm.eps == next_hc.rms_eps, (next_norm.eps, next_hc.rms_eps)
+            out = mhc_post_combine(
+                streams,
+                y.contiguous(),
+                post,
+                comb,
+                next_hc.fn,
+                next_hc.base,
+                next_hc.scale,
+                next_norm.weight,
+                hc_eps=next_hc.hc_eps,
+                sinkhorn_iters=next_hc.sinkhorn_iters,
+                rms_eps=next_hc.rms_eps,
+                collapse_pre=prev_pre,
+            )
+            return out.streams, out.x_normed, out.pre, out.post, out.comb
+
+        def close_collapse(
+            self,
+            streams: torch.Tensor,
+            y: torch.Tensor,
+            post: torch.Tensor,
+            comb: torch.Tensor,
+            pre: torch.Tensor,
+            norm: RMSNorm,
+        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            out = mhc_post_collapse(
+                streams, y.contiguous(), post, comb, pre, norm.weight, rms_eps=norm.eps
+            )
+            return out.streams, out.x_in, out.x_normed
+
     return _Boundary()
 
 
@@ -294,3 +395,92 @@ def run_fused_hc_layers(
         if after_layer is not None:
             after_layer(i, streams)
     return streams, head_out
+
+
+# ---- single-pass mHC (DeepSeek-V4.1) -------------------------------------------------------------
+
+
+def run_single_pass_layers(
+    streams: torch.Tensor,
+    layers: Sequence[HcSublayers],
+    attn: Callable[[int, torch.Tensor], torch.Tensor],
+    ffn: Callable[[int, torch.Tensor], torch.Tensor],
+    boundary: HcBoundary | None,
+    final_norm: tuple[RMSNorm, Callable[..., torch.Tensor]],
+    before_layer: Callable[[int, torch.Tensor], torch.Tensor] | None = None,
+    rewrites: Container[int] = (),
+    rows: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Run layers of single-pass mHC: every site computes its coefficients from its input
+    streams as usual, but collapses its sublayer input with the PREVIOUS site's `pre` (the
+    first input is stream 0); the output is the last FFN site's collapse, normed. No hyper
+    head.
+
+    Args:
+        streams: `[T, n, D]` entering layer 0.
+        attn, ffn: `(layer index, normed input [T, D]) -> sublayer output [T, D]`.
+        boundary: the fused boundaries (`hc_boundary_impl`), or None for the torch path, which
+            follows HF's rounding (`hc_expand`, `hc_collapse`).
+        final_norm: the final RMSNorm module and the norm function to apply it with.
+        before_layer: `(layer index, streams entering it) -> streams`: the Engram of a layer in
+            `rewrites` returns new streams; other layers only read them (hidden-state taps) and
+            must return the same tensor.
+        rows: the rows whose output is wanted (all when None).
+    Returns (y, norm(y)) `[rows, D]`: y = the final collapse, before the norm.
+    """
+    norm, norm_fn = final_norm
+    pre = streams.new_zeros(streams.shape[0], streams.shape[1], dtype=torch.float32)
+    pre[:, 0] = 1.0  # the first sublayer reads stream 0
+
+    def enter(i: int, s: torch.Tensor) -> torch.Tensor:
+        if before_layer is None:
+            return s
+        out = before_layer(i, s)
+        assert i in rewrites or out is s, f"layer {i} rewrote its input streams"
+        return out
+
+    if boundary is None:
+        for i, layer in enumerate(layers):
+            streams = enter(i, streams)
+            pre_attn, post, comb = layer.attn_hc.coeffs(streams)
+            x = layer.input_layernorm(hc_collapse(streams, pre))
+            streams = hc_expand(streams, attn(i, x), post, comb)
+            pre_ffn, post, comb = layer.ffn_hc.coeffs(streams)
+            x = layer.post_attention_layernorm(hc_collapse(streams, pre_attn))
+            streams = hc_expand(streams, ffn(i, x), post, comb)
+            pre = pre_ffn
+        if rows is not None:
+            streams, pre = streams[rows], pre[rows]
+        y = hc_collapse(streams, pre)
+        return y, norm_fn(y, norm.weight, norm.eps)
+
+    streams = enter(0, streams)
+    first = layers[0]
+    x, pre_attn, post, comb = boundary.open_single_pass(
+        streams, pre, first.attn_hc, first.input_layernorm
+    )
+    for i, layer in enumerate(layers):
+        streams, x, pre_ffn, post, comb = boundary.single_pass(
+            streams, attn(i, x), post, comb, pre_attn, layer.ffn_hc, layer.post_attention_layernorm
+        )
+        f = ffn(i, x)
+        if i + 1 == len(layers):
+            _, y, y_normed = boundary.close_collapse(streams, f, post, comb, pre_ffn, norm)
+            if rows is not None:
+                y, y_normed = y[rows], y_normed[rows]
+            return y, y_normed
+        nxt = layers[i + 1]
+        if i + 1 in rewrites:
+            # The next layer's Engram changes the streams between this FFN's update and the
+            # next attention's coefficients: the boundary is not fused across it.
+            streams, _, _ = boundary.close_collapse(streams, f, post, comb, pre_ffn, norm)
+            streams = enter(i + 1, streams)
+            x, pre_attn, post, comb = boundary.open_single_pass(
+                streams, pre_ffn, nxt.attn_hc, nxt.input_layernorm
+            )
+        else:
+            streams, x, pre_attn, post, comb = boundary.single_pass(
+                streams, f, post, comb, pre_ffn, nxt.attn_hc, nxt.input_layernorm
+            )
+            enter(i + 1, streams)
+    raise AssertionError("no layers")

@@ -19,6 +19,7 @@ from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.configs.model_config import RopeConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import rms_norm_impl
+from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp8_window
 
 # (x [N, ..., Dh], cos [N, rd/2], sin [N, rd/2], inverse) -> rotated copy of x
 RopeTailFn = Callable[..., torch.Tensor]
@@ -186,9 +187,25 @@ def rope_impl(kernels: KernelChoice) -> RopeTailFn:
     return rope_tail_triton
 
 
-# (x [N, Dh], cos [N, rd/2], sin [N, rd/2], pool [slots, Dh], slots [N], norm=None) -> None:
-# pool[slots] = rope(norm(x)) in the pool's dtype
+# (x [N, Dh], cos [N, rd/2], sin [N, rd/2], pool [slots, Dh], slots [N], norm=None, quant=None)
+# -> None: pool[slots] = quant(rope(norm(x))) in the pool's dtype
 RopeStoreFn = Callable[..., None]
+
+# Quantisers a rope launch may apply to the rows it writes: "fp8_window", DeepSeek-V4.1's window
+# KV quantiser (`fake_quant_fp8_window`), whose values the pool's dtype holds exactly.
+ROW_QUANTS = ("fp8_window",)
+
+
+def _check_quant(quant: str) -> None:
+    if quant not in ROW_QUANTS:
+        raise ValueError(f"quant={quant!r}: expected one of {ROW_QUANTS}")
+
+
+def _row_quant(x: torch.Tensor, quant: str | None) -> torch.Tensor:
+    if quant is None:
+        return x
+    _check_quant(quant)
+    return fake_quant_fp8_window(x)
 
 
 def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
@@ -196,7 +213,7 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
     "rope" family, optionally normalising them first (`norm`, as in `rope_impl`). torch:
     `apply_rope_tail` then an index_put. triton: one `rope_tail` launch that scatters each
     rotated row to its slot (bit for bit the same values), with the norm inside it when "norm"
-    is Triton too."""
+    is Triton too. `quant` (`ROW_QUANTS`) quantises the stored rows."""
     norm_fn = rms_norm_impl(kernels)
     if kernels.of("rope") == "torch":
 
@@ -207,12 +224,14 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
             pool: torch.Tensor,
             slots: torch.Tensor,
             norm: PreNorm | None = None,
+            quant: str | None = None,
         ) -> None:
             if norm is not None:
                 x = norm_fn(x, *norm)
-            pool[slots] = apply_rope_tail(x, cos, sin).to(pool.dtype)
+            pool[slots] = _row_quant(apply_rope_tail(x, cos, sin), quant).to(pool.dtype)
 
         return store_torch
+    from sgl_dspark.kernels.quant.store import quant_store_values
     from sgl_dspark.kernels.rope.tail import rope_tail
 
     fuse = _fuses_norm(kernels)
@@ -224,7 +243,14 @@ def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:
         pool: torch.Tensor,
         slots: torch.Tensor,
         norm: PreNorm | None = None,
+        quant: str | None = None,
     ) -> None:
+        if quant is not None:
+            # One launch rotates, quantises and stores (the norm runs before it).
+            _check_quant(quant)
+            x, _ = _launch_ready(x, norm, False, norm_fn, pool.dtype)
+            quant_store_values(x, slots, pool, cos, sin)
+            return
         x, norm = _launch_ready(x, norm, fuse, norm_fn, pool.dtype)
         rope_tail(
             x.unsqueeze(1), cos, sin, out=pool.unsqueeze(1), out_rows=slots, **_norm_kwargs(norm)
@@ -258,14 +284,16 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
             kv_norm: PreNorm | None = None,
             pool: torch.Tensor | None = None,
             slots: torch.Tensor | None = None,
+            kv_quant: str | None = None,
         ) -> tuple[torch.Tensor, torch.Tensor | None]:
             q = rope(q, cos, sin, norm=q_norm)
             if pool is None:
-                return q, rope(kv, cos, sin, norm=kv_norm)
-            store(kv, cos, sin, pool, slots, norm=kv_norm)
+                return q, _row_quant(rope(kv, cos, sin, norm=kv_norm), kv_quant)
+            store(kv, cos, sin, pool, slots, norm=kv_norm, quant=kv_quant)
             return q, None
 
         return q_kv_torch
+    from sgl_dspark.kernels.quant.store import quant_store_values
     from sgl_dspark.kernels.rope.q_kv import rope_q_kv
 
     norm_fn = rms_norm_impl(kernels)
@@ -280,7 +308,22 @@ def rope_q_kv_impl(kernels: KernelChoice) -> RopeQKVFn:
         kv_norm: PreNorm | None = None,
         pool: torch.Tensor | None = None,
         slots: torch.Tensor | None = None,
+        kv_quant: str | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kv_quant is not None:
+            # The query heads' rope, then one launch that rotates, quantises and writes the
+            # KV rows (into the pool, or into fresh rows); the KV norm runs before it.
+            _check_quant(kv_quant)
+            q_out = rope(q, cos, sin, norm=q_norm)
+            kv, _ = _launch_ready(kv, kv_norm, False, norm_fn, None if pool is None else pool.dtype)
+            if pool is not None:
+                assert slots is not None
+                quant_store_values(kv, slots, pool, cos, sin)
+                return q_out, None
+            rows_out = torch.empty_like(kv)
+            rows = torch.arange(kv.shape[0], device=kv.device)
+            quant_store_values(kv, rows, rows_out, cos, sin)
+            return q_out, rows_out
         # The launch fuses the weightless q norm only (a weighted one runs before it).
         q, q_norm = _launch_ready(
             q, q_norm, fuse and (q_norm is None or q_norm[0] is None), norm_fn

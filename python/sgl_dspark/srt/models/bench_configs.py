@@ -16,6 +16,15 @@
   model while DeepSeek-V4.1 runs only its torch kernels. ~200 GB in bf16, ~60 GB as stored.
 * `mid_910m`: the 910M-parameter engine benchmark model (HF `generate` baseline).
 * `toy`: the same layer pattern at toy sizes, for CPU smoke tests of the benchmark scripts.
+* `v41_flash_slice` (DeepSeek-V4.1, a composite `config.json`): V4.1-Flash per-layer dimensions
+  (D 5120, 64 heads x 512, q rank 1280, 8 output groups of rank 1024, hc 4, window 128, a 32x128
+  indexer (top-512), candidate blocks 2048 x 8, I 2304, top-6 of 96 routed experts (one EP4
+  rank's share of 384), Engram of 4-grams with 8 heads of 256, V 129280) with six layers, one of
+  each role: window-only (+Engram), ratio-2 kv source, ratio-2 Reuse, ratio-1 kv source and
+  candidate source (+Engram), Reindex, ratio-1 Reuse. The Engram tables are searched from 100k
+  instead of 16M (the released tables hold 384M rows; a step gathers 24 rows per token and
+  layer either way).
+* `v41_toy`: the same roles at toy sizes, for CPU smoke tests.
 """
 
 from __future__ import annotations
@@ -60,6 +69,37 @@ BENCH_DRAFT_KEYS: dict[str, dict] = {
         "enable_confidence_head": True,
     },
 }
+
+# Layer roles of the V4.1 configs (see the module doc); the trailing zeros are the draft layers.
+_V41_ROLES: dict = {
+    "num_hidden_layers": 6,
+    "compress_ratios": [0, 2, 2, 1, 1, 1, 0, 0, 0],
+    "kv_source_layer_ids": [1, 3],
+    "index_source_layer_ids": [1, 3, 4],
+    "candidate_source_layer_id": 3,
+    "engram_layer_ids": [0, 3],
+    "num_nextn_predict_layers": 3,
+}
+
+
+def _v41(text: dict) -> dict:
+    """A composite V4.1 config.json: the text config with the V4.1 roles and the Engram table
+    sizes derived from the prime search."""
+    text = {"model_type": "deepseek_v41_text", **_V41_ROLES, **text}
+    primes = engram_primes(
+        tuple(text["engram_layer_ids"]),
+        text["engram_max_ngram_size"],
+        text["engram_n_heads"],
+        text["engram_vocab_size"],
+    )
+    text["engram_num_embeddings"] = [sum(sum(heads) for heads in layer) for layer in primes]
+    return {
+        "model_type": "deepseek_v41",
+        "architectures": ["DeepseekV41ForCausalLM"],
+        "text_config": text,
+        "torch_dtype": text["torch_dtype"],
+    }
+
 
 BENCH_CONFIGS: dict[str, dict] = {
     "dsv41_flash_rank": {
@@ -200,4 +240,97 @@ BENCH_CONFIGS: dict[str, dict] = {
         "compress_rates": {_C: 4, _H: 8},
         "torch_dtype": "bfloat16",
     },
+    "v41_flash_slice": _v41(
+        {
+            "vocab_size": 129280,
+            "hidden_size": 5120,
+            "moe_intermediate_size": 2304,
+            "num_attention_heads": 64,
+            "num_key_value_heads": 1,
+            "head_dim": 512,
+            "qk_rope_head_dim": 64,
+            "q_lora_rank": 1280,
+            "o_groups": 8,
+            "o_lora_rank": 1024,
+            "index_n_heads": 32,
+            "index_head_dim": 128,
+            "index_topk": 512,
+            "candidate_topk_blocks": 2048,
+            "candidate_block_size": 8,
+            "n_routed_experts": 96,
+            "num_experts_per_tok": 6,
+            "n_shared_experts": 1,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "sliding_window": 128,
+            "engram_max_ngram_size": 4,
+            "engram_n_heads": 8,
+            "engram_head_dim": 256,
+            "engram_vocab_size": 100000,
+            "engram_pad_id": 2,
+            "engram_compressed_vocab_size": 99092,
+            "gate_temp": 1.0,
+            "scoring_func": "sqrtsoftplus",
+            "routed_scaling_factor": 1.5,
+            "norm_topk_prob": True,
+            "swiglu_limit": 10.0,
+            "rms_norm_eps": 1e-20,
+            "rope_theta": 10000.0,
+            "compress_rope_theta": 160000.0,
+            "rope_scaling": {
+                "rope_type": "yarn",
+                "factor": 16.0,
+                "original_max_position_embeddings": 65536,
+                "beta_fast": 32,
+                "beta_slow": 1,
+            },
+            "max_position_embeddings": 65536,
+            "eos_token_id": 1,
+            "torch_dtype": "bfloat16",
+        }
+    ),
+    "v41_toy": _v41(
+        {
+            "vocab_size": 512,
+            "hidden_size": 64,
+            "moe_intermediate_size": 32,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "qk_rope_head_dim": 16,
+            "q_lora_rank": 32,
+            "o_groups": 2,
+            "o_lora_rank": 16,
+            "index_n_heads": 4,
+            "index_head_dim": 32,
+            "index_topk": 4,
+            "candidate_topk_blocks": 2,
+            "candidate_block_size": 4,
+            "n_routed_experts": 8,
+            "num_experts_per_tok": 2,
+            "n_shared_experts": 1,
+            "hc_mult": 4,
+            "hc_sinkhorn_iters": 20,
+            "hc_eps": 1e-6,
+            "sliding_window": 16,
+            "engram_max_ngram_size": 3,
+            "engram_n_heads": 2,
+            "engram_head_dim": 16,
+            "engram_vocab_size": 1000,
+            "engram_pad_id": 2,
+            "engram_compressed_vocab_size": 400,
+            "gate_temp": 1.25,
+            "scoring_func": "sqrtsoftplus",
+            "routed_scaling_factor": 1.5,
+            "norm_topk_prob": True,
+            "swiglu_limit": 10.0,
+            "rms_norm_eps": 1e-6,
+            "rope_theta": 10000.0,
+            "compress_rope_theta": 160000.0,
+            "max_position_embeddings": 1024,
+            "eos_token_id": 1,
+            "torch_dtype": "bfloat16",
+        }
+    ),
 }

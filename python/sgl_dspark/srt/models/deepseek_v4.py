@@ -225,23 +225,31 @@ def add_moe_and_mixers(
 ) -> None:
     """The parts a V4 block (target layer or DSpark draft stage) has besides attention, under
     their HF names: `mlp` (router + routed + shared experts), the two RMSNorms and the two mHC
-    mixers."""
-    d = cfg.hidden_size
+    mixers. With a DeepSeek-V4.1 config (`cfg.v41`) the router divides its fp32 logits by the
+    gate temperature, a single route keeps its raw score, and each route's weight scales its
+    activation before the down projection."""
+    d, k, v41 = cfg.hidden_size, cfg.num_experts_per_tok, cfg.v41
     router = Router(
         d,
         cfg.n_routed_experts,
-        cfg.num_experts_per_tok,
+        k,
         cfg.vocab_size,
         is_hash,
         cfg.scoring_func,
         cfg.routed_scaling_factor,
-        cfg.norm_topk_prob,
+        cfg.norm_topk_prob and (v41 is None or k > 1),
         kernels,
+        gate_temp=None if v41 is None else v41.gate_temp,
     )
     layer.mlp = SparseMoE(
         router,
         RoutedExperts(
-            cfg.n_routed_experts, d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels
+            cfg.n_routed_experts,
+            d,
+            cfg.moe_intermediate_size,
+            cfg.swiglu_limit,
+            kernels,
+            weight_before_down=v41 is not None,
         ),
         SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels),
         kernels,

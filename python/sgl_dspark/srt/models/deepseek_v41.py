@@ -27,31 +27,21 @@ from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
 from sgl_dspark.srt.layers.engram import Engram, ngram_history
 from sgl_dspark.srt.layers.fused_linear import linear_impl
-from sgl_dspark.srt.layers.mhc import HyperConnection, hc_collapse, hc_expand
-from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
+from sgl_dspark.srt.layers.mhc import HyperConnection, hc_boundary_impl, run_single_pass_layers
+from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import RopeTable, rope_impl, rope_inv_freq
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.base import BaseCausalLM
-from sgl_dspark.srt.models.deepseek_v4 import ModelOutput, RopeTables
+from sgl_dspark.srt.models.deepseek_v4 import ModelOutput, RopeTables, add_moe_and_mixers
 from sgl_dspark.srt.models.deepseek_v41_attention import Csa2Attention, Csa2Selections
-
-# Op families whose Triton kernels compute V4's math, not V4.1's (the fused mHC boundary, the
-# V4 compressor / indexer kernels, the router without temperature and the experts that weight
-# the projected output): a V4.1 model runs them in torch.
-TORCH_ONLY_FAMILIES = ("mhc", "indexer", "moe")
 
 
 def check_runtime(cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
     """Refuse, at startup, implementations that do not compute V4.1 (ValueError naming the
-    argument to change)."""
-    triton = [f for f in TORCH_ONLY_FAMILIES if kernels.of(f) != "torch"]
-    if triton:
-        overrides = ",".join(f"{f}=torch" for f in triton)
-        raise ValueError(
-            f"DeepSeek-V4.1 has no Triton kernels for {triton} yet: add "
-            f"--kernel-backend-overrides {overrides}"
-        )
+    argument to change). Every kernel family has V4.1's math on both backends; the attention
+    is the torch one (it reads the quantised caches itself)."""
+    del cfg, kernels
     if attention_backend != "torch":
         raise ValueError(
             f"--attention-backend {attention_backend!r}: DeepSeek-V4.1's quantised caches are "
@@ -60,61 +50,25 @@ def check_runtime(cfg: ModelConfig, kernels: KernelChoice, attention_backend: st
 
 
 class DecoderLayer(nn.Module):
+    # set by add_moe_and_mixers (declared for type checkers)
+    mlp: SparseMoE
+    input_layernorm: RMSNorm
+    post_attention_layernorm: RMSNorm
+    attn_hc: HyperConnection
+    ffn_hc: HyperConnection
+
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
         v41 = cfg.v41
         assert v41 is not None
-        d, k = cfg.hidden_size, cfg.num_experts_per_tok
         self.engram: Engram | None = None
         if v41.engram is not None and layer_id in v41.engram.layer_ids:
             index = v41.engram.layer_ids.index(layer_id)
-            self.engram = Engram(v41.engram, index, d, cfg.hc_mult, cfg.rms_norm_eps)
+            self.engram = Engram(
+                v41.engram, index, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps, kernels
+            )
         self.self_attn = Csa2Attention(cfg, layer_id, kernels)
-        router = Router(
-            d,
-            cfg.n_routed_experts,
-            k,
-            cfg.vocab_size,
-            False,
-            cfg.scoring_func,
-            cfg.routed_scaling_factor,
-            cfg.norm_topk_prob and k > 1,  # a single route keeps its raw score
-            kernels,
-            gate_temp=v41.gate_temp,
-        )
-        experts = RoutedExperts(
-            cfg.n_routed_experts,
-            d,
-            cfg.moe_intermediate_size,
-            cfg.swiglu_limit,
-            kernels,
-            weight_before_down=True,
-        )
-        shared = SharedExpert(d, cfg.moe_intermediate_size, cfg.swiglu_limit, kernels)
-        self.mlp = SparseMoE(router, experts, shared, kernels)
-        self.input_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(d, cfg.rms_norm_eps)
-        hc = (cfg.hc_mult, d, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.rms_norm_eps)
-        self.attn_hc = HyperConnection(*hc)
-        self.ffn_hc = HyperConnection(*hc)
-
-    def forward(
-        self,
-        streams: torch.Tensor,
-        pre: torch.Tensor,
-        batch: ForwardBatch,
-        pool: DeepseekV41KVPool,
-        rope: RopeTables,
-        shared: Csa2Selections,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """streams `[T, n, D]` after this layer's Engram, `pre` `[T, n]` fp32 of the previous
-        site -> (streams after the layer, the FFN site's `pre`)."""
-        pre_attn, post, comb = self.attn_hc.coeffs(streams)
-        x = self.input_layernorm(hc_collapse(streams, pre))
-        streams = hc_expand(streams, self.self_attn(x, batch, pool, rope, shared), post, comb)
-        pre_ffn, post, comb = self.ffn_hc.coeffs(streams)
-        x = self.post_attention_layernorm(hc_collapse(streams, pre_attn))
-        return hc_expand(streams, self.mlp(x, batch.input_ids), post, comb), pre_ffn
+        add_moe_and_mixers(self, cfg, False, kernels)
 
 
 class DeepseekV41Model(nn.Module):
@@ -152,6 +106,7 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         self.model = DeepseekV41Model(cfg, self.kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.compress_rope = rope_impl(self.kernels)
+        self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)
         self.linear = linear_impl(self.kernels)
         self._rope_tables: tuple[RopeTable, RopeTable] | None = None
@@ -189,20 +144,31 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         )
         history = self._engram_history(batch, pool)
         shared = Csa2Selections()
-        pre = torch.zeros(streams.shape[0], n, dtype=torch.float32, device=streams.device)
-        pre[:, 0] = 1.0  # the first sublayer reads stream 0
+        layers = cast("Sequence[DecoderLayer]", m.layers)
         taps: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(cast("Sequence[DecoderLayer]", m.layers)):
-            if layer.engram is not None:
+
+        def before_layer(i: int, streams: torch.Tensor) -> torch.Tensor:
+            engram = layers[i].engram
+            if engram is not None:
                 assert history is not None
-                streams = layer.engram(streams, history)
+                streams = engram(streams, history)
             if i in tap_layers:
                 taps[i] = streams
                 if on_taps is not None and len(taps) == len(set(tap_layers)):
                     on_taps(taps)
-            streams, pre = layer(streams, pre, batch, pool, rope, shared)
-        rows = batch.logits_indices
-        h = self.rms_norm(hc_collapse(streams[rows], pre[rows]), m.norm.weight, m.norm.eps)
+            return streams
+
+        _, h = run_single_pass_layers(
+            streams,
+            layers,
+            lambda i, x: layers[i].self_attn(x, batch, pool, rope, shared),
+            lambda i, x: layers[i].mlp(x, batch.input_ids),
+            self.hc_boundary,
+            (m.norm, self.rms_norm),
+            before_layer,
+            rewrites={i for i, layer in enumerate(layers) if layer.engram is not None},
+            rows=batch.logits_indices,
+        )
         return ModelOutput(logits=self.compute_logits(h), tap_streams=taps)
 
     def _engram_history(self, batch: ForwardBatch, pool: DeepseekV41KVPool) -> torch.Tensor | None:

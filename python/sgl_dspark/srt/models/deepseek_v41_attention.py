@@ -26,11 +26,14 @@ from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entr
 from sgl_dspark.srt.layers.attention.csa2 import (
     Csa2Compressor,
     Csa2Indexer,
+    expand_blocks,
     select_candidate_blocks,
     select_topk,
+    v41_indexer_impl,
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.quant_store import quant_store_impl
 from sgl_dspark.srt.layers.rotary import rope_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.deepseek_v4 import RopeTables
@@ -40,7 +43,7 @@ from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp4_index
 @dataclass
 class Csa2Selections:
     """Published within one forward: per kv source, the latest top-k (cache rows `[T, k]`,
-    valid `[T, k]`); per candidate source, its candidate positions `[T, N]`."""
+    valid `[T, k]`); per candidate source, its candidate blocks `[T, nb]`."""
 
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -96,6 +99,8 @@ class Csa2Attention(nn.Module):
         self.qr_proj = LinearGroup(qr_members, kernels)
         self.rms_norm = rms_norm_impl(kernels)
         self.rope = rope_impl(kernels)
+        self.store_rows = quant_store_impl(kernels)
+        self.index_scores, self.block_max = v41_indexer_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -117,9 +122,10 @@ class Csa2Attention(nn.Module):
         q, *index_q = self.qr_proj(qr)
         q_norm = (None, self.eps) if self.q_head_norm else None
         q = self.rope(q.view(T, self.n_heads, self.head_dim), cos, sin, norm=q_norm)
-        kv = self.rope(kv, cos, sin, norm=(self.kv_norm.weight, self.kv_norm.eps))
+        kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
         window = pool.window[self.layer_id]
-        window.store(batch.out_cache_loc, kv)  # FP8-quantised: what every reader sees
+        # Rotated and FP8-quantised on store: what every reader (this row included) sees.
+        self.store_rows(kv, cos, sin, window, batch.out_cache_loc)
         slots, valid = window_rows_ref(
             batch.positions, batch.token_slots(), batch.req_to_token, self.window
         )
@@ -152,12 +158,13 @@ class Csa2Attention(nn.Module):
             comp_in, x_rest = x_rest[:n_comp], x_rest[n_comp:]
             gate = comp_in[1] if n_comp > 1 else None
             groups = self.compressor.emit(comp_in[0], gate, batch, src.pairs, self.rms_norm)
-            # Index keys come from the latent before its rotation; both are quantised on store.
+            # Index keys come from the latent before its rotation; both are rotated at the
+            # group's first position and quantised on store.
             assert self.indexer is not None
-            keys = self.indexer.keys(groups.latents, groups.start_positions, rope, self.rms_norm)
-            src.index_keys.store(groups.entry_rows, keys)
-            latents = rope.rotate_compress(groups.latents, groups.start_positions.clamp(min=0))
-            src.latents.store(groups.entry_rows, latents)
+            cos_g, sin_g = rope.compress_table(groups.start_positions.clamp(min=0))
+            keys = self.indexer.keys(groups.latents, self.rms_norm)
+            self.store_rows(keys, cos_g, sin_g, src.index_keys, groups.entry_rows)
+            self.store_rows(groups.latents, cos_g, sin_g, src.latents, groups.entry_rows)
         if self.indexer is not None:
             shared.topk[self.source] = self._select(
                 index_q[0], x_rest[0], batch, pool, rope, shared
@@ -185,15 +192,34 @@ class Csa2Attention(nn.Module):
             return z, z.bool()
         qi = qi.view(T, self.indexer.n_heads, self.indexer.index_dim)
         qi = fake_quant_fp4_index(rope.rotate_compress(qi, batch.positions, "positions"))
-        keys = pool.sources[self.source].index_keys.load(entry_slots(batch, n_max, m))
-        scores = indexer_logits_of_keys_ref(
-            qi, head_w, keys, batch.positions, m, weight_scale=self.indexer.n_heads**-0.5
-        )
-        if self.publishes_candidates:
-            blocks, size = self.candidate_blocks
-            shared.candidates[self.layer_id] = select_candidate_blocks(
-                scores, visible_entries(batch, m), blocks, size
+        blocks, size = self.candidate_blocks
+        keep = shared.candidates[self.candidate_of] if self.candidate_of is not None else None
+        visible = visible_entries(batch, m)
+        rows = entry_slots(batch, n_max, m)
+        cache = pool.sources[self.source].index_keys
+        weight_scale = self.indexer.n_heads**-0.5
+        if cache.packed:
+            assert cache.scales is not None
+            scores = self.index_scores(
+                qi,
+                head_w,
+                cache.data,
+                cache.scales,
+                rows,
+                visible,
+                weight_scale=weight_scale,
+                keep_blocks=keep,
+                block=size,
             )
-        elif self.candidate_of is not None:
-            scores = scores.masked_fill(~shared.candidates[self.candidate_of], float("-inf"))
+        else:  # index keys its quantiser leaves as they are
+            scores = indexer_logits_of_keys_ref(
+                qi, head_w, cache.load(rows), batch.positions, m, weight_scale=weight_scale
+            )
+            if keep is not None:
+                hidden = ~expand_blocks(keep, size, scores.shape[1])
+                scores = scores.masked_fill(hidden, float("-inf"))
+        if self.publishes_candidates:
+            shared.candidates[self.layer_id] = select_candidate_blocks(
+                scores, visible, blocks, size, self.block_max
+            )
         return select_topk(scores, k, batch, m)

@@ -1,4 +1,4 @@
-"""DSpark draft model for DeepSeek-V4 targets.
+"""DSpark draft model for DeepSeek-V4 and V4.1 targets.
 
 A block of Q = gamma rows per request ([anchor, mask, ..., mask] at positions s..s+gamma-1) runs
 through `num_stages` V4-style stages (mHC + sliding-window MQA with sinks + MoE). Each stage's
@@ -13,8 +13,13 @@ released-name mapping is shared; `main_proj`, `main_norm`, `markov_head.{embed,h
 
 Choices the released sources leave open: block rows and context rows use the "main" rope (the draft
 is sliding-window only; cos/sin are looked up in the draft's own `RopeTable` once the runtime has
-built it, `build_rope_table`); context features are the target's completed residual after each
-layer in `target_layer_ids` (the V4 convention), averaged over mHC streams.
+built it, `build_rope_table`); context features are the target's tap streams (`tap_layers` of the
+target: V4 the completed residual after each layer in `target_layer_ids`, V4.1 the streams
+entering the layer after its Engram), averaged over mHC streams.
+
+With a V4.1 target (`stage_config.v41`) the stages are V4.1 window-only layers: single-pass mHC
+(y is the last FFN site's collapse; no `hc_head`), no per-head q norm, the V4.1 MoE, and the
+FP8 window quantiser on every KV row (context and block), as on the target's window KV.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from sgl_dspark.srt.layers.mhc import (
     hc_collapse,
     hc_expand,
     run_fused_hc_layers,
+    run_single_pass_layers,
 )
 from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
@@ -49,6 +55,7 @@ from sgl_dspark.srt.layers.rotary import (
     rope_store_impl,
 )
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
+from sgl_dspark.srt.quantization.fake_quant import WINDOW_BLOCK, quantizes
 
 # (q [B, Q, H, Dh], ctx_pool [N, Dh], ctx_slots [B, C], ctx_valid [B, C], kv_block [B, Q, Dh],
 #  sinks [H], scale, inverse_rope=None | (cos, sin) [B*Q, rd/2]) -> [B, Q, H, Dh], the output's
@@ -87,6 +94,8 @@ class DraftAttention(nn.Module):
         self.rope_store = rope_store_impl(kernels)
         self.rope_q_kv = rope_q_kv_impl(kernels)
         self.attention = draft_attention_impl(attention_backend)
+        # V4.1: KV rows hold the FP8 window quantiser's values (exact in the pool's dtype).
+        self.window_fp8 = cfg.v41 is not None and quantizes(cfg.head_dim, WINDOW_BLOCK)
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
         self.groups, self.o_rank = cfg.o_groups, cfg.o_lora_rank
@@ -126,6 +135,7 @@ class DraftAttention(nn.Module):
             pool,
             slots,
             norm=(self.kv_norm.weight, self.kv_norm.eps),
+            quant="fp8_window" if self.window_fp8 else None,
         )
 
     def forward(
@@ -153,6 +163,7 @@ class DraftAttention(nn.Module):
             sin,
             q_norm=(None, self.eps) if self.q_head_norm else None,
             kv_norm=(self.kv_norm.weight, self.kv_norm.eps),
+            kv_quant="fp8_window" if self.window_fp8 else None,
         )
         assert kv_rows is not None
         q = q.view(batch, q_len, self.n_heads, self.head_dim)
@@ -195,7 +206,12 @@ class DraftBody(nn.Module):
             DraftStage(cfg, kernels, attention_backend) for _ in range(cfg.num_hidden_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.hc_head = HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        # Single-pass mHC (V4.1) collapses with the last FFN site's pre: no hyper head.
+        self.hc_head = (
+            None
+            if cfg.hc_pre_from_prev_sublayer
+            else HyperHead(cfg.hc_mult, cfg.hidden_size, cfg.hc_eps, cfg.rms_norm_eps)
+        )
 
 
 class MarkovHead(nn.Module):
@@ -325,6 +341,19 @@ class DSparkDraftModel(nn.Module):
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         cos, sin = self.cos_sin(positions.reshape(-1))
         stages = cast("Sequence[DraftStage]", self.model.layers)
+        head = self.model.hc_head
+        if head is None:
+            y, y_normed = run_single_pass_layers(
+                streams,
+                stages,
+                lambda k, u: stages[k].self_attn(
+                    u, ctx_pools[k], ctx_slots, ctx_valid, cos, sin, batch, q_len
+                ),
+                lambda k, u: stages[k].mlp(u, None),
+                self.hc_boundary,
+                (self.model.norm, self.rms_norm),
+            )
+            return y.view(batch, q_len, d), y_normed.view(batch, q_len, d)
         if self.hc_boundary is not None:
             _, head_out = run_fused_hc_layers(
                 streams,
@@ -334,7 +363,7 @@ class DSparkDraftModel(nn.Module):
                 ),
                 lambda k, u: stages[k].mlp(u, None),
                 self.hc_boundary,
-                head=(self.model.hc_head, self.model.norm),
+                head=(head, self.model.norm),
             )
             assert head_out is not None
             y, y_normed = head_out
@@ -347,7 +376,7 @@ class DSparkDraftModel(nn.Module):
             pre, post, comb = stage.ffn_hc.coeffs(streams)
             f = stage.mlp(stage.post_attention_layernorm(hc_collapse(streams, pre)), None)
             streams = hc_expand(streams, f, post, comb)
-        y = self.model.hc_head(streams).view(batch, q_len, d)
+        y = head(streams).view(batch, q_len, d)
         return y, self.final_norm(y)
 
     def final_norm(self, y: torch.Tensor) -> torch.Tensor:

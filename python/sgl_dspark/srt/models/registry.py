@@ -55,17 +55,18 @@ def _deepseek_v4() -> ModelEntry:
 def _engram_token_map(cfg: ModelConfig, model_dir: str) -> list[tuple[str, torch.Tensor]]:
     import os
 
-    from sgl_dspark.srt.tokenizer.engram_map import compressed_token_map
+    from sgl_dspark.srt.tokenizer.engram_map import byte_tokenizer_token_map, compressed_token_map
+    from sgl_dspark.srt.tokenizer.hf_tokenizer import MARKER_FILE
 
     engram = cfg.v41.engram if cfg.v41 is not None else None
     if engram is None:
         return []
-    token_map = compressed_token_map(
-        os.path.join(model_dir, "tokenizer.json"),
-        cfg.vocab_size,
-        engram.compressed_vocab_size,
-        engram.pad_id,
-    )
+    args = (cfg.vocab_size, engram.compressed_vocab_size, engram.pad_id)
+    if os.path.isfile(os.path.join(model_dir, MARKER_FILE)):
+        # The directory names the byte tokenizer (`tokenizer/hf_tokenizer.py`): its map.
+        token_map = byte_tokenizer_token_map(*args)
+    else:
+        token_map = compressed_token_map(os.path.join(model_dir, "tokenizer.json"), *args)
     return [("model.engram_token_map", token_map)]
 
 

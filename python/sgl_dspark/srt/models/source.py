@@ -1,11 +1,12 @@
-"""Resolve `--model-path` to a config and a weight stream: the built-in tiny model or a
-checkpoint directory (HF or released names, optionally FP8/MXFP4)."""
+"""Resolve `--model-path` to a config and a weight stream: a built-in tiny model (`tiny`,
+DeepSeek-V4; `tiny-v41`, DeepSeek-V4.1) or a checkpoint directory (HF or released names,
+optionally FP8/MXFP4)."""
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -16,6 +17,14 @@ from sgl_dspark.srt.model_loader.loader import CheckpointWeights
 from sgl_dspark.srt.model_loader.sources import WeightFactory, WeightSource
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.models.tiny import TINY_MODEL_NAME, tiny_config, tiny_weights
+from sgl_dspark.srt.models.tiny_v41 import TINY_V41_MODEL_NAME, tiny_v41_config, tiny_v41_weights
+
+# name -> (config, weights(cfg, names and shapes, seed)) of the built-in models
+WeightsFn = Callable[..., list[tuple[str, torch.Tensor]]]
+BUILTIN_MODELS: dict[str, Callable[[], tuple[ModelConfig, WeightsFn]]] = {
+    TINY_MODEL_NAME: lambda: (tiny_config(), tiny_weights),
+    TINY_V41_MODEL_NAME: lambda: (tiny_v41_config(), tiny_v41_weights),
+}
 
 
 def resolve_model(
@@ -24,19 +33,20 @@ def resolve_model(
     seed: int = 0,
     load_format: str = "auto",
 ) -> tuple[ModelConfig, Iterable[tuple[str, WeightSource]] | WeightFactory]:
-    """(config, weights): the checkpoint's tensors, read lazily onto the device by the model
-    runner (`model_loader.CheckpointWeights`), or with `load_format="dummy"` seeded random
-    weights in the checkpoint's declared formats (only config.json is read)."""
+    """(config, weights): a built-in model's seeded weights; the checkpoint's tensors, read
+    lazily onto the device by the model runner (`model_loader.CheckpointWeights`); or with
+    `load_format="dummy"` seeded random weights in the checkpoint's declared formats (only
+    config.json is read)."""
     del dtype  # the runner materialises every tensor in its own dtype
-    if model_path == TINY_MODEL_NAME:
-        cfg = tiny_config()
+    if model_path in BUILTIN_MODELS:
+        cfg, make_weights = BUILTIN_MODELS[model_path]()
         model = model_entry(cfg).build_model(cfg, KernelChoice())
         shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
-        return cfg, tiny_weights(cfg, shapes, seed=seed)
+        return cfg, make_weights(cfg, shapes, seed=seed)
     if not os.path.isdir(model_path):
         raise ValueError(
-            f"--model-path {model_path!r}: not a directory and not 'tiny' "
-            "(downloads from a model hub are not supported)"
+            f"--model-path {model_path!r}: not a directory and not a built-in model "
+            f"({sorted(BUILTIN_MODELS)}; downloads from a model hub are not supported)"
         )
     cfg = ModelConfig.from_pretrained(model_path)
     if load_format == "dummy":

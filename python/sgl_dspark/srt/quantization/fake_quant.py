@@ -1,183 +1,37 @@
-"""DeepSeek-V4.1's activation quantisers (part of the model, applied even with unquantised
-weights) and the packed formats its caches store them in.
-
-Three quantisers, each over blocks of the last dimension (left unquantised when that dimension
-is not a multiple of the block):
-
-| name | used on | block | element | scale |
-|---|---|---|---|---|
-| FP8 window | window K=V after its norm and RoPE | 32 | FP8 E4M3 | power of two (ue8m0), from amax / 448 (floor 1e-4) |
-| FP4 latent | compressed latents after RoPE | 16 | FP4 E2M1 | FP8 E4M3, from amax / 6 (floor 6 * 2^-9) |
-| FP4 index | indexer queries and keys after RoPE | 32 | FP4 E2M1 | power of two (ue8m0), from amax / 6 (floor 6 * 2^-126) |
-
-Every `fake_quant_*` is `dequantize_*(quantize_*(x))`: the value the model computes with is the
-value a cache that stores the packed form reads back, so storing packed is lossless. All
-arithmetic is fp32; E2M1 rounds to nearest with ties to the even code, and a value that rounds
-to zero is +0.0 whatever its sign.
+"""DeepSeek-V4.1's activation quantisers as the model uses them: FP8 window KV, FP4 latents with
+E4M3 scales, FP4 indexer queries and keys with exponent scales. The definitions (and the packed
+forms the caches store) are the kernels' reference, `kernels/quant/reference.py`; this module
+gives the runtime their names.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
-import torch
-
-FP8_MAX = 448.0
-FP4_MAX = 6.0
-WINDOW_BLOCK = 32
-LATENT_BLOCK = 16
-INDEX_BLOCK = 32
-_WINDOW_AMAX_FLOOR = 1e-4
-_LATENT_AMAX_FLOOR = 6.0 * 2.0**-9
-_INDEX_AMAX_FLOOR = 6.0 * 2.0**-126
-_E8M0_BIAS = 127
-_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
-# Midpoints between E2M1 codes k and k + 1; a tie rounds to the even code of the two.
-_E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
-
-
-class Fp8Rows(NamedTuple):
-    """FP8 E4M3 elements [..., D] and one ue8m0 exponent byte per 32 channels [..., D / 32]."""
-
-    codes: torch.Tensor
-    exponents: torch.Tensor
-
-
-class Fp4Rows(NamedTuple):
-    """E2M1 codes packed two per byte [..., D / 2] (element 2i in the low nibble) and one scale
-    per block: E4M3 [..., D / 16] (latents) or ue8m0 exponent bytes [..., D / 32] (index)."""
-
-    packed: torch.Tensor
-    scales: torch.Tensor
-
-
-def quantizes(dim: int, block: int) -> bool:
-    """Whether a last dimension of `dim` channels is quantised in blocks of `block`."""
-    return dim % block == 0
-
-
-def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
-    assert quantizes(x.shape[-1], block), (tuple(x.shape), block)
-    return x.float().reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-
-def _pow2_ceil_exponent(t: torch.Tensor) -> torch.Tensor:
-    """Unbiased exponent e of the smallest power of two >= t (t > 0 fp32), from the IEEE bits:
-    the exponent field, plus one when any mantissa bit is set."""
-    bits = t.contiguous().view(torch.int32)
-    field = (bits >> 23) & 0xFF
-    return field - _E8M0_BIAS + ((bits & 0x7FFFFF) != 0).to(torch.int32)
-
-
-def _exp2(e: torch.Tensor) -> torch.Tensor:
-    """2**e as fp32, exactly, for integer e in [-126, 127] (built from the exponent field)."""
-    return ((e.to(torch.int32) + _E8M0_BIAS) << 23).view(torch.float32)
-
-
-def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
-    """4-bit codes (bit 3 = sign) of fp32 v, |v| <= 6, rounded to nearest, ties to even."""
-    mag = v.abs()
-    code = torch.zeros(v.shape, dtype=torch.uint8, device=v.device)
-    for k, mid in enumerate(_E2M1_MIDPOINTS):
-        passed = mag > mid if k % 2 == 0 else mag >= mid  # a tie goes to code k if k is even
-        code += passed.to(torch.uint8)
-    negative = (v < 0) & (code != 0)
-    return code | (negative.to(torch.uint8) << 3)
-
-
-def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 0x7).long()]
-    return torch.where((codes & 0x8) != 0, -mag, mag)
-
-
-def _pack(codes: torch.Tensor) -> torch.Tensor:
-    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
-    return pairs[..., 0] | (pairs[..., 1] << 4)
-
-
-def _unpack(packed: torch.Tensor) -> torch.Tensor:
-    return torch.stack((packed & 0xF, packed >> 4), dim=-1).flatten(-2)
-
-
-# ---- FP8 window KV -----------------------------------------------------------------------------
-
-
-def quantize_fp8_window(x: torch.Tensor) -> Fp8Rows:
-    """x [..., D] (D a multiple of 32) -> E4M3 elements and ue8m0 exponents."""
-    b = _blocks(x, WINDOW_BLOCK)
-    amax = b.abs().amax(-1, keepdim=True).clamp(min=_WINDOW_AMAX_FLOOR)
-    e = _pow2_ceil_exponent(amax * (1.0 / FP8_MAX))
-    scaled = (b / _exp2(e)).clamp(-FP8_MAX, FP8_MAX)
-    codes = scaled.to(torch.float8_e4m3fn).reshape(x.shape)
-    return Fp8Rows(codes, (e + _E8M0_BIAS).to(torch.uint8).squeeze(-1))
-
-
-def dequantize_fp8_window(rows: Fp8Rows, dtype: torch.dtype) -> torch.Tensor:
-    codes = rows.codes.float()
-    b = codes.reshape(*codes.shape[:-1], codes.shape[-1] // WINDOW_BLOCK, WINDOW_BLOCK)
-    scale = _exp2(rows.exponents.to(torch.int32) - _E8M0_BIAS).unsqueeze(-1)
-    return (b * scale).reshape(codes.shape).to(dtype)
-
-
-def fake_quant_fp8_window(x: torch.Tensor) -> torch.Tensor:
-    if not quantizes(x.shape[-1], WINDOW_BLOCK):
-        return x
-    return dequantize_fp8_window(quantize_fp8_window(x), x.dtype)
-
-
-# ---- FP4 compressed latents (E4M3 scales) -------------------------------------------------------
-
-
-def quantize_fp4_latent(x: torch.Tensor) -> Fp4Rows:
-    """x [..., D] (D a multiple of 16) -> packed E2M1 and E4M3 scales per 16 channels."""
-    b = _blocks(x, LATENT_BLOCK)
-    amax = b.abs().amax(-1, keepdim=True).clamp(min=_LATENT_AMAX_FLOOR)
-    # amax >= 6 * 2^-9 keeps the scale at or above E4M3's smallest subnormal; the cap keeps it
-    # finite (an E4M3 cast past 448 is not saturating on every device).
-    scale = (amax / FP4_MAX).clamp(max=FP8_MAX).to(torch.float8_e4m3fn)
-    codes = _e2m1_codes((b / scale.float()).clamp(-FP4_MAX, FP4_MAX))
-    return Fp4Rows(_pack(codes.reshape(x.shape)), scale.squeeze(-1))
-
-
-def dequantize_fp4_latent(rows: Fp4Rows, dtype: torch.dtype) -> torch.Tensor:
-    v = _e2m1_values(_unpack(rows.packed))
-    b = v.reshape(*v.shape[:-1], v.shape[-1] // LATENT_BLOCK, LATENT_BLOCK)
-    return (b * rows.scales.float().unsqueeze(-1)).reshape(v.shape).to(dtype)
-
-
-def fake_quant_fp4_latent(x: torch.Tensor) -> torch.Tensor:
-    if not quantizes(x.shape[-1], LATENT_BLOCK):
-        return x
-    return dequantize_fp4_latent(quantize_fp4_latent(x), x.dtype)
-
-
-# ---- FP4 indexer queries and keys (ue8m0 scales) ------------------------------------------------
-
-
-def quantize_fp4_index(x: torch.Tensor) -> Fp4Rows:
-    """x [..., D] (D a multiple of 32) -> packed E2M1 and ue8m0 exponents per 32 channels."""
-    b = _blocks(x, INDEX_BLOCK)
-    amax = b.abs().amax(-1, keepdim=True).clamp(min=_INDEX_AMAX_FLOOR)
-    e = _pow2_ceil_exponent(amax * (1.0 / FP4_MAX))
-    codes = _e2m1_codes((b / _exp2(e)).clamp(-FP4_MAX, FP4_MAX))
-    return Fp4Rows(_pack(codes.reshape(x.shape)), (e + _E8M0_BIAS).to(torch.uint8).squeeze(-1))
-
-
-def dequantize_fp4_index(rows: Fp4Rows, dtype: torch.dtype) -> torch.Tensor:
-    v = _e2m1_values(_unpack(rows.packed))
-    b = v.reshape(*v.shape[:-1], v.shape[-1] // INDEX_BLOCK, INDEX_BLOCK)
-    scale = _exp2(rows.scales.to(torch.int32) - _E8M0_BIAS).unsqueeze(-1)
-    return (b * scale).reshape(v.shape).to(dtype)
-
-
-def fake_quant_fp4_index(x: torch.Tensor) -> torch.Tensor:
-    if not quantizes(x.shape[-1], INDEX_BLOCK):
-        return x
-    return dequantize_fp4_index(quantize_fp4_index(x), x.dtype)
-
+from sgl_dspark.kernels.quant.reference import (
+    FP4_MAX,
+    FP8_MAX,
+    INDEX_BLOCK,
+    LATENT_BLOCK,
+    WINDOW_BLOCK,
+    Fp4Rows,
+    Fp8Rows,
+    quantizes,
+)
+from sgl_dspark.kernels.quant.reference import dequantize_fp4_index_ref as dequantize_fp4_index
+from sgl_dspark.kernels.quant.reference import dequantize_fp4_latent_ref as dequantize_fp4_latent
+from sgl_dspark.kernels.quant.reference import dequantize_fp8_window_ref as dequantize_fp8_window
+from sgl_dspark.kernels.quant.reference import fake_quant_fp4_index_ref as fake_quant_fp4_index
+from sgl_dspark.kernels.quant.reference import fake_quant_fp4_latent_ref as fake_quant_fp4_latent
+from sgl_dspark.kernels.quant.reference import fake_quant_fp8_window_ref as fake_quant_fp8_window
+from sgl_dspark.kernels.quant.reference import quantize_fp4_index_ref as quantize_fp4_index
+from sgl_dspark.kernels.quant.reference import quantize_fp4_latent_ref as quantize_fp4_latent
+from sgl_dspark.kernels.quant.reference import quantize_fp8_window_ref as quantize_fp8_window
 
 __all__ = [
+    "FP4_MAX",
+    "FP8_MAX",
+    "INDEX_BLOCK",
+    "LATENT_BLOCK",
+    "WINDOW_BLOCK",
     "Fp4Rows",
     "Fp8Rows",
     "dequantize_fp4_index",

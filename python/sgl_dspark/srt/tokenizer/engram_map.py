@@ -11,8 +11,11 @@ ids are given in first-seen order of the keys.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
+
+from sgl_dspark.srt.tokenizer.byte_tokenizer import ByteTokenizer
 
 _LONE_SPACE_SENTINEL = "\ue000"  # a private-use character: the key of a whitespace-only token
 
@@ -36,12 +39,8 @@ def _normalizer():  # type: ignore[no-untyped-def]
 def compressed_token_map(
     tokenizer_file: str, vocab_size: int, compressed_size: int, pad_id: int
 ) -> torch.Tensor:
-    """`[vocab_size]` int64: the compressed id of every token id of the model's vocabulary.
-
-    Ids the tokenizer does not define (a vocabulary padded beyond it) get the compressed id of
-    `pad_id`, the filler of missing history. Raises ValueError naming `engram_compressed_vocab_size` when the map's size
-    differs from the config's.
-    """
+    """`[vocab_size]` int64: the compressed id of every token id of the model's vocabulary, from
+    the HF `tokenizer.json` at `tokenizer_file` (`compressed_token_map_of`)."""
     from tokenizers import Tokenizer
 
     if not os.path.isfile(tokenizer_file):
@@ -50,17 +49,59 @@ def compressed_token_map(
             f"{tokenizer_file!r}"
         )
     tok = Tokenizer.from_file(tokenizer_file)
-    norm = _normalizer()
+    return compressed_token_map_of(
+        lambda i: tok.decode([i], skip_special_tokens=False),
+        tok.id_to_token,
+        tok.get_vocab_size(with_added_tokens=True),
+        vocab_size,
+        compressed_size,
+        pad_id,
+    )
+
+
+def byte_tokenizer_token_map(vocab_size: int, compressed_size: int, pad_id: int) -> torch.Tensor:
+    """`compressed_token_map_of` the byte tokenizer of the built-in models (every id it defines,
+    reserved ids included)."""
+    return compressed_token_map_of(*_byte_tokenizer(), vocab_size, compressed_size, pad_id)
+
+
+def byte_tokenizer_compressed_size() -> int:
+    """The size of the byte tokenizer's compressed token map."""
+    decode_one, token_of, n_defined = _byte_tokenizer()
+    key = _key_fn(decode_one, token_of)
+    return len({key(i) for i in range(n_defined)})
+
+
+def _byte_tokenizer() -> tuple[Callable[[int], str], Callable[[int], str | None], int]:
+    tok = ByteTokenizer()
+
+    def token_of(i: int) -> str:
+        token = tok.convert_ids_to_tokens(i)
+        assert isinstance(token, str)
+        return token
+
+    return (lambda i: tok.decode([i], skip_special_tokens=False)), token_of, tok.vocab_size
+
+
+def compressed_token_map_of(
+    decode_one: Callable[[int], str],
+    token_of: Callable[[int], str | None],
+    n_defined: int,
+    vocab_size: int,
+    compressed_size: int,
+    pad_id: int,
+) -> torch.Tensor:
+    """`[vocab_size]` int64: the compressed id of every token id (module doc), for a tokenizer
+    given as `decode_one(id)` (special tokens kept), `token_of(id)` (its token string) and its
+    number of ids `n_defined`.
+
+    Ids the tokenizer does not define (a vocabulary padded beyond it) get the compressed id of
+    `pad_id`, the filler of missing history. Raises ValueError naming
+    `engram_compressed_vocab_size` when the map's size differs from the config's.
+    """
+    key = _key_fn(decode_one, token_of)
     keys: dict[str, int] = {}
-    ids = []
-    n_defined = tok.get_vocab_size(with_added_tokens=True)
-    for i in range(n_defined):
-        text = tok.decode([i], skip_special_tokens=False)
-        if "\ufffd" in text:
-            key = tok.id_to_token(i) or text
-        else:
-            key = norm.normalize_str(text) or text
-        ids.append(keys.setdefault(key, len(keys)))
+    ids = [keys.setdefault(key(i), len(keys)) for i in range(n_defined)]
     if len(keys) != compressed_size:
         raise ValueError(
             f"config field 'engram_compressed_vocab_size'={compressed_size} does not match the "
@@ -71,4 +112,23 @@ def compressed_token_map(
     return torch.tensor(ids[:vocab_size], dtype=torch.int64)
 
 
-__all__ = ["compressed_token_map"]
+def _key_fn(
+    decode_one: Callable[[int], str], token_of: Callable[[int], str | None]
+) -> Callable[[int], str]:
+    norm = _normalizer()
+
+    def key(i: int) -> str:
+        text = decode_one(i)
+        if "\ufffd" in text:
+            return token_of(i) or text
+        return norm.normalize_str(text) or text
+
+    return key
+
+
+__all__ = [
+    "byte_tokenizer_compressed_size",
+    "byte_tokenizer_token_map",
+    "compressed_token_map",
+    "compressed_token_map_of",
+]

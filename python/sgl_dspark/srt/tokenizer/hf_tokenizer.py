@@ -2,7 +2,7 @@
 
 `get_tokenizer` resolution order (first match wins):
 
-1. the path is `"tiny"`                                  -> `ByteTokenizer`
+1. the path is a built-in model (`"tiny"`, `"tiny-v41"`)  -> `ByteTokenizer`
 2. a directory holding `sgl_dspark_tokenizer.json`       -> the tokenizer it names (`{"type": "byte"}`)
 3. a directory holding `tokenizer.json`                  -> `HFTokenizer` (the `tokenizers` library;
    special tokens, `add_bos_token`/`add_eos_token` and the chat template come from
@@ -29,6 +29,8 @@ from sgl_dspark.srt.tokenizer.byte_tokenizer import ByteTokenizer
 logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "tiny"
+# The built-in models, whose vocabulary is the byte tokenizer's.
+BYTE_TOKENIZER_MODELS = (TINY_MODEL_NAME, "tiny-v41")
 MARKER_FILE = "sgl_dspark_tokenizer.json"
 _SKIP_HINT = "pass --tokenizer-path, or --skip-tokenizer-init to send and receive token ids only"
 
@@ -308,7 +310,7 @@ def get_tokenizer(
     """Load the tokenizer for a model (resolution order in the module doc).
 
     Args:
-        model_path_or_dir: `"tiny"`, a local model directory, or an HF hub id.
+        model_path_or_dir: a built-in model name, a local model directory, or an HF hub id.
         tokenizer_path: overrides `model_path_or_dir` when given.
         trust_remote_code: forwarded to `transformers.AutoTokenizer` only.
 
@@ -320,7 +322,7 @@ def get_tokenizer(
     path = tokenizer_path if tokenizer_path is not None else model_path_or_dir
     if not isinstance(path, str) or not path:
         raise ValueError(f"tokenizer path must be a non-empty str, got {path!r}")
-    if path == TINY_MODEL_NAME:
+    if path in BYTE_TOKENIZER_MODELS:
         return ByteTokenizer()
     if os.path.isdir(path):
         marker = os.path.join(path, MARKER_FILE)

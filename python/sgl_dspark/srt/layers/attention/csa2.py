@@ -16,14 +16,16 @@ t (g < (pos_t + 1) // m).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
+from sgl_dspark.kernels.indexer.reference import candidate_block_max_ref, v41_index_scores_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.layers.attention.compressor import CompressRope
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm, RmsNormFn
 from sgl_dspark.srt.mem_cache.v41_pool import PairState
 
@@ -142,42 +144,54 @@ class Csa2Indexer(nn.Module):
         self.k_proj = nn.Linear(head_dim, index_dim, bias=False) if owns_keys else None
         self.k_norm = RMSNorm(index_dim, eps) if owns_keys else None
 
-    def keys(
-        self,
-        latents: torch.Tensor,
-        start_positions: torch.Tensor,
-        rope: CompressRope,
-        rms_norm: RmsNormFn,
-    ) -> torch.Tensor:
-        """Index keys `[n, Di]` of pre-RoPE latents (before quantisation)."""
+    def keys(self, latents: torch.Tensor, rms_norm: RmsNormFn) -> torch.Tensor:
+        """Index keys `[n, Di]` of pre-RoPE latents, normalised, before their rotation (at the
+        group's first position) and quantisation, which the store applies."""
         assert self.k_proj is not None and self.k_norm is not None
-        k = rms_norm(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
-        return rope.rotate_compress(k, start_positions.clamp(min=0))
+        return rms_norm(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
+
+
+# (scores [T, N], visible [T], block) -> block scores [T, ceil(N / block)], newest pinned
+BlockMaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
+# (qi, head weights, key data, key scales, entry rows, visible, *, weight_scale, keep_blocks,
+# block) -> scores [T, N]: `v41_index_scores_ref`'s arguments
+IndexScoresFn = Callable[..., torch.Tensor]
+
+
+def v41_indexer_impl(kernels: KernelChoice) -> tuple[IndexScoresFn, BlockMaxFn]:
+    """The "indexer" family of DeepSeek-V4.1: the scores of a kv source's packed FP4 index keys
+    (masks applied) and the candidate source's block scores. torch: `v41_index_scores_ref`,
+    `candidate_block_max_ref`. triton: `kernels/indexer/v41_logits.py`, one launch each (scores
+    within a tolerance, block scores bit-exact)."""
+    if kernels.of("indexer") == "torch":
+        return v41_index_scores_ref, candidate_block_max_ref
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.indexer.v41_logits import candidate_block_max, v41_index_scores
+
+    return v41_index_scores, candidate_block_max
 
 
 def select_candidate_blocks(
-    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int
+    scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int, block_max: BlockMaxFn
 ) -> torch.Tensor:
-    """`[T, N]` bool: the compressed positions of each row's candidate blocks.
+    """`[T, ceil(N / block)]` bool: each row's candidate blocks of `block` compressed positions.
 
-    Blocks of `block` positions are scored by their best visible score; the block holding the
-    newest visible position (`visible - 1`) is always kept; then the best `topk_blocks` blocks
+    Blocks are scored by their best visible score; the block holding the newest visible position
+    (`visible - 1`) is always kept (`block_max` pins it); then the best `topk_blocks` blocks
     with a finite score (ties to the lower block). scores `[T, N]` fp32 (-inf where not
     visible), visible `[T]`.
     """
     rows, width = scores.shape
     if width == 0:
-        return torch.zeros_like(scores, dtype=torch.bool)
-    n_blocks = -(-width // block)
-    padded = scores.new_full((rows, n_blocks * block), float("-inf"))
-    padded[:, :width] = scores
-    block_max = padded.view(rows, n_blocks, block).amax(dim=-1)
-    newest = ((visible - 1).clamp(min=0) // block).clamp(max=n_blocks - 1)
-    pinned = torch.where(visible > 0, float("inf"), block_max.gather(1, newest[:, None])[:, 0])
-    block_max = block_max.scatter(1, newest[:, None], pinned[:, None])
-    top = torch.topk(block_max, min(topk_blocks, n_blocks), dim=-1)
-    keep = torch.zeros_like(block_max, dtype=torch.bool)
-    keep.scatter_(1, top.indices, top.values > float("-inf"))
+        return torch.zeros(rows, 0, dtype=torch.bool, device=scores.device)
+    ranked = block_max(scores, visible, block)
+    top = torch.topk(ranked, min(topk_blocks, ranked.shape[1]), dim=-1)
+    keep = torch.zeros_like(ranked, dtype=torch.bool)
+    return keep.scatter_(1, top.indices, top.values > float("-inf"))
+
+
+def expand_blocks(keep: torch.Tensor, block: int, width: int) -> torch.Tensor:
+    """Block mask `[T, nb]` -> position mask `[T, width]`."""
     return keep.repeat_interleave(block, dim=1)[:, :width]
 
 
@@ -196,6 +210,8 @@ __all__ = [
     "Csa2Compressor",
     "Csa2Indexer",
     "EmittedGroups",
+    "expand_blocks",
     "select_candidate_blocks",
     "select_topk",
+    "v41_indexer_impl",
 ]

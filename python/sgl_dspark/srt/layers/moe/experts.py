@@ -13,6 +13,9 @@ The "moe" kernel family picks the implementation once, at construction:
     once, here in the constructor, from a host tensor (so no device read ever happens); it is a
     non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
     The routed scale is already in the router's weights, so the reduce applies none.
+    DeepSeek-V4.1 (`weight_before_down`): stage 1's epilogue multiplies each route's activation
+    by its weight (rounded as stored, the torch path's order) and the reduce sums the routes
+    with unit weights.
     Once the model is placed (`fused_linear.fuse_after_placement`), the shared expert is folded
     into the routed experts' stacks as expert E (`[E + 1, 2I, D]` / `[E + 1, D, I]`; the
     checkpoint parameters become views of them) and the router appends it to every token as
@@ -97,11 +100,6 @@ class RoutedExperts(nn.Module):
         self._combine = self._combine_torch
         self._triton = _uses_triton(kernels)
         if self._triton:
-            if weight_before_down:
-                raise ValueError(
-                    "the Triton experts weight the projected output: DeepSeek-V4.1 experts "
-                    "run with --kernel-backend-overrides moe=torch"
-                )
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
             from sgl_dspark.kernels.moe.sort import MoeSortPlan, prepare_moe_sort
@@ -232,17 +230,36 @@ class RoutedExperts(nn.Module):
         weights = weights.to(torch.float32).contiguous()
         if shared is not None:
             shared = shared.to(x.dtype).contiguous()
+        before = self.weight_before_down
+        # Weighted before the down projection (stage 1's epilogue), the routes then sum with
+        # unit weights (an exact product, so the reduce's bits are a plain sum's).
+        reduce_weights = torch.ones_like(weights) if before else weights
         if x.shape[0] <= TOKEN_PATH_MAX_M:
-            h = self._route_gate_up(x, gate_up, ids, plan.local_table, plan.num_local, self.limit)
+            h = self._route_gate_up(
+                x,
+                gate_up,
+                ids,
+                plan.local_table,
+                plan.num_local,
+                self.limit,
+                act_weights=weights if before else None,
+            )
             return self._token_down_reduce(
-                h, down, ids, weights, plan.local_table, plan.num_local, 1.0, shared
+                h, down, ids, reduce_weights, plan.local_table, plan.num_local, 1.0, shared
             )
         # hidden_size=0: the grouped GEMMs write per-route rows, so `moe_sort`'s sum is unused.
         routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
         y = self._fused_moe(
-            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=_SORT_BLOCK
+            x,
+            gate_up,
+            down,
+            routes,
+            ids.shape[1],
+            self.limit,
+            block_size=_SORT_BLOCK,
+            weight_before_down=before,
         )
-        return self._moe_reduce(y, weights, ids, mask, 1.0, shared)
+        return self._moe_reduce(y, reduce_weights, ids, mask, 1.0, shared)
 
 
 def _expert(weight: WeightLike, e: int, dtype: torch.dtype) -> torch.Tensor:

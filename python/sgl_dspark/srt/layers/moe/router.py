@@ -2,8 +2,8 @@
 
 The "moe" kernel family picks the implementation once, at construction: "torch" runs
 the module's own torch code; "triton" runs `kernels/moe/router.py::router_topk` (the gate
-GEMV, scores, biased top-k or the hash table, renormalisation and the routed scale in one launch,
-int32 ids / fp32 weights, no host sync).
+GEMV, the temperature, scores, biased top-k or the hash table, renormalisation and the routed
+scale in one launch, int32 ids / fp32 weights, no host sync).
 """
 
 from __future__ import annotations
@@ -67,11 +67,6 @@ class Router(nn.Module):
             self.register_buffer("e_score_correction_bias", torch.zeros(n_experts))
         self._route = self._route_torch
         if (kernels or KernelChoice()).of("moe") == "triton":
-            if gate_temp is not None:
-                raise ValueError(
-                    "the Triton router has no gate temperature: DeepSeek-V4.1 routes with "
-                    "--kernel-backend-overrides moe=torch"
-                )
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels.moe.router import (
                 RouterConfig,
@@ -88,6 +83,9 @@ class Router(nn.Module):
                 scoring_func,
                 renormalize=norm_topk_prob,
                 routed_scaling_factor=routed_scaling_factor,
+                # the kernel's logits are fp32 either way (V4's torch path rounds them to the
+                # activation dtype: within the family's tolerance)
+                gate_temp=1.0 if gate_temp is None else gate_temp,
             )
             # The shared expert as one more route (id E, weight 1), for experts that fold it
             # into their stacks.

@@ -1,8 +1,9 @@
 """Resolve the DSpark draft for a target and build the worker.
 
-Draft location: `--speculative-draft-model-path` (a directory, or `tiny-dspark`); otherwise the
-target directory itself when its config bundles `dspark_*` keys, then `<model>/dspark/`, and the
-built-in `tiny-dspark` for the built-in `tiny` target.
+Draft location: `--speculative-draft-model-path` (a directory, or a built-in draft); otherwise
+the target directory itself when its config bundles `dspark_*` keys, then `<model>/dspark/`, and
+the built-in draft of a built-in target (`tiny-dspark` for `tiny`, `tiny-v41-dspark` for
+`tiny-v41`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,11 @@ from sgl_dspark.srt.model_loader.dummy import DummyWeights
 from sgl_dspark.srt.model_loader.sources import WeightFactory
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
 from sgl_dspark.srt.models.tiny import TINY_MODEL_NAME, tiny_weights
+from sgl_dspark.srt.models.tiny_v41 import (
+    TINY_V41_DSPARK_CONFIG,
+    TINY_V41_DSPARK_NAME,
+    TINY_V41_MODEL_NAME,
+)
 from sgl_dspark.srt.speculative.dspark.draft_checkpoint import load_draft_weights
 from sgl_dspark.srt.speculative.dspark.worker import DSparkArgs, DSparkWorker
 
@@ -31,6 +37,11 @@ TINY_DSPARK_CONFIG = {
     "dspark_num_experts_per_tok": 2,
     "sliding_window": 32,
     "enable_confidence_head": True,
+}
+# built-in target -> (its built-in draft, the draft's config)
+BUILTIN_DRAFTS: dict[str, tuple[str, dict]] = {
+    TINY_MODEL_NAME: (TINY_DSPARK_NAME, TINY_DSPARK_CONFIG),
+    TINY_V41_MODEL_NAME: (TINY_V41_DSPARK_NAME, TINY_V41_DSPARK_CONFIG),
 }
 
 
@@ -48,17 +59,21 @@ def resolve_draft(
             draft_path = model_path
         elif os.path.isdir(os.path.join(model_path, "dspark")):
             draft_path = os.path.join(model_path, "dspark")
-        elif model_path == TINY_MODEL_NAME:
-            draft_path = TINY_DSPARK_NAME
+        elif model_path in BUILTIN_DRAFTS:
+            draft_path = BUILTIN_DRAFTS[model_path][0]
         else:
             raise ValueError(
                 "DSpark needs a draft: pass --speculative-draft-model-path (the target config has "
                 "no dspark_* keys and there is no <model>/dspark/ directory)"
             )
-    if draft_path == TINY_DSPARK_NAME:
-        if model_path != TINY_MODEL_NAME:
-            raise ValueError("the built-in 'tiny-dspark' draft pairs only with the 'tiny' target")
-        dcfg = DSparkConfig.from_dict(TINY_DSPARK_CONFIG, target, block_size)
+    builtin = {name: (tgt, raw) for tgt, (name, raw) in BUILTIN_DRAFTS.items()}
+    if draft_path in builtin:
+        pair, raw = builtin[draft_path]
+        if model_path != pair:
+            raise ValueError(
+                f"the built-in {draft_path!r} draft pairs only with the {pair!r} target"
+            )
+        dcfg = DSparkConfig.from_dict(raw, target, block_size)
         shapes = [(k, tuple(v.shape)) for k, v in DSparkDraftModel(dcfg).state_dict().items()]
         return dcfg, tiny_weights(dcfg.stage_config, shapes, seed=seed + 1)
     if not os.path.isdir(draft_path):

@@ -1,0 +1,282 @@
+"""Rotate, quantise and store cache rows in one launch (`quant_store_ref` is the spec): the
+DeepSeek-V4.1 window KV store (FP8, the rope of the layer's own positions), the compressed-latent
+store of a kv source (FP4 with E4M3 scales) and its index-key store (FP4 with exponent scales),
+both rotated at the group's first position; and (`quant_store_values`) the DSpark draft's
+window KV rows, which hold the FP8 quantiser's values in the model dtype.
+
+One program per row: it loads the row as its even and odd channels (the RoPE pairs), rotates the
+tail, rounds it to the row's dtype (what the unfused rope would have written), quantises every
+block and writes the elements and scales straight into the packed cache rows.
+
+Exactness: bit-exact against the reference on any backend. The rotation is `rope_tail`'s
+arithmetic with FMA contraction off; the quantisers use only max, exact power-of-two scaling,
+correctly rounded division (`div_rn`) and integer rounding on the fp32 bits (E4M3 and E2M1 round
+to nearest, ties to even, as torch's casts and the reference do).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import check_index_vector, require
+from sgl_dspark.kernels._triton_utils import (
+    DTYPE_KIND,
+    interpreted,
+    programmatic_launch,
+    round_to_dtype,
+    wait_for_producers,
+)
+from sgl_dspark.kernels.indexer.fp4_codec import (
+    ceil_pow2_biased_exponent,
+    pow2_from_biased_exponent,
+)
+from sgl_dspark.kernels.quant.reference import (
+    FP4_MAX,
+    FP8_MAX,
+    INDEX_BLOCK,
+    LATENT_BLOCK,
+    WINDOW_BLOCK,
+    quantizes,
+)
+
+# Row formats, as the kernel's FMT constexpr.
+FORMATS = {"fp8_window": 0, "fp4_latent": 1, "fp4_index": 2}
+_BLOCKS = {"fp8_window": WINDOW_BLOCK, "fp4_latent": LATENT_BLOCK, "fp4_index": INDEX_BLOCK}
+
+
+@triton.jit
+def e4m3_round(a):
+    """Non-negative fp32 a <= 448 -> (E4M3 code without sign, the code's value in fp32), round
+    to nearest, ties to even: normal values round the fp32 mantissa to 3 bits on the bits;
+    values below 2^-6 (the subnormals, quantum 2^-9) round through an fp32 add of 2^14, whose
+    ulp is 2^-9."""
+    bits = a.to(tl.int32, bitcast=True)
+    rounded = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # clear the low 20 bits
+    normal_code = (rounded >> 20) - 960  # fp32 exponent field - 120 = E4M3's
+    sub = (a + 16384.0) - 16384.0
+    sub_code = (sub * 512.0).to(tl.int32)
+    is_normal = a >= 0.015625
+    code = tl.where(is_normal, normal_code, sub_code)
+    value = tl.where(is_normal, rounded.to(tl.float32, bitcast=True), sub)
+    return code, value
+
+
+@triton.jit
+def e2m1_code(v):
+    """fp32 v, |v| <= 6 -> E2M1 code (bit 3 = sign), round to nearest, ties to the even code; a
+    value that rounds to zero is +0 whatever its sign."""
+    a = tl.abs(v)
+    mag = (a > 0.25).to(tl.int32) + (a >= 0.75).to(tl.int32) + (a > 1.25).to(tl.int32)
+    mag += (a >= 1.75).to(tl.int32) + (a > 2.5).to(tl.int32) + (a >= 3.5).to(tl.int32)
+    mag += (a > 5.0).to(tl.int32)
+    negative = (v.to(tl.int32, bitcast=True) < 0) & (mag != 0)
+    return mag + 8 * negative.to(tl.int32)
+
+
+@triton.jit
+def _quant_store_kernel(
+    x_ptr,
+    x_row_stride,
+    cos_ptr,
+    sin_ptr,
+    cs_row_stride,
+    rows_ptr,
+    data_ptr,
+    data_row_stride,
+    scales_ptr,
+    scales_row_stride,
+    D: tl.constexpr,
+    HALF_ROPE: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMT: tl.constexpr,
+    VALUES: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_producers(PDL)  # x comes from the previous kernel; the cache rows may be read
+    t = tl.program_id(0)
+    H: tl.constexpr = BLOCK // 2
+    out_row = tl.load(rows_ptr + t).to(tl.int64)
+    offs_b = tl.arange(0, NBP)
+    offs_h = tl.arange(0, H)
+    mask = (offs_b < NB)[:, None] & (offs_h < H)[None, :]
+    even = offs_b[:, None] * BLOCK + 2 * offs_h[None, :]  # channel of each pair's first element
+    src = x_ptr + t.to(tl.int64) * x_row_stride
+    a = tl.load(src + even, mask=mask, other=0.0).to(tl.float32)
+    b = tl.load(src + even + 1, mask=mask, other=0.0).to(tl.float32)
+    if HALF_ROPE > 0:
+        # Pair i of the tail = channels (D - rd + 2i, D - rd + 2i + 1), rd = 2 * HALF_ROPE.
+        pair = (even - (D - 2 * HALF_ROPE)) // 2
+        tail = mask & (pair >= 0)
+        cs = t.to(tl.int64) * cs_row_stride + tl.maximum(pair, 0)
+        c = tl.load(cos_ptr + cs, mask=tail, other=1.0)
+        s = tl.load(sin_ptr + cs, mask=tail, other=0.0)
+        ra = round_to_dtype(a * c - b * s, X_KIND, ON_BITS)
+        rb = round_to_dtype(a * s + b * c, X_KIND, ON_BITS)
+        a = tl.where(tail, ra, a)
+        b = tl.where(tail, rb, b)
+    amax = tl.maximum(tl.max(tl.abs(a), axis=1), tl.max(tl.abs(b), axis=1))  # [NBP]
+    mask_b = offs_b < NB
+    dst = data_ptr + out_row * data_row_stride
+    if FMT == 0:  # FP8 window: ue8m0 scale from amax / 448 (floor 1e-4)
+        e = ceil_pow2_biased_exponent(tl.maximum(amax, 1e-4) * (1.0 / 448.0))
+        scale = pow2_from_biased_exponent(e)[:, None]
+        va = tl.minimum(tl.maximum(tl.div_rn(a, scale), -448.0), 448.0)
+        vb = tl.minimum(tl.maximum(tl.div_rn(b, scale), -448.0), 448.0)
+        ca, ra = e4m3_round(tl.abs(va))
+        cb, rb = e4m3_round(tl.abs(vb))
+        neg_a = va.to(tl.int32, bitcast=True) < 0
+        neg_b = vb.to(tl.int32, bitcast=True) < 0
+        if VALUES:  # the dequantised values (exact in the output dtype), no scales
+            # Multiply by -1.0 (not negate): -0.0 must survive, as in the reference's product.
+            out_a = tl.where(neg_a, -1.0, 1.0) * ra * scale
+            out_b = tl.where(neg_b, -1.0, 1.0) * rb * scale
+            if OUT_KIND == 1:
+                out_a, out_b = out_a.to(tl.bfloat16), out_b.to(tl.bfloat16)
+            elif OUT_KIND == 2:
+                out_a, out_b = out_a.to(tl.float16), out_b.to(tl.float16)
+            tl.store(dst + even, out_a, mask=mask)
+            tl.store(dst + even + 1, out_b, mask=mask)
+        else:
+            tl.store(dst + even, (ca + 128 * neg_a.to(tl.int32)).to(tl.uint8), mask=mask)
+            tl.store(dst + even + 1, (cb + 128 * neg_b.to(tl.int32)).to(tl.uint8), mask=mask)
+        scale_byte = e
+    else:
+        if FMT == 1:  # FP4 latent: E4M3 scale amax / 6 (floor 6 * 2^-9, cap 448)
+            s_code, s_val = e4m3_round(
+                tl.minimum(tl.div_rn(tl.maximum(amax, 6.0 * 2.0**-9), 6.0), 448.0)
+            )
+            scale = s_val[:, None]
+            scale_byte = s_code
+        else:  # FP4 index: ue8m0 scale from amax / 6 (floor 6 * 2^-126)
+            e = ceil_pow2_biased_exponent(tl.maximum(amax, 6.0 * 2.0**-126) * (1.0 / 6.0))
+            scale = pow2_from_biased_exponent(e)[:, None]
+            scale_byte = e
+        va = tl.minimum(tl.maximum(tl.div_rn(a, scale), -6.0), 6.0)
+        vb = tl.minimum(tl.maximum(tl.div_rn(b, scale), -6.0), 6.0)
+        packed = e2m1_code(va) | (e2m1_code(vb) << 4)
+        tl.store(dst + offs_b[:, None] * H + offs_h[None, :], packed.to(tl.uint8), mask=mask)
+    if not VALUES:
+        scale_ptrs = scales_ptr + out_row * scales_row_stride + offs_b
+        tl.store(scale_ptrs, scale_byte.to(tl.uint8), mask=mask_b)
+
+
+def quant_store_values(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> None:
+    """`quant_store_values_ref` in one launch: rotate, then write the FP8 window quantiser's
+    values (`fake_quant_fp8_window_ref`) into float rows `out` `[R, D]` (fp32/bf16/fp16, unit
+    stride) at `rows` (a dense cache of the model dtype, which holds them exactly). Bit-exact."""
+    require(
+        out.dim() == 2 and out.dtype in DTYPE_KIND and out.stride(1) == 1,
+        f"out: expected fp32/bf16/fp16 [R, D] with unit stride, got {out.dtype} {tuple(out.shape)}",
+    )
+    require(out.shape[1] == x.shape[-1], f"out: expected D={x.shape[-1]}, got {out.shape[1]}")
+    require(out.device == x.device, f"out: expected device {x.device}, got {out.device}")
+    _launch(x, rows, out, out, "fp8_window", cos, sin, values=True)
+
+
+def quant_store(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> None:
+    """`quant_store_ref` in one launch, no host sync.
+
+    Args:
+        x: [N, D] fp32/bf16/fp16, unit stride in D (rows may be strided).
+        rows: [N] int32/int64 destination cache rows.
+        data, scales: the packed cache (`QuantizedRows`): uint8 [R, D] (FP8 codes) or [R, D/2]
+            (E2M1 pairs), and uint8 [R, D / block] scale bytes; contiguous rows.
+        fmt: "fp8_window", "fp4_latent" or "fp4_index".
+        cos, sin: fp32 [N, rd/2] (both or neither): rotate the trailing rd channels first.
+    """
+    _launch(x, rows, data, scales, fmt, cos, sin, values=False)
+
+
+def _launch(
+    x: torch.Tensor,
+    rows: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    *,
+    values: bool,
+) -> None:
+    require(fmt in FORMATS, f"fmt: expected one of {tuple(FORMATS)}, got {fmt!r}")
+    require(x.dim() == 2, f"x: expected [N, D], got shape {tuple(x.shape)}")
+    n, d = x.shape
+    block = _BLOCKS[fmt]
+    require(quantizes(d, block), f"x: D={d} is not a multiple of the {fmt} block {block}")
+    require(x.dtype in DTYPE_KIND, f"x: expected fp32/bf16/fp16, got {x.dtype}")
+    require(x.stride(1) == 1 or d == 1, "x: needs unit stride in its last dim")
+    check_index_vector("rows", rows, n)
+    width = d if fmt == "fp8_window" else d // 2
+    checked = () if values else (("data", data, width), ("scales", scales, d // block))
+    for name, t, w in checked:
+        require(
+            t.dtype == torch.uint8 and t.dim() == 2 and t.shape[1] == w and t.stride(1) == 1,
+            f"{name}: expected uint8 [R, {w}] with unit stride, got {t.dtype} {tuple(t.shape)}",
+        )
+        require(t.device == x.device, f"{name}: expected device {x.device}, got {t.device}")
+    require((cos is None) == (sin is None), "cos and sin come together")
+    half = 0
+    if cos is not None and sin is not None:
+        half = cos.shape[1] if cos.dim() == 2 else -1
+        for name, t in (("cos", cos), ("sin", sin)):
+            require(
+                t.dim() == 2 and t.shape == (n, half) and t.dtype == torch.float32,
+                f"{name}: expected fp32 [{n}, rd/2], got {t.dtype} {tuple(t.shape)}",
+            )
+        require(cos.stride() == sin.stride() and cos.stride(1) == 1, "cos/sin: same strides")
+        require(2 * half <= d, f"rope dim {2 * half} exceeds D={d}")
+    if n == 0:
+        return
+    nb = d // block
+    dummy = x if cos is None else cos
+    _quant_store_kernel[(n,)](
+        x,
+        x.stride(0),
+        dummy,
+        dummy if sin is None else sin,
+        0 if cos is None else cos.stride(0),
+        rows,
+        data,
+        data.stride(0),
+        scales,
+        scales.stride(0),
+        D=d,
+        HALF_ROPE=half,
+        NB=nb,
+        NBP=triton.next_power_of_2(nb),
+        BLOCK=block,
+        FMT=FORMATS[fmt],
+        VALUES=values,
+        OUT_KIND=DTYPE_KIND[data.dtype] if values else 0,
+        X_KIND=DTYPE_KIND[x.dtype],
+        ON_BITS=interpreted(_quant_store_kernel),
+        num_warps=4 if d >= 1024 else 1,
+        enable_fp_fusion=False,
+        **programmatic_launch(_quant_store_kernel, x.device),
+    )
+
+
+__all__ = ["FORMATS", "quant_store", "quant_store_values"]
+# Constants the kernel spells as literals (Triton reads no module globals).
+assert (FP8_MAX, FP4_MAX) == (448.0, 6.0)
