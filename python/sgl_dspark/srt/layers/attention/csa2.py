@@ -171,6 +171,17 @@ def v41_indexer_impl(kernels: KernelChoice) -> tuple[IndexScoresFn, BlockMaxFn]:
     return v41_index_scores, candidate_block_max
 
 
+def topk_lower_index_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest entries of each row of `x` (values, indices), equal values in index order.
+
+    `torch.topk` leaves the order of ties to the implementation, and it differs with the row
+    width: a prefill row would then pick other entries than the same row decoded alone (the rows
+    of a longer batch carry more -inf columns). The FP4-quantised index scores tie often, so
+    the selection is a stable sort, whose ties go to the lower index whatever the width."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
 def select_candidate_blocks(
     scores: torch.Tensor, visible: torch.Tensor, topk_blocks: int, block: int, block_max: BlockMaxFn
 ) -> torch.Tensor:
@@ -185,9 +196,9 @@ def select_candidate_blocks(
     if width == 0:
         return torch.zeros(rows, 0, dtype=torch.bool, device=scores.device)
     ranked = block_max(scores, visible, block)
-    top = torch.topk(ranked, min(topk_blocks, ranked.shape[1]), dim=-1)
+    values, indices = topk_lower_index_first(ranked, min(topk_blocks, ranked.shape[1]))
     keep = torch.zeros_like(ranked, dtype=torch.bool)
-    return keep.scatter_(1, top.indices, top.values > float("-inf"))
+    return keep.scatter_(1, indices, values > float("-inf"))
 
 
 def expand_blocks(keep: torch.Tensor, block: int, width: int) -> torch.Tensor:
@@ -198,11 +209,11 @@ def expand_blocks(keep: torch.Tensor, block: int, width: int) -> torch.Tensor:
 def select_topk(
     scores: torch.Tensor, k: int, batch: ForwardBatch, ratio: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `k` best entries of every row (`torch.topk`), dropping picks scored -inf: (their
-    cache rows `[T, k]`, 0 where dropped; valid `[T, k]`)."""
-    top = torch.topk(scores, k, dim=-1)
-    valid = top.values > float("-inf")
-    rows = entry_pool_rows_ref(top.indices, batch.req_to_token, batch.token_slots(), ratio)
+    """The `k` best entries of every row (ties to the lower entry), dropping picks scored -inf:
+    (their cache rows `[T, k]`, 0 where dropped; valid `[T, k]`)."""
+    values, indices = topk_lower_index_first(scores, k)
+    valid = values > float("-inf")
+    rows = entry_pool_rows_ref(indices, batch.req_to_token, batch.token_slots(), ratio)
     return torch.where(valid, rows, torch.zeros_like(rows)), valid
 
 
@@ -213,5 +224,6 @@ __all__ = [
     "expand_blocks",
     "select_candidate_blocks",
     "select_topk",
+    "topk_lower_index_first",
     "v41_indexer_impl",
 ]
