@@ -139,8 +139,10 @@ def use_random_v41_model(cfg: ModelConfig, work: str, device: str) -> None:
 
     real_resolve, real_runner = engine_module.resolve_model, engine_module.ModelRunner
 
-    def resolve(path: str, dtype: torch.dtype, seed: int = 0):
-        return (cfg, None) if path == work else real_resolve(path, dtype, seed=seed)
+    def resolve(path: str, dtype: torch.dtype, seed: int = 0, load_format: str = "auto"):
+        if path == work:
+            return cfg, None
+        return real_resolve(path, dtype, seed=seed, load_format=load_format)
 
     def runner(model_cfg: ModelConfig, rc, weights=None):
         if model_cfg is not cfg:

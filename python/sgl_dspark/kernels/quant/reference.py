@@ -90,8 +90,13 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    table = torch.tensor(_E2M1_VALUES, dtype=torch.float32, device=codes.device)
-    mag = table[(codes & 0x7).long()]
+    """The values of 4-bit codes, computed from the bits (exponent = bits 2..1, mantissa = bit
+    0; exponent 0 is subnormal) rather than looked up in a table: a table tensor would be copied
+    from the host on every call, which a CUDA graph cannot capture."""
+    mag_code = (codes & 0x7).to(torch.int32)
+    exponent, mantissa = mag_code >> 1, (mag_code & 1).to(torch.float32)
+    normal = (1.0 + 0.5 * mantissa) * torch.exp2((exponent - 1).to(torch.float32))
+    mag = torch.where(exponent == 0, 0.5 * mantissa, normal)
     return torch.where((codes & 0x8) != 0, -mag, mag)
 
 
