@@ -27,6 +27,7 @@ KERNEL_BACKEND_CHOICES = ("auto", "torch", "triton")
 VERIFY_POLICY_CHOICES = ("full", "static", "confidence")
 CONFIDENCE_MODE_CHOICES = ("sync", "async")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+EP_COMBINE_CHOICES = ("exact", "fast")
 DEFAULT_CHUNKED_PREFILL_SIZE = 512
 
 
@@ -37,9 +38,16 @@ def _attention_backend_choices() -> tuple[str, ...]:
 
 
 def _arg(
-    default: Any, help: str, choices: Sequence[str] | None = None, metavar: str | None = None
+    default: Any,
+    help: str,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    aliases: Sequence[str] = (),
 ) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+    return field(
+        default=default,
+        metadata={"help": help, "choices": choices, "metavar": metavar, "aliases": aliases},
+    )
 
 
 @dataclass(frozen=True)
@@ -147,6 +155,33 @@ class ServerArgs:
         "steps chain the same way as fused step graphs). With this flag DSpark runs its "
         "eager step, the reference path.",
     )
+    # ---- parallelism (one host) ----
+    tp_size: int = _arg(
+        1,
+        "Tensor parallelism: ranks (GPUs) that split the attention heads and the vocabulary "
+        "(embedding and head). The world has max(--tp-size, --ep-size) ranks, one process each.",
+        aliases=("--tp",),
+    )
+    ep_size: int = _arg(
+        1,
+        "Expert parallelism: ranks that split the routed experts (each holds E/ep of them); "
+        "equal to --tp-size, or with --tp-size 1 attention is replicated on every rank.",
+        aliases=("--ep",),
+    )
+    ep_combine: str = _arg(
+        "exact",
+        "How expert-parallel ranks combine the routed experts: exact = all-reduce every "
+        "route's product, then the slot-ordered sum (bit-identical to one rank); fast = each "
+        "rank sums its own routes, then one all-reduce of [tokens, hidden] (within float "
+        "rounding of one rank).",
+        EP_COMBINE_CHOICES,
+    )
+    dist_init_addr: str | None = _arg(
+        None,
+        "host:port where rank 0 rendezvouses the ranks (default: 127.0.0.1 and a free port).",
+    )
+    nnodes: int = _arg(1, "Number of hosts (only 1 is supported).")
+    node_rank: int = _arg(0, "This host's index among --nnodes hosts (only 0 is supported).")
     # ---- speculative decoding ----
     speculative_algorithm: str | None = _arg(
         None, "Speculative decoding algorithm (case-insensitive): DSpark.", None, "{DSpark}"
@@ -263,7 +298,7 @@ class ServerArgs:
                     kwargs["default"] = f.default
                     if f.default is not None:
                         kwargs["help"] += " (default: %(default)s)"
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
     @classmethod
     def from_cli_args(
@@ -388,7 +423,28 @@ def _validate(a: ServerArgs) -> None:
         f"--cuda-graph-max-bs {a.cuda_graph_max_bs} exceeds --max-running-requests "
         f"{a.max_running_requests}",
     )
+    _validate_parallel(a)
     _validate_speculative(a)
+
+
+def _validate_parallel(a: ServerArgs) -> None:
+    _require(a.nnodes >= 1, f"--nnodes must be >= 1, got {a.nnodes}")
+    _require(
+        a.nnodes == 1,
+        f"--nnodes {a.nnodes}: several hosts are not supported; run --tp-size/--ep-size "
+        "ranks on one host",
+    )
+    _require(a.node_rank == 0, f"--node-rank must be 0 with one host, got {a.node_rank}")
+    _check_choice("--ep-combine", a.ep_combine, EP_COMBINE_CHOICES)
+    from sgl_dspark.srt.distributed.parallel_state import ParallelLayout
+
+    ParallelLayout(a.tp_size, a.ep_size)  # raises naming the flags
+    if a.dist_init_addr is not None:
+        host, _, port = a.dist_init_addr.rpartition(":")
+        _require(
+            bool(host) and port.isdigit() and 0 < int(port) <= 65535,
+            f"--dist-init-addr must be host:port, got {a.dist_init_addr!r}",
+        )
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:

@@ -15,6 +15,10 @@ import torch
 
 from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.core.step import BaseStepExecutor
+from sgl_dspark.srt.distributed import get_parallel_state, replicated, single_process_state
+from sgl_dspark.srt.distributed import set_parallel_state as _set_parallel_state
+from sgl_dspark.srt.entrypoints.rank_group import RankGroup, layout_of
+from sgl_dspark.srt.managers.replicated_scheduler import ReplicatedScheduler
 from sgl_dspark.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
@@ -64,14 +68,15 @@ def create_executor(args: ServerArgs, runner: ModelRunner) -> BaseStepExecutor:
         sts_collect_path=args.speculative_dspark_sts_collect_path,
         bs1_block_size=args.speculative_dspark_bs1_block_size,
     )
-    worker = create_dspark_worker(
-        runner,
-        args.model_path,
-        args.speculative_draft_model_path,
-        args.speculative_dspark_block_size,
-        dargs,
-        seed=args.random_seed,
-    )
+    with replicated():  # the draft runs whole on every rank (same proposals everywhere)
+        worker = create_dspark_worker(
+            runner,
+            args.model_path,
+            args.speculative_draft_model_path,
+            args.speculative_dspark_block_size,
+            dargs,
+            seed=args.random_seed,
+        )
     decode = DecodeExecutor(
         runner, consumer=worker.context_kv_consumer, step_window=runner.rc.max_verify_tokens
     )
@@ -141,7 +146,29 @@ class Engine:
         engine._init(args.resolved())
         return engine
 
+    @classmethod
+    def for_rank(cls, args: ServerArgs) -> Engine:
+        """The engine of a rank >= 1 that has joined the world (`rank_group.follower_main`)."""
+        engine = cls.__new__(cls)
+        engine.ranks = None
+        engine._build(args)
+        return engine
+
     def _init(self, args: ServerArgs) -> None:
+        """Rank 0: with --tp-size/--ep-size > 1, spawn the other ranks first (one process
+        each, `rank_group.py`); they build the same engine over their shards."""
+        self.ranks: RankGroup | None = None
+        if layout_of(args).world_size > 1:
+            if not get_parallel_state().is_single:
+                raise RuntimeError("this process already runs a parallel engine")
+            self.ranks = RankGroup.start(args)
+        try:
+            self._build(args)
+        except BaseException:
+            self._stop_ranks()
+            raise
+
+    def _build(self, args: ServerArgs) -> None:
         self.args = args
         cfg, weights = resolve_model(
             args.model_path, resolve_dtype(args.dtype), seed=args.random_seed
@@ -166,18 +193,19 @@ class Engine:
         if not args.skip_tokenizer_init:
             self.tokenizer = get_tokenizer(args.model_path, args.tokenizer_path)
         chunk = args.chunked_prefill_size
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                chunked_prefill_size=chunk if chunk > 0 else -1,
-                max_running_requests=args.max_running_requests,
-                eos_token_ids=cfg.eos_token_ids,
-                vocab_size=cfg.vocab_size,
-                overlap_schedule=not args.disable_overlap_schedule,
-            ),
-            self.runner.req_pool,
-            self.runner.allocator,
-            self.executor,
+        sched_cfg = SchedulerConfig(
+            chunked_prefill_size=chunk if chunk > 0 else -1,
+            max_running_requests=args.max_running_requests,
+            eos_token_ids=cfg.eos_token_ids,
+            vocab_size=cfg.vocab_size,
+            overlap_schedule=not args.disable_overlap_schedule,
         )
+        sched_parts = (sched_cfg, self.runner.req_pool, self.runner.allocator, self.executor)
+        ps = get_parallel_state()
+        if ps.is_single:
+            self.scheduler = Scheduler(*sched_parts)
+        else:  # rank 0 broadcasts every step's inputs; the others replay them
+            self.scheduler = ReplicatedScheduler(*sched_parts, ps.world, self.tokenizer)
         self._ids = itertools.count()
         torch.manual_seed(args.random_seed)
 
@@ -225,8 +253,20 @@ class Engine:
     def shutdown(self) -> None:
         if self.scheduler is not None:
             self.executor.close()
+        self._stop_ranks()
         self.scheduler = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
+
+    def _stop_ranks(self) -> None:
+        """Rank 0: release the other ranks and wait for them (no-op on one rank)."""
+        if self.ranks is None:
+            return
+        scheduler = getattr(self, "scheduler", None)
+        if isinstance(scheduler, ReplicatedScheduler):
+            scheduler.close()
+        self.ranks.close()
+        self.ranks = None
+        _set_parallel_state(single_process_state())
 
     def __enter__(self) -> Engine:
         return self

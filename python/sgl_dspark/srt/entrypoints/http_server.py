@@ -333,6 +333,7 @@ def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None =
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sock.close()
+        engine.shutdown()  # with several ranks: releases them and waits for their exit
     logger.info("server shut down cleanly")
 
 

@@ -11,6 +11,7 @@ import torch
 
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.distributed import replicated
 from sgl_dspark.srt.model_loader.loader import load_checkpoint
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.models.tiny import TINY_MODEL_NAME, tiny_config, tiny_weights
@@ -23,7 +24,8 @@ def resolve_model(
 ) -> tuple[ModelConfig, Iterable[tuple[str, torch.Tensor]]]:
     if model_path == TINY_MODEL_NAME:
         cfg = tiny_config()
-        model = model_entry(cfg).build_model(cfg, KernelChoice())
+        with replicated():  # the full tensors: each rank keeps its slice when loading
+            model = model_entry(cfg).build_model(cfg, KernelChoice())
         shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
         return cfg, tiny_weights(cfg, shapes, seed=seed)
     if not os.path.isdir(model_path):
