@@ -90,6 +90,7 @@ class RankGroup:
                 proc = pending.pop(sentinel)  # type: ignore[call-overload]
                 if self._closing.is_set():
                     continue
+                proc.join(5.0)  # reap it, for its exit code
                 logger.critical(
                     "%s exited (code %s) while serving; the ranks cannot continue without it: "
                     "shutting the server down",
