@@ -129,18 +129,24 @@ class RoutedExperts(nn.Module):
         once the old tensors are freed). A later `Module.to()` unties them: `folded` is then
         False and the model runs the shared expert separately again."""
         gate, up, down = shared.gate_proj.weight, shared.up_proj.weight, shared.down_proj.weight
-        if not self._triton or gate.shape[0] != self.intermediate or self.ep is not None:
+        if not self._triton or gate.shape[0] != self.intermediate:
             return
         from sgl_dspark.kernels.moe.sort import prepare_moe_sort
 
-        gate_up = torch.cat((self.gate_up_proj.data, torch.cat((gate.data, up.data))[None]))
-        down_all = torch.cat((self.down_proj.data, down.data[None]))
-        e = self.n_experts
-        self.gate_up_proj.data, self.down_proj.data = gate_up[:e], down_all[:e]
-        gate.data, up.data = gate_up[e, : self.intermediate], gate_up[e, self.intermediate :]
-        down.data = down_all[e]
-        shared.gate_up.weight = gate_up[e]  # its group stays fused (the members are views)
-        mask = torch.ones(e + 1, dtype=torch.int32, device="cpu")
+        n, e = self.num_local, self.n_experts
+        # Under expert parallelism the shared expert is one more local expert of EP rank 0 only
+        # (computed once); the other ranks keep their stacks and mask expert E out.
+        mask = self._local_mask(e + 1)
+        if self.ep is None or self.ep.rank == 0:
+            gate_up = torch.cat((self.gate_up_proj.data, torch.cat((gate.data, up.data))[None]))
+            down_all = torch.cat((self.down_proj.data, down.data[None]))
+            self.gate_up_proj.data, self.down_proj.data = gate_up[:n], down_all[:n]
+            gate.data, up.data = gate_up[n, : self.intermediate], gate_up[n, self.intermediate :]
+            down.data = down_all[n]
+            shared.gate_up.weight = gate_up[n]  # its group stays fused (the members are views)
+            mask[e] = 1
+        else:
+            gate_up, down_all = self.gate_up_proj.data, self.down_proj.data
         plan = prepare_moe_sort(mask)
         self._stacks = (gate_up, down_all)
         self._folded_plan = self._plan_type(
@@ -162,6 +168,19 @@ class RoutedExperts(nn.Module):
         """`forward` with the shared expert as expert E (ids/weights `[T, k + 1]`, the router's
         `with_shared` output); requires `folded`."""
         gate_up, down = self._stacks
+        if self.ep is not None:
+            return self._combine_triton_ep(
+                x,
+                ids,
+                weights,
+                None,
+                self.ep,
+                gate_up,
+                down,
+                self._folded_plan,
+                self._folded_mask,
+                shared_rows=False,
+            )
         return self._run_triton(
             x, ids, weights, None, gate_up, down, self._folded_plan, self._folded_mask
         )
@@ -254,9 +273,19 @@ class RoutedExperts(nn.Module):
     def _combine_triton(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
     ) -> torch.Tensor:
-        if self.ep is not None:
-            return self._combine_triton_ep(x, ids, weights, shared, self.ep)
         plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
+        if self.ep is not None:
+            return self._combine_triton_ep(
+                x,
+                ids,
+                weights,
+                shared,
+                self.ep,
+                self.gate_up_proj,
+                self.down_proj,
+                plan,
+                self.expert_mask,
+            )
         return self._run_triton(
             x, ids, weights, shared, self.gate_up_proj, self.down_proj, plan, self.expert_mask
         )
@@ -289,7 +318,6 @@ class RoutedExperts(nn.Module):
         )
         return self._moe_reduce(y, weights, ids, mask, 1.0, shared)
 
-
     def _combine_triton_ep(
         self,
         x: torch.Tensor,
@@ -297,37 +325,39 @@ class RoutedExperts(nn.Module):
         weights: torch.Tensor,
         shared: torch.Tensor | None,
         ep: Communicator,
+        gate_up: torch.Tensor,
+        down: torch.Tensor,
+        plan: MoeSortPlan,
+        mask: torch.Tensor,
+        shared_rows: bool = True,
     ) -> torch.Tensor:
         """Expert parallel, Triton: the kernels' local-expert table skips remote routes.
         fast: the masked local reduce (+ shared on EP rank 0), one all-reduce of `[T, D]`.
         exact: the per-route products of the sorted path, remote rows zeroed, cross with the
-        shared rows in one all-reduce; then the slot-ordered reduce over every expert."""
-        plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
+        shared rows in one all-reduce; then the slot-ordered reduce over every expert. With
+        the shared expert folded (expert E, on EP rank 0) `shared` is None and its route is
+        one more slot, as on one rank, and no shared rows cross (`shared_rows` False)."""
         if not self.ep_exact:
-            out = self._run_triton(
-                x, ids, weights, shared, self.gate_up_proj, self.down_proj, plan, self.expert_mask
+            return ep.all_reduce(
+                self._run_triton(x, ids, weights, shared, gate_up, down, plan, mask)
             )
-            return ep.all_reduce(out)
         x = x.contiguous()
         ids = ids.to(torch.int32).contiguous()
         weights = weights.to(torch.float32).contiguous()
         routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
         y = self._fused_moe(
-            x, self.gate_up_proj, self.down_proj, routes, ids.shape[1], self.limit,
-            block_size=_SORT_BLOCK,
+            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=_SORT_BLOCK
         )
-        local = (self.expert_mask[ids.long()] == 1).unsqueeze(-1)
+        local = (mask[ids.long()] == 1).unsqueeze(-1)
         t, k = ids.shape
-        payload = torch.cat(
-            (
-                torch.where(local, y.view(t, k, -1), 0).view(t * k, -1),
-                shared.to(x.dtype) if shared is not None else torch.zeros_like(x),
-            )
-        )
-        payload = ep.all_reduce(payload)
-        every_expert = torch.ones_like(self.expert_mask)
+        parts = [torch.where(local, y.view(t, k, -1), 0).view(t * k, -1)]
+        if shared_rows:
+            parts.append(shared.to(x.dtype) if shared is not None else torch.zeros_like(x))
+        payload = ep.all_reduce(torch.cat(parts))
+        every_expert = torch.ones_like(mask)
+        shared_sum = payload[t * k :] if shared_rows else None
         return self._moe_reduce(
-            payload[: t * k].view(t, k, -1), weights, ids, every_expert, 1.0, payload[t * k :]
+            payload[: t * k].view(t, k, -1), weights, ids, every_expert, 1.0, shared_sum
         )
 
 
