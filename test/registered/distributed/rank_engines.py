@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from sgl_dspark.srt.distributed import ParallelLayout, get_parallel_state, init_parallel_state
 from sgl_dspark.srt.entrypoints.engine import Engine
 from sgl_dspark.srt.managers.replicated_scheduler import ReplicatedScheduler

@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from rank_engines import MAX_NEW, greedy_params, run_layout
-from worlds import run_world
-
 from sgl_dspark.srt.distributed import ParallelLayout
+from worlds import run_world
 
 LAYOUTS = {
     "ep1": (ParallelLayout(1, 1), "exact"),

@@ -9,15 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-from worlds import run_world
-
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import ParallelLayout, init_parallel_state, replicated
 from sgl_dspark.srt.model_executor.model_runner import load_weights
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
 from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights
+from torch import nn
+from worlds import run_world
 
 TOKENS = (3, 9)  # per-token path on one rank (<= 4 tokens) and the sorted path
 LAYOUTS = {"ep1": (1, "exact"), "ep2": (2, "exact"), "ep4": (4, "exact"), "ep4_fast": (4, "fast")}
@@ -49,9 +48,7 @@ def _world(rank: int, out_dir: Path) -> None:
                 moe.fuse_weights()
                 assert moe.experts.folded
             for t in TOKENS:
-                results[f"{name}_{'folded' if folded else 'separate'}_{t}"] = moe(
-                    inputs[t], ids[t]
-                )
+                results[f"{name}_{'folded' if folded else 'separate'}_{t}"] = moe(inputs[t], ids[t])
     if rank == 0:
         torch.save(results, out_dir / "moe.pt")
 

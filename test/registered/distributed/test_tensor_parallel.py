@@ -17,9 +17,8 @@ from rank_engines import (
     run_layout,
     run_shard_argmax,
 )
-from worlds import run_world
-
 from sgl_dspark.srt.distributed import ParallelLayout
+from worlds import run_world
 
 LAYOUTS = {
     "tp1": ParallelLayout(1, 1),

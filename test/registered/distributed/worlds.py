@@ -29,7 +29,6 @@ def _rank_main(
 ) -> None:
     import torch
     import torch.distributed as dist
-
     from sgl_dspark.srt.distributed.parallel_state import init_distributed
 
     torch.set_num_threads(1)

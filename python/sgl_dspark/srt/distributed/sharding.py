@@ -12,11 +12,11 @@ import torch
 
 
 class ShardSpec(NamedTuple):
-    """Slice `index` of `count` equal slices along `dim`."""
+    """Slice `part` of `parts` equal slices along `dim`."""
 
     dim: int
-    index: int
-    count: int
+    part: int
+    parts: int
 
 
 _ATTR = "parallel_shard"
@@ -35,12 +35,12 @@ def shard_for(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
     if spec is None:
         return full
     size = full.shape[spec.dim]
-    if size % spec.count:
+    if size % spec.parts:
         raise ValueError(
-            f"dimension {spec.dim} of size {size} does not split into {spec.count} shards"
+            f"dimension {spec.dim} of size {size} does not split into {spec.parts} shards"
         )
-    step = size // spec.count
-    return full.narrow(spec.dim, spec.index * step, step)
+    step = size // spec.parts
+    return full.narrow(spec.dim, spec.part * step, step)
 
 
 def split_evenly(total: int, count: int, what: str, flag: str) -> int:

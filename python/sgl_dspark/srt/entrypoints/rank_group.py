@@ -16,8 +16,9 @@ import multiprocessing as mp
 import os
 import socket
 import threading
+from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from sgl_dspark.srt.distributed import ParallelLayout, init_distributed, init_parallel_state
 
@@ -51,8 +52,8 @@ def join_world(args: ServerArgs, rank: int, addr: str) -> None:
 class RankGroup:
     """Rank 0's handle on ranks 1..N-1 (`start` spawns them and joins the world)."""
 
-    def __init__(self, procs: list[BaseProcess], pipes: list[Connection]) -> None:
-        self.procs = procs
+    def __init__(self, procs: Sequence[BaseProcess], pipes: list[Connection]) -> None:
+        self.procs = list(procs)
         self._pipes = pipes  # rank 0's ends: closing them (or dying) tells the children
         self._closing = threading.Event()
         self._watchdog = threading.Thread(
@@ -87,7 +88,7 @@ class RankGroup:
         pending = {p.sentinel: p for p in self.procs}
         while pending:
             for sentinel in wait(list(pending)):
-                proc = pending.pop(sentinel)  # type: ignore[call-overload]
+                proc = pending.pop(cast("int", sentinel))
                 if self._closing.is_set():
                     continue
                 proc.join(5.0)  # reap it, for its exit code

@@ -32,17 +32,17 @@ from sgl_dspark.srt.layers.mhc import (
 )
 from sgl_dspark.srt.layers.moe import RoutedExperts, Router, SharedExpert, SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
-from sgl_dspark.srt.layers.vocab_parallel import (
-    VocabParallelEmbedding,
-    gather_logits,
-    vocab_parallel_head,
-)
 from sgl_dspark.srt.layers.rotary import (
     RopeTable,
     RopeTailFn,
     rope_impl,
     rope_inv_freq,
     rope_q_kv_impl,
+)
+from sgl_dspark.srt.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    gather_logits,
+    vocab_parallel_head,
 )
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV
 from sgl_dspark.srt.models.base import BaseCausalLM
