@@ -91,18 +91,20 @@ def single_process_state() -> ParallelState:
     return ParallelState()
 
 
-_STATE = ParallelState()
+class _Current:
+    """The process's current state (one process runs one rank)."""
+
+    state = ParallelState()
 
 
 def get_parallel_state() -> ParallelState:
     """The current process's state (the size-1 state unless `set_parallel_state` ran)."""
-    return _STATE
+    return _Current.state
 
 
 def set_parallel_state(state: ParallelState) -> ParallelState:
     """Make `state` current (models built from now on shard by it); returns the previous one."""
-    global _STATE
-    previous, _STATE = _STATE, state
+    previous, _Current.state = _Current.state, state
     return previous
 
 
