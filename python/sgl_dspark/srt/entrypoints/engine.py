@@ -173,6 +173,11 @@ class Engine:
         cfg, weights = resolve_model(
             args.model_path, resolve_dtype(args.dtype), seed=args.random_seed
         )
+        if cfg.v41 is not None and args.tp_size > 1:
+            raise ValueError(
+                "--tp-size > 1: DeepSeek-V4.1 attention is not split yet; use --ep-size "
+                "(expert parallelism, attention replicated)"
+            )
         rc = RunnerConfig.from_server_args(args, max_verify_tokens(args))
         # Process-wide (the launchers read it at every launch and at graph capture): the last
         # engine built in a process decides. It moves timing only, never a result bit.
