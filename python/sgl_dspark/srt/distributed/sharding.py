@@ -29,12 +29,14 @@ def mark_shard(param: torch.Tensor, dim: int, index: int, count: int) -> None:
 
 
 def shard_for(param: torch.Tensor, full: torch.Tensor) -> torch.Tensor:
-    """`full` narrowed to the slice `param` holds (`full` itself for an unsharded parameter).
-    The full size must split evenly."""
+    """`full` narrowed to the slice `param` holds (`full` itself for an unsharded parameter,
+    or when it already has the slice's size). The full size must split evenly."""
     spec: ShardSpec | None = getattr(param, _ATTR, None)
     if spec is None:
         return full
     size = full.shape[spec.dim]
+    if size == param.shape[spec.dim]:
+        return full  # already this rank's slice (a loader that reads by slice)
     if size % spec.parts:
         raise ValueError(
             f"dimension {spec.dim} of size {size} does not split into {spec.parts} shards"

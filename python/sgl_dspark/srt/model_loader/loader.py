@@ -261,17 +261,34 @@ def _materialise(reader: SafetensorsReader, item: LoadItem) -> torch.Tensor:
     return torch.stack(tensors)
 
 
+def _local_experts(item: LoadItem, experts: tuple[int, int] | None) -> LoadItem:
+    """`item` reduced to experts [first, first + count) for an expert-parallel rank, which then
+    reads none of the other ranks' experts (plain items unchanged)."""
+    if experts is None or item.kind == "plain":
+        return item
+    first, count = experts
+    per_expert = 2 if item.kind == "gate_up" else 1
+    return item._replace(parts=item.parts[first * per_expert : (first + count) * per_expert])
+
+
 def _iter_plan(
-    model_path: str, plan: CheckpointPlan, dtype: torch.dtype
+    model_path: str,
+    plan: CheckpointPlan,
+    dtype: torch.dtype,
+    experts: tuple[int, int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     with SafetensorsReader(model_path) as reader:
         for item in plan.items:
-            tensor = _materialise(reader, item)
+            tensor = _materialise(reader, _local_experts(item, experts))
             yield item.hf_name, tensor.to(_output_dtype(item.hf_name, dtype)).contiguous()
 
 
 def load_checkpoint(
-    model_path: str, config: ModelConfig, dtype: torch.dtype, names: NameTable = V4_NAMES
+    model_path: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    names: NameTable = V4_NAMES,
+    experts: tuple[int, int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for every tensor of the checkpoint in `model_path`.
 
@@ -279,7 +296,8 @@ def load_checkpoint(
     are dequantised (exactly, in float32) and cast to `dtype`; HF's float32 tensors (mHC, sinks,
     position biases, norms, router bias; see `is_fp32_param`) stay float32, `tid2eid` is int64.
     Routed experts come stacked: `gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`. MTP tensors
-    are skipped.
+    are skipped. `experts=(first, count)`: only those routed experts are read and stacked (an
+    expert-parallel rank's slice).
 
     The checkpoint is validated from its headers before this returns; ValueError names the
     tensor for: no safetensors files, unexpected names, missing experts, a quantised weight
@@ -300,7 +318,7 @@ def load_checkpoint(
         formats["fp4"],
         len(plan.dropped),
     )
-    return _iter_plan(model_path, plan, dtype)
+    return _iter_plan(model_path, plan, dtype, experts)
 
 
 def load_state_dict(

@@ -11,7 +11,7 @@ import torch
 
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
-from sgl_dspark.srt.distributed import replicated
+from sgl_dspark.srt.distributed import get_parallel_state, replicated
 from sgl_dspark.srt.model_loader.loader import load_checkpoint
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.models.tiny import TINY_MODEL_NAME, tiny_config, tiny_weights
@@ -35,7 +35,11 @@ def resolve_model(
         )
     cfg = ModelConfig.from_pretrained(model_path)
     entry = model_entry(cfg)
-    weights = load_checkpoint(model_path, cfg, dtype, entry.checkpoint_names)
+    ps = get_parallel_state()
+    local = cfg.n_routed_experts // ps.ep_size
+    # An expert-parallel rank reads only its own experts (the model's slice of them).
+    experts = (ps.ep_rank * local, local) if ps.ep_size > 1 else None
+    weights = load_checkpoint(model_path, cfg, dtype, entry.checkpoint_names, experts)
     if entry.model_files is None:
         return cfg, weights
     # Tensors derived from other files of the model directory (the tokenizer), checked now.
