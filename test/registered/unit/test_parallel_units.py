@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from sgl_dspark.srt.distributed import ParallelLayout, get_parallel_state, replicated
 from sgl_dspark.srt.distributed.sharding import mark_shard, shard_for
 from sgl_dspark.srt.model_loader import load_checkpoint, save_released_checkpoint
