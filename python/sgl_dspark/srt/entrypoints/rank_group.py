@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import signal
 import socket
 import threading
 from collections.abc import Sequence
@@ -46,7 +47,14 @@ def join_world(args: ServerArgs, rank: int, addr: str) -> None:
     """Join the world of `args`' layout as `rank` and make its parallel state current."""
     layout = layout_of(args)
     init_distributed(layout.world_size, rank, addr, args.device)
-    init_parallel_state(layout, args.ep_combine)
+    state = init_parallel_state(layout, args.ep_combine)
+    if args.device == "cuda":
+        # The first collective of a NCCL group sets up its communicator: run it here, never
+        # for the first time inside a CUDA-graph capture.
+        import torch
+
+        for comm in (state.tp, state.ep, state.world):
+            comm.all_reduce(torch.zeros(1, device="cuda"))
 
 
 class RankGroup:
@@ -134,6 +142,8 @@ def follower_main(args: ServerArgs, rank: int, addr: str, pipe: Connection) -> N
         level=args.log_level.upper(),
         format=f"[%(asctime)s] rank{rank} %(levelname)s %(name)s: %(message)s",
     )
+    # Ctrl-C reaches every process of the terminal's group: rank 0 shuts the ranks down.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     threading.Thread(target=_exit_when_leader_dies, args=(pipe,), daemon=True).start()
     from sgl_dspark.srt.entrypoints.engine import Engine
     from sgl_dspark.srt.managers.replicated_scheduler import ReplicatedScheduler
