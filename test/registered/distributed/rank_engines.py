@@ -74,21 +74,28 @@ def run_layout(
     combine: str,
     spec: bool,
     params: list[dict],
+    graphs: bool = False,
 ) -> None:
     """Every rank of the world calls this (group creation is collective); only the first
     block of `layout.world_size` ranks runs the engine, and its first rank saves
-    `{name}.pt`: the outputs and every logits tensor."""
+    `{name}.pt`: the outputs and every logits tensor. `graphs`: every rank captures the
+    engine's graphs (`EagerGraph` stand-ins on CPU, with the collectives inside) and the
+    steps replay them (with DSpark and the overlap schedule: fused steps)."""
+    from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
+
     init_parallel_state(layout, combine)
     if rank >= layout.world_size:
         return
     engine = Engine.for_rank(engine_args(layout, combine, spec, out_dir))
+    logits = record_logits(engine)  # graph captures included: the same on every layout
+    if graphs:
+        engine.init_graphs(len(PROMPTS), prefill_max_tokens=32, graph_factory=EagerGraph)
     scheduler = engine.scheduler
     if rank > 0:
         assert isinstance(scheduler, ReplicatedScheduler)
         scheduler.serve_forever()
         engine.executor.close()
         return
-    logits = record_logits(engine)
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params)
     if isinstance(scheduler, ReplicatedScheduler):
         scheduler.close()

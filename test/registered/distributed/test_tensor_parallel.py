@@ -40,6 +40,10 @@ def _world(rank: int, out_dir: Path) -> None:
             tag = f"{name}_{'spec' if spec else 'plain'}"
             run_layout(rank, out_dir, tag, layout, "exact", spec, greedy_params())
         run_layout(rank, out_dir, f"{name}_sampled", layout, "exact", False, sampled_params())
+    for name in ("tp1", "tp2ep2"):
+        run_layout(
+            rank, out_dir, f"{name}_graphs", LAYOUTS[name], "exact", True, greedy_params(), True
+        )
     run_shard_argmax(rank, out_dir, triton=False)
     run_shard_argmax(rank, out_dir, triton=True)
     run_abort_and_trace(rank, out_dir, ParallelLayout(2, 2), spec=True)
@@ -57,6 +61,16 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict]:
 def test_logits_within_fp32_rounding_and_same_greedy_output(results, name, mode):
     ref, got = results[f"tp1_{mode}"], results[f"{name}_{mode}"]
     assert got["output_ids"] == ref["output_ids"]
+    assert len(got["logits"]) == len(ref["logits"]) > 3
+    for a, b in zip(ref["logits"], got["logits"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * max(1.0, a.abs().max().item()))
+
+
+def test_captured_steps_match_one_rank(results):
+    """Graphs (EagerGraph stand-ins) captured on every rank with the collectives inside,
+    DSpark fused steps included."""
+    ref, got = results["tp1_graphs"], results["tp2ep2_graphs"]
+    assert got["output_ids"] == ref["output_ids"] == results["tp1_plain"]["output_ids"]
     assert len(got["logits"]) == len(ref["logits"]) > 3
     for a, b in zip(ref["logits"], got["logits"]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * max(1.0, a.abs().max().item()))
