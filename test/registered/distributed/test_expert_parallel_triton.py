@@ -1,7 +1,8 @@
-"""The Triton MoE path under expert parallelism (the kernels' local-expert tables), on spawned
-gloo ranks (one world of 4 for the module), kernels under the Triton interpreter: `exact` gives
+"""MoE layers under expert parallelism on spawned gloo ranks (one world of 4 for the module).
+The Triton path (the kernels' local-expert tables, under the Triton interpreter): `exact` gives
 the bits of one rank, with the shared expert folded in as expert E (the GPU default) and
-separate, on the per-token (few tokens) and the sorted paths; `fast` stays within rounding."""
+separate, on the per-token (few tokens) and the sorted paths; `fast` stays within rounding.
+DeepSeek-V4.1's experts (route weight before the down projection, torch path) likewise."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import ParallelLayout, init_parallel_state, replicated
+from sgl_dspark.srt.layers.moe import RoutedExperts
 from sgl_dspark.srt.model_executor.model_runner import load_weights
 from sgl_dspark.srt.models.deepseek_v4 import add_moe_and_mixers
 from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights
@@ -49,6 +51,21 @@ def _world(rank: int, out_dir: Path) -> None:
                 assert moe.experts.folded
             for t in TOKENS:
                 results[f"{name}_{'folded' if folded else 'separate'}_{t}"] = moe(inputs[t], ids[t])
+    # DeepSeek-V4.1's experts (the route weight before the down projection), torch path.
+    with replicated():
+        whole = RoutedExperts(8, cfg.hidden_size, 64, 10.0, KernelChoice(), True)
+    expert_weights = [
+        (k, 0.05 * torch.randn(v.shape, generator=g)) for k, v in whole.state_dict().items()
+    ]
+    route_ids = torch.randint(0, 8, (TOKENS[1], 2), generator=g)
+    route_weights = torch.rand(TOKENS[1], 2, generator=g)
+    for name, (ep, combine) in LAYOUTS.items():
+        init_parallel_state(ParallelLayout(1, ep), combine)
+        if rank >= ep:
+            continue
+        experts = RoutedExperts(8, cfg.hidden_size, 64, 10.0, KernelChoice(), True)
+        load_weights(experts, expert_weights)
+        results[f"{name}_v41_torch"] = experts(inputs[TOKENS[1]], route_ids, route_weights)
     if rank == 0:
         torch.save(results, out_dir / "moe.pt")
 
@@ -76,3 +93,13 @@ def test_fast_combine_is_within_rounding(results, shared, tokens):
     ref = results[f"ep1_{shared}_{tokens}"]
     got = results[f"ep4_fast_{shared}_{tokens}"]
     torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep4"])
+def test_v41_experts_exact_combine_gives_the_bits_of_one_rank(results, name):
+    ref = results["ep1_v41_torch"]
+    assert ref.abs().max() > 0
+    assert torch.equal(results[f"{name}_v41_torch"], ref)
+    torch.testing.assert_close(
+        results["ep4_fast_v41_torch"], ref, rtol=1e-6, atol=1e-6 * ref.abs().max().item()
+    )
