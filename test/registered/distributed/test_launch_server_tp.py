@@ -7,9 +7,12 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import threading
+import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "e2e"))
 from server_fixture import launch, running_server  # noqa: E402
@@ -47,9 +50,19 @@ def test_tp2_server_answers_like_one_process(tmp_path: Path) -> None:
         assert any(t for t, _ in expected)  # some text came back
 
 
-def test_a_dead_rank_takes_the_server_down_with_a_clear_error(tmp_path: Path) -> None:
+@pytest.mark.parametrize("busy", [False, True])
+def test_a_dead_rank_takes_the_server_down_with_a_clear_error(tmp_path: Path, busy: bool) -> None:
     server = launch(tmp_path / "dies.log", *FLAGS, "--tp", "2", "--ep-size", "2")
+    client = None
     try:
+        if busy:  # a request is decoding when the rank dies: the ranks are mid-step
+            body = {"input_ids": [50, 60], "sampling_params": {"max_new_tokens": 200}}
+            client = threading.Thread(target=_post_quietly, args=(server.base_url, body))
+            client.start()
+            deadline = time.monotonic() + 60
+            while server.info()["num_running_reqs"] == 0:
+                assert time.monotonic() < deadline, "the request never started"
+                time.sleep(0.05)
         ranks = [
             k
             for k in _children(server.proc.pid)
@@ -61,8 +74,19 @@ def test_a_dead_rank_takes_the_server_down_with_a_clear_error(tmp_path: Path) ->
     finally:
         if server.proc.poll() is None:
             server.proc.kill()
+    if client is not None:
+        client.join(60)
+        assert not client.is_alive(), "the client still waits on a dead server"
     assert status != 0
     assert "exited (code -9) while serving" in server.log(), server.log()[-3000:]
+
+
+def _post_quietly(base_url: str, body: dict) -> None:
+    """POST that expects to lose its server (any answer or connection error is fine)."""
+    try:
+        httpx.post(f"{base_url}/generate", json=body, timeout=120)
+    except httpx.HTTPError:
+        pass
 
 
 def _cmdline(pid: int) -> str:
