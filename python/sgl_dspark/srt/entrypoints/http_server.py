@@ -541,6 +541,7 @@ def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None =
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sock.close()
+        engine.shutdown()  # with several ranks: releases them and waits for their exit
     lifecycle: Lifecycle = app.state.lifecycle
     if lifecycle.fatal_reason is not None:
         logger.error("server shut down after a fatal error: %s", lifecycle.fatal_reason)
