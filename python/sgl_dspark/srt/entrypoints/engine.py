@@ -289,21 +289,25 @@ class Engine:
         outs = [self._output(r) for r in reqs]
         return outs[0] if single else outs
 
-    def shutdown(self) -> None:
-        if self.scheduler is not None:
+    def shutdown(self, scheduler_stuck: bool = False) -> None:
+        """Release the executor and the other ranks. `scheduler_stuck`: a thread still runs a
+        step (the server's scheduler hung), so the ranks cannot be released in step with it:
+        they are killed instead of told to stop."""
+        if self.scheduler is not None and not scheduler_stuck:
             self.executor.close()
-        self._stop_ranks()
+        self._stop_ranks(release=not scheduler_stuck)
         self.scheduler = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
 
-    def _stop_ranks(self) -> None:
-        """Rank 0: release the other ranks and wait for them (no-op on one rank)."""
+    def _stop_ranks(self, release: bool = True) -> None:
+        """Rank 0: release the other ranks and wait for them, or kill them when `release` is
+        False (no-op on one rank)."""
         if self.ranks is None:
             return
         scheduler = getattr(self, "scheduler", None)
-        if isinstance(scheduler, ReplicatedScheduler):
+        if release and isinstance(scheduler, ReplicatedScheduler):
             scheduler.close()
-        self.ranks.close()
+        self.ranks.close(kill=not release)
         self.ranks = None
         _set_parallel_state(single_process_state())
 

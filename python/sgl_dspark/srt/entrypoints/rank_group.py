@@ -111,16 +111,22 @@ class RankGroup:
                         other.kill()
                 os._exit(1)
 
-    def close(self) -> None:
-        """After the scheduler released the followers: wait for them to exit."""
+    def close(self, kill: bool = False) -> None:
+        """After the scheduler released the followers: wait for them to exit. `kill`: they were
+        not released (rank 0's scheduler hung inside a step): kill them now, and leave the
+        process group as it is (a collective may still wait in it)."""
         self._closing.set()
         for proc in self.procs:
+            if kill:
+                proc.kill()
             proc.join(_JOIN_TIMEOUT_S)
             if proc.is_alive():
                 logger.error("%s did not exit; killing it", proc.name)
                 proc.kill()
         for pipe in self._pipes:
             pipe.close()
+        if kill:
+            return
         import torch.distributed as dist
 
         if dist.is_initialized():
