@@ -54,17 +54,24 @@ def test_our_flags_pass_through(parsers):
 
 
 def test_sglang_flags_mapped_accepted_or_dropped(parsers):
-    argv = ["--model-path", "tiny", "--tp-size", "1", "--trust-remote-code"]
+    argv = ["--model-path", "tiny", "--dp-size", "1", "--trust-remote-code"]
     argv += ["--speculative-num-draft-tokens", "6", "--enable-dspark-greedy-argmax"]
     t = _translate(argv, parsers)
     assert t.argv == ["--model-path", "tiny", "--speculative-dspark-block-size", "5"]
     assert len(t.notes) == 4
 
 
+def test_tensor_and_expert_parallel_flags_pass_through(parsers):
+    argv = ["--model-path", "tiny", "--tp-size", "4", "--ep", "4", "--nnodes", "1"]
+    assert _translate(argv, parsers).argv == argv
+    t = _translate(["--model-path", "tiny", "--tensor-parallel-size", "2"], parsers)
+    assert t.argv == ["--model-path", "tiny", "--tp-size", "2"]
+
+
 @pytest.mark.parametrize(
     "argv, named",
     [
-        (["--tp-size", "2"], "--tp-size 2"),
+        (["--pp-size", "2"], "--pp-size 2"),
         (["--dp-size=4"], "--dp-size 4"),
         (["--quantization", "fp8"], "--quantization"),
         (
@@ -132,10 +139,10 @@ def test_sglang_serve_answers_openai_completions(tmp_path):
 
 def test_sglang_serve_refuses_an_sglang_only_flag_by_name():
     proc = subprocess.run(
-        [SGLANG_CLI, "serve", "--model-type", "dspark", "--model-path", "tiny", "--tp-size", "8"],
+        [SGLANG_CLI, "serve", "--model-type", "dspark", "--model-path", "tiny", "--dp-size", "8"],
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert proc.returncode == 2
-    assert "--tp-size 8" in proc.stderr and "one device" in proc.stderr
+    assert "--dp-size 8" in proc.stderr and "no data or pipeline parallelism" in proc.stderr

@@ -20,6 +20,7 @@ from sgl_dspark.srt.server_args_checks import (
     CONFIDENCE_MODE_CHOICES,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
+    EP_COMBINE_CHOICES,
     KERNEL_BACKEND_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     LOAD_FORMAT_CHOICES,
@@ -39,9 +40,16 @@ _DTYPE_ALIASES = {"float": "float32", "half": "float16"}
 
 
 def _arg(
-    default: Any, help: str, choices: Sequence[str] | None = None, metavar: str | None = None
+    default: Any,
+    help: str,
+    choices: Sequence[str] | None = None,
+    metavar: str | None = None,
+    aliases: Sequence[str] = (),
 ) -> Any:
-    return field(default=default, metadata={"help": help, "choices": choices, "metavar": metavar})
+    return field(
+        default=default,
+        metadata={"help": help, "choices": choices, "metavar": metavar, "aliases": aliases},
+    )
 
 
 @dataclass(frozen=True)
@@ -251,6 +259,33 @@ class ServerArgs:
         "steps chain the same way as fused step graphs). With this flag DSpark runs its "
         "eager step, the reference path.",
     )
+    # ---- parallelism (one host) ----
+    tp_size: int = _arg(
+        1,
+        "Tensor parallelism: ranks (GPUs) that split the attention heads and the vocabulary "
+        "(embedding and head). The world has max(--tp-size, --ep-size) ranks, one process each.",
+        aliases=("--tp",),
+    )
+    ep_size: int = _arg(
+        1,
+        "Expert parallelism: ranks that split the routed experts (each holds E/ep of them); "
+        "equal to --tp-size, or with --tp-size 1 attention is replicated on every rank.",
+        aliases=("--ep",),
+    )
+    ep_combine: str = _arg(
+        "exact",
+        "How expert-parallel ranks combine the routed experts: exact = all-reduce every "
+        "route's product, then the slot-ordered sum (bit-identical to one rank); fast = each "
+        "rank sums its own routes, then one all-reduce of [tokens, hidden] (within float "
+        "rounding of one rank).",
+        EP_COMBINE_CHOICES,
+    )
+    dist_init_addr: str | None = _arg(
+        None,
+        "host:port where rank 0 rendezvouses the ranks (default: 127.0.0.1 and a free port).",
+    )
+    nnodes: int = _arg(1, "Number of hosts (only 1 is supported).")
+    node_rank: int = _arg(0, "This host's index among --nnodes hosts (only 0 is supported).")
     # ---- speculative decoding ----
     speculative_algorithm: str | None = _arg(
         None, "Speculative decoding algorithm (case-insensitive): DSpark.", None, "{DSpark}"
@@ -372,7 +407,7 @@ class ServerArgs:
                     kwargs["default"] = f.default
                     if f.default is not None:
                         kwargs["help"] += " (default: %(default)s)"
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(flag, *f.metadata.get("aliases", ()), **kwargs)
 
     @classmethod
     def from_cli_args(

@@ -20,6 +20,7 @@ LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 WEIGHT_FORMAT_CHOICES = ("auto", "native", "bf16")
 LOAD_FORMAT_CHOICES = ("auto", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "bfloat16")
+EP_COMBINE_CHOICES = ("exact", "fast")
 # SGLang's names of the DeepSeek reasoning and tool-call formats (srt/entrypoints/chat_parsers.py).
 REASONING_PARSER_CHOICES = ("deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41")
 TOOL_CALL_PARSER_CHOICES = ("deepseekv3", "deepseekv31", "deepseekv32", "deepseekv4", "deepseekv41")
@@ -118,7 +119,28 @@ def validate(a: ServerArgs) -> None:
         f"--cuda-graph-max-bs {a.cuda_graph_max_bs} exceeds --max-running-requests "
         f"{a.max_running_requests}",
     )
+    _validate_parallel(a)
     _validate_speculative(a)
+
+
+def _validate_parallel(a: ServerArgs) -> None:
+    _require(a.nnodes >= 1, f"--nnodes must be >= 1, got {a.nnodes}")
+    _require(
+        a.nnodes == 1,
+        f"--nnodes {a.nnodes}: several hosts are not supported; run --tp-size/--ep-size "
+        "ranks on one host",
+    )
+    _require(a.node_rank == 0, f"--node-rank must be 0 with one host, got {a.node_rank}")
+    _check_choice("--ep-combine", a.ep_combine, EP_COMBINE_CHOICES)
+    from sgl_dspark.srt.distributed.parallel_state import ParallelLayout
+
+    ParallelLayout(a.tp_size, a.ep_size)  # raises naming the flags
+    if a.dist_init_addr is not None:
+        host, _, port = a.dist_init_addr.rpartition(":")
+        _require(
+            bool(host) and port.isdigit() and 0 < int(port) <= 65535,
+            f"--dist-init-addr must be host:port, got {a.dist_init_addr!r}",
+        )
 
 
 def _check_choice(flag: str, value: Any, choices: Sequence[str]) -> None:

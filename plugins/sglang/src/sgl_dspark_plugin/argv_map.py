@@ -2,8 +2,10 @@
 
 sglang-dspark's CLI uses SGLang's flag names, so most flags pass through unchanged. Of the
 flags only SGLang has: a few are mapped (`MAPPED`), a few are accepted only at the value that
-sglang-dspark always runs with (`SINGLE_VALUE`: one GPU), a few mean nothing to it and are dropped
-(`DROPPED`), and every other SGLang flag is refused by name. A flag neither knows is left for
+sglang-dspark always runs with (`SINGLE_VALUE`: no data or pipeline parallelism), a few mean
+nothing to it and are dropped (`DROPPED`), and every other SGLang flag is refused by name.
+Tensor and expert parallelism on one host (`--tp-size`, `--ep-size`, `--nnodes 1`) are
+sglang-dspark's own flags and pass through. A flag neither knows is left for
 sglang-dspark's parser, which names it and suggests the closest flag.
 """
 
@@ -18,18 +20,12 @@ class ArgvError(ValueError):
     """A flag of the ``sglang serve`` command line that sglang-dspark cannot honour."""
 
 
-# Parallelism flags: sglang-dspark serves one model replica on one device.
+# Parallelism sglang-dspark does not have: one model replica, no pipeline stages.
 SINGLE_VALUE = {
-    "--tp-size": "1",
-    "--tensor-parallel-size": "1",
-    "--tp": "1",
     "--dp-size": "1",
     "--data-parallel-size": "1",
     "--pp-size": "1",
     "--pipeline-parallel-size": "1",
-    "--ep-size": "1",
-    "--expert-parallel-size": "1",
-    "--nnodes": "1",
 }
 # Flags whose meaning sglang-dspark always satisfies or that only concern SGLang's own kernels.
 DROPPED = {
@@ -57,8 +53,15 @@ def _num_draft_tokens(value: str, ours: dict[str, str]) -> list[str]:
     return [] if given is not None else ["--speculative-dspark-block-size", str(window - 1)]
 
 
+def _renamed(ours: str) -> Callable[[str, dict[str, str]], list[str]]:
+    """SGLang's long name of one of sglang-dspark's flags."""
+    return lambda value, given: [ours, value]
+
+
 MAPPED: dict[str, Callable[[str, dict[str, str]], list[str]]] = {
     "--speculative-num-draft-tokens": _num_draft_tokens,
+    "--tensor-parallel-size": _renamed("--tp-size"),
+    "--expert-parallel-size": _renamed("--ep-size"),
 }
 
 
@@ -137,9 +140,9 @@ def _sglang_only(
     if flag in SINGLE_VALUE:
         if values != [SINGLE_VALUE[flag]]:
             raise ArgvError(
-                f"{flag} {' '.join(values)}: sglang-dspark serves on one device; for tensor, data, "
-                "pipeline or expert parallelism run SGLang's own server with this plugin's "
-                "--enable-dspark-* kernel hooks"
+                f"{flag} {' '.join(values)}: sglang-dspark has no data or pipeline "
+                "parallelism (it runs --tp-size/--ep-size ranks on one host); for those run "
+                "SGLang's own server with this plugin's --enable-dspark-* kernel hooks"
             )
         out.notes.append(f"{flag} {values[0]}: accepted (the only value sglang-dspark runs)")
         return []

@@ -16,7 +16,11 @@ import torch
 from sgl_dspark.srt.constrained import Grammars
 from sgl_dspark.srt.core.req import Req
 from sgl_dspark.srt.core.step import BaseStepExecutor
+from sgl_dspark.srt.distributed import get_parallel_state, replicated, single_process_state
+from sgl_dspark.srt.distributed import set_parallel_state as _set_parallel_state
 from sgl_dspark.srt.entrypoints.logprob_format import LogprobOptions, req_logprob_meta
+from sgl_dspark.srt.entrypoints.rank_group import RankGroup, layout_of
+from sgl_dspark.srt.managers.replicated_scheduler import ReplicatedScheduler
 from sgl_dspark.srt.managers.scheduler import Scheduler, SchedulerConfig
 from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     CudaGraphRunner,
@@ -66,15 +70,16 @@ def create_executor(args: ServerArgs, runner: ModelRunner) -> BaseStepExecutor:
         sts_collect_path=args.speculative_dspark_sts_collect_path,
         bs1_block_size=args.speculative_dspark_bs1_block_size,
     )
-    worker = create_dspark_worker(
-        runner,
-        args.model_path,
-        args.speculative_draft_model_path,
-        args.speculative_dspark_block_size,
-        dargs,
-        seed=args.random_seed,
-        load_format=args.load_format,
-    )
+    with replicated():  # the draft runs whole on every rank (same proposals everywhere)
+        worker = create_dspark_worker(
+            runner,
+            args.model_path,
+            args.speculative_draft_model_path,
+            args.speculative_dspark_block_size,
+            dargs,
+            seed=args.random_seed,
+            load_format=args.load_format,
+        )
     decode = DecodeExecutor(
         runner, consumer=worker.context_kv_consumer, step_window=runner.rc.max_verify_tokens
     )
@@ -144,7 +149,29 @@ class Engine:
         engine._init(args.resolved())
         return engine
 
+    @classmethod
+    def for_rank(cls, args: ServerArgs) -> Engine:
+        """The engine of a rank >= 1 that has joined the world (`rank_group.follower_main`)."""
+        engine = cls.__new__(cls)
+        engine.ranks = None
+        engine._build(args)
+        return engine
+
     def _init(self, args: ServerArgs) -> None:
+        """Rank 0: with --tp-size/--ep-size > 1, spawn the other ranks first (one process
+        each, `rank_group.py`); they build the same engine over their shards."""
+        self.ranks: RankGroup | None = None
+        if layout_of(args).world_size > 1:
+            if not get_parallel_state().is_single:
+                raise RuntimeError("this process already runs a parallel engine")
+            self.ranks = RankGroup.start(args)
+        try:
+            self._build(args)
+        except BaseException:
+            self._stop_ranks()
+            raise
+
+    def _build(self, args: ServerArgs) -> None:
         self.args = args
         cfg, weights = resolve_model(
             args.model_path,
@@ -152,7 +179,20 @@ class Engine:
             seed=args.random_seed,
             load_format=args.load_format,
         )
+        if cfg.v41 is not None and args.tp_size > 1:
+            raise ValueError(
+                "--tp-size > 1: DeepSeek-V4.1 attention is not split yet; use --ep-size "
+                "(expert parallelism, attention replicated)"
+            )
         rc = RunnerConfig.from_server_args(args, max_verify_tokens(args))
+        if args.tp_size > 1 and cfg.quantization is not None and rc.weight_format == "native":
+            # A rank's slice of an FP8 attention projection would need its own block scales;
+            # expert parallelism keeps each expert whole, so --ep-size stays native.
+            raise ValueError(
+                f"--tp-size {args.tp_size} with --weight-format native: the checkpoint's "
+                "quantised dense weights are not split across tensor-parallel ranks as stored; "
+                "use --weight-format bf16, or --ep-size with --tp-size 1 (experts stay native)"
+            )
         # Process-wide (the launchers read it at every launch and at graph capture): the last
         # engine built in a process decides. It moves timing only, never a result bit.
         if args.device != "cpu":
@@ -174,18 +214,19 @@ class Engine:
                 args.model_path, args.tokenizer_path, trust_remote_code=args.trust_remote_code
             )
         chunk = args.chunked_prefill_size
-        self.scheduler = Scheduler(
-            SchedulerConfig(
-                chunked_prefill_size=chunk if chunk > 0 else -1,
-                max_running_requests=args.max_running_requests,
-                eos_token_ids=cfg.eos_token_ids,
-                vocab_size=cfg.vocab_size,
-                overlap_schedule=not args.disable_overlap_schedule,
-            ),
-            self.runner.req_pool,
-            self.runner.allocator,
-            self.executor,
+        sched_cfg = SchedulerConfig(
+            chunked_prefill_size=chunk if chunk > 0 else -1,
+            max_running_requests=args.max_running_requests,
+            eos_token_ids=cfg.eos_token_ids,
+            vocab_size=cfg.vocab_size,
+            overlap_schedule=not args.disable_overlap_schedule,
         )
+        sched_parts = (sched_cfg, self.runner.req_pool, self.runner.allocator, self.executor)
+        ps = get_parallel_state()
+        if ps.is_single:
+            self.scheduler = Scheduler(*sched_parts)
+        else:  # rank 0 broadcasts every step's inputs; the others replay them
+            self.scheduler = ReplicatedScheduler(*sched_parts, ps.world, self.tokenizer)
         self._ids = itertools.count()
         self._grammars: Grammars | None = None
         self._return_text_in_logprobs = False
@@ -248,11 +289,27 @@ class Engine:
         outs = [self._output(r) for r in reqs]
         return outs[0] if single else outs
 
-    def shutdown(self) -> None:
-        if self.scheduler is not None:
+    def shutdown(self, scheduler_stuck: bool = False) -> None:
+        """Release the executor and the other ranks. `scheduler_stuck`: a thread still runs a
+        step (the server's scheduler hung), so the ranks cannot be released in step with it:
+        they are killed instead of told to stop."""
+        if self.scheduler is not None and not scheduler_stuck:
             self.executor.close()
+        self._stop_ranks(release=not scheduler_stuck)
         self.scheduler = None  # type: ignore[assignment]
         self.runner = None  # type: ignore[assignment]
+
+    def _stop_ranks(self, release: bool = True) -> None:
+        """Rank 0: release the other ranks and wait for them, or kill them when `release` is
+        False (no-op on one rank)."""
+        if self.ranks is None:
+            return
+        scheduler = getattr(self, "scheduler", None)
+        if release and isinstance(scheduler, ReplicatedScheduler):
+            scheduler.close()
+        self.ranks.close(kill=not release)
+        self.ranks = None
+        _set_parallel_state(single_process_state())
 
     def __enter__(self) -> Engine:
         return self

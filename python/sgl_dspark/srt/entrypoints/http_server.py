@@ -541,6 +541,9 @@ def run_server(server_args: ServerArgs, on_ready: Callable[[str], None] | None =
         for sig, handler in previous.items():
             signal.signal(sig, handler)
         sock.close()
+        # With several ranks: releases them and waits for their exit (kills them when the
+        # scheduler thread hung in a step, where they wait for it).
+        engine.shutdown(scheduler_stuck=app.state.ctx.loop.thread_running)
     lifecycle: Lifecycle = app.state.lifecycle
     if lifecycle.fatal_reason is not None:
         logger.error("server shut down after a fatal error: %s", lifecycle.fatal_reason)

@@ -181,6 +181,11 @@ class SchedulerLoop:
         return self._thread is not None and self._thread.is_alive() and not self._closed
 
     @property
+    def thread_running(self) -> bool:
+        """The scheduler thread has not ended (after `shutdown`: it hung in a step)."""
+        return self._thread is not None and self._thread.is_alive()
+
+    @property
     def draining(self) -> bool:
         return self._draining
 

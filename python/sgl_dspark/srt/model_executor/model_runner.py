@@ -15,6 +15,7 @@ import torch
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.distributed.sharding import shard_for
 from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
@@ -307,6 +308,7 @@ def load_weights(model: torch.nn.Module, weights: Iterable[tuple[str, torch.Tens
         if name not in expected:
             raise ValueError(f"checkpoint tensor {name!r} does not belong to the model")
         target = params[name]
+        tensor = shard_for(target, tensor)  # this rank's slice of a parallel parameter
         if tuple(tensor.shape) != tuple(target.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(tensor.shape)}, "

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from sgl_dspark.srt.distributed.sharding import shard_spec
 from sgl_dspark.srt.layers.quantized import quantizable, store_quantized
 from sgl_dspark.srt.model_loader.sources import LazyTensor, WeightFactory, WeightSource
 
@@ -114,6 +115,7 @@ def materialise(
         if name in seen:
             raise ValueError(f"checkpoint tensor {name!r} appears twice")
         meta = targets[name]
+        source = _rank_slice(name, source, meta)
         if tuple(source.shape) != tuple(meta.shape):
             raise ValueError(
                 f"checkpoint tensor {name!r} has shape {tuple(source.shape)}, "
@@ -151,6 +153,31 @@ def materialise(
         ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in report.items()),
     )
     return model.eval()
+
+
+def _rank_slice(name: str, source: WeightSource, meta: torch.Tensor) -> WeightSource:
+    """`source` narrowed to the slice a parallel rank's parameter holds (`ShardSpec`), before
+    anything is read: a lazy source then reads (or moves to the device) only that slice. A
+    source that already has the slice's size (an expert-parallel checkpoint plan) is kept."""
+    spec = shard_spec(meta)
+    if spec is None or len(source.shape) <= spec.dim:
+        return source
+    size = source.shape[spec.dim]
+    if size == meta.shape[spec.dim]:
+        return source
+    if size % spec.parts:
+        raise ValueError(
+            f"checkpoint tensor {name!r}: dimension {spec.dim} of size {size} does not split "
+            f"into {spec.parts} shards"
+        )
+    step = size // spec.parts
+    if isinstance(source, torch.Tensor):
+        return source.narrow(spec.dim, spec.part * step, step)
+    narrow = getattr(source, "narrow", None)
+    if narrow is None:
+        raise ValueError(f"checkpoint tensor {name!r}: its source cannot be read by slices")
+    sliced: WeightSource = narrow(spec.dim, spec.part * step, step)
+    return sliced
 
 
 def _assign(module: nn.Module, attr: str, tensor: torch.Tensor, meta: torch.Tensor) -> None:

@@ -286,6 +286,8 @@ class CheckpointTensor:
         # The stored format when every part shares it (FP8 with one block, MXFP4 with one group).
         self.fmt: str | None = fmt if len(formats) == 1 and fmt in ("fp8", "fp4") else None
         self._block = block
+        # (dim, start, length): a plain tensor narrowed to a tensor-parallel rank's slice.
+        self._slice: tuple[int, int, int] | None = None
         self.nbytes = sum(
             math.prod(infos[name].shape) * _DTYPE_BYTES.get(infos[name].dtype, 1)
             for p in item.parts
@@ -293,10 +295,71 @@ class CheckpointTensor:
             if name is not None
         )
 
+    def narrow(self, dim: int, start: int, length: int) -> CheckpointTensor:
+        """This tensor's slice [start, start + length) along `dim` (a parallel rank's part).
+        An expert stack is sliced along its expert dim only, and reads only those experts. A
+        plain tensor reads only the slice's rows (and scale rows) when the slice lies on block
+        borders, else its stored part whole, on the host for a plain dtype; the device holds
+        the slice only, except for a quantised part cut inside its blocks, which is
+        dequantised whole on the device first."""
+        if self.item.kind != "plain":
+            if dim != 0:
+                raise ValueError(
+                    f"{self.item.hf_name!r}: an expert stack splits along its expert dim only"
+                )
+            per_expert = 2 if self.item.kind == "gate_up" else 1
+            parts = self.item.parts[start * per_expert : (start + length) * per_expert]
+            return CheckpointTensor(self._reader, self.item._replace(parts=parts))
+        if self._slice is not None:
+            raise ValueError(f"{self.item.hf_name!r} is already a slice")
+        out = CheckpointTensor(self._reader, self.item)
+        shape = list(self.shape)
+        out.nbytes = self.nbytes * length // shape[dim]
+        shape[dim] = length
+        out.shape = tuple(shape)
+        out._slice = (dim, start, length)
+        return out
+
+    def _read_slice(self, part: StoredPart, device: torch.device | str) -> torch.Tensor:
+        """The slice (`narrow`) of plain part `part` on `device`, dequantised (float32) when
+        stored quantised."""
+        assert self._slice is not None
+        dim, start, length = self._slice
+        stop = start + length
+        if part.fmt not in ("fp8", "fp4"):
+            if dim == 0:
+                return self._reader.get(part.weight, rows=slice(start, stop)).to(device)
+            return self._reader.get(part.weight).narrow(dim, start, length).contiguous().to(device)
+        assert part.scale is not None
+        block = part.block[dim]  # FP8: (rows, cols) per scale; MXFP4: (1, group)
+        full = self.part_shape[dim]
+        packed = 2 if part.fmt == "fp4" and dim == 1 else 1  # two FP4 values per byte
+        if start % block == 0 and (length % block == 0 or stop == full):
+            s_start, s_stop = start // block, -(-stop // block)
+            if dim == 0:
+                stored = self._reader.get(part.weight, rows=slice(start, stop))
+                scale = self._reader.get(part.scale, rows=slice(s_start, s_stop))
+            else:
+                stored = self._reader.get(part.weight)[:, start // packed : stop // packed]
+                scale = self._reader.get(part.scale)[:, s_start:s_stop]
+            stored, scale = stored.contiguous().to(device), scale.contiguous().to(device)
+            if part.fmt == "fp8":
+                return dequantize_fp8_block(stored, scale, part.block)
+            return dequantize_mxfp4(stored, scale, part.block[1])
+        whole = self._reader.get(part.weight).to(device)
+        scale = self._reader.get(part.scale).to(device)
+        if part.fmt == "fp8":
+            whole = dequantize_fp8_block(whole, scale, part.block)
+        else:
+            whole = dequantize_mxfp4(whole, scale, part.block[1])
+        return whole.narrow(dim, start, length)
+
     def dense(self, device: torch.device | str, dtype: torch.dtype) -> torch.Tensor:
         """The tensor on `device` in `dtype` (quantised parts dequantised exactly on the
         device, then rounded once to `dtype`)."""
         out = torch.empty(self.shape, dtype=dtype, device=device)
+        if self._slice is not None:
+            return out.copy_(self._read_slice(self.item.parts[0], device))
         rows = self.part_shape[0]
         for i, part in enumerate(self.item.parts):
             stored = self._reader.get(part.weight).to(device)
@@ -318,6 +381,11 @@ class CheckpointTensor:
         stored in one quantised format or its format has no native support."""
         if self.fmt is None:
             raise ValueError(f"{self.item.hf_name!r} is not stored in one quantised format")
+        if self._slice is not None:
+            raise ValueError(
+                f"{self.item.hf_name!r}: a tensor-parallel slice of a quantised tensor is not "
+                "kept as stored; run --tp-size > 1 with --weight-format bf16"
+            )
         rows = self.part_shape[0]
         block_rows = self._block[0] if self.fmt == "fp8" else 1
         if len(self.item.parts) > 1 and rows % block_rows:
@@ -354,12 +422,21 @@ class CheckpointTensor:
 
 class CheckpointWeights:
     """A checkpoint's tensors as `(hf_name, CheckpointTensor)`, validated from the headers when
-    built (`plan_checkpoint`); iterating opens the files, and each tensor is read when asked."""
+    built (`plan_checkpoint`); iterating opens the files, and each tensor is read when asked.
+    `experts=(first, count)`: the routed-expert stacks hold only those experts (an
+    expert-parallel rank's slice), and the other experts are never read."""
 
-    def __init__(self, model_path: str, config: ModelConfig, names: NameTable = V4_NAMES) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        config: ModelConfig,
+        names: NameTable = V4_NAMES,
+        experts: tuple[int, int] | None = None,
+    ) -> None:
         self.model_path = model_path
         with SafetensorsReader(model_path) as reader:
-            self.plan = plan_checkpoint(reader, config, names)
+            plan = plan_checkpoint(reader, config, names)
+        self.plan = plan._replace(items=tuple(_local_experts(i, experts) for i in plan.items))
         formats = Counter(p.fmt for item in self.plan.items for p in item.parts)
         logger.info(
             "checkpoint %s: %s names, %d tensors (%d fp8, %d mxfp4 parts), %d tensors skipped",
@@ -380,8 +457,22 @@ class CheckpointWeights:
                 yield item.hf_name, CheckpointTensor(reader, item)
 
 
+def _local_experts(item: LoadItem, experts: tuple[int, int] | None) -> LoadItem:
+    """`item` reduced to experts [first, first + count) for an expert-parallel rank, which then
+    reads none of the other ranks' experts (plain items unchanged)."""
+    if experts is None or item.kind == "plain":
+        return item
+    first, count = experts
+    per_expert = 2 if item.kind == "gate_up" else 1
+    return item._replace(parts=item.parts[first * per_expert : (first + count) * per_expert])
+
+
 def load_checkpoint(
-    model_path: str, config: ModelConfig, dtype: torch.dtype, names: NameTable = V4_NAMES
+    model_path: str,
+    config: ModelConfig,
+    dtype: torch.dtype,
+    names: NameTable = V4_NAMES,
+    experts: tuple[int, int] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield `(hf_name, tensor)` for every tensor of the checkpoint in `model_path`, dequantised
     on the host (`CheckpointWeights` reads the same tensors lazily, onto any device, optionally
@@ -391,7 +482,8 @@ def load_checkpoint(
     are dequantised (exactly, in float32) and cast to `dtype`; HF's float32 tensors (mHC, sinks,
     position biases, norms, router bias; see `is_fp32_param`) stay float32, `tid2eid` is int64.
     Routed experts come stacked: `gate_up_proj [E, 2I, D]`, `down_proj [E, D, I]`. MTP tensors
-    are skipped.
+    are skipped. `experts=(first, count)`: only those routed experts are read and stacked (an
+    expert-parallel rank's slice).
 
     The checkpoint is validated from its headers before this returns; ValueError names the
     tensor for: no safetensors files, unexpected names, missing experts, a quantised weight
@@ -400,7 +492,7 @@ def load_checkpoint(
     """
     if not dtype.is_floating_point:
         raise ValueError(f"dtype must be a floating dtype, got {dtype}")
-    weights = CheckpointWeights(model_path, config, names)
+    weights = CheckpointWeights(model_path, config, names, experts)
     return ((name, t.dense("cpu", _output_dtype(name, dtype)).contiguous()) for name, t in weights)
 
 

@@ -17,6 +17,8 @@ from torch import nn
 from sgl_dspark.srt.configs.model_config import CSA, HASH_MOE, HCA, SLIDING, ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.distributed import Communicator, get_parallel_state
+from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import BlockCompressor, Indexer
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
@@ -37,6 +39,11 @@ from sgl_dspark.srt.layers.rotary import (
     rope_impl,
     rope_inv_freq,
     rope_q_kv_impl,
+)
+from sgl_dspark.srt.layers.vocab_parallel import (
+    VocabParallelEmbedding,
+    gather_logits,
+    vocab_parallel_head,
 )
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV, store_kv_rows
 from sgl_dspark.srt.models.base import BaseCausalLM
@@ -84,22 +91,33 @@ class Attention(nn.Module):
         self.rms_norm = rms_norm_impl(kernels)
         self.layer_type = cfg.layer_types[layer_id]
         self.rope_kind = "main" if self.layer_type == SLIDING else "compress"
-        self.n_heads = cfg.num_attention_heads
+        # Tensor parallelism: this rank runs heads [r * n / tp, (r + 1) * n / tp) and their
+        # output groups (q_b and o_a column slices, the sinks sliced, o_b a row slice whose
+        # partial outputs are summed); the down projections, KV, compressor and indexer are
+        # replicated (one MQA KV head).
+        ps = get_parallel_state()
+        tp, tp_rank = ps.tp_size, ps.tp_rank
+        self.tp: Communicator | None = ps.tp if tp > 1 else None
+        self.n_heads = split_evenly(cfg.num_attention_heads, tp, "num_attention_heads", "--tp-size")
         self.head_dim = cfg.head_dim
         self.window = cfg.sliding_window
-        self.groups = cfg.o_groups
+        self.groups = split_evenly(cfg.o_groups, tp, "o_groups", "--tp-size")
         self.o_rank = cfg.o_lora_rank
         self.q_head_norm = cfg.q_head_norm
         self.eps = cfg.rms_norm_eps
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, hd, bias=False)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, hd // tp, bias=False)
         self.kv_proj = nn.Linear(d, cfg.head_dim, bias=False)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.o_a_proj = nn.Linear(hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+        self.o_a_proj = nn.Linear(hd // cfg.o_groups, self.groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+        for param, dim in ((self.q_b_proj.weight, 0), (self.o_a_proj.weight, 0)):
+            mark_shard(param, dim, tp_rank, tp)
+        mark_shard(self.o_b_proj.weight, 1, tp_rank, tp)
+        mark_shard(self.sinks, 0, tp_rank, tp)
         self.compressor: BlockCompressor | None = None
         if self.layer_type in (CSA, HCA):
             m = cfg.compress_ratio(layer_id)
@@ -188,7 +206,8 @@ class Attention(nn.Module):
         og = o.reshape(T, self.groups, -1)
         wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
         z = self.grouped_linear(og, wa).reshape(T, -1)
-        return self.linear(z, module_weight(self.o_b_proj))
+        out = self.linear(z, module_weight(self.o_b_proj))
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _compressed_keys(
         self,
@@ -300,7 +319,7 @@ class DeepseekV4Model(nn.Module):
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, kernels) for i in range(cfg.num_hidden_layers)
         )
@@ -311,6 +330,14 @@ class DeepseekV4Model(nn.Module):
         self.register_buffer(
             "inv_freq_compress", rope_inv_freq(cfg.rope_compress, rd), persistent=False
         )
+
+
+def vocab_embedding(vocab: int, dim: int) -> nn.Embedding:
+    """The token embedding: whole on one rank, vocabulary-parallel under tensor parallelism."""
+    ps = get_parallel_state()
+    if ps.tp_size == 1:
+        return nn.Embedding(vocab, dim)
+    return VocabParallelEmbedding(vocab, dim, ps.tp)
 
 
 def stream_means(streams: torch.Tensor, dim: int = 1) -> torch.Tensor:
@@ -346,7 +373,10 @@ class DeepseekV4ForCausalLM(BaseCausalLM):
         self.cfg = cfg
         self.kernels = kernels or KernelChoice()
         self.model = DeepseekV4Model(cfg, self.kernels)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        ps = get_parallel_state()
+        # Vocabulary-parallel head under tensor parallelism (`compute_logits` gathers the rows).
+        self.tp: Communicator | None = ps.tp if ps.tp_size > 1 else None
+        self.lm_head = vocab_parallel_head(cfg.vocab_size, cfg.hidden_size, ps.tp)
         # Bound once here: the compressor/indexer rope and the mHC boundaries.
         self.compress_rope = rope_impl(self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
@@ -429,5 +459,7 @@ class DeepseekV4ForCausalLM(BaseCausalLM):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits of hidden rows `[..., D]`."""
         rows = hidden.reshape(-1, hidden.shape[-1])
-        vocab = self.lm_head.weight.shape[0]
-        return self.linear(rows, self.lm_head.weight).float().view(*hidden.shape[:-1], vocab)
+        logits = self.linear(rows, self.lm_head.weight).float()
+        if self.tp is not None:
+            logits = gather_logits(logits, self.tp)
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])

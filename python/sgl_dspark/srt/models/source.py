@@ -12,6 +12,7 @@ import torch
 
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.distributed import get_parallel_state, replicated
 from sgl_dspark.srt.model_loader.dummy import DummyWeights
 from sgl_dspark.srt.model_loader.loader import CheckpointWeights
 from sgl_dspark.srt.model_loader.sources import WeightFactory, WeightSource
@@ -40,7 +41,8 @@ def resolve_model(
     del dtype  # the runner materialises every tensor in its own dtype
     if model_path in BUILTIN_MODELS:
         cfg, make_weights = BUILTIN_MODELS[model_path]()
-        model = model_entry(cfg).build_model(cfg, KernelChoice())
+        with replicated():  # the full tensors: each rank keeps its slice when loading
+            model = model_entry(cfg).build_model(cfg, KernelChoice())
         shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
         return cfg, make_weights(cfg, shapes, seed=seed)
     if not os.path.isdir(model_path):
@@ -52,7 +54,11 @@ def resolve_model(
     if load_format == "dummy":
         return cfg, DummyWeights(cfg, seed)
     entry = model_entry(cfg)
-    weights = CheckpointWeights(model_path, cfg, entry.checkpoint_names)
+    ps = get_parallel_state()
+    local = cfg.n_routed_experts // ps.ep_size
+    # An expert-parallel rank reads only its own experts (the model's slice of them).
+    experts = (ps.ep_rank * local, local) if ps.ep_size > 1 else None
+    weights = CheckpointWeights(model_path, cfg, entry.checkpoint_names, experts)
     if entry.model_files is None:
         return cfg, weights
     # Tensors derived from other files of the model directory (the tokenizer), checked now.

@@ -41,6 +41,8 @@ from torch import nn
 
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.distributed import Communicator, get_parallel_state
+from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.quantized import (
     WeightLike,
@@ -94,8 +96,17 @@ class RoutedExperts(nn.Module):
         self.weight_before_down = weight_before_down
         self.intermediate = intermediate
         self.limit = limit
-        self.gate_up_proj = nn.Parameter(torch.zeros(n_experts, 2 * intermediate, hidden_size))
-        self.down_proj = nn.Parameter(torch.zeros(n_experts, hidden_size, intermediate))
+        # Expert parallelism: this rank holds experts [first_local, first_local + num_local) of
+        # the global ids the router picks; `ep` is None on one rank (the unchanged path).
+        ps = get_parallel_state()
+        self.ep: Communicator | None = ps.ep if ps.ep_size > 1 else None
+        self.ep_exact = ps.ep_combine == "exact"
+        local = split_evenly(n_experts, ps.ep_size, "n_routed_experts", "--ep-size")
+        self.first_local, self.num_local = ps.ep_rank * local, local
+        self.gate_up_proj = nn.Parameter(torch.zeros(local, 2 * intermediate, hidden_size))
+        self.down_proj = nn.Parameter(torch.zeros(local, hidden_size, intermediate))
+        mark_shard(self.gate_up_proj, 0, ps.ep_rank, ps.ep_size)
+        mark_shard(self.down_proj, 0, ps.ep_rank, ps.ep_size)
         mark_quantizable(self, "gate_up_proj", "down_proj")
         self._combine = self._combine_torch
         self._triton = _uses_triton(kernels)
@@ -110,7 +121,7 @@ class RoutedExperts(nn.Module):
             self._plan_type = MoeSortPlan
             # On the host whatever the ambient device (a model built under torch.device("cuda")
             # or "meta"): the plan is read there, and Module.to() moves the buffers.
-            mask = torch.ones(n_experts, dtype=torch.int32, device="cpu")
+            mask = self._local_mask(n_experts)
             plan = prepare_moe_sort(mask)  # host tensor: no device read
             self.register_buffer("expert_mask", mask, persistent=False)
             self.register_buffer("sort_table", plan.local_table, persistent=False)
@@ -143,18 +154,24 @@ class RoutedExperts(nn.Module):
             return
         from sgl_dspark.kernels.moe.sort import prepare_moe_sort
 
-        shared_gu = cat_weights([gate, up], dim=-2)
-        gate_up = cat_weights([routed_gu, unsqueeze_weight(shared_gu)], dim=0)
-        down_all = cat_weights([routed_down, unsqueeze_weight(down)], dim=0)
-        e, i = self.n_experts, self.intermediate
-        replace_weight(self, "gate_up_proj", index_weight(gate_up, slice(0, e)))
-        replace_weight(self, "down_proj", index_weight(down_all, slice(0, e)))
-        shared_stack = index_weight(gate_up, e)
-        for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
-            replace_weight(lin, "weight", row_slice(shared_stack, start, start + i))
-        replace_weight(shared.down_proj, "weight", index_weight(down_all, e))
-        shared.gate_up.restack(shared_stack)  # its group stays fused (the members are views)
-        mask = torch.ones(e + 1, dtype=torch.int32, device="cpu")
+        n, e, i = self.num_local, self.n_experts, self.intermediate
+        # Under expert parallelism the shared expert is one more local expert of EP rank 0 only
+        # (computed once); the other ranks keep their stacks and mask expert E out.
+        mask = self._local_mask(e + 1)
+        if self.ep is None or self.ep.rank == 0:
+            shared_gu = cat_weights([gate, up], dim=-2)
+            gate_up = cat_weights([routed_gu, unsqueeze_weight(shared_gu)], dim=0)
+            down_all = cat_weights([routed_down, unsqueeze_weight(down)], dim=0)
+            replace_weight(self, "gate_up_proj", index_weight(gate_up, slice(0, n)))
+            replace_weight(self, "down_proj", index_weight(down_all, slice(0, n)))
+            shared_stack = index_weight(gate_up, n)
+            for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
+                replace_weight(lin, "weight", row_slice(shared_stack, start, start + i))
+            replace_weight(shared.down_proj, "weight", index_weight(down_all, n))
+            shared.gate_up.restack(shared_stack)  # its group stays fused (the members are views)
+            mask[e] = 1
+        else:
+            gate_up, down_all = routed_gu, routed_down
         plan = prepare_moe_sort(mask)
         device = (gate_up.data if isinstance(gate_up, QuantizedWeight) else gate_up).device
         self._stacks = (gate_up, down_all)
@@ -177,13 +194,34 @@ class RoutedExperts(nn.Module):
         """`forward` with the shared expert as expert E (ids/weights `[T, k + 1]`, the router's
         `with_shared` output); requires `folded`."""
         gate_up, down = self._stacks
+        if self.ep is not None:
+            return self._combine_triton_ep(
+                x,
+                ids,
+                weights,
+                None,
+                self.ep,
+                gate_up,
+                down,
+                self._folded_plan,
+                self._folded_mask,
+                shared_rows=False,
+            )
         return self._run_triton(
             x, ids, weights, None, gate_up, down, self._folded_plan, self._folded_mask
         )
 
+    def _local_mask(self, n_experts: int) -> torch.Tensor:
+        """int32 [n_experts] on the host: 1 where the expert lives on this rank."""
+        mask = torch.zeros(n_experts, dtype=torch.int32, device="cpu")
+        mask[self.first_local : self.first_local + self.num_local] = 1
+        return mask
+
     def _combine_torch(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
     ) -> torch.Tensor:
+        if self.ep is not None:
+            return self._combine_torch_ep(x, ids, weights, shared, self.ep)
         out = torch.zeros_like(x)
         flat_ids = ids.reshape(-1)
         order = torch.argsort(flat_ids, stable=True)
@@ -207,11 +245,68 @@ class RoutedExperts(nn.Module):
             start += n
         return out if shared is None else out + shared
 
+    def _expert_products(
+        self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(token of each route, weighted product of each route) in the expert-sorted route
+        order of `_combine_torch`; routes to experts of other ranks get zero rows."""
+        flat_ids = ids.reshape(-1)
+        order = torch.argsort(flat_ids, stable=True)
+        counts = torch.bincount(flat_ids, minlength=self.n_experts).tolist()
+        token_of = order // ids.shape[1]
+        w_sorted = weights.reshape(-1)[order]
+        y_sorted = x.new_zeros(flat_ids.numel(), x.shape[1])
+        start = sum(counts[: self.first_local])
+        gate_up, down = module_weight(self, "gate_up_proj"), module_weight(self, "down_proj")
+        for local in range(self.num_local):
+            n = counts[self.first_local + local]
+            if n == 0:
+                continue
+            tok = token_of[start : start + n]
+            gu = F.linear(x[tok], _expert(gate_up, local, x.dtype))
+            h = swiglu_clamp(gu[:, : self.intermediate], gu[:, self.intermediate :], self.limit)
+            w = w_sorted[start : start + n, None]
+            if self.weight_before_down:
+                y = F.linear((h.float() * w.float()).to(x.dtype), _expert(down, local, x.dtype))
+            else:
+                y = F.linear(h, _expert(down, local, x.dtype)) * w.to(x.dtype)
+            y_sorted[start : start + n] = y
+            start += n
+        return token_of, y_sorted
+
+    def _combine_torch_ep(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        shared: torch.Tensor | None,
+        ep: Communicator,
+    ) -> torch.Tensor:
+        """Expert parallel, torch: `shared` is given on EP rank 0 only (computed once).
+        exact: every route's product and the shared rows cross in one all-reduce (a sum with
+        zeros, so exact), then the one-rank summation in the one-rank order. fast: each rank
+        sums its own routes (+ shared on rank 0), then one all-reduce of `[T, D]`."""
+        token_of, y_sorted = self._expert_products(x, ids, weights)
+        if not self.ep_exact:
+            out = torch.zeros_like(x).index_add_(0, token_of, y_sorted)
+            if shared is not None:
+                out = out + shared
+            return ep.all_reduce(out)
+        routes = y_sorted.shape[0]
+        payload = torch.cat((y_sorted, shared if shared is not None else torch.zeros_like(x)))
+        payload = ep.all_reduce(payload)
+        out = torch.zeros_like(x).index_add_(0, token_of, payload[:routes])
+        return out + payload[routes:]
+
     def _combine_triton(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, shared: torch.Tensor | None
     ) -> torch.Tensor:
         plan = self._plan_type(self.sort_table, self._num_local, self._num_bins)
         gate_up, down = module_weight(self, "gate_up_proj"), module_weight(self, "down_proj")
+        if self.ep is not None:
+            return self._combine_triton_ep(
+                x, ids, weights, shared, self.ep, gate_up, down, plan, self.expert_mask
+            )
         return self._run_triton(x, ids, weights, shared, gate_up, down, plan, self.expert_mask)
 
     def _run_triton(
@@ -260,6 +355,48 @@ class RoutedExperts(nn.Module):
             weight_before_down=before,
         )
         return self._moe_reduce(y, reduce_weights, ids, mask, 1.0, shared)
+
+    def _combine_triton_ep(
+        self,
+        x: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        shared: torch.Tensor | None,
+        ep: Communicator,
+        gate_up: WeightLike,
+        down: WeightLike,
+        plan: MoeSortPlan,
+        mask: torch.Tensor,
+        shared_rows: bool = True,
+    ) -> torch.Tensor:
+        """Expert parallel, Triton: the kernels' local-expert table skips remote routes.
+        fast: the masked local reduce (+ shared on EP rank 0), one all-reduce of `[T, D]`.
+        exact: the per-route products of the sorted path, remote rows zeroed, cross with the
+        shared rows in one all-reduce; then the slot-ordered reduce over every expert. With
+        the shared expert folded (expert E, on EP rank 0) `shared` is None and its route is
+        one more slot, as on one rank, and no shared rows cross (`shared_rows` False)."""
+        if not self.ep_exact:
+            return ep.all_reduce(
+                self._run_triton(x, ids, weights, shared, gate_up, down, plan, mask)
+            )
+        x = x.contiguous()
+        ids = ids.to(torch.int32).contiguous()
+        weights = weights.to(torch.float32).contiguous()
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
+        y = self._fused_moe(
+            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=_SORT_BLOCK
+        )
+        local = (mask[ids.long()] == 1).unsqueeze(-1)
+        t, k = ids.shape
+        parts = [torch.where(local, y.view(t, k, -1), 0).view(t * k, -1)]
+        if shared_rows:
+            parts.append(shared.to(x.dtype) if shared is not None else torch.zeros_like(x))
+        payload = ep.all_reduce(torch.cat(parts))
+        every_expert = torch.ones_like(mask)
+        shared_sum = payload[t * k :] if shared_rows else None
+        return self._moe_reduce(
+            payload[: t * k].view(t, k, -1), weights, ids, every_expert, 1.0, shared_sum
+        )
 
 
 def _expert(weight: WeightLike, e: int, dtype: torch.dtype) -> torch.Tensor:
@@ -334,6 +471,9 @@ class SparseMoE(nn.Module):
             weights, ids = self.gate(x, input_ids, with_shared=True)
             return self.experts.forward_folded(x, ids, weights)
         weights, ids = self.gate(x, input_ids)
+        ep = self.experts.ep
+        if ep is not None:  # the shared expert is computed once, on EP rank 0
+            return self.experts(x, ids, weights, self.shared_experts(x) if ep.rank == 0 else None)
         if self._fuse_shared_add:
             return self.experts(x, ids, weights, shared=self.shared_experts(x))
         return self.experts(x, ids, weights) + self.shared_experts(x)

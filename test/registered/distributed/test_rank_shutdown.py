@@ -1,0 +1,44 @@
+"""How an offline `Engine` with two ranks lets its second rank go: released in step with rank 0
+(the rank's own exit, status 0), or, when rank 0's scheduler hung inside a step
+(`shutdown(scheduler_stuck=True)`, the server's path after its watchdog fired), killed without
+waiting on a collective. Each run is its own process (it joins a process group)."""
+
+from __future__ import annotations
+
+import json
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+SCRIPT = textwrap.dedent(
+    """
+    import json, sys
+    from sgl_dspark import Engine
+
+    if __name__ == "__main__":  # the ranks are spawned: they import this file
+        stuck = sys.argv[1] == "stuck"
+        e = Engine(model_path="tiny", device="cpu", tp_size=2, max_total_tokens=1024,
+                   context_length=128, skip_tokenizer_init=True)
+        procs = list(e.ranks.procs)
+        out = e.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 3})
+        e.shutdown(scheduler_stuck=stuck)
+        codes = [p.exitcode for p in procs]
+        print(json.dumps({"tokens": len(out["output_ids"]), "codes": codes}))
+    """
+)
+
+
+@pytest.mark.parametrize("mode, code", [("released", 0), ("stuck", -signal.SIGKILL)])
+def test_the_second_rank_is_released_or_killed(tmp_path: Path, mode: str, code: int) -> None:
+    script = tmp_path / "engine_ranks.py"
+    script.write_text(SCRIPT)
+    done = subprocess.run(
+        [sys.executable, str(script), mode], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result == {"tokens": 3, "codes": [code]}
