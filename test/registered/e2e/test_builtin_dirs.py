@@ -97,11 +97,14 @@ def test_chat_template_matches(tiny_dir):
             )
 
 
-def test_served_from_the_directory_like_tiny(tiny_dir):
+@pytest.mark.parametrize("name", ["tiny", "tiny-v41"])
+def test_served_from_the_directory_like_the_builtin(name, tiny_dir, tmp_path):
+    """The directory serves the built-in's model and draft: the same tokens with DSpark."""
+    directory = tiny_dir if name == "tiny" else materialize(name, root=str(tmp_path))
     params = {"max_new_tokens": 12, "temperature": 0.0, "ignore_eos": True}
     prompts = ["the directory", "serves the same model"]
     outputs = []
-    for path in ("tiny", tiny_dir):
+    for path in (name, directory):
         engine = Engine(
             model_path=path,
             context_length=256,

@@ -1,16 +1,18 @@
 """The built-in models as Hugging Face-format directories that other tools can load.
 
-`--model-path tiny` needs no files, but SGLang's benchmark, lm-eval and `transformers` look a
-model up by path. `materialize("tiny")` writes, once, a directory with
+`--model-path tiny` (or `tiny-v41`) needs no files, but SGLang's benchmark, lm-eval and
+`transformers` look a model up by path. `materialize("tiny")` writes, once, a directory with
 
-- `config.json` (the tiny DeepSeek-V4 config) and `model.safetensors` (its seeded weights, HF
-  names: `--model-path <dir>` serves the same model as `--model-path tiny`);
+- `config.json` (the built-in's config: DeepSeek-V4 for `tiny`, the composite DeepSeek-V4.1
+  config for `tiny-v41`) and `model.safetensors` (its seeded weights, HF names: `--model-path
+  <dir>` serves the same model as `--model-path tiny`; tensors the loader derives from other
+  files, such as V4.1's Engram token map from the tokenizer, are left out);
 - `tokenizer.json` + `tokenizer_config.json` (with the chat template as Jinja) +
   `special_tokens_map.json`: the byte tokenizer in the `tokenizers` format, so
   `AutoTokenizer.from_pretrained(<dir>)` gives the same ids and text as `ByteTokenizer`;
 - `sgl_dspark_tokenizer.json`, which makes this server use `ByteTokenizer` itself for the dir;
-- `dspark/`: the built-in `tiny-dspark` draft (config.json + weights), where the server looks
-  for a target's draft.
+- `dspark/`: the built-in draft (`tiny-dspark`, `tiny-v41-dspark`; config.json + weights),
+  where the server looks for a target's draft.
 
 The directory lives under `$SGL_DSPARK_CACHE` (default `~/.cache/sglang-dspark`) in
 `models/<name>-seed<seed>-<fingerprint>`; the fingerprint hashes everything that determines the
@@ -32,6 +34,13 @@ from safetensors.torch import save_file
 
 from sgl_dspark.env import cache_root
 from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG, TINY_MODEL_NAME, tiny_config, tiny_weights
+from sgl_dspark.srt.models.tiny_v41 import (
+    TINY_V41_DSPARK_CONFIG,
+    TINY_V41_MODEL_NAME,
+    tiny_v41_config,
+    tiny_v41_hf_config,
+    tiny_v41_weights,
+)
 from sgl_dspark.srt.tokenizer.byte_tokenizer import (
     BYTE_OFFSET,
     BYTE_VOCAB_SIZE,
@@ -42,7 +51,9 @@ from sgl_dspark.srt.tokenizer.byte_tokenizer import (
 )
 from sgl_dspark.srt.tokenizer.hf_tokenizer import MARKER_FILE
 
-BUILTIN_MODELS = (TINY_MODEL_NAME,)
+BUILTIN_MODELS = (TINY_MODEL_NAME, TINY_V41_MODEL_NAME)
+# Tensors of the built-ins that the loader derives from other files of the directory.
+_DERIVED_TENSORS = frozenset({"model.engram_token_map"})
 _LAYOUT_VERSION = 1  # bump when the files written here change
 
 
@@ -153,12 +164,17 @@ def byte_tokenizer_config() -> dict[str, Any]:
 def _fingerprint(name: str, seed: int) -> str:
     from sgl_dspark.srt.speculative.dspark.factory import TINY_DSPARK_CONFIG
 
+    hf_config, draft = (
+        (TINY_HF_CONFIG, TINY_DSPARK_CONFIG)
+        if name == TINY_MODEL_NAME
+        else (tiny_v41_hf_config(), TINY_V41_DSPARK_CONFIG)
+    )
     spec = {
         "layout": _LAYOUT_VERSION,
         "name": name,
         "seed": seed,
-        "config": TINY_HF_CONFIG,
-        "draft": TINY_DSPARK_CONFIG,
+        "config": hf_config,
+        "draft": draft,
         "tokenizer": byte_tokenizer_json(),
         "tokenizer_config": byte_tokenizer_config(),
     }
@@ -171,7 +187,7 @@ def _write_json(path: str, value: Any) -> None:
         f.write("\n")
 
 
-def _write_tiny(out: str, seed: int) -> None:
+def _write_builtin(name: str, out: str, seed: int) -> None:
     from sgl_dspark.srt.configs.dspark_config import DSparkConfig
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
     from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel
@@ -179,12 +195,29 @@ def _write_tiny(out: str, seed: int) -> None:
     from sgl_dspark.srt.speculative.dspark.draft_checkpoint import save_draft_checkpoint
     from sgl_dspark.srt.speculative.dspark.factory import TINY_DSPARK_CONFIG
 
-    cfg = tiny_config()
+    if name == TINY_MODEL_NAME:
+        cfg, hf_config, draft_keys, make_weights = (
+            tiny_config(),
+            TINY_HF_CONFIG,
+            TINY_DSPARK_CONFIG,
+            tiny_weights,
+        )
+    else:
+        cfg, hf_config, draft_keys, make_weights = (
+            tiny_v41_config(),
+            tiny_v41_hf_config(),
+            TINY_V41_DSPARK_CONFIG,
+            tiny_v41_weights,
+        )
     model = model_entry(cfg).build_model(cfg, KernelChoice())
     shapes = [(k, tuple(v.shape)) for k, v in model.state_dict().items()]
-    weights = {k: v.contiguous() for k, v in tiny_weights(cfg, shapes, seed=seed)}
+    weights = {
+        k: v.contiguous()
+        for k, v in make_weights(cfg, shapes, seed=seed)
+        if k not in _DERIVED_TENSORS
+    }
     save_file(weights, os.path.join(out, "model.safetensors"), metadata={"format": "pt"})
-    _write_json(os.path.join(out, "config.json"), TINY_HF_CONFIG)
+    _write_json(os.path.join(out, "config.json"), hf_config)
     _write_json(os.path.join(out, "tokenizer.json"), byte_tokenizer_json())
     _write_json(os.path.join(out, "tokenizer_config.json"), byte_tokenizer_config())
     _write_json(
@@ -193,13 +226,13 @@ def _write_tiny(out: str, seed: int) -> None:
     )
     _write_json(os.path.join(out, MARKER_FILE), {"type": "byte"})
     _write_json(os.path.join(out, "generation_config.json"), {"bos_token_id": 0, "eos_token_id": 1})
-    # The draft, as `tiny-dspark` builds it for this seed (the factory uses seed + 1).
-    dcfg = DSparkConfig.from_dict(TINY_DSPARK_CONFIG, cfg)
+    # The draft, as the built-in draft is built for this seed (the factory uses seed + 1).
+    dcfg = DSparkConfig.from_dict(draft_keys, cfg)
     draft = DSparkDraftModel(dcfg)
     draft_shapes = [(k, tuple(v.shape)) for k, v in draft.state_dict().items()]
     draft_weights = dict(tiny_weights(dcfg.stage_config, draft_shapes, seed=seed + 1))
     save_draft_checkpoint(
-        draft_weights, dcfg, {**TINY_HF_CONFIG, **TINY_DSPARK_CONFIG}, os.path.join(out, "dspark")
+        draft_weights, dcfg, {**hf_config, **draft_keys}, os.path.join(out, "dspark")
     )
 
 
@@ -215,7 +248,7 @@ def materialize(name: str, seed: int = 0, root: str | None = None) -> str:
     tmp = tempfile.mkdtemp(prefix=f".{name}-", dir=os.path.dirname(final))
     try:
         with torch.no_grad():
-            _write_tiny(tmp, seed)
+            _write_builtin(name, tmp, seed)
         try:
             os.rename(tmp, final)
         except OSError:
