@@ -68,11 +68,21 @@ def _port(server: ServerProcess) -> str:
     return server.base_url.rsplit(":", 1)[1]
 
 
+# The model `make serve` serves (the built-in DeepSeek-V4.1 with its DSpark draft).
+SERVED_MODEL = "tiny-v41"
+
+
 @pytest.fixture(scope="module")
 def dspark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("clients") / "server.log"
     with running_server(
-        log, "--speculative-algorithm", "DSpark", "--max-running-requests", "8"
+        log,
+        "--model-path",
+        SERVED_MODEL,
+        "--speculative-algorithm",
+        "DSpark",
+        "--max-running-requests",
+        "8",
     ) as s:
         yield s
 
@@ -80,7 +90,7 @@ def dspark_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPr
 @pytest.fixture(scope="module")
 def plain_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     log = tmp_path_factory.mktemp("clients") / "server.log"
-    with running_server(log, "--max-running-requests", "8") as s:
+    with running_server(log, "--model-path", SERVED_MODEL, "--max-running-requests", "8") as s:
         yield s
 
 
@@ -157,7 +167,7 @@ def _lm_eval(server: ServerProcess, tmp_path: Path, task_yaml: str, task: str) -
     (tasks / f"{task}.yaml").write_text(task_yaml)
     model_args = ",".join(
         [
-            "model=tiny",
+            f"model={SERVED_MODEL}",
             f"base_url={server.base_url}/v1/completions",
             f"tokenizer={_tokenizer_dir(server)}",
             "num_concurrent=4",
@@ -210,11 +220,10 @@ def test_lm_eval_loglikelihood(dspark_server, tmp_path):
     # Loglikelihood tasks send echo + logprobs on /v1/completions (prompt logprobs).
     probe = httpx.post(
         f"{dspark_server.base_url}/v1/completions",
-        json={"model": "tiny", "prompt": "a b", "max_tokens": 1, "echo": True, "logprobs": 1},
+        json={"model": SERVED_MODEL, "prompt": "a b", "max_tokens": 1, "echo": True, "logprobs": 1},
         timeout=60,
     )
-    if probe.status_code == 400:
-        pytest.skip(f"the server does not return prompt logprobs yet: {probe.json()['error']}")
+    assert probe.status_code == 200, probe.text
     data = tmp_path / "choices.jsonl"
     with data.open("w") as f:
         for line in GSM8K.read_text().splitlines()[:20]:
@@ -243,23 +252,24 @@ OPENAI_SCRIPT = r"""
 import json, sys
 from openai import OpenAI
 client = OpenAI(base_url=sys.argv[1] + "/v1", api_key="none")
+model = sys.argv[2]
 out = {}
 out["models"] = [m.id for m in client.models.list().data]
-out["model"] = client.models.retrieve("tiny").id
-c = client.completions.create(model="tiny", prompt="Hello", max_tokens=6, temperature=0,
+out["model"] = client.models.retrieve(model).id
+c = client.completions.create(model=model, prompt="Hello", max_tokens=6, temperature=0,
                               extra_body={"lora_path": None, "min_tokens": 0})
 out["completion"] = c.choices[0].text
 tools = [{"type": "function", "function": {"name": "get_weather", "description": "weather",
           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
 chat = client.chat.completions.create(
-    model="tiny", max_tokens=6, temperature=0, tools=tools, tool_choice="auto",
+    model=model, max_tokens=6, temperature=0, tools=tools, tool_choice="auto",
     messages=[{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"},
               {"role": "assistant", "content": None, "tool_calls": [{"id": "c1",
                "type": "function", "function": {"name": "get_weather",
                "arguments": "{\"city\": \"Paris\"}"}}]},
               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}])
 out["chat"] = chat.choices[0].message.content
-stream = client.chat.completions.create(model="tiny", max_tokens=6, temperature=0, stream=True,
+stream = client.chat.completions.create(model=model, max_tokens=6, temperature=0, stream=True,
                                         messages=[{"role": "user", "content": "hi"}])
 out["stream"] = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
 print(json.dumps(out))
@@ -267,7 +277,7 @@ print(json.dumps(out))
 
 
 def test_openai_client(dspark_server):
-    out = run_client("-c", OPENAI_SCRIPT, dspark_server.base_url)
+    out = run_client("-c", OPENAI_SCRIPT, dspark_server.base_url, SERVED_MODEL)
     result = json.loads(out.strip().splitlines()[-1])
-    assert result["models"] == ["tiny"] and result["model"] == "tiny"
+    assert result["models"] == [SERVED_MODEL] and result["model"] == SERVED_MODEL
     assert result["completion"] and result["chat"] is not None and result["stream"]
