@@ -16,31 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from sgl_dspark.kernels.linear.reference import QuantizedWeight
+from sgl_dspark.kernels.linear.reference import E2M1_VALUES, E8M0_BIAS, QuantizedWeight
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
 MXFP4_GROUP = 32
-E8M0_BIAS = 127
-# E2M1 value of each 4-bit code; bit 3 is the sign.
-E2M1_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
 # Midpoints between consecutive E2M1 magnitudes (codes i and i+1).
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 
