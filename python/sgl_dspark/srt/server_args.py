@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl_dspark.srt.models.shipped import shipped_model_dir
 from sgl_dspark.srt.server_args_checks import (
     CONFIDENCE_MODE_CHOICES,
     DEVICE_CHOICES,
@@ -59,8 +60,10 @@ class ServerArgs:
     # ---- model and tokenizer ----
     model_path: str = field(
         metadata={
-            "help": "Model to serve: 'tiny-v41' / 'tiny' (the built-in tiny DeepSeek-V4.1 / "
-            "DeepSeek-V4) or a checkpoint directory holding config.json and *.safetensors."
+            "help": "Model to serve: 'demo' (a small DeepSeek-V4.1 trained on math word "
+            "problems, with its trained DSpark draft), 'tiny-v41' / 'tiny' (the built-in tiny "
+            "DeepSeek-V4.1 / DeepSeek-V4 with random weights, for tests) or a checkpoint "
+            "directory holding config.json and *.safetensors."
         }
     )
     tokenizer_path: str | None = _arg(None, "Tokenizer directory (default: --model-path).")
@@ -371,8 +374,13 @@ class ServerArgs:
             algo = next(a for a in SPECULATIVE_ALGORITHMS if a.lower() == algo.lower())
         if device == "cpu" and (self.cuda_graph_max_bs or self.mem_fraction_static is not None):
             logger.warning("--cuda-graph-max-bs and --mem-fraction-static have no effect on CPU")
+        model_path = self.model_path
+        shipped = shipped_model_dir(model_path)
+        if shipped is not None:  # a model shipped in the package, served under its name
+            model_path = shipped
         return dataclasses.replace(
             self,
+            model_path=model_path,
             device=device,
             dtype=dtype,
             kernel_backend=kernel_backend,

@@ -163,6 +163,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     t.add_argument("--resume", action="store_true", help="continue from the output's state")
     t.add_argument("--stop-after", type=int, default=None, help="steps of this run (resumable)")
     t.add_argument("--time-limit-min", type=float, default=None, help="save and stop after")
+    t.add_argument(
+        "--time-budget-min",
+        type=float,
+        default=None,
+        help="fit the whole run (schedule included) into this much training time: --steps is "
+        "lowered to what the first steps' speed allows",
+    )
     t.add_argument("--no-progress", action="store_true")
     return p.parse_args(argv)
 
@@ -256,10 +263,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         stop_after=args.stop_after,
         time_limit_s=None if args.time_limit_min is None else 60 * args.time_limit_min,
         progress=not args.no_progress,
+        time_budget_s=None if args.time_budget_min is None else 60 * args.time_budget_min,
     )
-    result: dict[str, Any] = {"step": state.step, "finished": state.step >= cfg.steps}
-    if state.step < cfg.steps:
-        logger.info("stopped at step %d of %d: rerun with --resume", state.step, cfg.steps)
+    total_steps = state.total_steps or cfg.steps
+    result: dict[str, Any] = {"step": state.step, "finished": state.step >= total_steps}
+    if state.step < total_steps:
+        logger.info("stopped at step %d of %d: rerun with --resume", state.step, total_steps)
         return result
     save_draft_checkpoint(draft.state_dict(), dcfg, cfg_dict, args.output)
     if eval_prompts:

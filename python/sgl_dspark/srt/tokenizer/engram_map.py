@@ -59,6 +59,16 @@ def compressed_token_map(
     )
 
 
+def tokenizer_compressed_size(tokenizer_file: str) -> int:
+    """The size of the compressed token map of the HF `tokenizer.json` at `tokenizer_file`: the
+    `engram_compressed_vocab_size` a config for that tokenizer states."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(tokenizer_file)
+    key = _key_fn(lambda i: tok.decode([i], skip_special_tokens=False), tok.id_to_token)
+    return len({key(i) for i in range(tok.get_vocab_size(with_added_tokens=True))})
+
+
 def byte_tokenizer_token_map(vocab_size: int, compressed_size: int, pad_id: int) -> torch.Tensor:
     """`compressed_token_map_of` the byte tokenizer of the built-in models (every id it defines,
     reserved ids included)."""
@@ -131,4 +141,5 @@ __all__ = [
     "byte_tokenizer_token_map",
     "compressed_token_map",
     "compressed_token_map_of",
+    "tokenizer_compressed_size",
 ]

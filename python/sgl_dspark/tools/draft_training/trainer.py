@@ -49,12 +49,16 @@ class TrainConfig:
 class TrainState:
     step: int = 0
     history: list[dict[str, float]] = field(default_factory=list)
+    total_steps: int | None = None  # the run's length when a time budget shortened it
 
 
 def anchor_range(seq: SequenceTaps, prompt_len: int) -> range:
     """Anchor positions of a sequence: the target's continuation tokens that have a next one
     (after prefill the first generated token is the anchor, at the prompt's length)."""
     return range(prompt_len, len(seq.token_ids) - 1)
+
+
+BUDGET_PROBE_STEPS = 10  # steps timed before a time budget sets the step count
 
 
 def sample_step(
@@ -94,11 +98,15 @@ def train(
     stop_after: int | None = None,
     time_limit_s: float | None = None,
     progress: bool = True,
+    time_budget_s: float | None = None,
 ) -> TrainState:
     """Train `draft` (fp32 parameters on the target's device) in place; the state (weights,
     optimiser, schedule, history) is saved to `state_dir` every `save_every` steps and on
     return. `stop_after` / `time_limit_s`: return early (resumable) after that many steps of
-    this call or that much wall time."""
+    this call or that much wall time. `time_budget_s`: after the first `BUDGET_PROBE_STEPS`
+    steps, shorten the run (and with it the schedule, still in its warmup) to what fits in
+    that much training time at the measured speed (`state.total_steps`); the run then finishes
+    normally."""
     device = next(draft.parameters()).device
     for p in target.parameters():
         p.requires_grad_(False)
@@ -106,10 +114,10 @@ def train(
     opt = torch.optim.AdamW(
         draft.parameters(), lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay
     )
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: cosine_lr(s, cfg.steps, cfg.warmup, cfg.min_lr_ratio)
-    )
     state = TrainState()
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: cosine_lr(s, state.total_steps or cfg.steps, cfg.warmup, cfg.min_lr_ratio)
+    )
     path = os.path.join(state_dir, STATE_FILE)
     if resume and os.path.isfile(path):
         saved = torch.load(path, map_location=device, weights_only=False)
@@ -121,7 +129,7 @@ def train(
         draft.load_state_dict(saved["draft"])
         opt.load_state_dict(saved["optimizer"])
         sched.load_state_dict(saved["scheduler"])
-        state = TrainState(saved["step"], saved["history"])
+        state = TrainState(saved["step"], saved["history"], saved.get("total_steps"))
         logger.info("resumed at step %d from %s", state.step, path)
     pool_dtype = compute_dtype
     start_step, t0 = state.step, time.monotonic()
@@ -130,7 +138,7 @@ def train(
         from tqdm import tqdm
 
         bar = tqdm(total=cfg.steps, initial=state.step, desc="draft training", unit="step")
-    while state.step < cfg.steps:
+    while state.step < (state.total_steps or cfg.steps):
         seqs, anchors = sample_step(data, prompt_lens, cfg, state.step)
         batch = make_block_batch(seqs, anchors, draft.dcfg.block_size).to(device)
         with autocast_for(device, compute_dtype):
@@ -155,7 +163,17 @@ def train(
         if bar is not None:
             bar.update(1)
             bar.set_postfix(loss=f"{record['loss']:.4f}", accept=f"{parts.accept:.3f}")
-        done = state.step >= cfg.steps
+        if time_budget_s is not None and state.step - start_step == BUDGET_PROBE_STEPS:
+            per_step = (time.monotonic() - t0) / BUDGET_PROBE_STEPS
+            fits = state.step + int((time_budget_s - (time.monotonic() - t0)) / per_step)
+            if fits < cfg.steps:
+                logger.info(
+                    "time budget: %d steps (%.3f s/step) instead of %d", fits, per_step, cfg.steps
+                )
+                state.total_steps = max(fits, state.step)
+                if bar is not None:
+                    bar.total = state.total_steps
+        done = state.step >= (state.total_steps or cfg.steps)
         stopping = (stop_after is not None and state.step - start_step >= stop_after) or (
             time_limit_s is not None and time.monotonic() - t0 >= time_limit_s
         )
@@ -187,6 +205,7 @@ def save_state(
             "scheduler": sched.state_dict(),
             "step": state.step,
             "history": state.history,
+            "total_steps": state.total_steps,
             "config": asdict(cfg),
         },
         tmp,
