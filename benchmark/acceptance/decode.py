@@ -2,7 +2,7 @@
 add up to.
 
 Prompt: "Question: {q}\\nAnswer:" (no shots); generation stops at the GSM8K stop strings, EOS or the
-token limit. Greedy runs use temperature 0; sampled runs give question i the seed `seed + i`, so a
+token limit. Greedy runs use temperature 0; sampled runs seed question i with `seed + i`, so a
 rerun draws the same samples.
 
 Acceptance length (per verify step) = tokens a DSpark step commits (accepted drafts + the bonus

@@ -283,13 +283,13 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         sps_table = profile_sps_table(args, largest, out / "tables" / "sps.json")
     for cfg in configs:
         block = cfg.block_size or own_block
-        try:
-            kw = spec_engine_kwargs(cfg, out / "tables", sps_table, block)
+        try:  # a configuration this target, draft or device cannot run is reported, not fatal
+            engine = Engine(**base, **spec_engine_kwargs(cfg, out / "tables", sps_table, block))
         except ValueError as exc:
             skipped.append({"config": cfg.name, "reason": str(exc)})
             logger.warning("skipping %s: %s", cfg.name, exc)
             continue
-        engine = Engine(**base, **kw)
+        block = engine.spec.worker.gamma  # the block size that runs, as the engine resolved it
         for t in args.temperature_list:
             recs, wall = decode(engine, rows, temperature=t, label=cfg.name, **decode_kw)
             add_run(cfg.draft_label, cfg.policy.label, block, t, recs, wall, True)
