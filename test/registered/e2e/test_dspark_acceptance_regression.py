@@ -1,0 +1,73 @@
+"""Regression on real acceptance: a target and its DSpark draft decode eight GSM8K test prompts
+(zero-shot, greedy, as `python -m benchmark.acceptance` does); the DSpark outputs equal the
+outputs without speculation token for token, and the pooled acceptance length (tokens committed
+per verify step) reaches the pair's floor.
+
+A pair's floor is its measured acceptance on these prompts minus a margin; a random draft's floor
+is 1.0 (every verify step commits at least its bonus token)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from sgl_dspark import Engine
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))  # repo root, for `benchmark`
+
+from benchmark.acceptance.decode import (  # noqa: E402
+    decode,
+    pooled_accept_length,
+    token_mismatches,
+)
+from benchmark.gsm8k.data import load_jsonl  # noqa: E402
+
+PROMPTS = Path(__file__).resolve().parent / "data" / "gsm8k_test8" / "test.jsonl"
+MAX_NEW_TOKENS = 32
+
+# (target, draft, floor on the pooled acceptance length)
+PAIRS = [
+    pytest.param("tiny-v41", "tiny-v41-dspark", 1.0, id="tiny-v41-random-draft"),
+]
+
+
+def greedy_gsm8k(engine: Engine, rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    records, _ = decode(
+        engine,
+        rows,
+        temperature=0.0,
+        max_new_tokens=MAX_NEW_TOKENS,
+        batch_size=len(rows),
+        seed=0,
+        loop_window=64,
+        loop_max_period=16,
+    )
+    return records
+
+
+def check_dspark_acceptance(model_path: str, draft_path: str, floor: float) -> float:
+    """Decodes the eight prompts without and with DSpark; asserts identical greedy outputs and an
+    acceptance length >= `floor`; returns the acceptance length."""
+    rows = load_jsonl(PROMPTS)
+    assert len(rows) == 8
+    common = {"model_path": model_path, "device": "cpu", "max_running_requests": len(rows)}
+    with Engine(**common) as engine:
+        plain = greedy_gsm8k(engine, rows)
+    with Engine(
+        **common, speculative_algorithm="DSpark", speculative_draft_model_path=draft_path
+    ) as engine:
+        spec = greedy_gsm8k(engine, rows)
+    assert all(r["completion_tokens"] > 1 for r in plain)
+    assert all(r["verify_steps"] > 0 for r in spec)
+    mismatches = token_mismatches(plain, spec)
+    assert mismatches["outputs_differing"] == 0, mismatches
+    accept = pooled_accept_length(spec)
+    assert accept is not None and accept >= floor, (accept, floor)
+    return accept
+
+
+@pytest.mark.parametrize(("model_path", "draft_path", "floor"), PAIRS)
+def test_dspark_acceptance_on_gsm8k_prompts(model_path: str, draft_path: str, floor: float):
+    check_dspark_acceptance(model_path, draft_path, floor)
