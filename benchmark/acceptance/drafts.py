@@ -13,6 +13,7 @@ from typing import Any
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.entrypoints.builtin_dirs import BUILTIN_MODELS, materialize
+from sgl_dspark.srt.models.shipped import shipped_model_dir
 from sgl_dspark.srt.speculative.dspark.draft_checkpoint import save_draft_checkpoint
 from sgl_dspark.srt.speculative.dspark.factory import BUILTIN_DRAFTS
 from sgl_dspark.tools.init_dspark_draft import random_draft_weights
@@ -22,6 +23,9 @@ def model_dir(model_path: str) -> str:
     """The directory of a target: itself, or a built-in model written out as a directory."""
     if os.path.isdir(model_path):
         return model_path
+    shipped = shipped_model_dir(model_path)
+    if shipped is not None:
+        return shipped
     if model_path in BUILTIN_MODELS:
         return materialize(model_path)
     raise ValueError(f"--model-path {model_path!r} is neither a directory nor a built-in model")
