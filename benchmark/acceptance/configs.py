@@ -67,8 +67,8 @@ class SpecConfig:
 
     @property
     def name(self) -> str:
-        block = "draft's" if self.block_size is None else str(self.block_size)
-        return f"{self.draft_label} {self.policy.label} block {block}"
+        block = "the draft's block size" if self.block_size is None else f"block {self.block_size}"
+        return f"{self.draft_label} {self.policy.label}, {block}"
 
 
 def write_width_table(width: int, tables_dir: Path) -> Path:

@@ -102,7 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="auto",
         help="random-draft control: 'auto' (written to OUT/random_draft), a directory, or 'none'",
     )
-    p.add_argument("--random-draft-seed", type=int, default=1)
+    p.add_argument(
+        "--random-draft-seed", type=int, default=1234, help="not a built-in draft's seed (1)"
+    )
     p.add_argument(
         "--sps-table", default=None, help="confidence policy cost table (default: profile)"
     )
