@@ -83,7 +83,9 @@ class _Recorder:
     """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the call."""
 
     def __init__(self, fn) -> None:
-        self.fn = fn
+        # A recorder may stand in for another one (`--all` records every kernel, then the
+        # instruction checks record their cases again): keep the JIT function.
+        self.fn = fn.fn if isinstance(fn, _Recorder) else fn
         self.calls: list[tuple[tuple, dict]] = []
 
     def __getitem__(self, grid):

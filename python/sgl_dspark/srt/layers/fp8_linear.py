@@ -8,7 +8,7 @@ the weight per call; so does the grouped output projection. The DSpark main proj
 taps x D, a fixed row count per captured graph) runs the split-K W8A8 GEMM at every size up to
 `SPLIT_K_MAX_M` rows, quantising its input in the GEMM's prologue (its producer is the mean of
 the target's streams, a torch op). With `KernelChoice.mx_moe` the routed MXFP4 experts run the MX
-path (`kernels/fp8/mx_moe.py`).
+path (`kernels/fp8/mx_moe.py`) wherever the sorted expert path runs (more than 4 tokens).
 
 Quantisation is per token and per `group` channels (the checkpoint's weight block along K), with
 power-of-two scales when the checkpoint declares `scale_fmt: ue8m0`. It is folded into the
@@ -22,20 +22,25 @@ want the same rows:
   * the MX MoE's stage 1 writes its activation as MXFP8 for stage 2.
 A producer's FP8 form travels with the tensor object it describes (`attach_fp8`): a consumer
 handed that same object (not a view, a copy or a slice) reads the codes; any other input is
-quantised by a separate launch (`quantize_act_fp8`). That covers the inputs whose producers are
-not folded: the q rank's norm output (q_b), the attention output (the grouped o_a) and o_a's
-output (o_b). Those producers are either outside the "fp8" family's reach (the attention kernel's
-output rows are consumed by a grouped GEMM whose groups split the heads) or a norm whose
-output also feeds unquantised consumers (the indexer); quantising them in their own launch reads
-an activation of a few MB once more.
+quantised by a separate launch (`quantize_act_fp8`). That covers the inputs whose producers do
+not fold it yet, each a few KB per token read once more:
+  * q_b's input, the q rank's RMSNorm (`norm/rmsnorm.py`): the norm kernel could write the FP8
+    form beside its output as the boundary does; it is another family's kernel and has not
+    been given the epilogue;
+  * o_a's input, the attention output: the attention kernel writes its rows from two places
+    (the single pass and the merge of its key splits), each with the inverse-rope epilogue,
+    and the quantiser would have to join both;
+  * o_b's input, o_a's output: the grouped GEMM's tiles hold whole groups of the output and
+    could quantise them, but the attention reshapes that output ([T, G, N] -> [T, G * N])
+    into a new tensor object, which a recorded FP8 form does not follow.
 
 Numerics class (what changes against dequantise-then-bf16, `kernels/fp8/reference.py`): the
 weights are the same numbers; the activation is rounded to E4M3 with its group scale (relative
 error at most 2^-4 per element in E4M3's normal range), the products are exact, and each chunk
 of min(group, weight group) channels is summed in the matrix unit before joining the fp32
-accumulator. So outputs move by at most sum_k |w| * 2^-4 |x| (`w8a8_bf16_gap_bound_ref`), about
-2^-4 / sqrt(K) relative to the output's scale for random-sign data: logits change, greedy tokens
-may. Inputs at decode sizes keep the weight-only kernels (activations exact), so a token's
+accumulator. So outputs move by at most sum_k |w| * 2^-4 |x| (`w8a8_bf16_gap_bound_ref`); for
+random-sign data the typical move is the elements' RMS relative rounding error, about 2^-5 of
+the output's RMS: logits change, greedy tokens may. Inputs at decode sizes keep the weight-only kernels (activations exact), so a token's
 numerics depend on whether its forward had more than `MAX_M` rows: a DSpark verify of more
 than `MAX_M` rows and a plain decode step of fewer may round differently, and greedy outputs
 with and without DSpark are equal only within one regime (`--fp8-activations off` keeps one).
