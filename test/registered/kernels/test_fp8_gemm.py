@@ -4,9 +4,9 @@ its grouped and split-K variants, against `kernels/fp8/reference.py`.
 * Quantiser: codes and scales bit-exact on every backend (E4M3 rounded on the fp32 bits), and
   every element within the stated error bound of its input.
 * W8A8: against the reference with the same activation quantisation the products are exact and
-  only each chunk's fp32 sum order differs (the interpreter's numpy dot vs the reference's
-  exactly rounded sum): outputs within a few fp32 ulps before rounding, so bf16 outputs equal
-  up to rare one-ulp flips. Against dequantise-then-bf16 (`small_m_linear_ref` on the bf16
+  only each chunk's sum differs (the interpreter's numpy dot, or the GPU's FP8 MMA, vs the
+  reference's exactly rounded sum): outputs within SUM_EPS of sum |terms| before rounding; in
+  the interpreter bf16 outputs equal up to rare one-ulp flips. Against dequantise-then-bf16 (`small_m_linear_ref` on the bf16
   activation): within `w8a8_bf16_gap_bound_ref` plus the two outputs' roundings.
 * Split-K: against its reference (the same splits), deterministic, and within fp32 rounding of
   the unsplit GEMM.
@@ -128,13 +128,20 @@ def test_mxfp8_quantizer() -> None:
         quantize_act_mxfp8(x[:, :100])
 
 
+# How far a chunk's sum may lie from the exactly rounded one, relative to sum |terms|: the
+# interpreter sums in fp32 (numpy); a GPU's FP8 MMA accumulates the products of a chunk with
+# fewer than fp32's bits (about 14 on Hopper) before the kernel promotes the chunk.
+SUM_EPS = 2.0**-12 if torch.cuda.is_available() else 2.0**-20
+
+
 def _assert_w8a8_close(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> None:
-    """got vs the same-quantisation reference: fp32 sums in another order (each within
-    2^-20 of sum |terms|), then each rounded once to the output dtype."""
+    """got vs the same-quantisation reference: chunk sums in another order (each within SUM_EPS
+    of sum |terms|), then each rounded once to the output dtype; in fp32 (the interpreter)
+    bf16 outputs then differ in rare last-bit flips only."""
     ulp = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 0.0}[got.dtype]
-    slack = terms * 2.0**-20 + want.float().abs() * ulp
+    slack = terms * SUM_EPS + want.float().abs() * ulp
     assert ((got.float() - want.float()).abs() <= slack).all()
-    if got.dtype != torch.float32:
+    if got.dtype != torch.float32 and not torch.cuda.is_available():
         assert (got != want).float().mean() <= 0.02
 
 
