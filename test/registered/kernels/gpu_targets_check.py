@@ -31,6 +31,8 @@ TARGETS = {
     "sm90": (GPUTarget("cuda", 90, 32), 232448),
     "gfx950": (GPUTarget("hip", "gfx950", 64), 163840),
 }
+# Targets compiled only for the instruction checks that name them (Blackwell: 228 KB).
+INSTRUCTION_TARGETS = {"sm100": (GPUTarget("cuda", 100, 32), 232448)}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 _PTR = {
     torch.float32: "*fp32",
@@ -173,7 +175,8 @@ def _compile_all(rec: _Recorder, instructions: dict[str, str] | None = None) -> 
         if key in seen:
             continue
         seen.add(key)
-        for name, (target, smem_limit) in TARGETS.items():
+        extra = {k: v for k, v in INSTRUCTION_TARGETS.items() if k in (instructions or {})}
+        for name, (target, smem_limit) in {**TARGETS, **extra}.items():
             src, options = _source(rec.fn, args, kwargs, specialize=instructions is not None)
             compiled = triton.compile(src, target=target, options=options)
             shared = compiled.metadata.shared
@@ -614,14 +617,15 @@ def _silu_fp8_group(group: int) -> Callable[[], object]:
     return lambda: silu_mul_clamp(_bf16(64, 2 * 2048), 10.0, "fp8_group", True, group=group)
 
 
-def _mx_moe() -> Callable[[], object]:
+def _mx_moe(block: int) -> Callable[[], object]:
     from sgl_dspark.kernels.fp8.mx_moe import mx_fused_moe
     from sgl_dspark.kernels.moe.reference import MoeSortOutput
 
-    # V4-Flash expert shapes (D 4096, I 2048), two local experts; tiles depend on (N, K).
+    # V4-Flash expert shapes (D 4096, I 2048), two local experts; tiles depend on (N, K) and
+    # the sort's block (the target's scaled-MMA rows: 32 on gfx950, 128 on Blackwell).
     sort = MoeSortOutput(
-        torch.zeros(64, dtype=torch.int32),
-        torch.zeros(64),
+        torch.zeros(2 * block, dtype=torch.int32),
+        torch.zeros(2 * block),
         torch.zeros(2, dtype=torch.int32),
         torch.zeros(2, dtype=torch.int32),
         torch.zeros(4, 4096),
@@ -633,6 +637,7 @@ def _mx_moe() -> Callable[[], object]:
         sort,
         6,
         10.0,
+        block_size=block,
     )
 
 
@@ -660,8 +665,9 @@ def _mhc_fp8(d: int, group: int) -> Callable[[], object]:
 
 
 # The matrix instruction each FP8 kernel exists to use, per target: NVIDIA's FP8 wgmma and
-# gfx950's FP8 MFMA for the W8A8 GEMMs, gfx950's scaled MFMA for the MX MoE (sm90 has no MX MMA:
-# Triton upcasts `dot_scaled` to bf16 there, which is why the engine never selects it on sm90).
+# gfx950's FP8 MFMA for the W8A8 GEMMs, gfx950's scaled MFMA and Blackwell's block-scaled MMA
+# (128-row tiles) for the MX MoE (sm90 has no MX MMA: Triton upcasts `dot_scaled` to bf16
+# there, which is why the engine never selects it on sm90).
 _W8A8_INSTRUCTIONS = {
     "sm90": r"wgmma\.mma_async\S*\.e4m3\.e4m3",
     "gfx950": r"v_mfma_f32_\w+_(f8f6f4|fp8_fp8)",
@@ -673,6 +679,7 @@ INSTRUCTIONS = {
     "w8a8_grouped_linear_o_a": _W8A8_INSTRUCTIONS,
     "w8a8_split_k_main_proj": _W8A8_INSTRUCTIONS,
     "mx_moe_gfx950": {"gfx950": r"v_mfma_scale_f32_\w+_f8f6f4"},
+    "mx_moe_blackwell": {"sm100": r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale"},
 }
 
 CASES = {
@@ -707,7 +714,8 @@ CASES = {
         "_mhc_post_combine_kernel",
         _mhc_fp8(7168, 32),
     ),
-    "mx_moe_gfx950": ("fp8.mx_moe", "_mx_moe_gemm_kernel", _mx_moe()),
+    "mx_moe_gfx950": ("fp8.mx_moe", "_mx_moe_gemm_kernel", _mx_moe(32)),
+    "mx_moe_blackwell": ("fp8.mx_moe", "_mx_moe_gemm_kernel", _mx_moe(128)),
     # Weights kept as stored at DeepSeek-V4(.1)-Flash shapes: FP8 128 x 128 (V4), 32 x 32
     # (V4.1), MXFP4; an lm_head-wide N takes the wide column blocks.
     "quantized_linear_fp8_o_b": (

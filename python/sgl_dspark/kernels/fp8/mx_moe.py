@@ -1,6 +1,6 @@
 """Routed experts on microscaling formats: MXFP8 activations x MXFP4 expert weights through
 `tl.dot_scaled`, for targets whose matrix units execute it (gfx950's scaled MFMA, Blackwell's
-block-scaled MMA; `targets.native_mx_dot`). `mx_fused_moe_ref` is the spec.
+block-scaled MMA at 128-row blocks; `targets.mx_dot_rows`). `mx_fused_moe_ref` is the spec.
 
 The layout is `fused_moe`'s (`moe/grouped_gemm.py`): `moe_sort`'s blocks of one local expert,
 one (block x N tile) per program, two launches of one kernel:

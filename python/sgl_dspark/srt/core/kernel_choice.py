@@ -36,8 +36,9 @@ class KernelChoice:
     # fp8_linear.py`): the checkpoint's activation quantisation (group, power-of-two scales).
     fp8_activations: Fp8ActFormat | None = None
     # Routed MXFP4 experts through `tl.dot_scaled` with MXFP8 activations (targets that execute
-    # it natively, with FP8 activations on).
-    mx_moe: bool = False
+    # it natively, with FP8 activations on): the rows per expert block of the MoE sort at which
+    # the target's scaled MMA is native (`kernels/fp8/targets.py::mx_dot_rows`); 0 = off.
+    mx_moe_block: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in KERNEL_BACKENDS:

@@ -7,8 +7,10 @@ verify batches) runs the W8A8 block-scaled GEMM (`kernels/fp8/w8a8.py`) instead 
 the weight per call; so does the grouped output projection. The DSpark main projection (K =
 taps x D, a fixed row count per captured graph) runs the split-K W8A8 GEMM at every size up to
 `SPLIT_K_MAX_M` rows, quantising its input in the GEMM's prologue (its producer is the mean of
-the target's streams, a torch op). With `KernelChoice.mx_moe` the routed MXFP4 experts run the MX
-path (`kernels/fp8/mx_moe.py`) wherever the sorted expert path runs (more than 4 tokens).
+the target's streams, a torch op). With `KernelChoice.mx_moe_block` the routed MXFP4 experts run
+the MX path (`kernels/fp8/mx_moe.py`) wherever the sorted expert path runs (more than 4
+tokens), sorted in blocks of the rows the target's scaled MMA needs (32 on gfx950, 128 on
+Blackwell).
 
 Quantisation is per token and per `group` channels (the checkpoint's weight block along K), with
 power-of-two scales when the checkpoint declares `scale_fmt: ue8m0`. It is folded into the
@@ -122,10 +124,10 @@ def resolve_fp8_paths(
         return kernels
     if kernels.of("linear") != "triton":
         raise ValueError("--fp8-activations on needs the triton 'linear' kernels")
-    from sgl_dspark.kernels.fp8.targets import native_mx_dot
+    from sgl_dspark.kernels.fp8.targets import mx_dot_rows
 
-    mx = kernels.of("moe") == "triton" and native_mx_dot(device)
-    return dataclasses.replace(kernels, fp8_activations=fmt, mx_moe=mx)
+    mx_rows = mx_dot_rows(device) if kernels.of("moe") == "triton" else 0
+    return dataclasses.replace(kernels, fp8_activations=fmt, mx_moe_block=mx_rows)
 
 
 class Fp8Linear:
@@ -219,10 +221,11 @@ def split_k_linear_impl(kernels: KernelChoice | None, fallback: LinearFn) -> Lin
 
 
 def mx_fused_moe_impl(kernels: KernelChoice | None, fused_moe: Callable) -> Callable:
-    """`fused_moe`, or with `kernels.mx_moe` a function of its signature that runs MXFP4 expert
-    stacks through the MX kernels (`mx_fused_moe`, reading x's MXFP8 form when its producer
-    wrote one) and any other weights through `fused_moe`."""
-    if kernels is None or not kernels.mx_moe:
+    """`fused_moe`, or with `kernels.mx_moe_block` a function of its signature that runs MXFP4
+    expert stacks through the MX kernels (`mx_fused_moe`, reading x's MXFP8 form when its
+    producer wrote one) and any other weights through `fused_moe`. The caller sorts the routes
+    in blocks of `kernels.mx_moe_block` rows then."""
+    if kernels is None or not kernels.mx_moe_block:
         return fused_moe
     from sgl_dspark.kernels.fp8.mx_moe import mx_fused_moe, mx_supported
 

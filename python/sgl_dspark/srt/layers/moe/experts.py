@@ -121,6 +121,8 @@ class RoutedExperts(nn.Module):
             self._moe_sort, self._moe_reduce = moe_sort, moe_reduce
             # MXFP4 stacks on targets with native scaled dots: the MX kernels (fp8_linear.py).
             self._fused_moe = mx_fused_moe_impl(kernels, fused_moe)
+            # The MX kernels' row tile is the target's scaled-MMA tile (128 on Blackwell).
+            self._sort_block = max(_SORT_BLOCK, (kernels or KernelChoice()).mx_moe_block)
             self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
             self._plan_type = MoeSortPlan
             # On the host whatever the ambient device (a model built under torch.device("cuda")
@@ -347,7 +349,7 @@ class RoutedExperts(nn.Module):
                 h, down, ids, reduce_weights, plan.local_table, plan.num_local, 1.0, shared
             )
         # hidden_size=0: the grouped GEMMs write per-route rows, so `moe_sort`'s sum is unused.
-        routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=self._sort_block)
         y = self._fused_moe(
             x,
             gate_up,
@@ -355,7 +357,7 @@ class RoutedExperts(nn.Module):
             routes,
             ids.shape[1],
             self.limit,
-            block_size=_SORT_BLOCK,
+            block_size=self._sort_block,
             weight_before_down=before,
         )
         return self._moe_reduce(y, reduce_weights, ids, mask, 1.0, shared)
@@ -386,9 +388,9 @@ class RoutedExperts(nn.Module):
         x = x.contiguous()
         ids = ids.to(torch.int32).contiguous()
         weights = weights.to(torch.float32).contiguous()
-        routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=self._sort_block)
         y = self._fused_moe(
-            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=_SORT_BLOCK
+            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=self._sort_block
         )
         local = (mask[ids.long()] == 1).unsqueeze(-1)
         t, k = ids.shape
