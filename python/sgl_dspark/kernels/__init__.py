@@ -18,6 +18,14 @@ if TYPE_CHECKING:
     from sgl_dspark.kernels.compressor.extend import compressor_extend
     from sgl_dspark.kernels.compressor.pool import compressor_pool
     from sgl_dspark.kernels.compressor.reference import PooledEntries
+    from sgl_dspark.kernels.fp8.act_quant import quantize_act_fp8, quantize_act_mxfp8
+    from sgl_dspark.kernels.fp8.mx_moe import mx_fused_moe
+    from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
+    from sgl_dspark.kernels.fp8.w8a8 import (
+        w8a8_grouped_linear,
+        w8a8_linear,
+        w8a8_split_k_linear,
+    )
     from sgl_dspark.kernels.indexer.fp4_k_quant import fp4_index_k_quant
     from sgl_dspark.kernels.indexer.fp4_q_rope import index_q_rope_fp4
     from sgl_dspark.kernels.indexer.logits import indexer_logits
@@ -30,7 +38,6 @@ if TYPE_CHECKING:
     from sgl_dspark.kernels.moe.grouped_gemm import fused_moe, moe_grouped_gemm
     from sgl_dspark.kernels.moe.reduce import moe_reduce
     from sgl_dspark.kernels.moe.reference import (
-        Fp8Activation,
         MoeSortOutput,
         RouterConfig,
         RouterTopkOutput,
@@ -59,6 +66,14 @@ _EXPORTS = {
     "compressor_extend": "compressor.extend",
     "compressor_pool": "compressor.pool",
     "PooledEntries": "compressor.reference",
+    "quantize_act_fp8": "fp8.act_quant",
+    "quantize_act_mxfp8": "fp8.act_quant",
+    "mx_fused_moe": "fp8.mx_moe",
+    "Fp8ActFormat": "fp8.reference",
+    "Fp8Activation": "fp8.reference",
+    "w8a8_grouped_linear": "fp8.w8a8",
+    "w8a8_linear": "fp8.w8a8",
+    "w8a8_split_k_linear": "fp8.w8a8",
     "fp4_index_k_quant": "indexer.fp4_k_quant",
     "index_q_rope_fp4": "indexer.fp4_q_rope",
     "indexer_logits": "indexer.logits",
@@ -75,7 +90,6 @@ _EXPORTS = {
     "fused_moe": "moe.grouped_gemm",
     "moe_grouped_gemm": "moe.grouped_gemm",
     "moe_reduce": "moe.reduce",
-    "Fp8Activation": "moe.reference",
     "MoeSortOutput": "moe.reference",
     "RouterConfig": "moe.reference",
     "RouterTopkOutput": "moe.reference",
@@ -104,6 +118,7 @@ _EXPORTS = {
 __all__ = [
     "AcceptOutput",
     "DraftInputs",
+    "Fp8ActFormat",
     "Fp8Activation",
     "IndexQFp4Output",
     "MarkovGreedyOutput",
@@ -135,8 +150,11 @@ __all__ = [
     "moe_route_gate_up",
     "moe_sort",
     "moe_token_down_reduce",
+    "mx_fused_moe",
     "prepare_draft_inputs",
     "prepare_moe_sort",
+    "quantize_act_fp8",
+    "quantize_act_mxfp8",
     "rms_norm",
     "rope_q_kv",
     "rope_tail",
@@ -147,6 +165,9 @@ __all__ = [
     "small_m_linear",
     "spec_accept",
     "vocab_argmax",
+    "w8a8_grouped_linear",
+    "w8a8_linear",
+    "w8a8_split_k_linear",
     "window_sparse_attention",
 ]
 

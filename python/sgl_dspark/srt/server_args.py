@@ -16,12 +16,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.models.shipped import shipped_model_dir
 from sgl_dspark.srt.server_args_checks import (
     CONFIDENCE_MODE_CHOICES,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     EP_COMBINE_CHOICES,
+    FP8_ACTIVATION_CHOICES,
     KERNEL_BACKEND_CHOICES,
     KV_CACHE_DTYPE_CHOICES,
     LOAD_FORMAT_CHOICES,
@@ -32,6 +34,7 @@ from sgl_dspark.srt.server_args_checks import (
     VERIFY_POLICY_CHOICES,
     WEIGHT_FORMAT_CHOICES,
     attention_backend_choices,
+    resolve_fp8_activations,
     validate,
 )
 
@@ -183,6 +186,19 @@ class ServerArgs:
         "= as stored, dequantised inside the GEMMs (the torch kernels dequantise per call); "
         "bf16 = dequantised once at load to --dtype; auto = native on GPU, bf16 on CPU.",
         WEIGHT_FORMAT_CHOICES,
+    )
+    fp8_activations: str = _arg(
+        "off",
+        "FP8 activations for the GEMMs on FP8 weights kept as stored (--weight-format native) "
+        "above decode sizes: per-token-group E4M3 with the checkpoint's block and scale format, "
+        "W8A8 block-scaled GEMMs on the FP8 matrix units (and on gfx950 / Blackwell the MXFP4 "
+        "experts through MXFP8 scaled dots). Changes numerics: activations are rounded to "
+        "E4M3 (docs/kernels.md). auto = on where the GPU has native FP8 MMA (NVIDIA sm89+, "
+        "AMD gfx950) with the triton linear kernels and native weights, else off. Off by "
+        "default: a DSpark verify wider than decode sizes would round its activations where "
+        "the plain decode step does not, so greedy output with DSpark would no longer equal "
+        "greedy output without it.",
+        FP8_ACTIVATION_CHOICES,
     )
     kv_cache_dtype: str = _arg(
         "auto",
@@ -369,6 +385,12 @@ class ServerArgs:
         kernel_backend = self.kernel_backend
         if kernel_backend == "auto":
             kernel_backend = "torch" if device == "cpu" else "triton"
+        fp8_activations = resolve_fp8_activations(
+            self.fp8_activations,
+            device,
+            weight_format,
+            KernelChoice.parse(kernel_backend, self.kernel_backend_overrides).of("linear"),
+        )
         algo = self.speculative_algorithm
         if algo is not None:
             algo = next(a for a in SPECULATIVE_ALGORITHMS if a.lower() == algo.lower())
@@ -385,6 +407,7 @@ class ServerArgs:
             dtype=dtype,
             kernel_backend=kernel_backend,
             weight_format=weight_format,
+            fp8_activations=fp8_activations,
             served_model_name=self.served_model_name or self.model_path,
             speculative_algorithm=algo,
         )

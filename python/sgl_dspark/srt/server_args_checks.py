@@ -20,6 +20,7 @@ LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 WEIGHT_FORMAT_CHOICES = ("auto", "native", "bf16")
 LOAD_FORMAT_CHOICES = ("auto", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "bfloat16")
+FP8_ACTIVATION_CHOICES = ("auto", "on", "off")
 EP_COMBINE_CHOICES = ("exact", "fast")
 # SGLang's names of the DeepSeek reasoning and tool-call formats (srt/entrypoints/chat_parsers.py).
 REASONING_PARSER_CHOICES = ("deepseek-r1", "deepseek-v3", "deepseek-v4", "deepseek-v41")
@@ -30,6 +31,33 @@ def attention_backend_choices() -> tuple[str, ...]:
     from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS
 
     return tuple(sorted(ATTENTION_BACKENDS))
+
+
+def resolve_fp8_activations(mode: str, device: str, weight_format: str, linear: str) -> str:
+    """--fp8-activations resolved to "on" or "off" for a resolved device, weight format and
+    "linear" kernel backend. auto: on with native weights, the triton linear kernels and a GPU
+    with native FP8 MMA. on: those are required (a CPU runs the kernels in the Triton
+    interpreter, for tests); ValueError naming the flag otherwise."""
+    if mode == "off":
+        return "off"
+    import torch
+
+    from sgl_dspark.kernels.fp8.targets import native_fp8_mma
+
+    native = device == "cuda" and native_fp8_mma(torch.device("cuda"))
+    if mode == "auto":
+        return "on" if native and weight_format == "native" and linear == "triton" else "off"
+    _require(
+        weight_format == "native",
+        "--fp8-activations on needs --weight-format native (the FP8 weights kept as stored)",
+    )
+    _require(linear == "triton", "--fp8-activations on needs the triton 'linear' kernels")
+    _require(
+        device == "cpu" or native,
+        "--fp8-activations on: this GPU has no native FP8 matrix instructions for E4M3FN "
+        "(NVIDIA sm89+ or AMD gfx950 have them); use auto or off",
+    )
+    return "on"
 
 
 def _require(cond: bool, message: str) -> None:
@@ -78,6 +106,7 @@ def validate(a: ServerArgs) -> None:
     _check_choice("--weight-format", a.weight_format, WEIGHT_FORMAT_CHOICES)
     _check_choice("--load-format", a.load_format, LOAD_FORMAT_CHOICES)
     _check_choice("--kv-cache-dtype", a.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+    _check_choice("--fp8-activations", a.fp8_activations, FP8_ACTIVATION_CHOICES)
     _check_choice("--attention-backend", a.attention_backend, attention_backend_choices())
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
 

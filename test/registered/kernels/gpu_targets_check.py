@@ -18,6 +18,7 @@ and the compiled device tests do that)."""
 from __future__ import annotations
 
 import importlib
+import re
 from collections.abc import Callable
 
 import torch
@@ -30,6 +31,8 @@ TARGETS = {
     "sm90": (GPUTarget("cuda", 90, 32), 232448),
     "gfx950": (GPUTarget("hip", "gfx950", 64), 163840),
 }
+# Targets compiled only for the instruction checks that name them (Blackwell: 228 KB).
+INSTRUCTION_TARGETS = {"sm100": (GPUTarget("cuda", 100, 32), 232448)}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 _PTR = {
     torch.float32: "*fp32",
@@ -69,6 +72,9 @@ _KERNEL_MODULES = (
     "quant.store",
     "engram.gather",
     "indexer.v41_logits",
+    "fp8.act_quant",
+    "fp8.w8a8",
+    "fp8.mx_moe",
 )
 # Benchmark cases whose CPU inputs are too large for CI (the fused MoE holds 96 DSV4-Flash
 # experts, ~5 GB); their kernels are covered by the small direct cases below.
@@ -79,7 +85,9 @@ class _Recorder:
     """Stands in for a `@triton.jit` kernel: `kernel[grid](*args, **kwargs)` records the call."""
 
     def __init__(self, fn) -> None:
-        self.fn = fn
+        # A recorder may stand in for another one (`--all` records every kernel, then the
+        # instruction checks record their cases again): keep the JIT function.
+        self.fn = fn.fn if isinstance(fn, _Recorder) else fn
         self.calls: list[tuple[tuple, dict]] = []
 
     def __getitem__(self, grid):
@@ -122,11 +130,21 @@ def _record(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
     return rec
 
 
-def _source(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
+def _source(fn, args: tuple, kwargs: dict, specialize: bool = False) -> tuple[ASTSource, dict]:
+    """The kernel's source for `triton.compile`. `specialize`: mark the arguments Triton's
+    launcher marks at run time (16-byte aligned pointers, integers divisible by 16), so that
+    vectorised loads and the software pipeline (and so the shared memory) are a GPU run's."""
     names = fn.arg_names
     values = dict(zip(names, args))
     values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-    signature, constexprs = {}, {}
+    signature, constexprs, attrs = {}, {}, {}
+    for index, param in enumerate(fn.params):
+        v = values[param.name]
+        aligned = (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0) or (
+            isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
+        )
+        if specialize and not param.is_constexpr and aligned:
+            attrs[(index,)] = [["tt.divisibility", 16]]
     for param in fn.params:
         v = values[param.name]
         if param.is_constexpr:
@@ -140,11 +158,14 @@ def _source(fn, args: tuple, kwargs: dict) -> tuple[ASTSource, dict]:
         else:
             signature[param.name] = "fp32"
     options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs), options
+    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
 
 
-def _compile_all(rec: _Recorder) -> list[str]:
-    """Compile every distinct recorded launch for every target; returns report lines."""
+def _compile_all(rec: _Recorder, instructions: dict[str, str] | None = None) -> list[str]:
+    """Compile every distinct recorded launch for every target; returns report lines.
+    `instructions`: per target, a regular expression the assembly (PTX / AMDGCN) must match
+    (the matrix instruction a kernel exists to use); such kernels compile with the run-time
+    specialisation (`_source`)."""
     report = []
     seen = set()
     for args, kwargs in rec.calls:
@@ -154,11 +175,16 @@ def _compile_all(rec: _Recorder) -> list[str]:
         if key in seen:
             continue
         seen.add(key)
-        for name, (target, smem_limit) in TARGETS.items():
-            src, options = _source(rec.fn, args, kwargs)
+        extra = {k: v for k, v in INSTRUCTION_TARGETS.items() if k in (instructions or {})}
+        for name, (target, smem_limit) in {**TARGETS, **extra}.items():
+            src, options = _source(rec.fn, args, kwargs, specialize=instructions is not None)
             compiled = triton.compile(src, target=target, options=options)
             shared = compiled.metadata.shared
             assert shared <= smem_limit, (name, kwargs, shared)
+            want = (instructions or {}).get(name)
+            if want is not None:
+                asm = compiled.asm["ptx" if target.backend == "cuda" else "amdgcn"]
+                assert re.search(want, asm), (name, "no instruction matching", want)
             report.append(f"{name} shared={shared}")
     return report
 
@@ -545,7 +571,151 @@ def _mhc_single_pass(d: int, close_only: bool) -> Callable[[], object]:
     return run
 
 
+def _fp8_act(m: int, k: int, group: int, lead: tuple[int, ...] = ()):
+    from sgl_dspark.kernels.fp8.reference import Fp8Activation
+
+    q = torch.zeros(m, *lead, k, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    return Fp8Activation(q, torch.ones(m, *lead, -(-k // group)))
+
+
+def _w8a8_linear(m: int, n: int, k: int, block: int, group: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.fp8.w8a8 import w8a8_linear
+
+    return lambda: w8a8_linear(_fp8_act(m, k, group), _quantized("fp8", (n, k), block), group)
+
+
+def _w8a8_grouped_linear() -> Callable[[], object]:
+    from sgl_dspark.kernels.fp8.w8a8 import w8a8_grouped_linear
+
+    # DeepSeek-V4-Flash's o_a at a prefill chunk: 8 groups of 1024 rows over 4096 channels.
+    act = _fp8_act(512, 4096, 128, (8,))
+    return lambda: w8a8_grouped_linear(act, _quantized("fp8", (8192, 4096), 128), 128)
+
+
+def _w8a8_split_k(m: int, block: int, group: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.fp8.reference import Fp8ActFormat
+    from sgl_dspark.kernels.fp8.w8a8 import w8a8_split_k_linear
+
+    # The DSpark main projection of V4-Flash: 3 tapped layers of 4096 into 4096.
+    fmt = Fp8ActFormat(group, True)
+    return lambda: w8a8_split_k_linear(
+        _bf16(m, 12288), _quantized("fp8", (4096, 12288), block), fmt
+    )
+
+
+def _act_quant(group: int, mx: bool) -> Callable[[], object]:
+    from sgl_dspark.kernels.fp8.act_quant import quantize_act_fp8, quantize_act_mxfp8
+
+    if mx:
+        return lambda: quantize_act_mxfp8(_bf16(64, 4096))
+    return lambda: quantize_act_fp8(_bf16(64, 4096), group, True)
+
+
+def _silu_fp8_group(group: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.moe.activation import silu_mul_clamp
+
+    return lambda: silu_mul_clamp(_bf16(64, 2 * 2048), 10.0, "fp8_group", True, group=group)
+
+
+def _mx_moe(block: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.fp8.mx_moe import mx_fused_moe
+    from sgl_dspark.kernels.moe.reference import MoeSortOutput
+
+    # V4-Flash expert shapes (D 4096, I 2048), two local experts; tiles depend on (N, K) and
+    # the sort's block (the target's scaled-MMA rows: 32 on gfx950, 128 on Blackwell).
+    sort = MoeSortOutput(
+        torch.zeros(2 * block, dtype=torch.int32),
+        torch.zeros(2 * block),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(4, 4096),
+    )
+    return lambda: mx_fused_moe(
+        _bf16(4, 4096),
+        _quantized("mxfp4", (2, 4096, 4096), 32),
+        _quantized("mxfp4", (2, 4096, 2048), 32),
+        sort,
+        6,
+        10.0,
+        block_size=block,
+    )
+
+
+def _mhc_fp8(d: int, group: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.fp8.reference import Fp8ActFormat
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine
+
+    n, r = 4, 24
+
+    def run() -> None:
+        heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
+        mhc_post_combine(
+            _bf16(2, n, d),
+            _bf16(2, d),
+            torch.rand(2, n),
+            torch.rand(2, n, n),
+            *heads,
+            hc_eps=1e-6,
+            sinkhorn_iters=20,
+            rms_eps=1e-6,
+            fp8_out=Fp8ActFormat(group, True),
+        )
+
+    return run
+
+
+# The matrix instruction each FP8 kernel exists to use, per target: NVIDIA's FP8 wgmma and
+# gfx950's FP8 MFMA for the W8A8 GEMMs, gfx950's scaled MFMA and Blackwell's block-scaled MMA
+# (128-row tiles) for the MX MoE (sm90 has no MX MMA: Triton upcasts `dot_scaled` to bf16
+# there, which is why the engine never selects it on sm90).
+_W8A8_INSTRUCTIONS = {
+    "sm90": r"wgmma\.mma_async\S*\.e4m3\.e4m3",
+    "gfx950": r"v_mfma_f32_\w+_(f8f6f4|fp8_fp8)",
+}
+INSTRUCTIONS = {
+    "w8a8_linear_prefill_128": _W8A8_INSTRUCTIONS,
+    "w8a8_linear_prefill_v41_32": _W8A8_INSTRUCTIONS,
+    "w8a8_linear_m32": _W8A8_INSTRUCTIONS,
+    "w8a8_grouped_linear_o_a": _W8A8_INSTRUCTIONS,
+    "w8a8_split_k_main_proj": _W8A8_INSTRUCTIONS,
+    "mx_moe_gfx950": {"gfx950": r"v_mfma_scale_f32_\w+_f8f6f4"},
+    "mx_moe_blackwell": {"sm100": r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale"},
+}
+
 CASES = {
+    # FP8 activations: the W8A8 GEMMs at prefill and verify sizes (V4-Flash q_a/kv 4096 x
+    # 4096 with 128 x 128 blocks; V4.1's 32 x 32 blocks), the split-K main projection and its
+    # reduce, the quantisers (their own launch, the SiLU epilogue, the mHC boundary) and the MX
+    # MoE stages.
+    "w8a8_linear_prefill_128": (
+        "fp8.w8a8",
+        "_w8a8_gemm_kernel",
+        _w8a8_linear(512, 4096, 4096, 128, 128),
+    ),
+    "w8a8_linear_prefill_v41_32": (
+        "fp8.w8a8",
+        "_w8a8_gemm_kernel",
+        _w8a8_linear(512, 4096, 4096, 32, 32),
+    ),
+    "w8a8_linear_m32": ("fp8.w8a8", "_w8a8_gemm_kernel", _w8a8_linear(32, 4096, 4096, 128, 128)),
+    "w8a8_grouped_linear_o_a": ("fp8.w8a8", "_w8a8_gemm_kernel", _w8a8_grouped_linear()),
+    "w8a8_split_k_main_proj": ("fp8.w8a8", "_w8a8_gemm_kernel", _w8a8_split_k(32, 128, 128)),
+    "w8a8_split_k_reduce": ("fp8.w8a8", "_split_k_reduce_kernel", _w8a8_split_k(32, 32, 32)),
+    "act_quant_fp8_128": ("fp8.act_quant", "_act_quant_kernel", _act_quant(128, False)),
+    "act_quant_mxfp8": ("fp8.act_quant", "_act_quant_kernel", _act_quant(32, True)),
+    "silu_mul_clamp_fp8_group_32": (
+        "moe.activation",
+        "_silu_mul_clamp_kernel",
+        _silu_fp8_group(32),
+    ),
+    "mhc_boundary_fp8_d4096": ("mhc.post_combine", "_mhc_post_combine_kernel", _mhc_fp8(4096, 128)),
+    "mhc_boundary_fp8_d7168_32": (
+        "mhc.post_combine",
+        "_mhc_post_combine_kernel",
+        _mhc_fp8(7168, 32),
+    ),
+    "mx_moe_gfx950": ("fp8.mx_moe", "_mx_moe_gemm_kernel", _mx_moe(32)),
+    "mx_moe_blackwell": ("fp8.mx_moe", "_mx_moe_gemm_kernel", _mx_moe(128)),
     # Weights kept as stored at DeepSeek-V4(.1)-Flash shapes: FP8 128 x 128 (V4), 32 x 32
     # (V4.1), MXFP4; an lm_head-wide N takes the wide column blocks.
     "quantized_linear_fp8_o_b": (
@@ -785,6 +955,10 @@ PDL_KERNELS = (
     "engram.gather._engram_gather_kernel",
     "indexer.v41_logits._v41_index_scores_kernel",
     "indexer.v41_logits._candidate_block_max_kernel",
+    "fp8.act_quant._act_quant_kernel",
+    "fp8.w8a8._w8a8_gemm_kernel",
+    "fp8.w8a8._split_k_reduce_kernel",
+    "fp8.mx_moe._mx_moe_gemm_kernel",
 )
 
 
@@ -837,6 +1011,16 @@ def check_programmatic_launch(
     return report
 
 
+def check_instructions() -> list[str]:
+    """Compile the cases of `INSTRUCTIONS` and check their matrix instructions."""
+    report = []
+    for case, wanted in sorted(INSTRUCTIONS.items()):
+        module, kernel, run = CASES[case]
+        _compile_all(_record(f"sgl_dspark.kernels.{module}", kernel, run), wanted)
+        report.append(f"ok asm {case}: {', '.join(f'{t} {r}' for t, r in sorted(wanted.items()))}")
+    return report
+
+
 def main(names: list[str]) -> int:
     if names == ["--all"]:
         recs = record_all_kernels()
@@ -849,6 +1033,11 @@ def main(names: list[str]) -> int:
         except Exception as exc:
             failed += 1
             print(f"FAIL pdl: {type(exc).__name__}: {exc}", flush=True)
+        try:
+            print("\n".join(check_instructions()), flush=True)
+        except Exception as exc:
+            failed += 1
+            print(f"FAIL asm: {type(exc).__name__}: {exc}", flush=True)
         for key, rec in sorted(recs.items()):
             if not rec.calls:
                 continue
@@ -863,7 +1052,8 @@ def main(names: list[str]) -> int:
     for case in names or sorted(CASES):
         module, kernel, run = CASES[case]
         try:
-            report = _compile_all(_record(f"sgl_dspark.kernels.{module}", kernel, run))
+            rec = _record(f"sgl_dspark.kernels.{module}", kernel, run)
+            report = _compile_all(rec, INSTRUCTIONS.get(case))
             print(f"ok {case}: {'; '.join(report)}", flush=True)
         except Exception as exc:  # report every case, fail at the end
             failed += 1

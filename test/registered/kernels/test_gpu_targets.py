@@ -1,6 +1,8 @@
 """Every kernel compiles for NVIDIA sm90 and AMD gfx950 and fits their shared memory, at the
 launches of the benchmark cases (DeepSeek-V4-Flash shapes) and the hand-written runtime cases
-(see `gpu_targets_check.py`); checked without a GPU, in a subprocess free of TRITON_INTERPRET."""
+(see `gpu_targets_check.py`); the FP8 kernels also emit their matrix instructions (the W8A8
+GEMMs sm90's `wgmma ... e4m3.e4m3` and gfx950's FP8 MFMA, the MX MoE gfx950's
+`v_mfma_scale_f32_*_f8f6f4`); checked without a GPU, in a subprocess free of TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_targets_check import PDL_KERNELS
+from gpu_targets_check import INSTRUCTIONS, PDL_KERNELS
 
 CHECK = Path(__file__).with_name("gpu_targets_check.py")
 
@@ -28,3 +30,6 @@ def test_kernels_compile_for_sm90_and_gfx950() -> None:
     assert len([x for x in lines if x.startswith("ok ")]) >= 21, proc.stdout
     # The programmatic-launch kernels compile with and without PDL (`check_programmatic_launch`).
     assert len([x for x in lines if x.startswith("ok pdl ")]) == len(PDL_KERNELS), proc.stdout
+    # The FP8 kernels emit the matrix instructions they exist for (sm90's FP8 wgmma, gfx950's
+    # FP8 and scaled MFMA), within shared memory at the run-time specialisation.
+    assert len([x for x in lines if x.startswith("ok asm ")]) == len(INSTRUCTIONS), proc.stdout

@@ -262,7 +262,8 @@ def test_kernel_large_magnitudes_and_hc_eps() -> None:
 def _assert_rows_equal(
     got: MhcPostCombineOutput, want: MhcPostCombineOutput, rows: list[int], want_rows: list[int]
 ) -> None:
-    for name, a, b in zip(MhcPostCombineOutput._fields, got, want):
+    # The tensor outputs (x_fp8 is None unless asked for).
+    for name, a, b in zip(MhcPostCombineOutput._fields[:6], got, want):
         for r, wr in zip(rows, want_rows):
             int_ty = torch.int16 if a.dtype == torch.bfloat16 else torch.int32
             assert torch.equal(a[r].view(int_ty), b[wr].view(int_ty)), (name, r, wr)
@@ -312,7 +313,7 @@ def test_repeated_calls_are_identical() -> None:
     second = mhc_post_combine(
         **inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(9, 4, 96, torch.float32)
     )
-    for a, b in zip(first, second):
+    for a, b in zip(first[:6], second[:6]):
         _assert_bits_equal(a, b)
 
 
@@ -320,7 +321,7 @@ def test_empty_batch() -> None:
     inp = _make_inputs(0, 4, 96, torch.bfloat16, seed=0)
     out = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW)
     shapes = [(0, 4, 96), (0, 4), (0, 4), (0, 4, 4), (0, 96), (0, 96)]
-    assert [tuple(t.shape) for t in out] == shapes
+    assert [tuple(t.shape) for t in out[:6]] == shapes and out.x_fp8 is None
 
 
 @pytest.mark.parametrize(

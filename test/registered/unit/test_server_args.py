@@ -80,12 +80,33 @@ def test_engine_arguments_are_server_args():
             "dtype",
             "kernel_backend",
             "weight_format",
+            "fp8_activations",
         ):
             assert (
                 getattr(runner_defaults, f.name) == ServerArgs.__dataclass_fields__[f.name].default
             ), f.name
     rc = RunnerConfig.from_server_args(engine.args, max_verify_tokens=16)
     assert (rc.device, rc.dtype, rc.context_length) == ("cpu", "float32", 64)
+
+
+def test_fp8_activations_resolution():
+    """auto resolves to off without a GPU that has FP8 matrix instructions; on needs native
+    weights and the triton linear kernels (a CPU runs them in the interpreter), else the error
+    names the flag."""
+    base = dict(model_path="tiny", device="cpu")
+    assert ServerArgs(**base).resolved().fp8_activations == "off"
+    on = ServerArgs(
+        **base, fp8_activations="on", weight_format="native", kernel_backend="triton"
+    ).resolved()
+    assert on.fp8_activations == "on"
+    with pytest.raises(ValueError, match="--fp8-activations on needs --weight-format native"):
+        ServerArgs(**base, fp8_activations="on", kernel_backend="triton").resolved()
+    with pytest.raises(ValueError, match="triton 'linear'"):
+        ServerArgs(**base, fp8_activations="on", weight_format="native").resolved()
+    with pytest.raises(ValueError, match="--fp8-activations"):
+        ServerArgs(**base, fp8_activations="yes")
+    off = ServerArgs(**base, fp8_activations="off", weight_format="native").resolved()
+    assert off.fp8_activations == "off"
 
 
 def test_parse_types_defaults_and_resolution():
@@ -112,7 +133,14 @@ def test_parse_types_defaults_and_resolution():
     assert args.chunked_prefill_size == -1  # no chunking: the scheduler's prefill budget is off
     defaults = ServerArgs.from_cli_args(["--model-path", "m", "--device", "cpu"])
     for f in dataclasses.fields(ServerArgs):
-        resolved = ("device", "dtype", "kernel_backend", "weight_format", "served_model_name")
+        resolved = (
+            "device",
+            "dtype",
+            "kernel_backend",
+            "weight_format",
+            "fp8_activations",
+            "served_model_name",
+        )
         if f.name != "model_path" and f.name not in resolved:
             assert getattr(defaults, f.name) == f.default, f.name
     assert defaults.dtype == "float32" and defaults.served_model_name == "m"

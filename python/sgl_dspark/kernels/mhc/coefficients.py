@@ -1,5 +1,6 @@
 """Phase B of the mHC boundary kernel (`post_combine.py`): per row, the next hyper-connection's
-coefficients from the phase-A partials, the collapse of the updated streams and its RMSNorm."""
+coefficients from the phase-A partials, the collapse of the updated streams and its RMSNorm
+(optionally also in the FP8 form the next sublayer's W8A8 GEMMs read)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import round_to_bf16
+from sgl_dspark.kernels.fp8.act_quant import store_quantized_groups
 from sgl_dspark.kernels.mhc.stream_update import pick
 
 
@@ -63,10 +65,44 @@ def _collapse_store(
 
 @triton.jit
 def _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_d, mask_d, ROUND_BF16: tl.constexpr):
+    """Stores the normed row and returns the stored values in fp32 (zero in masked lanes)."""
     out = w * (x * inv_rms_x)
     if ROUND_BF16:
         out = round_to_bf16(out)
     tl.store(x_normed_row_ptr + offs_d, out.to(x_normed_row_ptr.dtype.element_ty), mask=mask_d)
+    return out
+
+
+@triton.jit
+def _fp8_store(
+    y,
+    offs_d,
+    mask_d,
+    first_col,
+    x_q_row_ptr,
+    x_s_row_ptr,
+    D: tl.constexpr,
+    WIDTH: tl.constexpr,
+    GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+):
+    """The per-token-group FP8 form of the normed values y [WIDTH] (columns first_col + lanes;
+    masked lanes are zero): the quantiser of the FP8 GEMMs on what was stored. A row narrower
+    than a group is one partial group."""
+    G: tl.constexpr = GROUP if GROUP <= WIDTH else WIDTH
+    store_quantized_groups(
+        y,
+        offs_d,
+        mask_d,
+        first_col // GROUP,
+        (D + GROUP - 1) // GROUP,
+        x_q_row_ptr,
+        x_s_row_ptr,
+        WIDTH,
+        G,
+        UE8M0,
+        False,
+    )
 
 
 @triton.jit
@@ -83,6 +119,8 @@ def finish_collapse_norm(
     norm_w_ptr,
     hc_eps,
     rms_eps,
+    x_q_ptr,
+    x_s_ptr,
     D: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     N: tl.constexpr,
@@ -93,9 +131,13 @@ def finish_collapse_norm(
     ROUND_BF16: tl.constexpr,
     HAS_COEFFS: tl.constexpr,
     PREV_PRE: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
 ):
     """Phase B, program (row, 0): pre' (HAS_COEFFS), x_in = Σ_j c[j]·Rs'[j] and RMSNorm_w(x_in),
-    where c is pre' or, single-pass (PREV_PRE), the given previous site's pre."""
+    where c is pre' or, single-pass (PREV_PRE), the given previous site's pre. FP8_OUT: also
+    the normed row's FP8 codes (x_q_ptr, E4M3 bit patterns) and group scales (x_s_ptr)."""
     offs_j = tl.arange(0, NP)
     mask_j = offs_j < N
     offs_f = tl.arange(0, FINISH_BLOCK)
@@ -124,7 +166,20 @@ def finish_collapse_norm(
         # The whole row stays in registers: the stored (rounded) x_in feeds the norm directly.
         x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_f, mask_f, N, ROUND_BF16)
         inv_rms_x = _inv_rms(tl.sum(x * x, axis=0), D, rms_eps)
-        _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_f, mask_f, ROUND_BF16)
+        y = _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_f, mask_f, ROUND_BF16)
+        if FP8_OUT:
+            _fp8_store(
+                y,
+                offs_f,
+                mask_f,
+                0,
+                x_q_ptr + row * D,
+                x_s_ptr + row * ((D + FP8_GROUP - 1) // FP8_GROUP),
+                D,
+                FINISH_BLOCK,
+                FP8_GROUP,
+                UE8M0,
+            )
     else:
         sumsq_x = tl.zeros([FINISH_BLOCK], tl.float32)
         for d0 in range(0, D, FINISH_BLOCK):
@@ -141,7 +196,20 @@ def finish_collapse_norm(
             mask_d = d0 + offs_f < D
             x = tl.load(x_in_row_ptr + d0 + offs_f, mask=mask_d, other=0.0).to(tl.float32)
             w = tl.load(norm_w_ptr + d0 + offs_f, mask=mask_d, other=0.0).to(tl.float32)
-            _norm_store(x, w, inv_rms_x, x_normed_row_ptr, d0 + offs_f, mask_d, ROUND_BF16)
+            y = _norm_store(x, w, inv_rms_x, x_normed_row_ptr, d0 + offs_f, mask_d, ROUND_BF16)
+            if FP8_OUT:  # FINISH_BLOCK < D here: the chunk holds whole groups
+                _fp8_store(
+                    y,
+                    d0 + offs_f,
+                    mask_d,
+                    d0,
+                    x_q_ptr + row * D,
+                    x_s_ptr + row * ((D + FP8_GROUP - 1) // FP8_GROUP),
+                    D,
+                    FINISH_BLOCK,
+                    FP8_GROUP,
+                    UE8M0,
+                )
 
 
 @triton.jit

@@ -32,6 +32,8 @@ import triton.language as tl
 
 from sgl_dspark.kernels._checks import check_tensor, require
 from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.fp8.act_quant import check_group
+from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
 from sgl_dspark.kernels.mhc.coefficients import finish_coeffs, finish_collapse_norm
 from sgl_dspark.kernels.mhc.reference import MhcPostCollapseOutput, MhcPostCombineOutput
 from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
@@ -65,6 +67,8 @@ def _mhc_post_combine_kernel(
     x_normed_ptr,
     partials_ptr,
     collapse_pre_ptr,
+    x_q_ptr,
+    x_s_ptr,
     M,
     hc_eps,
     rms_eps,
@@ -83,6 +87,9 @@ def _mhc_post_combine_kernel(
     HAS_UPDATE: tl.constexpr,
     HAS_COEFFS: tl.constexpr,
     PREV_PRE: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """PHASE 0: grid (row tiles, D slices), see `stream_update_and_partials`. PHASE 1: grid
@@ -127,6 +134,8 @@ def _mhc_post_combine_kernel(
                 norm_w_ptr,
                 hc_eps,
                 rms_eps,
+                x_q_ptr,
+                x_s_ptr,
                 D,
                 NUM_SLICES,
                 N,
@@ -137,6 +146,9 @@ def _mhc_post_combine_kernel(
                 ROUND_BF16,
                 HAS_COEFFS,
                 PREV_PRE,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
             )
         elif HAS_COEFFS:
             finish_coeffs(
@@ -184,6 +196,7 @@ def mhc_post_combine(
     rms_eps: float,
     out: MhcPostCombineOutput | None = None,
     collapse_pre: torch.Tensor | None = None,
+    fp8_out: Fp8ActFormat | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_post_combine_ref` in two launches of one kernel, no host sync.
 
@@ -197,8 +210,11 @@ def mhc_post_combine(
         out: optional preallocated outputs (shapes/dtypes as returned).
         collapse_pre: [M, n] fp32, single-pass mHC: x_in collapses Rs' with it (the closed
             site's pre) instead of pre'.
+        fp8_out: also write the normed input's per-token-group FP8 form (the next sublayer's
+            W8A8 GEMMs read it): `quantize_act_fp8_ref(x_normed, *fp8_out)`, bit-exact (the
+            quantiser runs on the stored values in phase B; nothing else changes).
     Returns:
-        MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed).
+        MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed, x_fp8).
     """
     return _launch(
         streams,
@@ -210,6 +226,7 @@ def mhc_post_combine(
         rms_eps=rms_eps,
         out=out,
         collapse_pre=collapse_pre,
+        fp8_out=fp8_out,
     )
 
 
@@ -225,6 +242,7 @@ def mhc_pre(
     rms_eps: float,
     out: MhcPostCombineOutput | None = None,
     collapse_pre: torch.Tensor | None = None,
+    fp8_out: Fp8ActFormat | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_pre_ref` (open the first sublayer): `mhc_post_combine`'s launches without the
     stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
@@ -239,6 +257,7 @@ def mhc_pre(
         rms_eps=rms_eps,
         out=out,
         collapse_pre=collapse_pre,
+        fp8_out=fp8_out,
     )
 
 
@@ -266,6 +285,7 @@ def mhc_post_collapse(
         rms_eps=rms_eps,
         out=None,
         collapse_pre=collapse_pre,
+        fp8_out=None,
     )
     return MhcPostCollapseOutput(out.streams, out.x_in, out.x_normed)
 
@@ -281,6 +301,7 @@ def _launch(
     rms_eps: float,
     out: MhcPostCombineOutput | None,
     collapse_pre: torch.Tensor | None,
+    fp8_out: Fp8ActFormat | None,
 ) -> MhcPostCombineOutput:
     require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
@@ -313,13 +334,23 @@ def _launch(
     out_shapes = [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)]
     out_dtypes = [act, torch.float32, torch.float32, torch.float32, act, act]
     if out is None:
-        out = MhcPostCombineOutput(
-            *(torch.empty(shape, dtype=dt, device=dev) for shape, dt in zip(out_shapes, out_dtypes))
+        streams_out, pre_out, post_out, comb_out, x_in_out, x_normed_out = (
+            torch.empty(shape, dtype=dt, device=dev) for shape, dt in zip(out_shapes, out_dtypes)
         )
-    for name, t, shape, dt in zip(out._fields, out, out_shapes, out_dtypes):
+        out = MhcPostCombineOutput(streams_out, pre_out, post_out, comb_out, x_in_out, x_normed_out)
+    for name, t, shape, dt in zip(out._fields, out[:6], out_shapes, out_dtypes):
+        assert isinstance(t, torch.Tensor)
         check_tensor(f"out.{name}", t, shape, (dt,), dev)
     if update is None:
         out = out._replace(streams=streams)
+    if fp8_out is not None:
+        check_group(fp8_out.group)
+        out = out._replace(
+            x_fp8=Fp8Activation(
+                torch.empty(m, d, dtype=torch.float8_e4m3fn, device=dev),
+                torch.empty(m, triton.cdiv(d, fp8_out.group), dtype=torch.float32, device=dev),
+            )
+        )
     if m == 0:
         return out
 
@@ -339,9 +370,11 @@ def _launch(
         base,
         scale,
         norm_weight,
-        *out,
+        *out[:6],
         partials,
         collapse_pre if collapse_pre is not None else post,
+        out.x_fp8.q.view(torch.uint8) if out.x_fp8 is not None else post,  # E4M3 bit patterns
+        out.x_fp8.scale if out.x_fp8 is not None else post,
         m,
         float(hc_eps),
         float(rms_eps),
@@ -360,6 +393,9 @@ def _launch(
         HAS_UPDATE=update is not None,
         HAS_COEFFS=coeffs is not None,
         PREV_PRE=collapse_pre is not None,
+        FP8_OUT=fp8_out is not None,
+        FP8_GROUP=fp8_out.group if fp8_out is not None else 1,
+        UE8M0=fp8_out is not None and fp8_out.ue8m0,
         enable_fp_fusion=False,
         **programmatic_launch(_mhc_post_combine_kernel, dev),
     )

@@ -15,6 +15,7 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_dspark.kernels.fp8.reference import Fp8Activation
 from sgl_dspark.kernels.norm.reference import rms_norm_ref
 
 
@@ -27,6 +28,8 @@ class MhcPostCombineOutput(NamedTuple):
     comb: torch.Tensor  # [M, n, n] fp32: next sublayer's Sinkhorn-normalised mixing matrix
     x_in: torch.Tensor  # [M, D] activation dtype: Σ_j pre[j]·Rs'[j]
     x_normed: torch.Tensor  # [M, D] activation dtype: RMSNorm_w(x_in)
+    # `quantize_act_fp8_ref(x_normed, ...)` when the FP8 form was asked for (`fp8_out`), else None
+    x_fp8: Fp8Activation | None = None
 
 
 class MhcPostCollapseOutput(NamedTuple):

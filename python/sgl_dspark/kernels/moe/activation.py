@@ -7,10 +7,12 @@ silu(g) = g * sigmoid(g) with sigmoid(g) = 1 / (1 + exp2(-g * log2e)) (the exp2 
 hardware instruction on both vendors). Output epilogues (a constexpr switch on one kernel):
   * "plain": y in the input dtype (bf16 rounded to nearest even, or fp32);
   * "fp8_row" / "fp8_group": fp8 e4m3 codes q = clamp(y / s, -448, 448) with fp32 scales
-    s = max(amax, 1e-10) / 448 (correctly rounded division) per row or per 128-column group
-    (optionally rounded up to a power of two, "ue8m0"), amax taken over the bf16-rounded y (what
-    an unfused quant would have read). Given equal y, the scales and codes are exact on every
-    device.
+    s = max(amax, 1e-10) / 448 (correctly rounded division) per row or per group of `group`
+    columns (128 by default; the last group may be partial; optionally rounded up to a power of
+    two, "ue8m0"), amax taken over the bf16-rounded y (what an unfused quant would have read):
+    `quantize_act_fp8_ref` of the plain output, the quantiser of the FP8 GEMMs
+    (`fp8/act_quant.py`, E4M3 rounded on the bits). Given equal y, the scales and codes are
+    exact on every device, the CPU interpreter included.
 
 Exactness: within a tolerance of `silu_mul_clamp_ref` (the same exp2 formula): the only
 difference is the backend's exp2 (numpy vs torch on CPU, the hardware approximation on GPU):
@@ -30,6 +32,12 @@ from sgl_dspark.kernels._triton_utils import (
     programmatic_launch,
     round_bf16_native_or_bits,
     wait_for_producers,
+)
+from sgl_dspark.kernels.fp8.act_quant import (
+    check_group,
+    e4m3_codes,
+    fp8_group_scale,
+    store_quantized_groups,
 )
 from sgl_dspark.kernels.moe.reference import FP8_GROUP, Fp8Activation
 
@@ -77,24 +85,6 @@ def clamped_swiglu_values(
 
 
 @triton.jit
-def _fp8_scale(amax, UE8M0: tl.constexpr):
-    scale = tl.div_rn(tl.maximum(amax, 1e-10), tl.full(amax.shape, 448.0, tl.float32))
-    if UE8M0:
-        bits = scale.to(tl.int32, bitcast=True)
-        exponent = bits & 0x7F800000
-        bits = tl.where((bits & 0x7FFFFF) != 0, exponent + 0x800000, exponent)
-        scale = bits.to(tl.float32, bitcast=True)
-    return scale
-
-
-@triton.jit
-def _to_fp8(y, scale):
-    q = tl.div_rn(y, scale)
-    q = tl.where(q > 448.0, 448.0, tl.where(q < -448.0, -448.0, q))
-    return q.to(tl.float8e4nv)
-
-
-@triton.jit
 def _silu_mul_clamp_kernel(
     in_ptr,
     out_ptr,
@@ -124,11 +114,12 @@ def _silu_mul_clamp_kernel(
                 row_in, c0 + tl.arange(0, BLOCK), inter, limit, HAS_LIMIT, ROUND_BF16, ON_BITS, EVEN
             )
             amax = tl.maximum(amax, tl.abs(y))
-        scale = _fp8_scale(tl.max(amax, axis=0), UE8M0)
+        scale = fp8_group_scale(tl.max(amax, axis=0), UE8M0)
         for c0 in range(0, inter, BLOCK):
             cols = c0 + tl.arange(0, BLOCK)
             y = _clamped_swiglu(row_in, cols, inter, limit, HAS_LIMIT, ROUND_BF16, ON_BITS, EVEN)
-            tl.store(row_out + cols, _to_fp8(y, scale), mask=cols < inter)
+            codes, _ = e4m3_codes(y, scale)
+            tl.store(row_out + cols, codes, mask=cols < inter)
         tl.store(scale_ptr + row, scale)
     else:
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -150,18 +141,26 @@ def _silu_mul_clamp_kernel(
             else:
                 tl.store(row_out + cols, y.to(out_ptr.dtype.element_ty), mask=cols < inter)
         else:
-            groups = tl.reshape(y, [BLOCK // GROUP, GROUP])
-            scale = _fp8_scale(tl.max(tl.abs(groups), axis=1), UE8M0)
-            q = tl.reshape(_to_fp8(groups, scale[:, None]), [BLOCK])
-            tl.store(row_out + cols, q, mask=cols < inter)
-            group_ids = tl.program_id(1) * (BLOCK // GROUP) + tl.arange(0, BLOCK // GROUP)
-            n_groups = inter // GROUP
-            tl.store(scale_ptr + row * n_groups + group_ids, scale, mask=group_ids < n_groups)
+            # Lanes past the row hold silu(0) * 0 = 0: a partial last group's amax is its own.
+            n_groups = tl.cdiv(inter, GROUP)
+            store_quantized_groups(
+                y,
+                cols,
+                cols < inter,
+                tl.program_id(1) * (BLOCK // GROUP),
+                n_groups,
+                row_out,
+                scale_ptr + row * n_groups,
+                BLOCK,
+                GROUP,
+                UE8M0,
+                False,
+            )
 
 
 def _act_meta(rows: int, inter: int, mode: int) -> dict[str, int]:
-    """Launch meta-parameters: BLOCK columns per program (a power of two >= 128, so the fp8
-    groups of 128 never straddle programs) and warps. Every output element (and every fp8
+    """Launch meta-parameters: BLOCK columns per program (a power of two >= 128; the launcher
+    widens it to the fp8 group, so groups never straddle programs) and warps. Every output element (and every fp8
     group's or row's amax, a max) is computed the same way for any choice, so the bits do not
     depend on it; `benchmark/kernels/sweep_launch.py` times alternatives against this default:
     the plain output in 128-column programs (more programs at small M), the fp8 modes whole
@@ -180,6 +179,7 @@ def silu_mul_clamp(
     out_format: str = "plain",
     scale_ue8m0: bool = False,
     out: torch.Tensor | None = None,
+    group: int = FP8_GROUP,
 ) -> torch.Tensor | Fp8Activation:
     """`silu_mul_clamp_ref` in one launch, any width.
 
@@ -188,10 +188,11 @@ def silu_mul_clamp(
             first, up columns second.
         limit: swiglu_limit (> 0); None disables both clamps.
         out_format: "plain" -> [R, I] in gate_up's dtype; "fp8_row" / "fp8_group" ->
-            `Fp8Activation` (fp8 e4m3 codes + fp32 scales per row / per 128 columns; "fp8_group"
-            needs I % 128 == 0).
+            `Fp8Activation` (fp8 e4m3 codes + fp32 scales per row / per `group` columns, the
+            last group of a row partial when `group` does not divide I).
         scale_ue8m0: round fp8 scales up to a power of two.
         out: optional output for "plain" ([R, I], gate_up's dtype, contiguous).
+        group: "fp8_group"'s columns per scale, a power of two in [16, 2048].
     """
     require(
         out_format in _OUT_MODES,
@@ -209,9 +210,8 @@ def silu_mul_clamp(
     require(limit is None or limit > 0, f"limit must be > 0, got {limit}")
     rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
     mode = _OUT_MODES[out_format]
-    require(
-        mode != 2 or not inter % FP8_GROUP, f"fp8_group needs I % {FP8_GROUP} == 0, got I = {inter}"
-    )
+    if mode == 2:
+        check_group(group)
     scale = None
     if mode == 0:
         if out is None:
@@ -223,15 +223,17 @@ def silu_mul_clamp(
     else:
         require(out is None, "out= is only supported for out_format='plain'")
         out = torch.empty(rows, inter, dtype=torch.float8_e4m3fn, device=gate_up.device)
-        n_scales = 1 if mode == 1 else inter // FP8_GROUP
+        n_scales = 1 if mode == 1 else triton.cdiv(inter, group)
         scale = torch.empty(rows, n_scales, dtype=torch.float32, device=gate_up.device)
     if rows and inter:
         meta = _act_meta(rows, inter, mode)
-        assert meta["BLOCK"] >= FP8_GROUP and meta["BLOCK"] % FP8_GROUP == 0, meta
+        if mode == 2:
+            meta["BLOCK"] = max(meta["BLOCK"], group)
+        assert mode != 2 or meta["BLOCK"] % group == 0, meta
         grid = (rows, 1 if mode == 1 else triton.cdiv(inter, meta["BLOCK"]))
         _silu_mul_clamp_kernel[grid](
             gate_up,
-            out,
+            out if mode == 0 else out.view(torch.uint8),  # fp8 modes store E4M3 bit patterns
             scale if scale is not None else out,
             inter,
             gate_up.stride(0),
@@ -240,7 +242,7 @@ def silu_mul_clamp(
             ROUND_BF16=gate_up.dtype == torch.bfloat16,
             OUT_MODE=mode,
             UE8M0=bool(scale_ue8m0),
-            GROUP=FP8_GROUP,
+            GROUP=group,
             ON_BITS=interpreted(_silu_mul_clamp_kernel),
             EVEN=inter % meta["BLOCK"] == 0,
             # The reference rounds every product separately; keep the compiler from contracting

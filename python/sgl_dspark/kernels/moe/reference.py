@@ -33,13 +33,14 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_dspark.kernels.fp8.reference import Fp8Activation, quantize_act_fp8_ref
+
 SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 LOG2E = 1.4426950408889634
 _LN2 = 0.6931471805599453
 # Packed route id: (slot << 24) | token. Tokens must fit in 24 bits, slots in the 7 bits above.
 TOKEN_BITS = 24
 TOKEN_MASK = (1 << TOKEN_BITS) - 1
-FP8_MAX = 448.0
 FP8_GROUP = 128
 
 
@@ -224,28 +225,15 @@ def moe_sort_ref(
     return MoeSortOutput(sorted_ids, sorted_weights, sorted_expert_ids, num_valid, moe_buf)
 
 
-class Fp8Activation(NamedTuple):
-    """q: float8_e4m3fn [R, I]; scale: fp32 [R, 1] (per row) or [R, I / 128] (per group)."""
-
-    q: torch.Tensor
-    scale: torch.Tensor
-
-
-def _round_scale_ue8m0_ref(scale: torch.Tensor) -> torch.Tensor:
-    """Smallest power of two >= scale (positive normal fp32), computed on the bits."""
-    bits = scale.view(torch.int32)
-    exponent = bits & 0x7F800000
-    rounded = torch.where((bits & 0x7FFFFF) != 0, exponent + 0x800000, exponent)
-    return rounded.view(torch.float32)
-
-
 def silu_mul_clamp_ref(
     gate_up: torch.Tensor,
     limit: float | None = None,
     out_format: str = "plain",
     scale_ue8m0: bool = False,
+    group: int = FP8_GROUP,
 ) -> torch.Tensor | Fp8Activation:
-    """Clamped SwiGLU (module doc); same arguments as `silu_mul_clamp`."""
+    """Clamped SwiGLU (module doc); same arguments as `silu_mul_clamp`. The fp8 outputs are
+    `quantize_act_fp8_ref` of the rounded activation (one scale per row for "fp8_row")."""
     inter = gate_up.shape[-1] // 2
     gate = gate_up[..., :inter].float()
     up = gate_up[..., inter:].float()
@@ -256,18 +244,8 @@ def silu_mul_clamp_ref(
     y = (gate * sigmoid * up).to(gate_up.dtype)
     if out_format == "plain":
         return y
-    values = y.float()
-    width = inter if out_format == "fp8_row" else FP8_GROUP
-    groups = values.reshape(values.shape[0], inter // width if width else 0, width)
-    amax = torch.clamp(groups.abs().amax(dim=-1), min=1e-10)
-    # The spec is the correctly rounded quotient amax / 448. The divisor is a tensor on purpose:
-    # CUDA torch turns division by a Python scalar into a multiplication by its rounded
-    # reciprocal (e.g. 49 * fl(1/448) = 0.10937501, while 49 / 448 = 0.109375 exactly).
-    scale = amax / torch.full_like(amax, FP8_MAX)
-    if scale_ue8m0:
-        scale = _round_scale_ue8m0_ref(scale)
-    q = torch.clamp(groups / scale[..., None], -FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return Fp8Activation(q.reshape(values.shape), scale)
+    width = max(inter, 1) if out_format == "fp8_row" else group
+    return quantize_act_fp8_ref(y, width, scale_ue8m0)
 
 
 def moe_grouped_gemm_ref(

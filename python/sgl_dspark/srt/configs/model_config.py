@@ -65,6 +65,8 @@ class QuantConfig:
     quant_method: str = "fp8"
     weight_block_size: tuple[int, int] = (128, 128)
     expert_dtype: str = "fp8"  # "fp8" | "fp4" (MXFP4)
+    # Activation scales of the FP8 GEMMs: "ue8m0" = powers of two; None = amax / 448 as is.
+    scale_fmt: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,7 +218,17 @@ def _quant_from_dict(raw: dict[str, Any]) -> QuantConfig | None:
         raise UnsupportedConfigError(
             f"config field 'quantization_config.expert_dtype'={expert_dtype!r}: fp8 or fp4"
         )
-    return QuantConfig(quant_method="fp8", weight_block_size=block, expert_dtype=expert_dtype)  # type: ignore[arg-type]
+    scale_fmt = q.get("scale_fmt")
+    if scale_fmt not in (None, "ue8m0"):
+        raise UnsupportedConfigError(
+            f"config field 'quantization_config.scale_fmt'={scale_fmt!r}: ue8m0 or absent"
+        )
+    return QuantConfig(
+        quant_method="fp8",
+        weight_block_size=block,  # type: ignore[arg-type]
+        expert_dtype=expert_dtype,
+        scale_fmt=scale_fmt,
+    )
 
 
 def _from_hf_dict(cls: type[ModelConfig], raw_in: dict[str, Any]) -> ModelConfig:

@@ -1,5 +1,7 @@
 """Which implementation each op family uses: `--kernel-backend {torch,triton}` plus optional
-per-family overrides (`--kernel-backend-overrides moe=torch,rope=triton`).
+per-family overrides (`--kernel-backend-overrides moe=torch,rope=triton`), and the FP8 paths the
+model runner resolved from `--fp8-activations` (the activation format of the W8A8 GEMMs, and
+whether the routed experts take the MX path).
 
 Layers resolve their callables from this record once, when they are built: the path
 a deployment runs is visible in its command line, never chosen by tensor device or env var.
@@ -8,6 +10,8 @@ a deployment runs is visible in its command line, never chosen by tensor device 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+from sgl_dspark.kernels.fp8.reference import Fp8ActFormat
 
 KERNEL_BACKENDS = ("torch", "triton")
 # Op families that have a Triton implementation wired into the runtime.
@@ -28,6 +32,13 @@ KERNEL_FAMILIES = (
 class KernelChoice:
     backend: str = "torch"
     overrides: tuple[tuple[str, str], ...] = ()
+    # FP8 activations for GEMMs on FP8 weights above decode sizes (None: off; `srt/layers/
+    # fp8_linear.py`): the checkpoint's activation quantisation (group, power-of-two scales).
+    fp8_activations: Fp8ActFormat | None = None
+    # Routed MXFP4 experts through `tl.dot_scaled` with MXFP8 activations (targets that execute
+    # it natively, with FP8 activations on): the rows per expert block of the MoE sort at which
+    # the target's scaled MMA is native (`kernels/fp8/targets.py::mx_dot_rows`); 0 = off.
+    mx_moe_block: int = 0
 
     def __post_init__(self) -> None:
         if self.backend not in KERNEL_BACKENDS:

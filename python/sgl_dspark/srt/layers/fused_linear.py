@@ -25,6 +25,7 @@ from torch import nn
 
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.fp8_linear import fp8_linear_impl
 from sgl_dspark.srt.layers.quantized import (
     WeightLike,
     cat_weights,
@@ -55,16 +56,21 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     unit stride along K) go through the small-M kernel `kernels/linear/small_m.py` (narrow column
     blocks over many programs; another summation order than the BLAS), with a quantised weight
     through `kernels/linear/quantized.py` (dequantised in the kernel, any K); larger ones through
-    `F.linear` (a quantised weight dequantised per call)."""
+    `F.linear` (a quantised weight dequantised per call), or with FP8 activations on and an FP8
+    weight through the W8A8 GEMM (`layers/fp8_linear.py`)."""
     if kernels is None or kernels.of("linear") == "torch":
         return _dequantized_linear
     from sgl_dspark.kernels.linear.quantized import quantized_linear
     from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_linear
 
+    fp8 = fp8_linear_impl(kernels)
+
     def linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             if x.dim() == 2 and 0 < x.shape[0] <= MAX_M and x.stride(1) == 1:
                 return quantized_linear(x, weight)
+            if fp8 is not None and fp8.takes(x, weight):
+                return fp8(x, weight)
             return _dequantized_linear(x, weight)
         # K <= 4096: the kernel matches or beats the BLAS up to K = 1024 and loses to it at
         # K = 8192 (DSV4-Flash o_b; benchmark/results/kernels.md).
@@ -96,16 +102,20 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
     `o_a`). torch: one batched einsum (the BLAS). triton: decode-sized inputs (at most `MAX_M`
     rows, K <= 4096, unit stride along K) as G small-M products in one launch
     (`kernels/linear/small_m.py::small_m_grouped_linear`; not bitwise against the BLAS), larger ones
-    through the einsum."""
+    through the einsum (an FP8 weight with FP8 activations on: the grouped W8A8 GEMM)."""
     if kernels is None or kernels.of("linear") == "torch":
         return _grouped_linear_torch
     from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
     from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_grouped_linear
 
+    fp8 = fp8_linear_impl(kernels)
+
     def grouped_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
         if isinstance(weight, QuantizedWeight):
             if 0 < x.shape[0] <= MAX_M and x.stride(2) == 1:
                 return quantized_grouped_linear(x, weight)
+            if fp8 is not None and fp8.takes(x, weight):
+                return fp8.grouped(x, weight)
             return _grouped_linear_torch(x, weight)
         if (
             0 < x.shape[0] <= MAX_M

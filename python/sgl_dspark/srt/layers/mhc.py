@@ -8,8 +8,11 @@ from typing import Protocol
 import torch
 from torch import nn
 
+from sgl_dspark.kernels.fp8.reference import Fp8ActFormat
+from sgl_dspark.kernels.mhc.reference import MhcPostCombineOutput
 from sgl_dspark.kernels.norm.reference import rms_norm_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.fp8_linear import attach_fp8, fp8_linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm
 
 
@@ -180,11 +183,28 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     for the collapse and gives the new pre out (`single_pass`, `open_single_pass`), and
     `close_collapse` (`mhc_post_collapse`) closes a sublayer into a given pre's collapse and a
     norm without computing coefficients.
+
+    With FP8 activations on (`layers/fp8_linear.py`) the boundaries that open a sublayer of more
+    rows than the decode-size kernels take also write its normed input's FP8 form in the same
+    launch, recorded on the returned tensor for the sublayer's W8A8 GEMMs (bit-exact to
+    quantising the stored normed input; nothing else changes).
     """
     if kernels.of("mhc") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
     from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine, mhc_pre
+
+    fp8 = fp8_linear_impl(kernels)
+
+    def fp8_out(streams: torch.Tensor) -> Fp8ActFormat | None:
+        """The FP8 form to write for a sublayer input of these rows, if any."""
+        return fp8.fmt if fp8 is not None and fp8.wants(streams.shape[0]) else None
+
+    def normed(out: MhcPostCombineOutput) -> torch.Tensor:
+        """The normed input, its FP8 form recorded on it when written."""
+        if fp8 is not None and out.x_fp8 is not None:
+            attach_fp8(out.x_normed, fp8.fmt, out.x_fp8)
+        return out.x_normed
 
     class _Boundary:
         def __call__(
@@ -209,8 +229,9 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
                 hc_eps=next_hc.hc_eps,
                 sinkhorn_iters=next_hc.sinkhorn_iters,
                 rms_eps=next_hc.rms_eps,
+                fp8_out=fp8_out(streams),
             )
-            return out.streams, out.x_normed, out.post, out.comb
+            return out.streams, normed(out), out.post, out.comb
 
         def open(
             self,
@@ -228,8 +249,9 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
                 hc_eps=hc.hc_eps,
                 sinkhorn_iters=hc.sinkhorn_iters,
                 rms_eps=hc.rms_eps,
+                fp8_out=fp8_out(streams),
             )
-            return out.x_normed, out.post, out.comb
+            return normed(out), out.post, out.comb
 
         def close_to_head(
             self,
@@ -280,8 +302,9 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
                 sinkhorn_iters=hc.sinkhorn_iters,
                 rms_eps=hc.rms_eps,
                 collapse_pre=prev_pre,
+                fp8_out=fp8_out(streams),
             )
-            return out.x_normed, out.pre, out.post, out.comb
+            return normed(out), out.pre, out.post, out.comb
 
         def single_pass(
             self,
@@ -307,8 +330,9 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
                 sinkhorn_iters=next_hc.sinkhorn_iters,
                 rms_eps=next_hc.rms_eps,
                 collapse_pre=prev_pre,
+                fp8_out=fp8_out(streams),
             )
-            return out.streams, out.x_normed, out.pre, out.post, out.comb
+            return out.streams, normed(out), out.pre, out.post, out.comb
 
         def close_collapse(
             self,

@@ -17,6 +17,7 @@ from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed.sharding import shard_for
 from sgl_dspark.srt.layers.attention import create_attention_backend
+from sgl_dspark.srt.layers.fp8_linear import resolve_fp8_paths
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.model_executor.weights import (
@@ -43,7 +44,8 @@ def _server_default(name: str) -> Any:
 @dataclass(frozen=True, slots=True)
 class RunnerConfig:
     """What the runner needs of the server args (`from_server_args`), with their defaults;
-    device, dtype, kernel backend and weight format are resolved values (ServerArgs' "auto" on a CPU)."""
+    device, dtype, kernel backend, weight format and FP8 activations are resolved values
+    (ServerArgs' "auto" on a CPU)."""
 
     device: str = "cpu"
     dtype: str = "float32"
@@ -57,6 +59,7 @@ class RunnerConfig:
     kernel_backend_overrides: str | None = _server_default("kernel_backend_overrides")
     mem_fraction_static: float | None = _server_default("mem_fraction_static")
     weight_format: str = "bf16"  # "native": quantised checkpoint weights stay as stored
+    fp8_activations: str = "off"  # "on": W8A8 GEMMs on the FP8 weights (layers/fp8_linear.py)
     kv_cache_dtype: str = _server_default("kv_cache_dtype")
 
     @classmethod
@@ -143,7 +146,12 @@ class ModelRunner:
                     f"(layer {i} has {ratio})"
                 )
         self.page_size = page
-        self.kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
+        self.kernels = resolve_fp8_paths(
+            KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides),
+            rc.fp8_activations if rc.weight_format == "native" else "off",
+            model_cfg.quantization,
+            self.device,
+        )
         entry = model_entry(model_cfg)
         entry.check_runtime(model_cfg, self.kernels, rc.attention_backend)
         if rc.weight_format not in WEIGHT_FORMATS:

@@ -34,6 +34,7 @@ from sgl_dspark.kernels.attention.reference import draft_attention_ref
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.fp8_linear import split_k_linear_impl
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.mhc import (
     HyperConnection,
@@ -278,6 +279,9 @@ class DSparkDraftModel(nn.Module):
             "inv_freq", rope_inv_freq(cfg.rope_main, cfg.qk_rope_head_dim), persistent=False
         )
         self.linear = linear_impl(self.kernels)
+        # The main projection (K = taps x D at the graph's row count): split-K W8A8 with FP8
+        # activations on (`layers/fp8_linear.py`), else the family's linear.
+        self.main_linear = split_k_linear_impl(self.kernels, self.linear)
         self.rope_table: RopeTable | None = None
 
     def build_rope_table(self, length: int) -> None:
@@ -306,7 +310,7 @@ class DSparkDraftModel(nn.Module):
         if isinstance(weight, torch.Tensor):  # a quantised weight computes in x's dtype
             features = features.to(weight.dtype)
         main_x = self.rms_norm(
-            self.linear(features, weight),
+            self.main_linear(features, weight),
             self.main_norm.weight,
             self.main_norm.eps,
         )

@@ -39,10 +39,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.kernels.fp8.reference import Fp8Activation
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import Communicator, get_parallel_state
 from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
+from sgl_dspark.srt.layers.fp8_linear import fp8_linear_impl, mx_fused_moe_impl
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
 from sgl_dspark.srt.layers.quantized import (
     WeightLike,
@@ -116,7 +118,11 @@ class RoutedExperts(nn.Module):
             from sgl_dspark.kernels.moe.sort import MoeSortPlan, prepare_moe_sort
             from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
-            self._moe_sort, self._fused_moe, self._moe_reduce = moe_sort, fused_moe, moe_reduce
+            self._moe_sort, self._moe_reduce = moe_sort, moe_reduce
+            # MXFP4 stacks on targets with native scaled dots: the MX kernels (fp8_linear.py).
+            self._fused_moe = mx_fused_moe_impl(kernels, fused_moe)
+            # The MX kernels' row tile is the target's scaled-MMA tile (128 on Blackwell).
+            self._sort_block = max(_SORT_BLOCK, (kernels or KernelChoice()).mx_moe_block)
             self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
             self._plan_type = MoeSortPlan
             # On the host whatever the ambient device (a model built under torch.device("cuda")
@@ -343,7 +349,7 @@ class RoutedExperts(nn.Module):
                 h, down, ids, reduce_weights, plan.local_table, plan.num_local, 1.0, shared
             )
         # hidden_size=0: the grouped GEMMs write per-route rows, so `moe_sort`'s sum is unused.
-        routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=self._sort_block)
         y = self._fused_moe(
             x,
             gate_up,
@@ -351,7 +357,7 @@ class RoutedExperts(nn.Module):
             routes,
             ids.shape[1],
             self.limit,
-            block_size=_SORT_BLOCK,
+            block_size=self._sort_block,
             weight_before_down=before,
         )
         return self._moe_reduce(y, reduce_weights, ids, mask, 1.0, shared)
@@ -382,9 +388,9 @@ class RoutedExperts(nn.Module):
         x = x.contiguous()
         ids = ids.to(torch.int32).contiguous()
         weights = weights.to(torch.float32).contiguous()
-        routes = self._moe_sort(ids, weights, plan, 0, block_size=_SORT_BLOCK)
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=self._sort_block)
         y = self._fused_moe(
-            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=_SORT_BLOCK
+            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=self._sort_block
         )
         local = (mask[ids.long()] == 1).unsqueeze(-1)
         t, k = ids.shape
@@ -406,7 +412,10 @@ def _expert(weight: WeightLike, e: int, dtype: torch.dtype) -> torch.Tensor:
 
 
 class SharedExpert(nn.Module):
-    """Dense SwiGLU with the clamp; with the triton "moe" backend the activation is one kernel."""
+    """Dense SwiGLU with the clamp; with the triton "moe" backend the activation is one kernel.
+    With FP8 activations on, an FP8 down projection and more rows than the decode-size kernels
+    take, that kernel writes the activation as FP8 codes and group scales (its epilogue) and the
+    down projection runs the W8A8 GEMM on them."""
 
     def __init__(
         self, hidden_size: int, intermediate: int, limit: float, kernels: KernelChoice | None = None
@@ -420,17 +429,32 @@ class SharedExpert(nn.Module):
         mark_quantizable(self.down_proj, "weight")
         self.linear = linear_impl(kernels)
         self._activation = self._activation_torch
+        self._fp8 = None
         if _uses_triton(kernels):
             from sgl_dspark.kernels import silu_mul_clamp
 
             self._silu_mul_clamp = silu_mul_clamp
             self._activation = self._activation_triton
+            self._fp8 = fp8_linear_impl(kernels)
 
     def linear_groups(self) -> list[LinearGroup]:
         return [self.gate_up]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.linear(self._activation(x), module_weight(self.down_proj))
+        down = module_weight(self.down_proj)
+        if self._fp8 is not None and isinstance(down, QuantizedWeight) and self._fp8.takes(x, down):
+            gate_up = self.gate_up.joint(x)
+            act = self._silu_mul_clamp(
+                gate_up.reshape(-1, gate_up.shape[-1]),
+                self.limit,
+                "fp8_group",
+                self._fp8.fmt.ue8m0,
+                group=self._fp8.fmt.group,
+            )
+            assert isinstance(act, Fp8Activation)
+            out = self._fp8.apply(act, down, x.dtype)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return self.linear(self._activation(x), down)
 
     def _activation_torch(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up(x)
