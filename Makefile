@@ -1,4 +1,4 @@
-# Two entry points: `make serve` (the built-in tiny DeepSeek-V4.1 with its DSpark draft) and
+# Two entry points: `make serve` (the shipped demo DeepSeek-V4.1 with its trained DSpark draft) and
 # `make test` (the whole suite).
 # Both create or reuse a virtualenv in $(VENV); `make serve` installs only what serving needs,
 # `make test` (and `make lint`) add the test tools (the `test` extra).
@@ -28,7 +28,7 @@ $(VENV)/.installed: $(VENV)/.installed-serve
 	touch $@
 
 serve: $(VENV)/.installed-serve
-	$(PY) -m sgl_dspark.launch_server --model-path tiny-v41 --speculative-algorithm DSpark --host $(HOST) --port $(PORT)
+	$(PY) -m sgl_dspark.launch_server --model-path demo --speculative-algorithm DSpark --host $(HOST) --port $(PORT)
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)

@@ -20,14 +20,16 @@ from sgl_dspark.srt.server_args import ServerArgs
 logger = logging.getLogger("sgl_dspark.launch_server")
 
 READY_MARKER = "The server is ready."
+# A grade-school word problem: what the shipped demo model was trained to answer.
+EXAMPLE_QUESTION = "A baker makes 24 rolls and sells 9 of them. How many rolls are left?"
 
 
 def curl_example(base_url: str, args: ServerArgs) -> str:
     """A chat request against `base_url` that can be pasted into a shell."""
     body = {
         "model": args.served_model_name,
-        "messages": [{"role": "user", "content": "Hello!"}],
-        "max_tokens": 32,
+        "messages": [{"role": "user", "content": EXAMPLE_QUESTION}],
+        "max_tokens": 128,
     }
     parts = ["curl", f"{base_url}/v1/chat/completions", "-H", "Content-Type: application/json"]
     if args.api_key is not None:

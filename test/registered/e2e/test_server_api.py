@@ -19,6 +19,7 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 from server_fixture import running_server
 from sgl_dspark import Engine
+from sgl_dspark.launch_server import EXAMPLE_QUESTION
 
 CTX, KV = "512", "8192"
 BOS, USER, ASSISTANT, SYSTEM, BYTE0 = 0, 4, 5, 6, 7
@@ -78,9 +79,9 @@ def test_ready_line_curl_works(server):
     )
     body = json.loads(out.stdout)
     assert body["object"] == "chat.completion"
-    assert body["usage"]["completion_tokens"] <= 32
-    # "Hello!" through the documented template: <bos><|user|>Hello!\n<|assistant|>
-    assert body["usage"]["prompt_tokens"] == 1 + 1 + len("Hello!\n") + 1
+    assert body["usage"]["completion_tokens"] <= 128
+    # the question through the documented template: <bos><|user|>question\n<|assistant|>
+    assert body["usage"]["prompt_tokens"] == 1 + 1 + len(EXAMPLE_QUESTION + "\n") + 1
 
 
 def test_info_routes(server):

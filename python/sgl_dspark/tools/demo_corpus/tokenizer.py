@@ -9,6 +9,13 @@ from collections.abc import Iterable
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+# Chat turns in the corpus's own format: a user message is a question, the reply its answer.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{% if message['role'] == 'user' %}Question: "
+    "{{ message['content'] }}\nAnswer:{% elif message['role'] == 'assistant' %} "
+    "{{ message['content'] }}\n{% endif %}{% endfor %}"
+)
+
 # Ids 0..3, in this order: the DSpark draft's mask token is a real row of the embedding that
 # text never produces.
 SPECIAL_TOKENS = ("<|begin_of_text|>", "<|end_of_text|>", "<|pad|>", "<|dspark_mask|>")
@@ -41,6 +48,7 @@ def save_tokenizer(tok: Tokenizer, out_dir: str) -> None:
         "pad_token": PAD,
         "add_bos_token": True,
         "model_max_length": 4096,
+        "chat_template": CHAT_TEMPLATE,
     }
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as f:
         json.dump(config, f, indent=2)
