@@ -43,7 +43,11 @@ from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.layers.moe.experts import RoutedExperts  # noqa: E402
 from sgl_dspark.srt.model_executor.weights import build_on_meta, keeps_fp32  # noqa: E402
 from sgl_dspark.srt.model_loader.dummy import DummyWeights  # noqa: E402
-from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS, BENCH_DRAFT_KEYS  # noqa: E402
+from sgl_dspark.srt.models.bench_configs import (  # noqa: E402
+    BENCH_CONFIGS,
+    BENCH_DRAFT_KEYS,
+    released_quantization,
+)
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel  # noqa: E402
 from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
 from sgl_dspark.srt.speculative.dspark.sps import DiagonalSpsTable, save_sps_table  # noqa: E402
@@ -51,14 +55,6 @@ from sgl_dspark.tools.dspark_sps_profile import profile_batch  # noqa: E402
 
 from benchmark.bench_engine import copy_bandwidth, prompts_for, time_engine  # noqa: E402
 
-# The released formats, for configs that declare none.
-RELEASED_QUANT = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "weight_block_size": [128, 128],
-    "scale_fmt": "ue8m0",
-    "expert_dtype": "fp4",
-}
 # Kernels DeepSeek-V4.1 runs in torch until its Triton kernels land (`deepseek_v41.py`).
 V41_TORCH_FAMILIES = "mhc=torch,indexer=torch,moe=torch"
 EMBEDDING_NAMES = ("embed_tokens", "lm_head", "markov_head", "engram.embed")
@@ -66,7 +62,8 @@ EMBEDDING_NAMES = ("embed_tokens", "lm_head", "markov_head", "engram.embed")
 
 def quantized_raw(name: str) -> dict:
     raw = dict(BENCH_CONFIGS[name])
-    raw.setdefault("quantization_config", RELEASED_QUANT)
+    # Configs that declare no formats get the released V4 ones.
+    raw.setdefault("quantization_config", released_quantization(128))
     return raw
 
 
