@@ -63,11 +63,12 @@ if has rank; then
     --batch-sizes 1,8,32 --out-dir "$WORK/rank"
   show "$WORK/rank/native_decode_dsv4_flash_rank.md"
 fi
-if has rank_dspark; then  # full width first: it writes the SPS table the online policy reads
+if has rank_dspark; then  # full width first: after its rows it profiles the SPS table online reads
   stage rank_dspark 540
-  for system in dspark_full dspark_static dspark_online; do
-    run 200 "rank/$system.log" "${native[@]}" decode "${rank[@]}" --systems "$system" \
-      --append --batch-sizes 1,8,32 --sps-table "$WORK/rank/sps.json" --out-dir "$WORK/rank"
+  for system in dspark_full:240 dspark_static:150 dspark_online:150; do
+    run "${system#*:}" "rank/${system%:*}.log" "${native[@]}" decode "${rank[@]}" \
+      --systems "${system%:*}" --append --batch-sizes 1,8,32 --sps-table "$WORK/rank/sps.json" \
+      --out-dir "$WORK/rank"
   done
   show "$WORK/rank/native_decode_dsv4_flash_rank.md"
 fi
