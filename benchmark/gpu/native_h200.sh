@@ -19,8 +19,9 @@
 #                gemm stage misses its goals)
 #
 # A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
-# in order of need (stage budgets from the first call, where graph capture of one engine took
-# ~80 s and the rank model's plain rows ~170 s):
+# in order of need, with stage budgets set from the first call's timings
+# (benchmark/results/sweeps/2026-12-02_native_f66991f.md: one engine's graph capture, the rank
+# model's plain rows, the GEMM stage cut short at M 1):
 #   env,tests,gemm          ~7 minutes  (budgets 100 + 320 s)
 #   env,ab,rank             ~9 minutes  (320 + 200 s)
 #   env,rank_dspark         ~9 minutes  (540 s)
@@ -44,7 +45,7 @@ if has tests; then
     test/registered/kernels/test_small_m_linear.py
   show "$WORK/native_tests.txt" 15
 fi
-if has gemm; then  # the dense shapes at M 1 took ~110 s (compilation included)
+if has gemm; then
   stage gemm 320
   run 320 quant_gemm.log python3 benchmark/kernels/bench_quant_gemm.py --out "$WORK/quant_gemm.md"
   show "$WORK/quant_gemm.md"

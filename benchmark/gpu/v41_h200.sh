@@ -38,11 +38,12 @@ fi
 if has bench; then
   # The V4.1-Flash slice (21B parameters, built on the device per process): decode and DSpark
   # steps vs their byte floors. One engine per process: graph pools of one engine would hold
-  # memory the next needs (bs 32 ran out of memory with two engines in one process). Prefill
-  # runs eagerly (the decode steps are measured; prefill graphs add capture time and pool
-  # memory). Limits per engine from the earlier calls: a process starts, builds the model and
-  # captures 8 batch buckets (x the verify widths) before its first row; the full-width engine
-  # also profiles the SPS table the confidence policy reads.
+  # memory the next needs (benchmark/results/sweeps/2026-12-02_v41_flash_slice_7f843a0.md: bs
+  # 32 ran out of memory with two engines in one process). Prefill runs eagerly (the decode
+  # steps are measured; prefill graphs add capture time and pool memory). Limits per engine
+  # from that call: a process starts, builds the model and captures 8 batch buckets (x the
+  # verify widths) before its first row; the full-width engine then profiles the SPS table
+  # the confidence policy reads.
   stage bench 510
   if (( ! DRY_RUN )); then rm -rf "$WORK/v41_bench"; fi
   bench=(python3 benchmark/bench_engine.py --config v41_flash_slice --batch-sizes 1,8,32
