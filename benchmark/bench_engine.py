@@ -1,9 +1,10 @@
-"""End-to-end engine benchmark, side by side in one process on one device:
+"""End-to-end engine benchmark on one device:
 
 1. HF transformers `DeepseekV4ForCausalLM.generate` (greedy, random weights seeded 0);
 2. ours through `Engine.generate` on the same weights, eager (`--disable-cuda-graph`);
 3. ours with CUDA graphs;
-4. DSpark with simulated acceptance vs no speculation (CUDA graphs), full width and static widths;
+4. DSpark with simulated acceptance vs no speculation (CUDA graphs): full width, static widths and
+   the confidence policy;
 
 at the given batch sizes with random prompts of `--input-len` tokens and `--output-len` new
 tokens (ignore_eos). DeepSeek-V4.1 configs (`v41_*`) have no HF baseline (transformers' wheel has
@@ -15,7 +16,13 @@ over the device's measured copy bandwidth.
 
     python benchmark/bench_engine.py --config mid_910m --batch-sizes 1,8,32 --out-dir $OUT
 
-Prints one JSON line per measurement and writes `engine.json` (+ `engine.md`) to `--out-dir`.
+Prints one JSON line per measurement and rewrites `engine.json` (+ `engine.md`) in `--out-dir`
+after each one. `--systems` picks the engine configurations a process runs; a large model runs
+one per process, the processes adding their rows to one table (`--append`):
+
+    for s in graph dspark_full dspark_confidence; do
+      python benchmark/bench_engine.py --config v41_flash_slice --systems $s --append \
+        --sps-table $OUT/sps.json --out-dir $OUT; done
 """
 
 from __future__ import annotations
@@ -29,19 +36,25 @@ import statistics
 import sys
 import tempfile
 import time
+import traceback
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from sgl_dspark import Engine  # noqa: E402
-from sgl_dspark.srt.configs.deepseek_v41 import LayerRole  # noqa: E402
-from sgl_dspark.srt.configs.model_config import CSA, HCA, ModelConfig  # noqa: E402
+from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.model_loader.export import save_released_checkpoint  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
+from sgl_dspark.srt.speculative.dspark.sps import DiagonalSpsTable, save_sps_table  # noqa: E402
+from sgl_dspark.tools.dspark_sps_profile import profile_batch  # noqa: E402
 from sgl_dspark.tools.init_dspark_draft import init_dspark_draft  # noqa: E402
+
+from benchmark.step_floor import copy_bandwidth, step_bytes  # noqa: E402
+from benchmark.step_profile import profile_steps  # noqa: E402
 
 
 def sync(device: str) -> None:
@@ -177,164 +190,27 @@ def time_engine(
     return tn, t1, ids
 
 
-def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: int = 8) -> None:
-    """torch.profiler table (CPU and CUDA time per op, kernel counts) over `steps` decode steps
-    after prefill."""
-    from torch.profiler import ProfilerActivity, profile
-
-    sched = engine.scheduler
-    reqs = [
-        engine._make_req(
-            p, {"max_new_tokens": 10 * steps, "temperature": 0.0, "ignore_eos": True}, False
-        )
-        for p in prompts
-    ]
-    for r in reqs:
-        sched.add(r)
-    while not all(r.prefill_done and r.output_ids for r in reqs):
-        sched.step()
-    for _ in range(3):
-        sched.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            sched.step()
-        torch.cuda.synchronize()
-        wall = (time.perf_counter() - t0) / steps
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
-    cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
-    path.write_text(
-        f"{steps} steps, {wall * 1e3:.2f} ms/step wall (under the profiler)\n\n"
-        f"{table}\n\n{cpu}\n\n{kernel_list(prof, steps)}\n"
-    )
-    while sched.has_work:
-        sched.step()
+# Engine configurations a run can choose (`--systems`); each is one engine built in turn.
+SYSTEMS = ("eager", "graph", "dspark_full", "dspark_static", "dspark_confidence")
+SPS_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
 
 
-def kernel_list(prof, steps: int) -> str:
-    """Every device kernel of the profiled steps: launches and microseconds per step, by name
-    (the key_averages table truncates and mixes CPU ops in)."""
-    from torch.autograd import DeviceType
-
-    agg: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA:
-            a = agg.setdefault(e.name, [0, 0.0])
-            a[0] += 1
-            a[1] += e.device_time_total
-    rows = sorted(agg.items(), key=lambda kv: -kv[1][1])
-    n = sum(v[0] for v in agg.values()) / steps
-    t = sum(v[1] for v in agg.values()) / steps
-    lines = [
-        f"device kernels per step: {n:.1f} launches, {t:.1f} us",
-        "",
-        "| launches/step | us/step | kernel |",
-        "|---|---|---|",
-    ]
-    lines += [f"| {c / steps:.2f} | {us / steps:.1f} | {name[:140]} |" for name, (c, us) in rows]
-    return "\n".join(lines)
+def profile_sps(engine: Engine, path: Path) -> None:
+    """The diagonal SPS table of this engine's full-width DSpark steps (the measurement of
+    `sgl_dspark.tools.dspark_sps_profile`: verify tokens bs * (gamma + 1) -> steps per second;
+    the full width verifies the same tokens whatever the acceptance), for batch sizes up to the
+    engine's limit."""
+    gamma = engine.spec.worker.gamma
+    limit = engine.args.max_running_requests
+    tokens, sps = [], []
+    for bs in (b for b in SPS_BATCH_SIZES if b <= limit):
+        times = profile_batch(engine, bs, warmup=4, steps=12, tokens_per_step=gamma + 1)
+        tokens.append(bs * (gamma + 1))
+        sps.append(1.0 / statistics.median(times))
+    save_sps_table(DiagonalSpsTable(tuple(tokens), tuple(sps), max(tokens)), path)
 
 
-def copy_bandwidth(device: str) -> float:
-    """Device-to-device copy bandwidth (read + write bytes per second)."""
-    if not device.startswith("cuda"):
-        return float("nan")
-    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
-    y = torch.empty_like(x)
-    for _ in range(3):
-        y.copy_(x)
-    sync(device)
-    t0 = time.perf_counter()
-    for _ in range(20):
-        y.copy_(x)
-    sync(device)
-    return 2 * x.numel() * 20 / (time.perf_counter() - t0)
-
-
-def _routed_bytes(p: torch.Tensor, experts: int, top_k: int, tokens: int) -> float:
-    """Bytes of a routed-expert tensor that `tokens` tokens read: the expected number of
-    distinct experts under uniform routing."""
-    distinct = experts * (1 - (1 - top_k / experts) ** tokens)
-    return p.numel() * p.element_size() * distinct / experts
-
-
-def weight_bytes(model: torch.nn.Module, experts: int, top_k: int, tokens: int) -> float:
-    """Weight bytes of one forward of `tokens` tokens: every non-expert weight, embedding and
-    Engram table rows only, the expected distinct routed experts."""
-    total = 0.0
-    for name, p in model.named_parameters():
-        nbytes = p.numel() * p.element_size()
-        if "experts." in name and "shared" not in name:
-            nbytes = _routed_bytes(p, experts, top_k, tokens)
-        elif name.endswith("embed_tokens.weight"):
-            nbytes = tokens * p.shape[1] * p.element_size()
-        elif name.endswith("engram.embed.weight"):
-            nbytes = 0.0  # counted with the KV (rows per token)
-        total += nbytes
-    return total
-
-
-def v41_kv_bytes(cfg: ModelConfig, context: int) -> float:
-    """Cache bytes one V4.1 request's step reads: per layer its FP8 window rows, per compressed
-    layer the packed FP4 latents of its top-k, per index source every packed index key, and the
-    Engram rows of the token."""
-    from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
-
-    v41 = cfg.v41
-    assert v41 is not None
-    act = torch.bfloat16
-    window = QuantizedRows.bytes_per_row(cfg.head_dim, "fp8_window", act)
-    latent = QuantizedRows.bytes_per_row(cfg.head_dim, "fp4_latent", act)
-    key = QuantizedRows.bytes_per_row(cfg.index_head_dim, "fp4_index", act)
-    total = 0.0
-    for i in range(cfg.num_hidden_layers):
-        total += min(context, cfg.sliding_window) * window
-        m = v41.compress_ratios[i]
-        if m > 0:
-            total += min(context // m, cfg.index_topk) * latent
-        if v41.role(i) in (LayerRole.FULL, LayerRole.REINDEX):
-            total += (context // m) * key
-    if v41.engram is not None:
-        rows = len(v41.engram.layer_ids) * v41.engram.ids_per_token
-        total += rows * v41.engram.head_dim * 2
-    return total
-
-
-def step_bytes(engine: Engine, bs: int, context: int) -> float:
-    """Bytes one step of bs requests reads. Plain decode: the target's weights for bs tokens
-    (`weight_bytes`) and the attention KV (window + compressed entries + indexer keys) of each
-    request. DSpark: the target verifies bs x (gamma + 1) tokens and the draft reads its own
-    weights for bs x gamma tokens (its context KV is small and left out)."""
-    cfg: ModelConfig = engine.runner.model_cfg
-    spec = engine.spec
-    width = 1 if spec is None else spec.worker.gamma + 1
-    total = weight_bytes(
-        engine.runner.model, cfg.n_routed_experts, cfg.num_experts_per_tok, bs * width
-    )
-    if spec is not None:
-        d = spec.worker.draft.cfg
-        total += weight_bytes(
-            spec.worker.draft,
-            d.n_routed_experts,
-            d.num_experts_per_tok,
-            bs * spec.worker.gamma,
-        )
-    if cfg.v41 is not None:
-        return total + bs * v41_kv_bytes(cfg, context)
-    el = torch.finfo(engine.runner.dtype).bits // 8
-    for i, lt in enumerate(cfg.layer_types):
-        kv = min(context, cfg.sliding_window) * cfg.head_dim
-        if lt in (CSA, HCA):
-            m = cfg.compress_ratio(i)
-            kv += (min(context // m, cfg.index_topk) if lt == CSA else context // m) * cfg.head_dim
-            if lt == CSA:
-                kv += (context // m) * cfg.index_head_dim
-        total += bs * kv * el
-    return total
-
-
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser()
     p.add_argument("--config", default="mid_910m", choices=sorted(BENCH_CONFIGS))
     p.add_argument("--device", default="cuda")
@@ -358,9 +234,45 @@ def main() -> None:
     )
     p.add_argument("--accept-len", type=float, default=3.2)
     p.add_argument(
+        "--systems",
+        default="eager,graph,dspark_full,dspark_static",
+        help="engine configurations this process runs, in this order (comma list of "
+        f"{', '.join(SYSTEMS)}). graph includes the extra-backend / no-overlap / eager-prefill "
+        "/ no-PDL rows; dspark_static the --static-cases and --static-widths engines; "
+        "dspark_confidence one engine per --confidence-modes entry, reading --sps-table. Run "
+        "one configuration per process (several invocations with --append into one --out-dir) "
+        "so that no engine's CUDA graph pools hold memory the next one needs.",
+    )
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's rows to --out-dir's engine.json (same --config) instead of "
+        "starting a new table",
+    )
+    p.add_argument(
         "--static-cases",
         default="1:4,1:5,32:2,32:3",
-        help="DSpark static-width runs as bs:width (comma list)",
+        help="DSpark static-width runs as bs:width (comma list), one engine per case",
+    )
+    p.add_argument(
+        "--static-widths",
+        default="",
+        help="one more static engine with this width per batch size (bs:width comma list, "
+        "the largest bs key <= the batch applies), measured at every batch size",
+    )
+    p.add_argument(
+        "--confidence-modes",
+        default="async",
+        help="dspark_confidence: the confidence policy's modes to run (comma list: sync, async)",
+    )
+    p.add_argument(
+        "--sps-table",
+        default=None,
+        help="SPS table path: dspark_full profiles its steps into it, dspark_confidence reads "
+        "it (a run of dspark_confidence alone needs one written earlier)",
+    )
+    p.add_argument(
+        "--engine-args", default="{}", help="JSON of extra Engine arguments for every engine"
     )
     p.add_argument(
         "--alt-draft-top-k",
@@ -399,7 +311,7 @@ def main() -> None:
         help="also time graphs with --cuda-graph-max-prefill-tokens 0 (A/B)",
     )
     p.add_argument("--skip-hf", action="store_true")
-    p.add_argument("--skip-eager", action="store_true")
+    p.add_argument("--skip-eager", action="store_true", help="leave eager out of --systems")
     p.add_argument(
         "--profile",
         action="store_true",
@@ -408,18 +320,60 @@ def main() -> None:
         "--out-dir",
     )
     p.add_argument("--out-dir", default=".")
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    a.systems = [s for s in a.systems.split(",") if s]
+    unknown = sorted(set(a.systems) - set(SYSTEMS))
+    if unknown:
+        p.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    if a.skip_eager:
+        a.systems = [s for s in a.systems if s != "eager"]
+    if "dspark_confidence" in a.systems and a.sps_table is None:
+        p.error("--systems dspark_confidence needs --sps-table (dspark_full writes it)")
+    return a
+
+
+def main() -> None:
+    a = parse_args()
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")  # capture logs
     dev = a.device
     raw = dict(BENCH_CONFIGS[a.config])
     cfg = ModelConfig.from_hf_dict(raw)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     hf_sizes = [int(x) for x in (a.hf_batch_sizes or a.batch_sizes).split(",") if x]
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    if a.append and (out / "engine.json").is_file():
+        earlier = json.loads((out / "engine.json").read_text())
+        if earlier["meta"]["config"] != a.config:
+            raise SystemExit(
+                f"--append: {out / 'engine.json'} holds config {earlier['meta']['config']!r}, "
+                f"not {a.config!r}"
+            )
+        rows = earlier["rows"]
+    meta = {
+        "config": a.config,
+        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev,
+        "torch": torch.__version__,
+        "copy_bandwidth_Bps": copy_bandwidth(dev),
+        "input_len": a.input_len,
+        "output_len": a.output_len,
+        "gamma": a.gamma,
+        "draft_layers": a.draft_layers,
+        "draft_experts": a.draft_experts,
+        "alt_draft_top_k": a.alt_draft_top_k,
+        "bs1_block_size": a.bs1_block_size,
+    }
+    failures = 0
 
     def emit(row: dict) -> None:
+        """Print a row and rewrite engine.json / engine.md (a run cut short keeps its rows)."""
+        nonlocal failures
+        failures += "error" in row
         print(json.dumps(row), flush=True)
         rows.append(row)
+        (out / "engine.json").write_text(json.dumps({"meta": meta, "rows": rows}))
+        (out / "engine.md").write_text(render(meta, rows))
 
     work = tempfile.mkdtemp(prefix="bench_engine_")
     v41 = cfg.v41 is not None
@@ -466,8 +420,10 @@ def main() -> None:
         max_running_requests=max(sizes),
         max_total_tokens=max(sizes) * ctx + 4096,
         chunked_prefill_size=4096,
+        **json.loads(a.engine_args),
     )
-    bw = copy_bandwidth(dev)
+    bw = meta["copy_bandwidth_Bps"]
+    profiling = a.profile and dev.startswith("cuda")
 
     def measure(system: str, bs: int, engine: Engine, **extra) -> None:
         wall, t1, ids = time_engine(
@@ -492,50 +448,107 @@ def main() -> None:
             }
         )
 
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    profiling = a.profile and dev.startswith("cuda")
-    modes = [("ours_eager", {"disable_cuda_graph": True}), ("ours_cuda_graph", {})]
-    modes += [
-        (f"ours_cuda_graph_attn_{b}", {"attention_backend": b})
-        for b in a.extra_attention_backends.split(",")
-        if b
-    ]
-    if a.no_overlap_row:
-        modes.append(("ours_cuda_graph_no_overlap", {"disable_overlap_schedule": True}))
-    if a.eager_prefill_row:
-        modes.append(("ours_cuda_graph_eager_prefill", {"cuda_graph_max_prefill_tokens": 0}))
-    if a.no_pdl_row:
-        modes.append(("ours_cuda_graph_no_pdl", {"disable_programmatic_launch": True}))
-    for system, kw in modes[1 if a.skip_eager else 0 :]:
-        engine = Engine(**{**base, **kw})
-        for bs in sizes:
-            measure(system, bs, engine)
-        if profiling:
-            profile_steps(
-                engine,
-                prompts_for(1, a.input_len, cfg.vocab_size),
-                out / f"profile_{system}_bs1.txt",
-            )
-        engine.shutdown()
-        del engine
-        gc.collect()
+    def run_system(
+        system: str,
+        kw: dict,
+        batch_sizes: list[int],
+        profile_name: str | None = None,
+        after=None,
+        **extra,
+    ) -> None:
+        """One engine: every batch size, the optional bs 1 profile, then `after(engine)`. A
+        failure becomes an error row and the next engine still runs."""
+        engine = None
+        try:
+            engine = Engine(**{**base, **kw})
+            for bs in batch_sizes:
+                measure(system, bs, engine, **extra)
+            if profiling and profile_name is not None:
+                profile_steps(
+                    engine,
+                    prompts_for(1, a.input_len, cfg.vocab_size),
+                    out / f"profile_{profile_name}_bs1.txt",
+                )
+            if after is not None:
+                after(engine)
+        except Exception as exc:  # noqa: BLE001 - an error row per engine, the rest still runs
+            traceback.print_exc()
+            emit({"system": system, "error": f"{type(exc).__name__}: {exc}"[:400], **extra})
+        finally:
+            if engine is not None:
+                engine.shutdown()
+            del engine
+            gc.collect()
+            if dev.startswith("cuda"):
+                torch.cuda.empty_cache()
+
+    modes = []
+    if "eager" in a.systems:
+        modes.append(("ours_eager", {"disable_cuda_graph": True}))
+    if "graph" in a.systems:
+        modes.append(("ours_cuda_graph", {}))
+        modes += [
+            (f"ours_cuda_graph_attn_{b}", {"attention_backend": b})
+            for b in a.extra_attention_backends.split(",")
+            if b
+        ]
+        if a.no_overlap_row:
+            modes.append(("ours_cuda_graph_no_overlap", {"disable_overlap_schedule": True}))
+        if a.eager_prefill_row:
+            modes.append(("ours_cuda_graph_eager_prefill", {"cuda_graph_max_prefill_tokens": 0}))
+        if a.no_pdl_row:
+            modes.append(("ours_cuda_graph_no_pdl", {"disable_programmatic_launch": True}))
+    for system, kw in modes:
+        run_system(system, kw, sizes, profile_name=system)
 
     spec = dict(
         speculative_algorithm="DSpark",
         speculative_dspark_block_size=a.gamma,
         speculative_dspark_simulate_accept_len=a.accept_len,
     )
-    engine = Engine(**base, **spec)
-    for bs in sizes:
-        measure("dspark_full", bs, engine, accept_len=a.accept_len)
-    if profiling:
-        profile_steps(
-            engine, prompts_for(1, a.input_len, cfg.vocab_size), out / "profile_dspark_full_bs1.txt"
+    sps_path = Path(a.sps_table) if a.sps_table else None
+    if "dspark_full" in a.systems:
+        run_system(
+            "dspark_full",
+            spec,
+            sizes,
+            profile_name="dspark_full",
+            after=None if sps_path is None else lambda engine: profile_sps(engine, sps_path),
+            accept_len=a.accept_len,
         )
-    engine.shutdown()
-    del engine
-    gc.collect()
+    if "dspark_static" in a.systems:
+        run_static(a, work, spec, sizes, run_system)
+    if "dspark_confidence" in a.systems:
+        assert sps_path is not None
+        for mode in (m for m in a.confidence_modes.split(",") if m):
+            system = f"dspark_confidence_{mode}"
+            if not sps_path.is_file():
+                emit(
+                    {
+                        "system": system,
+                        "error": f"no SPS table at {sps_path} (dspark_full "
+                        "with --sps-table writes it)",
+                        "accept_len": a.accept_len,
+                    }
+                )
+                continue
+            confidence = {
+                **spec,
+                "speculative_dspark_verify_policy": "confidence",
+                "speculative_dspark_confidence_mode": mode,
+                "speculative_dspark_sps_table_path": str(sps_path),
+            }
+            run_system(system, confidence, sizes, accept_len=a.accept_len)
+
+    print(render(meta, rows))
+    if failures:
+        raise SystemExit(f"{failures} engine configuration(s) failed (error rows in the table)")
+
+
+def run_static(a: argparse.Namespace, work: str, spec: dict, sizes: list[int], run_system) -> None:
+    """The static verify-width engines: one per --static-cases entry (a width for one batch
+    size; with --alt-draft-top-k / --bs1-block-size also with that draft or bs 1 block), and one
+    with the --static-widths table measured at every batch size."""
     drafts = [("", {})]
     if a.alt_draft_top_k is not None:
         alt = str(Path(work) / f"dspark_top{a.alt_draft_top_k}")
@@ -563,40 +576,29 @@ def main() -> None:
             continue  # the bs 1 runtime's block size changes nothing at other batch sizes
         table = Path(work) / f"widths_{w}.json"
         table.write_text(json.dumps({"widths_by_batch_size": {"1": w}}))
-        engine = Engine(
-            **base,
+        static = {
             **spec,
             **draft,
-            speculative_dspark_verify_policy="static",
-            speculative_dspark_width_table_path=str(table),
+            "speculative_dspark_verify_policy": "static",
+            "speculative_dspark_width_table_path": str(table),
+        }
+        run_system(
+            f"dspark_static_w{w}{suffix}",
+            static,
+            [bs],
+            profile_name=f"dspark_static_w{w}" if bs == 1 else None,
+            accept_len=a.accept_len,
         )
-        measure(f"dspark_static_w{w}{suffix}", bs, engine, accept_len=a.accept_len)
-        if profiling and bs == 1:
-            profile_steps(
-                engine,
-                prompts_for(1, a.input_len, cfg.vocab_size),
-                out / f"profile_dspark_static_w{w}_bs1.txt",
-            )
-        engine.shutdown()
-        del engine
-        gc.collect()
-
-    meta = {
-        "config": a.config,
-        "device": torch.cuda.get_device_name() if dev.startswith("cuda") else dev,
-        "torch": torch.__version__,
-        "copy_bandwidth_Bps": bw,
-        "input_len": a.input_len,
-        "output_len": a.output_len,
-        "gamma": a.gamma,
-        "draft_layers": a.draft_layers,
-        "draft_experts": a.draft_experts,
-        "alt_draft_top_k": a.alt_draft_top_k,
-        "bs1_block_size": a.bs1_block_size,
-    }
-    (out / "engine.json").write_text(json.dumps({"meta": meta, "rows": rows}))
-    (out / "engine.md").write_text(render(meta, rows))
-    print(render(meta, rows))
+    if a.static_widths:
+        widths = dict(case.split(":") for case in a.static_widths.split(",") if case)
+        table = Path(work) / "widths_by_bs.json"
+        table.write_text(json.dumps({"widths_by_batch_size": widths}))
+        static = {
+            **spec,
+            "speculative_dspark_verify_policy": "static",
+            "speculative_dspark_width_table_path": str(table),
+        }
+        run_system(f"dspark_static_{a.static_widths}", static, sizes, accept_len=a.accept_len)
 
 
 def common_prefix(a: list[int], b: list[int]) -> int:
@@ -610,7 +612,7 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def render(meta: dict, rows: list[dict]) -> str:
-    by = {(r["system"], r["bs"]): r for r in rows}
+    by = {(r["system"], r["bs"]): r for r in rows if "error" not in r}
     lines = [
         f"config {meta['config']}, {meta['device']}, torch {meta['torch']}, prompts "
         f"{meta['input_len']} + {meta['output_len']} new tokens, copy bandwidth "
@@ -621,6 +623,9 @@ def render(meta: dict, rows: list[dict]) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['system']} | {r.get('bs', '-')} | error: {r['error']} |" + " |" * 6)
+            continue
         hf = by.get(("hf_generate", r["bs"]))
         eager = by.get(("ours_eager", r["bs"]))
         ratio = f"{r['tok_s_total'] / hf['tok_s_total']:.1f}" if hf else "-"

@@ -8,6 +8,13 @@ the decode step of a benchmark model against its byte floor, with and without DS
     # one model natively: plain decode (CUDA graphs), DSpark with simulated acceptance at the
     # static widths and with the online width policy
     python benchmark/bench_native.py decode --config dsv4_flash_rank --dspark --out-dir $OUT
+    # the same, one engine per process (a real-size model's graph pools and load dominate):
+    for s in plain dspark_full dspark_static dspark_online; do
+      python benchmark/bench_native.py decode --config dsv4_flash_rank --systems $s --append \
+        --out-dir $OUT; done
+
+Each run rewrites its table (`native_<mode>_<config>.json` / `.md`) after every row, so a run
+cut short keeps what it measured; `--append` adds to the table an earlier process wrote.
 
 Every model loads with `--load-format dummy`: seeded random weights generated on the device in
 the formats its `quantization_config` declares (`model_loader/dummy.py`); nothing is written
@@ -24,7 +31,6 @@ import gc
 import json
 import logging
 import math
-import statistics
 import sys
 import tempfile
 import time
@@ -43,22 +49,17 @@ from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
 from sgl_dspark.srt.layers.moe.experts import RoutedExperts  # noqa: E402
 from sgl_dspark.srt.model_executor.weights import build_on_meta, keeps_fp32  # noqa: E402
 from sgl_dspark.srt.model_loader.dummy import DummyWeights  # noqa: E402
-from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS, BENCH_DRAFT_KEYS  # noqa: E402
+from sgl_dspark.srt.models.bench_configs import (  # noqa: E402
+    BENCH_CONFIGS,
+    BENCH_DRAFT_KEYS,
+    released_quantization,
+)
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel  # noqa: E402
 from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
-from sgl_dspark.srt.speculative.dspark.sps import DiagonalSpsTable, save_sps_table  # noqa: E402
-from sgl_dspark.tools.dspark_sps_profile import profile_batch  # noqa: E402
 
-from benchmark.bench_engine import copy_bandwidth, prompts_for, time_engine  # noqa: E402
+from benchmark.bench_engine import profile_sps, prompts_for, time_engine  # noqa: E402
+from benchmark.step_floor import copy_bandwidth  # noqa: E402
 
-# The released formats, for configs that declare none.
-RELEASED_QUANT = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "weight_block_size": [128, 128],
-    "scale_fmt": "ue8m0",
-    "expert_dtype": "fp4",
-}
 # Kernels DeepSeek-V4.1 runs in torch until its Triton kernels land (`deepseek_v41.py`).
 V41_TORCH_FAMILIES = "mhc=torch,indexer=torch,moe=torch"
 EMBEDDING_NAMES = ("embed_tokens", "lm_head", "markov_head", "engram.embed")
@@ -66,7 +67,8 @@ EMBEDDING_NAMES = ("embed_tokens", "lm_head", "markov_head", "engram.embed")
 
 def quantized_raw(name: str) -> dict:
     raw = dict(BENCH_CONFIGS[name])
-    raw.setdefault("quantization_config", RELEASED_QUANT)
+    # Configs that declare no formats get the released V4 ones.
+    raw.setdefault("quantization_config", released_quantization(128))
     return raw
 
 
@@ -271,23 +273,6 @@ def run_engine(
         del engine
 
 
-SPS_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
-
-
-def profile_sps(engine: Engine, path: Path) -> None:
-    """The diagonal SPS table of this engine's full-width DSpark steps (the measurement of
-    `sgl_dspark.tools.dspark_sps_profile`: verify tokens bs * (gamma + 1) -> steps per second;
-    the full width verifies the same tokens whatever the acceptance)."""
-    gamma = engine.spec.worker.gamma
-    limit = engine.args.max_running_requests
-    tokens, sps = [], []
-    for bs in (b for b in SPS_BATCH_SIZES if b <= limit):
-        times = profile_batch(engine, bs, warmup=4, steps=12)
-        tokens.append(bs * (gamma + 1))
-        sps.append(1.0 / statistics.median(times))
-    save_sps_table(DiagonalSpsTable(tuple(tokens), tuple(sps), max(tokens)), path)
-
-
 def render_rows(meta: dict, rows: list[dict]) -> str:
     lines = [
         f"{meta['what']}: config {meta['config']}, {meta['device']}, torch {meta['torch']}, "
@@ -322,6 +307,10 @@ def render_rows(meta: dict, rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+DECODE_SYSTEMS = ("plain", "dspark_full", "dspark_static", "dspark_online")
+FORMATS = ("bf16", "native")
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("sizes", "ab", "decode"))
@@ -331,14 +320,36 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
-    p.add_argument("--weight-format", default="native", choices=("native", "bf16"))
+    p.add_argument("--weight-format", default="native", choices=FORMATS)
+    p.add_argument(
+        "--formats",
+        default=",".join(FORMATS),
+        help="ab mode: the weight formats this process loads, in this order (comma list)",
+    )
     p.add_argument("--kv-cache-dtype", default="auto")
-    p.add_argument("--dspark", action="store_true", help="decode mode: also the DSpark rows")
+    p.add_argument(
+        "--systems",
+        default="plain",
+        help=f"decode mode: the engines this process runs, in this order ({', '.join(DECODE_SYSTEMS)})",
+    )
+    p.add_argument("--dspark", action="store_true", help="decode mode: also every DSpark system")
+    p.add_argument(
+        "--append",
+        action="store_true",
+        help="add this run's rows to the --out-dir table of the same mode and config (one "
+        "engine per process, several invocations)",
+    )
     p.add_argument("--accept-len", type=float, default=3.2)
     p.add_argument(
         "--static-widths", default="1:4,8:3,32:2", help="DSpark static verify width per bs"
     )
     p.add_argument("--online-widths", default="2,3,4", help="widths the online policy picks")
+    p.add_argument(
+        "--sps-table",
+        default=None,
+        help="SPS table dspark_full profiles and dspark_online reads (default: "
+        "<out-dir>/native_decode_<config>_sps.json)",
+    )
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine arguments")
     p.add_argument("--out", default=None, help="sizes mode: markdown file")
     p.add_argument("--out-dir", default=".")
@@ -358,6 +369,17 @@ def main() -> None:
             Path(a.out).write_text(text)
         return
 
+    systems = [s for s in a.systems.split(",") if s]
+    if a.dspark:
+        systems += [s for s in DECODE_SYSTEMS if s.startswith("dspark") and s not in systems]
+    formats = [f for f in a.formats.split(",") if f]
+    for name, chosen, allowed in (
+        ("--systems", systems, DECODE_SYSTEMS),
+        ("--formats", formats, FORMATS),
+    ):
+        unknown = sorted(set(chosen) - set(allowed))
+        if unknown:
+            p.error(f"{name}: unknown {unknown}; choose from {', '.join(allowed)}")
     raw = quantized_raw(a.config)
     cfg = ModelConfig.from_hf_dict(raw)
     sizes = [int(x) for x in a.batch_sizes.split(",")]
@@ -365,7 +387,12 @@ def main() -> None:
     path = write_model_dir(a.config, raw, work)
     kw = engine_args(a, path, raw, sizes)
     bw = copy_bandwidth(a.device)
+    out = Path(a.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = f"native_{a.mode}_{a.config}"
     rows: list[dict] = []
+    if a.append and (out / f"{stem}.json").is_file():
+        rows = json.loads((out / f"{stem}.json").read_text())["rows"]
 
     meta = {
         "what": "bf16 vs native weights" if a.mode == "ab" else "decode",
@@ -379,9 +406,6 @@ def main() -> None:
         "engine_args": {k: v for k, v in kw.items() if k != "model_path"},
         "sizes": model_sizes(a.config, raw),
     }
-    out = Path(a.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stem = f"native_{a.mode}_{a.config}"
 
     def write(rows: list[dict], final: bool = False) -> None:
         """The results so far (rewritten after every row, so a run cut short keeps them)."""
@@ -397,19 +421,23 @@ def main() -> None:
         write(rows)
 
     if a.mode == "ab":
-        for fmt in ("bf16", "native"):
+        for fmt in formats:
             run_engine(
                 a, f"weights_{fmt}", {**kw, "weight_format": fmt}, sizes, cfg.vocab_size, bw, emit
             )
-    else:
-        run_engine(a, "plain", kw, sizes, cfg.vocab_size, bw, emit)
-        if a.dspark:
-            spec = dict(
-                speculative_algorithm="DSpark",
-                speculative_dspark_simulate_accept_len=a.accept_len,
-            )
-            # Full width; its engine also profiles the SPS table the online policy reads.
-            sps_path = work / "sps.json"
+        write(rows, final=True)
+        return
+
+    spec = dict(
+        speculative_algorithm="DSpark",
+        speculative_dspark_simulate_accept_len=a.accept_len,
+    )
+    sps_path = Path(a.sps_table) if a.sps_table else out / f"{stem}_sps.json"
+    for system in systems:
+        if system == "plain":
+            run_engine(a, "plain", kw, sizes, cfg.vocab_size, bw, emit)
+        elif system == "dspark_full":
+            # Its engine also profiles the SPS table the online policy reads.
             run_engine(
                 a,
                 "dspark_full",
@@ -421,6 +449,7 @@ def main() -> None:
                 after=lambda engine: profile_sps(engine, sps_path),
                 accept_len=a.accept_len,
             )
+        elif system == "dspark_static":
             widths = dict(case.split(":") for case in a.static_widths.split(",") if case)
             table = work / "widths.json"
             table.write_text(json.dumps({"widths_by_batch_size": widths}))
@@ -440,6 +469,13 @@ def main() -> None:
                 emit,
                 accept_len=a.accept_len,
             )
+        elif system == "dspark_online":
+            name = f"dspark_online_{a.online_widths}"
+            if not sps_path.is_file():
+                emit(
+                    {"system": name, "error": f"no SPS table at {sps_path} (dspark_full writes it)"}
+                )
+                continue
             online = {
                 **kw,
                 **spec,
@@ -448,17 +484,7 @@ def main() -> None:
                 "speculative_dspark_verify_widths": a.online_widths,
                 "speculative_dspark_sps_table_path": str(sps_path),
             }
-            if sps_path.is_file():
-                run_engine(
-                    a,
-                    f"dspark_online_{a.online_widths}",
-                    online,
-                    sizes,
-                    cfg.vocab_size,
-                    bw,
-                    emit,
-                    accept_len=a.accept_len,
-                )
+            run_engine(a, name, online, sizes, cfg.vocab_size, bw, emit, accept_len=a.accept_len)
     write(rows, final=True)
 
 

@@ -39,12 +39,8 @@ from sgl_dspark.srt.model_executor.target_graphs import FAMILY as TARGET  # noqa
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 from sgl_dspark.srt.speculative.dspark.fused_step import FAMILY as FUSED  # noqa: E402
 
-from benchmark.bench_engine import (  # noqa: E402
-    build_hf,
-    kernel_list,
-    prompts_for,
-    write_checkpoints,
-)
+from benchmark.bench_engine import build_hf, prompts_for, write_checkpoints  # noqa: E402
+from benchmark.step_profile import kernel_list  # noqa: E402
 
 
 def time_replays(

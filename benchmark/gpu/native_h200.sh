@@ -1,84 +1,96 @@
 #!/usr/bin/env bash
-# Weights kept as stored (FP8 / MXFP4), KV cache dtype, real-size benchmark models: one device
-# call on one H200, about 9 minutes. Results: $OUT/*.md (+ .json, logs).
+# Weights kept as stored (FP8 / MXFP4), KV cache dtype, real-size benchmark models on one H200.
 #
-#   bash benchmark/gpu/native_h200.sh [stages]     (default: env,tests,gemm,ab,rank,v41)
+#   bash benchmark/gpu/native_h200.sh [--dry-run] [stages]
 #
-#   tests  compiled tests of the quantised kernels and the FP8 window attention
-#   gemm   bench_quant_gemm.py: bf16 Triton / cuBLAS / W8A16 / W4A16 at V4-Flash decode shapes
-#   ab     bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16 vs native, bs 1/8/32
-#   rank   bench_native.py decode: dsv4_flash_rank (full depth, 96 experts, as stored), CUDA
-#          graphs, bs 1/8/32 vs its byte floor; DSpark (simulated acceptance 3.2) at full width,
-#          static widths and the online width policy; then the FP8 window KV cache (plain rows)
-#   v41    bench_native.py decode: dsv41_flash_rank loaded natively, bs 1 on the kernels V4.1
-#          runs today (torch mHC / indexer / MoE and attention, so eager)
-#   sweep  (not in the default set; a second call) launch shapes of the quantised linear at
-#          q_b / o_b / wide, M 1 and 16, when the gemm stage misses its goals
-# Every stage has its own time limit; each benchmark rewrites its markdown after every row.
-set -u
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python:$PWD
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl && export PYTHONPATH=$PYTHONPATH:/tmp/site
-fi
-STAGES=${1:-env,tests,gemm,ab,rank,v41}
-has() { [[ ",$STAGES," == *",$1,"* ]]; }
-START=$(date +%s)
-stamp() { echo "== $1 at +$(( $(date +%s) - START ))s" | tee -a "$OUT/stages.txt"; }
-if has env; then
-  stamp env
-  { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-    python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
-    echo "commit $(git log --oneline -1 2>/dev/null) ($(git status --short -- python benchmark test | wc -l) changed files)"
-  } 2>&1 | tee "$OUT/env.txt"
-fi
+#   tests        compiled tests of the quantised kernels and the FP8 window attention
+#   gemm         bench_quant_gemm.py: bf16 Triton / cuBLAS / W8A16 / W4A16 at V4-Flash decode
+#                shapes, M 1, 4 and 16
+#   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
+#                (one process each), bs 1/8/32
+#   rank         bench_native.py decode: dsv4_flash_rank (full depth, 96 experts, as stored),
+#                CUDA graphs, bs 1/8/32 vs its byte floor
+#   rank_dspark  the same model with DSpark (simulated acceptance 3.2): full width (which also
+#                profiles the SPS table), the static widths, the online width policy (reads
+#                that table), one process each
+#   rank_fp8_kv  the rank model's plain decode with the FP8 window KV cache, bs 1 and 32
+#   v41          bench_native.py decode: dsv41_flash_rank loaded natively, bs 1
+#   sweep        launch shapes of the quantised linear at q_b / o_b / wide, M 1 and 16 (when the
+#                gemm stage misses its goals)
+#
+# A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
+# in order of need, with stage budgets set from the first call's timings
+# (benchmark/results/sweeps/2026-12-02_native_f66991f.md: one engine's graph capture, the rank
+# model's plain rows, the GEMM stage cut short at M 1):
+#   env,tests,gemm          ~7 minutes  (budgets 100 + 320 s)
+#   env,ab,rank             ~9 minutes  (320 + 200 s)
+#   env,rank_dspark         ~9 minutes  (540 s)
+#   env,rank_fp8_kv,v41     ~4 minutes  (120 + 120 s)
+#   env,sweep               ~8 minutes  (480 s), only when needed
+# A stage left without time is skipped and says so; each benchmark rewrites its table after
+# every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
+# test summaries, what ran) and $OUT/results.tgz (every log and table).
+DEFAULT_STAGES=env,tests,gemm
+source "$(dirname "$0")/stages.sh"
+
+native=(python3 benchmark/bench_native.py)
+rank=(--config dsv4_flash_rank --input-len 256 --output-len 32)
+if has env; then env_stage; fi
 if has tests; then
-  stamp tests
-  timeout 80 python3 -m pytest -q -p no:cacheprovider -n 8 \
+  stage tests 100
+  run 100 native_tests.txt python3 -m pytest -q -p no:cacheprovider -n 8 \
     test/registered/kernels/test_quantized_gemm.py \
     test/registered/kernels/test_window_sparse_attention.py \
     test/registered/kernels/test_moe_token_gemm.py \
-    test/registered/kernels/test_small_m_linear.py 2>&1 | tee "$OUT/native_tests.txt" | tail -15
+    test/registered/kernels/test_small_m_linear.py
+  show "$WORK/native_tests.txt" 15
 fi
 if has gemm; then
-  stamp gemm
-  timeout 110 python3 benchmark/kernels/bench_quant_gemm.py --out "$OUT/quant_gemm.md" \
-    > "$OUT/quant_gemm.log" 2>&1
-  tail -70 "$OUT/quant_gemm.md"
+  stage gemm 320
+  run 320 quant_gemm.log python3 benchmark/kernels/bench_quant_gemm.py --out "$WORK/quant_gemm.md"
+  show "$WORK/quant_gemm.md"
 fi
-if has ab; then
-  stamp ab
-  timeout 90 python3 benchmark/bench_native.py ab --config dsv4_flash_slice --batch-sizes 1,8,32 \
-    --input-len 256 --output-len 32 --out-dir "$OUT" > "$OUT/native_ab.log" 2>&1
-  cat "$OUT/native_ab_dsv4_flash_slice.md"
+if has ab; then  # the same random model, bf16 then native, each engine in its own process
+  stage ab 320
+  for fmt in bf16 native; do
+    run 170 "ab/weights_$fmt.log" "${native[@]}" ab --config dsv4_flash_slice --formats "$fmt" \
+      --batch-sizes 1,8,32 --input-len 256 --output-len 32 --append --out-dir "$WORK/ab"
+  done
+  show "$WORK/ab/native_ab_dsv4_flash_slice.md"
 fi
 if has rank; then
-  stamp rank
-  timeout 170 python3 benchmark/bench_native.py decode --config dsv4_flash_rank --dspark \
-    --batch-sizes 1,8,32 --input-len 256 --output-len 32 --out-dir "$OUT" \
-    > "$OUT/native_rank.log" 2>&1
-  cat "$OUT/native_decode_dsv4_flash_rank.md"
-  stamp rank_fp8_kv
-  mkdir -p "$OUT/fp8_kv"
-  timeout 45 python3 benchmark/bench_native.py decode --config dsv4_flash_rank \
-    --kv-cache-dtype fp8_e4m3 --batch-sizes 1,32 --input-len 256 --output-len 32 \
-    --out-dir "$OUT/fp8_kv" > "$OUT/fp8_kv/native_rank_fp8_kv.log" 2>&1
-  head -8 "$OUT/fp8_kv/native_decode_dsv4_flash_rank.md"
+  stage rank 200
+  run 200 rank/plain.log "${native[@]}" decode "${rank[@]}" --systems plain --append \
+    --batch-sizes 1,8,32 --out-dir "$WORK/rank"
+  show "$WORK/rank/native_decode_dsv4_flash_rank.md"
+fi
+if has rank_dspark; then  # full width first: after its rows it profiles the SPS table online reads
+  stage rank_dspark 540
+  for system in dspark_full:240 dspark_static:150 dspark_online:150; do
+    run "${system#*:}" "rank/${system%:*}.log" "${native[@]}" decode "${rank[@]}" \
+      --systems "${system%:*}" --append --batch-sizes 1,8,32 --sps-table "$WORK/rank/sps.json" \
+      --out-dir "$WORK/rank"
+  done
+  show "$WORK/rank/native_decode_dsv4_flash_rank.md"
+fi
+if has rank_fp8_kv; then
+  stage rank_fp8_kv 120
+  run 120 rank_fp8_kv/plain.log "${native[@]}" decode "${rank[@]}" --systems plain \
+    --kv-cache-dtype fp8_e4m3 --batch-sizes 1,32 --out-dir "$WORK/rank_fp8_kv"
+  show "$WORK/rank_fp8_kv/native_decode_dsv4_flash_rank.md"
 fi
 if has v41; then
-  stamp v41
-  timeout 45 python3 benchmark/bench_native.py decode --config dsv41_flash_rank --batch-sizes 1 \
-    --input-len 64 --output-len 8 --out-dir "$OUT" > "$OUT/native_v41.log" 2>&1
-  cat "$OUT/native_decode_dsv41_flash_rank.md" 2>/dev/null || tail -20 "$OUT/native_v41.log"
+  stage v41 120
+  run 120 v41/plain.log "${native[@]}" decode --config dsv41_flash_rank --batch-sizes 1 \
+    --input-len 64 --output-len 8 --out-dir "$WORK/v41"
+  show "$WORK/v41/native_decode_dsv41_flash_rank.md"
 fi
 if has sweep; then
-  stamp sweep
+  stage sweep 480
   for shape in q_b o_b wide; do
-    timeout 150 python3 benchmark/kernels/bench_quant_gemm.py --sweep --m 1,16 --only "$shape" \
-      --out "$OUT/quant_sweep_$shape.md" > "$OUT/quant_sweep_$shape.log" 2>&1
-    cat "$OUT/quant_sweep_$shape.md"
+    run 160 "sweep_$shape.log" python3 benchmark/kernels/bench_quant_gemm.py --sweep \
+      --m 1,16 --only "$shape" --out "$WORK/quant_sweep_$shape.md"
+    show "$WORK/quant_sweep_$shape.md"
   done
 fi
-stamp done
+note "done at +$(($(now) - CALL_START)) s"

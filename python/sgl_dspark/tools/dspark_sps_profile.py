@@ -33,16 +33,27 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def profile_batch(engine: Engine, bs: int, warmup: int, steps: int) -> list[float]:
+def profile_batch(
+    engine: Engine, bs: int, warmup: int, steps: int, tokens_per_step: int = 1
+) -> list[float]:
+    """Step times of `bs` decoding requests (`warmup` steps, then `steps` timed). The requests
+    ask for enough tokens never to finish while timed when each step commits at most
+    `tokens_per_step` (1 under simulated acceptance 1.0; gamma + 1 otherwise), as far as the
+    context length allows."""
     sched = engine.scheduler
-    params = SamplingParams(max_new_tokens=warmup + steps + 8, temperature=1.0, ignore_eos=True)
+    prompt_len = 16
+    wanted = (warmup + steps + 8) * tokens_per_step
+    room = engine.args.context_length - prompt_len - tokens_per_step
+    params = SamplingParams(
+        max_new_tokens=max(1, min(wanted, room)), temperature=1.0, ignore_eos=True
+    )
     g = torch.Generator().manual_seed(bs)
     vocab = engine.runner.model_cfg.vocab_size
     reqs = [
         Req(
             rid=f"sps-{bs}-{i}",
             params=params,
-            prompt_ids=torch.randint(4, vocab, (16,), generator=g).tolist(),
+            prompt_ids=torch.randint(4, vocab, (prompt_len,), generator=g).tolist(),
         )
         for i in range(bs)
     ]

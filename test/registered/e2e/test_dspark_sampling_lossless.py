@@ -1,6 +1,15 @@
 """DSpark sampling is lossless: the distribution of the first three generated tokens with DSpark
-equals the target's (chi-square over >= 20k samples, tiny vocabulary, p > 0.01), at temperature
-1.0 and 0.7 and with top-k/top-p, with a random draft that disagrees with the target often.
+equals the target's (chi-square, p > 0.01), for DeepSeek-V4 and DeepSeek-V4.1 targets.
+
+* Random targets with a 12-token vocabulary (every sequence of three tokens has a visible
+  probability) and a random draft whose Markov head is sharpened, so its proposals are
+  confident and often wrong: V4 at temperature 1.0 and 0.7 and with top-k/top-p; V4.1 (three
+  layers: window-only, ratio 2, ratio 1 with candidate blocks; no Engram, whose token map needs
+  the byte tokenizer's vocabulary) at temperature 1.0 (the sampler's processing is the same code
+  for every target).
+* The built-in V4.1 pair (`tiny-v41` + `tiny-v41-dspark`: every layer role, Engram included) at
+  temperature 2.0 with top-k 6, which keeps the support small enough to enumerate over its
+  512-token vocabulary.
 
 The reference distribution is computed exactly from target logits processed by the
 non-speculative sampler's rule (`processed_probs`); token 1 comes from prefill sampling, tokens 2
@@ -8,106 +17,97 @@ and 3 from DSpark steps (accepted drafts, corrections or the bonus)."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
-from scipy.stats import chisquare
 from sgl_dspark import Engine
-from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
-from sgl_dspark.srt.layers.sampler import SamplingBatchInfo, processed_probs
-from sgl_dspark.srt.sampling.sampling_params import SamplingParams
-from spec_utils import write_random_draft, write_random_target
+from spec_utils import (
+    assert_first_three_tokens_follow_target,
+    sharpen_markov_head,
+    write_random_draft,
+    write_random_target,
+    write_random_v41_target,
+)
 
 V = 12
-N_SAMPLES = 20000
-PROMPT = [5, 9, 4, 7]
+RANDOM_PROMPT = [5, 9, 4, 7]
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    root = tmp_path_factory.mktemp("sampling")
+def _v4_pair(root) -> dict:
     # A flatter target (narrow lm_head) so that many sequences have visible probability.
     target = write_random_target(str(root / "t"), vocab_size=V, seed=11)
     draft = write_random_draft(target, str(root / "d"), block_size=3, seed=12)
-    # Sharpen the Markov head so the draft's proposals are confident and often wrong.
-    from safetensors.torch import load_file, save_file
-
-    path = str(root / "d" / "model.safetensors")
-    tensors = load_file(path)
-    key = next(k for k in tensors if k.endswith("markov_head.head.weight"))
-    tensors[key] = tensors[key] * 400.0
-    save_file(tensors, path)
-    return target, draft
+    sharpen_markov_head(draft)
+    return {"model_path": target, "speculative_draft_model_path": draft}
 
 
-def _exact_joint(engine: Engine, sp: SamplingParams) -> np.ndarray:
-    """p(t1, t2, t3) for the prompt under the target with the sampler's processing."""
-    runner = engine.runner
-    seqs = (
-        [PROMPT]
-        + [PROMPT + [a] for a in range(V)]
-        + [PROMPT + [a, b] for a in range(V) for b in range(V)]
+def _v41_pair(root) -> dict:
+    target = write_random_v41_target(
+        str(root / "t"),
+        seed=11,
+        vocab_size=V,
+        engram_layer_ids=[],
+        num_hidden_layers=3,
+        compress_ratios=[0, 2, 1],
+        kv_source_layer_ids=[1, 2],
+        index_source_layer_ids=[1, 2],
+        candidate_source_layer_id=2,
     )
-    slots = []
-    try:
-        for s in seqs:
-            slots.append(runner.req_pool.alloc_slot())
-            runner.req_pool.reserve(slots[-1], len(s))
-        batch = ForwardBatch.build(
-            ForwardMode.EXTEND, seqs, [0] * len(seqs), slots, runner.req_pool.req_to_token
-        )
-        logits = runner.forward(batch).logits
-    finally:
-        for s in slots:
-            runner.req_pool.free_slot(s)
-    info = SamplingBatchInfo.from_params(
-        [sp] * len(seqs), V, logits.device, counters=[0] * len(seqs)
-    )
-    p = processed_probs(logits, info).double().numpy()
-    p1, p2, p3 = p[0], p[1 : 1 + V], p[1 + V :].reshape(V, V, V)
-    return p1[:, None, None] * p2[:, :, None] * p3
+    draft = write_random_draft(target, str(root / "d"), block_size=3, seed=12)
+    sharpen_markov_head(draft)
+    return {"model_path": target, "speculative_draft_model_path": draft}
 
 
-@pytest.mark.parametrize(
-    "sp",
-    [
-        {"temperature": 1.0},
-        {"temperature": 0.7},
+def _builtin_v41_pair(root) -> dict:
+    return {"model_path": "tiny-v41", "speculative_dspark_block_size": 3}
+
+
+PAIRS = {"v4": _v4_pair, "v41": _v41_pair, "tiny-v41": _builtin_v41_pair}
+CASES = [
+    # (pair, prompt, sampling parameters, samples)
+    pytest.param("v4", RANDOM_PROMPT, {"temperature": 1.0}, 20000, id="v4-t1.0"),
+    pytest.param("v4", RANDOM_PROMPT, {"temperature": 0.7}, 20000, id="v4-t0.7"),
+    pytest.param(
+        "v4",
+        RANDOM_PROMPT,
         {"temperature": 1.0, "top_k": 6, "top_p": 0.85},
-    ],
-    ids=["t1.0", "t0.7", "topk_topp"],
-)
-def test_first_three_tokens_follow_target(pair, sp):
-    target, draft = pair
+        20000,
+        id="v4-topk_topp",
+    ),
+    pytest.param("v41", RANDOM_PROMPT, {"temperature": 1.0}, 12000, id="v41-t1.0"),
+    pytest.param(
+        "tiny-v41",
+        [72, 101, 108, 108],
+        {"temperature": 2.0, "top_k": 6},
+        6000,
+        id="tiny-v41-t2.0-topk6",
+    ),
+]
+
+
+@pytest.fixture(scope="module")
+def pairs(tmp_path_factory):
+    """Engine arguments of each pair, written on first use."""
+    made: dict[str, dict] = {}
+
+    def get(name: str) -> dict:
+        if name not in made:
+            made[name] = PAIRS[name](tmp_path_factory.mktemp(f"sampling_{name}"))
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("pair,prompt,sampling,n_samples", CASES)
+def test_first_three_tokens_follow_target(pairs, pair, prompt, sampling, n_samples):
     engine = Engine(
-        model_path=target,
+        **pairs(pair),
         skip_tokenizer_init=True,
         context_length=64,
         max_running_requests=1024,
         max_total_tokens=1024 * 64,
         speculative_algorithm="DSpark",
-        speculative_draft_model_path=draft,
         random_seed=7,
     )
-    # 4 new tokens: after token 1 the step verifies anchor + 2 drafts, so tokens 2 and 3 come
-    # from one verify (accepted drafts, a correction, or the bonus).
-    params = {**sp, "max_new_tokens": 4, "ignore_eos": True}
-    outs = engine.generate(input_ids=[PROMPT] * N_SAMPLES, sampling_params=params)
-    counts = np.zeros((V, V, V))
-    for o in outs:
-        t = o["output_ids"]
-        assert len(t) == 4
-        counts[t[0], t[1], t[2]] += 1
-    # the draft really was tried and often rejected, and sometimes accepted
-    summary = engine.spec.metrics.summary()
-    assert summary.verified_drafts >= 2 * N_SAMPLES
-    assert 0 < summary.correct_drafts < 0.75 * summary.verified_drafts  # >= 25% rejected
-    expected = _exact_joint(engine, SamplingParams.from_dict({**params, "max_new_tokens": 3}))
-    expected = expected * N_SAMPLES
-    assert counts[expected == 0].sum() == 0, "sampled a sequence the target gives probability 0"
-    # chi-square over cells with expected >= 5; the rest pooled into one cell
-    big = expected >= 5
-    obs = np.append(counts[big], counts[~big & (expected > 0)].sum())
-    exp = np.append(expected[big], expected[~big & (expected > 0)].sum())
-    keep = exp > 0
-    p = chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum()).pvalue
-    assert p > 0.01, f"chi-square p={p:.2e}"
+    try:
+        assert_first_three_tokens_follow_target(engine, prompt, sampling, n_samples)
+    finally:
+        engine.shutdown()

@@ -192,7 +192,60 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     if kernels.of("mhc") == "torch":
         return None
     # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine, mhc_pre
+    from sgl_dspark.kernels.mhc.post_combine import (
+        mhc_post_collapse,
+        mhc_post_combine,
+        mhc_pre,
+    )
+
+    def combine_at(
+        streams: torch.Tensor,
+        y: torch.Tensor,
+        post: torch.Tensor,
+        comb: torch.Tensor,
+        hc: HyperConnection,
+        norm: RMSNorm,
+        collapse_pre: torch.Tensor | None,
+    ) -> MhcPostCombineOutput:
+        """Close a sublayer and open the next at mixer `hc` and its norm; the next input is
+        collapsed with `collapse_pre` (single pass) or with the mixer's own pre (two pass)."""
+        assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
+        return mhc_post_combine(
+            streams,
+            y.contiguous(),
+            post,
+            comb,
+            hc.fn,
+            hc.base,
+            hc.scale,
+            norm.weight,
+            hc_eps=hc.hc_eps,
+            sinkhorn_iters=hc.sinkhorn_iters,
+            rms_eps=hc.rms_eps,
+            collapse_pre=collapse_pre,
+            fp8_out=fp8_out(streams),
+        )
+
+    def open_at(
+        streams: torch.Tensor,
+        hc: HyperConnection,
+        norm: RMSNorm,
+        collapse_pre: torch.Tensor | None,
+    ) -> MhcPostCombineOutput:
+        """`combine_at` without the stream update: open a sublayer."""
+        assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
+        return mhc_pre(
+            streams,
+            hc.fn,
+            hc.base,
+            hc.scale,
+            norm.weight,
+            hc_eps=hc.hc_eps,
+            sinkhorn_iters=hc.sinkhorn_iters,
+            rms_eps=hc.rms_eps,
+            collapse_pre=collapse_pre,
+            fp8_out=fp8_out(streams),
+        )
 
     fp8 = fp8_linear_impl(kernels)
 
@@ -216,21 +269,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             next_hc: HyperConnection,
             next_norm: RMSNorm,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            assert next_norm.eps == next_hc.rms_eps, (next_norm.eps, next_hc.rms_eps)
-            out = mhc_post_combine(
-                streams,
-                y.contiguous(),
-                post,
-                comb,
-                next_hc.fn,
-                next_hc.base,
-                next_hc.scale,
-                next_norm.weight,
-                hc_eps=next_hc.hc_eps,
-                sinkhorn_iters=next_hc.sinkhorn_iters,
-                rms_eps=next_hc.rms_eps,
-                fp8_out=fp8_out(streams),
-            )
+            out = combine_at(streams, y, post, comb, next_hc, next_norm, None)
             return out.streams, normed(out), out.post, out.comb
 
         def open(
@@ -239,18 +278,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             hc: HyperConnection,
             norm: RMSNorm,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
-            out = mhc_pre(
-                streams,
-                hc.fn,
-                hc.base,
-                hc.scale,
-                norm.weight,
-                hc_eps=hc.hc_eps,
-                sinkhorn_iters=hc.sinkhorn_iters,
-                rms_eps=hc.rms_eps,
-                fp8_out=fp8_out(streams),
-            )
+            out = open_at(streams, hc, norm, None)
             return normed(out), out.post, out.comb
 
         def close_to_head(
@@ -291,19 +319,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             hc: HyperConnection,
             norm: RMSNorm,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
-            out = mhc_pre(
-                streams,
-                hc.fn,
-                hc.base,
-                hc.scale,
-                norm.weight,
-                hc_eps=hc.hc_eps,
-                sinkhorn_iters=hc.sinkhorn_iters,
-                rms_eps=hc.rms_eps,
-                collapse_pre=prev_pre,
-                fp8_out=fp8_out(streams),
-            )
+            out = open_at(streams, hc, norm, prev_pre)
             return normed(out), out.pre, out.post, out.comb
 
         def single_pass(
@@ -316,22 +332,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             next_hc: HyperConnection,
             next_norm: RMSNorm,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-            assert next_norm.eps == next_hc.rms_eps, (next_norm.eps, next_hc.rms_eps)
-            out = mhc_post_combine(
-                streams,
-                y.contiguous(),
-                post,
-                comb,
-                next_hc.fn,
-                next_hc.base,
-                next_hc.scale,
-                next_norm.weight,
-                hc_eps=next_hc.hc_eps,
-                sinkhorn_iters=next_hc.sinkhorn_iters,
-                rms_eps=next_hc.rms_eps,
-                collapse_pre=prev_pre,
-                fp8_out=fp8_out(streams),
-            )
+            out = combine_at(streams, y, post, comb, next_hc, next_norm, prev_pre)
             return out.streams, normed(out), out.pre, out.post, out.comb
 
         def close_collapse(

@@ -70,6 +70,46 @@ BENCH_DRAFT_KEYS: dict[str, dict] = {
     },
 }
 
+
+def released_quantization(block: int) -> dict:
+    """The `quantization_config` of the released checkpoints: FP8 E4M3 projections in
+    `block` x `block` tiles with E8M0 scales (128 for V4, 32 for V4.1), MXFP4 routed experts."""
+    return {
+        "quant_method": "fp8",
+        "fmt": "e4m3",
+        "weight_block_size": [block, block],
+        "scale_fmt": "ue8m0",
+        "expert_dtype": "fp4",
+    }
+
+
+# DeepSeek-V4-Flash's per-layer dimensions with one EP4 rank's share of its routed experts (96 of
+# 384): the V4 rank and slice models differ only in depth, layer pattern and weight formats.
+_V4_FLASH_DIMS: dict = {
+    "vocab_size": 129280,
+    "hidden_size": 4096,
+    "moe_intermediate_size": 2048,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 1,
+    "head_dim": 512,
+    "q_lora_rank": 1024,
+    "qk_rope_head_dim": 64,
+    "num_experts_per_tok": 6,
+    "n_routed_experts": 96,
+    "n_shared_experts": 1,
+    "hc_mult": 4,
+    "sliding_window": 128,
+    "o_groups": 8,
+    "o_lora_rank": 1024,
+    "index_n_heads": 64,
+    "index_head_dim": 128,
+    "index_topk": 512,
+    "max_position_embeddings": 65536,
+    "compress_rates": {_C: 4, _H: 128},
+    "torch_dtype": "bfloat16",
+}
+
+
 # Layer roles of the V4.1 configs (see the module doc); the trailing zeros are the draft layers.
 _V41_ROLES: dict = {
     "num_hidden_layers": 6,
@@ -126,71 +166,19 @@ BENCH_CONFIGS: dict[str, dict] = {
         "engram_vocab_size": _ENGRAM_VOCAB,
         "engram_compressed_vocab_size": 99092,
         "max_position_embeddings": 65536,
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "weight_block_size": [32, 32],
-            "scale_fmt": "ue8m0",
-            "expert_dtype": "fp4",
-        },
+        "quantization_config": released_quantization(32),
         "torch_dtype": "bfloat16",
     },
     "dsv4_flash_rank": {
-        "vocab_size": 129280,
-        "hidden_size": 4096,
-        "moe_intermediate_size": 2048,
+        **_V4_FLASH_DIMS,
         "num_hidden_layers": 40,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 1,
-        "head_dim": 512,
-        "q_lora_rank": 1024,
-        "qk_rope_head_dim": 64,
-        "num_experts_per_tok": 6,
-        "n_routed_experts": 96,
-        "n_shared_experts": 1,
-        "hc_mult": 4,
-        "sliding_window": 128,
-        "o_groups": 8,
-        "o_lora_rank": 1024,
-        "index_n_heads": 64,
-        "index_head_dim": 128,
-        "index_topk": 512,
-        "max_position_embeddings": 65536,
-        "compress_rates": {_C: 4, _H: 128},
-        "quantization_config": {
-            "quant_method": "fp8",
-            "fmt": "e4m3",
-            "weight_block_size": [128, 128],
-            "scale_fmt": "ue8m0",
-            "expert_dtype": "fp4",
-        },
-        "torch_dtype": "bfloat16",
+        "quantization_config": released_quantization(128),
     },
     "dsv4_flash_slice": {
-        "vocab_size": 129280,
-        "hidden_size": 4096,
-        "moe_intermediate_size": 2048,
+        **_V4_FLASH_DIMS,
         "num_hidden_layers": 4,
-        "num_attention_heads": 64,
-        "num_key_value_heads": 1,
-        "head_dim": 512,
-        "q_lora_rank": 1024,
-        "qk_rope_head_dim": 64,
-        "num_experts_per_tok": 6,
-        "n_routed_experts": 96,
-        "n_shared_experts": 1,
-        "hc_mult": 4,
-        "sliding_window": 128,
-        "o_groups": 8,
-        "o_lora_rank": 1024,
-        "index_n_heads": 64,
-        "index_head_dim": 128,
-        "index_topk": 512,
-        "max_position_embeddings": 65536,
         "layer_types": [_S, _C, _H, _C],
         "mlp_layer_types": ["hash_moe", "moe", "moe", "moe"],
-        "compress_rates": {_C: 4, _H: 128},
-        "torch_dtype": "bfloat16",
     },
     "mid_910m": {
         "vocab_size": 32000,
