@@ -5,7 +5,8 @@
 #   bash benchmark/gpu/native_h200.sh [stages]     (default: env,tests,gemm,ab,rank,v41)
 #
 #   tests  compiled tests of the quantised kernels and the FP8 window attention
-#   gemm   bench_quant_gemm.py: bf16 Triton / cuBLAS / W8A16 / W4A16 at V4-Flash decode shapes
+#   gemm   bench_quant_gemm.py: bf16 Triton / cuBLAS / previous and current W8A16 / W4A16 at
+#          V4-Flash decode shapes, M 1/4/8/16, and the MoE paths (its own 95 s budget)
 #   ab     bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16 vs native, bs 1/8/32
 #   rank   bench_native.py decode: dsv4_flash_rank (full depth, 96 experts, as stored), CUDA
 #          graphs, bs 1/8/32 vs its byte floor; DSpark (simulated acceptance 3.2) at full width,

@@ -68,7 +68,6 @@ def _quantized_linear_kernel(
     BLOCK_K: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    SCALE_WIDTH: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Program (column block, group): a group's x columns, weight, scales and output columns
@@ -90,7 +89,9 @@ def _quantized_linear_kernel(
         row_len = (K + PER_ELEMENT - 1) // PER_ELEMENT
         FIRST: tl.constexpr = BLOCK_K // PER_ELEMENT
         prefetch_tile_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, 0, row_len, FIRST)
-        prefetch_tile_l2(s_ptr, scale_row, stride_sn, 0, (K + GROUP - 1) // GROUP, SCALE_WIDTH)
+        groups = (K + GROUP - 1) // GROUP
+        for g0 in range(0, groups, 256):
+            prefetch_tile_l2(s_ptr, scale_row, stride_sn, g0, groups, 256)
     wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
     x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
@@ -232,7 +233,6 @@ def _launch(
     data, words = stored_rows(weight)
     per_element = weight.data.shape[-1] // data.shape[-1]  # stored bytes per element read
     stride_xg, stride_wg, stride_yg = group_strides
-    scale_cols = weight.scale.shape[-1]
     _quantized_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]), groups)](
         x,
         data,
@@ -258,9 +258,6 @@ def _launch(
         # multiply the exact fp32 weights, as does the CPU interpreter, whose 16-bit tl.dot and
         # bf16 arithmetic are unreliable (the products are exact either way).
         DOT_FP32=x.dtype != torch.bfloat16 or interpreted(_quantized_linear_kernel),
-        # The prefetch's width: the scale row rounded up to a power of two (lines past its end
-        # are clamped to its last byte).
-        SCALE_WIDTH=triton.next_power_of_2(max(scale_cols, 1)),
         **meta,
         **programmatic_launch(_quantized_linear_kernel, x.device),
     )
