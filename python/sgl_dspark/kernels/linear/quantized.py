@@ -131,14 +131,16 @@ def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
     With narrow blocks only about two programs share an SM, so each keeps a deep pipeline: the
     bytes in flight per SM must cover the memory latency at full bandwidth, and a stage's
     shared memory is mostly the activation tile (16 rows x 256 channels of bf16, twice an FP8
-    and four times an MXFP4 weight step)."""
-    wide = n > 8192
-    return {
-        "BLOCK_N": 64 if wide else 16,
-        "BLOCK_K": quantized_block_k(fmt, k),
-        "num_stages": 4 if wide else 8,
-        "num_warps": 4 if wide else 2,
-    }
+    and four times an MXFP4 weight step). Wide blocks make 512 programs at N = 32768: a
+    pipeline of at most 48 KB lets four share an SM, so they all run in one wave."""
+    if n > 8192:
+        return {
+            "BLOCK_N": 64,
+            "BLOCK_K": quantized_block_k(fmt, k),
+            "num_stages": 4 if fmt == "mxfp4" else 3,
+            "num_warps": 4,
+        }
+    return {"BLOCK_N": 16, "BLOCK_K": quantized_block_k(fmt, k), "num_stages": 8, "num_warps": 2}
 
 
 def _check(x: torch.Tensor, weight: QuantizedWeight, k: int) -> None:
