@@ -325,17 +325,18 @@ def bench_moe(m: int, warm_only: bool = False) -> list[Row]:
 # ---------------------------------------------------------------------------------------------
 # Launch-shape sweep of the library's quantised linear (`--sweep`)
 
-# (BLOCK_N, BLOCK_K channels, num_stages, num_warps); the library's own choice runs first.
+# (BLOCK_N, BLOCK_K channels, SPLIT_K, num_stages, num_warps); the library's own choice runs
+# first. SPLIT_K > 1 takes one warp per slice (more warps would repeat the batched dot).
 SWEEP = [
-    (16, 256, 4, 2),
-    (16, 256, 6, 2),
-    (16, 512, 4, 2),
-    (16, 256, 8, 4),
-    (32, 256, 6, 2),
-    (32, 256, 4, 4),
-    (64, 256, 4, 4),
-    (64, 512, 3, 4),
-    (128, 256, 3, 4),
+    (16, 1024, 8, 3, 8),
+    (16, 1024, 8, 2, 8),
+    (16, 512, 4, 4, 4),
+    (16, 512, 4, 3, 4),
+    (16, 256, 1, 8, 2),
+    (32, 512, 4, 4, 4),
+    (32, 1024, 8, 3, 8),
+    (64, 256, 1, 4, 4),
+    (64, 512, 4, 3, 4),
 ]
 
 
@@ -360,9 +361,11 @@ def sweep_linear(m_values: list[int], name: str, n: int, k: int) -> list[Row]:
                 if shape is None:
                     meta, tag = default_meta(fmt, n, k), "default"
                 else:
-                    bn, bk, stages, warps = shape
-                    meta = dict(BLOCK_N=bn, BLOCK_K=bk, num_stages=stages, num_warps=warps)
-                    tag = f"BN{bn} BK{bk} s{stages} w{warps}"
+                    bn, bk, split, stages, warps = shape
+                    meta = dict(
+                        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_stages=stages, num_warps=warps
+                    )
+                    tag = f"BN{bn} BK{bk} split{split} s{stages} w{warps}"
                 quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
                 try:
                     err = _max_rel_err(quantized_linear(x, w0), want)

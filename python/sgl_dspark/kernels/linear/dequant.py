@@ -201,16 +201,28 @@ def quantized_product(
     WORDS: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows` [BM], unit stride along K; rows not `a_ok`
     read zero) times the dequantised weight columns (`w_rows` / `w_ok` / `s_rows`, see
-    `quantized_tile`) over all K: one dot per BLOCK_K step from a running accumulator (bf16
-    operands, or fp32 with IEEE products if DOT_FP32).
+    `quantized_tile`) over all K, one BLOCK_K step at a time (bf16 operands, or fp32 with IEEE
+    products if DOT_FP32).
+
+    SPLIT_K > 1 (one warp each, so launch SPLIT_K warps) cuts every step into SPLIT_K slices of
+    BLOCK_K / SPLIT_K channels, multiplied by one batched dot into SPLIT_K accumulators that are
+    summed once at the end: a narrow column block then keeps SPLIT_K warps busy, each with its
+    own chain of matrix-unit accumulations, where one warp's dependent chain would bound the
+    step rate. The sum order is fixed by (BLOCK_K, SPLIT_K): slice s of every step into
+    accumulator s, then the accumulators summed.
 
     The weight and activation tiles are software-pipelined (asynchronous copies); a step's scale
     bytes, too small for those copies, are loaded first in the step, so their latency overlaps
-    the decode of the step's codes (see `prefetch_scales_l2` for their first touch)."""
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
+    the decode of the step's codes."""
+    SLICE: tl.constexpr = BLOCK_K // SPLIT_K
+    if SPLIT_K == 1:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    else:
+        acc3 = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K)
         w = quantized_tile(w_rows, w_ok, e, k0, k_dim, FP4, WORDS, GROUP, BN, BLOCK_K, DOT_FP32)
@@ -219,16 +231,28 @@ def quantized_product(
             a_rows[:, None] + ks[None, :], mask=a_ok[:, None] & (ks < k_dim)[None, :], other=0.0
         )
         if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), tl.trans(w), acc, input_precision="ieee")
+            a = a.to(tl.float32)
+        if SPLIT_K == 1:
+            if DOT_FP32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
         else:
-            acc = tl.dot(a, tl.trans(w), acc)
+            a3 = tl.permute(tl.reshape(a, [BM, SPLIT_K, SLICE]), (1, 0, 2))
+            w3 = tl.permute(tl.reshape(w, [BN, SPLIT_K, SLICE]), (1, 2, 0))
+            if DOT_FP32:
+                acc3 = tl.dot(a3, w3, acc3, input_precision="ieee")
+            else:
+                acc3 = tl.dot(a3, w3, acc3)
+    if SPLIT_K > 1:
+        acc = tl.sum(acc3, axis=0)
     return acc
 
 
-def quantized_block_k(fmt: str, k_dim: int) -> int:
-    """The K step of a quantised weight's tiles: QUANT_BLOCK_K channels, bounded by K's next
-    power of two, at least one matrix-unit step (16 channels)."""
-    return max(16, min(QUANT_BLOCK_K, triton.next_power_of_2(max(k_dim, 1))))
+def quantized_block_k(fmt: str, k_dim: int, block_k: int = QUANT_BLOCK_K) -> int:
+    """The K step of a quantised weight's tiles: `block_k` channels (a power of two), bounded by
+    K's next power of two, at least one matrix-unit step (16 channels)."""
+    return max(16, min(block_k, triton.next_power_of_2(max(k_dim, 1))))
 
 
 def stored_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, bool]:

@@ -66,6 +66,7 @@ def _quantized_linear_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
@@ -110,6 +111,7 @@ def _quantized_linear_kernel(
         WORDS,
         GROUP,
         DOT_FP32,
+        SPLIT_K,
     )
     if ROUND_BF16:
         acc = round_to_bf16(acc)
@@ -125,22 +127,31 @@ def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
     """Launch shape per shape class (the one place sweeps and probes override; it depends on
     (N, K) only, never on M, so a row's bits do not depend on the batch).
 
-    Narrow column blocks while N is small enough that they still make several programs per SM
-    (16 columns: N = 4096 gives 256 programs), wider ones for an lm_head-wide N (fewer
-    activation-tile reads per weight byte). A K step moves 256 FP8 or 128 MXFP4 bytes per row.
-    With narrow blocks only about two programs share an SM, so each keeps a deep pipeline: the
-    bytes in flight per SM must cover the memory latency at full bandwidth, and a stage's
-    shared memory is mostly the activation tile (16 rows x 256 channels of bf16, twice an FP8
-    and four times an MXFP4 weight step). Wide blocks make 512 programs at N = 32768: a
-    pipeline of at most 48 KB lets four share an SM, so they all run in one wave."""
+    N up to 8192: narrow column blocks (16 columns: N = 4096 gives 256 programs, about two per
+    SM). A program then has few columns to keep warps busy, so each K step of up to 1024
+    channels is split into 128-channel slices, one warp each (`quantized_product`'s SPLIT_K):
+    8 warps and 16 independent matrix-unit chains per program. Three pipeline stages keep two
+    steps (1024 FP8 or 512 MXFP4 bytes per row) in flight; a stage's shared memory is mostly
+    the activation tile (16 rows x 1024 channels of bf16). Wider N (an lm_head): 64-column
+    blocks, 256-channel steps in one dot; 512 programs at N = 32768 with a pipeline of at most
+    48 KB, so four share an SM and they all run in one wave."""
     if n > 8192:
         return {
             "BLOCK_N": 64,
             "BLOCK_K": quantized_block_k(fmt, k),
+            "SPLIT_K": 1,
             "num_stages": 4 if fmt == "mxfp4" else 3,
             "num_warps": 4,
         }
-    return {"BLOCK_N": 16, "BLOCK_K": quantized_block_k(fmt, k), "num_stages": 8, "num_warps": 2}
+    block_k = quantized_block_k(fmt, k, 1024)
+    split = max(1, block_k // 128)
+    return {
+        "BLOCK_N": 16,
+        "BLOCK_K": block_k,
+        "SPLIT_K": split,
+        "num_stages": 3,
+        "num_warps": max(2, split),
+    }
 
 
 def _check(x: torch.Tensor, weight: QuantizedWeight, k: int) -> None:
