@@ -222,19 +222,28 @@ def _nbytes(w) -> int:
 
 
 def bench_dense(
-    m: int, name: str, n: int, k: int, groups: int, warm_only: bool = False
+    m: int,
+    name: str,
+    n: int,
+    k: int,
+    groups: int,
+    warm_only: bool = False,
+    only: str | None = None,
 ) -> list[Row]:
+    """Every dense variant (or only the one labelled `only`) of a shape at M rows."""
     gen = _generator(n + k + m)
     shape = (m, k) if groups == 1 else (m, groups, k)
     x = torch.randn(shape, generator=gen, device=SETUP.device).to(torch.bfloat16)
     act_bytes = 2 * groups * (m * k + m * n)
     out = []
     for variant, make, call, ref in _dense_variants(m, n, k, groups, gen):
+        if only is not None and variant != only:
+            continue
         w0 = make()
         got = call(x, w0)
-        err = _max_rel_err(got, ref(x, w0))
-        if warm_only:
+        if warm_only:  # compiled: enough
             continue
+        err = _max_rel_err(got, ref(x, w0))
         weights = [w0] + [make() for _ in range(_copies(_nbytes(w0)) - 1)]
         us = time_us([lambda w=w, c=call: c(x, w) for w in weights], _reps(len(weights)))
         out.append(Row(name, m, variant, us, _nbytes(w0) + act_bytes, err))
@@ -277,7 +286,9 @@ def _moe_weights(fmt: str | None, group: int, gen: torch.Generator):
     )
 
 
-def bench_moe(m: int, warm_only: bool = False) -> list[Row]:
+def bench_moe(m: int, warm_only: bool = False, only: int | None = None) -> list[Row]:
+    """The experts in bf16 and each of MOE_FORMATS (or only the `only`-th of those) at M
+    tokens."""
     s = SETUP
     inputs = [_moe_inputs(m, 1000 * m + i) for i in range(ROUTE_SETS)]
     mask = torch.ones(s.experts + 1, dtype=torch.int32, device=s.device)
@@ -299,21 +310,23 @@ def bench_moe(m: int, warm_only: bool = False) -> list[Row]:
     paths = [("sorted", sorted_path)] + ([("token", token_path)] if m <= 4 else [])
     gen = _generator(11)
     out = []
-    for fmt, group in ((None, 0), *MOE_FORMATS):
+    for index, (fmt, group) in enumerate(((None, 0), *MOE_FORMATS)):
+        if only is not None and index != only:
+            continue
         w13, w2 = _moe_weights(fmt, group, gen)
         label = "bf16 triton" if fmt is None else f"{_label(fmt, group)} new"
         expert_bytes = (_nbytes(w13) + _nbytes(w2)) / (s.experts + 1)
         deq = None
-        if fmt is not None:  # the same kernels on the dequantised experts: the reference
+        if fmt is not None and not warm_only:  # the same kernels on the dequantised experts
             deq = (
                 dequantize_weight_ref(w13, torch.bfloat16),
                 dequantize_weight_ref(w2, torch.bfloat16),
             )
         for path, fn in paths:
             got = fn(w13, w2, *inputs[0])
-            err = float("nan") if deq is None else _max_rel_err(got, fn(*deq, *inputs[0]))
-            if warm_only:
+            if warm_only:  # compiled: enough
                 continue
+            err = float("nan") if deq is None else _max_rel_err(got, fn(*deq, *inputs[0]))
             calls = [lambda fn=fn, a=w13, b=w2, i=i: fn(a, b, *i) for i in inputs]
             us = time_us(calls, 4)
             shape = f"MoE {path} {s.experts}+1x(2x{s.inter}+{s.inter})x{s.hidden} top-{s.topk}+1"
@@ -401,28 +414,52 @@ def _run_job(job: tuple, warm_only: bool) -> list[Row]:
     return bench_moe(job[1], warm_only=warm_only)
 
 
-def _warm_worker(jobs: list[tuple]) -> int:
-    for job in jobs:
-        _run_job(job, warm_only=True)
+def _warm_tasks(jobs: list[tuple]) -> list[tuple]:
+    """The jobs' kernel compilations as tasks of one variant each: a dense variant over every
+    shape at the M values of one specialisation class (Triton compiles M = 1 and M divisible by
+    16 apart), one expert format over every M. Split by variant, parallel workers rarely
+    compile the same kernel twice."""
+    dense = sorted({(j[1], j[2:]) for j in jobs if j[0] == "dense"})
+    m_classes: dict[str, list[int]] = {}
+    for m in sorted({m for m, _ in dense}):
+        m_classes.setdefault("1" if m == 1 else ("16" if m % 16 == 0 else "other"), []).append(m)
+    labels = ["bf16 triton", "bf16 cuBLAS"] + [
+        f"{_label(f, g)} {age}" for f, g in FORMATS for age in ("old", "new")
+    ]
+    tasks: list[tuple] = []
+    for ms in m_classes.values():
+        tasks += [
+            ("dense", label, tuple((m, shape) for m, shape in dense if m in ms)) for label in labels
+        ]
+    moe_ms = tuple(sorted({j[1] for j in jobs if j[0] == "moe"}))
+    if moe_ms:
+        tasks += [("moe", index, moe_ms) for index in range(1 + len(MOE_FORMATS))]
+    return tasks
+
+
+def _warm_worker(tasks: list[tuple]) -> int:
+    for kind, what, items in tasks:
+        for item in items:
+            if kind == "dense":
+                m, shape = item
+                bench_dense(m, *shape, warm_only=True, only=what)
+            else:
+                bench_moe(item, warm_only=True, only=what)
     torch.cuda.synchronize()
-    return len(jobs)
+    return len(tasks)
 
 
 def compile_in_workers(jobs: list[tuple], workers: int) -> None:
-    """Run each job's checked calls once in `workers` processes (spawned, one GPU context each)
-    so every kernel variant lands in Triton's on-disk cache; the MoE jobs, which hold the
-    largest weights, go to as few workers as possible."""
-    dense = [j for j in jobs if j[0] == "dense"]
-    moe = [j for j in jobs if j[0] == "moe"]
-    parts: list[list[tuple]] = [[] for _ in range(workers)]
-    for i, job in enumerate(dense):
-        parts[i % workers].append(job)
-    for i, job in enumerate(moe):
-        parts[workers - 1 - i % 2].append(job)
+    """Run the jobs' checked calls once in `workers` spawned processes (one GPU context each),
+    so every kernel variant is in Triton's on-disk cache before the timed sweep."""
+    tasks = _warm_tasks(jobs)
+    parts: list[list[tuple]] = [[] for _ in range(min(workers, len(tasks)))]
+    for i, task in enumerate(tasks):
+        parts[i % len(parts)].append(task)
     ctx = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(len(parts), mp_context=ctx) as pool:
-        done = sum(pool.map(_warm_worker, [p for p in parts if p]))
-    print(f"compiled the kernels of {done} jobs in {workers} processes", flush=True)
+        done = sum(pool.map(_warm_worker, parts))
+    print(f"compiled {done} variant tasks in {len(parts)} processes", flush=True)
 
 
 def copy_bandwidth() -> float:
@@ -561,7 +598,12 @@ def main() -> None:
         return
     jobs = _jobs(m_values, moe)
     if SETUP.device == "cuda" and a.jobs > 1:
-        compile_in_workers(jobs, a.jobs)
+        try:
+            compile_in_workers(jobs, a.jobs)
+        except Exception as exc:  # noqa: BLE001 - the sweep below compiles what is missing
+            print(
+                f"parallel compilation failed ({type(exc).__name__}: {exc}); going on", flush=True
+            )
     copy_bw, floor_us = copy_bandwidth(), launch_floor_us()
     rows = []
     for job in jobs:

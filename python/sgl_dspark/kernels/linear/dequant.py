@@ -7,7 +7,8 @@ dequantised tile `value(w[n, k]) * 2^(e[n, k // group] - 127)`, in bf16 for the 
 fp32 for fp32 activations and the CPU interpreter), so one dot per K step consumes it. Decode
 steps are few integer or half-precision operations per weight and no table lookups: at decode
 sizes the GEMM streams the weight once and the GPU must convert bytes as fast as HBM delivers
-them (a conversion through the slow `F2F` path or a dot per scale group left the loads idle).
+them (a conversion through the slow `F2F` path, or a dot per scale group, would leave the loads
+idle).
 
 * FP8 (e4m3): the hardware conversion to fp32 (exact), then bf16 (exact: every e4m3 value is a
   bf16 value) times the block's multiplier 2^(e - 127), a bf16 power of two for every byte
@@ -39,15 +40,9 @@ import triton.language as tl
 
 from sgl_dspark.kernels.linear.reference import QuantizedWeight
 
-# Channels of one K step of the quantised GEMMs' tiles (a power of two, so it divides the scale
-# group or is a multiple of it): 256 FP8 bytes or 128 MXFP4 bytes per weight row and step.
+# Channels of one K step of the quantised expert GEMMs and wide linear blocks (a power of two,
+# so it divides the scale group or is a multiple of it): 256 FP8 or 128 MXFP4 bytes per row.
 QUANT_BLOCK_K = 256
-
-
-@triton.jit
-def e8m0_to_fp32(e):
-    """E8M0 exponent bytes (1..254, any integer dtype) -> 2^(e - 127) in fp32, exactly."""
-    return (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -276,7 +271,6 @@ def stored_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, bool]:
 
 __all__ = [
     "QUANT_BLOCK_K",
-    "e8m0_to_fp32",
     "quantized_block_k",
     "quantized_product",
     "quantized_scales",

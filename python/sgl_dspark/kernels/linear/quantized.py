@@ -4,20 +4,22 @@ kernel (`dequant.py::quantized_tile`); `small_m_linear_ref` / `small_m_grouped_l
 (which dequantise first) are the spec.
 
 At decode sizes the GEMM streams its weight once: it is bound by how fast the stored bytes reach
-the SMs and are turned into matrix-unit operands. Each program owns a narrow column block and
-streams its weight rows along K through a software pipeline (each step moves 256 FP8 or 128
-MXFP4 bytes per row, 16-byte loads); each step's tile is dequantised in registers (a handful of
-integer or half-precision operations per weight, the scale applied to the weights, not per
-group to partial sums) and multiplied by the activation rows, padded to the 16-row matrix tile,
-in one dot. Launch shapes are fixed per shape class (`_quantized_meta`; no autotuning: the
-engine captures CUDA graphs).
+the SMs and are turned into matrix-unit operands. Each program owns a column block and streams
+its weight rows along K through a software pipeline of 16-byte asynchronous copies; each K
+step's tile is dequantised in registers (a handful of integer or half-precision operations per
+weight, the scale applied to the weights rather than per group to partial sums) and multiplied
+by the activation rows, padded to the 16-row matrix tile, in one dot, batched over 128-channel
+slices (one warp each) for the narrow blocks (`dequant.py::quantized_product`). Launch shapes
+are fixed per shape class (`_quantized_meta`; no autotuning: the engine captures CUDA graphs).
 
 Exactness: within a tolerance of the reference, like `small_m_linear`. The dequantised tile is
 bit for bit the reference's dequantised weight (`dequant.py`), every product is exact in fp32 and
-the sums are fp32 in K-step order (each step in the matrix unit's order), rounded once to the
-output dtype (nearest even on the bits for bf16). A row's result depends neither on M nor on the
-other rows (the tile is always 16 rows and the launch shape depends on (N, K) only), so a
-DSpark verify of W tokens gives each token the bits of a single-token step.
+the sums are fp32 in an order fixed by the launch shape (per slice in K-step order, each step in
+the matrix unit's order, then the slices' sums), rounded once to the output dtype (nearest even
+on the bits for bf16). A row's result depends neither on M nor on the other rows (the tile is
+always 16 rows and the launch shape depends on (N, K) only), so a DSpark verify of W tokens
+gives each token the bits of a single-token step. The previous kernel (a dot per scale group,
+scaled partial sums) summed in another order: not the same bits, the same tolerance.
 `quantized_grouped_linear` runs G such products in one launch (the grouped output projection),
 each group's bits as its own call.
 """
