@@ -7,7 +7,7 @@ shared expert, 6 routes + the shared one per token) in bf16, FP8 and MXFP4 throu
 two paths (sorted: `moe_sort` + `fused_moe` + `moe_reduce`; per token, up to 4 tokens:
 `moe_route_gate_up` + `moe_token_down_reduce`).
 
-    python benchmark/kernels/bench_quant_gemm.py --out $OUT/quant_gemm.md      (~60-90 s, H200)
+    python benchmark/kernels/bench_quant_gemm.py --out $OUT/quant_gemm.md  (stops at --budget-s)
     TRITON_INTERPRET=1 python benchmark/kernels/bench_quant_gemm.py --smoke     (CPU check)
 
 Every kernel is compiled first by `--jobs` worker processes (one Triton compilation per process
@@ -15,9 +15,10 @@ at a time; a cold cache otherwise dominates the call), then timed: a CUDA graph 
 calls cycling over enough weight copies that the working set exceeds the L2 cache, best of 5
 replays, programmatic launch as the engine uses it. Every result is checked against
 dequantise-then-reference first (the max rel err column). The byte floor is the bytes a call
-must move (weights with their scales, activations in, outputs) over `--peak-tbps` (H200 HBM3e:
-4.8); the measured copy bandwidth is printed beside it. The summary table gives each quantised
-kernel's speedup over the bf16 Triton kernel against the goals (W8A16 >= 1.8x, W4A16 >= 2.5x).
+must move (weights with their scales, activations in, outputs) over `--peak-tbps` (the HBM
+bandwidth of the target; 4.8 TB/s by default); the measured copy bandwidth is printed beside
+it. The summary table gives each quantised kernel's speedup over the bf16 Triton kernel against
+the goals (W8A16 >= 1.8x, W4A16 >= 2.5x).
 """
 
 from __future__ import annotations

@@ -8,10 +8,11 @@ recorded launch with Triton's toolchain for sm90 (pointer alignment and integer 
 specialised as the runtime launcher does, the device variant of every constexpr), disassembles it
 with the `nvdisasm` Triton ships, and reports registers, spilled bytes, shared memory, whether
 the weight tiles are asynchronous copies, and the instruction mix of the K loop (the largest
-loop of the SASS) with its warp-instructions per weight byte. At full HBM bandwidth an H200 SM
-must consume about 18 bytes per clock and issues at most 4 warp-instructions per clock, so a
-loop above ~0.22 warp-instructions per byte cannot reach the bandwidth however its loads
-overlap (a static bound: latency, occupancy and the memory system are not modelled).
+loop of the SASS) with its warp-instructions per weight byte. An SM issues at most 4
+warp-instructions per clock, and at full HBM bandwidth it must consume bandwidth / (SMs x clock)
+bytes per clock (about 18 at 4.8 TB/s, 132 SMs, 1.98 GHz), so a loop above 4 / that (~0.22)
+cannot reach the bandwidth however its loads overlap (a static bound: latency, occupancy and
+the memory system are not modelled).
 """
 
 from __future__ import annotations
