@@ -4,8 +4,9 @@
 #   bash benchmark/gpu/native_h200.sh [--dry-run] [stages]
 #
 #   tests        compiled tests of the quantised kernels and the FP8 window attention
-#   gemm         bench_quant_gemm.py: bf16 Triton / cuBLAS / W8A16 / W4A16 at V4-Flash decode
-#                shapes, M 1, 4 and 16
+#   gemm         bench_quant_gemm.py: bf16 Triton / cuBLAS / previous and current W8A16 /
+#                W4A16 at V4-Flash decode shapes, M 1/4/8/16, and the MoE paths (its own 95 s
+#                budget for new shapes)
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
 #   rank         bench_native.py decode: dsv4_flash_rank (full depth, 96 experts, as stored),

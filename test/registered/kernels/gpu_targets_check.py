@@ -24,7 +24,8 @@ from collections.abc import Callable
 import torch
 import triton
 from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
+from triton.compiler import ASTSource, make_backend
+from triton.runtime.jit import create_function_from_signature
 
 # Per-block shared memory limits: sm90 227 KB opt-in, gfx950 160 KB of LDS.
 TARGETS = {
@@ -34,16 +35,6 @@ TARGETS = {
 # Targets compiled only for the instruction checks that name them (Blackwell: 228 KB).
 INSTRUCTION_TARGETS = {"sm100": (GPUTarget("cuda", 100, 32), 232448)}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
-_PTR = {
-    torch.float32: "*fp32",
-    torch.bfloat16: "*bf16",
-    torch.float16: "*fp16",
-    torch.int64: "*i64",
-    torch.int32: "*i32",
-    torch.uint8: "*u8",
-    torch.bool: "*i1",
-    torch.float8_e4m3fn: "*fp8e4nv",
-}
 _KERNEL_MODULES = (
     "moe.activation",
     "compressor.pool",
@@ -130,35 +121,21 @@ def _record(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
     return rec
 
 
-def _source(fn, args: tuple, kwargs: dict, specialize: bool = False) -> tuple[ASTSource, dict]:
-    """The kernel's source for `triton.compile`. `specialize`: mark the arguments Triton's
-    launcher marks at run time (16-byte aligned pointers, integers divisible by 16), so that
-    vectorised loads and the software pipeline (and so the shared memory) are a GPU run's."""
-    names = fn.arg_names
-    values = dict(zip(names, args))
-    values.update({k: v for k, v in kwargs.items() if k not in _OPTIONS})
-    signature, constexprs, attrs = {}, {}, {}
-    for index, param in enumerate(fn.params):
-        v = values[param.name]
-        aligned = (isinstance(v, torch.Tensor) and v.data_ptr() % 16 == 0) or (
-            isinstance(v, int) and not isinstance(v, bool) and v % 16 == 0
-        )
-        if specialize and not param.is_constexpr and aligned:
-            attrs[(index,)] = [["tt.divisibility", 16]]
-    for param in fn.params:
-        v = values[param.name]
-        if param.is_constexpr:
-            signature[param.name], constexprs[param.name] = "constexpr", v
-        elif isinstance(v, torch.Tensor):
-            signature[param.name] = _PTR[v.dtype]
-        elif isinstance(v, bool):
-            signature[param.name] = "i1"
-        elif isinstance(v, int):
-            signature[param.name] = "i32" if -(2**31) <= v < 2**31 else "i64"
-        else:
-            signature[param.name] = "fp32"
-    options = {k: v for k, v in kwargs.items() if k in _OPTIONS}
-    return ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs), options
+def _source(fn, args: tuple, kwargs: dict, target: GPUTarget) -> tuple[ASTSource, dict]:
+    """The compilation a launch of `fn` with these arguments gets on `target`, specialised as
+    Triton's launcher specialises it: pointers 16-byte aligned and integers divisible by 16
+    marked so, integers equal to 1 made constants (what decides vector widths, and through
+    them the software pipeline's shared memory). The CPU tensors stand in for device ones of
+    the same offsets (device allocations are aligned at least as well)."""
+    backend = make_backend(target)
+    binder = create_function_from_signature(fn.signature, fn.params, backend)
+    call = {k: v for k, v in kwargs.items() if k in fn.arg_names or k in _OPTIONS}
+    bound, specialization, options = binder(*args, **call)
+    options, signature, constexprs, attrs = fn._pack_args(
+        backend, call, bound, specialization, options
+    )
+    src = ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs)
+    return src, {k: v for k, v in kwargs.items() if k in _OPTIONS}
 
 
 def _compile_all(rec: _Recorder, instructions: dict[str, str] | None = None) -> list[str]:
@@ -170,14 +147,14 @@ def _compile_all(rec: _Recorder, instructions: dict[str, str] | None = None) -> 
     seen = set()
     for args, kwargs in rec.calls:
         # A launch compiles anew for other constexprs or other argument types (an FP8 pool).
-        src, options = _source(rec.fn, args, kwargs)
-        key = (tuple(sorted(src.signature.items())), tuple(sorted(kwargs.items())))
+        src, options = _source(rec.fn, args, kwargs, TARGETS["sm90"][0])
+        key = (src.hash(), tuple(sorted(options.items())))
         if key in seen:
             continue
         seen.add(key)
         extra = {k: v for k, v in INSTRUCTION_TARGETS.items() if k in (instructions or {})}
         for name, (target, smem_limit) in {**TARGETS, **extra}.items():
-            src, options = _source(rec.fn, args, kwargs, specialize=instructions is not None)
+            src, options = _source(rec.fn, args, kwargs, target)
             compiled = triton.compile(src, target=target, options=options)
             shared = compiled.metadata.shared
             assert shared <= smem_limit, (name, kwargs, shared)
@@ -449,15 +426,16 @@ def _quantized_grouped_linear(fmt: str, block: int) -> Callable[[], object]:
     return lambda: quantized_grouped_linear(_bf16(2, 8, 4096), _quantized(fmt, (8192, 4096), block))
 
 
-def _quantized_moe(fmt: str, block: int) -> Callable[[], object]:
+def _quantized_moe(fmt: str, block: int, block_size: int = 32) -> Callable[[], object]:
     from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
     from sgl_dspark.kernels.moe.reference import MoeSortOutput
 
-    # V4-Flash expert shapes (D 4096, I 2048) at two local experts: tiles depend on (N, K).
+    # V4-Flash expert shapes (D 4096, I 2048) at two local experts: tiles depend on (N, K);
+    # 16-row sort blocks are the decode sizes' (`sort_block_size`).
     sort = MoeSortOutput(
         torch.zeros(64, dtype=torch.int32),
         torch.zeros(64),
-        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(64 // block_size, dtype=torch.int32),
         torch.zeros(2, dtype=torch.int32),
         torch.zeros(4, 4096),
     )
@@ -468,6 +446,7 @@ def _quantized_moe(fmt: str, block: int) -> Callable[[], object]:
         sort,
         6,
         10.0,
+        block_size=block_size,
     )
 
 
@@ -723,6 +702,11 @@ CASES = {
         "_quantized_linear_kernel",
         _quantized_linear("fp8", 4096, 8192, 128),
     ),
+    "quantized_linear_fp8_o_b_m1": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("fp8", 4096, 8192, 128, m=1),
+    ),
     "quantized_linear_fp8_32_q_b": (
         "linear.quantized",
         "_quantized_linear_kernel",
@@ -733,25 +717,56 @@ CASES = {
         "_quantized_linear_kernel",
         _quantized_linear("mxfp4", 4096, 4096, 32),
     ),
+    "quantized_linear_mxfp4_wide_m1": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("mxfp4", 32768, 4096, 32, m=1),
+    ),
+    # K not a multiple of 32: MXFP4 rows read byte by byte.
+    "quantized_linear_mxfp4_bytes": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("mxfp4", 1024, 4040, 32),
+    ),
     "quantized_grouped_linear_fp8": (
         "linear.quantized",
         "_quantized_linear_kernel",
         _quantized_grouped_linear("fp8", 128),
+    ),
+    "quantized_grouped_linear_mxfp4": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_grouped_linear("mxfp4", 32),
     ),
     "quantized_moe_grouped_mxfp4": (
         "moe.grouped_gemm",
         "_moe_grouped_gemm_kernel",
         _quantized_moe("mxfp4", 32),
     ),
+    "quantized_moe_grouped_mxfp4_block16": (
+        "moe.grouped_gemm",
+        "_moe_grouped_gemm_kernel",
+        _quantized_moe("mxfp4", 32, block_size=16),
+    ),
     "quantized_moe_grouped_fp8": (
         "moe.grouped_gemm",
         "_moe_grouped_gemm_kernel",
         _quantized_moe("fp8", 128),
     ),
+    "quantized_moe_grouped_fp8_block16": (
+        "moe.grouped_gemm",
+        "_moe_grouped_gemm_kernel",
+        _quantized_moe("fp8", 128, block_size=16),
+    ),
     "quantized_moe_route_gate_up_mxfp4": (
         "moe.token_gemm",
         "_moe_route_gate_up_kernel",
         _quantized_token_gemms("mxfp4", 32),
+    ),
+    "quantized_moe_route_gate_up_fp8": (
+        "moe.token_gemm",
+        "_moe_route_gate_up_kernel",
+        _quantized_token_gemms("fp8", 128),
     ),
     "quantized_moe_token_down_mxfp4": (
         "moe.token_gemm",
@@ -993,7 +1008,7 @@ def check_programmatic_launch(
                 continue
             seen.add(variant)
             for pdl in (False, True):
-                src, options = _source(rec.fn, args, {**kwargs, "PDL": pdl})
+                src, options = _source(rec.fn, args, {**kwargs, "PDL": pdl}, target)
                 ptx = triton.compile(src, target=target, options=options).asm["ptx"]
                 waits = ptx.count("griddepcontrol.wait")
                 releases = ptx.count("griddepcontrol.launch_dependents")

@@ -1,20 +1,32 @@
 """GEMMs on weights kept as stored (FP8 block-scaled, MXFP4) against dequantise-then-reference:
-the small-M linear and grouped linear (`kernels/linear/quantized.py`), the MoE grouped GEMMs
-(stage 1 with the activation, stage 2), the per-token MoE kernels and the shared-expert fold.
+the in-kernel dequantised tile itself (`kernels/linear/dequant.py`), the small-M linear and
+grouped linear (`kernels/linear/quantized.py`), the MoE grouped GEMMs (stage 1 with the
+activation, stage 2, sorted in 16- and 32-row blocks), the per-token MoE kernels and the
+shared-expert fold.
 
-The weights are quantised from random floats by the checkpoint quantisers and converted to the
-runtime layout as the loader does; the references get the same weights dequantised (exact), so
-the only difference is the fp32 summation order: a tolerance (GEMM_TOL / CHAIN_TOL, as the
-unquantised kernels). Shapes cover partial scale blocks (N and K not multiples of the block), K
-not a multiple of the kernel's K step, rows padded to the 16-row tile (M < 16) and partial column
-tiles. Outputs are poisoned with NaN first. On a GPU the per-token and sorted MoE paths must give
-the same bits (their products are the same chunked sums).
+The dequantised tile must be the reference's dequantised weight bit for bit (every code, every
+scale in range, partial scale groups and K steps, both MXFP4 read paths). The GEMMs use weights
+quantised from random floats by the checkpoint quantisers and converted to the runtime layout as
+the loader does; the references get the same weights dequantised (exact), so the only difference
+is the fp32 summation order: a tolerance (GEMM_TOL / CHAIN_TOL, as the unquantised kernels).
+Shapes cover partial scale blocks (N and K not multiples of the block), K not a multiple of the
+kernel's K step or of 32 (MXFP4 rows read byte by byte), rows padded to the 16-row tile (M from
+1 to 16) and partial column tiles. Outputs are poisoned with NaN first. A row's bits do not
+depend on M; on a GPU the per-token and sorted MoE paths give the same bits (their products are
+the same K-step sums).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
+from sgl_dspark.kernels.linear.dequant import (
+    quantized_scales,
+    quantized_tile,
+    stored_rows,
+)
 from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear, quantized_linear
 from sgl_dspark.kernels.linear.reference import (
     QuantizedWeight,
@@ -29,7 +41,7 @@ from sgl_dspark.kernels.moe.reference import (
     moe_route_gate_up_ref,
     moe_token_down_reduce_ref,
 )
-from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort, sort_block_size
 from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 from sgl_dspark.srt.layers.quantized import row_slice
 from sgl_dspark.srt.model_loader.quantization import (
@@ -54,19 +66,139 @@ def quantized(w: torch.Tensor, fmt: str, block: int) -> QuantizedWeight:
     return qw._replace(data=qw.data.to(DEVICE), scale=qw.scale.to(DEVICE))
 
 
+def random_stored(fmt: str, block: int, n: int, k: int, g: torch.Generator, lo: int, hi: int):
+    """A `QuantizedWeight [N, K]` of uniformly random stored codes (every E2M1 code, every E4M3
+    code but NaN, subnormals and negative zero included) and scale bytes in [lo, hi], on
+    DEVICE: FP8 with block x block scale blocks, MXFP4 with per-row groups of `block`."""
+    if fmt == "fp8":
+        codes = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int32)
+        codes = torch.where((codes & 0x7F) == 0x7F, codes ^ 0x01, codes).to(torch.uint8)
+        data, rows = codes.view(torch.float8_e4m3fn), block
+    else:
+        data, rows = torch.randint(0, 256, (n, k // 2), generator=g, dtype=torch.uint8), 1
+    scale = torch.randint(lo, hi + 1, (-(-n // rows), -(-k // block)), generator=g)
+    return QuantizedWeight(data.to(DEVICE), scale.to(torch.uint8).to(DEVICE), fmt, block, rows)
+
+
+@triton.jit
+def _dequantized_tiles_kernel(
+    w_ptr,
+    s_ptr,
+    out_ptr,
+    N,
+    K,
+    stride_wn,
+    stride_sn,
+    stride_on,
+    FP4: tl.constexpr,
+    WORDS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    # Program (column block, K step): the GEMMs' dequantised tile, stored as is.
+    n = tl.program_id(0) * BN + tl.arange(0, BN)
+    n_ok = n < N
+    k0 = tl.program_id(1) * BLOCK_K
+    w_rows = w_ptr + n.to(tl.int64) * stride_wn
+    s_rows = s_ptr + (n // SCALE_ROWS).to(tl.int64) * stride_sn
+    e = quantized_scales(s_rows, n_ok, k0, K, GROUP, BLOCK_K)
+    tile = quantized_tile(w_rows, n_ok, e, k0, K, FP4, WORDS, GROUP, BN, BLOCK_K, WIDE)
+    k = k0 + tl.arange(0, BLOCK_K)
+    out = out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :]
+    tl.store(out, tile, mask=n_ok[:, None] & (k < K)[None, :])
+
+
+def dequantized_tiles(w: QuantizedWeight, bn: int, block_k: int, wide: bool) -> torch.Tensor:
+    """Every tile `quantized_tile` gives for `w [N, K]`, assembled: [N, K] fp32 (wide) or bf16."""
+    n, k = w.shape
+    data, words = stored_rows(w)
+    out = torch.full((n, k), float("nan"), device=DEVICE)
+    out = out if wide else out.to(torch.bfloat16)
+    _dequantized_tiles_kernel[(triton.cdiv(n, bn), triton.cdiv(k, block_k))](
+        data,
+        w.scale,
+        out,
+        n,
+        k,
+        data.stride(0),
+        w.scale.stride(0),
+        out.stride(0),
+        FP4=w.fmt == "mxfp4",
+        WORDS=words,
+        GROUP=w.group,
+        SCALE_ROWS=w.block_rows,
+        BN=bn,
+        BLOCK_K=block_k,
+        WIDE=wide,
+    )
+    return out
+
+
+# (format, scale block, N, K, BN, BLOCK_K): groups per step > 1, = 1 and < 1 (a step inside a
+# group), partial groups and steps, MXFP4 rows as words (K % 32 == 0) and as bytes.
+TILE_CASES = [
+    ("fp8", 128, 40, 300, 16, 256),
+    ("fp8", 128, 40, 300, 16, 64),
+    ("fp8", 32, 33, 100, 16, 256),
+    ("fp8", 32, 70, 64, 32, 32),
+    ("mxfp4", 32, 24, 256, 16, 256),
+    ("mxfp4", 32, 17, 100, 16, 64),
+    ("mxfp4", 32, 9, 48, 16, 16),
+    ("mxfp4", 32, 16, 96, 32, 32),
+    ("mxfp4", 64, 20, 192, 16, 256),
+]
+
+
+@pytest.mark.parametrize("case", TILE_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_dequantized_tile_is_the_reference_weight(case: tuple) -> None:
+    """The tile every quantised GEMM multiplies equals `dequantize_weight_ref` bit for bit (fp32
+    tiles: fp32 activations and the interpreter; bf16 tiles, compiled only: the matrix unit's
+    operands), on random codes with scales whose products stay normal numbers."""
+    fmt, block, n, k, bn, block_k = case
+    g = torch.Generator().manual_seed(TILE_CASES.index(case))
+    # MXFP4 scale bytes up to the kernels' limit; FP8 over a wide range.
+    lo, hi = (100, 128) if fmt == "mxfp4" else (90, 150)
+    w = random_stored(fmt, block, n, k, g, lo, hi)
+    assert stored_rows(w)[1] == (fmt == "mxfp4" and k % 32 == 0)
+    for wide in (True, False) if DEVICE == "cuda" else (True,):
+        dtype = torch.float32 if wide else torch.bfloat16
+        got = dequantized_tiles(w, bn, block_k, wide)
+        want = dequantize_weight_ref(w, dtype)
+        bits = torch.int32 if wide else torch.int16
+        assert torch.equal(got.view(bits), want.view(bits)), (wide, (got != want).sum())
+
+
+def test_mxfp4_scales_above_two_are_refused_natively() -> None:
+    packed = torch.zeros(4, 32, dtype=torch.uint8)
+    scale = torch.full((4, 2), 127, dtype=torch.uint8)
+    assert mxfp4_to_runtime(packed, scale, 32).scale.max() == 127
+    scale[2, 1] = 129  # 2^2: weights up to 24
+    with pytest.raises(ValueError, match="experts.w1: MXFP4 scales above 2"):
+        mxfp4_to_runtime(packed, scale, 32, "experts.w1")
+
+
 # (format, scale block, M, N, K): partial row/column blocks, K past the kernel's K step.
 LINEAR_CASES = [
     ("fp8", 128, 1, 200, 300),  # K: a full 128 block + a partial one, N: partial row block
-    ("fp8", 128, 16, 40, 1100),  # K > the 512-channel step: a second step, partial
+    ("fp8", 128, 16, 40, 1100),  # K past several 256-channel steps, the last partial
+    ("fp8", 128, 7, 130, 512),
+    ("fp8", 128, 2, 8300, 128),  # N > 8192: the wide column blocks
     ("fp8", 32, 5, 33, 96),  # V4.1's 32 x 32 blocks
-    ("mxfp4", 32, 3, 24, 160),
-    ("mxfp4", 32, 9, 17, 1090),  # two K steps, the last partial
+    ("fp8", 32, 12, 64, 288),
+    ("mxfp4", 32, 3, 24, 160),  # rows as words (K % 32 == 0)
+    ("mxfp4", 32, 16, 48, 512),
+    ("mxfp4", 32, 9, 17, 1090),  # rows as bytes, two K steps, the last partial
+    ("mxfp4", 32, 4, 40, 100),  # K not a multiple of 8: a partial last word
     ("mxfp4", 64, 2, 70, 192),
+    ("mxfp4", 32, 1, 8200, 64),  # N > 8192
 ]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("case", LINEAR_CASES)
+@pytest.mark.parametrize("case", LINEAR_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_quantized_linear_matches_dequantised_reference(case: tuple, dtype: torch.dtype) -> None:
     fmt, block, m, n, k = case
     g = torch.Generator().manual_seed(LINEAR_CASES.index(case))
@@ -81,23 +213,32 @@ def test_quantized_linear_matches_dequantised_reference(case: tuple, dtype: torc
     torch.testing.assert_close(got, want, **GEMM_TOL[dtype])
 
 
-def test_quantized_linear_rows_independent_of_m() -> None:
-    """A row's result is the same bits alone or among 16 rows (the tile is always 16 rows)."""
+@pytest.mark.parametrize(
+    "fmt,block,k", [("fp8", 128, 320), ("fp8", 32, 256), ("mxfp4", 32, 256), ("mxfp4", 32, 120)]
+)
+def test_quantized_linear_rows_independent_of_m(fmt: str, block: int, k: int) -> None:
+    """A row's result is the same bits for every M from 1 to 16 (the tile is always 16 rows and
+    the launch shape depends on (N, K) only): a DSpark verify gives each token the bits of a
+    one-token step."""
     g = torch.Generator().manual_seed(7)
-    w = quantized(torch.randn(48, 256, generator=g) * 0.05, "mxfp4", 32)
-    x = torch.randn(16, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = quantized(torch.randn(48, k, generator=g) * 0.05, fmt, block)
+    x = torch.randn(16, k, generator=g).to(torch.bfloat16).to(DEVICE)
     full = quantized_linear(x, w)
-    for row in (0, 9, 15):
-        assert torch.equal(quantized_linear(x[row : row + 1], w), full[row : row + 1])
+    for m in range(1, 16):
+        assert torch.equal(quantized_linear(x[:m], w), full[:m]), m
+    assert torch.equal(quantized_linear(x[9:10], w), full[9:10])
 
 
-@pytest.mark.parametrize("fmt,block", [("fp8", 128), ("fp8", 32), ("mxfp4", 32)])
-def test_quantized_grouped_linear(fmt: str, block: int) -> None:
+@pytest.mark.parametrize(
+    "fmt,block,k,m",
+    [("fp8", 128, 160, 3), ("fp8", 32, 160, 16), ("mxfp4", 32, 160, 1), ("mxfp4", 32, 136, 5)],
+)
+def test_quantized_grouped_linear(fmt: str, block: int, k: int, m: int) -> None:
     g = torch.Generator().manual_seed(3)
-    groups, rank, k = 4, 40, 160
-    # rank 40: FP8 scale blocks of 32 or 128 rows span two groups.
+    groups, rank = 4, 40
+    # rank 40: FP8 scale blocks of 32 or 128 rows span two groups; K 136: MXFP4 rows as bytes.
     w = quantized(torch.randn(groups * rank, k, generator=g) * 0.05, fmt, block)
-    x = torch.randn(3, groups, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(m, groups, k, generator=g).to(torch.bfloat16).to(DEVICE)
     got = quantized_grouped_linear(x, w)
     torch.testing.assert_close(got, small_m_grouped_linear_ref(x, w), **GEMM_TOL[torch.bfloat16])
     rows = w.per_row()
@@ -132,15 +273,17 @@ def _experts(
 MOE_CASES = [
     ("fp8", 128, 5, 3, 6, 160, 96),  # D, I: partial scale blocks and K steps
     ("fp8", 32, 3, 2, 4, 64, 48),
+    ("fp8", 32, 16, 6, 8, 96, 64),
     ("mxfp4", 32, 6, 2, 5, 96, 64),
     ("mxfp4", 32, 1, 4, 8, 288, 32),  # D = 288: two K steps of stage 1
+    ("mxfp4", 32, 12, 3, 6, 72, 40),  # D, I: rows as bytes (not multiples of 32)
 ]
 
 
-@pytest.mark.parametrize("case", MOE_CASES)
+@pytest.mark.parametrize("case", MOE_CASES, ids=lambda c: "-".join(map(str, c)))
 def test_quantized_moe_paths(case: tuple) -> None:
-    """Sorted path (grouped stage 1 + stage 2, reduce) and per-token path against the
-    references on the dequantised experts, and against each other."""
+    """Sorted path (grouped stage 1 + stage 2, reduce; 16- and 32-row blocks) and per-token
+    path against the references on the dequantised experts, and against each other."""
     fmt, block, m, topk, e, d, i = case
     g = torch.Generator().manual_seed(100 + MOE_CASES.index(case))
     gate_up, down = _experts(fmt, block, e, d, i, g)
@@ -153,13 +296,17 @@ def test_quantized_moe_paths(case: tuple) -> None:
     mask = torch.ones(e, dtype=torch.int32, device=DEVICE)
     plan = prepare_moe_sort(mask)
     limit = 1.5
+    want_y = fused_moe_ref(x, gu_deq, down_deq, ids, mask, limit)
 
-    sort = moe_sort(ids, weights, plan, 0)
-    y = fused_moe(x, gate_up, down, sort, topk, limit)
-    torch.testing.assert_close(
-        y, fused_moe_ref(x, gu_deq, down_deq, ids, mask, limit), **CHAIN_TOL[dtype]
-    )
-    sorted_out = moe_reduce(y, weights, ids, mask, 1.0, shared)
+    sorted_out = {}
+    for block_size in (16, 32):
+        sort = moe_sort(ids, weights, plan, 0, block_size=block_size)
+        y = torch.full((m, topk, d), float("nan"), dtype=dtype, device=DEVICE)
+        y = fused_moe(x, gate_up, down, sort, topk, limit, block_size=block_size, out=y)
+        torch.testing.assert_close(y, want_y, **CHAIN_TOL[dtype])
+        sorted_out[block_size] = moe_reduce(y, weights, ids, mask, 1.0, shared)
+    # The block size (the grouped GEMMs' M tile) changes no bit on a GPU.
+    _same_bits(sorted_out[16], sorted_out[32], dtype)
 
     table = plan.local_table
     h = moe_route_gate_up(x, gate_up, ids, table, e, limit)
@@ -169,23 +316,37 @@ def test_quantized_moe_paths(case: tuple) -> None:
     got = moe_token_down_reduce(h, down, ids, weights, table, e, 1.0, shared, out=out)
     want = moe_token_down_reduce_ref(h, down_deq, ids, weights, table, e, 1.0, shared)
     torch.testing.assert_close(got, want, **CHAIN_TOL[dtype])
+    _same_bits(got, sorted_out[32], dtype)
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
+    """Equal bits on a GPU; within CHAIN_TOL under the interpreter (numpy's matmul sums depend
+    on the tile shape)."""
     if DEVICE == "cuda":
-        assert torch.equal(got.view(torch.int16), sorted_out.view(torch.int16))
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     else:
-        torch.testing.assert_close(got, sorted_out, **CHAIN_TOL[dtype])
+        torch.testing.assert_close(a, b, **CHAIN_TOL[dtype])
 
 
-@pytest.mark.parametrize("fmt,block", [("fp8", 32), ("mxfp4", 32)])
-def test_shared_expert_folds_into_quantized_stacks(fmt: str, block: int) -> None:
+def test_sort_block_size_is_16_at_decode_sizes() -> None:
+    # 16 while the routes average at most 16 per local expert (97: 96 routed + the shared).
+    assert sort_block_size(1, 7, 97) == 16
+    assert sort_block_size(221, 7, 97) == 16  # 1547 routes
+    assert sort_block_size(222, 7, 97) == 32  # 1554 routes
+    assert sort_block_size(4, 6, 0) == 32
+
+
+@pytest.mark.parametrize("fmt,block,m", [("fp8", 32, 3), ("mxfp4", 32, 3), ("mxfp4", 32, 9)])
+def test_shared_expert_folds_into_quantized_stacks(fmt: str, block: int, m: int) -> None:
     """The shared expert stored in the routed experts' format folds into their stacks (expert
     E); the folded triton layer equals the torch layer (routed loop + separate shared expert) on
-    the same quantised weights."""
+    the same quantised weights: per-token path (M = 3) and sorted path (M = 9)."""
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
     from sgl_dspark.srt.layers.moe.experts import RoutedExperts, SharedExpert
     from sgl_dspark.srt.layers.quantized import module_weight, store_quantized
 
     g = torch.Generator().manual_seed(5)
-    e, d, i, m, topk = 4, 64, 32, 3, 2
+    e, d, i, topk = 4, 64, 32, 2
     gate_up, down = _experts(fmt, block, e, d, i, g)
     shared_gu, shared_down = _experts(fmt, block, 1, d, i, g)
     layers = {}

@@ -1,37 +1,52 @@
 """In-kernel dequantisation of weights kept as stored (`QuantizedWeight`, formats in
-`reference.py`): the chunk product that every W8A16 / W4A16 GEMM of the engine shares (the
+`reference.py`): the weight tile that every W8A16 / W4A16 GEMM of the engine multiplies (the
 small-M linear, the grouped linear, the MoE grouped GEMMs and the per-token MoE kernels).
 
-`quantized_chunk_dot` forms one chunk of `SUB` input channels (at most one scale group):
+`quantized_tile` turns the stored bytes of BN output columns x BLOCK_K input channels into the
+dequantised tile `value(w[n, k]) * 2^(e[n, k // group] - 127)`, in bf16 for the matrix unit (or
+fp32 for fp32 activations and the CPU interpreter), so one dot per K step consumes it. Decode
+steps are few integer or half-precision operations per weight and no table lookups: at decode
+sizes the GEMM streams the weight once and the GPU must convert bytes as fast as HBM delivers
+them (a conversion through the slow `F2F` path, or a dot per scale group, would leave the loads
+idle).
 
-    part[m, n] = sum_k a[m, k] * value(w[n, k])          (fp32, a matrix-unit dot from zero)
-    return part * 2^(e[n, chunk] - 127)                    (one scale per output column)
+* FP8 (e4m3): the hardware conversion to fp32 (exact), then bf16 (exact: every e4m3 value is a
+  bf16 value) times the block's multiplier 2^(e - 127), a bf16 power of two for every byte
+  1..254.
+* MXFP4 (e2m1 pairs), from 32-bit words of eight codes: one shift-and-mask pair per two codes
+  gives their bf16 bit patterns of `value * 2^-126` directly (bits 2..0 of a code are exactly
+  bf16's low exponent bits and top mantissa bit; code 1, the value 0.5, lands on bf16's
+  subnormal 2^-127), two codes per 32-bit operation: codes i and i + 4 of a word are the two
+  halves of one result word. The multiplier 2^(e - 1) (bf16 HMUL2: two weights per
+  instruction) then restores the scale, so a group's scale byte must be at most
+  `reference.MXFP4_MAX_SCALE_BYTE` = 128 (scale <= 2, |w| <= 12: the loader refuses larger
+  ones). Rows whose byte length is not a multiple of 16 (K not a multiple of 32) are read byte
+  by byte and assembled into the same words.
 
-Every product a * value is exact in fp32 (bf16 x FP8 or x E2M1), and a power-of-two scale
-multiplies a partial sum exactly, so the result equals the dot of `a` with the dequantised weight
-up to the order of the fp32 sums (chunk by chunk, each chunk in the matrix unit's order). The
-scale is applied after the dot, once per output column and chunk, so the per-weight work is the
-type conversion alone:
-
-* FP8: the hardware conversion e4m3 -> bf16 (exact: every e4m3 value is a bf16 value).
-* MXFP4: the byte's two codes become the fp16 bit patterns `sign << 15 | magnitude << 9`, which
-  are the E2M1 values times 2^-14 exactly (E2M1's subnormal 0.5 lands on fp16's subnormal 2^-15),
-  then fp16 -> bf16 (exact); the 2^14 joins the column's scale. The low nibbles multiply the
-  even input channels and the high nibbles the odd ones, so the packed tile is never
-  interleaved: every step from the loaded bytes to the dot operand is elementwise, which lets the
-  compiler move the operand's layout conversion onto the stored bytes (1 or 1/2 byte a weight
-  instead of 2).
-
-E8M0 bytes decode on the bits: `e << 23` is 2^(e - 127) as an fp32 for e in 1..254 (the loader
-refuses 0 and 255); MXFP4 scales must stay below 2^113 for the folded 2^14 to stay finite.
+Exactness: every dequantised weight is the exact product of its value and its power-of-two scale
+whenever that product is a normal bf16 (or fp32) number, i.e. the same number
+`dequantize_weight_ref` produces (which rounds the fp32 product to the weight dtype): the tile
+is bit for bit the reference's dequantised weight, so a GEMM on it differs from the reference
+only in the order of its fp32 sums. (A product below 2^-126 in magnitude is a subnormal; the
+multiplication keeps it, a matrix unit may flush it to zero: an absolute difference below
+2^-126 per weight, for scales no checkpoint uses.)
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
-# E2M1 values are decoded as fp16 values 2^-14 times too small; the scale makes up for it.
+from sgl_dspark.kernels.linear.reference import QuantizedWeight
+
+# Channels of one K step of the quantised expert GEMMs and wide linear blocks (a power of two,
+# so it divides the scale group or is a multiple of it): 256 FP8 or 128 MXFP4 bytes per row.
+QUANT_BLOCK_K = 256
+
+# Element-wise decoders for kernels that decode scales and codes one at a time (the MX MoE's
+# emulated scaled dot): E2M1 values come out as fp16 values 2^-14 times too small, which the
+# caller's scale makes up for.
 E2M1_FP16_SHIFT = 16384.0
 
 
@@ -50,77 +65,237 @@ def e2m1_to(codes, DTYPE: tl.constexpr):
 
 
 @triton.jit
-def quantized_chunk_dot(
+def _power_of_two(exponent_bits, WIDE: tl.constexpr):
+    """Biased exponents (1..254) -> those powers of two as fp32 (WIDE) or bf16 (exact)."""
+    if WIDE:
+        p = (exponent_bits.to(tl.int32) << 23).to(tl.float32, bitcast=True)
+    else:
+        p = (exponent_bits.to(tl.int32) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return p
+
+
+@triton.jit
+def _shift_left(w, SHIFT: tl.constexpr):
+    if SHIFT > 0:
+        w = w << SHIFT
+    elif SHIFT < 0:
+        w = w >> (-SHIFT)
+    return w
+
+
+@triton.jit
+def _e2m1_pair(w, SHIFT: tl.constexpr, WIDE: tl.constexpr):
+    """The codes at bits [SHIFT, SHIFT + 4) and [SHIFT + 16, SHIFT + 20) of uint32 words `w`
+    -> their values times 2^-126, exactly (fp32 if WIDE, else bf16): one 32-bit word holds both
+    results' bf16 bits (magnitude bits 2..0 to bits 8..6 of each half, the sign to bit 15)."""
+    pair = (_shift_left(w, 6 - SHIFT) & 0x01C001C0) | (_shift_left(w, 12 - SHIFT) & 0x80008000)
+    if WIDE:  # a bf16 bit pattern shifted up 16 is the same number in fp32
+        lo = (pair << 16).to(tl.float32, bitcast=True)
+        hi = (pair & 0xFFFF0000).to(tl.float32, bitcast=True)
+    else:
+        lo = (pair & 0xFFFF).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = (pair >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _bytes_to_words(q, BN: tl.constexpr, WORDS: tl.constexpr):
+    """uint8 [BN, 4 * WORDS] -> uint32 [BN, WORDS], little-endian (byte 0 in bits 0..7)."""
+    q = tl.reshape(q.to(tl.uint32), [BN, WORDS, 2, 2])
+    even, odd = tl.split(q)  # bytes 2p and 2p + 1 of each word, p = 0, 1
+    b0, b2 = tl.split(even)
+    b1, b3 = tl.split(odd)
+    return b0 | (b1 << 8) | (b2 << 16) | (b3 << 24)
+
+
+@triton.jit
+def _e2m1_tile(words, BN: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexpr):
+    """uint32 [BN, BLOCK_K / 8] words of eight codes -> values * 2^-126 [BN, BLOCK_K] in channel
+    order (channel 8j + c is code c of word j, bits [4c, 4c + 4))."""
+    l0, h0 = _e2m1_pair(words, 0, WIDE)  # channels 8j + 0 and 8j + 4
+    l1, h1 = _e2m1_pair(words, 4, WIDE)
+    l2, h2 = _e2m1_pair(words, 8, WIDE)
+    l3, h3 = _e2m1_pair(words, 12, WIDE)
+    # Nested joins add trailing axes of size 2, the innermost join's axis most significant:
+    # channel 8j + 4 * half + 2 * i1 + i0 for the pair of code i = 2 * i1 + i0.
+    v = tl.join(
+        tl.join(tl.join(l0, h0), tl.join(l2, h2)), tl.join(tl.join(l1, h1), tl.join(l3, h3))
+    )
+    return tl.reshape(v, [BN, BLOCK_K])
+
+
+@triton.jit
+def quantized_scales(s_rows, w_ok, k0, k_dim, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The scale bytes of input channels [k0, k0 + BLOCK_K) of the columns whose scale rows
+    `s_rows` [BN] point to: [BN, BLOCK_K / GROUP] (one per group), or [BN] when the step lies in
+    one group. Groups past k_dim, and columns not `w_ok`, read 127 (a multiplier of 1 for
+    their zero weights)."""
+    if BLOCK_K > GROUP:
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        e = tl.load(
+            s_rows[:, None] + g[None, :],
+            mask=w_ok[:, None] & (g * GROUP < k_dim)[None, :],
+            other=127,
+        )
+    else:
+        e = tl.load(s_rows + k0 // GROUP, mask=w_ok & (k0 < k_dim), other=127)
+    return e
+
+
+@triton.jit
+def quantized_tile(
+    w_rows,
+    w_ok,
+    e,
+    k0,
+    k_dim,
+    FP4: tl.constexpr,
+    WORDS: tl.constexpr,
+    GROUP: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    WIDE: tl.constexpr,
+):
+    """The dequantised weight of input channels [k0, k0 + BLOCK_K) of BN output columns:
+    [BN, BLOCK_K] in bf16, or fp32 if WIDE (module doc); channels past k_dim and columns not
+    `w_ok` are zero.
+
+    w_rows [BN]: pointers to each column's stored row: FP8 elements, or for MXFP4 uint32 words
+    (WORDS; k_dim a multiple of 32) or bytes. e: the step's scale bytes (`quantized_scales`).
+    k0 is a multiple of BLOCK_K; BLOCK_K and GROUP are powers of two (MXFP4: BLOCK_K >= 8)."""
+    if FP4:
+        # Code bytes -> values * 2^-126; the multiplier 2^(e - 1) (biased exponent e + 126).
+        if WORDS:
+            # k_dim is a multiple of 32 here; a bound in whole 4-word units lets the copies move
+            # 16 bytes at a time.
+            j = tl.multiple_of(k0 // 8, BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+            j_ok = (j // 4) * 32 < k_dim
+            words = tl.load(
+                w_rows[:, None] + j[None, :], mask=w_ok[:, None] & j_ok[None, :], other=0
+            )
+        else:
+            b = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
+            q = tl.load(
+                w_rows[:, None] + b[None, :],
+                mask=w_ok[:, None] & (b < (k_dim + 1) // 2)[None, :],
+                other=0,
+            )
+            words = _bytes_to_words(q, BN, BLOCK_K // 8)
+        v = _e2m1_tile(words, BN, BLOCK_K, WIDE)
+        multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        codes = tl.load(
+            w_rows[:, None] + k[None, :], mask=w_ok[:, None] & (k < k_dim)[None, :], other=0.0
+        )
+        v = codes.to(tl.float32)
+        if not WIDE:
+            v = v.to(tl.bfloat16)
+        multiplier = _power_of_two(e, WIDE)
+    if BLOCK_K > GROUP:
+        v = tl.reshape(v, [BN, BLOCK_K // GROUP, GROUP]) * multiplier[:, :, None]
+        v = tl.reshape(v, [BN, BLOCK_K])
+    else:
+        v = v * multiplier[:, None]
+    return v
+
+
+@triton.jit
+def quantized_product(
     a_rows,
     a_ok,
     w_rows,
     w_ok,
     s_rows,
-    k0,
     k_dim,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
     FP4: tl.constexpr,
-    SUB: tl.constexpr,
+    WORDS: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    SPLIT_K: tl.constexpr = 1,
 ):
-    """The scaled product of input channels [k0, k0 + SUB) (module doc) as fp32 [BM, BN].
+    """fp32 [BM, BN] = A rows (pointers `a_rows` [BM], unit stride along K; rows not `a_ok`
+    read zero) times the dequantised weight columns (`w_rows` / `w_ok` / `s_rows`, see
+    `quantized_tile`) over all K, one BLOCK_K step at a time (bf16 operands, or fp32 with IEEE
+    products if DOT_FP32).
 
-    a_rows [BM]: pointers to the rows of A (unit stride along K), a_ok [BM] which are live;
-    w_rows [BN]: pointers to the stored rows of the weight (FP8 elements or MXFP4 bytes) of each
-    output column, w_ok [BN]; s_rows [BN]: pointers to the columns' scale rows. SUB divides
-    GROUP (or equals it), k0 is a multiple of SUB; channels past k_dim read as zero."""
-    if FP4:
-        HALF: tl.constexpr = SUB // 2
-        j = k0 // 2 + tl.arange(0, HALF)  # byte index: channels 2j (low nibble) and 2j + 1
-        j_ok = j < k_dim // 2
-        a_mask = a_ok[:, None] & j_ok[None, :]
-        a_even = tl.load(a_rows[:, None] + 2 * j[None, :], mask=a_mask, other=0.0)
-        a_odd = tl.load(a_rows[:, None] + 2 * j[None, :] + 1, mask=a_mask, other=0.0)
-        packed = tl.load(w_rows[None, :] + j[:, None], mask=j_ok[:, None] & w_ok[None, :], other=0)
-        if DOT_FP32:
-            w_lo = e2m1_to(packed & 15, tl.float32)
-            w_hi = e2m1_to(packed >> 4, tl.float32)
-            part = tl.dot(a_even.to(tl.float32), w_lo, input_precision="ieee")
-            part = tl.dot(a_odd.to(tl.float32), w_hi, part, input_precision="ieee")
-        else:
-            w_lo = e2m1_to(packed & 15, a_even.dtype)
-            w_hi = e2m1_to(packed >> 4, a_even.dtype)
-            part = tl.dot(a_even, w_lo)
-            part = tl.dot(a_odd, w_hi, part)
+    SPLIT_K > 1 (one warp each, so launch SPLIT_K warps) cuts every step into SPLIT_K slices of
+    BLOCK_K / SPLIT_K channels, multiplied by one batched dot into SPLIT_K accumulators that are
+    summed once at the end: a narrow column block then keeps SPLIT_K warps busy, each with its
+    own chain of matrix-unit accumulations, where one warp's dependent chain would bound the
+    step rate. The sum order is fixed by (BLOCK_K, SPLIT_K): slice s of every step into
+    accumulator s, then the accumulators summed.
+
+    The weight and activation tiles are software-pipelined (asynchronous copies); a step's scale
+    bytes, too small for those copies, are loaded first in the step, so their latency overlaps
+    the decode of the step's codes."""
+    SLICE: tl.constexpr = BLOCK_K // SPLIT_K
+    if SPLIT_K == 1:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
     else:
-        k = k0 + tl.arange(0, SUB)
-        k_ok = k < k_dim
-        a = tl.load(a_rows[:, None] + k[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_rows[None, :] + k[:, None], mask=k_ok[:, None] & w_ok[None, :], other=0.0)
+        acc3 = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
+    for k0 in range(0, k_dim, BLOCK_K):
+        e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K)
+        w = quantized_tile(w_rows, w_ok, e, k0, k_dim, FP4, WORDS, GROUP, BN, BLOCK_K, DOT_FP32)
+        ks = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(
+            a_rows[:, None] + ks[None, :], mask=a_ok[:, None] & (ks < k_dim)[None, :], other=0.0
+        )
         if DOT_FP32:
-            part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
+            a = a.to(tl.float32)
+        if SPLIT_K == 1:
+            if DOT_FP32:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
         else:
-            part = tl.dot(a, w.to(a.dtype))
-    e = tl.load(s_rows + k0 // GROUP, mask=w_ok & (k0 < k_dim), other=0)
-    scale = e8m0_to_fp32(e)
-    if FP4:
-        scale = scale * 16384.0  # E2M1_FP16_SHIFT
-    return part * scale[None, :]
+            a3 = tl.permute(tl.reshape(a, [BM, SPLIT_K, SLICE]), (1, 0, 2))
+            w3 = tl.permute(tl.reshape(w, [BN, SPLIT_K, SLICE]), (1, 2, 0))
+            if DOT_FP32:
+                acc3 = tl.dot(a3, w3, acc3, input_precision="ieee")
+            else:
+                acc3 = tl.dot(a3, w3, acc3)
+    if SPLIT_K > 1:
+        acc = tl.sum(acc3, axis=0)
+    return acc
 
 
-def chunk_channels(group: int, block_k: int) -> int:
-    """Input channels per `quantized_chunk_dot`: the scale group, or the K step when smaller."""
-    return min(group, block_k)
+def quantized_block_k(fmt: str, k_dim: int, block_k: int = QUANT_BLOCK_K) -> int:
+    """The K step of a quantised weight's tiles: `block_k` channels (a power of two), bounded by
+    K's next power of two, at least one matrix-unit step (16 channels)."""
+    return max(16, min(block_k, triton.next_power_of_2(max(k_dim, 1))))
 
 
-def quantized_block_k(fmt: str, k_dim: int, block_k: int) -> int:
-    """A K step for a quantised weight: `block_k` channels (a power of two), bounded by K's next
-    power of two, at least one matrix-unit step (16 channels; 32 for MXFP4, whose nibble halves
-    each take 16). A power of two, so it divides the scale group or is a multiple of it."""
-    step = max(16, min(block_k, triton.next_power_of_2(max(k_dim, 1))))
-    return max(step, 32) if fmt == "mxfp4" else step
+def stored_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, bool]:
+    """The tensor a kernel reads the weight's rows from, and whether MXFP4 rows are read as
+    uint32 words (`quantized_tile`'s WORDS): the packed bytes viewed as words when every row
+    starts on a 4-byte boundary and holds a multiple of 16 bytes (K a multiple of 32), else the
+    bytes (FP8: the data)."""
+    data = weight.data
+    if weight.fmt != "mxfp4":
+        return data, False
+    aligned = (
+        data.shape[-1] % 16 == 0
+        and data.stride(-1) == 1
+        and all(s % 4 == 0 for s in data.stride()[:-1])
+        and data.storage_offset() % 4 == 0
+    )
+    if not aligned:
+        return data, False
+    return data.view(torch.uint32), True
 
 
 __all__ = [
     "E2M1_FP16_SHIFT",
-    "chunk_channels",
+    "QUANT_BLOCK_K",
     "e2m1_to",
     "e8m0_to_fp32",
     "quantized_block_k",
-    "quantized_chunk_dot",
+    "quantized_product",
+    "quantized_scales",
+    "quantized_tile",
+    "stored_rows",
 ]

@@ -1,20 +1,27 @@
 """Small-M linear layers on weights kept as stored (W8A16 FP8 block-scaled, W4A16 MXFP4):
 `y = x @ dequant(W)^T` for decode-sized batches (M <= 16 rows), the weight dequantised in the
-kernel (`dequant.py::quantized_chunk_dot`); `small_m_linear_ref` / `small_m_grouped_linear_ref`
+kernel (`dequant.py::quantized_tile`); `small_m_linear_ref` / `small_m_grouped_linear_ref`
 (which dequantise first) are the spec.
 
-The shape of `small_m.py`'s kernel: each program owns a narrow column block and streams its
-weight rows along K with a deep pipeline; the activation rows are padded to the 16-row matrix
-tile. The stored weight has 1/2 (FP8) or 1/4 (MXFP4) of bf16's bytes, so the K step grows by the
-same factor (`_quantized_meta`): a pipeline stage then moves as many weight bytes as the bf16
-kernel's, which keeps as many loads in flight per program. Within a step the channels are taken
-one scale group at a time (a dot per group, then the group's scale per column).
+At decode sizes the GEMM streams its weight once: it is bound by how fast the stored bytes reach
+the SMs and are turned into matrix-unit operands. Each program owns a column block and streams
+its weight rows along K through a software pipeline of 16-byte asynchronous copies; each K
+step's tile is dequantised in registers (a handful of integer or half-precision operations per
+weight, the scale applied to the weights rather than per group to partial sums) and multiplied
+by the activation rows, padded to the 16-row matrix tile, in one dot, batched over 128-channel
+slices (one warp each) for the narrow blocks (`dequant.py::quantized_product`). Launch shapes
+are fixed per shape class (`_quantized_meta`; no autotuning: the engine captures CUDA graphs).
 
-Exactness: within a tolerance of the reference, like `small_m_linear`: the products are exact
-and the sums are fp32 in chunk order (each chunk in the matrix unit's order), rounded once to the
-output dtype (nearest even on the bits for bf16). A row's result depends neither on M nor on the
-other rows. `quantized_grouped_linear` runs G such products in one launch (the grouped output
-projection), each group's bits as its own call.
+Exactness: within a tolerance of the reference, like `small_m_linear`. The dequantised tile is
+bit for bit the reference's dequantised weight (`dequant.py`), every product is exact in fp32 and
+the sums are fp32 in an order fixed by the launch shape (per slice in K-step order, each step in
+the matrix unit's order, then the slices' sums), rounded once to the output dtype (nearest even
+on the bits for bf16). A row's result depends neither on M nor on the other rows (the tile is
+always 16 rows and the launch shape depends on (N, K) only), so a DSpark verify of W tokens
+gives each token the bits of a single-token step. The previous kernel (a dot per scale group,
+scaled partial sums) summed in another order: not the same bits, the same tolerance.
+`quantized_grouped_linear` runs G such products in one launch (the grouped output projection),
+each group's bits as its own call.
 """
 
 from __future__ import annotations
@@ -24,12 +31,14 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import FLOAT_DTYPES, require
-from sgl_dspark.kernels._triton_utils import programmatic_launch, round_to_bf16, wait_for_producers
-from sgl_dspark.kernels.linear.dequant import (
-    chunk_channels,
-    quantized_block_k,
-    quantized_chunk_dot,
+from sgl_dspark.kernels._triton_utils import (
+    interpreted,
+    prefetch_tile_l2,
+    programmatic_launch,
+    round_to_bf16,
+    wait_for_producers,
 )
+from sgl_dspark.kernels.linear.dequant import quantized_block_k, quantized_product, stored_rows
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 
 MAX_M = 16
@@ -53,12 +62,13 @@ def _quantized_linear_kernel(
     stride_wg,
     stride_yg,
     FP4: tl.constexpr,
+    WORDS: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SUB: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
@@ -70,18 +80,41 @@ def _quantized_linear_kernel(
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
-    x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm
-    w_rows = w_ptr + group * stride_wg + offs_n.to(tl.int64) * stride_wn
+    w_ptr += group * stride_wg
     # A group's rows are rows group * N + n of the stacked weight (its scale blocks may span
     # groups).
-    s_rows = s_ptr + ((group * N + offs_n.to(tl.int64)) // SCALE_ROWS) * stride_sn
-    acc = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        for j in tl.static_range(BLOCK_K // SUB):
-            acc += quantized_chunk_dot(
-                x_rows, mask_m, w_rows, mask_n, s_rows, k0 + j * SUB, K, FP4, SUB, GROUP, DOT_FP32
-            )
+    scale_row = (group * N + tl.minimum(offs_n, N - 1).to(tl.int64)) // SCALE_ROWS
+    if PDL:
+        # The weight and its scales are no kernel's output: the first K step's weight lines
+        # and every scale line of the program's rows stream into L2 while the previous kernel
+        # finishes (hints only: no result bit depends on them).
+        PER_ELEMENT: tl.constexpr = 8 if WORDS else (2 if FP4 else 1)  # channels per element
+        row_len = (K + PER_ELEMENT - 1) // PER_ELEMENT
+        FIRST: tl.constexpr = BLOCK_K // PER_ELEMENT
+        prefetch_tile_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, 0, row_len, FIRST)
+        groups = (K + GROUP - 1) // GROUP
+        for g0 in range(0, groups, 256):
+            prefetch_tile_l2(s_ptr, scale_row, stride_sn, g0, groups, 256)
+    wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
+    x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    s_rows = s_ptr + scale_row * stride_sn
+    acc = quantized_product(
+        x_rows,
+        mask_m,
+        w_rows,
+        mask_n,
+        s_rows,
+        K,
+        BLOCK_M,
+        BLOCK_N,
+        BLOCK_K,
+        FP4,
+        WORDS,
+        GROUP,
+        DOT_FP32,
+        SPLIT_K,
+    )
     if ROUND_BF16:
         acc = round_to_bf16(acc)
     y_rows = y_ptr + group * stride_yg + offs_m[:, None].to(tl.int64) * stride_ym
@@ -92,20 +125,34 @@ def _quantized_linear_kernel(
     )
 
 
-def _quantized_meta(fmt: str, group: int, n: int, k: int) -> dict[str, int]:
-    """Launch shape (the one place sweeps and probes override). Column blocks as the bf16
-    kernel's; the K step carries 512 weight bytes per row (as the bf16 kernel's 256 channels),
-    so FP8 steps 512 channels and MXFP4 1024, at most 16 scale groups a step (each group is a
-    dot of its own: small groups take a shorter step and a deeper pipeline instead)."""
-    block_n = 16 if n <= 8192 else 64
-    per_byte = 2 if fmt == "mxfp4" else 1
-    block_k = quantized_block_k(fmt, k, min(512 * per_byte, 16 * group))
-    stages = 4 if block_k * (1 if fmt == "fp8" else 0.5) >= 256 else 6
+def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
+    """Launch shape per shape class (the one place sweeps and probes override; it depends on
+    (N, K) only, never on M, so a row's bits do not depend on the batch).
+
+    N up to 8192: narrow column blocks (16 columns: N = 4096 gives 256 programs, about two per
+    SM). A program then has few columns to keep warps busy, so each K step of up to 1024
+    channels is split into 128-channel slices, one warp each (`quantized_product`'s SPLIT_K):
+    8 warps and 16 independent matrix-unit chains per program. Three pipeline stages keep two
+    steps (1024 FP8 or 512 MXFP4 bytes per row) in flight; a stage's shared memory is mostly
+    the activation tile (16 rows x 1024 channels of bf16). Wider N (an lm_head): 64-column
+    blocks, 256-channel steps in one dot; 512 programs at N = 32768 with a pipeline of at most
+    48 KB, so four share an SM and they all run in one wave."""
+    if n > 8192:
+        return {
+            "BLOCK_N": 64,
+            "BLOCK_K": quantized_block_k(fmt, k),
+            "SPLIT_K": 1,
+            "num_stages": 4 if fmt == "mxfp4" else 3,
+            "num_warps": 4,
+        }
+    block_k = quantized_block_k(fmt, k, 1024)
+    split = max(1, block_k // 128)
     return {
-        "BLOCK_N": block_n,
+        "BLOCK_N": 16,
         "BLOCK_K": block_k,
-        "num_stages": stages if block_n <= 16 else 3,
-        "num_warps": 4,
+        "SPLIT_K": split,
+        "num_stages": 3,
+        "num_warps": max(2, split),
     }
 
 
@@ -194,31 +241,38 @@ def _launch(
     groups: int,
     group_strides: tuple[int, int, int],
 ) -> None:
-    """One launch over (column blocks, groups); x / weight / out are a group's first views."""
+    """One launch over (column blocks, groups); x / weight / out are a group's first views
+    (the weight group stride in stored elements of `stored_rows`)."""
     (m, k), n = x.shape, weight.data.shape[0]
-    meta = _quantized_meta(weight.fmt, weight.group, n, k)
+    meta = _quantized_meta(weight.fmt, n, k)
+    data, words = stored_rows(weight)
+    per_element = weight.data.shape[-1] // data.shape[-1]  # stored bytes per element read
+    stride_xg, stride_wg, stride_yg = group_strides
     _quantized_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]), groups)](
         x,
-        weight.data,
+        data,
         weight.scale,
         out,
         m,
         n,
         k,
         x.stride(0),
-        weight.data.stride(0),
+        data.stride(0),
         weight.scale.stride(0),
         out.stride(0),
-        *group_strides,
+        stride_xg,
+        stride_wg // per_element,
+        stride_yg,
         FP4=weight.fmt == "mxfp4",
+        WORDS=words,
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_M=_BLOCK_M,
-        SUB=chunk_channels(weight.group, meta["BLOCK_K"]),
         ROUND_BF16=x.dtype == torch.bfloat16,
-        # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot is unreliable, so
-        # there the (exact) products are formed in fp32.
-        DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        # The matrix unit takes bf16 x with bf16 weights; fp32 (never through tf32) and fp16 x
+        # multiply the exact fp32 weights, as does the CPU interpreter, whose 16-bit tl.dot and
+        # bf16 arithmetic are unreliable (the products are exact either way).
+        DOT_FP32=x.dtype != torch.bfloat16 or interpreted(_quantized_linear_kernel),
         **meta,
         **programmatic_launch(_quantized_linear_kernel, x.device),
     )

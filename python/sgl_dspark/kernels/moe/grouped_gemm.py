@@ -51,11 +51,7 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.dequant import (
-    chunk_channels,
-    quantized_block_k,
-    quantized_chunk_dot,
-)
+from sgl_dspark.kernels.linear.dequant import quantized_block_k, quantized_product, stored_rows
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
 from sgl_dspark.kernels.moe.reference import MoeSortOutput
@@ -86,33 +82,22 @@ def expert_product(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
+    WORDS: tl.constexpr,
     GROUP: tl.constexpr,
-    SUB: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows`, unit stride along K) times the weight columns
-    (pointers `w_rows` to each output column's stored row), over all K: `expert_dot` chunk by
-    chunk, or with a quantised weight `quantized_chunk_dot` (scale pointers `s_rows`). The one
-    definition of an expert product: the grouped and the per-token kernels call it, so their
+    (pointers `w_rows` to each output column's stored row), over all K in BLOCK_K steps of
+    `expert_dot`, or with a quantised weight `quantized_product` (scale pointers `s_rows`). The
+    one definition of an expert product: the grouped and the per-token kernels call it, so their
     products sum in the same order."""
-    acc = tl.zeros([BM, BN], dtype=tl.float32)
-    for k0 in range(0, k_dim, BLOCK_K):
-        if QUANT:
-            for j in tl.static_range(BLOCK_K // SUB):
-                acc += quantized_chunk_dot(
-                    a_rows,
-                    a_ok,
-                    w_rows,
-                    w_ok,
-                    s_rows,
-                    k0 + j * SUB,
-                    k_dim,
-                    FP4,
-                    SUB,
-                    GROUP,
-                    DOT_FP32,
-                )
-        else:
+    if QUANT:
+        acc = quantized_product(
+            a_rows, a_ok, w_rows, w_ok, s_rows, k_dim, BM, BN, BLOCK_K, FP4, WORDS, GROUP, DOT_FP32
+        )
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, k_dim, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < k_dim
             a_tile = tl.load(
@@ -185,9 +170,9 @@ def _moe_grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
+    WORDS: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
-    SUB: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
     TILE_MAJOR: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
@@ -237,8 +222,8 @@ def _moe_grouped_gemm_kernel(
         BLOCK_K,
         QUANT,
         FP4,
+        WORDS,
         GROUP,
-        SUB,
         DOT_FP32,
     )
     if OUT_SWIGLU:  # the activation of the [gate | up] values a plain stage 1 would store
@@ -263,15 +248,23 @@ def _moe_grouped_gemm_kernel(
 
 
 def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
-    """K chunk of the expert GEMMs (the grouped and the per-token kernels share it, so their
-    products sum alike): 128 channels of a bf16 / fp32 weight; 256 of a quantised one (128 or
-    256 stored bytes a row)."""
+    """K step of the expert GEMMs (the grouped and the per-token kernels share it, so their
+    products sum alike): 128 channels of a bf16 / fp32 weight; 256 of a quantised one (256 or
+    128 stored bytes a row)."""
     if isinstance(weight, QuantizedWeight):
-        return quantized_block_k(weight.fmt, k_dim, 256)
+        return quantized_block_k(weight.fmt, k_dim)
     return min(128, max(16, triton.next_power_of_2(k_dim)))
 
 
-def expert_weight_args(weight: ExpertWeight, block_k: int) -> dict:
+def expert_weight_data(weight: ExpertWeight) -> torch.Tensor:
+    """The tensor the expert kernels read the weight's rows from (its strides are the kernels'
+    weight strides): the stacked experts, or a quantised weight's `stored_rows`."""
+    if isinstance(weight, QuantizedWeight):
+        return stored_rows(weight)[0]
+    return weight
+
+
+def expert_weight_args(weight: ExpertWeight) -> dict:
     """The kernel arguments that describe an expert weight: its scale pointer and strides (the
     data itself when unquantised, never read) and the dequantisation constants."""
     if isinstance(weight, QuantizedWeight):
@@ -281,9 +274,9 @@ def expert_weight_args(weight: ExpertWeight, block_k: int) -> dict:
             "stride_sn": weight.scale.stride(1),
             "QUANT": True,
             "FP4": weight.fmt == "mxfp4",
+            "WORDS": stored_rows(weight)[1],
             "GROUP": weight.group,
             "SCALE_ROWS": weight.block_rows,
-            "SUB": chunk_channels(weight.group, block_k),
         }
     return {
         "s_ptr": weight,
@@ -291,9 +284,9 @@ def expert_weight_args(weight: ExpertWeight, block_k: int) -> dict:
         "stride_sn": 0,
         "QUANT": False,
         "FP4": False,
+        "WORDS": False,
         "GROUP": 1,
         "SCALE_ROWS": 1,
-        "SUB": block_k,
     }
 
 
@@ -453,7 +446,7 @@ def moe_grouped_gemm(
     # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
     block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
     block_k = expert_block_k(k_dim, weight)
-    data = weight.data if isinstance(weight, QuantizedWeight) else weight
+    data = expert_weight_data(weight)
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
         tile_major = num_tokens == 1
@@ -473,12 +466,12 @@ def moe_grouped_gemm(
         stride_wn=data.stride(1),
         stride_out=out.stride(0),
         limit=float(swiglu_limit) if swiglu_limit is not None else 0.0,
-        **expert_weight_args(weight, block_k),
+        **expert_weight_args(weight),
         act_weights_ptr=act_weights if act_weights is not None else out,
         TOPK=topk,
         A_PER_PAIR=a_per_pair,
         # tf32 must stay off for fp32; see the module docstring for the CPU bf16 case.
-        DOT_FP32=a.dtype == torch.float32 or a.device.type == "cpu",
+        DOT_FP32=a.dtype == torch.float32 or interpreted(_moe_grouped_gemm_kernel),
         ROUND_BF16=a.dtype == torch.bfloat16,
         BLOCK_M=block_size,
         BLOCK_N=block_n,

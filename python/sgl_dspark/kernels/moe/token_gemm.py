@@ -44,13 +44,13 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.reference import QuantizedWeight
 from sgl_dspark.kernels.moe.grouped_gemm import (
     ExpertWeight,
     check_expert_weight,
     expert_block_k,
     expert_product,
     expert_weight_args,
+    expert_weight_data,
     swiglu_tile,
     weighted_activation,
 )
@@ -95,9 +95,9 @@ def _moe_route_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
+    WORDS: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
-    SUB: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HAS_LIMIT: tl.constexpr,
@@ -130,8 +130,8 @@ def _moe_route_gate_up_kernel(
         BLOCK_K,
         QUANT,
         FP4,
+        WORDS,
         GROUP,
-        SUB,
         DOT_FP32,
     )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
@@ -173,9 +173,9 @@ def _moe_token_down_kernel(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
+    WORDS: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
-    SUB: tl.constexpr,
     DOT_FP32: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     APPLY_SCALE: tl.constexpr,
@@ -215,8 +215,8 @@ def _moe_token_down_kernel(
         BLOCK_K,
         QUANT,
         FP4,
+        WORDS,
         GROUP,
-        SUB,
         DOT_FP32,
     )
     # Slot k's product: row k, column block k (adding exact zeros of the other rows).
@@ -327,7 +327,7 @@ def moe_route_gate_up(
     if routes == 0 or inter == 0 or num_local == 0:
         return h
     block_n = 32  # 16 gate + 16 up columns: the grouped stage 1's tile
-    data = _data(gate_up_proj)
+    data = expert_weight_data(gate_up_proj)
     block_k = expert_block_k(x.shape[1], gate_up_proj)
     _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, block_n))](
         x,
@@ -344,13 +344,13 @@ def moe_route_gate_up(
         stride_wn=data.stride(1),
         stride_h=h.stride(0),
         limit=float(limit) if limit is not None else 0.0,
-        **expert_weight_args(gate_up_proj, block_k),
+        **expert_weight_args(gate_up_proj),
         act_weights_ptr=act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
-        DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        DOT_FP32=x.dtype == torch.float32 or interpreted(_moe_route_gate_up_kernel),
         ROUND_BF16=x.dtype == torch.bfloat16,
         HAS_LIMIT=limit is not None,
         WEIGHT_ACT=act_weights is not None,
@@ -360,10 +360,6 @@ def moe_route_gate_up(
         **programmatic_launch(_moe_route_gate_up_kernel, x.device),
     )
     return h
-
-
-def _data(weight: ExpertWeight) -> torch.Tensor:
-    return weight.data if isinstance(weight, QuantizedWeight) else weight
 
 
 def _down_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
@@ -434,7 +430,7 @@ def moe_token_down_reduce(
     if num_tokens == 0 or hidden == 0:
         return out
     meta = _down_meta(h.shape[1], down_proj)
-    data = _data(down_proj)
+    data = expert_weight_data(down_proj)
     _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h,
         data,
@@ -451,11 +447,11 @@ def moe_token_down_reduce(
         stride_we=data.stride(0),
         stride_wn=data.stride(1),
         routed_scale=float(routed_scale),
-        **expert_weight_args(down_proj, meta["BLOCK_K"]),
+        **expert_weight_args(down_proj),
         TOPK=topk,
         SLOTS=triton.next_power_of_2(topk),
         ROWS=max(16, triton.next_power_of_2(topk)),
-        DOT_FP32=h.dtype == torch.float32 or h.device.type == "cpu",
+        DOT_FP32=h.dtype == torch.float32 or interpreted(_moe_token_down_kernel),
         ROUND_BF16=h.dtype == torch.bfloat16,
         APPLY_SCALE=routed_scale != 1.0,
         HAS_SHARED=shared is not None,

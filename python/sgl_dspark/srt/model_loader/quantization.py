@@ -16,7 +16,12 @@ from __future__ import annotations
 
 import torch
 
-from sgl_dspark.kernels.linear.reference import E2M1_VALUES, E8M0_BIAS, QuantizedWeight
+from sgl_dspark.kernels.linear.reference import (
+    E2M1_VALUES,
+    E8M0_BIAS,
+    MXFP4_MAX_SCALE_BYTE,
+    QuantizedWeight,
+)
 
 FP8_E4M3_MAX = 448.0
 FP4_E2M1_MAX = 6.0
@@ -248,7 +253,9 @@ def mxfp4_to_runtime(
     packed: torch.Tensor, scale: torch.Tensor, group: int = MXFP4_GROUP, what: str = "weight"
 ) -> QuantizedWeight:
     """Packed MXFP4 with per-`group` scales -> the runtime layout. Groups must be a power of two
-    of at least 32 (16 E2M1 pairs, a matrix-unit K step per nibble)."""
+    of at least 32 (16 E2M1 pairs, a matrix-unit K step per nibble), and scales at most 2
+    (E8M0 bytes <= 128, weights |w| <= 12: the kernels' decode folds a 2^126 into the scale,
+    `kernels/linear/dequant.py`)."""
     if group < 32 or group & (group - 1):
         raise ValueError(
             f"{what}: MXFP4 scale group {group} is not supported natively (a power of two "
@@ -258,7 +265,13 @@ def mxfp4_to_runtime(
     if tuple(scale.shape) != expected:
         raise ValueError(f"{what}: MXFP4 scale shape {tuple(scale.shape)}, expected {expected}")
     data = packed.view(torch.uint8).contiguous()
-    return QuantizedWeight(data, e8m0_bytes(scale, what).contiguous(), "mxfp4", group)
+    scale_bytes = e8m0_bytes(scale, what).contiguous()
+    if bool((scale_bytes > MXFP4_MAX_SCALE_BYTE).any()):
+        raise ValueError(
+            f"{what}: MXFP4 scales above 2 (E8M0 bytes > {MXFP4_MAX_SCALE_BYTE}) are not "
+            "supported natively; use --weight-format bf16"
+        )
+    return QuantizedWeight(data, scale_bytes, "mxfp4", group)
 
 
 __all__ = [

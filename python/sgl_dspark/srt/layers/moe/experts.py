@@ -3,7 +3,8 @@ expert, both SwiGLU with the DeepSeek-V4 clamp.
 
 The "moe" kernel family picks the implementation once, at construction:
   * torch: per-expert loop over the routed tokens (reads the expert counts on the host).
-  * triton, no host sync in forward: `moe_sort` of the routes into 32-row expert blocks ->
+  * triton, no host sync in forward: `moe_sort` of the routes into expert blocks of 16 or 32
+    rows (`sort_block_size`: 16 at decode sizes) ->
     grouped GEMM stage 1 with the clamped SwiGLU as its epilogue -> grouped GEMM stage 2
     (`kernels/moe/grouped_gemm.py`) -> `moe_reduce`, slot-ordered, with the shared expert's output
     added (`kernels/moe/reduce.py`). Up to `TOKEN_PATH_MAX_M` tokens the routes are not sorted:
@@ -62,7 +63,6 @@ from sgl_dspark.srt.layers.quantized import (
 if TYPE_CHECKING:
     from sgl_dspark.kernels.moe.sort import MoeSortPlan
 
-_SORT_BLOCK = 32  # rows per expert block of `moe_sort`, and the M tile of the grouped GEMMs
 # Tokens up to which the unsorted per-route / per-token kernels run (the same bits as the sorted
 # path). Each route streams its expert's weights itself, which stops paying once tokens share
 # experts (`benchmark/kernels/probe_moe_token.py`; measured in benchmark/results/kernels.md).
@@ -115,14 +115,16 @@ class RoutedExperts(nn.Module):
         if self._triton:
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
-            from sgl_dspark.kernels.moe.sort import MoeSortPlan, prepare_moe_sort
+            from sgl_dspark.kernels.moe.sort import MoeSortPlan, prepare_moe_sort, sort_block_size
             from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
             self._moe_sort, self._moe_reduce = moe_sort, moe_reduce
-            # MXFP4 stacks on targets with native scaled dots: the MX kernels (fp8_linear.py).
+            # MXFP4 stacks on targets with native scaled dots: the MX kernels (fp8_linear.py),
+            # whose row tile is the target's scaled-MMA tile (fixed: 32, or 128 on Blackwell).
             self._fused_moe = mx_fused_moe_impl(kernels, fused_moe)
-            # The MX kernels' row tile is the target's scaled-MMA tile (128 on Blackwell).
-            self._sort_block = max(_SORT_BLOCK, (kernels or KernelChoice()).mx_moe_block)
+            mx_block = (kernels or KernelChoice()).mx_moe_block
+            self._mx_sort_block = max(_SORT_BLOCK, mx_block) if mx_block else None
+            self._sort_block_size = sort_block_size
             self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
             self._plan_type = MoeSortPlan
             # On the host whatever the ambient device (a model built under torch.device("cuda")
@@ -349,7 +351,8 @@ class RoutedExperts(nn.Module):
                 h, down, ids, reduce_weights, plan.local_table, plan.num_local, 1.0, shared
             )
         # hidden_size=0: the grouped GEMMs write per-route rows, so `moe_sort`'s sum is unused.
-        routes = self._moe_sort(ids, weights, plan, 0, block_size=self._sort_block)
+        block = self._sort_block(x.shape[0], ids.shape[1], plan.num_local)
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=block)
         y = self._fused_moe(
             x,
             gate_up,
@@ -357,10 +360,17 @@ class RoutedExperts(nn.Module):
             routes,
             ids.shape[1],
             self.limit,
-            block_size=self._sort_block,
+            block_size=block,
             weight_before_down=before,
         )
         return self._moe_reduce(y, reduce_weights, ids, mask, 1.0, shared)
+
+    def _sort_block(self, num_tokens: int, topk: int, num_local: int) -> int:
+        """Rows per expert block: the MX kernels' fixed tile when they run, else by batch size
+        (`sort_block_size`)."""
+        if self._mx_sort_block is not None:
+            return self._mx_sort_block
+        return self._sort_block_size(num_tokens, topk, num_local)
 
     def _combine_triton_ep(
         self,
@@ -388,10 +398,9 @@ class RoutedExperts(nn.Module):
         x = x.contiguous()
         ids = ids.to(torch.int32).contiguous()
         weights = weights.to(torch.float32).contiguous()
-        routes = self._moe_sort(ids, weights, plan, 0, block_size=self._sort_block)
-        y = self._fused_moe(
-            x, gate_up, down, routes, ids.shape[1], self.limit, block_size=self._sort_block
-        )
+        block = self._sort_block(x.shape[0], ids.shape[1], plan.num_local)
+        routes = self._moe_sort(ids, weights, plan, 0, block_size=block)
+        y = self._fused_moe(x, gate_up, down, routes, ids.shape[1], self.limit, block_size=block)
         local = (mask[ids.long()] == 1).unsqueeze(-1)
         t, k = ids.shape
         parts = [torch.where(local, y.view(t, k, -1), 0).view(t * k, -1)]
