@@ -120,10 +120,10 @@ class RoutedExperts(nn.Module):
 
             self._moe_sort, self._moe_reduce = moe_sort, moe_reduce
             # MXFP4 stacks on targets with native scaled dots: the MX kernels (fp8_linear.py),
-            # whose row tile is the target's scaled-MMA tile (fixed: 32, or 128 on Blackwell).
+            # whose row tile is the target's scaled-MMA tile (32 on gfx950, 128 on Blackwell).
             self._fused_moe = mx_fused_moe_impl(kernels, fused_moe)
             mx_block = (kernels or KernelChoice()).mx_moe_block
-            self._mx_sort_block = max(_SORT_BLOCK, mx_block) if mx_block else None
+            self._mx_sort_block = mx_block or None
             self._sort_block_size = sort_block_size
             self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
             self._plan_type = MoeSortPlan
