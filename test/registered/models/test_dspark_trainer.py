@@ -31,7 +31,7 @@ from sgl_dspark.tools.draft_training.objective import (
     dspark_loss,
     make_block_batch,
 )
-from sgl_dspark.tools.draft_training.trainer import TrainConfig, train
+from sgl_dspark.tools.draft_training.trainer import BUDGET_PROBE_STEPS, TrainConfig, train
 from sgl_dspark.tools.init_dspark_draft import draft_config, init_dspark_draft, random_draft_weights
 from sgl_dspark.tools.train_dspark_draft import main as train_main
 from sgl_dspark.tools.train_dspark_draft import target_hf_config
@@ -266,6 +266,35 @@ def test_resume_equals_uninterrupted_run(tmp_path):
             resume=True,
             progress=False,
         )
+
+
+def test_time_budget_shortens_the_run_and_its_schedule(tmp_path):
+    """A budget far below the requested steps' time: after the probe steps the run is cut to
+    what fits (here: nothing more) and finishes normally, its length saved with the state."""
+    engine = Engine(model_path="tiny", device="cpu", skip_tokenizer_init=True, context_length=128)
+    prompts = _repetitive_prompts(7, 4)
+    outs = engine.generate(
+        input_ids=prompts, sampling_params={"max_new_tokens": 10, "temperature": 0.0}
+    )
+    seqs = [p + o["output_ids"] for p, o in zip(prompts, outs)]
+    data = TargetTaps(engine.runner, (3, 4), top=0).extract(seqs, 10_000)
+    plens = [len(p) for p in prompts]
+    cfg = TrainConfig(steps=100_000, batch_size=2, anchors_per_seq=2, warmup=2, min_lr_ratio=0.1)
+    _, draft = _tiny_draft(3)
+    state = train(
+        draft,
+        engine.runner.model,
+        data,
+        plens,
+        cfg,
+        str(tmp_path),
+        progress=False,
+        time_budget_s=1e-3,
+    )
+    assert state.total_steps == BUDGET_PROBE_STEPS == state.step
+    assert len(state.history) == BUDGET_PROBE_STEPS
+    saved = torch.load(tmp_path / "train_state.pt", weights_only=False)
+    assert saved["step"] == saved["total_steps"] == BUDGET_PROBE_STEPS
 
 
 def test_training_raises_engine_acceptance(tmp_path):
