@@ -27,10 +27,12 @@ def width_table(path: Path) -> str:
     return str(path)
 
 
-def engine_args(layout: ParallelLayout, combine: str, spec: bool, out_dir: Path) -> ServerArgs:
-    extra: dict[str, Any] = {}
+def engine_args(
+    layout: ParallelLayout, combine: str, spec: bool, out_dir: Path, **options: Any
+) -> ServerArgs:
+    extra: dict[str, Any] = dict(options)
     if spec:
-        extra = dict(
+        extra.update(
             speculative_algorithm="DSpark",
             speculative_dspark_block_size=7,
             speculative_dspark_verify_policy="static",
@@ -172,32 +174,144 @@ def run_abort_and_trace(rank: int, out_dir: Path, layout: ParallelLayout, spec: 
     torch.save(state, out_dir / f"abort_rank{rank}.pt")
 
 
-def run_shard_argmax(rank: int, out_dir: Path, triton: bool) -> None:
-    """Both ranks of a TP-2 world pick greedy ids from their halves of crafted logits rows
-    (ties and NaNs across the shard border); rank 0 saves (picked, torch.argmax of the full
-    rows)."""
-    from sgl_dspark.srt.layers.vocab_parallel import shard_argmax
+_GATHERED: list[tuple[int, ...]] = []
+_GATHERS_COUNTED = False
+
+
+def count_gathers() -> list[tuple[int, ...]]:
+    """The shape of every tensor this process all-gathers from now on (every
+    `TorchDistCommunicator.all_gather` call), in order."""
+    global _GATHERS_COUNTED
+    from sgl_dspark.srt.distributed import TorchDistCommunicator
+
+    if not _GATHERS_COUNTED:
+        inner = TorchDistCommunicator.all_gather
+
+        def all_gather(self: Any, x: torch.Tensor, dim: int = -1) -> torch.Tensor:
+            _GATHERED.append(tuple(x.shape))
+            return inner(self, x, dim)
+
+        TorchDistCommunicator.all_gather = all_gather  # type: ignore[method-assign]
+        _GATHERS_COUNTED = True
+    _GATHERED.clear()
+    return _GATHERED
+
+
+def count_calls(obj: Any, name: str) -> list[int]:
+    """One entry per call of `obj.name` from now on."""
+    calls: list[int] = []
+    inner = getattr(obj, name)
+
+    def wrapper(*a: Any, **k: Any) -> Any:
+        calls.append(1)
+        return inner(*a, **k)
+
+    setattr(obj, name, wrapper)
+    return calls
+
+
+def run_counted(
+    rank: int,
+    out_dir: Path,
+    name: str,
+    layout: ParallelLayout,
+    spec: bool,
+    params: list[dict],
+    graphs: bool = False,
+    engine_options: dict[str, Any] | None = None,
+    **logprob_options: Any,
+) -> None:
+    """`run_layout` without recording logits (a recording reads whole rows): rank 0 saves
+    `{name}.pt` with the outputs (with `logprob_options` for `Engine.generate`, their output
+    logprobs), the shape of every tensor its TP group all-gathered and the number of
+    whole-row logits the DSpark draft asked for (`compute_logits`). `engine_options`: more
+    server args."""
+    from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
+
+    init_parallel_state(layout, "exact")
+    if rank >= layout.world_size:
+        return
+    engine = Engine.for_rank(engine_args(layout, "exact", spec, out_dir, **(engine_options or {})))
+    gathered = count_gathers()
+    draft_logits = count_calls(engine.runner.model, "compute_logits")
+    if graphs:
+        engine.init_graphs(len(PROMPTS), prefill_max_tokens=32, graph_factory=EagerGraph)
+    scheduler = engine.scheduler
+    if rank > 0:
+        assert isinstance(scheduler, ReplicatedScheduler)
+        scheduler.serve_forever()
+        engine.executor.close()
+        return
+    del gathered[:], draft_logits[:]  # the graph captures' own calls
+    outs = engine.generate(input_ids=PROMPTS, sampling_params=params, **logprob_options)
+    if isinstance(scheduler, ReplicatedScheduler):
+        scheduler.close()
+    engine.executor.close()
+    replays = dict(engine.graphs.replays) if engine.graphs is not None else {}
+    logprobs = [
+        [entry[0] for entry in o["meta_info"]["output_token_logprobs"]]
+        for o in outs
+        if logprob_options.get("return_logprob")
+    ]
+    torch.save(
+        {
+            "output_ids": [o["output_ids"] for o in outs],
+            "logprobs": logprobs,
+            "gathered": list(gathered),
+            "draft_logits": len(draft_logits),
+            "replays": replays,
+            "shard_width": engine.runner.model.logits_reader.shard_width,
+        },
+        out_dir / f"{name}.pt",
+    )
+
+
+def edge_rows(border: int, width: int, gen: torch.Generator) -> torch.Tensor:
+    """Logits rows whose greedy choice is decided at or across the column `border` between
+    two shards (ties, NaN, +-inf, signed zeros), then large-magnitude and random rows."""
+    nan, inf = float("nan"), float("inf")
+    b = border
+    rows = torch.randn(16, width, generator=gen) * 4
+    rows[0, b - 5] = rows[0, b + 5] = 50.0  # tie across the border: the smaller index
+    rows[1, b - 1] = rows[1, b] = 50.0  # tie at the border itself
+    rows[2, b + 3] = nan  # a NaN on the second shard beats every number
+    rows[3, 2] = rows[3, b + 2] = nan  # NaNs on both shards: the first
+    rows[4] = -inf  # all -inf: column 0
+    rows[5, :b] = -inf  # the first shard all -inf, the second finite
+    rows[6, b] = 50.0  # first column of the second shard
+    rows[7, b - 1] = 50.0  # last column of the first shard
+    rows[8] = 1.0  # all equal: column 0
+    rows[9, b + 1] = rows[9, 3] = inf  # +inf on both shards: the first
+    rows[10] = -1.0
+    rows[10, b - 1], rows[10, b] = -0.0, 0.0  # -0.0 == +0.0: the first
+    rows[11, b:] = nan  # the second shard all NaN: its first column
+    rows[12] = rows[12] * 2500 + 3e4  # large logits: no cancellation in the logprobs
+    rows[13, b + 4] = inf  # one +inf on the second shard
+    rows[14, b:] = -inf  # the second shard all -inf
+    return rows
+
+
+def run_shard_greedy(rank: int, out_dir: Path) -> None:
+    """Both ranks of a TP-2 world pick greedy ids, logprobs and probe logprobs from their
+    columns of crafted rows (`edge_rows`) through `shard_greedy` (torch and the
+    `kernels/sampling` kernels), for an even split of 64 columns and an uneven one (37 | 27);
+    every rank saves the rows, the probes and what it picked (`greedy_{split}_{impl}_r{rank}`)."""
+    from sgl_dspark.srt.layers.vocab_parallel import shard_greedy
 
     state = init_parallel_state(ParallelLayout(2, 1))
     if rank >= 2:
         return
-    g = torch.Generator().manual_seed(5)
-    full = torch.randn(9, 64, generator=g)
-    full[0, 10] = full[0, 40] = 9.0  # a tie across the border: the smaller index wins
-    full[1, 31] = full[1, 32] = 9.0  # a tie at the border itself
-    full[2, 50] = float("nan")  # a NaN on the second shard beats every number
-    full[3, 5] = full[3, 45] = float("nan")  # NaNs on both: the first
-    full[4] = float("-inf")  # all -inf: the first column
-    full[5, 33] = 9.0  # first column of the second shard
-    full[6, 31] = 9.0  # last column of the first shard
-    full[7, :] = 1.0  # all equal
-    full[8, 40] = float("inf")
-    full[8, 20] = float("inf")
-    half = full.shape[1] // 2
-    local = full[:, rank * half : (rank + 1) * half].contiguous()
-    picked = shard_argmax(local, rank * half, state.tp, triton=triton)
-    if rank == 0:
-        torch.save(
-            {"picked": picked, "expected": torch.argmax(full, -1)},
-            out_dir / f"argmax_{'triton' if triton else 'torch'}.pt",
-        )
+    for split, widths in (("even", (32, 32)), ("uneven", (37, 27))):
+        gen = torch.Generator().manual_seed(11)
+        width = sum(widths)
+        full = torch.cat([edge_rows(widths[0], width, gen), torch.randn(40, width, generator=gen)])
+        probes = torch.randint(0, width, (full.shape[0],), generator=gen)
+        probes[:3] = torch.tensor([widths[0] - 1, widths[0], width - 1])
+        start = sum(widths[:rank])
+        local = full[:, start : start + widths[rank]].contiguous()
+        for impl in ("torch", "triton"):
+            pick = shard_greedy(local, start, state.tp, impl == "triton", probe_ids=probes)
+            torch.save(
+                {"full": full, "probes": probes, "pick": tuple(pick)},
+                out_dir / f"greedy_{split}_{impl}_r{rank}.pt",
+            )

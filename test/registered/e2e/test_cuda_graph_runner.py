@@ -165,11 +165,11 @@ def test_can_run_only_uniform_captured_shapes():
         context_length=64,
         max_running_requests=16,
     )
-    runner, sampler = engine.runner, engine.executor.sampler
+    runner = engine.runner
 
     def target_graphs(batch_sizes, widths) -> TargetGraphs:
         runner_graphs = CudaGraphRunner(runner.device, graph_factory=EagerGraph)
-        return TargetGraphs(runner_graphs, runner, sampler, batch_sizes, widths, None)
+        return TargetGraphs(runner_graphs, runner, batch_sizes, widths, None)
 
     graphs = target_graphs([1, 2], [1, 3])
     assert graphs.can_run(_tiny_runner_batch(engine, ForwardMode.DECODE, [1, 1]), ())

@@ -65,7 +65,8 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
     """With (stand-in) CUDA graphs the plain step is one decode-graph replay that also writes the
     draft's context KV (the decode executor's tap consumer, captured) and samples greedily inside the graph:
     tokens and the draft's context KV of every committed position equal the eager engine's, and
-    the host sampler only runs for prefill. Only committed positions are compared, when their
+    greedy steps never run the sampler (eager steps pick through the logits reader, graphs
+    inside the decode graph). Only committed positions are compared, when their
     request ends: a verify writes the context KV of every row it verifies, and the graphs verify
     a request's rows past its own (clipped) verify length where eager steps do not, so freed
     pages that a later request reuses differ; nothing reads such a position before a step
@@ -97,7 +98,7 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
                 engine.init_graphs(4, graph_factory=EagerGraph)
             for pool in spec.worker.ctx_kv:
                 pool.fill_(float("nan"))  # poison: every slot a request uses must be written
-            calls = {"sampler": 0, "plain": 0}
+            calls = {"sampler": 0, "plain": 0, "picks": 0}
             # Each request's draft context KV at its committed positions, read when it ends
             # (later requests reuse its pages).
             committed: list[list[torch.Tensor]] = []
@@ -114,6 +115,12 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
             spec.on_release = record_committed  # type: ignore[method-assign]
             decode = spec.decode
             sampler_forward, launch = decode.sampler.forward, decode.launch
+            reader = engine.runner.model.logits_reader
+            pick = reader.greedy
+
+            def count_picks(*a, _f=pick, _c=calls, **k):
+                _c["picks"] += 1
+                return _f(*a, **k)
 
             def count_sampler(*a, _f=sampler_forward, _c=calls):
                 _c["sampler"] += 1
@@ -125,7 +132,11 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
 
             decode.sampler.forward = count_sampler  # type: ignore[method-assign]
             decode.launch = count_plain  # type: ignore[method-assign]
+            reader.greedy = count_picks  # type: ignore[method-assign]
             outs = engine.generate(input_ids=prompts, sampling_params=params)
+            calls["decode replays"] = (
+                engine.graphs.replays["target width 1"] if engine.graphs is not None else 0
+            )
             assert len(committed) == len(prompts)
             results[graphs] = (
                 [o["output_ids"] for o in outs],
@@ -138,9 +149,12 @@ def test_plain_decode_graphs_commit_draft_kv_like_eager(tmp_path):
     )
     assert graph_ids == eager_ids
     assert graph_calls["plain"] >= 4 and eager_calls["plain"] == graph_calls["plain"]
-    # eager: the sampler runs for every plain step; graphs: only for the prompts' first tokens
-    assert eager_calls["sampler"] >= eager_calls["plain"]
-    assert graph_calls["sampler"] <= len(prompts) < graph_calls["plain"]
+    # eager: every plain step picks through the reader; graphs: every plain step is one decode
+    # graph replay (which picks inside; a verify clipped to one row replays it too); greedy
+    # requests never run the sampler
+    assert eager_calls["picks"] >= eager_calls["plain"]
+    assert graph_calls["decode replays"] >= graph_calls["plain"]
+    assert eager_calls["sampler"] == graph_calls["sampler"] == 0
     for e, gkv in zip(eager_kv, graph_kv):  # the pools were poisoned: all written, and equal
         assert not torch.isnan(e).any() and not torch.isnan(gkv).any()
         torch.testing.assert_close(gkv, e, rtol=1e-5, atol=1e-5)

@@ -320,12 +320,6 @@ class Sampler(nn.Module):
             next_ids, token_logprobs(logits / info.temperatures[:, None], next_ids)
         )
 
-    def greedy(self, logits: torch.Tensor) -> SamplerOutput:
-        """`forward` of an all-greedy batch without its batch record: the same ops, so a CUDA
-        graph can capture them (decode graphs do) with bit-identical results."""
-        ids = self.greedy_argmax(logits)
-        return SamplerOutput(ids, token_logprobs(logits, ids))
-
 
 def token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """[B] fp32 log_softmax of logits [B, V] at ids [B]."""

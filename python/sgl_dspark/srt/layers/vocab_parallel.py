@@ -2,19 +2,37 @@
 consecutive rows of the table.
 
 The embedding looks up the rows it holds (zeros for the others) and the ranks' results are
-summed: each row has exactly one non-zero term, so the sum is exact. The head's logits are
-computed per shard; `gather_logits` assembles full rows (every rank then samples the same token
-from the same values) and `shard_argmax` picks greedy tokens from `(max, index)` pairs instead.
+summed: each row has exactly one non-zero term, so the sum is exact.
+
+The head's logits are computed per shard, and a step reads them through `LogitsReader` in one
+of two ways, chosen per step by what its requests need (`needs_full_logits`):
+
+* whole rows (`LogitsReader.full`): the shards all-gathered, `4 * V` bytes per row. Sampling
+  (top-k / top-p over the whole distribution), logits adjustments (penalties, biases, grammar
+  masks), top-N / token-id logprobs and prompt logprobs read them; every rank then holds the
+  same rows as one GPU would have computed from the same shards, so those results are exact.
+* greedy picks (`LogitsReader.greedy`): each rank reduces its shard to one small record per row
+  and only the records cross ranks (`shard_greedy`: 12 bytes per rank and row): the argmax by
+  the shard-pair rule (bit-identical to `torch.argmax` of whole rows) and the chosen token's
+  log-softmax (within fp32 rounding of `log_softmax` of whole rows).
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import Communicator
 from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
+from sgl_dspark.srt.layers.sampler import greedy_argmax_impl
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.core.req import Req
 
 
 class VocabParallelEmbedding(nn.Embedding):
@@ -49,27 +67,142 @@ def gather_logits(local: torch.Tensor, tp: Communicator) -> torch.Tensor:
     return tp.all_gather(local.contiguous(), dim=-1)
 
 
-def shard_argmax(
-    local: torch.Tensor, vocab_start: int, tp: Communicator, triton: bool = False
-) -> torch.Tensor:
-    """Greedy ids `[M]` (int64) of logits `[M, V / tp]` sharded over the vocabulary, equal to
-    `torch.argmax` of the gathered rows (NaN above every number, the smallest index among
-    ties) while only `(max, index)` pairs cross ranks (8 bytes per rank and row). `triton`:
-    the `kernels/sampling` kernels, else the same rule in torch."""
-    if triton:
-        from sgl_dspark.kernels.sampling.vocab_argmax import (
-            combine_shard_argmax,
-            shard_argmax_pairs,
-        )
+def needs_full_logits(reqs: Sequence[Req]) -> bool:
+    """Whether a step over `reqs` must read whole logits rows (`LogitsReader.full`) rather
+    than greedy picks: a request samples, adjusts its logits (penalties, biases,
+    min_new_tokens, a grammar) or asks for top-N / token-id logprobs. A greedy request's own
+    token and its logprob come from the picks; prompt logprobs are the caller's to add (only a
+    prefill step knows whether it scores prompt positions). A step that mixes both kinds reads
+    whole rows for every request."""
+    return any(not r.params.is_greedy or r.params.adjusts_logits or r.logprob_extras for r in reqs)
 
-        pairs = shard_argmax_pairs(local, vocab_start)
-        return combine_shard_argmax(tp.all_gather(pairs.unsqueeze(0), dim=0))
-    values = local.float()
-    best = torch.argmax(values, dim=-1)  # NaN first, then the first maximum
-    pairs = torch.stack(
-        (values.gather(-1, best[:, None]).squeeze(-1), (best + vocab_start).float()), -1
-    )
-    return combine_pairs(tp.all_gather(pairs.unsqueeze(0), dim=0))
+
+class GreedyPick(NamedTuple):
+    """Per logits row: the greedy token and log-softmax values of the row."""
+
+    ids: torch.Tensor  # [M] int64, torch.argmax of the whole row
+    logprobs: torch.Tensor  # [M] fp32, log_softmax of the row at `ids`
+    probe_logprobs: torch.Tensor | None  # [M] fp32 at the caller's probe ids (None: none asked)
+
+
+class LogitsReader:
+    """How a forward's logits rows are read on this rank (see the module doc): the model's
+    head builds one, and every consumer of a forward's logits goes through it.
+
+    Without tensor parallelism the rows are whole: `full` is the identity and `greedy` runs the
+    sampler's own greedy ops (the "sampling" family's argmax, `log_softmax` at the ids), so one
+    GPU pays nothing for the reader and its picks equal the sampler's bit for bit."""
+
+    def __init__(self, vocab: int, tp: Communicator, kernels: KernelChoice) -> None:
+        self.tp = tp
+        self.vocab = vocab
+        self.shard_width = split_evenly(vocab, tp.size, "vocab_size", "--tp-size")
+        self.vocab_start = tp.rank * self.shard_width
+        self.sharded = tp.size > 1
+        self.triton = kernels.of("sampling") == "triton"
+        self._argmax = greedy_argmax_impl(kernels)
+
+    def full(self, rows: torch.Tensor) -> torch.Tensor:
+        """Whole rows `[..., V]` of this rank's rows `[..., V / tp]` (a collective under TP)."""
+        return gather_logits(rows, self.tp) if self.sharded else rows
+
+    def greedy(self, rows: torch.Tensor, probe_ids: torch.Tensor | None = None) -> GreedyPick:
+        """Greedy ids and their logprobs of rows `[M, V / tp]`, and with `probe_ids` [M] the
+        logprob of each row at its probe id; no logits row crosses ranks."""
+        if self.sharded:
+            return shard_greedy(rows, self.vocab_start, self.tp, self.triton, probe_ids)
+        ids = self._argmax(rows)
+        logprobs = torch.log_softmax(rows, dim=-1)
+        picked = logprobs.gather(1, ids[:, None]).squeeze(1)
+        probed = None
+        if probe_ids is not None:
+            probed = logprobs.gather(1, probe_ids.clamp(0, rows.shape[1] - 1)[:, None]).squeeze(1)
+        return GreedyPick(ids, picked, probed)
+
+
+# Columns of the per-rank record `shard_greedy` gathers.
+_MAX, _INDEX, _SUMEXP, _PROBE = range(4)
+
+
+def shard_greedy(
+    rows: torch.Tensor,
+    vocab_start: int,
+    tp: Communicator,
+    triton: bool = False,
+    probe_ids: torch.Tensor | None = None,
+) -> GreedyPick:
+    """`GreedyPick` of logits `[M, V_s]` sharded over the vocabulary (this rank's columns
+    start at `vocab_start`; shard widths may differ between ranks), through one all-gather of
+    an fp32 record per rank and row: (shard max, its global index, the shard's sum of
+    `exp(x - shard max)`[, the logit at the probe id when this rank holds it]).
+
+    Why each value is exact:
+    * ids: `torch.argmax` of the whole row is the first index of the row's largest value, NaN
+      above every number. A shard's (max, first index of it) pair keeps all that rule needs,
+      and the combine (`combine_pairs`, or the `kernels/sampling` kernels with `triton`)
+      applies the same order to the pairs: the first NaN, else the largest value with the
+      smallest index among equals (-0.0 == +0.0; an all -inf row gives column 0). Only
+      comparisons are involved, so the ids equal `torch.argmax` of the gathered rows bit for
+      bit, ties and NaN included.
+    * logprobs: `log_softmax(x)[i] = (x_i - m) - log(sum_j exp(x_j - m))` with m the row max.
+      The sum splits over shards as `sum_r s_r * exp(m_r - m)` (`s_r` shifted by the shard's
+      own max `m_r`; the factor is exactly 1 on the shard that holds m), and every other term
+      is the one `log_softmax` computes, so the values differ from `log_softmax` of the
+      gathered rows only by the fp32 rounding of the split sum. A row with a NaN, a +inf or
+      only -inf is NaN throughout, as in `log_softmax`.
+    """
+    rows = rows.float()
+    if rows.shape[0] == 0:  # every rank has the same rows: none of them gathers
+        empty = rows.new_zeros((0,))
+        return GreedyPick(empty.long(), empty, None if probe_ids is None else empty)
+    if triton:
+        from sgl_dspark.kernels.sampling.vocab_argmax import shard_argmax_pairs
+
+        pairs = shard_argmax_pairs(rows, vocab_start)
+    else:
+        local = torch.argmax(rows, dim=-1)  # NaN first, then the first maximum
+        top = rows.gather(1, local[:, None]).squeeze(1)
+        # Global indices below 2**24 (any real vocabulary) are exact in fp32.
+        pairs = torch.stack((top, (local + vocab_start).float()), dim=-1)
+    shift = _finite_or_zero(pairs[:, _MAX])
+    sumexp = torch.exp(rows - shift[:, None]).sum(dim=-1)
+    columns = [pairs, sumexp[:, None]]
+    if probe_ids is not None:
+        local_probe = probe_ids - vocab_start
+        held = (local_probe >= 0) & (local_probe < rows.shape[1])
+        at = rows.gather(1, local_probe.clamp(0, max(rows.shape[1] - 1, 0))[:, None]).squeeze(1)
+        # Exactly one rank holds a probe id; the others send -inf, which the max over ranks
+        # ignores (a held -inf or NaN survives it).
+        columns.append(torch.where(held, at, float("-inf"))[:, None])
+    record = torch.cat(columns, dim=1).unsqueeze(0)
+    gathered = tp.all_gather(record, dim=0)  # [ranks, M, columns]
+    if triton:
+        from sgl_dspark.kernels.sampling.vocab_argmax import combine_shard_argmax
+
+        ids = combine_shard_argmax(gathered[..., :2].contiguous())
+    else:
+        ids = combine_pairs(gathered[..., :2])
+    maxima, index = gathered[..., _MAX], gathered[..., _INDEX]
+    # The row max is the winning rank's max (global indices are unique across ranks).
+    row_max = torch.where(index == ids.float(), maxima, float("-inf")).amax(0)
+    # A row whose max is not finite (a NaN, +inf, only -inf) is NaN throughout in
+    # `log_softmax`; the shifts below only serve finite rows.
+    finite = torch.isfinite(row_max)
+    row_shift = _finite_or_zero(row_max)
+    scale = torch.exp(_finite_or_zero(maxima) - row_shift)
+    log_total = torch.log((gathered[..., _SUMEXP] * scale).sum(0))
+    nan = torch.full_like(row_max, float("nan"))
+    logprobs = torch.where(finite, -log_total, nan)  # (max - max) - log(sum)
+    probed = None
+    if probe_ids is not None:
+        at_probe = (gathered[..., _PROBE].amax(0) - row_shift) - log_total
+        probed = torch.where(finite, at_probe, nan)
+    return GreedyPick(ids, logprobs, probed)
+
+
+def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:
+    """The shift `torch.logsumexp` uses: the max itself, or 0 where it is +-inf or NaN."""
+    return torch.where(torch.isfinite(x), x, torch.zeros_like(x))
 
 
 def combine_pairs(pairs: torch.Tensor) -> torch.Tensor:

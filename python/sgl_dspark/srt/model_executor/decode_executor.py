@@ -27,6 +27,7 @@ from sgl_dspark.srt.core.step import (
 from sgl_dspark.srt.layers.logits_adjust import build_logits_adjust
 from sgl_dspark.srt.layers.logprobs import logprob_extras, row_logprobs, split_extras
 from sgl_dspark.srt.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo
+from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits
 from sgl_dspark.srt.model_executor.prefill_graphs import PrefillGraphs
 from sgl_dspark.srt.model_executor.target_graphs import TargetGraphs
 
@@ -178,9 +179,7 @@ class DecodeExecutor(BaseStepExecutor):
                 "CUDA graphs need the sync-free MoE path: use --kernel-backend triton "
                 "(or --kernel-backend-overrides moe=triton), or --disable-cuda-graph"
             )
-        self.target_graphs = TargetGraphs(
-            graphs, runner, self.sampler, batch_sizes, widths, self.consumer
-        )
+        self.target_graphs = TargetGraphs(graphs, runner, batch_sizes, widths, self.consumer)
         if prefill_max_tokens > 0:
             self.prefill_graphs = PrefillGraphs(
                 graphs, runner, prefill_max_tokens, max(batch_sizes), self.consumer
@@ -246,7 +245,16 @@ class DecodeExecutor(BaseStepExecutor):
             input_ids_device=prev.next_ids if isinstance(prev, DecodeStep) else None,
         )
         out = self.forward(batch)
-        logits = out.logits
+        sampled_reqs = [r for r, s in zip(reqs, sampled) if s]
+        if not any(scored) and not needs_full_logits(reqs):
+            # Greedy picks only: every logits row is a sampled token of a greedy request that
+            # adjusts nothing and asks for no logprob extras (under tensor parallelism no
+            # logits row is gathered: `layers/vocab_parallel.py`).
+            pick = out.greedy()
+            res = SamplerOutput(pick.ids, pick.logprobs)
+            host = PendingRead(res.next_token_ids, res.next_token_logprobs)
+            return DecodeStep(work, sampled, res.next_token_ids, host)
+        logits = out.logits  # whole rows (gathered under tensor parallelism)
         greedy = (out.greedy_ids, out.greedy_logprobs)
         sample_rows: list[int] = []
         at = 0
@@ -258,7 +266,6 @@ class DecodeExecutor(BaseStepExecutor):
         if any(scored):
             logits = logits[torch.tensor(sample_rows, device=logits.device)]
             greedy = (None, None)
-        sampled_reqs = [r for r, s in zip(reqs, sampled) if s]
         res, final_logits, temps = self._sample(sampled_reqs, logits, greedy, lag)
         tensors = [res.next_token_ids, res.next_token_logprobs]
         extras = self._logprob_extras(reqs, sampled, scored, out.logits, final_logits, temps)

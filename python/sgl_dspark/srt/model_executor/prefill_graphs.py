@@ -99,7 +99,7 @@ class PrefillGraphs:
         )
         out = self.runner.run_model(batch, (), self.consumer)
         self.runner.join_taps()
-        return out.logits
+        return out.shard_logits
 
     def bucket_for(self, num_tokens: int) -> int | None:
         return bucket_for(self.buckets, num_tokens)
@@ -130,4 +130,4 @@ class PrefillGraphs:
         self._logits_rows[:n_logits].copy_(batch.logits_indices)
         self._logits_rows[n_logits:].zero_()
         logits = self.graphs.replay(FAMILY, t)
-        return ModelOutput(logits=logits[:n_logits], tap_streams={})
+        return ModelOutput(logits[:n_logits], {}, self.runner.model.logits_reader)

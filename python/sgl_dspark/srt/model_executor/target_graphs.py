@@ -20,7 +20,6 @@ from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner, bucket_for
 
 if TYPE_CHECKING:
-    from sgl_dspark.srt.layers.sampler import Sampler
     from sgl_dspark.srt.model_executor.model_runner import ModelRunner, TapConsumer
     from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 
@@ -30,20 +29,20 @@ FAMILY = "target width {}"
 class TargetGraphs:
     """One `BatchGraphs` per width over the batch-first inputs [B, W] (ids, positions, token
     slots) and [B] (request slots, prefix and sequence lengths). Every width runs `consumer` on
-    its taps; width 1 also runs the greedy sampler, so an all-greedy decode step is one replay
-    with nothing left for the host to launch."""
+    its taps; width 1 also picks the greedy tokens (`ModelOutput.greedy`: under tensor
+    parallelism through the shard pairs, never a logits gather), so an all-greedy decode step
+    is one replay with nothing left for the host to launch. The graphs return this rank's
+    logits columns; a step that needs whole rows gathers them after the replay."""
 
     def __init__(
         self,
         graphs: CudaGraphRunner,
         runner: ModelRunner,
-        sampler: Sampler,
         batch_sizes: Sequence[int],
         widths: Sequence[int],
         consumer: TapConsumer | None,
     ) -> None:
         self.runner = runner
-        self.sampler = sampler
         self.consumer = consumer
         self.batch_sizes = sorted(set(batch_sizes))
         self.widths = sorted(set(widths))
@@ -101,17 +100,13 @@ class TargetGraphs:
             pool.max_context_len,
         )
         out = self.runner.run_model(batch, (), self.consumer)
-        logits = out.logits.view(bs, w, -1)
+        logits = out.shard_logits.view(bs, w, -1)
         if w != 1:
             self.runner.join_taps()
             return (logits,)
-        greedy = self.sampler.greedy(out.logits)
+        greedy = out.greedy()
         self.runner.join_taps()
-        return (
-            logits,
-            greedy.next_token_ids.view(bs, 1),
-            greedy.next_token_logprobs.view(bs, 1),
-        )
+        return (logits, greedy.ids.view(bs, 1), greedy.logprobs.view(bs, 1))
 
     def width_for(self, width: int) -> int | None:
         """Smallest captured width >= width (None: wider than every graph)."""
@@ -145,7 +140,7 @@ class TargetGraphs:
             batch.prefix_lens,
             batch.seq_lens,
         )
-        out = ModelOutput(logits=logits.reshape(n, -1), tap_streams={})
+        out = ModelOutput(logits.reshape(n, -1), {}, self.runner.model.logits_reader)
         if greedy:
             out.greedy_ids, out.greedy_logprobs = greedy[0].reshape(n), greedy[1].reshape(n)
         return out

@@ -11,6 +11,7 @@ from torch import nn
 if TYPE_CHECKING:
     from sgl_dspark.srt.configs.model_config import ModelConfig
     from sgl_dspark.srt.layers.rotary import RopeTable
+    from sgl_dspark.srt.layers.vocab_parallel import LogitsReader
 
 
 class Backbone(Protocol):
@@ -30,6 +31,9 @@ class BaseCausalLM(nn.Module, ABC):
     cfg: ModelConfig
     model: Backbone
     lm_head: nn.Linear
+    # How a forward's logits rows are read (whole rows or greedy picks; vocab shards under
+    # tensor parallelism).
+    logits_reader: LogitsReader
 
     @abstractmethod
     def rope_tables(self, context_len: int) -> tuple[RopeTable, RopeTable]:
@@ -38,4 +42,4 @@ class BaseCausalLM(nn.Module, ABC):
 
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of hidden rows `[..., D]`."""
+        """fp32 logits `[..., V]` of hidden rows `[..., D]`, whole rows on every rank."""

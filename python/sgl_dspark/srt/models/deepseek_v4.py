@@ -8,7 +8,7 @@ state dict loads by name. One forward serves prefill, chunked prefill, decode an
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import cast
 
 import torch
@@ -41,8 +41,9 @@ from sgl_dspark.srt.layers.rotary import (
     rope_q_kv_impl,
 )
 from sgl_dspark.srt.layers.vocab_parallel import (
+    GreedyPick,
+    LogitsReader,
     VocabParallelEmbedding,
-    gather_logits,
     vocab_parallel_head,
 )
 from sgl_dspark.srt.mem_cache.kv_pool import DeepseekV4KVPool, LayerKV, store_kv_rows
@@ -348,14 +349,38 @@ def stream_means(streams: torch.Tensor, dim: int = 1) -> torch.Tensor:
 
 @dataclass
 class ModelOutput:
-    logits: torch.Tensor  # [N, V] fp32, rows = batch.logits_indices
+    """One forward's logits rows (rows = batch.logits_indices) and tap streams.
+
+    The rows are this rank's: the whole vocabulary on one rank, its vocab shard under tensor
+    parallelism. `logits` reads whole rows and `greedy()` greedy picks, both through `reader`
+    (`layers/vocab_parallel.py`); a step reads the one its requests need."""
+
+    shard_logits: torch.Tensor  # [N, V / tp] fp32
     # layer id -> [T, n, D]: the mHC streams after the layer, as the layer left them (their
     # mean is only computed where it is read: `hidden_taps`, or DSpark's tap hook)
     tap_streams: dict[int, torch.Tensor]
+    reader: LogitsReader
     # Decode graphs also return the greedy choice of every logits row (ids [N] int64 and their
-    # log_softmax [N] fp32, the sampler's own ops), so an all-greedy step needs no host sampling.
+    # log_softmax [N] fp32, `reader.greedy`), so an all-greedy step needs no host sampling.
     greedy_ids: torch.Tensor | None = None
     greedy_logprobs: torch.Tensor | None = None
+    _full_logits: torch.Tensor | None = field(default=None, repr=False)
+
+    @property
+    def logits(self) -> torch.Tensor:
+        """Whole rows [N, V] fp32: `shard_logits` itself on one rank; under tensor parallelism
+        the ranks' shards, gathered on the first read (a collective: every rank reads it at
+        the same point of a step, which the replicated schedule guarantees)."""
+        if self._full_logits is None:
+            self._full_logits = self.reader.full(self.shard_logits)
+        return self._full_logits
+
+    def greedy(self) -> GreedyPick:
+        """The greedy id and its logprob of every row, without gathering the rows under
+        tensor parallelism (a decode graph's own picks when it returned them)."""
+        if self.greedy_ids is not None and self.greedy_logprobs is not None:
+            return GreedyPick(self.greedy_ids, self.greedy_logprobs, None)
+        return self.reader.greedy(self.shard_logits)
 
     @property
     def hidden_taps(self) -> dict[int, torch.Tensor]:
@@ -374,9 +399,10 @@ class DeepseekV4ForCausalLM(BaseCausalLM):
         self.kernels = kernels or KernelChoice()
         self.model = DeepseekV4Model(cfg, self.kernels)
         ps = get_parallel_state()
-        # Vocabulary-parallel head under tensor parallelism (`compute_logits` gathers the rows).
-        self.tp: Communicator | None = ps.tp if ps.tp_size > 1 else None
+        # Vocabulary-parallel head under tensor parallelism: a forward returns this rank's
+        # logits columns, read whole or as greedy picks through the reader.
         self.lm_head = vocab_parallel_head(cfg.vocab_size, cfg.hidden_size, ps.tp)
+        self.logits_reader = LogitsReader(cfg.vocab_size, ps.tp, self.kernels)
         # Bound once here: the compressor/indexer rope and the mHC boundaries.
         self.compress_rope = rope_impl(self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
@@ -454,12 +480,15 @@ class DeepseekV4ForCausalLM(BaseCausalLM):
             )
             assert head_out is not None
             h = head_out[1][batch.logits_indices]
-        return ModelOutput(logits=self.compute_logits(h), tap_streams=taps)
+        return ModelOutput(self.compute_shard_logits(h), taps, self.logits_reader)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """fp32 logits of hidden rows `[..., D]`."""
+    def compute_shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[..., V / tp]` of hidden rows `[..., D]` over this rank's vocab shard."""
         rows = hidden.reshape(-1, hidden.shape[-1])
         logits = self.linear(rows, self.lm_head.weight).float()
-        if self.tp is not None:
-            logits = gather_logits(logits, self.tp)
         return logits.view(*hidden.shape[:-1], logits.shape[-1])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[..., V]` of hidden rows `[..., D]` (gathered under tensor
+        parallelism)."""
+        return self.logits_reader.full(self.compute_shard_logits(hidden))

@@ -24,6 +24,7 @@ from torch import nn
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.distributed import SingleProcessCommunicator
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
 from sgl_dspark.srt.layers.engram import Engram, ngram_history
 from sgl_dspark.srt.layers.fused_linear import linear_impl
@@ -31,6 +32,7 @@ from sgl_dspark.srt.layers.mhc import HyperConnection, hc_boundary_impl, run_sin
 from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import RopeTable, rope_impl, rope_inv_freq
+from sgl_dspark.srt.layers.vocab_parallel import LogitsReader
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.base import BaseCausalLM
 from sgl_dspark.srt.models.deepseek_v4 import ModelOutput, RopeTables, add_moe_and_mixers
@@ -105,6 +107,8 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         self.kernels = kernels or KernelChoice()
         self.model = DeepseekV41Model(cfg, self.kernels)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        # Whole rows: V4.1 runs without tensor parallelism.
+        self.logits_reader = LogitsReader(cfg.vocab_size, SingleProcessCommunicator(), self.kernels)
         self.compress_rope = rope_impl(self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)
@@ -169,7 +173,7 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
             rewrites={i for i, layer in enumerate(layers) if layer.engram is not None},
             rows=batch.logits_indices,
         )
-        return ModelOutput(logits=self.compute_logits(h), tap_streams=taps)
+        return ModelOutput(self.compute_logits(h), taps, self.logits_reader)
 
     def _engram_history(self, batch: ForwardBatch, pool: DeepseekV41KVPool) -> torch.Tensor | None:
         """`[T, N]` compressed ids of every row's n-gram history, after recording this batch's

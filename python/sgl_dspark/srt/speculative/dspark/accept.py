@@ -86,7 +86,7 @@ class AcceptFn(Protocol):
         verify_ids: torch.Tensor,
         verify_lens: torch.Tensor,
         seq_lens: torch.Tensor,
-        target_logits: torch.Tensor,
+        target_logits: torch.Tensor | None,
         greedy: torch.Tensor,
         target_probs: torch.Tensor | None = None,
         draft_probs: torch.Tensor | None = None,
@@ -94,13 +94,15 @@ class AcceptFn(Protocol):
         bonus_uniforms: torch.Tensor | None = None,
         cap_lens: torch.Tensor | None = None,
         forced_accept: torch.Tensor | None = None,
+        target_ids: torch.Tensor | None = None,
     ) -> AcceptOutput:
         """Acceptance for a (possibly mixed) batch, selected per row by `greedy` [B] bool.
 
         Args:
             verify_ids: [B, W] int64 anchor + drafts; verify_lens: [B] int64 in [0, W];
             seq_lens: [B] int64 committed lengths before this step;
-            target_logits: [B, W, V] verify logits (greedy rows use their argmax chain).
+            target_logits: [B, W, V] verify logits (greedy rows use their argmax chain), or
+                None with `target_ids`.
             target_probs: P [B, W, V] (row j: the target distribution after verify row j);
             draft_probs: Q [B, >= W-1, V] (Q[:, j-1] generated d_j; one-hot for argmax drafts);
             coins: [B, >= W-1] uniforms (d_j accepted iff coins[:, j-1] * Q_j(d_j) < P_j(d_j));
@@ -109,6 +111,9 @@ class AcceptFn(Protocol):
             forced_accept: optional [B] int64, simulated acceptance (benchmarks only): every row
                 accepts min(max(forced, 0), verify_len - 1) drafts whatever the target says; its
                 bonus is the target argmax at that row.
+            target_ids: optional [B, W] int64, the argmax of every verify row computed by the
+                caller (vocab-parallel logits: `LogitsReader.greedy`); replaces the argmax of
+                `target_logits`.
         """
         ...
 
@@ -133,7 +138,7 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
         verify_ids: torch.Tensor,
         verify_lens: torch.Tensor,
         seq_lens: torch.Tensor,
-        target_logits: torch.Tensor,
+        target_logits: torch.Tensor | None,
         greedy: torch.Tensor,
         target_probs: torch.Tensor | None = None,
         draft_probs: torch.Tensor | None = None,
@@ -141,11 +146,17 @@ def create_accept_fn(kernels: KernelChoice) -> AcceptFn:
         bonus_uniforms: torch.Tensor | None = None,
         cap_lens: torch.Tensor | None = None,
         forced_accept: torch.Tensor | None = None,
+        target_ids: torch.Tensor | None = None,
     ) -> AcceptOutput:
-        batch, width, vocab = target_logits.shape
+        batch, width = verify_ids.shape
         verify_ids = verify_ids.contiguous()
         lens, seqs = verify_lens.contiguous(), seq_lens.contiguous()
-        target_ids = argmax(target_logits.reshape(batch * width, vocab)).view(batch, width)
+        if target_ids is None:
+            if target_logits is None:
+                raise ValueError("acceptance needs target_logits or target_ids")
+            rows = target_logits.reshape(batch * width, target_logits.shape[-1])
+            target_ids = argmax(rows).view(batch, width)
+        target_ids = target_ids.contiguous()
         sampled: dict[str, Any] = {}
         if forced_accept is not None:  # simulation: the greedy rule with forced counts
             sampled = {"forced_accept": forced_accept.contiguous()}

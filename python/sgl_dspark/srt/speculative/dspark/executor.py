@@ -36,6 +36,7 @@ from sgl_dspark.srt.core.step import (
 from sgl_dspark.srt.layers.logits_adjust import build_logits_adjust
 from sgl_dspark.srt.layers.logprobs import logprob_extras, row_logprobs, split_extras
 from sgl_dspark.srt.layers.sampler import SamplingBatchInfo
+from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner
 from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
@@ -197,7 +198,8 @@ class DSparkExecutor(BaseStepExecutor):
                 (0, 1, 0),
                 [1],
             )
-        vocab = self.runner.model_cfg.vocab_size
+        # The acceptance graphs read this rank's logits columns (whole rows on one rank).
+        vocab = self.runner.model.logits_reader.shard_width
         for w in widths:
 
             def ex(*shape: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
@@ -274,10 +276,7 @@ class DSparkExecutor(BaseStepExecutor):
         are not in `kv_len` yet), 0 when none: the step must fit the context after it."""
         fused, worker = self.fused, self.worker
         B = len(reqs)
-        if fused is None or not all(
-            r.params.is_greedy and not r.params.adjusts_logits and not r.logprob_extras
-            for r in reqs
-        ):
+        if fused is None or needs_full_logits(reqs):
             return None
         bs1 = B == 1 and fused.bs1_width is not None
         # The bs1 runtime verifies its full window whatever the policy (as the eager step).
@@ -386,11 +385,16 @@ class DSparkExecutor(BaseStepExecutor):
             ),
         )
         out = self.decode.forward(batch)  # its taps write the draft's context KV of every row
+        # Greedy picks or whole rows (`needs_full_logits`; the STS recorder reads whole rows):
+        # under tensor parallelism only a step that needs whole rows gathers them. On one rank
+        # both are the same tensor.
+        whole = needs_full_logits(reqs) or worker.sts_recorder is not None
+        rank_rows = out.logits if whole else out.shard_logits
         if uniform:
-            logits = out.logits.view(B, W, -1)
+            logits = rank_rows.view(B, W, -1)
         else:
-            logits = out.logits.new_zeros((B, W, out.logits.shape[-1]))
-            logits[flat_r, flat_j] = out.logits
+            logits = rank_rows.new_zeros((B, W, rank_rows.shape[-1]))
+            logits[flat_r, flat_j] = rank_rows
         raw_logits = logits
         logits = self._adjust(reqs, logits, verify_ids)
         timer.mark("verify")
@@ -399,6 +403,9 @@ class DSparkExecutor(BaseStepExecutor):
         epilogue = self.epilogue_graphs.get(W)
         simulated = worker.args.simulate_accept_len is not None
         forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
+        reader = runner.model.logits_reader
+        # The acceptance graphs take this rank's columns: whole rows gathered under tensor
+        # parallelism are wider than their inputs.
         if (
             epilogue is not None
             and uniform
@@ -406,8 +413,14 @@ class DSparkExecutor(BaseStepExecutor):
             and cap_lens is None
             and worker.sts_recorder is None
             and epilogue.bucket_for(B) is not None
+            and not (reader.sharded and whole)
         ):
             acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced)
+        elif reader.sharded and not whole:
+            # Vocab-parallel greedy rows without a graph: the same epilogue, eagerly.
+            acc, tok_lp = worker.greedy_epilogue(
+                verify_ids, lens_t, seq_t, logits, forced, cap_lens
+            )
         else:
             acc = worker.accept(
                 verify_ids,

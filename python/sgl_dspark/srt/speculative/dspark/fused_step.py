@@ -37,7 +37,8 @@ _ANCHOR, _SEQ, _SLOT, _LENS, _FORCED = range(5)
 
 # (gamma, anchors, seq lens, request slots, drafts to run) -> proposal
 ProposeGreedy = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], "DraftProposal"]
-# (verify ids, verify lens, seq lens, logits [B, W, V], forced counts) -> (acceptance, logprobs)
+# (verify ids, verify lens, seq lens, this rank's logits columns [B, W, V / tp], forced counts)
+# -> (acceptance, logprobs)
 GreedyEpilogue = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     "tuple[AcceptOutput, torch.Tensor]",
@@ -154,7 +155,7 @@ class FusedGreedySteps:
         # The context-KV writer runs on a side stream while the logits and the epilogue run.
         out = self._run_verify(batch)
         acc, tok_lp = self._greedy_epilogue(
-            verify_ids, lens, seq, out.logits.view(bs, w, -1), forced
+            verify_ids, lens, seq, out.shard_logits.view(bs, w, -1), forced
         )
         # The next step's state, in place (every read of these rows is above).
         anchors.copy_(acc.next_anchor)

@@ -293,14 +293,42 @@ class DSparkWorker:
         seq_t: torch.Tensor,
         logits: torch.Tensor,
         forced: torch.Tensor,
+        cap_lens: torch.Tensor | None = None,
     ) -> tuple[AcceptOutput, torch.Tensor]:
-        """Acceptance + logprobs of an all-greedy uniform step (captured per width); batch-first
-        inputs [B, W, ...], padding rows have lens_t == 0 and commit nothing. `forced`: the
-        simulated accept counts (ignored without simulation)."""
-        greedy = torch.ones(verify_ids.shape[0], dtype=torch.bool, device=verify_ids.device)
+        """Acceptance + logprobs of an all-greedy step (captured per width); batch-first
+        inputs [B, W, ...], padding rows have lens_t == 0 and commit nothing. `logits` are the
+        verify rows over this rank's vocab shard (`ModelOutput.shard_logits`): the target's
+        argmax chain and the committed tokens' logprobs come from `LogitsReader.greedy`, so
+        under tensor parallelism no logits row is gathered. `forced`: the simulated accept
+        counts (ignored without simulation); `cap_lens`: the async confidence policy's caps.
+
+        A committed token at verify row j is either the row's argmax (a greedy-accepted draft
+        equals it, the bonus is it, and a capped row's bonus is the accepted draft at the cap)
+        or, with simulated acceptance only, the forced draft d_{j+1}, whose logprob the reader
+        probes; positions past the commit length are never read."""
+        B, W = verify_ids.shape
+        greedy = torch.ones(B, dtype=torch.bool, device=verify_ids.device)
         simulated = forced if self.args.simulate_accept_len is not None else None
-        acc = self.accept_fn(verify_ids, lens_t, seq_t, logits, greedy, forced_accept=simulated)
-        return acc, token_logprobs(logits, acc.out_tokens)
+        reader = self.runner.model.logits_reader
+        # Row j probes d_{j+1} (the last row has no draft after it: it probes its anchor).
+        probes = torch.roll(verify_ids, -1, dims=1).reshape(-1) if simulated is not None else None
+        pick = reader.greedy(logits.reshape(B * W, logits.shape[-1]), probe_ids=probes)
+        target_ids = pick.ids.view(B, W)
+        acc = self.accept_fn(
+            verify_ids,
+            lens_t,
+            seq_t,
+            None,
+            greedy,
+            cap_lens=cap_lens,
+            forced_accept=simulated,
+            target_ids=target_ids,
+        )
+        tok_lp = pick.logprobs.view(B, W)
+        if pick.probe_logprobs is not None:
+            probed = pick.probe_logprobs.view(B, W)
+            tok_lp = torch.where(acc.out_tokens == target_ids, tok_lp, probed)
+        return acc, tok_lp
 
     # ---- simulated acceptance (benchmarks) ---------------------------------------------------
     def simulated_counts(self, steps_done: list[int]) -> list[int]:
