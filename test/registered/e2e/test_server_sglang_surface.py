@@ -143,7 +143,10 @@ def test_client_errors_are_logged_with_the_request_id(server):
     missing = httpx.get(f"{server.base_url}/no_such_route", headers={"X-Request-Id": "r-404"})
     assert missing.status_code == 404 and missing.headers["X-Request-Id"] == "r-404"
     assert "request r-404: GET /no_such_route" in server.log()
-    # --log-requests logs each generation request by its id.
+    # --log-requests logs each generation request by its id (one here: the test must not depend
+    # on which other tests ran first on this server).
+    done = _post(server, "/generate", {"text": "a", "sampling_params": {"max_new_tokens": 2}})
+    assert done.status_code == 200
     assert "prompt tokens" in server.log() and "output tokens" in server.log()
 
 
