@@ -196,9 +196,11 @@ def released_config_dict(
     return d
 
 
-def _write_shards(
+def write_shards(
     tensors: dict[str, torch.Tensor], out_dir: str, max_shard_bytes: int | None
 ) -> None:
+    """`tensors` as `model.safetensors`, or with `max_shard_bytes` as shards of at most that
+    many bytes (a larger tensor gets a shard of its own) plus the index the loader reads."""
     if max_shard_bytes is None:
         save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
         return
@@ -248,7 +250,12 @@ def save_released_checkpoint(
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(released_config_dict(config, quantize, expert_dtype), f, indent=2)
-    _write_shards(tensors, out_dir, max_shard_bytes)
+    write_shards(tensors, out_dir, max_shard_bytes)
 
 
-__all__ = ["released_config_dict", "released_state_dict", "save_released_checkpoint"]
+__all__ = [
+    "released_config_dict",
+    "released_state_dict",
+    "save_released_checkpoint",
+    "write_shards",
+]

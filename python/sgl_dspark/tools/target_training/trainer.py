@@ -14,10 +14,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import save_file
 
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.model_loader.export import write_shards
 from sgl_dspark.srt.models.deepseek_v41 import DeepseekV41ForCausalLM
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.tokenizer.engram_map import compressed_token_map
@@ -263,23 +263,7 @@ def save_served_dir(
     if quantized_experts is not None:
         tensors = quantize_tensors(tensors, quantized_experts)
         hf_config = {**hf_config, "quantization_config": quantization_config(quantized_experts)}
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > MAX_SHARD_BYTES:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(out_dir, file), metadata={"format": "pt"})
-        weight_map.update({name: file for name in shard})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    write_shards(tensors, out_dir, MAX_SHARD_BYTES)
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf_config, f, indent=1)
     for name, src in extra_files.items():
