@@ -34,6 +34,7 @@ from sgl_dspark.srt.server_args_checks import (
     VERIFY_POLICY_CHOICES,
     WEIGHT_FORMAT_CHOICES,
     attention_backend_choices,
+    check_deterministic_inference,
     resolve_fp8_activations,
     validate,
 )
@@ -200,6 +201,16 @@ class ServerArgs:
         "greedy output without it.",
         FP8_ACTIVATION_CHOICES,
     )
+    enable_deterministic_inference: bool = _arg(
+        False,
+        "Batch-invariant kernels: every row of a forward gets the bits it would get alone, "
+        "whatever the batch size and the other rows (the linear layers, the grouped output "
+        "projection and the MoE run one kernel shape at every M; the attention never splits "
+        "the key range by batch size). With it, greedy output with DSpark equals greedy output "
+        "without it bit for bit on a GPU, and a request's output does not depend on what else "
+        "runs. Needs the triton kernels and attention (auto on GPU) and --fp8-activations off; "
+        "costs throughput at larger batches (docs/deterministic.md).",
+    )
     kv_cache_dtype: str = _arg(
         "auto",
         "Storage of the window KV cache: auto = --dtype; fp8_e4m3 = E4M3 (stored saturated, "
@@ -223,7 +234,9 @@ class ServerArgs:
         "Per op family exceptions to --kernel-backend, e.g. 'moe=torch,rope=triton' "
         "(families: rope, mhc, moe, sampling, spec, indexer, norm).",
     )
-    attention_backend: str = _arg("torch", "Attention backend.", None)  # choices: the registry
+    attention_backend: str = _arg(
+        "auto", "Attention backend; auto = triton on GPU, torch on CPU.", None
+    )  # choices: auto and the registry
     debug_step_delay_ms: float = _arg(
         0.0,
         "Testing only: sleep this many ms after every scheduler step (used to check that "
@@ -385,12 +398,19 @@ class ServerArgs:
         kernel_backend = self.kernel_backend
         if kernel_backend == "auto":
             kernel_backend = "torch" if device == "cpu" else "triton"
+        attention_backend = self.attention_backend
+        if attention_backend == "auto":
+            attention_backend = "torch" if device == "cpu" else "triton"
         fp8_activations = resolve_fp8_activations(
             self.fp8_activations,
             device,
             weight_format,
             KernelChoice.parse(kernel_backend, self.kernel_backend_overrides).of("linear"),
         )
+        if self.enable_deterministic_inference:
+            check_deterministic_inference(
+                kernel_backend, self.kernel_backend_overrides, attention_backend, fp8_activations
+            )
         algo = self.speculative_algorithm
         if algo is not None:
             algo = next(a for a in SPECULATIVE_ALGORITHMS if a.lower() == algo.lower())
@@ -406,6 +426,7 @@ class ServerArgs:
             device=device,
             dtype=dtype,
             kernel_backend=kernel_backend,
+            attention_backend=attention_backend,
             weight_format=weight_format,
             fp8_activations=fp8_activations,
             served_model_name=self.served_model_name or self.model_path,

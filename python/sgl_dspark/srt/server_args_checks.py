@@ -30,7 +30,7 @@ TOOL_CALL_PARSER_CHOICES = ("deepseekv3", "deepseekv31", "deepseekv32", "deepsee
 def attention_backend_choices() -> tuple[str, ...]:
     from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS
 
-    return tuple(sorted(ATTENTION_BACKENDS))
+    return ("auto", *sorted(ATTENTION_BACKENDS))
 
 
 def resolve_fp8_activations(mode: str, device: str, weight_format: str, linear: str) -> str:
@@ -58,6 +58,33 @@ def resolve_fp8_activations(mode: str, device: str, weight_format: str, linear: 
         "(NVIDIA sm89+ or AMD gfx950 have them); use auto or off",
     )
     return "on"
+
+
+def check_deterministic_inference(
+    kernel_backend: str, overrides: str | None, attention_backend: str, fp8_activations: str
+) -> None:
+    """--enable-deterministic-inference with resolved backends: the batch-invariant shapes exist
+    in the Triton kernels only (the torch path's BLAS and reductions pick their order by
+    shape), and FP8 activations quantise wide GEMMs only. ValueError naming the flag."""
+    from sgl_dspark.srt.core.kernel_choice import KERNEL_FAMILIES, KernelChoice
+
+    kernels = KernelChoice.parse(kernel_backend, overrides)
+    torch_families = [f for f in KERNEL_FAMILIES if kernels.of(f) != "triton"]
+    _require(
+        not torch_families,
+        "--enable-deterministic-inference needs the triton kernels for every family "
+        f"(--kernel-backend triton, no torch overrides); torch here: {', '.join(torch_families)}",
+    )
+    _require(
+        attention_backend == "triton",
+        "--enable-deterministic-inference needs --attention-backend triton, got "
+        f"{attention_backend!r}",
+    )
+    _require(
+        fp8_activations == "off",
+        "--enable-deterministic-inference needs --fp8-activations off (FP8 activations are "
+        "used above decode sizes only, so a row's rounding would depend on the batch)",
+    )
 
 
 def _require(cond: bool, message: str) -> None:

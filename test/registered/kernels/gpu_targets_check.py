@@ -413,10 +413,12 @@ def _quantized(fmt: str, shape: tuple[int, ...], block: int):
     return QuantizedWeight(data, scale, fmt, block, rows)
 
 
-def _quantized_linear(fmt: str, n: int, k: int, block: int, m: int = 3) -> Callable[[], object]:
+def _quantized_linear(
+    fmt: str, n: int, k: int, block: int, m: int = 3, dtype: torch.dtype = torch.bfloat16
+) -> Callable[[], object]:
     from sgl_dspark.kernels.linear.quantized import quantized_linear
 
-    return lambda: quantized_linear(_bf16(m, k), _quantized(fmt, (n, k), block))
+    return lambda: quantized_linear(_bf16(m, k).to(dtype), _quantized(fmt, (n, k), block))
 
 
 def _quantized_grouped_linear(fmt: str, block: int) -> Callable[[], object]:
@@ -711,6 +713,17 @@ CASES = {
         "linear.quantized",
         "_quantized_linear_kernel",
         _quantized_linear("fp8", 32768, 1280, 32, m=16),
+    ),
+    # fp32 activations (fp32 serving of a quantised checkpoint): wider activation tiles
+    "quantized_linear_fp8_fp32": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("fp8", 4096, 4096, 128, m=16, dtype=torch.float32),
+    ),
+    "quantized_linear_mxfp4_fp32": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        _quantized_linear("mxfp4", 4096, 4096, 32, m=16, dtype=torch.float32),
     ),
     "quantized_linear_mxfp4": (
         "linear.quantized",

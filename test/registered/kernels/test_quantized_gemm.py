@@ -257,8 +257,22 @@ def test_quantized_linear_bad_arguments() -> None:
         quantized_linear(x, w._replace(scale=w.scale[:, :1]))
     with pytest.raises(ValueError, match="data must be"):
         quantized_linear(x, w._replace(data=w.data.view(torch.uint8)))
-    with pytest.raises(ValueError, match="at most 16 rows"):
-        quantized_linear(torch.randn(17, 64, dtype=torch.bfloat16, device=DEVICE), w)
+
+
+@pytest.mark.parametrize("fmt,block", [("fp8", 32), ("mxfp4", 32)])
+def test_rows_past_one_tile_run_as_calls_of_their_own(fmt: str, block: int) -> None:
+    """Any M runs (16-row blocks): every row has the bits of a one-row call, so a row's result
+    never depends on the batch (`--enable-deterministic-inference`)."""
+    g = torch.Generator().manual_seed(7)
+    w = quantized(torch.randn(40, 96, generator=g) * 0.05, fmt, block)
+    x = torch.randn(37, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    got = quantized_linear(x, w)
+    want = small_m_linear_ref(x, dequantize_weight_ref(w, torch.bfloat16))
+    torch.testing.assert_close(got, want, **GEMM_TOL[torch.bfloat16])
+    for b in range(0, 37, 16):  # a block's bits as a call of its own
+        assert torch.equal(got[b : b + 16], quantized_linear(x[b : b + 16], w))
+    for r in (0, 15, 16, 36):  # and a row's as a one-row call (bf16: exact in the interpreter)
+        assert torch.equal(got[r : r + 1], quantized_linear(x[r : r + 1], w))
 
 
 def _experts(

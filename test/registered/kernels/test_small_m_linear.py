@@ -70,8 +70,6 @@ def test_empty_and_bad_inputs() -> None:
     x, w = _inputs(0, 32, 64, torch.float32, seed=1)
     assert small_m_linear(x, w).shape == (0, 32)
     x, w = _inputs(2, 32, 64, torch.float32, seed=2)
-    with pytest.raises(ValueError, match="rows"):
-        small_m_linear(torch.zeros(MAX_M + 1, 64, device=DEVICE), w)
     with pytest.raises(ValueError, match="weight"):
         small_m_linear(x, w.bfloat16())
     with pytest.raises(ValueError, match="K="):
@@ -110,5 +108,27 @@ def test_grouped_empty_and_bad_inputs() -> None:
         small_m_grouped_linear(x, w[:3])
     with pytest.raises(ValueError, match="dtype"):
         small_m_grouped_linear(x, w.double())
-    with pytest.raises(ValueError, match="rows"):
-        small_m_grouped_linear(torch.randn(MAX_M + 1, 4, 32).to(DEVICE), w)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("m", [MAX_M + 1, 40])
+def test_rows_past_one_tile_run_as_calls_of_their_own(m: int, dtype: torch.dtype) -> None:
+    """Any M runs, in 16-row blocks that each have the bits of a call of their own; with the
+    row-position invariance of the tile (bf16 anywhere, fp32 compiled: the interpreter's fp32
+    dot is numpy's BLAS, whose sums depend on a row's place in the tile) a row's result never
+    depends on the batch (`--enable-deterministic-inference`)."""
+    x, w = _inputs(m, 48, 200, dtype, seed=m)
+    got = small_m_linear(x, w)
+    _check(got, small_m_linear_ref(x, w))
+    for b in range(0, m, MAX_M):
+        assert torch.equal(got[b : b + MAX_M], small_m_linear(x[b : b + MAX_M], w))
+    if dtype == torch.bfloat16 or DEVICE == "cuda":
+        for r in (0, 15, 16, m - 1):
+            assert torch.equal(got[r : r + 1], small_m_linear(x[r : r + 1], w))
+    g = torch.Generator().manual_seed(m)
+    xg = torch.randn(m, 3, 40, generator=g).to(dtype).to(DEVICE)
+    wg = torch.randn(3, 24, 40, generator=g).to(dtype).to(DEVICE)
+    grouped = small_m_grouped_linear(xg, wg)
+    torch.testing.assert_close(grouped, small_m_grouped_linear_ref(xg, wg), rtol=2e-2, atol=2e-2)
+    for b in range(0, m, MAX_M):
+        assert torch.equal(grouped[b : b + MAX_M], small_m_grouped_linear(xg[b : b + MAX_M], wg))

@@ -13,7 +13,6 @@ from safetensors.torch import load_file
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.layers.engram import Engram, EngramHash, ngram_history
-from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
 from sgl_dspark.srt.tokenizer.engram_map import compressed_token_map
 
 C2 = pathlib.Path(__file__).resolve().parent / "fixtures" / "deepseek_v41" / "c2_hc4_sigmoid_engram"
@@ -78,23 +77,3 @@ def test_gate_at_zero_dot_is_sigmoid_of_the_floor(c2):
     torch.testing.assert_close(out, streams + gate * value[:, None, :])
 
 
-@pytest.mark.parametrize(
-    "kernel_backend,overrides,attention,needle",
-    [
-        ("torch", None, "triton", "attention-backend"),
-    ],
-)
-def test_runtime_choices_without_v41_kernels_are_refused(
-    c2, kernel_backend, overrides, attention, needle
-):
-    cfg, _, _ = c2
-    rc = RunnerConfig(
-        kernel_backend=kernel_backend,
-        kernel_backend_overrides=overrides,
-        attention_backend=attention,
-        max_total_tokens=256,
-        max_running_requests=2,
-        context_length=64,
-    )
-    with pytest.raises(ValueError, match=needle):
-        ModelRunner(cfg, rc)

@@ -434,7 +434,8 @@ def window_sparse_attention(
         f"req_to_token must be int32/int64 [slots, max_ctx], got "
         f"{req_to_token.dtype} {tuple(req_to_token.shape)}",
     )
-    require(window >= 1, f"window must be >= 1, got {window}")
+    # window 0: the extra keys only (attention over keys gathered per token, `extra_slots`).
+    require(window >= 0, f"window must be >= 0, got {window}")
     require(
         num_splits is None or num_splits >= 1,
         f"num_splits must be >= 1 (or None), got {num_splits}",

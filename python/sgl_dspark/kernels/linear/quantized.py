@@ -1,6 +1,7 @@
 """Small-M linear layers on weights kept as stored (W8A16 FP8 block-scaled, W4A16 MXFP4):
-`y = x @ dequant(W)^T` for decode-sized batches (M <= 16 rows), the weight dequantised in the
-kernel (`dequant.py::quantized_tile`); `small_m_linear_ref` / `small_m_grouped_linear_ref`
+`y = x @ dequant(W)^T` for decode-sized batches (made for M <= 16 rows; any M runs, in 16-row
+blocks: the batch-invariant linear of `--enable-deterministic-inference`), the weight dequantised
+in the kernel (`dequant.py::quantized_tile`); `small_m_linear_ref` / `small_m_grouped_linear_ref`
 (which dequantise first) are the spec.
 
 At decode sizes the GEMM streams its weight once: it is bound by how fast the stored bytes reach
@@ -17,8 +18,8 @@ bit for bit the reference's dequantised weight (`dequant.py`), every product is 
 the sums are fp32 in an order fixed by the launch shape (per slice in K-step order, each step in
 the matrix unit's order, then the slices' sums), rounded once to the output dtype (nearest even
 on the bits for bf16). A row's result depends neither on M nor on the other rows (the tile is
-always 16 rows and the launch shape depends on (N, K) only), so a DSpark verify of W tokens
-gives each token the bits of a single-token step. The previous kernel (a dot per scale group,
+always 16 rows, a larger M is more row blocks, and the launch shape depends on (N, K) only),
+so a DSpark verify of W tokens gives each token the bits of a single-token step. The previous kernel (a dot per scale group,
 scaled partial sums) summed in another order: not the same bits, the same tolerance.
 `quantized_grouped_linear` runs G such products in one launch (the grouped output projection),
 each group's bits as its own call.
@@ -73,9 +74,14 @@ def _quantized_linear_kernel(
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Program (column block, group): a group's x columns, weight, scales and output columns
-    # start at its group strides (0 for a plain linear).
+    # Program (column block, group, row block): a group's x columns, weight, scales and output
+    # columns start at its group strides (0 for a plain linear); row block r owns rows
+    # [r * BLOCK_M, (r + 1) * BLOCK_M), each computed as it would be in a call of its own.
     group = tl.program_id(1).to(tl.int64)
+    row0 = tl.program_id(2).to(tl.int64) * BLOCK_M
+    x_ptr += row0 * stride_xm
+    y_ptr += row0 * stride_ym
+    M -= row0
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
@@ -125,7 +131,7 @@ def _quantized_linear_kernel(
     )
 
 
-def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
+def _quantized_meta(fmt: str, n: int, k: int, x_bytes: int = 2) -> dict[str, int]:
     """Launch shape per shape class (the one place sweeps and probes override; it depends on
     (N, K) only, never on M, so a row's bits do not depend on the batch).
 
@@ -145,7 +151,9 @@ def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
             "num_stages": 4 if fmt == "mxfp4" else 3,
             "num_warps": 4,
         }
-    block_k = quantized_block_k(fmt, k, 1024)
+    # fp32 activations (4 bytes) take half the channels per step: three stages of a 16 x 1024
+    # fp32 tile and its weights pass the 227 KB of shared memory an sm90 block may have.
+    block_k = quantized_block_k(fmt, k, 1024 if x_bytes <= 2 else 512)
     split = max(1, block_k // 128)
     return {
         "BLOCK_N": 16,
@@ -177,7 +185,8 @@ def quantized_linear(
     graph-safe), the weight dequantised in the kernel.
 
     Args:
-        x: [M, K] bf16/fp16/fp32 with unit stride along K; 0 <= M <= MAX_M.
+        x: [M, K] bf16/fp16/fp32 with unit stride along K; any M (16-row
+            blocks, each row computed as in a call of its own).
         weight: `QuantizedWeight` [N, K] ("fp8" or "mxfp4"; K even for MXFP4).
         out: optional [M, N] buffer of x's dtype with unit stride along N.
     Returns:
@@ -186,7 +195,6 @@ def quantized_linear(
     require(x.dim() == 2 and weight.data.dim() == 2, "x and weight must be 2-D")
     m, k = x.shape
     _check(x, weight, k)
-    require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
     n = weight.shape[0]
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -208,7 +216,8 @@ def quantized_grouped_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.
     group's bits as its own call of its rows.
 
     Args:
-        x: [M, G, K] bf16/fp16/fp32 with unit stride along K; 0 <= M <= MAX_M.
+        x: [M, G, K] bf16/fp16/fp32 with unit stride along K; any M (16-row
+            blocks, each row computed as in a call of its own).
         weight: `QuantizedWeight` [G * N, K], contiguous rows (group g's weight is rows
             [g * N, (g + 1) * N); its scale blocks may span groups).
     Returns:
@@ -220,7 +229,6 @@ def quantized_grouped_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.
     )
     m, groups, k = x.shape
     _check(x, weight, k)
-    require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
     n = weight.shape[0] // max(groups, 1)
     out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or groups == 0:
@@ -244,11 +252,12 @@ def _launch(
     """One launch over (column blocks, groups); x / weight / out are a group's first views
     (the weight group stride in stored elements of `stored_rows`)."""
     (m, k), n = x.shape, weight.data.shape[0]
-    meta = _quantized_meta(weight.fmt, n, k)
+    meta = _quantized_meta(weight.fmt, n, k, x.element_size())
     data, words = stored_rows(weight)
     per_element = weight.data.shape[-1] // data.shape[-1]  # stored bytes per element read
     stride_xg, stride_wg, stride_yg = group_strides
-    _quantized_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]), groups)](
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, _BLOCK_M))
+    _quantized_linear_kernel[grid](
         x,
         data,
         weight.scale,

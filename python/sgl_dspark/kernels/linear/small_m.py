@@ -1,4 +1,5 @@
-"""Small-M linear layer `y = x @ W^T` for decode-sized batches (M <= 16 rows).
+"""Small-M linear layer `y = x @ W^T` for decode-sized batches (made for M <= 16 rows; any M
+runs, in 16-row blocks: the batch-invariant linear of `--enable-deterministic-inference`).
 
 At batch size 1 the dense projections of a decode step (q/kv/compressor/indexer projections,
 output projection, shared expert, lm_head) are GEMVs that read a few MB each. The BLAS picks
@@ -11,7 +12,8 @@ M rows padded to 16; compute is free at this size). `small_m_linear_ref` is the 
 Exactness: within a tolerance of the reference. Each output is an fp32 dot product over K in BLOCK_K
 chunks (chunk order fixed, in-chunk order the matrix unit's), rounded once to the output dtype (RNE
 on the bits for bf16, so the interpreter's truncating cast is never used); the BLAS sums in another
-order. A row's result does not depend on M (the tile is always 16 rows) or on the other rows.
+order. A row's result does not depend on M (the tile is always 16 rows, a larger M is more
+row blocks of the same program) or on the other rows.
 
 `small_m_grouped_linear` runs G such products side by side in one launch (the grouped output
 projection: group g multiplies its own K columns of x by its own weight), each group exactly
@@ -58,12 +60,15 @@ def _small_m_linear_kernel(
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Program (column block, group): a group's x columns, weight and output columns start at
-    # its group strides (0 and one group for a plain linear).
+    # Program (column block, group, row block): a group's x columns, weight and output columns
+    # start at its group strides (0 and one group for a plain linear); row block r owns rows
+    # [r * BLOCK_M, (r + 1) * BLOCK_M), each computed as it would be in a call of its own.
     group = tl.program_id(1).to(tl.int64)
-    x_ptr += group * stride_xg
+    row0 = tl.program_id(2).to(tl.int64) * BLOCK_M
+    x_ptr += group * stride_xg + row0 * stride_xm
     w_ptr += group * stride_wg
-    y_ptr += group * stride_yg
+    y_ptr += group * stride_yg + row0 * stride_ym
+    M -= row0
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -123,7 +128,8 @@ def small_m_linear(
 
     Args:
         x: [M, K] bf16/fp16/fp32 with unit stride along K (any row stride: e.g. a column block
-            of a wider activation); 0 <= M <= MAX_M.
+            of a wider activation); any M (16-row
+            blocks, each row computed as in a call of its own).
         weight: [N, K] of x's dtype, unit stride along K.
         out: optional [M, N] buffer of x's dtype with unit stride along N.
     Returns:
@@ -141,7 +147,6 @@ def small_m_linear(
     )
     require(weight.dtype == x.dtype, f"weight: dtype {weight.dtype} != x's {x.dtype}")
     require(weight.shape[1] == k, f"weight: expected K={k} columns, got {weight.shape[1]}")
-    require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
     require(x.device == weight.device, f"weight is on {weight.device}, x on {x.device}")
     if out is None:
         out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -173,7 +178,8 @@ def _launch(
     [N, K] / [M, N] views (row strides from them), the group strides move to the next."""
     (m, k), n = x.shape, weight.shape[0]
     meta = _linear_meta(n, x.element_size())
-    _small_m_linear_kernel[(triton.cdiv(n, meta["BLOCK_N"]), groups)](
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, _BLOCK_M))
+    _small_m_linear_kernel[grid](
         x,
         weight,
         out,
@@ -200,7 +206,8 @@ def small_m_grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
 
     Args:
         x: [M, G, K] bf16/fp16/fp32 with unit stride along K (row and group strides free);
-            0 <= M <= MAX_M.
+            any M (16-row
+            blocks, each row computed as in a call of its own).
         weight: [G, N, K] of x's dtype, unit stride along K.
     Returns:
         [M, G, N] contiguous in x's dtype (within a tolerance of `small_m_grouped_linear_ref`).
@@ -218,7 +225,6 @@ def small_m_grouped_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tenso
     )
     m, groups, k = x.shape
     n = weight.shape[1]
-    require(m <= MAX_M, f"x: at most {MAX_M} rows, got {m}")
     require(x.device == weight.device, f"weight is on {weight.device}, x on {x.device}")
     out = torch.empty((m, groups, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0 or groups == 0:

@@ -39,6 +39,11 @@ class KernelChoice:
     # it natively, with FP8 activations on): the rows per expert block of the MoE sort at which
     # the target's scaled MMA is native (`kernels/fp8/targets.py::mx_dot_rows`); 0 = off.
     mx_moe_block: int = 0
+    # `--enable-deterministic-inference`: every op of the families picks one kernel shape for
+    # every batch size, so a row's bits never depend on M or on the other rows (the linear
+    # layers through the 16-row-block kernels at any M, the MoE through the sorted grouped
+    # path with 16-row expert blocks, the attention without batch-dependent key splits).
+    batch_invariant: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in KERNEL_BACKENDS:
@@ -59,7 +64,9 @@ class KernelChoice:
         return dict(self.overrides).get(family, self.backend)
 
     @classmethod
-    def parse(cls, backend: str, overrides: str | None = None) -> KernelChoice:
+    def parse(
+        cls, backend: str, overrides: str | None = None, batch_invariant: bool = False
+    ) -> KernelChoice:
         pairs: list[tuple[str, str]] = []
         for item in (overrides or "").split(","):
             if not item.strip():
@@ -68,4 +75,4 @@ class KernelChoice:
                 raise ValueError(f"--kernel-backend-overrides expects family=impl, got {item!r}")
             fam, impl = item.split("=", 1)
             pairs.append((fam.strip(), impl.strip()))
-        return cls(backend, tuple(pairs))
+        return cls(backend, tuple(pairs), batch_invariant=batch_invariant)

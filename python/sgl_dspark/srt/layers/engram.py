@@ -24,6 +24,8 @@ from sgl_dspark.kernels.engram.reference import engram_gather_ref
 from sgl_dspark.srt.configs.deepseek_v41 import EngramConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.fused_linear import linear_impl
+from sgl_dspark.srt.layers.quantized import module_weight
 
 _GATE_FLOOR = 1e-6  # |dot| floor inside the signed square root (a zero dot gates at sigmoid(1e-3))
 
@@ -102,6 +104,7 @@ class Engram(nn.Module):
         super().__init__()
         self.eps = eps
         self.gather = engram_gather_impl(kernels or KernelChoice())
+        self.linear = linear_impl(kernels)
         self.hc_mult = hc_mult
         self.hash = EngramHash(cfg, index)
         self.embed = nn.Embedding(cfg.num_embeddings[index], cfg.head_dim)
@@ -116,7 +119,7 @@ class Engram(nn.Module):
         added (streams' dtype)."""
         T, n, d = streams.shape
         rows = self.hash(compressed_history)
-        kv = self.wkv(self.gather(self.embed.weight, rows)).float()
+        kv = self.linear(self.gather(self.embed.weight, rows), module_weight(self.wkv)).float()
         key, value = kv[:, : n * d].view(T, n, d), kv[:, n * d :]
         s = streams.float()
         rstd = torch.rsqrt(s.pow(2).mean(-1) + self.eps) * torch.rsqrt(

@@ -63,6 +63,8 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     from sgl_dspark.kernels.linear.quantized import quantized_linear
     from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_linear
 
+    if kernels.batch_invariant:
+        return _batch_invariant_linear
     fp8 = fp8_linear_impl(kernels)
 
     def linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
@@ -84,6 +86,39 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
         return F.linear(x, weight)
 
     return linear
+
+
+def _batch_invariant_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
+    """`--enable-deterministic-inference`: the decode-size kernels at every M (16-row blocks,
+    launch shapes from (N, K) only), so a row's bits never depend on the batch; slower than
+    the BLAS for prefill-sized M at large K."""
+    from sgl_dspark.kernels.linear.quantized import quantized_linear
+    from sgl_dspark.kernels.linear.small_m import small_m_linear
+
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()  # a copy: the same values
+    if isinstance(weight, QuantizedWeight):
+        y = quantized_linear(rows, weight)
+    else:
+        if weight.dtype != x.dtype:
+            raise ValueError(f"linear: weight dtype {weight.dtype} != input dtype {x.dtype}")
+        y = small_m_linear(rows, weight if weight.stride(1) == 1 else weight.contiguous())
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _batch_invariant_grouped_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
+    """The grouped linear of `_batch_invariant_linear`: the decode-size kernels at every M."""
+    from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
+    from sgl_dspark.kernels.linear.small_m import small_m_grouped_linear
+
+    if x.stride(2) != 1:
+        x = x.contiguous()
+    if isinstance(weight, QuantizedWeight):
+        return quantized_grouped_linear(x, weight)
+    if weight.dtype != x.dtype:
+        raise ValueError(f"grouped linear: weight dtype {weight.dtype} != input dtype {x.dtype}")
+    return small_m_grouped_linear(x, weight if weight.stride(2) == 1 else weight.contiguous())
 
 
 # (x [M, G, K], weight [G, N, K]) -> [M, G, N]: group g's columns of x times its own weight
@@ -108,6 +143,8 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
     from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
     from sgl_dspark.kernels.linear.small_m import MAX_M, small_m_grouped_linear
 
+    if kernels.batch_invariant:
+        return _batch_invariant_grouped_linear
     fp8 = fp8_linear_impl(kernels)
 
     def grouped_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:

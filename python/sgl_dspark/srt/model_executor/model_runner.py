@@ -54,13 +54,14 @@ class RunnerConfig:
     context_length: int = _server_default("context_length")
     page_size: int = _server_default("page_size")  # 0 = smallest page every compress rate divides
     max_verify_tokens: int = 16  # widest verify window a step may run
-    attention_backend: str = _server_default("attention_backend")
+    attention_backend: str = "torch"
     kernel_backend: str = "torch"
     kernel_backend_overrides: str | None = _server_default("kernel_backend_overrides")
     mem_fraction_static: float | None = _server_default("mem_fraction_static")
     weight_format: str = "bf16"  # "native": quantised checkpoint weights stay as stored
     fp8_activations: str = "off"  # "on": W8A8 GEMMs on the FP8 weights (layers/fp8_linear.py)
     kv_cache_dtype: str = _server_default("kv_cache_dtype")
+    enable_deterministic_inference: bool = False  # batch-invariant kernels (KernelChoice)
 
     @classmethod
     def from_server_args(cls, args: ServerArgs, max_verify_tokens: int) -> RunnerConfig:
@@ -147,7 +148,11 @@ class ModelRunner:
                 )
         self.page_size = page
         self.kernels = resolve_fp8_paths(
-            KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides),
+            KernelChoice.parse(
+                rc.kernel_backend,
+                rc.kernel_backend_overrides,
+                batch_invariant=rc.enable_deterministic_inference,
+            ),
             rc.fp8_activations if rc.weight_format == "native" else "off",
             model_cfg.quantization,
             self.device,
@@ -188,7 +193,9 @@ class ModelRunner:
             self.device,
             **kv_options,
         )
-        self.attn_backend = create_attention_backend(rc.attention_backend)
+        self.attn_backend = create_attention_backend(
+            rc.attention_backend, self.kernels.batch_invariant
+        )
         # cos/sin of every position a request can reach, built before any graph is captured.
         self.model.rope_tables(self.req_pool.max_context_len)
         # Side stream of a tap consumer forked inside a captured region (`run_model`); created

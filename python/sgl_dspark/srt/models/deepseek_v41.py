@@ -42,12 +42,13 @@ from sgl_dspark.srt.models.deepseek_v41_attention import Csa2Attention, Csa2Sele
 def check_runtime(cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
     """Refuse, at startup, implementations that do not compute V4.1 (ValueError naming the
     argument to change). Every kernel family has V4.1's math on both backends; the attention
-    is the torch one (it reads the quantised caches itself)."""
+    reads the quantised caches itself and hands the gathered keys to the backend's
+    `attend_gathered` (torch or triton)."""
     del cfg, kernels
-    if attention_backend != "torch":
+    if attention_backend not in ("torch", "triton"):
         raise ValueError(
-            f"--attention-backend {attention_backend!r}: DeepSeek-V4.1's quantised caches are "
-            "read by the torch attention only (use --attention-backend torch)"
+            f"--attention-backend {attention_backend!r}: DeepSeek-V4.1 runs on the torch or "
+            "the triton attention"
         )
 
 
@@ -137,9 +138,8 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         tap_layers: tuple[int, ...] = (),
         on_taps: Callable[[dict[int, torch.Tensor]], None] | None = None,
     ) -> ModelOutput:
-        """`backend` is unused: the attention reads the quantised caches itself (torch, which
-        `check_runtime` enforces). `on_taps` runs once the last of `tap_layers` is collected."""
-        del backend
+        """The attention reads the quantised caches itself and `backend` attends the gathered
+        keys. `on_taps` runs once the last of `tap_layers` is collected."""
         m, n = self.model, self.cfg.hc_mult
         batch.memo.clear()  # per-forward derived tensors (see ForwardBatch.memo)
         streams = m.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, n, -1).contiguous()
@@ -165,7 +165,7 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         _, h = run_single_pass_layers(
             streams,
             layers,
-            lambda i, x: layers[i].self_attn(x, batch, pool, rope, shared),
+            lambda i, x: layers[i].self_attn(x, batch, pool, rope, shared, backend),
             lambda i, x: layers[i].mlp(x, batch.input_ids),
             self.hc_boundary,
             (m.norm, self.rms_norm),

@@ -16,12 +16,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from sgl_dspark.kernels.attention.reference import sink_attention_ref, window_rows_ref
+from sgl_dspark.kernels.attention.reference import window_rows_ref
 from sgl_dspark.kernels.indexer.reference import indexer_logits_of_keys_ref
 from sgl_dspark.srt.configs.deepseek_v41 import LayerRole
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 from sgl_dspark.srt.layers.attention.csa2 import (
     Csa2Compressor,
@@ -114,6 +115,7 @@ class Csa2Attention(nn.Module):
         pool: DeepseekV41KVPool,
         rope: RopeTables,
         shared: Csa2Selections,
+        backend: BaseAttentionBackend,
     ) -> torch.Tensor:
         T = x.shape[0]
         cos, sin = rope.tables[self.rope_kind]
@@ -134,7 +136,7 @@ class Csa2Attention(nn.Module):
             latent_keys, latent_valid = self._compressed(x_rest, index_q, batch, pool, rope, shared)
             keys = torch.cat((keys, latent_keys.to(keys.dtype)), dim=1)
             valid = torch.cat((valid, latent_valid), dim=1)
-        o = sink_attention_ref(q, keys, valid, self.sinks, self.head_dim**-0.5)
+        o = backend.attend_gathered(q, keys, valid, self.sinks, self.head_dim**-0.5)
         o = self.rope(o, cos, sin, inverse=True)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = self.grouped_linear(o.reshape(T, self.groups, -1), wa).reshape(T, -1)
@@ -162,7 +164,7 @@ class Csa2Attention(nn.Module):
             # group's first position and quantised on store.
             assert self.indexer is not None
             cos_g, sin_g = rope.compress_table(groups.start_positions.clamp(min=0))
-            keys = self.indexer.keys(groups.latents, self.rms_norm)
+            keys = self.indexer.keys(groups.latents, self.rms_norm, self.linear)
             self.store_rows(keys, cos_g, sin_g, src.index_keys, groups.entry_rows)
             self.store_rows(groups.latents, cos_g, sin_g, src.latents, groups.entry_rows)
         if self.indexer is not None:

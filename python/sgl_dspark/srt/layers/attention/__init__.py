@@ -12,11 +12,15 @@ ATTENTION_BACKENDS: dict[str, type[BaseAttentionBackend]] = {
 }
 
 
-def create_attention_backend(name: str) -> BaseAttentionBackend:
+def create_attention_backend(name: str, batch_invariant: bool = False) -> BaseAttentionBackend:
+    """`batch_invariant`: `--enable-deterministic-inference` (the torch backend has no
+    batch-invariant form; the server arguments refuse that combination)."""
     if name not in ATTENTION_BACKENDS:
         raise ValueError(
             f"unknown attention backend {name!r}; supported: {sorted(ATTENTION_BACKENDS)}"
         )
+    if name == "triton":
+        return TritonAttentionBackend(batch_invariant)
     return ATTENTION_BACKENDS[name]()
 
 

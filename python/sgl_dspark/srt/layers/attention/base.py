@@ -1,5 +1,7 @@
 """Attention backend interface: MQA over one shared KV head (K = V) with per-head sinks, reading
-the sliding window from the paged window KV and, for CSA/HCA layers, compressed entries."""
+the sliding window from the paged window KV and, for CSA/HCA layers, compressed entries
+(`forward`), or over keys a model has already gathered per token (`attend_gathered`: DeepSeek-V4.1,
+whose caches are quantised and dequantised by its own loads)."""
 
 from __future__ import annotations
 
@@ -45,3 +47,11 @@ class BaseAttentionBackend(ABC):
         Returns:
             `[T, H, Dh]` in q's dtype.
         """
+
+    @abstractmethod
+    def attend_gathered(
+        self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """Attention over keys gathered per token: q `[T, H, Dh]`, keys `[T, K, Dh]` of q's
+        dtype (keys are values), valid `[T, K]` bool, sinks `[H]`, scale -> `[T, H, Dh]`
+        (`sink_attention_ref` is the spec)."""

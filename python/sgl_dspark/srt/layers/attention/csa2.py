@@ -27,6 +27,7 @@ from sgl_dspark.kernels.indexer.reference import candidate_block_max_ref, v41_in
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import RMSNorm, RmsNormFn
+from sgl_dspark.srt.layers.quantized import WeightLike, module_weight
 from sgl_dspark.srt.mem_cache.v41_pool import PairState
 
 
@@ -144,11 +145,18 @@ class Csa2Indexer(nn.Module):
         self.k_proj = nn.Linear(head_dim, index_dim, bias=False) if owns_keys else None
         self.k_norm = RMSNorm(index_dim, eps) if owns_keys else None
 
-    def keys(self, latents: torch.Tensor, rms_norm: RmsNormFn) -> torch.Tensor:
+    def keys(
+        self,
+        latents: torch.Tensor,
+        rms_norm: RmsNormFn,
+        linear: Callable[[torch.Tensor, WeightLike], torch.Tensor],
+    ) -> torch.Tensor:
         """Index keys `[n, Di]` of pre-RoPE latents, normalised, before their rotation (at the
-        group's first position) and quantisation, which the store applies."""
+        group's first position) and quantisation, which the store applies. `linear`: the
+        "linear" family's (`fused_linear.linear_impl`)."""
         assert self.k_proj is not None and self.k_norm is not None
-        return rms_norm(self.k_proj(latents), self.k_norm.weight, self.k_norm.eps)
+        k = linear(latents, module_weight(self.k_proj))
+        return rms_norm(k, self.k_norm.weight, self.k_norm.eps)
 
 
 # (scores [T, N], visible [T], block) -> block scores [T, ceil(N / block)], newest pinned

@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import torch
 
-from sgl_dspark.kernels.attention.reference import window_sparse_attention_ref
+from sgl_dspark.kernels.attention.reference import sink_attention_ref, window_sparse_attention_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 
 
 class TorchAttentionBackend(BaseAttentionBackend):
+    def attend_gathered(
+        self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        return sink_attention_ref(q, keys, valid, sinks, scale)
+
     def forward(
         self,
         q: torch.Tensor,

@@ -16,12 +16,40 @@ class TritonAttentionBackend(BaseAttentionBackend):
     kernel's output.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, batch_invariant: bool = False) -> None:
+        """`batch_invariant` (`--enable-deterministic-inference`): one pass over every token's
+        keys (no split of the key range chosen from the batch's size), so a token's bits never
+        depend on the batch: masked key tiles are exact no-ops of the online softmax."""
         # Imported here, as the other layers do, so that importing the registry (every process,
         # `--help`) does not import triton and define kernels.
         from sgl_dspark.kernels import window_sparse_attention
 
         self._attention = window_sparse_attention
+        self._num_splits = 1 if batch_invariant else None
+
+    def attend_gathered(
+        self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """The window + sparse kernel with no window and the gathered keys as its extra keys
+        (token t's rows t * K + j of the flattened keys)."""
+        tokens, k, head_dim = keys.shape
+        pool = keys.reshape(tokens * k, head_dim)
+        rows = torch.arange(tokens * k, device=q.device).view(tokens, k)
+        zeros = torch.zeros(tokens, dtype=torch.int64, device=q.device)
+        return self._attention(
+            q.contiguous(),
+            pool,
+            zeros,
+            zeros,
+            zeros.view(tokens, 1)[:1],
+            0,
+            sinks,
+            scale,
+            pool,
+            valid.contiguous(),
+            extra_slots=rows,
+            num_splits=self._num_splits,
+        )
 
     def forward(
         self,
@@ -52,4 +80,5 @@ class TritonAttentionBackend(BaseAttentionBackend):
             extra_slots=extra_slots,
             inverse_rope=inverse_rope,
             extra_entries=extra_entries,
+            num_splits=self._num_splits,
         )
