@@ -23,7 +23,6 @@ in-prologue quantisation and reduce) against the W8A16 kernel and cuBLAS bf16.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from functools import partial
@@ -33,6 +32,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sgl_dspark.kernels.fp8.act_quant import quantize_act_fp8  # noqa: E402
@@ -48,6 +48,8 @@ from sgl_dspark.kernels.fp8.w8a8 import split_k_splits, w8a8_linear, w8a8_split_
 from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref  # noqa: E402
 from sgl_dspark.kernels.moe.sort import MoeSortPlan, moe_sort, prepare_moe_sort  # noqa: E402
+
+from benchmark.kernels.graph_timing import graph_time_us, max_rel_err  # noqa: E402
 
 DEVICE = "cuda"
 # (name, N, K)
@@ -73,27 +75,9 @@ def fp8_weight(n: int, k: int, block: int, gen: torch.Generator) -> QuantizedWei
     )
 
 
-def time_us(call: Callable[[], object], reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
+def time_us(call: Callable[[], object]) -> float:
+    """Microseconds per call, 20 back-to-back calls a graph."""
+    return graph_time_us([call], reps=20)
 
 
 def check_w8a8(m: int, n: int, k: int, block: int, group: int, gen: torch.Generator) -> list[str]:
@@ -114,12 +98,14 @@ def check_w8a8(m: int, n: int, k: int, block: int, group: int, gen: torch.Genera
         fails.append(f"quantiser M={m} K={k} group={group}: not the reference's bits")
     got = w8a8_linear(act, w, group)
     want = w8a8_linear_ref(act, w, group, torch.bfloat16)
-    rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    rel = max_rel_err(got, want)
     flips = float((got != want).float().mean())
     print(
         f"w8a8 M={m} N={n} K={k} block={block} group={group}: rel err {rel:.2e}, flips {flips:.4f}"
     )
-    if rel > 2**-7:  # flips: the FP8 MMA sums a chunk in its own order (reported, not gated)
+    # Gated as `not <=` so that a NaN fails. Flips: the FP8 MMA sums a chunk in its own order
+    # (reported, not gated).
+    if not rel <= 2**-7:
         fails.append(f"w8a8 M={m} N={n} K={k}: rel {rel:.2e} flips {flips:.4f}")
     dense = x.float() @ dequantize_weight_ref(w, torch.float32).t()
     gap = w8a8_bf16_gap_bound_ref(x, act, w, group)
@@ -129,9 +115,9 @@ def check_w8a8(m: int, n: int, k: int, block: int, group: int, gen: torch.Genera
     if group <= block and m <= 128:
         fmt = Fp8ActFormat(group, True)
         split = w8a8_split_k_linear(x, w, fmt)
-        rel = float((split.float() - want.float()).abs().max() / want.float().abs().max())
+        rel = max_rel_err(split, want)
         print(f"split-K M={m} S={split_k_splits(m, n, k)}: rel err vs unsplit reference {rel:.2e}")
-        if rel > 2**-7:
+        if not rel <= 2**-7:
             fails.append(f"split-K M={m}: rel {rel:.2e}")
     return fails
 
@@ -176,7 +162,7 @@ def check_mx(gen: torch.Generator) -> list[str]:
     sort = moe_sort(case.ids, case.weights, case.plan, 0, block_size=32)
     got = mx_fused_moe(case.x, case.gate_up, case.down, sort, topk, 10.0)
     want = mx_fused_moe_ref(case.x, case.gate_up, case.down, case.ids, case.mask, 10.0)
-    rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    rel = max_rel_err(got, want)
     print(f"mx_fused_moe (tl.dot_scaled on this device): rel err {rel:.2e}")
     return [] if rel <= 2**-5 else [f"mx_fused_moe: rel {rel:.2e}"]
 
