@@ -23,15 +23,16 @@ in-prologue quantisation and reduce) against the W8A16 kernel and cuBLAS bf16.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 
 from sgl_dspark.kernels.fp8.act_quant import quantize_act_fp8  # noqa: E402
@@ -46,7 +47,9 @@ from sgl_dspark.kernels.fp8.reference import (  # noqa: E402
 from sgl_dspark.kernels.fp8.w8a8 import split_k_splits, w8a8_linear, w8a8_split_k_linear  # noqa: E402
 from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref  # noqa: E402
-from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort  # noqa: E402
+from sgl_dspark.kernels.moe.sort import MoeSortPlan, moe_sort, prepare_moe_sort  # noqa: E402
+
+from benchmark.kernels.graph_timing import graph_time_us, max_rel_err  # noqa: E402
 
 DEVICE = "cuda"
 # (name, N, K)
@@ -72,27 +75,9 @@ def fp8_weight(n: int, k: int, block: int, gen: torch.Generator) -> QuantizedWei
     )
 
 
-def time_us(call: Callable[[], object], reps: int = 20) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        call()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            call()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / reps)
-    return best
+def time_us(call: Callable[[], object]) -> float:
+    """Microseconds per call, 20 back-to-back calls a graph."""
+    return graph_time_us([call], reps=20)
 
 
 def check_w8a8(m: int, n: int, k: int, block: int, group: int, gen: torch.Generator) -> list[str]:
@@ -113,12 +98,14 @@ def check_w8a8(m: int, n: int, k: int, block: int, group: int, gen: torch.Genera
         fails.append(f"quantiser M={m} K={k} group={group}: not the reference's bits")
     got = w8a8_linear(act, w, group)
     want = w8a8_linear_ref(act, w, group, torch.bfloat16)
-    rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    rel = max_rel_err(got, want)
     flips = float((got != want).float().mean())
     print(
         f"w8a8 M={m} N={n} K={k} block={block} group={group}: rel err {rel:.2e}, flips {flips:.4f}"
     )
-    if rel > 2**-7:  # flips: the FP8 MMA sums a chunk in its own order (reported, not gated)
+    # Gated as `not <=` so that a NaN fails. Flips: the FP8 MMA sums a chunk in its own order
+    # (reported, not gated).
+    if not rel <= 2**-7:
         fails.append(f"w8a8 M={m} N={n} K={k}: rel {rel:.2e} flips {flips:.4f}")
     dense = x.float() @ dequantize_weight_ref(w, torch.float32).t()
     gap = w8a8_bf16_gap_bound_ref(x, act, w, group)
@@ -128,31 +115,54 @@ def check_w8a8(m: int, n: int, k: int, block: int, group: int, gen: torch.Genera
     if group <= block and m <= 128:
         fmt = Fp8ActFormat(group, True)
         split = w8a8_split_k_linear(x, w, fmt)
-        rel = float((split.float() - want.float()).abs().max() / want.float().abs().max())
+        rel = max_rel_err(split, want)
         print(f"split-K M={m} S={split_k_splits(m, n, k)}: rel err vs unsplit reference {rel:.2e}")
-        if rel > 2**-7:
+        if not rel <= 2**-7:
             fails.append(f"split-K M={m}: rel {rel:.2e}")
     return fails
 
 
-def check_mx(gen: torch.Generator) -> list[str]:
+class MxMoeCase(NamedTuple):
+    """The MX MoE check's inputs, every tensor on one device."""
+
+    x: torch.Tensor
+    gate_up: QuantizedWeight
+    down: QuantizedWeight
+    ids: torch.Tensor
+    weights: torch.Tensor
+    mask: torch.Tensor
+    plan: MoeSortPlan
+
+
+def mx_moe_case(gen: torch.Generator, device: str | torch.device, small: bool) -> MxMoeCase:
+    """Random MXFP4 experts and routes on `device`. The sort plan is built as the engine builds
+    it (`srt/layers/moe/experts.py`): from the mask on the host, with no device read, then its
+    table moved to the routes' device, where `moe_sort` requires it."""
     from sgl_dspark.srt.model_loader.quantization import mxfp4_to_runtime, quantize_mxfp4
 
-    e, d, inter, m, topk = (8, 512, 256, 40, 4) if DEVICE == "cuda" else (4, 96, 64, 9, 2)
+    e, d, inter, m, topk = (4, 96, 64, 9, 2) if small else (8, 512, 256, 40, 4)
 
     def mx(shape):
         q = mxfp4_to_runtime(*quantize_mxfp4(torch.randn(*shape, generator=gen) * 0.05, 32), 32)
-        return q._replace(data=q.data.to(DEVICE), scale=q.scale.to(DEVICE))
+        return q._replace(data=q.data.to(device), scale=q.scale.to(device))
 
     gate_up, down = mx((e, 2 * inter, d)), mx((e, d, inter))
-    x = torch.randn(m, d, generator=gen).to(torch.bfloat16).to(DEVICE)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(m)]).int().to(DEVICE)
-    weights = torch.rand(m, topk, generator=gen).to(DEVICE)
-    mask = torch.ones(e, dtype=torch.int32, device=DEVICE)
-    sort = moe_sort(ids, weights, prepare_moe_sort(mask.cpu()), 0, block_size=32)
-    got = mx_fused_moe(x, gate_up, down, sort, topk, 10.0)
-    want = mx_fused_moe_ref(x, gate_up, down, ids, mask, 10.0)
-    rel = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+    x = torch.randn(m, d, generator=gen).to(torch.bfloat16).to(device)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:topk] for _ in range(m)]).int().to(device)
+    weights = torch.rand(m, topk, generator=gen).to(device)
+    host_mask = torch.ones(e, dtype=torch.int32)
+    plan = prepare_moe_sort(host_mask)
+    plan = plan._replace(local_table=plan.local_table.to(device))
+    return MxMoeCase(x, gate_up, down, ids, weights, host_mask.to(device), plan)
+
+
+def check_mx(gen: torch.Generator) -> list[str]:
+    case = mx_moe_case(gen, DEVICE, small=DEVICE != "cuda")
+    topk = case.ids.shape[1]
+    sort = moe_sort(case.ids, case.weights, case.plan, 0, block_size=32)
+    got = mx_fused_moe(case.x, case.gate_up, case.down, sort, topk, 10.0)
+    want = mx_fused_moe_ref(case.x, case.gate_up, case.down, case.ids, case.mask, 10.0)
+    rel = max_rel_err(got, want)
     print(f"mx_fused_moe (tl.dot_scaled on this device): rel err {rel:.2e}")
     return [] if rel <= 2**-5 else [f"mx_fused_moe: rel {rel:.2e}"]
 
@@ -225,13 +235,13 @@ CHECKS = [  # (M, N, K, weight block, activation group)
 SMOKE_CHECKS = [(70, 130, 300, 128, 128), (20, 64, 200, 32, 32)]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     global DEVICE
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", help="markdown file for the timings")
     parser.add_argument("--skip-timing", action="store_true")
     parser.add_argument("--smoke", action="store_true", help="small checks on the CPU, no timing")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.smoke:
         DEVICE = "cpu"
     gen = torch.Generator().manual_seed(0)

@@ -59,6 +59,7 @@ from benchmark.kernels.baseline_quant_linear import (  # noqa: E402
     baseline_quantized_linear,
 )
 from benchmark.kernels.bench_floor import add_one  # noqa: E402
+from benchmark.kernels.graph_timing import graph_time_us, max_rel_err  # noqa: E402
 
 
 @dataclass
@@ -135,38 +136,11 @@ def time_us(calls: list[Callable[[], object]], reps: int) -> float:
         for c in calls:
             c()
         return float("nan")
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for c in calls:
-            c()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for c in calls:
-                c()
-    graph.replay()
-    torch.cuda.synchronize()
-    best = math.inf
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        best = min(best, start.elapsed_time(end) * 1e3 / (reps * len(calls)))
-    del graph
-    return best
+    return graph_time_us(calls, reps)
 
 
 def _reps(copies: int) -> int:
     return max(2, 64 // copies)
-
-
-def _max_rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    scale = want.float().abs().max().clamp_min(1e-30)
-    return float((got.float() - want.float()).abs().max() / scale)
 
 
 @dataclass
@@ -244,7 +218,7 @@ def bench_dense(
         got = call(x, w0)
         if warm_only:  # compiled: enough
             continue
-        err = _max_rel_err(got, ref(x, w0))
+        err = max_rel_err(got, ref(x, w0))
         weights = [w0] + [make() for _ in range(_copies(_nbytes(w0)) - 1)]
         us = time_us([lambda w=w, c=call: c(x, w) for w in weights], _reps(len(weights)))
         out.append(Row(name, m, variant, us, _nbytes(w0) + act_bytes, err))
@@ -327,7 +301,7 @@ def bench_moe(m: int, warm_only: bool = False, only: int | None = None) -> list[
             got = fn(w13, w2, *inputs[0])
             if warm_only:  # compiled: enough
                 continue
-            err = float("nan") if deq is None else _max_rel_err(got, fn(*deq, *inputs[0]))
+            err = float("nan") if deq is None else max_rel_err(got, fn(*deq, *inputs[0]))
             calls = [lambda fn=fn, a=w13, b=w2, i=i: fn(a, b, *i) for i in inputs]
             us = time_us(calls, 4)
             shape = f"MoE {path} {s.experts}+1x(2x{s.inter}+{s.inter})x{s.hidden} top-{s.topk}+1"
@@ -382,7 +356,7 @@ def sweep_linear(m_values: list[int], name: str, n: int, k: int) -> list[Row]:
                     tag = f"BN{bn} BK{bk} split{split} s{stages} w{warps}"
                 quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
                 try:
-                    err = _max_rel_err(quantized_linear(x, w0), want)
+                    err = max_rel_err(quantized_linear(x, w0), want)
                     calls = [lambda w=w, x=x: quantized_linear(x, w) for w in weights]
                     us = time_us(calls, _reps(len(weights)))
                 except Exception as exc:  # noqa: BLE001 - a shape the target cannot run

@@ -92,7 +92,9 @@ def _kernel_modules() -> list:
     return [importlib.import_module(f"sgl_dspark.kernels.{m}") for m in _KERNEL_MODULES]
 
 
-def _record(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
+def record_launches(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
+    """The launches of `module.kernel` that `run` makes (`benchmark/kernels/probe_quant_sass.py`
+    disassembles them too)."""
     mod = importlib.import_module(module)
     real = getattr(mod, kernel)
     rec = _Recorder(real)
@@ -121,7 +123,7 @@ def _record(module: str, kernel: str, run: Callable[[], object]) -> _Recorder:
     return rec
 
 
-def _source(fn, args: tuple, kwargs: dict, target: GPUTarget) -> tuple[ASTSource, dict]:
+def launch_source(fn, args: tuple, kwargs: dict, target: GPUTarget) -> tuple[ASTSource, dict]:
     """The compilation a launch of `fn` with these arguments gets on `target`, specialised as
     Triton's launcher specialises it: pointers 16-byte aligned and integers divisible by 16
     marked so, integers equal to 1 made constants (what decides vector widths, and through
@@ -142,19 +144,19 @@ def _compile_all(rec: _Recorder, instructions: dict[str, str] | None = None) -> 
     """Compile every distinct recorded launch for every target; returns report lines.
     `instructions`: per target, a regular expression the assembly (PTX / AMDGCN) must match
     (the matrix instruction a kernel exists to use); such kernels compile with the run-time
-    specialisation (`_source`)."""
+    specialisation (`launch_source`)."""
     report = []
     seen = set()
     for args, kwargs in rec.calls:
         # A launch compiles anew for other constexprs or other argument types (an FP8 pool).
-        src, options = _source(rec.fn, args, kwargs, TARGETS["sm90"][0])
+        src, options = launch_source(rec.fn, args, kwargs, TARGETS["sm90"][0])
         key = (src.hash(), tuple(sorted(options.items())))
         if key in seen:
             continue
         seen.add(key)
         extra = {k: v for k, v in INSTRUCTION_TARGETS.items() if k in (instructions or {})}
         for name, (target, smem_limit) in {**TARGETS, **extra}.items():
-            src, options = _source(rec.fn, args, kwargs, target)
+            src, options = launch_source(rec.fn, args, kwargs, target)
             compiled = triton.compile(src, target=target, options=options)
             shared = compiled.metadata.shared
             assert shared <= smem_limit, (name, kwargs, shared)
@@ -413,7 +415,7 @@ def _quantized(fmt: str, shape: tuple[int, ...], block: int):
     return QuantizedWeight(data, scale, fmt, block, rows)
 
 
-def _quantized_linear(
+def quantized_linear_case(
     fmt: str, n: int, k: int, block: int, m: int = 3, dtype: torch.dtype = torch.bfloat16
 ) -> Callable[[], object]:
     from sgl_dspark.kernels.linear.quantized import quantized_linear
@@ -428,7 +430,7 @@ def _quantized_grouped_linear(fmt: str, block: int) -> Callable[[], object]:
     return lambda: quantized_grouped_linear(_bf16(2, 8, 4096), _quantized(fmt, (8192, 4096), block))
 
 
-def _quantized_moe(fmt: str, block: int, block_size: int = 32) -> Callable[[], object]:
+def quantized_moe_case(fmt: str, block: int, block_size: int = 32) -> Callable[[], object]:
     from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
     from sgl_dspark.kernels.moe.reference import MoeSortOutput
 
@@ -452,7 +454,7 @@ def _quantized_moe(fmt: str, block: int, block_size: int = 32) -> Callable[[], o
     )
 
 
-def _quantized_token_gemms(fmt: str, block: int) -> Callable[[], object]:
+def quantized_token_gemms_case(fmt: str, block: int) -> Callable[[], object]:
     from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -702,44 +704,44 @@ CASES = {
     "quantized_linear_fp8_o_b": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("fp8", 4096, 8192, 128),
+        quantized_linear_case("fp8", 4096, 8192, 128),
     ),
     "quantized_linear_fp8_o_b_m1": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("fp8", 4096, 8192, 128, m=1),
+        quantized_linear_case("fp8", 4096, 8192, 128, m=1),
     ),
     "quantized_linear_fp8_32_q_b": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("fp8", 32768, 1280, 32, m=16),
+        quantized_linear_case("fp8", 32768, 1280, 32, m=16),
     ),
     # fp32 activations (fp32 serving of a quantised checkpoint): wider activation tiles
     "quantized_linear_fp8_fp32": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("fp8", 4096, 4096, 128, m=16, dtype=torch.float32),
+        quantized_linear_case("fp8", 4096, 4096, 128, m=16, dtype=torch.float32),
     ),
     "quantized_linear_mxfp4_fp32": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("mxfp4", 4096, 4096, 32, m=16, dtype=torch.float32),
+        quantized_linear_case("mxfp4", 4096, 4096, 32, m=16, dtype=torch.float32),
     ),
     "quantized_linear_mxfp4": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("mxfp4", 4096, 4096, 32),
+        quantized_linear_case("mxfp4", 4096, 4096, 32),
     ),
     "quantized_linear_mxfp4_wide_m1": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("mxfp4", 32768, 4096, 32, m=1),
+        quantized_linear_case("mxfp4", 32768, 4096, 32, m=1),
     ),
     # K not a multiple of 32: MXFP4 rows read byte by byte.
     "quantized_linear_mxfp4_bytes": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        _quantized_linear("mxfp4", 1024, 4040, 32),
+        quantized_linear_case("mxfp4", 1024, 4040, 32),
     ),
     "quantized_grouped_linear_fp8": (
         "linear.quantized",
@@ -754,42 +756,42 @@ CASES = {
     "quantized_moe_grouped_mxfp4": (
         "moe.grouped_gemm",
         "_moe_grouped_gemm_kernel",
-        _quantized_moe("mxfp4", 32),
+        quantized_moe_case("mxfp4", 32),
     ),
     "quantized_moe_grouped_mxfp4_block16": (
         "moe.grouped_gemm",
         "_moe_grouped_gemm_kernel",
-        _quantized_moe("mxfp4", 32, block_size=16),
+        quantized_moe_case("mxfp4", 32, block_size=16),
     ),
     "quantized_moe_grouped_fp8": (
         "moe.grouped_gemm",
         "_moe_grouped_gemm_kernel",
-        _quantized_moe("fp8", 128),
+        quantized_moe_case("fp8", 128),
     ),
     "quantized_moe_grouped_fp8_block16": (
         "moe.grouped_gemm",
         "_moe_grouped_gemm_kernel",
-        _quantized_moe("fp8", 128, block_size=16),
+        quantized_moe_case("fp8", 128, block_size=16),
     ),
     "quantized_moe_route_gate_up_mxfp4": (
         "moe.token_gemm",
         "_moe_route_gate_up_kernel",
-        _quantized_token_gemms("mxfp4", 32),
+        quantized_token_gemms_case("mxfp4", 32),
     ),
     "quantized_moe_route_gate_up_fp8": (
         "moe.token_gemm",
         "_moe_route_gate_up_kernel",
-        _quantized_token_gemms("fp8", 128),
+        quantized_token_gemms_case("fp8", 128),
     ),
     "quantized_moe_token_down_mxfp4": (
         "moe.token_gemm",
         "_moe_token_down_kernel",
-        _quantized_token_gemms("mxfp4", 32),
+        quantized_token_gemms_case("mxfp4", 32),
     ),
     "quantized_moe_token_down_fp8_32": (
         "moe.token_gemm",
         "_moe_token_down_kernel",
-        _quantized_token_gemms("fp8", 32),
+        quantized_token_gemms_case("fp8", 32),
     ),
     "quant_store_window_fp8": (
         "quant.store",
@@ -1021,7 +1023,7 @@ def check_programmatic_launch(
                 continue
             seen.add(variant)
             for pdl in (False, True):
-                src, options = _source(rec.fn, args, {**kwargs, "PDL": pdl}, target)
+                src, options = launch_source(rec.fn, args, {**kwargs, "PDL": pdl}, target)
                 ptx = triton.compile(src, target=target, options=options).asm["ptx"]
                 waits = ptx.count("griddepcontrol.wait")
                 releases = ptx.count("griddepcontrol.launch_dependents")
@@ -1044,7 +1046,7 @@ def check_instructions() -> list[str]:
     report = []
     for case, wanted in sorted(INSTRUCTIONS.items()):
         module, kernel, run = CASES[case]
-        _compile_all(_record(f"sgl_dspark.kernels.{module}", kernel, run), wanted)
+        _compile_all(record_launches(f"sgl_dspark.kernels.{module}", kernel, run), wanted)
         report.append(f"ok asm {case}: {', '.join(f'{t} {r}' for t, r in sorted(wanted.items()))}")
     return report
 
@@ -1080,7 +1082,7 @@ def main(names: list[str]) -> int:
     for case in names or sorted(CASES):
         module, kernel, run = CASES[case]
         try:
-            rec = _record(f"sgl_dspark.kernels.{module}", kernel, run)
+            rec = record_launches(f"sgl_dspark.kernels.{module}", kernel, run)
             report = _compile_all(rec, INSTRUCTIONS.get(case))
             print(f"ok {case}: {'; '.join(report)}", flush=True)
         except Exception as exc:  # report every case, fail at the end

@@ -282,6 +282,16 @@ def test_rejects_bad_layouts() -> None:
         moe_grouped_gemm(
             x, torch.ones(4, 16, 32, device=DEVICE), sort.sorted_ids.long(), *routes[1:]
         )
+    # `fused_moe` checks the whole sort up front (`fused_moe_out`, shared with `mx_fused_moe`).
+    gate_up, down = torch.ones(4, 32, 32, device=DEVICE), torch.ones(4, 32, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="sorted_weights is on meta"):
+        fused_moe(
+            x, gate_up, down, sort._replace(sorted_weights=sort.sorted_weights.to("meta")), 2, 1.0
+        )
+    with pytest.raises(ValueError, match="block_size"):
+        fused_moe(x, gate_up, down, sort, 2, 1.0, block_size=24)
+    with pytest.raises(ValueError, match="gate_up_proj"):  # D of the weights is not x's
+        fused_moe(x, torch.ones(4, 32, 16, device=DEVICE), down, sort, 2, 1.0)
 
 
 def test_rejects_bad_swiglu_args() -> None:

@@ -155,6 +155,10 @@ def test_bad_inputs_raise() -> None:
     ids = torch.zeros(2, 2, dtype=torch.int64, device=DEVICE)
     with pytest.raises(ValueError, match="topk_ids"):
         moe_sort(ids, torch.zeros(2, 2, device=DEVICE), plan, 8)
+    # A plan left on another device than the routes ("meta": another device without a GPU).
+    ids = torch.zeros(2, 2, dtype=torch.int32, device="meta")
+    with pytest.raises(ValueError, match=f"plan is on {plan.local_table.device}, routes on meta"):
+        moe_sort(ids, torch.zeros(2, 2, device="meta"), plan, 8)
 
 
 @pytest.mark.parametrize("fill_id", [0, -1, 384])

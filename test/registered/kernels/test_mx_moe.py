@@ -51,7 +51,7 @@ def _setup(m: int, e: int, d: int, inter: int, topk: int, routing: str, mask_kin
     x = (torch.randn(m, d, generator=gen) * 2).to(torch.bfloat16).to(DEVICE)
     ids, weights = _routes(m, topk, e, routing, gen)
     mask = _mask(mask_kind, e, gen)
-    sort = moe_sort(ids, weights, prepare_moe_sort(mask.cpu()), 0, block_size=32)
+    sort = moe_sort(ids, weights, prepare_moe_sort(mask), 0, block_size=32)  # plan on DEVICE
     return x, gate_up, down, ids, weights, mask, sort
 
 
@@ -114,3 +114,12 @@ def test_bad_arguments_raise() -> None:
         mx_fused_moe(x, gate_up, gate_up, sort, 2, 7.0)
     with pytest.raises(ValueError, match="block_size"):
         mx_fused_moe(x, gate_up, down, sort, 2, 7.0, block_size=24)
+    # The checks it shares with `fused_moe` (`fused_moe_out`).
+    with pytest.raises(ValueError, match="limit"):
+        mx_fused_moe(x, gate_up, down, sort, 2, 0.0)
+    with pytest.raises(ValueError, match="out must be"):
+        mx_fused_moe(x, gate_up, down, sort, 2, 7.0, out=torch.empty(3, 3, 96, device=DEVICE))
+    for field in ("sorted_ids", "sorted_weights"):
+        elsewhere = sort._replace(**{field: getattr(sort, field).to("meta")})
+        with pytest.raises(ValueError, match=f"{field} is on meta"):
+            mx_fused_moe(x, gate_up, down, elsewhere, 2, 7.0)

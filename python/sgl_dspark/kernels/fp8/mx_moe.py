@@ -49,7 +49,7 @@ from sgl_dspark.kernels.fp8.act_quant import (
 from sgl_dspark.kernels.fp8.reference import MX_GROUP
 from sgl_dspark.kernels.linear.dequant import E2M1_FP16_SHIFT, e2m1_to, e8m0_to_fp32
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
-from sgl_dspark.kernels.moe.grouped_gemm import swiglu_tile, weighted_activation
+from sgl_dspark.kernels.moe.grouped_gemm import fused_moe_out, swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.reference import MoeSortOutput
 from sgl_dspark.kernels.quant.reference import Fp8Rows
 
@@ -310,30 +310,8 @@ def mx_fused_moe(
     require(gate_up_proj.shape[1] % 64 == 0, "gate_up_proj: 2I must be a multiple of 64")
     inter = gate_up_proj.shape[1] // 2
     check_mx_weight("down_proj", down_proj, inter)
-    require(
-        tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
-        f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got {down_proj.shape}",
-    )
+    out = fused_moe_out(x, gate_up_proj, down_proj, sort, topk, limit, block_size, out)
     require(hidden % MX_GROUP == 0, f"MXFP8 activations need D % 32 == 0, got D = {hidden}")
-    require(
-        block_size >= 16 and block_size & (block_size - 1) == 0,
-        f"block_size must be a power of two >= 16, got {block_size}",
-    )
-    require(limit is None or limit > 0, f"limit must be > 0 or None, got {limit}")
-    require(
-        sort.sorted_expert_ids.numel() == triton.cdiv(sort.sorted_ids.numel(), block_size),
-        "sort: sorted_expert_ids must have one entry per block of sorted_ids",
-    )
-    for name, t in zip(MoeSortOutput._fields[:4], sort[:4]):
-        require(t.device == x.device, f"sort.{name} is on {t.device}, x on {x.device}")
-    if out is None:
-        out = torch.empty(num_tokens, topk, hidden, dtype=x.dtype, device=x.device)
-    require(
-        tuple(out.shape) == (num_tokens, topk, hidden)
-        and out.is_contiguous()
-        and out.dtype == x.dtype,
-        f"out must be contiguous {x.dtype} {(num_tokens, topk, hidden)}",
-    )
     if num_tokens == 0 or gate_up_proj.shape[0] == 0:
         return out
     if x_mx is None:

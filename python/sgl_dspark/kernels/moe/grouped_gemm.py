@@ -343,7 +343,55 @@ def _check_sorted(
         ("sorted_expert_ids", sorted_expert_ids),
         ("num_valid", num_valid),
     ):
-        require(tensor.device == device, f"{name} is on {tensor.device}, a on {device}")
+        require(
+            tensor.device == device, f"{name} is on {tensor.device}, the activations on {device}"
+        )
+
+
+def fused_moe_out(
+    x: torch.Tensor,
+    gate_up_proj: ExpertWeight,
+    down_proj: ExpertWeight,
+    sort: MoeSortOutput,
+    topk: int,
+    limit: float | None,
+    block_size: int,
+    out: torch.Tensor | None,
+) -> torch.Tensor:
+    """The arguments every launcher of the two-stage routed experts takes (`fused_moe`, and
+    `mx_fused_moe` for the MX formats), checked (ValueError naming the argument): x [M, D];
+    gate_up_proj [E_loc, 2I, D] and down_proj [E_loc, D, I]; the sort's tensors for
+    `block_size` on x's device; limit > 0 or None; out, when given, contiguous [M, topk, D] in
+    x's dtype. Returns out, allocated when None. The weights' formats and x's layout are each
+    launcher's own checks."""
+    require(x.dim() == 2, f"x must be [M, D], got {tuple(x.shape)}")
+    num_tokens, hidden = x.shape
+    require(
+        len(gate_up_proj.shape) == 3
+        and gate_up_proj.shape[1] % 2 == 0
+        and gate_up_proj.shape[2] == hidden,
+        f"gate_up_proj must be [E_loc, 2I, {hidden}], got {tuple(gate_up_proj.shape)}",
+    )
+    inter = gate_up_proj.shape[1] // 2
+    require(
+        tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
+        f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got {tuple(down_proj.shape)}",
+    )
+    require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
+    _check_sorted(sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, block_size, x.device)
+    require(
+        sort.sorted_weights.device == x.device,
+        f"sorted_weights is on {sort.sorted_weights.device}, the activations on {x.device}",
+    )
+    if out is None:
+        return torch.empty(num_tokens, topk, hidden, dtype=x.dtype, device=x.device)
+    require(
+        tuple(out.shape) == (num_tokens, topk, hidden)
+        and out.is_contiguous()
+        and out.dtype == x.dtype,
+        f"out must be contiguous {x.dtype} {(num_tokens, topk, hidden)}",
+    )
+    return out
 
 
 def moe_grouped_gemm(
@@ -519,25 +567,8 @@ def fused_moe(
         y [M, topk, D]; y[t, k] is expert topk_ids[t, k]'s output for token t where that expert
         is local, untouched elsewhere (`moe_reduce` reads only local slots).
     """
+    out = fused_moe_out(x, gate_up_proj, down_proj, sort, topk, limit, block_size, out)
     num_tokens, hidden = x.shape
-    require(
-        len(gate_up_proj.shape) == 3 and gate_up_proj.shape[1] % 2 == 0,
-        f"gate_up_proj must be [E_loc, 2I, D], got {tuple(gate_up_proj.shape)}",
-    )
-    inter = gate_up_proj.shape[1] // 2
-    require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
-    require(
-        tuple(down_proj.shape) == (gate_up_proj.shape[0], hidden, inter),
-        f"down_proj must be {(gate_up_proj.shape[0], hidden, inter)}, got {tuple(down_proj.shape)}",
-    )
-    if out is None:
-        out = torch.empty(num_tokens, topk, hidden, dtype=x.dtype, device=x.device)
-    require(
-        tuple(out.shape) == (num_tokens, topk, hidden)
-        and out.is_contiguous()
-        and out.dtype == x.dtype,
-        f"out must be contiguous {x.dtype} {(num_tokens, topk, hidden)}",
-    )
     if num_tokens == 0:
         return out
     routes = (sort.sorted_ids, sort.sorted_expert_ids, sort.num_valid, topk)
