@@ -4,6 +4,7 @@ every target forward's logits recorded."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from pathlib import Path
@@ -314,4 +315,86 @@ def run_shard_greedy(rank: int, out_dir: Path) -> None:
             torch.save(
                 {"full": full, "probes": probes, "pick": tuple(pick)},
                 out_dir / f"greedy_{split}_{impl}_r{rank}.pt",
+            )
+
+
+MARKOV_GAMMA = 5
+MARKOV_RANK = 8
+
+
+def markov_inputs(border: int, width: int, gen: torch.Generator) -> dict[str, torch.Tensor]:
+    """A greedy Markov loop's inputs over `width` columns whose drafts are decided at or
+    across the column `border` between two shards (`markov_edge_cases` lists them).
+
+    W1 and W2 hold multiples of 1/2 in [-1, 1] and the rank is 8, so every Markov correction
+    `e @ W2^T` is exact in fp32 whatever the summation order: the whole-row loop and the
+    per-shard loop compute the same step logits bit for bit, and a tie stays a tie. Each tie
+    pairs two columns with equal W2 rows, so their corrections are equal for every previous
+    token and the tie holds at every step."""
+    nan, inf = float("nan"), float("inf")
+    b, g = border, MARKOV_GAMMA
+
+    def halves(*shape: int) -> torch.Tensor:
+        return torch.randint(-2, 3, shape, generator=gen).float() / 2
+
+    w1, w2 = halves(width, MARKOV_RANK), halves(width, MARKOV_RANK)
+    # |correction| <= 8 and |U| stays far below 100 - 2 * 8: a 100 is each row's maximum.
+    base = torch.randn(12, g, width, generator=gen)
+    w2[b + 5] = w2[b - 5]
+    base[0, :, b - 5] = base[0, :, b + 5] = 100.0  # tie across the border: the smaller index
+    w2[b] = w2[b - 1]
+    base[1, :, b - 1] = base[1, :, b] = 100.0  # tie at the border itself
+    base[2, 1, b + 3] = nan  # a NaN on the second shard beats every number
+    base[3, 2] = -inf  # all -inf (a finite correction keeps them -inf): column 0
+    base[4, 0, b] = 100.0  # first column of the second shard
+    base[4, 1, b - 1] = 100.0  # last column of the first shard
+    base[5, 0, :b] = -inf  # the first shard all -inf, the second finite
+    base[5, 1, b:] = -inf  # the second shard all -inf
+    base[6, 3, 2] = base[6, 3, b + 2] = nan  # NaNs on both shards: the first
+    base[6, 4, b + 1] = base[6, 4, 3] = inf  # +inf on both shards: the first
+    anchors = torch.randint(0, width, (12,), generator=gen)
+    anchors[:2] = torch.tensor([b - 1, b])
+    return {"base": base, "w1": w1, "w2": w2, "anchors": anchors}
+
+
+def markov_edge_cases(border: int) -> dict[tuple[int, int], int]:
+    """(row, step) -> the draft `markov_inputs` forces there, worked out by hand."""
+    b = border
+    cases = {(0, k): b - 5 for k in range(MARKOV_GAMMA)}
+    cases.update({(1, k): b - 1 for k in range(MARKOV_GAMMA)})
+    cases.update({(2, 1): b + 3, (3, 2): 0, (4, 0): b, (4, 1): b - 1, (6, 3): 2, (6, 4): 3})
+    return cases
+
+
+def run_shard_markov(rank: int, out_dir: Path) -> None:
+    """Both ranks of a TP-2 world run the greedy Markov loop over their columns of
+    `markov_inputs` (`markov_greedy_shard` with `shard_argmax`, torch and the
+    `kernels/sampling` kernels), for an even split of 64 columns and an uneven one (37 | 27);
+    every rank saves the inputs, its outputs and the shape of every tensor it all-gathered
+    (`markov_{split}_{impl}_r{rank}`)."""
+    from sgl_dspark.srt.layers.vocab_parallel import shard_argmax
+    from sgl_dspark.srt.speculative.dspark.sampling import markov_greedy_shard
+
+    state = init_parallel_state(ParallelLayout(2, 1))
+    if rank >= 2:
+        return
+    for split, widths in (("even", (32, 32)), ("uneven", (37, 27))):
+        gen = torch.Generator().manual_seed(5)
+        inputs = markov_inputs(widths[0], sum(widths), gen)
+        start = sum(widths[:rank])
+        cols = slice(start, start + widths[rank])
+        for impl in ("torch", "triton"):
+            gathered = count_gathers()
+            out = markov_greedy_shard(
+                inputs["base"][:, :, cols].contiguous(),
+                inputs["w1"],
+                inputs["w2"][cols],
+                inputs["anchors"],
+                functools.partial(
+                    shard_argmax, vocab_start=start, tp=state.tp, triton=impl == "triton"
+                ),
+            )
+            torch.save(
+                {**inputs, "out": tuple(out), "gathered": list(gathered), "start": start},
+                out_dir / f"markov_{split}_{impl}_r{rank}.pt",
             )

@@ -15,6 +15,9 @@ of two ways, chosen per step by what its requests need (`needs_full_logits`):
   and only the records cross ranks (`shard_greedy`: 12 bytes per rank and row): the argmax by
   the shard-pair rule (bit-identical to `torch.argmax` of whole rows) and the chosen token's
   log-softmax (within fp32 rounding of `log_softmax` of whole rows).
+* greedy ids alone (`LogitsReader.argmax`): the same pairs without the sums (`shard_argmax`:
+  8 bytes per rank and row), for a reader that needs no logprob: the DSpark draft's greedy
+  Markov steps (`speculative/dspark/sampling.py::markov_greedy_shard`).
 """
 
 from __future__ import annotations
@@ -119,6 +122,14 @@ class LogitsReader:
             probed = logprobs.gather(1, probe_ids.clamp(0, rows.shape[1] - 1)[:, None]).squeeze(1)
         return GreedyPick(ids, picked, probed)
 
+    def argmax(self, rows: torch.Tensor) -> torch.Tensor:
+        """Greedy ids `[M]` of rows `[M, V / tp]`, `torch.argmax` of the whole rows (ties to
+        the first index, NaN above every number); under TP only the (max, index) pairs cross
+        ranks (`shard_argmax`), on one rank the sampler's own argmax."""
+        if self.sharded:
+            return shard_argmax(rows, self.vocab_start, self.tp, self.triton)
+        return self._argmax(rows)
+
 
 # Columns of the per-rank record `shard_greedy` gathers.
 _MAX, _INDEX, _SUMEXP, _PROBE = range(4)
@@ -155,15 +166,7 @@ def shard_greedy(
     if rows.shape[0] == 0:  # every rank has the same rows: none of them gathers
         empty = rows.new_zeros((0,))
         return GreedyPick(empty.long(), empty, None if probe_ids is None else empty)
-    if triton:
-        from sgl_dspark.kernels.sampling.vocab_argmax import shard_argmax_pairs
-
-        pairs = shard_argmax_pairs(rows, vocab_start)
-    else:
-        local = torch.argmax(rows, dim=-1)  # NaN first, then the first maximum
-        top = rows.gather(1, local[:, None]).squeeze(1)
-        # Global indices below 2**24 (any real vocabulary) are exact in fp32.
-        pairs = torch.stack((top, (local + vocab_start).float()), dim=-1)
+    pairs = _shard_pairs(rows, vocab_start, triton)
     shift = _finite_or_zero(pairs[:, _MAX])
     sumexp = torch.exp(rows - shift[:, None]).sum(dim=-1)
     columns = [pairs, sumexp[:, None]]
@@ -176,12 +179,7 @@ def shard_greedy(
         columns.append(torch.where(held, at, float("-inf"))[:, None])
     record = torch.cat(columns, dim=1).unsqueeze(0)
     gathered = tp.all_gather(record, dim=0)  # [ranks, M, columns]
-    if triton:
-        from sgl_dspark.kernels.sampling.vocab_argmax import combine_shard_argmax
-
-        ids = combine_shard_argmax(gathered[..., :2].contiguous())
-    else:
-        ids = combine_pairs(gathered[..., :2])
+    ids = _combine(gathered[..., :2], triton)
     maxima, index = gathered[..., _MAX], gathered[..., _INDEX]
     # The row max is the winning rank's max (global indices are unique across ranks).
     row_max = torch.where(index == ids.float(), maxima, float("-inf")).amax(0)
@@ -198,6 +196,43 @@ def shard_greedy(
         at_probe = (gathered[..., _PROBE].amax(0) - row_shift) - log_total
         probed = torch.where(finite, at_probe, nan)
     return GreedyPick(ids, logprobs, probed)
+
+
+def shard_argmax(
+    rows: torch.Tensor, vocab_start: int, tp: Communicator, triton: bool = False
+) -> torch.Tensor:
+    """`torch.argmax` ids `[M]` of the whole rows of logits `[M, V_s]` sharded over the
+    vocabulary (this rank's columns start at `vocab_start`; widths may differ between ranks):
+    `shard_greedy`'s ids, by the same pairs and the same combine, through one all-gather of
+    only the (shard max, its global index) pair per rank and row, without the sums a logprob
+    needs. Exact for the reasons `shard_greedy` gives (comparisons only: ties to the smallest
+    global index, the first NaN above every number, an all -inf row gives column 0)."""
+    if rows.shape[0] == 0:  # every rank has the same rows: none of them gathers
+        return torch.zeros((0,), dtype=torch.int64, device=rows.device)
+    pairs = _shard_pairs(rows.float(), vocab_start, triton)
+    return _combine(tp.all_gather(pairs.unsqueeze(0), dim=0), triton)  # [ranks, M, 2]
+
+
+def _shard_pairs(rows: torch.Tensor, vocab_start: int, triton: bool) -> torch.Tensor:
+    """fp32 `[M, 2]`: per row of this rank's columns `[M, V_s]` (fp32) its maximum (NaN when it
+    holds one) and the global index of the first occurrence."""
+    if triton:
+        from sgl_dspark.kernels.sampling.vocab_argmax import shard_argmax_pairs
+
+        return shard_argmax_pairs(rows, vocab_start)
+    local = torch.argmax(rows, dim=-1)  # NaN first, then the first maximum
+    top = rows.gather(1, local[:, None]).squeeze(1)
+    # Global indices below 2**24 (any real vocabulary) are exact in fp32.
+    return torch.stack((top, (local + vocab_start).float()), dim=-1)
+
+
+def _combine(pairs: torch.Tensor, triton: bool) -> torch.Tensor:
+    """Global ids `[M]` of the gathered pairs `[ranks, M, 2]`."""
+    if triton:
+        from sgl_dspark.kernels.sampling.vocab_argmax import combine_shard_argmax
+
+        return combine_shard_argmax(pairs.contiguous())
+    return combine_pairs(pairs)
 
 
 def _finite_or_zero(x: torch.Tensor) -> torch.Tensor:

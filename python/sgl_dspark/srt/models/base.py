@@ -43,3 +43,8 @@ class BaseCausalLM(nn.Module, ABC):
     @abstractmethod
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """fp32 logits `[..., V]` of hidden rows `[..., D]`, whole rows on every rank."""
+
+    @abstractmethod
+    def compute_shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits `[..., V / tp]` of hidden rows `[..., D]` over this rank's vocabulary
+        shard (`logits_reader.vocab_start` on); no collective. Whole rows on one rank."""

@@ -187,6 +187,10 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         raw = ngram_history(batch, pool.token_ids, engram.max_ngram_size, engram.pad_id)
         return self.model.engram_token_map[raw]
 
+    def compute_shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # Without tensor parallelism the one shard is the whole vocabulary.
+        return self.compute_logits(hidden)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         rows = hidden.reshape(-1, hidden.shape[-1])
         vocab = self.lm_head.weight.shape[0]

@@ -11,6 +11,7 @@ request proposes the same drafts whatever else is in the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -62,6 +63,55 @@ def markov_sample(
         if uniforms is not None:
             sampled = sample_from_probs(torch.softmax(z / temp, dim=-1), uniforms[:, k])
             x = torch.where(greedy, x, sampled)
+        drafts[:, k] = x
+        step_logits[:, k] = z
+        embeds[:, k] = e
+        prev = x
+    return MarkovSampleOutput(drafts, step_logits, embeds)
+
+
+def markov_greedy_shard(
+    base_logits: torch.Tensor,
+    w1: torch.Tensor,
+    w2_rows: torch.Tensor,
+    anchors: torch.Tensor,
+    argmax: Callable[[torch.Tensor], torch.Tensor],
+) -> MarkovSampleOutput:
+    """The greedy Markov loop of `markov_sample` over one rank's vocabulary shard (tensor
+    parallelism): every rank computes only its columns of each step's logits, and the draft
+    is the argmax of the whole row without any row crossing ranks.
+
+    Per step k the same operations as `markov_sample` on this rank's columns: e = W1[prev]
+    (W1 whole: prev is any token), z = U_k + e W2_s^T with W2_s the rows of W2 of this rank's
+    columns (each column the whole-row product's, up to the GEMM's summation order), then
+    `argmax(z)` combines every rank's (max, first index) pair (`LogitsReader.argmax`: ties to
+    the smallest global index, the first NaN above every number, as `torch.argmax` of the
+    whole row). Every rank gets the same draft, the next step's prev.
+
+    Only greedy drafts can be made this way: a sampled draft (temperature > 0) draws from
+    softmax(z / T) over the whole row, so a batch with sampled rows gathers its logits whole
+    (`markov_sample`).
+
+    Args:
+        base_logits: U `[B, gamma, V_s]`, this rank's columns of the backbone logits.
+        w1: `[V, r]` the whole Markov embedding table; w2_rows: `[V_s, r]` this rank's rows of
+            the Markov output weight.
+        anchors: `[B]` int64 prev_1; argmax: logits `[B, V_s]` -> global ids `[B]` (a
+            collective under tensor parallelism: every rank calls it in the same order).
+    Returns:
+        drafts `[B, gamma]` (global ids), this rank's columns of the step logits
+        `[B, gamma, V_s]` fp32 and the Markov embeddings `[B, gamma, r]`.
+    """
+    batch, gamma, width = base_logits.shape
+    device = base_logits.device
+    drafts = torch.empty((batch, gamma), dtype=torch.int64, device=device)
+    step_logits = torch.empty((batch, gamma, width), dtype=torch.float32, device=device)
+    embeds = torch.empty((batch, gamma, w1.shape[1]), dtype=w1.dtype, device=device)
+    prev = anchors.to(torch.int64)
+    for k in range(gamma):
+        e = w1[prev]
+        z = base_logits[:, k].float() + torch.matmul(e.to(w2_rows.dtype), w2_rows.t()).float()
+        x = argmax(z)
         drafts[:, k] = x
         step_logits[:, k] = z
         embeds[:, k] = e

@@ -40,6 +40,7 @@ from sgl_dspark.srt.speculative.dspark.sampling import (
     MarkovSampleOutput,
     confidence_head,
     draft_probs,
+    markov_greedy_shard,
     markov_sample,
     target_probs,
 )
@@ -187,7 +188,10 @@ class DSparkWorker:
         info: SamplingBatchInfo,
     ) -> DraftProposal:
         """Proposal for a batch with sampled rows: their drafts are drawn from softmax(z / T)
-        with the requests' `DRAFT_STREAM` uniforms (draft k at output counter + k)."""
+        with the requests' `DRAFT_STREAM` uniforms (draft k at output counter + k). Under
+        tensor parallelism such a batch gathers the draft's logits rows whole (a draw reads the
+        whole distribution); a batch whose rows are all greedy takes the shard path
+        (`_propose`)."""
         return self._propose(anchors, seq_t, slot_t, info, gamma, None)
 
     def _propose(
@@ -200,7 +204,14 @@ class DSparkWorker:
         num_drafts: int | None,
     ) -> DraftProposal:
         """Draft forward over [anchor, mask, ...] at positions s .. s+gamma-1, then the Markov
-        head (left to right) and, when read, the confidences. `info` None: every row greedy."""
+        head (left to right) and, when read, the confidences. `info` None: every row greedy.
+
+        Under tensor parallelism an all-greedy proposal never gathers a logits row: each rank
+        computes its vocabulary columns of the base logits and of the Markov correction, and
+        each draft is the argmax of the whole row from the ranks' (max, index) pairs
+        (`markov_greedy_shard`; its step logits are then this rank's columns). A batch with a
+        sampled row gathers the base logits whole, as a draw needs the whole distribution. One
+        rank takes the unsharded path unchanged."""
         runner = self.runner
         inputs = self.draft_inputs_fn(
             anchors,
@@ -216,14 +227,27 @@ class DSparkWorker:
         y, y_normed = self.draft(
             embeds, inputs.positions, self.ctx_kv, inputs.ctx_slots, inputs.ctx_valid
         )
-        base_logits = target.compute_logits(y_normed)  # [B, gamma, V]
+        reader = target.logits_reader
+        # `all_greedy` is a host flag: the choice never syncs, and every rank makes the same.
+        shard = reader.sharded and (info is None or info.all_greedy)
+        if shard:
+            base_logits = target.compute_shard_logits(y_normed)  # [B, gamma, V / tp]
+        else:
+            base_logits = target.compute_logits(y_normed)  # [B, gamma, V]
         w1, w2 = self.draft.markov_head.embed.weight, self.draft.markov_head.head.weight
         if num_drafts is not None and num_drafts < gamma:
             # The block's rows still all run (the draft attends bidirectionally inside the
             # block); only the sequential Markov loop stops early. No confidences are read.
             assert info is None and not self.needs_confidence
             base_logits = base_logits[:, :num_drafts]
-        if info is None:
+        if shard:
+            # W2 stays whole on every rank (the sampled path reads all of it); this rank's
+            # rows are a view.
+            start = reader.vocab_start
+            ms = markov_greedy_shard(
+                base_logits, w1, w2[start : start + reader.shard_width], anchors, reader.argmax
+            )
+        elif info is None:
             ms = self.markov_greedy_fn(base_logits, w1, w2, anchors)
         else:
             ms = markov_sample(
