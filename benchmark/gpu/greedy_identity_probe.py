@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
@@ -30,8 +29,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
-from benchmark.gsm8k.data import build_prompt  # noqa: E402
 from sgl_dspark.srt.entrypoints.engine import Engine  # noqa: E402
+
+from benchmark.gsm8k.data import build_prompt  # noqa: E402
 
 
 def row_checksums(t: torch.Tensor) -> torch.Tensor:

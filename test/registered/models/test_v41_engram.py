@@ -75,5 +75,3 @@ def test_gate_at_zero_dot_is_sigmoid_of_the_floor(c2):
     value = kv[:, cfg.hc_mult * cfg.hidden_size :]
     gate = torch.sigmoid(torch.tensor(1e-3))  # copysign(sqrt(1e-6), +0.0)
     torch.testing.assert_close(out, streams + gate * value[:, None, :])
-
-

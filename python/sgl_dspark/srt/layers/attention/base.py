@@ -50,7 +50,12 @@ class BaseAttentionBackend(ABC):
 
     @abstractmethod
     def attend_gathered(
-        self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
     ) -> torch.Tensor:
         """Attention over keys gathered per token: q `[T, H, Dh]`, keys `[T, K, Dh]` of q's
         dtype (keys are values), valid `[T, K]` bool, sinks `[H]`, scale -> `[T, H, Dh]`

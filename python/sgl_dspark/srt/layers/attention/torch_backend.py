@@ -13,7 +13,12 @@ from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entr
 
 class TorchAttentionBackend(BaseAttentionBackend):
     def attend_gathered(
-        self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
     ) -> torch.Tensor:
         return sink_attention_ref(q, keys, valid, sinks, scale)
 

@@ -28,7 +28,12 @@ class TritonAttentionBackend(BaseAttentionBackend):
         self._num_splits = 1 if batch_invariant else None
 
     def attend_gathered(
-        self, q: torch.Tensor, keys: torch.Tensor, valid: torch.Tensor, sinks: torch.Tensor, scale: float
+        self,
+        q: torch.Tensor,
+        keys: torch.Tensor,
+        valid: torch.Tensor,
+        sinks: torch.Tensor,
+        scale: float,
     ) -> torch.Tensor:
         """The window + sparse kernel with no window and the gathered keys as its extra keys
         (token t's rows t * K + j of the flattened keys)."""
