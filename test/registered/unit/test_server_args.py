@@ -79,6 +79,7 @@ def test_engine_arguments_are_server_args():
             "device",
             "dtype",
             "kernel_backend",
+            "attention_backend",
             "weight_format",
             "fp8_activations",
         ):
@@ -137,6 +138,7 @@ def test_parse_types_defaults_and_resolution():
             "device",
             "dtype",
             "kernel_backend",
+            "attention_backend",
             "weight_format",
             "fp8_activations",
             "served_model_name",
@@ -145,6 +147,7 @@ def test_parse_types_defaults_and_resolution():
             assert getattr(defaults, f.name) == f.default, f.name
     assert defaults.dtype == "float32" and defaults.served_model_name == "m"
     assert defaults.weight_format == "bf16"  # auto: dequantised on CPU
+    assert defaults.attention_backend == "torch"  # auto: torch on CPU, triton on GPU
 
 
 def test_unknown_flag_suggests_the_right_one(capsys):
