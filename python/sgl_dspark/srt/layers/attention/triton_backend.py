@@ -40,6 +40,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
         tokens, k, head_dim = keys.shape
         pool = keys.reshape(tokens * k, head_dim)
         rows = torch.arange(tokens * k, device=q.device).view(tokens, k)
+        # With no window the kernel reads neither positions nor the page table: placeholders.
         zeros = torch.zeros(tokens, dtype=torch.int64, device=q.device)
         return self._attention(
             q.contiguous(),
