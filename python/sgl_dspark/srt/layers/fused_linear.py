@@ -57,7 +57,8 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     blocks over many programs; another summation order than the BLAS), with a quantised weight
     through `kernels/linear/quantized.py` (dequantised in the kernel, any K); larger ones through
     `F.linear` (a quantised weight dequantised per call), or with FP8 activations on and an FP8
-    weight through the W8A8 GEMM (`layers/fp8_linear.py`)."""
+    weight through the W8A8 GEMM (`layers/fp8_linear.py`). With `kernels.batch_invariant`
+    every M goes through the decode-size kernels (`_batch_invariant_linear`)."""
     if kernels is None or kernels.of("linear") == "torch":
         return _dequantized_linear
     from sgl_dspark.kernels.linear.quantized import quantized_linear
