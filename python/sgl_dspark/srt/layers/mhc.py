@@ -198,6 +198,23 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
         mhc_pre,
     )
 
+    def opening(
+        streams: torch.Tensor, hc: HyperConnection, norm: RMSNorm, collapse_pre: torch.Tensor | None
+    ) -> dict:
+        """The arguments that open a sublayer at mixer `hc` and its norm (both launches')."""
+        assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
+        return {
+            "fn": hc.fn,
+            "base": hc.base,
+            "scale": hc.scale,
+            "norm_weight": norm.weight,
+            "hc_eps": hc.hc_eps,
+            "sinkhorn_iters": hc.sinkhorn_iters,
+            "rms_eps": hc.rms_eps,
+            "collapse_pre": collapse_pre,
+            "fp8_out": fp8_out(streams),
+        }
+
     def combine_at(
         streams: torch.Tensor,
         y: torch.Tensor,
@@ -209,21 +226,8 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     ) -> MhcPostCombineOutput:
         """Close a sublayer and open the next at mixer `hc` and its norm; the next input is
         collapsed with `collapse_pre` (single pass) or with the mixer's own pre (two pass)."""
-        assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
         return mhc_post_combine(
-            streams,
-            y.contiguous(),
-            post,
-            comb,
-            hc.fn,
-            hc.base,
-            hc.scale,
-            norm.weight,
-            hc_eps=hc.hc_eps,
-            sinkhorn_iters=hc.sinkhorn_iters,
-            rms_eps=hc.rms_eps,
-            collapse_pre=collapse_pre,
-            fp8_out=fp8_out(streams),
+            streams, y.contiguous(), post, comb, **opening(streams, hc, norm, collapse_pre)
         )
 
     def open_at(
@@ -233,19 +237,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
         collapse_pre: torch.Tensor | None,
     ) -> MhcPostCombineOutput:
         """`combine_at` without the stream update: open a sublayer."""
-        assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
-        return mhc_pre(
-            streams,
-            hc.fn,
-            hc.base,
-            hc.scale,
-            norm.weight,
-            hc_eps=hc.hc_eps,
-            sinkhorn_iters=hc.sinkhorn_iters,
-            rms_eps=hc.rms_eps,
-            collapse_pre=collapse_pre,
-            fp8_out=fp8_out(streams),
-        )
+        return mhc_pre(streams, **opening(streams, hc, norm, collapse_pre))
 
     fp8 = fp8_linear_impl(kernels)
 
