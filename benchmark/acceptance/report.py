@@ -62,5 +62,7 @@ def markdown_fragment(result: dict[str, Any]) -> str:
         )
     for skipped in result["skipped"]:
         lines.append(f"\nSkipped: {skipped['config']} ({skipped['reason']}).")
+    if not meta.get("complete", True):
+        lines.append("\nIncomplete: the measurement stopped before every configuration ran.")
     lines += ["", f"tok/s/user with and without DSpark: {meta['speed_command_note']}"]
     return "\n".join(lines) + "\n"

@@ -200,7 +200,21 @@ def _run_name(draft: str, policy: str, block: int | None, temperature: float) ->
     return f"{draft}_{policy}{block_part}_T{temperature:g}".replace(" ", "-").replace(":", "")
 
 
+def write_results(out: Path, result: dict[str, Any]) -> None:
+    """`acceptance.json` and the markdown fragment, replaced whole (a reader never sees half a
+    file): written after every run, so a run stopped at a time limit keeps the runs it finished
+    (`meta.complete` says whether every configuration ran)."""
+    for name, text in (
+        ("acceptance.json", json.dumps(result, indent=2)),
+        ("acceptance.md", markdown_fragment(result)),
+    ):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text(text)
+        tmp.replace(out / name)
+
+
 def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    """Every run of the measurement; `acceptance.json` is rewritten after each (`write_results`)."""
     from sgl_dspark import Engine
 
     out = Path(args.out)
@@ -222,8 +236,36 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "loop_max_period": args.loop_max_period,
     }
     own_block = draft_block_size(args.model_path, args.draft_path)
+    git = git_state(str(Path(__file__).resolve().parents[2]))
+    meta: dict[str, Any] = {
+        "command": shlex.join(["python", "-m", "benchmark.acceptance", *argv]),
+        "commit": None if git is None else git["rev"][:12] + ("-dirty" if git["dirty"] else ""),
+        "device": None,
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "model_path": args.model_path,
+        "draft_path": args.draft_path,
+        "draft_block_size": own_block,
+        "random_draft_path": None,
+        "data": args.data,
+        "data_sha256": hashlib.sha256(Path(args.data).read_bytes()).hexdigest(),
+        "questions": len(rows),
+        "max_new_tokens": args.max_new_tokens,
+        "batch_size": args.batch_size,
+        "seed": args.seed,
+        "stop": list(STOP_STRINGS),
+        "engine_args": {k: v for k, v in base.items() if k != "model_path"},
+        "sps_table": None,
+        "acceptance_definition": ACCEPTANCE_DEFINITION,
+        "loop_definition": loop_definition(args.loop_window, args.loop_max_period),
+        "ngram_definition": NGRAM_DEFINITION.format(max=args.ngram_max, min=args.ngram_min),
+        "speed_command_note": SPEED_NOTE,
+        "complete": False,
+    }
     runs: list[dict[str, Any]] = []
+    ngram: list[dict[str, Any]] = []
     skipped: list[dict[str, str]] = []
+    result = {"meta": meta, "runs": runs, "ngram_control": ngram, "skipped": skipped}
     baseline: dict[float, list[dict[str, Any]]] = {}  # no-spec records by temperature
 
     def add_run(draft: str, policy: str, block: int | None, t: float, recs, wall, spec) -> None:
@@ -250,15 +292,19 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                 "compare_require_identical_passed": verdict["passed"],
             }
         runs.append(run)
+        write_results(out, result)
 
     # 1. No speculation: the baseline of every greedy check and the n-gram control's outputs.
     engine = Engine(**base)
-    device = _device_name(engine.args.device)
+    meta["device"] = _device_name(engine.args.device)
     assert engine.tokenizer is not None
     prompts = [engine.tokenizer.encode(zero_shot_prompt(r["question"])) for r in rows]
     for t in args.temperature_list:
         recs, wall = decode(engine, rows, temperature=t, label="no-spec", **decode_kw)
         baseline[t] = recs
+        if t == 0:  # the n-gram lookup control, exact from the greedy outputs
+            for b in sorted({b or own_block for b in args.block_size_list}):
+                ngram.append(ngram_control(prompts, recs, b, args))
         add_run("none", "no-spec", None, t, recs, wall, False)
     _release(engine)
 
@@ -268,13 +314,13 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         for b in args.block_size_list
         for p in args.policy_specs
     ]
-    random_path = None
     if args.random_draft != "none":
         random_path = args.random_draft
         if random_path == "auto":
             random_path = write_random_draft(
                 args.model_path, args.draft_path, out / "random_draft", args.random_draft_seed
             )
+        meta["random_draft_path"] = random_path
         configs += [
             SpecConfig("random draft", random_path, parse_policy("full"), b)
             for b in args.block_size_list
@@ -283,6 +329,7 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     if sps_table is None and any(c.policy.kind == "confidence" for c in configs):
         largest = max((b for b in args.block_size_list if b is not None), default=None)
         sps_table = profile_sps_table(args, largest, out / "tables" / "sps.json")
+    meta["sps_table"] = sps_table
     for cfg in configs:
         block = cfg.block_size or own_block
         try:  # a configuration this target, draft or device cannot run is reported, not fatal
@@ -296,40 +343,9 @@ def measure(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
             recs, wall = decode(engine, rows, temperature=t, label=cfg.name, **decode_kw)
             add_run(cfg.draft_label, cfg.policy.label, block, t, recs, wall, True)
         _release(engine)
-
-    # 3. The n-gram lookup control, exact from the greedy outputs.
-    ngram = []
-    if 0.0 in baseline:
-        for b in sorted({b or own_block for b in args.block_size_list}):
-            ngram.append(ngram_control(prompts, baseline[0.0], b, args))
-
-    git = git_state(str(Path(__file__).resolve().parents[2]))
-    data_bytes = Path(args.data).read_bytes()
-    meta = {
-        "command": shlex.join(["python", "-m", "benchmark.acceptance", *argv]),
-        "commit": None if git is None else git["rev"][:12] + ("-dirty" if git["dirty"] else ""),
-        "device": device,
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "torch": torch.__version__,
-        "model_path": args.model_path,
-        "draft_path": args.draft_path,
-        "draft_block_size": own_block,
-        "random_draft_path": random_path,
-        "data": args.data,
-        "data_sha256": hashlib.sha256(data_bytes).hexdigest(),
-        "questions": len(rows),
-        "max_new_tokens": args.max_new_tokens,
-        "batch_size": args.batch_size,
-        "seed": args.seed,
-        "stop": list(STOP_STRINGS),
-        "engine_args": {k: v for k, v in base.items() if k != "model_path"},
-        "sps_table": sps_table,
-        "acceptance_definition": ACCEPTANCE_DEFINITION,
-        "loop_definition": loop_definition(args.loop_window, args.loop_max_period),
-        "ngram_definition": NGRAM_DEFINITION.format(max=args.ngram_max, min=args.ngram_min),
-        "speed_command_note": SPEED_NOTE,
-    }
-    return {"meta": meta, "runs": runs, "ngram_control": ngram, "skipped": skipped}
+    meta["complete"] = True
+    write_results(out, result)
+    return result
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -337,11 +353,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
     result = measure(args, argv)
-    out = Path(args.out)
-    (out / "acceptance.json").write_text(json.dumps(result, indent=2))
-    fragment = markdown_fragment(result)
-    (out / "acceptance.md").write_text(fragment)
-    print(fragment, flush=True)
+    print(markdown_fragment(result), flush=True)
     failed = [
         r["name"] for r in result["runs"] if r.get("greedy_check", {}).get("outputs_differing")
     ]

@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # The shipped demo pair (`--model-path demo`) on one GPU in one device call: GSM8K (zero-shot)
-# acceptance, accuracy and greedy identity through `benchmark.acceptance`, stage by stage in
-# priority order (each stage's acceptance.json lands in $OUT as soon as it finishes).
-#   bash benchmark/gpu/demo_h200.sh GSM8K_TEST_JSONL
+# acceptance, accuracy and greedy identity through `benchmark.acceptance`, stage by stage
+# (each stage's acceptance.json is copied to $OUT when it ends, also when cut at its limit).
+#   bash benchmark/gpu/demo_h200.sh GSM8K_TEST_JSONL [STAGES]   (all | speed,blocks,fp32)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/acc
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python:$PWD
 DATA=$1
+STAGES=${2:-all}
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/env.txt"
 git log --oneline -1 2>/dev/null | tee -a "$OUT/env.txt"
 stage() {  # name, time limit (s), benchmark.acceptance arguments
@@ -20,17 +21,30 @@ stage() {  # name, time limit (s), benchmark.acceptance arguments
   cp "/tmp/acc/$name/acceptance.json" "$OUT/$name.json" 2>/dev/null
   grep -v '^INFO\|Loading\|it/s\]' "/tmp/acc/$name.log" | tail -5
 }
-# every question, greedy: no-spec vs DSpark (full verify, the draft's block size)
-stage all_greedy 210 --policies full --temperatures 0 --batch-size 32 --random-draft none
+DET='{"enable_deterministic_inference": true}'
+has() { [[ ",$STAGES," == *",$1,"* ]]; }
+# every question with the batch-invariant kernels (greedy DSpark = greedy decoding on a GPU):
+# no-spec, DSpark with each verify policy, greedy and T=1, then the random-draft control; the
+# n-gram control from the greedy no-spec outputs (acceptance.json is rewritten after each run)
+if has all; then
+  stage all $((575 - SECONDS)) --policies full,static:4,confidence --temperatures 0,1 \
+    --batch-size 32 --random-draft auto --engine-args "$DET"
+fi
 # tok/s per user at 1 / 8 / 32 requests in flight (wall time of each run)
-stage bs1 35 --limit 6 --batch-size 1 --policies full --temperatures 0 --random-draft none
-stage bs8 35 --limit 48 --batch-size 8 --policies full --temperatures 0 --random-draft none
-stage bs32 40 --limit 128 --batch-size 32 --policies full --temperatures 0 --random-draft none
+if has speed; then
+  stage bs1 35 --limit 6 --batch-size 1 --policies full --temperatures 0 --random-draft none
+  stage bs8 35 --limit 48 --batch-size 8 --policies full --temperatures 0 --random-draft none
+  stage bs32 40 --limit 128 --batch-size 32 --policies full --temperatures 0 --random-draft none
+fi
+# the draft's block size against shorter blocks, greedy, full verify
+if has blocks; then
+  stage blocks 150 --limit 320 --block-sizes 2,4,8 --policies full --temperatures 0 \
+    --batch-size 32 --random-draft none --engine-args "$DET"
+fi
 # greedy identity with fp32 serving
-stage fp32 70 --limit 200 --dtype float32 --policies full --temperatures 0 --batch-size 32 \
-  --random-draft none
-# the other verify policies, temperature 1 and the random-draft control on a subset
-stage policies 150 --limit 300 --policies full,static:4,confidence --temperatures 0,1 \
-  --batch-size 32 --random-draft auto
+if has fp32; then
+  stage fp32 70 --limit 200 --dtype float32 --policies full --temperatures 0 --batch-size 32 \
+    --random-draft none
+fi
 tar czf "$OUT/logs.tar.gz" -C /tmp/acc --exclude='runs' --exclude='random_draft' . 2>/dev/null
 ls -la "$OUT"

@@ -8,6 +8,7 @@ is 1.0 (every verify step commits at least its bonus token)."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -74,3 +75,43 @@ def check_dspark_acceptance(model_path: str, draft_path: str | None, floor: floa
 @pytest.mark.parametrize(("model_path", "draft_path", "floor"), PAIRS)
 def test_dspark_acceptance_on_gsm8k_prompts(model_path: str, draft_path: str | None, floor: float):
     check_dspark_acceptance(model_path, draft_path, floor)
+
+
+def test_measurement_keeps_the_runs_finished_before_it_stops(tmp_path, monkeypatch):
+    """`python -m benchmark.acceptance` rewrites acceptance.json after every run: a measurement
+    stopped at a time limit keeps the runs it finished, marked incomplete; a finished one is
+    marked complete and holds every run with its greedy check."""
+    from benchmark.acceptance import run as acceptance_run
+
+    argv = [
+        "--model-path", "tiny-v41", "--draft-path", "tiny-v41-dspark", "--data", str(PROMPTS),
+        "--limit", "2", "--batch-size", "2", "--device", "cpu", "--max-new-tokens", "6",
+        "--policies", "full,static:2", "--temperatures", "0", "--random-draft", "none",
+    ]  # fmt: skip
+    real_decode = acceptance_run.decode
+    calls = []
+
+    def stopping_decode(engine, rows, **kw):
+        calls.append(kw["label"])
+        if len(calls) == 3:  # the third run (static) is cut by the time limit
+            raise KeyboardInterrupt
+        return real_decode(engine, rows, **kw)
+
+    monkeypatch.setattr(acceptance_run, "decode", stopping_decode)
+    partial = tmp_path / "partial"
+    with pytest.raises(KeyboardInterrupt):
+        acceptance_run.main([*argv, "--out", str(partial)])
+    saved = json.loads((partial / "acceptance.json").read_text())
+    assert saved["meta"]["complete"] is False
+    assert [r["policy"] for r in saved["runs"]] == ["no-spec", "full"]
+    assert saved["runs"][1]["greedy_check"]["outputs_differing"] == 0
+    assert saved["ngram_control"] and saved["meta"]["device"].startswith("cpu")
+    assert "| draft | full |" in (partial / "acceptance.md").read_text()
+
+    monkeypatch.setattr(acceptance_run, "decode", real_decode)
+    done = tmp_path / "done"
+    assert acceptance_run.main([*argv, "--out", str(done)]) == 0
+    saved = json.loads((done / "acceptance.json").read_text())
+    assert saved["meta"]["complete"] is True
+    assert [r["policy"] for r in saved["runs"]] == ["no-spec", "full", "static:2"]
+    assert all(r["greedy_check"]["outputs_differing"] == 0 for r in saved["runs"][1:])
