@@ -1,6 +1,6 @@
 """The "triton" attention backend against the "torch" one (its spec): on hand-built ForwardBatches
-over a paged ReqToTokenPool, and end to end in the tiny model (greedy tokens of prefill, verify
-and decode steps).
+over a paged ReqToTokenPool, end to end in the tiny model (greedy tokens of prefill, verify
+and decode steps), and in tiny-v41, whose layers attend keys they gathered (`attend_gathered`).
 
 Not bit-exact: the kernel's online softmax (and split-K merge for small batches) sums in another
 order than the torch backend's one-shot softmax; fp32 agrees to ~1e-6.
@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sgl_dspark import Engine
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS, create_attention_backend
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
 from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sgl_dspark.srt.models.tiny import tiny_config, tiny_weights
+from sgl_dspark.srt.models.tiny_v41 import tiny_v41_config
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -167,3 +169,80 @@ def test_tiny_model_greedy_equal() -> None:
     assert got_tokens == want_tokens
     for got, want in zip(got_logits, want_logits):
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # fp32, reordered sums
+
+
+def _v41_logits(attention_backend: str, record=None) -> list[torch.Tensor]:
+    """tiny-v41 (every layer attends gathered keys): a prefill of two requests, one past the
+    32-token window, then a decode step of both; the logits of each forward. `record` wraps the
+    triton backend's kernel."""
+    engine = Engine(
+        model_path="tiny-v41",
+        device=DEVICE,
+        dtype="float32",
+        skip_tokenizer_init=True,
+        context_length=128,
+        max_running_requests=2,
+        attention_backend=attention_backend,
+    )
+    try:
+        runner = engine.runner
+        backend = runner.attn_backend
+        if record is not None:
+            backend._attention = record(backend._attention)
+        pool = runner.req_pool
+        slots = [pool.alloc_slot() for _ in range(2)]
+        gen = torch.Generator().manual_seed(7)
+        prompts = [torch.randint(3, 200, (n,), generator=gen).tolist() for n in (41, 9)]
+        steps = [(prompts, [0, 0]), ([[17], [42]], [41, 9])]
+        logits = []
+        for ids, prefix in steps:
+            for slot, p, work in zip(slots, prefix, ids):
+                pool.reserve(slot, p + len(work))
+            mode = ForwardMode.EXTEND if prefix == [0, 0] else ForwardMode.DECODE
+            batch = ForwardBatch.build(mode, ids, prefix, slots, pool.req_to_token, "last")
+            logits.append(runner.forward(batch).logits)
+        return logits
+    finally:
+        engine.shutdown()
+
+
+def test_gathered_attention_builds_its_indices_once_per_forward() -> None:
+    """Every layer of one forward gets the same row-index and placeholder tensors (one row
+    index per key width: window-only layers gather fewer keys than compressed ones); the next
+    forward builds its own. The logits stay those of the torch backend."""
+    calls: list[dict[str, torch.Tensor]] = []
+
+    def record(kernel):
+        def wrapped(q, pool, positions, token_slot, req_to_token, *args, extra_slots, **kw):
+            calls.append(
+                dict(positions=positions, slots=token_slot, table=req_to_token, rows=extra_slots)
+            )
+            return kernel(
+                q, pool, positions, token_slot, req_to_token, *args, **kw, extra_slots=extra_slots
+            )
+
+        return wrapped
+
+    got = _v41_logits("triton", record)
+    layers = tiny_v41_config().num_hidden_layers
+    assert len(calls) == 2 * layers
+    forwards = [calls[:layers], calls[layers:]]
+    for tokens, forward in zip((50, 2), forwards):
+        first = forward[0]
+        for call in forward:
+            for name in ("positions", "slots", "table"):
+                assert call[name] is first[name], name
+            rows = call["rows"]
+            width = rows.shape[1]
+            assert rows.shape[0] == tokens
+            assert rows.flatten().tolist() == list(range(tokens * width))
+            same_width = [c["rows"] for c in forward if c["rows"].shape[1] == width]
+            assert all(r is rows for r in same_width)
+        widths = {c["rows"].shape[1] for c in forward}
+        assert len(widths) > 1  # window-only and compressed layers both covered
+        assert len({id(c["rows"]) for c in forward}) == len(widths)
+    prefill_objects = {id(c[n]) for c in forwards[0] for n in ("positions", "rows")}
+    assert prefill_objects.isdisjoint(id(c[n]) for c in forwards[1] for n in ("positions", "rows"))
+    want = _v41_logits("torch")
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-4)  # fp32, reordered sums

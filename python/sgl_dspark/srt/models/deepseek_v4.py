@@ -447,6 +447,7 @@ class DeepseekV4ForCausalLM(BaseCausalLM):
         start while those run; nothing is computed for them on the way)."""
         m = self.model
         batch.memo.clear()  # per-forward derived tensors (see ForwardBatch.memo)
+        backend.init_forward_metadata(batch)
         x = m.embed_tokens(batch.input_ids)
         streams = x.unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
         rope = RopeTables(

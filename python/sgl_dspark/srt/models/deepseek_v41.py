@@ -142,6 +142,7 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         keys. `on_taps` runs once the last of `tap_layers` is collected."""
         m, n = self.model, self.cfg.hc_mult
         batch.memo.clear()  # per-forward derived tensors (see ForwardBatch.memo)
+        backend.init_forward_metadata(batch)
         streams = m.embed_tokens(batch.input_ids).unsqueeze(1).expand(-1, n, -1).contiguous()
         rope = RopeTables(
             batch.positions, *self.rope_tables(batch.req_to_token.shape[1]), self.compress_rope

@@ -13,6 +13,12 @@ from sgl_dspark.srt.core.forward_batch import ForwardBatch
 
 
 class BaseAttentionBackend(ABC):
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        """Called by the model when a forward of `batch` starts, before its first layer: a
+        backend drops what it derived for the previous forward (inside a CUDA-graph capture it
+        then derives it again within the graph, whose replays recompute it)."""
+        del batch  # nothing derived per forward by default
+
     @abstractmethod
     def forward(
         self,

@@ -26,6 +26,33 @@ class TritonAttentionBackend(BaseAttentionBackend):
 
         self._attention = window_sparse_attention
         self._num_splits = 1 if batch_invariant else None
+        # `attend_gathered`'s index tensors, which depend on the batch's shape alone: built by
+        # the first layer of a forward, shared by the others, dropped when the next forward
+        # starts (`init_forward_metadata`). Never kept across forwards: a tensor made inside a
+        # graph's capture is written only by that graph's replays, so no other forward may read it.
+        self._rows: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._placeholders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._rows.clear()
+        self._placeholders.clear()
+
+    def _gathered_indices(
+        self, tokens: int, k: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token t's rows t * K + j of the flattened keys `[T, K]`, then placeholders for the
+        positions and token slots `[T]` and the page table `[1, 1]`: with no window the kernel
+        reads none of them."""
+        rows = self._rows.get((tokens, k, device))
+        if rows is None:
+            rows = torch.arange(tokens * k, device=device).view(tokens, k)
+            self._rows[(tokens, k, device)] = rows
+        placeholders = self._placeholders.get((tokens, device))
+        if placeholders is None:
+            zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
+            placeholders = (zeros, zeros.view(tokens, 1)[:1])
+            self._placeholders[(tokens, device)] = placeholders
+        return rows, *placeholders
 
     def attend_gathered(
         self,
@@ -39,15 +66,13 @@ class TritonAttentionBackend(BaseAttentionBackend):
         (token t's rows t * K + j of the flattened keys)."""
         tokens, k, head_dim = keys.shape
         pool = keys.reshape(tokens * k, head_dim)
-        rows = torch.arange(tokens * k, device=q.device).view(tokens, k)
-        # With no window the kernel reads neither positions nor the page table: placeholders.
-        zeros = torch.zeros(tokens, dtype=torch.int64, device=q.device)
+        rows, zeros, table = self._gathered_indices(tokens, k, q.device)
         return self._attention(
             q.contiguous(),
             pool,
             zeros,
             zeros,
-            zeros.view(tokens, 1)[:1],
+            table,
             0,
             sinks,
             scale,
