@@ -37,6 +37,7 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -161,9 +162,8 @@ def use_random_v41_model(cfg: ModelConfig, work: str, device: str) -> None:
         if model_cfg is not cfg:
             return real_runner(model_cfg, rc, weights=weights)
         kernels = KernelChoice.parse(rc.kernel_backend, rc.kernel_backend_overrides)
-        gc.collect()  # the previous engine's model: the fp32 build needs twice its bytes
-        if device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        # The previous engine's model: the fp32 build needs twice its bytes.
+        release_device_memory(device)
         return real_runner(model_cfg, rc, model=random_v41_model(cfg, device, kernels))
 
     engine_module.resolve_model = resolve  # type: ignore[assignment]
@@ -188,6 +188,40 @@ def time_engine(
     t1 = statistics.median(run(1)[0] for _ in range(3))  # one sample is too noisy
     tn, ids = run(new_tokens)
     return tn, t1, ids
+
+
+def release_device_memory(device: str) -> None:
+    """Collect what the last engine left unreferenced and hand the allocator's cached blocks
+    back to the device, before the next load."""
+    gc.collect()
+    if device.startswith("cuda"):
+        torch.cuda.empty_cache()
+
+
+def run_or_error_row(
+    system: str,
+    open_engine: Callable[[], Engine],
+    body: Callable[[Engine], None],
+    emit: Callable[[dict], None],
+    device: str,
+    extra: dict,
+) -> None:
+    """One engine configuration of a table: `body(open_engine())`. A failure, in the load or
+    the body, becomes the row `{"system": system, "error": ..., **extra}` (traceback on stderr)
+    so the next configuration still runs; either way the engine is shut down and its memory
+    released."""
+    engine = None
+    try:
+        engine = open_engine()
+        body(engine)
+    except Exception as exc:  # noqa: BLE001 - an error row per engine, the rest still runs
+        traceback.print_exc()
+        emit({"system": system, "error": f"{type(exc).__name__}: {exc}"[:400], **extra})
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        del engine
+        release_device_memory(device)
 
 
 # Engine configurations a run can choose (`--systems`); each is one engine built in turn.
@@ -405,9 +439,7 @@ def main() -> None:
     else:
         write_checkpoints(hf, cfg, work, a.draft_layers, a.gamma, **draft_kw)
     del hf
-    gc.collect()
-    if dev.startswith("cuda"):
-        torch.cuda.empty_cache()
+    release_device_memory(dev)
     ctx = a.input_len + a.output_len + 2 * (a.gamma + 1) + 64
     base = dict(
         model_path=work,
@@ -456,11 +488,10 @@ def main() -> None:
         after=None,
         **extra,
     ) -> None:
-        """One engine: every batch size, the optional bs 1 profile, then `after(engine)`. A
-        failure becomes an error row and the next engine still runs."""
-        engine = None
-        try:
-            engine = Engine(**{**base, **kw})
+        """One engine: every batch size, the optional bs 1 profile, then `after(engine)`; a
+        failure is an error row (`run_or_error_row`)."""
+
+        def body(engine: Engine) -> None:
             for bs in batch_sizes:
                 measure(system, bs, engine, **extra)
             if profiling and profile_name is not None:
@@ -471,16 +502,8 @@ def main() -> None:
                 )
             if after is not None:
                 after(engine)
-        except Exception as exc:  # noqa: BLE001 - an error row per engine, the rest still runs
-            traceback.print_exc()
-            emit({"system": system, "error": f"{type(exc).__name__}: {exc}"[:400], **extra})
-        finally:
-            if engine is not None:
-                engine.shutdown()
-            del engine
-            gc.collect()
-            if dev.startswith("cuda"):
-                torch.cuda.empty_cache()
+
+        run_or_error_row(system, lambda: Engine(**{**base, **kw}), body, emit, dev, extra)
 
     modes = []
     if "eager" in a.systems:

@@ -27,14 +27,12 @@ routing, embedding rows, the window + compressed KV) over the measured copy band
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import logging
 import math
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import torch
@@ -57,7 +55,13 @@ from sgl_dspark.srt.models.bench_configs import (  # noqa: E402
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel  # noqa: E402
 from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
 
-from benchmark.bench_engine import profile_sps, prompts_for, time_engine  # noqa: E402
+from benchmark.bench_engine import (  # noqa: E402
+    profile_sps,
+    prompts_for,
+    release_device_memory,
+    run_or_error_row,
+    time_engine,
+)
 from benchmark.step_floor import copy_bandwidth  # noqa: E402
 
 # Kernels DeepSeek-V4.1 runs in torch until its Triton kernels land (`deepseek_v41.py`).
@@ -212,14 +216,6 @@ def step_bytes(engine: Engine, bs: int, context: int) -> float:
     return total
 
 
-def _release_memory() -> None:
-    """Return the last engine's device memory (its frame gone) before the next loads."""
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-
-
 def run_engine(
     a: argparse.Namespace,
     system: str,
@@ -231,13 +227,15 @@ def run_engine(
     after=None,
     **extra,
 ) -> None:
-    """One engine: load, then every batch size, then `after(engine)`; a failure is recorded as a
-    row and the next system runs."""
-    _release_memory()
-    engine = None
-    try:
-        t0 = time.perf_counter()
-        engine = Engine(**kw)
+    """One engine: load, then every batch size, then `after(engine)`; a failure is an error row
+    (`run_or_error_row`)."""
+    # Before the first engine too: the peak memory of the rows is this engine's alone.
+    release_device_memory(a.device)
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+
+    def body(engine: Engine) -> None:
         load_s = time.perf_counter() - t0
         memory = dict(engine.runner.memory_report)
         for bs in sizes:
@@ -264,13 +262,8 @@ def run_engine(
             )
         if after is not None:
             after(engine)
-    except Exception as exc:  # noqa: BLE001 - a benchmark row per failure, the rest still runs
-        traceback.print_exc()
-        emit({"system": system, "error": f"{type(exc).__name__}: {exc}"[:400], **extra})
-    finally:
-        if engine is not None:
-            engine.shutdown()
-        del engine
+
+    run_or_error_row(system, lambda: Engine(**kw), body, emit, a.device, extra)
 
 
 def render_rows(meta: dict, rows: list[dict]) -> str:

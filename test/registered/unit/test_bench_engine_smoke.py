@@ -1,6 +1,7 @@
 """`benchmark/bench_engine.py` runs end to end on a toy config on CPU (HF generate, ours eager and
 "graph" mode, DSpark full and static) and writes a table with one row per system and batch size.
-Numbers from CPU are meaningless; this only keeps the GPU benchmark script working."""
+Numbers from CPU are meaningless; this only keeps the GPU benchmark script working. The error
+row of a failing engine configuration (shared with `bench_native.py`) is checked on a stand-in."""
 
 from __future__ import annotations
 
@@ -101,3 +102,35 @@ def test_bench_one_batch_random_model_with_triton_moe():
         want = prepare_moe_sort(torch.ones(m.n_experts, dtype=torch.int32)).local_table
         assert torch.equal(m.sort_table, want) and bool((m.expert_mask == 1).all())
         assert m.gate_up_proj.abs().sum() > 0  # the random init ran
+
+
+def test_a_failing_engine_becomes_an_error_row_and_is_shut_down(capsys):
+    """`run_or_error_row` (both engine benchmarks): a failure in the load or the measurement is
+    one row naming the system and the error, with the caller's extra fields; an engine that
+    loaded is shut down either way; a configuration that succeeds adds no row of its own."""
+    sys.path.insert(0, str(ROOT))
+    from benchmark.bench_engine import run_or_error_row
+
+    class FakeEngine:
+        shutdowns = 0
+
+        def shutdown(self) -> None:
+            FakeEngine.shutdowns += 1
+
+    def failing_load() -> FakeEngine:
+        raise RuntimeError("no memory for the pool")
+
+    def failing_body(engine: FakeEngine) -> None:
+        raise ValueError("bad width")
+
+    rows: list[dict] = []
+    seen: list[FakeEngine] = []
+    run_or_error_row("a", failing_load, seen.append, rows.append, "cpu", {"accept_len": 2})
+    run_or_error_row("b", FakeEngine, failing_body, rows.append, "cpu", {})
+    run_or_error_row("c", FakeEngine, seen.append, rows.append, "cpu", {"accept_len": 3})
+    assert rows == [
+        {"system": "a", "error": "RuntimeError: no memory for the pool", "accept_len": 2},
+        {"system": "b", "error": "ValueError: bad width"},
+    ]
+    assert len(seen) == 1 and FakeEngine.shutdowns == 2
+    assert "bad width" in capsys.readouterr().err  # the traceback, for the log
