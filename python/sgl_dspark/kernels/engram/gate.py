@@ -8,12 +8,13 @@ in a tree fixed by D alone (the block width and warp count follow D, never the n
 tokens), so a row's bits do not depend on the batch it is in, on any backend.
 
 Exactness: within a tolerance of `engram_gate_ref`. The sums run in another order than torch's,
-and the rsqrt, exp and the first division are the backend's (the interpreter's numpy, the GPU's
-approximations), so the gate may differ from torch's in its last fp32 bits. Given the same gate,
-the output equals torch bit for bit: the product and the add are separate fp32 roundings (FMA
-contraction is off) and 16-bit outputs round to nearest even. So bf16 / fp16 outputs differ by
-at most one unit in the last place, and only where the gate's last bits moved an element across
-a rounding boundary; fp32 outputs by a few ulps of `gate * value`.
+and the rsqrt and exp are the backend's (the interpreter's numpy, the GPU's approximations; the
+divisions and the square root are correctly rounded), so the gate may differ from torch's in its
+last fp32 bits. Given the same gate, the output equals torch bit for bit: the product and the
+add are separate fp32 roundings (FMA contraction is off) and 16-bit outputs round to nearest
+even. So bf16 / fp16 outputs differ by one unit in the last place where the gate's last bits
+moved an element across a rounding boundary (rarely), fp32 outputs by the gate's error times
+|value| plus an ulp; where the add cancels, a 16-bit output's error is that of fp32 too.
 """
 
 from __future__ import annotations
