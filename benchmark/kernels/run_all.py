@@ -35,6 +35,7 @@ MODULES = (
     "benchmark.kernels.bench_attention",
     "benchmark.kernels.bench_indexer",
     "benchmark.kernels.bench_norm",
+    "benchmark.kernels.bench_engram",
     "benchmark.kernels.bench_index_topk",
     "benchmark.kernels.bench_markov",
     "benchmark.kernels.bench_linear",

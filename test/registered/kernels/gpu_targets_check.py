@@ -62,6 +62,7 @@ _KERNEL_MODULES = (
     "indexer.fp4_k_quant",
     "quant.store",
     "engram.gather",
+    "engram.gate",
     "indexer.v41_logits",
     "fp8.act_quant",
     "fp8.w8a8",
@@ -507,6 +508,19 @@ def _engram_gather() -> Callable[[], object]:
     return lambda: engram_gather(_bf16(1000, 256), torch.zeros(3, 24, dtype=torch.int64))
 
 
+def _engram_gate(dtype: torch.dtype) -> Callable[[], object]:
+    from sgl_dspark.kernels.engram.gate import engram_gate
+
+    # V4.1-Flash: 4 streams of 5120 (a row of 8192 lanes, 16 warps), the wkv output in bf16.
+    return lambda: engram_gate(
+        torch.randn(3, 4, 5120).to(dtype),
+        _bf16(3, 5 * 5120),
+        torch.ones(4, 5120),
+        torch.ones(4, 5120),
+        1e-20,
+    )
+
+
 def _v41_index_scores() -> Callable[[], object]:
     from sgl_dspark.kernels.indexer.v41_logits import v41_index_scores
 
@@ -814,6 +828,12 @@ CASES = {
         _quant_store_values(),
     ),
     "engram_gather_flash": ("engram.gather", "_engram_gather_kernel", _engram_gather()),
+    "engram_gate_flash": ("engram.gate", "_engram_gate_kernel", _engram_gate(torch.bfloat16)),
+    "engram_gate_flash_fp32": (
+        "engram.gate",
+        "_engram_gate_kernel",
+        _engram_gate(torch.float32),
+    ),
     "v41_index_scores_flash": (
         "indexer.v41_logits",
         "_v41_index_scores_kernel",
@@ -983,6 +1003,7 @@ PDL_KERNELS = (
     "moe.token_gemm._moe_token_down_kernel",
     "quant.store._quant_store_kernel",
     "engram.gather._engram_gather_kernel",
+    "engram.gate._engram_gate_kernel",
     "indexer.v41_logits._v41_index_scores_kernel",
     "indexer.v41_logits._candidate_block_max_kernel",
     "fp8.act_quant._act_quant_kernel",

@@ -12,6 +12,7 @@ import torch
 from safetensors.torch import load_file
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.engram import Engram, EngramHash, ngram_history
 from sgl_dspark.srt.tokenizer.engram_map import compressed_token_map
 
@@ -75,3 +76,33 @@ def test_gate_at_zero_dot_is_sigmoid_of_the_floor(c2):
     value = kv[:, cfg.hc_mult * cfg.hidden_size :]
     gate = torch.sigmoid(torch.tensor(1e-3))  # copysign(sqrt(1e-6), +0.0)
     torch.testing.assert_close(out, streams + gate * value[:, None, :])
+
+
+@pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
+def test_triton_engram_matches_torch(c2):
+    """The "engram" family on Triton (the rest on torch, so both modules see the same `wkv`
+    output) binds the fused gate and gives the torch module's output within the gate's
+    tolerance (`test_engram_gate.py`), in bf16 as the model runner casts it."""
+    cfg, _, _ = c2
+    args = (cfg.v41.engram, 0, cfg.hidden_size, cfg.hc_mult, cfg.rms_norm_eps)
+    torch_engram = Engram(*args, KernelChoice())
+    triton_engram = Engram(*args, KernelChoice("torch", (("engram", "triton"),)))
+    assert triton_engram.gate.__name__ == "engram_gate"
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        torch_engram.embed.weight.copy_(torch.randn(torch_engram.embed.weight.shape, generator=g))
+        wkv = torch_engram.wkv.weight
+        wkv.copy_(torch.randn(wkv.shape, generator=g) * wkv.shape[1] ** -0.5)
+        for w in (torch_engram.q_weight, torch_engram.k_weight):
+            w.copy_(1 + 0.5 * torch.randn(w.shape, generator=g))
+    triton_engram.load_state_dict(torch_engram.state_dict())
+    torch_engram, triton_engram = torch_engram.bfloat16(), triton_engram.bfloat16()
+    streams = torch.randn(5, cfg.hc_mult, cfg.hidden_size, generator=g).to(torch.bfloat16)
+    history = torch.randint(0, 200, (5, cfg.v41.engram.max_ngram_size), generator=g)
+    want = torch_engram(streams, history)
+    got = triton_engram(streams, history)
+    assert not torch.equal(want, streams)  # the gated value was added
+    # One bf16 unit in the last place, plus a gate error of 1e-5 times |value| (< 10 here).
+    eps = torch.finfo(torch.bfloat16).eps
+    larger = torch.maximum(got.float().abs(), want.float().abs())
+    assert ((got.float() - want.float()).abs() <= eps * larger + 1e-4).all()

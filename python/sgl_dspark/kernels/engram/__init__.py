@@ -1,2 +1,3 @@
 """DeepSeek-V4.1's Engram: the gather of the hashed n-gram rows of a layer's embedding table
-(`gather.py`) beside its pure-torch reference (`reference.py`)."""
+(`gather.py`) and the gated add of the projected value to the mHC streams (`gate.py`), beside
+their pure-torch references (`reference.py`)."""

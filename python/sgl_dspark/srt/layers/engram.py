@@ -10,7 +10,8 @@ row offset of that (n-gram, head) slice of the layer's table (int64, never overf
 Module (per engram layer): the rows of every hash are embedded and concatenated, projected to
 one key per stream and one shared value; each stream j gets `sigmoid(signed_sqrt(dot_j)) *
 value` added, where dot_j is the scaled product of the RMS-normalised stream, the key and
-`q_weight * k_weight` (all fp32, each stream normalised on its own).
+`q_weight * k_weight` (all fp32, each stream normalised on its own; `engram_gate_ref` is the
+spec, the triton path one kernel whose row sums do not depend on the batch).
 """
 
 from __future__ import annotations
@@ -20,14 +21,12 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from sgl_dspark.kernels.engram.reference import engram_gather_ref
+from sgl_dspark.kernels.engram.reference import engram_gate_ref, engram_gather_ref
 from sgl_dspark.srt.configs.deepseek_v41 import EngramConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.fused_linear import linear_impl
 from sgl_dspark.srt.layers.quantized import module_weight
-
-_GATE_FLOOR = 1e-6  # |dot| floor inside the signed square root (a zero dot gates at sigmoid(1e-3))
 
 
 def ngram_history(
@@ -56,6 +55,26 @@ def engram_gather_impl(kernels: KernelChoice) -> EngramGatherFn:
     from sgl_dspark.kernels.engram.gather import engram_gather
 
     return engram_gather
+
+
+# (streams [T, n, D], kv [T, (n + 1) * D], q_weight [n, D], k_weight [n, D], eps) -> the
+# streams with the gated value added [T, n, D] (streams' dtype)
+EngramGateFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float], torch.Tensor
+]
+
+
+def engram_gate_impl(kernels: KernelChoice) -> EngramGateFn:
+    """The gated add of the "engram" family. torch: `engram_gate_ref` (torch's fp32 reductions,
+    whose split of a row may follow the batch's shape on a GPU). triton:
+    `kernels/engram/gate.py::engram_gate`, one launch, one program per (token, stream), sums
+    over D in a tree fixed by D: batch-invariant by construction, within a tolerance of the
+    reference."""
+    if kernels.of("engram") == "torch":
+        return engram_gate_ref
+    from sgl_dspark.kernels.engram.gate import engram_gate
+
+    return engram_gate
 
 
 class EngramHash(nn.Module):
@@ -104,6 +123,7 @@ class Engram(nn.Module):
         super().__init__()
         self.eps = eps
         self.gather = engram_gather_impl(kernels or KernelChoice())
+        self.gate = engram_gate_impl(kernels or KernelChoice())
         self.linear = linear_impl(kernels)
         self.hc_mult = hc_mult
         self.hash = EngramHash(cfg, index)
@@ -117,18 +137,9 @@ class Engram(nn.Module):
     def forward(self, streams: torch.Tensor, compressed_history: torch.Tensor) -> torch.Tensor:
         """streams `[T, n, D]`, compressed_history `[T, N]` -> streams with the gated value
         added (streams' dtype)."""
-        T, n, d = streams.shape
         rows = self.hash(compressed_history)
-        kv = self.linear(self.gather(self.embed.weight, rows), module_weight(self.wkv)).float()
-        key, value = kv[:, : n * d].view(T, n, d), kv[:, n * d :]
-        s = streams.float()
-        rstd = torch.rsqrt(s.pow(2).mean(-1) + self.eps) * torch.rsqrt(
-            key.pow(2).mean(-1) + self.eps
-        )
-        wqk = (self.q_weight.float() * self.k_weight.float())[None]
-        dot = (s * wqk * key).sum(-1) * rstd * d**-0.5  # [T, n]
-        gate = torch.sigmoid(torch.copysign(dot.abs().clamp(min=_GATE_FLOOR).sqrt(), dot))
-        return (s + gate[:, :, None] * value[:, None, :]).to(streams.dtype)
+        kv = self.linear(self.gather(self.embed.weight, rows), module_weight(self.wkv))
+        return self.gate(streams, kv, self.q_weight, self.k_weight, self.eps)
 
 
 __all__ = ["Engram", "EngramHash", "ngram_history"]
