@@ -411,7 +411,9 @@ class DSparkExecutor(BaseStepExecutor):
         logits = self._adjust(reqs, logits, verify_ids)
         timer.mark("verify")
         # 6-7. acceptance on the device and the committed tokens' logprobs. Uniform steps replay
-        #    it from a graph (all greedy, or with sampled rows); the host flags below decide.
+        #    it from a graph (all greedy, or with sampled rows), chosen from host values only
+        #    (widths, the policy's caps, the recorder, `info`'s flags, the bucket): a graph never
+        #    decides. Ragged widths, async caps and the STS recorder keep the eager acceptance.
         epilogue = self.epilogue_graphs.get(W)
         forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
         reader = runner.model.logits_reader
