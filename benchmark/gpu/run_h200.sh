@@ -45,7 +45,8 @@ if has bench; then
 fi
 if has graphs; then
   timeout -s INT -k 20 300 python3 -m pytest -q -rfE -p no:cacheprovider -n 4 test/registered/e2e/test_cuda_graph_runner.py \
-    test/registered/e2e/test_dspark_step_no_sync.py test/registered/e2e/test_overlap_schedule.py \
+    test/registered/e2e/test_dspark_step_no_sync.py test/registered/e2e/test_dspark_sampled_graphs.py \
+    test/registered/e2e/test_overlap_schedule.py \
     test/registered/e2e/test_dspark_plain_decode.py \
     test/registered/e2e/test_kernel_backend_e2e.py test/registered/e2e/test_prefill_graphs.py \
     2>&1 | tee "$OUT/graph_tests.txt" | tail -30

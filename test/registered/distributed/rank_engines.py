@@ -81,7 +81,7 @@ def run_layout(
 ) -> None:
     """Every rank of the world calls this (group creation is collective); only the first
     block of `layout.world_size` ranks runs the engine, and its first rank saves
-    `{name}.pt`: the outputs and every logits tensor. `graphs`: every rank captures the
+    `{name}.pt`: the outputs, every logits tensor and the graph replays. `graphs`: every rank captures the
     engine's graphs (`EagerGraph` stand-ins on CPU, with the collectives inside) and the
     steps replay them (with DSpark and the overlap schedule: fused steps)."""
     from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
@@ -104,8 +104,10 @@ def run_layout(
         scheduler.close()
     engine.executor.close()
     assert get_parallel_state().layout == layout
+    replays = dict(engine.graphs.replays) if engine.graphs is not None else {}
     torch.save(
-        {"output_ids": [o["output_ids"] for o in outs], "logits": logits}, out_dir / f"{name}.pt"
+        {"output_ids": [o["output_ids"] for o in outs], "logits": logits, "replays": replays},
+        out_dir / f"{name}.pt",
     )
 
 

@@ -1,6 +1,7 @@
 """Tensor parallelism (attention heads, vocabulary) and TP x EP on spawned gloo ranks (one
 world of 2 for the module): logits within 1e-5 of one rank in fp32 and the same greedy output
-with and without DSpark; seeded sampled tokens equal to one rank; an abort mid-decode leaves
+with and without DSpark; seeded sampled tokens equal to one rank, also from DSpark's sampled
+draft and acceptance graphs; an abort mid-decode leaves
 every rank's KV pool empty; every rank schedules the same steps. (The vocabulary-parallel
 head's greedy path: `test_vocab_parallel_head.py`.)"""
 
@@ -43,6 +44,8 @@ def _world(rank: int, out_dir: Path) -> None:
         run_layout(
             rank, out_dir, f"{name}_graphs", LAYOUTS[name], "exact", True, greedy_params(), True
         )
+        tag = f"{name}_spec_sampled_graphs"
+        run_layout(rank, out_dir, tag, LAYOUTS[name], "exact", True, sampled_params(), True)
     run_abort_and_trace(rank, out_dir, ParallelLayout(2, 2), spec=True)
 
 
@@ -83,6 +86,19 @@ def test_seeded_sampled_tokens_equal_one_rank(results, name):
     ref = results["tp1_sampled"]["output_ids"]
     assert results[f"{name}_sampled"]["output_ids"] == ref
     assert ref != results["tp1_plain"]["output_ids"]  # sampling did not collapse to greedy
+
+
+def test_sampled_dspark_graphs_match_one_rank(results):
+    """Seeded sampled DSpark steps replay the sampled draft graphs (the draft's logits rows
+    gathered inside them) and the acceptance graphs on whole rows, on every rank: the tokens
+    of one rank."""
+    ref, got = results["tp1_spec_sampled_graphs"], results["tp2ep2_spec_sampled_graphs"]
+    assert got["output_ids"] == ref["output_ids"]
+    assert ref["output_ids"] != results["tp1_spec"]["output_ids"]  # not collapsed to greedy
+    for r in (ref, got):
+        assert r["replays"]["DSpark sampled draft"] > 0, r["replays"]
+        accepts = [f for f in r["replays"] if f.startswith("DSpark sampled acceptance")]
+        assert accepts and all(f.endswith("top-k/top-p/min-p") for f in accepts)  # top_p 0.95
 
 
 def test_abort_mid_decode_leaves_every_rank_kv_pool_empty(results):

@@ -11,6 +11,7 @@ import torch
 from sgl_dspark import Engine
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.model_executor.cuda_graph_runner import (
+    BatchGraphs,
     CudaGraphRunner,
     EagerGraph,
     graph_batch_sizes,
@@ -63,6 +64,44 @@ def test_graph_batch_sizes():
     assert graph_batch_sizes(32)[-3:] == [16, 24, 32]
     with pytest.raises(ValueError, match="cuda-graph-max-bs"):
         graph_batch_sizes(0)
+
+
+def test_batch_graphs_share_static_buffers(monkeypatch):
+    """Two families given one static buffer both read it (each replay copies its input first,
+    padding rows take the pad value); an input that already is the buffer's rows (one graph's
+    output read by the next) is not copied again; a buffer of the wrong shape is refused."""
+    graphs = CudaGraphRunner(torch.device("cpu"), graph_factory=EagerGraph)
+    shared = torch.full((4, 3), 7.0)
+    example = [torch.zeros(1, 3)]
+    double = BatchGraphs(graphs, "double", lambda x: (x * 2,), example, [-1.0], [2, 4], [shared])
+    plus = BatchGraphs(graphs, "plus", lambda x: (x + 1,), example, [-1.0], [2, 4], [shared])
+    assert double.static[0] is shared and plus.static[0] is shared
+    graphs.capture()
+    x = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0], [7.0, 8.0, 9.0]])
+    (a,) = double.replay(x)
+    assert torch.equal(a, torch.tensor([[2.0, 4.0, 6.0], [8.0, 10.0, 12.0], [14.0, 16.0, 18.0]]))
+    assert torch.equal(shared[3], torch.tensor([-1.0, -1.0, -1.0]))  # the padding row
+    (b,) = plus.replay(x[:2])
+    assert torch.equal(b, torch.tensor([[2.0, 3.0, 4.0], [5.0, 6.0, 7.0]]))
+
+    copies_into_shared = []
+    real_copy = torch.Tensor.copy_
+
+    def copy_(dst, src, *args, **kwargs):
+        if dst.untyped_storage().data_ptr() == shared.untyped_storage().data_ptr():
+            copies_into_shared.append(tuple(dst.shape))
+        return real_copy(dst, src, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    shared[:2] = torch.tensor([[3.0, 1.0, 4.0], [1.0, 5.0, 9.0]])
+    (c,) = plus.replay(shared[:2])
+    assert torch.equal(c, torch.tensor([[4.0, 2.0, 5.0], [2.0, 6.0, 10.0]]))
+    assert copies_into_shared == []
+    plus.replay(shared[:2].clone())  # the same values elsewhere: copied
+    assert copies_into_shared == [(2, 3)]
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match="narrow: static buffer 0"):
+        BatchGraphs(graphs, "narrow", lambda x: (x,), example, [0.0], [2], [torch.zeros(2, 2)])
 
 
 def test_decode_graphs_equal_eager(reference):

@@ -82,6 +82,26 @@ def test_markov_loop_matches_naive(batch, gamma, vocab, rank):
     assert torch.equal(out.markov_embeds, w1[prev])
 
 
+def test_step_logits_written_into_a_given_buffer():
+    """`step_logits_out` (a graph's shared buffer, strided: rows of a wider block) receives the
+    step logits and is what the output returns; the draws are those of the naive loop."""
+    gen, base, w1, w2, anchors = _inputs(3, 4, 30, 6, seed=7)
+    temperature = torch.tensor([0.7, 1.2, 0.9])
+    greedy = torch.tensor([False, True, False])
+    uniforms = torch.rand((3, 4), generator=gen)
+    block = torch.full((5, 6, 30), -3.0)
+    out = markov_sample(
+        base, w1, w2, anchors, temperature, greedy, uniforms, step_logits_out=block[:3, :4]
+    )
+    want_x, want_z, _ = _naive_markov(base, w1, w2, anchors, temperature, greedy, uniforms)
+    assert torch.equal(out.drafts, want_x)
+    assert out.step_logits.data_ptr() == block.data_ptr()
+    torch.testing.assert_close(block[:3, :4], want_z, rtol=1e-5, atol=1e-5)
+    assert torch.all(block[3:] == -3.0) and torch.all(block[:, 4:] == -3.0)  # nothing else
+    with pytest.raises(ValueError, match="step_logits_out"):
+        markov_sample(base, w1, w2, anchors, temperature, greedy, uniforms, block[:3, :3])
+
+
 def test_uniforms_decide_the_draws():
     _, base, w1, w2, anchors = _inputs(4, 3, 20, 4, seed=1)
     temperature, greedy = torch.full((4,), 0.8), torch.zeros(4, dtype=torch.bool)

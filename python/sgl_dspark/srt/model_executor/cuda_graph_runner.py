@@ -225,11 +225,27 @@ def _slice_rows(x: Any, n: int) -> Any:
     return x
 
 
+def _same_view(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether `a` and `b` are the same elements of the same memory."""
+    return (
+        a.data_ptr() == b.data_ptr()
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and a.dtype == b.dtype
+        and a.device == b.device
+    )
+
+
 class BatchGraphs:
     """A batch-first function `fn(*inputs)` registered with `graphs` per batch bucket.
 
     `pad_values[i]` fills rows b >= B of input i for a batch of B rows padded to its bucket; the
     outputs (tensors with the batch in dim 0, in any tuple/dict tree) are returned as rows [:B].
+
+    `static[i]`, when given, is input i's buffer (rows >= the largest bucket) instead of a new
+    one: families whose replays feed each other or take the same large input share buffers
+    (replays run one at a time, and each copies all its inputs first). An input that already
+    is its buffer's rows (a graph's output that another graph reads) is not copied.
     """
 
     def __init__(
@@ -240,6 +256,7 @@ class BatchGraphs:
         example_inputs: Sequence[torch.Tensor],
         pad_values: Sequence[float | int | bool],
         batch_sizes: Sequence[int],
+        static: Sequence[torch.Tensor | None] | None = None,
     ) -> None:
         self.graphs = graphs
         self.family = family
@@ -247,9 +264,21 @@ class BatchGraphs:
         self.pad_values = tuple(pad_values)
         max_bs = self.batch_sizes[-1]
         dev = graphs.device
-        self.static = [
-            torch.empty((max_bs, *x.shape[1:]), dtype=x.dtype, device=dev) for x in example_inputs
-        ]
+        given = list(static) if static is not None else [None] * len(example_inputs)
+        if len(given) != len(example_inputs):
+            raise ValueError(
+                f"{family}: {len(given)} static buffers for {len(example_inputs)} inputs"
+            )
+        self.static = []
+        for i, (x, buf) in enumerate(zip(example_inputs, given)):
+            if buf is None:
+                buf = torch.empty((max_bs, *x.shape[1:]), dtype=x.dtype, device=dev)
+            elif buf.shape[0] < max_bs or buf.shape[1:] != x.shape[1:] or buf.dtype != x.dtype:
+                raise ValueError(
+                    f"{family}: static buffer {i} is {buf.dtype} {tuple(buf.shape)}, needs "
+                    f"{x.dtype} ({max_bs}+, {', '.join(map(str, x.shape[1:]))})"
+                )
+            self.static.append(buf)
         for buf, v in zip(self.static, self.pad_values):
             buf.fill_(v)
         for bs in self.batch_sizes:
@@ -268,7 +297,9 @@ class BatchGraphs:
         bs = self.bucket_for(B)
         assert bs is not None, B
         for buf, x, v in zip(self.static, inputs, self.pad_values):
-            buf[:B].copy_(x)
+            rows = buf[:B]
+            if not _same_view(rows, x):
+                rows.copy_(x)
             if bs > B:
                 buf[B:bs].fill_(v)
         return _slice_rows(self.graphs.replay(self.family, bs), B)

@@ -8,9 +8,10 @@ decoding requests then take one of three paths:
 * an all-greedy batch at a host-known width with captured fused steps (with the overlap
   schedule): one fused graph replay (draft, verify, acceptance, context KV), whose next state
   stays on the device, so the overlap schedule chains these steps too;
-* otherwise the eager step: draft (graph per bucket when all greedy), verify lengths from the
-  policy, the target's verify forward (a graph per width when the batch fits), acceptance (a
-  graph per width for all-greedy uniform steps), one read of the results.
+* otherwise the eager step: draft (a graph per bucket, all-greedy or with sampled rows), verify
+  lengths from the policy, the target's verify forward (a graph per width when the batch fits),
+  acceptance (a graph per width for uniform steps, all-greedy or with sampled rows:
+  `sampled_graphs.py` says which sampled steps replay), one read of the results.
 
 Request state changes only through the `ReqUpdate`s the steps return (`speculative=True`).
 """
@@ -40,7 +41,8 @@ from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner
 from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
-from sgl_dspark.srt.speculative.dspark.worker import DraftProposal, token_logprobs
+from sgl_dspark.srt.speculative.dspark.sampled_graphs import SampledGraphs
+from sgl_dspark.srt.speculative.dspark.worker import DraftProposal
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.core.req import Req
@@ -144,6 +146,7 @@ class DSparkExecutor(BaseStepExecutor):
         self.draft_graphs: BatchGraphs | None = None
         self.draft_graphs_bs1: BatchGraphs | None = None
         self.epilogue_graphs: dict[int, BatchGraphs] = {}
+        self.sampled_graphs: SampledGraphs | None = None
         self.fused: FusedGreedySteps | None = None
 
     @property
@@ -176,7 +179,8 @@ class DSparkExecutor(BaseStepExecutor):
     ) -> None:
         """Register every graph of the step: the target's decode / verify widths and prefill
         (through the decode executor), the greedy draft per bucket (and the bs1 runtime's), the
-        greedy acceptance per width, and the fused steps of host-known widths."""
+        greedy acceptance per width, their counterparts for batches with sampled rows, and the
+        fused steps of host-known widths."""
         worker, dev = self.worker, self.runner.device
         widths = worker.graph_verify_widths()
         self.decode.register_graphs(graphs, batch_sizes, widths, prefill_max_tokens)
@@ -212,6 +216,14 @@ class DSparkExecutor(BaseStepExecutor):
                 [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex()],
                 [0, 0, 1, 0.0, 0],
                 batch_sizes,
+            )
+        if worker.sts_recorder is None:  # the recorder's steps run eagerly
+            self.sampled_graphs = SampledGraphs(
+                graphs,
+                worker,
+                batch_sizes,
+                widths,
+                {w: g.static[3] for w, g in self.epilogue_graphs.items()},
             )
         fused_widths = worker.fused_widths() if self.fused_steps else ()
         if fused_widths:
@@ -398,20 +410,27 @@ class DSparkExecutor(BaseStepExecutor):
         raw_logits = logits
         logits = self._adjust(reqs, logits, verify_ids)
         timer.mark("verify")
-        # 6-7. acceptance on the device and the committed tokens' logprobs. Greedy uniform steps
-        #    replay the acceptance from a graph.
+        # 6-7. acceptance on the device and the committed tokens' logprobs. Uniform steps replay
+        #    it from a graph (all greedy, or with sampled rows), chosen from host values only
+        #    (widths, the policy's caps, the recorder, `info`'s flags, the bucket): a graph never
+        #    decides. Ragged widths, async caps and the STS recorder keep the eager acceptance.
         epilogue = self.epilogue_graphs.get(W)
-        simulated = worker.args.simulate_accept_len is not None
         forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
         reader = runner.model.logits_reader
-        # The acceptance graphs take this rank's columns: whole rows gathered under tensor
-        # parallelism are wider than their inputs.
-        if (
+        graphed = uniform and cap_lens is None and worker.sts_recorder is None
+        sampled = None
+        if graphed and not info.all_greedy and self.sampled_graphs is not None:
+            sampled = self.sampled_graphs.accept(
+                verify_ids, lens_t, seq_t, logits, forced, ms.step_logits, info
+            )
+        # The greedy acceptance graphs take this rank's columns: whole rows gathered under
+        # tensor parallelism are wider than their inputs.
+        if sampled is not None:
+            acc, tok_lp = sampled
+        elif (
             epilogue is not None
-            and uniform
+            and graphed
             and info.all_greedy
-            and cap_lens is None
-            and worker.sts_recorder is None
             and epilogue.bucket_for(B) is not None
             and not (reader.sharded and whole)
         ):
@@ -422,18 +441,9 @@ class DSparkExecutor(BaseStepExecutor):
                 verify_ids, lens_t, seq_t, logits, forced, cap_lens
             )
         else:
-            acc = worker.accept(
-                verify_ids,
-                lens_t,
-                seq_t,
-                logits,
-                info,
-                prop,
-                cap_lens,
-                forced if simulated else None,
+            acc, tok_lp = worker.epilogue(
+                verify_ids, lens_t, seq_t, logits, info, ms.step_logits, forced, cap_lens
             )
-            temps = None if info.all_greedy else info.temperatures[:, None, None]
-            tok_lp = token_logprobs(logits if temps is None else logits / temps, acc.out_tokens)
         if not bs1:
             self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
         if worker.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
@@ -546,6 +556,10 @@ class DSparkExecutor(BaseStepExecutor):
             if graphs is not None and graphs.bucket_for(batch_size) is not None:
                 return graphs.replay(anchors, seq_t, slot_t)
             return worker.propose_greedy(gamma, anchors, seq_t, slot_t)
+        if not info.all_greedy and self.sampled_graphs is not None:
+            prop = self.sampled_graphs.propose(gamma, anchors, seq_t, slot_t, info)
+            if prop is not None:
+                return prop
         return worker.propose(gamma, anchors, seq_t, slot_t, info)
 
     def _verify_rows(self, reqs: list[Req], lens: list[int]) -> list[int]:

@@ -35,6 +35,7 @@ def markov_sample(
     temperature: torch.Tensor,
     greedy: torch.Tensor,
     uniforms: torch.Tensor | None = None,
+    step_logits_out: torch.Tensor | None = None,
 ) -> MarkovSampleOutput:
     """Sequential Markov-head sampling of gamma drafts per request.
 
@@ -45,6 +46,8 @@ def markov_sample(
         temperature: [B] per-row temperature (clamped >= 1e-5); greedy: [B] bool.
         uniforms: [B, gamma] uniforms of the sampled rows' draws (`DRAFT_STREAM`); None when
             every row is greedy.
+        step_logits_out: optional [B, gamma, V] fp32 tensor (any strides) the step logits are
+            written into and returned as (a CUDA graph's buffer shared by its consumers).
     Returns:
         drafts x [B, gamma] (x_k = argmax z_k for greedy rows, an exact sample of softmax(z_k / T)
         otherwise), step logits z [B, gamma, V] fp32 and the Markov embeddings e [B, gamma, r]
@@ -53,7 +56,17 @@ def markov_sample(
     batch, gamma, vocab = base_logits.shape
     temp = temperature.float().clamp(min=MIN_TEMPERATURE).view(batch, 1)
     drafts = torch.empty((batch, gamma), dtype=torch.int64, device=base_logits.device)
-    step_logits = torch.empty((batch, gamma, vocab), dtype=torch.float32, device=base_logits.device)
+    if step_logits_out is None:
+        step_logits = torch.empty(
+            (batch, gamma, vocab), dtype=torch.float32, device=base_logits.device
+        )
+    else:
+        if step_logits_out.shape != (batch, gamma, vocab) or step_logits_out.dtype != torch.float32:
+            raise ValueError(
+                f"step_logits_out must be fp32 {(batch, gamma, vocab)}, got "
+                f"{step_logits_out.dtype} {tuple(step_logits_out.shape)}"
+            )
+        step_logits = step_logits_out
     embeds = torch.empty((batch, gamma, w1.shape[1]), dtype=w1.dtype, device=base_logits.device)
     prev = anchors.to(torch.int64)
     for k in range(gamma):

@@ -186,13 +186,15 @@ class DSparkWorker:
         seq_t: torch.Tensor,
         slot_t: torch.Tensor,
         info: SamplingBatchInfo,
+        step_logits_out: torch.Tensor | None = None,
     ) -> DraftProposal:
         """Proposal for a batch with sampled rows: their drafts are drawn from softmax(z / T)
         with the requests' `DRAFT_STREAM` uniforms (draft k at output counter + k). Under
         tensor parallelism such a batch gathers the draft's logits rows whole (a draw reads the
         whole distribution); a batch whose rows are all greedy takes the shard path
-        (`_propose`)."""
-        return self._propose(anchors, seq_t, slot_t, info, gamma, None)
+        (`_propose`). `step_logits_out`: [B, gamma, V] fp32 where the step logits are written
+        (the sampled draft graphs' buffer, `sampled_graphs.py`)."""
+        return self._propose(anchors, seq_t, slot_t, info, gamma, None, step_logits_out)
 
     def _propose(
         self,
@@ -202,6 +204,7 @@ class DSparkWorker:
         info: SamplingBatchInfo | None,
         gamma: int,
         num_drafts: int | None,
+        step_logits_out: torch.Tensor | None = None,
     ) -> DraftProposal:
         """Draft forward over [anchor, mask, ...] at positions s .. s+gamma-1, then the Markov
         head (left to right) and, when read, the confidences. `info` None: every row greedy.
@@ -230,6 +233,8 @@ class DSparkWorker:
         reader = target.logits_reader
         # `all_greedy` is a host flag: the choice never syncs, and every rank makes the same.
         shard = reader.sharded and (info is None or info.all_greedy)
+        if step_logits_out is not None and (shard or info is None):
+            raise ValueError("step_logits_out is written by the whole-row (sampled) Markov loop")
         if shard:
             base_logits = target.compute_shard_logits(y_normed)  # [B, gamma, V / tp]
         else:
@@ -258,6 +263,7 @@ class DSparkWorker:
                 info.temperatures,
                 info.is_greedy,
                 uniforms=info.uniforms(DRAFT_STREAM, gamma),
+                step_logits_out=step_logits_out,
             )
         if gamma != self.gamma or not self.needs_confidence:
             return DraftProposal(ms, None)  # the bs1 runtime schedules no confidences
@@ -277,12 +283,13 @@ class DSparkWorker:
         seq_t: torch.Tensor,
         logits: torch.Tensor,
         info: SamplingBatchInfo,
-        proposal: DraftProposal,
+        draft_logits: torch.Tensor,
         cap_lens: torch.Tensor | None,
         forced: torch.Tensor | None,
     ) -> AcceptOutput:
-        """Acceptance of verify windows `verify_ids` [B, W] with target logits [B, W, V].
-        Sampled rows compare the target's processed distribution with the draft's and draw
+        """Acceptance of verify windows `verify_ids` [B, W] (anchor, then the drafts) with
+        target logits [B, W, V]. Sampled rows compare the target's processed distribution with
+        the draft's (from the proposal's step logits `draft_logits` [B, >= W - 1, V]) and draw
         their coins (`ACCEPT_STREAM`, position j at counter + j) and bonus (`BONUS_STREAM`, at
         the step's counter) from the requests' uniforms. `forced`: simulated accept counts."""
         B, W = verify_ids.shape
@@ -294,7 +301,6 @@ class DSparkWorker:
             return self.accept_fn(
                 verify_ids, lens_t, seq_t, logits, info.is_greedy, cap_lens=cap_lens
             )
-        ms = proposal.markov
         return self.accept_fn(
             verify_ids,
             lens_t,
@@ -303,12 +309,37 @@ class DSparkWorker:
             info.is_greedy,
             target_probs=target_probs(logits, info),
             draft_probs=draft_probs(
-                ms.step_logits[:, : W - 1], info.temperatures, info.is_greedy, ms.drafts[:, : W - 1]
+                draft_logits[:, : W - 1], info.temperatures, info.is_greedy, verify_ids[:, 1:]
             ),
             coins=info.uniforms(ACCEPT_STREAM, max(W - 1, 0)),
             bonus_uniforms=info.uniforms(BONUS_STREAM),
             cap_lens=cap_lens,
         )
+
+    def epilogue(
+        self,
+        verify_ids: torch.Tensor,
+        lens_t: torch.Tensor,
+        seq_t: torch.Tensor,
+        logits: torch.Tensor,
+        info: SamplingBatchInfo,
+        draft_logits: torch.Tensor,
+        forced: torch.Tensor,
+        cap_lens: torch.Tensor | None = None,
+    ) -> tuple[AcceptOutput, torch.Tensor]:
+        """Acceptance (`accept`) + the committed tokens' logprobs of a step over whole logits
+        rows [B, W, V], any mix of greedy and sampled rows: log_softmax of the logits scaled by
+        each request's temperature (unscaled when every row is greedy), the rows plain decoding
+        samples from. The eager step's and the sampled acceptance graphs' one function
+        (`sampled_graphs.py`). `forced`: the simulated accept counts (ignored without
+        simulation)."""
+        simulated = forced if self.args.simulate_accept_len is not None else None
+        acc = self.accept(
+            verify_ids, lens_t, seq_t, logits, info, draft_logits, cap_lens, simulated
+        )
+        temps = None if info.all_greedy else info.temperatures[:, None, None]
+        tok_lp = token_logprobs(logits if temps is None else logits / temps, acc.out_tokens)
+        return acc, tok_lp
 
     def greedy_epilogue(
         self,
