@@ -28,10 +28,19 @@ def width_table(path: Path) -> str:
     return str(path)
 
 
+def sps_table(path: Path) -> str:
+    """A diagonal SPS table (10 ms + 0.4 ms per verify token) for the confidence policy."""
+    tokens = [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    steps = [1000.0 / (10.0 + 0.4 * t) for t in tokens]
+    table = {"sample_batch_tokens": tokens, "sample_steps_per_sec": steps, "max_batch_tokens": 256}
+    path.write_text(json.dumps(table))
+    return str(path)
+
+
 def engine_args(
     layout: ParallelLayout, combine: str, spec: bool, out_dir: Path, **options: Any
 ) -> ServerArgs:
-    extra: dict[str, Any] = dict(options)
+    extra: dict[str, Any] = {}
     if spec:
         extra.update(
             speculative_algorithm="DSpark",
@@ -39,6 +48,7 @@ def engine_args(
             speculative_dspark_verify_policy="static",
             speculative_dspark_width_table_path=width_table(out_dir / f"widths{os.getpid()}.json"),
         )
+    extra.update(options)  # `options` may replace the DSpark defaults (another policy)
     return ServerArgs(
         model_path="tiny",
         device="cpu",
@@ -200,6 +210,29 @@ def count_gathers() -> list[tuple[int, ...]]:
     return _GATHERED
 
 
+_SPLITS: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+_SPLITS_RECORDED = False
+
+
+def record_splits() -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Every step's split of its rows between the greedy picks and whole rows in this process
+    from now on (each `RowSplit` built: its greedy and its whole positions), in order."""
+    global _SPLITS_RECORDED
+    from sgl_dspark.srt.layers.vocab_parallel import RowSplit
+
+    if not _SPLITS_RECORDED:
+        inner = RowSplit.__init__
+
+        def init(self: Any, greedy: Any, whole: Any, device: torch.device) -> None:
+            inner(self, greedy, whole, device)
+            _SPLITS.append((self.greedy, self.whole))
+
+        RowSplit.__init__ = init  # type: ignore[method-assign]
+        _SPLITS_RECORDED = True
+    _SPLITS.clear()
+    return _SPLITS
+
+
 def count_calls(obj: Any, name: str) -> list[int]:
     """One entry per call of `obj.name` from now on."""
     calls: list[int] = []
@@ -222,13 +255,17 @@ def run_counted(
     params: list[dict],
     graphs: bool = False,
     engine_options: dict[str, Any] | None = None,
+    req_options: list[dict[str, Any]] | None = None,
     **logprob_options: Any,
 ) -> None:
     """`run_layout` without recording logits (a recording reads whole rows): rank 0 saves
     `{name}.pt` with the outputs (with `logprob_options` for `Engine.generate`, their output
-    logprobs), the shape of every tensor its TP group all-gathered and the number of
-    whole-row logits the DSpark draft asked for (`compute_logits`). `engine_options`: more
-    server args."""
+    logprobs), the shape of every tensor its TP group all-gathered, the number of whole-row
+    logits the DSpark draft asked for (`compute_logits`) and every step's split of its rows
+    (`record_splits`); every other rank saves its own gathers and splits
+    (`{name}_rank{rank}.pt`). `engine_options`: more server args; `req_options`: per
+    request, `Req` fields to set over `logprob_options` (e.g. top-N logprobs for one request
+    only), whose top-N and prompt logprobs are then saved too."""
     from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
 
     init_parallel_state(layout, "exact")
@@ -236,16 +273,34 @@ def run_counted(
         return
     engine = Engine.for_rank(engine_args(layout, "exact", spec, out_dir, **(engine_options or {})))
     gathered = count_gathers()
+    splits = record_splits()
     draft_logits = count_calls(engine.runner.model, "compute_logits")
     if graphs:
         engine.init_graphs(len(PROMPTS), prefill_max_tokens=32, graph_factory=EagerGraph)
+    del gathered[:], draft_logits[:]  # the graph captures' own calls
     scheduler = engine.scheduler
     if rank > 0:
         assert isinstance(scheduler, ReplicatedScheduler)
         scheduler.serve_forever()
         engine.executor.close()
+        torch.save(
+            {"gathered": list(gathered), "splits": list(splits)},
+            out_dir / f"{name}_rank{rank}.pt",
+        )
         return
-    del gathered[:], draft_logits[:]  # the graph captures' own calls
+    made = []
+    if req_options is not None:
+        make = engine._make_req
+        fields = iter(req_options)
+
+        def make_req(*a: Any, **k: Any) -> Any:
+            req = make(*a, **k)
+            for key, value in next(fields).items():
+                setattr(req, key, value)
+            made.append(req)
+            return req
+
+        engine._make_req = make_req  # type: ignore[method-assign]
     outs = engine.generate(input_ids=PROMPTS, sampling_params=params, **logprob_options)
     if isinstance(scheduler, ReplicatedScheduler):
         scheduler.close()
@@ -262,6 +317,9 @@ def run_counted(
             "logprobs": logprobs,
             "gathered": list(gathered),
             "draft_logits": len(draft_logits),
+            "splits": list(splits),
+            "top_logprobs": [r.output_top_logprobs for r in made],
+            "prompt_logprobs": [r.input_logprobs for r in made],
             "replays": replays,
             "shard_width": engine.runner.model.logits_reader.shard_width,
         },

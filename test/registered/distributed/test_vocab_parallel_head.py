@@ -5,11 +5,16 @@ with logprobs within fp32 rounding of `log_softmax`; the DSpark draft's greedy M
 vocabulary shards drafts what the whole-row loop drafts (ties across the border, NaN, +-inf)
 and gathers only (max, index) pairs; TP 2 greedy output equals one rank with and without
 DSpark, eagerly and from graphs; an all-greedy step all-gathers only the small per-row records,
-never a logits row of the target or of the draft; steps with sampled rows gather whole rows
-(the draft's too) and sample the same tokens as one rank."""
+never a logits row of the target or of the draft; a batch of greedy requests and requests
+that read whole rows (sampled, penalised, asking for top-N or prompt logprobs; plain decode
+and DSpark, eager and from graphs, ragged and capped verifies, simulated acceptance) gives
+every request one rank's tokens while only the latter's rows (the draft's too) are gathered,
+and both ranks split every step alike; a DSpark step that splits replays no sampled graph, as
+those gather every row whole, while one rank's mixed batches replay them."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -17,11 +22,13 @@ import torch
 from rank_engines import (
     MARKOV_GAMMA,
     MAX_NEW,
+    PROMPTS,
     greedy_params,
     markov_edge_cases,
     run_counted,
     run_shard_greedy,
     run_shard_markov,
+    sps_table,
 )
 from sgl_dspark.kernels.spec.reference import markov_greedy_ref
 from sgl_dspark.srt.distributed import ParallelLayout
@@ -48,6 +55,61 @@ def mixed_params() -> list[dict]:
     return params
 
 
+def mixed_adjust_params() -> list[dict]:
+    """`mixed_params` whose last greedy request adjusts its logits (penalties): it reads its
+    rows whole with the sampled one, the first greedy request through the picks."""
+    params = mixed_params()
+    params[2] = {**params[2], "repetition_penalty": 1.3, "frequency_penalty": 0.5}
+    return params
+
+
+def greedy_adjust_params() -> list[dict]:
+    """Greedy requests only, the last with penalties: it reads its rows whole, the others
+    through the picks (the draft stays on the pairs: no row samples)."""
+    params = greedy_params()
+    params[2] = {**params[2], "repetition_penalty": 1.3, "frequency_penalty": 0.5}
+    return params
+
+
+# Top-N and prompt logprobs for the sampled request only: its rows are read whole (its
+# prompt's scored positions included), the greedy requests' through the picks.
+EXTRAS = [{}, {"top_logprobs_num": 3, "logprob_start_len": 3}, {}]
+
+
+def simulated(out_dir: Path) -> dict:
+    return {"speculative_dspark_simulate_accept_len": 3.0}
+
+
+def confidence(out_dir: Path) -> dict:
+    """The async confidence policy: full windows with acceptance capped on the device."""
+    return {
+        "speculative_dspark_verify_policy": "confidence",
+        "speculative_dspark_confidence_mode": "async",
+        "speculative_dspark_width_table_path": None,
+        "speculative_dspark_sps_table_path": sps_table(out_dir / f"sps{os.getpid()}.json"),
+    }
+
+
+# Runs of a batch that mixes greedy requests with requests that read whole rows, on both
+# layouts: (name, DSpark, parameters, graphs, engine options of the world's folder,
+# per-request options).
+MIXED_RUNS = [
+    ("mixed", False, mixed_params, False, None, None),
+    ("spec_mixed", True, mixed_params, False, None, None),
+    ("mixed_graphs", False, mixed_params, True, None, None),
+    ("spec_mixed_graphs", True, mixed_params, True, None, None),
+    ("mixed_adjust", False, mixed_adjust_params, False, None, None),
+    ("spec_mixed_adjust", True, mixed_adjust_params, False, None, None),
+    ("greedy_adjust", False, greedy_adjust_params, False, None, None),
+    ("spec_greedy_adjust", True, greedy_adjust_params, False, None, None),
+    ("mixed_extras", False, mixed_params, False, None, EXTRAS),
+    ("spec_mixed_extras", True, mixed_params, False, None, EXTRAS),
+    ("spec_mixed_simulated", True, mixed_params, False, simulated, None),
+    ("spec_mixed_confidence", True, mixed_params, False, confidence, None),
+]
+MIXED_NAMES = [run[0] for run in MIXED_RUNS]
+
+
 def _world(rank: int, out_dir: Path) -> None:
     run_shard_greedy(rank, out_dir)
     run_shard_markov(rank, out_dir)
@@ -55,8 +117,19 @@ def _world(rank: int, out_dir: Path) -> None:
     for name, layout in (("tp1", TP1), ("tp2", TP2)):
         run_counted(rank, out_dir, f"{name}_plain", layout, False, greedy)
         run_counted(rank, out_dir, f"{name}_spec", layout, True, greedy)
-        run_counted(rank, out_dir, f"{name}_mixed", layout, False, mixed_params())
-        run_counted(rank, out_dir, f"{name}_spec_mixed", layout, True, mixed_params())
+        for tag, spec, params, graphs, options, per_req in MIXED_RUNS:
+            run_counted(
+                rank,
+                out_dir,
+                f"{name}_{tag}",
+                layout,
+                spec,
+                params(),
+                graphs,
+                engine_options=options(out_dir) if options else None,
+                req_options=per_req,
+                return_logprob=True,
+            )
         run_counted(rank, out_dir, f"{name}_logprob", layout, False, greedy, return_logprob=True)
         run_counted(
             rank, out_dir, f"{name}_spec_logprob", layout, True, greedy, return_logprob=True
@@ -231,25 +304,127 @@ def test_one_rank_dspark_keeps_the_unsharded_draft_path(results):
     assert run["draft_logits"] > 0 and run["gathered"] == []
 
 
-def test_sampled_dspark_rows_gather_the_draft_logits_and_equal_one_rank(results):
-    """A step with a sampled row draws drafts from the whole distribution: the draft's logits
-    are gathered whole ([B, block size, V / tp]) for it; the greedy steps after the sampled
-    request ends take the pairs."""
-    ref, got = results["tp1_spec_mixed"], results["tp2_spec_mixed"]
-    assert got["output_ids"] == ref["output_ids"]
-    assert ref["output_ids"][1] != results["tp1_plain"]["output_ids"][1]  # it did sample
-    assert ref["output_ids"][0] == results["tp1_plain"]["output_ids"][0]
-    draft_wide = [s for s in _logits_gathers(got) if len(s) == 3 and s[1] == BLOCK_SIZE]
-    assert got["draft_logits"] > 0 and len(draft_wide) == got["draft_logits"]
-    assert _draft_pairs(got)
+# ---- batches of greedy and sampled requests ------------------------------------------------------
 
 
-def test_sampled_rows_gather_and_equal_one_rank(results):
-    ref, got = results["tp1_mixed"], results["tp2_mixed"]
+@pytest.mark.parametrize("name", MIXED_NAMES)
+def test_mixed_batch_tokens_equal_one_rank(results, name):
+    """Every request of a batch of greedy and seeded sampled (or logits-adjusting) requests
+    gets exactly the tokens of one rank, the greedy ones through the picks and the others
+    from their whole rows; the committed tokens' logprobs (and the top-N and prompt
+    logprobs asked for) agree within fp32 rounding."""
+    ref, got = results[f"tp1_{name}"], results[f"tp2_{name}"]
     assert got["output_ids"] == ref["output_ids"]
-    assert ref["output_ids"][1] != results["tp1_plain"]["output_ids"][1]  # it did sample
-    assert ref["output_ids"][0] == results["tp1_plain"]["output_ids"][0]
-    assert _logits_gathers(got)  # a step with a sampled row reads whole rows
+    assert [len(o) for o in got["output_ids"]] == MAX_NEW
+    close = {"rtol": 1e-4, "atol": 1e-4}
+    for a, b in zip(ref["logprobs"], got["logprobs"]):
+        assert len(a) == len(b) > 0
+        torch.testing.assert_close(torch.tensor(b), torch.tensor(a), **close)
+    for a, b in zip(ref["top_logprobs"], got["top_logprobs"]):
+        assert [[t for t, _ in row] for row in a] == [[t for t, _ in row] for row in b]
+        want, have = ([[v for _, v in row] for row in x] for x in (a, b))
+        torch.testing.assert_close(torch.tensor(have), torch.tensor(want), **close)
+    for a, b in zip(ref["prompt_logprobs"], got["prompt_logprobs"]):
+        assert [v is None for v in a] == [v is None for v in b]
+        want, have = ([v for v in x if v is not None] for x in (a, b))
+        torch.testing.assert_close(torch.tensor(have), torch.tensor(want), **close)
+
+
+def test_mixed_batches_mix(results):
+    """The runs mix what they claim: the sampled request samples, the plain greedy requests
+    give the greedy output, penalties change the output of the request that has them, and
+    the extras are there for the request that asks."""
+    greedy = results["tp1_plain"]["output_ids"]
+    for name in MIXED_NAMES:
+        out = results[f"tp1_{name}"]["output_ids"]
+        if "simulated" in name:  # forced drafts: not the greedy output
+            continue
+        assert out[0] == greedy[0], name
+        assert (out[1] == greedy[1]) == ("greedy_adjust" in name), name
+        assert (out[2] == greedy[2]) == ("adjust" not in name), name
+    extras = results["tp2_mixed_extras"]
+    assert [len(rows) for rows in extras["top_logprobs"]] == [0, MAX_NEW[1], 0]
+    assert all(len(row) == 3 for row in extras["top_logprobs"][1])
+    prompt = extras["prompt_logprobs"]
+    assert not prompt[0] and not prompt[2] and len(prompt[1]) == len(PROMPTS[1]) - 3
+
+
+@pytest.mark.parametrize("name", ["mixed", "mixed_graphs"])
+def test_mixed_decode_gathers_only_the_sampled_rows(results, name):
+    """Plain decoding: the sampled request's rows are the only logits rows gathered, one row
+    per token it samples (its first from the prefill step; the overlap schedule may launch
+    one more step before its end is read); every other request's token comes from the
+    greedy records, with or without the decode graphs' own picks."""
+    run = results[f"tp2_{name}"]
+    wide = _logits_gathers(run)
+    assert MAX_NEW[1] <= len(wide) <= MAX_NEW[1] + 1
+    assert wide == [(1, run["shard_width"])] * len(wide)
+    records = [s for s in run["gathered"] if s not in _logits_gathers(run)]
+    assert records and all(len(s) == 3 and s[2] == RECORD_COLUMNS for s in records)
+    if "graphs" not in name:  # the greedy requests' rows alone (a graph picks all of its rows)
+        assert {s[1] for s in records} == {1, 2}
+
+
+def test_mixed_decode_gathers_the_adjusting_request_with_the_sampled(results):
+    """A greedy request with penalties reads its rows whole with the sampled one; the plain
+    greedy request's rows are never gathered: no step gathers three rows."""
+    run = results["tp2_mixed_adjust"]
+    rows = [s[0] for s in _logits_gathers(run)]
+    assert rows and max(rows) == 2 and all(len(s) == 2 for s in _logits_gathers(run))
+    assert [s for s in run["gathered"] if len(s) == 3 and s[2] == RECORD_COLUMNS]
+
+
+@pytest.mark.parametrize("name", ["spec_mixed", "spec_mixed_graphs", "spec_mixed_adjust"])
+def test_mixed_dspark_steps_gather_only_the_rows_read_whole(results, name):
+    """DSpark: in every step the sampled request shares with a greedy one, the draft gathers
+    only the sampled row's logits (`[1, block size, V / tp]`; the greedy rows draft from the
+    pairs and the draft never reads every row whole through `compute_logits`), and the
+    verify gathers only its rows (`[1, W, V / tp]`, or its ragged rows flat: at most
+    block + 1); the greedy rows' acceptance reads the records. A greedy request with
+    penalties reads its rows whole with the sampled one (the draft's too): two requests,
+    never the third."""
+    run = results[f"tp2_{name}"]
+    wide = _logits_gathers(run)
+    draft = [s for s in wide if len(s) == 3 and s[1] == BLOCK_SIZE]
+    whole = 2 if "adjust" in name else 1  # requests read whole
+    assert draft and max(s[0] for s in draft) == whole
+    assert all(s[0] <= whole for s in wide if len(s) == 3)
+    assert all(s[0] <= whole * (BLOCK_SIZE + 1) for s in wide if len(s) == 2)
+    if "adjust" not in name:
+        assert run["draft_logits"] == 0
+    assert _draft_pairs(run)
+    records = [s for s in run["gathered"] if len(s) == 3 and s[2] == RECORD_COLUMNS]
+    assert records
+    if "graphs" in name:  # captured widths: every verify is uniform, so no flat gather
+        assert all(len(s) == 3 or s == (1, run["shard_width"]) for s in wide)
+        assert all(s[0] == 1 for s in wide)
+
+
+def test_split_dspark_steps_replay_no_sampled_graph(results):
+    """The sampled DSpark graphs gather every row of their bucket whole, so a step that splits
+    its rows runs the draft and acceptance of its rows read whole eagerly: under TP 2 the
+    sampled request shares every step with a greedy one, and no sampled graph replays, while
+    the greedy rows' acceptance still replays its graph. One rank never splits: its mixed
+    batches replay the sampled draft and acceptance graphs."""
+    one = results["tp1_spec_mixed_graphs"]["replays"]
+    two = results["tp2_spec_mixed_graphs"]["replays"]
+    sampled = ("DSpark sampled draft", "DSpark bs1 sampled draft", "DSpark sampled acceptance")
+    assert one["DSpark sampled draft"] > 0, one
+    assert any(n > 0 for f, n in one.items() if f.startswith("DSpark sampled acceptance")), one
+    assert not [f for f, n in two.items() if f.startswith(sampled) and n > 0], two
+    assert any(n > 0 for f, n in two.items() if f.startswith("DSpark acceptance width")), two
+
+
+@pytest.mark.parametrize("name", MIXED_NAMES)
+def test_every_rank_splits_the_same_rows(results, name):
+    """Both ranks split every mixed step's rows the same way, from host flags only, and so
+    make the same collectives; one rank never splits."""
+    first, second = results[f"tp2_{name}"], results[f"tp2_{name}_rank1"]
+    assert first["splits"] and first["splits"] == second["splits"]
+    assert first["gathered"] == second["gathered"]
+    assert all(not set(greedy) & set(whole) for greedy, whole in first["splits"])
+    assert any(greedy and whole for greedy, whole in first["splits"])
+    assert results[f"tp1_{name}"]["splits"] == [] and results[f"tp1_{name}"]["gathered"] == []
 
 
 @pytest.mark.parametrize("mode", ["logprob", "spec_logprob", "simulated"])

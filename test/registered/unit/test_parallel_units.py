@@ -1,6 +1,7 @@
 """The parallel runtime's single-process parts: layouts and flags, shard specs, loading an
-expert-parallel rank's slice of a checkpoint (without reading other ranks' experts), and the
-single-GPU path calling no `torch.distributed` function at all."""
+expert-parallel rank's slice of a checkpoint (without reading other ranks' experts), the
+split of a step's rows between greedy picks and whole rows, and the single-GPU path calling
+no `torch.distributed` function at all."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 import torch.distributed as dist
 from sgl_dspark.srt.distributed import ParallelLayout, get_parallel_state, replicated
 from sgl_dspark.srt.distributed.sharding import mark_shard, shard_for
+from sgl_dspark.srt.layers.vocab_parallel import RowSplit, split_rows
 from sgl_dspark.srt.model_loader import load_checkpoint, save_released_checkpoint
 from sgl_dspark.srt.model_loader import loader as loader_module
 from sgl_dspark.srt.server_args import ServerArgs, make_parser
@@ -22,6 +24,29 @@ def test_layout_world_is_the_larger_size_and_sizes_must_divide():
         ParallelLayout(2, 3)
     with pytest.raises(ValueError, match="--ep-size must be >= 1"):
         ParallelLayout(1, 0)
+
+
+def test_row_split_groups_positions_and_merges_back_in_step_order():
+    class Reader:
+        sharded = True
+
+    cpu = torch.device("cpu")
+    split = split_rows(Reader(), [True, False, True, False, True], cpu)
+    assert split is not None
+    assert (split.greedy, split.whole) == ((1, 3), (0, 2, 4))
+    assert split.greedy_t.tolist() == [1, 3] and split.whole_t.tolist() == [0, 2, 4]
+    # Each group's results in group order, [n, 2] rows: back in step order.
+    greedy = torch.tensor([[11, 12], [31, 32]])
+    whole = torch.tensor([[1, 2], [21, 22], [41, 42]])
+    assert split.merge(greedy, whole).tolist() == [[1, 2], [11, 12], [21, 22], [31, 32], [41, 42]]
+    # One way for the whole step: all of one kind, or one rank (whole rows already).
+    assert split_rows(Reader(), [True, True], cpu) is None
+    assert split_rows(Reader(), [False, False], cpu) is None
+    Reader.sharded = False
+    assert split_rows(Reader(), [True, False], cpu) is None
+    # An empty group merges too (a step whose sampled requests are all greedy).
+    alone = RowSplit([0, 1], [], cpu)
+    assert alone.merge(torch.tensor([5, 6]), torch.tensor([], dtype=torch.int64)).tolist() == [5, 6]
 
 
 def test_parallel_flags_parse_with_sglang_names():

@@ -293,6 +293,38 @@ def test_unseeded_rows_use_generator():
     assert draw(5) == draw(5) and draw(5) != draw(6)
 
 
+def test_select_keeps_each_rows_record_and_the_batch_flags():
+    """A narrowed record (tensor parallelism samples only the rows it gathered whole): each
+    kept row has its own parameters, seed and counter, an unseeded row the key it was drawn in
+    the whole batch, and the host flags stay the batch's."""
+    params = [
+        SamplingParams(temperature=0.7, top_k=5, seed=11),
+        SamplingParams(temperature=0.0),
+        SamplingParams(temperature=1.5, top_p=0.8),
+        SamplingParams(temperature=1.2, min_p=0.1, seed=4),
+    ]
+    whole = _info(params, 50, counters=[3, 9, 6, 2], generator=torch.Generator().manual_seed(1))
+    # The unseeded rows' keys are drawn in row order (here rows 1 and 2) from the generator.
+    keys = torch.randint(0, 2**63 - 1, (2,), generator=torch.Generator().manual_seed(1)).tolist()
+    got = whole.select(torch.tensor([3, 2, 0]))
+    assert got.batch_size == 3
+    torch.testing.assert_close(got.temperatures, torch.tensor([1.2, 1.5, 0.7]))
+    assert got.top_ks.tolist() == [50, 50, 5]
+    torch.testing.assert_close(got.top_ps, torch.tensor([1.0, 0.8, 1.0]))
+    torch.testing.assert_close(got.min_ps, torch.tensor([0.1, 0.0, 0.0]))
+    assert got.is_greedy.tolist() == [False, False, False]
+    assert got.seeds.tolist() == [4, keys[1], 11] and got.counters.tolist() == [2, 6, 3]
+    want = counter_uniform(torch.tensor([4, keys[1], 11]), torch.tensor([2, 6, 3]), 7)
+    assert torch.equal(got.uniforms(7), want)
+    assert (got.all_greedy, got.need_top_k, got.need_top_p, got.need_min_p) == (
+        False,
+        True,
+        True,
+        True,
+    )
+    assert whole.select(torch.tensor([1])).is_greedy.tolist() == [True]
+
+
 # ---------------------------------------------------------------- uniforms and inverse CDF
 
 

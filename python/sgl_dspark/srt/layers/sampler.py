@@ -206,6 +206,22 @@ class SamplingBatchInfo:
             counters=counters.reshape(-1),
         )
 
+    def select(self, rows: torch.Tensor) -> SamplingBatchInfo:
+        """The record of rows `rows` (a device int64 index) of this batch, in that order: each
+        row keeps its parameters, seed (an unseeded row its key) and counter. The host flags
+        stay the batch's: they only skip work, so every row's result is the one it has in the
+        whole batch."""
+        return dataclasses.replace(
+            self,
+            temperatures=self.temperatures[rows],
+            top_ps=self.top_ps[rows],
+            top_ks=self.top_ks[rows],
+            min_ps=self.min_ps[rows],
+            is_greedy=self.is_greedy[rows],
+            seeds=self.seeds[rows],
+            counters=self.counters[rows],
+        )
+
     def uniforms(self, stream: int, width: int | None = None) -> torch.Tensor:
         """The rows' uniforms of `stream`: [B] at each row's counter, or [B, width] at counters
         `counters[r] + j` (one per position of a window)."""

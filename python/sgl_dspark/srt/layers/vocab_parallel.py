@@ -5,7 +5,7 @@ The embedding looks up the rows it holds (zeros for the others) and the ranks' r
 summed: each row has exactly one non-zero term, so the sum is exact.
 
 The head's logits are computed per shard, and a step reads them through `LogitsReader` in one
-of two ways, chosen per step by what its requests need (`needs_full_logits`):
+of two ways, chosen per request by what it needs (`needs_whole_rows`):
 
 * whole rows (`LogitsReader.full`): the shards all-gathered, `4 * V` bytes per row. Sampling
   (top-k / top-p over the whole distribution), logits adjustments (penalties, biases, grammar
@@ -18,6 +18,10 @@ of two ways, chosen per step by what its requests need (`needs_full_logits`):
 * greedy ids alone (`LogitsReader.argmax`): the same pairs without the sums (`shard_argmax`:
   8 bytes per rank and row), for a reader that needs no logprob: the DSpark draft's greedy
   Markov steps (`speculative/dspark/sampling.py::markov_greedy_shard`).
+
+A step whose requests are of both kinds reads each request's rows its own way under tensor
+parallelism (`split_rows`): the greedy requests' rows through the picks, only the other
+requests' rows gathered whole. One rank reads every step one way, as its rows are whole anyway.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sgl_dspark.srt.core.host_copy import to_device_packed
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import Communicator
 from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
@@ -70,14 +75,55 @@ def gather_logits(local: torch.Tensor, tp: Communicator) -> torch.Tensor:
     return tp.all_gather(local.contiguous(), dim=-1)
 
 
+def needs_whole_rows(req: Req) -> bool:
+    """Whether a request's logits rows must be read whole (`LogitsReader.full`) rather than
+    as greedy picks: it samples, adjusts its logits (penalties, biases, min_new_tokens, a
+    grammar) or asks for top-N / token-id logprobs. A greedy request's own token and its
+    logprob come from the picks; prompt logprobs are the caller's to add (only a prefill step
+    knows whether it scores prompt positions). Host flags only: every rank decides the same."""
+    return not req.params.is_greedy or req.params.adjusts_logits or req.logprob_extras
+
+
 def needs_full_logits(reqs: Sequence[Req]) -> bool:
-    """Whether a step over `reqs` must read whole logits rows (`LogitsReader.full`) rather
-    than greedy picks: a request samples, adjusts its logits (penalties, biases,
-    min_new_tokens, a grammar) or asks for top-N / token-id logprobs. A greedy request's own
-    token and its logprob come from the picks; prompt logprobs are the caller's to add (only a
-    prefill step knows whether it scores prompt positions). A step that mixes both kinds reads
-    whole rows for every request."""
-    return any(not r.params.is_greedy or r.params.adjusts_logits or r.logprob_extras for r in reqs)
+    """Whether any request of `reqs` reads whole rows (`needs_whole_rows`)."""
+    return any(needs_whole_rows(r) for r in reqs)
+
+
+class RowSplit:
+    """A step's positions (requests, or logits rows) in two groups read two ways under tensor
+    parallelism: `greedy` through the greedy picks, `whole` gathered whole (`split_rows`).
+    Together they are the positions 0..n-1, each list in step order: host values, with their
+    device copies (one transfer) and the order that puts the two groups' results back in step
+    order (`merge`)."""
+
+    def __init__(self, greedy: Sequence[int], whole: Sequence[int], device: torch.device) -> None:
+        self.greedy = tuple(greedy)
+        self.whole = tuple(whole)
+        # Position p's place in cat(greedy results, whole results).
+        place = {p: i for i, p in enumerate(self.greedy + self.whole)}
+        order = [place[p] for p in sorted(place)]
+        self.greedy_t, self.whole_t, self._order = to_device_packed(
+            [self.greedy, self.whole, order], torch.int64, device
+        )
+
+    def merge(self, greedy: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+        """The groups' results (leading dimension: their positions, in group order) back in
+        step order."""
+        return torch.cat((greedy, whole))[self._order]
+
+
+def split_rows(
+    reader: LogitsReader, whole: Sequence[bool], device: torch.device
+) -> RowSplit | None:
+    """The split of a step whose positions need whole rows where `whole` is set (host flags,
+    so every rank splits the same way), or None when the step reads every position one way:
+    on one rank (its rows are whole: `full` is the identity, and the picks are the sampler's
+    own ops), or when the positions are all of one kind."""
+    if not reader.sharded or all(whole) or not any(whole):
+        return None
+    return RowSplit(
+        [i for i, w in enumerate(whole) if not w], [i for i, w in enumerate(whole) if w], device
+    )
 
 
 class GreedyPick(NamedTuple):

@@ -27,7 +27,7 @@ from sgl_dspark.srt.core.step import (
 from sgl_dspark.srt.layers.logits_adjust import build_logits_adjust
 from sgl_dspark.srt.layers.logprobs import logprob_extras, row_logprobs, split_extras
 from sgl_dspark.srt.layers.sampler import Sampler, SamplerOutput, SamplingBatchInfo
-from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits
+from sgl_dspark.srt.layers.vocab_parallel import RowSplit, needs_full_logits, needs_whole_rows
 from sgl_dspark.srt.model_executor.prefill_graphs import PrefillGraphs
 from sgl_dspark.srt.model_executor.target_graphs import TargetGraphs
 
@@ -246,7 +246,19 @@ class DecodeExecutor(BaseStepExecutor):
         )
         out = self.forward(batch)
         sampled_reqs = [r for r, s in zip(reqs, sampled) if s]
-        if not any(scored) and not needs_full_logits(reqs):
+        if out.reader.sharded:
+            # Tensor parallelism: each request's rows are read the way it needs, whatever the
+            # others need (`needs_whole_rows`; scored prompt positions are read whole). A
+            # request without a logits row reads nothing.
+            whole = [needs_whole_rows(r) or bool(p) for r, p in zip(reqs, scored)]
+            has_rows = [s or bool(p) for s, p in zip(sampled, scored)]
+            any_whole = any(w and h for w, h in zip(whole, has_rows))
+            if any_whole and any(h and not w for w, h in zip(whole, has_rows)):
+                return self._launch_split(work, out, sampled, scored, whole, lag)
+            greedy_only = not any_whole
+        else:
+            greedy_only = not any(scored) and not needs_full_logits(reqs)
+        if greedy_only:
             # Greedy picks only: every logits row is a sampled token of a greedy request that
             # adjusts nothing and asks for no logprob extras (under tensor parallelism no
             # logits row is gathered: `layers/vocab_parallel.py`).
@@ -273,30 +285,99 @@ class DecodeExecutor(BaseStepExecutor):
             tensors += extras.tensors
         return DecodeStep(work, sampled, res.next_token_ids, PendingRead(*tensors), extras)
 
+    def _launch_split(
+        self,
+        work: StepWork,
+        out: ModelOutput,
+        sampled: list[bool],
+        scored: list[range],
+        whole: list[bool],
+        lag: int,
+    ) -> DecodeStep:
+        """A tensor-parallel step with logits rows of both kinds of request (`whole`: the
+        request reads its rows whole). The greedy requests' tokens and logprobs are the picks
+        (the decode graph's own when it made them, else `LogitsReader.greedy` of their rows
+        alone), so their rows never cross ranks; only the other requests' rows are gathered,
+        then sampled, adjusted and scored exactly as in a step that gathers every row (each of
+        those operations is per row, and the sampling record is the whole step's, narrowed).
+        The sampled tokens go back in step order."""
+        reqs = work.reqs
+        reader = out.reader
+        greedy_rows: list[int] = []  # of the forward's rows: a greedy request's sampled token
+        whole_rows: list[int] = []  # of the forward's rows: every row of a request read whole
+        sample_rows: list[int] = []  # of `whole_rows`: the sampled tokens' rows
+        at = 0
+        for w, s, p in zip(whole, sampled, scored):
+            if w:
+                whole_rows.extend(range(at, at + len(p) + int(s)))
+                if s:
+                    sample_rows.append(len(whole_rows) - 1)
+            elif s:
+                greedy_rows.append(at)
+            at += len(p) + int(s)
+        dev = out.shard_logits.device
+        greedy_t, whole_t, sample_t = to_device_packed(
+            [greedy_rows, whole_rows, sample_rows], torch.int64, dev
+        )
+        w_reqs = tuple(r for r, w in zip(reqs, whole) if w)
+        w_sampled = [s for s, w in zip(sampled, whole) if w]
+        w_scored = [p for p, w in zip(scored, whole) if w]
+        # A decode graph's picks (every row is a sampled token there): the greedy requests'
+        # tokens, and what the rows read whole pass to `_sample`, as when every row is.
+        graph_ids, graph_lps = out.greedy_ids, out.greedy_logprobs
+        picked: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)
+        if graph_ids is not None and graph_lps is not None:
+            greedy_ids, greedy_lps = graph_ids[greedy_t], graph_lps[greedy_t]
+            if not any(w_scored):
+                picked = (graph_ids[whole_t], graph_lps[whole_t])
+        else:
+            pick = reader.greedy(out.shard_logits[greedy_t])
+            greedy_ids, greedy_lps = pick.ids, pick.logprobs
+        rows = reader.full(out.shard_logits[whole_t])  # the only logits rows gathered
+        # The sampled requests in two groups: the greedy ones, and those sampled from rows.
+        kinds = [w for w, s in zip(whole, sampled) if s]
+        split = RowSplit(
+            [k for k, w in enumerate(kinds) if not w], [k for k, w in enumerate(kinds) if w], dev
+        )
+        logits = rows[sample_t] if any(w_scored) else rows
+        sampled_reqs = [r for r, s in zip(reqs, sampled) if s]
+        res, final_logits, temps = self._sample(sampled_reqs, logits, picked, lag, split)
+        next_ids = split.merge(greedy_ids, res.next_token_ids)
+        tensors = [next_ids, split.merge(greedy_lps, res.next_token_logprobs)]
+        extras = self._logprob_extras(w_reqs, w_sampled, w_scored, rows, final_logits, temps)
+        if extras is not None:
+            tensors += extras.tensors
+        return DecodeStep(work, sampled, next_ids, PendingRead(*tensors), extras)
+
     def _sample(
         self,
         reqs: list[Req],
         logits: torch.Tensor,
         greedy: tuple[torch.Tensor | None, torch.Tensor | None],
         lag: int,
+        split: RowSplit | None = None,
     ) -> tuple[SamplerOutput, torch.Tensor, torch.Tensor | None]:
         """One token per logits row (rows in `reqs` order), left on the device, with the
         logits it was sampled from (adjusted when a request asks: `logits_adjust.py`) and the
         rows' temperatures (None: all 1). A decode graph already computed the greedy choice,
         which an all-greedy batch without adjustments takes as is (the same ops as the
         sampler); otherwise the sampler runs with the batch record. `lag`: tokens sampled for
-        these requests but not appended yet (sampling counters)."""
-        if not reqs:
+        these requests but not appended yet (sampling counters). With `split`, `logits` holds
+        the rows of the requests at `split.whole` only, and only those are sampled: the record
+        is built for every request of `reqs` and narrowed to them, so each row keeps the key
+        (an unseeded row's) and the host flags it has when the step samples every row."""
+        kept = reqs if split is None else [reqs[i] for i in split.whole]
+        if not kept:
             empty = logits.new_zeros((0,), dtype=torch.int64)
             return SamplerOutput(empty, logits.new_zeros((0,))), logits, None
         adjust = build_logits_adjust(
-            reqs, logits.shape[1], logits.device, self.runner.model_cfg.eos_token_ids
+            kept, logits.shape[1], logits.device, self.runner.model_cfg.eos_token_ids
         )
         if adjust is not None:
             assert lag == 0, "requests that adjust their logits never chain"
             logits = adjust.apply(logits)
         greedy_ids, greedy_lps = greedy
-        if adjust is None and greedy_ids is not None and all(r.params.is_greedy for r in reqs):
+        if adjust is None and greedy_ids is not None and all(r.params.is_greedy for r in kept):
             assert greedy_lps is not None
             return SamplerOutput(greedy_ids, greedy_lps), logits, None
         info = SamplingBatchInfo.from_params(
@@ -305,6 +386,8 @@ class DecodeExecutor(BaseStepExecutor):
             logits.device,
             counters=[len(r.output_ids) + lag for r in reqs],
         )
+        if split is not None:
+            info = info.select(split.whole_t)
         return self.sampler(logits, info), logits, None if info.all_greedy else info.temperatures
 
     def _logprob_extras(

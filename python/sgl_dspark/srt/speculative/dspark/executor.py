@@ -35,13 +35,17 @@ from sgl_dspark.srt.core.step import (
     StepWork,
 )
 from sgl_dspark.srt.layers.logits_adjust import build_logits_adjust
-from sgl_dspark.srt.layers.logprobs import logprob_extras, row_logprobs, split_extras
 from sgl_dspark.srt.layers.sampler import SamplingBatchInfo
-from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits
+from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits, needs_whole_rows, split_rows
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner
 from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
 from sgl_dspark.srt.speculative.dspark.sampled_graphs import SampledGraphs
+from sgl_dspark.srt.speculative.dspark.verify_logits import (
+    accept_split,
+    split_verify_extras,
+    verify_logprob_extras,
+)
 from sgl_dspark.srt.speculative.dspark.worker import DraftProposal
 
 if TYPE_CHECKING:
@@ -348,11 +352,29 @@ class DSparkExecutor(BaseStepExecutor):
         anchors, seq_t, slot_t = to_device_packed(
             [[r.output_ids[-1] for r in reqs], seq, slots], torch.int64, dev
         )
+        # Under tensor parallelism a batch of greedy requests and requests that read whole
+        # rows (`needs_whole_rows`) reads each group its own way (`accept_split`); the STS
+        # recorder reads every row whole. One rank reads every batch one way. A step that
+        # splits runs its draft and acceptance of the rows read whole eagerly: the sampled
+        # graphs (`sampled_graphs.py`) gather every row of their bucket whole, which is what
+        # the split saves, and the split is host flags only, so every rank takes the same
+        # path and runs the same collectives. A batch whose rows are all read whole (every
+        # request sampled, say) does not split and replays the sampled graphs, as on one rank.
+        reader = runner.model.logits_reader
+        split = None
+        if reader.sharded and worker.sts_recorder is None:
+            split = split_rows(reader, [needs_whole_rows(r) for r in reqs], dev)
         # 1-3. draft forward, Markov sampling, confidences
         bs1 = B == 1 and worker.gamma_bs1 != worker.gamma
         gamma = worker.gamma_bs1 if bs1 else worker.gamma
-        prop = self._propose(B, anchors, seq_t, slot_t, info, gamma)
-        ms, conf = prop.markov, prop.confidence
+        if split is not None and not info.all_greedy:
+            # Only the rows read whole gather the draft's logits (a sampled row draws from
+            # the whole distribution; the greedy rows draft from the shard pairs).
+            halves = worker.propose_split(gamma, anchors, seq_t, slot_t, info, split)
+            drafts, conf, prop = halves.drafts, halves.confidence, halves.whole
+        else:
+            prop = self._propose(B, anchors, seq_t, slot_t, info, gamma)
+            drafts, conf = prop.markov.drafts, prop.confidence
         timer.mark("draft")
         gens = [self._generation.get(s, 1) for s in slots]
         # 4. verify lengths: host values for full/static/sync policies (no device round trip);
@@ -374,7 +396,7 @@ class DSparkExecutor(BaseStepExecutor):
         #    rows past a request's own length are never accepted (acceptance reads lens_t).
         rows = self._verify_rows(reqs, lens)
         W = max(rows)
-        verify_ids = torch.cat((anchors[:, None], ms.drafts), dim=1)[:, :W]  # [B, W]
+        verify_ids = torch.cat((anchors[:, None], drafts), dim=1)[:, :W]  # [B, W]
         flat_r, flat_j, lens_t = to_device_packed(
             [
                 [i for i, n in enumerate(rows) for _ in range(n)],
@@ -397,61 +419,87 @@ class DSparkExecutor(BaseStepExecutor):
             ),
         )
         out = self.decode.forward(batch)  # its taps write the draft's context KV of every row
-        # Greedy picks or whole rows (`needs_full_logits`; the STS recorder reads whole rows):
-        # under tensor parallelism only a step that needs whole rows gathers them. On one rank
-        # both are the same tensor.
-        whole = needs_full_logits(reqs) or worker.sts_recorder is not None
-        rank_rows = out.logits if whole else out.shard_logits
-        if uniform:
-            logits = rank_rows.view(B, W, -1)
+        raw_logits = None  # the verify rows before any adjustment (the STS recorder's)
+        if split is not None:
+            forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
+            acc, tok_lp, logits, read_info = accept_split(
+                worker,
+                split,
+                reqs,
+                out,
+                rows,
+                verify_ids,
+                lens_t,
+                seq_t,
+                forced,
+                cap_lens,
+                info,
+                prop,
+                self._adjust,
+                self.epilogue_graphs.get(W),
+                timer.mark,
+            )
+            read_reqs = [reqs[i] for i in split.whole]
         else:
-            logits = rank_rows.new_zeros((B, W, rank_rows.shape[-1]))
-            logits[flat_r, flat_j] = rank_rows
-        raw_logits = logits
-        logits = self._adjust(reqs, logits, verify_ids)
-        timer.mark("verify")
-        # 6-7. acceptance on the device and the committed tokens' logprobs. Uniform steps replay
-        #    it from a graph (all greedy, or with sampled rows), chosen from host values only
-        #    (widths, the policy's caps, the recorder, `info`'s flags, the bucket): a graph never
-        #    decides. Ragged widths, async caps and the STS recorder keep the eager acceptance.
-        epilogue = self.epilogue_graphs.get(W)
-        forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
-        reader = runner.model.logits_reader
-        graphed = uniform and cap_lens is None and worker.sts_recorder is None
-        sampled = None
-        if graphed and not info.all_greedy and self.sampled_graphs is not None:
-            sampled = self.sampled_graphs.accept(
-                verify_ids, lens_t, seq_t, logits, forced, ms.step_logits, info
-            )
-        # The greedy acceptance graphs take this rank's columns: whole rows gathered under
-        # tensor parallelism are wider than their inputs.
-        if sampled is not None:
-            acc, tok_lp = sampled
-        elif (
-            epilogue is not None
-            and graphed
-            and info.all_greedy
-            and epilogue.bucket_for(B) is not None
-            and not (reader.sharded and whole)
-        ):
-            acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced)
-        elif reader.sharded and not whole:
-            # Vocab-parallel greedy rows without a graph: the same epilogue, eagerly.
-            acc, tok_lp = worker.greedy_epilogue(
-                verify_ids, lens_t, seq_t, logits, forced, cap_lens
-            )
-        else:
-            acc, tok_lp = worker.epilogue(
-                verify_ids, lens_t, seq_t, logits, info, ms.step_logits, forced, cap_lens
-            )
+            # Greedy picks or whole rows (`needs_full_logits`; the STS recorder reads whole
+            # rows): under tensor parallelism only a step that needs whole rows gathers them.
+            # On one rank both are the same tensor.
+            whole = needs_full_logits(reqs) or worker.sts_recorder is not None
+            rank_rows = out.logits if whole else out.shard_logits
+            if uniform:
+                logits = rank_rows.view(B, W, -1)
+            else:
+                logits = rank_rows.new_zeros((B, W, rank_rows.shape[-1]))
+                logits[flat_r, flat_j] = rank_rows
+            raw_logits = logits
+            logits = self._adjust(reqs, logits, verify_ids)
+            timer.mark("verify")
+            # 6-7. acceptance on the device and the committed tokens' logprobs. Uniform steps
+            #    replay it from a graph (all greedy, or with sampled rows), chosen from host
+            #    values only (widths, the policy's caps, the recorder, `info`'s flags, the
+            #    bucket): a graph never decides. Ragged widths, async caps and the STS recorder
+            #    keep the eager acceptance.
+            epilogue = self.epilogue_graphs.get(W)
+            forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
+            step_logits = prop.markov.step_logits
+            graphed = uniform and cap_lens is None and worker.sts_recorder is None
+            sampled = None
+            if graphed and not info.all_greedy and self.sampled_graphs is not None:
+                sampled = self.sampled_graphs.accept(
+                    verify_ids, lens_t, seq_t, logits, forced, step_logits, info
+                )
+            # The greedy acceptance graphs take this rank's columns: whole rows gathered under
+            # tensor parallelism are wider than their inputs.
+            if sampled is not None:
+                acc, tok_lp = sampled
+            elif (
+                epilogue is not None
+                and graphed
+                and info.all_greedy
+                and epilogue.bucket_for(B) is not None
+                and not (reader.sharded and whole)
+            ):
+                acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced)
+            elif reader.sharded and not whole:
+                # Vocab-parallel greedy rows without a graph: the same epilogue, eagerly.
+                acc, tok_lp = worker.greedy_epilogue(
+                    verify_ids, lens_t, seq_t, logits, forced, cap_lens
+                )
+            else:
+                acc, tok_lp = worker.epilogue(
+                    verify_ids, lens_t, seq_t, logits, info, step_logits, forced, cap_lens
+                )
+            read_info, read_reqs = info, reqs
         if not bs1:
             self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
         if worker.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
+            assert raw_logits is not None
             worker.sts_recorder.record(prop.raw_confidence, verify_ids, raw_logits, lens_t)
         timer.mark("accept")
         # 8. the finalised results in one read; the metrics are then accumulated on the host
-        #    from the same values (no per-step metric kernels)
-        extras = self._logprob_extras(reqs, logits, info)
+        #    from the same values (no per-step metric kernels). `logits` are the rows read
+        #    whole of `read_reqs` (every request unless the rows were split).
+        extras = verify_logprob_extras(read_reqs, logits, read_info)
         commit, toks, lps, accepted, trimmed, *extra_lists = _to_host(
             acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len, acc.cap_trim, *extras
         )
@@ -462,7 +510,12 @@ class DSparkExecutor(BaseStepExecutor):
             timing=timer.spans(),
             cap_trim=torch.tensor(trimmed),
         )
-        tops, id_lps = self._split_extras(reqs, W, extra_lists)
+        tops, id_lps = split_verify_extras(read_reqs, W, extra_lists)
+        if split is not None:  # the greedy group asks for no extras
+            tops_w, id_lps_w = tops, id_lps
+            tops, id_lps = [[] for _ in reqs], [[] for _ in reqs]
+            for k, i in enumerate(split.whole):
+                tops[i], id_lps[i] = tops_w[k], id_lps_w[k]
         return [
             ReqUpdate(
                 r,
@@ -500,46 +553,6 @@ class DSparkExecutor(BaseStepExecutor):
         if adjust is None:
             return logits
         return adjust.apply(logits.reshape(B * W, V)).view(B, W, V)
-
-    def _logprob_extras(
-        self, reqs: list[Req], logits: torch.Tensor, info: SamplingBatchInfo
-    ) -> list[torch.Tensor]:
-        """Top-N / token-id logprobs of every verify position of the requests that ask (the
-        host keeps the committed ones), from the adjusted verify logits scaled by each
-        request's temperature: the rows plain decoding would sample those tokens from."""
-        if not any(r.logprob_extras for r in reqs):
-            return []
-        B, W, V = logits.shape
-        temps = None if info.all_greedy else info.temperatures.repeat_interleave(W)
-        lp = row_logprobs(logits.reshape(B * W, V), temps)
-        top_k = max(r.top_logprobs_num if r.return_logprob else 0 for r in reqs)
-        ids = [
-            tuple(r.token_ids_logprob or ()) if r.return_logprob else ()
-            for r in reqs
-            for _ in range(W)
-        ]
-        ex = logprob_extras(lp, top_k, ids)
-        return [ex.top_ids, ex.top_values, ex.id_values]
-
-    @staticmethod
-    def _split_extras(
-        reqs: list[Req], width: int, lists: list[list]
-    ) -> tuple[list[list], list[list]]:
-        """Per request, its positions' top-N and token-id logprobs (empty when not asked)."""
-        if not lists:
-            return [[] for _ in reqs], [[] for _ in reqs]
-        top_ids, top_vals, id_vals = lists
-        tops_out, ids_out = [], []
-        for i, r in enumerate(reqs):
-            rows = slice(i * width, (i + 1) * width)
-            top_n = r.top_logprobs_num if r.return_logprob else 0
-            n_ids = len(r.token_ids_logprob or ()) if r.return_logprob else 0
-            tops, id_lps = split_extras(
-                top_ids[rows], top_vals[rows], id_vals[rows], [top_n] * width, [n_ids] * width
-            )
-            tops_out.append(tops if top_n else [])
-            ids_out.append(id_lps if r.return_logprob and r.token_ids_logprob is not None else [])
-        return tops_out, ids_out
 
     def _propose(
         self,

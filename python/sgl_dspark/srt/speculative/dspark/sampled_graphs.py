@@ -24,7 +24,10 @@ What a graph cannot decide, the host decides before the replay, from host flags 
   flags.
 * The executor keeps the eager acceptance where the step itself decides on the host: ragged
   verify widths (no captured width covers the batch, or the context ends first), the async
-  confidence policy's caps, the STS recorder (both graphs), batches past the largest bucket.
+  confidence policy's caps, the STS recorder (both graphs), batches past the largest bucket,
+  and (both graphs) a tensor-parallel batch of greedy requests and requests read whole, which
+  gathers only the latter's rows (`verify_logits.py::accept_split`) where these graphs gather
+  every row of their bucket.
   Logit adjustments (penalties, biases, min_new_tokens, grammars) run before the acceptance on
   the verify logits it takes as input, and logprob extras after it: neither is in a graph.
 

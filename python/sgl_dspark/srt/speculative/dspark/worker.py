@@ -37,6 +37,7 @@ from sgl_dspark.srt.speculative.dspark.policy import (
     create_verify_policy,
 )
 from sgl_dspark.srt.speculative.dspark.sampling import (
+    ConfidenceOutput,
     MarkovSampleOutput,
     confidence_head,
     draft_probs,
@@ -49,6 +50,7 @@ from sgl_dspark.srt.speculative.dspark.sts_record import StsRecorder
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.layers.sampler import SamplingBatchInfo
+    from sgl_dspark.srt.layers.vocab_parallel import RowSplit
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +68,15 @@ class DraftProposal(NamedTuple):
     markov: MarkovSampleOutput  # drafts [B, gamma], step logits z, Markov embeddings
     confidence: torch.Tensor | None  # [B, gamma] (None when the policy needs none)
     raw_confidence: torch.Tensor | None = None  # [B, gamma] logits before STS and sigmoid
+
+
+class SplitProposal(NamedTuple):
+    """A proposal whose rows were drafted two ways under tensor parallelism
+    (`DSparkWorker.propose_split`)."""
+
+    drafts: torch.Tensor  # [B, gamma] every row's, in batch order
+    confidence: torch.Tensor | None  # [B, gamma] every row's (None when the policy needs none)
+    whole: DraftProposal  # the rows read whole alone, over the whole vocabulary (no confidence)
 
 
 class DSparkWorker:
@@ -191,10 +202,85 @@ class DSparkWorker:
         """Proposal for a batch with sampled rows: their drafts are drawn from softmax(z / T)
         with the requests' `DRAFT_STREAM` uniforms (draft k at output counter + k). Under
         tensor parallelism such a batch gathers the draft's logits rows whole (a draw reads the
-        whole distribution); a batch whose rows are all greedy takes the shard path
-        (`_propose`). `step_logits_out`: [B, gamma, V] fp32 where the step logits are written
-        (the sampled draft graphs' buffer, `sampled_graphs.py`)."""
+        whole distribution; `propose_split` gathers only the rows read whole); a batch whose
+        rows are all greedy takes the shard path (`_propose`). `step_logits_out`: [B, gamma, V]
+        fp32 where the step logits are written (the sampled draft graphs' buffer,
+        `sampled_graphs.py`)."""
         return self._propose(anchors, seq_t, slot_t, info, gamma, None, step_logits_out)
+
+    def propose_split(
+        self,
+        gamma: int,
+        anchors: torch.Tensor,
+        seq_t: torch.Tensor,
+        slot_t: torch.Tensor,
+        info: SamplingBatchInfo,
+        split: RowSplit,
+    ) -> SplitProposal:
+        """Proposal for a tensor-parallel batch with a sampled row, split by `split` into
+        greedy rows and rows read whole (`needs_whole_rows`). One draft forward and one head
+        GEMM over every row, as for any batch; then the greedy rows draft from the shard pairs
+        as an all-greedy batch does (`markov_greedy_shard`: no logits row crosses ranks), and
+        only the rows read whole gather their base logits, `[len(split.whole), gamma, V]`, and
+        run `markov_sample` with their rows of `info`. Every Markov operation is per row (a
+        row's draws use its own uniforms), so each row drafts what it drafts in a batch that
+        gathers every row, up to the summation order of its Markov correction's GEMM, which
+        now runs over fewer rows (as the shard path's runs over fewer columns)."""
+        y, y_normed = self._draft_forward(anchors, seq_t, slot_t, gamma)
+        target = self.runner.model
+        reader = target.logits_reader
+        base = target.compute_shard_logits(y_normed)  # [B, gamma, V / tp]
+        w1, w2 = self.draft.markov_head.embed.weight, self.draft.markov_head.head.weight
+        start = reader.vocab_start
+        greedy = markov_greedy_shard(
+            base[split.greedy_t],
+            w1,
+            w2[start : start + reader.shard_width],
+            anchors[split.greedy_t],
+            reader.argmax,
+        )
+        rows = info.select(split.whole_t)
+        whole = markov_sample(
+            reader.full(base[split.whole_t]),
+            w1,
+            w2,
+            anchors[split.whole_t],
+            rows.temperatures,
+            rows.is_greedy,
+            uniforms=rows.uniforms(DRAFT_STREAM, gamma),
+        )
+        drafts = split.merge(greedy.drafts, whole.drafts)
+        confidence = None
+        if gamma == self.gamma and self.needs_confidence:
+            markov_embeds = split.merge(greedy.markov_embeds, whole.markov_embeds)
+            confidence = self._confidence(y, markov_embeds).confidence
+        return SplitProposal(drafts, confidence, DraftProposal(whole, None))
+
+    def _draft_forward(
+        self, anchors: torch.Tensor, seq_t: torch.Tensor, slot_t: torch.Tensor, gamma: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The draft's hidden rows `[B, gamma, d]` over [anchor, mask, ...] at positions
+        s .. s+gamma-1, and their normed rows (the head's input)."""
+        runner = self.runner
+        inputs = self.draft_inputs_fn(
+            anchors,
+            seq_t,
+            slot_t,
+            runner.req_pool.req_to_token,
+            gamma,
+            self.window,
+            self.dcfg.noise_token_id,
+        )
+        embeds = runner.model.model.embed_tokens(inputs.input_ids)
+        return self.draft(embeds, inputs.positions, self.ctx_kv, inputs.ctx_slots, inputs.ctx_valid)
+
+    def _confidence(self, y: torch.Tensor, markov_embeds: torch.Tensor) -> ConfidenceOutput:
+        return confidence_head(
+            y,
+            markov_embeds,
+            self.draft.confidence_head.proj.weight,
+            temperatures=self.sts_temperatures,
+        )
 
     def _propose(
         self,
@@ -213,23 +299,11 @@ class DSparkWorker:
         computes its vocabulary columns of the base logits and of the Markov correction, and
         each draft is the argmax of the whole row from the ranks' (max, index) pairs
         (`markov_greedy_shard`; its step logits are then this rank's columns). A batch with a
-        sampled row gathers the base logits whole, as a draw needs the whole distribution. One
-        rank takes the unsharded path unchanged."""
-        runner = self.runner
-        inputs = self.draft_inputs_fn(
-            anchors,
-            seq_t,
-            slot_t,
-            runner.req_pool.req_to_token,
-            gamma,
-            self.window,
-            self.dcfg.noise_token_id,
-        )
-        target = runner.model
-        embeds = target.model.embed_tokens(inputs.input_ids)
-        y, y_normed = self.draft(
-            embeds, inputs.positions, self.ctx_kv, inputs.ctx_slots, inputs.ctx_valid
-        )
+        sampled row gathers the base logits whole, as a draw needs the whole distribution
+        (`propose_split` gathers only some rows'). One rank takes the unsharded path
+        unchanged."""
+        y, y_normed = self._draft_forward(anchors, seq_t, slot_t, gamma)
+        target = self.runner.model
         reader = target.logits_reader
         # `all_greedy` is a host flag: the choice never syncs, and every rank makes the same.
         shard = reader.sharded and (info is None or info.all_greedy)
@@ -267,12 +341,7 @@ class DSparkWorker:
             )
         if gamma != self.gamma or not self.needs_confidence:
             return DraftProposal(ms, None)  # the bs1 runtime schedules no confidences
-        c = confidence_head(
-            y,
-            ms.markov_embeds,
-            self.draft.confidence_head.proj.weight,
-            temperatures=self.sts_temperatures,
-        )
+        c = self._confidence(y, ms.markov_embeds)
         return DraftProposal(ms, c.confidence, c.raw)
 
     # ---- acceptance -----------------------------------------------------------------------
