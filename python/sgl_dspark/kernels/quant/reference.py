@@ -90,14 +90,16 @@ def _e2m1_codes(v: torch.Tensor) -> torch.Tensor:
 
 
 def _e2m1_values(codes: torch.Tensor) -> torch.Tensor:
-    """The values of 4-bit codes, computed from the bits (exponent = bits 2..1, mantissa = bit
-    0; exponent 0 is subnormal) rather than looked up in a table: a table tensor would be copied
-    from the host on every call, which a CUDA graph cannot capture."""
-    mag_code = (codes & 0x7).to(torch.int32)
-    exponent, mantissa = mag_code >> 1, (mag_code & 1).to(torch.float32)
-    normal = (1.0 + 0.5 * mantissa) * torch.exp2((exponent - 1).to(torch.float32))
-    mag = torch.where(exponent == 0, 0.5 * mantissa, normal)
-    return torch.where((codes & 0x8) != 0, -mag, mag)
+    """The values of 4-bit codes (uint8 in 0..15) in fp32, from the bits rather than a table (a
+    table tensor would be copied from the host on every call, which a CUDA graph cannot capture).
+    E2M1's sign, exponent and mantissa bits placed at fp16's sign bit and at the bottom of its
+    exponent and top of its mantissa are the fp16 number value * 2^-14 (code 1, the subnormal
+    0.5, lands on fp16's subnormal 2^-15), so one shift-or, a reinterpretation and one exact
+    power-of-two product decode every code: four elementwise ops where the arithmetic form
+    (exponent, mantissa, two selects) took eight, on the path every V4.1 cache read takes."""
+    c = codes.to(torch.int16)
+    bits = ((c & 0x8) << 12) | ((c & 0x7) << 9)
+    return bits.view(torch.float16).float() * 16384.0
 
 
 def _pack(codes: torch.Tensor) -> torch.Tensor:
