@@ -61,6 +61,7 @@ _KERNEL_MODULES = (
     "sampling.vocab_argmax",
     "indexer.fp4_k_quant",
     "quant.store",
+    "quant.load",
     "engram.gather",
     "engram.gate",
     "indexer.v41_logits",
@@ -501,6 +502,22 @@ def _quant_store_values() -> Callable[[], object]:
     )
 
 
+def _quant_load(fmt: str, d: int, shape: tuple[int, ...]) -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.load import quant_load
+
+    # DeepSeek-V4.1-Flash rows: window KV and latents of 512, index keys of 128; rows indexed
+    # [T, W] (a window read) or [T, k] (a top-k read).
+    width = d if fmt == "fp8_window" else d // 2
+    block = 16 if fmt == "fp4_latent" else 32
+    return lambda: quant_load(
+        torch.zeros(50, width, dtype=torch.uint8),
+        torch.full((50, d // block), 127, dtype=torch.uint8),
+        torch.randint(0, 50, shape),
+        fmt,
+        torch.bfloat16,
+    )
+
+
 def _engram_gather() -> Callable[[], object]:
     from sgl_dspark.kernels.engram.gather import engram_gather
 
@@ -827,6 +844,21 @@ CASES = {
         "_quant_store_kernel",
         _quant_store_values(),
     ),
+    "quant_load_window_fp8": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load("fp8_window", 512, (2, 128)),
+    ),
+    "quant_load_latent_fp4": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load("fp4_latent", 512, (2, 64)),
+    ),
+    "quant_load_index_fp4": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load("fp4_index", 128, (3, 5)),
+    ),
     "engram_gather_flash": ("engram.gather", "_engram_gather_kernel", _engram_gather()),
     "engram_gate_flash": ("engram.gate", "_engram_gate_kernel", _engram_gate(torch.bfloat16)),
     "engram_gate_flash_fp32": (
@@ -1002,6 +1034,7 @@ PDL_KERNELS = (
     "moe.token_gemm._moe_route_gate_up_kernel",
     "moe.token_gemm._moe_token_down_kernel",
     "quant.store._quant_store_kernel",
+    "quant.load._quant_load_kernel",
     "engram.gather._engram_gather_kernel",
     "engram.gate._engram_gate_kernel",
     "indexer.v41_logits._v41_index_scores_kernel",

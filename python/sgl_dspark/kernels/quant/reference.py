@@ -1,7 +1,8 @@
 """DeepSeek-V4.1's activation quantisers (part of the model, applied even with unquantised
 weights) and the packed formats its caches store them in: the reference of the kernels that
 quantise while they store (`store.py`: the window KV store, the compressed-latent and index-key
-stores, each with its rotation).
+stores, each with its rotation) and of the kernel that gathers and decodes stored rows
+(`load.py`).
 
 Three quantisers, each over blocks of the last dimension (left unquantised when that dimension
 is not a multiple of the block):
@@ -220,6 +221,25 @@ def quant_store_ref(
     scales[rows] = scale.view(torch.uint8)
 
 
+def quant_load_ref(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    fmt: str,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """What `load.py::quant_load` computes: the packed cache rows `rows` (any shape) of `data` /
+    `scales` (uint8, as `quant_store_ref` writes them) decoded with `fmt`'s dequantiser,
+    `[*rows.shape, D]` in `dtype`."""
+    elements, scale = data[rows], scales[rows]
+    if fmt == "fp8_window":
+        return dequantize_fp8_window_ref(Fp8Rows(elements.view(torch.float8_e4m3fn), scale), dtype)
+    if fmt == "fp4_latent":
+        return dequantize_fp4_latent_ref(Fp4Rows(elements, scale.view(torch.float8_e4m3fn)), dtype)
+    assert fmt == "fp4_index", fmt
+    return dequantize_fp4_index_ref(Fp4Rows(elements, scale), dtype)
+
+
 def quant_store_values_ref(
     x: torch.Tensor,
     rows: torch.Tensor,
@@ -252,6 +272,7 @@ __all__ = [
     "quantize_fp4_index_ref",
     "quantize_fp4_latent_ref",
     "quantize_fp8_window_ref",
+    "quant_load_ref",
     "quant_store_ref",
     "quant_store_values_ref",
     "quantizes",

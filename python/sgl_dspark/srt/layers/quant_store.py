@@ -1,7 +1,8 @@
-"""The cache-row stores of DeepSeek-V4.1: rotate rows, quantise them with the cache's quantiser
-and write the packed form (`QuantizedRows`). One dispatch point of the "rope" family (a store
-of rotated rows is a rope launch): the window KV store of every layer and the latent and
-index-key stores of a kv source all go through it."""
+"""The cache-row stores and loads of DeepSeek-V4.1: rotate rows, quantise them with the cache's
+quantiser and write the packed form (`QuantizedRows`); gather packed rows and decode them. One
+dispatch point of the "rope" family (a store of rotated rows is a rope launch; its read side
+goes with it): the window KV store and read of every layer and the latent and index-key stores
+and reads of a kv source all go through it."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
 QuantStoreFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, QuantizedRows, torch.Tensor], None
 ]
+# (cache, rows (any shape)) -> the decoded rows [*rows.shape, dim] in the cache's dtype
+QuantLoadFn = Callable[[QuantizedRows, torch.Tensor], torch.Tensor]
 
 
 def quant_store_impl(kernels: KernelChoice) -> QuantStoreFn:
@@ -57,4 +60,27 @@ def quant_store_impl(kernels: KernelChoice) -> QuantStoreFn:
     return store_triton
 
 
-__all__ = ["QuantStoreFn", "quant_store_impl"]
+def quant_load_impl(kernels: KernelChoice) -> QuantLoadFn:
+    """torch: `QuantizedRows.load` (index the stored bytes, then the torch dequantiser: several
+    elementwise ops and intermediates). triton: one launch (`kernels/quant/load.py::quant_load`)
+    that gathers and decodes, bit for bit the same values. A cache its quantiser leaves
+    unquantised is a plain index on both."""
+    if kernels.of("rope") == "torch":
+
+        def load_torch(cache: QuantizedRows, rows: torch.Tensor) -> torch.Tensor:
+            return cache.load(rows)
+
+        return load_torch
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.quant.load import quant_load
+
+    def load_triton(cache: QuantizedRows, rows: torch.Tensor) -> torch.Tensor:
+        if not cache.packed:
+            return cache.load(rows)
+        assert cache.scales is not None
+        return quant_load(cache.data, cache.scales, rows, cache.fmt, cache.dtype)
+
+    return load_triton
+
+
+__all__ = ["QuantLoadFn", "QuantStoreFn", "quant_load_impl", "quant_store_impl"]

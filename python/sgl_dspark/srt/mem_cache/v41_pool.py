@@ -86,18 +86,12 @@ class QuantizedRows:
         self.scales[rows] = scales.view(torch.uint8)
 
     def load(self, rows: torch.Tensor) -> torch.Tensor:
-        """The values at `rows` (any shape) `[*rows.shape, dim]` in the pool's dtype."""
+        """The values at `rows` (any shape) `[*rows.shape, dim]` in the pool's dtype (the torch
+        path; `srt/layers/quant_store.py::quant_load_impl` picks the kernel family's)."""
         if not self.packed:
             return self.data[rows]
         assert self.scales is not None
-        elements, scales = self.data[rows], self.scales[rows]
-        if self.fmt == "fp8_window":
-            codes = elements.view(torch.float8_e4m3fn)
-            return fq.dequantize_fp8_window(fq.Fp8Rows(codes, scales), self.dtype)
-        if self.fmt == "fp4_latent":
-            stored = fq.Fp4Rows(elements, scales.view(torch.float8_e4m3fn))
-            return fq.dequantize_fp4_latent(stored, self.dtype)
-        return fq.dequantize_fp4_index(fq.Fp4Rows(elements, scales), self.dtype)
+        return fq.quant_load(self.data, self.scales, rows, self.fmt, self.dtype)
 
 
 @dataclass

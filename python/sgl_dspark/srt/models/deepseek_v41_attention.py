@@ -34,7 +34,7 @@ from sgl_dspark.srt.layers.attention.csa2 import (
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
-from sgl_dspark.srt.layers.quant_store import quant_store_impl
+from sgl_dspark.srt.layers.quant_store import quant_load_impl, quant_store_impl
 from sgl_dspark.srt.layers.rotary import rope_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.deepseek_v4 import RopeTables
@@ -101,6 +101,7 @@ class Csa2Attention(nn.Module):
         self.rms_norm = rms_norm_impl(kernels)
         self.rope = rope_impl(kernels)
         self.store_rows = quant_store_impl(kernels)
+        self.load_rows = quant_load_impl(kernels)
         self.index_scores, self.block_max = v41_indexer_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
@@ -131,7 +132,7 @@ class Csa2Attention(nn.Module):
         slots, valid = window_rows_ref(
             batch.positions, batch.token_slots(), batch.req_to_token, self.window
         )
-        keys = window.load(slots)  # [T, W, Dh]
+        keys = self.load_rows(window, slots)  # [T, W, Dh]
         if self.ratio > 0:
             latent_keys, latent_valid = self._compressed(x_rest, index_q, batch, pool, rope, shared)
             keys = torch.cat((keys, latent_keys.to(keys.dtype)), dim=1)
@@ -172,7 +173,7 @@ class Csa2Attention(nn.Module):
                 index_q[0], x_rest[0], batch, pool, rope, shared
             )
         rows, valid = shared.topk[self.source]
-        return src.latents.load(rows), valid
+        return self.load_rows(src.latents, rows), valid
 
     def _select(
         self,
@@ -215,7 +216,12 @@ class Csa2Attention(nn.Module):
             )
         else:  # index keys its quantiser leaves as they are
             scores = indexer_logits_of_keys_ref(
-                qi, head_w, cache.load(rows), batch.positions, m, weight_scale=weight_scale
+                qi,
+                head_w,
+                self.load_rows(cache, rows),
+                batch.positions,
+                m,
+                weight_scale=weight_scale,
             )
             if keep is not None:
                 hidden = ~expand_blocks(keep, size, scores.shape[1])

@@ -22,6 +22,7 @@ from sgl_dspark.kernels.quant.reference import dequantize_fp8_window_ref as dequ
 from sgl_dspark.kernels.quant.reference import fake_quant_fp4_index_ref as fake_quant_fp4_index
 from sgl_dspark.kernels.quant.reference import fake_quant_fp4_latent_ref as fake_quant_fp4_latent
 from sgl_dspark.kernels.quant.reference import fake_quant_fp8_window_ref as fake_quant_fp8_window
+from sgl_dspark.kernels.quant.reference import quant_load_ref as quant_load
 from sgl_dspark.kernels.quant.reference import quantize_fp4_index_ref as quantize_fp4_index
 from sgl_dspark.kernels.quant.reference import quantize_fp4_latent_ref as quantize_fp4_latent
 from sgl_dspark.kernels.quant.reference import quantize_fp8_window_ref as quantize_fp8_window
@@ -40,6 +41,7 @@ __all__ = [
     "fake_quant_fp4_index",
     "fake_quant_fp4_latent",
     "fake_quant_fp8_window",
+    "quant_load",
     "quantize_fp4_index",
     "quantize_fp4_latent",
     "quantize_fp8_window",

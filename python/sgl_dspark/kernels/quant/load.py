@@ -1,0 +1,188 @@
+"""Gather and decode cache rows of DeepSeek-V4.1's packed formats in one launch: the read side
+of `store.py` (`quant_load_ref` is the spec: an index of the stored bytes, then
+`dequantize_*_ref`). The window KV rows (E4M3 elements, one exponent byte per 32 channels), the
+compressed latents (packed E2M1, one E4M3 scale per 16) and the index keys (packed E2M1, one
+exponent byte per 32) are read as the uint8 rows the cache keeps and written decoded in the
+output dtype, with no intermediate tensor.
+
+One program per tile of rows: it loads each row's stored bytes and their scale bytes (a gather
+of the block's scale per element, served by the cache), decodes both to fp32 from the bits and
+writes value * scale rounded once to the output dtype.
+
+Exactness: bit-exact against the reference on any backend. Every decode is exact (E4M3 and E2M1
+codes through fp16's bits and a power-of-two product, exponent bytes straight into fp32's
+exponent field), so the only roundings are the reference's: one fp32 product, then one round to
+the output dtype. Both are exact for every row the quantisers write; only raw scale bytes near
+the bottom of the exponent range give bf16 subnormals that round, on the bits under the
+interpreter (whose bf16 cast truncates).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import require
+from sgl_dspark.kernels._triton_utils import (
+    DTYPE_KIND,
+    interpreted,
+    programmatic_launch,
+    round_to_dtype,
+    wait_for_producers,
+)
+from sgl_dspark.kernels.linear.dequant import e2m1_to, e8m0_to_fp32
+from sgl_dspark.kernels.quant.reference import INDEX_BLOCK, LATENT_BLOCK, WINDOW_BLOCK
+from sgl_dspark.kernels.quant.store import FORMATS
+
+_BLOCKS = {"fp8_window": WINDOW_BLOCK, "fp4_latent": LATENT_BLOCK, "fp4_index": INDEX_BLOCK}
+# Decoded values per program (rows * channels): a few KB of output per program keeps the grid
+# wide at decode sizes while each row stays one contiguous load.
+_TILE = 4096
+
+
+@triton.jit
+def e4m3_to_fp32(codes):
+    """E4M3 bytes -> their values in fp32, exactly. The sign bit placed at fp16's and the
+    exponent and mantissa bits at the bottom of fp16's exponent and the top of its mantissa are
+    the fp16 number value * 2^-8 (subnormals land on fp16's subnormals), so a shift-or, a
+    reinterpretation and a power-of-two product decode every code; the NaN codes (0x7F, 0xFF)
+    would land on 480 and are mapped to NaN, as torch's cast reads them."""
+    c = codes.to(tl.uint16)
+    bits = ((c & 0x80) << 8) | ((c & 0x7F) << 7)
+    v = bits.to(tl.float16, bitcast=True).to(tl.float32) * 256.0
+    return tl.where((c & 0x7F) == 0x7F, float("nan"), v)
+
+
+@triton.jit
+def _quant_load_kernel(
+    rows_ptr,
+    n,
+    data_ptr,
+    data_row_stride,
+    scales_ptr,
+    scales_row_stride,
+    out_ptr,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_producers(PDL)  # the cache rows come from the store launches before this one
+    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    row_ok = offs_r < n
+    row = tl.load(rows_ptr + offs_r, mask=row_ok, other=0).to(tl.int64)
+    offs_w = tl.arange(0, WP)  # stored byte of the row
+    mask = row_ok[:, None] & (offs_w < W)[None, :]
+    stored = tl.load(
+        data_ptr + row[:, None] * data_row_stride + offs_w[None, :], mask=mask, other=0
+    )
+    out_row = out_ptr + offs_r.to(tl.int64)[:, None] * D
+    scale_row = scales_ptr + row[:, None] * scales_row_stride
+    if FMT == 0:  # FP8 window: byte j is channel j
+        e = tl.load(scale_row + (offs_w // BLOCK)[None, :], mask=mask, other=127)
+        v = round_to_dtype(e4m3_to_fp32(stored) * e8m0_to_fp32(e), OUT_KIND, ON_BITS)
+        tl.store(out_row + offs_w[None, :], v, mask=mask)
+    else:  # FP4: byte j holds channels 2j (low nibble) and 2j + 1, always of one block
+        even = 2 * offs_w[None, :]
+        s = tl.load(scale_row + even // BLOCK, mask=mask, other=127)
+        if FMT == 1:
+            scale = e4m3_to_fp32(s)
+        else:
+            scale = e8m0_to_fp32(s)
+        lo = e2m1_to(stored & 15, tl.float32) * 16384.0 * scale
+        hi = e2m1_to(stored >> 4, tl.float32) * 16384.0 * scale
+        tl.store(out_row + even, round_to_dtype(lo, OUT_KIND, ON_BITS), mask=mask)
+        tl.store(out_row + even + 1, round_to_dtype(hi, OUT_KIND, ON_BITS), mask=mask)
+
+
+def quant_load(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    fmt: str,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`quant_load_ref` in one launch, no host sync.
+
+    Args:
+        data, scales: the packed cache (`QuantizedRows`): uint8 [R, D] (FP8 codes) or [R, D/2]
+            (E2M1 pairs), and uint8 [R, D / block] scale bytes; unit stride in the last dim.
+        rows: int32/int64 cache rows, any shape; each in [0, R) (not checked: no host sync).
+        fmt: "fp8_window", "fp4_latent" or "fp4_index".
+        dtype: fp32/bf16/fp16, the decoded rows' dtype.
+        out: optional contiguous [*rows.shape, D] of `dtype` to write into.
+
+    Returns:
+        [*rows.shape, D] in `dtype`: row r's decoded values at each index of `rows`.
+    """
+    require(fmt in FORMATS, f"fmt: expected one of {tuple(FORMATS)}, got {fmt!r}")
+    require(dtype in DTYPE_KIND, f"dtype: expected fp32/bf16/fp16, got {dtype}")
+    require(
+        data.dtype == torch.uint8 and data.dim() == 2 and data.stride(1) == 1,
+        f"data: expected uint8 [R, W] with unit stride, got {data.dtype} {tuple(data.shape)}",
+    )
+    width = data.shape[1]
+    d = width if fmt == "fp8_window" else 2 * width
+    block = _BLOCKS[fmt]
+    require(d % block == 0, f"data: D={d} is not a multiple of the {fmt} block {block}")
+    require(
+        scales.dtype == torch.uint8
+        and scales.dim() == 2
+        and scales.shape == (data.shape[0], d // block)
+        and scales.stride(1) == 1,
+        f"scales: expected uint8 [{data.shape[0]}, {d // block}] with unit stride, "
+        f"got {scales.dtype} {tuple(scales.shape)}",
+    )
+    require(scales.device == data.device, f"scales: expected device {data.device}")
+    require(
+        rows.dtype in (torch.int32, torch.int64),
+        f"rows: expected int32/int64, got {rows.dtype}",
+    )
+    require(rows.device == data.device, f"rows: expected device {data.device}, got {rows.device}")
+    shape = (*rows.shape, d)
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=data.device)
+    require(
+        out.dtype == dtype and tuple(out.shape) == shape and out.is_contiguous(),
+        f"out: expected contiguous {dtype} {shape}, got {out.dtype} {tuple(out.shape)}",
+    )
+    require(out.device == data.device, f"out: expected device {data.device}, got {out.device}")
+    flat = rows.reshape(-1)
+    if not flat.is_contiguous():
+        flat = flat.contiguous()
+    n = flat.numel()
+    if n == 0:
+        return out
+    wp = triton.next_power_of_2(width)
+    rows_per_program = max(1, _TILE // wp)
+    _quant_load_kernel[(triton.cdiv(n, rows_per_program),)](
+        flat,
+        n,
+        data,
+        data.stride(0),
+        scales,
+        scales.stride(0),
+        out,
+        D=d,
+        W=width,
+        WP=wp,
+        ROWS=rows_per_program,
+        BLOCK=block,
+        FMT=FORMATS[fmt],
+        OUT_KIND=DTYPE_KIND[dtype],
+        ON_BITS=interpreted(_quant_load_kernel),
+        num_warps=4,
+        enable_fp_fusion=False,
+        **programmatic_launch(_quant_load_kernel, data.device),
+    )
+    return out
+
+
+__all__ = ["e4m3_to_fp32", "quant_load"]
