@@ -83,11 +83,19 @@ def test_measurement_keeps_the_runs_finished_before_it_stops(tmp_path, monkeypat
     marked complete and holds every run with its greedy check."""
     from benchmark.acceptance import run as acceptance_run
 
-    argv = [
-        "--model-path", "tiny-v41", "--draft-path", "tiny-v41-dspark", "--data", str(PROMPTS),
-        "--limit", "2", "--batch-size", "2", "--device", "cpu", "--max-new-tokens", "6",
-        "--policies", "full,static:2", "--temperatures", "0", "--random-draft", "none",
-    ]  # fmt: skip
+    options = {
+        "--model-path": "tiny-v41",
+        "--draft-path": "tiny-v41-dspark",
+        "--data": str(PROMPTS),
+        "--limit": "2",
+        "--batch-size": "2",
+        "--device": "cpu",
+        "--max-new-tokens": "6",
+        "--policies": "full,static:2",
+        "--temperatures": "0",
+        "--random-draft": "none",
+    }
+    argv = [part for pair in options.items() for part in pair]
     real_decode = acceptance_run.decode
     calls = []
 

@@ -169,22 +169,46 @@ class SampledGraphs:
         bs = anchors.shape[0]
         # The proposal reads the temperatures, greedy flags and keys; the filters are the
         # target's alone (`draft_probs`), neutral here.
-        info = SamplingBatchInfo(
+        info = self._info(
+            temperatures,
+            torch.ones_like(temperatures),
+            torch.full_like(seeds, self.vocab),
+            torch.zeros_like(temperatures),
+            greedy,
+            seeds,
+            counters,
+            filtered=False,
+        )
+        out = self.draft_logits[:bs, :gamma]
+        return self.worker.propose(gamma, anchors, seq_t, slot_t, info, step_logits_out=out)
+
+    def _info(
+        self,
+        temperatures: torch.Tensor,
+        top_ps: torch.Tensor,
+        top_ks: torch.Tensor,
+        min_ps: torch.Tensor,
+        greedy: torch.Tensor,
+        seeds: torch.Tensor,
+        counters: torch.Tensor,
+        filtered: bool,
+    ) -> SamplingBatchInfo:
+        """The sampling record a captured function reads, built from the static buffers: a batch
+        with a sampled row, every filter on (`filtered`) or off."""
+        return SamplingBatchInfo(
             temperatures=temperatures,
-            top_ps=torch.ones_like(temperatures),
-            top_ks=torch.full_like(seeds, self.vocab),
-            min_ps=torch.zeros_like(temperatures),
+            top_ps=top_ps,
+            top_ks=top_ks,
+            min_ps=min_ps,
             is_greedy=greedy,
             seeds=seeds,
             counters=counters,
             vocab_size=self.vocab,
             all_greedy=False,
-            need_top_k=False,
-            need_top_p=False,
-            need_min_p=False,
+            need_top_k=filtered,
+            need_top_p=filtered,
+            need_min_p=filtered,
         )
-        out = self.draft_logits[:bs, :gamma]
-        return self.worker.propose(gamma, anchors, seq_t, slot_t, info, step_logits_out=out)
 
     def _accept(
         self,
@@ -203,19 +227,8 @@ class SampledGraphs:
         seeds: torch.Tensor,
         counters: torch.Tensor,
     ) -> tuple[AcceptOutput, torch.Tensor]:
-        info = SamplingBatchInfo(
-            temperatures=temperatures,
-            top_ps=top_ps,
-            top_ks=top_ks,
-            min_ps=min_ps,
-            is_greedy=greedy,
-            seeds=seeds,
-            counters=counters,
-            vocab_size=self.vocab,
-            all_greedy=False,
-            need_top_k=filtered,
-            need_top_p=filtered,
-            need_min_p=filtered,
+        info = self._info(
+            temperatures, top_ps, top_ks, min_ps, greedy, seeds, counters, filtered=filtered
         )
         return self.worker.epilogue(verify_ids, lens_t, seq_t, logits, info, draft_logits, forced)
 
