@@ -43,13 +43,15 @@ def _inputs(
     (token stride not n * D) and kv a column block of a wider projection output."""
     g = torch.Generator().manual_seed(seed)
     s = torch.randn(n, t, d, generator=g) * 10.0 ** torch.randint(-3, 3, (n, t, 1), generator=g)
-    streams = s.to(dtype).transpose(0, 1) if strided else s.transpose(0, 1).contiguous().to(dtype)
+    s = s.to(dtype).to(DEVICE)
+    streams = s.transpose(0, 1) if strided else s.transpose(0, 1).contiguous()
     width = (n + 1) * d
-    kv = torch.randn(t, width + (7 if strided else 0), generator=g).to(kv_dtype)
+    kv = torch.randn(t, width + (7 if strided else 0), generator=g).to(kv_dtype).to(DEVICE)
+    # The views are taken on the device: a copy to it would make a column block contiguous.
     kv = kv[:, 3 : 3 + width] if strided else kv
     q = 1 + 0.5 * torch.randn(n, d, generator=g)
     k = 1 + 0.5 * torch.randn(n, d, generator=g)
-    return tuple(x.to(DEVICE) for x in (streams, kv, q, k))
+    return streams, kv, q.to(DEVICE), k.to(DEVICE)
 
 
 def _value(kv: torch.Tensor, n: int, d: int) -> torch.Tensor:

@@ -136,11 +136,13 @@ def test_quant_load_matches_reference_bit_for_bit(fmt, dtype, d, shape, cache_ro
 @pytest.mark.parametrize("d", [32, 512])
 def test_quant_load_matches_pool_read(fmt, d):
     """The pool's torch read of rows it stored itself, and the kernel on the same bytes."""
-    cache = QuantizedRows(20, d, fmt, torch.bfloat16, "cpu")
+    cache = QuantizedRows(20, d, fmt, torch.bfloat16, DEVICE)
     g = torch.Generator().manual_seed(d)
-    cache.store(torch.arange(3, 17), torch.randn(14, d, generator=g) * 3.0)
+    cache.store(
+        torch.arange(3, 17, device=DEVICE), (torch.randn(14, d, generator=g) * 3.0).to(DEVICE)
+    )
     assert cache.scales is not None
-    rows = torch.tensor([[16, 3, 3], [9, 12, 5]])
+    rows = torch.tensor([[16, 3, 3], [9, 12, 5]], device=DEVICE)
     want = cache.load(rows)
     assert want.abs().sum() > 0
     got = quant_load(cache.data, cache.scales, rows, fmt, torch.bfloat16)
@@ -149,12 +151,13 @@ def test_quant_load_matches_pool_read(fmt, d):
 
 def test_quant_load_empty_rows_and_default_output():
     data, scales = _quantised_cache("fp4_index", 4, 128, 7)
-    empty = quant_load(
-        data, scales, torch.zeros(0, 5, dtype=torch.int64), "fp4_index", torch.float32
-    )
-    assert empty.shape == (0, 5, 128)
-    got = quant_load(data, scales, torch.tensor([2, 1]), "fp4_index", torch.float32)
-    want = _expected("fp4_index", data, scales, torch.tensor([2, 1]), torch.float32)
+    data, scales = data.to(DEVICE), scales.to(DEVICE)
+    none = torch.zeros(0, 5, dtype=torch.int64, device=DEVICE)
+    empty = quant_load(data, scales, none, "fp4_index", torch.float32)
+    assert empty.shape == (0, 5, 128) and empty.device == data.device
+    rows = torch.tensor([2, 1], device=DEVICE)
+    got = quant_load(data, scales, rows, "fp4_index", torch.float32)
+    want = _expected("fp4_index", data, scales, rows, torch.float32)
     assert _same_bits(got, want)
 
 

@@ -197,7 +197,7 @@ def _w8a8_gemm_kernel(
 def _split_k_reduce_kernel(
     ws_ptr,
     out_ptr,
-    M,
+    total,
     N,
     stride_om,
     SPLITS: tl.constexpr,
@@ -205,10 +205,12 @@ def _split_k_reduce_kernel(
     OUT_KIND: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    """out[m, n] = sum over s = 0..SPLITS-1 in order of ws[s, m, n], rounded once."""
+    """out[m, n] = sum over s = 0..SPLITS-1 in order of ws[s, m, n], rounded once.
+
+    `total` = M * N comes from the host: a scalar argument equal to 1 is a compile-time
+    constant on the GPU, a Python int with no `.to`."""
     wait_for_producers(PDL)  # the partials are the previous kernel's output
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    total = M.to(tl.int64) * N
     ok = offs < total
     acc = tl.load(ws_ptr + offs, mask=ok, other=0.0)
     for s in tl.static_range(1, SPLITS):
@@ -461,7 +463,7 @@ def w8a8_split_k_linear(
     _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
         workspace,
         out,
-        m,
+        m * n,
         n,
         out.stride(0),
         SPLITS=used,
