@@ -145,6 +145,13 @@ def test_sampled_graphs_equal_eager_draft_and_acceptance(tmp_path, case, cuda):
     if policy is not None:
         gamma = kw["speculative_dspark_block_size"]
         kw = {**kw, **policy_kwargs(policy, write_policy_tables(str(tmp_path), gamma))}
+    if cuda and policy == "confidence_async":
+        # The async policy ranks every row's confidences against each other, so a last-bit
+        # difference can move a cap, and a graph runs its bucket's padded batch where the eager
+        # step runs the batch itself: outside the batch-invariant kernels the draft's
+        # confidences can then differ in their last bits (by one fp32 ulp on the CPU here,
+        # where no cap moves). With them, the padding changes no row's bits.
+        kw = {**kw, "enable_deterministic_inference": True}
     ids, lps, steps, engine = _generate(kind, True, cuda, **kw)
     want_ids, want_lps, want_steps, eager = _generate(kind, False, cuda, **kw)
     assert ids == want_ids

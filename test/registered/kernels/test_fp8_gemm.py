@@ -130,8 +130,10 @@ def test_mxfp8_quantizer() -> None:
 
 # How far a chunk's sum may lie from the exactly rounded one, relative to sum |terms|: the
 # interpreter sums in fp32 (numpy); a GPU's FP8 MMA accumulates the products of a chunk with
-# fewer than fp32's bits (about 14 on Hopper) before the kernel promotes the chunk.
-SUM_EPS = 2.0**-12 if torch.cuda.is_available() else 2.0**-20
+# fewer than fp32's bits (about 14 on Hopper, after aligning them to the largest, so products
+# binades below it lose more) before the kernel promotes the chunk. The H200 reaches 2^-11.4
+# on these inputs (values over 16 binades), so the bound leaves a factor 2.6.
+SUM_EPS = 2.0**-10 if torch.cuda.is_available() else 2.0**-20
 
 
 def _assert_w8a8_close(got: torch.Tensor, want: torch.Tensor, terms: torch.Tensor) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import math
 import random
 
@@ -19,6 +20,7 @@ from sgl_dspark.srt.speculative.dspark.planner import (
     order_candidates,
     plan_algorithm1,
 )
+from sgl_dspark.srt.speculative.dspark.policy import PolicyArgs, create_verify_policy
 from sgl_dspark.srt.speculative.dspark.sps import AdditiveSpsTable, DiagonalSpsTable
 
 EPS = 1e-6
@@ -321,3 +323,33 @@ def test_budget_from_relay():
     got = budget_from_relay(relay, [0, 1], [1, 1], table)
     survival = _survival(conf.tolist())
     assert got is not None and got.budget == _budget_ref(table, survival)[0]
+
+
+def test_async_policy_keeps_the_confidences_it_planned_with(tmp_path):
+    """The async policy copies a step's confidences into its relay when it plans the step: a
+    draft graph's confidences are its outputs, which a later replay (the verify forward's graph,
+    captured earlier into the shared pool) may overwrite before the step ends."""
+    sps = tmp_path / "sps.json"
+    tokens = [1, 2, 4, 8, 16]
+    sps.write_text(
+        json.dumps(
+            {
+                "sample_batch_tokens": tokens,
+                "sample_steps_per_sec": [1000.0 / (10.0 + 0.4 * t) for t in tokens],
+                "max_batch_tokens": 16,
+            }
+        )
+    )
+    args = PolicyArgs(policy="confidence", sps_table_path=str(sps), confidence_mode="async")
+    policy = create_verify_policy(3, args, torch.device("cpu"), num_slots=4)
+    planned = torch.tensor([[0.9, 0.8, 0.3], [0.6, 0.5, 0.9]])
+    draft_output = planned.clone()
+    for _ in range(policy.relay.lag):
+        lens = policy.verify_lens(draft_output, [1, 2], [1, 1])
+        assert lens.tolist() == [4, 4]  # no lagged budget yet: verify every draft
+        draft_output.fill_(float("nan"))  # the memory reused by the next replay
+        policy.observe(lens, torch.tensor([1, 0]), [1, 2], [1, 1])
+        draft_output.copy_(planned)
+    got = policy.relay.lagged_survival([1, 2], [1, 1])
+    assert got is not None
+    assert torch.equal(got, torch.cumprod(planned.double(), dim=1))

@@ -4,8 +4,13 @@ at startup, largest first, into one memory pool.
 Families that own static input buffers (target decode/verify graphs per width, prefill graphs
 per token bucket, the DSpark draft and acceptance graphs, the fused DSpark steps) register one
 region per key (`CudaGraphRunner.register`) and replay it by key; `capture()` then warms up and
-captures all of them and logs the count, time and memory once. Regions share the pool safely
-because replays run one at a time on one stream and every region's outputs stay referenced.
+captures all of them and logs the count, time and memory once. Regions share the pool: replays
+run one at a time on one stream, and every region's outputs stay referenced, so no later capture
+allocates over them. A region captured earlier may still use the memory of a later one's outputs
+for its intermediates (it freed that memory before the later capture took it), so a region's
+outputs are valid until another region replays: a step reads them before its next replay, or
+copies them out (the async confidence policy's relay takes the draft's confidences before the
+verify forward).
 
 `BatchGraphs` is the common family shape: a batch-first function captured per batch bucket,
 whose replay copies the inputs into static buffers, pads the rows past the batch with fixed

@@ -491,7 +491,7 @@ class DSparkExecutor(BaseStepExecutor):
                 )
             read_info, read_reqs = info, reqs
         if not bs1:
-            self.policy.observe(lens_t, acc.accept_len, conf, slots, gens)
+            self.policy.observe(lens_t, acc.accept_len, slots, gens)
         if worker.sts_recorder is not None and prop.raw_confidence is not None and not bs1:
             assert raw_logits is not None
             worker.sts_recorder.record(prop.raw_confidence, verify_ids, raw_logits, lens_t)

@@ -218,9 +218,10 @@ class ConfidenceRelay:
     """Per-slot confidence buffer plus a ring of ``lag + 1`` host snapshots (the async budget's
     lagged confidences).
 
-    ``publish`` runs after every decode step: it scatters the step's confidences into a per-slot
-    device buffer and copies the whole buffer (with slot generations) into the next ring entry --
-    asynchronously into pinned memory on CUDA, guarded by an event. ``lagged_survival`` reads the
+    ``publish`` runs once per decode step, after the step's budget is read: it scatters the
+    step's confidences into a per-slot device buffer and copies the whole buffer (with slot
+    generations) into the next ring entry -- asynchronously into pinned memory on CUDA, guarded
+    by an event. ``lagged_survival`` reads the
     entry published ``lag`` steps before the step being planned; the entry is usable only when its
     copy has completed (event query, never a wait) -- otherwise it returns None (verify all). On a
     CPU device the copy is synchronous, which emulates the host carry ring of a non-overlapped

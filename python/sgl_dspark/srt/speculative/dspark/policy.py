@@ -66,11 +66,12 @@ class BaseVerifyPolicy(ABC):
         self,
         verify_lens: torch.Tensor,
         accept_lens: torch.Tensor,
-        confidence: torch.Tensor | None,
         slots: list[int],
         generations: list[int],
     ) -> None:
-        """Feed back the step's outcome (online statistics, confidence relay)."""
+        """Feed back the step's outcome (online statistics). It runs after the verify forward,
+        so it takes no confidences: those of a draft graph are its outputs, valid only until
+        another graph replays (`cuda_graph_runner.py`)."""
 
     def plain_decode(self, batch_size: int) -> bool:
         """True when a batch of this size should not speculate at all: the scheduler then runs
@@ -169,7 +170,7 @@ class StaticWidthPolicy(BaseVerifyPolicy):
         # Only a table entry turns speculation off; the online policy always speculates.
         return self.online is None and self.width(batch_size) == 1
 
-    def observe(self, verify_lens, accept_lens, confidence, slots, generations):
+    def observe(self, verify_lens, accept_lens, slots, generations):
         if self.online is not None and len(slots):
             self.online.record_step(self._last_width, accept_lens)
 
@@ -197,15 +198,16 @@ class ConfidencePolicy(BaseVerifyPolicy):
             return list(plan_algorithm1(confidence.float().cpu(), self.table).verify_lens)
         assert self.relay is not None
         budget = budget_from_relay(self.relay, slots, generations, self.table)
-        return allocate_verify_lengths(confidence, None if budget is None else budget.budget)
-
-    def observe(self, verify_lens, accept_lens, confidence, slots, generations):
-        if self.relay is not None and confidence is not None:
-            self.relay.publish(
-                torch.as_tensor(slots, device=self.device),
-                torch.as_tensor(generations, device=self.device),
-                confidence,
-            )
+        lens = allocate_verify_lengths(confidence, None if budget is None else budget.budget)
+        # The step's confidences go into the relay now, after its budget read the lagged entry
+        # (the order of a publish at the end of the step) and before the verify forward, whose
+        # graph may reuse a draft graph's output memory for its intermediates.
+        self.relay.publish(
+            torch.as_tensor(slots, device=self.device),
+            torch.as_tensor(generations, device=self.device),
+            confidence,
+        )
+        return lens
 
 
 def create_verify_policy(
