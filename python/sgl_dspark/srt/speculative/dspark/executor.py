@@ -43,6 +43,7 @@ from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
 from sgl_dspark.srt.speculative.dspark.sampled_graphs import SampledGraphs
 from sgl_dspark.srt.speculative.dspark.verify_logits import (
     accept_split,
+    graph_caps,
     split_verify_extras,
     verify_logprob_extras,
 )
@@ -187,6 +188,9 @@ class DSparkExecutor(BaseStepExecutor):
         fused steps of host-known widths."""
         worker, dev = self.worker, self.runner.device
         widths = worker.graph_verify_widths()
+        # Under a policy that caps acceptance on the device every acceptance graph takes the
+        # caps as an input (`graph_caps`); other policies' graphs run no cap.
+        capped = self.policy.caps_acceptance
         self.decode.register_graphs(graphs, batch_sizes, widths, prefill_max_tokens)
         example = (torch.zeros(1, dtype=torch.int64, device=dev),) * 3
         self.draft_graphs = BatchGraphs(
@@ -217,8 +221,8 @@ class DSparkExecutor(BaseStepExecutor):
                 graphs,
                 f"DSpark acceptance width {w}",
                 worker.greedy_epilogue,
-                [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex()],
-                [0, 0, 1, 0.0, 0],
+                [ex(w), ex(), ex(), ex(w, vocab, dtype=torch.float32), ex(), *[ex()] * capped],
+                [0, 0, 1, 0.0, 0, *[0] * capped],
                 batch_sizes,
             )
         if worker.sts_recorder is None:  # the recorder's steps run eagerly
@@ -228,6 +232,7 @@ class DSparkExecutor(BaseStepExecutor):
                 batch_sizes,
                 widths,
                 {w: g.static[3] for w, g in self.epilogue_graphs.items()},
+                capped,
             )
         fused_widths = worker.fused_widths() if self.fused_steps else ()
         if fused_widths:
@@ -437,6 +442,7 @@ class DSparkExecutor(BaseStepExecutor):
                 prop,
                 self._adjust,
                 self.epilogue_graphs.get(W),
+                self.policy.caps_acceptance,
                 timer.mark,
             )
             read_reqs = [reqs[i] for i in split.whole]
@@ -456,17 +462,19 @@ class DSparkExecutor(BaseStepExecutor):
             timer.mark("verify")
             # 6-7. acceptance on the device and the committed tokens' logprobs. Uniform steps
             #    replay it from a graph (all greedy, or with sampled rows), chosen from host
-            #    values only (widths, the policy's caps, the recorder, `info`'s flags, the
-            #    bucket): a graph never decides. Ragged widths, async caps and the STS recorder
-            #    keep the eager acceptance.
+            #    values only (widths, the recorder, `info`'s flags, the bucket): a graph never
+            #    decides. The async confidence policy's caps are a graph input. Ragged widths
+            #    and the STS recorder keep the eager acceptance.
             epilogue = self.epilogue_graphs.get(W)
             forced = to_device(self._simulated_counts(reqs), torch.int64, dev)
             step_logits = prop.markov.step_logits
-            graphed = uniform and cap_lens is None and worker.sts_recorder is None
+            capped = self.policy.caps_acceptance
+            graphed = uniform and (cap_lens is None or capped) and worker.sts_recorder is None
+            caps = graph_caps(capped, cap_lens, B, W, dev) if graphed else ()
             sampled = None
             if graphed and not info.all_greedy and self.sampled_graphs is not None:
                 sampled = self.sampled_graphs.accept(
-                    verify_ids, lens_t, seq_t, logits, forced, step_logits, info
+                    verify_ids, lens_t, seq_t, logits, forced, step_logits, info, *caps
                 )
             # The greedy acceptance graphs take this rank's columns: whole rows gathered under
             # tensor parallelism are wider than their inputs.
@@ -479,7 +487,7 @@ class DSparkExecutor(BaseStepExecutor):
                 and epilogue.bucket_for(B) is not None
                 and not (reader.sharded and whole)
             ):
-                acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced)
+                acc, tok_lp = epilogue.replay(verify_ids, lens_t, seq_t, logits, forced, *caps)
             elif reader.sharded and not whole:
                 # Vocab-parallel greedy rows without a graph: the same epilogue, eagerly.
                 acc, tok_lp = worker.greedy_epilogue(

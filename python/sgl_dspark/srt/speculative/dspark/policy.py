@@ -53,6 +53,9 @@ class PolicyArgs:
 
 class BaseVerifyPolicy(ABC):
     needs_confidence = False
+    # Whether `verify_lens` returns device caps on acceptance (over a full-width verify) rather
+    # than host widths: the acceptance graphs then take a cap input (`executor.py`).
+    caps_acceptance = False
 
     @abstractmethod
     def verify_lens(
@@ -186,6 +189,7 @@ class ConfidencePolicy(BaseVerifyPolicy):
                 f"--speculative-dspark-confidence-mode {args.confidence_mode!r}: sync or async"
             )
         self.gamma, self.device, self.mode = gamma, device, args.confidence_mode
+        self.caps_acceptance = self.mode == "async"
         self.table = load_sps_table(args.sps_table_path)
         self.relay = (
             ConfidenceRelay(num_slots, gamma, device=device) if self.mode == "async" else None

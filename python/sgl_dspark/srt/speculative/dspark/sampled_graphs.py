@@ -23,13 +23,15 @@ What a graph cannot decide, the host decides before the replay, from host flags 
   computes, for any batch with a filter, the bits the eager step computes with that batch's own
   flags.
 * The executor keeps the eager acceptance where the step itself decides on the host: ragged
-  verify widths (no captured width covers the batch, or the context ends first), the async
-  confidence policy's caps, the STS recorder (both graphs), batches past the largest bucket,
+  verify widths (no captured width covers the batch, or the context ends first), the STS
+  recorder (both graphs), batches past the largest bucket,
   and (both graphs) a tensor-parallel batch of greedy requests and requests read whole, which
   gathers only the latter's rows (`verify_logits.py::accept_split`) where these graphs gather
   every row of their bucket.
   Logit adjustments (penalties, biases, min_new_tokens, grammars) run before the acceptance on
   the verify logits it takes as input, and logprob extras after it: neither is in a graph.
+  Under the async confidence policy the acceptance graphs take its on-device caps as one more
+  input (`verify_logits.graph_caps`), as the all-greedy ones do.
 
 Buffers: the draft graphs write their step logits [B, gamma, V] into one buffer that the
 acceptance graphs take as their draft-logits input (a replay does not copy an input that is
@@ -71,6 +73,7 @@ class SampledGraphs:
         widths: the verify widths of the target's graphs (acceptance graphs for each).
         greedy_logits: per width, the all-greedy acceptance graphs' logits buffer
             `[max_bs, W, V / tp]`, shared where it holds whole rows (one rank).
+        capped: whether the acceptance graphs take the policy's caps as their last input.
     """
 
     def __init__(
@@ -80,6 +83,7 @@ class SampledGraphs:
         batch_sizes: Sequence[int],
         widths: Sequence[int],
         greedy_logits: Mapping[int, torch.Tensor],
+        capped: bool,
     ) -> None:
         self.graphs = graphs
         self.worker = worker
@@ -130,8 +134,9 @@ class SampledGraphs:
                 ex(dtype=torch.bool),  # greedy
                 ex(),  # seed
                 ex(),  # counter
+                *[ex()] * capped,  # caps on accepted drafts
             ]
-            pads = [0, 0, 1, 0.0, 0, 0.0, 1.0, 1.0, self.vocab, 0.0, True, 0, 0]
+            pads = [0, 0, 1, 0.0, 0, 0.0, 1.0, 1.0, self.vocab, 0.0, True, 0, 0, *[0] * capped]
             logits = greedy_logits.get(w)
             static: list[torch.Tensor | None] = [None] * len(inputs)
             static[3] = logits if logits is not None and logits.shape[-1] == self.vocab else None
@@ -226,11 +231,14 @@ class SampledGraphs:
         greedy: torch.Tensor,
         seeds: torch.Tensor,
         counters: torch.Tensor,
+        cap_lens: torch.Tensor | None = None,
     ) -> tuple[AcceptOutput, torch.Tensor]:
         info = self._info(
             temperatures, top_ps, top_ks, min_ps, greedy, seeds, counters, filtered=filtered
         )
-        return self.worker.epilogue(verify_ids, lens_t, seq_t, logits, info, draft_logits, forced)
+        return self.worker.epilogue(
+            verify_ids, lens_t, seq_t, logits, info, draft_logits, forced, cap_lens
+        )
 
     # ---- replays -----------------------------------------------------------------------------
     def propose(
@@ -261,9 +269,11 @@ class SampledGraphs:
         forced: torch.Tensor,
         draft_logits: torch.Tensor,
         info: SamplingBatchInfo,
+        *caps: torch.Tensor,
     ) -> tuple[AcceptOutput, torch.Tensor] | None:
         """`DSparkWorker.epilogue` of a uniform-width batch with a sampled row (whole logits
-        rows [B, W, V], no caps) from its graph, or None when no graph runs it."""
+        rows [B, W, V]) from its graph, or None when no graph runs it. `caps`: the cap input
+        when the graphs take one (`verify_logits.graph_caps`)."""
         assert not info.all_greedy
         B, W = verify_ids.shape
         g = self.accepts.get((W, _needs_filters(info)))
@@ -283,4 +293,5 @@ class SampledGraphs:
             info.is_greedy,
             info.seeds,
             info.counters,
+            *caps,
         )

@@ -27,6 +27,20 @@ if TYPE_CHECKING:
 Adjust = Callable[[list["Req"], torch.Tensor, torch.Tensor], torch.Tensor]
 
 
+def graph_caps(
+    capped: bool, cap_lens: torch.Tensor | None, batch: int, width: int, device: torch.device
+) -> tuple[torch.Tensor, ...]:
+    """The cap input of an acceptance graph replay: none when the graphs are captured without
+    one (`capped` False: the policy never caps); else the step's caps, or width - 1 for a step
+    its policy did not plan (the bs1 runtime), which trims no draft and so gives the bits of an
+    uncapped acceptance."""
+    if not capped:
+        return ()
+    if cap_lens is None:
+        cap_lens = torch.full((batch,), width - 1, dtype=torch.int64, device=device)
+    return (cap_lens,)
+
+
 def accept_split(
     worker: DSparkWorker,
     split: RowSplit,
@@ -42,6 +56,7 @@ def accept_split(
     proposal: DraftProposal,
     adjust: Adjust,
     epilogue: BatchGraphs | None,
+    capped_graphs: bool,
     mark: Callable[[str], None],
 ) -> tuple[AcceptOutput, torch.Tensor, torch.Tensor, SamplingBatchInfo]:
     """Acceptance of a tensor-parallel verify whose requests read their rows two ways
@@ -51,8 +66,8 @@ def accept_split(
     as when every row is gathered (`DSparkWorker.epilogue` with the group's rows of `info`;
     `proposal` is the group's own when the batch samples). `rows`: each request's verify
     rows in the forward (uniform when all are the width of `verify_ids`); `forced`: the
-    simulated accept counts of every request; `mark`: the step timer's, called once the rows
-    are read.
+    simulated accept counts of every request; `capped_graphs`: whether `epilogue`'s graphs
+    take a cap input (`graph_caps`); `mark`: the step timer's, called once the rows are read.
 
     The acceptance runs once per group, on the groups' rows picked by index, and the results
     are put back in batch order: one call cannot take both groups, because the acceptance
@@ -100,10 +115,11 @@ def accept_split(
     if (
         epilogue is not None
         and uniform
-        and cap_lens is None
+        and (cap_lens is None or capped_graphs)
         and epilogue.bucket_for(len(split.greedy)) is not None
     ):
-        greedy_acc, greedy_lp = epilogue.replay(*greedy_args)
+        caps = graph_caps(capped_graphs, greedy_caps, len(split.greedy), W, verify_ids.device)
+        greedy_acc, greedy_lp = epilogue.replay(*greedy_args, *caps)
     else:
         greedy_acc, greedy_lp = worker.greedy_epilogue(*greedy_args, greedy_caps)
     whole_info = info.select(w)
