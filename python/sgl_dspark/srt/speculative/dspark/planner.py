@@ -221,11 +221,10 @@ class ConfidenceRelay:
     ``publish`` runs once per decode step, after the step's budget is read: it scatters the
     step's confidences into a per-slot device buffer and copies the whole buffer (with slot
     generations) into the next ring entry -- asynchronously into pinned memory on CUDA, guarded
-    by an event. ``lagged_survival`` reads the
-    entry published ``lag`` steps before the step being planned; the entry is usable only when its
-    copy has completed (event query, never a wait) -- otherwise it returns None (verify all). On a
-    CPU device the copy is synchronous, which emulates the host carry ring of a non-overlapped
-    scheduler with the same lag.
+    by an event. ``lagged_survival`` reads the entry published ``lag`` steps before the step being
+    planned; the entry is usable only when its copy has completed (event query, never a wait) --
+    otherwise it returns None (verify all). On a CPU device the copy is synchronous, which
+    emulates the host carry ring of a non-overlapped scheduler with the same lag.
 
     Slot generations are >= 1 for live requests (bumped on slot reuse); a lagged row is used only
     if its stored generation equals the request's current one, so a request never inherits the

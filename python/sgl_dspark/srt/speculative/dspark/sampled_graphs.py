@@ -24,10 +24,9 @@ What a graph cannot decide, the host decides before the replay, from host flags 
   flags.
 * The executor keeps the eager acceptance where the step itself decides on the host: ragged
   verify widths (no captured width covers the batch, or the context ends first), the STS
-  recorder (both graphs), batches past the largest bucket,
-  and (both graphs) a tensor-parallel batch of greedy requests and requests read whole, which
-  gathers only the latter's rows (`verify_logits.py::accept_split`) where these graphs gather
-  every row of their bucket.
+  recorder (both graphs), batches past the largest bucket, and (both graphs) a tensor-parallel
+  batch of greedy requests and requests read whole, which gathers only the latter's rows
+  (`verify_logits.py::accept_split`) where these graphs gather every row of their bucket.
   Logit adjustments (penalties, biases, min_new_tokens, grammars) run before the acceptance on
   the verify logits it takes as input, and logprob extras after it: neither is in a graph.
   Under the async confidence policy the acceptance graphs take its on-device caps as one more
