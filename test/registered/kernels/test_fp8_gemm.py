@@ -190,6 +190,43 @@ def test_w8a8_linear(case: tuple, out_dtype: torch.dtype) -> None:
     assert ((got.float() - dense).abs() <= gap + rounding).all()
 
 
+def _fenced(t: torch.Tensor, pad: int) -> torch.Tensor:
+    """t's values [R, C] in a buffer whose rows are `pad` elements apart and followed by `pad`
+    more, every element outside t a NaN (0x7F in FP8 codes, 0xFF in E8M0 bytes): a read past a
+    row, or past the last row, brings a NaN into the result."""
+    rows, cols = t.shape
+    nan = {torch.float8_e4m3fn: 0x7F, torch.uint8: 0xFF}
+    if t.dtype in nan:
+        raw = t.view(torch.uint8) if t.dtype != torch.uint8 else t
+        buf = torch.full((rows + 1, cols + pad), nan[t.dtype], dtype=torch.uint8, device=t.device)
+        buf[:rows, :cols] = raw
+        return buf[:rows, :cols].view(t.dtype)
+    buf = torch.full((rows + 1, cols + pad), float("nan"), dtype=t.dtype, device=t.device)
+    buf[:rows, :cols] = t
+    return buf[:rows, :cols]
+
+
+# (M, N, K, weight block, activation group): K below the 128-channel step (chunks past K
+# exist), K past a step and partial, rows in one and in two tiles.
+FENCED_CASES = [(20, 72, 64, 32, 32), (5, 40, 96, 32, 32), (70, 33, 200, 128, 128)]
+
+
+@pytest.mark.parametrize("case", FENCED_CASES)
+def test_w8a8_reads_nothing_past_its_operands(case: tuple) -> None:
+    """The GEMM reads only its operands' elements: activation codes and scales, weight codes
+    and scales fenced by NaN give the result of their contiguous copies, with no NaN."""
+    m, n, k, block, group = case
+    gen = torch.Generator().manual_seed(sum(case))
+    w = fp8_weight(n, k, block, gen)
+    act = quantize_act_fp8(activations((m, k), gen), group, True)
+    want = w8a8_linear(act, w, group)
+    fenced_act = Fp8Activation(_fenced(act.q, 16), _fenced(act.scale, 3))
+    fenced_w = w._replace(data=_fenced(w.data, 16), scale=_fenced(w.scale, 3))
+    got = w8a8_linear(fenced_act, fenced_w, group)
+    assert not torch.isnan(got).any()
+    assert torch.equal(got, want)
+
+
 def test_w8a8_grouped_linear() -> None:
     gen = torch.Generator().manual_seed(5)
     m, groups, n, k = 19, 3, 40, 200  # partial K block, 40-row groups across 128-row blocks

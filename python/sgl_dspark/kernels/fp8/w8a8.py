@@ -95,7 +95,10 @@ def w8a8_chunk(
             a = codes.to(tl.float8e4nv, bitcast=True)
     else:
         a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask, other=0.0)
-        sa = tl.load(sa_rows + k0 // A_GROUP, mask=a_ok, other=0.0)
+        # A chunk past K (K below the K step) has no scale column: reading one would read past
+        # the row (the next row's scale, or past the end of the last row's allocation), and a
+        # NaN there makes NaN of the chunk's zero product.
+        sa = tl.load(sa_rows + k0 // A_GROUP, mask=a_ok & (k0 < k_dim), other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
     if DOT_FP32:
