@@ -126,13 +126,11 @@ def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
     assert spec.draft_graphs is not None and CountingGraph.replays > 0
     if policy.startswith("confidence"):
         assert spec.worker.graph_verify_widths() == tuple(range(1, gamma + 2))
-    # Host-known widths (full, static table): all-greedy steps are fused step graphs, chained
-    # by the overlap schedule. Otherwise the folded greedy epilogue (acceptance + context-KV
-    # commit) replays, under the async confidence policy with its on-device caps as an input.
-    # (with gamma 1 the online policy has no narrow width left: it is the table {1: full})
-    fused = policy in ("full", "static_table") or (
-        policy == "static_online" and spec.policy.online is None
-    )
+    # Host-known widths (full, static table or online) and the async confidence policy (full
+    # width, its caps computed in the graph): all-greedy steps are fused step graphs, chained
+    # by the overlap schedule. The sync policy plans on the host from the step's confidences:
+    # the draft graph, then the folded greedy epilogue (acceptance + context-KV commit) replay.
+    fused = policy != "confidence_sync"
     assert (spec.fused is not None and spec.fused.replays > 0) == fused
     epilogue_replays = sum(g.replays for g in spec.epilogue_graphs.values())
     assert (epilogue_replays > 0) == (not fused)

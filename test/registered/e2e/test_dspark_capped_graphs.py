@@ -1,17 +1,23 @@
-"""The acceptance graphs under the async confidence policy, whose caps on accepted drafts are a
-device tensor planned per step: the graphs take the caps as an input (`verify_logits.graph_caps`)
-and commit what the eager capped acceptance commits, step for step.
+"""The graphs under the async confidence policy, whose caps on accepted drafts are a device
+tensor planned per step, commit what the eager capped acceptance commits, step for step:
+
+* the acceptance graphs take the caps as an input (`verify_logits.graph_caps`): step by step
+  (no overlap schedule), greedy and sampled requests mixed, acceptance graphed vs eager; both
+  runs replay the same target and draft graphs, so they differ in the acceptance only;
+* the fused step graphs compute the caps themselves (`ConfidencePolicy.device_caps`) from a
+  budget the host planned: all-greedy steps chained by the overlap schedule vs the step-by-step
+  schedule's separate draft, verify and acceptance graphs.
 
 The shipped demo pair (a trained draft: its confidences vary and acceptance runs past the caps,
-so the caps trim drafts) decodes GSM8K test prompts, greedy and sampled requests mixed, once with
-the acceptance graphs and once with the acceptance eager; both runs replay the same target and
-draft graphs (`EagerGraph` stand-ins on the CPU), so they differ in the acceptance only."""
+so the caps trim drafts) decodes GSM8K test prompts; graphs are `EagerGraph` stand-ins on the
+CPU."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 from sgl_dspark import Engine
 from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
@@ -22,6 +28,7 @@ from spec_utils import policy_kwargs, write_policy_tables
 PROMPTS = Path(__file__).resolve().parent / "data" / "gsm8k_test8" / "test.jsonl"
 N_REQUESTS = 5
 GRAPH_BS = N_REQUESTS  # buckets 1, 2, 4, 5: every step replays a graph
+LONG_TOKENS = 160
 
 
 def _requests(tokenizer) -> tuple[list[list[int]], list[dict]]:
@@ -41,21 +48,53 @@ def _requests(tokenizer) -> tuple[list[list[int]], list[dict]]:
     return prompts, params
 
 
-def _generate(tmp_path, graphed_acceptance: bool, all_greedy: bool):
+def _generate(
+    tmp_path,
+    graphed_acceptance: bool,
+    all_greedy: bool,
+    overlap: bool = False,
+    long_single: bool = False,
+    cuda: bool = False,
+):
     """Output ids, logprobs and verify steps per request, drafts trimmed by the caps, and the
-    acceptance graph replays."""
+    graph replays of the acceptance and fused step families. `long_single`: the first request
+    alone, for LONG_TOKENS tokens. `cuda`: real CUDA graphs (fp32, batch-invariant kernels)."""
     gamma = 8  # the demo draft's block size
+    device_kw: dict = (
+        {
+            "device": "cuda",
+            "dtype": "float32",
+            "enable_deterministic_inference": True,
+            "cuda_graph_max_bs": GRAPH_BS,
+        }
+        if cuda
+        else {"device": "cpu"}
+    )
     engine = Engine(
         model_path="demo",
-        device="cpu",
         context_length=512,
         max_running_requests=N_REQUESTS,
         speculative_algorithm="DSpark",
+        disable_overlap_schedule=not overlap,
+        **device_kw,
         **policy_kwargs("confidence_async", write_policy_tables(str(tmp_path), gamma)),
     )
-    engine.init_graphs(GRAPH_BS, graph_factory=EagerGraph)
+    if not cuda:
+        engine.init_graphs(GRAPH_BS, graph_factory=EagerGraph)
     spec = engine.spec
     assert spec.policy.caps_acceptance
+    relay = spec.policy.relay
+    if cuda:
+        # The policy takes a lagged snapshot only once its copy to the host has landed (an
+        # event query, never a wait), so on a GPU the caps follow the timing. Waiting for the
+        # copies makes both runs take every snapshot, so their steps compare.
+        read = relay.lagged_survival
+
+        def lagged_survival(slot_ids, generations):
+            torch.cuda.synchronize()
+            return read(slot_ids, generations)
+
+        relay.lagged_survival = lagged_survival
     if not graphed_acceptance:
         spec.epilogue_graphs = {}
         assert spec.sampled_graphs is not None
@@ -71,6 +110,8 @@ def _generate(tmp_path, graphed_acceptance: bool, all_greedy: bool):
     prompts, params = _requests(engine.tokenizer)
     if all_greedy:
         params = [{**p, "temperature": 0.0} for p in params]
+    if long_single:
+        prompts, params = prompts[:1], [{**params[0], "max_new_tokens": LONG_TOKENS}]
     outs = engine.generate(input_ids=prompts, sampling_params=params, return_logprob=True)
     summary = spec.metrics.summary()
     trimmed = round(summary.block_accept_length * summary.request_steps) - (
@@ -82,14 +123,14 @@ def _generate(tmp_path, graphed_acceptance: bool, all_greedy: bool):
         [[lp for lp, _, _ in o["meta_info"]["output_token_logprobs"]] for o in outs],
         [o["meta_info"]["spec_verify_ct"] for o in outs],
         trimmed,
-        [f for f in replayed if "acceptance" in f],
+        [f for f in replayed if "acceptance" in f or "fused" in f],
     )
 
 
-def _check(tmp_path, all_greedy: bool) -> None:
-    ids, lps, steps, trimmed, accept_replays = _generate(tmp_path, True, all_greedy)
+def _check(tmp_path, all_greedy: bool, cuda: bool) -> None:
+    ids, lps, steps, trimmed, accept_replays = _generate(tmp_path, True, all_greedy, cuda=cuda)
     want_ids, want_lps, want_steps, want_trimmed, eager_replays = _generate(
-        tmp_path, False, all_greedy
+        tmp_path, False, all_greedy, cuda=cuda
     )
     assert ids == want_ids
     assert lps == want_lps
@@ -101,12 +142,46 @@ def _check(tmp_path, all_greedy: bool) -> None:
     assert bool(sampled) == (not all_greedy), set(accept_replays)
 
 
-def test_greedy_acceptance_graphs_take_the_caps(tmp_path):
-    _check(tmp_path, all_greedy=True)
+cuda_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+DEVICES = pytest.mark.parametrize(
+    "cuda", [False, pytest.param(True, marks=cuda_only)], ids=["cpu", "cuda"]
+)
 
 
-def test_sampled_acceptance_graphs_take_the_caps(tmp_path):
-    _check(tmp_path, all_greedy=False)
+@DEVICES
+def test_greedy_acceptance_graphs_take_the_caps(tmp_path, cuda):
+    _check(tmp_path, all_greedy=True, cuda=cuda)
+
+
+@DEVICES
+def test_sampled_acceptance_graphs_take_the_caps(tmp_path, cuda):
+    _check(tmp_path, all_greedy=False, cuda=cuda)
+
+
+@DEVICES
+def test_fused_steps_cap_as_the_separate_graphs(tmp_path, cuda):
+    """One request, so both schedules plan the same batches. (Chained steps let a request that
+    the step in flight finishes ride along in the next one: with more requests the budget's
+    batches, and the relay's step count after a request ends, differ between the schedules.)
+
+    The tokens, steps and trims are equal; so are the logprobs but for the last steps, which
+    the step-by-step schedule verifies at a narrower graph width (widths clipped at
+    max_new_tokens), a forward of another shape: within fp32 rounding there."""
+    gamma = 8
+    ids, lps, steps, trimmed, fused_replays = _generate(
+        tmp_path, True, True, overlap=True, long_single=True, cuda=cuda
+    )
+    want_ids, want_lps, want_steps, want_trimmed, step_replays = _generate(
+        tmp_path, True, True, long_single=True, cuda=cuda
+    )
+    assert ids == want_ids and len(ids[0]) == LONG_TOKENS
+    assert steps == want_steps
+    assert trimmed == want_trimmed
+    assert trimmed > 0  # the caps bind: the graph's own caps are live
+    assert lps[0][: -gamma - 1] == want_lps[0][: -gamma - 1]
+    torch.testing.assert_close(torch.tensor(lps[0]), torch.tensor(want_lps[0]), rtol=0, atol=1e-5)
+    assert set(fused_replays) == {"DSpark fused step"}
+    assert step_replays and "DSpark fused step" not in step_replays
 
 
 def test_uncapped_step_gives_the_uncapped_bits():

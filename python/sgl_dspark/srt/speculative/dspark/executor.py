@@ -5,9 +5,10 @@ decoding requests then take one of three paths:
 
 * the verify policy turns speculation off at this batch size (static width 1): a plain decode
   step through the decode executor, which the overlap schedule chains like any decode step;
-* an all-greedy batch at a host-known width with captured fused steps (with the overlap
-  schedule): one fused graph replay (draft, verify, acceptance, context KV), whose next state
-  stays on the device, so the overlap schedule chains these steps too;
+* an all-greedy batch at a host-known width, or under the async confidence policy (the full
+  window, its caps computed in the graph from a budget the host planned), with captured fused
+  steps (with the overlap schedule): one fused graph replay (draft, verify, acceptance, context
+  KV), whose next state stays on the device, so the overlap schedule chains these steps too;
 * otherwise the eager step: draft (a graph per bucket, all-greedy or with sampled rows), verify
   lengths from the policy, the target's verify forward (a graph per width when the batch fits),
   acceptance (a graph per width for uniform steps, all-greedy or with sampled rows:
@@ -102,7 +103,7 @@ class FusedStep(InflightStep):
         self._reqs = reqs
         self.width = width
         self.verify_lens = verify_lens
-        self.host = host  # commit_len, out_tokens, logprobs, accept_len
+        self.host = host  # commit_len, out_tokens, logprobs, accept_len, cap_trim
 
     @property
     def reqs(self) -> tuple[Req, ...]:
@@ -111,14 +112,14 @@ class FusedStep(InflightStep):
     def wait(self) -> list[ReqUpdate]:
         """Per request its committed tokens and their logprobs. A request that finished or was
         aborted after the launch rode along: it takes nothing, and the metrics skip its row."""
-        commit, toks, lps, accepted = self.host.wait()
+        commit, toks, lps, accepted, trimmed = self.host.wait()
         live = [i for i, r in enumerate(self._reqs) if not (r.finished or r.slot < 0)]
         if live:
             self._executor.metrics.record_step(
                 torch.tensor([self.verify_lens[i] for i in live]),
                 torch.tensor([accepted[i] for i in live]),
                 request_ids=[self._reqs[i].rid for i in live],
-                cap_trim=torch.zeros(len(live), dtype=torch.int64),
+                cap_trim=torch.tensor([trimmed[i] for i in live]),
             )
         return [
             ReqUpdate(
@@ -136,9 +137,9 @@ class DSparkExecutor(BaseStepExecutor):
     def __init__(
         self, decode: DecodeExecutor, worker: DSparkWorker, fused_steps: bool = True
     ) -> None:
-        """`fused_steps`: run all-greedy steps of host-known widths as fused step graphs when
-        they are captured (with the overlap schedule); otherwise every speculative step is the
-        eager step, the reference path."""
+        """`fused_steps`: run all-greedy steps of host-known widths (or of the async confidence
+        policy) as fused step graphs when they are captured (with the overlap schedule);
+        otherwise every speculative step is the eager step, the reference path."""
         self.decode = decode
         self.worker = worker
         self.fused_steps = fused_steps
@@ -153,6 +154,8 @@ class DSparkExecutor(BaseStepExecutor):
         self.epilogue_graphs: dict[int, BatchGraphs] = {}
         self.sampled_graphs: SampledGraphs | None = None
         self.fused: FusedGreedySteps | None = None
+        # (work, fused width) that `can_chain` planned for the `launch` that follows it.
+        self._chain_plan: tuple[StepWork, int | None] | None = None
 
     @property
     def step_window(self) -> int:
@@ -248,6 +251,7 @@ class DSparkExecutor(BaseStepExecutor):
                 functools.partial(runner.run_model, tap_layers=(), consumer=self.decode.consumer),
                 runner.join_taps,
                 worker.greedy_epilogue,
+                self.policy.device_caps if self.policy.caps_acceptance else None,
             )
 
     # ---- the step contract ------------------------------------------------------------------
@@ -262,7 +266,10 @@ class DSparkExecutor(BaseStepExecutor):
             return self.decode.can_chain(work, prev)
         if not isinstance(prev, FusedStep):
             return False
-        return self._fused_width(work.decode, prev.width) is not None
+        width = self._fused_width(work.decode, prev.width)
+        # `launch` takes this work next: it reuses the width (a policy decides once per step).
+        self._chain_plan = (work, width)
+        return width is not None
 
     def launch(self, work: StepWork, prev: InflightStep | None) -> InflightStep:
         updates: list[ReqUpdate] = []
@@ -280,7 +287,11 @@ class DSparkExecutor(BaseStepExecutor):
             step = self.decode.launch(StepWork(decode=decoding), prev)
         else:
             lag = prev.width if isinstance(prev, FusedStep) else 0
-            width = self._fused_width(decoding, lag)
+            planned, self._chain_plan = self._chain_plan, None
+            if planned is not None and planned[0] is work:
+                width = planned[1]
+            else:
+                width = self._fused_width(decoding, lag)
             if width is not None:
                 step = self._launch_fused(decoding, width, prev)
             else:
@@ -300,12 +311,14 @@ class DSparkExecutor(BaseStepExecutor):
         if fused is None or needs_full_logits(reqs):
             return None
         bs1 = B == 1 and fused.bs1_width is not None
-        # The bs1 runtime verifies its full window whatever the policy (as the eager step).
-        width = (
-            fused.bs1_width
-            if bs1
-            else int(self.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
-        )
+        # The bs1 runtime verifies its full window whatever the policy (as the eager step); a
+        # policy that caps on the device verifies the full window too.
+        if bs1:
+            width = fused.bs1_width
+        elif self.policy.caps_acceptance:
+            width = worker.gamma + 1
+        else:
+            width = int(self.policy.verify_lens(None, [r.slot for r in reqs], [])[0])
         if width is None or not fused.has(width, B):
             return None
         limit = self.runner.req_pool.max_context_len
@@ -324,12 +337,24 @@ class DSparkExecutor(BaseStepExecutor):
         # Never verify past max_new_tokens (the request ends there anyway); with a step in flight
         # `output_ids` lags, so this may verify a little more, never less, than needed.
         lens = [max(1, min(width, r.params.max_new_tokens - len(r.output_ids))) for r in reqs]
-        rows = [[r.slot for r in reqs], lens, self._simulated_counts(reqs)]
+        slots = [r.slot for r in reqs]
+        gens = [self._generation.get(s, 1) for s in slots]
+        planned = not (len(reqs) == 1 and self.fused.bs1_width is not None)
+        capped = planned and self.policy.caps_acceptance
+        budget = self.policy.host_budget(slots, gens) if capped else -1
+        rows = [slots, lens, self._simulated_counts(reqs), gens, [budget] * len(reqs)]
         chained = isinstance(prev, FusedStep)
         if not chained:
             rows = [[r.output_ids[-1] for r in reqs], [r.kv_len for r in reqs], *rows]
         out = self.fused.launch(width, rows, chained)
-        host = PendingRead(out.commit_len, out.out_tokens, out.logprobs, out.accept_len)
+        if capped:
+            self.policy.snapshot()
+        if planned:
+            # Online statistics from the device results, ordered before the next replay.
+            self.policy.observe(self.fused.verify_lens(len(reqs)), out.accept_len, slots, gens)
+        host = PendingRead(
+            out.commit_len, out.out_tokens, out.logprobs, out.accept_len, out.cap_trim
+        )
         return FusedStep(self, reqs, width, lens, host)
 
     def _simulated_counts(self, reqs: Sequence[Req]) -> list[int]:

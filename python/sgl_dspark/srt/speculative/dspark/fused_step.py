@@ -10,6 +10,10 @@ The step's next state (anchors = bonus tokens, sequence lengths + commit lengths
 into the graph's own input buffers, so the next step of an unchanged batch needs no input from
 the host but its verify lengths and simulated counts: the executor launches step N + 1 before
 the scheduler reads step N (the overlap schedule for DSpark).
+
+The async confidence policy runs here too: the width is the full window and the graph caps
+acceptance on the device (`ConfidencePolicy.device_caps`, from the draft's confidences and a
+budget the host computed from lagged ones before the replay), as the eager step does.
 """
 
 from __future__ import annotations
@@ -32,16 +36,21 @@ if TYPE_CHECKING:
 FAMILY = "DSpark fused step"
 
 # Rows of the static input block: the next state first (the graph rewrites it), then the
-# per-step host inputs.
-_ANCHOR, _SEQ, _SLOT, _LENS, _FORCED = range(5)
+# per-step host inputs (slot generations and the budget feed the device caps only).
+_ANCHOR, _SEQ, _SLOT, _LENS, _FORCED, _GEN, _BUDGET = range(7)
+_ROWS = 7
 
 # (gamma, anchors, seq lens, request slots, drafts to run) -> proposal
 ProposeGreedy = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, int], "DraftProposal"]
-# (verify ids, verify lens, seq lens, this rank's logits columns [B, W, V / tp], forced counts)
-# -> (acceptance, logprobs)
+# (verify ids, verify lens, seq lens, this rank's logits columns [B, W, V / tp], forced counts,
+# caps or None) -> (acceptance, logprobs)
 GreedyEpilogue = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
     "tuple[AcceptOutput, torch.Tensor]",
+]
+# (confidences [B, gamma], budget 0-d, real rows [B], request slots, slot generations) -> caps
+DeviceCaps = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
 ]
 
 
@@ -52,14 +61,16 @@ class FusedStepOutput(NamedTuple):
     out_tokens: torch.Tensor  # [B, W] int64, -1 after the bonus
     logprobs: torch.Tensor  # [B, W] fp32
     accept_len: torch.Tensor  # [B] int64
+    cap_trim: torch.Tensor  # [B] int64, drafts the device caps removed (0 without caps)
 
 
 class FusedGreedySteps:
     """Graphs of the all-greedy step per (bucket, width), registered with the graph runner.
 
-    `inputs` `[5, max_bs]` int64 holds, per request column: anchor, sequence length, request
-    slot, verify length and simulated accept count. Padding columns are slot 0, length 0, verify
-    length 0: they commit nothing, and their KV writes land in the reserved dummy slot 0.
+    `inputs` `[7, max_bs]` int64 holds, per request column: anchor, sequence length, request
+    slot, verify length, simulated accept count, slot generation and the step's budget (every
+    column the same). Padding columns are slot 0, length 0, verify length 0, generation 0: they
+    commit nothing, and their KV and relay writes land in the reserved dummy slot 0.
 
     With a bs1 runtime of its own block size (`gamma_bs1 != gamma`), bucket 1 has one graph
     instead: that block size, verifying its full window.
@@ -69,6 +80,7 @@ class FusedGreedySteps:
         run_verify: the target's forward of a verify batch with the draft's context-KV writer on
             its taps (`ModelRunner.run_model`); `join_taps` ends the region after it.
         greedy_epilogue: acceptance + logprobs of an all-greedy window.
+        device_caps: the async confidence policy's caps, or None (host-known widths only).
     """
 
     def __init__(
@@ -83,6 +95,7 @@ class FusedGreedySteps:
         run_verify: Callable[[ForwardBatch], ModelOutput],
         join_taps: Callable[[], None],
         greedy_epilogue: GreedyEpilogue,
+        device_caps: DeviceCaps | None = None,
     ) -> None:
         self.graphs = graphs
         self.req_pool = req_pool
@@ -91,9 +104,12 @@ class FusedGreedySteps:
         self._run_verify = run_verify
         self._join_taps = join_taps
         self._greedy_epilogue = greedy_epilogue
+        self._device_caps = device_caps
         self.batch_sizes = sorted(set(batch_sizes))
         self.widths = sorted(set(widths))
-        self.inputs = torch.zeros(5, self.batch_sizes[-1], dtype=torch.int64, device=graphs.device)
+        self.inputs = torch.zeros(
+            _ROWS, self.batch_sizes[-1], dtype=torch.int64, device=graphs.device
+        )
         self.bs1_width = gamma_bs1 + 1 if gamma_bs1 != gamma else None
         self._keys = [
             (w, bs)
@@ -131,12 +147,24 @@ class FusedGreedySteps:
             bs = bucket_for(self.batch_sizes, batch_size)
         return bs is not None and (width, bs) in self._keys
 
+    def verify_lens(self, batch_size: int) -> torch.Tensor:
+        """The verify lengths of the last launch's B columns (a device view of its input row,
+        rewritten by the next launch)."""
+        return self.inputs[_LENS, :batch_size]
+
     def _step(self, w: int, bs: int) -> FusedStepOutput:
         """The captured region for `bs` columns and verify width `w`."""
-        anchors, seq, slots, lens, forced = (self.inputs[i, :bs] for i in range(5))
+        anchors, seq, slots, lens, forced, gens, budget = (
+            self.inputs[i, :bs] for i in range(_ROWS)
+        )
         # A width-w step verifies w - 1 drafts: the Markov loop stops there.
         gamma = self.gamma if bs != 1 or self.bs1_width is None else self.gamma_bs1
         prop = self._propose_greedy(gamma, anchors, seq, slots, max(1, w - 1))
+        # The bs1 runtime's own block size verifies its full window whatever the policy.
+        caps = None
+        if self._device_caps is not None and gamma == self.gamma:
+            assert prop.confidence is not None
+            caps = self._device_caps(prop.confidence, budget[0], lens > 0, slots, gens)
         verify_ids = torch.cat((anchors[:, None], prop.markov.drafts), dim=1)[:, :w]
         positions = seq[:, None] + torch.arange(w, device=seq.device)[None, :]
         pool = self.req_pool
@@ -155,31 +183,31 @@ class FusedGreedySteps:
         # The context-KV writer runs on a side stream while the logits and the epilogue run.
         out = self._run_verify(batch)
         acc, tok_lp = self._greedy_epilogue(
-            verify_ids, lens, seq, out.shard_logits.view(bs, w, -1), forced
+            verify_ids, lens, seq, out.shard_logits.view(bs, w, -1), forced, caps
         )
         # The next step's state, in place (every read of these rows is above).
         anchors.copy_(acc.next_anchor)
         seq.copy_(acc.new_seq_lens)
         self._join_taps()
-        return FusedStepOutput(acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len)
+        return FusedStepOutput(acc.commit_len, acc.out_tokens, tok_lp, acc.accept_len, acc.cap_trim)
 
     @torch.inference_mode()
     def launch(self, width: int, host_rows: list[list[int]], chained: bool) -> FusedStepOutput:
         """Replay the step for B = len(host_rows[0]) requests at verify width `width`.
 
-        host_rows: per input row (anchor, seq, slot, lens, forced; only slot, lens, forced when
-        `chained`), B values each. `chained`: the state rows still hold the previous step's next
+        host_rows: per input row (anchor, seq, slot, lens, forced, generation, budget; from
+        slot on when `chained`), B values each. `chained`: the state rows still hold the previous step's next
         state for the same requests in the same order (the previous launch was this batch).
         """
         B = len(host_rows[0])
         bs = 1 if B == 1 and self.bs1_width is not None else bucket_for(self.batch_sizes, B)
         assert bs is not None and (width, bs) in self._keys, (B, width)
         first = _SLOT if chained else _ANCHOR
-        assert len(host_rows) == 5 - first
+        assert len(host_rows) == _ROWS - first
         # Columns beyond B are padding: zero in every row (their state rows stay zero, since a
         # padding column commits nothing).
         host = torch.zeros(
-            5 - first, self.inputs.shape[1], dtype=torch.int64, pin_memory=self.inputs.is_cuda
+            _ROWS - first, self.inputs.shape[1], dtype=torch.int64, pin_memory=self.inputs.is_cuda
         )
         host[:, :B] = torch.tensor(host_rows, dtype=torch.int64)
         self.inputs[first:].copy_(host, non_blocking=True)

@@ -252,10 +252,23 @@ class ConfidenceRelay:
     def publish(
         self, slot_ids: torch.Tensor, generations: torch.Tensor, confidence: torch.Tensor
     ) -> None:
-        """Record one step. slot_ids [B] int64, generations [B] int64, confidence [B, gamma] on
-        the relay device (padding rows may point at a dummy slot with generation 0)."""
+        """Record one step and snapshot it (`record`, then `snapshot`)."""
+        self.record(slot_ids, generations, confidence)
+        self.snapshot()
+
+    def record(
+        self, slot_ids: torch.Tensor, generations: torch.Tensor, confidence: torch.Tensor
+    ) -> None:
+        """Scatter one step's confidences into the per-slot device buffer (device ops only: it
+        runs inside the fused step graph). slot_ids [B] int64, generations [B] int64, confidence
+        [B, gamma] on the relay device (padding rows may point at a dummy slot with generation
+        0)."""
         self._confidence.index_copy_(0, slot_ids, confidence.float())
         self._generation.index_copy_(0, slot_ids, generations.to(torch.int64))
+
+    def snapshot(self) -> None:
+        """Copy the per-slot buffer into the next ring entry (host side, once per step, after
+        the step's `record` was issued: the copy is ordered after it on the stream)."""
         entry = self._num_published % (self.lag + 1)
         non_blocking = self.device.type == "cuda"
         self._ring_conf[entry].copy_(self._confidence, non_blocking=non_blocking)

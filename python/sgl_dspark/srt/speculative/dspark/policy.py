@@ -81,6 +81,24 @@ class BaseVerifyPolicy(ABC):
         plain decode steps (overlapped) that only commit the draft's context KV."""
         return False
 
+    # A policy that caps on the device (`caps_acceptance`) splits its plan for the fused step
+    # graph: `host_budget` before the replay, `device_caps` inside it, `snapshot` after it.
+    def host_budget(self, slots: list[int], generations: list[int]) -> int:
+        raise NotImplementedError(f"{type(self).__name__} does not cap acceptance on the device")
+
+    def device_caps(
+        self,
+        confidence: torch.Tensor,
+        budget: torch.Tensor,
+        row_valid: torch.Tensor,
+        slot_ids: torch.Tensor,
+        generations: torch.Tensor,
+    ) -> torch.Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not cap acceptance on the device")
+
+    def snapshot(self) -> None:
+        raise NotImplementedError(f"{type(self).__name__} does not cap acceptance on the device")
+
 
 class FullPolicy(BaseVerifyPolicy):
     def __init__(self, gamma: int, device: torch.device) -> None:
@@ -201,8 +219,8 @@ class ConfidencePolicy(BaseVerifyPolicy):
             # Algorithm 1 needs this step's confidences on the host (a sync by design).
             return list(plan_algorithm1(confidence.float().cpu(), self.table).verify_lens)
         assert self.relay is not None
-        budget = budget_from_relay(self.relay, slots, generations, self.table)
-        lens = allocate_verify_lengths(confidence, None if budget is None else budget.budget)
+        budget = self.host_budget(slots, generations)
+        lens = allocate_verify_lengths(confidence, None if budget < 0 else budget)
         # The step's confidences go into the relay now, after its budget read the lagged entry
         # (the order of a publish at the end of the step) and before the verify forward, whose
         # graph may reuse a draft graph's output memory for its intermediates.
@@ -212,6 +230,39 @@ class ConfidencePolicy(BaseVerifyPolicy):
             confidence,
         )
         return lens
+
+    # The async mode's plan split for the fused step graph (`BaseVerifyPolicy`).
+    def host_budget(self, slots: list[int], generations: list[int]) -> int:
+        """The async mode's budget K for the requests planned next, from the relay's lagged
+        confidences (host values only); -1 (verify every window) while the relay has none."""
+        assert self.relay is not None
+        budget = budget_from_relay(self.relay, slots, generations, self.table)
+        return -1 if budget is None else budget.budget
+
+    def device_caps(
+        self,
+        confidence: torch.Tensor,
+        budget: torch.Tensor,
+        row_valid: torch.Tensor,
+        slot_ids: torch.Tensor,
+        generations: torch.Tensor,
+    ) -> torch.Tensor:
+        """The async mode's caps on accepted drafts [B] int64 (device ops only; captured in the
+        fused step graph): `verify_lens`' allocation from a 0-d budget tensor (-1: verify every
+        window), and the step's confidences recorded in the relay. `row_valid` False marks
+        padding rows (cap 0; they commit nothing)."""
+        assert self.relay is not None
+        lens = allocate_verify_lengths(confidence, budget.clamp_min(0), row_valid)
+        full = torch.full_like(lens, self.gamma + 1)
+        lens = torch.where((budget < 0) & row_valid, full, lens)
+        self.relay.record(slot_ids, generations, confidence)
+        return (lens - 1).clamp_min(0)
+
+    def snapshot(self) -> None:
+        """After a fused step's replay: the relay's ring entry of the step (`device_caps`
+        recorded its confidences)."""
+        assert self.relay is not None
+        self.relay.snapshot()
 
 
 def create_verify_policy(

@@ -481,14 +481,17 @@ class DSparkWorker:
         )
 
     def fused_widths(self) -> tuple[int, ...]:
-        """Verify widths of the fused step graphs: those a full or table-driven static policy
-        returns (host-known widths, no confidences), width 1 excepted (plain decode)."""
+        """Verify widths of the fused step graphs: those a full or static policy returns
+        (host-known widths; the online width policy reads its statistics on the device), width
+        1 excepted (plain decode), and the full window of the async confidence policy (its caps
+        are computed in the graph). The sync confidence policy plans on the host from the
+        step's own confidences: it has none."""
         policy = self.policy
         if self.sts_recorder is not None:
             return ()
-        if isinstance(policy, FullPolicy):
+        if isinstance(policy, FullPolicy) or policy.caps_acceptance:
             return (self.gamma + 1,)
-        if isinstance(policy, StaticWidthPolicy) and policy.online is None:
+        if isinstance(policy, StaticWidthPolicy):
             return tuple(w for w in policy.graph_widths() if w > 1)
         return ()
 
