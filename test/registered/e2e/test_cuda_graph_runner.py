@@ -17,6 +17,8 @@ from sgl_dspark.srt.model_executor.cuda_graph_runner import (
     graph_batch_sizes,
 )
 from sgl_dspark.srt.model_executor.target_graphs import TargetGraphs
+from sgl_dspark.srt.speculative.dspark.executor import DSparkExecutor
+from sgl_dspark.srt.speculative.dspark.width_policy import VerifyWidthPolicy
 from spec_utils import POLICIES, greedy_requests, policy_kwargs, write_policy_tables
 
 N_PROMPTS = 7
@@ -113,7 +115,15 @@ def test_decode_graphs_equal_eager(reference):
 
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("gamma", [1, 4])
-def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
+def test_dspark_graphs_equal_target_greedy(reference, tmp_path, monkeypatch, policy, gamma):
+    recorded, eager_steps = [], []
+    record, eager = VerifyWidthPolicy.record_step, DSparkExecutor.eager_step
+    monkeypatch.setattr(
+        VerifyWidthPolicy, "record_step", lambda p, *a: recorded.append(1) or record(p, *a)
+    )
+    monkeypatch.setattr(
+        DSparkExecutor, "eager_step", lambda e, reqs: eager_steps.append(1) or eager(e, reqs)
+    )
     kw = {
         "speculative_algorithm": "DSpark",
         "speculative_dspark_block_size": gamma,
@@ -135,6 +145,10 @@ def test_dspark_graphs_equal_target_greedy(reference, tmp_path, policy, gamma):
     epilogue_replays = sum(g.replays for g in spec.epilogue_graphs.values())
     assert (epilogue_replays > 0) == (not fused)
     assert (spec.draft_graphs.replays > 0) == (not fused)
+    if getattr(spec.policy, "online", None) is not None:
+        # Every speculative step feeds the online policy the step it verified (device counts),
+        # a fused step as an eager one.
+        assert recorded and len(recorded) == len(eager_steps) + spec.fused.replays
 
 
 @pytest.mark.parametrize("accept_len", [None, 2.6])
