@@ -44,8 +44,9 @@ if has bench; then
     --input-len 512 --output-len 32 --out "$OUT/bench_one_batch.json" 2>&1 | tail -5
 fi
 if has graphs; then
-  timeout -s INT -k 20 300 python3 -m pytest -q -rfE -p no:cacheprovider -n 4 test/registered/e2e/test_cuda_graph_runner.py \
+  timeout -s INT -k 20 ${GRAPHS_LIMIT:-300} python3 -m pytest -q -rfE -p no:cacheprovider -n 4 test/registered/e2e/test_cuda_graph_runner.py \
     test/registered/e2e/test_dspark_step_no_sync.py test/registered/e2e/test_dspark_sampled_graphs.py \
+    test/registered/e2e/test_dspark_capped_graphs.py \
     test/registered/e2e/test_overlap_schedule.py \
     test/registered/e2e/test_dspark_plain_decode.py \
     test/registered/e2e/test_kernel_backend_e2e.py test/registered/e2e/test_prefill_graphs.py \
