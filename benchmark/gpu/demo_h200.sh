@@ -2,7 +2,8 @@
 # The shipped demo pair (`--model-path demo`) on one GPU in one device call: GSM8K (zero-shot)
 # acceptance, accuracy and greedy identity through `benchmark.acceptance`, stage by stage
 # (each stage's acceptance.json is copied to $OUT when it ends, also when cut at its limit).
-#   bash benchmark/gpu/demo_h200.sh GSM8K_TEST_JSONL [STAGES]   (all | random | speed,blocks,fp32)
+#   bash benchmark/gpu/demo_h200.sh GSM8K_TEST_JSONL [STAGES]
+#   (all | random | policies | async | speed,blocks,fp32)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/acc
@@ -29,6 +30,16 @@ has() { [[ ",$STAGES," == *",$1,"* ]]; }
 if has all; then
   stage all $((575 - SECONDS)) --policies full,static:4,confidence --temperatures 0,1 \
     --batch-size 32 --random-draft none --engine-args "$DET"
+fi
+# the static and confidence policies on every question (the SPS table profiled first), and the
+# confidence policy's async mode alone (each about 330 s on a warm machine)
+if has policies; then
+  stage policies 330 --policies static:4,confidence --temperatures 0,1 --batch-size 32 \
+    --random-draft none --engine-args "$DET"
+fi
+if has async; then
+  stage async 300 --policies confidence:async --temperatures 0,1 --batch-size 32 \
+    --random-draft none --engine-args "$DET"
 fi
 # the random-draft control on every question (no-spec first: the greedy check's baseline)
 if has random; then
