@@ -20,6 +20,8 @@ stage() {  # name, time limit (s), benchmark.acceptance arguments
     --max-new-tokens 256 --out "/tmp/acc/$name" "$@" > "/tmp/acc/$name.log" 2>&1
   echo "stage $name: rc $? in $((SECONDS - t0)) s" | tee -a "$OUT/stages.txt"
   cp "/tmp/acc/$name/acceptance.json" "$OUT/$name.json" 2>/dev/null
+  # the SPS table the confidence policy's runs read (profiled at the start of the stage)
+  cp "/tmp/acc/$name/tables/sps.json" "$OUT/${name}_sps.json" 2>/dev/null
   grep -v '^INFO\|Loading\|it/s\]' "/tmp/acc/$name.log" | tail -5
 }
 DET='{"enable_deterministic_inference": true}'
