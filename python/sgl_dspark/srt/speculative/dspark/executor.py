@@ -39,7 +39,7 @@ from sgl_dspark.srt.layers.logits_adjust import build_logits_adjust
 from sgl_dspark.srt.layers.sampler import SamplingBatchInfo
 from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits, needs_whole_rows, split_rows
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner
-from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps
+from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps, FusedStep
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
 from sgl_dspark.srt.speculative.dspark.sampled_graphs import SampledGraphs
 from sgl_dspark.srt.speculative.dspark.verify_logits import (
@@ -83,54 +83,6 @@ class _StepTimer:
         for (_, a), (name, b) in zip(self.marks, self.marks[1:]):
             out[name] = (a, b) if self.cuda else (b - a) * 1e3  # type: ignore[operator]
         return out
-
-
-class FusedStep(InflightStep):
-    """A fused step launched and not read yet; its next state stays in the graph's inputs."""
-
-    kind = "spec"
-    chainable = True
-
-    def __init__(
-        self,
-        executor: DSparkExecutor,
-        reqs: tuple[Req, ...],
-        width: int,
-        verify_lens: list[int],
-        host: PendingRead,
-    ) -> None:
-        self._executor = executor
-        self._reqs = reqs
-        self.width = width
-        self.verify_lens = verify_lens
-        self.host = host  # commit_len, out_tokens, logprobs, accept_len, cap_trim
-
-    @property
-    def reqs(self) -> tuple[Req, ...]:
-        return self._reqs
-
-    def wait(self) -> list[ReqUpdate]:
-        """Per request its committed tokens and their logprobs. A request that finished or was
-        aborted after the launch rode along: it takes nothing, and the metrics skip its row."""
-        commit, toks, lps, accepted, trimmed = self.host.wait()
-        live = [i for i, r in enumerate(self._reqs) if not (r.finished or r.slot < 0)]
-        if live:
-            self._executor.metrics.record_step(
-                torch.tensor([self.verify_lens[i] for i in live]),
-                torch.tensor([accepted[i] for i in live]),
-                request_ids=[self._reqs[i].rid for i in live],
-                cap_trim=torch.tensor([trimmed[i] for i in live]),
-            )
-        return [
-            ReqUpdate(
-                self._reqs[i],
-                commit[i],
-                tuple(toks[i][: commit[i]]),
-                tuple(lps[i][: commit[i]]),
-                speculative=True,
-            )
-            for i in live
-        ]
 
 
 class DSparkExecutor(BaseStepExecutor):
@@ -355,7 +307,7 @@ class DSparkExecutor(BaseStepExecutor):
         host = PendingRead(
             out.commit_len, out.out_tokens, out.logprobs, out.accept_len, out.cap_trim
         )
-        return FusedStep(self, reqs, width, lens, host)
+        return FusedStep(self.metrics, reqs, width, lens, host)
 
     def _simulated_counts(self, reqs: Sequence[Req]) -> list[int]:
         steps = [self._sim_steps.get(r.rid, 0) for r in reqs]

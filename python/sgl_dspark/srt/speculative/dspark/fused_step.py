@@ -14,6 +14,8 @@ the scheduler reads step N (the overlap schedule for DSpark).
 The async confidence policy runs here too: the width is the full window and the graph caps
 acceptance on the device (`ConfidencePolicy.device_caps`, from the draft's confidences and a
 budget the host computed from lagged ones before the replay), as the eager step does.
+
+`FusedStep` is a launched step's handle: the scheduler reads its results later (`wait`).
 """
 
 from __future__ import annotations
@@ -25,12 +27,16 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
+from sgl_dspark.srt.core.host_copy import PendingRead
+from sgl_dspark.srt.core.step import InflightStep, ReqUpdate
 from sgl_dspark.srt.model_executor.cuda_graph_runner import CudaGraphRunner, bucket_for
 
 if TYPE_CHECKING:
+    from sgl_dspark.srt.core.req import Req
     from sgl_dspark.srt.mem_cache.allocator import ReqToTokenPool
     from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
     from sgl_dspark.srt.speculative.dspark.accept import AcceptOutput
+    from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
     from sgl_dspark.srt.speculative.dspark.worker import DraftProposal
 
 FAMILY = "DSpark fused step"
@@ -213,3 +219,51 @@ class FusedGreedySteps:
         self.inputs[first:].copy_(host, non_blocking=True)
         out = self.graphs.replay(FAMILY, (width, bs))
         return FusedStepOutput(*(t[:B] for t in out))
+
+
+class FusedStep(InflightStep):
+    """A fused step launched and not read yet; its next state stays in the graph's inputs."""
+
+    kind = "spec"
+    chainable = True
+
+    def __init__(
+        self,
+        metrics: DSparkMetrics,
+        reqs: tuple[Req, ...],
+        width: int,
+        verify_lens: list[int],
+        host: PendingRead,
+    ) -> None:
+        self._metrics = metrics
+        self._reqs = reqs
+        self.width = width
+        self.verify_lens = verify_lens
+        self.host = host  # commit_len, out_tokens, logprobs, accept_len, cap_trim
+
+    @property
+    def reqs(self) -> tuple[Req, ...]:
+        return self._reqs
+
+    def wait(self) -> list[ReqUpdate]:
+        """Per request its committed tokens and their logprobs. A request that finished or was
+        aborted after the launch rode along: it takes nothing, and the metrics skip its row."""
+        commit, toks, lps, accepted, trimmed = self.host.wait()
+        live = [i for i, r in enumerate(self._reqs) if not (r.finished or r.slot < 0)]
+        if live:
+            self._metrics.record_step(
+                torch.tensor([self.verify_lens[i] for i in live]),
+                torch.tensor([accepted[i] for i in live]),
+                request_ids=[self._reqs[i].rid for i in live],
+                cap_trim=torch.tensor([trimmed[i] for i in live]),
+            )
+        return [
+            ReqUpdate(
+                self._reqs[i],
+                commit[i],
+                tuple(toks[i][: commit[i]]),
+                tuple(lps[i][: commit[i]]),
+                speculative=True,
+            )
+            for i in live
+        ]
