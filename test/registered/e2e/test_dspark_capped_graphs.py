@@ -83,18 +83,6 @@ def _generate(
         engine.init_graphs(GRAPH_BS, graph_factory=EagerGraph)
     spec = engine.spec
     assert spec.policy.caps_acceptance
-    relay = spec.policy.relay
-    if cuda:
-        # The policy takes a lagged snapshot only once its copy to the host has landed (an
-        # event query, never a wait), so on a GPU the caps follow the timing. Waiting for the
-        # copies makes both runs take every snapshot, so their steps compare.
-        read = relay.lagged_survival
-
-        def lagged_survival(slot_ids, generations):
-            torch.cuda.synchronize()
-            return read(slot_ids, generations)
-
-        relay.lagged_survival = lagged_survival
     if not graphed_acceptance:
         spec.epilogue_graphs = {}
         assert spec.sampled_graphs is not None

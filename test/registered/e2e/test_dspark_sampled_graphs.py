@@ -72,19 +72,6 @@ def _generate(
         engine.init_graphs(GRAPH_BS, graph_factory=EagerGraph)
     if not sampled_graphs:
         engine.spec.sampled_graphs = None  # the eager draft and acceptance of sampled steps
-    relay = getattr(engine.spec.worker.policy, "relay", None)
-    if cuda and relay is not None:
-        # The async confidence policy takes a lagged snapshot only once its copy to the host
-        # has landed (an event query, never a wait), so on a GPU its widths, and with them the
-        # step counts, follow the timing. Waiting for the copies makes both runs take every
-        # snapshot, so their steps compare.
-        read = relay.lagged_survival
-
-        def lagged_survival(slot_ids, generations):
-            torch.cuda.synchronize()
-            return read(slot_ids, generations)
-
-        relay.lagged_survival = lagged_survival
     graphs = engine.graphs
     replayed: list[tuple[str, object]] = []
     real = graphs.replay

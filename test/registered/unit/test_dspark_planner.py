@@ -303,6 +303,31 @@ def test_relay_lag_and_generations():
         ConfidenceRelay(2, 2, lag=0)
 
 
+def test_relay_waits_for_a_snapshot_in_flight():
+    """A lagged snapshot whose copy has not landed is waited for, never skipped: the budget is a
+    function of the step count, the same on every rank and in every run."""
+
+    class CopyInFlight:
+        def __init__(self) -> None:
+            self.waited = False
+
+        def query(self) -> bool:
+            return self.waited
+
+        def synchronize(self) -> None:
+            self.waited = True
+
+    relay = ConfidenceRelay(num_slots=2, gamma=2, lag=2)
+    conf = torch.tensor([[0.5, 0.25]])
+    for _ in range(2):
+        relay.publish(torch.tensor([1]), torch.tensor([1]), conf)
+    event = CopyInFlight()
+    relay._ring_event[0] = event  # the lagged entry's copy, still in flight
+    got = relay.lagged_survival([1], [1])
+    assert event.waited and got is not None
+    assert got.tolist() == [[0.5, 0.125]]
+
+
 def test_allocation_has_no_host_sync():
     # Meta tensors carry no data: a .item() or a branch on a device value would raise.
     conf = torch.empty((6, 5), device="meta")

@@ -222,9 +222,12 @@ class ConfidenceRelay:
     step's confidences into a per-slot device buffer and copies the whole buffer (with slot
     generations) into the next ring entry -- asynchronously into pinned memory on CUDA, guarded
     by an event. ``lagged_survival`` reads the entry published ``lag`` steps before the step being
-    planned; the entry is usable only when its copy has completed (event query, never a wait) --
-    otherwise it returns None (verify all). On a CPU device the copy is synchronous, which
-    emulates the host carry ring of a non-overlapped scheduler with the same lag.
+    planned, waiting for its copy: the budget is then a function of the step count alone, the
+    same on every rank and in every run (a "use it if it has landed" query would make it follow
+    the timing, and ranks could cap differently). The wait costs nothing at the default lag of
+    2: the entry's copy was issued before the results of a step the scheduler has read already
+    (the eager step reads its results at its end; the overlap schedule reads step N - 1 before
+    it plans step N + 1). On a CPU device the copy is synchronous.
 
     Slot generations are >= 1 for live requests (bumped on slot reuse); a lagged row is used only
     if its stored generation equals the request's current one, so a request never inherits the
@@ -282,15 +285,15 @@ class ConfidenceRelay:
     def lagged_survival(
         self, slot_ids: Sequence[int], generations: Sequence[int]
     ) -> torch.Tensor | None:
-        """[R, gamma] float64 CPU survival rows for the requests planned next, or None when the
-        lagged snapshot does not exist yet or its copy is still in flight."""
+        """[R, gamma] float64 CPU survival rows for the requests planned next, or None while the
+        lagged snapshot does not exist yet (the first `lag` steps)."""
         step = self._num_published - self.lag
         if step < 0:
             return None
         entry = step % (self.lag + 1)
         event = self._ring_event[entry]
-        if event is not None and not event.query():
-            return None
+        if event is not None:
+            event.synchronize()  # already complete at lag >= 2 (class doc)
         slots = torch.as_tensor(list(slot_ids), dtype=torch.int64)
         gens = torch.as_tensor(list(generations), dtype=torch.int64)
         stored_gen = self._ring_gen[entry][slots]
