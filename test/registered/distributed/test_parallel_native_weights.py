@@ -5,6 +5,10 @@ from quantised checkpoints of the tiny model loaded lazily tensor by tensor:
   experts, still quantised, and the `exact` combine gives logits bit-identical to one rank;
 - tensor parallelism with `--weight-format bf16`: each rank materialises only its slices of the
   FP8 attention projections and of the vocabulary, within 1e-5 of one rank with the same greedy
+  output;
+- tensor parallelism with `--weight-format native`: each rank keeps its slices of the FP8
+  attention projections as stored (its rows and their scale rows; the output projection's
+  input channels on scale-group borders), within 1e-5 of one native rank with the same greedy
   output."""
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ RUNS = {  # tag: (expert dtype of the checkpoint, layout, weight format)
     "fp8_ep2": ("fp8", ParallelLayout(1, 2), "native"),
     "fp8_tp1": ("fp8", ParallelLayout(1, 1), "bf16"),
     "fp8_tp2": ("fp8", ParallelLayout(2, 1), "bf16"),
+    "fp8_tp2_native": ("fp8", ParallelLayout(2, 1), "native"),
 }
 
 
@@ -75,6 +80,9 @@ def _run(rank: int, out_dir: Path, tag: str, path: str, layout: ParallelLayout, 
         "stack_experts": int(stack.shape[0]) if isinstance(stack, torch.Tensor) else None,
         "num_local": experts.num_local,
         "q_b_rows": int(module_weight(attn.q_b_proj).shape[0]),
+        "q_b_kind": type(module_weight(attn.q_b_proj)).__name__,
+        "o_b_kind": type(module_weight(attn.o_b_proj)).__name__,
+        "o_b_cols": int(module_weight(attn.o_b_proj).shape[-1]),
         "head_rows": int(model.lm_head.weight.shape[0]),
         "memory": dict(engine.runner.memory_report),
     }
@@ -139,6 +147,22 @@ def test_tensor_parallel_ranks_materialise_their_slices_of_fp8_weights(results):
         assert got["q_b_rows"] * 2 == ref["q_b_rows"]
         assert got["head_rows"] * 2 == ref["head_rows"]
     got = results["fp8_tp2_rank0"]
+    assert len(got["logits"]) == len(ref["logits"]) > 3
+    for a, b in zip(ref["logits"], got["logits"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())
+    assert got["output_ids"] == ref["output_ids"]
+
+
+def test_tensor_parallel_ranks_keep_their_slices_of_fp8_weights_as_stored(results):
+    ref = results["fp8_ep1_rank0"]  # one rank, native
+    assert ref["q_b_kind"] == ref["o_b_kind"] == "QuantizedWeight"
+    for rank in (0, 1):
+        got = results[f"fp8_tp2_native_rank{rank}"]
+        assert got["q_b_kind"] == got["o_b_kind"] == "QuantizedWeight"
+        assert got["q_b_rows"] * 2 == ref["q_b_rows"]
+        assert got["o_b_cols"] * 2 == ref["o_b_cols"]  # row-parallel: input channels split
+        assert got["memory"]["dense"] < ref["memory"]["dense"]
+    got = results["fp8_tp2_native_rank0"]
     assert len(got["logits"]) == len(ref["logits"]) > 3
     for a, b in zip(ref["logits"], got["logits"]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5 * a.abs().max().item())

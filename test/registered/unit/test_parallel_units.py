@@ -203,12 +203,15 @@ def test_an_expert_parallel_rank_keeps_its_experts_quantised(tmp_path, monkeypat
 
 def test_a_tensor_parallel_slice_of_a_checkpoint_tensor_is_its_narrowed_dense_tensor(tmp_path):
     """Row and column slices of every 2-D tensor (FP8 blocks of 32 cut on and off their
-    borders, plain tensors), dequantised, equal the narrowed whole tensor; a slice of a
-    quantised tensor is not kept as stored, and the error names the flag."""
+    borders, plain tensors), dequantised, equal the narrowed whole tensor. Kept as stored, a
+    row slice (on or inside a scale block) and a column slice on scale-group borders
+    dequantise to the same values; a column slice that cuts a scale group is refused, and the
+    error names the flag."""
+    from sgl_dspark.kernels.linear.reference import dequantize_weight_ref
     from sgl_dspark.srt.model_loader.loader import CheckpointWeights
 
     cfg = _quantised_checkpoint(tmp_path, "fp8")
-    checked = {"fp8": 0, "plain": 0}
+    checked = {"fp8": 0, "plain": 0, "on_block": 0, "off_block": 0, "refused": 0}
     for name, t in CheckpointWeights(str(tmp_path), cfg):
         if len(t.shape) != 2 or t.item.kind != "plain":
             continue
@@ -220,13 +223,26 @@ def test_a_tensor_parallel_slice_of_a_checkpoint_tensor_is_its_narrowed_dense_te
                     continue
                 step = size // parts
                 for part in range(parts):
-                    got = t.narrow(dim, part * step, step).dense("cpu", torch.float32)
-                    assert torch.equal(got, whole.narrow(dim, part * step, step)), (name, dim)
+                    sliced = t.narrow(dim, part * step, step)
+                    want = whole.narrow(dim, part * step, step)
+                    assert torch.equal(sliced.dense("cpu", torch.float32), want), (name, dim)
+                    if t.fmt != "fp8":
+                        continue
+                    stop = (part + 1) * step
+                    if dim == 1 and ((part * step) % 32 or (stop % 32 and stop != size)):
+                        with pytest.raises(ValueError, match="--weight-format bf16"):
+                            sliced.quantized("cpu")
+                        checked["refused"] += 1
+                        continue
+                    kept = sliced.quantized("cpu")
+                    assert kept.fmt == "fp8" and kept.data.shape == want.shape
+                    got = dequantize_weight_ref(kept, torch.float32)
+                    assert torch.equal(got, want), (name, dim, part, step)
+                    checked["off_block" if (part * step) % 32 else "on_block"] += dim == 0
         checked["fp8" if t.fmt == "fp8" else "plain"] += 1
-        if t.fmt == "fp8":
-            with pytest.raises(ValueError, match="--weight-format bf16"):
-                t.narrow(0, 0, t.shape[0] // 2).quantized("cpu")
     assert checked["fp8"] > 3 and checked["plain"] > 0, checked
+    # Row slices on and inside scale blocks, and column slices that cut a group, all occurred.
+    assert checked["on_block"] and checked["off_block"] and checked["refused"], checked
 
 
 def test_materialise_creates_only_the_marked_slice():
@@ -250,18 +266,3 @@ def test_materialise_creates_only_the_marked_slice():
         materialise(
             build_on_meta(Sliced), [("rows", full[:5]), ("cols", full)], "cpu", torch.float32, False
         )
-
-
-def test_tensor_parallelism_with_native_quantised_weights_is_refused(tmp_path):
-    from sgl_dspark.srt.entrypoints.engine import Engine
-
-    _quantised_checkpoint(tmp_path, "fp8")
-    args = ServerArgs(
-        model_path=str(tmp_path),
-        device="cpu",
-        tp_size=2,
-        weight_format="native",
-        skip_tokenizer_init=True,
-    ).resolved()
-    with pytest.raises(ValueError, match="--tp-size 2 with --weight-format native"):
-        Engine.for_rank(args)

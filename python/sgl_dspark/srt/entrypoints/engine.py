@@ -185,14 +185,6 @@ class Engine:
                 "(expert parallelism, attention replicated)"
             )
         rc = RunnerConfig.from_server_args(args, max_verify_tokens(args))
-        if args.tp_size > 1 and cfg.quantization is not None and rc.weight_format == "native":
-            # A rank's slice of an FP8 attention projection would need its own block scales;
-            # expert parallelism keeps each expert whole, so --ep-size stays native.
-            raise ValueError(
-                f"--tp-size {args.tp_size} with --weight-format native: the checkpoint's "
-                "quantised dense weights are not split across tensor-parallel ranks as stored; "
-                "use --weight-format bf16, or --ep-size with --tp-size 1 (experts stay native)"
-            )
         # Process-wide (the launchers read it at every launch and at graph capture): the last
         # engine built in a process decides. It moves timing only, never a result bit.
         if args.device != "cpu":

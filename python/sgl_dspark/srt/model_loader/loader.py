@@ -382,10 +382,7 @@ class CheckpointTensor:
         if self.fmt is None:
             raise ValueError(f"{self.item.hf_name!r} is not stored in one quantised format")
         if self._slice is not None:
-            raise ValueError(
-                f"{self.item.hf_name!r}: a tensor-parallel slice of a quantised tensor is not "
-                "kept as stored; run --tp-size > 1 with --weight-format bf16"
-            )
+            return self._quantized_slice(device)
         rows = self.part_shape[0]
         block_rows = self._block[0] if self.fmt == "fp8" else 1
         if len(self.item.parts) > 1 and rows % block_rows:
@@ -418,6 +415,46 @@ class CheckpointTensor:
         assert data is not None and scale is not None
         fmt = "fp8" if self.fmt == "fp8" else "mxfp4"
         return QuantizedWeight(data, scale, fmt, self._block[1], block_rows)
+
+
+    def _quantized_slice(self, device: torch.device | str) -> QuantizedWeight:
+        """The slice (`narrow`) of a plain quantised tensor kept as stored, reading only its
+        rows (and their scale rows) for a row slice. Rows may be cut anywhere: a slice whose
+        first row lies inside an FP8 scale block takes one scale row per weight row. Input
+        channels are cut on scale-group borders only (a ValueError naming the tensor
+        otherwise: a group's scale would be shared by two ranks' channels)."""
+        assert self._slice is not None and self.fmt is not None
+        part = self.item.parts[0]
+        assert part.scale is not None
+        dim, start, length = self._slice
+        stop = start + length
+        block = part.block[dim]  # FP8: (rows, cols) per scale; MXFP4: (1, group)
+        what = f"tensor {part.weight!r} [{start}:{stop}] along dim {dim}"
+        fp8 = self.fmt == "fp8"
+        if dim == 1:
+            if start % block or (stop % block and stop != self.part_shape[1]):
+                raise ValueError(
+                    f"{what}: the slice cuts its {block}-channel scale groups, so it is not "
+                    "kept as stored; run with --weight-format bf16"
+                )
+            packed = 1 if fp8 else 2  # two FP4 values per byte
+            stored = self._reader.get(part.weight)[:, start // packed : stop // packed]
+            scale = self._reader.get(part.scale)[:, start // block : -(-stop // block)]
+            row_block = part.block
+        else:
+            s_start, s_stop = start // block, -(-stop // block)
+            stored = self._reader.get(part.weight, rows=slice(start, stop))
+            scale = self._reader.get(part.scale, rows=slice(s_start, s_stop))
+            row_block = part.block
+            if start % block:
+                # Each weight row takes its block's scale row (a block of one row).
+                first = start - s_start * block
+                scale = scale.repeat_interleave(block, dim=0)[first : first + length]
+                row_block = (1, part.block[1])
+        stored, scale = stored.contiguous().to(device), scale.contiguous().to(device)
+        if fp8:
+            return fp8_block_to_runtime(stored, scale, row_block, what)
+        return mxfp4_to_runtime(stored, scale, part.block[1], what)
 
 
 class CheckpointWeights:
