@@ -416,7 +416,6 @@ class CheckpointTensor:
         fmt = "fp8" if self.fmt == "fp8" else "mxfp4"
         return QuantizedWeight(data, scale, fmt, self._block[1], block_rows)
 
-
     def _quantized_slice(self, device: torch.device | str) -> QuantizedWeight:
         """The slice (`narrow`) of a plain quantised tensor kept as stored, reading only its
         rows (and their scale rows) for a row slice. Rows may be cut anywhere: a slice whose
