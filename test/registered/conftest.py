@@ -14,3 +14,18 @@ if not torch.cuda.is_available():
 # pytest-xdist runs one worker per core: one intra-op thread each avoids oversubscription.
 if os.environ.get("PYTEST_XDIST_WORKER"):
     torch.set_num_threads(1)
+
+
+def pytest_addoption(parser) -> None:
+    parser.addoption(
+        "--fence-allocations",
+        action="store_true",
+        help="follow every float CPU tensor with NaN memory (fenced_allocations.py)",
+    )
+
+
+def pytest_configure(config) -> None:
+    if config.getoption("--fence-allocations"):
+        from fenced_allocations import install
+
+        install()
