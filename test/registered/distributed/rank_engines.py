@@ -48,8 +48,7 @@ def engine_args(
             speculative_dspark_verify_policy="static",
             speculative_dspark_width_table_path=width_table(out_dir / f"widths{os.getpid()}.json"),
         )
-    extra.update(options)  # `options` may replace the DSpark defaults (another policy)
-    return ServerArgs(
+    args: dict[str, Any] = dict(
         model_path="tiny",
         device="cpu",
         context_length=128,
@@ -60,8 +59,11 @@ def engine_args(
         ep_size=layout.ep_size,
         ep_combine=combine,
         skip_tokenizer_init=True,
-        **extra,
-    ).resolved()
+    )
+    # `options` may replace any of these and the DSpark defaults (another model or policy)
+    args.update(extra)
+    args.update(options)
+    return ServerArgs(**args).resolved()
 
 
 def record_logits(engine: Engine) -> list[torch.Tensor]:
@@ -88,18 +90,20 @@ def run_layout(
     spec: bool,
     params: list[dict],
     graphs: bool = False,
+    **options: Any,
 ) -> None:
     """Every rank of the world calls this (group creation is collective); only the first
     block of `layout.world_size` ranks runs the engine, and its first rank saves
     `{name}.pt`: the outputs, every logits tensor and the graph replays. `graphs`: every rank captures the
     engine's graphs (`EagerGraph` stand-ins on CPU, with the collectives inside) and the
-    steps replay them (with DSpark and the overlap schedule: fused steps)."""
+    steps replay them (with DSpark and the overlap schedule: fused steps). `options`: more
+    server arguments (`engine_args`)."""
     from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
 
     init_parallel_state(layout, combine)
     if rank >= layout.world_size:
         return
-    engine = Engine.for_rank(engine_args(layout, combine, spec, out_dir))
+    engine = Engine.for_rank(engine_args(layout, combine, spec, out_dir, **options))
     logits = record_logits(engine)  # graph captures included: the same on every layout
     if graphs:
         engine.init_graphs(len(PROMPTS), prefill_max_tokens=32, graph_factory=EagerGraph)

@@ -179,11 +179,6 @@ class Engine:
             seed=args.random_seed,
             load_format=args.load_format,
         )
-        if cfg.v41 is not None and args.tp_size > 1:
-            raise ValueError(
-                "--tp-size > 1: DeepSeek-V4.1 attention is not split yet; use --ep-size "
-                "(expert parallelism, attention replicated)"
-            )
         rc = RunnerConfig.from_server_args(args, max_verify_tokens(args))
         # Process-wide (the launchers read it at every launch and at graph capture): the last
         # engine built in a process decides. It moves timing only, never a result bit.

@@ -24,7 +24,7 @@ from torch import nn
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
-from sgl_dspark.srt.distributed import SingleProcessCommunicator
+from sgl_dspark.srt.distributed import get_parallel_state
 from sgl_dspark.srt.layers.attention import BaseAttentionBackend
 from sgl_dspark.srt.layers.engram import Engram, ngram_history
 from sgl_dspark.srt.layers.fused_linear import linear_impl
@@ -32,10 +32,15 @@ from sgl_dspark.srt.layers.mhc import HyperConnection, hc_boundary_impl, run_sin
 from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import RopeTable, rope_impl, rope_inv_freq
-from sgl_dspark.srt.layers.vocab_parallel import LogitsReader
+from sgl_dspark.srt.layers.vocab_parallel import LogitsReader, vocab_parallel_head
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.base import BaseCausalLM
-from sgl_dspark.srt.models.deepseek_v4 import ModelOutput, RopeTables, add_moe_and_mixers
+from sgl_dspark.srt.models.deepseek_v4 import (
+    ModelOutput,
+    RopeTables,
+    add_moe_and_mixers,
+    vocab_embedding,
+)
 from sgl_dspark.srt.models.deepseek_v41_attention import Csa2Attention, Csa2Selections
 
 
@@ -81,7 +86,7 @@ class DeepseekV41Model(nn.Module):
 
     def __init__(self, cfg: ModelConfig, kernels: KernelChoice) -> None:
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = vocab_embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, kernels) for i in range(cfg.num_hidden_layers)
         )
@@ -107,9 +112,11 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         self.cfg = cfg
         self.kernels = kernels or KernelChoice()
         self.model = DeepseekV41Model(cfg, self.kernels)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
-        # Whole rows: V4.1 runs without tensor parallelism.
-        self.logits_reader = LogitsReader(cfg.vocab_size, SingleProcessCommunicator(), self.kernels)
+        ps = get_parallel_state()
+        # Vocabulary-parallel head under tensor parallelism (as V4's): a forward returns this
+        # rank's logits columns, read whole or as greedy picks through the reader.
+        self.lm_head = vocab_parallel_head(cfg.vocab_size, cfg.hidden_size, ps.tp)
+        self.logits_reader = LogitsReader(cfg.vocab_size, ps.tp, self.kernels)
         self.compress_rope = rope_impl(self.kernels)
         self.hc_boundary = hc_boundary_impl(self.kernels)
         self.rms_norm = rms_norm_impl(self.kernels)
@@ -174,7 +181,7 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
             rewrites={i for i, layer in enumerate(layers) if layer.engram is not None},
             rows=batch.logits_indices,
         )
-        return ModelOutput(self.compute_logits(h), taps, self.logits_reader)
+        return ModelOutput(self.compute_shard_logits(h), taps, self.logits_reader)
 
     def _engram_history(self, batch: ForwardBatch, pool: DeepseekV41KVPool) -> torch.Tensor | None:
         """`[T, N]` compressed ids of every row's n-gram history, after recording this batch's
@@ -189,13 +196,15 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         return self.model.engram_token_map[raw]
 
     def compute_shard_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Without tensor parallelism the one shard is the whole vocabulary.
-        return self.compute_logits(hidden)
+        """fp32 logits `[..., V / tp]` of hidden rows `[..., D]` over this rank's vocab shard."""
+        rows = hidden.reshape(-1, hidden.shape[-1])
+        logits = self.linear(rows, self.lm_head.weight).float()
+        return logits.view(*hidden.shape[:-1], logits.shape[-1])
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        rows = hidden.reshape(-1, hidden.shape[-1])
-        vocab = self.lm_head.weight.shape[0]
-        return self.linear(rows, self.lm_head.weight).float().view(*hidden.shape[:-1], vocab)
+        """fp32 logits `[..., V]` of hidden rows `[..., D]` (gathered under tensor
+        parallelism)."""
+        return self.logits_reader.full(self.compute_shard_logits(hidden))
 
 
 __all__ = ["DeepseekV41ForCausalLM", "check_runtime"]

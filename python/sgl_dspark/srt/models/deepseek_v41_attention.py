@@ -22,6 +22,8 @@ from sgl_dspark.srt.configs.deepseek_v41 import LayerRole
 from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
+from sgl_dspark.srt.distributed import Communicator, get_parallel_state
+from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 from sgl_dspark.srt.layers.attention.csa2 import (
@@ -63,18 +65,31 @@ class Csa2Attention(nn.Module):
         self.publishes_candidates = v41.is_candidate_source(layer_id)
         self.candidate_blocks = (v41.candidate_topk_blocks, v41.candidate_block_size)
         self.rope_kind = "main" if self.ratio == 0 else "compress"
-        self.n_heads, self.head_dim = cfg.num_attention_heads, cfg.head_dim
-        self.window, self.groups, self.o_rank = cfg.sliding_window, cfg.o_groups, cfg.o_lora_rank
+        # Tensor parallelism as in V4 (`deepseek_v4.Attention`): this rank runs its slice of
+        # the heads and their output groups (q_b and o_a row slices, the sinks sliced, o_b a
+        # slice of its input channels whose partial outputs are summed); the down projections,
+        # the window KV, the compressor, the indexer and the caches are replicated.
+        ps = get_parallel_state()
+        tp, tp_rank = ps.tp_size, ps.tp_rank
+        self.tp: Communicator | None = ps.tp if tp > 1 else None
+        self.n_heads = split_evenly(cfg.num_attention_heads, tp, "num_attention_heads", "--tp-size")
+        self.head_dim = cfg.head_dim
+        self.window, self.o_rank = cfg.sliding_window, cfg.o_lora_rank
+        self.groups = split_evenly(cfg.o_groups, tp, "o_groups", "--tp-size")
         self.q_head_norm, self.eps = cfg.q_head_norm, cfg.rms_norm_eps
         d, hd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim
         self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
         self.q_a_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, hd, bias=False)
+        self.q_b_proj = nn.Linear(cfg.q_lora_rank, hd // tp, bias=False)
         self.kv_proj = nn.Linear(d, cfg.head_dim, bias=False)
         self.kv_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.o_a_proj = nn.Linear(hd // cfg.o_groups, cfg.o_groups * cfg.o_lora_rank, bias=False)
-        self.o_b_proj = nn.Linear(cfg.o_groups * cfg.o_lora_rank, d, bias=False)
-        self.sinks = nn.Parameter(torch.zeros(cfg.num_attention_heads))
+        self.o_a_proj = nn.Linear(hd // cfg.o_groups, self.groups * cfg.o_lora_rank, bias=False)
+        self.o_b_proj = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
+        self.sinks = nn.Parameter(torch.zeros(self.n_heads))
+        for param, dim in ((self.q_b_proj.weight, 0), (self.o_a_proj.weight, 0)):
+            mark_shard(param, dim, tp_rank, tp)
+        mark_shard(self.o_b_proj.weight, 1, tp_rank, tp)
+        mark_shard(self.sinks, 0, tp_rank, tp)
         self.compressor: Csa2Compressor | None = None
         self.indexer: Csa2Indexer | None = None
         x_members, qr_members = [self.q_a_proj, self.kv_proj], [self.q_b_proj]
@@ -141,7 +156,8 @@ class Csa2Attention(nn.Module):
         o = self.rope(o, cos, sin, inverse=True)
         wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
         z = self.grouped_linear(o.reshape(T, self.groups, -1), wa).reshape(T, -1)
-        return self.linear(z, self.o_b_proj.weight)
+        out = self.linear(z, self.o_b_proj.weight)
+        return out if self.tp is None else self.tp.all_reduce(out)
 
     def _compressed(
         self,
