@@ -84,6 +84,17 @@ class RopeTables:
         return table
 
 
+def mark_head_shards(
+    q_b: nn.Linear, o_a: nn.Linear, o_b: nn.Linear, sinks: torch.Tensor, tp_rank: int, tp: int
+) -> None:
+    """Mark a V4 / V4.1 attention's tensor-parallel slices: q_b and o_a rows (this rank's heads
+    and output groups), o_b's input channels, the sinks."""
+    mark_shard(q_b.weight, 0, tp_rank, tp)
+    mark_shard(o_a.weight, 0, tp_rank, tp)
+    mark_shard(o_b.weight, 1, tp_rank, tp)
+    mark_shard(sinks, 0, tp_rank, tp)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, kernels: KernelChoice) -> None:
         super().__init__()
@@ -115,10 +126,7 @@ class Attention(nn.Module):
         self.o_a_proj = nn.Linear(hd // cfg.o_groups, self.groups * cfg.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads))
-        for param, dim in ((self.q_b_proj.weight, 0), (self.o_a_proj.weight, 0)):
-            mark_shard(param, dim, tp_rank, tp)
-        mark_shard(self.o_b_proj.weight, 1, tp_rank, tp)
-        mark_shard(self.sinks, 0, tp_rank, tp)
+        mark_head_shards(self.q_b_proj, self.o_a_proj, self.o_b_proj, self.sinks, tp_rank, tp)
         self.compressor: BlockCompressor | None = None
         if self.layer_type in (CSA, HCA):
             m = cfg.compress_ratio(layer_id)

@@ -23,7 +23,7 @@ from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import Communicator, get_parallel_state
-from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
+from sgl_dspark.srt.distributed.sharding import split_evenly
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 from sgl_dspark.srt.layers.attention.csa2 import (
@@ -39,7 +39,7 @@ from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.quant_store import quant_load_impl, quant_store_impl
 from sgl_dspark.srt.layers.rotary import rope_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
-from sgl_dspark.srt.models.deepseek_v4 import RopeTables
+from sgl_dspark.srt.models.deepseek_v4 import RopeTables, mark_head_shards
 from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp4_index
 
 
@@ -86,10 +86,7 @@ class Csa2Attention(nn.Module):
         self.o_a_proj = nn.Linear(hd // cfg.o_groups, self.groups * cfg.o_lora_rank, bias=False)
         self.o_b_proj = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads))
-        for param, dim in ((self.q_b_proj.weight, 0), (self.o_a_proj.weight, 0)):
-            mark_shard(param, dim, tp_rank, tp)
-        mark_shard(self.o_b_proj.weight, 1, tp_rank, tp)
-        mark_shard(self.sinks, 0, tp_rank, tp)
+        mark_head_shards(self.q_b_proj, self.o_a_proj, self.o_b_proj, self.sinks, tp_rank, tp)
         self.compressor: Csa2Compressor | None = None
         self.indexer: Csa2Indexer | None = None
         x_members, qr_members = [self.q_a_proj, self.kv_proj], [self.q_b_proj]

@@ -41,6 +41,7 @@ from sgl_dspark.srt.layers.vocab_parallel import needs_full_logits, needs_whole_
 from sgl_dspark.srt.model_executor.cuda_graph_runner import BatchGraphs, CudaGraphRunner
 from sgl_dspark.srt.speculative.dspark.fused_step import FusedGreedySteps, FusedStep
 from sgl_dspark.srt.speculative.dspark.metrics import DSparkMetrics
+from sgl_dspark.srt.speculative.dspark.policy import ConfidencePolicy
 from sgl_dspark.srt.speculative.dspark.sampled_graphs import SampledGraphs
 from sgl_dspark.srt.speculative.dspark.verify_logits import (
     accept_split,
@@ -97,6 +98,12 @@ class DSparkExecutor(BaseStepExecutor):
         self.fused_steps = fused_steps
         self.runner = decode.runner
         self.policy = worker.policy
+        # The policy that caps acceptance on the device (the async confidence policy), typed
+        # for the fused step's split plan; None for every other policy.
+        self._capping: ConfidencePolicy | None = None
+        if self.policy.caps_acceptance:
+            assert isinstance(self.policy, ConfidencePolicy)
+            self._capping = self.policy
         # Host-side: fed with the values each step reads anyway.
         self.metrics = DSparkMetrics(max(worker.gamma, worker.gamma_bs1), device="cpu")
         self._generation: dict[int, int] = {}  # request slot -> admissions (policy state)
@@ -203,7 +210,7 @@ class DSparkExecutor(BaseStepExecutor):
                 functools.partial(runner.run_model, tap_layers=(), consumer=self.decode.consumer),
                 runner.join_taps,
                 worker.greedy_epilogue,
-                self.policy.device_caps if self.policy.caps_acceptance else None,
+                self._capping.device_caps if self._capping is not None else None,
             )
 
     # ---- the step contract ------------------------------------------------------------------
@@ -292,15 +299,15 @@ class DSparkExecutor(BaseStepExecutor):
         slots = [r.slot for r in reqs]
         gens = [self._generation.get(s, 1) for s in slots]
         planned = not (len(reqs) == 1 and self.fused.bs1_width is not None)
-        capped = planned and self.policy.caps_acceptance
-        budget = self.policy.host_budget(slots, gens) if capped else -1
+        capping = self._capping if planned else None
+        budget = capping.host_budget(slots, gens) if capping is not None else -1
         rows = [slots, lens, self._simulated_counts(reqs), gens, [budget] * len(reqs)]
         chained = isinstance(prev, FusedStep)
         if not chained:
             rows = [[r.output_ids[-1] for r in reqs], [r.kv_len for r in reqs], *rows]
         out = self.fused.launch(width, rows, chained)
-        if capped:
-            self.policy.snapshot()
+        if capping is not None:
+            capping.snapshot()
         if planned:
             # Online statistics from the device results, ordered before the next replay.
             self.policy.observe(self.fused.verify_lens(len(reqs)), out.accept_len, slots, gens)

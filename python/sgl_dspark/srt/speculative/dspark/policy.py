@@ -81,24 +81,6 @@ class BaseVerifyPolicy(ABC):
         plain decode steps (overlapped) that only commit the draft's context KV."""
         return False
 
-    # A policy that caps on the device (`caps_acceptance`) splits its plan for the fused step
-    # graph: `host_budget` before the replay, `device_caps` inside it, `snapshot` after it.
-    def host_budget(self, slots: list[int], generations: list[int]) -> int:
-        raise NotImplementedError(f"{type(self).__name__} does not cap acceptance on the device")
-
-    def device_caps(
-        self,
-        confidence: torch.Tensor,
-        budget: torch.Tensor,
-        row_valid: torch.Tensor,
-        slot_ids: torch.Tensor,
-        generations: torch.Tensor,
-    ) -> torch.Tensor:
-        raise NotImplementedError(f"{type(self).__name__} does not cap acceptance on the device")
-
-    def snapshot(self) -> None:
-        raise NotImplementedError(f"{type(self).__name__} does not cap acceptance on the device")
-
 
 class FullPolicy(BaseVerifyPolicy):
     def __init__(self, gamma: int, device: torch.device) -> None:
@@ -231,7 +213,8 @@ class ConfidencePolicy(BaseVerifyPolicy):
         )
         return lens
 
-    # The async mode's plan split for the fused step graph (`BaseVerifyPolicy`).
+    # The async mode's plan split for the fused step graph: `host_budget` before the replay,
+    # `device_caps` inside it, `snapshot` after it.
     def host_budget(self, slots: list[int], generations: list[int]) -> int:
         """The async mode's budget K for the requests planned next, from the relay's lagged
         confidences (host values only); -1 (verify every window) while the relay has none."""
