@@ -3,7 +3,8 @@
 # kernel benchmark. Usage (device tool, carry .whl): bash benchmark/gpu/run_h200.sh [stages]
 # The test stages stop pytest with SIGINT at their limit (`timeout -s INT`), so a cut run still
 # prints its summary, and `-rfE` names every failure and error in it (a cold machine compiles
-# every kernel first: the kernels stage took over 330 s at 12 workers).
+# every kernel first: the kernels stage took over 330 s at 12 workers). KERNELS_LIMIT /
+# KERNELS_WORKERS and GRAPHS_LIMIT override the kernels and graphs stages' limits and workers.
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -20,7 +21,7 @@ if has env; then
   git log --oneline -1 2>/dev/null | tee -a "$OUT/env.txt"
 fi
 if has kernels; then
-  timeout -s INT -k 20 420 python3 -m pytest -q -rfE -p no:cacheprovider -n 12 test/registered/kernels \
+  timeout -s INT -k 20 ${KERNELS_LIMIT:-420} python3 -m pytest -q -rfE -p no:cacheprovider -n ${KERNELS_WORKERS:-12} test/registered/kernels \
     test/registered/unit/test_kernel_dispatch.py test/registered/e2e/test_moe_backend.py \
     test/registered/unit/test_triton_attention_backend.py test/registered/unit/test_indexer_family.py \
     test/registered/unit/test_norm_family.py 2>&1 | tee "$OUT/kernel_tests.txt" | tail -25

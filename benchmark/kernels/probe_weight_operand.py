@@ -1,0 +1,285 @@
+"""Probe: the weight-only quantised linear with the weight as the matrix unit's first operand.
+
+    python benchmark/kernels/probe_weight_operand.py --out $OUT/probe.md   (H200)
+    TRITON_INTERPRET=1 python benchmark/kernels/probe_weight_operand.py --smoke   (CPU check)
+
+The library's `quantized_linear` computes y[M, N] = x[M, K] @ W^T with the 16 padded activation
+rows as the first operand, so on sm90 the dot is the warp-level `mma.sync` (HMMA) and the
+dequantised weight tile is its second operand. Computed as y^T[N, M] = W[N, K] @ x^T, the weight
+tile (64 or more columns) is the first operand of a warpgroup `wgmma`, which takes that operand
+straight from registers, where it was dequantised; the activations (M padded to 16) are the
+second operand, from shared memory. This probe times that orientation against the library's
+kernel and the bf16 kernel, at V4-Flash decode shapes, over launch shapes, with the library's
+decode (`dequant.quantized_tile`) unchanged, and for FP8 with 128-channel scale groups also the
+scale applied to each group's fp32 partial product instead of to the weights (no per-weight
+multiply). Narrow N gets K split over programs (fp32 atomics into a zeroed buffer: timing only,
+the order of the sums is not fixed). Every variant is checked against dequantise-then-reference.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+
+from sgl_dspark.kernels.linear.dequant import (  # noqa: E402
+    quantized_scales,
+    quantized_tile,
+    stored_rows,
+)
+from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
+from sgl_dspark.kernels.linear.reference import dequantize_weight_ref  # noqa: E402
+from sgl_dspark.kernels.linear.small_m import small_m_linear  # noqa: E402
+
+from benchmark.kernels import bench_quant_gemm as bq  # noqa: E402
+from benchmark.kernels.graph_timing import max_rel_err  # noqa: E402
+
+
+@triton.jit
+def _weight_first_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    FP4: tl.constexpr,
+    WORDS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    POST_SCALE: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    w_ok = offs_n < N
+    m_ok = offs_m < M
+    s_rows = s_ptr + (tl.minimum(offs_n, N - 1) // SCALE_ROWS).to(tl.int64) * stride_sn
+    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_begin = tl.program_id(1) * k_len
+    k_end = tl.minimum(k_begin + k_len, K)
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k0 in range(k_begin, k_end, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(
+            x_ptr + offs_m[None, :] * stride_xm + ks[:, None],
+            mask=m_ok[None, :] & (ks < K)[:, None],
+            other=0.0,
+        )
+        if DOT_FP32:
+            xt = xt.to(tl.float32)
+        if POST_SCALE:
+            e = tl.load(s_rows + k0 // GROUP, mask=w_ok, other=127)
+            one = tl.full([BLOCK_N], 127, tl.uint8)
+            w = quantized_tile(
+                w_rows, w_ok, one, k0, K, FP4, WORDS, GROUP, BLOCK_N, BLOCK_K, DOT_FP32
+            )
+            part = tl.dot(w, xt)
+            acc += part * (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)[:, None]
+        else:
+            e = quantized_scales(s_rows, w_ok, k0, K, GROUP, BLOCK_K)
+            w = quantized_tile(
+                w_rows, w_ok, e, k0, K, FP4, WORDS, GROUP, BLOCK_N, BLOCK_K, DOT_FP32
+            )
+            acc = tl.dot(w, xt, acc)
+    y = y_ptr + offs_m[None, :] * stride_ym + offs_n[:, None]
+    if SPLIT > 1:
+        tl.atomic_add(y, acc, mask=m_ok[None, :] & w_ok[:, None])
+    else:
+        tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=m_ok[None, :] & w_ok[:, None])
+
+
+def weight_first_linear(x, weight, bn, bk, warps, stages, post=False, split=1):
+    m, k = x.shape
+    n = weight.shape[0]
+    data, words = stored_rows(weight)
+    if split > 1:
+        out = torch.zeros((m, n), dtype=torch.float32, device=x.device)
+    else:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    interp = x.device.type == "cpu"
+    _weight_first_kernel[(triton.cdiv(n, bn), split)](
+        x,
+        data,
+        weight.scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        data.stride(0),
+        weight.scale.stride(0),
+        out.stride(0),
+        FP4=weight.fmt == "mxfp4",
+        WORDS=words,
+        GROUP=weight.group,
+        SCALE_ROWS=weight.block_rows,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        BLOCK_M=16,
+        POST_SCALE=post,
+        SPLIT=split,
+        DOT_FP32=interp,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+# (BLOCK_N, BLOCK_K, warps, stages, post-scale, split)
+WIDE = [
+    (64, 256, 4, 3, False, 1),
+    (64, 256, 4, 4, False, 1),
+    (128, 128, 4, 4, False, 1),
+    (128, 256, 8, 3, False, 1),
+    (128, 128, 8, 5, False, 1),
+    (256, 128, 8, 3, False, 1),
+    (64, 128, 4, 4, True, 1),
+    (128, 128, 4, 4, True, 1),
+    (128, 128, 8, 4, True, 1),
+    (256, 128, 8, 4, True, 1),
+]
+NARROW = [
+    (64, 256, 4, 3, False, 4),
+    (64, 256, 4, 3, False, 8),
+    (128, 128, 8, 4, False, 8),
+    (64, 128, 4, 4, True, 8),
+    (128, 128, 8, 4, True, 8),
+]
+SMOKE = [
+    (64, 64, 4, 2, False, 1),
+    (64, 32, 4, 2, True, 1),
+    (64, 64, 4, 2, False, 2),
+    (32, 128, 4, 2, False, 1),
+]
+SHAPES = [
+    ("wide 32768x4096", 32768, 4096),
+    ("q_b 32768x1024", 32768, 1024),
+    ("o_b 4096x8192", 4096, 8192),
+    ("shared gate_up 4096x4096", 4096, 4096),
+]
+FORMATS = (("fp8", 128), ("fp8", 32), ("mxfp4", 32))
+
+
+def _tag(config: tuple) -> str:
+    bn, bk, warps, stages, post, split = config
+    tag = f"W-first BN{bn} BK{bk} w{warps} s{stages}"
+    return tag + (" post" if post else "") + (f" split{split}" if split > 1 else "")
+
+
+def _variants(fmt: str, group: int, configs: list[tuple]) -> list[tuple[str, object]]:
+    """The library's kernel, then the weight-first launch shapes that apply to the format
+    (the post-scale needs one FP8 scale group per K step)."""
+    out = [("library", quantized_linear)]
+    for c in configs:
+        if c[4] and not (fmt == "fp8" and group >= c[1]):
+            continue
+        out.append((_tag(c), lambda x, w, c=c: weight_first_linear(x, w, *c)))
+    return out
+
+
+def _timed(call, x, weights) -> float:
+    return bq.time_us([lambda w=w: call(x, w) for w in weights], bq._reps(len(weights)))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--smoke", action="store_true")
+    p.add_argument("--budget-s", type=float, default=480.0)
+    a = p.parse_args()
+    start = time.time()
+    shapes, ms, configs = SHAPES, [1, 16], None
+    if a.smoke:
+        bq.SETUP.device = "cpu"
+        shapes, ms, configs = [("smoke", 96, 160)], [1, 5], SMOKE
+    lines = [
+        "| shape | M | format | variant | us | x bf16 | TB/s (stored) | rel err |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+
+    def emit(*cells) -> None:
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        print(lines[-1], flush=True)
+        if a.out:
+            Path(a.out).write_text("\n".join(lines) + "\n")
+
+    for name, n, k in shapes:
+        gen = bq._generator(n + k)
+        wb = [bq._bf16_random((n, k), gen) for _ in range(bq._copies(n * k * 2))]
+        for m in ms:
+            x = torch.randn(m, k, generator=gen, device=bq.SETUP.device).to(torch.bfloat16)
+            base = _timed(small_m_linear, x, wb)
+            emit(
+                name,
+                m,
+                "bf16",
+                "small_m_linear",
+                f"{base:.1f}",
+                "1.00",
+                f"{n * k * 2 / base / 1e6:.2f}",
+                "-",
+            )
+            for fmt, group in FORMATS:
+                if time.time() - start > a.budget_s:
+                    emit(f"stopped at the {a.budget_s:.0f} s budget", "", "", "", "", "", "", "")
+                    return
+                ws = [bq.quantize_random((n, k), fmt, group, gen)]
+                ws += [
+                    bq.quantize_random((n, k), fmt, group, gen)
+                    for _ in range(bq._copies(ws[0].nbytes) - 1)
+                ]
+                want = x.float() @ dequantize_weight_ref(ws[0], torch.float32).T
+                shapes_here = configs or (WIDE if n > 8192 else NARROW + WIDE[:4])
+                for tag, call in _variants(fmt, group, shapes_here):
+                    label = f"{fmt}/{group}"
+                    try:
+                        err = max_rel_err(call(x, ws[0]), want)
+                        us = _timed(call, x, ws)
+                    except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
+                        emit(
+                            name,
+                            m,
+                            label,
+                            tag,
+                            f"{type(exc).__name__}: {str(exc)[:80]}",
+                            "",
+                            "",
+                            "",
+                        )
+                        continue
+                    tbps = ws[0].nbytes / us / 1e6
+                    emit(
+                        name,
+                        m,
+                        label,
+                        tag,
+                        f"{us:.1f}",
+                        f"{base / us:.2f}",
+                        f"{tbps:.2f}",
+                        f"{err:.1e}",
+                    )
+                del ws
+        del wb
+
+
+if __name__ == "__main__":
+    main()
