@@ -12,7 +12,7 @@ PYTEST_WORKERS ?= 2
 HOST ?= 127.0.0.1
 PORT ?= 30000
 
-.PHONY: serve test lint install clean
+.PHONY: serve test test-graph-pool lint install clean
 
 install: $(VENV)/.installed
 
@@ -32,6 +32,17 @@ serve: $(VENV)/.installed-serve
 
 test: $(VENV)/.installed
 	$(PY) -m pytest -n $(PYTEST_WORKERS) $(PYTEST_ARGS)
+
+# The tests of the captured regions again, with the CPU graph stand-ins enforcing the graph
+# pool's rule (docs/architecture.md): CI runs it after `make test`.
+GRAPH_POOL_TESTS := test/registered/e2e/test_cuda_graph_runner.py \
+	test/registered/e2e/test_dspark_capped_graphs.py test/registered/e2e/test_overlap_schedule.py \
+	test/registered/e2e/test_dspark_plain_decode.py test/registered/e2e/test_prefill_graphs.py \
+	test/registered/e2e/test_dspark_sampled_graphs.py test/registered/e2e/test_dspark_v41.py \
+	test/registered/distributed/test_tensor_parallel.py \
+	test/registered/distributed/test_tensor_parallel_v41.py
+test-graph-pool: $(VENV)/.installed
+	$(PY) -m pytest -n $(PYTEST_WORKERS) --poison-stale-graph-outputs $(GRAPH_POOL_TESTS)
 
 lint: $(VENV)/.installed
 	$(PY) -m ruff check python test benchmark

@@ -3,7 +3,7 @@
 # acceptance, accuracy and greedy identity through `benchmark.acceptance`, stage by stage
 # (each stage's acceptance.json is copied to $OUT when it ends, also when cut at its limit).
 #   bash benchmark/gpu/demo_h200.sh GSM8K_TEST_JSONL [STAGES]
-#   (all | random | policies | async | speed,blocks,fp32)
+#   (all | random | policies | async | speed,blocks,fp32 | detcost)
 set -u
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT" /tmp/acc
@@ -53,6 +53,18 @@ if has speed; then
   stage bs1 35 --limit 6 --batch-size 1 --policies full --temperatures 0 --random-draft none
   stage bs8 35 --limit 48 --batch-size 8 --policies full --temperatures 0 --random-draft none
   stage bs32 40 --limit 128 --batch-size 32 --policies full --temperatures 0 --random-draft none
+fi
+# what the batch-invariant kernels of --enable-deterministic-inference cost: the speed runs at 1
+# and 32 in flight with the default kernels and with them, after a short run of each that
+# compiles its kernels (so no timed run pays for compilation)
+if has detcost; then
+  speed=(--policies full --temperatures 0 --random-draft none)
+  stage warm_default 90 --limit 4 --batch-size 4 "${speed[@]}"
+  stage default_bs1 35 --limit 6 --batch-size 1 "${speed[@]}"
+  stage warm_deterministic 90 --limit 4 --batch-size 4 "${speed[@]}" --engine-args "$DET"
+  stage deterministic_bs1 35 --limit 6 --batch-size 1 "${speed[@]}" --engine-args "$DET"
+  stage default_bs32 40 --limit 128 --batch-size 32 "${speed[@]}"
+  stage deterministic_bs32 40 --limit 128 --batch-size 32 "${speed[@]}" --engine-args "$DET"
 fi
 # the draft's block size against shorter blocks, greedy, full verify
 if has blocks; then

@@ -22,9 +22,19 @@ def pytest_addoption(parser) -> None:
         action="store_true",
         help="follow every float CPU tensor with NaN memory (fenced_allocations.py)",
     )
+    parser.addoption(
+        "--poison-stale-graph-outputs",
+        action="store_true",
+        help="EagerGraph replays poison the pool outputs of regions captured after them "
+        "(cuda_graph_runner.py's module doc)",
+    )
 
 
 def pytest_configure(config) -> None:
+    if config.getoption("--poison-stale-graph-outputs"):
+        from sgl_dspark.env import POISON_STALE_GRAPH_OUTPUTS_ENV
+
+        os.environ[POISON_STALE_GRAPH_OUTPUTS_ENV] = "1"
     if config.getoption("--fence-allocations"):
         from fenced_allocations import install
 

@@ -106,6 +106,43 @@ def test_batch_graphs_share_static_buffers(monkeypatch):
         BatchGraphs(graphs, "narrow", lambda x: (x,), example, [0.0], [2], [torch.zeros(2, 2)])
 
 
+@pytest.mark.parametrize("on", [True, False])
+def test_poisoning_stand_ins_clobber_the_outputs_of_later_captures(on):
+    """With poisoning on, replaying a region overwrites the outputs that regions captured after
+    it allocated (float NaN, integers a large negative value, booleans flipped), also those of a
+    later capture round, and leaves alone its own outputs, those of earlier captures and outputs
+    that are views of buffers a region was given. Off, nothing is overwritten."""
+    graphs = CudaGraphRunner(torch.device("cpu"), graph_factory=lambda: EagerGraph(on))
+    given = torch.arange(4.0)
+    x = torch.tensor([1.0, 2.0])
+    graphs.register("big", 0, lambda: (x * 3, given[:2]), launch_batch=1, size=2)
+    graphs.register(
+        "small",
+        0,
+        lambda: {"f": x + 1, "i": x.long(), "b": x > 1.5, "view": given[2:]},
+        launch_batch=1,
+        size=1,
+    )
+    graphs.capture()
+    graphs.register("late", 0, lambda: (x * 5,), launch_batch=1)
+    graphs.capture()
+    (late,) = graphs.replay("late", 0)
+    small = graphs.replay("small", 0)
+    big, view = graphs.replay("big", 0)
+    assert torch.equal(big, torch.tensor([3.0, 6.0]))  # its own: fresh
+    assert torch.equal(view, torch.tensor([0.0, 1.0])) and torch.equal(small["view"], given[2:])
+    if on:
+        assert small["f"].isnan().all() and late.isnan().all()
+        assert (small["i"] < -(2**29)).all()
+        assert small["b"].tolist() == [True, False]  # [False, True] flipped
+    else:
+        assert torch.equal(small["f"], torch.tensor([2.0, 3.0]))
+        assert small["b"].tolist() == [False, True] and torch.equal(late, x * 5)
+    graphs.replay("small", 0)  # replaying the later region rewrites its outputs
+    assert torch.equal(small["f"], torch.tensor([2.0, 3.0]))
+    assert torch.equal(big, torch.tensor([3.0, 6.0]))  # an earlier capture's: kept
+
+
 def test_decode_graphs_equal_eager(reference):
     CountingGraph.replays = 0
     got, engine = _generate(4)  # batches of 5..7 run eagerly, 1..4 replay padded buckets

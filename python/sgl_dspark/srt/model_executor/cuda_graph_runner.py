@@ -17,7 +17,12 @@ whose replay copies the inputs into static buffers, pads the rows past the batch
 values (padding requests point at the reserved request slot 0 and token slot 0, so their writes
 land in dummy state) and returns the outputs' first rows.
 
-On CPU the graphs are `EagerGraph` stand-ins with CUDA-graph buffer semantics (tests).
+On CPU the graphs are `EagerGraph` stand-ins with CUDA-graph buffer semantics (tests). With
+`SGL_DSPARK_POISON_STALE_GRAPH_OUTPUTS=1` (`pytest --poison-stale-graph-outputs`) they also
+enforce the pool rule above: replaying a region poisons the outputs that regions captured after
+it allocated (NaN, a large negative integer, flipped booleans), the memory a GPU replay may have
+reused for its intermediates, so a step that reads another region's outputs after a replay gets
+garbage on the CPU as it could on a GPU.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
+
+from sgl_dspark.env import poison_stale_graph_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -82,17 +89,54 @@ class CudaGraph:
         self.graph.replay()
 
 
+# What a poisoned integer output holds: far outside every index, length and token id.
+_POISON_INT = -(2**30) + 7
+
+
 class EagerGraph:
     """Stand-in with CUDA-graph semantics for CPU tests of the padding and buffer logic: replay
-    re-runs the function and copies its results into the tensors the capture returned."""
+    re-runs the function and copies its results into the tensors the capture returned.
+
+    `pool_outputs` lists the outputs a GPU capture would allocate in the graph pool (the ones
+    `fn` allocates, not views of buffers it was given), found only when poisoning is on (the
+    module doc) by calling `fn` a second time: a fresh output has new memory on every call."""
+
+    def __init__(self, poison: bool | None = None) -> None:
+        self.poison = poison_stale_graph_outputs() if poison is None else poison
+        self.pool_outputs: list[torch.Tensor] = []
 
     def capture(self, fn: Callable[[], Any], launch_batch: int) -> Any:
         self.fn = fn
         self.out = fn()
+        if self.poison:
+            again = _leaves(fn())
+            self.pool_outputs = [
+                a for a, b in zip(_leaves(self.out), again) if a.data_ptr() != b.data_ptr()
+            ]
         return self.out
 
     def replay(self) -> None:
         copy_outputs(self.fn(), self.out)
+
+
+def _leaves(x: Any) -> list[torch.Tensor]:
+    if isinstance(x, torch.Tensor):
+        return [x]
+    if isinstance(x, dict):
+        return [t for v in x.values() for t in _leaves(v)]
+    if isinstance(x, (tuple, list)):
+        return [t for v in x for t in _leaves(v)]
+    return []
+
+
+def poison(t: torch.Tensor) -> None:
+    """Overwrite `t` with values no correct reader can take for data."""
+    if t.dtype == torch.bool:
+        t.logical_not_()
+    elif t.is_floating_point():
+        t.fill_(float("nan"))
+    else:
+        t.fill_(_POISON_INT if t.dtype.is_signed else torch.iinfo(t.dtype).max)
 
 
 def copy_outputs(src: Any, dst: Any) -> None:
@@ -150,6 +194,8 @@ class CudaGraphRunner:
         self._factory = graph_factory
         self._pending: list[_Region] = []
         self._graphs: dict[tuple[str, Hashable], tuple[Graph, Any]] = {}
+        # Per region, the pool outputs of the regions captured after it (poisoning stand-ins).
+        self._clobbers: dict[tuple[str, Hashable], list[torch.Tensor]] = {}
         self.replays: Counter[str] = Counter()  # per family (tests and debugging read it)
 
     def register(
@@ -191,6 +237,7 @@ class CudaGraphRunner:
                 if r.reset is not None:
                     r.reset()
             self._graphs[(r.family, r.key)] = (graph, out)
+        self._note_clobbers([(r.family, r.key) for r in regions])
         counts = Counter(r.family for r in regions)
         mem = (torch.cuda.memory_reserved(self.device) - mem0) / 2**20 if cuda else 0.0
         logger.info(
@@ -200,6 +247,17 @@ class CudaGraphRunner:
             mem,
             ", ".join(f"{n} {family}" for family, n in counts.items()),
         )
+
+    def _note_clobbers(self, captured: list[tuple[str, Hashable]]) -> None:
+        """After a capture round: each region's replay may reuse the pool memory of the outputs
+        of every region captured after it (this round's later regions and any later round)."""
+        later: list[torch.Tensor] = []
+        for name in reversed(captured):
+            self._clobbers[name] = list(later)
+            later += getattr(self._graphs[name][0], "pool_outputs", [])
+        for name, clobbers in self._clobbers.items():
+            if name not in captured:
+                clobbers += later
 
     def has(self, family: str, key: Hashable) -> bool:
         return (family, key) in self._graphs
@@ -213,6 +271,8 @@ class CudaGraphRunner:
         graph, out = self._graphs[(family, key)]
         with torch.inference_mode():  # (an eager stand-in rewrites the captured outputs)
             graph.replay()
+            for t in self._clobbers.get((family, key), ()):
+                poison(t)
         self.replays[family] += 1
         return out
 
