@@ -9,8 +9,8 @@
 #                budget for new shapes)
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
-#   rank         bench_native.py decode: dsv4_flash_rank (full depth, 96 experts, as stored),
-#                CUDA graphs, bs 1/8/32 vs its byte floor
+#   rank         bench_native.py decode: dsv4_flash_rank, or $RANK_CONFIG (full depth, 96
+#                experts, as stored), CUDA graphs, bs 1/8/32 vs its byte floor
 #   rank_dspark  the same model with DSpark (simulated acceptance 3.2): full width (which also
 #                profiles the SPS table), the static widths, the online width policy (reads
 #                that table), one process each
@@ -35,7 +35,9 @@ DEFAULT_STAGES=env,tests,gemm
 source "$(dirname "$0")/stages.sh"
 
 native=(python3 benchmark/bench_native.py)
-rank=(--config dsv4_flash_rank --input-len 256 --output-len 32)
+# RANK_CONFIG picks the rank model of the rank stages (dsv41_flash_rank: V4.1-Flash dimensions).
+RANK_CONFIG=${RANK_CONFIG:-dsv4_flash_rank}
+rank=(--config "$RANK_CONFIG" --input-len 256 --output-len 32)
 if has env; then env_stage; fi
 if has tests; then
   stage tests 100
@@ -63,7 +65,7 @@ if has rank; then
   stage rank 200
   run 200 rank/plain.log "${native[@]}" decode "${rank[@]}" --systems plain --append \
     --batch-sizes 1,8,32 --out-dir "$WORK/rank"
-  show "$WORK/rank/native_decode_dsv4_flash_rank.md"
+  show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
 if has rank_dspark; then  # full width first: after its rows it profiles the SPS table online reads
   stage rank_dspark 540
@@ -72,13 +74,13 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
       --systems "${system%:*}" --append --batch-sizes 1,8,32 --sps-table "$WORK/rank/sps.json" \
       --out-dir "$WORK/rank"
   done
-  show "$WORK/rank/native_decode_dsv4_flash_rank.md"
+  show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
 if has rank_fp8_kv; then
   stage rank_fp8_kv 120
   run 120 rank_fp8_kv/plain.log "${native[@]}" decode "${rank[@]}" --systems plain \
     --kv-cache-dtype fp8_e4m3 --batch-sizes 1,32 --out-dir "$WORK/rank_fp8_kv"
-  show "$WORK/rank_fp8_kv/native_decode_dsv4_flash_rank.md"
+  show "$WORK/rank_fp8_kv/native_decode_$RANK_CONFIG.md"
 fi
 if has v41; then
   stage v41 120

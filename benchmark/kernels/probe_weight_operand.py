@@ -13,7 +13,10 @@ kernel and the bf16 kernel, at V4-Flash decode shapes, over launch shapes, with 
 decode (`dequant.quantized_tile`) unchanged, and for FP8 with 128-channel scale groups also the
 scale applied to each group's fp32 partial product instead of to the weights (no per-weight
 multiply). Narrow N gets K split over programs (fp32 atomics into a zeroed buffer: timing only,
-the order of the sums is not fixed). Every variant is checked against dequantise-then-reference.
+the order of the sums is not fixed), and the library's own orientation and product with K split
+over programs and a fixed-order sum (the column block's last program to arrive adds the
+partials in split order: the bits do not depend on the arrival order, so it could ship). Every
+variant is checked against dequantise-then-reference.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
 
 from sgl_dspark.kernels.linear.dequant import (  # noqa: E402
+    quantized_product,
     quantized_scales,
     quantized_tile,
     stored_rows,
@@ -144,6 +148,133 @@ def weight_first_linear(x, weight, bn, bk, warps, stages, post=False, split=1):
     return out
 
 
+@triton.jit
+def _split_fixed_order_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    part_ptr,
+    count_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    FP4: tl.constexpr,
+    WORDS: tl.constexpr,
+    GROUP: tl.constexpr,
+    SCALE_ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SPLIT: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+):
+    # The library's orientation and product over K slice `split` of SPLIT (whole BLOCK_K steps);
+    # the fp32 partial goes to part[split]; the column block's last program to arrive sums the
+    # SPLIT partials in split order (the same bits whatever the arrival order) and resets the
+    # block's counter for the next launch.
+    col = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = col * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    w_ok = offs_n < N
+    m_ok = offs_m < M
+    k_len = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
+    k_begin = split * k_len
+    k_here = tl.maximum(tl.minimum(K - k_begin, k_len), 0)
+    PER_ELEMENT: tl.constexpr = 8 if WORDS else (2 if FP4 else 1)  # channels per stored element
+    scale_row = (tl.minimum(offs_n, N - 1) // SCALE_ROWS).to(tl.int64)
+    acc = quantized_product(
+        x_ptr + k_begin + offs_m.to(tl.int64) * stride_xm,
+        m_ok,
+        w_ptr + k_begin // PER_ELEMENT + offs_n.to(tl.int64) * stride_wn,
+        w_ok,
+        s_ptr + k_begin // GROUP + scale_row * stride_sn,
+        k_here,
+        16,
+        BLOCK_N,
+        BLOCK_K,
+        FP4,
+        WORDS,
+        GROUP,
+        DOT_FP32,
+        SPLIT_K,
+    )
+    tile = offs_m[:, None] * N + offs_n[None, :]
+    ok = m_ok[:, None] & w_ok[None, :]
+    tl.store(part_ptr + split * M * N + tile, acc, mask=ok)
+    arrived = tl.atomic_add(count_ptr + col, 1)  # acq_rel: the partials above are visible
+    if arrived == SPLIT - 1:
+        total = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+        for s in range(SPLIT):
+            total += tl.load(part_ptr + s * M * N + tile, mask=ok, other=0.0, cache_modifier=".cg")
+        y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+        tl.store(y, total.to(y_ptr.dtype.element_ty), mask=ok)
+        tl.store(count_ptr + col, 0)
+
+
+_SPLIT_BUFFERS: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def split_fixed_order_linear(x, weight, bn, bk, split_k, warps, stages, split):
+    """`quantized_linear` with K split over `split` programs per column block and a fixed-order
+    sum of the partials by the block's last program (one launch, no atomics on the data)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    data, words = stored_rows(weight)
+    key = (x.device, m, n, split, bn)
+    if key not in _SPLIT_BUFFERS:
+        _SPLIT_BUFFERS[key] = (
+            torch.empty((split, m, n), dtype=torch.float32, device=x.device),
+            torch.zeros(triton.cdiv(n, bn), dtype=torch.int32, device=x.device),
+        )
+    part, count = _SPLIT_BUFFERS[key]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _split_fixed_order_kernel[(triton.cdiv(n, bn), split)](
+        x,
+        data,
+        weight.scale,
+        out,
+        part,
+        count,
+        m,
+        n,
+        k,
+        x.stride(0),
+        data.stride(0),
+        weight.scale.stride(0),
+        out.stride(0),
+        FP4=weight.fmt == "mxfp4",
+        WORDS=words,
+        GROUP=weight.group,
+        SCALE_ROWS=weight.block_rows,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        SPLIT_K=split_k,
+        SPLIT=split,
+        DOT_FP32=x.device.type == "cpu",
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+# The library's orientation with K over programs: (BLOCK_N, BLOCK_K, SPLIT_K warps' slices,
+# warps, stages, programs per column block).
+SPLIT_FIXED = [
+    (16, 1024, 8, 8, 3, 2),
+    (16, 1024, 8, 8, 3, 4),
+    (32, 512, 4, 4, 3, 4),
+    (64, 256, 1, 4, 4, 4),
+    (64, 256, 1, 4, 4, 8),
+]
+SPLIT_SMOKE = [(16, 64, 2, 2, 2, 2), (32, 32, 1, 4, 2, 3)]
+
+
 # (BLOCK_N, BLOCK_K, warps, stages, post-scale, split)
 WIDE = [
     (64, 256, 4, 3, False, 1),
@@ -185,7 +316,9 @@ def _tag(config: tuple) -> str:
     return tag + (" post" if post else "") + (f" split{split}" if split > 1 else "")
 
 
-def _variants(fmt: str, group: int, configs: list[tuple]) -> list[tuple[str, object]]:
+def _variants(
+    fmt: str, group: int, configs: list[tuple], split_configs: list[tuple]
+) -> list[tuple[str, object]]:
     """The library's kernel, then the weight-first launch shapes that apply to the format
     (the post-scale needs one FP8 scale group per K step)."""
     out = [("library", quantized_linear)]
@@ -193,6 +326,9 @@ def _variants(fmt: str, group: int, configs: list[tuple]) -> list[tuple[str, obj
         if c[4] and not (fmt == "fp8" and group >= c[1]):
             continue
         out.append((_tag(c), lambda x, w, c=c: weight_first_linear(x, w, *c)))
+    for c in split_configs:
+        tag = "library order, BN{} BK{} slices{} w{} s{}, K over {} programs".format(*c)
+        out.append((tag, lambda x, w, c=c: split_fixed_order_linear(x, w, *c)))
     return out
 
 
@@ -249,7 +385,8 @@ def main() -> None:
                 ]
                 want = x.float() @ dequantize_weight_ref(ws[0], torch.float32).T
                 shapes_here = configs or (WIDE if n > 8192 else NARROW + WIDE[:4])
-                for tag, call in _variants(fmt, group, shapes_here):
+                splits = SPLIT_SMOKE if a.smoke else (SPLIT_FIXED if n <= 8192 else [])
+                for tag, call in _variants(fmt, group, shapes_here, splits):
                     label = f"{fmt}/{group}"
                     try:
                         err = max_rel_err(call(x, ws[0]), want)
