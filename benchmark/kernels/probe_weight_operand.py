@@ -225,6 +225,8 @@ def split_fixed_order_linear(x, weight, bn, bk, split_k, warps, stages, split):
     sum of the partials by the block's last program (one launch, no atomics on the data)."""
     m, k = x.shape
     n = weight.shape[0]
+    # A slice starts on a K step; its scales are indexed from the slice's first group.
+    assert bk % weight.group == 0, "the K step must hold whole scale groups"
     data, words = stored_rows(weight)
     key = (x.device, m, n, split, bn)
     if key not in _SPLIT_BUFFERS:
@@ -272,7 +274,7 @@ SPLIT_FIXED = [
     (64, 256, 1, 4, 4, 4),
     (64, 256, 1, 4, 4, 8),
 ]
-SPLIT_SMOKE = [(16, 64, 2, 2, 2, 2), (32, 32, 1, 4, 2, 3)]
+SPLIT_SMOKE = [(16, 128, 2, 2, 2, 2), (32, 128, 1, 4, 2, 3)]
 
 
 # (BLOCK_N, BLOCK_K, warps, stages, post-scale, split)
