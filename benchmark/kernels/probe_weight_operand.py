@@ -16,7 +16,10 @@ multiply). Narrow N gets K split over programs (fp32 atomics into a zeroed buffe
 the order of the sums is not fixed), and the library's own orientation and product with K split
 over programs and a fixed-order sum (the column block's last program to arrive adds the
 partials in split order: the bits do not depend on the arrival order, so it could ship). Every
-variant is checked against dequantise-then-reference.
+variant is checked against dequantise-then-reference. For MXFP4 at wide N, a decode in inline
+PTX (four code bytes per register: a sign-extending byte permute, a shift and a mask give two
+weights' bf16 bits) with the low and high nibbles multiplied by the even and odd activation
+channels in two dots; it compiles for NVIDIA only, so `--smoke` leaves it out.
 """
 
 from __future__ import annotations
@@ -277,6 +280,119 @@ SPLIT_FIXED = [
 SPLIT_SMOKE = [(16, 128, 2, 2, 2, 2), (32, 128, 1, 4, 2, 3)]
 
 
+# Four MXFP4 code bytes per 32-bit register in, the values * 2^-126 of their low nibbles (two
+# registers of two bf16) and of their high nibbles out. A byte's high nibble is a bf16's sign
+# and top exponent / mantissa bits once its byte is sign-extended (PRMT mode 8: the sign to bits
+# 8-15) and shifted up 2; the low nibble takes the same path after the word is shifted up 4.
+_NIBBLES_ASM = tl.constexpr(
+    """
+{
+.reg .b32 t, u;
+shl.b32 u, $4, 4;
+prmt.b32 t, u, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 $0, t, 0x81C081C0;
+prmt.b32 t, u, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 $1, t, 0x81C081C0;
+prmt.b32 t, $4, 0, 0x9180;
+shl.b32 t, t, 2;
+and.b32 $2, t, 0x81C081C0;
+prmt.b32 t, $4, 0, 0xB3A2;
+shl.b32 t, t, 2;
+and.b32 $3, t, 0x81C081C0;
+}
+"""
+)
+
+
+@triton.jit
+def _nibble_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    GROUP: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # MXFP4 only, K a multiple of BLOCK_K: the low nibbles (even channels) and the high nibbles
+    # (odd channels) of a step's bytes decoded by the PTX above, each multiplied by its group's
+    # 2^(e - 1), and two dots against the even and odd activation channels.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, 16)
+    w_ok = offs_n < N
+    rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+    HALF: tl.constexpr = BLOCK_K // 2
+    acc = tl.zeros([16, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        q = tl.load(w_ptr + rows[:, None] * stride_wn + (k0 // 2 + tl.arange(0, HALF))[None, :])
+        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+        e = tl.load(s_ptr + rows[:, None] * stride_sn + g[None, :])
+        mul = ((e.to(tl.int32) + 126) << 7).to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        lo, hi = tl.inline_asm_elementwise(
+            _NIBBLES_ASM,
+            "=r,=r,=r,=r,r",
+            [q],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+        per_group: tl.constexpr = [BLOCK_N, BLOCK_K // GROUP, GROUP // 2]
+        lo = tl.reshape(tl.reshape(lo, per_group) * mul[:, :, None], [BLOCK_N, HALF])
+        hi = tl.reshape(tl.reshape(hi, per_group) * mul[:, :, None], [BLOCK_N, HALF])
+        ks = k0 + tl.arange(0, BLOCK_K)
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + ks[None, :],
+            mask=(offs_m < M)[:, None],
+            other=0.0,
+        )
+        x_even, x_odd = tl.split(tl.reshape(x, [16, HALF, 2]))
+        acc = tl.dot(x_even, tl.trans(lo), acc)
+        acc = tl.dot(x_odd, tl.trans(hi), acc)
+    y = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=(offs_m < M)[:, None] & w_ok[None, :])
+
+
+def nibble_linear(x, weight, bn, bk, warps, stages):
+    """MXFP4 `quantized_linear` with the nibbles decoded by inline PTX (NVIDIA only: neither the
+    interpreter nor AMD runs it)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert weight.fmt == "mxfp4" and k % bk == 0 and bk % weight.group == 0
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    _nibble_kernel[(triton.cdiv(n, bn),)](
+        x,
+        weight.data,
+        weight.scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.data.stride(0),
+        weight.scale.stride(0),
+        out.stride(0),
+        GROUP=weight.group,
+        BLOCK_N=bn,
+        BLOCK_K=bk,
+        num_warps=warps,
+        num_stages=stages,
+    )
+    return out
+
+
+# (BLOCK_N, BLOCK_K, warps, stages) of the PTX nibble decode, wide N.
+NIBBLES = [(64, 256, 4, 4), (64, 256, 4, 3), (128, 256, 8, 4)]
+
+
 # (BLOCK_N, BLOCK_K, warps, stages, post-scale, split)
 WIDE = [
     (64, 256, 4, 3, False, 1),
@@ -319,7 +435,11 @@ def _tag(config: tuple) -> str:
 
 
 def _variants(
-    fmt: str, group: int, configs: list[tuple], split_configs: list[tuple]
+    fmt: str,
+    group: int,
+    configs: list[tuple],
+    split_configs: list[tuple],
+    nibble_configs: list[tuple],
 ) -> list[tuple[str, object]]:
     """The library's kernel, then the weight-first launch shapes that apply to the format
     (the post-scale needs one FP8 scale group per K step)."""
@@ -328,6 +448,10 @@ def _variants(
         if c[4] and not (fmt == "fp8" and group >= c[1]):
             continue
         out.append((_tag(c), lambda x, w, c=c: weight_first_linear(x, w, *c)))
+    if fmt == "mxfp4":
+        for c in nibble_configs:
+            tag = "PTX nibbles BN{} BK{} w{} s{}".format(*c)
+            out.append((tag, lambda x, w, c=c: nibble_linear(x, w, *c)))
     for c in split_configs:
         tag = "library order, BN{} BK{} slices{} w{} s{}, K over {} programs".format(*c)
         out.append((tag, lambda x, w, c=c: split_fixed_order_linear(x, w, *c)))
@@ -388,7 +512,8 @@ def main() -> None:
                 want = x.float() @ dequantize_weight_ref(ws[0], torch.float32).T
                 shapes_here = configs or (WIDE if n > 8192 else NARROW + WIDE[:4])
                 splits = SPLIT_SMOKE if a.smoke else (SPLIT_FIXED if n <= 8192 else [])
-                for tag, call in _variants(fmt, group, shapes_here, splits):
+                nibbles = [] if a.smoke or n <= 8192 else NIBBLES
+                for tag, call in _variants(fmt, group, shapes_here, splits, nibbles):
                     label = f"{fmt}/{group}"
                     try:
                         err = max_rel_err(call(x, ws[0]), want)
