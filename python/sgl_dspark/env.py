@@ -15,13 +15,3 @@ def cache_root() -> str:
         return root
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "sglang-dspark")
-
-
-# Tests only: the CPU graph stand-ins (`EagerGraph`) enforce the graph pool's rule
-# (`srt/model_executor/cuda_graph_runner.py`); set by `pytest --poison-stale-graph-outputs`.
-POISON_STALE_GRAPH_OUTPUTS_ENV = "SGL_DSPARK_POISON_STALE_GRAPH_OUTPUTS"
-
-
-def poison_stale_graph_outputs() -> bool:
-    """Whether `$SGL_DSPARK_POISON_STALE_GRAPH_OUTPUTS` is 1."""
-    return os.environ.get(POISON_STALE_GRAPH_OUTPUTS_ENV) == "1"

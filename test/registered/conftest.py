@@ -32,9 +32,11 @@ def pytest_addoption(parser) -> None:
 
 def pytest_configure(config) -> None:
     if config.getoption("--poison-stale-graph-outputs"):
-        from sgl_dspark.env import POISON_STALE_GRAPH_OUTPUTS_ENV
+        from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
 
-        os.environ[POISON_STALE_GRAPH_OUTPUTS_ENV] = "1"
+        EagerGraph.poison_by_default = True
+        # Ranks spawned by the parallel tests read it from here (rank_engines.py).
+        os.environ["SGL_DSPARK_TEST_POISON_STALE_GRAPH_OUTPUTS"] = "1"
     if config.getoption("--fence-allocations"):
         from fenced_allocations import install
 

@@ -100,6 +100,11 @@ def run_layout(
     server arguments (`engine_args`)."""
     from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
 
+    # pytest --poison-stale-graph-outputs (conftest.py) reaches a spawned rank through this.
+    EagerGraph.poison_by_default = (
+        os.environ.get("SGL_DSPARK_TEST_POISON_STALE_GRAPH_OUTPUTS") == "1"
+    )
+
     init_parallel_state(layout, combine)
     if rank >= layout.world_size:
         return
@@ -271,6 +276,11 @@ def run_counted(
     request, `Req` fields to set over `logprob_options` (e.g. top-N logprobs for one request
     only), whose top-N and prompt logprobs are then saved too."""
     from sgl_dspark.srt.model_executor.cuda_graph_runner import EagerGraph
+
+    # pytest --poison-stale-graph-outputs (conftest.py) reaches a spawned rank through this.
+    EagerGraph.poison_by_default = (
+        os.environ.get("SGL_DSPARK_TEST_POISON_STALE_GRAPH_OUTPUTS") == "1"
+    )
 
     init_parallel_state(layout, "exact")
     if rank >= layout.world_size:

@@ -18,7 +18,7 @@ values (padding requests point at the reserved request slot 0 and token slot 0, 
 land in dummy state) and returns the outputs' first rows.
 
 On CPU the graphs are `EagerGraph` stand-ins with CUDA-graph buffer semantics (tests). With
-`SGL_DSPARK_POISON_STALE_GRAPH_OUTPUTS=1` (`pytest --poison-stale-graph-outputs`) they also
+`EagerGraph.poison_by_default` (set by `pytest --poison-stale-graph-outputs`) they also
 enforce the pool rule above: replaying a region poisons the outputs that regions captured after
 it allocated (NaN, a large negative integer, flipped booleans), the memory a GPU replay may have
 reused for its intermediates, so a step that reads another region's outputs after a replay gets
@@ -36,8 +36,6 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
-
-from sgl_dspark.env import poison_stale_graph_outputs
 
 logger = logging.getLogger(__name__)
 
@@ -101,8 +99,10 @@ class EagerGraph:
     `fn` allocates, not views of buffers it was given), found only when poisoning is on (the
     module doc) by calling `fn` a second time: a fresh output has new memory on every call."""
 
+    poison_by_default = False  # the test runner's switch (module doc)
+
     def __init__(self, poison: bool | None = None) -> None:
-        self.poison = poison_stale_graph_outputs() if poison is None else poison
+        self.poison = type(self).poison_by_default if poison is None else poison
         self.pool_outputs: list[torch.Tensor] = []
 
     def capture(self, fn: Callable[[], Any], launch_batch: int) -> Any:
