@@ -64,8 +64,6 @@ from benchmark.bench_engine import (  # noqa: E402
 )
 from benchmark.step_floor import copy_bandwidth  # noqa: E402
 
-# Kernels DeepSeek-V4.1 runs in torch until its Triton kernels land (`deepseek_v41.py`).
-V41_TORCH_FAMILIES = "mhc=torch,indexer=torch,moe=torch"
 EMBEDDING_NAMES = ("embed_tokens", "lm_head", "markov_head", "engram.embed")
 
 
@@ -74,10 +72,6 @@ def quantized_raw(name: str) -> dict:
     # Configs that declare no formats get the released V4 ones.
     raw.setdefault("quantization_config", released_quantization(128))
     return raw
-
-
-def is_v41(raw: dict) -> bool:
-    return str(raw.get("model_type", "")).startswith("deepseek_v41")
 
 
 def _kind(name: str) -> str:
@@ -153,7 +147,7 @@ def write_model_dir(name: str, raw: dict, work: Path) -> Path:
     return path
 
 
-def engine_args(a: argparse.Namespace, path: Path, raw: dict, sizes: list[int]) -> dict:
+def engine_args(a: argparse.Namespace, path: Path, sizes: list[int]) -> dict:
     ctx = a.input_len + a.output_len + 64
     kw = dict(
         model_path=str(path),
@@ -171,8 +165,6 @@ def engine_args(a: argparse.Namespace, path: Path, raw: dict, sizes: list[int]) 
         chunked_prefill_size=4096,
         cuda_graph_max_prefill_tokens=0,  # decode is measured; prefill graphs cost capture time
     )
-    if is_v41(raw):  # what DeepSeek-V4.1 runs today (refused otherwise at startup)
-        kw.update(kernel_backend_overrides=V41_TORCH_FAMILIES, attention_backend="torch")
     return {**kw, **json.loads(a.engine_args)}
 
 
@@ -378,7 +370,7 @@ def main() -> None:
     sizes = [int(x) for x in a.batch_sizes.split(",")]
     work = Path(tempfile.mkdtemp(prefix="bench_native_"))
     path = write_model_dir(a.config, raw, work)
-    kw = engine_args(a, path, raw, sizes)
+    kw = engine_args(a, path, sizes)
     bw = copy_bandwidth(a.device)
     out = Path(a.out_dir)
     out.mkdir(parents=True, exist_ok=True)

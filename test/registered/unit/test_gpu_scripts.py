@@ -1,4 +1,5 @@
-"""The one-call GPU scripts (`benchmark/gpu/v41_h200.sh`, `native_h200.sh`): they parse, a dry
+"""The one-call GPU scripts (`benchmark/gpu/v41_h200.sh`, `native_h200.sh`,
+`serving_h200.sh`): they parse, a dry
 run prints every command with its time limit and runs or writes nothing, every engine
 configuration runs in a process of its own with its rows added to one table, each documented
 device call fits the call budget, and the V4.1 benchmark stage runs for real on a toy config on
@@ -20,7 +21,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[3]
 GPU = ROOT / "benchmark" / "gpu"
-SCRIPTS = ("v41_h200.sh", "native_h200.sh")
+SCRIPTS = ("v41_h200.sh", "native_h200.sh", "serving_h200.sh")
 CALL_BUDGET = 570  # stages.sh's default
 
 
@@ -89,6 +90,30 @@ def test_native_engines_run_in_their_own_processes(tmp_path: Path) -> None:
     ]
     assert len({_flag(w, "--sps-table") for w in dspark}) == 1
     assert len({_flag(w, "--out-dir") for w in dspark}) == 1
+
+
+def test_serving_ab_arms_differ_by_one_flag(tmp_path: Path) -> None:
+    """Each serving A/B compares two launches of the demo server that differ by exactly the
+    feature under test, on the same GSM8K workloads at 1, 8 and 32 requests in flight."""
+    commands = _dry_run("serving_h200.sh", "env,dspark,deterministic", tmp_path)
+    runs = {stage: words for stage, _, _, words in commands if words}
+    assert set(runs) == {"dspark", "deterministic"}
+    expected_extra = {
+        "dspark": ["--speculative-algorithm", "DSpark"],
+        "deterministic": ["--enable-deterministic-inference"],
+    }
+    for stage, words in runs.items():
+        assert words[:3] == ["python3", "-m", "benchmark.ab"]
+        assert _flag(words, "--metric") == "tok_per_s_per_user"
+        baseline = shlex.split(_flag(words, "--baseline-cmd"))
+        candidate = shlex.split(_flag(words, "--candidate-cmd"))
+        assert baseline[:5] == ["python3", "-m", "sgl_dspark.launch_server", "--model-path", "demo"]
+        assert candidate[: len(baseline)] == baseline
+        assert candidate[len(baseline) :] == expected_extra[stage]
+        loads = [words[i + 1] for i, w in enumerate(words) if w == "--workload"]
+        assert [re.search(r"conc=(\d+)", w).group(1) for w in loads] == ["1", "8", "32"]  # type: ignore[union-attr]
+        assert all(w.startswith("gsm8k:path=") and "out=256" in w for w in loads)
+        assert int(_flag(words, "--replicates")) >= 4
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
