@@ -23,7 +23,7 @@ REPLICATES=${REPLICATES:-4}
 server="python3 -m sgl_dspark.launch_server --model-path demo --port {port}"
 dspark="$server --speculative-algorithm DSpark"
 workloads=()
-for conc_n in 1:4 8:16 32:64; do
+for conc_n in 1:16 8:64 32:128; do  # at least four waves: a run of ~2-4 s
   workloads+=(--workload "gsm8k:path=$GSM8K,out=256,conc=${conc_n%:*},n=${conc_n#*:},name=gsm8k-c${conc_n%:*}")
 done
 ab=(python3 -m benchmark.ab --metric tok_per_s_per_user --replicates "$REPLICATES"
