@@ -35,8 +35,11 @@ DEFAULT_STAGES=env,tests,gemm
 source "$(dirname "$0")/stages.sh"
 
 native=(python3 benchmark/bench_native.py)
-# RANK_CONFIG picks the rank model of the rank stages (dsv41_flash_rank: V4.1-Flash dimensions).
+# RANK_CONFIG picks the rank model of the rank stages (dsv41_flash_rank: V4.1-Flash dimensions);
+# RANK_DSPARK_SYSTEMS the DSpark systems of rank_dspark (dspark_online needs dspark_full's SPS
+# table from the same call).
 RANK_CONFIG=${RANK_CONFIG:-dsv4_flash_rank}
+RANK_DSPARK_SYSTEMS=${RANK_DSPARK_SYSTEMS:-dspark_full,dspark_static,dspark_online}
 rank=(--config "$RANK_CONFIG" --input-len 256 --output-len 32)
 if has env; then env_stage; fi
 if has tests; then
@@ -70,6 +73,7 @@ fi
 if has rank_dspark; then  # full width first: after its rows it profiles the SPS table online reads
   stage rank_dspark 540
   for system in dspark_full:240 dspark_static:150 dspark_online:150; do
+    [[ ",$RANK_DSPARK_SYSTEMS," == *",${system%:*},"* ]] || continue
     run "${system#*:}" "rank/${system%:*}.log" "${native[@]}" decode "${rank[@]}" \
       --systems "${system%:*}" --append --batch-sizes 1,8,32 --sps-table "$WORK/rank/sps.json" \
       --out-dir "$WORK/rank"
