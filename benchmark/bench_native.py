@@ -62,7 +62,7 @@ from benchmark.bench_engine import (  # noqa: E402
     run_or_error_row,
     time_engine,
 )
-from benchmark.step_floor import copy_bandwidth  # noqa: E402
+from benchmark.step_floor import copy_bandwidth, v41_kv_bytes  # noqa: E402
 
 EMBEDDING_NAMES = ("embed_tokens", "lm_head", "markov_head", "engram.embed")
 
@@ -194,6 +194,8 @@ def step_bytes(engine: Engine, bs: int, context: int) -> float:
         elif name.endswith("embed_tokens.weight") or "engram.embed" in name:
             nbytes = 0  # a few rows a token
         total += nbytes
+    if cfg.v41 is not None:  # FP8 window, FP4 latents and index keys, Engram rows
+        return total + bs * v41_kv_bytes(cfg, context)
     el = runner.dtype.itemsize
     window_el = runner.window_kv_dtype.itemsize
     for i, lt in enumerate(cfg.layer_types):
