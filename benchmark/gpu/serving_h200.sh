@@ -11,9 +11,10 @@
 #                  --enable-deterministic-inference (candidate): what the batch-invariant
 #                  kernels cost
 #
-# One device call per stage (4 replicates x 2 arms, one server launch each):
-#   env,dspark          ~9 minutes  (540 s)
-#   env,deterministic   ~9 minutes  (540 s)
+# One device call per stage (4 replicates x 2 arms, one server launch each; 380 s on a fresh
+# machine, whose first launch compiles every kernel in ~2 minutes):
+#   env,dspark          ~7 minutes  (budget 540 s)
+#   env,deterministic   ~7 minutes  (budget 540 s)
 # Results: $OUT/summary.md (the reports) and $OUT/results.tgz (results.json, logs).
 DEFAULT_STAGES=env,dspark
 source "$(dirname "$0")/stages.sh"
