@@ -7,10 +7,10 @@ the decode step of a benchmark model against its byte floor, with and without DS
     python benchmark/bench_native.py ab --config dsv4_flash_slice --out-dir $OUT
     # one model natively: plain decode (CUDA graphs), DSpark with simulated acceptance at the
     # static widths and with the online width policy
-    python benchmark/bench_native.py decode --config dsv4_flash_rank --dspark --out-dir $OUT
+    python benchmark/bench_native.py decode --config dsv41_flash_rank --dspark --out-dir $OUT
     # the same, one engine per process (a real-size model's graph pools and load dominate):
     for s in plain dspark_full dspark_static dspark_online; do
-      python benchmark/bench_native.py decode --config dsv4_flash_rank --systems $s --append \
+      python benchmark/bench_native.py decode --config dsv41_flash_rank --systems $s --append \
         --out-dir $OUT; done
 
 Each run rewrites its table (`native_<mode>_<config>.json` / `.md`) after every row, so a run
@@ -21,7 +21,8 @@ the formats its `quantization_config` declares (`model_loader/dummy.py`); nothin
 to disk or built on the host. Configs without a `quantization_config` get the released formats
 (FP8 128 x 128 dense projections, MXFP4 experts). The decode floor is the bytes a step reads
 (every non-expert weight, the expected distinct routed experts of a batch under uniform
-routing, embedding rows, the window + compressed KV) over the measured copy bandwidth.
+routing, embedding rows, the window + compressed KV as stored) over the measured copy
+bandwidth.
 """
 
 from __future__ import annotations
@@ -301,7 +302,7 @@ FORMATS = ("bf16", "native")
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=("sizes", "ab", "decode"))
-    p.add_argument("--config", default="dsv4_flash_rank", choices=sorted(BENCH_CONFIGS))
+    p.add_argument("--config", default="dsv41_flash_rank", choices=sorted(BENCH_CONFIGS))
     p.add_argument("--configs", default="dsv41_flash_rank,dsv4_flash_rank", help="sizes mode")
     p.add_argument("--device", default="cuda")
     p.add_argument("--batch-sizes", default="1,8,32")

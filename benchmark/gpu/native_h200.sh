@@ -9,24 +9,25 @@
 #                budget for new shapes)
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
-#   rank         bench_native.py decode: dsv4_flash_rank, or $RANK_CONFIG (full depth, 96
+#   rank         bench_native.py decode: dsv41_flash_rank, or $RANK_CONFIG (full depth, 96
 #                experts, as stored), CUDA graphs, bs 1/8/32 vs its byte floor
 #   rank_dspark  the same model with DSpark (simulated acceptance 3.2): full width (which also
 #                profiles the SPS table), the static widths, the online width policy (reads
 #                that table), one process each
-#   rank_fp8_kv  the rank model's plain decode with the FP8 window KV cache, bs 1 and 32
-#   v41          bench_native.py decode: dsv41_flash_rank loaded natively, bs 1
+#   v4_kv        dsv4_flash_rank (DeepSeek-V4-Flash dimensions), plain decode at bs 1 and 32
+#                with the window KV cache in bf16 and in FP8 (V4.1's is FP8 by definition)
 #   sweep        launch shapes of the quantised linear at q_b / o_b / wide, M 1 and 16 (when the
 #                gemm stage misses its goals)
 #
 # A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
 # in order of need, with stage budgets set from the first call's timings
-# (benchmark/results/sweeps/2026-12-02_native_f66991f.md: one engine's graph capture, the rank
-# model's plain rows, the GEMM stage cut short at M 1):
+# (benchmark/results/sweeps/2026-12-02_native_f66991f.md and
+# 2026-12-03_rank_dsv41_flash_8cd19dc.md: a rank engine loads and captures its decode graphs in
+# ~70 s and its DSpark graphs in ~110 s; the GEMM stage was cut short at M 1):
 #   env,tests,gemm          ~7 minutes  (budgets 100 + 320 s)
 #   env,ab,rank             ~9 minutes  (320 + 200 s)
 #   env,rank_dspark         ~9 minutes  (540 s)
-#   env,rank_fp8_kv,v41     ~4 minutes  (120 + 120 s)
+#   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
@@ -35,10 +36,10 @@ DEFAULT_STAGES=env,tests,gemm
 source "$(dirname "$0")/stages.sh"
 
 native=(python3 benchmark/bench_native.py)
-# RANK_CONFIG picks the rank model of the rank stages (dsv41_flash_rank: V4.1-Flash dimensions);
+# RANK_CONFIG picks the rank model of the rank stages (dsv4_flash_rank: V4-Flash dimensions);
 # RANK_DSPARK_SYSTEMS the DSpark systems of rank_dspark (dspark_online needs dspark_full's SPS
 # table from the same call).
-RANK_CONFIG=${RANK_CONFIG:-dsv4_flash_rank}
+RANK_CONFIG=${RANK_CONFIG:-dsv41_flash_rank}
 RANK_DSPARK_SYSTEMS=${RANK_DSPARK_SYSTEMS:-dspark_full,dspark_static,dspark_online}
 rank=(--config "$RANK_CONFIG" --input-len 256 --output-len 32)
 if has env; then env_stage; fi
@@ -80,17 +81,14 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
   done
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
-if has rank_fp8_kv; then
-  stage rank_fp8_kv 120
-  run 120 rank_fp8_kv/plain.log "${native[@]}" decode "${rank[@]}" --systems plain \
-    --kv-cache-dtype fp8_e4m3 --batch-sizes 1,32 --out-dir "$WORK/rank_fp8_kv"
-  show "$WORK/rank_fp8_kv/native_decode_$RANK_CONFIG.md"
-fi
-if has v41; then
-  stage v41 120
-  run 120 v41/plain.log "${native[@]}" decode --config dsv41_flash_rank --batch-sizes 1 \
-    --input-len 64 --output-len 8 --out-dir "$WORK/v41"
-  show "$WORK/v41/native_decode_dsv41_flash_rank.md"
+if has v4_kv; then  # one table per KV dtype (bench_native names its table by config only)
+  stage v4_kv 320
+  for kv in auto fp8_e4m3; do
+    run 160 "v4_kv/$kv.log" "${native[@]}" decode --config dsv4_flash_rank --input-len 256 \
+      --output-len 32 --systems plain --kv-cache-dtype "$kv" --batch-sizes 1,32 \
+      --out-dir "$WORK/v4_kv/$kv"
+    show "$WORK/v4_kv/$kv/native_decode_dsv4_flash_rank.md"
+  done
 fi
 if has sweep; then
   stage sweep 480

@@ -77,7 +77,7 @@ def test_v41_bench_runs_each_engine_in_its_own_process(tmp_path: Path) -> None:
 
 
 def test_native_engines_run_in_their_own_processes(tmp_path: Path) -> None:
-    stages = "env,tests,gemm,ab,rank,rank_dspark,rank_fp8_kv,v41,sweep"
+    stages = "env,tests,gemm,ab,rank,rank_dspark,v4_kv,sweep"
     commands = _dry_run("native_h200.sh", stages, tmp_path)
     ab = [words for stage, _, _, words in commands if stage == "ab" and words]
     assert [_flag(w, "--formats") for w in ab] == ["bf16", "native"]

@@ -12,8 +12,9 @@
   in bf16 and are read ~24 rows a token, so their size moves no step time). Random weights only
   (`--load-format dummy`): ~280 GB in bf16, ~80 GB as stored, so one H200 holds it only natively.
 * `dsv4_flash_rank`: the same shape of workload with DeepSeek-V4-Flash's dimensions (40 layers + 3
-  draft stages, 96 routed experts as the V4.1 rank holds, FP8 128 x 128 + MXFP4): the headline
-  model while DeepSeek-V4.1 runs only its torch kernels. ~200 GB in bf16, ~60 GB as stored.
+  draft stages, 96 routed experts as the V4.1 rank holds, FP8 128 x 128 + MXFP4): the V4
+  counterpart of the headline model, and where the window KV dtype is a choice (V4.1's is FP8).
+  ~200 GB in bf16, ~60 GB as stored.
 * `mid_910m`: the 910M-parameter engine benchmark model (HF `generate` baseline).
 * `toy`: the same layer pattern at toy sizes, for CPU smoke tests of the benchmark scripts.
 * `v41_flash_slice` (DeepSeek-V4.1, a composite `config.json`): V4.1-Flash per-layer dimensions
