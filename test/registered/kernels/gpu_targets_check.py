@@ -56,6 +56,7 @@ _KERNEL_MODULES = (
     "rope.q_kv",
     "linear.small_m",
     "linear.quantized",
+    "linear.dequantize",
     "attention.window_sparse",
     "spec.accept",
     "sampling.vocab_argmax",
@@ -432,6 +433,12 @@ def _quantized_grouped_linear(fmt: str, block: int) -> Callable[[], object]:
     return lambda: quantized_grouped_linear(_bf16(2, 8, 4096), _quantized(fmt, (8192, 4096), block))
 
 
+def _dequantize(fmt: str, shape: tuple[int, int], block: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.linear.dequantize import dequantize_weight
+
+    return lambda: dequantize_weight(_quantized(fmt, shape, block), torch.bfloat16)
+
+
 def quantized_moe_case(fmt: str, block: int, block_size: int = 32) -> Callable[[], object]:
     from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
     from sgl_dspark.kernels.moe.reference import MoeSortOutput
@@ -773,6 +780,23 @@ CASES = {
         "linear.quantized",
         "_quantized_linear_kernel",
         quantized_linear_case("mxfp4", 1024, 4040, 32),
+    ),
+    # The one-pass dequantisation above the kernel's rows (V4.1's 32 x 32 q_b, MXFP4 words and
+    # bytes).
+    "dequantize_fp8_32_q_b": (
+        "linear.dequantize",
+        "_dequantize_kernel",
+        _dequantize("fp8", (32768, 1280), 32),
+    ),
+    "dequantize_mxfp4": (
+        "linear.dequantize",
+        "_dequantize_kernel",
+        _dequantize("mxfp4", (4096, 4096), 32),
+    ),
+    "dequantize_mxfp4_bytes": (
+        "linear.dequantize",
+        "_dequantize_kernel",
+        _dequantize("mxfp4", (1024, 4040), 32),
     ),
     "quantized_grouped_linear_fp8": (
         "linear.quantized",

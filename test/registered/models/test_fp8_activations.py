@@ -70,8 +70,8 @@ def _prefill(runner: ModelRunner) -> torch.Tensor:
 
 
 def _fake_quant_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The FP8-off model's per-call dequantised GEMMs on FP8 weights see their inputs of more
-    than the decode-size rows quantised and dequantised as the W8A8 path quantises them."""
+    """The FP8-off model's GEMMs on FP8 weights above decode sizes see their inputs quantised
+    and dequantised as the W8A8 path quantises them."""
 
     def fake_quant(x: torch.Tensor, weight: object) -> torch.Tensor:
         wide = x.numel() // x.shape[-1] > fp8_linear.Fp8Linear(FMT).max_m
@@ -80,12 +80,15 @@ def _fake_quant_inputs(monkeypatch: pytest.MonkeyPatch) -> None:
             return dequantize_act_fp8_ref(act, FMT.group).to(x.dtype)
         return x
 
-    linear, grouped = fused_linear._dequantized_linear, fused_linear._grouped_linear_torch
-    monkeypatch.setattr(
-        fused_linear, "_dequantized_linear", lambda x, w: linear(fake_quant(x, w), w)
+    linear, grouped = (
+        fused_linear._wide_quantized_linear,
+        fused_linear._wide_quantized_grouped_linear,
     )
     monkeypatch.setattr(
-        fused_linear, "_grouped_linear_torch", lambda x, w: grouped(fake_quant(x, w), w)
+        fused_linear, "_wide_quantized_linear", lambda x, w: linear(fake_quant(x, w), w)
+    )
+    monkeypatch.setattr(
+        fused_linear, "_wide_quantized_grouped_linear", lambda x, w: grouped(fake_quant(x, w), w)
     )
 
 

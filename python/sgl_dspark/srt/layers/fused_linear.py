@@ -38,6 +38,13 @@ from sgl_dspark.srt.layers.quantized import (
 )
 
 _SMALL_M_MAX_K = 4096
+# Rows up to which a quantised weight's GEMM stays in the dequantising kernel
+# (`kernels/linear/quantized.py`) above decode sizes: it runs 16-row blocks, each re-reading the
+# stored weight, so 64 rows read it 4 times. Beyond, the weight is dequantised once per call
+# (`kernels/linear/dequantize.py`: the stored bytes read once, the bf16 weight written once) and
+# the BLAS reads the bf16 weight: 5 times an FP8 weight's bytes, 9 times an MXFP4 weight's. A DSpark
+# verify (requests x width rows) and decode at 32 in flight stay in the kernel.
+_QUANTIZED_KERNEL_MAX_M = 64
 # (x [..., K], weight [N, K] plain or quantised) -> x @ weight^T [..., N]
 LinearFn = Callable[[torch.Tensor, WeightLike], torch.Tensor]
 
@@ -56,9 +63,12 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     unit stride along K) go through the small-M kernel `kernels/linear/small_m.py` (narrow column
     blocks over many programs; another summation order than the BLAS), with a quantised weight
     through `kernels/linear/quantized.py` (dequantised in the kernel, any K); larger ones through
-    `F.linear` (a quantised weight dequantised per call), or with FP8 activations on and an FP8
-    weight through the W8A8 GEMM (`layers/fp8_linear.py`). With `kernels.batch_invariant`
-    every M goes through the decode-size kernels (`_batch_invariant_linear`)."""
+    `F.linear`, or with FP8 activations on and an FP8 weight through the W8A8 GEMM
+    (`layers/fp8_linear.py`). A quantised weight above decode sizes: up to
+    `_QUANTIZED_KERNEL_MAX_M` rows the dequantising kernel in 16-row blocks, beyond the weight
+    dequantised once per call (`kernels/linear/dequantize.py`) and `F.linear`. With
+    `kernels.batch_invariant` every M goes through the decode-size kernels
+    (`_batch_invariant_linear`)."""
     if kernels is None or kernels.of("linear") == "torch":
         return _dequantized_linear
     from sgl_dspark.kernels.linear.quantized import quantized_linear
@@ -74,7 +84,7 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
                 return quantized_linear(x, weight)
             if fp8 is not None and fp8.takes(x, weight):
                 return fp8(x, weight)
-            return _dequantized_linear(x, weight)
+            return _wide_quantized_linear(x, weight)
         # K <= 4096: the kernel matches or beats the BLAS up to K = 1024 and loses to it at
         # K = 8192 (DSV4-Flash o_b; benchmark/results/kernels.md).
         if (
@@ -89,22 +99,57 @@ def linear_impl(kernels: KernelChoice | None) -> LinearFn:
     return linear
 
 
-def _batch_invariant_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
-    """`--enable-deterministic-inference`: the decode-size kernels at every M (16-row blocks,
-    launch shapes from (N, K) only), so a row's bits never depend on the batch; slower than
-    the BLAS for prefill-sized M at large K."""
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // max(x.shape[-1], 1)
+
+
+def _quantized_rows_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """x [..., K] through the dequantising kernel at any number of rows (16-row blocks)."""
     from sgl_dspark.kernels.linear.quantized import quantized_linear
-    from sgl_dspark.kernels.linear.small_m import small_m_linear
 
     rows = x.reshape(-1, x.shape[-1])
     if rows.stride(-1) != 1:
         rows = rows.contiguous()  # a copy: the same values
+    y = quantized_linear(rows, weight)
+    return y.view(*x.shape[:-1], y.shape[-1])
+
+
+def _wide_quantized_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """A quantised weight's GEMM above decode sizes (FP8 activations off): the dequantising
+    kernel up to `_QUANTIZED_KERNEL_MAX_M` rows, beyond it the weight dequantised once and the
+    BLAS."""
+    from sgl_dspark.kernels.linear.dequantize import dequantize_weight
+
+    if _rows(x) <= _QUANTIZED_KERNEL_MAX_M:
+        return _quantized_rows_linear(x, weight)
+    return F.linear(x, dequantize_weight(weight, x.dtype))
+
+
+def _wide_quantized_grouped_linear(x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
+    """`_wide_quantized_linear` for the grouped projection (x [M, G, K], weight [G * N, K])."""
+    from sgl_dspark.kernels.linear.dequantize import dequantize_weight
+    from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
+
+    if x.shape[0] <= _QUANTIZED_KERNEL_MAX_M:
+        return quantized_grouped_linear(x if x.stride(2) == 1 else x.contiguous(), weight)
+    dense = dequantize_weight(weight, x.dtype)
+    return _grouped_linear_torch(x, dense.view(x.shape[1], -1, dense.shape[1]))
+
+
+def _batch_invariant_linear(x: torch.Tensor, weight: WeightLike) -> torch.Tensor:
+    """`--enable-deterministic-inference`: the decode-size kernels at every M (16-row blocks,
+    launch shapes from (N, K) only), so a row's bits never depend on the batch; slower than
+    the BLAS for prefill-sized M at large K."""
+    from sgl_dspark.kernels.linear.small_m import small_m_linear
+
     if isinstance(weight, QuantizedWeight):
-        y = quantized_linear(rows, weight)
-    else:
-        if weight.dtype != x.dtype:
-            raise ValueError(f"linear: weight dtype {weight.dtype} != input dtype {x.dtype}")
-        y = small_m_linear(rows, weight if weight.stride(1) == 1 else weight.contiguous())
+        return _quantized_rows_linear(x, weight)
+    rows = x.reshape(-1, x.shape[-1])
+    if rows.stride(-1) != 1:
+        rows = rows.contiguous()  # a copy: the same values
+    if weight.dtype != x.dtype:
+        raise ValueError(f"linear: weight dtype {weight.dtype} != input dtype {x.dtype}")
+    y = small_m_linear(rows, weight if weight.stride(1) == 1 else weight.contiguous())
     return y.view(*x.shape[:-1], y.shape[-1])
 
 
@@ -138,7 +183,9 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
     `o_a`). torch: one batched einsum (the BLAS). triton: decode-sized inputs (at most `MAX_M`
     rows, K <= 4096, unit stride along K) as G small-M products in one launch
     (`kernels/linear/small_m.py::small_m_grouped_linear`; not bitwise against the BLAS), larger ones
-    through the einsum (an FP8 weight with FP8 activations on: the grouped W8A8 GEMM)."""
+    through the einsum (an FP8 weight with FP8 activations on: the grouped W8A8 GEMM; another
+    quantised weight as in `linear_impl`: the dequantising kernel up to
+    `_QUANTIZED_KERNEL_MAX_M` rows, beyond it dequantised once per call)."""
     if kernels is None or kernels.of("linear") == "torch":
         return _grouped_linear_torch
     from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
@@ -154,7 +201,7 @@ def grouped_linear_impl(kernels: KernelChoice | None) -> GroupedLinearFn:
                 return quantized_grouped_linear(x, weight)
             if fp8 is not None and fp8.takes(x, weight):
                 return fp8.grouped(x, weight)
-            return _grouped_linear_torch(x, weight)
+            return _wide_quantized_grouped_linear(x, weight)
         if (
             0 < x.shape[0] <= MAX_M
             and x.shape[2] <= _SMALL_M_MAX_K
