@@ -18,6 +18,10 @@
 #                with the window KV cache in bf16 and in FP8 (V4.1's is FP8 by definition)
 #   sweep        launch shapes of the quantised linear at q_b / o_b / wide, M 1 and 16 (when the
 #                gemm stage misses its goals)
+#   w8a8         bench_fp8_gemm.py: the FP8-activation GEMMs (prefill-sized W8A8, the DSpark
+#                main projection's split-K) checked, then timed against cuBLAS bf16
+#   probe        probe_weight_operand.py: the weight-first orientation, K split over programs
+#                (atomics and fixed order) and the inline-PTX MXFP4 decode, against the library
 #
 # A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
 # in order of need, with stage budgets set from the first call's timings
@@ -29,6 +33,7 @@
 #   env,rank_dspark         ~9 minutes  (540 s)
 #   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
+#   env,w8a8,probe          ~9 minutes  (120 + 400 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -73,7 +78,7 @@ if has rank; then
 fi
 if has rank_dspark; then  # full width first: after its rows it profiles the SPS table online reads
   stage rank_dspark 540
-  for system in dspark_full:240 dspark_static:150 dspark_online:150; do
+  for system in dspark_full:320 dspark_static:110 dspark_online:110; do
     [[ ",$RANK_DSPARK_SYSTEMS," == *",${system%:*},"* ]] || continue
     run "${system#*:}" "rank/${system%:*}.log" "${native[@]}" decode "${rank[@]}" \
       --systems "${system%:*}" --append --batch-sizes 1,8,32 --sps-table "$WORK/rank/sps.json" \
@@ -97,5 +102,16 @@ if has sweep; then
       --m 1,16 --only "$shape" --out "$WORK/quant_sweep_$shape.md"
     show "$WORK/quant_sweep_$shape.md"
   done
+fi
+if has w8a8; then
+  stage w8a8 120
+  run 120 fp8_gemm.log python3 benchmark/kernels/bench_fp8_gemm.py --out "$WORK/fp8_gemm.md"
+  show "$WORK/fp8_gemm.md"
+fi
+if has probe; then  # the probe keeps to its own budget, under the stage's limit
+  stage probe 400
+  run 400 probe.log python3 benchmark/kernels/probe_weight_operand.py --budget-s 360 \
+    --out "$WORK/probe_weight_operand.md"
+  show "$WORK/probe_weight_operand.md"
 fi
 note "done at +$(($(now) - CALL_START)) s"
