@@ -30,10 +30,10 @@
 # ~70 s and its DSpark graphs in ~110 s; the GEMM stage was cut short at M 1):
 #   env,tests,gemm          ~7 minutes  (budgets 100 + 320 s)
 #   env,ab,rank             ~9 minutes  (320 + 200 s)
-#   env,rank_dspark         ~9 minutes  (540 s)
+#   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
 #   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
-#   env,w8a8,probe          ~9 minutes  (120 + 400 s)
+#   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).

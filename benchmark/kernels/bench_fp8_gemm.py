@@ -15,9 +15,10 @@ scales per 128 x 128 block, and per 32 x 32 as V4.1 stores them):
     by Triton: a layout check, not a speed one).
 Then times, under a CUDA graph of back-to-back calls (best of 5 replays): prefill-sized GEMMs
 (M = 512 and 4096) as W8A8 (with and without its quantiser launch) against cuBLAS bf16 on the
-same weights dequantised once, and against today's path for such M (dequantise per call, then
-cuBLAS); the DSpark main projection (3 x 4096 -> 4096) at M = 1..128 as split-K W8A8 (with its
-in-prologue quantisation and reduce) against the W8A16 kernel and cuBLAS bf16.
+same weights dequantised once, and against the library's path for such M without FP8
+activations (the one-pass Triton dequantisation per call, `linear/dequantize.py`, then cuBLAS);
+the DSpark main projection (3 x 4096 -> 4096) at M = 1..128 as split-K W8A8 (its quantiser
+launch, the split GEMM and the ordered reduce) against the W8A16 kernel and cuBLAS bf16.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ from sgl_dspark.kernels.fp8.reference import (  # noqa: E402
     w8a8_linear_ref,
 )
 from sgl_dspark.kernels.fp8.w8a8 import split_k_splits, w8a8_linear, w8a8_split_k_linear  # noqa: E402
+from sgl_dspark.kernels.linear.dequantize import dequantize_weight  # noqa: E402
 from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref  # noqa: E402
 from sgl_dspark.kernels.moe.sort import MoeSortPlan, moe_sort, prepare_moe_sort  # noqa: E402
@@ -168,7 +170,7 @@ def check_mx(gen: torch.Generator) -> list[str]:
 
 
 def _dequantise_then_linear(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
-    return F.linear(x, dequantize_weight_ref(w, torch.bfloat16))
+    return F.linear(x, dequantize_weight(w, x.dtype))
 
 
 def _quantise_then_w8a8(x: torch.Tensor, w: QuantizedWeight) -> torch.Tensor:
@@ -198,7 +200,7 @@ def bench(gen: torch.Generator) -> list[str]:
             row(
                 name,
                 m,
-                "dequantise per call + cuBLAS",
+                "dequantise per call (Triton) + cuBLAS",
                 time_us(partial(_dequantise_then_linear, x, w)),
                 n,
                 k,
@@ -221,7 +223,7 @@ def bench(gen: torch.Generator) -> list[str]:
         row(name, m, "cuBLAS bf16", time_us(partial(F.linear, x, dense)), n, k)
         if m <= 16:
             row(name, m, "W8A16 quantized_linear", time_us(partial(quantized_linear, x, w)), n, k)
-        label = f"split-K W8A8 (S={split_k_splits(m, n, k)}, quantise in prologue + reduce)"
+        label = f"split-K W8A8 (S={split_k_splits(m, n, k)}, quantise + split GEMM + reduce)"
         row(name, m, label, time_us(partial(w8a8_split_k_linear, x, w, fmt)), n, k)
     return rows
 

@@ -8,8 +8,9 @@ its grouped and split-K variants, against `kernels/fp8/reference.py`.
   reference's exactly rounded sum): outputs within SUM_EPS of sum |terms| before rounding; in
   the interpreter bf16 outputs equal up to rare one-ulp flips. Against dequantise-then-bf16 (`small_m_linear_ref` on the bf16
   activation): within `w8a8_bf16_gap_bound_ref` plus the two outputs' roundings.
-* Split-K: against its reference (the same splits), deterministic, and within fp32 rounding of
-  the unsplit GEMM.
+* Split-K: the activation quantised once by the quantiser (its codes are the GEMM's operand),
+  then against its reference (the same splits), deterministic, and within fp32 rounding of the
+  unsplit GEMM.
 
 Shapes cover partial scale blocks (N and K not multiples of the block), K not a multiple of the
 128-channel step, rows padded to the 64-row tile (M < 64) and past it, partial column tiles,
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from sgl_dspark.kernels.fp8 import w8a8
 from sgl_dspark.kernels.fp8.act_quant import quantize_act_fp8, quantize_act_mxfp8
 from sgl_dspark.kernels.fp8.reference import (
     Fp8ActFormat,
@@ -263,10 +265,57 @@ def test_split_k(m, n, k, block, group, splits) -> None:
     act = quantize_act_fp8_ref(x, group, True)
     terms = _abs_terms(act, w, group)
     _assert_w8a8_close(got, w8a8_split_k_linear_ref(x, w, fmt, k_split), terms)
-    # The prologue quantises as the quantiser does: the unsplit GEMM on its codes agrees.
+    # The unsplit GEMM on the quantiser's codes agrees.
     _assert_w8a8_close(got, w8a8_linear(quantize_act_fp8(x, group, True), w, group), terms * 2)
     # Deterministic for a given split count.
     assert torch.equal(w8a8_split_k_linear(x, w, fmt, splits=splits), got)
+
+
+@pytest.mark.parametrize(
+    "m,block,group", [(1, 128, 128), (3, 32, 32), (64, 128, 64), (130, 32, 128)]
+)
+def test_split_k_quantises_once_then_equals_its_reference(m, block, group, monkeypatch) -> None:
+    """One quantiser launch whose codes and scales are the reference's bit for bit and are the
+    split GEMM's operands; the result is the reference's at every split count (the CPU's fp32
+    dot: within the chunk sums' tolerance, rare one-ulp bf16 flips)."""
+    n, k = 72, 1000  # 8 K steps, the last partial; two column tiles, the second partial
+    gen = torch.Generator().manual_seed(m * 7 + block + group)
+    w = fp8_weight(n, k, block, gen)
+    scale = torch.exp2(torch.randint(-10, 6, (m, k), generator=gen).float())
+    x = (
+        (torch.rand(m, k, generator=gen) + 0.25)
+        * scale
+        * (torch.randint(0, 2, (m, k), generator=gen) * 2 - 1)
+    )
+    x = x.to(torch.bfloat16).to(DEVICE)
+    assert (x != 0).all()
+    fmt = Fp8ActFormat(group, True)
+    want_act = quantize_act_fp8_ref(x, group, True)
+    terms = _abs_terms(want_act, w, group)
+    quantised, operands = [], []
+    real_quantize, real_launch = w8a8.quantize_act_fp8, w8a8._launch
+
+    def quantize(*args, **kwargs):
+        quantised.append(real_quantize(*args, **kwargs))
+        return quantised[-1]
+
+    def launch(a, sa, *rest):
+        operands.append((a, sa))
+        return real_launch(a, sa, *rest)
+
+    monkeypatch.setattr(w8a8, "quantize_act_fp8", quantize)
+    monkeypatch.setattr(w8a8, "_launch", launch)
+    for splits in (1, 2, 3, 8):
+        quantised.clear()
+        operands.clear()
+        out = torch.full((m, n), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+        got = w8a8_split_k_linear(x, w, fmt, out=out, splits=splits)
+        assert got is out and not torch.isnan(got).any()
+        assert len(quantised) == 1 and len(operands) == 1
+        _same_bits(quantised[0], want_act)
+        assert operands[0][0] is quantised[0].q and operands[0][1] is quantised[0].scale
+        k_split = -(-8 // splits) * BLOCK_K
+        _assert_w8a8_close(got, w8a8_split_k_linear_ref(x, w, fmt, k_split), terms)
 
 
 def test_split_count_is_a_function_of_the_shape() -> None:
@@ -292,7 +341,9 @@ def test_bad_arguments_raise() -> None:
     fp4 = mxfp4_to_runtime(*quantize_mxfp4(torch.randn(64, 128), 32), 32)
     with pytest.raises(ValueError, match="FP8 weight"):
         w8a8_linear(act, fp4._replace(data=fp4.data.to(DEVICE), scale=fp4.scale.to(DEVICE)), 128)
-    with pytest.raises(ValueError, match="whole activation groups"):
-        w8a8_split_k_linear(x, fp8_weight(64, 128, 32, gen), Fp8ActFormat(128, True))
+    with pytest.raises(ValueError, match="split-K needs chunks"):  # chunks of 256 channels
+        w8a8_split_k_linear(x, fp8_weight(64, 128, 256, gen), Fp8ActFormat(256, True))
+    with pytest.raises(ValueError, match="split-K needs chunks"):  # chunks of 16 channels
+        w8a8_split_k_linear(x, fp8_weight(64, 128, 128, gen), Fp8ActFormat(16, True))
     with pytest.raises(ValueError, match="group must be a power of two"):
         quantize_act_fp8(x, 48)

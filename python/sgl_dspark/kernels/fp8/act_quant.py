@@ -1,8 +1,8 @@
 """Per-token-group FP8 activation quantisation (`quantize_act_fp8_ref` and
 `quantize_act_mxfp8_ref` are the spec): the Triton pieces every producer folds into its epilogue
 (`fp8_group_scale`, `e4m3_codes`, `quantize_groups`: the mHC boundary's normed output, the
-SiLU-mul-clamp epilogue, the MX MoE stage 1 and the split-K GEMM's prologue), and a launcher of
-its own for activations whose producer does not fold it (`quantize_act_fp8`).
+SiLU-mul-clamp epilogue and the MX MoE stage 1), and a launcher of its own for activations whose
+producer does not fold it (`quantize_act_fp8`; the split-K GEMM quantises its input with it).
 
 Exactness: bit-exact against the reference on every backend, the CPU interpreter included: the
 scale is a correctly rounded division (`div_rn`), rounded up to a power of two on the bits, the

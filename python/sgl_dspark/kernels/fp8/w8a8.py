@@ -11,11 +11,12 @@ One kernel, three launchers:
     every chunk keeps the FP8 MMA's short internal accumulation to one scale group.
   * `w8a8_grouped_linear`: G such products in one launch (the grouped output projection).
   * `w8a8_split_k_linear`: a fixed-shape, weight-bound projection with a long K (the DSpark
-    main projection: K = taps x D, M = the graph's rows): the activation is read in the model
-    dtype and quantised in the kernel's prologue, chunk by chunk (each chunk is one whole
-    activation group, so every program computes the same codes and scales as
-    `quantize_act_fp8`); the K range is cut into S splits over a third grid axis, each writing
-    an fp32 partial, and `_split_k_reduce_kernel` sums the partials in split order and rounds.
+    main projection: K = taps x D, M = the graph's rows), taking its activation in the model
+    dtype: quantised once (`quantize_act_fp8`), then the GEMM on the codes with the K range cut
+    into S splits over a third grid axis, each writing an fp32 partial, then
+    `_split_k_reduce_kernel` sums the partials in split order and rounds. The quantisation is a
+    launch of its own because in the GEMM's prologue every column tile's program would
+    quantise the same activation chunk again (N / BLOCK_N times over, on the critical path).
     S depends on (M, N, K) only (`split_k_splits`): fixed for a captured graph, so the bits are
     deterministic.
 
@@ -23,8 +24,9 @@ Exactness: against the reference with the same activation quantisation, the prod
 and the chunk terms are formed and summed in the reference's order with FMA contraction off
 (fp32); only each chunk's own sum P_c is the matrix unit's (the reference rounds the exact sum
 once): a tolerance of the fp32 sums, far below the output's rounding (bf16 outputs differ in
-rare last-bit flips). The split-K variant sums different chunks per split than the plain GEMM:
-not bitwise equal to it, deterministic for a given S. Against dequantise-then-bf16 the
+rare last-bit flips). The split-K variant's activation codes and scales are `quantize_act_fp8`'s
+(the reference's, bit for bit); it sums different chunks per split than the plain GEMM: not
+bitwise equal to it, deterministic for a given S. Against dequantise-then-bf16 the
 activation's E4M3 rounding is the change (`w8a8_bf16_gap_bound_ref`). Tiles depend on M (a
 row's last bits may depend on the number of rows: 64-row tiles up to 64 rows, 128 above). The CPU interpreter has no FP8 dot: there
 the codes are widened to fp32 (exact) and the dot runs in fp32.
@@ -44,7 +46,7 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_storage,
     wait_for_producers,
 )
-from sgl_dspark.kernels.fp8.act_quant import check_group, e4m3_codes, fp8_group_scale
+from sgl_dspark.kernels.fp8.act_quant import check_group, quantize_act_fp8
 from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
 from sgl_dspark.kernels.linear.dequant import e8m0_to_fp32
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
@@ -71,38 +73,23 @@ def w8a8_chunk(
     A_GROUP: tl.constexpr,
     W_GROUP: tl.constexpr,
     SUB: tl.constexpr,
-    A_QUANT: tl.constexpr,
-    UE8M0: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
     """The scaled product of channels [k0, k0 + SUB) as fp32 [BM, BN] (module doc).
 
-    a_rows [BM]: pointers to the activation rows (FP8 codes, or model-dtype values with A_QUANT:
-    then SUB == A_GROUP and the chunk is quantised here), a_ok [BM]; sa_rows [BM]: pointers to
-    the rows' scales (unused with A_QUANT); w_rows [BN]: pointers to the weight rows of each
-    output column, w_ok [BN]; sw_rows [BN]: pointers to their E8M0 scale rows."""
+    a_rows [BM]: pointers to the activation rows (FP8 codes), a_ok [BM]; sa_rows [BM]: pointers
+    to the rows' scales; w_rows [BN]: pointers to the weight rows of each output column, w_ok
+    [BN]; sw_rows [BN]: pointers to their E8M0 scale rows."""
     k = k0 + tl.arange(0, SUB)
     k_ok = k < k_dim
-    a_mask = a_ok[:, None] & k_ok[None, :]
     w = tl.load(w_rows[None, :] + k[:, None], mask=k_ok[:, None] & w_ok[None, :], other=0.0)
-    if A_QUANT:
-        x = tl.load(a_rows[:, None] + k[None, :], mask=a_mask, other=0.0).to(tl.float32)
-        sa = fp8_group_scale(tl.max(tl.abs(x), axis=1), UE8M0)
-        codes, values = e4m3_codes(x, sa[:, None])
-        if DOT_FP32:
-            a = values
-        else:
-            a = codes.to(tl.float8e4nv, bitcast=True)
-    else:
-        a = tl.load(a_rows[:, None] + k[None, :], mask=a_mask, other=0.0)
-        # A chunk past K (K below the K step) has no scale column: reading one would read past
-        # the row (the next row's scale, or past the end of the last row's allocation), and a
-        # NaN there makes NaN of the chunk's zero product.
-        sa = tl.load(sa_rows + k0 // A_GROUP, mask=a_ok & (k0 < k_dim), other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
+    a = tl.load(a_rows[:, None] + k[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0)
+    # A chunk past K (K below the K step) has no scale column: reading one would read past the
+    # row (the next row's scale, or past the end of the last row's allocation), and a NaN there
+    # makes NaN of the chunk's zero product.
+    sa = tl.load(sa_rows + k0 // A_GROUP, mask=a_ok & (k0 < k_dim), other=0.0)
     if DOT_FP32:
-        part = tl.dot(a, w.to(tl.float32), input_precision="ieee")
+        part = tl.dot(a.to(tl.float32), w.to(tl.float32), input_precision="ieee")
     else:
         part = tl.dot(a, w)
     sw = e8m0_to_fp32(tl.load(sw_rows + k0 // W_GROUP, mask=w_ok & (k0 < k_dim), other=0))
@@ -137,8 +124,6 @@ def _w8a8_gemm_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     GROUP_M: tl.constexpr,
-    A_QUANT: tl.constexpr,
-    UE8M0: tl.constexpr,
     PARTIAL: tl.constexpr,
     OUT_KIND: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -182,8 +167,6 @@ def _w8a8_gemm_kernel(
                 A_GROUP,
                 W_GROUP,
                 SUB,
-                A_QUANT,
-                UE8M0,
                 DOT_FP32,
             )
     mask = mask_m[:, None] & mask_n[None, :]
@@ -232,6 +215,13 @@ def supports(act_group: int, weight: QuantizedWeight) -> bool:
     """Whether an FP8 weight and activations in groups of `act_group` can take these kernels:
     each chunk must be at least one FP8 MMA K step (32 channels)."""
     return weight.fmt == "fp8" and chunk_width(act_group, weight) >= MIN_CHUNK
+
+
+def split_k_supports(act_group: int, weight: QuantizedWeight) -> bool:
+    """Whether `w8a8_split_k_linear` takes them: its reference (`w8a8_split_k_linear_ref`)
+    chunks K by min(act_group, weight.group), and a split (whole K steps of `BLOCK_K`) must be
+    whole chunks."""
+    return supports(act_group, weight) and min(act_group, weight.group) <= BLOCK_K
 
 
 # Row tiles of at least 64: Hopper's FP8 MMA is the warpgroup MMA, whose tile has 64 rows
@@ -419,12 +409,12 @@ def w8a8_split_k_linear(
     out: torch.Tensor | None = None,
     splits: int | None = None,
 ) -> torch.Tensor:
-    """`w8a8_split_k_linear_ref(x, weight, fmt, k_split)` in two launches (the split GEMM with
-    the activation quantised in its prologue, then the ordered reduce; no host sync).
+    """`w8a8_split_k_linear_ref(x, weight, fmt, k_split)` in three launches (`quantize_act_fp8`
+    once, the split GEMM on its codes, then the ordered reduce; no host sync).
 
     Args:
         x: [M, K] bf16/fp16/fp32 with unit stride along K.
-        weight: FP8 `QuantizedWeight` [N, K]; fmt.group <= min(weight.group, 128) and >= 32.
+        weight: FP8 `QuantizedWeight` [N, K]; 32 <= min(fmt.group, weight.group) <= 128.
         fmt: the activation quantisation (group, power-of-two scales).
         out: optional [M, N] of x's dtype with unit stride along N.
         splits: K splits (None: `split_k_splits(M, N, K)`); the launch uses
@@ -438,9 +428,10 @@ def w8a8_split_k_linear(
     check_group(fmt.group)
     _check_weight(weight, k, x.device)
     require(
-        fmt.group <= min(weight.group, BLOCK_K) and fmt.group >= MIN_CHUNK,
-        f"split-K quantises whole activation groups per chunk: needs {MIN_CHUNK} <= group <= "
-        f"min(weight group {weight.group}, {BLOCK_K}), got {fmt.group}",
+        split_k_supports(fmt.group, weight),
+        f"split-K needs chunks of {MIN_CHUNK} to {BLOCK_K} channels (a split is a whole number "
+        f"of K steps and of chunks): min(activation group {fmt.group}, weight group "
+        f"{weight.group}) is not",
     )
     n = weight.shape[0]
     out = _out((m, n), x.dtype, x.device, out)
@@ -454,17 +445,30 @@ def w8a8_split_k_linear(
     require(splits >= 1, f"splits must be >= 1, got {splits}")
     k_split = triton.cdiv(steps, min(splits, steps)) * BLOCK_K
     used = triton.cdiv(k, k_split)
+    act = quantize_act_fp8(x, fmt.group, fmt.ue8m0)
+    # One split writes the output; several write fp32 partials [S, M, N] for the reduce.
+    dest = out if used == 1 else torch.empty(used, m, n, dtype=torch.float32, device=x.device)
+    sub = chunk_width(fmt.group, weight)
     meta = _split_meta(m)
-    if used == 1:
-        _launch(x, x, weight, out, (m, n, k), k_split, 1, 1, (0, 0, 0, 0), fmt, fmt.group, meta)
-        return out
-    workspace = torch.empty(used, m, n, dtype=torch.float32, device=x.device)
     _launch(
-        x, x, weight, workspace, (m, n, k), k_split, used, 1, (0, 0, 0, 0), fmt, fmt.group, meta
+        act.q,
+        act.scale,
+        weight,
+        dest,
+        (m, n, k),
+        k_split,
+        used,
+        1,
+        (0, 0, 0, 0),
+        fmt.group,
+        sub,
+        meta,
     )
+    if used == 1:
+        return out
     block = 1024
     _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-        workspace,
+        dest,
         out,
         m * n,
         n,
@@ -488,16 +492,14 @@ def _launch(
     splits: int,
     groups: int,
     group_strides: tuple[int, int, int, int],
-    act: int | Fp8ActFormat,
+    a_group: int,
     sub: int,
     meta: dict[str, int],
 ) -> None:
-    """One GEMM launch over (tiles, splits, groups). `act`: the activation group of FP8 codes
-    `a` with scales `sa`, or the format `a` (model dtype) is quantised to in the prologue. `out`
-    is the output, or with several splits the [S, M, N] fp32 workspace."""
+    """One GEMM launch over (tiles, splits, groups) of FP8 codes `a` with scales `sa` in groups
+    of `a_group` channels. `out` is the output, or with several splits the [S, M, N] fp32
+    workspace."""
     m, n, k = mnk
-    a_quant = isinstance(act, Fp8ActFormat)
-    a_group = act.group if isinstance(act, Fp8ActFormat) else act
     grid = (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]), splits, groups)
     partial = splits > 1
     _w8a8_gemm_kernel[grid](
@@ -522,8 +524,6 @@ def _launch(
         SUB=sub,
         BLOCK_K=BLOCK_K,
         GROUP_M=8,
-        A_QUANT=a_quant,
-        UE8M0=isinstance(act, Fp8ActFormat) and act.ue8m0,
         PARTIAL=partial,
         OUT_KIND=DTYPE_KIND[torch.float32 if partial else out.dtype],
         # The CPU interpreter has no FP8 dot: exact fp32 products there.
@@ -539,6 +539,7 @@ __all__ = [
     "BLOCK_K",
     "chunk_width",
     "split_k_splits",
+    "split_k_supports",
     "supports",
     "w8a8_grouped_linear",
     "w8a8_linear",

@@ -6,11 +6,13 @@ input has more rows than the decode-size weight-only kernels take (`MAX_M`: pref
 verify batches) runs the W8A8 block-scaled GEMM (`kernels/fp8/w8a8.py`) instead of dequantising
 the weight per call; so does the grouped output projection. The DSpark main projection (K =
 taps x D, a fixed row count per captured graph) runs the split-K W8A8 GEMM at every size up to
-`SPLIT_K_MAX_M` rows, quantising its input in the GEMM's prologue (its producer is the mean of
-the target's streams, a torch op). With `KernelChoice.mx_moe_block` the routed MXFP4 experts run
-the MX path (`kernels/fp8/mx_moe.py`) wherever the sorted expert path runs (more than 4
-tokens), sorted in blocks of the rows the target's scaled MMA needs (32 on gfx950, 128 on
-Blackwell).
+`SPLIT_K_MAX_M` rows: its input (the mean of the target's streams, a torch op, so no epilogue to
+fold the quantisation into) is quantised once (`quantize_act_fp8`), then the split GEMM reads
+the codes and an ordered reduce sums the splits; quantising in the GEMM's prologue instead
+would repeat the activation's quantisation once per column tile. With
+`KernelChoice.mx_moe_block` the routed MXFP4 experts run the MX path (`kernels/fp8/mx_moe.py`)
+wherever the sorted expert path runs (more than 4 tokens), sorted in blocks of the rows the
+target's scaled MMA needs (32 on gfx950, 128 on Blackwell).
 
 Quantisation is per token and per `group` channels (the checkpoint's weight block along K), with
 power-of-two scales when the checkpoint declares `scale_fmt: ue8m0`. It is folded into the
@@ -182,7 +184,8 @@ class Fp8Linear:
         return self._w8a8.w8a8_grouped_linear(act, weight, self.fmt.group, x.dtype)
 
     def split_k(self, x: torch.Tensor, weight: QuantizedWeight) -> torch.Tensor:
-        """The split-K GEMM, x [M, K] quantised in its prologue (module doc)."""
+        """The split-K GEMM of x [M, K]: x quantised once, the split GEMM, the ordered reduce
+        (module doc)."""
         return self._w8a8.w8a8_split_k_linear(x.contiguous(), weight, self.fmt)
 
 
@@ -201,7 +204,7 @@ def split_k_linear_impl(kernels: KernelChoice | None, fallback: LinearFn) -> Lin
     fp8 = fp8_linear_impl(kernels)
     if fp8 is None:
         return fallback
-    from sgl_dspark.kernels.fp8.w8a8 import BLOCK_K, MIN_CHUNK
+    from sgl_dspark.kernels.fp8.w8a8 import split_k_supports
 
     def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight) -> torch.Tensor:
         if (
@@ -210,7 +213,7 @@ def split_k_linear_impl(kernels: KernelChoice | None, fallback: LinearFn) -> Lin
             or weight.data.dim() != 2
             or x.dim() != 2
             or x.shape[0] == 0
-            or not MIN_CHUNK <= fp8.fmt.group <= min(weight.group, BLOCK_K)
+            or not split_k_supports(fp8.fmt.group, weight)
         ):
             return fallback(x, weight)
         if x.shape[0] <= SPLIT_K_MAX_M:
