@@ -64,6 +64,7 @@ from benchmark.bench_engine import (  # noqa: E402
     time_engine,
 )
 from benchmark.step_floor import copy_bandwidth, v41_kv_bytes  # noqa: E402
+from benchmark.step_profile import profile_steps  # noqa: E402
 
 EMBEDDING_NAMES = ("embed_tokens", "lm_head", "markov_head", "engram.embed")
 
@@ -222,13 +223,14 @@ def run_engine(
     after=None,
     **extra,
 ) -> None:
-    """One engine: load, then every batch size, then `after(engine)`; a failure is an error row
-    (`run_or_error_row`)."""
+    """One engine: load, then every batch size, then with `--profile` its bs 1 profile, then
+    `after(engine)`; a failure is an error row (`run_or_error_row`)."""
     # Before the first engine too: the peak memory of the rows is this engine's alone.
     release_device_memory(a.device)
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()
+    out_dir = Path(a.out_dir)
 
     def body(engine: Engine) -> None:
         load_s = time.perf_counter() - t0
@@ -254,6 +256,10 @@ def run_engine(
                     **extra,
                     "ids": ids,
                 }
+            )
+        if a.profile:
+            profile_steps(
+                engine, prompts_for(1, a.input_len, vocab), out_dir / f"profile_{system}_bs1.txt"
             )
         if after is not None:
             after(engine)
@@ -337,6 +343,12 @@ def main() -> None:
         default=None,
         help="SPS table dspark_full profiles and dspark_online reads (default: "
         "<out-dir>/native_decode_<config>_sps.json)",
+    )
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="decode mode: after each engine's rows, a torch.profiler table of its bs 1 decode "
+        "steps (device kernels by time, then host ops) in --out-dir/profile_<system>_bs1.txt",
     )
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine arguments")
     p.add_argument("--out", default=None, help="sizes mode: markdown file")

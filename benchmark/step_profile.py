@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 from sgl_dspark import Engine
+from sgl_dspark.srt.entrypoints.logprob_format import LogprobOptions
 
 
 def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: int = 8) -> None:
@@ -17,7 +18,9 @@ def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: i
     sched = engine.scheduler
     reqs = [
         engine._make_req(
-            p, {"max_new_tokens": 10 * steps, "temperature": 0.0, "ignore_eos": True}, False
+            p,
+            {"max_new_tokens": 10 * steps, "temperature": 0.0, "ignore_eos": True},
+            LogprobOptions(),
         )
         for p in prompts
     ]
@@ -27,14 +30,19 @@ def profile_steps(engine: Engine, prompts: list[list[int]], path: Path, steps: i
         sched.step()
     for _ in range(3):
         sched.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    # A CPU engine (the benchmarks' CPU tests) has no device kernels: the tables show host ops.
+    gpu = torch.cuda.is_available()
+    sync = torch.cuda.synchronize if gpu else (lambda: None)
+    sync()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with profile(activities=activities) as prof:
         t0 = time.perf_counter()
         for _ in range(steps):
             sched.step()
-        torch.cuda.synchronize()
+        sync()
         wall = (time.perf_counter() - t0) / steps
-    table = prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=45)
+    device_key = "self_cuda_time_total" if gpu else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=device_key, row_limit=45)
     cpu = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30)
     path.write_text(
         f"{steps} steps, {wall * 1e3:.2f} ms/step wall (under the profiler)\n\n"

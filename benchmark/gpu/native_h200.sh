@@ -14,6 +14,8 @@
 #   rank_dspark  the same model with DSpark (simulated acceptance 3.2): full width (which also
 #                profiles the SPS table), the static widths, the online width policy (reads
 #                that table), one process each
+#   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
+#                (one process each): device kernels per step by time, then host ops
 #   v4_kv        dsv4_flash_rank (DeepSeek-V4-Flash dimensions), plain decode at bs 1 and 32
 #                with the window KV cache in bf16 and in FP8 (V4.1's is FP8 by definition)
 #   sweep        launch shapes of the quantised linear at q_b / o_b / wide, M 1 and 16 (when the
@@ -31,6 +33,7 @@
 #   env,tests,gemm          ~7 minutes  (budgets 100 + 320 s)
 #   env,ab,rank             ~9 minutes  (320 + 200 s)
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
+#   env,rank_profile        ~4-7 minutes  (400 s)
 #   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
@@ -85,6 +88,20 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
       --out-dir "$WORK/rank"
   done
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
+fi
+if has rank_profile; then  # the kernel list heads each profile's table in the summary
+  stage rank_profile 400
+  for system in plain:180 dspark_static:220; do
+    run "${system#*:}" "rank_profile/${system%:*}.log" "${native[@]}" decode "${rank[@]}" \
+      --systems "${system%:*}" --batch-sizes 1 --profile --out-dir "$WORK/rank_profile"
+  done
+  if (( ! DRY_RUN )); then
+    for f in "$WORK"/rank_profile/profile_*_bs1.txt; do
+      [ -f "$f" ] || continue
+      grep -A 45 "device kernels per step" "$f" > "${f%.txt}_kernels.md"
+      show "${f%.txt}_kernels.md"
+    done
+  fi
 fi
 if has v4_kv; then  # one table per KV dtype (bench_native names its table by config only)
   stage v4_kv 320

@@ -22,6 +22,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sgl_dspark import Engine  # noqa: E402
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
+from sgl_dspark.srt.entrypoints.logprob_format import LogprobOptions  # noqa: E402
 from sgl_dspark.srt.model_loader.export import save_released_checkpoint  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS  # noqa: E402
 
@@ -99,7 +100,9 @@ def main() -> None:
     # Decode: host time per scheduler step vs device time (graphs + overlap).
     sched = eng.scheduler
     req = eng._make_req(
-        prompts[0], {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True}, False
+        prompts[0],
+        {"max_new_tokens": 200, "temperature": 0.0, "ignore_eos": True},
+        LogprobOptions(),
     )
     sched.add(req)
     while not (req.prefill_done and req.output_ids):

@@ -85,3 +85,35 @@ def test_decode_mode_runs_on_cpu(tmp_path: Path) -> None:
         assert len(row["ids"]) == row["bs"] and all(len(ids) == 3 for ids in row["ids"])
         assert row["memory_gb"]["experts"] > 0 and row["memory_gb"]["kv"] > 0
     assert "| plain | 2 |" in (tmp_path / "native_decode_toy.md").read_text()
+
+
+def test_decode_profile_writes_the_engines_table(tmp_path: Path) -> None:
+    """`--profile` adds, after an engine's rows, a profile of its bs 1 decode steps (host ops on
+    a CPU; device kernels too on a GPU) named by its system."""
+    cmd = [
+        sys.executable,
+        str(ROOT / "benchmark" / "bench_native.py"),
+        "decode",
+        "--config",
+        "toy",
+        "--device",
+        "cpu",
+        "--systems",
+        "plain",
+        "--batch-sizes",
+        "1",
+        "--input-len",
+        "8",
+        "--output-len",
+        "24",  # the context (prompt + output + 64) holds the profile's 80 new tokens
+        "--profile",
+        "--out-dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "native_decode_toy.json").read_text())["rows"]
+    assert [r["system"] for r in rows] == ["plain"] and "error" not in rows[0], rows
+    text = (tmp_path / "profile_plain_bs1.txt").read_text()
+    assert text.startswith("8 steps, ") and "ms/step wall" in text
+    assert "aten::" in text  # the host ops of the profiled steps
