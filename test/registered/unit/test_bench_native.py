@@ -7,7 +7,8 @@
   dense <= 0.55x: a few dense tensors stay bf16 as released).
 * The decode mode runs end to end on the toy config on CPU (plain, DSpark full / static /
   online width with its profiled SPS table) and writes one row per system and batch size;
-  CPU numbers are meaningless, this keeps the GPU script working.
+  CPU numbers are meaningless, this keeps the GPU script working; with `--profile` it also
+  writes each engine's bs 1 step profile.
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ def test_rank_model_sizes(name: str, d: int, inter: int, layers: int) -> None:
         assert total["bf16"] > H200_BYTES > total["native"]
 
 
-def test_decode_mode_runs_on_cpu(tmp_path: Path) -> None:
+def _decode_on_cpu(tmp_path: Path, *args: str) -> list[dict]:
+    """`bench_native.py decode` on the toy config on CPU with `args`; its rows."""
     cmd = [
         sys.executable,
         str(ROOT / "benchmark" / "bench_native.py"),
@@ -57,30 +59,30 @@ def test_decode_mode_runs_on_cpu(tmp_path: Path) -> None:
         "toy",
         "--device",
         "cpu",
-        "--dspark",
-        "--batch-sizes",
-        "2",
-        "--static-widths",
-        "2:2",
-        "--online-widths",
-        "2",
         "--input-len",
         "8",
-        "--output-len",
-        "3",
+        *args,
         "--out-dir",
         str(tmp_path),
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads((tmp_path / "native_decode_toy.json").read_text())
-    systems = [(r["system"], r.get("bs")) for r in result["rows"]]
+    return json.loads((tmp_path / "native_decode_toy.json").read_text())["rows"]
+
+
+def test_decode_mode_runs_on_cpu(tmp_path: Path) -> None:
+    rows = _decode_on_cpu(
+        tmp_path,
+        *("--dspark", "--batch-sizes", "2", "--static-widths", "2:2", "--online-widths", "2"),
+        *("--output-len", "3"),
+    )
+    systems = [(r["system"], r.get("bs")) for r in rows]
     assert systems == [
         (s, bs)
         for s in ("plain", "dspark_full", "dspark_static_2:2", "dspark_online_2")
         for bs in (2,)
     ], systems
-    for row in result["rows"]:
+    for row in rows:
         assert "error" not in row, row
         assert len(row["ids"]) == row["bs"] and all(len(ids) == 3 for ids in row["ids"])
         assert row["memory_gb"]["experts"] > 0 and row["memory_gb"]["kv"] > 0
@@ -90,29 +92,10 @@ def test_decode_mode_runs_on_cpu(tmp_path: Path) -> None:
 def test_decode_profile_writes_the_engines_table(tmp_path: Path) -> None:
     """`--profile` adds, after an engine's rows, a profile of its bs 1 decode steps (host ops on
     a CPU; device kernels too on a GPU) named by its system."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "benchmark" / "bench_native.py"),
-        "decode",
-        "--config",
-        "toy",
-        "--device",
-        "cpu",
-        "--systems",
-        "plain",
-        "--batch-sizes",
-        "1",
-        "--input-len",
-        "8",
-        "--output-len",
-        "24",  # the context (prompt + output + 64) holds the profile's 80 new tokens
-        "--profile",
-        "--out-dir",
-        str(tmp_path),
-    ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = json.loads((tmp_path / "native_decode_toy.json").read_text())["rows"]
+    # The context (prompt + output + 64) must hold the profile's 80 new tokens.
+    rows = _decode_on_cpu(
+        tmp_path, "--systems", "plain", "--batch-sizes", "1", "--output-len", "24", "--profile"
+    )
     assert [r["system"] for r in rows] == ["plain"] and "error" not in rows[0], rows
     text = (tmp_path / "profile_plain_bs1.txt").read_text()
     assert text.startswith("8 steps, ") and "ms/step wall" in text
