@@ -3,7 +3,8 @@
 #
 #   bash benchmark/gpu/native_h200.sh [--dry-run] [stages]
 #
-#   tests        compiled tests of the quantised kernels and the FP8 window attention
+#   tests        compiled tests of the quantised kernels (the MXFP4 decoders included) and the
+#                FP8 window attention
 #   gemm         bench_quant_gemm.py: bf16 Triton / cuBLAS / previous and current W8A16 /
 #                W4A16 at V4-Flash decode shapes, M 1/4/8/16, and the MoE paths (its own 95 s
 #                budget for new shapes)
@@ -57,7 +58,8 @@ if has tests; then
     test/registered/kernels/test_quantized_gemm.py \
     test/registered/kernels/test_window_sparse_attention.py \
     test/registered/kernels/test_moe_token_gemm.py \
-    test/registered/kernels/test_small_m_linear.py
+    test/registered/kernels/test_small_m_linear.py \
+    test/registered/kernels/test_fp4_nibble_decode.py
   show "$WORK/native_tests.txt" 15
 fi
 if has gemm; then

@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
 
 from sgl_dspark.kernels.linear.dequant import (  # noqa: E402
+    fp4_ptx_decode,
     quantized_product,
     quantized_scales,
     quantized_tile,
@@ -167,7 +168,7 @@ def _split_fixed_order_kernel(
     stride_sn,
     stride_ym,
     FP4: tl.constexpr,
-    WORDS: tl.constexpr,
+    PTX: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -189,7 +190,7 @@ def _split_fixed_order_kernel(
     k_len = tl.cdiv(tl.cdiv(K, SPLIT), BLOCK_K) * BLOCK_K
     k_begin = split * k_len
     k_here = tl.maximum(tl.minimum(K - k_begin, k_len), 0)
-    PER_ELEMENT: tl.constexpr = 8 if WORDS else (2 if FP4 else 1)  # channels per stored element
+    PER_ELEMENT: tl.constexpr = 2 if FP4 else 1  # channels per stored element
     scale_row = (tl.minimum(offs_n, N - 1) // SCALE_ROWS).to(tl.int64)
     acc = quantized_product(
         x_ptr + k_begin + offs_m.to(tl.int64) * stride_xm,
@@ -202,7 +203,7 @@ def _split_fixed_order_kernel(
         BLOCK_N,
         BLOCK_K,
         FP4,
-        WORDS,
+        PTX,
         GROUP,
         DOT_FP32,
         SPLIT_K,
@@ -230,7 +231,7 @@ def split_fixed_order_linear(x, weight, bn, bk, split_k, warps, stages, split):
     n = weight.shape[0]
     # A slice starts on a K step; its scales are indexed from the slice's first group.
     assert bk % weight.group == 0, "the K step must hold whole scale groups"
-    data, words = stored_rows(weight)
+    data = weight.data
     key = (x.device, m, n, split, bn)
     if key not in _SPLIT_BUFFERS:
         _SPLIT_BUFFERS[key] = (
@@ -254,7 +255,7 @@ def split_fixed_order_linear(x, weight, bn, bk, split_k, warps, stages, split):
         weight.scale.stride(0),
         out.stride(0),
         FP4=weight.fmt == "mxfp4",
-        WORDS=words,
+        PTX=fp4_ptx_decode(x.device),
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_N=bn,

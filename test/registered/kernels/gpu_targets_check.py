@@ -35,6 +35,10 @@ TARGETS = {
 # Targets compiled only for the instruction checks that name them (Blackwell: 228 KB).
 INSTRUCTION_TARGETS = {"sm100": (GPUTarget("cuda", 100, 32), 232448)}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
+# Constexprs a launcher sets from the device it runs on: a launch recorded with CPU tensors
+# compiles for each target with the value that target's device gets (`PTX`:
+# `linear.dequant.fp4_ptx_decode`, the inline-PTX MXFP4 decode on NVIDIA only).
+_TARGET_CONSTEXPRS = {"PTX": lambda target: target.backend == "cuda"}
 _KERNEL_MODULES = (
     "moe.activation",
     "compressor.pool",
@@ -159,7 +163,11 @@ def _compile_all(rec: _Recorder, instructions: dict[str, str] | None = None) -> 
         seen.add(key)
         extra = {k: v for k, v in INSTRUCTION_TARGETS.items() if k in (instructions or {})}
         for name, (target, smem_limit) in {**TARGETS, **extra}.items():
-            src, options = launch_source(rec.fn, args, kwargs, target)
+            on_target = {
+                k: _TARGET_CONSTEXPRS[k](target) if k in _TARGET_CONSTEXPRS else v
+                for k, v in kwargs.items()
+            }
+            src, options = launch_source(rec.fn, args, on_target, target)
             compiled = triton.compile(src, target=target, options=options)
             shared = compiled.metadata.shared
             assert shared <= smem_limit, (name, kwargs, shared)
@@ -693,6 +701,7 @@ _W8A8_INSTRUCTIONS = {
     "sm90": r"wgmma\.mma_async\S*\.e4m3\.e4m3",
     "gfx950": r"v_mfma_f32_\w+_(f8f6f4|fp8_fp8)",
 }
+_FP4_PTX_DECODE = {"sm90": r"prmt\.b32"}
 INSTRUCTIONS = {
     "w8a8_linear_prefill_128": _W8A8_INSTRUCTIONS,
     "w8a8_linear_prefill_v41_32": _W8A8_INSTRUCTIONS,
@@ -701,6 +710,13 @@ INSTRUCTIONS = {
     "w8a8_split_k_main_proj": _W8A8_INSTRUCTIONS,
     "mx_moe_gfx950": {"gfx950": r"v_mfma_scale_f32_\w+_f8f6f4"},
     "mx_moe_blackwell": {"sm100": r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale"},
+    # The MXFP4 GEMMs decode code bytes with inline PTX on NVIDIA (`dequant.E2M1_NIBBLES_PTX`,
+    # its byte permutes); gfx950 compiles the portable decode.
+    "quantized_linear_mxfp4": _FP4_PTX_DECODE,
+    "quantized_linear_mxfp4_wide_m1": _FP4_PTX_DECODE,
+    "quantized_moe_grouped_mxfp4": _FP4_PTX_DECODE,
+    "quantized_moe_route_gate_up_mxfp4": _FP4_PTX_DECODE,
+    "quantized_moe_token_down_mxfp4": _FP4_PTX_DECODE,
 }
 
 CASES = {

@@ -200,6 +200,132 @@ def quantized_tile(
     return v
 
 
+# Four MXFP4 code bytes per 32-bit register in; out, as two registers of two bf16 each, the
+# values * 2^-126 of their low nibbles (bytes 0, 1 then 2, 3) and of their high nibbles. A
+# nibble in a byte's top four bits is a bf16's sign and its low exponent / top mantissa bits
+# once the byte is sign-extended into a 16-bit half (PRMT selector 8 + i: the sign of byte i
+# replicated) and the half shifted up 2 and masked; the low nibbles take that path after the
+# word is shifted up 4. Four instructions per two weights, against the portable decode's
+# per-element shifts and masks (`e2m1_nibbles`, which the tests compare with it bit for bit).
+E2M1_NIBBLES_PTX = tl.constexpr(
+    """
+{
+.reg .b32 byte_pair, shifted;
+shl.b32 shifted, $4, 4;
+prmt.b32 byte_pair, shifted, 0, 0x9180;
+shl.b32 byte_pair, byte_pair, 2;
+and.b32 $0, byte_pair, 0x81C081C0;
+prmt.b32 byte_pair, shifted, 0, 0xB3A2;
+shl.b32 byte_pair, byte_pair, 2;
+and.b32 $1, byte_pair, 0x81C081C0;
+prmt.b32 byte_pair, $4, 0, 0x9180;
+shl.b32 byte_pair, byte_pair, 2;
+and.b32 $2, byte_pair, 0x81C081C0;
+prmt.b32 byte_pair, $4, 0, 0xB3A2;
+shl.b32 byte_pair, byte_pair, 2;
+and.b32 $3, byte_pair, 0x81C081C0;
+}
+"""
+)
+
+
+@triton.jit
+def e2m1_nibbles(q, WIDE: tl.constexpr, PTX: tl.constexpr):
+    """uint8 code bytes q (channel 2b in byte b's low nibble, 2b + 1 in its high one) -> (low,
+    high) nibbles' values * 2^-126, each the shape of q: fp32 if WIDE, else bf16 (by the inline
+    PTX `E2M1_NIBBLES_PTX` if PTX, NVIDIA only; the same bits either way). A code's magnitude
+    bits 2..0 are bf16's low exponent bits and top mantissa bit (code 1, the value 0.5, lands on
+    the subnormal 2^-127), its bit 3 the sign."""
+    if PTX and not WIDE:
+        lo, hi = tl.inline_asm_elementwise(
+            E2M1_NIBBLES_PTX,
+            "=r,=r,=r,=r,r",
+            [q],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        c = q.to(tl.uint32)
+        lo = ((c & 0x08) << 12) | ((c & 0x07) << 6)
+        hi = ((c & 0x80) << 8) | ((c & 0x70) << 2)
+        if WIDE:  # a bf16 bit pattern shifted up 16 is the same number in fp32
+            lo = (lo << 16).to(tl.float32, bitcast=True)
+            hi = (hi << 16).to(tl.float32, bitcast=True)
+        else:
+            lo = lo.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+            hi = hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return lo, hi
+
+
+@triton.jit
+def _scale_half_tile(v, multiplier, BN: tl.constexpr, HALF: tl.constexpr, GROUP: tl.constexpr):
+    """The even (or odd) channels v [BN, HALF] of a K step times their groups' multipliers
+    ([BN, 2 * HALF / GROUP], or [BN] when the step lies in one group)."""
+    if 2 * HALF > GROUP:
+        if GROUP == 1:  # a scale per channel: the even (odd) channels' own are passed
+            v = v * multiplier
+        else:
+            v = tl.reshape(v, [BN, 2 * HALF // GROUP, GROUP // 2]) * multiplier[:, :, None]
+            v = tl.reshape(v, [BN, HALF])
+    else:
+        v = v * multiplier[:, None]
+    return v
+
+
+@triton.jit
+def fp4_half_tiles(
+    w_rows,
+    w_ok,
+    e,
+    k0,
+    k_dim,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    WIDE: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """The dequantised MXFP4 weight of input channels [k0, k0 + BLOCK_K) as its even and its
+    odd channels, [BN, BLOCK_K / 2] each (w_rows: byte pointers to each column's stored row;
+    e: the step's scale bytes). Channels past k_dim and columns not `w_ok` are zero."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    b = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
+    q = tl.load(
+        w_rows[:, None] + b[None, :],
+        mask=w_ok[:, None] & (b < (k_dim + 1) // 2)[None, :],
+        other=0,
+    )
+    lo, hi = e2m1_nibbles(q, WIDE, PTX)
+    multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)  # 2^(e - 1) on values * 2^-126
+    if BLOCK_K > GROUP and GROUP == 1:
+        m_even, m_odd = tl.split(tl.reshape(multiplier, [BN, HALF, 2]))
+    else:
+        m_even = multiplier
+        m_odd = multiplier
+    return (
+        _scale_half_tile(lo, m_even, BN, HALF, GROUP),
+        _scale_half_tile(hi, m_odd, BN, HALF, GROUP),
+    )
+
+
+@triton.jit
+def _accumulate(acc, a, w, SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + a [BM, C] @ w [BN, C]^T: acc is [BM, BN], or [SPLIT_K, BM, BN] with slice s of the
+    C channels into accumulator s (one batched dot)."""
+    if SPLIT_K == 1:
+        w_t = tl.trans(w)
+    else:
+        SLICE: tl.constexpr = a.shape[1] // SPLIT_K
+        a = tl.permute(tl.reshape(a, [a.shape[0], SPLIT_K, SLICE]), (1, 0, 2))
+        w_t = tl.permute(tl.reshape(w, [w.shape[0], SPLIT_K, SLICE]), (1, 2, 0))
+    if DOT_FP32:
+        acc = tl.dot(a, w_t, acc, input_precision="ieee")
+    else:
+        acc = tl.dot(a, w_t, acc)
+    return acc
+
+
 @triton.jit
 def quantized_product(
     a_rows,
@@ -212,61 +338,80 @@ def quantized_product(
     BN: tl.constexpr,
     BLOCK_K: tl.constexpr,
     FP4: tl.constexpr,
-    WORDS: tl.constexpr,
+    PTX: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows` [BM], unit stride along K; rows not `a_ok`
-    read zero) times the dequantised weight columns (`w_rows` / `w_ok` / `s_rows`, see
-    `quantized_tile`) over all K, one BLOCK_K step at a time (bf16 operands, or fp32 with IEEE
-    products if DOT_FP32).
+    read zero) times the dequantised weight columns (`w_rows` / `w_ok` / `s_rows`: pointers to
+    each column's stored row, FP8 elements or MXFP4 bytes, and to its scale row) over all K, one
+    BLOCK_K step at a time (bf16 operands, or fp32 with IEEE products if DOT_FP32).
 
-    SPLIT_K > 1 (one warp each, so launch SPLIT_K warps) cuts every step into SPLIT_K slices of
-    BLOCK_K / SPLIT_K channels, multiplied by one batched dot into SPLIT_K accumulators that are
-    summed once at the end: a narrow column block then keeps SPLIT_K warps busy, each with its
-    own chain of matrix-unit accumulations, where one warp's dependent chain would bound the
-    step rate. The sum order is fixed by (BLOCK_K, SPLIT_K): slice s of every step into
+    FP8: the step's tile (`quantized_tile`) in one dot. MXFP4: the low nibbles of a step's bytes
+    are its even channels and the high nibbles its odd ones (`e2m1_nibbles`; PTX: NVIDIA's
+    inline decode, `fp4_ptx_decode`), so the step is two dots, the even channels' then the odd
+    channels', against the matching activation channels: no interleaving of decoded values.
+
+    SPLIT_K > 1 (one warp each, so launch SPLIT_K warps) cuts every dot into SPLIT_K slices of
+    its channels, multiplied by one batched dot into SPLIT_K accumulators that are summed once at
+    the end: a narrow column block then keeps SPLIT_K warps busy, each with its own chain of
+    matrix-unit accumulations, where one warp's dependent chain would bound the step rate. The
+    sum order is fixed by (format, BLOCK_K, SPLIT_K): per step and dot, slice s into
     accumulator s, then the accumulators summed.
 
     The weight and activation tiles are software-pipelined (asynchronous copies); a step's scale
     bytes, too small for those copies, are loaded first in the step, so their latency overlaps
     the decode of the step's codes."""
-    SLICE: tl.constexpr = BLOCK_K // SPLIT_K
     if SPLIT_K == 1:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     else:
-        acc3 = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
+        acc = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
         e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K)
-        w = quantized_tile(w_rows, w_ok, e, k0, k_dim, FP4, WORDS, GROUP, BN, BLOCK_K, DOT_FP32)
         ks = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(
             a_rows[:, None] + ks[None, :], mask=a_ok[:, None] & (ks < k_dim)[None, :], other=0.0
         )
         if DOT_FP32:
             a = a.to(tl.float32)
-        if SPLIT_K == 1:
-            if DOT_FP32:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(w), acc)
+        if FP4:
+            w_even, w_odd = fp4_half_tiles(
+                w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX
+            )
+            a_even, a_odd = tl.split(tl.reshape(a, [BM, BLOCK_K // 2, 2]))
+            acc = _accumulate(acc, a_even, w_even, SPLIT_K, DOT_FP32)
+            acc = _accumulate(acc, a_odd, w_odd, SPLIT_K, DOT_FP32)
         else:
-            a3 = tl.permute(tl.reshape(a, [BM, SPLIT_K, SLICE]), (1, 0, 2))
-            w3 = tl.permute(tl.reshape(w, [BN, SPLIT_K, SLICE]), (1, 2, 0))
-            if DOT_FP32:
-                acc3 = tl.dot(a3, w3, acc3, input_precision="ieee")
-            else:
-                acc3 = tl.dot(a3, w3, acc3)
+            w = quantized_tile(
+                w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32
+            )
+            acc = _accumulate(acc, a, w, SPLIT_K, DOT_FP32)
     if SPLIT_K > 1:
-        acc = tl.sum(acc3, axis=0)
+        acc = tl.sum(acc, axis=0)
     return acc
+
+
+def quantized_stages(fmt: str | None, stages: int) -> int:
+    """Software-pipeline depth of a GEMM on a weight of format `fmt` (None: unquantised) that
+    would take `stages`: at most three for MXFP4, whose K loop (two dots per step) Triton 3.6's
+    AMD pipeliner fails to compile at four (gfx950); one launch shape on every target."""
+    return min(stages, 3) if fmt == "mxfp4" else stages
+
+
+def fp4_ptx_decode(device: torch.device) -> bool:
+    """Whether the MXFP4 GEMMs on `device` decode their code bytes with inline PTX
+    (`E2M1_NIBBLES_PTX`): compiled for an NVIDIA GPU. The CPU interpreter and AMD GPUs take the
+    portable decode, which gives the same bits."""
+    return device.type == "cuda" and torch.version.hip is None
 
 
 def quantized_block_k(fmt: str, k_dim: int, block_k: int = QUANT_BLOCK_K) -> int:
     """The K step of a quantised weight's tiles: `block_k` channels (a power of two), bounded by
-    K's next power of two, at least one matrix-unit step (16 channels)."""
-    return max(16, min(block_k, triton.next_power_of_2(max(k_dim, 1))))
+    K's next power of two, at least one matrix-unit step (16 channels; for MXFP4 32, since the
+    GEMMs multiply its even and odd channels in separate dots)."""
+    least = 32 if fmt == "mxfp4" else 16
+    return max(least, min(block_k, triton.next_power_of_2(max(k_dim, 1))))
 
 
 def stored_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, bool]:
@@ -290,12 +435,17 @@ def stored_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, bool]:
 
 __all__ = [
     "E2M1_FP16_SHIFT",
+    "E2M1_NIBBLES_PTX",
     "QUANT_BLOCK_K",
+    "e2m1_nibbles",
     "e2m1_to",
     "e8m0_to_fp32",
+    "fp4_half_tiles",
+    "fp4_ptx_decode",
     "quantized_block_k",
     "quantized_product",
     "quantized_scales",
+    "quantized_stages",
     "quantized_tile",
     "stored_rows",
 ]

@@ -39,7 +39,7 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.dequant import quantized_block_k, quantized_product, stored_rows
+from sgl_dspark.kernels.linear.dequant import fp4_ptx_decode, quantized_block_k, quantized_product
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 
 MAX_M = 16
@@ -63,7 +63,7 @@ def _quantized_linear_kernel(
     stride_wg,
     stride_yg,
     FP4: tl.constexpr,
-    WORDS: tl.constexpr,
+    PTX: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -94,7 +94,7 @@ def _quantized_linear_kernel(
         # The weight and its scales are no kernel's output: the first K step's weight lines
         # and every scale line of the program's rows stream into L2 while the previous kernel
         # finishes (hints only: no result bit depends on them).
-        PER_ELEMENT: tl.constexpr = 8 if WORDS else (2 if FP4 else 1)  # channels per element
+        PER_ELEMENT: tl.constexpr = 2 if FP4 else 1  # channels per stored byte
         row_len = (K + PER_ELEMENT - 1) // PER_ELEMENT
         FIRST: tl.constexpr = BLOCK_K // PER_ELEMENT
         prefetch_tile_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, 0, row_len, FIRST)
@@ -116,7 +116,7 @@ def _quantized_linear_kernel(
         BLOCK_N,
         BLOCK_K,
         FP4,
-        WORDS,
+        PTX,
         GROUP,
         DOT_FP32,
         SPLIT_K,
@@ -148,7 +148,7 @@ def _quantized_meta(fmt: str, n: int, k: int, x_bytes: int = 2) -> dict[str, int
             "BLOCK_N": 64,
             "BLOCK_K": quantized_block_k(fmt, k),
             "SPLIT_K": 1,
-            "num_stages": 4 if fmt == "mxfp4" else 3,
+            "num_stages": 3,
             "num_warps": 4,
         }
     # fp32 activations (4 bytes) take half the channels per step: three stages of a 16 x 1024
@@ -250,11 +250,10 @@ def _launch(
     group_strides: tuple[int, int, int],
 ) -> None:
     """One launch over (column blocks, groups); x / weight / out are a group's first views
-    (the weight group stride in stored elements of `stored_rows`)."""
+    (the weight group stride in stored elements)."""
     (m, k), n = x.shape, weight.data.shape[0]
     meta = _quantized_meta(weight.fmt, n, k, x.element_size())
-    data, words = stored_rows(weight)
-    per_element = weight.data.shape[-1] // data.shape[-1]  # stored bytes per element read
+    data = weight.data
     stride_xg, stride_wg, stride_yg = group_strides
     grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, _BLOCK_M))
     _quantized_linear_kernel[grid](
@@ -270,10 +269,10 @@ def _launch(
         weight.scale.stride(0),
         out.stride(0),
         stride_xg,
-        stride_wg // per_element,
+        stride_wg,
         stride_yg,
         FP4=weight.fmt == "mxfp4",
-        WORDS=words,
+        PTX=fp4_ptx_decode(x.device),
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_M=_BLOCK_M,

@@ -51,7 +51,12 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.dequant import quantized_block_k, quantized_product, stored_rows
+from sgl_dspark.kernels.linear.dequant import (
+    fp4_ptx_decode,
+    quantized_block_k,
+    quantized_product,
+    quantized_stages,
+)
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
 from sgl_dspark.kernels.moe.reference import MoeSortOutput
@@ -82,7 +87,7 @@ def expert_product(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
-    WORDS: tl.constexpr,
+    PTX: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -93,7 +98,7 @@ def expert_product(
     products sum in the same order."""
     if QUANT:
         acc = quantized_product(
-            a_rows, a_ok, w_rows, w_ok, s_rows, k_dim, BM, BN, BLOCK_K, FP4, WORDS, GROUP, DOT_FP32
+            a_rows, a_ok, w_rows, w_ok, s_rows, k_dim, BM, BN, BLOCK_K, FP4, PTX, GROUP, DOT_FP32
         )
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -170,7 +175,7 @@ def _moe_grouped_gemm_kernel(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
-    WORDS: tl.constexpr,
+    PTX: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
@@ -222,7 +227,7 @@ def _moe_grouped_gemm_kernel(
         BLOCK_K,
         QUANT,
         FP4,
-        WORDS,
+        PTX,
         GROUP,
         DOT_FP32,
     )
@@ -258,9 +263,10 @@ def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
 
 def expert_weight_data(weight: ExpertWeight) -> torch.Tensor:
     """The tensor the expert kernels read the weight's rows from (its strides are the kernels'
-    weight strides): the stacked experts, or a quantised weight's `stored_rows`."""
+    weight strides): the stacked experts, or a quantised weight's stored data (FP8 elements or
+    MXFP4 bytes)."""
     if isinstance(weight, QuantizedWeight):
-        return stored_rows(weight)[0]
+        return weight.data
     return weight
 
 
@@ -274,7 +280,7 @@ def expert_weight_args(weight: ExpertWeight) -> dict:
             "stride_sn": weight.scale.stride(1),
             "QUANT": True,
             "FP4": weight.fmt == "mxfp4",
-            "WORDS": stored_rows(weight)[1],
+            "PTX": fp4_ptx_decode(weight.data.device),
             "GROUP": weight.group,
             "SCALE_ROWS": weight.block_rows,
         }
@@ -284,7 +290,7 @@ def expert_weight_args(weight: ExpertWeight) -> dict:
         "stride_sn": 0,
         "QUANT": False,
         "FP4": False,
-        "WORDS": False,
+        "PTX": False,
         "GROUP": 1,
         "SCALE_ROWS": 1,
     }
@@ -530,7 +536,7 @@ def moe_grouped_gemm(
         WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
         num_warps=4,
-        num_stages=4,
+        num_stages=quantized_stages(getattr(weight, "fmt", None), 4),
         **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
     )
     return out

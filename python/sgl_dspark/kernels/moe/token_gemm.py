@@ -44,6 +44,7 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
+from sgl_dspark.kernels.linear.dequant import quantized_stages
 from sgl_dspark.kernels.moe.grouped_gemm import (
     ExpertWeight,
     check_expert_weight,
@@ -95,7 +96,7 @@ def _moe_route_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
-    WORDS: tl.constexpr,
+    PTX: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -130,7 +131,7 @@ def _moe_route_gate_up_kernel(
         BLOCK_K,
         QUANT,
         FP4,
-        WORDS,
+        PTX,
         GROUP,
         DOT_FP32,
     )
@@ -173,7 +174,7 @@ def _moe_token_down_kernel(
     BLOCK_K: tl.constexpr,
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
-    WORDS: tl.constexpr,
+    PTX: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -215,7 +216,7 @@ def _moe_token_down_kernel(
         BLOCK_K,
         QUANT,
         FP4,
-        WORDS,
+        PTX,
         GROUP,
         DOT_FP32,
     )
@@ -356,7 +357,7 @@ def moe_route_gate_up(
         WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_route_gate_up_kernel),
         num_warps=4,
-        num_stages=4,
+        num_stages=quantized_stages(getattr(gate_up_proj, "fmt", None), 4),
         **programmatic_launch(_moe_route_gate_up_kernel, x.device),
     )
     return h
