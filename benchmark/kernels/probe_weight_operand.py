@@ -38,6 +38,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "python")]
 
 from sgl_dspark.kernels.linear.dequant import (  # noqa: E402
     fp4_ptx_decode,
+    fp4_rows_aligned,
     quantized_product,
     quantized_scales,
     quantized_tile,
@@ -169,6 +170,7 @@ def _split_fixed_order_kernel(
     stride_ym,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -204,6 +206,7 @@ def _split_fixed_order_kernel(
         BLOCK_K,
         FP4,
         PTX,
+        ALIGNED,
         GROUP,
         DOT_FP32,
         SPLIT_K,
@@ -256,6 +259,7 @@ def split_fixed_order_linear(x, weight, bn, bk, split_k, warps, stages, split):
         out.stride(0),
         FP4=weight.fmt == "mxfp4",
         PTX=fp4_ptx_decode(x.device),
+        ALIGNED=fp4_rows_aligned(weight),
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_N=bn,

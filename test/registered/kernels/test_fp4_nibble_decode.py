@@ -18,7 +18,12 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_dspark.kernels.linear.dequant import E2M1_NIBBLES_PTX, fp4_half_tiles, quantized_scales
+from sgl_dspark.kernels.linear.dequant import (
+    E2M1_NIBBLES_PTX,
+    fp4_half_tiles,
+    fp4_rows_aligned,
+    quantized_scales,
+)
 from sgl_dspark.kernels.linear.reference import (
     QuantizedWeight,
     dequantize_weight_ref,
@@ -112,6 +117,7 @@ def _half_tiles_kernel(
     BLOCK_K: tl.constexpr,
     WIDE: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     # Program (column block, K step): the GEMMs' even and odd half tiles, stored as they are.
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -119,7 +125,7 @@ def _half_tiles_kernel(
     k0 = tl.program_id(1) * BLOCK_K
     w_rows = w_ptr + n.to(tl.int64) * stride_wn
     e = quantized_scales(s_ptr + n.to(tl.int64) * stride_sn, n_ok, k0, K, GROUP, BLOCK_K)
-    even, odd = fp4_half_tiles(w_rows, n_ok, e, k0, K, BN, BLOCK_K, GROUP, WIDE, PTX)
+    even, odd = fp4_half_tiles(w_rows, n_ok, e, k0, K, BN, BLOCK_K, GROUP, WIDE, PTX, ALIGNED)
     j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
     out = n.to(tl.int64)[:, None] * stride_on + j[None, :]
     ok = n_ok[:, None] & (j < K // 2)[None, :]
@@ -127,8 +133,8 @@ def _half_tiles_kernel(
     tl.store(odd_ptr + out, odd, mask=ok)
 
 
-# (scale group, N, K, BN, BLOCK_K): groups per step > 1, = 1 and < 1, partial groups and steps
-# (K not a multiple of 32), a scale per channel pair.
+# (scale group, N, K, BN, BLOCK_K): groups per step > 1, = 1 and < 1, partial groups and steps,
+# rows of whole 16-byte units (K a multiple of 32) and not, a scale per channel pair.
 HALF_TILE_CASES = [
     (32, 24, 256, 16, 256),
     (32, 17, 100, 16, 64),
@@ -173,6 +179,7 @@ def test_half_tiles_are_the_reference_even_and_odd_channels(case: tuple) -> None
             BLOCK_K=block_k,
             WIDE=wide,
             PTX=ptx,
+            ALIGNED=fp4_rows_aligned(w),
         )
         bits = torch.int32 if wide else torch.int16
         assert torch.equal(even.view(bits), want[:, 0::2].view(bits)), (wide, ptx)

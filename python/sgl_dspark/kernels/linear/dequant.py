@@ -285,17 +285,22 @@ def fp4_half_tiles(
     GROUP: tl.constexpr,
     WIDE: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
 ):
     """The dequantised MXFP4 weight of input channels [k0, k0 + BLOCK_K) as its even and its
     odd channels, [BN, BLOCK_K / 2] each (w_rows: byte pointers to each column's stored row;
-    e: the step's scale bytes). Channels past k_dim and columns not `w_ok` are zero."""
+    e: the step's scale bytes). Channels past k_dim and columns not `w_ok` are zero.
+
+    ALIGNED (`fp4_rows_aligned`: rows of a multiple of 16 bytes) bounds the bytes in whole
+    16-byte units, a mask the compiler sees constant over each unit, so the copies move 16
+    bytes at a time (a bound at any byte makes them byte loads)."""
     HALF: tl.constexpr = BLOCK_K // 2
     b = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
-    q = tl.load(
-        w_rows[:, None] + b[None, :],
-        mask=w_ok[:, None] & (b < (k_dim + 1) // 2)[None, :],
-        other=0,
-    )
+    if ALIGNED:
+        b_ok = (b // 16) * 16 < k_dim // 2
+    else:
+        b_ok = b < k_dim // 2
+    q = tl.load(w_rows[:, None] + b[None, :], mask=w_ok[:, None] & b_ok[None, :], other=0)
     lo, hi = e2m1_nibbles(q, WIDE, PTX)
     multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)  # 2^(e - 1) on values * 2^-126
     if BLOCK_K > GROUP and GROUP == 1:
@@ -339,6 +344,7 @@ def quantized_product(
     BLOCK_K: tl.constexpr,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
@@ -377,7 +383,7 @@ def quantized_product(
             a = a.to(tl.float32)
         if FP4:
             w_even, w_odd = fp4_half_tiles(
-                w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX
+                w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX, ALIGNED
             )
             a_even, a_odd = tl.split(tl.reshape(a, [BM, BLOCK_K // 2, 2]))
             acc = _accumulate(acc, a_even, w_even, SPLIT_K, DOT_FP32)
@@ -397,6 +403,12 @@ def quantized_stages(fmt: str | None, stages: int) -> int:
     would take `stages`: at most three for MXFP4, whose K loop (two dots per step) Triton 3.6's
     AMD pipeliner fails to compile at four (gfx950); one launch shape on every target."""
     return min(stages, 3) if fmt == "mxfp4" else stages
+
+
+def fp4_rows_aligned(weight: QuantizedWeight) -> bool:
+    """Whether an MXFP4 weight's rows hold a multiple of 16 bytes (K a multiple of 32): the GEMMs'
+    `ALIGNED` (16-byte copies of the code bytes)."""
+    return weight.fmt == "mxfp4" and weight.data.shape[-1] % 16 == 0
 
 
 def fp4_ptx_decode(device: torch.device) -> bool:
@@ -442,6 +454,7 @@ __all__ = [
     "e8m0_to_fp32",
     "fp4_half_tiles",
     "fp4_ptx_decode",
+    "fp4_rows_aligned",
     "quantized_block_k",
     "quantized_product",
     "quantized_scales",

@@ -39,7 +39,12 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.dequant import fp4_ptx_decode, quantized_block_k, quantized_product
+from sgl_dspark.kernels.linear.dequant import (
+    fp4_ptx_decode,
+    fp4_rows_aligned,
+    quantized_block_k,
+    quantized_product,
+)
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 
 MAX_M = 16
@@ -64,6 +69,7 @@ def _quantized_linear_kernel(
     stride_yg,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -117,6 +123,7 @@ def _quantized_linear_kernel(
         BLOCK_K,
         FP4,
         PTX,
+        ALIGNED,
         GROUP,
         DOT_FP32,
         SPLIT_K,
@@ -273,6 +280,7 @@ def _launch(
         stride_yg,
         FP4=weight.fmt == "mxfp4",
         PTX=fp4_ptx_decode(x.device),
+        ALIGNED=fp4_rows_aligned(weight),
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_M=_BLOCK_M,

@@ -53,6 +53,7 @@ from sgl_dspark.kernels._triton_utils import (
 )
 from sgl_dspark.kernels.linear.dequant import (
     fp4_ptx_decode,
+    fp4_rows_aligned,
     quantized_block_k,
     quantized_product,
     quantized_stages,
@@ -88,6 +89,7 @@ def expert_product(
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
 ):
@@ -98,7 +100,20 @@ def expert_product(
     products sum in the same order."""
     if QUANT:
         acc = quantized_product(
-            a_rows, a_ok, w_rows, w_ok, s_rows, k_dim, BM, BN, BLOCK_K, FP4, PTX, GROUP, DOT_FP32
+            a_rows,
+            a_ok,
+            w_rows,
+            w_ok,
+            s_rows,
+            k_dim,
+            BM,
+            BN,
+            BLOCK_K,
+            FP4,
+            PTX,
+            ALIGNED,
+            GROUP,
+            DOT_FP32,
         )
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -176,6 +191,7 @@ def _moe_grouped_gemm_kernel(
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
@@ -228,6 +244,7 @@ def _moe_grouped_gemm_kernel(
         QUANT,
         FP4,
         PTX,
+        ALIGNED,
         GROUP,
         DOT_FP32,
     )
@@ -281,6 +298,7 @@ def expert_weight_args(weight: ExpertWeight) -> dict:
             "QUANT": True,
             "FP4": weight.fmt == "mxfp4",
             "PTX": fp4_ptx_decode(weight.data.device),
+            "ALIGNED": fp4_rows_aligned(weight),
             "GROUP": weight.group,
             "SCALE_ROWS": weight.block_rows,
         }
@@ -291,6 +309,7 @@ def expert_weight_args(weight: ExpertWeight) -> dict:
         "QUANT": False,
         "FP4": False,
         "PTX": False,
+        "ALIGNED": False,
         "GROUP": 1,
         "SCALE_ROWS": 1,
     }

@@ -97,6 +97,7 @@ def _moe_route_gate_up_kernel(
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -132,6 +133,7 @@ def _moe_route_gate_up_kernel(
         QUANT,
         FP4,
         PTX,
+        ALIGNED,
         GROUP,
         DOT_FP32,
     )
@@ -175,6 +177,7 @@ def _moe_token_down_kernel(
     QUANT: tl.constexpr,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -217,6 +220,7 @@ def _moe_token_down_kernel(
         QUANT,
         FP4,
         PTX,
+        ALIGNED,
         GROUP,
         DOT_FP32,
     )
