@@ -710,7 +710,7 @@ INSTRUCTIONS = {
     "w8a8_split_k_main_proj": _W8A8_INSTRUCTIONS,
     "mx_moe_gfx950": {"gfx950": r"v_mfma_scale_f32_\w+_f8f6f4"},
     "mx_moe_blackwell": {"sm100": r"tcgen05\.mma\S*kind::mxf8f6f4\.block_scale"},
-    # The MXFP4 GEMMs decode code bytes with inline PTX on NVIDIA (`dequant.E2M1_NIBBLES_PTX`,
+    # The MXFP4 GEMMs decode code bytes with inline PTX on NVIDIA (`dequant.E2M1_SCALED_PTX`,
     # its byte permutes); gfx950 compiles the portable decode.
     "quantized_linear_mxfp4": _FP4_PTX_DECODE,
     "quantized_linear_mxfp4_wide_m1": _FP4_PTX_DECODE,

@@ -2,12 +2,13 @@
 become its even channels (low nibbles) and its odd channels (high nibbles), each times its
 group's scale, bit for bit the reference's dequantised weight.
 
-Two decoders give those bits: the portable one (shifts and masks per element; the CPU
-interpreter, AMD) and, compiled for NVIDIA, inline PTX (`E2M1_NIBBLES_PTX`). The interpreter
-cannot run PTX, so on the CPU the PTX text itself is executed by a small emulator of the three
-instructions it uses (PTX ISA semantics of `shl.b32`, `and.b32` and `prmt.b32` in its default
-mode) on every byte value in every position of a register, against the reference's E2M1 values.
-On a GPU both decoders run in a kernel and must match the reference.
+Two decoders give those bits: the portable one (shifts, masks and multiplies per element; the
+CPU interpreter, AMD) and, compiled for NVIDIA, inline PTX (`E2M1_SCALED_PTX`). The interpreter
+cannot run PTX, so on the CPU the PTX text itself is executed by a small emulator of the four
+instructions it uses (PTX ISA semantics of `shl.b32`, `and.b32`, `prmt.b32` in its default mode
+and `mul.rn.bf16x2`) on every byte value in every position of a register, with every scale byte
+the decode accepts, against the reference's dequantised values. On a GPU both decoders run in a
+kernel and must match the reference.
 """
 
 from __future__ import annotations
@@ -19,15 +20,17 @@ import torch
 import triton
 import triton.language as tl
 from sgl_dspark.kernels.linear.dequant import (
-    E2M1_NIBBLES_PTX,
+    E2M1_SCALED_PTX,
     fp4_half_tiles,
     fp4_rows_aligned,
     quantized_scales,
 )
 from sgl_dspark.kernels.linear.reference import (
+    MXFP4_MAX_SCALE_BYTE,
     QuantizedWeight,
     dequantize_weight_ref,
     e2m1_values_ref,
+    e8m0_to_float_ref,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -49,9 +52,17 @@ def _prmt(a: int, b: int, selector: int) -> int:
     return out
 
 
-def _run_ptx(text: str, word: int) -> list[int]:
-    """Execute the decode's PTX on one input register ($4): its four outputs $0..$3."""
-    regs: dict[str, int] = {"$4": word}
+def _mul_bf16x2(a: int, b: int) -> int:
+    """`mul.rn.bf16x2`: each 16-bit half's bf16 product, rounded to nearest even."""
+    halves = torch.tensor([[a & 0xFFFF, a >> 16], [b & 0xFFFF, b >> 16]], dtype=torch.int32)
+    x, y = halves.to(torch.int16).view(torch.bfloat16).float()
+    bits = (x * y).to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF
+    return int(bits[0]) | (int(bits[1]) << 16)
+
+
+def _run_ptx(text: str, inputs: dict[str, int]) -> list[int]:
+    """Execute the decode's PTX on its input registers ($4, $5, $6): its outputs $0..$3."""
+    regs = dict(inputs)
 
     def value(operand: str) -> int:
         operand = operand.strip()
@@ -71,34 +82,46 @@ def _run_ptx(text: str, word: int) -> list[int]:
             regs[dst] = value(src[0]) & value(src[1])
         elif op == "prmt.b32":
             regs[dst] = _prmt(value(src[0]), value(src[1]), value(src[2]))
+        elif op == "mul.rn.bf16x2":
+            regs[dst] = _mul_bf16x2(value(src[0]), value(src[1]))
         else:
             raise AssertionError(f"the emulator does not know {op!r}")
     return [regs[f"${i}"] for i in range(4)]
 
 
-def _reference_bits(packed: torch.Tensor) -> tuple[list[int], list[int]]:
-    """bf16 bits of the values times 2^-126 (the decode's output before the scale) of code
-    bytes' low nibbles and of their high nibbles."""
-    values = e2m1_values_ref(packed.to(torch.uint8)) * 2.0**-126
+def _reference_bits(packed: list[int], scale: list[int]) -> tuple[list[int], list[int]]:
+    """bf16 bits of the dequantised low-nibble and high-nibble values of code bytes, byte i
+    scaled by E8M0 byte scale[i]."""
+    values = e2m1_values_ref(torch.tensor(packed, dtype=torch.uint8))
+    values = values * e8m0_to_float_ref(torch.tensor(scale, dtype=torch.uint8)).repeat_interleave(2)
     bits = (values.to(torch.bfloat16).view(torch.int16).to(torch.int32) & 0xFFFF).tolist()
     return bits[0::2], bits[1::2]
 
 
-def test_ptx_decode_text_gives_the_reference_values_for_every_byte() -> None:
-    text = E2M1_NIBBLES_PTX.value
-    assert set(re.findall(r"^\s*([a-z]+\.b32)", text, re.M)) == {"shl.b32", "prmt.b32", "and.b32"}
+def test_ptx_decode_text_gives_the_reference_weights_for_every_byte_and_scale() -> None:
+    text = E2M1_SCALED_PTX.value
+    ops = set(re.findall(r"^\s*([a-z]+\.[\w.]+)\s", text, re.M))
+    assert ops == {"shl.b32", "prmt.b32", "and.b32", "mul.rn.bf16x2"}, ops
     g = torch.Generator().manual_seed(0)
     for position in range(4):
         for byte in range(256):
-            others = torch.randint(0, 256, (4,), generator=g).tolist()
-            others[position] = byte
-            word = sum(b << (8 * i) for i, b in enumerate(others))
-            out = _run_ptx(text, word)
+            codes = torch.randint(0, 256, (4,), generator=g).tolist()
+            codes[position] = byte
+            # The multiplier the kernel passes for scale byte e: 2^(e - 1), as bf16 bits.
+            scale = torch.randint(1, MXFP4_MAX_SCALE_BYTE + 1, (4,), generator=g).tolist()
+            multiplier = [(e + 126) << 7 for e in scale]
+            out = _run_ptx(
+                text,
+                {
+                    "$4": sum(b << (8 * i) for i, b in enumerate(codes)),
+                    "$5": multiplier[0] | (multiplier[1] << 16),
+                    "$6": multiplier[2] | (multiplier[3] << 16),
+                },
+            )
             halves = [(out[r] >> (16 * h)) & 0xFFFF for r in range(4) for h in range(2)]
-            got_lo, got_hi = halves[:4], halves[4:]  # $0, $1: low nibbles; $2, $3: high
-            want_lo, want_hi = _reference_bits(torch.tensor(others))
-            assert got_lo == want_lo, (position, byte)
-            assert got_hi == want_hi, (position, byte)
+            want_lo, want_hi = _reference_bits(codes, scale)
+            assert halves[:4] == want_lo, (position, byte, scale)  # $0, $1: low nibbles
+            assert halves[4:] == want_hi, (position, byte, scale)  # $2, $3: high nibbles
 
 
 @triton.jit

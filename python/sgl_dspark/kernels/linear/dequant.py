@@ -34,6 +34,8 @@ multiplication keeps it, a matrix unit may flush it to zero: an absolute differe
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -200,61 +202,56 @@ def quantized_tile(
     return v
 
 
-# Four MXFP4 code bytes per 32-bit register in; out, as two registers of two bf16 each, the
-# values * 2^-126 of their low nibbles (bytes 0, 1 then 2, 3) and of their high nibbles. A
-# nibble in a byte's top four bits is a bf16's sign and its low exponent / top mantissa bits
-# once the byte is sign-extended into a 16-bit half (PRMT selector 8 + i: the sign of byte i
-# replicated) and the half shifted up 2 and masked; the low nibbles take that path after the
-# word is shifted up 4. Four instructions per two weights, against the portable decode's
-# per-element shifts and masks (`e2m1_nibbles`, which the tests compare with it bit for bit).
-E2M1_NIBBLES_PTX = tl.constexpr(
+# Four MXFP4 code bytes per 32-bit register ($4) and their multipliers (bf16 pairs: bytes 0, 1 in
+# $5, bytes 2, 3 in $6) in; out, two bf16 per register, the dequantised weights of the low
+# nibbles (bytes 0, 1 then 2, 3: $0, $1) and of the high nibbles ($2, $3). A nibble in a byte's
+# top four bits becomes a bf16's sign and its low exponent / top mantissa bits, the value times
+# 2^-126, once the byte is sign-extended into a 16-bit half (PRMT selector 8 + i: the sign of
+# byte i replicated) and the half shifted up 2 and masked; the low nibbles take that path after
+# the word is shifted up 4. A packed multiply (sm90) applies the scale to two weights at once.
+# Four instructions per two weights, against the portable decode's per-element shifts, masks
+# and multiplies (`fp4_half_tiles`, the same bits; the tests compare the two).
+E2M1_SCALED_PTX = tl.constexpr(
     """
 {
 .reg .b32 byte_pair, shifted;
 shl.b32 shifted, $4, 4;
 prmt.b32 byte_pair, shifted, 0, 0x9180;
 shl.b32 byte_pair, byte_pair, 2;
-and.b32 $0, byte_pair, 0x81C081C0;
+and.b32 byte_pair, byte_pair, 0x81C081C0;
+mul.rn.bf16x2 $0, byte_pair, $5;
 prmt.b32 byte_pair, shifted, 0, 0xB3A2;
 shl.b32 byte_pair, byte_pair, 2;
-and.b32 $1, byte_pair, 0x81C081C0;
+and.b32 byte_pair, byte_pair, 0x81C081C0;
+mul.rn.bf16x2 $1, byte_pair, $6;
 prmt.b32 byte_pair, $4, 0, 0x9180;
 shl.b32 byte_pair, byte_pair, 2;
-and.b32 $2, byte_pair, 0x81C081C0;
+and.b32 byte_pair, byte_pair, 0x81C081C0;
+mul.rn.bf16x2 $2, byte_pair, $5;
 prmt.b32 byte_pair, $4, 0, 0xB3A2;
 shl.b32 byte_pair, byte_pair, 2;
-and.b32 $3, byte_pair, 0x81C081C0;
+and.b32 byte_pair, byte_pair, 0x81C081C0;
+mul.rn.bf16x2 $3, byte_pair, $6;
 }
 """
 )
 
 
 @triton.jit
-def e2m1_nibbles(q, WIDE: tl.constexpr, PTX: tl.constexpr):
+def _e2m1_nibbles(q, WIDE: tl.constexpr):
     """uint8 code bytes q (channel 2b in byte b's low nibble, 2b + 1 in its high one) -> (low,
-    high) nibbles' values * 2^-126, each the shape of q: fp32 if WIDE, else bf16 (by the inline
-    PTX `E2M1_NIBBLES_PTX` if PTX, NVIDIA only; the same bits either way). A code's magnitude
-    bits 2..0 are bf16's low exponent bits and top mantissa bit (code 1, the value 0.5, lands on
-    the subnormal 2^-127), its bit 3 the sign."""
-    if PTX and not WIDE:
-        lo, hi = tl.inline_asm_elementwise(
-            E2M1_NIBBLES_PTX,
-            "=r,=r,=r,=r,r",
-            [q],
-            dtype=(tl.bfloat16, tl.bfloat16),
-            is_pure=True,
-            pack=4,
-        )
+    high) nibbles' values * 2^-126, each the shape of q, fp32 if WIDE else bf16. A code's
+    magnitude bits 2..0 are bf16's low exponent bits and top mantissa bit (code 1, the value
+    0.5, lands on the subnormal 2^-127), its bit 3 the sign."""
+    c = q.to(tl.uint32)
+    lo = ((c & 0x08) << 12) | ((c & 0x07) << 6)
+    hi = ((c & 0x80) << 8) | ((c & 0x70) << 2)
+    if WIDE:  # a bf16 bit pattern shifted up 16 is the same number in fp32
+        lo = (lo << 16).to(tl.float32, bitcast=True)
+        hi = (hi << 16).to(tl.float32, bitcast=True)
     else:
-        c = q.to(tl.uint32)
-        lo = ((c & 0x08) << 12) | ((c & 0x07) << 6)
-        hi = ((c & 0x80) << 8) | ((c & 0x70) << 2)
-        if WIDE:  # a bf16 bit pattern shifted up 16 is the same number in fp32
-            lo = (lo << 16).to(tl.float32, bitcast=True)
-            hi = (hi << 16).to(tl.float32, bitcast=True)
-        else:
-            lo = lo.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-            hi = hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        lo = lo.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+        hi = hi.to(tl.uint16).to(tl.bfloat16, bitcast=True)
     return lo, hi
 
 
@@ -289,7 +286,9 @@ def fp4_half_tiles(
 ):
     """The dequantised MXFP4 weight of input channels [k0, k0 + BLOCK_K) as its even and its
     odd channels, [BN, BLOCK_K / 2] each (w_rows: byte pointers to each column's stored row;
-    e: the step's scale bytes). Channels past k_dim and columns not `w_ok` are zero.
+    e: the step's scale bytes). Channels past k_dim and columns not `w_ok` are zero. fp32 if
+    WIDE, else bf16, decoded by `E2M1_SCALED_PTX` if PTX (NVIDIA sm90+; scale groups of at
+    least two channels), the same bits either way.
 
     ALIGNED (`fp4_rows_aligned`: rows of a multiple of 16 bytes) bounds the bytes in whole
     16-byte units, a mask the compiler sees constant over each unit, so the copies move 16
@@ -301,17 +300,32 @@ def fp4_half_tiles(
     else:
         b_ok = b < k_dim // 2
     q = tl.load(w_rows[:, None] + b[None, :], mask=w_ok[:, None] & b_ok[None, :], other=0)
-    lo, hi = e2m1_nibbles(q, WIDE, PTX)
     multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)  # 2^(e - 1) on values * 2^-126
-    if BLOCK_K > GROUP and GROUP == 1:
-        m_even, m_odd = tl.split(tl.reshape(multiplier, [BN, HALF, 2]))
+    if PTX and not WIDE and GROUP >= 2:
+        # Each byte's multiplier (its two channels share a group), beside it in registers.
+        if BLOCK_K > GROUP:
+            per_byte = tl.broadcast_to(multiplier[:, :, None], [BN, BLOCK_K // GROUP, GROUP // 2])
+            per_byte = tl.reshape(per_byte, [BN, HALF])
+        else:
+            per_byte = tl.broadcast_to(multiplier[:, None], [BN, HALF])
+        lo, hi = tl.inline_asm_elementwise(
+            E2M1_SCALED_PTX,
+            "=r,=r,=r,=r,r,r,r",
+            [q, per_byte],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
     else:
-        m_even = multiplier
-        m_odd = multiplier
-    return (
-        _scale_half_tile(lo, m_even, BN, HALF, GROUP),
-        _scale_half_tile(hi, m_odd, BN, HALF, GROUP),
-    )
+        lo, hi = _e2m1_nibbles(q, WIDE)
+        if BLOCK_K > GROUP and GROUP == 1:
+            m_even, m_odd = tl.split(tl.reshape(multiplier, [BN, HALF, 2]))
+        else:
+            m_even = multiplier
+            m_odd = multiplier
+        lo = _scale_half_tile(lo, m_even, BN, HALF, GROUP)
+        hi = _scale_half_tile(hi, m_odd, BN, HALF, GROUP)
+    return lo, hi
 
 
 @triton.jit
@@ -355,7 +369,7 @@ def quantized_product(
     BLOCK_K step at a time (bf16 operands, or fp32 with IEEE products if DOT_FP32).
 
     FP8: the step's tile (`quantized_tile`) in one dot. MXFP4: the low nibbles of a step's bytes
-    are its even channels and the high nibbles its odd ones (`e2m1_nibbles`; PTX: NVIDIA's
+    are its even channels and the high nibbles its odd ones (`fp4_half_tiles`; PTX: NVIDIA's
     inline decode, `fp4_ptx_decode`), so the step is two dots, the even channels' then the odd
     channels', against the matching activation channels: no interleaving of decoded values.
 
@@ -413,9 +427,20 @@ def fp4_rows_aligned(weight: QuantizedWeight) -> bool:
 
 def fp4_ptx_decode(device: torch.device) -> bool:
     """Whether the MXFP4 GEMMs on `device` decode their code bytes with inline PTX
-    (`E2M1_NIBBLES_PTX`): compiled for an NVIDIA GPU. The CPU interpreter and AMD GPUs take the
-    portable decode, which gives the same bits."""
-    return device.type == "cuda" and torch.version.hip is None
+    (`E2M1_SCALED_PTX`): compiled for an NVIDIA GPU of compute capability 9 or later (its
+    packed bf16 multiply). The CPU interpreter, AMD and older GPUs take the portable decode,
+    which gives the same bits."""
+    return (
+        device.type == "cuda"
+        and torch.version.hip is None
+        and _capability(device.index if device.index is not None else torch.cuda.current_device())
+        >= 9
+    )
+
+
+@functools.cache
+def _capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def quantized_block_k(fmt: str, k_dim: int, block_k: int = QUANT_BLOCK_K) -> int:
@@ -447,9 +472,8 @@ def stored_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, bool]:
 
 __all__ = [
     "E2M1_FP16_SHIFT",
-    "E2M1_NIBBLES_PTX",
+    "E2M1_SCALED_PTX",
     "QUANT_BLOCK_K",
-    "e2m1_nibbles",
     "e2m1_to",
     "e8m0_to_fp32",
     "fp4_half_tiles",
