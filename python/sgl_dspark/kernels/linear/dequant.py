@@ -127,18 +127,27 @@ def _e2m1_tile(words, BN: tl.constexpr, BLOCK_K: tl.constexpr, WIDE: tl.constexp
 
 
 @triton.jit
-def quantized_scales(s_rows, w_ok, k0, k_dim, GROUP: tl.constexpr, BLOCK_K: tl.constexpr):
+def quantized_scales(
+    s_rows,
+    w_ok,
+    k0,
+    k_dim,
+    GROUP: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
+):
     """The scale bytes of input channels [k0, k0 + BLOCK_K) of the columns whose scale rows
     `s_rows` [BN] point to: [BN, BLOCK_K / GROUP] (one per group), or [BN] when the step lies in
     one group. Groups past k_dim, and columns not `w_ok`, read 127 (a multiplier of 1 for
-    their zero weights)."""
+    their zero weights). EVEN_K (k_dim a multiple of BLOCK_K): no group is past k_dim, and a
+    mask by column only keeps the loads vectorised (and so software-pipelined)."""
     if BLOCK_K > GROUP:
         g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        e = tl.load(
-            s_rows[:, None] + g[None, :],
-            mask=w_ok[:, None] & (g * GROUP < k_dim)[None, :],
-            other=127,
-        )
+        if EVEN_K:
+            g_ok = w_ok[:, None]
+        else:
+            g_ok = w_ok[:, None] & (g * GROUP < k_dim)[None, :]
+        e = tl.load(s_rows[:, None] + g[None, :], mask=g_ok, other=127)
     else:
         e = tl.load(s_rows + k0 // GROUP, mask=w_ok & (k0 < k_dim), other=127)
     return e
@@ -157,6 +166,7 @@ def quantized_tile(
     BN: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WIDE: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     """The dequantised weight of input channels [k0, k0 + BLOCK_K) of BN output columns:
     [BN, BLOCK_K] in bf16, or fp32 if WIDE (module doc); channels past k_dim and columns not
@@ -187,9 +197,11 @@ def quantized_tile(
         multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
-        codes = tl.load(
-            w_rows[:, None] + k[None, :], mask=w_ok[:, None] & (k < k_dim)[None, :], other=0.0
-        )
+        if EVEN_K:  # k_dim a multiple of BLOCK_K: a mask by column only
+            k_ok = w_ok[:, None]
+        else:
+            k_ok = w_ok[:, None] & (k < k_dim)[None, :]
+        codes = tl.load(w_rows[:, None] + k[None, :], mask=k_ok, other=0.0)
         v = codes.to(tl.float32)
         if not WIDE:
             v = v.to(tl.bfloat16)
@@ -283,6 +295,7 @@ def fp4_half_tiles(
     WIDE: tl.constexpr,
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     """The dequantised MXFP4 weight of input channels [k0, k0 + BLOCK_K) as its even and its
     odd channels, [BN, BLOCK_K / 2] each (w_rows: byte pointers to each column's stored row;
@@ -292,14 +305,17 @@ def fp4_half_tiles(
 
     ALIGNED (`fp4_rows_aligned`: rows of a multiple of 16 bytes) bounds the bytes in whole
     16-byte units, a mask the compiler sees constant over each unit, so the copies move 16
-    bytes at a time (a bound at any byte makes them byte loads)."""
+    bytes at a time (a bound at any byte makes them byte loads); EVEN_K (k_dim a multiple of
+    BLOCK_K) needs no bound."""
     HALF: tl.constexpr = BLOCK_K // 2
     b = tl.multiple_of(k0 // 2, HALF) + tl.arange(0, HALF)
-    if ALIGNED:
-        b_ok = (b // 16) * 16 < k_dim // 2
+    if EVEN_K:
+        q_ok = w_ok[:, None]
+    elif ALIGNED:
+        q_ok = w_ok[:, None] & ((b // 16) * 16 < k_dim // 2)[None, :]
     else:
-        b_ok = b < k_dim // 2
-    q = tl.load(w_rows[:, None] + b[None, :], mask=w_ok[:, None] & b_ok[None, :], other=0)
+        q_ok = w_ok[:, None] & (b < k_dim // 2)[None, :]
+    q = tl.load(w_rows[:, None] + b[None, :], mask=q_ok, other=0)
     multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)  # 2^(e - 1) on values * 2^-126
     if PTX and not WIDE and GROUP >= 2:
         # Each byte's multiplier (its two channels share a group), beside it in registers.
@@ -362,6 +378,7 @@ def quantized_product(
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
+    EVEN_K: tl.constexpr = False,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows` [BM], unit stride along K; rows not `a_ok`
     read zero) times the dequantised weight columns (`w_rows` / `w_ok` / `s_rows`: pointers to
@@ -380,6 +397,9 @@ def quantized_product(
     sum order is fixed by (format, BLOCK_K, SPLIT_K): per step and dot, slice s into
     accumulator s, then the accumulators summed.
 
+    EVEN_K (k_dim a multiple of BLOCK_K): no load is bounded along K, so the scale bytes load
+    as vectors the software pipeline can copy ahead like the weights.
+
     The weight and activation tiles are software-pipelined (asynchronous copies); a step's scale
     bytes, too small for those copies, are loaded first in the step, so their latency overlaps
     the decode of the step's codes."""
@@ -388,23 +408,25 @@ def quantized_product(
     else:
         acc = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
     for k0 in range(0, k_dim, BLOCK_K):
-        e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K)
+        e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
         ks = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(
-            a_rows[:, None] + ks[None, :], mask=a_ok[:, None] & (ks < k_dim)[None, :], other=0.0
-        )
+        if EVEN_K:
+            a_k_ok = a_ok[:, None]
+        else:
+            a_k_ok = a_ok[:, None] & (ks < k_dim)[None, :]
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=a_k_ok, other=0.0)
         if DOT_FP32:
             a = a.to(tl.float32)
         if FP4:
             w_even, w_odd = fp4_half_tiles(
-                w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX, ALIGNED
+                w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX, ALIGNED, EVEN_K
             )
             a_even, a_odd = tl.split(tl.reshape(a, [BM, BLOCK_K // 2, 2]))
             acc = _accumulate(acc, a_even, w_even, SPLIT_K, DOT_FP32)
             acc = _accumulate(acc, a_odd, w_odd, SPLIT_K, DOT_FP32)
         else:
             w = quantized_tile(
-                w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32
+                w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32, EVEN_K
             )
             acc = _accumulate(acc, a, w, SPLIT_K, DOT_FP32)
     if SPLIT_K > 1:

@@ -70,6 +70,7 @@ def _quantized_linear_kernel(
     FP4: tl.constexpr,
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -127,6 +128,7 @@ def _quantized_linear_kernel(
         GROUP,
         DOT_FP32,
         SPLIT_K,
+        EVEN_K,
     )
     if ROUND_BF16:
         acc = round_to_bf16(acc)
@@ -281,6 +283,7 @@ def _launch(
         FP4=weight.fmt == "mxfp4",
         PTX=fp4_ptx_decode(x.device),
         ALIGNED=fp4_rows_aligned(weight),
+        EVEN_K=k % meta["BLOCK_K"] == 0,
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_M=_BLOCK_M,

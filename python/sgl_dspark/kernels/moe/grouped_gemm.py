@@ -92,6 +92,7 @@ def expert_product(
     ALIGNED: tl.constexpr,
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows`, unit stride along K) times the weight columns
     (pointers `w_rows` to each output column's stored row), over all K in BLOCK_K steps of
@@ -192,6 +193,7 @@ def _moe_grouped_gemm_kernel(
     FP4: tl.constexpr,
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
@@ -247,6 +249,7 @@ def _moe_grouped_gemm_kernel(
         ALIGNED,
         GROUP,
         DOT_FP32,
+        EVEN_K,
     )
     if OUT_SWIGLU:  # the activation of the [gate | up] values a plain stage 1 would store
         y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
@@ -549,6 +552,7 @@ def moe_grouped_gemm(
         BLOCK_M=block_size,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EVEN_K=k_dim % block_k == 0,
         OUT_SWIGLU=out_swiglu,
         TILE_MAJOR=tile_major,
         HAS_LIMIT=swiglu_limit is not None,

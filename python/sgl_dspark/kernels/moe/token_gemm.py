@@ -98,6 +98,7 @@ def _moe_route_gate_up_kernel(
     FP4: tl.constexpr,
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -136,6 +137,7 @@ def _moe_route_gate_up_kernel(
         ALIGNED,
         GROUP,
         DOT_FP32,
+        EVEN_K,
     )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
     if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
@@ -178,6 +180,7 @@ def _moe_token_down_kernel(
     FP4: tl.constexpr,
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
+    EVEN_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -223,6 +226,7 @@ def _moe_token_down_kernel(
         ALIGNED,
         GROUP,
         DOT_FP32,
+        EVEN_K,
     )
     # Slot k's product: row k, column block k (adding exact zeros of the other rows).
     slots = tl.arange(0, SLOTS)
@@ -354,6 +358,7 @@ def moe_route_gate_up(
         TOPK=ids.shape[1],
         BLOCK_N=block_n,
         BLOCK_K=block_k,
+        EVEN_K=x.shape[1] % block_k == 0,
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
         DOT_FP32=x.dtype == torch.float32 or interpreted(_moe_route_gate_up_kernel),
         ROUND_BF16=x.dtype == torch.bfloat16,
@@ -456,6 +461,7 @@ def moe_token_down_reduce(
         TOPK=topk,
         SLOTS=triton.next_power_of_2(topk),
         ROWS=max(16, triton.next_power_of_2(topk)),
+        EVEN_K=h.shape[1] % meta["BLOCK_K"] == 0,
         DOT_FP32=h.dtype == torch.float32 or interpreted(_moe_token_down_kernel),
         ROUND_BF16=h.dtype == torch.bfloat16,
         APPLY_SCALE=routed_scale != 1.0,
