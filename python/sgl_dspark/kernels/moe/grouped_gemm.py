@@ -115,6 +115,8 @@ def expert_product(
             ALIGNED,
             GROUP,
             DOT_FP32,
+            1,
+            EVEN_K,
         )
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
