@@ -4,8 +4,10 @@ grouped linear (`kernels/linear/quantized.py`), the MoE grouped GEMMs (stage 1 w
 activation, stage 2, sorted in 16- and 32-row blocks), the per-token MoE kernels and the
 shared-expert fold.
 
-The dequantised tile must be the reference's dequantised weight bit for bit (every code, every
-scale in range, partial scale groups and K steps, both MXFP4 read paths). The GEMMs use weights
+The dequantised tile in channel order (`quantized_tile`: the FP8 GEMMs' and the one-pass
+dequantisation's) must be the reference's dequantised weight bit for bit (every code, every scale
+in range, partial scale groups and K steps, both MXFP4 read paths); the MXFP4 GEMMs' even and odd
+half tiles are checked the same way in `test_fp4_nibble_decode.py`. The GEMMs use weights
 quantised from random floats by the checkpoint quantisers and converted to the runtime layout as
 the loader does; the references get the same weights dequantised (exact), so the only difference
 is the fp32 summation order: a tolerance (GEMM_TOL / CHAIN_TOL, as the unquantised kernels).

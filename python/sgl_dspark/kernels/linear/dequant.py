@@ -2,9 +2,10 @@
 `reference.py`): the weight tile that every W8A16 / W4A16 GEMM of the engine multiplies (the
 small-M linear, the grouped linear, the MoE grouped GEMMs and the per-token MoE kernels).
 
-`quantized_tile` turns the stored bytes of BN output columns x BLOCK_K input channels into the
-dequantised tile `value(w[n, k]) * 2^(e[n, k // group] - 127)`, in bf16 for the matrix unit (or
-fp32 for fp32 activations and the CPU interpreter), so one dot per K step consumes it. Decode
+A K step's stored bytes of BN output columns x BLOCK_K input channels become the dequantised
+weight `value(w[n, k]) * 2^(e[n, k // group] - 127)` in registers, in bf16 for the matrix unit
+(or fp32 for fp32 activations and the CPU interpreter): one tile and one dot (FP8), or the even
+and the odd channels and two dots (MXFP4). Decode
 steps are few integer or half-precision operations per weight and no table lookups: at decode
 sizes the GEMM streams the weight once and the GPU must convert bytes as fast as HBM delivers
 them (a conversion through the slow `F2F` path, or a dot per scale group, would leave the loads
@@ -13,15 +14,27 @@ idle).
 * FP8 (e4m3): the hardware conversion to fp32 (exact), then bf16 (exact: every e4m3 value is a
   bf16 value) times the block's multiplier 2^(e - 127), a bf16 power of two for every byte
   1..254.
-* MXFP4 (e2m1 pairs), from 32-bit words of eight codes: one shift-and-mask pair per two codes
-  gives their bf16 bit patterns of `value * 2^-126` directly (bits 2..0 of a code are exactly
-  bf16's low exponent bits and top mantissa bit; code 1, the value 0.5, lands on bf16's
-  subnormal 2^-127), two codes per 32-bit operation: codes i and i + 4 of a word are the two
-  halves of one result word. The multiplier 2^(e - 1) (bf16 HMUL2: two weights per
-  instruction) then restores the scale, so a group's scale byte must be at most
-  `reference.MXFP4_MAX_SCALE_BYTE` = 128 (scale <= 2, |w| <= 12: the loader refuses larger
-  ones). Rows whose byte length is not a multiple of 16 (K not a multiple of 32) are read byte
-  by byte and assembled into the same words.
+* MXFP4 (e2m1 pairs): bits 2..0 of a code are exactly bf16's low exponent bits and top mantissa
+  bit of `value * 2^-126` (code 1, the value 0.5, lands on bf16's subnormal 2^-127), bit 3 its
+  sign, so a few shifts and masks give a code's bf16 bits; the multiplier 2^(e - 1) then
+  restores the scale, so a group's scale byte must be at most `reference.MXFP4_MAX_SCALE_BYTE` =
+  128 (scale <= 2, |w| <= 12: the loader refuses larger ones).
+  - The GEMMs (`quantized_product` -> `fp4_half_tiles`) read a step's code bytes and keep the
+    low nibbles (the even channels) and the high nibbles (the odd channels) apart, multiplied in
+    two dots against the activation's even and odd channels: no decoded value is moved. On
+    NVIDIA sm90 and later the decode and the scale are inline PTX (`E2M1_SCALED_PTX`: a byte
+    permute that sign-extends, a shift, a mask and a packed bf16 multiply per two weights);
+    elsewhere (the CPU interpreter, AMD) per-element shifts, masks and multiplies give the same
+    bits.
+  - The whole tile in channel order (`quantized_tile`, for `dequantize.py`) is assembled from
+    32-bit words of eight codes, two codes per shift-and-mask pair; rows whose byte length is
+    not a multiple of 16 (K not a multiple of 32) are read byte by byte into the same words.
+
+Loads: the code bytes arrive by 16-byte asynchronous copies only if the compiler sees their mask
+constant over each 16 bytes: rows of a multiple of 16 bytes bound the bytes in 16-byte units
+(`ALIGNED`), and a K that is a multiple of the K step needs no K bound at all (`EVEN_K`), which
+also lets the step's scale bytes load as vectors the software pipeline copies ahead (a scale
+load bounded per group is a synchronous byte load whose latency every K step waits for).
 
 Exactness: every dequantised weight is the exact product of its value and its power-of-two scale
 whenever that product is a normal bf16 (or fp32) number, i.e. the same number

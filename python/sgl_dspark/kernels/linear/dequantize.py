@@ -4,7 +4,8 @@ large for the in-kernel dequantisation (prefill-sized inputs), which then multip
 `dequantize_weight_ref` is the spec; it builds fp32 values and fp32 multipliers of the whole
 weight before the product, so its memory traffic is some 30 times the stored FP8 bytes. This
 kernel reads each stored byte and scale once and writes the dequantised weight once, through
-the same tile decoder as the GEMMs (`dequant.py::quantized_tile`, fp32).
+the tile decoder the FP8 GEMMs use (`dequant.py::quantized_tile`, fp32; for MXFP4 it puts the
+channels in order, which the GEMMs' two-dot decode does not need).
 
 Exactness: bit for bit `dequantize_weight_ref`: both form the exact fp32 product of a stored
 value and its power-of-two scale and round it once to the output dtype.

@@ -1,7 +1,7 @@
 """Small-M linear layers on weights kept as stored (W8A16 FP8 block-scaled, W4A16 MXFP4):
 `y = x @ dequant(W)^T` for decode-sized batches (made for M <= 16 rows; any M runs, in 16-row
 blocks: the batch-invariant linear of `--enable-deterministic-inference`), the weight dequantised
-in the kernel (`dequant.py::quantized_tile`); `small_m_linear_ref` / `small_m_grouped_linear_ref`
+in the kernel (`dequant.py::quantized_product`); `small_m_linear_ref` / `small_m_grouped_linear_ref`
 (which dequantise first) are the spec.
 
 At decode sizes the GEMM streams its weight once: it is bound by how fast the stored bytes reach

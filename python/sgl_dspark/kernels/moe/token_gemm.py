@@ -45,16 +45,15 @@ from sgl_dspark.kernels._triton_utils import (
     wait_for_producers,
 )
 from sgl_dspark.kernels.linear.dequant import quantized_stages
-from sgl_dspark.kernels.moe.grouped_gemm import (
+from sgl_dspark.kernels.moe.expert_weights import (
     ExpertWeight,
     check_expert_weight,
     expert_block_k,
     expert_product,
     expert_weight_args,
     expert_weight_data,
-    swiglu_tile,
-    weighted_activation,
 )
+from sgl_dspark.kernels.moe.grouped_gemm import swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.reduce import route_reduce_tail
 
 # tl.dot's smallest row count; row 0 is the route's (or token's) row, the others are masked.

@@ -1,0 +1,172 @@
+"""The weight side of the expert GEMMs, shared by the grouped kernels (`grouped_gemm.py`) and the
+per-token kernels (`token_gemm.py`): what an expert weight is (the stacked experts in the
+activation dtype, or kept as stored), its checks and kernel arguments, the K step, and the one
+definition of an expert product. Both MoE paths form every product through `expert_product`
+with the same K step, so a route's product sums alike on either path: on a GPU their bits agree,
+which keeps a token's result independent of the path its batch size picks.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._checks import require
+from sgl_dspark.kernels.linear.dequant import (
+    fp4_ptx_decode,
+    fp4_rows_aligned,
+    quantized_block_k,
+    quantized_product,
+)
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
+
+# A weight of the expert GEMMs: the stacked experts in the activation dtype, or kept as stored.
+ExpertWeight = torch.Tensor | QuantizedWeight
+
+
+@triton.jit
+def expert_dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
+    """One K chunk of an expert product (the one definition: `token_gemm.py` forms its products
+    with it too, so both kernels sum a product's chunks the same way)."""
+    if DOT_FP32:
+        return tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a_tile, w_tile, acc)
+
+
+@triton.jit
+def expert_product(
+    a_rows,
+    a_ok,
+    w_rows,
+    w_ok,
+    s_rows,
+    k_dim,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP4: tl.constexpr,
+    PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr = False,
+):
+    """fp32 [BM, BN] = A rows (pointers `a_rows`, unit stride along K) times the weight columns
+    (pointers `w_rows` to each output column's stored row), over all K in BLOCK_K steps of
+    `expert_dot`, or with a quantised weight `quantized_product` (scale pointers `s_rows`). The
+    one definition of an expert product: the grouped and the per-token kernels call it, so their
+    products sum in the same order."""
+    if QUANT:
+        acc = quantized_product(
+            a_rows,
+            a_ok,
+            w_rows,
+            w_ok,
+            s_rows,
+            k_dim,
+            BM,
+            BN,
+            BLOCK_K,
+            FP4,
+            PTX,
+            ALIGNED,
+            GROUP,
+            DOT_FP32,
+            1,
+            EVEN_K,
+        )
+    else:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+        for k0 in range(0, k_dim, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_ok = ks < k_dim
+            a_tile = tl.load(
+                a_rows[:, None] + ks[None, :], mask=a_ok[:, None] & k_ok[None, :], other=0.0
+            )
+            w_tile = tl.load(
+                w_rows[None, :] + ks[:, None], mask=k_ok[:, None] & w_ok[None, :], other=0.0
+            )
+            acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    return acc
+
+
+def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
+    """K step of the expert GEMMs (the grouped and the per-token kernels share it, so their
+    products sum alike): 128 channels of a bf16 / fp32 weight; 256 of a quantised one (256 or
+    128 stored bytes a row)."""
+    if isinstance(weight, QuantizedWeight):
+        return quantized_block_k(weight.fmt, k_dim)
+    return min(128, max(16, triton.next_power_of_2(k_dim)))
+
+
+def expert_weight_data(weight: ExpertWeight) -> torch.Tensor:
+    """The tensor the expert kernels read the weight's rows from (its strides are the kernels'
+    weight strides): the stacked experts, or a quantised weight's stored data (FP8 elements or
+    MXFP4 bytes)."""
+    if isinstance(weight, QuantizedWeight):
+        return weight.data
+    return weight
+
+
+def expert_weight_args(weight: ExpertWeight) -> dict:
+    """The kernel arguments that describe an expert weight: its scale pointer and strides (the
+    data itself when unquantised, never read) and the dequantisation constants."""
+    if isinstance(weight, QuantizedWeight):
+        return {
+            "s_ptr": weight.scale,
+            "stride_se": weight.scale.stride(0),
+            "stride_sn": weight.scale.stride(1),
+            "QUANT": True,
+            "FP4": weight.fmt == "mxfp4",
+            "PTX": fp4_ptx_decode(weight.data.device),
+            "ALIGNED": fp4_rows_aligned(weight),
+            "GROUP": weight.group,
+            "SCALE_ROWS": weight.block_rows,
+        }
+    return {
+        "s_ptr": weight,
+        "stride_se": 0,
+        "stride_sn": 0,
+        "QUANT": False,
+        "FP4": False,
+        "PTX": False,
+        "ALIGNED": False,
+        "GROUP": 1,
+        "SCALE_ROWS": 1,
+    }
+
+
+def check_expert_weight(name: str, weight: ExpertWeight, a: torch.Tensor, num_local: int) -> None:
+    """An expert stack `[>= num_local, N, K]` for activations `a [rows, K]`: in a's dtype with
+    a contiguous last dim, or a well-formed `QuantizedWeight` (ValueError naming `name`)."""
+    data = weight.data if isinstance(weight, QuantizedWeight) else weight
+    if isinstance(weight, QuantizedWeight):
+        check_quantized_weight(weight, name)
+        dtype_ok = weight.scale.device == a.device and weight.scale.stride(2) == 1
+    else:
+        dtype_ok = weight.dtype == a.dtype
+    shape = weight.shape
+    require(
+        len(shape) == 3
+        and dtype_ok
+        and data.stride(2) == 1
+        and shape[2] == a.shape[1]
+        and shape[0] >= num_local
+        and data.device == a.device,
+        f"{name} must be {a.dtype} (or quantised) [>= {num_local} experts, N, {a.shape[1]}] on "
+        f"{a.device} with a contiguous last dim, got {data.dtype} {tuple(shape)} on "
+        f"{data.device}",
+    )
+
+
+__all__ = [
+    "ExpertWeight",
+    "check_expert_weight",
+    "expert_block_k",
+    "expert_dot",
+    "expert_product",
+    "expert_weight_args",
+    "expert_weight_data",
+]
