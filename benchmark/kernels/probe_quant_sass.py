@@ -37,6 +37,7 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "test/registered/kernels")]
 from gpu_targets_check import (  # noqa: E402
     TARGETS,
     launch_source,
+    on_target,
     quantized_linear_case,
     quantized_moe_case,
     quantized_token_gemms_case,
@@ -113,7 +114,7 @@ def probe(name: str, keep: str | None) -> list[str]:
         if key in seen or not kwargs.get("QUANT", True):
             continue
         seen.add(key)
-        src, options = launch_source(rec.fn, args, kwargs, TARGET)
+        src, options = launch_source(rec.fn, args, on_target(kwargs, TARGET), TARGET)
         compiled = triton.compile(src, target=TARGET, options=options)
         with tempfile.TemporaryDirectory() as tmp:
             cubin = os.path.join(keep or tmp, f"{name.replace(' ', '_').replace('/', '_')}.cubin")

@@ -39,6 +39,17 @@ _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # compiles for each target with the value that target's device gets (`PTX`:
 # `linear.dequant.fp4_ptx_decode`, the inline-PTX MXFP4 decode on NVIDIA only).
 _TARGET_CONSTEXPRS = {"PTX": lambda target: target.backend == "cuda"}
+
+
+def on_target(kwargs: dict, target: GPUTarget) -> dict:
+    """A recorded launch's arguments with the constexprs its launcher sets per device taken as
+    `target`'s device would set them."""
+    return {
+        k: _TARGET_CONSTEXPRS[k](target) if k in _TARGET_CONSTEXPRS else v
+        for k, v in kwargs.items()
+    }
+
+
 _KERNEL_MODULES = (
     "moe.activation",
     "compressor.pool",
@@ -163,11 +174,7 @@ def _compile_all(rec: _Recorder, instructions: dict[str, str] | None = None) -> 
         seen.add(key)
         extra = {k: v for k, v in INSTRUCTION_TARGETS.items() if k in (instructions or {})}
         for name, (target, smem_limit) in {**TARGETS, **extra}.items():
-            on_target = {
-                k: _TARGET_CONSTEXPRS[k](target) if k in _TARGET_CONSTEXPRS else v
-                for k, v in kwargs.items()
-            }
-            src, options = launch_source(rec.fn, args, on_target, target)
+            src, options = launch_source(rec.fn, args, on_target(kwargs, target), target)
             compiled = triton.compile(src, target=target, options=options)
             shared = compiled.metadata.shared
             assert shared <= smem_limit, (name, kwargs, shared)
