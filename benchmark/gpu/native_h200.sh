@@ -31,8 +31,9 @@
 # (benchmark/results/sweeps/2026-12-02_native_f66991f.md and
 # 2026-12-03_rank_dsv41_flash_8cd19dc.md: a rank engine loads and captures its decode graphs in
 # ~70 s and its DSpark graphs in ~110 s; the GEMM stage was cut short at M 1):
-#   env,tests,gemm          ~7 minutes  (budgets 100 + 320 s)
-#   env,ab,rank             ~9 minutes  (320 + 200 s)
+#   env,tests,gemm          ~2 minutes  (budgets 100 + 320 s)
+#   env,ab                  ~6 minutes  (320 s)
+#   env,rank                ~3 minutes on a warm Triton cache, ~5 on a cold one (300 s)
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
 #   env,rank_profile        ~4-7 minutes  (400 s)
 #   env,v4_kv               ~6 minutes  (320 s)
@@ -76,8 +77,8 @@ if has ab; then  # the same random model, bf16 then native, each engine in its o
   show "$WORK/ab/native_ab_dsv4_flash_slice.md"
 fi
 if has rank; then
-  stage rank 200
-  run 200 rank/plain.log "${native[@]}" decode "${rank[@]}" --systems plain --append \
+  stage rank 300
+  run 300 rank/plain.log "${native[@]}" decode "${rank[@]}" --systems plain --append \
     --batch-sizes 1,8,32 --out-dir "$WORK/rank"
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
