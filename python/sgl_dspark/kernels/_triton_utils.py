@@ -31,9 +31,17 @@ def interpreted(kernel: object) -> bool:
 
 
 @functools.cache
-def _device_has_pdl(device_index: int) -> bool:
-    # Programmatic dependent launch: CUDA compute capability 9 and later (HIP has none).
+def _nvidia_sm90_or_later(device_index: int) -> bool:
     return torch.version.hip is None and torch.cuda.get_device_capability(device_index)[0] >= 9
+
+
+def nvidia_sm90_or_later(device: torch.device) -> bool:
+    """Whether `device` is an NVIDIA GPU of compute capability 9 or later (HIP builds are not):
+    programmatic dependent launch, the MXFP4 decode's packed bf16 multiply."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _nvidia_sm90_or_later(index)
 
 
 def set_programmatic_launch(
@@ -80,11 +88,8 @@ def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
     pdl = (
         _ProgrammaticLaunchSwitch.allowed
         and not interpreted(kernel)
-        and device.type == "cuda"
         and (only is None or getattr(kernel, "__name__", None) in only)
-        and _device_has_pdl(
-            device.index if device.index is not None else torch.cuda.current_device()
-        )
+        and nvidia_sm90_or_later(device)
     )
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 

@@ -47,12 +47,11 @@ multiplication keeps it, a matrix unit may flush it to zero: an absolute differe
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from sgl_dspark.kernels._triton_utils import nvidia_sm90_or_later
 from sgl_dspark.kernels.linear.reference import QuantizedWeight
 
 # Channels of one K step of the quantised expert GEMMs and wide linear blocks (a power of two,
@@ -413,9 +412,9 @@ def quantized_product(
     EVEN_K (k_dim a multiple of BLOCK_K): no load is bounded along K, so the scale bytes load
     as vectors the software pipeline can copy ahead like the weights.
 
-    The weight and activation tiles are software-pipelined (asynchronous copies); a step's scale
-    bytes, too small for those copies, are loaded first in the step, so their latency overlaps
-    the decode of the step's codes."""
+    The weight and activation tiles are software-pipelined (asynchronous copies), the scale
+    bytes too when they load as vectors (EVEN_K); otherwise they are loaded first in the step,
+    so their latency overlaps the decode of the step's codes."""
     if SPLIT_K == 1:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     else:
@@ -465,17 +464,7 @@ def fp4_ptx_decode(device: torch.device) -> bool:
     (`E2M1_SCALED_PTX`): compiled for an NVIDIA GPU of compute capability 9 or later (its
     packed bf16 multiply). The CPU interpreter, AMD and older GPUs take the portable decode,
     which gives the same bits."""
-    return (
-        device.type == "cuda"
-        and torch.version.hip is None
-        and _capability(device.index if device.index is not None else torch.cuda.current_device())
-        >= 9
-    )
-
-
-@functools.cache
-def _capability(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
+    return nvidia_sm90_or_later(device)
 
 
 def quantized_block_k(fmt: str, k_dim: int, block_k: int = QUANT_BLOCK_K) -> int:
