@@ -8,6 +8,9 @@
 #   gemm         bench_quant_gemm.py: bf16 Triton / cuBLAS / previous and current W8A16 /
 #                W4A16 at V4-Flash decode shapes, M 1/4/8/16, and the MoE paths (its own 95 s
 #                budget for new shapes)
+#   moe          bench_quant_gemm.py --only MoE --moe-unsplit: the routed experts alone, M
+#                1/4/8/16, the quantised formats with their products split along K (the
+#                library) and unsplit, in one process
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
 #   rank         bench_native.py decode: dsv41_flash_rank, or $RANK_CONFIG (full depth, 96
@@ -32,6 +35,7 @@
 # 2026-12-03_rank_dsv41_flash_8cd19dc.md: a rank engine loads and captures its decode graphs in
 # ~70 s and its DSpark graphs in ~110 s; the GEMM stage was cut short at M 1):
 #   env,tests,gemm          ~2 minutes  (budgets 100 + 320 s)
+#   env,tests,moe           ~4 minutes  (budgets 100 + 300 s)
 #   env,ab                  ~6 minutes  (320 s)
 #   env,rank                ~3 minutes on a warm Triton cache, ~5 on a cold one (300 s)
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
@@ -67,6 +71,12 @@ if has gemm; then
   stage gemm 320
   run 320 quant_gemm.log python3 benchmark/kernels/bench_quant_gemm.py --out "$WORK/quant_gemm.md"
   show "$WORK/quant_gemm.md"
+fi
+if has moe; then
+  stage moe 300
+  run 300 moe_gemm.log python3 benchmark/kernels/bench_quant_gemm.py --only MoE --m 1,4,8,16 \
+    --moe-unsplit --budget-s 280 --out "$WORK/moe_gemm.md"
+  show "$WORK/moe_gemm.md"
 fi
 if has ab; then  # the same random model, bf16 then native, each engine in its own process
   stage ab 320

@@ -5,7 +5,9 @@ scales per 128 x 128 block (V4) and per 32 x 32 (V4.1) and MXFP4 (one E8M0 scale
 channels), at M = 1, 4, 8, 16; then the routed experts of one EP4 rank (96 experts + the folded
 shared expert, 6 routes + the shared one per token) in bf16, FP8 and MXFP4 through the engine's
 two paths (sorted: `moe_sort` + `fused_moe` + `moe_reduce`; per token, up to 4 tokens:
-`moe_route_gate_up` + `moe_token_down_reduce`).
+`moe_route_gate_up` + `moe_token_down_reduce`). `--moe-unsplit` times the quantised experts a
+second time with the expert products unsplit along K (`expert_split_k` forced to 1), the
+comparison behind the library's split.
 
     python benchmark/kernels/bench_quant_gemm.py --out $OUT/quant_gemm.md  (stops at --budget-s)
     TRITON_INTERPRET=1 python benchmark/kernels/bench_quant_gemm.py --smoke     (CPU check)
@@ -49,6 +51,7 @@ from sgl_dspark.kernels.linear.reference import (  # noqa: E402
     dequantize_weight_ref,
 )
 from sgl_dspark.kernels.linear.small_m import small_m_grouped_linear, small_m_linear  # noqa: E402
+from sgl_dspark.kernels.moe import grouped_gemm, token_gemm  # noqa: E402
 from sgl_dspark.kernels.moe.grouped_gemm import fused_moe  # noqa: E402
 from sgl_dspark.kernels.moe.reduce import moe_reduce  # noqa: E402
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort, sort_block_size  # noqa: E402
@@ -83,6 +86,7 @@ class Setup:
     inter: int = 2048
     working_set: int = 256 * 2**20  # bytes of weight copies cycled through per timed variant
     max_copies: int = 64
+    moe_unsplit: bool = False  # also time the quantised experts without the K split
 
 
 SETUP = Setup()
@@ -285,11 +289,18 @@ def bench_moe(m: int, warm_only: bool = False, only: int | None = None) -> list[
     paths = [("sorted", sorted_path)] + ([("token", token_path)] if m <= 4 else [])
     gen = _generator(11)
     out = []
-    for index, (fmt, group) in enumerate(((None, 0), *MOE_FORMATS)):
+    variants = [(None, 0, False)] + [(f, g, False) for f, g in MOE_FORMATS]
+    if s.moe_unsplit and not warm_only:  # each format's weights drawn again from its own seed
+        variants += [(f, g, True) for f, g in MOE_FORMATS]
+    for index, (fmt, group, unsplit) in enumerate(variants):
         if only is not None and index != only:
             continue
+        if fmt is not None:
+            gen = _generator(11 + MOE_FORMATS.index((fmt, group)) + 1)
         w13, w2 = _moe_weights(fmt, group, gen)
         label = "bf16 triton" if fmt is None else f"{_label(fmt, group)} new"
+        label += " unsplit" if unsplit else ""
+        _force_unsplit(unsplit)
         expert_bytes = (_nbytes(w13) + _nbytes(w2)) / (s.experts + 1)
         deq = None
         if fmt is not None and not warm_only:  # the same kernels on the dequantised experts
@@ -307,7 +318,20 @@ def bench_moe(m: int, warm_only: bool = False, only: int | None = None) -> list[
             shape = f"MoE {path} {s.experts}+1x(2x{s.inter}+{s.inter})x{s.hidden} top-{s.topk}+1"
             out.append(Row(shape, m, label, us, int(distinct * expert_bytes) + act_bytes, err))
         del w13, w2, deq
+    _force_unsplit(False)
     return out
+
+
+_LIBRARY_SPLIT = (grouped_gemm.expert_split_k, token_gemm.expert_split_k)
+
+
+def _force_unsplit(unsplit: bool) -> None:
+    """Both expert paths' K split: the library's, or none (the launchers read the name from
+    their own module, so both are replaced)."""
+    if unsplit:
+        grouped_gemm.expert_split_k = token_gemm.expert_split_k = lambda *_: 1
+    else:
+        grouped_gemm.expert_split_k, token_gemm.expert_split_k = _LIBRARY_SPLIT
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,6 +556,11 @@ def main() -> None:
     p.add_argument("--m", default="1,4,8,16")
     p.add_argument("--only", default="", help="substring of the shapes to run ('MoE': experts)")
     p.add_argument("--no-moe", action="store_true")
+    p.add_argument(
+        "--moe-unsplit",
+        action="store_true",
+        help="also time the quantised experts with their products unsplit along K",
+    )
     p.add_argument("--out", default=None)
     p.add_argument("--peak-tbps", type=float, default=4.8, help="HBM bandwidth of the byte floor")
     p.add_argument("--jobs", type=int, default=min(16, os.cpu_count() or 1))
@@ -558,6 +587,7 @@ def main() -> None:
         a.m = "1,5" if a.m == p.get_default("m") else a.m
         a.budget_s = math.inf
     m_values = [int(v) for v in a.m.split(",")]
+    SETUP.moe_unsplit = a.moe_unsplit
     SETUP.dense = tuple(s for s in SETUP.dense if a.only in s[0])
     moe = not a.no_moe and a.only in "MoE"
     peak = a.peak_tbps * 1e12

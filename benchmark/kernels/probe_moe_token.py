@@ -115,6 +115,8 @@ def main() -> None:
                     moe_token_gemm._down_meta = lambda k, w_, bn=bn, bk=bk, w=warps, s=stages: {
                         "BLOCK_N": bn,
                         "BLOCK_K": bk,
+                        # the library's K split where the warps allow it (one slice each)
+                        "SPLIT_K": moe_token_gemm.expert_split_k(bk, w_) if w == 4 else 1,
                         "num_warps": w,
                         "num_stages": s,
                     }

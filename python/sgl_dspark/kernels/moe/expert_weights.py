@@ -24,6 +24,9 @@ from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized
 # A weight of the expert GEMMs: the stacked experts in the activation dtype, or kept as stored.
 ExpertWeight = torch.Tensor | QuantizedWeight
 
+# Warps of every expert GEMM program (a quantised product's K split gives each warp one slice).
+EXPERT_WARPS = 4
+
 
 @triton.jit
 def expert_dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
@@ -52,11 +55,13 @@ def expert_product(
     GROUP: tl.constexpr,
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr = False,
+    SPLIT_K: tl.constexpr = 1,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows`, unit stride along K) times the weight columns
     (pointers `w_rows` to each output column's stored row), over all K in BLOCK_K steps of
-    `expert_dot`, or with a quantised weight `quantized_product` (scale pointers `s_rows`). The
-    one definition of an expert product: the grouped and the per-token kernels call it, so their
+    `expert_dot`, or with a quantised weight `quantized_product` (scale pointers `s_rows`; its
+    K step split into SPLIT_K slices, `expert_split_k`). The one definition of an expert
+    product: the grouped and the per-token kernels call it with the same constants, so their
     products sum in the same order."""
     if QUANT:
         acc = quantized_product(
@@ -74,7 +79,7 @@ def expert_product(
             ALIGNED,
             GROUP,
             DOT_FP32,
-            1,
+            SPLIT_K,
             EVEN_K,
         )
     else:
@@ -99,6 +104,22 @@ def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
     if isinstance(weight, QuantizedWeight):
         return quantized_block_k(weight.fmt, k_dim)
     return min(128, max(16, triton.next_power_of_2(k_dim)))
+
+
+def expert_split_k(block_k: int, weight: ExpertWeight | None = None) -> int:
+    """SPLIT_K of a quantised expert product with K step `block_k` (a function of the format and
+    K only, so the grouped and the per-token kernels sum a product alike): each of the
+    EXPERT_WARPS warps multiplies its own slice of every dot's channels into its own accumulator,
+    the accumulators summed at the end. At a few rows per block the activation tile costs a warp
+    as much as its weights: split along N, every warp loads and re-packs the whole tile (the
+    MXFP4 dots take its even and odd channels apart), split along K only its slice. A dot's
+    slice must keep one matrix-unit step (16 channels) for each of the warps, else no split
+    (a split finer than the warps would repeat the batched dot on idle warps). Unquantised
+    products do not split."""
+    if not isinstance(weight, QuantizedWeight):
+        return 1
+    channels = block_k // 2 if weight.fmt == "mxfp4" else block_k  # of each dot
+    return EXPERT_WARPS if channels >= 16 * EXPERT_WARPS else 1
 
 
 def expert_weight_data(weight: ExpertWeight) -> torch.Tensor:
@@ -162,11 +183,13 @@ def check_expert_weight(name: str, weight: ExpertWeight, a: torch.Tensor, num_lo
 
 
 __all__ = [
+    "EXPERT_WARPS",
     "ExpertWeight",
     "check_expert_weight",
     "expert_block_k",
     "expert_dot",
     "expert_product",
+    "expert_split_k",
     "expert_weight_args",
     "expert_weight_data",
 ]

@@ -54,10 +54,12 @@ from sgl_dspark.kernels._triton_utils import (
 from sgl_dspark.kernels.linear.dequant import quantized_stages
 from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
 from sgl_dspark.kernels.moe.expert_weights import (
+    EXPERT_WARPS,
     ExpertWeight,
     check_expert_weight,
     expert_block_k,
     expert_product,
+    expert_split_k,
     expert_weight_args,
     expert_weight_data,
 )
@@ -127,6 +129,7 @@ def _moe_grouped_gemm_kernel(
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
@@ -183,6 +186,7 @@ def _moe_grouped_gemm_kernel(
         GROUP,
         DOT_FP32,
         EVEN_K,
+        SPLIT_K,
     )
     if OUT_SWIGLU:  # the activation of the [gate | up] values a plain stage 1 would store
         y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
@@ -417,12 +421,13 @@ def moe_grouped_gemm(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k_dim % block_k == 0,
+        SPLIT_K=expert_split_k(block_k, weight),
         OUT_SWIGLU=out_swiglu,
         TILE_MAJOR=tile_major,
         HAS_LIMIT=swiglu_limit is not None,
         WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
-        num_warps=4,
+        num_warps=EXPERT_WARPS,
         num_stages=quantized_stages(getattr(weight, "fmt", None), 4),
         **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
     )

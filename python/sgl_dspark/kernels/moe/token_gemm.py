@@ -46,10 +46,12 @@ from sgl_dspark.kernels._triton_utils import (
 )
 from sgl_dspark.kernels.linear.dequant import quantized_stages
 from sgl_dspark.kernels.moe.expert_weights import (
+    EXPERT_WARPS,
     ExpertWeight,
     check_expert_weight,
     expert_block_k,
     expert_product,
+    expert_split_k,
     expert_weight_args,
     expert_weight_data,
 )
@@ -98,6 +100,7 @@ def _moe_route_gate_up_kernel(
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -137,6 +140,7 @@ def _moe_route_gate_up_kernel(
         GROUP,
         DOT_FP32,
         EVEN_K,
+        SPLIT_K,
     )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
     if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
@@ -180,6 +184,7 @@ def _moe_token_down_kernel(
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
     EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -226,6 +231,7 @@ def _moe_token_down_kernel(
         GROUP,
         DOT_FP32,
         EVEN_K,
+        SPLIT_K,
     )
     # Slot k's product: row k, column block k (adding exact zeros of the other rows).
     slots = tl.arange(0, SLOTS)
@@ -358,13 +364,14 @@ def moe_route_gate_up(
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=x.shape[1] % block_k == 0,
+        SPLIT_K=expert_split_k(block_k, gate_up_proj),
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
         DOT_FP32=x.dtype == torch.float32 or interpreted(_moe_route_gate_up_kernel),
         ROUND_BF16=x.dtype == torch.bfloat16,
         HAS_LIMIT=limit is not None,
         WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_route_gate_up_kernel),
-        num_warps=4,
+        num_warps=EXPERT_WARPS,
         num_stages=quantized_stages(getattr(gate_up_proj, "fmt", None), 4),
         **programmatic_launch(_moe_route_gate_up_kernel, x.device),
     )
@@ -373,11 +380,19 @@ def moe_route_gate_up(
 
 def _down_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
     """Launch shape of stage 2 (`benchmark/kernels/probe_moe_token.py` times others; every
-    shape gives the same bits: a dot's sum does not depend on the tile). 16 output columns per
+    BLOCK_N and pipeline depth gives the same bits, a dot's sum not depending on the tile's
+    columns; BLOCK_K and SPLIT_K are the expert product's, shared with the grouped path so a
+    route's product sums alike on both). 16 output columns per
     program: D = 1024 spreads one token over 64 programs, each streaming a [BLOCK_K, 8 x 16]
     tile of all its slots' weights per step."""
     block_k = expert_block_k(k_dim, weight)
-    return {"BLOCK_N": 16, "BLOCK_K": block_k, "num_warps": 4, "num_stages": 3}
+    return {
+        "BLOCK_N": 16,
+        "BLOCK_K": block_k,
+        "SPLIT_K": expert_split_k(block_k, weight),
+        "num_warps": EXPERT_WARPS,
+        "num_stages": 3,
+    }
 
 
 def moe_token_down_reduce(
