@@ -286,9 +286,9 @@ def _experts(
     return quantized(gate_up, fmt, block), quantized(down, fmt, block)
 
 
-# (format, block, M, topk, E, D, I). Every FP8 stage here splits its K steps four ways; MXFP4
-# stage 1 does (K step 128 or 256), its stage 2 does not (K step 32 or 64: dots of 16 or 32
-# channels), so both kinds of expert product are compared across the paths.
+# (format, block, M, topk, E, D, I). MXFP4 stage 1 splits its K steps four ways (K step 128 or
+# 256), its stage 2 does not (K step 32 or 64: dots of 16 or 32 channels), so both kinds of
+# expert product are compared across the paths.
 MOE_CASES = [
     ("fp8", 128, 5, 3, 6, 160, 96),  # D, I: partial scale blocks and K steps
     ("fp8", 32, 3, 2, 4, 64, 48),
@@ -351,9 +351,9 @@ def test_expert_split_k_gives_each_warp_a_whole_matrix_step() -> None:
     g = torch.Generator().manual_seed(7)
     fp8 = quantized(torch.randn(2, 32, 64, generator=g), "fp8", 32)
     fp4 = quantized(torch.randn(2, 32, 64, generator=g), "mxfp4", 32)
-    # 4 warps x 16 channels: an FP8 step of 64 channels, an MXFP4 step of 128 (two dots of 64).
-    assert [expert_split_k(k, fp8) for k in (16, 32, 64, 256)] == [1, 1, 4, 4]
+    # MXFP4: 4 warps x 16 channels of each of the two dots, a K step of at least 128.
     assert [expert_split_k(k, fp4) for k in (32, 64, 128, 256)] == [1, 1, 4, 4]
+    assert [expert_split_k(k, fp8) for k in (16, 64, 256)] == [1, 1, 1]
     assert expert_split_k(256, torch.empty(2, 32, 64, dtype=torch.bfloat16)) == 1
     assert EXPERT_WARPS == 4
 

@@ -107,19 +107,21 @@ def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
 
 
 def expert_split_k(block_k: int, weight: ExpertWeight | None = None) -> int:
-    """SPLIT_K of a quantised expert product with K step `block_k` (a function of the format and
-    K only, so the grouped and the per-token kernels sum a product alike): each of the
-    EXPERT_WARPS warps multiplies its own slice of every dot's channels into its own accumulator,
-    the accumulators summed at the end. At a few rows per block the activation tile costs a warp
-    as much as its weights: split along N, every warp loads and re-packs the whole tile (the
-    MXFP4 dots take its even and odd channels apart), split along K only its slice. A dot's
-    slice must keep one matrix-unit step (16 channels) for each of the warps, else no split
-    (a split finer than the warps would repeat the batched dot on idle warps). Unquantised
-    products do not split."""
-    if not isinstance(weight, QuantizedWeight):
+    """SPLIT_K of an expert product with K step `block_k` (a function of the format and K only,
+    so the grouped and the per-token kernels sum a product alike).
+
+    MXFP4: each of the EXPERT_WARPS warps multiplies its own slice of every dot's channels into
+    its own accumulator, the accumulators summed at the end. At a few rows per block the
+    activation tile costs a warp as much as its weights: split along N, every warp loads the
+    whole tile and takes its even and odd channels apart for the two dots; split along K, only
+    its slice (fewer instructions and registers per weight byte). A dot's slice must keep one
+    matrix-unit step (16 channels) for each warp, else no split (a split finer than the warps
+    would repeat the batched dot on idle warps). FP8 (its tile in channel order) and
+    unquantised products do not split: split, the FP8 experts timed slower
+    (`benchmark/results/kernels.md`)."""
+    if not isinstance(weight, QuantizedWeight) or weight.fmt != "mxfp4":
         return 1
-    channels = block_k // 2 if weight.fmt == "mxfp4" else block_k  # of each dot
-    return EXPERT_WARPS if channels >= 16 * EXPERT_WARPS else 1
+    return EXPERT_WARPS if block_k // 2 >= 16 * EXPERT_WARPS else 1
 
 
 def expert_weight_data(weight: ExpertWeight) -> torch.Tensor:
