@@ -11,6 +11,9 @@
 #   moe          bench_quant_gemm.py --only MoE --moe-unsplit: the routed experts alone, M
 #                1/4/8/16, the quantised formats with their products split along K (the
 #                library) and unsplit, in one process
+#   moe_paths    probe_moe_token.py: the rank model's MXFP4 experts (V4.1-Flash dims, shared
+#                expert folded) through the sorted and the per-token path, bits compared, then
+#                timed ABBA, M 1/2/3/4/6/8 (where the engine switches paths)
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
 #   rank         bench_native.py decode: dsv41_flash_rank, or $RANK_CONFIG (full depth, 96
@@ -36,6 +39,7 @@
 # ~70 s and its DSpark graphs in ~110 s; the GEMM stage was cut short at M 1):
 #   env,tests,gemm          ~2 minutes  (budgets 100 + 320 s)
 #   env,tests,moe           ~4 minutes  (budgets 100 + 300 s)
+#   env,moe_paths           ~2 minutes  (200 s)
 #   env,ab                  ~6 minutes  (320 s)
 #   env,rank                ~3 minutes on a warm Triton cache, ~5 on a cold one (300 s)
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
@@ -77,6 +81,12 @@ if has moe; then
   run 300 moe_gemm.log python3 benchmark/kernels/bench_quant_gemm.py --only MoE --m 1,4,8,16 \
     --moe-unsplit --budget-s 280 --out "$WORK/moe_gemm.md"
   show "$WORK/moe_gemm.md"
+fi
+if has moe_paths; then
+  stage moe_paths 200
+  run 200 moe_paths.log python3 benchmark/kernels/probe_moe_token.py --format mxfp4 \
+    --shapes dsv41_flash_ep4 --m 1,2,3,4,6,8 --out "$WORK/moe_paths.md"
+  show "$WORK/moe_paths.md"
 fi
 if has ab; then  # the same random model, bf16 then native, each engine in its own process
   stage ab 320

@@ -9,9 +9,12 @@ For each shape and M, both are first checked BIT-EQUAL (the engine picks one by 
 agree), then timed ABBA in CUDA graphs whose `--calls` launches use as many routings (the
 experts' weights then come from HBM as in a decode step). `--down-metas` also times stage 2
 launch shapes (each one bit-checked too). This picks `experts.TOKEN_PATH_MAX_M` and
-`moe_token_gemm._down_meta`.
+`moe_token_gemm._down_meta`. `--format fp8 | mxfp4` runs the experts kept as stored (random
+codes and scales, `bench_quant_gemm.quantize_random`); shapes with a shared expert fold it as
+the engine does (one more local expert, appended to every token's routes with weight 1).
 
 Usage (device machine): python3 benchmark/kernels/probe_moe_token.py --out probe.md
+    [--format mxfp4 --shapes dsv41_flash_ep4 --m 1,2,3,4,6,8]
 """
 
 from __future__ import annotations
@@ -26,14 +29,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sgl_dspark.kernels.moe import token_gemm as moe_token_gemm  # noqa: E402
 from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
 from sgl_dspark.kernels.moe.reduce import moe_reduce
-from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
+from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort, sort_block_size
 
+from benchmark.kernels.bench_quant_gemm import quantize_random  # noqa: E402
 from benchmark.kernels.run_all import time_graph  # noqa: E402
 
-SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k)
-    "mid_910m": (1024, 512, 64, 64, 6),
-    "dsv4_flash_ep4": (4096, 2048, 96, 384, 6),
+SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k, shared expert folded)
+    "mid_910m": (1024, 512, 64, 64, 6, False),
+    "dsv4_flash_ep4": (4096, 2048, 96, 384, 6, False),
+    # the rank model's MoE: 96 local routed experts, top-6 among them, + the folded shared one
+    "dsv41_flash_ep4": (5120, 2304, 96, 96, 6, True),
 }
+FORMAT_GROUPS = {"fp8": 128, "mxfp4": 32}
 DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (16, 128, 4, 3),
     (16, 64, 4, 4),
@@ -44,18 +51,32 @@ DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 ]
 
 
-def _setup(shape: str, m: int, calls: int):
-    d, inter, local, experts, topk = SHAPES[shape]
-    gen = torch.Generator(device="cuda").manual_seed(11 + m)
+def _experts(shape: str, fmt: str, gen: torch.Generator):
+    d, inter, local, _, _, folded = SHAPES[shape]
+    stacks = local + int(folded)
+    if fmt != "bf16":
+        group = FORMAT_GROUPS[fmt]
+        return (
+            quantize_random((stacks, 2 * inter, d), fmt, group, gen),
+            quantize_random((stacks, d, inter), fmt, group, gen),
+        )
     gate_up = torch.randn(
-        local, 2 * inter, d, generator=gen, device="cuda", dtype=torch.bfloat16
+        stacks, 2 * inter, d, generator=gen, device="cuda", dtype=torch.bfloat16
     ) * (3 * d**-0.5)
     down = (
-        torch.randn(local, d, inter, generator=gen, device="cuda", dtype=torch.bfloat16)
+        torch.randn(stacks, d, inter, generator=gen, device="cuda", dtype=torch.bfloat16)
         * inter**-0.5
     )
-    mask = torch.zeros(experts, dtype=torch.int32)
+    return gate_up, down
+
+
+def _setup(shape: str, m: int, calls: int, fmt: str = "bf16"):
+    d, inter, local, experts, topk, folded = SHAPES[shape]
+    gen = torch.Generator(device="cuda").manual_seed(11 + m)
+    gate_up, down = _experts(shape, fmt, gen)
+    mask = torch.zeros(experts + int(folded), dtype=torch.int32)
     mask[:local] = 1
+    mask[experts:] = 1  # the folded shared expert, local id `local`
     mask = mask.to("cuda")
     plan = prepare_moe_sort(mask)
     x = torch.randn(m, d, generator=gen, device="cuda").to(torch.bfloat16)
@@ -63,12 +84,19 @@ def _setup(shape: str, m: int, calls: int):
     routings = []
     for _ in range(calls):
         ids = torch.rand(m, experts, generator=gen, device="cuda").argsort(1)[:, :topk]
-        routings.append((ids.to(torch.int32).contiguous(), torch.rand(m, topk, device="cuda")))
+        w = torch.rand(m, topk, device="cuda")
+        if folded:
+            ids = torch.cat((ids, torch.full_like(ids[:, :1], experts)), dim=1)
+            w = torch.cat((w, torch.ones_like(w[:, :1])), dim=1)
+        routings.append((ids.to(torch.int32).contiguous(), w.contiguous()))
+    topk += int(folded)
+    block = sort_block_size(m, topk, plan.num_local)  # the engine's M tile
     outs = [torch.empty(m, d, dtype=torch.bfloat16, device="cuda") for _ in routings]
 
     def sorted_path() -> list[torch.Tensor]:
         for (ids, w), out in zip(routings, outs):
-            y = fused_moe(x, gate_up, down, moe_sort(ids, w, plan, 0), topk, 10.0)
+            sort = moe_sort(ids, w, plan, 0, block_size=block)
+            y = fused_moe(x, gate_up, down, sort, topk, 10.0, block_size=block)
             moe_reduce(y, w, ids, mask, 1.0, shared, out=out)
         return outs
 
@@ -96,18 +124,20 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--down-metas", action="store_true")
+    p.add_argument("--format", default="bf16", choices=("bf16", *FORMAT_GROUPS))
+    p.add_argument("--shapes", default=",".join(SHAPES))
     a = p.parse_args()
     lines = [
-        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}",
+        f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  experts {a.format}",
         "",
         "| shape | M | variant | bits equal sorted | sorted us | per-token us | ratio |",
         "|---|---|---|---|---|---|---|",
     ]
     default_meta = moe_token_gemm._down_meta
     metas = DOWN_METAS if a.down_metas else [None]
-    for shape in SHAPES:
+    for shape in a.shapes.split(","):
         for m in (int(v) for v in a.m.split(",")):
-            sorted_path, token_path = _setup(shape, m, a.calls)
+            sorted_path, token_path = _setup(shape, m, a.calls, a.format)
             want = [t.clone() for t in sorted_path()]
             for meta in metas:
                 if meta is not None:
