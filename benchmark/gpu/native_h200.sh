@@ -11,9 +11,11 @@
 #   moe          bench_quant_gemm.py --only MoE --moe-unsplit: the routed experts alone, M
 #                1/4/8/16, the quantised formats with their products split along K (the
 #                library) and unsplit, in one process
-#   moe_paths    probe_moe_token.py: the rank model's MXFP4 experts (V4.1-Flash dims, shared
-#                expert folded) through the sorted and the per-token path, bits compared, then
-#                timed ABBA, M 1/2/3/4/6/8 (where the engine switches paths)
+#   moe_paths    probe_moe_token.py: the rank model's experts (V4.1-Flash dims, shared expert
+#                folded) through the sorted and the per-token path, bits compared, then timed
+#                ABBA: MXFP4 at M 1/2/3/4/6/8, FP8 at M 1/2/3/4 (where the engine switches paths)
+#   moe_token_shapes  probe_moe_token.py --stage-metas: each per-token stage alone at other
+#                launch shapes (bits checked against the library's), MXFP4, M 1
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
 #   rank         bench_native.py decode: dsv41_flash_rank, or $RANK_CONFIG (full depth, 96
@@ -40,6 +42,7 @@
 #   env,tests,gemm          ~2 minutes  (budgets 100 + 320 s)
 #   env,tests,moe           ~4 minutes  (budgets 100 + 300 s)
 #   env,moe_paths           ~2 minutes  (200 s)
+#   env,moe_token_shapes    ~4 minutes  (300 s)
 #   env,ab                  ~6 minutes  (320 s)
 #   env,rank                ~3 minutes on a warm Triton cache, ~5 on a cold one (300 s)
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
@@ -84,9 +87,18 @@ if has moe; then
 fi
 if has moe_paths; then
   stage moe_paths 200
-  run 200 moe_paths.log python3 benchmark/kernels/probe_moe_token.py --format mxfp4 \
+  run 100 moe_paths.log python3 benchmark/kernels/probe_moe_token.py --format mxfp4 \
     --shapes dsv41_flash_ep4 --m 1,2,3,4,6,8 --out "$WORK/moe_paths.md"
   show "$WORK/moe_paths.md"
+  run 100 moe_paths_fp8.log python3 benchmark/kernels/probe_moe_token.py --format fp8 \
+    --shapes dsv41_flash_ep4 --m 1,2,3,4 --out "$WORK/moe_paths_fp8.md"
+  show "$WORK/moe_paths_fp8.md"
+fi
+if has moe_token_shapes; then
+  stage moe_token_shapes 300
+  run 300 moe_token_shapes.log python3 benchmark/kernels/probe_moe_token.py --format mxfp4 \
+    --shapes dsv41_flash_ep4 --m 1 --stage-metas --out "$WORK/moe_token_shapes.md"
+  show "$WORK/moe_token_shapes.md"
 fi
 if has ab; then  # the same random model, bf16 then native, each engine in its own process
   stage ab 320

@@ -70,6 +70,52 @@ def _experts(shape: str, fmt: str, gen: torch.Generator):
     return gate_up, down
 
 
+# Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth), timed
+# against the library's own (`_gate_up_meta`, `_down_meta`).
+STAGE_METAS = {
+    "gate_up": [(64, 3), (32, 4), (16, 3), (64, 4), (128, 3), (32, 2)],
+    "down": [(32, 3), (16, 4), (8, 3), (16, 2), (32, 2), (64, 3)],
+}
+_META_NAMES = {"gate_up": "_gate_up_meta", "down": "_down_meta"}
+
+
+def _with_shape(library, block_n: int, stages: int):
+    """The library's launch-shape function with BLOCK_N and the pipeline depth replaced."""
+    return lambda k, w: {**library(k, w), "BLOCK_N": block_n, "num_stages": stages}
+
+
+def _stage_sweep(shape: str, m: int, paths: dict, calls: int, replays: int) -> list[str]:
+    """Each per-token stage alone: the library's launch shape, then each STAGE_METAS one
+    (bits against the library's, timed ABBA against it in CUDA graphs)."""
+    paths["gate_up"]()  # stage 2's inputs
+    rows = []
+    for stage, metas in STAGE_METAS.items():
+        fn = paths[stage]
+        name = _META_NAMES[stage]
+        library = getattr(moe_token_gemm, name)
+        want = [t.clone() for t in fn()]
+        for block_n, stages in metas:
+            variant = f"{stage} BLOCK_N {block_n}, {stages} stages"
+            shaped = _with_shape(library, block_n, stages)
+            try:
+                setattr(moe_token_gemm, name, shaped)
+                equal = _same_bits(want, fn())
+                v1 = time_graph(fn, 1, replays)[0]
+                setattr(moe_token_gemm, name, library)
+                d1, d2 = (time_graph(fn, 1, replays)[0] for _ in range(2))
+                setattr(moe_token_gemm, name, shaped)
+                v2 = time_graph(fn, 1, replays)[0]
+                lib, var = (d1 + d2) / 2 / calls, (v1 + v2) / 2 / calls
+                row = [shape, str(m), variant, str(equal), f"{lib:.1f}", f"{var:.1f}"]
+                row.append(f"{lib / var:.2f}")
+            except Exception as exc:  # noqa: BLE001
+                row = [shape, str(m), variant, f"FAIL {type(exc).__name__}: {exc}"[:90], "", "", ""]
+            finally:
+                setattr(moe_token_gemm, name, library)
+            rows.append("| " + " | ".join(row) + " |")
+    return rows
+
+
 def _setup(shape: str, m: int, calls: int, fmt: str = "bf16"):
     d, inter, local, experts, topk, folded = SHAPES[shape]
     gen = torch.Generator(device="cuda").manual_seed(11 + m)
@@ -92,6 +138,7 @@ def _setup(shape: str, m: int, calls: int, fmt: str = "bf16"):
     topk += int(folded)
     block = sort_block_size(m, topk, plan.num_local)  # the engine's M tile
     outs = [torch.empty(m, d, dtype=torch.bfloat16, device="cuda") for _ in routings]
+    hs = [torch.empty(m * topk, inter, dtype=torch.bfloat16, device="cuda") for _ in routings]
 
     def sorted_path() -> list[torch.Tensor]:
         for (ids, w), out in zip(routings, outs):
@@ -100,17 +147,30 @@ def _setup(shape: str, m: int, calls: int, fmt: str = "bf16"):
             moe_reduce(y, w, ids, mask, 1.0, shared, out=out)
         return outs
 
-    def token_path() -> list[torch.Tensor]:
-        for (ids, w), out in zip(routings, outs):
-            h = moe_token_gemm.moe_route_gate_up(
-                x, gate_up, ids, plan.local_table, plan.num_local, 10.0
+    def gate_up_stage() -> list[torch.Tensor]:
+        for (ids, _), h in zip(routings, hs):
+            moe_token_gemm.moe_route_gate_up(
+                x, gate_up, ids, plan.local_table, plan.num_local, 10.0, h=h
             )
+        return hs
+
+    def down_stage() -> list[torch.Tensor]:
+        for (ids, w), h, out in zip(routings, hs, outs):
             moe_token_gemm.moe_token_down_reduce(
                 h, down, ids, w, plan.local_table, plan.num_local, 1.0, shared, out=out
             )
         return outs
 
-    return sorted_path, token_path
+    def token_path() -> list[torch.Tensor]:
+        gate_up_stage()
+        return down_stage()
+
+    return {
+        "sorted": sorted_path,
+        "token": token_path,
+        "gate_up": gate_up_stage,
+        "down": down_stage,
+    }
 
 
 def _same_bits(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -124,20 +184,37 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=8)
     p.add_argument("--replays", type=int, default=30)
     p.add_argument("--down-metas", action="store_true")
+    p.add_argument(
+        "--stage-metas",
+        action="store_true",
+        help="instead: each per-token stage alone at the STAGE_METAS launch shapes",
+    )
     p.add_argument("--format", default="bf16", choices=("bf16", *FORMAT_GROUPS))
     p.add_argument("--shapes", default=",".join(SHAPES))
     a = p.parse_args()
     lines = [
         f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}  experts {a.format}",
         "",
-        "| shape | M | variant | bits equal sorted | sorted us | per-token us | ratio |",
+        (
+            "| shape | M | variant | bits equal library | library us | variant us | ratio |"
+            if a.stage_metas
+            else "| shape | M | variant | bits equal sorted | sorted us | per-token us | ratio |"
+        ),
         "|---|---|---|---|---|---|---|",
     ]
     default_meta = moe_token_gemm._down_meta
     metas = DOWN_METAS if a.down_metas else [None]
     for shape in a.shapes.split(","):
         for m in (int(v) for v in a.m.split(",")):
-            sorted_path, token_path = _setup(shape, m, a.calls, a.format)
+            paths = _setup(shape, m, a.calls, a.format)
+            if a.stage_metas:
+                for line in _stage_sweep(shape, m, paths, a.calls, a.replays):
+                    lines.append(line)
+                    print(line, flush=True)
+                    if a.out:
+                        Path(a.out).write_text("\n".join(lines) + "\n")
+                continue
+            sorted_path, token_path = paths["sorted"], paths["token"]
             want = [t.clone() for t in sorted_path()]
             for meta in metas:
                 if meta is not None:

@@ -340,10 +340,9 @@ def moe_route_gate_up(
     )
     if routes == 0 or inter == 0 or num_local == 0:
         return h
-    block_n = 32  # 16 gate + 16 up columns: the grouped stage 1's tile
+    meta = _gate_up_meta(x.shape[1], gate_up_proj)
     data = expert_weight_data(gate_up_proj)
-    block_k = expert_block_k(x.shape[1], gate_up_proj)
-    _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, block_n))](
+    _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, meta["BLOCK_N"]))](
         x,
         data,
         h_ptr=h,
@@ -361,21 +360,31 @@ def moe_route_gate_up(
         **expert_weight_args(gate_up_proj),
         act_weights_ptr=act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        EVEN_K=x.shape[1] % block_k == 0,
-        SPLIT_K=expert_split_k(block_k, gate_up_proj),
+        EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0,
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
         DOT_FP32=x.dtype == torch.float32 or interpreted(_moe_route_gate_up_kernel),
         ROUND_BF16=x.dtype == torch.bfloat16,
         HAS_LIMIT=limit is not None,
         WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_route_gate_up_kernel),
-        num_warps=EXPERT_WARPS,
-        num_stages=quantized_stages(getattr(gate_up_proj, "fmt", None), 4),
+        **meta,
         **programmatic_launch(_moe_route_gate_up_kernel, x.device),
     )
     return h
+
+
+def _gate_up_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
+    """Launch shape of stage 1 (`benchmark/kernels/probe_moe_token.py --stage-metas` times
+    others; BLOCK_N and the pipeline depth change no bit, BLOCK_K and SPLIT_K are the expert
+    product's). 16 gate + 16 up columns: the grouped stage 1's tile."""
+    block_k = expert_block_k(k_dim, weight)
+    return {
+        "BLOCK_N": 32,
+        "BLOCK_K": block_k,
+        "SPLIT_K": expert_split_k(block_k, weight),
+        "num_warps": EXPERT_WARPS,
+        "num_stages": quantized_stages(getattr(weight, "fmt", None), 4),
+    }
 
 
 def _down_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
