@@ -73,15 +73,15 @@ def _experts(shape: str, fmt: str, gen: torch.Generator):
 # Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth), timed
 # against the library's own (`_gate_up_meta`, `_down_meta`).
 STAGE_METAS = {
-    "gate_up": [(64, 3), (32, 4), (16, 3), (64, 4), (128, 3), (32, 2)],
-    "down": [(32, 3), (16, 4), (8, 3), (16, 2), (32, 2), (64, 3)],
+    "gate_up": [(32, 3), (64, 4), (64, 2), (128, 3), (128, 2)],
+    "down": [(16, 3), (8, 4), (8, 2), (4, 3), (4, 4)],
 }
 _META_NAMES = {"gate_up": "_gate_up_meta", "down": "_down_meta"}
 
 
 def _with_shape(library, block_n: int, stages: int):
     """The library's launch-shape function with BLOCK_N and the pipeline depth replaced."""
-    return lambda k, w: {**library(k, w), "BLOCK_N": block_n, "num_stages": stages}
+    return lambda *args: {**library(*args), "BLOCK_N": block_n, "num_stages": stages}
 
 
 def _stage_sweep(shape: str, m: int, paths: dict, calls: int, replays: int) -> list[str]:
@@ -219,7 +219,7 @@ def main() -> None:
             for meta in metas:
                 if meta is not None:
                     bn, bk, warps, stages = meta
-                    moe_token_gemm._down_meta = lambda k, w_, bn=bn, bk=bk, w=warps, s=stages: {
+                    moe_token_gemm._down_meta = lambda k, w_, _, bn=bn, bk=bk, w=warps, s=stages: {
                         "BLOCK_N": bn,
                         "BLOCK_K": bk,
                         # the library's K split where the warps allow it (one slice each)

@@ -376,10 +376,13 @@ def moe_route_gate_up(
 def _gate_up_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
     """Launch shape of stage 1 (`benchmark/kernels/probe_moe_token.py --stage-metas` times
     others; BLOCK_N and the pipeline depth change no bit, BLOCK_K and SPLIT_K are the expert
-    product's). 16 gate + 16 up columns: the grouped stage 1's tile."""
+    product's). 16 gate + 16 up columns, the grouped stage 1's tile; MXFP4 32 + 32, which
+    halves the programs that each decode the same activation slice (faster at one token, where
+    this stage runs for them: benchmark/results/kernels.md)."""
     block_k = expert_block_k(k_dim, weight)
+    fp4 = getattr(weight, "fmt", None) == "mxfp4"
     return {
-        "BLOCK_N": 32,
+        "BLOCK_N": 64 if fp4 else 32,
         "BLOCK_K": block_k,
         "SPLIT_K": expert_split_k(block_k, weight),
         "num_warps": EXPERT_WARPS,
@@ -387,16 +390,20 @@ def _gate_up_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
     }
 
 
-def _down_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
+def _down_meta(k_dim: int, weight: ExpertWeight, slots: int) -> dict[str, int]:
     """Launch shape of stage 2 (`benchmark/kernels/probe_moe_token.py` times others; every
     BLOCK_N and pipeline depth gives the same bits, a dot's sum not depending on the tile's
     columns; BLOCK_K and SPLIT_K are the expert product's, shared with the grouped path so a
-    route's product sums alike on both). 16 output columns per
-    program: D = 1024 spreads one token over 64 programs, each streaming a [BLOCK_K, 8 x 16]
-    tile of all its slots' weights per step."""
+    route's product sums alike on both). 16 output columns per program: D = 1024 spreads one
+    token over 64 programs, each streaming a [BLOCK_K, 8 x 16] tile of all its slots' weights
+    per step. MXFP4 8 columns: its K-split dots hold every slot's columns in each warp, and the
+    narrower tile doubles the programs a token's stream is spread over (faster at one token:
+    benchmark/results/kernels.md); 16 for a single slot, so a dot keeps at least 16 columns (a
+    matrix unit's width on every target)."""
     block_k = expert_block_k(k_dim, weight)
+    fp4 = getattr(weight, "fmt", None) == "mxfp4"
     return {
-        "BLOCK_N": 16,
+        "BLOCK_N": 8 if fp4 and slots >= 2 else 16,
         "BLOCK_K": block_k,
         "SPLIT_K": expert_split_k(block_k, weight),
         "num_warps": EXPERT_WARPS,
@@ -462,7 +469,8 @@ def moe_token_down_reduce(
         out = torch.empty(num_tokens, hidden, dtype=h.dtype, device=h.device)
     if num_tokens == 0 or hidden == 0:
         return out
-    meta = _down_meta(h.shape[1], down_proj)
+    slots = triton.next_power_of_2(topk)
+    meta = _down_meta(h.shape[1], down_proj, slots)
     data = expert_weight_data(down_proj)
     _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h,
@@ -482,7 +490,7 @@ def moe_token_down_reduce(
         routed_scale=float(routed_scale),
         **expert_weight_args(down_proj),
         TOPK=topk,
-        SLOTS=triton.next_power_of_2(topk),
+        SLOTS=slots,
         ROWS=max(16, triton.next_power_of_2(topk)),
         EVEN_K=h.shape[1] % meta["BLOCK_K"] == 0,
         DOT_FP32=h.dtype == torch.float32 or interpreted(_moe_token_down_kernel),

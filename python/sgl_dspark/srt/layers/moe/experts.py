@@ -7,7 +7,7 @@ The "moe" kernel family picks the implementation once, at construction:
     rows (`sort_block_size`: 16 at decode sizes) ->
     grouped GEMM stage 1 with the clamped SwiGLU as its epilogue -> grouped GEMM stage 2
     (`kernels/moe/grouped_gemm.py`) -> `moe_reduce`, slot-ordered, with the shared expert's output
-    added (`kernels/moe/reduce.py`). Up to `TOKEN_PATH_MAX_M` tokens the routes are not sorted:
+    added (`kernels/moe/reduce.py`). Up to `token_path_max_m` tokens the routes are not sorted:
     stage 1 per route (SwiGLU epilogue), then stage 2 per token with the reduce as its epilogue
     (`kernels/moe/token_gemm.py`): two launches instead of four, the same bits on a GPU.
     Every expert is local (one GPU): the expert mask is all ones and the sort's mask table is built
@@ -65,8 +65,19 @@ if TYPE_CHECKING:
 
 # Tokens up to which the unsorted per-route / per-token kernels run (the same bits as the sorted
 # path). Each route streams its expert's weights itself, which stops paying once tokens share
-# experts (`benchmark/kernels/probe_moe_token.py`; measured in benchmark/results/kernels.md).
+# experts: up to 4 tokens for experts in the activation dtype; for experts kept as stored (FP8,
+# MXFP4), one token, the sorted path being as fast from two tokens on and faster from three
+# (`benchmark/kernels/probe_moe_token.py`; measured in benchmark/results/kernels.md).
 TOKEN_PATH_MAX_M = 4
+QUANTIZED_TOKEN_PATH_MAX_M = 1
+
+
+def token_path_max_m(gate_up: WeightLike) -> int:
+    """The most tokens `RoutedExperts` runs through the per-token kernels for experts stored as
+    `gate_up` (TOKEN_PATH_MAX_M, or QUANTIZED_TOKEN_PATH_MAX_M when kept as stored)."""
+    if isinstance(gate_up, QuantizedWeight):
+        return QUANTIZED_TOKEN_PATH_MAX_M
+    return TOKEN_PATH_MAX_M
 
 
 def swiglu_clamp(gate: torch.Tensor, up: torch.Tensor, limit: float) -> torch.Tensor:
@@ -337,7 +348,7 @@ class RoutedExperts(nn.Module):
         # Weighted before the down projection (stage 1's epilogue), the routes then sum with
         # unit weights (an exact product, so the reduce's bits are a plain sum's).
         reduce_weights = torch.ones_like(weights) if before else weights
-        if x.shape[0] <= TOKEN_PATH_MAX_M:
+        if x.shape[0] <= token_path_max_m(gate_up):
             h = self._route_gate_up(
                 x,
                 gate_up,
