@@ -358,12 +358,13 @@ def test_expert_split_k_gives_each_warp_a_whole_matrix_step() -> None:
     assert EXPERT_WARPS == 4
 
 
-def test_quantized_experts_take_the_per_token_path_for_one_token_only() -> None:
+def test_per_token_path_limits_by_expert_format() -> None:
     from sgl_dspark.srt.layers.moe.experts import token_path_max_m
 
     g = torch.Generator().manual_seed(3)
-    for fmt in ("fp8", "mxfp4"):
-        assert token_path_max_m(quantized(torch.randn(2, 32, 64, generator=g), fmt, 32)) == 1
+    limits = {"fp8": 1, "mxfp4": 2}
+    for fmt, limit in limits.items():
+        assert token_path_max_m(quantized(torch.randn(2, 32, 64, generator=g), fmt, 32)) == limit
     assert token_path_max_m(torch.empty(2, 32, 64, dtype=torch.bfloat16)) == 4
 
 
@@ -375,11 +376,12 @@ def test_sort_block_size_is_16_at_decode_sizes() -> None:
     assert sort_block_size(4, 6, 0) == 32
 
 
-@pytest.mark.parametrize("fmt,block,m", [("fp8", 32, 1), ("mxfp4", 32, 1), ("mxfp4", 32, 3)])
+@pytest.mark.parametrize("fmt,block,m", [("fp8", 32, 1), ("mxfp4", 32, 2), ("mxfp4", 32, 3)])
 def test_shared_expert_folds_into_quantized_stacks(fmt: str, block: int, m: int) -> None:
     """The shared expert stored in the routed experts' format folds into their stacks (expert
     E); the folded triton layer equals the torch layer (routed loop + separate shared expert) on
-    the same quantised weights: per-token path (M = 1) and sorted path (M = 3)."""
+    the same quantised weights: per-token path (FP8 M = 1, MXFP4 M = 2) and sorted path (MXFP4
+    M = 3)."""
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
     from sgl_dspark.srt.layers.moe.experts import RoutedExperts, SharedExpert
     from sgl_dspark.srt.layers.quantized import module_weight, store_quantized

@@ -65,18 +65,18 @@ if TYPE_CHECKING:
 
 # Tokens up to which the unsorted per-route / per-token kernels run (the same bits as the sorted
 # path). Each route streams its expert's weights itself, which stops paying once tokens share
-# experts: up to 4 tokens for experts in the activation dtype; for experts kept as stored (FP8,
-# MXFP4), one token, the sorted path being as fast from two tokens on and faster from three
-# (`benchmark/kernels/probe_moe_token.py`; measured in benchmark/results/kernels.md).
+# experts (`benchmark/kernels/probe_moe_token.py`; measured in benchmark/results/kernels.md): up
+# to 4 tokens for experts in the activation dtype; kept as stored, up to 2 tokens for MXFP4 (from
+# 3 tokens on the sorted path is as fast) and 1 for FP8 (from 2 on as fast).
 TOKEN_PATH_MAX_M = 4
-QUANTIZED_TOKEN_PATH_MAX_M = 1
+QUANTIZED_TOKEN_PATH_MAX_M = {"mxfp4": 2, "fp8": 1}
 
 
 def token_path_max_m(gate_up: WeightLike) -> int:
     """The most tokens `RoutedExperts` runs through the per-token kernels for experts stored as
-    `gate_up` (TOKEN_PATH_MAX_M, or QUANTIZED_TOKEN_PATH_MAX_M when kept as stored)."""
+    `gate_up` (TOKEN_PATH_MAX_M, or QUANTIZED_TOKEN_PATH_MAX_M by format when kept as stored)."""
     if isinstance(gate_up, QuantizedWeight):
-        return QUANTIZED_TOKEN_PATH_MAX_M
+        return QUANTIZED_TOKEN_PATH_MAX_M[gate_up.fmt]
     return TOKEN_PATH_MAX_M
 
 
