@@ -26,7 +26,7 @@ from sgl_dspark.srt.configs.deepseek_v41 import EngramConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.fused_linear import linear_impl
-from sgl_dspark.srt.layers.quantized import module_weight
+from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight
 
 
 def ngram_history(
@@ -131,6 +131,7 @@ class Engram(nn.Module):
         self.wkv = nn.Linear(
             cfg.ids_per_token * cfg.head_dim, (hc_mult + 1) * hidden_size, bias=False
         )
+        mark_quantizable(self.wkv, "weight")  # FP8 32 x 32 as released
         self.q_weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
         self.k_weight = nn.Parameter(torch.ones(hc_mult, hidden_size))
 

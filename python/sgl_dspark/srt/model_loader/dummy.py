@@ -24,7 +24,8 @@ from sgl_dspark.srt.configs.model_config import ModelConfig
 from sgl_dspark.srt.model_loader.sources import WeightFactory
 
 # Parameters a released checkpoint stores in FP8 (V4 and V4.1 attention projections, the
-# indexer's query projection, the shared expert, DSpark's main projection).
+# indexer's query projection, the shared expert, V4.1's Engram projection, DSpark's main
+# projection).
 _FP8_SUFFIXES = (
     "self_attn.q_a_proj.weight",
     "self_attn.q_b_proj.weight",
@@ -35,6 +36,7 @@ _FP8_SUFFIXES = (
     "shared_experts.gate_proj.weight",
     "shared_experts.up_proj.weight",
     "shared_experts.down_proj.weight",
+    "engram.wkv.weight",
     "main_proj.weight",
 )
 _EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")

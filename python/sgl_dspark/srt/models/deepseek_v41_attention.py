@@ -37,6 +37,7 @@ from sgl_dspark.srt.layers.attention.csa2 import (
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.quant_store import quant_load_impl, quant_store_impl
+from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import rope_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.deepseek_v4 import RopeTables, mark_head_shards
@@ -87,6 +88,9 @@ class Csa2Attention(nn.Module):
         self.o_b_proj = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
         self.sinks = nn.Parameter(torch.zeros(self.n_heads))
         mark_head_shards(self.q_b_proj, self.o_a_proj, self.o_b_proj, self.sinks, tp_rank, tp)
+        # Stored FP8 as released: kept so with --weight-format native (not fused with others).
+        mark_quantizable(self.o_a_proj, "weight")
+        mark_quantizable(self.o_b_proj, "weight")
         self.compressor: Csa2Compressor | None = None
         self.indexer: Csa2Indexer | None = None
         x_members, qr_members = [self.q_a_proj, self.kv_proj], [self.q_b_proj]
@@ -151,9 +155,9 @@ class Csa2Attention(nn.Module):
             valid = torch.cat((valid, latent_valid), dim=1)
         o = backend.attend_gathered(q, keys, valid, self.sinks, self.head_dim**-0.5)
         o = self.rope(o, cos, sin, inverse=True)
-        wa = self.o_a_proj.weight.view(self.groups, self.o_rank, -1)
+        wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
         z = self.grouped_linear(o.reshape(T, self.groups, -1), wa).reshape(T, -1)
-        out = self.linear(z, self.o_b_proj.weight)
+        out = self.linear(z, module_weight(self.o_b_proj))
         return out if self.tp is None else self.tp.all_reduce(out)
 
     def _compressed(
