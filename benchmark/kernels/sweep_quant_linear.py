@@ -1,0 +1,79 @@
+"""Launch-shape sweep of the library's quantised linear (`bench_quant_gemm.py --sweep`): each
+`SWEEP` shape of `quantized_linear` (`_quantized_meta` overridden) at the dense shapes of
+`bench_quant_gemm.SETUP`, checked against dequantise-then-reference, then timed with that
+script's harness."""
+
+from __future__ import annotations
+
+import torch
+
+from benchmark.kernels.bench_quant_gemm import (
+    FORMATS,
+    SETUP,
+    Row,
+    _copies,
+    _generator,
+    _label,
+    _reps,
+    dequantize_weight_ref,
+    max_rel_err,
+    quantize_random,
+    quantized_linear,
+    time_us,
+)
+
+# (BLOCK_N, BLOCK_K channels, SPLIT_K, num_stages, num_warps); the library's own choice runs
+# first. SPLIT_K > 1 takes one warp per slice (more warps would repeat the batched dot).
+SWEEP = [
+    (16, 1024, 8, 3, 8),
+    (16, 1024, 8, 2, 8),
+    (16, 512, 4, 4, 4),
+    (16, 512, 4, 3, 4),
+    (16, 256, 1, 8, 2),
+    (32, 512, 4, 4, 4),
+    (32, 1024, 8, 3, 8),
+    (64, 256, 1, 4, 4),
+    (64, 512, 4, 3, 4),
+]
+
+
+def sweep_linear(m_values: list[int], name: str, n: int, k: int) -> list[Row]:
+    """`quantized_linear` at each `SWEEP` launch shape (`_quantized_meta` overridden), checked
+    against dequantise-then-reference."""
+    import sgl_dspark.kernels.linear.quantized as quantized
+
+    default_meta = quantized._quantized_meta
+    gen = _generator(n + k)
+    out = []
+    for fmt, group in FORMATS:
+        w0 = quantize_random((n, k), fmt, group, gen)
+        weights = [w0] + [
+            quantize_random((n, k), fmt, group, gen) for _ in range(_copies(w0.nbytes) - 1)
+        ]
+        ref_w = dequantize_weight_ref(w0, torch.float32)
+        for m in m_values:
+            x = torch.randn(m, k, generator=gen, device=SETUP.device).to(torch.bfloat16)
+            want = x.float() @ ref_w.T
+            for shape in [None, *SWEEP]:
+                if shape is None:
+                    meta, tag = default_meta(fmt, n, k), "default"
+                else:
+                    bn, bk, split, stages, warps = shape
+                    meta = dict(
+                        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_stages=stages, num_warps=warps
+                    )
+                    tag = f"BN{bn} BK{bk} split{split} s{stages} w{warps}"
+                quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
+                try:
+                    err = max_rel_err(quantized_linear(x, w0), want)
+                    calls = [lambda w=w, x=x: quantized_linear(x, w) for w in weights]
+                    us = time_us(calls, _reps(len(weights)))
+                except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
+                    print(f"{name} {fmt}/{group} {tag}: {type(exc).__name__}: {exc}"[:300])
+                    continue
+                finally:
+                    quantized._quantized_meta = default_meta
+                moved = w0.nbytes + 2 * (m * k + m * n)
+                out.append(Row(name, m, f"{_label(fmt, group)} {tag}", us, moved, err))
+        del weights, ref_w
+    return out
