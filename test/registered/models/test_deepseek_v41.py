@@ -206,3 +206,26 @@ def test_verify_and_rollback(random_model, width):
     outs = drv.step(ForwardMode.DECODE, list(zip(slots, nxt)))
     for seq, tok, out in zip(committed, nxt, outs):
         torch.testing.assert_close(out[0], oracle(seq + tok)[-1], **TOL)
+
+
+def test_window_rows_are_computed_once_a_forward(random_model, monkeypatch):
+    """Every layer reads the same window rows (one window size): one computation a forward,
+    shared through the batch, whatever the depth; the oracle tests above check the values."""
+    import sgl_dspark.srt.models.deepseek_v41_attention as attention
+
+    d, oracle = random_model
+    drv = _driver(d)
+    layers = len(drv.runner.model.model.layers)
+    assert layers > 1
+    calls = []
+    real = attention.window_rows_ref
+    monkeypatch.setattr(
+        attention, "window_rows_ref", lambda *args: calls.append(args[-1]) or real(*args)
+    )
+    prompt, cont = _ids(9, 5), _ids(3, 6)
+    slot = drv.new_request()
+    drv.step(ForwardMode.EXTEND, [(slot, prompt)])
+    for t in cont:
+        out = drv.step(ForwardMode.DECODE, [(slot, [t])])[0]
+    assert len(calls) == 1 + len(cont)
+    torch.testing.assert_close(out[0], oracle(prompt + cont)[-1], **TOL)

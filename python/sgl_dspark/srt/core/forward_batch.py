@@ -10,10 +10,13 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import torch
 
 from sgl_dspark.srt.core.host_copy import to_device, to_device_packed
+
+_Derived = TypeVar("_Derived")  # what `ForwardBatch.cached` keeps: a tensor or a tuple of them
 
 
 class ForwardMode(enum.Enum):
@@ -45,7 +48,7 @@ class ForwardBatch:
     # graph recomputes them inside the graph instead of reading a stale warm-up result.
     memo: dict = field(default_factory=dict, init=False, compare=False, repr=False)
 
-    def cached(self, key: object, compute: Callable[[], torch.Tensor]) -> torch.Tensor:
+    def cached(self, key: object, compute: Callable[[], _Derived]) -> _Derived:
         if key not in self.memo:
             self.memo[key] = compute()
         return self.memo[key]

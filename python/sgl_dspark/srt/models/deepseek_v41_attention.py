@@ -145,8 +145,12 @@ class Csa2Attention(nn.Module):
         window = pool.window[self.layer_id]
         # Rotated and FP8-quantised on store: what every reader (this row included) sees.
         self.store_rows(kv, cos, sin, window, batch.out_cache_loc)
-        slots, valid = window_rows_ref(
-            batch.positions, batch.token_slots(), batch.req_to_token, self.window
+        # The same window rows for every layer of this window size: computed once a forward.
+        slots, valid = batch.cached(
+            ("window_rows", self.window),
+            lambda: window_rows_ref(
+                batch.positions, batch.token_slots(), batch.req_to_token, self.window
+            ),
         )
         keys = self.load_rows(window, slots)  # [T, W, Dh]
         if self.ratio > 0:
