@@ -4,7 +4,8 @@
   `dsv4_flash_rank` equal the count from their dimensions (layers x experts x 3 x D x I, 2 bytes
   in bf16; MXFP4 codes plus one scale byte per 32), the dsv41 rank does not fit one H200 in
   bf16 and does as stored, and the stored sizes meet the issue's ratios (experts <= 0.27x,
-  dense <= 0.55x: a few dense tensors stay bf16 as released).
+  dense <= 0.55x: a few dense tensors stay bf16 as released); every tensor those sizes count as
+  stored FP8 / MXFP4 belongs to a module that keeps it packed with `--weight-format native`.
 * The decode mode runs end to end on the toy config on CPU (plain, DSpark full / static /
   online width with its profiled SPS table) and writes one row per system and batch size;
   CPU numbers are meaningless, this keeps the GPU script working; with `--profile` it also
@@ -24,6 +25,15 @@ ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
 from benchmark.bench_native import model_sizes, quantized_raw  # noqa: E402
+from sgl_dspark.srt.configs.dspark_config import DSparkConfig  # noqa: E402
+from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
+from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
+from sgl_dspark.srt.layers.quantized import quantizable  # noqa: E402
+from sgl_dspark.srt.model_executor.weights import build_on_meta  # noqa: E402
+from sgl_dspark.srt.model_loader.dummy import DummyWeights  # noqa: E402
+from sgl_dspark.srt.models.bench_configs import BENCH_DRAFT_KEYS  # noqa: E402
+from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel  # noqa: E402
+from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
 
 H200_BYTES = 141e9
 
@@ -47,6 +57,27 @@ def test_rank_model_sizes(name: str, d: int, inter: int, layers: int) -> None:
     if name == "dsv41_flash_rank":
         total = {f: sum(sum(sizes[k][f].values()) for k in sizes) for f in ("bf16", "native")}
         assert total["bf16"] > H200_BYTES > total["native"]
+
+
+@pytest.mark.parametrize("name", ["dsv41_flash_rank", "dsv4_flash_rank"])
+def test_every_tensor_stored_quantised_is_kept_packed(name: str) -> None:
+    """What the size table counts as stored is what the loader keeps: every tensor the released
+    formats store FP8 or MXFP4 (target and draft) belongs to a module that declares it
+    quantisable, else `--weight-format native` would dequantise it at load."""
+    raw = quantized_raw(name)
+    cfg = ModelConfig.from_hf_dict(raw)
+    models = [(cfg, build_on_meta(lambda: model_entry(cfg).build_model(cfg, KernelChoice())))]
+    dcfg = DSparkConfig.from_dict({**raw, **BENCH_DRAFT_KEYS[name]}, cfg)
+    models.append((dcfg.stage_config, build_on_meta(lambda: DSparkDraftModel(dcfg))))
+    for model_cfg, model in models:
+        stored = 0
+        for tensor, source in DummyWeights(model_cfg).for_model(model):
+            if source.fmt is None:
+                continue
+            owner, _, attr = tensor.rpartition(".")
+            assert quantizable(model.get_submodule(owner), attr), tensor
+            stored += 1
+        assert stored > 0
 
 
 def _decode_on_cpu(tmp_path: Path, *args: str) -> list[dict]:
