@@ -24,7 +24,6 @@ import pytest
 ROOT = Path(__file__).resolve().parents[3]
 sys.path.insert(0, str(ROOT))
 
-from benchmark.bench_native import model_sizes, quantized_raw  # noqa: E402
 from sgl_dspark.srt.configs.dspark_config import DSparkConfig  # noqa: E402
 from sgl_dspark.srt.configs.model_config import ModelConfig  # noqa: E402
 from sgl_dspark.srt.core.kernel_choice import KernelChoice  # noqa: E402
@@ -34,6 +33,8 @@ from sgl_dspark.srt.model_loader.dummy import DummyWeights  # noqa: E402
 from sgl_dspark.srt.models.bench_configs import BENCH_DRAFT_KEYS  # noqa: E402
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel  # noqa: E402
 from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
+
+from benchmark.bench_native import model_sizes, quantized_raw  # noqa: E402
 
 H200_BYTES = 141e9
 
