@@ -24,15 +24,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_utils import Driver
+from runner_utils import checkpoint_runner, greedy_logits
 from sgl_dspark.kernels.linear.reference import QuantizedWeight
 from sgl_dspark.srt.configs.model_config import ModelConfig
-from sgl_dspark.srt.core.forward_batch import ForwardMode
 from sgl_dspark.srt.layers.quantized import is_quantized, module_weight
-from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
 from sgl_dspark.srt.model_executor.weights import build_on_meta, load_report
 from sgl_dspark.srt.model_loader.export import save_released_checkpoint
-from sgl_dspark.srt.model_loader.loader import CheckpointWeights
 from sgl_dspark.srt.models.deepseek_v4 import DeepseekV4ForCausalLM
 from sgl_dspark.srt.models.tiny import TINY_HF_CONFIG, tiny_weights
 
@@ -63,37 +60,13 @@ def checkpoint(request, tmp_path_factory) -> tuple[Path, str]:
     return _save(tmp_path_factory.mktemp("native"), request.param, TINY_HF_CONFIG), request.param
 
 
-def _runner(path: Path, weight_format: str, overrides: str | None = None) -> ModelRunner:
-    cfg = ModelConfig.from_pretrained(str(path))
-    rc = RunnerConfig(
-        max_total_tokens=512,
-        max_running_requests=2,
-        context_length=64,
-        kernel_backend_overrides=overrides,
-        weight_format=weight_format,
-    )
-    return ModelRunner(cfg, rc, weights=CheckpointWeights(str(path), cfg))
-
-
-def _greedy(runner: ModelRunner) -> tuple[list[int], list[torch.Tensor]]:
-    driver = Driver(runner)
-    slot = driver.new_request()
-    logits = driver.step(ForwardMode.EXTEND, [(slot, PROMPT)])[0][-1:]
-    tokens, seen = [int(logits.argmax())], [logits]
-    for _ in range(DECODE_STEPS):
-        logits = driver.step(ForwardMode.DECODE, [(slot, tokens[-1:])])[0]
-        tokens.append(int(logits.argmax()))
-        seen.append(logits)
-    return tokens, seen
-
-
 def test_torch_native_equals_bf16_bit_for_bit(checkpoint: tuple[Path, str]) -> None:
     path, _ = checkpoint
-    native, dense = _runner(path, "native"), _runner(path, "bf16")
+    native, dense = checkpoint_runner(path, "native"), checkpoint_runner(path, "bf16")
     assert is_quantized(native.model.model.layers[1].self_attn.q_a_proj)
     assert not is_quantized(dense.model.model.layers[1].self_attn.q_a_proj)
-    tokens_n, logits_n = _greedy(native)
-    tokens_d, logits_d = _greedy(dense)
+    tokens_n, logits_n = greedy_logits(native, PROMPT, DECODE_STEPS)
+    tokens_d, logits_d = greedy_logits(dense, PROMPT, DECODE_STEPS)
     assert tokens_n == tokens_d
     for a, b in zip(logits_n, logits_d):
         assert torch.equal(a, b)
@@ -103,12 +76,15 @@ def test_triton_native_same_tokens(checkpoint: tuple[Path, str]) -> None:
     path, expert_dtype = checkpoint
     # The families that read the weights; the others stay torch (interpreter time).
     overrides = "linear=triton,moe=triton"
-    native, dense = _runner(path, "native", overrides), _runner(path, "bf16", overrides)
+    native, dense = (
+        checkpoint_runner(path, "native", overrides),
+        checkpoint_runner(path, "bf16", overrides),
+    )
     experts = native.model.model.layers[1].mlp.experts
     # FP8 experts share the shared expert's format and blocks: it folds into their stacks.
     assert experts.folded == (expert_dtype == "fp8")
-    tokens_n, logits_n = _greedy(native)
-    tokens_d, logits_d = _greedy(dense)
+    tokens_n, logits_n = greedy_logits(native, PROMPT, DECODE_STEPS)
+    tokens_d, logits_d = greedy_logits(dense, PROMPT, DECODE_STEPS)
     assert tokens_n == tokens_d
     for a, b in zip(logits_n, logits_d):
         torch.testing.assert_close(a, b, **LOGITS_TOL)
@@ -117,7 +93,7 @@ def test_triton_native_same_tokens(checkpoint: tuple[Path, str]) -> None:
 def test_parameter_bytes(checkpoint: tuple[Path, str], caplog: pytest.LogCaptureFixture) -> None:
     path, expert_dtype = checkpoint
     with caplog.at_level(logging.INFO, logger="sgl_dspark.srt.model_executor"):
-        runner = _runner(path, "native")
+        runner = checkpoint_runner(path, "native")
     model = runner.model
     packed = {"experts": [0, 0], "dense": [0, 0]}  # [stored bytes, bf16 bytes]
     for module in model.modules():

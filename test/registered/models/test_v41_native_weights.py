@@ -12,11 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from runner_utils import Driver
-from sgl_dspark.srt.core.forward_batch import ForwardMode
+from runner_utils import checkpoint_runner, greedy_logits
 from sgl_dspark.srt.layers.quantized import is_quantized
-from sgl_dspark.srt.model_executor.model_runner import ModelRunner, RunnerConfig
-from sgl_dspark.srt.models.source import resolve_model
 from test_v41_checkpoint import C2, QUANT, _model_dir, _quantised
 
 pytestmark = [  # the Triton interpreter's numpy calls (see test_moe_grouped_gemm.py)
@@ -33,31 +30,8 @@ def checkpoint(tmp_path_factory) -> Path:
     return _model_dir(C2, tmp_path_factory.mktemp("v41_native"), stored, QUANT)
 
 
-def _runner(path: Path, weight_format: str, overrides: str | None = None) -> ModelRunner:
-    cfg, weights = resolve_model(str(path), torch.float32)
-    rc = RunnerConfig(
-        max_total_tokens=512,
-        max_running_requests=2,
-        context_length=64,
-        kernel_backend_overrides=overrides,
-        weight_format=weight_format,
-    )
-    return ModelRunner(cfg, rc, weights=weights)
-
-
-def _logits(runner: ModelRunner) -> list[torch.Tensor]:
-    driver = Driver(runner)
-    slot = driver.new_request()
-    logits = driver.step(ForwardMode.EXTEND, [(slot, PROMPT)])[0][-1:]
-    seen = [logits]
-    for _ in range(2):
-        logits = driver.step(ForwardMode.DECODE, [(slot, [int(seen[-1].argmax())])])[0]
-        seen.append(logits)
-    return seen
-
-
 def test_released_fp8_projections_stay_packed(checkpoint: Path) -> None:
-    native, dense = _runner(checkpoint, "native"), _runner(checkpoint, "bf16")
+    native, dense = checkpoint_runner(checkpoint, "native"), checkpoint_runner(checkpoint, "bf16")
     layers = native.model.model.layers
     engram_layers = [layer for layer in layers if layer.engram is not None]
     assert engram_layers, "the fixture has an Engram layer"
@@ -67,14 +41,17 @@ def test_released_fp8_projections_stay_packed(checkpoint: Path) -> None:
     for layer in engram_layers:
         assert is_quantized(layer.engram.wkv)
     assert not any(is_quantized(m) for m in dense.model.modules())
-    for a, b in zip(_logits(native), _logits(dense)):
+    for a, b in zip(greedy_logits(native, PROMPT, 2)[1], greedy_logits(dense, PROMPT, 2)[1]):
         assert torch.equal(a, b)
 
 
 def test_triton_linears_on_packed_projections(checkpoint: Path) -> None:
-    native = _runner(checkpoint, "native", "linear=triton")
-    dense = _runner(checkpoint, "bf16", "linear=triton")
-    got, want = _logits(native), _logits(dense)
-    assert [int(t.argmax()) for t in got] == [int(t.argmax()) for t in want]
+    native = checkpoint_runner(checkpoint, "native", "linear=triton")
+    dense = checkpoint_runner(checkpoint, "bf16", "linear=triton")
+    (tokens_n, got), (tokens_d, want) = (
+        greedy_logits(native, PROMPT, 2),
+        greedy_logits(dense, PROMPT, 2),
+    )
+    assert tokens_n == tokens_d
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b, **LOGITS_TOL)
