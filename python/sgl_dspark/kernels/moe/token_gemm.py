@@ -380,13 +380,13 @@ def _gate_up_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
     halves the programs that each decode the same activation slice (faster at one token, where
     this stage runs for them: benchmark/results/kernels.md)."""
     block_k = expert_block_k(k_dim, weight)
-    fp4 = getattr(weight, "fmt", None) == "mxfp4"
+    fmt = getattr(weight, "fmt", None)
     return {
-        "BLOCK_N": 64 if fp4 else 32,
+        "BLOCK_N": 64 if fmt == "mxfp4" else 32,
         "BLOCK_K": block_k,
         "SPLIT_K": expert_split_k(block_k, weight),
         "num_warps": EXPERT_WARPS,
-        "num_stages": quantized_stages(getattr(weight, "fmt", None), 4),
+        "num_stages": quantized_stages(fmt, 4),
     }
 
 
