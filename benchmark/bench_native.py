@@ -274,7 +274,7 @@ def render_rows(meta: dict, rows: list[dict]) -> str:
         f"{meta['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, KV cache {meta['kv_cache_dtype']}",
         "",
         "| system | bs | tok/s/user | tok/s total | ms/token | floor ms/step | x floor "
-        "| weights GB (dense/experts/emb) | KV GB | same tokens as first |",
+        "| weights GB (dense/experts/emb/host) | KV GB | same tokens as first |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     first: dict[int, list] = {}
@@ -289,7 +289,8 @@ def render_rows(meta: dict, rows: list[dict]) -> str:
             f"| {r['system']} | {r['bs']} | {r['tok_s_user']:.1f} | {r['tok_s_total']:.1f} | "
             f"{r['decode_ms_per_token']:.2f} | {r['floor_ms_per_step']:.2f} | "
             f"{r['decode_ms_per_token'] / r['floor_ms_per_step']:.2f} | "
-            f"{mem['dense']:.1f}/{mem['experts']:.1f}/{mem['embeddings']:.1f} | "
+            f"{mem['dense']:.1f}/{mem['experts']:.1f}/{mem['embeddings']:.1f}/"
+            f"{mem.get('host_pinned', 0.0):.1f} | "
             f"{mem['kv']:.2f} | {same}/{len(r['ids'])} |"
         )
     lines.append("")

@@ -20,6 +20,8 @@
 #                (one process each), bs 1/8/32
 #   rank         bench_native.py decode: dsv41_flash_rank, or $RANK_CONFIG (full depth, 96
 #                experts, as stored), CUDA graphs, bs 1/8/32 vs its byte floor
+#   rank_engram_host  the rank stage with V4.1's Engram tables in page-locked host memory
+#                (--engram-table-location host), its own table beside the rank stage's
 #   rank_dspark  the same model with DSpark (simulated acceptance 3.2): full width (which also
 #                profiles the SPS table), the static widths, the online width policy (reads
 #                that table), one process each
@@ -39,12 +41,13 @@
 # (benchmark/results/sweeps/2026-12-02_native_f66991f.md and
 # 2026-12-03_rank_dsv41_flash_8cd19dc.md: a rank engine loads and captures its decode graphs in
 # ~70 s and its DSpark graphs in ~110 s; the GEMM stage was cut short at M 1):
-#   env,tests,gemm          ~2 minutes  (budgets 100 + 320 s)
-#   env,tests,moe           ~4 minutes  (budgets 100 + 300 s)
+#   env,tests,gemm          ~2 minutes  (budgets 150 + 320 s)
+#   env,tests,moe           ~4 minutes  (budgets 150 + 300 s)
 #   env,moe_paths           ~2 minutes  (200 s)
 #   env,moe_token_shapes    ~4 minutes  (300 s)
 #   env,ab                  ~6 minutes  (320 s)
 #   env,rank                ~3 minutes on a warm Triton cache, ~5 on a cold one (300 s)
+#   env,rank_engram_host    as env,rank
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
 #   env,rank_profile        ~4-7 minutes  (400 s)
 #   env,v4_kv               ~6 minutes  (320 s)
@@ -65,13 +68,15 @@ RANK_DSPARK_SYSTEMS=${RANK_DSPARK_SYSTEMS:-dspark_full,dspark_static,dspark_onli
 rank=(--config "$RANK_CONFIG" --input-len 256 --output-len 32)
 if has env; then env_stage; fi
 if has tests; then
-  stage tests 100
-  run 100 native_tests.txt python3 -m pytest -q -p no:cacheprovider -n 8 \
+  stage tests 150
+  run 150 native_tests.txt python3 -m pytest -q -p no:cacheprovider -n 8 \
     test/registered/kernels/test_quantized_gemm.py \
     test/registered/kernels/test_window_sparse_attention.py \
     test/registered/kernels/test_moe_token_gemm.py \
     test/registered/kernels/test_small_m_linear.py \
-    test/registered/kernels/test_fp4_nibble_decode.py
+    test/registered/kernels/test_fp4_nibble_decode.py \
+    test/registered/kernels/test_engram_gather.py \
+    test/registered/e2e/test_engram_host_tables.py
   show "$WORK/native_tests.txt" 15
 fi
 if has gemm; then
@@ -113,6 +118,13 @@ if has rank; then
   run 300 rank/plain.log "${native[@]}" decode "${rank[@]}" --systems plain --append \
     --batch-sizes 1,8,32 --out-dir "$WORK/rank"
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
+fi
+if has rank_engram_host; then
+  stage rank_engram_host 300
+  run 300 rank_host/plain.log "${native[@]}" decode "${rank[@]}" --systems plain --append \
+    --batch-sizes 1,8,32 --engine-args '{"engram_table_location": "host"}' \
+    --out-dir "$WORK/rank_host"
+  show "$WORK/rank_host/native_decode_$RANK_CONFIG.md"
 fi
 if has rank_dspark; then  # full width first: after its rows it profiles the SPS table online reads
   stage rank_dspark 540

@@ -22,6 +22,7 @@ from sgl_dspark.srt.server_args_checks import (
     CONFIDENCE_MODE_CHOICES,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
+    ENGRAM_TABLE_LOCATION_CHOICES,
     EP_COMBINE_CHOICES,
     FP8_ACTIVATION_CHOICES,
     KERNEL_BACKEND_CHOICES,
@@ -217,6 +218,15 @@ class ServerArgs:
         "read back exactly and attended in --dtype); bfloat16. DeepSeek-V4.1 keeps its "
         "window FP8 by definition (auto or fp8_e4m3).",
         KV_CACHE_DTYPE_CHOICES,
+    )
+    engram_table_location: str = _arg(
+        "device",
+        "Where DeepSeek-V4.1's Engram hash tables live: device = GPU memory; host = page-locked "
+        "host memory, whose rows the gather kernel reads over the bus through unified "
+        "addressing (a decode token reads a few KB). The released tables are about 100 GB a "
+        "layer as stored, more than a GPU holds beside the model. host needs a GPU and the "
+        "triton engram kernels.",
+        ENGRAM_TABLE_LOCATION_CHOICES,
     )
     load_format: str = _arg(
         "auto",

@@ -20,6 +20,7 @@ LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 WEIGHT_FORMAT_CHOICES = ("auto", "native", "bf16")
 LOAD_FORMAT_CHOICES = ("auto", "dummy")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8_e4m3", "bfloat16")
+ENGRAM_TABLE_LOCATION_CHOICES = ("device", "host")
 FP8_ACTIVATION_CHOICES = ("auto", "on", "off")
 EP_COMBINE_CHOICES = ("exact", "fast")
 # SGLang's names of the DeepSeek reasoning and tool-call formats (srt/entrypoints/chat_parsers.py).
@@ -31,6 +32,24 @@ def attention_backend_choices() -> tuple[str, ...]:
     from sgl_dspark.srt.layers.attention import ATTENTION_BACKENDS
 
     return ("auto", *sorted(ATTENTION_BACKENDS))
+
+
+def check_engram_table_location(location: str, device: str, engram_kernels: str) -> None:
+    """`--engram-table-location host` needs a GPU (whose kernels read page-locked host memory
+    through unified addressing) and the triton "engram" kernels (the torch gather cannot index
+    a host tensor with device ids without a host sync); ValueError naming the flag otherwise."""
+    if location != "host":
+        return
+    _require(
+        device == "cuda",
+        "--engram-table-location host needs --device cuda (on a CPU every table is already in "
+        "host memory)",
+    )
+    _require(
+        engram_kernels == "triton",
+        "--engram-table-location host needs the triton engram kernels (--kernel-backend "
+        f"triton, or engram=triton in --kernel-backend-overrides); got {engram_kernels}",
+    )
 
 
 def resolve_fp8_activations(mode: str, device: str, weight_format: str, linear: str) -> str:
@@ -133,6 +152,7 @@ def validate(a: ServerArgs) -> None:
     _check_choice("--weight-format", a.weight_format, WEIGHT_FORMAT_CHOICES)
     _check_choice("--load-format", a.load_format, LOAD_FORMAT_CHOICES)
     _check_choice("--kv-cache-dtype", a.kv_cache_dtype, KV_CACHE_DTYPE_CHOICES)
+    _check_choice("--engram-table-location", a.engram_table_location, ENGRAM_TABLE_LOCATION_CHOICES)
     _check_choice("--fp8-activations", a.fp8_activations, FP8_ACTIVATION_CHOICES)
     _check_choice("--attention-backend", a.attention_backend, attention_backend_choices())
     from sgl_dspark.srt.core.kernel_choice import KernelChoice

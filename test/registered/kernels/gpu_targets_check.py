@@ -547,6 +547,16 @@ def _engram_gather() -> Callable[[], object]:
     return lambda: engram_gather(_bf16(1000, 256), torch.zeros(3, 24, dtype=torch.int64))
 
 
+def _engram_gather_fp8() -> Callable[[], object]:
+    from sgl_dspark.kernels.engram.gather import engram_gather
+    from sgl_dspark.kernels.linear.reference import QuantizedWeight
+
+    # The released tables: FP8 rows of 256 with one exponent byte per 32, decoded to bf16.
+    data = torch.zeros(1000, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    table = QuantizedWeight(data, torch.full((1000, 8), 127, dtype=torch.uint8), "fp8", 32)
+    return lambda: engram_gather(table, torch.zeros(3, 24, dtype=torch.int64))
+
+
 def _engram_gate(dtype: torch.dtype) -> Callable[[], object]:
     from sgl_dspark.kernels.engram.gate import engram_gate
 
@@ -907,6 +917,11 @@ CASES = {
         _quant_load("fp4_index", 128, (3, 5)),
     ),
     "engram_gather_flash": ("engram.gather", "_engram_gather_kernel", _engram_gather()),
+    "engram_gather_flash_fp8": (
+        "engram.gather",
+        "_engram_gather_kernel",
+        _engram_gather_fp8(),
+    ),
     "engram_gate_flash": ("engram.gate", "_engram_gate_kernel", _engram_gate(torch.bfloat16)),
     "engram_gate_flash_fp32": (
         "engram.gate",

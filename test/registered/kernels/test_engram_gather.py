@@ -1,6 +1,9 @@
 """Engram's embedding gather (`engram_gather`) against its reference, bit for bit: ids read in
 place from contiguous, column-sliced and transposed 2-D views, fp32/bf16 tables, row widths that
-are not powers of two, an output poisoned before the launch; bad arguments name the field."""
+are not powers of two, an output poisoned before the launch; FP8 tables kept as released (every
+E4M3 code but NaN, exponent bytes across the range, scale groups of 32 and 16, a partial last
+group) decoded to fp32/bf16/fp16 against dequantising the whole table first; on a GPU, tables in
+page-locked host memory; bad arguments name the field."""
 
 from __future__ import annotations
 
@@ -8,6 +11,7 @@ import pytest
 import torch
 from sgl_dspark.kernels.engram.gather import engram_gather
 from sgl_dspark.kernels.engram.reference import engram_gather_ref
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -36,9 +40,72 @@ def test_gather_matches_reference(kind, dtype, t, k, v, e):
         assert torch.equal(got.cpu(), want)
 
 
+def _fp8_table(v: int, e: int, group: int, g: torch.Generator) -> QuantizedWeight:
+    """Random E4M3 codes (no NaN code) with exponent bytes spread over 100..150."""
+    codes = torch.randint(0, 256, (v, e), generator=g)
+    codes = torch.where((codes & 0x7F) == 0x7F, codes - 1, codes).to(torch.uint8)
+    scale = torch.randint(100, 151, (v, -(-e // group)), generator=g).to(torch.uint8)
+    return QuantizedWeight(codes.view(torch.float8_e4m3fn), scale, "fp8", group)
+
+
+def _on(device: str, w: QuantizedWeight) -> QuantizedWeight:
+    return w._replace(data=w.data.to(device), scale=w.scale.to(device))
+
+
+@pytest.mark.parametrize("kind", ["contiguous", "transposed"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("t", "k", "v", "e", "group"),
+    [(1, 1, 9, 32, 32), (4, 6, 70, 64, 32), (7, 24, 500, 256, 32), (3, 5, 40, 48, 16)],
+)
+def test_fp8_table_rows_decode_as_the_dequantised_table(kind, dtype, t, k, v, e, group):
+    g = torch.Generator().manual_seed(t * 977 + k * 31 + e + group)
+    table = _fp8_table(v, e, group, g)
+    ids = _ids(kind, t, k, v, g)
+    # The spec twice: the selected rows dequantised, and rows of the whole table dequantised.
+    want = engram_gather_ref(table, ids, dtype)
+    assert torch.equal(want, dequantize_weight_ref(table, dtype)[ids].flatten(1))
+    out = torch.full((t, k * e), float("nan"), dtype=dtype, device=DEVICE)
+    got = engram_gather(_on(DEVICE, table), ids.to(DEVICE), out=out, dtype=dtype)
+    assert got is out
+    assert torch.equal(got.cpu(), want)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="page-locked memory needs a GPU")
+@pytest.mark.parametrize("packed", [False, True])
+def test_page_locked_host_table_is_read_in_place(packed):
+    g = torch.Generator().manual_seed(11)
+    ids = torch.randint(0, 300, (5, 24), generator=g)
+    if packed:
+        table = _fp8_table(300, 256, 32, g)
+        host = table._replace(data=table.data.pin_memory(), scale=table.scale.pin_memory())
+        want = engram_gather_ref(table, ids, torch.bfloat16)
+    else:
+        table = torch.randn(300, 256, generator=g).to(torch.bfloat16)
+        host = table.pin_memory()
+        want = engram_gather_ref(table, ids)
+    got = engram_gather(host, ids.cuda(), dtype=torch.bfloat16 if packed else None)
+    assert got.is_cuda
+    assert torch.equal(got.cpu(), want)
+    with pytest.raises(ValueError, match="page-locked"):
+        engram_gather(torch.randn(300, 256), ids.cuda())
+
+
 def test_bad_arguments_name_the_field():
     table = torch.randn(10, 8)
     with pytest.raises(ValueError, match="ids"):
         engram_gather(table, torch.zeros(3, 2))
     with pytest.raises(ValueError, match="out"):
         engram_gather(table, torch.zeros(3, 2, dtype=torch.int64), out=torch.empty(3, 8))
+    with pytest.raises(ValueError, match="dtype"):
+        engram_gather(table, torch.zeros(3, 2, dtype=torch.int64), dtype=torch.bfloat16)
+    g = torch.Generator().manual_seed(3)
+    fp8 = _fp8_table(10, 64, 32, g)
+    ids = torch.zeros(3, 2, dtype=torch.int64)
+    with pytest.raises(ValueError, match="table"):  # two rows per scale row
+        engram_gather(fp8._replace(scale=fp8.scale[:5], block_rows=2), ids)
+    with pytest.raises(ValueError, match="table"):  # MXFP4 tables are not a released format
+        packed = torch.zeros(10, 32, dtype=torch.uint8)
+        engram_gather(QuantizedWeight(packed, fp8.scale, "mxfp4", 32), ids)
+    with pytest.raises(ValueError, match="dtype"):
+        engram_gather(fp8, ids, dtype=torch.int32)

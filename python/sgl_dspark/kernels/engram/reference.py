@@ -4,13 +4,23 @@ from __future__ import annotations
 
 import torch
 
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
+
 GATE_FLOOR = 1e-6  # |dot| floor inside the signed square root (a zero dot gates at sigmoid(1e-3))
 
 
-def engram_gather_ref(table: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """table `[V, E]`, ids `[T, K]` int (any strides) -> `[T, K * E]` in the table's dtype:
-    row t holds the K table rows of ids[t] side by side (the input of the Engram's `wkv`)."""
-    return table[ids].flatten(1)
+def engram_gather_ref(
+    table: torch.Tensor | QuantizedWeight, ids: torch.Tensor, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """table `[V, E]`, ids `[T, K]` int (any strides) -> `[T, K * E]`: row t holds the K table
+    rows of ids[t] side by side (the input of the Engram's `wkv`). A plain table's rows keep its
+    dtype; an FP8 table kept as released (`QuantizedWeight`, one scale row per row) has only
+    the selected rows dequantised, to `dtype` (default bf16): the same values as dequantising
+    the whole table first, since dequantisation is elementwise."""
+    if not isinstance(table, QuantizedWeight):
+        return table[ids].flatten(1)
+    rows = table._replace(data=table.data[ids], scale=table.scale[ids])
+    return dequantize_weight_ref(rows, dtype or torch.bfloat16).flatten(1)
 
 
 def engram_gate_ref(

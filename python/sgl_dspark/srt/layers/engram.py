@@ -26,7 +26,7 @@ from sgl_dspark.srt.configs.deepseek_v41 import EngramConfig
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.fused_linear import linear_impl
-from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight
+from sgl_dspark.srt.layers.quantized import WeightLike, mark_quantizable, module_weight
 
 
 def ngram_history(
@@ -41,14 +41,24 @@ def ngram_history(
     return torch.where(pos >= 0, token_ids[slots], torch.full_like(slots, pad_id))
 
 
-# (table [V, E], ids [T, K]) -> [T, K * E]: the table rows of every id, side by side
-EngramGatherFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# (table [V, E] plain or FP8 as released, ids [T, K], the rows' dtype: a plain table's own, any
+# for a decoded one) -> [T, K * E]: the table rows of every id, side by side
+EngramGatherFn = Callable[[WeightLike, torch.Tensor, torch.dtype], torch.Tensor]
+
+# Parameter names (substrings) of the Engram hash tables: the tensors `--engram-table-location
+# host` keeps in page-locked host memory.
+ENGRAM_TABLE_NAMES = ("engram.embed.",)
+
+
+def is_engram_table(name: str) -> bool:
+    return any(part in name for part in ENGRAM_TABLE_NAMES)
 
 
 def engram_gather_impl(kernels: KernelChoice) -> EngramGatherFn:
-    """The embedding gather of the "engram" family. torch: `engram_gather_ref` (an index and a
-    flatten). triton: `kernels/engram/gather.py::engram_gather`, one launch reading the ids in
-    place; both give the same bits."""
+    """The embedding gather of the "engram" family. torch: `engram_gather_ref` (an index, then
+    the selected rows of an FP8 table dequantised). triton: `kernels/engram/gather.py::
+    engram_gather`, one launch reading the ids in place and decoding an FP8 table's rows, also
+    from a table in page-locked host memory; both give the same bits."""
     if kernels.of("engram") == "torch":
         return engram_gather_ref
     # Imported only when chosen: the torch path never loads Triton.
@@ -128,6 +138,9 @@ class Engram(nn.Module):
         self.hc_mult = hc_mult
         self.hash = EngramHash(cfg, index)
         self.embed = nn.Embedding(cfg.num_embeddings[index], cfg.head_dim)
+        # FP8 rows with one exponent byte per 32 channels as released: kept so with
+        # --weight-format native, only the gathered rows decoded.
+        mark_quantizable(self.embed, "weight")
         self.wkv = nn.Linear(
             cfg.ids_per_token * cfg.head_dim, (hc_mult + 1) * hidden_size, bias=False
         )
@@ -139,8 +152,11 @@ class Engram(nn.Module):
         """streams `[T, n, D]`, compressed_history `[T, N]` -> streams with the gated value
         added (streams' dtype)."""
         rows = self.hash(compressed_history)
-        kv = self.linear(self.gather(self.embed.weight, rows), module_weight(self.wkv))
+        # A table kept as stored decodes its rows to the streams' dtype (the runtime dtype, which
+        # a table dequantised at load has).
+        embedded = self.gather(module_weight(self.embed), rows, streams.dtype)
+        kv = self.linear(embedded, module_weight(self.wkv))
         return self.gate(streams, kv, self.q_weight, self.k_weight, self.eps)
 
 
-__all__ = ["Engram", "EngramHash", "ngram_history"]
+__all__ = ["ENGRAM_TABLE_NAMES", "Engram", "EngramHash", "is_engram_table", "ngram_history"]

@@ -17,6 +17,7 @@ from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed.sharding import shard_for
 from sgl_dspark.srt.layers.attention import create_attention_backend
+from sgl_dspark.srt.layers.engram import is_engram_table
 from sgl_dspark.srt.layers.fp8_linear import resolve_fp8_paths
 from sgl_dspark.srt.layers.fused_linear import fuse_after_placement
 from sgl_dspark.srt.mem_cache.allocator import PagedTokenAllocator, ReqToTokenPool
@@ -33,6 +34,7 @@ from sgl_dspark.srt.models.base import BaseCausalLM
 from sgl_dspark.srt.models.deepseek_v4 import ModelOutput
 from sgl_dspark.srt.models.registry import model_entry
 from sgl_dspark.srt.server_args import ServerArgs
+from sgl_dspark.srt.server_args_checks import check_engram_table_location
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +63,7 @@ class RunnerConfig:
     weight_format: str = "bf16"  # "native": quantised checkpoint weights stay as stored
     fp8_activations: str = "off"  # "on": W8A8 GEMMs on the FP8 weights (layers/fp8_linear.py)
     kv_cache_dtype: str = _server_default("kv_cache_dtype")
+    engram_table_location: str = _server_default("engram_table_location")
     enable_deterministic_inference: bool = False  # batch-invariant kernels (KernelChoice)
 
     @classmethod
@@ -163,12 +166,23 @@ class ModelRunner:
             raise ValueError(
                 f"weight_format must be one of {WEIGHT_FORMATS}, got {rc.weight_format!r}"
             )
+        check_engram_table_location(
+            rc.engram_table_location, self.device.type, self.kernels.of("engram")
+        )
+        host = is_engram_table if rc.engram_table_location == "host" else None
         if model is None and weights is not None:
             model = build_on_meta(lambda: entry.build_model(model_cfg, self.kernels))
             if isinstance(weights, WeightFactory):
                 weights = weights.for_model(model)
             native = rc.weight_format == "native"
-            self.model = materialise(model, weights, self.device, self.dtype, native, "model")
+            self.model = materialise(
+                model, weights, self.device, self.dtype, native, "model", host_resident=host
+            )
+        elif host is not None:
+            raise ValueError(
+                "--engram-table-location host places tables while loading a checkpoint; this "
+                "model is given built (no checkpoint to load)"
+            )
         else:
             model = model if model is not None else entry.build_model(model_cfg, self.kernels)
             self.model = cast_model(model, self.dtype).to(self.device).eval()
@@ -209,7 +223,7 @@ class ModelRunner:
         # What this device holds, by kind (weights as loaded: native or dequantised).
         self.memory_report = {**load_report(self.model), "kv": int(kv_bytes)}
         logger.info(
-            "device memory on %s (%s weights): %s",
+            "device memory on %s (%s weights; host_pinned: page-locked host tables): %s",
             self.device,
             rc.weight_format,
             ", ".join(f"{k} {v / 2**30:.3f} GiB" for k, v in self.memory_report.items()),

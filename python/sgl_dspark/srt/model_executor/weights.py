@@ -13,7 +13,10 @@ and persistent buffer is then created on the device from its source:
 * a random tensor (`dummy.DummyTensor`, `--load-format dummy`): generated on the device, in the
   checkpoint's declared formats when `native`.
 
-Host memory holds one stored part at a time, whatever the model size. The dtype of a dense
+Host memory holds one stored part at a time, whatever the model size. Tensors named by
+`host_resident` (the Engram hash tables with `--engram-table-location host`) are instead filled
+into page-locked host memory, in row chunks of a tensor that can be read by rows, and stay
+there: the kernels that read them do so over the bus. The dtype of a dense
 tensor: integer buffers keep theirs, HF's fp32 parameters (mHC, sinks, biases, norms) stay fp32,
 every other float tensor takes the runtime dtype.
 """
@@ -29,6 +32,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from sgl_dspark.kernels.linear.reference import QuantizedWeight
 from sgl_dspark.srt.distributed.sharding import shard_spec
 from sgl_dspark.srt.layers.quantized import quantizable, store_quantized
 from sgl_dspark.srt.model_loader.sources import LazyTensor, WeightFactory, WeightSource
@@ -90,11 +94,13 @@ def materialise(
     dtype: torch.dtype,
     native: bool,
     what: str = "model",
+    host_resident: Callable[[str], bool] | None = None,
 ) -> ModuleT:
     """Create every parameter and persistent buffer of the meta-built `model` on `device` from
     `weights` (module doc), then move its derived buffers there. Every tensor must be provided
     once with the model's shape, and no unknown name may appear (ValueError naming the tensor).
-    `native`: keep quantised sources as stored where their module allows it."""
+    `native`: keep quantised sources as stored where their module allows it. `host_resident`:
+    names of tensors to place in page-locked host memory instead (a GPU `device` only)."""
     device = torch.device(device)
     targets: dict[str, torch.Tensor] = dict(model.named_parameters())
     targets.update({k: v for k, v in model.named_buffers() if k in model.state_dict()})
@@ -122,10 +128,23 @@ def materialise(
                 f"the {what} expects {tuple(meta.shape)}"
             )
         module, attr = _owner(model, name)
-        if isinstance(source, torch.Tensor):
+        keep_packed = (
+            native
+            and not isinstance(source, torch.Tensor)
+            and source.fmt is not None
+            and quantizable(module, attr)
+        )
+        if host_resident is not None and host_resident(name):
+            target = _target_dtype(name, meta, dtype)
+            host = host_copy_of(source, keep_packed, target, generate_on=device)
+            if isinstance(host, QuantizedWeight):
+                store_quantized(module, attr, host)
+            else:
+                _assign(module, attr, host, meta)
+        elif isinstance(source, torch.Tensor):
             tensor = source.to(device=device, dtype=_target_dtype(name, meta, dtype))
             _assign(module, attr, tensor.contiguous(), meta)
-        elif native and source.fmt is not None and quantizable(module, attr):
+        elif keep_packed:
             store_quantized(module, attr, source.quantized(device))
         else:
             _assign(module, attr, source.dense(device, _target_dtype(name, meta, dtype)), meta)
@@ -153,6 +172,92 @@ def materialise(
         ", ".join(f"{k} {v / 2**30:.2f} GiB" for k, v in report.items()),
     )
     return model.eval()
+
+
+# Rows read per step when filling a page-locked host tensor from a source that reads by rows:
+# host memory then holds one chunk beside the destination, not a second copy of the table.
+_HOST_CHUNK_BYTES = 1 << 28
+_CHUNK_ROW_MULTIPLE = 128
+
+
+def host_copy_of(
+    source: WeightSource,
+    keep_packed: bool,
+    dtype: torch.dtype,
+    pin: bool = True,
+    chunk_bytes: int = _HOST_CHUNK_BYTES,
+    generate_on: torch.device | str = "cpu",
+) -> torch.Tensor | QuantizedWeight:
+    """`source` in host memory, page-locked when `pin`: kept as stored when `keep_packed`, else
+    dense in `dtype`. A lazy source that reads by rows (`narrow`: a checkpoint tensor) and holds
+    more than `chunk_bytes` is read in row chunks straight into the destination. A source that
+    cannot be read by rows (random weights) is made on `generate_on`, the device a device-placed
+    copy would be made on, so that its values do not depend on the placement."""
+
+    def read(src: WeightSource, device: torch.device | str) -> torch.Tensor | QuantizedWeight:
+        if isinstance(src, torch.Tensor):
+            return src.to(device=device, dtype=dtype)
+        return src.quantized(device) if keep_packed else src.dense(device, dtype)
+
+    narrow = None if isinstance(source, torch.Tensor) else getattr(source, "narrow", None)
+    nbytes = int(source.nbytes)
+    if narrow is None or nbytes <= chunk_bytes:
+        whole = read(source, "cpu" if narrow is not None else generate_on)
+        if not pin:
+            return _map(whole, lambda t: t.cpu())
+        return _map(whole, lambda t: _empty_host(t.shape, t.dtype, pin).copy_(t))
+    rows = source.shape[0]
+    # Whole scale blocks per chunk (every FP8 block height divides 128), so each chunk reads
+    # as stored.
+    step = max(_CHUNK_ROW_MULTIPLE, chunk_bytes * rows // nbytes)
+    step -= step % _CHUNK_ROW_MULTIPLE
+    out: torch.Tensor | QuantizedWeight | None = None
+    for start in range(0, rows, step):
+        part = read(narrow(0, start, min(step, rows - start)), "cpu")
+        if out is None:
+            out = _empty_like(part, rows, pin)
+        _copy_rows(out, part, start)
+    assert out is not None
+    return out
+
+
+def _map(
+    t: torch.Tensor | QuantizedWeight, fn: Callable[[torch.Tensor], torch.Tensor]
+) -> torch.Tensor | QuantizedWeight:
+    if isinstance(t, QuantizedWeight):
+        return t._replace(data=fn(t.data), scale=fn(t.scale))
+    return fn(t)
+
+
+def _empty_host(shape: Iterable[int], dtype: torch.dtype, pin: bool) -> torch.Tensor:
+    return torch.empty(tuple(shape), dtype=dtype, pin_memory=pin)
+
+
+def _empty_like(
+    part: torch.Tensor | QuantizedWeight, rows: int, pin: bool
+) -> torch.Tensor | QuantizedWeight:
+    """An empty host tensor (page-locked when `pin`) of `rows` rows in `part`'s format."""
+
+    def empty(t: torch.Tensor, n: int) -> torch.Tensor:
+        return _empty_host((n, *t.shape[1:]), t.dtype, pin)
+
+    if isinstance(part, QuantizedWeight):
+        scale_rows = -(-rows // part.block_rows)
+        return part._replace(data=empty(part.data, rows), scale=empty(part.scale, scale_rows))
+    return empty(part, rows)
+
+
+def _copy_rows(
+    out: torch.Tensor | QuantizedWeight, part: torch.Tensor | QuantizedWeight, start: int
+) -> None:
+    if isinstance(out, QuantizedWeight):
+        assert isinstance(part, QuantizedWeight)
+        out.data[start : start + part.data.shape[0]].copy_(part.data)
+        first = start // out.block_rows
+        out.scale[first : first + part.scale.shape[0]].copy_(part.scale)
+    else:
+        assert isinstance(part, torch.Tensor)
+        out[start : start + part.shape[0]].copy_(part)
 
 
 def _rank_slice(name: str, source: WeightSource, meta: torch.Tensor) -> WeightSource:
@@ -190,7 +295,8 @@ def _assign(module: nn.Module, attr: str, tensor: torch.Tensor, meta: torch.Tens
 def load_report(model: nn.Module) -> dict[str, int]:
     """Bytes of the model's parameters and buffers by kind: routed experts (the stacked expert
     weights and their scales), embeddings (token embeddings and output heads), dense (the
-    rest). Tensors that share storage (fused views) count once."""
+    rest), and host (page-locked host tensors of a GPU model: not on the device). Tensors that
+    share storage (fused views) count once."""
     from sgl_dspark.srt.layers.moe.experts import RoutedExperts
 
     expert_ids = {
@@ -199,7 +305,7 @@ def load_report(model: nn.Module) -> dict[str, int]:
         if isinstance(m, RoutedExperts)
         for t in (*m.parameters(recurse=False), *m.buffers(recurse=False))
     }
-    kinds = {"experts": 0, "embeddings": 0, "dense": 0}
+    kinds = {"experts": 0, "embeddings": 0, "dense": 0, "host_pinned": 0}
     seen: set[tuple[int, int]] = set()
     for name, t in (*model.named_parameters(), *model.named_buffers()):
         key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
@@ -207,7 +313,9 @@ def load_report(model: nn.Module) -> dict[str, int]:
             continue
         seen.add(key)
         kind = (
-            "experts"
+            "host_pinned"
+            if t.device.type == "cpu" and t.is_pinned()
+            else "experts"
             if id(t) in expert_ids
             else "embeddings"
             if any(s in name for s in _EMBEDDING_NAMES)
@@ -223,6 +331,7 @@ __all__ = [
     "WeightFactory",
     "WeightSource",
     "build_on_meta",
+    "host_copy_of",
     "keeps_fp32",
     "load_report",
     "materialise",

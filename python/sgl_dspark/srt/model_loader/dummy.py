@@ -1,7 +1,7 @@
 """Seeded random weights generated on the device (`--load-format dummy`), in the formats a
 checkpoint of the config would declare: with a `quantization_config`, routed experts in the
-expert dtype (MXFP4 or FP8) and the released FP8 projections as FP8 with the config's block
-size; everything else dense. A model too large to be written and read back (a benchmark model of
+expert dtype (MXFP4 or FP8), the released FP8 projections as FP8 with the config's block
+size and V4.1's Engram tables as FP8 rows scaled per 32 channels; everything else dense. A model too large to be written and read back (a benchmark model of
 a real size) then loads in seconds, with the bytes and kernels of the real one.
 
 Values: quantised weights are uniform random codes (every E2M1 code; every E4M3 code but NaN)
@@ -39,6 +39,10 @@ _FP8_SUFFIXES = (
     "engram.wkv.weight",
     "main_proj.weight",
 )
+# Tables a released checkpoint stores as FP8 rows with one exponent byte per 32 channels
+# (V4.1's Engram hash tables), whatever the projections' block size.
+_FP8_TABLE_SUFFIXES = ("engram.embed.weight",)
+_FP8_TABLE_GROUP = 32
 _EXPERT_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
 # E8M0 bytes giving an RMS near 0.02: uniform E2M1 codes have RMS 2.9 (x 2^-7), uniform E4M3
 # codes about 120 (x 2^-13).
@@ -121,6 +125,8 @@ class DummyWeights(WeightFactory):
             return "fp8", quant.weight_block_size[1]
         if name.endswith(_FP8_SUFFIXES):
             return "fp8", quant.weight_block_size[1]
+        if name.endswith(_FP8_TABLE_SUFFIXES):
+            return "fp8", _FP8_TABLE_GROUP
         return None, 1
 
     def for_model(self, model: nn.Module) -> Iterator[tuple[str, DummyTensor]]:
