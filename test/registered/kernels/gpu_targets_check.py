@@ -524,6 +524,36 @@ def _quant_store_values() -> Callable[[], object]:
     )
 
 
+def _index_queries() -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.store import fake_quant_rows
+
+    # DeepSeek-V4.1-Flash index queries: 32 heads of 128 (rope 64), a column slice of the joint
+    # q_b output (q's 64 x 512 columns first), rotated and FP4-quantised in one launch.
+    fused = _bf16(3, 64 * 512 + 32 * 128)
+    return lambda: fake_quant_rows(
+        fused[:, 64 * 512 :].view(3, 32, 128),
+        "fp4_index",
+        torch.ones(3, 32),
+        torch.zeros(3, 32),
+    )
+
+
+def _quant_load_into_keys() -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.load import quant_load
+
+    # The attended latents (top-512 of 512 channels) decoded into their columns of the keys
+    # tensor, after the window's 128.
+    keys = _bf16(2, 128 + 512, 512)
+    return lambda: quant_load(
+        torch.zeros(50, 256, dtype=torch.uint8),
+        torch.full((50, 32), 56, dtype=torch.uint8),
+        torch.randint(0, 50, (2, 512)),
+        "fp4_latent",
+        torch.bfloat16,
+        out=keys[:, 128:],
+    )
+
+
 def _quant_load(fmt: str, d: int, shape: tuple[int, ...]) -> Callable[[], object]:
     from sgl_dspark.kernels.quant.load import quant_load
 
@@ -900,6 +930,16 @@ CASES = {
         "quant.store",
         "_quant_store_kernel",
         _quant_store_values(),
+    ),
+    "quant_index_queries_fp4": (
+        "quant.store",
+        "_quant_store_kernel",
+        _index_queries(),
+    ),
+    "quant_load_latents_into_keys": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load_into_keys(),
     ),
     "quant_load_window_fp8": (
         "quant.load",

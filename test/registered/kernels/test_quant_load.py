@@ -149,6 +149,35 @@ def test_quant_load_matches_pool_read(fmt, d):
     assert _same_bits(got, want)
 
 
+@pytest.mark.parametrize(("tokens", "first", "second"), [(1, 16, 5), (3, 7, 4), (4, 1, 0)])
+def test_quant_load_into_slices_of_wider_key_rows(tokens, first, second):
+    """Two caches' rows (the window's FP8 keys, then a source's FP4 latents) written into the
+    two column ranges of one [T, first + second, D] tensor: each range a [T, K, D] view whose
+    tokens are (first + second) * D apart. Every element is written once, with the bits of the
+    contiguous loads."""
+    d, width = 64, first + second
+    window = _quantised_cache("fp8_window", 30, d, 21)
+    latents = _quantised_cache("fp4_latent", 25, d, 22)
+    rows_w = _rows((tokens, first), 30, torch.int64, 3)
+    rows_l = _rows((tokens, second), 25, torch.int32, 4)
+    keys = torch.full((tokens, width, d), float("nan")).to(torch.bfloat16).to(DEVICE)
+    w, lat = keys[:, :first], keys[:, first:]
+    if tokens > 1 and second > 0:  # both strided (no latents yet: the window's is the whole)
+        assert not w.is_contiguous() and not lat.is_contiguous()
+    on = lambda t: t.to(DEVICE)
+    assert quant_load(*map(on, window), on(rows_w), "fp8_window", torch.bfloat16, out=w) is w
+    assert quant_load(*map(on, latents), on(rows_l), "fp4_latent", torch.bfloat16, out=lat) is lat
+    got = keys.cpu()
+    assert not got.isnan().any()
+    want_w = _expected("fp8_window", *window, rows_w, torch.bfloat16)
+    want_l = _expected("fp4_latent", *latents, rows_l.long(), torch.bfloat16)
+    assert _same_bits(got[:, :first], want_w) and _same_bits(got[:, first:], want_l)
+    spaced = torch.empty(tokens, 3, 2 * d, dtype=torch.bfloat16, device=DEVICE)[..., :d]
+    three = on(_rows((tokens, 3), 30, torch.int64, 5))
+    with pytest.raises(ValueError, match="out"):  # a token's rows not contiguous
+        quant_load(*map(on, window), three, "fp8_window", torch.bfloat16, out=spaced)
+
+
 def test_quant_load_empty_rows_and_default_output():
     data, scales = _quantised_cache("fp4_index", 4, 128, 7)
     data, scales = data.to(DEVICE), scales.to(DEVICE)

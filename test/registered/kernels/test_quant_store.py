@@ -3,7 +3,10 @@ reference (`quant_store_ref`), bit for bit: every format, rope or none, fp32/bf1
 strided inputs, widths whose block count is not a power of two, values spread over many binades
 (scale edges, FP8 subnormals, E2M1 ties) and rows left poisoned where nothing is written. The
 reference's own values are checked by hand in `models/test_v41_fake_quant.py`; here the E4M3
-rounding of the kernel is also checked against torch's cast on every code boundary."""
+rounding of the kernel is also checked against torch's cast on every code boundary. The
+quantisers' values after a rotation (`fake_quant_rows`: V4.1's index queries) equal the
+reference's rope then fake quantisation, bit for bit, on [N, D] and [N, H, D] rows and on a
+column slice of a fused output."""
 
 from __future__ import annotations
 
@@ -13,8 +16,13 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_dspark.kernels.quant.reference import quant_store_ref
-from sgl_dspark.kernels.quant.store import e4m3_round, quant_store
+from sgl_dspark.kernels.quant.reference import (
+    fake_quant_fp4_index_ref,
+    fake_quant_fp8_window_ref,
+    quant_store_ref,
+)
+from sgl_dspark.kernels.quant.store import e4m3_round, fake_quant_rows, quant_store
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 POISON = 0xAB
@@ -175,3 +183,57 @@ def test_draft_rope_stores_with_the_window_quantiser_equal_torch():
         outs[backend] = [t.cpu().view(torch.int16) for t in (pool, q_out, rows)]
     for got, want in zip(outs["triton"], outs["torch"]):
         assert torch.equal(got, want)
+
+
+FAKE_REFS = {"fp8_window": fake_quant_fp8_window_ref, "fp4_index": fake_quant_fp4_index_ref}
+
+
+@pytest.mark.parametrize("fmt", ["fp8_window", "fp4_index"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize(
+    ("n", "heads", "d", "rope_dim"),
+    [(1, 1, 32, 0), (3, 4, 64, 16), (5, 2, 96, 32), (2, 8, 128, 64), (4, 0, 160, 0)],
+)
+def test_fake_quant_rows_matches_rope_then_fake_quant(fmt, dtype, n, heads, d, rope_dim):
+    """[N, H, D] rows (heads 0: [N, D]) rotated with their token's cos / sin, then the
+    quantiser's values, against the reference's two steps."""
+    seed = zlib.crc32(f"fake{fmt}{dtype}{n}{heads}{d}{rope_dim}".encode()) % 10000
+    x, cos, sin = _inputs(n * max(heads, 1), d, dtype, seed, 0)
+    x = x.view(n, heads, d) if heads else x
+    if rope_dim:
+        _, cos, sin = _inputs(n, 2, torch.float32, seed + 1, rope_dim)
+    rotated = rope_tail_ref(x, cos, sin) if rope_dim else x
+    want = FAKE_REFS[fmt](rotated)
+    on = lambda t: None if t is None else t.to(DEVICE)
+    got = fake_quant_rows(x.to(DEVICE), fmt, on(cos), on(sin))
+    assert got.shape == x.shape and got.dtype == dtype
+    assert torch.equal(
+        got.cpu().view(torch.uint8 if dtype != torch.float32 else torch.int32),
+        want.view(torch.uint8 if dtype != torch.float32 else torch.int32),
+    )
+
+
+def test_fake_quant_rows_reads_a_column_slice_of_a_fused_output():
+    """The index queries are a column slice of the joint q_b projection's output: token
+    stride wider than the heads, read in place."""
+    g = torch.Generator().manual_seed(5)
+    n, heads, d = 3, 4, 64
+    fused = (torch.randn(n, 40 + heads * d, generator=g) * 3).to(torch.bfloat16).to(DEVICE)
+    x = fused[:, 40:].view(n, heads, d)
+    assert not x.is_contiguous()
+    angles = torch.rand(n, 8, generator=g, dtype=torch.float64) * 50
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    want = fake_quant_fp4_index_ref(rope_tail_ref(x.cpu(), cos, sin))
+    got = fake_quant_rows(x, "fp4_index", cos.to(DEVICE), sin.to(DEVICE))
+    assert torch.equal(got.cpu().view(torch.uint8), want.view(torch.uint8))
+
+
+def test_fake_quant_rows_leaves_rows_it_cannot_block_rotated_only():
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(3, 2, 48, generator=g).to(torch.bfloat16)  # 48: not a multiple of 32
+    angles = torch.rand(3, 8, generator=g, dtype=torch.float64)
+    cos, sin = torch.cos(angles).float(), torch.sin(angles).float()
+    got = fake_quant_rows(x.to(DEVICE), "fp4_index", cos.to(DEVICE), sin.to(DEVICE))
+    assert torch.equal(got.cpu(), fake_quant_fp4_index_ref(rope_tail_ref(x, cos, sin)))
+    with pytest.raises(ValueError, match="fmt"):
+        fake_quant_rows(x, "fp4_latent")

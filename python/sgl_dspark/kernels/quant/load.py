@@ -63,6 +63,8 @@ def _quant_load_kernel(
     scales_ptr,
     scales_row_stride,
     out_ptr,
+    out_group,
+    out_group_stride,
     D: tl.constexpr,
     W: tl.constexpr,
     WP: tl.constexpr,
@@ -82,7 +84,10 @@ def _quant_load_kernel(
     stored = tl.load(
         data_ptr + row[:, None] * data_row_stride + offs_w[None, :], mask=mask, other=0
     )
-    out_row = out_ptr + offs_r.to(tl.int64)[:, None] * D
+    # Row r of the flattened rows is row (r % out_group) of group (r // out_group) of the output:
+    # a group's rows are contiguous, groups out_group_stride elements apart.
+    r64 = offs_r.to(tl.int64)
+    out_row = out_ptr + ((r64 // out_group) * out_group_stride + (r64 % out_group) * D)[:, None]
     scale_row = scales_ptr + row[:, None] * scales_row_stride
     if FMT == 0:  # FP8 window: byte j is channel j
         e = tl.load(scale_row + (offs_w // BLOCK)[None, :], mask=mask, other=127)
@@ -117,7 +122,9 @@ def quant_load(
         rows: int32/int64 cache rows, any shape; each in [0, R) (not checked: no host sync).
         fmt: "fp8_window", "fp4_latent" or "fp4_index".
         dtype: fp32/bf16/fp16, the decoded rows' dtype.
-        out: optional contiguous [*rows.shape, D] of `dtype` to write into.
+        out: optional [*rows.shape, D] of `dtype` to write into: contiguous, or for rows
+            [T, K] a [T, K, D] view whose K x D block per token is contiguous (a slice of wider
+            rows of keys).
 
     Returns:
         [*rows.shape, D] in `dtype`: row r's decoded values at each index of `rows`.
@@ -149,9 +156,12 @@ def quant_load(
     shape = (*rows.shape, d)
     if out is None:
         out = torch.empty(shape, dtype=dtype, device=data.device)
+    group = max(rows.shape[-1] if rows.dim() else 1, 1)
+    group_stride = _group_stride(out, group, d)
     require(
-        out.dtype == dtype and tuple(out.shape) == shape and out.is_contiguous(),
-        f"out: expected contiguous {dtype} {shape}, got {out.dtype} {tuple(out.shape)}",
+        out.dtype == dtype and tuple(out.shape) == shape and group_stride is not None,
+        f"out: expected {dtype} {shape} whose last two dims are contiguous, got {out.dtype} "
+        f"{tuple(out.shape)} strides {out.stride()}",
     )
     require(out.device == data.device, f"out: expected device {data.device}, got {out.device}")
     flat = rows.reshape(-1)
@@ -170,6 +180,8 @@ def quant_load(
         scales,
         scales.stride(0),
         out,
+        group,
+        group_stride,
         D=d,
         W=width,
         WP=wp,
@@ -183,6 +195,17 @@ def quant_load(
         **programmatic_launch(_quant_load_kernel, data.device),
     )
     return out
+
+
+def _group_stride(out: torch.Tensor, group: int, d: int) -> int | None:
+    """The elements between consecutive groups of `group` rows of `out` [..., group, D] when
+    the kernel can write it (contiguous, or [T, group, D] with each group's rows contiguous:
+    a slice of wider rows of keys), else None."""
+    if out.is_contiguous():
+        return group * d
+    if out.dim() == 3 and out.stride(2) == 1 and (group <= 1 or out.stride(1) == d):
+        return out.stride(0)
+    return None
 
 
 __all__ = ["e4m3_to_fp32", "quant_load"]

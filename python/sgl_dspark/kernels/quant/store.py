@@ -76,9 +76,21 @@ def e2m1_code(v):
 
 
 @triton.jit
+def e2m1_code_value(code):
+    """E2M1 code (bit 3 = sign) -> its value in fp32: magnitudes 0, 0.5, 1, 1.5, 2, 3, 4, 6
+    (no code here is a signed zero)."""
+    mag = code & 7
+    big = tl.where(mag == 5, 3.0, tl.where(mag == 6, 4.0, 6.0))
+    v = tl.where(mag <= 4, mag.to(tl.float32) * 0.5, big)
+    return tl.where(code >= 8, -1.0, 1.0) * v
+
+
+@triton.jit
 def _quant_store_kernel(
     x_ptr,
     x_row_stride,
+    x_head_stride,
+    heads,
     cos_ptr,
     sin_ptr,
     cs_row_stride,
@@ -94,6 +106,7 @@ def _quant_store_kernel(
     BLOCK: tl.constexpr,
     FMT: tl.constexpr,
     VALUES: tl.constexpr,
+    IDENTITY_ROWS: tl.constexpr,
     OUT_KIND: tl.constexpr,
     X_KIND: tl.constexpr,
     ON_BITS: tl.constexpr,
@@ -102,19 +115,24 @@ def _quant_store_kernel(
     wait_for_producers(PDL)  # x comes from the previous kernel; the cache rows may be read
     t = tl.program_id(0)
     H: tl.constexpr = BLOCK // 2
-    out_row = tl.load(rows_ptr + t).to(tl.int64)
+    # Row t is head (t % heads) of token (t // heads); a token's heads share its cos / sin row.
+    token = t // heads
+    if IDENTITY_ROWS:
+        out_row = t.to(tl.int64)
+    else:
+        out_row = tl.load(rows_ptr + t).to(tl.int64)
     offs_b = tl.arange(0, NBP)
     offs_h = tl.arange(0, H)
     mask = (offs_b < NB)[:, None] & (offs_h < H)[None, :]
     even = offs_b[:, None] * BLOCK + 2 * offs_h[None, :]  # channel of each pair's first element
-    src = x_ptr + t.to(tl.int64) * x_row_stride
+    src = x_ptr + token.to(tl.int64) * x_row_stride + (t % heads).to(tl.int64) * x_head_stride
     a = tl.load(src + even, mask=mask, other=0.0).to(tl.float32)
     b = tl.load(src + even + 1, mask=mask, other=0.0).to(tl.float32)
     if HALF_ROPE > 0:
         # Pair i of the tail = channels (D - rd + 2i, D - rd + 2i + 1), rd = 2 * HALF_ROPE.
         pair = (even - (D - 2 * HALF_ROPE)) // 2
         tail = mask & (pair >= 0)
-        cs = t.to(tl.int64) * cs_row_stride + tl.maximum(pair, 0)
+        cs = token.to(tl.int64) * cs_row_stride + tl.maximum(pair, 0)
         c = tl.load(cos_ptr + cs, mask=tail, other=1.0)
         s = tl.load(sin_ptr + cs, mask=tail, other=0.0)
         ra = round_to_dtype(a * c - b * s, X_KIND, ON_BITS)
@@ -160,8 +178,18 @@ def _quant_store_kernel(
             scale_byte = e
         va = tl.minimum(tl.maximum(tl.div_rn(a, scale), -6.0), 6.0)
         vb = tl.minimum(tl.maximum(tl.div_rn(b, scale), -6.0), 6.0)
-        packed = e2m1_code(va) | (e2m1_code(vb) << 4)
-        tl.store(dst + offs_b[:, None] * H + offs_h[None, :], packed.to(tl.uint8), mask=mask)
+        if VALUES:  # the dequantised values (exact in the output dtype), no scales
+            out_a = e2m1_code_value(e2m1_code(va)) * scale
+            out_b = e2m1_code_value(e2m1_code(vb)) * scale
+            if OUT_KIND == 1:
+                out_a, out_b = out_a.to(tl.bfloat16), out_b.to(tl.bfloat16)
+            elif OUT_KIND == 2:
+                out_a, out_b = out_a.to(tl.float16), out_b.to(tl.float16)
+            tl.store(dst + even, out_a, mask=mask)
+            tl.store(dst + even + 1, out_b, mask=mask)
+        else:
+            packed = e2m1_code(va) | (e2m1_code(vb) << 4)
+            tl.store(dst + offs_b[:, None] * H + offs_h[None, :], packed.to(tl.uint8), mask=mask)
     if not VALUES:
         scale_ptrs = scales_ptr + out_row * scales_row_stride + offs_b
         tl.store(scale_ptrs, scale_byte.to(tl.uint8), mask=mask_b)
@@ -184,6 +212,33 @@ def quant_store_values(
     require(out.shape[1] == x.shape[-1], f"out: expected D={x.shape[-1]}, got {out.shape[1]}")
     require(out.device == x.device, f"out: expected device {x.device}, got {out.device}")
     _launch(x, rows, out, out, "fp8_window", cos, sin, values=True)
+
+
+def fake_quant_rows(
+    x: torch.Tensor,
+    fmt: str,
+    cos: torch.Tensor | None = None,
+    sin: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Rotate, then the quantiser's values, in one launch: `fake_quant_<fmt>_ref(rope_tail_ref(
+    x, cos, sin))` ("fp8_window" or "fp4_index") as a new tensor of x's shape and dtype, bit for
+    bit. x [N, D] or [N, H, D] (unit stride in D; any token and head strides, e.g. a column
+    slice of a fused projection's output); cos, sin fp32 [N, rd/2], shared by a token's heads.
+    DeepSeek-V4.1's index queries take it with "fp4_index"."""
+    require(
+        fmt in ("fp8_window", "fp4_index"), f"fmt: expected fp8_window or fp4_index, got {fmt!r}"
+    )
+    require(x.dim() in (2, 3), f"x: expected [N, D] or [N, H, D], got shape {tuple(x.shape)}")
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if not quantizes(x.shape[-1], _BLOCKS[fmt]):  # the reference leaves such rows as they are
+        from sgl_dspark.kernels.rope.tail import rope_tail
+
+        if cos is None or sin is None:
+            return out.copy_(x)
+        return rope_tail(x, cos, sin)
+    rows_2d = out.view(-1, x.shape[-1])
+    _launch(x, None, rows_2d, rows_2d, fmt, cos, sin, values=True)
+    return out
 
 
 def quant_store(
@@ -210,7 +265,7 @@ def quant_store(
 
 def _launch(
     x: torch.Tensor,
-    rows: torch.Tensor,
+    rows: torch.Tensor | None,
     data: torch.Tensor,
     scales: torch.Tensor,
     fmt: str,
@@ -220,13 +275,20 @@ def _launch(
     values: bool,
 ) -> None:
     require(fmt in FORMATS, f"fmt: expected one of {tuple(FORMATS)}, got {fmt!r}")
-    require(x.dim() == 2, f"x: expected [N, D], got shape {tuple(x.shape)}")
-    n, d = x.shape
+    # [N, D], or [N, H, D] (identity rows only: fake_quant_rows): H rows per token.
+    require(
+        x.dim() == 2 or (x.dim() == 3 and rows is None),
+        f"x: expected [N, D], got shape {tuple(x.shape)}",
+    )
+    n, d = x.shape[0], x.shape[-1]
+    heads = x.shape[1] if x.dim() == 3 else 1
+    head_stride = x.stride(1) if x.dim() == 3 else 0
     block = _BLOCKS[fmt]
     require(quantizes(d, block), f"x: D={d} is not a multiple of the {fmt} block {block}")
     require(x.dtype in DTYPE_KIND, f"x: expected fp32/bf16/fp16, got {x.dtype}")
-    require(x.stride(1) == 1 or d == 1, "x: needs unit stride in its last dim")
-    check_index_vector("rows", rows, n)
+    require(x.stride(-1) == 1 or d == 1, "x: needs unit stride in its last dim")
+    if rows is not None:
+        check_index_vector("rows", rows, n)
     width = d if fmt == "fp8_window" else d // 2
     checked = () if values else (("data", data, width), ("scales", scales, d // block))
     for name, t, w in checked:
@@ -246,17 +308,19 @@ def _launch(
             )
         require(cos.stride() == sin.stride() and cos.stride(1) == 1, "cos/sin: same strides")
         require(2 * half <= d, f"rope dim {2 * half} exceeds D={d}")
-    if n == 0:
+    if n * heads == 0:
         return
     nb = d // block
     dummy = x if cos is None else cos
-    _quant_store_kernel[(n,)](
+    _quant_store_kernel[(n * heads,)](
         x,
         x.stride(0),
+        head_stride,
+        heads,
         dummy,
         dummy if sin is None else sin,
         0 if cos is None else cos.stride(0),
-        rows,
+        x if rows is None else rows,
         data,
         data.stride(0),
         scales,
@@ -268,6 +332,7 @@ def _launch(
         BLOCK=block,
         FMT=FORMATS[fmt],
         VALUES=values,
+        IDENTITY_ROWS=rows is None,
         OUT_KIND=DTYPE_KIND[data.dtype] if values else 0,
         X_KIND=DTYPE_KIND[x.dtype],
         ON_BITS=interpreted(_quant_store_kernel),
@@ -277,6 +342,6 @@ def _launch(
     )
 
 
-__all__ = ["FORMATS", "quant_store", "quant_store_values"]
+__all__ = ["FORMATS", "fake_quant_rows", "quant_store", "quant_store_values"]
 # Constants the kernel spells as literals (Triton reads no module globals).
 assert (FP8_MAX, FP4_MAX) == (448.0, 6.0)

@@ -36,21 +36,38 @@ from sgl_dspark.srt.layers.attention.csa2 import (
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
-from sgl_dspark.srt.layers.quant_store import quant_load_impl, quant_store_impl
+from sgl_dspark.srt.layers.quant_store import index_query_impl, quant_load_impl, quant_store_impl
 from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import rope_impl
-from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
+from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool, QuantizedRows
 from sgl_dspark.srt.models.deepseek_v4 import RopeTables, mark_head_shards
-from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp4_index
 
 
 @dataclass
 class Csa2Selections:
     """Published within one forward: per kv source, the latest top-k (cache rows `[T, k]`,
-    valid `[T, k]`); per candidate source, its candidate blocks `[T, nb]`."""
+    valid `[T, k]`); per candidate source, its candidate blocks `[T, nb]`; and per kv source,
+    what its attending layers mask with (the window's validity, then the top-k's), joined once
+    per published top-k."""
 
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    _attended: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
+
+    def publish_topk(self, source: int, topk: tuple[torch.Tensor, torch.Tensor]) -> None:
+        self.topk[source] = topk
+        for key in [k for k in self._attended if k[0] == source]:
+            del self._attended[key]
+
+    def attended_valid(self, source: int, window_valid: torch.Tensor) -> torch.Tensor:
+        """`[T, W + k]`: `window_valid` `[T, W]` (the window rows' validity, one per window
+        size in a forward) then the validity of `source`'s latest top-k."""
+        key = (source, window_valid.shape[1])
+        joined = self._attended.get(key)
+        if joined is None:
+            joined = torch.cat((window_valid, self.topk[source][1]), dim=1)
+            self._attended[key] = joined
+        return joined
 
 
 class Csa2Attention(nn.Module):
@@ -118,6 +135,7 @@ class Csa2Attention(nn.Module):
         self.rope = rope_impl(kernels)
         self.store_rows = quant_store_impl(kernels)
         self.load_rows = quant_load_impl(kernels)
+        self.index_queries = index_query_impl(kernels)
         self.index_scores, self.block_max = v41_indexer_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
@@ -152,11 +170,20 @@ class Csa2Attention(nn.Module):
                 batch.positions, batch.token_slots(), batch.req_to_token, self.window
             ),
         )
-        keys = self.load_rows(window, slots)  # [T, W, Dh]
         if self.ratio > 0:
-            latent_keys, latent_valid = self._compressed(x_rest, index_q, batch, pool, rope, shared)
-            keys = torch.cat((keys, latent_keys.to(keys.dtype)), dim=1)
-            valid = torch.cat((valid, latent_valid), dim=1)
+            # The window's keys and the attended latents decoded side by side into one tensor
+            # (no concatenation copy); their validity joined once per published top-k.
+            latents, rows = self._compressed(x_rest, index_q, batch, pool, rope, shared)
+            w = slots.shape[1]
+            keys = torch.empty(
+                T, w + rows.shape[1], self.head_dim, dtype=window.dtype, device=x.device
+            )
+            self.load_rows(window, slots, keys[:, :w])
+            self.load_rows(latents, rows, keys[:, w:])
+            assert self.source is not None  # every compressed layer has one
+            valid = shared.attended_valid(self.source, valid)
+        else:
+            keys = self.load_rows(window, slots)  # [T, W, Dh]
         o = backend.attend_gathered(q, keys, valid, self.sinks, self.head_dim**-0.5)
         o = self.rope(o, cos, sin, inverse=True)
         wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
@@ -172,9 +199,10 @@ class Csa2Attention(nn.Module):
         pool: DeepseekV41KVPool,
         rope: RopeTables,
         shared: Csa2Selections,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The latents this layer attends `[T, k, Dh]` and their validity `[T, k]`. x_rest: the
-        x projections after q_a and kv (compressor kv (+ gate), then indexer head weights)."""
+    ) -> tuple[QuantizedRows, torch.Tensor]:
+        """The latent cache of this layer's source and the rows of it this layer attends
+        `[T, k]` (their validity is the source's published top-k). x_rest: the x projections
+        after q_a and kv (compressor kv (+ gate), then indexer head weights)."""
         assert self.source is not None
         src = pool.sources[self.source]
         if self.compressor is not None:
@@ -190,11 +218,11 @@ class Csa2Attention(nn.Module):
             self.store_rows(keys, cos_g, sin_g, src.index_keys, groups.entry_rows)
             self.store_rows(groups.latents, cos_g, sin_g, src.latents, groups.entry_rows)
         if self.indexer is not None:
-            shared.topk[self.source] = self._select(
-                index_q[0], x_rest[0], batch, pool, rope, shared
+            shared.publish_topk(
+                self.source, self._select(index_q[0], x_rest[0], batch, pool, rope, shared)
             )
-        rows, valid = shared.topk[self.source]
-        return self.load_rows(src.latents, rows), valid
+        rows, _ = shared.topk[self.source]
+        return src.latents, rows
 
     def _select(
         self,
@@ -214,8 +242,11 @@ class Csa2Attention(nn.Module):
         if k == 0 or T == 0:
             z = torch.zeros(T, 0, dtype=torch.int64, device=qi.device)
             return z, z.bool()
-        qi = qi.view(T, self.indexer.n_heads, self.indexer.index_dim)
-        qi = fake_quant_fp4_index(rope.rotate_compress(qi, batch.positions, "positions"))
+        # Rotated at the token's position and FP4-quantised as the index keys are.
+        cos_q, sin_q = rope.compress_table(batch.positions, "positions")
+        qi = self.index_queries(
+            qi.view(T, self.indexer.n_heads, self.indexer.index_dim), cos_q, sin_q
+        )
         blocks, size = self.candidate_blocks
         keep = shared.candidates[self.candidate_of] if self.candidate_of is not None else None
         visible = visible_entries(batch, m)
