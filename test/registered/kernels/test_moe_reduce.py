@@ -69,6 +69,11 @@ def test_matches_ref_bitwise(
             assert got is out
             ref = moe_reduce_ref(y, weights, ids, mask, **kwargs)
             assert torch.equal(got, ref)
+            # Unit weights as None (routes weighted before the down projection): a tensor of
+            # ones' result, bit for bit.
+            unit = moe_reduce(y, None, ids, mask, **kwargs)
+            ones = moe_reduce_ref(y, torch.ones_like(weights), ids, mask, **kwargs)
+            assert torch.equal(unit, ones)
 
 
 @pytest.mark.parametrize("topk,num_experts", [(1, 4), (8, 64), (3, 5)])

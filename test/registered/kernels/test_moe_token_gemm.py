@@ -291,3 +291,8 @@ def test_weight_before_down_matches_ref_and_sorted_path(case: tuple) -> None:
     out_sorted = moe_reduce(y, ones, ids, c["mask"], 1.0, c["shared"])
     assert got.shape == (num_tokens, hidden)
     _assert_close_or_equal(got, out_sorted, EXACT, CHAIN_TOL[dtype])
+    # Unit weights passed as None (what the engine passes): no tensor of ones read, same bits.
+    unit = moe_token_down_reduce(h, c["down"], ids, None, table, n_loc, 1.0, c["shared"])
+    assert torch.equal(unit.view(torch.int16), got.view(torch.int16))
+    unit_sorted = moe_reduce(y, None, ids, c["mask"], 1.0, c["shared"])
+    assert torch.equal(unit_sorted.view(torch.int16), out_sorted.view(torch.int16))

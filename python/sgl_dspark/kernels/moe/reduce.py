@@ -89,6 +89,7 @@ def _moe_reduce_kernel(
     BLOCK_H: tl.constexpr,
     ON_BITS: tl.constexpr,
     EVEN_H: tl.constexpr,
+    UNIT_WEIGHTS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # y, the routes and shared come from earlier kernels
@@ -101,7 +102,10 @@ def _moe_reduce_kernel(
         expert = tl.load(ids_ptr + token * TOPK + slot)
         known = (expert >= 0) & (expert < num_experts)
         is_local = tl.load(mask_ptr + expert, mask=known, other=0) == 1
-        weight = tl.load(weights_ptr + token * TOPK + slot)
+        if UNIT_WEIGHTS:  # weighted before the down projection: 1 * row is row, exactly
+            weight = 1.0
+        else:
+            weight = tl.load(weights_ptr + token * TOPK + slot)
         # Read whether or not the expert is local (the row is allocated; a remote row's garbage
         # is discarded by the select below, never added): the load then does not wait for the
         # id -> mask lookup, so the three loads of a slot are in flight together.
@@ -125,7 +129,7 @@ def _moe_reduce_kernel(
 
 def moe_reduce(
     y: torch.Tensor,
-    topk_weights: torch.Tensor,
+    topk_weights: torch.Tensor | None,
     topk_ids: torch.Tensor,
     expert_mask: torch.Tensor,
     routed_scale: float = 1.0,
@@ -137,7 +141,8 @@ def moe_reduce(
     Args:
         y: [M, topk, H] bf16 or fp32, contiguous; y[t, k] is expert ids[t, k]'s output for token t
             (only read where that expert is local).
-        topk_weights: fp32 [M, topk] contiguous.
+        topk_weights: fp32 [M, topk] contiguous, or None: unit weights (the routes were
+            weighted before the down projection), the same bits as a tensor of ones, no read.
         topk_ids: int32 [M, topk] contiguous; ids outside [0, E) count as remote.
         expert_mask: int32 [E]; 1 = expert lives on this rank.
         routed_scale: multiplies the rounded routed sum (pass 1.0 when the router folded it in).
@@ -153,17 +158,20 @@ def moe_reduce(
     num_tokens, topk, hidden = y.shape
     routes = (num_tokens, topk)
     require(
-        topk_weights.shape == routes and topk_weights.dtype == torch.float32,
-        f"topk_weights must be fp32 {routes}, got {topk_weights.dtype}",
+        topk_weights is None
+        or (
+            topk_weights.shape == routes
+            and topk_weights.dtype == torch.float32
+            and topk_weights.is_contiguous()
+        ),
+        f"topk_weights must be None or contiguous fp32 {routes}, got "
+        f"{None if topk_weights is None else (topk_weights.dtype, tuple(topk_weights.shape))}",
     )
     require(
         topk_ids.shape == routes and topk_ids.dtype == torch.int32,
         f"topk_ids must be int32 {routes}, got {topk_ids.dtype}",
     )
-    require(
-        topk_weights.is_contiguous() and topk_ids.is_contiguous(),
-        "topk_weights and topk_ids must be contiguous",
-    )
+    require(topk_ids.is_contiguous(), "topk_ids must be contiguous")
     require(
         expert_mask.dim() == 1 and expert_mask.dtype == torch.int32,
         f"expert_mask must be int32 [E], got {expert_mask.dtype}",
@@ -185,7 +193,7 @@ def moe_reduce(
     meta = _reduce_meta(num_tokens, hidden)
     _moe_reduce_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_H"]))](
         y,
-        topk_weights,
+        topk_weights if topk_weights is not None else y,
         topk_ids,
         expert_mask,
         shared if shared is not None else out,
@@ -199,6 +207,7 @@ def moe_reduce(
         ROUND_BF16=y.dtype == torch.bfloat16,
         ON_BITS=interpreted(_moe_reduce_kernel),
         EVEN_H=hidden % meta["BLOCK_H"] == 0,
+        UNIT_WEIGHTS=topk_weights is None,
         enable_fp_fusion=False,  # the reference rounds w * y before adding it
         **programmatic_launch(_moe_reduce_kernel, y.device),
         **meta,

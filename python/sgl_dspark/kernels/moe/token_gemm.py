@@ -191,6 +191,7 @@ def _moe_token_down_kernel(
     ROUND_BF16: tl.constexpr,
     APPLY_SCALE: tl.constexpr,
     HAS_SHARED: tl.constexpr,
+    UNIT_WEIGHTS: tl.constexpr,
     ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
@@ -242,7 +243,10 @@ def _moe_token_down_kernel(
     _, slot_is_local = _route_locality(
         ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
     )
-    weight = tl.load(weights_ptr + token * TOPK + slots, mask=slots < TOPK, other=0.0)
+    if UNIT_WEIGHTS:  # weighted in stage 1: 1 * product is product, exactly
+        weight = tl.full([SLOTS], 1.0, dtype=tl.float32)
+    else:
+        weight = tl.load(weights_ptr + token * TOPK + slots, mask=slots < TOPK, other=0.0)
     terms = tl.where(slot_is_local[:, None], weight[:, None] * product, 0.0)
     # The reduce's sum in slot order (its own arithmetic; FMA contraction is off).
     total = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -415,7 +419,7 @@ def moe_token_down_reduce(
     h: torch.Tensor,
     down_proj: ExpertWeight,
     ids: torch.Tensor,
-    weights: torch.Tensor,
+    weights: torch.Tensor | None,
     local_table: torch.Tensor,
     num_local: int,
     routed_scale: float = 1.0,
@@ -430,7 +434,8 @@ def moe_token_down_reduce(
             never read).
         down_proj: [E_loc, D, I] in h's dtype, last dim contiguous, or kept as stored.
         ids: int32 [M, topk] contiguous; local_table, num_local: as `moe_route_gate_up`.
-        weights: fp32 [M, topk] contiguous routing weights.
+        weights: fp32 [M, topk] contiguous routing weights, or None: unit weights (stage 1
+            weighted the routes), the same bits as a tensor of ones, no read.
         routed_scale: multiplies the rounded routed sum (1.0 when the router folded it in).
         shared: optional [M, D] in h's dtype, contiguous: the shared expert's output to add.
         out: optional [M, D] output in h's dtype, contiguous.
@@ -446,12 +451,15 @@ def moe_token_down_reduce(
     num_tokens, topk = ids.shape
     require(h.shape[0] == num_tokens * topk, f"h has {h.shape[0]} rows, ids {num_tokens}x{topk}")
     require(
-        weights.shape == ids.shape
-        and weights.dtype == torch.float32
-        and weights.is_contiguous()
-        and weights.device == h.device,
-        f"weights must be contiguous fp32 {tuple(ids.shape)}, got {weights.dtype} "
-        f"{tuple(weights.shape)}",
+        weights is None
+        or (
+            weights.shape == ids.shape
+            and weights.dtype == torch.float32
+            and weights.is_contiguous()
+            and weights.device == h.device
+        ),
+        f"weights must be None or contiguous fp32 {tuple(ids.shape)}, got "
+        f"{None if weights is None else (weights.dtype, tuple(weights.shape))}",
     )
     hidden = down_proj.shape[1]
     for name, tensor in (("shared", shared), ("out", out)):
@@ -478,7 +486,8 @@ def moe_token_down_reduce(
         out_ptr=out,
         ids_ptr=ids,
         table_ptr=local_table,
-        weights_ptr=weights,
+        weights_ptr=weights if weights is not None else h,
+        UNIT_WEIGHTS=weights is None,
         shared_ptr=shared if shared is not None else out,
         n_cols=hidden,
         k_dim=h.shape[1],

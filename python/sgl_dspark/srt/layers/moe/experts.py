@@ -346,8 +346,9 @@ class RoutedExperts(nn.Module):
             shared = shared.to(x.dtype).contiguous()
         before = self.weight_before_down
         # Weighted before the down projection (stage 1's epilogue), the routes then sum with
-        # unit weights (an exact product, so the reduce's bits are a plain sum's).
-        reduce_weights = torch.ones_like(weights) if before else weights
+        # unit weights (None: the reduce multiplies by 1.0 without reading a tensor of ones, an
+        # exact product, so its bits are a plain sum's).
+        reduce_weights = None if before else weights
         if x.shape[0] <= token_path_max_m(gate_up):
             h = self._route_gate_up(
                 x,
