@@ -5,8 +5,9 @@ toy model it counts keeps the benchmark model's layer structure."""
 from __future__ import annotations
 
 import torch
-from benchmark.probe_launches import LaunchCounter, toy_config
 from sgl_dspark.srt.models.bench_configs import BENCH_CONFIGS
+
+from benchmark.probe_launches import LaunchCounter, toy_config
 
 
 def test_counts_kernels_not_views_allocations_or_no_op_conversions() -> None:
