@@ -53,6 +53,7 @@ def on_target(kwargs: dict, target: GPUTarget) -> dict:
 _KERNEL_MODULES = (
     "moe.activation",
     "compressor.pool",
+    "compressor.entry_rows",
     "attention.draft",
     "spec.draft_inputs",
     "indexer.fp4_q_rope",
@@ -554,6 +555,21 @@ def _quant_load_into_keys() -> Callable[[], object]:
     )
 
 
+def _picked_entry_rows() -> Callable[[], object]:
+    from sgl_dspark.kernels.compressor.entry_rows import picked_entry_rows
+
+    # DeepSeek-V4.1-Flash's top-512 of a sorted row of 2048 entries, ratio 2.
+    ranked = torch.zeros(3, 2048)
+    order = torch.zeros(3, 2048, dtype=torch.int64)
+    return lambda: picked_entry_rows(
+        ranked[:, :512],
+        order[:, :512],
+        torch.zeros(4, 8192, dtype=torch.int32),
+        torch.zeros(3, dtype=torch.int64),
+        2,
+    )
+
+
 def _quant_load(fmt: str, d: int, shape: tuple[int, ...]) -> Callable[[], object]:
     from sgl_dspark.kernels.quant.load import quant_load
 
@@ -940,6 +956,11 @@ CASES = {
         "quant.load",
         "_quant_load_kernel",
         _quant_load_into_keys(),
+    ),
+    "picked_entry_rows_flash": (
+        "compressor.entry_rows",
+        "_picked_entry_rows_kernel",
+        _picked_entry_rows(),
     ),
     "quant_load_window_fp8": (
         "quant.load",

@@ -42,6 +42,21 @@ def entry_pool_rows_ref(
     return req_to_token[token_slot[:, None], cols].long() // ratio
 
 
+def picked_entry_rows_ref(
+    values: torch.Tensor,
+    indices: torch.Tensor,
+    req_to_token: torch.Tensor,
+    token_slot: torch.Tensor,
+    ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A top-k selection of compressed entries ``[T, k]`` (scores ``values``, entry ids
+    ``indices``) -> (their pool rows int64 ``[T, k]``, 0 where dropped; valid ``[T, k]``): a pick
+    scored -inf is dropped."""
+    valid = values > float("-inf")
+    rows = entry_pool_rows_ref(indices, req_to_token, token_slot, ratio)
+    return torch.where(valid, rows, torch.zeros_like(rows)), valid
+
+
 class PooledEntries(NamedTuple):
     entries: torch.Tensor  # [T, Dh] kv dtype, un-rotated; zeros on rows that end no block
     slots: torch.Tensor  # [T] int64 entry slot; 0 (the dummy entry) on rows that end no block

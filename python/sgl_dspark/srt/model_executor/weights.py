@@ -202,7 +202,8 @@ def host_copy_of(
     narrow = None if isinstance(source, torch.Tensor) else getattr(source, "narrow", None)
     nbytes = int(source.nbytes)
     if narrow is None or nbytes <= chunk_bytes:
-        whole = read(source, "cpu" if narrow is not None else generate_on)
+        generated = narrow is None and not isinstance(source, torch.Tensor)
+        whole = read(source, generate_on if generated else "cpu")
         if not pin:
             return _map(whole, lambda t: t.cpu())
         return _map(whole, lambda t: _empty_host(t.shape, t.dtype, pin).copy_(t))

@@ -30,6 +30,7 @@ from sgl_dspark.srt.layers.attention.csa2 import (
     Csa2Compressor,
     Csa2Indexer,
     expand_blocks,
+    picked_rows_impl,
     select_candidate_blocks,
     select_topk,
     v41_indexer_impl,
@@ -137,6 +138,7 @@ class Csa2Attention(nn.Module):
         self.load_rows = quant_load_impl(kernels)
         self.index_queries = index_query_impl(kernels)
         self.index_scores, self.block_max = v41_indexer_impl(kernels)
+        self.picked_rows = picked_rows_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -282,4 +284,4 @@ class Csa2Attention(nn.Module):
             shared.candidates[self.layer_id] = select_candidate_blocks(
                 scores, visible, blocks, size, self.block_max
             )
-        return select_topk(scores, k, batch, m)
+        return select_topk(scores, k, batch, m, self.picked_rows)

@@ -22,7 +22,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from sgl_dspark.kernels.compressor.reference import entry_pool_rows_ref
+from sgl_dspark.kernels.compressor.reference import picked_entry_rows_ref
 from sgl_dspark.kernels.indexer.reference import candidate_block_max_ref, v41_index_scores_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
@@ -166,6 +166,26 @@ BlockMaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 IndexScoresFn = Callable[..., torch.Tensor]
 
 
+# (values [T, k], entry ids [T, k], req_to_token, token slots [T], ratio) -> (pool rows [T, k],
+# 0 where dropped; valid [T, k])
+PickedRowsFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
+    tuple[torch.Tensor, torch.Tensor],
+]
+
+
+def picked_rows_impl(kernels: KernelChoice) -> PickedRowsFn:
+    """A top-k selection's pool rows and validity, of the "indexer" family. torch:
+    `picked_entry_rows_ref` (a compare, the addressing's index and arithmetic, a select: some
+    eight kernels). triton: `kernels/compressor/entry_rows.py::picked_entry_rows`, one launch
+    reading the sorted selection in place; the same integers."""
+    if kernels.of("indexer") == "torch":
+        return picked_entry_rows_ref
+    from sgl_dspark.kernels.compressor.entry_rows import picked_entry_rows
+
+    return picked_entry_rows
+
+
 def v41_indexer_impl(kernels: KernelChoice) -> tuple[IndexScoresFn, BlockMaxFn]:
     """The "indexer" family of DeepSeek-V4.1: the scores of a kv source's packed FP4 index keys
     (masks applied) and the candidate source's block scores. torch: `v41_index_scores_ref`,
@@ -215,14 +235,12 @@ def expand_blocks(keep: torch.Tensor, block: int, width: int) -> torch.Tensor:
 
 
 def select_topk(
-    scores: torch.Tensor, k: int, batch: ForwardBatch, ratio: int
+    scores: torch.Tensor, k: int, batch: ForwardBatch, ratio: int, picked_rows: PickedRowsFn
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` best entries of every row (ties to the lower entry), dropping picks scored -inf:
     (their cache rows `[T, k]`, 0 where dropped; valid `[T, k]`)."""
     values, indices = topk_lower_index_first(scores, k)
-    valid = values > float("-inf")
-    rows = entry_pool_rows_ref(indices, batch.req_to_token, batch.token_slots(), ratio)
-    return torch.where(valid, rows, torch.zeros_like(rows)), valid
+    return picked_rows(values, indices, batch.req_to_token, batch.token_slots(), ratio)
 
 
 __all__ = [
@@ -230,6 +248,7 @@ __all__ = [
     "Csa2Indexer",
     "EmittedGroups",
     "expand_blocks",
+    "picked_rows_impl",
     "select_candidate_blocks",
     "select_topk",
     "topk_lower_index_first",
