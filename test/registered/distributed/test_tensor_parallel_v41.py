@@ -5,7 +5,7 @@ vocabulary split as in V4; the window KV, compressor, indexer, Engram and caches
 The same greedy output as one rank, with and without DSpark and with the graphs (`EagerGraph`
 stand-ins, the collectives inside, DSpark's fused steps). The logits are within fp32 rounding
 (1e-5) of one rank but for rare rows: the o_b all-reduce sums in another order than one rank's
-GEMM, and the indexer's FP4 query rounding (`fake_quant_fp4_index`, part of V4.1's semantics)
+GEMM, and the indexer's FP4 query rounding (`fake_quant_fp4_index_ref`, part of V4.1's semantics)
 turns a last-bit difference at a rounding boundary into one E2M1 step, which moves that row's
 index scores. With that rounding off, in the same world, every logit is within 1e-5."""
 
@@ -24,7 +24,7 @@ V41 = {"model_path": "tiny-v41"}
 
 
 def _world(rank: int, out_dir: Path) -> None:
-    from sgl_dspark.srt.models import deepseek_v41_attention
+    from sgl_dspark.srt.layers import quant_store
 
     for name, layout in LAYOUTS.items():
         for spec in (False, True):
@@ -33,15 +33,16 @@ def _world(rank: int, out_dir: Path) -> None:
         run_layout(
             rank, out_dir, f"{name}_graphs", layout, "exact", True, greedy_params(), True, **V41
         )
-    rounding = deepseek_v41_attention.fake_quant_fp4_index
-    deepseek_v41_attention.fake_quant_fp4_index = lambda x: x
+    # The torch path's index queries (`quant_store.index_query_impl`) round through this name.
+    rounding = quant_store.fake_quant_fp4_index_ref
+    quant_store.fake_quant_fp4_index_ref = lambda x: x
     try:
         for name, layout in LAYOUTS.items():
             run_layout(
                 rank, out_dir, f"{name}_exact_q", layout, "exact", True, greedy_params(), **V41
             )
     finally:
-        deepseek_v41_attention.fake_quant_fp4_index = rounding
+        quant_store.fake_quant_fp4_index_ref = rounding
 
 
 @pytest.fixture(scope="module")
