@@ -86,6 +86,17 @@ def e2m1_code_value(code):
 
 
 @triton.jit
+def _store_pairs(dst, even, out_a, out_b, mask, OUT_KIND: tl.constexpr):
+    """Store the values of every pair's even and odd channel (exact in the output dtype)."""
+    if OUT_KIND == 1:
+        out_a, out_b = out_a.to(tl.bfloat16), out_b.to(tl.bfloat16)
+    elif OUT_KIND == 2:
+        out_a, out_b = out_a.to(tl.float16), out_b.to(tl.float16)
+    tl.store(dst + even, out_a, mask=mask)
+    tl.store(dst + even + 1, out_b, mask=mask)
+
+
+@triton.jit
 def _quant_store_kernel(
     x_ptr,
     x_row_stride,
@@ -155,12 +166,7 @@ def _quant_store_kernel(
             # Multiply by -1.0 (not negate): -0.0 must survive, as in the reference's product.
             out_a = tl.where(neg_a, -1.0, 1.0) * ra * scale
             out_b = tl.where(neg_b, -1.0, 1.0) * rb * scale
-            if OUT_KIND == 1:
-                out_a, out_b = out_a.to(tl.bfloat16), out_b.to(tl.bfloat16)
-            elif OUT_KIND == 2:
-                out_a, out_b = out_a.to(tl.float16), out_b.to(tl.float16)
-            tl.store(dst + even, out_a, mask=mask)
-            tl.store(dst + even + 1, out_b, mask=mask)
+            _store_pairs(dst, even, out_a, out_b, mask, OUT_KIND)
         else:
             tl.store(dst + even, (ca + 128 * neg_a.to(tl.int32)).to(tl.uint8), mask=mask)
             tl.store(dst + even + 1, (cb + 128 * neg_b.to(tl.int32)).to(tl.uint8), mask=mask)
@@ -181,12 +187,7 @@ def _quant_store_kernel(
         if VALUES:  # the dequantised values (exact in the output dtype), no scales
             out_a = e2m1_code_value(e2m1_code(va)) * scale
             out_b = e2m1_code_value(e2m1_code(vb)) * scale
-            if OUT_KIND == 1:
-                out_a, out_b = out_a.to(tl.bfloat16), out_b.to(tl.bfloat16)
-            elif OUT_KIND == 2:
-                out_a, out_b = out_a.to(tl.float16), out_b.to(tl.float16)
-            tl.store(dst + even, out_a, mask=mask)
-            tl.store(dst + even + 1, out_b, mask=mask)
+            _store_pairs(dst, even, out_a, out_b, mask, OUT_KIND)
         else:
             packed = e2m1_code(va) | (e2m1_code(vb) << 4)
             tl.store(dst + offs_b[:, None] * H + offs_h[None, :], packed.to(tl.uint8), mask=mask)
