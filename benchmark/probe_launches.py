@@ -3,7 +3,7 @@ at toy widths, run through the Triton kernels (the interpreter) after a real pre
 Triton launch and every torch op that launches a device kernel counted, by kernel and by the
 source line that issued it.
 
-    python benchmark/probe_launches.py --config dsv41_flash_rank --out launches.md
+    TRITON_INTERPRET=1 python benchmark/probe_launches.py --config dsv41_flash_rank --out launches.md
 
 At batch size 1 a decode step is a chain of a few thousand small kernels, and each costs the
 device a launch gap whatever its work, so the count is what bounds the step long before the
@@ -18,13 +18,10 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import os
 import sys
 import tempfile
 import traceback
 from pathlib import Path
-
-os.environ.setdefault("TRITON_INTERPRET", "1")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "python"))
 
@@ -37,14 +34,47 @@ from torch.utils._python_dispatch import TorchDispatchMode  # noqa: E402
 # Torch ops that launch no device kernel: views, allocation without a fill, metadata.
 NO_LAUNCH = frozenset(
     {
-        "view", "_unsafe_view", "reshape", "as_strided", "slice", "select", "unsqueeze",
-        "squeeze", "expand", "t", "permute", "transpose", "alias", "detach", "unbind", "split",
-        "split_with_sizes", "chunk", "narrow", "_reshape_alias", "lift_fresh", "empty",
-        "empty_strided", "empty_like", "new_empty", "numel", "size", "stride", "sym_size",
-        "is_same_size", "view_as", "expand_as", "flatten", "unflatten", "movedim",
-        "diagonal", "is_pinned", "_has_compatible_shallow_copy_type", "set_",
+        "view",
+        "_unsafe_view",
+        "reshape",
+        "as_strided",
+        "slice",
+        "select",
+        "unsqueeze",
+        "squeeze",
+        "expand",
+        "t",
+        "permute",
+        "transpose",
+        "alias",
+        "detach",
+        "unbind",
+        "split",
+        "split_with_sizes",
+        "chunk",
+        "narrow",
+        "_reshape_alias",
+        "lift_fresh",
+        "empty",
+        "empty_strided",
+        "empty_like",
+        "new_empty",
+        "numel",
+        "size",
+        "stride",
+        "sym_size",
+        "is_same_size",
+        "view_as",
+        "expand_as",
+        "flatten",
+        "unflatten",
+        "movedim",
+        "diagonal",
+        "is_pinned",
+        "_has_compatible_shallow_copy_type",
+        "set_",
     }
-)  # fmt: skip
+)
 # Ops that return their input unchanged when it already has the asked dtype / layout.
 RETURN_INPUT_WHEN_NOOP = frozenset({"to", "contiguous", "type_as"})
 # The toy widths: every dimension small, the layer structure (depth, roles, sources, Engram
@@ -141,6 +171,11 @@ def _patch_interpreter(counter: list[LaunchCounter | None]) -> None:
 
 def count_decode_step(name: str, prompt_len: int) -> LaunchCounter:
     """One decode step of `name` at toy widths after a `prompt_len`-token prefill, counted."""
+    from sgl_dspark.kernels._triton_utils import interpreted
+    from sgl_dspark.kernels.norm.rmsnorm import _rms_norm_kernel
+
+    if not interpreted(_rms_norm_kernel):
+        raise SystemExit("run with TRITON_INTERPRET=1: the launches are counted in the interpreter")
     work = Path(tempfile.mkdtemp(prefix="probe_launches_"))
     (work / "config.json").write_text(json.dumps(toy_config(name)))
     engine = Engine(

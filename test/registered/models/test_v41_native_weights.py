@@ -53,27 +53,26 @@ def test_released_fp8_projections_stay_packed(checkpoint: Path) -> None:
         assert torch.equal(a, b)
 
 
-def test_triton_linears_on_packed_projections(checkpoint: Path) -> None:
-    native = checkpoint_runner(checkpoint, "native", "linear=triton")
-    dense = checkpoint_runner(checkpoint, "bf16", "linear=triton")
+def _native_against_bf16(checkpoint: Path, overrides: str) -> list[tuple[torch.Tensor, ...]]:
+    """Greedy decoding of the checkpoint loaded native and bf16 with the kernel families
+    `overrides`: the same tokens asserted, each step's (native, bf16) logits returned."""
+    native = checkpoint_runner(checkpoint, "native", overrides)
+    dense = checkpoint_runner(checkpoint, "bf16", overrides)
     (tokens_n, got), (tokens_d, want) = (
         greedy_logits(native, PROMPT, 2),
         greedy_logits(dense, PROMPT, 2),
     )
     assert tokens_n == tokens_d
-    for a, b in zip(got, want):
+    return list(zip(got, want))
+
+
+def test_triton_linears_on_packed_projections(checkpoint: Path) -> None:
+    for a, b in _native_against_bf16(checkpoint, "linear=triton"):
         torch.testing.assert_close(a, b, **LOGITS_TOL)
 
 
 def test_triton_gather_on_packed_engram_tables(checkpoint: Path) -> None:
-    native = checkpoint_runner(checkpoint, "native", "engram=triton")
-    dense = checkpoint_runner(checkpoint, "bf16", "engram=triton")
-    (tokens_n, got), (tokens_d, want) = (
-        greedy_logits(native, PROMPT, 2),
-        greedy_logits(dense, PROMPT, 2),
-    )
-    assert tokens_n == tokens_d
-    for a, b in zip(got, want):
+    for a, b in _native_against_bf16(checkpoint, "engram=triton"):
         assert torch.equal(a, b)
 
 
