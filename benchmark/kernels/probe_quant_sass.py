@@ -37,6 +37,8 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT / "test/registered/kernels")]
 from gpu_targets_check import (  # noqa: E402
     TARGETS,
     launch_source,
+    mixed_moe_case,
+    mixed_token_gemms_case,
     on_target,
     quantized_linear_case,
     quantized_moe_case,
@@ -96,6 +98,19 @@ for _fmt, _group in (("fp8", 128), ("mxfp4", 32)):
             _kernel,
             quantized_token_gemms_case(_fmt, _group),
         )
+# V4.1's shared expert (FP8 32 x 32) folded beside MXFP4 routed experts: one kernel holds both
+# formats' K loops (the loop reported is the larger).
+CASES["moe grouped mxfp4/32 + fp8/32 extra, block 16"] = (
+    "sgl_dspark.kernels.moe.grouped_gemm",
+    "_moe_grouped_gemm_kernel",
+    mixed_moe_case(),
+)
+for _kernel in ("_moe_route_gate_up_kernel", "_moe_token_down_kernel"):
+    CASES[f"moe {_kernel.strip('_')} mxfp4/32 + fp8/32 extra"] = (
+        "sgl_dspark.kernels.moe.token_gemm",
+        _kernel,
+        mixed_token_gemms_case(),
+    )
 
 
 def _step_bytes(kwargs: dict) -> int:

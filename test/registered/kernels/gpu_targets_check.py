@@ -495,6 +495,54 @@ def quantized_token_gemms_case(fmt: str, block: int) -> Callable[[], object]:
     return run
 
 
+def _mixed_experts(shape: tuple[int, int, int]):
+    """DeepSeek-V4.1's folded expert stacks: two MXFP4 routed experts of logical `shape` and the
+    shared expert FP8 32 x 32 as the extra (local id 2)."""
+    from sgl_dspark.kernels.moe.reference import MixedExperts
+
+    return MixedExperts(_quantized("mxfp4", (2, *shape), 32), _quantized("fp8", (1, *shape), 32))
+
+
+def mixed_moe_case() -> Callable[[], object]:
+    from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
+    from sgl_dspark.kernels.moe.reference import MoeSortOutput
+
+    sort = MoeSortOutput(
+        torch.zeros(64, dtype=torch.int32),
+        torch.zeros(64),
+        torch.zeros(4, dtype=torch.int32),
+        torch.zeros(2, dtype=torch.int32),
+        torch.zeros(4, 4096),
+    )
+    return lambda: fused_moe(
+        _bf16(4, 4096),
+        _mixed_experts((4096, 4096)),
+        _mixed_experts((4096, 2048)),
+        sort,
+        7,
+        10.0,
+        block_size=16,
+        weight_before_down=True,
+    )
+
+
+def mixed_token_gemms_case() -> Callable[[], object]:
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+
+    table = torch.tensor([0, 1, 2], dtype=torch.int32)
+    ids = torch.tensor([[0, 1, 0, 1, 0, 1, 2]], dtype=torch.int32)  # the shared expert last
+
+    def run() -> object:
+        weights = torch.ones(1, 7)
+        h = moe_route_gate_up(
+            _bf16(1, 4096), _mixed_experts((4096, 4096)), ids, table, 3, 10.0, None, weights
+        )
+        down = _mixed_experts((4096, 2048))
+        return moe_token_down_reduce(h, down, ids, None, table, 3)
+
+    return run
+
+
 def _quant_store(fmt: str, d: int, rope_half: int) -> Callable[[], object]:
     from sgl_dspark.kernels.quant.store import quant_store
 
@@ -780,6 +828,8 @@ INSTRUCTIONS = {
     "quantized_moe_grouped_mxfp4": _FP4_PTX_DECODE,
     "quantized_moe_route_gate_up_mxfp4": _FP4_PTX_DECODE,
     "quantized_moe_token_down_mxfp4": _FP4_PTX_DECODE,
+    "mixed_moe_route_gate_up": _FP4_PTX_DECODE,
+    "mixed_moe_token_down": _FP4_PTX_DECODE,
 }
 
 CASES = {
@@ -926,6 +976,19 @@ CASES = {
         "moe.token_gemm",
         "_moe_token_down_kernel",
         quantized_token_gemms_case("fp8", 32),
+    ),
+    # V4.1's shared expert (FP8) folded beside MXFP4 routed experts: the per-token kernels hold
+    # both formats' products; the grouped stages launch the MXFP4 stack and the FP8 extra apart.
+    "mixed_moe_grouped": ("moe.grouped_gemm", "_moe_grouped_gemm_kernel", mixed_moe_case()),
+    "mixed_moe_route_gate_up": (
+        "moe.token_gemm",
+        "_moe_route_gate_up_kernel",
+        mixed_token_gemms_case(),
+    ),
+    "mixed_moe_token_down": (
+        "moe.token_gemm",
+        "_moe_token_down_kernel",
+        mixed_token_gemms_case(),
     ),
     "quant_store_window_fp8": (
         "quant.store",

@@ -4,6 +4,12 @@ activation dtype, or kept as stored), its checks and kernel arguments, the K ste
 definition of an expert product. Both MoE paths form every product through `expert_product`
 with the same K step, so a route's product sums alike on either path: on a GPU their bits agree,
 which keeps a token's result independent of the path its batch size picks.
+
+An expert stack may carry one more expert stored in another format (`MixedExperts`: the shared
+expert in FP8 beside MXFP4 routed experts, as DeepSeek-V4.1 releases them). Its local id is the
+stack's expert count; a program whose expert it is reads its weight through
+`expert_or_extra_product`, with that format's own K step, so it is formed as a stack of its
+format would form it.
 """
 
 from __future__ import annotations
@@ -20,9 +26,14 @@ from sgl_dspark.kernels.linear.dequant import (
     quantized_product,
 )
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
+from sgl_dspark.kernels.moe.reference import MixedExperts
 
 # A weight of the expert GEMMs: the stacked experts in the activation dtype, or kept as stored.
 ExpertWeight = torch.Tensor | QuantizedWeight
+
+
+# What the expert kernels take: a stack, or a stack with one expert in another format.
+ExpertWeights = ExpertWeight | MixedExperts
 
 # Warps of every expert GEMM program (a quantised product's K split gives each warp one slice).
 EXPERT_WARPS = 4
@@ -97,6 +108,104 @@ def expert_product(
     return acc
 
 
+@triton.jit
+def expert_or_extra_product(
+    is_extra,
+    a_rows,
+    a_ok,
+    w_rows,
+    s_rows,
+    xw_rows,
+    xs_rows,
+    w_ok,
+    k_dim,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP4: tl.constexpr,
+    PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    EXTRA: tl.constexpr,
+    X_BLOCK_K: tl.constexpr,
+    X_QUANT: tl.constexpr,
+    X_FP4: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    X_GROUP: tl.constexpr,
+    X_EVEN_K: tl.constexpr,
+    X_SPLIT_K: tl.constexpr,
+):
+    """`expert_product` of the stack's weight rows (`w_rows`, `s_rows`), or with EXTRA, where
+    the scalar `is_extra` holds, of the extra expert's (`xw_rows`, `xs_rows`, its X_ constants:
+    `extra_expert_args`)."""
+    if EXTRA:
+        if is_extra:
+            acc = expert_product(
+                a_rows,
+                a_ok,
+                xw_rows,
+                w_ok,
+                xs_rows,
+                k_dim,
+                BM,
+                BN,
+                X_BLOCK_K,
+                X_QUANT,
+                X_FP4,
+                PTX,
+                X_ALIGNED,
+                X_GROUP,
+                DOT_FP32,
+                X_EVEN_K,
+                X_SPLIT_K,
+            )
+        else:
+            acc = expert_product(
+                a_rows,
+                a_ok,
+                w_rows,
+                w_ok,
+                s_rows,
+                k_dim,
+                BM,
+                BN,
+                BLOCK_K,
+                QUANT,
+                FP4,
+                PTX,
+                ALIGNED,
+                GROUP,
+                DOT_FP32,
+                EVEN_K,
+                SPLIT_K,
+            )
+    else:
+        acc = expert_product(
+            a_rows,
+            a_ok,
+            w_rows,
+            w_ok,
+            s_rows,
+            k_dim,
+            BM,
+            BN,
+            BLOCK_K,
+            QUANT,
+            FP4,
+            PTX,
+            ALIGNED,
+            GROUP,
+            DOT_FP32,
+            EVEN_K,
+            SPLIT_K,
+        )
+    return acc
+
+
 def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
     """K step of the expert GEMMs (the grouped and the per-token kernels share it, so their
     products sum alike): 128 channels of a bf16 / fp32 weight; 256 of a quantised one (256 or
@@ -161,6 +270,74 @@ def expert_weight_args(weight: ExpertWeight) -> dict:
     }
 
 
+def expert_stack(weights: ExpertWeights) -> ExpertWeight:
+    """The stack of `weights` (itself unless a `MixedExperts`)."""
+    return weights.stack if isinstance(weights, MixedExperts) else weights
+
+
+def extra_expert_args(weights: ExpertWeights, k_dim: int) -> dict:
+    """The kernel arguments of a `MixedExperts`' extra expert (`expert_or_extra_product`'s X_
+    constants: its own format's K step and split, as a stack of its format would run it), its
+    local id `extra_local` and its rows' pointer and strides; EXTRA False and placeholders (the
+    stack's data, never read) for a plain stack."""
+    if not isinstance(weights, MixedExperts):
+        data = expert_weight_data(weights)
+        return {
+            "xw_ptr": data,
+            "xs_ptr": data,
+            "stride_xwn": 0,
+            "stride_xsn": 0,
+            "extra_local": -1,
+            "EXTRA": False,
+            "X_BLOCK_K": 16,
+            "X_QUANT": False,
+            "X_FP4": False,
+            "X_ALIGNED": False,
+            "X_GROUP": 1,
+            "X_SCALE_ROWS": 1,
+            "X_EVEN_K": False,
+            "X_SPLIT_K": 1,
+        }
+    extra = weights.extra
+    data = expert_weight_data(extra)
+    args = expert_weight_args(extra)
+    block_k = expert_block_k(k_dim, extra)
+    return {
+        "xw_ptr": data,
+        "xs_ptr": args["s_ptr"],
+        "stride_xwn": data.stride(1),
+        "stride_xsn": args["stride_sn"],
+        "extra_local": weights.stack.shape[0],
+        "EXTRA": True,
+        "X_BLOCK_K": block_k,
+        "X_QUANT": args["QUANT"],
+        "X_FP4": args["FP4"],
+        "X_ALIGNED": args["ALIGNED"],
+        "X_GROUP": args["GROUP"],
+        "X_SCALE_ROWS": args["SCALE_ROWS"],
+        "X_EVEN_K": k_dim % block_k == 0,
+        "X_SPLIT_K": expert_split_k(block_k, extra),
+    }
+
+
+def check_expert_weights(
+    name: str, weights: ExpertWeights, a: torch.Tensor, num_local: int
+) -> None:
+    """`check_expert_weight` of a stack, or of a `MixedExperts`' stack (at least every local
+    expert but the extra) and its extra `[1, N, K]` expert (local id: the stack's count, so
+    `num_local` up to that count + 1)."""
+    if not isinstance(weights, MixedExperts):
+        check_expert_weight(name, weights, a, num_local)
+        return
+    stack, extra = weights
+    check_expert_weight(f"{name}.stack", stack, a, max(num_local - 1, 0))
+    check_expert_weight(f"{name}.extra", extra, a, 1)
+    require(
+        extra.shape[0] == 1 and extra.shape[1] == stack.shape[1],
+        f"{name}.extra must be one expert [1, {stack.shape[1]}, K], got {tuple(extra.shape)}",
+    )
+
+
 def check_expert_weight(name: str, weight: ExpertWeight, a: torch.Tensor, num_local: int) -> None:
     """An expert stack `[>= num_local, N, K]` for activations `a [rows, K]`: in a's dtype with
     a contiguous last dim, or a well-formed `QuantizedWeight` (ValueError naming `name`)."""
@@ -187,11 +364,17 @@ def check_expert_weight(name: str, weight: ExpertWeight, a: torch.Tensor, num_lo
 __all__ = [
     "EXPERT_WARPS",
     "ExpertWeight",
+    "ExpertWeights",
+    "MixedExperts",
     "check_expert_weight",
+    "check_expert_weights",
     "expert_block_k",
     "expert_dot",
+    "expert_or_extra_product",
     "expert_product",
     "expert_split_k",
+    "expert_stack",
     "expert_weight_args",
     "expert_weight_data",
+    "extra_expert_args",
 ]

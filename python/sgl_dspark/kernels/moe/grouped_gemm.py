@@ -9,6 +9,10 @@ one local expert, every row is a packed route id `(slot << 24) | token` or the p
     row = token              (stage 1: a = x [M, D], the token's hidden state)
     row = token * topk + slot (stage 2: a = h [M * topk, I], the route's activation)
 
+With a `MixedExperts` (one extra expert in another format, the highest local id) each stage is
+two launches: the stack's blocks, then the extra's (the last valid blocks, at most one route a
+token) in its own format's specialisation.
+
 Sentinel rows and pairs routed to remote experts are never written (their output rows keep
 whatever the buffer held; `moe_reduce` never reads them). `fused_moe` runs the routed experts in
 two launches: stage 1 with `gate_up_proj` and the clamped SwiGLU (`silu_mul_clamp`) as its
@@ -56,7 +60,9 @@ from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
     ExpertWeight,
-    check_expert_weight,
+    ExpertWeights,
+    MixedExperts,
+    check_expert_weights,
     expert_block_k,
     expert_product,
     expert_split_k,
@@ -117,6 +123,7 @@ def _moe_grouped_gemm_kernel(
     stride_out,
     limit,
     act_weights_ptr,
+    extra_local,
     TOPK: tl.constexpr,
     A_PER_PAIR: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -137,6 +144,7 @@ def _moe_grouped_gemm_kernel(
     HAS_LIMIT: tl.constexpr,
     WEIGHT_ACT: tl.constexpr,
     ON_BITS: tl.constexpr,
+    EXTRA_BLOCKS: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # Everything depends on `moe_sort`'s layout (which blocks live, which expert's weights): no
@@ -145,10 +153,25 @@ def _moe_grouped_gemm_kernel(
     # TILE_MAJOR: grid (N tiles, blocks), so the live blocks' programs are launched first.
     pid_m = tl.program_id(1) if TILE_MAJOR else tl.program_id(0)
     pid_n = tl.program_id(0) if TILE_MAJOR else tl.program_id(1)
+    num_valid = tl.load(num_valid_ptr)
+    if EXTRA_BLOCKS == 2:
+        # Only the blocks of local expert `extra_local`, the weight's expert 0: the last local
+        # id, so its blocks (at most one route a token) end the valid prefix; program p takes
+        # the p-th block from the end.
+        pid_m = num_valid // BLOCK_M - 1 - pid_m
+        if pid_m < 0:
+            return
     # Blocks past the valid prefix hold undefined ids (never written): leave at once.
-    if pid_m * BLOCK_M >= tl.load(num_valid_ptr):
+    if pid_m * BLOCK_M >= num_valid:
         return
     expert = tl.load(expert_ids_ptr + pid_m).to(tl.int64)
+    if EXTRA_BLOCKS == 1:  # the stack's experts only: the extra's blocks are another launch's
+        if expert == extra_local:
+            return
+    if EXTRA_BLOCKS == 2:
+        if expert != extra_local:
+            return
+        expert = expert * 0
     packed = tl.load(sorted_ids_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     token = (packed & 0xFFFFFF).to(tl.int64)
     pair = token * TOPK + (packed >> 24).to(tl.int64)
@@ -246,8 +269,8 @@ def _check_sorted(
 
 def fused_moe_out(
     x: torch.Tensor,
-    gate_up_proj: ExpertWeight,
-    down_proj: ExpertWeight,
+    gate_up_proj: ExpertWeights,
+    down_proj: ExpertWeights,
     sort: MoeSortOutput,
     topk: int,
     limit: float | None,
@@ -292,7 +315,7 @@ def fused_moe_out(
 
 def moe_grouped_gemm(
     a: torch.Tensor,
-    weight: ExpertWeight,
+    weight: ExpertWeights,
     sorted_ids: torch.Tensor,
     sorted_expert_ids: torch.Tensor,
     num_valid: torch.Tensor,
@@ -313,7 +336,8 @@ def moe_grouped_gemm(
         a: [M, K] (a_per_pair=False: row = token) or [M * topk, K] (a_per_pair=True: row =
             token * topk + slot); bf16 or fp32, last dim contiguous.
         weight: [E_loc, N, K] in a's dtype, last dim contiguous; indexed by the local expert id.
-            Or a `QuantizedWeight` (FP8 / MXFP4 kept as stored), dequantised in the kernel.
+            Or a `QuantizedWeight` (FP8 / MXFP4 kept as stored), dequantised in the kernel, or a
+            `MixedExperts` (its extra expert, local id E_loc - 1, in another of these forms).
         sorted_ids, sorted_expert_ids, num_valid: `moe_sort`'s outputs (`MoeSortOutput`) for topk and
             `block_size`, on a's device.
         topk: routes per token (the packing of sorted_ids).
@@ -356,7 +380,7 @@ def moe_grouped_gemm(
         swiglu_limit is None or swiglu_limit > 0,
         f"swiglu_limit must be > 0 or None, got {swiglu_limit}",
     )
-    check_expert_weight("weight", weight, a, 0)
+    check_expert_weights("weight", weight, a, 0)
     require(
         not out_swiglu or weight.shape[1] % 2 == 0,
         f"out_swiglu needs weight [E_loc, 2I, K], got {tuple(weight.shape)}",
@@ -389,11 +413,65 @@ def moe_grouped_gemm(
     # the grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and
     # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
     block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
-    block_k = expert_block_k(k_dim, weight)
-    data = expert_weight_data(weight)
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
         tile_major = num_tokens == 1
+    launch = dict(
+        out=out,
+        layout=(sorted_ids, sorted_expert_ids, num_valid),
+        num_tokens=num_tokens,
+        n_cols=n_out,
+        k_dim=k_dim,
+        limit=swiglu_limit,
+        act_weights=act_weights,
+        topk=topk,
+        a_per_pair=a_per_pair,
+        block_m=block_size,
+        block_n=block_n,
+        out_swiglu=out_swiglu,
+        tile_major=tile_major,
+    )
+    if not isinstance(weight, MixedExperts):
+        _launch_grouped(a, weight, n_blocks, n_tiles, 0, -1, **launch)
+        return out
+    # The extra expert in a launch of its own format's specialisation (one kernel holding both
+    # formats' K loops needs far more registers: fewer resident programs for every block).
+    # Its blocks are the last valid ones (the highest local id, at most one route a token).
+    extra_local = weight.stack.shape[0]
+    _launch_grouped(a, weight.stack, n_blocks, n_tiles, 1, extra_local, **launch)
+    extra_blocks = min(n_blocks, triton.cdiv(num_tokens, block_size))
+    _launch_grouped(a, weight.extra, extra_blocks, n_tiles, 2, extra_local, **launch)
+    return out
+
+
+def _launch_grouped(
+    a: torch.Tensor,
+    weight: ExpertWeight,
+    n_blocks: int,
+    n_tiles: int,
+    extra_blocks: int,
+    extra_local: int,
+    *,
+    out: torch.Tensor,
+    layout: tuple[torch.Tensor, torch.Tensor, torch.Tensor],
+    num_tokens: int,
+    n_cols: int,
+    k_dim: int,
+    limit: float | None,
+    act_weights: torch.Tensor | None,
+    topk: int,
+    a_per_pair: bool,
+    block_m: int,
+    block_n: int,
+    out_swiglu: bool,
+    tile_major: bool,
+) -> None:
+    """One launch of the grouped kernel over `n_blocks` sorted blocks; `extra_blocks` (the
+    kernel's EXTRA_BLOCKS): 0 every block, 1 all but local expert `extra_local`'s, 2 only its
+    (the last `n_blocks` valid blocks), read as `weight`'s expert 0."""
+    sorted_ids, sorted_expert_ids, num_valid = layout
+    block_k = expert_block_k(k_dim, weight)
+    data = expert_weight_data(weight)
     grid = (n_tiles, n_blocks) if tile_major else (n_blocks, n_tiles)
     _moe_grouped_gemm_kernel[grid](
         a,
@@ -403,41 +481,42 @@ def moe_grouped_gemm(
         expert_ids_ptr=sorted_expert_ids,
         num_valid_ptr=num_valid,
         num_tokens=num_tokens,
-        n_cols=n_out,
+        n_cols=n_cols,
         k_dim=k_dim,
         stride_a=a.stride(0),
         stride_we=data.stride(0),
         stride_wn=data.stride(1),
         stride_out=out.stride(0),
-        limit=float(swiglu_limit) if swiglu_limit is not None else 0.0,
+        limit=float(limit) if limit is not None else 0.0,
         **expert_weight_args(weight),
         act_weights_ptr=act_weights if act_weights is not None else out,
+        extra_local=extra_local,
         TOPK=topk,
         A_PER_PAIR=a_per_pair,
         # tf32 must stay off for fp32; see the module docstring for the CPU bf16 case.
         DOT_FP32=a.dtype == torch.float32 or interpreted(_moe_grouped_gemm_kernel),
         ROUND_BF16=a.dtype == torch.bfloat16,
-        BLOCK_M=block_size,
+        BLOCK_M=block_m,
         BLOCK_N=block_n,
         BLOCK_K=block_k,
         EVEN_K=k_dim % block_k == 0,
         SPLIT_K=expert_split_k(block_k, weight),
         OUT_SWIGLU=out_swiglu,
         TILE_MAJOR=tile_major,
-        HAS_LIMIT=swiglu_limit is not None,
+        HAS_LIMIT=limit is not None,
         WEIGHT_ACT=act_weights is not None,
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
+        EXTRA_BLOCKS=extra_blocks,
         num_warps=EXPERT_WARPS,
         num_stages=quantized_stages(getattr(weight, "fmt", None), 4),
         **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
     )
-    return out
 
 
 def fused_moe(
     x: torch.Tensor,
-    gate_up_proj: ExpertWeight,
-    down_proj: ExpertWeight,
+    gate_up_proj: ExpertWeights,
+    down_proj: ExpertWeights,
     sort: MoeSortOutput,
     topk: int,
     limit: float | None,
@@ -445,15 +524,15 @@ def fused_moe(
     out: torch.Tensor | None = None,
     weight_before_down: bool = False,
 ) -> torch.Tensor:
-    """`fused_moe_ref` over `moe_sort`'s layout in two launches, no host sync: stage 1 with the
-    clamped SwiGLU as its epilogue (`out_swiglu`), then stage 2; compiled, the same bits as the
+    """`fused_moe_ref` over `moe_sort`'s layout in two launches (four with `MixedExperts`), no
+    host sync: stage 1 with the clamped SwiGLU as its epilogue (`out_swiglu`), then stage 2; compiled, the same bits as the
     three-launch chain stage 1 -> `silu_mul_clamp` -> stage 2 (module docstring).
 
     Args:
         x: [M, D] bf16 or fp32, last dim contiguous.
         gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows first, then up rows), or kept as
-            stored (`QuantizedWeight`, dequantised in the kernel).
-        down_proj: [E_loc, D, I] in x's dtype, or kept as stored.
+            stored (`QuantizedWeight`, dequantised in the kernel), or a `MixedExperts`.
+        down_proj: [E_loc, D, I] in x's dtype, or kept as stored, or a `MixedExperts`.
         sort: `moe_sort(topk_ids, topk_weights, plan, ...)` for these routes and `block_size`.
         topk: routes per token.
         limit: swiglu_limit (None: no clamp).

@@ -34,6 +34,7 @@ from typing import NamedTuple
 import torch
 
 from sgl_dspark.kernels.fp8.reference import Fp8Activation, quantize_act_fp8_ref
+from sgl_dspark.kernels.linear.reference import QuantizedWeight
 
 SCORINGS = {"sqrtsoftplus": 0, "sigmoid": 1}
 LOG2E = 1.4426950408889634
@@ -42,6 +43,21 @@ _LN2 = 0.6931471805599453
 TOKEN_BITS = 24
 TOKEN_MASK = (1 << TOKEN_BITS) - 1
 FP8_GROUP = 128
+
+
+class MixedExperts(NamedTuple):
+    """An expert stack `[E, N, K]` and one more expert `[1, N, K]` kept in another format (the
+    shared expert folded into routed stacks of another format): local id E is `extra`. The
+    per-token and the grouped kernels take it wherever they take a stack; no weight is copied
+    or converted."""
+
+    stack: torch.Tensor | QuantizedWeight
+    extra: torch.Tensor | QuantizedWeight
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        e, n, k = self.stack.shape
+        return (e + 1, n, k)
 
 
 @dataclass(frozen=True, slots=True)

@@ -27,6 +27,13 @@ matmul, whose sums depend on the tile shape, so there the products agree to fp32
 bf16 ulp after rounding) and the tests use a tolerance. Against the references (torch's matmul):
 within a tolerance, as the grouped GEMMs.
 
+An expert stack with an extra expert in another format (`MixedExperts`, the folded shared
+expert of DeepSeek-V4.1): stage 1's programs of the extra's routes run its own format's product
+(`expert_or_extra_product`); stage 2 leaves the extra's columns out of the slot tile and forms
+that slot's product beside it from the extra's weight (at most one such slot a token), then sums
+it in slot order with the others. Each product keeps its format's K step, so both paths still
+give the same bits.
+
 Cost: each route streams its expert's weights itself (the sorted path reads an expert once for
 all its routes), so this path is for small M; `RoutedExperts` picks it up to a token count.
 """
@@ -48,12 +55,16 @@ from sgl_dspark.kernels.linear.dequant import quantized_stages
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
     ExpertWeight,
-    check_expert_weight,
+    ExpertWeights,
+    check_expert_weights,
     expert_block_k,
+    expert_or_extra_product,
     expert_product,
     expert_split_k,
+    expert_stack,
     expert_weight_args,
     expert_weight_data,
+    extra_expert_args,
 )
 from sgl_dspark.kernels.moe.grouped_gemm import swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.reduce import route_reduce_tail
@@ -92,6 +103,11 @@ def _moe_route_gate_up_kernel(
     stride_h,
     limit,
     act_weights_ptr,
+    xw_ptr,
+    xs_ptr,
+    stride_xwn,
+    stride_xsn,
+    extra_local,
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -108,6 +124,15 @@ def _moe_route_gate_up_kernel(
     HAS_LIMIT: tl.constexpr,
     WEIGHT_ACT: tl.constexpr,
     ON_BITS: tl.constexpr,
+    EXTRA: tl.constexpr,
+    X_BLOCK_K: tl.constexpr,
+    X_QUANT: tl.constexpr,
+    X_FP4: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    X_GROUP: tl.constexpr,
+    X_SCALE_ROWS: tl.constexpr,
+    X_EVEN_K: tl.constexpr,
+    X_SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
@@ -123,12 +148,15 @@ def _moe_route_gate_up_kernel(
     w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_inter).to(tl.int64)
     live = tl.arange(0, _TILE_M) == 0
     x_row = x_ptr + (route // TOPK) * stride_x
-    acc = expert_product(
+    acc = expert_or_extra_product(
+        local == extra_local,
         x_row + live * 0,
         live,
         w_ptr + local * stride_we + w_rows * stride_wn,
-        col_ok,
         s_ptr + local * stride_se + (w_rows // SCALE_ROWS) * stride_sn,
+        xw_ptr + w_rows * stride_xwn,
+        xs_ptr + (w_rows // X_SCALE_ROWS) * stride_xsn,
+        col_ok,
         k_dim,
         _TILE_M,
         BLOCK_N,
@@ -141,6 +169,14 @@ def _moe_route_gate_up_kernel(
         DOT_FP32,
         EVEN_K,
         SPLIT_K,
+        EXTRA,
+        X_BLOCK_K,
+        X_QUANT,
+        X_FP4,
+        X_ALIGNED,
+        X_GROUP,
+        X_EVEN_K,
+        X_SPLIT_K,
     )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
     if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
@@ -174,6 +210,11 @@ def _moe_token_down_kernel(
     stride_se,
     stride_sn,
     routed_scale,
+    xw_ptr,
+    xs_ptr,
+    stride_xwn,
+    stride_xsn,
+    extra_local,
     TOPK: tl.constexpr,
     SLOTS: tl.constexpr,
     ROWS: tl.constexpr,
@@ -193,6 +234,16 @@ def _moe_token_down_kernel(
     HAS_SHARED: tl.constexpr,
     UNIT_WEIGHTS: tl.constexpr,
     ON_BITS: tl.constexpr,
+    EXTRA: tl.constexpr,
+    X_BLOCK_N: tl.constexpr,
+    X_BLOCK_K: tl.constexpr,
+    X_QUANT: tl.constexpr,
+    X_FP4: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    X_GROUP: tl.constexpr,
+    X_SCALE_ROWS: tl.constexpr,
+    X_EVEN_K: tl.constexpr,
+    X_SPLIT_K: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # All of the token's slots in one tile: row k of A is route k's h row, and the columns hold
@@ -209,6 +260,8 @@ def _moe_token_down_kernel(
     col_local, col_is_local = _route_locality(
         ids_ptr, table_ptr, token * TOPK + col_slot, num_experts, num_local, col_slot < TOPK
     )
+    if EXTRA:  # the extra expert's columns are not in the stack: formed below, on their own
+        col_is_local = col_is_local & (col_local != extra_local)
     col_ok = col_is_local & (cols < n_cols)
     rows = tl.arange(0, ROWS)
     _, row_is_local = _route_locality(
@@ -238,11 +291,48 @@ def _moe_token_down_kernel(
     slots = tl.arange(0, SLOTS)
     on_diag = rows[:, None, None] == slots[None, :, None]
     product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, SLOTS, BLOCK_N]), 0.0), axis=0)
-    if ROUND_BF16:  # as the grouped GEMM's store rounds it
-        product = round_to_bf16(product)
-    _, slot_is_local = _route_locality(
+    slot_local, slot_is_local = _route_locality(
         ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
     )
+    if EXTRA:
+        # The slot routed to the extra expert (the folded shared expert: at most one a token)
+        # is formed from its own weight, with its format's K step, as a stack of that format
+        # would form it; X_BLOCK_N >= 16 columns (a dot's width), the program's first BLOCK_N
+        # kept.
+        slot_is_extra = slot_is_local & (slot_local == extra_local)
+        if tl.max(slot_is_extra.to(tl.int32), axis=0) > 0:
+            extra_slot = tl.sum(tl.where(slot_is_extra, slots, 0), axis=0).to(tl.int64)
+            x_cols = n0 + tl.arange(0, X_BLOCK_N)
+            x_ok = (tl.arange(0, X_BLOCK_N) < BLOCK_N) & (x_cols < n_cols)
+            x_rows = x_cols.to(tl.int64)
+            extra_acc = expert_product(
+                h_ptr + (token * TOPK + extra_slot) * stride_h + rows * 0,
+                rows == 0,
+                xw_ptr + x_rows * stride_xwn,
+                x_ok,
+                xs_ptr + (x_rows // X_SCALE_ROWS) * stride_xsn,
+                k_dim,
+                ROWS,
+                X_BLOCK_N,
+                X_BLOCK_K,
+                X_QUANT,
+                X_FP4,
+                PTX,
+                X_ALIGNED,
+                X_GROUP,
+                DOT_FP32,
+                X_EVEN_K,
+                X_SPLIT_K,
+            )
+            extra_row = tl.sum(tl.where(rows[:, None] == 0, extra_acc, 0.0), axis=0)
+            PARTS: tl.constexpr = X_BLOCK_N // BLOCK_N
+            first = tl.arange(0, PARTS)[:, None] == 0
+            extra_cols = tl.sum(
+                tl.where(first, tl.reshape(extra_row, [PARTS, BLOCK_N]), 0.0), axis=0
+            )
+            product = tl.where(slot_is_extra[:, None], extra_cols[None, :], product)
+    if ROUND_BF16:  # as the grouped GEMM's store rounds it
+        product = round_to_bf16(product)
     if UNIT_WEIGHTS:  # weighted in stage 1: 1 * product is product, exactly
         weight = tl.full([SLOTS], 1.0, dtype=tl.float32)
     else:
@@ -289,7 +379,7 @@ def _check_routes(
 
 def moe_route_gate_up(
     x: torch.Tensor,
-    gate_up_proj: ExpertWeight,
+    gate_up_proj: ExpertWeights,
     ids: torch.Tensor,
     local_table: torch.Tensor,
     num_local: int,
@@ -303,7 +393,8 @@ def moe_route_gate_up(
     Args:
         x: [M, D] bf16 or fp32, last dim contiguous.
         gate_up_proj: [E_loc, 2I, D] in x's dtype (gate rows, then up rows), or kept as stored
-            (`QuantizedWeight`, dequantised in the kernel).
+            (`QuantizedWeight`, dequantised in the kernel), or a `MixedExperts` whose extra
+            expert (local id E_loc - 1) is in another of those forms.
         ids: int32 [M, topk] contiguous: global expert per route; ids outside [0, E) are remote.
         local_table, num_local: `prepare_moe_sort`'s plan: local id per global expert,
             >= num_local for a remote one.
@@ -322,7 +413,7 @@ def moe_route_gate_up(
         f"x must be bf16/fp32 [M, D] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}",
     )
     _check_routes(ids, local_table, num_local, x.device)
-    check_expert_weight("gate_up_proj", gate_up_proj, x, num_local)
+    check_expert_weights("gate_up_proj", gate_up_proj, x, num_local)
     require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
     require(ids.shape[0] == x.shape[0], f"ids has {ids.shape[0]} rows, x {x.shape[0]}")
     require(limit is None or limit > 0, f"limit (swiglu_limit) must be > 0 or None, got {limit}")
@@ -344,8 +435,9 @@ def moe_route_gate_up(
     )
     if routes == 0 or inter == 0 or num_local == 0:
         return h
-    meta = _gate_up_meta(x.shape[1], gate_up_proj)
-    data = expert_weight_data(gate_up_proj)
+    stack = expert_stack(gate_up_proj)
+    meta = _gate_up_meta(x.shape[1], stack)
+    data = expert_weight_data(stack)
     _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, meta["BLOCK_N"]))](
         x,
         data,
@@ -361,7 +453,8 @@ def moe_route_gate_up(
         stride_wn=data.stride(1),
         stride_h=h.stride(0),
         limit=float(limit) if limit is not None else 0.0,
-        **expert_weight_args(gate_up_proj),
+        **expert_weight_args(stack),
+        **extra_expert_args(gate_up_proj, x.shape[1]),
         act_weights_ptr=act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
         EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0,
@@ -417,7 +510,7 @@ def _down_meta(k_dim: int, weight: ExpertWeight, slots: int) -> dict[str, int]:
 
 def moe_token_down_reduce(
     h: torch.Tensor,
-    down_proj: ExpertWeight,
+    down_proj: ExpertWeights,
     ids: torch.Tensor,
     weights: torch.Tensor | None,
     local_table: torch.Tensor,
@@ -432,7 +525,8 @@ def moe_token_down_reduce(
     Args:
         h: [M * topk, I] bf16 or fp32 contiguous (stage 1's output; remote routes' rows are
             never read).
-        down_proj: [E_loc, D, I] in h's dtype, last dim contiguous, or kept as stored.
+        down_proj: [E_loc, D, I] in h's dtype, last dim contiguous, or kept as stored, or a
+            `MixedExperts` (its extra expert at most once in a token's routes).
         ids: int32 [M, topk] contiguous; local_table, num_local: as `moe_route_gate_up`.
         weights: fp32 [M, topk] contiguous routing weights, or None: unit weights (stage 1
             weighted the routes), the same bits as a tensor of ones, no read.
@@ -447,7 +541,7 @@ def moe_token_down_reduce(
         f"h must be contiguous bf16/fp32 [M * topk, I], got {h.dtype} {tuple(h.shape)}",
     )
     _check_routes(ids, local_table, num_local, h.device)
-    check_expert_weight("down_proj", down_proj, h, num_local)
+    check_expert_weights("down_proj", down_proj, h, num_local)
     num_tokens, topk = ids.shape
     require(h.shape[0] == num_tokens * topk, f"h has {h.shape[0]} rows, ids {num_tokens}x{topk}")
     require(
@@ -478,8 +572,9 @@ def moe_token_down_reduce(
     if num_tokens == 0 or hidden == 0:
         return out
     slots = triton.next_power_of_2(topk)
-    meta = _down_meta(h.shape[1], down_proj, slots)
-    data = expert_weight_data(down_proj)
+    stack = expert_stack(down_proj)
+    meta = _down_meta(h.shape[1], stack, slots)
+    data = expert_weight_data(stack)
     _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h,
         data,
@@ -497,7 +592,9 @@ def moe_token_down_reduce(
         stride_we=data.stride(0),
         stride_wn=data.stride(1),
         routed_scale=float(routed_scale),
-        **expert_weight_args(down_proj),
+        **expert_weight_args(stack),
+        **extra_expert_args(down_proj, h.shape[1]),
+        X_BLOCK_N=max(16, meta["BLOCK_N"]),
         TOPK=topk,
         SLOTS=slots,
         ROWS=max(16, triton.next_power_of_2(topk)),

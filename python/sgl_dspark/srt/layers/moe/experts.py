@@ -29,7 +29,10 @@ The "moe" kernel family picks the implementation once, at construction:
 Weights kept as stored (`layers/quantized.py`): both stacks may hold FP8 or MXFP4 experts. The
 Triton kernels dequantise them in their K loops; the torch loop dequantises each expert it runs
 per call. The shared expert folds into quantised stacks when it is stored in the same format and
-scale group (else it runs on its own, its output added in the reduce).
+scale group; in another format (DeepSeek-V4.1: FP8 beside MXFP4 experts) it folds as the stacks'
+extra expert (`MixedExperts`: the kernels read local expert E from its own weight, in its own
+format), the routed stacks untouched. Only with the MX kernels (stacks of one format) does it run
+on its own, its output added in the reduce.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from torch import nn
 
 from sgl_dspark.kernels.fp8.reference import Fp8Activation
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
+from sgl_dspark.kernels.moe.reference import MixedExperts
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import Communicator, get_parallel_state
 from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
@@ -72,9 +76,17 @@ TOKEN_PATH_MAX_M = 4
 QUANTIZED_TOKEN_PATH_MAX_M = {"mxfp4": 2, "fp8": 1}
 
 
-def token_path_max_m(gate_up: WeightLike) -> int:
+# The routed experts' stacks as the kernels take them: with the shared expert folded in another
+# format, a `MixedExperts`.
+ExpertStacks = WeightLike | MixedExperts
+
+
+def token_path_max_m(gate_up: ExpertStacks) -> int:
     """The most tokens `RoutedExperts` runs through the per-token kernels for experts stored as
-    `gate_up` (TOKEN_PATH_MAX_M, or QUANTIZED_TOKEN_PATH_MAX_M by format when kept as stored)."""
+    `gate_up` (TOKEN_PATH_MAX_M, or QUANTIZED_TOKEN_PATH_MAX_M by format when kept as stored; a
+    `MixedExperts` by its routed stack's format)."""
+    if isinstance(gate_up, MixedExperts):
+        gate_up = gate_up.stack
     if isinstance(gate_up, QuantizedWeight):
         return QUANTIZED_TOKEN_PATH_MAX_M[gate_up.fmt]
     return TOKEN_PATH_MAX_M
@@ -168,44 +180,71 @@ class RoutedExperts(nn.Module):
         down = module_weight(shared.down_proj)
         routed_gu = module_weight(self, "gate_up_proj")
         routed_down = module_weight(self, "down_proj")
-        kinds = {weight_kind(w) for w in (gate, up, down, routed_gu, routed_down)}
-        if not self._triton or shared.gate_proj.out_features != self.intermediate or len(kinds) > 1:
+        routed_kinds = {weight_kind(w) for w in (routed_gu, routed_down)}
+        shared_kinds = {weight_kind(w) for w in (gate, up, down)}
+        if (
+            not self._triton
+            or shared.gate_proj.out_features != self.intermediate
+            or len(routed_kinds) > 1
+            or len(shared_kinds) > 1
+        ):
+            return
+        # Another format than the routed stacks' (V4.1: FP8 beside MXFP4): the shared expert
+        # stays a stack of its own that the kernels read as local expert E (`MixedExperts`).
+        # Not with the MX kernels, whose stacks are MXFP4 only.
+        mixed = routed_kinds != shared_kinds
+        if mixed and self._mx_sort_block is not None:
             return
         from sgl_dspark.kernels.moe.sort import prepare_moe_sort
 
-        n, e, i = self.num_local, self.n_experts, self.intermediate
+        n, e = self.num_local, self.n_experts
         # Under expert parallelism the shared expert is one more local expert of EP rank 0 only
         # (computed once); the other ranks keep their stacks and mask expert E out.
         mask = self._local_mask(e + 1)
-        if self.ep is None or self.ep.rank == 0:
-            shared_gu = cat_weights([gate, up], dim=-2)
-            gate_up = cat_weights([routed_gu, unsqueeze_weight(shared_gu)], dim=0)
-            down_all = cat_weights([routed_down, unsqueeze_weight(down)], dim=0)
-            replace_weight(self, "gate_up_proj", index_weight(gate_up, slice(0, n)))
-            replace_weight(self, "down_proj", index_weight(down_all, slice(0, n)))
-            shared_stack = index_weight(gate_up, n)
-            for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
-                replace_weight(lin, "weight", row_slice(shared_stack, start, start + i))
-            replace_weight(shared.down_proj, "weight", index_weight(down_all, n))
-            shared.gate_up.restack(shared_stack)  # its group stays fused (the members are views)
+        gate_up: ExpertStacks = routed_gu
+        down_all: ExpertStacks = routed_down
+        if (self.ep is None or self.ep.rank == 0) and mixed:
+            shared_stack = unsqueeze_weight(cat_weights([gate, up], dim=-2))
+            gate_up = MixedExperts(routed_gu, shared_stack)
+            down_all = MixedExperts(routed_down, unsqueeze_weight(down))
+            self._tie_shared(shared, index_weight(shared_stack, 0))
             mask[e] = 1
-        else:
-            gate_up, down_all = routed_gu, routed_down
+        elif self.ep is None or self.ep.rank == 0:
+            shared_gu = cat_weights([gate, up], dim=-2)
+            stacked_gu = cat_weights([routed_gu, unsqueeze_weight(shared_gu)], dim=0)
+            stacked_down = cat_weights([routed_down, unsqueeze_weight(down)], dim=0)
+            replace_weight(self, "gate_up_proj", index_weight(stacked_gu, slice(0, n)))
+            replace_weight(self, "down_proj", index_weight(stacked_down, slice(0, n)))
+            self._tie_shared(shared, index_weight(stacked_gu, n))
+            replace_weight(shared.down_proj, "weight", index_weight(stacked_down, n))
+            gate_up, down_all = stacked_gu, stacked_down
+            mask[e] = 1
         plan = prepare_moe_sort(mask)
-        device = (gate_up.data if isinstance(gate_up, QuantizedWeight) else gate_up).device
+        routed = module_weight(self, "gate_up_proj")
+        device = (routed.data if isinstance(routed, QuantizedWeight) else routed).device
         self._stacks = (gate_up, down_all)
         self._folded_plan = self._plan_type(
             plan.local_table.to(device), plan.num_local, plan.num_bins
         )
         self._folded_mask = mask.to(device)
 
+    def _tie_shared(self, shared: SharedExpert, joint: WeightLike) -> None:
+        """Make the shared expert's gate and up weights the row halves of `joint` `[2I, D]`
+        (its slice of the folded stacks), its group fused on them (the members are views)."""
+        i = self.intermediate
+        for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
+            replace_weight(lin, "weight", row_slice(joint, start, start + i))
+        shared.gate_up.restack(joint)
+
     @property
     def folded(self) -> bool:
         stacks = getattr(self, "_stacks", None)
-        return stacks is not None and (
-            weight_ptr(module_weight(self, "gate_up_proj")) == weight_ptr(stacks[0])
-            and weight_ptr(module_weight(self, "down_proj")) == weight_ptr(stacks[1])
-        )
+        if stacks is None:
+            return False
+        gate_up, down = (s.stack if isinstance(s, MixedExperts) else s for s in stacks)
+        return weight_ptr(module_weight(self, "gate_up_proj")) == weight_ptr(
+            gate_up
+        ) and weight_ptr(module_weight(self, "down_proj")) == weight_ptr(down)
 
     def forward_folded(
         self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
@@ -334,8 +373,8 @@ class RoutedExperts(nn.Module):
         ids: torch.Tensor,
         weights: torch.Tensor,
         shared: torch.Tensor | None,
-        gate_up: WeightLike,
-        down: WeightLike,
+        gate_up: ExpertStacks,
+        down: ExpertStacks,
         plan: MoeSortPlan,
         mask: torch.Tensor,
     ) -> torch.Tensor:
@@ -391,8 +430,8 @@ class RoutedExperts(nn.Module):
         weights: torch.Tensor,
         shared: torch.Tensor | None,
         ep: Communicator,
-        gate_up: WeightLike,
-        down: WeightLike,
+        gate_up: ExpertStacks,
+        down: ExpertStacks,
         plan: MoeSortPlan,
         mask: torch.Tensor,
         shared_rows: bool = True,
