@@ -151,8 +151,8 @@ def test_bad_kernel_choices_are_rejected(kw, match):
 )
 def test_tiny_v41_triton_backend_equals_torch(spec):
     """DeepSeek-V4.1 (`tiny-v41`) with every family on Triton: the single-pass mHC boundary,
-    the V4.1 router and experts, the fused cache stores (FP8 window, FP4 latents and index
-    keys) and their gathered reads, the FP4 index scoring with the candidate blocks, Engram's
+    the V4.1 router and experts, the ratio-2 compressor's pair pooling, the fused cache stores
+    (FP8 window, FP4 latents and index keys) and their gathered reads, the FP4 index scoring with the candidate blocks, Engram's
     gather and gate; with and without its DSpark draft."""
     kw = {**DSPARK} if spec else {}
     params = {**GREEDY, "max_new_tokens": 4}
@@ -172,6 +172,8 @@ def test_tiny_v41_triton_backend_equals_torch(spec):
                 assert attn.store_rows.__name__ == "store_triton"
                 assert attn.load_rows.__name__ == "load_triton"
                 assert attn.index_scores.__name__ == "v41_index_scores"
+                pairs = e.runner.model.model.layers[1].self_attn.compressor  # ratio-2 kv source
+                assert pairs.pair_pool.__name__ == "csa2_pair_pool"
                 engram = e.runner.model.model.layers[0].engram
                 assert engram.gather.__name__ == "engram_gather"
                 assert engram.gate.__name__ == "engram_gate"

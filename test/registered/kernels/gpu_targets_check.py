@@ -54,6 +54,7 @@ _KERNEL_MODULES = (
     "moe.activation",
     "compressor.pool",
     "compressor.entry_rows",
+    "compressor.pair_pool",
     "attention.draft",
     "spec.draft_inputs",
     "indexer.fp4_q_rope",
@@ -618,6 +619,24 @@ def _picked_entry_rows() -> Callable[[], object]:
     )
 
 
+def _csa2_pair_pool() -> Callable[[], object]:
+    from sgl_dspark.kernels.compressor.pair_pool import csa2_pair_pool
+
+    # DeepSeek-V4.1-Flash's ratio-2 kv source: latents of 512, a verify of 4 rows, a ring of 8.
+    ring = torch.zeros(3, 8, 512)
+    rows = torch.zeros(4, dtype=torch.int64)
+    return lambda: csa2_pair_pool(
+        _bf16(4, 512),
+        _bf16(4, 512),
+        ring,
+        ring.clone(),
+        rows,
+        rows,
+        rows,
+        torch.zeros(3, 8192, dtype=torch.int32),
+    )
+
+
 def _quant_load(fmt: str, d: int, shape: tuple[int, ...]) -> Callable[[], object]:
     from sgl_dspark.kernels.quant.load import quant_load
 
@@ -1019,6 +1038,11 @@ CASES = {
         "quant.load",
         "_quant_load_kernel",
         _quant_load_into_keys(),
+    ),
+    "csa2_pair_pool_flash": (
+        "compressor.pair_pool",
+        "_csa2_pair_pool_kernel",
+        _csa2_pair_pool(),
     ),
     "picked_entry_rows_flash": (
         "compressor.entry_rows",

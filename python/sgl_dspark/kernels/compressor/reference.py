@@ -57,6 +57,81 @@ def picked_entry_rows_ref(
     return torch.where(valid, rows, torch.zeros_like(rows)), valid
 
 
+class PairGroups(NamedTuple):
+    pooled: torch.Tensor  # [T, Dh] kv's dtype, before the norm
+    start_positions: torch.Tensor  # [T] int64 first position of the group (-1 on row 0's)
+    entry_rows: torch.Tensor  # [T] int64 pool row; 0 (the dummy row) on rows that close none
+
+
+def csa2_pair_groups_ref(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ring_kv: torch.Tensor,
+    ring_score: torch.Tensor,
+    ends: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+) -> PairGroups:
+    """DeepSeek-V4.1's ratio-2 groups ending at rows `ends` `[n]` (flat row indices, each at a
+    position p): the group {p - 1, p} pools, per channel, the two kv rows weighted by the
+    softmax of their two gate scores (fp32), rounded to kv's dtype. The partner row p - 1 is
+    the previous row of this forward when it belongs to it (`p - 1 >= token_prefix`), else the
+    request's ring row `(p - 1) mod R`. Pool row: `req_to_token[slot, p - 1] // 2` (whether p
+    closes a group is the caller's to mask). Reads only.
+
+    Args:
+        kv, score: [T, Dh] this forward's projections (wkv, wgate).
+        ring_kv, ring_score: [slots, R, Dh] fp32 pending-pair rings.
+        positions, token_slot, token_prefix: [T] int position, request slot, and first
+            position of this forward's rows of the row's request.
+        req_to_token: [slots, max_ctx] int page table.
+    """
+    m = 2
+    end_pos = positions[ends]
+    slot = token_slot[ends]
+    partner_pos = end_pos - 1
+    fresh = partner_pos >= token_prefix[ends]
+    ring_idx = partner_pos.clamp(min=0).remainder(ring_kv.shape[1])
+    prev = (ends - 1).clamp(min=0)
+    kv_prev = torch.where(fresh[:, None], kv[prev].float(), ring_kv[slot, ring_idx])
+    sc_prev = torch.where(fresh[:, None], score[prev].float(), ring_score[slot, ring_idx])
+    kv_pair = torch.stack((kv_prev, kv[ends].float()), dim=1)  # [n, 2, Dh]
+    sc_pair = torch.stack((sc_prev, score[ends].float()), dim=1)
+    pooled = (torch.softmax(sc_pair, dim=1) * kv_pair).sum(dim=1).to(kv.dtype)
+    start = end_pos - (m - 1)
+    entry_rows = req_to_token[slot, start.clamp(min=0)].long() // m
+    return PairGroups(pooled, start.long(), entry_rows)
+
+
+def csa2_pair_pool_ref(
+    kv: torch.Tensor,
+    score: torch.Tensor,
+    ring_kv: torch.Tensor,
+    ring_score: torch.Tensor,
+    positions: torch.Tensor,
+    token_slot: torch.Tensor,
+    token_prefix: torch.Tensor,
+    req_to_token: torch.Tensor,
+) -> PairGroups:
+    """The ratio-2 compressor at decode / verify, in place on the pending-pair ring: every row
+    is a candidate group end (`csa2_pair_groups_ref`; rows whose position p does not close a
+    group, p even, get the dummy pool row 0); then every row's raw kv / score (fp32) goes to
+    its ring row `p mod R` (after all reads; the ring outlasts a verify's rows, so no row read
+    is written). Arguments as `csa2_pair_groups_ref`."""
+    rows = torch.arange(positions.shape[0], device=positions.device)
+    groups = csa2_pair_groups_ref(
+        kv, score, ring_kv, ring_score, rows, positions, token_slot, token_prefix, req_to_token
+    )
+    closes = (positions + 1) % 2 == 0
+    entry_rows = torch.where(closes, groups.entry_rows, torch.zeros_like(groups.entry_rows))
+    ring_row = positions.remainder(ring_kv.shape[1])
+    ring_kv[token_slot, ring_row] = kv.float()
+    ring_score[token_slot, ring_row] = score.float()
+    return groups._replace(entry_rows=entry_rows)
+
+
 class PooledEntries(NamedTuple):
     entries: torch.Tensor  # [T, Dh] kv dtype, un-rotated; zeros on rows that end no block
     slots: torch.Tensor  # [T] int64 entry slot; 0 (the dummy entry) on rows that end no block

@@ -113,7 +113,7 @@ class Csa2Attention(nn.Module):
         self.indexer: Csa2Indexer | None = None
         x_members, qr_members = [self.q_a_proj, self.kv_proj], [self.q_b_proj]
         if self.role is LayerRole.FULL:
-            self.compressor = Csa2Compressor(d, cfg.head_dim, self.ratio, cfg.rms_norm_eps)
+            self.compressor = Csa2Compressor(d, cfg.head_dim, self.ratio, cfg.rms_norm_eps, kernels)
             x_members += self.compressor.projections()
         if self.role in (LayerRole.FULL, LayerRole.REINDEX):
             self.indexer = Csa2Indexer(

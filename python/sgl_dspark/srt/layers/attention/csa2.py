@@ -22,7 +22,12 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from sgl_dspark.kernels.compressor.reference import picked_entry_rows_ref
+from sgl_dspark.kernels.compressor.reference import (
+    PairGroups,
+    csa2_pair_groups_ref,
+    csa2_pair_pool_ref,
+    picked_entry_rows_ref,
+)
 from sgl_dspark.kernels.indexer.reference import candidate_block_max_ref, v41_index_scores_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
@@ -40,16 +45,36 @@ class EmittedGroups(NamedTuple):
     entry_rows: torch.Tensor
 
 
+# (kv, score, ring kv, ring score, positions, token slots, token prefixes, req_to_token) ->
+# `PairGroups`, the ring recorded in place: `csa2_pair_pool_ref`'s arguments
+PairPoolFn = Callable[..., PairGroups]
+
+
+def pair_pool_impl(kernels: KernelChoice) -> PairPoolFn:
+    """The ratio-2 compressor's decode / verify step (pooled groups, their pool rows, the ring
+    recorded), of the "indexer" family. torch: `csa2_pair_pool_ref` (some fifty kernels).
+    triton: `kernels/compressor/pair_pool.py::csa2_pair_pool`, one launch; the same addressing
+    and ring, the pooled rows within a tolerance (its `exp`)."""
+    if kernels.of("indexer") == "torch":
+        return csa2_pair_pool_ref
+    from sgl_dspark.kernels.compressor.pair_pool import csa2_pair_pool
+
+    return csa2_pair_pool
+
+
 class Csa2Compressor(nn.Module):
     """`kv_proj` (wkv), `gate_proj` (wgate, ratio > 1 only), `kv_norm` (norm)."""
 
-    def __init__(self, hidden_size: int, head_dim: int, ratio: int, eps: float) -> None:
+    def __init__(
+        self, hidden_size: int, head_dim: int, ratio: int, eps: float, kernels: KernelChoice
+    ) -> None:
         super().__init__()
         assert ratio in (1, 2), ratio
         self.ratio = ratio
         self.kv_proj = nn.Linear(hidden_size, head_dim, bias=False)
         self.gate_proj = nn.Linear(hidden_size, head_dim, bias=False) if ratio > 1 else None
         self.kv_norm = RMSNorm(head_dim, eps)
+        self.pair_pool = pair_pool_impl(kernels)
 
     def projections(self) -> list[nn.Linear]:
         """The layer-input projections this compressor reads, in `emit`'s argument order."""
@@ -71,53 +96,58 @@ class Csa2Compressor(nn.Module):
             return EmittedGroups(rms_norm(kv, *norm), batch.positions, rows)
         assert score is not None and pairs is not None
         m, pos, slot = self.ratio, batch.positions, batch.token_slots()
-        if batch.mode is ForwardMode.EXTEND:
-            # The rows that close a group (a prefill graph's list is -1 padded: those compute a
-            # latent from row 0 and write it to the dummy row 0).
-            ends = batch.block_end_rows(m)
-            real = ends >= 0 if not batch.host_lens else None
-            ends = ends.clamp(min=0)
-        else:
+        if batch.mode is not ForwardMode.EXTEND:
             # Decode/verify (few rows): a candidate for every row, written only where a group
             # closes (other rows write to the dummy row 0), so nothing reads the device.
-            ends = torch.arange(pos.shape[0], device=pos.device)
-            real = (pos + 1) % m == 0
-        end_pos = pos[ends]
-        partner_pos = end_pos - 1
-        # The partner is the previous row when it belongs to this batch (same request), else
-        # the request's ring holds it; all reads happen before this batch writes the ring.
-        fresh = partner_pos >= batch.prefix_lens[batch.token_req[ends]]
-        ring_idx = partner_pos.clamp(min=0).remainder(pairs.ring)
-        prev = (ends - 1).clamp(min=0)
-        kv_prev = torch.where(fresh[:, None], kv[prev].float(), pairs.kv[slot[ends], ring_idx])
-        sc_prev = torch.where(
-            fresh[:, None], score[prev].float(), pairs.score[slot[ends], ring_idx]
+            groups = self.pair_pool(
+                kv,
+                score,
+                pairs.kv,
+                pairs.score,
+                pos,
+                slot,
+                batch.token_prefix_lens(),
+                batch.req_to_token,
+            )
+            return EmittedGroups(
+                rms_norm(groups.pooled, *norm), groups.start_positions, groups.entry_rows
+            )
+        # The rows that close a group (a prefill graph's list is -1 padded: those compute a
+        # latent from row 0 and write it to the dummy row 0). All reads of the ring happen
+        # before this batch's rows are recorded in it.
+        ends = batch.block_end_rows(m)
+        real = ends >= 0 if not batch.host_lens else None
+        groups = csa2_pair_groups_ref(
+            kv,
+            score,
+            pairs.kv,
+            pairs.score,
+            ends.clamp(min=0),
+            pos,
+            slot,
+            batch.token_prefix_lens(),
+            batch.req_to_token,
         )
-        kv_pair = torch.stack((kv_prev, kv[ends].float()), dim=1)  # [n, 2, Dh]
-        sc_pair = torch.stack((sc_prev, score[ends].float()), dim=1)
-        pooled = (torch.softmax(sc_pair, dim=1) * kv_pair).sum(dim=1).to(kv.dtype)
-        start = end_pos - (m - 1)
-        rows = batch.req_to_token[slot[ends], start.clamp(min=0)] // m
+        rows = groups.entry_rows
         if real is not None:
             rows = torch.where(real, rows, torch.zeros_like(rows))
         self._record(kv, score, batch, pairs)
-        return EmittedGroups(rms_norm(pooled, *norm), start, rows)
+        return EmittedGroups(rms_norm(groups.pooled, *norm), groups.start_positions, rows)
 
     @staticmethod
     def _record(
         kv: torch.Tensor, score: torch.Tensor, batch: ForwardBatch, pairs: PairState
     ) -> None:
+        """A prefill's rows into the ring: only the last `ring` positions of each request are
+        kept (no collisions). (A decode/verify request has fewer rows than the ring, sized from
+        the runner's max_verify_tokens: the pair pool records every row.)"""
         pos, slot = batch.positions, batch.token_slots()
-        if batch.mode is ForwardMode.EXTEND:
-            # Only the last `ring` positions of each request are kept (no collisions).
-            keep = batch.last_rows(pairs.ring)
-            real = keep >= 0 if not batch.host_lens else None
-            keep = keep.clamp(min=0)
-            pos, slot, kv, score = pos[keep], slot[keep], kv[keep], score[keep]
-            if real is not None:  # padding entries write to the dummy request slot 0
-                slot = torch.where(real, slot, torch.zeros_like(slot))
-        # else: a decode/verify request has fewer rows than the ring (the pool sizes it from
-        # the runner's max_verify_tokens), so every row is kept.
+        keep = batch.last_rows(pairs.ring)
+        real = keep >= 0 if not batch.host_lens else None
+        keep = keep.clamp(min=0)
+        pos, slot, kv, score = pos[keep], slot[keep], kv[keep], score[keep]
+        if real is not None:  # padding entries write to the dummy request slot 0
+            slot = torch.where(real, slot, torch.zeros_like(slot))
         idx = pos.remainder(pairs.ring)
         pairs.kv[slot, idx] = kv.float()
         pairs.score[slot, idx] = score.float()
