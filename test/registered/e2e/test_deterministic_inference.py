@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 from sgl_dspark import Engine
 from sgl_dspark.kernels.attention.reference import sink_attention_ref
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import create_attention_backend
 from sgl_dspark.srt.layers.fused_linear import grouped_linear_impl, linear_impl
@@ -79,6 +80,23 @@ def test_attend_gathered_matches_the_reference(tokens: int, keys: int, invariant
     want = create_attention_backend("torch").attend_gathered(q, k, valid, sinks, scale)
     torch.testing.assert_close(want, sink_attention_ref(q, k, valid, sinks, scale))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32, reordered sums
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_attend_gathered_undoes_the_v_rope_in_its_epilogue(dtype: torch.dtype) -> None:
+    """`inverse_rope`: each backend's output is its plain output rotated back by `rope_tail_ref`
+    bit for bit (the Triton kernel rotates its own rounded output in the epilogue), at
+    positions of either sign of angle."""
+    q, k, valid, sinks, scale = _gathered(4, 37, seed=21, dtype=dtype)
+    g = torch.Generator().manual_seed(22)
+    angles = torch.randn(4, 8, generator=g) * 40.0  # rope dim 16 of head dim 32
+    cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
+    for backend in (create_attention_backend("triton"), create_attention_backend("torch")):
+        plain = backend.attend_gathered(q, k, valid, sinks, scale)
+        rotated = backend.attend_gathered(q, k, valid, sinks, scale, inverse_rope=(cos, sin))
+        want = rope_tail_ref(plain, cos, sin, inverse=True)
+        assert rotated.dtype == dtype and torch.equal(rotated, want)
+        assert not torch.equal(rotated, plain)
 
 
 def test_batch_invariant_attention_ignores_the_batch_and_trailing_masked_keys() -> None:

@@ -186,8 +186,10 @@ class Csa2Attention(nn.Module):
             valid = shared.attended_valid(self.source, valid)
         else:
             keys = self.load_rows(window, slots)  # [T, W, Dh]
-        o = backend.attend_gathered(q, keys, valid, self.sinks, self.head_dim**-0.5)
-        o = self.rope(o, cos, sin, inverse=True)
+        # The V rope carried into o is undone in the attention's epilogue.
+        o = backend.attend_gathered(
+            q, keys, valid, self.sinks, self.head_dim**-0.5, inverse_rope=(cos, sin)
+        )
         wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
         z = self.grouped_linear(o.reshape(T, self.groups, -1), wa).reshape(T, -1)
         out = self.linear(z, module_weight(self.o_b_proj))

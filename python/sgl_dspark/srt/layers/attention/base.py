@@ -62,7 +62,8 @@ class BaseAttentionBackend(ABC):
         valid: torch.Tensor,
         sinks: torch.Tensor,
         scale: float,
+        inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Attention over keys gathered per token: q `[T, H, Dh]`, keys `[T, K, Dh]` of q's
         dtype (keys are values), valid `[T, K]` bool, sinks `[H]`, scale -> `[T, H, Dh]`
-        (`sink_attention_ref` is the spec)."""
+        (`sink_attention_ref` is the spec); `inverse_rope` as in `forward`."""

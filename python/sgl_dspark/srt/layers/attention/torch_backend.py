@@ -6,6 +6,7 @@ from __future__ import annotations
 import torch
 
 from sgl_dspark.kernels.attention.reference import sink_attention_ref, window_sparse_attention_ref
+from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
@@ -19,8 +20,12 @@ class TorchAttentionBackend(BaseAttentionBackend):
         valid: torch.Tensor,
         sinks: torch.Tensor,
         scale: float,
+        inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        return sink_attention_ref(q, keys, valid, sinks, scale)
+        out = sink_attention_ref(q, keys, valid, sinks, scale)
+        if inverse_rope is None:
+            return out
+        return rope_tail_ref(out, *inverse_rope, inverse=True)
 
     def forward(
         self,

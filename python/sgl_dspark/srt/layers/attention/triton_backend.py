@@ -61,9 +61,10 @@ class TritonAttentionBackend(BaseAttentionBackend):
         valid: torch.Tensor,
         sinks: torch.Tensor,
         scale: float,
+        inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """The window + sparse kernel with no window and the gathered keys as its extra keys
-        (token t's rows t * K + j of the flattened keys)."""
+        (token t's rows t * K + j of the flattened keys); the inverse rope in its epilogue."""
         tokens, k, head_dim = keys.shape
         pool = keys.reshape(tokens * k, head_dim)
         rows, zeros, table = self._gathered_indices(tokens, k, q.device)
@@ -79,6 +80,7 @@ class TritonAttentionBackend(BaseAttentionBackend):
             pool,
             valid.contiguous(),
             extra_slots=rows,
+            inverse_rope=inverse_rope,
             num_splits=self._num_splits,
         )
 
