@@ -73,6 +73,9 @@ if has tests; then
     test/registered/kernels/test_quantized_gemm.py \
     test/registered/kernels/test_window_sparse_attention.py \
     test/registered/kernels/test_moe_token_gemm.py \
+    test/registered/kernels/test_moe_mixed_experts.py \
+    test/registered/kernels/test_csa2_pair_pool.py \
+    test/registered/kernels/test_rmsnorm.py \
     test/registered/kernels/test_small_m_linear.py \
     test/registered/kernels/test_fp4_nibble_decode.py \
     test/registered/kernels/test_engram_gather.py \

@@ -325,6 +325,16 @@ def _rms_norm_strided() -> Callable[[], object]:
     return lambda: rms_norm(_bf16(4, 1500)[:, 100:1124], torch.ones(1024), 1e-6)
 
 
+def _rms_norm_pair() -> Callable[[], object]:
+    from sgl_dspark.kernels.norm.rmsnorm import rms_norm_pair
+
+    # DeepSeek-V4.1-Flash's q_a (1024) and kv (512) norms, column blocks of the x projection.
+    joint = _bf16(2, 4096)
+    return lambda: rms_norm_pair(
+        (joint[:, :1024], torch.ones(1024), 1e-6), (joint[:, 1024:1536], torch.ones(512), 1e-6)
+    )
+
+
 def _silu_mul_clamp() -> Callable[[], object]:
     from sgl_dspark.kernels.moe.activation import silu_mul_clamp
 
@@ -1134,6 +1144,7 @@ CASES = {
         _hash_router_from_x(1024),
     ),
     "rms_norm_strided_rows": ("norm.rmsnorm", "_rms_norm_kernel", _rms_norm_strided()),
+    "rms_norm_pair_v41": ("norm.rmsnorm", "_rms_norm_pair_kernel", _rms_norm_pair()),
     "silu_mul_clamp_i2048": ("moe.activation", "_silu_mul_clamp_kernel", _silu_mul_clamp()),
     "small_m_linear_mid_x_proj": (
         "linear.small_m",
@@ -1221,6 +1232,7 @@ PDL_KERNELS = (
     "moe.router._router_topk_kernel",
     "sampling.vocab_argmax._chunk_argmax_kernel",
     "norm.rmsnorm._rms_norm_kernel",
+    "norm.rmsnorm._rms_norm_pair_kernel",
     "sampling.vocab_argmax._combine_pairs_kernel",
     "spec.accept._spec_accept_kernel",
     "spec.draft_inputs._prepare_draft_inputs_kernel",

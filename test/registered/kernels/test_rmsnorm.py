@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 import torch
 from sgl_dspark.kernels.norm.reference import rms_norm_ref
-from sgl_dspark.kernels.norm.rmsnorm import MAX_N, _norm_meta, rms_norm
+from sgl_dspark.kernels.norm.rmsnorm import MAX_N, _norm_meta, rms_norm, rms_norm_pair
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # The Triton interpreter (numpy 1.26) warns on every scalar index it converts.
@@ -192,3 +192,33 @@ def test_launch_meta_depends_on_the_width_only() -> None:
         assert meta["BLOCK_N"] >= n > meta["BLOCK_N"] // 2
         assert meta["BLOCK_M"] >= 1 and meta["num_warps"] in (1, 2, 4, 8, 16)
         assert meta["num_warps"] * 32 <= max(128, meta["BLOCK_M"] * meta["BLOCK_N"])
+
+
+# (N of norm a, N of norm b, rows): DeepSeek-V4.1's q_a and kv norms (one launch: 4 warps each),
+# a packed pair, and a pair whose tiles run on different warps (two launches).
+PAIR_CASES = [(1024, 512, 1), (1280, 512, 3), (48, 100, 37), (4096, 512, 2)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("case", PAIR_CASES, ids=str)
+def test_norm_pair_gives_each_norm_its_own_bits(case: tuple, dtype: torch.dtype) -> None:
+    """`rms_norm_pair` on two column blocks of one projection output (read in place) equals two
+    `rms_norm` calls bit for bit, weighted and weightless, with its own eps each."""
+    na, nb, rows = case
+    joint, _ = _inputs((rows, na + nb + 24), dtype, False, seed=na + nb + rows)
+    xa, xb = joint[:, :na], joint[:, na : na + nb]
+    _, wa = _inputs((1, na), dtype, True, seed=1)
+    for wb in (_inputs((1, nb), dtype, True, seed=2)[1], None):
+        args_a, args_b = (xa, wa, 1e-6), (xb, wb, 1e-3)
+        got_a, got_b = rms_norm_pair(args_a, args_b)
+        assert torch.equal(got_a, rms_norm(*args_a))
+        assert torch.equal(got_b, rms_norm(*args_b))
+        assert got_a.shape == (rows, na) and got_b.shape == (rows, nb)
+
+
+def test_norm_pair_arguments_are_checked() -> None:
+    x, w = _inputs((2, 64), torch.float32, True, seed=3)
+    with pytest.raises(ValueError, match="one dtype"):
+        rms_norm_pair((x, w, 1e-6), (x.to(torch.bfloat16), w, 1e-6))
+    with pytest.raises(ValueError, match="weight"):
+        rms_norm_pair((x, w, 1e-6), (x, w[:32], 1e-6))

@@ -36,13 +36,14 @@ _PACKED_TILE = 2048
 
 
 @triton.jit
-def _rms_norm_kernel(
+def _norm_rows(
     x_ptr,
     weight_ptr,
     out_ptr,
     n_rows,
     x_row_stride,
     eps,
+    block,
     N: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
@@ -52,7 +53,9 @@ def _rms_norm_kernel(
     ON_BITS: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    """Rows [block * BLOCK_M, (block + 1) * BLOCK_M) of one norm (the kernel's whole work;
+    `_rms_norm_pair_kernel` runs two norms' blocks in one grid)."""
+    rows = block * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     col_mask = cols < N
     mask = (rows < n_rows)[:, None] & col_mask[None, :]
@@ -99,6 +102,112 @@ def _rms_norm_kernel(
         tl.store(out_ptr + offsets, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _rms_norm_kernel(
+    x_ptr,
+    weight_ptr,
+    out_ptr,
+    n_rows,
+    x_row_stride,
+    eps,
+    N: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    KIND: tl.constexpr,
+    FULL_TILE: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    _norm_rows(
+        x_ptr,
+        weight_ptr,
+        out_ptr,
+        n_rows,
+        x_row_stride,
+        eps,
+        tl.program_id(0),
+        N,
+        BLOCK_M,
+        BLOCK_N,
+        HAS_WEIGHT,
+        KIND,
+        FULL_TILE,
+        ON_BITS,
+        PDL,
+    )
+
+
+@triton.jit
+def _rms_norm_pair_kernel(
+    a_ptr,
+    a_weight_ptr,
+    a_out_ptr,
+    a_rows,
+    a_row_stride,
+    a_eps,
+    a_blocks,
+    b_ptr,
+    b_weight_ptr,
+    b_out_ptr,
+    b_rows,
+    b_row_stride,
+    b_eps,
+    A_N: tl.constexpr,
+    A_BLOCK_M: tl.constexpr,
+    A_BLOCK_N: tl.constexpr,
+    A_HAS_WEIGHT: tl.constexpr,
+    A_FULL_TILE: tl.constexpr,
+    B_N: tl.constexpr,
+    B_BLOCK_M: tl.constexpr,
+    B_BLOCK_N: tl.constexpr,
+    B_HAS_WEIGHT: tl.constexpr,
+    B_FULL_TILE: tl.constexpr,
+    KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Programs [0, a_blocks) run norm a's row blocks, the rest norm b's, each with its own
+    # launch's tile (the warps are the launch's: `rms_norm_pair` fuses only equal ones).
+    block = tl.program_id(0)
+    if block < a_blocks:
+        _norm_rows(
+            a_ptr,
+            a_weight_ptr,
+            a_out_ptr,
+            a_rows,
+            a_row_stride,
+            a_eps,
+            block,
+            A_N,
+            A_BLOCK_M,
+            A_BLOCK_N,
+            A_HAS_WEIGHT,
+            KIND,
+            A_FULL_TILE,
+            ON_BITS,
+            PDL,
+        )
+    else:
+        _norm_rows(
+            b_ptr,
+            b_weight_ptr,
+            b_out_ptr,
+            b_rows,
+            b_row_stride,
+            b_eps,
+            block - a_blocks,
+            B_N,
+            B_BLOCK_M,
+            B_BLOCK_N,
+            B_HAS_WEIGHT,
+            KIND,
+            B_FULL_TILE,
+            ON_BITS,
+            PDL,
+        )
+
+
 def _norm_meta(n: int) -> dict[str, int]:
     """Launch meta-parameters from the row width only. They fix the layout of a row over
     threads, hence its summation tree (Triton's per-thread vector width follows the tile size):
@@ -114,27 +223,11 @@ def _norm_meta(n: int) -> dict[str, int]:
     return {"BLOCK_M": 1, "BLOCK_N": block_n, "num_warps": min(16, max(4, block_n // 512))}
 
 
-def rms_norm(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    eps: float,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`rms_norm_ref` in one launch (within a tolerance, see the module doc).
-
-    Args:
-        x: [..., N] fp32/bf16/fp16, 1 <= N <= MAX_N (any N, not only powers of two); rows = the
-            product of the leading dims. Contiguous, or 2-D rows with unit stride along N and any
-            row stride (a column block of a wider projection output, read in place).
-        weight: [N] contiguous float tensor on x's device (weighted variant), or None
-            (weightless: rstd rounded to x's dtype before the multiply).
-        eps: added to the mean square.
-        out: optional contiguous buffer of x's shape and dtype (may be x itself: each program
-            reads its rows completely before writing them).
-    Returns:
-        `out` (allocated when None). Empty inputs return before any launch. No host sync, so the
-        call can be captured in a CUDA graph.
-    """
+def _checked(
+    x: torch.Tensor, weight: torch.Tensor | None, out: torch.Tensor | None
+) -> tuple[torch.Tensor, int]:
+    """`rms_norm`'s argument checks (ValueError naming the argument): (out, allocated when None;
+    x's row stride)."""
     require(
         x.dtype in FLOAT_DTYPES and x.dim() >= 1,
         f"x must be [..., N] fp32/bf16/fp16, got {x.dtype} {tuple(x.shape)}",
@@ -164,9 +257,38 @@ def rms_norm(
         f"out must be a contiguous {x.dtype} {tuple(x.shape)} on {x.device}, "
         f"got {out.dtype} {tuple(out.shape)} on {out.device}",
     )
+    require(
+        n <= MAX_N or x.numel() == 0,
+        f"rms_norm supports rows of at most {MAX_N} elements, got N={n}",
+    )
+    return out, row_stride
+
+
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    eps: float,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`rms_norm_ref` in one launch (within a tolerance, see the module doc).
+
+    Args:
+        x: [..., N] fp32/bf16/fp16, 1 <= N <= MAX_N (any N, not only powers of two); rows = the
+            product of the leading dims. Contiguous, or 2-D rows with unit stride along N and any
+            row stride (a column block of a wider projection output, read in place).
+        weight: [N] contiguous float tensor on x's device (weighted variant), or None
+            (weightless: rstd rounded to x's dtype before the multiply).
+        eps: added to the mean square.
+        out: optional contiguous buffer of x's shape and dtype (may be x itself: each program
+            reads its rows completely before writing them).
+    Returns:
+        `out` (allocated when None). Empty inputs return before any launch. No host sync, so the
+        call can be captured in a CUDA graph.
+    """
+    out, row_stride = _checked(x, weight, out)
     if x.numel() == 0:
         return out
-    require(n <= MAX_N, f"rms_norm supports rows of at most {MAX_N} elements, got N={n}")
+    n = x.shape[-1]
     n_rows = x.numel() // n
     meta = _norm_meta(n)
     _rms_norm_kernel[(triton.cdiv(n_rows, meta["BLOCK_M"]),)](
@@ -186,3 +308,59 @@ def rms_norm(
         **meta,
     )
     return out
+
+
+# One norm of `rms_norm_pair`: (x, weight or None, eps).
+NormArgs = tuple[torch.Tensor, torch.Tensor | None, float]
+
+
+def rms_norm_pair(a: NormArgs, b: NormArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two `rms_norm` calls (arguments as there, each without `out`) in one launch when their
+    tiles run on as many warps, else two: every row's bits are its own call's (each norm keeps
+    its own tile, hence its summation tree). x's of one dtype and device (DeepSeek-V4.1's q_a
+    and kv norms, column blocks of one projection output)."""
+    (xa, wa, eps_a), (xb, wb, eps_b) = a, b
+    require(
+        xa.dtype == xb.dtype and xa.device == xb.device,
+        f"rms_norm_pair: x's of one dtype and device, got {xa.dtype} on {xa.device} and "
+        f"{xb.dtype} on {xb.device}",
+    )
+    meta_a, meta_b = _norm_meta(xa.shape[-1]), _norm_meta(xb.shape[-1])
+    if meta_a["num_warps"] != meta_b["num_warps"] or xa.numel() == 0 or xb.numel() == 0:
+        return rms_norm(xa, wa, eps_a), rms_norm(xb, wb, eps_b)
+    out_a, stride_a = _checked(xa, wa, None)
+    out_b, stride_b = _checked(xb, wb, None)
+    rows_a, rows_b = xa.numel() // xa.shape[-1], xb.numel() // xb.shape[-1]
+    blocks_a = triton.cdiv(rows_a, meta_a["BLOCK_M"])
+    blocks = blocks_a + triton.cdiv(rows_b, meta_b["BLOCK_M"])
+    _rms_norm_pair_kernel[(blocks,)](
+        xa,
+        xa if wa is None else wa,
+        out_a,
+        rows_a,
+        stride_a,
+        float(eps_a),
+        blocks_a,
+        xb,
+        xb if wb is None else wb,
+        out_b,
+        rows_b,
+        stride_b,
+        float(eps_b),
+        A_N=xa.shape[-1],
+        A_BLOCK_M=meta_a["BLOCK_M"],
+        A_BLOCK_N=meta_a["BLOCK_N"],
+        A_HAS_WEIGHT=wa is not None,
+        A_FULL_TILE=meta_a["BLOCK_M"] == 1 and meta_a["BLOCK_N"] == xa.shape[-1],
+        B_N=xb.shape[-1],
+        B_BLOCK_M=meta_b["BLOCK_M"],
+        B_BLOCK_N=meta_b["BLOCK_N"],
+        B_HAS_WEIGHT=wb is not None,
+        B_FULL_TILE=meta_b["BLOCK_M"] == 1 and meta_b["BLOCK_N"] == xb.shape[-1],
+        KIND=DTYPE_KIND[xa.dtype],
+        ON_BITS=interpreted(_rms_norm_pair_kernel),
+        num_warps=meta_a["num_warps"],
+        enable_fp_fusion=False,
+        **programmatic_launch(_rms_norm_pair_kernel, xa.device),
+    )
+    return out_a, out_b

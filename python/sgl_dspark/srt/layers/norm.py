@@ -29,13 +29,38 @@ def rms_norm_impl(kernels: KernelChoice) -> RmsNormFn:
     from sgl_dspark.kernels.norm.rmsnorm import rms_norm as rms_norm_triton
 
     def rms_norm_fused(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-        # The kernel reads contiguous rows or 2-D rows with any row stride (a column block of a
-        # fused projection output); anything else is copied first.
-        if not x.is_contiguous() and not (x.dim() == 2 and x.stride(1) == 1):
-            x = x.contiguous()
-        return rms_norm_triton(x, weight, eps)
+        return rms_norm_triton(_kernel_rows(x), weight, eps)
 
     return rms_norm_fused
+
+
+def _kernel_rows(x: torch.Tensor) -> torch.Tensor:
+    """The norm kernels read contiguous rows or 2-D rows with any row stride (a column block of
+    a fused projection output); anything else is copied first."""
+    if not x.is_contiguous() and not (x.dim() == 2 and x.stride(1) == 1):
+        return x.contiguous()
+    return x
+
+
+# One norm's arguments: (x [..., N], weight [N] | None, eps)
+NormArgs = tuple[torch.Tensor, torch.Tensor | None, float]
+# (a, b) -> (a normalised, b normalised)
+RmsNormPairFn = Callable[[NormArgs, NormArgs], tuple[torch.Tensor, torch.Tensor]]
+
+
+def rms_norm_pair_impl(kernels: KernelChoice) -> RmsNormPairFn:
+    """Two RMSNorms of the "norm" family at once (DeepSeek-V4.1's q_a and kv norms, column blocks
+    of one projection output). torch: `rms_norm_ref` of each. triton: `kernels/norm/rmsnorm.py::
+    rms_norm_pair`, one launch for both where their tiles run on as many warps; each row the
+    bits of its own `rms_norm` call."""
+    if kernels.of("norm") == "torch":
+        return lambda a, b: (rms_norm_ref(*a), rms_norm_ref(*b))
+    from sgl_dspark.kernels.norm.rmsnorm import rms_norm_pair
+
+    def pair(a: NormArgs, b: NormArgs) -> tuple[torch.Tensor, torch.Tensor]:
+        return rms_norm_pair((_kernel_rows(a[0]), *a[1:]), (_kernel_rows(b[0]), *b[1:]))
+
+    return pair
 
 
 class RMSNorm(nn.Module):

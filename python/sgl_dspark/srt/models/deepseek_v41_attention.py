@@ -36,7 +36,7 @@ from sgl_dspark.srt.layers.attention.csa2 import (
     v41_indexer_impl,
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
-from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
+from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl, rms_norm_pair_impl
 from sgl_dspark.srt.layers.quant_store import index_query_impl, quant_load_impl, quant_store_impl
 from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import rope_impl
@@ -133,6 +133,7 @@ class Csa2Attention(nn.Module):
         self.x_proj = LinearGroup(x_members, kernels)
         self.qr_proj = LinearGroup(qr_members, kernels)
         self.rms_norm = rms_norm_impl(kernels)
+        self.rms_norm_pair = rms_norm_pair_impl(kernels)
         self.rope = rope_impl(kernels)
         self.store_rows = quant_store_impl(kernels)
         self.load_rows = quant_load_impl(kernels)
@@ -157,11 +158,13 @@ class Csa2Attention(nn.Module):
         T = x.shape[0]
         cos, sin = rope.tables[self.rope_kind]
         q_a, kv, *x_rest = self.x_proj(x)
-        qr = self.rms_norm(q_a, self.q_a_norm.weight, self.q_a_norm.eps)
+        qr, kv = self.rms_norm_pair(
+            (q_a, self.q_a_norm.weight, self.q_a_norm.eps),
+            (kv, self.kv_norm.weight, self.kv_norm.eps),
+        )
         q, *index_q = self.qr_proj(qr)
         q_norm = (None, self.eps) if self.q_head_norm else None
         q = self.rope(q.view(T, self.n_heads, self.head_dim), cos, sin, norm=q_norm)
-        kv = self.rms_norm(kv, self.kv_norm.weight, self.kv_norm.eps)
         window = pool.window[self.layer_id]
         # Rotated and FP8-quantised on store: what every reader (this row included) sees.
         self.store_rows(kv, cos, sin, window, batch.out_cache_loc)
