@@ -614,6 +614,30 @@ def _quant_load_into_keys() -> Callable[[], object]:
     )
 
 
+def _quant_load_pair_into_keys() -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.load import quant_load_pair
+
+    # The window's 128 FP8 keys and the attended top-512 FP4 latents into one keys tensor.
+    keys = _bf16(2, 128 + 512, 512)
+    return lambda: quant_load_pair(
+        (
+            torch.zeros(60, 512, dtype=torch.uint8),
+            torch.full((60, 16), 127, dtype=torch.uint8),
+            torch.randint(0, 60, (2, 128)),
+            "fp8_window",
+            keys[:, :128],
+        ),
+        (
+            torch.zeros(50, 256, dtype=torch.uint8),
+            torch.full((50, 32), 56, dtype=torch.uint8),
+            torch.randint(0, 50, (2, 512)),
+            "fp4_latent",
+            keys[:, 128:],
+        ),
+        torch.bfloat16,
+    )
+
+
 def _picked_entry_rows() -> Callable[[], object]:
     from sgl_dspark.kernels.compressor.entry_rows import picked_entry_rows
 
@@ -1049,6 +1073,11 @@ CASES = {
         "_quant_load_kernel",
         _quant_load_into_keys(),
     ),
+    "quant_load_pair_into_keys": (
+        "quant.load",
+        "_quant_load_pair_kernel",
+        _quant_load_pair_into_keys(),
+    ),
     "csa2_pair_pool_flash": (
         "compressor.pair_pool",
         "_csa2_pair_pool_kernel",
@@ -1249,6 +1278,7 @@ PDL_KERNELS = (
     "indexer.logits._indexer_logits_kernel",
     "indexer.topk._index_topk_kernel",
     "compressor.pool._compressor_pool_kernel",
+    "compressor.pair_pool._csa2_pair_pool_kernel",
     "spec.markov._markov_step_kernel",
     "attention.draft._draft_attention_kernel",
     "rope.q_kv._rope_q_kv_kernel",
@@ -1257,6 +1287,7 @@ PDL_KERNELS = (
     "moe.token_gemm._moe_token_down_kernel",
     "quant.store._quant_store_kernel",
     "quant.load._quant_load_kernel",
+    "quant.load._quant_load_pair_kernel",
     "engram.gather._engram_gather_kernel",
     "engram.gate._engram_gate_kernel",
     "indexer.v41_logits._v41_index_scores_kernel",

@@ -15,7 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_dspark.kernels.quant.load import e4m3_to_fp32, quant_load
+from sgl_dspark.kernels.quant.load import e4m3_to_fp32, quant_load, quant_load_pair
 from sgl_dspark.kernels.quant.reference import (
     Fp4Rows,
     Fp8Rows,
@@ -176,6 +176,47 @@ def test_quant_load_into_slices_of_wider_key_rows(tokens, first, second):
     three = on(_rows((tokens, 3), 30, torch.int64, 5))
     with pytest.raises(ValueError, match="out"):  # a token's rows not contiguous
         quant_load(*map(on, window), three, "fp8_window", torch.bfloat16, out=spaced)
+
+
+@pytest.mark.parametrize(("tokens", "first", "second"), [(1, 16, 5), (3, 7, 4), (4, 1, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_load_pair_is_the_two_loads(tokens, first, second, dtype):
+    """`quant_load_pair`: the window's FP8 keys and a source's FP4 latents into the two column
+    ranges of one keys tensor in one launch, every element with the bits of its own load (the
+    reference's), no element left unwritten; a third format (FP4 index keys) too."""
+    d, width = 64, first + second
+    window = _quantised_cache("fp8_window", 30, d, 31)
+    latents = _quantised_cache("fp4_latent", 25, d, 32)
+    rows_w = _rows((tokens, first), 30, torch.int64, 6)
+    rows_l = _rows((tokens, second), 25, torch.int32, 7)
+    keys = torch.full((tokens, width, d), float("nan")).to(dtype).to(DEVICE)
+    on = lambda t: t.to(DEVICE)
+    quant_load_pair(
+        (*map(on, window), on(rows_w), "fp8_window", keys[:, :first]),
+        (*map(on, latents), on(rows_l), "fp4_latent", keys[:, first:]),
+        dtype,
+    )
+    got = keys.cpu()
+    assert not got.isnan().any()
+    assert _same_bits(got[:, :first], _expected("fp8_window", *window, rows_w, dtype))
+    assert _same_bits(got[:, first:], _expected("fp4_latent", *latents, rows_l.long(), dtype))
+    index = _raw_cache("fp4_index", 9, 128, 33, dtype)
+    rows_i = _rows((tokens, 3), 9, torch.int64, 8)
+    out_i = torch.full((tokens, 3, 128), float("nan")).to(dtype).to(DEVICE)
+    out_w = torch.full((tokens, first, d), float("nan")).to(dtype).to(DEVICE)
+    quant_load_pair(
+        (*map(on, index), on(rows_i), "fp4_index", out_i),
+        (*map(on, window), on(rows_w), "fp8_window", out_w),
+        dtype,
+    )
+    assert _same_bits(out_i.cpu(), _expected("fp4_index", *index, rows_i, dtype))
+    assert _same_bits(out_w.cpu(), _expected("fp8_window", *window, rows_w, dtype))
+    with pytest.raises(ValueError, match="out"):  # each load's own checks
+        quant_load_pair(
+            (*map(on, window), on(rows_w), "fp8_window", out_w[:, :0]),
+            (*map(on, index), on(rows_i), "fp4_index", out_i),
+            dtype,
+        )
 
 
 def test_quant_load_empty_rows_and_default_output():

@@ -55,7 +55,8 @@ def e4m3_to_fp32(codes):
 
 
 @triton.jit
-def _quant_load_kernel(
+def _load_rows(
+    block,
     rows_ptr,
     n,
     data_ptr,
@@ -73,10 +74,10 @@ def _quant_load_kernel(
     FMT: tl.constexpr,
     OUT_KIND: tl.constexpr,
     ON_BITS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_producers(PDL)  # the cache rows come from the store launches before this one
-    offs_r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    """Rows [block * ROWS, (block + 1) * ROWS) of the flattened `rows` of one load (the kernel's
+    whole work; `_quant_load_pair_kernel` runs two loads' tiles in one grid)."""
+    offs_r = block * ROWS + tl.arange(0, ROWS)
     row_ok = offs_r < n
     row = tl.load(rows_ptr + offs_r, mask=row_ok, other=0).to(tl.int64)
     offs_w = tl.arange(0, WP)  # stored byte of the row
@@ -106,29 +107,145 @@ def _quant_load_kernel(
         tl.store(out_row + even + 1, round_to_dtype(hi, OUT_KIND, ON_BITS), mask=mask)
 
 
-def quant_load(
+@triton.jit
+def _quant_load_kernel(
+    rows_ptr,
+    n,
+    data_ptr,
+    data_row_stride,
+    scales_ptr,
+    scales_row_stride,
+    out_ptr,
+    out_group,
+    out_group_stride,
+    D: tl.constexpr,
+    W: tl.constexpr,
+    WP: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_producers(PDL)  # the cache rows come from the store launches before this one
+    _load_rows(
+        tl.program_id(0),
+        rows_ptr,
+        n,
+        data_ptr,
+        data_row_stride,
+        scales_ptr,
+        scales_row_stride,
+        out_ptr,
+        out_group,
+        out_group_stride,
+        D,
+        W,
+        WP,
+        ROWS,
+        BLOCK,
+        FMT,
+        OUT_KIND,
+        ON_BITS,
+    )
+
+
+@triton.jit
+def _quant_load_pair_kernel(
+    a_rows_ptr,
+    a_n,
+    a_data_ptr,
+    a_data_row_stride,
+    a_scales_ptr,
+    a_scales_row_stride,
+    a_out_ptr,
+    a_out_group,
+    a_out_group_stride,
+    a_blocks,
+    b_rows_ptr,
+    b_n,
+    b_data_ptr,
+    b_data_row_stride,
+    b_scales_ptr,
+    b_scales_row_stride,
+    b_out_ptr,
+    b_out_group,
+    b_out_group_stride,
+    A_D: tl.constexpr,
+    A_W: tl.constexpr,
+    A_WP: tl.constexpr,
+    A_ROWS: tl.constexpr,
+    A_BLOCK: tl.constexpr,
+    A_FMT: tl.constexpr,
+    B_D: tl.constexpr,
+    B_W: tl.constexpr,
+    B_WP: tl.constexpr,
+    B_ROWS: tl.constexpr,
+    B_BLOCK: tl.constexpr,
+    B_FMT: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Programs [0, a_blocks) decode load a's row tiles, the rest load b's, each as its own
+    # launch would (an element's decode depends on nothing else).
+    wait_for_producers(PDL)  # the cache rows come from the store launches before this one
+    block = tl.program_id(0)
+    if block < a_blocks:
+        _load_rows(
+            block,
+            a_rows_ptr,
+            a_n,
+            a_data_ptr,
+            a_data_row_stride,
+            a_scales_ptr,
+            a_scales_row_stride,
+            a_out_ptr,
+            a_out_group,
+            a_out_group_stride,
+            A_D,
+            A_W,
+            A_WP,
+            A_ROWS,
+            A_BLOCK,
+            A_FMT,
+            OUT_KIND,
+            ON_BITS,
+        )
+    else:
+        _load_rows(
+            block - a_blocks,
+            b_rows_ptr,
+            b_n,
+            b_data_ptr,
+            b_data_row_stride,
+            b_scales_ptr,
+            b_scales_row_stride,
+            b_out_ptr,
+            b_out_group,
+            b_out_group_stride,
+            B_D,
+            B_W,
+            B_WP,
+            B_ROWS,
+            B_BLOCK,
+            B_FMT,
+            OUT_KIND,
+            ON_BITS,
+        )
+
+
+def _launch_args(
     data: torch.Tensor,
     scales: torch.Tensor,
     rows: torch.Tensor,
     fmt: str,
     dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """`quant_load_ref` in one launch, no host sync.
-
-    Args:
-        data, scales: the packed cache (`QuantizedRows`): uint8 [R, D] (FP8 codes) or [R, D/2]
-            (E2M1 pairs), and uint8 [R, D / block] scale bytes; unit stride in the last dim.
-        rows: int32/int64 cache rows, any shape; each in [0, R) (not checked: no host sync).
-        fmt: "fp8_window", "fp4_latent" or "fp4_index".
-        dtype: fp32/bf16/fp16, the decoded rows' dtype.
-        out: optional [*rows.shape, D] of `dtype` to write into: contiguous, or for rows
-            [T, K] a [T, K, D] view whose K x D block per token is contiguous (a slice of wider
-            rows of keys).
-
-    Returns:
-        [*rows.shape, D] in `dtype`: row r's decoded values at each index of `rows`.
-    """
+    out: torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, object], dict[str, int]]:
+    """`quant_load`'s argument checks (ValueError naming the argument): (out, allocated when
+    None; the load's pointer and size arguments, `_load_rows`' order; its constexprs)."""
     require(fmt in FORMATS, f"fmt: expected one of {tuple(FORMATS)}, got {fmt!r}")
     require(dtype in DTYPE_KIND, f"dtype: expected fp32/bf16/fp16, got {dtype}")
     require(
@@ -167,27 +284,60 @@ def quant_load(
     flat = rows.reshape(-1)
     if not flat.is_contiguous():
         flat = flat.contiguous()
-    n = flat.numel()
+    wp = triton.next_power_of_2(width)
+    args = {
+        "rows_ptr": flat,
+        "n": flat.numel(),
+        "data_ptr": data,
+        "data_row_stride": data.stride(0),
+        "scales_ptr": scales,
+        "scales_row_stride": scales.stride(0),
+        "out_ptr": out,
+        "out_group": group,
+        "out_group_stride": group_stride,
+    }
+    consts = {
+        "D": d,
+        "W": width,
+        "WP": wp,
+        "ROWS": max(1, _TILE // wp),
+        "BLOCK": block,
+        "FMT": FORMATS[fmt],
+    }
+    return out, args, consts
+
+
+def quant_load(
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    rows: torch.Tensor,
+    fmt: str,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`quant_load_ref` in one launch, no host sync.
+
+    Args:
+        data, scales: the packed cache (`QuantizedRows`): uint8 [R, D] (FP8 codes) or [R, D/2]
+            (E2M1 pairs), and uint8 [R, D / block] scale bytes; unit stride in the last dim.
+        rows: int32/int64 cache rows, any shape; each in [0, R) (not checked: no host sync).
+        fmt: "fp8_window", "fp4_latent" or "fp4_index".
+        dtype: fp32/bf16/fp16, the decoded rows' dtype.
+        out: optional [*rows.shape, D] of `dtype` to write into: contiguous, or for rows
+            [T, K] a [T, K, D] view whose K x D block per token is contiguous (a slice of wider
+            rows of keys).
+
+    Returns:
+        [*rows.shape, D] in `dtype`: row r's decoded values at each index of `rows`.
+    """
+    out, args, consts = _launch_args(data, scales, rows, fmt, dtype, out)
+    n = args["n"]
+    assert isinstance(n, int)
     if n == 0:
         return out
-    wp = triton.next_power_of_2(width)
-    rows_per_program = max(1, _TILE // wp)
-    _quant_load_kernel[(triton.cdiv(n, rows_per_program),)](
-        flat,
-        n,
-        data,
-        data.stride(0),
-        scales,
-        scales.stride(0),
-        out,
-        group,
-        group_stride,
-        D=d,
-        W=width,
-        WP=wp,
-        ROWS=rows_per_program,
-        BLOCK=block,
-        FMT=FORMATS[fmt],
+    _quant_load_kernel[(triton.cdiv(n, consts["ROWS"]),)](
+        **args,
+        **consts,
         OUT_KIND=DTYPE_KIND[dtype],
         ON_BITS=interpreted(_quant_load_kernel),
         num_warps=4,
@@ -195,6 +345,37 @@ def quant_load(
         **programmatic_launch(_quant_load_kernel, data.device),
     )
     return out
+
+
+# One load of `quant_load_pair`: (data, scales, rows, fmt, out), as `quant_load`'s.
+LoadArgs = tuple[torch.Tensor, torch.Tensor, torch.Tensor, str, torch.Tensor]
+
+
+def quant_load_pair(a: LoadArgs, b: LoadArgs, dtype: torch.dtype) -> None:
+    """Two `quant_load` calls into given outputs in one launch (DeepSeek-V4.1's window keys and
+    attended latents, decoded side by side into one keys tensor); the same values as the two
+    calls."""
+    _, args_a, consts_a = _launch_args(*a[:4], dtype, a[4])
+    _, args_b, consts_b = _launch_args(*b[:4], dtype, b[4])
+    n_a, n_b = args_a["n"], args_b["n"]
+    assert isinstance(n_a, int) and isinstance(n_b, int)
+    blocks_a = triton.cdiv(n_a, consts_a["ROWS"])
+    blocks = blocks_a + triton.cdiv(n_b, consts_b["ROWS"])
+    if blocks == 0:
+        return
+    data = a[0]
+    _quant_load_pair_kernel[(blocks,)](
+        **{f"a_{k}": v for k, v in args_a.items()},
+        a_blocks=blocks_a,
+        **{f"b_{k}": v for k, v in args_b.items()},
+        **{f"A_{k}": v for k, v in consts_a.items()},
+        **{f"B_{k}": v for k, v in consts_b.items()},
+        OUT_KIND=DTYPE_KIND[dtype],
+        ON_BITS=interpreted(_quant_load_pair_kernel),
+        num_warps=4,
+        enable_fp_fusion=False,
+        **programmatic_launch(_quant_load_pair_kernel, data.device),
+    )
 
 
 def _group_stride(out: torch.Tensor, group: int, d: int) -> int | None:
@@ -208,4 +389,4 @@ def _group_stride(out: torch.Tensor, group: int, d: int) -> int | None:
     return None
 
 
-__all__ = ["e4m3_to_fp32", "quant_load"]
+__all__ = ["e4m3_to_fp32", "quant_load", "quant_load_pair"]

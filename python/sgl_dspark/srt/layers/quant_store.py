@@ -127,11 +127,63 @@ def quant_load_impl(kernels: KernelChoice) -> QuantLoadFn:
     return load_triton
 
 
+# (cache a, rows a, out a, cache b, rows b, out b) -> None: two `QuantLoadFn` calls into given
+# outputs
+QuantLoadPairFn = Callable[
+    [QuantizedRows, torch.Tensor, torch.Tensor, QuantizedRows, torch.Tensor, torch.Tensor], None
+]
+
+
+def quant_load_pair_impl(kernels: KernelChoice) -> QuantLoadPairFn:
+    """Two loads into given outputs (DeepSeek-V4.1's window keys and attended latents, side by
+    side in one keys tensor). torch: `quant_load_impl`'s twice. triton: one launch for two
+    packed caches (`kernels/quant/load.py::quant_load_pair`), the values of two loads."""
+    load = quant_load_impl(kernels)
+    if kernels.of("rope") == "torch":
+
+        def twice(
+            a: QuantizedRows,
+            rows_a: torch.Tensor,
+            out_a: torch.Tensor,
+            b: QuantizedRows,
+            rows_b: torch.Tensor,
+            out_b: torch.Tensor,
+        ) -> None:
+            load(a, rows_a, out_a)
+            load(b, rows_b, out_b)
+
+        return twice
+    from sgl_dspark.kernels.quant.load import quant_load_pair
+
+    def pair(
+        a: QuantizedRows,
+        rows_a: torch.Tensor,
+        out_a: torch.Tensor,
+        b: QuantizedRows,
+        rows_b: torch.Tensor,
+        out_b: torch.Tensor,
+    ) -> None:
+        if not (a.packed and b.packed) or a.dtype != b.dtype:
+            load(a, rows_a, out_a)
+            load(b, rows_b, out_b)
+            return
+        assert a.scales is not None and b.scales is not None
+        quant_load_pair(
+            (a.data, a.scales, rows_a, a.fmt, out_a),
+            (b.data, b.scales, rows_b, b.fmt, out_b),
+            a.dtype,
+        )
+
+    return pair
+
+
 __all__ = [
     "IndexQueryFn",
     "QuantLoadFn",
+    "QuantLoadPairFn",
     "QuantStoreFn",
     "index_query_impl",
     "quant_load_impl",
+    "quant_load_pair_impl",
     "quant_store_impl",
 ]

@@ -37,7 +37,12 @@ from sgl_dspark.srt.layers.attention.csa2 import (
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl, rms_norm_pair_impl
-from sgl_dspark.srt.layers.quant_store import index_query_impl, quant_load_impl, quant_store_impl
+from sgl_dspark.srt.layers.quant_store import (
+    index_query_impl,
+    quant_load_impl,
+    quant_load_pair_impl,
+    quant_store_impl,
+)
 from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import rope_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool, QuantizedRows
@@ -137,6 +142,7 @@ class Csa2Attention(nn.Module):
         self.rope = rope_impl(kernels)
         self.store_rows = quant_store_impl(kernels)
         self.load_rows = quant_load_impl(kernels)
+        self.load_row_pair = quant_load_pair_impl(kernels)
         self.index_queries = index_query_impl(kernels)
         self.index_scores, self.block_max = v41_indexer_impl(kernels)
         self.picked_rows = picked_rows_impl(kernels)
@@ -177,14 +183,14 @@ class Csa2Attention(nn.Module):
         )
         if self.ratio > 0:
             # The window's keys and the attended latents decoded side by side into one tensor
-            # (no concatenation copy); their validity joined once per published top-k.
+            # in one launch (no concatenation copy); their validity joined once per published
+            # top-k.
             latents, rows = self._compressed(x_rest, index_q, batch, pool, rope, shared)
             w = slots.shape[1]
             keys = torch.empty(
                 T, w + rows.shape[1], self.head_dim, dtype=window.dtype, device=x.device
             )
-            self.load_rows(window, slots, keys[:, :w])
-            self.load_rows(latents, rows, keys[:, w:])
+            self.load_row_pair(window, slots, keys[:, :w], latents, rows, keys[:, w:])
             assert self.source is not None  # every compressed layer has one
             valid = shared.attended_valid(self.source, valid)
         else:
