@@ -671,6 +671,20 @@ def _csa2_pair_pool() -> Callable[[], object]:
     )
 
 
+def _topk_entry_rows(width: int) -> Callable[[], object]:
+    from sgl_dspark.kernels.compressor.entry_rows import topk_entry_rows
+
+    # DeepSeek-V4.1-Flash's top-512 of an index source's scores, ratio 2: a short context and
+    # the longest row sorted in registers.
+    return lambda: topk_entry_rows(
+        torch.zeros(3, width),
+        512,
+        torch.zeros(4, 2 * width, dtype=torch.int32),
+        torch.zeros(3, dtype=torch.int64),
+        2,
+    )
+
+
 def _quant_load(fmt: str, d: int, shape: tuple[int, ...]) -> Callable[[], object]:
     from sgl_dspark.kernels.quant.load import quant_load
 
@@ -1083,6 +1097,16 @@ CASES = {
         "_csa2_pair_pool_kernel",
         _csa2_pair_pool(),
     ),
+    "topk_entry_rows_flash_1k": (
+        "compressor.entry_rows",
+        "_topk_entry_rows_kernel",
+        _topk_entry_rows(1024),
+    ),
+    "topk_entry_rows_flash_4k": (
+        "compressor.entry_rows",
+        "_topk_entry_rows_kernel",
+        _topk_entry_rows(4096),
+    ),
     "picked_entry_rows_flash": (
         "compressor.entry_rows",
         "_picked_entry_rows_kernel",
@@ -1279,6 +1303,7 @@ PDL_KERNELS = (
     "indexer.topk._index_topk_kernel",
     "compressor.pool._compressor_pool_kernel",
     "compressor.pair_pool._csa2_pair_pool_kernel",
+    "compressor.entry_rows._topk_entry_rows_kernel",
     "spec.markov._markov_step_kernel",
     "attention.draft._draft_attention_kernel",
     "rope.q_kv._rope_q_kv_kernel",

@@ -2,14 +2,15 @@
 reference, every integer equal: selections read in place as the leading columns of a sorted
 row, picks scored -inf dropped (row 0) wherever they fall, entry ids past the request table's
 width (clamped, then masked), int32 and int64 ids and tables, requests in any order, empty
-selections; bad arguments name the field."""
+selections; bad arguments name the field. And the whole top-k selection in one launch
+(`topk_entry_rows`, its sort included) against `topk_entry_rows_ref`."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from sgl_dspark.kernels.compressor.entry_rows import picked_entry_rows
-from sgl_dspark.kernels.compressor.reference import picked_entry_rows_ref
+from sgl_dspark.kernels.compressor.entry_rows import picked_entry_rows, topk_entry_rows
+from sgl_dspark.kernels.compressor.reference import picked_entry_rows_ref, topk_entry_rows_ref
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -63,3 +64,44 @@ def test_empty_and_bad_arguments():
         picked_entry_rows(values, indices[:, :2], table, slots, 2)
     with pytest.raises(ValueError, match="token_slot"):
         picked_entry_rows(values, indices, table, slots[:1], 2)
+
+
+@pytest.mark.parametrize(
+    ("tokens", "width", "k", "ratio"),
+    [(1, 7, 3, 2), (3, 150, 64, 2), (2, 1000, 512, 2), (4, 33, 33, 1), (2, 4097, 100, 2)],
+)
+def test_topk_entry_rows_sorts_and_addresses_as_the_reference(tokens, width, k, ratio):
+    """`topk_entry_rows` (sort and addressing in one launch; past TOPK_SORT_MAX = 4096 entries
+    torch's sort then one launch) gives the reference's integers: scores on a coarse grid so
+    ties are common (the lower entry first), -inf picks dropped wherever they land, -0.0 tied
+    with +0.0, a row with nothing visible."""
+    g = torch.Generator().manual_seed(tokens * 7 + width + k)
+    scores = torch.randint(-3, 4, (tokens, width), generator=g).float() * 0.5
+    scores[torch.rand(tokens, width, generator=g) < 0.3] = float("-inf")
+    scores[0, :2] = torch.tensor([-0.0, 0.0])
+    scores[-1] = float("-inf") if tokens > 1 else scores[-1]
+    table = torch.randint(0, 500, (5, width * ratio + 4), generator=g).to(torch.int32) * ratio
+    token_slot = torch.randint(0, 5, (tokens,), generator=g)
+    on = lambda t: t.to(DEVICE)
+    got_rows, got_valid = topk_entry_rows(on(scores), k, on(table), on(token_slot), ratio)
+    want_rows, want_valid = topk_entry_rows_ref(scores, k, table, token_slot, ratio)
+    assert got_rows.dtype == torch.int64 and got_valid.dtype == torch.bool
+    assert torch.equal(got_rows.cpu(), want_rows) and torch.equal(got_valid.cpu(), want_valid)
+    assert want_valid.any() and (tokens == 1 or not want_valid[-1].any())
+    # The stable order by hand on the first row: its best scores, lower entries first.
+    order = sorted(range(width), key=lambda j: (-scores[0, j].item(), j))[:k]
+    best = [j for j in order if scores[0, j] > float("-inf")]
+    rows = table[token_slot[0], [j * ratio for j in best]].long() // ratio
+    assert got_rows[0, : len(best)].cpu().tolist() == rows.tolist()
+
+
+def test_topk_entry_rows_bad_arguments():
+    scores = torch.zeros(2, 8, device=DEVICE)
+    table = torch.zeros(3, 20, dtype=torch.int32, device=DEVICE)
+    slots = torch.zeros(2, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match="k: expected"):
+        topk_entry_rows(scores, 9, table, slots, 2)
+    with pytest.raises(ValueError, match="scores"):
+        topk_entry_rows(scores.double(), 4, table, slots, 2)
+    with pytest.raises(ValueError, match="token_slot"):
+        topk_entry_rows(scores, 4, table, slots[:1], 2)

@@ -57,6 +57,32 @@ def picked_entry_rows_ref(
     return torch.where(valid, rows, torch.zeros_like(rows)), valid
 
 
+def topk_lower_index_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The `k` largest entries of each row of `x` (values, indices), equal values in index order.
+
+    `torch.topk` leaves the order of ties to the implementation, and it differs with the row
+    width: a prefill row would then pick other entries than the same row decoded alone (the rows
+    of a longer batch carry more -inf columns). The FP4-quantised index scores tie often, so
+    the selection is a stable sort, whose ties go to the lower index whatever the width."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+def topk_entry_rows_ref(
+    scores: torch.Tensor,
+    k: int,
+    req_to_token: torch.Tensor,
+    token_slot: torch.Tensor,
+    ratio: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """DeepSeek-V4.1's top-k selection of compressed entries: the `k` best scores of every row
+    of `scores` `[T, N]` in descending order, ties to the lower entry
+    (`topk_lower_index_first`), as (pool rows int64 `[T, k]`, 0 where dropped; valid `[T, k]`):
+    a pick scored -inf is dropped (`picked_entry_rows_ref`)."""
+    values, indices = topk_lower_index_first(scores, k)
+    return picked_entry_rows_ref(values, indices, req_to_token, token_slot, ratio)
+
+
 class PairGroups(NamedTuple):
     pooled: torch.Tensor  # [T, Dh] kv's dtype, before the norm
     start_positions: torch.Tensor  # [T] int64 first position of the group (-1 on row 0's)

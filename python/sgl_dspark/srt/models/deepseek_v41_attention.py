@@ -30,9 +30,9 @@ from sgl_dspark.srt.layers.attention.csa2 import (
     Csa2Compressor,
     Csa2Indexer,
     expand_blocks,
-    picked_rows_impl,
     select_candidate_blocks,
     select_topk,
+    topk_rows_impl,
     v41_indexer_impl,
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
@@ -145,7 +145,7 @@ class Csa2Attention(nn.Module):
         self.load_row_pair = quant_load_pair_impl(kernels)
         self.index_queries = index_query_impl(kernels)
         self.index_scores, self.block_max = v41_indexer_impl(kernels)
-        self.picked_rows = picked_rows_impl(kernels)
+        self.topk_rows = topk_rows_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
 
@@ -295,4 +295,4 @@ class Csa2Attention(nn.Module):
             shared.candidates[self.layer_id] = select_candidate_blocks(
                 scores, visible, blocks, size, self.block_max
             )
-        return select_topk(scores, k, batch, m, self.picked_rows)
+        return select_topk(scores, k, batch, m, self.topk_rows)

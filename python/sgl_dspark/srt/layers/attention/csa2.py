@@ -26,7 +26,8 @@ from sgl_dspark.kernels.compressor.reference import (
     PairGroups,
     csa2_pair_groups_ref,
     csa2_pair_pool_ref,
-    picked_entry_rows_ref,
+    topk_entry_rows_ref,
+    topk_lower_index_first,
 )
 from sgl_dspark.kernels.indexer.reference import candidate_block_max_ref, v41_index_scores_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch, ForwardMode
@@ -196,24 +197,24 @@ BlockMaxFn = Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor]
 IndexScoresFn = Callable[..., torch.Tensor]
 
 
-# (values [T, k], entry ids [T, k], req_to_token, token slots [T], ratio) -> (pool rows [T, k],
-# 0 where dropped; valid [T, k])
-PickedRowsFn = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int],
-    tuple[torch.Tensor, torch.Tensor],
+# (scores [T, N], k, req_to_token, token slots [T], ratio) -> (pool rows [T, k], 0 where
+# dropped; valid [T, k]): `topk_entry_rows_ref`'s arguments
+TopkRowsFn = Callable[
+    [torch.Tensor, int, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]
 ]
 
 
-def picked_rows_impl(kernels: KernelChoice) -> PickedRowsFn:
-    """A top-k selection's pool rows and validity, of the "indexer" family. torch:
-    `picked_entry_rows_ref` (a compare, the addressing's index and arithmetic, a select: some
-    eight kernels). triton: `kernels/compressor/entry_rows.py::picked_entry_rows`, one launch
-    reading the sorted selection in place; the same integers."""
+def topk_rows_impl(kernels: KernelChoice) -> TopkRowsFn:
+    """An index source's top-k selection as pool rows and validity, of the "indexer" family.
+    torch: `topk_entry_rows_ref` (a stable sort, then the addressing: some ten kernels).
+    triton: `kernels/compressor/entry_rows.py::topk_entry_rows`, the sort and the addressing in
+    one launch for rows of up to `TOPK_SORT_MAX` entries (longer ones: the sort, then one
+    launch); the same integers."""
     if kernels.of("indexer") == "torch":
-        return picked_entry_rows_ref
-    from sgl_dspark.kernels.compressor.entry_rows import picked_entry_rows
+        return topk_entry_rows_ref
+    from sgl_dspark.kernels.compressor.entry_rows import topk_entry_rows
 
-    return picked_entry_rows
+    return topk_entry_rows
 
 
 def v41_indexer_impl(kernels: KernelChoice) -> tuple[IndexScoresFn, BlockMaxFn]:
@@ -227,17 +228,6 @@ def v41_indexer_impl(kernels: KernelChoice) -> tuple[IndexScoresFn, BlockMaxFn]:
     from sgl_dspark.kernels.indexer.v41_logits import candidate_block_max, v41_index_scores
 
     return v41_index_scores, candidate_block_max
-
-
-def topk_lower_index_first(x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The `k` largest entries of each row of `x` (values, indices), equal values in index order.
-
-    `torch.topk` leaves the order of ties to the implementation, and it differs with the row
-    width: a prefill row would then pick other entries than the same row decoded alone (the rows
-    of a longer batch carry more -inf columns). The FP4-quantised index scores tie often, so
-    the selection is a stable sort, whose ties go to the lower index whatever the width."""
-    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
-    return values[..., :k], indices[..., :k]
 
 
 def select_candidate_blocks(
@@ -265,12 +255,11 @@ def expand_blocks(keep: torch.Tensor, block: int, width: int) -> torch.Tensor:
 
 
 def select_topk(
-    scores: torch.Tensor, k: int, batch: ForwardBatch, ratio: int, picked_rows: PickedRowsFn
+    scores: torch.Tensor, k: int, batch: ForwardBatch, ratio: int, topk_rows: TopkRowsFn
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The `k` best entries of every row (ties to the lower entry), dropping picks scored -inf:
     (their cache rows `[T, k]`, 0 where dropped; valid `[T, k]`)."""
-    values, indices = topk_lower_index_first(scores, k)
-    return picked_rows(values, indices, batch.req_to_token, batch.token_slots(), ratio)
+    return topk_rows(scores, k, batch.req_to_token, batch.token_slots(), ratio)
 
 
 __all__ = [
@@ -278,7 +267,7 @@ __all__ = [
     "Csa2Indexer",
     "EmittedGroups",
     "expand_blocks",
-    "picked_rows_impl",
+    "topk_rows_impl",
     "select_candidate_blocks",
     "select_topk",
     "topk_lower_index_first",
