@@ -175,7 +175,7 @@ def test_tiny_v41_triton_backend_equals_torch(spec):
                 pairs = e.runner.model.model.layers[1].self_attn.compressor  # ratio-2 kv source
                 assert pairs.pair_pool.__name__ == "csa2_pair_pool"
                 engram = e.runner.model.model.layers[0].engram
-                assert engram.gather.__name__ == "engram_gather"
+                assert engram.lookup.__name__ == "lookup_triton"
                 assert engram.gate.__name__ == "engram_gate"
                 assert e.runner.model.hc_boundary is not None
             return [o["output_ids"] for o in e.generate(prompt=PROMPTS, sampling_params=params)]

@@ -718,6 +718,22 @@ def _engram_gather_fp8() -> Callable[[], object]:
     return lambda: engram_gather(table, torch.zeros(3, 24, dtype=torch.int64))
 
 
+def _engram_gather_hashed() -> Callable[[], object]:
+    from sgl_dspark.kernels.engram.gather import engram_gather_hashed
+    from sgl_dspark.kernels.linear.reference import QuantizedWeight
+
+    # V4.1-Flash's hashing (n-grams of 2..4 ids, 8 heads: 24 ids) into the released FP8 table.
+    data = torch.zeros(1000, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    table = QuantizedWeight(data, torch.full((1000, 8), 127, dtype=torch.uint8), "fp8", 32)
+    return lambda: engram_gather_hashed(
+        table,
+        torch.zeros(3, 4, dtype=torch.int64),
+        torch.ones(4, dtype=torch.int64),
+        torch.full((3, 8), 31, dtype=torch.int64),
+        torch.zeros(24, dtype=torch.int64),
+    )
+
+
 def _engram_gate(dtype: torch.dtype) -> Callable[[], object]:
     from sgl_dspark.kernels.engram.gate import engram_gate
 
@@ -1128,6 +1144,11 @@ CASES = {
         _quant_load("fp4_index", 128, (3, 5)),
     ),
     "engram_gather_flash": ("engram.gather", "_engram_gather_kernel", _engram_gather()),
+    "engram_gather_hashed_flash": (
+        "engram.gather",
+        "_engram_gather_kernel",
+        _engram_gather_hashed(),
+    ),
     "engram_gather_flash_fp8": (
         "engram.gather",
         "_engram_gather_kernel",

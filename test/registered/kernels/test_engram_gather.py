@@ -7,9 +7,11 @@ page-locked host memory; bad arguments name the field."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from sgl_dspark.kernels.engram.gather import engram_gather
+from sgl_dspark.kernels.engram.gather import engram_gather, engram_gather_hashed
 from sgl_dspark.kernels.engram.reference import engram_gather_ref
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, dequantize_weight_ref
 
@@ -109,3 +111,45 @@ def test_bad_arguments_name_the_field():
         engram_gather(QuantizedWeight(packed, fp8.scale, "mxfp4", 32), ids)
     with pytest.raises(ValueError, match="dtype"):
         engram_gather(fp8, ids, dtype=torch.int32)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize(("t", "n", "heads", "e"), [(1, 3, 8, 32), (5, 2, 3, 16), (3, 4, 5, 64)])
+def test_hashed_gather_is_the_hash_then_the_gather(packed, t, n, heads, e):
+    """`engram_gather_hashed` hashes the rows from the compressed history in the kernel: the
+    layer's `EngramHash` then the reference gather, bit for bit, on histories whose products
+    overflow int64 (XOR of wrapped products, negative before the remainder)."""
+    from sgl_dspark.srt.layers.engram import EngramHash
+
+    g = torch.Generator().manual_seed(t * 100 + n * 10 + heads)
+    primes = torch.randint(50, 400, (n - 1, heads), generator=g)
+    offsets = torch.cat((torch.zeros(1, dtype=torch.int64), primes.flatten().cumsum(0)[:-1]))
+    constants = SimpleNamespace(  # what EngramHash reads of an Engram config
+        multipliers=[torch.randint(1, 1 << 62, (n,), generator=g).tolist()],
+        primes=[primes.tolist()],
+        offsets=lambda index: offsets.tolist(),
+    )
+    hashing = EngramHash(constants, 0).to(DEVICE)  # type: ignore[arg-type]
+    compressed = torch.randint(0, 1 << 40, (t, n), generator=g)
+    compressed[0, 0] = (1 << 62) + 12345  # its product wraps
+    compressed = compressed.to(DEVICE)
+    v = int(primes.sum())
+    dense = torch.randn(v, e, generator=g)
+    table = _on(DEVICE, _fp8_table(v, e, 32 if e >= 32 else 16, g)) if packed else dense
+    table = table if packed else table.to(DEVICE)
+    rows = hashing(compressed)
+    assert (rows >= 0).all() and (rows < v).all()
+    want = engram_gather_ref(table, rows, torch.float32 if not packed else torch.bfloat16)
+    got = engram_gather_hashed(
+        table,
+        compressed,
+        hashing.multipliers,
+        hashing.primes,
+        hashing.offsets,
+        torch.float32 if not packed else torch.bfloat16,
+    )
+    assert got.shape == (t, (n - 1) * heads * e) and torch.equal(got, want)
+    with pytest.raises(ValueError, match="primes"):
+        engram_gather_hashed(
+            table, compressed, hashing.multipliers, hashing.primes.flatten(), hashing.offsets
+        )

@@ -41,10 +41,6 @@ def ngram_history(
     return torch.where(pos >= 0, token_ids[slots], torch.full_like(slots, pad_id))
 
 
-# (table [V, E] plain or FP8 as released, ids [T, K], the rows' dtype: a plain table's own, any
-# for a decoded one) -> [T, K * E]: the table rows of every id, side by side
-EngramGatherFn = Callable[[WeightLike, torch.Tensor, torch.dtype], torch.Tensor]
-
 # Parameter names (substrings) of the Engram hash tables: the tensors `--engram-table-location
 # host` keeps in page-locked host memory.
 ENGRAM_TABLE_NAMES = ("engram.embed.",)
@@ -54,17 +50,42 @@ def is_engram_table(name: str) -> bool:
     return any(part in name for part in ENGRAM_TABLE_NAMES)
 
 
-def engram_gather_impl(kernels: KernelChoice) -> EngramGatherFn:
-    """The embedding gather of the "engram" family. torch: `engram_gather_ref` (an index, then
-    the selected rows of an FP8 table dequantised). triton: `kernels/engram/gather.py::
-    engram_gather`, one launch reading the ids in place and decoding an FP8 table's rows, also
-    from a table in page-locked host memory; both give the same bits."""
-    if kernels.of("engram") == "torch":
-        return engram_gather_ref
-    # Imported only when chosen: the torch path never loads Triton.
-    from sgl_dspark.kernels.engram.gather import engram_gather
+# (table [V, E] plain or FP8 as released, compressed n-gram history [T, N], the layer's
+# `EngramHash`, the rows' dtype: a plain table's own, any for a decoded one) -> [T, K * E]: the
+# table rows of every hashed id, side by side
+EngramLookupFn = Callable[[WeightLike, torch.Tensor, "EngramHash", torch.dtype], torch.Tensor]
 
-    return engram_gather
+
+def engram_lookup_impl(kernels: KernelChoice) -> EngramLookupFn:
+    """The hashing and embedding gather of the "engram" family. torch: `EngramHash` (some ten
+    kernels), then `engram_gather_ref` (an index, then the selected rows of an FP8 table
+    dequantised). triton: `kernels/engram/gather.py::engram_gather_hashed`, one launch that
+    hashes the ids from the history and decodes an FP8 table's rows, also from a table in
+    page-locked host memory; both give the same bits."""
+    if kernels.of("engram") == "torch":
+
+        def lookup_torch(
+            table: WeightLike, compressed: torch.Tensor, hashing: EngramHash, dtype: torch.dtype
+        ) -> torch.Tensor:
+            return engram_gather_ref(table, hashing(compressed), dtype)
+
+        return lookup_torch
+    # Imported only when chosen: the torch path never loads Triton.
+    from sgl_dspark.kernels.engram.gather import engram_gather_hashed
+
+    def lookup_triton(
+        table: WeightLike, compressed: torch.Tensor, hashing: EngramHash, dtype: torch.dtype
+    ) -> torch.Tensor:
+        return engram_gather_hashed(
+            table,
+            compressed.to(torch.int64).contiguous(),  # no-ops for the model's history
+            hashing.multipliers,
+            hashing.primes,
+            hashing.offsets,
+            dtype,
+        )
+
+    return lookup_triton
 
 
 # (streams [T, n, D], kv [T, (n + 1) * D], q_weight [n, D], k_weight [n, D], eps) -> the
@@ -132,7 +153,7 @@ class Engram(nn.Module):
     ) -> None:
         super().__init__()
         self.eps = eps
-        self.gather = engram_gather_impl(kernels or KernelChoice())
+        self.lookup = engram_lookup_impl(kernels or KernelChoice())
         self.gate = engram_gate_impl(kernels or KernelChoice())
         self.linear = linear_impl(kernels)
         self.hc_mult = hc_mult
@@ -151,10 +172,11 @@ class Engram(nn.Module):
     def forward(self, streams: torch.Tensor, compressed_history: torch.Tensor) -> torch.Tensor:
         """streams `[T, n, D]`, compressed_history `[T, N]` -> streams with the gated value
         added (streams' dtype)."""
-        rows = self.hash(compressed_history)
         # A table kept as stored decodes its rows to the streams' dtype (the runtime dtype, which
         # a table dequantised at load has).
-        embedded = self.gather(module_weight(self.embed), rows, streams.dtype)
+        embedded = self.lookup(
+            module_weight(self.embed), compressed_history, self.hash, streams.dtype
+        )
         kv = self.linear(embedded, module_weight(self.wkv))
         return self.gate(streams, kv, self.q_weight, self.k_weight, self.eps)
 
