@@ -302,6 +302,25 @@ def _rope_store() -> Callable[[], object]:
     )
 
 
+def _rope_q_store_kv_v41() -> Callable[[], object]:
+    from sgl_dspark.kernels.rope.q_kv import rope_q_quant_store_kv
+
+    # DeepSeek-V4.1-Flash: 64 query heads of 512 (weightless head norm), the KV row of 512 into
+    # the FP8 window cache (one exponent byte per 32), a rope tail of 64.
+    cs = torch.zeros(2, 32)
+    return lambda: rope_q_quant_store_kv(
+        _bf16(2, 64, 512),
+        cs,
+        cs,
+        _bf16(2, 512),
+        torch.tensor([3, 9]),
+        torch.zeros(20, 512, dtype=torch.uint8),
+        torch.zeros(20, 16, dtype=torch.uint8),
+        "fp8_window",
+        q_norm_eps=1e-6,
+    )
+
+
 def _rope_q_kv_store() -> Callable[[], object]:
     from sgl_dspark.kernels.rope.q_kv import rope_q_kv
 
@@ -1212,6 +1231,7 @@ CASES = {
     "moe_grouped_gemm": ("moe.grouped_gemm", "_moe_grouped_gemm_kernel", _grouped_gemm()),
     "rope_tail_scatter": ("rope.tail", "_rope_tail_kernel", _rope_store()),
     "rope_q_kv_store": ("rope.q_kv", "_rope_q_kv_kernel", _rope_q_kv_store()),
+    "rope_q_store_kv_v41": ("rope.q_kv", "_rope_q_store_kv_kernel", _rope_q_store_kv_v41()),
     "hash_router_from_x_h1024": (
         "moe.hash_gemv",
         "_hash_gemv_partials_kernel",
@@ -1328,6 +1348,7 @@ PDL_KERNELS = (
     "spec.markov._markov_step_kernel",
     "attention.draft._draft_attention_kernel",
     "rope.q_kv._rope_q_kv_kernel",
+    "rope.q_kv._rope_q_store_kv_kernel",
     "moe.hash_gemv._hash_gemv_partials_kernel",
     "moe.token_gemm._moe_route_gate_up_kernel",
     "moe.token_gemm._moe_token_down_kernel",

@@ -177,3 +177,41 @@ def test_bad_arguments_raise() -> None:
         rope_q_kv(q, kv, cos, sin, kv_out=torch.empty(3, 32, dtype=torch.bfloat16, device=DEVICE))
     with pytest.raises(ValueError, match="norm_weight must be"):
         rope_q_kv(q, kv, cos, sin, kv_norm_eps=_EPS, kv_norm_weight=weight[:16])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("q_norm", [True, False])
+@pytest.mark.parametrize(
+    "tokens,heads,head_dim,rope_dim",
+    [
+        (1, 64, 512, 64),  # DeepSeek-V4.1-Flash: 64 heads of 512, a rope tail of 64
+        (5, 8, 128, 64),
+        (9, 3, 64, 32),
+    ],
+)
+def test_queries_and_quantised_kv_store_are_their_own_calls(
+    tokens, heads, head_dim, rope_dim, q_norm, dtype
+) -> None:
+    """`rope_q_quant_store_kv`: the rotated queries are `rope_tail`'s bits (with and without
+    the per-head norm) and the window cache's bytes and scales are `quant_store`'s, other rows
+    of the cache untouched (poisoned first)."""
+    from sgl_dspark.kernels.quant.store import quant_store
+    from sgl_dspark.kernels.rope.q_kv import rope_q_quant_store_kv
+
+    q, kv, cos, sin, _ = _case(tokens, heads, head_dim, head_dim, rope_dim, dtype, seed=tokens)
+    g = torch.Generator().manual_seed(tokens + heads)
+    rows = torch.randperm(3 * tokens + 2, generator=g)[:tokens].to(DEVICE)
+    poison = torch.randint(0, 256, (3 * tokens + 2, head_dim), generator=g, dtype=torch.uint8)
+    scales_poison = torch.randint(0, 256, (3 * tokens + 2, head_dim // 32), generator=g)
+    cache = (poison.to(DEVICE), scales_poison.to(torch.uint8).to(DEVICE))
+    mine, want = [c.clone() for c in cache], [c.clone() for c in cache]
+    eps = _EPS if q_norm else None
+    got_q = rope_q_quant_store_kv(q, cos, sin, kv, rows, *mine, "fp8_window", q_norm_eps=eps)
+    want_q = rope_tail(q, cos, sin, norm_eps=eps)
+    quant_store(kv, rows, *want, "fp8_window", cos, sin)
+    _assert_bits_equal(got_q, want_q)
+    assert torch.equal(mine[0], want[0]) and torch.equal(mine[1], want[1])
+    untouched = torch.ones(3 * tokens + 2, dtype=torch.bool)
+    untouched[rows.cpu()] = False
+    assert torch.equal(mine[0].cpu()[untouched], poison[untouched])
+    assert not torch.equal(mine[0].cpu()[~untouched], poison[~untouched])

@@ -16,6 +16,8 @@ to nearest, ties to even, as torch's casts and the reference do).
 
 from __future__ import annotations
 
+from typing import Any, NamedTuple
+
 import torch
 import triton
 import triton.language as tl
@@ -97,7 +99,8 @@ def _store_pairs(dst, even, out_a, out_b, mask, OUT_KIND: tl.constexpr):
 
 
 @triton.jit
-def _quant_store_kernel(
+def quant_store_row(
+    t,
     x_ptr,
     x_row_stride,
     x_head_stride,
@@ -121,10 +124,10 @@ def _quant_store_kernel(
     OUT_KIND: tl.constexpr,
     X_KIND: tl.constexpr,
     ON_BITS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
-    wait_for_producers(PDL)  # x comes from the previous kernel; the cache rows may be read
-    t = tl.program_id(0)
+    """Row t of a store (the kernel's whole work; `rope/q_kv.py` stores a layer's KV row in the
+    launch that rotates its queries). Its values depend on no other lane's order: per-block
+    maxima and elementwise operations, the same bits whatever the launch's warps."""
     H: tl.constexpr = BLOCK // 2
     # Row t is head (t % heads) of token (t // heads); a token's heads share its cos / sin row.
     token = t // heads
@@ -196,6 +199,62 @@ def _quant_store_kernel(
         tl.store(scale_ptrs, scale_byte.to(tl.uint8), mask=mask_b)
 
 
+@triton.jit
+def _quant_store_kernel(
+    x_ptr,
+    x_row_stride,
+    x_head_stride,
+    heads,
+    cos_ptr,
+    sin_ptr,
+    cs_row_stride,
+    rows_ptr,
+    data_ptr,
+    data_row_stride,
+    scales_ptr,
+    scales_row_stride,
+    D: tl.constexpr,
+    HALF_ROPE: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMT: tl.constexpr,
+    VALUES: tl.constexpr,
+    IDENTITY_ROWS: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_producers(PDL)  # x comes from the previous kernel; the cache rows may be read
+    quant_store_row(
+        tl.program_id(0),
+        x_ptr,
+        x_row_stride,
+        x_head_stride,
+        heads,
+        cos_ptr,
+        sin_ptr,
+        cs_row_stride,
+        rows_ptr,
+        data_ptr,
+        data_row_stride,
+        scales_ptr,
+        scales_row_stride,
+        D,
+        HALF_ROPE,
+        NB,
+        NBP,
+        BLOCK,
+        FMT,
+        VALUES,
+        IDENTITY_ROWS,
+        OUT_KIND,
+        X_KIND,
+        ON_BITS,
+    )
+
+
 def quant_store_values(
     x: torch.Tensor,
     rows: torch.Tensor,
@@ -264,7 +323,18 @@ def quant_store(
     _launch(x, rows, data, scales, fmt, cos, sin, values=False)
 
 
-def _launch(
+class StorePlan(NamedTuple):
+    """One store, validated: `args` its runtime arguments after the program index
+    (`quant_store_row`'s order), `meta` its constexprs but ON_BITS, `rows` the rows to write
+    (tokens x heads), `num_warps` its own launch's warps."""
+
+    args: tuple
+    meta: dict[str, Any]
+    rows: int
+    num_warps: int
+
+
+def plan_quant_store(
     x: torch.Tensor,
     rows: torch.Tensor | None,
     data: torch.Tensor,
@@ -274,7 +344,8 @@ def _launch(
     sin: torch.Tensor | None,
     *,
     values: bool,
-) -> None:
+) -> StorePlan:
+    """The checks of a store (ValueError naming the argument) and its launch arguments."""
     require(fmt in FORMATS, f"fmt: expected one of {tuple(FORMATS)}, got {fmt!r}")
     # [N, D], or [N, H, D] (identity rows only: fake_quant_rows): H rows per token.
     require(
@@ -309,11 +380,9 @@ def _launch(
             )
         require(cos.stride() == sin.stride() and cos.stride(1) == 1, "cos/sin: same strides")
         require(2 * half <= d, f"rope dim {2 * half} exceeds D={d}")
-    if n * heads == 0:
-        return
     nb = d // block
     dummy = x if cos is None else cos
-    _quant_store_kernel[(n * heads,)](
+    args = (
         x,
         x.stride(0),
         head_stride,
@@ -326,6 +395,8 @@ def _launch(
         data.stride(0),
         scales,
         scales.stride(0),
+    )
+    meta = dict(
         D=d,
         HALF_ROPE=half,
         NB=nb,
@@ -336,13 +407,42 @@ def _launch(
         IDENTITY_ROWS=rows is None,
         OUT_KIND=DTYPE_KIND[data.dtype] if values else 0,
         X_KIND=DTYPE_KIND[x.dtype],
+    )
+    return StorePlan(args, meta, n * heads, 4 if d >= 1024 else 1)
+
+
+def _launch(
+    x: torch.Tensor,
+    rows: torch.Tensor | None,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    cos: torch.Tensor | None,
+    sin: torch.Tensor | None,
+    *,
+    values: bool,
+) -> None:
+    plan = plan_quant_store(x, rows, data, scales, fmt, cos, sin, values=values)
+    if plan.rows == 0:
+        return
+    _quant_store_kernel[(plan.rows,)](
+        *plan.args,
+        **plan.meta,
         ON_BITS=interpreted(_quant_store_kernel),
-        num_warps=4 if d >= 1024 else 1,
+        num_warps=plan.num_warps,
         enable_fp_fusion=False,
         **programmatic_launch(_quant_store_kernel, x.device),
     )
 
 
-__all__ = ["FORMATS", "fake_quant_rows", "quant_store", "quant_store_values"]
+__all__ = [
+    "FORMATS",
+    "StorePlan",
+    "fake_quant_rows",
+    "plan_quant_store",
+    "quant_store",
+    "quant_store_row",
+    "quant_store_values",
+]
 # Constants the kernel spells as literals (Triton reads no module globals).
 assert (FP8_MAX, FP4_MAX) == (448.0, 6.0)

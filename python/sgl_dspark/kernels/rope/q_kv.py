@@ -18,6 +18,12 @@ sum of squares is reduced over the launch's warps (the query tile's), so rstd ma
 last bits from a standalone `rope_tail` call on the row (one warp there): within a tolerance of
 `rope_q_kv_ref`, like `rope_tail`'s own norm. A row's bits never depend on M or on the other
 rows.
+
+`rope_q_quant_store_kv` is DeepSeek-V4.1's form: the KV row is rotated, quantised to FP8 and
+written into the packed window cache (`quant_store`'s row code) by program (m, q_blocks). Every
+value is its own launch's: the query rows as `rope_tail`'s (same code, tile and warps), the
+stored bytes as `quant_store`'s (per-block maxima and elementwise operations, the same whatever
+the warps).
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import triton.language as tl
 
 from sgl_dspark.kernels._checks import require
 from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
+from sgl_dspark.kernels.quant.store import plan_quant_store, quant_store, quant_store_row
 from sgl_dspark.kernels.rope.rows import plan_rope_rows, rope_rows
 from sgl_dspark.kernels.rope.tail import rope_tail
 
@@ -245,3 +252,181 @@ def rope_q_kv(
         **programmatic_launch(_rope_q_kv_kernel, q.device),
     )
     return q_plan.out, kv_out
+
+
+@triton.jit
+def _rope_q_store_kv_kernel(
+    cos_ptr,
+    sin_ptr,
+    cs_stride_m,
+    q_ptr,
+    q_out_ptr,
+    q_heads,
+    q_out_heads,
+    q_stride_m,
+    q_stride_h,
+    q_out_stride_m,
+    q_out_stride_h,
+    q_rows_ptr,
+    q_w_ptr,
+    q_eps,
+    kv_ptr,
+    kv_row_stride,
+    kv_head_stride,
+    kv_heads,
+    kv_cos_ptr,
+    kv_sin_ptr,
+    kv_cs_row_stride,
+    kv_rows_ptr,
+    data_ptr,
+    data_row_stride,
+    scales_ptr,
+    scales_row_stride,
+    Q_BLOCKS: tl.constexpr,
+    HALF: tl.constexpr,
+    HALF_POW2: tl.constexpr,
+    Q_NOPE: tl.constexpr,
+    Q_NOPE_POW2: tl.constexpr,
+    Q_BLOCK_H: tl.constexpr,
+    Q_OUT_BF16: tl.constexpr,
+    Q_NORM: tl.constexpr,
+    Q_KIND: tl.constexpr,
+    D: tl.constexpr,
+    HALF_ROPE: tl.constexpr,
+    NB: tl.constexpr,
+    NBP: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FMT: tl.constexpr,
+    VALUES: tl.constexpr,
+    IDENTITY_ROWS: tl.constexpr,
+    OUT_KIND: tl.constexpr,
+    X_KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    wait_for_producers(PDL)  # q and kv are the projections' outputs
+    token = tl.program_id(0).to(tl.int64)
+    block = tl.program_id(1)
+    if block < Q_BLOCKS:
+        rope_rows(
+            token,
+            block,
+            cos_ptr,
+            sin_ptr,
+            cs_stride_m,
+            q_ptr,
+            q_out_ptr,
+            q_heads,
+            q_out_heads,
+            q_stride_m,
+            q_stride_h,
+            q_out_stride_m,
+            q_out_stride_h,
+            q_rows_ptr,
+            q_w_ptr,
+            q_eps,
+            Q_NOPE,
+            HALF,
+            Q_NOPE_POW2,
+            HALF_POW2,
+            Q_BLOCK_H,
+            False,
+            Q_OUT_BF16,
+            False,
+            Q_NORM,
+            False,
+            Q_KIND,
+            ON_BITS,
+        )
+    else:
+        quant_store_row(
+            token,
+            kv_ptr,
+            kv_row_stride,
+            kv_head_stride,
+            kv_heads,
+            kv_cos_ptr,
+            kv_sin_ptr,
+            kv_cs_row_stride,
+            kv_rows_ptr,
+            data_ptr,
+            data_row_stride,
+            scales_ptr,
+            scales_row_stride,
+            D,
+            HALF_ROPE,
+            NB,
+            NBP,
+            BLOCK,
+            FMT,
+            VALUES,
+            IDENTITY_ROWS,
+            OUT_KIND,
+            X_KIND,
+            ON_BITS,
+        )
+
+
+def rope_q_quant_store_kv(
+    q: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    kv: torch.Tensor,
+    kv_rows: torch.Tensor,
+    data: torch.Tensor,
+    scales: torch.Tensor,
+    fmt: str,
+    *,
+    q_norm_eps: float | None = None,
+) -> torch.Tensor:
+    """`rope_tail(q, cos, sin, norm_eps=q_norm_eps)` and `quant_store(kv, kv_rows, data,
+    scales, fmt, cos, sin)` in one launch, each with its own call's bits.
+
+    Args:
+        q: [M, H, D] query heads, unit stride along D; cos, sin: fp32 [M, rd/2] (q's and the KV
+            row's positions).
+        kv: [M, Dkv] the KV row (already normed), unit stride along Dkv.
+        kv_rows, data, scales, fmt: the packed cache rows to write, as `quant_store`'s.
+        q_norm_eps: the weightless per-head q norm before the rotation (None: no norm).
+    Returns:
+        the rotated queries [M, H, D].
+    """
+    q_plan = plan_rope_rows(
+        q,
+        cos,
+        sin,
+        inverse=False,
+        out=None,
+        out_heads=None,
+        out_rows=None,
+        norm_eps=q_norm_eps,
+        norm_weight=None,
+    )
+    store = plan_quant_store(kv, kv_rows, data, scales, fmt, cos, sin, values=False)
+    require(store.rows == q.shape[0], f"kv: expected {q.shape[0]} rows, got {store.rows}")
+    if q_plan.empty:  # no query heads (or no tokens): the store alone
+        quant_store(kv, kv_rows, data, scales, fmt, cos, sin)
+        return q_plan.out
+    qm = q_plan.meta
+    _rope_q_store_kv_kernel[(q.shape[0], q_plan.blocks + 1)](
+        cos,
+        sin,
+        cos.stride(0),
+        *q_plan.args,
+        *store.args,
+        Q_BLOCKS=q_plan.blocks,
+        HALF=qm["HALF"],
+        HALF_POW2=qm["HALF_POW2"],
+        Q_NOPE=qm["NOPE"],
+        Q_NOPE_POW2=qm["NOPE_POW2"],
+        Q_BLOCK_H=qm["BLOCK_H"],
+        Q_OUT_BF16=qm["OUT_BF16"],
+        Q_NORM=qm["NORM"],
+        Q_KIND=qm["KIND"],
+        **store.meta,
+        ON_BITS=interpreted(_rope_q_store_kv_kernel),
+        enable_fp_fusion=False,
+        **q_plan.options,
+        **programmatic_launch(_rope_q_store_kv_kernel, q.device),
+    )
+    return q_plan.out

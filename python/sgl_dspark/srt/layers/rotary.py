@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from sgl_dspark.srt.configs.model_config import RopeConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import rms_norm_impl
 from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp8_window
+
+if TYPE_CHECKING:
+    from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
 
 # (x [N, ..., Dh], cos [N, rd/2], sin [N, rd/2], inverse) -> rotated copy of x
 RopeTailFn = Callable[..., torch.Tensor]
@@ -206,6 +209,67 @@ def _row_quant(x: torch.Tensor, quant: str | None) -> torch.Tensor:
         return x
     _check_quant(quant)
     return fake_quant_fp8_window(x)
+
+
+# (q [T, H, Dh], cos [T, rd/2], sin [T, rd/2], q norm (`PreNorm`) or None, kv [T, Dkv], the
+# window cache (`QuantizedRows`), rows [T]) -> q rotated; the KV row rotated and stored
+RopeQStoreKvFn = Callable[..., torch.Tensor]
+
+
+def rope_q_store_kv_impl(kernels: KernelChoice) -> RopeQStoreKvFn:
+    """A DeepSeek-V4.1 layer's query rotation (`rope_impl`'s, its per-head norm included) and
+    its window KV row's store (`quant_store_impl`'s: rotated, quantised, written to the packed
+    cache), of the "rope" family. torch: the two. triton, with the norm fused into the rope
+    launch ("norm" Triton too) and a packed cache: one launch
+    (`kernels/rope/q_kv.py::rope_q_quant_store_kv`) instead of two, each value its own call's
+    bits; otherwise the two launches."""
+    from sgl_dspark.srt.layers.quant_store import quant_store_impl
+
+    rope, store = rope_impl(kernels), quant_store_impl(kernels)
+
+    def separate(
+        q: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: PreNorm | None,
+        kv: torch.Tensor,
+        cache: QuantizedRows,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        q = rope(q, cos, sin, norm=q_norm)
+        store(kv, cos, sin, cache, rows)
+        return q
+
+    if not _fuses_norm(kernels):
+        return separate
+    from sgl_dspark.kernels.rope.q_kv import rope_q_quant_store_kv
+
+    def one_launch(
+        q: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        q_norm: PreNorm | None,
+        kv: torch.Tensor,
+        cache: QuantizedRows,
+        rows: torch.Tensor,
+    ) -> torch.Tensor:
+        weighted = q_norm is not None and q_norm[0] is not None
+        if not cache.packed or weighted or q.stride(-1) != 1 or kv.stride(-1) != 1:
+            return separate(q, cos, sin, q_norm, kv, cache, rows)
+        assert cache.scales is not None
+        return rope_q_quant_store_kv(
+            q,
+            cos,
+            sin,
+            kv,
+            rows,
+            cache.data,
+            cache.scales,
+            cache.fmt,
+            q_norm_eps=None if q_norm is None else q_norm[1],
+        )
+
+    return one_launch
 
 
 def rope_store_impl(kernels: KernelChoice) -> RopeStoreFn:

@@ -44,7 +44,7 @@ from sgl_dspark.srt.layers.quant_store import (
     quant_store_impl,
 )
 from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
-from sgl_dspark.srt.layers.rotary import rope_impl
+from sgl_dspark.srt.layers.rotary import rope_q_store_kv_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool, QuantizedRows
 from sgl_dspark.srt.models.deepseek_v4 import RopeTables, mark_head_shards
 
@@ -139,7 +139,7 @@ class Csa2Attention(nn.Module):
         self.qr_proj = LinearGroup(qr_members, kernels)
         self.rms_norm = rms_norm_impl(kernels)
         self.rms_norm_pair = rms_norm_pair_impl(kernels)
-        self.rope = rope_impl(kernels)
+        self.rope_q_store_kv = rope_q_store_kv_impl(kernels)
         self.store_rows = quant_store_impl(kernels)
         self.load_rows = quant_load_impl(kernels)
         self.load_row_pair = quant_load_pair_impl(kernels)
@@ -170,10 +170,18 @@ class Csa2Attention(nn.Module):
         )
         q, *index_q = self.qr_proj(qr)
         q_norm = (None, self.eps) if self.q_head_norm else None
-        q = self.rope(q.view(T, self.n_heads, self.head_dim), cos, sin, norm=q_norm)
         window = pool.window[self.layer_id]
-        # Rotated and FP8-quantised on store: what every reader (this row included) sees.
-        self.store_rows(kv, cos, sin, window, batch.out_cache_loc)
+        # The KV row rotated and FP8-quantised on store: what every reader (this row included)
+        # sees; with the queries' rotation.
+        q = self.rope_q_store_kv(
+            q.view(T, self.n_heads, self.head_dim),
+            cos,
+            sin,
+            q_norm,
+            kv,
+            window,
+            batch.out_cache_loc,
+        )
         # The same window rows for every layer of this window size: computed once a forward.
         slots, valid = batch.cached(
             ("window_rows", self.window),
