@@ -6,9 +6,8 @@ only difference is the fp32 summation order: CHAIN_TOL, as for a quantised stack
 Against each other the two paths form every product with the same K steps (the extra expert's
 with its own format's), so on a GPU they give the same bits; the CPU interpreter's dot is
 numpy's matmul, whose sums depend on the tile shape, so there within CHAIN_TOL. Outputs are
-poisoned with NaN first. The layer test folds a shared expert of another format than the
-routed stacks and compares the folded Triton layer with the torch layer (routed loop plus the
-separate shared expert) on the same stored weights.
+poisoned with NaN first. (The layer that folds a shared expert of another format is tested
+with the same-format fold, `test_quantized_gemm.py`.)
 """
 
 from __future__ import annotations
@@ -26,7 +25,6 @@ from sgl_dspark.kernels.moe.reference import (
 )
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
 from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
-from sgl_dspark.srt.layers.quantized import row_slice
 from test_moe_grouped_gemm import CHAIN_TOL, pytestmark  # noqa: F401
 from test_quantized_gemm import DEVICE, _experts, _same_bits
 
@@ -138,52 +136,3 @@ def test_mixed_stacks_are_checked() -> None:
     # Local ids past the extra expert's would have no weight.
     with pytest.raises(ValueError, match=r"gate_up_proj.stack must .* \[>= 4 experts"):
         moe_route_gate_up(x, gate_up, ids, table, 5, 1.5)
-
-
-@pytest.mark.parametrize(
-    "routed_fmt,shared_fmt,m,before_down",
-    [("mxfp4", "fp8", 1, False), ("mxfp4", "fp8", 2, True), ("mxfp4", "fp8", 3, True)],
-)
-def test_shared_expert_of_another_format_folds(
-    routed_fmt: str, shared_fmt: str, m: int, before_down: bool
-) -> None:
-    """A shared expert stored in another format than the routed stacks folds as their extra
-    expert, without copying the routed stacks; the folded triton layer equals the torch layer
-    (routed loop + separate shared expert): per-token path (MXFP4 M <= 2) and sorted path
-    (M = 3)."""
-    from sgl_dspark.srt.core.kernel_choice import KernelChoice
-    from sgl_dspark.srt.layers.moe.experts import RoutedExperts, SharedExpert
-    from sgl_dspark.srt.layers.quantized import module_weight, store_quantized, weight_ptr
-
-    g = torch.Generator().manual_seed(11 + m)
-    e, d, i, topk = 4, 64, 32, 2
-    gate_up, down = _experts(routed_fmt, 32, e, d, i, g)
-    shared_gu, shared_down = _experts(shared_fmt, 32, 1, d, i, g)
-    layers = {}
-    for backend in ("torch", "triton"):
-        kernels = KernelChoice(backend)
-        routed = RoutedExperts(e, d, i, 1.5, kernels, weight_before_down=before_down).to(DEVICE)
-        shared = SharedExpert(d, i, 1.5, kernels).to(DEVICE, DTYPE)
-        store_quantized(routed, "gate_up_proj", gate_up)
-        store_quantized(routed, "down_proj", down)
-        for lin, start in ((shared.gate_proj, 0), (shared.up_proj, i)):
-            half = row_slice(shared_gu.expert(0), start, start + i)
-            assert isinstance(half, QuantizedWeight)
-            store_quantized(lin, "weight", half)
-        store_quantized(shared.down_proj, "weight", shared_down.expert(0))
-        if backend == "triton":
-            before = weight_ptr(module_weight(routed, "gate_up_proj"))
-            routed.fold_shared(shared)
-            assert routed.folded
-            assert weight_ptr(module_weight(routed, "gate_up_proj")) == before  # not copied
-        layers[backend] = (routed, shared)
-    x = torch.randn(m, d, generator=g).to(DTYPE).to(DEVICE)
-    ids = torch.rand(m, e, generator=g).argsort(dim=1)[:, :topk].to(DEVICE)
-    weights = torch.rand(m, topk, generator=g).to(DEVICE)
-    routed_t, shared_t = layers["torch"]
-    want = routed_t(x, ids, weights.to(x.dtype)) + shared_t(x)
-    routed_f, _ = layers["triton"]
-    ids_f = torch.cat((ids, torch.full((m, 1), e, device=DEVICE)), dim=1).to(torch.int32)
-    weights_f = torch.cat((weights, torch.ones(m, 1, device=DEVICE)), dim=1)
-    got = routed_f.forward_folded(x, ids_f, weights_f)
-    torch.testing.assert_close(got, want, rtol=2**-5, atol=2**-5)

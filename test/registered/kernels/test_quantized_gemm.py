@@ -376,24 +376,38 @@ def test_sort_block_size_is_16_at_decode_sizes() -> None:
     assert sort_block_size(4, 6, 0) == 32
 
 
-@pytest.mark.parametrize("fmt,block,m", [("fp8", 32, 1), ("mxfp4", 32, 2), ("mxfp4", 32, 3)])
-def test_shared_expert_folds_into_quantized_stacks(fmt: str, block: int, m: int) -> None:
-    """The shared expert stored in the routed experts' format folds into their stacks (expert
-    E); the folded triton layer equals the torch layer (routed loop + separate shared expert) on
-    the same quantised weights: per-token path (FP8 M = 1, MXFP4 M = 2) and sorted path (MXFP4
-    M = 3)."""
+@pytest.mark.parametrize(
+    "fmt,shared_fmt,m,before_down",
+    [
+        ("fp8", "fp8", 1, False),
+        ("mxfp4", "mxfp4", 2, False),
+        ("mxfp4", "mxfp4", 3, False),
+        ("mxfp4", "fp8", 1, False),
+        ("mxfp4", "fp8", 2, True),
+        ("mxfp4", "fp8", 3, True),
+    ],
+)
+def test_shared_expert_folds_into_quantized_stacks(
+    fmt: str, shared_fmt: str, m: int, before_down: bool
+) -> None:
+    """The shared expert folds into the routed experts' stacks (expert E): stored in their format
+    and scale group it is stacked with them; in another (V4.1: FP8 beside MXFP4) it is their
+    extra expert, the routed stacks not copied. The folded triton layer equals the torch layer
+    (routed loop + separate shared expert) on the same quantised weights: per-token path (FP8
+    M = 1, MXFP4 M <= 2) and sorted path (MXFP4 M = 3), with the route weight before the down
+    projection (V4.1) too."""
     from sgl_dspark.srt.core.kernel_choice import KernelChoice
     from sgl_dspark.srt.layers.moe.experts import RoutedExperts, SharedExpert
-    from sgl_dspark.srt.layers.quantized import module_weight, store_quantized
+    from sgl_dspark.srt.layers.quantized import module_weight, store_quantized, weight_ptr
 
-    g = torch.Generator().manual_seed(5)
+    g = torch.Generator().manual_seed(5 + m)
     e, d, i, topk = 4, 64, 32, 2
-    gate_up, down = _experts(fmt, block, e, d, i, g)
-    shared_gu, shared_down = _experts(fmt, block, 1, d, i, g)
+    gate_up, down = _experts(fmt, 32, e, d, i, g)
+    shared_gu, shared_down = _experts(shared_fmt, 32, 1, d, i, g)
     layers = {}
     for backend in ("torch", "triton"):
         kernels = KernelChoice(backend)
-        routed = RoutedExperts(e, d, i, 1.5, kernels).to(DEVICE)
+        routed = RoutedExperts(e, d, i, 1.5, kernels, weight_before_down=before_down).to(DEVICE)
         shared = SharedExpert(d, i, 1.5, kernels).to(DEVICE, torch.bfloat16)
         store_quantized(routed, "gate_up_proj", gate_up)
         store_quantized(routed, "down_proj", down)
@@ -403,10 +417,13 @@ def test_shared_expert_folds_into_quantized_stacks(fmt: str, block: int, m: int)
             store_quantized(lin, "weight", half)
         store_quantized(shared.down_proj, "weight", shared_down.expert(0))
         if backend == "triton":
+            before = weight_ptr(module_weight(routed, "gate_up_proj"))
             routed.fold_shared(shared)
             assert routed.folded
             stacked = module_weight(routed, "gate_up_proj")
             assert isinstance(stacked, QuantizedWeight) and stacked.data.shape[0] == e
+            # Of another format the shared expert is an extra: the routed stacks stay put.
+            assert (weight_ptr(stacked) == before) == (shared_fmt != fmt)
         layers[backend] = (routed, shared)
     x = torch.randn(m, d, generator=g).to(torch.bfloat16).to(DEVICE)
     ids = torch.rand(m, e, generator=g).argsort(dim=1)[:, :topk].to(DEVICE)
