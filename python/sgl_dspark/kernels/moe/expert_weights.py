@@ -206,6 +206,63 @@ def expert_or_extra_product(
     return acc
 
 
+@triton.jit
+def extra_columns_product(
+    a_row,
+    xw_ptr,
+    stride_xwn,
+    xs_ptr,
+    stride_xsn,
+    n0,
+    n_cols,
+    k_dim,
+    PTX: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    X_BLOCK_N: tl.constexpr,
+    X_BLOCK_K: tl.constexpr,
+    X_QUANT: tl.constexpr,
+    X_FP4: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    X_GROUP: tl.constexpr,
+    X_SCALE_ROWS: tl.constexpr,
+    X_EVEN_K: tl.constexpr,
+    X_SPLIT_K: tl.constexpr,
+):
+    """fp32 [BLOCK_N]: one activation row (`a_row`, unit stride along K) times output columns
+    [n0, n0 + BLOCK_N) of the extra expert's weight (`extra_expert_args`), formed by
+    `expert_product` with its format's constants; X_BLOCK_N >= 16 columns are computed (a dot's
+    width) and the first BLOCK_N kept (adding exact zeros)."""
+    rows = tl.arange(0, ROWS)
+    x_cols = n0 + tl.arange(0, X_BLOCK_N)
+    x_ok = (tl.arange(0, X_BLOCK_N) < BLOCK_N) & (x_cols < n_cols)
+    x_rows = x_cols.to(tl.int64)
+    acc = expert_product(
+        a_row + rows * 0,
+        rows == 0,
+        xw_ptr + x_rows * stride_xwn,
+        x_ok,
+        xs_ptr + (x_rows // X_SCALE_ROWS) * stride_xsn,
+        k_dim,
+        ROWS,
+        X_BLOCK_N,
+        X_BLOCK_K,
+        X_QUANT,
+        X_FP4,
+        PTX,
+        X_ALIGNED,
+        X_GROUP,
+        DOT_FP32,
+        X_EVEN_K,
+        X_SPLIT_K,
+    )
+    row = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)
+    PARTS: tl.constexpr = X_BLOCK_N // BLOCK_N
+    first = tl.arange(0, PARTS)[:, None] == 0
+    return tl.sum(tl.where(first, tl.reshape(row, [PARTS, BLOCK_N]), 0.0), axis=0)
+
+
 def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
     """K step of the expert GEMMs (the grouped and the per-token kernels share it, so their
     products sum alike): 128 channels of a bf16 / fp32 weight; 256 of a quantised one (256 or
@@ -376,5 +433,6 @@ __all__ = [
     "expert_stack",
     "expert_weight_args",
     "expert_weight_data",
+    "extra_columns_product",
     "extra_expert_args",
 ]

@@ -9,6 +9,9 @@ Two steps:
 
 Exactness: bit-exact. Every output equals `moe_sort_ref` (entries past `num_valid[0]` are
 undefined on both sides and must not be read).
+
+The plan's local table is also read in place by the kernels that skip the sort (the per-token
+MoE kernels): `route_locality` is that read, `check_local_routes` its checks.
 """
 
 from __future__ import annotations
@@ -39,6 +42,39 @@ class MoeSortPlan(NamedTuple):
     local_table: torch.Tensor
     num_local: int
     num_bins: int
+
+
+@triton.jit
+def route_locality(ids_ptr, table_ptr, route, num_experts, num_local, in_range=True):
+    """(local expert id as int64, is local) of routes (a scalar or a tile of route indices), read
+    from a plan's `local_table` on the device; unknown ids and routes outside `in_range` count as
+    remote."""
+    expert = tl.load(ids_ptr + route, mask=in_range, other=-1)
+    known = (expert >= 0) & (expert < num_experts)
+    local = tl.load(table_ptr + expert, mask=known, other=num_local)
+    return local.to(tl.int64), local < num_local
+
+
+def check_local_routes(
+    ids: torch.Tensor, local_table: torch.Tensor, num_local: int, device: torch.device
+) -> None:
+    """Routes `ids` and a plan's local table as the per-token kernels read them (ValueError
+    naming the argument)."""
+    require(
+        ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(),
+        f"ids must be contiguous int32 [M, topk], got {ids.dtype} {tuple(ids.shape)}",
+    )
+    require(ids.shape[1] >= 1, "ids: topk must be >= 1")
+    require(
+        local_table.dim() == 1 and local_table.dtype == torch.int32 and local_table.is_contiguous(),
+        "local_table must be contiguous int32 [E] (MoeSortPlan.local_table)",
+    )
+    require(
+        0 <= num_local <= local_table.numel(),
+        f"num_local must be in [0, {local_table.numel()}], got {num_local}",
+    )
+    for name, tensor in (("ids", ids), ("local_table", local_table)):
+        require(tensor.device == device, f"{name} is on {tensor.device}, x on {device}")
 
 
 def _check_routes(topk_ids: torch.Tensor, topk_weights: torch.Tensor, block_size: int) -> None:

@@ -27,12 +27,9 @@ matmul, whose sums depend on the tile shape, so there the products agree to fp32
 bf16 ulp after rounding) and the tests use a tolerance. Against the references (torch's matmul):
 within a tolerance, as the grouped GEMMs.
 
-An expert stack with an extra expert in another format (`MixedExperts`, the folded shared
-expert of DeepSeek-V4.1): stage 1's programs of the extra's routes run its own format's product
-(`expert_or_extra_product`); stage 2 leaves the extra's columns out of the slot tile and forms
-that slot's product beside it from the extra's weight (at most one such slot a token), then sums
-it in slot order with the others. Each product keeps its format's K step, so both paths still
-give the same bits.
+A `MixedExperts` stack (`expert_weights.py`): stage 1 forms the extra expert's routes with
+`expert_or_extra_product`, stage 2 that slot (at most one a token) beside the slot tile with
+`extra_columns_product`; the sum keeps the slot order.
 
 Cost: each route streams its expert's weights itself (the sorted path reads an expert once for
 all its routes), so this path is for small M; `RoutedExperts` picks it up to a token count.
@@ -64,23 +61,15 @@ from sgl_dspark.kernels.moe.expert_weights import (
     expert_stack,
     expert_weight_args,
     expert_weight_data,
+    extra_columns_product,
     extra_expert_args,
 )
 from sgl_dspark.kernels.moe.grouped_gemm import swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.reduce import route_reduce_tail
+from sgl_dspark.kernels.moe.sort import check_local_routes, route_locality
 
 # tl.dot's smallest row count; row 0 is the route's (or token's) row, the others are masked.
 _TILE_M = tl.constexpr(16)
-
-
-@triton.jit
-def _route_locality(ids_ptr, table_ptr, route, num_experts, num_local, in_range=True):
-    """(local expert id as int64, is local) of routes (a scalar or a tile of route indices);
-    unknown ids and routes outside `in_range` count as remote."""
-    expert = tl.load(ids_ptr + route, mask=in_range, other=-1)
-    known = (expert >= 0) & (expert < num_experts)
-    local = tl.load(table_ptr + expert, mask=known, other=num_local)
-    return local.to(tl.int64), local < num_local
 
 
 @triton.jit
@@ -137,7 +126,7 @@ def _moe_route_gate_up_kernel(
 ):
     wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
     route = tl.program_id(0).to(tl.int64)
-    local, is_local = _route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
+    local, is_local = route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
     if not is_local:  # remote or out of range: the reduce never reads this row
         return
     # Tile columns [0, HALF) are gate rows j, [HALF, BLOCK_N) the matching up rows I + j, as in
@@ -257,14 +246,14 @@ def _moe_token_down_kernel(
     tile_cols = tl.arange(0, SLOTS * BLOCK_N)
     col_slot = tile_cols // BLOCK_N
     cols = n0 + tile_cols % BLOCK_N
-    col_local, col_is_local = _route_locality(
+    col_local, col_is_local = route_locality(
         ids_ptr, table_ptr, token * TOPK + col_slot, num_experts, num_local, col_slot < TOPK
     )
     if EXTRA:  # the extra expert's columns are not in the stack: formed below, on their own
         col_is_local = col_is_local & (col_local != extra_local)
     col_ok = col_is_local & (cols < n_cols)
     rows = tl.arange(0, ROWS)
-    _, row_is_local = _route_locality(
+    _, row_is_local = route_locality(
         ids_ptr, table_ptr, token * TOPK + rows, num_experts, num_local, rows < TOPK
     )
     h_rows = h_ptr + (token * TOPK + rows) * stride_h
@@ -291,44 +280,37 @@ def _moe_token_down_kernel(
     slots = tl.arange(0, SLOTS)
     on_diag = rows[:, None, None] == slots[None, :, None]
     product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, SLOTS, BLOCK_N]), 0.0), axis=0)
-    slot_local, slot_is_local = _route_locality(
+    slot_local, slot_is_local = route_locality(
         ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
     )
     if EXTRA:
         # The slot routed to the extra expert (the folded shared expert: at most one a token)
-        # is formed from its own weight, with its format's K step, as a stack of that format
-        # would form it; X_BLOCK_N >= 16 columns (a dot's width), the program's first BLOCK_N
-        # kept.
+        # is formed from its own weight, as a stack of its format would form it.
         slot_is_extra = slot_is_local & (slot_local == extra_local)
         if tl.max(slot_is_extra.to(tl.int32), axis=0) > 0:
             extra_slot = tl.sum(tl.where(slot_is_extra, slots, 0), axis=0).to(tl.int64)
-            x_cols = n0 + tl.arange(0, X_BLOCK_N)
-            x_ok = (tl.arange(0, X_BLOCK_N) < BLOCK_N) & (x_cols < n_cols)
-            x_rows = x_cols.to(tl.int64)
-            extra_acc = expert_product(
-                h_ptr + (token * TOPK + extra_slot) * stride_h + rows * 0,
-                rows == 0,
-                xw_ptr + x_rows * stride_xwn,
-                x_ok,
-                xs_ptr + (x_rows // X_SCALE_ROWS) * stride_xsn,
+            extra_cols = extra_columns_product(
+                h_ptr + (token * TOPK + extra_slot) * stride_h,
+                xw_ptr,
+                stride_xwn,
+                xs_ptr,
+                stride_xsn,
+                n0,
+                n_cols,
                 k_dim,
+                PTX,
+                DOT_FP32,
                 ROWS,
+                BLOCK_N,
                 X_BLOCK_N,
                 X_BLOCK_K,
                 X_QUANT,
                 X_FP4,
-                PTX,
                 X_ALIGNED,
                 X_GROUP,
-                DOT_FP32,
+                X_SCALE_ROWS,
                 X_EVEN_K,
                 X_SPLIT_K,
-            )
-            extra_row = tl.sum(tl.where(rows[:, None] == 0, extra_acc, 0.0), axis=0)
-            PARTS: tl.constexpr = X_BLOCK_N // BLOCK_N
-            first = tl.arange(0, PARTS)[:, None] == 0
-            extra_cols = tl.sum(
-                tl.where(first, tl.reshape(extra_row, [PARTS, BLOCK_N]), 0.0), axis=0
             )
             product = tl.where(slot_is_extra[:, None], extra_cols[None, :], product)
     if ROUND_BF16:  # as the grouped GEMM's store rounds it
@@ -355,26 +337,6 @@ def _moe_token_down_kernel(
         ROUND_BF16,
         ON_BITS,
     )
-
-
-def _check_routes(
-    ids: torch.Tensor, local_table: torch.Tensor, num_local: int, device: torch.device
-) -> None:
-    require(
-        ids.dim() == 2 and ids.dtype == torch.int32 and ids.is_contiguous(),
-        f"ids must be contiguous int32 [M, topk], got {ids.dtype} {tuple(ids.shape)}",
-    )
-    require(ids.shape[1] >= 1, "ids: topk must be >= 1")
-    require(
-        local_table.dim() == 1 and local_table.dtype == torch.int32 and local_table.is_contiguous(),
-        "local_table must be contiguous int32 [E] (MoeSortPlan.local_table)",
-    )
-    require(
-        0 <= num_local <= local_table.numel(),
-        f"num_local must be in [0, {local_table.numel()}], got {num_local}",
-    )
-    for name, tensor in (("ids", ids), ("local_table", local_table)):
-        require(tensor.device == device, f"{name} is on {tensor.device}, x on {device}")
 
 
 def moe_route_gate_up(
@@ -412,7 +374,7 @@ def moe_route_gate_up(
         x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float32) and x.stride(1) == 1,
         f"x must be bf16/fp32 [M, D] with a contiguous last dim, got {x.dtype} {tuple(x.shape)}",
     )
-    _check_routes(ids, local_table, num_local, x.device)
+    check_local_routes(ids, local_table, num_local, x.device)
     check_expert_weights("gate_up_proj", gate_up_proj, x, num_local)
     require(gate_up_proj.shape[1] % 2 == 0, "gate_up_proj must be [E_loc, 2I, D]")
     require(ids.shape[0] == x.shape[0], f"ids has {ids.shape[0]} rows, x {x.shape[0]}")
@@ -540,7 +502,7 @@ def moe_token_down_reduce(
         h.dim() == 2 and h.dtype in (torch.bfloat16, torch.float32) and h.is_contiguous(),
         f"h must be contiguous bf16/fp32 [M * topk, I], got {h.dtype} {tuple(h.shape)}",
     )
-    _check_routes(ids, local_table, num_local, h.device)
+    check_local_routes(ids, local_table, num_local, h.device)
     check_expert_weights("down_proj", down_proj, h, num_local)
     num_tokens, topk = ids.shape
     require(h.shape[0] == num_tokens * topk, f"h has {h.shape[0]} rows, ids {num_tokens}x{topk}")
