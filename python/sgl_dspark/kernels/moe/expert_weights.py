@@ -7,9 +7,9 @@ which keeps a token's result independent of the path its batch size picks.
 
 An expert stack may carry one more expert stored in another format (`MixedExperts`: the shared
 expert in FP8 beside MXFP4 routed experts, as DeepSeek-V4.1 releases them). Its local id is the
-stack's expert count; a program whose expert it is reads its weight through
-`expert_or_extra_product`, with that format's own K step, so it is formed as a stack of its
-format would form it.
+stack's expert count, and its products are formed with that format's own K step, as a stack
+of its format would form them: the per-token kernels through `expert_or_extra_product` and
+`extra_columns_product`, the grouped stages in a launch of their own for its blocks.
 """
 
 from __future__ import annotations
