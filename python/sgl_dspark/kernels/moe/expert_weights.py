@@ -141,48 +141,28 @@ def expert_or_extra_product(
 ):
     """`expert_product` of the stack's weight rows (`w_rows`, `s_rows`), or with EXTRA, where
     the scalar `is_extra` holds, of the extra expert's (`xw_rows`, `xs_rows`, its X_ constants:
-    `extra_expert_args`)."""
-    if EXTRA:
-        if is_extra:
-            acc = expert_product(
-                a_rows,
-                a_ok,
-                xw_rows,
-                w_ok,
-                xs_rows,
-                k_dim,
-                BM,
-                BN,
-                X_BLOCK_K,
-                X_QUANT,
-                X_FP4,
-                PTX,
-                X_ALIGNED,
-                X_GROUP,
-                DOT_FP32,
-                X_EVEN_K,
-                X_SPLIT_K,
-            )
-        else:
-            acc = expert_product(
-                a_rows,
-                a_ok,
-                w_rows,
-                w_ok,
-                s_rows,
-                k_dim,
-                BM,
-                BN,
-                BLOCK_K,
-                QUANT,
-                FP4,
-                PTX,
-                ALIGNED,
-                GROUP,
-                DOT_FP32,
-                EVEN_K,
-                SPLIT_K,
-            )
+    `extra_expert_args`). Without EXTRA the extra's branch is not compiled (a constexpr False
+    ends the `and`)."""
+    if EXTRA and is_extra:
+        acc = expert_product(
+            a_rows,
+            a_ok,
+            xw_rows,
+            w_ok,
+            xs_rows,
+            k_dim,
+            BM,
+            BN,
+            X_BLOCK_K,
+            X_QUANT,
+            X_FP4,
+            PTX,
+            X_ALIGNED,
+            X_GROUP,
+            DOT_FP32,
+            X_EVEN_K,
+            X_SPLIT_K,
+        )
     else:
         acc = expert_product(
             a_rows,
