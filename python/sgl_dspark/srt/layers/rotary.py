@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -19,10 +19,9 @@ from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.configs.model_config import RopeConfig
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.norm import rms_norm_impl
+from sgl_dspark.srt.layers.quant_store import quant_store_impl
+from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
 from sgl_dspark.srt.quantization.fake_quant import fake_quant_fp8_window
-
-if TYPE_CHECKING:
-    from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
 
 # (x [N, ..., Dh], cos [N, rd/2], sin [N, rd/2], inverse) -> rotated copy of x
 RopeTailFn = Callable[..., torch.Tensor]
@@ -223,8 +222,6 @@ def rope_q_store_kv_impl(kernels: KernelChoice) -> RopeQStoreKvFn:
     launch ("norm" Triton too) and a packed cache: one launch
     (`kernels/rope/q_kv.py::rope_q_quant_store_kv`) instead of two, each value its own call's
     bits; otherwise the two launches."""
-    from sgl_dspark.srt.layers.quant_store import quant_store_impl
-
     rope, store = rope_impl(kernels), quant_store_impl(kernels)
 
     def separate(
