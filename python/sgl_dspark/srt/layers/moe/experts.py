@@ -203,21 +203,21 @@ class RoutedExperts(nn.Module):
         mask = self._local_mask(e + 1)
         gate_up: ExpertStacks = routed_gu
         down_all: ExpertStacks = routed_down
-        if (self.ep is None or self.ep.rank == 0) and mixed:
-            shared_stack = unsqueeze_weight(cat_weights([gate, up], dim=-2))
-            gate_up = MixedExperts(routed_gu, shared_stack)
-            down_all = MixedExperts(routed_down, unsqueeze_weight(down))
-            self._tie_shared(shared, index_weight(shared_stack, 0))
-            mask[e] = 1
-        elif self.ep is None or self.ep.rank == 0:
-            shared_gu = cat_weights([gate, up], dim=-2)
-            stacked_gu = cat_weights([routed_gu, unsqueeze_weight(shared_gu)], dim=0)
-            stacked_down = cat_weights([routed_down, unsqueeze_weight(down)], dim=0)
-            replace_weight(self, "gate_up_proj", index_weight(stacked_gu, slice(0, n)))
-            replace_weight(self, "down_proj", index_weight(stacked_down, slice(0, n)))
-            self._tie_shared(shared, index_weight(stacked_gu, n))
-            replace_weight(shared.down_proj, "weight", index_weight(stacked_down, n))
-            gate_up, down_all = stacked_gu, stacked_down
+        if self.ep is None or self.ep.rank == 0:
+            shared_gu = unsqueeze_weight(cat_weights([gate, up], dim=-2))  # [1, 2I, D]
+            shared_down = unsqueeze_weight(down)
+            if mixed:
+                gate_up = MixedExperts(routed_gu, shared_gu)
+                down_all = MixedExperts(routed_down, shared_down)
+                self._tie_shared(shared, index_weight(shared_gu, 0))
+            else:
+                stacked_gu = cat_weights([routed_gu, shared_gu], dim=0)
+                stacked_down = cat_weights([routed_down, shared_down], dim=0)
+                replace_weight(self, "gate_up_proj", index_weight(stacked_gu, slice(0, n)))
+                replace_weight(self, "down_proj", index_weight(stacked_down, slice(0, n)))
+                self._tie_shared(shared, index_weight(stacked_gu, n))
+                replace_weight(shared.down_proj, "weight", index_weight(stacked_down, n))
+                gate_up, down_all = stacked_gu, stacked_down
             mask[e] = 1
         plan = prepare_moe_sort(mask)
         routed = module_weight(self, "gate_up_proj")
