@@ -4,7 +4,7 @@
 #   bash benchmark/gpu/native_h200.sh [--dry-run] [stages]
 #
 #   tests        compiled tests of the quantised kernels (the MXFP4 decoders included) and the
-#                FP8 window attention
+#                FP8 window attention (NATIVE_TESTS: other test files instead)
 #   gemm         bench_quant_gemm.py: bf16 Triton / cuBLAS / previous and current W8A16 /
 #                W4A16 at V4-Flash decode shapes, M 1/4/8/16, and the MoE paths (its own 95 s
 #                budget for new shapes)
@@ -27,10 +27,15 @@
 #                that table), one process each
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
 #                (one process each): device kernels per step by time, then host ops
+#   rank_profile_serial  the rank model's plain decode at bs 1 under torch.profiler with
+#                programmatic launch off: each kernel's own duration (with it on, a kernel's
+#                span includes its wait for the one before)
 #   v4_kv        dsv4_flash_rank (DeepSeek-V4-Flash dimensions), plain decode at bs 1 and 32
 #                with the window KV cache in bf16 and in FP8 (V4.1's is FP8 by definition)
 #   sweep        launch shapes of the quantised linear at q_b / o_b / wide, M 1 and 16 (when the
 #                gemm stage misses its goals)
+#   sweep_v41    the same sweep at V4.1-Flash's narrow dense shapes (x projection, o_b), FP8
+#                32 x 32 as released, M 1 and 4
 #   w8a8         bench_fp8_gemm.py: the FP8-activation GEMMs (prefill-sized W8A8, the DSpark
 #                main projection's split-K) checked, then timed against cuBLAS bf16
 #   probe        probe_weight_operand.py: the weight-first orientation, K split over programs
@@ -50,8 +55,10 @@
 #   env,rank_engram_host    as env,rank
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
 #   env,rank_profile        ~4-7 minutes  (400 s)
+#   env,rank_profile_serial ~1-4 minutes  (240 s)
 #   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
+#   env,sweep_v41           ~3 minutes  (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
@@ -69,7 +76,9 @@ rank=(--config "$RANK_CONFIG" --input-len 256 --output-len 32)
 if has env; then env_stage; fi
 if has tests; then
   stage tests 200
-  run 200 native_tests.txt python3 -m pytest -q -p no:cacheprovider -n 8 \
+  # NATIVE_TESTS (test files, space-separated) replaces the list, e.g. to rerun a failure.
+  # shellcheck disable=SC2086
+  run 200 native_tests.txt python3 -m pytest -q -p no:cacheprovider -n 12 ${NATIVE_TESTS:-\
     test/registered/kernels/test_quantized_gemm.py \
     test/registered/kernels/test_window_sparse_attention.py \
     test/registered/kernels/test_moe_token_gemm.py \
@@ -82,7 +91,7 @@ if has tests; then
     test/registered/kernels/test_small_m_linear.py \
     test/registered/kernels/test_fp4_nibble_decode.py \
     test/registered/kernels/test_engram_gather.py \
-    test/registered/e2e/test_engram_host_tables.py
+    test/registered/e2e/test_engram_host_tables.py}
   show "$WORK/native_tests.txt" 15
 fi
 if has gemm; then
@@ -156,6 +165,17 @@ if has rank_profile; then  # the kernel list heads each profile's table in the s
     done
   fi
 fi
+if has rank_profile_serial; then
+  stage rank_profile_serial 240
+  run 240 rank_profile_serial/plain.log "${native[@]}" decode "${rank[@]}" --systems plain \
+    --batch-sizes 1 --profile --engine-args '{"programmatic_launch_max_bs": 0}' \
+    --out-dir "$WORK/rank_profile_serial"
+  if (( ! DRY_RUN )); then
+    f=$WORK/rank_profile_serial/profile_plain_bs1.txt
+    [ -f "$f" ] && grep -A 45 "device kernels per step" "$f" > "${f%.txt}_kernels.md" \
+      && show "${f%.txt}_kernels.md"
+  fi
+fi
 if has v4_kv; then  # one table per KV dtype (bench_native names its table by config only)
   stage v4_kv 320
   for kv in auto fp8_e4m3; do
@@ -172,6 +192,12 @@ if has sweep; then
       --m 1,16 --only "$shape" --out "$WORK/quant_sweep_$shape.md"
     show "$WORK/quant_sweep_$shape.md"
   done
+fi
+if has sweep_v41; then
+  stage sweep_v41 240
+  run 240 sweep_v41.log python3 benchmark/kernels/bench_quant_gemm.py --sweep --m 1,4 \
+    --only v41 --sweep-formats fp8/32 --out "$WORK/quant_sweep_v41.md"
+  show "$WORK/quant_sweep_v41.md"
 fi
 if has w8a8; then
   stage w8a8 120

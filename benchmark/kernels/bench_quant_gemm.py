@@ -79,6 +79,9 @@ class Setup:
         ("q_a 1024x4096", 1024, 4096, 1),
         ("shared gate_up 4096x4096", 4096, 4096, 1),
         ("shared down 4096x2048", 4096, 2048, 1),
+        # DeepSeek-V4.1-Flash (D 5120): a layer's joint x projection (q_a 1280 + kv 512) and o_b.
+        ("v41 x_proj 1792x5120", 1792, 5120, 1),
+        ("v41 o_b 5120x8192", 5120, 8192, 1),
     )
     experts: int = 96  # one EP4 rank's routed experts; the shared expert is folded as one more
     topk: int = 6
@@ -516,6 +519,11 @@ def main() -> None:
         help="instead: the library's quantised linear at the SWEEP launch shapes (--only shapes)",
     )
     p.add_argument(
+        "--sweep-formats",
+        default="",
+        help="with --sweep: comma-separated FORMAT/GROUP of FORMATS to sweep (default: all)",
+    )
+    p.add_argument(
         "--smoke",
         action="store_true",
         help="CPU check of the script (TRITON_INTERPRET=1): tiny shapes, no timing",
@@ -537,11 +545,19 @@ def main() -> None:
         sys.modules.setdefault("benchmark.kernels.bench_quant_gemm", sys.modules[__name__])
         from benchmark.kernels.sweep_quant_linear import sweep_linear
 
+        formats = FORMATS
+        if a.sweep_formats:
+            formats = tuple(
+                (f, int(g)) for f, g in (v.split("/") for v in a.sweep_formats.split(","))
+            )
+            unknown = set(formats) - set(FORMATS)
+            if unknown:
+                p.error(f"--sweep-formats: {sorted(unknown)} not among {FORMATS}")
         copy_bw, floor_us = copy_bandwidth(), float("nan")
         rows: list[Row] = []
         for name, n, k, groups in SETUP.dense:
             if groups == 1:
-                rows += sweep_linear(m_values, name, n, k)
+                rows += sweep_linear(m_values, name, n, k, formats)
                 if a.out:
                     Path(a.out).write_text(render(rows, peak, copy_bw, floor_us))
         print(render(rows, peak, copy_bw, floor_us))

@@ -24,11 +24,16 @@ from benchmark.kernels.bench_quant_gemm import (
 
 # (BLOCK_N, BLOCK_K channels, SPLIT_K, num_stages, num_warps); the library's own choice runs
 # first. SPLIT_K > 1 takes one warp per slice (more warps would repeat the batched dot).
+# At N <= 8192 the 16-column blocks are few per SM, and a pipeline stage is mostly the
+# activation tile padded to 16 rows (16 x BLOCK_K bf16): fewer or shallower stages let more
+# programs share an SM, so a grid of a few hundred programs runs in one wave.
 SWEEP = [
     (16, 1024, 8, 3, 8),
     (16, 1024, 8, 2, 8),
     (16, 512, 4, 4, 4),
     (16, 512, 4, 3, 4),
+    (16, 512, 4, 2, 4),
+    (16, 256, 2, 4, 2),
     (16, 256, 1, 8, 2),
     (32, 512, 4, 4, 4),
     (32, 1024, 8, 3, 8),
@@ -37,15 +42,15 @@ SWEEP = [
 ]
 
 
-def sweep_linear(m_values: list[int], name: str, n: int, k: int) -> list[Row]:
-    """`quantized_linear` at each `SWEEP` launch shape (`_quantized_meta` overridden), checked
-    against dequantise-then-reference."""
+def sweep_linear(m_values: list[int], name: str, n: int, k: int, formats=FORMATS) -> list[Row]:
+    """`quantized_linear` at each `SWEEP` launch shape (`_quantized_meta` overridden) for each
+    (format, group) of `formats`, checked against dequantise-then-reference."""
     import sgl_dspark.kernels.linear.quantized as quantized
 
     default_meta = quantized._quantized_meta
     gen = _generator(n + k)
     out = []
-    for fmt, group in FORMATS:
+    for fmt, group in formats:
         w0 = quantize_random((n, k), fmt, group, gen)
         weights = [w0] + [
             quantize_random((n, k), fmt, group, gen) for _ in range(_copies(w0.nbytes) - 1)

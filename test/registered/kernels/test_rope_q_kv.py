@@ -198,7 +198,9 @@ def test_queries_and_quantised_kv_store_are_their_own_calls(
     from sgl_dspark.kernels.quant.store import quant_store
     from sgl_dspark.kernels.rope.q_kv import rope_q_quant_store_kv
 
-    q, kv, cos, sin, _ = _case(tokens, heads, head_dim, head_dim, rope_dim, dtype, seed=tokens)
+    q, kv, cos, sin, _ = _to(
+        DEVICE, *_case(tokens, heads, head_dim, head_dim, rope_dim, dtype, seed=tokens)
+    )
     g = torch.Generator().manual_seed(tokens + heads)
     rows = torch.randperm(3 * tokens + 2, generator=g)[:tokens].to(DEVICE)
     poison = torch.randint(0, 256, (3 * tokens + 2, head_dim), generator=g, dtype=torch.uint8)
