@@ -78,7 +78,7 @@ if has tests; then
   stage tests 200
   # NATIVE_TESTS (test files, space-separated) replaces the list, e.g. to rerun a failure.
   # shellcheck disable=SC2086
-  run 200 native_tests.txt python3 -m pytest -q -p no:cacheprovider -n 12 ${NATIVE_TESTS:-\
+  run 200 native_tests.txt python3 -m pytest -v -p no:cacheprovider -n 12 ${NATIVE_TESTS:-\
     test/registered/kernels/test_quantized_gemm.py \
     test/registered/kernels/test_window_sparse_attention.py \
     test/registered/kernels/test_moe_token_gemm.py \
