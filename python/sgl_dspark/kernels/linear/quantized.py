@@ -44,6 +44,7 @@ from sgl_dspark.kernels.linear.dequant import (
     fp4_rows_aligned,
     quantized_block_k,
     quantized_product,
+    quantized_stages,
 )
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 
@@ -140,16 +141,19 @@ def _quantized_linear_kernel(
     )
 
 
-def _quantized_meta(fmt: str, n: int, k: int, x_bytes: int = 2) -> dict[str, int]:
+def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
     """Launch shape per shape class (the one place sweeps and probes override; it depends on
     (N, K) only, never on M, so a row's bits do not depend on the batch).
 
-    N up to 8192: narrow column blocks (16 columns: N = 4096 gives 256 programs, about two per
-    SM). A program then has few columns to keep warps busy, so each K step of up to 1024
-    channels is split into 128-channel slices, one warp each (`quantized_product`'s SPLIT_K):
-    8 warps and 16 independent matrix-unit chains per program. Three pipeline stages keep two
-    steps (1024 FP8 or 512 MXFP4 bytes per row) in flight; a stage's shared memory is mostly
-    the activation tile (16 rows x 1024 channels of bf16). Wider N (an lm_head): 64-column
+    N up to 8192: narrow column blocks (16 columns: N = 5120 gives 320 programs). A program then
+    has few columns to keep warps busy, so each K step of up to 512 channels is split into
+    128-channel slices, one warp each (`quantized_product`'s SPLIT_K): 4 warps and 8 independent
+    matrix-unit chains per program. A pipeline stage is mostly the activation tile (16 rows x
+    512 channels of bf16, 15 of them padding at M 1); four stages keep three steps in flight in
+    74 KB, so three programs share an SM and a few hundred programs run in one wave. The
+    previous shape (1024-channel steps over 8 warps, three stages: 99 KB and 124 registers, two
+    programs an SM, 1.2 waves at N = 5120) was 1.27x slower at V4.1-Flash's o_b and the rank
+    model's bs 1 step 4% slower (`benchmark/results/kernels.md`). Wider N (an lm_head): 64-column
     blocks, 256-channel steps in one dot; 512 programs at N = 32768 with a pipeline of at most
     48 KB, so four share an SM and they all run in one wave."""
     if n > 8192:
@@ -160,15 +164,15 @@ def _quantized_meta(fmt: str, n: int, k: int, x_bytes: int = 2) -> dict[str, int
             "num_stages": 3,
             "num_warps": 4,
         }
-    # fp32 activations (4 bytes) take half the channels per step: three stages of a 16 x 1024
-    # fp32 tile and its weights pass the 227 KB of shared memory an sm90 block may have.
-    block_k = quantized_block_k(fmt, k, 1024 if x_bytes <= 2 else 512)
+    # fp32 activations (4 bytes) double the activation tile: four stages of it still fit the
+    # 227 KB of shared memory an sm90 block may have.
+    block_k = quantized_block_k(fmt, k, 512)
     split = max(1, block_k // 128)
     return {
         "BLOCK_N": 16,
         "BLOCK_K": block_k,
         "SPLIT_K": split,
-        "num_stages": 3,
+        "num_stages": quantized_stages(fmt, 4),
         "num_warps": max(2, split),
     }
 
@@ -261,7 +265,7 @@ def _launch(
     """One launch over (column blocks, groups); x / weight / out are a group's first views
     (the weight group stride in stored elements)."""
     (m, k), n = x.shape, weight.data.shape[0]
-    meta = _quantized_meta(weight.fmt, n, k, x.element_size())
+    meta = _quantized_meta(weight.fmt, n, k)
     data = weight.data
     stride_xg, stride_wg, stride_yg = group_strides
     grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, _BLOCK_M))
