@@ -769,18 +769,23 @@ def _engram_gate(dtype: torch.dtype) -> Callable[[], object]:
 def _v41_index_scores() -> Callable[[], object]:
     from sgl_dspark.kernels.indexer.v41_logits import v41_index_scores
 
-    # V4.1-Flash: 32 index heads of 128, candidate blocks of 8.
-    return lambda: v41_index_scores(
-        torch.randn(2, 32, 128),
-        _bf16(2, 32),
-        torch.zeros(100, 64, dtype=torch.uint8),
-        torch.zeros(100, 4, dtype=torch.uint8),
-        torch.zeros(2, 300, dtype=torch.int64),
-        torch.tensor([300, 17]),
-        weight_scale=32**-0.5,
-        keep_blocks=torch.ones(2, 38, dtype=torch.bool),
-        block=8,
-    )
+    def run() -> None:
+        # V4.1-Flash: 32 index heads of 128, candidate blocks of 8; bf16 queries (the engine's:
+        # bf16 dots) and fp32 ones (IEEE dots), 300 entries (16 a program) and 5000 (64).
+        for dtype, n in ((torch.bfloat16, 300), (torch.float32, 300), (torch.bfloat16, 5000)):
+            v41_index_scores(
+                torch.randn(2, 32, 128).to(dtype),
+                _bf16(2, 32),
+                torch.zeros(100, 64, dtype=torch.uint8),
+                torch.zeros(100, 4, dtype=torch.uint8),
+                torch.zeros(2, n, dtype=torch.int64),
+                torch.tensor([n, 17]),
+                weight_scale=32**-0.5,
+                keep_blocks=torch.ones(2, -(-n // 8), dtype=torch.bool),
+                block=8,
+            )
+
+    return run
 
 
 def _candidate_block_max() -> Callable[[], object]:

@@ -39,11 +39,22 @@ def _case(t: int, heads: int, di: int, n: int, seed: int, block: int):
 
 @pytest.mark.parametrize(
     ("t", "heads", "di", "n", "block"),
-    [(1, 8, 32, 1, 1), (3, 4, 64, 37, 4), (5, 32, 128, 130, 8), (2, 16, 128, 300, 3)],
+    [
+        (1, 8, 32, 1, 1),
+        (3, 4, 64, 37, 4),
+        (5, 32, 128, 130, 8),
+        (2, 16, 128, 300, 3),
+        (2, 64, 128, 176, 8),  # the rank model's ratio-2 sources: 64 heads, 176 entries
+        (2, 3, 64, 4200, 8),  # 64-entry programs past 4096 entries; heads padded to 16
+    ],
 )
 @pytest.mark.parametrize("with_keep", [False, True])
-def test_scores_match_reference(t, heads, di, n, block, with_keep):
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
+def test_scores_match_reference(t, heads, di, n, block, with_keep, q_dtype):
+    """bf16 queries (the engine's) multiply in bf16 on a GPU: exact, since fake-quantised
+    queries and decoded keys hold three significant bits."""
     qi, w, data, scales, rows, visible, keep = _case(t, heads, di, n, t * 1000 + n, block)
+    qi = qi.to(q_dtype)
     kw = dict(weight_scale=heads**-0.5, keep_blocks=keep if with_keep else None, block=block)
     want = v41_index_scores_ref(
         qi, w, data, scales, rows.clamp(max=data.shape[0] - 1), visible, **kw

@@ -4,11 +4,15 @@ block scores the candidate source's two-level top-k ranks (`candidate_block_max`
 `v41_index_scores_ref`, `candidate_block_max_ref`.
 
 `v41_index_scores`: grid (T, entry blocks). A program decodes BLOCK_N keys straight from the
-cache rows (E2M1 nibbles times their power-of-two scale: exact), then for every head adds
-`w[h] * relu(q[h] . K) * Di^-0.5`. Entries past the row's visible count, or outside the kept
-candidate blocks, are -inf and read nothing (the masked page-table entries cost no key loads).
-Tier: tolerance (the dot products and the head sum run in another order than the reference's
-einsum); the masks are exact.
+cache rows (E2M1 nibbles times their power-of-two scale: exact), forms every head's dot products
+with them in one matrix multiply (the keys' even and odd channels against the queries' even
+and odd ones: two dots into one accumulator), then sums `w[h] * relu(q[h] . K) * Di^-0.5` over
+the heads. bf16 queries multiply in bf16 (the decoded keys are exact in bf16 and the products
+exact in fp32); other dtypes in fp32 with IEEE products. Entries past the row's visible count,
+or outside the kept candidate blocks, are -inf and read nothing (the masked page-table entries
+cost no key loads). Tier: tolerance (the dot products and the head sum run in another order
+than the reference's einsum); the masks are exact. A score depends on the token's row and the
+entry count (which fixes BLOCK_N), never on T.
 
 `candidate_block_max`: grid (T, block tiles): the maximum of every block of entries and the
 pinned newest block. Bit-exact (max only).
@@ -21,7 +25,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import INDEX_DTYPES, require
-from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
 from sgl_dspark.kernels.indexer.fp4_codec import e2m1_decode
 
 
@@ -45,10 +49,12 @@ def _v41_index_scores_kernel(
     weight_scale,
     score_scale,
     HEADS: tl.constexpr,
+    H_POW2: tl.constexpr,
     DI: tl.constexpr,
     BLOCK_N: tl.constexpr,
     CAND_BLOCK: tl.constexpr,
     HAS_KEEP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # queries, head weights and keys come from earlier kernels
@@ -75,14 +81,21 @@ def _v41_index_scores_kernel(
     scale = (exps << 23).to(tl.float32, bitcast=True)
     k_even = e2m1_decode(packed & 15) * scale
     k_odd = e2m1_decode(packed >> 4) * scale
-    acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    q_row = q_ptr + t * q_stride_t
-    for h in tl.static_range(HEADS):
-        q_even = tl.load(q_row + h * DI + 2 * offs_p).to(tl.float32)
-        q_odd = tl.load(q_row + h * DI + 2 * offs_p + 1).to(tl.float32)
-        dot = tl.sum(k_even * q_even[None, :] + k_odd * q_odd[None, :], axis=1)
-        w = tl.load(w_ptr + t * w_stride_t + h).to(tl.float32) * weight_scale
-        acc += tl.maximum(dot, 0.0) * score_scale * w
+    # Queries as [Di / 2, heads] operands (even channels, odd channels); padded heads read 0.
+    heads = tl.arange(0, H_POW2)
+    head_ok = heads < HEADS
+    q_cols = q_ptr + t * q_stride_t + heads[None, :] * DI + 2 * offs_p[:, None]
+    q_even = tl.load(q_cols, mask=head_ok[None, :], other=0.0)
+    q_odd = tl.load(q_cols + 1, mask=head_ok[None, :], other=0.0)
+    if DOT_FP32:
+        dots = tl.dot(k_even, q_even.to(tl.float32), input_precision="ieee")
+        dots = tl.dot(k_odd, q_odd.to(tl.float32), dots, input_precision="ieee")
+    else:  # bf16 queries: the decoded keys are exact in bf16
+        dots = tl.dot(k_even.to(q_even.dtype), q_even)
+        dots = tl.dot(k_odd.to(q_odd.dtype), q_odd, dots)
+    w = tl.load(w_ptr + t * w_stride_t + heads, mask=head_ok, other=0.0).to(tl.float32)
+    terms = tl.maximum(dots, 0.0) * score_scale * (w * weight_scale)[None, :]
+    acc = tl.sum(terms, axis=1)
     out = tl.where(live, acc, float("-inf"))
     tl.store(out_ptr + t * N + offs_n, out, mask=in_row)
 
@@ -140,7 +153,9 @@ def v41_index_scores(
     out = torch.empty(t, n, dtype=torch.float32, device=qi.device)
     if t == 0 or n == 0:
         return out
-    block_n = max(16, min(64, 4096 // (di // 2)))
+    # 16 entries a program (the matrix unit's least M) while that gives at most 256 programs a
+    # token; 64 beyond, so a program's query tile is read for more keys.
+    block_n = 16 if n <= 16 * 256 else 64
     _v41_index_scores_kernel[(t, triton.cdiv(n, block_n))](
         qi,
         weights,
@@ -160,10 +175,13 @@ def v41_index_scores(
         float(weight_scale),
         float(di**-0.5),
         HEADS=heads,
+        H_POW2=max(16, triton.next_power_of_2(heads)),
         DI=di,
         BLOCK_N=block_n,
         CAND_BLOCK=block,
         HAS_KEEP=keep_blocks is not None,
+        # The CPU interpreter's 16-bit tl.dot is unreliable: exact products in fp32 there.
+        DOT_FP32=qi.dtype != torch.bfloat16 or interpreted(_v41_index_scores_kernel),
         num_warps=4,
         **programmatic_launch(_v41_index_scores_kernel, qi.device),
     )
