@@ -91,6 +91,7 @@ if has tests; then
     test/registered/kernels/test_small_m_linear.py \
     test/registered/kernels/test_fp4_nibble_decode.py \
     test/registered/kernels/test_engram_gather.py \
+    test/registered/kernels/test_indexer_v41.py \
     test/registered/e2e/test_engram_host_tables.py}
   show "$WORK/native_tests.txt" 15
 fi
