@@ -55,10 +55,10 @@
 #   env,rank_engram_host    as env,rank
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
 #   env,rank_profile        ~4-7 minutes  (400 s)
-#   env,rank_profile_serial ~1-4 minutes  (240 s)
+#   env,rank_profile_serial ~2 minutes on a cold Triton cache (240 s)
 #   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
-#   env,sweep_v41           ~3 minutes  (240 s)
+#   env,sweep_v41           under a minute (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
