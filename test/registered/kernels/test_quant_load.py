@@ -117,6 +117,9 @@ def _load(fmt, data, scales, rows, dtype):
         (128, (13,), 64),  # V4.1-Flash's index keys
         (96, (4, 3), 11),  # block counts not a power of two
         (160, (37,), 9),
+        # Enough rows for several rows a program (`_rows_per_program`), the last tile partial.
+        (32, (1000,), 40),
+        (512, (3, 701), 50),
     ],
 )
 def test_quant_load_matches_reference_bit_for_bit(fmt, dtype, d, shape, cache_rows):

@@ -36,9 +36,19 @@ from sgl_dspark.kernels.quant.reference import INDEX_BLOCK, LATENT_BLOCK, WINDOW
 from sgl_dspark.kernels.quant.store import FORMATS
 
 _BLOCKS = {"fp8_window": WINDOW_BLOCK, "fp4_latent": LATENT_BLOCK, "fp4_index": INDEX_BLOCK}
-# Decoded values per program (rows * channels): a few KB of output per program keeps the grid
-# wide at decode sizes while each row stays one contiguous load.
+# Decoded values per program (rows * channels): at most a few KB of output per program, and
+# fewer rows while that leaves the grid below _MIN_PROGRAMS (a decode step's few hundred rows
+# would otherwise be a few dozen programs, latency-bound); each row stays one contiguous load.
+# The decode is elementwise: no value depends on the tile.
 _TILE = 4096
+_MIN_PROGRAMS = 256
+
+
+def _rows_per_program(n: int, padded_width: int) -> int:
+    """Rows a program decodes: a power of two, at most `_TILE` values, and no more than keeps
+    `_MIN_PROGRAMS` programs busy over `n` rows."""
+    most = max(1, _TILE // padded_width)
+    return min(most, triton.next_power_of_2(max(1, -(-n // _MIN_PROGRAMS))))
 
 
 @triton.jit
@@ -300,7 +310,7 @@ def _launch_args(
         "D": d,
         "W": width,
         "WP": wp,
-        "ROWS": max(1, _TILE // wp),
+        "ROWS": _rows_per_program(flat.numel(), wp),
         "BLOCK": block,
         "FMT": FORMATS[fmt],
     }
