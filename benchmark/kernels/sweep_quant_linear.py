@@ -44,7 +44,9 @@ SWEEP = [
 ]
 
 
-def sweep_linear(m_values: list[int], name: str, n: int, k: int, formats=FORMATS) -> list[Row]:
+def sweep_linear(
+    m_values: list[int], name: str, n: int, k: int, formats: tuple[tuple[str, int], ...] = FORMATS
+) -> list[Row]:
     """`quantized_linear` at each `SWEEP` launch shape (`_quantized_meta` overridden) for each
     (format, group) of `formats`, checked against dequantise-then-reference."""
     import sgl_dspark.kernels.linear.quantized as quantized
