@@ -556,7 +556,7 @@ def mixed_moe_case() -> Callable[[], object]:
     )
 
 
-def mixed_token_gemms_case() -> Callable[[], object]:
+def mixed_token_gemms_case(d: int = 4096, inter: int = 2048) -> Callable[[], object]:
     from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -565,9 +565,9 @@ def mixed_token_gemms_case() -> Callable[[], object]:
     def run() -> object:
         weights = torch.ones(1, 7)
         h = moe_route_gate_up(
-            _bf16(1, 4096), _mixed_experts((4096, 4096)), ids, table, 3, 10.0, None, weights
+            _bf16(1, d), _mixed_experts((2 * inter, d)), ids, table, 3, 10.0, None, weights
         )
-        down = _mixed_experts((4096, 2048))
+        down = _mixed_experts((d, inter))
         return moe_token_down_reduce(h, down, ids, None, table, 3)
 
     return run
@@ -1097,6 +1097,24 @@ CASES = {
         "_moe_token_down_kernel",
         mixed_token_gemms_case(),
     ),
+    # DeepSeek-V4.1-Flash's experts (D 5120, I 2304): the down projection's scale rows hold
+    # 72 bytes, too few for Triton to prove the alignment of an asynchronous copy.
+    "mixed_moe_token_down_v41": (
+        "moe.token_gemm",
+        "_moe_token_down_kernel",
+        mixed_token_gemms_case(5120, 2304),
+    ),
+    # V4.1-Flash's o_b and x projection (FP8 32 x 32) at M 1.
+    "quantized_linear_fp8_32_o_b_v41": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        quantized_linear_case("fp8", 5120, 8192, 32, m=1),
+    ),
+    "quantized_linear_fp8_32_x_proj_v41": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        quantized_linear_case("fp8", 1792, 5120, 32, m=1),
+    ),
     "quant_store_window_fp8": (
         "quant.store",
         "_quant_store_kernel",
@@ -1420,6 +1438,106 @@ def check_programmatic_launch(
     return report
 
 
+# The quantised GEMMs' K loops (`linear.dequant.quantized_product`): each step's scale bytes are
+# either copied ahead asynchronously or loaded a step ahead (`dequant.scales_loaded_ahead`).
+K_LOOP_KERNELS = (
+    "linear.quantized._quantized_linear_kernel",
+    "moe.grouped_gemm._moe_grouped_gemm_kernel",
+    "moe.token_gemm._moe_route_gate_up_kernel",
+    "moe.token_gemm._moe_token_down_kernel",
+)
+
+
+def _loop_bodies(ttgir: str) -> tuple[list[str], dict[int, int], dict[int, int]]:
+    """The TTGIR's lines, the innermost `scf.for` enclosing each line (by the loop's first
+    line) and each loop's last line (regions nest by braces, balanced within attribute
+    dictionaries on one line)."""
+    lines = ttgir.splitlines()
+    owner: dict[int, int] = {}
+    last: dict[int, int] = {}
+    open_loops: list[tuple[int, int]] = []
+    depth = 0
+    for i, line in enumerate(lines):
+        if open_loops:
+            owner[i] = open_loops[-1][1]
+        net = line.count("{") - line.count("}")
+        if "scf.for" in line and net > 0:
+            open_loops.append((depth, i))
+        depth += net
+        while open_loops and depth <= open_loops[-1][0]:
+            last[open_loops.pop()[1]] = i
+    return lines, owner, last
+
+
+def loads_waited_on_in_their_iteration(ttgir: str) -> list[str]:
+    """Plain loads (`tt.load`, not an asynchronous copy) inside a loop whose value the same
+    iteration uses: the iteration waits for the load's whole latency. A value used only by
+    the loop's `scf.yield` is carried to the next iteration, loaded a step ahead."""
+    lines, owner, last = _loop_bodies(ttgir)
+    found = []
+    for i, line in enumerate(lines):
+        m = re.match(r"\s*(%[\w]+) = tt\.load ", line)
+        if not m or i not in owner:
+            continue
+        use = re.compile(re.escape(m[1]) + r"(?![\w#])")
+        for j in range(i + 1, last[owner[i]] + 1):
+            if use.search(lines[j]) and not (owner.get(j) == owner[i] and "scf.yield" in lines[j]):
+                found.append(f"{m[1]} used at: {lines[j].strip()[:100]}")
+                break
+    return found
+
+
+def tiles_through_shared_memory(ttgir: str) -> list[str]:
+    """Register tensors stored to shared memory inside a loop (`ttg.local_alloc` of a value):
+    a tile whose layout the matrix unit cannot take from registers, a round trip per step."""
+    lines, owner, _ = _loop_bodies(ttgir)
+    return [
+        line.strip()[:100]
+        for i, line in enumerate(lines)
+        if i in owner and re.search(r"= ttg\.local_alloc %", line)
+    ]
+
+
+def check_k_loops(
+    recs: dict[str, _Recorder], kernels: tuple[str, ...] = K_LOOP_KERNELS
+) -> list[str]:
+    """Compile each quantised GEMM's recorded launch variants (bf16 activations, K a multiple
+    of the K step) for sm90 and check their K loops: no dequantised tile goes through shared
+    memory, and where every product loads its scales ahead (`dequant.scales_loaded_ahead`) no
+    iteration waits on a load it issued. The report counts the variants that still wait on a
+    step's scale bytes (neither copied asynchronously nor loaded ahead)."""
+    target = TARGETS["sm90"][0]
+    report = []
+    for key in kernels:
+        rec = recs[key]
+        assert rec.calls, (key, "not launched")
+        seen = set()
+        waiting = 0
+        for args, kwargs in rec.calls:
+            if not kwargs.get("QUANT", True) and not kwargs.get("X_QUANT", False):
+                continue
+            if kwargs["DOT_FP32"] or not kwargs["EVEN_K"]:
+                continue  # fp32 tiles take shared memory; bounded K steps are plain loads
+            variant = tuple(
+                sorted((k, v) for k, v in kwargs.items() if isinstance(v, (bool, int, str)))
+            )
+            if variant in seen:
+                continue
+            seen.add(variant)
+            src, options = launch_source(rec.fn, args, on_target(kwargs, target), target)
+            ttgir = triton.compile(src, target=target, options=options).asm["ttgir"]
+            assert not tiles_through_shared_memory(ttgir), (key, variant)
+            waits = loads_waited_on_in_their_iteration(ttgir)
+            quantized = [kwargs.get("QUANT", True), kwargs.get("X_QUANT", False)]
+            ahead = [kwargs["SCALES_AHEAD"], kwargs.get("X_SCALES_AHEAD", False)]
+            if all(a for q, a in zip(quantized, ahead) if q):
+                assert not waits, (key, variant, waits)
+            waiting += bool(waits)
+        assert seen, (key, "no quantised bf16 launch with K a multiple of its step")
+        report.append(f"ok loops {key}: {len(seen)} variants, {waiting} wait on a step's scales")
+    return report
+
+
 def check_instructions() -> list[str]:
     """Compile the cases of `INSTRUCTIONS` and check their matrix instructions."""
     report = []
@@ -1442,6 +1560,11 @@ def main(names: list[str]) -> int:
         except Exception as exc:
             failed += 1
             print(f"FAIL pdl: {type(exc).__name__}: {exc}", flush=True)
+        try:
+            print("\n".join(check_k_loops(recs)), flush=True)
+        except Exception as exc:
+            failed += 1
+            print(f"FAIL loops: {type(exc).__name__}: {exc}", flush=True)
         try:
             print("\n".join(check_instructions()), flush=True)
         except Exception as exc:

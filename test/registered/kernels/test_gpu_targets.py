@@ -2,7 +2,8 @@
 launches of the benchmark cases (DeepSeek-V4-Flash shapes) and the hand-written runtime cases
 (see `gpu_targets_check.py`); the FP8 kernels also emit their matrix instructions (the W8A8
 GEMMs sm90's `wgmma ... e4m3.e4m3` and gfx950's FP8 MFMA, the MX MoE gfx950's
-`v_mfma_scale_f32_*_f8f6f4`); checked without a GPU, in a subprocess free of TRITON_INTERPRET."""
+`v_mfma_scale_f32_*_f8f6f4`), and the quantised GEMMs' K loops wait on no load of their own
+step (`check_k_loops`); checked without a GPU, in a subprocess free of TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from gpu_targets_check import INSTRUCTIONS, PDL_KERNELS
+from gpu_targets_check import INSTRUCTIONS, K_LOOP_KERNELS, PDL_KERNELS
 
 CHECK = Path(__file__).with_name("gpu_targets_check.py")
 
@@ -30,6 +31,9 @@ def test_kernels_compile_for_sm90_and_gfx950() -> None:
     assert len([x for x in lines if x.startswith("ok ")]) >= 21, proc.stdout
     # The programmatic-launch kernels compile with and without PDL (`check_programmatic_launch`).
     assert len([x for x in lines if x.startswith("ok pdl ")]) == len(PDL_KERNELS), proc.stdout
+    # The quantised GEMMs' K loops wait on no scale load of their own step and keep the
+    # dequantised tiles in registers (`check_k_loops`).
+    assert len([x for x in lines if x.startswith("ok loops ")]) == len(K_LOOP_KERNELS), proc.stdout
     # The FP8 kernels emit the matrix instructions they exist for (sm90's FP8 wgmma, gfx950's
     # FP8 and scaled MFMA), within shared memory at the run-time specialisation.
     assert len([x for x in lines if x.startswith("ok asm ")]) == len(INSTRUCTIONS), proc.stdout

@@ -27,6 +27,7 @@ import triton.language as tl
 from sgl_dspark.kernels.linear.dequant import (
     quantized_scales,
     quantized_tile,
+    scales_loaded_ahead,
     stored_rows,
 )
 from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear, quantized_linear
@@ -345,6 +346,67 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> None:
         assert torch.equal(a.view(torch.int16), b.view(torch.int16))
     else:
         torch.testing.assert_close(a, b, **CHAIN_TOL[dtype])
+
+
+def test_scales_loaded_ahead_rule() -> None:
+    """The rule of `scales_loaded_ahead`, case by case (the compiler's side of it is checked by
+    `gpu_targets_check.check_k_loops`): ahead for a step of 8 or more groups spread at fewer
+    than 4 bytes a thread, never otherwise."""
+    g = torch.Generator().manual_seed(3)
+    fp8_32 = quantized(torch.randn(64, 512, generator=g), "fp8", 32)
+    fp8_128 = quantized(torch.randn(256, 512, generator=g), "fp8", 128)
+    fp4 = quantized(torch.randn(64, 512, generator=g), "mxfp4", 32)
+    # The narrow linears: 16 columns x 16 groups over 4 warps, 2 bytes a thread.
+    assert scales_loaded_ahead(fp8_32, 16, 512, 4)
+    assert scales_loaded_ahead(fp4, 16, 512, 4)
+    assert not scales_loaded_ahead(fp8_32, 16, 512, 1)  # one warp: 8 bytes a thread
+    # The grouped MoE at 32 columns x 8 groups: 2 bytes a thread; 64 columns: 4.
+    assert scales_loaded_ahead(fp4, 32, 256, 4)
+    assert not scales_loaded_ahead(fp4, 64, 256, 4)
+    assert not scales_loaded_ahead(fp8_32, 64, 256, 4)
+    # Fewer than 8 groups a step.
+    assert not scales_loaded_ahead(fp8_128, 16, 512, 4)
+    assert not scales_loaded_ahead(fp4, 16, 128, 4)
+
+
+SCALE_AHEAD_CASES = [  # (format, block, M, N, K): K steps even and bounded, a partial last group
+    ("fp8", 32, 1, 48, 1024),
+    ("fp8", 32, 3, 40, 1312),
+    ("mxfp4", 32, 2, 33, 1024),
+    ("mxfp4", 32, 1, 24, 1184),
+]
+
+
+@pytest.mark.parametrize("case", SCALE_AHEAD_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_scales_loaded_ahead_change_no_bit(case: tuple, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same bits with the scale bytes loaded a step ahead and in their step, for the
+    linear and both per-token MoE stages (a step's scales are the same bytes either way; the
+    read ahead past the last step is masked off)."""
+    from sgl_dspark.kernels.linear import quantized as linear_module
+    from sgl_dspark.kernels.moe import expert_weights
+
+    fmt, block, m, n, k = case
+    g = torch.Generator().manual_seed(40 + SCALE_AHEAD_CASES.index(case))
+    w = quantized(torch.randn(n, k, generator=g) * 0.05, fmt, block)
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    gate_up, down = _experts(fmt, block, 3, k, k // 2, g)
+    ids = torch.tensor([[0, 2]] * m, dtype=torch.int32, device=DEVICE)
+    table = prepare_moe_sort(torch.ones(3, dtype=torch.int32, device=DEVICE)).local_table
+    weights = torch.rand(m, 2, generator=g).to(DEVICE)
+
+    def run(ahead: bool) -> list[torch.Tensor]:
+        def rule(*_: object) -> bool:
+            return ahead
+
+        monkeypatch.setattr(linear_module, "scales_loaded_ahead", rule)
+        monkeypatch.setattr(expert_weights, "scales_loaded_ahead", rule)
+        h = moe_route_gate_up(x, gate_up, ids, table, 3, 1.5)
+        out = moe_token_down_reduce(h, down, ids, weights, table, 3)
+        return [quantized_linear(x, w), h, out]
+
+    for ahead, step in zip(run(True), run(False)):
+        assert not torch.isnan(ahead).any()
+        assert torch.equal(ahead, step)
 
 
 def test_expert_split_k_gives_each_warp_a_whole_matrix_step() -> None:

@@ -32,9 +32,11 @@ idle).
 
 Loads: the code bytes arrive by 16-byte asynchronous copies only if the compiler sees their mask
 constant over each 16 bytes: rows of a multiple of 16 bytes bound the bytes in 16-byte units
-(`ALIGNED`), and a K that is a multiple of the K step needs no K bound at all (`EVEN_K`), which
-also lets the step's scale bytes load as vectors the software pipeline copies ahead (a scale
-load bounded per group is a synchronous byte load whose latency every K step waits for).
+(`ALIGNED`), and a K that is a multiple of the K step needs no K bound at all (`EVEN_K`). The
+step's scale bytes are copied ahead the same way only where the compiler can
+(`scales_loaded_ahead`: at least 4 bytes a thread, no K bound, provable alignment); the narrow
+tiles' are loaded a step ahead into registers instead, so no step waits for a scale load of its
+own.
 
 Exactness: every dequantised weight is the exact product of its value and its power-of-two scale
 whenever that product is a normal bf16 (or fp32) number, i.e. the same number
@@ -391,6 +393,7 @@ def quantized_product(
     DOT_FP32: tl.constexpr,
     SPLIT_K: tl.constexpr = 1,
     EVEN_K: tl.constexpr = False,
+    SCALES_AHEAD: tl.constexpr = False,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows` [BM], unit stride along K; rows not `a_ok`
     read zero) times the dequantised weight columns (`w_rows` / `w_ok` / `s_rows`: pointers to
@@ -412,15 +415,27 @@ def quantized_product(
     EVEN_K (k_dim a multiple of BLOCK_K): no load is bounded along K, so the scale bytes load
     as vectors the software pipeline can copy ahead like the weights.
 
-    The weight and activation tiles are software-pipelined (asynchronous copies), the scale
-    bytes too when they load as vectors (EVEN_K); otherwise they are loaded first in the step,
-    so their latency overlaps the decode of the step's codes."""
+    The weight and activation tiles are software-pipelined (asynchronous copies). The scale
+    bytes are copied the same way only where the compiler can (`scales_loaded_ahead`); where it
+    cannot, SCALES_AHEAD loads each step's scale bytes one step early into registers, so no
+    iteration waits for a load it issued itself (a scale load is a global-memory round trip,
+    the longest latency of a step)."""
     if SPLIT_K == 1:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     else:
         acc = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
+    if SCALES_AHEAD:
+        e_next = quantized_scales(s_rows, w_ok, 0, k_dim, GROUP, BLOCK_K, EVEN_K)
     for k0 in range(0, k_dim, BLOCK_K):
-        e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
+        if SCALES_AHEAD:
+            e = e_next
+            k_next = k0 + BLOCK_K
+            # The last step's read ahead is masked off (no byte past the weight's groups).
+            e_next = quantized_scales(
+                s_rows, w_ok & (k_next < k_dim), k_next, k_dim, GROUP, BLOCK_K, EVEN_K
+            )
+        else:
+            e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
         ks = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:
             a_k_ok = a_ok[:, None]
@@ -451,6 +466,28 @@ def quantized_stages(fmt: str | None, stages: int) -> int:
     would take `stages`: at most three for MXFP4, whose K loop (two dots per step) Triton 3.6's
     AMD pipeliner fails to compile at four (gfx950); one launch shape on every target."""
     return min(stages, 3) if fmt == "mxfp4" else stages
+
+
+def scales_loaded_ahead(weight: QuantizedWeight, columns: int, block_k: int, warps: int) -> bool:
+    """`quantized_product`'s SCALES_AHEAD for a program of `columns` weight columns, K step
+    `block_k` and `warps` warps: whether its scale bytes are loaded a step ahead.
+
+    Triton's software pipeliner (3.6) copies a step's scale tile ([columns, block_k / group]
+    bytes, spread over every thread) ahead asynchronously only when each thread gets at least
+    4 contiguous bytes of it (the smallest asynchronous copy), no load is bounded along K
+    (EVEN_K) and the alignment is provable (the scales' base 16-byte aligned, every stride a
+    multiple of 16: the integer arguments Triton specialises); otherwise the tile is a plain
+    load inside the K loop, whose latency the step waits for. Loaded ahead here: tiles of fewer
+    than 4 bytes a thread with at least 8 groups a step, e.g. 16 columns of FP8 32 x 32 or MXFP4
+    at 512-channel steps over 4 warps (the narrow linears: 2 bytes a thread). Not: steps of
+    fewer than 8 groups (V4's FP8 128 x 128) and tiles of 4 or more bytes a thread whose rows
+    are not 16-byte multiples (K / 32 = 72 bytes at K 2304): carried from one iteration to the
+    next, those tiles make the compiler decode the weight in a layout the matrix unit cannot
+    take from registers, a shared-memory round trip per step. `gpu_targets_check.py` compiles
+    the quantised kernels for sm90 and checks that a K loop never does that, and never waits on
+    a load of its own step where this says ahead."""
+    groups = block_k // weight.group
+    return groups >= 8 and columns * groups < 4 * 32 * warps
 
 
 def fp4_rows_aligned(weight: QuantizedWeight) -> bool:
@@ -508,5 +545,6 @@ __all__ = [
     "quantized_scales",
     "quantized_stages",
     "quantized_tile",
+    "scales_loaded_ahead",
     "stored_rows",
 ]

@@ -45,6 +45,7 @@ from sgl_dspark.kernels.linear.dequant import (
     quantized_block_k,
     quantized_product,
     quantized_stages,
+    scales_loaded_ahead,
 )
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 
@@ -78,6 +79,7 @@ def _quantized_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
@@ -130,6 +132,7 @@ def _quantized_linear_kernel(
         DOT_FP32,
         SPLIT_K,
         EVEN_K,
+        SCALES_AHEAD,
     )
     if ROUND_BF16:
         acc = round_to_bf16(acc)
@@ -288,6 +291,9 @@ def _launch(
         PTX=fp4_ptx_decode(x.device),
         ALIGNED=fp4_rows_aligned(weight),
         EVEN_K=k % meta["BLOCK_K"] == 0,
+        SCALES_AHEAD=scales_loaded_ahead(
+            weight, meta["BLOCK_N"], meta["BLOCK_K"], meta["num_warps"]
+        ),
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_M=_BLOCK_M,

@@ -24,6 +24,7 @@ from sgl_dspark.kernels.linear.dequant import (
     fp4_rows_aligned,
     quantized_block_k,
     quantized_product,
+    scales_loaded_ahead,
 )
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 from sgl_dspark.kernels.moe.reference import MixedExperts
@@ -67,13 +68,15 @@ def expert_product(
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr = False,
     SPLIT_K: tl.constexpr = 1,
+    SCALES_AHEAD: tl.constexpr = False,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows`, unit stride along K) times the weight columns
     (pointers `w_rows` to each output column's stored row), over all K in BLOCK_K steps of
     `expert_dot`, or with a quantised weight `quantized_product` (scale pointers `s_rows`; its
-    K step split into SPLIT_K slices, `expert_split_k`). The one definition of an expert
-    product: the grouped and the per-token kernels call it with the same constants, so their
-    products sum in the same order."""
+    K step split into SPLIT_K slices, `expert_split_k`; SCALES_AHEAD: `expert_scales_ahead`).
+    The one definition of an expert product: the grouped and the per-token kernels call it with
+    the same constants, so their products sum in the same order (SCALES_AHEAD changes when a
+    scale byte is loaded, not a bit)."""
     if QUANT:
         acc = quantized_product(
             a_rows,
@@ -92,6 +95,7 @@ def expert_product(
             DOT_FP32,
             SPLIT_K,
             EVEN_K,
+            SCALES_AHEAD,
         )
     else:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
@@ -130,6 +134,7 @@ def expert_or_extra_product(
     DOT_FP32: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
     EXTRA: tl.constexpr,
     X_BLOCK_K: tl.constexpr,
     X_QUANT: tl.constexpr,
@@ -138,6 +143,7 @@ def expert_or_extra_product(
     X_GROUP: tl.constexpr,
     X_EVEN_K: tl.constexpr,
     X_SPLIT_K: tl.constexpr,
+    X_SCALES_AHEAD: tl.constexpr,
 ):
     """`expert_product` of the stack's weight rows (`w_rows`, `s_rows`), or with EXTRA, where
     the scalar `is_extra` holds, of the extra expert's (`xw_rows`, `xs_rows`, its X_ constants:
@@ -162,6 +168,7 @@ def expert_or_extra_product(
             DOT_FP32,
             X_EVEN_K,
             X_SPLIT_K,
+            X_SCALES_AHEAD,
         )
     else:
         acc = expert_product(
@@ -182,6 +189,7 @@ def expert_or_extra_product(
             DOT_FP32,
             EVEN_K,
             SPLIT_K,
+            SCALES_AHEAD,
         )
     return acc
 
@@ -209,6 +217,7 @@ def extra_columns_product(
     X_SCALE_ROWS: tl.constexpr,
     X_EVEN_K: tl.constexpr,
     X_SPLIT_K: tl.constexpr,
+    X_SCALES_AHEAD: tl.constexpr,
 ):
     """fp32 [BLOCK_N]: one activation row (`a_row`, unit stride along K) times output columns
     [n0, n0 + BLOCK_N) of the extra expert's weight (`extra_expert_args`), formed by
@@ -236,6 +245,7 @@ def extra_columns_product(
         DOT_FP32,
         X_EVEN_K,
         X_SPLIT_K,
+        X_SCALES_AHEAD,
     )
     row = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)
     PARTS: tl.constexpr = X_BLOCK_N // BLOCK_N
@@ -268,6 +278,14 @@ def expert_split_k(block_k: int, weight: ExpertWeight | None = None) -> int:
     if not isinstance(weight, QuantizedWeight) or weight.fmt != "mxfp4":
         return 1
     return EXPERT_WARPS if block_k // 2 >= 16 * EXPERT_WARPS else 1
+
+
+def expert_scales_ahead(weight: ExpertWeight, columns: int, block_k: int) -> bool:
+    """`expert_product`'s SCALES_AHEAD for a program of `columns` weight columns over
+    EXPERT_WARPS warps (`dequant.scales_loaded_ahead`; False for an unquantised stack)."""
+    if not isinstance(weight, QuantizedWeight):
+        return False
+    return scales_loaded_ahead(weight, columns, block_k, EXPERT_WARPS)
 
 
 def expert_weight_data(weight: ExpertWeight) -> torch.Tensor:
@@ -312,11 +330,12 @@ def expert_stack(weights: ExpertWeights) -> ExpertWeight:
     return weights.stack if isinstance(weights, MixedExperts) else weights
 
 
-def extra_expert_args(weights: ExpertWeights, k_dim: int) -> dict:
+def extra_expert_args(weights: ExpertWeights, k_dim: int, columns: int) -> dict:
     """The kernel arguments of a `MixedExperts`' extra expert (`expert_or_extra_product`'s X_
-    constants: its own format's K step and split, as a stack of its format would run it), its
-    local id `extra_local` and its rows' pointer and strides; EXTRA False and placeholders (the
-    stack's data, never read) for a plain stack."""
+    constants: its own format's K step and split, as a stack of its format would run it; its
+    scale loads for a product of `columns` columns), its local id `extra_local` and its rows'
+    pointer and strides; EXTRA False and placeholders (the stack's data, never read) for a
+    plain stack."""
     if not isinstance(weights, MixedExperts):
         data = expert_weight_data(weights)
         return {
@@ -334,6 +353,7 @@ def extra_expert_args(weights: ExpertWeights, k_dim: int) -> dict:
             "X_SCALE_ROWS": 1,
             "X_EVEN_K": False,
             "X_SPLIT_K": 1,
+            "X_SCALES_AHEAD": False,
         }
     extra = weights.extra
     data = expert_weight_data(extra)
@@ -354,6 +374,7 @@ def extra_expert_args(weights: ExpertWeights, k_dim: int) -> dict:
         "X_SCALE_ROWS": args["SCALE_ROWS"],
         "X_EVEN_K": k_dim % block_k == 0,
         "X_SPLIT_K": expert_split_k(block_k, extra),
+        "X_SCALES_AHEAD": expert_scales_ahead(extra, columns, block_k),
     }
 
 
@@ -409,6 +430,7 @@ __all__ = [
     "expert_dot",
     "expert_or_extra_product",
     "expert_product",
+    "expert_scales_ahead",
     "expert_split_k",
     "expert_stack",
     "expert_weight_args",

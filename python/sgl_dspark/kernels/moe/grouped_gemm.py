@@ -65,6 +65,7 @@ from sgl_dspark.kernels.moe.expert_weights import (
     check_expert_weights,
     expert_block_k,
     expert_product,
+    expert_scales_ahead,
     expert_split_k,
     expert_weight_args,
     expert_weight_data,
@@ -137,6 +138,7 @@ def _moe_grouped_gemm_kernel(
     ALIGNED: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
@@ -210,6 +212,7 @@ def _moe_grouped_gemm_kernel(
         DOT_FP32,
         EVEN_K,
         SPLIT_K,
+        SCALES_AHEAD,
     )
     if OUT_SWIGLU:  # the activation of the [gate | up] values a plain stage 1 would store
         y = swiglu_tile(acc, limit, BLOCK_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
@@ -501,6 +504,7 @@ def _launch_grouped(
         BLOCK_K=block_k,
         EVEN_K=k_dim % block_k == 0,
         SPLIT_K=expert_split_k(block_k, weight),
+        SCALES_AHEAD=expert_scales_ahead(weight, block_n, block_k),
         OUT_SWIGLU=out_swiglu,
         TILE_MAJOR=tile_major,
         HAS_LIMIT=limit is not None,

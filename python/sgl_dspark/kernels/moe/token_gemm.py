@@ -57,6 +57,7 @@ from sgl_dspark.kernels.moe.expert_weights import (
     expert_block_k,
     expert_or_extra_product,
     expert_product,
+    expert_scales_ahead,
     expert_split_k,
     expert_stack,
     expert_weight_args,
@@ -106,6 +107,7 @@ def _moe_route_gate_up_kernel(
     ALIGNED: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -122,6 +124,7 @@ def _moe_route_gate_up_kernel(
     X_SCALE_ROWS: tl.constexpr,
     X_EVEN_K: tl.constexpr,
     X_SPLIT_K: tl.constexpr,
+    X_SCALES_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
@@ -158,6 +161,7 @@ def _moe_route_gate_up_kernel(
         DOT_FP32,
         EVEN_K,
         SPLIT_K,
+        SCALES_AHEAD,
         EXTRA,
         X_BLOCK_K,
         X_QUANT,
@@ -166,6 +170,7 @@ def _moe_route_gate_up_kernel(
         X_GROUP,
         X_EVEN_K,
         X_SPLIT_K,
+        X_SCALES_AHEAD,
     )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
     if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
@@ -215,6 +220,7 @@ def _moe_token_down_kernel(
     ALIGNED: tl.constexpr,
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -233,6 +239,7 @@ def _moe_token_down_kernel(
     X_SCALE_ROWS: tl.constexpr,
     X_EVEN_K: tl.constexpr,
     X_SPLIT_K: tl.constexpr,
+    X_SCALES_AHEAD: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # All of the token's slots in one tile: row k of A is route k's h row, and the columns hold
@@ -275,6 +282,7 @@ def _moe_token_down_kernel(
         DOT_FP32,
         EVEN_K,
         SPLIT_K,
+        SCALES_AHEAD,
     )
     # Slot k's product: row k, column block k (adding exact zeros of the other rows).
     slots = tl.arange(0, SLOTS)
@@ -311,6 +319,7 @@ def _moe_token_down_kernel(
                 X_SCALE_ROWS,
                 X_EVEN_K,
                 X_SPLIT_K,
+                X_SCALES_AHEAD,
             )
             product = tl.where(slot_is_extra[:, None], extra_cols[None, :], product)
     if ROUND_BF16:  # as the grouped GEMM's store rounds it
@@ -416,10 +425,11 @@ def moe_route_gate_up(
         stride_h=h.stride(0),
         limit=float(limit) if limit is not None else 0.0,
         **expert_weight_args(stack),
-        **extra_expert_args(gate_up_proj, x.shape[1]),
+        **extra_expert_args(gate_up_proj, x.shape[1], meta["BLOCK_N"]),
         act_weights_ptr=act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
         EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0,
+        SCALES_AHEAD=expert_scales_ahead(stack, meta["BLOCK_N"], meta["BLOCK_K"]),
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
         DOT_FP32=x.dtype == torch.float32 or interpreted(_moe_route_gate_up_kernel),
         ROUND_BF16=x.dtype == torch.bfloat16,
@@ -537,6 +547,7 @@ def moe_token_down_reduce(
     stack = expert_stack(down_proj)
     meta = _down_meta(h.shape[1], stack, slots)
     data = expert_weight_data(stack)
+    extra_columns = max(16, meta["BLOCK_N"])
     _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
         h,
         data,
@@ -555,12 +566,13 @@ def moe_token_down_reduce(
         stride_wn=data.stride(1),
         routed_scale=float(routed_scale),
         **expert_weight_args(stack),
-        **extra_expert_args(down_proj, h.shape[1]),
-        X_BLOCK_N=max(16, meta["BLOCK_N"]),
+        **extra_expert_args(down_proj, h.shape[1], extra_columns),
+        X_BLOCK_N=extra_columns,
         TOPK=topk,
         SLOTS=slots,
         ROWS=max(16, triton.next_power_of_2(topk)),
         EVEN_K=h.shape[1] % meta["BLOCK_K"] == 0,
+        SCALES_AHEAD=expert_scales_ahead(stack, slots * meta["BLOCK_N"], meta["BLOCK_K"]),
         DOT_FP32=h.dtype == torch.float32 or interpreted(_moe_token_down_kernel),
         ROUND_BF16=h.dtype == torch.bfloat16,
         APPLY_SCALE=routed_scale != 1.0,
