@@ -25,6 +25,10 @@
 #   rank_dspark  the same model with DSpark (simulated acceptance 3.2): full width (which also
 #                profiles the SPS table), the static widths, the online width policy (reads
 #                that table), one process each
+#   rank_ab      the rank model's plain decode at bs 1 (128 tokens) on a base tree and on this
+#                tree, ABBA (base, head, head, base), one process each: RANK_AB_BASE (default
+#                .ab) holds the base tree's python/ and benchmark/, e.g. `git archive REV python
+#                benchmark | tar -x -C .ab`, carried with the call
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
 #                (one process each): device kernels per step by time, then host ops
 #   rank_profile_serial  the rank model's plain decode at bs 1 under torch.profiler with
@@ -54,6 +58,7 @@
 #   env,rank                ~3 minutes on a warm Triton cache, ~5 on a cold one (300 s)
 #   env,rank_engram_host    as env,rank
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
+#   env,rank_ab             ~8 minutes (540 s: four engines at bs 1, ~2 minutes each)
 #   env,rank_profile        ~4-7 minutes  (400 s)
 #   env,rank_profile_serial ~2 minutes on a cold Triton cache (240 s)
 #   env,v4_kv               ~6 minutes  (320 s)
@@ -151,6 +156,25 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
       --out-dir "$WORK/rank"
   done
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
+fi
+if has rank_ab; then  # each side's rows in a table of its own; read them in ABBA order
+  stage rank_ab 540
+  base_tree=$(cd "${RANK_AB_BASE:-.ab}" 2>/dev/null && pwd)
+  if [ -z "$base_tree" ]; then
+    note "- rank_ab: no base tree at ${RANK_AB_BASE:-.ab}"
+  else
+    round=0
+    for side in base head head base; do
+      round=$((round + 1))
+      root=$PWD
+      [ "$side" = base ] && root=$base_tree
+      run 135 "rank_ab/${round}_$side.log" env PYTHONPATH="$root/python:$root:$PYTHONPATH" \
+        python3 "$root/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
+        --input-len 256 --output-len 128 --systems plain --batch-sizes 1 \
+        --out-dir "$WORK/rank_ab/${round}_$side"
+      show "$WORK/rank_ab/${round}_$side/native_decode_$RANK_CONFIG.md"
+    done
+  fi
 fi
 if has rank_profile; then  # the kernel list heads each profile's table in the summary
   stage rank_profile 400

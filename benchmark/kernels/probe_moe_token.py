@@ -11,7 +11,9 @@ experts' weights then come from HBM as in a decode step). `--down-metas` also ti
 launch shapes (each one bit-checked too). This picks `experts.TOKEN_PATH_MAX_M` and
 `moe_token_gemm._down_meta`. `--format fp8 | mxfp4` runs the experts kept as stored (random
 codes and scales, `bench_quant_gemm.quantize_random`); shapes with a shared expert fold it as
-the engine does (one more local expert, appended to every token's routes with weight 1).
+the engine does (one more local expert, appended to every token's routes with weight 1), in
+the format the checkpoint stores it: V4.1's FP8 32 x 32 beside MXFP4 routed experts is a
+`MixedExperts` stack, as the rank model runs it.
 
 Usage (device machine): python3 benchmark/kernels/probe_moe_token.py --out probe.md
     [--format mxfp4 --shapes dsv41_flash_ep4 --m 1,2,3,4,6,8]
@@ -29,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sgl_dspark.kernels.moe import token_gemm as moe_token_gemm  # noqa: E402
 from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
 from sgl_dspark.kernels.moe.reduce import moe_reduce
+from sgl_dspark.kernels.moe.reference import MixedExperts
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort, sort_block_size
 
 from benchmark.kernels.bench_quant_gemm import quantize_random  # noqa: E402
@@ -40,6 +43,9 @@ SHAPES = {  # name: (hidden D, routed I, local experts, experts, top-k, shared e
     # the rank model's MoE: 96 local routed experts, top-6 among them, + the folded shared one
     "dsv41_flash_ep4": (5120, 2304, 96, 96, 6, True),
 }
+# The stored format of a folded shared expert beside routed experts kept as stored (V4.1: FP8
+# with 32 x 32 blocks); a shape not named here stores it as its routed experts.
+SHARED_FORMATS = {"dsv41_flash_ep4": ("fp8", 32)}
 FORMAT_GROUPS = {"fp8": 128, "mxfp4": 32}
 DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
     (16, 128, 4, 3),
@@ -54,12 +60,13 @@ DOWN_METAS = [  # (BLOCK_N, BLOCK_K, num_warps, num_stages)
 def _experts(shape: str, fmt: str, gen: torch.Generator):
     d, inter, local, _, _, folded = SHAPES[shape]
     stacks = local + int(folded)
+    shared = SHARED_FORMATS.get(shape)
+    if fmt != "bf16" and folded and shared is not None and shared[0] != fmt:
+        routed = _experts_stored((local, d, inter), fmt, FORMAT_GROUPS[fmt], gen)
+        extra = _experts_stored((1, d, inter), *shared, gen)
+        return tuple(MixedExperts(stack, one) for stack, one in zip(routed, extra))
     if fmt != "bf16":
-        group = FORMAT_GROUPS[fmt]
-        return (
-            quantize_random((stacks, 2 * inter, d), fmt, group, gen),
-            quantize_random((stacks, d, inter), fmt, group, gen),
-        )
+        return _experts_stored((stacks, d, inter), fmt, FORMAT_GROUPS[fmt], gen)
     gate_up = torch.randn(
         stacks, 2 * inter, d, generator=gen, device="cuda", dtype=torch.bfloat16
     ) * (3 * d**-0.5)
@@ -68,6 +75,15 @@ def _experts(shape: str, fmt: str, gen: torch.Generator):
         * inter**-0.5
     )
     return gate_up, down
+
+
+def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen):
+    """(gate_up [E, 2I, D], down [E, D, I]) kept as stored, random."""
+    experts, d, inter = experts_d_i
+    return (
+        quantize_random((experts, 2 * inter, d), fmt, group, gen),
+        quantize_random((experts, d, inter), fmt, group, gen),
+    )
 
 
 # Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth), timed

@@ -60,12 +60,13 @@ def _mix(lines: list[str]) -> collections.Counter:
 
 
 def loop_mix(sass: str) -> collections.Counter:
-    """Instruction mix of the largest loop (a backward branch) of a SASS listing."""
+    """Instruction mix of the largest loop of a SASS listing: a predicated backward branch (an
+    unpredicated one is the warp-divergence handler's jump back, not a loop)."""
     lines = sass.splitlines()
     labels = {m[1]: i for i, line in enumerate(lines) if (m := re.match(r"^(\.L_x_\d+):", line))}
     best = (0, -1)
     for i, line in enumerate(lines):
-        m = re.search(r"BRA\s+`\((\.L_x_\d+)\)", line)
+        m = re.search(r"@!?U?P\w+\s+BRA\s+`\((\.L_x_\d+)\)", line)
         if m and m[1] in labels and labels[m[1]] < i and i - labels[m[1]] > best[1] - best[0]:
             best = (labels[m[1]], i)
     return _mix(lines[best[0] : best[1] + 1])

@@ -27,6 +27,7 @@ import triton.language as tl
 from sgl_dspark.kernels.linear.dequant import (
     quantized_scales,
     quantized_tile,
+    scale_alignment,
     scales_loaded_ahead,
     stored_rows,
 )
@@ -367,6 +368,29 @@ def test_scales_loaded_ahead_rule() -> None:
     # Fewer than 8 groups a step.
     assert not scales_loaded_ahead(fp8_128, 16, 512, 4)
     assert not scales_loaded_ahead(fp4, 16, 128, 4)
+
+
+def test_scale_alignment_divides_every_row_address() -> None:
+    """SCALE_ALIGN tells the compiler every scale row's address is a multiple of it (a wrong
+    one would make misaligned copies on a GPU): the largest power of two up to 16 dividing the
+    base address and the outer strides, by hand for each layout."""
+
+    def weight(scale: torch.Tensor) -> QuantizedWeight:
+        n, groups = scale.shape[-2:]
+        data = torch.zeros(*scale.shape[:-2], n, groups * 16, dtype=torch.uint8)
+        return QuantizedWeight(data, scale, "mxfp4", 32)
+
+    base = torch.zeros(4096, dtype=torch.uint8)
+    assert base.data_ptr() % 16 == 0
+    assert scale_alignment(weight(base[: 8 * 160].view(8, 160))) == 16  # K 5120
+    assert scale_alignment(weight(base[: 8 * 72].view(8, 72))) == 8  # K 2304
+    assert scale_alignment(weight(base[: 8 * 40].view(8, 40))) == 8  # K 1280
+    assert scale_alignment(weight(base[: 8 * 100].view(8, 100))) == 4
+    assert scale_alignment(weight(base[: 8 * 18].view(8, 18))) == 2
+    assert scale_alignment(weight(base[1 : 1 + 8 * 160].view(8, 160))) == 1  # odd base
+    # A stack of experts: the expert stride counts too (3 rows of 72 bytes: 216, 8-aligned).
+    assert scale_alignment(weight(base[: 2 * 3 * 72].view(2, 3, 72))) == 8
+    assert scale_alignment(weight(base[: 2 * 3 * 36].view(2, 3, 36))) == 4
 
 
 SCALE_AHEAD_CASES = [  # (format, block, M, N, K): K steps even and bounded, a partial last group

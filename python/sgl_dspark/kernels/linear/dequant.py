@@ -34,9 +34,9 @@ Loads: the code bytes arrive by 16-byte asynchronous copies only if the compiler
 constant over each 16 bytes: rows of a multiple of 16 bytes bound the bytes in 16-byte units
 (`ALIGNED`), and a K that is a multiple of the K step needs no K bound at all (`EVEN_K`). The
 step's scale bytes are copied ahead the same way only where the compiler can
-(`scales_loaded_ahead`: at least 4 bytes a thread, no K bound, provable alignment); the narrow
-tiles' are loaded a step ahead into registers instead, so no step waits for a scale load of its
-own.
+(`scales_loaded_ahead`: at least 4 bytes a thread, no K bound, alignment told by the kernels:
+`scale_alignment`); the narrow tiles' are loaded a step ahead into registers instead, so no step
+waits for a scale load of its own (but V4's FP8 128 x 128, whose few groups a step stay in it).
 
 Exactness: every dequantised weight is the exact product of its value and its power-of-two scale
 whenever that product is a normal bf16 (or fp32) number, i.e. the same number
@@ -419,7 +419,9 @@ def quantized_product(
     bytes are copied the same way only where the compiler can (`scales_loaded_ahead`); where it
     cannot, SCALES_AHEAD loads each step's scale bytes one step early into registers, so no
     iteration waits for a load it issued itself (a scale load is a global-memory round trip,
-    the longest latency of a step)."""
+    the longest latency of a step). The kernels tell the compiler the alignment of the scale
+    rows `s_rows` where they form them (`scale_alignment`; a hint on a function's argument is
+    lost)."""
     if SPLIT_K == 1:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     else:
@@ -475,19 +477,34 @@ def scales_loaded_ahead(weight: QuantizedWeight, columns: int, block_k: int, war
     Triton's software pipeliner (3.6) copies a step's scale tile ([columns, block_k / group]
     bytes, spread over every thread) ahead asynchronously only when each thread gets at least
     4 contiguous bytes of it (the smallest asynchronous copy), no load is bounded along K
-    (EVEN_K) and the alignment is provable (the scales' base 16-byte aligned, every stride a
-    multiple of 16: the integer arguments Triton specialises); otherwise the tile is a plain
-    load inside the K loop, whose latency the step waits for. Loaded ahead here: tiles of fewer
-    than 4 bytes a thread with at least 8 groups a step, e.g. 16 columns of FP8 32 x 32 or MXFP4
-    at 512-channel steps over 4 warps (the narrow linears: 2 bytes a thread). Not: steps of
-    fewer than 8 groups (V4's FP8 128 x 128) and tiles of 4 or more bytes a thread whose rows
-    are not 16-byte multiples (K / 32 = 72 bytes at K 2304): carried from one iteration to the
-    next, those tiles make the compiler decode the weight in a layout the matrix unit cannot
-    take from registers, a shared-memory round trip per step. `gpu_targets_check.py` compiles
-    the quantised kernels for sm90 and checks that a K loop never does that, and never waits on
-    a load of its own step where this says ahead."""
+    (EVEN_K) and the rows are at least 4-byte aligned (SCALE_ALIGN); otherwise the tile is a
+    plain load inside the K loop, whose latency the step waits for. Loaded ahead here: tiles of
+    fewer than 4 bytes a thread with at least 8 groups a step, e.g. 16 columns of FP8 32 x 32
+    or MXFP4 at 512-channel steps over 4 warps (the narrow linears: 2 bytes a thread). Not:
+    steps of fewer than 8 groups (V4's FP8 128 x 128, 2 or 4 groups a step): carried from one
+    iteration to the next, such a tile makes the compiler decode the weight in a layout the
+    matrix unit cannot take from registers, a shared-memory round trip per step, and those
+    loads stay in their step. `gpu_targets_check.py` compiles the quantised kernels for sm90
+    and checks that a K loop never goes through shared memory, and never waits on a scale load
+    of its own step unless a step holds fewer than 8 groups or a bound along K."""
     groups = block_k // weight.group
     return groups >= 8 and columns * groups < 4 * 32 * warps
+
+
+def scale_alignment(weight: QuantizedWeight) -> int:
+    """The kernels' SCALE_ALIGN: the largest power of two up to 16 that divides the scales'
+    base address and every stride but the last, hence every scale row's address (base +
+    expert x stride + row x stride), which the kernels tell the compiler (`tl.multiple_of` on
+    the row pointers they form). Triton specialises only integers that are multiples of 16, so
+    without it rows of 72 bytes (V4.1's expert down projection, K 2304) or 40 (its q_b, K 1280)
+    would not be known 4-byte aligned, and their scale bytes could not be copied
+    asynchronously."""
+    scale = weight.scale
+    align = 16
+    for value in (scale.data_ptr(), *scale.stride()[:-1]):
+        while value % align:
+            align //= 2
+    return align
 
 
 def fp4_rows_aligned(weight: QuantizedWeight) -> bool:
@@ -545,6 +562,7 @@ __all__ = [
     "quantized_scales",
     "quantized_stages",
     "quantized_tile",
+    "scale_alignment",
     "scales_loaded_ahead",
     "stored_rows",
 ]

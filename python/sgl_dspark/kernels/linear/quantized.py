@@ -45,6 +45,7 @@ from sgl_dspark.kernels.linear.dequant import (
     quantized_block_k,
     quantized_product,
     quantized_stages,
+    scale_alignment,
     scales_loaded_ahead,
 )
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
@@ -80,6 +81,7 @@ def _quantized_linear_kernel(
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALES_AHEAD: tl.constexpr,
+    SCALE_ALIGN: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
@@ -114,7 +116,7 @@ def _quantized_linear_kernel(
     wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
     x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
-    s_rows = s_ptr + scale_row * stride_sn
+    s_rows = tl.multiple_of(s_ptr + scale_row * stride_sn, SCALE_ALIGN)
     acc = quantized_product(
         x_rows,
         mask_m,
@@ -294,6 +296,7 @@ def _launch(
         SCALES_AHEAD=scales_loaded_ahead(
             weight, meta["BLOCK_N"], meta["BLOCK_K"], meta["num_warps"]
         ),
+        SCALE_ALIGN=scale_alignment(weight),
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
         BLOCK_M=_BLOCK_M,

@@ -24,6 +24,7 @@ from sgl_dspark.kernels.linear.dequant import (
     fp4_rows_aligned,
     quantized_block_k,
     quantized_product,
+    scale_alignment,
     scales_loaded_ahead,
 )
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
@@ -218,6 +219,7 @@ def extra_columns_product(
     X_EVEN_K: tl.constexpr,
     X_SPLIT_K: tl.constexpr,
     X_SCALES_AHEAD: tl.constexpr,
+    X_SCALE_ALIGN: tl.constexpr,
 ):
     """fp32 [BLOCK_N]: one activation row (`a_row`, unit stride along K) times output columns
     [n0, n0 + BLOCK_N) of the extra expert's weight (`extra_expert_args`), formed by
@@ -232,7 +234,7 @@ def extra_columns_product(
         rows == 0,
         xw_ptr + x_rows * stride_xwn,
         x_ok,
-        xs_ptr + (x_rows // X_SCALE_ROWS) * stride_xsn,
+        tl.multiple_of(xs_ptr + (x_rows // X_SCALE_ROWS) * stride_xsn, X_SCALE_ALIGN),
         k_dim,
         ROWS,
         X_BLOCK_N,
@@ -311,6 +313,7 @@ def expert_weight_args(weight: ExpertWeight) -> dict:
             "ALIGNED": fp4_rows_aligned(weight),
             "GROUP": weight.group,
             "SCALE_ROWS": weight.block_rows,
+            "SCALE_ALIGN": scale_alignment(weight),
         }
     return {
         "s_ptr": weight,
@@ -322,6 +325,7 @@ def expert_weight_args(weight: ExpertWeight) -> dict:
         "ALIGNED": False,
         "GROUP": 1,
         "SCALE_ROWS": 1,
+        "SCALE_ALIGN": 1,
     }
 
 
@@ -354,6 +358,7 @@ def extra_expert_args(weights: ExpertWeights, k_dim: int, columns: int) -> dict:
             "X_EVEN_K": False,
             "X_SPLIT_K": 1,
             "X_SCALES_AHEAD": False,
+            "X_SCALE_ALIGN": 1,
         }
     extra = weights.extra
     data = expert_weight_data(extra)
@@ -375,6 +380,7 @@ def extra_expert_args(weights: ExpertWeights, k_dim: int, columns: int) -> dict:
         "X_EVEN_K": k_dim % block_k == 0,
         "X_SPLIT_K": expert_split_k(block_k, extra),
         "X_SCALES_AHEAD": expert_scales_ahead(extra, columns, block_k),
+        "X_SCALE_ALIGN": args["SCALE_ALIGN"],
     }
 
 

@@ -139,6 +139,7 @@ def _moe_grouped_gemm_kernel(
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALES_AHEAD: tl.constexpr,
+    SCALE_ALIGN: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     OUT_SWIGLU: tl.constexpr,
@@ -199,7 +200,9 @@ def _moe_grouped_gemm_kernel(
         live,
         w_ptr + expert * stride_we + w_rows * stride_wn,
         col_ok,
-        s_ptr + expert * stride_se + (w_rows // SCALE_ROWS) * stride_sn,
+        tl.multiple_of(
+            s_ptr + expert * stride_se + (w_rows // SCALE_ROWS) * stride_sn, SCALE_ALIGN
+        ),
         k_dim,
         BLOCK_M,
         BLOCK_N,

@@ -108,6 +108,7 @@ def _moe_route_gate_up_kernel(
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALES_AHEAD: tl.constexpr,
+    SCALE_ALIGN: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -125,6 +126,7 @@ def _moe_route_gate_up_kernel(
     X_EVEN_K: tl.constexpr,
     X_SPLIT_K: tl.constexpr,
     X_SCALES_AHEAD: tl.constexpr,
+    X_SCALE_ALIGN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
@@ -145,9 +147,9 @@ def _moe_route_gate_up_kernel(
         x_row + live * 0,
         live,
         w_ptr + local * stride_we + w_rows * stride_wn,
-        s_ptr + local * stride_se + (w_rows // SCALE_ROWS) * stride_sn,
+        tl.multiple_of(s_ptr + local * stride_se + (w_rows // SCALE_ROWS) * stride_sn, SCALE_ALIGN),
         xw_ptr + w_rows * stride_xwn,
-        xs_ptr + (w_rows // X_SCALE_ROWS) * stride_xsn,
+        tl.multiple_of(xs_ptr + (w_rows // X_SCALE_ROWS) * stride_xsn, X_SCALE_ALIGN),
         col_ok,
         k_dim,
         _TILE_M,
@@ -221,6 +223,7 @@ def _moe_token_down_kernel(
     EVEN_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
     SCALES_AHEAD: tl.constexpr,
+    SCALE_ALIGN: tl.constexpr,
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     DOT_FP32: tl.constexpr,
@@ -240,6 +243,7 @@ def _moe_token_down_kernel(
     X_EVEN_K: tl.constexpr,
     X_SPLIT_K: tl.constexpr,
     X_SCALES_AHEAD: tl.constexpr,
+    X_SCALE_ALIGN: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # All of the token's slots in one tile: row k of A is route k's h row, and the columns hold
@@ -269,7 +273,10 @@ def _moe_token_down_kernel(
         row_is_local,
         w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn,
         col_ok,
-        s_ptr + col_local * stride_se + (cols.to(tl.int64) // SCALE_ROWS) * stride_sn,
+        tl.multiple_of(
+            s_ptr + col_local * stride_se + (cols.to(tl.int64) // SCALE_ROWS) * stride_sn,
+            SCALE_ALIGN,
+        ),
         k_dim,
         ROWS,
         SLOTS * BLOCK_N,
@@ -320,6 +327,7 @@ def _moe_token_down_kernel(
                 X_EVEN_K,
                 X_SPLIT_K,
                 X_SCALES_AHEAD,
+                X_SCALE_ALIGN,
             )
             product = tl.where(slot_is_extra[:, None], extra_cols[None, :], product)
     if ROUND_BF16:  # as the grouped GEMM's store rounds it
