@@ -412,8 +412,9 @@ def quantized_product(
     sum order is fixed by (format, BLOCK_K, SPLIT_K): per step and dot, slice s into
     accumulator s, then the accumulators summed.
 
-    EVEN_K (k_dim a multiple of BLOCK_K): no load is bounded along K, so the scale bytes load
-    as vectors the software pipeline can copy ahead like the weights.
+    EVEN_K (k_dim a multiple of BLOCK_K): no load is bounded along K, so the tiles load as
+    vectors the software pipeline copies ahead (the scale bytes too, where
+    `scales_loaded_ahead` finds they can be).
 
     The weight and activation tiles are software-pipelined (asynchronous copies). The scale
     bytes are copied the same way only where the compiler can (`scales_loaded_ahead`); where it
