@@ -1448,6 +1448,10 @@ K_LOOP_KERNELS = (
 )
 
 
+# Kernels whose scale loads stay in their step by choice (`grouped_gemm._launch_grouped`).
+SCALES_IN_STEP_KERNELS = ("moe.grouped_gemm._moe_grouped_gemm_kernel",)
+
+
 def _loop_bodies(ttgir: str) -> tuple[list[str], dict[int, int], dict[int, int]]:
     """The TTGIR's lines, the innermost `scf.for` enclosing each line (by the loop's first
     line) and each loop's last line (regions nest by braces, balanced within attribute
@@ -1531,7 +1535,7 @@ def check_k_loops(
     memory, and no iteration waits on a load it issued where every product's scale tile is
     loaded ahead or copied asynchronously (`dequant.scales_loaded_ahead`). A tile that is
     neither must have fewer than 8 groups a step (V4's FP8 128 x 128, whose scale loads stay
-    in their step); the report counts those variants."""
+    in their step), but in SCALES_IN_STEP_KERNELS; the report counts those variants."""
     target = TARGETS["sm90"][0]
     report = []
     for key in kernels:
@@ -1555,7 +1559,8 @@ def check_k_loops(
             assert not tiles_through_shared_memory(ttgir), (key, variant)
             tiles = _scale_tiles(kwargs)
             in_step = [groups for ahead, copied, groups in tiles if not (ahead or copied)]
-            assert all(groups < 8 for groups in in_step), (key, variant, tiles)
+            if key not in SCALES_IN_STEP_KERNELS:
+                assert all(groups < 8 for groups in in_step), (key, variant, tiles)
             waits = loads_waited_on_in_their_iteration(ttgir)
             assert in_step or not waits, (key, variant, waits)
             waiting += bool(in_step)

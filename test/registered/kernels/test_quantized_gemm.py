@@ -361,7 +361,7 @@ def test_scales_loaded_ahead_rule() -> None:
     assert scales_loaded_ahead(fp8_32, 16, 512, 4)
     assert scales_loaded_ahead(fp4, 16, 512, 4)
     assert not scales_loaded_ahead(fp8_32, 16, 512, 1)  # one warp: 8 bytes a thread
-    # The grouped MoE at 32 columns x 8 groups: 2 bytes a thread; 64 columns: 4.
+    # 32 columns x 8 groups: 2 bytes a thread; 64 columns (the per-token stage 1): 4.
     assert scales_loaded_ahead(fp4, 32, 256, 4)
     assert not scales_loaded_ahead(fp4, 64, 256, 4)
     assert not scales_loaded_ahead(fp8_32, 64, 256, 4)

@@ -36,7 +36,8 @@ constant over each 16 bytes: rows of a multiple of 16 bytes bound the bytes in 1
 step's scale bytes are copied ahead the same way only where the compiler can
 (`scales_loaded_ahead`: at least 4 bytes a thread, no K bound, alignment told by the kernels:
 `scale_alignment`); the narrow tiles' are loaded a step ahead into registers instead, so no step
-waits for a scale load of its own (but V4's FP8 128 x 128, whose few groups a step stay in it).
+waits for a scale load of its own (but V4's FP8 128 x 128, whose few groups a step stay in it,
+and the grouped MoE GEMMs: `grouped_gemm._launch_grouped`).
 
 Exactness: every dequantised weight is the exact product of its value and its power-of-two scale
 whenever that product is a normal bf16 (or fp32) number, i.e. the same number
