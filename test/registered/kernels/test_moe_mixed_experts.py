@@ -136,3 +136,62 @@ def test_mixed_stacks_are_checked() -> None:
     # Local ids past the extra expert's would have no weight.
     with pytest.raises(ValueError, match=r"gate_up_proj.stack must .* \[>= 4 experts"):
         moe_route_gate_up(x, gate_up, ids, table, 5, 1.5)
+
+
+# (routed format, extra format, M, topk routed, E routed, D, I, routing): K = I even and
+# bounded, tokens without the extra expert, remote routes.
+JOINT_CASES = [
+    ("mxfp4", "fp8", 1, 3, 4, 48, 256, "shared_last"),  # K a multiple of the step
+    ("mxfp4", "fp8", 2, 2, 4, 40, 40, "shared_last"),  # a partial K step
+    ("fp8", "mxfp4", 1, 2, 3, 32, 64, "shared_last"),
+    ("mxfp4", "fp8", 2, 2, 4, 32, 64, "no_extra"),
+    ("mxfp4", "fp8", 3, 3, 5, 32, 64, "remote"),
+]
+
+
+@pytest.mark.parametrize("case", JOINT_CASES, ids=lambda c: "-".join(map(str, c)))
+def test_extra_in_the_slots_loop_changes_no_bit(
+    case: tuple, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Stage 2 with the extra expert formed in the slots' K loop (JOINT_EXTRA) gives the bits
+    of the extra formed after it: each product sums its own K steps into its own accumulator
+    either way, and row k of the joint product depends on slot k's h row alone."""
+    from sgl_dspark.kernels.moe import token_gemm
+
+    routed_fmt, extra_fmt, m, topk, e, d, i, routing = case
+    g = torch.Generator().manual_seed(500 + JOINT_CASES.index(case))
+    mask = torch.ones(e + 1, dtype=torch.int32)
+    if routing == "remote":
+        mask[1:e:2] = 0
+    n_loc = int(mask.sum())
+    _, down, _, down_ref = _stacks(routed_fmt, extra_fmt, n_loc - 1, d, i, g)
+    assert token_gemm._joint_extra(down, i, token_gemm._down_meta(i, down.stack, 4)["BLOCK_K"])
+    ids, weights = _routes(m, topk, e, "no_extra" if routing == "no_extra" else "shared_last", g)
+    table = prepare_moe_sort(mask.to(DEVICE)).local_table
+    h = torch.randn(ids.numel(), i, generator=g).to(DTYPE).to(DEVICE)
+    library = token_gemm._down_meta
+
+    def run(joint: bool) -> torch.Tensor:
+        monkeypatch.setattr(
+            token_gemm, "_down_meta", lambda *a: {**library(*a), "JOINT_EXTRA": joint}
+        )
+        out = torch.full((m, d), float("nan"), dtype=DTYPE, device=DEVICE)
+        return moe_token_down_reduce(h, down, ids, weights, table, n_loc, out=out)
+
+    joint, after = run(True), run(False)
+    assert not torch.isnan(joint).any()
+    assert torch.equal(joint, after)
+    want = moe_token_down_reduce_ref(h, down_ref, ids, weights, table, n_loc)
+    torch.testing.assert_close(joint, want, **CHAIN_TOL[DTYPE])
+
+
+def test_extra_joins_the_slots_loop_only_where_its_format_allows() -> None:
+    from sgl_dspark.kernels.moe.token_gemm import _joint_extra
+
+    g = torch.Generator().manual_seed(12)
+    _, fp8_extra, _, _ = _stacks("mxfp4", "fp8", 3, 64, 256, g)
+    _, bf16_extra, _, _ = _stacks("mxfp4", "bf16", 3, 64, 256, g)
+    assert _joint_extra(fp8_extra, 256, 256)
+    assert not _joint_extra(bf16_extra, 256, 256)  # an unquantised extra: its own K step
+    assert not _joint_extra(fp8_extra, 256, 128)  # another K step would change its sums
+    assert not _joint_extra(fp8_extra.stack, 256, 256)  # a plain stack has no extra
