@@ -236,6 +236,7 @@ fi
 if has fp8_decode; then  # the probe keeps to its own budget, under the stage's limit
   stage fp8_decode 240
   run 240 fp8_decode.log python3 benchmark/kernels/probe_fp8_decode.py --budget-s 200 \
+    --toggle "${FP8_TOGGLE:-decode}" \
     --out "$WORK/fp8_decode.md"
   show "$WORK/fp8_decode.md"
 fi

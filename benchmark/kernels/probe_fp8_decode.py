@@ -1,15 +1,21 @@
-"""Probe: the FP8 weight decode of the quantised GEMMs on NVIDIA, bit placement
-(`E4M3_SCALED_PTX`, the library's) against the hardware conversion (e4m3 -> f32 -> bf16), one
-device, one process.
+"""Probe: two bit-neutral choices of the quantised GEMMs on NVIDIA, each against its
+alternative, one device, one process.
 
-The two decodes give the same dequantised weights, so each shape's outputs are first checked
-BIT-EQUAL; then both are timed ABBA (bits, conversion, conversion, bits) in CUDA graphs over
-weight copies that exceed the L2 (`bench_quant_gemm.time_us`): the small-M linear at
-DeepSeek-V4.1-Flash's dense decode shapes (the grouped output projection included) and
-V4-Flash's wide one. The conversion is the linear launcher's decode with `fp4_ptx_decode`
-answering False (which for an FP8 weight only picks its decode).
+* `--toggle decode`: the FP8 weight decode by bit placement (`E4M3_SCALED_PTX`, the library's)
+  against the hardware conversion (e4m3 -> f32 -> bf16): the linear launcher's
+  `fp4_ptx_decode` answering False (which for an FP8 weight only picks its decode).
+* `--toggle scales`: the scale bytes of narrow tiles loaded a step ahead
+  (`dequant.scales_loaded_ahead`, the library's) against loaded in their step: the rule
+  answering False in the linear launcher and the expert kernels.
 
-Usage (device machine): python3 benchmark/kernels/probe_fp8_decode.py --out fp8_decode.md
+Both give the same bits, so each case's outputs are first checked BIT-EQUAL; then both sides
+are timed ABBA (library, alternative, alternative, library) in CUDA graphs over weight copies
+that exceed the L2 (`bench_quant_gemm.time_us`): the small-M linear at DeepSeek-V4.1-Flash's
+dense decode shapes (the grouped output projection included) and V4-Flash's wide one, and
+with `scales` the rank model's experts through the per-token stages (MXFP4 routed experts
+beside the FP8 shared one, `probe_moe_token.py`'s set-up).
+
+Usage (device machine): python3 benchmark/kernels/probe_fp8_decode.py --toggle decode --out x.md
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -27,6 +34,7 @@ from sgl_dspark.kernels.linear.quantized import (  # noqa: E402
     quantized_grouped_linear,
     quantized_linear,
 )
+from sgl_dspark.kernels.moe import expert_weights  # noqa: E402
 
 from benchmark.kernels.bench_quant_gemm import (  # noqa: E402
     SETUP,
@@ -36,6 +44,8 @@ from benchmark.kernels.bench_quant_gemm import (  # noqa: E402
     quantize_random,
     time_us,
 )
+from benchmark.kernels.probe_moe_token import _setup  # noqa: E402
+from benchmark.kernels.run_all import time_graph  # noqa: E402
 
 # (name, N, K, groups, scale group): V4.1-Flash's layer (FP8 32 x 32) and V4-Flash's wide shape.
 DENSE = (
@@ -45,26 +55,50 @@ DENSE = (
     ("v41 o_b 5120x8192", 5120, 8192, 1, 32),
     ("wide 32768x4096 fp8/128", 32768, 4096, 1, 128),
 )
+# What each toggle replaces, (module, name) -> the alternative's function.
+TOGGLES: dict[str, dict[tuple[object, str], Callable]] = {
+    "decode": {(linear_module, "fp4_ptx_decode"): lambda device: False},
+    "scales": {
+        (linear_module, "scales_loaded_ahead"): lambda *args: False,
+        (expert_weights, "scales_loaded_ahead"): lambda *args: False,
+    },
+}
+LABELS = {"decode": ("bit placement", "conversion"), "scales": ("ahead", "in step")}
 
 
-class _Decode:
-    """Context: the FP8 decode the linear launcher picks: bit placement (the library's), or
-    with `conversion` the hardware conversion."""
+class _Alternative:
+    """Context: the launchers as the toggle's alternative (no-op when `on` is False)."""
 
-    def __init__(self, conversion: bool):
-        self.conversion = conversion
-        self.saved = linear_module.fp4_ptx_decode
+    def __init__(self, toggle: str, on: bool):
+        self.patches = TOGGLES[toggle] if on else {}
+        self.saved = {key: getattr(*key) for key in self.patches}
 
     def __enter__(self):
-        if self.conversion:
-            linear_module.fp4_ptx_decode = lambda device: False
+        for (module, name), fn in self.patches.items():
+            setattr(module, name, fn)
         return self
 
     def __exit__(self, *exc):
-        linear_module.fp4_ptx_decode = self.saved
+        for (module, name), fn in self.saved.items():
+            setattr(module, name, fn)
 
 
-def _dense(name: str, n: int, k: int, groups: int, group: int, m: int) -> str:
+def _ab(toggle: str, label: str, m: int, run: Callable[[], list], time_fn: Callable) -> str:
+    """Bits of both sides compared, then ABBA timings: a table row."""
+    with _Alternative(toggle, False):
+        want = [t.clone() for t in run()]
+    with _Alternative(toggle, True):
+        got = run()
+    equal = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got))
+    times: dict[bool, list[float]] = {}
+    for alternative in (False, True, True, False):
+        with _Alternative(toggle, alternative):
+            times.setdefault(alternative, []).append(time_fn())
+    lib, alt = (sum(times[v]) / 2 for v in (False, True))
+    return f"| {label} | {m} | {equal} | {alt:.1f} | {lib:.1f} | {alt / lib:.2f} |"
+
+
+def _dense(toggle: str, name: str, n: int, k: int, groups: int, group: int, m: int) -> str:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     shape = (m, k) if groups == 1 else (m, groups, k)
     x = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
@@ -73,45 +107,58 @@ def _dense(name: str, n: int, k: int, groups: int, group: int, m: int) -> str:
     w0 = make()
     weights = [w0] + [make() for _ in range(_copies(_nbytes(w0)) - 1)]
     calls = [lambda w=w: call(x, w) for w in weights]
-    with _Decode(False):
-        bits = call(x, w0)
-    with _Decode(True):
-        conv = call(x, w0)
-    equal = torch.equal(bits.view(torch.int16), conv.view(torch.int16))
-    times = {}
-    for conversion in (False, True, True, False):
-        with _Decode(conversion):
-            times.setdefault(conversion, []).append(time_us(calls, _reps(len(calls))))
-    b, c = (sum(times[v]) / 2 for v in (False, True))
-    return f"| {name} | {m} | {equal} | {c:.1f} | {b:.1f} | {c / b:.2f} |"
+    return _ab(toggle, name, m, lambda: [call(x, w0)], lambda: time_us(calls, _reps(len(calls))))
+
+
+def _experts(toggle: str, m: int, calls: int = 8) -> str:
+    """The rank model's per-token stages (MXFP4 routed experts + the FP8 shared one), `calls`
+    routings per graph."""
+    token = _setup("dsv41_flash_ep4", m, calls, "mxfp4")["token"]
+    return _ab(
+        toggle,
+        "v41 experts per-token (mixed)",
+        m,
+        token,
+        lambda: time_graph(token, 1, 20)[0] / calls,
+    )
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
+    p.add_argument("--toggle", default="decode", choices=tuple(TOGGLES))
     p.add_argument("--m", default="1,4,16")
     p.add_argument("--budget-s", type=float, default=200.0)
     a = p.parse_args()
     SETUP.device = "cuda"
     start = time.time()
+    library, alternative = LABELS[a.toggle]
     lines = [
-        "| shape | M | bits equal | conversion us | bit placement us | conversion / bits |",
+        f"device: {torch.cuda.get_device_name()}  toggle: {a.toggle}",
+        "",
+        f"| case | M | bits equal | {alternative} us | {library} us (library) | ratio |",
         "|---|---|---|---|---|---|",
     ]
-    for name, n, k, groups, group in DENSE:
-        for m in (int(v) for v in a.m.split(",")):
-            if time.time() - start > a.budget_s:
-                lines.append(f"| {name} | {m} | skipped: budget | | | |")
-                continue
+    cases = [
+        (f"{name} M {m}", lambda m=m, c=case: _dense(a.toggle, *c, m))
+        for case in DENSE
+        for name in (case[0],)
+        for m in (int(v) for v in a.m.split(","))
+    ]
+    if a.toggle == "scales":
+        cases += [(f"experts M {m}", lambda m=m: _experts(a.toggle, m)) for m in (1, 2)]
+    for label, case in cases:
+        if time.time() - start > a.budget_s:
+            line = f"| {label} | | skipped: budget | | | |"
+        else:
             try:
-                line = _dense(name, n, k, groups, group, m)
+                line = case()
             except Exception as exc:  # noqa: BLE001
-                line = f"| {name} | {m} | FAIL {type(exc).__name__}: {exc}"[:200] + " | | | |"
-            print(line, flush=True)
-            lines.append(line)
-            if a.out:
-                Path(a.out).write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                line = f"| {label} | | FAIL {type(exc).__name__}: {exc}"[:200] + " | | | |"
+        print(line, flush=True)
+        lines.append(line)
+        if a.out:
+            Path(a.out).write_text("\n".join(lines) + "\n")
 
 
 if __name__ == "__main__":
