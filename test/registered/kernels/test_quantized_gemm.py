@@ -33,7 +33,6 @@ from sgl_dspark.kernels.linear.dequant import (
 )
 from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear, quantized_linear
 from sgl_dspark.kernels.linear.reference import (
-    FP8_MAX_SCALE_BYTE,
     QuantizedWeight,
     dequantize_weight_ref,
     small_m_grouped_linear_ref,
@@ -103,7 +102,6 @@ def _dequantized_tiles_kernel(
     BN: tl.constexpr,
     BLOCK_K: tl.constexpr,
     WIDE: tl.constexpr,
-    PTX: tl.constexpr,
 ):
     # Program (column block, K step): the GEMMs' dequantised tile, stored as is.
     n = tl.program_id(0) * BN + tl.arange(0, BN)
@@ -112,17 +110,14 @@ def _dequantized_tiles_kernel(
     w_rows = w_ptr + n.to(tl.int64) * stride_wn
     s_rows = s_ptr + (n // SCALE_ROWS).to(tl.int64) * stride_sn
     e = quantized_scales(s_rows, n_ok, k0, K, GROUP, BLOCK_K)
-    tile = quantized_tile(w_rows, n_ok, e, k0, K, FP4, WORDS, GROUP, BN, BLOCK_K, WIDE, False, PTX)
+    tile = quantized_tile(w_rows, n_ok, e, k0, K, FP4, WORDS, GROUP, BN, BLOCK_K, WIDE)
     k = k0 + tl.arange(0, BLOCK_K)
     out = out_ptr + n.to(tl.int64)[:, None] * stride_on + k[None, :]
     tl.store(out, tile, mask=n_ok[:, None] & (k < K)[None, :])
 
 
-def dequantized_tiles(
-    w: QuantizedWeight, bn: int, block_k: int, wide: bool, ptx: bool = False
-) -> torch.Tensor:
-    """Every tile `quantized_tile` gives for `w [N, K]`, assembled: [N, K] fp32 (wide) or bf16
-    (ptx: FP8 decoded by `E4M3_SCALED_PTX`, NVIDIA only)."""
+def dequantized_tiles(w: QuantizedWeight, bn: int, block_k: int, wide: bool) -> torch.Tensor:
+    """Every tile `quantized_tile` gives for `w [N, K]`, assembled: [N, K] fp32 (wide) or bf16."""
     n, k = w.shape
     data, words = stored_rows(w)
     out = torch.full((n, k), float("nan"), device=DEVICE)
@@ -143,7 +138,6 @@ def dequantized_tiles(
         BN=bn,
         BLOCK_K=block_k,
         WIDE=wide,
-        PTX=ptx,
     )
     return out
 
@@ -167,34 +161,19 @@ TILE_CASES = [
 def test_dequantized_tile_is_the_reference_weight(case: tuple) -> None:
     """The tile every quantised GEMM multiplies equals `dequantize_weight_ref` bit for bit (fp32
     tiles: fp32 activations and the interpreter; bf16 tiles, compiled only: the matrix unit's
-    operands, FP8 by the conversion and by `E4M3_SCALED_PTX`), on random codes with scales
-    whose products stay normal numbers."""
+    operands), on random codes with scales whose products stay normal numbers."""
     fmt, block, n, k, bn, block_k = case
     g = torch.Generator().manual_seed(TILE_CASES.index(case))
-    # MXFP4 scale bytes up to the kernels' limit; FP8 over a wide range (the bit decode's up to
-    # its limit).
+    # MXFP4 scale bytes up to the kernels' limit; FP8 over a wide range.
     lo, hi = (100, 128) if fmt == "mxfp4" else (90, 150)
     w = random_stored(fmt, block, n, k, g, lo, hi)
     assert stored_rows(w)[1] == (fmt == "mxfp4" and k % 32 == 0)
-    variants = [(True, False)]
-    if DEVICE == "cuda":
-        variants += [(False, False)] + [(False, True)] * (fmt == "fp8")
-    for wide, ptx in variants:
-        if ptx:
-            w = w._replace(scale=w.scale.clamp(max=FP8_MAX_SCALE_BYTE))
+    for wide in (True, False) if DEVICE == "cuda" else (True,):
         dtype = torch.float32 if wide else torch.bfloat16
-        got = dequantized_tiles(w, bn, block_k, wide, ptx)
+        got = dequantized_tiles(w, bn, block_k, wide)
         want = dequantize_weight_ref(w, dtype)
         bits = torch.int32 if wide else torch.int16
-        assert torch.equal(got.view(bits), want.view(bits)), (wide, ptx, (got != want).sum())
-
-
-def test_fp8_scales_above_128_are_refused_natively() -> None:
-    weight = torch.zeros(4, 32).to(torch.float8_e4m3fn)
-    scale = torch.full((1, 1), 2.0**7)  # the largest scale the GEMMs' bit decode takes
-    assert fp8_block_to_runtime(weight, scale, (32, 32)).scale.max() == FP8_MAX_SCALE_BYTE
-    with pytest.raises(ValueError, match="layers.0.wo_b: FP8 scales above 128"):
-        fp8_block_to_runtime(weight, scale * 2, (32, 32), "layers.0.wo_b")
+        assert torch.equal(got.view(bits), want.view(bits)), (wide, (got != want).sum())
 
 
 def test_mxfp4_scales_above_two_are_refused_natively() -> None:

@@ -13,11 +13,7 @@ idle).
 
 * FP8 (e4m3): the hardware conversion to fp32 (exact), then bf16 (exact: every e4m3 value is a
   bf16 value) times the block's multiplier 2^(e - 127), a bf16 power of two for every byte
-  1..254. The GEMMs compiled for NVIDIA sm90 and later instead place a code's bits in a bf16
-  (its sign at bit 15, its exponent and mantissa bits at bits 10..4: the value times 2^-120,
-  subnormal codes and zero included) and multiply by 2^(e - 7), inline PTX
-  (`E4M3_SCALED_PTX`) with no conversion instruction; the same numbers, for scale bytes up to
-  `reference.FP8_MAX_SCALE_BYTE` = 134 (the loader refuses larger ones for native weights).
+  1..254.
 * MXFP4 (e2m1 pairs): bits 2..0 of a code are exactly bf16's low exponent bits and top mantissa
   bit of `value * 2^-126` (code 1, the value 0.5, lands on bf16's subnormal 2^-127), bit 3 its
   sign, so a few shifts and masks give a code's bf16 bits; the multiplier 2^(e - 1) then
@@ -186,7 +182,6 @@ def quantized_tile(
     BLOCK_K: tl.constexpr,
     WIDE: tl.constexpr,
     EVEN_K: tl.constexpr = False,
-    PTX: tl.constexpr = False,
 ):
     """The dequantised weight of input channels [k0, k0 + BLOCK_K) of BN output columns:
     [BN, BLOCK_K] in bf16, or fp32 if WIDE (module doc); channels past k_dim and columns not
@@ -194,9 +189,7 @@ def quantized_tile(
 
     w_rows [BN]: pointers to each column's stored row: FP8 elements, or for MXFP4 uint32 words
     (WORDS; k_dim a multiple of 32) or bytes. e: the step's scale bytes (`quantized_scales`).
-    k0 is a multiple of BLOCK_K; BLOCK_K and GROUP are powers of two (MXFP4: BLOCK_K >= 8).
-    PTX (NVIDIA sm90+, bf16 tiles): FP8 codes decoded and scaled by `E4M3_SCALED_PTX` (scale
-    bytes at most `reference.FP8_MAX_SCALE_BYTE`), the same bits as the conversion."""
+    k0 is a multiple of BLOCK_K; BLOCK_K and GROUP are powers of two (MXFP4: BLOCK_K >= 8)."""
     if FP4:
         # Code bytes -> values * 2^-126; the multiplier 2^(e - 1) (biased exponent e + 126).
         if WORDS:
@@ -224,82 +217,16 @@ def quantized_tile(
         else:
             k_ok = w_ok[:, None] & (k < k_dim)[None, :]
         codes = tl.load(w_rows[:, None] + k[None, :], mask=k_ok, other=0.0)
-        if PTX and not WIDE:
-            v = _e4m3_scaled(codes, e, BN, BLOCK_K, GROUP)
-        else:
-            v = codes.to(tl.float32)
-            if not WIDE:
-                v = v.to(tl.bfloat16)
-            multiplier = _power_of_two(e, WIDE)
-    if FP4 or not (PTX and not WIDE):
-        v = _scale_tile(v, multiplier, BN, BLOCK_K, GROUP)
-    return v
-
-
-@triton.jit
-def _scale_tile(v, multiplier, BN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """v [BN, BLOCK_K] times its groups' multipliers ([BN, BLOCK_K / GROUP], or [BN] when the
-    step lies in one group)."""
+        v = codes.to(tl.float32)
+        if not WIDE:
+            v = v.to(tl.bfloat16)
+        multiplier = _power_of_two(e, WIDE)
     if BLOCK_K > GROUP:
         v = tl.reshape(v, [BN, BLOCK_K // GROUP, GROUP]) * multiplier[:, :, None]
         v = tl.reshape(v, [BN, BLOCK_K])
     else:
         v = v * multiplier[:, None]
     return v
-
-
-@triton.jit
-def _per_element(multiplier, BN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """Group multipliers ([BN, BLOCK_K / GROUP], or [BN]) -> each channel's, [BN, BLOCK_K]."""
-    if BLOCK_K > GROUP:
-        per = tl.broadcast_to(multiplier[:, :, None], [BN, BLOCK_K // GROUP, GROUP])
-        per = tl.reshape(per, [BN, BLOCK_K])
-    else:
-        per = tl.broadcast_to(multiplier[:, None], [BN, BLOCK_K])
-    return per
-
-
-# Four FP8 (e4m3) code bytes per 32-bit register ($2) and their multipliers (bf16 pairs: bytes
-# 0, 1 in $3, bytes 2, 3 in $4) in; out, two bf16 per register, the dequantised weights of
-# bytes 0, 1 ($0) and 2, 3 ($1). A byte sign-extended into a 16-bit half (PRMT selector 8 + i:
-# the sign of byte i replicated), shifted up 4 and masked is a bf16 with the code's sign at bit
-# 15 and its exponent and mantissa bits (eeee mmm) at bits 10..4: the value times 2^-120 (e4m3's
-# bias 7 against bf16's 127; a subnormal code lands on the matching bf16 subnormal, zero on
-# zero). A packed multiply by 2^(e - 7) restores the scale. Four integer or half-precision
-# instructions per two weights, none of them a conversion: the portable path's e4m3 -> f32 ->
-# bf16 compiles to e4m3x2 -> f16x2, two f16 -> f32 and an f32 pair -> bf16x2 (F2FP, HADD2, F2FP)
-# before its multiply (`benchmark/kernels/probe_quant_sass.py` counts both loops).
-E4M3_SCALED_PTX = tl.constexpr(
-    """
-{
-.reg .b32 pair;
-prmt.b32 pair, $2, 0, 0x9180;
-shl.b32 pair, pair, 4;
-and.b32 pair, pair, 0x87F087F0;
-mul.rn.bf16x2 $0, pair, $3;
-prmt.b32 pair, $2, 0, 0xB3A2;
-shl.b32 pair, pair, 4;
-and.b32 pair, pair, 0x87F087F0;
-mul.rn.bf16x2 $1, pair, $4;
-}
-"""
-)
-
-
-@triton.jit
-def _e4m3_scaled(codes, e, BN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
-    """FP8 codes [BN, BLOCK_K] (e4m3) times their groups' scales 2^(e - 127) in bf16, by
-    `E4M3_SCALED_PTX` (the multiplier 2^(e - 7): biased exponent e + 120, a bf16 number for
-    every scale byte up to `reference.FP8_MAX_SCALE_BYTE`)."""
-    multiplier = _power_of_two(e.to(tl.int32) + 120, False)
-    return tl.inline_asm_elementwise(
-        E4M3_SCALED_PTX,
-        "=r,=r,r,r,r",
-        [codes.to(tl.uint8, bitcast=True), _per_element(multiplier, BN, BLOCK_K, GROUP)],
-        dtype=tl.bfloat16,
-        is_pure=True,
-        pack=4,
-    )
 
 
 # Four MXFP4 code bytes per 32-bit register ($4) and their multipliers (bf16 pairs: bytes 0, 1 in
@@ -604,7 +531,7 @@ def quantized_step(
         acc = _accumulate(acc, a_odd, w_odd, SPLIT_K, DOT_FP32)
     else:
         w = quantized_tile(
-            w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32, EVEN_K, PTX
+            w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32, EVEN_K
         )
         acc = _accumulate(acc, a, w, SPLIT_K, DOT_FP32)
     return acc
@@ -698,7 +625,6 @@ def stored_rows(weight: QuantizedWeight) -> tuple[torch.Tensor, bool]:
 __all__ = [
     "E2M1_FP16_SHIFT",
     "E2M1_SCALED_PTX",
-    "E4M3_SCALED_PTX",
     "QUANT_BLOCK_K",
     "e2m1_to",
     "e8m0_to_fp32",

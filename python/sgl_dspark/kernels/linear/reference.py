@@ -10,7 +10,7 @@ Quantised weights (`QuantizedWeight`), as the engine keeps them on the device:
 * "mxfp4": `data` uint8 `[..., N, K / 2]`, element 2j in the low nibble and 2j + 1 in the high
   nibble of byte j, each an E2M1 code (bit 3 the sign; magnitudes 0, .5, 1, 1.5, 2, 3, 4, 6);
 * `scale`: uint8 `[..., ceil(N / block_rows), ceil(K / group)]` E8M0 exponent bytes e
-  (1..254; MXFP4 at most `MXFP4_MAX_SCALE_BYTE`, FP8 `FP8_MAX_SCALE_BYTE`), one per block of `block_rows` rows and
+  (1..254; MXFP4 at most `MXFP4_MAX_SCALE_BYTE`), one per block of `block_rows` rows and
   `group` input channels:
   `W[.., n, k] = value(data[.., n, k]) * 2^(e[.., n // block_rows, k // group] - 127)`.
   FP8 checkpoints declare (block_rows, group) blocks (128 x 128 for V4, 32 x 32 for V4.1);
@@ -32,10 +32,6 @@ E8M0_BIAS = 127
 # The largest MXFP4 scale byte the Triton kernels decode (2^(128 - 127) = 2; `dequant.py`); the
 # loader refuses larger ones for native weights.
 MXFP4_MAX_SCALE_BYTE = 128
-# The largest FP8 scale byte the GEMMs' bit decode takes (2^(134 - 127) = 128, weights up to
-# 448 x 128; `dequant.py`: the code's bits are the value times 2^-120, the multiplier 2^(e - 7)
-# must be a bf16 number); the loader refuses larger ones for native weights.
-FP8_MAX_SCALE_BYTE = 134
 # E2M1 value of each 4-bit code; bit 3 is the sign.
 E2M1_VALUES = (
     0.0,

@@ -19,7 +19,6 @@ import torch
 from sgl_dspark.kernels.linear.reference import (
     E2M1_VALUES,
     E8M0_BIAS,
-    FP8_MAX_SCALE_BYTE,
     MXFP4_MAX_SCALE_BYTE,
     QuantizedWeight,
 )
@@ -236,8 +235,7 @@ def fp8_block_to_runtime(
 ) -> QuantizedWeight:
     """FP8 with `block = (rows, cols)` scales -> the runtime layout (`kernels/linear/
     reference.py`: the same blocks, E8M0 bytes). The block's columns must be a power of two of
-    at least 16 (a matrix-unit K step), and scales at most 128 (E8M0 bytes <= 134, weights
-    |w| <= 57344: the GEMMs' decode folds a 2^120 into the scale, `kernels/linear/dequant.py`)."""
+    at least 16 (a matrix-unit K step)."""
     rows, cols = block
     if cols < 16 or cols & (cols - 1):
         raise ValueError(
@@ -248,11 +246,6 @@ def fp8_block_to_runtime(
     if tuple(scale.shape) != expected:
         raise ValueError(f"{what}: FP8 scale shape {tuple(scale.shape)}, expected {expected}")
     scale_bytes = e8m0_bytes(scale, what).contiguous()
-    if bool((scale_bytes > FP8_MAX_SCALE_BYTE).any()):
-        raise ValueError(
-            f"{what}: FP8 scales above 128 (E8M0 bytes > {FP8_MAX_SCALE_BYTE}) are not "
-            "supported natively; use --weight-format bf16"
-        )
     return QuantizedWeight(weight.contiguous(), scale_bytes, "fp8", cols, rows)
 
 
