@@ -86,30 +86,18 @@ def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen
     )
 
 
-# Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth; stage 2's
-# JOINT_EXTRA where the stack is mixed), timed against the library's own (`_gate_up_meta`,
-# `_down_meta`).
-_JOINT = {"JOINT_EXTRA": True}
-STAGE_METAS: dict[str, list[tuple[int, int, dict]]] = {
-    "gate_up": [(32, 3, {}), (64, 4, {}), (64, 2, {}), (128, 3, {}), (128, 2, {})],
-    "down": [
-        (16, 3, {}),
-        (8, 4, {}),
-        (8, 2, {}),
-        (4, 3, {}),
-        (4, 4, {}),
-        (8, 3, _JOINT),
-        (8, 2, _JOINT),
-        (4, 3, _JOINT),
-    ],
+# Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth), timed
+# against the library's own (`_gate_up_meta`, `_down_meta`).
+STAGE_METAS = {
+    "gate_up": [(32, 3), (64, 4), (64, 2), (128, 3), (128, 2)],
+    "down": [(16, 3), (8, 4), (8, 2), (4, 3), (4, 4)],
 }
 _META_NAMES = {"gate_up": "_gate_up_meta", "down": "_down_meta"}
 
 
-def _with_shape(library, block_n: int, stages: int, extra: dict):
-    """The library's launch-shape function with BLOCK_N, the pipeline depth and `extra`'s
-    entries replaced."""
-    return lambda *args: {**library(*args), "BLOCK_N": block_n, "num_stages": stages, **extra}
+def _with_shape(library, block_n: int, stages: int):
+    """The library's launch-shape function with BLOCK_N and the pipeline depth replaced."""
+    return lambda *args: {**library(*args), "BLOCK_N": block_n, "num_stages": stages}
 
 
 def _stage_sweep(shape: str, m: int, paths: dict, calls: int, replays: int) -> list[str]:
@@ -122,10 +110,9 @@ def _stage_sweep(shape: str, m: int, paths: dict, calls: int, replays: int) -> l
         name = _META_NAMES[stage]
         library = getattr(moe_token_gemm, name)
         want = [t.clone() for t in fn()]
-        for block_n, stages, extra in metas:
+        for block_n, stages in metas:
             variant = f"{stage} BLOCK_N {block_n}, {stages} stages"
-            variant += "".join(f", {k} {v}" for k, v in extra.items())
-            shaped = _with_shape(library, block_n, stages, extra)
+            shaped = _with_shape(library, block_n, stages)
             try:
                 setattr(moe_token_gemm, name, shaped)
                 equal = _same_bits(want, fn())

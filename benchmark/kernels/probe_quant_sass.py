@@ -112,15 +112,6 @@ for _kernel in ("_moe_route_gate_up_kernel", "_moe_token_down_kernel"):
         _kernel,
         mixed_token_gemms_case(),
     )
-# Stage 2 at V4.1-Flash's experts (D 5120, I 2304), the extra after the slots' K loop (the
-# library's) and in it (JOINT_EXTRA).
-for _block_n in (8, 16):
-    for _joint in (False, True):
-        CASES[f"moe moe_token_down_kernel v41 mixed{' joint' if _joint else ''} N{_block_n}"] = (
-            "sgl_dspark.kernels.moe.token_gemm",
-            "_moe_token_down_kernel",
-            mixed_token_gemms_case(5120, 2304, {"JOINT_EXTRA": _joint, "BLOCK_N": _block_n}),
-        )
 
 
 def _step_bytes(kwargs: dict) -> int:

@@ -556,31 +556,19 @@ def mixed_moe_case() -> Callable[[], object]:
     )
 
 
-def mixed_token_gemms_case(
-    d: int = 4096, inter: int = 2048, down_meta: dict | None = None
-) -> Callable[[], object]:
-    """Both per-token stages on a mixed stack; `down_meta` replaces entries of stage 2's launch
-    shape (`token_gemm._down_meta`), e.g. JOINT_EXTRA."""
-    from sgl_dspark.kernels.moe import token_gemm
+def mixed_token_gemms_case(d: int = 4096, inter: int = 2048) -> Callable[[], object]:
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
 
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
     ids = torch.tensor([[0, 1, 0, 1, 0, 1, 2]], dtype=torch.int32)  # the shared expert last
-    library = token_gemm._down_meta
-
-    def shaped(*args: object) -> dict:
-        return {**library(*args), **(down_meta or {})}
 
     def run() -> object:
         weights = torch.ones(1, 7)
-        h = token_gemm.moe_route_gate_up(
+        h = moe_route_gate_up(
             _bf16(1, d), _mixed_experts((2 * inter, d)), ids, table, 3, 10.0, None, weights
         )
         down = _mixed_experts((d, inter))
-        token_gemm._down_meta = shaped
-        try:
-            return token_gemm.moe_token_down_reduce(h, down, ids, None, table, 3)
-        finally:
-            token_gemm._down_meta = library
+        return moe_token_down_reduce(h, down, ids, None, table, 3)
 
     return run
 
@@ -1115,12 +1103,6 @@ CASES = {
         "moe.token_gemm",
         "_moe_token_down_kernel",
         mixed_token_gemms_case(5120, 2304),
-    ),
-    # The same with the extra expert formed in the slots' K loop (stage 2's JOINT_EXTRA).
-    "mixed_moe_token_down_v41_joint": (
-        "moe.token_gemm",
-        "_moe_token_down_kernel",
-        mixed_token_gemms_case(5120, 2304, {"JOINT_EXTRA": True}),
     ),
     # V4.1-Flash's o_b and x projection (FP8 32 x 32) at M 1.
     "quantized_linear_fp8_32_o_b_v41": (

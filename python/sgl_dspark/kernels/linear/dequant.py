@@ -424,116 +424,44 @@ def quantized_product(
     the longest latency of a step). The kernels tell the compiler the alignment of the scale
     rows `s_rows` where they form them (`scale_alignment`; a hint on a function's argument is
     lost)."""
-    acc = quantized_accumulator(BM, BN, SPLIT_K)
+    if SPLIT_K == 1:
+        acc = tl.zeros([BM, BN], dtype=tl.float32)
+    else:
+        acc = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
     if SCALES_AHEAD:
         e_next = quantized_scales(s_rows, w_ok, 0, k_dim, GROUP, BLOCK_K, EVEN_K)
     for k0 in range(0, k_dim, BLOCK_K):
         if SCALES_AHEAD:
             e = e_next
-            e_next = quantized_scales_ahead(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
+            k_next = k0 + BLOCK_K
+            # The last step's read ahead is masked off (no byte past the weight's groups).
+            e_next = quantized_scales(
+                s_rows, w_ok & (k_next < k_dim), k_next, k_dim, GROUP, BLOCK_K, EVEN_K
+            )
         else:
             e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
-        a = quantized_step_activation(a_rows, a_ok, k0, k_dim, BLOCK_K, DOT_FP32, EVEN_K)
-        acc = quantized_step(
-            acc,
-            a,
-            w_rows,
-            w_ok,
-            e,
-            k0,
-            k_dim,
-            BN,
-            BLOCK_K,
-            FP4,
-            PTX,
-            ALIGNED,
-            GROUP,
-            DOT_FP32,
-            SPLIT_K,
-            EVEN_K,
-        )
-    return quantized_total(acc, SPLIT_K)
-
-
-@triton.jit
-def quantized_accumulator(BM: tl.constexpr, BN: tl.constexpr, SPLIT_K: tl.constexpr):
-    """The zero fp32 accumulator of a `quantized_product`: [BM, BN], or [SPLIT_K, BM, BN]."""
-    if SPLIT_K == 1:
-        acc = tl.zeros([BM, BN], dtype=tl.float32)
-    else:
-        acc = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
-    return acc
-
-
-@triton.jit
-def quantized_total(acc, SPLIT_K: tl.constexpr):
-    """A `quantized_product`'s [BM, BN] result from its accumulator (the K slices summed)."""
+        ks = k0 + tl.arange(0, BLOCK_K)
+        if EVEN_K:
+            a_k_ok = a_ok[:, None]
+        else:
+            a_k_ok = a_ok[:, None] & (ks < k_dim)[None, :]
+        a = tl.load(a_rows[:, None] + ks[None, :], mask=a_k_ok, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+        if FP4:
+            w_even, w_odd = fp4_half_tiles(
+                w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX, ALIGNED, EVEN_K
+            )
+            a_even, a_odd = tl.split(tl.reshape(a, [BM, BLOCK_K // 2, 2]))
+            acc = _accumulate(acc, a_even, w_even, SPLIT_K, DOT_FP32)
+            acc = _accumulate(acc, a_odd, w_odd, SPLIT_K, DOT_FP32)
+        else:
+            w = quantized_tile(
+                w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32, EVEN_K
+            )
+            acc = _accumulate(acc, a, w, SPLIT_K, DOT_FP32)
     if SPLIT_K > 1:
         acc = tl.sum(acc, axis=0)
-    return acc
-
-
-@triton.jit
-def quantized_scales_ahead(
-    s_rows, w_ok, k0, k_dim, GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr
-):
-    """The next step's scale bytes (`quantized_scales` at k0 + BLOCK_K) for SCALES_AHEAD; the
-    last step's read ahead is masked off (no byte past the weight's groups)."""
-    k_next = k0 + BLOCK_K
-    return quantized_scales(s_rows, w_ok & (k_next < k_dim), k_next, k_dim, GROUP, BLOCK_K, EVEN_K)
-
-
-@triton.jit
-def quantized_step_activation(
-    a_rows, a_ok, k0, k_dim, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr
-):
-    """The activation tile of input channels [k0, k0 + BLOCK_K): [BM, BLOCK_K] (rows not `a_ok`
-    and channels past k_dim zero), fp32 if DOT_FP32."""
-    ks = k0 + tl.arange(0, BLOCK_K)
-    if EVEN_K:
-        a_k_ok = a_ok[:, None]
-    else:
-        a_k_ok = a_ok[:, None] & (ks < k_dim)[None, :]
-    a = tl.load(a_rows[:, None] + ks[None, :], mask=a_k_ok, other=0.0)
-    if DOT_FP32:
-        a = a.to(tl.float32)
-    return a
-
-
-@triton.jit
-def quantized_step(
-    acc,
-    a,
-    w_rows,
-    w_ok,
-    e,
-    k0,
-    k_dim,
-    BN: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP4: tl.constexpr,
-    PTX: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    GROUP: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    EVEN_K: tl.constexpr,
-):
-    """One K step of `quantized_product`: acc plus the activation tile `a` ([BM, BLOCK_K] of
-    channels [k0, k0 + BLOCK_K)) times the step's dequantised weight columns (scale bytes `e`):
-    one dot (FP8) or the even and the odd channels' two (MXFP4)."""
-    if FP4:
-        w_even, w_odd = fp4_half_tiles(
-            w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX, ALIGNED, EVEN_K
-        )
-        a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], BLOCK_K // 2, 2]))
-        acc = _accumulate(acc, a_even, w_even, SPLIT_K, DOT_FP32)
-        acc = _accumulate(acc, a_odd, w_odd, SPLIT_K, DOT_FP32)
-    else:
-        w = quantized_tile(
-            w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32, EVEN_K
-        )
-        acc = _accumulate(acc, a, w, SPLIT_K, DOT_FP32)
     return acc
 
 
@@ -631,16 +559,11 @@ __all__ = [
     "fp4_half_tiles",
     "fp4_ptx_decode",
     "fp4_rows_aligned",
-    "quantized_accumulator",
     "quantized_block_k",
     "quantized_product",
     "quantized_scales",
-    "quantized_scales_ahead",
     "quantized_stages",
-    "quantized_step",
-    "quantized_step_activation",
     "quantized_tile",
-    "quantized_total",
     "scale_alignment",
     "scales_loaded_ahead",
     "stored_rows",

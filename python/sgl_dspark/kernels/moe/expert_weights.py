@@ -22,14 +22,8 @@ from sgl_dspark.kernels._checks import require
 from sgl_dspark.kernels.linear.dequant import (
     fp4_ptx_decode,
     fp4_rows_aligned,
-    quantized_accumulator,
     quantized_block_k,
     quantized_product,
-    quantized_scales,
-    quantized_scales_ahead,
-    quantized_step,
-    quantized_step_activation,
-    quantized_total,
     scale_alignment,
     scales_loaded_ahead,
 )
@@ -255,116 +249,10 @@ def extra_columns_product(
         X_SPLIT_K,
         X_SCALES_AHEAD,
     )
-    return first_columns(acc, rows == 0, BLOCK_N, X_BLOCK_N)
-
-
-@triton.jit
-def first_columns(acc, row_kept, BLOCK_N: tl.constexpr, X_BLOCK_N: tl.constexpr):
-    """fp32 [BLOCK_N]: the first BLOCK_N columns of the row of acc [ROWS, X_BLOCK_N] where
-    `row_kept` [ROWS] holds (adding exact zeros of the other rows and columns)."""
-    row = tl.sum(tl.where(row_kept[:, None], acc, 0.0), axis=0)
+    row = tl.sum(tl.where(rows[:, None] == 0, acc, 0.0), axis=0)
     PARTS: tl.constexpr = X_BLOCK_N // BLOCK_N
     first = tl.arange(0, PARTS)[:, None] == 0
     return tl.sum(tl.where(first, tl.reshape(row, [PARTS, BLOCK_N]), 0.0), axis=0)
-
-
-@triton.jit
-def expert_product_beside_extra(
-    a_rows,
-    a_ok,
-    w_rows,
-    w_ok,
-    s_rows,
-    xa_rows,
-    xa_ok,
-    xw_rows,
-    x_ok,
-    xs_rows,
-    k_dim,
-    BM: tl.constexpr,
-    BN: tl.constexpr,
-    XN: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    FP4: tl.constexpr,
-    PTX: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    GROUP: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr,
-    X_FP4: tl.constexpr,
-    X_ALIGNED: tl.constexpr,
-    X_GROUP: tl.constexpr,
-    X_SPLIT_K: tl.constexpr,
-    X_SCALES_AHEAD: tl.constexpr,
-):
-    """Two quantised `expert_product`s in one K loop: fp32 [BM, BN] of A rows `a_rows` times
-    the stack's weight columns (`w_rows`, `s_rows`) and fp32 [BM, XN] of A rows `xa_rows` times
-    the extra expert's (`xw_rows` / `x_ok` / `xs_rows`, its X_ constants). Both weights share
-    the K step (the caller checks), so each product sums its steps as its own `expert_product`
-    would, into its own accumulator: the same bits as the two products formed one after the
-    other. What it saves is the second loop: its pipeline fill and its steps' latency after
-    the first loop's, where a program's loops are few steps long (the per-token stage 2 at
-    V4.1's K 2304: 9 steps each). Each product keeps its own activation tile: one tile shared
-    by both dots (an MXFP4 product splits it into even and odd channels, an FP8 one does not)
-    is converted between their layouts through shared memory every step."""
-    acc = quantized_accumulator(BM, BN, SPLIT_K)
-    x_acc = quantized_accumulator(BM, XN, X_SPLIT_K)
-    if SCALES_AHEAD:
-        e_next = quantized_scales(s_rows, w_ok, 0, k_dim, GROUP, BLOCK_K, EVEN_K)
-    if X_SCALES_AHEAD:
-        xe_next = quantized_scales(xs_rows, x_ok, 0, k_dim, X_GROUP, BLOCK_K, EVEN_K)
-    for k0 in range(0, k_dim, BLOCK_K):
-        if SCALES_AHEAD:
-            e = e_next
-            e_next = quantized_scales_ahead(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
-        else:
-            e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
-        if X_SCALES_AHEAD:
-            xe = xe_next
-            xe_next = quantized_scales_ahead(xs_rows, x_ok, k0, k_dim, X_GROUP, BLOCK_K, EVEN_K)
-        else:
-            xe = quantized_scales(xs_rows, x_ok, k0, k_dim, X_GROUP, BLOCK_K, EVEN_K)
-        a = quantized_step_activation(a_rows, a_ok, k0, k_dim, BLOCK_K, DOT_FP32, EVEN_K)
-        xa = quantized_step_activation(xa_rows, xa_ok, k0, k_dim, BLOCK_K, DOT_FP32, EVEN_K)
-        acc = quantized_step(
-            acc,
-            a,
-            w_rows,
-            w_ok,
-            e,
-            k0,
-            k_dim,
-            BN,
-            BLOCK_K,
-            FP4,
-            PTX,
-            ALIGNED,
-            GROUP,
-            DOT_FP32,
-            SPLIT_K,
-            EVEN_K,
-        )
-        x_acc = quantized_step(
-            x_acc,
-            xa,
-            xw_rows,
-            x_ok,
-            xe,
-            k0,
-            k_dim,
-            XN,
-            BLOCK_K,
-            X_FP4,
-            PTX,
-            X_ALIGNED,
-            X_GROUP,
-            DOT_FP32,
-            X_SPLIT_K,
-            EVEN_K,
-        )
-    return quantized_total(acc, SPLIT_K), quantized_total(x_acc, X_SPLIT_K)
 
 
 def expert_block_k(k_dim: int, weight: ExpertWeight | None = None) -> int:
@@ -548,7 +436,6 @@ __all__ = [
     "expert_dot",
     "expert_or_extra_product",
     "expert_product",
-    "expert_product_beside_extra",
     "expert_scales_ahead",
     "expert_split_k",
     "expert_stack",
@@ -556,5 +443,4 @@ __all__ = [
     "expert_weight_data",
     "extra_columns_product",
     "extra_expert_args",
-    "first_columns",
 ]

@@ -49,17 +49,14 @@ from sgl_dspark.kernels._triton_utils import (
     wait_for_producers,
 )
 from sgl_dspark.kernels.linear.dequant import quantized_stages
-from sgl_dspark.kernels.linear.reference import QuantizedWeight
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
     ExpertWeight,
     ExpertWeights,
-    MixedExperts,
     check_expert_weights,
     expert_block_k,
     expert_or_extra_product,
     expert_product,
-    expert_product_beside_extra,
     expert_scales_ahead,
     expert_split_k,
     expert_stack,
@@ -67,7 +64,6 @@ from sgl_dspark.kernels.moe.expert_weights import (
     expert_weight_data,
     extra_columns_product,
     extra_expert_args,
-    first_columns,
 )
 from sgl_dspark.kernels.moe.grouped_gemm import swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.reduce import route_reduce_tail
@@ -248,7 +244,6 @@ def _moe_token_down_kernel(
     X_SPLIT_K: tl.constexpr,
     X_SCALES_AHEAD: tl.constexpr,
     X_SCALE_ALIGN: tl.constexpr,
-    JOINT_EXTRA: tl.constexpr,
     PDL: tl.constexpr,
 ):
     # All of the token's slots in one tile: row k of A is route k's h row, and the columns hold
@@ -273,88 +268,44 @@ def _moe_token_down_kernel(
         ids_ptr, table_ptr, token * TOPK + rows, num_experts, num_local, rows < TOPK
     )
     h_rows = h_ptr + (token * TOPK + rows) * stride_h
-    w_cols = w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn
-    s_cols = tl.multiple_of(
-        s_ptr + col_local * stride_se + (cols.to(tl.int64) // SCALE_ROWS) * stride_sn,
-        SCALE_ALIGN,
+    acc = expert_product(
+        h_rows,
+        row_is_local,
+        w_ptr + col_local * stride_we + cols.to(tl.int64) * stride_wn,
+        col_ok,
+        tl.multiple_of(
+            s_ptr + col_local * stride_se + (cols.to(tl.int64) // SCALE_ROWS) * stride_sn,
+            SCALE_ALIGN,
+        ),
+        k_dim,
+        ROWS,
+        SLOTS * BLOCK_N,
+        BLOCK_K,
+        QUANT,
+        FP4,
+        PTX,
+        ALIGNED,
+        GROUP,
+        DOT_FP32,
+        EVEN_K,
+        SPLIT_K,
+        SCALES_AHEAD,
     )
+    # Slot k's product: row k, column block k (adding exact zeros of the other rows).
     slots = tl.arange(0, SLOTS)
+    on_diag = rows[:, None, None] == slots[None, :, None]
+    product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, SLOTS, BLOCK_N]), 0.0), axis=0)
     slot_local, slot_is_local = route_locality(
         ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
     )
-    # The slot routed to the extra expert (the folded shared expert: at most one a token) is
-    # formed from its own weight, as a stack of its format would form it.
-    slot_is_extra = slot_is_local & (slot_local == extra_local)
-    has_extra = tl.max(slot_is_extra.to(tl.int32), axis=0) > 0
-    extra_slot = tl.sum(tl.where(slot_is_extra, slots, 0), axis=0)
-    if EXTRA and JOINT_EXTRA:
-        # Its columns in the slots' K loop (`expert_product_beside_extra`), from the extra
-        # slot's h row (row 0 of its product; no load without an extra slot).
-        tl.static_assert(QUANT and X_QUANT and X_BLOCK_K == BLOCK_K and X_EVEN_K == EVEN_K)
-        x_cols = n0 + tl.arange(0, X_BLOCK_N)
-        x_rows = x_cols.to(tl.int64)
-        x_ok = (tl.arange(0, X_BLOCK_N) < BLOCK_N) & (x_cols < n_cols) & has_extra
-        acc, x_acc = expert_product_beside_extra(
-            h_rows,
-            row_is_local,
-            w_cols,
-            col_ok,
-            s_cols,
-            h_ptr + (token * TOPK + extra_slot.to(tl.int64)) * stride_h + rows * 0,
-            (rows == 0) & has_extra,
-            xw_ptr + x_rows * stride_xwn,
-            x_ok,
-            tl.multiple_of(xs_ptr + (x_rows // X_SCALE_ROWS) * stride_xsn, X_SCALE_ALIGN),
-            k_dim,
-            ROWS,
-            SLOTS * BLOCK_N,
-            X_BLOCK_N,
-            BLOCK_K,
-            FP4,
-            PTX,
-            ALIGNED,
-            GROUP,
-            DOT_FP32,
-            EVEN_K,
-            SPLIT_K,
-            SCALES_AHEAD,
-            X_FP4,
-            X_ALIGNED,
-            X_GROUP,
-            X_SPLIT_K,
-            X_SCALES_AHEAD,
-        )
-    else:
-        acc = expert_product(
-            h_rows,
-            row_is_local,
-            w_cols,
-            col_ok,
-            s_cols,
-            k_dim,
-            ROWS,
-            SLOTS * BLOCK_N,
-            BLOCK_K,
-            QUANT,
-            FP4,
-            PTX,
-            ALIGNED,
-            GROUP,
-            DOT_FP32,
-            EVEN_K,
-            SPLIT_K,
-            SCALES_AHEAD,
-        )
-    # Slot k's product: row k, column block k (adding exact zeros of the other rows).
-    on_diag = rows[:, None, None] == slots[None, :, None]
-    product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, SLOTS, BLOCK_N]), 0.0), axis=0)
-    if EXTRA and JOINT_EXTRA:
-        extra_cols = first_columns(x_acc, rows == 0, BLOCK_N, X_BLOCK_N)
-        product = tl.where(slot_is_extra[:, None], extra_cols[None, :], product)
-    elif EXTRA:
-        if has_extra:
+    if EXTRA:
+        # The slot routed to the extra expert (the folded shared expert: at most one a token)
+        # is formed from its own weight, as a stack of its format would form it.
+        slot_is_extra = slot_is_local & (slot_local == extra_local)
+        if tl.max(slot_is_extra.to(tl.int32), axis=0) > 0:
+            extra_slot = tl.sum(tl.where(slot_is_extra, slots, 0), axis=0).to(tl.int64)
             extra_cols = extra_columns_product(
-                h_ptr + (token * TOPK + extra_slot.to(tl.int64)) * stride_h,
+                h_ptr + (token * TOPK + extra_slot) * stride_h,
                 xw_ptr,
                 stride_xwn,
                 xs_ptr,
@@ -525,32 +476,16 @@ def _down_meta(k_dim: int, weight: ExpertWeight, slots: int) -> dict[str, int]:
     per step. MXFP4 8 columns: its K-split dots hold every slot's columns in each warp, and the
     narrower tile doubles the programs a token's stream is spread over (faster at one token:
     benchmark/results/kernels.md); 16 for a single slot, so a dot keeps at least 16 columns (a
-    matrix unit's width on every target). JOINT_EXTRA: a `MixedExperts`' extra expert formed in
-    the slots' K loop rather than after it, where its format allows (`_joint_extra`)."""
+    matrix unit's width on every target)."""
     block_k = expert_block_k(k_dim, weight)
     fp4 = getattr(weight, "fmt", None) == "mxfp4"
     return {
         "BLOCK_N": 8 if fp4 and slots >= 2 else 16,
         "BLOCK_K": block_k,
         "SPLIT_K": expert_split_k(block_k, weight),
-        "JOINT_EXTRA": False,
         "num_warps": EXPERT_WARPS,
         "num_stages": 3,
     }
-
-
-def _joint_extra(down_proj: ExpertWeights, k_dim: int, block_k: int) -> bool:
-    """Whether stage 2 can form a `MixedExperts`' extra expert in the slots' K loop
-    (`expert_product_beside_extra`): both weights kept as stored, with the same K step (a
-    product's sum order is its K step's, so it must not change)."""
-    if not isinstance(down_proj, MixedExperts):
-        return False
-    stack, extra = down_proj
-    return (
-        isinstance(stack, QuantizedWeight)
-        and isinstance(extra, QuantizedWeight)
-        and expert_block_k(k_dim, extra) == block_k
-    )
 
 
 def moe_token_down_reduce(
@@ -619,9 +554,6 @@ def moe_token_down_reduce(
     slots = triton.next_power_of_2(topk)
     stack = expert_stack(down_proj)
     meta = _down_meta(h.shape[1], stack, slots)
-    meta["JOINT_EXTRA"] = meta["JOINT_EXTRA"] and _joint_extra(
-        down_proj, h.shape[1], meta["BLOCK_K"]
-    )
     data = expert_weight_data(stack)
     extra_columns = max(16, meta["BLOCK_N"])
     _moe_token_down_kernel[(num_tokens, triton.cdiv(hidden, meta["BLOCK_N"]))](
