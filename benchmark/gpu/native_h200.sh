@@ -42,9 +42,9 @@
 #                32 x 32 as released, M 1 and 4
 #   w8a8         bench_fp8_gemm.py: the FP8-activation GEMMs (prefill-sized W8A8, the DSpark
 #                main projection's split-K) checked, then timed against cuBLAS bf16
-#   fp8_decode   probe_fp8_decode.py: the FP8 weight decode by bit placement (the library's
-#                on NVIDIA) against the hardware conversion, bits compared, then timed ABBA at
-#                V4.1-Flash's dense decode shapes and V4-Flash's wide one, M 1/4/16
+#   scale_loads  probe_scale_loads.py: the narrow tiles' scale bytes loaded a step ahead (the
+#                library's) against in their step, bits compared, then timed ABBA at
+#                V4.1-Flash's dense decode shapes (M 1/4/16) and its per-token experts
 #   probe        probe_weight_operand.py: the weight-first orientation, K split over programs
 #                (atomics and fixed order) and the inline-PTX MXFP4 decode, against the library
 #
@@ -68,7 +68,7 @@
 #   env,sweep               ~8 minutes  (480 s), only when needed
 #   env,sweep_v41           under a minute (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
-#   env,fp8_decode          ~2 minutes  (240 s)
+#   env,scale_loads         under a minute  (240 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -233,12 +233,11 @@ if has w8a8; then
   run 120 fp8_gemm.log python3 benchmark/kernels/bench_fp8_gemm.py --out "$WORK/fp8_gemm.md"
   show "$WORK/fp8_gemm.md"
 fi
-if has fp8_decode; then  # the probe keeps to its own budget, under the stage's limit
-  stage fp8_decode 240
-  run 240 fp8_decode.log python3 benchmark/kernels/probe_fp8_decode.py --budget-s 200 \
-    --toggle "${FP8_TOGGLE:-decode}" \
-    --out "$WORK/fp8_decode.md"
-  show "$WORK/fp8_decode.md"
+if has scale_loads; then  # the probe keeps to its own budget, under the stage's limit
+  stage scale_loads 240
+  run 240 scale_loads.log python3 benchmark/kernels/probe_scale_loads.py --budget-s 200 \
+    --out "$WORK/scale_loads.md"
+  show "$WORK/scale_loads.md"
 fi
 if has probe; then  # the probe keeps to its own budget, under the stage's limit
   stage probe 400

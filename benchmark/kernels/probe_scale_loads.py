@@ -1,21 +1,16 @@
-"""Probe: two bit-neutral choices of the quantised GEMMs on NVIDIA, each against its
-alternative, one device, one process.
-
-* `--toggle decode`: the FP8 weight decode by bit placement (`E4M3_SCALED_PTX`, the library's)
-  against the hardware conversion (e4m3 -> f32 -> bf16): the linear launcher's
-  `fp4_ptx_decode` answering False (which for an FP8 weight only picks its decode).
-* `--toggle scales`: the scale bytes of narrow tiles loaded a step ahead
-  (`dequant.scales_loaded_ahead`, the library's) against loaded in their step: the rule
-  answering False in the linear launcher and the expert kernels.
+"""Probe: the scale bytes of the quantised GEMMs' narrow tiles loaded a step ahead
+(`dequant.scales_loaded_ahead`, the library's) against loaded in their step (the rule
+answering False in the linear launcher and the expert kernels), one device, one process.
 
 Both give the same bits, so each case's outputs are first checked BIT-EQUAL; then both sides
-are timed ABBA (library, alternative, alternative, library) in CUDA graphs over weight copies
-that exceed the L2 (`bench_quant_gemm.time_us`): the small-M linear at DeepSeek-V4.1-Flash's
-dense decode shapes (the grouped output projection included) and V4-Flash's wide one, and
-with `scales` the rank model's experts through the per-token stages (MXFP4 routed experts
-beside the FP8 shared one, `probe_moe_token.py`'s set-up).
+are timed ABBA (library, in step, in step, library) in CUDA graphs over weight copies that
+exceed the L2 (`bench_quant_gemm.time_us`): the small-M linear at DeepSeek-V4.1-Flash's dense
+decode shapes (FP8 32 x 32; the grouped output projection included) and V4-Flash's wide one
+(FP8 128 x 128, whose steps hold too few groups to load ahead: a control), and the rank
+model's experts through the per-token stages (MXFP4 routed experts beside the FP8 shared one,
+`probe_moe_token.py`'s set-up).
 
-Usage (device machine): python3 benchmark/kernels/probe_fp8_decode.py --toggle decode --out x.md
+Usage (device machine): python3 benchmark/kernels/probe_scale_loads.py --out scale_loads.md
 """
 
 from __future__ import annotations
@@ -55,22 +50,19 @@ DENSE = (
     ("v41 o_b 5120x8192", 5120, 8192, 1, 32),
     ("wide 32768x4096 fp8/128", 32768, 4096, 1, 128),
 )
-# What each toggle replaces, (module, name) -> the alternative's function.
-TOGGLES: dict[str, dict[tuple[object, str], Callable]] = {
-    "decode": {(linear_module, "fp4_ptx_decode"): lambda device: False},
-    "scales": {
-        (linear_module, "scales_loaded_ahead"): lambda *args: False,
-        (expert_weights, "scales_loaded_ahead"): lambda *args: False,
-    },
+# What "in step" replaces, (module, name) -> its function: the rule where each launcher looks
+# it up.
+IN_STEP: dict[tuple[object, str], Callable] = {
+    (linear_module, "scales_loaded_ahead"): lambda *args: False,
+    (expert_weights, "scales_loaded_ahead"): lambda *args: False,
 }
-LABELS = {"decode": ("bit placement", "conversion"), "scales": ("ahead", "in step")}
 
 
-class _Alternative:
-    """Context: the launchers as the toggle's alternative (no-op when `on` is False)."""
+class _InStep:
+    """Context: the launchers with every scale tile loaded in its step (no-op unless `on`)."""
 
-    def __init__(self, toggle: str, on: bool):
-        self.patches = TOGGLES[toggle] if on else {}
+    def __init__(self, on: bool):
+        self.patches = IN_STEP if on else {}
         self.saved = {key: getattr(*key) for key in self.patches}
 
     def __enter__(self):
@@ -83,22 +75,22 @@ class _Alternative:
             setattr(module, name, fn)
 
 
-def _ab(toggle: str, label: str, m: int, run: Callable[[], list], time_fn: Callable) -> str:
+def _ab(label: str, m: int, run: Callable[[], list], time_fn: Callable) -> str:
     """Bits of both sides compared, then ABBA timings: a table row."""
-    with _Alternative(toggle, False):
+    with _InStep(False):
         want = [t.clone() for t in run()]
-    with _Alternative(toggle, True):
+    with _InStep(True):
         got = run()
     equal = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got))
     times: dict[bool, list[float]] = {}
-    for alternative in (False, True, True, False):
-        with _Alternative(toggle, alternative):
-            times.setdefault(alternative, []).append(time_fn())
+    for in_step in (False, True, True, False):
+        with _InStep(in_step):
+            times.setdefault(in_step, []).append(time_fn())
     lib, alt = (sum(times[v]) / 2 for v in (False, True))
     return f"| {label} | {m} | {equal} | {alt:.1f} | {lib:.1f} | {alt / lib:.2f} |"
 
 
-def _dense(toggle: str, name: str, n: int, k: int, groups: int, group: int, m: int) -> str:
+def _dense(name: str, n: int, k: int, groups: int, group: int, m: int) -> str:
     gen = torch.Generator(device="cuda").manual_seed(n + k + m)
     shape = (m, k) if groups == 1 else (m, groups, k)
     x = torch.randn(shape, generator=gen, device="cuda").to(torch.bfloat16)
@@ -107,15 +99,14 @@ def _dense(toggle: str, name: str, n: int, k: int, groups: int, group: int, m: i
     w0 = make()
     weights = [w0] + [make() for _ in range(_copies(_nbytes(w0)) - 1)]
     calls = [lambda w=w: call(x, w) for w in weights]
-    return _ab(toggle, name, m, lambda: [call(x, w0)], lambda: time_us(calls, _reps(len(calls))))
+    return _ab(name, m, lambda: [call(x, w0)], lambda: time_us(calls, _reps(len(calls))))
 
 
-def _experts(toggle: str, m: int, calls: int = 8) -> str:
+def _experts(m: int, calls: int = 8) -> str:
     """The rank model's per-token stages (MXFP4 routed experts + the FP8 shared one), `calls`
     routings per graph."""
     token = _setup("dsv41_flash_ep4", m, calls, "mxfp4")["token"]
     return _ab(
-        toggle,
         "v41 experts per-token (mixed)",
         m,
         token,
@@ -126,27 +117,24 @@ def _experts(toggle: str, m: int, calls: int = 8) -> str:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default=None)
-    p.add_argument("--toggle", default="decode", choices=tuple(TOGGLES))
     p.add_argument("--m", default="1,4,16")
     p.add_argument("--budget-s", type=float, default=200.0)
     a = p.parse_args()
     SETUP.device = "cuda"
     start = time.time()
-    library, alternative = LABELS[a.toggle]
     lines = [
-        f"device: {torch.cuda.get_device_name()}  toggle: {a.toggle}",
+        f"device: {torch.cuda.get_device_name()}",
         "",
-        f"| case | M | bits equal | {alternative} us | {library} us (library) | ratio |",
+        "| case | M | bits equal | in step us | ahead us (library) | in step / ahead |",
         "|---|---|---|---|---|---|",
     ]
     cases = [
-        (f"{name} M {m}", lambda m=m, c=case: _dense(a.toggle, *c, m))
+        (f"{name} M {m}", lambda m=m, c=case: _dense(*c, m))
         for case in DENSE
         for name in (case[0],)
         for m in (int(v) for v in a.m.split(","))
     ]
-    if a.toggle == "scales":
-        cases += [(f"experts M {m}", lambda m=m: _experts(a.toggle, m)) for m in (1, 2)]
+    cases += [(f"experts M {m}", lambda m=m: _experts(m)) for m in (1, 2)]
     for label, case in cases:
         if time.time() - start > a.budget_s:
             line = f"| {label} | | skipped: budget | | | |"
