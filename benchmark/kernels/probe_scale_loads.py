@@ -16,10 +16,12 @@ Usage (device machine): python3 benchmark/kernels/probe_scale_loads.py --out sca
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -50,41 +52,31 @@ DENSE = (
     ("v41 o_b 5120x8192", 5120, 8192, 1, 32),
     ("wide 32768x4096 fp8/128", 32768, 4096, 1, 128),
 )
-# What "in step" replaces, (module, name) -> its function: the rule where each launcher looks
-# it up.
-IN_STEP: dict[tuple[object, str], Callable] = {
-    (linear_module, "scales_loaded_ahead"): lambda *args: False,
-    (expert_weights, "scales_loaded_ahead"): lambda *args: False,
-}
+# The rule where each launcher looks it up: "in step" replaces it with one answering False.
+RULE_HOMES = (linear_module, expert_weights)
 
 
-class _InStep:
-    """Context: the launchers with every scale tile loaded in its step (no-op unless `on`)."""
-
-    def __init__(self, on: bool):
-        self.patches = IN_STEP if on else {}
-        self.saved = {key: getattr(*key) for key in self.patches}
-
-    def __enter__(self):
-        for (module, name), fn in self.patches.items():
-            setattr(module, name, fn)
-        return self
-
-    def __exit__(self, *exc):
-        for (module, name), fn in self.saved.items():
-            setattr(module, name, fn)
+@contextlib.contextmanager
+def _in_step(on: bool):
+    """The launchers with every scale tile loaded in its step (unchanged unless `on`)."""
+    with contextlib.ExitStack() as stack:
+        for module in RULE_HOMES if on else ():
+            stack.enter_context(
+                mock.patch.object(module, "scales_loaded_ahead", lambda *args: False)
+            )
+        yield
 
 
 def _ab(label: str, m: int, run: Callable[[], list], time_fn: Callable) -> str:
     """Bits of both sides compared, then ABBA timings: a table row."""
-    with _InStep(False):
+    with _in_step(False):
         want = [t.clone() for t in run()]
-    with _InStep(True):
+    with _in_step(True):
         got = run()
     equal = all(torch.equal(a.view(torch.int16), b.view(torch.int16)) for a, b in zip(want, got))
     times: dict[bool, list[float]] = {}
     for in_step in (False, True, True, False):
-        with _InStep(in_step):
+        with _in_step(in_step):
             times.setdefault(in_step, []).append(time_fn())
     lib, alt = (sum(times[v]) / 2 for v in (False, True))
     return f"| {label} | {m} | {equal} | {alt:.1f} | {lib:.1f} | {alt / lib:.2f} |"
@@ -129,9 +121,8 @@ def main() -> None:
         "|---|---|---|---|---|---|",
     ]
     cases = [
-        (f"{name} M {m}", lambda m=m, c=case: _dense(*c, m))
+        (f"{case[0]} M {m}", lambda m=m, c=case: _dense(*c, m))
         for case in DENSE
-        for name in (case[0],)
         for m in (int(v) for v in a.m.split(","))
     ]
     cases += [(f"experts M {m}", lambda m=m: _experts(m)) for m in (1, 2)]
