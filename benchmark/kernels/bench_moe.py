@@ -36,7 +36,8 @@ from sgl_dspark.kernels.moe.reference import (
 )
 from sgl_dspark.kernels.moe.router import make_router_workspace, router_topk
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
-from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 from sgl_dspark.srt.layers.moe.experts import TOKEN_PATH_MAX_M
 
 HIDDEN, EXPERTS, LOCAL, TOPK, INTER, SHARED_INTER = 4096, 384, 96, 6, 2048, 512

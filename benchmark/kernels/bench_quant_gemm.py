@@ -51,11 +51,12 @@ from sgl_dspark.kernels.linear.reference import (  # noqa: E402
     dequantize_weight_ref,
 )
 from sgl_dspark.kernels.linear.small_m import small_m_grouped_linear, small_m_linear  # noqa: E402
-from sgl_dspark.kernels.moe import grouped_gemm, token_gemm  # noqa: E402
+from sgl_dspark.kernels.moe import grouped_gemm, token_down, token_gemm  # noqa: E402
 from sgl_dspark.kernels.moe.grouped_gemm import fused_moe  # noqa: E402
 from sgl_dspark.kernels.moe.reduce import moe_reduce  # noqa: E402
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort, sort_block_size  # noqa: E402
-from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce  # noqa: E402
+from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up  # noqa: E402
 
 from benchmark.kernels.baseline_quant_linear import (  # noqa: E402
     baseline_quantized_grouped_linear,
@@ -325,16 +326,15 @@ def bench_moe(m: int, warm_only: bool = False, only: int | None = None) -> list[
     return out
 
 
-_LIBRARY_SPLIT = (grouped_gemm.expert_split_k, token_gemm.expert_split_k)
+_SPLIT_USERS = (grouped_gemm, token_gemm, token_down)
+_LIBRARY_SPLIT = tuple(module.expert_split_k for module in _SPLIT_USERS)
 
 
 def _force_unsplit(unsplit: bool) -> None:
-    """Both expert paths' K split: the library's, or none (the launchers read the name from
-    their own module, so both are replaced)."""
-    if unsplit:
-        grouped_gemm.expert_split_k = token_gemm.expert_split_k = lambda *_: 1
-    else:
-        grouped_gemm.expert_split_k, token_gemm.expert_split_k = _LIBRARY_SPLIT
+    """The expert paths' K split: the library's, or none (the launchers read the name from
+    their own modules, so each is replaced)."""
+    for module, library in zip(_SPLIT_USERS, _LIBRARY_SPLIT):
+        module.expert_split_k = (lambda *_: 1) if unsplit else library
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ For each shape and M, both are first checked BIT-EQUAL (the engine picks one by 
 agree), then timed ABBA in CUDA graphs whose `--calls` launches use as many routings (the
 experts' weights then come from HBM as in a decode step). `--down-metas` also times stage 2
 launch shapes (each one bit-checked too). This picks `experts.TOKEN_PATH_MAX_M` and
-`moe_token_gemm._down_meta`. `--format fp8 | mxfp4` runs the experts kept as stored (random
+`moe_token_down._down_meta`. `--format fp8 | mxfp4` runs the experts kept as stored (random
 codes and scales, `bench_quant_gemm.quantize_random`); shapes with a shared expert fold it as
 the engine does (one more local expert, appended to every token's routes with weight 1), in
 the format the checkpoint stores it: V4.1's FP8 32 x 32 beside MXFP4 routed experts is a
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sgl_dspark.kernels.moe import token_down as moe_token_down  # noqa: E402
 from sgl_dspark.kernels.moe import token_gemm as moe_token_gemm  # noqa: E402
 from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
 from sgl_dspark.kernels.moe.reduce import moe_reduce
@@ -86,40 +87,58 @@ def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen
     )
 
 
-# Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth), timed
-# against the library's own (`_gate_up_meta`, `_down_meta`).
+# Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth, stage 2's
+# slot groups), timed against the library's own (`_gate_up_meta`, `_down_meta`): each entry
+# replaces those keys of the library's shape. Stage 2 with GROUP_SLOTS 8 holds all of V4.1's
+# 6 + 1 slots in one program (the shape before slot groups).
 STAGE_METAS = {
-    "gate_up": [(32, 3), (64, 4), (64, 2), (128, 3), (128, 2)],
-    "down": [(16, 3), (8, 4), (8, 2), (4, 3), (4, 4)],
+    "gate_up": [
+        {"BLOCK_N": 32, "num_stages": 3},
+        {"BLOCK_N": 64, "num_stages": 4},
+        {"BLOCK_N": 64, "num_stages": 2},
+        {"BLOCK_N": 128, "num_stages": 3},
+        {"BLOCK_N": 128, "num_stages": 2},
+    ],
+    "down": [
+        {"GROUP_SLOTS": 8, "BLOCK_N": 8, "num_stages": 3},
+        {"GROUP_SLOTS": 1, "BLOCK_N": 32, "num_stages": 3},
+        {"GROUP_SLOTS": 1, "BLOCK_N": 128, "num_stages": 3},
+        {"GROUP_SLOTS": 1, "BLOCK_N": 64, "num_stages": 4},
+        {"GROUP_SLOTS": 2, "BLOCK_N": 32, "num_stages": 3},
+        {"GROUP_SLOTS": 2, "BLOCK_N": 16, "num_stages": 3},
+    ],
 }
-_META_NAMES = {"gate_up": "_gate_up_meta", "down": "_down_meta"}
+# stage: (module, name) of its launch-shape function
+_META_NAMES = {"gate_up": (moe_token_gemm, "_gate_up_meta"), "down": (moe_token_down, "_down_meta")}
 
 
-def _with_shape(library, block_n: int, stages: int):
-    """The library's launch-shape function with BLOCK_N and the pipeline depth replaced."""
-    return lambda *args: {**library(*args), "BLOCK_N": block_n, "num_stages": stages}
+def _with_shape(library, overrides: dict[str, int]):
+    """The library's launch-shape function with some of its keys replaced."""
+    return lambda *args: {**library(*args), **overrides}
 
 
-def _stage_sweep(shape: str, m: int, paths: dict, calls: int, replays: int) -> list[str]:
-    """Each per-token stage alone: the library's launch shape, then each STAGE_METAS one
-    (bits against the library's, timed ABBA against it in CUDA graphs)."""
+def _stage_sweep(
+    shape: str, m: int, paths: dict, calls: int, replays: int, stages: list[str]
+) -> list[str]:
+    """Each per-token stage of `stages` alone: the library's launch shape, then each
+    STAGE_METAS one (bits against the library's, timed ABBA against it in CUDA graphs)."""
     paths["gate_up"]()  # stage 2's inputs
     rows = []
-    for stage, metas in STAGE_METAS.items():
+    for stage in stages:
         fn = paths[stage]
-        name = _META_NAMES[stage]
-        library = getattr(moe_token_gemm, name)
+        module, name = _META_NAMES[stage]
+        library = getattr(module, name)
         want = [t.clone() for t in fn()]
-        for block_n, stages in metas:
-            variant = f"{stage} BLOCK_N {block_n}, {stages} stages"
-            shaped = _with_shape(library, block_n, stages)
+        for overrides in STAGE_METAS[stage]:
+            variant = f"{stage} " + ", ".join(f"{k} {v}" for k, v in overrides.items())
+            shaped = _with_shape(library, overrides)
             try:
-                setattr(moe_token_gemm, name, shaped)
+                setattr(module, name, shaped)
                 equal = _same_bits(want, fn())
                 v1 = time_graph(fn, 1, replays)[0]
-                setattr(moe_token_gemm, name, library)
+                setattr(module, name, library)
                 d1, d2 = (time_graph(fn, 1, replays)[0] for _ in range(2))
-                setattr(moe_token_gemm, name, shaped)
+                setattr(module, name, shaped)
                 v2 = time_graph(fn, 1, replays)[0]
                 lib, var = (d1 + d2) / 2 / calls, (v1 + v2) / 2 / calls
                 row = [shape, str(m), variant, str(equal), f"{lib:.1f}", f"{var:.1f}"]
@@ -127,7 +146,7 @@ def _stage_sweep(shape: str, m: int, paths: dict, calls: int, replays: int) -> l
             except Exception as exc:  # noqa: BLE001
                 row = [shape, str(m), variant, f"FAIL {type(exc).__name__}: {exc}"[:90], "", "", ""]
             finally:
-                setattr(moe_token_gemm, name, library)
+                setattr(module, name, library)
             rows.append("| " + " | ".join(row) + " |")
     return rows
 
@@ -154,6 +173,9 @@ def _setup(shape: str, m: int, calls: int, fmt: str = "bf16"):
     topk += int(folded)
     block = sort_block_size(m, topk, plan.num_local)  # the engine's M tile
     outs = [torch.empty(m, d, dtype=torch.bfloat16, device="cuda") for _ in routings]
+    # Stage 2's arrival counters as the engine keeps them (left zero by every launch): enough
+    # for any launch shape timed here (a counter per column at most).
+    arrivals = torch.zeros(m * d, dtype=torch.int32, device="cuda")
     hs = [torch.empty(m * topk, inter, dtype=torch.bfloat16, device="cuda") for _ in routings]
 
     def sorted_path() -> list[torch.Tensor]:
@@ -172,8 +194,17 @@ def _setup(shape: str, m: int, calls: int, fmt: str = "bf16"):
 
     def down_stage() -> list[torch.Tensor]:
         for (ids, w), h, out in zip(routings, hs, outs):
-            moe_token_gemm.moe_token_down_reduce(
-                h, down, ids, w, plan.local_table, plan.num_local, 1.0, shared, out=out
+            moe_token_down.moe_token_down_reduce(
+                h,
+                down,
+                ids,
+                w,
+                plan.local_table,
+                plan.num_local,
+                1.0,
+                shared,
+                out=out,
+                arrivals=arrivals,
             )
         return outs
 
@@ -205,6 +236,9 @@ def main() -> None:
         action="store_true",
         help="instead: each per-token stage alone at the STAGE_METAS launch shapes",
     )
+    p.add_argument(
+        "--stages", default="gate_up,down", help="the stages --stage-metas sweeps (comma list)"
+    )
     p.add_argument("--format", default="bf16", choices=("bf16", *FORMAT_GROUPS))
     p.add_argument("--shapes", default=",".join(SHAPES))
     a = p.parse_args()
@@ -218,13 +252,14 @@ def main() -> None:
         ),
         "|---|---|---|---|---|---|---|",
     ]
-    default_meta = moe_token_gemm._down_meta
+    default_meta = moe_token_down._down_meta
     metas = DOWN_METAS if a.down_metas else [None]
     for shape in a.shapes.split(","):
         for m in (int(v) for v in a.m.split(",")):
             paths = _setup(shape, m, a.calls, a.format)
             if a.stage_metas:
-                for line in _stage_sweep(shape, m, paths, a.calls, a.replays):
+                stages = a.stages.split(",")
+                for line in _stage_sweep(shape, m, paths, a.calls, a.replays, stages):
                     lines.append(line)
                     print(line, flush=True)
                     if a.out:
@@ -235,11 +270,12 @@ def main() -> None:
             for meta in metas:
                 if meta is not None:
                     bn, bk, warps, stages = meta
-                    moe_token_gemm._down_meta = lambda k, w_, _, bn=bn, bk=bk, w=warps, s=stages: {
+                    moe_token_down._down_meta = lambda k, w_, n, bn=bn, bk=bk, w=warps, s=stages: {
+                        **default_meta(k, w_, n),  # its slot groups
                         "BLOCK_N": bn,
                         "BLOCK_K": bk,
                         # the library's K split where the warps allow it (one slice each)
-                        "SPLIT_K": moe_token_gemm.expert_split_k(bk, w_) if w == 4 else 1,
+                        "SPLIT_K": moe_token_down.expert_split_k(bk, w_) if w == 4 else 1,
                         "num_warps": w,
                         "num_stages": s,
                     }
@@ -268,7 +304,7 @@ def main() -> None:
                         "",
                     ]
                 finally:
-                    moe_token_gemm._down_meta = default_meta
+                    moe_token_down._down_meta = default_meta
                 lines.append("| " + " | ".join(row) + " |")
                 print(lines[-1], flush=True)
                 if a.out:

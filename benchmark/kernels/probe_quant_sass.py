@@ -74,6 +74,11 @@ def loop_mix(sass: str) -> collections.Counter:
 
 # name -> (module, kernel, launcher call)
 CASES: dict[str, tuple[str, str, Callable[[], object]]] = {}
+# The per-token experts' two kernels (module, kernel).
+_TOKEN_KERNELS = (
+    ("sgl_dspark.kernels.moe.token_gemm", "_moe_route_gate_up_kernel"),
+    ("sgl_dspark.kernels.moe.token_down", "_moe_token_down_kernel"),
+)
 for _fmt, _group in (("fp8", 128), ("fp8", 32), ("mxfp4", 32)):
     _tag = f"{_fmt}/{_group}"
     CASES[f"linear {_tag} 4096x4096"] = (
@@ -93,9 +98,9 @@ for _fmt, _group in (("fp8", 128), ("mxfp4", 32)):
             "_moe_grouped_gemm_kernel",
             quantized_moe_case(_fmt, _group, _block),
         )
-    for _kernel in ("_moe_route_gate_up_kernel", "_moe_token_down_kernel"):
+    for _module, _kernel in _TOKEN_KERNELS:
         CASES[f"moe {_kernel.strip('_')} {_fmt}/{_group}"] = (
-            "sgl_dspark.kernels.moe.token_gemm",
+            _module,
             _kernel,
             quantized_token_gemms_case(_fmt, _group),
         )
@@ -106,9 +111,9 @@ CASES["moe grouped mxfp4/32 + fp8/32 extra, block 16"] = (
     "_moe_grouped_gemm_kernel",
     mixed_moe_case(),
 )
-for _kernel in ("_moe_route_gate_up_kernel", "_moe_token_down_kernel"):
+for _module, _kernel in _TOKEN_KERNELS:
     CASES[f"moe {_kernel.strip('_')} mxfp4/32 + fp8/32 extra"] = (
-        "sgl_dspark.kernels.moe.token_gemm",
+        _module,
         _kernel,
         mixed_token_gemms_case(),
     )

@@ -44,7 +44,8 @@ if TYPE_CHECKING:
     )
     from sgl_dspark.kernels.moe.router import RouterWorkspace, make_router_workspace, router_topk
     from sgl_dspark.kernels.moe.sort import MoeSortPlan, moe_sort, prepare_moe_sort
-    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
     from sgl_dspark.kernels.norm.rmsnorm import rms_norm
     from sgl_dspark.kernels.rope.q_kv import rope_q_kv
     from sgl_dspark.kernels.rope.tail import rope_tail
@@ -100,7 +101,7 @@ _EXPORTS = {
     "moe_sort": "moe.sort",
     "prepare_moe_sort": "moe.sort",
     "moe_route_gate_up": "moe.token_gemm",
-    "moe_token_down_reduce": "moe.token_gemm",
+    "moe_token_down_reduce": "moe.token_down",
     "rms_norm": "norm.rmsnorm",
     "rope_q_kv": "rope.q_kv",
     "rope_tail": "rope.tail",

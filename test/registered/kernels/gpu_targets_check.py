@@ -68,6 +68,7 @@ _KERNEL_MODULES = (
     "moe.hash_gemv",
     "moe.sort",
     "moe.token_gemm",
+    "moe.token_down",
     "norm.rmsnorm",
     "rope.tail",
     "rope.q_kv",
@@ -435,7 +436,8 @@ def _grouped_gemm() -> Callable[[], object]:
 
 
 def _token_gemms() -> Callable[[], object]:
-    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 
     # The mid model's experts (D 1024, I 512), two of them local; tiles depend on (D, I) only.
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
@@ -510,7 +512,8 @@ def quantized_moe_case(fmt: str, block: int, block_size: int = 32) -> Callable[[
 
 
 def quantized_token_gemms_case(fmt: str, block: int) -> Callable[[], object]:
-    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
     ids = torch.tensor([[0, 1, 2, 0, 1, 1]], dtype=torch.int32)
@@ -557,7 +560,8 @@ def mixed_moe_case() -> Callable[[], object]:
 
 
 def mixed_token_gemms_case(d: int = 4096, inter: int = 2048) -> Callable[[], object]:
-    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+    from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 
     table = torch.tensor([0, 1, 2], dtype=torch.int32)
     ids = torch.tensor([[0, 1, 0, 1, 0, 1, 2]], dtype=torch.int32)  # the shared expert last
@@ -1075,12 +1079,12 @@ CASES = {
         quantized_token_gemms_case("fp8", 128),
     ),
     "quantized_moe_token_down_mxfp4": (
-        "moe.token_gemm",
+        "moe.token_down",
         "_moe_token_down_kernel",
         quantized_token_gemms_case("mxfp4", 32),
     ),
     "quantized_moe_token_down_fp8_32": (
-        "moe.token_gemm",
+        "moe.token_down",
         "_moe_token_down_kernel",
         quantized_token_gemms_case("fp8", 32),
     ),
@@ -1093,14 +1097,14 @@ CASES = {
         mixed_token_gemms_case(),
     ),
     "mixed_moe_token_down": (
-        "moe.token_gemm",
+        "moe.token_down",
         "_moe_token_down_kernel",
         mixed_token_gemms_case(),
     ),
     # DeepSeek-V4.1-Flash's experts (D 5120, I 2304): the down projection's scale rows hold
     # 72 bytes, a stride Triton does not specialise; the kernels tell it they are 8-aligned.
     "mixed_moe_token_down_v41": (
-        "moe.token_gemm",
+        "moe.token_down",
         "_moe_token_down_kernel",
         mixed_token_gemms_case(5120, 2304),
     ),
@@ -1223,7 +1227,7 @@ CASES = {
         _mhc_single_pass(5120, True),
     ),
     "moe_route_gate_up": ("moe.token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
-    "moe_token_down_reduce": ("moe.token_gemm", "_moe_token_down_kernel", _token_gemms()),
+    "moe_token_down_reduce": ("moe.token_down", "_moe_token_down_kernel", _token_gemms()),
     "router_from_x_h128_fp32": (
         "moe.router",
         "_router_topk_kernel",
@@ -1374,7 +1378,7 @@ PDL_KERNELS = (
     "rope.q_kv._rope_q_store_kv_kernel",
     "moe.hash_gemv._hash_gemv_partials_kernel",
     "moe.token_gemm._moe_route_gate_up_kernel",
-    "moe.token_gemm._moe_token_down_kernel",
+    "moe.token_down._moe_token_down_kernel",
     "quant.store._quant_store_kernel",
     "quant.load._quant_load_kernel",
     "quant.load._quant_load_pair_kernel",
@@ -1444,7 +1448,7 @@ K_LOOP_KERNELS = (
     "linear.quantized._quantized_linear_kernel",
     "moe.grouped_gemm._moe_grouped_gemm_kernel",
     "moe.token_gemm._moe_route_gate_up_kernel",
-    "moe.token_gemm._moe_token_down_kernel",
+    "moe.token_down._moe_token_down_kernel",
 )
 
 

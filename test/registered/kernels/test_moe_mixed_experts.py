@@ -24,7 +24,8 @@ from sgl_dspark.kernels.moe.reference import (
     moe_token_down_reduce_ref,
 )
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
-from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 from test_moe_grouped_gemm import CHAIN_TOL, pytestmark  # noqa: F401
 from test_quantized_gemm import DEVICE, _experts, _same_bits
 

@@ -19,7 +19,8 @@ from sgl_dspark.kernels.moe.grouped_gemm import fused_moe, moe_grouped_gemm
 from sgl_dspark.kernels.moe.reduce import moe_reduce
 from sgl_dspark.kernels.moe.reference import moe_route_gate_up_ref, moe_token_down_reduce_ref
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort
-from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 
 # The grouped GEMMs' tolerance class and interpreter warning filters (the same kernels' maths).
 from test_moe_grouped_gemm import CHAIN_TOL, pytestmark  # noqa: E402, F401

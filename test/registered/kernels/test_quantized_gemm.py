@@ -47,7 +47,8 @@ from sgl_dspark.kernels.moe.reference import (
     moe_token_down_reduce_ref,
 )
 from sgl_dspark.kernels.moe.sort import moe_sort, prepare_moe_sort, sort_block_size
-from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_down import moe_token_down_reduce
+from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 from sgl_dspark.srt.layers.quantized import row_slice
 from sgl_dspark.srt.model_loader.quantization import (
     fp8_block_to_runtime,

@@ -1,5 +1,5 @@
 """The weight side of the expert GEMMs, shared by the grouped kernels (`grouped_gemm.py`) and the
-per-token kernels (`token_gemm.py`): what an expert weight is (the stacked experts in the
+per-token kernels (`token_gemm.py`, `token_down.py`): what an expert weight is (the stacked experts in the
 activation dtype, or kept as stored), its checks and kernel arguments, the K step, and the one
 definition of an expert product. Both MoE paths form every product through `expert_product`
 with the same K step, so a route's product sums alike on either path: on a GPU their bits agree,
@@ -43,8 +43,8 @@ EXPERT_WARPS = 4
 
 @triton.jit
 def expert_dot(a_tile, w_tile, acc, DOT_FP32: tl.constexpr):
-    """One K chunk of an expert product (the one definition: `token_gemm.py` forms its products
-    with it too, so both kernels sum a product's chunks the same way)."""
+    """One K chunk of an expert product (the one definition: the per-token kernels form their
+    products with it too, so every kernel sums a product's chunks the same way)."""
     if DOT_FP32:
         return tl.dot(a_tile.to(tl.float32), w_tile.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a_tile, w_tile, acc)

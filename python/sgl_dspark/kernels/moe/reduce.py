@@ -8,9 +8,9 @@ bits). Remote slots' `y` rows may hold garbage (even NaN): they are loaded (the 
 allocated) but never used, a select drops them; a token with no local slot gets
 out = round(0 + shared), so an expert-parallel all-reduce still sees the shared expert once.
 
-As a stage-2 GEMM epilogue (`token_gemm.moe_token_down_reduce`, the engine's path up to a few
-tokens): the program that owns a token's H tile forms its slots' products itself (the token's row
-of ids is its slot list), sums them in slot order in registers instead of storing
+As a stage-2 GEMM epilogue (`token_down.moe_token_down_reduce`, the engine's path up to a few
+tokens): the programs of a token's H tile form its slots' products themselves (the token's row
+of ids is its slot list), one of them sums them in slot order instead of the caller storing
 `y [M, topk, H]`, and runs this kernel's tail, `route_reduce_tail` (round, scale, round, +
 shared, round, store); only the producer of the per-slot values differs, so the bits are the
 same.

@@ -8,8 +8,9 @@ The "moe" kernel family picks the implementation once, at construction:
     grouped GEMM stage 1 with the clamped SwiGLU as its epilogue -> grouped GEMM stage 2
     (`kernels/moe/grouped_gemm.py`) -> `moe_reduce`, slot-ordered, with the shared expert's output
     added (`kernels/moe/reduce.py`). Up to `token_path_max_m` tokens the routes are not sorted:
-    stage 1 per route (SwiGLU epilogue), then stage 2 per token with the reduce as its epilogue
-    (`kernels/moe/token_gemm.py`): two launches instead of four, the same bits on a GPU.
+    stage 1 per route (SwiGLU epilogue), then stage 2 with the reduce as its epilogue
+    (`kernels/moe/token_gemm.py`, `token_down.py`): two launches instead of four, the same bits
+    on a GPU.
     Every expert is local (one GPU): the expert mask is all ones and the sort's mask table is built
     once, here in the constructor, from a host tensor (so no device read ever happens); it is a
     non-persistent buffer, so it follows the module to its device and stays out of checkpoints.
@@ -139,7 +140,11 @@ class RoutedExperts(nn.Module):
             # Imported only when chosen: the torch path never loads Triton.
             from sgl_dspark.kernels import fused_moe, moe_reduce, moe_sort
             from sgl_dspark.kernels.moe.sort import MoeSortPlan, prepare_moe_sort, sort_block_size
-            from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up, moe_token_down_reduce
+            from sgl_dspark.kernels.moe.token_down import (
+                moe_token_down_reduce,
+                token_down_arrival_count,
+            )
+            from sgl_dspark.kernels.moe.token_gemm import moe_route_gate_up
 
             self._moe_sort, self._moe_reduce = moe_sort, moe_reduce
             # MXFP4 stacks on targets with native scaled dots: the MX kernels (fp8_linear.py),
@@ -149,6 +154,8 @@ class RoutedExperts(nn.Module):
             self._mx_sort_block = mx_block or None
             self._sort_block_size = sort_block_size
             self._route_gate_up, self._token_down_reduce = moe_route_gate_up, moe_token_down_reduce
+            self._arrival_count = token_down_arrival_count
+            self._arrivals: torch.Tensor | None = None
             self._plan_type = MoeSortPlan
             # On the host whatever the ambient device (a model built under torch.device("cuda")
             # or "meta"): the plan is read there, and Module.to() moves the buffers.
@@ -399,7 +406,15 @@ class RoutedExperts(nn.Module):
                 act_weights=weights if before else None,
             )
             return self._token_down_reduce(
-                h, down, ids, reduce_weights, plan.local_table, plan.num_local, 1.0, shared
+                h,
+                down,
+                ids,
+                reduce_weights,
+                plan.local_table,
+                plan.num_local,
+                1.0,
+                shared,
+                arrivals=self._token_arrivals(gate_up, down, ids.shape[1], x.device),
             )
         # hidden_size=0: the grouped GEMMs write per-route rows, so `moe_sort`'s sum is unused.
         block = self._sort_block(x.shape[0], ids.shape[1], plan.num_local)
@@ -415,6 +430,21 @@ class RoutedExperts(nn.Module):
             weight_before_down=before,
         )
         return self._moe_reduce(y, reduce_weights, ids, mask, 1.0, shared)
+
+    def _token_arrivals(
+        self, gate_up: ExpertStacks, down: ExpertStacks, topk: int, device: torch.device
+    ) -> torch.Tensor | None:
+        """Stage 2's arrival counters for this layer's per-token calls (None when its launch
+        shape needs none), kept for the layer's lifetime since the kernel leaves them zero:
+        no memset per call. Sized on the first call, a warm-up that precedes every graph
+        capture, so captured graphs keep its address."""
+        count = self._arrival_count(token_path_max_m(gate_up), down, topk)
+        if count == 0:
+            return None
+        held = self._arrivals
+        if held is None or held.numel() < count or held.device != device:
+            held = self._arrivals = torch.zeros(count, dtype=torch.int32, device=device)
+        return held
 
     def _sort_block(self, num_tokens: int, topk: int, num_local: int) -> int:
         """Rows per expert block: the MX kernels' fixed tile when they run, else by batch size
