@@ -87,14 +87,12 @@ def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen
     )
 
 
-# Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth, stage 1's
-# extra-expert tile width, stage 2's slot groups), timed against the library's own (`_gate_up_meta`, `_down_meta`): each entry
+# Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth, stage 2's
+# slot groups), timed against the library's own (`_gate_up_meta`, `_down_meta`): each entry
 # replaces those keys of the library's shape. Stage 2 with GROUP_SLOTS 8 holds all of V4.1's
 # 6 + 1 slots in one program (the shape before slot groups).
 STAGE_METAS = {
     "gate_up": [
-        {"X_BLOCK_N": 64},  # a MixedExperts' extra expert in the routed experts' tile width
-        {"X_BLOCK_N": 16},
         {"BLOCK_N": 32, "num_stages": 3},
         {"BLOCK_N": 64, "num_stages": 4},
         {"BLOCK_N": 64, "num_stages": 2},

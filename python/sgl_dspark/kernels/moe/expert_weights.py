@@ -1,16 +1,15 @@
 """The weight side of the expert GEMMs, shared by the grouped kernels (`grouped_gemm.py`) and the
-per-token kernels (`token_gemm.py`, `token_down.py`): what an expert weight is (the stacked
-experts in the activation dtype, or kept as stored), its checks and kernel arguments, the K
-step, and the one definition of an expert product. Both MoE paths form every product through
-`expert_product` with the same K step, so a route's product sums alike on either path: on a GPU
-their bits agree, which keeps a token's result independent of the path its batch size picks.
+per-token kernels (`token_gemm.py`, `token_down.py`): what an expert weight is (the stacked experts in the
+activation dtype, or kept as stored), its checks and kernel arguments, the K step, and the one
+definition of an expert product. Both MoE paths form every product through `expert_product`
+with the same K step, so a route's product sums alike on either path: on a GPU their bits agree,
+which keeps a token's result independent of the path its batch size picks.
 
 An expert stack may carry one more expert stored in another format (`MixedExperts`: the shared
 expert in FP8 beside MXFP4 routed experts, as DeepSeek-V4.1 releases them). Its local id is the
 stack's expert count, and its products are formed with that format's own K step, as a stack
-of its format would form them: the per-token kernels through `expert_product` on its own
-weight (`extra_expert_args`) and `extra_columns_product`, the grouped stages in a launch of
-their own for its blocks.
+of its format would form them: the per-token kernels through `expert_or_extra_product` and
+`extra_columns_product`, the grouped stages in a launch of their own for its blocks.
 """
 
 from __future__ import annotations
@@ -111,6 +110,88 @@ def expert_product(
                 w_rows[None, :] + ks[:, None], mask=k_ok[:, None] & w_ok[None, :], other=0.0
             )
             acc = expert_dot(a_tile, w_tile, acc, DOT_FP32)
+    return acc
+
+
+@triton.jit
+def expert_or_extra_product(
+    is_extra,
+    a_rows,
+    a_ok,
+    w_rows,
+    s_rows,
+    xw_rows,
+    xs_rows,
+    w_ok,
+    k_dim,
+    BM: tl.constexpr,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    QUANT: tl.constexpr,
+    FP4: tl.constexpr,
+    PTX: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    GROUP: tl.constexpr,
+    DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr,
+    EXTRA: tl.constexpr,
+    X_BLOCK_K: tl.constexpr,
+    X_QUANT: tl.constexpr,
+    X_FP4: tl.constexpr,
+    X_ALIGNED: tl.constexpr,
+    X_GROUP: tl.constexpr,
+    X_EVEN_K: tl.constexpr,
+    X_SPLIT_K: tl.constexpr,
+    X_SCALES_AHEAD: tl.constexpr,
+):
+    """`expert_product` of the stack's weight rows (`w_rows`, `s_rows`), or with EXTRA, where
+    the scalar `is_extra` holds, of the extra expert's (`xw_rows`, `xs_rows`, its X_ constants:
+    `extra_expert_args`). Without EXTRA the extra's branch is not compiled (a constexpr False
+    ends the `and`)."""
+    if EXTRA and is_extra:
+        acc = expert_product(
+            a_rows,
+            a_ok,
+            xw_rows,
+            w_ok,
+            xs_rows,
+            k_dim,
+            BM,
+            BN,
+            X_BLOCK_K,
+            X_QUANT,
+            X_FP4,
+            PTX,
+            X_ALIGNED,
+            X_GROUP,
+            DOT_FP32,
+            X_EVEN_K,
+            X_SPLIT_K,
+            X_SCALES_AHEAD,
+        )
+    else:
+        acc = expert_product(
+            a_rows,
+            a_ok,
+            w_rows,
+            w_ok,
+            s_rows,
+            k_dim,
+            BM,
+            BN,
+            BLOCK_K,
+            QUANT,
+            FP4,
+            PTX,
+            ALIGNED,
+            GROUP,
+            DOT_FP32,
+            EVEN_K,
+            SPLIT_K,
+            SCALES_AHEAD,
+        )
     return acc
 
 
@@ -254,7 +335,7 @@ def expert_stack(weights: ExpertWeights) -> ExpertWeight:
 
 
 def extra_expert_args(weights: ExpertWeights, k_dim: int, columns: int) -> dict:
-    """The kernel arguments of a `MixedExperts`' extra expert (the per-token kernels' X_
+    """The kernel arguments of a `MixedExperts`' extra expert (`expert_or_extra_product`'s X_
     constants: its own format's K step and split, as a stack of its format would run it; its
     scale loads for a product of `columns` columns), its local id `extra_local` and its rows'
     pointer and strides; EXTRA False and placeholders (the stack's data, never read) for a
@@ -353,6 +434,7 @@ __all__ = [
     "check_expert_weights",
     "expert_block_k",
     "expert_dot",
+    "expert_or_extra_product",
     "expert_product",
     "expert_scales_ahead",
     "expert_split_k",

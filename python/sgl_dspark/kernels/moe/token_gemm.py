@@ -24,8 +24,8 @@ matmul, whose sums depend on the tile shape, so there the products agree to fp32
 bf16 ulp after rounding) and the tests use a tolerance. Against the references (torch's matmul):
 within a tolerance, as the grouped GEMMs.
 
-A `MixedExperts` stack (`expert_weights.py`): stage 1 forms the extra expert's routes from its
-own weight in tiles of their own width, stage 2 that slot (at most one a token) with
+A `MixedExperts` stack (`expert_weights.py`): stage 1 forms the extra expert's routes with
+`expert_or_extra_product`, stage 2 that slot (at most one a token) with
 `extra_columns_product`; the sum keeps the slot order.
 
 Cost: each route streams its expert's weights itself (the sorted path reads an expert once for
@@ -45,15 +45,13 @@ from sgl_dspark.kernels._triton_utils import (
     wait_for_producers,
 )
 from sgl_dspark.kernels.linear.dequant import quantized_stages
-from sgl_dspark.kernels.linear.reference import QuantizedWeight
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
     ExpertWeight,
     ExpertWeights,
-    MixedExperts,
     check_expert_weights,
     expert_block_k,
-    expert_product,
+    expert_or_extra_product,
     expert_scales_ahead,
     expert_split_k,
     expert_stack,
@@ -112,7 +110,6 @@ def _moe_route_gate_up_kernel(
     WEIGHT_ACT: tl.constexpr,
     ON_BITS: tl.constexpr,
     EXTRA: tl.constexpr,
-    X_BLOCK_N: tl.constexpr,
     X_BLOCK_K: tl.constexpr,
     X_QUANT: tl.constexpr,
     X_FP4: tl.constexpr,
@@ -127,131 +124,26 @@ def _moe_route_gate_up_kernel(
 ):
     wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
     route = tl.program_id(0).to(tl.int64)
-    tile = tl.program_id(1)
     local, is_local = route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
     if not is_local:  # remote or out of range: the reduce never reads this row
         return
-    x_row = x_ptr + (route // TOPK) * stride_x
-    # The extra expert's routes (a constexpr False EXTRA ends the `and`: no branch compiled)
-    # in tiles of their own width, the grid spanning the more tiles of the two.
-    if EXTRA and local == extra_local:
-        if tile * (X_BLOCK_N // 2) < n_inter:
-            _gate_up_tile(
-                route,
-                tile,
-                x_row,
-                xw_ptr,
-                xs_ptr,
-                stride_xwn,
-                stride_xsn,
-                h_ptr,
-                stride_h,
-                n_inter,
-                k_dim,
-                limit,
-                act_weights_ptr,
-                X_BLOCK_N,
-                X_BLOCK_K,
-                X_QUANT,
-                X_FP4,
-                PTX,
-                X_ALIGNED,
-                X_EVEN_K,
-                X_SPLIT_K,
-                X_SCALES_AHEAD,
-                X_SCALE_ALIGN,
-                X_GROUP,
-                X_SCALE_ROWS,
-                DOT_FP32,
-                ROUND_BF16,
-                HAS_LIMIT,
-                WEIGHT_ACT,
-                ON_BITS,
-            )
-    elif tile * (BLOCK_N // 2) < n_inter:
-        _gate_up_tile(
-            route,
-            tile,
-            x_row,
-            w_ptr + local * stride_we,
-            s_ptr + local * stride_se,
-            stride_wn,
-            stride_sn,
-            h_ptr,
-            stride_h,
-            n_inter,
-            k_dim,
-            limit,
-            act_weights_ptr,
-            BLOCK_N,
-            BLOCK_K,
-            QUANT,
-            FP4,
-            PTX,
-            ALIGNED,
-            EVEN_K,
-            SPLIT_K,
-            SCALES_AHEAD,
-            SCALE_ALIGN,
-            GROUP,
-            SCALE_ROWS,
-            DOT_FP32,
-            ROUND_BF16,
-            HAS_LIMIT,
-            WEIGHT_ACT,
-            ON_BITS,
-        )
-
-
-@triton.jit
-def _gate_up_tile(
-    route,
-    tile,
-    x_row,
-    w_ptr,
-    s_ptr,
-    stride_wn,
-    stride_sn,
-    h_ptr,
-    stride_h,
-    n_inter,
-    k_dim,
-    limit,
-    act_weights_ptr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    QUANT: tl.constexpr,
-    FP4: tl.constexpr,
-    PTX: tl.constexpr,
-    ALIGNED: tl.constexpr,
-    EVEN_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr,
-    SCALE_ALIGN: tl.constexpr,
-    GROUP: tl.constexpr,
-    SCALE_ROWS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
-    WEIGHT_ACT: tl.constexpr,
-    ON_BITS: tl.constexpr,
-):
-    """One route's h columns [tile * BLOCK_N / 2, + BLOCK_N / 2) from its expert's weight
-    (`w_ptr` / `s_ptr`: the expert's first row and scale row): the product, the clamped SwiGLU
-    and, with WEIGHT_ACT, the route's weight, stored."""
     # Tile columns [0, HALF) are gate rows j, [HALF, BLOCK_N) the matching up rows I + j, as in
     # the grouped stage 1's activation epilogue.
     HALF: tl.constexpr = BLOCK_N // 2
-    cols = tile * HALF + tl.arange(0, BLOCK_N) % HALF
+    cols = tl.program_id(1) * HALF + tl.arange(0, BLOCK_N) % HALF
     col_ok = cols < n_inter
     w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_inter).to(tl.int64)
     live = tl.arange(0, _TILE_M) == 0
-    acc = expert_product(
+    x_row = x_ptr + (route // TOPK) * stride_x
+    acc = expert_or_extra_product(
+        local == extra_local,
         x_row + live * 0,
         live,
-        w_ptr + w_rows * stride_wn,
+        w_ptr + local * stride_we + w_rows * stride_wn,
+        tl.multiple_of(s_ptr + local * stride_se + (w_rows // SCALE_ROWS) * stride_sn, SCALE_ALIGN),
+        xw_ptr + w_rows * stride_xwn,
+        tl.multiple_of(xs_ptr + (w_rows // X_SCALE_ROWS) * stride_xsn, X_SCALE_ALIGN),
         col_ok,
-        tl.multiple_of(s_ptr + (w_rows // SCALE_ROWS) * stride_sn, SCALE_ALIGN),
         k_dim,
         _TILE_M,
         BLOCK_N,
@@ -265,12 +157,21 @@ def _gate_up_tile(
         EVEN_K,
         SPLIT_K,
         SCALES_AHEAD,
+        EXTRA,
+        X_BLOCK_K,
+        X_QUANT,
+        X_FP4,
+        X_ALIGNED,
+        X_GROUP,
+        X_EVEN_K,
+        X_SPLIT_K,
+        X_SCALES_AHEAD,
     )
     y = swiglu_tile(acc, limit, _TILE_M, HALF, HAS_LIMIT, ROUND_BF16, ON_BITS)
     if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
         w = tl.load(act_weights_ptr + route + tl.arange(0, _TILE_M) * 0)
         y = weighted_activation(y, w, ROUND_BF16, ON_BITS)
-    j = tile * HALF + tl.arange(0, HALF)
+    j = tl.program_id(1) * HALF + tl.arange(0, HALF)
     tl.store(
         h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
         y.to(h_ptr.dtype.element_ty),
@@ -337,10 +238,9 @@ def moe_route_gate_up(
     if routes == 0 or inter == 0 or num_local == 0:
         return h
     stack = expert_stack(gate_up_proj)
-    meta = _gate_up_meta(x.shape[1], gate_up_proj)
+    meta = _gate_up_meta(x.shape[1], stack)
     data = expert_weight_data(stack)
-    tiles = triton.cdiv(2 * inter, min(meta["BLOCK_N"], meta["X_BLOCK_N"]))
-    _moe_route_gate_up_kernel[(routes, tiles)](
+    _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, meta["BLOCK_N"]))](
         x,
         data,
         h_ptr=h,
@@ -356,7 +256,7 @@ def moe_route_gate_up(
         stride_h=h.stride(0),
         limit=float(limit) if limit is not None else 0.0,
         **expert_weight_args(stack),
-        **extra_expert_args(gate_up_proj, x.shape[1], meta["X_BLOCK_N"]),
+        **extra_expert_args(gate_up_proj, x.shape[1], meta["BLOCK_N"]),
         act_weights_ptr=act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
         EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0,
@@ -373,35 +273,18 @@ def moe_route_gate_up(
     return h
 
 
-def _gate_up_meta(k_dim: int, weights: ExpertWeights) -> dict[str, int]:
+def _gate_up_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
     """Launch shape of stage 1 (`benchmark/kernels/probe_moe_token.py --stage-metas` times
-    others; BLOCK_N, X_BLOCK_N and the pipeline depth change no bit, BLOCK_K and SPLIT_K are
-    the expert product's). 16 gate + 16 up columns, the grouped stage 1's tile; MXFP4 32 + 32,
-    which halves the programs that each decode the same activation slice (faster at one token,
-    where this stage runs for them: benchmark/results/kernels.md). A `MixedExperts`' extra
-    expert in tiles of as many stored bytes (X_BLOCK_N; at least a dot's 16 columns): V4.1's
-    FP8 shared expert beside MXFP4 routed experts in 16 + 16 columns, so its programs take as
-    long as the routed ones instead of twice as long, which the whole launch waited for."""
-    stack = expert_stack(weights)
-    block_k = expert_block_k(k_dim, stack)
-    fmt = getattr(stack, "fmt", None)
-    block_n = 64 if fmt == "mxfp4" else 32
-    x_block_n = block_n
-    if isinstance(weights, MixedExperts):
-        ratio = _stored_bits(stack) / _stored_bits(weights.extra)
-        x_block_n = max(16, triton.next_power_of_2(int(block_n * ratio)))
+    others; BLOCK_N and the pipeline depth change no bit, BLOCK_K and SPLIT_K are the expert
+    product's). 16 gate + 16 up columns, the grouped stage 1's tile; MXFP4 32 + 32, which
+    halves the programs that each decode the same activation slice (faster at one token, where
+    this stage runs for them: benchmark/results/kernels.md)."""
+    block_k = expert_block_k(k_dim, weight)
+    fmt = getattr(weight, "fmt", None)
     return {
-        "BLOCK_N": block_n,
-        "X_BLOCK_N": x_block_n,
+        "BLOCK_N": 64 if fmt == "mxfp4" else 32,
         "BLOCK_K": block_k,
-        "SPLIT_K": expert_split_k(block_k, stack),
+        "SPLIT_K": expert_split_k(block_k, weight),
         "num_warps": EXPERT_WARPS,
         "num_stages": quantized_stages(fmt, 4),
     }
-
-
-def _stored_bits(weight: ExpertWeight) -> int:
-    """Bits a weight element takes as stored (scales aside)."""
-    if isinstance(weight, QuantizedWeight):
-        return 4 if weight.fmt == "mxfp4" else 8
-    return weight.element_size() * 8
