@@ -215,10 +215,37 @@ def _moe_token_down_kernel(
         product = round_to_bf16(product)
     out_cols = n0 + tl.arange(0, BLOCK_N)
     col_in = out_cols < n_cols
-    if GROUPS == 1:
-        _reduce_slots(
+    if GROUPS == 1:  # this program holds every slot's product
+        reduce_here = True
+        terms, terms_local = product, slot_is_local
+    else:
+        # Partials [M * TOPK, n_cols] fp32: this group's local slots' rounded products.
+        tl.store(
+            partials_ptr + (token * TOPK + group_slots[:, None]) * n_cols + out_cols[None, :],
             product,
-            slot_is_local,
+            mask=slot_is_local[:, None] & col_in[None, :],
+        )
+        # Release ours, acquire the other groups' (the barrier orders every thread's store
+        # before the one atomic); the last to arrive reduces and re-arms the counter.
+        tl.debug_barrier()
+        arrivals = arrivals_ptr + token * tl.num_programs(2) + tile
+        reduce_here = tl.atomic_add(arrivals, 1, sem="acq_rel") == GROUPS - 1
+        if reduce_here:
+            tl.store(arrivals, 0)  # ready for the next launch (graph replay)
+        slots = tl.arange(0, SLOTS)
+        _all_ids, terms_local = route_locality(
+            ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
+        )
+        terms = tl.load(  # only the last to arrive reads (a masked load moves no bytes)
+            partials_ptr + (token * TOPK + slots[:, None]) * n_cols + out_cols[None, :],
+            mask=reduce_here & terms_local[:, None] & col_in[None, :],
+            other=0.0,
+            cache_modifier=".cg",  # written by other programs: past this SM's L1
+        )
+    if reduce_here:
+        _reduce_slots(
+            terms,
+            terms_local,
             token,
             out_cols,
             col_in,
@@ -236,49 +263,6 @@ def _moe_token_down_kernel(
             ROUND_BF16,
             ON_BITS,
         )
-    else:
-        # Partials [M * TOPK, n_cols] fp32: this group's local slots' rounded products.
-        tl.store(
-            partials_ptr + (token * TOPK + group_slots[:, None]) * n_cols + out_cols[None, :],
-            product,
-            mask=slot_is_local[:, None] & col_in[None, :],
-        )
-        # Release ours, acquire the other groups' (the barrier orders every thread's store
-        # before the one atomic); the last to arrive reduces and re-arms the counter.
-        tl.debug_barrier()
-        arrivals = arrivals_ptr + token * tl.num_programs(2) + tile
-        if tl.atomic_add(arrivals, 1, sem="acq_rel") == GROUPS - 1:
-            tl.store(arrivals, 0)  # ready for the next launch (graph replay)
-            slots = tl.arange(0, SLOTS)
-            _all_ids, all_local = route_locality(
-                ids_ptr, table_ptr, token * TOPK + slots, num_experts, num_local, slots < TOPK
-            )
-            every = tl.load(
-                partials_ptr + (token * TOPK + slots[:, None]) * n_cols + out_cols[None, :],
-                mask=all_local[:, None] & col_in[None, :],
-                other=0.0,
-                cache_modifier=".cg",  # written by other programs: past this SM's L1
-            )
-            _reduce_slots(
-                every,
-                all_local,
-                token,
-                out_cols,
-                col_in,
-                weights_ptr,
-                shared_ptr,
-                out_ptr,
-                n_cols,
-                routed_scale,
-                TOPK,
-                SLOTS,
-                BLOCK_N,
-                APPLY_SCALE,
-                HAS_SHARED,
-                UNIT_WEIGHTS,
-                ROUND_BF16,
-                ON_BITS,
-            )
 
 
 @triton.jit
