@@ -94,6 +94,35 @@ def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
+def arrival_counters(
+    counters: torch.Tensor | None,
+    needed: int,
+    split: bool,
+    placeholder: torch.Tensor,
+    name: str = "counters",
+) -> torch.Tensor:
+    """The int32 arrival counters of a launch whose outputs are split over several programs,
+    the last to arrive finishing them (the kernel leaves the counters zero, so a caller keeps
+    one tensor for its launches; zeroed here, one memset, when it keeps none). `counters`, when
+    given, is checked (ValueError naming `name`); `placeholder` when the launch does not split
+    (the kernel then never reads them)."""
+    if counters is not None:
+        require(
+            counters.dtype == torch.int32
+            and counters.dim() == 1
+            and counters.is_contiguous()
+            and counters.numel() >= needed
+            and counters.device == placeholder.device,
+            f"{name} must be contiguous int32 [>= {needed}] on {placeholder.device}, got "
+            f"{counters.dtype} {tuple(counters.shape)} on {counters.device}",
+        )
+    if not split:
+        return placeholder
+    if counters is None:
+        return torch.zeros(needed, dtype=torch.int32, device=placeholder.device)
+    return counters
+
+
 @triton.jit
 def wait_for_producers(PDL: tl.constexpr):
     """Block until the kernels before this one on the stream have finished and their writes are

@@ -22,6 +22,7 @@ import triton.language as tl
 from sgl_dspark.kernels._checks import require
 from sgl_dspark.kernels._triton_utils import (
     DTYPE_KIND,
+    arrival_counters,
     programmatic_launch,
     round_to_storage,
     wait_for_producers,
@@ -457,7 +458,7 @@ def compressor_pool(
         out,
         out,
         positions,
-        _arrival_counters(counters, tokens, per_row, positions),
+        arrival_counters(counters, tokens, per_row > 1, positions),
         head_dim,
         ratio,
         state_kv.shape[1],
@@ -486,30 +487,6 @@ def compressor_pool(
         **programmatic_launch(_compressor_pool_kernel, kv.device),
     )
     return PooledEntries(out, out_slots)
-
-
-def _arrival_counters(
-    counters: torch.Tensor | None, needed: int, per_row: int, placeholder: torch.Tensor
-) -> torch.Tensor:
-    """The int32 arrival counters of a launch that splits rows over `per_row` programs (zeroed
-    here, one memset, when the caller keeps none); `placeholder` when rows are not split (the
-    kernel then never reads them)."""
-    if counters is not None:
-        require(
-            counters.dtype == torch.int32
-            and counters.dim() == 1
-            and counters.is_contiguous()
-            and counters.numel() >= needed
-            and counters.device == placeholder.device,
-            f"counters must be contiguous int32 [>= {needed}] on "
-            f"{placeholder.device}, got {counters.dtype} {tuple(counters.shape)} "
-            f"on {counters.device}",
-        )
-    if per_row == 1:
-        return placeholder
-    if counters is None:
-        return torch.zeros(needed, dtype=torch.int32, device=placeholder.device)
-    return counters
 
 
 def launch_fused(
@@ -563,7 +540,7 @@ def launch_fused(
         cos,
         sin,
         positions if rows is None else rows,
-        _arrival_counters(counters, entries.shape[0], per_row, positions),
+        arrival_counters(counters, entries.shape[0], per_row > 1, positions),
         head_dim,
         ratio,
         state_kv.shape[1],

@@ -1,9 +1,9 @@
 """The weight side of the expert GEMMs, shared by the grouped kernels (`grouped_gemm.py`) and the
-per-token kernels (`token_gemm.py`, `token_down.py`): what an expert weight is (the stacked experts in the
-activation dtype, or kept as stored), its checks and kernel arguments, the K step, and the one
-definition of an expert product. Both MoE paths form every product through `expert_product`
-with the same K step, so a route's product sums alike on either path: on a GPU their bits agree,
-which keeps a token's result independent of the path its batch size picks.
+per-token kernels (`token_gemm.py`, `token_down.py`): what an expert weight is (the stacked
+experts in the activation dtype, or kept as stored), its checks and kernel arguments, the K
+step, and the one definition of an expert product. Both MoE paths form every product through
+`expert_product` with the same K step, so a route's product sums alike on either path: on a GPU
+their bits agree, which keeps a token's result independent of the path its batch size picks.
 
 An expert stack may carry one more expert stored in another format (`MixedExperts`: the shared
 expert in FP8 beside MXFP4 routed experts, as DeepSeek-V4.1 releases them). Its local id is the

@@ -31,6 +31,7 @@ import triton.language as tl
 
 from sgl_dspark.kernels._checks import require
 from sgl_dspark.kernels._triton_utils import (
+    arrival_counters,
     interpreted,
     programmatic_launch,
     round_to_bf16,
@@ -426,24 +427,14 @@ def moe_token_down_reduce(
     data = expert_weight_data(stack)
     extra_columns = max(16, meta["BLOCK_N"])
     grid = _down_grid(num_tokens, hidden, topk, meta)
-    partials = out  # never read with one slot group
-    if grid[0] > 1:
-        # Each group's rounded products, reduced by the last of a tile's programs to arrive.
-        partials = torch.empty(num_tokens * topk, hidden, dtype=torch.float32, device=h.device)
-        counters = num_tokens * grid[2]
-        if arrivals is None:
-            arrivals = torch.zeros(counters, dtype=torch.int32, device=h.device)
-        require(
-            arrivals.dtype == torch.int32
-            and arrivals.is_contiguous()
-            and arrivals.device == h.device
-            and arrivals.numel() >= counters,
-            f"arrivals must be contiguous int32 with >= {counters} counters on {h.device} "
-            f"(token_down_arrival_count), got {arrivals.dtype} {tuple(arrivals.shape)} on "
-            f"{arrivals.device}",
-        )
-    else:
-        arrivals = partials
+    split = grid[0] > 1
+    # Each group's rounded products, reduced by the last of a tile's programs to arrive.
+    partials = (
+        torch.empty(num_tokens * topk, hidden, dtype=torch.float32, device=h.device)
+        if split
+        else out  # never read with one slot group
+    )
+    arrivals = arrival_counters(arrivals, num_tokens * grid[2], split, out, "arrivals")
     _moe_token_down_kernel[grid](
         h,
         data,
