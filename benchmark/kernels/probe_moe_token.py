@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -133,20 +134,17 @@ def _stage_sweep(
             variant = f"{stage} " + ", ".join(f"{k} {v}" for k, v in overrides.items())
             shaped = _with_shape(library, overrides)
             try:
-                setattr(module, name, shaped)
-                equal = _same_bits(want, fn())
-                v1 = time_graph(fn, 1, replays)[0]
-                setattr(module, name, library)
+                with mock.patch.object(module, name, shaped):
+                    equal = _same_bits(want, fn())
+                    v1 = time_graph(fn, 1, replays)[0]
                 d1, d2 = (time_graph(fn, 1, replays)[0] for _ in range(2))
-                setattr(module, name, shaped)
-                v2 = time_graph(fn, 1, replays)[0]
+                with mock.patch.object(module, name, shaped):
+                    v2 = time_graph(fn, 1, replays)[0]
                 lib, var = (d1 + d2) / 2 / calls, (v1 + v2) / 2 / calls
                 row = [shape, str(m), variant, str(equal), f"{lib:.1f}", f"{var:.1f}"]
                 row.append(f"{lib / var:.2f}")
             except Exception as exc:  # noqa: BLE001
                 row = [shape, str(m), variant, f"FAIL {type(exc).__name__}: {exc}"[:90], "", "", ""]
-            finally:
-                setattr(module, name, library)
             rows.append("| " + " | ".join(row) + " |")
     return rows
 
