@@ -49,6 +49,10 @@
 #                V4.1-Flash's dense decode shapes (M 1/4/16) and its per-token experts
 #   probe        probe_weight_operand.py: the weight-first orientation, K split over programs
 #                (atomics and fixed order) and the inline-PTX MXFP4 decode, against the library
+#   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
+#                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
+#                this tree, ABBA (base, head, head, base), one process each: MHC_AB_BASE
+#                (default .ab) holds the base tree's python/, carried with the call
 #
 # A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
 # in order of need, with stage budgets set from the first call's timings
@@ -71,6 +75,7 @@
 #   env,sweep_v41           under a minute (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 #   env,scale_loads         under a minute  (240 s)
+#   env,mhc_phases          ~3 minutes  (330 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -248,5 +253,26 @@ if has probe; then  # the probe keeps to its own budget, under the stage's limit
   run 400 probe.log python3 benchmark/kernels/probe_weight_operand.py --budget-s 360 \
     --out "$WORK/probe_weight_operand.md"
   show "$WORK/probe_weight_operand.md"
+fi
+if has mhc_phases; then  # the A/B rounds print one table each; read them in ABBA order
+  stage mhc_phases 330
+  run 140 mhc_phases.log python3 benchmark/kernels/probe_mhc_phases.py --m 1,4,8,32 \
+    --out "$WORK/mhc_phases.md"
+  show "$WORK/mhc_phases.md"
+  base_tree=$(cd "${MHC_AB_BASE:-.ab}" 2>/dev/null && pwd)
+  if [ -z "$base_tree" ]; then
+    note "- mhc_phases: no base tree at ${MHC_AB_BASE:-.ab}"
+  else
+    round=0
+    for side in base head head base; do
+      round=$((round + 1))
+      root=$PWD
+      [ "$side" = base ] && root=$base_tree
+      run 45 "mhc_ab/${round}_$side.log" env PYTHONPATH="$root/python:$PWD" \
+        python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
+        --out "$WORK/mhc_ab/${round}_$side.md"
+      show "$WORK/mhc_ab/${round}_$side.md"
+    done
+  fi
 fi
 note "done at +$(($(now) - CALL_START)) s"

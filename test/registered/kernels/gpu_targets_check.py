@@ -892,7 +892,9 @@ def _mx_moe(block: int) -> Callable[[], object]:
     )
 
 
-def _mhc_fp8(d: int, group: int) -> Callable[[], object]:
+def _mhc_fp8(d: int, group: int, single_pass: bool = False) -> Callable[[], object]:
+    """The boundary writing its normed input's FP8 form; single pass: the collapse in phase A,
+    the norm (and the quantiser) in chunks."""
     from sgl_dspark.kernels.fp8.reference import Fp8ActFormat
     from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine
 
@@ -910,6 +912,7 @@ def _mhc_fp8(d: int, group: int) -> Callable[[], object]:
             sinkhorn_iters=20,
             rms_eps=1e-6,
             fp8_out=Fp8ActFormat(group, True),
+            collapse_pre=torch.rand(2, n) if single_pass else None,
         )
 
     return run
@@ -974,6 +977,11 @@ CASES = {
         "mhc.post_combine",
         "_mhc_post_combine_kernel",
         _mhc_fp8(7168, 32),
+    ),
+    "mhc_single_pass_fp8_d5120_32": (
+        "mhc.post_combine",
+        "_mhc_post_combine_kernel",
+        _mhc_fp8(5120, 32, single_pass=True),
     ),
     "mx_moe_gfx950": ("fp8.mx_moe", "_mx_moe_gemm_kernel", _mx_moe(32)),
     "mx_moe_blackwell": ("fp8.mx_moe", "_mx_moe_gemm_kernel", _mx_moe(128)),

@@ -15,7 +15,7 @@ import pytest
 import torch
 from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, quantize_act_fp8_ref
 from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
-from test_mhc import _KW, _make_inputs, _poisoned_out
+from test_mhc import _KW, _make_inputs, _poisoned_out, _prev_pre
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 pytestmark = pytest.mark.filterwarnings(
@@ -23,18 +23,25 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("opening", [False, True])
 @pytest.mark.parametrize(
     "m,d,group,ue8m0",
     [(3, 96, 128, True), (2, 300, 128, False), (4, 256, 32, True), (1, 8448, 128, True)],
 )
 def test_mhc_boundary_writes_the_quantiser_of_its_normed_input(
-    m: int, d: int, group: int, ue8m0: bool, opening: bool
+    m: int, d: int, group: int, ue8m0: bool, opening: bool, single_pass: bool
 ) -> None:
+    """Single pass: the norm in chunks of 1024 columns over several programs (d 8448: nine,
+    the last one partial)."""
     inp = _make_inputs(m, 4, d, torch.bfloat16, seed=m + d + group)
+    if single_pass:
+        inp["collapse_pre"] = _prev_pre(m, 4, seed=d)
     fmt = Fp8ActFormat(group, ue8m0)
     if opening:
-        heads = {k: inp[k] for k in ("fn", "base", "scale", "norm_weight")}
+        heads = {
+            k: inp[k] for k in ("fn", "base", "scale", "norm_weight", "collapse_pre") if k in inp
+        }
         plain = mhc_pre(inp["streams"], **heads, sinkhorn_iters=3, **_KW)
         out = mhc_pre(inp["streams"], **heads, sinkhorn_iters=3, **_KW, fp8_out=fmt)
     else:

@@ -269,21 +269,29 @@ def _assert_rows_equal(
             assert torch.equal(a[r].view(int_ty), b[wr].view(int_ty)), (name, r, wr)
 
 
+@pytest.mark.parametrize("single_pass", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_kernel_rows_do_not_depend_on_batch(dtype: torch.dtype) -> None:
+def test_kernel_rows_do_not_depend_on_batch(dtype: torch.dtype, single_pass: bool) -> None:
     """A row's result is a function of that row only: the same rows, embedded at different
     positions of batches of different M (so phase A tiles them 1, 2, 4, 8 and 16 per program),
-    give bit-identical outputs."""
+    give bit-identical outputs; single pass (the collapse in phase A, the norm in chunks)
+    likewise."""
     n, d = 4, 96
     batch_sizes = [1, 5, 9, 17, 33]
     assert len({mhc_module._rows_per_program(m) for m in batch_sizes}) == len(batch_sizes)
     probe = _make_inputs(3, n, d, dtype, seed=5)
+    keys = ["streams", "y", "post", "comb"]
+    if single_pass:
+        probe["collapse_pre"] = _prev_pre(3, n, seed=6)
+        keys.append("collapse_pre")
     alone = mhc_post_combine(**probe, sinkhorn_iters=3, **_KW)
     for m in batch_sizes:
         inp = _make_inputs(m, n, d, dtype, seed=50 + m)
+        if single_pass:
+            inp["collapse_pre"] = _prev_pre(m, n, seed=60 + m)
         rows = sorted({m - 1, (7 * m) // 9, m // 3})[:3]
         inp.update({k: probe[k] for k in ("fn", "base", "scale", "norm_weight")})
-        for key in ("streams", "y", "post", "comb"):
+        for key in keys:
             for i, r in enumerate(rows):
                 inp[key][r] = probe[key][i]
         out = mhc_post_combine(**inp, sinkhorn_iters=3, **_KW, out=_poisoned_out(m, n, d, dtype))
@@ -412,3 +420,60 @@ def test_post_collapse_without_coefficients(m: int, n: int, d: int, dtype: torch
     _assert_close_act(out.x_normed, ref.x_normed)
     with pytest.raises(ValueError, match="collapse_pre"):
         mhc_post_collapse(*args[:4], prev[:, :1].contiguous(), args[5], rms_eps=1e-6)
+
+
+@pytest.mark.parametrize("m,n,d,dtype", [(3, 4, 160, torch.bfloat16), (5, 3, 96, torch.float32)])
+def test_single_pass_collapse_in_either_phase(
+    m: int, n: int, d: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the collapse pre given, phase A collapses (the library's choice) or phase B does (the
+    two-pass layout, `collapse_in_stream_pass` answering False): the same Rs' and x_in bits,
+    and the rest within the tolerance of the reference either way."""
+    inp = _make_inputs(m, n, d, dtype, seed=3 * m + d)
+    prev = _prev_pre(m, n, seed=d + n)
+    ref = mhc_post_combine_ref(**inp, sinkhorn_iters=20, **_KW, collapse_pre=prev)
+    outs = []
+    for in_stream_pass in (True, False):
+        monkeypatch.setattr(
+            mhc_module, "collapse_in_stream_pass", lambda pre, on=in_stream_pass: on
+        )
+        out = mhc_post_combine(
+            **inp, sinkhorn_iters=20, **_KW, out=_poisoned_out(m, n, d, dtype), collapse_pre=prev
+        )
+        for name in ("pre", "post", "comb"):
+            torch.testing.assert_close(getattr(out, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+        _assert_close_act(out.x_normed, ref.x_normed)
+        outs.append(out)
+    for name in ("streams", "x_in"):
+        _assert_bits_equal(getattr(outs[0], name), getattr(ref, name))
+        _assert_bits_equal(getattr(outs[1], name), getattr(ref, name))
+
+
+@pytest.mark.parametrize("coefficients", [True, False])
+def test_single_pass_norm_in_chunks(coefficients: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phase B norms x_in in chunks of `_NORM_BLOCK` columns over several programs (four here,
+    the last one masked), with and without the coefficients' program before them."""
+    from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse
+    from sgl_dspark.kernels.mhc.reference import mhc_post_collapse_ref
+
+    monkeypatch.setattr(mhc_module, "_NORM_BLOCK", 32)
+    m, n, d = 3, 4, 100
+    inp = _make_inputs(m, n, d, torch.bfloat16, seed=77)
+    prev = _prev_pre(m, n, seed=78)
+    if coefficients:
+        ref = mhc_post_combine_ref(**inp, sinkhorn_iters=5, **_KW, collapse_pre=prev)
+        out = mhc_post_combine(
+            **inp,
+            sinkhorn_iters=5,
+            **_KW,
+            out=_poisoned_out(m, n, d, torch.bfloat16),
+            collapse_pre=prev,
+        )
+        torch.testing.assert_close(out.comb, ref.comb, rtol=1e-5, atol=1e-6)
+    else:
+        args = (inp["streams"], inp["y"], inp["post"], inp["comb"], prev, inp["norm_weight"])
+        ref = mhc_post_collapse_ref(*args, rms_eps=1e-6)
+        out = mhc_post_collapse(*args, rms_eps=1e-6)
+    _assert_bits_equal(out.streams, ref.streams)
+    _assert_bits_equal(out.x_in, ref.x_in)
+    _assert_close_act(out.x_normed, ref.x_normed)

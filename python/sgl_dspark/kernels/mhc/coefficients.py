@@ -1,6 +1,7 @@
 """Phase B of the mHC boundary kernel (`post_combine.py`): per row, the next hyper-connection's
 coefficients from the phase-A partials, the collapse of the updated streams and its RMSNorm
-(optionally also in the FP8 form the next sublayer's W8A8 GEMMs read)."""
+(optionally also in the FP8 form the next sublayer's W8A8 GEMMs read); or, when phase A has
+collapsed already, the norm in column chunks over several programs."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import round_to_bf16
 from sgl_dspark.kernels.fp8.act_quant import store_quantized_groups
-from sgl_dspark.kernels.mhc.stream_update import pick
+from sgl_dspark.kernels.mhc.stream_update import collapse_store
 
 
 @triton.jit
@@ -49,18 +50,25 @@ def _row_inv_rms(
 
 
 @triton.jit
-def _collapse_store(
-    rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr, ROUND_BF16: tl.constexpr
+def _pre_coeffs(
+    ws_ptr,
+    base_ptr,
+    scale_ptr,
+    offs_j,
+    mask_j,
+    hc_eps,
+    rms_eps,
+    D: tl.constexpr,
+    N: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SP: tl.constexpr,
+    RP: tl.constexpr,
 ):
-    """x_in = Σ_j pre[j]·rs[j, :] (rs [NP, B] fp32) with j increasing, the reference's order;
-    stores it and returns the stored value in fp32."""
-    x = pick(pre[:, None], offs_j, 0) * pick(rs, offs_j, 0)
-    for j in tl.static_range(1, N):
-        x = x + pick(pre[:, None], offs_j, j) * pick(rs, offs_j, j)
-    if ROUND_BF16:
-        x = round_to_bf16(x)
-    tl.store(x_in_row_ptr + offs_d, x.to(x_in_row_ptr.dtype.element_ty), mask=mask_d)
-    return x
+    """pre' [NP] of one row (sigmoid + eps) from its partials."""
+    mix_pre = _slice_sum(ws_ptr, offs_j, mask_j, NUM_SLICES, SP, RP)
+    inv_rms = _row_inv_rms(ws_ptr, rms_eps, D, N, NUM_SLICES, SP, RP)
+    base_pre = tl.load(base_ptr + offs_j, mask=mask_j, other=0.0)
+    return tl.sigmoid(mix_pre * inv_rms * tl.load(scale_ptr) + base_pre) + hc_eps
 
 
 @triton.jit
@@ -154,17 +162,16 @@ def finish_collapse_norm(
 
     if HAS_COEFFS:
         ws = partials_ptr + row * NUM_SLICES * RP
-        mix_pre = _slice_sum(ws, offs_j, mask_j, NUM_SLICES, SP, RP)
-        inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
-        base_pre = tl.load(base_ptr + offs_j, mask=mask_j, other=0.0)
-        pre = tl.sigmoid(mix_pre * inv_rms * tl.load(scale_ptr) + base_pre) + hc_eps
+        pre = _pre_coeffs(
+            ws, base_ptr, scale_ptr, offs_j, mask_j, hc_eps, rms_eps, D, N, NUM_SLICES, SP, RP
+        )
         tl.store(pre_out_ptr + row * N + offs_j, pre, mask=mask_j)
     if PREV_PRE:  # single-pass mHC: the collapse uses the previous site's pre
         pre = tl.load(collapse_pre_ptr + row * N + offs_j, mask=mask_j, other=0.0)
 
     if FINISH_BLOCK >= D:
         # The whole row stays in registers: the stored (rounded) x_in feeds the norm directly.
-        x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_f, mask_f, N, ROUND_BF16)
+        x = collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_f, mask_f, N, ROUND_BF16)
         inv_rms_x = _inv_rms(tl.sum(x * x, axis=0), D, rms_eps)
         y = _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_f, mask_f, ROUND_BF16)
         if FP8_OUT:
@@ -187,7 +194,7 @@ def finish_collapse_norm(
             rs = tl.load(
                 rows_ptr + d0 + offs_f[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0
             ).to(tl.float32)
-            x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, d0 + offs_f, mask_d, N, ROUND_BF16)
+            x = collapse_store(rs, pre, offs_j, x_in_row_ptr, d0 + offs_f, mask_d, N, ROUND_BF16)
             sumsq_x += x * x
         # NOTE: the norm pass re-reads x_in written above by other threads of this program.
         tl.debug_barrier()
@@ -213,8 +220,63 @@ def finish_collapse_norm(
 
 
 @triton.jit
+def finish_norm_chunk(
+    row,
+    chunk,
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    norm_w_ptr,
+    rms_eps,
+    x_q_ptr,
+    x_s_ptr,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    N: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+):
+    """Phase B after phase A collapsed (COLLAPSE_IN_A), program (row, chunk): RMSNorm_w of
+    x_in's columns [chunk·NORM_BLOCK, +NORM_BLOCK) with the row's sum of squares from the
+    slices' partials (column R + 1), and their FP8 form (FP8_OUT; a chunk holds whole groups,
+    or the row is one chunk)."""
+    offs_s = tl.arange(0, SP)
+    part = tl.load(
+        partials_ptr + (row * NUM_SLICES + offs_s) * RP + (2 + N) * N + 1,
+        mask=offs_s < NUM_SLICES,
+        other=0.0,
+    )
+    inv_rms_x = _inv_rms(tl.sum(part, axis=0), D, rms_eps)
+    first_col = chunk * NORM_BLOCK
+    offs_d = first_col + tl.arange(0, NORM_BLOCK)
+    mask_d = offs_d < D
+    x = tl.load(x_in_ptr + row * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    w = tl.load(norm_w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+    y = _norm_store(x, w, inv_rms_x, x_normed_ptr + row * D, offs_d, mask_d, ROUND_BF16)
+    if FP8_OUT:
+        _fp8_store(
+            y,
+            offs_d,
+            mask_d,
+            first_col,
+            x_q_ptr + row * D,
+            x_s_ptr + row * ((D + FP8_GROUP - 1) // FP8_GROUP),
+            D,
+            NORM_BLOCK,
+            FP8_GROUP,
+            UE8M0,
+        )
+
+
+@triton.jit
 def finish_coeffs(
     row,
+    pre_out_ptr,
     post_out_ptr,
     comb_out_ptr,
     partials_ptr,
@@ -229,13 +291,20 @@ def finish_coeffs(
     NP: tl.constexpr,
     RP: tl.constexpr,
     SP: tl.constexpr,
+    WITH_PRE: tl.constexpr,
 ):
-    """Phase B, program (row, 1): post' (sigmoid) and comb' (softmax + Sinkhorn)."""
+    """Phase B, the coefficients' program: post' (sigmoid) and comb' (softmax + Sinkhorn);
+    WITH_PRE also pre' (when no collapse program computes it)."""
     offs_j = tl.arange(0, NP)
     mask_j = offs_j < N
     mask_jk = mask_j[:, None] & mask_j[None, :]
     comb_idx = offs_j[:, None] * N + offs_j[None, :]
     ws = partials_ptr + row * NUM_SLICES * RP
+    if WITH_PRE:
+        pre = _pre_coeffs(
+            ws, base_ptr, scale_ptr, offs_j, mask_j, hc_eps, rms_eps, D, N, NUM_SLICES, SP, RP
+        )
+        tl.store(pre_out_ptr + row * N + offs_j, pre, mask=mask_j)
     inv_rms = _row_inv_rms(ws, rms_eps, D, N, NUM_SLICES, SP, RP)
     mix_post = _slice_sum(ws, N + offs_j, mask_j, NUM_SLICES, SP, RP) * inv_rms
     offs_s = tl.arange(0, SP)

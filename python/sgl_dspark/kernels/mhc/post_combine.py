@@ -3,17 +3,23 @@ are the spec; `reference.py` gives the math).
 
 One call closes a sublayer and opens the next one, no atomics, no host reads:
   A. grid (row tiles, D slices): Rs' on the slice, and per row the slice's partial fn projection
-     and sum of squares, into an fp32 scratch [M, slices, RP] (`stream_update.py`).
+     and sum of squares, into an fp32 scratch [M, slices, RP] (`stream_update.py`). The streams
+     are separate vectors and their coefficients scalars, so the update runs in each thread
+     without reductions across streams.
   B. grid (M, 2): (row, 0) sums the row's partials into pre', then collapses and norms the whole
      row; (row, 1) forms post' and comb', keeping Sinkhorn off the collapse's critical path
      (`coefficients.py`).
 `mhc_pre` opens the first sublayer: the same launches without the stream update.
 
 Single-pass mHC (DeepSeek-V4.1): a site collapses its sublayer input with the PREVIOUS site's
-pre. `collapse_pre` (both launchers) takes that pre in and the new pre' still comes out;
-`mhc_post_collapse` closes a sublayer and collapses with a given pre without computing any
-coefficients (before an Engram layer, and the final norm): phase A without the projection,
-phase B's (row, 0) only.
+pre. `collapse_pre` (both launchers) takes that pre in and the new pre' still comes out. Known
+before the launch, it lets phase A collapse its slice too (`collapse_in_stream_pass`): x_in
+and its partial sum of squares come out of phase A, and phase B is (row, 0) forming pre',
+post' and comb' and (row, 1 + c) norming x_in's chunk c, one warp each (a phase B of one
+16-warp program per row reading the n streams was slower at every batch size timed:
+`benchmark/results/kernels.md`). `mhc_post_collapse` closes a sublayer and collapses with a
+given pre without computing any coefficients (before an Engram layer, and the final norm):
+phase A without the projection, phase B the norm chunks only.
 
 Exactness: ``Rs'`` is bit-exact against the reference on any backend (elementwise, fixed operand
 order, FMA contraction off, bf16 rounding on the bits), and so is ``x_in`` collapsed with a given
@@ -34,7 +40,11 @@ from sgl_dspark.kernels._checks import check_tensor, require
 from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
 from sgl_dspark.kernels.fp8.act_quant import check_group
 from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
-from sgl_dspark.kernels.mhc.coefficients import finish_coeffs, finish_collapse_norm
+from sgl_dspark.kernels.mhc.coefficients import (
+    finish_coeffs,
+    finish_collapse_norm,
+    finish_norm_chunk,
+)
 from sgl_dspark.kernels.mhc.reference import MhcPostCollapseOutput, MhcPostCombineOutput
 from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
 
@@ -45,8 +55,24 @@ _MAX_BLOCK_D = 64
 # about _TARGET_ROW_TILES row tiles, capped so a program's unrolled row loop stays short.
 _TARGET_ROW_TILES = 4
 _MAX_BLOCK_M = 16
+# Phase A warps: at sm90, 1 warp holds the n fn tiles in too few threads (spills at 8 rows a
+# program) and 2 warps take more barriers than 4 (probe_quant_sass-style SASS counts).
+_PHASE_A_WARPS = 4
 # Phase B: rows up to this width stay in registers; wider ones are chunked (norm re-reads x_in).
 _MAX_FINISH_BLOCK = 8192
+# Phase B after phase A collapsed: columns a norm program takes (at least an FP8 group), and
+# the launch's warps: one, so that the coefficients' reductions (Sinkhorn's chain of them, on
+# the critical path) stay within a warp; a norm program then holds 32 columns a thread.
+_NORM_BLOCK = 1024
+_NORM_WARPS = 1
+
+
+def collapse_in_stream_pass(collapse_pre: torch.Tensor | None) -> bool:
+    """Whether phase A collapses x_in (possible only with the collapse pre given: single-pass
+    mHC). Phase B then reads x_in (D values a row) instead of Rs' (n·D), and its norm spreads
+    over several programs of few warps, which also shortens the coefficients' Sinkhorn chain
+    (its reductions cross fewer warps) instead of one program of 16 warps holding the row."""
+    return collapse_pre is not None
 
 
 @triton.jit
@@ -90,11 +116,14 @@ def _mhc_post_combine_kernel(
     FP8_OUT: tl.constexpr,
     FP8_GROUP: tl.constexpr,
     UE8M0: tl.constexpr,
+    COLLAPSE_IN_A: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """PHASE 0: grid (row tiles, D slices), see `stream_update_and_partials`. PHASE 1: grid
     (M, 2) (M, 1 without HAS_COEFFS), program (row, 0) collapses and norms, program (row, 1)
-    forms post' and comb'."""
+    forms post' and comb'; with COLLAPSE_IN_A, grid (M, HAS_COEFFS + norm chunks): program
+    (row, 0) forms pre', post' and comb' (HAS_COEFFS), the others norm a chunk of x_in each."""
     if PHASE == 0:
         stream_update_and_partials(
             streams_ptr,
@@ -102,21 +131,68 @@ def _mhc_post_combine_kernel(
             post_ptr,
             comb_ptr,
             fn_ptr,
+            collapse_pre_ptr,
             streams_out_ptr,
+            x_in_ptr,
             partials_ptr,
             M,
             D,
             NUM_SLICES,
             N,
-            NP,
             RP,
             BLOCK_M,
             BLOCK_D,
             ROUND_BF16,
             HAS_UPDATE,
             HAS_COEFFS,
+            COLLAPSE_IN_A,
             PDL,
         )
+    elif COLLAPSE_IN_A:
+        wait_for_producers(PDL)  # phase A's partials and x_in are read first
+        row = tl.program_id(0).to(tl.int64)
+        if HAS_COEFFS and tl.program_id(1) == 0:
+            finish_coeffs(
+                row,
+                pre_out_ptr,
+                post_out_ptr,
+                comb_out_ptr,
+                partials_ptr,
+                base_ptr,
+                scale_ptr,
+                hc_eps,
+                rms_eps,
+                D,
+                NUM_SLICES,
+                SINKHORN_ITERS,
+                N,
+                NP,
+                RP,
+                SP,
+                True,
+            )
+        else:
+            finish_norm_chunk(
+                row,
+                tl.program_id(1) - HAS_COEFFS,
+                x_in_ptr,
+                x_normed_ptr,
+                partials_ptr,
+                norm_w_ptr,
+                rms_eps,
+                x_q_ptr,
+                x_s_ptr,
+                D,
+                NUM_SLICES,
+                N,
+                RP,
+                SP,
+                NORM_BLOCK,
+                ROUND_BF16,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
+            )
     else:
         wait_for_producers(PDL)  # phase A's partials and Rs' are read first
         row = tl.program_id(0).to(tl.int64)
@@ -153,6 +229,7 @@ def _mhc_post_combine_kernel(
         elif HAS_COEFFS:
             finish_coeffs(
                 row,
+                pre_out_ptr,
                 post_out_ptr,
                 comb_out_ptr,
                 partials_ptr,
@@ -167,6 +244,7 @@ def _mhc_post_combine_kernel(
                 NP,
                 RP,
                 SP,
+                False,
             )
 
 
@@ -356,10 +434,18 @@ def _launch(
 
     block_d, block_m = _slice_width(d), _rows_per_program(m)
     num_slices = triton.cdiv(d, block_d)
-    rp = triton.next_power_of_2(r + 1)  # fn projection columns, then the sum of squares
+    # fn projection columns, then the sums of squares of Rs' and of x_in
+    rp = triton.next_power_of_2(r + 2)
     finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
+    collapse_in_a = collapse_in_stream_pass(collapse_pre)
+    fp8_group = fp8_out.group if fp8_out is not None else 1
+    norm_block = min(triton.next_power_of_2(d), max(_NORM_BLOCK, fp8_group))
     partials = torch.empty(
-        m if coeffs is not None else 0, num_slices, rp, dtype=torch.float32, device=dev
+        m if coeffs is not None or collapse_in_a else 0,
+        num_slices,
+        rp,
+        dtype=torch.float32,
+        device=dev,
     )
     args = (
         streams,
@@ -394,17 +480,23 @@ def _launch(
         HAS_COEFFS=coeffs is not None,
         PREV_PRE=collapse_pre is not None,
         FP8_OUT=fp8_out is not None,
-        FP8_GROUP=fp8_out.group if fp8_out is not None else 1,
+        FP8_GROUP=fp8_group,
         UE8M0=fp8_out is not None and fp8_out.ue8m0,
+        COLLAPSE_IN_A=collapse_in_a,
+        NORM_BLOCK=norm_block,
         enable_fp_fusion=False,
         **programmatic_launch(_mhc_post_combine_kernel, dev),
     )
     _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
-        *args, PHASE=0, BLOCK_M=block_m, num_warps=4, **meta
+        *args, PHASE=0, BLOCK_M=block_m, num_warps=_PHASE_A_WARPS, **meta
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
-    # About 512 row elements per warp, i.e. n fp32 stream values of 16 columns per thread.
-    _mhc_post_combine_kernel[(m, 2 if coeffs is not None else 1)](
-        *args, PHASE=1, BLOCK_M=1, num_warps=min(16, max(4, finish_block // 512)), **meta
-    )
+    if collapse_in_a:
+        grid_b = (m, int(coeffs is not None) + triton.cdiv(d, norm_block))
+        warps_b = _NORM_WARPS
+    else:
+        # About 512 row elements per warp, i.e. n fp32 stream values of 16 columns per thread.
+        grid_b = (m, 2 if coeffs is not None else 1)
+        warps_b = min(16, max(4, finish_block // 512))
+    _mhc_post_combine_kernel[grid_b](*args, PHASE=1, BLOCK_M=1, num_warps=warps_b, **meta)
     return out

@@ -1,5 +1,6 @@
-"""Phase A of the mHC boundary kernel (`post_combine.py`): the stream update on one D slice and the
-slice's partial sums of the next coefficients' projection."""
+"""Phase A of the mHC boundary kernel (`post_combine.py`): the stream update on one D slice, the
+slice's partial sums of the next coefficients' projection and, with a given collapse pre
+(single pass), the slice's collapse and its partial sum of squares."""
 
 from __future__ import annotations
 
@@ -19,39 +20,59 @@ def pick(t, offs_j, j: tl.constexpr):
 
 
 @triton.jit
+def collapse_store(
+    rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr, ROUND_BF16: tl.constexpr
+):
+    """x_in = Σ_j pre[j]·rs[j, :] (rs [NP, B] fp32) with j increasing, the reference's order;
+    stores it and returns the stored value in fp32."""
+    x = pick(pre[:, None], offs_j, 0) * pick(rs, offs_j, 0)
+    for j in tl.static_range(1, N):
+        x = x + pick(pre[:, None], offs_j, j) * pick(rs, offs_j, j)
+    if ROUND_BF16:
+        x = round_to_bf16(x)
+    tl.store(x_in_row_ptr + offs_d, x.to(x_in_row_ptr.dtype.element_ty), mask=mask_d)
+    return x
+
+
+@triton.jit
 def _load_row(
     streams_ptr,
     y_ptr,
     post_ptr,
     comb_ptr,
+    collapse_pre_ptr,
     row,
     M,
-    offs_j,
-    mask_j,
     offs_d,
     mask_d,
     D: tl.constexpr,
     N: tl.constexpr,
     HAS_UPDATE: tl.constexpr,
+    COLLAPSE_IN_A: tl.constexpr,
 ):
-    """Phase A inputs of one row on one slice: y [B], post [NP], comb [NP, NP], Rs [NP, B]."""
+    """Phase A inputs of one row on one slice, stream by stream: the n streams' slices Rs[j]
+    [B] and y [B], and as scalars post[k], comb[j, k] (at j·n + k) and the collapse pre[j]."""
     ok = row < M
-    mask_jd = mask_j[:, None] & mask_d[None, :] & ok
-    if HAS_UPDATE:
-        y = tl.load(y_ptr + row * D + offs_d, mask=mask_d & ok, other=0.0).to(tl.float32)
-        post = tl.load(post_ptr + row * N + offs_j, mask=mask_j & ok, other=0.0)
-        comb = tl.load(
-            comb_ptr + row * N * N + offs_j[:, None] * N + offs_j[None, :],
-            mask=mask_j[:, None] & mask_j[None, :] & ok,
-            other=0.0,
+    mask = mask_d & ok
+    src = ()
+    for j in tl.static_range(N):
+        src = src + (
+            tl.load(streams_ptr + (row * N + j) * D + offs_d, mask=mask, other=0.0).to(tl.float32),
         )
-    else:
-        y, post = offs_d.to(tl.float32), offs_j.to(tl.float32)  # unused placeholders
-        comb = post[:, None] + post[None, :]
-    src = tl.load(
-        streams_ptr + (row * N + offs_j[:, None]) * D + offs_d[None, :], mask=mask_jd, other=0.0
-    ).to(tl.float32)
-    return y, post, comb, src
+    y = offs_d.to(tl.float32)  # placeholder without HAS_UPDATE
+    post = ()
+    comb = ()
+    if HAS_UPDATE:
+        y = tl.load(y_ptr + row * D + offs_d, mask=mask, other=0.0).to(tl.float32)
+        for k in tl.static_range(N):
+            post = post + (tl.load(post_ptr + row * N + k, mask=ok, other=0.0),)
+        for i in tl.static_range(N * N):
+            comb = comb + (tl.load(comb_ptr + row * N * N + i, mask=ok, other=0.0),)
+    pre = ()
+    if COLLAPSE_IN_A:
+        for j in tl.static_range(N):
+            pre = pre + (tl.load(collapse_pre_ptr + row * N + j, mask=ok, other=0.0),)
+    return y, post, comb, src, pre
 
 
 @triton.jit
@@ -61,97 +82,127 @@ def stream_update_and_partials(
     post_ptr,
     comb_ptr,
     fn_ptr,
+    collapse_pre_ptr,
     streams_out_ptr,
+    x_in_ptr,
     partials_ptr,
     M,
     D: tl.constexpr,
     NUM_SLICES: tl.constexpr,
     N: tl.constexpr,
-    NP: tl.constexpr,
     RP: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     HAS_UPDATE: tl.constexpr,
     HAS_COEFFS: tl.constexpr,
+    COLLAPSE_IN_A: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Phase A, program (row tile, D slice): Rs' of BLOCK_M rows on the slice; per row, the
     slice's partial fn projection (partials columns < R) and sum of squares (column R).
     Without HAS_UPDATE (opening only) Rs' is Rs itself and nothing is stored but partials;
-    without HAS_COEFFS (a close that computes no coefficients) only Rs' is stored."""
+    without HAS_COEFFS (a close that computes no coefficients) no fn partials. COLLAPSE_IN_A:
+    also the slice of x_in collapsed with the given collapse pre (stored) and its sum of
+    squares (column R + 1), so that phase B's norm reads x_in instead of the n streams.
+
+    Each stream is a vector of the slice and every per-stream coefficient a scalar, so the
+    update and the collapse are elementwise in each thread: no reduction across the streams,
+    whose cross-warp rounds (a shared-memory barrier each) dominated the row's time."""
     R: tl.constexpr = (2 + N) * N
     wait_for_producers(PDL)  # streams, y, post and comb come from earlier kernels
     slice_id = tl.program_id(1)
     act_ty = streams_out_ptr.dtype.element_ty
-    offs_j = tl.arange(0, NP)
-    mask_j = offs_j < N
     offs_d = slice_id * BLOCK_D + tl.arange(0, BLOCK_D)
     mask_d = offs_d < D
     offs_r = tl.arange(0, RP)
     mask_r = offs_r < R
-    mask_jd = mask_j[:, None] & mask_d[None, :]
-    # fn[r, j·D + d]: the streams flattened stream-major. Loaded once, reused by every row.
+    # fn[r, j·D + d]: the streams flattened stream-major, a [RP, B] tile per stream. Loaded
+    # once, reused by every row.
+    fn = ()
     if HAS_COEFFS:
-        fn_offs = (
-            offs_r[:, None, None] * (N * D) + offs_j[None, :, None] * D + offs_d[None, None, :]
-        )
-        fn_mask = mask_r[:, None, None] & mask_jd[None, :, :]
-        fn_tile = tl.load(fn_ptr + fn_offs, mask=fn_mask, other=0.0)
+        for j in tl.static_range(N):
+            fn = fn + (
+                tl.load(
+                    fn_ptr + offs_r[:, None] * (N * D) + j * D + offs_d[None, :],
+                    mask=mask_r[:, None] & mask_d[None, :],
+                    other=0.0,
+                ),
+            )
 
     # Unrolled, each row running the same code on the same shapes (so its bits depend neither
     # on BLOCK_M nor on its place in the tile); the next row's loads are issued before this
     # row's arithmetic so that their latency overlaps it.
     first_row = tl.program_id(0).to(tl.int64) * BLOCK_M
-    y, post, comb, src = _load_row(
+    y, post, comb, src, pre = _load_row(
         streams_ptr,
         y_ptr,
         post_ptr,
         comb_ptr,
+        collapse_pre_ptr,
         first_row,
         M,
-        offs_j,
-        mask_j,
         offs_d,
         mask_d,
         D,
         N,
         HAS_UPDATE,
+        COLLAPSE_IN_A,
     )
     for i in tl.static_range(BLOCK_M):
         row = first_row + i
+        row_mask = mask_d & (row < M)
         if i + 1 < BLOCK_M:
-            y_next, post_next, comb_next, src_next = _load_row(
+            y_next, post_next, comb_next, src_next, pre_next = _load_row(
                 streams_ptr,
                 y_ptr,
                 post_ptr,
                 comb_ptr,
+                collapse_pre_ptr,
                 row + 1,
                 M,
-                offs_j,
-                mask_j,
                 offs_d,
                 mask_d,
                 D,
                 N,
                 HAS_UPDATE,
+                COLLAPSE_IN_A,
             )
-        if HAS_UPDATE:
-            # The reference's operand order: post term first, then j increasing.
-            acc = post[:, None] * y[None, :]
-            for j in tl.static_range(N):
-                acc = acc + pick(comb, offs_j, j)[:, None] * pick(src, offs_j, j)[None, :]
-            if ROUND_BF16:
-                acc = round_to_bf16(acc)
-            out_offs = (row * N + offs_j[:, None]) * D + offs_d[None, :]
-            tl.store(streams_out_ptr + out_offs, acc.to(act_ty), mask=mask_jd & (row < M))
-        else:
-            acc = src  # opening only: the streams are read as they are (no store)
+        # Rs'[k] = post[k]·y + Σ_j comb[j, k]·Rs[j]: the reference's operand order (post term
+        # first, then j increasing); without HAS_UPDATE Rs' is Rs (no store).
+        acc = ()
+        for k in tl.static_range(N):
+            if HAS_UPDATE:
+                a = post[k] * y
+                for j in tl.static_range(N):
+                    a = a + comb[j * N + k] * src[j]
+                if ROUND_BF16:
+                    a = round_to_bf16(a)
+                tl.store(streams_out_ptr + (row * N + k) * D + offs_d, a.to(act_ty), mask=row_mask)
+            else:
+                a = src[k]
+            acc = acc + (a,)
+        part = tl.zeros([RP], tl.float32)
         if HAS_COEFFS:
-            sumsq = tl.sum(tl.sum(acc * acc, axis=1), axis=0)
-            mix = tl.sum(tl.sum(fn_tile * acc[None, :, :], axis=2), axis=1)
-            part = tl.where(offs_r == R, sumsq, mix)
+            # Summed over the streams in each thread first: one reduction across threads each.
+            squares = acc[0] * acc[0]
+            products = fn[0] * acc[0][None, :]
+            for k in tl.static_range(1, N):
+                squares = squares + acc[k] * acc[k]
+                products = products + fn[k] * acc[k][None, :]
+            part = tl.where(offs_r == R, tl.sum(squares, axis=0), tl.sum(products, axis=1))
+        if COLLAPSE_IN_A:
+            # x_in = Σ_j pre[j]·Rs'[j] over Rs' as stored (acc holds the rounded values), j
+            # increasing: the bits of the phase-B collapse (`collapse_store`).
+            x = pre[0] * acc[0]
+            for j in tl.static_range(1, N):
+                x = x + pre[j] * acc[j]
+            if ROUND_BF16:
+                x = round_to_bf16(x)
+            tl.store(x_in_ptr + row * D + offs_d, x.to(x_in_ptr.dtype.element_ty), mask=row_mask)
+            part = tl.where(offs_r == R + 1, tl.sum(x * x, axis=0), part)
+        if HAS_COEFFS or COLLAPSE_IN_A:
             part_ptr = partials_ptr + (row * NUM_SLICES + slice_id) * RP + offs_r
             tl.store(part_ptr, part, mask=row < M)
         if i + 1 < BLOCK_M:
-            y, post, comb, src = y_next, post_next, comb_next, src_next
+            y, post, comb, src, pre = y_next, post_next, comb_next, src_next, pre_next
