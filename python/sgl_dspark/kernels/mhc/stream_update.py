@@ -1,3 +1,6 @@
+# Triton unrolls the static loops that grow this file's tuples one stream at a time; mypy types
+# each tuple by its first (empty) value and its indexing as out of range.
+# mypy: disable-error-code="assignment,misc"
 """Phase A of the mHC boundary kernel (`post_combine.py`): the stream update on one D slice, the
 slice's partial sums of the next coefficients' projection and, with a given collapse pre
 (single pass), the slice's collapse and its partial sum of squares."""
