@@ -51,8 +51,9 @@
 #                (atomics and fixed order) and the inline-PTX MXFP4 decode, against the library
 #   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
-#                this tree, ABBA (base, head, head, base), one process each: MHC_AB_BASE
-#                (default .ab) holds the base tree's python/, carried with the call
+#                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
+#                (D 4096, two pass): MHC_AB_BASE (default .ab) holds the base tree's python/,
+#                carried with the call
 #
 # A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
 # in order of need, with stage budgets set from the first call's timings
@@ -75,7 +76,7 @@
 #   env,sweep_v41           under a minute (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 #   env,scale_loads         under a minute  (240 s)
-#   env,mhc_phases          ~3 minutes  (330 s)
+#   env,mhc_phases          ~3 minutes  (480 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -255,7 +256,7 @@ if has probe; then  # the probe keeps to its own budget, under the stage's limit
   show "$WORK/probe_weight_operand.md"
 fi
 if has mhc_phases; then  # the A/B rounds print one table each; read them in ABBA order
-  stage mhc_phases 330
+  stage mhc_phases 480
   run 140 mhc_phases.log python3 benchmark/kernels/probe_mhc_phases.py --m 1,4,8,32 \
     --out "$WORK/mhc_phases.md"
   show "$WORK/mhc_phases.md"
@@ -272,6 +273,10 @@ if has mhc_phases; then  # the A/B rounds print one table each; read them in ABB
         python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
         --out "$WORK/mhc_ab/${round}_$side.md"
       show "$WORK/mhc_ab/${round}_$side.md"
+      run 40 "mhc_ab/${round}_${side}_v4.log" env PYTHONPATH="$root/python:$PWD" \
+        python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
+        --two-pass --hidden 4096 --out "$WORK/mhc_ab/${round}_${side}_v4.md"
+      show "$WORK/mhc_ab/${round}_${side}_v4.md"
     done
   fi
 fi

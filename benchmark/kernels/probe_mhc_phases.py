@@ -81,25 +81,28 @@ def _variant(keep: tuple[int, ...] = (0, 1), **constants: object) -> Iterator[No
         yield
 
 
-def _boundaries(m: int, copies: int, device: str) -> list[dict]:
-    """`copies` boundaries' inputs: shared activations, each its own hyper-connection."""
+def _boundaries(
+    m: int, copies: int, device: str, hidden: int = HIDDEN, two_pass: bool = False
+) -> list[dict]:
+    """`copies` boundaries' inputs of width `hidden`: shared activations, each its own
+    hyper-connection; two pass (V4): no collapse pre."""
     gen = torch.Generator().manual_seed(97 + m)
     r = (2 + HC) * HC
     shared = dict(
-        streams=torch.randn(m, HC, HIDDEN, generator=gen).to(torch.bfloat16),
-        y=torch.randn(m, HIDDEN, generator=gen).to(torch.bfloat16),
+        streams=torch.randn(m, HC, hidden, generator=gen).to(torch.bfloat16),
+        y=torch.randn(m, hidden, generator=gen).to(torch.bfloat16),
         post=torch.rand(m, HC, generator=gen) * 2,
         comb=torch.rand(m, HC, HC, generator=gen) / HC,
-        collapse_pre=torch.rand(m, HC, generator=gen) + 0.5,
+        collapse_pre=None if two_pass else torch.rand(m, HC, generator=gen) + 0.5,
     )
-    shared = {k: v.to(device) for k, v in shared.items()}
+    shared = {k: v if v is None else v.to(device) for k, v in shared.items()}
     out = []
     for _ in range(copies):
         own = dict(
-            fn=torch.randn(r, HC * HIDDEN, generator=gen) * 0.02,
+            fn=torch.randn(r, HC * hidden, generator=gen) * 0.02,
             base=torch.randn(r, generator=gen) * 0.1,
             scale=torch.ones(3),
-            norm_weight=(1 + 0.1 * torch.randn(HIDDEN, generator=gen)).to(torch.bfloat16),
+            norm_weight=(1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16),
         )
         out.append({**shared, **{k: v.to(device) for k, v in own.items()}})
     return out
@@ -164,8 +167,9 @@ def _time(calls: list[Callable[[], object]], device: str) -> float:
     return graph_time_us(calls, reps=max(2, 256 // len(calls)))
 
 
-def _rows(m: int, copies: int, device: str, library_only: bool) -> list[str]:
-    boundaries = _boundaries(m, copies, device)
+def _rows(m: int, a: argparse.Namespace) -> list[str]:
+    device, library_only = a.device, a.library_only
+    boundaries = _boundaries(m, a.copies, device, a.hidden, a.two_pass)
     library = [_library(b) for b in boundaries]
     if library_only:
         rows = [f"| {m} | {_time(library, device):.2f} |"]
@@ -190,6 +194,12 @@ def main() -> None:
     p.add_argument("--m", default="1,4,8,32")
     p.add_argument("--copies", type=int, default=32)
     p.add_argument("--device", default="cuda")
+    p.add_argument("--hidden", type=int, default=HIDDEN, help="D (V4-Flash: 4096)")
+    p.add_argument(
+        "--two-pass",
+        action="store_true",
+        help="V4's boundary: no collapse pre (the collapse with the new pre in phase B)",
+    )
     p.add_argument(
         "--library-only",
         action="store_true",
@@ -197,10 +207,13 @@ def main() -> None:
         "tree's on PYTHONPATH, for an A/B across processes)",
     )
     a = p.parse_args()
+    if a.two_pass and not a.library_only:
+        p.error("--two-pass times the library only (the variants are single pass)")
     name = torch.cuda.get_device_name() if a.device == "cuda" else a.device
     lines = [
-        f"device: {name}; library: {Path(post_combine.__file__).parents[3]}; D {HIDDEN}, hc "
-        f"{HC}, {SINKHORN_ITERS} Sinkhorn iterations, bf16, single pass; {a.copies} boundaries "
+        f"device: {name}; library: {Path(post_combine.__file__).parents[3]}; D {a.hidden}, hc "
+        f"{HC}, {SINKHORN_ITERS} Sinkhorn iterations, bf16, {'two' if a.two_pass else 'single'} "
+        f"pass; {a.copies} boundaries "
         "a graph round",
         "",
     ]
@@ -212,7 +225,7 @@ def main() -> None:
             "|---|---|---|---|---|",
         ]
     for m in (int(v) for v in a.m.split(",")):
-        lines += _rows(m, a.copies, a.device, a.library_only)
+        lines += _rows(m, a)
         if a.out:
             Path(a.out).write_text("\n".join(lines) + "\n")
 
