@@ -171,24 +171,16 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
   done
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
+rank_ab_round() {  # ROUND SIDE ROOT: the rank model's plain decode at bs 1 on ROOT's tree
+  run 135 "rank_ab/${1}_$2.log" env PYTHONPATH="$3/python:$3:$PYTHONPATH" \
+    python3 "$3/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
+    --input-len 256 --output-len 128 --systems plain --batch-sizes 1 \
+    --out-dir "$WORK/rank_ab/${1}_$2"
+  show "$WORK/rank_ab/${1}_$2/native_decode_$RANK_CONFIG.md"
+}
 if has rank_ab; then  # each side's rows in a table of its own; read them in ABBA order
   stage rank_ab 540
-  base_tree=$(cd "${RANK_AB_BASE:-.ab}" 2>/dev/null && pwd)
-  if [ -z "$base_tree" ]; then
-    note "- rank_ab: no base tree at ${RANK_AB_BASE:-.ab}"
-  else
-    round=0
-    for side in base head head base; do
-      round=$((round + 1))
-      root=$PWD
-      [ "$side" = base ] && root=$base_tree
-      run 135 "rank_ab/${round}_$side.log" env PYTHONPATH="$root/python:$root:$PYTHONPATH" \
-        python3 "$root/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
-        --input-len 256 --output-len 128 --systems plain --batch-sizes 1 \
-        --out-dir "$WORK/rank_ab/${round}_$side"
-      show "$WORK/rank_ab/${round}_$side/native_decode_$RANK_CONFIG.md"
-    done
-  fi
+  abba rank_ab "${RANK_AB_BASE:-.ab}" rank_ab_round
 fi
 if has rank_profile; then  # the kernel list heads each profile's table in the summary
   stage rank_profile 400
@@ -255,29 +247,21 @@ if has probe; then  # the probe keeps to its own budget, under the stage's limit
     --out "$WORK/probe_weight_operand.md"
   show "$WORK/probe_weight_operand.md"
 fi
+mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROOT's library
+  run 45 "mhc_ab/${1}_$2.log" env PYTHONPATH="$3/python:$PWD" \
+    python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
+    --out "$WORK/mhc_ab/${1}_$2.md"
+  show "$WORK/mhc_ab/${1}_$2.md"
+  run 40 "mhc_ab/${1}_${2}_v4.log" env PYTHONPATH="$3/python:$PWD" \
+    python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
+    --two-pass --hidden 4096 --out "$WORK/mhc_ab/${1}_${2}_v4.md"
+  show "$WORK/mhc_ab/${1}_${2}_v4.md"
+}
 if has mhc_phases; then  # the A/B rounds print one table each; read them in ABBA order
   stage mhc_phases 480
   run 140 mhc_phases.log python3 benchmark/kernels/probe_mhc_phases.py --m 1,4,8,32 \
     --out "$WORK/mhc_phases.md"
   show "$WORK/mhc_phases.md"
-  base_tree=$(cd "${MHC_AB_BASE:-.ab}" 2>/dev/null && pwd)
-  if [ -z "$base_tree" ]; then
-    note "- mhc_phases: no base tree at ${MHC_AB_BASE:-.ab}"
-  else
-    round=0
-    for side in base head head base; do
-      round=$((round + 1))
-      root=$PWD
-      [ "$side" = base ] && root=$base_tree
-      run 45 "mhc_ab/${round}_$side.log" env PYTHONPATH="$root/python:$PWD" \
-        python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
-        --out "$WORK/mhc_ab/${round}_$side.md"
-      show "$WORK/mhc_ab/${round}_$side.md"
-      run 40 "mhc_ab/${round}_${side}_v4.log" env PYTHONPATH="$root/python:$PWD" \
-        python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
-        --two-pass --hidden 4096 --out "$WORK/mhc_ab/${round}_${side}_v4.md"
-      show "$WORK/mhc_ab/${round}_${side}_v4.md"
-    done
-  fi
+  abba mhc_phases "${MHC_AB_BASE:-.ab}" mhc_ab_round
 fi
 note "done at +$(($(now) - CALL_START)) s"

@@ -111,6 +111,23 @@ show() {  # show FILE [TAIL_LINES]: a file (or its tail) into the summary and st
   fi
 }
 
+abba() {  # abba STAGE BASE_DIR ROUND_FN: ROUND_FN ROUND SIDE ROOT for the sides base, head,
+  # head, base (ROOT: BASE_DIR's absolute path for base, the working tree for head); a missing
+  # BASE_DIR is noted and runs nothing
+  local base_tree root round=0 side
+  base_tree=$(cd "$2" 2>/dev/null && pwd)
+  if [ -z "$base_tree" ]; then
+    note "- $1: no base tree at $2"
+    return 0
+  fi
+  for side in base head head base; do
+    round=$((round + 1))
+    root=$PWD
+    [ "$side" = base ] && root=$base_tree
+    "$3" "$round" "$side" "$root"
+  done
+}
+
 env_stage() {  # device, versions and tree
   stage env 30
   (( DRY_RUN )) && { echo "nvidia-smi; python3 -c 'import torch, triton'; git log -1"; return 0; }
