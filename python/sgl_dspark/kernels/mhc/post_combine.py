@@ -148,10 +148,13 @@ def _mhc_post_combine_kernel(
             COLLAPSE_IN_A,
             PDL,
         )
-    elif COLLAPSE_IN_A:
-        wait_for_producers(PDL)  # phase A's partials and x_in are read first
+    else:
+        wait_for_producers(PDL)  # phase A's partials, Rs' and x_in are read first
         row = tl.program_id(0).to(tl.int64)
-        if HAS_COEFFS and tl.program_id(1) == 0:
+        part = tl.program_id(1)
+        # The coefficients' program: the first where phase A collapsed (pre' is then its to
+        # form), else the second, beside the program that collapses with pre'.
+        if HAS_COEFFS and part == (0 if COLLAPSE_IN_A else 1):
             finish_coeffs(
                 row,
                 pre_out_ptr,
@@ -169,12 +172,12 @@ def _mhc_post_combine_kernel(
                 NP,
                 RP,
                 SP,
-                True,
+                COLLAPSE_IN_A,
             )
-        else:
+        elif COLLAPSE_IN_A:
             finish_norm_chunk(
                 row,
-                tl.program_id(1) - HAS_COEFFS,
+                part - HAS_COEFFS,
                 x_in_ptr,
                 x_normed_ptr,
                 partials_ptr,
@@ -193,10 +196,7 @@ def _mhc_post_combine_kernel(
                 FP8_GROUP,
                 UE8M0,
             )
-    else:
-        wait_for_producers(PDL)  # phase A's partials and Rs' are read first
-        row = tl.program_id(0).to(tl.int64)
-        if tl.program_id(1) == 0:
+        else:
             finish_collapse_norm(
                 row,
                 streams_out_ptr,
@@ -225,26 +225,6 @@ def _mhc_post_combine_kernel(
                 FP8_OUT,
                 FP8_GROUP,
                 UE8M0,
-            )
-        elif HAS_COEFFS:
-            finish_coeffs(
-                row,
-                pre_out_ptr,
-                post_out_ptr,
-                comb_out_ptr,
-                partials_ptr,
-                base_ptr,
-                scale_ptr,
-                hc_eps,
-                rms_eps,
-                D,
-                NUM_SLICES,
-                SINKHORN_ITERS,
-                N,
-                NP,
-                RP,
-                SP,
-                False,
             )
 
 
