@@ -10,7 +10,30 @@ import triton.language as tl
 
 from sgl_dspark.kernels._triton_utils import round_to_bf16
 from sgl_dspark.kernels.fp8.act_quant import store_quantized_groups
-from sgl_dspark.kernels.mhc.stream_update import collapse_store
+
+
+@triton.jit
+def _pick(t, offs_j, j: tl.constexpr):
+    """Row j of fp32 t [NP, B], bit for bit (signed zeros, NaN payloads): an integer sum of the
+    bit patterns with zeros elsewhere is exact on every backend and interpreter, whatever the
+    tree (a float sum with a -0.0 fill is not: numpy's sum starts from +0.0)."""
+    bits = tl.where(offs_j[:, None] == j, t.to(tl.int32, bitcast=True), 0)
+    return tl.sum(bits, axis=0).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _collapse_store(
+    rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr, ROUND_BF16: tl.constexpr
+):
+    """x_in = Σ_j pre[j]·rs[j, :] (rs [NP, B] fp32) with j increasing, the reference's order;
+    stores it and returns the stored value in fp32."""
+    x = _pick(pre[:, None], offs_j, 0) * _pick(rs, offs_j, 0)
+    for j in tl.static_range(1, N):
+        x = x + _pick(pre[:, None], offs_j, j) * _pick(rs, offs_j, j)
+    if ROUND_BF16:
+        x = round_to_bf16(x)
+    tl.store(x_in_row_ptr + offs_d, x.to(x_in_row_ptr.dtype.element_ty), mask=mask_d)
+    return x
 
 
 @triton.jit
@@ -171,7 +194,7 @@ def finish_collapse_norm(
 
     if FINISH_BLOCK >= D:
         # The whole row stays in registers: the stored (rounded) x_in feeds the norm directly.
-        x = collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_f, mask_f, N, ROUND_BF16)
+        x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, offs_f, mask_f, N, ROUND_BF16)
         inv_rms_x = _inv_rms(tl.sum(x * x, axis=0), D, rms_eps)
         y = _norm_store(x, w, inv_rms_x, x_normed_row_ptr, offs_f, mask_f, ROUND_BF16)
         if FP8_OUT:
@@ -194,7 +217,7 @@ def finish_collapse_norm(
             rs = tl.load(
                 rows_ptr + d0 + offs_f[None, :], mask=mask_j[:, None] & mask_d[None, :], other=0.0
             ).to(tl.float32)
-            x = collapse_store(rs, pre, offs_j, x_in_row_ptr, d0 + offs_f, mask_d, N, ROUND_BF16)
+            x = _collapse_store(rs, pre, offs_j, x_in_row_ptr, d0 + offs_f, mask_d, N, ROUND_BF16)
             sumsq_x += x * x
         # NOTE: the norm pass re-reads x_in written above by other threads of this program.
         tl.debug_barrier()

@@ -14,30 +14,6 @@ from sgl_dspark.kernels._triton_utils import round_to_bf16, wait_for_producers
 
 
 @triton.jit
-def pick(t, offs_j, j: tl.constexpr):
-    """Row j of fp32 t [NP, B], bit for bit (signed zeros, NaN payloads): an integer sum of the
-    bit patterns with zeros elsewhere is exact on every backend and interpreter, whatever the
-    tree (a float sum with a -0.0 fill is not: numpy's sum starts from +0.0)."""
-    bits = tl.where(offs_j[:, None] == j, t.to(tl.int32, bitcast=True), 0)
-    return tl.sum(bits, axis=0).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def collapse_store(
-    rs, pre, offs_j, x_in_row_ptr, offs_d, mask_d, N: tl.constexpr, ROUND_BF16: tl.constexpr
-):
-    """x_in = Σ_j pre[j]·rs[j, :] (rs [NP, B] fp32) with j increasing, the reference's order;
-    stores it and returns the stored value in fp32."""
-    x = pick(pre[:, None], offs_j, 0) * pick(rs, offs_j, 0)
-    for j in tl.static_range(1, N):
-        x = x + pick(pre[:, None], offs_j, j) * pick(rs, offs_j, j)
-    if ROUND_BF16:
-        x = round_to_bf16(x)
-    tl.store(x_in_row_ptr + offs_d, x.to(x_in_row_ptr.dtype.element_ty), mask=mask_d)
-    return x
-
-
-@triton.jit
 def _load_row(
     streams_ptr,
     y_ptr,
