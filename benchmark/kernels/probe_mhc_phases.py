@@ -45,9 +45,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from sgl_dspark.kernels.mhc import post_combine  # noqa: E402
 from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine  # noqa: E402
 
+from benchmark.kernels.bench_mhc_indexer import HC, _mhc_inputs  # noqa: E402
+from benchmark.kernels.bench_mhc_indexer import HC_SINKHORN_ITERS as SINKHORN_ITERS  # noqa: E402
 from benchmark.kernels.graph_timing import graph_time_us  # noqa: E402
 
-HIDDEN, HC, SINKHORN_ITERS = 5120, 4, 20
+HIDDEN = 5120  # V4.1-Flash
 
 
 class _PhaseFilter:
@@ -84,27 +86,16 @@ def _variant(keep: tuple[int, ...] = (0, 1), **constants: object) -> Iterator[No
 def _boundaries(
     m: int, copies: int, device: str, hidden: int = HIDDEN, two_pass: bool = False
 ) -> list[dict]:
-    """`copies` boundaries' inputs of width `hidden`: shared activations, each its own
-    hyper-connection; two pass (V4): no collapse pre."""
+    """`copies` boundaries' inputs of width `hidden` (`bench_mhc_indexer`'s, the norm weight
+    in bf16 as the model holds it): the first one's activations shared, each its own
+    hyper-connection tensors; two pass (V4): no collapse pre."""
+    out = [_mhc_inputs(m, device, hidden) for _ in range(copies)]
     gen = torch.Generator().manual_seed(97 + m)
-    r = (2 + HC) * HC
-    shared = dict(
-        streams=torch.randn(m, HC, hidden, generator=gen).to(torch.bfloat16),
-        y=torch.randn(m, hidden, generator=gen).to(torch.bfloat16),
-        post=torch.rand(m, HC, generator=gen) * 2,
-        comb=torch.rand(m, HC, HC, generator=gen) / HC,
-        collapse_pre=None if two_pass else torch.rand(m, HC, generator=gen) + 0.5,
-    )
-    shared = {k: v if v is None else v.to(device) for k, v in shared.items()}
-    out = []
-    for _ in range(copies):
-        own = dict(
-            fn=torch.randn(r, HC * hidden, generator=gen) * 0.02,
-            base=torch.randn(r, generator=gen) * 0.1,
-            scale=torch.ones(3),
-            norm_weight=(1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16),
-        )
-        out.append({**shared, **{k: v.to(device) for k, v in own.items()}})
+    collapse_pre = None if two_pass else (torch.rand(m, HC, generator=gen) + 0.5).to(device)
+    for b in out:
+        b.update({k: out[0][k] for k in ("streams", "y", "post", "comb")})
+        b["norm_weight"] = b["norm_weight"].to(torch.bfloat16)
+        b["collapse_pre"] = collapse_pre
     return out
 
 
