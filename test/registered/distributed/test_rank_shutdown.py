@@ -13,6 +13,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from worlds import run_world
 
 SCRIPT = textwrap.dedent(
     """
@@ -41,5 +42,36 @@ def test_the_second_rank_is_released_or_killed(tmp_path: Path, mode: str, code: 
     )
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(done.stdout.strip().splitlines()[-1])
-    # The ranks' stderr says why a rank ended otherwise (a signal at exit leaves no traceback).
+    # The ranks' stderr says why a rank ended otherwise (a fatal signal prints its threads' stacks).
     assert result == {"tokens": 3, "codes": [code]}, done.stderr[-3000:]
+
+
+def _leave_after_groups(rank: int, out_dir: Path) -> None:
+    import torch.distributed as dist
+    from sgl_dspark.srt.distributed import (
+        ParallelLayout,
+        get_parallel_state,
+        init_parallel_state,
+        leave_world,
+        parallel_state,
+    )
+
+    init_parallel_state(ParallelLayout(tp_size=2))
+    held = len(parallel_state._GROUPS)
+    leave_world()
+    state = {
+        "held": held,
+        "left": len(parallel_state._GROUPS),
+        "initialized": dist.is_initialized(),
+        "single": get_parallel_state().is_single,
+    }
+    (out_dir / f"rank{rank}.json").write_text(json.dumps(state))
+
+
+def test_leaving_the_world_forgets_its_groups(tmp_path: Path) -> None:
+    """`leave_world` destroys the process group after dropping the groups this process made
+    (so their threads end before interpreter finalisation) and makes the size-1 state current."""
+    run_world(2, _leave_after_groups, tmp_path)
+    for rank in range(2):
+        state = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert state == {"held": 1, "left": 0, "initialized": False, "single": True}

@@ -29,14 +29,15 @@ def _rank_main(
 ) -> None:
     import torch
     import torch.distributed as dist
-    from sgl_dspark.srt.distributed.parallel_state import init_distributed
+    from sgl_dspark.srt.distributed.parallel_state import init_distributed, leave_world
 
     torch.set_num_threads(1)
     try:
         init_distributed(world, rank, addr, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
         fn(rank, out_dir, *args)
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # `fn` may have left the world itself
+            dist.barrier()
+        leave_world()
     except BaseException:
         (out_dir / f"rank{rank}.error").write_text(traceback.format_exc())
         raise

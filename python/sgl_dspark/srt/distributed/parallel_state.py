@@ -146,6 +146,20 @@ def init_distributed(
 _GROUPS: dict[tuple[int, ...], tuple[Any, Any]] = {}
 
 
+def leave_world() -> None:
+    """Leave the `torch.distributed` world: the size-1 state becomes current, the groups made
+    here are forgotten and the process group is destroyed (no-op outside a world). Dropping our
+    references first lets the gloo groups' worker threads end now, while the interpreter is
+    whole, instead of at its finalisation (where a gloo work still holding a tensor can abort
+    the process)."""
+    import torch.distributed as dist
+
+    set_parallel_state(single_process_state())
+    _GROUPS.clear()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _group(ranks: tuple[int, ...]) -> tuple[Any, Any]:
     """(device group, gloo group) of `ranks`, created once. Every rank of the world creates
     every group in the same order (`torch.distributed.new_group` is collective)."""

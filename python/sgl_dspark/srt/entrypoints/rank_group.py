@@ -11,17 +11,24 @@ dies, however it dies).
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
 import signal
 import socket
+import sys
 import threading
 from collections.abc import Sequence
 from multiprocessing.connection import Connection, wait
 from typing import TYPE_CHECKING, cast
 
-from sgl_dspark.srt.distributed import ParallelLayout, init_distributed, init_parallel_state
+from sgl_dspark.srt.distributed import (
+    ParallelLayout,
+    init_distributed,
+    init_parallel_state,
+    leave_world,
+)
 
 if TYPE_CHECKING:
     from multiprocessing.process import BaseProcess
@@ -125,12 +132,8 @@ class RankGroup:
                 proc.kill()
         for pipe in self._pipes:
             pipe.close()
-        if kill:
-            return
-        import torch.distributed as dist
-
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        if not kill:
+            leave_world()
 
 
 def _exit_when_leader_dies(pipe: Connection) -> None:
@@ -150,6 +153,9 @@ def follower_main(args: ServerArgs, rank: int, addr: str, pipe: Connection) -> N
     )
     # Ctrl-C reaches every process of the terminal's group: rank 0 shuts the ranks down.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    # A rank killed by a fatal signal (an abort inside a C++ library) prints each thread's
+    # Python stack to its stderr, which rank 0's logs then show beside the exit code.
+    faulthandler.enable()
     threading.Thread(target=_exit_when_leader_dies, args=(pipe,), daemon=True).start()
     from sgl_dspark.srt.entrypoints.engine import Engine
     from sgl_dspark.srt.managers.replicated_scheduler import ReplicatedScheduler
@@ -160,9 +166,15 @@ def follower_main(args: ServerArgs, rank: int, addr: str, pipe: Connection) -> N
         assert isinstance(engine.scheduler, ReplicatedScheduler)
         engine.scheduler.serve_forever()
         engine.executor.close()
+        leave_world()
     except BaseException:
         logger.exception("rank %d failed", rank)
         os._exit(1)
-    import torch.distributed as dist
-
-    dist.destroy_process_group()
+    # Released and out of the world, this rank has nothing left to do. It ends here rather than
+    # through the interpreter's finalisation, which would destroy the engine's remaining C++
+    # objects (communicator handles, CUDA graphs) after Python's own state is gone: a late
+    # destructor there can abort the process (SIGABRT) although every step completed.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
