@@ -154,7 +154,7 @@ _KW = dict(hc_eps=1e-6, rms_eps=1e-6)
         (9, 2, 160, torch.float32, 3),
         (37, 4, 96, torch.bfloat16, 3),
         (3, 3, 96, torch.float32, 2),
-        (2, 4, 1100, torch.bfloat16, 20),  # 35 slices of 32 (not a power of two), masked tail
+        (2, 4, 1100, torch.bfloat16, 20),  # 18 slices of 64 (not a power of two), masked tail
         (3, 2, 33, torch.bfloat16, 4),  # odd D narrower than one slice
     ],
 )

@@ -48,9 +48,11 @@ from sgl_dspark.kernels.mhc.coefficients import (
 from sgl_dspark.kernels.mhc.reference import MhcPostCollapseOutput, MhcPostCombineOutput
 from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
 
-# Phase A D-slice width: aims at 64 slices (programs at M = 1), within these bounds.
-_MIN_BLOCK_D = 16
-_MAX_BLOCK_D = 64
+# Phase A D-slice width, the same for every D: a model of D = 4096 spreads a one-row boundary
+# over 64 programs. Smaller models take fewer slices rather than narrower ones: a slice pays
+# its row's scalar loads (post, comb, pre) whatever its width, and the Triton interpreter
+# (CPU tests) pays per program. A constant, it fixes the split reductions' trees.
+_BLOCK_D = 64
 # Phase A rows per program: grows with M so that fn (r·n·D fp32, 1.5 MB at D = 4096) is read by
 # about _TARGET_ROW_TILES row tiles, capped so a program's unrolled row loop stays short.
 _TARGET_ROW_TILES = 4
@@ -226,11 +228,6 @@ def _mhc_post_combine_kernel(
                 FP8_GROUP,
                 UE8M0,
             )
-
-
-def _slice_width(d: int) -> int:
-    """Phase-A D-slice width: a function of D only (it fixes the split reductions' trees)."""
-    return min(_MAX_BLOCK_D, max(_MIN_BLOCK_D, triton.next_power_of_2(triton.cdiv(d, 64))))
 
 
 def _rows_per_program(m: int) -> int:
@@ -412,7 +409,7 @@ def _launch(
     if m == 0:
         return out
 
-    block_d, block_m = _slice_width(d), _rows_per_program(m)
+    block_d, block_m = _BLOCK_D, _rows_per_program(m)
     num_slices = triton.cdiv(d, block_d)
     # fn projection columns, then the sums of squares of Rs' and of x_in
     rp = triton.next_power_of_2(r + 2)
