@@ -248,14 +248,15 @@ if has probe; then  # the probe keeps to its own budget, under the stage's limit
   show "$WORK/probe_weight_operand.md"
 fi
 mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROOT's library
-  run 45 "mhc_ab/${1}_$2.log" env PYTHONPATH="$3/python:$PWD" \
-    python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
-    --out "$WORK/mhc_ab/${1}_$2.md"
-  show "$WORK/mhc_ab/${1}_$2.md"
-  run 40 "mhc_ab/${1}_${2}_v4.log" env PYTHONPATH="$3/python:$PWD" \
-    python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
-    --two-pass --hidden 4096 --out "$WORK/mhc_ab/${1}_${2}_v4.md"
-  show "$WORK/mhc_ab/${1}_${2}_v4.md"
+  local model limit name extra
+  for model in v41 v4; do
+    limit=45 name="${1}_$2" extra=()
+    [ "$model" = v4 ] && limit=40 name="${1}_${2}_v4" extra=(--two-pass --hidden 4096)
+    run "$limit" "mhc_ab/$name.log" env PYTHONPATH="$3/python:$PWD" \
+      python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
+      "${extra[@]}" --out "$WORK/mhc_ab/$name.md"
+    show "$WORK/mhc_ab/$name.md"
+  done
 }
 if has mhc_phases; then  # the A/B rounds print one table each; read them in ABBA order
   stage mhc_phases 480
