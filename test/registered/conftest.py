@@ -11,9 +11,9 @@ if not torch.cuda.is_available():
     # Must be set before any @triton.jit function is defined (i.e. before kernel modules import).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 if os.environ.get("TRITON_INTERPRET") == "1":
-    from interpreter_calls import install as bind_language_once
+    from interpreter_shortcuts import install as install_interpreter_shortcuts
 
-    bind_language_once()
+    install_interpreter_shortcuts()
 
 # pytest-xdist runs one worker per core: one intra-op thread each avoids oversubscription.
 if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -34,9 +34,9 @@ def _rank_main(
     from sgl_dspark.srt.distributed.parallel_state import init_distributed, leave_world
 
     if os.environ.get("TRITON_INTERPRET") == "1":  # as in the test process (conftest.py)
-        from interpreter_calls import install as bind_language_once
+        from interpreter_shortcuts import install as install_interpreter_shortcuts
 
-        bind_language_once()
+        install_interpreter_shortcuts()
     torch.set_num_threads(1)
     try:
         init_distributed(world, rank, addr, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
