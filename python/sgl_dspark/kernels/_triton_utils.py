@@ -44,6 +44,24 @@ def nvidia_sm90_or_later(device: torch.device) -> bool:
     return _nvidia_sm90_or_later(index)
 
 
+# Multiprocessors assumed where the device has none to report (the CPU interpreter): an H100's
+# or H200's, so launch shapes chosen by the SM count are the ones the GPU would run.
+DEFAULT_SM_COUNT = 132
+
+
+@functools.cache
+def _cuda_sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """The device's multiprocessors (streaming multiprocessors / compute units), for launch
+    shapes sized to a wave; `DEFAULT_SM_COUNT` off a GPU."""
+    if device.type == "cuda":
+        return _cuda_sm_count(device.index if device.index is not None else 0)
+    return DEFAULT_SM_COUNT
+
+
 def set_programmatic_launch(
     allowed: bool, only: set[str] | None = None, max_graph_batch: int | None = None
 ) -> None:

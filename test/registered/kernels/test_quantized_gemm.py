@@ -254,6 +254,35 @@ def test_quantized_grouped_linear(fmt: str, block: int, k: int, m: int) -> None:
         assert torch.equal(got[:, i], quantized_linear(x[:, i].contiguous(), single))
 
 
+@pytest.mark.parametrize("fmt,block,k", [("fp8", 32, 704), ("fp8", 128, 1024), ("mxfp4", 32, 704)])
+def test_wider_column_blocks_change_no_bit(fmt: str, block: int, k: int, monkeypatch) -> None:
+    """More 16-column programs than three an SM take 32-column blocks; a group's columns are
+    then the same bits as its own call in 16-column blocks (the column block does not enter a
+    sum's order)."""
+    import sgl_dspark.kernels.linear.quantized as quantized_module
+
+    meta = quantized_module._quantized_meta
+    assert meta("fp8", 1024, 4096, groups=8, sms=132)["BLOCK_N"] == 32  # V4.1's o_a: 512
+    assert meta("fp8", 1024, 4096, groups=8, sms=256)["BLOCK_N"] == 16  # fits three an SM
+    assert meta("fp8", 5120, 8192, groups=1, sms=132)["BLOCK_N"] == 16  # V4.1's o_b: 320
+    g = torch.Generator().manual_seed(11)
+    groups, rank = 4, 48
+    w = quantized(torch.randn(groups * rank, k, generator=g) * 0.05, fmt, block)
+    x = torch.randn(6, groups, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    # On "one multiprocessor" the grouped launch (12 blocks of 16) goes beyond three, each
+    # group alone (3 blocks) does not.
+    monkeypatch.setattr(quantized_module, "sm_count", lambda device: 1)
+    assert meta("fp8", rank, k, groups, 1)["BLOCK_N"] == 32
+    assert meta("fp8", rank, k, 1, 1)["BLOCK_N"] == 16
+    got = quantized_grouped_linear(x, w)
+    torch.testing.assert_close(got, small_m_grouped_linear_ref(x, w), **GEMM_TOL[torch.bfloat16])
+    rows = w.per_row()
+    for i in range(groups):
+        single = row_slice(rows, i * rank, (i + 1) * rank)
+        assert isinstance(single, QuantizedWeight)
+        assert torch.equal(got[:, i], quantized_linear(x[:, i].contiguous(), single))
+
+
 def test_quantized_linear_bad_arguments() -> None:
     w = quantized(torch.randn(32, 64) * 0.05, "fp8", 32)
     x = torch.randn(2, 64, dtype=torch.bfloat16, device=DEVICE)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 import triton
+from sgl_dspark.kernels._triton_utils import sm_count
 from sgl_dspark.kernels.attention.reference import (
     dense_entries_ref,
     read_rows,
@@ -22,7 +23,6 @@ from sgl_dspark.kernels.attention.reference import (
 from sgl_dspark.kernels.attention.window_sparse import (
     _auto_num_splits,
     _merge_attention_splits_kernel,
-    _sm_count,
     window_sparse_attention,
 )
 
@@ -294,7 +294,7 @@ def test_auto_split_choice() -> None:
     inputs = _inputs([3, 90], [3, 4], 7, 96, 40, 100, dtype=torch.float32, seed=9)
     auto = _run_poisoned(inputs)
     # 7 tokens x 1 head block; 64-key tiles: 1 window tile + 2 extra tiles.
-    chosen = _auto_num_splits(7, 3, _sm_count(inputs["q"].device))
+    chosen = _auto_num_splits(7, 3, sm_count(inputs["q"].device))
     assert chosen == 2
     assert torch.equal(auto, _run_poisoned(inputs, num_splits=chosen))
 

@@ -38,6 +38,7 @@ from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
     round_to_dtype,
+    sm_count,
     wait_for_producers,
 )
 from sgl_dspark.kernels.attention.online_softmax import online_softmax_step
@@ -54,8 +55,6 @@ _TILE_ELEMS = 8192
 _WAVES = 2
 _MIN_TILES_PER_SPLIT = 2
 _MAX_SPLITS = 32
-# SM count assumed where no CUDA device can be asked (the CPU interpreter).
-_DEFAULT_SM_COUNT = 132
 
 
 @triton.jit
@@ -305,12 +304,6 @@ def _auto_num_splits(programs: int, total_tiles: int, sm_count: int) -> int:
     return max(1, min(want, triton.cdiv(total_tiles, _MIN_TILES_PER_SPLIT), _MAX_SPLITS))
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return _DEFAULT_SM_COUNT
-
-
 def _check_extra_keys(
     tokens: int,
     head_dim: int,
@@ -484,7 +477,7 @@ def window_sparse_attention(
     head_blocks = triton.cdiv(heads, block_h)
     total_tiles = triton.cdiv(window, block_n) + triton.cdiv(num_extra, block_n)
     if num_splits is None:
-        num_splits = _auto_num_splits(tokens * head_blocks, total_tiles, _sm_count(q.device))
+        num_splits = _auto_num_splits(tokens * head_blocks, total_tiles, sm_count(q.device))
     tiles_per_split = triton.cdiv(total_tiles, num_splits)
     split = num_splits > 1
     if split:

@@ -15,14 +15,15 @@ are fixed per shape class (`_quantized_meta`; no autotuning: the engine captures
 
 Exactness: within a tolerance of the reference, like `small_m_linear`. The dequantised tile is
 bit for bit the reference's dequantised weight (`dequant.py`), every product is exact in fp32 and
-the sums are fp32 in an order fixed by the launch shape (per slice in K-step order, each step in
-the matrix unit's order, then the slices' sums), rounded once to the output dtype (nearest even
-on the bits for bf16). A row's result depends neither on M nor on the other rows (the tile is
-always 16 rows, a larger M is more row blocks, and the launch shape depends on (N, K) only),
-so a DSpark verify of W tokens gives each token the bits of a single-token step. The previous kernel (a dot per scale group,
-scaled partial sums) summed in another order: not the same bits, the same tolerance.
+the sums are fp32 in an order fixed by the launch shape's K step and slices (per slice in K-step
+order, each step in the matrix unit's order, then the slices' sums; the column block does not
+enter it), rounded once to the output dtype (nearest even on the bits for bf16). A row's result
+depends neither on M nor on the other rows (the tile is always 16 rows, a larger M is more row
+blocks, and the launch shape never depends on M), so a DSpark verify of W tokens gives each
+token the bits of a single-token step. The previous kernel (a dot per scale group, scaled
+partial sums) summed in another order: not the same bits, the same tolerance.
 `quantized_grouped_linear` runs G such products in one launch (the grouped output projection),
-each group's bits as its own call.
+each group's bits as its own call (its column blocks may be wider: the same sums).
 """
 
 from __future__ import annotations
@@ -33,10 +34,12 @@ import triton.language as tl
 
 from sgl_dspark.kernels._checks import FLOAT_DTYPES, require
 from sgl_dspark.kernels._triton_utils import (
+    DEFAULT_SM_COUNT,
     interpreted,
     prefetch_tile_l2,
     programmatic_launch,
     round_to_bf16,
+    sm_count,
     wait_for_producers,
 )
 from sgl_dspark.kernels.linear.dequant import (
@@ -52,6 +55,9 @@ from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized
 
 MAX_M = 16
 _BLOCK_M = 16
+# Programs of the narrow launch shape (16-column blocks, four 512-channel stages) an SM holds:
+# shared memory allows three.
+_NARROW_PROGRAMS_PER_SM = 3
 
 
 @triton.jit
@@ -146,9 +152,12 @@ def _quantized_linear_kernel(
     )
 
 
-def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
+def _quantized_meta(
+    fmt: str, n: int, k: int, groups: int = 1, sms: int = DEFAULT_SM_COUNT
+) -> dict[str, int]:
     """Launch shape per shape class (the one place sweeps and probes override; it depends on
-    (N, K) only, never on M, so a row's bits do not depend on the batch).
+    (N, K), the groups and the device's multiprocessors, never on M, so a row's bits do not
+    depend on the batch; the column block does not change a sum's order either).
 
     N up to 8192: narrow column blocks (16 columns: N = 5120 gives 320 programs). A program then
     has few columns to keep warps busy, so each K step of up to 512 channels is split into
@@ -158,9 +167,13 @@ def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
     74 KB, so three programs share an SM and a few hundred programs run in one wave. The
     previous shape (1024-channel steps over 8 warps, three stages: 99 KB and 124 registers, two
     programs an SM, 1.2 waves at N = 5120) was 1.27x slower at V4.1-Flash's o_b and the rank
-    model's bs 1 step 4% slower (`benchmark/results/kernels.md`). Wider N (an lm_head): 64-column
-    blocks, 256-channel steps in one dot; 512 programs at N = 32768 with a pipeline of at most
-    48 KB, so four share an SM and they all run in one wave."""
+    model's bs 1 step 4% slower (`benchmark/results/kernels.md`). More 16-column blocks than
+    three an SM (the grouped output projection: 8 groups of 1024 columns give 512 programs, 1.3
+    waves on 132 SMs, the last a third full) take 32-column blocks: half the programs in one
+    wave, and each activation tile read for twice the weight columns (at 16 rows it outweighs
+    the weight tile it multiplies): V4.1's o_a 1.36x / 1.55x / 1.48x at M 1 / 16 / 32 on an H100.
+    Wider N (an lm_head): 64-column blocks, 256-channel steps in one dot; 512 programs at N =
+    32768 with a pipeline of at most 48 KB, so four share an SM and they all run in one wave."""
     if n > 8192:
         return {
             "BLOCK_N": 64,
@@ -173,8 +186,9 @@ def _quantized_meta(fmt: str, n: int, k: int) -> dict[str, int]:
     # 227 KB of shared memory an sm90 block may have.
     block_k = quantized_block_k(fmt, k, 512)
     split = max(1, block_k // 128)
+    beyond_a_wave = triton.cdiv(n, 16) * groups > _NARROW_PROGRAMS_PER_SM * sms
     return {
-        "BLOCK_N": 16,
+        "BLOCK_N": 32 if beyond_a_wave else 16,
         "BLOCK_K": block_k,
         "SPLIT_K": split,
         "num_stages": quantized_stages(fmt, 4),
@@ -270,7 +284,7 @@ def _launch(
     """One launch over (column blocks, groups); x / weight / out are a group's first views
     (the weight group stride in stored elements)."""
     (m, k), n = x.shape, weight.data.shape[0]
-    meta = _quantized_meta(weight.fmt, n, k)
+    meta = _quantized_meta(weight.fmt, n, k, groups, sm_count(x.device))
     data = weight.data
     stride_xg, stride_wg, stride_yg = group_strides
     grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, _BLOCK_M))
