@@ -42,6 +42,8 @@
 #                gemm stage misses its goals)
 #   sweep_v41    the same sweep at V4.1-Flash's narrow dense shapes (x projection, o_b), FP8
 #                32 x 32 as released, M 1 and 4
+#   sweep_grouped  the same sweep at the grouped output projection (o_a: 8 groups of 1024 x
+#                4096, FP8 32 x 32), M 1 / 16 / 32 (32: two row blocks, 1024 programs)
 #   w8a8         bench_fp8_gemm.py: the FP8-activation GEMMs (prefill-sized W8A8, the DSpark
 #                main projection's split-K) checked, then timed against cuBLAS bf16
 #   scale_loads  probe_scale_loads.py: the narrow tiles' scale bytes loaded a step ahead (the
@@ -49,6 +51,11 @@
 #                V4.1-Flash's dense decode shapes (M 1/4/16) and its per-token experts
 #   probe        probe_weight_operand.py: the weight-first orientation, K split over programs
 #                (atomics and fixed order) and the inline-PTX MXFP4 decode, against the library
+#   ncu          ncu_targets.py under Nsight Compute: the rank model's heaviest decode kernels
+#                at one token (the dense FP8 linears, the per-token MoE stages, the mHC
+#                boundary), one launch each, their hardware counters (speed of light, launch
+#                shape, occupancy, issue slots, warp stalls, memory, instructions); NCU_TARGETS
+#                picks some (ncu_targets.py --targets), NCU_LAUNCHES launches each
 #   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
@@ -74,9 +81,11 @@
 #   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
 #   env,sweep_v41           under a minute (240 s)
+#   env,sweep_grouped       ~2-3 minutes, not yet timed (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 #   env,scale_loads         under a minute  (240 s)
 #   env,mhc_phases          ~3 minutes  (480 s)
+#   env,ncu                 ~2 minutes, not yet timed (300 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -230,6 +239,12 @@ if has sweep_v41; then
     --only v41 --sweep-formats fp8/32 --out "$WORK/quant_sweep_v41.md"
   show "$WORK/quant_sweep_v41.md"
 fi
+if has sweep_grouped; then
+  stage sweep_grouped 240
+  run 240 sweep_grouped.log python3 benchmark/kernels/bench_quant_gemm.py --sweep --m 1,16,32 \
+    --only grouped --sweep-formats fp8/32 --out "$WORK/quant_sweep_grouped.md"
+  show "$WORK/quant_sweep_grouped.md"
+fi
 if has w8a8; then
   stage w8a8 120
   run 120 fp8_gemm.log python3 benchmark/kernels/bench_fp8_gemm.py --out "$WORK/fp8_gemm.md"
@@ -240,6 +255,20 @@ if has scale_loads; then  # the probe keeps to its own budget, under the stage's
   run 240 scale_loads.log python3 benchmark/kernels/probe_scale_loads.py --budget-s 200 \
     --out "$WORK/scale_loads.md"
   show "$WORK/scale_loads.md"
+fi
+if has ncu; then  # hardware counters of the heaviest decode kernels, one launch each
+  stage ncu 300
+  ncu_bin=$(command -v ncu || ls /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | tail -1)
+  ncu_sections=()
+  for section in SpeedOfLight LaunchStats Occupancy SchedulerStats WarpStateStats \
+    MemoryWorkloadAnalysis InstructionStats; do
+    ncu_sections+=(--section "$section")
+  done
+  # shellcheck disable=SC2086
+  run 300 ncu.txt "${ncu_bin:-ncu}" --clock-control none --profile-from-start off \
+    "${ncu_sections[@]}" python3 benchmark/kernels/ncu_targets.py \
+    --launches "${NCU_LAUNCHES:-1}" ${NCU_TARGETS:+--targets $NCU_TARGETS}
+  show "$WORK/ncu.txt"
 fi
 if has probe; then  # the probe keeps to its own budget, under the stage's limit
   stage probe 400

@@ -556,10 +556,9 @@ def main() -> None:
         copy_bw, floor_us = copy_bandwidth(), float("nan")
         rows: list[Row] = []
         for name, n, k, groups in SETUP.dense:
-            if groups == 1:
-                rows += sweep_linear(m_values, name, n, k, formats)
-                if a.out:
-                    Path(a.out).write_text(render(rows, peak, copy_bw, floor_us))
+            rows += sweep_linear(m_values, name, n, k, formats, groups)
+            if a.out:
+                Path(a.out).write_text(render(rows, peak, copy_bw, floor_us))
         print(render(rows, peak, copy_bw, floor_us))
         return
     jobs = _jobs(m_values, moe)

@@ -1,7 +1,7 @@
 """Launch-shape sweep of the library's quantised linear (`bench_quant_gemm.py --sweep`): each
 `SWEEP` shape of `quantized_linear` (`_quantized_meta` overridden) at the dense shapes of
-`bench_quant_gemm.SETUP`, checked against dequantise-then-reference, then timed with that
-script's harness."""
+`bench_quant_gemm.SETUP` (`quantized_grouped_linear` for the grouped ones), checked against
+dequantise-then-reference, then timed with that script's harness."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from benchmark.kernels.bench_quant_gemm import (
     dequantize_weight_ref,
     max_rel_err,
     quantize_random,
+    quantized_grouped_linear,
     quantized_linear,
     time_us,
 )
@@ -45,24 +46,35 @@ SWEEP = [
 
 
 def sweep_linear(
-    m_values: list[int], name: str, n: int, k: int, formats: tuple[tuple[str, int], ...] = FORMATS
+    m_values: list[int],
+    name: str,
+    n: int,
+    k: int,
+    formats: tuple[tuple[str, int], ...] = FORMATS,
+    groups: int = 1,
 ) -> list[Row]:
-    """`quantized_linear` at each `SWEEP` launch shape (`_quantized_meta` overridden) for each
-    (format, group) of `formats`, checked against dequantise-then-reference."""
+    """`quantized_linear` (`quantized_grouped_linear` over `groups` groups of N x K) at each
+    `SWEEP` launch shape (`_quantized_meta` overridden) for each (format, group) of `formats`,
+    checked against dequantise-then-reference."""
     import sgl_dspark.kernels.linear.quantized as quantized
 
     default_meta = quantized._quantized_meta
     gen = _generator(n + k)
+    linear = quantized_linear if groups == 1 else quantized_grouped_linear
     out = []
     for fmt, group in formats:
-        w0 = quantize_random((n, k), fmt, group, gen)
+        w0 = quantize_random((groups * n, k), fmt, group, gen)
         weights = [w0] + [
-            quantize_random((n, k), fmt, group, gen) for _ in range(_copies(w0.nbytes) - 1)
+            quantize_random((groups * n, k), fmt, group, gen) for _ in range(_copies(w0.nbytes) - 1)
         ]
         ref_w = dequantize_weight_ref(w0, torch.float32)
         for m in m_values:
-            x = torch.randn(m, k, generator=gen, device=SETUP.device).to(torch.bfloat16)
-            want = x.float() @ ref_w.T
+            rows = (m, k) if groups == 1 else (m, groups, k)
+            x = torch.randn(rows, generator=gen, device=SETUP.device).to(torch.bfloat16)
+            if groups == 1:
+                want = x.float() @ ref_w.T
+            else:
+                want = torch.einsum("mgk,gnk->mgn", x.float(), ref_w.view(groups, n, k))
             for shape in [None, *SWEEP]:
                 if shape is None:
                     meta, tag = default_meta(fmt, n, k), "default"
@@ -74,15 +86,15 @@ def sweep_linear(
                     tag = f"BN{bn} BK{bk} split{split} s{stages} w{warps}"
                 quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
                 try:
-                    err = max_rel_err(quantized_linear(x, w0), want)
-                    calls = [lambda w=w, x=x: quantized_linear(x, w) for w in weights]
+                    err = max_rel_err(linear(x, w0), want)
+                    calls = [lambda w=w, x=x: linear(x, w) for w in weights]
                     us = time_us(calls, _reps(len(weights)))
                 except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
                     print(f"{name} {fmt}/{group} {tag}: {type(exc).__name__}: {exc}"[:300])
                     continue
                 finally:
                     quantized._quantized_meta = default_meta
-                moved = w0.nbytes + 2 * (m * k + m * n)
+                moved = w0.nbytes + 2 * groups * (m * k + m * n)
                 out.append(Row(name, m, f"{_label(fmt, group)} {tag}", us, moved, err))
         del weights, ref_w
     return out
