@@ -89,9 +89,9 @@ def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen
 
 
 # Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth, stage 2's
-# slot groups), timed against the library's own (`_gate_up_meta`, `_down_meta`): each entry
-# replaces those keys of the library's shape. Stage 2 with GROUP_SLOTS 8 holds all of V4.1's
-# 6 + 1 slots in one program (the shape before slot groups).
+# slot groups, a register cap), timed against the library's own (`_gate_up_meta`,
+# `_down_meta`): each entry replaces those keys of the library's shape. Stage 2 with
+# GROUP_SLOTS 8 holds all of V4.1's 6 + 1 slots in one program (the shape before slot groups).
 STAGE_METAS = {
     "gate_up": [
         {"BLOCK_N": 32, "num_stages": 3},
@@ -101,6 +101,9 @@ STAGE_METAS = {
         {"BLOCK_N": 128, "num_stages": 2},
     ],
     "down": [
+        # at most 128 registers (ptxas spills past them): four programs an SM instead of three
+        {"maxnreg": 128},
+        {"maxnreg": 128, "num_stages": 2},
         {"GROUP_SLOTS": 8, "BLOCK_N": 8, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 32, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 128, "num_stages": 3},
