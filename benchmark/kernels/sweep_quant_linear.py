@@ -76,15 +76,15 @@ def sweep_linear(
             else:
                 want = torch.einsum("mgk,gnk->mgn", x.float(), ref_w.view(groups, n, k))
             for shape in [None, *SWEEP]:
-                if shape is None:
-                    meta, tag = default_meta(fmt, n, k), "default"
+                if shape is None:  # the library's own choice (it sees the groups and the device)
+                    tag = "default"
                 else:
                     bn, bk, split, stages, warps = shape
                     meta = dict(
                         BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_stages=stages, num_warps=warps
                     )
                     tag = f"BN{bn} BK{bk} split{split} s{stages} w{warps}"
-                quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
+                    quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
                 try:
                     err = max_rel_err(linear(x, w0), want)
                     calls = [lambda w=w, x=x: linear(x, w) for w in weights]
