@@ -10,10 +10,10 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before any @triton.jit function is defined (i.e. before kernel modules import).
     os.environ.setdefault("TRITON_INTERPRET", "1")
-if os.environ.get("TRITON_INTERPRET") == "1":
-    from interpreter_shortcuts import install as install_interpreter_shortcuts
+# Only the interpreter's entry points change (compiled launches never reach them).
+from interpreter_shortcuts import install as install_interpreter_shortcuts  # noqa: E402
 
-    install_interpreter_shortcuts()
+install_interpreter_shortcuts()
 
 # pytest-xdist runs one worker per core: one intra-op thread each avoids oversubscription.
 if os.environ.get("PYTEST_XDIST_WORKER"):

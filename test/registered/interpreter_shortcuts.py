@@ -31,6 +31,9 @@ import functools
 import inspect
 import threading
 
+import triton.language as tl
+from triton.language import core  # noqa: F401 - in the globals `_sees_both_languages` shows
+
 _state = threading.local()  # .bound: ids of the language modules the running launch bound
 SHIPPED: dict[str, object] = {}  # the replaced interpreter functions, by name
 
@@ -39,21 +42,15 @@ SHIPPED: dict[str, object] = {}  # the replaced interpreter functions, by name
 def _languages(fn) -> frozenset[int]:
     """The language modules the interpreter binds for fn (those of `tl`, `tl.core` in its
     globals), by identity."""
-    import triton.language as tl
-
     langs = (tl, tl.core)
     return frozenset(
         id(v) for v in fn.__globals__.values() if inspect.ismodule(v) and any(v is m for m in langs)
     )
 
 
-def _sees_both_languages():
-    """A function whose globals hold `tl` and `tl.core`: the interpreter binds both for it."""
-    import triton.language as tl
-
-    namespace = {"tl": tl, "core": tl.core}
-    exec("def sees_both():\n    pass", namespace)
-    return namespace["sees_both"]
+def _sees_both_languages() -> None:
+    """Never called: its globals (this module's) hold `tl` and `tl.core`, so the interpreter
+    binds both for it."""
 
 
 def install() -> bool:
@@ -70,7 +67,7 @@ def install() -> bool:
         return False
     executor, helper = interpreter.GridExecutor, interpreter.InterpretedFunction
     run_grid, call_helper = executor.__call__, helper.__call__
-    both = _sees_both_languages()
+    both = _sees_both_languages
 
     @functools.wraps(run_grid)
     def grid_call(self, *args, **kwargs):
@@ -110,7 +107,6 @@ def install() -> bool:
 def _cached_np_dtype(shipped):
     """`_get_np_dtype` remembered per element type (shortcut 2)."""
     import numpy as np
-    import triton.language as tl
 
     known: dict = {}
     address = np.dtype(np.uint64)
@@ -131,7 +127,6 @@ def _cached_np_dtype(shipped):
 def _bf16_fp32_on_the_bits(shipped):
     """`_convert_float` with bf16 <-> fp32 on the bit patterns (shortcut 3)."""
     import numpy as np
-    import triton.language as tl
 
     def convert(data, input_dtype, output_dtype, rounding_mode):
         if input_dtype == tl.bfloat16 and output_dtype == tl.float32:

@@ -27,16 +27,12 @@ def free_addr() -> str:
 def _rank_main(
     fn: Callable[..., None], rank: int, world: int, addr: str, out_dir: Path, args: tuple
 ) -> None:
-    import os
-
     import torch
     import torch.distributed as dist
+    from interpreter_shortcuts import install as install_interpreter_shortcuts
     from sgl_dspark.srt.distributed.parallel_state import init_distributed, leave_world
 
-    if os.environ.get("TRITON_INTERPRET") == "1":  # as in the test process (conftest.py)
-        from interpreter_shortcuts import install as install_interpreter_shortcuts
-
-        install_interpreter_shortcuts()
+    install_interpreter_shortcuts()  # as in the test process (conftest.py)
     torch.set_num_threads(1)
     try:
         init_distributed(world, rank, addr, "cpu", timeout_s=COLLECTIVE_TIMEOUT_S)
