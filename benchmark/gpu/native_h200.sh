@@ -93,7 +93,8 @@ DEFAULT_STAGES=env,tests,gemm
 source "$(dirname "$0")/stages.sh"
 
 native=(python3 benchmark/bench_native.py)
-# RANK_CONFIG picks the rank model of the rank stages (dsv4_flash_rank: V4-Flash dimensions);
+# RANK_CONFIG picks the rank model of the rank stages (dsv4_flash_rank: V4-Flash dimensions;
+# dsv41_flash_rank_ep8: one EP8 rank's experts, which fits an 80 GB H100);
 # RANK_DSPARK_SYSTEMS the DSpark systems of rank_dspark (dspark_online needs dspark_full's SPS
 # table from the same call).
 RANK_CONFIG=${RANK_CONFIG:-dsv41_flash_rank}

@@ -37,6 +37,7 @@ from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
 from benchmark.bench_native import model_sizes, quantized_raw  # noqa: E402
 
 H200_BYTES = 141e9
+H100_BYTES = 80e9
 
 
 @pytest.mark.parametrize(
@@ -64,6 +65,24 @@ def test_rank_model_sizes(name: str, d: int, inter: int, layers: int) -> None:
     if name == "dsv41_flash_rank":
         total = {f: sum(sum(sizes[k][f].values()) for k in sizes) for f in ("bf16", "native")}
         assert total["bf16"] > H200_BYTES > total["native"]
+
+
+def test_ep8_rank_differs_only_in_its_expert_share() -> None:
+    """The EP8 rank model is the EP4 one with half the routed experts (target and draft), so its
+    bs 1 step reads the same bytes, and it fits an 80 GB H100 as stored."""
+    ep4, ep8 = quantized_raw("dsv41_flash_rank"), quantized_raw("dsv41_flash_rank_ep8")
+    assert {k for k in ep4 if ep4[k] != ep8.get(k)} == {"n_routed_experts"}
+    assert (ep4["n_routed_experts"], ep8["n_routed_experts"]) == (96, 48)
+    draft4, draft8 = BENCH_DRAFT_KEYS["dsv41_flash_rank"], BENCH_DRAFT_KEYS["dsv41_flash_rank_ep8"]
+    assert {k for k in draft4 if draft4[k] != draft8[k]} == {"dspark_n_routed_experts"}
+    assert draft8["dspark_n_routed_experts"] * 2 == draft4["dspark_n_routed_experts"]
+    sizes4, sizes8 = (
+        model_sizes(n, quantized_raw(n)) for n in ("dsv41_flash_rank", "dsv41_flash_rank_ep8")
+    )
+    key4, key8 = ([k for k in s if "target" in k][0] for s in (sizes4, sizes8))
+    assert 2 * sizes8[key8]["native"]["experts"] == sizes4[key4]["native"]["experts"]
+    total8 = sum(sum(sizes8[k]["native"].values()) for k in sizes8)
+    assert total8 < H100_BYTES < sum(sum(sizes4[k]["native"].values()) for k in sizes4)
 
 
 @pytest.mark.parametrize("name", ["dsv41_flash_rank", "dsv4_flash_rank"])

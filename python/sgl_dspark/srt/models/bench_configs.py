@@ -11,6 +11,11 @@
   hash tables of a 100k base vocabulary (the released 16M-row-per-hash tables are ~200 GB a layer
   in bf16 and are read ~24 rows a token, so their size moves no step time). Random weights only
   (`--load-format dummy`): ~280 GB in bf16, ~80 GB as stored, so one H200 holds it only natively.
+* `dsv41_flash_rank_ep8`: the same model with one EP8 rank's share (48 of 384 routed experts,
+  16 of the draft's 128): ~48 GB as stored, so it also fits one 80 GB H100. At bs 1 a step reads
+  the same bytes as `dsv41_flash_rank` (six local experts a token either way; the router reads
+  48 gate rows instead of 96), so its bs 1 step measures the same kernels on a smaller GPU; at
+  larger batches its experts saturate sooner.
 * `dsv4_flash_rank`: the same shape of workload with DeepSeek-V4-Flash's dimensions (40 layers + 3
   draft stages, 96 routed experts as the V4.1 rank holds, FP8 128 x 128 + MXFP4): the V4
   counterpart of the headline model, and where the window KV dtype is a choice (V4.1's is FP8).
@@ -45,6 +50,8 @@ _RANK_DSPARK = {
     "dspark_num_experts_per_tok": 3,
     "enable_confidence_head": True,
 }
+# One EP8 rank's share of the draft's routed experts (16 of 128).
+_RANK_EP8_DSPARK = {**_RANK_DSPARK, "dspark_n_routed_experts": 16}
 _ENGRAM_LAYERS = [1, 14]
 _ENGRAM_VOCAB = 100_000
 
@@ -59,6 +66,7 @@ def _engram_rows() -> list[int]:
 # target's; the benchmarks write it beside the target's config.json). `toy`: for CPU smoke tests.
 BENCH_DRAFT_KEYS: dict[str, dict] = {
     "dsv41_flash_rank": _RANK_DSPARK,
+    "dsv41_flash_rank_ep8": _RANK_EP8_DSPARK,
     "dsv4_flash_rank": _RANK_DSPARK,
     "toy": {
         "dspark_block_size": 3,
@@ -142,34 +150,38 @@ def _v41(text: dict) -> dict:
     }
 
 
+# The released V4.1-Flash fields the V4.1 config does not default (config/deepseek_v41.py defaults
+# the rest: D 5120, 64 heads x 512, q rank 1280, 8 x 1024 output groups, I 2304, indexer 32 x 128
+# top-512, window 128), with one EP4 rank's share of the routed experts.
+_V41_FLASH_RANK: dict = {
+    "model_type": "deepseek_v41",
+    "architectures": ["DeepseekV41ForCausalLM"],
+    "vocab_size": 129280,
+    "n_routed_experts": 96,
+    "num_experts_per_tok": 6,
+    "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
+    "num_nextn_predict_layers": 3,
+    "kv_source_layer_ids": [2, 8, 14, 20],
+    "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
+    "candidate_source_layer_id": 20,
+    "candidate_topk_blocks": 2048,
+    "candidate_block_size": 8,
+    "engram_layer_ids": _ENGRAM_LAYERS,
+    "engram_num_embeddings": _engram_rows(),
+    "engram_max_ngram_size": 4,
+    "engram_n_heads": 8,
+    "engram_head_dim": 256,
+    "engram_vocab_size": _ENGRAM_VOCAB,
+    "engram_compressed_vocab_size": 99092,
+    "max_position_embeddings": 65536,
+    "quantization_config": released_quantization(32),
+    "torch_dtype": "bfloat16",
+}
+
+
 BENCH_CONFIGS: dict[str, dict] = {
-    "dsv41_flash_rank": {
-        # The released V4.1-Flash fields the V4.1 config does not default (config/deepseek_v41.py
-        # defaults the rest: D 5120, 64 heads x 512, q rank 1280, 8 x 1024 output groups, I 2304,
-        # indexer 32 x 128 top-512, window 128).
-        "model_type": "deepseek_v41",
-        "architectures": ["DeepseekV41ForCausalLM"],
-        "vocab_size": 129280,
-        "n_routed_experts": 96,
-        "num_experts_per_tok": 6,
-        "compress_ratios": [0, 0] + [2] * 18 + [1] * 20 + [0, 0, 0],
-        "num_nextn_predict_layers": 3,
-        "kv_source_layer_ids": [2, 8, 14, 20],
-        "index_source_layer_ids": [2, 8, 14, 20, 24, 28, 32, 36],
-        "candidate_source_layer_id": 20,
-        "candidate_topk_blocks": 2048,
-        "candidate_block_size": 8,
-        "engram_layer_ids": _ENGRAM_LAYERS,
-        "engram_num_embeddings": _engram_rows(),
-        "engram_max_ngram_size": 4,
-        "engram_n_heads": 8,
-        "engram_head_dim": 256,
-        "engram_vocab_size": _ENGRAM_VOCAB,
-        "engram_compressed_vocab_size": 99092,
-        "max_position_embeddings": 65536,
-        "quantization_config": released_quantization(32),
-        "torch_dtype": "bfloat16",
-    },
+    "dsv41_flash_rank": _V41_FLASH_RANK,
+    "dsv41_flash_rank_ep8": {**_V41_FLASH_RANK, "n_routed_experts": 48},
     "dsv4_flash_rank": {
         **_V4_FLASH_DIMS,
         "num_hidden_layers": 40,
