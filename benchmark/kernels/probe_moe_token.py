@@ -99,6 +99,10 @@ STAGE_METAS = {
         {"BLOCK_N": 64, "num_stages": 2},
         {"BLOCK_N": 128, "num_stages": 3},
         {"BLOCK_N": 128, "num_stages": 2},
+        # eight warps, each its own 16-channel slice of a dot (another sum order, so other bits):
+        # twice the warps an SM to hide the decode's latency
+        {"num_warps": 8, "SPLIT_K": 8},
+        {"num_warps": 8, "SPLIT_K": 8, "BLOCK_N": 128},
     ],
     "down": [
         # at most 128 registers (ptxas spills past them): four programs an SM instead of three
@@ -110,6 +114,9 @@ STAGE_METAS = {
         {"GROUP_SLOTS": 1, "BLOCK_N": 64, "num_stages": 4},
         {"GROUP_SLOTS": 2, "BLOCK_N": 32, "num_stages": 3},
         {"GROUP_SLOTS": 2, "BLOCK_N": 16, "num_stages": 3},
+        {"num_warps": 8, "SPLIT_K": 8},
+        {"num_warps": 8, "SPLIT_K": 8, "BLOCK_N": 128},
+        {"num_warps": 8, "SPLIT_K": 8, "num_stages": 4},
     ],
 }
 # stage: (module, name) of its launch-shape function
