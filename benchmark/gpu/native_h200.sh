@@ -30,7 +30,9 @@
 #   rank_ab      the rank model's plain decode at bs 1 (128 tokens) on a base tree and on this
 #                tree, ABBA (base, head, head, base), one process each: RANK_AB_BASE (default
 #                .ab) holds the base tree's python/ and benchmark/, e.g. `git archive REV python
-#                benchmark | tar -x -C .ab`, carried with the call
+#                benchmark | tar -x -C .ab`, carried with the call; RANK_AB_SYSTEM another
+#                system of bench_native.py (dspark_static: DSpark at its static width), with
+#                RANK_AB_ROUND_S seconds a round (default 135)
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
 #                (one process each): device kernels per step by time, then host ops
 #   rank_profile_serial  the rank model's plain decode at bs 1 under torch.profiler with
@@ -181,10 +183,10 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
   done
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
-rank_ab_round() {  # ROUND SIDE ROOT: the rank model's plain decode at bs 1 on ROOT's tree
-  run 135 "rank_ab/${1}_$2.log" env PYTHONPATH="$3/python:$3:$PYTHONPATH" \
+rank_ab_round() {  # ROUND SIDE ROOT: the rank model's decode at bs 1 on ROOT's tree
+  run "${RANK_AB_ROUND_S:-135}" "rank_ab/${1}_$2.log" env PYTHONPATH="$3/python:$3:$PYTHONPATH" \
     python3 "$3/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
-    --input-len 256 --output-len 128 --systems plain --batch-sizes 1 \
+    --input-len 256 --output-len 128 --systems "${RANK_AB_SYSTEM:-plain}" --batch-sizes 1 \
     --out-dir "$WORK/rank_ab/${1}_$2"
   show "$WORK/rank_ab/${1}_$2/native_decode_$RANK_CONFIG.md"
 }

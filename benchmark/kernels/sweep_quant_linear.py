@@ -23,11 +23,10 @@ from benchmark.kernels.bench_quant_gemm import (
     time_us,
 )
 
-# (BLOCK_N, BLOCK_K channels, SPLIT_K, num_stages, num_warps[, K_PARTS]); the library's own
-# choice runs before these (its row "default"), the first of them being its narrow-N shape and
-# the second its previous one. SPLIT_K > 1 takes one warp per slice (more warps would repeat the
-# batched dot). K_PARTS (default 1) splits K over programs, each part's sums added by the last
-# of a tile's parts to arrive.
+# (BLOCK_N, BLOCK_K channels, SPLIT_K, num_stages, num_warps); the library's own choice runs
+# before these (its row "default"), the first of them being its narrow-N shape and the second
+# its previous one. SPLIT_K > 1 takes one warp per slice (more warps would repeat the batched
+# dot).
 # At N <= 8192 the 16-column blocks are few per SM, and a pipeline stage is mostly the
 # activation tile padded to 16 rows (16 x BLOCK_K bf16): fewer or shallower stages let more
 # programs share an SM, so a grid of a few hundred programs runs in one wave.
@@ -43,11 +42,6 @@ SWEEP = [
     (32, 1024, 8, 3, 8),
     (64, 256, 1, 4, 4),
     (64, 512, 4, 3, 4),
-    (16, 512, 4, 4, 4, 2),
-    (16, 512, 4, 4, 4, 3),
-    (16, 512, 4, 4, 4, 5),
-    (16, 512, 4, 3, 4, 5),
-    (16, 256, 2, 4, 2, 5),
 ]
 
 
@@ -85,17 +79,11 @@ def sweep_linear(
                 if shape is None:  # the library's own choice (it sees the groups and the device)
                     tag = "default"
                 else:
-                    bn, bk, split, stages, warps, *parts = shape
+                    bn, bk, split, stages, warps = shape
                     meta = dict(
-                        BLOCK_N=bn,
-                        BLOCK_K=bk,
-                        SPLIT_K=split,
-                        K_PARTS=parts[0] if parts else 1,
-                        num_stages=stages,
-                        num_warps=warps,
+                        BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, num_stages=stages, num_warps=warps
                     )
                     tag = f"BN{bn} BK{bk} split{split} s{stages} w{warps}"
-                    tag += f" parts{parts[0]}" if parts else ""
                     quantized._quantized_meta = lambda *args, meta=meta: dict(meta)
                 try:
                     err = max_rel_err(linear(x, w0), want)

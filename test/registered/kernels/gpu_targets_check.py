@@ -1002,17 +1002,6 @@ CASES = {
         "_quantized_linear_kernel",
         quantized_linear_case("fp8", 32768, 1280, 32, m=16),
     ),
-    # K split over programs (few column blocks): V4.1-Flash's x projection, an MXFP4 narrow one
-    "quantized_linear_fp8_32_x_proj_k_split": (
-        "linear.quantized",
-        "_quantized_linear_kernel",
-        quantized_linear_case("fp8", 1792, 5120, 32, m=1),
-    ),
-    "quantized_linear_mxfp4_k_split": (
-        "linear.quantized",
-        "_quantized_linear_kernel",
-        quantized_linear_case("mxfp4", 64, 8192, 32, m=2),
-    ),
     # fp32 activations (fp32 serving of a quantised checkpoint): wider activation tiles
     "quantized_linear_fp8_fp32": (
         "linear.quantized",

@@ -12,19 +12,12 @@ weight, the scale applied to the weights rather than per group to partial sums) 
 by the activation rows, padded to the 16-row matrix tile, in one dot, batched over 128-channel
 slices (one warp each) for the narrow blocks (`dequant.py::quantized_product`). Launch shapes
 are fixed per shape class (`_quantized_meta`; no autotuning: the engine captures CUDA graphs).
-A launch of fewer column blocks than a GPU has SMs (V4.1-Flash's x projection: 1792 columns, 112
-blocks of 16) would leave SMs idle and each busy one with a single program's stream of loads: it
-splits K over programs instead (`K_PARTS`, whole K steps a part), each part storing its fp32 sums
-as partials and the last of a tile's parts to arrive on the tile's arrival counter adding them
-in part order and re-arming the counter (`_finish_k_parts`; the counters are kept per stream,
-`_k_split_counters`).
 
 Exactness: within a tolerance of the reference, like `small_m_linear`. The dequantised tile is
 bit for bit the reference's dequantised weight (`dequant.py`), every product is exact in fp32 and
-the sums are fp32 in an order fixed by the launch shape's K step, slices and K parts (per slice
-in K-step order, each step in the matrix unit's order, then the slices' sums; with K parts each
-part's such sum, then the parts' in part order; the column block does not enter it), rounded
-once to the output dtype (nearest even on the bits for bf16). A row's result
+the sums are fp32 in an order fixed by the launch shape's K step and slices (per slice in K-step
+order, each step in the matrix unit's order, then the slices' sums; the column block does not
+enter it), rounded once to the output dtype (nearest even on the bits for bf16). A row's result
 depends neither on M nor on the other rows (the tile is always 16 rows, a larger M is more row
 blocks, and the launch shape never depends on M), so a DSpark verify of W tokens gives each
 token the bits of a single-token step. The previous kernel (a dot per scale group, scaled
@@ -65,21 +58,6 @@ _BLOCK_M = 16
 # Programs of the narrow launch shape (16-column blocks, four 512-channel stages) an SM holds:
 # shared memory allows three.
 _NARROW_PROGRAMS_PER_SM = 3
-# K split over programs (`_quantized_meta`): a narrow launch of fewer column blocks than
-# `_K_SPLIT_BELOW` (fewer programs than a GPU has SMs) cuts K into parts until it has about
-# `_K_SPLIT_PROGRAMS` programs, each part at least `_MIN_STEPS_PER_PART` K steps (a part's
-# partial store and the sum amortised over its weight bytes).
-_K_SPLIT_BELOW = 128
-_K_SPLIT_PROGRAMS = 256
-_MIN_STEPS_PER_PART = 2
-# Arrival counters of the K-split launches, one zeroed set per (device, stream), and every set
-# ever made (a captured graph keeps the address it was captured with, so none is ever freed).
-# Launches on one stream run one after another (a programmatic launch touches them only after
-# its wait for the launch before) and each leaves them zero, so they share a set; a launch on
-# another stream (a side stream, a parallel branch of a captured graph) gets its own.
-_K_SPLIT_COUNTERS: dict[tuple[str, int], torch.Tensor] = {}
-_K_SPLIT_COUNTERS_MADE: list[torch.Tensor] = []
-_K_SPLIT_COUNTERS_MIN = 4096
 
 
 @triton.jit
@@ -98,8 +76,6 @@ def _quantized_linear_kernel(
     stride_xg,
     stride_wg,
     stride_yg,
-    partials_ptr,
-    counters_ptr,
     FP4: tl.constexpr,
     PTX: tl.constexpr,
     ALIGNED: tl.constexpr,
@@ -114,62 +90,46 @@ def _quantized_linear_kernel(
     SCALE_ALIGN: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     DOT_FP32: tl.constexpr,
-    K_PARTS: tl.constexpr,
-    PART_LEN: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Program (column block x K part, group, row block): a group's x columns, weight, scales
-    # and output columns start at its group strides (0 for a plain linear); row block r owns
-    # rows [r * BLOCK_M, (r + 1) * BLOCK_M), each computed as it would be in a call of its own;
-    # K part p multiplies input channels [p * PART_LEN, (p + 1) * PART_LEN) (all of them with
-    # one part), the last of a tile's parts to arrive sums them (`_finish_k_parts`).
-    col_block = tl.program_id(0) // K_PARTS
-    part = tl.program_id(0) % K_PARTS
+    # Program (column block, group, row block): a group's x columns, weight, scales and output
+    # columns start at its group strides (0 for a plain linear); row block r owns rows
+    # [r * BLOCK_M, (r + 1) * BLOCK_M), each computed as it would be in a call of its own.
     group = tl.program_id(1).to(tl.int64)
-    row_block = tl.program_id(2)
-    row0 = row_block.to(tl.int64) * BLOCK_M
-    all_rows = M
+    row0 = tl.program_id(2).to(tl.int64) * BLOCK_M
     x_ptr += row0 * stride_xm
     y_ptr += row0 * stride_ym
     M -= row0
     offs_m = tl.arange(0, BLOCK_M)
-    offs_n = col_block * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
     mask_n = offs_n < N
     w_ptr += group * stride_wg
     # A group's rows are rows group * N + n of the stacked weight (its scale blocks may span
     # groups).
     scale_row = (group * N + tl.minimum(offs_n, N - 1).to(tl.int64)) // SCALE_ROWS
-    PER_ELEMENT: tl.constexpr = 2 if FP4 else 1  # channels per stored byte
-    # The part's channels: its offsets are multiples of constexprs (PART_LEN is a multiple of
-    # BLOCK_K and of GROUP), so the rows keep their known alignment.
-    if K_PARTS == 1:
-        k_len = K
-    else:
-        k_len = tl.minimum(K - part * PART_LEN, PART_LEN)
-    part_bytes = part.to(tl.int64) * (PART_LEN // PER_ELEMENT)
-    part_groups = part.to(tl.int64) * (PART_LEN // GROUP)
     if PDL:
-        # The weight and its scales are no kernel's output: the part's first K step's weight
-        # lines and every scale line of the program's rows stream into L2 while the previous
-        # kernel finishes (hints only: no result bit depends on them).
+        # The weight and its scales are no kernel's output: the first K step's weight lines
+        # and every scale line of the program's rows stream into L2 while the previous kernel
+        # finishes (hints only: no result bit depends on them).
+        PER_ELEMENT: tl.constexpr = 2 if FP4 else 1  # channels per stored byte
         row_len = (K + PER_ELEMENT - 1) // PER_ELEMENT
         FIRST: tl.constexpr = BLOCK_K // PER_ELEMENT
-        prefetch_tile_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, part_bytes, row_len, FIRST)
+        prefetch_tile_l2(w_ptr, tl.minimum(offs_n, N - 1), stride_wn, 0, row_len, FIRST)
         groups = (K + GROUP - 1) // GROUP
         for g0 in range(0, groups, 256):
             prefetch_tile_l2(s_ptr, scale_row, stride_sn, g0, groups, 256)
     wait_for_producers(PDL)  # x is the previous kernel's output; y may still be read by it
-    x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm + part * PART_LEN
-    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn + part_bytes
-    s_rows = tl.multiple_of(s_ptr + scale_row * stride_sn, SCALE_ALIGN) + part_groups
+    x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm
+    w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
+    s_rows = tl.multiple_of(s_ptr + scale_row * stride_sn, SCALE_ALIGN)
     acc = quantized_product(
         x_rows,
         mask_m,
         w_rows,
         mask_n,
         s_rows,
-        k_len,
+        K,
         BLOCK_M,
         BLOCK_N,
         BLOCK_K,
@@ -182,69 +142,14 @@ def _quantized_linear_kernel(
         EVEN_K,
         SCALES_AHEAD,
     )
-    y_rows = y_ptr + group * stride_yg + offs_m[:, None].to(tl.int64) * stride_ym
-    mask = mask_m[:, None] & mask_n[None, :]
-    if K_PARTS == 1:
-        _store_rows(acc, y_rows + offs_n[None, :], mask, ROUND_BF16)
-    else:
-        # Partials [K_PARTS, groups, M, N] fp32: this part's sums of the tile.
-        tile = (group * all_rows + row0 + offs_m[:, None]) * N + offs_n[None, :]
-        part_stride = tl.num_programs(1).to(tl.int64) * all_rows * N
-        counter = (group * tl.num_programs(2) + row_block) * tl.cdiv(N, BLOCK_N) + col_block
-        _finish_k_parts(
-            acc,
-            part,
-            partials_ptr + tile,
-            part_stride,
-            counters_ptr + counter,
-            y_rows + offs_n[None, :],
-            mask,
-            K_PARTS,
-            ROUND_BF16,
-        )
-
-
-@triton.jit
-def _store_rows(acc, y_ptrs, mask, ROUND_BF16: tl.constexpr):
-    """The fp32 sums rounded once to the output dtype (nearest even on the bits for bf16)."""
     if ROUND_BF16:
         acc = round_to_bf16(acc)
-    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _finish_k_parts(
-    acc,
-    part,
-    tile_partials,
-    part_stride,
-    counter,
-    y_ptrs,
-    mask,
-    K_PARTS: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-):
-    """A K part's epilogue: store its fp32 sums `acc` into the tile's partials (part `part`),
-    count itself in on the tile's arrival counter, and if last to arrive, re-arm the counter
-    (zero: ready for the next launch or graph replay) and store the parts' sum in part order.
-    Whichever program arrives last, it reads the same fp32 partials and adds them in the same
-    order: the bits depend on neither the arrival order nor the program that sums."""
-    tl.store(tile_partials + part * part_stride, acc, mask=mask)
-    # Release ours, acquire the other parts' (the barrier orders every thread's store before
-    # the one atomic).
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == K_PARTS - 1
-    if last:
-        tl.store(counter, 0)
-        total = tl.zeros_like(acc)
-        for p in tl.static_range(K_PARTS):
-            total += tl.load(
-                tile_partials + p * part_stride,
-                mask=mask,
-                other=0.0,
-                cache_modifier=".cg",  # written by other programs: past this SM's L1
-            )
-        _store_rows(total, y_ptrs, mask, ROUND_BF16)
+    y_rows = y_ptr + group * stride_yg + offs_m[:, None].to(tl.int64) * stride_ym
+    tl.store(
+        y_rows + offs_n[None, :],
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
 
 
 def _quantized_meta(
@@ -267,10 +172,6 @@ def _quantized_meta(
     waves on 132 SMs, the last a third full) take 32-column blocks: half the programs in one
     wave, and each activation tile read for twice the weight columns (at 16 rows it outweighs
     the weight tile it multiplies): V4.1's o_a 1.36x / 1.55x / 1.48x at M 1 / 16 / 32 on an H100.
-    Fewer column blocks than `_K_SPLIT_BELOW` (V4.1's x projection: 112) split K into up to
-    `_K_SPLIT_PROGRAMS` / blocks parts of at least `_MIN_STEPS_PER_PART` steps (`K_PARTS`; the
-    parts enter the sum's order, so they depend on (N, K) and the groups only, not on the
-    device).
     Wider N (an lm_head): 64-column blocks, 256-channel steps in one dot; 512 programs at N =
     32768 with a pipeline of at most 48 KB, so four share an SM and they all run in one wave."""
     if n > 8192:
@@ -278,7 +179,6 @@ def _quantized_meta(
             "BLOCK_N": 64,
             "BLOCK_K": quantized_block_k(fmt, k),
             "SPLIT_K": 1,
-            "K_PARTS": 1,
             "num_stages": 3,
             "num_warps": 4,
         }
@@ -286,44 +186,14 @@ def _quantized_meta(
     # 227 KB of shared memory an sm90 block may have.
     block_k = quantized_block_k(fmt, k, 512)
     split = max(1, block_k // 128)
-    col_blocks = triton.cdiv(n, 16) * groups
-    beyond_a_wave = col_blocks > _NARROW_PROGRAMS_PER_SM * sms
-    parts = 1
-    if col_blocks < _K_SPLIT_BELOW:
-        by_steps = triton.cdiv(k, block_k) // _MIN_STEPS_PER_PART
-        parts = max(1, min(by_steps, triton.cdiv(_K_SPLIT_PROGRAMS, col_blocks)))
+    beyond_a_wave = triton.cdiv(n, 16) * groups > _NARROW_PROGRAMS_PER_SM * sms
     return {
         "BLOCK_N": 32 if beyond_a_wave else 16,
         "BLOCK_K": block_k,
         "SPLIT_K": split,
-        "K_PARTS": parts,
         "num_stages": quantized_stages(fmt, 4),
         "num_warps": max(2, split),
     }
-
-
-def _k_parts(k: int, parts: int, block_k: int, group: int) -> tuple[int, int]:
-    """(parts, channels a part) of a launch asked for `parts` K parts: whole K steps a part (a
-    multiple of the scale group too), the last part the rest; (1, 0) unsplit."""
-    if parts <= 1:
-        return 1, 0
-    part_len = triton.cdiv(triton.cdiv(k, block_k), parts) * block_k
-    if part_len % group or part_len >= k:
-        return 1, 0
-    return triton.cdiv(k, part_len), part_len
-
-
-def _k_split_counters(device: torch.device, needed: int) -> torch.Tensor:
-    """At least `needed` zeroed int32 arrival counters for a K-split launch on the current
-    stream of `device` (`_K_SPLIT_COUNTERS`)."""
-    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
-    key = (str(device), stream)
-    held = _K_SPLIT_COUNTERS.get(key)
-    if held is None or held.numel() < needed:
-        size = max(needed, _K_SPLIT_COUNTERS_MIN)
-        held = _K_SPLIT_COUNTERS[key] = torch.zeros(size, dtype=torch.int32, device=device)
-        _K_SPLIT_COUNTERS_MADE.append(held)
-    return held
 
 
 def _check(x: torch.Tensor, weight: QuantizedWeight, k: int) -> None:
@@ -415,15 +285,9 @@ def _launch(
     (the weight group stride in stored elements)."""
     (m, k), n = x.shape, weight.data.shape[0]
     meta = _quantized_meta(weight.fmt, n, k, groups, sm_count(x.device))
-    parts, part_len = _k_parts(k, meta.pop("K_PARTS", 1), meta["BLOCK_K"], weight.group)
     data = weight.data
     stride_xg, stride_wg, stride_yg = group_strides
-    col_blocks, row_blocks = triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, _BLOCK_M)
-    grid = (col_blocks * parts, groups, row_blocks)
-    partials = counters = out  # never touched by an unsplit launch
-    if parts > 1:
-        partials = torch.empty((parts, groups, m, n), dtype=torch.float32, device=x.device)
-        counters = _k_split_counters(x.device, groups * row_blocks * col_blocks)
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, _BLOCK_M))
     _quantized_linear_kernel[grid](
         x,
         data,
@@ -439,8 +303,6 @@ def _launch(
         stride_xg,
         stride_wg,
         stride_yg,
-        partials,
-        counters,
         FP4=weight.fmt == "mxfp4",
         PTX=fp4_ptx_decode(x.device),
         ALIGNED=fp4_rows_aligned(weight),
@@ -457,8 +319,6 @@ def _launch(
         # multiply the exact fp32 weights, as does the CPU interpreter, whose 16-bit tl.dot and
         # bf16 arithmetic are unreliable (the products are exact either way).
         DOT_FP32=x.dtype != torch.bfloat16 or interpreted(_quantized_linear_kernel),
-        K_PARTS=parts,
-        PART_LEN=part_len,
         **meta,
         **programmatic_launch(_quantized_linear_kernel, x.device),
     )
