@@ -58,6 +58,10 @@
 #                boundary), one launch each, their hardware counters (speed of light, launch
 #                shape, occupancy, issue slots, warp stalls, memory, instructions); NCU_TARGETS
 #                picks some (ncu_targets.py --targets), NCU_LAUNCHES launches each
+#   attn_splits  probe_attention_splits.py: the decode attention at the rank model's shapes (64
+#                heads x 512, window 128 + 512 selected entries, M 1 and 4), the library's split
+#                of the key range against forced splits, checked, then timed over 40 layers'
+#                inputs
 #   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
@@ -88,6 +92,7 @@
 #   env,scale_loads         under a minute  (240 s)
 #   env,mhc_phases          ~3 minutes  (480 s)
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
+#   env,attn_splits         ~1 minute, not yet timed (180 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -247,6 +252,12 @@ if has sweep_grouped; then
   run 240 sweep_grouped.log python3 benchmark/kernels/bench_quant_gemm.py --sweep --m 1,16,32 \
     --only grouped --sweep-formats fp8/32 --out "$WORK/quant_sweep_grouped.md"
   show "$WORK/quant_sweep_grouped.md"
+fi
+if has attn_splits; then
+  stage attn_splits 180
+  run 180 attn_splits.log python3 benchmark/kernels/probe_attention_splits.py --m 1,4 \
+    --out "$WORK/attn_splits.md"
+  show "$WORK/attn_splits.md"
 fi
 if has w8a8; then
   stage w8a8 120
