@@ -32,7 +32,8 @@
 #                .ab) holds the base tree's python/ and benchmark/, e.g. `git archive REV python
 #                benchmark | tar -x -C .ab`, carried with the call; RANK_AB_SYSTEM another
 #                system of bench_native.py (dspark_static: DSpark at its static width), with
-#                RANK_AB_ROUND_S seconds a round (default 135)
+#                RANK_AB_ROUND_S seconds a round (default 135); abba_summary.py then reads
+#                the rounds together (means, speedup, greedy tokens equal or not)
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
 #                (one process each): device kernels per step by time, then host ops
 #   rank_profile_serial  the rank model's plain decode at bs 1 under torch.profiler with
@@ -198,6 +199,9 @@ rank_ab_round() {  # ROUND SIDE ROOT: the rank model's decode at bs 1 on ROOT's 
 if has rank_ab; then  # each side's rows in a table of its own; read them in ABBA order
   stage rank_ab 540
   abba rank_ab "${RANK_AB_BASE:-.ab}" rank_ab_round
+  run 30 rank_ab/summary.log python3 benchmark/gpu/abba_summary.py "$WORK/rank_ab" \
+    --out "$WORK/rank_ab_summary.md"
+  show "$WORK/rank_ab_summary.md"
 fi
 if has rank_profile; then  # the kernel list heads each profile's table in the summary
   stage rank_profile 400
