@@ -72,9 +72,9 @@ if TYPE_CHECKING:
 # path). Each route streams its expert's weights itself, which stops paying once tokens share
 # experts (`benchmark/kernels/probe_moe_token.py`; measured in benchmark/results/kernels.md): up
 # to 4 tokens for experts in the activation dtype; kept as stored, up to 2 tokens for MXFP4 and 1
-# for FP8 (from 2 on within a few percent). MXFP4 at 3-4 tokens timed faster per token alone
-# (1.15x / 1.04x) but made a bs 1 DSpark step (a 4-token verify) 1.04x slower than the sorted
-# path did, measured on the whole step (benchmark/results/engine.md).
+# for FP8 (from 2 on within a few percent). MXFP4 at 3-4 tokens timed faster alone but made a
+# bs 1 DSpark step (a 4-token verify) slower than the sorted path did, measured on the whole
+# step (benchmark/results/engine.md).
 TOKEN_PATH_MAX_M = 4
 QUANTIZED_TOKEN_PATH_MAX_M = {"mxfp4": 2, "fp8": 1}
 
