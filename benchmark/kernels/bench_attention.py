@@ -32,8 +32,16 @@ M_VALUES = (1, 4, 8, 24, 32, 128)
 _BS_W = {1: (1, 1), 4: (1, 4), 8: (1, 8), 24: (8, 3), 32: (8, 4), 128: (32, 4)}
 
 
-def _inputs(m: int, device: str) -> dict[str, Any]:
-    gen = torch.Generator().manual_seed(4321 + m)
+def _inputs(
+    m: int,
+    device: str,
+    heads: int = HEADS_LOCAL,
+    window_dtype: torch.dtype = torch.bfloat16,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """M token rows (`_BS_W`) of `heads` query heads, the window cache stored in `window_dtype`;
+    `seed` draws another set of the same shapes."""
+    gen = torch.Generator().manual_seed(4321 + m + 100_000 * seed)
     bs, w = _BS_W.get(m, (max(m // 4, 1), 4))
     seq_lens = torch.randint(1024, 4096, (bs,), generator=gen)
     max_ctx = 4096
@@ -48,12 +56,12 @@ def _inputs(m: int, device: str) -> dict[str, Any]:
     tokens = positions.shape[0]
     entry_rows = num_pages * PAGE // 4
     inputs = dict(
-        q=torch.randn(tokens, HEADS_LOCAL, HEAD_DIM, generator=gen).to(torch.bfloat16),
-        window_kv=torch.randn(num_pages * PAGE, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        q=torch.randn(tokens, heads, HEAD_DIM, generator=gen).to(torch.bfloat16),
+        window_kv=torch.randn(num_pages * PAGE, HEAD_DIM, generator=gen).to(window_dtype),
         positions=positions.contiguous(),
         token_slot=token_slot.contiguous(),
         req_to_token=table,
-        sinks=torch.randn(HEADS_LOCAL, generator=gen),
+        sinks=torch.randn(heads, generator=gen),
         # The indexer's selection, read in place from the layer's entry pool (CSA, m = 4).
         extra_kv=torch.randn(entry_rows, HEAD_DIM, generator=gen).to(torch.bfloat16),
         extra_slots=torch.randint(0, entry_rows, (tokens, NUM_EXTRA), generator=gen),
@@ -85,8 +93,9 @@ def _bytes(m: int) -> int:
 ROPE_DIM = 64
 
 
-def _rope_inputs(m: int, device: str) -> dict[str, Any]:
-    inputs = _inputs(m, device)
+def _rope_inputs(m: int, device: str, **shape: Any) -> dict[str, Any]:
+    """`_inputs` (its keyword arguments `shape`) with the inverse rope's cos / sin tables."""
+    inputs = _inputs(m, device, **shape)
     angles = (
         torch.rand(inputs["q"].shape[0], ROPE_DIM // 2, generator=torch.Generator().manual_seed(m))
         * 7
