@@ -6,6 +6,7 @@ dequantise-then-reference, then timed with that script's harness."""
 from __future__ import annotations
 
 import torch
+from sgl_dspark.kernels.linear.reference import small_m_grouped_linear_ref, small_m_linear_ref
 
 from benchmark.kernels.bench_quant_gemm import (
     FORMATS,
@@ -15,7 +16,6 @@ from benchmark.kernels.bench_quant_gemm import (
     _generator,
     _label,
     _reps,
-    dequantize_weight_ref,
     max_rel_err,
     quantize_random,
     quantized_grouped_linear,
@@ -61,20 +61,17 @@ def sweep_linear(
     default_meta = quantized._quantized_meta
     gen = _generator(n + k)
     linear = quantized_linear if groups == 1 else quantized_grouped_linear
+    reference = small_m_linear_ref if groups == 1 else small_m_grouped_linear_ref
     out = []
     for fmt, group in formats:
         w0 = quantize_random((groups * n, k), fmt, group, gen)
         weights = [w0] + [
             quantize_random((groups * n, k), fmt, group, gen) for _ in range(_copies(w0.nbytes) - 1)
         ]
-        ref_w = dequantize_weight_ref(w0, torch.float32)
         for m in m_values:
             rows = (m, k) if groups == 1 else (m, groups, k)
             x = torch.randn(rows, generator=gen, device=SETUP.device).to(torch.bfloat16)
-            if groups == 1:
-                want = x.float() @ ref_w.T
-            else:
-                want = torch.einsum("mgk,gnk->mgn", x.float(), ref_w.view(groups, n, k))
+            want = reference(x.float(), w0)  # fp32 sums of the exact fp32 weights
             for shape in [None, *SWEEP]:
                 if shape is None:  # the library's own choice (it sees the groups and the device)
                     tag = "default"
@@ -96,5 +93,5 @@ def sweep_linear(
                     quantized._quantized_meta = default_meta
                 moved = w0.nbytes + 2 * groups * (m * k + m * n)
                 out.append(Row(name, m, f"{_label(fmt, group)} {tag}", us, moved, err))
-        del weights, ref_w
+        del weights
     return out
