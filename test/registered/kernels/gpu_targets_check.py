@@ -798,7 +798,10 @@ def _candidate_block_max() -> Callable[[], object]:
     return lambda: candidate_block_max(torch.randn(2, 16384), torch.tensor([16384, 9]), 8)
 
 
-def _mhc_single_pass(d: int, close_only: bool) -> Callable[[], object]:
+def _mhc_single_pass(d: int, close_only: bool, apart: bool = False) -> Callable[[], object]:
+    """apart: the coefficients' program in a launch of its own (`coeffs_scope`)."""
+    import contextlib
+
     from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine
 
     n, r = 4, 24
@@ -817,6 +820,7 @@ def _mhc_single_pass(d: int, close_only: bool) -> Callable[[], object]:
                 sinkhorn_iters=20,
                 rms_eps=1e-20,
                 collapse_pre=pre,
+                coeffs_scope=contextlib.nullcontext if apart else None,
             )
 
     return run
@@ -1228,6 +1232,11 @@ CASES = {
         "mhc.post_combine",
         "_mhc_post_combine_kernel",
         _mhc_single_pass(5120, False),
+    ),
+    "mhc_single_pass_coeffs_apart_d5120": (
+        "mhc.post_combine",
+        "_mhc_post_combine_kernel",
+        _mhc_single_pass(5120, False, apart=True),
     ),
     "mhc_post_collapse_d5120": (
         "mhc.post_combine",

@@ -21,6 +21,14 @@ post' and comb' and (row, 1 + c) norming x_in's chunk c, one warp each (a phase 
 given pre without computing any coefficients (before an Engram layer, and the final norm):
 phase A without the projection, phase B the norm chunks only.
 
+The coefficients apart (`coeffs_scope`): in a single-pass boundary nothing the next sublayer
+reads waits for pre', post' and comb' (its input was collapsed with the previous pre), yet in
+one phase-B launch the norm's consumer waits for the whole grid, the coefficients' Sinkhorn
+chain included. With a scope, the coefficients' program is a launch of its own inside it (the
+model's boundaries fork it to a side stream while a CUDA graph is captured) and the norm chunks
+are the current stream's phase B: the Sinkhorn chain then runs beside the next sublayer's
+GEMMs, and only the next boundary, which reads the coefficients, waits for it.
+
 Exactness: ``Rs'`` is bit-exact against the reference on any backend (elementwise, fixed operand
 order, FMA contraction off, bf16 rounding on the bits), and so is ``x_in`` collapsed with a given
 ``collapse_pre``. The coefficients, ``x_in`` collapsed with pre' and the normed input go through
@@ -31,6 +39,9 @@ a row's result never depends on M, on its position in the batch or on the grid.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 import torch
 import triton
@@ -67,6 +78,9 @@ _MAX_FINISH_BLOCK = 8192
 # the critical path) stay within a warp; a norm program then holds 32 columns a thread.
 _NORM_BLOCK = 1024
 _NORM_WARPS = 1
+
+# A scope the coefficients' launch is issued in (`coeffs_scope` of the launchers).
+CoefficientsScope = Callable[[], AbstractContextManager[object]]
 
 
 def collapse_in_stream_pass(collapse_pre: torch.Tensor | None) -> bool:
@@ -120,12 +134,15 @@ def _mhc_post_combine_kernel(
     UE8M0: tl.constexpr,
     COLLAPSE_IN_A: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
+    FIRST_PART: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """PHASE 0: grid (row tiles, D slices), see `stream_update_and_partials`. PHASE 1: grid
     (M, 2) (M, 1 without HAS_COEFFS), program (row, 0) collapses and norms, program (row, 1)
     forms post' and comb'; with COLLAPSE_IN_A, grid (M, HAS_COEFFS + norm chunks): program
-    (row, 0) forms pre', post' and comb' (HAS_COEFFS), the others norm a chunk of x_in each."""
+    (row, 0) forms pre', post' and comb' (HAS_COEFFS), the others norm a chunk of x_in each.
+    A phase-B launch may hold only some of a row's programs: its axis 1 starts at program
+    FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another)."""
     if PHASE == 0:
         stream_update_and_partials(
             streams_ptr,
@@ -153,7 +170,7 @@ def _mhc_post_combine_kernel(
     else:
         wait_for_producers(PDL)  # phase A's partials, Rs' and x_in are read first
         row = tl.program_id(0).to(tl.int64)
-        part = tl.program_id(1)
+        part = tl.program_id(1) + FIRST_PART
         # The coefficients' program: the first where phase A collapsed (pre' is then its to
         # form), else the second, beside the program that collapses with pre'.
         if HAS_COEFFS and part == (0 if COLLAPSE_IN_A else 1):
@@ -252,6 +269,7 @@ def mhc_post_combine(
     out: MhcPostCombineOutput | None = None,
     collapse_pre: torch.Tensor | None = None,
     fp8_out: Fp8ActFormat | None = None,
+    coeffs_scope: CoefficientsScope | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_post_combine_ref` in two launches of one kernel, no host sync.
 
@@ -268,6 +286,12 @@ def mhc_post_combine(
         fp8_out: also write the normed input's per-token-group FP8 form (the next sublayer's
             W8A8 GEMMs read it): `quantize_act_fp8_ref(x_normed, *fp8_out)`, bit-exact (the
             quantiser runs on the stored values in phase B; nothing else changes).
+        coeffs_scope: single pass only (collapse_pre given): phase B's coefficient programs
+            (pre', post', comb') run as a launch of their own, issued inside this scope (e.g.
+            a side stream forked from the current one), and only the norm's programs follow on
+            the current stream: the next sublayer, which reads x_normed, no longer waits for
+            the Sinkhorn chain. The same programs run, so the same bits come out; the caller
+            orders every read of pre', post' and comb' after the scope's work.
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed, x_fp8).
     """
@@ -282,6 +306,7 @@ def mhc_post_combine(
         out=out,
         collapse_pre=collapse_pre,
         fp8_out=fp8_out,
+        coeffs_scope=coeffs_scope,
     )
 
 
@@ -298,6 +323,7 @@ def mhc_pre(
     out: MhcPostCombineOutput | None = None,
     collapse_pre: torch.Tensor | None = None,
     fp8_out: Fp8ActFormat | None = None,
+    coeffs_scope: CoefficientsScope | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_pre_ref` (open the first sublayer): `mhc_post_combine`'s launches without the
     stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
@@ -313,6 +339,7 @@ def mhc_pre(
         out=out,
         collapse_pre=collapse_pre,
         fp8_out=fp8_out,
+        coeffs_scope=coeffs_scope,
     )
 
 
@@ -357,6 +384,7 @@ def _launch(
     out: MhcPostCombineOutput | None,
     collapse_pre: torch.Tensor | None,
     fp8_out: Fp8ActFormat | None,
+    coeffs_scope: CoefficientsScope | None = None,
 ) -> MhcPostCombineOutput:
     require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
@@ -385,6 +413,11 @@ def _launch(
     if collapse_pre is not None:
         check_tensor("collapse_pre", collapse_pre, (m, n), f32, dev)
     check_tensor("norm_weight", norm_weight, (d,), (torch.float32, torch.bfloat16), dev)
+    require(
+        coeffs_scope is None or (coeffs is not None and collapse_in_stream_pass(collapse_pre)),
+        "coeffs_scope: only a single-pass boundary (collapse_pre given) that forms coefficients "
+        "launches them apart",
+    )
 
     out_shapes = [(m, n, d), (m, n), (m, n), (m, n, n), (m, d), (m, d)]
     out_dtypes = [act, torch.float32, torch.float32, torch.float32, act, act]
@@ -465,15 +498,33 @@ def _launch(
         **programmatic_launch(_mhc_post_combine_kernel, dev),
     )
     _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
-        *args, PHASE=0, BLOCK_M=block_m, num_warps=_PHASE_A_WARPS, **meta
+        *args, PHASE=0, BLOCK_M=block_m, FIRST_PART=0, num_warps=_PHASE_A_WARPS, **meta
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
     if collapse_in_a:
-        grid_b = (m, int(coeffs is not None) + triton.cdiv(d, norm_block))
+        norm_chunks = triton.cdiv(d, norm_block)
+        if coeffs_scope is not None:
+            # The coefficients' programs apart (the same programs, so the same bits), inside
+            # the caller's scope; only the norm chunks stay before the next sublayer.
+            with coeffs_scope():
+                _mhc_post_combine_kernel[(m, 1)](
+                    *args, PHASE=1, BLOCK_M=1, FIRST_PART=0, num_warps=_NORM_WARPS, **meta
+                )
+                if dev.type == "cuda":  # not reused before the scope's stream is done with them
+                    stream = torch.cuda.current_stream(dev)
+                    for tensor in (partials, out.pre, out.post, out.comb):
+                        tensor.record_stream(stream)
+            _mhc_post_combine_kernel[(m, norm_chunks)](
+                *args, PHASE=1, BLOCK_M=1, FIRST_PART=1, num_warps=_NORM_WARPS, **meta
+            )
+            return out
+        grid_b = (m, int(coeffs is not None) + norm_chunks)
         warps_b = _NORM_WARPS
     else:
         # About 512 row elements per warp, i.e. n fp32 stream values of 16 columns per thread.
         grid_b = (m, 2 if coeffs is not None else 1)
         warps_b = min(16, max(4, finish_block // 512))
-    _mhc_post_combine_kernel[grid_b](*args, PHASE=1, BLOCK_M=1, num_warps=warps_b, **meta)
+    _mhc_post_combine_kernel[grid_b](
+        *args, PHASE=1, BLOCK_M=1, FIRST_PART=0, num_warps=warps_b, **meta
+    )
     return out

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Protocol
 
 import torch
@@ -167,6 +168,46 @@ class HcBoundary(Protocol):
         (streams', collapse, normed collapse); no coefficients are computed."""
 
 
+class CoefficientStream:
+    """Where a single-pass boundary's coefficients run (`mhc_post_combine`'s `coeffs_scope`):
+    while a CUDA graph is captured, on a side stream forked from the current one after the
+    boundary's phase A and joined back by the next boundary launch, which reads them; so the
+    Sinkhorn chain runs beside the sublayer's GEMMs instead of before them. Eagerly (and off
+    CUDA) nowhere apart: two stream switches a boundary would cost host time in a step the
+    host already bounds. The same programs run either way, so the bits do not change."""
+
+    def __init__(self) -> None:
+        self._side: torch.cuda.Stream | None = None
+        self._joiner: torch.cuda.Stream | None = None  # the stream that forked, until it joins
+
+    def scope(self, device: torch.device) -> Callable[[], AbstractContextManager[object]] | None:
+        """The scope to launch the coefficients in on `device`, or None (the usual launch)."""
+        if device.type != "cuda":
+            return None
+        if self._side is None or self._side.device != device:
+            # Made on the first call, an eager one: a graph runner warms up before it captures.
+            self._side = torch.cuda.Stream(device)
+        if not torch.cuda.is_current_stream_capturing():
+            return None
+        return self._fork
+
+    @contextmanager
+    def _fork(self) -> Iterator[None]:
+        assert self._side is not None and self._joiner is None, "a fork was left unjoined"
+        current = torch.cuda.current_stream(self._side.device)
+        self._side.wait_stream(current)  # after phase A, which wrote the partials
+        with torch.cuda.stream(self._side):
+            yield
+        self._joiner = current
+
+    def join(self) -> None:
+        """Order the current stream's next work after the forked coefficients (no-op if none)."""
+        if self._joiner is not None:
+            assert self._side is not None
+            self._joiner.wait_stream(self._side)
+            self._joiner = None
+
+
 def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     """The fused sublayer boundary of the "mhc" family, or None for the unfused torch path.
 
@@ -201,9 +242,13 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
     def opening(
         streams: torch.Tensor, hc: HyperConnection, norm: RMSNorm, collapse_pre: torch.Tensor | None
     ) -> dict:
-        """The arguments that open a sublayer at mixer `hc` and its norm (both launches')."""
+        """The arguments that open a sublayer at mixer `hc` and its norm (both launches'). A
+        single-pass site's coefficients go apart (`CoefficientStream`); every launch first
+        joins the coefficients of the site before it, which it reads."""
         assert norm.eps == hc.rms_eps, (norm.eps, hc.rms_eps)
+        side.join()
         return {
+            "coeffs_scope": side.scope(streams.device) if collapse_pre is not None else None,
             "fn": hc.fn,
             "base": hc.base,
             "scale": hc.scale,
@@ -240,6 +285,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
         return mhc_pre(streams, **opening(streams, hc, norm, collapse_pre))
 
     fp8 = fp8_linear_impl(kernels)
+    side = CoefficientStream()
 
     def fp8_out(streams: torch.Tensor) -> Fp8ActFormat | None:
         """The FP8 form to write for a sublayer input of these rows, if any."""
@@ -289,6 +335,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             # kernel instead of the unfused stream update (five torch launches) and another.
             assert norm.eps == head.rms_eps, (norm.eps, head.rms_eps)
             fn, base, scale = _padded_head_params(head)
+            side.join()
             out = mhc_post_combine(
                 streams,
                 y.contiguous(),
@@ -336,6 +383,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             pre: torch.Tensor,
             norm: RMSNorm,
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            side.join()
             out = mhc_post_collapse(
                 streams, y.contiguous(), post, comb, pre, norm.weight, rms_eps=norm.eps
             )
