@@ -53,6 +53,7 @@ if TYPE_CHECKING:
         combine_shard_argmax,
         shard_argmax_pairs,
         vocab_argmax,
+        vocab_greedy_logprobs,
     )
     from sgl_dspark.kernels.spec.accept import spec_accept
     from sgl_dspark.kernels.spec.draft_inputs import prepare_draft_inputs
@@ -108,6 +109,7 @@ _EXPORTS = {
     "combine_shard_argmax": "sampling.vocab_argmax",
     "shard_argmax_pairs": "sampling.vocab_argmax",
     "vocab_argmax": "sampling.vocab_argmax",
+    "vocab_greedy_logprobs": "sampling.vocab_argmax",
     "spec_accept": "spec.accept",
     "prepare_draft_inputs": "spec.draft_inputs",
     "markov_greedy": "spec.markov",
@@ -166,6 +168,7 @@ __all__ = [
     "small_m_linear",
     "spec_accept",
     "vocab_argmax",
+    "vocab_greedy_logprobs",
     "w8a8_grouped_linear",
     "w8a8_linear",
     "w8a8_split_k_linear",

@@ -798,6 +798,13 @@ def _candidate_block_max() -> Callable[[], object]:
     return lambda: candidate_block_max(torch.randn(2, 16384), torch.tensor([16384, 9]), 8)
 
 
+def _greedy_logprobs(rows: int, vocab: int) -> Callable[[], object]:
+    """The argmax launches with the logprob's sums (one chunk per row when vocab is small)."""
+    from sgl_dspark.kernels.sampling.vocab_argmax import vocab_greedy_logprobs
+
+    return lambda: vocab_greedy_logprobs(torch.randn(rows, vocab))
+
+
 def _mhc_single_pass(d: int, close_only: bool, apart: bool = False) -> Callable[[], object]:
     """apart: the coefficients' program in a launch of its own (`coeffs_scope`)."""
     import contextlib
@@ -1227,6 +1234,21 @@ CASES = {
         "indexer.v41_logits",
         "_candidate_block_max_kernel",
         _candidate_block_max(),
+    ),
+    "greedy_logprobs_chunks": (
+        "sampling.vocab_argmax",
+        "_chunk_argmax_kernel",
+        _greedy_logprobs(2, 129280),
+    ),
+    "greedy_logprobs_combine": (
+        "sampling.vocab_argmax",
+        "_combine_pairs_kernel",
+        _greedy_logprobs(2, 129280),
+    ),
+    "greedy_logprobs_one_chunk": (
+        "sampling.vocab_argmax",
+        "_chunk_argmax_kernel",
+        _greedy_logprobs(3, 300),
     ),
     "mhc_single_pass_d5120": (
         "mhc.post_combine",

@@ -446,3 +446,47 @@ def test_inverse_cdf_of_nan_or_massless_rows_stays_in_the_vocabulary():
         picked = sample_from_probs(probs, torch.full((4,), u)).tolist()
         assert picked[0] == 0 and picked[2] == 0
         assert picked[1] in (2, 4) and picked[3] == 2
+
+
+# ---------------------------------------------------------------- greedy picks by kernel family
+
+
+@pytest.mark.parametrize("rows,vocab", [(1, 7), (5, 3000)])
+def test_greedy_pick_of_the_triton_family_and_the_logits_reader(rows, vocab):
+    """An all-greedy batch on the triton "sampling" family (the logprob summed in the argmax
+    launches) against the torch family: the same ids, logprobs within fp32 rounding, NaN where
+    log_softmax gives NaN. The one-rank LogitsReader returns the sampler's picks bit for bit
+    and the logprob at probe ids within rounding of log_softmax; under batch invariance the
+    triton family keeps log_softmax itself."""
+    from sgl_dspark.srt.core.kernel_choice import KernelChoice
+    from sgl_dspark.srt.distributed.communicator import SingleProcessCommunicator
+    from sgl_dspark.srt.layers.vocab_parallel import LogitsReader
+
+    gen = torch.Generator().manual_seed(rows + vocab)
+    logits = torch.randn(rows, vocab, generator=gen) * 3
+    if rows > 1:
+        logits[0, vocab // 2] = float("nan")
+    info = _info([SamplingParams(temperature=0)] * rows, vocab)
+    triton = KernelChoice(backend="triton")
+    want = Sampler()(logits, info)
+    got = Sampler(triton)(logits, info)
+    assert torch.equal(got.next_token_ids, want.next_token_ids)
+    torch.testing.assert_close(got.next_token_logprobs, want.next_token_logprobs, equal_nan=True)
+    assert torch.isnan(got.next_token_logprobs[0]).item() == (rows > 1)
+
+    probes = torch.randint(0, vocab, (rows,), generator=gen)
+    full = torch.log_softmax(logits, -1)
+    for kernels in (KernelChoice(), triton):
+        pick = LogitsReader(vocab, SingleProcessCommunicator(), kernels).greedy(logits, probes)
+        sampler = Sampler(kernels)(logits, info)
+        assert torch.equal(pick.ids, sampler.next_token_ids)
+        assert torch.equal(
+            pick.logprobs.view(torch.int32), sampler.next_token_logprobs.view(torch.int32)
+        )
+        assert pick.probe_logprobs is not None
+        want_probe = full.gather(1, probes[:, None]).squeeze(1)
+        torch.testing.assert_close(pick.probe_logprobs, want_probe, equal_nan=True)
+
+    invariant = KernelChoice(backend="triton", batch_invariant=True)
+    fixed = Sampler(invariant)(logits, info).next_token_logprobs
+    assert torch.equal(fixed.view(torch.int32), want.next_token_logprobs.view(torch.int32))

@@ -37,6 +37,13 @@ def vocab_argmax_ref(shards: Sequence[torch.Tensor]) -> torch.Tensor:
     return torch.argmax(torch.cat([s.float() for s in shards], dim=-1), dim=-1)
 
 
+def greedy_logprobs_ref(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ids int64 [M] of logits [M, V] and `log_softmax` (fp32) of each row at its id."""
+    rows = logits.float()
+    ids = torch.argmax(rows, dim=-1)
+    return ids, torch.log_softmax(rows, dim=-1).gather(1, ids[:, None]).squeeze(1)
+
+
 def to_fixed_point(x: torch.Tensor) -> torch.Tensor:
     """Non-negative fp32 masses -> int64 fixed-point weights ``trunc(x * 2**40)`` (step 1)."""
     return (x.float() * float(1 << FIXED_POINT_BITS)).to(torch.int64)

@@ -22,6 +22,15 @@ comes from the shapes only (``_chunk_meta``): about ``_TARGET_PROGRAMS`` program
 and at least ``_MIN_CHUNK`` columns each. A row that fits in one chunk of one shard is written
 directly by stage 1 (single launch). Results do not depend on the chunking: max/min and
 index compares are exact.
+
+The greedy token's logprob in the same launches (``vocab_greedy_logprobs``, one tensor): a
+greedy step reports `log_softmax` at its argmax, which is ``-log(sum_j exp(x_j - max))``. Each
+chunk program also sums ``exp(x - its max)`` over its columns (a second pass over the chunk it
+just read), and the combine rescales the chunks' sums to the row's max; no [M, V] row of
+log-softmax values is written and no separate softmax launch reads the logits again. Within
+fp32 rounding of `log_softmax`: the ids' bits are `vocab_argmax`'s, the sum runs in another
+order through Triton's ``exp`` / ``log``. The chunking does change the logprob's last bits
+(not the ids): a caller that compares runs keeps the default chunking, which the shape fixes.
 """
 
 from __future__ import annotations
@@ -48,6 +57,19 @@ _MIN_CHUNK = 512
 _MAX_BLOCK = 4096
 _SHARDS_PER_LAUNCH = 4
 _MAX_FORCED_CHUNKS = 4096
+
+
+@triton.jit
+def _is_finite(x):
+    return (x == x) & (tl.abs(x) != float("inf"))
+
+
+@triton.jit
+def _greedy_logprob(row_max, total):
+    """log_softmax of a row at its argmax from the row's max and its sum of exp(x - max):
+    (max - max) - log(sum), NaN for a row whose max is not finite (a NaN, +inf or only -inf),
+    as `log_softmax` gives."""
+    return tl.where(_is_finite(row_max), -tl.log(total), float("nan"))
 
 
 @triton.jit
@@ -79,15 +101,21 @@ def _chunk_argmax_kernel(
     first3,
     pairs_row_stride,
     pairs_first,
+    sums_ptr,
+    logprobs_ptr,
     NUM_SHARDS: tl.constexpr,
     BLOCK: tl.constexpr,
     WRITE_PAIRS: tl.constexpr,
     WRITE_IDS: tl.constexpr,
+    LOGSUMEXP: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Program (row, c): chunk c of this launch's shards -> one (value, global index) pair at
     ``pairs_ptr + row * pairs_row_stride + (pairs_first + c) * 2`` (and/or the id when the chunk
-    is the whole row). Shards 1..3 own chunks from ``first1..3``; the selects are scalar."""
+    is the whole row). Shards 1..3 own chunks from ``first1..3``; the selects are scalar.
+    LOGSUMEXP (one shard): also the chunk's sum of exp(x - shift), shift its maximum where
+    finite, else 0, at ``sums_ptr + row * pairs_row_stride / 2 + c`` (or, for a whole row, the
+    logprob of its id: `_greedy_logprob`)."""
     wait_for_producers(PDL)  # the logits come from the previous kernel
     row = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1)
@@ -140,6 +168,19 @@ def _chunk_argmax_kernel(
     # real columns, so it never beats one).
     best_idx = tl.where(best_idx < end, best_idx, start)
     global_idx = best_idx.to(tl.int64) + offset
+    if LOGSUMEXP:
+        # A second pass over the chunk (one block at decode sizes: its loads hit the cache).
+        shift = tl.where(_is_finite(best_val), best_val, 0.0)
+        lane_sum = tl.zeros((BLOCK,), tl.float32)
+        for block_start in range(start, end, BLOCK):
+            idx = block_start + cols
+            x = tl.load(row_ptr + idx, mask=idx < end, other=float("-inf")).to(tl.float32)
+            lane_sum += tl.exp(x - shift)
+        chunk_sum = tl.sum(lane_sum, axis=0)
+        if WRITE_IDS:
+            tl.store(logprobs_ptr + row, _greedy_logprob(best_val, chunk_sum))
+        else:
+            tl.store(sums_ptr + row * (pairs_row_stride // 2) + pairs_first + c, chunk_sum)
     if WRITE_PAIRS:
         out = pairs_ptr + row * pairs_row_stride + (pairs_first + c) * 2
         tl.store(out, best_val)
@@ -157,15 +198,20 @@ def _combine_pairs_kernel(
     num_parts,
     stride_part,
     stride_row,
+    sums_ptr,
+    logprobs_ptr,
     ROWS: tl.constexpr,
     BLOCK_P: tl.constexpr,
     WRITE_IDS: tl.constexpr,
     WRITE_PAIRS: tl.constexpr,
+    LOGSUMEXP: tl.constexpr,
     NO_INDEX: tl.constexpr,
     PDL: tl.constexpr,
 ):
     """Rows [pid * ROWS, +ROWS): winner over ``num_parts`` (value, index) pairs per row, the pair
-    (row, p) at ``pairs_ptr + p * stride_part + row * stride_row``."""
+    (row, p) at ``pairs_ptr + p * stride_part + row * stride_row``. LOGSUMEXP: also the winner's
+    logprob from the parts' sums (at ``sums_ptr + (p * stride_part + row * stride_row) / 2``),
+    each rescaled from its part's shift to the row's: sum_p s_p * exp(shift_p - shift)."""
     wait_for_producers(PDL)  # the pairs are stage 1's (or the other ranks') output
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     row_ok = rows < num_rows
@@ -200,6 +246,22 @@ def _combine_pairs_kernel(
         best_val = tl.where(better, cand_val, best_val)
         best_idx = tl.where(better, cand_idx, best_idx)
         best_nan = best_nan | has_nan
+    if LOGSUMEXP:
+        # Once the row's max is known, a second pass over the parts (cached at decode sizes).
+        row_shift = tl.where(_is_finite(best_val), best_val, 0.0)
+        total = tl.zeros((ROWS,), tl.float32)
+        for p0 in range(0, num_parts, BLOCK_P):
+            ok = row_ok[:, None] & (p0 + parts < num_parts)[None, :]
+            at = (p0 + parts)[None, :].to(tl.int64) * stride_part
+            at += rows[:, None].to(tl.int64) * stride_row
+            val = tl.load(pairs_ptr + at, mask=ok, other=0.0)
+            part_sum = tl.load(sums_ptr + at // 2, mask=ok, other=0.0)
+            shift = tl.where(_is_finite(val), val, 0.0)
+            # A part without mass (masked, or all -inf: shift 0) adds exactly 0, also where
+            # exp(0 - row_shift) overflows; a non-finite row is NaN whatever it adds.
+            scaled = part_sum * tl.exp(shift - row_shift[:, None])
+            total += tl.sum(tl.where(ok & (part_sum != 0.0), scaled, 0.0), axis=1)
+        tl.store(logprobs_ptr + rows, _greedy_logprob(best_val, total), mask=row_ok)
     if WRITE_IDS:
         tl.store(ids_ptr + rows, best_idx.to(tl.int64), mask=row_ok)
     if WRITE_PAIRS:
@@ -257,9 +319,13 @@ def _launch_chunks(
     pairs: torch.Tensor,
     ids: torch.Tensor,
     write_ids: bool,
+    lse: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """Stage-1 launches: consecutive shards of one dtype, up to four per launch, fill
-    ``pairs`` [M, sum(counts), 2] in shard order (or write ``ids`` when there is one chunk)."""
+    ``pairs`` [M, sum(counts), 2] in shard order (or write ``ids`` when there is one chunk).
+    ``lse`` (one shard): (sums [M, sum(counts)], logprobs [M]), the chunks' sums of exp, or the
+    ids' logprobs when there is one chunk."""
+    sums, logprobs = lse if lse is not None else (pairs, pairs)  # never touched without lse
     num_rows = shards[0].shape[0]
     row_stride = 2 * sum(plan.counts)
     first = 0
@@ -291,10 +357,13 @@ def _launch_chunks(
             starts[3],
             row_stride,
             first,
+            sums,
+            logprobs,
             NUM_SHARDS=len(group),
             BLOCK=plan.block,
             WRITE_PAIRS=not write_ids,
             WRITE_IDS=write_ids,
+            LOGSUMEXP=lse is not None,
             num_warps=plan.num_warps,
             **programmatic_launch(_chunk_argmax_kernel, pairs.device),
         )
@@ -310,9 +379,13 @@ def _launch_combine(
     stride_row: int,
     ids: torch.Tensor | None,
     pairs_out: torch.Tensor | None,
+    lse: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
+    """The combine launch; ``lse``: (the parts' sums laid out as the pairs' values, logprobs
+    [M] to write)."""
     block_p = min(256, triton.next_power_of_2(num_parts))
     rows = max(1, min(64, 1024 // block_p))
+    sums, logprobs = lse if lse is not None else (pairs, pairs)  # never touched without lse
     _combine_pairs_kernel[(triton.cdiv(num_rows, rows),)](
         pairs,
         ids if ids is not None else pairs,
@@ -321,10 +394,13 @@ def _launch_combine(
         num_parts,
         stride_part,
         stride_row,
+        sums,
+        logprobs,
         ROWS=rows,
         BLOCK_P=block_p,
         WRITE_IDS=ids is not None,
         WRITE_PAIRS=pairs_out is not None,
+        LOGSUMEXP=lse is not None,
         NO_INDEX=_NO_INDEX,
         **programmatic_launch(_combine_pairs_kernel, pairs.device),
     )
@@ -472,3 +548,40 @@ def vocab_argmax(
     _launch_chunks(shards, vocab_offsets, plan, scratch, scratch, write_ids=False)
     _launch_combine(scratch, num_rows, parts, 2, 2 * parts, out, None)
     return out
+
+
+def vocab_greedy_logprobs(
+    logits: torch.Tensor, *, num_chunks: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy ids and their logprobs of logits [M, V] (`greedy_logprobs_ref` is the spec), in
+    the launches of `vocab_argmax`: each chunk program also sums exp(x - its max) over its
+    columns, and the combine rescales the chunks' sums to the row's max (the split that
+    `srt/layers/vocab_parallel.py::shard_greedy` applies across ranks). No row of log-softmax
+    values is written.
+
+    Args:
+        logits: [M, V] fp32/bf16/fp16, unit stride along the vocabulary, V >= 1.
+        num_chunks: force this many column chunks per row (tests); default from the shape.
+    Returns:
+        (ids int64 [M], equal to `torch.argmax` including NaN rows and ties; logprobs fp32 [M],
+        `log_softmax(logits)` at the ids within fp32 rounding (another order of the sum of
+        exponentials, and Triton's `exp` / `log`), NaN for a row whose max is not finite (a
+        NaN, +inf or only -inf), as `log_softmax` gives).
+    """
+    _check_shard(logits, 0, "logits")
+    num_rows, width = logits.shape
+    require(width != 0, "logits: vocabulary width V must be >= 1")
+    ids = torch.empty((num_rows,), dtype=torch.int64, device=logits.device)
+    logprobs = torch.empty((num_rows,), dtype=torch.float32, device=logits.device)
+    if num_rows == 0:
+        return ids, logprobs
+    plan = _plan_chunks([width], num_rows, num_chunks)
+    parts = plan.counts[0]
+    if parts == 1:
+        _launch_chunks([logits], [0], plan, ids, ids, True, lse=(ids, logprobs))
+        return ids, logprobs
+    scratch = torch.empty((num_rows, parts, 2), dtype=torch.float32, device=logits.device)
+    sums = torch.empty((num_rows, parts), dtype=torch.float32, device=logits.device)
+    _launch_chunks([logits], [0], plan, scratch, scratch, False, lse=(sums, logprobs))
+    _launch_combine(scratch, num_rows, parts, 2, 2 * parts, ids, None, lse=(sums, logprobs))
+    return ids, logprobs

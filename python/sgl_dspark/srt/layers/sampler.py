@@ -305,6 +305,31 @@ def greedy_argmax_impl(kernels: KernelChoice) -> Callable[[torch.Tensor], torch.
     return vocab_argmax
 
 
+def greedy_pick_impl(
+    kernels: KernelChoice,
+) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:
+    """Greedy ids `[B]` int64 and their logprobs `[B]` fp32 (`log_softmax` at the ids) of
+    logits `[B, V]` for the "sampling" family.
+
+    torch: `torch.argmax` and `log_softmax` at the ids. triton: `vocab_greedy_logprobs`, whose
+    argmax launches also sum the row's exponentials (the ids bit for bit, the logprobs within
+    fp32 rounding; no softmax launch reads the logits again), except under batch invariance:
+    its chunking, fixed by the batch size, would move a logprob's last bits with the batch,
+    so there `vocab_argmax` and torch's `log_softmax`.
+    """
+    if kernels.of("sampling") == "torch" or kernels.batch_invariant:
+        argmax = greedy_argmax_impl(kernels)
+
+        def pick(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            ids = argmax(logits)
+            return ids, token_logprobs(logits, ids)
+
+        return pick
+    from sgl_dspark.kernels.sampling.vocab_argmax import vocab_greedy_logprobs
+
+    return vocab_greedy_logprobs
+
+
 class Sampler(nn.Module):
     """Samples one token per logits row (semantics in the module doc). Stateless.
 
@@ -313,7 +338,9 @@ class Sampler(nn.Module):
 
     def __init__(self, kernels: KernelChoice | None = None) -> None:
         super().__init__()
-        self.greedy_argmax = greedy_argmax_impl(kernels or KernelChoice())
+        kernels = kernels or KernelChoice()
+        self.greedy_argmax = greedy_argmax_impl(kernels)
+        self.greedy_pick = greedy_pick_impl(kernels)
 
     def forward(self, logits: torch.Tensor, info: SamplingBatchInfo) -> SamplerOutput:
         """Args: logits [B, V] fp32 (V == info.vocab_size). Returns `SamplerOutput`."""
@@ -323,15 +350,12 @@ class Sampler(nn.Module):
             info.vocab_size,
         )
         assert logits.dtype == torch.float32, logits.dtype
+        if info.all_greedy:
+            return SamplerOutput(*self.greedy_pick(logits))
         greedy_ids = self.greedy_argmax(logits)
-        if info.all_greedy:
-            next_ids = greedy_ids
-        else:
-            uniforms = info.uniforms(SAMPLER_STREAM)
-            sampled_ids = sample_from_probs(processed_probs(logits, info), uniforms)
-            next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
-        if info.all_greedy:
-            return SamplerOutput(next_ids, token_logprobs(logits, next_ids))
+        uniforms = info.uniforms(SAMPLER_STREAM)
+        sampled_ids = sample_from_probs(processed_probs(logits, info), uniforms)
+        next_ids = torch.where(info.is_greedy, greedy_ids, sampled_ids)
         return SamplerOutput(
             next_ids, token_logprobs(logits / info.temperatures[:, None], next_ids)
         )

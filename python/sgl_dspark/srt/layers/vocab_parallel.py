@@ -37,7 +37,7 @@ from sgl_dspark.srt.core.host_copy import to_device_packed
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import Communicator
 from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
-from sgl_dspark.srt.layers.sampler import greedy_argmax_impl
+from sgl_dspark.srt.layers.sampler import greedy_argmax_impl, greedy_pick_impl
 
 if TYPE_CHECKING:
     from sgl_dspark.srt.core.req import Req
@@ -139,8 +139,9 @@ class LogitsReader:
     head builds one, and every consumer of a forward's logits goes through it.
 
     Without tensor parallelism the rows are whole: `full` is the identity and `greedy` runs the
-    sampler's own greedy ops (the "sampling" family's argmax, `log_softmax` at the ids), so one
-    GPU pays nothing for the reader and its picks equal the sampler's bit for bit."""
+    sampler's own greedy pick (`greedy_pick_impl`: the "sampling" family's argmax and the
+    logprob at it), so one GPU pays nothing for the reader and its picks equal the sampler's
+    bit for bit."""
 
     def __init__(self, vocab: int, tp: Communicator, kernels: KernelChoice) -> None:
         self.tp = tp
@@ -150,6 +151,7 @@ class LogitsReader:
         self.sharded = tp.size > 1
         self.triton = kernels.of("sampling") == "triton"
         self._argmax = greedy_argmax_impl(kernels)
+        self._greedy_pick = greedy_pick_impl(kernels)
 
     def full(self, rows: torch.Tensor) -> torch.Tensor:
         """Whole rows `[..., V]` of this rank's rows `[..., V / tp]` (a collective under TP)."""
@@ -160,12 +162,16 @@ class LogitsReader:
         logprob of each row at its probe id; no logits row crosses ranks."""
         if self.sharded:
             return shard_greedy(rows, self.vocab_start, self.tp, self.triton, probe_ids)
-        ids = self._argmax(rows)
-        logprobs = torch.log_softmax(rows, dim=-1)
-        picked = logprobs.gather(1, ids[:, None]).squeeze(1)
+        ids, picked = self._greedy_pick(rows)
         probed = None
         if probe_ids is not None:
-            probed = logprobs.gather(1, probe_ids.clamp(0, rows.shape[1] - 1)[:, None]).squeeze(1)
+            # log_softmax at the probe is (x - max) - log(sum), and picked is -log(sum) (the
+            # logprob at the max): `shard_greedy`'s formula, within rounding of log_softmax.
+            rows = rows.float()
+            row_max = rows.gather(1, ids[:, None]).squeeze(1)
+            at = rows.gather(1, probe_ids.clamp(0, rows.shape[1] - 1)[:, None]).squeeze(1)
+            nan = torch.full_like(picked, float("nan"))
+            probed = torch.where(torch.isfinite(row_max), (at - row_max) + picked, nan)
         return GreedyPick(ids, picked, probed)
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
