@@ -462,11 +462,13 @@ def test_greedy_pick_of_the_triton_family_and_the_logits_reader(rows, vocab):
     from sgl_dspark.srt.distributed.communicator import SingleProcessCommunicator
     from sgl_dspark.srt.layers.vocab_parallel import LogitsReader
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # Triton compiled, or interpreted
     gen = torch.Generator().manual_seed(rows + vocab)
     logits = torch.randn(rows, vocab, generator=gen) * 3
     if rows > 1:
         logits[0, vocab // 2] = float("nan")
-    info = _info([SamplingParams(temperature=0)] * rows, vocab)
+    logits = logits.to(device)
+    info = SamplingBatchInfo.from_params([SamplingParams(temperature=0)] * rows, vocab, device)
     triton = KernelChoice(backend="triton")
     want = Sampler()(logits, info)
     got = Sampler(triton)(logits, info)
@@ -474,7 +476,7 @@ def test_greedy_pick_of_the_triton_family_and_the_logits_reader(rows, vocab):
     torch.testing.assert_close(got.next_token_logprobs, want.next_token_logprobs, equal_nan=True)
     assert torch.isnan(got.next_token_logprobs[0]).item() == (rows > 1)
 
-    probes = torch.randint(0, vocab, (rows,), generator=gen)
+    probes = torch.randint(0, vocab, (rows,), generator=gen).to(device)
     full = torch.log_softmax(logits, -1)
     for kernels in (KernelChoice(), triton):
         pick = LogitsReader(vocab, SingleProcessCommunicator(), kernels).greedy(logits, probes)
