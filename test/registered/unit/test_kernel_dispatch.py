@@ -9,12 +9,14 @@ import torch
 from sgl_dspark.kernels.norm.reference import rms_norm_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.mhc import (
+    CoefficientStream,
     HyperConnection,
     HyperHead,
     hc_boundary_impl,
     hc_collapse,
     hc_expand,
     run_fused_hc_layers,
+    run_single_pass_layers,
 )
 from sgl_dspark.srt.layers.norm import RMSNorm
 from sgl_dspark.srt.layers.rotary import (
@@ -163,6 +165,68 @@ def test_fused_mhc_layers_match_unfused(rows, n, d, num_layers):
     torch.testing.assert_close(
         y_normed, rms_norm_ref(head(want), norm.weight, 1e-6), atol=1e-4, rtol=1e-4
     )
+
+
+def test_coefficient_stream_stays_on_the_current_stream_off_capture() -> None:
+    """Off CUDA, and eagerly on CUDA, no scope: the boundary launches as usual; joining with
+    nothing forked is a no-op."""
+    side = CoefficientStream()
+    assert side.scope(torch.device("cpu")) is None
+    side.join()
+    if DEVICE == "cuda":
+        assert side.scope(torch.device(DEVICE, torch.cuda.current_device())) is None
+        side.join()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_single_pass_layers_in_a_captured_graph_fork_and_join_the_coefficients(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Three single-pass layers captured in a CUDA graph (every single-pass boundary's
+    coefficients forked to the side stream, joined by the next boundary) replay the eager run's
+    bits, on the captured inputs and on new ones copied in."""
+    forks: list[bool] = []
+    fork = CoefficientStream._fork
+
+    def counted(self: CoefficientStream):
+        forks.append(torch.cuda.is_current_stream_capturing())
+        return fork(self)
+
+    monkeypatch.setattr(CoefficientStream, "_fork", counted)
+    gen = torch.Generator().manual_seed(9)
+    n, d, rows = 4, 256, 3
+    layers = [_Layer(n, d, gen) for _ in range(3)]
+    norm = RMSNorm(d, 1e-6).to(DEVICE)
+    boundary = hc_boundary_impl(TRITON)
+    assert boundary is not None
+
+    def forward(streams: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return run_single_pass_layers(
+            streams,
+            layers,
+            lambda i, x: torch.tanh(x @ layers[i].w_attn),
+            lambda i, x: torch.tanh(x @ layers[i].w_ffn),
+            boundary,
+            (norm, rms_norm_ref),
+        )
+
+    static_in = torch.randn(rows, n, d, generator=gen).to(DEVICE)
+    inputs = [static_in.clone(), torch.randn(rows, n, d, generator=gen).to(DEVICE)]
+    with torch.no_grad():
+        eager = [forward(x) for x in inputs]  # also warms up (the side stream is made here)
+        assert forks == []
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            static_out = forward(static_in)
+        # The opening site and the five boundaries after it (the last one computes none).
+        assert forks == [True] * 6
+        for x, want in zip(inputs, eager):
+            static_in.copy_(x)
+            graph.replay()
+            torch.cuda.synchronize()
+            for got, ref in zip(static_out, want):
+                assert torch.equal(got.view(torch.int32), ref.view(torch.int32))
+    assert not torch.equal(eager[0][0], eager[1][0])
 
 
 def _head_and_norm(n: int, d: int, gen: torch.Generator) -> tuple[HyperHead, RMSNorm]:
