@@ -89,7 +89,7 @@ def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen
 
 
 # Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth, stage 2's
-# slot groups, a register cap), timed against the library's own (`_gate_up_meta`,
+# slot groups), timed against the library's own (`_gate_up_meta`,
 # `_down_meta`): each entry replaces those keys of the library's shape. Stage 2 with
 # GROUP_SLOTS 8 holds all of V4.1's 6 + 1 slots in one program (the shape before slot groups).
 STAGE_METAS = {
@@ -99,26 +99,18 @@ STAGE_METAS = {
         {"BLOCK_N": 64, "num_stages": 2},
         {"BLOCK_N": 128, "num_stages": 3},
         {"BLOCK_N": 128, "num_stages": 2},
-        # eight warps, each its own 16-channel slice of a dot (another sum order, so other bits):
-        # twice the warps an SM to hide the decode's latency
-        {"num_warps": 8, "SPLIT_K": 8},
-        {"num_warps": 8, "SPLIT_K": 8, "BLOCK_N": 128},
     ],
     "down": [
-        # at most 128 registers (ptxas spills past them): four programs an SM instead of three
-        {"maxnreg": 128},
-        {"maxnreg": 128, "num_stages": 2},
         {"GROUP_SLOTS": 8, "BLOCK_N": 8, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 32, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 128, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 64, "num_stages": 4},
         {"GROUP_SLOTS": 2, "BLOCK_N": 32, "num_stages": 3},
         {"GROUP_SLOTS": 2, "BLOCK_N": 16, "num_stages": 3},
-        {"num_warps": 8, "SPLIT_K": 8},
-        {"num_warps": 8, "SPLIT_K": 8, "BLOCK_N": 128},
-        {"num_warps": 8, "SPLIT_K": 8, "num_stages": 4},
     ],
 }
+# Timed, rejected and no longer swept (benchmark/results/kernels.md): a 128-register cap for
+# stage 2 (four programs an SM), eight warps for either stage (each its own slice of a dot).
 # stage: (module, name) of its launch-shape function
 _META_NAMES = {"gate_up": (moe_token_gemm, "_gate_up_meta"), "down": (moe_token_down, "_down_meta")}
 
