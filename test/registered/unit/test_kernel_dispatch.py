@@ -188,9 +188,12 @@ def test_single_pass_layers_in_a_captured_graph_fork_and_join_the_coefficients(
     forks: list[bool] = []
     fork = CoefficientStream._fork
 
-    def counted(self: CoefficientStream):
+    owners: list[CoefficientStream] = []
+
+    def counted(self: CoefficientStream, reads: torch.Tensor):
         forks.append(torch.cuda.is_current_stream_capturing())
-        return fork(self)
+        owners.append(self)
+        return fork(self, reads)
 
     monkeypatch.setattr(CoefficientStream, "_fork", counted)
     gen = torch.Generator().manual_seed(9)
@@ -218,8 +221,10 @@ def test_single_pass_layers_in_a_captured_graph_fork_and_join_the_coefficients(
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             static_out = forward(static_in)
-        # The opening site and the five boundaries after it (the last one computes none).
+        # The opening site and the five boundaries after it (the last one computes none); the
+        # last boundary joined the last fork and let go of the partials it read.
         assert forks == [True] * 6
+        assert all(o._joiner is None and o._held is None for o in owners)
         for x, want in zip(inputs, eager):
             static_in.copy_(x)
             graph.replay()

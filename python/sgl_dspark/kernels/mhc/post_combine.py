@@ -79,8 +79,10 @@ _MAX_FINISH_BLOCK = 8192
 _NORM_BLOCK = 1024
 _NORM_WARPS = 1
 
-# A scope the coefficients' launch is issued in (`coeffs_scope` of the launchers).
-CoefficientsScope = Callable[[], AbstractContextManager[object]]
+# A scope the coefficients' launch is issued in (`coeffs_scope` of the launchers), called with
+# the scratch that launch reads (phase A's partials), which the scope keeps alive until its work
+# is done (e.g. until the stream it forked is joined).
+CoefficientsScope = Callable[[torch.Tensor], AbstractContextManager[object]]
 
 
 def collapse_in_stream_pass(collapse_pre: torch.Tensor | None) -> bool:
@@ -290,8 +292,10 @@ def mhc_post_combine(
             (pre', post', comb') run as a launch of their own, issued inside this scope (e.g.
             a side stream forked from the current one), and only the norm's programs follow on
             the current stream: the next sublayer, which reads x_normed, no longer waits for
-            the Sinkhorn chain. The same programs run, so the same bits come out; the caller
-            orders every read of pre', post' and comb' after the scope's work.
+            the Sinkhorn chain. The same programs run, so the same bits come out. The scope is
+            called with the partials the launch reads and keeps them alive until its work is
+            done; the caller keeps pre', post' and comb' and orders every read of them (and
+            their release) after that work.
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed, x_fp8).
     """
@@ -506,14 +510,12 @@ def _launch(
         if coeffs_scope is not None:
             # The coefficients' programs apart (the same programs, so the same bits), inside
             # the caller's scope; only the norm chunks stay before the next sublayer.
-            with coeffs_scope():
+            # The scope holds the partials (no `record_stream`: during a graph capture that
+            # would keep every boundary's partials from reuse until the capture ends).
+            with coeffs_scope(partials):
                 _mhc_post_combine_kernel[(m, 1)](
                     *args, PHASE=1, BLOCK_M=1, FIRST_PART=0, num_warps=_NORM_WARPS, **meta
                 )
-                if dev.type == "cuda":  # not reused before the scope's stream is done with them
-                    stream = torch.cuda.current_stream(dev)
-                    for tensor in (partials, out.pre, out.post, out.comb):
-                        tensor.record_stream(stream)
             _mhc_post_combine_kernel[(m, norm_chunks)](
                 *args, PHASE=1, BLOCK_M=1, FIRST_PART=1, num_warps=_NORM_WARPS, **meta
             )

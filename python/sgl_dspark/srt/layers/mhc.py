@@ -179,8 +179,12 @@ class CoefficientStream:
     def __init__(self) -> None:
         self._side: torch.cuda.Stream | None = None
         self._joiner: torch.cuda.Stream | None = None  # the stream that forked, until it joins
+        # What the forked work reads, held until the join orders its release after that work.
+        self._held: torch.Tensor | None = None
 
-    def scope(self, device: torch.device) -> Callable[[], AbstractContextManager[object]] | None:
+    def scope(
+        self, device: torch.device
+    ) -> Callable[[torch.Tensor], AbstractContextManager[object]] | None:
         """The scope to launch the coefficients in on `device`, or None (the usual launch)."""
         if device.type != "cuda":
             return None
@@ -192,20 +196,21 @@ class CoefficientStream:
         return self._fork
 
     @contextmanager
-    def _fork(self) -> Iterator[None]:
+    def _fork(self, reads: torch.Tensor) -> Iterator[None]:
         assert self._side is not None and self._joiner is None, "a fork was left unjoined"
         current = torch.cuda.current_stream(self._side.device)
         self._side.wait_stream(current)  # after phase A, which wrote the partials
         with torch.cuda.stream(self._side):
             yield
-        self._joiner = current
+        self._joiner, self._held = current, reads
 
     def join(self) -> None:
-        """Order the current stream's next work after the forked coefficients (no-op if none)."""
+        """Order the current stream's next work after the forked coefficients (no-op if none);
+        what they read may then be released and reused by the current stream."""
         if self._joiner is not None:
             assert self._side is not None
             self._joiner.wait_stream(self._side)
-            self._joiner = None
+            self._joiner = self._held = None
 
 
 def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
