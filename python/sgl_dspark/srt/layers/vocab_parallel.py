@@ -240,7 +240,10 @@ def shard_greedy(
     finite = torch.isfinite(row_max)
     row_shift = _finite_or_zero(row_max)
     scale = torch.exp(_finite_or_zero(maxima) - row_shift)
-    log_total = torch.log((gathered[..., _SUMEXP] * scale).sum(0))
+    # A rank without mass (its shard all -inf: shift 0) adds exactly 0, also where its factor
+    # exp(0 - row_shift) overflows (a row max below about -88), which 0 * inf would make NaN.
+    sums = gathered[..., _SUMEXP]
+    log_total = torch.log(torch.where(sums == 0, 0.0, sums * scale).sum(0))
     nan = torch.full_like(row_max, float("nan"))
     logprobs = torch.where(finite, -log_total, nan)  # (max - max) - log(sum)
     probed = None
