@@ -509,9 +509,9 @@ def _launch(
         norm_chunks = triton.cdiv(d, norm_block)
         if coeffs_scope is not None:
             # The coefficients' programs apart (the same programs, so the same bits), inside
-            # the caller's scope; only the norm chunks stay before the next sublayer.
-            # The scope holds the partials (no `record_stream`: during a graph capture that
-            # would keep every boundary's partials from reuse until the capture ends).
+            # the caller's scope, which holds the partials they read (`record_stream` would,
+            # during a graph capture, keep every boundary's partials from reuse until the
+            # capture ends); only the norm chunks stay before the next sublayer.
             with coeffs_scope(partials):
                 _mhc_post_combine_kernel[(m, 1)](
                     *args, PHASE=1, BLOCK_M=1, FIRST_PART=0, num_warps=_NORM_WARPS, **meta

@@ -165,13 +165,10 @@ class LogitsReader:
         ids, picked = self._greedy_pick(rows)
         probed = None
         if probe_ids is not None:
-            # log_softmax at the probe is (x - max) - log(sum), and picked is -log(sum) (the
-            # logprob at the max): `shard_greedy`'s formula, within rounding of log_softmax.
             rows = rows.float()
             row_max = rows.gather(1, ids[:, None]).squeeze(1)
             at = rows.gather(1, probe_ids.clamp(0, rows.shape[1] - 1)[:, None]).squeeze(1)
-            nan = torch.full_like(picked, float("nan"))
-            probed = torch.where(torch.isfinite(row_max), (at - row_max) + picked, nan)
+            probed = logprob_at(at, row_max, picked)
         return GreedyPick(ids, picked, probed)
 
     def argmax(self, rows: torch.Tensor) -> torch.Tensor:
@@ -248,9 +245,17 @@ def shard_greedy(
     logprobs = torch.where(finite, -log_total, nan)  # (max - max) - log(sum)
     probed = None
     if probe_ids is not None:
-        at_probe = (gathered[..., _PROBE].amax(0) - row_shift) - log_total
-        probed = torch.where(finite, at_probe, nan)
+        probed = logprob_at(gathered[..., _PROBE].amax(0), row_max, logprobs)
     return GreedyPick(ids, logprobs, probed)
+
+
+def logprob_at(at: torch.Tensor, row_max: torch.Tensor, picked: torch.Tensor) -> torch.Tensor:
+    """`log_softmax` at a column of each row from its logit `at`, the row's max and `picked`,
+    the logprob at the max (-log(sum_j exp(x_j - max))): (at - max) - log(sum), the order of
+    `log_softmax`'s own arithmetic; NaN for a row whose max is not finite, as there."""
+    finite = torch.isfinite(row_max)
+    shifted = at - torch.where(finite, row_max, torch.zeros_like(row_max))
+    return torch.where(finite, shifted + picked, torch.full_like(picked, float("nan")))
 
 
 def shard_argmax(
