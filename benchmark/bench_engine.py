@@ -171,10 +171,12 @@ def use_random_v41_model(cfg: ModelConfig, work: str, device: str) -> None:
 
 
 def time_engine(
-    engine: Engine, prompts: list[list[int]], new_tokens: int, device: str
+    engine: Engine, prompts: list[list[int]], new_tokens: int, device: str, runs: int = 1
 ) -> tuple[float, float, list]:
     """(wall s for new_tokens, median wall s of three 1-token calls (prefill + first token),
-    output ids)."""
+    output ids). With `runs` > 1 the new_tokens call is timed that many times and the median
+    wall is returned (and the first run's ids), so that one run disturbed by something
+    outside the engine (a clock change, another process) does not move an A/B round."""
 
     def run(n: int) -> tuple[float, list]:
         params = {"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}
@@ -187,7 +189,9 @@ def time_engine(
     run(min(8, new_tokens))  # warm-up (Triton compilation, allocator)
     t1 = statistics.median(run(1)[0] for _ in range(3))  # one sample is too noisy
     tn, ids = run(new_tokens)
-    return tn, t1, ids
+    walls = [tn]
+    walls += [run(new_tokens)[0] for _ in range(runs - 1)]
+    return statistics.median(walls), t1, ids
 
 
 def release_device_memory(device: str) -> None:

@@ -237,7 +237,7 @@ def run_engine(
         memory = dict(engine.runner.memory_report)
         for bs in sizes:
             prompts = prompts_for(bs, a.input_len, vocab)
-            wall, t1, ids = time_engine(engine, prompts, a.output_len, a.device)
+            wall, t1, ids = time_engine(engine, prompts, a.output_len, a.device, a.timed_runs)
             step_ms = (wall - t1) / max(a.output_len - 1, 1) * 1e3
             floor_ms = step_bytes(engine, bs, a.input_len + a.output_len // 2) / bw * 1e3
             emit(
@@ -315,6 +315,12 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--input-len", type=int, default=512)
     p.add_argument("--output-len", type=int, default=64)
+    p.add_argument(
+        "--timed-runs",
+        type=int,
+        default=1,
+        help="time each batch size's generation this many times and report the median",
+    )
     p.add_argument("--weight-format", default="native", choices=FORMATS)
     p.add_argument(
         "--formats",
@@ -355,6 +361,8 @@ def main() -> None:
     p.add_argument("--out", default=None, help="sizes mode: markdown file")
     p.add_argument("--out-dir", default=".")
     a = p.parse_args()
+    if a.timed_runs < 1:
+        p.error(f"--timed-runs must be at least 1, got {a.timed_runs}")
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
 
     if a.mode == "sizes":

@@ -27,12 +27,14 @@
 #   rank_dspark  the same model with DSpark (simulated acceptance 3.2): full width (which also
 #                profiles the SPS table), the static widths, the online width policy (reads
 #                that table), one process each
-#   rank_ab      the rank model's plain decode at bs 1 (128 tokens) on a base tree and on this
+#   rank_ab      the rank model's plain decode (128 tokens) on a base tree and on this
 #                tree, ABBA (base, head, head, base), one process each: RANK_AB_BASE (default
 #                .ab) holds the base tree's python/ and benchmark/, e.g. `git archive REV python
 #                benchmark | tar -x -C .ab`, carried with the call; RANK_AB_SYSTEM another
 #                system of bench_native.py (dspark_static: DSpark at its static width), with
-#                RANK_AB_ROUND_S seconds a round (default 135); abba_summary.py then reads
+#                RANK_AB_ROUND_S seconds a round (default 135), RANK_AB_BS its batch size
+#                (default 1), RANK_AB_RUNS the timed generations a round takes the median of
+#                (default 3); abba_summary.py then reads
 #                the rounds together (means, speedup, greedy tokens equal or not)
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
 #                (one process each): device kernels per step by time, then host ops
@@ -67,7 +69,7 @@
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
 #                (D 4096, two pass): MHC_AB_BASE (default .ab) holds the base tree's python/,
-#                carried with the call
+#                carried with the call; MHC_AB_M the batch sizes (default 1,4,8,32)
 #
 # A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
 # in order of need, with stage budgets set from the first call's timings
@@ -189,10 +191,11 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
   done
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
-rank_ab_round() {  # ROUND SIDE ROOT: the rank model's decode at bs 1 on ROOT's tree
+rank_ab_round() {  # ROUND SIDE ROOT: the rank model's decode at RANK_AB_BS on ROOT's tree
   run "${RANK_AB_ROUND_S:-135}" "rank_ab/${1}_$2.log" env PYTHONPATH="$3/python:$3:$PYTHONPATH" \
     python3 "$3/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
-    --input-len 256 --output-len 128 --systems "${RANK_AB_SYSTEM:-plain}" --batch-sizes 1 \
+    --input-len 256 --output-len 128 --systems "${RANK_AB_SYSTEM:-plain}" \
+    --batch-sizes "${RANK_AB_BS:-1}" --timed-runs "${RANK_AB_RUNS:-3}" \
     --out-dir "$WORK/rank_ab/${1}_$2"
   show "$WORK/rank_ab/${1}_$2/native_decode_$RANK_CONFIG.md"
 }
@@ -300,7 +303,7 @@ mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROO
     limit=45 name="${1}_$2" extra=()
     [ "$model" = v4 ] && limit=40 name="${1}_${2}_v4" extra=(--two-pass --hidden 4096)
     run "$limit" "mhc_ab/$name.log" env PYTHONPATH="$3/python:$PWD" \
-      python3 benchmark/kernels/probe_mhc_phases.py --library-only --m 1,4,8,32 \
+      python3 benchmark/kernels/probe_mhc_phases.py --library-only --m "${MHC_AB_M:-1,4,8,32}" \
       "${extra[@]}" --out "$WORK/mhc_ab/$name.md"
     show "$WORK/mhc_ab/$name.md"
   done

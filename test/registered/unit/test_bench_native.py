@@ -157,3 +157,37 @@ def test_decode_profile_writes_the_engines_table(tmp_path: Path) -> None:
     text = (tmp_path / "profile_plain_bs1.txt").read_text()
     assert text.startswith("8 steps, ") and "ms/step wall" in text
     assert "aten::" in text  # the host ops of the profiled steps
+
+
+def test_timed_runs_report_the_median_wall_and_the_first_runs_ids(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`time_engine(..., runs=R)`: the warm-up and the three 1-token calls, then R timed
+    generations whose median wall comes back (one disturbed run does not move it)."""
+    from benchmark import bench_engine
+
+    class FakeEngine:
+        def __init__(self) -> None:
+            self.calls: list[int] = []
+
+        def generate(self, input_ids: list, sampling_params: dict) -> list[dict]:
+            n = sampling_params["max_new_tokens"]
+            self.calls.append(n)
+            return [{"output_ids": [len(self.calls)] * n} for _ in input_ids]
+
+    # Each call's wall: warm-up, three 1-token calls, then the timed runs (one disturbed).
+    walls = iter([9.0, 0.5, 0.4, 0.6, 2.0, 5.0, 2.2])
+    clock = [0.0]
+
+    def perf_counter() -> float:
+        clock[0] += next(walls) if perf_counter.started else 0.0
+        perf_counter.started = not perf_counter.started
+        return clock[0]
+
+    perf_counter.started = False  # type: ignore[attr-defined]
+    monkeypatch.setattr(bench_engine.time, "perf_counter", perf_counter)
+    engine = FakeEngine()
+    wall, first, ids = bench_engine.time_engine(engine, [[1, 2]], 4, "cpu", runs=3)
+    assert engine.calls == [4, 1, 1, 1, 4, 4, 4]
+    assert (wall, first) == pytest.approx((2.2, 0.5))
+    assert ids == [[5] * 4]  # the first timed run's (the fifth call)
