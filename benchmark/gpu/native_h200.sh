@@ -70,7 +70,8 @@
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
 #                (D 4096, two pass): MHC_AB_BASE (default .ab) holds the base tree's python/,
 #                carried with the call; MHC_AB_M the batch sizes (default 1,4,8,32);
-#                MHC_AB_ONLY=1 skips the variants and runs the A/B alone
+#                MHC_AB_ONLY=1 skips the variants and runs the A/B alone; MHC_VARIANTS the
+#                variants whose label holds it (default all)
 #
 # A device command runs at most ~9.5 minutes (CALL_BUDGET, see stages.sh): one call per line,
 # in order of need, with stage budgets set from the first call's timings
@@ -312,8 +313,8 @@ mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROO
 if has mhc_phases; then  # the A/B rounds print one table each; read them in ABBA order
   stage mhc_phases 480
   if [ "${MHC_AB_ONLY:-0}" != 1 ]; then
-    run 140 mhc_phases.log python3 benchmark/kernels/probe_mhc_phases.py --m 1,4,8,32 \
-      --out "$WORK/mhc_phases.md"
+    run 140 mhc_phases.log python3 benchmark/kernels/probe_mhc_phases.py \
+      --m "${MHC_AB_M:-1,4,8,32}" --only "${MHC_VARIANTS:-}" --out "$WORK/mhc_phases.md"
     show "$WORK/mhc_phases.md"
   fi
   abba mhc_phases "${MHC_AB_BASE:-.ab}" mhc_ab_round

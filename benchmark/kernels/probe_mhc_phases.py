@@ -17,7 +17,10 @@ out or changed, so its time against the library's says what that part costs:
   norm chunks of W columns      `_NORM_BLOCK` W instead of the library's;
   phase B at W warps            `_NORM_WARPS` W instead of the library's;
   no coefficients               `mhc_post_collapse`: phase A without the projection, phase B the
-                                norm alone.
+                                norm alone;
+  phase A over T row tiles      `_TARGET_ROW_TILES` T instead of the library's (more tiles: fewer
+                                rows a program, fn read by more programs);
+  one row a phase-A program     `_MAX_BLOCK_M` 1.
 
 Timed ABBA (library, variant, variant, library) in CUDA graphs of `--copies` boundaries, each
 with its own hyper-connection parameters (fn is 2 MB in fp32 a boundary: the copies exceed the
@@ -147,6 +150,9 @@ VARIANTS: tuple[tuple[str, Callable[[], contextlib.AbstractContextManager], Call
     ("phase B at 1 warp", lambda: _variant(_NORM_WARPS=1), _library),
     ("phase B at 2 warps", lambda: _variant(_NORM_WARPS=2), _library),
     ("no coefficients (post_collapse)", _variant, _collapse),
+    ("phase A over 8 row tiles", lambda: _variant(_TARGET_ROW_TILES=8), _library),
+    ("phase A over 16 row tiles", lambda: _variant(_TARGET_ROW_TILES=16), _library),
+    ("one row a phase-A program", lambda: _variant(_MAX_BLOCK_M=1), _library),
 )
 
 
@@ -168,6 +174,8 @@ def _rows(m: int, a: argparse.Namespace) -> list[str]:
         return rows
     rows = []
     for label, context, factory in VARIANTS:
+        if a.only not in label:
+            continue
         calls = [factory(b) for b in boundaries]
         times: dict[bool, list[float]] = {False: [], True: []}
         for is_variant in (False, True, True, False):
@@ -184,6 +192,7 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--m", default="1,4,8,32")
     p.add_argument("--copies", type=int, default=32)
+    p.add_argument("--only", default="", help="the variants whose label holds this substring")
     p.add_argument("--device", default="cuda")
     p.add_argument("--hidden", type=int, default=HIDDEN, help="D (V4-Flash: 4096)")
     p.add_argument(
