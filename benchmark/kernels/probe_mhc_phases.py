@@ -20,7 +20,9 @@ out or changed, so its time against the library's says what that part costs:
                                 norm alone;
   phase A over T row tiles      `_TARGET_ROW_TILES` T instead of the library's (more tiles: fewer
                                 rows a program, fn read by more programs);
-  one row a phase-A program     `_MAX_BLOCK_M` 1.
+  one row a phase-A program     `_MAX_BLOCK_M` 1;
+  phase A without its cap       `_PHASE_A_MAX_REGISTERS` None (phase A at the registers it
+                                compiles to: 180 at sm90 for V4.1's 8-row tiles).
 
 Timed ABBA (library, variant, variant, library) in CUDA graphs of `--copies` boundaries, each
 with its own hyper-connection parameters (fn is 2 MB in fp32 a boundary: the copies exceed the
@@ -153,6 +155,8 @@ VARIANTS: tuple[tuple[str, Callable[[], contextlib.AbstractContextManager], Call
     ("phase A over 8 row tiles", lambda: _variant(_TARGET_ROW_TILES=8), _library),
     ("phase A over 16 row tiles", lambda: _variant(_TARGET_ROW_TILES=16), _library),
     ("one row a phase-A program", lambda: _variant(_MAX_BLOCK_M=1), _library),
+    ("phase A over 2 row tiles", lambda: _variant(_TARGET_ROW_TILES=2), _library),
+    ("phase A without its register cap", lambda: _variant(_PHASE_A_MAX_REGISTERS=None), _library),
 )
 
 

@@ -1614,6 +1614,71 @@ def check_k_loops(
     return report
 
 
+def _resource_usage(cubin: bytes) -> dict[str, int]:
+    """Registers, stack and local memory of a compiled kernel (`cuobjdump` as Triton ships it)."""
+    import subprocess
+    import tempfile
+    from pathlib import Path
+
+    tool = Path(importlib.import_module("triton.backends.nvidia").__file__).parent / "bin"
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        text = subprocess.run(
+            [str(tool / "cuobjdump"), "--dump-resource-usage", str(path)],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+    return {k: int(v) for k, v in re.findall(r"(REG|STACK|LOCAL):(\d+)", text)}
+
+
+def check_register_caps() -> list[str]:
+    """The mHC boundary's phase A under its register cap on NVIDIA (`post_combine.
+    _PHASE_A_MAX_REGISTERS`, for row tiles of up to `_CAPPED_BLOCK_M` rows): compiled for sm90
+    at every capped tile size, single pass (V4.1's D) and two pass (V4's), it stays within
+    the cap and spills nothing (a spill would put local-memory traffic in every row)."""
+    from sgl_dspark.kernels.mhc import post_combine
+
+    target = TARGETS["sm90"][0]
+    cap = post_combine._PHASE_A_MAX_REGISTERS
+    report = []
+    for d, single_pass in ((5120, True), (4096, False)):
+        block_m = 1
+        while block_m <= post_combine._CAPPED_BLOCK_M:
+            m = block_m * post_combine._TARGET_ROW_TILES
+
+            def run(m: int = m, d: int = d, single_pass: bool = single_pass) -> None:
+                n, r = 4, 24
+                post_combine.mhc_post_combine(
+                    _bf16(m, n, d),
+                    _bf16(m, d),
+                    torch.rand(m, n),
+                    torch.rand(m, n, n),
+                    torch.randn(r, n * d),
+                    torch.randn(r),
+                    torch.ones(3),
+                    torch.ones(d),
+                    hc_eps=1e-6,
+                    sinkhorn_iters=20,
+                    rms_eps=1e-6,
+                    collapse_pre=torch.rand(m, n) if single_pass else None,
+                )
+
+            rec = record_launches(
+                "sgl_dspark.kernels.mhc.post_combine", "_mhc_post_combine_kernel", run
+            )
+            args, kwargs = next((a, k) for a, k in rec.calls if k["PHASE"] == 0)
+            assert kwargs["BLOCK_M"] == block_m, (d, m, kwargs["BLOCK_M"])
+            src, options = launch_source(rec.fn, args, on_target(kwargs, target), target)
+            compiled = triton.compile(src, target=target, options={**options, "maxnreg": cap})
+            usage = _resource_usage(compiled.asm["cubin"])
+            assert usage["REG"] <= cap and usage["STACK"] == usage["LOCAL"] == 0, (d, m, usage)
+            report.append(f"ok regs mhc phase A D {d} {block_m} rows: {usage['REG']} <= {cap}")
+            block_m *= 2
+    return report
+
+
 def check_instructions() -> list[str]:
     """Compile the cases of `INSTRUCTIONS` and check their matrix instructions."""
     report = []
@@ -1646,6 +1711,11 @@ def main(names: list[str]) -> int:
         except Exception as exc:
             failed += 1
             print(f"FAIL asm: {type(exc).__name__}: {exc}", flush=True)
+        try:
+            print("\n".join(check_register_caps()), flush=True)
+        except Exception as exc:
+            failed += 1
+            print(f"FAIL regs: {type(exc).__name__}: {exc}", flush=True)
         for key, rec in sorted(recs.items()):
             if not rec.calls:
                 continue

@@ -2,8 +2,9 @@
 launches of the benchmark cases (DeepSeek-V4-Flash shapes) and the hand-written runtime cases
 (see `gpu_targets_check.py`); the FP8 kernels also emit their matrix instructions (the W8A8
 GEMMs sm90's `wgmma ... e4m3.e4m3` and gfx950's FP8 MFMA, the MX MoE gfx950's
-`v_mfma_scale_f32_*_f8f6f4`), and the quantised GEMMs' K loops wait on no load of their own
-step (`check_k_loops`); checked without a GPU, in a subprocess free of TRITON_INTERPRET."""
+`v_mfma_scale_f32_*_f8f6f4`), the quantised GEMMs' K loops wait on no load of their own
+step (`check_k_loops`), and register-capped launches spill nothing (`check_register_caps`);
+checked without a GPU, in a subprocess free of TRITON_INTERPRET."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from gpu_targets_check import INSTRUCTIONS, K_LOOP_KERNELS, PDL_KERNELS
+from sgl_dspark.kernels.mhc.post_combine import _CAPPED_BLOCK_M
 
 CHECK = Path(__file__).with_name("gpu_targets_check.py")
 
@@ -37,3 +39,8 @@ def test_kernels_compile_for_sm90_and_gfx950() -> None:
     # The FP8 kernels emit the matrix instructions they exist for (sm90's FP8 wgmma, gfx950's
     # FP8 and scaled MFMA), within shared memory at the run-time specialisation.
     assert len([x for x in lines if x.startswith("ok asm ")]) == len(INSTRUCTIONS), proc.stdout
+    # The mHC boundary's phase A stays within its register cap without spilling at every
+    # capped row tile, single and two pass (`check_register_caps`).
+    capped_tiles = _CAPPED_BLOCK_M.bit_length()  # 1, 2, 4, ... rows
+    regs = [x for x in lines if x.startswith("ok regs ")]
+    assert len(regs) == 2 * capped_tiles, proc.stdout

@@ -48,7 +48,11 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import check_tensor, require
-from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import (
+    programmatic_launch,
+    register_cap,
+    wait_for_producers,
+)
 from sgl_dspark.kernels.fp8.act_quant import check_group
 from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
 from sgl_dspark.kernels.mhc.coefficients import (
@@ -71,6 +75,13 @@ _MAX_BLOCK_M = 16
 # Phase A warps: at sm90, 1 warp holds the n fn tiles in too few threads (spills at 8 rows a
 # program) and 2 warps take more barriers than 4 (probe_quant_sass-style SASS counts).
 _PHASE_A_WARPS = 4
+# Phase A's registers a thread on NVIDIA, for row tiles up to _CAPPED_BLOCK_M rows: three
+# programs of four warps an SM. Uncapped, 8 rows a program with the collapse (V4.1) compile to
+# 180 at sm90, two programs an SM, so 32 rows over 80 slices (320 programs) ran in 1.2 waves;
+# at 168 they compile without spilling and fit one. Fewer rows need no more than 166; 16 rows
+# would spill under the cap (and at two an SM their grid fits a wave anyway).
+_PHASE_A_MAX_REGISTERS = 168
+_CAPPED_BLOCK_M = 8
 # Phase B: rows up to this width stay in registers; wider ones are chunked (norm re-reads x_in).
 _MAX_FINISH_BLOCK = 8192
 # Phase B after phase A collapsed: columns a norm program takes (at least an FP8 group), and
@@ -502,7 +513,13 @@ def _launch(
         **programmatic_launch(_mhc_post_combine_kernel, dev),
     )
     _mhc_post_combine_kernel[(triton.cdiv(m, block_m), num_slices)](
-        *args, PHASE=0, BLOCK_M=block_m, FIRST_PART=0, num_warps=_PHASE_A_WARPS, **meta
+        *args,
+        PHASE=0,
+        BLOCK_M=block_m,
+        FIRST_PART=0,
+        num_warps=_PHASE_A_WARPS,
+        **register_cap(dev, _PHASE_A_MAX_REGISTERS if block_m <= _CAPPED_BLOCK_M else None),
+        **meta,
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
     if collapse_in_a:
