@@ -1,7 +1,7 @@
 """The mHC boundary's phase A under a register cap (`post_combine._PHASE_A_MAX_REGISTERS`, NVIDIA's
-`maxnreg`): asked for only where the backend takes one and only for row tiles of up to
+`maxnreg`): asked for only where the backend takes one and only for the single-pass row tile of
 `_CAPPED_BLOCK_M` rows; on a GPU the capped boundary gives the uncapped one's bits (a cap changes
-registers, not instructions' results). That the capped launches compile within the cap without
+registers, not instructions' results). That the capped launch compiles within the cap without
 spilling is checked ahead of time (`gpu_targets_check.check_register_caps`)."""
 
 from __future__ import annotations
@@ -25,11 +25,15 @@ def test_register_cap_only_where_the_backend_takes_one(monkeypatch: pytest.Monke
     assert _triton_utils.register_cap(torch.device("cuda", 0), 168) == {}
 
 
-@pytest.mark.parametrize("m,capped", [(1, True), (32, True), (33, False)])
-def test_phase_a_asks_for_the_cap_up_to_its_row_limit(
-    m: int, capped: bool, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize(
+    "m,single_pass,capped",
+    [(1, True, False), (8, True, False), (32, True, True), (33, True, False), (32, False, False)],
+)
+def test_phase_a_asks_for_the_cap_only_for_its_tile(
+    m: int, single_pass: bool, capped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """32 rows run 8 a program (capped), 33 rows 16 a program (uncapped); phase B never asks."""
+    """Single pass, 17 to 32 rows run 8 a program (capped); 1 and 8 rows 1 and 2 a program, 33
+    rows 16 a program, and V4's two-pass tiles uncapped; phase B never asks."""
     asked: list[int | None] = []
 
     def spy(device: torch.device, registers: int | None) -> dict:
@@ -38,7 +42,8 @@ def test_phase_a_asks_for_the_cap_up_to_its_row_limit(
 
     monkeypatch.setattr(mhc_module, "register_cap", spy)
     inp = _make_inputs(m, 4, 64, torch.bfloat16, seed=m)
-    inp["collapse_pre"] = _prev_pre(m, 4, seed=m + 1)
+    if single_pass:
+        inp["collapse_pre"] = _prev_pre(m, 4, seed=m + 1)
     mhc_post_combine(**inp, sinkhorn_iters=2, **_KW)
     want = mhc_module._PHASE_A_MAX_REGISTERS if capped else None
     assert asked == [want], asked

@@ -75,13 +75,22 @@ _MAX_BLOCK_M = 16
 # Phase A warps: at sm90, 1 warp holds the n fn tiles in too few threads (spills at 8 rows a
 # program) and 2 warps take more barriers than 4 (probe_quant_sass-style SASS counts).
 _PHASE_A_WARPS = 4
-# Phase A's registers a thread on NVIDIA, for row tiles up to _CAPPED_BLOCK_M rows: three
-# programs of four warps an SM. Uncapped, 8 rows a program with the collapse (V4.1) compile to
-# 180 at sm90, two programs an SM, so 32 rows over 80 slices (320 programs) ran in 1.2 waves;
-# at 168 they compile without spilling and fit one. Fewer rows need no more than 166; 16 rows
-# would spill under the cap (and at two an SM their grid fits a wave anyway).
+# Phase A's registers a thread on NVIDIA for the single-pass row tile of _CAPPED_BLOCK_M rows:
+# three programs of four warps an SM. Uncapped, 8 rows a program with the collapse (V4.1)
+# compile to 180 at sm90, two programs an SM, so 32 rows over 80 slices (320 programs) ran in
+# 1.2 waves; at 168 they compile without spilling and fit one (27.0 -> 19.3 us a boundary on an
+# H100, `benchmark/results/kernels.md`). Nowhere else: smaller tiles and V4's two-pass tiles
+# already fit three an SM, and the cap only reschedules them (2 rows timed 18% slower); 16 rows
+# would spill under it.
 _PHASE_A_MAX_REGISTERS = 168
 _CAPPED_BLOCK_M = 8
+
+
+def _phase_a_registers(block_m: int, collapse_in_a: bool) -> int | None:
+    """Phase A's register cap (None: the compiler's choice) for a row tile of `block_m` rows."""
+    return _PHASE_A_MAX_REGISTERS if collapse_in_a and block_m == _CAPPED_BLOCK_M else None
+
+
 # Phase B: rows up to this width stay in registers; wider ones are chunked (norm re-reads x_in).
 _MAX_FINISH_BLOCK = 8192
 # Phase B after phase A collapsed: columns a norm program takes (at least an FP8 group), and
@@ -518,7 +527,7 @@ def _launch(
         BLOCK_M=block_m,
         FIRST_PART=0,
         num_warps=_PHASE_A_WARPS,
-        **register_cap(dev, _PHASE_A_MAX_REGISTERS if block_m <= _CAPPED_BLOCK_M else None),
+        **register_cap(dev, _phase_a_registers(block_m, collapse_in_a)),
         **meta,
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
