@@ -78,9 +78,9 @@ _PHASE_A_WARPS = 4
 # Phase A's registers a thread on NVIDIA for the single-pass row tile of _CAPPED_BLOCK_M rows:
 # three programs of four warps an SM. Uncapped, 8 rows a program with the collapse (V4.1)
 # compile to 180 at sm90, two programs an SM, so 32 rows over 80 slices (320 programs) ran in
-# 1.2 waves; at 168 they compile without spilling and fit one (27.0 -> 19.3 us a boundary on an
-# H100, `benchmark/results/kernels.md`). Nowhere else: smaller tiles and V4's two-pass tiles
-# already fit three an SM, and the cap only reschedules them (2 rows timed 18% slower); 16 rows
+# 1.2 waves; at 168 they compile without spilling and fit one (timed in
+# `benchmark/results/kernels.md`). Nowhere else: smaller tiles and V4's two-pass tiles already
+# fit three an SM, and the cap only reschedules them (2 rows were slower under it); 16 rows
 # would spill under it.
 _PHASE_A_MAX_REGISTERS = 168
 _CAPPED_BLOCK_M = 8
