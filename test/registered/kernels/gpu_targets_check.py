@@ -1647,7 +1647,7 @@ def check_register_caps() -> list[str]:
         block_m = 1
         while block_m <= post_combine._MAX_BLOCK_M:
             m = block_m * post_combine._TARGET_ROW_TILES
-            cap = post_combine._phase_a_registers(block_m, single_pass)
+            cap = post_combine._phase_a_registers(block_m, single_pass, 4)
 
             def run(m: int = m, d: int = d, single_pass: bool = single_pass) -> None:
                 n, r = 4, 24

@@ -26,14 +26,22 @@ def test_register_cap_only_where_the_backend_takes_one(monkeypatch: pytest.Monke
 
 
 @pytest.mark.parametrize(
-    "m,single_pass,capped",
-    [(1, True, False), (8, True, False), (32, True, True), (33, True, False), (32, False, False)],
+    "m,n,single_pass,capped",
+    [
+        (1, 4, True, False),
+        (8, 4, True, False),
+        (32, 4, True, True),
+        (33, 4, True, False),
+        (32, 4, False, False),
+        (32, 3, True, False),
+    ],
 )
 def test_phase_a_asks_for_the_cap_only_for_its_tile(
-    m: int, single_pass: bool, capped: bool, monkeypatch: pytest.MonkeyPatch
+    m: int, n: int, single_pass: bool, capped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Single pass, 17 to 32 rows run 8 a program (capped); 1 and 8 rows 1 and 2 a program, 33
-    rows 16 a program, and V4's two-pass tiles uncapped; phase B never asks."""
+    """Single pass of four streams, 17 to 32 rows run 8 a program (capped); 1 and 8 rows 1 and
+    2 a program, 33 rows 16 a program, V4's two-pass tiles and other stream counts uncapped;
+    phase B never asks."""
     asked: list[int | None] = []
 
     def spy(device: torch.device, registers: int | None) -> dict:
@@ -41,9 +49,9 @@ def test_phase_a_asks_for_the_cap_only_for_its_tile(
         return {}
 
     monkeypatch.setattr(mhc_module, "register_cap", spy)
-    inp = _make_inputs(m, 4, 64, torch.bfloat16, seed=m)
+    inp = _make_inputs(m, n, 64, torch.bfloat16, seed=m)
     if single_pass:
-        inp["collapse_pre"] = _prev_pre(m, 4, seed=m + 1)
+        inp["collapse_pre"] = _prev_pre(m, n, seed=m + 1)
     mhc_post_combine(**inp, sinkhorn_iters=2, **_KW)
     want = mhc_module._PHASE_A_MAX_REGISTERS if capped else None
     assert asked == [want], asked

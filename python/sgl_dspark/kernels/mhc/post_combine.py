@@ -75,8 +75,8 @@ _MAX_BLOCK_M = 16
 # Phase A warps: at sm90, 1 warp holds the n fn tiles in too few threads (spills at 8 rows a
 # program) and 2 warps take more barriers than 4 (probe_quant_sass-style SASS counts).
 _PHASE_A_WARPS = 4
-# Phase A's registers a thread on NVIDIA for the single-pass row tile of _CAPPED_BLOCK_M rows:
-# three programs of four warps an SM. Uncapped, 8 rows a program with the collapse (V4.1)
+# Phase A's registers a thread on NVIDIA for the single-pass row tile of _CAPPED_BLOCK_M rows of
+# _CAPPED_STREAMS streams (V4.1's): three programs of four warps an SM. Uncapped, 8 rows a program with the collapse (V4.1)
 # compile to 180 at sm90, two programs an SM, so 32 rows over 80 slices (320 programs) ran in
 # 1.2 waves; at 168 they compile without spilling and fit one (timed in
 # `benchmark/results/kernels.md`). Nowhere else: smaller tiles and V4's two-pass tiles already
@@ -84,11 +84,14 @@ _PHASE_A_WARPS = 4
 # would spill under it.
 _PHASE_A_MAX_REGISTERS = 168
 _CAPPED_BLOCK_M = 8
+_CAPPED_STREAMS = 4
 
 
-def _phase_a_registers(block_m: int, collapse_in_a: bool) -> int | None:
-    """Phase A's register cap (None: the compiler's choice) for a row tile of `block_m` rows."""
-    return _PHASE_A_MAX_REGISTERS if collapse_in_a and block_m == _CAPPED_BLOCK_M else None
+def _phase_a_registers(block_m: int, collapse_in_a: bool, n: int) -> int | None:
+    """Phase A's register cap (None: the compiler's choice) for a row tile of `block_m` rows of
+    n streams (more streams need more registers: a cap set for four could make them spill)."""
+    capped = collapse_in_a and block_m == _CAPPED_BLOCK_M and n == _CAPPED_STREAMS
+    return _PHASE_A_MAX_REGISTERS if capped else None
 
 
 # Phase B: rows up to this width stay in registers; wider ones are chunked (norm re-reads x_in).
@@ -527,7 +530,7 @@ def _launch(
         BLOCK_M=block_m,
         FIRST_PART=0,
         num_warps=_PHASE_A_WARPS,
-        **register_cap(dev, _phase_a_registers(block_m, collapse_in_a)),
+        **register_cap(dev, _phase_a_registers(block_m, collapse_in_a, n)),
         **meta,
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
