@@ -189,8 +189,7 @@ def time_engine(
     run(min(8, new_tokens))  # warm-up (Triton compilation, allocator)
     t1 = statistics.median(run(1)[0] for _ in range(3))  # one sample is too noisy
     tn, ids = run(new_tokens)
-    walls = [tn]
-    walls += [run(new_tokens)[0] for _ in range(runs - 1)]
+    walls = [tn] + [run(new_tokens)[0] for _ in range(runs - 1)]
     return statistics.median(walls), t1, ids
 
 

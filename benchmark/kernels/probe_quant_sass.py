@@ -44,6 +44,7 @@ from gpu_targets_check import (  # noqa: E402
     quantized_moe_case,
     quantized_token_gemms_case,
     record_launches,
+    resource_usage,
 )
 
 TARGET = TARGETS["sm90"][0]
@@ -143,13 +144,7 @@ def probe(name: str, keep: str | None) -> list[str]:
             sass = subprocess.run(
                 [str(_BIN / "nvdisasm"), "-c", cubin], capture_output=True, text=True, check=True
             ).stdout
-            usage = subprocess.run(
-                [str(_BIN / "cuobjdump"), "--dump-resource-usage", cubin],
-                capture_output=True,
-                text=True,
-                check=True,
-            ).stdout
-        regs = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        usage = resource_usage(compiled.asm["cubin"])
         mix = loop_mix(sass)
         total = sum(mix.values())
         per_byte = total * kwargs.get("num_warps", 4) / _step_bytes(kwargs)
@@ -157,8 +152,8 @@ def probe(name: str, keep: str | None) -> list[str]:
         top = " ".join(f"{op}:{n}" for op, n in mix.most_common(12))
         out.append(
             f"| {name} | {kwargs['BLOCK_N']} x {kwargs['BLOCK_K']}, {kwargs.get('num_warps')} "
-            f"warps, {kwargs.get('num_stages')} stages | {regs[1] if regs else '?'} | "
-            f"{regs[2] if regs else '?'} | {compiled.metadata.shared} | {asyncs} | {total} | "
+            f"warps, {kwargs.get('num_stages')} stages | {usage['REG']} | "
+            f"{usage['STACK']} | {compiled.metadata.shared} | {asyncs} | {total} | "
             f"{per_byte:.3f} | {top} |"
         )
     return out

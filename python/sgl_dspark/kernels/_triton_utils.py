@@ -114,11 +114,12 @@ def programmatic_launch(kernel: object, device: torch.device) -> dict[str, Any]:
 
 def register_cap(device: torch.device, registers: int | None) -> dict[str, Any]:
     """Launch options capping a kernel's registers a thread at `registers` (None: no cap) where
-    the backend takes a cap (NVIDIA's `maxnreg`): so that a known number of programs share a
+    the backend takes a cap (NVIDIA's `maxnreg`; caps are chosen from sm90 compilations, so
+    `nvidia_sm90_or_later` decides): so that a known number of programs share a
     multiprocessor and a grid sized for one wave runs in one. The cap moves no result bit (the
     same instructions, other registers); a cap below what the kernel needs spills, which the
     caller's choice must avoid (`gpu_targets_check` compiles the capped launches)."""
-    if registers is None or device.type != "cuda" or torch.version.hip is not None:
+    if registers is None or not nvidia_sm90_or_later(device):
         return {}
     return {"maxnreg": registers}
 

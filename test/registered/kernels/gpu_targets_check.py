@@ -1614,7 +1614,7 @@ def check_k_loops(
     return report
 
 
-def _resource_usage(cubin: bytes) -> dict[str, int]:
+def resource_usage(cubin: bytes) -> dict[str, int]:
     """Registers, stack and local memory of a compiled kernel (`cuobjdump` as Triton ships it)."""
     import subprocess
     import tempfile
@@ -1674,10 +1674,10 @@ def check_register_caps() -> list[str]:
             src, options = launch_source(rec.fn, args, on_target(kwargs, target), target)
             if cap is not None:
                 free = triton.compile(src, target=target, options=options)
-                assert _resource_usage(free.asm["cubin"])["REG"] > cap, (d, m, "cap unneeded")
+                assert resource_usage(free.asm["cubin"])["REG"] > cap, (d, m, "cap unneeded")
                 options = {**options, "maxnreg": cap}
             compiled = triton.compile(src, target=target, options=options)
-            usage = _resource_usage(compiled.asm["cubin"])
+            usage = resource_usage(compiled.asm["cubin"])
             assert usage["REG"] <= (cap or 255), (d, m, usage)
             assert cap is None or usage["STACK"] == usage["LOCAL"] == 0, (d, m, usage)
             report.append(f"ok regs mhc phase A D {d} {block_m} rows: {usage['REG']} (cap {cap})")

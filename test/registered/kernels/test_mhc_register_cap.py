@@ -19,9 +19,10 @@ _OUTPUTS = ("streams", "pre", "post", "comb", "x_in", "x_normed")
 def test_register_cap_only_where_the_backend_takes_one(monkeypatch: pytest.MonkeyPatch) -> None:
     assert _triton_utils.register_cap(torch.device("cpu"), 168) == {}
     assert _triton_utils.register_cap(torch.device("cuda", 0), None) == {}
-    monkeypatch.setattr(torch.version, "hip", None)
+    # The device test itself (`_nvidia_sm90_or_later`: a CUDA build on sm90+) stood in for.
+    monkeypatch.setattr(_triton_utils, "_nvidia_sm90_or_later", lambda index: True)
     assert _triton_utils.register_cap(torch.device("cuda", 0), 168) == {"maxnreg": 168}
-    monkeypatch.setattr(torch.version, "hip", "6.4")  # a ROCm build: no `maxnreg`
+    monkeypatch.setattr(_triton_utils, "_nvidia_sm90_or_later", lambda index: False)  # ROCm
     assert _triton_utils.register_cap(torch.device("cuda", 0), 168) == {}
 
 
