@@ -17,7 +17,8 @@
 #   moe_token_shapes  probe_moe_token.py --stage-metas: each per-token stage alone at other
 #                launch shapes (bits checked against the library's), MXFP4, M 1
 #                (MOE_TOKEN_M: other token counts; MOE_TOKEN_STAGES: gate_up and / or down;
-#                MOE_TOKEN_FORMAT: fp8 for FP8 stacks)
+#                MOE_TOKEN_FORMAT: fp8 for FP8 stacks; MOE_TOKEN_ONLY: the variants whose
+#                label holds it)
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
 #   rank         bench_native.py decode: dsv41_flash_rank, or $RANK_CONFIG (full depth, 96
@@ -159,7 +160,8 @@ if has moe_token_shapes; then
   run 300 moe_token_shapes.log python3 benchmark/kernels/probe_moe_token.py \
     --format "${MOE_TOKEN_FORMAT:-mxfp4}" \
     --shapes dsv41_flash_ep4 --m "${MOE_TOKEN_M:-1}" --stage-metas \
-    --stages "${MOE_TOKEN_STAGES:-gate_up,down}" --out "$WORK/moe_token_shapes.md"
+    --stages "${MOE_TOKEN_STAGES:-gate_up,down}" ${MOE_TOKEN_ONLY:+--only "$MOE_TOKEN_ONLY"} \
+    --out "$WORK/moe_token_shapes.md"
   show "$WORK/moe_token_shapes.md"
 fi
 if has ab; then  # the same random model, bf16 then native, each engine in its own process

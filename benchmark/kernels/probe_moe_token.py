@@ -91,9 +91,12 @@ def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen
 # Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth, stage 2's
 # slot groups), timed against the library's own (`_gate_up_meta`,
 # `_down_meta`): each entry replaces those keys of the library's shape. Stage 2 with
-# GROUP_SLOTS 8 holds all of V4.1's 6 + 1 slots in one program (the shape before slot groups).
+# GROUP_SLOTS 8 holds all of V4.1's 6 + 1 slots in one program (the shape before slot groups);
+# EXTRA_FIRST False dispatches either stage's programs in slot order (the folded shared
+# expert's, twice a routed slot's bytes, interleaved with the routed ones).
 STAGE_METAS = {
     "gate_up": [
+        {"EXTRA_FIRST": False},
         {"BLOCK_N": 32, "num_stages": 3},
         {"BLOCK_N": 64, "num_stages": 4},
         {"BLOCK_N": 64, "num_stages": 2},
@@ -101,6 +104,7 @@ STAGE_METAS = {
         {"BLOCK_N": 128, "num_stages": 2},
     ],
     "down": [
+        {"EXTRA_FIRST": False},
         {"GROUP_SLOTS": 8, "BLOCK_N": 8, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 32, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 128, "num_stages": 3},
@@ -121,10 +125,17 @@ def _with_shape(library, overrides: dict[str, int]):
 
 
 def _stage_sweep(
-    shape: str, m: int, paths: dict, calls: int, replays: int, stages: list[str]
+    shape: str,
+    m: int,
+    paths: dict,
+    calls: int,
+    replays: int,
+    stages: list[str],
+    only: str | None = None,
 ) -> list[str]:
     """Each per-token stage of `stages` alone: the library's launch shape, then each
-    STAGE_METAS one (bits against the library's, timed ABBA against it in CUDA graphs)."""
+    STAGE_METAS one (those whose label holds `only`, if given; bits against the library's,
+    timed ABBA against it in CUDA graphs)."""
     paths["gate_up"]()  # stage 2's inputs
     rows = []
     for stage in stages:
@@ -134,6 +145,8 @@ def _stage_sweep(
         want = [t.clone() for t in fn()]
         for overrides in STAGE_METAS[stage]:
             variant = f"{stage} " + ", ".join(f"{k} {v}" for k, v in overrides.items())
+            if only is not None and only not in variant:
+                continue
             shaped = _with_shape(library, overrides)
             try:
                 with mock.patch.object(module, name, shaped):
@@ -239,6 +252,9 @@ def main() -> None:
     p.add_argument(
         "--stages", default="gate_up,down", help="the stages --stage-metas sweeps (comma list)"
     )
+    p.add_argument(
+        "--only", default=None, help="--stage-metas: only the variants whose label holds this"
+    )
     p.add_argument("--format", default="bf16", choices=("bf16", *FORMAT_GROUPS))
     p.add_argument("--shapes", default=",".join(SHAPES))
     a = p.parse_args()
@@ -259,7 +275,8 @@ def main() -> None:
             paths = _setup(shape, m, a.calls, a.format)
             if a.stage_metas:
                 stages = a.stages.split(",")
-                for line in _stage_sweep(shape, m, paths, a.calls, a.replays, stages):
+                sweep = _stage_sweep(shape, m, paths, a.calls, a.replays, stages, a.only)
+                for line in sweep:
                     lines.append(line)
                     print(line, flush=True)
                     if a.out:

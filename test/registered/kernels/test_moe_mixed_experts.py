@@ -56,7 +56,8 @@ def _stacks(
 
 
 # (routed format, extra format, M, topk routed, E routed, D, I). The extra expert is the last
-# slot of every token (the router's appended shared column), except with "no_extra" routing.
+# slot of every token (the router's appended shared column), except with "no_extra" routing
+# and "shared_rolled" (token t's at slot t mod topk + 1).
 MIXED_CASES = [
     ("mxfp4", "fp8", 1, 2, 4, 96, 64, "shared_last"),
     ("mxfp4", "fp8", 2, 3, 5, 288, 40, "shared_last"),  # D: two K steps; I: partial tiles
@@ -65,15 +66,20 @@ MIXED_CASES = [
     ("mxfp4", "fp8", 2, 2, 4, 64, 32, "no_extra"),  # no token routed to the extra expert
     ("mxfp4", "fp8", 18, 2, 4, 32, 32, "shared_last"),  # the extra's routes span two blocks
     ("mxfp4", "fp8", 3, 3, 5, 64, 32, "remote"),  # routed experts 1 and 3 on another rank
+    ("mxfp4", "fp8", 4, 3, 5, 96, 64, "shared_rolled"),  # the extra expert at every slot
 ]
 
 
 def _routes(m: int, topk: int, e: int, routing: str, g: torch.Generator):
     ids = torch.rand(m, e, generator=g).argsort(dim=1)[:, :topk]
     weights = torch.rand(m, topk, generator=g)
-    if routing == "shared_last":
+    if routing in ("shared_last", "shared_rolled"):
         ids = torch.cat((ids, torch.full((m, 1), e)), dim=1)
         weights = torch.cat((weights, torch.ones(m, 1)), dim=1)
+    if routing == "shared_rolled":  # token t's slots rolled so that its extra slot is slot t
+        ids, weights = (
+            torch.stack([row.roll(t + 1) for t, row in enumerate(v)]) for v in (ids, weights)
+        )
     return ids.to(torch.int32).contiguous().to(DEVICE), weights.to(DEVICE)
 
 
@@ -89,7 +95,7 @@ def test_mixed_stacks_match_refs_and_paths(case: tuple, before_down: bool) -> No
         mask[1:e:2] = 0
     n_loc = int(mask.sum())
     gate_up, down, gu_ref, down_ref = _stacks(routed_fmt, extra_fmt, n_loc - 1, d, i, g)
-    ids, weights = _routes(m, topk, e, "no_extra" if routing == "no_extra" else "shared_last", g)
+    ids, weights = _routes(m, topk, e, "shared_last" if routing == "remote" else routing, g)
     slots = ids.shape[1]
     x = torch.randn(m, d, generator=g).to(DTYPE).to(DEVICE)
     mask = mask.to(DEVICE)
@@ -137,3 +143,31 @@ def test_mixed_stacks_are_checked() -> None:
     # Local ids past the extra expert's would have no weight.
     with pytest.raises(ValueError, match=r"gate_up_proj.stack must .* \[>= 4 experts"):
         moe_route_gate_up(x, gate_up, ids, table, 5, 1.5)
+
+
+@pytest.mark.parametrize("extra_first", [True, False])
+def test_extra_routes_first_change_no_bit(extra_first: bool, monkeypatch) -> None:
+    """Stage 1 forms each route in the program of (tile, token, slot position): with
+    EXTRA_FIRST the positions start at the token's extra slot, so its programs are dispatched
+    first. Which program forms a route changes no bit, also under the interpreter (the same tile
+    shapes form it): every route's row against the library's, the extra expert at every slot."""
+    from sgl_dspark.kernels.moe import token_gemm
+
+    g = torch.Generator().manual_seed(77)
+    m, topk, e, d, i = 4, 3, 5, 96, 64
+    gate_up, _, gu_ref, _ = _stacks("mxfp4", "fp8", e, d, i, g)
+    ids, weights = _routes(m, topk, e, "shared_rolled", g)
+    assert sorted(int(v) for v in (ids == e).nonzero()[:, 1]) == list(range(m))
+    x = torch.randn(m, d, generator=g).to(DTYPE).to(DEVICE)
+    table = prepare_moe_sort(torch.ones(e + 1, dtype=torch.int32, device=DEVICE)).local_table
+    poison = torch.full((ids.numel(), i), float("nan"), dtype=DTYPE, device=DEVICE)
+    want = moe_route_gate_up(x, gate_up, ids, table, e + 1, 1.5, poison.clone(), weights)
+    library = token_gemm._gate_up_meta
+    monkeypatch.setattr(
+        token_gemm, "_gate_up_meta", lambda *a: {**library(*a), "EXTRA_FIRST": extra_first}
+    )
+    got = moe_route_gate_up(x, gate_up, ids, table, e + 1, 1.5, poison.clone(), weights)
+    assert not torch.isnan(got).any()
+    _same_bits(got, want, DTYPE)
+    ref = moe_route_gate_up_ref(x, gu_ref, ids, table, e + 1, 1.5, poison.clone(), weights)
+    torch.testing.assert_close(got, ref, **CHAIN_TOL[DTYPE])
