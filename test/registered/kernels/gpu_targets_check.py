@@ -256,20 +256,25 @@ def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[],
     return run
 
 
+def _mhc_inputs(m: int, d: int) -> tuple[tuple, tuple]:
+    """An mHC boundary's inputs at m rows of width d over four streams: (the stream update's
+    residual, sublayer output, post and comb; the heads' fn, base, scale and norm weight)."""
+    n, r = 4, 24
+    update = (_bf16(m, n, d), _bf16(m, d), torch.rand(m, n), torch.rand(m, n, n))
+    heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
+    return update, heads
+
+
 def _mhc(d: int, opening: bool) -> Callable[[], object]:
     from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine, mhc_pre
 
-    n, r = 4, 24
-
     def run() -> None:
-        heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
+        update, heads = _mhc_inputs(2, d)
         kw = dict(hc_eps=1e-6, sinkhorn_iters=20, rms_eps=1e-6)
         if opening:
-            mhc_pre(_bf16(2, n, d), *heads, **kw)
+            mhc_pre(update[0], *heads, **kw)
         else:
-            mhc_post_combine(
-                _bf16(2, n, d), _bf16(2, d), torch.rand(2, n), torch.rand(2, n, n), *heads, **kw
-            )
+            mhc_post_combine(*update, *heads, **kw)
 
     return run
 
@@ -811,12 +816,9 @@ def _mhc_single_pass(d: int, close_only: bool, apart: bool = False) -> Callable[
 
     from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine
 
-    n, r = 4, 24
-
     def run() -> None:
-        heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
-        update = (_bf16(2, n, d), _bf16(2, d), torch.rand(2, n), torch.rand(2, n, n))
-        pre = torch.rand(2, n)
+        update, heads = _mhc_inputs(2, d)
+        pre = torch.rand(2, 4)
         if close_only:
             mhc_post_collapse(*update, pre, heads[3], rms_eps=1e-20)
         else:
@@ -909,21 +911,16 @@ def _mhc_fp8(d: int, group: int, single_pass: bool = False) -> Callable[[], obje
     from sgl_dspark.kernels.fp8.reference import Fp8ActFormat
     from sgl_dspark.kernels.mhc.post_combine import mhc_post_combine
 
-    n, r = 4, 24
-
     def run() -> None:
-        heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
+        update, heads = _mhc_inputs(2, d)
         mhc_post_combine(
-            _bf16(2, n, d),
-            _bf16(2, d),
-            torch.rand(2, n),
-            torch.rand(2, n, n),
+            *update,
             *heads,
             hc_eps=1e-6,
             sinkhorn_iters=20,
             rms_eps=1e-6,
             fp8_out=Fp8ActFormat(group, True),
-            collapse_pre=torch.rand(2, n) if single_pass else None,
+            collapse_pre=torch.rand(2, 4) if single_pass else None,
         )
 
     return run
@@ -1650,20 +1647,14 @@ def check_register_caps() -> list[str]:
             cap = post_combine._phase_a_registers(block_m, single_pass, 4)
 
             def run(m: int = m, d: int = d, single_pass: bool = single_pass) -> None:
-                n, r = 4, 24
+                update, heads = _mhc_inputs(m, d)
                 post_combine.mhc_post_combine(
-                    _bf16(m, n, d),
-                    _bf16(m, d),
-                    torch.rand(m, n),
-                    torch.rand(m, n, n),
-                    torch.randn(r, n * d),
-                    torch.randn(r),
-                    torch.ones(3),
-                    torch.ones(d),
+                    *update,
+                    *heads,
                     hc_eps=1e-6,
                     sinkhorn_iters=20,
                     rms_eps=1e-6,
-                    collapse_pre=torch.rand(m, n) if single_pass else None,
+                    collapse_pre=torch.rand(m, 4) if single_pass else None,
                 )
 
             rec = record_launches(
