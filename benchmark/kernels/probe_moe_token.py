@@ -91,12 +91,9 @@ def _experts_stored(experts_d_i: tuple[int, int, int], fmt: str, group: int, gen
 # Launch shapes of the per-token stages that change no bit (BLOCK_N, pipeline depth, stage 2's
 # slot groups), timed against the library's own (`_gate_up_meta`,
 # `_down_meta`): each entry replaces those keys of the library's shape. Stage 2 with
-# GROUP_SLOTS 8 holds all of V4.1's 6 + 1 slots in one program (the shape before slot groups);
-# EXTRA_FIRST False dispatches either stage's programs in slot order (the folded shared
-# expert's, twice a routed slot's bytes, interleaved with the routed ones).
+# GROUP_SLOTS 8 holds all of V4.1's 6 + 1 slots in one program (the shape before slot groups).
 STAGE_METAS = {
     "gate_up": [
-        {"EXTRA_FIRST": False},
         {"BLOCK_N": 32, "num_stages": 3},
         {"BLOCK_N": 64, "num_stages": 4},
         {"BLOCK_N": 64, "num_stages": 2},
@@ -104,7 +101,6 @@ STAGE_METAS = {
         {"BLOCK_N": 128, "num_stages": 2},
     ],
     "down": [
-        {"EXTRA_FIRST": False},
         {"GROUP_SLOTS": 8, "BLOCK_N": 8, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 32, "num_stages": 3},
         {"GROUP_SLOTS": 1, "BLOCK_N": 128, "num_stages": 3},
@@ -114,7 +110,9 @@ STAGE_METAS = {
     ],
 }
 # Timed, rejected and no longer swept (benchmark/results/kernels.md): a 128-register cap for
-# stage 2 (four programs an SM), eight warps for either stage (each its own slice of a dot).
+# stage 2 (four programs an SM), eight warps for either stage (each its own slice of a dot),
+# either stage dispatching the folded shared expert's programs (twice a routed slot's bytes)
+# before the routed ones (the slot the grid's slowest dimension).
 # stage: (module, name) of its launch-shape function
 _META_NAMES = {"gate_up": (moe_token_gemm, "_gate_up_meta"), "down": (moe_token_down, "_down_meta")}
 

@@ -143,31 +143,3 @@ def test_mixed_stacks_are_checked() -> None:
     # Local ids past the extra expert's would have no weight.
     with pytest.raises(ValueError, match=r"gate_up_proj.stack must .* \[>= 4 experts"):
         moe_route_gate_up(x, gate_up, ids, table, 5, 1.5)
-
-
-@pytest.mark.parametrize("extra_first", [True, False])
-def test_extra_routes_first_change_no_bit(extra_first: bool, monkeypatch) -> None:
-    """Stage 1 forms each route in the program of (tile, token, slot position): with
-    EXTRA_FIRST the positions start at the token's extra slot, so its programs are dispatched
-    first. Which program forms a route changes no bit, also under the interpreter (the same tile
-    shapes form it): every route's row against the library's, the extra expert at every slot."""
-    from sgl_dspark.kernels.moe import token_gemm
-
-    g = torch.Generator().manual_seed(77)
-    m, topk, e, d, i = 4, 3, 5, 96, 64
-    gate_up, _, gu_ref, _ = _stacks("mxfp4", "fp8", e, d, i, g)
-    ids, weights = _routes(m, topk, e, "shared_rolled", g)
-    assert sorted(int(v) for v in (ids == e).nonzero()[:, 1]) == list(range(m))
-    x = torch.randn(m, d, generator=g).to(DTYPE).to(DEVICE)
-    table = prepare_moe_sort(torch.ones(e + 1, dtype=torch.int32, device=DEVICE)).local_table
-    poison = torch.full((ids.numel(), i), float("nan"), dtype=DTYPE, device=DEVICE)
-    want = moe_route_gate_up(x, gate_up, ids, table, e + 1, 1.5, poison.clone(), weights)
-    library = token_gemm._gate_up_meta
-    monkeypatch.setattr(
-        token_gemm, "_gate_up_meta", lambda *a: {**library(*a), "EXTRA_FIRST": extra_first}
-    )
-    got = moe_route_gate_up(x, gate_up, ids, table, e + 1, 1.5, poison.clone(), weights)
-    assert not torch.isnan(got).any()
-    _same_bits(got, want, DTYPE)
-    ref = moe_route_gate_up_ref(x, gu_ref, ids, table, e + 1, 1.5, poison.clone(), weights)
-    torch.testing.assert_close(got, ref, **CHAIN_TOL[DTYPE])

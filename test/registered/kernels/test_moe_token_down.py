@@ -8,17 +8,12 @@ is numpy's matmul (its sums depend on the tile shape), within CHAIN_TOL. Against
 on the dequantised stack: CHAIN_TOL. The arrival counters are checked to be zero after every
 call (the next launch or graph replay relies on it) and to be reused across calls. Outputs are
 poisoned with NaN first.
-
-With slot groups, a `MixedExperts`' extra slot goes first (`EXTRA_FIRST`: each token's slots
-rotated to start at it). Which program forms a slot's product must change no bit, also under the
-interpreter (the same tile shapes form it): checked with the extra expert at every slot.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from gpu_targets_check import record_launches
 from sgl_dspark.kernels.moe import token_down
 from sgl_dspark.kernels.moe.reference import moe_token_down_reduce_ref
 from sgl_dspark.kernels.moe.sort import prepare_moe_sort
@@ -34,8 +29,7 @@ DTYPE = torch.bfloat16
 SHAPES = [(8, 16), (2, 32), (1, 64), (1, 16)]
 
 # (M, routed top-k, routed experts, D, I, routing): the extra expert (FP8 beside MXFP4) is the
-# last slot but for "no_extra" and "shared_rolled" (token t's at slot t mod top-k + 1);
-# "remote": every other routed expert on another rank.
+# last slot but for "no_extra"; "remote": every other routed expert on another rank.
 CASES = [
     (1, 6, 8, 160, 64, "shared_last"),  # V4.1's 6 + 1 slots; D: a partial 64-column tile
     (2, 3, 5, 96, 96, "shared_last"),  # I: a partial K step
@@ -52,7 +46,7 @@ def _setup(case: tuple, seed: int):
         mask[1:e:2] = 0
     n_loc = int(mask.sum())
     _, down, _, down_ref = _stacks("mxfp4", "fp8", n_loc - 1, d, i, g)
-    ids, weights = _routes(m, topk, e, "shared_last" if routing == "remote" else routing, g)
+    ids, weights = _routes(m, topk, e, "no_extra" if routing == "no_extra" else "shared_last", g)
     h = torch.randn(ids.numel(), i, generator=g).to(DTYPE).to(DEVICE)
     shared = torch.randn(m, d, generator=g).to(DTYPE).to(DEVICE)
     table = prepare_moe_sort(mask.to(DEVICE)).local_table
@@ -121,62 +115,3 @@ def test_bad_arrival_counters_are_refused() -> None:
     arrivals = torch.zeros(need, dtype=torch.int32, device=DEVICE)
     got = moe_token_down_reduce(h, down, ids, weights, table, n_loc, 1.0, shared, None, arrivals)
     assert torch.equal(got.view(torch.int16), want.view(torch.int16))
-
-
-# (M, routed top-k, routed experts, D, I, routing) with the extra expert at every slot.
-EXTRA_FIRST_CASES = [(4, 3, 6, 96, 64, "shared_rolled"), (2, 6, 8, 64, 32, "shared_rolled")]
-
-
-@pytest.mark.parametrize("case", EXTRA_FIRST_CASES, ids=lambda c: "-".join(map(str, c)))
-@pytest.mark.parametrize("group_slots, block_n", [(1, 64), (2, 32)])
-def test_extra_slot_first_changes_no_bit(
-    case: tuple, group_slots: int, block_n: int, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    h, down, down_ref, ids, weights, shared, table, n_loc = _setup(case, 60 + group_slots)
-    m, d = ids.shape[0], down.shape[1]
-    assert sorted(int(v) for v in (ids == ids.max()).nonzero()[:, 1]) == list(range(m))
-    want = moe_token_down_reduce_ref(h, down_ref, ids, weights, table, n_loc, 1.0, shared)
-    arrivals = torch.zeros(m * d, dtype=torch.int32, device=DEVICE)
-    outs = []
-    for extra_first in (True, False):
-        with monkeypatch.context() as patch:
-            _with_shape(patch, group_slots, block_n)
-            shaped = token_down._down_meta
-            patch.setattr(
-                token_down,
-                "_down_meta",
-                lambda *a, shaped=shaped, on=extra_first: {**shaped(*a), "EXTRA_FIRST": on},
-            )
-            out = torch.full((m, d), float("nan"), dtype=DTYPE, device=DEVICE)
-            outs.append(
-                moe_token_down_reduce(
-                    h, down, ids, weights, table, n_loc, 1.0, shared, out, arrivals
-                )
-            )
-            assert torch.count_nonzero(arrivals) == 0, "arrival counters left armed"
-    torch.testing.assert_close(outs[0], want, **CHAIN_TOL[DTYPE])
-    _same_bits(outs[0], outs[1], DTYPE)
-
-
-def test_extra_slot_goes_first_only_with_slot_groups_and_an_extra_expert() -> None:
-    """The library's launches: slot groups slowest in the grid; the rotation asked for with an
-    MXFP4 stack (one slot a program) beside an extra expert, not without one and not where one
-    program holds every slot (its reduce reads its own products in slot order)."""
-    g = torch.Generator().manual_seed(9)
-    _, mixed_down, _, _ = _stacks("mxfp4", "fp8", 4, 160, 64, g)
-    _, fp4_down = _experts("mxfp4", 32, 5, 160, 64, g)
-    _, fp8_down = _experts("fp8", 32, 5, 160, 64, g)
-    ids = torch.tensor([[3, 0, 4, 2, 1]], dtype=torch.int32, device=DEVICE)  # 4: the extra
-    weights = torch.rand(1, 5, generator=g).to(DEVICE)
-    table = prepare_moe_sort(torch.ones(5, dtype=torch.int32, device=DEVICE)).local_table
-    h = torch.randn(ids.numel(), 64, generator=g).to(DTYPE).to(DEVICE)
-    seen = {}
-    for name, down in (("mixed", mixed_down), ("mxfp4", fp4_down), ("fp8", fp8_down)):
-        rec = record_launches(
-            "sgl_dspark.kernels.moe.token_down",
-            "_moe_token_down_kernel",
-            lambda down=down: moe_token_down_reduce(h, down, ids, weights, table, 5),
-        )
-        ((_args, kwargs),) = rec.calls
-        seen[name] = (kwargs["EXTRA_FIRST"], kwargs["GROUPS"])
-    assert seen == {"mixed": (True, 5), "mxfp4": (False, 5), "fp8": (False, 1)}

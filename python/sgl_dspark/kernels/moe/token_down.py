@@ -3,7 +3,7 @@ spec is `moe_token_down_reduce_ref`): each local route's down projection, rounde
 GEMM stores it, weighted and summed in fp32 in slot order, finished by `moe_reduce`'s tail. No
 per-slot rows reach the caller.
 
-Grid (D tiles, M tokens, slot groups). The program of (tile, token, group) forms the products of
+Grid (slot groups, M tokens, D tiles). The program of (group, token, tile) forms the products of
 the token's slots in the group on the tile's columns, all in one dot tile: row j of A = slot
 j's h row, column block j = slot j's expert, so one dot per K step streams every slot's weights
 at once (a loop over slots would wait on each expert's weights in turn: latency-bound at decode
@@ -21,15 +21,6 @@ order. Slot groups let each program decode only its own slots' weights: in a til
 V4.1's 6 routed + 1 shared slots, padded to 8, a quarter of the MXFP4 decode is on masked
 columns and the FP8 shared expert's product follows the stack's in the same program; one slot a
 program forms every product in parallel (`_down_meta`).
-
-Longest first: a `MixedExperts`' extra expert (V4.1's FP8 shared expert beside MXFP4 routed
-ones) streams twice a routed slot's bytes a column. With slot groups, group 0 of every token
-holds its extra slot (`EXTRA_FIRST`: the groups take the token's slots rotated so that the extra
-one comes first), and the group is the grid's slowest dimension, so the extra expert's programs
-are dispatched before any routed one: a launch of more programs than the GPU holds at once ends
-on routed programs, not on extra ones that take twice as long as the rest of its last wave.
-Which program forms a product changes no bit (partials are stored by slot, the reduce reads
-them in slot order).
 """
 
 from __future__ import annotations
@@ -127,46 +118,34 @@ def _moe_token_down_kernel(
     X_SPLIT_K: tl.constexpr,
     X_SCALES_AHEAD: tl.constexpr,
     X_SCALE_ALIGN: tl.constexpr,
-    EXTRA_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Program (tile, token, group): the group's slots' products on the tile's columns, in one
+    # Program (group, token, tile): the group's slots' products on the tile's columns, in one
     # dot tile (the module doc); reduced here with one group, else by the last to arrive.
-    tl.static_assert(not EXTRA_FIRST or (EXTRA and GROUPS > 1))  # one group reduces in order
     wait_for_producers(PDL)  # h is stage 1's output; the routes and shared come earlier
-    tile = tl.program_id(0)
+    group = tl.program_id(0)
     token = tl.program_id(1).to(tl.int64)
-    group = tl.program_id(2)
+    tile = tl.program_id(2)
     n0 = tile * BLOCK_N
     first = group * GROUP_SLOTS
-    if EXTRA_FIRST:  # the groups' slot order starts at the token's extra slot (if any)
-        slots_all = tl.arange(0, SLOTS)
-        all_local, all_is_local = route_locality(
-            ids_ptr, table_ptr, token * TOPK + slots_all, num_experts, num_local, slots_all < TOPK
-        )
-        rotation = tl.sum(tl.where(all_is_local & (all_local == extra_local), slots_all, 0), axis=0)
-    else:
-        rotation = 0
     tile_cols = tl.arange(0, GROUP_SLOTS * BLOCK_N)
-    col_order = first + tile_cols // BLOCK_N
-    col_slot = _slot_at(col_order, rotation, TOPK)
+    col_slot = first + tile_cols // BLOCK_N
     cols = n0 + tile_cols % BLOCK_N
     col_local, col_is_local = route_locality(
-        ids_ptr, table_ptr, token * TOPK + col_slot, num_experts, num_local, col_order < TOPK
+        ids_ptr, table_ptr, token * TOPK + col_slot, num_experts, num_local, col_slot < TOPK
     )
     if EXTRA:  # the extra expert's columns are not in the stack: formed below, on their own
         col_is_local = col_is_local & (col_local != extra_local)
     col_ok = col_is_local & (cols < n_cols)
     rows = tl.arange(0, ROWS)
-    row_order = first + rows
-    row_slot = _slot_at(row_order, rotation, TOPK)
+    row_slot = first + rows
     _row_ids, row_is_local = route_locality(
         ids_ptr,
         table_ptr,
         token * TOPK + row_slot,
         num_experts,
         num_local,
-        (rows < GROUP_SLOTS) & (row_order < TOPK),
+        (rows < GROUP_SLOTS) & (row_slot < TOPK),
     )
     if tl.max(col_ok.to(tl.int32), axis=0) > 0:
         acc = expert_product(
@@ -195,12 +174,11 @@ def _moe_token_down_kernel(
     else:  # no slot of this group in the stack (remote, absent, or the extra expert's)
         acc = tl.zeros([ROWS, GROUP_SLOTS * BLOCK_N], dtype=tl.float32)
     # Slot j's product: row j, column block j (adding exact zeros of the other rows).
-    group_order = first + tl.arange(0, GROUP_SLOTS)
-    group_slots = _slot_at(group_order, rotation, TOPK)
+    group_slots = first + tl.arange(0, GROUP_SLOTS)
     on_diag = rows[:, None, None] == tl.arange(0, GROUP_SLOTS)[None, :, None]
     product = tl.sum(tl.where(on_diag, tl.reshape(acc, [ROWS, GROUP_SLOTS, BLOCK_N]), 0.0), axis=0)
     slot_local, slot_is_local = route_locality(
-        ids_ptr, table_ptr, token * TOPK + group_slots, num_experts, num_local, group_order < TOPK
+        ids_ptr, table_ptr, token * TOPK + group_slots, num_experts, num_local, group_slots < TOPK
     )
     if EXTRA:
         # The slot routed to the extra expert (the folded shared expert: at most one a token)
@@ -251,7 +229,7 @@ def _moe_token_down_kernel(
         # Release ours, acquire the other groups' (the barrier orders every thread's store
         # before the one atomic); the last to arrive reduces and re-arms the counter.
         tl.debug_barrier()
-        arrivals = arrivals_ptr + token * tl.num_programs(0) + tile
+        arrivals = arrivals_ptr + token * tl.num_programs(2) + tile
         reduce_here = tl.atomic_add(arrivals, 1, sem="acq_rel") == GROUPS - 1
         if reduce_here:
             tl.store(arrivals, 0)  # ready for the next launch (graph replay)
@@ -286,13 +264,6 @@ def _moe_token_down_kernel(
             ROUND_BF16,
             ON_BITS,
         )
-
-
-@triton.jit
-def _slot_at(order, rotation, TOPK: tl.constexpr):
-    """The slot at position `order` of a token's slots rotated by `rotation` (positions past
-    TOPK, which every caller masks, stay as they are)."""
-    return tl.where(order < TOPK, (order + rotation) % TOPK, order)
 
 
 @triton.jit
@@ -351,15 +322,12 @@ def _down_meta(k_dim: int, weight: ExpertWeight, slots: int) -> dict[str, int]:
     route's product sums alike on both). bf16 and FP8: every slot in one program, 16 output
     columns each (D = 1024 spreads one token over 64 programs, each streaming a
     [BLOCK_K, 8 x 16] tile of all its slots' weights per step). MXFP4: one slot a program over
-    64 columns, stage 1's tile (the module doc; benchmark/results/kernels.md), a
-    `MixedExperts`' extra slot first (`EXTRA_FIRST`, which takes effect only with slot groups
-    and an extra expert)."""
+    64 columns, stage 1's tile (the module doc; benchmark/results/kernels.md)."""
     block_k = expert_block_k(k_dim, weight)
     fp4 = getattr(weight, "fmt", None) == "mxfp4"
     return {
         "BLOCK_N": 64 if fp4 else 16,
         "GROUP_SLOTS": 1 if fp4 else slots,
-        "EXTRA_FIRST": True,
         "BLOCK_K": block_k,
         "SPLIT_K": expert_split_k(block_k, weight),
         "num_warps": EXPERT_WARPS,
@@ -368,12 +336,11 @@ def _down_meta(k_dim: int, weight: ExpertWeight, slots: int) -> dict[str, int]:
 
 
 def _down_grid(num_tokens: int, hidden: int, topk: int, meta: dict[str, int]) -> tuple:
-    """Stage 2's grid (column tiles, tokens, slot groups): the groups slowest, so that group 0,
-    a `MixedExperts`' extra slot under EXTRA_FIRST, is dispatched first."""
+    """Stage 2's grid (slot groups, tokens, column tiles)."""
     return (
-        triton.cdiv(hidden, meta["BLOCK_N"]),
-        num_tokens,
         triton.cdiv(topk, meta["GROUP_SLOTS"]),
+        num_tokens,
+        triton.cdiv(hidden, meta["BLOCK_N"]),
     )
 
 
@@ -383,7 +350,7 @@ def token_down_arrival_count(max_tokens: int, down_proj: ExpertWeights, topk: in
     kernel leaves them zero: a caller keeps one zeroed tensor per layer instead of a memset per
     call (captured graphs keep its address)."""
     meta = _down_meta(down_proj.shape[2], expert_stack(down_proj), triton.next_power_of_2(topk))
-    tiles, _, groups = _down_grid(max_tokens, down_proj.shape[1], topk, meta)
+    groups, _, tiles = _down_grid(max_tokens, down_proj.shape[1], topk, meta)
     return max_tokens * tiles if groups > 1 else 0
 
 
@@ -459,18 +426,15 @@ def moe_token_down_reduce(
     meta = _down_meta(h.shape[1], stack, slots)
     data = expert_weight_data(stack)
     extra_columns = max(16, meta["BLOCK_N"])
-    extra = extra_expert_args(down_proj, h.shape[1], extra_columns)
     grid = _down_grid(num_tokens, hidden, topk, meta)
-    split = grid[2] > 1
-    # Longest first only where it orders anything: slot groups and an extra expert.
-    meta = {**meta, "EXTRA_FIRST": meta["EXTRA_FIRST"] and split and extra["EXTRA"]}
+    split = grid[0] > 1
     # Each group's rounded products, reduced by the last of a tile's programs to arrive.
     partials = (
         torch.empty(num_tokens * topk, hidden, dtype=torch.float32, device=h.device)
         if split
         else out  # never read with one slot group
     )
-    arrivals = arrival_counters(arrivals, num_tokens * grid[0], split, out, "arrivals")
+    arrivals = arrival_counters(arrivals, num_tokens * grid[2], split, out, "arrivals")
     _moe_token_down_kernel[grid](
         h,
         data,
@@ -491,11 +455,11 @@ def moe_token_down_reduce(
         stride_wn=data.stride(1),
         routed_scale=float(routed_scale),
         **expert_weight_args(stack),
-        **extra,
+        **extra_expert_args(down_proj, h.shape[1], extra_columns),
         X_BLOCK_N=extra_columns,
         TOPK=topk,
         SLOTS=slots,
-        GROUPS=grid[2],
+        GROUPS=grid[0],
         ROWS=max(16, meta["GROUP_SLOTS"]),
         EVEN_K=h.shape[1] % meta["BLOCK_K"] == 0,
         SCALES_AHEAD=expert_scales_ahead(

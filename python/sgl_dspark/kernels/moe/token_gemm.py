@@ -7,7 +7,7 @@ The sorted path (`moe_sort` -> grouped stage 1 with the activation -> grouped st
 no sorting: a route is a one-row block whose expert is its own id, and a token's slot list is its
 row of `ids`:
 
-  stage 1, `moe_route_gate_up`, grid (2I tiles, M tokens, topk slots):
+  stage 1, `moe_route_gate_up`, grid (M * topk routes, 2I tiles):
       h[t * topk + k] = act(x[t] @ gate_up_proj[l].T)       l = local id of ids[t, k]
       (remote and out-of-range routes leave their rows as they were);
   stage 2, `moe_token_down_reduce`: each local product h[t * topk + k] @ down_proj[l].T rounded
@@ -26,11 +26,7 @@ within a tolerance, as the grouped GEMMs.
 
 A `MixedExperts` stack (`expert_weights.py`): stage 1 forms the extra expert's routes with
 `expert_or_extra_product`, stage 2 that slot (at most one a token) with
-`extra_columns_product`; the sum keeps the slot order. Its routes stream twice a routed one's
-bytes a column when it is V4.1's FP8 shared expert beside MXFP4 routed ones: both stages
-dispatch its programs first (`EXTRA_FIRST`: a token's slots rotated to start at its extra one,
-the slot the grid's slowest dimension), so a launch of more programs than the GPU holds at once
-ends on routed programs. Which program forms a route changes no bit.
+`extra_columns_product`; the sum keeps the slot order.
 
 Cost: each route streams its expert's weights itself (the sorted path reads an expert once for
 all its routes), so this path is for small M; `RoutedExperts` picks it up to a token count.
@@ -124,29 +120,17 @@ def _moe_route_gate_up_kernel(
     X_SPLIT_K: tl.constexpr,
     X_SCALES_AHEAD: tl.constexpr,
     X_SCALE_ALIGN: tl.constexpr,
-    SLOTS: tl.constexpr,
-    EXTRA_FIRST: tl.constexpr,
     PDL: tl.constexpr,
 ):
     wait_for_producers(PDL)  # the route ids and x come from the router / the previous layer
-    tile = tl.program_id(0)
-    token = tl.program_id(1).to(tl.int64)
-    slot = tl.program_id(2)
-    if EXTRA_FIRST:  # slot order starts at the token's extra slot (if any): dispatched first
-        slots_all = tl.arange(0, SLOTS)
-        all_local, all_is_local = route_locality(
-            ids_ptr, table_ptr, token * TOPK + slots_all, num_experts, num_local, slots_all < TOPK
-        )
-        rotation = tl.sum(tl.where(all_is_local & (all_local == extra_local), slots_all, 0), axis=0)
-        slot = (slot + rotation) % TOPK
-    route = token * TOPK + slot
+    route = tl.program_id(0).to(tl.int64)
     local, is_local = route_locality(ids_ptr, table_ptr, route, num_experts, num_local)
     if not is_local:  # remote or out of range: the reduce never reads this row
         return
     # Tile columns [0, HALF) are gate rows j, [HALF, BLOCK_N) the matching up rows I + j, as in
     # the grouped stage 1's activation epilogue.
     HALF: tl.constexpr = BLOCK_N // 2
-    cols = tile * HALF + tl.arange(0, BLOCK_N) % HALF
+    cols = tl.program_id(1) * HALF + tl.arange(0, BLOCK_N) % HALF
     col_ok = cols < n_inter
     w_rows = tl.where(tl.arange(0, BLOCK_N) < HALF, cols, cols + n_inter).to(tl.int64)
     live = tl.arange(0, _TILE_M) == 0
@@ -187,7 +171,7 @@ def _moe_route_gate_up_kernel(
     if WEIGHT_ACT:  # the route's weight before the down projection (row 0 is the route's)
         w = tl.load(act_weights_ptr + route + tl.arange(0, _TILE_M) * 0)
         y = weighted_activation(y, w, ROUND_BF16, ON_BITS)
-    j = tile * HALF + tl.arange(0, HALF)
+    j = tl.program_id(1) * HALF + tl.arange(0, HALF)
     tl.store(
         h_ptr + route * stride_h + live[:, None] * 0 + j[None, :],
         y.to(h_ptr.dtype.element_ty),
@@ -256,10 +240,7 @@ def moe_route_gate_up(
     stack = expert_stack(gate_up_proj)
     meta = _gate_up_meta(x.shape[1], stack)
     data = expert_weight_data(stack)
-    extra = extra_expert_args(gate_up_proj, x.shape[1], meta["BLOCK_N"])
-    meta = {**meta, "EXTRA_FIRST": meta["EXTRA_FIRST"] and extra["EXTRA"]}
-    grid = (triton.cdiv(2 * inter, meta["BLOCK_N"]), ids.shape[0], ids.shape[1])
-    _moe_route_gate_up_kernel[grid](
+    _moe_route_gate_up_kernel[(routes, triton.cdiv(2 * inter, meta["BLOCK_N"]))](
         x,
         data,
         h_ptr=h,
@@ -275,10 +256,9 @@ def moe_route_gate_up(
         stride_h=h.stride(0),
         limit=float(limit) if limit is not None else 0.0,
         **expert_weight_args(stack),
-        **extra,
+        **extra_expert_args(gate_up_proj, x.shape[1], meta["BLOCK_N"]),
         act_weights_ptr=act_weights if act_weights is not None else h,
         TOPK=ids.shape[1],
-        SLOTS=triton.next_power_of_2(ids.shape[1]),
         EVEN_K=x.shape[1] % meta["BLOCK_K"] == 0,
         SCALES_AHEAD=expert_scales_ahead(stack, meta["BLOCK_N"], meta["BLOCK_K"]),
         # tf32 stays off for fp32; the CPU interpreter's bf16 tl.dot is unreliable (fused_moe).
@@ -298,13 +278,11 @@ def _gate_up_meta(k_dim: int, weight: ExpertWeight) -> dict[str, int]:
     others; BLOCK_N and the pipeline depth change no bit, BLOCK_K and SPLIT_K are the expert
     product's). 16 gate + 16 up columns, the grouped stage 1's tile; MXFP4 32 + 32, which
     halves the programs that each decode the same activation slice (faster at one token, where
-    this stage runs for them: benchmark/results/kernels.md); a `MixedExperts`' extra routes
-    first (`EXTRA_FIRST`, in effect only with an extra expert)."""
+    this stage runs for them: benchmark/results/kernels.md)."""
     block_k = expert_block_k(k_dim, weight)
     fmt = getattr(weight, "fmt", None)
     return {
         "BLOCK_N": 64 if fmt == "mxfp4" else 32,
-        "EXTRA_FIRST": True,
         "BLOCK_K": block_k,
         "SPLIT_K": expert_split_k(block_k, weight),
         "num_warps": EXPERT_WARPS,
