@@ -154,6 +154,7 @@ VARIANTS: tuple[tuple[str, Callable[[], contextlib.AbstractContextManager], Call
     ("phase B at 1 warp", lambda: _variant(_NORM_WARPS=1), _library),
     ("phase B at 2 warps", lambda: _variant(_NORM_WARPS=2), _library),
     ("no coefficients (post_collapse)", _variant, _collapse),
+    ("phase A over 4 row tiles", lambda: _variant(_TARGET_ROW_TILES=4), _library),
     ("phase A over 8 row tiles", lambda: _variant(_TARGET_ROW_TILES=8), _library),
     ("phase A over 16 row tiles", lambda: _variant(_TARGET_ROW_TILES=16), _library),
     ("phase A over 32 row tiles", lambda: _variant(_TARGET_ROW_TILES=32), _library),
