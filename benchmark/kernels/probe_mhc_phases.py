@@ -20,7 +20,8 @@ out or changed, so its time against the library's says what that part costs:
                                 norm alone;
   phase A over T row tiles      `_TARGET_ROW_TILES` T instead of the library's (more tiles: fewer
                                 rows a program, fn read by more programs);
-  one row a phase-A program     `_MAX_BLOCK_M` 1;
+  one row a phase-A program     `_MAX_BLOCK_M` 1 (the library's above `_MAX_TILED_ROWS` rows,
+                                where the row-tile variants change nothing either);
   phase A without its cap       `_PHASE_A_MAX_REGISTERS` None (phase A at the registers it
                                 compiles to: 180 at sm90 for V4.1's 8-row tiles).
 

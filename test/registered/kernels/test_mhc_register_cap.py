@@ -41,7 +41,7 @@ def test_phase_a_asks_for_the_cap_only_for_its_tile(
     m: int, n: int, single_pass: bool, capped: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Single pass of four streams, 17 to 32 rows run 8 a program (capped); 1 and 8 rows 1 and
-    2 a program, 33 rows 16 a program, V4's two-pass tiles and other stream counts uncapped;
+    2 a program, 33 rows 1 a program, V4's two-pass tiles and other stream counts uncapped;
     phase B never asks."""
     asked: list[int | None] = []
 

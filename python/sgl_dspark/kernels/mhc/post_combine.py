@@ -68,10 +68,15 @@ from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
 # its row's scalar loads (post, comb, pre) whatever its width, and the Triton interpreter
 # (CPU tests) pays per program. A constant, it fixes the split reductions' trees.
 _BLOCK_D = 64
-# Phase A rows per program: grows with M so that fn (r·n·D fp32, 1.5 MB at D = 4096) is read by
-# about _TARGET_ROW_TILES row tiles, capped so a program's unrolled row loop stays short.
+# Phase A rows per program: up to _MAX_TILED_ROWS rows in the batch, grows with M so that fn
+# (r·n·D fp32, 1.5 MB at D = 4096) is read by about _TARGET_ROW_TILES row tiles, at most
+# _MAX_BLOCK_M rows a program. Above, one row a program: the rows alone give the grid enough
+# programs (M x slices), and the lightest programs, the most an SM, were the fastest there; a
+# 16-row tile (two programs an SM, each its rows in sequence) took about twice as long at 48 to
+# 128 rows, 8- and 4-row tiles up to half as long again (`benchmark/results/kernels.md`).
 _TARGET_ROW_TILES = 4
-_MAX_BLOCK_M = 16
+_MAX_BLOCK_M = 8
+_MAX_TILED_ROWS = 32
 # Phase A warps: at sm90, 1 warp holds the n fn tiles in too few threads (spills at 8 rows a
 # program) and 2 warps take more barriers than 4 (probe_quant_sass-style SASS counts).
 _PHASE_A_WARPS = 4
@@ -80,8 +85,7 @@ _PHASE_A_WARPS = 4
 # compile to 180 at sm90, two programs an SM, so 32 rows over 80 slices (320 programs) ran in
 # 1.2 waves; at 168 they compile without spilling and fit one (timed in
 # `benchmark/results/kernels.md`). Nowhere else: smaller tiles and V4's two-pass tiles already
-# fit three an SM, and the cap only reschedules them (2 rows were slower under it); 16 rows
-# would spill under it.
+# fit three an SM, and the cap only reschedules them (2 rows were slower under it).
 _PHASE_A_MAX_REGISTERS = 168
 _CAPPED_BLOCK_M = 8
 _CAPPED_STREAMS = 4
@@ -273,8 +277,11 @@ def _mhc_post_combine_kernel(
 
 
 def _rows_per_program(m: int) -> int:
-    """Phase-A rows per program: 1 at small M (most programs), more at large M (fewer fn reads).
-    Free to depend on M: a row's arithmetic is the same whatever the tile size."""
+    """Phase-A rows per program: 1 at small M (most programs), more up to _MAX_TILED_ROWS rows
+    (fewer fn reads), 1 again above (the constants' comment). Free to depend on M: a row's
+    arithmetic is the same whatever the tile size."""
+    if m > _MAX_TILED_ROWS:
+        return 1
     return min(_MAX_BLOCK_M, triton.next_power_of_2(triton.cdiv(m, _TARGET_ROW_TILES)))
 
 
