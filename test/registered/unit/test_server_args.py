@@ -302,3 +302,33 @@ def test_cli_entry_points():
     script = str(Path(sys.executable).with_name("sgl-dspark-server"))
     helped = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert helped.returncode == 0 and "--speculative-dspark-block-size" in helped.stdout
+
+
+def test_batches_past_the_default_graph_limit_are_warned_about(caplog):
+    """With more running requests allowed than the default graph limit captures, the larger
+    decode steps run eagerly: the engine says so at start and names the flag; not when the
+    limit was chosen or covers every batch."""
+    import logging
+    from types import SimpleNamespace
+
+    import torch
+    from sgl_dspark.srt.entrypoints.engine import graph_limits
+
+    # A runner as graph_limits reads it: on a GPU, the Triton MoE path.
+    runner = SimpleNamespace(
+        device=torch.device("cuda"), kernels=SimpleNamespace(of=lambda op: "triton")
+    )
+    base = dict(model_path="tiny", device="cpu")
+    with caplog.at_level(logging.WARNING, logger="sgl_dspark.srt.entrypoints.engine"):
+        assert graph_limits(ServerArgs(**base, max_running_requests=64), runner)[0] == 32
+    assert "--cuda-graph-max-bs 64" in caplog.text
+    for quiet in (
+        dict(max_running_requests=32),
+        dict(max_running_requests=64, cuda_graph_max_bs=48),
+        dict(max_running_requests=64, cuda_graph_max_bs=64),
+    ):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="sgl_dspark.srt.entrypoints.engine"):
+            limits = graph_limits(ServerArgs(**base, **quiet), runner)
+        assert limits[0] == quiet.get("cuda_graph_max_bs", 32)
+        assert "--cuda-graph-max-bs" not in caplog.text, quiet

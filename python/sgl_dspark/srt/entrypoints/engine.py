@@ -120,6 +120,14 @@ def graph_limits(args: ServerArgs, runner: ModelRunner) -> tuple[int, int] | Non
         )
         return None
     max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, 32)
+    if args.cuda_graph_max_bs is None and args.max_running_requests > max_bs:
+        logger.warning(
+            "CUDA graphs capture batches of up to %d requests (the default); decode steps of "
+            "more run eagerly, each kernel launched from the host: --cuda-graph-max-bs %d "
+            "captures every batch --max-running-requests allows",
+            max_bs,
+            args.max_running_requests,
+        )
     prefill_tokens = args.cuda_graph_max_prefill_tokens
     if prefill_tokens is None:
         chunk = args.chunked_prefill_size
