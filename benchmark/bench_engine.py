@@ -455,6 +455,8 @@ def main() -> None:
         max_running_requests=max(sizes),
         max_total_tokens=max(sizes) * ctx + 4096,
         chunked_prefill_size=4096,
+        # Every measured batch graphed (the default stops at 32 requests).
+        **({"cuda_graph_max_bs": max(sizes)} if dev.startswith("cuda") else {}),
         **json.loads(a.engine_args),
     )
     bw = meta["copy_bandwidth_Bps"]

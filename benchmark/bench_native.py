@@ -167,6 +167,8 @@ def engine_args(a: argparse.Namespace, path: Path, sizes: list[int]) -> dict:
         chunked_prefill_size=4096,
         cuda_graph_max_prefill_tokens=0,  # decode is measured; prefill graphs cost capture time
     )
+    if a.device.startswith("cuda"):  # every measured batch graphed (the default stops at 32)
+        kw["cuda_graph_max_bs"] = max(sizes)
     return {**kw, **json.loads(a.engine_args)}
 
 

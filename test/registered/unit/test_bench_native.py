@@ -10,6 +10,8 @@
   online width with its profiled SPS table) and writes one row per system and batch size;
   CPU numbers are meaningless, this keeps the GPU script working; with `--profile` it also
   writes each engine's bs 1 step profile.
+* Every measured batch size is graphed on a GPU: the engine's default graph limit stops at 32
+  requests, past which a step would run eagerly and time the host's launches instead.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from sgl_dspark.srt.models.bench_configs import BENCH_DRAFT_KEYS  # noqa: E402
 from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel  # noqa: E402
 from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
 
-from benchmark.bench_native import model_sizes, quantized_raw  # noqa: E402
+from benchmark.bench_native import engine_args, model_sizes, quantized_raw  # noqa: E402
 
 H200_BYTES = 141e9
 H100_BYTES = 80e9
@@ -191,3 +193,22 @@ def test_timed_runs_report_the_median_wall_and_the_first_runs_ids(
     assert engine.calls == [4, 1, 1, 1, 4, 4, 4]
     assert (wall, first) == pytest.approx((2.2, 0.5))
     assert ids == [[5] * 4]  # the first timed run's (the fifth call)
+
+
+def test_engine_args_graph_every_measured_batch() -> None:
+    import argparse
+
+    a = argparse.Namespace(
+        input_len=8,
+        output_len=4,
+        device="cuda",
+        weight_format="native",
+        kv_cache_dtype="auto",
+        engine_args="{}",
+    )
+    kw = engine_args(a, Path("model"), [1, 8, 64])
+    assert (kw["max_running_requests"], kw["cuda_graph_max_bs"]) == (64, 64)
+    a.engine_args = json.dumps({"cuda_graph_max_bs": 8})  # the caller's choice wins
+    assert engine_args(a, Path("model"), [1, 64])["cuda_graph_max_bs"] == 8
+    a.device, a.engine_args = "cpu", "{}"
+    assert "cuda_graph_max_bs" not in engine_args(a, Path("model"), [1, 64])
