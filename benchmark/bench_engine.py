@@ -193,6 +193,20 @@ def time_engine(
     return statistics.median(walls), t1, ids
 
 
+def batch_capacity(device: str, sizes: list[int], context: int) -> dict:
+    """Engine args that admit every batch of `sizes` requests of up to `context` tokens and, on
+    a GPU, replay each from a CUDA graph (the engine's default graph limit stops at 32
+    requests, past which a step would run eagerly and time the host's launches instead)."""
+    kw = dict(
+        max_running_requests=max(sizes),
+        max_total_tokens=max(sizes) * context + 4096,
+        chunked_prefill_size=4096,
+    )
+    if device.startswith("cuda"):
+        kw["cuda_graph_max_bs"] = max(sizes)
+    return kw
+
+
 def release_device_memory(device: str) -> None:
     """Collect what the last engine left unreferenced and hand the allocator's cached blocks
     back to the device, before the next load."""
@@ -452,11 +466,7 @@ def main() -> None:
         kernel_backend="triton" if dev.startswith("cuda") else "torch",
         attention_backend=a.attention_backend,
         context_length=ctx,
-        max_running_requests=max(sizes),
-        max_total_tokens=max(sizes) * ctx + 4096,
-        chunked_prefill_size=4096,
-        # Every measured batch graphed (the default stops at 32 requests).
-        **({"cuda_graph_max_bs": max(sizes)} if dev.startswith("cuda") else {}),
+        **batch_capacity(dev, sizes, ctx),
         **json.loads(a.engine_args),
     )
     bw = meta["copy_bandwidth_Bps"]

@@ -57,6 +57,7 @@ from sgl_dspark.srt.models.dspark_draft import DSparkDraftModel  # noqa: E402
 from sgl_dspark.srt.models.registry import model_entry  # noqa: E402
 
 from benchmark.bench_engine import (  # noqa: E402
+    batch_capacity,
     profile_sps,
     prompts_for,
     release_device_memory,
@@ -162,13 +163,9 @@ def engine_args(a: argparse.Namespace, path: Path, sizes: list[int]) -> dict:
         kernel_backend="triton" if a.device.startswith("cuda") else "torch",
         attention_backend="triton" if a.device.startswith("cuda") else "torch",
         context_length=ctx,
-        max_running_requests=max(sizes),
-        max_total_tokens=max(sizes) * ctx + 4096,
-        chunked_prefill_size=4096,
         cuda_graph_max_prefill_tokens=0,  # decode is measured; prefill graphs cost capture time
+        **batch_capacity(a.device, sizes, ctx),
     )
-    if a.device.startswith("cuda"):  # every measured batch graphed (the default stops at 32)
-        kw["cuda_graph_max_bs"] = max(sizes)
     return {**kw, **json.loads(a.engine_args)}
 
 

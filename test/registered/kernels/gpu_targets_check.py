@@ -256,10 +256,14 @@ def _compressor_decode(head_dim: int, ratio: int, overlap: bool) -> Callable[[],
     return run
 
 
+_MHC_STREAMS = 4  # V4's and V4.1's hc
+
+
 def _mhc_inputs(m: int, d: int) -> tuple[tuple, tuple]:
-    """An mHC boundary's inputs at m rows of width d over four streams: (the stream update's
-    residual, sublayer output, post and comb; the heads' fn, base, scale and norm weight)."""
-    n, r = 4, 24
+    """An mHC boundary's inputs at m rows of width d over `_MHC_STREAMS` streams: (the stream
+    update's residual, sublayer output, post and comb; the heads' fn, base, scale and norm
+    weight). A pre (`collapse_pre`) is shaped as post."""
+    n, r = _MHC_STREAMS, 24
     update = (_bf16(m, n, d), _bf16(m, d), torch.rand(m, n), torch.rand(m, n, n))
     heads = (torch.randn(r, n * d), torch.randn(r), torch.ones(3), torch.ones(d))
     return update, heads
@@ -818,7 +822,7 @@ def _mhc_single_pass(d: int, close_only: bool, apart: bool = False) -> Callable[
 
     def run() -> None:
         update, heads = _mhc_inputs(2, d)
-        pre = torch.rand(2, 4)
+        pre = torch.rand(update[2].shape)
         if close_only:
             mhc_post_collapse(*update, pre, heads[3], rms_eps=1e-20)
         else:
@@ -920,7 +924,7 @@ def _mhc_fp8(d: int, group: int, single_pass: bool = False) -> Callable[[], obje
             sinkhorn_iters=20,
             rms_eps=1e-6,
             fp8_out=Fp8ActFormat(group, True),
-            collapse_pre=torch.rand(2, 4) if single_pass else None,
+            collapse_pre=torch.rand(update[2].shape) if single_pass else None,
         )
 
     return run
@@ -1631,8 +1635,8 @@ def resource_usage(cubin: bytes) -> dict[str, int]:
 
 
 def check_register_caps() -> list[str]:
-    """The mHC boundary's phase A on NVIDIA at every row tile (1 to 16 rows), single pass
-    (V4.1's D) and two pass (V4's): launched with the register cap `post_combine.
+    """The mHC boundary's phase A on NVIDIA at every row tile (1 to `_MAX_BLOCK_M` rows),
+    single pass (V4.1's D) and two pass (V4's): launched with the register cap `post_combine.
     _phase_a_registers` gives, it stays within the cap and spills nothing (a spill would put
     local-memory traffic in every row); the capped tiles, compiled without the cap, need more
     (else the cap would be there for nothing)."""
@@ -1644,7 +1648,7 @@ def check_register_caps() -> list[str]:
         block_m = 1
         while block_m <= post_combine._MAX_BLOCK_M:
             m = block_m * post_combine._TARGET_ROW_TILES
-            cap = post_combine._phase_a_registers(block_m, single_pass, 4)
+            cap = post_combine._phase_a_registers(block_m, single_pass, _MHC_STREAMS)
 
             def run(m: int = m, d: int = d, single_pass: bool = single_pass) -> None:
                 update, heads = _mhc_inputs(m, d)
@@ -1654,7 +1658,7 @@ def check_register_caps() -> list[str]:
                     hc_eps=1e-6,
                     sinkhorn_iters=20,
                     rms_eps=1e-6,
-                    collapse_pre=torch.rand(m, 4) if single_pass else None,
+                    collapse_pre=torch.rand(update[2].shape) if single_pass else None,
                 )
 
             rec = record_launches(

@@ -75,15 +75,16 @@ _BLOCK_D = 64
 # 16-row tile (two programs an SM, each its rows in sequence) took about twice as long at 48 to
 # 128 rows, 8- and 4-row tiles up to half as long again (`benchmark/results/kernels.md`).
 _TARGET_ROW_TILES = 4
-_MAX_BLOCK_M = 8
 _MAX_TILED_ROWS = 32
+_MAX_BLOCK_M = triton.next_power_of_2(triton.cdiv(_MAX_TILED_ROWS, _TARGET_ROW_TILES))  # 8
 # Phase A warps: at sm90, 1 warp holds the n fn tiles in too few threads (spills at 8 rows a
 # program) and 2 warps take more barriers than 4 (probe_quant_sass-style SASS counts).
 _PHASE_A_WARPS = 4
 # Phase A's registers a thread on NVIDIA for the single-pass row tile of _CAPPED_BLOCK_M rows of
-# _CAPPED_STREAMS streams (V4.1's): three programs of four warps an SM. Uncapped, 8 rows a program with the collapse (V4.1)
-# compile to 180 at sm90, two programs an SM, so 32 rows over 80 slices (320 programs) ran in
-# 1.2 waves; at 168 they compile without spilling and fit one (timed in
+# _CAPPED_STREAMS streams (V4.1's): three programs of four warps an SM. Uncapped, 8 rows a
+# program with the collapse (V4.1) compile to 180 at sm90, two programs an SM, so 32 rows over
+# 80 slices (320 programs) ran in 1.2 waves; at 168 they compile without spilling and fit one
+# (timed in
 # `benchmark/results/kernels.md`). Nowhere else: smaller tiles and V4's two-pass tiles already
 # fit three an SM, and the cap only reschedules them (2 rows were slower under it).
 _PHASE_A_MAX_REGISTERS = 168

@@ -107,6 +107,10 @@ def init_cuda_graphs(
     return graphs
 
 
+# Largest graphed batch unless --cuda-graph-max-bs says otherwise (capped by the running requests).
+DEFAULT_GRAPH_MAX_BS = 32
+
+
 def graph_limits(args: ServerArgs, runner: ModelRunner) -> tuple[int, int] | None:
     """(largest graph batch size, largest graphed prefill) the server args ask for, or None when
     the engine runs eagerly. Graphs need the sync-free MoE path; with the torch MoE backend they
@@ -119,7 +123,7 @@ def graph_limits(args: ServerArgs, runner: ModelRunner) -> tuple[int, int] | Non
             "--kernel-backend triton for graphs"
         )
         return None
-    max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, 32)
+    max_bs = args.cuda_graph_max_bs or min(args.max_running_requests, DEFAULT_GRAPH_MAX_BS)
     if args.cuda_graph_max_bs is None and args.max_running_requests > max_bs:
         logger.warning(
             "CUDA graphs capture batches of up to %d requests (the default); decode steps of "
