@@ -35,8 +35,10 @@
 #                system of bench_native.py (dspark_static: DSpark at its static width), with
 #                RANK_AB_ROUND_S seconds a round (default 135), RANK_AB_BS its batch size
 #                (default 1), RANK_AB_RUNS the timed generations a round takes the median of
-#                (default 3); abba_summary.py then reads
-#                the rounds together (means, speedup, greedy tokens equal or not)
+#                (default 3), RANK_AB_BASE_ARGS / RANK_AB_HEAD_ARGS JSON engine arguments of
+#                each side (with RANK_AB_BASE=. an A/B of two settings of one tree);
+#                abba_summary.py then reads the rounds together (means, speedup, greedy
+#                tokens equal or not)
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
 #                (one process each): device kernels per step by time, then host ops
 #   rank_profile_serial  the rank model's plain decode at bs 1 under torch.profiler with
@@ -66,6 +68,9 @@
 #                heads x 512, window 128 + 512 selected entries, M 1 and 4), the library's split
 #                of the key range against forced splits, checked, then timed over 40 layers'
 #                inputs
+#   l2_prefetch  probe_l2_prefetch.py: V4.1-Flash's x projection, grouped o_a and per-token MoE
+#                stage 1 at one token after a stretch of idle HBM (a timer spin of 0-20 us),
+#                cold against with their weights hinted into L2 on a side stream, ABBA
 #   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
@@ -99,6 +104,7 @@
 #   env,mhc_phases          ~3 minutes  (480 s)
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
 #   env,attn_splits         ~1 minute, not yet timed (180 s)
+#   env,l2_prefetch         ~2 minutes, not yet timed (240 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -134,6 +140,12 @@ if has tests; then
     test/registered/kernels/test_indexer_v41.py \
     test/registered/e2e/test_engram_host_tables.py}
   show "$WORK/native_tests.txt" 15
+fi
+if has l2_prefetch; then
+  stage l2_prefetch 240
+  run 240 l2_prefetch.log python3 benchmark/kernels/probe_l2_prefetch.py \
+    --idle-us "${L2_PREFETCH_IDLE_US:-0,5,10,20}" --out "$WORK/l2_prefetch.md"
+  show "$WORK/l2_prefetch.md"
 fi
 if has gemm; then
   stage gemm 320
@@ -195,12 +207,15 @@ if has rank_dspark; then  # full width first: after its rows it profiles the SPS
   done
   show "$WORK/rank/native_decode_$RANK_CONFIG.md"
 fi
+rank_ab_args() {  # SIDE: that side's engine arguments (JSON)
+  if [ "$1" = base ]; then echo "${RANK_AB_BASE_ARGS:-{\}}"; else echo "${RANK_AB_HEAD_ARGS:-{\}}"; fi
+}
 rank_ab_round() {  # ROUND SIDE ROOT: the rank model's decode at RANK_AB_BS on ROOT's tree
   run "${RANK_AB_ROUND_S:-135}" "rank_ab/${1}_$2.log" env PYTHONPATH="$3/python:$3:$PYTHONPATH" \
     python3 "$3/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
     --input-len 256 --output-len 128 --systems "${RANK_AB_SYSTEM:-plain}" \
     --batch-sizes "${RANK_AB_BS:-1}" --timed-runs "${RANK_AB_RUNS:-3}" \
-    --out-dir "$WORK/rank_ab/${1}_$2"
+    --engine-args "$(rank_ab_args "$2")" --out-dir "$WORK/rank_ab/${1}_$2"
   show "$WORK/rank_ab/${1}_$2/native_decode_$RANK_CONFIG.md"
 }
 if has rank_ab; then  # each side's rows in a table of its own; read them in ABBA order
