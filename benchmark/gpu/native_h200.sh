@@ -68,9 +68,6 @@
 #                heads x 512, window 128 + 512 selected entries, M 1 and 4), the library's split
 #                of the key range against forced splits, checked, then timed over 40 layers'
 #                inputs
-#   l2_prefetch  probe_l2_prefetch.py: V4.1-Flash's x projection, grouped o_a and per-token MoE
-#                stage 1 at one token after a stretch of idle HBM (a timer spin of 0-20 us),
-#                cold against with their weights hinted into L2 on a side stream, ABBA
 #   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
@@ -104,7 +101,6 @@
 #   env,mhc_phases          ~3 minutes  (480 s)
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
 #   env,attn_splits         ~1 minute, not yet timed (180 s)
-#   env,l2_prefetch         ~2 minutes, not yet timed (240 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -140,12 +136,6 @@ if has tests; then
     test/registered/kernels/test_indexer_v41.py \
     test/registered/e2e/test_engram_host_tables.py}
   show "$WORK/native_tests.txt" 15
-fi
-if has l2_prefetch; then
-  stage l2_prefetch 240
-  run 240 l2_prefetch.log python3 benchmark/kernels/probe_l2_prefetch.py \
-    --idle-us "${L2_PREFETCH_IDLE_US:-0,5,10,20}" --out "$WORK/l2_prefetch.md"
-  show "$WORK/l2_prefetch.md"
 fi
 if has gemm; then
   stage gemm 320

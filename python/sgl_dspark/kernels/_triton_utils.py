@@ -165,9 +165,8 @@ def wait_for_producers(PDL: tl.constexpr):
 
 
 @triton.jit
-def prefetch_l2(ptrs):
-    """Pull the 128-byte lines holding `ptrs` into L2 (NVIDIA PTX `prefetch.global.L2`): a
-    hint with no result and no ordering, so no later load changes."""
+def _prefetch_l2(ptrs):
+    # A hint with no result and no ordering, so no later load changes.
     tl.inline_asm_elementwise(
         "prefetch.global.L2 [$1]; // dummy $0",
         "=r,l",
@@ -188,7 +187,7 @@ def prefetch_tile_l2(ptr, rows, row_stride, col0, col_end, WIDTH: tl.constexpr):
     call it only under `PDL`."""
     line: tl.constexpr = 1024 // ptr.dtype.element_ty.primitive_bitwidth
     cols = tl.minimum(col0 + tl.arange(0, (WIDTH + line - 1) // line) * line, col_end - 1)
-    prefetch_l2(ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :])
+    _prefetch_l2(ptr + rows.to(tl.int64)[:, None] * row_stride + cols[None, :])
 
 
 @triton.jit

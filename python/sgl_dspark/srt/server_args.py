@@ -293,13 +293,6 @@ class ServerArgs:
         "launches, larger ones with plain launches (programmatic launch pays off at small "
         "batches; see benchmark/results/kernels.md); 0: plain launches in every graph.",
     )
-    l2_prefetch_mib: int = _arg(
-        0,
-        "NVIDIA GPUs, CUDA graphs: at the start of each stretch of a decode step's kernels "
-        "that read little from HBM (the mHC boundaries, the router, the attention), pull up "
-        "to this many MiB of the weights of the GEMM that ends it into L2, on a side stream "
-        "(DeepSeek-V4.1). Changes timing only, never a result; process-wide. 0: off.",
-    )
     disable_overlap_schedule: bool = _arg(
         False,
         "Run decode steps one at a time: read each step's tokens before launching the "

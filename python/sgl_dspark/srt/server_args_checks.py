@@ -186,7 +186,6 @@ def validate(a: ServerArgs) -> None:
         a.programmatic_launch_max_bs >= 0,
         f"--programmatic-launch-max-bs must be >= 0, got {a.programmatic_launch_max_bs}",
     )
-    _require(a.l2_prefetch_mib >= 0, f"--l2-prefetch-mib must be >= 0, got {a.l2_prefetch_mib}")
     _require(
         not (a.disable_cuda_graph and a.cuda_graph_max_bs),
         "--cuda-graph-max-bs conflicts with --disable-cuda-graph",

@@ -560,30 +560,3 @@ def test_tiny_v41_cuda_graphs_equal_eager_and_cpu(v41_reference, tmp_path, spec,
     engine.shutdown()
     assert graphed == eager
     assert graphed == v41_reference
-
-
-@cuda_only
-@pytest.mark.parametrize("spec", [None, ("full", 5)])
-def test_tiny_v41_l2_prefetch_in_graphs_changes_no_token(v41_reference, tmp_path, spec):
-    """`--l2-prefetch-mib`: the decode graphs fork the weight hints onto their side stream
-    (`layers/weight_prefetch.py`) and still give target-only greedy's tokens (the DSpark fused
-    steps hold target forwards too); the budget is process-wide and is turned off again."""
-    from sgl_dspark.srt.layers.weight_prefetch import l2_prefetch_budget, set_l2_prefetch_budget
-
-    kw: dict = {}
-    if spec is not None:
-        kw |= {
-            "speculative_algorithm": "DSpark",
-            "speculative_dspark_block_size": spec[1],
-            **policy_kwargs(spec[0], write_policy_tables(str(tmp_path), spec[1])),
-        }
-    try:
-        graphed, engine = _cuda_generate_v41(cuda_graph_max_bs=N_PROMPTS, l2_prefetch_mib=8, **kw)
-        assert l2_prefetch_budget() == 8 << 20
-        hints = engine.runner.model.weight_prefetch
-        layers = len(engine.runner.model.model.layers)
-        assert hints.issued >= 3 * layers  # at least one captured forward's hints
-        engine.shutdown()
-    finally:
-        set_l2_prefetch_budget(0)
-    assert graphed == v41_reference

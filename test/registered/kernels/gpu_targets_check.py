@@ -1680,30 +1680,6 @@ def check_register_caps() -> list[str]:
     return report
 
 
-def check_l2_prefetch() -> list[str]:
-    """The L2 hint kernel (`prefetch/l2.py`, NVIDIA only: its launcher refuses other devices,
-    so it is compiled here directly, for sm90 alone) at one to four regions of weights of the
-    dtypes the models hint (FP8 data, E8M0 scale bytes, bf16 gates, seen as bytes): its PTX
-    issues `prefetch.global.L2` and it needs no shared memory."""
-    from sgl_dspark.kernels.prefetch import l2
-
-    target, _ = TARGETS["sm90"]
-    report = []
-    for regions in range(1, l2.MAX_REGIONS + 1):
-        plan = l2.prefetch_plan([torch.zeros(4096, dtype=torch.uint8)] * regions, 1 << 20)
-        args: list[object] = []
-        for region, take in plan:
-            args += [region, take]
-        args += [plan[0][0], 0] * (l2.MAX_REGIONS - len(plan))
-        kwargs = {"BLOCK": l2._BLOCK, "num_warps": 4}
-        src, options = launch_source(l2._l2_prefetch_kernel, tuple(args), kwargs, target)
-        compiled = triton.compile(src, target=target, options=options)
-        assert "prefetch.global.L2" in compiled.asm["ptx"], regions
-        assert compiled.metadata.shared == 0, (regions, compiled.metadata.shared)
-        report.append(f"ok l2 prefetch: {regions} regions")
-    return report
-
-
 def check_instructions() -> list[str]:
     """Compile the cases of `INSTRUCTIONS` and check their matrix instructions."""
     report = []
@@ -1741,11 +1717,6 @@ def main(names: list[str]) -> int:
         except Exception as exc:
             failed += 1
             print(f"FAIL regs: {type(exc).__name__}: {exc}", flush=True)
-        try:
-            print("\n".join(check_l2_prefetch()), flush=True)
-        except Exception as exc:
-            failed += 1
-            print(f"FAIL l2 prefetch: {type(exc).__name__}: {exc}", flush=True)
         for key, rec in sorted(recs.items()):
             if not rec.calls:
                 continue

@@ -3,8 +3,7 @@ launches of the benchmark cases (DeepSeek-V4-Flash shapes) and the hand-written 
 (see `gpu_targets_check.py`); the FP8 kernels also emit their matrix instructions (the W8A8
 GEMMs sm90's `wgmma ... e4m3.e4m3` and gfx950's FP8 MFMA, the MX MoE gfx950's
 `v_mfma_scale_f32_*_f8f6f4`), the quantised GEMMs' K loops wait on no load of their own
-step (`check_k_loops`), register-capped launches spill nothing (`check_register_caps`), and the
-L2 hint kernel issues its prefetches (`check_l2_prefetch`, sm90 only);
+step (`check_k_loops`), and register-capped launches spill nothing (`check_register_caps`);
 checked without a GPU, in a subprocess free of TRITON_INTERPRET."""
 
 from __future__ import annotations
@@ -16,7 +15,6 @@ from pathlib import Path
 
 from gpu_targets_check import INSTRUCTIONS, K_LOOP_KERNELS, PDL_KERNELS
 from sgl_dspark.kernels.mhc.post_combine import _MAX_BLOCK_M
-from sgl_dspark.kernels.prefetch.l2 import MAX_REGIONS
 
 CHECK = Path(__file__).with_name("gpu_targets_check.py")
 
@@ -47,6 +45,3 @@ def test_kernels_compile_for_sm90_and_gfx950() -> None:
     regs = [x for x in lines if x.startswith("ok regs ")]
     assert len(regs) == 2 * tiles, proc.stdout
     assert len([x for x in regs if "(cap None)" not in x]) == 1, regs  # V4.1's 8-row tile
-    # The L2 hint kernel (NVIDIA only) issues its prefetches at one to four regions.
-    prefetch = [x for x in lines if x.startswith("ok l2 prefetch: ")]
-    assert len(prefetch) == MAX_REGIONS, proc.stdout

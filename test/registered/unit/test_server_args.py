@@ -216,7 +216,6 @@ def test_unknown_flag_suggests_the_right_one(capsys):
         (["--speculative-algorithm", "eagle"], "--speculative-algorithm must be one of"),
         (["--port", "70000"], "--port must be in"),
         (["--programmatic-launch-max-bs", "-1"], "--programmatic-launch-max-bs must be >= 0"),
-        (["--l2-prefetch-mib", "-8"], "--l2-prefetch-mib must be >= 0"),
         (["--context-length", "0"], "--context-length must be >= 1"),
         (["--chunked-prefill-size", "0"], "--chunked-prefill-size must be -1"),
         (["--mem-fraction-static", "1.5"], "--mem-fraction-static must be in (0, 1)"),

@@ -196,13 +196,11 @@ class Engine:
         # engine built in a process decides. It moves timing only, never a result bit.
         if args.device != "cpu":
             from sgl_dspark.kernels._triton_utils import set_programmatic_launch
-            from sgl_dspark.srt.layers.weight_prefetch import set_l2_prefetch_budget
 
             set_programmatic_launch(
                 not args.disable_programmatic_launch,
                 max_graph_batch=args.programmatic_launch_max_bs,
             )
-            set_l2_prefetch_budget(args.l2_prefetch_mib)
         self.runner = ModelRunner(cfg, rc, weights=weights)
         self.executor = create_executor(args, self.runner)
         self.graphs: CudaGraphRunner | None = None

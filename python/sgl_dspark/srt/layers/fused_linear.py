@@ -269,13 +269,6 @@ class LinearGroup:
         """The stacked weight when every member is of one kind and fused, else None."""
         return self._runs[0][1] if self.fused and len(self._runs) == 1 else None
 
-    def streamed_weights(self) -> list[WeightLike]:
-        """The weights one call of the group reads: the fused runs' stacked weights, else each
-        member's own."""
-        if self.fused:
-            return [fused for _, fused in self._runs]
-        return [module_weight(lin) for lin in self.linears]
-
     @property
     def fused(self) -> bool:
         # Untied by a later Module.to(): fall back to the members (never compute with stale

@@ -33,7 +33,6 @@ from sgl_dspark.srt.layers.moe import SparseMoE
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl
 from sgl_dspark.srt.layers.rotary import RopeTable, rope_impl, rope_inv_freq
 from sgl_dspark.srt.layers.vocab_parallel import LogitsReader, vocab_parallel_head
-from sgl_dspark.srt.layers.weight_prefetch import WeightPrefetch
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool
 from sgl_dspark.srt.models.base import BaseCausalLM
 from sgl_dspark.srt.models.deepseek_v4 import (
@@ -123,11 +122,6 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
         self.rms_norm = rms_norm_impl(self.kernels)
         self.linear = linear_impl(self.kernels)
         self._rope_tables: tuple[RopeTable, RopeTable] | None = None
-        # L2 hints at the start of each stretch of kernels that leave HBM idle, each naming the
-        # weights of the GEMM that ends it (`layers/weight_prefetch.py`).
-        self.weight_prefetch = WeightPrefetch()
-        for layer in cast("Sequence[DecoderLayer]", self.model.layers):
-            layer.self_attn.weight_prefetch = self.weight_prefetch
 
     def rope_tables(self, context_len: int) -> tuple[RopeTable, RopeTable]:
         tables = self._rope_tables
@@ -176,33 +170,17 @@ class DeepseekV41ForCausalLM(BaseCausalLM):
                     on_taps(taps)
             return streams
 
-        device = streams.device
-        hint = self.weight_prefetch.issue
-
-        def attn(i: int, x: torch.Tensor) -> torch.Tensor:
-            out = layers[i].self_attn(x, batch, pool, rope, shared, backend)
-            hint(device, layers[i].mlp.input_weights)  # beside the boundary and the router
-            return out
-
-        def ffn(i: int, x: torch.Tensor) -> torch.Tensor:
-            out = layers[i].mlp(x, batch.input_ids)
-            if i + 1 < len(layers):
-                hint(device, layers[i + 1].self_attn.input_weights)  # beside the boundary
-            return out
-
-        hint(device, layers[0].self_attn.input_weights)
         _, h = run_single_pass_layers(
             streams,
             layers,
-            attn,
-            ffn,
+            lambda i, x: layers[i].self_attn(x, batch, pool, rope, shared, backend),
+            lambda i, x: layers[i].mlp(x, batch.input_ids),
             self.hc_boundary,
             (m.norm, self.rms_norm),
             before_layer,
             rewrites={i for i, layer in enumerate(layers) if layer.engram is not None},
             rows=batch.logits_indices,
         )
-        self.weight_prefetch.join()
         return ModelOutput(self.compute_shard_logits(h), taps, self.logits_reader)
 
     def _engram_history(self, batch: ForwardBatch, pool: DeepseekV41KVPool) -> torch.Tensor | None:

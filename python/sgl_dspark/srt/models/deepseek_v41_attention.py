@@ -43,14 +43,8 @@ from sgl_dspark.srt.layers.quant_store import (
     quant_load_pair_impl,
     quant_store_impl,
 )
-from sgl_dspark.srt.layers.quantized import (
-    WeightLike,
-    mark_quantizable,
-    module_weight,
-    split_rows_into_groups,
-)
+from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import rope_q_store_kv_impl
-from sgl_dspark.srt.layers.weight_prefetch import WeightPrefetch
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool, QuantizedRows
 from sgl_dspark.srt.models.deepseek_v4 import RopeTables, mark_head_shards
 
@@ -154,16 +148,9 @@ class Csa2Attention(nn.Module):
         self.topk_rows = topk_rows_impl(kernels)
         self.linear = linear_impl(kernels)
         self.grouped_linear = grouped_linear_impl(kernels)
-        # The model's L2 hints (`layers/weight_prefetch.py`), set by the model that owns this
-        # layer; None: no hints.
-        self.weight_prefetch: WeightPrefetch | None = None
 
     def linear_groups(self) -> list[LinearGroup]:
         return [self.x_proj, self.qr_proj]
-
-    def input_weights(self) -> list[WeightLike]:
-        """The weights the layer streams first: the x projection's."""
-        return self.x_proj.streamed_weights()
 
     def forward(
         self,
@@ -182,10 +169,6 @@ class Csa2Attention(nn.Module):
             (kv, self.kv_norm.weight, self.kv_norm.eps),
         )
         q, *index_q = self.qr_proj(qr)
-        if self.weight_prefetch is not None:
-            # From here to the output projection the kernels read little from HBM: the rope
-            # and KV store, the cache decode, the indexer, the attention.
-            self.weight_prefetch.issue(x.device, lambda: [module_weight(self.o_a_proj)])
         q_norm = (None, self.eps) if self.q_head_norm else None
         window = pool.window[self.layer_id]
         # The KV row rotated and FP8-quantised on store: what every reader (this row included)

@@ -52,7 +52,6 @@ from sgl_dspark.srt.distributed import Communicator, get_parallel_state
 from sgl_dspark.srt.distributed.sharding import mark_shard, split_evenly
 from sgl_dspark.srt.layers.fp8_linear import fp8_linear_impl, mx_fused_moe_impl
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, linear_impl
-from sgl_dspark.srt.layers.moe.router import Router
 from sgl_dspark.srt.layers.quantized import (
     WeightLike,
     cat_weights,
@@ -566,13 +565,13 @@ class SparseMoE(nn.Module):
 
     def __init__(
         self,
-        router: Router,
+        router: nn.Module,
         experts: RoutedExperts,
         shared: SharedExpert,
         kernels: KernelChoice | None = None,
     ) -> None:
         super().__init__()
-        self.gate: Router = router
+        self.gate = router
         self.experts = experts
         self.shared_experts = shared
         self._fuse_shared_add = _uses_triton(kernels)
@@ -582,13 +581,6 @@ class SparseMoE(nn.Module):
         the routed experts' stacks (triton backend)."""
         if self._fuse_shared_add:
             self.experts.fold_shared(self.shared_experts)
-
-    def input_weights(self) -> list[WeightLike]:
-        """The weights the layer streams first, known before its routing: the router's gate
-        (but for hash routing, which reads only the token's experts' rows) and the shared
-        expert's gate-up rows (the first launch reads them beside the routed experts')."""
-        gate = [] if self.gate.is_hash else [self.gate.weight]
-        return [*gate, *self.shared_experts.gate_up.streamed_weights()]
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
         if self.experts.folded:
