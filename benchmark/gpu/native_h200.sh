@@ -63,7 +63,8 @@
 #                at one token (the dense FP8 linears, the per-token MoE stages, the mHC
 #                boundary), one launch each, their hardware counters (speed of light, launch
 #                shape, occupancy, issue slots, warp stalls, memory, instructions); NCU_TARGETS
-#                picks some (ncu_targets.py --targets), NCU_LAUNCHES launches each
+#                picks some (ncu_targets.py --targets), NCU_LAUNCHES launches each,
+#                NCU_STALLS=1 adds each warp-stall reason's cycles per issued instruction
 #   attn_splits  probe_attention_splits.py: the decode attention at the rank model's shapes (64
 #                heads x 512, window 128 + 512 selected entries, M 1 and 4), the library's split
 #                of the key range against forced splits, checked, then timed over 40 layers'
@@ -294,6 +295,10 @@ if has ncu; then  # hardware counters of the heaviest decode kernels, one launch
     MemoryWorkloadAnalysis InstructionStats; do
     ncu_sections+=(--section "$section")
   done
+  if [ "${NCU_STALLS:-0}" = 1 ]; then  # why a warp did not issue, per issued instruction
+    ncu_sections+=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
+    ncu_sections+=(--metrics smsp__inst_executed.sum)
+  fi
   # shellcheck disable=SC2086
   run 300 ncu.txt "${ncu_bin:-ncu}" --clock-control none --profile-from-start off \
     "${ncu_sections[@]}" python3 benchmark/kernels/ncu_targets.py \

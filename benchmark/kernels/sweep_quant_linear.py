@@ -42,6 +42,10 @@ SWEEP = [
     (32, 1024, 8, 3, 8),
     (64, 256, 1, 4, 4),
     (64, 512, 4, 3, 4),
+    # 64-channel slices: twice the warps for a step's channels (8 warps), or a step of half
+    # the channels on the usual 4 warps (a smaller stage: four programs an SM)
+    (16, 512, 8, 4, 8),
+    (16, 256, 4, 4, 4),
 ]
 
 
