@@ -297,7 +297,6 @@ if has ncu; then  # hardware counters of the heaviest decode kernels, one launch
   done
   if [ "${NCU_STALLS:-0}" = 1 ]; then  # why a warp did not issue, per issued instruction
     ncu_sections+=(--metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio")
-    ncu_sections+=(--metrics smsp__inst_executed.sum)
   fi
   # shellcheck disable=SC2086
   run 300 ncu.txt "${ncu_bin:-ncu}" --clock-control none --profile-from-start off \
