@@ -37,6 +37,9 @@
 #                (default 1), RANK_AB_RUNS the timed generations a round takes the median of
 #                (default 3), RANK_AB_BASE_ARGS / RANK_AB_HEAD_ARGS JSON engine arguments of
 #                each side (with RANK_AB_BASE=. an A/B of two settings of one tree);
+#                RANK_AB_WARM=1 first runs each side once untimed (8 new tokens, within
+#                RANK_AB_WARM_S, default 200 s) so a cold Triton cache's compilation does not
+#                eat a timed round's limit;
 #                abba_summary.py then reads the rounds together (means, speedup, greedy
 #                tokens equal or not)
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
@@ -201,16 +204,24 @@ fi
 rank_ab_args() {  # SIDE: that side's engine arguments (JSON)
   if [ "$1" = base ]; then echo "${RANK_AB_BASE_ARGS:-{\}}"; else echo "${RANK_AB_HEAD_ARGS:-{\}}"; fi
 }
+rank_ab_decode() {  # LIMIT_S DIR SIDE ROOT NEW_TOKENS RUNS: one engine of ROOT's tree
+  run "$1" "$2.log" env PYTHONPATH="$4/python:$4:$PYTHONPATH" \
+    python3 "$4/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
+    --input-len 256 --output-len "$5" --systems "${RANK_AB_SYSTEM:-plain}" \
+    --batch-sizes "${RANK_AB_BS:-1}" --timed-runs "$6" \
+    --engine-args "$(rank_ab_args "$3")" --out-dir "$WORK/$2"
+}
 rank_ab_round() {  # ROUND SIDE ROOT: the rank model's decode at RANK_AB_BS on ROOT's tree
-  run "${RANK_AB_ROUND_S:-135}" "rank_ab/${1}_$2.log" env PYTHONPATH="$3/python:$3:$PYTHONPATH" \
-    python3 "$3/benchmark/bench_native.py" decode --config "$RANK_CONFIG" \
-    --input-len 256 --output-len 128 --systems "${RANK_AB_SYSTEM:-plain}" \
-    --batch-sizes "${RANK_AB_BS:-1}" --timed-runs "${RANK_AB_RUNS:-3}" \
-    --engine-args "$(rank_ab_args "$2")" --out-dir "$WORK/rank_ab/${1}_$2"
+  rank_ab_decode "${RANK_AB_ROUND_S:-135}" "rank_ab/${1}_$2" "$2" "$3" 128 "${RANK_AB_RUNS:-3}"
   show "$WORK/rank_ab/${1}_$2/native_decode_$RANK_CONFIG.md"
+}
+rank_ab_warm() {  # ROUND SIDE ROOT: an untimed short run (compiles the side's kernels)
+  [ "$1" -le 2 ] || return 0  # each side once: the first base and head rounds
+  rank_ab_decode "${RANK_AB_WARM_S:-200}" "rank_ab_warm/$2" "$2" "$3" 8 1
 }
 if has rank_ab; then  # each side's rows in a table of its own; read them in ABBA order
   stage rank_ab 540
+  if [ "${RANK_AB_WARM:-0}" = 1 ]; then abba rank_ab "${RANK_AB_BASE:-.ab}" rank_ab_warm; fi
   abba rank_ab "${RANK_AB_BASE:-.ab}" rank_ab_round
   run 30 rank_ab/summary.log python3 benchmark/gpu/abba_summary.py "$WORK/rank_ab" \
     --out "$WORK/rank_ab_summary.md"

@@ -26,13 +26,14 @@ CALL_BUDGET = 570  # stages.sh's default
 
 
 def _dry_run(
-    script: str, stages: str | None, tmp_path: Path
+    script: str, stages: str | None, tmp_path: Path, knobs: dict[str, str] | None = None
 ) -> list[tuple[str, int, int, list[str]]]:
-    """(stage, stage budget, command limit, command) of every command the dry run prints; a
-    stage without commands (env) appears with limit 0 and no command."""
+    """(stage, stage budget, command limit, command) of every command the dry run prints, with
+    the script's environment knobs `knobs`; a stage without commands (env) appears with limit
+    0 and no command."""
     out = tmp_path / "out"
     args = ["bash", str(GPU / script), "--dry-run"] + ([stages] if stages else [])
-    env = {**os.environ, "OUT": str(out), "WORK_ROOT": str(tmp_path / "work_root")}
+    env = {**os.environ, **(knobs or {}), "OUT": str(out), "WORK_ROOT": str(tmp_path / "work_root")}
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     assert not out.exists() and not (tmp_path / "work_root").exists(), "a dry run wrote files"
@@ -90,6 +91,38 @@ def test_native_engines_run_in_their_own_processes(tmp_path: Path) -> None:
     ]
     assert len({_flag(w, "--sps-table") for w in dspark}) == 1
     assert len({_flag(w, "--out-dir") for w in dspark}) == 1
+
+
+def test_rank_ab_warms_each_side_then_times_abba(tmp_path: Path) -> None:
+    """`rank_ab` with RANK_AB_WARM=1: one short untimed engine per side first (its own
+    directory, which the summary does not read), then the timed rounds base, head, head, base,
+    each side on its own tree with its own engine arguments."""
+    base = tmp_path / "base_tree"
+    base.mkdir()
+    knobs = {
+        "RANK_AB_BASE": str(base),
+        "RANK_AB_WARM": "1",
+        "RANK_AB_WARM_S": "150",
+        "RANK_AB_HEAD_ARGS": '{"programmatic_launch_max_bs": 0}',
+        "RANK_CONFIG": "dsv41_flash_rank_ep8",
+    }
+    commands = _dry_run("native_h200.sh", "rank_ab", tmp_path, knobs)
+    runs = [(limit, words) for stage, _, limit, words in commands if words]
+    engines = [(limit, w) for limit, w in runs if "decode" in w]
+    sides = ["base" if w[3].startswith(str(base)) else "head" for _, w in engines]
+    assert sides == ["base", "head", "base", "head", "head", "base"]
+    warm, timed = engines[:2], engines[2:]
+    assert all(limit == 150 and _flag(w, "--output-len") == "8" for limit, w in warm)
+    assert all(_flag(w, "--out-dir").split("/")[-2] == "rank_ab_warm" for _, w in warm)
+    assert all(_flag(w, "--output-len") == "128" for _, w in timed)
+    assert all(_flag(w, "--out-dir").split("/")[-2] == "rank_ab" for _, w in timed)
+    for (_, w), side in zip(engines, sides):
+        assert _flag(w, "--config") == "dsv41_flash_rank_ep8"
+        want = '{"programmatic_launch_max_bs": 0}' if side == "head" else "{}"
+        assert _flag(w, "--engine-args") == want
+    summary = runs[-1][1]
+    assert summary[:2] == ["python3", "benchmark/gpu/abba_summary.py"]
+    assert summary[2].endswith("/rank_ab")
 
 
 def test_serving_ab_arms_differ_by_one_flag(tmp_path: Path) -> None:
