@@ -67,7 +67,9 @@
 #                boundary), one launch each, their hardware counters (speed of light, launch
 #                shape, occupancy, issue slots, warp stalls, memory, instructions); NCU_TARGETS
 #                picks some (ncu_targets.py --targets), NCU_LAUNCHES launches each,
-#                NCU_STALLS=1 adds each warp-stall reason's cycles per issued instruction
+#                NCU_STALLS=1 adds each warp-stall reason's cycles per issued instruction;
+#                ncu_summary.py then puts each launch's figures in one table (the summary
+#                shows it; the full report stays in results.tgz)
 #   attn_splits  probe_attention_splits.py: the decode attention at the rank model's shapes (64
 #                heads x 512, window 128 + 512 selected entries, M 1 and 4), the library's split
 #                of the key range against forced splits, checked, then timed over 40 layers'
@@ -313,7 +315,10 @@ if has ncu; then  # hardware counters of the heaviest decode kernels, one launch
   run 300 ncu.txt "${ncu_bin:-ncu}" --clock-control none --profile-from-start off \
     "${ncu_sections[@]}" python3 benchmark/kernels/ncu_targets.py \
     --launches "${NCU_LAUNCHES:-1}" ${NCU_TARGETS:+--targets $NCU_TARGETS}
-  show "$WORK/ncu.txt"
+  show "$WORK/ncu.txt" 4  # the report's last lines: how ncu ended
+  run 30 ncu_summary.log python3 benchmark/gpu/ncu_summary.py "$WORK/ncu.txt" \
+    --out "$WORK/ncu_summary.md"
+  show "$WORK/ncu_summary.md"
 fi
 if has probe; then  # the probe keeps to its own budget, under the stage's limit
   stage probe 400
