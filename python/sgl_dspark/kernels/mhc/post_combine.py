@@ -21,6 +21,14 @@ post' and comb' and (row, 1 + c) norming x_in's chunk c, one warp each (a phase 
 given pre without computing any coefficients (before an Engram layer, and the final norm):
 phase A without the projection, phase B the norm chunks only.
 
+The norm in phase A (`arrivals`, at most `NORM_IN_A_MAX_ROWS` rows, one a phase-A program):
+each slice program of a single-pass boundary counts in on its row's arrival counter once its
+x_in slice and partials are stored, and the last to arrive norms the whole row with phase B's
+arithmetic (`_norm_row_last_to_arrive`): phase B is then the coefficients' program alone (none
+in `mhc_post_collapse`), so the next sublayer's first kernel follows phase A directly. The sum
+of the slices' squares is added in slice order in both places (`coefficients.x_in_inv_rms`), so
+a row's bits do not depend on which program norms it, nor on M.
+
 The coefficients apart (`coeffs_scope`): in a single-pass boundary nothing the next sublayer
 reads waits for pre', post' and comb' (its input was collapsed with the previous pre), yet in
 one phase-B launch the norm's consumer waits for the whole grid, the coefficients' Sinkhorn
@@ -41,7 +49,7 @@ a row's result never depends on M, on its position in the batch or on the grid.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import triton
@@ -59,6 +67,8 @@ from sgl_dspark.kernels.mhc.coefficients import (
     finish_coeffs,
     finish_collapse_norm,
     finish_norm_chunk,
+    norm_x_in_chunk,
+    x_in_inv_rms,
 )
 from sgl_dspark.kernels.mhc.reference import MhcPostCollapseOutput, MhcPostCombineOutput
 from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
@@ -107,6 +117,13 @@ _MAX_FINISH_BLOCK = 8192
 _NORM_BLOCK = 1024
 _NORM_WARPS = 1
 
+# Rows up to which phase A (one row a program, collapsing) also norms x_in when the caller keeps
+# arrival counters (`_norm_row_last_to_arrive`): one launch fewer a boundary. The last slice
+# program of a row norms all of its D columns alone, which suits the few rows of a bs 1 decode or
+# a small verify; more rows keep the norm chunks' launch, many programs of one warp.
+NORM_IN_A_MAX_ROWS = 4
+assert NORM_IN_A_MAX_ROWS <= _TARGET_ROW_TILES  # such boundaries run one row a program
+
 # A scope the coefficients' launch is issued in (`coeffs_scope` of the launchers), called with
 # the scratch that launch reads (phase A's partials), which the scope keeps alive until its work
 # is done (e.g. until the stream it forked is joined).
@@ -141,6 +158,7 @@ def _mhc_post_combine_kernel(
     collapse_pre_ptr,
     x_q_ptr,
     x_s_ptr,
+    arrivals_ptr,
     M,
     hc_eps,
     rms_eps,
@@ -163,6 +181,7 @@ def _mhc_post_combine_kernel(
     FP8_GROUP: tl.constexpr,
     UE8M0: tl.constexpr,
     COLLAPSE_IN_A: tl.constexpr,
+    NORM_IN_A: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     FIRST_PART: tl.constexpr,
     PDL: tl.constexpr,
@@ -172,7 +191,9 @@ def _mhc_post_combine_kernel(
     forms post' and comb'; with COLLAPSE_IN_A, grid (M, HAS_COEFFS + norm chunks): program
     (row, 0) forms pre', post' and comb' (HAS_COEFFS), the others norm a chunk of x_in each.
     A phase-B launch may hold only some of a row's programs: its axis 1 starts at program
-    FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another)."""
+    FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another).
+    NORM_IN_A (with COLLAPSE_IN_A, one row a phase-A program): no norm chunks; the last of a
+    row's phase-A programs to arrive norms the row (`_norm_row_last_to_arrive`)."""
     if PHASE == 0:
         stream_update_and_partials(
             streams_ptr,
@@ -197,6 +218,26 @@ def _mhc_post_combine_kernel(
             COLLAPSE_IN_A,
             PDL,
         )
+        if NORM_IN_A:
+            _norm_row_last_to_arrive(
+                x_in_ptr,
+                x_normed_ptr,
+                partials_ptr,
+                norm_w_ptr,
+                arrivals_ptr,
+                rms_eps,
+                x_q_ptr,
+                x_s_ptr,
+                D,
+                NUM_SLICES,
+                N,
+                RP,
+                NORM_BLOCK,
+                ROUND_BF16,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
+            )
     else:
         wait_for_producers(PDL)  # phase A's partials, Rs' and x_in are read first
         row = tl.program_id(0).to(tl.int64)
@@ -238,7 +279,6 @@ def _mhc_post_combine_kernel(
                 NUM_SLICES,
                 N,
                 RP,
-                SP,
                 NORM_BLOCK,
                 ROUND_BF16,
                 FP8_OUT,
@@ -277,6 +317,66 @@ def _mhc_post_combine_kernel(
             )
 
 
+@triton.jit
+def _norm_row_last_to_arrive(
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    norm_w_ptr,
+    arrivals_ptr,
+    rms_eps,
+    x_q_ptr,
+    x_s_ptr,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    N: tl.constexpr,
+    RP: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+):
+    """Phase A of one row a program, after its slice's x_in and partials are stored: count in
+    on the row's arrival counter; the last of the row's NUM_SLICES programs to arrive norms the
+    whole row, chunk by chunk, with phase B's arithmetic (`x_in_inv_rms`, `norm_x_in_chunk`):
+    the same bits as the norm chunks' launch, one launch fewer. It re-arms the counter (zero
+    again for the next launch or graph replay)."""
+    row = tl.program_id(0).to(tl.int64)
+    # Release ours, acquire the other slices' (the barrier orders every thread's stores before
+    # the one atomic).
+    tl.debug_barrier()
+    last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == NUM_SLICES - 1
+    if last:
+        tl.store(arrivals_ptr + row, 0)
+        inv_rms_x = x_in_inv_rms(row, partials_ptr, rms_eps, D, NUM_SLICES, N, RP, True)
+        for chunk in tl.static_range((D + NORM_BLOCK - 1) // NORM_BLOCK):
+            norm_x_in_chunk(
+                row,
+                chunk,
+                inv_rms_x,
+                x_in_ptr,
+                x_normed_ptr,
+                norm_w_ptr,
+                x_q_ptr,
+                x_s_ptr,
+                D,
+                NORM_BLOCK,
+                ROUND_BF16,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
+                True,
+            )
+
+
+def norm_arrival_count(m: int) -> int:
+    """How many int32 arrival counters a boundary of `m` rows may use (`arrivals` of the
+    launchers): one a row up to `NORM_IN_A_MAX_ROWS`, else none (so any tensor of that many
+    serves every batch)."""
+    return m if m <= NORM_IN_A_MAX_ROWS else 0
+
+
 def _rows_per_program(m: int) -> int:
     """Phase-A rows per program: 1 at small M (most programs), more up to _MAX_TILED_ROWS rows
     (fewer fn reads), 1 again above (the constants' comment). Free to depend on M: a row's
@@ -303,6 +403,7 @@ def mhc_post_combine(
     collapse_pre: torch.Tensor | None = None,
     fp8_out: Fp8ActFormat | None = None,
     coeffs_scope: CoefficientsScope | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_post_combine_ref` in two launches of one kernel, no host sync.
 
@@ -327,6 +428,10 @@ def mhc_post_combine(
             called with the partials the launch reads and keeps them alive until its work is
             done; the caller keeps pre', post' and comb' and orders every read of them (and
             their release) after that work.
+        arrivals: zeroed int32 counters, at least `norm_arrival_count(M)` of them (the kernel
+            leaves them zero, so a caller keeps one tensor for its boundaries), or None. With
+            them a single-pass boundary of at most `NORM_IN_A_MAX_ROWS` rows norms x_in in
+            phase A (the last program of each row to arrive), one launch fewer; the same bits.
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed, x_fp8).
     """
@@ -342,6 +447,7 @@ def mhc_post_combine(
         collapse_pre=collapse_pre,
         fp8_out=fp8_out,
         coeffs_scope=coeffs_scope,
+        arrivals=arrivals,
     )
 
 
@@ -359,6 +465,7 @@ def mhc_pre(
     collapse_pre: torch.Tensor | None = None,
     fp8_out: Fp8ActFormat | None = None,
     coeffs_scope: CoefficientsScope | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_pre_ref` (open the first sublayer): `mhc_post_combine`'s launches without the
     stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
@@ -375,6 +482,7 @@ def mhc_pre(
         collapse_pre=collapse_pre,
         fp8_out=fp8_out,
         coeffs_scope=coeffs_scope,
+        arrivals=arrivals,
     )
 
 
@@ -387,11 +495,13 @@ def mhc_post_collapse(
     norm_weight: torch.Tensor,
     *,
     rms_eps: float,
+    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCollapseOutput:
     """`mhc_post_collapse_ref`: close a sublayer (Rs'), collapse Rs' with `collapse_pre`
     [M, n] fp32 and apply the weighted RMSNorm, computing no coefficients (single-pass mHC
-    before an Engram layer, and into the final norm). Two launches; other arguments as
-    mhc_post_combine. Returns MhcPostCollapseOutput(streams', x_in, x_normed)."""
+    before an Engram layer, and into the final norm). Two launches (one with `arrivals` at
+    few rows); other arguments as mhc_post_combine. Returns MhcPostCollapseOutput(streams',
+    x_in, x_normed)."""
     out = _launch(
         streams,
         (y, post, comb),
@@ -403,6 +513,7 @@ def mhc_post_collapse(
         out=None,
         collapse_pre=collapse_pre,
         fp8_out=None,
+        arrivals=arrivals,
     )
     return MhcPostCollapseOutput(out.streams, out.x_in, out.x_normed)
 
@@ -420,6 +531,7 @@ def _launch(
     collapse_pre: torch.Tensor | None,
     fp8_out: Fp8ActFormat | None,
     coeffs_scope: CoefficientsScope | None = None,
+    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
@@ -479,10 +591,21 @@ def _launch(
 
     block_d, block_m = _BLOCK_D, _rows_per_program(m)
     num_slices = triton.cdiv(d, block_d)
+    collapse_in_a = collapse_in_stream_pass(collapse_pre)
+    norm_in_a = collapse_in_a and arrivals is not None and m <= NORM_IN_A_MAX_ROWS
+    if arrivals is not None:
+        require(
+            arrivals.dtype == torch.int32
+            and arrivals.dim() == 1
+            and arrivals.is_contiguous()
+            and arrivals.numel() >= norm_arrival_count(m)
+            and arrivals.device == dev,
+            f"arrivals must be contiguous int32 [>= {norm_arrival_count(m)}] on {dev}, got "
+            f"{arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}",
+        )
     # fn projection columns, then the sums of squares of Rs' and of x_in
     rp = triton.next_power_of_2(r + 2)
     finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
-    collapse_in_a = collapse_in_stream_pass(collapse_pre)
     fp8_group = fp8_out.group if fp8_out is not None else 1
     norm_block = min(triton.next_power_of_2(d), max(_NORM_BLOCK, fp8_group))
     partials = torch.empty(
@@ -506,6 +629,7 @@ def _launch(
         collapse_pre if collapse_pre is not None else post,
         out.x_fp8.q.view(torch.uint8) if out.x_fp8 is not None else post,  # E4M3 bit patterns
         out.x_fp8.scale if out.x_fp8 is not None else post,
+        arrivals if norm_in_a else partials,  # never read without NORM_IN_A
         m,
         float(hc_eps),
         float(rms_eps),
@@ -528,6 +652,7 @@ def _launch(
         FP8_GROUP=fp8_group,
         UE8M0=fp8_out is not None and fp8_out.ue8m0,
         COLLAPSE_IN_A=collapse_in_a,
+        NORM_IN_A=norm_in_a,
         NORM_BLOCK=norm_block,
         enable_fp_fusion=False,
         **programmatic_launch(_mhc_post_combine_kernel, dev),
@@ -542,6 +667,14 @@ def _launch(
         **meta,
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
+    if norm_in_a:
+        # Phase A normed x_in; phase B is the coefficients' program alone, if any.
+        if coeffs is not None:
+            with coeffs_scope(partials) if coeffs_scope is not None else nullcontext():
+                _mhc_post_combine_kernel[(m, 1)](
+                    *args, PHASE=1, BLOCK_M=1, FIRST_PART=0, num_warps=_NORM_WARPS, **meta
+                )
+        return out
     if collapse_in_a:
         norm_chunks = triton.cdiv(d, norm_block)
         if coeffs_scope is not None:
