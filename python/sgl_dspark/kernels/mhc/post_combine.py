@@ -1,7 +1,8 @@
-"""mHC sublayer boundary in two launches of one kernel (`mhc_post_combine_ref` and `mhc_pre_ref`
-are the spec; `reference.py` gives the math).
+"""mHC sublayer boundary in two launches of one kernel (`boundary_kernel.py`; `mhc_post_combine_ref`
+and `mhc_pre_ref` are the spec, `reference.py` gives the math); this module launches it.
 
-One call closes a sublayer and opens the next one, no atomics, no host reads:
+One call closes a sublayer and opens the next one, no host reads (atomics only on the arrival
+counters of the norm in phase A, below):
   A. grid (row tiles, D slices): Rs' on the slice, and per row the slice's partial fn projection
      and sum of squares, into an fp32 scratch [M, slices, RP] (`stream_update.py`). The streams
      are separate vectors and their coefficients scalars, so the update runs in each thread
@@ -24,7 +25,7 @@ phase A without the projection, phase B the norm chunks only.
 The norm in phase A (`arrivals`, at most `NORM_IN_A_MAX_ROWS` rows, one a phase-A program):
 each slice program of a single-pass boundary counts in on its row's arrival counter once its
 x_in slice and partials are stored, and the last to arrive norms the whole row with phase B's
-arithmetic (`_norm_row_last_to_arrive`): phase B is then the coefficients' program alone (none
+arithmetic (`boundary_kernel._norm_row_last_to_arrive`): phase B is then the coefficients' program alone (none
 in `mhc_post_collapse`), so the next sublayer's first kernel follows phase A directly. The sum
 of the slices' squares is added in slice order in both places (`coefficients.x_in_inv_rms`), so
 a row's bits do not depend on which program norms it, nor on M.
@@ -53,25 +54,13 @@ from contextlib import AbstractContextManager, nullcontext
 
 import torch
 import triton
-import triton.language as tl
 
 from sgl_dspark.kernels._checks import check_tensor, require
-from sgl_dspark.kernels._triton_utils import (
-    programmatic_launch,
-    register_cap,
-    wait_for_producers,
-)
+from sgl_dspark.kernels._triton_utils import programmatic_launch, register_cap
 from sgl_dspark.kernels.fp8.act_quant import check_group
 from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
-from sgl_dspark.kernels.mhc.coefficients import (
-    finish_coeffs,
-    finish_collapse_norm,
-    finish_norm_chunk,
-    norm_x_in_chunk,
-    x_in_inv_rms,
-)
+from sgl_dspark.kernels.mhc.boundary_kernel import _mhc_post_combine_kernel
 from sgl_dspark.kernels.mhc.reference import MhcPostCollapseOutput, MhcPostCombineOutput
-from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
 
 # Phase A D-slice width, the same for every D: a model of D = 4096 spreads a one-row boundary
 # over 64 programs. Smaller models take fewer slices rather than narrower ones: a slice pays
@@ -118,7 +107,7 @@ _NORM_BLOCK = 1024
 _NORM_WARPS = 1
 
 # Rows up to which phase A (one row a program, collapsing) also norms x_in when the caller keeps
-# arrival counters (`_norm_row_last_to_arrive`): one launch fewer a boundary. The last slice
+# arrival counters (`boundary_kernel._norm_row_last_to_arrive`): one launch fewer a boundary. The last slice
 # program of a row norms all of its D columns alone, which suits the few rows of a bs 1 decode or
 # a small verify; more rows keep the norm chunks' launch, many programs of one warp.
 NORM_IN_A_MAX_ROWS = 4
@@ -136,238 +125,6 @@ def collapse_in_stream_pass(collapse_pre: torch.Tensor | None) -> bool:
     over several programs of few warps, which also shortens the coefficients' Sinkhorn chain
     (its reductions cross fewer warps) instead of one program of 16 warps holding the row."""
     return collapse_pre is not None
-
-
-@triton.jit
-def _mhc_post_combine_kernel(
-    streams_ptr,
-    y_ptr,
-    post_ptr,
-    comb_ptr,
-    fn_ptr,
-    base_ptr,
-    scale_ptr,
-    norm_w_ptr,
-    streams_out_ptr,
-    pre_out_ptr,
-    post_out_ptr,
-    comb_out_ptr,
-    x_in_ptr,
-    x_normed_ptr,
-    partials_ptr,
-    collapse_pre_ptr,
-    x_q_ptr,
-    x_s_ptr,
-    arrivals_ptr,
-    M,
-    hc_eps,
-    rms_eps,
-    PHASE: tl.constexpr,
-    D: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    SINKHORN_ITERS: tl.constexpr,
-    N: tl.constexpr,
-    NP: tl.constexpr,
-    RP: tl.constexpr,
-    SP: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    FINISH_BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    HAS_UPDATE: tl.constexpr,
-    HAS_COEFFS: tl.constexpr,
-    PREV_PRE: tl.constexpr,
-    FP8_OUT: tl.constexpr,
-    FP8_GROUP: tl.constexpr,
-    UE8M0: tl.constexpr,
-    COLLAPSE_IN_A: tl.constexpr,
-    NORM_IN_A: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    FIRST_PART: tl.constexpr,
-    PDL: tl.constexpr,
-):
-    """PHASE 0: grid (row tiles, D slices), see `stream_update_and_partials`. PHASE 1: grid
-    (M, 2) (M, 1 without HAS_COEFFS), program (row, 0) collapses and norms, program (row, 1)
-    forms post' and comb'; with COLLAPSE_IN_A, grid (M, HAS_COEFFS + norm chunks): program
-    (row, 0) forms pre', post' and comb' (HAS_COEFFS), the others norm a chunk of x_in each.
-    A phase-B launch may hold only some of a row's programs: its axis 1 starts at program
-    FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another).
-    NORM_IN_A (with COLLAPSE_IN_A, one row a phase-A program): no norm chunks; the last of a
-    row's phase-A programs to arrive norms the row (`_norm_row_last_to_arrive`)."""
-    if PHASE == 0:
-        stream_update_and_partials(
-            streams_ptr,
-            y_ptr,
-            post_ptr,
-            comb_ptr,
-            fn_ptr,
-            collapse_pre_ptr,
-            streams_out_ptr,
-            x_in_ptr,
-            partials_ptr,
-            M,
-            D,
-            NUM_SLICES,
-            N,
-            RP,
-            BLOCK_M,
-            BLOCK_D,
-            ROUND_BF16,
-            HAS_UPDATE,
-            HAS_COEFFS,
-            COLLAPSE_IN_A,
-            PDL,
-        )
-        if NORM_IN_A:
-            _norm_row_last_to_arrive(
-                x_in_ptr,
-                x_normed_ptr,
-                partials_ptr,
-                norm_w_ptr,
-                arrivals_ptr,
-                rms_eps,
-                x_q_ptr,
-                x_s_ptr,
-                D,
-                NUM_SLICES,
-                N,
-                RP,
-                NORM_BLOCK,
-                ROUND_BF16,
-                FP8_OUT,
-                FP8_GROUP,
-                UE8M0,
-            )
-    else:
-        wait_for_producers(PDL)  # phase A's partials, Rs' and x_in are read first
-        row = tl.program_id(0).to(tl.int64)
-        part = tl.program_id(1) + FIRST_PART
-        # The coefficients' program: the first where phase A collapsed (pre' is then its to
-        # form), else the second, beside the program that collapses with pre'.
-        if HAS_COEFFS and part == (0 if COLLAPSE_IN_A else 1):
-            finish_coeffs(
-                row,
-                pre_out_ptr,
-                post_out_ptr,
-                comb_out_ptr,
-                partials_ptr,
-                base_ptr,
-                scale_ptr,
-                hc_eps,
-                rms_eps,
-                D,
-                NUM_SLICES,
-                SINKHORN_ITERS,
-                N,
-                NP,
-                RP,
-                SP,
-                COLLAPSE_IN_A,
-            )
-        elif COLLAPSE_IN_A:
-            finish_norm_chunk(
-                row,
-                part - HAS_COEFFS,
-                x_in_ptr,
-                x_normed_ptr,
-                partials_ptr,
-                norm_w_ptr,
-                rms_eps,
-                x_q_ptr,
-                x_s_ptr,
-                D,
-                NUM_SLICES,
-                N,
-                RP,
-                NORM_BLOCK,
-                ROUND_BF16,
-                FP8_OUT,
-                FP8_GROUP,
-                UE8M0,
-            )
-        else:
-            finish_collapse_norm(
-                row,
-                streams_out_ptr,
-                pre_out_ptr,
-                collapse_pre_ptr,
-                x_in_ptr,
-                x_normed_ptr,
-                partials_ptr,
-                base_ptr,
-                scale_ptr,
-                norm_w_ptr,
-                hc_eps,
-                rms_eps,
-                x_q_ptr,
-                x_s_ptr,
-                D,
-                NUM_SLICES,
-                N,
-                NP,
-                RP,
-                SP,
-                FINISH_BLOCK,
-                ROUND_BF16,
-                HAS_COEFFS,
-                PREV_PRE,
-                FP8_OUT,
-                FP8_GROUP,
-                UE8M0,
-            )
-
-
-@triton.jit
-def _norm_row_last_to_arrive(
-    x_in_ptr,
-    x_normed_ptr,
-    partials_ptr,
-    norm_w_ptr,
-    arrivals_ptr,
-    rms_eps,
-    x_q_ptr,
-    x_s_ptr,
-    D: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    N: tl.constexpr,
-    RP: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    FP8_OUT: tl.constexpr,
-    FP8_GROUP: tl.constexpr,
-    UE8M0: tl.constexpr,
-):
-    """Phase A of one row a program, after its slice's x_in and partials are stored: count in
-    on the row's arrival counter; the last of the row's NUM_SLICES programs to arrive norms the
-    whole row, chunk by chunk, with phase B's arithmetic (`x_in_inv_rms`, `norm_x_in_chunk`):
-    the same bits as the norm chunks' launch, one launch fewer. It re-arms the counter (zero
-    again for the next launch or graph replay)."""
-    row = tl.program_id(0).to(tl.int64)
-    # Release ours, acquire the other slices' (the barrier orders every thread's stores before
-    # the one atomic).
-    tl.debug_barrier()
-    last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == NUM_SLICES - 1
-    if last:
-        tl.store(arrivals_ptr + row, 0)
-        inv_rms_x = x_in_inv_rms(row, partials_ptr, rms_eps, D, NUM_SLICES, N, RP, True)
-        for chunk in tl.static_range((D + NORM_BLOCK - 1) // NORM_BLOCK):
-            norm_x_in_chunk(
-                row,
-                chunk,
-                inv_rms_x,
-                x_in_ptr,
-                x_normed_ptr,
-                norm_w_ptr,
-                x_q_ptr,
-                x_s_ptr,
-                D,
-                NORM_BLOCK,
-                ROUND_BF16,
-                FP8_OUT,
-                FP8_GROUP,
-                UE8M0,
-                True,
-            )
 
 
 def norm_arrival_count(m: int) -> int:

@@ -1,0 +1,251 @@
+"""The mHC boundary's kernel (device code): phase A, the pass over D (`stream_update.py`), with
+the row's norm by the last slice program to arrive where the launcher asks for it, and phase B,
+the per-row finishes (`coefficients.py`). `post_combine.py` launches it (grids, launch shapes,
+the phases' order, the checks) and its module doc describes the boundary."""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sgl_dspark.kernels._triton_utils import wait_for_producers
+from sgl_dspark.kernels.mhc.coefficients import (
+    finish_coeffs,
+    finish_collapse_norm,
+    finish_norm_chunk,
+    norm_x_in_chunk,
+    x_in_inv_rms,
+)
+from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
+
+
+@triton.jit
+def _mhc_post_combine_kernel(
+    streams_ptr,
+    y_ptr,
+    post_ptr,
+    comb_ptr,
+    fn_ptr,
+    base_ptr,
+    scale_ptr,
+    norm_w_ptr,
+    streams_out_ptr,
+    pre_out_ptr,
+    post_out_ptr,
+    comb_out_ptr,
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    collapse_pre_ptr,
+    x_q_ptr,
+    x_s_ptr,
+    arrivals_ptr,
+    M,
+    hc_eps,
+    rms_eps,
+    PHASE: tl.constexpr,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    SINKHORN_ITERS: tl.constexpr,
+    N: tl.constexpr,
+    NP: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    FINISH_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    HAS_UPDATE: tl.constexpr,
+    HAS_COEFFS: tl.constexpr,
+    PREV_PRE: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+    COLLAPSE_IN_A: tl.constexpr,
+    NORM_IN_A: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    FIRST_PART: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    """PHASE 0: grid (row tiles, D slices), see `stream_update_and_partials`. PHASE 1: grid
+    (M, 2) (M, 1 without HAS_COEFFS), program (row, 0) collapses and norms, program (row, 1)
+    forms post' and comb'; with COLLAPSE_IN_A, grid (M, HAS_COEFFS + norm chunks): program
+    (row, 0) forms pre', post' and comb' (HAS_COEFFS), the others norm a chunk of x_in each.
+    A phase-B launch may hold only some of a row's programs: its axis 1 starts at program
+    FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another).
+    NORM_IN_A (with COLLAPSE_IN_A, one row a phase-A program): no norm chunks; the last of a
+    row's phase-A programs to arrive norms the row (`_norm_row_last_to_arrive`)."""
+    if PHASE == 0:
+        stream_update_and_partials(
+            streams_ptr,
+            y_ptr,
+            post_ptr,
+            comb_ptr,
+            fn_ptr,
+            collapse_pre_ptr,
+            streams_out_ptr,
+            x_in_ptr,
+            partials_ptr,
+            M,
+            D,
+            NUM_SLICES,
+            N,
+            RP,
+            BLOCK_M,
+            BLOCK_D,
+            ROUND_BF16,
+            HAS_UPDATE,
+            HAS_COEFFS,
+            COLLAPSE_IN_A,
+            PDL,
+        )
+        if NORM_IN_A:
+            _norm_row_last_to_arrive(
+                x_in_ptr,
+                x_normed_ptr,
+                partials_ptr,
+                norm_w_ptr,
+                arrivals_ptr,
+                rms_eps,
+                x_q_ptr,
+                x_s_ptr,
+                D,
+                NUM_SLICES,
+                N,
+                RP,
+                NORM_BLOCK,
+                ROUND_BF16,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
+            )
+    else:
+        wait_for_producers(PDL)  # phase A's partials, Rs' and x_in are read first
+        row = tl.program_id(0).to(tl.int64)
+        part = tl.program_id(1) + FIRST_PART
+        # The coefficients' program: the first where phase A collapsed (pre' is then its to
+        # form), else the second, beside the program that collapses with pre'.
+        if HAS_COEFFS and part == (0 if COLLAPSE_IN_A else 1):
+            finish_coeffs(
+                row,
+                pre_out_ptr,
+                post_out_ptr,
+                comb_out_ptr,
+                partials_ptr,
+                base_ptr,
+                scale_ptr,
+                hc_eps,
+                rms_eps,
+                D,
+                NUM_SLICES,
+                SINKHORN_ITERS,
+                N,
+                NP,
+                RP,
+                SP,
+                COLLAPSE_IN_A,
+            )
+        elif COLLAPSE_IN_A:
+            finish_norm_chunk(
+                row,
+                part - HAS_COEFFS,
+                x_in_ptr,
+                x_normed_ptr,
+                partials_ptr,
+                norm_w_ptr,
+                rms_eps,
+                x_q_ptr,
+                x_s_ptr,
+                D,
+                NUM_SLICES,
+                N,
+                RP,
+                NORM_BLOCK,
+                ROUND_BF16,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
+            )
+        else:
+            finish_collapse_norm(
+                row,
+                streams_out_ptr,
+                pre_out_ptr,
+                collapse_pre_ptr,
+                x_in_ptr,
+                x_normed_ptr,
+                partials_ptr,
+                base_ptr,
+                scale_ptr,
+                norm_w_ptr,
+                hc_eps,
+                rms_eps,
+                x_q_ptr,
+                x_s_ptr,
+                D,
+                NUM_SLICES,
+                N,
+                NP,
+                RP,
+                SP,
+                FINISH_BLOCK,
+                ROUND_BF16,
+                HAS_COEFFS,
+                PREV_PRE,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
+            )
+
+
+@triton.jit
+def _norm_row_last_to_arrive(
+    x_in_ptr,
+    x_normed_ptr,
+    partials_ptr,
+    norm_w_ptr,
+    arrivals_ptr,
+    rms_eps,
+    x_q_ptr,
+    x_s_ptr,
+    D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    N: tl.constexpr,
+    RP: tl.constexpr,
+    NORM_BLOCK: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    FP8_OUT: tl.constexpr,
+    FP8_GROUP: tl.constexpr,
+    UE8M0: tl.constexpr,
+):
+    """Phase A of one row a program, after its slice's x_in and partials are stored: count in
+    on the row's arrival counter; the last of the row's NUM_SLICES programs to arrive norms the
+    whole row, chunk by chunk, with phase B's arithmetic (`x_in_inv_rms`, `norm_x_in_chunk`):
+    the same bits as the norm chunks' launch, one launch fewer. It re-arms the counter (zero
+    again for the next launch or graph replay)."""
+    row = tl.program_id(0).to(tl.int64)
+    # Release ours, acquire the other slices' (the barrier orders every thread's stores before
+    # the one atomic).
+    tl.debug_barrier()
+    last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == NUM_SLICES - 1
+    if last:
+        tl.store(arrivals_ptr + row, 0)
+        inv_rms_x = x_in_inv_rms(row, partials_ptr, rms_eps, D, NUM_SLICES, N, RP, True)
+        for chunk in tl.static_range((D + NORM_BLOCK - 1) // NORM_BLOCK):
+            norm_x_in_chunk(
+                row,
+                chunk,
+                inv_rms_x,
+                x_in_ptr,
+                x_normed_ptr,
+                norm_w_ptr,
+                x_q_ptr,
+                x_s_ptr,
+                D,
+                NORM_BLOCK,
+                ROUND_BF16,
+                FP8_OUT,
+                FP8_GROUP,
+                UE8M0,
+                True,
+            )
