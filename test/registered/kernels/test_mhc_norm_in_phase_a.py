@@ -1,5 +1,5 @@
 """A single-pass mHC boundary of few rows normed in phase A (`arrivals` of the launchers: the
-last of a row's slice programs to arrive norms the row, `boundary_kernel._norm_row_last_to_arrive`)
+last of a row's slice programs to arrive norms the row, `boundary_kernel._last_to_arrive`)
 instead of by phase B's norm chunks.
 
 The arithmetic is phase B's (the same sum of the slices' squares in slice order, the same

@@ -12,9 +12,7 @@ from sgl_dspark.kernels._triton_utils import wait_for_producers
 from sgl_dspark.kernels.mhc.coefficients import (
     finish_coeffs,
     finish_collapse_norm,
-    finish_norm_chunk,
-    norm_x_in_chunk,
-    x_in_inv_rms,
+    norm_x_in,
 )
 from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
 
@@ -74,7 +72,7 @@ def _mhc_post_combine_kernel(
     A phase-B launch may hold only some of a row's programs: its axis 1 starts at program
     FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another).
     NORM_IN_A (with COLLAPSE_IN_A, one row a phase-A program): no norm chunks; the last of a
-    row's phase-A programs to arrive norms the row (`_norm_row_last_to_arrive`)."""
+    row's phase-A programs to arrive (`_last_to_arrive`) norms the row (`norm_x_in`)."""
     if PHASE == 0:
         stream_update_and_partials(
             streams_ptr,
@@ -99,13 +97,16 @@ def _mhc_post_combine_kernel(
             COLLAPSE_IN_A,
             PDL,
         )
-        if NORM_IN_A:
-            _norm_row_last_to_arrive(
+        # With NORM_IN_A the last of a row's slice programs to arrive norms the whole row.
+        if NORM_IN_A and _last_to_arrive(arrivals_ptr, NUM_SLICES):
+            norm_x_in(
+                tl.program_id(0).to(tl.int64),
+                0,
+                (D + NORM_BLOCK - 1) // NORM_BLOCK,
                 x_in_ptr,
                 x_normed_ptr,
                 partials_ptr,
                 norm_w_ptr,
-                arrivals_ptr,
                 rms_eps,
                 x_q_ptr,
                 x_s_ptr,
@@ -118,6 +119,7 @@ def _mhc_post_combine_kernel(
                 FP8_OUT,
                 FP8_GROUP,
                 UE8M0,
+                True,
             )
     else:
         wait_for_producers(PDL)  # phase A's partials, Rs' and x_in are read first
@@ -146,9 +148,10 @@ def _mhc_post_combine_kernel(
                 COLLAPSE_IN_A,
             )
         elif COLLAPSE_IN_A:
-            finish_norm_chunk(
+            norm_x_in(
                 row,
                 part - HAS_COEFFS,
+                1,
                 x_in_ptr,
                 x_normed_ptr,
                 partials_ptr,
@@ -165,6 +168,7 @@ def _mhc_post_combine_kernel(
                 FP8_OUT,
                 FP8_GROUP,
                 UE8M0,
+                False,
             )
         else:
             finish_collapse_norm(
@@ -199,53 +203,16 @@ def _mhc_post_combine_kernel(
 
 
 @triton.jit
-def _norm_row_last_to_arrive(
-    x_in_ptr,
-    x_normed_ptr,
-    partials_ptr,
-    norm_w_ptr,
-    arrivals_ptr,
-    rms_eps,
-    x_q_ptr,
-    x_s_ptr,
-    D: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    N: tl.constexpr,
-    RP: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    FP8_OUT: tl.constexpr,
-    FP8_GROUP: tl.constexpr,
-    UE8M0: tl.constexpr,
-):
+def _last_to_arrive(arrivals_ptr, NUM_SLICES: tl.constexpr):
     """Phase A of one row a program, after its slice's x_in and partials are stored: count in
-    on the row's arrival counter; the last of the row's NUM_SLICES programs to arrive norms the
-    whole row, chunk by chunk, with phase B's arithmetic (`x_in_inv_rms`, `norm_x_in_chunk`):
-    the same bits as the norm chunks' launch, one launch fewer. It re-arms the counter (zero
-    again for the next launch or graph replay)."""
-    row = tl.program_id(0).to(tl.int64)
+    on the row's arrival counter; True in the last of the row's NUM_SLICES programs to arrive,
+    which then sees every slice's stores and re-arms the counter (zero again for the next launch
+    or graph replay)."""
+    counter = arrivals_ptr + tl.program_id(0)
     # Release ours, acquire the other slices' (the barrier orders every thread's stores before
     # the one atomic).
     tl.debug_barrier()
-    last = tl.atomic_add(arrivals_ptr + row, 1, sem="acq_rel") == NUM_SLICES - 1
+    last = tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SLICES - 1
     if last:
-        tl.store(arrivals_ptr + row, 0)
-        inv_rms_x = x_in_inv_rms(row, partials_ptr, rms_eps, D, NUM_SLICES, N, RP, True)
-        for chunk in tl.static_range((D + NORM_BLOCK - 1) // NORM_BLOCK):
-            norm_x_in_chunk(
-                row,
-                chunk,
-                inv_rms_x,
-                x_in_ptr,
-                x_normed_ptr,
-                norm_w_ptr,
-                x_q_ptr,
-                x_s_ptr,
-                D,
-                NORM_BLOCK,
-                ROUND_BF16,
-                FP8_OUT,
-                FP8_GROUP,
-                UE8M0,
-                True,
-            )
+        tl.store(counter, 0)
+    return last

@@ -243,9 +243,10 @@ def finish_collapse_norm(
 
 
 @triton.jit
-def finish_norm_chunk(
+def norm_x_in(
     row,
-    chunk,
+    first_chunk,
+    CHUNKS: tl.constexpr,
     x_in_ptr,
     x_normed_ptr,
     partials_ptr,
@@ -262,29 +263,34 @@ def finish_norm_chunk(
     FP8_OUT: tl.constexpr,
     FP8_GROUP: tl.constexpr,
     UE8M0: tl.constexpr,
+    PAST_L1: tl.constexpr,
 ):
-    """Phase B after phase A collapsed (COLLAPSE_IN_A), program (row, chunk): RMSNorm_w of
-    x_in's columns [chunk·NORM_BLOCK, +NORM_BLOCK) with the row's sum of squares from the
-    slices' partials (column R + 1), and their FP8 form (FP8_OUT; a chunk holds whole groups,
-    or the row is one chunk)."""
-    inv_rms_x = x_in_inv_rms(row, partials_ptr, rms_eps, D, NUM_SLICES, N, RP, False)
-    norm_x_in_chunk(
-        row,
-        chunk,
-        inv_rms_x,
-        x_in_ptr,
-        x_normed_ptr,
-        norm_w_ptr,
-        x_q_ptr,
-        x_s_ptr,
-        D,
-        NORM_BLOCK,
-        ROUND_BF16,
-        FP8_OUT,
-        FP8_GROUP,
-        UE8M0,
-        False,
-    )
+    """After phase A collapsed (COLLAPSE_IN_A): RMSNorm_w of CHUNKS chunks of x_in's row from
+    `first_chunk` on (columns [chunk·NORM_BLOCK, +NORM_BLOCK) each), with the row's sum of
+    squares from the slices' partials (column R + 1), and their FP8 form (FP8_OUT; a chunk holds
+    whole groups, or the row is one chunk). Phase B's norm programs take one chunk each; phase
+    A's last program of a row to arrive takes them all (PAST_L1: x_in and the partials were
+    written by other programs of its launch). The same arithmetic either way, so the same
+    bits."""
+    inv_rms_x = x_in_inv_rms(row, partials_ptr, rms_eps, D, NUM_SLICES, N, RP, PAST_L1)
+    for c in tl.static_range(CHUNKS):
+        _norm_x_in_chunk(
+            row,
+            first_chunk + c,
+            inv_rms_x,
+            x_in_ptr,
+            x_normed_ptr,
+            norm_w_ptr,
+            x_q_ptr,
+            x_s_ptr,
+            D,
+            NORM_BLOCK,
+            ROUND_BF16,
+            FP8_OUT,
+            FP8_GROUP,
+            UE8M0,
+            PAST_L1,
+        )
 
 
 @triton.jit
@@ -301,7 +307,7 @@ def x_in_inv_rms(
     """1 / sqrt(mean(x_in²) + eps) of a row from its slices' sums of squares (partials column
     R + 1), added in slice order one after another: the same sum whatever the program's warps
     (a tree reduction's order would follow the launch's layout), so the norm chunks of phase B
-    and phase A's last program to arrive (`norm_x_in_chunk`) give the same bits. PAST_L1:
+    and phase A's last program to arrive (`norm_x_in`) give the same bits. PAST_L1:
     the partials were written by other programs of the same launch (this SM's L1 may hold
     stale lines of the buffer)."""
     ws = partials_ptr + row * NUM_SLICES * RP + (2 + N) * N + 1
@@ -312,7 +318,7 @@ def x_in_inv_rms(
 
 
 @triton.jit
-def norm_x_in_chunk(
+def _norm_x_in_chunk(
     row,
     chunk,
     inv_rms_x,

@@ -25,7 +25,7 @@ phase A without the projection, phase B the norm chunks only.
 The norm in phase A (`arrivals`, at most `NORM_IN_A_MAX_ROWS` rows, one a phase-A program):
 each slice program of a single-pass boundary counts in on its row's arrival counter once its
 x_in slice and partials are stored, and the last to arrive norms the whole row with phase B's
-arithmetic (`boundary_kernel._norm_row_last_to_arrive`): phase B is then the coefficients' program alone (none
+arithmetic (`coefficients.norm_x_in`): phase B is then the coefficients' program alone (none
 in `mhc_post_collapse`), so the next sublayer's first kernel follows phase A directly. The sum
 of the slices' squares is added in slice order in both places (`coefficients.x_in_inv_rms`), so
 a row's bits do not depend on which program norms it, nor on M.
@@ -56,7 +56,11 @@ import torch
 import triton
 
 from sgl_dspark.kernels._checks import check_tensor, require
-from sgl_dspark.kernels._triton_utils import programmatic_launch, register_cap
+from sgl_dspark.kernels._triton_utils import (
+    arrival_counters,
+    programmatic_launch,
+    register_cap,
+)
 from sgl_dspark.kernels.fp8.act_quant import check_group
 from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
 from sgl_dspark.kernels.mhc.boundary_kernel import _mhc_post_combine_kernel
@@ -107,7 +111,7 @@ _NORM_BLOCK = 1024
 _NORM_WARPS = 1
 
 # Rows up to which phase A (one row a program, collapsing) also norms x_in when the caller keeps
-# arrival counters (`boundary_kernel._norm_row_last_to_arrive`): one launch fewer a boundary. The last slice
+# arrival counters (`coefficients.norm_x_in`): one launch fewer a boundary. The last slice
 # program of a row norms all of its D columns alone, which suits the few rows of a bs 1 decode or
 # a small verify; more rows keep the norm chunks' launch, many programs of one warp.
 NORM_IN_A_MAX_ROWS = 4
@@ -350,16 +354,6 @@ def _launch(
     num_slices = triton.cdiv(d, block_d)
     collapse_in_a = collapse_in_stream_pass(collapse_pre)
     norm_in_a = collapse_in_a and arrivals is not None and m <= NORM_IN_A_MAX_ROWS
-    if arrivals is not None:
-        require(
-            arrivals.dtype == torch.int32
-            and arrivals.dim() == 1
-            and arrivals.is_contiguous()
-            and arrivals.numel() >= norm_arrival_count(m)
-            and arrivals.device == dev,
-            f"arrivals must be contiguous int32 [>= {norm_arrival_count(m)}] on {dev}, got "
-            f"{arrivals.dtype} {tuple(arrivals.shape)} on {arrivals.device}",
-        )
     # fn projection columns, then the sums of squares of Rs' and of x_in
     rp = triton.next_power_of_2(r + 2)
     finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
@@ -386,7 +380,8 @@ def _launch(
         collapse_pre if collapse_pre is not None else post,
         out.x_fp8.q.view(torch.uint8) if out.x_fp8 is not None else post,  # E4M3 bit patterns
         out.x_fp8.scale if out.x_fp8 is not None else post,
-        arrivals if norm_in_a else partials,  # never read without NORM_IN_A
+        # checked when given; never read without NORM_IN_A
+        arrival_counters(arrivals, norm_arrival_count(m), norm_in_a, partials, "arrivals"),
         m,
         float(hc_eps),
         float(rms_eps),
