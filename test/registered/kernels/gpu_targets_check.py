@@ -814,11 +814,8 @@ def _greedy_logprobs(rows: int, vocab: int) -> Callable[[], object]:
     return lambda: vocab_greedy_logprobs(torch.randn(rows, vocab))
 
 
-def _mhc_single_pass(
-    d: int, close_only: bool, apart: bool = False, norm_in_a: bool = False
-) -> Callable[[], object]:
-    """apart: the coefficients' program in a launch of its own (`coeffs_scope`); norm_in_a:
-    with arrival counters, so phase A norms x_in (one row a program, `arrivals`)."""
+def _mhc_single_pass(d: int, close_only: bool, apart: bool = False) -> Callable[[], object]:
+    """apart: the coefficients' program in a launch of its own (`coeffs_scope`)."""
     import contextlib
 
     from sgl_dspark.kernels.mhc.post_combine import mhc_post_collapse, mhc_post_combine
@@ -826,9 +823,8 @@ def _mhc_single_pass(
     def run() -> None:
         update, heads = _mhc_inputs(2, d)
         pre = torch.rand(update[2].shape)
-        arrivals = torch.zeros(2, dtype=torch.int32) if norm_in_a else None
         if close_only:
-            mhc_post_collapse(*update, pre, heads[3], rms_eps=1e-20, arrivals=arrivals)
+            mhc_post_collapse(*update, pre, heads[3], rms_eps=1e-20)
         else:
             mhc_post_combine(
                 *update,
@@ -838,7 +834,6 @@ def _mhc_single_pass(
                 rms_eps=1e-20,
                 collapse_pre=pre,
                 coeffs_scope=contextlib.nullcontext if apart else None,
-                arrivals=arrivals,
             )
 
     return run
@@ -1270,17 +1265,6 @@ CASES = {
         "mhc.post_combine",
         "_mhc_post_combine_kernel",
         _mhc_single_pass(5120, True),
-    ),
-    # x_in normed by phase A's last program of each row (arrival counters), FP8 form off.
-    "mhc_single_pass_norm_in_a_d5120": (
-        "mhc.post_combine",
-        "_mhc_post_combine_kernel",
-        _mhc_single_pass(5120, False, apart=True, norm_in_a=True),
-    ),
-    "mhc_post_collapse_norm_in_a_d5120": (
-        "mhc.post_combine",
-        "_mhc_post_combine_kernel",
-        _mhc_single_pass(5120, True, norm_in_a=True),
     ),
     "moe_route_gate_up": ("moe.token_gemm", "_moe_route_gate_up_kernel", _token_gemms()),
     "moe_token_down_reduce": ("moe.token_down", "_moe_token_down_kernel", _token_gemms()),

@@ -1,6 +1,5 @@
-"""The mHC boundary's kernel (device code): phase A, the pass over D (`stream_update.py`), with
-the row's norm by the last slice program to arrive where the launcher asks for it, and phase B,
-the per-row finishes (`coefficients.py`). `post_combine.py` launches it (grids, launch shapes,
+"""The mHC boundary's kernel (device code): phase A, the pass over D (`stream_update.py`), and
+phase B, the per-row finishes (`coefficients.py`). `post_combine.py` launches it (grids, launch shapes,
 the phases' order, the checks) and its module doc describes the boundary."""
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from sgl_dspark.kernels._triton_utils import wait_for_producers
 from sgl_dspark.kernels.mhc.coefficients import (
     finish_coeffs,
     finish_collapse_norm,
-    norm_x_in,
+    finish_norm_chunk,
 )
 from sgl_dspark.kernels.mhc.stream_update import stream_update_and_partials
 
@@ -37,7 +36,6 @@ def _mhc_post_combine_kernel(
     collapse_pre_ptr,
     x_q_ptr,
     x_s_ptr,
-    arrivals_ptr,
     M,
     hc_eps,
     rms_eps,
@@ -60,7 +58,6 @@ def _mhc_post_combine_kernel(
     FP8_GROUP: tl.constexpr,
     UE8M0: tl.constexpr,
     COLLAPSE_IN_A: tl.constexpr,
-    NORM_IN_A: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     FIRST_PART: tl.constexpr,
     PDL: tl.constexpr,
@@ -70,9 +67,7 @@ def _mhc_post_combine_kernel(
     forms post' and comb'; with COLLAPSE_IN_A, grid (M, HAS_COEFFS + norm chunks): program
     (row, 0) forms pre', post' and comb' (HAS_COEFFS), the others norm a chunk of x_in each.
     A phase-B launch may hold only some of a row's programs: its axis 1 starts at program
-    FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another).
-    NORM_IN_A (with COLLAPSE_IN_A, one row a phase-A program): no norm chunks; the last of a
-    row's phase-A programs to arrive (`_last_to_arrive`) norms the row (`norm_x_in`)."""
+    FIRST_PART (the coefficients' program in a launch of its own, the norm chunks in another)."""
     if PHASE == 0:
         stream_update_and_partials(
             streams_ptr,
@@ -97,30 +92,6 @@ def _mhc_post_combine_kernel(
             COLLAPSE_IN_A,
             PDL,
         )
-        # With NORM_IN_A the last of a row's slice programs to arrive norms the whole row.
-        if NORM_IN_A and _last_to_arrive(arrivals_ptr, NUM_SLICES):
-            norm_x_in(
-                tl.program_id(0).to(tl.int64),
-                0,
-                (D + NORM_BLOCK - 1) // NORM_BLOCK,
-                x_in_ptr,
-                x_normed_ptr,
-                partials_ptr,
-                norm_w_ptr,
-                rms_eps,
-                x_q_ptr,
-                x_s_ptr,
-                D,
-                NUM_SLICES,
-                N,
-                RP,
-                NORM_BLOCK,
-                ROUND_BF16,
-                FP8_OUT,
-                FP8_GROUP,
-                UE8M0,
-                True,
-            )
     else:
         wait_for_producers(PDL)  # phase A's partials, Rs' and x_in are read first
         row = tl.program_id(0).to(tl.int64)
@@ -148,10 +119,9 @@ def _mhc_post_combine_kernel(
                 COLLAPSE_IN_A,
             )
         elif COLLAPSE_IN_A:
-            norm_x_in(
+            finish_norm_chunk(
                 row,
                 part - HAS_COEFFS,
-                1,
                 x_in_ptr,
                 x_normed_ptr,
                 partials_ptr,
@@ -163,12 +133,12 @@ def _mhc_post_combine_kernel(
                 NUM_SLICES,
                 N,
                 RP,
+                SP,
                 NORM_BLOCK,
                 ROUND_BF16,
                 FP8_OUT,
                 FP8_GROUP,
                 UE8M0,
-                False,
             )
         else:
             finish_collapse_norm(
@@ -200,19 +170,3 @@ def _mhc_post_combine_kernel(
                 FP8_GROUP,
                 UE8M0,
             )
-
-
-@triton.jit
-def _last_to_arrive(arrivals_ptr, NUM_SLICES: tl.constexpr):
-    """Phase A of one row a program, after its slice's x_in and partials are stored: count in
-    on the row's arrival counter; True in the last of the row's NUM_SLICES programs to arrive,
-    which then sees every slice's stores and re-arms the counter (zero again for the next launch
-    or graph replay)."""
-    counter = arrivals_ptr + tl.program_id(0)
-    # Release ours, acquire the other slices' (the barrier orders every thread's stores before
-    # the one atomic).
-    tl.debug_barrier()
-    last = tl.atomic_add(counter, 1, sem="acq_rel") == NUM_SLICES - 1
-    if last:
-        tl.store(counter, 0)
-    return last

@@ -243,111 +243,42 @@ def finish_collapse_norm(
 
 
 @triton.jit
-def norm_x_in(
-    row,
-    first_chunk,
-    CHUNKS: tl.constexpr,
-    x_in_ptr,
-    x_normed_ptr,
-    partials_ptr,
-    norm_w_ptr,
-    rms_eps,
-    x_q_ptr,
-    x_s_ptr,
-    D: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    N: tl.constexpr,
-    RP: tl.constexpr,
-    NORM_BLOCK: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    FP8_OUT: tl.constexpr,
-    FP8_GROUP: tl.constexpr,
-    UE8M0: tl.constexpr,
-    PAST_L1: tl.constexpr,
-):
-    """After phase A collapsed (COLLAPSE_IN_A): RMSNorm_w of CHUNKS chunks of x_in's row from
-    `first_chunk` on (columns [chunk·NORM_BLOCK, +NORM_BLOCK) each), with the row's sum of
-    squares from the slices' partials (column R + 1), and their FP8 form (FP8_OUT; a chunk holds
-    whole groups, or the row is one chunk). Phase B's norm programs take one chunk each; phase
-    A's last program of a row to arrive takes them all (PAST_L1: x_in and the partials were
-    written by other programs of its launch). The same arithmetic either way, so the same
-    bits."""
-    inv_rms_x = x_in_inv_rms(row, partials_ptr, rms_eps, D, NUM_SLICES, N, RP, PAST_L1)
-    for c in tl.static_range(CHUNKS):
-        _norm_x_in_chunk(
-            row,
-            first_chunk + c,
-            inv_rms_x,
-            x_in_ptr,
-            x_normed_ptr,
-            norm_w_ptr,
-            x_q_ptr,
-            x_s_ptr,
-            D,
-            NORM_BLOCK,
-            ROUND_BF16,
-            FP8_OUT,
-            FP8_GROUP,
-            UE8M0,
-            PAST_L1,
-        )
-
-
-@triton.jit
-def x_in_inv_rms(
-    row,
-    partials_ptr,
-    rms_eps,
-    D: tl.constexpr,
-    NUM_SLICES: tl.constexpr,
-    N: tl.constexpr,
-    RP: tl.constexpr,
-    PAST_L1: tl.constexpr,
-):
-    """1 / sqrt(mean(x_in²) + eps) of a row from its slices' sums of squares (partials column
-    R + 1), added in slice order one after another: the same sum whatever the program's warps
-    (a tree reduction's order would follow the launch's layout), so the norm chunks of phase B
-    and phase A's last program to arrive (`norm_x_in`) give the same bits. PAST_L1:
-    the partials were written by other programs of the same launch (this SM's L1 may hold
-    stale lines of the buffer)."""
-    ws = partials_ptr + row * NUM_SLICES * RP + (2 + N) * N + 1
-    total = tl.load(ws, cache_modifier=".cg" if PAST_L1 else "")
-    for s in tl.static_range(1, NUM_SLICES):
-        total = total + tl.load(ws + s * RP, cache_modifier=".cg" if PAST_L1 else "")
-    return _inv_rms(total, D, rms_eps)
-
-
-@triton.jit
-def _norm_x_in_chunk(
+def finish_norm_chunk(
     row,
     chunk,
-    inv_rms_x,
     x_in_ptr,
     x_normed_ptr,
+    partials_ptr,
     norm_w_ptr,
+    rms_eps,
     x_q_ptr,
     x_s_ptr,
     D: tl.constexpr,
+    NUM_SLICES: tl.constexpr,
+    N: tl.constexpr,
+    RP: tl.constexpr,
+    SP: tl.constexpr,
     NORM_BLOCK: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     FP8_OUT: tl.constexpr,
     FP8_GROUP: tl.constexpr,
     UE8M0: tl.constexpr,
-    PAST_L1: tl.constexpr,
 ):
-    """RMSNorm_w of x_in's columns [chunk·NORM_BLOCK, +NORM_BLOCK) of a row, given its inverse
-    RMS, stored with their FP8 form (FP8_OUT; a chunk holds whole groups, or the row is one
-    chunk). Elementwise but for the groups' maxima, so its bits do not depend on the layout.
-    PAST_L1: x_in was written by other programs of the same launch."""
+    """Phase B after phase A collapsed (COLLAPSE_IN_A), program (row, chunk): RMSNorm_w of
+    x_in's columns [chunk·NORM_BLOCK, +NORM_BLOCK) with the row's sum of squares from the
+    slices' partials (column R + 1), and their FP8 form (FP8_OUT; a chunk holds whole groups,
+    or the row is one chunk)."""
+    offs_s = tl.arange(0, SP)
+    part = tl.load(
+        partials_ptr + (row * NUM_SLICES + offs_s) * RP + (2 + N) * N + 1,
+        mask=offs_s < NUM_SLICES,
+        other=0.0,
+    )
+    inv_rms_x = _inv_rms(tl.sum(part, axis=0), D, rms_eps)
     first_col = chunk * NORM_BLOCK
     offs_d = first_col + tl.arange(0, NORM_BLOCK)
     mask_d = offs_d < D
-    x = tl.load(
-        x_in_ptr + row * D + offs_d,
-        mask=mask_d,
-        other=0.0,
-        cache_modifier=".cg" if PAST_L1 else "",
-    ).to(tl.float32)
+    x = tl.load(x_in_ptr + row * D + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     w = tl.load(norm_w_ptr + offs_d, mask=mask_d, other=0.0).to(tl.float32)
     y = _norm_store(x, w, inv_rms_x, x_normed_ptr + row * D, offs_d, mask_d, ROUND_BF16)
     if FP8_OUT:

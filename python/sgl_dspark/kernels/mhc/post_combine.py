@@ -1,8 +1,7 @@
 """mHC sublayer boundary in two launches of one kernel (`boundary_kernel.py`; `mhc_post_combine_ref`
 and `mhc_pre_ref` are the spec, `reference.py` gives the math); this module launches it.
 
-One call closes a sublayer and opens the next one, no host reads (atomics only on the arrival
-counters of the norm in phase A, below):
+One call closes a sublayer and opens the next one, no atomics, no host reads:
   A. grid (row tiles, D slices): Rs' on the slice, and per row the slice's partial fn projection
      and sum of squares, into an fp32 scratch [M, slices, RP] (`stream_update.py`). The streams
      are separate vectors and their coefficients scalars, so the update runs in each thread
@@ -21,14 +20,6 @@ post' and comb' and (row, 1 + c) norming x_in's chunk c, one warp each (a phase 
 `benchmark/results/kernels.md`). `mhc_post_collapse` closes a sublayer and collapses with a
 given pre without computing any coefficients (before an Engram layer, and the final norm):
 phase A without the projection, phase B the norm chunks only.
-
-The norm in phase A (`arrivals`, at most `NORM_IN_A_MAX_ROWS` rows, one a phase-A program):
-each slice program of a single-pass boundary counts in on its row's arrival counter once its
-x_in slice and partials are stored, and the last to arrive norms the whole row with phase B's
-arithmetic (`coefficients.norm_x_in`): phase B is then the coefficients' program alone (none
-in `mhc_post_collapse`), so the next sublayer's first kernel follows phase A directly. The sum
-of the slices' squares is added in slice order in both places (`coefficients.x_in_inv_rms`), so
-a row's bits do not depend on which program norms it, nor on M.
 
 The coefficients apart (`coeffs_scope`): in a single-pass boundary nothing the next sublayer
 reads waits for pre', post' and comb' (its input was collapsed with the previous pre), yet in
@@ -50,17 +41,13 @@ a row's result never depends on M, on its position in the batch or on the grid.
 from __future__ import annotations
 
 from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 
 import torch
 import triton
 
 from sgl_dspark.kernels._checks import check_tensor, require
-from sgl_dspark.kernels._triton_utils import (
-    arrival_counters,
-    programmatic_launch,
-    register_cap,
-)
+from sgl_dspark.kernels._triton_utils import programmatic_launch, register_cap
 from sgl_dspark.kernels.fp8.act_quant import check_group
 from sgl_dspark.kernels.fp8.reference import Fp8ActFormat, Fp8Activation
 from sgl_dspark.kernels.mhc.boundary_kernel import _mhc_post_combine_kernel
@@ -110,13 +97,6 @@ _MAX_FINISH_BLOCK = 8192
 _NORM_BLOCK = 1024
 _NORM_WARPS = 1
 
-# Rows up to which phase A (one row a program, collapsing) also norms x_in when the caller keeps
-# arrival counters (`coefficients.norm_x_in`): one launch fewer a boundary. The last slice
-# program of a row norms all of its D columns alone, which suits the few rows of a bs 1 decode or
-# a small verify; more rows keep the norm chunks' launch, many programs of one warp.
-NORM_IN_A_MAX_ROWS = 4
-assert NORM_IN_A_MAX_ROWS <= _TARGET_ROW_TILES  # such boundaries run one row a program
-
 # A scope the coefficients' launch is issued in (`coeffs_scope` of the launchers), called with
 # the scratch that launch reads (phase A's partials), which the scope keeps alive until its work
 # is done (e.g. until the stream it forked is joined).
@@ -129,13 +109,6 @@ def collapse_in_stream_pass(collapse_pre: torch.Tensor | None) -> bool:
     over several programs of few warps, which also shortens the coefficients' Sinkhorn chain
     (its reductions cross fewer warps) instead of one program of 16 warps holding the row."""
     return collapse_pre is not None
-
-
-def norm_arrival_count(m: int) -> int:
-    """How many int32 arrival counters a boundary of `m` rows may use (`arrivals` of the
-    launchers): one a row up to `NORM_IN_A_MAX_ROWS`, else none (so any tensor of that many
-    serves every batch)."""
-    return m if m <= NORM_IN_A_MAX_ROWS else 0
 
 
 def _rows_per_program(m: int) -> int:
@@ -164,7 +137,6 @@ def mhc_post_combine(
     collapse_pre: torch.Tensor | None = None,
     fp8_out: Fp8ActFormat | None = None,
     coeffs_scope: CoefficientsScope | None = None,
-    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_post_combine_ref` in two launches of one kernel, no host sync.
 
@@ -189,10 +161,6 @@ def mhc_post_combine(
             called with the partials the launch reads and keeps them alive until its work is
             done; the caller keeps pre', post' and comb' and orders every read of them (and
             their release) after that work.
-        arrivals: zeroed int32 counters, at least `norm_arrival_count(M)` of them (the kernel
-            leaves them zero, so a caller keeps one tensor for its boundaries), or None. With
-            them a single-pass boundary of at most `NORM_IN_A_MAX_ROWS` rows norms x_in in
-            phase A (the last program of each row to arrive), one launch fewer; the same bits.
     Returns:
         MhcPostCombineOutput(streams', pre', post', comb', x_in, x_normed, x_fp8).
     """
@@ -208,7 +176,6 @@ def mhc_post_combine(
         collapse_pre=collapse_pre,
         fp8_out=fp8_out,
         coeffs_scope=coeffs_scope,
-        arrivals=arrivals,
     )
 
 
@@ -226,7 +193,6 @@ def mhc_pre(
     collapse_pre: torch.Tensor | None = None,
     fp8_out: Fp8ActFormat | None = None,
     coeffs_scope: CoefficientsScope | None = None,
-    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     """`mhc_pre_ref` (open the first sublayer): `mhc_post_combine`'s launches without the
     stream update, so bit-identical to it with post = 0 and comb = I. The result's ``streams``
@@ -243,7 +209,6 @@ def mhc_pre(
         collapse_pre=collapse_pre,
         fp8_out=fp8_out,
         coeffs_scope=coeffs_scope,
-        arrivals=arrivals,
     )
 
 
@@ -256,13 +221,11 @@ def mhc_post_collapse(
     norm_weight: torch.Tensor,
     *,
     rms_eps: float,
-    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCollapseOutput:
     """`mhc_post_collapse_ref`: close a sublayer (Rs'), collapse Rs' with `collapse_pre`
     [M, n] fp32 and apply the weighted RMSNorm, computing no coefficients (single-pass mHC
-    before an Engram layer, and into the final norm). Two launches (one with `arrivals` at
-    few rows); other arguments as mhc_post_combine. Returns MhcPostCollapseOutput(streams',
-    x_in, x_normed)."""
+    before an Engram layer, and into the final norm). Two launches; other arguments as
+    mhc_post_combine. Returns MhcPostCollapseOutput(streams', x_in, x_normed)."""
     out = _launch(
         streams,
         (y, post, comb),
@@ -274,7 +237,6 @@ def mhc_post_collapse(
         out=None,
         collapse_pre=collapse_pre,
         fp8_out=None,
-        arrivals=arrivals,
     )
     return MhcPostCollapseOutput(out.streams, out.x_in, out.x_normed)
 
@@ -292,7 +254,6 @@ def _launch(
     collapse_pre: torch.Tensor | None,
     fp8_out: Fp8ActFormat | None,
     coeffs_scope: CoefficientsScope | None = None,
-    arrivals: torch.Tensor | None = None,
 ) -> MhcPostCombineOutput:
     require(streams.dim() == 3, f"streams: expected [M, n, D], got shape {tuple(streams.shape)}")
     m, n, d = streams.shape
@@ -353,7 +314,6 @@ def _launch(
     block_d, block_m = _BLOCK_D, _rows_per_program(m)
     num_slices = triton.cdiv(d, block_d)
     collapse_in_a = collapse_in_stream_pass(collapse_pre)
-    norm_in_a = collapse_in_a and arrivals is not None and m <= NORM_IN_A_MAX_ROWS
     # fn projection columns, then the sums of squares of Rs' and of x_in
     rp = triton.next_power_of_2(r + 2)
     finish_block = min(_MAX_FINISH_BLOCK, triton.next_power_of_2(d))
@@ -380,8 +340,6 @@ def _launch(
         collapse_pre if collapse_pre is not None else post,
         out.x_fp8.q.view(torch.uint8) if out.x_fp8 is not None else post,  # E4M3 bit patterns
         out.x_fp8.scale if out.x_fp8 is not None else post,
-        # checked when given; never read without NORM_IN_A
-        arrival_counters(arrivals, norm_arrival_count(m), norm_in_a, partials, "arrivals"),
         m,
         float(hc_eps),
         float(rms_eps),
@@ -404,7 +362,6 @@ def _launch(
         FP8_GROUP=fp8_group,
         UE8M0=fp8_out is not None and fp8_out.ue8m0,
         COLLAPSE_IN_A=collapse_in_a,
-        NORM_IN_A=norm_in_a,
         NORM_BLOCK=norm_block,
         enable_fp_fusion=False,
         **programmatic_launch(_mhc_post_combine_kernel, dev),
@@ -419,14 +376,6 @@ def _launch(
         **meta,
     )
     # BLOCK_M is unused by phase B: a fixed value keeps one compiled variant for every M.
-    if norm_in_a:
-        # Phase A normed x_in; phase B is the coefficients' program alone, if any.
-        if coeffs is not None:
-            with coeffs_scope(partials) if coeffs_scope is not None else nullcontext():
-                _mhc_post_combine_kernel[(m, 1)](
-                    *args, PHASE=1, BLOCK_M=1, FIRST_PART=0, num_warps=_NORM_WARPS, **meta
-                )
-        return out
     if collapse_in_a:
         norm_chunks = triton.cdiv(d, norm_block)
         if coeffs_scope is not None:

@@ -239,30 +239,10 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
         return None
     # Imported only when chosen: the torch path never loads Triton.
     from sgl_dspark.kernels.mhc.post_combine import (
-        NORM_IN_A_MAX_ROWS,
         mhc_post_collapse,
         mhc_post_combine,
         mhc_pre,
-        norm_arrival_count,
     )
-
-    counters: dict[torch.device, torch.Tensor] = {}
-
-    def arrivals(streams: torch.Tensor) -> torch.Tensor | None:
-        """The boundaries' arrival counters on the streams' device (a single-pass boundary of
-        few rows norms in its first launch with them), or None where a batch takes none. One
-        zeroed tensor for every boundary of the model: the kernel leaves it zero, and the
-        model's boundaries run one after another on one stream. Made on the first eager call
-        (graph runners warm up before they capture), so captured graphs keep its address."""
-        if norm_arrival_count(streams.shape[0]) == 0:
-            return None
-        held = counters.get(streams.device)
-        if held is None:
-            if streams.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return None  # not warmed up: the two-launch boundary, the same bits
-            held = torch.zeros(NORM_IN_A_MAX_ROWS, dtype=torch.int32, device=streams.device)
-            counters[streams.device] = held
-        return held
 
     def opening(
         streams: torch.Tensor, hc: HyperConnection, norm: RMSNorm, collapse_pre: torch.Tensor | None
@@ -283,7 +263,6 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
             "rms_eps": hc.rms_eps,
             "collapse_pre": collapse_pre,
             "fp8_out": fp8_out(streams),
-            "arrivals": arrivals(streams),
         }
 
     def combine_at(
@@ -411,14 +390,7 @@ def hc_boundary_impl(kernels: KernelChoice) -> HcBoundary | None:
         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             side.join()
             out = mhc_post_collapse(
-                streams,
-                y.contiguous(),
-                post,
-                comb,
-                pre,
-                norm.weight,
-                rms_eps=norm.eps,
-                arrivals=arrivals(streams),
+                streams, y.contiguous(), post, comb, pre, norm.weight, rms_eps=norm.eps
             )
             return out.streams, out.x_in, out.x_normed
 
