@@ -1,4 +1,5 @@
-"""Probe: the FP8 block-scaled weight-only linear at decode sizes without the matrix unit.
+"""Probe: the FP8 block-scaled weight-only linear at decode sizes with no shared memory in its
+K loop.
 
     python benchmark/kernels/probe_fma_gemv.py --out $OUT/probe.md   (H100 / H200)
     TRITON_INTERPRET=1 python benchmark/kernels/probe_fma_gemv.py --smoke   (CPU check)
@@ -7,19 +8,26 @@ The library's `quantized_linear` streams its weight through a software pipeline 
 copies into shared memory and multiplies each K step's dequantised tile on the matrix unit with
 the activation rows padded to 16: two CTA barriers a K step (the pipeline's, and the scale
 tile's layout change through shared memory), and at one token its warps issue 0.3-0.5
-instructions a cycle (`benchmark/results/kernels.md`). Here each thread loads its 16-byte
-pieces of the weight straight into registers (no shared memory, no barrier in the K loop),
-converts them to fp32, multiplies them by the matching activation channels on the FMA units,
-sums each piece in the thread, scales the piece's sum by its block's power of two (exact) and
-accumulates: the only cross-thread reduction is the final one. The compute is M fused
-multiply-adds a weight byte: free at one token, about the copy bandwidth at 16 rows on an H100.
-`PREFETCH` loads the next K step's weights before the current step's arithmetic (a hand-made
-two-stage pipeline in registers).
+instructions a cycle (`benchmark/results/kernels.md`). The variants here load the weight from
+global memory straight into the registers that use it (Gluon, where the layouts are chosen):
 
-Each row's arithmetic is the same whatever the other rows and BLOCK_M (no term of one row
-enters another's sum), so a row's bits would not depend on M. Every variant is checked against
-dequantise-then-reference (fp32) and timed beside the library's kernel in CUDA graphs over
-weight copies beyond L2.
+* FMA: each thread loads 16-byte pieces of weight rows, converts them to fp32, multiplies them
+  by the matching activation channels on the FMA units, sums each piece in the thread, scales
+  the piece's sum by its block's power of two (exact) and accumulates; the only cross-thread
+  reduction is the last. M fused multiply-adds a weight byte: free at one token, the bound at
+  16 rows. `PREFETCH` loads the next K step's weights before the current step's arithmetic. The
+  same arithmetic in plain Triton (its own layouts) is the CPU-checkable form (`--smoke`).
+* mma.sync, activation first: 16 padded activation rows as the first operand, the weight as the
+  second, loaded into its operand registers.
+* mma.sync, weight first: y^T = W x^T, 16 weight rows an instruction as the first operand
+  (loaded into its registers, KW consecutive channels a thread), up to 8 tokens an instruction
+  as the second (the activation tile loaded once a scale group and shared by the warp's row
+  tiles); the matrix unit's cost does not grow with the tokens.
+
+In all of them each scale group's (or piece's) product is scaled by its block's power of two
+and added, and a row's arithmetic does not depend on the other rows. Every variant is checked
+against dequantise-then-reference (fp32) and timed beside the library's kernel in CUDA graphs
+over weight copies beyond L2.
 """
 
 from __future__ import annotations
@@ -428,6 +436,116 @@ def gluon_mma_linear(x, weight, bn, groups, warps, kw):
     return out
 
 
+@gluon.jit
+def _gluon_mma_w_first_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    GROUP: gl.constexpr,
+    SCALE_ROWS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    TOKENS: gl.constexpr,
+    GROUPS: gl.constexpr,
+    KW: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """y^T = W x^T on mma.sync m16n8k16: the weight is the first operand (16 of its rows an
+    instruction, loaded from global memory straight into the operand registers, KW consecutive
+    channels a thread), the activation rows the second (8 tokens an instruction, loaded once a
+    scale group and shared by every row tile of the warp). Each scale group's product goes to a
+    zeroed accumulator, scaled by its rows' powers of two (exact) and added."""
+    WARPS: gl.constexpr = gl.num_warps()
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=KW)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=KW)
+    t0 = gl.program_id(1).to(gl.int64) * TOKENS
+    x_ptr += t0 * stride_xm
+    y_ptr += t0 * stride_ym
+    M -= t0
+    col0 = gl.program_id(0) * BLOCK_N
+    wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A))
+    wk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, A))
+    w2 = w_ptr + gl.expand_dims(gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn, 1)
+    w2 = w2 + gl.expand_dims(wk, 0)  # [BN, GROUP]
+    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(1, B))
+    xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B))
+    x2 = x_ptr + gl.expand_dims(xt.to(gl.int64) * stride_xm, 0) + gl.expand_dims(xk, 1)
+    xmask = gl.expand_dims(xt < M, 0)  # [GROUP, TOKENS]
+    sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    s1 = s_ptr + (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // dummy $0",
+            "=r",
+            [],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+    acc = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
+    zero = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
+    for k0 in range(0, K, GROUPS * GROUP):  # K a multiple of the step here (probe shapes)
+        for g in gl.static_range(GROUPS):
+            kg = k0 + g * GROUP
+            w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
+            x = gl.load(x2 + kg, mask=xmask, other=0.0)
+            e = gl.load(s1 + kg // GROUP)
+            scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            part = mma_v2(w, x, zero)
+            acc += part * gl.expand_dims(scale, 1)
+    yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
+    mask = (gl.expand_dims(yt, 0) < M) & (gl.expand_dims(yn, 1) < N)
+    gl.store(
+        y_ptr + gl.expand_dims(yt, 0).to(gl.int64) * stride_ym + gl.expand_dims(yn, 1),
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def gluon_mma_w_first_linear(x, weight, bn, groups, warps, kw, tokens=8):
+    m, k = x.shape
+    n = weight.data.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(n, bn), triton.cdiv(m, tokens))
+    _gluon_mma_w_first_kernel[grid](
+        x,
+        weight.data,
+        weight.scale,
+        out,
+        m,
+        n,
+        k,
+        x.stride(0),
+        weight.data.stride(0),
+        weight.scale.stride(0),
+        out.stride(0),
+        GROUP=weight.group,
+        SCALE_ROWS=weight.block_rows,
+        BLOCK_N=bn,
+        TOKENS=tokens,
+        GROUPS=groups,
+        KW=kw,
+        PDL=x.device.type == "cuda",
+        num_warps=warps,
+        **({"launch_pdl": True} if x.device.type == "cuda" else {}),
+    )
+    return out
+
+
 # V4.1-Flash decode shapes (N, K) of FP8 32 x 32 weights: the x projection, o_b, q_b, kv.
 SHAPES = [("x_proj", 1792, 5120), ("o_b", 5120, 8192), ("q_b", 32768, 1280), ("wkv", 512, 5120)]
 # Triton's own layout (BLOCK_N, CHUNKS, warps, prefetch): one variant (its layout inference
@@ -435,17 +553,21 @@ SHAPES = [("x_proj", 1792, 5120), ("o_b", 5120, 8192), ("q_b", 32768, 1280), ("w
 CONFIGS = [(4, 32, 4, True)]
 # Gluon (BLOCK_N, CHUNKS, warps, prefetch, lanes over N, warps over N): the lanes and warps
 # cover the tile exactly (no replicated work); pieces a thread a step = BN x C / (32 x warps).
-GLUON_CONFIGS = [
-    (4, 32, 4, True, 1, 4, True),
-    (8, 64, 4, True, 1, 4, True),
-    (16, 32, 4, True, 1, 4, True),
-    (4, 32, 4, True, 1, 4),
-    (8, 64, 4, True, 1, 4),
-    (8, 64, 4, False, 1, 4),
-    (2, 32, 2, True, 1, 2),
+GLUON_CONFIGS = [(8, 64, 4, True, 1, 4), (8, 64, 4, False, 1, 4)]
+# Gluon matrix unit from registers, activation first (BLOCK_N, scale groups a K step, warps,
+# operand k width): its first run was 1.2-3.7x slower than the library; one kept for reference.
+MMA_CONFIGS = [(8, 8, 1, 8)]
+# Gluon matrix unit from registers, weight first (BLOCK_N, scale groups a K step, warps, operand
+# k width, tokens an accumulator).
+W_FIRST_CONFIGS = [
+    (16, 8, 1, 8, 8),
+    (16, 16, 1, 8, 8),
+    (16, 32, 1, 8, 8),
+    (32, 8, 2, 8, 8),
+    (32, 16, 2, 8, 8),
+    (64, 8, 4, 8, 8),
+    (16, 16, 1, 8, 16),
 ]
-# Gluon matrix unit from registers (BLOCK_N, scale groups a K step, warps, operand k width).
-MMA_CONFIGS = [(16, 8, 2, 8), (8, 8, 1, 8), (16, 4, 2, 8), (32, 8, 4, 8), (16, 8, 2, 2)]
 SMOKE = [(4, 4, 2, False), (4, 4, 2, True), (8, 2, 4, True)]
 
 
@@ -458,11 +580,11 @@ def main() -> None:
     a = p.parse_args()
     start = time.time()
     shapes, ms, configs = SHAPES, [int(v) for v in a.ms.split(",")], CONFIGS
-    gluon_configs, mma_configs = GLUON_CONFIGS, MMA_CONFIGS
+    gluon_configs, mma_configs, w_first_configs = GLUON_CONFIGS, MMA_CONFIGS, W_FIRST_CONFIGS
     if a.smoke:  # the interpreter runs no Gluon kernel
         bq.SETUP.device = "cpu"
         shapes, ms, configs = [("smoke", 40, 200)], [1, 3], SMOKE
-        gluon_configs, mma_configs = [], []
+        gluon_configs, mma_configs, w_first_configs = [], [], []
     lines = [
         "| shape | M | variant | us | x library | TB/s (stored) | rel err |",
         "|---|---|---|---|---|---|---|",
@@ -514,6 +636,14 @@ def main() -> None:
                     lambda x, w, c=c: gluon_mma_linear(x, w, *c),
                 )
                 for c in mma_configs
+                if k % (c[1] * 32) == 0
+            ]
+            variants += [
+                (
+                    f"Gluon mma.sync W first BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]} t{c[4]}",
+                    lambda x, w, c=c: gluon_mma_w_first_linear(x, w, *c),
+                )
+                for c in w_first_configs
                 if k % (c[1] * 32) == 0
             ]
             base = None
