@@ -455,13 +455,16 @@ def _gluon_mma_w_first_kernel(
     TOKENS: gl.constexpr,
     GROUPS: gl.constexpr,
     KW: gl.constexpr,
+    F16: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """y^T = W x^T on mma.sync m16n8k16: the weight is the first operand (16 of its rows an
     instruction, loaded from global memory straight into the operand registers, KW consecutive
     channels a thread), the activation rows the second (8 tokens an instruction, loaded once a
     scale group and shared by every row tile of the warp). Each scale group's product goes to a
-    zeroed accumulator, scaled by its rows' powers of two (exact) and added."""
+    zeroed accumulator, scaled by its rows' powers of two (exact) and added. F16 (timing only):
+    both operands in fp16, one pair conversion per two weight bytes (E4M3 is exact in fp16; the
+    activations are not: fp16's range is narrower than bf16's)."""
     WARPS: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -500,8 +503,12 @@ def _gluon_mma_w_first_kernel(
     for k0 in range(0, K, GROUPS * GROUP):  # K a multiple of the step here (probe shapes)
         for g in gl.static_range(GROUPS):
             kg = k0 + g * GROUP
-            w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
-            x = gl.load(x2 + kg, mask=xmask, other=0.0)
+            if F16:
+                w = gl.load(w2 + kg).to(gl.float16)
+                x = gl.load(x2 + kg, mask=xmask, other=0.0).to(gl.float32).to(gl.float16)
+            else:
+                w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
+                x = gl.load(x2 + kg, mask=xmask, other=0.0)
             e = gl.load(s1 + kg // GROUP)
             scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
             part = mma_v2(w, x, zero)
@@ -516,7 +523,7 @@ def _gluon_mma_w_first_kernel(
     )
 
 
-def gluon_mma_w_first_linear(x, weight, bn, groups, warps, kw, tokens=8):
+def gluon_mma_w_first_linear(x, weight, bn, groups, warps, kw, tokens=8, f16=False):
     m, k = x.shape
     n = weight.data.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -539,6 +546,7 @@ def gluon_mma_w_first_linear(x, weight, bn, groups, warps, kw, tokens=8):
         TOKENS=tokens,
         GROUPS=groups,
         KW=kw,
+        F16=f16,
         PDL=x.device.type == "cuda",
         num_warps=warps,
         **({"launch_pdl": True} if x.device.type == "cuda" else {}),
@@ -567,6 +575,8 @@ W_FIRST_CONFIGS = [
     (32, 16, 2, 8, 8),
     (64, 8, 4, 8, 8),
     (16, 16, 1, 8, 16),
+    (16, 16, 1, 8, 8, True),
+    (32, 8, 2, 8, 8, True),
 ]
 SMOKE = [(4, 4, 2, False), (4, 4, 2, True), (8, 2, 4, True)]
 
@@ -576,10 +586,13 @@ def main() -> None:
     p.add_argument("--out", default=None)
     p.add_argument("--smoke", action="store_true")
     p.add_argument("--ms", default="1,4,16")
+    p.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
     p.add_argument("--budget-s", type=float, default=420.0)
     a = p.parse_args()
     start = time.time()
-    shapes, ms, configs = SHAPES, [int(v) for v in a.ms.split(",")], CONFIGS
+    wanted = a.shapes.split(",")
+    shapes = [shape for shape in SHAPES if shape[0] in wanted]
+    ms, configs = [int(v) for v in a.ms.split(",")], CONFIGS
     gluon_configs, mma_configs, w_first_configs = GLUON_CONFIGS, MMA_CONFIGS, W_FIRST_CONFIGS
     if a.smoke:  # the interpreter runs no Gluon kernel
         bq.SETUP.device = "cpu"
@@ -640,7 +653,8 @@ def main() -> None:
             ]
             variants += [
                 (
-                    f"Gluon mma.sync W first BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]} t{c[4]}",
+                    f"Gluon mma.sync W first BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]} t{c[4]}"
+                    + (" fp16 operands" if c[5:] and c[5] else ""),
                     lambda x, w, c=c: gluon_mma_w_first_linear(x, w, *c),
                 )
                 for c in w_first_configs
