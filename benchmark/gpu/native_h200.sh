@@ -62,6 +62,10 @@
 #                V4.1-Flash's dense decode shapes (M 1/4/16) and its per-token experts
 #   probe        probe_weight_operand.py: the weight-first orientation, K split over programs
 #                (atomics and fixed order) and the inline-PTX MXFP4 decode, against the library
+#   probe_regs   probe_fma_gemv.py: V4.1's FP8 decode linears with the weight loaded straight
+#                into registers (FMA units; mma.sync with the activation or the weight first),
+#                checked, then timed beside the library at M 1/4/16 (PROBE_REGS_SHAPES: some of
+#                x_proj,o_b,q_b,wkv; default all)
 #   ncu          ncu_targets.py under Nsight Compute: the rank model's heaviest decode kernels
 #                at one token (the dense FP8 linears, the per-token MoE stages, the mHC
 #                boundary), one launch each, their hardware counters (speed of light, launch
@@ -103,6 +107,7 @@
 #   env,sweep_v41           under a minute (240 s)
 #   env,sweep_grouped       ~2-3 minutes, not yet timed (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
+#   env,probe_regs          ~1 minute warm (an H200), more on a cold Triton cache (300 s)
 #   env,scale_loads         under a minute  (240 s)
 #   env,mhc_phases          ~3 minutes  (480 s)
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
@@ -325,6 +330,12 @@ if has probe; then  # the probe keeps to its own budget, under the stage's limit
   run 400 probe.log python3 benchmark/kernels/probe_weight_operand.py --budget-s 360 \
     --out "$WORK/probe_weight_operand.md"
   show "$WORK/probe_weight_operand.md"
+fi
+if has probe_regs; then  # the probe keeps to its own budget, under the stage's limit
+  stage probe_regs 300
+  run 300 probe_regs.log python3 benchmark/kernels/probe_fma_gemv.py --budget-s 270 \
+    --shapes "${PROBE_REGS_SHAPES:-x_proj,o_b,q_b,wkv}" --out "$WORK/probe_regs.md"
+  show "$WORK/probe_regs.md"
 fi
 mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROOT's library
   local model limit name extra

@@ -93,6 +93,14 @@ def test_native_engines_run_in_their_own_processes(tmp_path: Path) -> None:
     assert len({_flag(w, "--out-dir") for w in dspark}) == 1
 
 
+def test_probe_regs_passes_its_shapes(tmp_path: Path) -> None:
+    commands = _dry_run("native_h200.sh", "probe_regs", tmp_path, {"PROBE_REGS_SHAPES": "o_b"})
+    probe = [words for stage, _, _, words in commands if stage == "probe_regs" and words]
+    assert len(probe) == 1
+    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_fma_gemv.py"]
+    assert _flag(probe[0], "--shapes") == "o_b"
+
+
 def test_rank_ab_warms_each_side_then_times_abba(tmp_path: Path) -> None:
     """`rank_ab` with RANK_AB_WARM=1: one short untimed engine per side first (its own
     directory, which the summary does not read), then the timed rounds base, head, head, base,
