@@ -125,12 +125,49 @@ def _fma_fp8_kernel(
 
 
 def fma_linear(x, weight, bn: int, chunks: int, warps: int, prefetch: bool, block_m: int = 0):
+    bm = block_m or triton.next_power_of_2(x.shape[0])
+    pdl = programmatic_launch(_fma_fp8_kernel, x.device)["PDL"]
+    return _launch(
+        _fma_fp8_kernel,
+        x,
+        weight,
+        bn,
+        bm,
+        pdl,
+        BLOCK_M=bm,
+        CHUNKS=chunks,
+        VEC=VEC,
+        PREFETCH=prefetch,
+        num_warps=warps,
+        num_stages=1,
+    )
+
+
+@gluon.jit
+def _wait_for_producers(PDL: gl.constexpr):
+    """`_triton_utils.wait_for_producers` for Gluon kernels (the same two PTX instructions)."""
+    if PDL:
+        gl.inline_asm_elementwise(
+            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
+        )
+        gl.inline_asm_elementwise(
+            "griddepcontrol.launch_dependents; // dummy $0",
+            "=r",
+            [],
+            dtype=gl.int32,
+            is_pure=False,
+            pack=1,
+        )
+
+
+def _launch(kernel, x, weight, bn: int, rows: int, pdl: bool, **meta) -> torch.Tensor:
+    """y = x @ dequant(W)^T by `kernel` (the probe's kernels share their arguments): grid
+    (column blocks of bn, row blocks of `rows`); `pdl` launches it programmatically (Gluon
+    kernels take the launch option themselves, Triton ones through `programmatic_launch`)."""
     m, k = x.shape
     n = weight.data.shape[0]
-    bm = block_m or triton.next_power_of_2(m)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _fma_fp8_kernel[grid](
+    kernel[(triton.cdiv(n, bn), triton.cdiv(m, rows))](
         x,
         weight.data,
         weight.scale,
@@ -144,14 +181,9 @@ def fma_linear(x, weight, bn: int, chunks: int, warps: int, prefetch: bool, bloc
         out.stride(0),
         GROUP=weight.group,
         SCALE_ROWS=weight.block_rows,
-        BLOCK_M=bm,
         BLOCK_N=bn,
-        CHUNKS=chunks,
-        VEC=VEC,
-        PREFETCH=prefetch,
-        num_warps=warps,
-        num_stages=1,
-        **programmatic_launch(_fma_fp8_kernel, x.device),
+        **meta,
+        **({"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}),
     )
     return out
 
@@ -240,18 +272,7 @@ def _gluon_fma_fp8_kernel(
     sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, S2))
     sc = gl.arange(0, CHUNKS, layout=gl.SliceLayout(0, S2))
     s_rows = (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
-    if PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // dummy $0",
-            "=r",
-            [],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    _wait_for_producers(PDL)
     acc = gl.zeros((BLOCK_M, BLOCK_N, CHUNKS), gl.float32, layout=ACC)
     if PREFETCH:
         w = gl.load(w3, mask=wk3 < K, other=0.0)
@@ -295,38 +316,23 @@ def _gluon_fma_fp8_kernel(
 
 
 def gluon_fma_linear(x, weight, bn, chunks, warps, prefetch, threads_n=1, warps_n=1, ptx=False):
-    m, k = x.shape
-    n = weight.data.shape[0]
-    bm = triton.next_power_of_2(m)
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, bm))
-    _gluon_fma_fp8_kernel[grid](
+    bm = triton.next_power_of_2(x.shape[0])
+    return _launch(
+        _gluon_fma_fp8_kernel,
         x,
-        weight.data,
-        weight.scale,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.data.stride(0),
-        weight.scale.stride(0),
-        out.stride(0),
-        GROUP=weight.group,
-        SCALE_ROWS=weight.block_rows,
+        weight,
+        bn,
+        bm,
+        x.device.type == "cuda",
         BLOCK_M=bm,
-        BLOCK_N=bn,
         CHUNKS=chunks,
         VEC=VEC,
         THREADS_N=threads_n,
         WARPS_N=warps_n,
         PREFETCH=prefetch,
         DECODE_PTX=ptx,
-        PDL=x.device.type == "cuda",
         num_warps=warps,
-        **({"launch_pdl": True} if x.device.type == "cuda" else {}),
     )
-    return out
 
 
 @gluon.jit
@@ -374,18 +380,7 @@ def _gluon_mma_fp8_kernel(
     w2 = w2 + gl.expand_dims(wk, 1)
     sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
     s1 = s_ptr + (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
-    if PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // dummy $0",
-            "=r",
-            [],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    _wait_for_producers(PDL)
     acc = gl.zeros((16, BLOCK_N), gl.float32, layout=MMA)
     zero = gl.zeros((16, BLOCK_N), gl.float32, layout=MMA)
     for k0 in range(0, K, GROUPS * GROUP):  # K a multiple of the step here (probe shapes)
@@ -408,32 +403,17 @@ def _gluon_mma_fp8_kernel(
 
 
 def gluon_mma_linear(x, weight, bn, groups, warps, kw):
-    m, k = x.shape
-    n = weight.data.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, 16))
-    _gluon_mma_fp8_kernel[grid](
+    return _launch(
+        _gluon_mma_fp8_kernel,
         x,
-        weight.data,
-        weight.scale,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.data.stride(0),
-        weight.scale.stride(0),
-        out.stride(0),
-        GROUP=weight.group,
-        SCALE_ROWS=weight.block_rows,
-        BLOCK_N=bn,
+        weight,
+        bn,
+        16,
+        x.device.type == "cuda",
         GROUPS=groups,
         KW=kw,
-        PDL=x.device.type == "cuda",
         num_warps=warps,
-        **({"launch_pdl": True} if x.device.type == "cuda" else {}),
     )
-    return out
 
 
 @gluon.jit
@@ -486,18 +466,7 @@ def _gluon_mma_w_first_kernel(
     xmask = gl.expand_dims(xt < M, 0)  # [GROUP, TOKENS]
     sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     s1 = s_ptr + (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
-    if PDL:
-        gl.inline_asm_elementwise(
-            "griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1
-        )
-        gl.inline_asm_elementwise(
-            "griddepcontrol.launch_dependents; // dummy $0",
-            "=r",
-            [],
-            dtype=gl.int32,
-            is_pure=False,
-            pack=1,
-        )
+    _wait_for_producers(PDL)
     acc = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
     zero = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
     for k0 in range(0, K, GROUPS * GROUP):  # K a multiple of the step here (probe shapes)
@@ -524,34 +493,19 @@ def _gluon_mma_w_first_kernel(
 
 
 def gluon_mma_w_first_linear(x, weight, bn, groups, warps, kw, tokens=8, f16=False):
-    m, k = x.shape
-    n = weight.data.shape[0]
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(n, bn), triton.cdiv(m, tokens))
-    _gluon_mma_w_first_kernel[grid](
+    return _launch(
+        _gluon_mma_w_first_kernel,
         x,
-        weight.data,
-        weight.scale,
-        out,
-        m,
-        n,
-        k,
-        x.stride(0),
-        weight.data.stride(0),
-        weight.scale.stride(0),
-        out.stride(0),
-        GROUP=weight.group,
-        SCALE_ROWS=weight.block_rows,
-        BLOCK_N=bn,
+        weight,
+        bn,
+        tokens,
+        x.device.type == "cuda",
         TOKENS=tokens,
         GROUPS=groups,
         KW=kw,
         F16=f16,
-        PDL=x.device.type == "cuda",
         num_warps=warps,
-        **({"launch_pdl": True} if x.device.type == "cuda" else {}),
     )
-    return out
 
 
 # V4.1-Flash decode shapes (N, K) of FP8 32 x 32 weights: the x projection, o_b, q_b, kv.
