@@ -7,7 +7,7 @@ K loop.
 The library's `quantized_linear` streams its weight through a software pipeline of asynchronous
 copies into shared memory and multiplies each K step's dequantised tile on the matrix unit with
 the activation rows padded to 16: two CTA barriers a K step (the pipeline's, and the scale
-tile's layout change through shared memory), and at one token its warps issue 0.3-0.5
+tile's layout change through shared memory), and at one token its warps issue only 0.3-0.5
 instructions a cycle (`benchmark/results/kernels.md`). The variants here load the weight from
 global memory straight into the registers that use it (Gluon, where the layouts are chosen):
 
