@@ -436,6 +436,7 @@ def _gluon_mma_w_first_kernel(
     GROUPS: gl.constexpr,
     KW: gl.constexpr,
     F16: gl.constexpr,
+    LOADS_FIRST: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """y^T = W x^T on mma.sync m16n8k16: the weight is the first operand (16 of its rows an
@@ -444,7 +445,8 @@ def _gluon_mma_w_first_kernel(
     scale group and shared by every row tile of the warp). Each scale group's product goes to a
     zeroed accumulator, scaled by its rows' powers of two (exact) and added. F16 (timing only):
     both operands in fp16, one pair conversion per two weight bytes (E4M3 is exact in fp16; the
-    activations are not: fp16's range is narrower than bf16's)."""
+    activations are not: fp16's range is narrower than bf16's). LOADS_FIRST (bf16): a step's
+    loads written before its arithmetic (ptxas still schedules them)."""
     WARPS: gl.constexpr = gl.num_warps()
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
         version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
@@ -469,7 +471,21 @@ def _gluon_mma_w_first_kernel(
     _wait_for_producers(PDL)
     acc = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
     zero = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
-    for k0 in range(0, K, GROUPS * GROUP):  # K a multiple of the step here (probe shapes)
+    for k0 in range(0, K if LOADS_FIRST else 0, GROUPS * GROUP):
+        # Every load of the step issued before any of its arithmetic (tuples live within the
+        # step, nothing carried across iterations).
+        ws = ()
+        xs = ()
+        es = ()
+        for g in gl.static_range(GROUPS):
+            ws = ws + (gl.load(w2 + k0 + g * GROUP),)
+            xs = xs + (gl.load(x2 + k0 + g * GROUP, mask=xmask, other=0.0),)
+            es = es + (gl.load(s1 + k0 // GROUP + g),)
+        for g in gl.static_range(GROUPS):
+            scale = (es[g].to(gl.int32) << 23).to(gl.float32, bitcast=True)
+            part = mma_v2(ws[g].to(gl.float32).to(gl.bfloat16), xs[g], zero)
+            acc += part * gl.expand_dims(scale, 1)
+    for k0 in range(0, 0 if LOADS_FIRST else K, GROUPS * GROUP):  # K a multiple of the step
         for g in gl.static_range(GROUPS):
             kg = k0 + g * GROUP
             if F16:
@@ -492,7 +508,9 @@ def _gluon_mma_w_first_kernel(
     )
 
 
-def gluon_mma_w_first_linear(x, weight, bn, groups, warps, kw, tokens=8, f16=False):
+def gluon_mma_w_first_linear(
+    x, weight, bn, groups, warps, kw, tokens=8, f16=False, loads_first=False
+):
     return _launch(
         _gluon_mma_w_first_kernel,
         x,
@@ -504,6 +522,7 @@ def gluon_mma_w_first_linear(x, weight, bn, groups, warps, kw, tokens=8, f16=Fal
         GROUPS=groups,
         KW=kw,
         F16=f16,
+        LOADS_FIRST=loads_first,
         num_warps=warps,
     )
 
@@ -531,6 +550,8 @@ W_FIRST_CONFIGS = [
     (16, 16, 1, 8, 16),
     (16, 16, 1, 8, 8, True),
     (32, 8, 2, 8, 8, True),
+    (16, 16, 1, 8, 8, False, True),
+    (32, 8, 2, 8, 8, False, True),
 ]
 SMOKE = [(4, 4, 2, False), (4, 4, 2, True), (8, 2, 4, True)]
 
@@ -608,7 +629,8 @@ def main() -> None:
             variants += [
                 (
                     f"Gluon mma.sync W first BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]} t{c[4]}"
-                    + (" fp16 operands" if c[5:] and c[5] else ""),
+                    + (" fp16 operands" if c[5:] and c[5] else "")
+                    + (" loads first" if c[6:] and c[6] else ""),
                     lambda x, w, c=c: gluon_mma_w_first_linear(x, w, *c),
                 )
                 for c in w_first_configs
