@@ -51,6 +51,7 @@ from sgl_dspark.kernels._triton_utils import (  # noqa: E402
     programmatic_launch,
     wait_for_producers,
 )
+from sgl_dspark.kernels.linear.dequant import e8m0_to_fp32  # noqa: E402
 from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
 from sgl_dspark.kernels.linear.reference import dequantize_weight_ref  # noqa: E402
 
@@ -109,7 +110,7 @@ def _fma_fp8_kernel(
             w = tl.load(w3 + k0, mask=k3 + k0 < K, other=0.0)
         kc = k0 + offs_c * VEC  # [C]
         e = tl.load(s2 + (kc // GROUP)[None, :], mask=(kc < K)[None, :], other=127)
-        scale = (e.to(tl.int32) << 23).to(tl.float32, bitcast=True)  # [BN, C], 2^(e - 127)
+        scale = e8m0_to_fp32(e)  # [BN, C], 2^(e - 127)
         x = tl.load(x3 + k0, mask=mask_m3 & (k3 + k0 < K), other=0.0).to(tl.float32)
         prod = x[:, None, :, :] * w.to(tl.float32)[None, :, :, :]  # [BM, BN, C, V]
         acc += tl.sum(prod, axis=3) * scale[None, :, :]
@@ -158,6 +159,21 @@ def _wait_for_producers(PDL: gl.constexpr):
             is_pure=False,
             pack=1,
         )
+
+
+@gluon.jit
+def _e8m0_to_fp32(e):
+    """`dequant.e8m0_to_fp32` for Gluon kernels: scale bytes -> 2^(e - 127), exactly."""
+    return (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _add_scaled_group(acc, a, b, e, zero, SCALE_AXIS: gl.constexpr):
+    """acc + (a @ b) * 2^(e - 127): one scale group's product on mma.sync into a zeroed
+    accumulator, its scales (one a weight row) broadcast along axis SCALE_AXIS of the product
+    (exact), then added."""
+    scale = gl.expand_dims(_e8m0_to_fp32(e), 1 - SCALE_AXIS)
+    return acc + mma_v2(a, b, zero) * scale
 
 
 def _launch(kernel, x, weight, bn: int, rows: int, pdl: bool, **meta) -> torch.Tensor:
@@ -287,7 +303,7 @@ def _gluon_fma_fp8_kernel(
             mask=gl.expand_dims(kc < K, 0),
             other=127,
         )
-        scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
+        scale = _e8m0_to_fp32(e)
         x = gl.load(x3 + k0, mask=(xm3 < M) & (xk3 + k0 < K), other=0.0).to(gl.float32)
         if DECODE_PTX:
             wf = gl.inline_asm_elementwise(
@@ -388,10 +404,7 @@ def _gluon_mma_fp8_kernel(
             kg = k0 + g * GROUP
             w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
             x = gl.load(x2 + kg, mask=xmask, other=0.0)
-            e = gl.load(s1 + kg // GROUP)
-            scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            part = mma_v2(x, w, zero)
-            acc += part * gl.expand_dims(scale, 0)
+            acc = _add_scaled_group(acc, x, w, gl.load(s1 + kg // GROUP), zero, 1)
     ym = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
     mask = (gl.expand_dims(ym, 1) < M) & (gl.expand_dims(yn, 0) < N)
@@ -471,33 +484,30 @@ def _gluon_mma_w_first_kernel(
     _wait_for_producers(PDL)
     acc = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
     zero = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
-    for k0 in range(0, K if LOADS_FIRST else 0, GROUPS * GROUP):
-        # Every load of the step issued before any of its arithmetic (tuples live within the
-        # step, nothing carried across iterations).
-        ws = ()
-        xs = ()
-        es = ()
-        for g in gl.static_range(GROUPS):
-            ws = ws + (gl.load(w2 + k0 + g * GROUP),)
-            xs = xs + (gl.load(x2 + k0 + g * GROUP, mask=xmask, other=0.0),)
-            es = es + (gl.load(s1 + k0 // GROUP + g),)
-        for g in gl.static_range(GROUPS):
-            scale = (es[g].to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            part = mma_v2(ws[g].to(gl.float32).to(gl.bfloat16), xs[g], zero)
-            acc += part * gl.expand_dims(scale, 1)
-    for k0 in range(0, 0 if LOADS_FIRST else K, GROUPS * GROUP):  # K a multiple of the step
-        for g in gl.static_range(GROUPS):
-            kg = k0 + g * GROUP
-            if F16:
-                w = gl.load(w2 + kg).to(gl.float16)
-                x = gl.load(x2 + kg, mask=xmask, other=0.0).to(gl.float32).to(gl.float16)
-            else:
-                w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
-                x = gl.load(x2 + kg, mask=xmask, other=0.0)
-            e = gl.load(s1 + kg // GROUP)
-            scale = (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
-            part = mma_v2(w, x, zero)
-            acc += part * gl.expand_dims(scale, 1)
+    for k0 in range(0, K, GROUPS * GROUP):  # K a multiple of the step here (probe shapes)
+        if LOADS_FIRST:
+            # Every load of the step written before any of its arithmetic (the tuples live
+            # within the step, nothing is carried across iterations).
+            ws = ()
+            xs = ()
+            es = ()
+            for g in gl.static_range(GROUPS):
+                ws = ws + (gl.load(w2 + k0 + g * GROUP),)
+                xs = xs + (gl.load(x2 + k0 + g * GROUP, mask=xmask, other=0.0),)
+                es = es + (gl.load(s1 + k0 // GROUP + g),)
+            for g in gl.static_range(GROUPS):
+                w = ws[g].to(gl.float32).to(gl.bfloat16)
+                acc = _add_scaled_group(acc, w, xs[g], es[g], zero, 0)
+        else:
+            for g in gl.static_range(GROUPS):
+                kg = k0 + g * GROUP
+                if F16:
+                    w = gl.load(w2 + kg).to(gl.float16)
+                    x = gl.load(x2 + kg, mask=xmask, other=0.0).to(gl.float32).to(gl.float16)
+                else:
+                    w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
+                    x = gl.load(x2 + kg, mask=xmask, other=0.0)
+                acc = _add_scaled_group(acc, w, x, gl.load(s1 + kg // GROUP), zero, 0)
     yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
     mask = (gl.expand_dims(yt, 0) < M) & (gl.expand_dims(yn, 1) < N)
