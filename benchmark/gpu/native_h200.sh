@@ -66,6 +66,11 @@
 #                into registers (FMA units; mma.sync with the activation or the weight first),
 #                checked, then timed beside the library at M 1/4/16 (PROBE_REGS_SHAPES: some of
 #                x_proj,o_b,q_b,wkv; default all)
+#   probe_fp4    probe_w_first_fp4.py: the per-token MoE's MXFP4 shapes (one expert's down
+#                projection, a token's seven stacked, its seven gate/up projections) as
+#                linears on the weight-first register-fed mma.sync kernel, checked, then timed
+#                beside the library at M 1/4/16 (PROBE_FP4_SHAPES: some of down_1,down_7,
+#                gate_up_7; default all)
 #   ncu          ncu_targets.py under Nsight Compute: the rank model's heaviest decode kernels
 #                at one token (the dense FP8 linears, the per-token MoE stages, the mHC
 #                boundary), one launch each, their hardware counters (speed of light, launch
@@ -108,6 +113,7 @@
 #   env,sweep_grouped       ~2-3 minutes, not yet timed (240 s)
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 #   env,probe_regs          ~1 minute warm (an H200), more on a cold Triton cache (300 s)
+#   env,probe_fp4           ~1 minute, not yet timed (240 s)
 #   env,scale_loads         under a minute  (240 s)
 #   env,mhc_phases          ~3 minutes  (480 s)
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
@@ -336,6 +342,12 @@ if has probe_regs; then  # the probe keeps to its own budget, under the stage's 
   run 300 probe_regs.log python3 benchmark/kernels/probe_fma_gemv.py --budget-s 270 \
     --shapes "${PROBE_REGS_SHAPES:-x_proj,o_b,q_b,wkv}" --out "$WORK/probe_regs.md"
   show "$WORK/probe_regs.md"
+fi
+if has probe_fp4; then  # the probe keeps to its own budget, under the stage's limit
+  stage probe_fp4 240
+  run 240 probe_fp4.log python3 benchmark/kernels/probe_w_first_fp4.py --budget-s 210 \
+    --shapes "${PROBE_FP4_SHAPES:-down_1,down_7,gate_up_7}" --out "$WORK/probe_fp4.md"
+  show "$WORK/probe_fp4.md"
 fi
 mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROOT's library
   local model limit name extra

@@ -101,6 +101,14 @@ def test_probe_regs_passes_its_shapes(tmp_path: Path) -> None:
     assert _flag(probe[0], "--shapes") == "o_b"
 
 
+def test_probe_fp4_passes_its_shapes(tmp_path: Path) -> None:
+    commands = _dry_run("native_h200.sh", "probe_fp4", tmp_path, {"PROBE_FP4_SHAPES": "down_7"})
+    probe = [words for stage, _, _, words in commands if stage == "probe_fp4" and words]
+    assert len(probe) == 1
+    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_w_first_fp4.py"]
+    assert _flag(probe[0], "--shapes") == "down_7"
+
+
 def test_rank_ab_warms_each_side_then_times_abba(tmp_path: Path) -> None:
     """`rank_ab` with RANK_AB_WARM=1: one short untimed engine per side first (its own
     directory, which the summary does not read), then the timed rounds base, head, head, base,

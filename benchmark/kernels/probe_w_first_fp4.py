@@ -1,0 +1,230 @@
+"""Probe: MXFP4 weight-only linears at decode sizes on mma.sync with the weight as the first
+operand, loaded from global memory straight into its registers (no shared memory, no CTA barrier
+in the K loop): the MXFP4 form of `probe_fma_gemv.py`'s weight-first kernel.
+
+    python benchmark/kernels/probe_w_first_fp4.py --out $OUT/probe.md   (H100 / H200)
+
+y^T = W x^T, 16 weight rows an instruction as the first operand and up to 8 (or 16) tokens as
+the second, so the matrix unit's cost does not grow with the tokens and a row's arithmetic does
+not depend on the other rows. A thread loads 4 consecutive code bytes of a row (8 channels; 16
+bytes a row hold one 32-channel scale group), decodes and scales them in registers with the
+library's inline PTX (`dequant.E2M1_SCALED_PTX`: a byte permute, a shift, a mask and a packed
+bf16 multiply per two weights; the multiply by the group's 2^(e - 1) also lifts the values out of
+the subnormal range the decode leaves them in), and multiplies the even channels (low nibbles)
+then the odd ones (high nibbles) into the accumulator, one k16 instruction each a group. The
+activation's 8 consecutive channels a thread (one 16-byte load a token, shared by the warp's row
+tiles) split into the even and odd operands in registers.
+
+The shapes are the per-token MoE's: one routed expert's down projection (5120 x 2304), a token's
+seven (six routed and the folded shared expert, stacked: 35840 x 2304) and its seven gate/up
+projections (32256 x 5120). Each variant is checked against dequantise-then-reference (fp32) and
+timed beside the library's `quantized_linear` in CUDA graphs over weight copies beyond L2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT), str(ROOT / "python")]
+
+from sgl_dspark.kernels.linear.dequant import E2M1_SCALED_PTX  # noqa: E402
+from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
+from sgl_dspark.kernels.linear.reference import dequantize_weight_ref  # noqa: E402
+
+from benchmark.kernels import bench_quant_gemm as bq  # noqa: E402
+from benchmark.kernels.graph_timing import max_rel_err  # noqa: E402
+from benchmark.kernels.probe_fma_gemv import _launch, _wait_for_producers  # noqa: E402
+
+# `E2M1_SCALED_PTX` with one multiplier pair for the four bytes ($5; $6..$8, the same register
+# repeated by the packing, unused): the four code bytes of a thread share a row and a group.
+E2M1_PAIR_SCALED = gl.constexpr(E2M1_SCALED_PTX.value.replace("$6", "$5"))
+
+
+@gluon.jit
+def _w_first_fp4_kernel(
+    x_ptr,
+    w_ptr,
+    s_ptr,
+    y_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_wn,
+    stride_sn,
+    stride_ym,
+    GROUP: gl.constexpr,
+    SCALE_ROWS: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    TOKENS: gl.constexpr,
+    GROUPS: gl.constexpr,
+    PDL: gl.constexpr,
+):
+    """A program: BLOCK_N weight rows (WARPS x 16 x row tiles a warp) x TOKENS tokens, over K in
+    steps of GROUPS 32-channel groups (K a multiple of the step: the probe's shapes)."""
+    WARPS: gl.constexpr = gl.num_warps()
+    HALF: gl.constexpr = GROUP // 2  # code bytes of a row in one group
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(
+        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+    )
+    A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
+    B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
+    # The activation [channel, token]: a thread holds 8 consecutive channels of a token (one
+    # 16-byte load), the lanes as B's (4 along the channels, 8 tokens), every warp a copy.
+    X2: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, WARPS], [0, 1])
+    t0 = gl.program_id(1).to(gl.int64) * TOKENS
+    x_ptr += t0 * stride_xm
+    y_ptr += t0 * stride_ym
+    M -= t0
+    col0 = gl.program_id(0) * BLOCK_N
+    wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A))
+    wb = gl.arange(0, HALF, layout=gl.SliceLayout(0, A))
+    w2 = w_ptr + gl.expand_dims(gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn, 1)
+    w2 = w2 + gl.expand_dims(wb, 0)  # [BN, HALF] code bytes of group 0
+    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(1, X2))
+    xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, X2))
+    x2 = x_ptr + gl.expand_dims(xk, 1) + gl.expand_dims(xt.to(gl.int64) * stride_xm, 0)
+    xmask = gl.expand_dims(xt < M, 0)
+    sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A))
+    s1 = s_ptr + (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
+    _wait_for_producers(PDL)
+    acc = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
+    # The pointers advance a step at a time (loop-carried), so a group's offset within the
+    # step is a constant the loads fold into their address.
+    for _k0 in range(0, K, GROUPS * GROUP):
+        for g in gl.static_range(GROUPS):
+            q = gl.load(w2 + g * HALF)
+            # 2^(e - 1) as a bf16 pair (exponent byte e + 126 in both halves), one multiply-add
+            # from the scale byte, beside each code byte of its row.
+            e = gl.load(s1 + g).to(gl.uint32)
+            pair = gl.broadcast(gl.expand_dims(e * 0x00800080 + 0x3F003F00, 1), q)[0]
+            lo, hi = gl.inline_asm_elementwise(
+                E2M1_PAIR_SCALED,
+                "=r,=r,=r,=r,r,r,r,r,r",
+                [q, pair],
+                dtype=(gl.bfloat16, gl.bfloat16),
+                is_pure=True,
+                pack=4,
+            )
+            xv = gl.load(x2 + g * GROUP, mask=xmask, other=0.0)  # [GROUP, TOKENS]
+            xv = gl.permute(gl.reshape(xv, [HALF, 2, TOKENS]), [0, 2, 1])
+            x_even, x_odd = gl.split(xv)  # channels 2b and 2b + 1
+            acc = mma_v2(lo, gl.convert_layout(x_even, B), acc)
+            acc = mma_v2(hi, gl.convert_layout(x_odd, B), acc)
+        w2 += GROUPS * HALF
+        s1 += GROUPS
+        x2 += GROUPS * GROUP
+    yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
+    yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
+    mask = (gl.expand_dims(yt, 0) < M) & (gl.expand_dims(yn, 1) < N)
+    gl.store(
+        y_ptr + gl.expand_dims(yt, 0).to(gl.int64) * stride_ym + gl.expand_dims(yn, 1),
+        acc.to(y_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def w_first_fp4_linear(x, weight, bn: int, groups: int, warps: int, tokens: int = 8):
+    return _launch(
+        _w_first_fp4_kernel,
+        x,
+        weight,
+        bn,
+        tokens,
+        x.device.type == "cuda",
+        TOKENS=tokens,
+        GROUPS=groups,
+        num_warps=warps,
+    )
+
+
+# The per-token MoE's MXFP4 shapes (N, K): one expert's down projection, a token's seven
+# stacked, its seven gate/up projections stacked.
+SHAPES = [("down_1", 5120, 2304), ("down_7", 35840, 2304), ("gate_up_7", 32256, 5120)]
+# (BLOCK_N, groups a K step, warps, tokens an accumulator)
+CONFIGS = [
+    (16, 8, 1, 8),
+    (32, 8, 2, 8),
+    (64, 8, 4, 8),
+    (32, 4, 1, 8),
+    (64, 4, 2, 8),
+    (32, 8, 2, 16),
+]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default=None)
+    p.add_argument("--ms", default="1,4,16")
+    p.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
+    p.add_argument("--budget-s", type=float, default=240.0)
+    a = p.parse_args()
+    start = time.time()
+    wanted = a.shapes.split(",")
+    lines = [
+        "| shape | M | variant | us | x library | TB/s (stored) | rel err |",
+        "|---|---|---|---|---|---|---|",
+    ]
+
+    def emit(*cells) -> None:
+        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+        print(lines[-1], flush=True)
+        if a.out:
+            Path(a.out).write_text("\n".join(lines) + "\n")
+
+    for name, n, k in (shape for shape in SHAPES if shape[0] in wanted):
+        gen = bq._generator(n + k)
+        ws = [bq.quantize_random((n, k), "mxfp4", 32, gen)]
+        ws += [
+            bq.quantize_random((n, k), "mxfp4", 32, gen)
+            for _ in range(bq._copies(ws[0].nbytes) - 1)
+        ]
+        deq = dequantize_weight_ref(ws[0], torch.float32)
+        for m in [int(v) for v in a.ms.split(",")]:
+            x = torch.randn(m, k, generator=gen, device=bq.SETUP.device).to(torch.bfloat16)
+            want = x.float() @ deq.T
+            variants = [("library", quantized_linear)] + [
+                (
+                    f"W first BN{c[0]} BK{c[1] * 32} w{c[2]} t{c[3]}",
+                    lambda x, w, c=c: w_first_fp4_linear(x, w, *c),
+                )
+                for c in CONFIGS
+                if k % (c[1] * 32) == 0
+            ]
+            base = None
+            for tag, call in variants:
+                if time.time() - start > a.budget_s:
+                    emit(f"stopped at the {a.budget_s:.0f} s budget", "", "", "", "", "", "")
+                    return
+                try:
+                    err = max_rel_err(call(x, ws[0]), want)
+                    us = bq.time_us(
+                        [lambda w=w, c=call, x=x: c(x, w) for w in ws], bq._reps(len(ws))
+                    )
+                except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
+                    emit(name, m, tag, f"{type(exc).__name__}: {str(exc)[:80]}", "", "", "")
+                    continue
+                base = base or us
+                emit(
+                    name,
+                    m,
+                    tag,
+                    f"{us:.2f}",
+                    f"{base / us:.2f}",
+                    f"{ws[0].nbytes / us / 1e6:.2f}",
+                    f"{err:.1e}",
+                )
+        del ws
+
+
+if __name__ == "__main__":
+    main()
