@@ -89,7 +89,10 @@ def test_aa_on_real_server_contains_zero(tmp_path):
 def test_ab_on_real_server_detects_slowed_candidate(tmp_path):
     spec = ("--speculative-algorithm", "DSpark")
     baseline = server_cmd(*spec)
-    slowed = server_cmd(*spec, "--debug-step-delay-ms", "40")
+    # 120 ms a step: a 12-token request at acceptance 2 takes about six steps, so the slowdown
+    # is several times the run-to-run noise of a loaded 2-core CI runner, whose interval for a
+    # slowdown of a third of this can hold zero.
+    slowed = server_cmd(*spec, "--debug-step-delay-ms", "120")
     analysis = _run_ab(tmp_path, baseline, slowed, "--simulate-accept-len", "2")
     comp = analysis["workloads"][WL_NAME]["all"]
     t = comp["candidate"]["raw"]["t"]
