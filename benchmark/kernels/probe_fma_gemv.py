@@ -573,6 +573,9 @@ def main() -> None:
     p.add_argument("--ms", default="1,4,16")
     p.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
     p.add_argument("--budget-s", type=float, default=420.0)
+    p.add_argument(
+        "--only", default="", help="comma-separated substrings: the variants whose label holds one"
+    )
     a = p.parse_args()
     start = time.time()
     wanted = a.shapes.split(",")
@@ -645,6 +648,12 @@ def main() -> None:
                 )
                 for c in w_first_configs
                 if k % (c[1] * 32) == 0
+            ]
+            keep = [part for part in a.only.split(",") if part]
+            variants = [
+                (tag, call)
+                for tag, call in variants
+                if tag == "library" or not keep or any(part in tag for part in keep)
             ]
             base = None
             for tag, call in variants:
