@@ -586,6 +586,60 @@ def main() -> None:
         bq.SETUP.device = "cpu"
         shapes, ms, configs = [("smoke", 40, 200)], [1, 3], SMOKE
         gluon_configs, mma_configs, w_first_configs = [], [], []
+
+    def variants_of(m: int, k: int) -> list[tuple[str, object]]:
+        variants = [
+            (
+                "FMA BN{} BK{} w{}{}".format(c[0], c[1] * VEC, c[2], " prefetch" if c[3] else ""),
+                lambda x, w, c=c: fma_linear(x, w, *c),
+            )
+            for c in configs
+        ]
+        variants += [
+            (
+                "Gluon FMA BN{} BK{} w{}{} lanesN{} warpsN{}{}".format(
+                    c[0],
+                    c[1] * VEC,
+                    c[2],
+                    " prefetch" if c[3] else "",
+                    c[4],
+                    c[5],
+                    " PTX decode" if c[6:] and c[6] else "",
+                ),
+                lambda x, w, c=c: gluon_fma_linear(x, w, *c),
+            )
+            for c in gluon_configs
+        ]
+        variants += [
+            (
+                f"Gluon mma.sync BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]}",
+                lambda x, w, c=c: gluon_mma_linear(x, w, *c),
+            )
+            for c in mma_configs
+            if k % (c[1] * 32) == 0
+        ]
+        variants += [
+            (
+                f"Gluon mma.sync W first BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]} t{c[4]}"
+                + (" fp16 operands" if c[5:] and c[5] else "")
+                + (" loads first" if c[6:] and c[6] else ""),
+                lambda x, w, c=c: gluon_mma_w_first_linear(x, w, *c),
+            )
+            for c in w_first_configs
+            if k % (c[1] * 32) == 0
+        ]
+        return variants
+
+    time_variants(shapes, "fp8", ms, variants_of, a.only, start + a.budget_s, a.out)
+
+
+def time_variants(shapes, fmt: str, ms, variants_of, only: str, deadline: float, out) -> None:
+    """The probes' table: for each shape (name, N, K), weight copies in `fmt` (32-channel scale
+    groups) beyond L2; at each M, the library's `quantized_linear` and then every variant of
+    `variants_of(m, k)` ((label, call(x, weight)) pairs; `only`: comma-separated substrings, the
+    labels that hold one) checked against dequantise-then-reference (fp32) and timed in CUDA
+    graphs. The table is printed and rewritten to `out` after every row; past `deadline` (a
+    `time.time()`) it says so and stops."""
     lines = [
         "| shape | M | variant | us | x library | TB/s (stored) | rel err |",
         "|---|---|---|---|---|---|---|",
@@ -594,71 +648,29 @@ def main() -> None:
     def emit(*cells) -> None:
         lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         print(lines[-1], flush=True)
-        if a.out:
-            Path(a.out).write_text("\n".join(lines) + "\n")
+        if out:
+            Path(out).write_text("\n".join(lines) + "\n")
 
+    keep = [part for part in only.split(",") if part]
     for name, n, k in shapes:
         gen = bq._generator(n + k)
-        ws = [bq.quantize_random((n, k), "fp8", 32, gen)]
+        ws = [bq.quantize_random((n, k), fmt, 32, gen)]
         ws += [
-            bq.quantize_random((n, k), "fp8", 32, gen) for _ in range(bq._copies(ws[0].nbytes) - 1)
+            bq.quantize_random((n, k), fmt, 32, gen) for _ in range(bq._copies(ws[0].nbytes) - 1)
         ]
         deq = dequantize_weight_ref(ws[0], torch.float32)
         for m in ms:
             x = torch.randn(m, k, generator=gen, device=bq.SETUP.device).to(torch.bfloat16)
             want = x.float() @ deq.T
             variants = [("library", quantized_linear)] + [
-                (
-                    "FMA BN{} BK{} w{}{}".format(
-                        c[0], c[1] * VEC, c[2], " prefetch" if c[3] else ""
-                    ),
-                    lambda x, w, c=c: fma_linear(x, w, *c),
-                )
-                for c in configs
-            ]
-            variants += [
-                (
-                    "Gluon FMA BN{} BK{} w{}{} lanesN{} warpsN{}{}".format(
-                        c[0],
-                        c[1] * VEC,
-                        c[2],
-                        " prefetch" if c[3] else "",
-                        c[4],
-                        c[5],
-                        " PTX decode" if c[6:] and c[6] else "",
-                    ),
-                    lambda x, w, c=c: gluon_fma_linear(x, w, *c),
-                )
-                for c in gluon_configs
-            ]
-            variants += [
-                (
-                    f"Gluon mma.sync BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]}",
-                    lambda x, w, c=c: gluon_mma_linear(x, w, *c),
-                )
-                for c in mma_configs
-                if k % (c[1] * 32) == 0
-            ]
-            variants += [
-                (
-                    f"Gluon mma.sync W first BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]} t{c[4]}"
-                    + (" fp16 operands" if c[5:] and c[5] else "")
-                    + (" loads first" if c[6:] and c[6] else ""),
-                    lambda x, w, c=c: gluon_mma_w_first_linear(x, w, *c),
-                )
-                for c in w_first_configs
-                if k % (c[1] * 32) == 0
-            ]
-            keep = [part for part in a.only.split(",") if part]
-            variants = [
                 (tag, call)
-                for tag, call in variants
-                if tag == "library" or not keep or any(part in tag for part in keep)
+                for tag, call in variants_of(m, k)
+                if not keep or any(part in tag for part in keep)
             ]
             base = None
             for tag, call in variants:
-                if time.time() - start > a.budget_s:
-                    emit(f"stopped at the {a.budget_s:.0f} s budget", "", "", "", "", "", "")
+                if time.time() > deadline:
+                    emit("stopped at the time budget", "", "", "", "", "", "")
                     return
                 try:
                     err = max_rel_err(call(x, ws[0]), want)

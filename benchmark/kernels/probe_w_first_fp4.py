@@ -28,7 +28,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import mma_v2
@@ -37,12 +36,12 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
 
 from sgl_dspark.kernels.linear.dequant import E2M1_SCALED_PTX  # noqa: E402
-from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
-from sgl_dspark.kernels.linear.reference import dequantize_weight_ref  # noqa: E402
 
-from benchmark.kernels import bench_quant_gemm as bq  # noqa: E402
-from benchmark.kernels.graph_timing import max_rel_err  # noqa: E402
-from benchmark.kernels.probe_fma_gemv import _launch, _wait_for_producers  # noqa: E402
+from benchmark.kernels.probe_fma_gemv import (  # noqa: E402
+    _launch,
+    _wait_for_producers,
+    time_variants,
+)
 
 # `E2M1_SCALED_PTX` with one multiplier pair for the four bytes ($5; $6..$8, the same register
 # repeated by the packing, unused): the four code bytes of a thread share a row and a group.
@@ -168,62 +167,20 @@ def main() -> None:
     p.add_argument("--shapes", default=",".join(name for name, _, _ in SHAPES))
     p.add_argument("--budget-s", type=float, default=240.0)
     a = p.parse_args()
-    start = time.time()
-    wanted = a.shapes.split(",")
-    lines = [
-        "| shape | M | variant | us | x library | TB/s (stored) | rel err |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    shapes = [shape for shape in SHAPES if shape[0] in a.shapes.split(",")]
 
-    def emit(*cells) -> None:
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-        print(lines[-1], flush=True)
-        if a.out:
-            Path(a.out).write_text("\n".join(lines) + "\n")
-
-    for name, n, k in (shape for shape in SHAPES if shape[0] in wanted):
-        gen = bq._generator(n + k)
-        ws = [bq.quantize_random((n, k), "mxfp4", 32, gen)]
-        ws += [
-            bq.quantize_random((n, k), "mxfp4", 32, gen)
-            for _ in range(bq._copies(ws[0].nbytes) - 1)
+    def variants_of(m: int, k: int) -> list[tuple[str, object]]:
+        return [
+            (
+                f"W first BN{c[0]} BK{c[1] * 32} w{c[2]} t{c[3]}",
+                lambda x, w, c=c: w_first_fp4_linear(x, w, *c),
+            )
+            for c in CONFIGS
+            if k % (c[1] * 32) == 0
         ]
-        deq = dequantize_weight_ref(ws[0], torch.float32)
-        for m in [int(v) for v in a.ms.split(",")]:
-            x = torch.randn(m, k, generator=gen, device=bq.SETUP.device).to(torch.bfloat16)
-            want = x.float() @ deq.T
-            variants = [("library", quantized_linear)] + [
-                (
-                    f"W first BN{c[0]} BK{c[1] * 32} w{c[2]} t{c[3]}",
-                    lambda x, w, c=c: w_first_fp4_linear(x, w, *c),
-                )
-                for c in CONFIGS
-                if k % (c[1] * 32) == 0
-            ]
-            base = None
-            for tag, call in variants:
-                if time.time() - start > a.budget_s:
-                    emit(f"stopped at the {a.budget_s:.0f} s budget", "", "", "", "", "", "")
-                    return
-                try:
-                    err = max_rel_err(call(x, ws[0]), want)
-                    us = bq.time_us(
-                        [lambda w=w, c=call, x=x: c(x, w) for w in ws], bq._reps(len(ws))
-                    )
-                except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
-                    emit(name, m, tag, f"{type(exc).__name__}: {str(exc)[:80]}", "", "", "")
-                    continue
-                base = base or us
-                emit(
-                    name,
-                    m,
-                    tag,
-                    f"{us:.2f}",
-                    f"{base / us:.2f}",
-                    f"{ws[0].nbytes / us / 1e6:.2f}",
-                    f"{err:.1e}",
-                )
-        del ws
+
+    ms = [int(v) for v in a.ms.split(",")]
+    time_variants(shapes, "mxfp4", ms, variants_of, "", time.time() + a.budget_s, a.out)
 
 
 if __name__ == "__main__":
