@@ -14,6 +14,12 @@ warp-instructions per clock, and at full HBM bandwidth it must consume bandwidth
 bytes per clock (about 18 at 4.8 TB/s, 132 SMs, 1.98 GHz), so a loop above 4 / that (~0.22)
 cannot reach the bandwidth however its loads overlap (a static bound: latency, occupancy and
 the memory system are not modelled).
+
+The `gluon` cases are the probes' register-fed Gluon kernels (`probe_fma_gemv.py`,
+`probe_w_first_fp4.py`), launched by their probes' launchers and compiled from Gluon's IR with the
+same specialisation: no pipeline, so no asynchronous copies and "None stages". A kernel with two
+K loops (the per-token stage 2 beside an FP8 extra expert) reports the larger, whose bytes a
+step are counted in the stack's format.
 """
 
 from __future__ import annotations
@@ -29,10 +35,12 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
 import triton
+from triton.experimental.gluon._runtime import GluonASTSource
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [str(ROOT / "python"), str(ROOT / "test/registered/kernels")]
+sys.path[:0] = [str(ROOT), str(ROOT / "python"), str(ROOT / "test/registered/kernels")]
 
 from gpu_targets_check import (  # noqa: E402
     TARGETS,
@@ -120,10 +128,48 @@ for _module, _kernel in _TOKEN_KERNELS:
     )
 
 
-def _step_bytes(kwargs: dict) -> int:
-    """Stored weight bytes one K step of one program multiplies."""
-    columns = kwargs["BLOCK_N"] * kwargs.get("SLOTS", 1)
-    return columns * kwargs["BLOCK_K"] // (2 if kwargs.get("FP4") else 1)
+# The register-fed Gluon kernels of `probe_fma_gemv.py` (FP8) and `probe_w_first_fp4.py`
+# (MXFP4), launched by their probes' own launchers at V4.1-Flash shapes, one token; their K
+# step is GROUPS scale groups of 32 channels.
+def _probe_case(probe: str, launcher: str, fmt: str, n: int, k: int, config: tuple):
+    def run() -> None:
+        from benchmark.kernels import bench_quant_gemm as bq
+
+        bq.SETUP.device = "cpu"
+        module = importlib.import_module(f"benchmark.kernels.{probe}")
+        weight = bq.quantize_random((n, k), fmt, 32, torch.Generator().manual_seed(0))
+        getattr(module, launcher)(torch.randn(1, k).to(torch.bfloat16), weight, *config)
+
+    return run
+
+
+GLUON_CASES: dict[str, tuple[str, str, Callable[[], object]]] = {}
+for _config in (
+    (16, 8, 1, 8, 8),
+    (32, 8, 2, 8, 8),
+    (16, 16, 1, 8, 16),
+    (32, 8, 2, 8, 8, False, True),
+):
+    GLUON_CASES[f"gluon w-first fp8/32 1792x5120 {_config}"] = (
+        "benchmark.kernels.probe_fma_gemv",
+        "_gluon_mma_w_first_kernel",
+        _probe_case("probe_fma_gemv", "gluon_mma_w_first_linear", "fp8", 1792, 5120, _config),
+    )
+for _config in ((16, 8, 1, 8), (32, 4, 1, 8), (64, 4, 2, 8), (32, 8, 2, 16)):
+    GLUON_CASES[f"gluon w-first mxfp4/32 5120x2304 {_config}"] = (
+        "benchmark.kernels.probe_w_first_fp4",
+        "_w_first_fp4_kernel",
+        _probe_case("probe_w_first_fp4", "w_first_fp4_linear", "mxfp4", 5120, 2304, _config),
+    )
+CASES.update(GLUON_CASES)
+
+
+def _step_bytes(kwargs: dict, fp4: bool) -> int:
+    """Stored weight bytes one K step of one program multiplies (the per-token stage 2 forms
+    GROUP_SLOTS of a token's SLOTS slots a program)."""
+    columns = kwargs["BLOCK_N"] * kwargs.get("GROUP_SLOTS", kwargs.get("SLOTS", 1))
+    block_k = kwargs["BLOCK_K"] if "BLOCK_K" in kwargs else kwargs["GROUPS"] * kwargs["GROUP"]
+    return columns * block_k // (2 if fp4 else 1)
 
 
 def probe(name: str, keep: str | None) -> list[str]:
@@ -136,7 +182,12 @@ def probe(name: str, keep: str | None) -> list[str]:
         if key in seen or not kwargs.get("QUANT", True):
             continue
         seen.add(key)
+        kwargs = {k: v for k, v in kwargs.items() if k != "launch_pdl"}
         src, options = launch_source(rec.fn, args, on_target(kwargs, TARGET), TARGET)
+        if name in GLUON_CASES:  # the same specialisation, compiled from Gluon's IR
+            constants = src.constants
+            src = GluonASTSource(src.fn, src.signature, None, src.attrs)
+            src.constants = constants
         compiled = triton.compile(src, target=TARGET, options=options)
         with tempfile.TemporaryDirectory() as tmp:
             cubin = os.path.join(keep or tmp, f"{name.replace(' ', '_').replace('/', '_')}.cubin")
@@ -147,11 +198,13 @@ def probe(name: str, keep: str | None) -> list[str]:
         usage = resource_usage(compiled.asm["cubin"])
         mix = loop_mix(sass)
         total = sum(mix.values())
-        per_byte = total * kwargs.get("num_warps", 4) / _step_bytes(kwargs)
+        fp4 = kwargs.get("FP4") or kernel == "_w_first_fp4_kernel"
+        per_byte = total * kwargs.get("num_warps", 4) / _step_bytes(kwargs, fp4)
         asyncs = compiled.asm["ttgir"].count("async_copy_global_to_local")
         top = " ".join(f"{op}:{n}" for op, n in mix.most_common(12))
         out.append(
-            f"| {name} | {kwargs['BLOCK_N']} x {kwargs['BLOCK_K']}, {kwargs.get('num_warps')} "
+            f"| {name} | {kwargs['BLOCK_N']} x {_step_bytes(kwargs, False) // kwargs['BLOCK_N']}, "
+            f"{kwargs.get('num_warps')} "
             f"warps, {kwargs.get('num_stages')} stages | {usage['REG']} | "
             f"{usage['STACK']} | {compiled.metadata.shared} | {asyncs} | {total} | "
             f"{per_byte:.3f} | {top} |"
