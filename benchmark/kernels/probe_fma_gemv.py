@@ -499,15 +499,20 @@ def _gluon_mma_w_first_kernel(
                 w = ws[g].to(gl.float32).to(gl.bfloat16)
                 acc = _add_scaled_group(acc, w, xs[g], es[g], zero, 0)
         else:
+            # The step's pointers once; a group's offset within the step is then a constant
+            # the loads fold into their address.
+            w_step = w2 + k0
+            x_step = x2 + k0
+            s_step = s1 + k0 // GROUP
             for g in gl.static_range(GROUPS):
-                kg = k0 + g * GROUP
                 if F16:
-                    w = gl.load(w2 + kg).to(gl.float16)
-                    x = gl.load(x2 + kg, mask=xmask, other=0.0).to(gl.float32).to(gl.float16)
+                    w = gl.load(w_step + g * GROUP).to(gl.float16)
+                    x = gl.load(x_step + g * GROUP, mask=xmask, other=0.0)
+                    x = x.to(gl.float32).to(gl.float16)
                 else:
-                    w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
-                    x = gl.load(x2 + kg, mask=xmask, other=0.0)
-                acc = _add_scaled_group(acc, w, x, gl.load(s1 + kg // GROUP), zero, 0)
+                    w = gl.load(w_step + g * GROUP).to(gl.float32).to(gl.bfloat16)
+                    x = gl.load(x_step + g * GROUP, mask=xmask, other=0.0)
+                acc = _add_scaled_group(acc, w, x, gl.load(s_step + g), zero, 0)
     yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
     yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
     mask = (gl.expand_dims(yt, 0) < M) & (gl.expand_dims(yn, 1) < N)
