@@ -79,7 +79,7 @@ def _w_first_fp4_kernel(
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
     # The activation [channel, token]: a thread holds 8 consecutive channels of a token (one
     # 16-byte load), the lanes as B's (4 along the channels, 8 tokens), every warp a copy.
-    X2: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [1, WARPS], [0, 1])
+    X2: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [WARPS, 1], [0, 1])
     t0 = gl.program_id(1).to(gl.int64) * TOKENS
     x_ptr += t0 * stride_xm
     y_ptr += t0 * stride_ym
