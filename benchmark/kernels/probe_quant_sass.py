@@ -198,7 +198,7 @@ def probe(name: str, keep: str | None) -> list[str]:
         usage = resource_usage(compiled.asm["cubin"])
         mix = loop_mix(sass)
         total = sum(mix.values())
-        fp4 = kwargs.get("FP4") or kernel == "_w_first_fp4_kernel"
+        fp4 = kwargs.get("FP4", "mxfp4" in name)  # the Gluon probes name their format
         per_byte = total * kwargs.get("num_warps", 4) / _step_bytes(kwargs, fp4)
         asyncs = compiled.asm["ttgir"].count("async_copy_global_to_local")
         top = " ".join(f"{op}:{n}" for op, n in mix.most_common(12))
