@@ -22,7 +22,9 @@ global memory straight into the registers that use it (Gluon, where the layouts 
 * mma.sync, weight first: y^T = W x^T, 16 weight rows an instruction as the first operand
   (loaded into its registers, KW consecutive channels a thread), up to 8 tokens an instruction
   as the second (the activation tile loaded once a scale group and shared by the warp's row
-  tiles); the matrix unit's cost does not grow with the tokens.
+  tiles); the matrix unit's cost does not grow with the tokens. A program's warps split its
+  rows, or its K in slices (each warp its own slice and accumulator, the slices' sums added once
+  after the loop): the x projection's 1792 rows are only 112 tiles of 16.
 
 In all of them each scale group's (or piece's) product is scaled by its block's power of two
 and added, and a row's arithmetic does not depend on the other rows. Every variant is checked
@@ -168,11 +170,11 @@ def _e8m0_to_fp32(e):
 
 
 @gluon.jit
-def _add_scaled_group(acc, a, b, e, zero, SCALE_AXIS: gl.constexpr):
+def _add_scaled_group(acc, a, b, e, zero, TOKEN_AXIS: gl.constexpr):
     """acc + (a @ b) * 2^(e - 127): one scale group's product on mma.sync into a zeroed
-    accumulator, its scales (one a weight row) broadcast along axis SCALE_AXIS of the product
+    accumulator, its scales (one a weight row) broadcast along the product's token axis
     (exact), then added."""
-    scale = gl.expand_dims(_e8m0_to_fp32(e), 1 - SCALE_AXIS)
+    scale = gl.expand_dims(_e8m0_to_fp32(e), TOKEN_AXIS)
     return acc + mma_v2(a, b, zero) * scale
 
 
@@ -404,7 +406,7 @@ def _gluon_mma_fp8_kernel(
             kg = k0 + g * GROUP
             w = gl.load(w2 + kg).to(gl.float32).to(gl.bfloat16)
             x = gl.load(x2 + kg, mask=xmask, other=0.0)
-            acc = _add_scaled_group(acc, x, w, gl.load(s1 + kg // GROUP), zero, 1)
+            acc = _add_scaled_group(acc, x, w, gl.load(s1 + kg // GROUP), zero, 0)
     ym = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
     yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, MMA))
     mask = (gl.expand_dims(ym, 1) < M) & (gl.expand_dims(yn, 0) < N)
@@ -450,60 +452,76 @@ def _gluon_mma_w_first_kernel(
     KW: gl.constexpr,
     F16: gl.constexpr,
     LOADS_FIRST: gl.constexpr,
+    WARPS_K: gl.constexpr,
     PDL: gl.constexpr,
 ):
     """y^T = W x^T on mma.sync m16n8k16: the weight is the first operand (16 of its rows an
     instruction, loaded from global memory straight into the operand registers, KW consecutive
     channels a thread), the activation rows the second (8 tokens an instruction, loaded once a
     scale group and shared by every row tile of the warp). Each scale group's product goes to a
-    zeroed accumulator, scaled by its rows' powers of two (exact) and added. F16 (timing only):
-    both operands in fp16, one pair conversion per two weight bytes (E4M3 is exact in fp16; the
-    activations are not: fp16's range is narrower than bf16's). LOADS_FIRST (bf16): a step's
-    loads written before its arithmetic (ptxas still schedules them)."""
+    zeroed accumulator, scaled by its rows' powers of two (exact) and added. The program's
+    warps split along N, and along K in WARPS_K slices (a step's GROUPS groups a slice, each
+    slice with its own accumulator; the slices' sums added once at the end, through shared
+    memory): a narrow projection (the x projection's 1792 rows are 112 row tiles of 16) then
+    keeps several warps a scheduler. F16 (timing only): both operands in fp16, one pair
+    conversion per two weight bytes (E4M3 is exact in fp16; the activations are not: fp16's
+    range is narrower than bf16's). LOADS_FIRST (bf16): a step's loads written before its
+    arithmetic (ptxas still schedules them)."""
     WARPS: gl.constexpr = gl.num_warps()
+    # Axis 0 the K slice (a warp's), axis 1 the weight rows, axis 2 the tokens.
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+        version=[2, 0], warps_per_cta=[WARPS_K, WARPS // WARPS_K, 1], instr_shape=[1, 16, 8]
     )
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=KW)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=KW)
+    SLICE: gl.constexpr = GROUPS * GROUP  # a warp's channels a step
     t0 = gl.program_id(1).to(gl.int64) * TOKENS
     x_ptr += t0 * stride_xm
     y_ptr += t0 * stride_ym
     M -= t0
     col0 = gl.program_id(0) * BLOCK_N
-    wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A))
-    wk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, A))
-    w2 = w_ptr + gl.expand_dims(gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn, 1)
-    w2 = w2 + gl.expand_dims(wk, 0)  # [BN, GROUP]
-    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(1, B))
-    xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, B))
-    x2 = x_ptr + gl.expand_dims(xt.to(gl.int64) * stride_xm, 0) + gl.expand_dims(xk, 1)
-    xmask = gl.expand_dims(xt < M, 0)  # [GROUP, TOKENS]
-    sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    s1 = s_ptr + (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
+    # Weight [slice, row, channel] of group 0 of each slice.
+    ws = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
+    wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
+    wk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
+    w_rows = gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn
+    w3 = w_ptr + gl.expand_dims(gl.expand_dims(ws * SLICE, 1) + gl.expand_dims(w_rows, 0), 2)
+    w3 = w3 + gl.expand_dims(gl.expand_dims(wk, 0), 1)
+    # Activation [slice, channel, token].
+    xs = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
+    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(2, B)))
+    xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
+    x3 = x_ptr + gl.expand_dims(gl.expand_dims(xs * SLICE, 1) + gl.expand_dims(xk, 0), 2)
+    x3 = x3 + gl.expand_dims(gl.expand_dims(xt.to(gl.int64) * stride_xm, 0), 1)
+    xmask = gl.expand_dims(gl.expand_dims(xt < M, 0), 1)
+    # Scale bytes [slice, row] of group 0 of each slice.
+    ss = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))
+    sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))
+    s_rows = (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
+    s2 = s_ptr + gl.expand_dims(ss * GROUPS, 1) + gl.expand_dims(s_rows, 0)
     _wait_for_producers(PDL)
-    acc = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
-    zero = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
-    for k0 in range(0, K, GROUPS * GROUP):  # K a multiple of the step here (probe shapes)
+    acc = gl.zeros((WARPS_K, BLOCK_N, TOKENS), gl.float32, layout=MMA)
+    zero = gl.zeros((WARPS_K, BLOCK_N, TOKENS), gl.float32, layout=MMA)
+    for k0 in range(0, K, WARPS_K * SLICE):  # K a multiple of the step here (probe shapes)
+        # The step's pointers once; a group's offset within the step is then a constant the
+        # loads fold into their address.
+        w_step = w3 + k0
+        x_step = x3 + k0
+        s_step = s2 + k0 // GROUP
         if LOADS_FIRST:
             # Every load of the step written before any of its arithmetic (the tuples live
             # within the step, nothing is carried across iterations).
-            ws = ()
-            xs = ()
-            es = ()
+            wl = ()
+            xl = ()
+            el = ()
             for g in gl.static_range(GROUPS):
-                ws = ws + (gl.load(w2 + k0 + g * GROUP),)
-                xs = xs + (gl.load(x2 + k0 + g * GROUP, mask=xmask, other=0.0),)
-                es = es + (gl.load(s1 + k0 // GROUP + g),)
+                wl = wl + (gl.load(w_step + g * GROUP),)
+                xl = xl + (gl.load(x_step + g * GROUP, mask=xmask, other=0.0),)
+                el = el + (gl.load(s_step + g),)
             for g in gl.static_range(GROUPS):
-                w = ws[g].to(gl.float32).to(gl.bfloat16)
-                acc = _add_scaled_group(acc, w, xs[g], es[g], zero, 0)
+                w = wl[g].to(gl.float32).to(gl.bfloat16)
+                acc = _add_scaled_group(acc, w, xl[g], el[g], zero, 2)
         else:
-            # The step's pointers once; a group's offset within the step is then a constant
-            # the loads fold into their address.
-            w_step = w2 + k0
-            x_step = x2 + k0
-            s_step = s1 + k0 // GROUP
             for g in gl.static_range(GROUPS):
                 if F16:
                     w = gl.load(w_step + g * GROUP).to(gl.float16)
@@ -512,19 +530,22 @@ def _gluon_mma_w_first_kernel(
                 else:
                     w = gl.load(w_step + g * GROUP).to(gl.float32).to(gl.bfloat16)
                     x = gl.load(x_step + g * GROUP, mask=xmask, other=0.0)
-                acc = _add_scaled_group(acc, w, x, gl.load(s_step + g), zero, 0)
-    yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
+                acc = _add_scaled_group(acc, w, x, gl.load(s_step + g), zero, 2)
+    # The slices' sums, in one fixed order (the layout's reduction tree over the warps).
+    out = gl.sum(acc, axis=0)
+    OUT: gl.constexpr = gl.SliceLayout(0, MMA)
+    yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT))
+    yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, OUT))
     mask = (gl.expand_dims(yt, 0) < M) & (gl.expand_dims(yn, 1) < N)
     gl.store(
         y_ptr + gl.expand_dims(yt, 0).to(gl.int64) * stride_ym + gl.expand_dims(yn, 1),
-        acc.to(y_ptr.dtype.element_ty),
+        out.to(y_ptr.dtype.element_ty),
         mask=mask,
     )
 
 
 def gluon_mma_w_first_linear(
-    x, weight, bn, groups, warps, kw, tokens=8, f16=False, loads_first=False
+    x, weight, bn, groups, warps, kw, tokens=8, f16=False, loads_first=False, warps_k=1
 ):
     return _launch(
         _gluon_mma_w_first_kernel,
@@ -538,6 +559,7 @@ def gluon_mma_w_first_linear(
         KW=kw,
         F16=f16,
         LOADS_FIRST=loads_first,
+        WARPS_K=warps_k,
         num_warps=warps,
     )
 
@@ -553,8 +575,8 @@ GLUON_CONFIGS = [(8, 64, 4, True, 1, 4), (8, 64, 4, False, 1, 4)]
 # Gluon matrix unit from registers, activation first (BLOCK_N, scale groups a K step, warps,
 # operand k width): its first run was 1.2-3.7x slower than the library; one kept for reference.
 MMA_CONFIGS = [(8, 8, 1, 8)]
-# Gluon matrix unit from registers, weight first (BLOCK_N, scale groups a K step, warps, operand
-# k width, tokens an accumulator).
+# Gluon matrix unit from registers, weight first (BLOCK_N, scale groups a warp's K slice, warps,
+# operand k width, tokens an accumulator, fp16 operands, loads first, warps along K).
 W_FIRST_CONFIGS = [
     (16, 8, 1, 8, 8),
     (16, 16, 1, 8, 8),
@@ -564,9 +586,16 @@ W_FIRST_CONFIGS = [
     (64, 8, 4, 8, 8),
     (16, 16, 1, 8, 16),
     (16, 16, 1, 8, 8, True),
-    (32, 8, 2, 8, 8, True),
-    (16, 16, 1, 8, 8, False, True),
     (32, 8, 2, 8, 8, False, True),
+    (16, 16, 1, 8, 8, False, True),
+    # K split over a program's warps: the narrow projections' few row tiles (the x
+    # projection's 112) over more warps than the SMs' schedulers, each warp its own slice.
+    (16, 8, 4, 8, 8, False, False, 4),
+    (16, 4, 4, 8, 8, False, False, 4),
+    (16, 8, 2, 8, 8, False, False, 2),
+    (32, 8, 4, 8, 8, False, False, 2),
+    (16, 8, 4, 8, 16, False, False, 4),
+    (16, 8, 8, 8, 8, False, False, 8),
 ]
 SMOKE = [(4, 4, 2, False), (4, 4, 2, True), (8, 2, 4, True)]
 
@@ -627,11 +656,12 @@ def main() -> None:
             (
                 f"Gluon mma.sync W first BN{c[0]} BK{c[1] * 32} w{c[2]} kw{c[3]} t{c[4]}"
                 + (" fp16 operands" if c[5:] and c[5] else "")
-                + (" loads first" if c[6:] and c[6] else ""),
+                + (" loads first" if c[6:] and c[6] else "")
+                + (f" wk{c[7]}" if c[7:] and c[7] > 1 else ""),
                 lambda x, w, c=c: gluon_mma_w_first_linear(x, w, *c),
             )
             for c in w_first_configs
-            if k % (c[1] * 32) == 0
+            if k % (c[1] * 32 * (c[7] if c[7:] else 1)) == 0
         ]
         return variants
 

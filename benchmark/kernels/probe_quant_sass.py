@@ -149,13 +149,15 @@ for _config in (
     (32, 8, 2, 8, 8),
     (16, 16, 1, 8, 16),
     (32, 8, 2, 8, 8, False, True),
+    (16, 8, 4, 8, 8, False, False, 4),
+    (32, 8, 4, 8, 8, False, False, 2),
 ):
     GLUON_CASES[f"gluon w-first fp8/32 1792x5120 {_config}"] = (
         "benchmark.kernels.probe_fma_gemv",
         "_gluon_mma_w_first_kernel",
         _probe_case("probe_fma_gemv", "gluon_mma_w_first_linear", "fp8", 1792, 5120, _config),
     )
-for _config in ((16, 8, 1, 8), (32, 4, 1, 8), (64, 4, 2, 8), (32, 8, 2, 16)):
+for _config in ((16, 8, 1, 8), (32, 4, 1, 8), (64, 4, 2, 8), (32, 8, 2, 16), (16, 2, 4, 8, 4)):
     GLUON_CASES[f"gluon w-first mxfp4/32 5120x2304 {_config}"] = (
         "benchmark.kernels.probe_w_first_fp4",
         "_w_first_fp4_kernel",
@@ -166,9 +168,13 @@ CASES.update(GLUON_CASES)
 
 def _step_bytes(kwargs: dict, fp4: bool) -> int:
     """Stored weight bytes one K step of one program multiplies (the per-token stage 2 forms
-    GROUP_SLOTS of a token's SLOTS slots a program)."""
+    GROUP_SLOTS of a token's SLOTS slots a program; a Gluon probe's step is GROUPS scale groups
+    in each of its WARPS_K slices)."""
     columns = kwargs["BLOCK_N"] * kwargs.get("GROUP_SLOTS", kwargs.get("SLOTS", 1))
-    block_k = kwargs["BLOCK_K"] if "BLOCK_K" in kwargs else kwargs["GROUPS"] * kwargs["GROUP"]
+    if "BLOCK_K" in kwargs:
+        block_k = kwargs["BLOCK_K"]
+    else:
+        block_k = kwargs["GROUPS"] * kwargs["GROUP"] * kwargs.get("WARPS_K", 1)
     return columns * block_k // (2 if fp4 else 1)
 
 

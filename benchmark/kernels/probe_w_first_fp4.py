@@ -13,7 +13,9 @@ bf16 multiply per two weights; the multiply by the group's 2^(e - 1) also lifts 
 the subnormal range the decode leaves them in), and multiplies the even channels (low nibbles)
 then the odd ones (high nibbles) into the accumulator, one k16 instruction each a group. The
 activation's 8 consecutive channels a thread (one 16-byte load a token, shared by the warp's row
-tiles) split into the even and odd operands in registers.
+tiles) split into the even and odd operands in registers. A program's warps split its rows, or
+its K in slices (each warp its own slice and accumulator, the slices' sums added once after the
+loop), so that one expert's 5120 rows (320 tiles of 16) keep several warps a scheduler.
 
 The shapes are the per-token MoE's: one routed expert's down projection (5120 x 2304), a token's
 seven (six routed and the folded shared expert, stacked: 35840 x 2304) and its seven gate/up
@@ -66,46 +68,62 @@ def _w_first_fp4_kernel(
     BLOCK_N: gl.constexpr,
     TOKENS: gl.constexpr,
     GROUPS: gl.constexpr,
+    WARPS_K: gl.constexpr,
     PDL: gl.constexpr,
 ):
-    """A program: BLOCK_N weight rows (WARPS x 16 x row tiles a warp) x TOKENS tokens, over K in
-    steps of GROUPS 32-channel groups (K a multiple of the step: the probe's shapes)."""
+    """A program: BLOCK_N weight rows x TOKENS tokens, its warps split along N and along K in
+    WARPS_K slices (each slice GROUPS 32-channel groups a step, its own accumulator; the slices'
+    sums added once at the end), over K in steps of WARPS_K x GROUPS groups (K a multiple of
+    the step: the probe's shapes)."""
     WARPS: gl.constexpr = gl.num_warps()
     HALF: gl.constexpr = GROUP // 2  # code bytes of a row in one group
+    SLICE: gl.constexpr = GROUPS * GROUP  # a warp's channels a step
+    # Axis 0 the K slice (a warp's), axis 1 the weight rows, axis 2 the tokens.
     MMA: gl.constexpr = gl.NVMMADistributedLayout(
-        version=[2, 0], warps_per_cta=[WARPS, 1], instr_shape=[16, 8]
+        version=[2, 0], warps_per_cta=[WARPS_K, WARPS // WARPS_K, 1], instr_shape=[1, 16, 8]
     )
     A: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=4)
     B: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=4)
-    # The activation [channel, token]: a thread holds 8 consecutive channels of a token (one
-    # 16-byte load), the lanes as B's (4 along the channels, 8 tokens), every warp a copy.
-    X2: gl.constexpr = gl.BlockedLayout([8, 1], [4, 8], [WARPS, 1], [0, 1])
+    # The activation [slice, channel, token]: a thread holds 8 consecutive channels of a token
+    # (one 16-byte load), the lanes as B's (4 along the channels, 8 tokens), the warps of a
+    # slice each a copy.
+    X3: gl.constexpr = gl.BlockedLayout(
+        [1, 8, 1], [1, 4, 8], [WARPS_K, WARPS // WARPS_K, 1], [1, 2, 0]
+    )
     t0 = gl.program_id(1).to(gl.int64) * TOKENS
     x_ptr += t0 * stride_xm
     y_ptr += t0 * stride_ym
     M -= t0
     col0 = gl.program_id(0) * BLOCK_N
-    wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A))
-    wb = gl.arange(0, HALF, layout=gl.SliceLayout(0, A))
-    w2 = w_ptr + gl.expand_dims(gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn, 1)
-    w2 = w2 + gl.expand_dims(wb, 0)  # [BN, HALF] code bytes of group 0
-    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(1, X2))
-    xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, X2))
-    x2 = x_ptr + gl.expand_dims(xk, 1) + gl.expand_dims(xt.to(gl.int64) * stride_xm, 0)
-    xmask = gl.expand_dims(xt < M, 0)
-    sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, A))
-    s1 = s_ptr + (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
+    # Code bytes [slice, row, byte] of group 0 of each slice.
+    ws = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
+    wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
+    wb = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
+    w_rows = gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn
+    w3 = w_ptr + gl.expand_dims(gl.expand_dims(ws * (SLICE // 2), 1) + gl.expand_dims(w_rows, 0), 2)
+    w3 = w3 + gl.expand_dims(gl.expand_dims(wb, 0), 1)
+    xs = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, X3)))
+    xk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
+    xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
+    x3 = x_ptr + gl.expand_dims(gl.expand_dims(xs * SLICE, 1) + gl.expand_dims(xk, 0), 2)
+    x3 = x3 + gl.expand_dims(gl.expand_dims(xt.to(gl.int64) * stride_xm, 0), 1)
+    xmask = gl.expand_dims(gl.expand_dims(xt < M, 0), 1)
+    # Scale bytes [slice, row] of group 0 of each slice, beside the code bytes.
+    ss = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
+    sn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
+    s_rows = (gl.minimum(col0 + sn, N - 1) // SCALE_ROWS).to(gl.int64) * stride_sn
+    s2 = s_ptr + gl.expand_dims(ss * GROUPS, 1) + gl.expand_dims(s_rows, 0)
     _wait_for_producers(PDL)
-    acc = gl.zeros((BLOCK_N, TOKENS), gl.float32, layout=MMA)
+    acc = gl.zeros((WARPS_K, BLOCK_N, TOKENS), gl.float32, layout=MMA)
     # The pointers advance a step at a time (loop-carried), so a group's offset within the
     # step is a constant the loads fold into their address.
-    for _k0 in range(0, K, GROUPS * GROUP):
+    for _k0 in range(0, K, WARPS_K * SLICE):
         for g in gl.static_range(GROUPS):
-            q = gl.load(w2 + g * HALF)
+            q = gl.load(w3 + g * HALF)
             # 2^(e - 1) as a bf16 pair (exponent byte e + 126 in both halves), one multiply-add
             # from the scale byte, beside each code byte of its row.
-            e = gl.load(s1 + g).to(gl.uint32)
-            pair = gl.broadcast(gl.expand_dims(e * 0x00800080 + 0x3F003F00, 1), q)[0]
+            e = gl.load(s2 + g).to(gl.uint32)
+            pair = gl.broadcast(gl.expand_dims(e * 0x00800080 + 0x3F003F00, 2), q)[0]
             lo, hi = gl.inline_asm_elementwise(
                 E2M1_PAIR_SCALED,
                 "=r,=r,=r,=r,r,r,r,r,r",
@@ -114,25 +132,30 @@ def _w_first_fp4_kernel(
                 is_pure=True,
                 pack=4,
             )
-            xv = gl.load(x2 + g * GROUP, mask=xmask, other=0.0)  # [GROUP, TOKENS]
-            xv = gl.permute(gl.reshape(xv, [HALF, 2, TOKENS]), [0, 2, 1])
+            xv = gl.load(x3 + g * GROUP, mask=xmask, other=0.0)  # [slice, GROUP, TOKENS]
+            xv = gl.permute(gl.reshape(xv, [WARPS_K, HALF, 2, TOKENS]), [0, 1, 3, 2])
             x_even, x_odd = gl.split(xv)  # channels 2b and 2b + 1
             acc = mma_v2(lo, gl.convert_layout(x_even, B), acc)
             acc = mma_v2(hi, gl.convert_layout(x_odd, B), acc)
-        w2 += GROUPS * HALF
-        s1 += GROUPS
-        x2 += GROUPS * GROUP
-    yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, MMA))
-    yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, MMA))
+        w3 += WARPS_K * SLICE // 2
+        s2 += WARPS_K * GROUPS
+        x3 += WARPS_K * SLICE
+    # The slices' sums, in one fixed order (the layout's reduction tree over the warps).
+    out = gl.sum(acc, axis=0)
+    OUT: gl.constexpr = gl.SliceLayout(0, MMA)
+    yn = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, OUT))
+    yt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, OUT))
     mask = (gl.expand_dims(yt, 0) < M) & (gl.expand_dims(yn, 1) < N)
     gl.store(
         y_ptr + gl.expand_dims(yt, 0).to(gl.int64) * stride_ym + gl.expand_dims(yn, 1),
-        acc.to(y_ptr.dtype.element_ty),
+        out.to(y_ptr.dtype.element_ty),
         mask=mask,
     )
 
 
-def w_first_fp4_linear(x, weight, bn: int, groups: int, warps: int, tokens: int = 8):
+def w_first_fp4_linear(
+    x, weight, bn: int, groups: int, warps: int, tokens: int = 8, warps_k: int = 1
+):
     return _launch(
         _w_first_fp4_kernel,
         x,
@@ -142,6 +165,7 @@ def w_first_fp4_linear(x, weight, bn: int, groups: int, warps: int, tokens: int 
         x.device.type == "cuda",
         TOKENS=tokens,
         GROUPS=groups,
+        WARPS_K=warps_k,
         num_warps=warps,
     )
 
@@ -149,7 +173,7 @@ def w_first_fp4_linear(x, weight, bn: int, groups: int, warps: int, tokens: int 
 # The per-token MoE's MXFP4 shapes (N, K): one expert's down projection, a token's seven
 # stacked, its seven gate/up projections stacked.
 SHAPES = [("down_1", 5120, 2304), ("down_7", 35840, 2304), ("gate_up_7", 32256, 5120)]
-# (BLOCK_N, groups a K step, warps, tokens an accumulator)
+# (BLOCK_N, groups a warp's K slice a step, warps, tokens an accumulator, warps along K)
 CONFIGS = [
     (16, 8, 1, 8),
     (32, 8, 2, 8),
@@ -157,6 +181,9 @@ CONFIGS = [
     (32, 4, 1, 8),
     (64, 4, 2, 8),
     (32, 8, 2, 16),
+    (16, 4, 2, 8, 2),
+    (16, 2, 4, 8, 4),
+    (32, 4, 4, 8, 2),
 ]
 
 
@@ -172,11 +199,12 @@ def main() -> None:
     def variants_of(m: int, k: int) -> list[tuple[str, object]]:
         return [
             (
-                f"W first BN{c[0]} BK{c[1] * 32} w{c[2]} t{c[3]}",
+                f"W first BN{c[0]} BK{c[1] * 32} w{c[2]} t{c[3]}"
+                + (f" wk{c[4]}" if c[4:] and c[4] > 1 else ""),
                 lambda x, w, c=c: w_first_fp4_linear(x, w, *c),
             )
             for c in CONFIGS
-            if k % (c[1] * 32) == 0
+            if k % (c[1] * 32 * (c[4] if c[4:] else 1)) == 0
         ]
 
     ms = [int(v) for v in a.ms.split(",")]
