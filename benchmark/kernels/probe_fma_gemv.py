@@ -164,6 +164,16 @@ def _wait_for_producers(PDL: gl.constexpr):
 
 
 @gluon.jit
+def _slice_offsets(slice_stride, mid, last, WARPS_K: gl.constexpr, L: gl.constexpr):
+    """Offsets [WARPS_K, len(mid), len(last)] in layout L: slice s at s * slice_stride, plus
+    `mid` along axis 1 and `last` along axis 2 (each already in L's slice layout for its axis).
+    The weight-first kernels' per-warp K slices of the weight and the activation."""
+    s = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, L)))
+    tile = gl.expand_dims(gl.expand_dims(s * slice_stride, 1) + gl.expand_dims(mid, 0), 2)
+    return tile + gl.expand_dims(gl.expand_dims(last, 0), 1)
+
+
+@gluon.jit
 def _e8m0_to_fp32(e):
     """`dequant.e8m0_to_fp32` for Gluon kernels: scale bytes -> 2^(e - 127), exactly."""
     return (e.to(gl.int32) << 23).to(gl.float32, bitcast=True)
@@ -481,18 +491,14 @@ def _gluon_mma_w_first_kernel(
     M -= t0
     col0 = gl.program_id(0) * BLOCK_N
     # Weight [slice, row, channel] of group 0 of each slice.
-    ws = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
     wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
     wk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
     w_rows = gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn
-    w3 = w_ptr + gl.expand_dims(gl.expand_dims(ws * SLICE, 1) + gl.expand_dims(w_rows, 0), 2)
-    w3 = w3 + gl.expand_dims(gl.expand_dims(wk, 0), 1)
+    w3 = w_ptr + _slice_offsets(SLICE, w_rows, wk, WARPS_K, A)
     # Activation [slice, channel, token].
-    xs = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, B)))
     xk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(2, B)))
     xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, gl.SliceLayout(1, B)))
-    x3 = x_ptr + gl.expand_dims(gl.expand_dims(xs * SLICE, 1) + gl.expand_dims(xk, 0), 2)
-    x3 = x3 + gl.expand_dims(gl.expand_dims(xt.to(gl.int64) * stride_xm, 0), 1)
+    x3 = x_ptr + _slice_offsets(SLICE, xk, xt.to(gl.int64) * stride_xm, WARPS_K, B)
     xmask = gl.expand_dims(gl.expand_dims(xt < M, 0), 1)
     # Scale bytes [slice, row] of group 0 of each slice.
     ss = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))

@@ -41,6 +41,7 @@ from sgl_dspark.kernels.linear.dequant import E2M1_SCALED_PTX  # noqa: E402
 
 from benchmark.kernels.probe_fma_gemv import (  # noqa: E402
     _launch,
+    _slice_offsets,
     _wait_for_producers,
     time_variants,
 )
@@ -96,17 +97,13 @@ def _w_first_fp4_kernel(
     M -= t0
     col0 = gl.program_id(0) * BLOCK_N
     # Code bytes [slice, row, byte] of group 0 of each slice.
-    ws = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
     wn = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, gl.SliceLayout(2, A)))
     wb = gl.arange(0, HALF, layout=gl.SliceLayout(0, gl.SliceLayout(1, A)))
     w_rows = gl.minimum(col0 + wn, N - 1).to(gl.int64) * stride_wn
-    w3 = w_ptr + gl.expand_dims(gl.expand_dims(ws * (SLICE // 2), 1) + gl.expand_dims(w_rows, 0), 2)
-    w3 = w3 + gl.expand_dims(gl.expand_dims(wb, 0), 1)
-    xs = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, X3)))
+    w3 = w_ptr + _slice_offsets(SLICE // 2, w_rows, wb, WARPS_K, A)
     xk = gl.arange(0, GROUP, layout=gl.SliceLayout(0, gl.SliceLayout(2, X3)))
     xt = gl.arange(0, TOKENS, layout=gl.SliceLayout(0, gl.SliceLayout(1, X3)))
-    x3 = x_ptr + gl.expand_dims(gl.expand_dims(xs * SLICE, 1) + gl.expand_dims(xk, 0), 2)
-    x3 = x3 + gl.expand_dims(gl.expand_dims(xt.to(gl.int64) * stride_xm, 0), 1)
+    x3 = x_ptr + _slice_offsets(SLICE, xk, xt.to(gl.int64) * stride_xm, WARPS_K, X3)
     xmask = gl.expand_dims(gl.expand_dims(xt < M, 0), 1)
     # Scale bytes [slice, row] of group 0 of each slice, beside the code bytes.
     ss = gl.arange(0, WARPS_K, layout=gl.SliceLayout(1, gl.SliceLayout(2, A)))
