@@ -68,6 +68,45 @@ def _leave_after_groups(rank: int, out_dir: Path) -> None:
     (out_dir / f"rank{rank}.json").write_text(json.dumps(state))
 
 
+def _leave_with_groups_in_a_cycle(rank: int, out_dir: Path) -> None:
+    import gc
+
+    from sgl_dspark.srt.distributed import (
+        ParallelLayout,
+        TorchDistCommunicator,
+        get_parallel_state,
+        init_parallel_state,
+        leave_world,
+    )
+
+    def alive() -> int:  # unreachable objects the collector has not yet freed count too
+        return sum(isinstance(o, TorchDistCommunicator) for o in gc.get_objects())
+
+    init_parallel_state(ParallelLayout(tp_size=2))
+    # A finished engine: its parts refer to each other and to the communicators.
+    engine: dict = {"parallel_state": get_parallel_state()}
+    engine["model"] = {"engine": engine, "tp": get_parallel_state().tp}
+    held = alive()
+    del engine
+    gc.disable()  # only leave_world may collect the cycle
+    try:
+        unreachable = alive()
+        leave_world()
+        left = alive()
+    finally:
+        gc.enable()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps([held, unreachable, left]))
+
+
+def test_leaving_the_world_frees_communicators_held_in_cycles(tmp_path: Path) -> None:
+    """Communicators that only a finished engine's reference cycle still holds are freed by
+    `leave_world` before it destroys the process group, not at interpreter finalisation."""
+    run_world(2, _leave_with_groups_in_a_cycle, tmp_path)
+    for rank in range(2):
+        held, unreachable, left = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert held >= 1 and unreachable == held and left == 0, (rank, held, unreachable, left)
+
+
 def test_leaving_the_world_forgets_its_groups(tmp_path: Path) -> None:
     """`leave_world` destroys the process group after dropping the groups this process made
     (so their threads end before interpreter finalisation) and makes the size-1 state current."""

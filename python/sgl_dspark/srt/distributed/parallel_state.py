@@ -151,11 +151,16 @@ def leave_world() -> None:
     here are forgotten and the process group is destroyed (no-op outside a world). Dropping our
     references first lets the gloo groups' worker threads end now, while the interpreter is
     whole, instead of at its finalisation (where a gloo work still holding a tensor can abort
-    the process)."""
+    the process). A finished engine's modules and scheduler refer to each other, so the
+    communicators they hold outlive the last reference to the engine until the cycle collector
+    runs: it runs here, before the groups are destroyed."""
+    import gc
+
     import torch.distributed as dist
 
     set_parallel_state(single_process_state())
     _GROUPS.clear()
+    gc.collect()
     if dist.is_initialized():
         dist.destroy_process_group()
 
