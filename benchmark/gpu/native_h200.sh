@@ -71,6 +71,10 @@
 #                linears on the weight-first register-fed mma.sync kernel, checked, then timed
 #                beside the library at M 1/4/16 (PROBE_FP4_SHAPES: some of down_1,down_7,
 #                gate_up_7; default all)
+#   probe_tma    probe_tma_linear.py: the quantised linear with its weight and activation tiles
+#                loaded through tensor descriptors (TMA) at V4.1-Flash's dense shapes (FP8) and
+#                its experts' (MXFP4), bits compared with the library, then timed beside it at
+#                M 1/4/16 (PROBE_TMA_SHAPES: some of x_proj,o_b,down,q_b,gate_up,wkv)
 #   ncu          ncu_targets.py under Nsight Compute: the rank model's heaviest decode kernels
 #                at one token (the dense FP8 linears, the per-token MoE stages, the mHC
 #                boundary), one launch each, their hardware counters (speed of light, launch
@@ -348,6 +352,12 @@ if has probe_fp4; then  # the probe keeps to its own budget, under the stage's l
   run 240 probe_fp4.log python3 benchmark/kernels/probe_w_first_fp4.py --budget-s 210 \
     --shapes "${PROBE_FP4_SHAPES:-down_1,down_7,gate_up_7}" --out "$WORK/probe_fp4.md"
   show "$WORK/probe_fp4.md"
+fi
+if has probe_tma; then  # the probe keeps to its own budget, under the stage's limit
+  stage probe_tma 300
+  run 300 probe_tma.log python3 benchmark/kernels/probe_tma_linear.py --budget-s 270 \
+    --shapes "${PROBE_TMA_SHAPES:-x_proj,o_b,down,q_b,gate_up,wkv}" --out "$WORK/probe_tma.md"
+  show "$WORK/probe_tma.md"
 fi
 mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROOT's library
   local model limit name extra

@@ -166,6 +166,29 @@ for _config in ((16, 8, 1, 8), (32, 4, 1, 8), (64, 4, 2, 8), (32, 8, 2, 16), (16
 CASES.update(GLUON_CASES)
 
 
+# The tensor-descriptor (TMA) form of the quantised linear (`probe_tma_linear.py`), launched by its
+# probe's launcher at V4.1-Flash shapes, one token, with the library's launch shape.
+def _tma_case(fmt: str, n: int, k: int, overrides: dict):
+    def run() -> None:
+        from benchmark.kernels import bench_quant_gemm as bq
+
+        bq.SETUP.device = "cpu"
+        module = importlib.import_module("benchmark.kernels.probe_tma_linear")
+        weight = bq.quantize_random((n, k), fmt, 32, torch.Generator().manual_seed(0))
+        module.tma_linear(torch.randn(1, k).to(torch.bfloat16), weight, **overrides)
+
+    return run
+
+
+for _fmt, _n, _k in (("fp8", 1792, 5120), ("fp8", 32768, 1280), ("mxfp4", 5120, 2304)):
+    for _label, _overrides in (("", {}), (" 6 stages", {"stages": 6})):
+        CASES[f"tma {_fmt}/32 {_n}x{_k}{_label}"] = (
+            "benchmark.kernels.probe_tma_linear",
+            "_tma_linear_kernel",
+            _tma_case(_fmt, _n, _k, _overrides),
+        )
+
+
 def _step_bytes(kwargs: dict, fp4: bool) -> int:
     """Stored weight bytes one K step of one program multiplies (the per-token stage 2 forms
     GROUP_SLOTS of a token's SLOTS slots a program; a Gluon probe's step is GROUPS scale groups
@@ -206,7 +229,8 @@ def probe(name: str, keep: str | None) -> list[str]:
         total = sum(mix.values())
         fp4 = kwargs.get("FP4", "mxfp4" in name)  # the Gluon probes name their format
         per_byte = total * kwargs.get("num_warps", 4) / _step_bytes(kwargs, fp4)
-        asyncs = compiled.asm["ttgir"].count("async_copy_global_to_local")
+        ttgir = compiled.asm["ttgir"]
+        asyncs = ttgir.count("async_copy_global_to_local") + ttgir.count("async_tma_copy")
         top = " ".join(f"{op}:{n}" for op, n in mix.most_common(12))
         out.append(
             f"| {name} | {kwargs['BLOCK_N']} x {_step_bytes(kwargs, False) // kwargs['BLOCK_N']}, "

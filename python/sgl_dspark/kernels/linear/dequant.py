@@ -209,7 +209,7 @@ def quantized_tile(
             )
             words = _bytes_to_words(q, BN, BLOCK_K // 8)
         v = _e2m1_tile(words, BN, BLOCK_K, WIDE)
-        multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)
+        v = _scaled_tile(v, _power_of_two(e.to(tl.int32) + 126, WIDE), BN, BLOCK_K, GROUP)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         if EVEN_K:  # k_dim a multiple of BLOCK_K: a mask by column only
@@ -217,16 +217,33 @@ def quantized_tile(
         else:
             k_ok = w_ok[:, None] & (k < k_dim)[None, :]
         codes = tl.load(w_rows[:, None] + k[None, :], mask=k_ok, other=0.0)
-        v = codes.to(tl.float32)
-        if not WIDE:
-            v = v.to(tl.bfloat16)
-        multiplier = _power_of_two(e, WIDE)
+        v = fp8_scaled_tile(codes, e, BN, BLOCK_K, GROUP, WIDE)
+    return v
+
+
+@triton.jit
+def _scaled_tile(v, multiplier, BN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr):
+    """A K step's values v [BN, BLOCK_K] times their groups' multipliers ([BN, BLOCK_K / GROUP],
+    or [BN] when the step lies in one group)."""
     if BLOCK_K > GROUP:
         v = tl.reshape(v, [BN, BLOCK_K // GROUP, GROUP]) * multiplier[:, :, None]
         v = tl.reshape(v, [BN, BLOCK_K])
     else:
         v = v * multiplier[:, None]
     return v
+
+
+@triton.jit
+def fp8_scaled_tile(
+    codes, e, BN: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, WIDE: tl.constexpr
+):
+    """A K step's loaded FP8 codes [BN, BLOCK_K] and scale bytes e (`quantized_scales`) -> the
+    dequantised tile, bf16 (fp32 if WIDE): `quantized_tile`'s FP8 decode, for kernels that load
+    the codes their own way."""
+    v = codes.to(tl.float32)
+    if not WIDE:
+        v = v.to(tl.bfloat16)
+    return _scaled_tile(v, _power_of_two(e, WIDE), BN, BLOCK_K, GROUP)
 
 
 # Four MXFP4 code bytes per 32-bit register ($4) and their multipliers (bf16 pairs: bytes 0, 1 in
@@ -331,6 +348,23 @@ def fp4_half_tiles(
     else:
         q_ok = w_ok[:, None] & (b < k_dim // 2)[None, :]
     q = tl.load(w_rows[:, None] + b[None, :], mask=q_ok, other=0)
+    return fp4_scaled_halves(q, e, BN, BLOCK_K, GROUP, WIDE, PTX)
+
+
+@triton.jit
+def fp4_scaled_halves(
+    q,
+    e,
+    BN: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
+    WIDE: tl.constexpr,
+    PTX: tl.constexpr,
+):
+    """A K step's loaded MXFP4 code bytes q [BN, BLOCK_K / 2] and scale bytes e -> its even and
+    odd channels dequantised: `fp4_half_tiles`' decode, for kernels that load the bytes their own
+    way."""
+    HALF: tl.constexpr = BLOCK_K // 2
     multiplier = _power_of_two(e.to(tl.int32) + 126, WIDE)  # 2^(e - 1) on values * 2^-126
     if PTX and not WIDE and GROUP >= 2:
         # Each byte's multiplier (its two channels share a group), beside it in registers.
@@ -559,6 +593,8 @@ __all__ = [
     "fp4_half_tiles",
     "fp4_ptx_decode",
     "fp4_rows_aligned",
+    "fp4_scaled_halves",
+    "fp8_scaled_tile",
     "quantized_block_k",
     "quantized_product",
     "quantized_scales",
