@@ -150,9 +150,10 @@ def tma_linear(
     stages: int | None = None,
     warps: int | None = None,
     prefetch: bool = True,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """`quantized_linear(x, weight)` (bf16 x) with the tiles loaded
-    through tensor descriptors; a None launch parameter takes the library's value for the
+    """`quantized_linear(x, weight)` (bf16 x) with the tiles loaded through tensor descriptors
+    (into `out` [M, N] if given); a None launch parameter takes the library's value for the
     shape (`_quantized_meta`)."""
     m, k = x.shape
     n = weight.data.shape[0]
@@ -170,7 +171,8 @@ def tma_linear(
     per_byte = 2 if fp4 else 1
     x_desc = TensorDescriptor.from_tensor(x, [BLOCK_M, meta["BLOCK_K"]])
     w_desc = TensorDescriptor.from_tensor(data, [meta["BLOCK_N"], meta["BLOCK_K"] // per_byte])
-    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     grid = (triton.cdiv(n, meta["BLOCK_N"]), 1, triton.cdiv(m, BLOCK_M))
     _tma_linear_kernel[grid](
         x_desc,

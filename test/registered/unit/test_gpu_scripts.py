@@ -109,6 +109,14 @@ def test_probe_fp4_passes_its_shapes(tmp_path: Path) -> None:
     assert _flag(probe[0], "--shapes") == "down_7"
 
 
+def test_probe_tma_passes_its_shapes(tmp_path: Path) -> None:
+    commands = _dry_run("native_h200.sh", "probe_tma", tmp_path, {"PROBE_TMA_SHAPES": "down"})
+    probe = [words for stage, _, _, words in commands if stage == "probe_tma" and words]
+    assert len(probe) == 1
+    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_tma_linear.py"]
+    assert _flag(probe[0], "--shapes") == "down"
+
+
 def test_rank_ab_warms_each_side_then_times_abba(tmp_path: Path) -> None:
     """`rank_ab` with RANK_AB_WARM=1: one short untimed engine per side first (its own
     directory, which the summary does not read), then the timed rounds base, head, head, base,
