@@ -222,8 +222,8 @@ def run_engine(
     after=None,
     **extra,
 ) -> None:
-    """One engine: load, then every batch size, then with `--profile` its bs 1 profile, then
-    `after(engine)`; a failure is an error row (`run_or_error_row`)."""
+    """One engine: load, then every batch size, then with `--profile` a profile at each batch
+    size, then `after(engine)`; a failure is an error row (`run_or_error_row`)."""
     # Before the first engine too: the peak memory of the rows is this engine's alone.
     release_device_memory(a.device)
     if torch.cuda.is_available():
@@ -257,9 +257,12 @@ def run_engine(
                 }
             )
         if a.profile:
-            profile_steps(
-                engine, prompts_for(1, a.input_len, vocab), out_dir / f"profile_{system}_bs1.txt"
-            )
+            for bs in sizes:
+                profile_steps(
+                    engine,
+                    prompts_for(bs, a.input_len, vocab),
+                    out_dir / f"profile_{system}_bs{bs}.txt",
+                )
         if after is not None:
             after(engine)
 
@@ -353,8 +356,9 @@ def main() -> None:
     p.add_argument(
         "--profile",
         action="store_true",
-        help="decode mode: after each engine's rows, a torch.profiler table of its bs 1 decode "
-        "steps (device kernels by time, then host ops) in --out-dir/profile_<system>_bs1.txt",
+        help="decode mode: after each engine's rows, a torch.profiler table of its decode steps "
+        "at each batch size (device kernels by time, then host ops) in "
+        "--out-dir/profile_<system>_bs<bs>.txt",
     )
     p.add_argument("--engine-args", default="{}", help="JSON of extra Engine arguments")
     p.add_argument("--out", default=None, help="sizes mode: markdown file")

@@ -44,9 +44,9 @@
 #                tokens equal or not)
 #   rank_profile the rank model at bs 1 under torch.profiler, no speculation and DSpark static
 #                (one process each): device kernels per step by time, then host ops
-#   rank_profile_serial  the rank model's plain decode at bs 1 under torch.profiler with
-#                programmatic launch off: each kernel's own duration (with it on, a kernel's
-#                span includes its wait for the one before)
+#   rank_profile_serial  the rank model's plain decode at bs 1 (RANK_PROFILE_BS: other batch
+#                sizes, e.g. 1,32) under torch.profiler with programmatic launch off: each kernel's
+#                own duration (with it on, a kernel's span includes its wait for the one before)
 #   v4_kv        dsv4_flash_rank (DeepSeek-V4-Flash dimensions), plain decode at bs 1 and 32
 #                with the window KV cache in bf16 and in FP8 (V4.1's is FP8 by definition)
 #   sweep        launch shapes of the quantised linear at q_b / o_b / wide, M 1 and 16 (when the
@@ -261,12 +261,14 @@ fi
 if has rank_profile_serial; then
   stage rank_profile_serial 240
   run 240 rank_profile_serial/plain.log "${native[@]}" decode "${rank[@]}" --systems plain \
-    --batch-sizes 1 --profile --engine-args '{"programmatic_launch_max_bs": 0}' \
-    --out-dir "$WORK/rank_profile_serial"
+    --batch-sizes "${RANK_PROFILE_BS:-1}" --profile \
+    --engine-args '{"programmatic_launch_max_bs": 0}' --out-dir "$WORK/rank_profile_serial"
   if (( ! DRY_RUN )); then
-    f=$WORK/rank_profile_serial/profile_plain_bs1.txt
-    [ -f "$f" ] && grep -A 45 "device kernels per step" "$f" > "${f%.txt}_kernels.md" \
-      && show "${f%.txt}_kernels.md"
+    for f in "$WORK"/rank_profile_serial/profile_plain_bs*.txt; do
+      [ -f "$f" ] || continue
+      grep -A 45 "device kernels per step" "$f" > "${f%.txt}_kernels.md"
+      show "${f%.txt}_kernels.md"
+    done
   fi
 fi
 if has v4_kv; then  # one table per KV dtype (bench_native names its table by config only)

@@ -149,16 +149,18 @@ def test_decode_mode_runs_on_cpu(tmp_path: Path) -> None:
 
 
 def test_decode_profile_writes_the_engines_table(tmp_path: Path) -> None:
-    """`--profile` adds, after an engine's rows, a profile of its bs 1 decode steps (host ops on
-    a CPU; device kernels too on a GPU) named by its system."""
+    """`--profile` adds, after an engine's rows, a profile of its decode steps at each batch size
+    (host ops on a CPU; device kernels too on a GPU) named by its system and batch size."""
     # The context (prompt + output + 64) must hold the profile's 80 new tokens.
     rows = _decode_on_cpu(
-        tmp_path, "--systems", "plain", "--batch-sizes", "1", "--output-len", "24", "--profile"
+        tmp_path, "--systems", "plain", "--batch-sizes", "1,2", "--output-len", "24", "--profile"
     )
-    assert [r["system"] for r in rows] == ["plain"] and "error" not in rows[0], rows
-    text = (tmp_path / "profile_plain_bs1.txt").read_text()
-    assert text.startswith("8 steps, ") and "ms/step wall" in text
-    assert "aten::" in text  # the host ops of the profiled steps
+    assert [r["system"] for r in rows] == ["plain", "plain"], rows
+    assert all("error" not in r for r in rows), rows
+    for bs in (1, 2):
+        text = (tmp_path / f"profile_plain_bs{bs}.txt").read_text()
+        assert text.startswith("8 steps, ") and "ms/step wall" in text
+        assert "aten::" in text  # the host ops of the profiled steps
 
 
 def test_timed_runs_report_the_median_wall_and_the_first_runs_ids(

@@ -117,6 +117,13 @@ def test_probe_tma_passes_its_shapes(tmp_path: Path) -> None:
     assert _flag(probe[0], "--shapes") == "down"
 
 
+def test_rank_profile_serial_takes_its_batch_size(tmp_path: Path) -> None:
+    commands = _dry_run("native_h200.sh", "rank_profile_serial", tmp_path, {"RANK_PROFILE_BS": "32"})
+    runs = [w for stage, _, _, w in commands if stage == "rank_profile_serial" and w]
+    assert len(runs) == 1
+    assert _flag(runs[0], "--batch-sizes") == "32"
+
+
 def test_rank_ab_warms_each_side_then_times_abba(tmp_path: Path) -> None:
     """`rank_ab` with RANK_AB_WARM=1: one short untimed engine per side first (its own
     directory, which the summary does not read), then the timed rounds base, head, head, base,
