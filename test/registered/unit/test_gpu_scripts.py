@@ -118,7 +118,9 @@ def test_probe_tma_passes_its_shapes(tmp_path: Path) -> None:
 
 
 def test_rank_profile_serial_takes_its_batch_size(tmp_path: Path) -> None:
-    commands = _dry_run("native_h200.sh", "rank_profile_serial", tmp_path, {"RANK_PROFILE_BS": "32"})
+    commands = _dry_run(
+        "native_h200.sh", "rank_profile_serial", tmp_path, {"RANK_PROFILE_BS": "32"}
+    )
     runs = [w for stage, _, _, w in commands if stage == "rank_profile_serial" and w]
     assert len(runs) == 1
     assert _flag(runs[0], "--batch-sizes") == "32"
