@@ -110,7 +110,7 @@
 #   env,rank_dspark         ~3 minutes on a warm Triton cache, ~9 on a cold one (540 s)
 #   env,rank_ab             ~8 minutes (540 s: four engines at bs 1, ~2 minutes each)
 #   env,rank_profile        ~4-7 minutes  (400 s)
-#   env,rank_profile_serial ~2 minutes on a cold Triton cache (240 s)
+#   env,rank_profile_serial ~2 minutes at bs 1 on a cold Triton cache (400 s)
 #   env,v4_kv               ~6 minutes  (320 s)
 #   env,sweep               ~8 minutes  (480 s), only when needed
 #   env,sweep_v41           under a minute (240 s)
@@ -259,8 +259,8 @@ if has rank_profile; then  # the kernel list heads each profile's table in the s
   fi
 fi
 if has rank_profile_serial; then
-  stage rank_profile_serial 240
-  run 240 rank_profile_serial/plain.log "${native[@]}" decode "${rank[@]}" --systems plain \
+  stage rank_profile_serial 400
+  run 400 rank_profile_serial/plain.log "${native[@]}" decode "${rank[@]}" --systems plain \
     --batch-sizes "${RANK_PROFILE_BS:-1}" --profile \
     --engine-args '{"programmatic_launch_max_bs": 0}' --out-dir "$WORK/rank_profile_serial"
   if (( ! DRY_RUN )); then
