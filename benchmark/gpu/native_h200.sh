@@ -16,9 +16,10 @@
 #                ABBA: MXFP4 at M 1/2/3/4/6/8, FP8 at M 1/2/3/4 (where the engine switches paths)
 #   moe_token_shapes  probe_moe_token.py --stage-metas: each per-token stage alone at other
 #                launch shapes (bits checked against the library's), MXFP4, M 1
-#                (MOE_TOKEN_M: other token counts; MOE_TOKEN_STAGES: gate_up and / or down;
-#                MOE_TOKEN_FORMAT: fp8 for FP8 stacks; MOE_TOKEN_ONLY: the variants whose
-#                label holds it)
+#                (MOE_TOKEN_M: other token counts; MOE_TOKEN_STAGES: gate_up and / or down,
+#                or sorted: the sorted path's grouped GEMMs at other column tiles and pipeline
+#                depths; MOE_TOKEN_FORMAT: fp8 for FP8 stacks; MOE_TOKEN_ONLY: the variants
+#                whose label holds it)
 #   ab           bench_native.py ab: dsv4_flash_slice loaded --weight-format bf16, then native
 #                (one process each), bs 1/8/32
 #   rank         bench_native.py decode: dsv41_flash_rank, or $RANK_CONFIG (full depth, 96

@@ -29,6 +29,7 @@ from unittest import mock
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+from sgl_dspark.kernels.moe import grouped_gemm as moe_grouped_gemm  # noqa: E402
 from sgl_dspark.kernels.moe import token_down as moe_token_down  # noqa: E402
 from sgl_dspark.kernels.moe import token_gemm as moe_token_gemm  # noqa: E402
 from sgl_dspark.kernels.moe.grouped_gemm import fused_moe
@@ -108,13 +109,26 @@ STAGE_METAS = {
         {"GROUP_SLOTS": 2, "BLOCK_N": 32, "num_stages": 3},
         {"GROUP_SLOTS": 2, "BLOCK_N": 16, "num_stages": 3},
     ],
+    # The sorted path's grouped GEMMs (both stages, the stack's and the extra expert's
+    # launches): `grouped_gemm._grouped_meta`.
+    "sorted": [
+        {"BLOCK_N": 64},
+        {"BLOCK_N": 128},
+        {"BLOCK_N": 16},
+        {"num_stages": 2},
+        {"BLOCK_N": 64, "num_stages": 2},
+    ],
 }
 # Timed, rejected and no longer swept (benchmark/results/kernels.md): a 128-register cap for
 # stage 2 (four programs an SM), eight warps for either stage (each its own slice of a dot),
 # either stage dispatching the folded shared expert's programs (twice a routed slot's bytes)
 # before the routed ones (the slot the grid's slowest dimension).
 # stage: (module, name) of its launch-shape function
-_META_NAMES = {"gate_up": (moe_token_gemm, "_gate_up_meta"), "down": (moe_token_down, "_down_meta")}
+_META_NAMES = {
+    "gate_up": (moe_token_gemm, "_gate_up_meta"),
+    "down": (moe_token_down, "_down_meta"),
+    "sorted": (moe_grouped_gemm, "_grouped_meta"),
+}
 
 
 def _with_shape(library, overrides: dict[str, int]):
@@ -131,8 +145,8 @@ def _stage_sweep(
     stages: list[str],
     only: str | None = None,
 ) -> list[str]:
-    """Each per-token stage of `stages` alone: the library's launch shape, then each
-    STAGE_METAS one (those whose label holds `only`, if given; bits against the library's,
+    """Each per-token stage of `stages` alone (or the whole sorted path, `sorted`): the library's
+    launch shape, then each STAGE_METAS one (those whose label holds `only`, if given; bits against the library's,
     timed ABBA against it in CUDA graphs)."""
     paths["gate_up"]()  # stage 2's inputs
     rows = []

@@ -411,13 +411,8 @@ def moe_grouped_gemm(
     )
     if num_tokens == 0 or n_out == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
         return out  # no route can be local (E_loc = 0) or nothing to compute
-    # Tiles depend on (N, K) only, so a row's summation order never depends on M. Narrow
-    # column tiles and long K steps: at decode sizes a few sorted blocks are live, and each
-    # program streams its expert's [BLOCK_N, K] weight slice, so more, shorter streams
-    # (32 columns: 2x the programs of 64) keep more SMs reading. out_swiglu keeps the tiles and
-    # the grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and
-    # the matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs.
-    block_n = min(32, max(16, triton.next_power_of_2(n_cols)))
+    meta = _grouped_meta(n_cols)
+    block_n = meta["BLOCK_N"]
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
         tile_major = num_tokens == 1
@@ -433,6 +428,7 @@ def moe_grouped_gemm(
         a_per_pair=a_per_pair,
         block_m=block_size,
         block_n=block_n,
+        stages=meta["num_stages"],
         out_swiglu=out_swiglu,
         tile_major=tile_major,
     )
@@ -447,6 +443,20 @@ def moe_grouped_gemm(
     extra_blocks = min(n_blocks, triton.cdiv(num_tokens, block_size))
     _launch_grouped(a, weight.extra, extra_blocks, n_tiles, 2, extra_local, **launch)
     return out
+
+
+def _grouped_meta(n_cols: int) -> dict[str, int]:
+    """Column tile of the grouped GEMMs for a weight of `n_cols` rows (the one place sweeps
+    override; `benchmark/kernels/probe_moe_token.py --stage-metas --stages sorted`). A compiled
+    dot sums each output in an order that depends neither on its row nor on its column in the
+    tile, so the tile changes no bit, only the time. Narrow column tiles and long K steps: at
+    decode sizes a few sorted blocks are live, and each program streams its expert's
+    [BLOCK_N, K] weight slice, so more, shorter streams (32 columns: 2x the programs of 64) keep
+    more SMs reading. out_swiglu keeps the tiles and the grid of the plain GEMM over the
+    weight's 2I rows (a tile holds BLOCK_N / 2 gate and the matching BLOCK_N / 2 up rows), so it
+    streams the same bytes with as many programs. Four pipeline stages (MXFP4 weights take at
+    most three: `quantized_stages`)."""
+    return {"BLOCK_N": min(32, max(16, triton.next_power_of_2(n_cols))), "num_stages": 4}
 
 
 def _launch_grouped(
@@ -468,6 +478,7 @@ def _launch_grouped(
     a_per_pair: bool,
     block_m: int,
     block_n: int,
+    stages: int,
     out_swiglu: bool,
     tile_major: bool,
 ) -> None:
@@ -517,7 +528,7 @@ def _launch_grouped(
         ON_BITS=interpreted(_moe_grouped_gemm_kernel),
         EXTRA_BLOCKS=extra_blocks,
         num_warps=EXPERT_WARPS,
-        num_stages=quantized_stages(getattr(weight, "fmt", None), 4),
+        num_stages=quantized_stages(getattr(weight, "fmt", None), stages),
         **programmatic_launch(_moe_grouped_gemm_kernel, a.device),
     )
 
