@@ -112,7 +112,7 @@ STAGE_METAS = {
     # The sorted path's grouped GEMMs (both stages, the stack's and the extra expert's
     # launches): `grouped_gemm._grouped_meta`.
     "sorted": [
-        {"BLOCK_N": 64},
+        {"BLOCK_N": 32},
         {"BLOCK_N": 128},
         {"BLOCK_N": 16},
         {"num_stages": 2},

@@ -411,7 +411,8 @@ def moe_grouped_gemm(
     )
     if num_tokens == 0 or n_out == 0 or weight.shape[0] == 0 or sorted_ids.numel() == 0:
         return out  # no route can be local (E_loc = 0) or nothing to compute
-    meta = _grouped_meta(n_cols)
+    stack = weight.stack if isinstance(weight, MixedExperts) else weight
+    meta = _grouped_meta(n_cols, getattr(stack, "fmt", None), block_size)
     block_n = meta["BLOCK_N"]
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
@@ -445,18 +446,25 @@ def moe_grouped_gemm(
     return out
 
 
-def _grouped_meta(n_cols: int) -> dict[str, int]:
-    """Column tile of the grouped GEMMs for a weight of `n_cols` rows (the one place sweeps
-    override; `benchmark/kernels/probe_moe_token.py --stage-metas --stages sorted`). A compiled
-    dot sums each output in an order that depends neither on its row nor on its column in the
-    tile, so the tile changes no bit, only the time. Narrow column tiles and long K steps: at
-    decode sizes a few sorted blocks are live, and each program streams its expert's
-    [BLOCK_N, K] weight slice, so more, shorter streams (32 columns: 2x the programs of 64) keep
-    more SMs reading. out_swiglu keeps the tiles and the grid of the plain GEMM over the
-    weight's 2I rows (a tile holds BLOCK_N / 2 gate and the matching BLOCK_N / 2 up rows), so it
-    streams the same bytes with as many programs. Four pipeline stages (MXFP4 weights take at
-    most three: `quantized_stages`)."""
-    return {"BLOCK_N": min(32, max(16, triton.next_power_of_2(n_cols))), "num_stages": 4}
+def _grouped_meta(n_cols: int, fmt: str | None, block_m: int) -> dict[str, int]:
+    """Column tile and pipeline depth of the grouped GEMMs for a weight of `n_cols` rows stored
+    as `fmt` (None: unquantised; a `MixedExperts` launches both its parts at its stack's) and
+    blocks of `block_m` rows, the one place sweeps override (`benchmark/kernels/probe_moe_token.py --stage-metas --stages
+    sorted`). A compiled dot sums each output in an order that depends neither on its row nor
+    on its column in the tile, so the tile changes no bit, only the time.
+
+    Narrow column tiles and long K steps: at decode sizes a few sorted blocks are live and each
+    program streams its expert's [BLOCK_N, K] weight slice, so more, shorter streams keep more
+    SMs reading: 32 columns (2x the programs of 64). MXFP4 stacks in 16-row blocks (decode
+    sizes) take 64: a K step of 32 columns is only 4 KB of their codes a program, and at
+    V4.1-Flash's experts 64 columns were as fast at 4 tokens and 1.03x / 1.06x / 1.06x at 8 /
+    32 / 64 (H100, benchmark/results/kernels.md); 128 and 16 were slower. 32-row blocks keep 32
+    columns (64 compile to 218 registers at sm90, two programs an SM; not timed). out_swiglu keeps the tiles and the
+    grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and the
+    matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs. Four
+    pipeline stages (MXFP4 weights take at most three: `quantized_stages`); two were slower."""
+    widest = 64 if fmt == "mxfp4" and block_m <= 16 else 32
+    return {"BLOCK_N": min(widest, max(16, triton.next_power_of_2(n_cols))), "num_stages": 4}
 
 
 def _launch_grouped(
