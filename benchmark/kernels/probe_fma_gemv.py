@@ -675,15 +675,16 @@ def main() -> None:
 
 
 def time_variants(shapes, fmt: str, ms, variants_of, only: str, deadline: float, out) -> None:
-    """The probes' table: for each shape (name, N, K), weight copies in `fmt` (32-channel scale
-    groups) beyond L2; at each M, the library's `quantized_linear` and then every variant of
-    `variants_of(m, k)` ((label, call(x, weight)) pairs; `only`: comma-separated substrings, the
-    labels that hold one) checked against dequantise-then-reference (fp32) and timed in CUDA
-    graphs. The table is printed and rewritten to `out` after every row; past `deadline` (a
-    `time.time()`) it says so and stops."""
+    """The probes' table: for each shape (name, N, K[, format]), weight copies in its format
+    (`fmt` where the shape names none; 32-channel scale groups) beyond L2; at each M, the
+    library's `quantized_linear` and then every variant of `variants_of(m, k)` ((label,
+    call(x, weight)) pairs; `only`: comma-separated substrings, the labels that hold one)
+    checked against dequantise-then-reference (fp32), compared bit for bit with the library's
+    output (`same bits`), and timed in CUDA graphs. The table is printed and rewritten to `out`
+    after every row; past `deadline` (a `time.time()`) it says so and stops."""
     lines = [
-        "| shape | M | variant | us | x library | TB/s (stored) | rel err |",
-        "|---|---|---|---|---|---|---|",
+        "| shape | M | variant | us | x library | TB/s (stored) | rel err | same bits |",
+        "|---|---|---|---|---|---|---|---|",
     ]
 
     def emit(*cells) -> None:
@@ -693,16 +694,19 @@ def time_variants(shapes, fmt: str, ms, variants_of, only: str, deadline: float,
             Path(out).write_text("\n".join(lines) + "\n")
 
     keep = [part for part in only.split(",") if part]
-    for name, n, k in shapes:
+    for name, n, k, *shape_fmt in shapes:
+        weight_fmt = shape_fmt[0] if shape_fmt else fmt
         gen = bq._generator(n + k)
-        ws = [bq.quantize_random((n, k), fmt, 32, gen)]
+        ws = [bq.quantize_random((n, k), weight_fmt, 32, gen)]
         ws += [
-            bq.quantize_random((n, k), fmt, 32, gen) for _ in range(bq._copies(ws[0].nbytes) - 1)
+            bq.quantize_random((n, k), weight_fmt, 32, gen)
+            for _ in range(bq._copies(ws[0].nbytes) - 1)
         ]
         deq = dequantize_weight_ref(ws[0], torch.float32)
         for m in ms:
             x = torch.randn(m, k, generator=gen, device=bq.SETUP.device).to(torch.bfloat16)
             want = x.float() @ deq.T
+            library = quantized_linear(x, ws[0])
             variants = [("library", quantized_linear)] + [
                 (tag, call)
                 for tag, call in variants_of(m, k)
@@ -711,15 +715,17 @@ def time_variants(shapes, fmt: str, ms, variants_of, only: str, deadline: float,
             base = None
             for tag, call in variants:
                 if time.time() > deadline:
-                    emit("stopped at the time budget", "", "", "", "", "", "")
+                    emit("stopped at the time budget", "", "", "", "", "", "", "")
                     return
                 try:
-                    err = max_rel_err(call(x, ws[0]), want)
+                    y = call(x, ws[0])
+                    err = max_rel_err(y, want)
+                    same = "yes" if torch.equal(y, library) else "no"
                     us = bq.time_us(
                         [lambda w=w, c=call, x=x: c(x, w) for w in ws], bq._reps(len(ws))
                     )
                 except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
-                    emit(name, m, tag, f"{type(exc).__name__}: {str(exc)[:80]}", "", "", "")
+                    emit(name, m, tag, f"{type(exc).__name__}: {str(exc)[:80]}", *[""] * 4)
                     continue
                 base = base or us
                 emit(
@@ -730,6 +736,7 @@ def time_variants(shapes, fmt: str, ms, variants_of, only: str, deadline: float,
                     f"{base / us:.2f}",
                     f"{ws[0].nbytes / us / 1e6:.2f}",
                     f"{err:.1e}",
+                    same,
                 )
         del ws
 

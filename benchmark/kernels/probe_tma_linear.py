@@ -19,7 +19,8 @@ where the library loads them ahead), the decode (`fp8_scaled_tile`, `fp4_scaled_
 dots in the same slices (`dequant._accumulate`), the rounding. With the library's launch shape
 the sums are in the library's order, so every variant with the library's K step and slices must
 give its bits exactly (the `same bits` column); the other shapes are checked against
-dequantise-then-reference. Timed beside the library in CUDA graphs over weight copies beyond L2.
+dequantise-then-reference. Timed beside the library in CUDA graphs over weight copies beyond L2
+(`probe_fma_gemv.time_variants`, the probes' shared table).
 """
 
 from __future__ import annotations
@@ -54,11 +55,10 @@ from sgl_dspark.kernels.linear.dequant import (  # noqa: E402
     scale_alignment,
     scales_loaded_ahead,
 )
-from sgl_dspark.kernels.linear.quantized import _quantized_meta, quantized_linear  # noqa: E402
-from sgl_dspark.kernels.linear.reference import dequantize_weight_ref  # noqa: E402
+from sgl_dspark.kernels.linear.quantized import _quantized_meta  # noqa: E402
 
 from benchmark.kernels import bench_quant_gemm as bq  # noqa: E402
-from benchmark.kernels.graph_timing import max_rel_err  # noqa: E402
+from benchmark.kernels.probe_fma_gemv import time_variants  # noqa: E402
 
 BLOCK_M = 16
 
@@ -207,14 +207,15 @@ def tma_linear(
 
 
 # V4.1-Flash's dense projections as the rank model stores them (FP8 32 x 32), and its per-token
-# experts' shapes in MXFP4 (a routed expert's gate-up and down projections as plain linears).
+# experts' shapes in MXFP4 (a routed expert's gate-up and down projections as plain linears):
+# (name, N, K, format).
 SHAPES = [
-    ("x_proj", "fp8", 1792, 5120),
-    ("o_b", "fp8", 5120, 8192),
-    ("down", "mxfp4", 5120, 2304),
-    ("q_b", "fp8", 32768, 1280),
-    ("gate_up", "mxfp4", 4608, 5120),
-    ("wkv", "fp8", 512, 5120),
+    ("x_proj", 1792, 5120, "fp8"),
+    ("o_b", 5120, 8192, "fp8"),
+    ("down", 5120, 2304, "mxfp4"),
+    ("q_b", 32768, 1280, "fp8"),
+    ("gate_up", 4608, 5120, "mxfp4"),
+    ("wkv", 512, 5120, "fp8"),
 ]
 # (label, launch overrides): the library's shape first, then deeper pipelines and other steps.
 VARIANTS = [
@@ -225,10 +226,10 @@ VARIANTS = [
     ("TMA BN32 4 stages", {"block_n": 32}),
 ]
 SMOKE_SHAPES = [
-    ("smoke fp8", "fp8", 40, 1024),
-    ("smoke mxfp4", "mxfp4", 40, 1024),
-    ("smoke fp8 ragged K", "fp8", 24, 1184),
-    ("smoke mxfp4 ragged K", "mxfp4", 72, 1088),
+    ("smoke fp8", 40, 1024, "fp8"),
+    ("smoke mxfp4", 40, 1024, "mxfp4"),
+    ("smoke fp8 ragged K", 24, 1184, "fp8"),
+    ("smoke mxfp4 ragged K", 72, 1088, "mxfp4"),
 ]
 
 
@@ -248,65 +249,11 @@ def main() -> None:
     if a.smoke:
         bq.SETUP.device = "cpu"
         shapes, ms = SMOKE_SHAPES, [1, 3]
-    keep = [part for part in a.only.split(",") if part]
-    variants = [v for v in VARIANTS if not keep or any(part in v[0] for part in keep)]
-    lines = [
-        "| shape | M | variant | us | x library | TB/s (stored) | rel err | same bits |",
-        "|---|---|---|---|---|---|---|---|",
-    ]
 
-    def emit(*cells) -> None:
-        lines.append("| " + " | ".join(str(c) for c in cells) + " |")
-        print(lines[-1], flush=True)
-        if a.out:
-            Path(a.out).write_text("\n".join(lines) + "\n")
+    def variants_of(m: int, k: int) -> list[tuple[str, object]]:
+        return [(tag, lambda x, w, kw=kw: tma_linear(x, w, **kw)) for tag, kw in VARIANTS]
 
-    for name, fmt, n, k in shapes:
-        gen = bq._generator(n + k)
-        ws = [bq.quantize_random((n, k), fmt, 32, gen)]
-        if not a.smoke:
-            ws += [
-                bq.quantize_random((n, k), fmt, 32, gen)
-                for _ in range(bq._copies(ws[0].nbytes) - 1)
-            ]
-        deq = dequantize_weight_ref(ws[0], torch.float32)
-        for m in ms:
-            x = torch.randn(m, k, generator=gen, device=bq.SETUP.device).to(torch.bfloat16)
-            want = x.float() @ deq.T
-            library = quantized_linear(x, ws[0])
-            calls = [("library", quantized_linear)] + [
-                (tag, lambda x, w, kw=kw: tma_linear(x, w, **kw)) for tag, kw in variants
-            ]
-            base = None
-            for tag, call in calls:
-                if time.time() > deadline:
-                    emit("stopped at the time budget", "", "", "", "", "", "", "")
-                    return
-                try:
-                    y = call(x, ws[0])
-                    err = max_rel_err(y, want)
-                    same = "yes" if torch.equal(y, library) else "no"
-                    if a.smoke:
-                        emit(name, m, tag, "-", "-", "-", f"{err:.1e}", same)
-                        continue
-                    us = bq.time_us(
-                        [lambda w=w, c=call, x=x: c(x, w) for w in ws], bq._reps(len(ws))
-                    )
-                except Exception as exc:  # noqa: BLE001 - a shape the target cannot run
-                    emit(name, m, tag, f"{type(exc).__name__}: {str(exc)[:80]}", "", "", "", "")
-                    continue
-                base = base or us
-                emit(
-                    name,
-                    m,
-                    tag,
-                    f"{us:.2f}",
-                    f"{base / us:.2f}",
-                    f"{ws[0].nbytes / us / 1e6:.2f}",
-                    f"{err:.1e}",
-                    same,
-                )
-        del ws
+    time_variants(shapes, "fp8", ms, variants_of, a.only, deadline, a.out)
 
 
 if __name__ == "__main__":
