@@ -145,9 +145,9 @@ def _stage_sweep(
     stages: list[str],
     only: str | None = None,
 ) -> list[str]:
-    """Each per-token stage of `stages` alone (or the whole sorted path, `sorted`): the library's
-    launch shape, then each STAGE_METAS one (those whose label holds `only`, if given; bits against the library's,
-    timed ABBA against it in CUDA graphs)."""
+    """Each per-token stage of `stages` alone (or the whole sorted path, `sorted`): the
+    library's launch shape, then each STAGE_METAS one (those whose label holds `only`, if
+    given; bits against the library's, timed ABBA against it in CUDA graphs)."""
     paths["gate_up"]()  # stage 2's inputs
     rows = []
     for stage in stages:

@@ -1,5 +1,5 @@
 """Probe: the scale bytes of the quantised GEMMs' narrow tiles loaded a step ahead
-(`dequant.scales_loaded_ahead`, the library's) against loaded in their step (the rule
+(`weight_loads.scales_loaded_ahead`, the library's) against loaded in their step (the rule
 answering False in the linear launcher and the expert kernels), one device, one process.
 
 Both give the same bits, so each case's outputs are first checked BIT-EQUAL; then both sides

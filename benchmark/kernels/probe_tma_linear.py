@@ -7,7 +7,7 @@ memory accelerator (TMA) instead of per-thread asynchronous copies.
 The library's `quantized_linear` streams each K step's weight and activation tiles into shared
 memory with 16-byte asynchronous copies that every thread issues (a weight tile of 16 columns x
 512 FP8 channels is 512 copies, the 16-row activation tile 1,024, 15 of its 16 rows padding at
-one token), waits on them with a CTA barrier, and at one token its warps issue 0.3-0.5
+one token), waits on them with a CTA barrier, and at one token its warps issue only 0.3-0.5
 instructions a cycle, stalled on memory and barriers (`benchmark/results/kernels.md`). Here the
 same tiles are tensor-descriptor loads (Triton's `TensorDescriptor`): one thread starts a step's
 copy, its completion is an mbarrier the consumers wait on, rows past M and columns past N are
@@ -48,14 +48,16 @@ from sgl_dspark.kernels._triton_utils import (  # noqa: E402
 )
 from sgl_dspark.kernels.linear.dequant import (  # noqa: E402
     _accumulate,
-    fp4_ptx_decode,
     fp4_scaled_halves,
     fp8_scaled_tile,
     quantized_scales,
+)
+from sgl_dspark.kernels.linear.quantized import _quantized_meta  # noqa: E402
+from sgl_dspark.kernels.linear.weight_loads import (  # noqa: E402
+    fp4_ptx_decode,
     scale_alignment,
     scales_loaded_ahead,
 )
-from sgl_dspark.kernels.linear.quantized import _quantized_meta  # noqa: E402
 
 from benchmark.kernels import bench_quant_gemm as bq  # noqa: E402
 from benchmark.kernels.probe_fma_gemv import time_variants  # noqa: E402

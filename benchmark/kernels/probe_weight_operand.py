@@ -37,16 +37,18 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
 
 from sgl_dspark.kernels.linear.dequant import (  # noqa: E402
-    fp4_ptx_decode,
-    fp4_rows_aligned,
     quantized_product,
     quantized_scales,
     quantized_tile,
-    stored_rows,
 )
 from sgl_dspark.kernels.linear.quantized import quantized_linear  # noqa: E402
 from sgl_dspark.kernels.linear.reference import dequantize_weight_ref  # noqa: E402
 from sgl_dspark.kernels.linear.small_m import small_m_linear  # noqa: E402
+from sgl_dspark.kernels.linear.weight_loads import (  # noqa: E402
+    fp4_ptx_decode,
+    fp4_rows_aligned,
+    stored_rows,
+)
 
 from benchmark.kernels import bench_quant_gemm as bq  # noqa: E402
 from benchmark.kernels.graph_timing import max_rel_err  # noqa: E402

@@ -37,7 +37,7 @@ INSTRUCTION_TARGETS = {"sm100": (GPUTarget("cuda", 100, 32), 232448)}
 _OPTIONS = ("num_warps", "num_stages", "enable_fp_fusion")
 # Constexprs a launcher sets from the device it runs on: a launch recorded with CPU tensors
 # compiles for each target with the value that target's device gets (`PTX`:
-# `linear.dequant.fp4_ptx_decode`, the inline-PTX MXFP4 decode on NVIDIA only).
+# `linear.weight_loads.fp4_ptx_decode`, the inline-PTX MXFP4 decode on NVIDIA only).
 _TARGET_CONSTEXPRS = {"PTX": lambda target: target.backend == "cuda"}
 
 
@@ -1483,7 +1483,7 @@ def check_programmatic_launch(
 
 
 # The quantised GEMMs' K loops (`linear.dequant.quantized_product`): each step's scale bytes are
-# either copied ahead asynchronously or loaded a step ahead (`dequant.scales_loaded_ahead`).
+# either copied ahead asynchronously or loaded a step ahead (`weight_loads.scales_loaded_ahead`).
 K_LOOP_KERNELS = (
     "linear.quantized._quantized_linear_kernel",
     "moe.grouped_gemm._moe_grouped_gemm_kernel",
@@ -1549,7 +1549,7 @@ def tiles_through_shared_memory(ttgir: str) -> list[str]:
 def _scale_tiles(kwargs: dict) -> list[tuple[bool, bool, int]]:
     """Per quantised product of a launch (the stack's, a `MixedExperts`' extra's): whether its
     scale tile is loaded ahead, whether the pipeliner copies it asynchronously (4 or more
-    bytes a thread, 4-byte aligned rows; `dequant.scales_loaded_ahead`), and its groups a
+    bytes a thread, 4-byte aligned rows; `weight_loads.scales_loaded_ahead`), and its groups a
     step."""
     warps = kwargs["num_warps"]
     tiles = []
@@ -1577,7 +1577,7 @@ def check_k_loops(
     """Compile each quantised GEMM's recorded launch variants (bf16 activations, K a multiple
     of the K step) for sm90 and check their K loops: no dequantised tile goes through shared
     memory, and no iteration waits on a load it issued where every product's scale tile is
-    loaded ahead or copied asynchronously (`dequant.scales_loaded_ahead`). A tile that is
+    loaded ahead or copied asynchronously (`weight_loads.scales_loaded_ahead`). A tile that is
     neither must have fewer than 8 groups a step (V4's FP8 128 x 128, whose scale loads stay
     in their step), but in SCALES_IN_STEP_KERNELS; the report counts those variants."""
     target = TARGETS["sm90"][0]

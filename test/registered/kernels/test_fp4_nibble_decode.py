@@ -22,7 +22,6 @@ import triton.language as tl
 from sgl_dspark.kernels.linear.dequant import (
     E2M1_SCALED_PTX,
     fp4_half_tiles,
-    fp4_rows_aligned,
     quantized_scales,
 )
 from sgl_dspark.kernels.linear.reference import (
@@ -32,6 +31,7 @@ from sgl_dspark.kernels.linear.reference import (
     e2m1_values_ref,
     e8m0_to_float_ref,
 )
+from sgl_dspark.kernels.linear.weight_loads import fp4_rows_aligned
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 MASK32 = 0xFFFFFFFF

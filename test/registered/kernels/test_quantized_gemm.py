@@ -27,9 +27,6 @@ import triton.language as tl
 from sgl_dspark.kernels.linear.dequant import (
     quantized_scales,
     quantized_tile,
-    scale_alignment,
-    scales_loaded_ahead,
-    stored_rows,
 )
 from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear, quantized_linear
 from sgl_dspark.kernels.linear.reference import (
@@ -37,6 +34,11 @@ from sgl_dspark.kernels.linear.reference import (
     dequantize_weight_ref,
     small_m_grouped_linear_ref,
     small_m_linear_ref,
+)
+from sgl_dspark.kernels.linear.weight_loads import (
+    scale_alignment,
+    scales_loaded_ahead,
+    stored_rows,
 )
 from sgl_dspark.kernels.moe.expert_weights import EXPERT_WARPS, expert_split_k
 from sgl_dspark.kernels.moe.grouped_gemm import fused_moe

@@ -19,12 +19,14 @@ import triton.language as tl
 
 from sgl_dspark.kernels._checks import FLOAT_DTYPES, require
 from sgl_dspark.kernels.linear.dequant import (
-    quantized_block_k,
     quantized_scales,
     quantized_tile,
-    stored_rows,
 )
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
+from sgl_dspark.kernels.linear.weight_loads import (
+    quantized_block_k,
+    stored_rows,
+)
 
 _BLOCK_N = 32
 

@@ -42,16 +42,16 @@ from sgl_dspark.kernels._triton_utils import (
     sm_count,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.dequant import (
+from sgl_dspark.kernels.linear.dequant import quantized_product
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
+from sgl_dspark.kernels.linear.weight_loads import (
     fp4_ptx_decode,
     fp4_rows_aligned,
     quantized_block_k,
-    quantized_product,
     quantized_stages,
     scale_alignment,
     scales_loaded_ahead,
 )
-from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 
 MAX_M = 16
 _BLOCK_M = 16

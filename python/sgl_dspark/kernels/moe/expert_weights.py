@@ -19,15 +19,15 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import require
-from sgl_dspark.kernels.linear.dequant import (
+from sgl_dspark.kernels.linear.dequant import quantized_product
+from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
+from sgl_dspark.kernels.linear.weight_loads import (
     fp4_ptx_decode,
     fp4_rows_aligned,
     quantized_block_k,
-    quantized_product,
     scale_alignment,
     scales_loaded_ahead,
 )
-from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
 from sgl_dspark.kernels.moe.reference import MixedExperts
 
 # A weight of the expert GEMMs: the stacked experts in the activation dtype, or kept as stored.
@@ -284,7 +284,7 @@ def expert_split_k(block_k: int, weight: ExpertWeight | None = None) -> int:
 
 def expert_scales_ahead(weight: ExpertWeight, columns: int, block_k: int) -> bool:
     """`expert_product`'s SCALES_AHEAD for a program of `columns` weight columns over
-    EXPERT_WARPS warps (`dequant.scales_loaded_ahead`; False for an unquantised stack)."""
+    EXPERT_WARPS warps (`weight_loads.scales_loaded_ahead`; False for an unquantised stack)."""
     if not isinstance(weight, QuantizedWeight):
         return False
     return scales_loaded_ahead(weight, columns, block_k, EXPERT_WARPS)

@@ -43,6 +43,8 @@ depend only on (N, K), never on M or the grid.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import triton
 import triton.language as tl
@@ -55,7 +57,7 @@ from sgl_dspark.kernels._triton_utils import (
     round_to_bf16,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.dequant import quantized_stages
+from sgl_dspark.kernels.linear.weight_loads import quantized_stages
 from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
@@ -417,7 +419,7 @@ def moe_grouped_gemm(
     n_blocks, n_tiles = sorted_expert_ids.numel(), triton.cdiv(n_cols, block_n)  # 2I / BLOCK_N
     if tile_major is None:
         tile_major = num_tokens == 1
-    launch = dict(
+    launch: dict[str, Any] = dict(
         out=out,
         layout=(sorted_ids, sorted_expert_ids, num_valid),
         num_tokens=num_tokens,
@@ -449,9 +451,10 @@ def moe_grouped_gemm(
 def _grouped_meta(n_cols: int, fmt: str | None, block_m: int) -> dict[str, int]:
     """Column tile and pipeline depth of the grouped GEMMs for a weight of `n_cols` rows stored
     as `fmt` (None: unquantised; a `MixedExperts` launches both its parts at its stack's) and
-    blocks of `block_m` rows, the one place sweeps override (`benchmark/kernels/probe_moe_token.py --stage-metas --stages
-    sorted`). A compiled dot sums each output in an order that depends neither on its row nor
-    on its column in the tile, so the tile changes no bit, only the time.
+    blocks of `block_m` rows, the one place sweeps override
+    (`benchmark/kernels/probe_moe_token.py --stage-metas --stages sorted`). A compiled dot sums
+    each output in an order that depends neither on its row nor on its column in the tile, so
+    the tile changes no bit, only the time.
 
     Narrow column tiles and long K steps: at decode sizes a few sorted blocks are live and each
     program streams its expert's [BLOCK_N, K] weight slice, so more, shorter streams keep more
@@ -459,10 +462,11 @@ def _grouped_meta(n_cols: int, fmt: str | None, block_m: int) -> dict[str, int]:
     sizes) take 64: a K step of 32 columns is only 4 KB of their codes a program, and at
     V4.1-Flash's experts 64 columns were as fast at 4 tokens and 1.03x / 1.06x / 1.06x at 8 /
     32 / 64 (H100, benchmark/results/kernels.md); 128 and 16 were slower. 32-row blocks keep 32
-    columns (64 compile to 218 registers at sm90, two programs an SM; not timed). out_swiglu keeps the tiles and the
-    grid of the plain GEMM over the weight's 2I rows (a tile holds BLOCK_N / 2 gate and the
-    matching BLOCK_N / 2 up rows), so it streams the same bytes with as many programs. Four
-    pipeline stages (MXFP4 weights take at most three: `quantized_stages`); two were slower."""
+    columns (64 compile to 218 registers at sm90, two programs an SM; not timed). out_swiglu
+    keeps the tiles and the grid of the plain GEMM over the weight's 2I rows (a tile holds
+    BLOCK_N / 2 gate and the matching BLOCK_N / 2 up rows), so it streams the same bytes with
+    as many programs. Four pipeline stages (MXFP4 weights take at most three:
+    `quantized_stages`); two were slower."""
     widest = 64 if fmt == "mxfp4" and block_m <= 16 else 32
     return {"BLOCK_N": min(widest, max(16, triton.next_power_of_2(n_cols))), "num_stages": 4}
 

@@ -44,7 +44,7 @@ from sgl_dspark.kernels._triton_utils import (
     programmatic_launch,
     wait_for_producers,
 )
-from sgl_dspark.kernels.linear.dequant import quantized_stages
+from sgl_dspark.kernels.linear.weight_loads import quantized_stages
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
     ExpertWeight,
