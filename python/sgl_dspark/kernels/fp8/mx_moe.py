@@ -49,7 +49,8 @@ from sgl_dspark.kernels.fp8.act_quant import (
 from sgl_dspark.kernels.fp8.reference import MX_GROUP
 from sgl_dspark.kernels.linear.dequant import E2M1_FP16_SHIFT, e2m1_to, e8m0_to_fp32
 from sgl_dspark.kernels.linear.reference import QuantizedWeight, check_quantized_weight
-from sgl_dspark.kernels.moe.grouped_gemm import fused_moe_out, swiglu_tile, weighted_activation
+from sgl_dspark.kernels.moe.activation import swiglu_tile, weighted_activation
+from sgl_dspark.kernels.moe.grouped_gemm import fused_moe_out
 from sgl_dspark.kernels.moe.reference import MoeSortOutput
 from sgl_dspark.kernels.quant.reference import Fp8Rows
 

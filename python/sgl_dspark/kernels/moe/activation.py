@@ -14,6 +14,12 @@ hardware instruction on both vendors). Output epilogues (a constexpr switch on o
     (`fp8/act_quant.py`, E4M3 rounded on the bits). Given equal y, the scales and codes are
     exact on every device, the CPU interpreter included.
 
+The expert GEMMs that fuse the activation into their epilogue (the grouped stage 1, the
+per-token stage 1, the MX MoE's) take its ops from here too: `clamped_swiglu_values` (the one
+definition of the ops and their order), `swiglu_tile` (a [gate | up] product tile rounded as a
+plain GEMM would store it, then activated) and `weighted_activation` (DeepSeek-V4.1's route
+weight applied before the down projection).
+
 Exactness: within a tolerance of `silu_mul_clamp_ref` (the same exp2 formula): the only
 difference is the backend's exp2 (numpy vs torch on CPU, the hardware approximation on GPU):
 rare 1-ulp flips. NaN in g or u propagates to y (the clamps are written as selects); NaN in the
@@ -31,6 +37,7 @@ from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
     round_bf16_native_or_bits,
+    round_to_bf16,
     wait_for_producers,
 )
 from sgl_dspark.kernels.fp8.act_quant import (
@@ -79,6 +86,37 @@ def clamped_swiglu_values(
     one = tl.full(gate.shape, 1.0, tl.float32)
     sigmoid = tl.div_rn(one, 1.0 + tl.exp2(-gate * 1.4426950408889634))
     y = gate * sigmoid * up
+    if ROUND_BF16:
+        y = round_bf16_native_or_bits(y, ON_BITS)
+    return y
+
+
+@triton.jit
+def swiglu_tile(
+    acc,
+    limit,
+    BLOCK_M: tl.constexpr,
+    HALF: tl.constexpr,
+    HAS_LIMIT: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    ON_BITS: tl.constexpr,
+):
+    """The clamped SwiGLU of an fp32 [BLOCK_M, 2 * HALF] product tile whose columns [0, HALF)
+    are gate and [HALF, 2 * HALF) the matching up outputs: rounded as a plain GEMM's store would
+    round them, then `silu_mul_clamp`'s own ops (`clamped_swiglu_values`). Returns
+    [BLOCK_M, HALF]."""
+    if ROUND_BF16:
+        acc = round_to_bf16(acc)
+    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
+    return clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
+
+
+@triton.jit
+def weighted_activation(y, w, ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):
+    """DeepSeek-V4.1's route weight before the down projection: the stored activation rows y
+    [BLOCK_M, N] (fp32 holding their stored values) times each row's fp32 weight w [BLOCK_M],
+    rounded as stored (`moe_route_gate_up_ref`'s `(h.float() * w).to(dtype)`)."""
+    y = y * w[:, None]
     if ROUND_BF16:
         y = round_bf16_native_or_bits(y, ON_BITS)
     return y

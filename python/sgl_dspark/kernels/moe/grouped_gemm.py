@@ -53,12 +53,11 @@ from sgl_dspark.kernels._checks import require
 from sgl_dspark.kernels._triton_utils import (
     interpreted,
     programmatic_launch,
-    round_bf16_native_or_bits,
     round_to_bf16,
     wait_for_producers,
 )
 from sgl_dspark.kernels.linear.weight_loads import quantized_stages
-from sgl_dspark.kernels.moe.activation import clamped_swiglu_values
+from sgl_dspark.kernels.moe.activation import swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
     ExpertWeight,
@@ -72,37 +71,6 @@ from sgl_dspark.kernels.moe.expert_weights import (
     expert_weight_data,
 )
 from sgl_dspark.kernels.moe.reference import MoeSortOutput
-
-
-@triton.jit
-def swiglu_tile(
-    acc,
-    limit,
-    BLOCK_M: tl.constexpr,
-    HALF: tl.constexpr,
-    HAS_LIMIT: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    ON_BITS: tl.constexpr,
-):
-    """The clamped SwiGLU of an fp32 [BLOCK_M, 2 * HALF] product tile whose columns [0, HALF)
-    are gate and [HALF, 2 * HALF) the matching up outputs: rounded as a plain GEMM's store would
-    round them, then `silu_mul_clamp`'s own ops (`clamped_swiglu_values`). Returns
-    [BLOCK_M, HALF]."""
-    if ROUND_BF16:
-        acc = round_to_bf16(acc)
-    gate, up = tl.split(tl.permute(tl.reshape(acc, [BLOCK_M, 2, HALF]), (0, 2, 1)))
-    return clamped_swiglu_values(gate, up, limit, HAS_LIMIT, ROUND_BF16, ON_BITS)
-
-
-@triton.jit
-def weighted_activation(y, w, ROUND_BF16: tl.constexpr, ON_BITS: tl.constexpr):
-    """DeepSeek-V4.1's route weight before the down projection: the stored activation rows y
-    [BLOCK_M, N] (fp32 holding their stored values) times each row's fp32 weight w [BLOCK_M],
-    rounded as stored (`moe_route_gate_up_ref`'s `(h.float() * w).to(dtype)`)."""
-    y = y * w[:, None]
-    if ROUND_BF16:
-        y = round_bf16_native_or_bits(y, ON_BITS)
-    return y
 
 
 @triton.jit

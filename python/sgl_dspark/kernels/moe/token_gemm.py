@@ -45,6 +45,7 @@ from sgl_dspark.kernels._triton_utils import (
     wait_for_producers,
 )
 from sgl_dspark.kernels.linear.weight_loads import quantized_stages
+from sgl_dspark.kernels.moe.activation import swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.expert_weights import (
     EXPERT_WARPS,
     ExpertWeight,
@@ -59,7 +60,6 @@ from sgl_dspark.kernels.moe.expert_weights import (
     expert_weight_data,
     extra_expert_args,
 )
-from sgl_dspark.kernels.moe.grouped_gemm import swiglu_tile, weighted_activation
 from sgl_dspark.kernels.moe.sort import check_local_routes, route_locality
 
 # tl.dot's smallest row count; row 0 is the route's (or token's) row, the others are masked.
