@@ -428,8 +428,8 @@ def _grouped_meta(n_cols: int, fmt: str | None, block_m: int) -> dict[str, int]:
     program streams its expert's [BLOCK_N, K] weight slice, so more, shorter streams keep more
     SMs reading: 32 columns (2x the programs of 64). MXFP4 stacks in 16-row blocks (decode
     sizes) take 64: a K step of 32 columns is only 4 KB of their codes a program, and at
-    V4.1-Flash's experts 64 columns were as fast at 4 tokens and 1.03x / 1.06x / 1.06x at 8 /
-    32 / 64 (H100, benchmark/results/kernels.md); 128 and 16 were slower. 32-row blocks keep 32
+    V4.1-Flash's experts 64 columns were as fast at 4 tokens and faster from 8, where 128 and
+    16 were slower (benchmark/results/kernels.md). 32-row blocks keep 32
     columns (64 compile to 218 registers at sm90, two programs an SM; not timed). out_swiglu
     keeps the tiles and the grid of the plain GEMM over the weight's 2I rows (a tile holds
     BLOCK_N / 2 gate and the matching BLOCK_N / 2 up rows), so it streams the same bytes with
