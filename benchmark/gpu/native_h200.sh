@@ -76,6 +76,11 @@
 #                loaded through tensor descriptors (TMA) at V4.1-Flash's dense shapes (FP8) and
 #                its experts' (MXFP4), bits compared with the library, then timed beside it at
 #                M 1/4/16 (PROBE_TMA_SHAPES: some of x_proj,o_b,down,q_b,gate_up,wkv)
+#   probe_w8a8   probe_w8a8_decode.py: V4.1's FP8 decode linears on FP8 activations (W8A8), the
+#                weight's codes fed to the matrix unit as stored (a warpgroup-MMA kernel with
+#                64 weight rows a tile and K splits; the register-fed Gluon one), checked
+#                against the W8A8 reference, then timed beside the library's W8A16 at M 1/4/16
+#                (PROBE_W8A8_SHAPES: some of x_proj,o_b,q_b,wkv; PROBE_W8A8_ONLY: variants)
 #   ncu          ncu_targets.py under Nsight Compute: the rank model's heaviest decode kernels
 #                at one token (the dense FP8 linears, the per-token MoE stages, the mHC
 #                boundary), one launch each, their hardware counters (speed of light, launch
@@ -119,6 +124,7 @@
 #   env,w8a8,probe          ~2 minutes  (budgets 120 + 400 s)
 #   env,probe_regs          ~1 minute warm (an H200), more on a cold Triton cache (300 s)
 #   env,probe_fp4           ~40 s on an H100 (240 s)
+#   env,probe_w8a8          not yet timed (420 s)
 #   env,scale_loads         under a minute  (240 s)
 #   env,mhc_phases          ~3 minutes  (480 s)
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
@@ -361,6 +367,13 @@ if has probe_tma; then  # the probe keeps to its own budget, under the stage's l
   run 300 probe_tma.log python3 benchmark/kernels/probe_tma_linear.py --budget-s 270 \
     --shapes "${PROBE_TMA_SHAPES:-x_proj,o_b,down,q_b,gate_up,wkv}" --out "$WORK/probe_tma.md"
   show "$WORK/probe_tma.md"
+fi
+if has probe_w8a8; then  # the probe keeps to its own budget, under the stage's limit
+  stage probe_w8a8 420
+  run 420 probe_w8a8.log python3 benchmark/kernels/probe_w8a8_decode.py --budget-s 390 \
+    --shapes "${PROBE_W8A8_SHAPES:-x_proj,o_b,q_b,wkv}" --only "${PROBE_W8A8_ONLY:-}" \
+    --out "$WORK/probe_w8a8.md"
+  show "$WORK/probe_w8a8.md"
 fi
 mhc_ab_round() {  # ROUND SIDE ROOT: the boundary alone, V4.1's and V4's, on ROOT's library
   local model limit name extra

@@ -235,3 +235,12 @@ def test_v41_bench_stage_on_cpu(tmp_path: Path) -> None:
     assert all("error" not in r and len(r["ids"]) == r["bs"] for r in table["rows"])
     assert all(len(ids) == 2 for r in table["rows"] for ids in r["ids"])
     assert "| dspark_confidence_async | 2 |" in summary
+
+
+def test_probe_w8a8_passes_its_shapes_and_variants(tmp_path: Path) -> None:
+    knobs = {"PROBE_W8A8_SHAPES": "o_b", "PROBE_W8A8_ONLY": "BN128"}
+    commands = _dry_run("native_h200.sh", "probe_w8a8", tmp_path, knobs)
+    probe = [words for stage, _, _, words in commands if stage == "probe_w8a8" and words]
+    assert len(probe) == 1
+    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_w8a8_decode.py"]
+    assert _flag(probe[0], "--shapes") == "o_b" and _flag(probe[0], "--only") == "BN128"
