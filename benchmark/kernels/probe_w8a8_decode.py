@@ -46,7 +46,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path[:0] = [str(ROOT), str(ROOT / "python")]
 
 from sgl_dspark.kernels._triton_utils import (  # noqa: E402
-    DTYPE_KIND,
     interpreted,
     programmatic_launch,
     round_to_bf16,
@@ -187,21 +186,7 @@ def w8a8_wgmma_linear(
         **programmatic_launch(_w8a8_wgmma_kernel, out.device),
     )
     if used > 1:
-        block = 1024
-        # Looked up on its module at the call (the offline compile check swaps launches there).
-        reduce = w8a8_kernels._split_k_reduce_kernel
-        reduce[(triton.cdiv(m * n, block),)](
-            dest,
-            out,
-            m * n,
-            n,
-            out.stride(0),
-            SPLITS=used,
-            BLOCK=block,
-            OUT_KIND=DTYPE_KIND[torch.bfloat16],
-            num_warps=4,
-            **programmatic_launch(reduce, out.device),
-        )
+        w8a8_kernels.reduce_splits(dest, out)
     return out
 
 

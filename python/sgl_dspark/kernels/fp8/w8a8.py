@@ -464,22 +464,29 @@ def w8a8_split_k_linear(
         sub,
         meta,
     )
-    if used == 1:
-        return out
+    if used > 1:
+        reduce_splits(dest, out)
+    return out
+
+
+def reduce_splits(partials: torch.Tensor, out: torch.Tensor) -> None:
+    """out[m, n] = the sum over s = 0..S-1, in that order, of the fp32 split partials
+    `partials` [S, M, N] (contiguous), rounded once to out's dtype (out [M, N], unit stride
+    along N), in one launch of `_split_k_reduce_kernel`."""
+    splits, m, n = partials.shape
     block = 1024
     _split_k_reduce_kernel[(triton.cdiv(m * n, block),)](
-        dest,
+        partials,
         out,
         m * n,
         n,
         out.stride(0),
-        SPLITS=used,
+        SPLITS=splits,
         BLOCK=block,
         OUT_KIND=DTYPE_KIND[out.dtype],
         num_warps=4,
-        **programmatic_launch(_split_k_reduce_kernel, x.device),
+        **programmatic_launch(_split_k_reduce_kernel, out.device),
     )
-    return out
 
 
 def _launch(
@@ -538,6 +545,7 @@ def _launch(
 __all__ = [
     "BLOCK_K",
     "chunk_width",
+    "reduce_splits",
     "split_k_splits",
     "split_k_supports",
     "supports",
