@@ -165,21 +165,26 @@ for _config in ((16, 8, 1, 8), (32, 4, 1, 8), (64, 4, 2, 8), (32, 8, 2, 16), (16
     )
 
 
+def _w8a8_operands(n: int, k: int) -> tuple:
+    """A random FP8 32 x 32 weight [n, k] and one token's activation quantised by the reference
+    quantiser (32-channel groups, power-of-two scales), on the CPU."""
+    from sgl_dspark.kernels.fp8.reference import quantize_act_fp8_ref
+
+    from benchmark.kernels import bench_quant_gemm as bq
+
+    bq.SETUP.device = "cpu"
+    weight = bq.quantize_random((n, k), "fp8", 32, torch.Generator().manual_seed(0))
+    act = quantize_act_fp8_ref(torch.randn(1, k).to(torch.bfloat16), 32, ue8m0=True)
+    return act, weight
+
+
 # The W8A8 probe's kernel (`probe_w8a8_decode.py`: the weight's 64 rows the warpgroup MMA's row
 # side, both operands E4M3 codes, no weight decode), launched by its launcher with its K splits
-# (BLOCK_N, scale groups a step, splits, stages); one token's activation quantised by the
-# reference quantiser.
-def _w8a8_case(n: int, k: int, launcher: str, config: tuple):
+# (BLOCK_N, scale groups a step, splits, stages).
+def _w8a8_case(n: int, k: int, config: tuple):
     def run() -> None:
-        from sgl_dspark.kernels.fp8.reference import quantize_act_fp8_ref
-
-        from benchmark.kernels import bench_quant_gemm as bq
-
-        bq.SETUP.device = "cpu"
         module = importlib.import_module("benchmark.kernels.probe_w8a8_decode")
-        weight = bq.quantize_random((n, k), "fp8", 32, torch.Generator().manual_seed(0))
-        act = quantize_act_fp8_ref(torch.randn(1, k).to(torch.bfloat16), 32, ue8m0=True)
-        getattr(module, launcher)(act, weight, *config)
+        module.w8a8_wgmma_linear(*_w8a8_operands(n, k), *config)
 
     return run
 
@@ -188,7 +193,7 @@ for _config in ((64, 4, 4, 4), (64, 2, 4, 8), (128, 4, 2, 4)):
     CASES[f"w8a8 wgmma fp8/32 1792x5120 {_config}"] = (
         "benchmark.kernels.probe_w8a8_decode",
         "_w8a8_wgmma_kernel",
-        _w8a8_case(1792, 5120, "w8a8_wgmma_linear", _config),
+        _w8a8_case(1792, 5120, _config),
     )
 CASES.update(GLUON_CASES)
 
@@ -200,13 +205,8 @@ def _w8a8_library_case(n: int, k: int, meta: dict):
         from unittest import mock
 
         from sgl_dspark.kernels.fp8 import w8a8
-        from sgl_dspark.kernels.fp8.reference import quantize_act_fp8_ref
 
-        from benchmark.kernels import bench_quant_gemm as bq
-
-        bq.SETUP.device = "cpu"
-        weight = bq.quantize_random((n, k), "fp8", 32, torch.Generator().manual_seed(0))
-        act = quantize_act_fp8_ref(torch.randn(1, k).to(torch.bfloat16), 32, ue8m0=True)
+        act, weight = _w8a8_operands(n, k)
         shaped = {**w8a8._gemm_meta(1), **meta}
         with mock.patch.object(w8a8, "_gemm_meta", lambda m: shaped):
             w8a8.w8a8_linear(act, weight, 32)
