@@ -1,5 +1,5 @@
 """`--enable-deterministic-inference` (batch-invariant kernels) and the triton attention of
-DeepSeek-V4.1 (`attend_packed`).
+DeepSeek-V4.1 (`attend_gathered`).
 
 What CPU CI can show: the dispatch (the linear layers never reach the BLAS, whatever M; the
 attention runs one pass over the key range), the kernels' row blocks and masked key tiles
@@ -18,9 +18,7 @@ from sgl_dspark.kernels.attention.reference import sink_attention_ref
 from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.layers.attention import create_attention_backend
-from sgl_dspark.srt.layers.attention.base import AttendedRows
 from sgl_dspark.srt.layers.fused_linear import grouped_linear_impl, linear_impl
-from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
 from sgl_dspark.srt.server_args import ServerArgs
 
 pytestmark = pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0")
@@ -61,63 +59,41 @@ def test_batch_invariant_linear_never_reaches_the_blas(monkeypatch: pytest.Monke
         linear(x, w.float())
 
 
-def _cache(fmt, dim: int, rows: int, dtype: torch.dtype, g: torch.Generator) -> QuantizedRows:
-    cache = QuantizedRows(rows, dim, fmt, dtype, DEVICE)
-    values = torch.randn(rows, dim, generator=g) * 2
-    cache.store(torch.arange(rows, device=DEVICE), values.to(DEVICE))
-    return cache
-
-
-def _packed(tokens: int, keys: tuple[int, int], seed: int, dtype=torch.float32, dim: int = 32):
-    """q, two sources (FP8 window rows, then FP4 latents; plain rows where `dim` is not a
-    multiple of the quantisers' blocks), sinks, scale."""
+def _gathered(tokens: int, keys: int, seed: int, dtype: torch.dtype = torch.float32):
     g = torch.Generator().manual_seed(seed)
-    heads = 4
-    q = torch.randn(tokens, heads, dim, generator=g).to(dtype).to(DEVICE)
-    sources = []
-    for fmt, n in zip(("fp8_window", "fp4_latent"), keys):
-        cache = _cache(fmt, dim, 40, dtype, g)
-        rows = torch.randint(0, 40, (tokens, n), generator=g).to(DEVICE)
-        valid = (torch.rand(tokens, n, generator=g) < 0.7).to(DEVICE)
-        if tokens > 1:
-            valid[1] = False  # a token that sees no key of this source
-        sources.append(AttendedRows(cache, rows, valid))
-    sources[0].valid[:, 0] = True
+    heads, head_dim = 4, 32
+    q = torch.randn(tokens, heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    k = torch.randn(tokens, keys, head_dim, generator=g).to(dtype).to(DEVICE)
+    valid = (torch.rand(tokens, keys, generator=g) < 0.7).to(DEVICE)
+    valid[:, 0] = True
+    if tokens > 1:
+        valid[1] = False  # a token that sees no key: the sink alone, a zero output
     sinks = torch.randn(heads, generator=g).to(dtype).to(DEVICE)
-    return q, sources, sinks, dim**-0.5
+    return q, k, valid, sinks, head_dim**-0.5
 
 
-@pytest.mark.parametrize("tokens,keys", [(1, (5, 0)), (3, (32, 38)), (6, (64, 65))])
+@pytest.mark.parametrize("tokens,keys", [(1, 5), (3, 70), (6, 129)])
 @pytest.mark.parametrize("invariant", [False, True])
-@pytest.mark.parametrize("dim", [32, 24])  # packed caches; plain rows (24: no whole block)
-def test_attend_packed_matches_the_reference(tokens, keys, invariant, dim) -> None:
-    q, sources, sinks, scale = _packed(tokens, keys, seed=tokens * 100 + keys[1], dim=dim)
-    assert all(s.cache.packed == (dim == 32) for s in sources)
-    got = create_attention_backend("triton", invariant).attend_packed(q, sources, sinks, scale)
-    want = create_attention_backend("torch").attend_packed(q, sources, sinks, scale)
-    k = torch.cat([s.cache.load(s.rows) for s in sources], dim=1)
-    valid = torch.cat([s.valid for s in sources], dim=1)
+def test_attend_gathered_matches_the_reference(tokens: int, keys: int, invariant: bool) -> None:
+    q, k, valid, sinks, scale = _gathered(tokens, keys, seed=tokens * 100 + keys)
+    got = create_attention_backend("triton", invariant).attend_gathered(q, k, valid, sinks, scale)
+    want = create_attention_backend("torch").attend_gathered(q, k, valid, sinks, scale)
     torch.testing.assert_close(want, sink_attention_ref(q, k, valid, sinks, scale))
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)  # fp32, reordered sums
-    one = create_attention_backend("triton", invariant).attend_packed(q, sources[:1], sinks, scale)
-    alone = sink_attention_ref(
-        q, sources[0].cache.load(sources[0].rows), sources[0].valid, sinks, scale
-    )
-    torch.testing.assert_close(one, alone, rtol=1e-5, atol=1e-5)  # a window-only layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_attend_packed_undoes_the_v_rope_in_its_epilogue(dtype: torch.dtype) -> None:
+def test_attend_gathered_undoes_the_v_rope_in_its_epilogue(dtype: torch.dtype) -> None:
     """`inverse_rope`: each backend's output is its plain output rotated back by `rope_tail_ref`
     bit for bit (the Triton kernel rotates its own rounded output in the epilogue), at
     positions of either sign of angle."""
-    q, sources, sinks, scale = _packed(4, (16, 21), seed=21, dtype=dtype)
+    q, k, valid, sinks, scale = _gathered(4, 37, seed=21, dtype=dtype)
     g = torch.Generator().manual_seed(22)
     angles = torch.randn(4, 8, generator=g) * 40.0  # rope dim 16 of head dim 32
     cos, sin = angles.cos().to(DEVICE), angles.sin().to(DEVICE)
     for backend in (create_attention_backend("triton"), create_attention_backend("torch")):
-        plain = backend.attend_packed(q, sources, sinks, scale)
-        rotated = backend.attend_packed(q, sources, sinks, scale, inverse_rope=(cos, sin))
+        plain = backend.attend_gathered(q, k, valid, sinks, scale)
+        rotated = backend.attend_gathered(q, k, valid, sinks, scale, inverse_rope=(cos, sin))
         want = rope_tail_ref(plain, cos, sin, inverse=True)
         assert rotated.dtype == dtype and torch.equal(rotated, want)
         assert not torch.equal(rotated, plain)
@@ -125,21 +101,17 @@ def test_attend_packed_undoes_the_v_rope_in_its_epilogue(dtype: torch.dtype) -> 
 
 def test_batch_invariant_attention_ignores_the_batch_and_trailing_masked_keys() -> None:
     """One pass over the key tiles: a token alone, among others, or with more masked keys
-    after its own (a verify's wider top-k) gets the same bits."""
+    after its own (a verify's wider gather) gets the same bits."""
     backend = create_attention_backend("triton", batch_invariant=True)
-    q, sources, sinks, scale = _packed(5, (64, 100), seed=11)
-    full = backend.attend_packed(q, sources, sinks, scale)
+    q, k, valid, sinks, scale = _gathered(5, 100, seed=11)
+    full = backend.attend_gathered(q, k, valid, sinks, scale)
     for t in (0, 3):
-        alone = [s._replace(rows=s.rows[t : t + 1], valid=s.valid[t : t + 1]) for s in sources]
-        assert torch.equal(
-            backend.attend_packed(q[t : t + 1], alone, sinks, scale), full[t : t + 1]
-        )
-    window, latents = sources
-    wider = latents._replace(
-        rows=torch.cat((latents.rows, torch.zeros_like(latents.rows[:, :90])), dim=1),
-        valid=torch.cat((latents.valid, torch.zeros_like(latents.valid[:, :90])), dim=1),
-    )
-    assert torch.equal(backend.attend_packed(q, [window, wider], sinks, scale), full)
+        alone = backend.attend_gathered(q[t : t + 1], k[t : t + 1], valid[t : t + 1], sinks, scale)
+        assert torch.equal(alone, full[t : t + 1])
+    g = torch.Generator().manual_seed(12)
+    wider = torch.cat((k, torch.randn(5, 90, k.shape[2], generator=g).to(DEVICE)), dim=1)
+    masked = torch.cat((valid, torch.zeros(5, 90, dtype=torch.bool, device=DEVICE)), dim=1)
+    assert torch.equal(backend.attend_gathered(q, wider, masked, sinks, scale), full)
 
 
 @pytest.mark.parametrize(

@@ -152,9 +152,8 @@ def test_bad_kernel_choices_are_rejected(kw, match):
 def test_tiny_v41_triton_backend_equals_torch(spec):
     """DeepSeek-V4.1 (`tiny-v41`) with every family on Triton: the single-pass mHC boundary,
     the V4.1 router and experts, the ratio-2 compressor's pair pooling, the fused cache stores
-    (FP8 window, FP4 latents and index keys), the FP4 index scoring with the candidate blocks,
-    Engram's gather and gate (the attention: the device's default backend, which reads the
-    packed caches itself on a GPU); with and without its DSpark draft."""
+    (FP8 window, FP4 latents and index keys) and their gathered reads, the FP4 index scoring with the candidate blocks, Engram's
+    gather and gate; with and without its DSpark draft."""
     kw = {**DSPARK} if spec else {}
     params = {**GREEDY, "max_new_tokens": 4}
 
@@ -171,6 +170,7 @@ def test_tiny_v41_triton_backend_equals_torch(spec):
             if backend == "triton":
                 attn = e.runner.model.model.layers[3].self_attn  # kv source, candidate source
                 assert attn.store_rows.__name__ == "store_triton"
+                assert attn.load_rows.__name__ == "load_triton"
                 assert attn.index_scores.__name__ == "v41_index_scores"
                 pairs = e.runner.model.model.layers[1].self_attn.compressor  # ratio-2 kv source
                 assert pairs.pair_pool.__name__ == "csa2_pair_pool"

@@ -76,12 +76,11 @@ _KERNEL_MODULES = (
     "linear.quantized",
     "linear.dequantize",
     "attention.window_sparse",
-    "attention.splits",
-    "attention.packed_keys",
     "spec.accept",
     "sampling.vocab_argmax",
     "indexer.fp4_k_quant",
     "quant.store",
+    "quant.load",
     "engram.gather",
     "engram.gate",
     "indexer.v41_logits",
@@ -631,33 +630,43 @@ def _index_queries() -> Callable[[], object]:
     )
 
 
-def _packed_key_attention(tokens: int, splits: int | None) -> Callable[[], object]:
-    from sgl_dspark.kernels.attention.packed_keys import KeySource, packed_key_attention
+def _quant_load_into_keys() -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.load import quant_load
 
-    # DeepSeek-V4.1-Flash decode (64 heads of 512): the window's 128 FP8 keys, then the top-512
-    # FP4 latents, decoded in the attention's loads; split (a bs 1 step) or one pass.
-    window = KeySource(
-        torch.zeros(60, 512, dtype=torch.uint8),
-        torch.full((60, 16), 127, dtype=torch.uint8),
-        "fp8_window",
-        torch.randint(0, 60, (tokens, 128)),
-        torch.ones(tokens, 128, dtype=torch.bool),
-    )
-    latents = KeySource(
+    # The attended latents (top-512 of 512 channels) decoded into their columns of the keys
+    # tensor, after the window's 128.
+    keys = _bf16(2, 128 + 512, 512)
+    return lambda: quant_load(
         torch.zeros(50, 256, dtype=torch.uint8),
         torch.full((50, 32), 56, dtype=torch.uint8),
+        torch.randint(0, 50, (2, 512)),
         "fp4_latent",
-        torch.randint(0, 50, (tokens, 512)),
-        torch.ones(tokens, 512, dtype=torch.bool),
+        torch.bfloat16,
+        out=keys[:, 128:],
     )
-    cos, sin = torch.zeros(tokens, 64).split(32, dim=1)
-    return lambda: packed_key_attention(
-        _bf16(tokens, 64, 512),
-        [window, latents],
-        torch.zeros(64),
-        512**-0.5,
-        inverse_rope=(cos, sin),
-        num_splits=splits,
+
+
+def _quant_load_pair_into_keys() -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.load import quant_load_pair
+
+    # The window's 128 FP8 keys and the attended top-512 FP4 latents into one keys tensor.
+    keys = _bf16(2, 128 + 512, 512)
+    return lambda: quant_load_pair(
+        (
+            torch.zeros(60, 512, dtype=torch.uint8),
+            torch.full((60, 16), 127, dtype=torch.uint8),
+            torch.randint(0, 60, (2, 128)),
+            "fp8_window",
+            keys[:, :128],
+        ),
+        (
+            torch.zeros(50, 256, dtype=torch.uint8),
+            torch.full((50, 32), 56, dtype=torch.uint8),
+            torch.randint(0, 50, (2, 512)),
+            "fp4_latent",
+            keys[:, 128:],
+        ),
+        torch.bfloat16,
     )
 
 
@@ -705,6 +714,22 @@ def _topk_entry_rows(width: int) -> Callable[[], object]:
         torch.zeros(4, 2 * width, dtype=torch.int32),
         torch.zeros(3, dtype=torch.int64),
         2,
+    )
+
+
+def _quant_load(fmt: str, d: int, shape: tuple[int, ...]) -> Callable[[], object]:
+    from sgl_dspark.kernels.quant.load import quant_load
+
+    # DeepSeek-V4.1-Flash rows: window KV and latents of 512, index keys of 128; rows indexed
+    # [T, W] (a window read) or [T, k] (a top-k read).
+    width = d if fmt == "fp8_window" else d // 2
+    block = 16 if fmt == "fp4_latent" else 32
+    return lambda: quant_load(
+        torch.zeros(50, width, dtype=torch.uint8),
+        torch.full((50, d // block), 127, dtype=torch.uint8),
+        torch.randint(0, 50, shape),
+        fmt,
+        torch.bfloat16,
     )
 
 
@@ -1139,20 +1164,15 @@ CASES = {
         "_quant_store_kernel",
         _index_queries(),
     ),
-    "packed_key_attention_split": (
-        "attention.packed_keys",
-        "_packed_key_attention_kernel",
-        _packed_key_attention(1, 20),
+    "quant_load_latents_into_keys": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load_into_keys(),
     ),
-    "packed_key_attention_merge": (
-        "attention.splits",
-        "_merge_attention_splits_kernel",
-        _packed_key_attention(1, 20),
-    ),
-    "packed_key_attention_one_pass": (
-        "attention.packed_keys",
-        "_packed_key_attention_kernel",
-        _packed_key_attention(32, 1),
+    "quant_load_pair_into_keys": (
+        "quant.load",
+        "_quant_load_pair_kernel",
+        _quant_load_pair_into_keys(),
     ),
     "csa2_pair_pool_flash": (
         "compressor.pair_pool",
@@ -1173,6 +1193,21 @@ CASES = {
         "compressor.entry_rows",
         "_picked_entry_rows_kernel",
         _picked_entry_rows(),
+    ),
+    "quant_load_window_fp8": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load("fp8_window", 512, (2, 128)),
+    ),
+    "quant_load_latent_fp4": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load("fp4_latent", 512, (2, 64)),
+    ),
+    "quant_load_index_fp4": (
+        "quant.load",
+        "_quant_load_kernel",
+        _quant_load("fp4_index", 128, (3, 5)),
     ),
     "engram_gather_flash": ("engram.gather", "_engram_gather_kernel", _engram_gather()),
     "engram_gather_hashed_flash": (
@@ -1250,7 +1285,7 @@ CASES = {
         _draft_attention(1, 16, rope=True),
     ),
     "attention_split_inverse_rope": (
-        "attention.splits",
+        "attention.window_sparse",
         "_merge_attention_splits_kernel",
         _split_attention_inverse_rope(),
     ),
@@ -1371,8 +1406,7 @@ PDL_KERNELS = (
     "moe.grouped_gemm._moe_grouped_gemm_kernel",
     "moe.sort._moe_sort_kernel",
     "attention.window_sparse._window_sparse_attention_kernel",
-    "attention.splits._merge_attention_splits_kernel",
-    "attention.packed_keys._packed_key_attention_kernel",
+    "attention.window_sparse._merge_attention_splits_kernel",
     "indexer.logits._indexer_logits_kernel",
     "indexer.topk._index_topk_kernel",
     "compressor.pool._compressor_pool_kernel",
@@ -1386,6 +1420,8 @@ PDL_KERNELS = (
     "moe.token_gemm._moe_route_gate_up_kernel",
     "moe.token_down._moe_token_down_kernel",
     "quant.store._quant_store_kernel",
+    "quant.load._quant_load_kernel",
+    "quant.load._quant_load_pair_kernel",
     "engram.gather._engram_gather_kernel",
     "engram.gate._engram_gate_kernel",
     "indexer.v41_logits._v41_index_scores_kernel",

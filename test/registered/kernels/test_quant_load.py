@@ -1,12 +1,11 @@
-"""The gather + decode of DeepSeek-V4.1's packed cache rows inside a consumer's loads
-(`load_rows_tile`, run here by a kernel that stores the tile it decodes) bit for bit against the
-dequantisers of the reference applied to the indexed rows, and against the pool's torch read
-(`QuantizedRows.load`): every format and plain rows, int32 and int64 row indices (repeats
-included), the demo's and V4.1-Flash's widths and block counts that are not a power of two,
-fp32/bf16/fp16 values, stored rows from the reference quantiser (values over many binades, so
-scale edges and FP8 subnormals appear) and raw random bytes, masked rows and channels zero and
-never read, and outputs poisoned with NaN so that every element is shown written. The E4M3
-decode is also checked on all 256 codes against torch's cast."""
+"""The fused gather + decode of DeepSeek-V4.1's packed cache rows (`quant_load`) bit for bit
+against the dequantisers of the reference applied to the indexed rows, and against the pool's
+torch read (`QuantizedRows.load`): every format, rows indexed by 1-D and 2-D tensors (int32 and
+int64, repeats included), the demo's and V4.1-Flash's widths and block counts that are not a
+power of two, fp32/bf16/fp16 output, stored rows from the reference quantiser (values over many
+binades, so scale edges and FP8 subnormals appear) and raw random bytes, and outputs poisoned
+with NaN so that every element is shown written. The E4M3 decode is also checked on all 256
+codes against torch's cast."""
 
 from __future__ import annotations
 
@@ -16,8 +15,7 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from sgl_dspark.kernels._triton_utils import DTYPE_KIND, interpreted
-from sgl_dspark.kernels.quant.load import ROW_FORMATS, e4m3_to_fp32, load_rows_tile
+from sgl_dspark.kernels.quant.load import e4m3_to_fp32, quant_load, quant_load_pair
 from sgl_dspark.kernels.quant.reference import (
     Fp4Rows,
     Fp8Rows,
@@ -99,70 +97,12 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a, b) and torch.equal(a.view(as_int), b.view(as_int))
 
 
-@triton.jit
-def _tile_kernel(
-    data_ptr,
-    data_stride,
-    scales_ptr,
-    scales_stride,
-    rows_ptr,
-    n,
-    out_ptr,
-    D: tl.constexpr,
-    DP: tl.constexpr,
-    ROWS: tl.constexpr,
-    FMT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    KIND: tl.constexpr,
-    ON_BITS: tl.constexpr,
-):
-    offs = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
-    row_ok = offs < n
-    rows = tl.load(rows_ptr + offs, mask=row_ok, other=0).to(tl.int64)
-    dims = tl.arange(0, DP)
-    dim_ok = dims < D
-    v = load_rows_tile(
-        data_ptr,
-        data_stride,
-        scales_ptr,
-        scales_stride,
-        rows,
-        row_ok,
-        dims,
-        dim_ok,
-        FMT,
-        BLOCK,
-        KIND,
-        ON_BITS,
-    )
-    out = out_ptr + offs.to(tl.int64)[:, None] * D + dims[None, :]
-    tl.store(out, v, mask=row_ok[:, None] & dim_ok[None, :])
-
-
-def _load(fmt, data, scales, rows, dtype, rows_a_program=8):
-    """`rows` (any shape) of the cache decoded by `load_rows_tile`, `[*rows.shape, D]`."""
-    d = data.shape[1] * (1 if fmt in ("fp8_window", "plain") else 2)
-    flat = rows.reshape(-1).to(DEVICE)
-    out = torch.full((flat.numel(), d), float("nan")).to(dtype).to(DEVICE)
-    on = data.to(DEVICE)
-    scales = on if scales is None else scales.to(DEVICE)
-    _tile_kernel[(triton.cdiv(flat.numel(), rows_a_program),)](
-        on,
-        on.stride(0),
-        scales,
-        scales.stride(0) if fmt != "plain" else 0,
-        flat,
-        flat.numel(),
-        out,
-        D=d,
-        DP=triton.next_power_of_2(d),
-        ROWS=rows_a_program,
-        FMT=ROW_FORMATS[fmt],
-        BLOCK=BLOCKS.get(fmt, 1),
-        KIND=DTYPE_KIND[dtype],
-        ON_BITS=interpreted(_tile_kernel),
-    )
-    return out.view(*rows.shape, d).cpu()
+def _load(fmt, data, scales, rows, dtype):
+    out = torch.full((*rows.shape, data.shape[1] * (1 if fmt == "fp8_window" else 2)), float("nan"))
+    out = out.to(dtype).to(DEVICE)
+    got = quant_load(data.to(DEVICE), scales.to(DEVICE), rows.to(DEVICE), fmt, dtype, out=out)
+    assert got is out
+    return got.cpu()
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -177,12 +117,12 @@ def _load(fmt, data, scales, rows, dtype, rows_a_program=8):
         (128, (13,), 64),  # V4.1-Flash's index keys
         (96, (4, 3), 11),  # block counts not a power of two
         (160, (37,), 9),
-        # Many programs, the last tile partial.
+        # Enough rows for several rows a program (`_rows_per_program`), the last tile partial.
         (32, (1000,), 40),
-        (512, (3, 71), 50),
+        (512, (3, 701), 50),
     ],
 )
-def test_load_rows_tile_matches_reference_bit_for_bit(fmt, dtype, d, shape, cache_rows):
+def test_quant_load_matches_reference_bit_for_bit(fmt, dtype, d, shape, cache_rows):
     seed = zlib.crc32(f"{fmt}{dtype}{d}{shape}".encode()) % 10000
     for make in (_quantised_cache, _raw_cache):
         data, scales = make(fmt, cache_rows, d, seed, dtype)
@@ -197,7 +137,7 @@ def test_load_rows_tile_matches_reference_bit_for_bit(fmt, dtype, d, shape, cach
 
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("d", [32, 512])
-def test_load_rows_tile_matches_pool_read(fmt, d):
+def test_quant_load_matches_pool_read(fmt, d):
     """The pool's torch read of rows it stored itself, and the kernel on the same bytes."""
     cache = QuantizedRows(20, d, fmt, torch.bfloat16, DEVICE)
     g = torch.Generator().manual_seed(d)
@@ -208,84 +148,105 @@ def test_load_rows_tile_matches_pool_read(fmt, d):
     rows = torch.tensor([[16, 3, 3], [9, 12, 5]], device=DEVICE)
     want = cache.load(rows)
     assert want.abs().sum() > 0
-    assert _same_bits(_load(fmt, cache.data, cache.scales, rows, torch.bfloat16), want.cpu())
+    got = quant_load(cache.data, cache.scales, rows, fmt, torch.bfloat16)
+    assert _same_bits(got, want)
 
 
-@pytest.mark.parametrize("fmt", [*FORMATS, "plain"])
-def test_masked_rows_and_channels_are_zero_and_never_read(fmt):
-    """Rows past the cache and channels past D masked: zero values (not the NaN that raw 0x7F
-    bytes decode to), nothing read; plain rows load as they are."""
-    d, n = 64, 6
-    if fmt == "plain":
-        data, scales = torch.randn(n, d).to(torch.bfloat16), None
-    else:
-        data, scales = _quantised_cache(fmt, n, d, 4)
-        scales[:] = 0x7F  # NaN as an E4M3 scale, 2^0 as an exponent byte
-        data[:] = 0x7F  # NaN as an E4M3 code
-    data, on_scales = data.to(DEVICE), None if scales is None else scales.to(DEVICE)
-    rows = torch.tensor([2, 5, 10**9, 0, -7], device=DEVICE)
-    row_ok = torch.tensor([True, True, False, True, False], device=DEVICE)
-    out = torch.full((5, 128), float("nan"), device=DEVICE)
-    _masked_kernel[(1,)](
-        data,
-        data.stride(0),
-        data if on_scales is None else on_scales,
-        0 if on_scales is None else on_scales.stride(0),
-        rows,
-        row_ok.view(torch.uint8),
-        out,
-        D=d,
-        FMT=ROW_FORMATS[fmt],
-        BLOCK=BLOCKS.get(fmt, 1),
-        KIND=DTYPE_KIND[torch.float32],
-        ON_BITS=interpreted(_masked_kernel),
+@pytest.mark.parametrize(("tokens", "first", "second"), [(1, 16, 5), (3, 7, 4), (4, 1, 0)])
+def test_quant_load_into_slices_of_wider_key_rows(tokens, first, second):
+    """Two caches' rows (the window's FP8 keys, then a source's FP4 latents) written into the
+    two column ranges of one [T, first + second, D] tensor: each range a [T, K, D] view whose
+    tokens are (first + second) * D apart. Every element is written once, with the bits of the
+    contiguous loads."""
+    d, width = 64, first + second
+    window = _quantised_cache("fp8_window", 30, d, 21)
+    latents = _quantised_cache("fp4_latent", 25, d, 22)
+    rows_w = _rows((tokens, first), 30, torch.int64, 3)
+    rows_l = _rows((tokens, second), 25, torch.int32, 4)
+    keys = torch.full((tokens, width, d), float("nan")).to(torch.bfloat16).to(DEVICE)
+    w, lat = keys[:, :first], keys[:, first:]
+    if tokens > 1 and second > 0:  # both strided (no latents yet: the window's is the whole)
+        assert not w.is_contiguous() and not lat.is_contiguous()
+    on = lambda t: t.to(DEVICE)
+    assert quant_load(*map(on, window), on(rows_w), "fp8_window", torch.bfloat16, out=w) is w
+    assert quant_load(*map(on, latents), on(rows_l), "fp4_latent", torch.bfloat16, out=lat) is lat
+    got = keys.cpu()
+    assert not got.isnan().any()
+    want_w = _expected("fp8_window", *window, rows_w, torch.bfloat16)
+    want_l = _expected("fp4_latent", *latents, rows_l.long(), torch.bfloat16)
+    assert _same_bits(got[:, :first], want_w) and _same_bits(got[:, first:], want_l)
+    spaced = torch.empty(tokens, 3, 2 * d, dtype=torch.bfloat16, device=DEVICE)[..., :d]
+    three = on(_rows((tokens, 3), 30, torch.int64, 5))
+    with pytest.raises(ValueError, match="out"):  # a token's rows not contiguous
+        quant_load(*map(on, window), three, "fp8_window", torch.bfloat16, out=spaced)
+
+
+@pytest.mark.parametrize(("tokens", "first", "second"), [(1, 16, 5), (3, 7, 4), (4, 1, 0)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_quant_load_pair_is_the_two_loads(tokens, first, second, dtype):
+    """`quant_load_pair`: the window's FP8 keys and a source's FP4 latents into the two column
+    ranges of one keys tensor in one launch, every element with the bits of its own load (the
+    reference's), no element left unwritten; a third format (FP4 index keys) too."""
+    d, width = 64, first + second
+    window = _quantised_cache("fp8_window", 30, d, 31)
+    latents = _quantised_cache("fp4_latent", 25, d, 32)
+    rows_w = _rows((tokens, first), 30, torch.int64, 6)
+    rows_l = _rows((tokens, second), 25, torch.int32, 7)
+    keys = torch.full((tokens, width, d), float("nan")).to(dtype).to(DEVICE)
+    on = lambda t: t.to(DEVICE)
+    quant_load_pair(
+        (*map(on, window), on(rows_w), "fp8_window", keys[:, :first]),
+        (*map(on, latents), on(rows_l), "fp4_latent", keys[:, first:]),
+        dtype,
     )
-    got = out.cpu()
-    assert torch.equal(got[~row_ok.cpu()], torch.zeros(2, 128))
-    assert torch.equal(got[:, d:], torch.zeros(5, 128 - d))
-    read = got[row_ok.cpu(), :d]
-    if fmt == "plain":
-        assert torch.equal(read, data.cpu()[[2, 5, 0]].float())
-    elif fmt == "fp4_index":  # 0x7F: low nibble -6, high nibble 6, exponent byte 2^0
-        assert torch.equal(read, torch.tensor([-6.0, 6.0]).repeat(d // 2).expand(3, d))
-    else:  # the unmasked rows read their bytes: NaN codes, or NaN scales
-        assert read.isnan().all()
-
-
-@triton.jit
-def _masked_kernel(
-    data_ptr,
-    data_stride,
-    scales_ptr,
-    scales_stride,
-    rows_ptr,
-    ok_ptr,
-    out_ptr,
-    D: tl.constexpr,
-    FMT: tl.constexpr,
-    BLOCK: tl.constexpr,
-    KIND: tl.constexpr,
-    ON_BITS: tl.constexpr,
-):
-    offs = tl.arange(0, 8)
-    row_ok = tl.load(ok_ptr + offs, mask=offs < 5, other=0) != 0
-    rows = tl.load(rows_ptr + offs, mask=row_ok, other=0).to(tl.int64)
-    dims = tl.arange(0, 128)
-    v = load_rows_tile(
-        data_ptr,
-        data_stride,
-        scales_ptr,
-        scales_stride,
-        rows,
-        row_ok,
-        dims,
-        dims < D,
-        FMT,
-        BLOCK,
-        KIND,
-        ON_BITS,
+    got = keys.cpu()
+    assert not got.isnan().any()
+    assert _same_bits(got[:, :first], _expected("fp8_window", *window, rows_w, dtype))
+    assert _same_bits(got[:, first:], _expected("fp4_latent", *latents, rows_l.long(), dtype))
+    index = _raw_cache("fp4_index", 9, 128, 33, dtype)
+    rows_i = _rows((tokens, 3), 9, torch.int64, 8)
+    out_i = torch.full((tokens, 3, 128), float("nan")).to(dtype).to(DEVICE)
+    out_w = torch.full((tokens, first, d), float("nan")).to(dtype).to(DEVICE)
+    quant_load_pair(
+        (*map(on, index), on(rows_i), "fp4_index", out_i),
+        (*map(on, window), on(rows_w), "fp8_window", out_w),
+        dtype,
     )
-    tl.store(out_ptr + offs[:, None] * 128 + dims[None, :], v, mask=(offs < 5)[:, None])
+    assert _same_bits(out_i.cpu(), _expected("fp4_index", *index, rows_i, dtype))
+    assert _same_bits(out_w.cpu(), _expected("fp8_window", *window, rows_w, dtype))
+    with pytest.raises(ValueError, match="out"):  # each load's own checks
+        quant_load_pair(
+            (*map(on, window), on(rows_w), "fp8_window", out_w[:, :0]),
+            (*map(on, index), on(rows_i), "fp4_index", out_i),
+            dtype,
+        )
+
+
+def test_quant_load_empty_rows_and_default_output():
+    data, scales = _quantised_cache("fp4_index", 4, 128, 7)
+    data, scales = data.to(DEVICE), scales.to(DEVICE)
+    none = torch.zeros(0, 5, dtype=torch.int64, device=DEVICE)
+    empty = quant_load(data, scales, none, "fp4_index", torch.float32)
+    assert empty.shape == (0, 5, 128) and empty.device == data.device
+    rows = torch.tensor([2, 1], device=DEVICE)
+    got = quant_load(data, scales, rows, "fp4_index", torch.float32)
+    want = _expected("fp4_index", data, scales, rows, torch.float32)
+    assert _same_bits(got, want)
+
+
+def test_quant_load_rejects_bad_input():
+    data, scales = _quantised_cache("fp8_window", 4, 64, 3)
+    rows = torch.tensor([1])
+    with pytest.raises(ValueError, match="fmt"):
+        quant_load(data, scales, rows, "fp6", torch.float32)
+    with pytest.raises(ValueError, match="scales"):
+        quant_load(data, scales[:, :1], rows, "fp8_window", torch.float32)
+    with pytest.raises(ValueError, match="rows"):
+        quant_load(data, scales, rows.float(), "fp8_window", torch.float32)
+    with pytest.raises(ValueError, match="dtype"):
+        quant_load(data, scales, rows, "fp8_window", torch.int32)
+    with pytest.raises(ValueError, match="out"):
+        quant_load(data, scales, rows, "fp8_window", torch.float32, out=torch.empty(1, 32))
 
 
 @triton.jit

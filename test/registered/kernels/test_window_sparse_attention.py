@@ -20,8 +20,11 @@ from sgl_dspark.kernels.attention.reference import (
     window_rows_ref,
     window_sparse_attention_ref,
 )
-from sgl_dspark.kernels.attention.splits import _merge_attention_splits_kernel, auto_num_splits
-from sgl_dspark.kernels.attention.window_sparse import window_sparse_attention
+from sgl_dspark.kernels.attention.window_sparse import (
+    _auto_num_splits,
+    _merge_attention_splits_kernel,
+    window_sparse_attention,
+)
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -282,16 +285,16 @@ def test_merge_ignores_empty_partials() -> None:
 
 def test_auto_split_choice() -> None:
     # Enough programs: single pass. Few programs: capped by tiles / 2 and by 32 splits.
-    assert auto_num_splits(programs=132, total_tiles=40, sm_count=132) == 1
-    assert auto_num_splits(programs=1, total_tiles=40, sm_count=132) == 20
-    assert auto_num_splits(programs=1, total_tiles=1000, sm_count=132) == 32
-    assert auto_num_splits(programs=24, total_tiles=40, sm_count=132) == 11
-    assert auto_num_splits(programs=1, total_tiles=1, sm_count=132) == 1
+    assert _auto_num_splits(programs=132, total_tiles=40, sm_count=132) == 1
+    assert _auto_num_splits(programs=1, total_tiles=40, sm_count=132) == 20
+    assert _auto_num_splits(programs=1, total_tiles=1000, sm_count=132) == 32
+    assert _auto_num_splits(programs=24, total_tiles=40, sm_count=132) == 11
+    assert _auto_num_splits(programs=1, total_tiles=1, sm_count=132) == 1
     # The launcher's automatic choice is one of the forced ones (bit-identical to it).
     inputs = _inputs([3, 90], [3, 4], 7, 96, 40, 100, dtype=torch.float32, seed=9)
     auto = _run_poisoned(inputs)
     # 7 tokens x 1 head block; 64-key tiles: 1 window tile + 2 extra tiles.
-    chosen = auto_num_splits(7, 3, sm_count(inputs["q"].device))
+    chosen = _auto_num_splits(7, 3, sm_count(inputs["q"].device))
     assert chosen == 2
     assert torch.equal(auto, _run_poisoned(inputs, num_splits=chosen))
 

@@ -1,6 +1,6 @@
 """The "triton" attention backend against the "torch" one (its spec): on hand-built ForwardBatches
 over a paged ReqToTokenPool, end to end in the tiny model (greedy tokens of prefill, verify
-and decode steps), and in tiny-v41, whose layers attend their packed caches' rows (`attend_packed`).
+and decode steps), and in tiny-v41, whose layers attend keys they gathered (`attend_gathered`).
 
 Not bit-exact: the kernel's online softmax (and split-K merge for small batches) sums in another
 order than the torch backend's one-shot softmax; fp32 agrees to ~1e-6.
@@ -172,9 +172,9 @@ def test_tiny_model_greedy_equal() -> None:
 
 
 def _v41_logits(attention_backend: str, record=None) -> list[torch.Tensor]:
-    """tiny-v41 (every layer attends its packed caches' rows): a prefill of two requests, one
-    past the 32-token window, then a decode step of both; the logits of each forward. `record`
-    wraps the triton backend's packed-key kernel."""
+    """tiny-v41 (every layer attends gathered keys): a prefill of two requests, one past the
+    32-token window, then a decode step of both; the logits of each forward. `record` wraps the
+    triton backend's kernel."""
     engine = Engine(
         model_path="tiny-v41",
         device=DEVICE,
@@ -188,7 +188,7 @@ def _v41_logits(attention_backend: str, record=None) -> list[torch.Tensor]:
         runner = engine.runner
         backend = runner.attn_backend
         if record is not None:
-            backend._packed_attention = record(backend._packed_attention)
+            backend._attention = record(backend._attention)
         pool = runner.req_pool
         slots = [pool.alloc_slot() for _ in range(2)]
         gen = torch.Generator().manual_seed(7)
@@ -206,33 +206,43 @@ def _v41_logits(attention_backend: str, record=None) -> list[torch.Tensor]:
         engine.shutdown()
 
 
-def test_v41_layers_attend_their_packed_rows_in_one_kernel() -> None:
-    """Every layer of a forward calls the packed-key kernel once: window-only layers with the
-    window's rows, compressed layers with the window's and then their source's latents at the
-    published top-k (its rows and validity as published, no joined copy); the logits stay
-    those of the torch backend."""
-    calls: list[list] = []
+def test_gathered_attention_builds_its_indices_once_per_forward() -> None:
+    """Every layer of one forward gets the same row-index and placeholder tensors (one row
+    index per key width: window-only layers gather fewer keys than compressed ones); the next
+    forward builds its own. The logits stay those of the torch backend."""
+    calls: list[dict[str, torch.Tensor]] = []
 
     def record(kernel):
-        def wrapped(q, sources, *args, **kw):
-            calls.append(list(sources))
-            return kernel(q, sources, *args, **kw)
+        def wrapped(q, pool, positions, token_slot, req_to_token, *args, extra_slots, **kw):
+            calls.append(
+                dict(positions=positions, slots=token_slot, table=req_to_token, rows=extra_slots)
+            )
+            return kernel(
+                q, pool, positions, token_slot, req_to_token, *args, **kw, extra_slots=extra_slots
+            )
 
         return wrapped
 
     got = _v41_logits("triton", record)
-    cfg = tiny_v41_config()
-    layers = cfg.num_hidden_layers
+    layers = tiny_v41_config().num_hidden_layers
     assert len(calls) == 2 * layers
-    ratios = cfg.v41.compress_ratios[:layers]
-    for tokens, forward in zip((50, 2), (calls[:layers], calls[layers:])):
-        for ratio, sources in zip(ratios, forward):
-            assert len(sources) == (2 if ratio > 0 else 1)
-            assert sources[0].fmt in ("fp8_window", "plain")
-            assert all(s.rows.shape[0] == tokens and s.valid.dtype == torch.bool for s in sources)
-            if ratio > 0:
-                assert sources[1].fmt in ("fp4_latent", "plain")
-        assert len({len(s) for s in forward}) == 2  # window-only and compressed layers both
+    forwards = [calls[:layers], calls[layers:]]
+    for tokens, forward in zip((50, 2), forwards):
+        first = forward[0]
+        for call in forward:
+            for name in ("positions", "slots", "table"):
+                assert call[name] is first[name], name
+            rows = call["rows"]
+            width = rows.shape[1]
+            assert rows.shape[0] == tokens
+            assert rows.flatten().tolist() == list(range(tokens * width))
+            same_width = [c["rows"] for c in forward if c["rows"].shape[1] == width]
+            assert all(r is rows for r in same_width)
+        widths = {c["rows"].shape[1] for c in forward}
+        assert len(widths) > 1  # window-only and compressed layers both covered
+        assert len({id(c["rows"]) for c in forward}) == len(widths)
+    prefill_objects = {id(c[n]) for c in forwards[0] for n in ("positions", "rows")}
+    assert prefill_objects.isdisjoint(id(c[n]) for c in forwards[1] for n in ("positions", "rows"))
     want = _v41_logits("torch")
     # fp32 with reordered sums. On the CPU both backends feed the model's quantisers the same
     # values; compiled kernels sum attention in another order, so a value next to an FP8 window

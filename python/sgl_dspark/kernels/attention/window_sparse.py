@@ -10,8 +10,8 @@ row table or mask is built per forward).
 Two launch shapes of one kernel (``SPLIT`` constexpr): single pass, one program per (token, head
 block) walking every key; or split-K (flash-decoding) for small batches, where the key range
 (window tiles, then extra-key tiles) is cut into ``num_splits`` chunks on grid axis 2, each chunk
-writes its partial (running max m, sum l, unnormalised acc) to fp32 scratch and a merge launch
-combines the partials with the sink (`splits.py`, shared with `packed_keys.py`).
+writes its partial (running max m, sum l, unnormalised acc) to fp32 scratch and
+`_merge_attention_splits_kernel` combines the partials with the sink.
 
 Exactness: within a tolerance of the reference. The kernel runs an online softmax in fp32 (exp2
 with the log2(e) factor folded into the scale), so the sum is reordered relative to the
@@ -37,23 +37,24 @@ from sgl_dspark.kernels._triton_utils import (
     DTYPE_KIND,
     interpreted,
     programmatic_launch,
+    round_to_dtype,
     sm_count,
     wait_for_producers,
 )
 from sgl_dspark.kernels.attention.online_softmax import online_softmax_step
-from sgl_dspark.kernels.attention.splits import (
-    auto_num_splits,
-    finish_program,
-    merge_splits,
-    split_scratch,
-    tile_shape,
-)
 from sgl_dspark.kernels.compressor.entry_rows import load_entry_rows
-from sgl_dspark.kernels.rope.epilogue import epilogue_tables
+from sgl_dspark.kernels.rope.epilogue import epilogue_tables, rotate_rounded_tail
 
-LOG2E = 1.4426950408889634
+_LOG2E = 1.4426950408889634
 # Window caches stored in another dtype than q's (`--kv-cache-dtype`), converted on load.
 WINDOW_STORAGE_DTYPES = (torch.float8_e4m3fn, torch.bfloat16)
+# Register budget of one program: BLOCK_H x Dh fp32 accumulator and BLOCK_N x Dh key tile.
+_TILE_ELEMS = 8192
+# Split-K choice (see `_auto_num_splits`): aim for ~2 programs per SM, never fewer than two key
+# tiles per split (a split must amortise its q load and its partial write), at most 32 splits.
+_WAVES = 2
+_MIN_TILES_PER_SPLIT = 2
+_MAX_SPLITS = 32
 
 
 @triton.jit
@@ -180,34 +181,127 @@ def _window_sparse_attention_kernel(
                 q, keys, valid, m_i, l_i, acc, qk_scale, DOT_FP32, ROUND_P
             )
 
-    finish_program(
-        acc,
-        m_i,
-        l_i,
-        sink,
-        token,
-        heads,
-        head_ok,
-        dims,
-        dim_ok,
-        out_ptr,
-        part_m_ptr,
-        part_l_ptr,
-        out_stride_t,
-        out_stride_h,
-        num_heads,
-        cos_ptr,
-        sin_ptr,
-        cs_stride,
-        rope_dim,
-        HEAD_DIM,
-        BLOCK_H,
-        D_POW2,
-        SPLIT,
-        ROPE,
-        KIND,
-        ON_BITS,
+    if SPLIT:
+        # Partials of (token, split): rows of [T, S, H(, Dh)], contiguous over heads and dims.
+        row = (token * tl.num_programs(2) + split) * num_heads + heads
+        tl.store(part_m_ptr + row, m_i, mask=head_ok)
+        tl.store(part_l_ptr + row, l_i, mask=head_ok)
+        tl.store(
+            out_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+            acc,
+            mask=head_ok[:, None] & dim_ok[None, :],
+        )
+    else:
+        denom = l_i + tl.exp2(sink - m_i)  # the sink's share of the normaliser (its value is zero)
+        out = round_to_dtype(acc / denom[:, None], KIND, ON_BITS)
+        if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
+            out = rotate_rounded_tail(
+                out,
+                token + heads * 0,
+                head_ok,
+                cos_ptr,
+                sin_ptr,
+                cs_stride,
+                0,
+                HEAD_DIM,
+                rope_dim,
+                BLOCK_H,
+                D_POW2,
+                True,
+                KIND,
+                ON_BITS,
+            )
+        tl.store(
+            out_ptr
+            + token * out_stride_t
+            + heads[:, None].to(tl.int64) * out_stride_h
+            + dims[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=head_ok[:, None] & dim_ok[None, :],
+        )
+
+
+@triton.jit
+def _merge_attention_splits_kernel(
+    part_acc_ptr,
+    part_m_ptr,
+    part_l_ptr,
+    sinks_ptr,
+    out_ptr,
+    cos_ptr,
+    sin_ptr,
+    cs_stride,
+    num_heads,
+    num_splits,
+    out_stride_t,
+    out_stride_h,
+    rope_dim,
+    HEAD_DIM: tl.constexpr,
+    S_POW2: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    ROPE: tl.constexpr,
+    KIND: tl.constexpr,
+    ON_BITS: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    # Program (token, head, dim block): o = sum_s 2^(m_s - M) acc_s / (sum_s 2^(m_s - M) l_s
+    # + 2^(sink - M)) with M = max(sink, max_s m_s), which is finite, so a partial with
+    # m_s = -inf (or a split slot past num_splits) has weight exactly 0 and never makes a NaN.
+    wait_for_producers(PDL)  # the partials come from the split launch just before
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    dims = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
+    dim_ok = dims < HEAD_DIM
+    splits = tl.arange(0, S_POW2)
+    split_ok = splits < num_splits
+    row = (token * num_splits + splits) * num_heads + head  # [S_POW2]
+    m = tl.load(part_m_ptr + row, mask=split_ok, other=float("-inf"))
+    l_part = tl.load(part_l_ptr + row, mask=split_ok, other=0.0)
+    acc = tl.load(
+        part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :],
+        mask=split_ok[:, None] & dim_ok[None, :],
+        other=0.0,
     )
+    sink = tl.load(sinks_ptr + head).to(tl.float32) * 1.4426950408889634
+    m_max = tl.maximum(tl.max(m, axis=0), sink)
+    weight = tl.exp2(m - m_max)
+    denom = tl.sum(l_part * weight, axis=0) + tl.exp2(sink - m_max)
+    out = round_to_dtype(tl.sum(acc * weight[:, None], axis=0) / denom, KIND, ON_BITS)
+    if ROPE:  # the inverse rotation of the output's rope channels (`rope_tail`'s bits)
+        out = tl.reshape(
+            rotate_rounded_tail(
+                out[None, :],
+                token + tl.zeros([1], tl.int64),
+                tl.full([1], True, tl.int1),
+                cos_ptr,
+                sin_ptr,
+                cs_stride,
+                tl.program_id(2) * BLOCK_D,
+                HEAD_DIM,
+                rope_dim,
+                1,
+                BLOCK_D,
+                True,
+                KIND,
+                ON_BITS,
+            ),
+            [BLOCK_D],
+        )
+    tl.store(
+        out_ptr + token * out_stride_t + head * out_stride_h + dims,
+        out.to(out_ptr.dtype.element_ty),
+        mask=dim_ok,
+    )
+
+
+def _auto_num_splits(programs: int, total_tiles: int, sm_count: int) -> int:
+    """Splits per (token, head block): 1 when the single pass already has a program per SM,
+    else enough to give ~`_WAVES` programs per SM, capped so each split keeps
+    `_MIN_TILES_PER_SPLIT` key tiles and at most `_MAX_SPLITS` partials are merged."""
+    if programs >= sm_count:
+        return 1
+    want = triton.cdiv(_WAVES * sm_count, programs)
+    return max(1, min(want, triton.cdiv(total_tiles, _MIN_TILES_PER_SPLIT), _MAX_SPLITS))
 
 
 def _check_extra_keys(
@@ -304,7 +398,7 @@ def window_sparse_attention(
         num_splits: key-range chunks per (token, head block). 1 = single pass, one launch;
             S > 1 = split-K, S programs per (token, head block) writing fp32 partials
             (T*S*H*(Dh+2) floats, allocated here) and a merge launch. None picks it from the
-            shapes (`auto_num_splits`: split only when tokens x head blocks leaves SMs idle),
+            shapes (`_auto_num_splits`: split only when tokens x head blocks leaves SMs idle),
             so rounding may differ between batch sizes. Splits past the last key tile are
             allowed (they contribute nothing).
     Returns:
@@ -377,13 +471,26 @@ def window_sparse_attention(
     elif has_extra and extra_slots is not None and extra_valid is not None:
         slots_arg, slots_stride = extra_slots, extra_slots.stride(0)
         valid_arg, valid_stride = extra_valid.view(torch.uint8), extra_valid.stride(0)
-    shape = tile_shape(heads, head_dim)
-    head_blocks = triton.cdiv(heads, shape.block_h)
-    total_tiles = triton.cdiv(window, shape.block_n) + triton.cdiv(num_extra, shape.block_n)
+    d_pow2 = max(16, triton.next_power_of_2(head_dim))
+    block_h = max(16, min(triton.next_power_of_2(heads), _TILE_ELEMS // d_pow2))
+    block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
+    head_blocks = triton.cdiv(heads, block_h)
+    total_tiles = triton.cdiv(window, block_n) + triton.cdiv(num_extra, block_n)
     if num_splits is None:
-        num_splits = auto_num_splits(tokens * head_blocks, total_tiles, sm_count(q.device))
+        num_splits = _auto_num_splits(tokens * head_blocks, total_tiles, sm_count(q.device))
     tiles_per_split = triton.cdiv(total_tiles, num_splits)
-    scratch = split_scratch(out, num_splits)
+    split = num_splits > 1
+    if split:
+        # Partials, fully overwritten by the first launch (every split writes, empty ones too).
+        part_acc = torch.empty(
+            (tokens, num_splits, heads, head_dim), dtype=torch.float32, device=q.device
+        )
+        part_m = torch.empty((tokens, num_splits, heads), dtype=torch.float32, device=q.device)
+        part_l = torch.empty_like(part_m)
+        first_out, first_strides = part_acc, (0, 0)  # partial strides are implied by the shape
+    else:
+        first_out, first_strides = out, (out.stride(0), out.stride(1))
+        part_m = part_l = out  # never touched (SPLIT=False)
     _window_sparse_attention_kernel[(tokens, head_blocks, num_splits)](
         q,
         window_kv,
@@ -394,16 +501,16 @@ def window_sparse_attention(
         pool,
         valid_arg,
         slots_arg,
-        scratch.first_out,
-        scratch.part_m,
-        scratch.part_l,
+        first_out,
+        part_m,
+        part_l,
         tables.cos,
         tables.sin,
         tables.stride,
         heads,
         window,
         num_extra,
-        scale * LOG2E,
+        scale * _LOG2E,
         tiles_per_split,
         tables.rope_dim,
         q.stride(0),
@@ -415,25 +522,51 @@ def window_sparse_attention(
         pool_stride,
         valid_stride,
         slots_stride,
-        *scratch.out_strides,
+        first_strides[0],
+        first_strides[1],
         HEAD_DIM=head_dim,
-        D_POW2=shape.d_pow2,
-        BLOCK_H=shape.block_h,
-        BLOCK_N=shape.block_n,
+        D_POW2=d_pow2,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
         HAS_EXTRA=has_extra,
         DENSE_ENTRIES=dense and has_extra,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
         DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
         ROUND_P=q.dtype != torch.float32,
-        SPLIT=num_splits > 1,
+        SPLIT=split,
         ROPE=inverse_rope is not None,
         KIND=DTYPE_KIND[q.dtype],
         ON_BITS=interpreted(_window_sparse_attention_kernel),
-        num_warps=shape.num_warps,
+        num_warps=8 if d_pow2 >= 256 else 4,
         enable_fp_fusion=False,
         **programmatic_launch(_window_sparse_attention_kernel, q.device),
     )
-    if num_splits > 1:
-        merge_splits(scratch, sinks, out, tables, inverse_rope is not None)
+    if split:
+        s_pow2 = triton.next_power_of_2(num_splits)
+        block_d = max(16, min(d_pow2, _TILE_ELEMS // s_pow2))
+        _merge_attention_splits_kernel[(tokens, heads, triton.cdiv(head_dim, block_d))](
+            part_acc,
+            part_m,
+            part_l,
+            sinks,
+            out,
+            tables.cos,
+            tables.sin,
+            tables.stride,
+            heads,
+            num_splits,
+            out.stride(0),
+            out.stride(1),
+            tables.rope_dim,
+            HEAD_DIM=head_dim,
+            S_POW2=s_pow2,
+            BLOCK_D=block_d,
+            ROPE=inverse_rope is not None,
+            KIND=DTYPE_KIND[q.dtype],
+            ON_BITS=interpreted(_merge_attention_splits_kernel),
+            num_warps=4,
+            enable_fp_fusion=False,
+            **programmatic_launch(_merge_attention_splits_kernel, q.device),
+        )
     return out

@@ -87,7 +87,7 @@ class QuantizedRows:
 
     def load(self, rows: torch.Tensor) -> torch.Tensor:
         """The values at `rows` (any shape) `[*rows.shape, dim]` in the pool's dtype (the torch
-        path; the Triton attention decodes the rows it attends in its own loads)."""
+        path; `srt/layers/quant_store.py::quant_load_impl` picks the kernel family's)."""
         if not self.packed:
             return self.data[rows]
         assert self.scales is not None

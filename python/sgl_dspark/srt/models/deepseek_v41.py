@@ -47,8 +47,8 @@ from sgl_dspark.srt.models.deepseek_v41_attention import Csa2Attention, Csa2Sele
 def check_runtime(cfg: ModelConfig, kernels: KernelChoice, attention_backend: str) -> None:
     """Refuse, at startup, implementations that do not compute V4.1 (ValueError naming the
     argument to change). Every kernel family has V4.1's math on both backends; the attention
-    hands the backend the quantised caches and the rows each token attends (`attend_packed`,
-    torch or triton)."""
+    reads the quantised caches itself and hands the gathered keys to the backend's
+    `attend_gathered` (torch or triton)."""
     del cfg, kernels
     if attention_backend not in ("torch", "triton"):
         raise ValueError(

@@ -24,7 +24,7 @@ from sgl_dspark.srt.core.forward_batch import ForwardBatch
 from sgl_dspark.srt.core.kernel_choice import KernelChoice
 from sgl_dspark.srt.distributed import Communicator, get_parallel_state
 from sgl_dspark.srt.distributed.sharding import split_evenly
-from sgl_dspark.srt.layers.attention.base import AttendedRows, BaseAttentionBackend
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 from sgl_dspark.srt.layers.attention.csa2 import (
     Csa2Compressor,
@@ -37,7 +37,12 @@ from sgl_dspark.srt.layers.attention.csa2 import (
 )
 from sgl_dspark.srt.layers.fused_linear import LinearGroup, grouped_linear_impl, linear_impl
 from sgl_dspark.srt.layers.norm import RMSNorm, rms_norm_impl, rms_norm_pair_impl
-from sgl_dspark.srt.layers.quant_store import index_query_impl, quant_store_impl
+from sgl_dspark.srt.layers.quant_store import (
+    index_query_impl,
+    quant_load_impl,
+    quant_load_pair_impl,
+    quant_store_impl,
+)
 from sgl_dspark.srt.layers.quantized import mark_quantizable, module_weight, split_rows_into_groups
 from sgl_dspark.srt.layers.rotary import rope_q_store_kv_impl
 from sgl_dspark.srt.mem_cache.v41_pool import DeepseekV41KVPool, QuantizedRows
@@ -47,13 +52,28 @@ from sgl_dspark.srt.models.deepseek_v4 import RopeTables, mark_head_shards
 @dataclass
 class Csa2Selections:
     """Published within one forward: per kv source, the latest top-k (cache rows `[T, k]`,
-    valid `[T, k]`); per candidate source, its candidate blocks `[T, nb]`."""
+    valid `[T, k]`); per candidate source, its candidate blocks `[T, nb]`; and per kv source,
+    what its attending layers mask with (the window's validity, then the top-k's), joined once
+    per published top-k."""
 
     topk: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
     candidates: dict[int, torch.Tensor] = field(default_factory=dict)
+    _attended: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)
 
     def publish_topk(self, source: int, topk: tuple[torch.Tensor, torch.Tensor]) -> None:
         self.topk[source] = topk
+        for key in [k for k in self._attended if k[0] == source]:
+            del self._attended[key]
+
+    def attended_valid(self, source: int, window_valid: torch.Tensor) -> torch.Tensor:
+        """`[T, W + k]`: `window_valid` `[T, W]` (the window rows' validity, one per window
+        size in a forward) then the validity of `source`'s latest top-k."""
+        key = (source, window_valid.shape[1])
+        joined = self._attended.get(key)
+        if joined is None:
+            joined = torch.cat((window_valid, self.topk[source][1]), dim=1)
+            self._attended[key] = joined
+        return joined
 
 
 class Csa2Attention(nn.Module):
@@ -121,6 +141,8 @@ class Csa2Attention(nn.Module):
         self.rms_norm_pair = rms_norm_pair_impl(kernels)
         self.rope_q_store_kv = rope_q_store_kv_impl(kernels)
         self.store_rows = quant_store_impl(kernels)
+        self.load_rows = quant_load_impl(kernels)
+        self.load_row_pair = quant_load_pair_impl(kernels)
         self.index_queries = index_query_impl(kernels)
         self.index_scores, self.block_max = v41_indexer_impl(kernels)
         self.topk_rows = topk_rows_impl(kernels)
@@ -167,15 +189,23 @@ class Csa2Attention(nn.Module):
                 batch.positions, batch.token_slots(), batch.req_to_token, self.window
             ),
         )
-        # The window's FP8 keys, then (compressed layers) the latents of this layer's source
-        # at its published top-k, decoded in the attention's own loads.
-        attended = [AttendedRows(window, slots, valid)]
         if self.ratio > 0:
-            latents, rows, rows_valid = self._compressed(x_rest, index_q, batch, pool, rope, shared)
-            attended.append(AttendedRows(latents, rows, rows_valid))
+            # The window's keys and the attended latents decoded side by side into one tensor
+            # in one launch (no concatenation copy); their validity joined once per published
+            # top-k.
+            latents, rows = self._compressed(x_rest, index_q, batch, pool, rope, shared)
+            w = slots.shape[1]
+            keys = torch.empty(
+                T, w + rows.shape[1], self.head_dim, dtype=window.dtype, device=x.device
+            )
+            self.load_row_pair(window, slots, keys[:, :w], latents, rows, keys[:, w:])
+            assert self.source is not None  # every compressed layer has one
+            valid = shared.attended_valid(self.source, valid)
+        else:
+            keys = self.load_rows(window, slots)  # [T, W, Dh]
         # The V rope carried into o is undone in the attention's epilogue.
-        o = backend.attend_packed(
-            q, attended, self.sinks, self.head_dim**-0.5, inverse_rope=(cos, sin)
+        o = backend.attend_gathered(
+            q, keys, valid, self.sinks, self.head_dim**-0.5, inverse_rope=(cos, sin)
         )
         wa = split_rows_into_groups(module_weight(self.o_a_proj), self.groups)
         z = self.grouped_linear(o.reshape(T, self.groups, -1), wa).reshape(T, -1)
@@ -190,10 +220,10 @@ class Csa2Attention(nn.Module):
         pool: DeepseekV41KVPool,
         rope: RopeTables,
         shared: Csa2Selections,
-    ) -> tuple[QuantizedRows, torch.Tensor, torch.Tensor]:
-        """The latent cache of this layer's source, the rows of it this layer attends `[T, k]`
-        and their validity (the source's published top-k). x_rest: the x projections after
-        q_a and kv (compressor kv (+ gate), then indexer head weights)."""
+    ) -> tuple[QuantizedRows, torch.Tensor]:
+        """The latent cache of this layer's source and the rows of it this layer attends
+        `[T, k]` (their validity is the source's published top-k). x_rest: the x projections
+        after q_a and kv (compressor kv (+ gate), then indexer head weights)."""
         assert self.source is not None
         src = pool.sources[self.source]
         if self.compressor is not None:
@@ -212,8 +242,8 @@ class Csa2Attention(nn.Module):
             shared.publish_topk(
                 self.source, self._select(index_q[0], x_rest[0], batch, pool, rope, shared)
             )
-        rows, valid = shared.topk[self.source]
-        return src.latents, rows, valid
+        rows, _ = shared.topk[self.source]
+        return src.latents, rows
 
     def _select(
         self,
@@ -261,7 +291,7 @@ class Csa2Attention(nn.Module):
             scores = indexer_logits_of_keys_ref(
                 qi,
                 head_w,
-                cache.load(rows),  # plain rows: an index
+                self.load_rows(cache, rows),
                 batch.positions,
                 m,
                 weight_scale=weight_scale,

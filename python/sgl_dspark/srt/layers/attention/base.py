@@ -1,27 +1,15 @@
 """Attention backend interface: MQA over one shared KV head (K = V) with per-head sinks, reading
 the sliding window from the paged window KV and, for CSA/HCA layers, compressed entries
-(`forward`), or over keys a token reads from quantised caches by the rows it attends
-(`attend_packed`: DeepSeek-V4.1's FP8 window and FP4 latents, decoded as the pool reads them)."""
+(`forward`), or over keys a model has already gathered per token (`attend_gathered`: DeepSeek-V4.1,
+whose caches are quantised and dequantised by its own loads)."""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
-from typing import NamedTuple
 
 import torch
 
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
-from sgl_dspark.srt.mem_cache.v41_pool import QuantizedRows
-
-
-class AttendedRows(NamedTuple):
-    """Keys a token attends in one cache: its rows `[T, N]` of `cache` and which of them it
-    sees (`valid` `[T, N]` bool; a row is read only where valid)."""
-
-    cache: QuantizedRows
-    rows: torch.Tensor
-    valid: torch.Tensor
 
 
 class BaseAttentionBackend(ABC):
@@ -67,15 +55,15 @@ class BaseAttentionBackend(ABC):
         """
 
     @abstractmethod
-    def attend_packed(
+    def attend_gathered(
         self,
         q: torch.Tensor,
-        sources: Sequence[AttendedRows],
+        keys: torch.Tensor,
+        valid: torch.Tensor,
         sinks: torch.Tensor,
         scale: float,
         inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Attention of q `[T, H, Dh]` over the keys (keys are values) of one or two caches
-        of q's dtype, attended in order (`sources`), with sinks `[H]` and scale: the spec is
-        `sink_attention_ref` over the keys `QuantizedRows.load` decodes and the joined
-        validity; `inverse_rope` as in `forward`. -> `[T, H, Dh]`."""
+        """Attention over keys gathered per token: q `[T, H, Dh]`, keys `[T, K, Dh]` of q's
+        dtype (keys are values), valid `[T, K]` bool, sinks `[H]`, scale -> `[T, H, Dh]`
+        (`sink_attention_ref` is the spec); `inverse_rope` as in `forward`."""

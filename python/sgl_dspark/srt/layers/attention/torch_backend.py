@@ -3,30 +3,25 @@ HCA entries' rows and visibility built once per forward."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
 from sgl_dspark.kernels.attention.reference import sink_attention_ref, window_sparse_attention_ref
 from sgl_dspark.kernels.rope.reference import rope_tail_ref
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
-from sgl_dspark.srt.layers.attention.base import AttendedRows, BaseAttentionBackend
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 from sgl_dspark.srt.layers.attention.compressor import entry_slots, visible_entries
 
 
 class TorchAttentionBackend(BaseAttentionBackend):
-    def attend_packed(
+    def attend_gathered(
         self,
         q: torch.Tensor,
-        sources: Sequence[AttendedRows],
+        keys: torch.Tensor,
+        valid: torch.Tensor,
         sinks: torch.Tensor,
         scale: float,
         inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """The spec as written: each source's rows decoded by the pool's torch read, the keys
-        and their validity joined, then `sink_attention_ref`."""
-        keys = torch.cat([s.cache.load(s.rows) for s in sources], dim=1)
-        valid = torch.cat([s.valid for s in sources], dim=1)
         out = sink_attention_ref(q, keys, valid, sinks, scale)
         if inverse_rope is None:
             return out

@@ -1,14 +1,11 @@
-"""Attention backend on the Triton window + sparse-entry kernel and the packed-key kernel
-(`sgl_dspark.kernels`)."""
+"""Attention backend on the Triton window + sparse-entry kernel (`sgl_dspark.kernels`)."""
 
 from __future__ import annotations
-
-from collections.abc import Sequence
 
 import torch
 
 from sgl_dspark.srt.core.forward_batch import ForwardBatch
-from sgl_dspark.srt.layers.attention.base import AttendedRows, BaseAttentionBackend
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend
 
 
 class TritonAttentionBackend(BaseAttentionBackend):
@@ -25,39 +22,64 @@ class TritonAttentionBackend(BaseAttentionBackend):
         depend on the batch: masked key tiles are exact no-ops of the online softmax."""
         # Imported here, as the other layers do, so that importing the registry (every process,
         # `--help`) does not import triton and define kernels.
-        from sgl_dspark.kernels.attention.packed_keys import KeySource, packed_key_attention
-        from sgl_dspark.kernels.attention.window_sparse import window_sparse_attention
+        from sgl_dspark.kernels import window_sparse_attention
 
         self._attention = window_sparse_attention
-        self._packed_attention = packed_key_attention
-        self._key_source = KeySource
         self._num_splits = 1 if batch_invariant else None
+        # `attend_gathered`'s index tensors, which depend on the batch's shape alone: built by
+        # the first layer of a forward, shared by the others, dropped when the next forward
+        # starts (`init_forward_metadata`). Never kept across forwards: a tensor made inside a
+        # graph's capture is written only by that graph's replays, so no other forward may read it.
+        self._rows: dict[tuple[int, int, torch.device], torch.Tensor] = {}
+        self._placeholders: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
 
-    def attend_packed(
+    def init_forward_metadata(self, batch: ForwardBatch) -> None:
+        self._rows.clear()
+        self._placeholders.clear()
+
+    def _gathered_indices(
+        self, tokens: int, k: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Token t's rows t * K + j of the flattened keys `[T, K]`, then placeholders for the
+        positions and token slots `[T]` and the page table `[1, 1]`: with no window the kernel
+        reads none of them."""
+        rows = self._rows.get((tokens, k, device))
+        if rows is None:
+            rows = torch.arange(tokens * k, device=device).view(tokens, k)
+            self._rows[(tokens, k, device)] = rows
+        placeholders = self._placeholders.get((tokens, device))
+        if placeholders is None:
+            zeros = torch.zeros(tokens, dtype=torch.int64, device=device)
+            placeholders = (zeros, zeros.view(tokens, 1)[:1])
+            self._placeholders[(tokens, device)] = placeholders
+        return rows, *placeholders
+
+    def attend_gathered(
         self,
         q: torch.Tensor,
-        sources: Sequence[AttendedRows],
+        keys: torch.Tensor,
+        valid: torch.Tensor,
         sinks: torch.Tensor,
         scale: float,
         inverse_rope: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """One kernel reads each source's stored bytes at its rows and decodes them in its
-        loads (plain rows where the cache keeps them unquantised): no decoded keys in memory."""
-        key_sources = [
-            self._key_source(
-                s.cache.data,
-                s.cache.scales,
-                s.cache.fmt if s.cache.packed else "plain",
-                s.rows,
-                s.valid,
-            )
-            for s in sources
-        ]
-        return self._packed_attention(
+        """The window + sparse kernel with no window and the gathered keys as its extra keys
+        (token t's rows t * K + j of the flattened keys); the inverse rope in its epilogue."""
+        tokens, k, head_dim = keys.shape
+        pool = keys.reshape(tokens * k, head_dim)
+        rows, zeros, table = self._gathered_indices(tokens, k, q.device)
+        return self._attention(
             q.contiguous(),
-            key_sources,
+            pool,
+            zeros,
+            zeros,
+            table,
+            0,
             sinks,
             scale,
+            pool,
+            valid.contiguous(),
+            extra_slots=rows,
             inverse_rope=inverse_rope,
             num_splits=self._num_splits,
         )
