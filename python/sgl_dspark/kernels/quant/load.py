@@ -111,10 +111,13 @@ def _load_rows(
             scale = e4m3_to_fp32(s)
         else:
             scale = e8m0_to_fp32(s)
-        lo = e2m1_to(stored & 15, tl.float32) * 16384.0 * scale
-        hi = e2m1_to(stored >> 4, tl.float32) * 16384.0 * scale
-        tl.store(out_row + even, round_to_dtype(lo, OUT_KIND, ON_BITS), mask=mask)
-        tl.store(out_row + even + 1, round_to_dtype(hi, OUT_KIND, ON_BITS), mask=mask)
+        lo = round_to_dtype(e2m1_to(stored & 15, tl.float32) * 16384.0 * scale, OUT_KIND, ON_BITS)
+        hi = round_to_dtype(e2m1_to(stored >> 4, tl.float32) * 16384.0 * scale, OUT_KIND, ON_BITS)
+        # Channels 2j and 2j + 1 side by side: one contiguous store a row, not two stores of
+        # every other element (half of each written sector).
+        pairs = tl.reshape(tl.join(lo, hi), [ROWS, 2 * WP])
+        chans = tl.arange(0, 2 * WP)
+        tl.store(out_row + chans[None, :], pairs, mask=row_ok[:, None] & (chans < 2 * W)[None, :])
 
 
 @triton.jit
