@@ -26,7 +26,10 @@ def interpreted(kernel: object) -> bool:
     """True when `kernel` runs in the CPU interpreter (TRITON_INTERPRET=1). Its fp32 -> bf16
     cast truncates instead of rounding to nearest even, so kernels round on the bits there
     (`round_to_bf16`); compiled, the native cast already rounds to nearest even (one
-    instruction instead of six integer ops per element)."""
+    instruction instead of six integer ops per element). Launchers pick the interpreter's
+    variants (bits rounded by hand, dots in fp32) by this test, never by the tensors' device:
+    `gpu_targets_check.py` records launches on CPU tensors and must compile the variants a GPU
+    runs."""
     return isinstance(kernel, InterpretedFunction)
 
 

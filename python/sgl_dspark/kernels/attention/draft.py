@@ -308,7 +308,7 @@ def draft_attention(
         BLOCK_N=block_n,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
-        DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
+        DOT_FP32=q.dtype == torch.float32 or interpreted(_draft_attention_kernel),
         ROUND_P=q.dtype != torch.float32,
         ROPE=inverse_rope is not None,
         KIND=DTYPE_KIND[q.dtype],

@@ -532,7 +532,7 @@ def window_sparse_attention(
         DENSE_ENTRIES=dense and has_extra,
         # fp32 must not go through tf32; the CPU interpreter's 16-bit tl.dot returns garbage
         # (triton 3.6), so there the exact 16-bit products are formed in fp32 instead.
-        DOT_FP32=q.dtype == torch.float32 or q.device.type == "cpu",
+        DOT_FP32=q.dtype == torch.float32 or interpreted(_window_sparse_attention_kernel),
         ROUND_P=q.dtype != torch.float32,
         SPLIT=split,
         ROPE=inverse_rope is not None,

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from sgl_dspark.kernels._checks import FLOAT_DTYPES, require
-from sgl_dspark.kernels._triton_utils import programmatic_launch, wait_for_producers
+from sgl_dspark.kernels._triton_utils import interpreted, programmatic_launch, wait_for_producers
 from sgl_dspark.kernels.compressor.entry_rows import load_entry_rows
 
 _MIN_DOT = 16  # tl.dot needs every tile dimension >= 16
@@ -211,7 +211,7 @@ def indexer_logits(
         BLOCK_N=block_n,
         # Widening bf16/fp16 tiles to fp32 changes no value (their products are exact in fp32);
         # the CPU interpreter needs it because its bf16 tl.dot is wrong (triton 3.6).
-        DOT_FP32=qi.dtype == torch.float32 or qi.device.type == "cpu",
+        DOT_FP32=qi.dtype == torch.float32 or interpreted(_indexer_logits_kernel),
         **programmatic_launch(_indexer_logits_kernel, qi.device),
     )
     return out

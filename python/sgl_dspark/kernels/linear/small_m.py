@@ -28,6 +28,7 @@ import triton.language as tl
 
 from sgl_dspark.kernels._checks import FLOAT_DTYPES, require
 from sgl_dspark.kernels._triton_utils import (
+    interpreted,
     prefetch_tile_l2,
     programmatic_launch,
     round_to_bf16,
@@ -194,7 +195,7 @@ def _launch(
         ROUND_BF16=x.dtype == torch.bfloat16,
         # fp32 must not go through tf32; the CPU interpreter's bf16 tl.dot returns garbage
         # (triton 3.6), so there the (exact) bf16 products are formed in fp32 instead.
-        DOT_FP32=x.dtype == torch.float32 or x.device.type == "cpu",
+        DOT_FP32=x.dtype == torch.float32 or interpreted(_small_m_linear_kernel),
         **meta,
         **programmatic_launch(_small_m_linear_kernel, x.device),
     )

@@ -443,7 +443,7 @@ def router_topk(
         GEMV_N=_GEMV_EXPERTS,
         GEMV_K=gemv_k,
         CHAINS=max(1, min(_GEMV_CHAINS, gemv_k // 16)),
-        DOT_FP32=device.type == "cpu",
+        DOT_FP32=on_interpreter,
         INTERPRETED=on_interpreter,
         UNROLL=topk if meta.unroll else 1,
         **programmatic_launch(_router_topk_kernel, device),

@@ -45,6 +45,7 @@ import triton.language as tl
 from sgl_dspark.kernels._checks import FLOAT_DTYPES, INDEX_DTYPES, require
 from sgl_dspark.kernels._triton_utils import (
     DTYPE_KIND,
+    interpreted,
     prefetch_tile_l2,
     programmatic_launch,
     round_to_storage,
@@ -334,7 +335,7 @@ def markov_greedy(
     row_blocks = triton.cdiv(batch, plan.block_b)
     # Row blocks on the fast grid axis: the blocks sharing a W2 chunk run together (L2 reuse).
     # On CPU tensors the kernel runs in the interpreter, whose bf16 tl.dot is not a float dot.
-    dot_in_fp32 = w2.dtype == torch.float32 or device.type == "cpu"
+    dot_in_fp32 = w2.dtype == torch.float32 or interpreted(_markov_step_kernel)
     for k in range(gamma + 1):
         compute = k < gamma
         _markov_step_kernel[(row_blocks, plan.num_chunks if compute else 1)](
