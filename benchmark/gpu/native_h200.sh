@@ -93,6 +93,10 @@
 #                heads x 512, window 128 + 512 selected entries, M 1 and 4), the library's split
 #                of the key range against forced splits, checked, then timed over 40 layers'
 #                inputs
+#   attn_shape   probe_attention_shape.py: V4.1's decode attention over gathered keys (64 heads
+#                x 512, 640 keys a token) at M 1/8/32 tokens (ATTN_SHAPE_M), the library's
+#                launch shape (heads a program, keys a tile, warps) against others, checked,
+#                then timed over 40 layers' inputs
 #   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
@@ -129,6 +133,7 @@
 #   env,mhc_phases          ~3 minutes  (480 s)
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
 #   env,attn_splits         ~1 minute, not yet timed (180 s)
+#   env,attn_shape          not yet timed (240 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -312,6 +317,12 @@ if has attn_splits; then
   run 180 attn_splits.log python3 benchmark/kernels/probe_attention_splits.py --m 1,4 \
     --out "$WORK/attn_splits.md"
   show "$WORK/attn_splits.md"
+fi
+if has attn_shape; then
+  stage attn_shape 240
+  run 240 attn_shape.log python3 benchmark/kernels/probe_attention_shape.py \
+    --m "${ATTN_SHAPE_M:-1,8,32}" --out "$WORK/attn_shape.md"
+  show "$WORK/attn_shape.md"
 fi
 if has w8a8; then
   stage w8a8 120

@@ -237,6 +237,14 @@ def test_v41_bench_stage_on_cpu(tmp_path: Path) -> None:
     assert "| dspark_confidence_async | 2 |" in summary
 
 
+def test_attn_shape_passes_its_batch_sizes(tmp_path: Path) -> None:
+    commands = _dry_run("native_h200.sh", "attn_shape", tmp_path, {"ATTN_SHAPE_M": "8,32"})
+    probe = [words for stage, _, _, words in commands if stage == "attn_shape" and words]
+    assert len(probe) == 1
+    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_attention_shape.py"]
+    assert _flag(probe[0], "--m") == "8,32"
+
+
 def test_probe_w8a8_passes_its_shapes_and_variants(tmp_path: Path) -> None:
     knobs = {"PROBE_W8A8_SHAPES": "o_b", "PROBE_W8A8_ONLY": "BN128"}
     commands = _dry_run("native_h200.sh", "probe_w8a8", tmp_path, knobs)

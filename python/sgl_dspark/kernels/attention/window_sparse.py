@@ -294,6 +294,15 @@ def _merge_attention_splits_kernel(
     )
 
 
+def _attention_meta(heads: int, d_pow2: int) -> tuple[int, int, int]:
+    """(heads a program, keys a tile, warps) for `heads` query heads of d_pow2 padded channels:
+    the one place probes override (`benchmark/kernels/probe_attention_shape.py`). A program's
+    accumulator and key tile stay within `_TILE_ELEMS` each."""
+    block_h = max(16, min(triton.next_power_of_2(heads), _TILE_ELEMS // d_pow2))
+    block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
+    return block_h, block_n, 8 if d_pow2 >= 256 else 4
+
+
 def _auto_num_splits(programs: int, total_tiles: int, sm_count: int) -> int:
     """Splits per (token, head block): 1 when the single pass already has a program per SM,
     else enough to give ~`_WAVES` programs per SM, capped so each split keeps
@@ -472,8 +481,7 @@ def window_sparse_attention(
         slots_arg, slots_stride = extra_slots, extra_slots.stride(0)
         valid_arg, valid_stride = extra_valid.view(torch.uint8), extra_valid.stride(0)
     d_pow2 = max(16, triton.next_power_of_2(head_dim))
-    block_h = max(16, min(triton.next_power_of_2(heads), _TILE_ELEMS // d_pow2))
-    block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
+    block_h, block_n, num_warps = _attention_meta(heads, d_pow2)
     head_blocks = triton.cdiv(heads, block_h)
     total_tiles = triton.cdiv(window, block_n) + triton.cdiv(num_extra, block_n)
     if num_splits is None:
@@ -538,7 +546,7 @@ def window_sparse_attention(
         ROPE=inverse_rope is not None,
         KIND=DTYPE_KIND[q.dtype],
         ON_BITS=interpreted(_window_sparse_attention_kernel),
-        num_warps=8 if d_pow2 >= 256 else 4,
+        num_warps=num_warps,
         enable_fp_fusion=False,
         **programmatic_launch(_window_sparse_attention_kernel, q.device),
     )
