@@ -140,7 +140,6 @@ def _router_topk_kernel(
     GEMV_N: tl.constexpr,
     GEMV_K: tl.constexpr,
     CHAINS: tl.constexpr,
-    DOT_FP32: tl.constexpr,
     INTERPRETED: tl.constexpr,
     UNROLL: tl.constexpr,
     PDL: tl.constexpr,
@@ -191,7 +190,7 @@ def _router_topk_kernel(
                 mask=xrow_ok[None, :, None] & (ks < hidden)[:, None, :],
                 other=0.0,
             )
-            if DOT_FP32:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.6): the exact
+            if INTERPRETED:  # the CPU interpreter's bf16 tl.dot is wrong (triton 3.6): the exact
                 x_tile = x_tile.to(tl.float32)  # bf16 products are formed in fp32 instead
                 w_tile = w_tile.to(tl.float32)
             # "ieee": fp32 inputs must not go through tf32 (bf16 ignores the setting).
@@ -443,7 +442,6 @@ def router_topk(
         GEMV_N=_GEMV_EXPERTS,
         GEMV_K=gemv_k,
         CHAINS=max(1, min(_GEMV_CHAINS, gemv_k // 16)),
-        DOT_FP32=on_interpreter,
         INTERPRETED=on_interpreter,
         UNROLL=topk if meta.unroll else 1,
         **programmatic_launch(_router_topk_kernel, device),
