@@ -2,8 +2,9 @@
 
     python benchmark/kernels/probe_attention_shape.py [--m 1,8,32] [--out FILE]
 
-What a V4.1 layer runs after its keys' decode launch (`TritonAttentionBackend.attend_gathered`:
-`window_sparse_attention` with no window over the keys gathered per token): 64 query heads of
+What a V4.1 layer runs after its keys' decode launch (`TritonAttentionBackend.attend_gathered`,
+called as the engine calls it: `window_sparse_attention` with no window over the keys gathered
+per token): 64 query heads of
 512 channels over a token's 640 keys (the window's 128, then 512 latents of its top-k; a few
 masked), sinks, the inverse rope epilogue, for M tokens of M requests. The library's launch
 shape (`window_sparse._attention_meta`: heads a program, keys a tile, warps; the split of the
@@ -32,6 +33,8 @@ sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
 from sgl_dspark.kernels.attention import window_sparse  # noqa: E402
 from sgl_dspark.kernels.attention.reference import sink_attention_ref  # noqa: E402
 from sgl_dspark.kernels.rope.reference import rope_tail_ref  # noqa: E402
+from sgl_dspark.srt.layers.attention import create_attention_backend  # noqa: E402
+from sgl_dspark.srt.layers.attention.base import BaseAttentionBackend  # noqa: E402
 
 from benchmark.kernels.graph_timing import graph_time_us, max_rel_err  # noqa: E402
 
@@ -82,26 +85,13 @@ def layer_inputs(m: int, device: str, seed: int, heads: int = HEADS, head_dim: i
     }
 
 
-def attend(x: dict, num_splits: int | None = None) -> torch.Tensor:
-    """The triton backend's call for gathered keys (token t's keys at rows t * K + j)."""
-    m, k, d = x["keys"].shape
-    pool = x["keys"].reshape(m * k, d)
-    rows = torch.arange(m * k, device=pool.device).view(m, k)
-    zeros = torch.zeros(m, dtype=torch.int64, device=pool.device)
-    return window_sparse.window_sparse_attention(
-        x["q"],
-        pool,
-        zeros,
-        zeros,
-        zeros.view(m, 1)[:1],
-        0,
-        x["sinks"],
-        d**-0.5,
-        pool,
-        x["valid"],
-        extra_slots=rows,
-        inverse_rope=(x["cos"], x["sin"]),
-        num_splits=num_splits,
+def attend(x: dict, backend: BaseAttentionBackend) -> torch.Tensor:
+    """The engine's call: the triton backend's attention over keys gathered per token (one
+    backend for every call, as a forward's layers share one: its row indices are built by the
+    first call, outside a graph's capture)."""
+    d = x["keys"].shape[2]
+    return backend.attend_gathered(
+        x["q"], x["keys"], x["valid"], x["sinks"], d**-0.5, inverse_rope=(x["cos"], x["sin"])
     )
 
 
@@ -122,14 +112,15 @@ def main() -> None:
         "| M | heads a program, keys a tile, warps | max rel err | us per call | vs library |",
         "|---|---|---|---|---|",
     ]
+    backend = create_attention_backend("triton")
     for m in (int(v) for v in a.m.split(",")):
         layers = [layer_inputs(m, "cuda", seed=i) for i in range(LAYERS)]
         want = reference(layers[0])
         library = None
         for shape in SHAPES:
             with launch_shape(shape):
-                err = max_rel_err(attend(layers[0]), want)
-                us = graph_time_us([lambda x=x: attend(x) for x in layers], reps=4)
+                err = max_rel_err(attend(layers[0], backend), want)
+                us = graph_time_us([lambda x=x: attend(x, backend) for x in layers], reps=4)
             library = us if shape is None else library
             tag = "library" if shape is None else ", ".join(map(str, shape))
             lines.append(f"| {m} | {tag} | {err:.1e} | {us:.2f} | {library / us:.2f} |")
