@@ -97,6 +97,10 @@
 #                x 512, 640 keys a token) at M 1/8/32 tokens (ATTN_SHAPE_M), the library's
 #                launch shape (heads a program, keys a tile, warps) against others, checked,
 #                then timed over 40 layers' inputs
+#   row_blocks   probe_row_blocks.py: the quantised linear above 16 rows at V4.1-Flash's FP8
+#                projections (M 16/32/64: ROW_BLOCKS_M), one row block a program against two
+#                (each multiplied by every dequantised weight tile) at other pipeline depths
+#                and warps, bits compared with one block a program's, then timed
 #   mhc_phases   probe_mhc_phases.py: V4.1's mHC boundary (D 5120, single pass) with each part
 #                left out or changed, M 1/4/8/32; then the boundary alone on a base tree and on
 #                this tree, ABBA (base, head, head, base), one process each, V4.1's and V4's
@@ -134,6 +138,7 @@
 #   env,ncu                 ~2 minutes, not yet timed (300 s)
 #   env,attn_splits         ~1 minute, not yet timed (180 s)
 #   env,attn_shape          not yet timed (240 s)
+#   env,row_blocks          not yet timed (240 s)
 # A stage left without time is skipped and says so; each benchmark rewrites its table after
 # every row, so a stage stopped at its limit keeps its rows. Results: $OUT/summary.md (tables,
 # test summaries, what ran) and $OUT/results.tgz (every log and table).
@@ -323,6 +328,12 @@ if has attn_shape; then
   run 240 attn_shape.log python3 benchmark/kernels/probe_attention_shape.py \
     --m "${ATTN_SHAPE_M:-1,8,32}" --out "$WORK/attn_shape.md"
   show "$WORK/attn_shape.md"
+fi
+if has row_blocks; then
+  stage row_blocks 240
+  run 240 row_blocks.log python3 benchmark/kernels/probe_row_blocks.py \
+    --m "${ROW_BLOCKS_M:-16,32,64}" --out "$WORK/row_blocks.md"
+  show "$WORK/row_blocks.md"
 fi
 if has w8a8; then
   stage w8a8 120

@@ -951,6 +951,7 @@ INSTRUCTIONS = {
     # its byte permutes); gfx950 compiles the portable decode.
     "quantized_linear_mxfp4": _FP4_PTX_DECODE,
     "quantized_linear_mxfp4_wide_m1": _FP4_PTX_DECODE,
+    "quantized_linear_mxfp4_m32": _FP4_PTX_DECODE,
     "quantized_moe_grouped_mxfp4": _FP4_PTX_DECODE,
     "quantized_moe_route_gate_up_mxfp4": _FP4_PTX_DECODE,
     "quantized_moe_token_down_mxfp4": _FP4_PTX_DECODE,
@@ -1013,6 +1014,22 @@ CASES = {
         "linear.quantized",
         "_quantized_linear_kernel",
         quantized_linear_case("fp8", 32768, 1280, 32, m=16),
+    ),
+    # More than 16 rows (decode at 32 requests, a DSpark verify): two row blocks a program.
+    "quantized_linear_fp8_32_o_b_m32": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        quantized_linear_case("fp8", 5120, 8192, 32, m=32),
+    ),
+    "quantized_linear_mxfp4_m32": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        quantized_linear_case("mxfp4", 4096, 4096, 32, m=32),
+    ),
+    "quantized_linear_fp8_32_q_b_m32": (
+        "linear.quantized",
+        "_quantized_linear_kernel",
+        quantized_linear_case("fp8", 32768, 1280, 32, m=32),
     ),
     # fp32 activations (fp32 serving of a quantised checkpoint): wider activation tiles
     "quantized_linear_fp8_fp32": (

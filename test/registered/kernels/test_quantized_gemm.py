@@ -296,20 +296,42 @@ def test_quantized_linear_bad_arguments() -> None:
         quantized_linear(x, w._replace(data=w.data.view(torch.uint8)))
 
 
-@pytest.mark.parametrize("fmt,block", [("fp8", 32), ("mxfp4", 32)])
-def test_rows_past_one_tile_run_as_calls_of_their_own(fmt: str, block: int) -> None:
-    """Any M runs (16-row blocks): every row has the bits of a one-row call, so a row's result
-    never depends on the batch (`--enable-deterministic-inference`)."""
+@pytest.mark.parametrize(
+    "fmt,block,k", [("fp8", 32, 96), ("mxfp4", 32, 96), ("fp8", 128, 300), ("mxfp4", 32, 136)]
+)
+def test_rows_past_one_tile_run_as_calls_of_their_own(fmt: str, block: int, k: int) -> None:
+    """Any M runs (16-row blocks, two a program above 16 rows, both multiplied by each
+    dequantised weight tile): every row has the bits of a one-row call, so a row's result never
+    depends on the batch (`--enable-deterministic-inference`). K 300 / 136: a partial last K
+    step, MXFP4 rows read as bytes."""
+    import sgl_dspark.kernels.linear.quantized as quantized_module
+
+    assert quantized_module._quantized_meta(fmt, 40, k, m=37)["ROW_BLOCKS"] == 2
     g = torch.Generator().manual_seed(7)
-    w = quantized(torch.randn(40, 96, generator=g) * 0.05, fmt, block)
-    x = torch.randn(37, 96, generator=g).to(torch.bfloat16).to(DEVICE)
+    w = quantized(torch.randn(40, k, generator=g) * 0.05, fmt, block)
+    x = torch.randn(37, k, generator=g).to(torch.bfloat16).to(DEVICE)
     got = quantized_linear(x, w)
     want = small_m_linear_ref(x, dequantize_weight_ref(w, torch.bfloat16))
     torch.testing.assert_close(got, want, **GEMM_TOL[torch.bfloat16])
     for b in range(0, 37, 16):  # a block's bits as a call of its own
         assert torch.equal(got[b : b + 16], quantized_linear(x[b : b + 16], w))
-    for r in (0, 15, 16, 36):  # and a row's as a one-row call (bf16: exact in the interpreter)
-        assert torch.equal(got[r : r + 1], quantized_linear(x[r : r + 1], w))
+    for r in (0, 15, 16, 31, 32, 36):  # and a row's as a one-row call (bf16: exact in the
+        assert torch.equal(got[r : r + 1], quantized_linear(x[r : r + 1], w))  # interpreter)
+    assert torch.equal(quantized_linear(x[5:25], w), got[5:25])  # a pair with a partial block
+
+
+@pytest.mark.parametrize("fmt,block", [("fp8", 32), ("mxfp4", 32)])
+def test_grouped_rows_past_one_tile_run_as_calls_of_their_own(fmt: str, block: int) -> None:
+    """The grouped linear above 16 rows (two row blocks a program): each row block's bits as
+    a call of its own."""
+    g = torch.Generator().manual_seed(13)
+    groups, rank, k = 3, 24, 128
+    w = quantized(torch.randn(groups * rank, k, generator=g) * 0.05, fmt, block)
+    x = torch.randn(40, groups, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    got = quantized_grouped_linear(x, w)
+    torch.testing.assert_close(got, small_m_grouped_linear_ref(x, w), **GEMM_TOL[torch.bfloat16])
+    for b in range(0, 40, 16):
+        assert torch.equal(got[b : b + 16], quantized_grouped_linear(x[b : b + 16], w))
 
 
 def _experts(

@@ -245,6 +245,14 @@ def test_attn_shape_passes_its_batch_sizes(tmp_path: Path) -> None:
     assert _flag(probe[0], "--m") == "8,32"
 
 
+def test_row_blocks_passes_its_batch_sizes(tmp_path: Path) -> None:
+    commands = _dry_run("native_h200.sh", "row_blocks", tmp_path, {"ROW_BLOCKS_M": "32"})
+    probe = [words for stage, _, _, words in commands if stage == "row_blocks" and words]
+    assert len(probe) == 1
+    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_row_blocks.py"]
+    assert _flag(probe[0], "--m") == "32"
+
+
 def test_probe_w8a8_passes_its_shapes_and_variants(tmp_path: Path) -> None:
     knobs = {"PROBE_W8A8_SHAPES": "o_b", "PROBE_W8A8_ONLY": "BN128"}
     commands = _dry_run("native_h200.sh", "probe_w8a8", tmp_path, knobs)

@@ -403,6 +403,32 @@ def _accumulate(acc, a, w, SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
+def _activation_tile(
+    a_rows, a_ok, k0, k_dim, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr
+):
+    """Channels [k0, k0 + BLOCK_K) of the A rows `a_rows` (rows not `a_ok` and channels past
+    k_dim read zero), fp32 for an fp32 dot."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    if EVEN_K:
+        a_k_ok = a_ok[:, None]
+    else:
+        a_k_ok = a_ok[:, None] & (ks < k_dim)[None, :]
+    a = tl.load(a_rows[:, None] + ks[None, :], mask=a_k_ok, other=0.0)
+    if DOT_FP32:
+        a = a.to(tl.float32)
+    return a
+
+
+@triton.jit
+def _accumulate_halves(acc, a, w_even, w_odd, SPLIT_K: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + a @ w^T for an MXFP4 step: the even channels' dot, then the odd channels'."""
+    a_even, a_odd = tl.split(tl.reshape(a, [a.shape[0], a.shape[1] // 2, 2]))
+    acc = _accumulate(acc, a_even, w_even, SPLIT_K, DOT_FP32)
+    acc = _accumulate(acc, a_odd, w_odd, SPLIT_K, DOT_FP32)
+    return acc
+
+
+@triton.jit
 def quantized_product(
     a_rows,
     a_ok,
@@ -421,6 +447,9 @@ def quantized_product(
     SPLIT_K: tl.constexpr = 1,
     EVEN_K: tl.constexpr = False,
     SCALES_AHEAD: tl.constexpr = False,
+    SECOND_ROWS: tl.constexpr = False,
+    a_rows_2=None,
+    a_ok_2=None,
 ):
     """fp32 [BM, BN] = A rows (pointers `a_rows` [BM], unit stride along K; rows not `a_ok`
     read zero) times the dequantised weight columns (`w_rows` / `w_ok` / `s_rows`: pointers to
@@ -449,11 +478,17 @@ def quantized_product(
     iteration waits for a load it issued itself (a scale load is a global-memory round trip,
     the longest latency of a step). The kernels tell the compiler the alignment of the scale
     rows `s_rows` where they form them (`scale_alignment`; a hint on a function's argument is
-    lost)."""
+    lost).
+
+    SECOND_ROWS: a second block of BM rows (`a_rows_2` / `a_ok_2`) multiplied by every step's
+    dequantised weight tile too, into its own accumulator (returned second): the weight is read
+    and decoded once for 2 * BM rows, and each block's sums are the same operations, in the same
+    order, as a product of its own (its rows' bits do not depend on the pairing)."""
     if SPLIT_K == 1:
         acc = tl.zeros([BM, BN], dtype=tl.float32)
     else:
         acc = tl.zeros([SPLIT_K, BM, BN], dtype=tl.float32)
+    acc_2 = acc
     if SCALES_AHEAD:
         e_next = quantized_scales(s_rows, w_ok, 0, k_dim, GROUP, BLOCK_K, EVEN_K)
     for k0 in range(0, k_dim, BLOCK_K):
@@ -466,29 +501,30 @@ def quantized_product(
             )
         else:
             e = quantized_scales(s_rows, w_ok, k0, k_dim, GROUP, BLOCK_K, EVEN_K)
-        ks = k0 + tl.arange(0, BLOCK_K)
-        if EVEN_K:
-            a_k_ok = a_ok[:, None]
-        else:
-            a_k_ok = a_ok[:, None] & (ks < k_dim)[None, :]
-        a = tl.load(a_rows[:, None] + ks[None, :], mask=a_k_ok, other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
+        a = _activation_tile(a_rows, a_ok, k0, k_dim, BLOCK_K, DOT_FP32, EVEN_K)
+        if SECOND_ROWS:
+            a_2 = _activation_tile(a_rows_2, a_ok_2, k0, k_dim, BLOCK_K, DOT_FP32, EVEN_K)
         if FP4:
             w_even, w_odd = fp4_half_tiles(
                 w_rows, w_ok, e, k0, k_dim, BN, BLOCK_K, GROUP, DOT_FP32, PTX, ALIGNED, EVEN_K
             )
-            a_even, a_odd = tl.split(tl.reshape(a, [BM, BLOCK_K // 2, 2]))
-            acc = _accumulate(acc, a_even, w_even, SPLIT_K, DOT_FP32)
-            acc = _accumulate(acc, a_odd, w_odd, SPLIT_K, DOT_FP32)
+            acc = _accumulate_halves(acc, a, w_even, w_odd, SPLIT_K, DOT_FP32)
+            if SECOND_ROWS:
+                acc_2 = _accumulate_halves(acc_2, a_2, w_even, w_odd, SPLIT_K, DOT_FP32)
         else:
             w = quantized_tile(
                 w_rows, w_ok, e, k0, k_dim, False, False, GROUP, BN, BLOCK_K, DOT_FP32, EVEN_K
             )
             acc = _accumulate(acc, a, w, SPLIT_K, DOT_FP32)
+            if SECOND_ROWS:
+                acc_2 = _accumulate(acc_2, a_2, w, SPLIT_K, DOT_FP32)
     if SPLIT_K > 1:
         acc = tl.sum(acc, axis=0)
-    return acc
+        acc_2 = tl.sum(acc_2, axis=0)
+    if SECOND_ROWS:
+        return acc, acc_2
+    else:
+        return acc
 
 
 __all__ = [

@@ -83,6 +83,7 @@ def _quantized_linear_kernel(
     GROUP: tl.constexpr,
     SCALE_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr,
+    ROW_BLOCKS: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     SPLIT_K: tl.constexpr,
@@ -92,11 +93,12 @@ def _quantized_linear_kernel(
     DOT_FP32: tl.constexpr,
     PDL: tl.constexpr,
 ):
-    # Program (column block, group, row block): a group's x columns, weight, scales and output
-    # columns start at its group strides (0 for a plain linear); row block r owns rows
-    # [r * BLOCK_M, (r + 1) * BLOCK_M), each computed as it would be in a call of its own.
+    # Program (column block, group, row blocks): a group's x columns, weight, scales and output
+    # columns start at its group strides (0 for a plain linear); program r owns the ROW_BLOCKS
+    # row blocks from row r * ROW_BLOCKS * BLOCK_M, each computed as it would be in a call of
+    # its own.
     group = tl.program_id(1).to(tl.int64)
-    row0 = tl.program_id(2).to(tl.int64) * BLOCK_M
+    row0 = tl.program_id(2).to(tl.int64) * (ROW_BLOCKS * BLOCK_M)
     x_ptr += row0 * stride_xm
     y_ptr += row0 * stride_ym
     M -= row0
@@ -123,7 +125,7 @@ def _quantized_linear_kernel(
     x_rows = x_ptr + group * stride_xg + offs_m.to(tl.int64) * stride_xm
     w_rows = w_ptr + offs_n.to(tl.int64) * stride_wn
     s_rows = tl.multiple_of(s_ptr + scale_row * stride_sn, SCALE_ALIGN)
-    acc = quantized_product(
+    product = quantized_product(
         x_rows,
         mask_m,
         w_rows,
@@ -141,23 +143,44 @@ def _quantized_linear_kernel(
         SPLIT_K,
         EVEN_K,
         SCALES_AHEAD,
+        ROW_BLOCKS == 2,
+        x_rows + BLOCK_M * stride_xm,
+        offs_m + BLOCK_M < M,
     )
+    y_rows = y_ptr + group * stride_yg + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
+    if ROW_BLOCKS == 2:
+        acc, acc_2 = product
+        _store_rows(
+            y_rows + BLOCK_M * stride_ym,
+            acc_2,
+            (offs_m + BLOCK_M < M)[:, None] & mask_n[None, :],
+            ROUND_BF16,
+        )
+    else:
+        acc = product
+    _store_rows(y_rows, acc, mask_m[:, None] & mask_n[None, :], ROUND_BF16)
+
+
+@triton.jit
+def _store_rows(y_ptrs, acc, mask, ROUND_BF16: tl.constexpr):
+    """A row block's fp32 sums stored in y's dtype, rounded once (nearest even on the bits for
+    bf16)."""
     if ROUND_BF16:
         acc = round_to_bf16(acc)
-    y_rows = y_ptr + group * stride_yg + offs_m[:, None].to(tl.int64) * stride_ym
-    tl.store(
-        y_rows + offs_n[None, :],
-        acc.to(y_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    tl.store(y_ptrs, acc.to(y_ptrs.dtype.element_ty), mask=mask)
 
 
 def _quantized_meta(
-    fmt: str, n: int, k: int, groups: int = 1, sms: int = DEFAULT_SM_COUNT
+    fmt: str, n: int, k: int, groups: int = 1, sms: int = DEFAULT_SM_COUNT, m: int = 1
 ) -> dict[str, int]:
-    """Launch shape per shape class (the one place sweeps and probes override; it depends on
-    (N, K), the groups and the device's multiprocessors, never on M, so a row's bits do not
-    depend on the batch; the column block does not change a sum's order either).
+    """Launch shape per shape class (the one place sweeps and probes override). What enters a
+    sum's order (the K step and its slices) depends on (N, K) only, so a row's bits do not
+    depend on the batch; the column block, the pipeline depth and the row blocks a program
+    owns (`ROW_BLOCKS`) change no sum.
+
+    More than 16 rows: each program owns two 16-row blocks and multiplies both by every
+    dequantised weight tile (`quantized_product`'s SECOND_ROWS), so 32 rows read and decode the
+    weight once instead of twice; one program a row block read it again per block.
 
     N up to 8192: narrow column blocks (16 columns: N = 5120 gives 320 programs). A program then
     has few columns to keep warps busy, so each K step of up to 512 channels is split into
@@ -174,11 +197,13 @@ def _quantized_meta(
     the weight tile it multiplies): V4.1's o_a 1.36x / 1.55x / 1.48x at M 1 / 16 / 32 on an H100.
     Wider N (an lm_head): 64-column blocks, 256-channel steps in one dot; 512 programs at N =
     32768 with a pipeline of at most 48 KB, so four share an SM and they all run in one wave."""
+    row_blocks = 2 if m > _BLOCK_M else 1
     if n > 8192:
         return {
             "BLOCK_N": 64,
             "BLOCK_K": quantized_block_k(fmt, k),
             "SPLIT_K": 1,
+            "ROW_BLOCKS": row_blocks,
             "num_stages": 3,
             "num_warps": 4,
         }
@@ -191,6 +216,7 @@ def _quantized_meta(
         "BLOCK_N": 32 if beyond_a_wave else 16,
         "BLOCK_K": block_k,
         "SPLIT_K": split,
+        "ROW_BLOCKS": row_blocks,
         "num_stages": quantized_stages(fmt, 4),
         "num_warps": max(2, split),
     }
@@ -284,10 +310,11 @@ def _launch(
     """One launch over (column blocks, groups); x / weight / out are a group's first views
     (the weight group stride in stored elements)."""
     (m, k), n = x.shape, weight.data.shape[0]
-    meta = _quantized_meta(weight.fmt, n, k, groups, sm_count(x.device))
+    meta = _quantized_meta(weight.fmt, n, k, groups, sm_count(x.device), m)
     data = weight.data
     stride_xg, stride_wg, stride_yg = group_strides
-    grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, _BLOCK_M))
+    rows = meta["ROW_BLOCKS"] * _BLOCK_M
+    grid = (triton.cdiv(n, meta["BLOCK_N"]), groups, triton.cdiv(m, rows))
     _quantized_linear_kernel[grid](
         x,
         data,

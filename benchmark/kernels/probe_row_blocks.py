@@ -1,0 +1,130 @@
+"""Probe: the quantised linear above 16 rows, one row block a program against two.
+
+    python benchmark/kernels/probe_row_blocks.py [--m 16,32,64] [--out FILE]
+
+At more than 16 rows (decode at 32 requests, a DSpark verify of several requests)
+`quantized_linear` runs 16-row blocks. With one block a program (`ROW_BLOCKS` 1), every block
+reads and decodes the whole weight again: 32 rows cost about twice 16. With two (`ROW_BLOCKS`
+2, `dequant.quantized_product`'s SECOND_ROWS), a program multiplies each dequantised weight tile
+by both blocks; its pipeline stages then hold two activation tiles, so fewer programs share an
+SM. This times the library's choice, one block a program, and two blocks at other pipeline
+depths and warp counts, at V4.1-Flash's dense decode projections (FP8 32 x 32): each variant's
+output must be bit for bit the one-block variant's (the row blocks a program owns enter no sum)
+and within the GEMM tolerance of dequantise-then-reference. Timed from a CUDA graph cycling
+over enough weight copies that they come from DRAM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(ROOT / "python"), str(ROOT)]
+
+import sgl_dspark.kernels.linear.quantized as quantized  # noqa: E402
+from sgl_dspark.kernels.linear.reference import (  # noqa: E402
+    small_m_grouped_linear_ref,
+    small_m_linear_ref,
+)
+
+from benchmark.kernels.bench_quant_gemm import (  # noqa: E402
+    SETUP,
+    _copies,
+    _generator,
+    _reps,
+    quantize_random,
+    time_us,
+)
+from benchmark.kernels.graph_timing import max_rel_err  # noqa: E402
+
+# (name, N, K, groups) of a V4.1-Flash layer's FP8 projections at decode
+SHAPES = (
+    ("x_proj 1792x5120", 1792, 5120, 1),
+    ("q_b 32768x1280", 32768, 1280, 1),
+    ("o_a 8x1024x4096 grouped", 1024, 4096, 8),
+    ("o_b 5120x8192", 5120, 8192, 1),
+)
+GROUP = 32
+# (label, overrides of the library's launch shape); {} is the library's own.
+VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
+    ("library", {}),
+    ("one block a program", {"ROW_BLOCKS": 1}),
+    ("two blocks, 4 stages", {"ROW_BLOCKS": 2, "num_stages": 4}),
+    ("two blocks, 3 stages", {"ROW_BLOCKS": 2, "num_stages": 3}),
+    ("two blocks, 2 stages", {"ROW_BLOCKS": 2, "num_stages": 2}),
+    ("two blocks, 3 stages, 8 warps", {"ROW_BLOCKS": 2, "num_stages": 3, "num_warps": 8}),
+)
+
+
+@contextlib.contextmanager
+def launch_shape(overrides: dict[str, int]) -> Iterator[None]:
+    """`_quantized_meta` with `overrides` over the library's choice inside the block."""
+    default = quantized._quantized_meta
+    if overrides:
+        quantized._quantized_meta = lambda *a, **kw: {**default(*a, **kw), **overrides}
+    try:
+        yield
+    finally:
+        quantized._quantized_meta = default
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if SETUP.device == "cuda" else SETUP.device
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--m", default="16,32,64")
+    p.add_argument("--out", default=None)
+    a = p.parse_args()
+    lines = [
+        f"device: {_device_name()}  torch {torch.__version__}",
+        "",
+        "| shape | M | variant | bits as one block a program | max rel err | us per call "
+        "| vs library |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for name, n, k, groups in SHAPES:
+        gen = _generator(n + k)
+        w0 = quantize_random((groups * n, k), "fp8", GROUP, gen)
+        weights = [w0] + [
+            quantize_random((groups * n, k), "fp8", GROUP, gen)
+            for _ in range(_copies(w0.nbytes) - 1)
+        ]
+        linear = quantized.quantized_linear if groups == 1 else quantized.quantized_grouped_linear
+        reference = small_m_linear_ref if groups == 1 else small_m_grouped_linear_ref
+        for m in (int(v) for v in a.m.split(",")):
+            shape = (m, k) if groups == 1 else (m, groups, k)
+            x = torch.randn(shape, generator=gen, device=SETUP.device).to(torch.bfloat16)
+            want = reference(x.float(), w0)
+            with launch_shape({"ROW_BLOCKS": 1}):
+                one_block = linear(x, w0)
+            library = None
+            for label, overrides in VARIANTS:
+                with launch_shape(overrides):
+                    got = linear(x, w0)
+                    same = torch.equal(got, one_block)
+                    err = max_rel_err(got, want)
+                    calls = [lambda w=w, x=x, f=linear: f(x, w) for w in weights]
+                    us = time_us(calls, _reps(len(weights)))
+                library = us if library is None else library
+                lines.append(
+                    f"| {name} | {m} | {label} | {'yes' if same else 'NO'} | {err:.1e} "
+                    f"| {us:.2f} | {library / us:.2f} |"
+                )
+                print(lines[-1], flush=True)
+        del weights
+    text = "\n".join(lines) + "\n"
+    if a.out:
+        Path(a.out).write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
