@@ -90,6 +90,12 @@ _TOKEN_KERNELS = (
 )
 for _fmt, _group in (("fp8", 128), ("fp8", 32), ("mxfp4", 32)):
     _tag = f"{_fmt}/{_group}"
+    # 32 rows: two row blocks a program, each dequantised tile multiplied by both
+    CASES[f"linear {_tag} 4096x4096 m32"] = (
+        "sgl_dspark.kernels.linear.quantized",
+        "_quantized_linear_kernel",
+        quantized_linear_case(_fmt, 4096, 4096, _group, m=32),
+    )
     CASES[f"linear {_tag} 4096x4096"] = (
         "sgl_dspark.kernels.linear.quantized",
         "_quantized_linear_kernel",

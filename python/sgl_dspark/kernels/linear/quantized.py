@@ -19,8 +19,10 @@ the sums are fp32 in an order fixed by the launch shape's K step and slices (per
 order, each step in the matrix unit's order, then the slices' sums; the column block does not
 enter it), rounded once to the output dtype (nearest even on the bits for bf16). A row's result
 depends neither on M nor on the other rows (the tile is always 16 rows, a larger M is more row
-blocks, and the launch shape never depends on M), so a DSpark verify of W tokens gives each
-token the bits of a single-token step. The previous kernel (a dot per scale group, scaled
+blocks, and what orders the sums never depends on M), so a DSpark verify of W tokens gives each
+token the bits of a single-token step. Above 16 rows a program owns two row blocks and
+multiplies each dequantised weight tile by both (two dots, one accumulator each): the weight is
+read and decoded once for 32 rows, and each block's sums are those of a program of its own. The previous kernel (a dot per scale group, scaled
 partial sums) summed in another order: not the same bits, the same tolerance.
 `quantized_grouped_linear` runs G such products in one launch (the grouped output projection),
 each group's bits as its own call (its column blocks may be wider: the same sums).
