@@ -53,6 +53,7 @@ from gpu_targets_check import (  # noqa: E402
     quantized_token_gemms_case,
     record_launches,
     resource_usage,
+    two_row_blocks,
 )
 
 TARGET = TARGETS["sm90"][0]
@@ -90,11 +91,11 @@ _TOKEN_KERNELS = (
 )
 for _fmt, _group in (("fp8", 128), ("fp8", 32), ("mxfp4", 32)):
     _tag = f"{_fmt}/{_group}"
-    # 32 rows: two row blocks a program, each dequantised tile multiplied by both
-    CASES[f"linear {_tag} 4096x4096 m32"] = (
+    # 32 rows in two row blocks a program, each dequantised tile multiplied by both
+    CASES[f"linear {_tag} 4096x4096 m32 two blocks"] = (
         "sgl_dspark.kernels.linear.quantized",
         "_quantized_linear_kernel",
-        quantized_linear_case(_fmt, 4096, 4096, _group, m=32),
+        two_row_blocks(quantized_linear_case(_fmt, 4096, 4096, _group, m=32)),
     )
     CASES[f"linear {_tag} 4096x4096"] = (
         "sgl_dspark.kernels.linear.quantized",

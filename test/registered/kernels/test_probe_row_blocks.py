@@ -57,4 +57,4 @@ def test_the_override_is_undone():
         raise RuntimeError("a failing variant")
     assert quantized._quantized_meta is default
     assert default("fp8", 5120, 8192, 1, 132, 16)["ROW_BLOCKS"] == 1
-    assert default("fp8", 5120, 8192, 1, 132, 17)["ROW_BLOCKS"] == 2
+    assert default("fp8", 5120, 8192, 1, 132, 17)["ROW_BLOCKS"] == quantized._ROW_BLOCKS_ABOVE_TILE

@@ -296,17 +296,22 @@ def test_quantized_linear_bad_arguments() -> None:
         quantized_linear(x, w._replace(data=w.data.view(torch.uint8)))
 
 
+@pytest.mark.parametrize("row_blocks", [1, 2])
 @pytest.mark.parametrize(
     "fmt,block,k", [("fp8", 32, 96), ("mxfp4", 32, 96), ("fp8", 128, 300), ("mxfp4", 32, 136)]
 )
-def test_rows_past_one_tile_run_as_calls_of_their_own(fmt: str, block: int, k: int) -> None:
-    """Any M runs (16-row blocks, two a program above 16 rows, both multiplied by each
-    dequantised weight tile): every row has the bits of a one-row call, so a row's result never
-    depends on the batch (`--enable-deterministic-inference`). K 300 / 136: a partial last K
-    step, MXFP4 rows read as bytes."""
+def test_rows_past_one_tile_run_as_calls_of_their_own(
+    fmt: str, block: int, k: int, row_blocks: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any M runs (16-row blocks, one or two a program above 16 rows; two are both multiplied by
+    each dequantised weight tile): every row has the bits of a one-row call, so a row's result
+    never depends on the batch (`--enable-deterministic-inference`). K 300 / 136: a partial last
+    K step, MXFP4 rows read as bytes."""
     import sgl_dspark.kernels.linear.quantized as quantized_module
 
-    assert quantized_module._quantized_meta(fmt, 40, k, m=37)["ROW_BLOCKS"] == 2
+    monkeypatch.setattr(quantized_module, "_ROW_BLOCKS_ABOVE_TILE", row_blocks)
+    assert quantized_module._quantized_meta(fmt, 40, k, m=37)["ROW_BLOCKS"] == row_blocks
+    assert quantized_module._quantized_meta(fmt, 40, k, m=16)["ROW_BLOCKS"] == 1
     g = torch.Generator().manual_seed(7)
     w = quantized(torch.randn(40, k, generator=g) * 0.05, fmt, block)
     x = torch.randn(37, k, generator=g).to(torch.bfloat16).to(DEVICE)
@@ -321,9 +326,14 @@ def test_rows_past_one_tile_run_as_calls_of_their_own(fmt: str, block: int, k: i
 
 
 @pytest.mark.parametrize("fmt,block", [("fp8", 32), ("mxfp4", 32)])
-def test_grouped_rows_past_one_tile_run_as_calls_of_their_own(fmt: str, block: int) -> None:
-    """The grouped linear above 16 rows (two row blocks a program): each row block's bits as
-    a call of its own."""
+def test_grouped_rows_past_one_tile_run_as_calls_of_their_own(
+    fmt: str, block: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The grouped linear above 16 rows with two row blocks a program: each row block's bits
+    as a call of its own."""
+    import sgl_dspark.kernels.linear.quantized as quantized_module
+
+    monkeypatch.setattr(quantized_module, "_ROW_BLOCKS_ABOVE_TILE", 2)
     g = torch.Generator().manual_seed(13)
     groups, rank, k = 3, 24, 128
     w = quantized(torch.randn(groups * rank, k, generator=g) * 0.05, fmt, block)

@@ -20,9 +20,10 @@ order, each step in the matrix unit's order, then the slices' sums; the column b
 enter it), rounded once to the output dtype (nearest even on the bits for bf16). A row's result
 depends neither on M nor on the other rows (the tile is always 16 rows, a larger M is more row
 blocks, and what orders the sums never depends on M), so a DSpark verify of W tokens gives each
-token the bits of a single-token step. Above 16 rows a program owns two row blocks and
-multiplies each dequantised weight tile by both (two dots, one accumulator each): the weight is
-read and decoded once for 32 rows, and each block's sums are those of a program of its own. The previous kernel (a dot per scale group, scaled
+token the bits of a single-token step. A program may own two row blocks (`ROW_BLOCKS`, a launch
+shape of `_quantized_meta`) and multiply each dequantised weight tile by both (two dots, one
+accumulator each): the weight is then read and decoded once for 32 rows, and each block's sums
+are those of a program of its own. The previous kernel (a dot per scale group, scaled
 partial sums) summed in another order: not the same bits, the same tolerance.
 `quantized_grouped_linear` runs G such products in one launch (the grouped output projection),
 each group's bits as its own call (its column blocks may be wider: the same sums).
@@ -60,6 +61,13 @@ _BLOCK_M = 16
 # Programs of the narrow launch shape (16-column blocks, four 512-channel stages) an SM holds:
 # shared memory allows three.
 _NARROW_PROGRAMS_PER_SM = 3
+# Row blocks a program owns above 16 rows. Two (each dequantised weight tile multiplied by both)
+# read and decode the weight once for 32 rows instead of once per 16, at 0.23 SASS
+# instructions a weight byte instead of 2 x 0.17 (sm90, FP8 32 x 32), but a pipeline stage then
+# carries two activation tiles: 123 KB of shared memory at the narrow shape's four stages, one
+# program an SM instead of three. Not timed yet (`benchmark/kernels/probe_row_blocks.py`), so
+# one block a program stays the choice.
+_ROW_BLOCKS_ABOVE_TILE = 1
 
 
 @triton.jit
@@ -180,9 +188,9 @@ def _quantized_meta(
     depend on the batch; the column block, the pipeline depth and the row blocks a program
     owns (`ROW_BLOCKS`) change no sum.
 
-    More than 16 rows: each program owns two 16-row blocks and multiplies both by every
-    dequantised weight tile (`quantized_product`'s SECOND_ROWS), so 32 rows read and decode the
-    weight once instead of twice; one program a row block read it again per block.
+    More than 16 rows: each program owns `_ROW_BLOCKS_ABOVE_TILE` 16-row blocks; with two it
+    multiplies both by every dequantised weight tile (`quantized_product`'s SECOND_ROWS), so 32
+    rows read and decode the weight once instead of twice.
 
     N up to 8192: narrow column blocks (16 columns: N = 5120 gives 320 programs). A program then
     has few columns to keep warps busy, so each K step of up to 512 channels is split into
@@ -199,7 +207,7 @@ def _quantized_meta(
     the weight tile it multiplies): V4.1's o_a 1.36x / 1.55x / 1.48x at M 1 / 16 / 32 on an H100.
     Wider N (an lm_head): 64-column blocks, 256-channel steps in one dot; 512 programs at N =
     32768 with a pipeline of at most 48 KB, so four share an SM and they all run in one wave."""
-    row_blocks = 2 if m > _BLOCK_M else 1
+    row_blocks = _ROW_BLOCKS_ABOVE_TILE if m > _BLOCK_M else 1
     if n > 8192:
         return {
             "BLOCK_N": 64,
