@@ -520,8 +520,9 @@ def quantized_product(
                 acc_2 = _accumulate(acc_2, a_2, w, SPLIT_K, DOT_FP32)
     if SPLIT_K > 1:
         acc = tl.sum(acc, axis=0)
-        acc_2 = tl.sum(acc_2, axis=0)
     if SECOND_ROWS:
+        if SPLIT_K > 1:
+            acc_2 = tl.sum(acc_2, axis=0)
         return acc, acc_2
     else:
         return acc
