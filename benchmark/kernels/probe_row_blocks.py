@@ -4,14 +4,15 @@
 
 At more than 16 rows (decode at 32 requests, a DSpark verify of several requests)
 `quantized_linear` runs 16-row blocks. With one block a program (`ROW_BLOCKS` 1), every block
-reads and decodes the whole weight again: 32 rows cost about twice 16. With two (`ROW_BLOCKS`
-2, `dequant.quantized_product`'s SECOND_ROWS), a program multiplies each dequantised weight tile
+reads and decodes the whole weight again: 32 rows read it twice. With two (`ROW_BLOCKS` 2,
+`dequant.quantized_product`'s SECOND_ROWS), a program multiplies each dequantised weight tile
 by both blocks; its pipeline stages then hold two activation tiles, so fewer programs share an
 SM. This times the library's choice (one block a program, `_ROW_BLOCKS_ABOVE_TILE`) and two
-blocks at the library's and other pipeline depths and warp counts, at V4.1-Flash's dense decode projections (FP8 32 x 32): each variant's
-output must be bit for bit the one-block variant's (the row blocks a program owns enter no sum)
-and within the GEMM tolerance of dequantise-then-reference. Timed from a CUDA graph cycling
-over enough weight copies that they come from DRAM.
+blocks at the library's and other pipeline depths and warp counts, at V4.1-Flash's dense decode
+projections (FP8 32 x 32): each variant's output must be bit for bit the one-block variant's
+(the row blocks a program owns enter no sum) and within the GEMM tolerance of
+dequantise-then-reference. Timed from a CUDA graph cycling over enough weight copies that they
+come from DRAM.
 """
 
 from __future__ import annotations

@@ -64,9 +64,9 @@ _NARROW_PROGRAMS_PER_SM = 3
 # Row blocks a program owns above 16 rows. Two (each dequantised weight tile multiplied by both)
 # read and decode the weight once for 32 rows instead of once per 16, but a pipeline stage then
 # carries two activation tiles: at the narrow shape's four stages one program an SM instead of
-# three (the compiled counts: `benchmark/results/sweeps/2026-12-07_sm90_two_row_blocks_f67a510.md`).
-# Not timed yet (`benchmark/kernels/probe_row_blocks.py`), so one block a program stays the
-# choice.
+# three (the compiled counts:
+# `benchmark/results/sweeps/2026-12-07_sm90_two_row_blocks_e299819.md`). Not timed yet
+# (`benchmark/kernels/probe_row_blocks.py`), so one block a program stays the choice.
 _ROW_BLOCKS_ABOVE_TILE = 1
 
 
