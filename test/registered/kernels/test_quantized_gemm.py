@@ -315,13 +315,16 @@ def test_rows_past_one_tile_run_as_calls_of_their_own(
     g = torch.Generator().manual_seed(7)
     w = quantized(torch.randn(40, k, generator=g) * 0.05, fmt, block)
     x = torch.randn(37, k, generator=g).to(torch.bfloat16).to(DEVICE)
-    got = quantized_linear(x, w)
+    out = torch.full((37, 40), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    got = quantized_linear(x, w, out=out)
+    assert got is out and not got.isnan().any()  # every row block written
     want = small_m_linear_ref(x, dequantize_weight_ref(w, torch.bfloat16))
     torch.testing.assert_close(got, want, **GEMM_TOL[torch.bfloat16])
     for b in range(0, 37, 16):  # a block's bits as a call of its own
         assert torch.equal(got[b : b + 16], quantized_linear(x[b : b + 16], w))
-    for r in (0, 15, 16, 31, 32, 36):  # and a row's as a one-row call (bf16: exact in the
-        assert torch.equal(got[r : r + 1], quantized_linear(x[r : r + 1], w))  # interpreter)
+    # and a row's as a one-row call (bf16: exact in the interpreter)
+    for r in (0, 15, 16, 31, 32, 36):
+        assert torch.equal(got[r : r + 1], quantized_linear(x[r : r + 1], w))
     assert torch.equal(quantized_linear(x[5:25], w), got[5:25])  # a pair with a partial block
 
 
