@@ -115,6 +115,7 @@ def _quantized_linear_kernel(
     offs_m = tl.arange(0, BLOCK_M)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_m = offs_m < M
+    mask_m_2 = offs_m + BLOCK_M < M  # the second row block's rows (ROW_BLOCKS 2)
     mask_n = offs_n < N
     w_ptr += group * stride_wg
     # A group's rows are rows group * N + n of the stacked weight (its scale blocks may span
@@ -155,7 +156,7 @@ def _quantized_linear_kernel(
         SCALES_AHEAD,
         ROW_BLOCKS == 2,
         x_rows + BLOCK_M * stride_xm,
-        offs_m + BLOCK_M < M,
+        mask_m_2,
     )
     y_rows = y_ptr + group * stride_yg + offs_m[:, None].to(tl.int64) * stride_ym + offs_n[None, :]
     if ROW_BLOCKS == 2:
@@ -163,7 +164,7 @@ def _quantized_linear_kernel(
         _store_rows(
             y_rows + BLOCK_M * stride_ym,
             acc_2,
-            (offs_m + BLOCK_M < M)[:, None] & mask_n[None, :],
+            mask_m_2[:, None] & mask_n[None, :],
             ROUND_BF16,
         )
     else:
