@@ -4,13 +4,13 @@
 
 What a V4.1 layer runs after its keys' decode launch (`TritonAttentionBackend.attend_gathered`,
 called as the engine calls it: `window_sparse_attention` with no window over the keys gathered
-per token): 64 query heads of
-512 channels over a token's 640 keys (the window's 128, then 512 latents of its top-k; a few
-masked), sinks, the inverse rope epilogue, for M tokens of M requests. The library's launch
-shape (`window_sparse._attention_meta`: heads a program, keys a tile, warps; the split of the
-key range chosen from the grid) against other shapes, each checked against the reference
-(`sink_attention_ref`, then `rope_tail_ref`'s inverse rotation), then timed from a CUDA graph
-over 40 input sets (one a layer, so the keys come from DRAM as in a decode step).
+per token): 64 query heads of 512 channels over a token's 640 keys (the window's 128, then 512
+latents of its top-k; a few masked), sinks, the inverse rope epilogue, for M tokens of M
+requests. The library's launch shape (`window_sparse._attention_meta`: heads a program, keys a
+tile, warps; the split of the key range chosen from the grid) against other shapes, each
+checked against the reference (`sink_attention_ref`, then `rope_tail_ref`'s inverse rotation),
+then timed from a CUDA graph over 40 input sets (one a layer, so the keys come from DRAM as in
+a decode step).
 
 At Dh 512 the library's program holds 16 heads with 8 warps, so four programs read each
 token's keys; more heads a program read them fewer times but hold a larger accumulator, fewer
@@ -22,8 +22,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -51,16 +51,11 @@ SHAPES: tuple[tuple[int, int, int] | None, ...] = (
 )
 
 
-@contextlib.contextmanager
-def launch_shape(shape: tuple[int, int, int] | None) -> Iterator[None]:
+def launch_shape(shape: tuple[int, int, int] | None) -> contextlib.AbstractContextManager:
     """The attention's launch shape overridden (None: the library's) inside the block."""
-    default = window_sparse._attention_meta
-    if shape is not None:
-        window_sparse._attention_meta = lambda heads, d_pow2: shape
-    try:
-        yield
-    finally:
-        window_sparse._attention_meta = default
+    if shape is None:
+        return contextlib.nullcontext()
+    return mock.patch.object(window_sparse, "_attention_meta", lambda heads, d_pow2: shape)
 
 
 def layer_inputs(m: int, device: str, seed: int, heads: int = HEADS, head_dim: int = HEAD_DIM):

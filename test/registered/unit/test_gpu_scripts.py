@@ -237,20 +237,21 @@ def test_v41_bench_stage_on_cpu(tmp_path: Path) -> None:
     assert "| dspark_confidence_async | 2 |" in summary
 
 
-def test_attn_shape_passes_its_batch_sizes(tmp_path: Path) -> None:
-    commands = _dry_run("native_h200.sh", "attn_shape", tmp_path, {"ATTN_SHAPE_M": "8,32"})
-    probe = [words for stage, _, _, words in commands if stage == "attn_shape" and words]
+@pytest.mark.parametrize(
+    "stage,knob,script",
+    [
+        ("attn_shape", "ATTN_SHAPE_M", "probe_attention_shape.py"),
+        ("row_blocks", "ROW_BLOCKS_M", "probe_row_blocks.py"),
+    ],
+)
+def test_probe_stage_passes_its_batch_sizes(
+    stage: str, knob: str, script: str, tmp_path: Path
+) -> None:
+    commands = _dry_run("native_h200.sh", stage, tmp_path, {knob: "8,32"})
+    probe = [words for name, _, _, words in commands if name == stage and words]
     assert len(probe) == 1
-    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_attention_shape.py"]
+    assert probe[0][:2] == ["python3", f"benchmark/kernels/{script}"]
     assert _flag(probe[0], "--m") == "8,32"
-
-
-def test_row_blocks_passes_its_batch_sizes(tmp_path: Path) -> None:
-    commands = _dry_run("native_h200.sh", "row_blocks", tmp_path, {"ROW_BLOCKS_M": "32"})
-    probe = [words for stage, _, _, words in commands if stage == "row_blocks" and words]
-    assert len(probe) == 1
-    assert probe[0][:2] == ["python3", "benchmark/kernels/probe_row_blocks.py"]
-    assert _flag(probe[0], "--m") == "32"
 
 
 def test_probe_w8a8_passes_its_shapes_and_variants(tmp_path: Path) -> None:
