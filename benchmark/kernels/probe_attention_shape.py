@@ -12,9 +12,9 @@ checked against the reference (`sink_attention_ref`, then `rope_tail_ref`'s inve
 then timed from a CUDA graph over 40 input sets (one a layer, so the keys come from DRAM as in
 a decode step).
 
-At Dh 512 the library's program holds 16 heads with 8 warps, so four programs read each
-token's keys; more heads a program read them fewer times but hold a larger accumulator, fewer
-warps let two programs share an SM.
+At Dh 512 the library's program holds 16 heads with 4 warps (two programs an SM), so four
+programs read each token's keys; more heads a program read them fewer times but hold a larger
+accumulator, more warps leave one program an SM.
 """
 
 from __future__ import annotations
@@ -43,9 +43,10 @@ LAYERS = 40
 # (heads a program, keys a tile, warps); None: the library's.
 SHAPES: tuple[tuple[int, int, int] | None, ...] = (
     None,
-    (16, 16, 4),
+    (16, 16, 8),
     (32, 16, 8),
     (16, 32, 8),
+    (16, 64, 8),
     (32, 16, 16),
     (64, 16, 16),
 )

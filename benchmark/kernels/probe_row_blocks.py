@@ -7,8 +7,8 @@ At more than 16 rows (decode at 32 requests, a DSpark verify of several requests
 reads and decodes the whole weight again: 32 rows read it twice. With two (`ROW_BLOCKS` 2,
 `dequant.quantized_product`'s SECOND_ROWS), a program multiplies each dequantised weight tile
 by both blocks; its pipeline stages then hold two activation tiles, so fewer programs share an
-SM. This times the library's choice (one block a program, `_ROW_BLOCKS_ABOVE_TILE`) and two
-blocks at the library's and other pipeline depths and warp counts, at V4.1-Flash's dense decode
+SM. This times the library's choice (two blocks a program, `_ROW_BLOCKS_ABOVE_TILE`, three
+stages), one block a program and two at other pipeline depths and warp counts, at V4.1-Flash's dense decode
 projections (FP8 32 x 32): each variant's output must be bit for bit the one-block variant's
 (the row blocks a program owns enter no sum) and within the GEMM tolerance of
 dequantise-then-reference. Timed from a CUDA graph cycling over enough weight copies that they
@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -52,23 +53,30 @@ SHAPES = (
     ("o_b 5120x8192", 5120, 8192, 1),
 )
 GROUP = 32
-# (label, overrides of the library's launch shape); {} is the library's own.
-VARIANTS: tuple[tuple[str, dict[str, int]], ...] = (
-    ("library", {}),
-    ("one block a program", {"ROW_BLOCKS": 1}),
-    ("two blocks", {"ROW_BLOCKS": 2}),  # the library's stages (FP8: 4)
-    ("two blocks, 3 stages", {"ROW_BLOCKS": 2, "num_stages": 3}),
-    ("two blocks, 2 stages", {"ROW_BLOCKS": 2, "num_stages": 2}),
-    ("two blocks, 3 stages, 8 warps", {"ROW_BLOCKS": 2, "num_stages": 3, "num_warps": 8}),
+# (label, row blocks a program above 16 rows (None: the library's `_ROW_BLOCKS_ABOVE_TILE`),
+# overrides of the launch shape the library then chooses).
+VARIANTS: tuple[tuple[str, int | None, dict[str, int]], ...] = (
+    ("library", None, {}),
+    ("one block a program", 1, {}),  # the library's shape for one block (narrow FP8: 4 stages)
+    ("two blocks, 4 stages", 2, {"num_stages": 4}),
+    ("two blocks, 2 stages", 2, {"num_stages": 2}),
+    ("two blocks, 8 warps", 2, {"num_warps": 8}),
 )
 
 
-def launch_shape(overrides: dict[str, int]) -> contextlib.AbstractContextManager:
-    """`_quantized_meta` with `overrides` over the library's choice inside the block."""
+@contextlib.contextmanager
+def launch_shape(row_blocks: int | None, overrides: dict[str, int]) -> Iterator[None]:
+    """Inside the block, `_quantized_meta` chooses its shape for `row_blocks` blocks a program
+    above 16 rows (None: the library's number) and `overrides` replace parts of it."""
+    blocks = quantized._ROW_BLOCKS_ABOVE_TILE if row_blocks is None else row_blocks
     default = quantized._quantized_meta
-    return mock.patch.object(
-        quantized, "_quantized_meta", lambda *a, **kw: {**default(*a, **kw), **overrides}
-    )
+    with (
+        mock.patch.object(quantized, "_ROW_BLOCKS_ABOVE_TILE", blocks),
+        mock.patch.object(
+            quantized, "_quantized_meta", lambda *a, **kw: {**default(*a, **kw), **overrides}
+        ),
+    ):
+        yield
 
 
 def _device_name() -> str:
@@ -100,11 +108,11 @@ def main() -> None:
             shape = (m, k) if groups == 1 else (m, groups, k)
             x = torch.randn(shape, generator=gen, device=SETUP.device).to(torch.bfloat16)
             want = reference(x.float(), w0)
-            with launch_shape({"ROW_BLOCKS": 1}):
+            with launch_shape(1, {}):
                 one_block = linear(x, w0)
             library = None
-            for label, overrides in VARIANTS:
-                with launch_shape(overrides):
+            for label, row_blocks, overrides in VARIANTS:
+                with launch_shape(row_blocks, overrides):
                     got = linear(x, w0)
                     same = torch.equal(got, one_block)
                     err = max_rel_err(got, want)

@@ -48,13 +48,23 @@ def test_every_variant_gives_the_one_block_bits(monkeypatch, tmp_path, capsys):
 
 def test_the_override_is_undone():
     default = quantized._quantized_meta
-    with probe.launch_shape({"ROW_BLOCKS": 1, "num_stages": 2}):
+    with probe.launch_shape(1, {"num_stages": 2}):
         meta = quantized._quantized_meta("fp8", 5120, 8192, 1, 132, 32)
         assert meta["ROW_BLOCKS"] == 1 and meta["num_stages"] == 2
         assert meta["BLOCK_K"] == default("fp8", 5120, 8192, 1, 132, 32)["BLOCK_K"]
-    assert quantized._quantized_meta is default
-    with pytest.raises(RuntimeError), probe.launch_shape({"ROW_BLOCKS": 2}):
+    assert quantized._quantized_meta is default and quantized._ROW_BLOCKS_ABOVE_TILE == 2
+    with pytest.raises(RuntimeError), probe.launch_shape(1, {}):
         raise RuntimeError("a failing variant")
-    assert quantized._quantized_meta is default
+    assert quantized._quantized_meta is default and quantized._ROW_BLOCKS_ABOVE_TILE == 2
     assert default("fp8", 5120, 8192, 1, 132, 16)["ROW_BLOCKS"] == 1
-    assert default("fp8", 5120, 8192, 1, 132, 17)["ROW_BLOCKS"] == quantized._ROW_BLOCKS_ABOVE_TILE
+    assert default("fp8", 5120, 8192, 1, 132, 17)["ROW_BLOCKS"] == 2
+
+
+def test_one_block_a_program_keeps_its_own_pipeline():
+    """Above 16 rows the narrow FP8 shape takes three stages for two blocks a program (two
+    activation tiles a stage) and four for one; 16 rows keep four."""
+    meta = quantized._quantized_meta
+    assert meta("fp8", 5120, 8192, 1, 132, 16)["num_stages"] == 4
+    assert meta("fp8", 5120, 8192, 1, 132, 32)["num_stages"] == 3
+    with probe.launch_shape(1, {}):
+        assert quantized._quantized_meta("fp8", 5120, 8192, 1, 132, 32)["num_stages"] == 4

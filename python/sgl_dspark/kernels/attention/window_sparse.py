@@ -297,10 +297,14 @@ def _merge_attention_splits_kernel(
 def _attention_meta(heads: int, d_pow2: int) -> tuple[int, int, int]:
     """(heads a program, keys a tile, warps) for `heads` query heads of d_pow2 padded channels:
     the one place probes override (`benchmark/kernels/probe_attention_shape.py`). A program's
-    accumulator and key tile stay within `_TILE_ELEMS` each."""
+    accumulator and key tile stay within `_TILE_ELEMS` each. Four warps: at DeepSeek-V4's 512
+    channels (16 heads, 16 keys) a program then takes 190 registers a thread on sm90 and two
+    share an SM, where eight warps held one; on an H100 that ran V4.1's decode attention over
+    640 keys 1.45x / 1.35x faster at 8 / 32 tokens and alike at one
+    (`benchmark/results/sweeps/2026-12-07_h100_row_blocks_attention_shape_fb35d8a.md`)."""
     block_h = max(16, min(triton.next_power_of_2(heads), _TILE_ELEMS // d_pow2))
     block_n = max(16, min(64, _TILE_ELEMS // d_pow2))
-    return block_h, block_n, 8 if d_pow2 >= 256 else 4
+    return block_h, block_n, 4
 
 
 def _auto_num_splits(programs: int, total_tiles: int, sm_count: int) -> int:

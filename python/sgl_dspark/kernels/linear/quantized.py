@@ -62,12 +62,12 @@ _BLOCK_M = 16
 # shared memory allows three.
 _NARROW_PROGRAMS_PER_SM = 3
 # Row blocks a program owns above 16 rows. Two (each dequantised weight tile multiplied by both)
-# read and decode the weight once for 32 rows instead of once per 16, but a pipeline stage then
-# carries two activation tiles: at the narrow shape's four stages one program an SM instead of
-# three (the compiled counts:
-# `benchmark/results/sweeps/2026-12-07_sm90_two_row_blocks_e299819.md`). Not timed yet
-# (`benchmark/kernels/probe_row_blocks.py`), so one block a program stays the choice.
-_ROW_BLOCKS_ABOVE_TILE = 1
+# read and decode the weight once for 32 rows instead of once per 16; a pipeline stage then
+# carries two activation tiles, so the narrow shape takes three stages instead of four (two
+# programs an SM by shared memory instead of one). Timed on an H100 at V4.1-Flash's FP8
+# projections, 32 rows: 1.05x (o_b) to 1.53x (q_b) against one block a program, 1.13x-1.43x at
+# 64 (`benchmark/results/sweeps/2026-12-07_h100_row_blocks_attention_shape_fb35d8a.md`).
+_ROW_BLOCKS_ABOVE_TILE = 2
 
 
 @triton.jit
@@ -191,7 +191,8 @@ def _quantized_meta(
 
     More than 16 rows: each program owns `_ROW_BLOCKS_ABOVE_TILE` 16-row blocks; with two it
     multiplies both by every dequantised weight tile (`quantized_product`'s SECOND_ROWS), so 32
-    rows read and decode the weight once instead of twice.
+    rows read and decode the weight once instead of twice, and the narrow shape's pipeline
+    takes three stages of the two blocks' activation tiles.
 
     N up to 8192: narrow column blocks (16 columns: N = 5120 gives 320 programs). A program then
     has few columns to keep warps busy, so each K step of up to 512 channels is split into
@@ -228,7 +229,7 @@ def _quantized_meta(
         "BLOCK_K": block_k,
         "SPLIT_K": split,
         "ROW_BLOCKS": row_blocks,
-        "num_stages": quantized_stages(fmt, 4),
+        "num_stages": quantized_stages(fmt, 4 if row_blocks == 1 else 3),
         "num_warps": max(2, split),
     }
 
