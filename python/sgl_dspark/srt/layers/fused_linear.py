@@ -39,8 +39,8 @@ from sgl_dspark.srt.layers.quantized import (
 
 _SMALL_M_MAX_K = 4096
 # Rows up to which a quantised weight's GEMM stays in the dequantising kernel
-# (`kernels/linear/quantized.py`) above decode sizes: it runs 16-row blocks, each program
-# reading the stored weight, so 64 rows read it 4 times (twice with two blocks a program).
+# (`kernels/linear/quantized.py`) above decode sizes: it runs 16-row blocks, two a program, each
+# program reading the stored weight, so 64 rows read it twice.
 # Beyond, the weight is dequantised once per call
 # (`kernels/linear/dequantize.py`: the stored bytes read once, the bf16 weight written once) and
 # the BLAS reads the bf16 weight: 5 times an FP8 weight's bytes, 9 times an MXFP4 weight's. A DSpark
