@@ -483,22 +483,6 @@ def quantized_linear_case(
     return lambda: quantized_linear(_bf16(m, k).to(dtype), _quantized(fmt, (n, k), block))
 
 
-def two_row_blocks(case: Callable[[], object]) -> Callable[[], object]:
-    """`case` launched with two 16-row blocks a program above 16 rows (the quantised linear's
-    `_ROW_BLOCKS_ABOVE_TILE`), whatever the library's choice."""
-    import sgl_dspark.kernels.linear.quantized as quantized
-
-    def run() -> object:
-        saved = quantized._ROW_BLOCKS_ABOVE_TILE
-        quantized._ROW_BLOCKS_ABOVE_TILE = 2
-        try:
-            return case()
-        finally:
-            quantized._ROW_BLOCKS_ABOVE_TILE = saved
-
-    return run
-
-
 def _quantized_grouped_linear(fmt: str, block: int) -> Callable[[], object]:
     from sgl_dspark.kernels.linear.quantized import quantized_grouped_linear
 
@@ -1031,21 +1015,21 @@ CASES = {
         "_quantized_linear_kernel",
         quantized_linear_case("fp8", 32768, 1280, 32, m=16),
     ),
-    # More than 16 rows (decode at 32 requests, a DSpark verify) in two row blocks a program.
+    # More than 16 rows (decode at 32 requests, a DSpark verify): two row blocks a program.
     "quantized_linear_fp8_32_o_b_m32": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        two_row_blocks(quantized_linear_case("fp8", 5120, 8192, 32, m=32)),
+        quantized_linear_case("fp8", 5120, 8192, 32, m=32),
     ),
     "quantized_linear_mxfp4_m32": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        two_row_blocks(quantized_linear_case("mxfp4", 4096, 4096, 32, m=32)),
+        quantized_linear_case("mxfp4", 4096, 4096, 32, m=32),
     ),
     "quantized_linear_fp8_32_q_b_m32": (
         "linear.quantized",
         "_quantized_linear_kernel",
-        two_row_blocks(quantized_linear_case("fp8", 32768, 1280, 32, m=32)),
+        quantized_linear_case("fp8", 32768, 1280, 32, m=32),
     ),
     # fp32 activations (fp32 serving of a quantised checkpoint): wider activation tiles
     "quantized_linear_fp8_fp32": (
